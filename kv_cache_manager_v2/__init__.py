@@ -1,0 +1,106 @@
+"""kv_cache_manager_v2: engine-agnostic paged KV-cache manager for LLM inference.
+
+The same sources run interpreted (fast mode) or compiled with mypyc (production mode);
+``compiled`` tells which one was imported.
+"""
+
+from __future__ import annotations
+
+from . import _core
+from ._common import (
+    BAD_PAGE_INDEX,
+    DEFAULT_PRIORITY,
+    GPU_LEVEL,
+    AggregatedPageDesc,
+    BeamIndex,
+    BlockOrdinal,
+    BufferId,
+    CacheLevel,
+    CacheTier,
+    HalfOpenRange,
+    KVCacheStatus,
+    LayerGroupId,
+    LayerId,
+    LifeCycleId,
+    MemAddress,
+    PageIndexMode,
+    PageStatus,
+    PoolDesc,
+    PoolGroupDesc,
+    PoolGroupIndex,
+    PoolIndex,
+    Priority,
+    ReuseScope,
+    ScratchDesc,
+    SlotId,
+    StorageStatistics,
+    TokenId,
+    TokenIdExt,
+)
+from ._config import (
+    AttentionLayerConfig,
+    BatchDesc,
+    BufferConfig,
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheDesc,
+    KVCacheManagerConfig,
+    SwaScratchReuseConfig,
+)
+from ._core._kv_cache import KVCache, default_priority
+from ._core._kv_cache_manager import KVCacheManager
+from ._exceptions import CuError, LogicError, OutOfMemoryError, OutOfPagesError
+from ._page_index import PageIndexConverter
+
+#: True when the package's modules are mypyc-compiled extension modules (production mode).
+compiled: bool = not str(getattr(_core._kv_cache, "__file__", "")).endswith(".py")
+
+__all__ = [
+    "BAD_PAGE_INDEX",
+    "DEFAULT_PRIORITY",
+    "GPU_LEVEL",
+    "AggregatedPageDesc",
+    "AttentionLayerConfig",
+    "BatchDesc",
+    "BeamIndex",
+    "BlockOrdinal",
+    "BufferConfig",
+    "BufferId",
+    "CacheLevel",
+    "CacheTier",
+    "CuError",
+    "DiskCacheTierConfig",
+    "GpuCacheTierConfig",
+    "HalfOpenRange",
+    "HostCacheTierConfig",
+    "KVCache",
+    "KVCacheDesc",
+    "KVCacheManager",
+    "KVCacheManagerConfig",
+    "KVCacheStatus",
+    "LayerGroupId",
+    "LayerId",
+    "LifeCycleId",
+    "LogicError",
+    "MemAddress",
+    "OutOfMemoryError",
+    "OutOfPagesError",
+    "PageIndexConverter",
+    "PageIndexMode",
+    "PageStatus",
+    "PoolDesc",
+    "PoolGroupDesc",
+    "PoolGroupIndex",
+    "PoolIndex",
+    "Priority",
+    "ReuseScope",
+    "ScratchDesc",
+    "SlotId",
+    "StorageStatistics",
+    "SwaScratchReuseConfig",
+    "TokenId",
+    "TokenIdExt",
+    "compiled",
+    "default_priority",
+]

@@ -1,0 +1,155 @@
+"""Typed ids, enums, constants and small public value types shared by every module."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Final, NewType
+
+LayerId = NewType("LayerId", int)
+LifeCycleId = NewType("LifeCycleId", int)
+#: A layer group is a life cycle seen from the kernels' side; the two ids are the same.
+LayerGroupId = LifeCycleId
+PoolGroupIndex = NewType("PoolGroupIndex", int)
+PoolIndex = NewType("PoolIndex", int)
+SlotId = NewType("SlotId", int)
+BlockOrdinal = NewType("BlockOrdinal", int)
+CacheLevel = NewType("CacheLevel", int)
+BeamIndex = NewType("BeamIndex", int)
+MemAddress = NewType("MemAddress", int)
+Priority = NewType("Priority", int)
+TokenId = NewType("TokenId", int)
+#: A token position is a plain id, or a digest standing for a position whose id is ambiguous.
+TokenIdExt = TokenId | bytes
+#: One buffer of one layer: ``(layer_id, role)``.
+BufferId = tuple[LayerId, str]
+
+BAD_PAGE_INDEX: Final = -1
+GPU_LEVEL: Final = CacheLevel(0)
+DEFAULT_PRIORITY: Final = Priority(35)
+MIN_PRIORITY: Final = Priority(0)
+MAX_PRIORITY: Final = Priority(100)
+MAX_TOKEN_ID: Final = (1 << 32) - 1
+
+
+class CacheTier(enum.Enum):
+    """Kind of memory of one cache level."""
+
+    GPU_MEM = 0
+    HOST_MEM = 1
+    DISK = 2
+
+
+class PageStatus(enum.Enum):
+    """Ownership of a page: who may move or drop it."""
+
+    LOCKED = 0  #: used by an active request; stays in GPU memory
+    HELD = 1  #: owned by a suspended request (or one that may still commit it); never dropped
+    DROPPABLE = 2  #: reusable cache only; may be evicted and finally dropped
+
+
+class KVCacheStatus(enum.Enum):
+    """Life-cycle state of a :class:`KVCache`."""
+
+    ACTIVE = 0
+    SUSPENDED = 1
+    CLOSED = 2
+
+
+class PageIndexMode(enum.Enum):
+    """How kernels address a buffer's pages (SPEC 5.6)."""
+
+    SHARED = 0  #: base address includes the buffer's offset in the slot
+    PER_LAYER = 1  #: base address is the pool base; the layer offset is in the index
+
+
+@dataclass(frozen=True)
+class ReuseScope:
+    """KV is only reused between requests with equal scope (LoRA adapter, tenant salt)."""
+
+    lora_id: int | None = None
+    salt: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("lora_id", self.lora_id), ("salt", self.salt)):
+            if value is None:
+                continue
+            if type(value) is not int:
+                raise TypeError(f"ReuseScope.{name} must be None or an int, got {type(value).__name__}")
+            if not 0 <= value < 1 << 64:
+                raise ValueError(f"ReuseScope.{name} must be in [0, 2**64), got {value}")
+
+
+@dataclass(frozen=True)
+class HalfOpenRange:
+    """Integers ``beg <= x < end``."""
+
+    beg: int
+    end: int
+
+    def __len__(self) -> int:
+        return max(0, self.end - self.beg)
+
+    def __contains__(self, x: int) -> bool:
+        return self.beg <= x < self.end
+
+
+@dataclass(frozen=True)
+class StorageStatistics:
+    """Slot accounting of one pool group at one cache level."""
+
+    pool_group_index: PoolGroupIndex
+    slot_sizes: tuple[int, ...]
+    total: int
+    free: int
+    evictable: int
+
+    @property
+    def available(self) -> int:
+        return self.free + self.evictable
+
+    @property
+    def unavailable(self) -> int:
+        return self.total - self.available
+
+
+@dataclass(frozen=True)
+class PoolDesc:
+    """One memory region of a pool group: slot ``s`` starts at ``base_address + s * slot_bytes``."""
+
+    pool_index: PoolIndex
+    base_address: MemAddress
+    slot_bytes: int
+
+
+@dataclass(frozen=True)
+class PoolGroupDesc:
+    """A pool group: ``num_slots`` slots mirrored across ``pools``."""
+
+    pool_group_index: PoolGroupIndex
+    num_slots: int
+    pools: tuple[PoolDesc, ...]
+
+
+@dataclass(frozen=True)
+class AggregatedPageDesc:
+    """A byte-contiguous run of requested buffers inside each slot of one pool.
+
+    Slot ``s`` of the run starts at ``base_address + s * stride`` and is ``size`` bytes long.
+    """
+
+    buffer_ids: tuple[BufferId, ...]
+    pool_group_index: PoolGroupIndex
+    pool_index: PoolIndex
+    base_address: MemAddress
+    size: int
+    stride: int
+    num_slots: int
+
+
+@dataclass(frozen=True)
+class ScratchDesc:
+    """Scratch blocks of one layer group for the current step (SPEC 5.7)."""
+
+    range: HalfOpenRange
+    slot_ids: tuple[SlotId, ...]

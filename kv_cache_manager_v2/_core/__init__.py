@@ -1,0 +1,1 @@
+"""Per-request caches (KVCache) and the top-level KVCacheManager."""

@@ -1,0 +1,420 @@
+"""KVCache: the pages of one request, its lengths and its page indices (SPEC 4.3)."""
+
+from __future__ import annotations
+
+from array import array
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
+import rawref
+
+from .._common import (
+    BAD_PAGE_INDEX,
+    DEFAULT_PRIORITY,
+    MAX_PRIORITY,
+    MAX_TOKEN_ID,
+    BeamIndex,
+    BlockOrdinal,
+    KVCacheStatus,
+    LayerGroupId,
+    LifeCycleId,
+    PageIndexMode,
+    Priority,
+    ReuseScope,
+    ScratchDesc,
+    TokenIdExt,
+)
+from .._exceptions import LogicError
+from .._page import Page
+from .._utils import check_int
+
+if TYPE_CHECKING:
+    from ._kv_cache_manager import KVCacheManager
+
+PriorityCallback = Callable[[BlockOrdinal, LifeCycleId], Priority]
+
+
+def default_priority(block_ordinal: BlockOrdinal, life_cycle: LifeCycleId) -> Priority:
+    """The priority pages get unless a request passes its own callback: 35."""
+    return DEFAULT_PRIORITY
+
+
+class KVCache:
+    """The KV memory of one request.
+
+    Created SUSPENDED by :meth:`KVCacheManager.create_kv_cache`; ``resume()`` makes it ACTIVE,
+    ``resize()`` grows or shrinks its pages, ``commit()`` records the tokens whose KV was
+    computed, ``close()`` releases everything. Lengths keep
+    ``num_committed_tokens <= history_length <= capacity``.
+    """
+
+    _rawref: rawref.ref[KVCache] | None
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        reuse_scope: ReuseScope | None,
+        id: object,
+        priority_callback: PriorityCallback,
+    ) -> None:
+        self._rawref = None
+        self._mgr = manager
+        self._tokens_per_block = manager.tokens_per_block
+        self._reuse_scope = reuse_scope if reuse_scope is not None else ReuseScope()
+        self._id = id
+        self._priority_cb = priority_callback
+        self._status = KVCacheStatus.SUSPENDED
+        self._capacity = 0
+        self._history = 0
+        self._num_blocks = 0
+        self._committed: list[TokenIdExt] = []
+        self._committing = True
+        self._cuda_stream = 0
+        n = manager.num_life_cycles
+        self._pages: list[list[Page | None]] = [[] for _ in range(n)]
+        self._indices: list[array[int]] = [array("i") for _ in range(n)]
+        self._user_bufs: list[memoryview | None] = [None] * n
+        # Per life cycle: blocks below this ordinal (and past the sinks) were released as stale.
+        self._stale_end: list[int] = [0] * n
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def status(self) -> KVCacheStatus:
+        return self._status
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the request has pages for (allocated or stale)."""
+        return self._capacity
+
+    @property
+    def history_length(self) -> int:
+        """Tokens whose KV is already computed (the step's input starts here)."""
+        return self._history
+
+    @property
+    def num_committed_tokens(self) -> int:
+        return len(self._committed)
+
+    @property
+    def committed_tokens(self) -> list[TokenIdExt]:
+        """A copy of the committed token sequence."""
+        return list(self._committed)
+
+    @property
+    def reuse_scope(self) -> ReuseScope:
+        return self._reuse_scope
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self._tokens_per_block
+
+    @property
+    def beam_width(self) -> int:
+        return 1
+
+    @property
+    def id(self) -> object:
+        return self._id
+
+    @property
+    def cuda_stream(self) -> int:
+        """The stream the request's kernels run on (0 until given to ``resume``)."""
+        return self._cuda_stream
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks covered by ``capacity``: ``ceil(capacity / tokens_per_block)``."""
+        return self._num_blocks
+
+    @property
+    def has_scratch_slots(self) -> bool:
+        return False
+
+    def get_scratch_desc(self, layer_group_id: LayerGroupId) -> ScratchDesc | None:
+        """Scratch blocks of this step for the layer group (None: this request uses none)."""
+        self._check_lc(layer_group_id)
+        return None
+
+    def supports_index_mode(self, mode: PageIndexMode) -> bool:
+        """Both modes address every block of a request that has no scratch slots."""
+        return isinstance(mode, PageIndexMode)
+
+    # ------------------------------------------------------------------ state machine
+    def resume(self, cuda_stream: int | None = None) -> bool:
+        """SUSPENDED -> ACTIVE: lock this request's pages in GPU memory."""
+        if self._status is not KVCacheStatus.SUSPENDED:
+            raise LogicError(f"resume() needs a SUSPENDED cache; this one is {self._status.name}")
+        if cuda_stream is not None:
+            check_int("cuda_stream (a CUstream handle)", cuda_stream)
+            self._cuda_stream = cuda_stream
+        for pages in self._pages:
+            for p in pages:
+                if p is not None:
+                    p.lock_from_hold()
+        self._status = KVCacheStatus.ACTIVE
+        return True
+
+    def suspend(self) -> None:
+        """ACTIVE -> SUSPENDED: locks become holds; the pages stay valid."""
+        if self._status is not KVCacheStatus.ACTIVE:
+            raise LogicError(f"suspend() needs an ACTIVE cache; this one is {self._status.name}")
+        for pages in self._pages:
+            for p in pages:
+                if p is not None:
+                    p.hold_from_lock()
+        self._status = KVCacheStatus.SUSPENDED
+
+    def close(self) -> None:
+        """Release every page; idempotent. Also runs when the cache is garbage collected."""
+        if self._status is KVCacheStatus.CLOSED:
+            return
+        locked = self._status is KVCacheStatus.ACTIVE
+        for lc, pages in enumerate(self._pages):
+            for p in pages:
+                if p is not None:
+                    p.release(locked)
+            pages.clear()
+            del self._indices[lc][:]
+            self._write_user_tail(LifeCycleId(lc), 0)
+        self._status = KVCacheStatus.CLOSED
+        self._capacity = self._history = self._num_blocks = 0
+        self._mgr._unregister(self)
+        r = self._rawref
+        if r is not None:
+            r.invalidate()
+            self._rawref = None
+
+    def __del__(self) -> None:
+        if self._status is not KVCacheStatus.CLOSED:
+            self.close()
+
+    # ------------------------------------------------------------------ allocation
+    def resize(self, capacity: int | None, history_length: int | None = None) -> bool:
+        """Set capacity (and raise history); allocate/release pages. All or nothing.
+
+        Returns False, changing nothing, when GPU memory is short. Misuse raises.
+        """
+        if self._status is not KVCacheStatus.ACTIVE:
+            raise LogicError(f"resize() needs an ACTIVE cache; this one is {self._status.name} (call resume() first)")
+        cap = self._capacity if capacity is None else capacity
+        h = self._history if history_length is None else history_length
+        check_int("capacity", cap)
+        check_int("history_length", h)
+        if h < self._history:
+            raise LogicError(f"history_length never shrinks: {self._history} -> {h}")
+        if cap < h:
+            raise LogicError(f"capacity {cap} is below history_length {h}")
+        t = self._tokens_per_block
+        nb = (cap + t - 1) // t
+        if nb == self._num_blocks and not self._mgr._has_swa:
+            self._capacity = cap
+            self._history = h
+            return True
+        return self._resize_blocks(cap, h, nb)
+
+    def _resize_blocks(self, cap: int, h: int, nb: int) -> bool:
+        mgr = self._mgr
+        old_nb = self._num_blocks
+        for lc, buf in enumerate(self._user_bufs):
+            if buf is not None and nb > len(buf):
+                raise LogicError(
+                    f"the index buffer of layer group {lc} holds {len(buf)} entries but the cache needs {nb}; "
+                    "give set_base_page_index_buf() a larger buffer"
+                )
+        # Plan without touching anything: which blocks get pages, with which priorities, and
+        # whether every pool group has enough slots once this request's releases are counted.
+        num_groups = len(mgr._gpu.groups)
+        need = [0] * num_groups
+        gain = [0] * num_groups
+        stale_ends: list[int] = []
+        wanted: list[list[int]] = []
+        priorities: list[list[Priority]] = []
+        cb = self._priority_cb
+        for lc in range(mgr.num_life_cycles):
+            beg, end = mgr._registry.stale_range(LifeCycleId(lc), h)
+            stale_ends.append(end)
+            g = mgr._lc_group_index[lc]
+            pages = self._pages[lc]
+            for o in range(max(beg, self._stale_end[lc]), min(end, old_nb)):
+                gain[g] += _sole_owner(pages[o])
+            for o in range(max(nb, end), old_nb):
+                gain[g] += _sole_owner(pages[o])
+            want = [o for o in range(old_nb, nb) if not beg <= o < end]
+            need[g] += len(want)
+            wanted.append(want)
+            if cb is default_priority:
+                priorities.append([DEFAULT_PRIORITY] * len(want))
+            else:
+                priorities.append([_checked_priority(cb(BlockOrdinal(o), LifeCycleId(lc))) for o in want])
+        for gi in range(num_groups):
+            if need[gi] > gain[gi] + mgr._gpu.groups[gi].allocator.num_free:
+                return False
+        for lc in range(mgr.num_life_cycles):
+            self._release_stale(LifeCycleId(lc), stale_ends[lc])
+            if nb < old_nb:
+                self._truncate(LifeCycleId(lc), nb)
+            elif nb > old_nb:
+                self._grow(LifeCycleId(lc), nb, wanted[lc], priorities[lc])
+        self._capacity = cap
+        self._history = h
+        self._num_blocks = nb
+        return True
+
+    def _grow(self, lc: LifeCycleId, nb: int, want: list[int], priorities: list[Priority]) -> None:
+        pages = self._pages[lc]
+        indices = self._indices[lc]
+        old_nb = len(pages)
+        storage = self._mgr._lc_group[lc]
+        slots = storage.allocator.allocate(len(want))
+        for _ in range(old_nb, nb):
+            pages.append(None)
+            indices.append(BAD_PAGE_INDEX)
+        for o, slot, prio in zip(want, slots, priorities):
+            pages[o] = Page(storage, slot, lc, prio, True)
+            indices[o] = slot
+        buf = self._user_bufs[lc]
+        if buf is not None:
+            buf[old_nb:nb] = memoryview(indices)[old_nb:nb]
+
+    def _truncate(self, lc: LifeCycleId, nb: int) -> None:
+        pages = self._pages[lc]
+        for o in range(nb, len(pages)):
+            p = pages[o]
+            if p is not None:
+                p.release(True)
+        del pages[nb:]
+        del self._indices[lc][nb:]
+        self._write_user_tail(lc, nb)
+
+    def _release_stale(self, lc: LifeCycleId, end: int) -> None:
+        """Release pages of blocks below ``end`` that left the window (sinks never do)."""
+        done = self._stale_end[lc]
+        if end <= done:
+            return
+        lc_obj = self._mgr._registry.life_cycles[lc]
+        pages = self._pages[lc]
+        indices = self._indices[lc]
+        buf = self._user_bufs[lc]
+        locked = self._status is KVCacheStatus.ACTIVE
+        for o in range(max(done, lc_obj.num_sink_blocks), min(end, len(pages))):
+            p = pages[o]
+            if p is not None:
+                pages[o] = None
+                indices[o] = BAD_PAGE_INDEX
+                if buf is not None:
+                    buf[o] = BAD_PAGE_INDEX
+                p.release(locked)
+        self._stale_end[lc] = end
+
+    # ------------------------------------------------------------------ tokens
+    def commit(self, accepted_input_tokens: Sequence[TokenIdExt], beam_search_indices: object = None) -> None:
+        """Append tokens whose KV has been computed; history rises to at least the committed length."""
+        if self._status is not KVCacheStatus.ACTIVE:
+            raise LogicError(f"commit() needs an ACTIVE cache; this one is {self._status.name}")
+        if not self._committing:
+            raise LogicError("commit() after stop_committing(): this request no longer commits tokens")
+        if beam_search_indices is not None:
+            raise ValueError("beam_search_indices: this cache has beam_width 1; pass None")
+        n = len(self._committed) + len(accepted_input_tokens)
+        if n > self._capacity:
+            raise LogicError(
+                f"commit() of {len(accepted_input_tokens)} tokens would reach {n} committed tokens, "
+                f"beyond capacity {self._capacity}; resize() first"
+            )
+        for tok in accepted_input_tokens:
+            _check_token(tok)
+        self._committed.extend(accepted_input_tokens)
+        if n > self._history:
+            self._history = n
+            if self._mgr._has_swa:
+                for lc in self._mgr._swa_life_cycles:
+                    self._release_stale(lc, self._mgr._registry.stale_range(lc, n)[1])
+
+    def stop_committing(self) -> None:
+        """No more commits for this request (its further output must not be reused)."""
+        if self._status is KVCacheStatus.CLOSED:
+            raise LogicError("stop_committing() on a CLOSED cache")
+        self._committing = False
+
+    # ------------------------------------------------------------------ indices
+    def get_base_page_indices(self, layer_group_id: LayerGroupId, beam_id: BeamIndex = BeamIndex(0)) -> array[int]:
+        """Slot id per block (``BAD_PAGE_INDEX`` for none); a live view kept up to date, do not modify."""
+        self._check_lc(layer_group_id)
+        self._check_beam(beam_id)
+        return self._indices[layer_group_id]
+
+    def set_base_page_index_buf(
+        self, beam: BeamIndex, layer_group_id: LayerGroupId, buf: memoryview | None
+    ) -> None:
+        """Have the manager write this layer group's indices into ``buf`` (1-D int32, writable).
+
+        Entries past the cache's blocks are set to ``BAD_PAGE_INDEX``; ``None`` detaches.
+        """
+        self._check_beam(beam)
+        self._check_lc(layer_group_id)
+        if self._status is KVCacheStatus.CLOSED:
+            raise LogicError("set_base_page_index_buf() on a CLOSED cache")
+        if buf is None:
+            self._user_bufs[layer_group_id] = None
+            return
+        if not isinstance(buf, memoryview):
+            raise TypeError(f"buf must be a memoryview (or None), got {type(buf).__name__}")
+        if buf.readonly or buf.ndim != 1 or buf.itemsize != 4 or buf.format not in ("i", "=i", "<i", "@i") or not buf.c_contiguous:
+            raise ValueError(
+                "buf must be a writable, C-contiguous, 1-D memoryview of int32 (format 'i'); got "
+                f"format={buf.format!r} itemsize={buf.itemsize} ndim={buf.ndim} readonly={buf.readonly}"
+            )
+        if len(buf) < self._num_blocks:
+            raise ValueError(f"buf holds {len(buf)} entries but the cache has {self._num_blocks} blocks")
+        view = buf.cast("B").cast("i")
+        n = self._num_blocks
+        view[:n] = memoryview(self._indices[layer_group_id])
+        self._user_bufs[layer_group_id] = view
+        self._write_user_tail(layer_group_id, n)
+
+    def get_aggregated_page_indices(
+        self, layer_group_id: LayerGroupId, beam_id: BeamIndex = BeamIndex(0), valid_only: bool = False
+    ) -> Iterator[int]:
+        """Slot ids of the blocks: one slot aggregates every buffer of the layer group."""
+        for idx in self.get_base_page_indices(layer_group_id, beam_id):
+            if not valid_only or idx != BAD_PAGE_INDEX:
+                yield idx
+
+    # ------------------------------------------------------------------ helpers
+    def _write_user_tail(self, lc: LifeCycleId, n: int) -> None:
+        buf = self._user_bufs[lc]
+        if buf is not None and n < len(buf):
+            buf[n:] = memoryview(array("i", [BAD_PAGE_INDEX]) * (len(buf) - n))
+
+    def _check_lc(self, layer_group_id: int) -> None:
+        n = self._mgr.num_life_cycles
+        check_int("layer_group_id", layer_group_id)
+        if layer_group_id >= n:
+            raise ValueError(f"layer_group_id must be in [0, {n}), got {layer_group_id}")
+
+    def _check_beam(self, beam: int) -> None:
+        check_int("beam index", beam)
+        if beam != 0:
+            raise ValueError(f"beam index must be 0 (beam_width is 1), got {beam}")
+
+
+def _sole_owner(page: Page | None) -> int:
+    """1 if releasing this page's only lock makes its slot available, else 0."""
+    return 1 if page is not None and page.num_locks == 1 and page.num_holds == 0 else 0
+
+
+def _check_token(tok: object) -> None:
+    if type(tok) is int:
+        if not 0 <= tok <= MAX_TOKEN_ID:
+            raise ValueError(f"token id {tok} is outside [0, 2**32)")
+    elif isinstance(tok, bytes):
+        if len(tok) == 0:
+            raise ValueError("a bytes token must not be empty")
+    else:
+        raise TypeError(f"tokens must be ints or bytes, got {type(tok).__name__} {tok!r}")
+
+
+def _checked_priority(p: Priority) -> Priority:
+    if type(p) is not int or not 0 <= p <= MAX_PRIORITY:
+        raise ValueError(f"custom_priority_callback must return an int in [0, {MAX_PRIORITY}], got {p!r}")
+    return p

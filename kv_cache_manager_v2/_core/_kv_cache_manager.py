@@ -1,0 +1,288 @@
+"""KVCacheManager: the top-level object an inference engine talks to (SPEC 4.2)."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import rawref
+
+from .._common import (
+    GPU_LEVEL,
+    AggregatedPageDesc,
+    BufferId,
+    CacheLevel,
+    CacheTier,
+    LayerGroupId,
+    LayerId,
+    LifeCycleId,
+    MemAddress,
+    PageIndexMode,
+    PoolDesc,
+    PoolGroupDesc,
+    PoolGroupIndex,
+    PoolIndex,
+    ReuseScope,
+    StorageStatistics,
+    TokenIdExt,
+)
+from .._config import KVCacheDesc, KVCacheManagerConfig
+from .._exceptions import LogicError
+from .._utils import check_int, check_type
+from .._life_cycle_registry import LifeCycleRegistry
+from .._page_index import PageIndexConverter
+from .._storage._backend import MemoryBackend, select_backend
+from .._storage._layout import BufferAttr, StorageLayout
+from .._storage._storage import LevelStorage, PoolGroupStorage, blocks_needed, make_level_storage, split_quota
+from ._kv_cache import KVCache, PriorityCallback, default_priority
+
+
+class KVCacheManager:
+    """Owns the KV memory pools and hands pages to per-request :class:`KVCache` objects."""
+
+    def __init__(self, config: KVCacheManagerConfig, event_manager: object = None) -> None:
+        if not isinstance(config, KVCacheManagerConfig):
+            raise TypeError(f"config must be a KVCacheManagerConfig, got {type(config).__name__}")
+        if len(config.cache_tiers) > 1:
+            raise ValueError(
+                "host and disk cache tiers are not supported by this version yet; configure only the GPU tier"
+            )
+        if config.swa_scratch_reuse is not None:
+            raise ValueError("swa_scratch_reuse is not supported by this version yet; leave it None")
+        if event_manager is not None:
+            raise ValueError("KV-cache events are not supported by this version yet; pass event_manager=None")
+        self._config = config
+        self.tokens_per_block = config.tokens_per_block
+        self._registry = LifeCycleRegistry(config.layers, config.tokens_per_block)
+        self._layout = StorageLayout(list(config.layers), self._registry, config.tokens_per_block)
+        self.num_life_cycles = len(self._registry)
+        self._swa_life_cycles = [
+            LifeCycleId(i) for i, lc in enumerate(self._registry.life_cycles) if lc.window_size is not None
+        ]
+        self._has_swa = len(self._swa_life_cycles) > 0
+        self._quota = config.cache_tiers[0].quota
+        slots = split_quota(
+            self._quota,
+            self._registry,
+            self._layout,
+            config.initial_pool_ratio,
+            config.typical_step,
+            config.constraints,
+        )
+        self._backend: MemoryBackend = select_backend(config.backend)
+        self._gpu: LevelStorage = make_level_storage(GPU_LEVEL, self._layout, slots, self._backend)
+        self._lc_group_index: list[PoolGroupIndex] = list(self._layout.life_cycle_pool_group)
+        self._lc_group: list[PoolGroupStorage] = [self._gpu.groups[g] for g in self._lc_group_index]
+        self._open: set[rawref.ref[KVCache]] = set()
+        self._is_shut_down = False
+
+    # ------------------------------------------------------------------ requests
+    def create_kv_cache(
+        self,
+        reuse_scope: ReuseScope | None = None,
+        input_tokens: Sequence[TokenIdExt] | None = None,
+        id: object = None,
+        custom_priority_callback: PriorityCallback = default_priority,
+    ) -> KVCache:
+        """A new SUSPENDED cache for one request; call ``resume()`` before ``resize()``."""
+        self._check_alive()
+        if reuse_scope is not None:
+            check_type("reuse_scope", reuse_scope, ReuseScope)
+        if not callable(custom_priority_callback):
+            raise TypeError("custom_priority_callback must be callable (block_ordinal, life_cycle) -> priority")
+        kv = KVCache(self, reuse_scope, id, custom_priority_callback)
+        self._open.add(rawref.ref(kv))
+        return kv
+
+    def probe_reuse(self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None) -> int:
+        """Length of the reusable prefix of ``input_tokens`` (0 until blocks are published)."""
+        self._check_alive()
+        return 0
+
+    def _unregister(self, kv: KVCache) -> None:
+        self._open.discard(rawref.ref(kv))
+
+    @property
+    def num_open_caches(self) -> int:
+        return len(self._open)
+
+    def clear_reusable_blocks(self) -> None:
+        """Drop every reusable page. Refused while caches are open."""
+        self._check_no_open_caches("clear_reusable_blocks")
+
+    def shutdown(self) -> None:
+        """Release all memory; refused while caches are open. Idempotent."""
+        if self._is_shut_down:
+            return
+        self._check_no_open_caches("shutdown")
+        self._gpu.release()
+        self._backend.shutdown()
+        self._is_shut_down = True
+
+    # ------------------------------------------------------------------ layout for kernels
+    @property
+    def backend_name(self) -> str:
+        """``"cuda"`` or ``"host"``: where the GPU tier lives."""
+        return self._backend.name
+
+    @property
+    def backend(self) -> MemoryBackend:
+        return self._backend
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._config.layers)
+
+    @property
+    def layer_ids(self) -> list[LayerId]:
+        return [LayerId(layer.layer_id) for layer in self._config.layers]
+
+    @property
+    def all_buffer_ids(self) -> list[BufferId]:
+        return list(self._layout.buffer_order)
+
+    @property
+    def layer_grouping(self) -> list[tuple[LayerId, ...]]:
+        """Layer ids of each layer group (indexed by ``LayerGroupId``)."""
+        return [tuple(ids) for ids in self._registry.layers_of]
+
+    @property
+    def cache_tier_list(self) -> list[CacheTier]:
+        return [t.tier for t in self._config.cache_tiers]
+
+    @property
+    def pool_group_descs(self) -> list[PoolGroupDesc]:
+        return [
+            PoolGroupDesc(
+                g.layout.index,
+                g.allocator.num_slots,
+                tuple(
+                    PoolDesc(PoolIndex(i), pool.base_address, size)
+                    for i, (pool, size) in enumerate(zip(g.pools, g.layout.slot_sizes))
+                ),
+            )
+            for g in self._gpu.groups
+        ]
+
+    def get_layer_group_id(self, layer_id: LayerId) -> LayerGroupId:
+        lc = self._registry.layer_to_life_cycle.get(layer_id)
+        if lc is None:
+            raise ValueError(f"unknown layer_id {layer_id!r}; known: {self.layer_ids}")
+        return lc
+
+    def _buffer(self, layer_id: LayerId, role: str) -> BufferAttr:
+        attr = self._layout.buffers.get((layer_id, role))
+        if attr is None:
+            self.get_layer_group_id(layer_id)
+            roles = [r for (lid, r) in self._layout.buffer_order if lid == layer_id]
+            raise ValueError(f"layer {layer_id} has no buffer with role {role!r}; its roles: {roles}")
+        return attr
+
+    def get_mem_pool_base_address(
+        self, layer_id: LayerId, role: str, index_mode: PageIndexMode | None = None
+    ) -> MemAddress:
+        """Base address for kernel page indices of this buffer in ``index_mode`` (None: SHARED)."""
+        attr = self._buffer(layer_id, role)
+        base = self._gpu.groups[attr.pool_group].pools[attr.pool].base_address
+        if index_mode is None or index_mode is PageIndexMode.SHARED:
+            return MemAddress(base + attr.offset)
+        if index_mode is PageIndexMode.PER_LAYER:
+            return base
+        raise TypeError(f"index_mode must be a PageIndexMode or None, got {index_mode!r}")
+
+    def get_page_stride(self, layer_id: LayerId, role: str) -> int:
+        """Bytes of one kernel page of this buffer."""
+        return self._buffer(layer_id, role).size
+
+    def get_page_index_upper_bound(self, layer_id: LayerId, role: str) -> int:
+        """Kernel page indices of this buffer are below this bound."""
+        attr = self._buffer(layer_id, role)
+        return self._gpu.groups[attr.pool_group].allocator.num_slots * attr.scale * attr.expansion
+
+    def get_page_index_converter(self, layer_id: LayerId, role: str) -> PageIndexConverter:
+        attr = self._buffer(layer_id, role)
+        return PageIndexConverter(attr.scale, attr.expansion, attr.layer_offset, attr.pages_per_layer)
+
+    def supports_index_mode(self, mode: PageIndexMode) -> bool | None:
+        """Both modes work for every request (no scratch slots in this configuration)."""
+        check_type("mode", mode, PageIndexMode)
+        return True
+
+    def get_aggregated_pages(self, buffer_ids: Sequence[BufferId]) -> Iterator[AggregatedPageDesc]:
+        """Byte-contiguous runs of the requested buffers, one or more per pool (bulk transfer)."""
+        wanted = set()
+        for bid in buffer_ids:
+            self._buffer(bid[0], bid[1])
+            wanted.add((bid[0], bid[1]))
+        for lc, cbs in enumerate(self._layout.coalesced):
+            g = self._gpu.groups[self._layout.life_cycle_pool_group[lc]]
+            for p, cb in enumerate(cbs):
+                base = g.pools[p].base_address
+                run: list[BufferId] = []
+                run_beg = 0
+                for k, bid in enumerate(list(cb.buffer_ids) + [(LayerId(-1), "")]):
+                    if bid in wanted:
+                        if not run:
+                            run_beg = k
+                        run.append(bid)
+                    elif run:
+                        yield AggregatedPageDesc(
+                            tuple(run),
+                            g.layout.index,
+                            PoolIndex(p),
+                            MemAddress(base + run_beg * cb.single_size),
+                            len(run) * cb.single_size,
+                            cb.slot_size,
+                            g.allocator.num_slots,
+                        )
+                        run = []
+
+    # ------------------------------------------------------------------ capacity
+    def get_quota(self, level: CacheLevel) -> int:
+        self._check_level(level)
+        return self._quota
+
+    def get_storage_statistics(self, level: CacheLevel = GPU_LEVEL) -> list[StorageStatistics]:
+        """Slot accounting per pool group at ``level``."""
+        self._check_level(level)
+        return [g.statistics() for g in self._gpu.groups]
+
+    @property
+    def gpu_utilization(self) -> float:
+        """Max over pool groups of unavailable / total GPU slots."""
+        return self._gpu.utilization()
+
+    def clamp_max_seq_len_for_mem(self, batch_size: int, token_num_upper_bound: int) -> int:
+        """Longest sequence length (<= the bound) such that ``batch_size`` such requests fit in GPU memory."""
+        check_int("batch_size", batch_size, 1)
+        check_int("token_num_upper_bound", token_num_upper_bound)
+        totals = [g.allocator.num_slots for g in self._gpu.groups]
+
+        def fits(n: int) -> bool:
+            need = blocks_needed(self._registry, self._layout, KVCacheDesc(n, max(n - 1, 0)))
+            return all(batch_size * k <= t for k, t in zip(need, totals))
+
+        lo, hi = 0, token_num_upper_bound
+        if not fits(0):
+            return 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    # ------------------------------------------------------------------ checks
+    def _check_alive(self) -> None:
+        if self._is_shut_down:
+            raise LogicError("the manager was shut down")
+
+    def _check_level(self, level: CacheLevel) -> None:
+        n = len(self._config.cache_tiers)
+        check_int("cache level", level)
+        if level >= n:
+            raise ValueError(f"cache level must be in [0, {n}) ({n} tiers configured), got {level}")
+
+    def _check_no_open_caches(self, what: str) -> None:
+        if self._open:
+            raise LogicError(f"{what}() refused: {len(self._open)} KVCache(s) still open; close() them first")

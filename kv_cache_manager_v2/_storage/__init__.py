@@ -1,0 +1,1 @@
+"""Pool layout, slot allocation and memory backends."""

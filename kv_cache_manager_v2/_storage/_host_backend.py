@@ -1,0 +1,65 @@
+"""Host-emulated device: pools in anonymous mmap memory, synchronous copies."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+from .._common import MemAddress
+from .._utils import round_up
+from ._backend import DevicePool, MemoryBackend
+
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0)
+
+
+class HostDevicePool(DevicePool):
+    """An anonymous private mapping; the OS backs pages lazily, so reserving is cheap."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.reserved_bytes = round_up(max(max_bytes, 1), mmap.PAGESIZE)
+        self._mapping: mmap.mmap | None = mmap.mmap(
+            -1,
+            self.reserved_bytes,
+            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        )
+        view = ctypes.c_char.from_buffer(self._mapping)
+        self.base_address = MemAddress(ctypes.addressof(view))
+        del view  # drop the buffer export so the mapping can be closed later
+        self._mapped = 0
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self._mapped
+
+    def ensure_mapped(self, nbytes: int) -> None:
+        if nbytes > self.reserved_bytes:
+            raise ValueError(f"pool needs {nbytes} bytes but only {self.reserved_bytes} are reserved")
+        self._mapped = max(self._mapped, nbytes)
+
+    def release(self) -> None:
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
+
+
+class HostBackend(MemoryBackend):
+    """Stands in for a GPU: addresses are plain host addresses, streams and events are no-ops."""
+
+    def __init__(self) -> None:
+        self.name = "host"
+
+    def reserve_pool(self, max_bytes: int) -> DevicePool:
+        return HostDevicePool(max_bytes)
+
+    def read(self, address: MemAddress, nbytes: int) -> bytes:
+        return ctypes.string_at(address, nbytes)
+
+    def write(self, address: MemAddress, data: bytes) -> None:
+        ctypes.memmove(address, data, len(data))
+
+    def copy(self, dst: MemAddress, src: MemAddress, nbytes: int, stream: int) -> None:
+        ctypes.memmove(dst, src, nbytes)
+
+    def synchronize(self) -> None:
+        return None

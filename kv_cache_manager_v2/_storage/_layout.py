@@ -1,0 +1,126 @@
+"""Storage layout (SPEC 5.2): coalesced buffers, pools, pool groups, per-buffer attributes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from .._common import BufferId, LayerId, LifeCycleId, PoolGroupIndex, PoolIndex
+from .._config import AttentionLayerConfig
+from .._life_cycle_registry import LifeCycleRegistry
+
+
+@dataclass(frozen=True)
+class CoalescedBuffer:
+    """Buffers of one life cycle with equal expanded size, packed side by side in one pool slot."""
+
+    single_size: int
+    buffer_ids: tuple[BufferId, ...]
+
+    @property
+    def slot_size(self) -> int:
+        return self.single_size * len(self.buffer_ids)
+
+
+@dataclass(frozen=True)
+class BufferAttr:
+    """Where one buffer lives: ``pool_base + slot * slot_size + offset`` holds its block data."""
+
+    life_cycle: LifeCycleId
+    pool_group: PoolGroupIndex
+    pool: PoolIndex
+    offset: int  #: bytes from the start of the pool slot
+    size: int  #: bytes of one kernel page
+    expansion: int  #: kernel pages per block (E)
+    scale: int  #: buffers in the coalesced buffer (S)
+    layer_offset: int  #: offset / (size * E) (Lo)
+    pages_per_layer: int  #: sub-pages one layer uses in this pool (P)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.size * self.expansion
+
+
+@dataclass(frozen=True)
+class PoolGroupLayout:
+    """Life cycles sharing one slot-size list; one pool per entry."""
+
+    index: PoolGroupIndex
+    slot_sizes: tuple[int, ...]
+    life_cycles: tuple[LifeCycleId, ...]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one slot takes across all pools of the group."""
+        return sum(self.slot_sizes)
+
+
+class StorageLayout:
+    """The full layout derived from the layer configs and life cycles."""
+
+    coalesced: list[list[CoalescedBuffer]]  #: per life cycle, sorted by size descending
+    pool_groups: list[PoolGroupLayout]
+    life_cycle_pool_group: list[PoolGroupIndex]
+    buffers: dict[BufferId, BufferAttr]
+    buffer_order: list[BufferId]  #: config order (layer, then role)
+    slot_util_frac_max: list[Fraction]  #: per life cycle: max P / S over its layers and pools
+
+    def __init__(
+        self, layers: list[AttentionLayerConfig], registry: LifeCycleRegistry, tokens_per_block: int
+    ) -> None:
+        num_lc = len(registry)
+        expanded: dict[BufferId, tuple[int, int]] = {}  # size, expansion
+        by_lc: list[dict[int, list[BufferId]]] = [{} for _ in range(num_lc)]
+        self.buffer_order = []
+        for layer in layers:
+            layer_lc = registry.layer_to_life_cycle[layer.layer_id]
+            for b in layer.buffers:
+                bid: BufferId = (LayerId(layer.layer_id), b.role)
+                e = tokens_per_block // b.tokens_per_block_override if b.tokens_per_block_override else 1
+                expanded[bid] = (b.size, e)
+                by_lc[layer_lc].setdefault(b.size * e, []).append(bid)
+                self.buffer_order.append(bid)
+        self.coalesced = []
+        group_of_sizes: dict[tuple[int, ...], PoolGroupIndex] = {}
+        group_lcs: list[list[LifeCycleId]] = []
+        self.life_cycle_pool_group = []
+        for lc in range(num_lc):
+            cbs = [CoalescedBuffer(size, tuple(ids)) for size, ids in by_lc[lc].items()]
+            cbs.sort(key=lambda cb: (-cb.slot_size, -cb.single_size))
+            self.coalesced.append(cbs)
+            sizes = tuple(cb.slot_size for cb in cbs)
+            g = group_of_sizes.get(sizes)
+            if g is None:
+                g = PoolGroupIndex(len(group_lcs))
+                group_of_sizes[sizes] = g
+                group_lcs.append([])
+            group_lcs[g].append(LifeCycleId(lc))
+            self.life_cycle_pool_group.append(g)
+        self.pool_groups = [
+            PoolGroupLayout(PoolGroupIndex(g), sizes, tuple(group_lcs[g])) for sizes, g in group_of_sizes.items()
+        ]
+        self.pool_groups.sort(key=lambda pg: pg.index)
+        self.buffers = {}
+        self.slot_util_frac_max = []
+        for lc in range(num_lc):
+            frac = Fraction(0)
+            for p, cb in enumerate(self.coalesced[lc]):
+                per_layer: dict[LayerId, int] = {}
+                for bid in cb.buffer_ids:
+                    per_layer[bid[0]] = per_layer.get(bid[0], 0) + 1
+                scale = len(cb.buffer_ids)
+                for k, bid in enumerate(cb.buffer_ids):
+                    size, e = expanded[bid]
+                    self.buffers[bid] = BufferAttr(
+                        life_cycle=LifeCycleId(lc),
+                        pool_group=self.life_cycle_pool_group[lc],
+                        pool=PoolIndex(p),
+                        offset=k * cb.single_size,
+                        size=size,
+                        expansion=e,
+                        scale=scale,
+                        layer_offset=k,
+                        pages_per_layer=per_layer[bid[0]],
+                    )
+                frac = max(frac, Fraction(max(per_layer.values()), scale))
+            self.slot_util_frac_max.append(frac)

@@ -1,0 +1,137 @@
+"""Pools and slot allocators of one cache level, and the split of its quota among pool groups."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .._common import CacheLevel, StorageStatistics
+from .._config import BatchDesc, KVCacheDesc
+from .._life_cycle_registry import LifeCycleRegistry, stale_range
+from .._utils import div_up
+from ._backend import DevicePool, MemoryBackend
+from ._layout import PoolGroupLayout, StorageLayout
+from ._slot_allocator import SlotAllocator
+
+#: Request shape assumed for the default quota split when no typical_step is configured.
+DEFAULT_TYPICAL_STEP = BatchDesc([KVCacheDesc(capacity=8192, history_length=8191)])
+
+
+class PoolGroupStorage:
+    """The pools of one pool group at one level, and the allocator of their shared slots."""
+
+    def __init__(self, layout: PoolGroupLayout, num_slots: int, backend: MemoryBackend) -> None:
+        self.layout = layout
+        self.pools: list[DevicePool] = [backend.reserve_pool(num_slots * size) for size in layout.slot_sizes]
+        self.allocator = SlotAllocator(num_slots, self.pools, layout.slot_sizes)
+        self.num_evictable = 0  # maintained by the eviction policy
+
+    def statistics(self) -> StorageStatistics:
+        a = self.allocator
+        return StorageStatistics(self.layout.index, self.layout.slot_sizes, a.num_slots, a.num_free, self.num_evictable)
+
+    def release(self) -> None:
+        for pool in self.pools:
+            pool.release()
+
+
+class LevelStorage:
+    """All pool groups of one cache level."""
+
+    def __init__(self, level: CacheLevel, groups: list[PoolGroupStorage]) -> None:
+        self.level = level
+        self.groups = groups
+
+    def utilization(self) -> float:
+        """Max over pool groups of unavailable / total slots."""
+        return max(1.0 - (g.allocator.num_free + g.num_evictable) / g.allocator.num_slots for g in self.groups)
+
+    def release(self) -> None:
+        for g in self.groups:
+            g.release()
+
+
+def blocks_needed(registry: LifeCycleRegistry, layout: StorageLayout, desc: KVCacheDesc) -> list[int]:
+    """Slots per pool group one request of this shape needs (stale SWA blocks need none)."""
+    t = registry.tokens_per_block
+    out = [0] * len(layout.pool_groups)
+    nb = div_up(desc.capacity, t)
+    for lc_id, lc in enumerate(registry.life_cycles):
+        beg, end = stale_range(lc, desc.history_length, t)
+        stale = max(0, min(end, nb) - min(beg, nb))
+        out[layout.life_cycle_pool_group[lc_id]] += nb - stale
+    return out
+
+
+def batch_needs(registry: LifeCycleRegistry, layout: StorageLayout, batch: BatchDesc) -> list[int]:
+    """Slots per pool group a whole batch needs; the shared system prompt is counted once."""
+    out = [0] * len(layout.pool_groups)
+    for desc in batch.kv_caches:
+        for g, n in enumerate(blocks_needed(registry, layout, desc)):
+            out[g] += n
+    if batch.system_prompt_length and len(batch.kv_caches) > 1:
+        t = registry.tokens_per_block
+        shared_full_blocks = batch.system_prompt_length // t
+        for lc_id, lc in enumerate(registry.life_cycles):
+            if lc.window_size is None:  # shared SWA blocks are mostly out of window anyway
+                out[layout.life_cycle_pool_group[lc_id]] -= shared_full_blocks * (len(batch.kv_caches) - 1)
+    return [max(n, 0) for n in out]
+
+
+def split_quota(
+    quota: int,
+    registry: LifeCycleRegistry,
+    layout: StorageLayout,
+    initial_pool_ratio: Sequence[float] | None,
+    typical_step: BatchDesc | None,
+    constraints: Sequence[BatchDesc],
+) -> list[int]:
+    """Slots per pool group for ``quota`` bytes (SPEC 4.2).
+
+    Byte shares come from ``initial_pool_ratio``, else from the slot needs of ``typical_step``
+    (or a default request shape); ``constraints`` are floors every group must keep.
+    """
+    groups = layout.pool_groups
+    slot_bytes = [g.slot_bytes for g in groups]
+    n_groups = len(groups)
+    floors = [1] * n_groups
+    for batch in constraints:
+        for g, n in enumerate(batch_needs(registry, layout, batch)):
+            floors[g] = max(floors[g], n)
+    floor_bytes = sum(f * b for f, b in zip(floors, slot_bytes))
+    if floor_bytes > quota:
+        raise ValueError(
+            f"GPU quota {quota} bytes is too small: one slot of every pool group and the constraints need "
+            f"{floor_bytes} bytes (slot bytes per pool group: {slot_bytes}, slots needed: {floors})"
+        )
+    if initial_pool_ratio is not None:
+        if len(initial_pool_ratio) != n_groups:
+            raise ValueError(
+                f"initial_pool_ratio has {len(initial_pool_ratio)} entries but the layout has {n_groups} pool groups"
+            )
+        weights = [float(r) for r in initial_pool_ratio]
+    else:
+        needs = batch_needs(registry, layout, typical_step or DEFAULT_TYPICAL_STEP)
+        weights = [max(n, 1) * b for n, b in zip(needs, slot_bytes)]
+    # Give each group its byte share; groups whose share is below their floor get the floor and
+    # the rest is shared again among the others, until no group is below its floor.
+    fixed: dict[int, int] = {}
+    while True:
+        free_bytes = quota - sum(fixed[g] * slot_bytes[g] for g in fixed)
+        total_w = sum(weights[g] for g in range(n_groups) if g not in fixed)
+        slots = [
+            fixed[g] if g in fixed else int(free_bytes * weights[g] / total_w) // slot_bytes[g]
+            for g in range(n_groups)
+        ]
+        below = [g for g in range(n_groups) if g not in fixed and slots[g] < floors[g]]
+        if not below:
+            return slots
+        for g in below:
+            fixed[g] = floors[g]
+
+
+def make_level_storage(
+    level: CacheLevel, layout: StorageLayout, slots: list[int], backend: MemoryBackend
+) -> LevelStorage:
+    return LevelStorage(level, [PoolGroupStorage(layout.pool_groups[g], n, backend) for g, n in enumerate(slots)])
+
+

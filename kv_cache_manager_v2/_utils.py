@@ -1,0 +1,37 @@
+"""Small integer helpers used across modules."""
+
+from __future__ import annotations
+
+
+def div_up(a: int, b: int) -> int:
+    """Ceiling of ``a / b`` for ``a >= 0, b > 0``."""
+    return (a + b - 1) // b
+
+
+def round_up(a: int, b: int) -> int:
+    """Smallest multiple of ``b`` that is ``>= a``."""
+    return div_up(a, b) * b
+
+
+def is_power_of_two(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def check_int(name: str, value: object, minimum: int = 0) -> int:
+    """Return ``value`` if it is an int ``>= minimum``.
+
+    Wrong types raise ``TypeError`` (bool is refused), wrong values ``ValueError``: the same
+    exception types mypyc's own argument checks raise in production mode.
+    """
+    if type(value) is not int:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_type(name: str, value: object, expected: type | tuple[type, ...]) -> None:
+    """Raise ``TypeError`` naming ``name`` unless ``value`` is an instance of ``expected``."""
+    if not isinstance(value, expected):
+        names = expected.__name__ if isinstance(expected, type) else " or ".join(t.__name__ for t in expected)
+        raise TypeError(f"{name} must be {names}, got {type(value).__name__} {value!r}")

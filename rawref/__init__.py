@@ -1,0 +1,5 @@
+"""Non-owning references usable from mypyc-compiled code (see ``_rawref.c``)."""
+
+from rawref._rawref import NULL, ref
+
+__all__ = ["NULL", "ref"]

@@ -1,0 +1,20 @@
+# Sourced by the other scripts: creates .venv (once) and installs the package in editable mode,
+# which also builds the rawref C extension in place.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import rawref._rawref, mypy, pytest, numpy, hypothesis" 2>/dev/null \
+   || [ pyproject.toml -nt .venv/.installed ] || [ rawref/_rawref.c -nt .venv/.installed ]; then
+  echo "setting up .venv (log: .venv/install.log)" >&2
+  {
+    .venv/bin/python -m pip install --upgrade pip setuptools wheel
+    # compat mode: a plain path entry, so the root-level mypyc runtime library is importable too
+    .venv/bin/python -m pip install -e ".[dev]" --config-settings editable_mode=compat
+  } > .venv/install.log 2>&1 || { tail -40 .venv/install.log >&2; exit 1; }
+  touch .venv/.installed
+fi
+export PATH="$ROOT/.venv/bin:$PATH"

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Set up (if needed) and run every check: mypy --strict, the test suite in fast mode,
+# the mypyc build, and the test suite again compiled.
+#   scripts/test.sh            # everything (what CI runs)
+#   scripts/test.sh fast       # mypy + fast-mode tests only
+#   scripts/test.sh compiled   # build + compiled tests only
+# Extra arguments after the mode go to pytest, e.g. scripts/test.sh fast -k rawref
+source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+mode="${1:-all}"
+shift || true
+
+run_fast() {
+  echo "== mypy --strict"
+  mypy
+  echo "== tests, fast mode (interpreted)"
+  python setup_mypyc.py clean_compiled > /dev/null
+  KVCM_EXPECT_COMPILED=0 python -m pytest -q "$@"
+}
+
+run_compiled() {
+  echo "== mypyc build (production mode)"
+  python setup_mypyc.py build_ext --inplace -j 2 > build/mypyc.log 2>&1 || { tail -50 build/mypyc.log; exit 1; }
+  echo "== tests, production mode (compiled)"
+  KVCM_EXPECT_COMPILED=1 python -m pytest -q "$@"
+}
+
+mkdir -p build
+case "$mode" in
+  fast) run_fast "$@" ;;
+  compiled) run_compiled "$@" ;;
+  all) run_fast "$@"; run_compiled "$@" ;;
+  *) echo "usage: scripts/test.sh [all|fast|compiled] [pytest args]" >&2; exit 2 ;;
+esac

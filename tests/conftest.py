@@ -1,0 +1,82 @@
+"""Shared fixtures: configs, managers on every usable backend, the fake engine."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Iterator, Sequence
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from kv_cache_manager_v2 import (  # noqa: E402
+    AttentionLayerConfig,
+    BufferConfig,
+    GpuCacheTierConfig,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    LayerId,
+)
+from kv_cache_manager_v2._storage._backend import cuda_unusable_reason  # noqa: E402
+
+CUDA_REASON = cuda_unusable_reason()
+BACKENDS = ["host"] + (["cuda"] if CUDA_REASON is None else [])
+requires_cuda = pytest.mark.skipif(CUDA_REASON is not None, reason=f"no usable CUDA device: {CUDA_REASON}")
+
+# 32 bytes per token: room for one fake-engine record per token position.
+REC = 32
+
+
+def kv_layers(
+    n: int,
+    tokens_per_block: int = 8,
+    window: int | None = None,
+    swa_every: int = 0,
+    sink_tokens: int | None = None,
+    extra: Sequence[BufferConfig] = (),
+) -> list[AttentionLayerConfig]:
+    """``n`` layers with key/value buffers; every ``swa_every``-th layer (from 0) gets ``window``."""
+    out = []
+    for i in range(n):
+        w = window if (swa_every and i % swa_every == 0) else None
+        out.append(
+            AttentionLayerConfig(
+                LayerId(i),
+                [BufferConfig("key", REC * tokens_per_block), BufferConfig("value", REC * tokens_per_block), *extra],
+                sliding_window_size=w,
+                num_sink_tokens=sink_tokens if w is not None else None,
+            )
+        )
+    return out
+
+
+def make_config(
+    layers: list[AttentionLayerConfig], tokens_per_block: int = 8, quota: int = 1 << 20, **kw: object
+) -> KVCacheManagerConfig:
+    kw.setdefault("backend", "host")
+    return KVCacheManagerConfig(
+        tokens_per_block=tokens_per_block, cache_tiers=[GpuCacheTierConfig(quota)], layers=layers, **kw  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def make_manager(backend: str) -> Iterator[Callable[..., KVCacheManager]]:
+    """Factory of managers on the parametrized backend; shut down after the test."""
+    made: list[KVCacheManager] = []
+
+    def factory(layers: list[AttentionLayerConfig], tokens_per_block: int = 8, quota: int = 1 << 20, **kw: object) -> KVCacheManager:
+        kw["backend"] = backend
+        m = KVCacheManager(make_config(layers, tokens_per_block, quota, **kw))
+        made.append(m)
+        return m
+
+    yield factory
+    for m in made:
+        if m.num_open_caches == 0:
+            m.shutdown()

@@ -1,0 +1,155 @@
+"""A stand-in for attention kernels (SPEC 8): writes and checks KV records through the
+addresses, strides and converted page indices the manager hands out, and nothing else.
+
+Every token position of a page holds a record ``(MAGIC, token, position, layer, buffer, beam)``
+of int32s. Before a step computes positions ``[start, end)``, every position the step attends
+to must hold exactly the record written when that token was computed; then the step's
+records are written. Layers run in order, so pages shared across layers are caught too.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from kv_cache_manager_v2 import (
+    BAD_PAGE_INDEX,
+    KVCache,
+    KVCacheManager,
+    LayerId,
+    PageIndexConverter,
+    PageIndexMode,
+    TokenIdExt,
+)
+
+MAGIC = 0x4B56_4B56
+RECORD_INTS = 6
+RECORD_BYTES = RECORD_INTS * 4
+
+
+def token_value(tok: TokenIdExt) -> int:
+    """An int32 standing for a token (bytes tokens are hashed)."""
+    if isinstance(tok, bytes):
+        return zlib.crc32(tok) & 0x7FFF_FFFF
+    return int(tok) & 0x7FFF_FFFF
+
+
+@dataclass
+class _Buffer:
+    layer: LayerId
+    role: str
+    index: int
+    life_cycle: int
+    window: int | None
+    sink_tokens: int
+    base: int
+    stride: int
+    upper_bound: int
+    converter: PageIndexConverter
+    tokens_per_page: int
+    expansion: int
+
+
+class KVMismatch(AssertionError):
+    pass
+
+
+class FakeEngine:
+    """Reads/writes KV records for requests of one manager through its public layout API."""
+
+    def __init__(self, manager: KVCacheManager, index_mode: PageIndexMode = PageIndexMode.PER_LAYER) -> None:
+        self.mgr = manager
+        self.mode = index_mode
+        self.backend = manager.backend
+        t = manager.tokens_per_block
+        self.tokens_per_block = t
+        self.buffers: list[_Buffer] = []
+        cfg_layers = {layer.layer_id: layer for layer in manager._config.layers}
+        for i, (layer_id, role) in enumerate(manager.all_buffer_ids):
+            conv = manager.get_page_index_converter(layer_id, role)
+            stride = manager.get_page_stride(layer_id, role)
+            tpp = t // conv.expansion
+            if stride // tpp < RECORD_BYTES:
+                raise ValueError(f"buffer {layer_id}/{role}: {stride} bytes per page is too small for records")
+            lc_cfg = cfg_layers[layer_id]
+            self.buffers.append(
+                _Buffer(
+                    layer=layer_id,
+                    role=role,
+                    index=i,
+                    life_cycle=manager.get_layer_group_id(layer_id),
+                    window=lc_cfg.sliding_window_size,
+                    sink_tokens=lc_cfg.num_sink_tokens or 0,
+                    base=manager.get_mem_pool_base_address(layer_id, role, index_mode),
+                    stride=stride,
+                    upper_bound=manager.get_page_index_upper_bound(layer_id, role),
+                    converter=conv,
+                    tokens_per_page=tpp,
+                    expansion=conv.expansion,
+                )
+            )
+        self.pages_checked = 0
+        self.records_written = 0
+
+    def needed_positions(self, buf: _Buffer, start: int) -> list[int]:
+        """Positions a step starting at ``start`` attends to for this buffer's layer."""
+        if buf.window is None:
+            return list(range(start))
+        lo = max(0, start + 1 - buf.window)
+        return list(range(min(buf.sink_tokens, lo))) + list(range(lo, start))
+
+    def _address(self, buf: _Buffer, kernel_indices: list[int], pos: int) -> int:
+        t = self.tokens_per_block
+        o, r = divmod(pos, t)
+        i, j = divmod(r, buf.tokens_per_page)
+        x = kernel_indices[o * buf.expansion + i]
+        if x == BAD_PAGE_INDEX:
+            raise KVMismatch(f"layer {buf.layer} {buf.role}: position {pos} (block {o}) has no page")
+        if not 0 <= x < buf.upper_bound:
+            raise KVMismatch(f"layer {buf.layer} {buf.role}: page index {x} outside [0, {buf.upper_bound})")
+        return buf.base + x * buf.stride + j * (buf.stride // buf.tokens_per_page)
+
+    def step(
+        self, kv: KVCache, tokens: Sequence[TokenIdExt], start: int, end: int, beam: int = 0, check: bool = True
+    ) -> None:
+        """Check what positions ``< start`` the step needs, then write records for ``[start, end)``.
+
+        ``tokens`` is the request's full sequence (at least ``end`` long).
+        """
+        assert 0 <= start <= end <= kv.capacity, (start, end, kv.capacity)
+        for buf in self.buffers:  # config order: layer by layer, role by role
+            indices = buf.converter(kv.get_base_page_indices(buf.life_cycle), self.mode)
+            if check:
+                for pos in self.needed_positions(buf, start):
+                    self._check(buf, indices, pos, tokens[pos], beam)
+            for pos in range(start, end):
+                rec = np.array(
+                    [MAGIC, token_value(tokens[pos]), pos, buf.layer, buf.index, beam], dtype=np.int32
+                ).tobytes()
+                self.backend.write(self._address(buf, indices, pos), rec)
+                self.records_written += 1
+
+    def check_all(self, kv: KVCache, tokens: Sequence[TokenIdExt], upto: int, beam: int = 0) -> None:
+        """Check every position below ``upto`` that a step starting there would need."""
+        for buf in self.buffers:
+            indices = buf.converter(kv.get_base_page_indices(buf.life_cycle), self.mode)
+            for pos in self.needed_positions(buf, upto):
+                self._check(buf, indices, pos, tokens[pos], beam)
+
+    def _check(self, buf: _Buffer, indices: list[int], pos: int, tok: TokenIdExt, beam: int) -> None:
+        got = np.frombuffer(self.backend.read(self._address(buf, indices, pos), RECORD_BYTES), dtype=np.int32)
+        want = [MAGIC, token_value(tok), pos, buf.layer, buf.index, beam]
+        if list(got) != want:
+            raise KVMismatch(
+                f"layer {buf.layer} {buf.role} position {pos}: found record {list(got)}, expected {want}"
+            )
+        self.pages_checked += 1
+
+    def corrupt(self, kv: KVCache, pos: int) -> None:
+        """Overwrite one record (tests use it to prove the checker can fail)."""
+        buf = self.buffers[0]
+        indices = buf.converter(kv.get_base_page_indices(buf.life_cycle), self.mode)
+        self.backend.write(self._address(buf, indices, pos), b"\0" * RECORD_BYTES)

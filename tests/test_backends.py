@@ -1,0 +1,79 @@
+"""Memory backends: host emulation contract, selection, CUDA (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from conftest import CUDA_REASON, kv_layers, make_config, requires_cuda
+
+from kv_cache_manager_v2 import CuError, KVCacheManager, MemAddress
+from kv_cache_manager_v2._config import BACKEND_ENV_VAR
+from kv_cache_manager_v2._storage._backend import select_backend
+from kv_cache_manager_v2._storage._host_backend import HostBackend
+
+
+def test_host_pool_read_write_copy_and_stable_base() -> None:
+    b = HostBackend()
+    pool = b.reserve_pool(1 << 20)
+    base = pool.base_address
+    pool.ensure_mapped(4096)
+    b.write(MemAddress(base + 100), b"hello")
+    b.copy(MemAddress(base + 5000), MemAddress(base + 100), 5, 0)
+    pool.ensure_mapped(1 << 20)
+    assert pool.base_address == base and pool.mapped_bytes == 1 << 20
+    assert b.read(MemAddress(base + 5000), 5) == b"hello"
+    with pytest.raises(ValueError, match="reserved"):
+        pool.ensure_mapped(2 << 20)
+    pool.release()
+    pool.release()
+
+
+def test_env_var_overrides_auto(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(BACKEND_ENV_VAR, "host")
+    with caplog.at_level(logging.INFO, logger="kv_cache_manager_v2"):
+        assert select_backend("auto").name == "host"
+    assert "using the host memory backend" in caplog.text
+    monkeypatch.setenv(BACKEND_ENV_VAR, "bogus")
+    with pytest.raises(ValueError, match=BACKEND_ENV_VAR):
+        select_backend("auto")
+
+
+def test_auto_picks_cuda_only_when_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+    m = KVCacheManager(make_config(kv_layers(1), backend="auto"))
+    assert m.backend_name == ("cuda" if CUDA_REASON is None else "host")
+    m.shutdown()
+
+
+@pytest.mark.skipif(CUDA_REASON is None, reason="CUDA is usable here")
+def test_cuda_requested_without_gpu_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="CUDA is not usable"):
+        KVCacheManager(make_config(kv_layers(1), backend="cuda"))
+
+
+def test_cuda_module_imports_cleanly_and_errors_carry_driver_text() -> None:
+    import kv_cache_manager_v2._storage._cuda_backend as cb
+
+    assert hasattr(cb, "CudaBackend")
+    e = CuError(2, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory", "cuMemCreate")
+    assert e.status == 2 and "cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY (2): out of memory" in str(e)
+
+
+@requires_cuda
+def test_cuda_pool_grows_in_place_and_round_trips() -> None:
+    from kv_cache_manager_v2._storage._cuda_backend import CudaBackend
+
+    b = CudaBackend()
+    pool = b.reserve_pool(64 << 20)
+    base = pool.base_address
+    pool.ensure_mapped(1)
+    assert pool.mapped_bytes >= b.granularity
+    b.write(MemAddress(base + 8), b"kvkvkvkv")
+    pool.ensure_mapped(32 << 20)
+    assert pool.base_address == base
+    b.copy(MemAddress(base + (16 << 20)), MemAddress(base + 8), 8, 0)
+    b.synchronize()
+    assert b.read(MemAddress(base + (16 << 20)), 8) == b"kvkvkvkv"
+    pool.release()
+    b.shutdown()

@@ -1,0 +1,353 @@
+"""KVCache through the fake engine: batches, prefill chunks, decode, shrink, suspend/resume,
+override buffers, both index modes, all-or-nothing resize, slot accounting, bad input."""
+
+from __future__ import annotations
+
+import gc
+import random
+from array import array
+from typing import Callable
+
+import pytest
+from conftest import kv_layers
+from fake_engine import FakeEngine, KVMismatch
+
+from kv_cache_manager_v2 import (
+    BAD_PAGE_INDEX,
+    AttentionLayerConfig,
+    BufferConfig,
+    KVCache,
+    KVCacheManager,
+    KVCacheStatus,
+    LayerGroupId,
+    LayerId,
+    LogicError,
+    PageIndexMode,
+    PageStatus,
+    Priority,
+)
+
+T = 8
+MakeManager = Callable[..., KVCacheManager]
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1 << 31) for _ in range(n)]
+
+
+def free_slots(m: KVCacheManager) -> list[int]:
+    return [s.free for s in m.get_storage_statistics()]
+
+
+def run_request(engine: FakeEngine, kv: KVCache, toks: list[int], chunks: list[int], decode: int) -> None:
+    """Prefill in chunks, then decode one token at a time, checking and writing KV each step."""
+    h = kv.history_length
+    for c in chunks + [1] * decode:
+        assert kv.resize(h + c, h)
+        engine.step(kv, toks, h, h + c)
+        kv.commit(toks[h : h + c])
+        h += c
+        assert kv.history_length == h == kv.num_committed_tokens
+
+
+@pytest.mark.parametrize("mode", list(PageIndexMode))
+def test_batch_prefill_and_decode_through_fake_engine(make_manager: MakeManager, mode: PageIndexMode) -> None:
+    m = make_manager(kv_layers(3, T))
+    engine = FakeEngine(m, mode)
+    reqs = []
+    for r in range(4):
+        kv = m.create_kv_cache(id=r)
+        assert kv.status is KVCacheStatus.SUSPENDED and kv.capacity == 0
+        assert kv.resume()
+        reqs.append((kv, tokens(r, 100)))
+    # interleave: each step every request advances (prefill chunks of uneven sizes, then decode)
+    for step_chunks in ([13, 5, 21, 8], [7, 16, 3, 9], [1, 1, 1, 1], [1, 1, 1, 1], [20, 1, 9, 30]):
+        for (kv, toks), c in zip(reqs, step_chunks):
+            h = kv.history_length
+            assert kv.resize(h + c)
+            engine.step(kv, toks, h, h + c)
+            kv.commit(toks[h : h + c])
+    for kv, toks in reqs:
+        engine.check_all(kv, toks, kv.history_length)
+        idx = kv.get_base_page_indices(LayerGroupId(0))
+        assert isinstance(idx, array) and idx.typecode == "i" and len(idx) == kv.num_blocks
+        assert all(i != BAD_PAGE_INDEX for i in idx)
+    all_slots = [i for kv, _ in reqs for i in kv.get_base_page_indices(LayerGroupId(0))]
+    assert len(all_slots) == len(set(all_slots)), "a slot was handed to two blocks"
+    for kv, _ in reqs:
+        kv.close()
+    assert free_slots(m) == [s.total for s in m.get_storage_statistics()]
+    assert engine.pages_checked > 0
+
+
+def test_fake_engine_detects_corruption(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(2, T))
+    engine = FakeEngine(m)
+    kv = m.create_kv_cache()
+    kv.resume()
+    toks = tokens(1, 40)
+    run_request(engine, kv, toks, [20], 0)
+    engine.corrupt(kv, 5)
+    with pytest.raises(KVMismatch, match="position 5"):
+        engine.check_all(kv, toks, 20)
+    kv.close()
+
+
+def test_decode_growth_within_block_changes_only_lengths(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(2, T))
+    kv = m.create_kv_cache()
+    kv.resume()
+    assert kv.resize(9)
+    idx = kv.get_base_page_indices(LayerGroupId(0))
+    before = list(idx)
+    free_before = free_slots(m)
+    for cap in range(10, 17):
+        assert kv.resize(cap)
+        assert list(idx) == before and free_slots(m) == free_before
+    assert kv.resize(17)
+    assert len(idx) == 3 and free_slots(m)[0] == free_before[0] - 1
+    kv.close()
+
+
+def test_capacity_shrink_releases_tail_and_keeps_data(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(2, T))
+    engine = FakeEngine(m)
+    kv = m.create_kv_cache()
+    kv.resume()
+    toks = tokens(2, 64)
+    run_request(engine, kv, toks, [10], 0)
+    assert kv.resize(64)
+    total_free = free_slots(m)[0]
+    assert kv.resize(11)  # speculative room given back
+    assert kv.num_blocks == 2 and free_slots(m)[0] == total_free + 6
+    engine.check_all(kv, toks, 10)
+    with pytest.raises(LogicError, match="below history"):
+        kv.resize(9)
+    run_request(engine, kv, toks, [30], 3)
+    kv.close()
+
+
+def test_suspend_resume_keeps_pages_and_data(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(2, T))
+    engine = FakeEngine(m)
+    kv = m.create_kv_cache()
+    kv.resume()
+    toks = tokens(3, 60)
+    run_request(engine, kv, toks, [17], 2)
+    idx_before = list(kv.get_base_page_indices(LayerGroupId(0)))
+    kv.suspend()
+    assert kv.status is KVCacheStatus.SUSPENDED
+    assert kv._pages[0][0] is not None and kv._pages[0][0].status is PageStatus.HELD
+    with pytest.raises(LogicError, match="ACTIVE"):
+        kv.resize(30)
+    assert kv.resume()
+    assert kv._pages[0][0] is not None and kv._pages[0][0].status is PageStatus.LOCKED
+    assert list(kv.get_base_page_indices(LayerGroupId(0))) == idx_before
+    run_request(engine, kv, toks, [10], 5)
+    kv.close()
+    kv.close()  # idempotent
+    assert kv.status is KVCacheStatus.CLOSED
+
+
+def test_tokens_per_block_override_buffers(make_manager: MakeManager) -> None:
+    layers = [
+        AttentionLayerConfig(LayerId(i), [BufferConfig("key", 32 * 2, 2), BufferConfig("value", 32 * T)])
+        for i in range(2)
+    ]
+    m = make_manager(layers)
+    for mode in PageIndexMode:
+        engine = FakeEngine(m, mode)
+        assert engine.buffers[0].expansion == T // 2
+        kv = m.create_kv_cache()
+        kv.resume()
+        run_request(engine, kv, tokens(4, 50), [11, 20], 4)
+        kv.close()
+
+
+def test_resize_is_all_or_nothing(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(2, T), quota=2 * 32 * T * 2 * 10)  # 10 slots of 2 layers x K,V
+    assert m.get_storage_statistics()[0].total == 10
+    engine = FakeEngine(m)
+    a, b = m.create_kv_cache(), m.create_kv_cache()
+    a.resume()
+    b.resume()
+    ta, tb = tokens(5, 80), tokens(6, 80)
+    run_request(engine, a, ta, [40], 0)  # 5 slots
+    run_request(engine, b, tb, [24], 0)  # 3 slots
+    idx_before = list(b.get_base_page_indices(LayerGroupId(0)))
+    assert not b.resize(24 + 3 * T)  # needs 3 more, 2 free
+    assert (b.capacity, b.history_length, b.num_blocks) == (24, 24, 3)
+    assert list(b.get_base_page_indices(LayerGroupId(0))) == idx_before
+    assert free_slots(m) == [2]
+    engine.check_all(b, tb, 24)
+    engine.check_all(a, ta, 40)
+    assert b.resize(24 + 2 * T)  # exactly fits
+    assert free_slots(m) == [0]
+    a.close()
+    assert b.resize(24 + 3 * T)
+    b.close()
+    assert free_slots(m) == [10]
+
+
+def test_closing_every_request_returns_every_slot(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(2, T, window=16, swa_every=2))
+    total = [s.total for s in m.get_storage_statistics()]
+    caches = []
+    for r in range(6):
+        kv = m.create_kv_cache()
+        kv.resume()
+        assert kv.resize(10 + 7 * r)
+        caches.append(kv)
+    caches[0].suspend()
+    for kv in caches:
+        kv.close()
+    assert free_slots(m) == total
+
+
+def test_gc_closes_a_dropped_cache(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T))
+    kv = m.create_kv_cache()
+    kv.resume()
+    kv.resize(50)
+    assert m.num_open_caches == 1
+    del kv
+    gc.collect()
+    assert m.num_open_caches == 0
+    assert free_slots(m) == [m.get_storage_statistics()[0].total]
+
+
+def test_set_base_page_index_buf_zero_copy(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(2, T))
+    kv = m.create_kv_cache()
+    kv.resume()
+    assert kv.resize(20)
+    backing = array("i", [77] * 10)
+    kv.set_base_page_index_buf(0, LayerGroupId(0), memoryview(backing))
+    assert list(backing[:3]) == list(kv.get_base_page_indices(LayerGroupId(0)))
+    assert list(backing[3:]) == [BAD_PAGE_INDEX] * 7
+    assert kv.resize(40)
+    assert list(backing[:5]) == list(kv.get_base_page_indices(LayerGroupId(0)))
+    assert kv.resize(21)
+    assert list(backing[3:]) == [BAD_PAGE_INDEX] * 7
+    with pytest.raises(LogicError, match="larger buffer"):
+        kv.resize(81)
+    assert kv.capacity == 21
+    kv.set_base_page_index_buf(0, LayerGroupId(0), None)
+    assert kv.resize(81)
+    kv.close()
+
+
+def test_priority_callback_is_called_and_validated(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T))
+    seen: list[tuple[int, int]] = []
+
+    def cb(o: int, lc: int) -> Priority:
+        seen.append((o, lc))
+        return Priority(80)
+
+    kv = m.create_kv_cache(custom_priority_callback=cb)  # type: ignore[arg-type]
+    kv.resume()
+    assert kv.resize(20)
+    assert seen == [(0, 0), (1, 0), (2, 0)]
+    assert kv._pages[0][1] is not None and kv._pages[0][1].priority == 80
+    bad = m.create_kv_cache(custom_priority_callback=lambda o, lc: Priority(101))
+    bad.resume()
+    free = free_slots(m)
+    with pytest.raises(ValueError, match="custom_priority_callback"):
+        bad.resize(20)
+    assert free_slots(m) == free and bad.capacity == 0
+    kv.close()
+    bad.close()
+
+
+def test_clamp_max_seq_len_for_mem(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(2, T), quota=2 * 32 * T * 2 * 10)
+    assert m.clamp_max_seq_len_for_mem(1, 10_000) == 80
+    assert m.clamp_max_seq_len_for_mem(2, 10_000) == 40
+    assert m.clamp_max_seq_len_for_mem(1, 30) == 30
+
+
+def test_shutdown_and_clear_refuse_while_open(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T))
+    kv = m.create_kv_cache()
+    with pytest.raises(LogicError, match="still open"):
+        m.shutdown()
+    with pytest.raises(LogicError, match="still open"):
+        m.clear_reusable_blocks()
+    kv.close()
+    m.clear_reusable_blocks()
+    m.shutdown()
+    m.shutdown()
+    with pytest.raises(LogicError, match="shut down"):
+        m.create_kv_cache()
+
+
+def _active(m: KVCacheManager, cap: int = 20) -> KVCache:
+    kv = m.create_kv_cache()
+    kv.resume()
+    assert kv.resize(cap)
+    return kv
+
+
+BAD_CALLS: list[tuple[str, Callable[[KVCacheManager, KVCache], object], type[Exception], str]] = [
+    ("resize negative", lambda m, kv: kv.resize(-1), ValueError, "capacity"),
+    ("resize non-int", lambda m, kv: kv.resize(3.5), TypeError, ""),  # type: ignore[arg-type]
+    ("history shrinks", lambda m, kv: (kv.commit([1] * 10), kv.resize(20, 5)), LogicError, "never shrinks"),
+    ("negative token", lambda m, kv: kv.commit([-1]), ValueError, "outside"),
+    ("empty bytes token", lambda m, kv: kv.commit([b""]), ValueError, "empty"),
+    ("capacity below history", lambda m, kv: kv.resize(5, 10), LogicError, "below history"),
+    ("resume active", lambda m, kv: kv.resume(), LogicError, "SUSPENDED"),
+    ("bad stream", lambda m, kv: (kv.suspend(), kv.resume(-3)), ValueError, "cuda_stream"),
+    ("commit past capacity", lambda m, kv: kv.commit([1] * 21), LogicError, "beyond capacity"),
+    ("commit bad token", lambda m, kv: kv.commit([1 << 40]), ValueError, "outside"),
+    ("commit str token", lambda m, kv: kv.commit(["a"]), TypeError, ""),  # type: ignore[list-item]
+    ("commit after stop", lambda m, kv: (kv.stop_committing(), kv.commit([1])), LogicError, "stop_committing"),
+    ("beam indices", lambda m, kv: kv.commit([1], [0]), ValueError, "beam"),
+    ("bad layer group", lambda m, kv: kv.get_base_page_indices(LayerGroupId(5)), ValueError, "layer_group_id"),
+    ("bad beam", lambda m, kv: kv.get_base_page_indices(LayerGroupId(0), 1), ValueError, "beam"),  # type: ignore[arg-type]
+    ("buf not memoryview", lambda m, kv: kv.set_base_page_index_buf(0, LayerGroupId(0), bytearray(40)), TypeError, ""),  # type: ignore[arg-type]
+    ("buf wrong format", lambda m, kv: kv.set_base_page_index_buf(0, LayerGroupId(0), memoryview(array("q", [0] * 8))), ValueError, "int32"),  # type: ignore[arg-type]
+    ("buf readonly", lambda m, kv: kv.set_base_page_index_buf(0, LayerGroupId(0), memoryview(bytes(40)).cast("i")), ValueError, "writable"),  # type: ignore[arg-type]
+    ("buf too short", lambda m, kv: kv.set_base_page_index_buf(0, LayerGroupId(0), memoryview(array("i", [0]))), ValueError, "entries"),  # type: ignore[arg-type]
+    ("unknown layer", lambda m, kv: m.get_layer_group_id(LayerId(99)), ValueError, "unknown layer_id"),
+    ("unknown role", lambda m, kv: m.get_page_stride(LayerId(0), "query"), ValueError, "no buffer with role"),
+    ("bad index mode", lambda m, kv: m.get_mem_pool_base_address(LayerId(0), "key", 1), TypeError, ""),  # type: ignore[arg-type]
+    ("bad level", lambda m, kv: m.get_storage_statistics(3), ValueError, "cache level"),  # type: ignore[arg-type]
+    ("bad scope", lambda m, kv: m.create_kv_cache(reuse_scope=5), TypeError, ""),  # type: ignore[arg-type]
+    ("bad callback", lambda m, kv: m.create_kv_cache(custom_priority_callback=3), TypeError, "callable"),  # type: ignore[arg-type]
+    ("bad clamp", lambda m, kv: m.clamp_max_seq_len_for_mem(0, 10), ValueError, "batch_size"),
+    ("closed resize", lambda m, kv: (kv.close(), kv.resize(30)), LogicError, "CLOSED"),
+    ("closed commit", lambda m, kv: (kv.close(), kv.commit([1])), LogicError, "CLOSED"),
+]
+
+
+@pytest.mark.parametrize("name, call, exc, match", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_is_a_clear_error_and_changes_nothing(
+    make_manager: MakeManager, name: str, call: Callable[[KVCacheManager, KVCache], object], exc: type[Exception], match: str
+) -> None:
+    m = make_manager(kv_layers(2, T))
+    kv = _active(m)
+    with pytest.raises(exc, match=match or None):
+        call(m, kv)
+    if kv.status is KVCacheStatus.ACTIVE:
+        assert kv.capacity == 20 and kv.num_blocks == 3
+    kv.close()
+    assert free_slots(m) == [m.get_storage_statistics()[0].total]
+
+
+def test_unsupported_features_are_refused_clearly() -> None:
+    from conftest import make_config
+
+    from kv_cache_manager_v2 import HostCacheTierConfig, KVCacheManagerConfig, SwaScratchReuseConfig, GpuCacheTierConfig
+
+    with pytest.raises(ValueError, match="tiers"):
+        KVCacheManager(
+            KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 20), HostCacheTierConfig(1 << 20)], kv_layers(1), backend="host")
+        )
+    with pytest.raises(ValueError, match="swa_scratch_reuse"):
+        KVCacheManager(make_config(kv_layers(1), swa_scratch_reuse=SwaScratchReuseConfig()))
+    with pytest.raises(ValueError, match="too small"):
+        KVCacheManager(make_config(kv_layers(1), quota=100))
+    with pytest.raises(TypeError, match="KVCacheManagerConfig"):
+        KVCacheManager("config")  # type: ignore[arg-type]

@@ -1,0 +1,99 @@
+"""rawref: lifetime, invalidation, hashing, no reference leaks, use from compiled code."""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import pytest
+import rawref
+
+
+class Target:
+    def __init__(self) -> None:
+        self._rawref: rawref.ref[Target] | None = None
+
+    def __del__(self) -> None:
+        if self._rawref is not None:
+            self._rawref.invalidate()
+
+
+class Slotted:
+    __slots__ = ("x",)
+
+
+def test_ref_returns_object_while_alive_and_none_after_del() -> None:
+    t = Target()
+    r = rawref.ref(t)
+    assert r() is t and r.is_valid
+    del t
+    assert r() is None and not r.is_valid
+
+
+def test_one_ref_per_object() -> None:
+    t = Target()
+    assert rawref.ref(t) is rawref.ref(t)
+    assert rawref.ref(Target()) is not rawref.ref(t)
+
+
+def test_invalidate_then_new_ref() -> None:
+    t = Target()
+    r = rawref.ref(t)
+    r.invalidate()
+    assert r() is None
+    r2 = rawref.ref(t)
+    assert r2 is not r and r2() is t
+
+
+def test_hash_and_equality_by_identity() -> None:
+    a, b = Target(), Target()
+    ra, rb = rawref.ref(a), rawref.ref(b)
+    s = {ra, rb, rawref.ref(a)}
+    assert len(s) == 2 and ra in s
+    assert ra != rb and ra == rawref.ref(a)
+    assert hash(ra) == hash(rawref.ref(a))
+
+
+def test_no_reference_leaks() -> None:
+    t = Target()
+    before = sys.getrefcount(t)
+    r = rawref.ref(t)
+    for _ in range(100):
+        x = r()
+        del x
+        rawref.ref(t)
+    assert sys.getrefcount(t) == before
+    r_before = sys.getrefcount(r)
+    for _ in range(100):
+        rawref.ref(t)
+    assert sys.getrefcount(r) == r_before
+
+
+def test_null_constant() -> None:
+    assert rawref.NULL() is None
+    assert not rawref.NULL.is_valid
+    assert "invalid" in repr(rawref.NULL)
+
+
+def test_generic_alias_and_errors() -> None:
+    assert rawref.ref[int] is not None  # usable in runtime annotations
+    with pytest.raises(TypeError, match="_rawref"):
+        rawref.ref(Slotted())
+    with pytest.raises(TypeError):
+        rawref.ref(Target())(1)  # type: ignore[call-arg]
+
+
+def test_from_compiled_code_cache_closed_on_gc() -> None:
+    """The manager (compiled in production mode) tracks open caches through rawrefs."""
+    from conftest import kv_layers, make_config
+
+    from kv_cache_manager_v2 import KVCacheManager
+
+    m = KVCacheManager(make_config(kv_layers(2)))
+    kv = m.create_kv_cache()
+    r = rawref.ref(kv)
+    assert r() is kv and m.num_open_caches == 1
+    del kv
+    gc.collect()
+    assert r() is None and m.num_open_caches == 0
+    m.shutdown()
