@@ -113,6 +113,21 @@ class StorageStatistics:
         return self.total - self.available
 
 
+@dataclass
+class ReuseStatistics:
+    """Blocks newly allocated, reused from the reuse tree, and input blocks that missed it."""
+
+    allocated_blocks: int = 0
+    reused_blocks: int = 0
+    missed_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """reused / (reused + missed) input blocks; 0 when nothing was looked up."""
+        n = self.reused_blocks + self.missed_blocks
+        return self.reused_blocks / n if n else 0.0
+
+
 @dataclass(frozen=True)
 class PoolDesc:
     """One memory region of a pool group: slot ``s`` starts at ``base_address + s * slot_bytes``."""

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import rawref
 
 from ._common import BAD_PAGE_INDEX, CacheLevel, LifeCycleId, PageStatus, Priority, SlotId
 from ._exceptions import LogicError
 from ._storage._storage import PoolGroupStorage
+
+if TYPE_CHECKING:
+    from ._radix_tree import Node
 
 
 class Page:
@@ -14,8 +19,10 @@ class Page:
 
     Owners count themselves: active requests lock (``num_locks``), suspended ones hold
     (``num_holds``). When the last owner lets go the slot is freed at once, so release is
-    deterministic and never waits for the cycle collector. Others refer to a page through
-    ``rawref.ref(page)``, which is invalidated when the slot is freed.
+    deterministic and never waits for the cycle collector. A page committed to the reuse
+    tree (``node`` set) is not freed but becomes DROPPABLE: it waits in its pool group's
+    evictor until reused or evicted. The tree refers to pages through ``rawref.ref(page)``,
+    which is invalidated when the slot is freed.
     """
 
     _rawref: rawref.ref[Page] | None
@@ -31,6 +38,7 @@ class Page:
         self.num_locks = 1 if locked else 0
         self.num_holds = 0 if locked else 1
         self._rawref = None
+        self.node: Node | None = None
 
     @property
     def status(self) -> PageStatus:
@@ -52,16 +60,29 @@ class Page:
         self.num_locks -= 1
         self.num_holds += 1
 
+    def take(self, locked: bool) -> None:
+        """A new owner (locking if ``locked``, else holding); a DROPPABLE page leaves the evictor."""
+        if self.num_locks == 0 and self.num_holds == 0:
+            self.storage.evictor.remove(self)
+        if locked:
+            self.num_locks += 1
+        else:
+            self.num_holds += 1
+
     def release(self, locked: bool) -> None:
-        """One owner (locking if ``locked``, else holding) lets go; frees the slot after the last."""
+        """One owner lets go; after the last, a committed page becomes DROPPABLE, others are freed."""
         if locked:
             self.num_locks -= 1
         else:
             self.num_holds -= 1
         if self.num_locks == 0 and self.num_holds == 0:
-            self._free()
+            if self.node is not None:
+                self.storage.evictor.add(self)
+            else:
+                self.free()
 
-    def _free(self) -> None:
+    def free(self) -> None:
+        """Give the slot back and invalidate refs to this page (owners must be gone)."""
         if self.slot == BAD_PAGE_INDEX:
             raise LogicError("page freed twice")
         self.storage.allocator.free(self.slot)

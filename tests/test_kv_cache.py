@@ -77,6 +77,7 @@ def test_batch_prefill_and_decode_through_fake_engine(make_manager: MakeManager,
     assert len(all_slots) == len(set(all_slots)), "a slot was handed to two blocks"
     for kv, _ in reqs:
         kv.close()
+    m.clear_reusable_blocks()
     assert free_slots(m) == [s.total for s in m.get_storage_statistics()]
     assert engine.pages_checked > 0
 
@@ -185,8 +186,9 @@ def test_resize_is_all_or_nothing(make_manager: MakeManager) -> None:
     assert b.resize(24 + 2 * T)  # exactly fits
     assert free_slots(m) == [0]
     a.close()
-    assert b.resize(24 + 3 * T)
+    assert b.resize(24 + 3 * T)  # evicts a's committed pages, now reusable only
     b.close()
+    m.clear_reusable_blocks()
     assert free_slots(m) == [10]
 
 
@@ -202,6 +204,7 @@ def test_closing_every_request_returns_every_slot(make_manager: MakeManager) -> 
     caches[0].suspend()
     for kv in caches:
         kv.close()
+    m.clear_reusable_blocks()
     assert free_slots(m) == total
 
 
@@ -214,6 +217,7 @@ def test_gc_closes_a_dropped_cache(make_manager: MakeManager) -> None:
     del kv
     gc.collect()
     assert m.num_open_caches == 0
+    m.clear_reusable_blocks()
     assert free_slots(m) == [m.get_storage_statistics()[0].total]
 
 
@@ -333,6 +337,7 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(
     if kv.status is KVCacheStatus.ACTIVE:
         assert kv.capacity == 20 and kv.num_blocks == 3
     kv.close()
+    m.clear_reusable_blocks()
     assert free_slots(m) == [m.get_storage_statistics()[0].total]
 
 
@@ -351,3 +356,39 @@ def test_unsupported_features_are_refused_clearly() -> None:
         KVCacheManager(make_config(kv_layers(1), quota=100))
     with pytest.raises(TypeError, match="KVCacheManagerConfig"):
         KVCacheManager("config")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("sinks", [None, 5])
+def test_swa_releases_out_of_window_blocks_and_keeps_the_window(make_manager: MakeManager, sinks: int | None) -> None:
+    m = make_manager(kv_layers(4, T, window=20, swa_every=2, sink_tokens=sinks))
+    assert len(m.layer_grouping) == 2
+    engine = FakeEngine(m)
+    kv = m.create_kv_cache()
+    kv.resume()
+    toks = tokens(9, 200)
+    run_request(engine, kv, toks, [40, 33], 30)
+    swa = LayerGroupId(0)
+    idx = kv.get_base_page_indices(swa)
+    h = kv.history_length
+    live = [o for o, i in enumerate(idx) if i != BAD_PAGE_INDEX]
+    sink_blocks = (sinks + T - 1) // T if sinks else 0
+    first_live = (h + 1 - 20) // T
+    assert live == list(range(sink_blocks)) + list(range(first_live, kv.num_blocks))
+    full = kv.get_base_page_indices(LayerGroupId(1))
+    assert all(i != BAD_PAGE_INDEX for i in full)
+    used = sum(s.unavailable for s in m.get_storage_statistics())
+    assert used == len(live) + len(full)
+    # one big prefill chunk: blocks already stale at the new history are never allocated
+    kv2 = m.create_kv_cache()
+    kv2.resume()
+    assert kv2.resize(100, 0)
+    engine.step(kv2, toks, 0, 100)
+    kv2.commit(toks[:100])
+    assert sum(i != BAD_PAGE_INDEX for i in kv2.get_base_page_indices(swa)) == sink_blocks + (
+        kv2.num_blocks - (100 + 1 - 20) // T
+    )
+    run_request(engine, kv2, toks, [], 10)
+    kv.close()
+    kv2.close()
+    m.clear_reusable_blocks()
+    assert free_slots(m) == [s.total for s in m.get_storage_statistics()]

@@ -9,6 +9,7 @@ import rawref
 
 from .._common import (
     BAD_PAGE_INDEX,
+    MemAddress,
     DEFAULT_PRIORITY,
     MAX_PRIORITY,
     MAX_TOKEN_ID,
@@ -25,6 +26,7 @@ from .._common import (
 )
 from .._exceptions import LogicError
 from .._page import Page
+from .._radix_tree import Node, block_key
 from .._utils import check_int
 
 if TYPE_CHECKING:
@@ -75,6 +77,45 @@ class KVCache:
         self._user_bufs: list[memoryview | None] = [None] * n
         # Per life cycle: blocks below this ordinal (and past the sinks) were released as stale.
         self._stale_end: list[int] = [0] * n
+        # Reuse: the tree node of the last published full block, how many full blocks are
+        # published, and per life cycle the held source page of a partial match, copied on resume.
+        self._last_node: Node | None = None
+        self._num_published = 0
+        self._pending_copy: list[Page | None] = [None] * n
+
+    def _adopt(self, nodes: list[Node], part: Node | None, part_len: int, tokens: Sequence[TokenIdExt]) -> None:
+        """Take holds on matched pages (called once, right after construction)."""
+        t = self._tokens_per_block
+        length = len(nodes) * t + part_len
+        nb = (length + t - 1) // t
+        registry = self._mgr._registry
+        for lc in range(len(self._pages)):
+            beg, end = registry.stale_range(LifeCycleId(lc), length)
+            pages = self._pages[lc]
+            indices = self._indices[lc]
+            for o in range(nb):
+                indices.append(BAD_PAGE_INDEX)
+                pages.append(None)
+                if beg <= o < end:
+                    continue
+                if o < len(nodes):
+                    p = nodes[o].page(lc)
+                    assert p is not None
+                    p.take(False)
+                    pages[o] = p
+                    indices[o] = p.slot
+                else:
+                    assert part is not None
+                    src = part.page(lc)
+                    assert src is not None
+                    src.take(False)
+                    self._pending_copy[lc] = src
+            self._stale_end[lc] = end
+        self._committed = list(tokens[:length])
+        self._capacity = self._history = length
+        self._num_blocks = nb
+        self._num_published = len(nodes)
+        self._last_node = nodes[-1] if nodes else None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -147,11 +188,50 @@ class KVCache:
         if cuda_stream is not None:
             check_int("cuda_stream (a CUstream handle)", cuda_stream)
             self._cuda_stream = cuda_stream
+        if not self._copy_partial_block():
+            return False
         for pages in self._pages:
             for p in pages:
                 if p is not None:
                     p.lock_from_hold()
         self._status = KVCacheStatus.ACTIVE
+        return True
+
+    def _copy_partial_block(self) -> bool:
+        """Copy-on-partial: give the partially matched block private pages holding its data."""
+        mgr = self._mgr
+        need = [0] * len(mgr._gpu.groups)
+        for lc, src in enumerate(self._pending_copy):
+            if src is not None:
+                need[mgr._lc_group_index[lc]] += 1
+        if not any(need):
+            return True
+        for g, n in enumerate(need):
+            if n > mgr._gpu.groups[g].num_available:
+                return False
+        o = self._num_published
+        for lc, src in enumerate(self._pending_copy):
+            if src is None:
+                continue
+            storage = mgr._lc_group[lc]
+            mgr._make_room(storage, 1)
+            slot = storage.allocator.allocate_one()
+            prio = DEFAULT_PRIORITY if self._priority_cb is default_priority else _checked_priority(
+                self._priority_cb(BlockOrdinal(o), LifeCycleId(lc))
+            )
+            for pool, size in zip(storage.pools, storage.layout.slot_sizes):
+                mgr._backend.copy(
+                    MemAddress(pool.base_address + slot * size), MemAddress(pool.base_address + src.slot * size), size, 0
+                )
+            page = Page(storage, slot, LifeCycleId(lc), prio, False)
+            self._pages[lc][o] = page
+            self._indices[lc][o] = slot
+            buf = self._user_bufs[lc]
+            if buf is not None:
+                buf[o] = slot
+            self._pending_copy[lc] = None
+            src.release(False)
+        mgr._backend.synchronize()
         return True
 
     def suspend(self) -> None:
@@ -169,6 +249,10 @@ class KVCache:
         if self._status is KVCacheStatus.CLOSED:
             return
         locked = self._status is KVCacheStatus.ACTIVE
+        for lc, src in enumerate(self._pending_copy):
+            if src is not None:
+                self._pending_copy[lc] = None
+                src.release(False)
         for lc, pages in enumerate(self._pages):
             for p in pages:
                 if p is not None:
@@ -247,7 +331,7 @@ class KVCache:
             else:
                 priorities.append([_checked_priority(cb(BlockOrdinal(o), LifeCycleId(lc))) for o in want])
         for gi in range(num_groups):
-            if need[gi] > gain[gi] + mgr._gpu.groups[gi].allocator.num_free:
+            if need[gi] > gain[gi] + mgr._gpu.groups[gi].num_available:
                 return False
         for lc in range(mgr.num_life_cycles):
             self._release_stale(LifeCycleId(lc), stale_ends[lc])
@@ -265,7 +349,9 @@ class KVCache:
         indices = self._indices[lc]
         old_nb = len(pages)
         storage = self._mgr._lc_group[lc]
+        self._mgr._make_room(storage, len(want))
         slots = storage.allocator.allocate(len(want))
+        self._mgr._stats.allocated_blocks += len(want)
         for _ in range(old_nb, nb):
             pages.append(None)
             indices.append(BAD_PAGE_INDEX)
@@ -322,8 +408,10 @@ class KVCache:
                 f"beyond capacity {self._capacity}; resize() first"
             )
         for tok in accepted_input_tokens:
-            _check_token(tok)
+            check_token(tok)
         self._committed.extend(accepted_input_tokens)
+        if n >= (self._num_published + 1) * self._tokens_per_block:
+            self._publish(n // self._tokens_per_block)
         if n > self._history:
             self._history = n
             if self._mgr._has_swa:
@@ -334,7 +422,51 @@ class KVCache:
         """No more commits for this request (its further output must not be reused)."""
         if self._status is KVCacheStatus.CLOSED:
             raise LogicError("stop_committing() on a CLOSED cache")
+        if self._committing and len(self._committed) % self._tokens_per_block:
+            self._publish(self._num_published + 1)
         self._committing = False
+
+    def _publish(self, upto: int) -> None:
+        """Insert committed blocks ``[num_published, upto)`` into the reuse tree (the last may be partial).
+
+        A block already in the tree with the same key is deduplicated: this request switches
+        to the tree's pages and frees its own.
+        """
+        mgr = self._mgr
+        t = self._tokens_per_block
+        parent = self._last_node
+        if parent is None:
+            parent = mgr._tree.root(self._reuse_scope, True)
+            assert parent is not None
+        locked = self._status is KVCacheStatus.ACTIVE
+        for o in range(self._num_published, upto):
+            toks = tuple(self._committed[o * t : (o + 1) * t])
+            if len(toks) < t and any(c.tokens[: len(toks)] == toks for c in parent.children.values()):
+                return  # a longer sibling already covers this partial tail
+            key = block_key(parent.key, toks)
+            node = parent.children.get(key)
+            if node is None:
+                node = parent.children[key] = Node(key, parent, toks, len(self._pages))
+            for lc in range(len(self._pages)):
+                mine = self._pages[lc][o]
+                theirs = node.page(lc)
+                if theirs is None:
+                    if mine is not None and mine.node is None:
+                        mine.node = node
+                        node.pages[lc] = rawref.ref(mine)
+                elif mine is not None and theirs is not mine:
+                    theirs.take(locked)
+                    self._pages[lc][o] = theirs
+                    self._indices[lc][o] = theirs.slot
+                    buf = self._user_bufs[lc]
+                    if buf is not None:
+                        buf[o] = theirs.slot
+                    mine.release(locked)
+            if len(toks) < t:
+                return
+            parent = node
+            self._num_published = o + 1
+            self._last_node = node
 
     # ------------------------------------------------------------------ indices
     def get_base_page_indices(self, layer_group_id: LayerGroupId, beam_id: BeamIndex = BeamIndex(0)) -> array[int]:
@@ -403,7 +535,7 @@ def _sole_owner(page: Page | None) -> int:
     return 1 if page is not None and page.num_locks == 1 and page.num_holds == 0 else 0
 
 
-def _check_token(tok: object) -> None:
+def check_token(tok: object) -> None:
     if type(tok) is int:
         if not 0 <= tok <= MAX_TOKEN_ID:
             raise ValueError(f"token id {tok} is outside [0, 2**32)")

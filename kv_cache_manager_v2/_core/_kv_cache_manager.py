@@ -8,6 +8,7 @@ import rawref
 
 from .._common import (
     GPU_LEVEL,
+    ReuseStatistics,
     AggregatedPageDesc,
     BufferId,
     CacheLevel,
@@ -29,11 +30,13 @@ from .._config import KVCacheDesc, KVCacheManagerConfig
 from .._exceptions import LogicError
 from .._utils import check_int, check_type
 from .._life_cycle_registry import LifeCycleRegistry
+from .._page import Page
 from .._page_index import PageIndexConverter
+from .._radix_tree import Node, ReuseTree
 from .._storage._backend import MemoryBackend, select_backend
 from .._storage._layout import BufferAttr, StorageLayout
 from .._storage._storage import LevelStorage, PoolGroupStorage, blocks_needed, make_level_storage, split_quota
-from ._kv_cache import KVCache, PriorityCallback, default_priority
+from ._kv_cache import KVCache, PriorityCallback, check_token, default_priority
 
 
 class KVCacheManager:
@@ -73,6 +76,8 @@ class KVCacheManager:
         self._lc_group_index: list[PoolGroupIndex] = list(self._layout.life_cycle_pool_group)
         self._lc_group: list[PoolGroupStorage] = [self._gpu.groups[g] for g in self._lc_group_index]
         self._open: set[rawref.ref[KVCache]] = set()
+        self._tree = ReuseTree(self._registry.life_cycles, self.tokens_per_block)
+        self._stats = ReuseStatistics()
         self._is_shut_down = False
 
     # ------------------------------------------------------------------ requests
@@ -90,13 +95,42 @@ class KVCacheManager:
         if not callable(custom_priority_callback):
             raise TypeError("custom_priority_callback must be callable (block_ordinal, life_cycle) -> priority")
         kv = KVCache(self, reuse_scope, id, custom_priority_callback)
+        if input_tokens:
+            nodes, part, part_len = self._match(kv.reuse_scope, input_tokens)
+            kv._adopt(nodes, part, part_len, input_tokens)
+            t = self.tokens_per_block
+            self._stats.reused_blocks += len(nodes) + (part is not None)
+            self._stats.missed_blocks += (len(input_tokens) + t - 1) // t - len(nodes) - (part is not None)
         self._open.add(rawref.ref(kv))
         return kv
 
     def probe_reuse(self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None) -> int:
-        """Length of the reusable prefix of ``input_tokens`` (0 until blocks are published)."""
+        """Length of the reusable prefix of ``input_tokens``; takes nothing."""
         self._check_alive()
-        return 0
+        if not input_tokens:
+            return 0
+        nodes, _, part_len = self._match(reuse_scope if reuse_scope is not None else ReuseScope(), input_tokens)
+        return len(nodes) * self.tokens_per_block + part_len
+
+    def _match(self, scope: ReuseScope, input_tokens: Sequence[TokenIdExt]) -> tuple[list[Node], Node | None, int]:
+        check_type("reuse_scope", scope, ReuseScope)
+        for tok in input_tokens:
+            check_token(tok)
+        root = self._tree.root(scope, False)
+        if root is None:
+            return [], None, 0
+        return self._tree.match(root, input_tokens, self._config.enable_partial_reuse)
+
+    def _make_room(self, storage: PoolGroupStorage, count: int) -> None:
+        """Evict reusable pages (lowest priority, least recently used first) until ``count`` slots are free."""
+        while storage.allocator.num_free < count:
+            self._tree.drop_page(storage.evictor.pop_victim())
+
+    @property
+    def reuse_statistics(self) -> ReuseStatistics:
+        """Blocks allocated, reused from the tree and missed by ``create_kv_cache`` so far."""
+        s = self._stats
+        return ReuseStatistics(s.allocated_blocks, s.reused_blocks, s.missed_blocks)
 
     def _unregister(self, kv: KVCache) -> None:
         self._open.discard(rawref.ref(kv))
@@ -108,12 +142,14 @@ class KVCacheManager:
     def clear_reusable_blocks(self) -> None:
         """Drop every reusable page. Refused while caches are open."""
         self._check_no_open_caches("clear_reusable_blocks")
+        self._tree.clear()
 
     def shutdown(self) -> None:
         """Release all memory; refused while caches are open. Idempotent."""
         if self._is_shut_down:
             return
         self._check_no_open_caches("shutdown")
+        self._tree.clear()
         self._gpu.release()
         self._backend.shutdown()
         self._is_shut_down = True

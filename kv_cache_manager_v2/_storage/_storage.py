@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .._common import CacheLevel, StorageStatistics
+from .._eviction import Evictor
 from .._config import BatchDesc, KVCacheDesc
 from .._life_cycle_registry import LifeCycleRegistry, stale_range
 from .._utils import div_up
@@ -23,11 +24,15 @@ class PoolGroupStorage:
         self.layout = layout
         self.pools: list[DevicePool] = [backend.reserve_pool(num_slots * size) for size in layout.slot_sizes]
         self.allocator = SlotAllocator(num_slots, self.pools, layout.slot_sizes)
-        self.num_evictable = 0  # maintained by the eviction policy
+        self.evictor = Evictor()
+
+    @property
+    def num_available(self) -> int:
+        return self.allocator.num_free + self.evictor.count
 
     def statistics(self) -> StorageStatistics:
         a = self.allocator
-        return StorageStatistics(self.layout.index, self.layout.slot_sizes, a.num_slots, a.num_free, self.num_evictable)
+        return StorageStatistics(self.layout.index, self.layout.slot_sizes, a.num_slots, a.num_free, self.evictor.count)
 
     def release(self) -> None:
         for pool in self.pools:
@@ -43,7 +48,7 @@ class LevelStorage:
 
     def utilization(self) -> float:
         """Max over pool groups of unavailable / total slots."""
-        return max(1.0 - (g.allocator.num_free + g.num_evictable) / g.allocator.num_slots for g in self.groups)
+        return max(1.0 - g.num_available / g.allocator.num_slots for g in self.groups)
 
     def release(self) -> None:
         for g in self.groups:

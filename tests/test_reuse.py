@@ -1,0 +1,256 @@
+"""Prefix reuse through the fake engine: full and partial blocks, reuse during generation,
+scopes, dedup, eviction order, and slot accounting."""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import pytest
+from conftest import kv_layers
+from fake_engine import FakeEngine
+
+from kv_cache_manager_v2 import (
+    BAD_PAGE_INDEX,
+    KVCache,
+    KVCacheManager,
+    LayerGroupId,
+    PageStatus,
+    Priority,
+    ReuseScope,
+)
+from kv_cache_manager_v2._radix_tree import block_key, encode_tokens, scope_key
+
+T = 8
+MakeManager = Callable[..., KVCacheManager]
+LG0 = LayerGroupId(0)
+
+
+def toks(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1 << 31) for _ in range(n)]
+
+
+def serve(engine: FakeEngine, kv: KVCache, tokens: list[int], decode: int = 0) -> None:
+    """Resume, check the reused prefix, prefill the rest, decode ``decode`` tokens."""
+    assert kv.resume()
+    h = kv.history_length
+    engine.check_all(kv, tokens, h)
+    n = len(tokens) - decode
+    assert kv.resize(n)
+    engine.step(kv, tokens, h, n)
+    kv.commit(tokens[h:n])
+    for pos in range(n, len(tokens)):
+        assert kv.resize(pos + 1)
+        engine.step(kv, tokens, pos, pos + 1)
+        kv.commit([tokens[pos]])
+
+
+def test_same_prompt_reuses_full_blocks_with_correct_data(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(3, T))
+    engine = FakeEngine(m)
+    prompt = toks(1, 45)
+    a = m.create_kv_cache(input_tokens=prompt)
+    assert a.num_committed_tokens == 0
+    serve(engine, a, prompt)
+    a.close()
+    assert m.probe_reuse(None, prompt) == 40  # full blocks only; the partial tail needs stop_committing()
+    b = m.create_kv_cache(input_tokens=prompt[:40] + toks(2, 10))
+    assert b.status.name == "SUSPENDED"
+    assert b.num_committed_tokens == b.history_length == b.capacity == 40
+    serve(engine, b, prompt[:40] + toks(2, 10))
+    stats = m.reuse_statistics
+    assert stats.reused_blocks == 5 and stats.hit_rate > 0
+    b.close()
+
+
+def test_partial_block_is_copied_and_original_stays_intact(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(2, T))
+    engine = FakeEngine(m)
+    writer = toks(3, 32)
+    a = m.create_kv_cache(input_tokens=writer)
+    serve(engine, a, writer)
+    a.close()
+    # shares 20 tokens: 2 full blocks + 4 tokens of block 2
+    second = writer[:20] + toks(4, 20)
+    assert m.probe_reuse(None, second) == 20
+    b = m.create_kv_cache(input_tokens=second)
+    assert b.history_length == 20
+    serve(engine, b, second)  # writes positions 20..39 into its private copy of block 2
+    idx_b = b.get_base_page_indices(LG0)
+    third = m.create_kv_cache(input_tokens=writer)
+    assert third.history_length == 32
+    assert third.resume()
+    assert third.get_base_page_indices(LG0)[2] != idx_b[2]
+    engine.check_all(third, writer, 32)  # the writer's block 2 still holds the writer's tokens
+    b.close()
+    third.close()
+
+
+def test_partial_reuse_can_be_disabled(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T), enable_partial_reuse=False)
+    engine = FakeEngine(m)
+    writer = toks(5, 32)
+    a = m.create_kv_cache(input_tokens=writer)
+    serve(engine, a, writer)
+    a.close()
+    assert m.probe_reuse(None, writer[:20] + [1, 2, 3]) == 16
+
+
+def test_block_committed_during_decode_is_reused_before_the_writer_finishes(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(2, T))
+    engine = FakeEngine(m)
+    full = toks(6, 40)
+    a = m.create_kv_cache(input_tokens=full[:12])
+    serve(engine, a, full[:30], decode=20)  # prompt 10 (+2), then decode up to 30 tokens
+    assert a.status.name == "ACTIVE" and a.num_committed_tokens == 30
+    assert m.probe_reuse(None, full[:30]) == 24  # the 3 full blocks committed so far
+    b = m.create_kv_cache(input_tokens=full[:24] + toks(7, 8))
+    assert b.history_length == 24
+    assert b.get_base_page_indices(LG0)[:3].tolist() == a.get_base_page_indices(LG0)[:3].tolist()
+    serve(engine, b, full[:24] + toks(7, 8))
+    page = a._pages[0][0]
+    assert page is not None and page.status is PageStatus.LOCKED and page.num_locks == 2
+    a.close()
+    b.close()
+
+
+def test_scopes_isolate(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T))
+    engine = FakeEngine(m)
+    prompt = toks(8, 24)
+    a = m.create_kv_cache(ReuseScope(lora_id=1, salt=7), prompt)
+    serve(engine, a, prompt)
+    a.close()
+    assert m.probe_reuse(ReuseScope(lora_id=1, salt=7), prompt) == 24
+    assert m.probe_reuse(ReuseScope(lora_id=1, salt=8), prompt) == 0
+    assert m.probe_reuse(ReuseScope(lora_id=2, salt=7), prompt) == 0
+    assert m.probe_reuse(None, prompt) == 0
+    b = m.create_kv_cache(ReuseScope(salt=7), prompt)
+    assert b.history_length == 0
+    b.close()
+
+
+def test_identical_blocks_are_deduplicated(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T))
+    engine = FakeEngine(m)
+    prompt = toks(9, 24)
+    a, b = m.create_kv_cache(input_tokens=prompt), m.create_kv_cache(input_tokens=prompt)
+    serve(engine, a, prompt)
+    used_after_a = m.get_storage_statistics()[0].unavailable
+    serve(engine, b, prompt)  # computed the same blocks again; commit switches to a's pages
+    assert b.get_base_page_indices(LG0).tolist() == a.get_base_page_indices(LG0).tolist()
+    assert m.get_storage_statistics()[0].unavailable == used_after_a
+    engine.check_all(b, prompt, 24)
+    a.close()
+    b.close()
+
+
+def test_stop_committing_publishes_the_partial_tail(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T))
+    engine = FakeEngine(m)
+    prompt = toks(10, 21)
+    a = m.create_kv_cache(input_tokens=prompt)
+    serve(engine, a, prompt)
+    assert m.probe_reuse(None, prompt) == 16
+    a.stop_committing()
+    assert m.probe_reuse(None, prompt) == 21
+    a.close()
+
+
+def test_eviction_takes_lowest_priority_then_least_recently_used(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T), quota=2 * 32 * T * 6)  # 6 slots
+    engine = FakeEngine(m)
+    prompts = {name: toks(20 + i, 8) for i, name in enumerate("abcd")}
+    prio = {"a": 50, "b": 10, "c": 50, "d": 10}
+    for name in "abcd":  # release order a, b, c, d
+        kv = m.create_kv_cache(input_tokens=prompts[name], custom_priority_callback=lambda o, lc, p=prio[name]: Priority(p))
+        serve(engine, kv, prompts[name])
+        kv.close()
+    assert m.get_storage_statistics()[0].evictable == 4
+    x = m.create_kv_cache()
+    assert x.resume() and x.resize(3 * T)  # 2 free + evicts 1: b (prio 10, older than d)
+    assert [m.probe_reuse(None, prompts[n]) for n in "abcd"] == [8, 0, 8, 8]
+    assert x.resize(4 * T)  # evicts d
+    assert [m.probe_reuse(None, prompts[n]) for n in "abcd"] == [8, 0, 8, 0]
+    assert x.resize(5 * T)  # then a (prio 50, older than c)
+    assert [m.probe_reuse(None, prompts[n]) for n in "abcd"] == [0, 0, 8, 0]
+    assert not x.resize(7 * T)  # only 1 more is evictable: all or nothing
+    assert [m.probe_reuse(None, prompts[n]) for n in "abcd"] == [0, 0, 8, 0]
+    x.close()
+
+
+def test_evicting_a_parent_block_removes_its_subtree(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T), quota=2 * 32 * T * 4)
+    engine = FakeEngine(m)
+    prompt = toks(30, 24)
+    kv = m.create_kv_cache(input_tokens=prompt, custom_priority_callback=lambda o, lc: Priority(10 if o == 0 else 60))
+    serve(engine, kv, prompt)
+    kv.close()
+    x = m.create_kv_cache()
+    assert x.resume() and x.resize(2 * T)  # 1 free + evict block 0 -> blocks 1, 2 useless, freed too
+    assert m.probe_reuse(None, prompt) == 0
+    st = m.get_storage_statistics()[0]
+    assert st.evictable == 0 and st.free == 2
+    x.close()
+
+
+def test_swa_reuse_needs_only_window_pages(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(2, T, window=12, swa_every=2))
+    engine = FakeEngine(m)
+    prompt = toks(40, 48)
+    a = m.create_kv_cache(input_tokens=prompt)
+    serve(engine, a, prompt)
+    a.close()
+    assert m.probe_reuse(None, prompt) == 48
+    b = m.create_kv_cache(input_tokens=prompt + toks(41, 8))
+    assert b.history_length == 48
+    idx = b.get_base_page_indices(LG0)
+    assert idx[0] == BAD_PAGE_INDEX and idx[5] != BAD_PAGE_INDEX
+    serve(engine, b, prompt + toks(41, 8))
+    b.close()
+    m.clear_reusable_blocks()
+    assert all(s.free == s.total for s in m.get_storage_statistics())
+
+
+def test_everything_closed_and_cleared_returns_every_slot(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(2, T))
+    engine = FakeEngine(m)
+    system = toks(50, 20)
+    caches = []
+    for r in range(5):
+        p = system + toks(60 + r, 13)
+        kv = m.create_kv_cache(input_tokens=p)
+        serve(engine, kv, p, decode=3)
+        caches.append(kv)
+    caches[1].suspend()
+    for kv in caches:
+        kv.close()
+    st = m.get_storage_statistics()[0]
+    assert st.evictable > 0 and st.available == st.total
+    m.clear_reusable_blocks()
+    st = m.get_storage_statistics()[0]
+    assert st.free == st.total and m.probe_reuse(None, system) == 0
+
+
+def test_keys_are_collision_free_and_scoped() -> None:
+    root = scope_key(ReuseScope())
+    assert scope_key(ReuseScope(salt=1)) != root != scope_key(ReuseScope(lora_id=1))
+    assert scope_key(ReuseScope(lora_id=1)) != scope_key(ReuseScope(salt=1))
+    one = (1).to_bytes(4, "little")
+    assert encode_tokens([one]) != encode_tokens([1])  # type: ignore[list-item]
+    assert encode_tokens([b"\x01\x00\x00\x00\x02\x00\x00\x00"]) != encode_tokens([one, (2).to_bytes(4, "little")])
+    assert block_key(root, [1, 2]) != block_key(root, [1, 2, 0])  # type: ignore[list-item]
+    assert len(block_key(root, [5])) == 32  # type: ignore[list-item]
+
+
+def test_bytes_tokens_are_reused_only_when_equal(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T))
+    engine = FakeEngine(m)
+    img1, img2 = b"\x11" * 32, b"\x22" * 32
+    p1 = [img1] * 8 + toks(70, 8)
+    kv = m.create_kv_cache(input_tokens=p1)
+    serve(engine, kv, p1)  # type: ignore[arg-type]
+    kv.close()
+    assert m.probe_reuse(None, p1) == 16
+    assert m.probe_reuse(None, [img2] * 8 + toks(70, 8)) == 0
