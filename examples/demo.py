@@ -27,13 +27,18 @@ system_prompt = list(range(1000, 1000 + 1024))
 requests = []
 for r in range(4):
     prompt = system_prompt + [r * 7919 + i for i in range(512)]
-    print(f"request {r}: reusable prefix {manager.probe_reuse(None, prompt)} of {len(prompt)} tokens")
-    kv = manager.create_kv_cache(input_tokens=prompt, id=r)
-    assert kv.resume()
-    assert kv.resize(len(prompt))  # prefill: pages for the whole prompt
-    kv.commit(prompt)  # the engine computed the prompt's KV
+    # the model must compute at least one token, so the last prompt token is not matched
+    kv = manager.create_kv_cache(input_tokens=prompt[:-1], id=r)
+    reused = kv.history_length
+    assert kv.resume()  # SUSPENDED -> ACTIVE
+    assert kv.resize(len(prompt))  # pages for the rest of the prompt
+    kv.commit(prompt[reused:])  # the engine computed positions reused..len(prompt)
+    print(f"request {r}: {len(prompt)} prompt tokens, {reused} reused from the cache, "
+          f"{len(prompt) - reused} computed")
     requests.append(kv)
 
+s = manager.reuse_statistics
+print(f"reuse: {s.reused_blocks} blocks reused, {s.missed_blocks} missed, hit rate {s.hit_rate:.2f}")
 stats = manager.get_storage_statistics()[0]
 print(f"after prefill: {stats.total - stats.free} of {stats.total} slots in use")
 
@@ -55,8 +60,13 @@ base = manager.get_mem_pool_base_address(kvm.LayerId(3), "value", kvm.PageIndexM
 stride = manager.get_page_stride(kvm.LayerId(3), "value")
 print(f"request 0, layer 3 values: block 0 at {hex(base + indices[0] * stride)}, {len(indices)} pages")
 
+late = [1000 + i for i in range(1024)] + [0 * 7919 + i for i in range(512)] + list(range(64))
+print(f"a new request continuing request 0's conversation: {manager.probe_reuse(None, late)} tokens reusable "
+      "(blocks committed during decode are reusable at once)")
 for kv in requests:
     kv.close()
 stats = manager.get_storage_statistics()[0]
-print(f"after close: {stats.free} of {stats.total} slots free")
+print(f"after close: {stats.free} free + {stats.evictable} reusable (evictable) of {stats.total} slots")
+manager.clear_reusable_blocks()
+print(f"after clear_reusable_blocks: {manager.get_storage_statistics()[0].free} free")
 manager.shutdown()

@@ -1,0 +1,113 @@
+"""Stateful property test: random interleavings of the request life cycle with shared
+prefixes, checked by the fake engine and by slot-ownership invariants."""
+
+from __future__ import annotations
+
+import random
+
+from conftest import kv_layers, make_config
+from fake_engine import FakeEngine
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kv_cache_manager_v2 import KVCache, KVCacheManager, KVCacheStatus, ReuseScope
+
+T = 4
+PREFIXES = [[(p * 1000 + i) for i in range(24)] for p in range(3)]
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        layers = kv_layers(3, T, window=9, swa_every=3, sink_tokens=2)
+        self.m = KVCacheManager(make_config(layers, tokens_per_block=T, quota=3 * 2 * 32 * T * 40))
+        self.engine = FakeEngine(self.m)
+        self.caches: list[tuple[KVCache, list[int]]] = []
+        self.rng = random.Random(0)
+
+    @rule(prefix=st.integers(0, 2), shared=st.integers(0, 24), extra=st.integers(1, 30), salt=st.sampled_from([None, 1]))
+    def create(self, prefix: int, shared: int, extra: int, salt: int | None) -> None:
+        if len(self.caches) >= 6:
+            return
+        seq = PREFIXES[prefix][:shared] + [self.rng.randrange(1 << 30) for _ in range(extra)]
+        scope = ReuseScope(salt=salt)
+        probed = self.m.probe_reuse(scope, seq[:-1])
+        kv = self.m.create_kv_cache(scope, seq[:-1])
+        assert kv.history_length == probed == kv.num_committed_tokens
+        self.caches.append((kv, seq))
+
+    @precondition(lambda self: self.caches)
+    @rule(i=st.integers(0, 5))
+    def resume(self, i: int) -> None:
+        kv, seq = self.caches[i % len(self.caches)]
+        if kv.status is KVCacheStatus.SUSPENDED and kv.resume():
+            self.engine.check_all(kv, seq, kv.history_length)
+
+    @precondition(lambda self: self.caches)
+    @rule(i=st.integers(0, 5), chunk=st.integers(1, 12))
+    def step(self, i: int, chunk: int) -> None:
+        kv, seq = self.caches[i % len(self.caches)]
+        if kv.status is not KVCacheStatus.ACTIVE:
+            return
+        h = kv.history_length
+        end = min(len(seq), h + chunk)
+        if end == h:
+            return
+        before = (kv.capacity, list(kv.get_base_page_indices(0)))
+        if not kv.resize(end):
+            assert (kv.capacity, list(kv.get_base_page_indices(0))) == before
+            return
+        self.engine.step(kv, seq, h, end)
+        kv.commit(seq[h:end])
+
+    @precondition(lambda self: self.caches)
+    @rule(i=st.integers(0, 5))
+    def suspend(self, i: int) -> None:
+        kv, _ = self.caches[i % len(self.caches)]
+        if kv.status is KVCacheStatus.ACTIVE:
+            kv.suspend()
+
+    @precondition(lambda self: self.caches)
+    @rule(i=st.integers(0, 5), stop=st.booleans())
+    def close(self, i: int, stop: bool) -> None:
+        kv, _ = self.caches.pop(i % len(self.caches))
+        if stop:
+            kv.stop_committing()
+        kv.close()
+
+    @invariant()
+    def slots_are_owned_once_and_accounted(self) -> None:
+        owners: dict[tuple[int, int], int] = {}
+        pages = set()
+        for kv, _ in self.caches:
+            for lc, lst in enumerate(kv._pages):
+                for p in lst:
+                    if p is not None:
+                        pages.add(p)
+            pages.update(p for p in kv._pending_copy if p is not None)
+        for g in self.m._gpu.groups:
+            for lst in g.evictor._lists.values():
+                for p in lst:
+                    assert p.num_locks == 0 and p.num_holds == 0 and p.node is not None
+                    pages.add(p)
+        for p in pages:
+            key = (p.storage.layout.index, p.slot)
+            assert owners.setdefault(key, id(p)) == id(p), f"slot {key} owned by two pages"
+            assert p.storage.allocator.is_allocated(p.slot)
+        for g in self.m._gpu.groups:
+            n = sum(1 for p in pages if p.storage is g)
+            assert g.allocator.num_used == n, (g.allocator.num_used, n)
+
+    def teardown(self) -> None:
+        for kv, _ in self.caches:
+            kv.close()
+        self.m.clear_reusable_blocks()
+        assert all(s.free == s.total for s in self.m.get_storage_statistics())
+        self.m.shutdown()
+
+
+ManagerMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+)
+TestManagerMachine = ManagerMachine.TestCase
