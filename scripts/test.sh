@@ -22,6 +22,10 @@ run_compiled() {
   python setup_mypyc.py build_ext --inplace -j 2 > build/mypyc.log 2>&1 || { tail -50 build/mypyc.log; exit 1; }
   echo "== tests, production mode (compiled)"
   KVCM_EXPECT_COMPILED=1 python -m pytest -q "$@"
+  if [ $# -eq 0 ]; then
+    echo "== benchmarks, quick variant (both modes; times are not asserted)"
+    python benchmarks/run.py --quick --out build/bench-quick.json
+  fi
 }
 
 mkdir -p build

@@ -290,11 +290,19 @@ class KVCache:
             raise LogicError(f"capacity {cap} is below history_length {h}")
         t = self._tokens_per_block
         nb = (cap + t - 1) // t
-        if nb == self._num_blocks and not self._mgr._has_swa:
+        if nb == self._num_blocks and (not self._mgr._has_swa or not self._window_moves(h)):
             self._capacity = cap
             self._history = h
             return True
         return self._resize_blocks(cap, h, nb)
+
+    def _window_moves(self, h: int) -> bool:
+        """Whether some SWA life cycle has blocks to release at history ``h``."""
+        registry = self._mgr._registry
+        for lc in self._mgr._swa_life_cycles:
+            if registry.stale_range(lc, h)[1] > self._stale_end[lc]:
+                return True
+        return False
 
     def _resize_blocks(self, cap: int, h: int, nb: int) -> bool:
         mgr = self._mgr

@@ -1,0 +1,337 @@
+"""Benchmarks of the per-step CPU cost, fast (interpreted) vs production (mypyc) mode.
+
+    python benchmarks/run.py                 # all scenarios, both modes, default sizes
+    python benchmarks/run.py --quick         # seconds; what CI runs so the suite never rots
+    python benchmarks/run.py --only decode admission --modes compiled
+
+Each scenario runs in a child process per mode: fast mode imports a copy of the package
+sources from build/bench/fast (no compiled modules there); compiled mode builds the package
+in place with setup_mypyc.py when needed. Results: JSON (default bench_results/bench.json)
+and a table on stdout. Times are medians over repeats; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from array import array
+from typing import Any, Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST_DIR = os.path.join(ROOT, "build", "bench", "fast")
+SCENARIOS = ["decode", "admission", "close", "hashing", "swa", "replay"]
+TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
+
+
+# ---------------------------------------------------------------- worker side
+def _manager(num_layers: int, tokens_per_block: int, num_slots: int, window_every: int = 0, window: int = 128) -> Any:
+    import kv_cache_manager_v2 as kvm
+
+    size = 64  # bytes per buffer page: the benchmarks never touch KV memory
+    layers = [
+        kvm.AttentionLayerConfig(
+            kvm.LayerId(i),
+            [kvm.BufferConfig("key", size), kvm.BufferConfig("value", size)],
+            sliding_window_size=window if window_every and i % window_every == 0 else None,
+        )
+        for i in range(num_layers)
+    ]
+    quota = num_slots * num_layers * 2 * size
+    cfg = kvm.KVCacheManagerConfig(tokens_per_block, [kvm.GpuCacheTierConfig(quota)], layers, backend="host")
+    return kvm.KVCacheManager(cfg)
+
+
+def _admit(m: Any, prompt: list[int]) -> Any:
+    kv = m.create_kv_cache(input_tokens=prompt[:-1])
+    assert kv.resume()
+    h = kv.history_length
+    assert kv.resize(len(prompt))
+    kv.commit(prompt[h:])
+    return kv
+
+
+def _decode(p: dict[str, int], window_every: int) -> list[float]:
+    t, n_req = p["tokens_per_block"], p["requests"]
+    m = _manager(p["layers"], t, n_req * (p["shared"] + p["unique"] + p["steps"]) // t + 64, window_every)
+    system = list(range(10_000, 10_000 + p["shared"]))
+    caches = [_admit(m, system + [r * 100_003 + i for i in range(p["unique"])]) for r in range(n_req)]
+    lg = 0
+    samples = []
+    for step in range(p["steps"]):
+        t0 = time.perf_counter()
+        for kv in caches:
+            kv.resize(kv.capacity + 1)
+            kv.commit([step])
+            kv.get_base_page_indices(lg)
+        samples.append((time.perf_counter() - t0) / n_req * 1e6)
+    for kv in caches:
+        kv.close()
+    m.clear_reusable_blocks()
+    m.shutdown()
+    return samples
+
+
+def scenario_decode(p: dict[str, int]) -> dict[str, Any]:
+    s = _decode(p, 0)
+    return {"unit": "us/request/step", "samples": s}
+
+
+def scenario_swa(p: dict[str, int]) -> dict[str, Any]:
+    s = _decode(p, 2)
+    return {"unit": "us/request/step", "samples": s, "note": "alternating window-128 / full layers"}
+
+
+def scenario_admission(p: dict[str, int]) -> dict[str, Any]:
+    from kv_cache_manager_v2._radix_tree import block_key, scope_key
+    from kv_cache_manager_v2 import ReuseScope
+
+    t, n_req = p["tokens_per_block"], p["requests"]
+    prompt_len = p["shared"] + p["unique"]
+    m = _manager(p["layers"], t, (n_req + 1) * prompt_len // t + 64)
+    system = list(range(10_000, 10_000 + p["shared"]))
+    first = _admit(m, system + list(range(5_000_000, 5_000_000 + p["unique"])))
+    first.close()
+    prompts = [system + [r * 100_003 + i for i in range(p["unique"])] for r in range(n_req)]
+    samples, caches = [], []
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        m.probe_reuse(None, prompt[:-1])
+        kv = m.create_kv_cache(input_tokens=prompt[:-1])
+        kv.resume()
+        kv.resize(len(prompt))
+        samples.append((time.perf_counter() - t0) * 1e6)
+        caches.append(kv)
+    # hashing share: the same block keys computed twice (probe + create), timed alone
+    root = scope_key(ReuseScope())
+    t0 = time.perf_counter()
+    for prompt in prompts:
+        for _ in range(2):
+            key = root
+            for o in range(len(prompt) // t):
+                key = block_key(key, prompt[o * t : (o + 1) * t])
+    hash_us = (time.perf_counter() - t0) / n_req * 1e6
+    for kv in caches:
+        kv.close()
+    m.shutdown()
+    return {"unit": "us/request", "samples": samples, "hashing_us": hash_us}
+
+
+def scenario_close(p: dict[str, int]) -> dict[str, Any]:
+    t, n_req = p["tokens_per_block"], p["requests"]
+    m = _manager(p["layers"], t, 2 * n_req * (p["shared"] + p["unique"]) // t + 64)
+    system = list(range(10_000, 10_000 + p["shared"]))
+    caches = []
+    for r in range(n_req):
+        kv = _admit(m, system + [r * 100_003 + i for i in range(p["unique"])])
+        kv.resize(kv.capacity + 5)
+        kv.commit([1, 2, 3, 4, 5])  # a partial tail to publish
+        caches.append(kv)
+    samples = []
+    for kv in caches:
+        t0 = time.perf_counter()
+        kv.stop_committing()
+        kv.close()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    m.clear_reusable_blocks()
+    m.shutdown()
+    return {"unit": "us/request", "samples": samples}
+
+
+def scenario_hashing(p: dict[str, int]) -> dict[str, Any]:
+    from kv_cache_manager_v2 import ReuseScope
+    from kv_cache_manager_v2._radix_tree import block_key, scope_key
+
+    t = p["tokens_per_block"]
+    n_blocks = p["hash_blocks"]
+    tokens = [(i * 2654435761) & 0xFFFFFFFF for i in range(n_blocks * t)]
+    blocks = [tokens[o * t : (o + 1) * t] for o in range(n_blocks)]
+    raw = [array("I", b).tobytes() for b in blocks]
+    ours, plain = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        key = scope_key(ReuseScope())
+        for b in blocks:
+            key = block_key(key, b)
+        ours.append(n_blocks * t / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        key = b"\0" * 32
+        for r in raw:
+            key = hashlib.sha256(key + r).digest()
+        plain.append(n_blocks * t / (time.perf_counter() - t0))
+    return {
+        "unit": "tokens/s",
+        "samples": ours,
+        "plain_sha256_tokens_per_s": statistics.median(plain),
+        "ratio_vs_plain": statistics.median(ours) / statistics.median(plain),
+    }
+
+
+def scenario_replay(p: dict[str, int]) -> dict[str, Any]:
+    t = p["tokens_per_block"]
+    reqs = []
+    if os.path.exists(TRACE):
+        with open(TRACE) as f:
+            for line in f:
+                reqs.append(json.loads(line))
+                if len(reqs) >= p["trace_requests"]:
+                    break
+        source = "shared/traces/synthetic_trace.jsonl"
+    else:  # built-in generator: a few shared prefixes of random depth
+        import random
+
+        rng = random.Random(0)
+        for r in range(p["trace_requests"]):
+            base = rng.randrange(8) * 1000
+            ids = [base + i for i in range(rng.randrange(1, 20))] + [100_000 + r * 50 + i for i in range(rng.randrange(1, 10))]
+            reqs.append({"input_length": len(ids) * 512, "output_length": 16, "hash_ids": ids})
+        source = "built-in generator"
+    m = _manager(1, t, p["cache_tokens"] // t)
+    blocks = 0
+    t0 = time.perf_counter()
+    for r in reqs:
+        n = r["input_length"]
+        prompt = [h * 512 + i for h in r["hash_ids"] for i in range(512)][:n]
+        kv = m.create_kv_cache(input_tokens=prompt[:-1])
+        if kv.resume() and kv.resize(n):
+            kv.commit(prompt[kv.history_length :])
+        kv.close()
+        blocks += (n + t - 1) // t
+    dt = time.perf_counter() - t0
+    st = m.reuse_statistics
+    m.clear_reusable_blocks()
+    m.shutdown()
+    return {
+        "unit": "blocks/s",
+        "samples": [blocks / dt],
+        "requests": len(reqs),
+        "hit_rate": st.hit_rate,
+        "source": source,
+    }
+
+
+def worker(name: str, params: dict[str, int]) -> dict[str, Any]:
+    import kv_cache_manager_v2
+
+    fn: Callable[[dict[str, int]], dict[str, Any]] = globals()[f"scenario_{name}"]
+    out = fn(params)
+    out["compiled"] = kv_cache_manager_v2.compiled
+    return out
+
+
+# ---------------------------------------------------------------- driver side
+DEFAULTS = dict(
+    requests=256, layers=32, tokens_per_block=32, shared=1024, unique=512, steps=256,
+    hash_blocks=20_000, trace_requests=400, cache_tokens=3_000_000,
+)
+QUICK = dict(
+    requests=16, layers=4, tokens_per_block=32, shared=256, unique=128, steps=16,
+    hash_blocks=500, trace_requests=20, cache_tokens=200_000,
+)
+
+
+def prepare_fast() -> None:
+    shutil.rmtree(FAST_DIR, ignore_errors=True)
+    shutil.copytree(
+        os.path.join(ROOT, "kv_cache_manager_v2"),
+        os.path.join(FAST_DIR, "kv_cache_manager_v2"),
+        ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"),
+    )
+
+
+def prepare_compiled() -> None:
+    sys.path.insert(0, ROOT)
+    from setup_mypyc import compiled_artifacts
+
+    sources = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, "kv_cache_manager_v2")) for f in fs if f.endswith(".py")]
+    arts = compiled_artifacts()
+    if not arts or max(map(os.path.getmtime, sources)) > min(map(os.path.getmtime, arts)):
+        print("building production mode (mypyc)...", flush=True)
+        subprocess.run(
+            [sys.executable, "setup_mypyc.py", "build_ext", "--inplace", "-j", "2"],
+            cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+
+
+def run_child(mode: str, name: str, params: dict[str, int]) -> dict[str, Any]:
+    env = dict(os.environ)
+    if mode == "fast":
+        env["PYTHONPATH"] = FAST_DIR + os.pathsep + ROOT
+    else:
+        env["PYTHONPATH"] = ROOT
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--params", json.dumps(params)]
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"{name} ({mode}) failed:\n{res.stderr}")
+    out: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
+    if out["compiled"] != (mode == "compiled"):
+        raise SystemExit(f"{name}: asked for {mode} mode but the package imported compiled={out['compiled']}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
+    ap.add_argument("--only", nargs="*", choices=SCENARIOS, default=SCENARIOS)
+    ap.add_argument("--modes", nargs="*", choices=["fast", "compiled"], default=["fast", "compiled"])
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help=f"override sizes: {sorted(DEFAULTS)}")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "bench.json"))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--params", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, json.loads(args.params))))
+        return
+    params = dict(QUICK if args.quick else DEFAULTS)
+    for kv in args.set:
+        k, _, v = kv.partition("=")
+        if k not in params:
+            raise SystemExit(f"unknown size {k!r}; known: {sorted(params)}")
+        params[k] = int(v)
+    if "fast" in args.modes:
+        prepare_fast()
+    if "compiled" in args.modes:
+        prepare_compiled()
+    results = []
+    for name in args.only:
+        for mode in args.modes:
+            r = run_child(mode, name, params)
+            s = r.pop("samples")
+            s_sorted = sorted(s)
+            r.update(
+                scenario=name, mode=mode, runs=len(s), median=statistics.median(s),
+                p90=s_sorted[min(len(s) - 1, int(0.9 * len(s)))],
+            )
+            results.append(r)
+            print(f"{name:10s} {mode:9s} median {r['median']:>14.2f} {r['unit']:16s} p90 {r['p90']:>14.2f}", flush=True)
+    speedups = {}
+    for name in args.only:
+        by = {r["mode"]: r for r in results if r["scenario"] == name}
+        if len(by) == 2:
+            f, c = by["fast"]["median"], by["compiled"]["median"]
+            speedups[name] = (c / f) if by["fast"]["unit"].endswith("/s") else (f / c)
+    for name, x in speedups.items():
+        print(f"{name:10s} compiled speedup x{x:.2f}")
+    doc = {
+        "params": params,
+        "machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpu_count": os.cpu_count(),
+                    "processor": platform.processor()},
+        "results": results,
+        "compiled_speedup": speedups,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
