@@ -46,6 +46,28 @@ def block_key(parent: BlockKey, tokens: Sequence[TokenIdExt]) -> BlockKey:
     return hashlib.sha256(parent + encode_tokens(tokens)).digest()
 
 
+class BlockHasher:
+    """Keys of consecutive blocks of one token sequence, encoding the sequence only once.
+
+    ``key(parent, beg, end)`` equals ``block_key(parent, tokens[beg:end])``; for plain ids it
+    hashes a slice of one pre-encoded buffer instead of re-encoding every block.
+    """
+
+    def __init__(self, tokens: Sequence[TokenIdExt]) -> None:
+        self.tokens = tokens
+        self.data: bytes | None
+        try:
+            self.data = array("I", cast(Sequence[int], tokens)).tobytes()
+        except TypeError:
+            self.data = None
+
+    def key(self, parent: BlockKey, beg: int, end: int) -> BlockKey:
+        data = self.data
+        if data is None:
+            return block_key(parent, self.tokens[beg:end])
+        return hashlib.sha256(parent + _PLAIN_IDS + data[beg * 4 : end * 4]).digest()
+
+
 class Node:
     """One committed block (full, or a partial tail) with non-owning refs to its pages."""
 
@@ -100,9 +122,10 @@ class ReuseTree:
         nodes: list[Node] = []
         node = root
         n_full = len(tokens) // t
-        while len(nodes) < n_full:
+        hasher = BlockHasher(tokens) if node.children else None
+        while len(nodes) < n_full and hasher is not None and node.children:
             o = len(nodes)
-            child = node.children.get(block_key(node.key, tokens[o * t : (o + 1) * t]))
+            child = node.children.get(hasher.key(node.key, o * t, (o + 1) * t))
             if child is None:
                 break
             nodes.append(child)

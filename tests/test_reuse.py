@@ -254,3 +254,15 @@ def test_bytes_tokens_are_reused_only_when_equal(make_manager: MakeManager) -> N
     kv.close()
     assert m.probe_reuse(None, p1) == 16
     assert m.probe_reuse(None, [img2] * 8 + toks(70, 8)) == 0
+
+
+def test_block_hasher_matches_block_key() -> None:
+    from kv_cache_manager_v2._radix_tree import BlockHasher
+
+    root = scope_key(ReuseScope(salt=3))
+    plain = toks(80, 20)
+    mixed: list[object] = [b"\x01" * 32] + plain[1:]
+    for seq in (plain, mixed):
+        h = BlockHasher(seq)  # type: ignore[arg-type]
+        assert h.key(root, 4, 12) == block_key(root, seq[4:12])  # type: ignore[arg-type]
+        assert h.key(root, 16, 20) == block_key(root, seq[16:20])  # type: ignore[arg-type]

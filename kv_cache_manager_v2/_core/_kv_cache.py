@@ -26,7 +26,7 @@ from .._common import (
 )
 from .._exceptions import LogicError
 from .._page import Page
-from .._radix_tree import Node, block_key
+from .._radix_tree import BlockHasher, Node
 from .._utils import check_int
 
 if TYPE_CHECKING:
@@ -447,11 +447,13 @@ class KVCache:
             parent = mgr._tree.root(self._reuse_scope, True)
             assert parent is not None
         locked = self._status is KVCacheStatus.ACTIVE
-        for o in range(self._num_published, upto):
+        first = self._num_published
+        hasher = BlockHasher(self._committed[first * t : upto * t])
+        for o in range(first, upto):
             toks = tuple(self._committed[o * t : (o + 1) * t])
             if len(toks) < t and any(c.tokens[: len(toks)] == toks for c in parent.children.values()):
                 return  # a longer sibling already covers this partial tail
-            key = block_key(parent.key, toks)
+            key = hasher.key(parent.key, (o - first) * t, (o - first) * t + len(toks))
             node = parent.children.get(key)
             if node is None:
                 node = parent.children[key] = Node(key, parent, toks, len(self._pages))
