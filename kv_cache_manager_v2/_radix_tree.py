@@ -8,14 +8,18 @@ from typing import Sequence, cast
 
 import rawref
 
-from ._common import ReuseScope, TokenIdExt
+from ._common import MAX_TOKEN_ID, ReuseScope, TokenIdExt
 from ._life_cycle_registry import LifeCycle, stale_range
 from ._page import Page
 
 BlockKey = bytes
+_sha256 = hashlib.sha256
 
-_PLAIN_IDS = b"\x00"  # block of token ids only: 4-byte LE each
-_MIXED = b"\x01"  # block with digests: every token tagged, bytes length-delimited
+# Block encodings. Plain-id blocks: uint32 LE per token, so their length is a multiple of 4.
+# Blocks holding digests: 0x01, then per token a tag (0x00 id + 4 bytes, 0x01 + uint32 length +
+# raw bytes), zero-padded to a length of 1 mod 4. Both are prefix-free and their lengths differ
+# mod 4, so no encoding of one block equals that of another: a digest never collides with ids.
+_MIXED = b"\x01"
 
 
 def scope_key(scope: ReuseScope) -> BlockKey:
@@ -29,7 +33,7 @@ def scope_key(scope: ReuseScope) -> BlockKey:
 def encode_tokens(tokens: Sequence[TokenIdExt]) -> bytes:
     """Injective encoding of one block's tokens (plain-id blocks take the fast path)."""
     try:
-        return _PLAIN_IDS + array("I", cast(Sequence[int], tokens)).tobytes()
+        return array("I", cast(Sequence[int], tokens)).tobytes()
     except TypeError:
         pass
     parts = [_MIXED]
@@ -38,12 +42,50 @@ def encode_tokens(tokens: Sequence[TokenIdExt]) -> bytes:
             parts.append(b"\x01" + len(tok).to_bytes(4, "little") + tok)
         else:
             parts.append(b"\x00" + tok.to_bytes(4, "little"))
-    return b"".join(parts)
+    out = b"".join(parts)
+    return out + b"\x00" * ((1 - len(out)) % 4)
+
+
+def check_token(tok: object) -> None:
+    """A token is an int in ``[0, 2**32)`` or a non-empty ``bytes`` digest."""
+    if type(tok) is int:
+        if not 0 <= tok <= MAX_TOKEN_ID:
+            raise ValueError(f"token id {tok} is outside [0, 2**32)")
+    elif isinstance(tok, bytes):
+        if len(tok) == 0:
+            raise ValueError("a bytes token must not be empty")
+    else:
+        raise TypeError(f"tokens must be ints or bytes, got {type(tok).__name__} {tok!r}")
+
+
+def encode_ids(tokens: Sequence[TokenIdExt]) -> bytes | None:
+    """uint32 LE encoding of a sequence of ids; None if it holds digests or out-of-range ids.
+
+    An ``array('I')`` is encoded by a memory copy: engines that keep token ids in one skip the
+    per-token conversion, which costs about as much as the SHA-256 of a block.
+    """
+    if isinstance(tokens, array) and tokens.typecode == "I":
+        return tokens.tobytes()
+    try:
+        return array("I", cast(Sequence[int], tokens)).tobytes()
+    except (TypeError, OverflowError):
+        return None
+
+
+def validate_tokens(tokens: Sequence[TokenIdExt]) -> bytes | None:
+    """Check every token; return the uint32 LE encoding when all are ids (None with digests)."""
+    if len(tokens) > 8:
+        encoded = encode_ids(tokens)
+        if encoded is not None:
+            return encoded
+    for tok in tokens:
+        check_token(tok)
+    return None
 
 
 def block_key(parent: BlockKey, tokens: Sequence[TokenIdExt]) -> BlockKey:
     """Key of a block: SHA-256(parent key || encoded tokens)."""
-    return hashlib.sha256(parent + encode_tokens(tokens)).digest()
+    return _sha256(parent + encode_tokens(tokens)).digest()
 
 
 class BlockHasher:
@@ -53,19 +95,24 @@ class BlockHasher:
     hashes a slice of one pre-encoded buffer instead of re-encoding every block.
     """
 
-    def __init__(self, tokens: Sequence[TokenIdExt]) -> None:
+    def __init__(self, tokens: Sequence[TokenIdExt], encoded: bytes | None = None) -> None:
         self.tokens = tokens
-        self.data: bytes | None
-        try:
-            self.data = array("I", cast(Sequence[int], tokens)).tobytes()
-        except TypeError:
-            self.data = None
+        self.data: bytes | None = encoded if encoded is not None else encode_ids(tokens)
+
+    def chain(self, parent: BlockKey, tokens_per_block: int) -> list[BlockKey]:
+        """Keys of all consecutive blocks of the sequence (the last may be partial), chained from ``parent``."""
+        keys: list[BlockKey] = []
+        n = len(self.tokens)
+        for beg in range(0, n, tokens_per_block):
+            parent = self.key(parent, beg, min(beg + tokens_per_block, n))
+            keys.append(parent)
+        return keys
 
     def key(self, parent: BlockKey, beg: int, end: int) -> BlockKey:
         data = self.data
         if data is None:
             return block_key(parent, self.tokens[beg:end])
-        return hashlib.sha256(parent + _PLAIN_IDS + data[beg * 4 : end * 4]).digest()
+        return _sha256(parent + data[beg * 4 : end * 4]).digest()
 
 
 class Node:
@@ -77,11 +124,28 @@ class Node:
         self.tokens = tokens
         self.ordinal: int = parent.ordinal + 1 if parent is not None else -1
         self.children: dict[BlockKey, Node] = {}
+        #: children by their first token, so a partial match scans only plausible candidates
+        self.children_by_first: dict[TokenIdExt, list[Node]] = {}
         self.pages: list[rawref.ref[Page] | None] = [None] * num_life_cycles
 
     def page(self, lc: int) -> Page | None:
         r = self.pages[lc]
         return r() if r is not None else None
+
+    def add_child(self, child: Node) -> None:
+        self.children[child.key] = child
+        lst = self.children_by_first.get(child.tokens[0])
+        if lst is None:
+            self.children_by_first[child.tokens[0]] = [child]
+        else:
+            lst.append(child)
+
+    def remove_child(self, child: Node) -> None:
+        del self.children[child.key]
+        lst = self.children_by_first[child.tokens[0]]
+        lst.remove(child)
+        if not lst:
+            del self.children_by_first[child.tokens[0]]
 
     def has_pages(self) -> bool:
         return any(r is not None and r.is_valid for r in self.pages)
@@ -111,30 +175,42 @@ class ReuseTree:
         return node
 
     def match(
-        self, root: Node, tokens: Sequence[TokenIdExt], partial: bool
+        self,
+        root: Node,
+        tokens: Sequence[TokenIdExt],
+        partial: bool,
+        keys: list[BlockKey],
+        encoded: bytes | None = None,
     ) -> tuple[list[Node], Node | None, int]:
         """Longest reusable prefix: matched full-block nodes, then an optional partial node and its length.
 
         Walks full blocks by key; at the first miss picks the child with the longest common
         token prefix; then shortens until every life cycle has the pages it needs there.
+        ``keys`` holds the keys of the first full blocks already computed for ``tokens``;
+        keys computed here are appended, so a later match of the same tokens hashes nothing.
+        ``encoded`` is the tokens' uint32 encoding when the caller already has it.
         """
         t = self.tokens_per_block
         nodes: list[Node] = []
         node = root
         n_full = len(tokens) // t
-        hasher = BlockHasher(tokens) if node.children else None
-        while len(nodes) < n_full and hasher is not None and node.children:
+        hasher: BlockHasher | None = None
+        while len(nodes) < n_full and node.children:
             o = len(nodes)
-            child = node.children.get(hasher.key(node.key, o * t, (o + 1) * t))
+            if o == len(keys):
+                if hasher is None:
+                    hasher = BlockHasher(tokens, encoded)
+                keys.append(hasher.key(node.key, o * t, (o + 1) * t))
+            child = node.children.get(keys[o])
             if child is None:
                 break
             nodes.append(child)
             node = child
         part: Node | None = None
         part_len = 0
-        if partial:
+        if partial and len(nodes) * t < len(tokens):
             rest = tokens[len(nodes) * t : (len(nodes) + 1) * t]
-            for child in node.children.values():
+            for child in node.children_by_first.get(rest[0], ()):
                 n = common_prefix_len(child.tokens, rest)
                 if n > part_len:
                     part, part_len = child, n
@@ -185,12 +261,13 @@ class ReuseTree:
         """Unlink ``node`` and its descendants; their unused pages are freed, used ones detached."""
         parent = node.parent
         if parent is not None:
-            del parent.children[node.key]
+            parent.remove_child(node)
         stack = [node]
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
             n.children = {}
+            n.children_by_first = {}
             n.parent = None
             for lc, r in enumerate(n.pages):
                 p = r() if r is not None else None
@@ -209,7 +286,7 @@ class ReuseTree:
         while n is not None and n.parent is not None and not n.children and not n.has_pages():
             parent: Node | None = n.parent
             assert parent is not None
-            del parent.children[n.key]
+            parent.remove_child(n)
             n.parent = None
             n = parent
 

@@ -266,3 +266,21 @@ def test_block_hasher_matches_block_key() -> None:
         h = BlockHasher(seq)  # type: ignore[arg-type]
         assert h.key(root, 4, 12) == block_key(root, seq[4:12])  # type: ignore[arg-type]
         assert h.key(root, 16, 20) == block_key(root, seq[16:20])  # type: ignore[arg-type]
+
+
+def test_array_tokens_match_list_tokens(make_manager: MakeManager) -> None:
+    from array import array
+
+    m = make_manager(kv_layers(1, T))
+    engine = FakeEngine(m)
+    prompt = toks(90, 40)
+    kv = m.create_kv_cache(input_tokens=prompt)
+    serve(engine, kv, prompt)
+    kv.close()
+    ids = array("I", prompt)
+    assert m.probe_reuse(None, ids) == m.probe_reuse(None, prompt) == 40
+    kv = m.create_kv_cache(input_tokens=ids)
+    assert kv.history_length == 40 and kv.committed_tokens == prompt
+    kv.close()
+    with pytest.raises(ValueError, match="outside"):
+        m.probe_reuse(None, prompt[:20] + [-1] + prompt[21:])

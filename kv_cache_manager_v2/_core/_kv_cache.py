@@ -12,7 +12,6 @@ from .._common import (
     MemAddress,
     DEFAULT_PRIORITY,
     MAX_PRIORITY,
-    MAX_TOKEN_ID,
     BeamIndex,
     BlockOrdinal,
     KVCacheStatus,
@@ -26,7 +25,7 @@ from .._common import (
 )
 from .._exceptions import LogicError
 from .._page import Page
-from .._radix_tree import BlockHasher, Node
+from .._radix_tree import BlockHasher, Node, validate_tokens
 from .._utils import check_int
 
 if TYPE_CHECKING:
@@ -415,8 +414,7 @@ class KVCache:
                 f"commit() of {len(accepted_input_tokens)} tokens would reach {n} committed tokens, "
                 f"beyond capacity {self._capacity}; resize() first"
             )
-        for tok in accepted_input_tokens:
-            check_token(tok)
+        validate_tokens(accepted_input_tokens)
         self._committed.extend(accepted_input_tokens)
         if n >= (self._num_published + 1) * self._tokens_per_block:
             self._publish(n // self._tokens_per_block)
@@ -448,15 +446,16 @@ class KVCache:
             assert parent is not None
         locked = self._status is KVCacheStatus.ACTIVE
         first = self._num_published
-        hasher = BlockHasher(self._committed[first * t : upto * t])
+        keys = BlockHasher(self._committed[first * t : upto * t]).chain(parent.key, t)
         for o in range(first, upto):
             toks = tuple(self._committed[o * t : (o + 1) * t])
-            if len(toks) < t and any(c.tokens[: len(toks)] == toks for c in parent.children.values()):
+            if len(toks) < t and any(c.tokens[: len(toks)] == toks for c in parent.children_by_first.get(toks[0], ())):
                 return  # a longer sibling already covers this partial tail
-            key = hasher.key(parent.key, (o - first) * t, (o - first) * t + len(toks))
+            key = keys[o - first]
             node = parent.children.get(key)
             if node is None:
-                node = parent.children[key] = Node(key, parent, toks, len(self._pages))
+                node = Node(key, parent, toks, len(self._pages))
+                parent.add_child(node)
             for lc in range(len(self._pages)):
                 mine = self._pages[lc][o]
                 theirs = node.page(lc)
@@ -543,17 +542,6 @@ class KVCache:
 def _sole_owner(page: Page | None) -> int:
     """1 if releasing this page's only lock makes its slot available, else 0."""
     return 1 if page is not None and page.num_locks == 1 and page.num_holds == 0 else 0
-
-
-def check_token(tok: object) -> None:
-    if type(tok) is int:
-        if not 0 <= tok <= MAX_TOKEN_ID:
-            raise ValueError(f"token id {tok} is outside [0, 2**32)")
-    elif isinstance(tok, bytes):
-        if len(tok) == 0:
-            raise ValueError("a bytes token must not be empty")
-    else:
-        raise TypeError(f"tokens must be ints or bytes, got {type(tok).__name__} {tok!r}")
 
 
 def _checked_priority(p: Priority) -> Priority:

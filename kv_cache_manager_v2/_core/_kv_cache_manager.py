@@ -32,11 +32,11 @@ from .._utils import check_int, check_type
 from .._life_cycle_registry import LifeCycleRegistry
 from .._page import Page
 from .._page_index import PageIndexConverter
-from .._radix_tree import Node, ReuseTree
+from .._radix_tree import BlockKey, Node, ReuseTree, validate_tokens
 from .._storage._backend import MemoryBackend, select_backend
 from .._storage._layout import BufferAttr, StorageLayout
 from .._storage._storage import LevelStorage, PoolGroupStorage, blocks_needed, make_level_storage, split_quota
-from ._kv_cache import KVCache, PriorityCallback, check_token, default_priority
+from ._kv_cache import KVCache, PriorityCallback, default_priority
 
 
 class KVCacheManager:
@@ -78,6 +78,7 @@ class KVCacheManager:
         self._open: set[rawref.ref[KVCache]] = set()
         self._tree = ReuseTree(self._registry.life_cycles, self.tokens_per_block)
         self._stats = ReuseStatistics()
+        self._probe_keys: tuple[ReuseScope, Sequence[TokenIdExt], list[BlockKey]] | None = None
         self._is_shut_down = False
 
     # ------------------------------------------------------------------ requests
@@ -96,7 +97,7 @@ class KVCacheManager:
             raise TypeError("custom_priority_callback must be callable (block_ordinal, life_cycle) -> priority")
         kv = KVCache(self, reuse_scope, id, custom_priority_callback)
         if input_tokens:
-            nodes, part, part_len = self._match(kv.reuse_scope, input_tokens)
+            nodes, part, part_len = self._match(kv.reuse_scope, input_tokens, True)
             kv._adopt(nodes, part, part_len, input_tokens)
             t = self.tokens_per_block
             self._stats.reused_blocks += len(nodes) + (part is not None)
@@ -109,17 +110,30 @@ class KVCacheManager:
         self._check_alive()
         if not input_tokens:
             return 0
-        nodes, _, part_len = self._match(reuse_scope if reuse_scope is not None else ReuseScope(), input_tokens)
+        nodes, _, part_len = self._match(reuse_scope if reuse_scope is not None else ReuseScope(), input_tokens, False)
         return len(nodes) * self.tokens_per_block + part_len
 
-    def _match(self, scope: ReuseScope, input_tokens: Sequence[TokenIdExt]) -> tuple[list[Node], Node | None, int]:
+    def _match(
+        self, scope: ReuseScope, input_tokens: Sequence[TokenIdExt], for_create: bool
+    ) -> tuple[list[Node], Node | None, int]:
+        """Match ``input_tokens``; keys hashed by ``probe_reuse`` are kept for the ``create_kv_cache``
+        of the same tokens that usually follows, so a request's blocks are hashed once."""
         check_type("reuse_scope", scope, ReuseScope)
-        for tok in input_tokens:
-            check_token(tok)
+        cached = self._probe_keys
+        self._probe_keys = None
+        encoded: bytes | None = None
+        if cached is not None and cached[0] == scope and cached[1] == input_tokens:
+            keys = cached[2]
+        else:
+            encoded = validate_tokens(input_tokens)
+            keys = []
         root = self._tree.root(scope, False)
         if root is None:
             return [], None, 0
-        return self._tree.match(root, input_tokens, self._config.enable_partial_reuse)
+        result = self._tree.match(root, input_tokens, self._config.enable_partial_reuse, keys, encoded)
+        if not for_create:
+            self._probe_keys = (scope, input_tokens[:], keys)  # a copy of the same type, so == is exact
+        return result
 
     def _make_room(self, storage: PoolGroupStorage, count: int) -> None:
         """Evict reusable pages (lowest priority, least recently used first) until ``count`` slots are free."""
