@@ -392,3 +392,26 @@ def test_swa_releases_out_of_window_blocks_and_keeps_the_window(make_manager: Ma
     kv2.close()
     m.clear_reusable_blocks()
     assert free_slots(m) == [s.total for s in m.get_storage_statistics()]
+
+
+def test_growth_uses_slots_released_by_another_life_cycle_of_the_same_pool_group(make_manager: MakeManager) -> None:
+    # layer 0 full attention (life cycle 0), layer 1 window 8 (life cycle 1); one pool group of 8 slots
+    layers = [
+        AttentionLayerConfig(LayerId(0), [BufferConfig("key", 32 * T), BufferConfig("value", 32 * T)]),
+        AttentionLayerConfig(LayerId(1), [BufferConfig("key", 32 * T), BufferConfig("value", 32 * T)], 8),
+    ]
+    m = make_manager(layers, quota=2 * 32 * T * 8)
+    assert len(m.pool_group_descs) == 1 and m.get_storage_statistics()[0].total == 8
+    engine = FakeEngine(m)
+    kv = m.create_kv_cache()
+    kv.resume()
+    t = tokens(11, 40)
+    assert kv.resize(32, 0)  # 4 + 4 blocks: every slot
+    engine.step(kv, t, 0, 32)
+    assert free_slots(m) == [0]
+    # history 32 releases 3 SWA blocks; full attention (grown first) needs one of them
+    assert kv.resize(40, 32)
+    engine.step(kv, t, 32, 40)
+    kv.commit(t[:40])
+    engine.check_all(kv, t, 40)
+    kv.close()

@@ -284,3 +284,22 @@ def test_array_tokens_match_list_tokens(make_manager: MakeManager) -> None:
     kv.close()
     with pytest.raises(ValueError, match="outside"):
         m.probe_reuse(None, prompt[:20] + [-1] + prompt[21:])
+
+
+def test_resume_refuses_above_max_util_and_changes_nothing(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T), quota=2 * 32 * T * 10, max_util_for_resume=0.8)  # 10 slots
+    engine = FakeEngine(m)
+    writer = toks(95, 16)
+    a = m.create_kv_cache(input_tokens=writer)
+    serve(engine, a, writer)  # 2 slots, kept locked
+    filler = m.create_kv_cache()
+    assert filler.resume() and filler.resize(6 * T)  # 8 of 10 slots used
+    b = m.create_kv_cache(input_tokens=writer[:12] + [7, 7, 7])  # partial match: needs a private copy
+    assert b.history_length == 12
+    assert not b.resume()  # 9/10 > 0.8
+    assert b.status.name == "SUSPENDED" and b.history_length == 12
+    assert filler.resize(4 * T)
+    assert b.resume()
+    engine.check_all(b, writer[:12], 12)
+    for kv in (a, b, filler):
+        kv.close()

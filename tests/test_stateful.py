@@ -20,11 +20,14 @@ PREFIXES = [[(p * 1000 + i) for i in range(24)] for p in range(3)]
 class ManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
+        # full attention first, then SWA with sinks: both life cycles share one pool group
         layers = kv_layers(3, T, window=9, swa_every=3, sink_tokens=2)
+        layers = layers[1:] + layers[:1]
         self.m = KVCacheManager(make_config(layers, tokens_per_block=T, quota=3 * 2 * 32 * T * 40))
         self.engine = FakeEngine(self.m)
         self.caches: list[tuple[KVCache, list[int]]] = []
         self.rng = random.Random(0)
+        self.computed: dict[int, int] = {}  # id(kv) -> tokens computed but not yet committed
 
     @rule(prefix=st.integers(0, 2), shared=st.integers(0, 24), extra=st.integers(1, 30), salt=st.sampled_from([None, 1]))
     def create(self, prefix: int, shared: int, extra: int, salt: int | None) -> None:
@@ -45,33 +48,42 @@ class ManagerMachine(RuleBasedStateMachine):
             self.engine.check_all(kv, seq, kv.history_length)
 
     @precondition(lambda self: self.caches)
-    @rule(i=st.integers(0, 5), chunk=st.integers(1, 12))
-    def step(self, i: int, chunk: int) -> None:
+    @rule(i=st.integers(0, 5), chunk=st.integers(1, 12), lazy=st.booleans())
+    def step(self, i: int, chunk: int, lazy: bool) -> None:
+        """One engine step. With ``lazy``, the tokens are committed only at the next step, whose
+        ``resize(capacity, history)`` raises history first (SWA blocks leave the window there)."""
         kv, seq = self.caches[i % len(self.caches)]
         if kv.status is not KVCacheStatus.ACTIVE:
             return
-        h = kv.history_length
+        h = max(kv.history_length, self.computed.get(id(kv), 0))
         end = min(len(seq), h + chunk)
         if end == h:
             return
-        before = (kv.capacity, list(kv.get_base_page_indices(0)))
-        if not kv.resize(end):
-            assert (kv.capacity, list(kv.get_base_page_indices(0))) == before
+        before = (kv.capacity, kv.history_length, list(kv.get_base_page_indices(0)))
+        if not kv.resize(end, h):
+            assert (kv.capacity, kv.history_length, list(kv.get_base_page_indices(0))) == before
             return
+        kv.commit(seq[kv.num_committed_tokens : h])  # what the previous (lazy) step computed
         self.engine.step(kv, seq, h, end)
-        kv.commit(seq[h:end])
+        if lazy:
+            self.computed[id(kv)] = end
+        else:
+            kv.commit(seq[h:end])
+            self.computed.pop(id(kv), None)
 
     @precondition(lambda self: self.caches)
     @rule(i=st.integers(0, 5))
     def suspend(self, i: int) -> None:
-        kv, _ = self.caches[i % len(self.caches)]
+        kv, seq = self.caches[i % len(self.caches)]
         if kv.status is KVCacheStatus.ACTIVE:
+            kv.commit(seq[kv.num_committed_tokens : self.computed.pop(id(kv), 0)])
             kv.suspend()
 
     @precondition(lambda self: self.caches)
     @rule(i=st.integers(0, 5), stop=st.booleans())
     def close(self, i: int, stop: bool) -> None:
         kv, _ = self.caches.pop(i % len(self.caches))
+        self.computed.pop(id(kv), None)
         if stop:
             kv.stop_committing()
         kv.close()
@@ -108,6 +120,6 @@ class ManagerMachine(RuleBasedStateMachine):
 
 
 ManagerMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+    max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
 )
 TestManagerMachine = ManagerMachine.TestCase

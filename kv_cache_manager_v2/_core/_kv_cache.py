@@ -181,7 +181,11 @@ class KVCache:
 
     # ------------------------------------------------------------------ state machine
     def resume(self, cuda_stream: int | None = None) -> bool:
-        """SUSPENDED -> ACTIVE: lock this request's pages in GPU memory."""
+        """SUSPENDED -> ACTIVE: lock this request's pages in GPU memory.
+
+        Returns False (staying SUSPENDED) when pages must be placed (the private copy of a
+        partially matched block) and GPU utilisation would exceed ``max_util_for_resume``.
+        """
         if self._status is not KVCacheStatus.SUSPENDED:
             raise LogicError(f"resume() needs a SUSPENDED cache; this one is {self._status.name}")
         if cuda_stream is not None:
@@ -205,8 +209,11 @@ class KVCache:
                 need[mgr._lc_group_index[lc]] += 1
         if not any(need):
             return True
+        max_util = mgr._config.max_util_for_resume
         for g, n in enumerate(need):
-            if n > mgr._gpu.groups[g].num_available:
+            group = mgr._gpu.groups[g]
+            total = group.allocator.num_slots
+            if n > group.num_available or (total - group.num_available + n) / total > max_util:
                 return False
         o = self._num_published
         for lc, src in enumerate(self._pending_copy):
@@ -340,11 +347,13 @@ class KVCache:
         for gi in range(num_groups):
             if need[gi] > gain[gi] + mgr._gpu.groups[gi].num_available:
                 return False
+        # Release everything first: life cycles sharing a pool group use each other's releases.
         for lc in range(mgr.num_life_cycles):
             self._release_stale(LifeCycleId(lc), stale_ends[lc])
             if nb < old_nb:
                 self._truncate(LifeCycleId(lc), nb)
-            elif nb > old_nb:
+        if nb > old_nb:
+            for lc in range(mgr.num_life_cycles):
                 self._grow(LifeCycleId(lc), nb, wanted[lc], priorities[lc])
         self._capacity = cap
         self._history = h
@@ -444,6 +453,8 @@ class KVCache:
         if parent is None:
             parent = mgr._tree.root(self._reuse_scope, True)
             assert parent is not None
+        if parent.ordinal >= 0 and parent.parent is None:
+            return  # our last block was evicted and pruned: nothing after it can be reached
         locked = self._status is KVCacheStatus.ACTIVE
         first = self._num_published
         keys = BlockHasher(self._committed[first * t : upto * t]).chain(parent.key, t)
