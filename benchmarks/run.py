@@ -113,7 +113,7 @@ def scenario_admission(p: dict[str, int]) -> dict[str, Any]:
     root = scope_key(ReuseScope())
     t0 = time.perf_counter()
     for prompt in prompts:
-        BlockHasher(prompt).chain(root, t)
+        BlockHasher(prompt, t).chain(root)
     hash_us = (time.perf_counter() - t0) / n_req * 1e6
     for kv in caches:
         kv.close()
@@ -155,10 +155,10 @@ def scenario_hashing(p: dict[str, int]) -> dict[str, Any]:
     ours, ours_array, plain = [], [], []
     for _ in range(5):
         t0 = time.perf_counter()
-        BlockHasher(tokens).chain(scope_key(ReuseScope()), t)  # list[int]: encoding is part of the cost
+        BlockHasher(tokens, t).chain(scope_key(ReuseScope()))  # list[int]: encoding is part of the cost
         ours.append(n_blocks * t / (time.perf_counter() - t0))
         t0 = time.perf_counter()
-        BlockHasher(ids).chain(scope_key(ReuseScope()), t)  # array('I'): encoding is a memcpy
+        BlockHasher(ids, t).chain(scope_key(ReuseScope()))  # array('I'): encoding is a memcpy
         ours_array.append(n_blocks * t / (time.perf_counter() - t0))
         t0 = time.perf_counter()
         key = b"\0" * 32

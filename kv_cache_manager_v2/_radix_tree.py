@@ -58,29 +58,22 @@ def check_token(tok: object) -> None:
         raise TypeError(f"tokens must be ints or bytes, got {type(tok).__name__} {tok!r}")
 
 
-def encode_ids(tokens: Sequence[TokenIdExt]) -> bytes | None:
-    """uint32 LE encoding of a sequence of ids; None if it holds digests or out-of-range ids.
+def validate_tokens(tokens: Sequence[TokenIdExt]) -> None:
+    """Check every token (ints in ``[0, 2**32)`` or non-empty bytes); clear errors otherwise."""
+    if len(tokens) > 8 and _encode_ids(tokens) is not None:
+        return
+    for tok in tokens:
+        check_token(tok)
 
-    An ``array('I')`` is encoded by a memory copy: engines that keep token ids in one skip the
-    per-token conversion, which costs about as much as the SHA-256 of a block.
-    """
+
+def _encode_ids(tokens: Sequence[TokenIdExt]) -> bytes | None:
+    """uint32 LE encoding if every token is an id in range, else None (digests or bad input)."""
     if isinstance(tokens, array) and tokens.typecode == "I":
-        return tokens.tobytes()
+        return tokens.tobytes()  # a memory copy: no per-token conversion
     try:
         return array("I", cast(Sequence[int], tokens)).tobytes()
     except (TypeError, OverflowError):
         return None
-
-
-def validate_tokens(tokens: Sequence[TokenIdExt]) -> bytes | None:
-    """Check every token; return the uint32 LE encoding when all are ids (None with digests)."""
-    if len(tokens) > 8:
-        encoded = encode_ids(tokens)
-        if encoded is not None:
-            return encoded
-    for tok in tokens:
-        check_token(tok)
-    return None
 
 
 def block_key(parent: BlockKey, tokens: Sequence[TokenIdExt]) -> BlockKey:
@@ -89,30 +82,51 @@ def block_key(parent: BlockKey, tokens: Sequence[TokenIdExt]) -> BlockKey:
 
 
 class BlockHasher:
-    """Keys of consecutive blocks of one token sequence, encoding the sequence only once.
+    """Keys of the consecutive blocks of one token sequence.
 
-    ``key(parent, beg, end)`` equals ``block_key(parent, tokens[beg:end])``; for plain ids it
-    hashes a slice of one pre-encoded buffer instead of re-encoding every block.
+    Tokens are validated and encoded lazily, a chunk of blocks at a time, so a match that
+    stops early neither converts nor checks the rest of a long prompt; plain-id blocks hash a
+    slice of the chunk's encoding. ``key(parent, o)`` equals
+    ``block_key(parent, tokens[o*T:(o+1)*T])`` (the last block may be partial).
+    Passing an ``array('I')`` makes encoding a memory copy.
     """
 
-    def __init__(self, tokens: Sequence[TokenIdExt], encoded: bytes | None = None) -> None:
-        self.tokens = tokens
-        self.data: bytes | None = encoded if encoded is not None else encode_ids(tokens)
+    CHUNK_BLOCKS = 8
 
-    def chain(self, parent: BlockKey, tokens_per_block: int) -> list[BlockKey]:
-        """Keys of all consecutive blocks of the sequence (the last may be partial), chained from ``parent``."""
+    def __init__(self, tokens: Sequence[TokenIdExt], tokens_per_block: int) -> None:
+        self.tokens = tokens
+        self.tokens_per_block = tokens_per_block
+        self.num_blocks = (len(tokens) + tokens_per_block - 1) // tokens_per_block
+        self._chunks: list[bytes | None] = []  # None: the chunk holds digests
+
+    def key(self, parent: BlockKey, o: int) -> BlockKey:
+        t = self.tokens_per_block
+        c = o // self.CHUNK_BLOCKS
+        while len(self._chunks) <= c:
+            self._encode_chunk()
+        chunk = self._chunks[c]
+        end = min((o + 1) * t, len(self.tokens))
+        if chunk is None:
+            return block_key(parent, self.tokens[o * t : end])
+        base = c * self.CHUNK_BLOCKS * t
+        return _sha256(parent + chunk[(o * t - base) * 4 : (end - base) * 4]).digest()
+
+    def chain(self, parent: BlockKey) -> list[BlockKey]:
+        """Keys of every block of the sequence, chained from ``parent``."""
         keys: list[BlockKey] = []
-        n = len(self.tokens)
-        for beg in range(0, n, tokens_per_block):
-            parent = self.key(parent, beg, min(beg + tokens_per_block, n))
+        for o in range(self.num_blocks):
+            parent = self.key(parent, o)
             keys.append(parent)
         return keys
 
-    def key(self, parent: BlockKey, beg: int, end: int) -> BlockKey:
-        data = self.data
-        if data is None:
-            return block_key(parent, self.tokens[beg:end])
-        return _sha256(parent + data[beg * 4 : end * 4]).digest()
+    def _encode_chunk(self) -> None:
+        span = self.CHUNK_BLOCKS * self.tokens_per_block
+        beg = len(self._chunks) * span
+        seg = self.tokens[beg : beg + span]
+        encoded = _encode_ids(seg)
+        if encoded is None:
+            validate_tokens(seg)  # raises for bad tokens; otherwise the chunk holds digests
+        self._chunks.append(encoded)
 
 
 class Node:
@@ -180,7 +194,6 @@ class ReuseTree:
         tokens: Sequence[TokenIdExt],
         partial: bool,
         keys: list[BlockKey],
-        encoded: bytes | None = None,
     ) -> tuple[list[Node], Node | None, int]:
         """Longest reusable prefix: matched full-block nodes, then an optional partial node and its length.
 
@@ -188,7 +201,7 @@ class ReuseTree:
         token prefix; then shortens until every life cycle has the pages it needs there.
         ``keys`` holds the keys of the first full blocks already computed for ``tokens``;
         keys computed here are appended, so a later match of the same tokens hashes nothing.
-        ``encoded`` is the tokens' uint32 encoding when the caller already has it.
+        Only the tokens of the blocks looked at are validated.
         """
         t = self.tokens_per_block
         nodes: list[Node] = []
@@ -199,8 +212,8 @@ class ReuseTree:
             o = len(nodes)
             if o == len(keys):
                 if hasher is None:
-                    hasher = BlockHasher(tokens, encoded)
-                keys.append(hasher.key(node.key, o * t, (o + 1) * t))
+                    hasher = BlockHasher(tokens, t)
+                keys.append(hasher.key(node.key, o))
             child = node.children.get(keys[o])
             if child is None:
                 break

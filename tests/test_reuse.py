@@ -257,15 +257,22 @@ def test_bytes_tokens_are_reused_only_when_equal(make_manager: MakeManager) -> N
 
 
 def test_block_hasher_matches_block_key() -> None:
+    from array import array
+
     from kv_cache_manager_v2._radix_tree import BlockHasher
 
     root = scope_key(ReuseScope(salt=3))
-    plain = toks(80, 20)
-    mixed: list[object] = [b"\x01" * 32] + plain[1:]
-    for seq in (plain, mixed):
-        h = BlockHasher(seq)  # type: ignore[arg-type]
-        assert h.key(root, 4, 12) == block_key(root, seq[4:12])  # type: ignore[arg-type]
-        assert h.key(root, 16, 20) == block_key(root, seq[16:20])  # type: ignore[arg-type]
+    plain = toks(80, 150)  # several lazily encoded chunks of 16 blocks of 4
+    mixed: list[object] = plain[:70] + [b"\x01" * 32] + plain[71:]
+    for seq in (plain, mixed, array("I", plain)):
+        keys = BlockHasher(seq, 4).chain(root)  # type: ignore[arg-type]
+        assert len(keys) == 38  # the last block is partial
+        parent = root
+        for o, k in enumerate(keys):
+            assert k == block_key(parent, list(seq[o * 4 : (o + 1) * 4]))  # type: ignore[arg-type]
+            parent = k
+    with pytest.raises(ValueError, match="outside"):
+        BlockHasher(plain[:100] + [-5], 4).chain(root)  # type: ignore[arg-type]
 
 
 def test_array_tokens_match_list_tokens(make_manager: MakeManager) -> None:

@@ -457,7 +457,7 @@ class KVCache:
             return  # our last block was evicted and pruned: nothing after it can be reached
         locked = self._status is KVCacheStatus.ACTIVE
         first = self._num_published
-        keys = BlockHasher(self._committed[first * t : upto * t]).chain(parent.key, t)
+        keys = BlockHasher(self._committed[first * t : upto * t], t).chain(parent.key)
         for o in range(first, upto):
             toks = tuple(self._committed[o * t : (o + 1) * t])
             if len(toks) < t and any(c.tokens[: len(toks)] == toks for c in parent.children_by_first.get(toks[0], ())):

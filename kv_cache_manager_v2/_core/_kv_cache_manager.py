@@ -116,23 +116,24 @@ class KVCacheManager:
     def _match(
         self, scope: ReuseScope, input_tokens: Sequence[TokenIdExt], for_create: bool
     ) -> tuple[list[Node], Node | None, int]:
-        """Match ``input_tokens``; keys hashed by ``probe_reuse`` are kept for the ``create_kv_cache``
-        of the same tokens that usually follows, so a request's blocks are hashed once."""
+        """Match ``input_tokens``. Block keys hashed by ``probe_reuse`` are kept for the
+        ``create_kv_cache`` of the same tokens that usually follows, so each block is hashed once."""
         check_type("reuse_scope", scope, ReuseScope)
         cached = self._probe_keys
         self._probe_keys = None
-        encoded: bytes | None = None
-        if cached is not None and cached[0] == scope and cached[1] == input_tokens:
-            keys = cached[2]
-        else:
-            encoded = validate_tokens(input_tokens)
-            keys = []
+        keys: list[BlockKey] = []
+        if cached is not None and cached[0] == scope:
+            prefix = cached[1]
+            if input_tokens[: len(prefix)] == prefix:
+                keys = cached[2]
         root = self._tree.root(scope, False)
         if root is None:
+            validate_tokens(input_tokens)  # nothing to match: still refuse bad input
             return [], None, 0
-        result = self._tree.match(root, input_tokens, self._config.enable_partial_reuse, keys, encoded)
+        result = self._tree.match(root, input_tokens, self._config.enable_partial_reuse, keys)
         if not for_create:
-            self._probe_keys = (scope, input_tokens[:], keys)  # a copy of the same type, so == is exact
+            # the hashed prefix, copied with its own type so == is exact
+            self._probe_keys = (scope, input_tokens[: len(keys) * self.tokens_per_block], keys)
         return result
 
     def _make_room(self, storage: PoolGroupStorage, count: int) -> None:
