@@ -24,7 +24,7 @@ run_compiled() {
   KVCM_EXPECT_COMPILED=1 python -m pytest -q "$@"
   if [ $# -eq 0 ]; then
     echo "== benchmarks, quick variant (both modes; times are not asserted)"
-    python benchmarks/run.py --quick --out build/bench-quick.json
+    python benchmarks/run.py --quick --repeats 1 --out build/bench-quick.json
   fi
 }
 
