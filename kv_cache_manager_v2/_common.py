@@ -80,6 +80,10 @@ class ReuseScope:
                 raise ValueError(f"ReuseScope.{name} must be in [0, 2**64), got {value}")
 
 
+#: The scope of requests that name none.
+DEFAULT_REUSE_SCOPE: Final = ReuseScope()
+
+
 @dataclass(frozen=True)
 class HalfOpenRange:
     """Integers ``beg <= x < end``."""

@@ -179,13 +179,14 @@ class ReuseTree:
     def __init__(self, life_cycles: list[LifeCycle], tokens_per_block: int) -> None:
         self.life_cycles = life_cycles
         self.tokens_per_block = tokens_per_block
-        self.roots: dict[BlockKey, Node] = {}
+        self.roots: dict[tuple[int | None, int | None], Node] = {}
 
     def root(self, scope: ReuseScope, create: bool) -> Node | None:
-        key = scope_key(scope)
-        node = self.roots.get(key)
+        """The root node of a scope (keyed by the scope's digest), created on first publish."""
+        ident = (scope.lora_id, scope.salt)
+        node = self.roots.get(ident)
         if node is None and create:
-            node = self.roots[key] = Node(key, None, (), len(self.life_cycles))
+            node = self.roots[ident] = Node(scope_key(scope), None, (), len(self.life_cycles))
         return node
 
     def match(

@@ -9,6 +9,7 @@ import rawref
 
 from .._common import (
     BAD_PAGE_INDEX,
+    DEFAULT_REUSE_SCOPE,
     MemAddress,
     DEFAULT_PRIORITY,
     MAX_PRIORITY,
@@ -60,7 +61,7 @@ class KVCache:
         self._rawref = None
         self._mgr = manager
         self._tokens_per_block = manager.tokens_per_block
-        self._reuse_scope = reuse_scope if reuse_scope is not None else ReuseScope()
+        self._reuse_scope = reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE
         self._id = id
         self._priority_cb = priority_callback
         self._status = KVCacheStatus.SUSPENDED

@@ -7,6 +7,7 @@ from typing import Iterator, Sequence
 import rawref
 
 from .._common import (
+    DEFAULT_REUSE_SCOPE,
     GPU_LEVEL,
     ReuseStatistics,
     AggregatedPageDesc,
@@ -110,7 +111,7 @@ class KVCacheManager:
         self._check_alive()
         if not input_tokens:
             return 0
-        nodes, _, part_len = self._match(reuse_scope if reuse_scope is not None else ReuseScope(), input_tokens, False)
+        nodes, _, part_len = self._match(reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE, input_tokens, False)
         return len(nodes) * self.tokens_per_block + part_len
 
     def _match(
@@ -122,7 +123,7 @@ class KVCacheManager:
         cached = self._probe_keys
         self._probe_keys = None
         keys: list[BlockKey] = []
-        if cached is not None and cached[0] == scope:
+        if cached is not None and (cached[0] is scope or cached[0] == scope):
             prefix = cached[1]
             if input_tokens[: len(prefix)] == prefix:
                 keys = cached[2]
