@@ -91,11 +91,9 @@ class KVCache:
         registry = self._mgr._registry
         for lc in range(len(self._pages)):
             beg, end = registry.stale_range(LifeCycleId(lc), length)
-            pages = self._pages[lc]
-            indices = self._indices[lc]
+            pages: list[Page | None] = [None] * nb
+            slots = [BAD_PAGE_INDEX] * nb  # filled as a list: array item calls are slow compiled
             for o in range(nb):
-                indices.append(BAD_PAGE_INDEX)
-                pages.append(None)
                 if beg <= o < end:
                     continue
                 if o < len(nodes):
@@ -103,13 +101,15 @@ class KVCache:
                     assert p is not None
                     p.take(False)
                     pages[o] = p
-                    indices[o] = p.slot
+                    slots[o] = p.slot
                 else:
                     assert part is not None
                     src = part.page(lc)
                     assert src is not None
                     src.take(False)
                     self._pending_copy[lc] = src
+            self._pages[lc] = pages
+            self._indices[lc].extend(slots)
             self._stale_end[lc] = end
         self._committed = list(tokens[:length])
         self._capacity = self._history = length
@@ -369,12 +369,12 @@ class KVCache:
         self._mgr._make_room(storage, len(want))
         slots = storage.allocator.allocate(len(want))
         self._mgr._stats.allocated_blocks += len(want)
-        for _ in range(old_nb, nb):
-            pages.append(None)
-            indices.append(BAD_PAGE_INDEX)
+        new_slots = [BAD_PAGE_INDEX] * (nb - old_nb)
+        pages.extend([None] * (nb - old_nb))
         for o, slot, prio in zip(want, slots, priorities):
             pages[o] = Page(storage, slot, lc, prio, True)
-            indices[o] = slot
+            new_slots[o - old_nb] = slot
+        indices.extend(new_slots)
         buf = self._user_bufs[lc]
         if buf is not None:
             buf[old_nb:nb] = memoryview(indices)[old_nb:nb]
