@@ -415,3 +415,32 @@ def test_growth_uses_slots_released_by_another_life_cycle_of_the_same_pool_group
     kv.commit(t[:40])
     engine.check_all(kv, t, 40)
     kv.close()
+
+
+def test_aggregated_pages_and_small_queries(make_manager: MakeManager) -> None:
+    layers = [
+        AttentionLayerConfig(
+            LayerId(i), [BufferConfig("key", 32 * T), BufferConfig("value", 32 * T), BufferConfig("scale", 64)]
+        )
+        for i in range(2)
+    ]
+    m = make_manager(layers)
+    pools = m.pool_group_descs[0].pools
+    assert [p.slot_bytes for p in pools] == [4 * 32 * T, 2 * 64]
+    runs = list(m.get_aggregated_pages([(LayerId(0), "key"), (LayerId(0), "value"), (LayerId(1), "value")]))
+    assert [r.buffer_ids for r in runs] == [((0, "key"), (0, "value")), ((1, "value"),)]
+    assert runs[0].base_address == pools[0].base_address and runs[0].size == 2 * 32 * T
+    assert runs[1].base_address == pools[0].base_address + 3 * 32 * T and runs[1].stride == 4 * 32 * T
+    (scale_run,) = m.get_aggregated_pages([(LayerId(1), "scale")])
+    assert scale_run.pool_index == 1 and scale_run.base_address == pools[1].base_address + 64
+    with pytest.raises(ValueError, match="role"):
+        list(m.get_aggregated_pages([(LayerId(0), "nope")]))
+    assert m.get_quota(0) == 1 << 20  # type: ignore[arg-type]
+    assert m.gpu_utilization == 0.0
+    kv = _active(m, 5 * T)
+    assert m.gpu_utilization == pytest.approx(5 / m.get_storage_statistics()[0].total)
+    assert list(kv.get_aggregated_page_indices(LayerGroupId(0), valid_only=True)) == list(kv.get_base_page_indices(LayerGroupId(0)))
+    assert m.num_layers == 2 and m.layer_ids == [0, 1] and m.tokens_per_block == T
+    assert m.supports_index_mode(PageIndexMode.SHARED) is True and kv.supports_index_mode(PageIndexMode.PER_LAYER)
+    assert kv.get_scratch_desc(LayerGroupId(0)) is None and not kv.has_scratch_slots
+    kv.close()
