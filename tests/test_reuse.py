@@ -310,3 +310,28 @@ def test_resume_refuses_above_max_util_and_changes_nothing(make_manager: MakeMan
     engine.check_all(b, writer[:12], 12)
     for kv in (a, b, filler):
         kv.close()
+
+
+def test_failing_priority_callback_on_resume_changes_nothing(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T))
+    engine = FakeEngine(m)
+    writer = toks(97, 16)
+    a = m.create_kv_cache(input_tokens=writer)
+    serve(engine, a, writer)
+    a.close()
+    calls = []
+
+    def cb(o: int, lc: int) -> Priority:
+        calls.append(o)
+        if len(calls) == 1:
+            raise RuntimeError("scheduler bug")
+        return Priority(40)
+
+    b = m.create_kv_cache(input_tokens=writer[:12] + [1, 2], custom_priority_callback=cb)  # type: ignore[arg-type]
+    stats = m.get_storage_statistics()
+    with pytest.raises(RuntimeError, match="scheduler bug"):
+        b.resume()
+    assert b.status.name == "SUSPENDED" and m.get_storage_statistics() == stats
+    assert b.resume()  # the second try copies the partial block
+    engine.check_all(b, writer[:12], 12)
+    b.close()

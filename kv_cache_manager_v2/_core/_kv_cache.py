@@ -9,15 +9,15 @@ import rawref
 
 from .._common import (
     BAD_PAGE_INDEX,
-    DEFAULT_REUSE_SCOPE,
-    MemAddress,
     DEFAULT_PRIORITY,
+    DEFAULT_REUSE_SCOPE,
     MAX_PRIORITY,
     BeamIndex,
     BlockOrdinal,
     KVCacheStatus,
     LayerGroupId,
     LifeCycleId,
+    MemAddress,
     PageIndexMode,
     Priority,
     ReuseScope,
@@ -217,15 +217,19 @@ class KVCache:
             if n > group.num_available or (total - group.num_available + n) / total > max_util:
                 return False
         o = self._num_published
+        cb = self._priority_cb
+        prios = [
+            DEFAULT_PRIORITY if cb is default_priority else _checked_priority(cb(BlockOrdinal(o), LifeCycleId(lc)))
+            for lc in range(len(self._pending_copy))
+        ]
+        mgr._backend.synchronize_device()  # the source was written by another request's kernels
         for lc, src in enumerate(self._pending_copy):
             if src is None:
                 continue
             storage = mgr._lc_group[lc]
             mgr._make_room(storage, 1)
             slot = storage.allocator.allocate_one()
-            prio = DEFAULT_PRIORITY if self._priority_cb is default_priority else _checked_priority(
-                self._priority_cb(BlockOrdinal(o), LifeCycleId(lc))
-            )
+            prio = prios[lc]
             for pool, size in zip(storage.pools, storage.layout.slot_sizes):
                 mgr._backend.copy(
                     MemAddress(pool.base_address + slot * size), MemAddress(pool.base_address + src.slot * size), size, 0

@@ -59,6 +59,10 @@ class MemoryBackend(ABC):
     def synchronize(self) -> None:
         """Wait for all work this backend issued."""
 
+    @abstractmethod
+    def synchronize_device(self) -> None:
+        """Wait for all work on the device, on every stream (before reading pages others wrote)."""
+
     def shutdown(self) -> None:
         """Release backend-wide resources (streams, contexts)."""
 

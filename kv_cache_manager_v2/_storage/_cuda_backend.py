@@ -154,6 +154,9 @@ class CudaBackend(MemoryBackend):
     def synchronize(self) -> None:
         _check(_driver().cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
+    def synchronize_device(self) -> None:
+        _check(_driver().cuCtxSynchronize(), "cuCtxSynchronize")
+
     def shutdown(self) -> None:
         if self._closed:
             return

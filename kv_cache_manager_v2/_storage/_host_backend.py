@@ -63,3 +63,6 @@ class HostBackend(MemoryBackend):
 
     def synchronize(self) -> None:
         return None
+
+    def synchronize_device(self) -> None:
+        return None
