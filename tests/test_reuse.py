@@ -46,6 +46,13 @@ def serve(engine: FakeEngine, kv: KVCache, tokens: list[int], decode: int = 0) -
         kv.commit([tokens[pos]])
 
 
+def publish(m: KVCacheManager, engine: FakeEngine, tokens: list[int]) -> None:
+    """A request computes ``tokens`` and finishes: its blocks stay reusable."""
+    kv = m.create_kv_cache(input_tokens=tokens)
+    serve(engine, kv, tokens)
+    kv.close()
+
+
 def test_same_prompt_reuses_full_blocks_with_correct_data(make_manager: MakeManager) -> None:
     m = make_manager(kv_layers(3, T))
     engine = FakeEngine(m)
@@ -68,9 +75,7 @@ def test_partial_block_is_copied_and_original_stays_intact(make_manager: MakeMan
     m = make_manager(kv_layers(2, T))
     engine = FakeEngine(m)
     writer = toks(3, 32)
-    a = m.create_kv_cache(input_tokens=writer)
-    serve(engine, a, writer)
-    a.close()
+    publish(m, engine, writer)
     # shares 20 tokens: 2 full blocks + 4 tokens of block 2
     second = writer[:20] + toks(4, 20)
     assert m.probe_reuse(None, second) == 20
@@ -91,9 +96,7 @@ def test_partial_reuse_can_be_disabled(make_manager: MakeManager) -> None:
     m = make_manager(kv_layers(1, T), enable_partial_reuse=False)
     engine = FakeEngine(m)
     writer = toks(5, 32)
-    a = m.create_kv_cache(input_tokens=writer)
-    serve(engine, a, writer)
-    a.close()
+    publish(m, engine, writer)
     assert m.probe_reuse(None, writer[:20] + [1, 2, 3]) == 16
 
 
@@ -199,9 +202,7 @@ def test_swa_reuse_needs_only_window_pages(make_manager: MakeManager) -> None:
     m = make_manager(kv_layers(2, T, window=12, swa_every=2))
     engine = FakeEngine(m)
     prompt = toks(40, 48)
-    a = m.create_kv_cache(input_tokens=prompt)
-    serve(engine, a, prompt)
-    a.close()
+    publish(m, engine, prompt)
     assert m.probe_reuse(None, prompt) == 48
     b = m.create_kv_cache(input_tokens=prompt + toks(41, 8))
     assert b.history_length == 48
@@ -281,9 +282,7 @@ def test_array_tokens_match_list_tokens(make_manager: MakeManager) -> None:
     m = make_manager(kv_layers(1, T))
     engine = FakeEngine(m)
     prompt = toks(90, 40)
-    kv = m.create_kv_cache(input_tokens=prompt)
-    serve(engine, kv, prompt)
-    kv.close()
+    publish(m, engine, prompt)
     ids = array("I", prompt)
     assert m.probe_reuse(None, ids) == m.probe_reuse(None, prompt) == 40
     kv = m.create_kv_cache(input_tokens=ids)
@@ -316,9 +315,7 @@ def test_failing_priority_callback_on_resume_changes_nothing(make_manager: MakeM
     m = make_manager(kv_layers(1, T))
     engine = FakeEngine(m)
     writer = toks(97, 16)
-    a = m.create_kv_cache(input_tokens=writer)
-    serve(engine, a, writer)
-    a.close()
+    publish(m, engine, writer)
     calls = []
 
     def cb(o: int, lc: int) -> Priority:
