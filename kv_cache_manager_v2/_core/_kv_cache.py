@@ -26,7 +26,7 @@ from .._common import (
 )
 from .._exceptions import LogicError
 from .._page import Page
-from .._radix_tree import BlockHasher, Node, validate_tokens
+from .._radix_tree import Node, block_key, validate_tokens
 from .._utils import check_int
 
 if TYPE_CHECKING:
@@ -68,7 +68,10 @@ class KVCache:
         self._capacity = 0
         self._history = 0
         self._num_blocks = 0
-        self._committed: list[TokenIdExt] = []
+        # Committed tokens: full blocks as tuples (ints-only tuples leave the cycle collector's
+        # view, so long prompts cost no GC traversal), then the partial tail.
+        self._committed_blocks: list[tuple[TokenIdExt, ...]] = []
+        self._tail: list[TokenIdExt] = []
         self._committing = True
         self._cuda_stream = 0
         n = manager.num_life_cycles
@@ -111,7 +114,8 @@ class KVCache:
             self._pages[lc] = pages
             self._indices[lc].extend(slots)
             self._stale_end[lc] = end
-        self._committed = list(tokens[:length])
+        self._committed_blocks = [node.tokens for node in nodes]  # equal keys: equal tokens
+        self._tail = list(tokens[len(nodes) * t : length])
         self._capacity = self._history = length
         self._num_blocks = nb
         self._num_published = len(nodes)
@@ -134,12 +138,12 @@ class KVCache:
 
     @property
     def num_committed_tokens(self) -> int:
-        return len(self._committed)
+        return len(self._committed_blocks) * self._tokens_per_block + len(self._tail)
 
     @property
     def committed_tokens(self) -> list[TokenIdExt]:
         """A copy of the committed token sequence."""
-        return list(self._committed)
+        return [tok for block in self._committed_blocks for tok in block] + self._tail
 
     @property
     def reuse_scope(self) -> ReuseScope:
@@ -422,16 +426,21 @@ class KVCache:
             raise LogicError("commit() after stop_committing(): this request no longer commits tokens")
         if beam_search_indices is not None:
             raise ValueError("beam_search_indices: this cache has beam_width 1; pass None")
-        n = len(self._committed) + len(accepted_input_tokens)
+        t = self._tokens_per_block
+        n = len(self._committed_blocks) * t + len(self._tail) + len(accepted_input_tokens)
         if n > self._capacity:
             raise LogicError(
                 f"commit() of {len(accepted_input_tokens)} tokens would reach {n} committed tokens, "
                 f"beyond capacity {self._capacity}; resize() first"
             )
         validate_tokens(accepted_input_tokens)
-        self._committed.extend(accepted_input_tokens)
-        if n >= (self._num_published + 1) * self._tokens_per_block:
-            self._publish(n // self._tokens_per_block)
+        tail = self._tail
+        tail.extend(accepted_input_tokens)
+        if len(tail) >= t:
+            full = len(tail) // t
+            self._committed_blocks.extend([tuple(tail[i * t : (i + 1) * t]) for i in range(full)])
+            del tail[: full * t]
+            self._publish(len(self._committed_blocks))
         if n > self._history:
             self._history = n
             if self._mgr._has_swa:
@@ -442,7 +451,7 @@ class KVCache:
         """No more commits for this request (its further output must not be reused)."""
         if self._status is KVCacheStatus.CLOSED:
             raise LogicError("stop_committing() on a CLOSED cache")
-        if self._committing and len(self._committed) % self._tokens_per_block:
+        if self._committing and self._tail:
             self._publish(self._num_published + 1)
         self._committing = False
 
@@ -461,13 +470,12 @@ class KVCache:
         if parent.ordinal >= 0 and parent.parent is None:
             return  # our last block was evicted and pruned: nothing after it can be reached
         locked = self._status is KVCacheStatus.ACTIVE
-        first = self._num_published
-        keys = BlockHasher(self._committed[first * t : upto * t], t).chain(parent.key)
-        for o in range(first, upto):
-            toks = tuple(self._committed[o * t : (o + 1) * t])
+        blocks = self._committed_blocks
+        for o in range(self._num_published, upto):
+            toks = blocks[o] if o < len(blocks) else tuple(self._tail)
             if len(toks) < t and any(c.tokens[: len(toks)] == toks for c in parent.children_by_first.get(toks[0], ())):
                 return  # a longer sibling already covers this partial tail
-            key = keys[o - first]
+            key = block_key(parent.key, toks)
             node = parent.children.get(key)
             if node is None:
                 node = Node(key, parent, toks, len(self._pages))
