@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Sequence, cast
+from typing import Final, Sequence, cast
 
 import rawref
 
@@ -13,7 +13,9 @@ from ._life_cycle_registry import LifeCycle, stale_range
 from ._page import Page
 
 BlockKey = bytes
-_sha256 = hashlib.sha256
+_sha256: Final = hashlib.sha256
+#: Blocks validated and encoded together by ``BlockHasher``.
+_CHUNK_BLOCKS: Final = 8
 
 # Block encodings. Plain-id blocks: uint32 LE per token, so their length is a multiple of 4.
 # Blocks holding digests: 0x01, then per token a tag (0x00 id + 4 bytes, 0x01 + uint32 length +
@@ -71,6 +73,10 @@ def _encode_ids(tokens: Sequence[TokenIdExt]) -> bytes | None:
     if isinstance(tokens, array) and tokens.typecode == "I":
         return tokens.tobytes()  # a memory copy: no per-token conversion
     try:
+        if isinstance(tokens, list):
+            encoded: array[int] = array("I")
+            encoded.fromlist(tokens)  # about twice as fast as array("I", tokens) for lists
+            return encoded.tobytes()
         return array("I", cast(Sequence[int], tokens)).tobytes()
     except (TypeError, OverflowError):
         return None
@@ -91,8 +97,6 @@ class BlockHasher:
     Passing an ``array('I')`` makes encoding a memory copy.
     """
 
-    CHUNK_BLOCKS = 8
-
     def __init__(self, tokens: Sequence[TokenIdExt], tokens_per_block: int) -> None:
         self.tokens = tokens
         self.tokens_per_block = tokens_per_block
@@ -101,14 +105,14 @@ class BlockHasher:
 
     def key(self, parent: BlockKey, o: int) -> BlockKey:
         t = self.tokens_per_block
-        c = o // self.CHUNK_BLOCKS
+        c = o // _CHUNK_BLOCKS
         while len(self._chunks) <= c:
             self._encode_chunk()
         chunk = self._chunks[c]
         end = min((o + 1) * t, len(self.tokens))
         if chunk is None:
             return block_key(parent, self.tokens[o * t : end])
-        base = c * self.CHUNK_BLOCKS * t
+        base = c * _CHUNK_BLOCKS * t
         return _sha256(parent + chunk[(o * t - base) * 4 : (end - base) * 4]).digest()
 
     def chain(self, parent: BlockKey) -> list[BlockKey]:
@@ -120,7 +124,7 @@ class BlockHasher:
         return keys
 
     def _encode_chunk(self) -> None:
-        span = self.CHUNK_BLOCKS * self.tokens_per_block
+        span = _CHUNK_BLOCKS * self.tokens_per_block
         beg = len(self._chunks) * span
         seg = self.tokens[beg : beg + span]
         encoded = _encode_ids(seg)
