@@ -127,3 +127,47 @@ def test_addresses_agree_between_modes() -> None:
     m.shutdown()
 
 
+
+
+def _two_group_layers() -> list[AttentionLayerConfig]:
+    # group 0: full attention, 2 x 8 KiB per layer; group 1: window 128, 2 x 4 KiB per layer
+    return kv8k(2) + [
+        AttentionLayerConfig(LayerId(2 + i), [BufferConfig("key", 4 * KIB), BufferConfig("value", 4 * KIB)], 128)
+        for i in range(2)
+    ]
+
+
+def _slots(**kw: object) -> list[int]:
+    m = KVCacheManager(make_config(_two_group_layers(), tokens_per_block=32, quota=64 << 20, **kw))
+    out = [g.num_slots for g in m.pool_group_descs]
+    m.shutdown()
+    return out
+
+
+def test_quota_split_by_initial_pool_ratio() -> None:
+    full, swa = _slots(initial_pool_ratio=[3.0, 1.0])
+    assert full * 32 * KIB == pytest.approx(48 << 20, rel=1e-3)
+    assert swa * 16 * KIB == pytest.approx(16 << 20, rel=1e-3)
+
+
+def test_quota_split_by_typical_step_and_default() -> None:
+    from kv_cache_manager_v2 import BatchDesc, KVCacheDesc
+
+    # a 4096-token request needs 128 full blocks but only the window's 4 SWA blocks
+    full, swa = _slots(typical_step=BatchDesc([KVCacheDesc(4096, 4095)]))
+    assert full / swa == pytest.approx(128 / 4, rel=0.01)
+    d_full, d_swa = _slots()  # default shape: an 8192-token request
+    assert d_full / d_swa == pytest.approx(256 / 4, rel=0.01)
+
+
+def test_constraints_are_floors() -> None:
+    from kv_cache_manager_v2 import BatchDesc, KVCacheDesc
+
+    batch = BatchDesc([KVCacheDesc(128, 0)] * 200)  # 200 requests x 4 blocks in each group
+    full, swa = _slots(initial_pool_ratio=[0.99, 0.01], constraints=[batch])
+    assert swa == 800  # raised from its 1% share to the floor
+    assert full == ((64 << 20) - 800 * 16 * KIB) // (32 * KIB)  # the rest goes to the other group
+    with pytest.raises(ValueError, match="too small"):
+        _slots(constraints=[BatchDesc([KVCacheDesc(1 << 20, 0)] * 4)])
+    with pytest.raises(ValueError, match="pool groups"):
+        _slots(initial_pool_ratio=[1.0])
