@@ -157,7 +157,7 @@ def test_quota_split_by_typical_step_and_default() -> None:
     full, swa = _slots(typical_step=BatchDesc([KVCacheDesc(4096, 4095)]))
     assert full / swa == pytest.approx(128 / 4, rel=0.01)
     d_full, d_swa = _slots()  # default shape: an 8192-token request
-    assert d_full / d_swa == pytest.approx(256 / 4, rel=0.01)
+    assert d_full / d_swa == pytest.approx(256 / 4, rel=0.05)  # ~31 SWA slots: rounding shows
 
 
 def test_constraints_are_floors() -> None:
