@@ -39,6 +39,9 @@ class Page:
         self.num_holds = 0 if locked else 1
         self._rawref = None
         self.node: Node | None = None
+        # links of the evictor's LRU list while DROPPABLE
+        self.lru_prev: Page | None = None
+        self.lru_next: Page | None = None
 
     @property
     def status(self) -> PageStatus:

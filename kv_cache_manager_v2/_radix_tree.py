@@ -141,29 +141,62 @@ class Node:
         self.parent = parent
         self.tokens = tokens
         self.ordinal: int = parent.ordinal + 1 if parent is not None else -1
-        self.children: dict[BlockKey, Node] = {}
+        # Created with the first child: most nodes are leaves, and a tree can hold millions.
+        self._children: dict[BlockKey, Node] | None = None
         #: children by their first token, so a partial match scans only plausible candidates
-        self.children_by_first: dict[TokenIdExt, list[Node]] = {}
+        self._children_by_first: dict[TokenIdExt, list[Node]] | None = None
         self.pages: list[rawref.ref[Page] | None] = [None] * num_life_cycles
 
     def page(self, lc: int) -> Page | None:
         r = self.pages[lc]
         return r() if r is not None else None
 
+    @property
+    def has_children(self) -> bool:
+        return self._children is not None
+
+    def child(self, key: BlockKey) -> Node | None:
+        c = self._children
+        return c.get(key) if c is not None else None
+
+    def children(self) -> list[Node]:
+        c = self._children
+        return list(c.values()) if c is not None else []
+
+    def children_starting_with(self, token: TokenIdExt) -> list[Node]:
+        by_first = self._children_by_first
+        if by_first is None:
+            return []
+        return by_first.get(token, [])
+
     def add_child(self, child: Node) -> None:
-        self.children[child.key] = child
-        lst = self.children_by_first.get(child.tokens[0])
+        if self._children is None or self._children_by_first is None:
+            self._children = {}
+            self._children_by_first = {}
+        self._children[child.key] = child
+        lst = self._children_by_first.get(child.tokens[0])
         if lst is None:
-            self.children_by_first[child.tokens[0]] = [child]
+            self._children_by_first[child.tokens[0]] = [child]
         else:
             lst.append(child)
 
     def remove_child(self, child: Node) -> None:
-        del self.children[child.key]
-        lst = self.children_by_first[child.tokens[0]]
+        children = self._children
+        by_first = self._children_by_first
+        assert children is not None and by_first is not None
+        del children[child.key]
+        lst = by_first[child.tokens[0]]
         lst.remove(child)
         if not lst:
-            del self.children_by_first[child.tokens[0]]
+            del by_first[child.tokens[0]]
+        if not children:
+            self._children = self._children_by_first = None
+
+    def drop_children(self) -> list[Node]:
+        """Unlink every child (subtree removal); returns them."""
+        out = self.children()
+        self._children = self._children_by_first = None
+        return out
 
     def has_pages(self) -> bool:
         return any(r is not None and r.is_valid for r in self.pages)
@@ -213,13 +246,13 @@ class ReuseTree:
         node = root
         n_full = len(tokens) // t
         hasher: BlockHasher | None = None
-        while len(nodes) < n_full and node.children:
+        while len(nodes) < n_full and node.has_children:
             o = len(nodes)
             if o == len(keys):
                 if hasher is None:
                     hasher = BlockHasher(tokens, t)
                 keys.append(hasher.key(node.key, o))
-            child = node.children.get(keys[o])
+            child = node.child(keys[o])
             if child is None:
                 break
             nodes.append(child)
@@ -228,7 +261,7 @@ class ReuseTree:
         part_len = 0
         if partial and len(nodes) * t < len(tokens):
             rest = tokens[len(nodes) * t : (len(nodes) + 1) * t]
-            for child in node.children_by_first.get(rest[0], ()):
+            for child in node.children_starting_with(rest[0]):
                 n = common_prefix_len(child.tokens, rest)
                 if n > part_len:
                     part, part_len = child, n
@@ -283,9 +316,7 @@ class ReuseTree:
         stack = [node]
         while stack:
             n = stack.pop()
-            stack.extend(n.children.values())
-            n.children = {}
-            n.children_by_first = {}
+            stack.extend(n.drop_children())
             n.parent = None
             for lc, r in enumerate(n.pages):
                 p = r() if r is not None else None
@@ -301,7 +332,7 @@ class ReuseTree:
     def prune(self, node: Node) -> None:
         """Remove empty leaves upward (never the scope roots)."""
         n: Node | None = node
-        while n is not None and n.parent is not None and not n.children and not n.has_pages():
+        while n is not None and n.parent is not None and not n.has_children and not n.has_pages():
             parent: Node | None = n.parent
             assert parent is not None
             parent.remove_child(n)
@@ -310,6 +341,6 @@ class ReuseTree:
 
     def clear(self) -> None:
         for root in list(self.roots.values()):
-            for child in list(root.children.values()):
+            for child in root.children():
                 self.remove_subtree(child)
         self.roots = {}

@@ -99,10 +99,11 @@ class ManagerMachine(RuleBasedStateMachine):
                         pages.add(p)
             pages.update(p for p in kv._pending_copy if p is not None)
         for g in self.m._gpu.groups:
-            for lst in g.evictor._lists.values():
-                for p in lst:
-                    assert p.num_locks == 0 and p.num_holds == 0 and p.node is not None
-                    pages.add(p)
+            evictable = g.evictor.pages()
+            assert len(evictable) == g.evictor.count
+            for p in evictable:
+                assert p.num_locks == 0 and p.num_holds == 0 and p.node is not None
+                pages.add(p)
         for p in pages:
             key = (p.storage.layout.index, p.slot)
             assert owners.setdefault(key, id(p)) == id(p), f"slot {key} owned by two pages"

@@ -473,10 +473,10 @@ class KVCache:
         blocks = self._committed_blocks
         for o in range(self._num_published, upto):
             toks = blocks[o] if o < len(blocks) else tuple(self._tail)
-            if len(toks) < t and any(c.tokens[: len(toks)] == toks for c in parent.children_by_first.get(toks[0], ())):
+            if len(toks) < t and any(c.tokens[: len(toks)] == toks for c in parent.children_starting_with(toks[0])):
                 return  # a longer sibling already covers this partial tail
             key = block_key(parent.key, toks)
-            node = parent.children.get(key)
+            node = parent.child(key)
             if node is None:
                 node = Node(key, parent, toks, len(self._pages))
                 parent.add_child(node)
