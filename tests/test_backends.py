@@ -77,3 +77,68 @@ def test_cuda_pool_grows_in_place_and_round_trips() -> None:
     assert b.read(MemAddress(base + (16 << 20)), 8) == b"kvkvkvkv"
     pool.release()
     b.shutdown()
+
+
+@pytest.fixture
+def fake_driver(monkeypatch: pytest.MonkeyPatch) -> object:
+    """Replaces cuda.bindings.driver (looked up at call time, so compiled code sees it too)."""
+    import cuda.bindings
+    from fake_cuda_driver import FakeDriver
+
+    drv = FakeDriver()
+    monkeypatch.setattr(cuda.bindings, "driver", drv)
+    return drv
+
+
+def test_cuda_backend_logic_on_an_emulated_driver(fake_driver: object) -> None:
+    from fake_cuda_driver import GRANULARITY, FakeDriver
+    from fake_engine import FakeEngine
+
+    from kv_cache_manager_v2 import LayerGroupId
+
+    drv = fake_driver
+    assert isinstance(drv, FakeDriver)
+    m = KVCacheManager(make_config(kv_layers(2), quota=8 << 20, backend="cuda"))
+    assert m.backend_name == "cuda"
+    assert not drv.mapped  # nothing mapped until slots are used
+    engine = FakeEngine(m)
+    toks = list(range(1000, 1100))
+    kv = m.create_kv_cache(input_tokens=toks)
+    assert kv.resume() and kv.resize(60)
+    engine.step(kv, toks, 0, 60)
+    kv.commit(toks[:60])
+    assert sum(drv.mapped.values()) == GRANULARITY  # grown by one chunk, at the reserved base
+    kv.close()
+    b = m.create_kv_cache(input_tokens=toks[:52] + [1, 2, 3])  # partial match: device-to-device copy
+    assert b.history_length == 52 and b.resume()
+    assert "cuCtxSynchronize" in drv.calls and "cuMemcpyAsync" in drv.calls
+    engine.check_all(b, toks, 52)
+    assert b.get_base_page_indices(LayerGroupId(0))[6] != BAD
+    b.close()
+    m.clear_reusable_blocks()
+    m.shutdown()
+    assert not drv.mapped and not drv.handles and not drv.reservations  # everything given back
+
+
+BAD = -1
+
+
+def test_cuda_driver_errors_become_cu_errors(fake_driver: object) -> None:
+    from fake_cuda_driver import FakeDriver
+
+    drv = fake_driver
+    assert isinstance(drv, FakeDriver)
+    m = KVCacheManager(make_config(kv_layers(1), quota=8 << 20, backend="cuda"))
+    kv = m.create_kv_cache()
+    kv.resume()
+    drv.fail_next["cuMemCreate"] = drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+    with pytest.raises(CuError, match="cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY") as info:
+        kv.resize(8)
+    assert info.value.status == 2 and info.value.message == "emulated failure"
+    drv.fail_next["cuMemMap"] = drv.CUresult.CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(CuError, match="cuMemMap"):
+        kv.resize(8)
+    assert not drv.handles  # the physical chunk of the failed map was released
+    assert kv.resize(8)  # the next attempt maps normally
+    kv.close()
+    m.shutdown()
