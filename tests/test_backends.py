@@ -132,9 +132,12 @@ def test_cuda_driver_errors_become_cu_errors(fake_driver: object) -> None:
     kv = m.create_kv_cache()
     kv.resume()
     drv.fail_next["cuMemCreate"] = drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+    stats = m.get_storage_statistics()
     with pytest.raises(CuError, match="cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY") as info:
         kv.resize(8)
     assert info.value.status == 2 and info.value.message == "emulated failure"
+    assert kv.capacity == 0 and len(kv.get_base_page_indices(0)) == 0  # nothing changed
+    assert m.get_storage_statistics() == stats
     drv.fail_next["cuMemMap"] = drv.CUresult.CUDA_ERROR_INVALID_VALUE
     with pytest.raises(CuError, match="cuMemMap"):
         kv.resize(8)

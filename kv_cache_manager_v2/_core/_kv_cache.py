@@ -220,6 +220,9 @@ class KVCache:
             total = group.allocator.num_slots
             if n > group.num_available or (total - group.num_available + n) / total > max_util:
                 return False
+        for g, n in enumerate(need):
+            if n:
+                mgr._gpu.groups[g].allocator.prepare(n)
         o = self._num_published
         cb = self._priority_cb
         prios = [
@@ -356,6 +359,9 @@ class KVCache:
         for gi in range(num_groups):
             if need[gi] > gain[gi] + mgr._gpu.groups[gi].num_available:
                 return False
+        for gi in range(num_groups):
+            if need[gi]:
+                mgr._gpu.groups[gi].allocator.prepare(need[gi])  # a driver failure here changes nothing
         # Release everything first: life cycles sharing a pool group use each other's releases.
         for lc in range(mgr.num_life_cycles):
             self._release_stale(LifeCycleId(lc), stale_ends[lc])

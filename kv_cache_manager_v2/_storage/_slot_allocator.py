@@ -29,20 +29,32 @@ class SlotAllocator:
     def num_used(self) -> int:
         return self.num_slots - self.num_free
 
+    def prepare(self, count: int) -> None:
+        """Map the memory ``count`` allocations may need, so they cannot fail later.
+
+        May raise (e.g. ``CuError``) but changes no allocation state.
+        """
+        rest = count - len(self._free)
+        if rest > 0:
+            high_water = min(self._high_water + rest, self.num_slots)
+            for pool, size in zip(self._pools, self._slot_sizes):
+                pool.ensure_mapped(high_water * size)
+
     def allocate(self, count: int) -> list[SlotId]:
         """``count`` slots, or raise ``LogicError`` if fewer are free (callers check first)."""
         if count > self.num_free:
             raise LogicError(f"slot allocator: {count} slots requested, {self.num_free} free")
-        out: list[SlotId] = []
         free = self._free
+        rest = count - len(free)
+        beg = self._high_water
+        if rest > 0:
+            self._grow(beg + rest)  # first: if mapping fails, nothing has changed
+        out: list[SlotId] = []
         while len(out) < count and free:
             s = free.pop()
             self._is_free[s] = 0
             out.append(s)
-        rest = count - len(out)
-        if rest:
-            beg = self._high_water
-            self._grow(beg + rest)
+        if rest > 0:
             out.extend([SlotId(s) for s in range(beg, beg + rest)])
         return out
 
