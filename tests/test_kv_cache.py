@@ -444,3 +444,11 @@ def test_aggregated_pages_and_small_queries(make_manager: MakeManager) -> None:
     assert m.supports_index_mode(PageIndexMode.SHARED) is True and kv.supports_index_mode(PageIndexMode.PER_LAYER)
     assert kv.get_scratch_desc(LayerGroupId(0)) is None and not kv.has_scratch_slots
     kv.close()
+
+
+def test_reprs_say_what_state_things_are_in(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T))
+    kv = _active(m, 20)
+    assert repr(kv) == "KVCache(id=None, status=ACTIVE, capacity=20, history_length=0, committed=0, blocks=3)"
+    assert "open_caches=1" in repr(m) and "layer_groups=1" in repr(m)
+    kv.close()

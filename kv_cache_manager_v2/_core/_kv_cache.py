@@ -121,6 +121,12 @@ class KVCache:
         self._num_published = len(nodes)
         self._last_node = nodes[-1] if nodes else None
 
+    def __repr__(self) -> str:
+        return (
+            f"KVCache(id={self._id!r}, status={self._status.name}, capacity={self._capacity}, "
+            f"history_length={self._history}, committed={self.num_committed_tokens}, blocks={self._num_blocks})"
+        )
+
     # ------------------------------------------------------------------ properties
     @property
     def status(self) -> KVCacheStatus:

@@ -82,6 +82,13 @@ class KVCacheManager:
         self._probe_keys: tuple[ReuseScope, Sequence[TokenIdExt], list[BlockKey]] | None = None
         self._is_shut_down = False
 
+    def __repr__(self) -> str:
+        groups = ", ".join(f"{g.allocator.num_slots - g.num_available}/{g.allocator.num_slots}" for g in self._gpu.groups)
+        return (
+            f"KVCacheManager(backend={self._backend.name!r}, layers={self.num_layers}, "
+            f"layer_groups={self.num_life_cycles}, gpu_slots_unavailable=[{groups}], open_caches={len(self._open)})"
+        )
+
     # ------------------------------------------------------------------ requests
     def create_kv_cache(
         self,
