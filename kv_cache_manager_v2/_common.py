@@ -27,7 +27,6 @@ BufferId = tuple[LayerId, str]
 BAD_PAGE_INDEX: Final = -1
 GPU_LEVEL: Final = CacheLevel(0)
 DEFAULT_PRIORITY: Final = Priority(35)
-MIN_PRIORITY: Final = Priority(0)
 MAX_PRIORITY: Final = Priority(100)
 MAX_TOKEN_ID: Final = (1 << 32) - 1
 

@@ -17,10 +17,6 @@ class LifeCycle:
     window_size: int | None
     num_sink_blocks: int
 
-    @property
-    def is_swa(self) -> bool:
-        return self.window_size is not None
-
 
 class LifeCycleRegistry:
     """Dense ``LifeCycleId`` per distinct attention shape, in first-seen order of the layers."""

@@ -51,10 +51,6 @@ class Page:
             return PageStatus.HELD
         return PageStatus.DROPPABLE
 
-    @property
-    def is_freed(self) -> bool:
-        return self.slot == BAD_PAGE_INDEX
-
     def lock_from_hold(self) -> None:
         self.num_holds -= 1
         self.num_locks += 1

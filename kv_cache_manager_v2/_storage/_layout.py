@@ -36,10 +36,6 @@ class BufferAttr:
     layer_offset: int  #: offset / (size * E) (Lo)
     pages_per_layer: int  #: sub-pages one layer uses in this pool (P)
 
-    @property
-    def block_bytes(self) -> int:
-        return self.size * self.expansion
-
 
 @dataclass(frozen=True)
 class PoolGroupLayout:
