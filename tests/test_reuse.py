@@ -332,3 +332,13 @@ def test_failing_priority_callback_on_resume_changes_nothing(make_manager: MakeM
     assert b.resume()  # the second try copies the partial block
     engine.check_all(b, writer[:12], 12)
     b.close()
+
+
+def test_bad_tokens_in_create_leave_nothing_open(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T))
+    publish(m, FakeEngine(m), toks(99, 16))
+    with pytest.raises(TypeError):
+        m.create_kv_cache(input_tokens=toks(99, 8) + [1.5] + toks(5, 8))  # type: ignore[list-item]
+    assert m.num_open_caches == 0
+    stats = m.get_storage_statistics()[0]
+    assert stats.evictable == 2  # the published blocks are untouched (no holds taken)

@@ -103,9 +103,10 @@ class KVCacheManager:
             check_type("reuse_scope", reuse_scope, ReuseScope)
         if not callable(custom_priority_callback):
             raise TypeError("custom_priority_callback must be callable (block_ordinal, life_cycle) -> priority")
-        kv = KVCache(self, reuse_scope, id, custom_priority_callback)
-        if input_tokens:
-            nodes, part, part_len = self._match(kv.reuse_scope, input_tokens, True)
+        scope = reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE
+        kv = KVCache(self, scope, id, custom_priority_callback)
+        if input_tokens is not None and len(input_tokens) > 0:
+            nodes, part, part_len = self._match(scope, input_tokens, True)  # may raise: kv is not open yet
             kv._adopt(nodes, part, part_len, input_tokens)
             t = self.tokens_per_block
             self._stats.reused_blocks += len(nodes) + (part is not None)
@@ -116,7 +117,7 @@ class KVCacheManager:
     def probe_reuse(self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None) -> int:
         """Length of the reusable prefix of ``input_tokens``; takes nothing."""
         self._check_alive()
-        if not input_tokens:
+        if input_tokens is None or len(input_tokens) == 0:
             return 0
         nodes, _, part_len = self._match(reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE, input_tokens, False)
         return len(nodes) * self.tokens_per_block + part_len
