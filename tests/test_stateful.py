@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kv_cache_manager_v2 import KVCache, KVCacheManager, KVCacheStatus, ReuseScope
+from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, KVCache, KVCacheManager, KVCacheStatus, LayerId, Priority, ReuseScope
 
 T = 4
 PREFIXES = [[(p * 1000 + i) for i in range(24)] for p in range(3)]
@@ -20,23 +20,32 @@ PREFIXES = [[(p * 1000 + i) for i in range(24)] for p in range(3)]
 class ManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        # full attention first, then SWA with sinks: both life cycles share one pool group
-        layers = kv_layers(3, T, window=9, swa_every=3, sink_tokens=2)
-        layers = layers[1:] + layers[:1]
-        self.m = KVCacheManager(make_config(layers, tokens_per_block=T, quota=3 * 2 * 32 * T * 40))
+        self.m = self.make_manager()
         self.engine = FakeEngine(self.m)
         self.caches: list[tuple[KVCache, list[int]]] = []
         self.rng = random.Random(0)
         self.computed: dict[int, int] = {}  # id(kv) -> tokens computed but not yet committed
 
-    @rule(prefix=st.integers(0, 2), shared=st.integers(0, 24), extra=st.integers(1, 30), salt=st.sampled_from([None, 1]))
-    def create(self, prefix: int, shared: int, extra: int, salt: int | None) -> None:
+    def make_manager(self) -> KVCacheManager:
+        # full attention first, then SWA with sinks: both life cycles share one pool group
+        layers = kv_layers(3, T, window=9, swa_every=3, sink_tokens=2)
+        layers = layers[1:] + layers[:1]
+        return KVCacheManager(make_config(layers, tokens_per_block=T, quota=3 * 2 * 32 * T * 40))
+
+    @rule(
+        prefix=st.integers(0, 2),
+        shared=st.integers(0, 24),
+        extra=st.integers(1, 30),
+        salt=st.sampled_from([None, 1]),
+        priority=st.integers(0, 100),
+    )
+    def create(self, prefix: int, shared: int, extra: int, salt: int | None, priority: int) -> None:
         if len(self.caches) >= 6:
             return
         seq = PREFIXES[prefix][:shared] + [self.rng.randrange(1 << 30) for _ in range(extra)]
         scope = ReuseScope(salt=salt)
         probed = self.m.probe_reuse(scope, seq[:-1])
-        kv = self.m.create_kv_cache(scope, seq[:-1])
+        kv = self.m.create_kv_cache(scope, seq[:-1], custom_priority_callback=lambda o, lc: Priority(priority))
         assert kv.history_length == probed == kv.num_committed_tokens
         self.caches.append((kv, seq))
 
@@ -120,7 +129,27 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.shutdown()
 
 
-ManagerMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
-)
+class TightMultiGroupMachine(ManagerMachine):
+    """Two pool groups (different buffer sizes), no partial reuse, little memory: eviction and
+    failed resizes all the time."""
+
+    def make_manager(self) -> KVCacheManager:
+        layers = [
+            AttentionLayerConfig(LayerId(0), [BufferConfig("key", 32 * T), BufferConfig("value", 32 * T)]),
+            AttentionLayerConfig(LayerId(1), [BufferConfig("key", 64 * T)], sliding_window_size=6),
+            AttentionLayerConfig(LayerId(2), [BufferConfig("key", 32 * T), BufferConfig("value", 32 * T)]),
+        ]
+        return KVCacheManager(
+            make_config(
+                layers, tokens_per_block=T, quota=(128 + 64) * T * 14, enable_partial_reuse=False,
+                initial_pool_ratio=[0.7, 0.3],
+            )
+        )
+
+
+for machine in (ManagerMachine, TightMultiGroupMachine):
+    machine.TestCase.settings = settings(
+        max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+    )
 TestManagerMachine = ManagerMachine.TestCase
+TestTightMultiGroupMachine = TightMultiGroupMachine.TestCase
