@@ -80,6 +80,12 @@ class Page:
             else:
                 self.free()
 
+    def __del__(self) -> None:
+        # rawref's contract: a target invalidates its ref before it dies. Normally free() did.
+        r = self._rawref
+        if r is not None:
+            r.invalidate()
+
     def free(self) -> None:
         """Give the slot back and invalidate refs to this page (owners must be gone)."""
         if self.slot == BAD_PAGE_INDEX:

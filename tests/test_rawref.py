@@ -97,3 +97,18 @@ def test_from_compiled_code_cache_closed_on_gc() -> None:
     gc.collect()
     assert r() is None and m.num_open_caches == 0
     m.shutdown()
+
+
+def test_page_invalidates_its_ref_when_collected_without_free() -> None:
+    from conftest import kv_layers, make_config
+
+    from kv_cache_manager_v2 import KVCacheManager, LifeCycleId, Priority, SlotId
+    from kv_cache_manager_v2._page import Page
+
+    m = KVCacheManager(make_config(kv_layers(1)))
+    storage = m._gpu.groups[0]
+    page = Page(storage, SlotId(storage.allocator.allocate_one()), LifeCycleId(0), Priority(35), True)
+    r = rawref.ref(page)
+    del page
+    gc.collect()
+    assert r() is None and not r.is_valid  # no dangling pointer
