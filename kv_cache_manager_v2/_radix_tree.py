@@ -50,7 +50,7 @@ def encode_tokens(tokens: Sequence[TokenIdExt]) -> bytes:
 
 def check_token(tok: object) -> None:
     """A token is an int in ``[0, 2**32)`` or a non-empty ``bytes`` digest."""
-    if type(tok) is int:
+    if isinstance(tok, int) and not isinstance(tok, bool):  # isinstance: a fast check compiled
         if not 0 <= tok <= MAX_TOKEN_ID:
             raise ValueError(f"token id {tok} is outside [0, 2**32)")
     elif isinstance(tok, bytes):

@@ -26,7 +26,7 @@ from .._common import (
 )
 from .._exceptions import LogicError
 from .._page import Page
-from .._radix_tree import Node, block_key, validate_tokens
+from .._radix_tree import Node, block_key, check_token, validate_tokens
 from .._utils import check_int
 
 if TYPE_CHECKING:
@@ -445,7 +445,10 @@ class KVCache:
                 f"commit() of {len(accepted_input_tokens)} tokens would reach {n} committed tokens, "
                 f"beyond capacity {self._capacity}; resize() first"
             )
-        validate_tokens(accepted_input_tokens)
+        if len(accepted_input_tokens) == 1:
+            check_token(accepted_input_tokens[0])  # the decode step: one token
+        else:
+            validate_tokens(accepted_input_tokens)
         tail = self._tail
         tail.extend(accepted_input_tokens)
         if len(tail) >= t:
@@ -516,9 +519,12 @@ class KVCache:
     # ------------------------------------------------------------------ indices
     def get_base_page_indices(self, layer_group_id: LayerGroupId, beam_id: BeamIndex = BeamIndex(0)) -> array[int]:
         """Slot id per block (``BAD_PAGE_INDEX`` for none); a live view kept up to date, do not modify."""
+        indices = self._indices
+        if type(layer_group_id) is int and 0 <= layer_group_id < len(indices) and beam_id == 0:
+            return indices[layer_group_id]  # the per-step path: no helper calls
         self._check_lc(layer_group_id)
         self._check_beam(beam_id)
-        return self._indices[layer_group_id]
+        return indices[layer_group_id]
 
     def set_base_page_index_buf(
         self, beam: BeamIndex, layer_group_id: LayerGroupId, buf: memoryview | None
