@@ -306,8 +306,9 @@ class KVCache:
             raise LogicError(f"resize() needs an ACTIVE cache; this one is {self._status.name} (call resume() first)")
         cap = self._capacity if capacity is None else capacity
         h = self._history if history_length is None else history_length
-        check_int("capacity", cap)
-        check_int("history_length", h)
+        if type(cap) is not int or type(h) is not int or cap < 0 or h < 0:
+            check_int("capacity", cap)  # raises with the reason
+            check_int("history_length", h)
         if h < self._history:
             raise LogicError(f"history_length never shrinks: {self._history} -> {h}")
         if cap < h:
