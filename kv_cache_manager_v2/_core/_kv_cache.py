@@ -230,10 +230,9 @@ class KVCache:
             if n:
                 mgr._gpu.groups[g].allocator.prepare(n)
         o = self._num_published
-        cb = self._priority_cb
         prios = [
-            DEFAULT_PRIORITY if cb is default_priority else _checked_priority(cb(BlockOrdinal(o), LifeCycleId(lc)))
-            for lc in range(len(self._pending_copy))
+            self._priorities(LifeCycleId(lc), [o])[0] if src is not None else DEFAULT_PRIORITY
+            for lc, src in enumerate(self._pending_copy)
         ]
         mgr._backend.synchronize_device()  # the source was written by another request's kernels
         for lc, src in enumerate(self._pending_copy):
@@ -247,12 +246,8 @@ class KVCache:
                 mgr._backend.copy(
                     MemAddress(pool.base_address + slot * size), MemAddress(pool.base_address + src.slot * size), size, 0
                 )
-            page = Page(storage, slot, LifeCycleId(lc), prio, False)
-            self._pages[lc][o] = page
-            self._indices[lc][o] = slot
-            buf = self._user_bufs[lc]
-            if buf is not None:
-                buf[o] = slot
+            self._pages[lc][o] = Page(storage, slot, LifeCycleId(lc), prio, False)
+            self._set_index(LifeCycleId(lc), o, slot)
             self._pending_copy[lc] = None
             src.release(False)
         mgr._backend.synchronize()
@@ -346,7 +341,6 @@ class KVCache:
         stale_ends: list[int] = []
         wanted: list[list[int]] = []
         priorities: list[list[Priority]] = []
-        cb = self._priority_cb
         for lc in range(mgr.num_life_cycles):
             beg, end = mgr._registry.stale_range(LifeCycleId(lc), h)
             stale_ends.append(end)
@@ -359,10 +353,7 @@ class KVCache:
             want = [o for o in range(old_nb, nb) if not beg <= o < end]
             need[g] += len(want)
             wanted.append(want)
-            if cb is default_priority:
-                priorities.append([DEFAULT_PRIORITY] * len(want))
-            else:
-                priorities.append([_checked_priority(cb(BlockOrdinal(o), LifeCycleId(lc))) for o in want])
+            priorities.append(self._priorities(LifeCycleId(lc), want))
         for gi in range(num_groups):
             if need[gi] > gain[gi] + mgr._gpu.groups[gi].num_available:
                 return False
@@ -417,16 +408,12 @@ class KVCache:
             return
         lc_obj = self._mgr._registry.life_cycles[lc]
         pages = self._pages[lc]
-        indices = self._indices[lc]
-        buf = self._user_bufs[lc]
         locked = self._status is KVCacheStatus.ACTIVE
         for o in range(max(done, lc_obj.num_sink_blocks), min(end, len(pages))):
             p = pages[o]
             if p is not None:
                 pages[o] = None
-                indices[o] = BAD_PAGE_INDEX
-                if buf is not None:
-                    buf[o] = BAD_PAGE_INDEX
+                self._set_index(lc, o, BAD_PAGE_INDEX)
                 p.release(locked)
         self._stale_end[lc] = end
 
@@ -506,10 +493,7 @@ class KVCache:
                 elif mine is not None and theirs is not mine:
                     theirs.take(locked)
                     self._pages[lc][o] = theirs
-                    self._indices[lc][o] = theirs.slot
-                    buf = self._user_bufs[lc]
-                    if buf is not None:
-                        buf[o] = theirs.slot
+                    self._set_index(LifeCycleId(lc), o, theirs.slot)
                     mine.release(locked)
             if len(toks) < t:
                 return
@@ -565,6 +549,20 @@ class KVCache:
                 yield idx
 
     # ------------------------------------------------------------------ helpers
+    def _priorities(self, lc: LifeCycleId, ordinals: list[int]) -> list[Priority]:
+        """Eviction priorities of new pages for these blocks (the callback is validated)."""
+        cb = self._priority_cb
+        if cb is default_priority:
+            return [DEFAULT_PRIORITY] * len(ordinals)
+        return [_checked_priority(cb(BlockOrdinal(o), lc)) for o in ordinals]
+
+    def _set_index(self, lc: LifeCycleId, o: int, slot: int) -> None:
+        """Point block ``o`` at ``slot`` in the index array and the caller's buffer, if any."""
+        self._indices[lc][o] = slot
+        buf = self._user_bufs[lc]
+        if buf is not None:
+            buf[o] = slot
+
     def _write_user_tail(self, lc: LifeCycleId, n: int) -> None:
         buf = self._user_bufs[lc]
         if buf is not None and n < len(buf):

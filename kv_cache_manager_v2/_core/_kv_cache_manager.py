@@ -31,7 +31,6 @@ from .._config import KVCacheDesc, KVCacheManagerConfig
 from .._exceptions import LogicError
 from .._utils import check_int, check_type
 from .._life_cycle_registry import LifeCycleRegistry
-from .._page import Page
 from .._page_index import PageIndexConverter
 from .._radix_tree import BlockKey, Node, ReuseTree, validate_tokens
 from .._storage._backend import MemoryBackend, select_backend

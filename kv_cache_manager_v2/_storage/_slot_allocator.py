@@ -36,9 +36,7 @@ class SlotAllocator:
         """
         rest = count - len(self._free)
         if rest > 0:
-            high_water = min(self._high_water + rest, self.num_slots)
-            for pool, size in zip(self._pools, self._slot_sizes):
-                pool.ensure_mapped(high_water * size)
+            self._map(min(self._high_water + rest, self.num_slots))
 
     def allocate(self, count: int) -> list[SlotId]:
         """``count`` slots, or raise ``LogicError`` if fewer are free (callers check first)."""
@@ -76,9 +74,13 @@ class SlotAllocator:
         self._is_free[slot] = 1
         self._free.append(slot)
 
-    def _grow(self, high_water: int) -> None:
+    def _map(self, high_water: int) -> None:
+        """Back slots ``[0, high_water)`` of every pool with memory."""
         for pool, size in zip(self._pools, self._slot_sizes):
             pool.ensure_mapped(high_water * size)
+
+    def _grow(self, high_water: int) -> None:
+        self._map(high_water)
         self._high_water = high_water
 
     def is_allocated(self, slot: SlotId) -> bool:
