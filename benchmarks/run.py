@@ -109,7 +109,7 @@ def scenario_admission_array(p: dict[str, int]) -> dict[str, Any]:
 
 def _admission(p: dict[str, int], as_array: bool) -> dict[str, Any]:
     from kv_cache_manager_v2 import ReuseScope
-    from kv_cache_manager_v2._radix_tree import BlockHasher, scope_key
+    from kv_cache_manager_v2._reuse._keys import BlockHasher, scope_key
 
     t, n_req = p["tokens_per_block"], p["requests"]
     prompt_len = p["shared"] + p["unique"]
@@ -168,7 +168,7 @@ def scenario_close(p: dict[str, int]) -> dict[str, Any]:
 
 def scenario_hashing(p: dict[str, int]) -> dict[str, Any]:
     from kv_cache_manager_v2 import ReuseScope
-    from kv_cache_manager_v2._radix_tree import BlockHasher, scope_key
+    from kv_cache_manager_v2._reuse._keys import BlockHasher, scope_key
 
     t = p["tokens_per_block"]
     n_blocks = p["hash_blocks"]

@@ -1,62 +1,98 @@
-"""Layers -> life cycles (layer groups), and which blocks a life cycle no longer needs."""
+"""Layers -> life cycles (layer groups), and each life cycle's policy: which blocks it needs.
+
+Every window-dependent rule lives here (SPEC 5.1, 5.3, 5.4): the stale range at a history
+length, which blocks a match needs pages for, and which blocks are anchors whose loss makes
+the blocks after them useless.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 from ._common import LayerId, LifeCycleId
 from ._config import AttentionLayerConfig
+from ._typed import TypedList
 from ._utils import div_up
 
 
-@dataclass(frozen=True)
 class LifeCycle:
     """Attention shape shared by the layers of one group: window (None = full) and sink blocks."""
 
-    window_size: int | None
-    num_sink_blocks: int
+    __slots__ = ("window_size", "num_sink_blocks", "tokens_per_block")
+
+    def __init__(self, window_size: int | None, num_sink_blocks: int, tokens_per_block: int) -> None:
+        self.window_size = window_size
+        self.num_sink_blocks = num_sink_blocks
+        self.tokens_per_block = tokens_per_block
+
+    def __repr__(self) -> str:
+        return f"LifeCycle(window_size={self.window_size}, num_sink_blocks={self.num_sink_blocks})"
+
+    @property
+    def is_swa(self) -> bool:
+        return self.window_size is not None
+
+    def stale_range(self, history_length: int) -> tuple[int, int]:
+        """Blocks ``[beg, end)`` out of the window (and not sinks) at ``history_length`` (SPEC 5.1).
+
+        The live window is positions ``[h + 1 - W, h]``: the next token attends to the W - 1 before it.
+        """
+        w = self.window_size
+        if w is None:
+            return (0, 0)
+        t = self.tokens_per_block
+        beg = min(div_up(history_length, t), self.num_sink_blocks)
+        return (beg, max(beg, (history_length + 1 - w) // t))
+
+    def stale_end(self, history_length: int) -> int:
+        """End of the stale range (0 for full attention): the hot-path form of ``stale_range``."""
+        w = self.window_size
+        if w is None:
+            return 0
+        return max(self.num_sink_blocks, (history_length + 1 - w) // self.tokens_per_block)
+
+    def num_blocks_with_pages(self, capacity: int, history_length: int) -> int:
+        """Blocks a request of this shape holds pages for (stale blocks need none)."""
+        nb = div_up(capacity, self.tokens_per_block)
+        beg, end = self.stale_range(history_length)
+        return nb - max(0, min(end, nb) - min(beg, nb))
+
+    def is_anchor(self, ordinal: int) -> bool:
+        """Whether later blocks are useless without this block's page (full attention, sinks)."""
+        return self.window_size is None or ordinal < self.num_sink_blocks
 
 
 class LifeCycleRegistry:
     """Dense ``LifeCycleId`` per distinct attention shape, in first-seen order of the layers."""
 
-    life_cycles: list[LifeCycle]
+    life_cycles: TypedList[LifeCycleId, LifeCycle]
     layer_to_life_cycle: dict[LayerId, LifeCycleId]
-    layers_of: list[list[LayerId]]
+    layers_of: TypedList[LifeCycleId, list[LayerId]]
     tokens_per_block: int
+    #: life cycles with a window: the only ones whose blocks go stale
+    swa_life_cycles: list[LifeCycleId]
 
     def __init__(self, layers: Sequence[AttentionLayerConfig], tokens_per_block: int) -> None:
         self.tokens_per_block = tokens_per_block
-        self.life_cycles = []
+        self.life_cycles = TypedList([])
         self.layer_to_life_cycle = {}
-        self.layers_of = []
-        index: dict[LifeCycle, LifeCycleId] = {}
+        self.layers_of = TypedList([])
+        index: dict[tuple[int | None, int], LifeCycleId] = {}
         for layer in layers:
             w = layer.sliding_window_size
             sinks = div_up(layer.num_sink_tokens or 0, tokens_per_block) if w is not None else 0
-            lc = LifeCycle(w, sinks)
-            lc_id = index.get(lc)
+            lc_id = index.get((w, sinks))
             if lc_id is None:
                 lc_id = LifeCycleId(len(self.life_cycles))
-                index[lc] = lc_id
-                self.life_cycles.append(lc)
-                self.layers_of.append([])
+                index[(w, sinks)] = lc_id
+                self.life_cycles.items.append(LifeCycle(w, sinks, tokens_per_block))
+                self.layers_of.items.append([])
             self.layer_to_life_cycle[layer.layer_id] = lc_id
             self.layers_of[lc_id].append(layer.layer_id)
+        self.swa_life_cycles = [LifeCycleId(i) for i, lc in enumerate(self.life_cycles) if lc.is_swa]
 
     def __len__(self) -> int:
         return len(self.life_cycles)
 
-    def stale_range(self, lc_id: LifeCycleId, history_length: int) -> tuple[int, int]:
-        """Blocks ``[beg, end)`` the life cycle no longer needs at this history length (SPEC 5.1)."""
-        return stale_range(self.life_cycles[lc_id], history_length, self.tokens_per_block)
-
-
-def stale_range(lc: LifeCycle, history_length: int, tokens_per_block: int) -> tuple[int, int]:
-    """Blocks ``[beg, end)`` out of the window (and not sinks) at ``history_length``."""
-    w = lc.window_size
-    if w is None:
-        return (0, 0)
-    beg = min(div_up(history_length, tokens_per_block), lc.num_sink_blocks)
-    return (beg, max(beg, (history_length + 1 - w) // tokens_per_block))
+    def ids(self) -> list[LifeCycleId]:
+        return [LifeCycleId(i) for i in range(len(self.life_cycles))]

@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING
 
 import rawref
 
-from ._common import BAD_PAGE_INDEX, CacheLevel, LifeCycleId, PageStatus, Priority, SlotId
+from ._common import BAD_PAGE_INDEX, LifeCycleId, PageStatus, Priority, SlotId
 from ._exceptions import LogicError
-from ._storage._storage import PoolGroupStorage
 
 if TYPE_CHECKING:
-    from ._radix_tree import Node
+    from ._reuse._tree import Node
+    from ._storage._storage_manager import PoolGroupStorage
 
 
 class Page:
@@ -25,6 +25,11 @@ class Page:
     which is invalidated when the slot is freed.
     """
 
+    __slots__ = (
+        "storage", "slot", "level", "life_cycle", "priority", "num_locks", "num_holds", "_rawref", "node",
+        "lru_prev", "lru_next",
+    )
+
     _rawref: rawref.ref[Page] | None
 
     def __init__(
@@ -32,7 +37,7 @@ class Page:
     ) -> None:
         self.storage = storage
         self.slot = slot
-        self.level = CacheLevel(0)
+        self.level = storage.level
         self.life_cycle = life_cycle
         self.priority = priority
         self.num_locks = 1 if locked else 0

@@ -18,7 +18,7 @@ from kv_cache_manager_v2 import (  # noqa: E402
     KVCacheManagerConfig,
     LayerId,
 )
-from kv_cache_manager_v2._storage._backend import cuda_unusable_reason  # noqa: E402
+from kv_cache_manager_v2._storage._select import cuda_unusable_reason  # noqa: E402
 
 CUDA_REASON = cuda_unusable_reason()
 BACKENDS = ["host"] + (["cuda"] if CUDA_REASON is None else [])

@@ -9,7 +9,7 @@ from conftest import CUDA_REASON, kv_layers, make_config, requires_cuda
 
 from kv_cache_manager_v2 import CuError, KVCacheManager, MemAddress
 from kv_cache_manager_v2._config import BACKEND_ENV_VAR
-from kv_cache_manager_v2._storage._backend import select_backend
+from kv_cache_manager_v2._storage._select import select_backend
 from kv_cache_manager_v2._storage._host_backend import HostBackend
 
 

@@ -139,11 +139,11 @@ def test_suspend_resume_keeps_pages_and_data(make_manager: MakeManager) -> None:
     idx_before = list(kv.get_base_page_indices(LayerGroupId(0)))
     kv.suspend()
     assert kv.status is KVCacheStatus.SUSPENDED
-    assert kv._pages[0][0] is not None and kv._pages[0][0].status is PageStatus.HELD
+    assert kv.block_table.pages[0][0] is not None and kv.block_table.pages[0][0].status is PageStatus.HELD
     with pytest.raises(LogicError, match="ACTIVE"):
         kv.resize(30)
     assert kv.resume()
-    assert kv._pages[0][0] is not None and kv._pages[0][0].status is PageStatus.LOCKED
+    assert kv.block_table.pages[0][0] is not None and kv.block_table.pages[0][0].status is PageStatus.LOCKED
     assert list(kv.get_base_page_indices(LayerGroupId(0))) == idx_before
     run_request(engine, kv, toks, [10], 5)
     kv.close()
@@ -254,7 +254,7 @@ def test_priority_callback_is_called_and_validated(make_manager: MakeManager) ->
     kv.resume()
     assert kv.resize(20)
     assert seen == [(0, 0), (1, 0), (2, 0)]
-    assert kv._pages[0][1] is not None and kv._pages[0][1].priority == 80
+    assert kv.block_table.pages[0][1] is not None and kv.block_table.pages[0][1].priority == 80
     bad = m.create_kv_cache(custom_priority_callback=lambda o, lc: Priority(101))
     bad.resume()
     free = free_slots(m)

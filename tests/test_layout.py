@@ -16,7 +16,7 @@ from kv_cache_manager_v2 import (
     ScratchDesc,
     SlotId,
 )
-from kv_cache_manager_v2._life_cycle_registry import LifeCycle, stale_range
+from kv_cache_manager_v2._life_cycle_registry import LifeCycle
 
 KIB = 1024
 
@@ -99,7 +99,15 @@ def test_tokens_per_block_override_expands_pages() -> None:
     ],
 )
 def test_stale_range(window: int | None, sinks: int, h: int, expected: tuple[int, int]) -> None:
-    assert stale_range(LifeCycle(window, sinks), h, 32) == expected
+    assert LifeCycle(window, sinks, 32).stale_range(h) == expected
+
+
+@pytest.mark.parametrize("window, sinks", [(None, 0), (1, 0), (8, 0), (8, 1), (40, 3), (128, 2)])
+def test_stale_end_is_the_stale_range_past_the_sinks(window: int | None, sinks: int) -> None:
+    lc = LifeCycle(window, sinks, 8)
+    for h in range(300):
+        beg, end = lc.stale_range(h)
+        assert set(range(beg, end)) == set(range(sinks, lc.stale_end(h))), h
 
 
 def test_converter_modes_and_scratch() -> None:

@@ -106,7 +106,7 @@ def test_page_invalidates_its_ref_when_collected_without_free() -> None:
     from kv_cache_manager_v2._page import Page
 
     m = KVCacheManager(make_config(kv_layers(1)))
-    storage = m._gpu.groups[0]
+    storage = m._storage.gpu.items[0]
     page = Page(storage, SlotId(storage.allocator.allocate_one()), LifeCycleId(0), Priority(35), True)
     r = rawref.ref(page)
     del page

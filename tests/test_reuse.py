@@ -19,7 +19,7 @@ from kv_cache_manager_v2 import (
     Priority,
     ReuseScope,
 )
-from kv_cache_manager_v2._radix_tree import block_key, encode_tokens, scope_key
+from kv_cache_manager_v2._reuse._keys import block_key, encode_tokens, scope_key
 
 T = 8
 MakeManager = Callable[..., KVCacheManager]
@@ -112,7 +112,7 @@ def test_block_committed_during_decode_is_reused_before_the_writer_finishes(make
     assert b.history_length == 24
     assert b.get_base_page_indices(LG0)[:3].tolist() == a.get_base_page_indices(LG0)[:3].tolist()
     serve(engine, b, full[:24] + toks(7, 8))
-    page = a._pages[0][0]
+    page = a.block_table.pages[0][0]
     assert page is not None and page.status is PageStatus.LOCKED and page.num_locks == 2
     a.close()
     b.close()
@@ -260,7 +260,7 @@ def test_bytes_tokens_are_reused_only_when_equal(make_manager: MakeManager) -> N
 def test_block_hasher_matches_block_key() -> None:
     from array import array
 
-    from kv_cache_manager_v2._radix_tree import BlockHasher
+    from kv_cache_manager_v2._reuse._keys import BlockHasher
 
     root = scope_key(ReuseScope(salt=3))
     plain = toks(80, 150)  # several lazily encoded chunks of 16 blocks of 4

@@ -98,28 +98,8 @@ class ManagerMachine(RuleBasedStateMachine):
         kv.close()
 
     @invariant()
-    def slots_are_owned_once_and_accounted(self) -> None:
-        owners: dict[tuple[int, int], int] = {}
-        pages = set()
-        for kv, _ in self.caches:
-            for lc, lst in enumerate(kv._pages):
-                for p in lst:
-                    if p is not None:
-                        pages.add(p)
-            pages.update(p for p in kv._pending_copy if p is not None)
-        for g in self.m._gpu.groups:
-            evictable = g.evictor.pages()
-            assert len(evictable) == g.evictor.count
-            for p in evictable:
-                assert p.num_locks == 0 and p.num_holds == 0 and p.node is not None
-                pages.add(p)
-        for p in pages:
-            key = (p.storage.layout.index, p.slot)
-            assert owners.setdefault(key, id(p)) == id(p), f"slot {key} owned by two pages"
-            assert p.storage.allocator.is_allocated(p.slot)
-        for g in self.m._gpu.groups:
-            n = sum(1 for p in pages if p.storage is g)
-            assert g.allocator.num_used == n, (g.allocator.num_used, n)
+    def invariants_hold(self) -> None:
+        self.m.check_invariants()
 
     def teardown(self) -> None:
         for kv, _ in self.caches:

@@ -9,7 +9,6 @@ import rawref
 from .._common import (
     DEFAULT_REUSE_SCOPE,
     GPU_LEVEL,
-    ReuseStatistics,
     AggregatedPageDesc,
     BufferId,
     CacheLevel,
@@ -21,21 +20,26 @@ from .._common import (
     PageIndexMode,
     PoolDesc,
     PoolGroupDesc,
-    PoolGroupIndex,
     PoolIndex,
     ReuseScope,
+    ReuseStatistics,
     StorageStatistics,
     TokenIdExt,
 )
 from .._config import KVCacheDesc, KVCacheManagerConfig
 from .._exceptions import LogicError
-from .._utils import check_int, check_type
 from .._life_cycle_registry import LifeCycleRegistry
 from .._page_index import PageIndexConverter
-from .._radix_tree import BlockKey, Node, ReuseTree, validate_tokens
-from .._storage._backend import MemoryBackend, select_backend
+from .._reuse._keys import BlockKey, validate_tokens
+from .._reuse._tree import Node, ReuseTree
+from .._storage._backend import MemoryBackend
 from .._storage._layout import BufferAttr, StorageLayout
-from .._storage._storage import LevelStorage, PoolGroupStorage, blocks_needed, make_level_storage, split_quota
+from .._storage._quota import blocks_needed, split_quota
+from .._storage._select import select_backend
+from .._storage._storage_manager import StorageManager
+from .._utils import check_int, check_type
+from ._context import CacheContext
+from ._introspection import check_invariants
 from ._kv_cache import KVCache, PriorityCallback, default_priority
 
 
@@ -58,10 +62,6 @@ class KVCacheManager:
         self._registry = LifeCycleRegistry(config.layers, config.tokens_per_block)
         self._layout = StorageLayout(list(config.layers), self._registry, config.tokens_per_block)
         self.num_life_cycles = len(self._registry)
-        self._swa_life_cycles = [
-            LifeCycleId(i) for i, lc in enumerate(self._registry.life_cycles) if lc.window_size is not None
-        ]
-        self._has_swa = len(self._swa_life_cycles) > 0
         self._quota = config.cache_tiers[0].quota
         slots = split_quota(
             self._quota,
@@ -72,20 +72,19 @@ class KVCacheManager:
             config.constraints,
         )
         self._backend: MemoryBackend = select_backend(config.backend)
-        self._gpu: LevelStorage = make_level_storage(GPU_LEVEL, self._layout, slots, self._backend)
-        self._lc_group_index: list[PoolGroupIndex] = list(self._layout.life_cycle_pool_group)
-        self._lc_group: list[PoolGroupStorage] = [self._gpu.groups[g] for g in self._lc_group_index]
-        self._open: set[rawref.ref[KVCache]] = set()
+        self._storage = StorageManager(self._layout, slots, self._backend)
         self._tree = ReuseTree(self._registry.life_cycles, self.tokens_per_block)
-        self._stats = ReuseStatistics()
+        self._storage.drop_listener = self._tree
+        self._ctx = CacheContext(config, self._registry, self._storage, self._tree)
         self._probe_keys: tuple[ReuseScope, Sequence[TokenIdExt], list[BlockKey]] | None = None
         self._is_shut_down = False
 
     def __repr__(self) -> str:
-        groups = ", ".join(f"{g.allocator.num_slots - g.num_available}/{g.allocator.num_slots}" for g in self._gpu.groups)
+        groups = ", ".join(f"{g.num_slots - g.num_available}/{g.num_slots}" for g in self._storage.gpu)
         return (
             f"KVCacheManager(backend={self._backend.name!r}, layers={self.num_layers}, "
-            f"layer_groups={self.num_life_cycles}, gpu_slots_unavailable=[{groups}], open_caches={len(self._open)})"
+            f"layer_groups={self.num_life_cycles}, gpu_slots_unavailable=[{groups}], "
+            f"open_caches={self.num_open_caches})"
         )
 
     # ------------------------------------------------------------------ requests
@@ -103,14 +102,15 @@ class KVCacheManager:
         if not callable(custom_priority_callback):
             raise TypeError("custom_priority_callback must be callable (block_ordinal, life_cycle) -> priority")
         scope = reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE
-        kv = KVCache(self, scope, id, custom_priority_callback)
+        kv = KVCache(self._ctx, scope, id, custom_priority_callback)
         if input_tokens is not None and len(input_tokens) > 0:
             nodes, part, part_len = self._match(scope, input_tokens, True)  # may raise: kv is not open yet
             kv._adopt(nodes, part, part_len, input_tokens)
             t = self.tokens_per_block
-            self._stats.reused_blocks += len(nodes) + (part is not None)
-            self._stats.missed_blocks += (len(input_tokens) + t - 1) // t - len(nodes) - (part is not None)
-        self._open.add(rawref.ref(kv))
+            stats = self._ctx.stats
+            stats.reused_blocks += len(nodes) + (part is not None)
+            stats.missed_blocks += (len(input_tokens) + t - 1) // t - len(nodes) - (part is not None)
+        self._ctx.open_caches.add(rawref.ref(kv))
         return kv
 
     def probe_reuse(self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None) -> int:
@@ -144,23 +144,30 @@ class KVCacheManager:
             self._probe_keys = (scope, input_tokens[: len(keys) * self.tokens_per_block], keys)
         return result
 
-    def _make_room(self, storage: PoolGroupStorage, count: int) -> None:
-        """Evict reusable pages (lowest priority, least recently used first) until ``count`` slots are free."""
-        while storage.allocator.num_free < count:
-            self._tree.drop_page(storage.evictor.pop_victim())
-
     @property
     def reuse_statistics(self) -> ReuseStatistics:
         """Blocks allocated, reused from the tree and missed by ``create_kv_cache`` so far."""
-        s = self._stats
+        s = self._ctx.stats
         return ReuseStatistics(s.allocated_blocks, s.reused_blocks, s.missed_blocks)
-
-    def _unregister(self, kv: KVCache) -> None:
-        self._open.discard(rawref.ref(kv))
 
     @property
     def num_open_caches(self) -> int:
-        return len(self._open)
+        return len(self._ctx.open_caches)
+
+    def open_caches(self) -> list[KVCache]:
+        """The caches created and not closed yet."""
+        out: list[KVCache] = []
+        for r in self._ctx.open_caches:
+            kv = r()
+            if kv is not None:
+                out.append(kv)
+        return out
+
+    def check_invariants(self) -> None:
+        """Verify every internal invariant (slot ownership, accounting, tree, indices); raise
+        ``AssertionError`` naming the first violation. Costs a walk over all state: for tests and
+        debugging (the fake engine calls it after each step when ``KV_CACHE_MANAGER_V2_CHECK=1``)."""
+        check_invariants(self._storage, self._tree, self.open_caches())
 
     def clear_reusable_blocks(self) -> None:
         """Drop every reusable page. Refused while caches are open."""
@@ -173,7 +180,7 @@ class KVCacheManager:
             return
         self._check_no_open_caches("shutdown")
         self._tree.clear()
-        self._gpu.release()
+        self._storage.release()
         self._backend.shutdown()
         self._is_shut_down = True
 
@@ -186,6 +193,11 @@ class KVCacheManager:
     @property
     def backend(self) -> MemoryBackend:
         return self._backend
+
+    @property
+    def config(self) -> KVCacheManagerConfig:
+        """The configuration this manager was built from (layers, windows, tiers)."""
+        return self._config
 
     @property
     def num_layers(self) -> int:
@@ -212,14 +224,14 @@ class KVCacheManager:
     def pool_group_descs(self) -> list[PoolGroupDesc]:
         return [
             PoolGroupDesc(
-                g.layout.index,
-                g.allocator.num_slots,
+                g.index,
+                g.num_slots,
                 tuple(
                     PoolDesc(PoolIndex(i), pool.base_address, size)
                     for i, (pool, size) in enumerate(zip(g.pools, g.layout.slot_sizes))
                 ),
             )
-            for g in self._gpu.groups
+            for g in self._storage.gpu
         ]
 
     def get_layer_group_id(self, layer_id: LayerId) -> LayerGroupId:
@@ -241,7 +253,7 @@ class KVCacheManager:
     ) -> MemAddress:
         """Base address for kernel page indices of this buffer in ``index_mode`` (None: SHARED)."""
         attr = self._buffer(layer_id, role)
-        base = self._gpu.groups[attr.pool_group].pools[attr.pool].base_address
+        base = self._storage.gpu[attr.pool_group].pools[attr.pool].base_address
         if index_mode is None or index_mode is PageIndexMode.SHARED:
             return MemAddress(base + attr.offset)
         if index_mode is PageIndexMode.PER_LAYER:
@@ -255,7 +267,7 @@ class KVCacheManager:
     def get_page_index_upper_bound(self, layer_id: LayerId, role: str) -> int:
         """Kernel page indices of this buffer are below this bound."""
         attr = self._buffer(layer_id, role)
-        return self._gpu.groups[attr.pool_group].allocator.num_slots * attr.scale * attr.expansion
+        return self._storage.gpu[attr.pool_group].num_slots * attr.scale * attr.expansion
 
     def get_page_index_converter(self, layer_id: LayerId, role: str) -> PageIndexConverter:
         attr = self._buffer(layer_id, role)
@@ -273,7 +285,7 @@ class KVCacheManager:
             self._buffer(bid[0], bid[1])
             wanted.add((bid[0], bid[1]))
         for lc, cbs in enumerate(self._layout.coalesced):
-            g = self._gpu.groups[self._layout.life_cycle_pool_group[lc]]
+            g = self._storage.gpu[self._layout.life_cycle_pool_group[LifeCycleId(lc)]]
             for p, cb in enumerate(cbs):
                 base = g.pools[p].base_address
                 run: list[BufferId] = []
@@ -286,12 +298,12 @@ class KVCacheManager:
                     elif run:
                         yield AggregatedPageDesc(
                             tuple(run),
-                            g.layout.index,
+                            g.index,
                             PoolIndex(p),
                             MemAddress(base + run_beg * cb.single_size),
                             len(run) * cb.single_size,
                             cb.slot_size,
-                            g.allocator.num_slots,
+                            g.num_slots,
                         )
                         run = []
 
@@ -303,18 +315,18 @@ class KVCacheManager:
     def get_storage_statistics(self, level: CacheLevel = GPU_LEVEL) -> list[StorageStatistics]:
         """Slot accounting per pool group at ``level``."""
         self._check_level(level)
-        return [g.statistics() for g in self._gpu.groups]
+        return self._storage.statistics(level)
 
     @property
     def gpu_utilization(self) -> float:
         """Max over pool groups of unavailable / total GPU slots."""
-        return self._gpu.utilization()
+        return self._storage.utilization()
 
     def clamp_max_seq_len_for_mem(self, batch_size: int, token_num_upper_bound: int) -> int:
         """Longest sequence length (<= the bound) such that ``batch_size`` such requests fit in GPU memory."""
         check_int("batch_size", batch_size, 1)
         check_int("token_num_upper_bound", token_num_upper_bound)
-        totals = [g.allocator.num_slots for g in self._gpu.groups]
+        totals = [g.num_slots for g in self._storage.gpu]
 
         def fits(n: int) -> bool:
             need = blocks_needed(self._registry, self._layout, KVCacheDesc(n, max(n - 1, 0)))
@@ -343,5 +355,7 @@ class KVCacheManager:
             raise ValueError(f"cache level must be in [0, {n}) ({n} tiers configured), got {level}")
 
     def _check_no_open_caches(self, what: str) -> None:
-        if self._open:
-            raise LogicError(f"{what}() refused: {len(self._open)} KVCache(s) still open; close() them first")
+        if self._ctx.open_caches:
+            raise LogicError(
+                f"{what}() refused: {self.num_open_caches} KVCache(s) still open; close() them first"
+            )

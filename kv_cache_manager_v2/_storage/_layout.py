@@ -8,6 +8,7 @@ from fractions import Fraction
 from .._common import BufferId, LayerId, LifeCycleId, PoolGroupIndex, PoolIndex
 from .._config import AttentionLayerConfig
 from .._life_cycle_registry import LifeCycleRegistry
+from .._typed import TypedList
 
 
 @dataclass(frozen=True)
@@ -54,12 +55,12 @@ class PoolGroupLayout:
 class StorageLayout:
     """The full layout derived from the layer configs and life cycles."""
 
-    coalesced: list[list[CoalescedBuffer]]  #: per life cycle, sorted by size descending
-    pool_groups: list[PoolGroupLayout]
-    life_cycle_pool_group: list[PoolGroupIndex]
+    coalesced: TypedList[LifeCycleId, list[CoalescedBuffer]]  #: sorted by size descending
+    pool_groups: TypedList[PoolGroupIndex, PoolGroupLayout]
+    life_cycle_pool_group: TypedList[LifeCycleId, PoolGroupIndex]
     buffers: dict[BufferId, BufferAttr]
     buffer_order: list[BufferId]  #: config order (layer, then role)
-    slot_util_frac_max: list[Fraction]  #: per life cycle: max P / S over its layers and pools
+    slot_util_frac_max: TypedList[LifeCycleId, Fraction]  #: max P / S over the life cycle's layers and pools
 
     def __init__(
         self, layers: list[AttentionLayerConfig], registry: LifeCycleRegistry, tokens_per_block: int
@@ -76,14 +77,14 @@ class StorageLayout:
                 expanded[bid] = (b.size, e)
                 by_lc[layer_lc].setdefault(b.size * e, []).append(bid)
                 self.buffer_order.append(bid)
-        self.coalesced = []
+        coalesced: list[list[CoalescedBuffer]] = []
         group_of_sizes: dict[tuple[int, ...], PoolGroupIndex] = {}
         group_lcs: list[list[LifeCycleId]] = []
-        self.life_cycle_pool_group = []
+        lc_group: list[PoolGroupIndex] = []
         for lc in range(num_lc):
             cbs = [CoalescedBuffer(size, tuple(ids)) for size, ids in by_lc[lc].items()]
             cbs.sort(key=lambda cb: (-cb.slot_size, -cb.single_size))
-            self.coalesced.append(cbs)
+            coalesced.append(cbs)
             sizes = tuple(cb.slot_size for cb in cbs)
             g = group_of_sizes.get(sizes)
             if g is None:
@@ -91,16 +92,17 @@ class StorageLayout:
                 group_of_sizes[sizes] = g
                 group_lcs.append([])
             group_lcs[g].append(LifeCycleId(lc))
-            self.life_cycle_pool_group.append(g)
-        self.pool_groups = [
-            PoolGroupLayout(PoolGroupIndex(g), sizes, tuple(group_lcs[g])) for sizes, g in group_of_sizes.items()
-        ]
-        self.pool_groups.sort(key=lambda pg: pg.index)
+            lc_group.append(g)
+        self.coalesced = TypedList(coalesced)
+        self.life_cycle_pool_group = TypedList(lc_group)
+        groups = [PoolGroupLayout(g, sizes, tuple(group_lcs[g])) for sizes, g in group_of_sizes.items()]
+        groups.sort(key=lambda pg: pg.index)
+        self.pool_groups = TypedList(groups)
         self.buffers = {}
-        self.slot_util_frac_max = []
+        fracs: list[Fraction] = []
         for lc in range(num_lc):
             frac = Fraction(0)
-            for p, cb in enumerate(self.coalesced[lc]):
+            for p, cb in enumerate(coalesced[lc]):
                 per_layer: dict[LayerId, int] = {}
                 for bid in cb.buffer_ids:
                     per_layer[bid[0]] = per_layer.get(bid[0], 0) + 1
@@ -109,7 +111,7 @@ class StorageLayout:
                     size, e = expanded[bid]
                     self.buffers[bid] = BufferAttr(
                         life_cycle=LifeCycleId(lc),
-                        pool_group=self.life_cycle_pool_group[lc],
+                        pool_group=lc_group[lc],
                         pool=PoolIndex(p),
                         offset=k * cb.single_size,
                         size=size,
@@ -119,4 +121,5 @@ class StorageLayout:
                         pages_per_layer=per_layer[bid[0]],
                     )
                 frac = max(frac, Fraction(max(per_layer.values()), scale))
-            self.slot_util_frac_max.append(frac)
+            fracs.append(frac)
+        self.slot_util_frac_max = TypedList(fracs)

@@ -1,149 +1,24 @@
-"""Reuse keys (SHA-256 hash chain) and the radix tree of committed blocks (SPEC 5.3, 5.4)."""
+"""The radix tree of committed blocks (SPEC 5.3, 5.4): matching, publishing (insert and dedup)
+and removal. It is the one place blocks enter and leave the reuse cache."""
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-from typing import Final, Sequence, cast
+from typing import Sequence
 
 import rawref
 
-from ._common import MAX_TOKEN_ID, ReuseScope, TokenIdExt
-from ._life_cycle_registry import LifeCycle, stale_range
-from ._page import Page
-
-BlockKey = bytes
-# Copying an initialised context is ~7% cheaper than constructing one per block.
-_SHA256_INIT: Final = hashlib.sha256()
-
-
-def _sha256_digest(data: bytes) -> bytes:
-    h = _SHA256_INIT.copy()
-    h.update(data)
-    return h.digest()
-
-
-#: Blocks validated and encoded together by ``BlockHasher``.
-_CHUNK_BLOCKS: Final = 8
-
-# Block encodings. Plain-id blocks: uint32 LE per token, so their length is a multiple of 4.
-# Blocks holding digests: 0x01, then per token a tag (0x00 id + 4 bytes, 0x01 + uint32 length +
-# raw bytes), zero-padded to a length of 1 mod 4. Both are prefix-free and their lengths differ
-# mod 4, so no encoding of one block equals that of another: a digest never collides with ids.
-_MIXED = b"\x01"
-
-
-def scope_key(scope: ReuseScope) -> BlockKey:
-    """Root of the key chain: SHA-256 of the encoded reuse scope."""
-    parts = [b"kv_cache_manager_v2/scope"]
-    for value in (scope.lora_id, scope.salt):
-        parts.append(b"\x00" if value is None else b"\x01" + value.to_bytes(8, "little"))
-    return _sha256_digest(b"".join(parts))
-
-
-def encode_tokens(tokens: Sequence[TokenIdExt]) -> bytes:
-    """Injective encoding of one block's tokens (plain-id blocks take the fast path)."""
-    try:
-        return array("I", cast(Sequence[int], tokens)).tobytes()
-    except TypeError:
-        pass
-    parts = [_MIXED]
-    for tok in tokens:
-        if isinstance(tok, bytes):
-            parts.append(b"\x01" + len(tok).to_bytes(4, "little") + tok)
-        else:
-            parts.append(b"\x00" + tok.to_bytes(4, "little"))
-    out = b"".join(parts)
-    return out + b"\x00" * ((1 - len(out)) % 4)
-
-
-def check_token(tok: object) -> None:
-    """A token is an int in ``[0, 2**32)`` or a non-empty ``bytes`` digest."""
-    if isinstance(tok, int) and not isinstance(tok, bool):  # isinstance: a fast check compiled
-        if not 0 <= tok <= MAX_TOKEN_ID:
-            raise ValueError(f"token id {tok} is outside [0, 2**32)")
-    elif isinstance(tok, bytes):
-        if len(tok) == 0:
-            raise ValueError("a bytes token must not be empty")
-    else:
-        raise TypeError(f"tokens must be ints or bytes, got {type(tok).__name__} {tok!r}")
-
-
-def validate_tokens(tokens: Sequence[TokenIdExt]) -> None:
-    """Check every token (ints in ``[0, 2**32)`` or non-empty bytes); clear errors otherwise."""
-    if len(tokens) > 8 and _encode_ids(tokens) is not None:
-        return
-    for tok in tokens:
-        check_token(tok)
-
-
-def _encode_ids(tokens: Sequence[TokenIdExt]) -> bytes | None:
-    """uint32 LE encoding if every token is an id in range, else None (digests or bad input)."""
-    if isinstance(tokens, array) and tokens.typecode == "I":
-        return tokens.tobytes()  # a memory copy: no per-token conversion
-    try:
-        if isinstance(tokens, list):
-            encoded: array[int] = array("I")
-            encoded.fromlist(tokens)  # about twice as fast as array("I", tokens) for lists
-            return encoded.tobytes()
-        return array("I", cast(Sequence[int], tokens)).tobytes()
-    except (TypeError, OverflowError):
-        return None
-
-
-def block_key(parent: BlockKey, tokens: Sequence[TokenIdExt]) -> BlockKey:
-    """Key of a block: SHA-256(parent key || encoded tokens)."""
-    return _sha256_digest(parent + encode_tokens(tokens))
-
-
-class BlockHasher:
-    """Keys of the consecutive blocks of one token sequence.
-
-    Tokens are validated and encoded lazily, a chunk of blocks at a time, so a match that
-    stops early neither converts nor checks the rest of a long prompt; plain-id blocks hash a
-    slice of the chunk's encoding. ``key(parent, o)`` equals
-    ``block_key(parent, tokens[o*T:(o+1)*T])`` (the last block may be partial).
-    Passing an ``array('I')`` makes encoding a memory copy.
-    """
-
-    def __init__(self, tokens: Sequence[TokenIdExt], tokens_per_block: int) -> None:
-        self.tokens = tokens
-        self.tokens_per_block = tokens_per_block
-        self.num_blocks = (len(tokens) + tokens_per_block - 1) // tokens_per_block
-        self._chunks: list[bytes | None] = []  # None: the chunk holds digests
-
-    def key(self, parent: BlockKey, o: int) -> BlockKey:
-        t = self.tokens_per_block
-        c = o // _CHUNK_BLOCKS
-        while len(self._chunks) <= c:
-            self._encode_chunk()
-        chunk = self._chunks[c]
-        end = min((o + 1) * t, len(self.tokens))
-        if chunk is None:
-            return block_key(parent, self.tokens[o * t : end])
-        base = c * _CHUNK_BLOCKS * t
-        return _sha256_digest(parent + chunk[(o * t - base) * 4 : (end - base) * 4])
-
-    def chain(self, parent: BlockKey) -> list[BlockKey]:
-        """Keys of every block of the sequence, chained from ``parent``."""
-        keys: list[BlockKey] = []
-        for o in range(self.num_blocks):
-            parent = self.key(parent, o)
-            keys.append(parent)
-        return keys
-
-    def _encode_chunk(self) -> None:
-        span = _CHUNK_BLOCKS * self.tokens_per_block
-        beg = len(self._chunks) * span
-        seg = self.tokens[beg : beg + span]
-        encoded = _encode_ids(seg)
-        if encoded is None:
-            validate_tokens(seg)  # raises for bad tokens; otherwise the chunk holds digests
-        self._chunks.append(encoded)
+from .._common import LifeCycleId, ReuseScope, TokenIdExt
+from .._life_cycle_registry import LifeCycle
+from .._page import Page
+from .._storage._storage_manager import PageDropListener
+from .._typed import TypedList
+from ._keys import BlockHasher, BlockKey, block_key, scope_key
 
 
 class Node:
     """One committed block (full, or a partial tail) with non-owning refs to its pages."""
+
+    __slots__ = ("key", "parent", "tokens", "ordinal", "_children", "_children_by_first", "pages")
 
     def __init__(self, key: BlockKey, parent: Node | None, tokens: tuple[TokenIdExt, ...], num_life_cycles: int) -> None:
         self.key = key
@@ -219,10 +94,10 @@ def common_prefix_len(a: Sequence[TokenIdExt], b: Sequence[TokenIdExt]) -> int:
     return i
 
 
-class ReuseTree:
+class ReuseTree(PageDropListener):
     """Roots per reuse scope; matching, publishing and removal of committed blocks."""
 
-    def __init__(self, life_cycles: list[LifeCycle], tokens_per_block: int) -> None:
+    def __init__(self, life_cycles: TypedList[LifeCycleId, LifeCycle], tokens_per_block: int) -> None:
         self.life_cycles = life_cycles
         self.tokens_per_block = tokens_per_block
         self.roots: dict[tuple[int | None, int | None], Node] = {}
@@ -235,6 +110,7 @@ class ReuseTree:
             node = self.roots[ident] = Node(scope_key(scope), None, (), len(self.life_cycles))
         return node
 
+    # ------------------------------------------------------------------ matching
     def match(
         self,
         root: Node,
@@ -284,11 +160,12 @@ class ReuseTree:
             part, part_len = None, 0
 
     def _first_missing_block(self, nodes: list[Node], part: Node | None, length: int) -> int:
+        """The first block a match of ``length`` tokens needs a page for but has none; -1 if none."""
         t = self.tokens_per_block
         nb = (length + t - 1) // t
         first = -1
         for lc_id, lc in enumerate(self.life_cycles):
-            beg, end = stale_range(lc, length, t)
+            beg, end = lc.stale_range(length)
             for o in range(nb):
                 if beg <= o < end:
                     continue
@@ -299,20 +176,49 @@ class ReuseTree:
                     break
         return first
 
-    def is_anchor(self, lc_id: int, ordinal: int) -> bool:
-        """Whether later blocks are useless without this block's page (full attention, sinks)."""
-        lc = self.life_cycles[lc_id]
-        return lc.window_size is None or ordinal < lc.num_sink_blocks
+    # ------------------------------------------------------------------ publishing
+    def publish(
+        self, parent: Node, tokens: tuple[TokenIdExt, ...], pages: list[Page | None], locked: bool
+    ) -> Node | None:
+        """Insert one committed block under ``parent`` (a partial tail when shorter than a block).
 
-    def drop_page(self, page: Page) -> None:
-        """Free an evicted page; remove what can no longer be reused without it."""
+        ``pages[lc]`` is the publishing request's page of the block (None: it has none there).
+        Where the tree already holds a page for the block, the request switches to it (dedup):
+        ``pages[lc]`` becomes the tree's page, taken (locked if ``locked``, else held), and the
+        request's own is released. Returns the block's node, or None when a longer sibling
+        already covers a partial tail (then nothing is published).
+        """
+        if len(tokens) < self.tokens_per_block and any(
+            c.tokens[: len(tokens)] == tokens for c in parent.children_starting_with(tokens[0])
+        ):
+            return None
+        key = block_key(parent.key, tokens)
+        node = parent.child(key)
+        if node is None:
+            node = Node(key, parent, tokens, len(pages))
+            parent.add_child(node)
+        for lc in range(len(pages)):
+            mine = pages[lc]
+            theirs = node.page(lc)
+            if theirs is None:
+                if mine is not None and mine.node is None:
+                    mine.node = node
+                    node.pages[lc] = rawref.ref(mine)
+            elif mine is not None and theirs is not mine:
+                theirs.take(locked)
+                pages[lc] = theirs
+                mine.release(locked)
+        return node
+
+    # ------------------------------------------------------------------ removal
+    def page_dropped(self, page: Page) -> None:
+        """Forget an evicted page; remove what can no longer be reused without it."""
         node = page.node
         page.node = None
-        page.free()
         if node is None:
             return
         node.pages[page.life_cycle] = None
-        if self.is_anchor(page.life_cycle, node.ordinal):
+        if self.life_cycles[page.life_cycle].is_anchor(node.ordinal):
             self.remove_subtree(node)
         else:
             self.prune(node)
@@ -349,7 +255,18 @@ class ReuseTree:
             n = parent
 
     def clear(self) -> None:
+        """Remove every block (callers made sure no request uses any)."""
         for root in list(self.roots.values()):
             for child in root.children():
                 self.remove_subtree(child)
         self.roots = {}
+
+    def nodes(self) -> list[Node]:
+        """Every node below the roots (for checks and statistics)."""
+        out: list[Node] = []
+        stack = [c for root in self.roots.values() for c in root.children()]
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children())
+        return out

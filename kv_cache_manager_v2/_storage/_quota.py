@@ -1,69 +1,23 @@
-"""Pools and slot allocators of one cache level, and the split of its quota among pool groups."""
+"""Sizing arithmetic: slots a request shape needs, and the split of a quota among pool groups."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from .._common import CacheLevel, StorageStatistics
-from .._eviction import Evictor
+from .._common import LifeCycleId
 from .._config import BatchDesc, KVCacheDesc
-from .._life_cycle_registry import LifeCycleRegistry, stale_range
-from .._utils import div_up
-from ._backend import DevicePool, MemoryBackend
-from ._layout import PoolGroupLayout, StorageLayout
-from ._slot_allocator import SlotAllocator
+from .._life_cycle_registry import LifeCycleRegistry
+from ._layout import StorageLayout
 
 #: Request shape assumed for the default quota split when no typical_step is configured.
 DEFAULT_TYPICAL_STEP = BatchDesc([KVCacheDesc(capacity=8192, history_length=8191)])
 
 
-class PoolGroupStorage:
-    """The pools of one pool group at one level, and the allocator of their shared slots."""
-
-    def __init__(self, layout: PoolGroupLayout, num_slots: int, backend: MemoryBackend) -> None:
-        self.layout = layout
-        self.pools: list[DevicePool] = [backend.reserve_pool(num_slots * size) for size in layout.slot_sizes]
-        self.allocator = SlotAllocator(num_slots, self.pools, layout.slot_sizes)
-        self.evictor = Evictor()
-
-    @property
-    def num_available(self) -> int:
-        return self.allocator.num_free + self.evictor.count
-
-    def statistics(self) -> StorageStatistics:
-        a = self.allocator
-        return StorageStatistics(self.layout.index, self.layout.slot_sizes, a.num_slots, a.num_free, self.evictor.count)
-
-    def release(self) -> None:
-        for pool in self.pools:
-            pool.release()
-
-
-class LevelStorage:
-    """All pool groups of one cache level."""
-
-    def __init__(self, level: CacheLevel, groups: list[PoolGroupStorage]) -> None:
-        self.level = level
-        self.groups = groups
-
-    def utilization(self) -> float:
-        """Max over pool groups of unavailable / total slots."""
-        return max(1.0 - g.num_available / g.allocator.num_slots for g in self.groups)
-
-    def release(self) -> None:
-        for g in self.groups:
-            g.release()
-
-
 def blocks_needed(registry: LifeCycleRegistry, layout: StorageLayout, desc: KVCacheDesc) -> list[int]:
     """Slots per pool group one request of this shape needs (stale SWA blocks need none)."""
-    t = registry.tokens_per_block
     out = [0] * len(layout.pool_groups)
-    nb = div_up(desc.capacity, t)
-    for lc_id, lc in enumerate(registry.life_cycles):
-        beg, end = stale_range(lc, desc.history_length, t)
-        stale = max(0, min(end, nb) - min(beg, nb))
-        out[layout.life_cycle_pool_group[lc_id]] += nb - stale
+    for i, lc in enumerate(registry.life_cycles):
+        out[layout.life_cycle_pool_group[LifeCycleId(i)]] += lc.num_blocks_with_pages(desc.capacity, desc.history_length)
     return out
 
 
@@ -76,9 +30,10 @@ def batch_needs(registry: LifeCycleRegistry, layout: StorageLayout, batch: Batch
     if batch.system_prompt_length and len(batch.kv_caches) > 1:
         t = registry.tokens_per_block
         shared_full_blocks = batch.system_prompt_length // t
-        for lc_id, lc in enumerate(registry.life_cycles):
-            if lc.window_size is None:  # shared SWA blocks are mostly out of window anyway
-                out[layout.life_cycle_pool_group[lc_id]] -= shared_full_blocks * (len(batch.kv_caches) - 1)
+        for i, lc in enumerate(registry.life_cycles):
+            if not lc.is_swa:  # shared SWA blocks are mostly out of window anyway
+                g = layout.life_cycle_pool_group[LifeCycleId(i)]
+                out[g] -= shared_full_blocks * (len(batch.kv_caches) - 1)
     return [max(n, 0) for n in out]
 
 
@@ -132,11 +87,3 @@ def split_quota(
             return slots
         for g in below:
             fixed[g] = floors[g]
-
-
-def make_level_storage(
-    level: CacheLevel, layout: StorageLayout, slots: list[int], backend: MemoryBackend
-) -> LevelStorage:
-    return LevelStorage(level, [PoolGroupStorage(layout.pool_groups[g], n, backend) for g, n in enumerate(slots)])
-
-

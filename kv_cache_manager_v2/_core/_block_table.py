@@ -1,0 +1,148 @@
+"""The block table of one request: per life cycle, the page of every block and the live index
+array kernels read (one beam's view; a beam-search request keeps one table per beam)."""
+
+from __future__ import annotations
+
+from array import array
+
+from .._common import BAD_PAGE_INDEX, LifeCycleId
+from .._exceptions import LogicError
+from .._page import Page
+from .._typed import TypedList
+
+
+class BlockTable:
+    """Pages and page indices of one request's blocks, per life cycle.
+
+    ``pages[lc][o]`` is block ``o``'s page (None: stale, not allocated, or awaiting its
+    copy-on-partial), ``indices[lc]`` the matching slot ids (``BAD_PAGE_INDEX`` where there is
+    no page), mirrored into ``user_bufs[lc]`` when the caller gave a buffer. Blocks
+    ``[num_sink_blocks, stale_end[lc])`` were released as out of window.
+    ``pending_copy[lc]`` is the held source page of a partially matched block.
+    """
+
+    __slots__ = ("pages", "indices", "user_bufs", "stale_end", "pending_copy")
+
+    def __init__(self, num_life_cycles: int) -> None:
+        n = num_life_cycles
+        self.pages: TypedList[LifeCycleId, list[Page | None]] = TypedList([] for _ in range(n))
+        self.indices: TypedList[LifeCycleId, array[int]] = TypedList(array("i") for _ in range(n))
+        self.user_bufs: TypedList[LifeCycleId, memoryview | None] = TypedList([None] * n)
+        self.stale_end: TypedList[LifeCycleId, int] = TypedList([0] * n)
+        self.pending_copy: TypedList[LifeCycleId, Page | None] = TypedList([None] * n)
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+    # ------------------------------------------------------------------ pages
+    def adopt(self, lc: LifeCycleId, pages: list[Page | None], stale_end: int) -> None:
+        """Install the pages of a matched prefix (the table is empty)."""
+        self.pages[lc] = pages
+        # filled as a list, then extended once: array item calls are slow compiled
+        self.indices[lc].extend([BAD_PAGE_INDEX if p is None else p.slot for p in pages])
+        self.stale_end[lc] = stale_end
+
+    def block_pages(self, o: int) -> list[Page | None]:
+        """Block ``o``'s page in every life cycle."""
+        return [pages[o] for pages in self.pages.items]
+
+    def set_page(self, lc: LifeCycleId, o: int, page: Page | None) -> None:
+        """Point block ``o`` at ``page`` (or at nothing) in the pages, the indices and the caller's buffer."""
+        self.pages[lc][o] = page
+        slot = BAD_PAGE_INDEX if page is None else page.slot
+        self.indices[lc][o] = slot
+        buf = self.user_bufs[lc]
+        if buf is not None:
+            buf[o] = slot
+
+    def extend(self, lc: LifeCycleId, nb: int, ordinals: list[int], new_pages: list[Page]) -> None:
+        """Grow to ``nb`` blocks; block ``ordinals[i]`` gets ``new_pages[i]``, the others none."""
+        pages = self.pages[lc]
+        indices = self.indices[lc]
+        old_nb = len(pages)
+        slots = [BAD_PAGE_INDEX] * (nb - old_nb)
+        pages.extend([None] * (nb - old_nb))
+        for o, page in zip(ordinals, new_pages):
+            pages[o] = page
+            slots[o - old_nb] = page.slot
+        indices.extend(slots)
+        buf = self.user_bufs[lc]
+        if buf is not None:
+            buf[old_nb:nb] = memoryview(indices)[old_nb:nb]
+
+    def truncate(self, lc: LifeCycleId, nb: int, locked: bool) -> None:
+        """Drop blocks from ``nb`` on, releasing their pages."""
+        pages = self.pages[lc]
+        for o in range(nb, len(pages)):
+            p = pages[o]
+            if p is not None:
+                p.release(locked)
+        del pages[nb:]
+        del self.indices[lc][nb:]
+        self.write_user_tail(lc, nb)
+
+    def release_range(self, lc: LifeCycleId, beg: int, end: int, locked: bool) -> None:
+        """Release the pages of blocks ``[beg, end)`` (they keep their place, with no page)."""
+        pages = self.pages[lc]
+        for o in range(beg, min(end, len(pages))):
+            p = pages[o]
+            if p is not None:
+                self.set_page(lc, o, None)
+                p.release(locked)
+
+    def sole_owned(self, lc: LifeCycleId, beg: int, end: int) -> int:
+        """How many pages of blocks ``[beg, end)`` become available when this request lets go."""
+        pages = self.pages[lc]
+        n = 0
+        for o in range(beg, end):
+            p = pages[o]
+            if p is not None and p.num_locks == 1 and p.num_holds == 0:
+                n += 1
+        return n
+
+    def lock_all(self) -> None:
+        """Holds become locks (resume)."""
+        for pages in self.pages:
+            for p in pages:
+                if p is not None:
+                    p.lock_from_hold()
+
+    def hold_all(self) -> None:
+        """Locks become holds (suspend)."""
+        for pages in self.pages:
+            for p in pages:
+                if p is not None:
+                    p.hold_from_lock()
+
+    def release_all(self, locked: bool) -> None:
+        """Let go of every page (close); the table ends empty."""
+        for i, src in enumerate(self.pending_copy):
+            if src is not None:
+                self.pending_copy.items[i] = None
+                src.release(False)
+        for i in range(len(self.pages)):
+            lc = LifeCycleId(i)
+            self.truncate(lc, 0, locked)
+
+    # ------------------------------------------------------------------ caller buffers
+    def check_user_buf_room(self, nb: int) -> None:
+        """Raise (before anything changes) if a caller's buffer cannot hold ``nb`` blocks."""
+        for lc, buf in enumerate(self.user_bufs):
+            if buf is not None and nb > len(buf):
+                raise LogicError(
+                    f"the index buffer of layer group {lc} holds {len(buf)} entries but the cache needs {nb}; "
+                    "give set_base_page_index_buf() a larger buffer"
+                )
+
+    def attach_user_buf(self, lc: LifeCycleId, view: memoryview | None) -> None:
+        """Mirror the indices into ``view`` from now on (None: stop)."""
+        self.user_bufs[lc] = view
+        if view is not None:
+            n = len(self.indices[lc])
+            view[:n] = memoryview(self.indices[lc])
+            self.write_user_tail(lc, n)
+
+    def write_user_tail(self, lc: LifeCycleId, n: int) -> None:
+        buf = self.user_bufs[lc]
+        if buf is not None and n < len(buf):
+            buf[n:] = memoryview(array("i", [BAD_PAGE_INDEX]) * (len(buf) - n))

@@ -1,0 +1,55 @@
+"""What the requests of one manager share: life-cycle policies, storage, the reuse tree, statistics."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import rawref
+
+from .._common import LifeCycleId, PoolGroupIndex, ReuseStatistics
+from .._config import KVCacheManagerConfig
+from .._life_cycle_registry import LifeCycle, LifeCycleRegistry
+from .._reuse._tree import ReuseTree
+from .._storage._storage_manager import StorageManager
+from .._typed import TypedList
+
+if TYPE_CHECKING:
+    from ._kv_cache import KVCache
+
+
+class CacheContext:
+    """Built once by :class:`KVCacheManager`; every :class:`KVCache` it creates refers to it."""
+
+    __slots__ = (
+        "config",
+        "tokens_per_block",
+        "registry",
+        "life_cycles",
+        "num_life_cycles",
+        "swa_life_cycles",
+        "has_swa",
+        "lc_group",
+        "num_pool_groups",
+        "storage",
+        "tree",
+        "stats",
+        "open_caches",
+    )
+
+    def __init__(
+        self, config: KVCacheManagerConfig, registry: LifeCycleRegistry, storage: StorageManager, tree: ReuseTree
+    ) -> None:
+        self.config = config
+        self.tokens_per_block = config.tokens_per_block
+        self.registry = registry
+        self.life_cycles: TypedList[LifeCycleId, LifeCycle] = registry.life_cycles
+        self.num_life_cycles = len(registry)
+        self.swa_life_cycles = registry.swa_life_cycles
+        self.has_swa = len(self.swa_life_cycles) > 0
+        self.lc_group: TypedList[LifeCycleId, PoolGroupIndex] = storage.layout.life_cycle_pool_group
+        self.num_pool_groups = storage.num_pool_groups
+        self.storage = storage
+        self.tree = tree
+        self.stats = ReuseStatistics()
+        #: open caches as non-owning refs: a cache dropped by its owner closes itself
+        self.open_caches: set[rawref.ref[KVCache]] = set()

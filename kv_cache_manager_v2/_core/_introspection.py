@@ -1,0 +1,127 @@
+"""Invariant checker: walks every request, page, evictor and tree node and verifies they agree.
+
+``KVCacheManager.check_invariants()`` calls it; tests run it after every step. Cost: a walk over
+all state, so it is for tests and debugging only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, NoReturn
+
+from .._common import BAD_PAGE_INDEX, KVCacheStatus, LifeCycleId
+from .._page import Page
+from .._reuse._tree import ReuseTree
+from .._storage._storage_manager import StorageManager
+
+if TYPE_CHECKING:
+    from ._kv_cache import KVCache
+
+
+def _fail(what: str) -> NoReturn:
+    raise AssertionError(f"kv_cache_manager_v2 invariant broken: {what}")
+
+
+def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCache]) -> None:
+    """Raise ``AssertionError`` describing the first broken invariant."""
+    locks: dict[int, int] = {}
+    holds: dict[int, int] = {}
+    pages: dict[int, Page] = {}
+
+    def own(p: Page, locked: bool) -> None:
+        pages[id(p)] = p
+        counts = locks if locked else holds
+        counts[id(p)] = counts.get(id(p), 0) + 1
+
+    for kv in caches:
+        _check_cache(kv, own)
+    evictable: set[int] = set()
+    for level in storage.levels:
+        for group in level:
+            listed = group.evictor.pages()
+            if len(listed) != group.evictor.count:
+                _fail(f"evictor of pool group {group.index} counts {group.evictor.count} but lists {len(listed)}")
+            for p in listed:
+                if p.num_locks or p.num_holds or p.node is None:
+                    _fail(f"evictor lists page {p.slot} that has owners or is not in the reuse tree")
+                if p.storage is not group:
+                    _fail(f"evictor of pool group {group.index} lists a page of another group")
+                evictable.add(id(p))
+                pages[id(p)] = p
+    for node in tree.nodes():
+        parent = node.parent
+        if parent is None or parent.child(node.key) is not node:
+            _fail(f"tree node at ordinal {node.ordinal} is not linked from its parent")
+        for lc, r in enumerate(node.pages):
+            if r is None:
+                continue
+            tree_page = r()
+            if tree_page is None:
+                _fail(f"tree node at ordinal {node.ordinal} refers to a freed page (life cycle {lc})")
+            p = tree_page
+            if p.node is not node or p.life_cycle != lc:
+                _fail(f"page {p.slot} and tree node at ordinal {node.ordinal} disagree")
+            pages[id(p)] = p
+            if p.num_locks == 0 and p.num_holds == 0 and id(p) not in evictable:
+                _fail(f"unowned tree page {p.slot} (ordinal {node.ordinal}) is not evictable")
+    owner_of: dict[tuple[int, int, int], int] = {}
+    used: dict[int, int] = {}
+    for key, p in pages.items():
+        if p.num_locks != locks.get(key, 0) or p.num_holds != holds.get(key, 0):
+            _fail(
+                f"page {p.slot} counts {p.num_locks} locks / {p.num_holds} holds but requests own "
+                f"{locks.get(key, 0)} / {holds.get(key, 0)}"
+            )
+        if p.slot == BAD_PAGE_INDEX or not p.storage.allocator.is_allocated(p.slot):
+            _fail(f"live page of pool group {p.storage.index} has no allocated slot ({p.slot})")
+        slot_key = (p.level, p.storage.index, p.slot)
+        if owner_of.setdefault(slot_key, key) != key:
+            _fail(f"slot {slot_key} is owned by two pages")
+        used[id(p.storage)] = used.get(id(p.storage), 0) + 1
+    for level in storage.levels:
+        for group in level:
+            if group.allocator.num_used != used.get(id(group), 0):
+                _fail(
+                    f"pool group {group.index} at level {group.level}: allocator counts "
+                    f"{group.allocator.num_used} used slots, pages hold {used.get(id(group), 0)}"
+                )
+
+
+def _check_cache(kv: KVCache, own: Callable[[Page, bool], None]) -> None:
+    table = kv.block_table
+    status = kv.status
+    if not kv.num_committed_tokens <= kv.history_length <= kv.capacity:
+        _fail(f"{kv!r}: lengths out of order")
+    t = kv.tokens_per_block
+    if kv.num_blocks != (kv.capacity + t - 1) // t:
+        _fail(f"{kv!r}: {kv.num_blocks} blocks for capacity {kv.capacity}")
+    locked = status is KVCacheStatus.ACTIVE
+    life_cycles = kv._ctx.life_cycles
+    for i in range(len(table)):
+        lc = LifeCycleId(i)
+        lc_pages = table.pages[lc]
+        indices = table.indices[lc]
+        if status is KVCacheStatus.CLOSED:
+            if lc_pages or len(indices):
+                _fail(f"{kv!r}: a closed cache still has pages")
+            continue
+        if len(lc_pages) != kv.num_blocks or len(indices) != kv.num_blocks:
+            _fail(f"{kv!r}: life cycle {lc} has {len(lc_pages)} pages / {len(indices)} indices")
+        buf = table.user_bufs[lc]
+        src = table.pending_copy[lc]
+        sinks = life_cycles[lc].num_sink_blocks
+        stale_end = table.stale_end[lc]
+        for o, p in enumerate(lc_pages):
+            stale = sinks <= o < stale_end
+            if stale and p is not None:
+                _fail(f"{kv!r}: block {o} of life cycle {lc} is out of the window but keeps a page")
+            if not stale and p is None and not (src is not None and o == kv.num_blocks - 1):
+                _fail(f"{kv!r}: block {o} of life cycle {lc} needs a page but has none")
+            want = BAD_PAGE_INDEX if p is None else p.slot
+            if indices[o] != want or (buf is not None and buf[o] != want):
+                _fail(f"{kv!r}: index of block {o} (life cycle {lc}) is {indices[o]}, its page is at {want}")
+            if p is not None:
+                own(p, locked)
+        if buf is not None and any(x != BAD_PAGE_INDEX for x in buf[kv.num_blocks :]):
+            _fail(f"{kv!r}: the caller's index buffer has entries past the blocks")
+        if src is not None:
+            own(src, False)

@@ -1,0 +1,36 @@
+"""A list indexed by one kind of id: ``TypedList[LifeCycleId, X]`` refuses a ``PoolGroupIndex``."""
+
+from __future__ import annotations
+
+from typing import Generic, Iterable, Iterator, TypeVar
+
+K = TypeVar("K", bound=int)
+V = TypeVar("V")
+
+
+class TypedList(Generic[K, V]):
+    """Per-id storage (per life cycle, pool group, cache level...) whose index type mypy checks.
+
+    Ids are dense from 0, so this is a list underneath; ``items`` exposes it for loops that
+    need raw speed.
+    """
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: Iterable[V]) -> None:
+        self.items: list[V] = list(items)
+
+    def __getitem__(self, key: K) -> V:
+        return self.items[key]
+
+    def __setitem__(self, key: K, value: V) -> None:
+        self.items[key] = value
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Iterator[V]:
+        return iter(self.items)
+
+    def __repr__(self) -> str:
+        return f"TypedList({self.items!r})"
