@@ -1,7 +1,7 @@
 """Production mode: compile every module of kv_cache_manager_v2 with mypyc (opt level 3).
 
-    python setup_mypyc.py build_ext --inplace      # compiled .so files next to the sources
-    python setup_mypyc.py clean_compiled           # remove them again (back to fast mode)
+python setup_mypyc.py build_ext --inplace      # compiled .so files next to the sources
+python setup_mypyc.py clean_compiled           # remove them again (back to fast mode)
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ import subprocess
 import sys
 import time
 from array import array
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST_DIR = os.path.join(ROOT, "build", "bench", "fast")
@@ -142,7 +143,12 @@ def _admission(p: dict[str, int], as_array: bool) -> dict[str, Any]:
     for kv in caches:
         kv.close()
     m.shutdown()
-    return {"unit": "us/request", "samples": samples, "hashing_us": hash_us, "hashing_share": hash_us / statistics.median(samples)}
+    return {
+        "unit": "us/request",
+        "samples": samples,
+        "hashing_us": hash_us,
+        "hashing_share": hash_us / statistics.median(samples),
+    }
 
 
 def scenario_close(p: dict[str, int]) -> dict[str, Any]:
@@ -215,7 +221,9 @@ def scenario_replay(p: dict[str, int]) -> dict[str, Any]:
         rng = random.Random(0)
         for r in range(p["trace_requests"]):
             base = rng.randrange(8) * 1000
-            ids = [base + i for i in range(rng.randrange(1, 20))] + [100_000 + r * 50 + i for i in range(rng.randrange(1, 10))]
+            ids = [base + i for i in range(rng.randrange(1, 20))] + [
+                100_000 + r * 50 + i for i in range(rng.randrange(1, 10))
+            ]
             reqs.append({"input_length": len(ids) * 512, "output_length": 16, "hash_ids": ids})
         source = "built-in generator"
     m = _manager(1, t, p["cache_tokens"] // t)
@@ -253,12 +261,26 @@ def worker(name: str, params: dict[str, int]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- driver side
 DEFAULTS = dict(
-    requests=256, layers=32, tokens_per_block=32, shared=1024, unique=512, steps=256,
-    hash_blocks=20_000, trace_requests=400, cache_tokens=3_000_000,
+    requests=256,
+    layers=32,
+    tokens_per_block=32,
+    shared=1024,
+    unique=512,
+    steps=256,
+    hash_blocks=20_000,
+    trace_requests=400,
+    cache_tokens=3_000_000,
 )
 QUICK = dict(
-    requests=16, layers=4, tokens_per_block=32, shared=256, unique=128, steps=16,
-    hash_blocks=500, trace_requests=20, cache_tokens=200_000,
+    requests=16,
+    layers=4,
+    tokens_per_block=32,
+    shared=256,
+    unique=128,
+    steps=16,
+    hash_blocks=500,
+    trace_requests=20,
+    cache_tokens=200_000,
 )
 
 
@@ -275,13 +297,21 @@ def prepare_compiled() -> None:
     sys.path.insert(0, ROOT)
     from setup_mypyc import compiled_artifacts
 
-    sources = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, "kv_cache_manager_v2")) for f in fs if f.endswith(".py")]
+    sources = [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(os.path.join(ROOT, "kv_cache_manager_v2"))
+        for f in fs
+        if f.endswith(".py")
+    ]
     arts = compiled_artifacts()
-    if not arts or max(map(os.path.getmtime, sources)) > min(map(os.path.getmtime, arts)):
+    if not arts or max(map(os.path.getmtime, sources)) > max(map(os.path.getmtime, arts)):
         print("building production mode (mypyc)...", flush=True)
         subprocess.run(
             [sys.executable, "setup_mypyc.py", "build_ext", "--inplace", "-j", "2"],
-            cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=ROOT,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
 
 
@@ -334,7 +364,10 @@ def main() -> None:
                 s = r.pop("samples")
                 s_sorted = sorted(s)
                 r.update(
-                    scenario=name, mode=mode, runs=len(s), median=statistics.median(s),
+                    scenario=name,
+                    mode=mode,
+                    runs=len(s),
+                    median=statistics.median(s),
                     p90=s_sorted[min(len(s) - 1, int(0.9 * len(s)))],
                 )
                 runs[mode].append(r)
@@ -343,8 +376,11 @@ def main() -> None:
             best = (max if higher_is_better else min)(runs[mode], key=lambda x: float(x["median"]))
             best["medians_of_repeats"] = [x["median"] for x in runs[mode]]
             results.append(best)
-            print(f"{name:16s} {mode:9s} median {best['median']:>14.2f} {best['unit']:16s} p90 {best['p90']:>14.2f}"
-                  f"   (repeats: {', '.join(f'{m:.2f}' for m in best['medians_of_repeats'])})", flush=True)
+            print(
+                f"{name:16s} {mode:9s} median {best['median']:>14.2f} {best['unit']:16s} p90 {best['p90']:>14.2f}"
+                f"   (repeats: {', '.join(f'{m:.2f}' for m in best['medians_of_repeats'])})",
+                flush=True,
+            )
     speedups = {}
     for name in args.only:
         by = {r["mode"]: r for r in results if r["scenario"] == name}
@@ -355,8 +391,12 @@ def main() -> None:
         print(f"{name:16s} compiled speedup x{x:.2f}")
     doc = {
         "params": params,
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpu_count": os.cpu_count(),
-                    "processor": platform.processor()},
+        "machine": {
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "processor": platform.processor(),
+        },
         "results": results,
         "compiled_speedup": speedups,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),

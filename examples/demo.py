@@ -20,8 +20,10 @@ config = kvm.KVCacheManagerConfig(
 manager = kvm.KVCacheManager(config)
 print(f"mode: {'compiled (mypyc)' if kvm.compiled else 'interpreted'}; backend: {manager.backend_name}")
 (group,) = manager.pool_group_descs
-print(f"layout: {manager.num_layers} layers in {len(manager.layer_grouping)} layer group(s); "
-      f"{group.num_slots} slots of {group.pools[0].slot_bytes} bytes")
+print(
+    f"layout: {manager.num_layers} layers in {len(manager.layer_grouping)} layer group(s); "
+    f"{group.num_slots} slots of {group.pools[0].slot_bytes} bytes"
+)
 
 system_prompt = list(range(1000, 1000 + 1024))
 requests = []
@@ -33,8 +35,7 @@ for r in range(4):
     assert kv.resume()  # SUSPENDED -> ACTIVE
     assert kv.resize(len(prompt))  # pages for the rest of the prompt
     kv.commit(prompt[reused:])  # the engine computed positions reused..len(prompt)
-    print(f"request {r}: {len(prompt)} prompt tokens, {reused} reused from the cache, "
-          f"{len(prompt) - reused} computed")
+    print(f"request {r}: {len(prompt)} prompt tokens, {reused} reused from the cache, {len(prompt) - reused} computed")
     requests.append(kv)
 
 s = manager.reuse_statistics
@@ -50,8 +51,10 @@ for step in range(steps):
         kv.get_base_page_indices(kvm.LayerGroupId(0))  # what the kernel reads
         kv.commit([step])  # the generated token
 elapsed = time.perf_counter() - start
-print(f"decode: {steps} steps x {len(requests)} requests, "
-      f"{elapsed / steps / len(requests) * 1e6:.2f} us per request per step (resize + indices + commit)")
+print(
+    f"decode: {steps} steps x {len(requests)} requests, "
+    f"{elapsed / steps / len(requests) * 1e6:.2f} us per request per step (resize + indices + commit)"
+)
 
 kv = requests[0]
 conv = manager.get_page_index_converter(kvm.LayerId(3), "value")
@@ -61,8 +64,10 @@ stride = manager.get_page_stride(kvm.LayerId(3), "value")
 print(f"request 0, layer 3 values: block 0 at {hex(base + indices[0] * stride)}, {len(indices)} pages")
 
 late = [1000 + i for i in range(1024)] + [0 * 7919 + i for i in range(512)] + list(range(64))
-print(f"a new request continuing request 0's conversation: {manager.probe_reuse(None, late)} tokens reusable "
-      "(blocks committed during decode are reusable at once)")
+print(
+    f"a new request continuing request 0's conversation: {manager.probe_reuse(None, late)} tokens reusable "
+    "(blocks committed during decode are reusable at once)"
+)
 for kv in requests:
     kv.close()
 stats = manager.get_storage_statistics()[0]

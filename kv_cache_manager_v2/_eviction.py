@@ -17,7 +17,7 @@ class Evictor:
     bit mask of the non-empty priorities, so add, remove and pick-victim allocate nothing.
     """
 
-    __slots__ = ("_heads", "_tails", "_nonempty", "count")
+    __slots__ = ("_heads", "_nonempty", "_tails", "count")
 
     def __init__(self) -> None:
         self._heads: list[Page | None] = [None] * (MAX_PRIORITY + 1)  # oldest

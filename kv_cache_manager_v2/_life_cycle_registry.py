@@ -7,7 +7,7 @@ the blocks after them useless.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ._common import LayerId, LifeCycleId
 from ._config import AttentionLayerConfig
@@ -18,7 +18,7 @@ from ._utils import div_up
 class LifeCycle:
     """Attention shape shared by the layers of one group: window (None = full) and sink blocks."""
 
-    __slots__ = ("window_size", "num_sink_blocks", "tokens_per_block")
+    __slots__ = ("num_sink_blocks", "tokens_per_block", "window_size")
 
     def __init__(self, window_size: int | None, num_sink_blocks: int, tokens_per_block: int) -> None:
         self.window_size = window_size

@@ -26,8 +26,17 @@ class Page:
     """
 
     __slots__ = (
-        "storage", "slot", "level", "life_cycle", "priority", "num_locks", "num_holds", "_rawref", "node",
-        "lru_prev", "lru_next",
+        "_rawref",
+        "level",
+        "life_cycle",
+        "lru_next",
+        "lru_prev",
+        "node",
+        "num_holds",
+        "num_locks",
+        "priority",
+        "slot",
+        "storage",
     )
 
     _rawref: rawref.ref[Page] | None

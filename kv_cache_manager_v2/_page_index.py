@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ._common import BAD_PAGE_INDEX, PageIndexMode, ScratchDesc
 from ._exceptions import LogicError

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Generic, Iterable, Iterator, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=int)
 V = TypeVar("V")

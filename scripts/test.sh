@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run every check: mypy --strict, the test suite in fast mode,
+# Set up (if needed) and run every check: ruff, import layering, mypy --strict, the test suite in fast mode,
 # the mypyc build, and the test suite again compiled.
 #   scripts/test.sh            # everything (what CI runs)
 #   scripts/test.sh fast       # mypy + fast-mode tests only
@@ -10,10 +10,14 @@ mode="${1:-all}"
 shift || true
 
 run_fast() {
+  python setup_mypyc.py clean_compiled > /dev/null  # compiled modules would shadow the sources
+  echo "== ruff (lint + format check), import layering"
+  ruff check .
+  ruff format --check . > /dev/null || { ruff format --diff . | head -40; exit 1; }
+  lint-imports --no-cache > /dev/null || { lint-imports --no-cache | tail -20; exit 1; }
   echo "== mypy --strict"
   mypy
   echo "== tests, fast mode (interpreted)"
-  python setup_mypyc.py clean_compiled > /dev/null
   KVCM_EXPECT_COMPILED=0 python -m pytest -q "$@"
 }
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# the fake engine runs the manager's invariant checker after every step
+os.environ.setdefault("KV_CACHE_MANAGER_V2_CHECK", "1")
 
-from kv_cache_manager_v2 import (  # noqa: E402
+from kv_cache_manager_v2 import (
     AttentionLayerConfig,
     BufferConfig,
     GpuCacheTierConfig,
@@ -18,7 +20,7 @@ from kv_cache_manager_v2 import (  # noqa: E402
     KVCacheManagerConfig,
     LayerId,
 )
-from kv_cache_manager_v2._storage._select import cuda_unusable_reason  # noqa: E402
+from kv_cache_manager_v2._storage._select import cuda_unusable_reason
 
 CUDA_REASON = cuda_unusable_reason()
 BACKENDS = ["host"] + (["cuda"] if CUDA_REASON is None else [])
@@ -56,7 +58,10 @@ def make_config(
 ) -> KVCacheManagerConfig:
     kw.setdefault("backend", "host")
     return KVCacheManagerConfig(
-        tokens_per_block=tokens_per_block, cache_tiers=[GpuCacheTierConfig(quota)], layers=layers, **kw  # type: ignore[arg-type]
+        tokens_per_block=tokens_per_block,
+        cache_tiers=[GpuCacheTierConfig(quota)],
+        layers=layers,
+        **kw,  # type: ignore[arg-type]
     )
 
 
@@ -70,7 +75,9 @@ def make_manager(backend: str) -> Iterator[Callable[..., KVCacheManager]]:
     """Factory of managers on the parametrized backend; shut down after the test."""
     made: list[KVCacheManager] = []
 
-    def factory(layers: list[AttentionLayerConfig], tokens_per_block: int = 8, quota: int = 1 << 20, **kw: object) -> KVCacheManager:
+    def factory(
+        layers: list[AttentionLayerConfig], tokens_per_block: int = 8, quota: int = 1 << 20, **kw: object
+    ) -> KVCacheManager:
         kw["backend"] = backend
         m = KVCacheManager(make_config(layers, tokens_per_block, quota, **kw))
         made.append(m)

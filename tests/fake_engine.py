@@ -9,9 +9,10 @@ records are written. Layers run in order, so pages shared across layers are caug
 
 from __future__ import annotations
 
+import os
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -26,6 +27,8 @@ from kv_cache_manager_v2 import (
 )
 
 MAGIC = 0x4B56_4B56
+#: With this environment variable set to 1, every step also runs the manager's invariant checker.
+CHECK_ENV_VAR = "KV_CACHE_MANAGER_V2_CHECK"
 RECORD_INTS = 6
 RECORD_BYTES = RECORD_INTS * 4
 
@@ -67,7 +70,7 @@ class FakeEngine:
         t = manager.tokens_per_block
         self.tokens_per_block = t
         self.buffers: list[_Buffer] = []
-        cfg_layers = {layer.layer_id: layer for layer in manager._config.layers}
+        cfg_layers = {layer.layer_id: layer for layer in manager.config.layers}
         for i, (layer_id, role) in enumerate(manager.all_buffer_ids):
             conv = manager.get_page_index_converter(layer_id, role)
             stride = manager.get_page_stride(layer_id, role)
@@ -93,6 +96,7 @@ class FakeEngine:
             )
         self.pages_checked = 0
         self.records_written = 0
+        self.check_invariants = os.environ.get(CHECK_ENV_VAR, "0") == "1"
 
     def needed_positions(self, buf: _Buffer, start: int) -> list[int]:
         """Positions a step starting at ``start`` attends to for this buffer's layer."""
@@ -131,6 +135,8 @@ class FakeEngine:
                 ).tobytes()
                 self.backend.write(self._address(buf, indices, pos), rec)
                 self.records_written += 1
+        if self.check_invariants:
+            self.mgr.check_invariants()
 
     def check_all(self, kv: KVCache, tokens: Sequence[TokenIdExt], upto: int, beam: int = 0) -> None:
         """Check every position below ``upto`` that a step starting there would need."""
@@ -138,14 +144,14 @@ class FakeEngine:
             indices = buf.converter(kv.get_base_page_indices(buf.life_cycle), self.mode)
             for pos in self.needed_positions(buf, upto):
                 self._check(buf, indices, pos, tokens[pos], beam)
+        if self.check_invariants:
+            self.mgr.check_invariants()
 
     def _check(self, buf: _Buffer, indices: list[int], pos: int, tok: TokenIdExt, beam: int) -> None:
         got = np.frombuffer(self.backend.read(self._address(buf, indices, pos), RECORD_BYTES), dtype=np.int32)
         want = [MAGIC, token_value(tok), pos, buf.layer, buf.index, beam]
         if list(got) != want:
-            raise KVMismatch(
-                f"layer {buf.layer} {buf.role} position {pos}: found record {list(got)}, expected {want}"
-            )
+            raise KVMismatch(f"layer {buf.layer} {buf.role} position {pos}: found record {list(got)}, expected {want}")
         self.pages_checked += 1
 
     def corrupt(self, kv: KVCache, pos: int) -> None:

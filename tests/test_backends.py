@@ -9,8 +9,8 @@ from conftest import CUDA_REASON, kv_layers, make_config, requires_cuda
 
 from kv_cache_manager_v2 import CuError, KVCacheManager, MemAddress
 from kv_cache_manager_v2._config import BACKEND_ENV_VAR
-from kv_cache_manager_v2._storage._select import select_backend
 from kv_cache_manager_v2._storage._host_backend import HostBackend
+from kv_cache_manager_v2._storage._select import select_backend
 
 
 def test_host_pool_read_write_copy_and_stable_base() -> None:

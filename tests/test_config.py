@@ -9,6 +9,7 @@ from kv_cache_manager_v2 import (
     AttentionLayerConfig,
     BatchDesc,
     BufferConfig,
+    CacheTier,
     DiskCacheTierConfig,
     GpuCacheTierConfig,
     HostCacheTierConfig,
@@ -18,7 +19,6 @@ from kv_cache_manager_v2 import (
     ReuseScope,
     SwaScratchReuseConfig,
 )
-from kv_cache_manager_v2 import CacheTier
 
 
 def cfg(**kw: object) -> KVCacheManagerConfig:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import random
 from array import array
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 from conftest import kv_layers
@@ -311,9 +311,24 @@ BAD_CALLS: list[tuple[str, Callable[[KVCacheManager, KVCache], object], type[Exc
     ("bad layer group", lambda m, kv: kv.get_base_page_indices(LayerGroupId(5)), ValueError, "layer_group_id"),
     ("bad beam", lambda m, kv: kv.get_base_page_indices(LayerGroupId(0), 1), ValueError, "beam"),  # type: ignore[arg-type]
     ("buf not memoryview", lambda m, kv: kv.set_base_page_index_buf(0, LayerGroupId(0), bytearray(40)), TypeError, ""),  # type: ignore[arg-type]
-    ("buf wrong format", lambda m, kv: kv.set_base_page_index_buf(0, LayerGroupId(0), memoryview(array("q", [0] * 8))), ValueError, "int32"),  # type: ignore[arg-type]
-    ("buf readonly", lambda m, kv: kv.set_base_page_index_buf(0, LayerGroupId(0), memoryview(bytes(40)).cast("i")), ValueError, "writable"),  # type: ignore[arg-type]
-    ("buf too short", lambda m, kv: kv.set_base_page_index_buf(0, LayerGroupId(0), memoryview(array("i", [0]))), ValueError, "entries"),  # type: ignore[arg-type]
+    (
+        "buf wrong format",
+        lambda m, kv: kv.set_base_page_index_buf(0, LayerGroupId(0), memoryview(array("q", [0] * 8))),
+        ValueError,
+        "int32",
+    ),  # type: ignore[arg-type]
+    (
+        "buf readonly",
+        lambda m, kv: kv.set_base_page_index_buf(0, LayerGroupId(0), memoryview(bytes(40)).cast("i")),
+        ValueError,
+        "writable",
+    ),  # type: ignore[arg-type]
+    (
+        "buf too short",
+        lambda m, kv: kv.set_base_page_index_buf(0, LayerGroupId(0), memoryview(array("i", [0]))),
+        ValueError,
+        "entries",
+    ),  # type: ignore[arg-type]
     ("unknown layer", lambda m, kv: m.get_layer_group_id(LayerId(99)), ValueError, "unknown layer_id"),
     ("unknown role", lambda m, kv: m.get_page_stride(LayerId(0), "query"), ValueError, "no buffer with role"),
     ("bad index mode", lambda m, kv: m.get_mem_pool_base_address(LayerId(0), "key", 1), TypeError, ""),  # type: ignore[arg-type]
@@ -328,7 +343,11 @@ BAD_CALLS: list[tuple[str, Callable[[KVCacheManager, KVCache], object], type[Exc
 
 @pytest.mark.parametrize("name, call, exc, match", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
 def test_bad_input_is_a_clear_error_and_changes_nothing(
-    make_manager: MakeManager, name: str, call: Callable[[KVCacheManager, KVCache], object], exc: type[Exception], match: str
+    make_manager: MakeManager,
+    name: str,
+    call: Callable[[KVCacheManager, KVCache], object],
+    exc: type[Exception],
+    match: str,
 ) -> None:
     m = make_manager(kv_layers(2, T))
     kv = _active(m)
@@ -344,11 +363,13 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(
 def test_unsupported_features_are_refused_clearly() -> None:
     from conftest import make_config
 
-    from kv_cache_manager_v2 import HostCacheTierConfig, KVCacheManagerConfig, SwaScratchReuseConfig, GpuCacheTierConfig
+    from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManagerConfig, SwaScratchReuseConfig
 
     with pytest.raises(ValueError, match="tiers"):
         KVCacheManager(
-            KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 20), HostCacheTierConfig(1 << 20)], kv_layers(1), backend="host")
+            KVCacheManagerConfig(
+                8, [GpuCacheTierConfig(1 << 20), HostCacheTierConfig(1 << 20)], kv_layers(1), backend="host"
+            )
         )
     with pytest.raises(ValueError, match="swa_scratch_reuse"):
         KVCacheManager(make_config(kv_layers(1), swa_scratch_reuse=SwaScratchReuseConfig()))
@@ -439,7 +460,9 @@ def test_aggregated_pages_and_small_queries(make_manager: MakeManager) -> None:
     assert m.gpu_utilization == 0.0
     kv = _active(m, 5 * T)
     assert m.gpu_utilization == pytest.approx(5 / m.get_storage_statistics()[0].total)
-    assert list(kv.get_aggregated_page_indices(LayerGroupId(0), valid_only=True)) == list(kv.get_base_page_indices(LayerGroupId(0)))
+    assert list(kv.get_aggregated_page_indices(LayerGroupId(0), valid_only=True)) == list(
+        kv.get_base_page_indices(LayerGroupId(0))
+    )
     assert m.num_layers == 2 and m.layer_ids == [0, 1] and m.tokens_per_block == T
     assert m.supports_index_mode(PageIndexMode.SHARED) is True and kv.supports_index_mode(PageIndexMode.PER_LAYER)
     assert kv.get_scratch_desc(LayerGroupId(0)) is None and not kv.has_scratch_slots

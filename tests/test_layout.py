@@ -135,8 +135,6 @@ def test_addresses_agree_between_modes() -> None:
     m.shutdown()
 
 
-
-
 def _two_group_layers() -> list[AttentionLayerConfig]:
     # group 0: full attention, 2 x 8 KiB per layer; group 1: window 128, 2 x 4 KiB per layer
     return kv8k(2) + [

@@ -6,6 +6,7 @@ import gc
 import sys
 
 import pytest
+
 import rawref
 
 

@@ -4,7 +4,7 @@ scopes, dedup, eviction order, and slot accounting."""
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 from conftest import kv_layers
@@ -167,7 +167,9 @@ def test_eviction_takes_lowest_priority_then_least_recently_used(make_manager: M
     prompts = {name: toks(20 + i, 8) for i, name in enumerate("abcd")}
     prio = {"a": 50, "b": 10, "c": 50, "d": 10}
     for name in "abcd":  # release order a, b, c, d
-        kv = m.create_kv_cache(input_tokens=prompts[name], custom_priority_callback=lambda o, lc, p=prio[name]: Priority(p))
+        kv = m.create_kv_cache(
+            input_tokens=prompts[name], custom_priority_callback=lambda o, lc, p=prio[name]: Priority(p)
+        )
         serve(engine, kv, prompts[name])
         kv.close()
     assert m.get_storage_statistics()[0].evictable == 4

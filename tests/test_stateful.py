@@ -11,7 +11,16 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, KVCache, KVCacheManager, KVCacheStatus, LayerId, Priority, ReuseScope
+from kv_cache_manager_v2 import (
+    AttentionLayerConfig,
+    BufferConfig,
+    KVCache,
+    KVCacheManager,
+    KVCacheStatus,
+    LayerId,
+    Priority,
+    ReuseScope,
+)
 
 T = 4
 PREFIXES = [[(p * 1000 + i) for i in range(24)] for p in range(3)]
@@ -121,7 +130,10 @@ class TightMultiGroupMachine(ManagerMachine):
         ]
         return KVCacheManager(
             make_config(
-                layers, tokens_per_block=T, quota=(128 + 64) * T * 14, enable_partial_reuse=False,
+                layers,
+                tokens_per_block=T,
+                quota=(128 + 64) * T * 14,
+                enable_partial_reuse=False,
                 initial_pool_ratio=[0.7, 0.3],
             )
         )

@@ -21,7 +21,7 @@ class BlockTable:
     ``pending_copy[lc]`` is the held source page of a partially matched block.
     """
 
-    __slots__ = ("pages", "indices", "user_bufs", "stale_end", "pending_copy")
+    __slots__ = ("indices", "pages", "pending_copy", "stale_end", "user_bufs")
 
     def __init__(self, num_life_cycles: int) -> None:
         n = num_life_cycles

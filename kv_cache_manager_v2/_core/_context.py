@@ -22,18 +22,18 @@ class CacheContext:
 
     __slots__ = (
         "config",
-        "tokens_per_block",
-        "registry",
-        "life_cycles",
-        "num_life_cycles",
-        "swa_life_cycles",
         "has_swa",
         "lc_group",
+        "life_cycles",
+        "num_life_cycles",
         "num_pool_groups",
-        "storage",
-        "tree",
-        "stats",
         "open_caches",
+        "registry",
+        "stats",
+        "storage",
+        "swa_life_cycles",
+        "tokens_per_block",
+        "tree",
     )
 
     def __init__(

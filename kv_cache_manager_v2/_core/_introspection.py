@@ -6,7 +6,8 @@ all state, so it is for tests and debugging only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NoReturn
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
 
 from .._common import BAD_PAGE_INDEX, KVCacheStatus, LifeCycleId
 from .._page import Page

@@ -4,7 +4,7 @@ the storage manager (allocation) and the reuse tree (publishing) (SPEC 4.3)."""
 from __future__ import annotations
 
 from array import array
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import rawref
 
@@ -282,7 +282,7 @@ class KVCache:
         """Whether some SWA life cycle has blocks to release at history ``h``."""
         ctx = self._ctx
         stale_end = self._table.stale_end
-        for lc in ctx.swa_life_cycles:
+        for lc in ctx.swa_life_cycles:  # noqa: SIM110 - a plain loop on the decode path (no generator)
             if ctx.life_cycles[lc].stale_end(h) > stale_end[lc]:
                 return True
         return False

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import rawref
 
@@ -113,12 +113,16 @@ class KVCacheManager:
         self._ctx.open_caches.add(rawref.ref(kv))
         return kv
 
-    def probe_reuse(self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None) -> int:
+    def probe_reuse(
+        self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None
+    ) -> int:
         """Length of the reusable prefix of ``input_tokens``; takes nothing."""
         self._check_alive()
         if input_tokens is None or len(input_tokens) == 0:
             return 0
-        nodes, _, part_len = self._match(reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE, input_tokens, False)
+        nodes, _, part_len = self._match(
+            reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE, input_tokens, False
+        )
         return len(nodes) * self.tokens_per_block + part_len
 
     def _match(
@@ -356,6 +360,4 @@ class KVCacheManager:
 
     def _check_no_open_caches(self, what: str) -> None:
         if self._ctx.open_caches:
-            raise LogicError(
-                f"{what}() refused: {self.num_open_caches} KVCache(s) still open; close() them first"
-            )
+            raise LogicError(f"{what}() refused: {self.num_open_caches} KVCache(s) still open; close() them first")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Final, Sequence, cast
+from collections.abc import Sequence
+from typing import Final, cast
 
 from .._common import MAX_TOKEN_ID, ReuseScope, TokenIdExt
 

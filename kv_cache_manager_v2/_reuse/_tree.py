@@ -3,7 +3,7 @@ and removal. It is the one place blocks enter and leave the reuse cache."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import rawref
 
@@ -18,9 +18,11 @@ from ._keys import BlockHasher, BlockKey, block_key, scope_key
 class Node:
     """One committed block (full, or a partial tail) with non-owning refs to its pages."""
 
-    __slots__ = ("key", "parent", "tokens", "ordinal", "_children", "_children_by_first", "pages")
+    __slots__ = ("_children", "_children_by_first", "key", "ordinal", "pages", "parent", "tokens")
 
-    def __init__(self, key: BlockKey, parent: Node | None, tokens: tuple[TokenIdExt, ...], num_life_cycles: int) -> None:
+    def __init__(
+        self, key: BlockKey, parent: Node | None, tokens: tuple[TokenIdExt, ...], num_life_cycles: int
+    ) -> None:
         self.key = key
         self.parent = parent
         self.tokens = tokens

@@ -62,9 +62,7 @@ class StorageLayout:
     buffer_order: list[BufferId]  #: config order (layer, then role)
     slot_util_frac_max: TypedList[LifeCycleId, Fraction]  #: max P / S over the life cycle's layers and pools
 
-    def __init__(
-        self, layers: list[AttentionLayerConfig], registry: LifeCycleRegistry, tokens_per_block: int
-    ) -> None:
+    def __init__(self, layers: list[AttentionLayerConfig], registry: LifeCycleRegistry, tokens_per_block: int) -> None:
         num_lc = len(registry)
         expanded: dict[BufferId, tuple[int, int]] = {}  # size, expansion
         by_lc: list[dict[int, list[BufferId]]] = [{} for _ in range(num_lc)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .._common import LifeCycleId
 from .._config import BatchDesc, KVCacheDesc
@@ -17,7 +17,9 @@ def blocks_needed(registry: LifeCycleRegistry, layout: StorageLayout, desc: KVCa
     """Slots per pool group one request of this shape needs (stale SWA blocks need none)."""
     out = [0] * len(layout.pool_groups)
     for i, lc in enumerate(registry.life_cycles):
-        out[layout.life_cycle_pool_group[LifeCycleId(i)]] += lc.num_blocks_with_pages(desc.capacity, desc.history_length)
+        out[layout.life_cycle_pool_group[LifeCycleId(i)]] += lc.num_blocks_with_pages(
+            desc.capacity, desc.history_length
+        )
     return out
 
 
@@ -79,8 +81,7 @@ def split_quota(
         free_bytes = quota - sum(fixed[g] * slot_bytes[g] for g in fixed)
         total_w = sum(weights[g] for g in range(n_groups) if g not in fixed)
         slots = [
-            fixed[g] if g in fixed else int(free_bytes * weights[g] / total_w) // slot_bytes[g]
-            for g in range(n_groups)
+            fixed[g] if g in fixed else int(free_bytes * weights[g] / total_w) // slot_bytes[g] for g in range(n_groups)
         ]
         below = [g for g in range(n_groups) if g not in fixed and slots[g] < floors[g]]
         if not below:

@@ -37,7 +37,9 @@ def select_backend(requested: str) -> MemoryBackend:
     elif name == "cuda":
         reason = cuda_unusable_reason()
         if reason is not None:
-            raise ValueError(f"backend 'cuda' was requested but CUDA is not usable here ({reason}); use 'host' or 'auto'")
+            raise ValueError(
+                f"backend 'cuda' was requested but CUDA is not usable here ({reason}); use 'host' or 'auto'"
+            )
     if name == "cuda":
         from ._cuda_backend import CudaBackend
 

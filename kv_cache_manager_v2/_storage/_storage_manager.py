@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from .._common import GPU_LEVEL, CacheLevel, LifeCycleId, MemAddress, PoolGroupIndex, Priority, SlotId, StorageStatistics
+from .._common import (
+    GPU_LEVEL,
+    CacheLevel,
+    LifeCycleId,
+    MemAddress,
+    PoolGroupIndex,
+    Priority,
+    SlotId,
+    StorageStatistics,
+)
 from .._eviction import Evictor
 from .._page import Page
 from .._typed import TypedList
@@ -22,7 +31,7 @@ class PoolGroupStorage:
     """The pools of one pool group at one cache level, the allocator of their shared slots, and
     the evictor of the level's evictable pages of that group."""
 
-    __slots__ = ("level", "layout", "pools", "allocator", "evictor")
+    __slots__ = ("allocator", "evictor", "layout", "level", "pools")
 
     def __init__(self, level: CacheLevel, layout: PoolGroupLayout, num_slots: int, backend: MemoryBackend) -> None:
         self.level = level
