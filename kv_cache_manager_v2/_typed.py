@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=int)
@@ -18,8 +18,8 @@ class TypedList(Generic[K, V]):
 
     __slots__ = ("items",)
 
-    def __init__(self, items: Iterable[V]) -> None:
-        self.items: list[V] = list(items)
+    def __init__(self, items: list[V]) -> None:
+        self.items = items  # adopted, not copied
 
     def __getitem__(self, key: K) -> V:
         return self.items[key]

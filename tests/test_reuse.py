@@ -185,18 +185,18 @@ def test_eviction_takes_lowest_priority_then_least_recently_used(make_manager: M
     x.close()
 
 
-def test_evicting_a_parent_block_removes_its_subtree(make_manager: MakeManager) -> None:
+def test_a_low_priority_parent_is_not_evicted_before_its_children(make_manager: MakeManager) -> None:
     m = make_manager(kv_layers(1, T), quota=2 * 32 * T * 4)
     engine = FakeEngine(m)
     prompt = toks(30, 24)
     kv = m.create_kv_cache(input_tokens=prompt, custom_priority_callback=lambda o, lc: Priority(10 if o == 0 else 60))
     serve(engine, kv, prompt)
-    kv.close()
+    kv.close()  # children are capped at their parent's priority 10; the tail is the oldest
     x = m.create_kv_cache()
-    assert x.resume() and x.resize(2 * T)  # 1 free + evict block 0 -> blocks 1, 2 useless, freed too
-    assert m.probe_reuse(None, prompt) == 0
+    assert x.resume() and x.resize(2 * T)  # 1 free + evict exactly one page: the tail (block 2)
+    assert m.probe_reuse(None, prompt) == 2 * T
     st = m.get_storage_statistics()[0]
-    assert st.evictable == 0 and st.free == 2
+    assert st.evictable == 2 and st.free == 0
     x.close()
 
 

@@ -58,11 +58,22 @@ class ManagerMachine(RuleBasedStateMachine):
         assert kv.history_length == probed == kv.num_committed_tokens
         self.caches.append((kv, seq))
 
+    def dropped(self) -> list[int]:
+        return [g.num_dropped for g in self.m._storage.gpu]
+
+    def check_eviction_was_exact(self, dropped_before: list[int]) -> None:
+        """An allocation that had to evict in a pool group evicted exactly enough: nothing is left free."""
+        for g, before, stats in zip(self.m._storage.gpu, dropped_before, self.m.get_storage_statistics()):
+            if g.num_dropped > before:
+                assert stats.free == 0, f"pool group {stats.pool_group_index} evicted more than needed"
+
     @precondition(lambda self: self.caches)
     @rule(i=st.integers(0, 5))
     def resume(self, i: int) -> None:
         kv, seq = self.caches[i % len(self.caches)]
+        dropped = self.dropped()
         if kv.status is KVCacheStatus.SUSPENDED and kv.resume():
+            self.check_eviction_was_exact(dropped)
             self.engine.check_all(kv, seq, kv.history_length)
 
     @precondition(lambda self: self.caches)
@@ -78,9 +89,11 @@ class ManagerMachine(RuleBasedStateMachine):
         if end == h:
             return
         before = (kv.capacity, kv.history_length, list(kv.get_base_page_indices(0)))
+        dropped = self.dropped()
         if not kv.resize(end, h):
             assert (kv.capacity, kv.history_length, list(kv.get_base_page_indices(0))) == before
             return
+        self.check_eviction_was_exact(dropped)
         kv.commit(seq[kv.num_committed_tokens : h])  # what the previous (lazy) step computed
         self.engine.step(kv, seq, h, end)
         if lazy:

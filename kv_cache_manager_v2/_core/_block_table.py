@@ -25,8 +25,8 @@ class BlockTable:
 
     def __init__(self, num_life_cycles: int) -> None:
         n = num_life_cycles
-        self.pages: TypedList[LifeCycleId, list[Page | None]] = TypedList([] for _ in range(n))
-        self.indices: TypedList[LifeCycleId, array[int]] = TypedList(array("i") for _ in range(n))
+        self.pages: TypedList[LifeCycleId, list[Page | None]] = TypedList([[] for _ in range(n)])
+        self.indices: TypedList[LifeCycleId, array[int]] = TypedList([array("i") for _ in range(n)])
         self.user_bufs: TypedList[LifeCycleId, memoryview | None] = TypedList([None] * n)
         self.stale_end: TypedList[LifeCycleId, int] = TypedList([0] * n)
         self.pending_copy: TypedList[LifeCycleId, Page | None] = TypedList([None] * n)
@@ -70,16 +70,20 @@ class BlockTable:
         if buf is not None:
             buf[old_nb:nb] = memoryview(indices)[old_nb:nb]
 
-    def truncate(self, lc: LifeCycleId, nb: int, locked: bool) -> None:
-        """Drop blocks from ``nb`` on, releasing their pages."""
-        pages = self.pages[lc]
-        for o in range(nb, len(pages)):
-            p = pages[o]
-            if p is not None:
-                p.release(locked)
-        del pages[nb:]
-        del self.indices[lc][nb:]
-        self.write_user_tail(lc, nb)
+    def truncate(self, nb: int, locked: bool) -> None:
+        """Drop blocks from ``nb`` on, releasing their pages last block first: the tail becomes
+        the least recently used, so eviction takes tails before the prefixes others share."""
+        all_pages = self.pages.items
+        for o in range(max(len(pages) for pages in all_pages) - 1, nb - 1, -1):
+            for pages in all_pages:
+                p = pages[o]
+                if p is not None:
+                    p.release(locked)
+        for i, pages in enumerate(all_pages):
+            lc = LifeCycleId(i)
+            del pages[nb:]
+            del self.indices[lc][nb:]
+            self.write_user_tail(lc, nb)
 
     def release_range(self, lc: LifeCycleId, beg: int, end: int, locked: bool) -> None:
         """Release the pages of blocks ``[beg, end)`` (they keep their place, with no page)."""
@@ -120,9 +124,7 @@ class BlockTable:
             if src is not None:
                 self.pending_copy.items[i] = None
                 src.release(False)
-        for i in range(len(self.pages)):
-            lc = LifeCycleId(i)
-            self.truncate(lc, 0, locked)
+        self.truncate(0, locked)
 
     # ------------------------------------------------------------------ caller buffers
     def check_user_buf_room(self, nb: int) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from .._common import BAD_PAGE_INDEX, KVCacheStatus, LifeCycleId
+from .._eviction import GARBAGE_PRIORITY
 from .._page import Page
 from .._reuse._tree import ReuseTree
 from .._storage._storage_manager import StorageManager
@@ -42,16 +43,25 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
             if len(listed) != group.evictor.count:
                 _fail(f"evictor of pool group {group.index} counts {group.evictor.count} but lists {len(listed)}")
             for p in listed:
-                if p.num_locks or p.num_holds or p.node is None:
-                    _fail(f"evictor lists page {p.slot} that has owners or is not in the reuse tree")
+                if p.num_locks or p.num_holds or (p.node is None) != (p.priority == GARBAGE_PRIORITY):
+                    _fail(f"evictor lists page {p.slot} that has owners, or is garbage and in the tree, or neither")
                 if p.storage is not group:
                     _fail(f"evictor of pool group {group.index} lists a page of another group")
                 evictable.add(id(p))
                 pages[id(p)] = p
+    extenders: dict[int, int] = {}
+    for kv in caches:
+        last = kv._last_node
+        if last is not None:
+            extenders[id(last)] = extenders.get(id(last), 0) + 1
     for node in tree.nodes():
         parent = node.parent
         if parent is None or parent.child(node.key) is not node:
             _fail(f"tree node at ordinal {node.ordinal} is not linked from its parent")
+        if node.num_extenders != extenders.get(id(node), 0):
+            _fail(f"tree node at ordinal {node.ordinal} counts {node.num_extenders} extending requests")
+        if node.is_removable:
+            _fail(f"tree node at ordinal {node.ordinal} has no pages, children or extenders but was kept")
         for lc, r in enumerate(node.pages):
             if r is None:
                 continue

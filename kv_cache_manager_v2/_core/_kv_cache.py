@@ -104,7 +104,7 @@ class KVCache:
         self._capacity = self._history = length
         self._num_blocks = nb
         self._num_published = len(nodes)
-        self._last_node = nodes[-1] if nodes else None
+        self._extend_from(nodes[-1] if nodes else None)
 
     def __repr__(self) -> str:
         return (
@@ -241,6 +241,7 @@ class KVCache:
         if self._status is KVCacheStatus.CLOSED:
             return
         self._table.release_all(self._status is KVCacheStatus.ACTIVE)
+        self._extend_from(None)
         self._status = KVCacheStatus.CLOSED
         self._capacity = self._history = self._num_blocks = 0
         r = self._rawref
@@ -317,10 +318,9 @@ class KVCache:
         storage.reserve(need)  # a driver failure here changes nothing
         # Release everything first: life cycles sharing a pool group use each other's releases.
         for i in range(ctx.num_life_cycles):
-            lc = LifeCycleId(i)
-            self._release_stale(lc, stale_ends[i])
-            if nb < old_nb:
-                table.truncate(lc, nb, True)
+            self._release_stale(LifeCycleId(i), stale_ends[i])
+        if nb < old_nb:
+            table.truncate(nb, True)
         if nb > old_nb:
             for i in range(ctx.num_life_cycles):
                 lc = LifeCycleId(i)
@@ -382,6 +382,7 @@ class KVCache:
         if self._committing and self._tail:
             self._publish(self._num_published + 1)
         self._committing = False
+        self._extend_from(None)
 
     def _publish(self, upto: int) -> None:
         """Insert committed blocks ``[num_published, upto)`` into the reuse tree (the last may be partial)."""
@@ -410,7 +411,20 @@ class KVCache:
                 return
             parent = node
             self._num_published = o + 1
-            self._last_node = node
+            self._extend_from(node)
+
+    def _extend_from(self, node: Node | None) -> None:
+        """Publish the next block under ``node`` (None: publish no more). The node the request
+        extends stays in the tree even without pages, so the key chain never breaks."""
+        old = self._last_node
+        if old is node:
+            return
+        if node is not None:
+            node.num_extenders += 1
+        self._last_node = node
+        if old is not None:
+            old.num_extenders -= 1
+            self._ctx.tree.prune(old)
 
     # ------------------------------------------------------------------ indices
     def get_base_page_indices(self, layer_group_id: LayerGroupId, beam_id: BeamIndex = BeamIndex(0)) -> array[int]:

@@ -177,6 +177,7 @@ class KVCacheManager:
         """Drop every reusable page. Refused while caches are open."""
         self._check_no_open_caches("clear_reusable_blocks")
         self._tree.clear()
+        self._storage.drop_all_evictable()  # garbage of subtrees removed earlier
 
     def shutdown(self) -> None:
         """Release all memory; refused while caches are open. Idempotent."""
@@ -184,6 +185,7 @@ class KVCacheManager:
             return
         self._check_no_open_caches("shutdown")
         self._tree.clear()
+        self._storage.drop_all_evictable()
         self._storage.release()
         self._backend.shutdown()
         self._is_shut_down = True

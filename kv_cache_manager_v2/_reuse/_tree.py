@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import rawref
 
-from .._common import LifeCycleId, ReuseScope, TokenIdExt
+from .._common import MAX_PRIORITY, LifeCycleId, Priority, ReuseScope, TokenIdExt
 from .._life_cycle_registry import LifeCycle
 from .._page import Page
 from .._storage._storage_manager import PageDropListener
@@ -18,7 +18,17 @@ from ._keys import BlockHasher, BlockKey, block_key, scope_key
 class Node:
     """One committed block (full, or a partial tail) with non-owning refs to its pages."""
 
-    __slots__ = ("_children", "_children_by_first", "key", "ordinal", "pages", "parent", "tokens")
+    __slots__ = (
+        "_children",
+        "_children_by_first",
+        "key",
+        "num_extenders",
+        "ordinal",
+        "pages",
+        "parent",
+        "prio_cap",
+        "tokens",
+    )
 
     def __init__(
         self, key: BlockKey, parent: Node | None, tokens: tuple[TokenIdExt, ...], num_life_cycles: int
@@ -32,6 +42,10 @@ class Node:
         #: children by their first token, so a partial match scans only plausible candidates
         self._children_by_first: dict[TokenIdExt, list[Node]] | None = None
         self.pages: list[rawref.ref[Page] | None] = [None] * num_life_cycles
+        #: requests that will publish the next block under this node: it stays while they may
+        self.num_extenders = 0
+        #: no page of this node or below it evicts after an anchor page of this node or above it
+        self.prio_cap: Priority = parent.prio_cap if parent is not None else MAX_PRIORITY
 
     def page(self, lc: int) -> Page | None:
         r = self.pages[lc]
@@ -86,6 +100,11 @@ class Node:
 
     def has_pages(self) -> bool:
         return any(r is not None and r.is_valid for r in self.pages)
+
+    @property
+    def is_removable(self) -> bool:
+        """A leaf with no pages that no request extends: nothing can reach or need it."""
+        return self._children is None and self.num_extenders == 0 and not self.has_pages()
 
 
 def common_prefix_len(a: Sequence[TokenIdExt], b: Sequence[TokenIdExt]) -> int:
@@ -189,6 +208,9 @@ class ReuseTree(PageDropListener):
         ``pages[lc]`` becomes the tree's page, taken (locked if ``locked``, else held), and the
         request's own is released. Returns the block's node, or None when a longer sibling
         already covers a partial tail (then nothing is published).
+
+        A published page's priority is capped by the anchor pages above it, so a block is never
+        evicted after its ancestors' anchors (whose eviction would take it along).
         """
         if len(tokens) < self.tokens_per_block and any(
             c.tokens[: len(tokens)] == tokens for c in parent.children_starting_with(tokens[0])
@@ -199,13 +221,18 @@ class ReuseTree(PageDropListener):
         if node is None:
             node = Node(key, parent, tokens, len(pages))
             parent.add_child(node)
+        cap = parent.prio_cap
         for lc in range(len(pages)):
             mine = pages[lc]
             theirs = node.page(lc)
             if theirs is None:
-                if mine is not None and mine.node is None:
+                if mine is not None and mine.node is None:  # owned by the request: in no evictor
+                    if mine.priority > cap:
+                        mine.priority = cap
                     mine.node = node
                     node.pages[lc] = rawref.ref(mine)
+                    if self.life_cycles.items[lc].is_anchor(node.ordinal) and mine.priority < node.prio_cap:
+                        node.prio_cap = mine.priority
             elif mine is not None and theirs is not mine:
                 theirs.take(locked)
                 pages[lc] = theirs
@@ -225,8 +252,12 @@ class ReuseTree(PageDropListener):
         else:
             self.prune(node)
 
-    def remove_subtree(self, node: Node) -> None:
-        """Unlink ``node`` and its descendants; their unused pages are freed, used ones detached."""
+    def remove_subtree(self, node: Node, free_unused: bool = False) -> None:
+        """Unlink ``node`` and its descendants; pages in use are detached (private to their owners).
+
+        Unused pages become garbage, evicted before anything else, so an eviction never frees
+        more slots than it was asked for; with ``free_unused`` they are freed at once.
+        """
         parent = node.parent
         if parent is not None:
             parent.remove_child(node)
@@ -241,15 +272,18 @@ class ReuseTree(PageDropListener):
                 if p is not None:
                     p.node = None
                     if p.num_locks == 0 and p.num_holds == 0:
-                        p.storage.evictor.remove(p)
-                        p.free()
+                        if free_unused:
+                            p.storage.evictor.remove(p)
+                            p.free()
+                        else:
+                            p.storage.evictor.to_garbage(p)
         if parent is not None:
             self.prune(parent)
 
     def prune(self, node: Node) -> None:
-        """Remove empty leaves upward (never the scope roots)."""
+        """Remove removable nodes upward (never the scope roots)."""
         n: Node | None = node
-        while n is not None and n.parent is not None and not n.has_children and not n.has_pages():
+        while n is not None and n.parent is not None and n.is_removable:
             parent: Node | None = n.parent
             assert parent is not None
             parent.remove_child(n)
@@ -260,7 +294,7 @@ class ReuseTree(PageDropListener):
         """Remove every block (callers made sure no request uses any)."""
         for root in list(self.roots.values()):
             for child in root.children():
-                self.remove_subtree(child)
+                self.remove_subtree(child, free_unused=True)
         self.roots = {}
 
     def nodes(self) -> list[Node]:

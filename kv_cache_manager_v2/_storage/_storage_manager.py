@@ -31,7 +31,7 @@ class PoolGroupStorage:
     """The pools of one pool group at one cache level, the allocator of their shared slots, and
     the evictor of the level's evictable pages of that group."""
 
-    __slots__ = ("allocator", "evictor", "layout", "level", "pools")
+    __slots__ = ("allocator", "evictor", "layout", "level", "num_dropped", "pools")
 
     def __init__(self, level: CacheLevel, layout: PoolGroupLayout, num_slots: int, backend: MemoryBackend) -> None:
         self.level = level
@@ -39,6 +39,8 @@ class PoolGroupStorage:
         self.pools: list[DevicePool] = [backend.reserve_pool(num_slots * size) for size in layout.slot_sizes]
         self.allocator = SlotAllocator(num_slots, self.pools, layout.slot_sizes)
         self.evictor = Evictor()
+        #: pages eviction dropped for good (cumulative)
+        self.num_dropped = 0
 
     @property
     def index(self) -> PoolGroupIndex:
@@ -84,12 +86,12 @@ class StorageManager:
         self.layout = layout
         self.backend = backend
         gpu: TypedList[PoolGroupIndex, PoolGroupStorage] = TypedList(
-            PoolGroupStorage(GPU_LEVEL, g, n, backend) for g, n in zip(layout.pool_groups, gpu_slots)
+            [PoolGroupStorage(GPU_LEVEL, g, n, backend) for g, n in zip(layout.pool_groups, gpu_slots)]
         )
         self.levels: TypedList[CacheLevel, TypedList[PoolGroupIndex, PoolGroupStorage]] = TypedList([gpu])
         #: GPU storage of each life cycle's pool group (the allocation hot path)
         self.lc_storage: TypedList[LifeCycleId, PoolGroupStorage] = TypedList(
-            gpu[g] for g in layout.life_cycle_pool_group
+            [gpu[g] for g in layout.life_cycle_pool_group]
         )
         self.drop_listener: PageDropListener | None = None
 
@@ -133,11 +135,19 @@ class StorageManager:
         while allocator.num_free < count:
             self.drop(storage.evictor.pop_victim())
 
+    def drop_all_evictable(self) -> None:
+        """Drop every evictable page of every level (clearing the reusable cache)."""
+        for level in self.levels:
+            for storage in level:
+                while storage.evictor.count:
+                    self.drop(storage.evictor.pop_victim())
+
     def drop(self, page: Page) -> None:
         """Free an evicted page for good; the listener forgets it first."""
         listener = self.drop_listener
         if listener is not None:
             listener.page_dropped(page)
+        page.storage.num_dropped += 1
         page.free()
 
     def new_pages(self, lc: LifeCycleId, priorities: list[Priority], locked: bool) -> list[Page]:
