@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Final, NewType
+from typing import Final, NamedTuple, NewType
 
 LayerId = NewType("LayerId", int)
 LifeCycleId = NewType("LifeCycleId", int)
@@ -21,8 +21,14 @@ Priority = NewType("Priority", int)
 TokenId = NewType("TokenId", int)
 #: A token position is a plain id, or a digest standing for a position whose id is ambiguous.
 TokenIdExt = TokenId | bytes
-#: One buffer of one layer: ``(layer_id, role)``.
-BufferId = tuple[LayerId, str]
+
+
+class BufferId(NamedTuple):
+    """One buffer of one layer; equal to the plain tuple ``(layer_id, role)``."""
+
+    layer_id: LayerId
+    role: str
+
 
 BAD_PAGE_INDEX: Final = -1
 GPU_LEVEL: Final = CacheLevel(0)
@@ -118,11 +124,22 @@ class StorageStatistics:
 
 @dataclass
 class ReuseStatistics:
-    """Blocks newly allocated, reused from the reuse tree, and input blocks that missed it."""
+    """What prefix reuse did, counted since the manager was created (all zero with ``enable_stats=False``).
 
-    allocated_blocks: int = 0
+    Blocks count token positions (a block of the input is reused when its KV need not be
+    computed, whatever the life cycles); pages count memory (one per block and life cycle).
+    With sliding-window layers a reused block needs pages only in the window, so
+    ``reused_pages`` can be smaller than ``reused_blocks`` times the number of life cycles.
+    """
+
+    #: input blocks of ``create_kv_cache`` whose KV was found (a partially matched block counts)
     reused_blocks: int = 0
+    #: input blocks of ``create_kv_cache`` not found
     missed_blocks: int = 0
+    #: pages the matches took from the reuse cache
+    reused_pages: int = 0
+    #: new pages allocated (``resize`` growth and copy-on-partial copies)
+    allocated_pages: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -157,12 +174,23 @@ class AggregatedPageDesc:
     """
 
     buffer_ids: tuple[BufferId, ...]
+    layer_group_id: LifeCycleId
     pool_group_index: PoolGroupIndex
     pool_index: PoolIndex
     base_address: MemAddress
     size: int
     stride: int
     num_slots: int
+
+    @property
+    def base(self) -> MemAddress:
+        """``base_address`` under the reference system's name."""
+        return self.base_address
+
+    @property
+    def buffers(self) -> tuple[BufferId, ...]:
+        """``buffer_ids`` under the reference system's name."""
+        return self.buffer_ids
 
 
 @dataclass(frozen=True)

@@ -212,8 +212,14 @@ class KVCacheManagerConfig:
         if self.typical_step is not None:
             check_type("typical_step", self.typical_step, BatchDesc)
         r = self.initial_pool_ratio
-        if r is not None and (len(r) == 0 or any(not isinstance(x, (int, float)) or x <= 0 for x in r)):
-            raise ValueError(f"initial_pool_ratio must be a non-empty sequence of positive numbers, got {r!r}")
+        if r is not None:
+            if len(r) == 0 or any(not isinstance(x, (int, float)) or not 0 < x <= 1 for x in r):
+                raise ValueError(f"initial_pool_ratio must be a non-empty sequence of numbers in (0, 1], got {r!r}")
+            if abs(sum(r) - 1.0) > 1e-6:
+                raise ValueError(
+                    f"initial_pool_ratio must sum to 1 (one share of the GPU quota per pool group), got {r!r} "
+                    f"(sum {sum(r)})"
+                )
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
 

@@ -57,6 +57,22 @@ class LifeCycle:
         beg, end = self.stale_range(history_length)
         return nb - max(0, min(end, nb) - min(beg, nb))
 
+    def peak_pages(self, length: int) -> int:
+        """Most pages one request holds while it decodes from nothing to ``length`` tokens (at
+        capacity ``n`` its history is ``n - 1``). Full attention: the last length. A window: the
+        need is highest right after a block boundary, so those lengths are the candidates."""
+        if length <= 0:
+            return 0
+        if self.window_size is None:
+            return self.num_blocks_with_pages(length, length - 1)
+        t = self.tokens_per_block
+        best = self.num_blocks_with_pages(length, length - 1)
+        # past window + sinks + two blocks the need repeats with period t
+        last = min(length, self.window_size + (self.num_sink_blocks + 2) * t)
+        for n in range(1, last + 1, t):
+            best = max(best, self.num_blocks_with_pages(n, n - 1))
+        return best
+
     def is_anchor(self, ordinal: int) -> bool:
         """Whether later blocks are useless without this block's page (full attention, sinks)."""
         return self.window_size is None or ordinal < self.num_sink_blocks

@@ -151,9 +151,15 @@ def _slots(**kw: object) -> list[int]:
 
 
 def test_quota_split_by_initial_pool_ratio() -> None:
-    full, swa = _slots(initial_pool_ratio=[3.0, 1.0])
+    full, swa = _slots(initial_pool_ratio=[0.75, 0.25])
     assert full * 32 * KIB == pytest.approx(48 << 20, rel=1e-3)
     assert swa * 16 * KIB == pytest.approx(16 << 20, rel=1e-3)
+
+
+@pytest.mark.parametrize("ratio", [[0.4, 0.5], [3.0, 1.0], [float("nan"), 0.5], [float("inf"), 0.0]])
+def test_initial_pool_ratio_must_be_shares_summing_to_one(ratio: list[float]) -> None:
+    with pytest.raises(ValueError, match="initial_pool_ratio"):
+        _slots(initial_pool_ratio=ratio)
 
 
 def test_quota_split_by_typical_step_and_default() -> None:

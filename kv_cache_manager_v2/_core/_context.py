@@ -22,6 +22,7 @@ class CacheContext:
 
     __slots__ = (
         "config",
+        "enable_stats",
         "has_swa",
         "lc_group",
         "life_cycles",
@@ -51,5 +52,6 @@ class CacheContext:
         self.storage = storage
         self.tree = tree
         self.stats = ReuseStatistics()
+        self.enable_stats = config.enable_stats
         #: open caches as non-owning refs: a cache dropped by its owner closes itself
         self.open_caches: set[rawref.ref[KVCache]] = set()

@@ -23,7 +23,7 @@ from .._common import (
     ScratchDesc,
     TokenIdExt,
 )
-from .._exceptions import LogicError
+from .._exceptions import LogicError, OutOfPagesError
 from .._page import Page
 from .._reuse._keys import check_token, validate_tokens
 from .._reuse._tree import Node
@@ -80,6 +80,7 @@ class KVCache:
         length = len(nodes) * t + part_len
         nb = (length + t - 1) // t
         table = self._table
+        taken = 0
         for i, lc in enumerate(self._ctx.life_cycles):
             lc_id = LifeCycleId(i)
             beg, end = lc.stale_range(length)
@@ -92,6 +93,7 @@ class KVCache:
                     assert p is not None
                     p.take(False)
                     pages[o] = p
+                    taken += 1
                 else:
                     assert part is not None
                     src = part.page(lc_id)
@@ -105,6 +107,11 @@ class KVCache:
         self._num_blocks = nb
         self._num_published = len(nodes)
         self._extend_from(nodes[-1] if nodes else None)
+        if self._ctx.enable_stats:
+            stats = self._ctx.stats
+            stats.reused_blocks += nb
+            stats.missed_blocks += (len(tokens) + t - 1) // t - nb
+            stats.reused_pages += taken
 
     def __repr__(self) -> str:
         return (
@@ -119,13 +126,33 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        """Tokens the request has pages for (allocated or stale)."""
+        """Tokens the request has pages for (allocated or stale).
+
+        Setting it is ``resize(value)`` that raises ``OutOfPagesError`` (changing nothing)
+        where ``resize`` would return False.
+        """
         return self._capacity
+
+    @capacity.setter
+    def capacity(self, value: int) -> None:
+        if not self.resize(value):
+            raise OutOfPagesError(
+                f"not enough GPU memory to grow this cache to capacity {value}; nothing changed "
+                "(resize() returns False instead of raising)"
+            )
 
     @property
     def history_length(self) -> int:
-        """Tokens whose KV is already computed (the step's input starts here)."""
+        """Tokens whose KV is already computed (the step's input starts here).
+
+        Setting it is ``resize(None, value)``: capacity stays; history never shrinks.
+        """
         return self._history
+
+    @history_length.setter
+    def history_length(self, value: int) -> None:
+        if not self.resize(None, value):
+            raise OutOfPagesError(f"not enough GPU memory to raise history to {value}; nothing changed")
 
     @property
     def num_committed_tokens(self) -> int:
@@ -154,8 +181,13 @@ class KVCache:
 
     @property
     def cuda_stream(self) -> int:
-        """The stream the request's kernels run on (0 until given to ``resume``)."""
+        """The stream (``CUstream`` handle) the request's kernels run on; 0 until set here or by ``resume``."""
         return self._cuda_stream
+
+    @cuda_stream.setter
+    def cuda_stream(self, value: int) -> None:
+        check_int("cuda_stream (a CUstream handle)", value)
+        self._cuda_stream = value
 
     @property
     def num_blocks(self) -> int:
@@ -227,6 +259,8 @@ class KVCache:
             table.set_page(lc, o, dst)
             table.pending_copy[lc] = None
             src.release(False)
+        if ctx.enable_stats:
+            ctx.stats.allocated_pages += len(copies)
         return True
 
     def suspend(self) -> None:
@@ -237,9 +271,12 @@ class KVCache:
         self._status = KVCacheStatus.SUSPENDED
 
     def close(self) -> None:
-        """Release every page; idempotent. Also runs when the cache is garbage collected."""
+        """Publish the partial last block (unless ``stop_committing()`` came first) and release
+        every page; committed pages stay reusable. Idempotent; also runs on garbage collection."""
         if self._status is KVCacheStatus.CLOSED:
             return
+        if self._committing and self._tail:
+            self._publish(self._num_published + 1)
         self._table.release_all(self._status is KVCacheStatus.ACTIVE)
         self._extend_from(None)
         self._status = KVCacheStatus.CLOSED
@@ -325,7 +362,8 @@ class KVCache:
             for i in range(ctx.num_life_cycles):
                 lc = LifeCycleId(i)
                 table.extend(lc, nb, wanted[i], storage.new_pages(lc, priorities[i], True))
-                ctx.stats.allocated_blocks += len(wanted[i])
+                if ctx.enable_stats:
+                    ctx.stats.allocated_pages += len(wanted[i])
         self._capacity = cap
         self._history = h
         self._num_blocks = nb

@@ -26,7 +26,7 @@ from .._common import (
     StorageStatistics,
     TokenIdExt,
 )
-from .._config import KVCacheDesc, KVCacheManagerConfig
+from .._config import KVCacheManagerConfig
 from .._exceptions import LogicError
 from .._life_cycle_registry import LifeCycleRegistry
 from .._page_index import PageIndexConverter
@@ -34,7 +34,7 @@ from .._reuse._keys import BlockKey, validate_tokens
 from .._reuse._tree import Node, ReuseTree
 from .._storage._backend import MemoryBackend
 from .._storage._layout import BufferAttr, StorageLayout
-from .._storage._quota import blocks_needed, split_quota
+from .._storage._quota import split_quota
 from .._storage._select import select_backend
 from .._storage._storage_manager import StorageManager
 from .._utils import check_int, check_type
@@ -106,10 +106,6 @@ class KVCacheManager:
         if input_tokens is not None and len(input_tokens) > 0:
             nodes, part, part_len = self._match(scope, input_tokens, True)  # may raise: kv is not open yet
             kv._adopt(nodes, part, part_len, input_tokens)
-            t = self.tokens_per_block
-            stats = self._ctx.stats
-            stats.reused_blocks += len(nodes) + (part is not None)
-            stats.missed_blocks += (len(input_tokens) + t - 1) // t - len(nodes) - (part is not None)
         self._ctx.open_caches.add(rawref.ref(kv))
         return kv
 
@@ -150,9 +146,9 @@ class KVCacheManager:
 
     @property
     def reuse_statistics(self) -> ReuseStatistics:
-        """Blocks allocated, reused from the tree and missed by ``create_kv_cache`` so far."""
+        """What prefix reuse did so far (a copy; all zero when ``enable_stats`` is False)."""
         s = self._ctx.stats
-        return ReuseStatistics(s.allocated_blocks, s.reused_blocks, s.missed_blocks)
+        return ReuseStatistics(s.reused_blocks, s.missed_blocks, s.reused_pages, s.allocated_pages)
 
     @property
     def num_open_caches(self) -> int:
@@ -247,7 +243,7 @@ class KVCacheManager:
         return lc
 
     def _buffer(self, layer_id: LayerId, role: str) -> BufferAttr:
-        attr = self._layout.buffers.get((layer_id, role))
+        attr = self._layout.buffers.get(BufferId(layer_id, role))
         if attr is None:
             self.get_layer_group_id(layer_id)
             roles = [r for (lid, r) in self._layout.buffer_order if lid == layer_id]
@@ -286,17 +282,17 @@ class KVCacheManager:
 
     def get_aggregated_pages(self, buffer_ids: Sequence[BufferId]) -> Iterator[AggregatedPageDesc]:
         """Byte-contiguous runs of the requested buffers, one or more per pool (bulk transfer)."""
-        wanted = set()
+        wanted: set[BufferId] = set()
         for bid in buffer_ids:
             self._buffer(bid[0], bid[1])
-            wanted.add((bid[0], bid[1]))
+            wanted.add(BufferId(bid[0], bid[1]))
         for lc, cbs in enumerate(self._layout.coalesced):
             g = self._storage.gpu[self._layout.life_cycle_pool_group[LifeCycleId(lc)]]
             for p, cb in enumerate(cbs):
                 base = g.pools[p].base_address
                 run: list[BufferId] = []
                 run_beg = 0
-                for k, bid in enumerate(list(cb.buffer_ids) + [(LayerId(-1), "")]):
+                for k, bid in enumerate([*cb.buffer_ids, BufferId(LayerId(-1), "")]):
                     if bid in wanted:
                         if not run:
                             run_beg = k
@@ -304,6 +300,7 @@ class KVCacheManager:
                     elif run:
                         yield AggregatedPageDesc(
                             tuple(run),
+                            LifeCycleId(lc),
                             g.index,
                             PoolIndex(p),
                             MemAddress(base + run_beg * cb.single_size),
@@ -329,21 +326,25 @@ class KVCacheManager:
         return self._storage.utilization()
 
     def clamp_max_seq_len_for_mem(self, batch_size: int, token_num_upper_bound: int) -> int:
-        """Longest sequence length (<= the bound) such that ``batch_size`` such requests fit in GPU memory."""
+        """Longest sequence length (<= the bound) that ``batch_size`` requests can each reach by
+        decoding in GPU memory: every length on the way must fit, since a sliding-window request
+        needs more pages just past a block boundary than at the next one."""
         check_int("batch_size", batch_size, 1)
         check_int("token_num_upper_bound", token_num_upper_bound)
         totals = [g.num_slots for g in self._storage.gpu]
+        layout = self._layout
 
-        def fits(n: int) -> bool:
-            need = blocks_needed(self._registry, self._layout, KVCacheDesc(n, max(n - 1, 0)))
-            return all(batch_size * k <= t for k, t in zip(need, totals))
+        def fits_up_to(n: int) -> bool:
+            peak = [0] * len(totals)
+            for i, lc in enumerate(self._registry.life_cycles):
+                g = layout.life_cycle_pool_group[LifeCycleId(i)]
+                peak[g] += lc.peak_pages(n)
+            return all(batch_size * k <= total for k, total in zip(peak, totals))
 
         lo, hi = 0, token_num_upper_bound
-        if not fits(0):
-            return 0
-        while lo < hi:
+        while lo < hi:  # fits_up_to is monotone: the peak over lengths <= n never falls
             mid = (lo + hi + 1) // 2
-            if fits(mid):
+            if fits_up_to(mid):
                 lo = mid
             else:
                 hi = mid - 1

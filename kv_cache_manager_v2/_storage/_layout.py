@@ -70,7 +70,7 @@ class StorageLayout:
         for layer in layers:
             layer_lc = registry.layer_to_life_cycle[layer.layer_id]
             for b in layer.buffers:
-                bid: BufferId = (LayerId(layer.layer_id), b.role)
+                bid = BufferId(LayerId(layer.layer_id), b.role)
                 e = tokens_per_block // b.tokens_per_block_override if b.tokens_per_block_override else 1
                 expanded[bid] = (b.size, e)
                 by_lc[layer_lc].setdefault(b.size * e, []).append(bid)

@@ -13,30 +13,23 @@ from ._layout import StorageLayout
 DEFAULT_TYPICAL_STEP = BatchDesc([KVCacheDesc(capacity=8192, history_length=8191)])
 
 
-def blocks_needed(registry: LifeCycleRegistry, layout: StorageLayout, desc: KVCacheDesc) -> list[int]:
-    """Slots per pool group one request of this shape needs (stale SWA blocks need none)."""
+def batch_needs(registry: LifeCycleRegistry, layout: StorageLayout, batch: BatchDesc) -> list[int]:
+    """Slots per pool group a whole batch needs; each full block of the shared system prompt
+    takes one page however many requests hold it (and none where it is out of their window)."""
+    t = registry.tokens_per_block
+    shared = batch.system_prompt_length // t
     out = [0] * len(layout.pool_groups)
     for i, lc in enumerate(registry.life_cycles):
-        out[layout.life_cycle_pool_group[LifeCycleId(i)]] += lc.num_blocks_with_pages(
-            desc.capacity, desc.history_length
-        )
+        holders = [0] * shared
+        pages = 0
+        for desc in batch.kv_caches:
+            pages += lc.num_blocks_with_pages(desc.capacity, desc.history_length)
+            sinks, stale_end = lc.num_sink_blocks, lc.stale_end(desc.history_length)
+            for o in range(min(shared, (desc.capacity + t - 1) // t)):
+                if not sinks <= o < stale_end:
+                    holders[o] += 1
+        out[layout.life_cycle_pool_group[LifeCycleId(i)]] += pages - sum(max(0, n - 1) for n in holders)
     return out
-
-
-def batch_needs(registry: LifeCycleRegistry, layout: StorageLayout, batch: BatchDesc) -> list[int]:
-    """Slots per pool group a whole batch needs; the shared system prompt is counted once."""
-    out = [0] * len(layout.pool_groups)
-    for desc in batch.kv_caches:
-        for g, n in enumerate(blocks_needed(registry, layout, desc)):
-            out[g] += n
-    if batch.system_prompt_length and len(batch.kv_caches) > 1:
-        t = registry.tokens_per_block
-        shared_full_blocks = batch.system_prompt_length // t
-        for i, lc in enumerate(registry.life_cycles):
-            if not lc.is_swa:  # shared SWA blocks are mostly out of window anyway
-                g = layout.life_cycle_pool_group[LifeCycleId(i)]
-                out[g] -= shared_full_blocks * (len(batch.kv_caches) - 1)
-    return [max(n, 0) for n in out]
 
 
 def split_quota(
