@@ -51,6 +51,20 @@ class LifeCycle:
             return 0
         return max(self.num_sink_blocks, (history_length + 1 - w) // self.tokens_per_block)
 
+    def scratch_range(self, capacity: int, history_length: int, max_rewind_len: int) -> tuple[int, int]:
+        """Blocks ``[beg, end)`` of a step ``history -> capacity`` that will be out of the window
+        once the step is history (SPEC 5.7): they only need memory while one layer runs.
+
+        ``stale(max(0, capacity - max_rewind_len)) ∩ [ceil(history / T), ceil(capacity / T))``;
+        empty for full attention.
+        """
+        if self.window_size is None:
+            return (0, 0)
+        t = self.tokens_per_block
+        beg, end = self.stale_range(max(0, capacity - max_rewind_len))
+        lo = max(beg, div_up(history_length, t))
+        return (lo, max(lo, min(end, div_up(capacity, t))))
+
     def num_blocks_with_pages(self, capacity: int, history_length: int) -> int:
         """Blocks a request of this shape holds pages for (stale blocks need none)."""
         nb = div_up(capacity, self.tokens_per_block)

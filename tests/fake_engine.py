@@ -2,9 +2,13 @@
 addresses, strides and converted page indices the manager hands out, and nothing else.
 
 Every token position of a page holds a record ``(MAGIC, token, position, layer, buffer, beam)``
-of int32s. Before a step computes positions ``[start, end)``, every position the step attends
-to must hold exactly the record written when that token was computed; then the step's
-records are written. Layers run in order, so pages shared across layers are caught too.
+of int32s. A step computing positions ``[start, end)`` runs layer by layer, as a model does:
+for each layer it checks that every earlier position the step attends to holds exactly the
+record written when that token was computed, writes the step's records for all the layer's
+buffers, then checks them back (each token attends to itself and the step's earlier tokens).
+So pages shared across layers are caught, and so are two blocks of one layer colliding in an
+SWA scratch slot (scratch sub-pages are reused by the next layer; PER_LAYER mode with the
+request's ``ScratchDesc`` addresses them).
 """
 
 from __future__ import annotations
@@ -94,6 +98,12 @@ class FakeEngine:
                     expansion=conv.expansion,
                 )
             )
+        self.layers: list[list[_Buffer]] = []
+        for buf in self.buffers:  # config order: layer by layer, role by role
+            if self.layers and self.layers[-1][0].layer == buf.layer:
+                self.layers[-1].append(buf)
+            else:
+                self.layers.append([buf])
         self.pages_checked = 0
         self.records_written = 0
         self.check_invariants = os.environ.get(CHECK_ENV_VAR, "0") == "1"
@@ -116,32 +126,45 @@ class FakeEngine:
             raise KVMismatch(f"layer {buf.layer} {buf.role}: page index {x} outside [0, {buf.upper_bound})")
         return buf.base + x * buf.stride + j * (buf.stride // buf.tokens_per_page)
 
+    def kernel_indices(self, kv: KVCache, buf: _Buffer) -> list[int]:
+        """The buffer's page indices for this step, scratch blocks included."""
+        scratch = kv.get_scratch_desc(buf.life_cycle)
+        if scratch is not None and not kv.supports_index_mode(self.mode):
+            raise KVMismatch(f"{self.mode.name} cannot address the scratch blocks of this step")
+        return buf.converter(kv.get_base_page_indices(buf.life_cycle), self.mode, scratch)
+
     def step(
         self, kv: KVCache, tokens: Sequence[TokenIdExt], start: int, end: int, beam: int = 0, check: bool = True
     ) -> None:
-        """Check what positions ``< start`` the step needs, then write records for ``[start, end)``.
+        """Run one step over positions ``[start, end)``, layer by layer (see the module doc).
 
         ``tokens`` is the request's full sequence (at least ``end`` long).
         """
         assert 0 <= start <= end <= kv.capacity, (start, end, kv.capacity)
-        for buf in self.buffers:  # config order: layer by layer, role by role
-            indices = buf.converter(kv.get_base_page_indices(buf.life_cycle), self.mode)
+        for layer_buffers in self.layers:
+            indices = [self.kernel_indices(kv, buf) for buf in layer_buffers]
             if check:
-                for pos in self.needed_positions(buf, start):
-                    self._check(buf, indices, pos, tokens[pos], beam)
-            for pos in range(start, end):
-                rec = np.array(
-                    [MAGIC, token_value(tokens[pos]), pos, buf.layer, buf.index, beam], dtype=np.int32
-                ).tobytes()
-                self.backend.write(self._address(buf, indices, pos), rec)
-                self.records_written += 1
+                for buf, idx in zip(layer_buffers, indices):
+                    for pos in self.needed_positions(buf, start):
+                        self._check(buf, idx, pos, tokens[pos], beam)
+            for buf, idx in zip(layer_buffers, indices):
+                for pos in range(start, end):
+                    rec = np.array(
+                        [MAGIC, token_value(tokens[pos]), pos, buf.layer, buf.index, beam], dtype=np.int32
+                    ).tobytes()
+                    self.backend.write(self._address(buf, idx, pos), rec)
+                    self.records_written += 1
+            if check:
+                for buf, idx in zip(layer_buffers, indices):
+                    for pos in range(start, end):
+                        self._check(buf, idx, pos, tokens[pos], beam)
         if self.check_invariants:
             self.mgr.check_invariants()
 
     def check_all(self, kv: KVCache, tokens: Sequence[TokenIdExt], upto: int, beam: int = 0) -> None:
         """Check every position below ``upto`` that a step starting there would need."""
         for buf in self.buffers:
-            indices = buf.converter(kv.get_base_page_indices(buf.life_cycle), self.mode)
+            indices = self.kernel_indices(kv, buf)
             for pos in self.needed_positions(buf, upto):
                 self._check(buf, indices, pos, tokens[pos], beam)
         if self.check_invariants:
@@ -157,5 +180,5 @@ class FakeEngine:
     def corrupt(self, kv: KVCache, pos: int) -> None:
         """Overwrite one record (tests use it to prove the checker can fail)."""
         buf = self.buffers[0]
-        indices = buf.converter(kv.get_base_page_indices(buf.life_cycle), self.mode)
+        indices = self.kernel_indices(kv, buf)
         self.backend.write(self._address(buf, indices, pos), b"\0" * RECORD_BYTES)

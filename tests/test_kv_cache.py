@@ -363,7 +363,7 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(
 def test_unsupported_features_are_refused_clearly() -> None:
     from conftest import make_config
 
-    from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManagerConfig, SwaScratchReuseConfig
+    from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManagerConfig
 
     with pytest.raises(ValueError, match="tiers"):
         KVCacheManager(
@@ -371,8 +371,6 @@ def test_unsupported_features_are_refused_clearly() -> None:
                 8, [GpuCacheTierConfig(1 << 20), HostCacheTierConfig(1 << 20)], kv_layers(1), backend="host"
             )
         )
-    with pytest.raises(ValueError, match="swa_scratch_reuse"):
-        KVCacheManager(make_config(kv_layers(1), swa_scratch_reuse=SwaScratchReuseConfig()))
     with pytest.raises(ValueError, match="too small"):
         KVCacheManager(make_config(kv_layers(1), quota=100))
     with pytest.raises(TypeError, match="KVCacheManagerConfig"):

@@ -20,6 +20,7 @@ from kv_cache_manager_v2 import (
     LayerId,
     Priority,
     ReuseScope,
+    SwaScratchReuseConfig,
 )
 
 T = 4
@@ -56,6 +57,8 @@ class ManagerMachine(RuleBasedStateMachine):
         probed = self.m.probe_reuse(scope, seq[:-1])
         kv = self.m.create_kv_cache(scope, seq[:-1], custom_priority_callback=lambda o, lc: Priority(priority))
         assert kv.history_length == probed == kv.num_committed_tokens
+        if kv.enable_swa_scratch_reuse:
+            kv.enable_swa_scratch_reuse = priority % 2 == 0  # scratch on for some requests only
         self.caches.append((kv, seq))
 
     def dropped(self) -> list[int]:
@@ -67,23 +70,35 @@ class ManagerMachine(RuleBasedStateMachine):
             if g.num_dropped > before:
                 assert stats.free == 0, f"pool group {stats.pool_group_index} evicted more than needed"
 
-    @precondition(lambda self: self.caches)
+    def with_status(self, status: KVCacheStatus) -> list[tuple[KVCache, list[int]]]:
+        return [(kv, seq) for kv, seq in self.caches if kv.status is status]
+
+    @precondition(lambda self: any(kv.status is KVCacheStatus.SUSPENDED for kv, _ in self.caches))
     @rule(i=st.integers(0, 5))
     def resume(self, i: int) -> None:
-        kv, seq = self.caches[i % len(self.caches)]
+        suspended = self.with_status(KVCacheStatus.SUSPENDED)
+        kv, seq = suspended[i % len(suspended)]
         dropped = self.dropped()
-        if kv.status is KVCacheStatus.SUSPENDED and kv.resume():
+        if kv.resume():
             self.check_eviction_was_exact(dropped)
             self.engine.check_all(kv, seq, kv.history_length)
 
-    @precondition(lambda self: self.caches)
+    @precondition(lambda self: any(kv.status is KVCacheStatus.ACTIVE for kv, _ in self.caches))
     @rule(i=st.integers(0, 5), chunk=st.integers(1, 12), lazy=st.booleans())
     def step(self, i: int, chunk: int, lazy: bool) -> None:
         """One engine step. With ``lazy``, the tokens are committed only at the next step, whose
         ``resize(capacity, history)`` raises history first (SWA blocks leave the window there)."""
-        kv, seq = self.caches[i % len(self.caches)]
-        if kv.status is not KVCacheStatus.ACTIVE:
-            return
+        active = self.with_status(KVCacheStatus.ACTIVE)
+        self.advance(*active[i % len(active)], chunk, lazy)
+
+    @precondition(lambda self: any(kv.status is KVCacheStatus.ACTIVE for kv, _ in self.caches))
+    @rule(chunk=st.integers(1, 12), lazy=st.booleans())
+    def step_all(self, chunk: int, lazy: bool) -> None:
+        """An engine iteration: every active request advances (its own chunk size)."""
+        for n, (kv, seq) in enumerate(self.with_status(KVCacheStatus.ACTIVE)):
+            self.advance(kv, seq, 1 + (chunk + 5 * n) % 12, lazy)
+
+    def advance(self, kv: KVCache, seq: list[int], chunk: int, lazy: bool) -> None:
         h = max(kv.history_length, self.computed.get(id(kv), 0))
         end = min(len(seq), h + chunk)
         if end == h:
@@ -102,13 +117,13 @@ class ManagerMachine(RuleBasedStateMachine):
             kv.commit(seq[h:end])
             self.computed.pop(id(kv), None)
 
-    @precondition(lambda self: self.caches)
+    @precondition(lambda self: any(kv.status is KVCacheStatus.ACTIVE for kv, _ in self.caches))
     @rule(i=st.integers(0, 5))
     def suspend(self, i: int) -> None:
-        kv, seq = self.caches[i % len(self.caches)]
-        if kv.status is KVCacheStatus.ACTIVE:
-            kv.commit(seq[kv.num_committed_tokens : self.computed.pop(id(kv), 0)])
-            kv.suspend()
+        active = self.with_status(KVCacheStatus.ACTIVE)
+        kv, seq = active[i % len(active)]
+        kv.commit(seq[kv.num_committed_tokens : self.computed.pop(id(kv), 0)])
+        kv.suspend()
 
     @precondition(lambda self: self.caches)
     @rule(i=st.integers(0, 5), stop=st.booleans())
@@ -152,9 +167,27 @@ class TightMultiGroupMachine(ManagerMachine):
         )
 
 
-for machine in (ManagerMachine, TightMultiGroupMachine):
+class ScratchMachine(ManagerMachine):
+    """SWA scratch reuse on for half the requests (rewind 1): three SWA layers with sinks share
+    scratch slots next to full-attention layers, in little memory."""
+
+    def make_manager(self) -> KVCacheManager:
+        layers = kv_layers(5, T, window=5, swa_every=2, sink_tokens=2)  # layers 0, 2, 4: SWA
+        return KVCacheManager(
+            make_config(
+                layers,
+                tokens_per_block=T,
+                quota=5 * 2 * 32 * T * 20,
+                swa_scratch_reuse=SwaScratchReuseConfig(1),
+                initial_pool_ratio=[0.5, 0.5],
+            )
+        )
+
+
+for machine in (ManagerMachine, TightMultiGroupMachine, ScratchMachine):
     machine.TestCase.settings = settings(
         max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
     )
 TestManagerMachine = ManagerMachine.TestCase
 TestTightMultiGroupMachine = TightMultiGroupMachine.TestCase
+TestScratchMachine = ScratchMachine.TestCase

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from array import array
 
-from .._common import BAD_PAGE_INDEX, LifeCycleId
+from .._common import BAD_PAGE_INDEX, LifeCycleId, SlotId
 from .._exceptions import LogicError
 from .._page import Page
 from .._typed import TypedList
@@ -19,9 +19,11 @@ class BlockTable:
     no page), mirrored into ``user_bufs[lc]`` when the caller gave a buffer. Blocks
     ``[num_sink_blocks, stale_end[lc])`` were released as out of window.
     ``pending_copy[lc]`` is the held source page of a partially matched block.
+    Blocks ``scratch[lc]`` (a ``(beg, end)`` range) of the current step have no page: they
+    share the request's ``scratch_slots[lc]`` (SPEC 5.7).
     """
 
-    __slots__ = ("indices", "pages", "pending_copy", "stale_end", "user_bufs")
+    __slots__ = ("indices", "pages", "pending_copy", "scratch", "scratch_slots", "stale_end", "user_bufs")
 
     def __init__(self, num_life_cycles: int) -> None:
         n = num_life_cycles
@@ -30,6 +32,8 @@ class BlockTable:
         self.user_bufs: TypedList[LifeCycleId, memoryview | None] = TypedList([None] * n)
         self.stale_end: TypedList[LifeCycleId, int] = TypedList([0] * n)
         self.pending_copy: TypedList[LifeCycleId, Page | None] = TypedList([None] * n)
+        self.scratch: TypedList[LifeCycleId, tuple[int, int]] = TypedList([(0, 0)] * n)
+        self.scratch_slots: TypedList[LifeCycleId, list[SlotId]] = TypedList([[] for _ in range(n)])
 
     def __len__(self) -> int:
         return len(self.pages)
@@ -56,15 +60,21 @@ class BlockTable:
             buf[o] = slot
 
     def extend(self, lc: LifeCycleId, nb: int, ordinals: list[int], new_pages: list[Page]) -> None:
-        """Grow to ``nb`` blocks; block ``ordinals[i]`` gets ``new_pages[i]``, the others none."""
+        """Grow to ``nb`` blocks (or keep the count); block ``ordinals[i]`` gets ``new_pages[i]``,
+        the other new blocks none. Ordinals below the old count fill blocks that had no page."""
         pages = self.pages[lc]
         indices = self.indices[lc]
         old_nb = len(pages)
-        slots = [BAD_PAGE_INDEX] * (nb - old_nb)
+        slots = [BAD_PAGE_INDEX] * max(0, nb - old_nb)
         pages.extend([None] * (nb - old_nb))
         for o, page in zip(ordinals, new_pages):
+            if o < old_nb:
+                self.set_page(lc, o, page)
+                continue
             pages[o] = page
             slots[o - old_nb] = page.slot
+        if nb <= old_nb:
+            return
         indices.extend(slots)
         buf = self.user_bufs[lc]
         if buf is not None:
@@ -103,6 +113,10 @@ class BlockTable:
             if p is not None and p.num_locks == 1 and p.num_holds == 0:
                 n += 1
         return n
+
+    @property
+    def has_scratch_slots(self) -> bool:
+        return any(self.scratch_slots.items)
 
     def lock_all(self) -> None:
         """Holds become locks (resume)."""

@@ -25,10 +25,12 @@ class CacheContext:
         "enable_stats",
         "has_swa",
         "lc_group",
+        "max_rewind_len",
         "life_cycles",
         "num_life_cycles",
         "num_pool_groups",
         "open_caches",
+        "scratch_util",
         "registry",
         "stats",
         "storage",
@@ -51,6 +53,13 @@ class CacheContext:
         self.num_pool_groups = storage.num_pool_groups
         self.storage = storage
         self.tree = tree
+        #: SWA scratch reuse (SPEC 5.7): -1 when not configured
+        scratch = config.swa_scratch_reuse
+        self.max_rewind_len = scratch.max_rewind_len if scratch is not None else -1
+        #: per life cycle, slot_util_frac_max as (numerator, denominator): slots per scratch block
+        self.scratch_util: TypedList[LifeCycleId, tuple[int, int]] = TypedList(
+            [(f.numerator, f.denominator) for f in storage.layout.slot_util_frac_max]
+        )
         self.stats = ReuseStatistics()
         self.enable_stats = config.enable_stats
         #: open caches as non-owning refs: a cache dropped by its owner closes itself

@@ -34,8 +34,18 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
         counts = locks if locked else holds
         counts[id(p)] = counts.get(id(p), 0) + 1
 
+    scratch: set[tuple[int, int, int]] = set()  # (level, pool group, slot) of scratch slots
     for kv in caches:
         _check_cache(kv, own)
+        for i, slots in enumerate(kv.block_table.scratch_slots):
+            group = kv._ctx.storage.lc_storage[LifeCycleId(i)]
+            for slot in slots:
+                if not group.allocator.is_allocated(slot):
+                    _fail(f"{kv!r}: scratch slot {slot} is not allocated")
+                scratch_key = (int(group.level), int(group.index), int(slot))
+                if scratch_key in scratch:
+                    _fail(f"scratch slot {scratch_key} is owned twice")
+                scratch.add(scratch_key)
     evictable: set[int] = set()
     for level in storage.levels:
         for group in level:
@@ -84,16 +94,17 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
             )
         if p.slot == BAD_PAGE_INDEX or not p.storage.allocator.is_allocated(p.slot):
             _fail(f"live page of pool group {p.storage.index} has no allocated slot ({p.slot})")
-        slot_key = (p.level, p.storage.index, p.slot)
-        if owner_of.setdefault(slot_key, key) != key:
-            _fail(f"slot {slot_key} is owned by two pages")
+        slot_key = (int(p.level), int(p.storage.index), int(p.slot))
+        if owner_of.setdefault(slot_key, key) != key or slot_key in scratch:
+            _fail(f"slot {slot_key} is owned twice")
         used[id(p.storage)] = used.get(id(p.storage), 0) + 1
     for level in storage.levels:
         for group in level:
-            if group.allocator.num_used != used.get(id(group), 0):
+            n_scratch = len([1 for lv, g, _ in scratch if lv == group.level and g == group.index])
+            if group.allocator.num_used != used.get(id(group), 0) + n_scratch:
                 _fail(
                     f"pool group {group.index} at level {group.level}: allocator counts "
-                    f"{group.allocator.num_used} used slots, pages hold {used.get(id(group), 0)}"
+                    f"{group.allocator.num_used} used slots, pages hold {used.get(id(group), 0)}, scratch {n_scratch}"
                 )
 
 
@@ -121,10 +132,14 @@ def _check_cache(kv: KVCache, own: Callable[[Page, bool], None]) -> None:
         src = table.pending_copy[lc]
         sinks = life_cycles[lc].num_sink_blocks
         stale_end = table.stale_end[lc]
+        sb, se = table.scratch[lc]
+        slots_needed = (se - sb) > 0 and status is not KVCacheStatus.SUSPENDED
+        if slots_needed != bool(table.scratch_slots[lc]):
+            _fail(f"{kv!r}: life cycle {lc} has scratch blocks {sb}..{se} but {len(table.scratch_slots[lc])} slots")
         for o, p in enumerate(lc_pages):
-            stale = sinks <= o < stale_end
+            stale = sinks <= o < stale_end or sb <= o < se
             if stale and p is not None:
-                _fail(f"{kv!r}: block {o} of life cycle {lc} is out of the window but keeps a page")
+                _fail(f"{kv!r}: block {o} of life cycle {lc} is out of the window or scratch but keeps a page")
             if not stale and p is None and not (src is not None and o == kv.num_blocks - 1):
                 _fail(f"{kv!r}: block {o} of life cycle {lc} needs a page but has none")
             want = BAD_PAGE_INDEX if p is None else p.slot

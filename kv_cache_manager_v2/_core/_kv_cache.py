@@ -14,6 +14,7 @@ from .._common import (
     MAX_PRIORITY,
     BeamIndex,
     BlockOrdinal,
+    HalfOpenRange,
     KVCacheStatus,
     LayerGroupId,
     LifeCycleId,
@@ -27,7 +28,7 @@ from .._exceptions import LogicError, OutOfPagesError
 from .._page import Page
 from .._reuse._keys import check_token, validate_tokens
 from .._reuse._tree import Node
-from .._utils import check_int
+from .._utils import check_int, check_type
 from ._block_table import BlockTable
 from ._context import CacheContext
 
@@ -70,6 +71,7 @@ class KVCache:
         self._committing = True
         self._cuda_stream = 0
         self._table = BlockTable(ctx.num_life_cycles)
+        self._scratch_enabled = ctx.max_rewind_len >= 0 and ctx.has_swa
         # Reuse: the tree node of the last published full block, and how many full blocks are published.
         self._last_node: Node | None = None
         self._num_published = 0
@@ -201,16 +203,45 @@ class KVCache:
 
     @property
     def has_scratch_slots(self) -> bool:
-        return False
+        """Whether this step has scratch blocks (then only ``PageIndexMode.PER_LAYER`` addresses them)."""
+        return self._table.has_scratch_slots
 
     def get_scratch_desc(self, layer_group_id: LayerGroupId) -> ScratchDesc | None:
-        """Scratch blocks of this step for the layer group (None: this request uses none)."""
+        """Scratch blocks of this step for the layer group and the slots they share (None: none).
+
+        Pass it to the ``PageIndexConverter`` (with ``PageIndexMode.PER_LAYER``) to address them.
+        """
         self._check_lc(layer_group_id)
-        return None
+        slots = self._table.scratch_slots[layer_group_id]
+        if not slots:
+            return None
+        beg, end = self._table.scratch[layer_group_id]
+        return ScratchDesc(HalfOpenRange(beg, end), tuple(slots))
 
     def supports_index_mode(self, mode: PageIndexMode) -> bool:
-        """Both modes address every block of a request that has no scratch slots."""
-        return isinstance(mode, PageIndexMode)
+        """PER_LAYER addresses every block; SHARED every block except scratch ones."""
+        check_type("mode", mode, PageIndexMode)
+        return mode is PageIndexMode.PER_LAYER or not self._table.has_scratch_slots
+
+    @property
+    def enable_swa_scratch_reuse(self) -> bool:
+        """Whether this request's prefill steps use scratch slots (SPEC 5.7; on by default when the
+        manager has ``swa_scratch_reuse``). Settable while the current step has no scratch blocks."""
+        return self._scratch_enabled
+
+    @enable_swa_scratch_reuse.setter
+    def enable_swa_scratch_reuse(self, value: bool) -> None:
+        check_type("enable_swa_scratch_reuse", value, bool)
+        if value and self._ctx.max_rewind_len < 0:
+            raise LogicError(
+                "enable_swa_scratch_reuse needs a manager configured with swa_scratch_reuse=SwaScratchReuseConfig(...)"
+            )
+        if any(beg < end for beg, end in self._table.scratch):
+            raise LogicError(
+                "enable_swa_scratch_reuse cannot change while the current step has scratch blocks; "
+                "commit the step (or resize to one without scratch blocks) first"
+            )
+        self._scratch_enabled = value and self._ctx.has_swa
 
     # ------------------------------------------------------------------ state machine
     def resume(self, cuda_stream: int | None = None) -> bool:
@@ -224,26 +255,49 @@ class KVCache:
         if cuda_stream is not None:
             check_int("cuda_stream (a CUstream handle)", cuda_stream)
             self._cuda_stream = cuda_stream
-        if not self._copy_partial_block():
+        if not self._place_for_resume():
             return False
         self._table.lock_all()
         self._status = KVCacheStatus.ACTIVE
         return True
 
-    def _copy_partial_block(self) -> bool:
-        """Copy-on-partial: give the partially matched block private pages holding its data."""
+    def _place_for_resume(self) -> bool:
+        """Give the partially matched block private pages holding its data (copy-on-partial) and
+        the current step its scratch slots back; False (nothing changed) if they do not fit."""
         ctx = self._ctx
         table = self._table
         pending = [(LifeCycleId(i), src) for i, src in enumerate(table.pending_copy) if src is not None]
-        if not pending:
+        scratch_needs = [
+            (LifeCycleId(i), self._scratch_slots_for(beg, end, LifeCycleId(i)))
+            for i, (beg, end) in enumerate(table.scratch)
+        ]
+        if not pending and not any(n for _, n in scratch_needs):
             return True
         storage = ctx.storage
         need = [0] * ctx.num_pool_groups
         for lc, _ in pending:
             need[ctx.lc_group[lc]] += 1
+        for lc, n in scratch_needs:
+            need[ctx.lc_group[lc]] += n
         if not storage.fits(need, [0] * len(need), ctx.config.max_util_for_resume):
             return False
         storage.reserve(need)
+        if pending:
+            self._copy_partial_block(pending)
+        for lc, n in scratch_needs:
+            if n:
+                table.scratch_slots[lc].extend(storage.new_scratch_slots(lc, n))
+        return True
+
+    def _scratch_slots_for(self, beg: int, end: int, lc: LifeCycleId) -> int:
+        num, den = self._ctx.scratch_util[lc]
+        return ((end - beg) * num + den - 1) // den
+
+    def _copy_partial_block(self, pending: list[tuple[LifeCycleId, Page]]) -> None:
+        """Copy the partially matched block's pages into private ones (the caller planned)."""
+        ctx = self._ctx
+        table = self._table
+        storage = ctx.storage
         o = self._num_published
         priorities = [self._priorities(lc, [o])[0] for lc, _ in pending]  # may raise: nothing changed yet
         copies: list[tuple[Page, Page]] = []
@@ -261,14 +315,21 @@ class KVCache:
             src.release(False)
         if ctx.enable_stats:
             ctx.stats.allocated_pages += len(copies)
-        return True
 
     def suspend(self) -> None:
         """ACTIVE -> SUSPENDED: locks become holds; the pages stay valid."""
         if self._status is not KVCacheStatus.ACTIVE:
             raise LogicError(f"suspend() needs an ACTIVE cache; this one is {self._status.name}")
         self._table.hold_all()
+        self._free_scratch_slots()  # scratch keeps nothing between steps; resume allocates it again
         self._status = KVCacheStatus.SUSPENDED
+
+    def _free_scratch_slots(self) -> None:
+        table = self._table
+        for i, slots in enumerate(table.scratch_slots):
+            if slots:
+                self._ctx.storage.free_scratch_slots(LifeCycleId(i), slots)
+                slots.clear()
 
     def close(self) -> None:
         """Publish the partial last block (unless ``stop_committing()`` came first) and release
@@ -278,6 +339,9 @@ class KVCache:
         if self._committing and self._tail:
             self._publish(self._num_published + 1)
         self._table.release_all(self._status is KVCacheStatus.ACTIVE)
+        self._free_scratch_slots()
+        for i in range(len(self._table)):
+            self._table.scratch[LifeCycleId(i)] = (0, 0)
         self._extend_from(None)
         self._status = KVCacheStatus.CLOSED
         self._capacity = self._history = self._num_blocks = 0
@@ -310,20 +374,33 @@ class KVCache:
             raise LogicError(f"capacity {cap} is below history_length {h}")
         t = self._tokens_per_block
         nb = (cap + t - 1) // t
-        if nb == self._num_blocks and (not self._ctx.has_swa or not self._window_moves(h)):
+        if nb == self._num_blocks and (not self._ctx.has_swa or not self._window_moves(cap, h)):
             self._capacity = cap
             self._history = h
             return True
         return self._resize_blocks(cap, h, nb)
 
-    def _window_moves(self, h: int) -> bool:
-        """Whether some SWA life cycle has blocks to release at history ``h``."""
+    def _window_moves(self, cap: int, h: int) -> bool:
+        """Whether some SWA life cycle has blocks to release at history ``h``, or a different
+        scratch range for the step ``h -> cap``."""
         ctx = self._ctx
-        stale_end = self._table.stale_end
-        for lc in ctx.swa_life_cycles:  # noqa: SIM110 - a plain loop on the decode path (no generator)
-            if ctx.life_cycles[lc].stale_end(h) > stale_end[lc]:
+        table = self._table
+        for lc in ctx.swa_life_cycles:
+            life_cycle = ctx.life_cycles[lc]
+            if life_cycle.stale_end(h) > table.stale_end[lc]:
+                return True
+            if self._scratch_enabled and life_cycle.scratch_range(cap, h, ctx.max_rewind_len) != table.scratch[lc]:
                 return True
         return False
+
+    def _scratch_plan(self, lc: LifeCycleId, cap: int, h: int) -> tuple[int, int, int]:
+        """Scratch range ``(beg, end)`` of life cycle ``lc`` for the step ``h -> cap`` and the
+        scratch slots it needs: ``ceil(blocks * slot_util_frac_max)`` (several blocks share a slot)."""
+        ctx = self._ctx
+        if not self._scratch_enabled:
+            return (0, 0, 0)
+        beg, end = ctx.life_cycles[lc].scratch_range(cap, h, ctx.max_rewind_len)
+        return (beg, end, self._scratch_slots_for(beg, end, lc))
 
     def _resize_blocks(self, cap: int, h: int, nb: int) -> bool:
         ctx = self._ctx
@@ -336,6 +413,7 @@ class KVCache:
         need = [0] * ctx.num_pool_groups
         gain = [0] * ctx.num_pool_groups
         stale_ends: list[int] = []
+        scratch: list[tuple[int, int, int]] = []
         wanted: list[list[int]] = []
         priorities: list[list[Priority]] = []
         for i, life_cycle in enumerate(ctx.life_cycles):
@@ -346,7 +424,20 @@ class KVCache:
             g = ctx.lc_group[lc]
             gain[g] += table.sole_owned(lc, max(sinks, table.stale_end[lc]), min(end, old_nb))
             gain[g] += table.sole_owned(lc, max(nb, end), old_nb)
-            want = [o for o in range(old_nb, nb) if not sinks <= o < end]
+            sb, se, num_slots = self._scratch_plan(lc, cap, h)  # (0, 0, 0) without scratch
+            scratch.append((sb, se, num_slots))
+            # blocks of this step's scratch range that got pages in an earlier resize give them back
+            gain[g] += table.sole_owned(lc, sb, min(se, old_nb))
+            held = len(table.scratch_slots[lc])
+            need[g] += max(0, num_slots - held)
+            gain[g] += max(0, held - num_slots)
+            # new blocks, and blocks that were scratch and now need a page, except stale and scratch ones
+            old_sb, old_se = table.scratch[lc]
+            want = [
+                o
+                for o in [*range(old_sb, min(old_se, nb)), *range(old_nb, nb)]
+                if not sinks <= o < end and not sb <= o < se
+            ]
             need[g] += len(want)
             wanted.append(want)
             priorities.append(self._priorities(lc, want))
@@ -355,15 +446,27 @@ class KVCache:
         storage.reserve(need)  # a driver failure here changes nothing
         # Release everything first: life cycles sharing a pool group use each other's releases.
         for i in range(ctx.num_life_cycles):
-            self._release_stale(LifeCycleId(i), stale_ends[i])
+            lc = LifeCycleId(i)
+            self._release_stale(lc, stale_ends[i])
+            sb, se, num_slots = scratch[i]
+            table.release_range(lc, sb, se, True)
+            slots = table.scratch_slots[lc]
+            if len(slots) > num_slots:
+                storage.free_scratch_slots(lc, slots[num_slots:])
+                del slots[num_slots:]
         if nb < old_nb:
             table.truncate(nb, True)
-        if nb > old_nb:
-            for i in range(ctx.num_life_cycles):
-                lc = LifeCycleId(i)
+        for i in range(ctx.num_life_cycles):
+            lc = LifeCycleId(i)
+            if wanted[i] or nb > old_nb:
                 table.extend(lc, nb, wanted[i], storage.new_pages(lc, priorities[i], True))
                 if ctx.enable_stats:
                     ctx.stats.allocated_pages += len(wanted[i])
+            sb, se, num_slots = scratch[i]
+            slots = table.scratch_slots[lc]
+            if len(slots) < num_slots:
+                slots.extend(storage.new_scratch_slots(lc, num_slots - len(slots)))
+            table.scratch[lc] = (sb, se)
         self._capacity = cap
         self._history = h
         self._num_blocks = nb

@@ -53,8 +53,6 @@ class KVCacheManager:
             raise ValueError(
                 "host and disk cache tiers are not supported by this version yet; configure only the GPU tier"
             )
-        if config.swa_scratch_reuse is not None:
-            raise ValueError("swa_scratch_reuse is not supported by this version yet; leave it None")
         if event_manager is not None:
             raise ValueError("KV-cache events are not supported by this version yet; pass event_manager=None")
         self._config = config
@@ -276,9 +274,12 @@ class KVCacheManager:
         return PageIndexConverter(attr.scale, attr.expansion, attr.layer_offset, attr.pages_per_layer)
 
     def supports_index_mode(self, mode: PageIndexMode) -> bool | None:
-        """Both modes work for every request (no scratch slots in this configuration)."""
+        """PER_LAYER: True. SHARED: True without SWA scratch reuse; with it None, meaning "ask each
+        request" (``KVCache.supports_index_mode``): scratch blocks need PER_LAYER."""
         check_type("mode", mode, PageIndexMode)
-        return True
+        if mode is PageIndexMode.PER_LAYER or self._ctx.max_rewind_len < 0:
+            return True
+        return None
 
     def get_aggregated_pages(self, buffer_ids: Sequence[BufferId]) -> Iterator[AggregatedPageDesc]:
         """Byte-contiguous runs of the requested buffers, one or more per pool (bulk transfer)."""

@@ -157,6 +157,17 @@ class StorageManager:
         slots = storage.allocator.allocate(len(priorities))
         return [Page(storage, slot, lc, prio, locked) for slot, prio in zip(slots, priorities)]
 
+    def new_scratch_slots(self, lc: LifeCycleId, count: int) -> list[SlotId]:
+        """``count`` GPU slots of ``lc``'s pool group owned by a request as scratch (no pages)."""
+        storage = self.lc_storage[lc]
+        self.make_room(storage, count)
+        return storage.allocator.allocate(count)
+
+    def free_scratch_slots(self, lc: LifeCycleId, slots: list[SlotId]) -> None:
+        allocator = self.lc_storage[lc].allocator
+        for slot in slots:
+            allocator.free(slot)
+
     def copy_pages(self, pairs: list[tuple[Page, Page]]) -> None:
         """Copy every pool's slot data of each ``(src, dst)`` pair (GPU pages of one group each).
 

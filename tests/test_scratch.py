@@ -1,0 +1,256 @@
+"""SWA prefill scratch slots (SPEC 5.7) through the fake engine: the reference case, chunked
+prefill with suspend/resume and rewind, mixed models, reuse afterwards, index modes, misuse."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+from conftest import REC
+from fake_engine import FakeEngine, KVMismatch
+
+from kv_cache_manager_v2 import (
+    AttentionLayerConfig,
+    BatchDesc,
+    BufferConfig,
+    KVCache,
+    KVCacheDesc,
+    KVCacheManager,
+    LayerGroupId,
+    LayerId,
+    LogicError,
+    PageIndexMode,
+    SwaScratchReuseConfig,
+)
+
+MakeManager = Callable[..., KVCacheManager]
+T = 32
+LG0 = LayerGroupId(0)
+
+
+def swa_layers(n: int, window: int = 128, full_every: int = 0, sinks: int | None = None) -> list[AttentionLayerConfig]:
+    """``n`` layers with K and V; every ``full_every``-th layer (from 1) is full attention."""
+    out = []
+    for i in range(n):
+        full = full_every and i % full_every == 1
+        out.append(
+            AttentionLayerConfig(
+                LayerId(i),
+                [BufferConfig("key", REC * T), BufferConfig("value", REC * T)],
+                None if full else window,
+                None if full else sinks,
+            )
+        )
+    return out
+
+
+def used_slots(m: KVCacheManager) -> int:
+    return sum(s.total - s.free - s.evictable for s in m.get_storage_statistics())
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1 << 30) for _ in range(n)]
+
+
+def prefill(engine: FakeEngine, kv: KVCache, toks: list[int], chunks: list[int], commit: bool = True) -> int:
+    """Prefill in chunks; returns the peak number of used slots seen right after each resize."""
+    peak = 0
+    m = engine.mgr
+    for c in chunks:
+        h = kv.history_length
+        assert kv.resize(h + c, h)
+        peak = max(peak, used_slots(m))
+        engine.step(kv, toks, h, h + c)
+        if commit:
+            kv.commit(toks[h : h + c])
+        else:
+            assert kv.resize(None, h + c)
+    return peak
+
+
+@pytest.mark.parametrize("scratch", [True, False])
+def test_reference_case_five_slots_with_scratch_thirty_two_without(make_manager: MakeManager, scratch: bool) -> None:
+    cfg = SwaScratchReuseConfig() if scratch else None
+    m = make_manager(swa_layers(32), tokens_per_block=T, quota=64 * 32 * 2 * REC * T, swa_scratch_reuse=cfg)
+    engine = FakeEngine(m)
+    toks = tokens(1, 1024)
+    kv = m.create_kv_cache()
+    kv.resume()
+    assert kv.resize(1024, 0)
+    assert used_slots(m) == (5 if scratch else 32)
+    if scratch:
+        desc = kv.get_scratch_desc(LG0)
+        assert desc is not None and (desc.range.beg, desc.range.end) == (0, 28) and len(desc.slot_ids) == 1
+        assert list(kv.get_base_page_indices(LG0))[:28] == [-1] * 28
+        assert kv.has_scratch_slots and not kv.supports_index_mode(PageIndexMode.SHARED)
+    engine.step(kv, toks, 0, 1024)  # every layer writes and reads its 28 scratch blocks in one slot
+    kv.commit(toks)
+    assert not kv.has_scratch_slots or kv.history_length == 1024
+    engine.check_all(kv, toks, 1024)
+    assert kv.resize(1025)  # decode: no scratch, surplus scratch slot recycled
+    assert not kv.has_scratch_slots and kv.supports_index_mode(PageIndexMode.SHARED)
+    engine.step(kv, [*toks, 7], 1024, 1025)
+    kv.close()
+
+
+def test_converter_collisions_in_a_scratch_slot_are_caught(make_manager: MakeManager) -> None:
+    """The fake engine checks each layer right after writing it: scratch blocks mapped onto the
+    same sub-pages (here: a converter told each layer uses no sub-pages) are detected."""
+    m = make_manager(
+        swa_layers(4), tokens_per_block=T, quota=64 * 8 * REC * T, swa_scratch_reuse=SwaScratchReuseConfig()
+    )
+    engine = FakeEngine(m)
+    for buf in engine.buffers:
+        buf.converter.pages_per_layer = 0  # every scratch block of a layer on one sub-page
+    kv = m.create_kv_cache()
+    kv.resume()
+    assert kv.resize(1024, 0)
+    with pytest.raises(KVMismatch):
+        engine.step(kv, tokens(2, 1024), 0, 1024)
+    kv.close()
+
+
+@pytest.mark.parametrize(
+    "layers, rewind",
+    [
+        (swa_layers(4), 0),
+        (swa_layers(4), 40),
+        (swa_layers(6, full_every=2), 0),  # alternating window-128 and full layers
+        (swa_layers(4, window=96, sinks=40), 0),  # sinks (2 blocks) are never scratch
+        (swa_layers(6, window=64, full_every=3, sinks=10), 33),
+    ],
+)
+def test_chunked_prefill_with_suspend_resume_then_decode_and_reuse(
+    make_manager: MakeManager, layers: list[AttentionLayerConfig], rewind: int
+) -> None:
+    m = make_manager(
+        layers,
+        tokens_per_block=T,
+        quota=200 * 6 * 2 * REC * T,
+        swa_scratch_reuse=SwaScratchReuseConfig(rewind),
+        typical_step=BatchDesc([KVCacheDesc(2200, 0)]),  # every block: pool groups sized alike
+    )
+    engine = FakeEngine(m)
+    toks = tokens(3, 2200)
+    kv = m.create_kv_cache()
+    kv.resume()
+    for chunk in (500, 700, 1):
+        prefill(engine, kv, toks, [chunk])
+        kv.suspend()  # scratch slots go back; the pages stay
+        assert not kv.has_scratch_slots
+        assert kv.resume()
+        engine.check_all(kv, toks, kv.history_length)
+    h = kv.history_length
+    assert kv.resize(h + 600, h)  # a step suspended before it runs gets its scratch slots back on resume
+    had_scratch = kv.has_scratch_slots
+    kv.suspend()
+    assert kv.resume() and kv.has_scratch_slots == had_scratch
+    engine.step(kv, toks, h, h + 600)
+    kv.commit(toks[h : h + 600])
+    for pos in range(kv.history_length, kv.history_length + 40):  # decode
+        assert kv.resize(pos + 1)
+        engine.step(kv, toks, pos, pos + 1)
+        kv.commit([toks[pos]])
+    n = kv.history_length
+    kv.close()
+    # a prefix computed with scratch is reusable where the window kept its pages
+    assert m.probe_reuse(input_tokens=toks[: n + 1]) == n
+    b = m.create_kv_cache(input_tokens=toks[: n + 1])
+    assert b.resume()
+    engine.check_all(b, toks, n)
+    prefill(engine, b, toks, [50])
+    b.close()
+
+
+def test_a_second_resize_of_the_same_step_moves_blocks_between_pages_and_scratch(make_manager: MakeManager) -> None:
+    m = make_manager(
+        swa_layers(2), tokens_per_block=T, quota=64 * 2 * 2 * REC * T, swa_scratch_reuse=SwaScratchReuseConfig()
+    )
+    engine = FakeEngine(m)
+    toks = tokens(4, 1024)
+    kv = m.create_kv_cache()
+    kv.resume()
+    assert kv.resize(100, 0) and not kv.has_scratch_slots  # 4 blocks with pages
+    assert kv.resize(1024, 0)  # the same step grows: blocks 0..27 become scratch, their pages go back
+    assert used_slots(m) == 14 + 4  # 2 layers: a slot holds 2 scratch blocks of one layer
+    assert kv.resize(600, 0)  # shrinks: blocks 14..18 are in the window again and get pages
+    desc = kv.get_scratch_desc(LG0)
+    assert desc is not None and (desc.range.beg, desc.range.end) == (0, 14)
+    engine.step(kv, toks, 0, 600)
+    kv.commit(toks[:600])
+    engine.check_all(kv, toks, 600)
+    kv.close()
+
+
+def test_a_decode_step_at_full_memory_reuses_the_block_leaving_the_window(make_manager: MakeManager) -> None:
+    layers = swa_layers(1, window=64)
+    m = make_manager(layers, tokens_per_block=T, quota=3 * 2 * REC * T)  # 3 slots: the window's peak
+    engine = FakeEngine(m)
+    toks = tokens(5, 400)
+    kv = m.create_kv_cache()
+    kv.resume()
+    for pos in range(400):
+        assert kv.resize(pos + 1), pos  # at a block boundary the block leaving the window pays for the new one
+        engine.step(kv, toks, pos, pos + 1)
+        kv.commit([toks[pos]])
+    assert m.get_storage_statistics()[0].free == 0
+    kv.close()
+
+
+def test_scratch_can_be_switched_per_request(make_manager: MakeManager) -> None:
+    m = make_manager(
+        swa_layers(4), tokens_per_block=T, quota=64 * 4 * 2 * REC * T, swa_scratch_reuse=SwaScratchReuseConfig()
+    )
+    assert m.supports_index_mode(PageIndexMode.SHARED) is None  # ask each request
+    engine = FakeEngine(m)
+    off = m.create_kv_cache()
+    assert off.enable_swa_scratch_reuse
+    off.enable_swa_scratch_reuse = False
+    off.resume()
+    assert off.resize(1024, 0) and not off.has_scratch_slots and used_slots(m) == 32
+    on = m.create_kv_cache()
+    on.resume()
+    assert on.resize(1024, 0) and on.has_scratch_slots
+    with pytest.raises(LogicError, match="scratch blocks"):
+        on.enable_swa_scratch_reuse = False
+    with pytest.raises(TypeError):  # compiled: mypyc checks the annotation itself
+        on.enable_swa_scratch_reuse = 1  # type: ignore[assignment]
+    shared = FakeEngine(m, PageIndexMode.SHARED)
+    with pytest.raises(KVMismatch, match="SHARED"):
+        shared.step(on, tokens(6, 1024), 0, 1024)
+    for kv, seed in ((off, 7), (on, 8)):
+        toks = tokens(seed, 1024)
+        engine.step(kv, toks, 0, 1024)
+        kv.commit(toks)
+        engine.check_all(kv, toks, 1024)
+        kv.close()
+
+
+def test_scratch_needs_the_manager_option(make_manager: MakeManager) -> None:
+    m = make_manager(swa_layers(2), tokens_per_block=T)
+    assert m.supports_index_mode(PageIndexMode.SHARED) is True
+    kv = m.create_kv_cache()
+    assert not kv.enable_swa_scratch_reuse
+    with pytest.raises(LogicError, match="swa_scratch_reuse"):
+        kv.enable_swa_scratch_reuse = True
+    kv.close()
+
+
+def test_scratch_resize_failure_is_all_or_nothing(make_manager: MakeManager) -> None:
+    slot = 8 * 2 * REC * T  # 8 layers: a slot holds 8 scratch blocks of one layer
+    m = make_manager(swa_layers(8), tokens_per_block=T, quota=9 * slot, swa_scratch_reuse=SwaScratchReuseConfig())
+    hog = m.create_kv_cache()
+    hog.resume()
+    assert hog.resize(2 * T)  # 2 of 9 slots
+    kv = m.create_kv_cache()
+    kv.resume()
+    assert kv.resize(2 * T, 0)
+    before = (list(kv.get_base_page_indices(LG0)), kv.capacity, used_slots(m))
+    assert not kv.resize(1024, 0)  # needs 4 scratch + 4 window slots; 7 available counting its own 2
+    assert (list(kv.get_base_page_indices(LG0)), kv.capacity, used_slots(m)) == before
+    assert not kv.has_scratch_slots
+    hog.close()
+    assert kv.resize(1024, 0) and used_slots(m) == 8
+    kv.close()
