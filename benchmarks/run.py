@@ -8,7 +8,8 @@ Scenarios (SPEC 9): decode (resize(+1) + commit + indices per request per step),
 (probe_reuse + create_kv_cache + resume + resize for a 1536-token prompt, 1024 tokens shared),
 admission_array (the same with array('I') prompts), close (stop_committing + close), hashing
 (reuse keys vs plain hashlib.sha256 on the same bytes), swa (decode, alternating window-128 and
-full layers), replay (the shared Mooncake trace, metadata only; a generator when absent).
+full layers), swa_prefill (gpt-oss-like 8k prompts in 2k chunks, with and without SWA scratch
+reuse: us per resize and peak slots), replay (the shared Mooncake trace, metadata only; a generator when absent).
 
 Each scenario runs in a child process per mode: fast mode imports a copy of the package
 sources from build/bench/fast (no compiled modules there); compiled mode builds the package
@@ -36,12 +37,14 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST_DIR = os.path.join(ROOT, "build", "bench", "fast")
-SCENARIOS = ["decode", "admission", "admission_array", "close", "hashing", "swa", "replay"]
+SCENARIOS = ["decode", "admission", "admission_array", "close", "hashing", "swa", "swa_prefill", "replay"]
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
 
 
 # ---------------------------------------------------------------- worker side
-def _manager(num_layers: int, tokens_per_block: int, num_slots: int, window_every: int = 0, window: int = 128) -> Any:
+def _manager(
+    num_layers: int, tokens_per_block: int, num_slots: int, window_every: int = 0, window: int = 128, **kw: Any
+) -> Any:
     import kv_cache_manager_v2 as kvm
 
     size = 64  # bytes per buffer page: the benchmarks never touch KV memory
@@ -54,7 +57,7 @@ def _manager(num_layers: int, tokens_per_block: int, num_slots: int, window_ever
         for i in range(num_layers)
     ]
     quota = num_slots * num_layers * 2 * size
-    cfg = kvm.KVCacheManagerConfig(tokens_per_block, [kvm.GpuCacheTierConfig(quota)], layers, backend="host")
+    cfg = kvm.KVCacheManagerConfig(tokens_per_block, [kvm.GpuCacheTierConfig(quota)], layers, backend="host", **kw)
     return kvm.KVCacheManager(cfg)
 
 
@@ -96,6 +99,42 @@ def scenario_decode(p: dict[str, int]) -> dict[str, Any]:
 def scenario_swa(p: dict[str, int]) -> dict[str, Any]:
     s = _decode(p, 2)
     return {"unit": "us/request/step", "samples": s, "note": "alternating window-128 / full layers"}
+
+
+def scenario_swa_prefill(p: dict[str, int]) -> dict[str, Any]:
+    """gpt-oss-like shape (alternating window-128 / full layers): long prompts prefilled in chunks,
+    with and without SWA scratch reuse. Reports us per resize and the peak slots per request."""
+    import kv_cache_manager_v2 as kvm
+
+    t, n_req, prompt, chunk = p["tokens_per_block"], p["prefill_requests"], p["prefill_tokens"], p["prefill_chunk"]
+    out: dict[str, Any] = {"unit": "us/resize", "note": "gpt-oss-like: alternating window-128 / full layers"}
+    for scratch in (False, True):
+        cfg = kvm.SwaScratchReuseConfig() if scratch else None
+        m = _manager(p["layers"], t, 2 * n_req * (prompt // t + 8), 2, swa_scratch_reuse=cfg)
+        times, peak = [], 0
+        for r in range(n_req):
+            kv = m.create_kv_cache()
+            kv.resume()
+            h = 0
+            while h < prompt:
+                c = min(chunk, prompt - h)
+                t0 = time.perf_counter()
+                assert kv.resize(h + c, h)
+                times.append((time.perf_counter() - t0) * 1e6)
+                st = m.get_storage_statistics()[0]
+                peak = max(peak, st.total - st.free)
+                kv.commit([r * 1_000_003 + i for i in range(h, h + c)])
+                h += c
+            kv.close()
+            m.clear_reusable_blocks()
+        m.shutdown()
+        key = "scratch" if scratch else "no_scratch"
+        out[f"peak_slots_{key}"] = peak
+        out[f"us_per_resize_{key}"] = statistics.median(times)
+        if scratch:
+            out["samples"] = times
+    out["peak_slot_saving"] = 1 - out["peak_slots_scratch"] / out["peak_slots_no_scratch"]
+    return out
 
 
 def scenario_admission(p: dict[str, int]) -> dict[str, Any]:
@@ -270,6 +309,9 @@ DEFAULTS = dict(
     hash_blocks=20_000,
     trace_requests=400,
     cache_tokens=3_000_000,
+    prefill_requests=32,
+    prefill_tokens=8192,
+    prefill_chunk=2048,
 )
 QUICK = dict(
     requests=16,
@@ -281,6 +323,9 @@ QUICK = dict(
     hash_blocks=500,
     trace_requests=20,
     cache_tokens=200_000,
+    prefill_requests=2,
+    prefill_tokens=2048,
+    prefill_chunk=512,
 )
 
 
