@@ -50,10 +50,10 @@ class StepPlan:
     def states(self, tokens_per_block: int, need_all_steps: bool) -> list[tuple[int, int]]:
         """``(history, capacity)`` of the remaining steps where a slot count may peak.
 
-        Chunk steps are all listed. For one-token steps, a count can only rise where a new
-        block starts (``h % T == 0``) or a sink block stops being counted as stale
-        (``h % T == 1``), so the first step and those are enough; with ``need_all_steps``
-        False (full attention only, counts never fall) only the last step is listed.
+        Chunk steps are all listed. Over one-token steps a layer group's count only rises
+        where a new block starts (``h % T == 0``; the sink boundary cannot raise it: while
+        sinks are still growing nothing is stale), so the first step and those are enough;
+        with ``need_all_steps`` False (full attention only: counts never fall) the last one is.
         """
         t = tokens_per_block
         out: list[tuple[int, int]] = []
@@ -74,14 +74,8 @@ class StepPlan:
             out.append((last, last + 1))
             return out
         out.append((h, h + 1))
-        first = (h // t + 1) * t
-        for b in range(first, last + 1, t):
+        for b in range((h // t + 1) * t, last + 1, t):
             out.append((b, b + 1))
-            if b + 1 <= last:
-                out.append((b + 1, b + 2))
-        if first - t + 1 > h and first - t + 1 <= last:
-            out.append((first - t + 1, first - t + 2))
-        out.append((last, last + 1))
         return out
 
 

@@ -447,6 +447,11 @@ class KVCacheResourceManager:
 
     # ------------------------------------------------------------------ bookkeeping
     @property
+    def layer_group_pool_groups(self) -> list[PoolGroupIndex]:
+        """The pool group holding each layer group's slots (indexed by ``LayerGroupId``)."""
+        return [s.pool_group for s in self._shapes]
+
+    @property
     def num_requests(self) -> int:
         """Requests holding resources (active or suspended)."""
         return len(self._seqs)
