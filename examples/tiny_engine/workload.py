@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -36,6 +37,7 @@ class WorkloadResult:
     adapter: KVCacheResourceManager
     scheduler: Scheduler
     requests: list[EngineRequest] = field(default_factory=list)
+    followups: dict[int, int] = field(default_factory=dict)  #: request id -> the request it continues
 
 
 def make_adapter(cfg: TinyConfig, p: WorkloadParams) -> KVCacheResourceManager:
@@ -66,13 +68,17 @@ def _prompt(rng: random.Random, prefixes: list[list[TokenIdExt]], vocab: int) ->
     return pre[:cut] + [TokenId(rng.randrange(vocab)) for _ in range(rng.choice([0, 1, 3, 5, 9, 14]))]
 
 
-def run_workload(cfg: TinyConfig, p: WorkloadParams) -> WorkloadResult:
+def run_workload(
+    cfg: TinyConfig, p: WorkloadParams, observer: Callable[[Scheduler], None] | None = None
+) -> WorkloadResult:
+    """Run ``p.num_requests`` requests to completion; ``observer`` sees every step after prepare."""
     rng = random.Random(p.seed)
     model = TinyModel(cfg)
     adapter = make_adapter(cfg, p)
     engine = PagedEngine(model, adapter)
     prefixes = [[TokenId(rng.randrange(cfg.vocab_size)) for _ in range(rng.randrange(6, 41))] for _ in range(p.num_prefixes)]
     requests: list[EngineRequest] = []
+    followups: dict[int, int] = {}
 
     def new_request(prompt: list[TokenIdExt]) -> EngineRequest:
         salt = 1 if rng.random() < 0.1 else None
@@ -93,7 +99,11 @@ def run_workload(cfg: TinyConfig, p: WorkloadParams) -> WorkloadResult:
             gen = [r for r in s.running if r.state is RequestState.GENERATION and r.generated_tokens]
             if gen:
                 src = gen[rng.randrange(len(gen))]
-                s.add(new_request(src.all_tokens() + [TokenId(rng.randrange(cfg.vocab_size))]))
+                r = new_request(src.all_tokens() + [TokenId(rng.randrange(cfg.vocab_size))])
+                followups[r.request_id] = src.request_id
+                s.add(r)
+        if observer is not None:
+            observer(s)
 
     sched = Scheduler(adapter, engine, p.max_batch_size, p.max_num_tokens, p.admission, on_step)
     while len(requests) < p.num_requests or not sched.done:
@@ -103,7 +113,7 @@ def run_workload(cfg: TinyConfig, p: WorkloadParams) -> WorkloadResult:
         if sched.stats.steps > 50 * p.num_requests:
             raise RuntimeError(f"workload not done after {sched.stats.steps} steps: {sched.stats}")
         sched.step()
-    return WorkloadResult(model, adapter, sched, requests)
+    return WorkloadResult(model, adapter, sched, requests, followups)
 
 
 def check_against_dense(res: WorkloadResult, atol: float = 1e-5) -> float:
