@@ -160,6 +160,30 @@ def test_reuse_during_generation(make_adapter: Callable[..., KVCacheResourceMana
     assert a.get_kv_cache(src).status is KVCacheStatus.ACTIVE
 
 
+def test_freed_request_is_recomputed_from_its_own_reused_blocks(make_adapter: Callable[..., KVCacheResourceManager]) -> None:
+    """Preemption by recompute: free, then prepare again; prompt + generated tokens are matched."""
+    a = make_adapter(kv_layers(2, T, window=6, swa_every=2))
+    eng = FakeEngine(a.manager)
+    r = EngineRequest(1, toks(range(9)), max_new_tokens=8, context_chunk_size=4)
+    for _ in range(6):
+        assert step(a, eng, [r]) == []
+    assert r.state is RequestState.GENERATION and (r.num_cached_tokens, len(r.generated_tokens)) == (12, 4)
+    a.free_resources(r)  # publishes 3 full blocks (no partial tail: 12 tokens)
+    assert not a.has_resources(r) and r.num_cached_tokens == 0
+    assert a.prepare_resources([r]) == []
+    assert (r.num_reused_tokens, r.num_cached_tokens, r.num_scheduled_tokens) == (12, 12, 1)
+    eng.check_all(a.get_kv_cache(r), r.all_tokens(), 12)
+    run_to_end(a, eng, r, free=False)
+    assert r.generated_tokens == [TokenId(5000 + 97 + i) for i in range(8)]
+    # freed mid-prompt: the re-admission continues the prompt in chunks
+    r2 = EngineRequest(2, toks(range(100, 118)), max_new_tokens=2, context_chunk_size=5)
+    assert step(a, eng, [r2]) == [] and step(a, eng, [r2]) == []
+    a.free_resources(r2)  # 10 tokens committed: 2 full blocks + a published partial tail of 2
+    assert a.prepare_resources([r2]) == []
+    assert r2.state is RequestState.CONTEXT and (r2.num_reused_tokens, r2.num_scheduled_tokens) == (10, 5)
+    run_to_end(a, eng, r2)
+
+
 def test_reuse_scope_isolates(make_adapter: Callable[..., KVCacheResourceManager]) -> None:
     a = make_adapter(kv_layers(1, T))
     eng = FakeEngine(a.manager)

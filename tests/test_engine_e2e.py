@@ -97,7 +97,7 @@ def test_end_to_end_under_memory_pressure_equals_the_dense_reference() -> None:
     st = res.scheduler.stats
     try:
         assert all(r.state is RequestState.FINISHED for r in res.requests)
-        assert st.preempted_suspend > 0 and st.resumed > 0 and st.preempted_recompute > 0
+        assert st.preempted_suspend > 0 and st.resumed > 0
         assert st.reuse_share > 0.3, st.reuse_share
         assert audit.swa_released > 0
         t = res.model.cfg.tokens_per_block

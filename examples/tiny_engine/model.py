@@ -106,8 +106,11 @@ class TinyModel:
         self.inv_freq = cfg.rope_base ** (-np.arange(0, hd // 2) * 2.0 / hd)
 
     # ---------------------------------------------------------------- pieces
-    def embed(self, tokens: Sequence[int]) -> Array:
-        return self.embedding[np.asarray(tokens, dtype=np.int64)]
+    def embed(self, tokens: Sequence[kvm.TokenIdExt]) -> Array:
+        ids = [t for t in tokens if not isinstance(t, bytes)]
+        if len(ids) != len(tokens):
+            raise ValueError("the tiny model embeds plain token ids only (no bytes digests)")
+        return self.embedding[np.asarray(ids, dtype=np.int64)]
 
     @staticmethod
     def _rms(x: Array, g: Array) -> Array:
@@ -155,7 +158,7 @@ class TinyModel:
         return self._rms(x, self.final_norm) @ self.lm_head
 
     # ---------------------------------------------------------------- the dense reference
-    def dense_logits(self, tokens: Sequence[int]) -> Array:
+    def dense_logits(self, tokens: Sequence[kvm.TokenIdExt]) -> Array:
         """Logits at every position, recomputing all keys/values and full attention from scratch."""
         pos = np.arange(len(tokens))
         x = self.embed(tokens)

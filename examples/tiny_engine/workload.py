@@ -76,7 +76,9 @@ def run_workload(
     model = TinyModel(cfg)
     adapter = make_adapter(cfg, p)
     engine = PagedEngine(model, adapter)
-    prefixes = [[TokenId(rng.randrange(cfg.vocab_size)) for _ in range(rng.randrange(6, 41))] for _ in range(p.num_prefixes)]
+    prefixes: list[list[TokenIdExt]] = [
+        [TokenId(rng.randrange(cfg.vocab_size)) for _ in range(rng.randrange(6, 41))] for _ in range(p.num_prefixes)
+    ]
     requests: list[EngineRequest] = []
     followups: dict[int, int] = {}
 
@@ -121,8 +123,7 @@ def check_against_dense(res: WorkloadResult, atol: float = 1e-5) -> float:
     worst = 0.0
     for r in res.requests:
         assert r.state is RequestState.FINISHED, r
-        toks = [int(t) for t in r.all_tokens()]
-        ref = res.model.dense_logits(toks[:-1])
+        ref = res.model.dense_logits(r.all_tokens()[:-1])
         got = res.scheduler.logits[r.request_id]
         assert len(got) == len(r.generated_tokens) == r.max_new_tokens, (r, len(got))
         p = len(r.prompt_tokens)
