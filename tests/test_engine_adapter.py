@@ -281,6 +281,23 @@ def test_misuse_raises_clear_errors(make_adapter: Callable[..., KVCacheResourceM
         a.prepare_resources([r])
 
 
+def test_update_after_a_bad_token_can_be_repeated(make_adapter: Callable[..., KVCacheResourceManager]) -> None:
+    a = make_adapter(kv_layers(1, T))
+    eng = FakeEngine(a.manager)
+    r1, r2 = EngineRequest(1, toks(range(5)), 4), EngineRequest(2, toks(range(50, 55)), 4)
+    assert step(a, eng, [r1, r2]) == []
+    r2.generated_tokens[-1] = np.int64(7)  # type: ignore[call-overload]  # a numpy int from argmax
+    assert a.prepare_resources([r1, r2]) == []
+    with pytest.raises(TypeError, match="int"):
+        a.update_resources([r1, r2])
+    assert (r1.num_cached_tokens, r1.num_scheduled_tokens) == (6, 0)
+    assert (r2.num_cached_tokens, r2.num_scheduled_tokens) == (5, 1)
+    r2.generated_tokens[-1] = TokenId(7)
+    a.update_resources([r1, r2])
+    assert r1.num_cached_tokens == 6 and r2.num_cached_tokens == 6
+    assert a.get_kv_cache(r2).committed_tokens == [*range(50, 55), 7]
+
+
 def test_suspend_drops_the_prepared_step_and_resume_continues(make_adapter: Callable[..., KVCacheResourceManager]) -> None:
     a = make_adapter(kv_layers(2, T))
     eng = FakeEngine(a.manager)

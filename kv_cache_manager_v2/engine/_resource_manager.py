@@ -241,7 +241,8 @@ class KVCacheResourceManager:
         Full blocks are published for reuse at once (also during generation). A request
         whose prompt is now cached moves from CONTEXT to GENERATION. Requests without a
         prepared step (unserved, suspended, already updated) are skipped, so calling it
-        again is harmless.
+        again is harmless: if a commit raises (a bad token), the requests before it are
+        updated, it and the rest are not; fix the token and call again.
         """
         self._check_alive()
         for req in batch:
