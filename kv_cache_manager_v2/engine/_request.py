@@ -1,0 +1,111 @@
+"""The engine-neutral request the resource manager schedules KV memory for."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import NewType
+
+from mypy_extensions import mypyc_attr
+
+from .._common import DEFAULT_PRIORITY, MAX_PRIORITY, Priority, ReuseScope, TokenIdExt
+
+RequestId = NewType("RequestId", int)
+
+
+class RequestState(enum.Enum):
+    """Phase of a request, as the engine sees it."""
+
+    CONTEXT = 0  #: prompt tokens still to compute (possibly in several chunks)
+    GENERATION = 1  #: one new token per step
+    FINISHED = 2  #: done; call ``free_resources``
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if type(value) is not int:
+        raise TypeError(f"EngineRequest.{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"EngineRequest.{name} must be >= {minimum}, got {value}")
+    return value
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class EngineRequest:
+    """One request as the resource manager sees it; engines use it directly or subclass it.
+
+    Set by the engine: ``prompt_tokens``, ``generated_tokens`` (append-only; append the
+    sampled token after a step that ends at the last token), ``max_new_tokens``,
+    ``context_chunk_size`` (at most this many tokens per step while more than one token is
+    uncomputed; 0 = no limit), ``state`` (set FINISHED when done), ``reuse_scope`` and
+    ``priority`` (eviction priority 0..100 of the pages this request creates).
+
+    Written by the resource manager, read by the engine: ``num_cached_tokens`` (tokens whose
+    KV is in the cache; the step's input starts there), ``num_scheduled_tokens`` (positions
+    ``[num_cached_tokens, num_cached_tokens + num_scheduled_tokens)`` are this step's input;
+    0 when not scheduled), ``num_reused_tokens`` (tokens taken from the reuse tree at the
+    last admission), and ``state`` moving from CONTEXT to GENERATION once the prompt is cached.
+    """
+
+    def __init__(
+        self,
+        request_id: int,
+        prompt_tokens: Sequence[TokenIdExt],
+        max_new_tokens: int,
+        context_chunk_size: int = 0,
+        reuse_scope: ReuseScope | None = None,
+        priority: int = DEFAULT_PRIORITY,
+    ) -> None:
+        self.request_id = RequestId(_check_int("request_id", request_id, 0))
+        if isinstance(prompt_tokens, (str, bytes)) or not hasattr(prompt_tokens, "__len__"):
+            raise TypeError(
+                f"EngineRequest.prompt_tokens must be a sequence of tokens (list or array('I')), "
+                f"got {type(prompt_tokens).__name__}"
+            )
+        if len(prompt_tokens) == 0:
+            raise ValueError("EngineRequest.prompt_tokens must not be empty")
+        self.prompt_tokens: Sequence[TokenIdExt] = prompt_tokens
+        self.generated_tokens: list[TokenIdExt] = []
+        self.max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
+        self.context_chunk_size = _check_int("context_chunk_size", context_chunk_size, 0)
+        if reuse_scope is not None and not isinstance(reuse_scope, ReuseScope):
+            raise TypeError(f"EngineRequest.reuse_scope must be a ReuseScope or None, got {type(reuse_scope).__name__}")
+        self.reuse_scope: ReuseScope | None = reuse_scope
+        _check_int("priority", priority, 0)
+        if priority > MAX_PRIORITY:
+            raise ValueError(f"EngineRequest.priority must be in [0, {MAX_PRIORITY}], got {priority}")
+        self.priority: Priority = Priority(priority)
+        self.state = RequestState.CONTEXT
+        self.num_cached_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.num_reused_tokens = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"EngineRequest(id={self.request_id}, state={self.state.name}, prompt={len(self.prompt_tokens)}, "
+            f"generated={len(self.generated_tokens)}/{self.max_new_tokens}, cached={self.num_cached_tokens}, "
+            f"scheduled={self.num_scheduled_tokens})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_tokens) + len(self.generated_tokens)
+
+    @property
+    def samples_this_step(self) -> bool:
+        """Whether this step's input ends at the last token, so its logits give the next token."""
+        n = self.num_scheduled_tokens
+        return n > 0 and self.num_cached_tokens + n == len(self.prompt_tokens) + len(self.generated_tokens)
+
+    def tokens(self, begin: int, end: int) -> list[TokenIdExt]:
+        """Tokens at positions ``[begin, end)`` of prompt + generated."""
+        p = len(self.prompt_tokens)
+        if begin >= p:
+            return self.generated_tokens[begin - p : end - p]
+        if end <= p:
+            return list(self.prompt_tokens[begin:end])
+        return list(self.prompt_tokens[begin:]) + self.generated_tokens[: end - p]
+
+    def all_tokens(self) -> list[TokenIdExt]:
+        """Prompt followed by generated tokens (a copy)."""
+        return list(self.prompt_tokens) + self.generated_tokens

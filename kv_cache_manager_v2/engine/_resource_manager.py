@@ -1,0 +1,504 @@
+"""KVCacheResourceManager: the per-step resource-manager interface engines plug into their loop.
+
+Seed 002 (a KV-cache manager as a *resource manager* of an executor): ``prepare_resources``
+before the forward step, ``update_resources`` after it, ``free_resources`` when a request ends,
+capacity queries for the scheduler, block tables and pool views for the kernels.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+from .._common import (
+    BAD_PAGE_INDEX,
+    DEFAULT_PRIORITY,
+    BeamIndex,
+    BlockOrdinal,
+    KVCacheStatus,
+    LayerGroupId,
+    LayerId,
+    LifeCycleId,
+    PageIndexMode,
+    PoolGroupIndex,
+    Priority,
+    TokenId,
+    TokenIdExt,
+)
+from .._config import KVCacheManagerConfig
+from .._core._kv_cache import KVCache, default_priority
+from .._core._kv_cache_manager import KVCacheManager
+from .._exceptions import LogicError
+from .._page_index import PageIndexConverter
+from ._buffers import CudaBufferView, host_view, page_layout
+from ._capacity import LayerGroupShape, StepPlan, admission_bound, peak_slots
+from ._request import EngineRequest, RequestId, RequestState
+
+
+class _FixedPriority:
+    """Priority callback giving every page of a request the same eviction priority."""
+
+    def __init__(self, priority: Priority) -> None:
+        self.priority = priority
+
+    def __call__(self, block_ordinal: BlockOrdinal, life_cycle: LifeCycleId) -> Priority:
+        return self.priority
+
+
+class _Sequence:
+    """The adapter's record of one request: its cache and what the current step computes."""
+
+    def __init__(self, request: EngineRequest, kv: KVCache, padding: bool) -> None:
+        self.request = request
+        self.kv = kv
+        self.padding = padding
+        self.scheduled = 0  #: tokens the prepared step computes (0: none)
+        self.serial = 0  #: the prepare_resources call that last saw this request
+        # how to undo this step's prepare if a later request of the batch raises
+        self.undo_capacity = -1  #: -1: admitted in this step (undo = close)
+        self.undo_scheduled = 0
+        self.undo_suspended = False
+        self.undo_reused = 0
+
+
+def _check_request(name: str, request: object) -> EngineRequest:
+    if not isinstance(request, EngineRequest):
+        raise TypeError(f"{name} must be an EngineRequest, got {type(request).__name__}")
+    return request
+
+
+class KVCacheResourceManager:
+    """Resource-manager adapter over one :class:`KVCacheManager` (built from ``config``).
+
+    Per step: ``unserved = prepare_resources(batch)``; run the model on the served requests
+    (inputs are positions ``[num_cached_tokens, num_cached_tokens + num_scheduled_tokens)``);
+    append sampled tokens; ``update_resources(batch)``; ``free_resources(r)`` for finished
+    requests. Unserved requests were left exactly as they were: back off, or preempt with
+    ``suspend_resources`` (keeps the KV) or ``free_resources`` (recompute later; committed
+    blocks stay reusable, so re-admission mostly reuses them).
+
+    "Blocks" in the capacity queries are slots: one slot holds one block of one layer group
+    (all its layers and buffers). Scalars sum over pool groups; the ``*_per_pool_group``
+    variants are exact per group (one pool group when every layer has the same buffer sizes).
+    """
+
+    def __init__(self, config: KVCacheManagerConfig) -> None:
+        if not isinstance(config, KVCacheManagerConfig):
+            raise TypeError(f"config must be a KVCacheManagerConfig, got {type(config).__name__}")
+        self.manager = KVCacheManager(config)
+        m = self.manager
+        t = config.tokens_per_block
+        self.tokens_per_block = t
+        descs = m.pool_group_descs
+        group_of_base: dict[int, PoolGroupIndex] = {}
+        for d in descs:
+            for pool in d.pools:
+                group_of_base[pool.base_address] = d.pool_group_index
+        by_id = {layer.layer_id: layer for layer in config.layers}
+        self._shapes: list[LayerGroupShape] = []
+        for layer_ids in m.layer_grouping:
+            cfg = by_id[layer_ids[0]]
+            base = m.get_mem_pool_base_address(layer_ids[0], cfg.buffers[0].role, PageIndexMode.PER_LAYER)
+            w = cfg.sliding_window_size
+            sinks = (cfg.num_sink_tokens or 0) if w is not None else 0
+            self._shapes.append(LayerGroupShape(w, (sinks + t - 1) // t, group_of_base[base]))
+        self._num_pool_groups = len(descs)
+        self._has_swa = any(s.window is not None for s in self._shapes)
+        self._seqs: dict[int, _Sequence] = {}
+        self._serial = 0
+        self._converters: dict[tuple[LayerId, str], PageIndexConverter] = {}
+        self._is_shut_down = False
+
+    def __repr__(self) -> str:
+        return f"KVCacheResourceManager(requests={len(self._seqs)}, free_blocks={self.get_num_free_blocks_per_pool_group()})"
+
+    # ------------------------------------------------------------------ the step
+    def prepare_resources(self, batch: Sequence[EngineRequest]) -> list[EngineRequest]:
+        """Give every request of ``batch`` KV memory for its next step; return those that got none.
+
+        A request the adapter does not know yet is admitted: its cache reuses the longest
+        cached prefix of its tokens but the last (at least one token is computed, for the
+        logits), and is sized for its first chunk. A known request gets room for its next
+        chunk or token (a suspended one is resumed first). Unserved requests are left exactly
+        as they were. If anything raises, the whole batch is rolled back.
+        """
+        self._check_alive()
+        self._serial += 1
+        serial = self._serial
+        unserved: list[EngineRequest] = []
+        done: list[_Sequence] = []
+        current: KVCache | None = None  # resumed by this call for the request being prepared
+        try:
+            for req in batch:
+                if not isinstance(req, EngineRequest):
+                    raise TypeError(f"batch items must be EngineRequest, got {type(req).__name__}")
+                seq = self._seqs.get(req.request_id)
+                if seq is None:
+                    if req.state is RequestState.FINISHED:
+                        raise LogicError(f"request {req.request_id} is FINISHED; free_resources() it instead")
+                    seq = self._admit(req, serial)
+                    if seq is None:
+                        unserved.append(req)
+                    else:
+                        done.append(seq)
+                    continue
+                if seq.request is not req:
+                    raise ValueError(f"request_id {req.request_id} belongs to another EngineRequest the adapter holds")
+                if seq.serial == serial:
+                    raise ValueError(f"request {req.request_id} appears twice in the batch")
+                seq.serial = serial
+                if req.state is RequestState.FINISHED:
+                    raise LogicError(f"request {req.request_id} is FINISHED; free_resources() it instead")
+                kv = seq.kv
+                h = kv.history_length
+                n = len(req.prompt_tokens) + len(req.generated_tokens) - h
+                if n <= 0:
+                    raise LogicError(
+                        f"request {req.request_id} has no uncomputed token ({h} cached of {h + n}); "
+                        "append the sampled token to generated_tokens before the next step"
+                    )
+                c = req.context_chunk_size
+                if c and n > c:
+                    n = c
+                old_cap = kv.capacity
+                suspended = kv.status is KVCacheStatus.SUSPENDED
+                if suspended:
+                    if not kv.resume():
+                        unserved.append(req)
+                        continue
+                    current = kv
+                if h + n > old_cap and not kv.resize(h + n):
+                    if suspended:
+                        kv.suspend()
+                    current = None
+                    unserved.append(req)
+                    continue
+                current = None
+                seq.undo_capacity = old_cap
+                seq.undo_scheduled = seq.scheduled
+                seq.undo_suspended = suspended
+                done.append(seq)
+                seq.scheduled = n
+                req.num_scheduled_tokens = n
+                req.num_cached_tokens = h
+        except BaseException:
+            if current is not None and current.status is KVCacheStatus.ACTIVE:
+                current.suspend()
+            self._rollback(done)
+            raise
+        return unserved
+
+    def _admit(self, req: EngineRequest, serial: int) -> _Sequence | None:
+        """A new cache for ``req`` (prefix reuse) sized for its first chunk; None if memory is short."""
+        tokens: Sequence[TokenIdExt] = req.prompt_tokens if not req.generated_tokens else req.all_tokens()
+        length = len(tokens)
+        cb = default_priority if req.priority == DEFAULT_PRIORITY else _FixedPriority(req.priority)
+        kv = self.manager.create_kv_cache(
+            req.reuse_scope, tokens[: length - 1] if length > 1 else None, req.request_id, cb
+        )
+        try:
+            m = kv.history_length
+            n = length - m
+            c = req.context_chunk_size
+            if c and n > c:
+                n = c
+            if not kv.resume() or not kv.resize(m + n):
+                kv.close()
+                return None
+        except BaseException:
+            kv.close()
+            raise
+        seq = _Sequence(req, kv, False)
+        seq.serial = serial
+        seq.scheduled = n
+        seq.undo_reused = req.num_reused_tokens
+        self._seqs[req.request_id] = seq
+        req.num_reused_tokens = m
+        req.num_cached_tokens = m
+        req.num_scheduled_tokens = n
+        return seq
+
+    def _rollback(self, done: list[_Sequence]) -> None:
+        """Undo the prepares of this call (newest first); shrinking and suspending cannot fail."""
+        for seq in reversed(done):
+            req = seq.request
+            kv = seq.kv
+            if seq.undo_capacity < 0:
+                kv.close()
+                del self._seqs[req.request_id]
+                req.num_reused_tokens = seq.undo_reused
+                req.num_cached_tokens = 0
+                req.num_scheduled_tokens = 0
+                continue
+            if kv.capacity > seq.undo_capacity:
+                kv.resize(seq.undo_capacity)
+            if seq.undo_suspended:
+                kv.suspend()
+            seq.scheduled = seq.undo_scheduled
+            req.num_scheduled_tokens = seq.undo_scheduled
+
+    def update_resources(self, batch: Sequence[EngineRequest]) -> None:
+        """After the step: commit the tokens each served request computed and advance its history.
+
+        Full blocks are published for reuse at once (also during generation). A request
+        whose prompt is now cached moves from CONTEXT to GENERATION. Requests without a
+        prepared step (unserved, suspended, already updated) are skipped, so calling it
+        again is harmless: if a commit raises (a bad token), the requests before it are
+        updated, it and the rest are not; fix the token and call again.
+        """
+        self._check_alive()
+        for req in batch:
+            if not isinstance(req, EngineRequest):
+                raise TypeError(f"batch items must be EngineRequest, got {type(req).__name__}")
+            seq = self._seqs.get(req.request_id)
+            if seq is None or seq.request is not req:
+                raise LogicError(f"update_resources: request {req.request_id} holds no resources (prepare it first)")
+            n = seq.scheduled
+            if n == 0:
+                continue
+            kv = seq.kv
+            h = kv.history_length
+            p = len(req.prompt_tokens)
+            e = h + n
+            if e > p + len(req.generated_tokens):
+                raise LogicError(
+                    f"request {req.request_id}: the step computed positions [{h}, {e}) but only "
+                    f"{p + len(req.generated_tokens)} tokens remain; generated_tokens must only grow"
+                )
+            if seq.padding:
+                kv.resize(None, e)
+            elif n == 1:
+                kv.commit([req.generated_tokens[h - p]] if h >= p else [req.prompt_tokens[h]])
+            else:
+                kv.commit(req.tokens(h, e))
+            seq.scheduled = 0
+            req.num_scheduled_tokens = 0
+            req.num_cached_tokens = e
+            if req.state is RequestState.CONTEXT and e >= p:
+                req.state = RequestState.GENERATION
+
+    def free_resources(self, request: EngineRequest) -> None:
+        """Release the request's KV (finished, or preempted to be recomputed). Unknown requests: no-op.
+
+        Committed blocks, including a partial last block, stay reusable until evicted.
+        """
+        self._check_alive()
+        req = _check_request("request", request)
+        seq = self._seqs.get(req.request_id)
+        if seq is None:
+            return
+        if seq.request is not req:
+            raise ValueError(f"request_id {req.request_id} belongs to another EngineRequest the adapter holds")
+        del self._seqs[req.request_id]
+        kv = seq.kv
+        if not seq.padding:
+            kv.stop_committing()
+        kv.close()
+        req.num_scheduled_tokens = 0
+        req.num_cached_tokens = 0
+
+    def suspend_resources(self, request: EngineRequest) -> None:
+        """Preempt without losing KV: the request keeps its pages (they may move to lower tiers).
+
+        A step prepared but not run is dropped (its new blocks are released). The next
+        ``prepare_resources`` that includes the request resumes it. Already suspended: no-op.
+        """
+        seq = self._seq_of(request)
+        kv = seq.kv
+        if kv.status is KVCacheStatus.SUSPENDED:
+            return
+        if kv.capacity > kv.history_length:
+            kv.resize(kv.history_length)
+        kv.suspend()
+        seq.scheduled = 0
+        seq.request.num_scheduled_tokens = 0
+
+    def add_padding_request(self, request_id: int, is_generation: bool = True, token: int = 0) -> EngineRequest | None:
+        """A prepared warm-up request (e.g. for CUDA-graph capture); None if memory is short.
+
+        Context-shaped: one prompt token, the step computes position 0. Generation-shaped
+        (default): one prompt and one generated token, the step computes position 1 (position
+        0 holds no meaningful KV). It is never published for reuse; ``free_resources`` it after.
+        """
+        self._check_alive()
+        if type(request_id) is not int or type(is_generation) is not bool or type(token) is not int:
+            raise TypeError("add_padding_request(request_id: int, is_generation: bool, token: int)")
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id} is already in use")
+        tok = TokenId(token)
+        req = EngineRequest(request_id, [tok], 1)
+        kv = self.manager.create_kv_cache(None, None, req.request_id)
+        try:
+            kv.stop_committing()
+            h = 1 if is_generation else 0
+            if not kv.resume() or not kv.resize(h + 1, h):
+                kv.close()
+                return None
+        except BaseException:
+            kv.close()
+            raise
+        if is_generation:
+            req.generated_tokens.append(tok)
+            req.state = RequestState.GENERATION
+        seq = _Sequence(req, kv, True)
+        seq.scheduled = 1
+        self._seqs[req.request_id] = seq
+        req.num_cached_tokens = h
+        req.num_scheduled_tokens = 1
+        return req
+
+    # ------------------------------------------------------------------ capacity
+    def get_max_resource_count(self) -> int:
+        """Slots of all pool groups (see the class doc for what a block is)."""
+        return sum(self.get_max_resource_count_per_pool_group())
+
+    def get_max_resource_count_per_pool_group(self) -> list[int]:
+        return [s.total for s in self.manager.get_storage_statistics()]
+
+    def get_num_free_blocks(self) -> int:
+        """Slots that can be allocated now (free + evictable reusable), summed over pool groups."""
+        return sum(self.get_num_free_blocks_per_pool_group())
+
+    def get_num_free_blocks_per_pool_group(self) -> list[int]:
+        return [s.available for s in self.manager.get_storage_statistics()]
+
+    def get_needed_resource_to_completion(self, request: EngineRequest) -> int:
+        """More slots the request needs to finish (summed over pool groups); see the per-group variant."""
+        return sum(self.get_needed_resource_to_completion_per_pool_group(request))
+
+    def get_needed_resource_to_completion_per_pool_group(self, request: EngineRequest) -> list[int]:
+        """Slots per pool group the request still needs beyond those it holds, at the peak of its remaining steps.
+
+        Assumes it generates ``max_new_tokens`` with its ``context_chunk_size``. Exact for an
+        admitted request running alone (pages another request shares count as its own, and
+        blocks leaving a window are released). For a request not admitted yet: an upper
+        bound that assumes no prefix reuse.
+        """
+        req = _check_request("request", request)
+        t = self.tokens_per_block
+        final_cap = len(req.prompt_tokens) + req.max_new_tokens - 1
+        chunk = req.context_chunk_size
+        seq = self._seqs.get(req.request_id)
+        if seq is None or seq.request is not req:
+            return admission_bound(self._shapes, self._num_pool_groups, t, final_cap, chunk)
+        kv = seq.kv
+        plan = StepPlan(kv.history_length, kv.capacity, min(req.num_tokens, final_cap), final_cap, chunk)
+        peak = peak_slots(self._shapes, self._num_pool_groups, t, plan, self._has_swa)
+        for lg, shape in enumerate(self._shapes):
+            indices = kv.get_base_page_indices(LayerGroupId(lg))
+            peak[shape.pool_group] -= len(indices) - indices.count(BAD_PAGE_INDEX)
+        return [max(0, n) for n in peak]
+
+    # ------------------------------------------------------------------ kernels
+    def get_batch_cache_indices(
+        self,
+        requests: Sequence[EngineRequest],
+        layer_group_id: LayerGroupId = LayerGroupId(0),
+        beam: BeamIndex = BeamIndex(0),
+    ) -> dict[RequestId, array[int]]:
+        """Base page index (slot id, -1 for none) per block of each request, for one layer group.
+
+        The arrays are the manager's live index arrays (no copy): valid until the next
+        prepare/update/free of that request; do not modify them.
+        """
+        out: dict[RequestId, array[int]] = {}
+        for req in requests:
+            out[req.request_id] = self._seq_of(req).kv.get_base_page_indices(layer_group_id, beam)
+        return out
+
+    def get_kernel_page_indices(
+        self, request: EngineRequest, layer_id: LayerId, role: str, index_mode: PageIndexMode = PageIndexMode.PER_LAYER
+    ) -> list[int]:
+        """The request's kernel page indices for one buffer (``expansion`` per block, -1 for none).
+
+        Address of index ``x``: ``get_mem_pool_base_address(layer_id, role, index_mode) + x *
+        get_page_stride(layer_id, role)``; ``get_buffers(layer_id, role)[x]`` is that page.
+        """
+        kv = self._seq_of(request).kv
+        conv = self._converter(layer_id, role)
+        lg = self.manager.get_layer_group_id(layer_id)
+        return conv(kv.get_base_page_indices(lg), index_mode, kv.get_scratch_desc(lg))
+
+    def get_buffers(
+        self,
+        layer_id: LayerId,
+        role: str,
+        dtype: Any = None,
+        page_shape: tuple[int, ...] | None = None,
+        index_mode: PageIndexMode = PageIndexMode.PER_LAYER,
+    ) -> Any:
+        """Zero-copy view of the pool holding this buffer, indexed by kernel page index.
+
+        Shape ``(num_pages, *page_shape)`` of ``dtype`` (default: ``(num_pages, page_bytes)``
+        of uint8): numpy on the host backend; on CUDA a :class:`CudaBufferView` exposing
+        ``__cuda_array_interface__``. Page ``x`` is this buffer's page for kernel index ``x``
+        in ``index_mode`` (other indices hold other layers' pages of the same pool). Valid
+        until the manager shuts down.
+        """
+        self._check_alive()
+        m = self.manager
+        if not isinstance(index_mode, PageIndexMode):
+            raise TypeError(f"index_mode must be a PageIndexMode, got {type(index_mode).__name__}")
+        stride = m.get_page_stride(layer_id, role)  # validates layer_id and role
+        dt, shape = page_layout(stride, dtype, page_shape)
+        num_pages = m.get_page_index_upper_bound(layer_id, role)
+        if index_mode is PageIndexMode.SHARED:
+            conv = self._converter(layer_id, role)
+            num_pages -= conv.layer_offset * conv.expansion
+        address = int(m.get_mem_pool_base_address(layer_id, role, index_mode))
+        full_shape = (num_pages,) + shape
+        if m.backend_name == "cuda":
+            return CudaBufferView(address, full_shape, dt)
+        return host_view(address, full_shape, dt)
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def layer_group_pool_groups(self) -> list[PoolGroupIndex]:
+        """The pool group holding each layer group's slots (indexed by ``LayerGroupId``)."""
+        return [s.pool_group for s in self._shapes]
+
+    @property
+    def num_requests(self) -> int:
+        """Requests holding resources (active or suspended)."""
+        return len(self._seqs)
+
+    def has_resources(self, request: EngineRequest) -> bool:
+        seq = self._seqs.get(_check_request("request", request).request_id)
+        return seq is not None and seq.request is request
+
+    def is_suspended(self, request: EngineRequest) -> bool:
+        return self._seq_of(request).kv.status is KVCacheStatus.SUSPENDED
+
+    def get_kv_cache(self, request: EngineRequest) -> KVCache:
+        """The request's :class:`KVCache` (for what the adapter does not cover; do not close it)."""
+        return self._seq_of(request).kv
+
+    def shutdown(self) -> None:
+        """Free every request's resources and release all memory. Idempotent."""
+        if self._is_shut_down:
+            return
+        for seq in list(self._seqs.values()):
+            seq.kv.close()
+        self._seqs.clear()
+        self.manager.shutdown()
+        self._is_shut_down = True
+
+    def _seq_of(self, request: EngineRequest) -> _Sequence:
+        req = _check_request("request", request)
+        seq = self._seqs.get(req.request_id)
+        if seq is None or seq.request is not req:
+            raise LogicError(f"request {req.request_id} holds no resources in this adapter (prepare_resources first)")
+        return seq
+
+    def _converter(self, layer_id: LayerId, role: str) -> PageIndexConverter:
+        key = (layer_id, role)
+        conv = self._converters.get(key)
+        if conv is None:
+            conv = self.manager.get_page_index_converter(layer_id, role)
+            self._converters[key] = conv
+        return conv
+
+    def _check_alive(self) -> None:
+        if self._is_shut_down:
+            raise LogicError("the resource manager was shut down")

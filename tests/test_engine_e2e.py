@@ -1,0 +1,160 @@
+"""End to end: a tiny numpy transformer whose attention reads and writes K/V only through the pages
+the adapter hands out, driven by a continuous-batching scheduler under memory pressure, must
+produce exactly the dense reference's greedy tokens and logits for every request."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kv_cache_manager_v2 import BAD_PAGE_INDEX, KVCache, LayerGroupId, LayerId, PageIndexMode
+from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager, RequestState
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+from tiny_engine.model import TinyConfig
+from tiny_engine.scheduler import Scheduler
+from tiny_engine.workload import WorkloadParams, check_against_dense, run_workload
+
+
+def held_slots(a: KVCacheResourceManager, reqs: list[EngineRequest]) -> list[int]:
+    """Distinct slots the requests' caches point at, per pool group."""
+    slots: list[set[int]] = [set() for _ in a.get_max_resource_count_per_pool_group()]
+    for lg, g in enumerate(a.layer_group_pool_groups):
+        for idx in a.get_batch_cache_indices(reqs, LayerGroupId(lg)).values():
+            slots[g].update(s for s in idx if s != BAD_PAGE_INDEX)
+    return [len(s) for s in slots]
+
+
+class Auditor:
+    """Checks, every step after prepare, what the adapter reports against what the manager holds."""
+
+    def __init__(self, cfg: TinyConfig) -> None:
+        self.cfg = cfg
+        # request id -> (cache, peak it was said to reach, highest seen), per pool group
+        self.tracked: dict[int, tuple[KVCache, list[int], list[int]]] = {}
+        self.steps = 0
+        self.swa_released = 0
+
+    def __call__(self, s: Scheduler) -> None:
+        a = s.adapter
+        self.steps += 1
+        holders = s.running + s.suspended
+        total = a.get_max_resource_count_per_pool_group()
+        free = a.get_num_free_blocks_per_pool_group()
+        # every slot that is not available is one some request holds (no lower tiers yet)
+        assert [t - f for t, f in zip(total, free)] == held_slots(a, holders)
+        assert a.get_num_free_blocks() == sum(free) and a.get_max_resource_count() == sum(total)
+        for r in s.running:
+            if not r.num_scheduled_tokens:
+                continue
+            kv = a.get_kv_cache(r)
+            held = held_slots(a, [r])
+            entry = self.tracked.get(r.request_id)
+            if entry is None or entry[0] is not kv:  # first step of this admission
+                need = a.get_needed_resource_to_completion_per_pool_group(r)
+                self.tracked[r.request_id] = (kv, [n + h for n, h in zip(need, held)], held)
+            else:
+                self.tracked[r.request_id] = (kv, entry[1], [max(x, h) for x, h in zip(entry[2], held)])
+            t = self.cfg.tokens_per_block
+            for lg, layer_ids in enumerate(a.manager.layer_grouping):
+                spec = self.cfg.layers[layer_ids[0]]
+                if spec.window is None:
+                    continue
+                idx = kv.get_base_page_indices(LayerGroupId(lg))
+                sink_blocks = -(-spec.sink_tokens // t)
+                below_window = range(sink_blocks, max(0, (r.num_cached_tokens + 1 - spec.window) // t))
+                if len(below_window):
+                    assert all(idx[o] == BAD_PAGE_INDEX for o in below_window)  # released by the manager
+                    self.swa_released += 1
+
+    def check_peaks(self) -> None:
+        for rid, (_, said, seen) in self.tracked.items():
+            assert seen == said, f"request {rid}: needed-to-completion said the peak is {said}, it was {seen}"
+
+
+def run_and_check(p: WorkloadParams) -> tuple[Any, Auditor]:
+    cfg = TinyConfig()
+    audit = Auditor(cfg)
+    res = run_workload(cfg, p, audit)
+    check_against_dense(res)
+    audit.check_peaks()
+    assert len(audit.tracked) == p.num_requests
+    a = res.adapter
+    assert a.num_requests == 0 and a.manager.num_open_caches == 0
+    a.manager.clear_reusable_blocks()
+    assert a.get_num_free_blocks() == a.get_max_resource_count()
+    return res, audit
+
+
+def test_end_to_end_under_memory_pressure_equals_the_dense_reference() -> None:
+    p = WorkloadParams(num_requests=300)
+    res, audit = run_and_check(p)
+    st = res.scheduler.stats
+    try:
+        assert all(r.state is RequestState.FINISHED for r in res.requests)
+        assert st.preempted_suspend > 0 and st.resumed > 0
+        assert st.reuse_share > 0.3, st.reuse_share
+        assert audit.swa_released > 0
+        t = res.model.cfg.tokens_per_block
+        assert any(r.num_reused_tokens % t for r in res.requests)  # partial-block reuse happened
+        # reuse during generation: a follow-up reused tokens its source generated
+        by_id = {r.request_id: r for r in res.requests}
+        assert any(by_id[f].num_reused_tokens > len(by_id[src].prompt_tokens) for f, src in res.followups.items()), (
+            res.followups
+        )
+    finally:
+        res.adapter.shutdown()
+
+
+def test_guaranteed_admission_never_preempts() -> None:
+    """Admitting only what fits to completion (per pool group) must never need a preemption."""
+    res, _ = run_and_check(WorkloadParams(num_requests=150, seed=1, admission="guaranteed"))
+    try:
+        st = res.scheduler.stats
+        assert st.preempted_suspend == 0 and st.preempted_recompute == 0 and st.unserved_admissions == 0
+        assert st.max_batch > 4
+    finally:
+        res.adapter.shutdown()
+
+
+def test_writes_through_get_buffers_are_read_by_the_engine() -> None:
+    """The adapter's pool view aliases the memory the engine attends over: corrupting one cached
+    key of a decoding request through it changes that request's logits."""
+    cfg = TinyConfig()
+    corrupted: list[int] = []
+
+    def corrupt(s: Scheduler) -> None:
+        if corrupted:
+            return
+        for r in s.running:
+            if (
+                r.state is RequestState.GENERATION
+                and r.num_scheduled_tokens
+                and len(r.generated_tokens) + 2 < r.max_new_tokens
+            ):
+                a = s.adapter
+                view = a.get_buffers(LayerId(0), "key", np.float64, cfg.kv_page_shape)
+                engine_view = s.engine.buffers[0].views["key"]
+                assert view.ctypes.data == engine_view.ctypes.data and view.shape == engine_view.shape
+                page = a.get_kernel_page_indices(r, LayerId(0), "key", PageIndexMode.PER_LAYER)[0]
+                view[page, 0] += 1.0  # position 0: every full-attention query reads it
+                addr = a.manager.get_mem_pool_base_address(LayerId(0), "key", PageIndexMode.PER_LAYER)
+                got = np.frombuffer(
+                    a.manager.backend.read(addr + page * a.manager.get_page_stride(LayerId(0), "key"), 8)
+                )
+                assert got[0] == engine_view[page, 0, 0, 0]
+                corrupted.append(r.request_id)
+                return
+
+    res = run_workload(cfg, WorkloadParams(num_requests=30, seed=3, followup_prob=0.0), corrupt)
+    try:
+        assert corrupted
+        with pytest.raises(AssertionError, match="logits differ"):
+            check_against_dense(res)
+    finally:
+        res.adapter.shutdown()
