@@ -35,6 +35,8 @@ GPU_LEVEL: Final = CacheLevel(0)
 DEFAULT_PRIORITY: Final = Priority(35)
 MAX_PRIORITY: Final = Priority(100)
 MAX_TOKEN_ID: Final = (1 << 32) - 1
+#: Largest capacity of one request, in tokens: positions are int32 for kernels.
+MAX_CAPACITY: Final = (1 << 31) - 1
 
 
 class CacheTier(enum.Enum):

@@ -71,7 +71,7 @@ def test_batch_prefill_and_decode_through_fake_engine(make_manager: MakeManager,
     for kv, toks in reqs:
         engine.check_all(kv, toks, kv.history_length)
         idx = kv.get_base_page_indices(LayerGroupId(0))
-        assert isinstance(idx, array) and idx.typecode == "i" and len(idx) == kv.num_blocks
+        assert isinstance(idx, memoryview) and idx.format == "i" and len(idx) == kv.num_blocks
         assert all(i != BAD_PAGE_INDEX for i in idx)
     all_slots = [i for kv, _ in reqs for i in kv.get_base_page_indices(LayerGroupId(0))]
     assert len(all_slots) == len(set(all_slots)), "a slot was handed to two blocks"
@@ -107,6 +107,8 @@ def test_decode_growth_within_block_changes_only_lengths(make_manager: MakeManag
         assert kv.resize(cap)
         assert list(idx) == before and free_slots(m) == free_before
     assert kv.resize(17)
+    assert len(idx) == 2 and list(idx) == before  # a view keeps its length; its entries stay live
+    idx = kv.get_base_page_indices(LayerGroupId(0))
     assert len(idx) == 3 and free_slots(m)[0] == free_before[0] - 1
     kv.close()
 

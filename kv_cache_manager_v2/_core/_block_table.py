@@ -1,5 +1,14 @@
 """The block table of one request: per life cycle, the page of every block and the live index
-array kernels read (one beam's view; a beam-search request keeps one table per beam)."""
+array kernels read (one beam's view; a beam-search request keeps one table per beam).
+
+Index storage never changes size: each life cycle's slot ids live in an ``array('i')`` with
+spare capacity (-1 past the blocks), and callers get a cached ``memoryview`` of its first
+``num_blocks`` entries. A caller may wrap that view (numpy, torch) for as long as it likes: the
+manager writes into it in place, and when the blocks outgrow the capacity it moves to a new
+array instead of resizing the exported one (so an export can never make an operation fail
+half-way). A view's length is the block count when it was taken; fetch it again after a
+``resize`` that changes ``num_blocks``.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +24,7 @@ class BlockTable:
     """Pages and page indices of one request's blocks, per life cycle.
 
     ``pages[lc][o]`` is block ``o``'s page (None: stale, not allocated, or awaiting its
-    copy-on-partial), ``indices[lc]`` the matching slot ids (``BAD_PAGE_INDEX`` where there is
+    copy-on-partial), ``views[lc]`` the matching slot ids (``BAD_PAGE_INDEX`` where there is
     no page), mirrored into ``user_bufs[lc]`` when the caller gave a buffer. Blocks
     ``[num_sink_blocks, stale_end[lc])`` were released as out of window.
     ``pending_copy[lc]`` is the held source page of a partially matched block.
@@ -23,12 +32,25 @@ class BlockTable:
     share the request's ``scratch_slots[lc]`` (SPEC 5.7).
     """
 
-    __slots__ = ("indices", "pages", "pending_copy", "scratch", "scratch_slots", "stale_end", "user_bufs")
+    __slots__ = (
+        "pages",
+        "_store",
+        "_full",
+        "views",
+        "user_bufs",
+        "stale_end",
+        "pending_copy",
+        "scratch",
+        "scratch_slots",
+    )
 
     def __init__(self, num_life_cycles: int) -> None:
         n = num_life_cycles
         self.pages: TypedList[LifeCycleId, list[Page | None]] = TypedList([[] for _ in range(n)])
-        self.indices: TypedList[LifeCycleId, array[int]] = TypedList([array("i") for _ in range(n)])
+        # slot ids with spare capacity (never resized), a view of all of it, and of the blocks
+        self._store: TypedList[LifeCycleId, array[int]] = TypedList([array("i") for _ in range(n)])
+        self._full: TypedList[LifeCycleId, memoryview] = TypedList([memoryview(a) for a in self._store])
+        self.views: TypedList[LifeCycleId, memoryview] = TypedList([v[:0] for v in self._full])
         self.user_bufs: TypedList[LifeCycleId, memoryview | None] = TypedList([None] * n)
         self.stale_end: TypedList[LifeCycleId, int] = TypedList([0] * n)
         self.pending_copy: TypedList[LifeCycleId, Page | None] = TypedList([None] * n)
@@ -39,12 +61,27 @@ class BlockTable:
         return len(self.pages)
 
     # ------------------------------------------------------------------ pages
+    def _set_len(self, lc: LifeCycleId, old_nb: int, nb: int) -> None:
+        """Resize the block count of the index view: -1 past the blocks, more capacity if needed."""
+        store = self._store[lc]
+        if nb > len(store):
+            grown = array("i", [BAD_PAGE_INDEX]) * max(nb, 2 * len(store), 16)
+            if old_nb:
+                grown[:old_nb] = store[:old_nb]
+            self._store[lc] = store = grown
+            self._full[lc] = memoryview(grown)
+        elif nb < old_nb:
+            store[nb:old_nb] = array("i", [BAD_PAGE_INDEX]) * (old_nb - nb)
+        self.views[lc] = self._full[lc][:nb]
+
     def adopt(self, lc: LifeCycleId, pages: list[Page | None], stale_end: int) -> None:
         """Install the pages of a matched prefix (the table is empty)."""
         self.pages[lc] = pages
-        # filled as a list, then extended once: array item calls are slow compiled
-        self.indices[lc].extend([BAD_PAGE_INDEX if p is None else p.slot for p in pages])
         self.stale_end[lc] = stale_end
+        if pages:  # (an empty slice assignment counts as a resize for an exported array)
+            self._set_len(lc, 0, len(pages))
+            # filled as a list, then stored at once: array item calls are slow compiled
+            self._store[lc][: len(pages)] = array("i", [BAD_PAGE_INDEX if p is None else p.slot for p in pages])
 
     def block_pages(self, o: int) -> list[Page | None]:
         """Block ``o``'s page in every life cycle."""
@@ -54,7 +91,7 @@ class BlockTable:
         """Point block ``o`` at ``page`` (or at nothing) in the pages, the indices and the caller's buffer."""
         self.pages[lc][o] = page
         slot = BAD_PAGE_INDEX if page is None else page.slot
-        self.indices[lc][o] = slot
+        self._store[lc][o] = slot
         buf = self.user_bufs[lc]
         if buf is not None:
             buf[o] = slot
@@ -63,7 +100,6 @@ class BlockTable:
         """Grow to ``nb`` blocks (or keep the count); block ``ordinals[i]`` gets ``new_pages[i]``,
         the other new blocks none. Ordinals below the old count fill blocks that had no page."""
         pages = self.pages[lc]
-        indices = self.indices[lc]
         old_nb = len(pages)
         slots = [BAD_PAGE_INDEX] * max(0, nb - old_nb)
         pages.extend([None] * (nb - old_nb))
@@ -75,10 +111,11 @@ class BlockTable:
             slots[o - old_nb] = page.slot
         if nb <= old_nb:
             return
-        indices.extend(slots)
+        self._set_len(lc, old_nb, nb)
+        self._store[lc][old_nb:nb] = array("i", slots)
         buf = self.user_bufs[lc]
         if buf is not None:
-            buf[old_nb:nb] = memoryview(indices)[old_nb:nb]
+            buf[old_nb:nb] = self._full[lc][old_nb:nb]
 
     def truncate(self, nb: int, locked: bool) -> None:
         """Drop blocks from ``nb`` on, releasing their pages last block first: the tail becomes
@@ -91,8 +128,9 @@ class BlockTable:
                     p.release(locked)
         for i, pages in enumerate(all_pages):
             lc = LifeCycleId(i)
+            old_nb = len(pages)
             del pages[nb:]
-            del self.indices[lc][nb:]
+            self._set_len(lc, old_nb, nb)
             self.write_user_tail(lc, nb)
 
     def release_range(self, lc: LifeCycleId, beg: int, end: int, locked: bool) -> None:
@@ -152,11 +190,19 @@ class BlockTable:
 
     def attach_user_buf(self, lc: LifeCycleId, view: memoryview | None) -> None:
         """Mirror the indices into ``view`` from now on (None: stop)."""
+        old = self.user_bufs[lc]
         self.user_bufs[lc] = view
+        if old is not None and old is not view:
+            old.release()  # the caller's buffer is no longer exported by us
         if view is not None:
-            n = len(self.indices[lc])
-            view[:n] = memoryview(self.indices[lc])
+            n = len(self.pages[lc])
+            view[:n] = self._full[lc][:n]
             self.write_user_tail(lc, n)
+
+    def detach_user_bufs(self) -> None:
+        """Stop writing into callers' buffers (close)."""
+        for i in range(len(self.user_bufs)):
+            self.attach_user_buf(LifeCycleId(i), None)
 
     def write_user_tail(self, lc: LifeCycleId, n: int) -> None:
         buf = self.user_bufs[lc]

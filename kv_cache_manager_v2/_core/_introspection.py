@@ -121,7 +121,7 @@ def _check_cache(kv: KVCache, own: Callable[[Page, bool], None]) -> None:
     for i in range(len(table)):
         lc = LifeCycleId(i)
         lc_pages = table.pages[lc]
-        indices = table.indices[lc]
+        indices = table.views[lc]
         if status is KVCacheStatus.CLOSED:
             if lc_pages or len(indices):
                 _fail(f"{kv!r}: a closed cache still has pages")

@@ -3,7 +3,6 @@ the storage manager (allocation) and the reuse tree (publishing) (SPEC 4.3)."""
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 
 import rawref
@@ -11,6 +10,7 @@ import rawref
 from .._common import (
     BAD_PAGE_INDEX,
     DEFAULT_PRIORITY,
+    MAX_CAPACITY,
     MAX_PRIORITY,
     BeamIndex,
     BlockOrdinal,
@@ -339,6 +339,7 @@ class KVCache:
         if self._committing and self._tail:
             self._publish(self._num_published + 1)
         self._table.release_all(self._status is KVCacheStatus.ACTIVE)
+        self._table.detach_user_bufs()
         self._free_scratch_slots()
         for i in range(len(self._table)):
             self._table.scratch[LifeCycleId(i)] = (0, 0)
@@ -365,9 +366,11 @@ class KVCache:
             raise LogicError(f"resize() needs an ACTIVE cache; this one is {self._status.name} (call resume() first)")
         cap = self._capacity if capacity is None else capacity
         h = self._history if history_length is None else history_length
-        if type(cap) is not int or type(h) is not int or cap < 0 or h < 0:
+        if type(cap) is not int or type(h) is not int or cap < 0 or h < 0 or cap > MAX_CAPACITY:
             check_int("capacity", cap)  # raises with the reason
             check_int("history_length", h)
+            if cap > MAX_CAPACITY:
+                raise ValueError(f"capacity must be at most {MAX_CAPACITY} tokens (int32 positions), got {cap}")
         if h < self._history:
             raise LogicError(f"history_length never shrinks: {self._history} -> {h}")
         if cap < h:
@@ -425,24 +428,30 @@ class KVCache:
             gain[g] += table.sole_owned(lc, max(sinks, table.stale_end[lc]), min(end, old_nb))
             gain[g] += table.sole_owned(lc, max(nb, end), old_nb)
             sb, se, num_slots = self._scratch_plan(lc, cap, h)  # (0, 0, 0) without scratch
-            scratch.append((sb, se, num_slots))
             # blocks of this step's scratch range that got pages in an earlier resize give them back
             gain[g] += table.sole_owned(lc, sb, min(se, old_nb))
             held = len(table.scratch_slots[lc])
             need[g] += max(0, num_slots - held)
             gain[g] += max(0, held - num_slots)
-            # new blocks, and blocks that were scratch and now need a page, except stale and scratch ones
+            # new blocks, and blocks that were scratch and now need a page, except stale and scratch
+            # ones; counted first, so a huge capacity is refused before any per-block work
+            old_sb, old_se = table.scratch[lc]
+            need[g] += _count_outside(old_sb, min(old_se, nb), sinks, end, sb, se)
+            need[g] += _count_outside(old_nb, nb, sinks, end, sb, se)
+            scratch.append((sb, se, num_slots))
+        if not storage.fits(need, gain):
+            return False
+        for i, (sb, se, _) in enumerate(scratch):
+            lc = LifeCycleId(i)
+            sinks, end = ctx.life_cycles[lc].num_sink_blocks, stale_ends[i]
             old_sb, old_se = table.scratch[lc]
             want = [
                 o
                 for o in [*range(old_sb, min(old_se, nb)), *range(old_nb, nb)]
                 if not sinks <= o < end and not sb <= o < se
             ]
-            need[g] += len(want)
             wanted.append(want)
-            priorities.append(self._priorities(lc, want))
-        if not storage.fits(need, gain):
-            return False
+            priorities.append(self._priorities(lc, want))  # may raise: nothing changed yet
         storage.reserve(need)  # a driver failure here changes nothing
         # Release everything first: life cycles sharing a pool group use each other's releases.
         for i in range(ctx.num_life_cycles):
@@ -568,9 +577,11 @@ class KVCache:
             self._ctx.tree.prune(old)
 
     # ------------------------------------------------------------------ indices
-    def get_base_page_indices(self, layer_group_id: LayerGroupId, beam_id: BeamIndex = BeamIndex(0)) -> array[int]:
-        """Slot id per block (``BAD_PAGE_INDEX`` for none); a live view kept up to date, do not modify."""
-        indices = self._table.indices.items
+    def get_base_page_indices(self, layer_group_id: LayerGroupId, beam_id: BeamIndex = BeamIndex(0)) -> memoryview:
+        """Slot id per block (``BAD_PAGE_INDEX`` for none): an int32 ``memoryview`` the manager keeps
+        up to date in place (wrap it with numpy at will; do not write to it). Its length is the
+        block count when fetched: fetch it again after a ``resize`` that changes ``num_blocks``."""
+        indices = self._table.views.items
         if type(layer_group_id) is int and 0 <= layer_group_id < len(indices) and beam_id == 0:
             return indices[layer_group_id]  # the per-step path: no helper calls
         self._check_lc(layer_group_id)
@@ -632,6 +643,16 @@ class KVCache:
         check_int("beam index", beam)
         if beam != 0:
             raise ValueError(f"beam index must be 0 (beam_width is 1), got {beam}")
+
+
+def _count_outside(beg: int, end: int, a_beg: int, a_end: int, b_beg: int, b_end: int) -> int:
+    """How many of ``[beg, end)`` lie outside the disjoint ranges ``[a_beg, a_end)`` and ``[b_beg, b_end)``."""
+    if end <= beg:
+        return 0
+    n = end - beg
+    n -= max(0, min(end, a_end) - max(beg, a_beg))
+    n -= max(0, min(end, b_end) - max(beg, b_beg))
+    return n
 
 
 def _checked_priority(p: Priority) -> Priority:

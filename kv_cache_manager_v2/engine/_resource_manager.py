@@ -7,7 +7,6 @@ capacity queries for the scheduler, block tables and pool views for the kernels.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -387,7 +386,7 @@ class KVCacheResourceManager:
         peak = peak_slots(self._shapes, self._num_pool_groups, t, plan, self._has_swa)
         for lg, shape in enumerate(self._shapes):
             indices = kv.get_base_page_indices(LayerGroupId(lg))
-            peak[shape.pool_group] -= len(indices) - indices.count(BAD_PAGE_INDEX)
+            peak[shape.pool_group] -= len(indices) - indices.tolist().count(BAD_PAGE_INDEX)
         return [max(0, n) for n in peak]
 
     # ------------------------------------------------------------------ kernels
@@ -396,13 +395,14 @@ class KVCacheResourceManager:
         requests: Sequence[EngineRequest],
         layer_group_id: LayerGroupId = LayerGroupId(0),
         beam: BeamIndex = BeamIndex(0),
-    ) -> dict[RequestId, array[int]]:
+    ) -> dict[RequestId, memoryview]:
         """Base page index (slot id, -1 for none) per block of each request, for one layer group.
 
-        The arrays are the manager's live index arrays (no copy): valid until the next
-        prepare/update/free of that request; do not modify them.
+        The views are the manager's live index views (no copy; see
+        ``KVCache.get_base_page_indices``): fetch them again after the next prepare of that
+        request; do not modify them.
         """
-        out: dict[RequestId, array[int]] = {}
+        out: dict[RequestId, memoryview] = {}
         for req in requests:
             out[req.request_id] = self._seq_of(req).kv.get_base_page_indices(layer_group_id, beam)
         return out
