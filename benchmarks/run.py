@@ -177,7 +177,7 @@ def _admission(p: dict[str, int], as_array: bool) -> dict[str, Any]:
     hashed = p["shared"] // t + 1
     t0 = time.perf_counter()
     for prompt in prompts:
-        hasher = BlockHasher(prompt[:-1], t)
+        hasher = BlockHasher(prompt[:-1], t, "prompt")
         key = root
         for o in range(hashed):
             key = hasher.key(key, o)
@@ -227,10 +227,10 @@ def scenario_hashing(p: dict[str, int]) -> dict[str, Any]:
     ours, ours_array, plain = [], [], []
     for _ in range(5):
         t0 = time.perf_counter()
-        BlockHasher(tokens, t).chain(scope_key(ReuseScope()))  # list[int]: encoding is part of the cost
+        BlockHasher(tokens, t, "tokens").chain(scope_key(ReuseScope()))  # list[int]: encoding is part of the cost
         ours.append(n_blocks * t / (time.perf_counter() - t0))
         t0 = time.perf_counter()
-        BlockHasher(ids, t).chain(scope_key(ReuseScope()))  # array('I'): encoding is a memcpy
+        BlockHasher(ids, t, "tokens").chain(scope_key(ReuseScope()))  # array('I'): encoding is a memcpy
         ours_array.append(n_blocks * t / (time.perf_counter() - t0))
         t0 = time.perf_counter()
         key = b"\0" * 32

@@ -268,14 +268,14 @@ def test_block_hasher_matches_block_key() -> None:
     plain = toks(80, 150)  # several lazily encoded chunks of 16 blocks of 4
     mixed: list[object] = plain[:70] + [b"\x01" * 32] + plain[71:]
     for seq in (plain, mixed, array("I", plain)):
-        keys = BlockHasher(seq, 4).chain(root)  # type: ignore[arg-type]
+        keys = BlockHasher(seq, 4, "tokens").chain(root)  # type: ignore[arg-type]
         assert len(keys) == 38  # the last block is partial
         parent = root
         for o, k in enumerate(keys):
             assert k == block_key(parent, list(seq[o * 4 : (o + 1) * 4]))  # type: ignore[arg-type]
             parent = k
     with pytest.raises(ValueError, match="outside"):
-        BlockHasher(plain[:100] + [-5], 4).chain(root)  # type: ignore[arg-type]
+        BlockHasher(plain[:100] + [-5], 4, "tokens").chain(root)  # type: ignore[arg-type]
 
 
 def test_array_tokens_match_list_tokens(make_manager: MakeManager) -> None:

@@ -8,6 +8,7 @@ import rawref
 
 from .._common import LifeCycleId, PoolGroupIndex, ReuseStatistics
 from .._config import KVCacheManagerConfig
+from .._exceptions import LogicError
 from .._life_cycle_registry import LifeCycle, LifeCycleRegistry
 from .._reuse._tree import ReuseTree
 from .._storage._storage_manager import StorageManager
@@ -30,6 +31,8 @@ class CacheContext:
         "num_life_cycles",
         "num_pool_groups",
         "open_caches",
+        "busy",
+        "deferred_closes",
         "scratch_util",
         "registry",
         "stats",
@@ -64,3 +67,26 @@ class CacheContext:
         self.enable_stats = config.enable_stats
         #: open caches as non-owning refs: a cache dropped by its owner closes itself
         self.open_caches: set[rawref.ref[KVCache]] = set()
+        #: a state-changing call is in progress (calls must not overlap: see ``enter``)
+        self.busy = False
+        #: caches the garbage collector dropped during a call; closed when it ends
+        self.deferred_closes: list[KVCache] = []
+
+    def enter(self, what: str) -> None:
+        """Start a state-changing call; refuse one that overlaps another (a priority callback
+        calling back into the manager, or two threads using it at once)."""
+        if self.busy:
+            raise LogicError(
+                f"{what} was called while another call into this manager is in progress (from a "
+                "custom_priority_callback, or from another thread); a manager and its caches take one "
+                "call at a time"
+            )
+        self.busy = True
+
+    def leave(self) -> None:
+        self.busy = False
+        if self.deferred_closes:
+            caches = self.deferred_closes
+            self.deferred_closes = []
+            for kv in caches:
+                kv.close()

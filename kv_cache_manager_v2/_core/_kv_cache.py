@@ -254,10 +254,16 @@ class KVCache:
             raise LogicError(f"resume() needs a SUSPENDED cache; this one is {self._status.name}")
         if cuda_stream is not None:
             check_int("cuda_stream (a CUstream handle)", cuda_stream)
+        ctx = self._ctx
+        ctx.enter("resume()")
+        try:
+            if not self._place_for_resume():
+                return False
+            self._table.lock_all()
+        finally:
+            ctx.leave()
+        if cuda_stream is not None:
             self._cuda_stream = cuda_stream
-        if not self._place_for_resume():
-            return False
-        self._table.lock_all()
         self._status = KVCacheStatus.ACTIVE
         return True
 
@@ -320,9 +326,14 @@ class KVCache:
         """ACTIVE -> SUSPENDED: locks become holds; the pages stay valid."""
         if self._status is not KVCacheStatus.ACTIVE:
             raise LogicError(f"suspend() needs an ACTIVE cache; this one is {self._status.name}")
-        self._table.hold_all()
-        self._free_scratch_slots()  # scratch keeps nothing between steps; resume allocates it again
-        self._status = KVCacheStatus.SUSPENDED
+        ctx = self._ctx
+        ctx.enter("suspend()")
+        try:
+            self._table.hold_all()
+            self._free_scratch_slots()  # scratch keeps nothing between steps; resume allocates it again
+            self._status = KVCacheStatus.SUSPENDED
+        finally:
+            ctx.leave()
 
     def _free_scratch_slots(self) -> None:
         table = self._table
@@ -336,6 +347,14 @@ class KVCache:
         every page; committed pages stay reusable. Idempotent; also runs on garbage collection."""
         if self._status is KVCacheStatus.CLOSED:
             return
+        ctx = self._ctx
+        ctx.enter("close()")
+        try:
+            self._close()
+        finally:
+            ctx.leave()
+
+    def _close(self) -> None:
         if self._committing and self._tail:
             self._publish(self._num_published + 1)
         self._table.release_all(self._status is KVCacheStatus.ACTIVE)
@@ -354,7 +373,11 @@ class KVCache:
 
     def __del__(self) -> None:
         if self._status is not KVCacheStatus.CLOSED:
-            self.close()
+            ctx = self._ctx
+            if ctx.busy:  # collected in the middle of a call: close when it ends
+                ctx.deferred_closes.append(self)
+            else:
+                self.close()
 
     # ------------------------------------------------------------------ allocation
     def resize(self, capacity: int | None, history_length: int | None = None) -> bool:
@@ -381,7 +404,12 @@ class KVCache:
             self._capacity = cap
             self._history = h
             return True
-        return self._resize_blocks(cap, h, nb)
+        ctx = self._ctx
+        ctx.enter("resize()")
+        try:
+            return self._resize_blocks(cap, h, nb)
+        finally:
+            ctx.leave()
 
     def _window_moves(self, cap: int, h: int) -> bool:
         """Whether some SWA life cycle has blocks to release at history ``h``, or a different
@@ -508,31 +536,45 @@ class KVCache:
                 f"beyond capacity {self._capacity}; resize() first"
             )
         if len(accepted_input_tokens) == 1:
-            check_token(accepted_input_tokens[0])  # the decode step: one token
+            check_token(accepted_input_tokens[0], "accepted_input_tokens")  # the decode step: one token
         else:
-            validate_tokens(accepted_input_tokens)
+            validate_tokens(accepted_input_tokens, "accepted_input_tokens")
         tail = self._tail
-        tail.extend(accepted_input_tokens)
-        if len(tail) >= t:
-            full = len(tail) // t
-            self._committed_blocks.extend([tuple(tail[i * t : (i + 1) * t]) for i in range(full)])
-            del tail[: full * t]
-            self._publish(len(self._committed_blocks))
-        if n > self._history:
-            self._history = n
-            ctx = self._ctx
-            if ctx.has_swa:
-                for lc in ctx.swa_life_cycles:
-                    self._release_stale(lc, ctx.life_cycles[lc].stale_end(n))
+        ctx = self._ctx
+        if len(tail) + len(accepted_input_tokens) < t and (n <= self._history or not self._window_moves(n, n)):
+            tail.extend(accepted_input_tokens)  # the decode path: nothing shared changes
+            if n > self._history:
+                self._history = n
+            return
+        ctx.enter("commit()")
+        try:
+            tail.extend(accepted_input_tokens)
+            if len(tail) >= t:
+                full = len(tail) // t
+                self._committed_blocks.extend([tuple(tail[i * t : (i + 1) * t]) for i in range(full)])
+                del tail[: full * t]
+                self._publish(len(self._committed_blocks))
+            if n > self._history:
+                self._history = n
+                if ctx.has_swa:
+                    for lc in ctx.swa_life_cycles:
+                        self._release_stale(lc, ctx.life_cycles[lc].stale_end(n))
+        finally:
+            ctx.leave()
 
     def stop_committing(self) -> None:
         """No more commits for this request (its further output must not be reused)."""
         if self._status is KVCacheStatus.CLOSED:
             raise LogicError("stop_committing() on a CLOSED cache")
-        if self._committing and self._tail:
-            self._publish(self._num_published + 1)
-        self._committing = False
-        self._extend_from(None)
+        ctx = self._ctx
+        ctx.enter("stop_committing()")
+        try:
+            if self._committing and self._tail:
+                self._publish(self._num_published + 1)
+            self._committing = False
+            self._extend_from(None)
+        finally:
+            ctx.leave()
 
     def _publish(self, upto: int) -> None:
         """Insert committed blocks ``[num_published, upto)`` into the reuse tree (the last may be partial)."""

@@ -30,7 +30,7 @@ from .._config import KVCacheManagerConfig
 from .._exceptions import LogicError
 from .._life_cycle_registry import LifeCycleRegistry
 from .._page_index import PageIndexConverter
-from .._reuse._keys import BlockKey, validate_tokens
+from .._reuse._keys import BlockHasher, BlockKey
 from .._reuse._tree import Node, ReuseTree
 from .._storage._backend import MemoryBackend
 from .._storage._layout import BufferAttr, StorageLayout
@@ -100,11 +100,16 @@ class KVCacheManager:
         if not callable(custom_priority_callback):
             raise TypeError("custom_priority_callback must be callable (block_ordinal, life_cycle) -> priority")
         scope = reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE
-        kv = KVCache(self._ctx, scope, id, custom_priority_callback)
-        if input_tokens is not None and len(input_tokens) > 0:
-            nodes, part, part_len = self._match(scope, input_tokens, True)  # may raise: kv is not open yet
-            kv._adopt(nodes, part, part_len, input_tokens)
-        self._ctx.open_caches.add(rawref.ref(kv))
+        ctx = self._ctx
+        ctx.enter("create_kv_cache()")
+        try:
+            kv = KVCache(ctx, scope, id, custom_priority_callback)
+            if input_tokens is not None and len(input_tokens) > 0:
+                nodes, part, part_len = self._match(scope, input_tokens, True)  # may raise: kv is not open yet
+                kv._adopt(nodes, part, part_len, input_tokens)
+            ctx.open_caches.add(rawref.ref(kv))
+        finally:
+            ctx.leave()
         return kv
 
     def probe_reuse(
@@ -114,32 +119,39 @@ class KVCacheManager:
         self._check_alive()
         if input_tokens is None or len(input_tokens) == 0:
             return 0
-        nodes, _, part_len = self._match(
-            reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE, input_tokens, False
-        )
+        ctx = self._ctx
+        ctx.enter("probe_reuse()")
+        try:
+            nodes, _, part_len = self._match(
+                reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE, input_tokens, False
+            )
+        finally:
+            ctx.leave()
         return len(nodes) * self.tokens_per_block + part_len
 
     def _match(
         self, scope: ReuseScope, input_tokens: Sequence[TokenIdExt], for_create: bool
     ) -> tuple[list[Node], Node | None, int]:
-        """Match ``input_tokens``. Block keys hashed by ``probe_reuse`` are kept for the
-        ``create_kv_cache`` of the same tokens that usually follows, so each block is hashed once."""
+        """Match ``input_tokens`` (all of them are validated). Block keys hashed by ``probe_reuse``
+        are kept for the ``create_kv_cache`` of the same tokens that usually follows, so each
+        block is hashed once."""
         check_type("reuse_scope", scope, ReuseScope)
         cached = self._probe_keys
         self._probe_keys = None
-        keys: list[BlockKey] = []
+        keys: list[BlockKey] | None = None
         if cached is not None and (cached[0] is scope or cached[0] == scope):
             prefix = cached[1]
             if input_tokens[: len(prefix)] == prefix:
                 keys = cached[2]
+        hasher = BlockHasher(input_tokens, self.tokens_per_block, "input_tokens", keys)
         root = self._tree.root(scope, False)
-        if root is None:
-            validate_tokens(input_tokens)  # nothing to match: still refuse bad input
-            return [], None, 0
-        result = self._tree.match(root, input_tokens, self._config.enable_partial_reuse, keys)
-        if not for_create:
+        result: tuple[list[Node], Node | None, int] = ([], None, 0)
+        if root is not None:
+            result = self._tree.match(root, hasher, self._config.enable_partial_reuse)
+        hasher.validate_rest()
+        if not for_create and hasher.keys:
             # the hashed prefix, copied with its own type so == is exact
-            self._probe_keys = (scope, input_tokens[: len(keys) * self.tokens_per_block], keys)
+            self._probe_keys = (scope, input_tokens[: len(hasher.keys) * self.tokens_per_block], hasher.keys)
         return result
 
     @property
@@ -169,20 +181,29 @@ class KVCacheManager:
 
     def clear_reusable_blocks(self) -> None:
         """Drop every reusable page. Refused while caches are open."""
+        self._check_alive()
         self._check_no_open_caches("clear_reusable_blocks")
-        self._tree.clear()
-        self._storage.drop_all_evictable()  # garbage of subtrees removed earlier
+        self._ctx.enter("clear_reusable_blocks()")
+        try:
+            self._tree.clear()
+            self._storage.drop_all_evictable()  # garbage of subtrees removed earlier
+        finally:
+            self._ctx.leave()
 
     def shutdown(self) -> None:
         """Release all memory; refused while caches are open. Idempotent."""
         if self._is_shut_down:
             return
         self._check_no_open_caches("shutdown")
-        self._tree.clear()
-        self._storage.drop_all_evictable()
-        self._storage.release()
-        self._backend.shutdown()
-        self._is_shut_down = True
+        self._ctx.enter("shutdown()")
+        try:
+            self._tree.clear()
+            self._storage.drop_all_evictable()
+            self._storage.release()
+            self._backend.shutdown()
+            self._is_shut_down = True
+        finally:
+            self._ctx.leave()
 
     # ------------------------------------------------------------------ layout for kernels
     @property
@@ -222,6 +243,7 @@ class KVCacheManager:
 
     @property
     def pool_group_descs(self) -> list[PoolGroupDesc]:
+        self._check_alive()
         return [
             PoolGroupDesc(
                 g.index,
@@ -252,6 +274,7 @@ class KVCacheManager:
         self, layer_id: LayerId, role: str, index_mode: PageIndexMode | None = None
     ) -> MemAddress:
         """Base address for kernel page indices of this buffer in ``index_mode`` (None: SHARED)."""
+        self._check_alive()
         attr = self._buffer(layer_id, role)
         base = self._storage.gpu[attr.pool_group].pools[attr.pool].base_address
         if index_mode is None or index_mode is PageIndexMode.SHARED:
@@ -266,6 +289,7 @@ class KVCacheManager:
 
     def get_page_index_upper_bound(self, layer_id: LayerId, role: str) -> int:
         """Kernel page indices of this buffer are below this bound."""
+        self._check_alive()
         attr = self._buffer(layer_id, role)
         return self._storage.gpu[attr.pool_group].num_slots * attr.scale * attr.expansion
 
@@ -283,6 +307,7 @@ class KVCacheManager:
 
     def get_aggregated_pages(self, buffer_ids: Sequence[BufferId]) -> Iterator[AggregatedPageDesc]:
         """Byte-contiguous runs of the requested buffers, one or more per pool (bulk transfer)."""
+        self._check_alive()
         wanted: set[BufferId] = set()
         for bid in buffer_ids:
             self._buffer(bid[0], bid[1])
@@ -313,23 +338,27 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ capacity
     def get_quota(self, level: CacheLevel) -> int:
+        self._check_alive()
         self._check_level(level)
         return self._quota
 
     def get_storage_statistics(self, level: CacheLevel = GPU_LEVEL) -> list[StorageStatistics]:
         """Slot accounting per pool group at ``level``."""
+        self._check_alive()
         self._check_level(level)
         return self._storage.statistics(level)
 
     @property
     def gpu_utilization(self) -> float:
         """Max over pool groups of unavailable / total GPU slots."""
+        self._check_alive()
         return self._storage.utilization()
 
     def clamp_max_seq_len_for_mem(self, batch_size: int, token_num_upper_bound: int) -> int:
         """Longest sequence length (<= the bound) that ``batch_size`` requests can each reach by
         decoding in GPU memory: every length on the way must fit, since a sliding-window request
         needs more pages just past a block boundary than at the next one."""
+        self._check_alive()
         check_int("batch_size", batch_size, 1)
         check_int("token_num_upper_bound", token_num_upper_bound)
         totals = [g.num_slots for g in self._storage.gpu]
@@ -354,7 +383,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------ checks
     def _check_alive(self) -> None:
         if self._is_shut_down:
-            raise LogicError("the manager was shut down")
+            raise LogicError("the manager was shut down: its memory is released; build a new KVCacheManager")
 
     def _check_level(self, level: CacheLevel) -> None:
         n = len(self._config.cache_tiers)

@@ -54,38 +54,67 @@ def encode_tokens(tokens: Sequence[TokenIdExt]) -> bytes:
     return out + b"\x00" * ((1 - len(out)) % 4)
 
 
-def check_token(tok: object) -> None:
-    """A token is an int in ``[0, 2**32)`` or a non-empty ``bytes`` digest."""
-    if isinstance(tok, int) and not isinstance(tok, bool):  # isinstance: a fast check compiled
+def check_token(tok: object, name: str = "token") -> None:
+    """A token is an ``int`` (not a bool or numpy integer) in ``[0, 2**32)`` or non-empty ``bytes``."""
+    if type(tok) is int:
         if not 0 <= tok <= MAX_TOKEN_ID:
-            raise ValueError(f"token id {tok} is outside [0, 2**32)")
-    elif isinstance(tok, bytes):
+            raise ValueError(f"{name}: token id {tok} is outside [0, 2**32)")
+    elif type(tok) is bytes:
         if len(tok) == 0:
-            raise ValueError("a bytes token must not be empty")
+            raise ValueError(f"{name}: a bytes token must not be empty")
     else:
-        raise TypeError(f"tokens must be ints or bytes, got {type(tok).__name__} {tok!r}")
+        raise TypeError(
+            f"{name}: tokens must be int or bytes, got {type(tok).__name__} {tok!r} "
+            "(convert numpy arrays with .tolist(); bools are not token ids)"
+        )
 
 
-def validate_tokens(tokens: Sequence[TokenIdExt]) -> None:
+def validate_tokens(tokens: Sequence[TokenIdExt], name: str = "tokens") -> None:
     """Check every token (ints in ``[0, 2**32)`` or non-empty bytes); clear errors otherwise."""
-    if len(tokens) > 8 and _encode_ids(tokens) is not None:
-        return
-    for tok in tokens:
-        check_token(tok)
+    encode_ids(tokens, name)
 
 
-def _encode_ids(tokens: Sequence[TokenIdExt]) -> bytes | None:
-    """uint32 LE encoding if every token is an id in range, else None (digests or bad input)."""
-    if isinstance(tokens, array) and tokens.typecode == "I":
-        return tokens.tobytes()  # a memory copy: no per-token conversion
-    try:
-        if isinstance(tokens, list):
-            encoded: array[int] = array("I")
-            encoded.fromlist(tokens)  # about twice as fast as array("I", tokens) for lists
-            return encoded.tobytes()
-        return array("I", cast(Sequence[int], tokens)).tobytes()
-    except (TypeError, OverflowError):
+def encode_ids(tokens: Sequence[TokenIdExt], name: str) -> bytes | None:
+    """Validate ``tokens`` and return their uint32 LE encoding, or None when they include digests.
+
+    The same rule in both build modes: elements must be exactly ``int`` or ``bytes`` (a loop over
+    their types, then the range checked by ``array.fromlist``); an ``array`` of integers is
+    checked as a whole.
+    """
+    if isinstance(tokens, array):
+        return _encode_array(tokens, name)
+    if isinstance(tokens, list):
+        items = cast(list[object], tokens)
+    else:
+        items = list(cast(Sequence[object], tokens))
+    ids_only = True
+    for tok in items:
+        if type(tok) is not int:
+            if type(tok) is not bytes:
+                check_token(tok, name)  # raises with the reason
+            ids_only = False
+    if not ids_only:
+        for tok in items:
+            check_token(tok, name)
         return None
+    encoded: array[int] = array("I")
+    try:
+        encoded.fromlist(cast(list[int], items))  # about twice as fast as array("I", tokens) for lists
+    except OverflowError:
+        for tok in items:
+            check_token(tok, name)  # names the token outside [0, 2**32)
+        raise
+    return encoded.tobytes()
+
+
+def _encode_array(tokens: array[int], name: str) -> bytes:
+    if tokens.typecode == "I":
+        return tokens.tobytes()  # a memory copy: no per-token conversion
+    if tokens.typecode in "fdu" or (len(tokens) and (min(tokens) < 0 or max(tokens) > MAX_TOKEN_ID)):
+        raise ValueError(
+            f"{name}: an array of tokens must hold integers in [0, 2**32), got typecode {tokens.typecode!r}"
+        )
+    return array("I", tokens).tobytes()
 
 
 def block_key(parent: BlockKey, tokens: Sequence[TokenIdExt]) -> BlockKey:
@@ -97,19 +126,27 @@ class BlockHasher:
     """Keys of the consecutive blocks of one token sequence.
 
     Tokens are validated and encoded lazily, a chunk of blocks at a time, so a match that
-    stops early neither converts nor checks the rest of a long prompt; plain-id blocks hash a
-    slice of the chunk's encoding. ``key(parent, o)`` equals
-    ``block_key(parent, tokens[o*T:(o+1)*T])`` (the last block may be partial).
+    stops early does not hash the rest of a long prompt (``validate_rest`` checks it without
+    hashing); plain-id blocks hash a slice of the chunk's encoding. ``keys[o]`` is
+    ``block_key(parent, tokens[o*T:(o+1)*T])`` chained from the scope root; ``keys`` may start
+    with keys computed earlier for the same tokens (``probe_reuse`` -> ``create_kv_cache``).
     Passing an ``array('I')`` makes encoding a memory copy.
     """
 
-    def __init__(self, tokens: Sequence[TokenIdExt], tokens_per_block: int) -> None:
+    def __init__(
+        self, tokens: Sequence[TokenIdExt], tokens_per_block: int, name: str, keys: list[BlockKey] | None = None
+    ) -> None:
         self.tokens = tokens
         self.tokens_per_block = tokens_per_block
+        self.name = name
         self.num_blocks = (len(tokens) + tokens_per_block - 1) // tokens_per_block
+        self.keys: list[BlockKey] = keys if keys is not None else []
         self._chunks: list[bytes | None] = []  # None: the chunk holds digests
 
     def key(self, parent: BlockKey, o: int) -> BlockKey:
+        """Block ``o``'s key given its parent's (computed once, then kept in ``keys``)."""
+        if o < len(self.keys):
+            return self.keys[o]
         t = self.tokens_per_block
         c = o // _CHUNK_BLOCKS
         while len(self._chunks) <= c:
@@ -117,23 +154,27 @@ class BlockHasher:
         chunk = self._chunks[c]
         end = min((o + 1) * t, len(self.tokens))
         if chunk is None:
-            return block_key(parent, self.tokens[o * t : end])
-        base = c * _CHUNK_BLOCKS * t
-        return _sha256_digest(parent + chunk[(o * t - base) * 4 : (end - base) * 4])
+            key = block_key(parent, self.tokens[o * t : end])
+        else:
+            base = c * _CHUNK_BLOCKS * t
+            key = _sha256_digest(parent + chunk[(o * t - base) * 4 : (end - base) * 4])
+        if o == len(self.keys):
+            self.keys.append(key)
+        return key
 
     def chain(self, parent: BlockKey) -> list[BlockKey]:
         """Keys of every block of the sequence, chained from ``parent``."""
-        keys: list[BlockKey] = []
         for o in range(self.num_blocks):
             parent = self.key(parent, o)
-            keys.append(parent)
-        return keys
+        return self.keys
+
+    def validate_rest(self) -> None:
+        """Check the tokens no chunk encoding has checked yet."""
+        done = len(self._chunks) * _CHUNK_BLOCKS * self.tokens_per_block
+        if done < len(self.tokens):
+            validate_tokens(self.tokens[done:], self.name)
 
     def _encode_chunk(self) -> None:
         span = _CHUNK_BLOCKS * self.tokens_per_block
         beg = len(self._chunks) * span
-        seg = self.tokens[beg : beg + span]
-        encoded = _encode_ids(seg)
-        if encoded is None:
-            validate_tokens(seg)  # raises for bad tokens; otherwise the chunk holds digests
-        self._chunks.append(encoded)
+        self._chunks.append(encode_ids(self.tokens[beg : beg + span], self.name))

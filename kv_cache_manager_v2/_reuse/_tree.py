@@ -3,7 +3,10 @@ and removal. It is the one place blocks enter and leave the reuse cache."""
 
 from __future__ import annotations
 
+from array import array
+from bisect import bisect_left
 from collections.abc import Sequence
+from typing import cast
 
 import rawref
 
@@ -12,7 +15,67 @@ from .._life_cycle_registry import LifeCycle
 from .._page import Page
 from .._storage._storage_manager import PageDropListener
 from .._typed import TypedList
-from ._keys import BlockHasher, BlockKey, block_key, scope_key
+from ._keys import BlockHasher, BlockKey, block_key, scope_key, validate_tokens
+
+#: Children a node scans one by one for a partial match; beyond this it keeps a sorted index.
+_SCAN_LIMIT = 8
+
+
+class _PartialIndex:
+    """A node's children sorted by the uint32 LE encoding of their tokens, so the child with the
+    longest common token prefix is a neighbour of a binary search (fixed-width encoding: a common
+    byte prefix of ``4k`` bytes is a common prefix of ``k`` tokens). Children holding digests
+    are few and scanned."""
+
+    __slots__ = ("keys", "nodes", "others")
+
+    def __init__(self, children: list[Node]) -> None:
+        pairs: list[tuple[bytes, Node]] = []
+        self.others: list[Node] = []
+        for c in children:
+            enc = _id_encoding(c.tokens)
+            if enc is None:
+                self.others.append(c)
+            else:
+                pairs.append((enc, c))
+        pairs.sort(key=lambda kv: kv[0])
+        self.keys = [k for k, _ in pairs]
+        self.nodes = [n for _, n in pairs]
+
+    def add(self, child: Node) -> None:
+        enc = _id_encoding(child.tokens)
+        if enc is None:
+            self.others.append(child)
+            return
+        i = bisect_left(self.keys, enc)
+        self.keys.insert(i, enc)
+        self.nodes.insert(i, child)
+
+    def remove(self, child: Node) -> None:
+        enc = _id_encoding(child.tokens)
+        if enc is None:
+            self.others.remove(child)
+            return
+        i = bisect_left(self.keys, enc)
+        while self.nodes[i] is not child:  # equal encodings: a full block and a partial one never are
+            i += 1
+        del self.keys[i]
+        del self.nodes[i]
+
+    def candidates(self, tokens: Sequence[TokenIdExt]) -> list[Node]:
+        """The children that can share the longest prefix with ``tokens`` (or start with them)."""
+        enc = _id_encoding(tokens)
+        if enc is None:
+            return list(self.nodes) + self.others
+        i = bisect_left(self.keys, enc)
+        out = self.others + self.nodes[max(0, i - 1) : i + 1]
+        return out
+
+
+def _id_encoding(tokens: Sequence[TokenIdExt]) -> bytes | None:
+    if all(type(tok) is int for tok in tokens):
+        return array("I", cast(Sequence[int], tokens)).tobytes()
+    return None
 
 
 class Node:
@@ -20,13 +83,14 @@ class Node:
 
     __slots__ = (
         "_children",
-        "_children_by_first",
+        "_index",
         "key",
         "num_extenders",
         "ordinal",
         "pages",
         "parent",
         "prio_cap",
+        "scope",
         "tokens",
     )
 
@@ -39,13 +103,15 @@ class Node:
         self.ordinal: int = parent.ordinal + 1 if parent is not None else -1
         # Created with the first child: most nodes are leaves, and a tree can hold millions.
         self._children: dict[BlockKey, Node] | None = None
-        #: children by their first token, so a partial match scans only plausible candidates
-        self._children_by_first: dict[TokenIdExt, list[Node]] | None = None
+        #: sorted children for partial matching, built once a node has many children
+        self._index: _PartialIndex | None = None
         self.pages: list[rawref.ref[Page] | None] = [None] * num_life_cycles
         #: requests that will publish the next block under this node: it stays while they may
         self.num_extenders = 0
         #: no page of this node or below it evicts after an anchor page of this node or above it
         self.prio_cap: Priority = parent.prio_cap if parent is not None else MAX_PRIORITY
+        #: a root's ``(lora_id, salt)``
+        self.scope: tuple[int | None, int | None] | None = None
 
     def page(self, lc: int) -> Page | None:
         r = self.pages[lc]
@@ -63,40 +129,56 @@ class Node:
         c = self._children
         return list(c.values()) if c is not None else []
 
-    def children_starting_with(self, token: TokenIdExt) -> list[Node]:
-        by_first = self._children_by_first
-        if by_first is None:
-            return []
-        return by_first.get(token, [])
-
     def add_child(self, child: Node) -> None:
-        if self._children is None or self._children_by_first is None:
+        if self._children is None:
             self._children = {}
-            self._children_by_first = {}
         self._children[child.key] = child
-        lst = self._children_by_first.get(child.tokens[0])
-        if lst is None:
-            self._children_by_first[child.tokens[0]] = [child]
-        else:
-            lst.append(child)
+        if self._index is not None:
+            self._index.add(child)
 
     def remove_child(self, child: Node) -> None:
         children = self._children
-        by_first = self._children_by_first
-        assert children is not None and by_first is not None
+        assert children is not None
         del children[child.key]
-        lst = by_first[child.tokens[0]]
-        lst.remove(child)
-        if not lst:
-            del by_first[child.tokens[0]]
         if not children:
-            self._children = self._children_by_first = None
+            self._children = None
+            self._index = None
+        elif self._index is not None:
+            self._index.remove(child)
 
     def drop_children(self) -> list[Node]:
         """Unlink every child (subtree removal); returns them."""
         out = self.children()
-        self._children = self._children_by_first = None
+        self._children = None
+        self._index = None
         return out
+
+    def partial_candidates(self, tokens: Sequence[TokenIdExt]) -> list[Node]:
+        """Children that may share the longest token prefix with ``tokens`` (at most a few plus
+        the digest-holding ones, whatever the number of children)."""
+        c = self._children
+        if c is None:
+            return []
+        if len(c) <= _SCAN_LIMIT:
+            return list(c.values())
+        if self._index is None:
+            self._index = _PartialIndex(list(c.values()))
+        return self._index.candidates(tokens)
+
+    def best_partial(self, tokens: Sequence[TokenIdExt]) -> tuple[Node | None, int]:
+        """The child with the longest common token prefix with ``tokens`` (>= 1), and its length."""
+        best: Node | None = None
+        best_len = 0
+        for child in self.partial_candidates(tokens):
+            n = common_prefix_len(child.tokens, tokens)
+            if n > best_len:
+                best, best_len = child, n
+        return best, best_len
+
+    def covers(self, tokens: Sequence[TokenIdExt]) -> bool:
+        """Whether some child's tokens start with ``tokens``."""
+        n = len(tokens)
+        return any(len(c.tokens) >= n and c.tokens[:n] == tokens for c in self.partial_candidates(tokens))
 
     def has_pages(self) -> bool:
         return any(r is not None and r.is_valid for r in self.pages)
@@ -129,48 +211,34 @@ class ReuseTree(PageDropListener):
         node = self.roots.get(ident)
         if node is None and create:
             node = self.roots[ident] = Node(scope_key(scope), None, (), len(self.life_cycles))
+            node.scope = ident
         return node
 
     # ------------------------------------------------------------------ matching
-    def match(
-        self,
-        root: Node,
-        tokens: Sequence[TokenIdExt],
-        partial: bool,
-        keys: list[BlockKey],
-    ) -> tuple[list[Node], Node | None, int]:
+    def match(self, root: Node, hasher: BlockHasher, partial: bool) -> tuple[list[Node], Node | None, int]:
         """Longest reusable prefix: matched full-block nodes, then an optional partial node and its length.
 
-        Walks full blocks by key; at the first miss picks the child with the longest common
-        token prefix; then shortens until every life cycle has the pages it needs there.
-        ``keys`` holds the keys of the first full blocks already computed for ``tokens``;
-        keys computed here are appended, so a later match of the same tokens hashes nothing.
-        Only the tokens of the blocks looked at are validated.
+        Walks full blocks by key (``hasher`` computes and keeps them); at the first miss picks
+        the child with the longest common token prefix; then shortens until every life cycle
+        has the pages it needs there. Only the tokens of the blocks looked at are validated.
         """
         t = self.tokens_per_block
+        tokens = hasher.tokens
         nodes: list[Node] = []
         node = root
         n_full = len(tokens) // t
-        hasher: BlockHasher | None = None
         while len(nodes) < n_full and node.has_children:
-            o = len(nodes)
-            if o == len(keys):
-                if hasher is None:
-                    hasher = BlockHasher(tokens, t)
-                keys.append(hasher.key(node.key, o))
-            child = node.child(keys[o])
+            child = node.child(hasher.key(node.key, len(nodes)))
             if child is None:
                 break
             nodes.append(child)
             node = child
         part: Node | None = None
         part_len = 0
-        if partial and len(nodes) * t < len(tokens):
+        if partial and len(nodes) * t < len(tokens) and node.has_children:
             rest = tokens[len(nodes) * t : (len(nodes) + 1) * t]
-            for child in node.children_starting_with(rest[0]):
-                n = common_prefix_len(child.tokens, rest)
-                if n > part_len:
-                    part, part_len = child, n
+            validate_tokens(rest, hasher.name)  # compared token by token below
+            part, part_len = node.best_partial(rest)
         # Shorten until the pages needed at the matched length exist for every life cycle.
         while True:
             length = len(nodes) * t + part_len
@@ -212,9 +280,7 @@ class ReuseTree(PageDropListener):
         A published page's priority is capped by the anchor pages above it, so a block is never
         evicted after its ancestors' anchors (whose eviction would take it along).
         """
-        if len(tokens) < self.tokens_per_block and any(
-            c.tokens[: len(tokens)] == tokens for c in parent.children_starting_with(tokens[0])
-        ):
+        if len(tokens) < self.tokens_per_block and parent.covers(tokens):
             return None
         key = block_key(parent.key, tokens)
         node = parent.child(key)
@@ -281,7 +347,7 @@ class ReuseTree(PageDropListener):
             self.prune(parent)
 
     def prune(self, node: Node) -> None:
-        """Remove removable nodes upward (never the scope roots)."""
+        """Remove removable nodes upward, and the scope's root once it holds nothing."""
         n: Node | None = node
         while n is not None and n.parent is not None and n.is_removable:
             parent: Node | None = n.parent
@@ -289,6 +355,8 @@ class ReuseTree(PageDropListener):
             parent.remove_child(n)
             n.parent = None
             n = parent
+        if n is not None and n.scope is not None and n.is_removable and self.roots.get(n.scope) is n:
+            del self.roots[n.scope]
 
     def clear(self) -> None:
         """Remove every block (callers made sure no request uses any)."""

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import sys
 
 from .._common import MemAddress
+from .._exceptions import OutOfMemoryError
 from .._utils import round_up
 from ._backend import DevicePool, MemoryBackend
 
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0)
+# Python exposes MAP_NORESERVE only from 3.13; Linux's value: reserve address space, commit
+# memory page by page as it is touched (so a pool sized like a real GPU costs nothing up front).
+_MAP_NORESERVE: int = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 
 class HostDevicePool(DevicePool):
@@ -17,12 +21,18 @@ class HostDevicePool(DevicePool):
 
     def __init__(self, max_bytes: int) -> None:
         self.reserved_bytes = round_up(max(max_bytes, 1), mmap.PAGESIZE)
-        self._mapping: mmap.mmap | None = mmap.mmap(
-            -1,
-            self.reserved_bytes,
-            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
-            prot=mmap.PROT_READ | mmap.PROT_WRITE,
-        )
+        try:
+            self._mapping: mmap.mmap | None = mmap.mmap(
+                -1,
+                self.reserved_bytes,
+                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            )
+        except OSError as e:
+            raise OutOfMemoryError(
+                f"the host-emulated device could not reserve {self.reserved_bytes} bytes for a pool ({e}); "
+                "lower the tier's quota"
+            ) from e
         view = ctypes.c_char.from_buffer(self._mapping)
         self.base_address = MemAddress(ctypes.addressof(view))
         del view  # drop the buffer export so the mapping can be closed later
