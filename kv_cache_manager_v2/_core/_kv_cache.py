@@ -4,6 +4,7 @@ the storage manager (allocation) and the reuse tree (publishing) (SPEC 4.3)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import cast
 
 import rawref
 
@@ -528,6 +529,11 @@ class KVCache:
             raise LogicError("commit() after stop_committing(): this request no longer commits tokens")
         if beam_search_indices is not None:
             raise ValueError("beam_search_indices: this cache has beam_width 1; pass None")
+        if len(accepted_input_tokens) == 1:
+            # the decode step: one token (read as an object: compiled code would type-check it first)
+            check_token(cast(Sequence[object], accepted_input_tokens)[0], "accepted_input_tokens")
+        else:
+            validate_tokens(accepted_input_tokens, "accepted_input_tokens")
         t = self._tokens_per_block
         n = len(self._committed_blocks) * t + len(self._tail) + len(accepted_input_tokens)
         if n > self._capacity:
@@ -535,10 +541,6 @@ class KVCache:
                 f"commit() of {len(accepted_input_tokens)} tokens would reach {n} committed tokens, "
                 f"beyond capacity {self._capacity}; resize() first"
             )
-        if len(accepted_input_tokens) == 1:
-            check_token(accepted_input_tokens[0], "accepted_input_tokens")  # the decode step: one token
-        else:
-            validate_tokens(accepted_input_tokens, "accepted_input_tokens")
         tail = self._tail
         ctx = self._ctx
         if len(tail) + len(accepted_input_tokens) < t and (n <= self._history or not self._window_moves(n, n)):

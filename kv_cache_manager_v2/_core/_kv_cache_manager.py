@@ -117,6 +117,8 @@ class KVCacheManager:
     ) -> int:
         """Length of the reusable prefix of ``input_tokens``; takes nothing."""
         self._check_alive()
+        if reuse_scope is not None:
+            check_type("reuse_scope", reuse_scope, ReuseScope)
         if input_tokens is None or len(input_tokens) == 0:
             return 0
         ctx = self._ctx
