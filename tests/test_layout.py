@@ -168,8 +168,8 @@ def test_quota_split_by_typical_step_and_default() -> None:
     # a 4096-token request needs 128 full blocks but only the window's 4 SWA blocks
     full, swa = _slots(typical_step=BatchDesc([KVCacheDesc(4096, 4095)]))
     assert full / swa == pytest.approx(128 / 4, rel=0.01)
-    d_full, d_swa = _slots()  # default shape: an 8192-token request
-    assert d_full / d_swa == pytest.approx(256 / 4, rel=0.05)  # ~31 SWA slots: rounding shows
+    d_full, d_swa = _slots()  # default shape: a 512-token chunk ending a 4096-token prompt
+    assert d_full / d_swa == pytest.approx(128 / 20, rel=0.05)  # window (4) + the chunk (16)
 
 
 def test_constraints_are_floors() -> None:

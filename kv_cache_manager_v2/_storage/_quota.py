@@ -9,8 +9,10 @@ from .._config import BatchDesc, KVCacheDesc
 from .._life_cycle_registry import LifeCycleRegistry
 from ._layout import StorageLayout
 
-#: Request shape assumed for the default quota split when no typical_step is configured.
-DEFAULT_TYPICAL_STEP = BatchDesc([KVCacheDesc(capacity=8192, history_length=8191)])
+#: Request shape assumed for the default quota split when no typical_step is configured: a
+#: 512-token prefill chunk at the end of a 4096-token prompt. Sliding-window groups then get
+#: their window plus one chunk per request (a decode-only shape would starve prefill steps).
+DEFAULT_TYPICAL_STEP = BatchDesc([KVCacheDesc(capacity=4096, history_length=3584)])
 
 
 def batch_needs(registry: LifeCycleRegistry, layout: StorageLayout, batch: BatchDesc) -> list[int]:
