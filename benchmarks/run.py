@@ -6,7 +6,8 @@
 
 Scenarios (SPEC 9): decode (resize(+1) + commit + indices per request per step), admission
 (probe_reuse + create_kv_cache + resume + resize for a 1536-token prompt, 1024 tokens shared),
-admission_array (the same with array('I') prompts), close (stop_committing + close), hashing
+admission_array (the same with array('I') prompts), admission_scaling (admission with 1k, 10k
+and 40k cached conversations sharing a chat-template prefix), close (stop_committing + close), hashing
 (reuse keys vs plain hashlib.sha256 on the same bytes), swa (decode, alternating window-128 and
 full layers), swa_prefill (gpt-oss-like 8k prompts in 2k chunks, with and without SWA scratch
 reuse: us per resize and peak slots), replay (the shared Mooncake trace, metadata only; a
@@ -40,7 +41,18 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST_DIR = os.path.join(ROOT, "build", "bench", "fast")
-SCENARIOS = ["decode", "admission", "admission_array", "close", "hashing", "swa", "swa_prefill", "replay", "adapter"]
+SCENARIOS = [
+    "decode",
+    "admission",
+    "admission_array",
+    "admission_scaling",
+    "close",
+    "hashing",
+    "swa",
+    "swa_prefill",
+    "replay",
+    "adapter",
+]
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
 
 
@@ -137,6 +149,43 @@ def scenario_swa_prefill(p: dict[str, int]) -> dict[str, Any]:
         if scratch:
             out["samples"] = times
     out["peak_slot_saving"] = 1 - out["peak_slots_scratch"] / out["peak_slots_no_scratch"]
+    return out
+
+
+def scenario_admission_scaling(p: dict[str, int]) -> dict[str, Any]:
+    """Admission (probe + create + resume + resize) of a new conversation when 1k, 10k and 40k
+    cached conversations share its chat-template prefix: the partial match at the first miss
+    must not scan every sibling (they all start with the same user-turn token)."""
+    t = p["tokens_per_block"]
+    template = list(range(10_000, 10_000 + 2 * t))
+    user = 7
+    out: dict[str, Any] = {"unit": "us/request", "note": "admission with N cached conversations sharing a template"}
+    medians = []
+    for n_cached in (p["scaling_small"], p["scaling_mid"], p["scaling_large"]):
+        m = _manager(1, t, n_cached + 4 * p["requests"] + 64)
+        for c in range(n_cached):
+            toks = [*template, user, *[c * 7919 + i for i in range(t - 1)]]
+            kv = m.create_kv_cache()
+            kv.resume()
+            kv.resize(len(toks))
+            kv.commit(toks)
+            kv.close()
+        samples = []
+        for r in range(p["requests"]):
+            prompt = [*template, user, *[(r + 1) * 1_000_003 + i for i in range(2 * t)]]
+            t0 = time.perf_counter()
+            m.probe_reuse(None, prompt[:-1])
+            kv = m.create_kv_cache(input_tokens=prompt[:-1])
+            kv.resume()
+            kv.resize(len(prompt))
+            samples.append((time.perf_counter() - t0) * 1e6)
+            kv.close()
+        m.clear_reusable_blocks()
+        m.shutdown()
+        out[f"us_with_{n_cached}_cached"] = statistics.median(samples)
+        medians.append(statistics.median(samples))
+        out["samples"] = samples
+    out["largest_over_smallest"] = medians[-1] / medians[0]
     return out
 
 
@@ -377,6 +426,9 @@ DEFAULTS = dict(
     prefill_requests=32,
     prefill_tokens=8192,
     prefill_chunk=2048,
+    scaling_small=1_000,
+    scaling_mid=10_000,
+    scaling_large=40_000,
 )
 QUICK = dict(
     requests=16,
@@ -391,6 +443,9 @@ QUICK = dict(
     prefill_requests=2,
     prefill_tokens=2048,
     prefill_chunk=512,
+    scaling_small=100,
+    scaling_mid=1_000,
+    scaling_large=4_000,
 )
 
 
