@@ -76,7 +76,7 @@ class ReplicaIndex:
             self._learn_group(g.group_idx, g.window_size, g.num_sink_blocks)
         self._nodes: dict[int, _Node] = {}
         self._roots: dict[tuple[int | None, int | None], _Node] = {}  # (scope hash, lora id)
-        #: (medium -> (block, group) pages held), for statistics
+        #: wire events applied so far
         self.num_events = 0
 
     # ------------------------------------------------------------------ applying events
