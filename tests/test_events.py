@@ -101,7 +101,7 @@ def test_bad_event_manager_is_refused(make_manager: MakeManager) -> None:
         make_manager(kv_layers(1, T), event_manager=em)
     with pytest.raises(ValueError, match="max_events"):
         KVCacheEventManager(max_events=0)
-    with pytest.raises(TypeError, match="resync_on_overflow|bool"):  # compiled: mypyc checks it
+    with pytest.raises(TypeError, match=r"resync_on_overflow|bool"):  # compiled: mypyc checks it
         KVCacheEventManager(resync_on_overflow=1)  # type: ignore[arg-type]
 
 
