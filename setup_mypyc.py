@@ -14,6 +14,10 @@ from setuptools import Command, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 PACKAGE = "kv_cache_manager_v2"
+#: Modules left interpreted in production mode, each with its reason (tests/test_build_mode.py reads this).
+#: ``events/``: msgspec.Struct subclasses cannot be native classes and pyzmq is plain Python; they run
+#: off the scheduler's hot path (the compiled queue is ``_events.py``) and need the optional extra.
+NOT_COMPILED = ("kv_cache_manager_v2/events/",)
 
 
 def compiled_artifacts() -> list[str]:
@@ -47,7 +51,11 @@ def main() -> None:
         return
     from mypyc.build import mypycify
 
-    sources = sorted(glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True))
+    sources = sorted(
+        path
+        for path in glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True)
+        if not path.replace(os.sep, "/").startswith(NOT_COMPILED)
+    )
     ext_modules = mypycify(sources, opt_level="3", debug_level="0")
     setup(name=PACKAGE, packages=[], ext_modules=ext_modules, cmdclass={"clean_compiled": CleanCompiled})
 

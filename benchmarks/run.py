@@ -13,7 +13,11 @@ full layers), swa_prefill (gpt-oss-like 8k prompts in 2k chunks, with and withou
 reuse: us per resize and peak slots), replay (the shared Mooncake trace, metadata only; a
 generator when absent), adapter (the engine adapter's prepare_resources + update_resources for a
 decode batch, per request per step; requests admitted through it one by one, so later ones
-reuse the shared prompt).
+reuse the shared prompt),
+decode_events / admission_events (decode and admission with a KVCacheEventManager attached: the
+step includes draining the queue; extra keys quote the prefill commit that publishes the blocks and
+the wire cost, to_wire + msgpack, per event, which a publisher pays on its own thread).
+Admission scenarios also time the prefill ``commit`` separately (``commit_us``, not in the samples).
 
 Each scenario runs in a child process per mode: fast mode imports a copy of the package
 sources from build/bench/fast (no compiled modules there); compiled mode builds the package
@@ -52,13 +56,21 @@ SCENARIOS = [
     "swa_prefill",
     "replay",
     "adapter",
+    "decode_events",
+    "admission_events",
 ]
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
 
 
 # ---------------------------------------------------------------- worker side
 def _manager(
-    num_layers: int, tokens_per_block: int, num_slots: int, window_every: int = 0, window: int = 128, **kw: Any
+    num_layers: int,
+    tokens_per_block: int,
+    num_slots: int,
+    window_every: int = 0,
+    window: int = 128,
+    events: bool = False,
+    **kw: Any,
 ) -> Any:
     import kv_cache_manager_v2 as kvm
 
@@ -73,7 +85,22 @@ def _manager(
     ]
     quota = num_slots * num_layers * 2 * size
     cfg = kvm.KVCacheManagerConfig(tokens_per_block, [kvm.GpuCacheTierConfig(quota)], layers, backend="host", **kw)
+    if events:
+        return kvm.KVCacheManager(cfg, kvm.KVCacheEventManager(max_events=1 << 20))
     return kvm.KVCacheManager(cfg)
+
+
+def _wire_us_per_event(events: list[Any]) -> float | None:
+    """to_wire + msgpack encoding per event (what a publisher pays on its thread); None without msgspec."""
+    try:
+        from kv_cache_manager_v2.events import KVEventBatch, encode_batch, to_wire
+    except ImportError:
+        return None
+    if not events:
+        return None
+    t0 = time.perf_counter()
+    encode_batch(KVEventBatch(time.time(), to_wire(events)))
+    return (time.perf_counter() - t0) / len(events) * 1e6
 
 
 def _admit(m: Any, prompt: list[int]) -> Any:
@@ -85,34 +112,51 @@ def _admit(m: Any, prompt: list[int]) -> Any:
     return kv
 
 
-def _decode(p: dict[str, int], window_every: int) -> list[float]:
+def _decode(p: dict[str, int], window_every: int, events: bool = False) -> tuple[list[float], int]:
+    """Per-step samples and, with events, how many events the steps recorded."""
     t, n_req = p["tokens_per_block"], p["requests"]
-    m = _manager(p["layers"], t, n_req * (p["shared"] + p["unique"] + p["steps"]) // t + 64, window_every)
+    m = _manager(
+        p["layers"], t, n_req * (p["shared"] + p["unique"] + p["steps"]) // t + 64, window_every, events=events
+    )
     system = list(range(10_000, 10_000 + p["shared"]))
     caches = [_admit(m, system + [r * 100_003 + i for i in range(p["unique"])]) for r in range(n_req)]
+    m.get_latest_events()
     lg = 0
     samples = []
+    num_events = 0
     for step in range(p["steps"]):
         t0 = time.perf_counter()
         for kv in caches:
             kv.resize(kv.capacity + 1)
             kv.commit([step])
             kv.get_base_page_indices(lg)
+        if events:
+            num_events += len(m.get_latest_events())  # the engine drains once per step
         samples.append((time.perf_counter() - t0) / n_req * 1e6)
     for kv in caches:
         kv.close()
     m.clear_reusable_blocks()
     m.shutdown()
-    return samples
+    return samples, num_events
 
 
 def scenario_decode(p: dict[str, int]) -> dict[str, Any]:
-    s = _decode(p, 0)
+    s, _ = _decode(p, 0)
     return {"unit": "us/request/step", "samples": s}
 
 
+def scenario_decode_events(p: dict[str, int]) -> dict[str, Any]:
+    s, n = _decode(p, 0, events=True)
+    return {
+        "unit": "us/request/step",
+        "samples": s,
+        "events_per_step": n / p["steps"],
+        "note": "decode with a KVCacheEventManager; the step includes draining the queue",
+    }
+
+
 def scenario_swa(p: dict[str, int]) -> dict[str, Any]:
-    s = _decode(p, 2)
+    s, _ = _decode(p, 2)
     return {"unit": "us/request/step", "samples": s, "note": "alternating window-128 / full layers"}
 
 
@@ -193,26 +237,33 @@ def scenario_admission(p: dict[str, int]) -> dict[str, Any]:
     return _admission(p, as_array=False)
 
 
+def scenario_admission_events(p: dict[str, int]) -> dict[str, Any]:
+    out = _admission(p, as_array=False, events=True)
+    out["note"] = "admission with a KVCacheEventManager (blocks are published by the prefill commit: commit_us)"
+    return out
+
+
 def scenario_admission_array(p: dict[str, int]) -> dict[str, Any]:
     out = _admission(p, as_array=True)
     out["note"] = "prompts passed as array('I'): token encoding is a memory copy"
     return out
 
 
-def _admission(p: dict[str, int], as_array: bool) -> dict[str, Any]:
+def _admission(p: dict[str, int], as_array: bool, events: bool = False) -> dict[str, Any]:
     from kv_cache_manager_v2 import ReuseScope
     from kv_cache_manager_v2._reuse._keys import BlockHasher, scope_key
 
     t, n_req = p["tokens_per_block"], p["requests"]
     prompt_len = p["shared"] + p["unique"]
-    m = _manager(p["layers"], t, (n_req + 1) * prompt_len // t + 64)
+    m = _manager(p["layers"], t, (n_req + 1) * prompt_len // t + 64, events=events)
     system = list(range(10_000, 10_000 + p["shared"]))
     first = _admit(m, system + list(range(5_000_000, 5_000_000 + p["unique"])))
     first.close()
+    m.get_latest_events()
     prompts: list[Any] = [system + [r * 100_003 + i for i in range(p["unique"])] for r in range(n_req)]
     if as_array:
         prompts = [array("I", prompt) for prompt in prompts]
-    samples, caches = [], []
+    samples, caches, commit_us = [], [], []
     for prompt in prompts:
         t0 = time.perf_counter()
         m.probe_reuse(None, prompt[:-1])
@@ -221,6 +272,16 @@ def _admission(p: dict[str, int], as_array: bool) -> dict[str, Any]:
         kv.resize(len(prompt))
         samples.append((time.perf_counter() - t0) * 1e6)
         caches.append(kv)
+    # the prefill commits (publishing the unique blocks), after every admission so the samples see
+    # the same tree as before this phase existed
+    for kv, prompt in zip(caches, prompts):
+        h = kv.history_length
+        t0 = time.perf_counter()
+        kv.commit(prompt[h:])
+        commit_us.append((time.perf_counter() - t0) * 1e6)
+    t0 = time.perf_counter()
+    drained = m.get_latest_events()
+    drain_us = (time.perf_counter() - t0) / n_req * 1e6
     # hashing share: the keys admission computes (matched blocks + the first miss, each once), timed alone
     root = scope_key(ReuseScope())
     hashed = p["shared"] // t + 1
@@ -234,12 +295,20 @@ def _admission(p: dict[str, int], as_array: bool) -> dict[str, Any]:
     for kv in caches:
         kv.close()
     m.shutdown()
-    return {
+    out: dict[str, Any] = {
         "unit": "us/request",
         "samples": samples,
         "hashing_us": hash_us,
         "hashing_share": hash_us / statistics.median(samples),
+        "commit_us": statistics.median(commit_us),
     }
+    if events:
+        out.update(
+            events_per_request=len(drained) / n_req,
+            drain_us_per_request=drain_us,
+            wire_us_per_event=_wire_us_per_event(drained),
+        )
+    return out
 
 
 def scenario_close(p: dict[str, int]) -> dict[str, Any]:

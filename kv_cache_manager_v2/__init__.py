@@ -51,6 +51,16 @@ from ._config import (
 )
 from ._core._kv_cache import KVCache, default_priority
 from ._core._kv_cache_manager import KVCacheManager
+from ._events import (
+    AllBlocksClearedEvent,
+    BlockMovedEvent,
+    BlockRemovedEvent,
+    BlockStoredEvent,
+    KVCacheEvent,
+    KVCacheEventManager,
+    LayerGroupSpec,
+    block_hash,
+)
 from ._exceptions import CuError, LogicError, OutOfMemoryError, OutOfPagesError
 from ._page_index import PageIndexConverter
 
@@ -62,10 +72,14 @@ __all__ = [
     "DEFAULT_PRIORITY",
     "GPU_LEVEL",
     "AggregatedPageDesc",
+    "AllBlocksClearedEvent",
     "AttentionLayerConfig",
     "BatchDesc",
     "BeamIndex",
+    "BlockMovedEvent",
     "BlockOrdinal",
+    "BlockRemovedEvent",
+    "BlockStoredEvent",
     "BufferConfig",
     "BufferId",
     "CacheLevel",
@@ -77,10 +91,13 @@ __all__ = [
     "HostCacheTierConfig",
     "KVCache",
     "KVCacheDesc",
+    "KVCacheEvent",
+    "KVCacheEventManager",
     "KVCacheManager",
     "KVCacheManagerConfig",
     "KVCacheStatus",
     "LayerGroupId",
+    "LayerGroupSpec",
     "LayerId",
     "LifeCycleId",
     "LogicError",
@@ -103,6 +120,7 @@ __all__ = [
     "SwaScratchReuseConfig",
     "TokenId",
     "TokenIdExt",
+    "block_hash",
     "compiled",
     "default_priority",
 ]

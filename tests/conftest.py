@@ -79,7 +79,8 @@ def make_manager(backend: str) -> Iterator[Callable[..., KVCacheManager]]:
         layers: list[AttentionLayerConfig], tokens_per_block: int = 8, quota: int = 1 << 20, **kw: object
     ) -> KVCacheManager:
         kw["backend"] = backend
-        m = KVCacheManager(make_config(layers, tokens_per_block, quota, **kw))
+        event_manager = kw.pop("event_manager", None)
+        m = KVCacheManager(make_config(layers, tokens_per_block, quota, **kw), event_manager)  # type: ignore[arg-type]
         made.append(m)
         return m
 

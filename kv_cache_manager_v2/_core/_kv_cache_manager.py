@@ -27,6 +27,7 @@ from .._common import (
     TokenIdExt,
 )
 from .._config import KVCacheManagerConfig
+from .._events import MEDIUM_OF_TIER, KVCacheEvent, KVCacheEventManager, LayerGroupSpec
 from .._exceptions import LogicError
 from .._life_cycle_registry import LifeCycleRegistry
 from .._page_index import PageIndexConverter
@@ -46,15 +47,20 @@ from ._kv_cache import KVCache, PriorityCallback, default_priority
 class KVCacheManager:
     """Owns the KV memory pools and hands pages to per-request :class:`KVCache` objects."""
 
-    def __init__(self, config: KVCacheManagerConfig, event_manager: object = None) -> None:
+    def __init__(self, config: KVCacheManagerConfig, event_manager: KVCacheEventManager | None = None) -> None:
         if not isinstance(config, KVCacheManagerConfig):
             raise TypeError(f"config must be a KVCacheManagerConfig, got {type(config).__name__}")
+        if event_manager is not None:
+            if not isinstance(event_manager, KVCacheEventManager):
+                raise TypeError(
+                    f"event_manager must be a KVCacheEventManager or None, got {type(event_manager).__name__}"
+                )
+            if event_manager.is_attached:
+                raise ValueError("event_manager is already attached to another KVCacheManager; use one per manager")
         if len(config.cache_tiers) > 1:
             raise ValueError(
                 "host and disk cache tiers are not supported by this version yet; configure only the GPU tier"
             )
-        if event_manager is not None:
-            raise ValueError("KV-cache events are not supported by this version yet; pass event_manager=None")
         self._config = config
         self.tokens_per_block = config.tokens_per_block
         self._registry = LifeCycleRegistry(config.layers, config.tokens_per_block)
@@ -73,6 +79,14 @@ class KVCacheManager:
         self._storage = StorageManager(self._layout, slots, self._backend)
         self._tree = ReuseTree(self._registry.life_cycles, self.tokens_per_block)
         self._storage.drop_listener = self._tree
+        self._event_manager = event_manager
+        if event_manager is not None:
+            groups = [
+                LayerGroupSpec(i, lc.window_size, lc.num_sink_blocks) for i, lc in enumerate(self._registry.life_cycles)
+            ]
+            media = [MEDIUM_OF_TIER[t.tier] for t in config.cache_tiers]
+            event_manager._attach(self._tree, self.tokens_per_block, groups, media)
+            self._tree.event_sink = event_manager
         self._ctx = CacheContext(config, self._registry, self._storage, self._tree)
         self._probe_keys: tuple[ReuseScope, Sequence[TokenIdExt], list[BlockKey]] | None = None
         self._is_shut_down = False
@@ -161,6 +175,16 @@ class KVCacheManager:
         """What prefix reuse did so far (a copy; all zero when ``enable_stats`` is False)."""
         s = self._ctx.stats
         return ReuseStatistics(s.reused_blocks, s.missed_blocks, s.reused_pages, s.allocated_pages)
+
+    @property
+    def event_manager(self) -> KVCacheEventManager | None:
+        """The KV-cache event queue given at construction (None: no events are recorded)."""
+        return self._event_manager
+
+    def get_latest_events(self) -> list[KVCacheEvent]:
+        """Drain the KV-cache events recorded since the last call (empty without an event manager)."""
+        em = self._event_manager
+        return em.get_latest_events() if em is not None else []
 
     @property
     def num_open_caches(self) -> int:

@@ -10,7 +10,8 @@ from typing import cast
 
 import rawref
 
-from .._common import MAX_PRIORITY, LifeCycleId, Priority, ReuseScope, TokenIdExt
+from .._common import MAX_PRIORITY, CacheLevel, LifeCycleId, Priority, ReuseScope, TokenIdExt
+from .._events import KVCacheEventManager
 from .._life_cycle_registry import LifeCycle
 from .._page import Page
 from .._storage._storage_manager import PageDropListener
@@ -85,6 +86,7 @@ class Node:
         "_children",
         "_index",
         "key",
+        "lora_id",
         "num_extenders",
         "ordinal",
         "pages",
@@ -101,6 +103,8 @@ class Node:
         self.parent = parent
         self.tokens = tokens
         self.ordinal: int = parent.ordinal + 1 if parent is not None else -1
+        #: the scope's LoRA adapter (set on roots, inherited): KV-cache events report it per block
+        self.lora_id: int | None = parent.lora_id if parent is not None else None
         # Created with the first child: most nodes are leaves, and a tree can hold millions.
         self._children: dict[BlockKey, Node] | None = None
         #: sorted children for partial matching, built once a node has many children
@@ -204,6 +208,8 @@ class ReuseTree(PageDropListener):
         self.life_cycles = life_cycles
         self.tokens_per_block = tokens_per_block
         self.roots: dict[tuple[int | None, int | None], Node] = {}
+        #: told about every page that enters, leaves or moves within the tree (None: nobody listens)
+        self.event_sink: KVCacheEventManager | None = None
 
     def root(self, scope: ReuseScope, create: bool) -> Node | None:
         """The root node of a scope (keyed by the scope's digest), created on first publish."""
@@ -212,6 +218,7 @@ class ReuseTree(PageDropListener):
         if node is None and create:
             node = self.roots[ident] = Node(scope_key(scope), None, (), len(self.life_cycles))
             node.scope = ident
+            node.lora_id = scope.lora_id
         return node
 
     # ------------------------------------------------------------------ matching
@@ -299,6 +306,9 @@ class ReuseTree(PageDropListener):
                     node.pages[lc] = rawref.ref(mine)
                     if self.life_cycles.items[lc].is_anchor(node.ordinal) and mine.priority < node.prio_cap:
                         node.prio_cap = mine.priority
+                    sink = self.event_sink
+                    if sink is not None:
+                        sink.block_stored(node, lc, mine)
             elif mine is not None and theirs is not mine:
                 theirs.take(locked)
                 pages[lc] = theirs
@@ -313,6 +323,9 @@ class ReuseTree(PageDropListener):
         if node is None:
             return
         node.pages[page.life_cycle] = None
+        sink = self.event_sink
+        if sink is not None:
+            sink.block_removed(node, page.life_cycle, page)
         if self.life_cycles[page.life_cycle].is_anchor(node.ordinal):
             self.remove_subtree(node)
         else:
@@ -327,6 +340,7 @@ class ReuseTree(PageDropListener):
         parent = node.parent
         if parent is not None:
             parent.remove_child(node)
+        sink = self.event_sink
         stack = [node]
         while stack:
             n = stack.pop()
@@ -336,6 +350,8 @@ class ReuseTree(PageDropListener):
                 p = r() if r is not None else None
                 n.pages[lc] = None
                 if p is not None:
+                    if sink is not None:
+                        sink.block_removed(n, lc, p)
                     p.node = None
                     if p.num_locks == 0 and p.num_holds == 0:
                         if free_unused:
@@ -345,6 +361,13 @@ class ReuseTree(PageDropListener):
                             p.storage.evictor.to_garbage(p)
         if parent is not None:
             self.prune(parent)
+
+    def page_moved(self, page: Page, source_level: CacheLevel) -> None:
+        """A tree page moved between tiers (it is at ``page.level`` now): only subscribers care."""
+        sink = self.event_sink
+        node = page.node
+        if sink is not None and node is not None:
+            sink.block_moved(node, page.life_cycle, page, source_level)
 
     def prune(self, node: Node) -> None:
         """Remove removable nodes upward, and the scope's root once it holds nothing."""
@@ -359,11 +382,18 @@ class ReuseTree(PageDropListener):
             del self.roots[n.scope]
 
     def clear(self) -> None:
-        """Remove every block (callers made sure no request uses any)."""
-        for root in list(self.roots.values()):
-            for child in root.children():
-                self.remove_subtree(child, free_unused=True)
-        self.roots = {}
+        """Remove every block (callers made sure no request uses any); subscribers get one event."""
+        sink = self.event_sink
+        self.event_sink = None
+        try:
+            for root in list(self.roots.values()):
+                for child in root.children():
+                    self.remove_subtree(child, free_unused=True)
+            self.roots = {}
+        finally:
+            self.event_sink = sink
+        if sink is not None:
+            sink.all_cleared()
 
     def nodes(self) -> list[Node]:
         """Every node below the roots (for checks and statistics)."""

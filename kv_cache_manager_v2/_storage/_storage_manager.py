@@ -68,11 +68,16 @@ class PoolGroupStorage:
 
 
 class PageDropListener(ABC):
-    """Told when eviction drops a page for good (the reuse tree forgets it)."""
+    """Told when eviction drops a page for good (the reuse tree forgets it), and when a page
+    moves between tiers (the tree reports it to KV-cache event subscribers)."""
 
     @abstractmethod
     def page_dropped(self, page: Page) -> None:
         """``page`` is about to be freed: forget every reference to it."""
+
+    def page_moved(self, page: Page, source_level: CacheLevel) -> None:
+        """``page`` now lives at ``page.level`` (it was at ``source_level``). Tier moves call this
+        after the copy; the default does nothing."""
 
 
 class StorageManager:

@@ -1,0 +1,345 @@
+"""KV-cache events (SPEC 10, issue #14): what enters and leaves the reuse tree, queued for the engine.
+
+The reuse tree reports every page it gains or loses (one event per block and layer group), the
+storage manager's tier moves reach it through ``PageDropListener.page_moved``; this module turns
+those calls into small event objects in a bounded queue that the engine drains each step
+(``KVCacheEventManager.get_latest_events``). Events keep references to the tree's keys and token
+tuples: the hot path copies nothing, hashes are computed when a consumer asks.
+
+Wire format, publisher and router index: ``kv_cache_manager_v2.events`` (optional extra).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Final
+
+from ._common import CacheLevel, CacheTier, Priority, TokenIdExt
+from ._utils import check_int, check_type
+
+if TYPE_CHECKING:
+    from ._page import Page
+    from ._reuse._tree import Node, ReuseTree
+
+#: The ``medium`` string of each tier (vLLM's names for GPU and CPU).
+MEDIUM_OF_TIER: Final = {CacheTier.GPU_MEM: "GPU", CacheTier.HOST_MEM: "CPU", CacheTier.DISK: "DISK"}
+
+
+def block_hash(key: bytes) -> int:
+    """The stable 64-bit block hash routers see: the last 8 bytes of the SHA-256 reuse key, read
+    big-endian as an unsigned int. Equal prefixes in equal scopes give equal hashes on every replica."""
+    return int.from_bytes(key[-8:], "big")
+
+
+class LayerGroupSpec:
+    """The attention shape of one layer group (life cycle), as events describe it."""
+
+    __slots__ = ("group_idx", "num_sink_blocks", "window_size")
+
+    def __init__(self, group_idx: int, window_size: int | None, num_sink_blocks: int) -> None:
+        self.group_idx = group_idx
+        #: sliding window in tokens; None for full attention
+        self.window_size = window_size
+        self.num_sink_blocks = num_sink_blocks
+
+    @property
+    def kind(self) -> str:
+        """``"full_attention"`` or ``"sliding_window"`` (vLLM's ``kv_cache_spec_kind``)."""
+        return "full_attention" if self.window_size is None else "sliding_window"
+
+    def __repr__(self) -> str:
+        return (
+            f"LayerGroupSpec(group_idx={self.group_idx}, window_size={self.window_size}, "
+            f"num_sink_blocks={self.num_sink_blocks})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, LayerGroupSpec)
+            and self.group_idx == other.group_idx
+            and self.window_size == other.window_size
+            and self.num_sink_blocks == other.num_sink_blocks
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.group_idx, self.window_size, self.num_sink_blocks))
+
+
+class KVCacheEvent:
+    """Base of the events :class:`KVCacheEventManager` queues."""
+
+    __slots__ = ()
+
+
+class BlockStoredEvent(KVCacheEvent):
+    """A block gained a page of one layer group: it is reusable there (subject to the match rule).
+
+    ``tokens`` holds ids and ``bytes`` digests exactly as committed; a partial tail has fewer than
+    ``block_size`` tokens. ``parent_key`` is the scope root's key for the first block of a sequence
+    (``parent_is_root``).
+    """
+
+    __slots__ = (
+        "block_size",
+        "group",
+        "key",
+        "lora_id",
+        "medium",
+        "parent_is_root",
+        "parent_key",
+        "priority",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        key: bytes,
+        parent_key: bytes,
+        parent_is_root: bool,
+        tokens: tuple[TokenIdExt, ...],
+        block_size: int,
+        lora_id: int | None,
+        group: LayerGroupSpec,
+        priority: Priority,
+        medium: str,
+    ) -> None:
+        self.key = key
+        self.parent_key = parent_key
+        self.parent_is_root = parent_is_root
+        self.tokens = tokens
+        self.block_size = block_size
+        self.lora_id = lora_id
+        self.group = group
+        self.priority = priority
+        self.medium = medium
+
+    @property
+    def block_hash(self) -> int:
+        return block_hash(self.key)
+
+    @property
+    def parent_block_hash(self) -> int | None:
+        """None for the first block of a sequence (vLLM's convention); see ``scope_hash``."""
+        return None if self.parent_is_root else block_hash(self.parent_key)
+
+    @property
+    def scope_hash(self) -> int:
+        """Hash of the reuse scope's root key (only meaningful for a first block, where it is the parent)."""
+        return block_hash(self.parent_key)
+
+    @property
+    def group_idx(self) -> int:
+        return self.group.group_idx
+
+    @property
+    def is_partial(self) -> bool:
+        return len(self.tokens) < self.block_size
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(block_hash={self.block_hash:#x}, parent_block_hash={self.parent_block_hash}, "
+            f"tokens={len(self.tokens)}, group_idx={self.group_idx}, medium={self.medium!r}, priority={self.priority})"
+        )
+
+
+class BlockMovedEvent(BlockStoredEvent):
+    """A block's page of one layer group moved between tiers (``source_medium`` -> ``medium``)."""
+
+    __slots__ = ("source_medium",)
+
+    def __init__(
+        self,
+        key: bytes,
+        parent_key: bytes,
+        parent_is_root: bool,
+        tokens: tuple[TokenIdExt, ...],
+        block_size: int,
+        lora_id: int | None,
+        group: LayerGroupSpec,
+        priority: Priority,
+        medium: str,
+        source_medium: str,
+    ) -> None:
+        super().__init__(key, parent_key, parent_is_root, tokens, block_size, lora_id, group, priority, medium)
+        self.source_medium = source_medium
+
+
+class BlockRemovedEvent(KVCacheEvent):
+    """A block lost its page of one layer group (evicted, or its subtree was removed)."""
+
+    __slots__ = ("group", "key", "medium")
+
+    def __init__(self, key: bytes, group: LayerGroupSpec, medium: str) -> None:
+        self.key = key
+        self.group = group
+        self.medium = medium
+
+    @property
+    def block_hash(self) -> int:
+        return block_hash(self.key)
+
+    @property
+    def group_idx(self) -> int:
+        return self.group.group_idx
+
+    def __repr__(self) -> str:
+        return f"BlockRemovedEvent(block_hash={self.block_hash:#x}, group_idx={self.group_idx}, medium={self.medium!r})"
+
+
+class AllBlocksClearedEvent(KVCacheEvent):
+    """Every reusable block was dropped (``clear_reusable_blocks``, ``shutdown``, or a resync)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "AllBlocksClearedEvent()"
+
+
+class KVCacheEventManager:
+    """Bounded queue of KV-cache events, filled by one :class:`KVCacheManager` and drained by the engine.
+
+    Pass it as ``KVCacheManager(config, event_manager=...)``; call :meth:`get_latest_events` once per
+    step (or hand the result to ``kv_cache_manager_v2.events.ZmqEventPublisher``). Nothing blocks: when
+    ``max_events`` are pending, the oldest is dropped and counted (``num_dropped``). A subscriber that
+    missed events would keep a wrong view for good, so after an overflow (``resync_on_overflow``) the
+    next drain returns a resynchronisation instead of the surviving events: an
+    :class:`AllBlocksClearedEvent`, then one :class:`BlockStoredEvent` per page in the reuse tree.
+    A manager without an event manager pays one ``is not None`` test where blocks enter or leave the tree.
+    """
+
+    def __init__(self, max_events: int = 100_000, resync_on_overflow: bool = True) -> None:
+        check_int("max_events", max_events, 1)
+        check_type("resync_on_overflow", resync_on_overflow, bool)
+        self._max = max_events
+        self._resync_on_overflow = resync_on_overflow
+        self._queue: deque[KVCacheEvent] = deque()
+        #: events dropped because the queue was full (cumulative)
+        self.num_dropped = 0
+        self._overflowed = False
+        self._tree: ReuseTree | None = None
+        self._groups: list[LayerGroupSpec] = []
+        self._media: list[str] = []
+        self._tokens_per_block = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCacheEventManager(pending={len(self._queue)}, max_events={self._max}, dropped={self.num_dropped}, "
+            f"attached={self._tree is not None})"
+        )
+
+    # ------------------------------------------------------------------ engine side
+    @property
+    def is_attached(self) -> bool:
+        """Whether a :class:`KVCacheManager` records into this queue (one manager per queue)."""
+        return self._tree is not None
+
+    @property
+    def max_events(self) -> int:
+        return self._max
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._queue)
+
+    @property
+    def layer_groups(self) -> list[LayerGroupSpec]:
+        """One spec per layer group of the attached manager (empty before it is attached)."""
+        return list(self._groups)
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Block size of the attached manager (0 before it is attached)."""
+        return self._tokens_per_block
+
+    def get_latest_events(self) -> list[KVCacheEvent]:
+        """Every event queued since the last call, oldest first (a resync after an overflow)."""
+        if self._overflowed and self._resync_on_overflow:
+            self._overflowed = False
+            self._queue.clear()
+            return self.snapshot()
+        self._overflowed = False
+        out = list(self._queue)
+        self._queue.clear()
+        return out
+
+    def snapshot(self) -> list[KVCacheEvent]:
+        """The reuse tree as events: AllBlocksCleared, then every page's BlockStored, parents first.
+
+        A subscriber that applies it ends with the same view as one that saw every event so far.
+        The pending queue is left alone.
+        """
+        out: list[KVCacheEvent] = [AllBlocksClearedEvent()]
+        tree = self._tree
+        if tree is None:
+            return out
+        for node in tree.nodes():  # pre-order: a parent before its children
+            for lc in range(len(node.pages)):
+                page = node.page(lc)
+                if page is not None:
+                    out.append(self._stored_event(node, lc, page))
+        return out
+
+    # ------------------------------------------------------------------ manager side
+    def _attach(self, tree: ReuseTree, tokens_per_block: int, groups: list[LayerGroupSpec], media: list[str]) -> None:
+        if self._tree is not None:
+            raise ValueError("event_manager is already attached to a KVCacheManager; use one per manager")
+        self._tree = tree
+        self._tokens_per_block = tokens_per_block
+        self._groups = groups
+        self._media = media
+
+    def _push(self, event: KVCacheEvent) -> None:
+        q = self._queue
+        if len(q) >= self._max:
+            q.popleft()
+            self.num_dropped += 1
+            self._overflowed = True
+        q.append(event)
+
+    def _stored_event(self, node: Node, lc: int, page: Page) -> BlockStoredEvent:
+        parent = node.parent
+        assert parent is not None
+        return BlockStoredEvent(
+            node.key,
+            parent.key,
+            parent.parent is None,
+            node.tokens,
+            self._tokens_per_block,
+            node.lora_id,
+            self._groups[lc],
+            page.priority,
+            self._media[page.level],
+        )
+
+    def block_stored(self, node: Node, lc: int, page: Page) -> None:
+        """``page`` became the tree's page of ``node`` for layer group ``lc``."""
+        self._push(self._stored_event(node, lc, page))
+
+    def block_removed(self, node: Node, lc: int, page: Page) -> None:
+        """``node`` no longer has a page for layer group ``lc`` (``page`` was it)."""
+        self._push(BlockRemovedEvent(node.key, self._groups[lc], self._media[page.level]))
+
+    def block_moved(self, node: Node, lc: int, page: Page, source_level: CacheLevel) -> None:
+        """The tree's page of ``node`` for ``lc`` moved from ``source_level`` to ``page.level``."""
+        parent = node.parent
+        assert parent is not None
+        self._push(
+            BlockMovedEvent(
+                node.key,
+                parent.key,
+                parent.parent is None,
+                node.tokens,
+                self._tokens_per_block,
+                node.lora_id,
+                self._groups[lc],
+                page.priority,
+                self._media[page.level],
+                self._media[source_level],
+            )
+        )
+
+    def all_cleared(self) -> None:
+        """Every block left the tree at once."""
+        self._queue.clear()  # nothing before it matters to a subscriber any more
+        self._overflowed = False
+        self._push(AllBlocksClearedEvent())

@@ -1,0 +1,421 @@
+"""Router side: rebuild which replica holds which prefix from KV-cache events, and route by it.
+
+:class:`ReplicaIndex` applies one replica's event batches to a radix tree of block hashes and answers
+``match_length(tokens, scope)`` with the same rule as the replica's ``probe_reuse``: walk full blocks
+by hash, pick a partially matching child by longest common token prefix, then shorten until every
+layer group holds the pages the match needs (full attention: every block; sliding window: sinks and
+the window). :class:`KVAwareRouter` subscribes to N replicas over ZMQ (replaying missed batches) and
+picks the replica with the longest match. :class:`PrefixRouter` does the same over indexes fed
+directly (simulators).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from .._common import DEFAULT_REUSE_SCOPE, ReuseScope, TokenIdExt
+from .._events import LayerGroupSpec, block_hash
+from .._life_cycle_registry import LifeCycle
+from .._reuse._keys import BlockHasher, scope_key
+from .schema import (
+    AllBlocksCleared,
+    AnyWireEvent,
+    BlockMoved,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    block_tokens,
+    decode_batch,
+)
+
+END_SEQ = -1
+
+
+def prompt_block_hashes(
+    tokens: Sequence[TokenIdExt], tokens_per_block: int, reuse_scope: ReuseScope | None = None
+) -> list[int]:
+    """The 64-bit hashes a replica reports for the blocks of ``tokens`` (the last may be partial)."""
+    scope = reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE
+    return [block_hash(k) for k in BlockHasher(tokens, tokens_per_block, "tokens").chain(scope_key(scope))]
+
+
+class _Node:
+    __slots__ = ("by_first", "children", "groups", "hash", "parent", "tokens")
+
+    def __init__(self, h: int, parent: _Node | None, tokens: tuple[TokenIdExt, ...]) -> None:
+        self.hash = h
+        self.parent = parent
+        self.tokens = tokens
+        self.children: dict[int, _Node] = {}
+        self.by_first: dict[TokenIdExt, list[_Node]] = {}
+        #: layer group -> medium holding its page
+        self.groups: dict[int, str | None] = {}
+
+
+class ReplicaIndex:
+    """What one replica caches, rebuilt from its events.
+
+    ``tokens_per_block`` and the layer groups are learnt from ``BlockStored`` events; pass them
+    (e.g. ``event_manager.layer_groups``) to match exactly before every group has stored a block.
+    """
+
+    def __init__(
+        self,
+        tokens_per_block: int | None = None,
+        groups: Sequence[LayerGroupSpec] = (),
+        enable_partial_reuse: bool = True,
+    ) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.enable_partial_reuse = enable_partial_reuse
+        self.groups: dict[int, LifeCycle] = {}
+        for g in groups:
+            self._learn_group(g.group_idx, g.window_size, g.num_sink_blocks)
+        self._nodes: dict[int, _Node] = {}
+        self._roots: dict[tuple[int | None, int | None], _Node] = {}  # (scope hash, lora id)
+        #: wire events applied so far
+        self.num_events = 0
+
+    # ------------------------------------------------------------------ applying events
+    def apply_batch(self, batch: KVEventBatch) -> None:
+        self.apply(batch.events)
+
+    def apply(self, events: Sequence[AnyWireEvent]) -> None:
+        for ev in events:
+            self.num_events += 1
+            if isinstance(ev, BlockStored):
+                self._stored(ev)
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    self._removed(h, ev.group_idx if ev.group_idx is not None else 0)
+            elif isinstance(ev, BlockMoved):
+                g = ev.group_idx if ev.group_idx is not None else 0
+                for h in ev.block_hashes:
+                    node = self._nodes.get(h)
+                    if node is not None and g in node.groups:
+                        node.groups[g] = ev.medium
+            elif isinstance(ev, AllBlocksCleared):
+                self.clear()
+
+    def clear(self) -> None:
+        self._nodes.clear()
+        self._roots.clear()
+
+    def _learn_group(self, g: int, window: int | None, sinks: int) -> None:
+        if g not in self.groups:
+            self.groups[g] = LifeCycle(window, sinks, self.tokens_per_block or 1)
+
+    def _stored(self, ev: BlockStored) -> None:
+        t = ev.block_size
+        if self.tokens_per_block is None:
+            self.tokens_per_block = t
+            self.groups = {g: LifeCycle(lc.window_size, lc.num_sink_blocks, t) for g, lc in self.groups.items()}
+        g = ev.group_idx if ev.group_idx is not None else 0
+        if g not in self.groups:
+            window = ev.kv_cache_spec_sliding_window if ev.kv_cache_spec_kind == "sliding_window" else None
+            self._learn_group(g, window, ev.num_sink_blocks or 0)
+        if ev.parent_block_hash is None:
+            key = (ev.scope_hash, ev.lora_id)
+            parent = self._roots.get(key)
+            if parent is None:
+                parent = self._roots[key] = _Node(-1, None, ())
+        else:
+            found = self._nodes.get(ev.parent_block_hash)
+            if found is None:
+                return  # its parent is gone (or was never seen): unreachable, as on the replica
+            parent = found
+        for h, toks in zip(ev.block_hashes, block_tokens(ev)):
+            node = self._nodes.get(h)
+            if node is None:
+                node = self._nodes[h] = _Node(h, parent, toks)
+                parent.children[h] = node
+                parent.by_first.setdefault(toks[0], []).append(node)
+            node.groups[g] = ev.medium
+            parent = node
+
+    def _removed(self, h: int, g: int) -> None:
+        node = self._nodes.get(h)
+        if node is None:
+            return
+        node.groups.pop(g, None)
+        self._prune(node)
+
+    def _prune(self, node: _Node) -> None:
+        """Drop nodes with no page and no children, upward (a replica keeps them only as chain links)."""
+        n: _Node | None = node
+        while n is not None and n.parent is not None and not n.groups and not n.children:
+            parent = n.parent
+            del parent.children[n.hash]
+            lst = parent.by_first[n.tokens[0]]
+            lst.remove(n)
+            if not lst:
+                del parent.by_first[n.tokens[0]]
+            del self._nodes[n.hash]
+            n.parent = None
+            n = parent
+        # empty roots stay: cheap, and a replica keeps its roots too
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_blocks(self) -> int:
+        """Blocks known (with a page in some group, or linking to such blocks)."""
+        return len(self._nodes)
+
+    def has_block(self, h: int, group_idx: int | None = None) -> bool:
+        node = self._nodes.get(h)
+        if node is None:
+            return False
+        return bool(node.groups) if group_idx is None else group_idx in node.groups
+
+    def medium_of(self, h: int, group_idx: int = 0) -> str | None:
+        node = self._nodes.get(h)
+        return node.groups.get(group_idx) if node is not None else None
+
+    def match_length(
+        self,
+        tokens: Sequence[TokenIdExt],
+        reuse_scope: ReuseScope | None = None,
+        hashes: Sequence[int] | None = None,
+    ) -> int:
+        """Tokens of ``tokens`` the replica would reuse (what its ``probe_reuse`` returns).
+
+        ``hashes`` (from :func:`prompt_block_hashes`) saves hashing when several indexes are asked.
+        """
+        t = self.tokens_per_block
+        if t is None or len(tokens) == 0:
+            return 0
+        scope = reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE
+        root = self._roots.get((block_hash(scope_key(scope)), scope.lora_id))
+        if root is None:
+            return 0
+        if hashes is None:
+            hashes = prompt_block_hashes(tokens, t, scope)
+        nodes: list[_Node] = []
+        node = root
+        n_full = len(tokens) // t
+        while len(nodes) < n_full:
+            child = node.children.get(hashes[len(nodes)])
+            if child is None:
+                break
+            nodes.append(child)
+            node = child
+        part: _Node | None = None
+        part_len = 0
+        if self.enable_partial_reuse and len(nodes) * t < len(tokens):
+            rest = tokens[len(nodes) * t : (len(nodes) + 1) * t]
+            for c in node.by_first.get(rest[0], []):
+                n = _common_prefix_len(c.tokens, rest)
+                if n > part_len:
+                    part, part_len = c, n
+        while True:
+            length = len(nodes) * t + part_len
+            missing = self._first_missing_block(nodes, part, length)
+            if missing < 0:
+                return length
+            del nodes[missing:]
+            part, part_len = None, 0
+
+    def _first_missing_block(self, nodes: list[_Node], part: _Node | None, length: int) -> int:
+        t = self.tokens_per_block
+        assert t is not None
+        nb = (length + t - 1) // t
+        first = -1
+        for g, lc in self.groups.items():
+            beg, end = lc.stale_range(length)
+            for o in range(nb):
+                if beg <= o < end:
+                    continue
+                node = nodes[o] if o < len(nodes) else part
+                if node is None or g not in node.groups:
+                    if first < 0 or o < first:
+                        first = o
+                    break
+        return first
+
+
+def _common_prefix_len(a: Sequence[TokenIdExt], b: Sequence[TokenIdExt]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """The chosen replica, the tokens it would reuse, and every replica's match length."""
+
+    replica: int
+    matched_tokens: int
+    scores: tuple[int, ...]
+
+
+class PrefixRouter:
+    """Routes to the replica whose index matches the longest prefix (ties: random, seeded)."""
+
+    def __init__(self, indexes: Sequence[ReplicaIndex], seed: int | None = 0) -> None:
+        if len(indexes) == 0:
+            raise ValueError("indexes must name at least one replica")
+        self.indexes = list(indexes)
+        self._rng = random.Random(seed)
+
+    def scores(self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None) -> list[int]:
+        """Match length on every replica."""
+        cache: dict[int, list[int]] = {}
+        out = []
+        for idx in self.indexes:
+            t = idx.tokens_per_block
+            if t is None:
+                out.append(0)
+                continue
+            if t not in cache:
+                cache[t] = prompt_block_hashes(tokens, t, reuse_scope)
+            out.append(idx.match_length(tokens, reuse_scope, cache[t]))
+        return out
+
+    def route(self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None) -> RouteDecision:
+        s = self.scores(tokens, reuse_scope)
+        best = max(s)
+        replica = self._rng.choice([i for i, x in enumerate(s) if x == best])
+        return RouteDecision(replica, best, tuple(s))
+
+
+@dataclass(frozen=True)
+class ReplicaEndpoints:
+    """Where one replica publishes (``endpoint``) and replays (``replay_endpoint``) its events."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+
+
+class _Subscription:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], ep: ReplicaEndpoints, topic: bytes) -> None:
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sub.connect(ep.endpoint)
+        self.replay: zmq.Socket[bytes] | None = None
+        if ep.replay_endpoint is not None:
+            self.replay = ctx.socket(zmq.DEALER)
+            self.replay.setsockopt(zmq.LINGER, 0)
+            self.replay.connect(ep.replay_endpoint)
+        #: last sequence number applied (-1: none)
+        self.last_seq = -1
+        self.num_replayed = 0
+        self.num_lost = 0
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+        if self.replay is not None:
+            self.replay.close(linger=0)
+
+
+class KVAwareRouter(PrefixRouter):
+    """Subscribes to N replicas' event streams and routes each prompt to the best one.
+
+    Call :meth:`poll` regularly (it applies what arrived; on a sequence gap it fetches the missed
+    batches from the replica's replay socket first); :meth:`route` answers from the indexes.
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[ReplicaEndpoints],
+        topic: str = "",
+        groups: Sequence[Sequence[LayerGroupSpec]] | None = None,
+        tokens_per_block: int | None = None,
+        enable_partial_reuse: bool = True,
+        replay_timeout: float = 2.0,
+        seed: int | None = 0,
+    ) -> None:
+        if len(replicas) == 0:
+            raise ValueError("replicas must name at least one replica")
+        if groups is not None and len(groups) != len(replicas):
+            raise ValueError(f"groups must give one list per replica ({len(replicas)}), got {len(groups)}")
+        super().__init__(
+            [
+                ReplicaIndex(tokens_per_block, groups[i] if groups is not None else (), enable_partial_reuse)
+                for i in range(len(replicas))
+            ],
+            seed,
+        )
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._replay_timeout_ms = int(replay_timeout * 1000)
+        self.subscriptions = [_Subscription(self._ctx, ep, topic.encode()) for ep in replicas]
+        self._poller = zmq.Poller()
+        for s in self.subscriptions:
+            self._poller.register(s.sub, zmq.POLLIN)
+
+    def close(self) -> None:
+        for s in self.subscriptions:
+            s.close()
+        self._ctx.term()
+
+    def __enter__(self) -> KVAwareRouter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def last_seq(self, replica: int) -> int:
+        return self.subscriptions[replica].last_seq
+
+    def poll(self, timeout: float = 0.0) -> int:
+        """Apply every batch that arrived (waiting up to ``timeout`` seconds for the first); returns
+        how many batches were applied, replayed ones included."""
+        applied = 0
+        ready = dict(self._poller.poll(int(timeout * 1000)))
+        while ready:
+            for i, s in enumerate(self.subscriptions):
+                if s.sub in ready:
+                    while s.sub.poll(0):
+                        applied += self._on_message(i, s.sub.recv_multipart())
+            ready = dict(self._poller.poll(0))
+        return applied
+
+    def catch_up(self, replica: int) -> int:
+        """Ask the replica's replay socket for every batch after the last one applied (e.g. when
+        the stream went quiet after a loss); returns how many were applied."""
+        return self._replay(replica, self.subscriptions[replica].last_seq + 1, None)
+
+    def _on_message(self, i: int, frames: list[bytes]) -> int:
+        if len(frames) != 3:
+            return 0
+        s = self.subscriptions[i]
+        seq = int.from_bytes(frames[1], "big")
+        applied = 0
+        if seq > s.last_seq + 1:
+            applied += self._replay(i, s.last_seq + 1, seq)
+        if seq == s.last_seq + 1:
+            self.indexes[i].apply_batch(decode_batch(frames[2]))
+            s.last_seq = seq
+            applied += 1
+        elif seq > s.last_seq + 1:  # replay could not fill the gap: the view may be stale
+            s.num_lost += seq - s.last_seq - 1
+            self.indexes[i].apply_batch(decode_batch(frames[2]))
+            s.last_seq = seq
+            applied += 1
+        return applied
+
+    def _replay(self, i: int, start: int, stop: int | None) -> int:
+        """Apply replayed batches ``start <= seq < stop`` (``stop`` None: all buffered)."""
+        s = self.subscriptions[i]
+        sock = s.replay
+        if sock is None:
+            return 0
+        sock.send_multipart([b"", start.to_bytes(8, "big")])
+        applied = 0
+        while sock.poll(self._replay_timeout_ms):
+            frames = sock.recv_multipart()
+            seq_bytes, payload = frames[-2], frames[-1]
+            seq = int.from_bytes(seq_bytes, "big", signed=True)
+            if seq == END_SEQ:
+                break
+            if seq == s.last_seq + 1 and (stop is None or seq < stop):
+                self.indexes[i].apply_batch(decode_batch(payload))
+                s.last_seq = seq
+                s.num_replayed += 1
+                applied += 1
+        return applied

@@ -1,0 +1,469 @@
+"""KV-cache events (issue #14): what the manager records, the wire schema, and a router's index rebuilt
+from a replica's stream over real ZMQ sockets on loopback, checked against ``probe_reuse``."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+from conftest import kv_layers
+from fake_engine import FakeEngine
+
+from kv_cache_manager_v2 import (
+    AllBlocksClearedEvent,
+    BlockMovedEvent,
+    BlockRemovedEvent,
+    BlockStoredEvent,
+    CacheLevel,
+    KVCache,
+    KVCacheEventManager,
+    KVCacheManager,
+    LayerGroupSpec,
+    Priority,
+    ReuseScope,
+    TokenIdExt,
+    block_hash,
+)
+from kv_cache_manager_v2._reuse._keys import block_key, scope_key
+from kv_cache_manager_v2.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVAwareRouter,
+    KVEventBatch,
+    PrefixRouter,
+    ReplicaEndpoints,
+    ReplicaIndex,
+    ZmqEventPublisher,
+    block_tokens,
+    decode_batch,
+    digest_stand_in,
+    encode_batch,
+    prompt_block_hashes,
+    to_wire,
+)
+
+T = 8
+MakeManager = Callable[..., KVCacheManager]
+LOOPBACK = "tcp://127.0.0.1:*"
+
+
+def toks(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1 << 31) for _ in range(n)]
+
+
+def serve(engine: FakeEngine, kv: KVCache, tokens: list[TokenIdExt], decode: int = 0) -> None:
+    """Resume, prefill what is not reused, decode ``decode`` more tokens (committing all)."""
+    assert kv.resume()
+    h = kv.history_length
+    n = len(tokens) - decode
+    assert kv.resize(n)
+    engine.step(kv, tokens, h, n)
+    kv.commit(tokens[h:n])
+    for pos in range(n, len(tokens)):
+        assert kv.resize(pos + 1)
+        engine.step(kv, tokens, pos, pos + 1)
+        kv.commit([tokens[pos]])
+
+
+def publish(m: KVCacheManager, engine: FakeEngine, tokens: list[TokenIdExt], **kw: object) -> None:
+    kv = m.create_kv_cache(input_tokens=tokens, **kw)  # type: ignore[arg-type]
+    serve(engine, kv, tokens)
+    kv.close()
+
+
+@pytest.fixture
+def with_events(make_manager: MakeManager) -> Callable[..., tuple[KVCacheManager, KVCacheEventManager]]:
+    def factory(layers: object, **kw: object) -> tuple[KVCacheManager, KVCacheEventManager]:
+        em = KVCacheEventManager(**kw)  # type: ignore[arg-type]
+        return make_manager(layers, event_manager=em), em
+
+    return factory
+
+
+# ---------------------------------------------------------------- what the manager records
+def test_no_event_manager_records_nothing(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T))
+    publish(m, FakeEngine(m), toks(1, 20))
+    assert m.event_manager is None and m.get_latest_events() == []
+
+
+def test_bad_event_manager_is_refused(make_manager: MakeManager) -> None:
+    with pytest.raises(TypeError, match="KVCacheEventManager"):  # compiled: mypyc words it
+        make_manager(kv_layers(1, T), event_manager=object())
+    em = KVCacheEventManager()
+    make_manager(kv_layers(1, T), event_manager=em)
+    with pytest.raises(ValueError, match="already attached"):
+        make_manager(kv_layers(1, T), event_manager=em)
+    with pytest.raises(ValueError, match="max_events"):
+        KVCacheEventManager(max_events=0)
+    with pytest.raises(TypeError, match=r"resync_on_overflow|bool"):  # compiled: mypyc checks it
+        KVCacheEventManager(resync_on_overflow=1)  # type: ignore[arg-type]
+
+
+def test_stored_events_carry_the_key_chain_tokens_and_scope(with_events: Callable[..., tuple]) -> None:
+    m, em = with_events(kv_layers(2, T))
+    engine = FakeEngine(m)
+    prompt = toks(2, 20)  # 2 full blocks + a partial tail published by close()
+    scope = ReuseScope(lora_id=7, salt=3)
+    kv = m.create_kv_cache(scope, prompt, custom_priority_callback=lambda o, lc: Priority(60))
+    serve(engine, kv, prompt)  # type: ignore[arg-type]
+    assert [type(e) for e in m.get_latest_events()] == [BlockStoredEvent] * 2  # full blocks at commit
+    kv.close()
+    evs = em.get_latest_events()
+    assert len(evs) == 1 and isinstance(evs[0], BlockStoredEvent) and evs[0].is_partial
+    root = scope_key(scope)
+    k0 = block_key(root, prompt[:8])  # type: ignore[arg-type]
+    k1 = block_key(k0, prompt[8:16])  # type: ignore[arg-type]
+    k2 = block_key(k1, prompt[16:])  # type: ignore[arg-type]
+    assert evs[0].block_hash == block_hash(k2) == int.from_bytes(k2[-8:], "big")
+    assert evs[0].parent_block_hash == block_hash(k1)
+    assert evs[0].tokens == tuple(prompt[16:]) and evs[0].lora_id == 7 and evs[0].priority == 60
+    assert evs[0].medium == "GPU" and evs[0].group_idx == 0 and evs[0].block_size == T
+    assert prompt_block_hashes(prompt, T, scope) == [block_hash(k0), block_hash(k1), block_hash(k2)]
+    assert em.layer_groups == [LayerGroupSpec(0, None, 0)] and em.tokens_per_block == T
+
+
+def test_dedup_records_nothing_and_eviction_records_removals(with_events: Callable[..., tuple]) -> None:
+    m, em = with_events(kv_layers(1, T))  # 1 MiB / (2 * 32 * 8 B) = 2048 slots
+    engine = FakeEngine(m)
+    prompt = toks(3, 24)
+    a, b = m.create_kv_cache(input_tokens=prompt), m.create_kv_cache(input_tokens=prompt)
+    serve(engine, a, prompt)  # type: ignore[arg-type]
+    serve(engine, b, prompt)  # type: ignore[arg-type]  # same blocks: deduplicated onto a's pages
+    assert len(em.get_latest_events()) == 3
+    a.close()
+    b.close()
+    assert em.get_latest_events() == []  # no partial tail
+    filler = m.create_kv_cache()
+    assert filler.resume() and filler.resize(2048 * T)  # evicts all three blocks, tail first
+    removed = em.get_latest_events()
+    assert all(isinstance(e, BlockRemovedEvent) for e in removed)
+    hashes = prompt_block_hashes(prompt, T)
+    assert [e.block_hash for e in removed] == hashes[::-1]  # type: ignore[attr-defined]
+    filler.close()
+    m.clear_reusable_blocks()
+    assert [type(e) for e in em.get_latest_events()] == [AllBlocksClearedEvent]
+
+
+def test_anchor_eviction_removes_the_subtree(with_events: Callable[..., tuple]) -> None:
+    m, em = with_events(kv_layers(1, T), max_events=1000)
+    engine = FakeEngine(m)
+    prompt = toks(4, 32)
+    # the first block at a lower priority: its children are capped at it, the tail still goes first
+    publish(m, engine, prompt, custom_priority_callback=lambda o, lc: Priority(10 if o == 0 else 50))
+    em.get_latest_events()
+    page = m._tree.nodes()[0].page(0)  # the first block (pre-order)
+    assert page is not None
+    page.storage.evictor.remove(page)
+    m._storage.drop(page)  # an anchor dropped while its children have pages (as across pool groups)
+    removed = em.get_latest_events()
+    assert sorted(e.block_hash for e in removed) == sorted(prompt_block_hashes(prompt, T))  # type: ignore[attr-defined]
+    assert m.probe_reuse(None, prompt) == 0
+
+
+def test_overflow_drops_oldest_then_resyncs(with_events: Callable[..., tuple]) -> None:
+    m, em = with_events(kv_layers(1, T), max_events=3)
+    engine = FakeEngine(m)
+    publish(m, engine, toks(5, 40))  # 5 stored events into a queue of 3
+    assert em.num_dropped == 2 and em.num_pending == 3
+    evs = em.get_latest_events()  # a resync: the whole tree instead of the surviving 3
+    assert isinstance(evs[0], AllBlocksClearedEvent) and len(evs) == 6
+    index = ReplicaIndex(groups=em.layer_groups)
+    index.apply(to_wire(evs))
+    assert index.match_length(toks(5, 40)) == m.probe_reuse(None, toks(5, 40)) == 40
+    assert em.get_latest_events() == []
+
+    m2, em2 = with_events(kv_layers(1, T), max_events=3, resync_on_overflow=False)
+    publish(m2, FakeEngine(m2), toks(5, 40))
+    evs = em2.get_latest_events()
+    assert em2.num_dropped == 2 and [e.block_hash for e in evs] == prompt_block_hashes(toks(5, 40), T)[2:]  # type: ignore[attr-defined]
+
+
+def test_tier_move_hook_reports_moves(with_events: Callable[..., tuple]) -> None:
+    """What exists of tier moves today: the storage manager's hook (PageDropListener.page_moved)."""
+    m, em = with_events(kv_layers(1, T))
+    prompt = toks(6, 16)
+    publish(m, FakeEngine(m), prompt)
+    index = ReplicaIndex(groups=em.layer_groups)
+    index.apply(to_wire(em.get_latest_events()))
+    em._media.append("CPU")  # as a manager with a host tier would set it up
+    page = m._tree.nodes()[0].page(0)
+    assert page is not None
+    page.level = CacheLevel(1)  # the storage manager moved it down...
+    try:
+        m._storage.drop_listener.page_moved(page, CacheLevel(0))  # type: ignore[union-attr]  # ...and says so
+    finally:
+        page.level = CacheLevel(0)
+    (ev,) = em.get_latest_events()
+    assert isinstance(ev, BlockMovedEvent) and (ev.source_medium, ev.medium) == ("GPU", "CPU")
+    wire = to_wire([ev])  # vLLM-compatible: removed from the old medium, then stored in the new one
+    assert isinstance(wire[0], BlockRemoved) and wire[0].medium == "GPU"
+    assert isinstance(wire[1], BlockStored) and wire[1].medium == "CPU"
+    index.apply(wire)
+    h = prompt_block_hashes(prompt, T)
+    assert index.medium_of(h[0]) == "CPU" and index.medium_of(h[1]) == "GPU"
+    assert index.match_length(prompt) == m.probe_reuse(None, prompt) == 16  # still reusable
+    native = to_wire([ev], moves="native")
+    index.apply(native)
+    assert len(native) == 1 and index.medium_of(h[0]) == "CPU"
+
+
+# ---------------------------------------------------------------- the wire schema
+class VllmBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+    """vLLM's layout, declared independently: our payload must decode into it."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class VllmBlockRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class VllmAllBlocksCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+class VllmBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+def test_payload_layout_matches_vllm(with_events: Callable[..., tuple]) -> None:
+    m, em = with_events(kv_layers(1, T))
+    img = b"\x42" * 32
+    prompt: list[TokenIdExt] = [*toks(7, 10), img, *toks(8, 9)]  # the digest sits in block 1
+    publish(m, FakeEngine(m), prompt)
+    stored = em.get_latest_events()
+    m.clear_reusable_blocks()  # (a clear also discards whatever was still queued)
+    wire = to_wire(stored + em.get_latest_events())
+    assert [type(w) for w in wire] == [BlockStored, AllBlocksCleared]  # 3 stores coalesced into one run
+    payload = encode_batch(KVEventBatch(12.5, wire, 3))
+    raw = msgspec.msgpack.decode(payload)
+    assert raw[0] == 12.5 and raw[2] == 3
+    first = raw[1][0]
+    hashes = prompt_block_hashes(prompt, T)
+    assert first[:7] == ["BlockStored", hashes, None, wire[0].token_ids, T, None, "GPU"]  # type: ignore[union-attr]
+    assert first[7:] == [None, [None, [[2, img]], None], 0, "full_attention", None, 35, first[13], None]
+    assert first[13] == block_hash(scope_key(ReuseScope()))
+    assert raw[1][1] == ["AllBlocksCleared"]
+    assert wire[0].token_ids[10] == digest_stand_in(img)  # type: ignore[union-attr]
+    assert [t for b in block_tokens(decode_batch(payload).events[0]) for t in b] == prompt  # type: ignore[arg-type]
+    theirs = msgspec.msgpack.decode(payload, type=VllmBatch)  # extension fields are ignored
+    assert theirs.data_parallel_rank == 3 and theirs.events[0].block_hashes == hashes  # type: ignore[union-attr]
+
+
+def test_publisher_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="endpoint"):
+        ZmqEventPublisher("")
+    with pytest.raises(ValueError, match="buffer_steps"):
+        ZmqEventPublisher(LOOPBACK, buffer_steps=0)
+    with pytest.raises(ValueError, match="moves"):
+        ZmqEventPublisher(LOOPBACK, moves="raw")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="must be KV-cache events"):
+        to_wire([object()])  # type: ignore[list-item]
+
+
+# ---------------------------------------------------------------- over ZMQ, against probe_reuse
+@pytest.fixture
+def pubsub() -> Iterator[Callable[..., tuple[ZmqEventPublisher, KVAwareRouter]]]:
+    made: list[ZmqEventPublisher | KVAwareRouter] = []
+
+    def factory(n: int = 1, **kw: object) -> tuple[list[ZmqEventPublisher], KVAwareRouter]:
+        pubs = [ZmqEventPublisher(LOOPBACK, LOOPBACK, topic="kv") for _ in range(n)]
+        made.extend(pubs)
+        router = KVAwareRouter(
+            [ReplicaEndpoints(p.endpoint, p.replay_endpoint) for p in pubs],
+            topic="kv",
+            **kw,  # type: ignore[arg-type]
+        )
+        made.append(router)
+        return pubs, router  # type: ignore[return-value]
+
+    yield factory  # type: ignore[misc]
+    for x in made:
+        x.close()
+
+
+def sync(router: KVAwareRouter, replica: int, pub: ZmqEventPublisher, timeout: float = 5.0) -> None:
+    """Wait until the router applied everything ``pub`` sent (replaying what the SUB socket lost)."""
+    last = pub.flush()
+    deadline = time.monotonic() + timeout
+    while router.last_seq(replica) < last:
+        router.poll(0.02)
+        if router.last_seq(replica) < last and time.monotonic() > deadline - timeout / 2:
+            router.catch_up(replica)  # the newest batches went missing: nothing later reveals the gap
+        assert time.monotonic() < deadline, f"router stuck at {router.last_seq(replica)} < {last}"
+
+
+CONFIGS: dict[str, dict[str, object]] = {
+    "full": dict(layers=kv_layers(2, T)),
+    # two pool groups (SWA slots are twice as large); split evenly in bytes
+    "swa+full": dict(layers=kv_layers(3, T, window=20, swa_every=2), initial_pool_ratio=[0.5, 0.5]),
+    "swa+sinks+full": dict(layers=kv_layers(2, T, window=12, swa_every=2, sink_tokens=5)),
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_router_index_predicts_probe_reuse_exactly(
+    config: str, make_manager: MakeManager, pubsub: Callable[..., tuple]
+) -> None:
+    """A replica serves a random workload under memory pressure (eviction), with shared prefixes,
+    decode-time commits, partial tails, stop_committing, suspended requests and clears; after every
+    step the router's index, rebuilt from the ZMQ stream, predicts probe_reuse for every probe."""
+    kw = dict(CONFIGS[config])
+    layers: list[object] = kw.pop("layers")  # type: ignore[assignment]
+    em = KVCacheEventManager()
+    m = make_manager(layers, quota=len(layers) * 2 * 32 * T * 60, event_manager=em, **kw)  # ~60 blocks
+    engine = FakeEngine(m)
+    (pub,), router = pubsub(1, groups=[em.layer_groups])
+    index = router.indexes[0]
+    rng = random.Random(sorted(CONFIGS).index(config))
+    systems = [toks(100 + i, rng.randrange(4, 30)) for i in range(3)]
+    scopes = [None, ReuseScope(salt=1)]
+    seen: list[tuple[ReuseScope | None, list[TokenIdExt]]] = []
+    open_caches: list[KVCache] = []
+    hits = partial_hits = 0
+    for step in range(60):
+        scope = rng.choice(scopes)
+        prompt: list[TokenIdExt] = list(rng.choice(systems)) + toks(1000 + step, rng.randrange(1, 24))
+        if rng.random() < 0.3 and seen:  # a follow-up turn of an earlier conversation
+            scope, prev = rng.choice(seen)
+            prompt = list(prev) + toks(2000 + step, rng.randrange(1, 12))
+        kv = m.create_kv_cache(scope, prompt)
+        if not kv.resume() or not kv.resize(len(prompt)):
+            kv.close()
+        else:
+            h = kv.history_length
+            engine.step(kv, prompt, h, len(prompt))
+            kv.commit(prompt[h:])
+            decode = rng.randrange(0, 12)
+            out = toks(3000 + step, decode)
+            ok = True
+            for tok in out:
+                if not kv.resize(kv.capacity + 1):
+                    ok = False
+                    break
+                prompt.append(tok)
+                engine.step(kv, prompt, len(prompt) - 1, len(prompt))
+                kv.commit([tok])
+            seen.append((scope, prompt))
+            r = rng.random()
+            if r < 0.15 and ok:
+                kv.stop_committing()
+            if r < 0.35:
+                kv.suspend()
+                open_caches.append(kv)  # keeps its pages held for a while
+            else:
+                kv.close()
+        if open_caches and (len(open_caches) > 3 or rng.random() < 0.1):
+            open_caches.pop(0).close()
+        if step % 25 == 24:
+            for c in open_caches:
+                c.close()
+            open_caches.clear()
+            m.clear_reusable_blocks()
+        pub.publish(m.get_latest_events())
+        sync(router, 0, pub)
+        for pscope, p in seen[-12:]:
+            for q in (p, p[: rng.randrange(1, len(p) + 1)], p[: rng.randrange(1, len(p) + 1)] + [5]):
+                want = m.probe_reuse(pscope, q)
+                assert index.match_length(q, pscope) == want, (step, len(q), want)
+                hits += want > 0
+                partial_hits += want % T != 0
+    for c in open_caches:
+        c.close()
+    dropped = sum(g.num_dropped for g in m._storage.gpu)
+    assert hits > 300 and partial_hits > 50 and dropped > 20, (hits, partial_hits, dropped)
+    assert router.subscriptions[0].num_lost == 0
+
+
+def test_lost_batches_are_recovered_by_replay(make_manager: MakeManager, pubsub: Callable[..., tuple]) -> None:
+    em = KVCacheEventManager()
+    m = make_manager(kv_layers(1, T), event_manager=em)
+    engine = FakeEngine(m)
+    (pub,), router = pubsub(1)
+    prompts = [toks(200 + i, 20) for i in range(6)]
+    publish(m, engine, prompts[0])
+    pub.publish(em.get_latest_events())
+    sync(router, 0, pub)  # (batch 0 may itself be replayed: a fresh SUB socket misses the first messages)
+    replayed = router.subscriptions[0].num_replayed
+    # the router's SUB socket loses batch 1 (taken off the socket before the index sees it)
+    publish(m, engine, prompts[1])
+    pub.publish(em.get_latest_events())
+    pub.flush()
+    assert router.subscriptions[0].sub.poll(5000)
+    assert int.from_bytes(router.subscriptions[0].sub.recv_multipart()[1], "big") == 1
+    assert router.indexes[0].match_length(prompts[1]) == 0
+    publish(m, engine, prompts[2])
+    pub.publish(em.get_latest_events())
+    sync(router, 0, pub)  # batch 2 reveals the gap: batch 1 is replayed first
+    assert router.subscriptions[0].num_replayed == replayed + 1 and router.subscriptions[0].num_lost == 0
+    for p in prompts[:3]:
+        assert router.indexes[0].match_length(p) == m.probe_reuse(None, p) == 20
+    # the newest batch lost and nothing after it: catch_up asks the replay socket
+    publish(m, engine, prompts[3])
+    pub.publish(em.get_latest_events())
+    pub.flush()
+    assert router.subscriptions[0].sub.poll(5000)
+    router.subscriptions[0].sub.recv_multipart()
+    assert router.catch_up(0) == 1 and router.indexes[0].match_length(prompts[3]) == 20
+
+
+def test_late_router_catches_up_from_the_replay_buffer(make_manager: MakeManager) -> None:
+    em = KVCacheEventManager()
+    m = make_manager(kv_layers(1, T), event_manager=em)
+    engine = FakeEngine(m)
+    with ZmqEventPublisher(LOOPBACK, LOOPBACK, buffer_steps=100) as pub:
+        for i in range(3):  # nobody subscribes yet: PUB drops these
+            publish(m, engine, toks(300 + i, 16))
+            pub.publish(em.get_latest_events())
+        pub.flush()
+        with KVAwareRouter([ReplicaEndpoints(pub.endpoint, pub.replay_endpoint)]) as router:
+            assert router.catch_up(0) == 3
+            for i in range(3):
+                assert router.indexes[0].match_length(toks(300 + i, 16)) == 16
+
+
+def test_router_sends_each_prompt_to_the_replica_holding_its_prefix(
+    make_manager: MakeManager, pubsub: Callable[..., tuple]
+) -> None:
+    ems = [KVCacheEventManager() for _ in range(3)]
+    ms = [make_manager(kv_layers(1, T), event_manager=em) for em in ems]
+    pubs, router = pubsub(3)
+    docs = [toks(400 + i, 40) for i in range(3)]
+    for i, (m, em, pub) in enumerate(zip(ms, ems, pubs)):
+        publish(m, FakeEngine(m), docs[i])
+        pub.publish(em.get_latest_events())
+        sync(router, i, pub)
+    for i, doc in enumerate(docs):
+        d = router.route(doc[:35] + [1, 2, 3])
+        assert (d.replica, d.matched_tokens) == (i, 35)
+        assert d.scores[i] == ms[i].probe_reuse(None, doc[:35] + [1, 2, 3])
+    d = router.route(toks(999, 30))
+    assert d.matched_tokens == 0 and d.scores == (0, 0, 0)
+
+
+def test_prefix_router_without_sockets(make_manager: MakeManager) -> None:
+    """Simulators feed indexes directly from get_latest_events()."""
+    ems = [KVCacheEventManager() for _ in range(2)]
+    ms = [make_manager(kv_layers(1, T), event_manager=em) for em in ems]
+    indexes = [ReplicaIndex() for _ in ms]
+    router = PrefixRouter(indexes)
+    publish(ms[1], FakeEngine(ms[1]), toks(500, 24))
+    for idx, m in zip(indexes, ms):
+        idx.apply(to_wire(m.get_latest_events()))
+    assert router.route(toks(500, 24)).replica == 1
+    with pytest.raises(ValueError, match="at least one"):
+        PrefixRouter([])
