@@ -19,6 +19,10 @@ from .._exceptions import LogicError
 from .._page import Page
 from .._typed import TypedList
 
+#: Shared by new tables until their first block: never written (writes go to grown arrays).
+_EMPTY_STORE: array[int] = array("i")
+_EMPTY_VIEW = memoryview(_EMPTY_STORE)
+
 
 class BlockTable:
     """Pages and page indices of one request's blocks, per life cycle.
@@ -35,7 +39,6 @@ class BlockTable:
     __slots__ = (
         "pages",
         "_store",
-        "_full",
         "views",
         "user_bufs",
         "stale_end",
@@ -47,10 +50,9 @@ class BlockTable:
     def __init__(self, num_life_cycles: int) -> None:
         n = num_life_cycles
         self.pages: TypedList[LifeCycleId, list[Page | None]] = TypedList([[] for _ in range(n)])
-        # slot ids with spare capacity (never resized), a view of all of it, and of the blocks
-        self._store: TypedList[LifeCycleId, array[int]] = TypedList([array("i") for _ in range(n)])
-        self._full: TypedList[LifeCycleId, memoryview] = TypedList([memoryview(a) for a in self._store])
-        self.views: TypedList[LifeCycleId, memoryview] = TypedList([v[:0] for v in self._full])
+        # slot ids with spare capacity (never resized), and a view of the blocks' part
+        self._store: TypedList[LifeCycleId, array[int]] = TypedList([_EMPTY_STORE] * n)
+        self.views: TypedList[LifeCycleId, memoryview] = TypedList([_EMPTY_VIEW] * n)
         self.user_bufs: TypedList[LifeCycleId, memoryview | None] = TypedList([None] * n)
         self.stale_end: TypedList[LifeCycleId, int] = TypedList([0] * n)
         self.pending_copy: TypedList[LifeCycleId, Page | None] = TypedList([None] * n)
@@ -69,10 +71,9 @@ class BlockTable:
             if old_nb:
                 grown[:old_nb] = store[:old_nb]
             self._store[lc] = store = grown
-            self._full[lc] = memoryview(grown)
         elif nb < old_nb:
             store[nb:old_nb] = array("i", [BAD_PAGE_INDEX]) * (old_nb - nb)
-        self.views[lc] = self._full[lc][:nb]
+        self.views[lc] = memoryview(store)[:nb]
 
     def adopt(self, lc: LifeCycleId, pages: list[Page | None], stale_end: int) -> None:
         """Install the pages of a matched prefix (the table is empty)."""
@@ -115,7 +116,7 @@ class BlockTable:
         self._store[lc][old_nb:nb] = array("i", slots)
         buf = self.user_bufs[lc]
         if buf is not None:
-            buf[old_nb:nb] = self._full[lc][old_nb:nb]
+            buf[old_nb:nb] = memoryview(self._store[lc])[old_nb:nb]
 
     def truncate(self, nb: int, locked: bool) -> None:
         """Drop blocks from ``nb`` on, releasing their pages last block first: the tail becomes
@@ -196,7 +197,7 @@ class BlockTable:
             old.release()  # the caller's buffer is no longer exported by us
         if view is not None:
             n = len(self.pages[lc])
-            view[:n] = self._full[lc][:n]
+            view[:n] = memoryview(self._store[lc])[:n]
             self.write_user_tail(lc, n)
 
     def detach_user_bufs(self) -> None:

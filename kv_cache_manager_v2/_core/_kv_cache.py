@@ -474,11 +474,9 @@ class KVCache:
             lc = LifeCycleId(i)
             sinks, end = ctx.life_cycles[lc].num_sink_blocks, stale_ends[i]
             old_sb, old_se = table.scratch[lc]
-            want = [
-                o
-                for o in [*range(old_sb, min(old_se, nb)), *range(old_nb, nb)]
-                if not sinks <= o < end and not sb <= o < se
-            ]
+            # (two ranges, not one list of both: compiled, a range loop stays on unboxed ints)
+            want = [o for o in range(old_sb, min(old_se, nb)) if not sinks <= o < end and not sb <= o < se]
+            want += [o for o in range(old_nb, nb) if not sinks <= o < end and not sb <= o < se]
             wanted.append(want)
             priorities.append(self._priorities(lc, want))  # may raise: nothing changed yet
         storage.reserve(need)  # a driver failure here changes nothing

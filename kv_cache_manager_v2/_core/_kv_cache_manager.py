@@ -155,19 +155,21 @@ class KVCacheManager:
         cached = self._probe_keys
         self._probe_keys = None
         keys: list[BlockKey] | None = None
+        validated = 0
         if cached is not None and (cached[0] is scope or cached[0] == scope):
-            prefix = cached[1]
-            if input_tokens[: len(prefix)] == prefix:
+            probed = cached[1]
+            if input_tokens[: len(probed)] == probed:  # the tokens probe_reuse validated and hashed
                 keys = cached[2]
-        hasher = BlockHasher(input_tokens, self.tokens_per_block, "input_tokens", keys)
+                validated = len(probed)
+        hasher = BlockHasher(input_tokens, self.tokens_per_block, "input_tokens", keys, validated)
         root = self._tree.root(scope, False)
         result: tuple[list[Node], Node | None, int] = ([], None, 0)
         if root is not None:
             result = self._tree.match(root, hasher, self._config.enable_partial_reuse)
         hasher.validate_rest()
-        if not for_create and hasher.keys:
-            # the hashed prefix, copied with its own type so == is exact
-            self._probe_keys = (scope, input_tokens[: len(hasher.keys) * self.tokens_per_block], hasher.keys)
+        if not for_create:
+            # the probed tokens, copied with their own type so == is exact
+            self._probe_keys = (scope, input_tokens[:], hasher.keys)
         return result
 
     @property
