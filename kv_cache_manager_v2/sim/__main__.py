@@ -1,0 +1,7 @@
+"""``python -m kv_cache_manager_v2.sim``: the ``kv-cache-sim`` console script."""
+
+from __future__ import annotations
+
+from ._cli import main
+
+raise SystemExit(main())
