@@ -14,6 +14,14 @@ from setuptools import Command, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 PACKAGE = "kv_cache_manager_v2"
+#: Modules left interpreted in production mode, each with its reason (tests/test_build_mode.py reads this).
+#: The simulator's presentation: ``sim/__main__.py`` (``python -m`` needs a code object), ``sim/_cli.py``
+#: (argparse, optional tqdm) and ``sim/_plot.py`` (matplotlib, untyped); the replay loop they drive is compiled.
+NOT_COMPILED = (
+    "kv_cache_manager_v2/sim/__main__.py",
+    "kv_cache_manager_v2/sim/_cli.py",
+    "kv_cache_manager_v2/sim/_plot.py",
+)
 
 
 def compiled_artifacts() -> list[str]:
@@ -47,7 +55,11 @@ def main() -> None:
         return
     from mypyc.build import mypycify
 
-    sources = sorted(glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True))
+    sources = sorted(
+        path
+        for path in glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True)
+        if not path.replace(os.sep, "/").startswith(NOT_COMPILED)
+    )
     ext_modules = mypycify(sources, opt_level="3", debug_level="0")
     setup(name=PACKAGE, packages=[], ext_modules=ext_modules, cmdclass={"clean_compiled": CleanCompiled})
 

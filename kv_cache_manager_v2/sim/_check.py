@@ -43,7 +43,7 @@ def _mix(tokens: Any, positions: Any, salt: Any) -> Any:
 
 
 class DataChecker:
-    """Checks the KV pages of every step (see the module doc); needs the simulator's 4-byte proxy buffers."""
+    """Checks the KV pages of every step (see the module doc); needs buffers of 4 bytes per token."""
 
     def __init__(self, rm: KVCacheResourceManager) -> None:
         self.rm = rm

@@ -27,6 +27,8 @@ from ._models import (
     manager_config,
     model_shape,
     parse_quota,
+    proxy_page_bytes,
+    real_bytes_per_proxy_byte,
 )
 from ._plot import matplotlib_missing, write_plot
 from ._replay import Replay, SchedulerOptions
@@ -77,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--swa-scratch", action="store_true", help="SWA prefill scratch-slot reuse")
     g.add_argument("--no-reuse", action="store_true", help="disable prefix reuse (every request on its own)")
     g = p.add_argument_group("workload (default: built-in multi-turn conversations with shared system prompts)")
-    g.add_argument("--trace", help="Mooncake-format trace: JSON lines of timestamp, input_length, output_length, hash_ids")
+    g.add_argument(
+        "--trace", help="Mooncake-format trace: JSON lines of timestamp, input_length, output_length, hash_ids"
+    )
     g.add_argument("--requests", type=int, default=0, help="replay only the first N requests (0: all)")
     g.add_argument("--prompt-only", action="store_true", help="no decode: each request ends after its prompt")
     d = ConversationParams()
@@ -103,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", nargs="?", const="-", metavar="FILE", help="write the report as JSON (default: stdout)")
     g.add_argument("--plot", metavar="FILE", help="write a PNG (needs matplotlib)")
     g.add_argument("--sweep", metavar="TIER=V1,V2,..", help="replay once per quota, e.g. gpu=1,3,10 or gpu=1Mtok,3Mtok")
-    g.add_argument("--check-data", action="store_true", help="also write and check KV records through the pages (slower)")
+    g.add_argument(
+        "--check-data", action="store_true", help="also write and check KV records through the pages (slower)"
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -225,15 +231,21 @@ def simulate(
     t = tokens_per_block
     if t < 1 or t & (t - 1):
         raise SimUserError(f"--tokens-per-block must be a power of two, got {t}")
-    config = manager_config(shape, t, tiers, swa_scratch)
+    page_bytes = proxy_page_bytes(t, check_data)
+    config = manager_config(shape, t, tiers, swa_scratch, page_bytes)
     try:
         replay = Replay(config, requests, options, check_data, progress)
+    except SimUserError:
+        raise
     except ValueError as e:
-        if isinstance(e, SimUserError):
-            raise
         raise SimUserError(f"the manager refused this configuration: {e}") from None
+    except (OSError, MemoryError) as e:
+        raise SimUserError(
+            f"cannot reserve the pools ({e}); lower the quotas" + (" or drop --check-data" if check_data else "")
+        ) from None
     result = replay.run()
-    return build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch)
+    scale = real_bytes_per_proxy_byte(shape, t, page_bytes)
+    return build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,9 +1,10 @@
 """Model shapes (presets and custom), tier quotas, and the manager configuration the simulator replays against.
 
 The simulator builds the manager with the model's real layer structure (layers, sliding-window
-layers, sinks) but with *proxy* buffers of 4 bytes per token: every byte quota is scaled by the
-same factor, so the manager gets the slot counts of the real shape while a replay maps, copies
-and (with ``--check-data``) writes only a few bytes per token.
+layers, sinks) but with *proxy* buffers: 4 bytes per page (metadata only) or 4 bytes per token
+(``--check-data``: one record per token). Every byte quota is scaled by the same factor (real
+page bytes / proxy page bytes), so the manager gets the slot counts of the real shape while a
+replay reserves, copies and writes only a few bytes per block.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from .._config import (
     SwaScratchReuseConfig,
 )
 
-#: bytes per token of each proxy buffer page: one uint32 record per token (the data checker's)
-PROXY_BYTES_PER_TOKEN = 4
+#: bytes of a proxy buffer page per token with --check-data (one uint32 record per token), else per page
+PROXY_RECORD_BYTES = 4
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 GIB = 1 << 30
 
@@ -191,7 +192,9 @@ def parse_quota(option: str, text: str) -> Quota:
         )
     mult = _BYTE_UNITS.get(unit)
     if mult is None:
-        raise SimUserError(f"{option}: unknown unit {m.group(2)!r} in {text!r}; use KiB/MiB/GiB/TiB, KB/MB/GB/TB or tok")
+        raise SimUserError(
+            f"{option}: unknown unit {m.group(2)!r} in {text!r}; use KiB/MiB/GiB/TiB, KB/MB/GB/TB or tok"
+        )
     value = number * mult
     if value < 1:
         raise SimUserError(f"{option}: {text!r} is less than one byte")
@@ -227,10 +230,21 @@ class TierSpec:
     path: str | None = None
 
 
+def proxy_page_bytes(tokens_per_block: int, check_data: bool) -> int:
+    """Bytes of one proxy buffer page: a record per token for the data checker, else 4."""
+    return PROXY_RECORD_BYTES * tokens_per_block if check_data else PROXY_RECORD_BYTES
+
+
+def real_bytes_per_proxy_byte(shape: ModelShape, tokens_per_block: int, page_bytes: int) -> float:
+    """The scale between the proxy manager's bytes and the model's."""
+    return shape.buffer_bytes_per_token * tokens_per_block / page_bytes
+
+
 def manager_config(
-    shape: ModelShape, tokens_per_block: int, tiers: list[TierSpec], swa_scratch: bool
+    shape: ModelShape, tokens_per_block: int, tiers: list[TierSpec], swa_scratch: bool, page_bytes: int
 ) -> KVCacheManagerConfig:
-    """The manager configuration of the replay: real layer structure, proxy buffers, quotas scaled to match.
+    """The manager configuration of the replay: real layer structure, proxy buffers of ``page_bytes``
+    per page, quotas scaled to match (so the slot counts are those of the real shape).
 
     Raises :class:`SimUserError` when the GPU quota cannot hold one block of every layer group.
     """
@@ -238,13 +252,13 @@ def manager_config(
     layers = [
         AttentionLayerConfig(
             LayerId(i),
-            [BufferConfig("key", PROXY_BYTES_PER_TOKEN * t), BufferConfig("value", PROXY_BYTES_PER_TOKEN * t)],
+            [BufferConfig("key", page_bytes), BufferConfig("value", page_bytes)],
             sliding_window_size=shape.window if shape.is_swa_layer(i) else None,
             num_sink_tokens=shape.sinks if shape.is_swa_layer(i) and shape.sinks else None,
         )
         for i in range(shape.num_layers)
     ]
-    real = shape.buffer_bytes_per_token
+    real_page = shape.buffer_bytes_per_token * t
     gpu = tiers[0]
     # one block of every layer (both life cycles of a SWA model) is the least any request needs
     min_bytes = shape.bytes_per_token * t
@@ -255,7 +269,7 @@ def manager_config(
         )
     configs: list[CacheTierConfig] = []
     for tier in tiers:
-        proxy = tier.quota_bytes * PROXY_BYTES_PER_TOKEN // real
+        proxy = tier.quota_bytes * page_bytes // real_page
         if tier.kind == "gpu":
             configs.append(GpuCacheTierConfig(proxy))
         elif tier.kind == "host":
@@ -270,8 +284,3 @@ def manager_config(
         swa_scratch_reuse=SwaScratchReuseConfig() if swa_scratch else None,
         backend="host",
     )
-
-
-def real_slot_bytes(shape: ModelShape, proxy_slot_bytes: int) -> int:
-    """Bytes a slot of the given proxy size takes with the model's real buffers."""
-    return proxy_slot_bytes * shape.buffer_bytes_per_token // PROXY_BYTES_PER_TOKEN

@@ -17,7 +17,9 @@ def matplotlib_missing() -> str | None:
     return None
 
 
-def write_plot(path: str, report: dict[str, Any] | None = None, sweep: tuple[str, list[dict[str, Any]]] | None = None) -> None:
+def write_plot(
+    path: str, report: dict[str, Any] | None = None, sweep: tuple[str, list[dict[str, Any]]] | None = None
+) -> None:
     """Write the PNG: ``report`` (one replay) or ``sweep`` (key, reports)."""
     import matplotlib
 

@@ -25,13 +25,13 @@ import heapq
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from .._common import CacheLevel, ReuseScope
+from .._common import CacheLevel, ReuseScope, TokenId, TokenIdExt
 from .._config import KVCacheManagerConfig
 from .._core._kv_cache_manager import KVCacheManager
 from .._utils import check_int
@@ -182,7 +182,9 @@ class Replay:
         self.slot_bytes = [sum(s.slot_sizes) for s in stats]
         for lvl in range(self.num_levels):
             usage = LevelUsage(lvl)
-            usage.capacity = sum(s.total * sum(s.slot_sizes) for s in self.rm.manager.get_storage_statistics(CacheLevel(lvl)))
+            usage.capacity = sum(
+                s.total * sum(s.slot_sizes) for s in self.rm.manager.get_storage_statistics(CacheLevel(lvl))
+            )
             self.result.levels.append(usage)
 
     # ------------------------------------------------------------------ arrivals
@@ -201,7 +203,8 @@ class Replay:
             sim = self.requests[index]
             prompt = sim.prompt_tokens()
             max_new = 1 if o.prompt_only else sim.output_length
-            req = EngineRequest(index, prompt, max_new, o.chunk, None if o.reuse else ReuseScope(salt=index))
+            tokens = cast("Sequence[TokenIdExt]", prompt)  # array('I'): hashed by a memory copy
+            req = EngineRequest(index, tokens, max_new, o.chunk, None if o.reuse else ReuseScope(salt=index))
             live = _Live(sim, req, at_ms)
             need = self.rm.get_needed_resource_to_completion_per_pool_group(req)
             if any(n > total for n, total in zip(need, self.totals)):
@@ -290,9 +293,8 @@ class Replay:
             if n > budget and (batch_size or new):
                 break
             need = rm.get_needed_resource_to_completion_per_pool_group(live.req)
-            if others or new:
-                if any(f - k < o.watermark * tot for f, k, tot in zip(free, need, self.totals)):
-                    break
+            if (others or new) and any(f - k < o.watermark * tot for f, k, tot in zip(free, need, self.totals)):
+                break
             for g, k in enumerate(need):
                 free[g] -= k
             new.append(self.waiting.popleft())
@@ -363,7 +365,7 @@ class Replay:
                 live.full_check = False
             if req.samples_this_step:
                 sim = live.sim
-                req.generated_tokens.append(sim.output_base + len(req.generated_tokens))
+                req.generated_tokens.append(TokenId(sim.output_base + len(req.generated_tokens)))
         self.clock += o.step_ms + tokens * 1000.0 / o.tokens_per_s
         t0 = time.perf_counter()
         self.rm.update_resources([x.req for x in served])

@@ -37,11 +37,12 @@ def build_report(
     workload: dict[str, Any],
     compiled: bool,
     swa_scratch: bool,
+    scale: float,
 ) -> dict[str, Any]:
-    """Everything the simulator reports, JSON-ready (schema ``kv-cache-sim/1``)."""
+    """Everything the simulator reports, JSON-ready (schema ``kv-cache-sim/1``); ``scale``: the
+    model's bytes per byte of the proxy manager."""
     r = result
     t = r.tokens_per_block
-    scale = shape.buffer_bytes_per_token / 4  # proxy bytes -> the model's bytes
     tier_rows: list[dict[str, Any]] = []
     for tier, usage in zip(tiers, r.levels):
         cap = usage.capacity * scale
@@ -179,7 +180,11 @@ def format_report(rep: dict[str, Any]) -> str:
         _row(
             "prefill tokens",
             f"{format_count(pre['reused_tokens'])} saved, {format_count(pre['computed_tokens'])} computed"
-            + (f" ({format_count(pre['recomputed_tokens'])} recomputed after preemption)" if pre["recomputed_tokens"] else ""),
+            + (
+                f" ({format_count(pre['recomputed_tokens'])} recomputed after preemption)"
+                if pre["recomputed_tokens"]
+                else ""
+            ),
         ),
         "memory",
     ]

@@ -22,6 +22,8 @@ from ._models import SimUserError
 TRACE_BLOCK_TOKENS = 512
 #: output tokens are drawn from [OUTPUT_BASE, 2**32): no trace or generated prompt token is there
 OUTPUT_BASE = 1 << 31
+#: longest output of a trace request (each gets this many token ids of its own)
+MAX_OUTPUT = 65_536
 
 
 @dataclass
@@ -65,11 +67,42 @@ def _segments_of_blocks(ids: list[int], length: int) -> list[tuple[int, int]]:
 
 def _field_int(rec: dict[str, object], key: str, where: str, minimum: int) -> int:
     if key not in rec:
-        raise SimUserError(f"{where}: missing field {key!r} (a Mooncake line has timestamp, input_length, output_length, hash_ids)")
+        raise SimUserError(
+            f"{where}: missing field {key!r} (a Mooncake line has timestamp, input_length, output_length, hash_ids)"
+        )
     v = rec[key]
     if type(v) is not int or v < minimum:
         raise SimUserError(f"{where}: {key!r} must be an integer >= {minimum}, got {v!r}")
     return v
+
+
+def _parse_line(line: str, where: str, line_no: int, idx: int) -> SimRequest:
+    """One Mooncake JSON line as request ``idx``; SimUserError naming ``where`` if malformed."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise SimUserError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(rec, dict):
+        raise SimUserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    ts = rec.get("timestamp")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+        raise SimUserError(f"{where}: 'timestamp' must be a number >= 0 (milliseconds), got {ts!r}")
+    n_in = _field_int(rec, "input_length", where, 1)
+    n_out = _field_int(rec, "output_length", where, 0)
+    if n_out > MAX_OUTPUT:
+        raise SimUserError(f"{where}: output_length {n_out} is above {MAX_OUTPUT}")
+    ids = rec.get("hash_ids")
+    max_id = OUTPUT_BASE // TRACE_BLOCK_TOKENS - 1
+    if not isinstance(ids, list) or not all(type(h) is int and 0 <= h <= max_id for h in ids):
+        raise SimUserError(f"{where}: 'hash_ids' must be a list of integers in [0, {max_id}]")
+    need = (n_in + TRACE_BLOCK_TOKENS - 1) // TRACE_BLOCK_TOKENS
+    if len(ids) < need:
+        raise SimUserError(
+            f"{where}: input_length {n_in} needs {need} hash_ids ({TRACE_BLOCK_TOKENS} tokens each), got {len(ids)}"
+        )
+    # generated tokens: MAX_OUTPUT ids of their own per request
+    base = OUTPUT_BASE + idx * MAX_OUTPUT % (OUTPUT_BASE - MAX_OUTPUT)
+    return SimRequest(idx, float(ts), _segments_of_blocks(ids, n_in), n_in, max(n_out, 1), base, source_line=line_no)
 
 
 def load_trace(path: str, limit: int = 0) -> list[SimRequest]:
@@ -77,60 +110,25 @@ def load_trace(path: str, limit: int = 0) -> list[SimRequest]:
 
     Raises :class:`SimUserError` naming the line for anything malformed.
     """
-    max_id = (OUTPUT_BASE // TRACE_BLOCK_TOKENS) - 1
     out: list[SimRequest] = []
+    line_no = 0
     try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise SimUserError(f"--trace {path}: cannot read it ({e.strerror or e})") from None
-    with f:
-        line_no = 0
-        try:
-            for line in f:
+        with open(path, "rb") as f:
+            for raw in f:
                 line_no += 1
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise SimUserError(f"{path} line {line_no}: not UTF-8 text; is this a JSON-lines trace?") from None
                 if not line.strip():
                     continue
-                where = f"{path} line {line_no}"
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SimUserError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(rec, dict):
-                    raise SimUserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-                ts = rec.get("timestamp")
-                if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
-                    raise SimUserError(f"{where}: 'timestamp' must be a number >= 0 (milliseconds), got {ts!r}")
-                n_in = _field_int(rec, "input_length", where, 1)
-                n_out = _field_int(rec, "output_length", where, 0)
-                ids = rec.get("hash_ids")
-                if not isinstance(ids, list) or not all(type(h) is int and 0 <= h <= max_id for h in ids):
-                    raise SimUserError(f"{where}: 'hash_ids' must be a list of integers in [0, {max_id}]")
-                need = (n_in + TRACE_BLOCK_TOKENS - 1) // TRACE_BLOCK_TOKENS
-                if len(ids) < need:
-                    raise SimUserError(
-                        f"{where}: input_length {n_in} needs {need} hash_ids ({TRACE_BLOCK_TOKENS} tokens each), got {len(ids)}"
-                    )
-                idx = len(out)
-                out.append(
-                    SimRequest(
-                        idx,
-                        float(ts),
-                        _segments_of_blocks(ids, n_in),
-                        n_in,
-                        max(n_out, 1),
-                        OUTPUT_BASE + idx * 65_536 % (OUTPUT_BASE - 65_536),
-                        source_line=line_no,
-                    )
-                )
+                out.append(_parse_line(line, f"{path} line {line_no}", line_no, len(out)))
                 if limit and len(out) >= limit:
                     break
-        except UnicodeDecodeError:
-            raise SimUserError(f"{path} line {line_no + 1}: not UTF-8 text; is this a JSON-lines trace?") from None
+    except OSError as e:
+        raise SimUserError(f"--trace {path}: cannot read it ({e.strerror or e})") from None
     if not out:
         raise SimUserError(f"--trace {path}: no requests in it")
-    for r in out:
-        if r.output_length > 65_536:
-            raise SimUserError(f"{path} line {r.source_line}: output_length {r.output_length} is above 65536")
     return out
 
 
