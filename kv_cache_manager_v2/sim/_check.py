@@ -12,11 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from .._common import LayerId
 from ..engine import EngineRequest, KVCacheResourceManager
 
 
+@mypyc_attr(native_class=False)
 class DataCheckError(AssertionError):
     """A page did not hold the record the checker wrote for that token (a manager bug)."""
 

@@ -7,6 +7,7 @@ the replay it drives (``_replay``) is compiled.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -156,7 +157,7 @@ def _workload(a: argparse.Namespace) -> tuple[list[SimRequest], dict[str, Any]]:
             f"built-in conversations ({params.conversations} x ~{params.turns:g} turns, "
             f"{params.system_prompts} system prompts of ~{params.system_tokens} tokens)"
         )
-        desc = {"source": "conversations", "params": params.__dict__.copy()}
+        desc = {"source": "conversations", "params": dataclasses.asdict(params)}
     n = len(reqs)
     prompt = sum(r.prompt_length for r in reqs)
     out = sum(r.output_length for r in reqs)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from mypy_extensions import mypyc_attr
+
 from .._common import LayerId
 from .._config import (
     AttentionLayerConfig,
@@ -30,6 +32,7 @@ DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8"
 GIB = 1 << 30
 
 
+@mypyc_attr(native_class=False)
 class SimUserError(ValueError):
     """A mistake in the simulator's input (options, trace, model/quota combination): one line, exit code 2."""
 
@@ -153,7 +156,7 @@ def model_shape(
 _BYTE_UNITS = {"": GIB, "kib": 1 << 10, "mib": 1 << 20, "gib": GIB, "tib": 1 << 40}
 _BYTE_UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1})
 _TOKEN_MULT = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
-_QUOTA_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+_QUOTA_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z ]*?)\s*$")
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,7 @@ def parse_quota(option: str, text: str) -> Quota:
     if m is None:
         raise SimUserError(f"{option}: cannot read {text!r}; write e.g. 16GiB, 512MiB or 3Mtok (tokens)")
     number = float(m.group(1))
-    unit = m.group(2).lower()
+    unit = m.group(2).replace(" ", "").lower()
     for suffix in ("tokens", "token", "tok"):
         if unit.endswith(suffix):
             mult = _TOKEN_MULT.get(unit[: -len(suffix)])

@@ -159,6 +159,7 @@ class Replay:
         options: SchedulerOptions,
         check_data: bool = False,
         progress: Callable[[int], None] | None = None,
+        on_step: Callable[[KVCacheResourceManager], None] | None = None,
     ) -> None:
         options.validate()
         self.opts = options
@@ -168,6 +169,7 @@ class Replay:
         self.num_levels = len(config.cache_tiers)
         self.checker = DataChecker(self.rm) if check_data else None
         self.progress = progress
+        self.on_step = on_step  #: called after every step (tests run the invariant checker there)
         self.result = ReplayResult(self.t, num_requests=len(requests))
         self.clock = 0.0
         self.arrivals: list[tuple[float, int]] = []
@@ -437,11 +439,13 @@ class Replay:
                     self._break_deadlock()
                     r.manager_s += self._step_manager_s
                     continue
+                self._sample()  # after prepare: the step's pages are all allocated (its peak)
                 self._run_step(served)
                 r.steps += 1
                 r.manager_s += self._step_manager_s
                 r.step_us.append(self._step_manager_s * 1e6)
-                self._sample()
+                if self.on_step is not None:
+                    self.on_step(self.rm)
         finally:
             r.wall_s = time.perf_counter() - wall0
             r.sim_time_ms = self.clock
