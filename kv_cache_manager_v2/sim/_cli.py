@@ -124,12 +124,17 @@ def _shape(a: argparse.Namespace) -> ModelShape:
     return model_shape(a.model, a.layers, a.kv_heads, a.head_dim, a.dtype, a.window, a.swa_every, a.sinks)
 
 
+def _tier(kind: str, option: str, text: str, shape: ModelShape, disk_path: str | None) -> TierSpec:
+    q = parse_quota(option, text)
+    return TierSpec(kind, q.bytes_for(shape), q.text, disk_path if kind == "disk" else None)
+
+
 def _tiers(a: argparse.Namespace, shape: ModelShape, disk_path: str | None) -> list[TierSpec]:
-    tiers = [TierSpec("gpu", parse_quota("--gpu", a.gpu).bytes_for(shape), a.gpu)]
+    tiers = [_tier("gpu", "--gpu", a.gpu, shape, None)]
     if a.host:
-        tiers.append(TierSpec("host", parse_quota("--host", a.host).bytes_for(shape), a.host))
+        tiers.append(_tier("host", "--host", a.host, shape, None))
     if a.disk:
-        tiers.append(TierSpec("disk", parse_quota("--disk", a.disk).bytes_for(shape), a.disk, disk_path))
+        tiers.append(_tier("disk", "--disk", a.disk, shape, disk_path))
     return tiers
 
 
@@ -276,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             key, values = sweep
             points = []
             for v in values:
-                spec = TierSpec(key, parse_quota(f"--sweep {key}", v).bytes_for(shape), v, a.disk_path or tmp)
+                spec = _tier(key, f"--sweep {key}", v, shape, a.disk_path or tmp)
                 kinds = [x.kind for x in tiers]
                 row = list(tiers)
                 if key in kinds:
@@ -326,6 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"data check failed: {e}", 1)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. piped into head: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

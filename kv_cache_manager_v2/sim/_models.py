@@ -191,7 +191,7 @@ def parse_quota(option: str, text: str) -> Quota:
             return Quota(float(int(value)), True, text.strip())
     if unit in ("k", "m", "g", "t"):
         raise SimUserError(
-            f"{option}: {text!r} is ambiguous; write {m.group(1)}{unit.upper()}iB for bytes or {m.group(1)}{unit}tok for tokens"
+            f"{option}: {text!r} is ambiguous; write {m.group(1)}{unit.upper()}iB for bytes or {m.group(1)}{unit.upper()}tok for tokens"
         )
     mult = _BYTE_UNITS.get(unit)
     if mult is None:
@@ -201,7 +201,7 @@ def parse_quota(option: str, text: str) -> Quota:
     value = number * mult
     if value < 1:
         raise SimUserError(f"{option}: {text!r} is less than one byte")
-    return Quota(float(int(value)), False, text.strip())
+    return Quota(float(int(value)), False, text.strip() + ("GiB" if not unit else ""))
 
 
 def format_bytes(n: float) -> str:

@@ -25,6 +25,7 @@ def write_plot(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     if sweep is not None:
         key, reports = sweep
@@ -37,6 +38,8 @@ def write_plot(
             quota = rep["tiers"][min(level, len(rep["tiers"]) - 1)]["quota"]
             ax.annotate(quota, (x, rep["hit_rate"]["tokens"]), textcoords="offset points", xytext=(0, 6), ha="center")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xticks(xs, [f"{x / 1000:,.0f}k" if x >= 1000 else str(x) for x in xs])
         ax.set_xlabel(f"{key} capacity (tokens)")
         ax.set_ylabel("prefix hit rate")
         ax.set_ylim(0, 1)
@@ -57,10 +60,11 @@ def write_plot(
         ax2.set_ylabel("GPU tier use")
         ax2.set_ylim(0, 1)
         ax2.set_xlabel("simulated time (s)")
-        ax2.legend(loc="lower right")
+        ax2.legend(loc="upper left", framealpha=0.9)
         ax2.grid(True, alpha=0.3)
         gpu = report["tiers"][0]
-        ax1.set_title(f"{report['model']['name']}, GPU {gpu['quota']}: {report['workload']['description']}", fontsize=9)
+        source = str(report["workload"]["description"]).split(":")[0]
+        ax1.set_title(f"{report['model']['name']}, GPU {gpu['quota']}: {source}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
