@@ -273,3 +273,11 @@ def test_runs_without_tqdm(capsys: pytest.CaptureFixture[str], monkeypatch: pyte
     monkeypatch.setitem(sys.modules, "tqdm", None)
     code, out, _ = run(capsys, *QUICK[:-1])  # progress enabled, but no tqdm (and no terminal): plain text
     assert code == 0 and "hit rate (tokens)" in out
+
+
+def test_progress_bar_on_a_terminal(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("tqdm")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out, err = run(capsys, *QUICK[:-1])
+    assert code == 0 and "hit rate (tokens)" in out
+    assert "replay" in err and "req" in err  # tqdm's bar (left behind in the captured stream)
