@@ -109,15 +109,16 @@ def test_multi_turn_reuses_the_previous_answer() -> None:
     reqs = generate_conversations(params)
     by_index = {r.index: r for r in reqs}
     reused: dict[int, int] = {}
+    holder: list[Replay] = []
+
+    def snoop(rm: KVCacheResourceManager) -> None:  # every admitted request runs at least one step
+        rm.manager.check_invariants()
+        for live in holder[0].running:
+            reused.setdefault(live.sim.index, live.req.num_reused_tokens)
+
     config = manager_config(SMALL, 16, gpu(1 << 20), False, proxy_page_bytes(16, False))
-    replay = Replay(config, reqs, SchedulerOptions(), on_step=lambda rm: rm.manager.check_invariants())
-    original = replay._count_admission
-
-    def spy(live: Any) -> None:
-        reused[live.sim.index] = live.req.num_reused_tokens
-        original(live)
-
-    replay._count_admission = spy  # type: ignore[method-assign]
+    replay = Replay(config, reqs, SchedulerOptions(), on_step=snoop)
+    holder.append(replay)
     result = replay.run()
     assert result.finished == len(reqs) and result.preempted_recompute == 0
     followers = [r for r in reqs if r.after >= 0]
@@ -198,19 +199,19 @@ def test_swa_scratch_lowers_peak_memory_and_keeps_data() -> None:
 def test_checker_catches_a_wrong_record() -> None:
     config = manager_config(SMALL, 16, gpu(4096), False, proxy_page_bytes(16, True))
     reqs = [SimRequest(0, 0.0, [(1, 100)], 100, 5, 1 << 31), SimRequest(1, 1.0, [(1, 100)], 100, 5, (1 << 31) + 99)]
-    replay = Replay(config, reqs, SchedulerOptions(max_batch=1, time_scale=1.0), check_data=True)
-    checker = replay.checker
-    assert isinstance(checker, DataChecker)
-    original = checker.step
+    holder: list[Replay] = []
 
-    def step(req: Any, tokens: Any, full: bool) -> None:
-        # damage request 0's page at position 40 right after its prefill wrote it: its decode steps do
-        # not look there, but request 1 reuses the block and checks it in full at its first step
-        original(req, tokens, full)
-        if req.request_id == 0 and req.num_cached_tokens == 0:
-            checker.corrupt(req, 40)
+    def damage(rm: KVCacheResourceManager) -> None:
+        # damage request 0's page at position 40 after its prefill wrote it: its decode steps do not
+        # look there, but request 1 reuses the block and checks it in full at its first step
+        for live in holder[0].running:
+            if live.sim.index == 0 and live.req.num_cached_tokens == 100:
+                checker = holder[0].checker
+                assert isinstance(checker, DataChecker)
+                checker.corrupt(live.req, 40)
 
-    checker.step = step  # type: ignore[method-assign]
+    replay = Replay(config, reqs, SchedulerOptions(max_batch=1, time_scale=1.0), check_data=True, on_step=damage)
+    holder.append(replay)
     with pytest.raises(DataCheckError, match="position 40"):
         replay.run()
 
@@ -222,7 +223,7 @@ def test_too_long_requests_are_rejected_others_finish() -> None:
         SimRequest(2, 2.0, [(1, 200)], 200, 10, (1 << 31) + 200),
     ]
     rep = simulate(SMALL, gpu(1024), 16, reqs, {}, SchedulerOptions())
-    assert rep["requests"] == {"total": 3, "finished": 2, "rejected": 1}
+    assert rep["requests"] == {"total": 3, "finished": 2, "rejected": 1, "rejected_examples": [1]}
 
 
 def test_dropped_pages_reads_the_eviction_counter() -> None:

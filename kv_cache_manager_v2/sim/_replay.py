@@ -89,7 +89,7 @@ class ReplayResult:
     num_requests: int = 0
     finished: int = 0
     rejected: int = 0
-    rejected_lines: list[int] = field(default_factory=list)  #: workload indices of the first rejections
+    rejected_lines: list[int] = field(default_factory=list)  #: trace lines (else workload indices) of the first five
     prompt_tokens: int = 0  #: prompt tokens of first admissions
     reused_tokens: int = 0  #: of those, taken from the cache
     prompt_blocks: int = 0

@@ -90,7 +90,13 @@ def build_report(
             "reuse": options.reuse,
             "prompt_only": options.prompt_only,
         },
-        "requests": {"total": r.num_requests, "finished": r.finished, "rejected": r.rejected},
+        "requests": {
+            "total": r.num_requests,
+            "finished": r.finished,
+            "rejected": r.rejected,
+            # trace lines (built-in workload: request indices) of the first rejected requests
+            "rejected_examples": list(r.rejected_lines),
+        },
         "hit_rate": {
             "tokens": _ratio(r.reused_tokens, r.prompt_tokens),
             "blocks": hit_blocks,
@@ -164,7 +170,15 @@ def format_report(rep: dict[str, Any]) -> str:
         _row(
             "requests",
             f"{req['finished']:,} finished"
-            + (f", {req['rejected']:,} rejected (too long for the GPU tier)" if req["rejected"] else "")
+            + (
+                f", {req['rejected']:,} rejected (too long for the GPU tier; "
+                + ("trace lines " if w.get("source") == "trace" else "requests ")
+                + ", ".join(str(x) for x in req["rejected_examples"])
+                + ("..." if req["rejected"] > len(req["rejected_examples"]) else "")
+                + ")"
+                if req["rejected"]
+                else ""
+            )
             + f"; {rp['simulated_s']:.1f} s simulated",
         ),
         "prefix reuse",
