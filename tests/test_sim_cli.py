@@ -171,7 +171,7 @@ def _check_schema(rep: dict[str, Any]) -> None:
     assert rep["mode"] in ("compiled", "interpreted")
     assert set(rep) >= {
         "model", "tokens_per_block", "workload", "scheduler", "requests", "hit_rate", "prefill", "decode",
-        "tiers", "preemptions", "manager", "manager_cpu", "replay", "data_check", "series",
+        "tiers", "preemptions", "manager", "manager_cpu", "replay", "data_check", "series", "eviction_policy",
     }  # fmt: skip
     assert 0.0 <= rep["hit_rate"]["tokens"] <= 1.0 and 0.0 <= rep["hit_rate"]["blocks"] <= 1.0
     assert rep["hit_rate"]["by_tier"] == {"gpu": rep["hit_rate"]["blocks"]}

@@ -20,6 +20,7 @@ import kv_cache_manager_v2 as kvm
 
 from ._check import DataCheckError
 from ._models import (
+    EVICTION_POLICIES,
     PRESETS,
     ModelShape,
     SimUserError,
@@ -37,8 +38,6 @@ from ._report import SCHEMA, build_report, format_report, format_sweep
 from ._workload import ConversationParams, SimRequest, generate_conversations, load_trace
 
 PROG = "kv-cache-sim"
-#: eviction policies the manager offers (the ``eviction_policy`` option will add more)
-EVICTION_POLICIES = ("lru",)
 SWEEP_KEYS = ("gpu", "host", "disk")
 
 
@@ -232,13 +231,14 @@ def simulate(
     swa_scratch: bool = False,
     check_data: bool = False,
     progress: Callable[[int], None] | None = None,
+    eviction_policy: str = "lru",
 ) -> dict[str, Any]:
     """One replay; returns the report dict. Raises SimUserError for refused configurations."""
     t = tokens_per_block
     if t < 1 or t & (t - 1):
         raise SimUserError(f"--tokens-per-block must be a power of two, got {t}")
     page_bytes = proxy_page_bytes(t, check_data)
-    config = manager_config(shape, t, tiers, swa_scratch, page_bytes)
+    config = manager_config(shape, t, tiers, swa_scratch, page_bytes, eviction_policy)
     try:
         replay = Replay(config, requests, options, check_data, progress)
     except SimUserError:
@@ -251,7 +251,9 @@ def simulate(
         ) from None
     result = replay.run()
     scale = real_bytes_per_proxy_byte(shape, t, page_bytes)
-    return build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
+    rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
+    rep["eviction_policy"] = eviction_policy
+    return rep
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -296,7 +298,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 reports.append(
                     simulate(
-                        shape, row, a.tokens_per_block, requests, workload, options, a.swa_scratch, a.check_data, update
+                        shape,
+                        row,
+                        a.tokens_per_block,
+                        requests,
+                        workload,
+                        options,
+                        a.swa_scratch,
+                        a.check_data,
+                        update,
+                        a.eviction_policy,
                     )
                 )
             finally:

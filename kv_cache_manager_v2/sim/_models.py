@@ -243,8 +243,17 @@ def real_bytes_per_proxy_byte(shape: ModelShape, tokens_per_block: int, page_byt
     return shape.buffer_bytes_per_token * tokens_per_block / page_bytes
 
 
+#: eviction policies of reusable pages the manager offers (today its one policy: LRU within priorities)
+EVICTION_POLICIES = ("lru",)
+
+
 def manager_config(
-    shape: ModelShape, tokens_per_block: int, tiers: list[TierSpec], swa_scratch: bool, page_bytes: int
+    shape: ModelShape,
+    tokens_per_block: int,
+    tiers: list[TierSpec],
+    swa_scratch: bool,
+    page_bytes: int,
+    eviction_policy: str = "lru",
 ) -> KVCacheManagerConfig:
     """The manager configuration of the replay: real layer structure, proxy buffers of ``page_bytes``
     per page, quotas scaled to match (so the slot counts are those of the real shape).
@@ -252,6 +261,11 @@ def manager_config(
     Raises :class:`SimUserError` when the GPU quota cannot hold one block of every layer group.
     """
     t = tokens_per_block
+    if eviction_policy not in EVICTION_POLICIES:
+        raise SimUserError(
+            f"unknown --eviction-policy {eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}"
+        )
+    # when KVCacheManagerConfig gains ``eviction_policy``, pass it below and extend EVICTION_POLICIES
     layers = [
         AttentionLayerConfig(
             LayerId(i),

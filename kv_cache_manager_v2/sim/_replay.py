@@ -3,8 +3,9 @@
 Every step, in this order and within a token budget and a batch size:
 
 1. running requests (one token if decoding, else their next prefill chunk), then suspended ones
-   (oldest first; ``prepare_resources`` resumes them). A running request that cannot grow is
-   preempted with ``suspend_resources`` (its KV is kept);
+   (oldest first; ``prepare_resources`` resumes them; one refused before is retried only once a
+   request has finished or been freed since). A running request that cannot grow is preempted
+   with ``suspend_resources`` (its KV is kept);
 2. if none of them was refused, waiting requests first come first served: a request is admitted
    while every GPU pool group keeps room for everything it could need to finish (no reuse
    assumed) plus a watermark of free or evictable slots;
@@ -134,6 +135,7 @@ class _Live:
         self.admitted = False  #: admitted at least once (the first admission counts for hit rates)
         self.full_check = True  #: --check-data: check every attended position at the next step
         self.tokens: Any = None  #: --check-data: prompt + outputs as uint32
+        self.retry_at = -1  #: suspended: Replay.releases when it was last refused
 
 
 def dropped_pages(manager: KVCacheManager, level: int) -> int | None:
@@ -180,6 +182,7 @@ class Replay:
         self.live: dict[int, _Live] = {}
         self.totals = self.rm.get_max_resource_count_per_pool_group()
         self._step_manager_s = 0.0
+        self.releases = 0  #: requests that finished or were freed so far (memory came back)
         stats = self.rm.manager.get_storage_statistics()
         self.slot_bytes = [sum(s.slot_sizes) for s in stats]
         for lvl in range(self.num_levels):
@@ -253,6 +256,8 @@ class Replay:
         for live in self.running + self.suspended:
             if len(old) >= o.max_batch:
                 break
+            if live.retry_at == self.releases and self.running:
+                continue  # refused, and no request has released memory since: do not resume it in vain
             n = self._step_tokens(live)
             if n <= budget or not old:
                 old.append(live)
@@ -266,6 +271,7 @@ class Replay:
                     served.append(live)
                     continue
                 refused = True
+                live.retry_at = self.releases
                 if live in self.running:
                     t0 = time.perf_counter()
                     rm.suspend_resources(live.req)
@@ -348,6 +354,7 @@ class Replay:
         self._step_manager_s += time.perf_counter() - t0
         (self.running if victim in self.running else self.suspended).remove(victim)
         self.waiting.appendleft(victim)
+        self.releases += 1
         self.result.preempted_recompute += 1
 
     def _run_step(self, served: list[_Live]) -> None:
@@ -379,6 +386,8 @@ class Replay:
         r.request_steps += len(served)
         if len(served) > r.max_batch:
             r.max_batch = len(served)
+        if finished:
+            self.releases += 1
         for live in finished:
             self.running.remove(live)
             del self.live[live.sim.index]
