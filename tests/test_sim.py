@@ -196,7 +196,8 @@ def test_swa_scratch_lowers_peak_memory_and_keeps_data() -> None:
     assert scratch.levels[0].peak_used < plain.levels[0].peak_used
 
 
-def test_checker_catches_a_wrong_record() -> None:
+@pytest.mark.parametrize("vectorized", [True, False], ids=["by-layer-group", "layer-by-layer"])
+def test_checker_catches_a_wrong_record(vectorized: bool) -> None:
     config = manager_config(SMALL, 16, gpu(4096), False, proxy_page_bytes(16, True))
     reqs = [SimRequest(0, 0.0, [(1, 100)], 100, 5, 1 << 31), SimRequest(1, 1.0, [(1, 100)], 100, 5, (1 << 31) + 99)]
     holder: list[Replay] = []
@@ -212,6 +213,8 @@ def test_checker_catches_a_wrong_record() -> None:
 
     replay = Replay(config, reqs, SchedulerOptions(max_batch=1, time_scale=1.0), check_data=True, on_step=damage)
     holder.append(replay)
+    assert isinstance(replay.checker, DataChecker) and replay.checker.vectorized
+    replay.checker.vectorized = vectorized  # False: the path steps with scratch blocks take
     with pytest.raises(DataCheckError, match="position 40"):
         replay.run()
 
