@@ -194,6 +194,7 @@ def test_swa_scratch_lowers_peak_memory_and_keeps_data() -> None:
     scratch = _checked_replay(shape, 4096, reqs, opts, scratch=True)
     assert plain.finished == scratch.finished == 3
     assert scratch.levels[0].peak_used < plain.levels[0].peak_used
+    assert scratch.layer_by_layer_steps > 0 and plain.layer_by_layer_steps == 0
 
 
 @pytest.mark.parametrize("vectorized", [True, False], ids=["by-layer-group", "layer-by-layer"])

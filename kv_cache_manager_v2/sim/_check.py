@@ -104,6 +104,7 @@ class DataChecker:
         self.groups = [groups[k] for k in sorted(groups)]
         self.records_written = 0
         self.records_checked = 0
+        self.layer_by_layer_steps = 0  #: steps that took the scratch-aware path
 
     def _attended(self, window: int | None, sinks: int, start: int, full: bool) -> Any:
         """Positions before ``start`` the step attends to (``full`` False: only those of the last block)."""
@@ -146,6 +147,7 @@ class DataChecker:
         if self.vectorized and not kv.has_scratch_slots:
             self._step_groups(req, tokens, full)
             return
+        self.layer_by_layer_steps += 1
         start = req.num_cached_tokens
         end = start + req.num_scheduled_tokens
         new = np.arange(start, end, dtype=np.int64)

@@ -122,6 +122,7 @@ class ReplayResult:
     reused_pages: int = 0
     allocated_pages: int = 0
     records_checked: int = 0  #: --check-data
+    layer_by_layer_steps: int = 0  #: --check-data steps with SWA scratch blocks (checked layer by layer)
     blocks_replayed: int = 0  #: blocks of prompt + output over all finished requests (replay speed)
 
 
@@ -473,4 +474,5 @@ class Replay:
             usage.dropped_pages = dropped_pages(m, usage.level)
         if self.checker is not None:
             r.records_checked = self.checker.records_checked
+            r.layer_by_layer_steps = self.checker.layer_by_layer_steps
         self.rm.shutdown()
