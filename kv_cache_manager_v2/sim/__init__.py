@@ -1,0 +1,32 @@
+"""The trace-driven serving simulator (``kv-cache-sim``; ``python -m kv_cache_manager_v2.sim``).
+
+Replays a Mooncake-format trace or built-in multi-turn conversations through the real manager
+(via the engine adapter) for a model shape and tier quotas, and reports prefix hit rates,
+memory, preemptions and the manager's CPU time. Programmatic use::
+
+    from kv_cache_manager_v2.sim import main
+    main(["--model", "llama-3-8b", "--gpu", "16GiB", "--json", "report.json"])
+"""
+
+from __future__ import annotations
+
+from ._cli import main, simulate
+from ._models import PRESETS, ModelShape, SimUserError, TierSpec, model_shape, parse_quota
+from ._replay import SchedulerOptions
+from ._workload import ConversationParams, SimRequest, generate_conversations, load_trace
+
+__all__ = [
+    "PRESETS",
+    "ConversationParams",
+    "ModelShape",
+    "SchedulerOptions",
+    "SimRequest",
+    "SimUserError",
+    "TierSpec",
+    "generate_conversations",
+    "load_trace",
+    "main",
+    "model_shape",
+    "parse_quota",
+    "simulate",
+]

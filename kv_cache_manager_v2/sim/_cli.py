@@ -1,0 +1,350 @@
+"""``kv-cache-sim``: replay a request trace (or built-in conversations) through the real manager and report.
+
+Left interpreted in production mode (argparse, optional tqdm/matplotlib; see setup_mypyc.py):
+the replay it drives (``_replay``) is compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import kv_cache_manager_v2 as kvm
+
+from ._check import DataCheckError
+from ._models import (
+    EVICTION_POLICIES,
+    PRESETS,
+    ModelShape,
+    SimUserError,
+    TierSpec,
+    format_count,
+    manager_config,
+    model_shape,
+    parse_quota,
+    proxy_page_bytes,
+    real_bytes_per_proxy_byte,
+)
+from ._plot import matplotlib_missing, write_plot
+from ._replay import Replay, SchedulerOptions
+from ._report import SCHEMA, build_report, format_report, format_sweep
+from ._workload import ConversationParams, SimRequest, generate_conversations, load_trace
+
+PROG = "kv-cache-sim"
+SWEEP_KEYS = ("gpu", "host", "disk")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit code 2, no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{PROG}: error: {message} (see {PROG} --help)\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description=(
+            "Replay a request trace (Mooncake JSON lines) or built-in multi-turn conversations through "
+            "kv_cache_manager_v2 for a model shape and tier quotas; report prefix hit rates, memory, "
+            "preemptions and the manager's CPU time. Metadata only: no KV bytes are computed."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="llama-3-8b", help=f"preset: {', '.join(PRESETS)}, or custom")
+    g.add_argument("--list-models", action="store_true", help="print the presets and exit")
+    g.add_argument("--layers", type=int, help="override: attention layers")
+    g.add_argument("--kv-heads", type=int, help="override: KV heads per layer")
+    g.add_argument("--head-dim", type=int, help="override: head dimension")
+    g.add_argument("--dtype", help="override: KV dtype (fp32, bf16, fp16, fp8, int8)")
+    g.add_argument("--window", type=int, help="override: sliding window of the SWA layers (0: none)")
+    g.add_argument("--swa-every", type=int, help="override: layer i slides when i %% N == 0 (2: alternating)")
+    g.add_argument("--sinks", type=int, help="override: sink tokens kept by sliding-window layers")
+    g.add_argument("--tokens-per-block", type=int, default=32, help="tokens per KV block (a power of two)")
+    g = p.add_argument_group("cache tiers (sizes: 16 or 16GiB, 512MiB, 2GB; tokens: 3Mtok, 300ktok)")
+    g.add_argument("--gpu", default="8GiB", help="GPU tier quota")
+    g.add_argument("--host", help="host-memory tier quota (needs a manager with host tiers)")
+    g.add_argument("--disk", help="disk tier quota (needs a manager with disk tiers)")
+    g.add_argument("--disk-path", help="directory of the disk tier (default: a temporary one)")
+    g.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES, help="reusable-page eviction")
+    g.add_argument("--swa-scratch", action="store_true", help="SWA prefill scratch-slot reuse")
+    g.add_argument("--no-reuse", action="store_true", help="disable prefix reuse (every request on its own)")
+    g = p.add_argument_group("workload (default: built-in multi-turn conversations with shared system prompts)")
+    g.add_argument(
+        "--trace", help="Mooncake-format trace: JSON lines of timestamp, input_length, output_length, hash_ids"
+    )
+    g.add_argument("--requests", type=int, default=0, help="replay only the first N requests (0: all)")
+    g.add_argument("--prompt-only", action="store_true", help="no decode: each request ends after its prompt")
+    d = ConversationParams()
+    g.add_argument("--conversations", type=int, default=d.conversations, help="built-in: conversations")
+    g.add_argument("--turns", type=float, default=d.turns, help="built-in: mean turns per conversation")
+    g.add_argument("--system-prompts", type=int, default=d.system_prompts, help="built-in: shared system prompts")
+    g.add_argument("--system-tokens", type=int, default=d.system_tokens, help="built-in: mean system prompt tokens")
+    g.add_argument("--user-tokens", type=int, default=d.user_tokens, help="built-in: mean new tokens per turn")
+    g.add_argument("--output-tokens", type=int, default=d.output_tokens, help="built-in: mean output tokens")
+    g.add_argument("--rate", type=float, default=d.rate, help="built-in: new conversations per second")
+    g.add_argument("--think-s", type=float, default=d.think_s, help="built-in: mean pause before the next turn (s)")
+    g.add_argument("--seed", type=int, default=d.seed, help="built-in: random seed")
+    s = SchedulerOptions()
+    g = p.add_argument_group("scheduler (simulated engine)")
+    g.add_argument("--max-batch", type=int, default=s.max_batch, help="requests per step")
+    g.add_argument("--max-num-tokens", type=int, default=s.max_num_tokens, help="tokens per step")
+    g.add_argument("--chunk", type=int, default=s.chunk, help="prefill chunk per request and step (0: whole prompt)")
+    g.add_argument("--watermark", type=float, default=s.watermark, help="GPU share admission keeps available")
+    g.add_argument("--step-ms", type=float, default=s.step_ms, help="simulated time per step")
+    g.add_argument("--tokens-per-s", type=float, default=s.tokens_per_s, help="simulated compute per token")
+    g.add_argument("--time-scale", type=float, default=s.time_scale, help="multiply arrival times (0: all at once)")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", nargs="?", const="-", metavar="FILE", help="write the report as JSON (default: stdout)")
+    g.add_argument("--plot", metavar="FILE", help="write a PNG (needs matplotlib)")
+    g.add_argument("--sweep", metavar="TIER=V1,V2,..", help="replay once per quota, e.g. gpu=1,3,10 or gpu=1Mtok,3Mtok")
+    g.add_argument(
+        "--check-data", action="store_true", help="also write and check KV records through the pages (slower)"
+    )
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _fail(message: str, code: int = 2) -> int:
+    sys.stderr.write(f"{PROG}: error: {message}\n")
+    return code
+
+
+def _shape(a: argparse.Namespace) -> ModelShape:
+    return model_shape(a.model, a.layers, a.kv_heads, a.head_dim, a.dtype, a.window, a.swa_every, a.sinks)
+
+
+def _tier(kind: str, option: str, text: str, shape: ModelShape, disk_path: str | None) -> TierSpec:
+    q = parse_quota(option, text)
+    return TierSpec(kind, q.bytes_for(shape), q.text, disk_path if kind == "disk" else None)
+
+
+def _tiers(a: argparse.Namespace, shape: ModelShape, disk_path: str | None) -> list[TierSpec]:
+    tiers = [_tier("gpu", "--gpu", a.gpu, shape, None)]
+    if a.host:
+        tiers.append(_tier("host", "--host", a.host, shape, None))
+    if a.disk:
+        tiers.append(_tier("disk", "--disk", a.disk, shape, disk_path))
+    return tiers
+
+
+def _workload(a: argparse.Namespace) -> tuple[list[SimRequest], dict[str, Any]]:
+    if a.requests < 0:
+        raise SimUserError(f"--requests must be >= 0, got {a.requests}")
+    if a.trace:
+        reqs = load_trace(a.trace, a.requests)
+        source = f"trace {os.path.basename(a.trace)}"
+        desc: dict[str, Any] = {"source": "trace", "path": a.trace}
+    else:
+        params = ConversationParams(
+            a.conversations,
+            a.turns,
+            a.system_prompts,
+            a.system_tokens,
+            a.user_tokens,
+            a.output_tokens,
+            a.rate,
+            a.think_s,
+            a.seed,
+        )
+        reqs = generate_conversations(params, a.requests)
+        source = (
+            f"built-in conversations ({params.conversations} x ~{params.turns:g} turns, "
+            f"{params.system_prompts} system prompts of ~{params.system_tokens} tokens)"
+        )
+        desc = {"source": "conversations", "params": dataclasses.asdict(params)}
+    n = len(reqs)
+    prompt = sum(r.prompt_length for r in reqs)
+    out = sum(r.output_length for r in reqs)
+    desc.update(
+        {
+            "requests": n,
+            "prompt_tokens": prompt,
+            "output_tokens": out,
+            "description": f"{source}: {n:,} requests, mean prompt {format_count(prompt // n)} tokens, "
+            f"mean output {format_count(out // n)}",
+        }
+    )
+    return reqs, desc
+
+
+def _options(a: argparse.Namespace) -> SchedulerOptions:
+    return SchedulerOptions(
+        max_batch=a.max_batch,
+        max_num_tokens=a.max_num_tokens,
+        chunk=a.chunk,
+        watermark=a.watermark,
+        step_ms=a.step_ms,
+        tokens_per_s=a.tokens_per_s,
+        time_scale=a.time_scale,
+        reuse=not a.no_reuse,
+        prompt_only=a.prompt_only,
+    )
+
+
+def _parse_sweep(text: str) -> tuple[str, list[str]]:
+    key, sep, values = text.partition("=")
+    key = key.strip().lower()
+    if not sep or key not in SWEEP_KEYS or not values.strip():
+        raise SimUserError(f"--sweep {text!r}: write TIER=V1,V2,... with TIER one of {', '.join(SWEEP_KEYS)}")
+    vals = [v.strip() for v in values.split(",") if v.strip()]
+    for v in vals:
+        parse_quota(f"--sweep {key}", v)
+    return key, vals
+
+
+def _progress_bar(total: int, enabled: bool, label: str) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
+    """A tqdm bar on stderr when tqdm is installed and stderr is a terminal."""
+    if not enabled or not sys.stderr.isatty():
+        return None, lambda: None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None, lambda: None
+    bar = tqdm(total=total, desc=label, unit="req", leave=False, file=sys.stderr)
+    state = [0]
+
+    def update(done: int) -> None:
+        if done > state[0]:
+            bar.update(done - state[0])
+            state[0] = done
+
+    return update, bar.close
+
+
+def simulate(
+    shape: ModelShape,
+    tiers: list[TierSpec],
+    tokens_per_block: int,
+    requests: list[SimRequest],
+    workload: dict[str, Any],
+    options: SchedulerOptions,
+    swa_scratch: bool = False,
+    check_data: bool = False,
+    progress: Callable[[int], None] | None = None,
+    eviction_policy: str = "lru",
+) -> dict[str, Any]:
+    """One replay; returns the report dict. Raises SimUserError for refused configurations."""
+    t = tokens_per_block
+    if t < 1 or t & (t - 1):
+        raise SimUserError(f"--tokens-per-block must be a power of two, got {t}")
+    page_bytes = proxy_page_bytes(t, check_data)
+    config = manager_config(shape, t, tiers, swa_scratch, page_bytes, eviction_policy)
+    try:
+        replay = Replay(config, requests, options, check_data, progress)
+    except SimUserError:
+        raise
+    except ValueError as e:
+        raise SimUserError(f"the manager refused this configuration: {e}") from None
+    except (OSError, MemoryError) as e:
+        raise SimUserError(
+            f"cannot reserve the pools ({e}); lower the quotas" + (" or drop --check-data" if check_data else "")
+        ) from None
+    result = replay.run()
+    scale = real_bytes_per_proxy_byte(shape, t, page_bytes)
+    rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
+    rep["eviction_policy"] = eviction_policy
+    return rep
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The console script; returns the exit code (2: bad input, 1: data check failed)."""
+    a = build_parser().parse_args(argv)
+    if a.list_models:
+        for name, m in PRESETS.items():
+            print(f"{name:<14}{m.describe()}")
+        return 0
+    tmp: str | None = None
+    try:
+        shape = _shape(a)
+        if a.plot:
+            missing = matplotlib_missing()
+            if missing:
+                raise SimUserError(missing)
+        if a.disk and not a.disk_path:
+            tmp = tempfile.mkdtemp(prefix="kv-cache-sim-disk-")
+        tiers = _tiers(a, shape, a.disk_path or tmp)
+        sweep = _parse_sweep(a.sweep) if a.sweep else None
+        options = _options(a)
+        options.validate()
+        requests, workload = _workload(a)
+        reports: list[dict[str, Any]] = []
+        points: list[list[TierSpec]] = [tiers]
+        if sweep is not None:
+            key, values = sweep
+            points = []
+            for v in values:
+                spec = _tier(key, f"--sweep {key}", v, shape, a.disk_path or tmp)
+                kinds = [x.kind for x in tiers]
+                row = list(tiers)
+                if key in kinds:
+                    row[kinds.index(key)] = spec
+                else:
+                    row.append(spec)
+                row.sort(key=lambda x: SWEEP_KEYS.index(x.kind))
+                points.append(row)
+        for row in points:
+            label = f"replay ({row[-1].kind} {row[-1].text})" if sweep else "replay"
+            update, close = _progress_bar(len(requests), not a.no_progress, label)
+            try:
+                reports.append(
+                    simulate(
+                        shape,
+                        row,
+                        a.tokens_per_block,
+                        requests,
+                        workload,
+                        options,
+                        a.swa_scratch,
+                        a.check_data,
+                        update,
+                        a.eviction_policy,
+                    )
+                )
+            finally:
+                close()
+        if sweep is not None:
+            doc: dict[str, Any] = {"schema": SCHEMA, "sweep": {"key": sweep[0], "points": reports}}
+            text = format_report(reports[0]).split("\n")[0] + "\n" + format_sweep(sweep[0], reports)
+        else:
+            doc = reports[0]
+            text = format_report(doc)
+        if a.json:
+            payload = json.dumps(doc, indent=1)
+            if a.json == "-":
+                print(payload)
+            else:
+                try:
+                    with open(a.json, "w", encoding="utf-8") as f:
+                        f.write(payload + "\n")
+                except OSError as e:
+                    raise SimUserError(f"--json {a.json}: cannot write it ({e.strerror or e})") from None
+                print(text)
+        else:
+            print(text)
+        if a.plot:
+            write_plot(a.plot, None if sweep else doc, (sweep[0], reports) if sweep else None)
+            if a.json != "-":
+                print(f"plot written to {a.plot}")
+        return 0
+    except SimUserError as e:
+        return _fail(str(e))
+    except DataCheckError as e:
+        return _fail(f"data check failed: {e}", 1)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # e.g. piped into head: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

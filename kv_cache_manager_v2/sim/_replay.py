@@ -1,0 +1,478 @@
+"""The replay: a continuous-batching scheduler over :class:`KVCacheResourceManager`, on a simulated clock.
+
+Every step, in this order and within a token budget and a batch size:
+
+1. running requests (one token if decoding, else their next prefill chunk), then suspended ones
+   (oldest first; ``prepare_resources`` resumes them; one refused before is retried only once a
+   request has finished or been freed since). A running request that cannot grow is preempted
+   with ``suspend_resources`` (its KV is kept);
+2. if none of them was refused, waiting requests first come first served: a request is admitted
+   while every GPU pool group keeps room for everything it could need to finish (no reuse
+   assumed) plus a watermark of free or evictable slots;
+3. if nobody at all could be served, the latest request holding memory is freed
+   (``free_resources``: preemption by recompute; its committed blocks stay reusable) and queued
+   again at the front.
+
+Served requests "compute" their step: the clock advances by ``step_ms`` plus the step's tokens at
+``tokens_per_s``; a request whose step ends at its last token samples the next output token;
+``update_resources`` commits. No KV bytes are touched unless a :class:`DataChecker` is given.
+Requests arrive at their timestamps (times ``time_scale``); a conversation's next turn also waits
+for the previous answer. A request that could not fit in the GPU tier even alone is rejected.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+
+from .._common import CacheLevel, ReuseScope, TokenId, TokenIdExt
+from .._config import KVCacheManagerConfig
+from .._core._kv_cache_manager import KVCacheManager
+from .._utils import check_int
+from ..engine import EngineRequest, KVCacheResourceManager, RequestState
+from ._check import DataChecker
+from ._models import SimUserError
+from ._workload import SimRequest
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """How the simulated engine schedules (see the module doc)."""
+
+    max_batch: int = 256  #: requests per step
+    max_num_tokens: int = 8192  #: tokens per step (prefill chunks + one per decoding request)
+    chunk: int = 2048  #: prefill chunk per request and step (0: the whole prompt at once)
+    watermark: float = 0.01  #: share of every GPU pool group admission leaves free or evictable
+    step_ms: float = 15.0  #: simulated time of a step, plus its tokens at tokens_per_s
+    tokens_per_s: float = 50_000.0
+    time_scale: float = 1.0  #: multiplies arrival times (0: everything arrives at once)
+    reuse: bool = True  #: False: every request in its own reuse scope (no prefix reuse at all)
+    prompt_only: bool = False  #: requests end after their prompt (one sampled token, no decode steps)
+
+    def validate(self) -> None:
+        for name, v, lo in (
+            ("--max-batch", self.max_batch, 1),
+            ("--max-num-tokens", self.max_num_tokens, 1),
+            ("--chunk", self.chunk, 0),
+        ):
+            check_int(name, v)
+            if v < lo:
+                raise SimUserError(f"{name} must be >= {lo}, got {v}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise SimUserError(f"--watermark must be in [0, 1), got {self.watermark}")
+        if self.step_ms < 0 or not self.tokens_per_s > 0 or self.time_scale < 0:
+            raise SimUserError("--step-ms and --time-scale must be >= 0 and --tokens-per-s > 0")
+
+
+@dataclass
+class LevelUsage:
+    """Slot usage of one cache level, summed over pool groups, in proxy bytes (see ``_models``)."""
+
+    level: int
+    capacity: int = 0
+    peak_used: int = 0  #: held by requests (active or suspended)
+    peak_occupied: int = 0  #: held by requests or kept as reusable cache
+    dropped_pages: int | None = None  #: pages eviction dropped for good (None: the manager does not say)
+
+
+@dataclass
+class ReplayResult:
+    """Counters of one replay (raw; ``_report`` turns them into the report)."""
+
+    tokens_per_block: int
+    num_requests: int = 0
+    finished: int = 0
+    rejected: int = 0
+    rejected_lines: list[int] = field(default_factory=list)  #: trace lines (else workload indices) of the first five
+    prompt_tokens: int = 0  #: prompt tokens of first admissions
+    reused_tokens: int = 0  #: of those, taken from the cache
+    prompt_blocks: int = 0
+    hit_blocks: int = 0  #: prompt blocks whose KV was reused whole (the last token is always computed)
+    readmissions: int = 0
+    readmitted_tokens: int = 0
+    readmitted_reused_tokens: int = 0
+    prefill_computed: int = 0  #: tokens computed before a request's first output token (incl. recompute)
+    decode_computed: int = 0
+    output_tokens: int = 0
+    steps: int = 0
+    max_batch: int = 0
+    preempted_suspend: int = 0
+    preempted_recompute: int = 0
+    resumed: int = 0
+    sim_time_ms: float = 0.0
+    wall_s: float = 0.0
+    manager_s: float = 0.0  #: CPU time inside adapter calls
+    request_steps: int = 0  #: (request, step) pairs served
+    step_us: array[float] = field(default_factory=lambda: array("d"))  #: manager time per step
+    series_t_s: array[float] = field(default_factory=lambda: array("d"))
+    series_used: array[float] = field(default_factory=lambda: array("d"))  #: GPU share held by requests
+    series_cached: array[float] = field(default_factory=lambda: array("d"))  #: GPU share kept as reusable cache
+    series_hit: array[float] = field(default_factory=lambda: array("d"))  #: cumulative token hit rate
+    series_running: array[float] = field(default_factory=lambda: array("d"))
+    levels: list[LevelUsage] = field(default_factory=list)
+    reused_blocks: int = 0  #: the manager's ReuseStatistics
+    missed_blocks: int = 0
+    reused_pages: int = 0
+    allocated_pages: int = 0
+    records_checked: int = 0  #: --check-data
+    layer_by_layer_steps: int = 0  #: --check-data steps with SWA scratch blocks (checked layer by layer)
+    blocks_replayed: int = 0  #: blocks of prompt + output over all finished requests (replay speed)
+
+
+class _Live:
+    """A request in the simulated engine."""
+
+    def __init__(self, sim: SimRequest, req: EngineRequest, arrival_ms: float) -> None:
+        self.sim = sim
+        self.req = req
+        self.arrival_ms = arrival_ms
+        self.admitted = False  #: admitted at least once (the first admission counts for hit rates)
+        self.full_check = True  #: --check-data: check every attended position at the next step
+        self.tokens: Any = None  #: --check-data: prompt + outputs as uint32
+        self.retry_at = -1  #: suspended: Replay.releases when it was last refused
+
+
+def dropped_pages(manager: KVCacheManager, level: int) -> int | None:
+    """Pages eviction dropped for good at ``level``, or None.
+
+    Stop-gap: the public statistics do not count evictions yet, so this reads the storage
+    manager's per-pool-group counter (tests notice when it moves); ``None`` if it is not there.
+    """
+    try:
+        groups: Any = getattr(manager, "_storage").levels[level]  # noqa: B009
+        return sum(int(g.num_dropped) for g in groups)
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+class Replay:
+    """One replay of ``requests`` through a fresh manager built from ``config``."""
+
+    def __init__(
+        self,
+        config: KVCacheManagerConfig,
+        requests: list[SimRequest],
+        options: SchedulerOptions,
+        check_data: bool = False,
+        progress: Callable[[int], None] | None = None,
+        on_step: Callable[[KVCacheResourceManager], None] | None = None,
+    ) -> None:
+        options.validate()
+        self.opts = options
+        self.requests = requests
+        self.rm = KVCacheResourceManager(config)  # may raise ValueError (refused configuration)
+        self.t = config.tokens_per_block
+        self.num_levels = len(config.cache_tiers)
+        self.checker = DataChecker(self.rm) if check_data else None
+        self.progress = progress
+        self.on_step = on_step  #: called after every step (tests run the invariant checker there)
+        self.result = ReplayResult(self.t, num_requests=len(requests))
+        self.clock = 0.0
+        self.arrivals: list[tuple[float, int]] = []
+        self.successors: dict[int, list[int]] = {}
+        self.waiting: deque[_Live] = deque()
+        self.running: list[_Live] = []
+        self.suspended: list[_Live] = []
+        self.live: dict[int, _Live] = {}
+        self.totals = self.rm.get_max_resource_count_per_pool_group()
+        self._step_manager_s = 0.0
+        self.releases = 0  #: requests that finished or were freed so far (memory came back)
+        stats = self.rm.manager.get_storage_statistics()
+        self.slot_bytes = [sum(s.slot_sizes) for s in stats]
+        for lvl in range(self.num_levels):
+            usage = LevelUsage(lvl)
+            usage.capacity = sum(
+                s.total * sum(s.slot_sizes) for s in self.rm.manager.get_storage_statistics(CacheLevel(lvl))
+            )
+            self.result.levels.append(usage)
+
+    # ------------------------------------------------------------------ arrivals
+    def _arrive(self, index: int, at_ms: float) -> None:
+        heapq.heappush(self.arrivals, (at_ms, index))
+
+    def _release_successors(self, index: int) -> None:
+        for nxt in self.successors.pop(index, []):
+            sim = self.requests[nxt]
+            self._arrive(nxt, max(sim.arrival_ms * self.opts.time_scale, self.clock))
+
+    def _admit_arrivals(self) -> None:
+        o = self.opts
+        while self.arrivals and self.arrivals[0][0] <= self.clock:
+            at_ms, index = heapq.heappop(self.arrivals)
+            sim = self.requests[index]
+            prompt = sim.prompt_tokens()
+            max_new = 1 if o.prompt_only else sim.output_length
+            tokens = cast("Sequence[TokenIdExt]", prompt)  # array('I'): hashed by a memory copy
+            req = EngineRequest(index, tokens, max_new, o.chunk, None if o.reuse else ReuseScope(salt=index))
+            live = _Live(sim, req, at_ms)
+            need = self.rm.get_needed_resource_to_completion_per_pool_group(req)
+            if any(n > total for n, total in zip(need, self.totals)):
+                self._reject(live)
+                continue
+            if self.checker is not None:
+                out = np.arange(sim.output_base, sim.output_base + max_new, dtype=np.uint32)
+                live.tokens = np.concatenate([np.frombuffer(prompt, dtype=np.uint32), out])
+            self.live[index] = live
+            self.waiting.append(live)
+
+    def _reject(self, live: _Live) -> None:
+        r = self.result
+        r.rejected += 1
+        if len(r.rejected_lines) < 5:
+            r.rejected_lines.append(live.sim.source_line or live.sim.index)
+        self.live.pop(live.sim.index, None)
+        self._release_successors(live.sim.index)
+        self._report_progress()
+
+    def _report_progress(self) -> None:
+        if self.progress is not None:
+            self.progress(self.result.finished + self.result.rejected)
+
+    # ------------------------------------------------------------------ the step
+    def _step_tokens(self, live: _Live) -> int:
+        req = live.req
+        n = req.num_tokens - req.num_cached_tokens
+        c = req.context_chunk_size
+        return min(n, c) if c else n
+
+    def _timed_prepare(self, batch: list[EngineRequest]) -> list[EngineRequest]:
+        t0 = time.perf_counter()
+        unserved = self.rm.prepare_resources(batch)
+        self._step_manager_s += time.perf_counter() - t0
+        return unserved
+
+    def _schedule(self) -> list[_Live]:
+        """Prepare this step's batch (see the module doc); returns the served requests."""
+        o = self.opts
+        rm = self.rm
+        budget = o.max_num_tokens
+        old: list[_Live] = []
+        for live in self.running + self.suspended:
+            if len(old) >= o.max_batch:
+                break
+            if live.retry_at == self.releases and self.running:
+                continue  # refused, and no request has released memory since: do not resume it in vain
+            n = self._step_tokens(live)
+            if n <= budget or not old:
+                old.append(live)
+                budget -= n
+        served: list[_Live] = []
+        refused = False
+        if old:
+            unserved = {r.request_id for r in self._timed_prepare([x.req for x in old])}
+            for live in old:
+                if live.req.request_id not in unserved:
+                    served.append(live)
+                    continue
+                refused = True
+                live.retry_at = self.releases
+                if live in self.running:
+                    t0 = time.perf_counter()
+                    rm.suspend_resources(live.req)
+                    self._step_manager_s += time.perf_counter() - t0
+                    self.running.remove(live)
+                    self.suspended.append(live)
+                    self.result.preempted_suspend += 1
+            for live in served:
+                if live in self.suspended:
+                    self.suspended.remove(live)
+                    self.running.append(live)
+                    self.result.resumed += 1
+                    live.full_check = True
+        if not refused and self.waiting and len(served) < o.max_batch:
+            served += self._admit(budget, len(served), bool(self.running or self.suspended))
+        return served
+
+    def _admit(self, budget: int, batch_size: int, others: bool) -> list[_Live]:
+        o = self.opts
+        rm = self.rm
+        t0 = time.perf_counter()
+        free = rm.get_num_free_blocks_per_pool_group()
+        new: list[_Live] = []
+        while self.waiting and batch_size + len(new) < o.max_batch:
+            live = self.waiting[0]
+            n = self._step_tokens(live)
+            if n > budget and (batch_size or new):
+                break
+            need = rm.get_needed_resource_to_completion_per_pool_group(live.req)
+            if (others or new) and any(f - k < o.watermark * tot for f, k, tot in zip(free, need, self.totals)):
+                break
+            for g, k in enumerate(need):
+                free[g] -= k
+            new.append(self.waiting.popleft())
+            budget -= n
+        self._step_manager_s += time.perf_counter() - t0
+        if not new:
+            return []
+        unserved = {r.request_id for r in self._timed_prepare([x.req for x in new])}
+        served: list[_Live] = []
+        for live in reversed(new):
+            if live.req.request_id in unserved:
+                self.waiting.appendleft(live)
+        for live in new:
+            if live.req.request_id in unserved:
+                continue
+            served.append(live)
+            self.running.append(live)
+            self._count_admission(live)
+        return served
+
+    def _count_admission(self, live: _Live) -> None:
+        r = self.result
+        req = live.req
+        reused = req.num_reused_tokens
+        live.full_check = True
+        if live.admitted:
+            r.readmissions += 1
+            r.readmitted_tokens += req.num_tokens
+            r.readmitted_reused_tokens += reused
+            return
+        live.admitted = True
+        n = len(req.prompt_tokens)
+        t = self.t
+        blocks = (n + t - 1) // t
+        r.prompt_tokens += n
+        r.reused_tokens += reused
+        r.prompt_blocks += blocks
+        r.hit_blocks += blocks if reused >= n - 1 else reused // t
+
+    def _break_deadlock(self) -> None:
+        holders = self.running + self.suspended
+        if not holders:
+            if self.waiting:  # alone and still refused (e.g. the resume utilisation limit)
+                self._reject(self.waiting.popleft())
+            return
+        victim = max(holders, key=lambda x: x.sim.index)
+        t0 = time.perf_counter()
+        self.rm.free_resources(victim.req)
+        self._step_manager_s += time.perf_counter() - t0
+        (self.running if victim in self.running else self.suspended).remove(victim)
+        self.waiting.appendleft(victim)
+        self.releases += 1
+        self.result.preempted_recompute += 1
+
+    def _run_step(self, served: list[_Live]) -> None:
+        o = self.opts
+        r = self.result
+        tokens = 0
+        for live in served:
+            req = live.req
+            n = req.num_scheduled_tokens
+            tokens += n
+            if req.num_cached_tokens < len(req.prompt_tokens):
+                r.prefill_computed += n
+            else:
+                r.decode_computed += n
+            if self.checker is not None:
+                self.checker.step(req, live.tokens, live.full_check)
+                live.full_check = False
+            if req.samples_this_step:
+                sim = live.sim
+                req.generated_tokens.append(TokenId(sim.output_base + len(req.generated_tokens)))
+        self.clock += o.step_ms + tokens * 1000.0 / o.tokens_per_s
+        t0 = time.perf_counter()
+        self.rm.update_resources([x.req for x in served])
+        finished = [x for x in served if len(x.req.generated_tokens) >= x.req.max_new_tokens]
+        for live in finished:
+            live.req.state = RequestState.FINISHED
+            self.rm.free_resources(live.req)
+        self._step_manager_s += time.perf_counter() - t0
+        r.request_steps += len(served)
+        if len(served) > r.max_batch:
+            r.max_batch = len(served)
+        if finished:
+            self.releases += 1
+        for live in finished:
+            self.running.remove(live)
+            del self.live[live.sim.index]
+            r.finished += 1
+            r.output_tokens += len(live.req.generated_tokens)
+            r.blocks_replayed += (live.req.num_tokens + self.t - 1) // self.t
+            self._release_successors(live.sim.index)
+        if finished:
+            self._report_progress()
+
+    def _sample(self) -> None:
+        r = self.result
+        used_total = 0
+        cached_total = 0
+        m = self.rm.manager
+        for lvl in range(self.num_levels):
+            stats = m.get_storage_statistics(CacheLevel(lvl))
+            used = 0
+            occupied = 0
+            for s in stats:
+                b = sum(s.slot_sizes)
+                used += (s.total - s.free - s.evictable) * b
+                occupied += (s.total - s.free) * b
+            usage = r.levels[lvl]
+            if used > usage.peak_used:
+                usage.peak_used = used
+            if occupied > usage.peak_occupied:
+                usage.peak_occupied = occupied
+            if lvl == 0:
+                used_total = used
+                cached_total = occupied - used
+        cap = r.levels[0].capacity
+        r.series_t_s.append(self.clock / 1000.0)
+        r.series_used.append(used_total / cap)
+        r.series_cached.append(cached_total / cap)
+        r.series_hit.append(r.reused_tokens / r.prompt_tokens if r.prompt_tokens else 0.0)
+        r.series_running.append(float(len(self.running)))
+
+    # ------------------------------------------------------------------ driver
+    def run(self) -> ReplayResult:
+        """Replay every request; returns the counters (the manager is shut down after)."""
+        o = self.opts
+        r = self.result
+        for sim in self.requests:
+            if sim.after >= 0:
+                self.successors.setdefault(sim.after, []).append(sim.index)
+            else:
+                self._arrive(sim.index, sim.arrival_ms * o.time_scale)
+        wall0 = time.perf_counter()
+        try:
+            while self.arrivals or self.waiting or self.running or self.suspended:
+                if not (self.waiting or self.running or self.suspended):
+                    self.clock = max(self.clock, self.arrivals[0][0])
+                self._admit_arrivals()
+                self._step_manager_s = 0.0
+                served = self._schedule()
+                if not served:
+                    self._break_deadlock()
+                    r.manager_s += self._step_manager_s
+                    continue
+                self._sample()  # after prepare: the step's pages are all allocated (its peak)
+                self._run_step(served)
+                r.steps += 1
+                r.manager_s += self._step_manager_s
+                r.step_us.append(self._step_manager_s * 1e6)
+                if self.on_step is not None:
+                    self.on_step(self.rm)
+        finally:
+            r.wall_s = time.perf_counter() - wall0
+            r.sim_time_ms = self.clock
+            self._finish()
+        return r
+
+    def _finish(self) -> None:
+        r = self.result
+        m = self.rm.manager
+        st = m.reuse_statistics
+        r.reused_blocks = st.reused_blocks
+        r.missed_blocks = st.missed_blocks
+        r.reused_pages = st.reused_pages
+        r.allocated_pages = st.allocated_pages
+        for usage in r.levels:
+            usage.dropped_pages = dropped_pages(m, usage.level)
+        if self.checker is not None:
+            r.records_checked = self.checker.records_checked
+            r.layer_by_layer_steps = self.checker.layer_by_layer_steps
+        self.rm.shutdown()

@@ -1,0 +1,255 @@
+"""The report: a JSON-ready dict built from a replay's counters, and its text rendering."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._models import ModelShape, TierSpec, format_bytes, format_count
+from ._replay import ReplayResult, SchedulerOptions
+
+SCHEMA = "kv-cache-sim/1"
+MAX_SERIES_POINTS = 400
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    k = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[k]
+
+
+def _downsample(values: list[float], n: int) -> list[float]:
+    if len(values) <= n:
+        return values
+    step = len(values) / n
+    return [values[min(len(values) - 1, int(i * step))] for i in range(n)] + [values[-1]]
+
+
+def build_report(
+    result: ReplayResult,
+    shape: ModelShape,
+    tiers: list[TierSpec],
+    options: SchedulerOptions,
+    workload: dict[str, Any],
+    compiled: bool,
+    swa_scratch: bool,
+    scale: float,
+) -> dict[str, Any]:
+    """Everything the simulator reports, JSON-ready (schema ``kv-cache-sim/1``); ``scale``: the
+    model's bytes per byte of the proxy manager."""
+    r = result
+    t = r.tokens_per_block
+    tier_rows: list[dict[str, Any]] = []
+    for tier, usage in zip(tiers, r.levels):
+        cap = usage.capacity * scale
+        tier_rows.append(
+            {
+                "tier": tier.kind,
+                "quota": tier.text,
+                "capacity_bytes": int(cap),
+                "capacity_tokens": int(cap // shape.bytes_per_token),
+                "peak_used_bytes": int(usage.peak_used * scale),
+                "peak_used_fraction": _ratio(usage.peak_used, usage.capacity),
+                "peak_occupied_bytes": int(usage.peak_occupied * scale),
+                "peak_occupied_fraction": _ratio(usage.peak_occupied, usage.capacity),
+                "evicted_pages": usage.dropped_pages,
+            }
+        )
+    hit_blocks = _ratio(r.hit_blocks, r.prompt_blocks)
+    steps = sorted(r.step_us)
+    recomputed = r.readmitted_tokens - r.readmitted_reused_tokens
+    return {
+        "schema": SCHEMA,
+        "mode": "compiled" if compiled else "interpreted",
+        "model": {
+            "name": shape.name,
+            "layers": shape.num_layers,
+            "kv_heads": shape.kv_heads,
+            "head_dim": shape.head_dim,
+            "dtype": shape.dtype,
+            "window": shape.window if shape.num_swa_layers else None,
+            "sliding_window_layers": shape.num_swa_layers,
+            "sinks": shape.sinks,
+            "bytes_per_token": shape.bytes_per_token,
+            "swa_scratch_reuse": swa_scratch,
+        },
+        "tokens_per_block": t,
+        "workload": workload,
+        "scheduler": {
+            "max_batch": options.max_batch,
+            "max_num_tokens": options.max_num_tokens,
+            "chunk": options.chunk,
+            "watermark": options.watermark,
+            "step_ms": options.step_ms,
+            "tokens_per_s": options.tokens_per_s,
+            "time_scale": options.time_scale,
+            "reuse": options.reuse,
+            "prompt_only": options.prompt_only,
+        },
+        "requests": {
+            "total": r.num_requests,
+            "finished": r.finished,
+            "rejected": r.rejected,
+            # trace lines (built-in workload: request indices) of the first rejected requests
+            "rejected_examples": list(r.rejected_lines),
+        },
+        "hit_rate": {
+            "tokens": _ratio(r.reused_tokens, r.prompt_tokens),
+            "blocks": hit_blocks,
+            # the manager does not say yet which tier a reused block came from
+            "by_tier": {"gpu": hit_blocks} if len(tiers) == 1 else None,
+        },
+        "prefill": {
+            "prompt_tokens": r.prompt_tokens,
+            "reused_tokens": r.reused_tokens,
+            "prompt_blocks": r.prompt_blocks,
+            "hit_blocks": r.hit_blocks,
+            "computed_tokens": r.prefill_computed,
+            "recomputed_tokens": recomputed,
+        },
+        "decode": {"output_tokens": r.output_tokens, "computed_tokens": r.decode_computed},
+        "tiers": tier_rows,
+        "preemptions": {"suspend": r.preempted_suspend, "recompute": r.preempted_recompute, "resumed": r.resumed},
+        "manager": {
+            "reused_blocks": r.reused_blocks,
+            "missed_blocks": r.missed_blocks,
+            "reused_pages": r.reused_pages,
+            "allocated_pages": r.allocated_pages,
+        },
+        "manager_cpu": {
+            "total_s": r.manager_s,
+            "per_step_us": {
+                "mean": _ratio(sum(steps), len(steps)),
+                "p50": _percentile(steps, 0.5),
+                "p99": _percentile(steps, 0.99),
+                "max": steps[-1] if steps else 0.0,
+            },
+            "per_request_step_us": _ratio(r.manager_s * 1e6, r.request_steps),
+        },
+        "replay": {
+            "wall_s": r.wall_s,
+            "steps": r.steps,
+            "max_batch": r.max_batch,
+            "simulated_s": r.sim_time_ms / 1000.0,
+            "requests_per_s": _ratio(r.finished, r.wall_s),
+            "blocks_per_s": _ratio(r.blocks_replayed, r.wall_s),
+        },
+        "data_check": {"records_checked": r.records_checked} if r.records_checked else None,
+        "series": {
+            "t_s": _downsample(list(r.series_t_s), MAX_SERIES_POINTS),
+            "gpu_used": _downsample(list(r.series_used), MAX_SERIES_POINTS),
+            "gpu_cached": _downsample(list(r.series_cached), MAX_SERIES_POINTS),
+            "hit_rate_tokens": _downsample(list(r.series_hit), MAX_SERIES_POINTS),
+            "running": _downsample(list(r.series_running), MAX_SERIES_POINTS),
+        },
+    }
+
+
+def _row(label: str, value: str) -> str:
+    return f"  {label:<26}{value}"
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    """The summary table of one replay."""
+    m = rep["model"]
+    w = rep["workload"]
+    hit = rep["hit_rate"]
+    pre = rep["prefill"]
+    req = rep["requests"]
+    cpu = rep["manager_cpu"]
+    rp = rep["replay"]
+    pm = rep["preemptions"]
+    lines = [
+        f"kv-cache-sim: {m['name']}, {format_bytes(m['bytes_per_token'])}/token, "
+        f"{rep['tokens_per_block']} tokens/block ({rep['mode']})",
+        _row("workload", str(w["description"])),
+        _row(
+            "requests",
+            f"{req['finished']:,} finished"
+            + (
+                f", {req['rejected']:,} rejected (too long for the GPU tier; "
+                + ("trace lines " if w.get("source") == "trace" else "requests ")
+                + ", ".join(str(x) for x in req["rejected_examples"])
+                + ("..." if req["rejected"] > len(req["rejected_examples"]) else "")
+                + ")"
+                if req["rejected"]
+                else ""
+            )
+            + f"; {rp['simulated_s']:.1f} s simulated",
+        ),
+        "prefix reuse",
+        _row(
+            "hit rate (tokens)",
+            f"{hit['tokens']:.3f}  ({format_count(pre['reused_tokens'])} of {format_count(pre['prompt_tokens'])} prompt tokens reused)",
+        ),
+        _row(
+            "hit rate (blocks)",
+            f"{hit['blocks']:.3f}  ({format_count(pre['hit_blocks'])} of {format_count(pre['prompt_blocks'])} prompt blocks)"
+            + ("" if hit["by_tier"] is None else "  " + ", ".join(f"{k}: {v:.3f}" for k, v in hit["by_tier"].items())),
+        ),
+        _row(
+            "prefill tokens",
+            f"{format_count(pre['reused_tokens'])} saved, {format_count(pre['computed_tokens'])} computed"
+            + (
+                f" ({format_count(pre['recomputed_tokens'])} recomputed after preemption)"
+                if pre["recomputed_tokens"]
+                else ""
+            ),
+        ),
+        "memory",
+    ]
+    for tier in rep["tiers"]:
+        name = tier["tier"].upper() if tier["tier"] == "gpu" else tier["tier"]
+        ev = tier["evicted_pages"]
+        lines.append(
+            _row(
+                f"{name} {tier['quota']}",
+                f"{format_count(tier['capacity_tokens'])} tokens; peak in use {format_bytes(tier['peak_used_bytes'])} "
+                f"({tier['peak_used_fraction']:.0%}), with reusable cache {tier['peak_occupied_fraction']:.0%}"
+                + ("" if ev is None else f"; {format_count(ev)} pages evicted"),
+            )
+        )
+    lines += [
+        "scheduling",
+        _row(
+            "steps",
+            f"{rp['steps']:,} (largest batch {rp['max_batch']}); preemptions: {pm['suspend']:,} suspended "
+            f"({pm['resumed']:,} resumed), {pm['recompute']:,} recomputed",
+        ),
+        "manager CPU time",
+        _row(
+            "per step",
+            f"mean {cpu['per_step_us']['mean']:.0f} us, p50 {cpu['per_step_us']['p50']:.0f} us, "
+            f"p99 {cpu['per_step_us']['p99']:.0f} us; {cpu['per_request_step_us']:.1f} us per request per step",
+        ),
+        _row(
+            "replay",
+            f"{rp['wall_s']:.2f} s wall: {rp['requests_per_s']:,.0f} requests/s, {rp['blocks_per_s']:,.0f} blocks/s "
+            f"(manager {cpu['total_s']:.2f} s)",
+        ),
+    ]
+    if rep["data_check"] is not None:
+        lines.append(_row("data check", f"passed: {rep['data_check']['records_checked']:,} records checked"))
+    return "\n".join(lines)
+
+
+def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
+    """One line per sweep point: capacity, hit rates, peak use, preemptions, evictions."""
+    head = f"{key + ' quota':<14}{'tokens':>12}{'hit(tok)':>10}{'hit(blk)':>10}{'peak use':>10}{'preempt':>9}{'evicted':>10}"
+    lines = [head]
+    level = {"gpu": 0, "host": 1, "disk": 2}[key]
+    for rep in reports:
+        tier = rep["tiers"][min(level, len(rep["tiers"]) - 1)]
+        gpu = rep["tiers"][0]
+        ev = gpu["evicted_pages"]
+        pm = rep["preemptions"]
+        lines.append(
+            f"{tier['quota']:<14}{format_count(tier['capacity_tokens']):>12}{rep['hit_rate']['tokens']:>10.3f}"
+            f"{rep['hit_rate']['blocks']:>10.3f}{gpu['peak_used_fraction']:>10.0%}{pm['suspend'] + pm['recompute']:>9,}"
+            f"{'n/a' if ev is None else format_count(ev):>10}"
+        )
+    return "\n".join(lines)

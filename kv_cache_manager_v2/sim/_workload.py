@@ -1,0 +1,217 @@
+"""Workloads: a Mooncake-format trace, or built-in multi-turn conversations with shared system prompts.
+
+A request's tokens are described by *segments* (runs of consecutive token ids), materialized
+only when the request arrives. Trace block ``h`` is tokens ``h * 512 .. h * 512 + 511`` (so equal
+ids give equal tokens); generated tokens come from a range no prompt uses, unique per request,
+except where a conversation's next turn repeats them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from array import array
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._models import SimUserError
+
+#: tokens per ``hash_ids`` block of a Mooncake trace
+TRACE_BLOCK_TOKENS = 512
+#: output tokens are drawn from [OUTPUT_BASE, 2**32): no trace or generated prompt token is there
+OUTPUT_BASE = 1 << 31
+#: longest output of a trace request (each gets this many token ids of its own)
+MAX_OUTPUT = 65_536
+
+
+@dataclass
+class SimRequest:
+    """One request of the workload."""
+
+    index: int  #: position in the workload (request id)
+    arrival_ms: float
+    prompt_segments: list[tuple[int, int]]  #: (first token id, count) runs
+    prompt_length: int
+    output_length: int
+    output_base: int  #: generated token i is ``output_base + i``
+    after: int = -1  #: index of the request that must finish first (the previous turn), -1: none
+    source_line: int = 0  #: trace line (1-based), 0 for generated requests
+
+    def prompt_tokens(self) -> array[int]:
+        """The prompt as ``array('I')`` (cheapest for the manager to hash)."""
+        out = array("I")
+        parts = [np.arange(first, first + count, dtype=np.uint32) for first, count in self.prompt_segments]
+        out.frombytes(np.concatenate(parts).tobytes())
+        return out
+
+
+def _segments_of_blocks(ids: list[int], length: int) -> list[tuple[int, int]]:
+    """Token runs of trace blocks ``ids`` truncated to ``length`` tokens (adjacent blocks merged)."""
+    segs: list[tuple[int, int]] = []
+    left = length
+    b = TRACE_BLOCK_TOKENS
+    for h in ids:
+        if left <= 0:
+            break
+        n = b if left >= b else left
+        first = h * b
+        if segs and segs[-1][0] + segs[-1][1] == first:
+            segs[-1] = (segs[-1][0], segs[-1][1] + n)
+        else:
+            segs.append((first, n))
+        left -= n
+    return segs
+
+
+def _field_int(rec: dict[str, object], key: str, where: str, minimum: int) -> int:
+    if key not in rec:
+        raise SimUserError(
+            f"{where}: missing field {key!r} (a Mooncake line has timestamp, input_length, output_length, hash_ids)"
+        )
+    v = rec[key]
+    if type(v) is not int or v < minimum:
+        raise SimUserError(f"{where}: {key!r} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _parse_line(line: str, where: str, line_no: int, idx: int) -> SimRequest:
+    """One Mooncake JSON line as request ``idx``; SimUserError naming ``where`` if malformed."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise SimUserError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(rec, dict):
+        raise SimUserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    ts = rec.get("timestamp")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+        raise SimUserError(f"{where}: 'timestamp' must be a number >= 0 (milliseconds), got {ts!r}")
+    n_in = _field_int(rec, "input_length", where, 1)
+    n_out = _field_int(rec, "output_length", where, 0)
+    if n_out > MAX_OUTPUT:
+        raise SimUserError(f"{where}: output_length {n_out} is above {MAX_OUTPUT}")
+    ids = rec.get("hash_ids")
+    max_id = OUTPUT_BASE // TRACE_BLOCK_TOKENS - 1
+    if not isinstance(ids, list) or not all(type(h) is int and 0 <= h <= max_id for h in ids):
+        raise SimUserError(f"{where}: 'hash_ids' must be a list of integers in [0, {max_id}]")
+    need = (n_in + TRACE_BLOCK_TOKENS - 1) // TRACE_BLOCK_TOKENS
+    if len(ids) < need:
+        raise SimUserError(
+            f"{where}: input_length {n_in} needs {need} hash_ids ({TRACE_BLOCK_TOKENS} tokens each), got {len(ids)}"
+        )
+    # generated tokens: MAX_OUTPUT ids of their own per request
+    base = OUTPUT_BASE + idx * MAX_OUTPUT % (OUTPUT_BASE - MAX_OUTPUT)
+    return SimRequest(idx, float(ts), _segments_of_blocks(ids, n_in), n_in, max(n_out, 1), base, source_line=line_no)
+
+
+def load_trace(path: str, limit: int = 0) -> list[SimRequest]:
+    """Read a Mooncake-format trace (JSON lines); ``limit`` > 0 keeps the first requests only.
+
+    Raises :class:`SimUserError` naming the line for anything malformed.
+    """
+    out: list[SimRequest] = []
+    line_no = 0
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                line_no += 1
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise SimUserError(f"{path} line {line_no}: not UTF-8 text; is this a JSON-lines trace?") from None
+                if not line.strip():
+                    continue
+                out.append(_parse_line(line, f"{path} line {line_no}", line_no, len(out)))
+                if limit and len(out) >= limit:
+                    break
+    except OSError as e:
+        raise SimUserError(f"--trace {path}: cannot read it ({e.strerror or e})") from None
+    if not out:
+        raise SimUserError(f"--trace {path}: no requests in it")
+    return out
+
+
+@dataclass(frozen=True)
+class ConversationParams:
+    """The built-in workload: conversations arrive at ``rate`` per second; each picks one of
+    ``system_prompts`` shared prompts and runs about ``turns`` turns; turn k's prompt is the whole
+    conversation so far (system prompt, earlier questions and answers) plus a new question."""
+
+    conversations: int = 200
+    turns: float = 4.0
+    system_prompts: int = 4
+    system_tokens: int = 2048
+    user_tokens: int = 384
+    output_tokens: int = 192
+    rate: float = 2.0  #: new conversations per second
+    think_s: float = 5.0  #: mean pause between an answer and the next question
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name, v, lo in (
+            ("--conversations", self.conversations, 1),
+            ("--turns", self.turns, 1),
+            ("--system-prompts", self.system_prompts, 1),
+            ("--system-tokens", self.system_tokens, 0),
+            ("--user-tokens", self.user_tokens, 1),
+            ("--output-tokens", self.output_tokens, 1),
+            ("--think-s", self.think_s, 0),
+        ):
+            if v < lo:
+                raise SimUserError(f"{name} must be >= {lo}, got {v}")
+        if not self.rate > 0:
+            raise SimUserError(f"--rate must be > 0 conversations per second, got {self.rate}")
+
+
+def _around(rng: random.Random, mean: int) -> int:
+    """A length uniform in [mean/2, 3*mean/2] (at least 1)."""
+    return max(1, int(rng.uniform(0.5, 1.5) * mean))
+
+
+def generate_conversations(p: ConversationParams, limit: int = 0) -> list[SimRequest]:
+    """The built-in workload (deterministic for a seed); ``limit`` > 0 keeps the first requests by arrival."""
+    p.validate()
+    rng = random.Random(p.seed)
+    next_token = 1  # fresh token ids for prompts: below OUTPUT_BASE
+    systems: list[tuple[int, int]] = []
+    for _ in range(p.system_prompts):
+        n = _around(rng, p.system_tokens) if p.system_tokens else 0
+        systems.append((next_token, n))
+        next_token += n
+    weights = [1.0 / (k + 1) for k in range(p.system_prompts)]  # a few popular system prompts
+    out: list[SimRequest] = []
+    t_ms = 0.0
+    out_cursor = OUTPUT_BASE
+    for _ in range(p.conversations):
+        t_ms += rng.expovariate(p.rate) * 1000.0
+        turns = 1 + int(rng.expovariate(1.0 / max(p.turns - 1.0, 1e-9))) if p.turns > 1 else 1
+        sys_first, sys_len = systems[rng.choices(range(p.system_prompts), weights)[0]]
+        history: list[tuple[int, int]] = [(sys_first, sys_len)] if sys_len else []
+        length = sys_len
+        arrival = t_ms
+        prev = -1
+        for _turn in range(turns):
+            q = _around(rng, p.user_tokens)
+            segs = history + [(next_token, q)]
+            next_token += q
+            n_out = _around(rng, p.output_tokens)
+            if out_cursor + n_out >= 1 << 32 or next_token >= OUTPUT_BASE:
+                raise SimUserError("the built-in workload is too large for 32-bit token ids; lower --conversations")
+            req = SimRequest(len(out), arrival, segs, length + q, n_out, out_cursor, after=prev)
+            out.append(req)
+            # the next turn repeats the question and the answer
+            history = segs + [(out_cursor, n_out)]
+            length += q + n_out
+            out_cursor += n_out
+            prev = req.index
+            # the next question comes after a pause; the scheduler also waits for this answer
+            arrival += rng.expovariate(1.0 / p.think_s) * 1000.0 if p.think_s > 0 else 0.0
+    out.sort(key=lambda r: (r.arrival_ms, r.index))
+    remap = {r.index: i for i, r in enumerate(out)}
+    for i, r in enumerate(out):
+        r.index = i
+        r.after = remap[r.after] if r.after >= 0 else -1
+    if limit:
+        out = [r for r in out[:limit] if r.after < limit]
+    return out

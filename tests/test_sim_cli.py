@@ -1,0 +1,283 @@
+"""The kv-cache-sim command line: one-line errors with exit code 2, the JSON schema, tables, plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kv_cache_manager_v2.sim import main
+
+SMALL = ["--model", "custom", "--layers", "2", "--kv-heads", "1", "--head-dim", "16", "--tokens-per-block", "16"]
+TINY_LOAD = ["--conversations", "6", "--turns", "2", "--system-tokens", "300", "--user-tokens", "100"]
+QUICK = SMALL + TINY_LOAD + ["--output-tokens", "20", "--gpu", "20000tok", "--no-progress"]
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    try:
+        code, out, err = run(capsys, *args)
+    except SystemExit as e:  # argparse errors
+        code = int(e.code or 0)
+        out, err = capsys.readouterr()
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kv-cache-sim: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--model", "llama-9b"], "unknown model preset 'llama-9b'; choose one of llama-3-8b"),
+        (["--gpu", "1M"], "ambiguous; write 1MiB for bytes or 1Mtok for tokens"),
+        (["--gpu", "lots"], "--gpu: cannot read 'lots'"),
+        (["--model", "llama-3-70b", "--gpu", "4MiB"], "cannot hold one block of llama-3-70b"),
+        (["--tokens-per-block", "48"], "power of two"),
+        (["--layers", "0"], "--layers must be >= 1"),
+        (["--max-batch", "0"], "--max-batch must be >= 1"),
+        (["--watermark", "1.5"], "--watermark"),
+        (["--sweep", "cpu=1,2"], "--sweep 'cpu=1,2': write TIER=V1,V2"),
+        (["--sweep", "gpu=1,x"], "--sweep gpu: cannot read 'x'"),
+        (["--trace", "/nonexistent/trace.jsonl"], "--trace /nonexistent/trace.jsonl: cannot read it"),
+        (["--requests", "-1"], "--requests must be >= 0"),
+        (["--eviction-policy", "fifo"], "argument --eviction-policy: invalid choice: 'fifo'"),
+        (["--gpu"], "argument --gpu: expected one argument"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_options_are_one_line_errors(capsys: pytest.CaptureFixture[str], args: list[str], says: str) -> None:
+    line = one_line_error(capsys, *args, "--no-progress")
+    assert says in line, line
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (
+            '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n{"timestamp": 1,\n',
+            "line 2: not valid JSON",
+        ),
+        ("[1, 2]\n", "line 1: expected a JSON object, got list"),
+        ('{"timestamp": 0, "output_length": 1, "hash_ids": [1]}\n', "line 1: missing field 'input_length'"),
+        ('{"timestamp": -5, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n', "line 1: 'timestamp' must be"),
+        (
+            '{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": [1]}\n',
+            "'input_length' must be an integer >= 1",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 10, "output_length": 1.5, "hash_ids": [1]}\n',
+            "'output_length' must be an integer",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}\n',
+            "'hash_ids' must be a list of integers",
+        ),
+        ('{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1]}\n', "needs 2 hash_ids"),
+        (
+            '{"timestamp": 0, "input_length": 10, "output_length": 99999999, "hash_ids": [1]}\n',
+            "output_length 99999999 is above",
+        ),
+        ("\n\n", "no requests in it"),
+    ],
+)
+def test_malformed_traces_name_the_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str, says: str
+) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text(content)
+    line = one_line_error(capsys, "--trace", str(path), "--no-progress")
+    assert says in line, line
+    assert str(path) in line
+
+
+def _manager_has_lower_tiers() -> bool:
+    import kv_cache_manager_v2 as kvm
+
+    layers = [kvm.AttentionLayerConfig(kvm.LayerId(0), [kvm.BufferConfig("k", 64)])]
+    tiers = [kvm.GpuCacheTierConfig(1 << 16), kvm.HostCacheTierConfig(1 << 16)]
+    try:
+        kvm.KVCacheManager(kvm.KVCacheManagerConfig(16, tiers, layers, backend="host")).shutdown()
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("tier", ["--host", "--disk"])
+def test_lower_tiers_light_up_or_are_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tier: str
+) -> None:
+    args = [*QUICK, tier, "40000tok", "--json"] + (["--disk-path", str(tmp_path)] if tier == "--disk" else [])
+    if not _manager_has_lower_tiers():
+        line = one_line_error(capsys, *args)
+        assert "the manager refused this configuration: host and disk cache tiers are not supported" in line
+        return
+    code, out, err = run(capsys, *args)
+    assert code == 0, err
+    rep = json.loads(out)
+    assert [t["tier"] for t in rep["tiers"]] == ["gpu", tier[2:]]
+    assert rep["tiers"][1]["capacity_tokens"] > 0
+
+
+def test_binary_trace_is_a_user_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(b'{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n\xff\xfe\x00\n')
+    assert "line 2: not UTF-8" in one_line_error(capsys, "--trace", str(path))
+
+
+def test_errors_through_the_module_entry_point_have_no_traceback() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kv_cache_manager_v2.sim", "--model", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "kv-cache-sim: error: unknown model preset 'nope'; choose one of llama-3-8b, llama-3-70b, qwen2.5-7b, "
+        "qwen3-32b, gpt-oss-20b, gpt-oss-120b, or custom"
+    ]
+
+
+def test_table_report(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *QUICK)
+    assert code == 0, err
+    for label in (
+        "hit rate (tokens)",
+        "hit rate (blocks)",
+        "prefill tokens",
+        "GPU 20000tok",
+        "preemptions",
+        "per step",
+        "requests/s",
+    ):
+        assert label in out, out
+    assert "gpu: " in out
+
+
+def _check_schema(rep: dict[str, Any]) -> None:
+    assert rep["schema"] == "kv-cache-sim/1"
+    assert rep["mode"] in ("compiled", "interpreted")
+    assert set(rep) >= {
+        "model", "tokens_per_block", "workload", "scheduler", "requests", "hit_rate", "prefill", "decode",
+        "tiers", "preemptions", "manager", "manager_cpu", "replay", "data_check", "series", "eviction_policy",
+    }  # fmt: skip
+    assert 0.0 <= rep["hit_rate"]["tokens"] <= 1.0 and 0.0 <= rep["hit_rate"]["blocks"] <= 1.0
+    assert rep["hit_rate"]["by_tier"] == {"gpu": rep["hit_rate"]["blocks"]}
+    tier = rep["tiers"][0]
+    assert tier["tier"] == "gpu" and tier["capacity_tokens"] > 0
+    assert 0 < tier["peak_used_fraction"] <= tier["peak_occupied_fraction"] <= 1.0
+    assert isinstance(tier["evicted_pages"], int)
+    assert rep["requests"]["finished"] == rep["workload"]["requests"]
+    assert rep["prefill"]["reused_tokens"] + rep["prefill"]["computed_tokens"] >= rep["prefill"]["prompt_tokens"]
+    assert rep["manager_cpu"]["per_step_us"]["p50"] <= rep["manager_cpu"]["per_step_us"]["max"]
+    s = rep["series"]
+    assert len(s["t_s"]) == len(s["gpu_used"]) == len(s["gpu_cached"]) == len(s["hit_rate_tokens"]) > 0
+    assert s["t_s"] == sorted(s["t_s"])
+
+
+def test_json_to_stdout_and_to_a_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = run(capsys, *QUICK, "--json")
+    assert code == 0
+    rep = json.loads(out)
+    _check_schema(rep)
+    assert rep["model"]["name"] == "custom" and rep["tokens_per_block"] == 16
+    assert rep["data_check"] is None
+    path = tmp_path / "r.json"
+    code, out, _ = run(capsys, *QUICK, "--json", str(path), "--check-data")
+    assert code == 0 and "hit rate (tokens)" in out and "data check" in out
+    rep2 = json.loads(path.read_text())
+    _check_schema(rep2)
+    assert rep2["data_check"]["records_checked"] > 0
+    assert rep2["hit_rate"] == rep["hit_rate"]  # checking data changes nothing the manager decides
+
+
+def test_trace_replay_through_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    lines = [
+        {"timestamp": 0, "input_length": 1500, "output_length": 4, "hash_ids": [1, 2, 3]},
+        {"timestamp": 5, "input_length": 1100, "output_length": 4, "hash_ids": [1, 2, 9]},
+        {"timestamp": 9, "input_length": 700, "output_length": 4, "hash_ids": [4, 5]},
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    code, out, _ = run(capsys, *SMALL, "--trace", str(path), "--json", "--no-progress", "--check-data")
+    assert code == 0
+    rep = json.loads(out)
+    assert rep["workload"]["source"] == "trace" and rep["requests"]["finished"] == 3
+    assert rep["prefill"]["reused_tokens"] == 1024  # the second request reuses blocks 1 and 2
+
+
+def test_no_reuse_and_prompt_only(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, *QUICK, "--no-reuse", "--prompt-only", "--json")
+    rep = json.loads(out)
+    assert code == 0 and rep["hit_rate"]["tokens"] == 0.0
+    assert rep["decode"]["computed_tokens"] == 0 and rep["decode"]["output_tokens"] == rep["requests"]["finished"]
+
+
+def test_list_models(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--list-models")
+    assert code == 0 and "gpt-oss-120b" in out and "sliding-window" in out
+
+
+def test_sweep_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, *QUICK, "--sweep", "gpu=4000tok,40000tok")
+    assert code == 0
+    assert "gpu quota" in out and "4000tok" in out and "40000tok" in out
+    code, out, _ = run(capsys, *QUICK, "--sweep", "gpu=4000tok,40000tok", "--json")
+    doc = json.loads(out)
+    points = doc["sweep"]["points"]
+    assert doc["sweep"]["key"] == "gpu" and len(points) == 2
+    for rep in points:
+        _check_schema(rep)
+    assert points[0]["tiers"][0]["capacity_tokens"] < points[1]["tiers"][0]["capacity_tokens"]
+    assert points[0]["hit_rate"]["tokens"] <= points[1]["hit_rate"]["tokens"]
+
+
+def _png(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_plot_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    one = tmp_path / "one.png"
+    code, out, _ = run(capsys, *QUICK, "--plot", str(one))
+    assert code == 0 and f"plot written to {one}" in out
+    _png(one)
+    sweep = tmp_path / "sweep.png"
+    code, _, _ = run(capsys, *QUICK, "--sweep", "gpu=4000tok,40000tok", "--plot", str(sweep))
+    assert code == 0
+    _png(sweep)
+
+
+def test_plot_without_matplotlib_is_a_user_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    line = one_line_error(capsys, *QUICK, "--plot", str(tmp_path / "x.png"))
+    assert "--plot needs matplotlib" in line
+    assert not os.path.exists(tmp_path / "x.png")
+
+
+def test_runs_without_tqdm(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    code, out, _ = run(capsys, *QUICK[:-1])  # progress enabled, but no tqdm (and no terminal): plain text
+    assert code == 0 and "hit rate (tokens)" in out
+
+
+def test_progress_bar_on_a_terminal(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("tqdm")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out, err = run(capsys, *QUICK[:-1])
+    assert code == 0 and "hit rate (tokens)" in out
+    assert "replay" in err and "req" in err  # tqdm's bar (left behind in the captured stream)
