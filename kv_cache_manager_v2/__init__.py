@@ -35,6 +35,7 @@ from ._common import (
     ScratchDesc,
     SlotId,
     StorageStatistics,
+    TierStatistics,
     TokenId,
     TokenIdExt,
 )
@@ -101,6 +102,7 @@ __all__ = [
     "SlotId",
     "StorageStatistics",
     "SwaScratchReuseConfig",
+    "TierStatistics",
     "TokenId",
     "TokenIdExt",
     "compiled",

@@ -11,9 +11,11 @@ import rawref
 from .._common import (
     BAD_PAGE_INDEX,
     DEFAULT_PRIORITY,
+    GPU_LEVEL,
     MAX_PRIORITY,
     BeamIndex,
     BlockOrdinal,
+    CacheLevel,
     KVCacheStatus,
     LayerGroupId,
     LifeCycleId,
@@ -214,60 +216,191 @@ class KVCache:
 
     # ------------------------------------------------------------------ state machine
     def resume(self, cuda_stream: int | None = None) -> bool:
-        """SUSPENDED -> ACTIVE: lock this request's pages in GPU memory.
+        """SUSPENDED -> ACTIVE: bring every page to GPU memory and lock it there.
 
-        Returns False (staying SUSPENDED) when pages must be placed (the private copy of a
-        partially matched block) and GPU utilisation would exceed ``max_util_for_resume``.
+        Pages in lower cache levels (matched there, or spilled while suspended) come up in one
+        batch per (source level, pool group); a partially matched block gets its private copy.
+        Returns False (staying SUSPENDED, nothing changed) when there is no room for them, or
+        when GPU utilisation with them placed would exceed ``max_util_for_resume``. If a disk
+        read fails, the blocks from the first lost one on are dropped: ``history_length`` (and
+        capacity, committed tokens) shrink to what is still intact; read it again after resume.
         """
         if self._status is not KVCacheStatus.SUSPENDED:
             raise LogicError(f"resume() needs a SUSPENDED cache; this one is {self._status.name}")
         if cuda_stream is not None:
             check_int("cuda_stream (a CUstream handle)", cuda_stream)
             self._cuda_stream = cuda_stream
-        if not self._copy_partial_block():
-            return False
-        self._table.lock_all()
-        self._status = KVCacheStatus.ACTIVE
-        return True
-
-    def _copy_partial_block(self) -> bool:
-        """Copy-on-partial: give the partially matched block private pages holding its data."""
         ctx = self._ctx
         table = self._table
-        pending = [(LifeCycleId(i), src) for i, src in enumerate(table.pending_copy) if src is not None]
-        if not pending:
-            return True
         storage = ctx.storage
-        need = [0] * ctx.num_pool_groups
+        if storage.any_lost():
+            self._drop_lost_blocks(False, -1)
+        pending = [(LifeCycleId(i), src) for i, src in enumerate(table.pending_copy) if src is not None]
+        need, excluded, up = self._plan_move_up(GPU_LEVEL)
         for lc, _ in pending:
             need[ctx.lc_group[lc]] += 1
-        if not storage.fits(need, [0] * len(need), ctx.config.max_util_for_resume):
+        if not up and not pending and not any(excluded[GPU_LEVEL]):
+            table.lock_all()  # everything is in GPU memory already and takes nothing from others
+            table.show_indices()
+            self._status = KVCacheStatus.ACTIVE
+            return True
+        if not storage.fits(need, [0] * len(need), ctx.config.max_util_for_resume, excluded):
             return False
         storage.reserve(need)
         o = self._num_published
         priorities = [self._priorities(lc, [o])[0] for lc, _ in pending]  # may raise: nothing changed yet
+        # Lock first: the pages leave the evictors, so making room cannot push any of them down.
+        table.lock_all()
+        table.lock_pending()
         copies: list[tuple[Page, Page]] = []
         try:
+            lost = storage.move_up(up, GPU_LEVEL) if up else []
             for (lc, src), prio in zip(pending, priorities):
-                copies.append((src, storage.new_pages(lc, [prio], False)[0]))
-            storage.copy_pages(copies)
+                copies.append((src, storage.new_pages(lc, [prio], True)[0]))
+            bad = storage.copy_pages(copies) if copies else set()
         except BaseException:
             for _, dst in copies:
-                dst.release(False)  # private and unpublished: its slot is freed
+                dst.release(True)  # private and unpublished: its slot is freed
+            table.hold_pending()
+            table.hold_all()
             raise
-        for (lc, src), (_, dst) in zip(pending, copies):
-            table.set_page(lc, o, dst)
+        bad_block = -1
+        for i, ((lc, src), (_, dst)) in enumerate(zip(pending, copies)):
             table.pending_copy[lc] = None
-            src.release(False)
+            if i in bad:  # the partially matched block could not be read back
+                storage.lose(src)
+                dst.release(True)
+                bad_block = o
+            else:
+                table.set_page(lc, o, dst)
+            src.release(True)
         if ctx.enable_stats:
-            ctx.stats.allocated_pages += len(copies)
+            ctx.stats.allocated_pages += len(copies) - len(bad)
+        if lost or bad_block >= 0:
+            self._drop_lost_blocks(True, bad_block)
+        table.show_indices()
+        self._status = KVCacheStatus.ACTIVE
         return True
 
+    def prefetch(self, target_level: CacheLevel) -> bool:
+        """Move this SUSPENDED cache's pages that sit below ``target_level`` up to it, ahead of
+        ``resume`` (one batch per source level and pool group). Returns False, changing nothing,
+        when ``target_level`` has no room for them. The pages stay HELD, so they may spill down
+        again. A failed disk read drops the blocks from the first lost one on (as ``resume``)."""
+        if self._status is not KVCacheStatus.SUSPENDED:
+            raise LogicError(f"prefetch() needs a SUSPENDED cache; this one is {self._status.name}")
+        storage = self._ctx.storage
+        check_int("target_level", target_level)
+        if target_level >= storage.num_levels:
+            raise ValueError(
+                f"target_level must be in [0, {storage.num_levels}) ({storage.num_levels} tiers configured), "
+                f"got {target_level}"
+            )
+        if storage.any_lost():
+            self._drop_lost_blocks(False, -1)
+        need, excluded, up = self._plan_move_up(target_level)
+        if not up:
+            return True
+        if not storage.fits_at(target_level, need, excluded):
+            return False
+        if target_level == GPU_LEVEL:
+            storage.reserve(need)
+        table = self._table
+        table.lock_all()  # pinned while pages move
+        table.lock_pending()
+        try:
+            lost = storage.move_up(up, target_level)
+        finally:
+            table.hold_pending()
+            table.hold_all()
+        if lost:
+            self._drop_lost_blocks(False, -1)
+        return True
+
+    def _plan_move_up(self, target: int) -> tuple[list[int], list[list[int]], list[Page]]:
+        """Slots per pool group that bringing this cache's pages to ``target`` takes, how many of
+        its pages each (level, pool group) evictor lists, and the pages below ``target``."""
+        ctx = self._ctx
+        n_groups = ctx.num_pool_groups
+        need = [0] * n_groups
+        excluded = [[0] * n_groups for _ in range(ctx.storage.num_levels)]
+        up: list[Page] = []
+        for p in self._table.all_pages():
+            g = p.storage.index
+            if p.in_evictor:
+                excluded[p.level][g] += 1
+            if p.level > target:
+                need[g] += 1
+                up.append(p)
+        return need, excluded, up
+
+    def _drop_lost_blocks(self, locked: bool, bad_block: int) -> None:
+        """Shrink to the longest prefix whose needed pages are all intact, after a disk error lost
+        the data of some page (or of the block ``bad_block``). Lengths and committed tokens follow;
+        the blocks dropped are recomputed by the engine like any other new tokens."""
+        table = self._table
+        first = table.first_lost_block()
+        if bad_block >= 0 and (first < 0 or bad_block < first):
+            first = bad_block
+        if first < 0:
+            return
+        b = first
+        while b > 0 and not self._intact(b):
+            b -= 1
+        t = self._tokens_per_block
+        n = b * t
+        table.release_pending(locked)
+        table.truncate(b, locked)
+        ctx = self._ctx
+        for i, life_cycle in enumerate(ctx.life_cycles):
+            lc = LifeCycleId(i)
+            end = life_cycle.stale_end(n)
+            table.release_range(lc, max(table.stale_end[lc], life_cycle.num_sink_blocks), end, locked)
+            table.stale_end[lc] = end
+        self._capacity = self._history = n
+        self._num_blocks = b
+        if self.num_committed_tokens > n:
+            del self._committed_blocks[b:]
+            self._tail = []
+        if self._committing and self._num_published > len(self._committed_blocks):
+            node = self._published_node(len(self._committed_blocks))
+            self._num_published = node.ordinal + 1 if node is not None else 0
+            self._extend_from(node)
+
+    def _intact(self, nb: int) -> bool:
+        """Whether every page needed at ``nb`` full blocks of history exists and holds its data."""
+        n = nb * self._tokens_per_block
+        table = self._table
+        for i, life_cycle in enumerate(self._ctx.life_cycles):
+            beg, end = life_cycle.stale_range(n)
+            pages = table.pages[LifeCycleId(i)]
+            for o in range(nb):
+                if beg <= o < end:
+                    continue
+                p = pages[o]
+                if p is None or p.lost:
+                    return False
+        return True
+
+    def _published_node(self, nb: int) -> Node | None:
+        """The tree node of the last of the first ``nb`` blocks that is still in the tree, via its pages."""
+        table = self._table
+        for o in range(nb - 1, -1, -1):
+            for pages in table.pages:
+                p = pages[o]
+                node = p.node if p is not None else None
+                if node is not None and node.ordinal == o and node.parent is not None:
+                    return node
+        return None
+
     def suspend(self) -> None:
-        """ACTIVE -> SUSPENDED: locks become holds; the pages stay valid."""
+        """ACTIVE -> SUSPENDED: locks become holds. The pages stay where they are, but with lower
+        cache levels configured other requests may push them down (never drop them); the indices
+        read ``BAD_PAGE_INDEX`` until ``resume``."""
         if self._status is not KVCacheStatus.ACTIVE:
             raise LogicError(f"suspend() needs an ACTIVE cache; this one is {self._status.name}")
         self._table.hold_all()
+        self._table.hide_indices()
         self._status = KVCacheStatus.SUSPENDED
 
     def close(self) -> None:
@@ -275,6 +408,8 @@ class KVCache:
         every page; committed pages stay reusable. Idempotent; also runs on garbage collection."""
         if self._status is KVCacheStatus.CLOSED:
             return
+        if self._status is KVCacheStatus.SUSPENDED and self._ctx.storage.any_lost():
+            self._drop_lost_blocks(False, -1)  # never publish a block whose data is gone
         if self._committing and self._tail:
             self._publish(self._num_published + 1)
         self._table.release_all(self._status is KVCacheStatus.ACTIVE)
@@ -417,6 +552,8 @@ class KVCache:
         """No more commits for this request (its further output must not be reused)."""
         if self._status is KVCacheStatus.CLOSED:
             raise LogicError("stop_committing() on a CLOSED cache")
+        if self._status is KVCacheStatus.SUSPENDED and self._ctx.storage.any_lost():
+            self._drop_lost_blocks(False, -1)
         if self._committing and self._tail:
             self._publish(self._num_published + 1)
         self._committing = False

@@ -206,7 +206,8 @@ class ReuseTree(PageDropListener):
         ``pages[lc]`` is the publishing request's page of the block (None: it has none there).
         Where the tree already holds a page for the block, the request switches to it (dedup):
         ``pages[lc]`` becomes the tree's page, taken (locked if ``locked``, else held), and the
-        request's own is released. Returns the block's node, or None when a longer sibling
+        request's own is released; if the tree's page sits in a lower cache level, the two swap
+        places first (same data), so an active request keeps a GPU page. Returns the block's node, or None when a longer sibling
         already covers a partial tail (then nothing is published).
 
         A published page's priority is capped by the anchor pages above it, so a block is never
@@ -234,6 +235,8 @@ class ReuseTree(PageDropListener):
                     if self.life_cycles.items[lc].is_anchor(node.ordinal) and mine.priority < node.prio_cap:
                         node.prio_cap = mine.priority
             elif mine is not None and theirs is not mine:
+                if theirs.level > mine.level:  # the tree's copy is in a lower tier: it takes our place
+                    theirs.exchange_location(mine)
                 theirs.take(locked)
                 pages[lc] = theirs
                 mine.release(locked)
