@@ -236,7 +236,7 @@ class KVCache:
         if storage.any_lost():
             self._drop_lost_blocks(False, -1)
         pending = [(LifeCycleId(i), src) for i, src in enumerate(table.pending_copy) if src is not None]
-        need, excluded, up = self._plan_move_up(GPU_LEVEL)
+        need, excluded, up = self._plan_move_up(GPU_LEVEL, False)
         for lc, _ in pending:
             need[ctx.lc_group[lc]] += 1
         if not up and not pending and not any(excluded[GPU_LEVEL]):
@@ -298,7 +298,7 @@ class KVCache:
             )
         if storage.any_lost():
             self._drop_lost_blocks(False, -1)
-        need, excluded, up = self._plan_move_up(target_level)
+        need, excluded, up = self._plan_move_up(target_level, True)
         if not up:
             return True
         if not storage.fits_at(target_level, need, excluded):
@@ -317,19 +317,21 @@ class KVCache:
             self._drop_lost_blocks(False, -1)
         return True
 
-    def _plan_move_up(self, target: int) -> tuple[list[int], list[list[int]], list[Page]]:
+    def _plan_move_up(self, target: int, sources_too: bool) -> tuple[list[int], list[list[int]], list[Page]]:
         """Slots per pool group that bringing this cache's pages to ``target`` takes, how many of
-        its pages each (level, pool group) evictor lists, and the pages below ``target``."""
+        its pages each (level, pool group) evictor lists, and the pages below ``target`` (the
+        copy-on-partial sources only with ``sources_too``: resume copies them from where they are)."""
         ctx = self._ctx
         n_groups = ctx.num_pool_groups
         need = [0] * n_groups
         excluded = [[0] * n_groups for _ in range(ctx.storage.num_levels)]
         up: list[Page] = []
+        pending = self._table.pending_copy
         for p in self._table.all_pages():
             g = p.storage.index
             if p.in_evictor:
                 excluded[p.level][g] += 1
-            if p.level > target:
+            if p.level > target and (sources_too or p is not pending[p.life_cycle]):
                 need[g] += 1
                 up.append(p)
         return need, excluded, up
