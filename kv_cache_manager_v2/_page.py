@@ -120,6 +120,15 @@ class Page:
             elif not self.in_evictor:
                 self._list_if_held()
 
+    def set_priority(self, priority: Priority) -> None:
+        """Change the eviction priority (a listed page moves to its new priority's list)."""
+        if self.in_evictor:
+            self.storage.evictor.remove(self)
+            self.priority = priority
+            self.storage.evictor.add(self)
+        else:
+            self.priority = priority
+
     def relocate(self, storage: PoolGroupStorage, slot: SlotId) -> None:
         """Now at ``slot`` of ``storage`` (the caller copied the data and frees the old slot)."""
         self.storage = storage

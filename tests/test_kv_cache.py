@@ -365,7 +365,7 @@ def test_unsupported_features_are_refused_clearly() -> None:
 
     from kv_cache_manager_v2 import GpuCacheTierConfig, HostCacheTierConfig, KVCacheManagerConfig, SwaScratchReuseConfig
 
-    with pytest.raises(ValueError, match="HostCacheTierConfig quota 100 bytes is too small"):
+    with pytest.raises(ValueError, match="HostCacheTierConfig quota 100 bytes is too small: it must hold one slot"):
         KVCacheManager(KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 20), HostCacheTierConfig(100)], kv_layers(1)))
     with pytest.raises(ValueError, match="swa_scratch_reuse"):
         KVCacheManager(make_config(kv_layers(1), swa_scratch_reuse=SwaScratchReuseConfig()))

@@ -583,3 +583,93 @@ def test_host_tier_priorities_span_levels(make_manager: MakeManager, tmp_path: o
     assert tree_levels(m, hi) == [0, 0] and tree_levels(m, lo) == [1, 1]
     publish(m, engine, seq(4, 2 * T))  # seq 3 moves down, the low-priority blocks are dropped
     assert m.probe_reuse(None, lo) == 0 and tree_levels(m, hi) == [0, 0] and tree_levels(m, seq(3, 2 * T)) == [1, 1]
+
+
+@pytest.fixture(params=[True, False], ids=["batched", "per-copy"])
+def fake_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> object:
+    """The CUDA backend on an emulated driver (with or without cuMemcpyBatchAsync)."""
+    import cuda.bindings
+    from fake_cuda_driver import FakeDriver
+
+    drv = FakeDriver(batch=bool(request.param))
+    monkeypatch.setattr(cuda.bindings, "driver", drv)
+    return drv
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["gpu-host-disk", "gpu-disk"])
+def test_cuda_backend_tiers_on_an_emulated_driver(fake_cuda: object, tmp_path: object, host: bool) -> None:
+    """Pinned host pools, async host<->GPU copies (batched when the driver can), disk<->GPU through
+    the pinned staging buffer; data intact, everything given back at shutdown."""
+    from conftest import make_config
+    from fake_cuda_driver import FakeDriver
+
+    drv = fake_cuda
+    assert isinstance(drv, FakeDriver)
+    slot = 2 * 2 * REC * T
+    cfg = make_config(
+        kv_layers(2, T),
+        T,
+        3 * slot,
+        host_quota=3 * slot if host else None,
+        disk_quota=12 * slot,
+        disk_path=str(tmp_path),
+        backend="cuda",
+        max_util_for_resume=1.0,
+    )
+    m = KVCacheManager(cfg)
+    assert m.backend_name == "cuda"
+    assert drv.registered if host else not drv.registered  # host pools are page-locked up front
+    engine = FakeEngine(m)
+    seqs = [seq(r, 3 * T) for r in range(4)]
+    for s in seqs:
+        publish(m, engine, s)
+    last = len(m.cache_tier_list) - 1
+    assert tree_levels(m, seqs[0]) == [last] * 3
+    for s in seqs:
+        kv = m.create_kv_cache(input_tokens=s)
+        assert kv.history_length == 3 * T and kv.resume()
+        engine.check_all(kv, s, 3 * T)
+        kv.close()
+    a = m.create_kv_cache()  # a suspended request spills down and comes back
+    assert a.resume()
+    compute(engine, a, seqs[0][: 2 * T], 2 * T)
+    a.suspend()
+    hog = m.create_kv_cache()
+    assert hog.resume() and hog.resize(3 * T)
+    assert levels_of(a) == [1, 1]
+    hog.close()
+    assert a.resume()
+    engine.check_all(a, seqs[0], 2 * T)
+    a.close()
+    # host tier: pinned pools; no host tier: disk <-> GPU through the pinned staging buffer
+    assert drv.bytes_copied["DtoH"] > 0 and drv.bytes_copied["HtoD"] > 0
+    assert ("cuMemcpyBatchAsync" in drv.calls) == hasattr(drv, "cuMemcpyBatchAsync")
+    assert "cuCtxSynchronize" in drv.calls  # copies out of GPU memory wait for the device first
+    m.clear_reusable_blocks()
+    m.shutdown()
+    assert not drv.mapped and not drv.handles and not drv.reservations and not drv.registered
+
+
+def test_cuda_host_pool_registration_failure_changes_nothing(fake_cuda: object, tmp_path: object) -> None:
+    from conftest import make_config
+    from fake_cuda_driver import FakeDriver
+
+    from kv_cache_manager_v2 import CuError
+
+    drv = fake_cuda
+    assert isinstance(drv, FakeDriver)
+    slot = 2 * 2 * REC * T
+    drv.fail_next["cuMemHostRegister"] = drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+    with pytest.raises(CuError, match="cuMemHostRegister"):
+        KVCacheManager(make_config(kv_layers(2, T), T, 3 * slot, host_quota=3 * slot, backend="cuda"))
+    assert not drv.mapped and not drv.registered and not drv.reservations
+    m = KVCacheManager(make_config(kv_layers(2, T), T, 3 * slot, host_quota=3 * slot, backend="cuda"))
+    drv.fail_next["cuMemHostRegister"] = drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+    registered = dict(drv.registered)
+    with pytest.raises(CuError):
+        m.resize(HOST, 12 * slot)  # growing registers more page-locked memory
+    assert drv.registered == registered and m.get_quota(HOST) == 3 * slot
+    assert m.resize(HOST, 12 * slot) and len(drv.registered) == 2
+    assert m.resize(HOST, slot) and len(drv.registered) == 1  # the chunk beyond is given back
+    m.shutdown()
+    assert not drv.registered

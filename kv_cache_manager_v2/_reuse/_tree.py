@@ -227,9 +227,9 @@ class ReuseTree(PageDropListener):
             mine = pages[lc]
             theirs = node.page(lc)
             if theirs is None:
-                if mine is not None and mine.node is None:  # owned by the request: in no evictor
+                if mine is not None and mine.node is None:  # owned by the request
                     if mine.priority > cap:
-                        mine.priority = cap
+                        mine.set_priority(cap)
                     mine.node = node
                     node.pages[lc] = rawref.ref(mine)
                     if self.life_cycles.items[lc].is_anchor(node.ordinal) and mine.priority < node.prio_cap:

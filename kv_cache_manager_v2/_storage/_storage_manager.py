@@ -165,17 +165,20 @@ class StorageManager:
         """The pools of one group at one level: GPU memory mapped on demand; host memory and disk
         files backed in full up front (so eviction never fails to find memory)."""
         pools: list[Pool] = []
+        # address space for MAX_GROWTH x the tier's quota, as if this group got all of it, so any
+        # later split of a grown quota fits without moving
+        max_slots = max(num_slots, MAX_GROWTH * cfg.quota // layout.slot_bytes)
         try:
             for size in layout.slot_sizes:
                 nbytes = num_slots * size
                 if isinstance(cfg, DiskCacheTierConfig):
                     pools.append(DiskPool(cfg.path, nbytes))
                 elif cfg.tier is CacheTier.HOST_MEM:
-                    host = self.backend.reserve_host_pool(MAX_GROWTH * nbytes)
+                    host = self.backend.reserve_host_pool(max_slots * size)
                     pools.append(host)
                     host.ensure_mapped(nbytes)
                 else:
-                    pools.append(self.backend.reserve_pool(MAX_GROWTH * nbytes))
+                    pools.append(self.backend.reserve_pool(max_slots * size))
         except BaseException:
             for pool in pools:
                 pool.release()
@@ -458,11 +461,12 @@ class StorageManager:
                     pool.ensure_mapped(n * size)
         for g, n in enumerate(slots):
             s = storages.items[g]
-            if n < s.num_slots:
+            shrinking = n < s.num_slots
+            if shrinking:
                 self.make_room(s, s.num_slots - n)
                 self._compact(s, n, live)
             s.allocator.resize(n)
-            if n < s.num_slots or s.tier is CacheTier.GPU_MEM:
+            if shrinking:
                 for pool, size in zip(s.pools, s.layout.slot_sizes):
                     pool.shrink(n * size)
         return True
