@@ -123,6 +123,13 @@ class BlockTable:
                 if p is not None:
                     p.hold_from_lock()
 
+    def has_pending(self) -> bool:
+        """Whether a copy-on-partial waits for the first resume."""
+        for src in self.pending_copy.items:  # noqa: SIM110 - a plain loop on the resume path (no generator)
+            if src is not None:
+                return True
+        return False
+
     def lock_pending(self) -> None:
         for src in self.pending_copy:
             if src is not None:

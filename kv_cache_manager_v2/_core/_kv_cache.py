@@ -233,6 +233,11 @@ class KVCache:
         ctx = self._ctx
         table = self._table
         storage = ctx.storage
+        if storage.num_levels == 1 and not table.has_pending():
+            table.lock_all()  # GPU only: every page is in GPU memory and nothing new is taken
+            table.show_indices()
+            self._status = KVCacheStatus.ACTIVE
+            return True
         if storage.any_lost():
             self._drop_lost_blocks(False, -1)
         pending = [(LifeCycleId(i), src) for i, src in enumerate(table.pending_copy) if src is not None]
