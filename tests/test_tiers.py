@@ -673,3 +673,37 @@ def test_cuda_host_pool_registration_failure_changes_nothing(fake_cuda: object, 
     assert m.resize(HOST, slot) and len(drv.registered) == 1  # the chunk beyond is given back
     m.shutdown()
     assert not drv.registered
+
+
+def test_cuda_copy_failure_during_eviction_leaves_a_consistent_state(fake_cuda: object, tmp_path: object) -> None:
+    from conftest import make_config
+    from fake_cuda_driver import FakeDriver
+
+    from kv_cache_manager_v2 import CuError
+
+    drv = fake_cuda
+    assert isinstance(drv, FakeDriver)
+    m = KVCacheManager(
+        make_config(kv_layers(2, T), T, 2 * SLOT, host_quota=4 * SLOT, backend="cuda", max_util_for_resume=1.0)
+    )
+    engine = FakeEngine(m)
+    toks = seq(1, 2 * T)
+    publish(m, engine, toks)  # the GPU is full of reusable blocks
+    kv = m.create_kv_cache()
+    assert kv.resume()
+    for name in ("cuMemcpyBatchAsync", "cuMemcpyDtoHAsync"):
+        drv.fail_next[name] = drv.CUresult.CUDA_ERROR_LAUNCH_FAILED
+    with pytest.raises(CuError):
+        kv.resize(2 * T)  # evicting them to host fails in the driver
+    drv.fail_next.clear()
+    m.check_invariants()
+    assert kv.capacity == 0 and tree_levels(m, toks) == [0, 0]
+    assert kv.resize(2 * T)  # the next attempt moves them
+    assert tree_levels(m, toks) == [1, 1]
+    kv.close()
+    b = m.create_kv_cache(input_tokens=toks)
+    assert b.resume()
+    engine.check_all(b, toks, 2 * T)
+    b.close()
+    m.clear_reusable_blocks()
+    m.shutdown()

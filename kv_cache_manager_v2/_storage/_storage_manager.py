@@ -284,12 +284,22 @@ class StorageManager:
         for v in victims:  # dropping an anchor above may have made a kept page garbage
             if id(v) in keep and v.node is None and v.slot >= 0:
                 self.drop(v)
-        self.make_room(below, len(movers))
+        try:
+            self.make_room(below, len(movers))
+        except BaseException:
+            for v in movers:  # e.g. a driver error below: they stay here, listed again
+                v.relist()
+            raise
         still = [v for v in movers if v.num_holds or v.node is not None]
         for v in movers:
             if not v.num_holds and v.node is None:
                 self.drop(v)  # became garbage while the level below made room: not worth moving
-        failed = self._relocate(still, below)
+        try:
+            failed = self._relocate(still, below)
+        except BaseException:
+            for v in still:
+                v.relist()
+            raise
         below.num_offloaded += len(still) - len(failed)
         lost = {id(p) for p in failed}
         for p in still:
@@ -305,9 +315,14 @@ class StorageManager:
             return []
         src = pages[0].storage
         slots = dst.allocator.allocate(len(pages))
-        failed_idx = self.copier.copy(
-            src.pools, dst.pools, src.layout.slot_sizes, [(p.slot, s) for p, s in zip(pages, slots)]
-        )
+        try:
+            failed_idx = self.copier.copy(
+                src.pools, dst.pools, src.layout.slot_sizes, [(p.slot, s) for p, s in zip(pages, slots)]
+            )
+        except BaseException:  # a driver error: the pages stay where they were
+            for s in slots:
+                dst.allocator.free(s)
+            raise
         failed: list[Page] = []
         for i, (p, s) in enumerate(zip(pages, slots)):
             if i in failed_idx:
@@ -477,9 +492,14 @@ class StorageManager:
         if not movers:
             return
         slots = storage.allocator.allocate_below(n, len(movers))
-        failed = self.copier.copy(
-            storage.pools, storage.pools, storage.layout.slot_sizes, [(p.slot, s) for p, s in zip(movers, slots)]
-        )
+        try:
+            failed = self.copier.copy(
+                storage.pools, storage.pools, storage.layout.slot_sizes, [(p.slot, s) for p, s in zip(movers, slots)]
+            )
+        except BaseException:
+            for s in slots:
+                storage.allocator.free(s)
+            raise
         for i, (p, s) in enumerate(zip(movers, slots)):
             if i in failed:
                 storage.allocator.free(s)
