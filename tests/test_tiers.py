@@ -707,3 +707,49 @@ def test_cuda_copy_failure_during_eviction_leaves_a_consistent_state(fake_cuda: 
     b.close()
     m.clear_reusable_blocks()
     m.shutdown()
+
+
+def test_failed_read_of_a_partial_match_source_drops_only_that_block(
+    make_manager: MakeManager, tmp_path: object
+) -> None:
+    m = tiered(make_manager, tmp_path, gpu=3, host=3, disk=3)
+    engine = FakeEngine(m)
+    writer = seq(1, 2 * T)
+    for s in (writer, seq(2, 3 * T), seq(3, 3 * T)):
+        publish(m, engine, s)
+    b = m.create_kv_cache(input_tokens=writer[: T + 5] + [1, 2])
+    src = b.block_table.pending_copy[0]
+    assert b.history_length == T + 5 and src is not None and src.level == 2
+    bad = src.slot * SLOT
+    disk_pool(m).error_hook = lambda op, off, n: op == "read" and off <= bad < off + n
+    assert b.resume()
+    disk_pool(m).error_hook = None
+    assert b.history_length == b.capacity == T  # the full block came up; the partial one is gone
+    assert m.probe_reuse(None, writer) == T and m.get_tier_statistics(DISK).io_errors == 1
+    engine.check_all(b, writer, T)
+    compute(engine, b, writer[: T + 5] + [1, 2], T + 7)
+    b.close()
+
+
+def test_index_buffer_reads_bad_while_suspended(make_manager: MakeManager, tmp_path: object) -> None:
+    from array import array
+
+    m = tiered(make_manager, tmp_path, gpu=4, host=4, disk=None)
+    engine = FakeEngine(m)
+    kv = m.create_kv_cache()
+    backing = array("i", [7] * 6)
+    kv.set_base_page_index_buf(0, LG0, memoryview(backing))
+    assert list(backing) == [BAD_PAGE_INDEX] * 6
+    assert kv.resume()
+    compute(engine, kv, seq(1, 3 * T), 3 * T)
+    live = list(backing[:3])
+    assert live == list(kv.get_base_page_indices(LG0)) and BAD_PAGE_INDEX not in live
+    kv.suspend()
+    assert list(backing) == [BAD_PAGE_INDEX] * 6
+    hog = m.create_kv_cache()
+    assert hog.resume() and hog.resize(4 * T)  # kv's pages go to host
+    hog.close()
+    assert kv.resume()
+    assert list(backing[:3]) == list(kv.get_base_page_indices(LG0)) and BAD_PAGE_INDEX not in backing[:3]
+    engine.check_all(kv, seq(1, 3 * T), 3 * T)
+    kv.close()
