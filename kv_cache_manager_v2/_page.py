@@ -95,20 +95,30 @@ class Page:
     def take(self, locked: bool) -> None:
         """A new owner (locking if ``locked``, else holding); a listed page leaves the evictor
         (a HELD page comes back as the newest)."""
+        storage = self.storage
         if self.in_evictor:
-            self.storage.evictor.remove(self)
+            storage.evictor.remove(self)
         if locked:
             self.num_locks += 1
         else:
             self.num_holds += 1
-            self._list_if_held()
+            if self.num_locks == 0 and not storage.is_last and not self.lost:
+                storage.evictor.add(self)
 
     def release(self, locked: bool) -> None:
         """One owner lets go; after the last, a committed page becomes DROPPABLE, others are freed."""
-        if locked:
+        if locked:  # a locked page is in no evictor
             self.num_locks -= 1
-        else:
-            self.num_holds -= 1
+            if self.num_locks:
+                return
+            if self.num_holds:
+                self._list_if_held()  # only suspended requests own it now
+            elif self.node is not None:
+                self.storage.evictor.add(self)
+            else:
+                self.free()
+            return
+        self.num_holds -= 1
         if self.num_locks == 0:
             if self.num_holds == 0:
                 if self.in_evictor:

@@ -44,7 +44,10 @@ class BlockTable:
         """Install the pages of a matched prefix (the table is empty)."""
         self.pages[lc] = pages
         # filled as a list, then extended once: array item calls are slow compiled
-        self.indices[lc].extend([BAD_PAGE_INDEX if p is None or not self.live else p.slot for p in pages])
+        if self.live:
+            self.indices[lc].extend([BAD_PAGE_INDEX if p is None else p.slot for p in pages])
+        else:
+            self.indices[lc].extend(array("i", [BAD_PAGE_INDEX]) * len(pages))
         self.stale_end[lc] = stale_end
 
     def block_pages(self, o: int) -> list[Page | None]:
