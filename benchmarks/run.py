@@ -569,7 +569,7 @@ def main() -> None:
     speedups = {}
     for name in args.only:
         by = {r["mode"]: r for r in results if r["scenario"] == name}
-        if len(by) == 2:
+        if len(by) == 2 and by["fast"]["unit"] != "hit rate" and by["fast"]["median"] and by["compiled"]["median"]:
             f, c = by["fast"]["median"], by["compiled"]["median"]
             speedups[name] = (c / f) if by["fast"]["unit"].endswith("/s") else (f / c)
     for name, x in speedups.items():
