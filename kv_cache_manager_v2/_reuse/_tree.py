@@ -207,8 +207,9 @@ class ReuseTree(PageDropListener):
         Where the tree already holds a page for the block, the request switches to it (dedup):
         ``pages[lc]`` becomes the tree's page, taken (locked if ``locked``, else held), and the
         request's own is released; if the tree's page sits in a lower cache level, the two swap
-        places first (same data), so an active request keeps a GPU page. Returns the block's node, or None when a longer sibling
-        already covers a partial tail (then nothing is published).
+        places first (same data), so an active request keeps a GPU page. Returns the block's
+        node, or None when a longer sibling already covers a partial tail (then nothing is
+        published).
 
         A published page's priority is capped by the anchor pages above it, so a block is never
         evicted after its ancestors' anchors (whose eviction would take it along).
