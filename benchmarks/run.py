@@ -18,6 +18,10 @@ decode_events / admission_events (decode and admission with a KVCacheEventManage
 step includes draining the queue; extra keys quote the prefill commit that publishes the blocks and
 the wire cost, to_wire + msgpack, per event, which a publisher pays on its own thread).
 Admission scenarios also time the prefill ``commit`` separately (``commit_us``, not in the samples).
+copy_bandwidth (the copy engine moving scattered slots GPU -> host on the host backend, vs one
+numpy copy of the same bytes), onboard (create_kv_cache + resume of a 1024-token prefix whose
+pages sit in the host tier), tier_hit_rate (the trace replayed one request at a time, prompt
+blocks only, with 1M GPU tokens alone and with 3M host tokens more).
 
 Each scenario runs in a child process per mode: fast mode imports a copy of the package
 sources from build/bench/fast (no compiled modules there); compiled mode builds the package
@@ -58,8 +62,13 @@ SCENARIOS = [
     "adapter",
     "decode_events",
     "admission_events",
+    "copy_bandwidth",
+    "onboard",
+    "tier_hit_rate",
 ]
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
+#: deterministic results (a hit rate): one run per mode whatever --repeats says
+RUN_ONCE = {"tier_hit_rate"}
 
 
 # ---------------------------------------------------------------- worker side
@@ -69,12 +78,14 @@ def _manager(
     num_slots: int,
     window_every: int = 0,
     window: int = 128,
+    host_slots: int = 0,
+    size: int = 64,
     events: bool = False,
     **kw: Any,
 ) -> Any:
     import kv_cache_manager_v2 as kvm
 
-    size = 64  # bytes per buffer page: the benchmarks never touch KV memory
+    # size: bytes per buffer page (64 by default: most benchmarks never touch KV memory)
     layers = [
         kvm.AttentionLayerConfig(
             kvm.LayerId(i),
@@ -83,8 +94,11 @@ def _manager(
         )
         for i in range(num_layers)
     ]
-    quota = num_slots * num_layers * 2 * size
-    cfg = kvm.KVCacheManagerConfig(tokens_per_block, [kvm.GpuCacheTierConfig(quota)], layers, backend="host", **kw)
+    slot = num_layers * 2 * size
+    tiers: list[Any] = [kvm.GpuCacheTierConfig(num_slots * slot)]
+    if host_slots:
+        tiers.append(kvm.HostCacheTierConfig(host_slots * slot))
+    cfg = kvm.KVCacheManagerConfig(tokens_per_block, tiers, layers, backend="host", **kw)
     if events:
         return kvm.KVCacheManager(cfg, kvm.KVCacheEventManager(max_events=1 << 20))
     return kvm.KVCacheManager(cfg)
@@ -472,6 +486,148 @@ def scenario_adapter(p: dict[str, int]) -> dict[str, Any]:
     }
 
 
+def scenario_copy_bandwidth(p: dict[str, int]) -> dict[str, Any]:
+    """GB/s of one batched copy of scattered slots from a GPU pool to a host-tier pool (host backend)."""
+    import random
+
+    import numpy as np
+
+    from kv_cache_manager_v2._storage._copy_engine import CopyEngine
+    from kv_cache_manager_v2._storage._host_backend import HostBackend
+
+    n, size = p["copy_slots"], p["copy_slot_bytes"]
+    backend = HostBackend()
+    engine = CopyEngine(backend)
+    src, dst = backend.reserve_pool(n * size), backend.reserve_host_pool(n * size)
+    for pool in (src, dst):
+        pool.ensure_mapped(n * size)
+        assert pool.host_view is not None
+        pool.host_view[:] = b"\x01" * (n * size)  # touch every page first: no page faults in the timing
+    rng = random.Random(0)
+    dst_slots = list(range(n))
+    rng.shuffle(dst_slots)
+    scattered = list(zip(range(n), dst_slots))  # no two neighbours stay neighbours: one copy per slot
+    contiguous = [(i, i) for i in range(n)]
+    a = np.ones(n * size, dtype=np.uint8)
+    b = np.zeros(n * size, dtype=np.uint8)
+    gbs, gbs_contig, gbs_numpy = [], [], []
+    for _ in range(15):  # interleaved, so a noisy stretch hits all three
+        t0 = time.perf_counter()
+        engine.copy([src], [dst], [size], scattered)
+        gbs.append(n * size / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        engine.copy([src], [dst], [size], contiguous)
+        gbs_contig.append(n * size / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        gbs_numpy.append(n * size / (time.perf_counter() - t0) / 1e9)
+    src.release()
+    dst.release()
+    return {
+        "unit": "GB/s",
+        "samples": gbs,
+        "slot_bytes": size,
+        "slots": n,
+        "numpy_copy_gb_per_s": statistics.median(gbs_numpy),
+        "ratio_vs_numpy": statistics.median(gbs) / statistics.median(gbs_numpy),
+        "best_ratio_vs_numpy": max(gbs) / max(gbs_numpy),
+        "contiguous_gb_per_s": statistics.median(gbs_contig),
+        "note": "scattered slots (one memcpy each) vs one numpy copy of the same bytes; medians of 15 interleaved rounds",
+    }
+
+
+def scenario_onboard(p: dict[str, int]) -> dict[str, Any]:
+    """create_kv_cache + resume of a request whose 1024-token prefix sits in the host tier."""
+    t = p["tokens_per_block"]
+    prefix_blocks = p["shared"] // t
+    gpu_slots = prefix_blocks + 8
+    m = _manager(p["layers"], t, gpu_slots, host_slots=4 * gpu_slots, size=p["onboard_buffer_bytes"])
+    prefix = list(range(10_000, 10_000 + p["shared"]))
+    first = _admit(m, prefix + [1])
+    first.close()
+
+    def push_down() -> None:
+        filler = m.create_kv_cache()
+        assert filler.resume() and filler.resize(gpu_slots * t)  # the whole GPU: the prefix moves to host
+        filler.close()
+
+    samples, gpu_samples = [], []
+    for r in range(p["onboard_requests"]):
+        push_down()
+        prompt = prefix + [1_000_000 + r]
+        t0 = time.perf_counter()
+        kv = m.create_kv_cache(input_tokens=prompt)
+        assert kv.resume()
+        samples.append((time.perf_counter() - t0) * 1e6)
+        assert kv.history_length == p["shared"]
+        kv.close()
+        t0 = time.perf_counter()  # the same with the prefix already in GPU memory
+        kv = m.create_kv_cache(input_tokens=prompt)
+        assert kv.resume()
+        gpu_samples.append((time.perf_counter() - t0) * 1e6)
+        kv.close()
+    host = m.get_tier_statistics(1)
+    m.clear_reusable_blocks()
+    m.shutdown()
+    return {
+        "unit": "us/request",
+        "samples": samples,
+        "prefix_tokens": p["shared"],
+        "pages_onboarded_per_request": host.onboarded_pages // p["onboard_requests"],
+        "page_bytes": p["layers"] * 2 * p["onboard_buffer_bytes"],
+        "same_prefix_in_gpu_us": statistics.median(gpu_samples),
+    }
+
+
+def _trace_hit_rate(reqs: list[dict[str, Any]], t: int, gpu_tokens: int, host_tokens: int) -> tuple[float, float, Any]:
+    m = _manager(1, t, gpu_tokens // t, host_slots=host_tokens // t)
+    t0 = time.perf_counter()
+    for r in reqs:
+        n = r["input_length"]
+        prompt = array("I", [h * 512 + i for h in r["hash_ids"] for i in range(512)][:n])
+        kv = m.create_kv_cache(input_tokens=prompt[:-1])
+        if kv.resume() and kv.resize(n):
+            kv.commit(prompt[kv.history_length :])
+        kv.close()
+    dt = time.perf_counter() - t0
+    st = m.reuse_statistics
+    tiers = [m.get_tier_statistics(level) for level in range(len(m.cache_tier_list))]
+    m.clear_reusable_blocks()
+    m.shutdown()
+    return st.hit_rate, dt, tiers
+
+
+def scenario_tier_hit_rate(p: dict[str, int]) -> dict[str, Any]:
+    """Prefix-reuse hit rate on the trace: 1M GPU tokens alone vs. 1M GPU + 3M host tokens."""
+    t = p["tokens_per_block"]
+    if not os.path.exists(TRACE):
+        return {"unit": "hit rate", "samples": [0.0], "note": f"trace not found at {TRACE}"}
+    reqs = []
+    with open(TRACE) as f:
+        for line in f:
+            reqs.append(json.loads(line))
+            if p["hit_rate_requests"] and len(reqs) >= p["hit_rate_requests"]:
+                break
+    gpu_only, dt_gpu, _ = _trace_hit_rate(reqs, t, p["trace_gpu_tokens"], 0)
+    tiered, dt_tiered, tiers = _trace_hit_rate(reqs, t, p["trace_gpu_tokens"], p["trace_host_tokens"])
+    return {
+        "unit": "hit rate",
+        "samples": [tiered],
+        "requests": len(reqs),
+        "gpu_tokens": p["trace_gpu_tokens"],
+        "host_tokens": p["trace_host_tokens"],
+        "gpu_only_hit_rate": gpu_only,
+        "host_tier_hit_rate": tiered,
+        "gain": tiered - gpu_only,
+        "gpu_only_seconds": dt_gpu,
+        "host_tier_seconds": dt_tiered,
+        "host_onboarded_pages": tiers[1].onboarded_pages,
+        "host_offloaded_pages": tiers[1].offloaded_pages,
+        "host_dropped_pages": tiers[1].dropped_pages,
+        "note": "one request at a time; blocks of tokens_per_block tokens; prompt[:-1] matched, prompt committed",
+    }
+
+
 def worker(name: str, params: dict[str, int]) -> dict[str, Any]:
     import kv_cache_manager_v2
 
@@ -498,6 +654,13 @@ DEFAULTS = dict(
     scaling_small=1_000,
     scaling_mid=10_000,
     scaling_large=40_000,
+    copy_slots=512,
+    copy_slot_bytes=256 << 10,
+    onboard_requests=200,
+    onboard_buffer_bytes=64,
+    hit_rate_requests=0,  # 0: the whole trace
+    trace_gpu_tokens=1_000_000,
+    trace_host_tokens=3_000_000,
 )
 QUICK = dict(
     requests=16,
@@ -515,6 +678,13 @@ QUICK = dict(
     scaling_small=100,
     scaling_mid=1_000,
     scaling_large=4_000,
+    copy_slots=64,
+    copy_slot_bytes=64 << 10,
+    onboard_requests=10,
+    onboard_buffer_bytes=64,
+    hit_rate_requests=30,
+    trace_gpu_tokens=100_000,
+    trace_host_tokens=300_000,
 )
 
 
@@ -592,7 +762,8 @@ def main() -> None:
     results = []
     for name in args.only:
         runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
-        for _ in range(args.repeats):  # modes alternate, so a noisy stretch hits both
+        repeats = 1 if name in RUN_ONCE else args.repeats
+        for _ in range(repeats):  # modes alternate, so a noisy stretch hits both
             for mode in args.modes:
                 r = run_child(mode, name, params)
                 s = r.pop("samples")
@@ -618,7 +789,7 @@ def main() -> None:
     speedups = {}
     for name in args.only:
         by = {r["mode"]: r for r in results if r["scenario"] == name}
-        if len(by) == 2:
+        if len(by) == 2 and by["fast"]["unit"] != "hit rate" and by["fast"]["median"] and by["compiled"]["median"]:
             f, c = by["fast"]["median"], by["compiled"]["median"]
             speedups[name] = (c / f) if by["fast"]["unit"].endswith("/s") else (f / c)
     for name, x in speedups.items():

@@ -35,6 +35,7 @@ from ._common import (
     ScratchDesc,
     SlotId,
     StorageStatistics,
+    TierStatistics,
     TokenId,
     TokenIdExt,
 )
@@ -118,6 +119,7 @@ __all__ = [
     "SlotId",
     "StorageStatistics",
     "SwaScratchReuseConfig",
+    "TierStatistics",
     "TokenId",
     "TokenIdExt",
     "block_hash",

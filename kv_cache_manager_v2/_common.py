@@ -124,6 +124,34 @@ class StorageStatistics:
         return self.total - self.available
 
 
+@dataclass(frozen=True)
+class TierStatistics:
+    """Usage and traffic of one cache level, summed over its pool groups.
+
+    A page is one block of one layer group. Counters cover the interval asked for: since the
+    manager was created (``KVCacheManager.get_tier_statistics``) or since the previous
+    ``take_iteration_stats()``. ``peak_used_bytes`` adds up each pool group's own peak.
+    """
+
+    level: CacheLevel
+    tier: CacheTier
+    total_bytes: int
+    used_bytes: int
+    peak_used_bytes: int
+    #: pages evicted into this level from the level above (0 at the GPU level)
+    offloaded_pages: int
+    offloaded_bytes: int
+    #: pages copied from this level to a higher one: reuse, resume, prefetch, copy-on-partial
+    onboarded_pages: int
+    onboarded_bytes: int
+    #: pages dropped for good at this level: reusable pages evicted from the last level, garbage,
+    #: and pages whose data a disk error destroyed
+    dropped_pages: int
+    dropped_bytes: int
+    #: pages a disk read or write failed for (each also counts as dropped)
+    io_errors: int
+
+
 @dataclass
 class ReuseStatistics:
     """What prefix reuse did, counted since the manager was created (all zero with ``enable_stats=False``).

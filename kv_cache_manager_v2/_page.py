@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import rawref
 
 from ._common import BAD_PAGE_INDEX, LifeCycleId, PageStatus, Priority, SlotId
+from ._eviction import NOT_LISTED
 from ._exceptions import LogicError
 
 if TYPE_CHECKING:
@@ -23,12 +24,20 @@ class Page:
     tree (``node`` set) is not freed but becomes DROPPABLE: it waits in its pool group's
     evictor until reused or evicted. The tree refers to pages through ``rawref.ref(page)``,
     which is invalidated when the slot is freed.
+
+    A page keeps its identity when it moves between cache levels (``storage``, ``slot`` and
+    ``level`` change; owners and the tree keep their references). Its level's evictor lists it
+    while it is DROPPABLE, or HELD at a level above the last (``in_evictor`` says how).
+    A page whose data was lost to a disk error is ``lost``: no slot, out of the tree, still
+    counted by its owners until they let go.
     """
 
     __slots__ = (
         "_rawref",
+        "in_evictor",
         "level",
         "life_cycle",
+        "lost",
         "lru_next",
         "lru_prev",
         "node",
@@ -53,9 +62,11 @@ class Page:
         self.num_holds = 0 if locked else 1
         self._rawref = None
         self.node: Node | None = None
-        # links of the evictor's LRU list while DROPPABLE
+        # links of the evictor's LRU list while listed there
         self.lru_prev: Page | None = None
         self.lru_next: Page | None = None
+        self.in_evictor = NOT_LISTED
+        self.lost = False
 
     @property
     def status(self) -> PageStatus:
@@ -65,34 +76,107 @@ class Page:
             return PageStatus.HELD
         return PageStatus.DROPPABLE
 
+    def _list_if_held(self) -> None:
+        """List a page that only suspended requests own, above the last level (it may spill down)."""
+        if self.num_locks == 0 and not self.storage.is_last and not self.lost:
+            self.storage.evictor.add(self)
+
     def lock_from_hold(self) -> None:
+        if self.in_evictor:
+            self.storage.evictor.remove(self)
         self.num_holds -= 1
         self.num_locks += 1
 
     def hold_from_lock(self) -> None:
         self.num_locks -= 1
         self.num_holds += 1
+        self._list_if_held()
 
     def take(self, locked: bool) -> None:
-        """A new owner (locking if ``locked``, else holding); a DROPPABLE page leaves the evictor."""
-        if self.num_locks == 0 and self.num_holds == 0:
-            self.storage.evictor.remove(self)
+        """A new owner (locking if ``locked``, else holding); a listed page leaves the evictor
+        (a HELD page comes back as the newest)."""
+        storage = self.storage
+        if self.in_evictor:
+            storage.evictor.remove(self)
         if locked:
             self.num_locks += 1
         else:
             self.num_holds += 1
+            if self.num_locks == 0 and not storage.is_last and not self.lost:
+                storage.evictor.add(self)
 
     def release(self, locked: bool) -> None:
         """One owner lets go; after the last, a committed page becomes DROPPABLE, others are freed."""
-        if locked:
+        if locked:  # a locked page is in no evictor
             self.num_locks -= 1
-        else:
-            self.num_holds -= 1
-        if self.num_locks == 0 and self.num_holds == 0:
-            if self.node is not None:
+            if self.num_locks:
+                return
+            if self.num_holds:
+                self._list_if_held()  # only suspended requests own it now
+            elif self.node is not None:
                 self.storage.evictor.add(self)
             else:
                 self.free()
+            return
+        self.num_holds -= 1
+        if self.num_locks == 0:
+            if self.num_holds == 0:
+                if self.in_evictor:
+                    self.storage.evictor.remove(self)
+                if self.node is not None:
+                    self.storage.evictor.add(self)
+                else:
+                    self.free()
+            elif not self.in_evictor:
+                self._list_if_held()
+
+    def set_priority(self, priority: Priority) -> None:
+        """Change the eviction priority (a listed page moves to its new priority's list)."""
+        if self.in_evictor:
+            self.storage.evictor.remove(self)
+            self.priority = priority
+            self.storage.evictor.add(self)
+        else:
+            self.priority = priority
+
+    def relocate(self, storage: PoolGroupStorage, slot: SlotId) -> None:
+        """Now at ``slot`` of ``storage`` (the caller copied the data and frees the old slot)."""
+        self.storage = storage
+        self.slot = slot
+        self.level = storage.level
+
+    def exchange_location(self, other: Page) -> None:
+        """Swap where this page and ``other`` (same pool group, same data) live; evictor listing follows."""
+        a, b = self.in_evictor, other.in_evictor
+        if a:
+            self.storage.evictor.remove(self)
+        if b:
+            other.storage.evictor.remove(other)
+        storage, slot = self.storage, self.slot
+        self.relocate(other.storage, other.slot)
+        other.relocate(storage, slot)
+        if a:
+            self.relist()
+        if b:
+            other.relist()
+
+    def relist(self) -> None:
+        """List a page its level's evictor should hold (after a move): DROPPABLE, or HELD above the last level."""
+        if self.num_locks == 0 and not self.lost and (self.num_holds == 0 or not self.storage.is_last):
+            self.storage.evictor.add(self)
+
+    def mark_lost(self) -> None:
+        """The data is gone (disk error): free the slot, keep the owners' counts (they drop the page)."""
+        if self.in_evictor:
+            self.storage.evictor.remove(self)
+        self.storage.allocator.free(self.slot)
+        self.slot = SlotId(BAD_PAGE_INDEX)
+        self.lost = True
+        self.storage.num_lost += 1
+        r = self._rawref
+        if r is not None:
+            r.invalidate()
+            self._rawref = None
 
     def __del__(self) -> None:
         # rawref's contract: a target invalidates its ref before it dies. Normally free() did.
@@ -103,7 +187,11 @@ class Page:
     def free(self) -> None:
         """Give the slot back and invalidate refs to this page (owners must be gone)."""
         if self.slot == BAD_PAGE_INDEX:
-            raise LogicError("page freed twice")
+            if not self.lost:
+                raise LogicError("page freed twice")
+            self.lost = False  # the last owner let go of a lost page: nothing to free
+            self.storage.num_lost -= 1
+            return
         self.storage.allocator.free(self.slot)
         self.slot = SlotId(BAD_PAGE_INDEX)
         r = self._rawref

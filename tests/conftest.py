@@ -15,11 +15,14 @@ os.environ.setdefault("KV_CACHE_MANAGER_V2_CHECK", "1")
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
     BufferConfig,
+    DiskCacheTierConfig,
     GpuCacheTierConfig,
+    HostCacheTierConfig,
     KVCacheManager,
     KVCacheManagerConfig,
     LayerId,
 )
+from kv_cache_manager_v2._config import CacheTierConfig
 from kv_cache_manager_v2._storage._select import cuda_unusable_reason
 
 CUDA_REASON = cuda_unusable_reason()
@@ -54,12 +57,25 @@ def kv_layers(
 
 
 def make_config(
-    layers: list[AttentionLayerConfig], tokens_per_block: int = 8, quota: int = 1 << 20, **kw: object
+    layers: list[AttentionLayerConfig],
+    tokens_per_block: int = 8,
+    quota: int = 1 << 20,
+    host_quota: int | None = None,
+    disk_quota: int | None = None,
+    disk_path: str | None = None,
+    **kw: object,
 ) -> KVCacheManagerConfig:
+    """A config with a GPU tier of ``quota`` bytes, then a host and/or disk tier when their quotas are given."""
     kw.setdefault("backend", "host")
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(quota)]
+    if host_quota is not None:
+        tiers.append(HostCacheTierConfig(host_quota))
+    if disk_quota is not None:
+        assert disk_path is not None
+        tiers.append(DiskCacheTierConfig(disk_quota, disk_path))
     return KVCacheManagerConfig(
         tokens_per_block=tokens_per_block,
-        cache_tiers=[GpuCacheTierConfig(quota)],
+        cache_tiers=tiers,
         layers=layers,
         **kw,  # type: ignore[arg-type]
     )

@@ -3,6 +3,9 @@ logic (VMM growth, copies, error conversion, release order) runs on machines wit
 
 It reuses the real module's types and enums; only the calls are emulated. Set
 ``fail_next[name] = status`` to make the next call of ``name`` fail with that status.
+Host memory must be registered (page-locked) before an async copy touches it, device memory
+must be mapped, and everything must be released at the end: the fake asserts all of it.
+``FakeDriver(batch=False)`` has no ``cuMemcpyBatchAsync`` (an older driver).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ GRANULARITY = 2 << 20
 
 
 class FakeDriver:
-    def __init__(self) -> None:
+    def __init__(self, batch: bool = True) -> None:
         self.CUresult = real.CUresult
         self.CUmemAllocationProp = real.CUmemAllocationProp
         self.CUmemAllocationType = real.CUmemAllocationType
@@ -28,7 +31,13 @@ class FakeDriver:
         self.CUstream_flags = real.CUstream_flags
         self.CUdeviceptr = real.CUdeviceptr
         self.CUstream = real.CUstream
+        self.CUmemcpyAttributes = real.CUmemcpyAttributes
+        self.CUmemcpySrcAccessOrder = real.CUmemcpySrcAccessOrder
         self.ok = real.CUresult.CUDA_SUCCESS
+        self.registered: dict[int, int] = {}  # host address -> size of page-locked ranges
+        self.bytes_copied = {"HtoD": 0, "DtoH": 0, "DtoD": 0}
+        if batch:
+            self.cuMemcpyBatchAsync = self._memcpy_batch_async
         self.reservations: dict[int, mmap.mmap] = {}
         self.mapped: dict[int, int] = {}  # address -> size of live mappings
         self.handles: set[int] = set()
@@ -136,7 +145,66 @@ class FakeDriver:
         self._check_mapped(int(dst), n)
         self._check_mapped(int(src), n)
         ctypes.memmove(int(dst), int(src), n)
+        self.bytes_copied["DtoD"] += n
         return self._ret("cuMemcpyAsync")
+
+    def _is_mapped(self, addr: int, n: int) -> bool:
+        return any(a <= addr and addr + n <= a + s for a, s in self.mapped.items())
+
+    def _is_registered(self, addr: int, n: int) -> bool:
+        return any(a <= addr and addr + n <= a + s for a, s in self.registered.items())
+
+    def cuMemHostRegister(self, ptr: int, size: int, flags: int) -> tuple[Any, ...]:
+        assert isinstance(ptr, int) and ptr % mmap.PAGESIZE == 0 and size > 0
+        assert not any(a < ptr + size and ptr < a + s for a, s in self.registered.items()), "registered twice"
+        res = self._ret("cuMemHostRegister")
+        if res[0] == self.ok:
+            self.registered[ptr] = size
+        return res
+
+    def cuMemHostUnregister(self, ptr: int) -> tuple[Any, ...]:
+        assert self.registered.pop(int(ptr), None) is not None, "unregistering memory never registered"
+        return self._ret("cuMemHostUnregister")
+
+    def cuMemcpyHtoDAsync(self, dst: Any, src: int, n: int, stream: Any) -> tuple[Any, ...]:
+        self._check_mapped(int(dst), n)
+        assert self._is_registered(int(src), n), f"async copy from pageable host memory {int(src):#x}+{n}"
+        ctypes.memmove(int(dst), int(src), n)
+        self.bytes_copied["HtoD"] += n
+        return self._ret("cuMemcpyHtoDAsync")
+
+    def cuMemcpyDtoHAsync(self, dst: int, src: Any, n: int, stream: Any) -> tuple[Any, ...]:
+        self._check_mapped(int(src), n)
+        assert self._is_registered(int(dst), n), f"async copy to pageable host memory {int(dst):#x}+{n}"
+        ctypes.memmove(int(dst), int(src), n)
+        self.bytes_copied["DtoH"] += n
+        return self._ret("cuMemcpyDtoHAsync")
+
+    def _memcpy_batch_async(
+        self,
+        dsts: list[Any],
+        srcs: list[Any],
+        sizes: list[int],
+        count: int,
+        attrs: list[Any],
+        attr_idxs: list[int],
+        num_attrs: int,
+        stream: Any,
+    ) -> tuple[Any, ...]:
+        assert len(dsts) == len(srcs) == len(sizes) == count and len(attrs) == len(attr_idxs) == num_attrs >= 1
+        assert attr_idxs[0] == 0
+        assert all(a.srcAccessOrder != real.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_INVALID for a in attrs)
+        res = self._ret("cuMemcpyBatchAsync")
+        if res[0] != self.ok:
+            return res
+        for d, s, n in zip(dsts, srcs, sizes):
+            d, s = int(d), int(s)
+            d_dev, s_dev = self._is_mapped(d, n), self._is_mapped(s, n)
+            assert d_dev or self._is_registered(d, n), f"batch copy to unregistered memory {d:#x}+{n}"
+            assert s_dev or self._is_registered(s, n), f"batch copy from unregistered memory {s:#x}+{n}"
+            ctypes.memmove(d, s, n)
+            self.bytes_copied["DtoD" if d_dev and s_dev else ("HtoD" if d_dev else "DtoH")] += n
+        return res
 
     def cuGetErrorName(self, status: Any) -> tuple[Any, ...]:
         return (self.ok, real.CUresult(status).name.encode())

@@ -22,11 +22,12 @@ from tiny_engine.workload import WorkloadParams, check_against_dense, run_worklo
 
 
 def held_slots(a: KVCacheResourceManager, reqs: list[EngineRequest]) -> list[int]:
-    """Distinct slots the requests' caches point at, per pool group."""
+    """Distinct slots the requests' caches hold, per pool group (the pages themselves: a suspended
+    cache's indices read -1, since with lower tiers its pages may move)."""
     slots: list[set[int]] = [set() for _ in a.get_max_resource_count_per_pool_group()]
-    for lg, g in enumerate(a.layer_group_pool_groups):
-        for idx in a.get_batch_cache_indices(reqs, LayerGroupId(lg)).values():
-            slots[g].update(s for s in idx if s != BAD_PAGE_INDEX)
+    for r in reqs:
+        for p in a.get_kv_cache(r).block_table.all_pages():
+            slots[p.storage.index].add(p.slot)
     return [len(s) for s in slots]
 
 

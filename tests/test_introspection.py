@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 from conftest import kv_layers
 
-from kv_cache_manager_v2 import KVCache, KVCacheManager, LayerGroupId, LifeCycleId, SlotId
+from kv_cache_manager_v2 import CacheLevel, KVCache, KVCacheManager, LayerGroupId, LifeCycleId, SlotId
 
 T = 8
 MakeManager = Callable[..., KVCacheManager]
@@ -90,3 +90,86 @@ def test_evictor_out_of_sync_is_caught(make_manager: MakeManager) -> None:
         m.check_invariants()
     evictor.add(victim)
     b.close()
+
+
+def spilled(make_manager: MakeManager, tmp_path: object) -> tuple[KVCacheManager, KVCache, KVCache]:
+    """GPU + host + disk; ``a`` suspended with its 2 pages spilled to host, ``hog`` active on the GPU."""
+    slot = 2 * 2 * 32 * T
+    m = make_manager(kv_layers(2, T), T, 2 * slot, host_quota=2 * slot, disk_quota=4 * slot, disk_path=str(tmp_path))
+    a = m.create_kv_cache()
+    a.resume()
+    assert a.resize(2 * T)
+    a.suspend()
+    hog = m.create_kv_cache()
+    hog.resume()
+    assert hog.resize(2 * T)
+    assert [p.level for p in a.block_table.all_pages()] == [1, 1]
+    m.check_invariants()
+    return m, a, hog
+
+
+def test_held_page_missing_from_its_evictor_is_caught(make_manager: MakeManager, tmp_path: object) -> None:
+    m, a, hog = spilled(make_manager, tmp_path)
+    page = a.block_table.all_pages()[0]
+    page.storage.evictor.remove(page)
+    with pytest.raises(AssertionError, match=r"HELD page .* not evictable"):
+        m.check_invariants()
+    page.storage.evictor.add(page)
+    a.close()
+    hog.close()
+
+
+def test_page_level_disagreeing_with_its_storage_is_caught(make_manager: MakeManager, tmp_path: object) -> None:
+    m, a, hog = spilled(make_manager, tmp_path)
+    page = a.block_table.all_pages()[0]
+    page.level = CacheLevel(2)
+    with pytest.raises(AssertionError, match="says level 2"):
+        m.check_invariants()
+    page.level = CacheLevel(1)
+    a.close()
+    hog.close()
+
+
+def test_active_cache_with_a_page_below_the_gpu_is_caught(make_manager: MakeManager, tmp_path: object) -> None:
+    m, a, hog = spilled(make_manager, tmp_path)
+    page = hog.block_table.all_pages()[0]
+    host = m._storage.levels[CacheLevel(1)].items[0]
+    gpu = page.storage
+    page.storage, page.level = host, CacheLevel(1)  # pretend it lives on the host
+    with pytest.raises(AssertionError):
+        m.check_invariants()
+    page.storage, page.level = gpu, CacheLevel(0)
+    a.close()
+    hog.close()
+
+
+def test_live_indices_of_a_suspended_cache_are_caught(make_manager: MakeManager, tmp_path: object) -> None:
+    m, a, hog = spilled(make_manager, tmp_path)
+    a.block_table.live = True
+    with pytest.raises(AssertionError, match="indices are live"):
+        m.check_invariants()
+    a.block_table.live = False
+    a.close()
+    hog.close()
+
+
+def test_two_pages_in_one_slot_of_a_lower_level_is_caught(make_manager: MakeManager, tmp_path: object) -> None:
+    m, a, hog = spilled(make_manager, tmp_path)
+    p0, p1 = a.block_table.all_pages()
+    saved = p1.slot
+    p1.slot = p0.slot
+    with pytest.raises(AssertionError, match="owned twice"):
+        m.check_invariants()
+    p1.slot = saved
+    a.close()
+    hog.close()
+
+
+def test_lost_page_count_out_of_sync_is_caught(make_manager: MakeManager, tmp_path: object) -> None:
+    m, a, hog = spilled(make_manager, tmp_path)
+    m._storage.levels[CacheLevel(1)].items[0].num_lost += 1
+    with pytest.raises(AssertionError, match="lost pages"):
+        m.check_invariants()
+    m._storage.levels[CacheLevel(1)].items[0].num_lost -= 1
+    a.close()
+    hog.close()

@@ -110,8 +110,9 @@ def test_block_committed_during_decode_is_reused_before_the_writer_finishes(make
     assert m.probe_reuse(None, full[:30]) == 24  # the 3 full blocks committed so far
     b = m.create_kv_cache(input_tokens=full[:24] + toks(7, 8))
     assert b.history_length == 24
-    assert b.get_base_page_indices(LG0)[:3].tolist() == a.get_base_page_indices(LG0)[:3].tolist()
+    assert b.get_base_page_indices(LG0).tolist() == [BAD_PAGE_INDEX] * 3  # suspended: no live indices
     serve(engine, b, full[:24] + toks(7, 8))
+    assert b.get_base_page_indices(LG0)[:3].tolist() == a.get_base_page_indices(LG0)[:3].tolist()
     page = a.block_table.pages[0][0]
     assert page is not None and page.status is PageStatus.LOCKED and page.num_locks == 2
     a.close()
@@ -208,8 +209,11 @@ def test_swa_reuse_needs_only_window_pages(make_manager: MakeManager) -> None:
     assert m.probe_reuse(None, prompt) == 48
     b = m.create_kv_cache(input_tokens=prompt + toks(41, 8))
     assert b.history_length == 48
+    assert b.resume()
     idx = b.get_base_page_indices(LG0)
     assert idx[0] == BAD_PAGE_INDEX and idx[5] != BAD_PAGE_INDEX
+    b.suspend()
+    assert set(idx) == {BAD_PAGE_INDEX}  # the live array: hidden while suspended
     serve(engine, b, prompt + toks(41, 8))
     b.close()
     m.clear_reusable_blocks()

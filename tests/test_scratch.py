@@ -14,6 +14,7 @@ from kv_cache_manager_v2 import (
     AttentionLayerConfig,
     BatchDesc,
     BufferConfig,
+    CacheLevel,
     KVCache,
     KVCacheDesc,
     KVCacheManager,
@@ -253,4 +254,37 @@ def test_scratch_resize_failure_is_all_or_nothing(make_manager: MakeManager) -> 
     assert not kv.has_scratch_slots
     hog.close()
     assert kv.resize(1024, 0) and used_slots(m) == 8
+    kv.close()
+
+
+def test_scratch_with_a_host_tier_survives_spilling(make_manager: MakeManager) -> None:
+    """A request suspended between the resize and the run of a scratch step spills to host while
+    another request takes the GPU; resume brings its pages up and its scratch slots back."""
+    slot = 8 * 2 * REC * T
+    m = make_manager(
+        swa_layers(8),
+        tokens_per_block=T,
+        quota=12 * slot,
+        host_quota=12 * slot,
+        swa_scratch_reuse=SwaScratchReuseConfig(),
+        max_util_for_resume=1.0,
+    )
+    engine = FakeEngine(m)
+    toks = tokens(9, 2048)
+    kv = m.create_kv_cache()
+    kv.resume()
+    prefill(engine, kv, toks, [512])
+    assert kv.resize(1536, 512) and kv.has_scratch_slots  # the next step's scratch is placed...
+    kv.suspend()  # ...and the request is preempted before it runs
+    hog = m.create_kv_cache()
+    hog.enable_swa_scratch_reuse = False
+    hog.resume()
+    assert hog.resize(12 * T)  # the whole GPU: the suspended request's pages go to host
+    assert m.get_tier_statistics(CacheLevel(1)).offloaded_pages == 8
+    hog.close()
+    assert kv.resume() and kv.has_scratch_slots
+    engine.check_all(kv, toks, 512)
+    engine.step(kv, toks, 512, 1536)
+    kv.commit(toks[512:1536])
+    engine.check_all(kv, toks, 1536)
     kv.close()

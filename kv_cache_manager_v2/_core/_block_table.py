@@ -34,6 +34,10 @@ class BlockTable:
     ``pending_copy[lc]`` is the held source page of a partially matched block.
     Blocks ``scratch[lc]`` (a ``(beg, end)`` range) of the current step have no page: they
     share the request's ``scratch_slots[lc]`` (SPEC 5.7).
+
+    Indices are ``live`` only while the request is ACTIVE (every page then sits in GPU memory);
+    while it is SUSPENDED its pages may move between cache levels, so every index (and the
+    caller's buffer) reads ``BAD_PAGE_INDEX`` until ``resume`` shows them again.
     """
 
     __slots__ = (
@@ -45,6 +49,7 @@ class BlockTable:
         "pending_copy",
         "scratch",
         "scratch_slots",
+        "live",
     )
 
     def __init__(self, num_life_cycles: int) -> None:
@@ -58,6 +63,7 @@ class BlockTable:
         self.pending_copy: TypedList[LifeCycleId, Page | None] = TypedList([None] * n)
         self.scratch: TypedList[LifeCycleId, tuple[int, int]] = TypedList([(0, 0)] * n)
         self.scratch_slots: TypedList[LifeCycleId, list[SlotId]] = TypedList([[] for _ in range(n)])
+        self.live = False
 
     def __len__(self) -> int:
         return len(self.pages)
@@ -80,9 +86,10 @@ class BlockTable:
         self.pages[lc] = pages
         self.stale_end[lc] = stale_end
         if pages:  # (an empty slice assignment counts as a resize for an exported array)
-            self._set_len(lc, 0, len(pages))
-            # filled as a list, then stored at once: array item calls are slow compiled
-            self._store[lc][: len(pages)] = array("i", [BAD_PAGE_INDEX if p is None else p.slot for p in pages])
+            self._set_len(lc, 0, len(pages))  # new entries read BAD_PAGE_INDEX
+            if self.live:
+                # filled as a list, then stored at once: array item calls are slow compiled
+                self._store[lc][: len(pages)] = array("i", [BAD_PAGE_INDEX if p is None else p.slot for p in pages])
 
     def block_pages(self, o: int) -> list[Page | None]:
         """Block ``o``'s page in every life cycle."""
@@ -91,7 +98,7 @@ class BlockTable:
     def set_page(self, lc: LifeCycleId, o: int, page: Page | None) -> None:
         """Point block ``o`` at ``page`` (or at nothing) in the pages, the indices and the caller's buffer."""
         self.pages[lc][o] = page
-        slot = BAD_PAGE_INDEX if page is None else page.slot
+        slot = BAD_PAGE_INDEX if page is None or not self.live else page.slot
         self._store[lc][o] = slot
         buf = self.user_bufs[lc]
         if buf is not None:
@@ -158,7 +165,7 @@ class BlockTable:
         return any(self.scratch_slots.items)
 
     def lock_all(self) -> None:
-        """Holds become locks (resume)."""
+        """Holds become locks (resume; also pins pages while they move)."""
         for pages in self.pages:
             for p in pages:
                 if p is not None:
@@ -171,12 +178,77 @@ class BlockTable:
                 if p is not None:
                     p.hold_from_lock()
 
-    def release_all(self, locked: bool) -> None:
-        """Let go of every page (close); the table ends empty."""
+    def has_pending(self) -> bool:
+        """Whether a copy-on-partial waits for the first resume."""
+        for src in self.pending_copy.items:  # noqa: SIM110 - a plain loop on the resume path (no generator)
+            if src is not None:
+                return True
+        return False
+
+    def lock_pending(self) -> None:
+        for src in self.pending_copy:
+            if src is not None:
+                src.lock_from_hold()
+
+    def hold_pending(self) -> None:
+        for src in self.pending_copy:
+            if src is not None:
+                src.hold_from_lock()
+
+    def release_pending(self, locked: bool) -> None:
+        """Let go of the sources of copy-on-partial."""
         for i, src in enumerate(self.pending_copy):
             if src is not None:
                 self.pending_copy.items[i] = None
-                src.release(False)
+                src.release(locked)
+
+    def all_pages(self) -> list[Page]:
+        """Every page of the request, copy-on-partial sources included (each once)."""
+        out = [p for pages in self.pages for p in pages if p is not None]
+        out.extend([src for src in self.pending_copy if src is not None])
+        return out
+
+    def first_lost_block(self) -> int:
+        """The first block with a page whose data was lost (disk error); -1 if none."""
+        first = -1
+        for pages in self.pages:
+            for o, p in enumerate(pages):
+                if p is not None and p.lost:
+                    if first < 0 or o < first:
+                        first = o
+                    break
+        for i, src in enumerate(self.pending_copy):
+            if src is not None and src.lost:
+                o = len(self.pages.items[i]) - 1
+                if first < 0 or o < first:
+                    first = o
+        return first
+
+    def show_indices(self) -> None:
+        """Indices become live (resume): the GPU slot of every page."""
+        self.live = True
+        self._write_indices()
+
+    def hide_indices(self) -> None:
+        """Indices read ``BAD_PAGE_INDEX`` (suspend: pages may move to other levels)."""
+        self.live = False
+        self._write_indices()
+
+    def _write_indices(self) -> None:
+        live = self.live
+        for i, pages in enumerate(self.pages):
+            lc = LifeCycleId(i)
+            n = len(pages)
+            if n == 0:
+                continue
+            self._store[lc][:n] = array("i", [BAD_PAGE_INDEX if p is None or not live else p.slot for p in pages])
+            buf = self.user_bufs[lc]
+            if buf is not None:
+                buf[:n] = memoryview(self._store[lc])[:n]
+
+    def release_all(self, locked: bool) -> None:
+        """Let go of every page (close); the table ends empty."""
+        self.release_pending(False)
         self.truncate(0, locked)
 
     # ------------------------------------------------------------------ caller buffers

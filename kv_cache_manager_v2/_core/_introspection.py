@@ -1,4 +1,7 @@
-"""Invariant checker: walks every request, page, evictor and tree node and verifies they agree.
+"""Invariant checker: walks every request, page, evictor and tree node and verifies they agree
+(per cache level: evictors list exactly the DROPPABLE pages and the HELD pages above the last
+level, every slot has at most one page, allocators count what pages hold, lost pages only in
+suspended requests, active requests only in GPU memory).
 
 ``KVCacheManager.check_invariants()`` calls it; tests run it after every step. Cost: a walk over
 all state, so it is for tests and debugging only.
@@ -10,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from .._common import BAD_PAGE_INDEX, KVCacheStatus, LifeCycleId
-from .._eviction import GARBAGE_PRIORITY
+from .._eviction import GARBAGE_PRIORITY, LISTED_DROPPABLE, LISTED_HELD, NOT_LISTED
 from .._page import Page
 from .._reuse._tree import ReuseTree
 from .._storage._storage_manager import StorageManager
@@ -49,16 +52,30 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
     evictable: set[int] = set()
     for level in storage.levels:
         for group in level:
-            listed = group.evictor.pages()
-            if len(listed) != group.evictor.count:
-                _fail(f"evictor of pool group {group.index} counts {group.evictor.count} but lists {len(listed)}")
+            ev = group.evictor
+            listed = ev.pages()
+            if len(listed) != ev.count:
+                _fail(
+                    f"evictor of pool group {group.index} at level {group.level} counts {ev.count} but lists {len(listed)}"
+                )
+            held = 0
             for p in listed:
-                if p.num_locks or p.num_holds or (p.node is None) != (p.priority == GARBAGE_PRIORITY):
-                    _fail(f"evictor lists page {p.slot} that has owners, or is garbage and in the tree, or neither")
+                if p.num_locks or p.lost:
+                    _fail(f"evictor at level {group.level} lists page {p.slot}, which is locked or lost")
+                if p.num_holds:
+                    held += 1
+                    if group.is_last:
+                        _fail(f"the last level's evictor lists HELD page {p.slot}: it could be dropped")
+                    if p.in_evictor != LISTED_HELD:
+                        _fail(f"HELD page {p.slot} is listed as DROPPABLE")
+                elif p.in_evictor != LISTED_DROPPABLE or (p.node is None) != (p.priority == GARBAGE_PRIORITY):
+                    _fail(f"evictor lists page {p.slot} as held, or garbage that is in the tree, or neither")
                 if p.storage is not group:
-                    _fail(f"evictor of pool group {group.index} lists a page of another group")
+                    _fail(f"evictor of pool group {group.index} at level {group.level} lists a page of another storage")
                 evictable.add(id(p))
                 pages[id(p)] = p
+            if held != ev.num_held:
+                _fail(f"evictor at level {group.level} counts {ev.num_held} HELD pages but lists {held}")
     extenders: dict[int, int] = {}
     for kv in caches:
         last = kv._last_node
@@ -86,17 +103,29 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
                 _fail(f"unowned tree page {p.slot} (ordinal {node.ordinal}) is not evictable")
     owner_of: dict[tuple[int, int, int], int] = {}
     used: dict[int, int] = {}
+    lost: dict[int, int] = {}
     for key, p in pages.items():
         if p.num_locks != locks.get(key, 0) or p.num_holds != holds.get(key, 0):
             _fail(
                 f"page {p.slot} counts {p.num_locks} locks / {p.num_holds} holds but requests own "
                 f"{locks.get(key, 0)} / {holds.get(key, 0)}"
             )
+        if p.level != p.storage.level or storage.levels[p.level].items[p.storage.index] is not p.storage:
+            _fail(f"page {p.slot} says level {p.level} but lives in storage of level {p.storage.level}")
+        if (key in evictable) != (p.in_evictor != NOT_LISTED):
+            _fail(f"page {p.slot} at level {p.level} thinks it is listed ({p.in_evictor}) but is not, or the reverse")
+        if p.lost:
+            if p.slot != BAD_PAGE_INDEX or p.node is not None or locks.get(key, 0):
+                _fail("a lost page keeps a slot, a tree node or a lock")
+            lost[id(p.storage)] = lost.get(id(p.storage), 0) + 1
+            continue
+        if p.num_holds and not p.num_locks and not p.storage.is_last and key not in evictable:
+            _fail(f"HELD page {p.slot} at level {p.level} (not the last) is not evictable")
         if p.slot == BAD_PAGE_INDEX or not p.storage.allocator.is_allocated(p.slot):
             _fail(f"live page of pool group {p.storage.index} has no allocated slot ({p.slot})")
         slot_key = (int(p.level), int(p.storage.index), int(p.slot))
         if owner_of.setdefault(slot_key, key) != key or slot_key in scratch:
-            _fail(f"slot {slot_key} is owned twice")
+            _fail(f"slot {slot_key} (level, pool group, slot) is owned twice")
         used[id(p.storage)] = used.get(id(p.storage), 0) + 1
     for level in storage.levels:
         for group in level:
@@ -106,6 +135,8 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
                     f"pool group {group.index} at level {group.level}: allocator counts "
                     f"{group.allocator.num_used} used slots, pages hold {used.get(id(group), 0)}, scratch {n_scratch}"
                 )
+            if group.num_lost != lost.get(id(group), 0):
+                _fail(f"pool group {group.index} at level {group.level} counts {group.num_lost} lost pages")
 
 
 def _check_cache(kv: KVCache, own: Callable[[Page, bool], None]) -> None:
@@ -117,6 +148,8 @@ def _check_cache(kv: KVCache, own: Callable[[Page, bool], None]) -> None:
     if kv.num_blocks != (kv.capacity + t - 1) // t:
         _fail(f"{kv!r}: {kv.num_blocks} blocks for capacity {kv.capacity}")
     locked = status is KVCacheStatus.ACTIVE
+    if status is not KVCacheStatus.CLOSED and table.live != locked:
+        _fail(f"{kv!r}: its indices are {'live' if table.live else 'hidden'}")
     life_cycles = kv._ctx.life_cycles
     for i in range(len(table)):
         lc = LifeCycleId(i)
@@ -142,10 +175,12 @@ def _check_cache(kv: KVCache, own: Callable[[Page, bool], None]) -> None:
                 _fail(f"{kv!r}: block {o} of life cycle {lc} is out of the window or scratch but keeps a page")
             if not stale and p is None and not (src is not None and o == kv.num_blocks - 1):
                 _fail(f"{kv!r}: block {o} of life cycle {lc} needs a page but has none")
-            want = BAD_PAGE_INDEX if p is None else p.slot
+            want = BAD_PAGE_INDEX if p is None or not locked else p.slot
             if indices[o] != want or (buf is not None and buf[o] != want):
                 _fail(f"{kv!r}: index of block {o} (life cycle {lc}) is {indices[o]}, its page is at {want}")
             if p is not None:
+                if locked and (p.level != 0 or p.lost):
+                    _fail(f"{kv!r}: block {o} of life cycle {lc} is at cache level {p.level} (lost: {p.lost})")
                 own(p, locked)
         if buf is not None and any(x != BAD_PAGE_INDEX for x in buf[kv.num_blocks :]):
             _fail(f"{kv!r}: the caller's index buffer has entries past the blocks")

@@ -11,10 +11,12 @@ import rawref
 from .._common import (
     BAD_PAGE_INDEX,
     DEFAULT_PRIORITY,
+    GPU_LEVEL,
     MAX_CAPACITY,
     MAX_PRIORITY,
     BeamIndex,
     BlockOrdinal,
+    CacheLevel,
     HalfOpenRange,
     KVCacheStatus,
     LayerGroupId,
@@ -23,6 +25,7 @@ from .._common import (
     Priority,
     ReuseScope,
     ScratchDesc,
+    SlotId,
     TokenIdExt,
 )
 from .._exceptions import LogicError, OutOfPagesError
@@ -246,10 +249,14 @@ class KVCache:
 
     # ------------------------------------------------------------------ state machine
     def resume(self, cuda_stream: int | None = None) -> bool:
-        """SUSPENDED -> ACTIVE: lock this request's pages in GPU memory.
+        """SUSPENDED -> ACTIVE: bring every page to GPU memory and lock it there.
 
-        Returns False (staying SUSPENDED) when pages must be placed (the private copy of a
-        partially matched block) and GPU utilisation would exceed ``max_util_for_resume``.
+        Pages in lower cache levels (matched there, or spilled while suspended) come up in one
+        batch per (source level, pool group); a partially matched block gets its private copy.
+        Returns False (staying SUSPENDED, nothing changed) when there is no room for them, or
+        when GPU utilisation with them placed would exceed ``max_util_for_resume``. If a disk
+        read fails, the blocks from the first lost one on are dropped: ``history_length`` (and
+        capacity, committed tokens) shrink to what is still intact; read it again after resume.
         """
         if self._status is not KVCacheStatus.SUSPENDED:
             raise LogicError(f"resume() needs a SUSPENDED cache; this one is {self._status.name}")
@@ -258,79 +265,217 @@ class KVCache:
         ctx = self._ctx
         ctx.enter("resume()")
         try:
-            if not self._place_for_resume():
+            if not self._resume():
                 return False
-            self._table.lock_all()
         finally:
             ctx.leave()
         if cuda_stream is not None:
             self._cuda_stream = cuda_stream
-        self._status = KVCacheStatus.ACTIVE
         return True
 
-    def _place_for_resume(self) -> bool:
-        """Give the partially matched block private pages holding its data (copy-on-partial) and
-        the current step its scratch slots back; False (nothing changed) if they do not fit."""
+    def _resume(self) -> bool:
         ctx = self._ctx
         table = self._table
-        pending = [(LifeCycleId(i), src) for i, src in enumerate(table.pending_copy) if src is not None]
+        storage = ctx.storage
         scratch_needs = [
             (LifeCycleId(i), self._scratch_slots_for(beg, end, LifeCycleId(i)))
             for i, (beg, end) in enumerate(table.scratch)
+            if end > beg
         ]
-        if not pending and not any(n for _, n in scratch_needs):
+        if storage.num_levels == 1 and not table.has_pending() and not scratch_needs:
+            table.lock_all()  # GPU only: every page is in GPU memory and nothing new is taken
+            table.show_indices()
+            self._status = KVCacheStatus.ACTIVE
             return True
-        storage = ctx.storage
-        need = [0] * ctx.num_pool_groups
+        if storage.any_lost():
+            self._drop_lost_blocks(False, -1)
+        pending = [(LifeCycleId(i), src) for i, src in enumerate(table.pending_copy) if src is not None]
+        need, excluded, up = self._plan_move_up(GPU_LEVEL, False)
         for lc, _ in pending:
             need[ctx.lc_group[lc]] += 1
         for lc, n in scratch_needs:
             need[ctx.lc_group[lc]] += n
-        if not storage.fits(need, [0] * len(need), ctx.config.max_util_for_resume):
+        if not up and not pending and not scratch_needs and not any(excluded[GPU_LEVEL]):
+            table.lock_all()  # everything is in GPU memory already and takes nothing from others
+            table.show_indices()
+            self._status = KVCacheStatus.ACTIVE
+            return True
+        if not storage.fits(need, [0] * len(need), ctx.config.max_util_for_resume, excluded):
             return False
         storage.reserve(need)
-        if pending:
-            self._copy_partial_block(pending)
-        for lc, n in scratch_needs:
-            if n:
-                table.scratch_slots[lc].extend(storage.new_scratch_slots(lc, n))
+        o = self._num_published
+        priorities = [self._priorities(lc, [o])[0] for lc, _ in pending]  # may raise: nothing changed yet
+        # Lock first: the pages leave the evictors, so making room cannot push any of them down.
+        table.lock_all()
+        table.lock_pending()
+        copies: list[tuple[Page, Page]] = []
+        scratch: list[tuple[LifeCycleId, list[SlotId]]] = []
+        try:
+            lost = storage.move_up(up, GPU_LEVEL) if up else []
+            for (lc, src), prio in zip(pending, priorities):
+                copies.append((src, storage.new_pages(lc, [prio], True)[0]))
+            bad = storage.copy_pages(copies) if copies else set()
+            for lc, n in scratch_needs:  # the current step's scratch slots come back too
+                scratch.append((lc, storage.new_scratch_slots(lc, n)))
+        except BaseException:
+            for _, dst in copies:
+                dst.release(True)  # private and unpublished: its slot is freed
+            for lc, slots in scratch:
+                storage.free_scratch_slots(lc, slots)
+            table.hold_pending()
+            table.hold_all()
+            raise
+        for lc, slots in scratch:
+            table.scratch_slots[lc].extend(slots)
+        bad_block = -1
+        for i, ((lc, src), (_, dst)) in enumerate(zip(pending, copies)):
+            table.pending_copy[lc] = None
+            if i in bad:  # the partially matched block could not be read back
+                storage.lose(src)
+                dst.release(True)
+                bad_block = o
+            else:
+                table.set_page(lc, o, dst)
+            src.release(True)
+        if ctx.enable_stats:
+            ctx.stats.allocated_pages += len(copies) - len(bad)
+        if lost or bad_block >= 0:
+            self._drop_lost_blocks(True, bad_block)
+        table.show_indices()
+        self._status = KVCacheStatus.ACTIVE
         return True
 
     def _scratch_slots_for(self, beg: int, end: int, lc: LifeCycleId) -> int:
         num, den = self._ctx.scratch_util[lc]
         return ((end - beg) * num + den - 1) // den
 
-    def _copy_partial_block(self, pending: list[tuple[LifeCycleId, Page]]) -> None:
-        """Copy the partially matched block's pages into private ones (the caller planned)."""
-        ctx = self._ctx
+    def prefetch(self, target_level: CacheLevel) -> bool:
+        """Move this SUSPENDED cache's pages that sit below ``target_level`` up to it, ahead of
+        ``resume`` (one batch per source level and pool group). Returns False, changing nothing,
+        when ``target_level`` has no room for them. The pages stay HELD, so they may spill down
+        again. A failed disk read drops the blocks from the first lost one on (as ``resume``)."""
+        if self._status is not KVCacheStatus.SUSPENDED:
+            raise LogicError(f"prefetch() needs a SUSPENDED cache; this one is {self._status.name}")
+        storage = self._ctx.storage
+        check_int("target_level", target_level)
+        if target_level >= storage.num_levels:
+            raise ValueError(
+                f"target_level must be in [0, {storage.num_levels}) ({storage.num_levels} tiers configured), "
+                f"got {target_level}"
+            )
+        if storage.any_lost():
+            self._drop_lost_blocks(False, -1)
+        need, excluded, up = self._plan_move_up(target_level, True)
+        if not up:
+            return True
+        if not storage.fits_at(target_level, need, excluded):
+            return False
+        if target_level == GPU_LEVEL:
+            storage.reserve(need)
         table = self._table
-        storage = ctx.storage
-        o = self._num_published
-        priorities = [self._priorities(lc, [o])[0] for lc, _ in pending]  # may raise: nothing changed yet
-        copies: list[tuple[Page, Page]] = []
+        table.lock_all()  # pinned while pages move
+        table.lock_pending()
         try:
-            for (lc, src), prio in zip(pending, priorities):
-                copies.append((src, storage.new_pages(lc, [prio], False)[0]))
-            storage.copy_pages(copies)
-        except BaseException:
-            for _, dst in copies:
-                dst.release(False)  # private and unpublished: its slot is freed
-            raise
-        for (lc, src), (_, dst) in zip(pending, copies):
-            table.set_page(lc, o, dst)
-            table.pending_copy[lc] = None
-            src.release(False)
-        if ctx.enable_stats:
-            ctx.stats.allocated_pages += len(copies)
+            lost = storage.move_up(up, target_level)
+        finally:
+            table.hold_pending()
+            table.hold_all()
+        if lost:
+            self._drop_lost_blocks(False, -1)
+        return True
+
+    def _plan_move_up(self, target: int, sources_too: bool) -> tuple[list[int], list[list[int]], list[Page]]:
+        """Slots per pool group that bringing this cache's pages to ``target`` takes, how many of
+        its pages each (level, pool group) evictor lists, and the pages below ``target`` (the
+        copy-on-partial sources only with ``sources_too``: resume copies them from where they are)."""
+        ctx = self._ctx
+        n_groups = ctx.num_pool_groups
+        need = [0] * n_groups
+        excluded = [[0] * n_groups for _ in range(ctx.storage.num_levels)]
+        up: list[Page] = []
+        pending = self._table.pending_copy
+        for p in self._table.all_pages():
+            g = p.storage.index
+            if p.in_evictor:
+                excluded[p.level][g] += 1
+            if p.level > target and (sources_too or p is not pending[p.life_cycle]):
+                need[g] += 1
+                up.append(p)
+        return need, excluded, up
+
+    def _drop_lost_blocks(self, locked: bool, bad_block: int) -> None:
+        """Shrink to the longest prefix whose needed pages are all intact, after a disk error lost
+        the data of some page (or of the block ``bad_block``). Lengths and committed tokens follow;
+        the blocks dropped are recomputed by the engine like any other new tokens."""
+        table = self._table
+        first = table.first_lost_block()
+        if bad_block >= 0 and (first < 0 or bad_block < first):
+            first = bad_block
+        if first < 0:
+            return
+        b = first
+        while b > 0 and not self._intact(b):
+            b -= 1
+        t = self._tokens_per_block
+        n = b * t
+        table.release_pending(locked)
+        table.truncate(b, locked)
+        self._free_scratch_slots()  # the step they served is gone with the blocks
+        for i in range(len(table)):
+            table.scratch[LifeCycleId(i)] = (0, 0)
+        ctx = self._ctx
+        for i, life_cycle in enumerate(ctx.life_cycles):
+            lc = LifeCycleId(i)
+            end = life_cycle.stale_end(n)
+            table.release_range(lc, max(table.stale_end[lc], life_cycle.num_sink_blocks), end, locked)
+            table.stale_end[lc] = end
+        self._capacity = self._history = n
+        self._num_blocks = b
+        if self.num_committed_tokens > n:
+            del self._committed_blocks[b:]
+            self._tail = []
+        if self._committing and self._num_published > len(self._committed_blocks):
+            node = self._published_node(len(self._committed_blocks))
+            self._num_published = node.ordinal + 1 if node is not None else 0
+            self._extend_from(node)
+
+    def _intact(self, nb: int) -> bool:
+        """Whether every page needed at ``nb`` full blocks of history exists and holds its data."""
+        n = nb * self._tokens_per_block
+        table = self._table
+        for i, life_cycle in enumerate(self._ctx.life_cycles):
+            beg, end = life_cycle.stale_range(n)
+            pages = table.pages[LifeCycleId(i)]
+            for o in range(nb):
+                if beg <= o < end:
+                    continue
+                p = pages[o]
+                if p is None or p.lost:
+                    return False
+        return True
+
+    def _published_node(self, nb: int) -> Node | None:
+        """The tree node of the last of the first ``nb`` blocks that is still in the tree, via its pages."""
+        table = self._table
+        for o in range(nb - 1, -1, -1):
+            for pages in table.pages:
+                p = pages[o]
+                node = p.node if p is not None else None
+                if node is not None and node.ordinal == o and node.parent is not None:
+                    return node
+        return None
 
     def suspend(self) -> None:
-        """ACTIVE -> SUSPENDED: locks become holds; the pages stay valid."""
+        """ACTIVE -> SUSPENDED: locks become holds. The pages stay where they are, but with lower
+        cache levels configured other requests may push them down (never drop them); the indices
+        read ``BAD_PAGE_INDEX`` until ``resume``."""
         if self._status is not KVCacheStatus.ACTIVE:
             raise LogicError(f"suspend() needs an ACTIVE cache; this one is {self._status.name}")
         ctx = self._ctx
         ctx.enter("suspend()")
         try:
             self._table.hold_all()
+            self._table.hide_indices()
             self._free_scratch_slots()  # scratch keeps nothing between steps; resume allocates it again
             self._status = KVCacheStatus.SUSPENDED
         finally:
@@ -356,6 +501,8 @@ class KVCache:
             ctx.leave()
 
     def _close(self) -> None:
+        if self._status is KVCacheStatus.SUSPENDED and self._ctx.storage.any_lost():
+            self._drop_lost_blocks(False, -1)  # never publish a block whose data is gone
         if self._committing and self._tail:
             self._publish(self._num_published + 1)
         self._table.release_all(self._status is KVCacheStatus.ACTIVE)
@@ -569,6 +716,8 @@ class KVCache:
         ctx = self._ctx
         ctx.enter("stop_committing()")
         try:
+            if self._status is KVCacheStatus.SUSPENDED and ctx.storage.any_lost():
+                self._drop_lost_blocks(False, -1)
             if self._committing and self._tail:
                 self._publish(self._num_published + 1)
             self._committing = False

@@ -13,6 +13,7 @@ from .._common import (
     BufferId,
     CacheLevel,
     CacheTier,
+    KVCacheStatus,
     LayerGroupId,
     LayerId,
     LifeCycleId,
@@ -24,18 +25,20 @@ from .._common import (
     ReuseScope,
     ReuseStatistics,
     StorageStatistics,
+    TierStatistics,
     TokenIdExt,
 )
 from .._config import KVCacheManagerConfig
 from .._events import MEDIUM_OF_TIER, KVCacheEvent, KVCacheEventManager, LayerGroupSpec
 from .._exceptions import LogicError
 from .._life_cycle_registry import LifeCycleRegistry
+from .._page import Page
 from .._page_index import PageIndexConverter
 from .._reuse._keys import BlockHasher, BlockKey
 from .._reuse._tree import Node, ReuseTree
 from .._storage._backend import MemoryBackend
 from .._storage._layout import BufferAttr, StorageLayout
-from .._storage._quota import split_quota
+from .._storage._quota import split_like, split_quota
 from .._storage._select import select_backend
 from .._storage._storage_manager import StorageManager
 from .._utils import check_int, check_type
@@ -57,26 +60,23 @@ class KVCacheManager:
                 )
             if event_manager.is_attached:
                 raise ValueError("event_manager is already attached to another KVCacheManager; use one per manager")
-        if len(config.cache_tiers) > 1:
-            raise ValueError(
-                "host and disk cache tiers are not supported by this version yet; configure only the GPU tier"
-            )
         self._config = config
         self.tokens_per_block = config.tokens_per_block
         self._registry = LifeCycleRegistry(config.layers, config.tokens_per_block)
         self._layout = StorageLayout(list(config.layers), self._registry, config.tokens_per_block)
         self.num_life_cycles = len(self._registry)
-        self._quota = config.cache_tiers[0].quota
-        slots = split_quota(
-            self._quota,
-            self._registry,
-            self._layout,
-            config.initial_pool_ratio,
-            config.typical_step,
-            config.constraints,
-        )
+        self._quotas = [tier.quota for tier in config.cache_tiers]
+        gpu_slots = self._split_gpu_quota(self._quotas[0])
+        slots = [gpu_slots] + [
+            split_like(q, gpu_slots, self._layout, type(tier).__name__)
+            for q, tier in zip(self._quotas[1:], config.cache_tiers[1:])
+        ]
         self._backend: MemoryBackend = select_backend(config.backend)
-        self._storage = StorageManager(self._layout, slots, self._backend)
+        try:
+            self._storage = StorageManager(self._layout, slots, self._backend, config.cache_tiers)
+        except BaseException:
+            self._backend.shutdown()
+            raise
         self._tree = ReuseTree(self._registry.life_cycles, self.tokens_per_block)
         self._storage.drop_listener = self._tree
         self._event_manager = event_manager
@@ -91,8 +91,15 @@ class KVCacheManager:
         self._probe_keys: tuple[ReuseScope, Sequence[TokenIdExt], list[BlockKey]] | None = None
         self._is_shut_down = False
 
+    def _split_gpu_quota(self, quota: int) -> list[int]:
+        config = self._config
+        return split_quota(
+            quota, self._registry, self._layout, config.initial_pool_ratio, config.typical_step, config.constraints
+        )
+
     def __repr__(self) -> str:
-        groups = ", ".join(f"{g.num_slots - g.num_available}/{g.num_slots}" for g in self._storage.gpu)
+        storage = self._storage
+        groups = ", ".join(f"{g.num_slots - storage.available(0, g.index)}/{g.num_slots}" for g in storage.gpu)
         return (
             f"KVCacheManager(backend={self._backend.name!r}, layers={self.num_layers}, "
             f"layer_groups={self.num_life_cycles}, gpu_slots_unavailable=[{groups}], "
@@ -277,8 +284,8 @@ class KVCacheManager:
                 g.index,
                 g.num_slots,
                 tuple(
-                    PoolDesc(PoolIndex(i), pool.base_address, size)
-                    for i, (pool, size) in enumerate(zip(g.pools, g.layout.slot_sizes))
+                    PoolDesc(PoolIndex(i), g.memory_pool(i).base_address, size)
+                    for i, size in enumerate(g.layout.slot_sizes)
                 ),
             )
             for g in self._storage.gpu
@@ -304,7 +311,7 @@ class KVCacheManager:
         """Base address for kernel page indices of this buffer in ``index_mode`` (None: SHARED)."""
         self._check_alive()
         attr = self._buffer(layer_id, role)
-        base = self._storage.gpu[attr.pool_group].pools[attr.pool].base_address
+        base = self._storage.gpu[attr.pool_group].memory_pool(attr.pool).base_address
         if index_mode is None or index_mode is PageIndexMode.SHARED:
             return MemAddress(base + attr.offset)
         if index_mode is PageIndexMode.PER_LAYER:
@@ -343,7 +350,7 @@ class KVCacheManager:
         for lc, cbs in enumerate(self._layout.coalesced):
             g = self._storage.gpu[self._layout.life_cycle_pool_group[LifeCycleId(lc)]]
             for p, cb in enumerate(cbs):
-                base = g.pools[p].base_address
+                base = g.memory_pool(p).base_address
                 run: list[BufferId] = []
                 run_beg = 0
                 for k, bid in enumerate([*cb.buffer_ids, BufferId(LayerId(-1), "")]):
@@ -366,15 +373,76 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ capacity
     def get_quota(self, level: CacheLevel) -> int:
+        """The byte quota of cache ``level`` (as configured, or as last set by ``resize``)."""
         self._check_alive()
         self._check_level(level)
-        return self._quota
+        return self._quotas[level]
+
+    def resize(self, cache_level: CacheLevel, quota: int) -> bool:
+        """Set the byte quota of one cache level; every open cache must be SUSPENDED.
+
+        Growing maps more memory in place (base addresses do not move; a memory tier grows to at
+        most 4x its configured quota). Shrinking moves what no longer fits: reusable pages go down
+        a level or are dropped, suspended requests' pages go down a level, and pages above the
+        new end move into free slots below it. Returns False, changing nothing, when what must be
+        kept does not fit. GPU slot counts change: query ``pool_group_descs`` and
+        ``get_page_index_upper_bound`` again.
+        """
+        self._check_alive()
+        self._check_level(cache_level)
+        check_int("quota (bytes)", quota, 1)
+        active = [kv for kv in self.open_caches() if kv.status is KVCacheStatus.ACTIVE]
+        if active:
+            raise LogicError(
+                f"resize(cache_level, quota) needs every KVCache suspended or closed; {len(active)} are ACTIVE "
+                "(suspend() them first)"
+            )
+        tier = self._config.cache_tiers[cache_level]
+        if cache_level == GPU_LEVEL:
+            slots = self._split_gpu_quota(quota)
+        else:
+            gpu_slots = [g.num_slots for g in self._storage.gpu]
+            slots = split_like(quota, gpu_slots, self._layout, type(tier).__name__)
+        self._storage.check_resize(cache_level, slots)
+        if not self._storage.resize_level(cache_level, slots, self._live_pages()):
+            return False
+        self._quotas[cache_level] = quota
+        return True
+
+    def _live_pages(self) -> list[Page]:
+        """Every page that holds a slot: the requests', the reuse tree's, and garbage."""
+        pages: dict[int, Page] = {}
+        for kv in self.open_caches():
+            for p in kv.block_table.all_pages():
+                pages[id(p)] = p
+        for node in self._tree.nodes():
+            for lc in range(len(node.pages)):
+                tree_page = node.page(lc)
+                if tree_page is not None:
+                    pages[id(tree_page)] = tree_page
+        for level in self._storage.levels:
+            for g in level:
+                for p in g.evictor.pages():
+                    pages[id(p)] = p
+        return list(pages.values())
 
     def get_storage_statistics(self, level: CacheLevel = GPU_LEVEL) -> list[StorageStatistics]:
-        """Slot accounting per pool group at ``level``."""
+        """Slot accounting per pool group at ``level``: free slots, and evictable ones (reusable
+        pages, and suspended requests' pages as far as the levels below can take them)."""
         self._check_alive()
         self._check_level(level)
         return self._storage.statistics(level)
+
+    def get_tier_statistics(self, level: CacheLevel = GPU_LEVEL) -> TierStatistics:
+        """Usage, peak and traffic (offloaded / onboarded / dropped pages and bytes, disk errors)
+        of cache ``level`` since the manager was created."""
+        self._check_level(level)
+        return self._storage.tier_statistics(level)
+
+    def take_iteration_stats(self) -> list[TierStatistics]:
+        """One entry per cache level with the traffic since the previous call (peak usage: since
+        then too), and start a new interval. An engine calls it once per step and logs it."""
+        return self._storage.take_iteration_stats()
 
     @property
     def gpu_utilization(self) -> float:

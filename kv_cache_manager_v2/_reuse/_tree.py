@@ -281,8 +281,10 @@ class ReuseTree(PageDropListener):
         ``pages[lc]`` is the publishing request's page of the block (None: it has none there).
         Where the tree already holds a page for the block, the request switches to it (dedup):
         ``pages[lc]`` becomes the tree's page, taken (locked if ``locked``, else held), and the
-        request's own is released. Returns the block's node, or None when a longer sibling
-        already covers a partial tail (then nothing is published).
+        request's own is released; if the tree's page sits in a lower cache level, the two swap
+        places first (same data), so an active request keeps a GPU page. Returns the block's
+        node, or None when a longer sibling already covers a partial tail (then nothing is
+        published).
 
         A published page's priority is capped by the anchor pages above it, so a block is never
         evicted after its ancestors' anchors (whose eviction would take it along).
@@ -299,9 +301,9 @@ class ReuseTree(PageDropListener):
             mine = pages[lc]
             theirs = node.page(lc)
             if theirs is None:
-                if mine is not None and mine.node is None:  # owned by the request: in no evictor
+                if mine is not None and mine.node is None:  # owned by the request
                     if mine.priority > cap:
-                        mine.priority = cap
+                        mine.set_priority(cap)
                     mine.node = node
                     node.pages[lc] = rawref.ref(mine)
                     if self.life_cycles.items[lc].is_anchor(node.ordinal) and mine.priority < node.prio_cap:
@@ -310,6 +312,10 @@ class ReuseTree(PageDropListener):
                     if sink is not None:
                         sink.block_stored(node, lc, mine)
             elif mine is not None and theirs is not mine:
+                if theirs.level > mine.level:  # the tree's copy is in a lower tier: it takes our place
+                    source_level = theirs.level
+                    theirs.exchange_location(mine)
+                    self.page_moved(theirs, source_level)
                 theirs.take(locked)
                 pages[lc] = theirs
                 mine.release(locked)

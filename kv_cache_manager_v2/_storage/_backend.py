@@ -1,19 +1,30 @@
-"""Memory backend interface: device pools that grow in place, host/device byte access, sync."""
+"""Memory backend interface: pools that grow in place (GPU, host memory, disk), byte access, copies, sync."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Final
 
 from .._common import MemAddress
 
+#: Copy directions of ``MemoryBackend.copy_batch`` ("device" = GPU memory, "host" = CPU memory).
+D2D: Final = 0
+H2D: Final = 1
+D2H: Final = 2
+H2H: Final = 3
 
-class DevicePool(ABC):
-    """A reserved address range whose first ``mapped_bytes`` are backed by memory.
+#: Memory pools reserve address space for this many times their initial size, so a tier can
+#: grow in place (``KVCacheManager.resize``) up to this factor of its configured quota.
+MAX_GROWTH: Final = 4
 
-    ``base_address`` never changes, so growing a pool never moves the KV in it.
+
+class Pool(ABC):
+    """One region of one pool group at one cache level: slot ``s`` starts at byte ``s * slot_size``.
+
+    The first ``mapped_bytes`` are backed (memory mapped, or file space allocated).
     """
 
-    base_address: MemAddress
+    #: bytes the pool can grow to without moving
     reserved_bytes: int
 
     @property
@@ -22,21 +33,38 @@ class DevicePool(ABC):
 
     @abstractmethod
     def ensure_mapped(self, nbytes: int) -> None:
-        """Back at least the first ``nbytes`` bytes with memory (never shrinks)."""
+        """Back at least the first ``nbytes`` bytes (never shrinks). May raise; then nothing changed."""
+
+    def shrink(self, nbytes: int) -> None:
+        """Give back what lies beyond the first ``nbytes`` bytes where the medium allows (best effort)."""
 
     @abstractmethod
     def release(self) -> None:
-        """Give all memory back; the pool must not be used afterwards."""
+        """Give everything back; the pool must not be used afterwards. Idempotent."""
+
+
+class MemoryPool(Pool):
+    """A pool in addressable memory (GPU memory, or host memory). ``base_address`` never changes,
+    so growing a pool never moves the KV in it."""
+
+    base_address: MemAddress
+    #: the pool's bytes as a writable view when the CPU can access them directly, else None
+    host_view: memoryview | None
 
 
 class MemoryBackend(ABC):
-    """Where the GPU tier lives: real CUDA memory, or host memory standing in for it."""
+    """Where the GPU tier lives (real CUDA memory, or host memory standing in for it), and how
+    host-tier memory is allocated and copied to and from it."""
 
     name: str
 
     @abstractmethod
-    def reserve_pool(self, max_bytes: int) -> DevicePool:
-        """Reserve an address range for a pool that may grow up to ``max_bytes``."""
+    def reserve_pool(self, max_bytes: int) -> MemoryPool:
+        """Reserve an address range for a GPU pool that may grow up to ``max_bytes``."""
+
+    @abstractmethod
+    def reserve_host_pool(self, max_bytes: int) -> MemoryPool:
+        """Reserve host memory for a host-tier pool (page-locked where the backend copies by DMA)."""
 
     @abstractmethod
     def read(self, address: MemAddress, nbytes: int) -> bytes:
@@ -51,6 +79,11 @@ class MemoryBackend(ABC):
         """Device-to-device copy ordered on ``stream`` (0: the backend's own stream)."""
 
     @abstractmethod
+    def copy_batch(self, kind: int, dsts: list[int], srcs: list[int], sizes: list[int]) -> None:
+        """Copies of direction ``kind`` (``D2D``/``H2D``/``D2H``/``H2H``) on the backend's own stream,
+        in one driver call where the driver offers it. Host addresses must be page-locked for DMA."""
+
+    @abstractmethod
     def synchronize(self) -> None:
         """Wait for all work this backend issued."""
 
@@ -58,5 +91,10 @@ class MemoryBackend(ABC):
     def synchronize_device(self) -> None:
         """Wait for all work on the device, on every stream (before reading pages others wrote)."""
 
+    def staging_buffer(self, min_bytes: int) -> MemoryPool | None:
+        """A page-locked host buffer of at least ``min_bytes`` for disk <-> GPU copies; None when the
+        GPU tier is CPU-addressable (no staging needed). Kept until ``shutdown``."""
+        return None
+
     def shutdown(self) -> None:
-        """Release backend-wide resources (streams, contexts)."""
+        """Release backend-wide resources (streams, contexts, staging buffers)."""

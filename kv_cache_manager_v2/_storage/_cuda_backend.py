@@ -1,18 +1,28 @@
 """CUDA backend through cuda-python's driver API.
 
 GPU pools reserve a virtual address range up front and map physical chunks as they grow
-(VMM), so a pool's base address never moves. Every failing driver call raises ``CuError``.
-Importing this module never touches the driver; only constructing ``CudaBackend`` does.
+(VMM), so a pool's base address never moves. Host-tier pools are anonymous mappings whose
+used part is page-locked with ``cuMemHostRegister`` (DMA-able, and they can grow in place).
+Copies run on the backend's own stream, batched with ``cuMemcpyBatchAsync`` where the driver
+has it. Every failing driver call raises ``CuError``. Importing this module never touches
+the driver; only constructing ``CudaBackend`` does.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from typing import Any
 
 from .._common import MemAddress
 from .._exceptions import CuError
 from .._utils import round_up
-from ._backend import DevicePool, MemoryBackend
+from ._backend import D2D, D2H, H2D, H2H, MemoryBackend, MemoryPool
+
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0)
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+#: host memory is registered in chunks of this size (so a pool can shrink chunk by chunk)
+_HOST_CHUNK = 64 << 20
 
 
 def _driver() -> Any:
@@ -43,7 +53,7 @@ def cuda_device_count() -> int:
     return int(_check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
 
 
-class CudaDevicePool(DevicePool):
+class CudaDevicePool(MemoryPool):
     """Virtual range of ``reserved_bytes``; physical chunks of ``granularity`` mapped on demand."""
 
     def __init__(self, backend: CudaBackend, max_bytes: int) -> None:
@@ -56,6 +66,7 @@ class CudaDevicePool(DevicePool):
         self._handles: list[tuple[int, int, Any]] = []
         self._mapped = 0
         self._released = False
+        self.host_view = None
 
     @property
     def mapped_bytes(self) -> int:
@@ -84,6 +95,16 @@ class CudaDevicePool(DevicePool):
         self._handles.append((self._mapped, size, handle))
         self._mapped = target
 
+    def shrink(self, nbytes: int) -> None:
+        """Unmap and release the physical chunks that lie wholly beyond ``nbytes``."""
+        cu = _driver()
+        self._backend.synchronize()
+        while self._handles and self._handles[-1][0] >= nbytes:
+            entry = self._handles.pop()
+            _check(cu.cuMemUnmap(cu.CUdeviceptr(self.base_address + entry[0]), entry[1]), "cuMemUnmap")
+            _check(cu.cuMemRelease(entry[2]), "cuMemRelease")
+            self._mapped = entry[0]
+
     def release(self) -> None:
         if self._released:
             return
@@ -97,6 +118,75 @@ class CudaDevicePool(DevicePool):
         _check(cu.cuMemAddressFree(cu.CUdeviceptr(self.base_address), self.reserved_bytes), "cuMemAddressFree")
         self._mapped = 0
         self._released = True
+
+
+class PinnedHostPool(MemoryPool):
+    """Host memory reserved as an anonymous mapping; its used part is page-locked chunk by chunk."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.reserved_bytes = round_up(max(max_bytes, 1), mmap.PAGESIZE)
+        self._mapping: mmap.mmap | None = mmap.mmap(
+            -1,
+            self.reserved_bytes,
+            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        )
+        view = ctypes.c_char.from_buffer(self._mapping)
+        self.base_address = MemAddress(ctypes.addressof(view))
+        del view
+        self.host_view = memoryview(self._mapping)
+        self._chunks: list[tuple[int, int]] = []  # (offset, size) of registered ranges
+        self._mapped = 0
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self._mapped
+
+    def ensure_mapped(self, nbytes: int) -> None:
+        if nbytes <= self._mapped:
+            return
+        if nbytes > self.reserved_bytes:
+            raise ValueError(f"pool needs {nbytes} bytes but only {self.reserved_bytes} are reserved")
+        cu = _driver()
+        target = min(round_up(nbytes, mmap.PAGESIZE), self.reserved_bytes)
+        done: list[tuple[int, int]] = []
+        off = self._mapped
+        try:
+            while off < target:
+                size = min(_HOST_CHUNK, target - off)
+                _check(cu.cuMemHostRegister(self.base_address + off, size, 0), "cuMemHostRegister")
+                done.append((off, size))
+                off += size
+        except CuError:
+            for chunk in done:  # nothing changed
+                cu.cuMemHostUnregister(self.base_address + chunk[0])
+            raise
+        self._chunks.extend(done)
+        self._mapped = target
+
+    def shrink(self, nbytes: int) -> None:
+        cu = _driver()
+        while self._chunks and self._chunks[-1][0] >= nbytes:
+            chunk = self._chunks.pop()
+            _check(cu.cuMemHostUnregister(self.base_address + chunk[0]), "cuMemHostUnregister")
+            if self._mapping is not None and _MADV_DONTNEED is not None:
+                self._mapping.madvise(_MADV_DONTNEED, chunk[0], chunk[1])
+            self._mapped = chunk[0]
+
+    def release(self) -> None:
+        if self._mapping is None:
+            return
+        cu = _driver()
+        for i in range(len(self._chunks) - 1, -1, -1):
+            _check(cu.cuMemHostUnregister(self.base_address + self._chunks[i][0]), "cuMemHostUnregister")
+        self._chunks = []
+        self._mapped = 0
+        view = self.host_view
+        if view is not None:
+            view.release()
+            self.host_view = None
+        self._mapping.close()
+        self._mapping = None
 
 
 class CudaBackend(MemoryBackend):
@@ -130,9 +220,28 @@ class CudaBackend(MemoryBackend):
         self.stream = _check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         self._device_ordinal = device_ordinal
         self._closed = False
+        #: cuMemcpyBatchAsync is used while the driver has it and accepts it
+        self.use_batch_copies = hasattr(cu, "cuMemcpyBatchAsync")
+        self._batch_attrs: Any = None
+        self._staging: PinnedHostPool | None = None
 
-    def reserve_pool(self, max_bytes: int) -> DevicePool:
+    def reserve_pool(self, max_bytes: int) -> MemoryPool:
         return CudaDevicePool(self, max_bytes)
+
+    def reserve_host_pool(self, max_bytes: int) -> MemoryPool:
+        return PinnedHostPool(max_bytes)
+
+    def staging_buffer(self, min_bytes: int) -> MemoryPool | None:
+        staging = self._staging
+        if staging is None or staging.mapped_bytes < min_bytes:
+            if staging is not None:
+                self.synchronize()
+                staging.release()
+                self._staging = None
+            staging = PinnedHostPool(min_bytes)
+            staging.ensure_mapped(min_bytes)
+            self._staging = staging
+        return staging
 
     def read(self, address: MemAddress, nbytes: int) -> bytes:
         cu = _driver()
@@ -151,6 +260,47 @@ class CudaBackend(MemoryBackend):
         s = cu.CUstream(stream) if stream else self.stream
         _check(cu.cuMemcpyAsync(cu.CUdeviceptr(dst), cu.CUdeviceptr(src), nbytes, s), "cuMemcpyAsync")
 
+    def copy_batch(self, kind: int, dsts: list[int], srcs: list[int], sizes: list[int]) -> None:
+        if not dsts:
+            return
+        cu = _driver()
+        stream = self.stream
+        if kind == H2H:
+            self.synchronize()  # earlier DMA into these pages must land first
+            for d, s, n in zip(dsts, srcs, sizes):
+                ctypes.memmove(d, s, n)
+            return
+        if self.use_batch_copies and len(dsts) > 1:
+            if self._batch_attrs is None:
+                attr = cu.CUmemcpyAttributes()
+                attr.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+                self._batch_attrs = [attr]
+            try:
+                _check(
+                    cu.cuMemcpyBatchAsync(
+                        [cu.CUdeviceptr(d) for d in dsts],
+                        [cu.CUdeviceptr(s) for s in srcs],
+                        sizes,
+                        len(dsts),
+                        self._batch_attrs,
+                        [0],
+                        1,
+                        stream,
+                    ),
+                    "cuMemcpyBatchAsync",
+                )
+                return
+            except CuError:
+                self.use_batch_copies = False  # older driver: one call per copy from now on
+        for d, s, n in zip(dsts, srcs, sizes):
+            if kind == H2D:
+                _check(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(d), s, n, stream), "cuMemcpyHtoDAsync")
+            elif kind == D2H:
+                _check(cu.cuMemcpyDtoHAsync(d, cu.CUdeviceptr(s), n, stream), "cuMemcpyDtoHAsync")
+            else:
+                assert kind == D2D
+                _check(cu.cuMemcpyAsync(cu.CUdeviceptr(d), cu.CUdeviceptr(s), n, stream), "cuMemcpyAsync")
+
     def synchronize(self) -> None:
         _check(_driver().cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
@@ -162,6 +312,9 @@ class CudaBackend(MemoryBackend):
             return
         cu = _driver()
         self.synchronize()
+        if self._staging is not None:
+            self._staging.release()
+            self._staging = None
         _check(cu.cuStreamDestroy(self.stream), "cuStreamDestroy")
         _check(cu.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease")
         self._closed = True

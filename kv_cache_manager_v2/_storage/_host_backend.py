@@ -1,4 +1,4 @@
-"""Host-emulated device: pools in anonymous mmap memory, synchronous copies."""
+"""Host-emulated device: pools in anonymous mmap memory (GPU tier and host tier), synchronous copies."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ import sys
 from .._common import MemAddress
 from .._exceptions import OutOfMemoryError
 from .._utils import round_up
-from ._backend import DevicePool, MemoryBackend
+from ._backend import MemoryBackend, MemoryPool
 
 # Python exposes MAP_NORESERVE only from 3.13; Linux's value: reserve address space, commit
 # memory page by page as it is touched (so a pool sized like a real GPU costs nothing up front).
 _MAP_NORESERVE: int = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 
 
-class HostDevicePool(DevicePool):
+class HostMemoryPool(MemoryPool):
     """An anonymous private mapping; the OS backs pages lazily, so reserving is cheap."""
 
     def __init__(self, max_bytes: int) -> None:
@@ -36,6 +37,7 @@ class HostDevicePool(DevicePool):
         view = ctypes.c_char.from_buffer(self._mapping)
         self.base_address = MemAddress(ctypes.addressof(view))
         del view  # drop the buffer export so the mapping can be closed later
+        self.host_view = memoryview(self._mapping)
         self._mapped = 0
 
     @property
@@ -47,8 +49,18 @@ class HostDevicePool(DevicePool):
             raise ValueError(f"pool needs {nbytes} bytes but only {self.reserved_bytes} are reserved")
         self._mapped = max(self._mapped, nbytes)
 
+    def shrink(self, nbytes: int) -> None:
+        beg = round_up(nbytes, mmap.PAGESIZE)
+        if self._mapping is not None and _MADV_DONTNEED is not None and beg < self._mapped:
+            self._mapping.madvise(_MADV_DONTNEED, beg, round_up(self._mapped, mmap.PAGESIZE) - beg)
+        self._mapped = min(self._mapped, nbytes)
+
     def release(self) -> None:
         if self._mapping is not None:
+            view = self.host_view
+            if view is not None:
+                view.release()
+                self.host_view = None
             self._mapping.close()
             self._mapping = None
 
@@ -59,8 +71,11 @@ class HostBackend(MemoryBackend):
     def __init__(self) -> None:
         self.name = "host"
 
-    def reserve_pool(self, max_bytes: int) -> DevicePool:
-        return HostDevicePool(max_bytes)
+    def reserve_pool(self, max_bytes: int) -> MemoryPool:
+        return HostMemoryPool(max_bytes)
+
+    def reserve_host_pool(self, max_bytes: int) -> MemoryPool:
+        return HostMemoryPool(max_bytes)
 
     def read(self, address: MemAddress, nbytes: int) -> bytes:
         return ctypes.string_at(address, nbytes)
@@ -70,6 +85,10 @@ class HostBackend(MemoryBackend):
 
     def copy(self, dst: MemAddress, src: MemAddress, nbytes: int, stream: int) -> None:
         ctypes.memmove(dst, src, nbytes)
+
+    def copy_batch(self, kind: int, dsts: list[int], srcs: list[int], sizes: list[int]) -> None:
+        for d, s, n in zip(dsts, srcs, sizes):
+            ctypes.memmove(d, s, n)
 
     def synchronize(self) -> None:
         return None

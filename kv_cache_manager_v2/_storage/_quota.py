@@ -83,3 +83,19 @@ def split_quota(
             return slots
         for g in below:
             fixed[g] = floors[g]
+
+
+def split_like(quota: int, reference: list[int], layout: StorageLayout, what: str) -> list[int]:
+    """Slots per pool group for a lower tier: one slot each, then the rest of ``quota`` bytes shared
+    in the byte proportions of the ``reference`` slot counts (the GPU tier's). A quota that cannot
+    hold one slot of every pool group is a ``ValueError``."""
+    slot_bytes = [g.slot_bytes for g in layout.pool_groups]
+    rest = quota - sum(slot_bytes)
+    if rest < 0:
+        raise ValueError(
+            f"{what} quota {quota} bytes is too small: it must hold one slot of every pool group, "
+            f"{sum(slot_bytes)} bytes (slot bytes per pool group: {slot_bytes})"
+        )
+    ref = [n * b for n, b in zip(reference, slot_bytes)]
+    total = sum(ref)
+    return [1 + rest * r // total // b for r, b in zip(ref, slot_bytes)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .._common import SlotId
 from .._exceptions import LogicError
-from ._backend import DevicePool
+from ._backend import Pool
 
 
 class SlotAllocator:
@@ -13,13 +13,16 @@ class SlotAllocator:
     A slot is one index valid in every pool of the group, so its pools grow together.
     """
 
-    def __init__(self, num_slots: int, pools: list[DevicePool], slot_sizes: tuple[int, ...]) -> None:
+    def __init__(self, num_slots: int, pools: list[Pool], slot_sizes: tuple[int, ...]) -> None:
         self.num_slots = num_slots
         self._pools = pools
         self._slot_sizes = slot_sizes
         self._free: list[SlotId] = []
         self._high_water = 0
         self._is_free: bytearray = bytearray(num_slots)
+        #: most slots in use at once: since creation, and since ``iteration_peak`` was last reset
+        self.peak_used = 0
+        self.iteration_peak = 0
 
     @property
     def num_free(self) -> int:
@@ -54,7 +57,15 @@ class SlotAllocator:
             out.append(s)
         if rest > 0:
             out.extend([SlotId(s) for s in range(beg, beg + rest)])
+        self._note_peak()
         return out
+
+    def _note_peak(self) -> None:
+        used = self._high_water - len(self._free)
+        if used > self.iteration_peak:
+            self.iteration_peak = used
+            if used > self.peak_used:
+                self.peak_used = used
 
     def allocate_one(self) -> SlotId:
         free = self._free
@@ -66,7 +77,40 @@ class SlotAllocator:
             raise LogicError("slot allocator: no free slot")
         s = SlotId(self._high_water)
         self._grow(s + 1)
+        self._note_peak()
         return s
+
+    def allocate_below(self, limit: int, count: int) -> list[SlotId]:
+        """``count`` free slots below ``limit`` (compaction before a shrink); raises ``LogicError``
+        (changing nothing) if there are fewer."""
+        out = [s for s in self._free if s < limit][:count]
+        rest = count - len(out)
+        beg = self._high_water
+        if rest > 0:
+            if beg + rest > limit:
+                raise LogicError(f"slot allocator: {count} free slots below {limit} requested, fewer exist")
+            self._grow(beg + rest)  # first: if mapping fails, nothing has changed
+        taken = set(out)
+        self._free = [s for s in self._free if s not in taken]
+        for s in out:
+            self._is_free[s] = 0
+        out.extend([SlotId(s) for s in range(beg, beg + max(rest, 0))])
+        self._note_peak()
+        return out
+
+    def resize(self, num_slots: int) -> None:
+        """Grow, or shrink to ``num_slots`` (every slot from there on must be free)."""
+        if num_slots >= self.num_slots:
+            self._is_free.extend(bytearray(num_slots - self.num_slots))
+            self.num_slots = num_slots
+            return
+        for s in range(num_slots, self._high_water):
+            if not self._is_free[s]:
+                raise LogicError(f"slot allocator: cannot shrink to {num_slots} slots, slot {s} is in use")
+        self._high_water = min(self._high_water, num_slots)
+        self._free = [s for s in self._free if s < num_slots]
+        del self._is_free[num_slots:]
+        self.num_slots = num_slots
 
     def free(self, slot: SlotId) -> None:
         if not 0 <= slot < self._high_water or self._is_free[slot]:

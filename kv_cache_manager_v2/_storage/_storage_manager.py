@@ -1,46 +1,93 @@
 """The storage manager: every cache level x pool group (pools, slot allocator, evictor), the
-availability arithmetic requests plan against, page allocation, eviction and page copies.
+availability arithmetic requests plan against, page allocation, eviction (the cascade down the
+levels), onboarding (moving pages up), page copies, tier resizing and statistics.
 
 Requests never touch allocators or evictors directly: they ask ``fits`` (plan), ``reserve``
-(map memory; may raise, changes nothing), then ``new_pages`` (evicts as needed).
+(map memory; may raise, changes nothing), then ``new_pages`` / ``move_up`` (which evict as needed).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 from .._common import (
     GPU_LEVEL,
     CacheLevel,
+    CacheTier,
     LifeCycleId,
     MemAddress,
     PoolGroupIndex,
     Priority,
     SlotId,
     StorageStatistics,
+    TierStatistics,
 )
+from .._config import CacheTierConfig, DiskCacheTierConfig
 from .._eviction import Evictor
+from .._exceptions import OutOfPagesError
 from .._page import Page
 from .._typed import TypedList
-from ._backend import DevicePool, MemoryBackend
+from ._backend import MAX_GROWTH, MemoryBackend, MemoryPool, Pool
+from ._copy_engine import CopyEngine
+from ._disk import DiskPool
 from ._layout import PoolGroupLayout, StorageLayout
 from ._slot_allocator import SlotAllocator
+
+#: Per level and pool group, how many of the asking request's own pages its evictor lists
+#: (they are about to be used, so they do not count as evictable).
+Excluded = list[list[int]]
 
 
 class PoolGroupStorage:
     """The pools of one pool group at one cache level, the allocator of their shared slots, and
-    the evictor of the level's evictable pages of that group."""
+    the evictor of the level's evictable pages of that group, with its traffic counters."""
 
-    __slots__ = ("allocator", "evictor", "layout", "level", "num_dropped", "pools")
+    __slots__ = (
+        "allocator",
+        "evictor",
+        "is_last",
+        "layout",
+        "level",
+        "num_dropped",
+        "num_evicted",
+        "num_io_errors",
+        "num_lost",
+        "num_offloaded",
+        "num_onboarded",
+        "pools",
+        "tier",
+    )
 
-    def __init__(self, level: CacheLevel, layout: PoolGroupLayout, num_slots: int, backend: MemoryBackend) -> None:
+    def __init__(
+        self,
+        level: CacheLevel,
+        tier: CacheTier,
+        is_last: bool,
+        layout: PoolGroupLayout,
+        num_slots: int,
+        pools: list[Pool],
+    ) -> None:
         self.level = level
+        self.tier = tier
+        #: the last level drops what it evicts; levels above move it down
+        self.is_last = is_last
         self.layout = layout
-        self.pools: list[DevicePool] = [backend.reserve_pool(num_slots * size) for size in layout.slot_sizes]
-        self.allocator = SlotAllocator(num_slots, self.pools, layout.slot_sizes)
+        self.pools = pools
+        self.allocator = SlotAllocator(num_slots, pools, layout.slot_sizes)
         self.evictor = Evictor()
-        #: pages eviction dropped for good (cumulative)
+        #: pages dropped for good here: evicted reusable pages, and pages lost to disk errors (cumulative)
         self.num_dropped = 0
+        #: pages eviction took out of this level (moved down or dropped)
+        self.num_evicted = 0
+        #: pages evicted into this level from the level above
+        self.num_offloaded = 0
+        #: pages copied from this level to a higher one
+        self.num_onboarded = 0
+        #: pages a disk read or write failed for
+        self.num_io_errors = 0
+        #: lost pages whose owners have not let go yet
+        self.num_lost = 0
 
     @property
     def index(self) -> PoolGroupIndex:
@@ -50,17 +97,14 @@ class PoolGroupStorage:
     def num_slots(self) -> int:
         return self.allocator.num_slots
 
-    @property
-    def num_available(self) -> int:
-        """Slots free now plus slots eviction can free."""
-        return self.allocator.num_free + self.evictor.count
+    def memory_pool(self, pool: int) -> MemoryPool:
+        """Pool ``pool`` of a memory level (GPU or host)."""
+        p = self.pools[pool]
+        assert isinstance(p, MemoryPool)
+        return p
 
     def slot_address(self, pool: int, slot: SlotId) -> MemAddress:
-        return MemAddress(self.pools[pool].base_address + slot * self.layout.slot_sizes[pool])
-
-    def statistics(self) -> StorageStatistics:
-        a = self.allocator
-        return StorageStatistics(self.layout.index, self.layout.slot_sizes, a.num_slots, a.num_free, self.evictor.count)
+        return MemAddress(self.memory_pool(pool).base_address + slot * self.layout.slot_sizes[pool])
 
     def release(self) -> None:
         for pool in self.pools:
@@ -73,7 +117,7 @@ class PageDropListener(ABC):
 
     @abstractmethod
     def page_dropped(self, page: Page) -> None:
-        """``page`` is about to be freed: forget every reference to it."""
+        """``page`` is about to be freed (or was lost): forget every reference to it."""
 
     def page_moved(self, page: Page, source_level: CacheLevel) -> None:
         """``page`` now lives at ``page.level`` (it was at ``source_level``). Tier moves call this
@@ -83,46 +127,119 @@ class PageDropListener(ABC):
 class StorageManager:
     """Owns the memory of every cache level and pool group.
 
-    Level 0 is the GPU tier. Eviction is an operation of its own (``make_room``): it takes
-    the evictor's victims lowest priority first and drops them (the listener is told first).
+    Level 0 is the GPU tier, then host, then disk, as configured. Eviction (``make_room``)
+    takes the evictor's victims lowest priority first; above the last level they move one level
+    down (which may push that level's victims further), at the last level reusable pages are
+    dropped (the listener is told first). HELD pages only ever move, so an allocation that would
+    need to drop one is refused by the planning arithmetic (``available``) before anything moves.
     """
 
-    def __init__(self, layout: StorageLayout, gpu_slots: list[int], backend: MemoryBackend) -> None:
+    def __init__(
+        self,
+        layout: StorageLayout,
+        slots: list[list[int]],
+        backend: MemoryBackend,
+        tiers: Sequence[CacheTierConfig],
+    ) -> None:
         self.layout = layout
         self.backend = backend
-        gpu: TypedList[PoolGroupIndex, PoolGroupStorage] = TypedList(
-            [PoolGroupStorage(GPU_LEVEL, g, n, backend) for g, n in zip(layout.pool_groups, gpu_slots)]
-        )
-        self.levels: TypedList[CacheLevel, TypedList[PoolGroupIndex, PoolGroupStorage]] = TypedList([gpu])
+        self.copier = CopyEngine(backend)
+        self.tiers: list[CacheTier] = [t.tier for t in tiers]
+        self.levels: TypedList[CacheLevel, TypedList[PoolGroupIndex, PoolGroupStorage]] = TypedList([])
+        last = len(tiers) - 1
+        try:
+            for level, cfg in enumerate(tiers):
+                groups: TypedList[PoolGroupIndex, PoolGroupStorage] = TypedList([])
+                self.levels.items.append(groups)
+                for g, n in zip(layout.pool_groups, slots[level]):
+                    pools = self._make_pools(cfg, g, n)
+                    groups.items.append(PoolGroupStorage(CacheLevel(level), cfg.tier, level == last, g, n, pools))
+        except BaseException:
+            self.release()
+            raise
+        gpu = self.levels[GPU_LEVEL]
         #: GPU storage of each life cycle's pool group (the allocation hot path)
         self.lc_storage: TypedList[LifeCycleId, PoolGroupStorage] = TypedList(
             [gpu[g] for g in layout.life_cycle_pool_group]
         )
         self.drop_listener: PageDropListener | None = None
+        #: cumulative counters at the last ``take_iteration_stats``, per level
+        self._iteration_base: list[list[int]] = [[0] * 7 for _ in tiers]
+
+    def _make_pools(self, cfg: CacheTierConfig, layout: PoolGroupLayout, num_slots: int) -> list[Pool]:
+        """The pools of one group at one level: GPU memory mapped on demand; host memory and disk
+        files backed in full up front (so eviction never fails to find memory)."""
+        pools: list[Pool] = []
+        # address space for MAX_GROWTH x the tier's quota, as if this group got all of it, so any
+        # later split of a grown quota fits without moving
+        max_slots = max(num_slots, MAX_GROWTH * cfg.quota // layout.slot_bytes)
+        try:
+            for size in layout.slot_sizes:
+                nbytes = num_slots * size
+                if isinstance(cfg, DiskCacheTierConfig):
+                    pools.append(DiskPool(cfg.path, nbytes))
+                elif cfg.tier is CacheTier.HOST_MEM:
+                    host = self.backend.reserve_host_pool(max_slots * size)
+                    pools.append(host)
+                    host.ensure_mapped(nbytes)
+                else:
+                    pools.append(self.backend.reserve_pool(max_slots * size))
+        except BaseException:
+            for pool in pools:
+                pool.release()
+            raise
+        return pools
 
     @property
     def num_pool_groups(self) -> int:
         return len(self.layout.pool_groups)
 
     @property
+    def num_levels(self) -> int:
+        return len(self.levels)
+
+    @property
     def gpu(self) -> TypedList[PoolGroupIndex, PoolGroupStorage]:
         return self.levels[GPU_LEVEL]
 
     # ------------------------------------------------------------------ planning
-    def fits(self, need: list[int], gain: list[int], max_util: float = 1.0) -> bool:
+    def available(self, level: int, g: int, excluded: Excluded | None = None) -> int:
+        """Slots of pool group ``g`` at ``level`` that are free or can be made free: free slots,
+        DROPPABLE pages (moved down or dropped), and HELD pages as far as the levels below can take
+        them. ``excluded`` pages (listed per level and group) are not counted as evictable."""
+        storage = self.levels.items[level].items[g]
+        ev = storage.evictor
+        n = storage.allocator.num_free + ev.count - ev.num_held
+        held = ev.num_held
+        if excluded is not None:
+            held -= excluded[level][g]
+        if held > 0:
+            n += min(held, self.available(level + 1, g, excluded))
+        return n
+
+    def fits(self, need: list[int], gain: list[int], max_util: float = 1.0, excluded: Excluded | None = None) -> bool:
         """Whether every GPU pool group can provide ``need[g]`` slots, counting ``gain[g]`` slots
-        the asking request releases first, without GPU utilisation exceeding ``max_util``."""
+        the asking request releases first, without GPU utilisation exceeding ``max_util``.
+        ``excluded``: the asker's own listed pages, which stop being evictable (resume); the
+        utilisation limit then applies to every group they are in, even with no new slot."""
         for g, n in enumerate(need):
-            if n == 0:
+            if n == 0 and (excluded is None or excluded[0][g] == 0):
                 continue
             storage = self.gpu.items[g]
-            available = storage.num_available + gain[g]
+            if excluded is None and storage.is_last:
+                available = storage.allocator.num_free + storage.evictor.count + gain[g]
+            else:
+                available = self.available(0, g, excluded) + gain[g]
             if n > available:
                 return False
             total = storage.num_slots
             if max_util < 1.0 and (total - available + n) / total > max_util:
                 return False
         return True
+
+    def fits_at(self, level: int, need: list[int], excluded: Excluded) -> bool:
+        """Whether every pool group at ``level`` can provide ``need[g]`` slots (prefetch)."""
+        return all(n == 0 or n <= self.available(level, g, excluded) for g, n in enumerate(need))
 
     def reserve(self, need: list[int]) -> None:
         """Map the memory ``need[g]`` allocations may take, so they cannot fail later.
@@ -133,19 +250,128 @@ class StorageManager:
             if n:
                 self.gpu.items[g].allocator.prepare(n)
 
-    # ------------------------------------------------------------------ allocation
+    # ------------------------------------------------------------------ eviction
     def make_room(self, storage: PoolGroupStorage, count: int) -> None:
         """Evict (lowest priority, least recently used first) until ``count`` slots are free."""
         allocator = storage.allocator
-        while allocator.num_free < count:
-            self.drop(storage.evictor.pop_victim())
+        if allocator.num_free >= count:
+            return
+        if storage.is_last:
+            while allocator.num_free < count:
+                storage.num_evicted += 1
+                self.drop(storage.evictor.pop_victim())
+            return
+        self._evict(storage, count - allocator.num_free)
 
-    def drop_all_evictable(self) -> None:
-        """Drop every evictable page of every level (clearing the reusable cache)."""
+    def _evict(self, storage: PoolGroupStorage, n: int) -> None:
+        """Take ``n`` pages out of a level above the last: HELD ones and the newest reusable ones
+        move down as far as the level below has room, garbage and the oldest reusable ones beyond
+        that are dropped. One batch of copies."""
+        level, g = storage.level, storage.index
+        below = self.levels.items[level + 1].items[g]
+        room = self.available(level + 1, g)
+        victims = storage.evictor.select(n, room)
+        if len(victims) < n:
+            for v in victims:
+                v.relist()
+            raise OutOfPagesError(
+                f"cache level {level}, pool group {g}: {n} pages must be evicted but only {len(victims)} can be "
+                "(the caller's planning and the evictor disagree)"
+            )
+        storage.num_evicted += n
+        spare = room - sum(1 for v in victims if v.num_holds)
+        reusable = [v for v in victims if not v.num_holds and v.node is not None]
+        keep = {id(v) for v in reusable[max(0, len(reusable) - spare) :]}  # the newest ones move down
+        for v in victims:
+            if not v.num_holds and id(v) not in keep:
+                self.drop(v)
+        movers = [v for v in victims if v.num_holds or (id(v) in keep and v.node is not None)]
+        for v in victims:  # dropping an anchor above may have made a kept page garbage
+            if id(v) in keep and v.node is None and v.slot >= 0:
+                self.drop(v)
+        try:
+            self.make_room(below, len(movers))
+        except BaseException:
+            for v in movers:  # e.g. a driver error below: they stay here, listed again
+                v.relist()
+            raise
+        still = [v for v in movers if v.num_holds or v.node is not None]
+        for v in movers:
+            if not v.num_holds and v.node is None:
+                self.drop(v)  # became garbage while the level below made room: not worth moving
+        try:
+            failed = self._relocate(still, below)
+        except BaseException:
+            for v in still:
+                v.relist()
+            raise
+        below.num_offloaded += len(still) - len(failed)
+        lost = {id(p) for p in failed}
+        for p in still:
+            if id(p) not in lost:
+                p.relist()
+        for p in failed:
+            self.lose(p)
+
+    def _relocate(self, pages: list[Page], dst: PoolGroupStorage) -> list[Page]:
+        """Copy ``pages`` (one source storage, in no evictor) into new slots of ``dst`` (room made)
+        and free their old slots. Returns the pages whose copy failed; they stay where they were."""
+        if not pages:
+            return []
+        src = pages[0].storage
+        slots = dst.allocator.allocate(len(pages))
+        try:
+            failed_idx = self.copier.copy(
+                src.pools, dst.pools, src.layout.slot_sizes, [(p.slot, s) for p, s in zip(pages, slots)]
+            )
+        except BaseException:  # a driver error: the pages stay where they were
+            for s in slots:
+                dst.allocator.free(s)
+            raise
+        failed: list[Page] = []
+        for i, (p, s) in enumerate(zip(pages, slots)):
+            if i in failed_idx:
+                dst.allocator.free(s)
+                failed.append(p)
+                continue
+            src.allocator.free(p.slot)
+            p.relocate(dst, s)
+            if p.node is not None and self.drop_listener is not None:
+                self.drop_listener.page_moved(p, src.level)
+        if failed:
+            disk = dst if dst.tier is CacheTier.DISK else src
+            disk.num_io_errors += len(failed)
+        return failed
+
+    def lose(self, page: Page) -> None:
+        """A page whose data a disk error destroyed: reusable ones are dropped (a miss), owned ones
+        are marked lost (their owners drop the blocks from there on when they next resume)."""
+        if page.num_locks == 0 and page.num_holds == 0:
+            self.drop(page)
+            return
+        listener = self.drop_listener
+        if listener is not None:
+            listener.page_dropped(page)
+        page.storage.num_dropped += 1
+        page.mark_lost()
+
+    def any_lost(self) -> bool:
+        """Whether some page lost to a disk error still has owners (suspended requests)."""
         for level in self.levels:
             for storage in level:
-                while storage.evictor.count:
-                    self.drop(storage.evictor.pop_victim())
+                if storage.num_lost:
+                    return True
+        return False
+
+    def drop_all_evictable(self) -> None:
+        """Drop every evictable page of every level (clearing the reusable cache; no request is open)."""
+        for level in self.levels:
+            for storage in level:
+                ev = storage.evictor
+                while ev.count > ev.num_held:
+                    victims = ev.select(ev.count - ev.num_held, 0)
+                    for v in victims:
+                        self.drop(v)
 
     def drop(self, page: Page) -> None:
         """Free an evicted page for good; the listener forgets it first."""
@@ -155,6 +381,7 @@ class StorageManager:
         page.storage.num_dropped += 1
         page.free()
 
+    # ------------------------------------------------------------------ allocation and moves
     def new_pages(self, lc: LifeCycleId, priorities: list[Priority], locked: bool) -> list[Page]:
         """One new GPU page of life cycle ``lc`` per priority, evicting as needed (callers planned)."""
         storage = self.lc_storage[lc]
@@ -173,27 +400,197 @@ class StorageManager:
         for slot in slots:
             allocator.free(slot)
 
-    def copy_pages(self, pairs: list[tuple[Page, Page]]) -> None:
-        """Copy every pool's slot data of each ``(src, dst)`` pair (GPU pages of one group each).
+    def move_up(self, pages: list[Page], target: CacheLevel) -> list[Page]:
+        """Bring ``pages`` (each above ``target`` and in no evictor: their owner locked them) up to
+        ``target``: room first, then one batch of copies per (source level, pool group).
 
-        Waits for the whole device first (the sources may have been written by any request's
-        kernels) and for the copies after, so the data is in place on return.
+        Returns the pages a disk read failed for: they are lost (see ``lose``). Callers planned
+        (``fits``/``fits_at``) and reserved GPU memory.
         """
-        backend = self.backend
-        backend.synchronize_device()
-        for src, dst in pairs:
-            storage = src.storage
-            for p, size in enumerate(storage.layout.slot_sizes):
-                backend.copy(storage.slot_address(p, dst.slot), storage.slot_address(p, src.slot), size, 0)
-        backend.synchronize()
+        counts = [0] * self.num_pool_groups
+        batches: dict[tuple[int, int], list[Page]] = {}
+        for p in pages:
+            gi = int(p.storage.index)
+            counts[gi] += 1
+            where = (int(p.level), gi)
+            found = batches.get(where)
+            if found is None:
+                batches[where] = [p]
+            else:
+                found.append(p)
+        targets = self.levels[target]
+        for g, n in enumerate(counts):
+            if n:
+                self.make_room(targets.items[g], n)
+        lost: list[Page] = []
+        for key in sorted(batches):
+            batch = batches[key]
+            src = batch[0].storage
+            failed = self._relocate(batch, targets.items[key[1]])
+            src.num_onboarded += len(batch) - len(failed)
+            for p in failed:
+                self.lose(p)
+                lost.append(p)
+        return lost
+
+    def copy_pages(self, pairs: list[tuple[Page, Page]]) -> set[int]:
+        """Copy every pool's slot data of each ``(src, dst)`` pair (same pool group; sources on
+        any level), batched per source level. Returns the indices of pairs whose source could not
+        be read (disk errors); the data is in place on return."""
+        by_src: dict[int, list[int]] = {}
+        for i, (src, _) in enumerate(pairs):
+            key = id(src.storage)
+            lst = by_src.get(key)
+            if lst is None:
+                by_src[key] = [i]
+            else:
+                lst.append(i)
+        failed: set[int] = set()
+        for idxs in by_src.values():
+            src_storage = pairs[idxs[0]][0].storage
+            dst_storage = pairs[idxs[0]][1].storage
+            bad = self.copier.copy(
+                src_storage.pools,
+                dst_storage.pools,
+                src_storage.layout.slot_sizes,
+                [(pairs[i][0].slot, pairs[i][1].slot) for i in idxs],
+            )
+            if src_storage.level != dst_storage.level:
+                src_storage.num_onboarded += len(idxs) - len(bad)
+            src_storage.num_io_errors += len(bad)
+            failed.update(idxs[k] for k in bad)
+        return failed
+
+    # ------------------------------------------------------------------ tier sizes
+    def check_resize(self, level: CacheLevel, slots: list[int]) -> None:
+        """Raise ``ValueError`` if a memory pool cannot grow to ``slots`` in its reserved address space."""
+        for g, n in enumerate(slots):
+            storage = self.levels[level].items[g]
+            for pool, size in zip(storage.pools, storage.layout.slot_sizes):
+                if n * size > pool.reserved_bytes:
+                    raise ValueError(
+                        f"cache level {level}: pool group {g} would need {n * size} bytes in a pool whose "
+                        f"reserved address space holds {pool.reserved_bytes}; a memory tier grows to at most "
+                        f"{MAX_GROWTH}x its configured quota"
+                    )
+
+    def resize_level(self, level: CacheLevel, slots: list[int], live: list[Page]) -> bool:
+        """Give ``level`` ``slots[g]`` slots per pool group. Shrinking evicts what no longer fits
+        (cascading down; HELD pages only move) and moves pages out of the cut range. Returns False,
+        changing nothing, when what must be kept cannot be placed. ``live`` lists every page
+        (callers collect them; no request may be ACTIVE).
+        """
+        storages = self.levels[level]
+        for g, n in enumerate(slots):
+            s = storages.items[g]
+            must_leave = s.allocator.num_used - n
+            if must_leave > 0 and must_leave > self.available(level, g) - s.allocator.num_free:
+                return False
+        self.check_resize(level, slots)
+        for g, n in enumerate(slots):  # may raise (driver, disk space): nothing logical changed yet
+            s = storages.items[g]
+            if n > s.num_slots and s.tier is not CacheTier.GPU_MEM:
+                for pool, size in zip(s.pools, s.layout.slot_sizes):
+                    pool.ensure_mapped(n * size)
+        for g, n in enumerate(slots):
+            s = storages.items[g]
+            shrinking = n < s.num_slots
+            if shrinking:
+                self.make_room(s, s.num_slots - n)
+                self._compact(s, n, live)
+            s.allocator.resize(n)
+            if shrinking:
+                for pool, size in zip(s.pools, s.layout.slot_sizes):
+                    pool.shrink(n * size)
+        return True
+
+    def _compact(self, storage: PoolGroupStorage, n: int, live: list[Page]) -> None:
+        """Move the pages of ``storage`` in slots ``>= n`` to free slots below ``n``."""
+        movers = [p for p in live if p.storage is storage and p.slot >= n]
+        if not movers:
+            return
+        slots = storage.allocator.allocate_below(n, len(movers))
+        try:
+            failed = self.copier.copy(
+                storage.pools, storage.pools, storage.layout.slot_sizes, [(p.slot, s) for p, s in zip(movers, slots)]
+            )
+        except BaseException:
+            for s in slots:
+                storage.allocator.free(s)
+            raise
+        for i, (p, s) in enumerate(zip(movers, slots)):
+            if i in failed:
+                storage.allocator.free(s)
+                storage.num_io_errors += 1
+                listed = p.in_evictor
+                if listed:
+                    storage.evictor.remove(p)
+                self.lose(p)
+                continue
+            storage.allocator.free(p.slot)
+            p.slot = s  # same storage: the evictor listing is unaffected
 
     # ------------------------------------------------------------------ accounting
     def statistics(self, level: CacheLevel) -> list[StorageStatistics]:
-        return [g.statistics() for g in self.levels[level]]
+        out: list[StorageStatistics] = []
+        for s in self.levels[level]:
+            free = s.allocator.num_free
+            avail = self.available(level, s.index)
+            out.append(StorageStatistics(s.index, s.layout.slot_sizes, s.num_slots, free, avail - free))
+        return out
 
     def utilization(self) -> float:
         """Max over GPU pool groups of unavailable / total slots."""
-        return max(1.0 - g.num_available / g.num_slots for g in self.gpu)
+        return max(1.0 - self.available(0, g.index) / g.num_slots for g in self.gpu)
+
+    def _counters(self, level: int) -> list[int]:
+        """Cumulative (offloaded, onboarded, dropped) pages then bytes, and io errors, of ``level``."""
+        out = [0] * 7
+        for s in self.levels.items[level]:
+            b = s.layout.slot_bytes
+            for i, n in enumerate((s.num_offloaded, s.num_onboarded, s.num_dropped)):
+                out[i] += n
+                out[3 + i] += n * b
+            out[6] += s.num_io_errors
+        return out
+
+    def _bytes(self, level: int, per_group: list[int]) -> int:
+        return sum(n * s.layout.slot_bytes for n, s in zip(per_group, self.levels.items[level]))
+
+    def tier_statistics(self, level: CacheLevel) -> TierStatistics:
+        """Usage and traffic of ``level`` since the manager was created."""
+        return self._tier_stats(level, [0] * 7, [s.allocator.peak_used for s in self.levels[level]])
+
+    def take_iteration_stats(self) -> list[TierStatistics]:
+        """Per level, the traffic since the previous call (peaks: highest usage since then); resets."""
+        out: list[TierStatistics] = []
+        for level in range(self.num_levels):
+            storages = self.levels.items[level]
+            peaks = [s.allocator.iteration_peak for s in storages]
+            out.append(self._tier_stats(CacheLevel(level), self._iteration_base[level], peaks))
+            self._iteration_base[level] = self._counters(level)
+            for s in storages:
+                s.allocator.iteration_peak = s.allocator.num_used
+        return out
+
+    def _tier_stats(self, level: CacheLevel, base: list[int], peaks: list[int]) -> TierStatistics:
+        storages = self.levels[level]
+        now = self._counters(level)
+        d = [now[i] - base[i] for i in range(7)]
+        return TierStatistics(
+            level=level,
+            tier=self.tiers[level],
+            total_bytes=self._bytes(level, [s.num_slots for s in storages]),
+            used_bytes=self._bytes(level, [s.allocator.num_used for s in storages]),
+            peak_used_bytes=self._bytes(level, peaks),
+            offloaded_pages=d[0],
+            onboarded_pages=d[1],
+            dropped_pages=d[2],
+            offloaded_bytes=d[3],
+            onboarded_bytes=d[4],
+            dropped_bytes=d[5],
+            io_errors=d[6],
+        )
 
     def release(self) -> None:
         for level in self.levels:

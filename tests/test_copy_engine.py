@@ -1,0 +1,88 @@
+"""The copy engine on the host backend: run merging, every pair of media, disk errors reported
+per slot (never raised), nothing else touched."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kv_cache_manager_v2._storage._backend import MemoryPool
+from kv_cache_manager_v2._storage._copy_engine import CopyEngine, coalesce
+from kv_cache_manager_v2._storage._disk import DiskPool
+from kv_cache_manager_v2._storage._host_backend import HostBackend
+
+SIZE = 64
+SLOTS = 16
+
+
+def test_coalesce_merges_runs_consecutive_on_both_sides() -> None:
+    pairs = [(5, 9), (3, 1), (4, 2), (6, 10), (7, 3), (0, 0)]
+    runs = coalesce(pairs)
+    assert [(s, d, n) for s, d, n, _ in runs] == [(0, 0, 1), (3, 1, 2), (5, 9, 2), (7, 3, 1)]
+    assert [idx for *_, idx in runs] == [[5], [1, 2], [0, 3], [4]]
+    assert coalesce([]) == []
+
+
+def fill(pool: MemoryPool, tag: int) -> None:
+    view = pool.host_view
+    assert view is not None
+    for s in range(SLOTS):
+        view[s * SIZE : (s + 1) * SIZE] = bytes([tag ^ s]) * SIZE
+
+
+def slot_bytes(pool: object, s: int) -> bytes:
+    # type(), not isinstance(): compiled subclasses of an ABC share its isinstance cache (see CLAUDE.md)
+    if type(pool) is DiskPool:
+        return os.pread(pool.fd, SIZE, s * SIZE)
+    view = pool.host_view  # type: ignore[attr-defined]
+    assert view is not None
+    return bytes(view[s * SIZE : (s + 1) * SIZE])
+
+
+@pytest.fixture
+def engine() -> CopyEngine:
+    return CopyEngine(HostBackend())
+
+
+def test_every_pair_of_media(engine: CopyEngine, tmp_path: object) -> None:
+    backend = engine.backend
+    gpu, host = backend.reserve_pool(SLOTS * SIZE), backend.reserve_host_pool(SLOTS * SIZE)
+    disk, disk2 = DiskPool(str(tmp_path), SLOTS * SIZE), DiskPool(str(tmp_path), SLOTS * SIZE)
+    for p in (gpu, host):
+        p.ensure_mapped(SLOTS * SIZE)
+    fill(gpu, 0x10)
+    pairs = [(1, 2), (2, 3), (3, 4), (9, 0)]
+    for src, dst in ((gpu, host), (host, disk), (disk, disk2), (disk2, gpu), (gpu, gpu)):
+        moves = pairs if src is not dst else [(2, 12), (3, 13)]
+        want = {d: slot_bytes(src, s) for s, d in moves}
+        before = {s: slot_bytes(dst, s) for s in range(SLOTS)}
+        assert engine.copy([src], [dst], [SIZE], moves) == set()
+        for s in range(SLOTS):  # the destinations hold the sources' bytes; nothing else changed
+            assert slot_bytes(dst, s) == want.get(s, before[s])
+    for p in (gpu, host, disk, disk2):
+        p.release()
+
+
+def test_disk_errors_are_reported_per_slot(engine: CopyEngine, tmp_path: object) -> None:
+    backend = engine.backend
+    host = backend.reserve_host_pool(SLOTS * SIZE)
+    host.ensure_mapped(SLOTS * SIZE)
+    fill(host, 0x20)
+    disk = DiskPool(str(tmp_path), SLOTS * SIZE)
+    disk.error_hook = lambda op, off, n: op == "write" and off <= 5 * SIZE < off + n
+    failed = engine.copy([host], [disk], [SIZE], [(0, 3), (1, 4), (2, 5), (3, 6)])
+    assert failed == {2}  # one run failed; retried slot by slot, only slot 5 failed again
+    assert disk.num_errors == 2
+    for s, d in ((0, 3), (1, 4), (3, 6)):
+        assert slot_bytes(disk, d) == bytes([0x20 ^ s]) * SIZE
+    disk.error_hook = lambda op, off, n: op == "read"
+    fill(host, 0x30)
+    assert engine.copy([disk], [host], [SIZE], [(3, 0), (4, 1)]) == {0, 1}
+    assert slot_bytes(host, 0) == bytes([0x30]) * SIZE  # an injected error fails before any byte moves
+    disk.error_hook = None
+    with pytest.raises(OSError, match="outside the file"):
+        disk.read_into(memoryview(bytearray(SIZE)), SLOTS * SIZE)
+    host.release()
+    disk.release()
+    disk.release()  # idempotent
