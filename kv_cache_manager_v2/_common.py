@@ -37,6 +37,8 @@ MAX_PRIORITY: Final = Priority(100)
 MAX_TOKEN_ID: Final = (1 << 32) - 1
 #: Largest capacity of one request, in tokens: positions are int32 for kernels.
 MAX_CAPACITY: Final = (1 << 31) - 1
+#: Largest beam width of one request.
+MAX_BEAM_WIDTH: Final = 256
 
 
 class CacheTier(enum.Enum):

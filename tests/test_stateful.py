@@ -94,7 +94,10 @@ class ManagerMachine(RuleBasedStateMachine):
         dropped = self.dropped()
         if kv.resume():
             self.check_eviction_was_exact(dropped)
-            self.engine.check_all(kv, seq, kv.history_length)
+            self.check_resumed(kv, seq)
+
+    def check_resumed(self, kv: KVCache, seq: list[int]) -> None:
+        self.engine.check_all(kv, seq, kv.history_length)
 
     @precondition(lambda self: any(kv.status is KVCacheStatus.ACTIVE for kv, _ in self.caches))
     @rule(i=st.integers(0, 5), chunk=st.integers(1, 12), lazy=st.booleans())
@@ -123,7 +126,8 @@ class ManagerMachine(RuleBasedStateMachine):
             assert (kv.capacity, kv.history_length, list(kv.get_base_page_indices(0))) == before
             return
         self.check_eviction_was_exact(dropped)
-        kv.commit(seq[kv.num_committed_tokens : h])  # what the previous (lazy) step computed
+        if h > kv.num_committed_tokens:
+            kv.commit(seq[kv.num_committed_tokens : h])  # what the previous (lazy) step computed
         self.engine.step(kv, seq, h, end)
         if lazy:
             self.computed[id(kv)] = end
@@ -138,7 +142,9 @@ class ManagerMachine(RuleBasedStateMachine):
         if not active:
             return
         kv, seq = active[i % len(active)]
-        kv.commit(seq[kv.num_committed_tokens : self.computed.pop(id(kv), 0)])
+        computed = self.computed.pop(id(kv), 0)
+        if computed > kv.num_committed_tokens:
+            kv.commit(seq[kv.num_committed_tokens : computed])
         kv.suspend()
 
     @precondition(lambda self: self.caches)
@@ -291,13 +297,84 @@ class TieredMachine(ManagerMachine):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-for machine in (ManagerMachine, TightMultiGroupMachine, ScratchMachine, TieredMachine):
+class BeamMachine(ManagerMachine):
+    """Beam-search requests (width 3) among ordinary ones, on a GPU + host tier: prompts are
+    shared, the beams fork at the prompt's last chunk and then follow random parents; memory is
+    tight, so resizes fail and suspended beams spill to host and come back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine.check_beam_field = False
+        self.beam_seqs: dict[int, list[list[int]]] = {}
+
+    def make_manager(self) -> KVCacheManager:
+        layers = kv_layers(3, T, window=9, swa_every=3, sink_tokens=2)
+        layers = layers[1:] + layers[:1]
+        slot = 3 * 2 * 32 * T
+        return KVCacheManager(make_config(layers, tokens_per_block=T, quota=slot * 36, host_quota=slot * 30))
+
+    @rule(
+        prefix=st.integers(0, 2),
+        shared=st.integers(0, 24),
+        extra=st.integers(1, 30),
+        priority=st.integers(0, 100),
+    )
+    def create_beams(self, prefix: int, shared: int, extra: int, priority: int) -> None:
+        if len(self.caches) >= 6:
+            return
+        seq = PREFIXES[prefix][:shared] + [self.rng.randrange(1 << 30) for _ in range(extra)]
+        kv = self.m.create_kv_cache(
+            None, seq[:-1], custom_priority_callback=lambda o, lc: Priority(priority), beam_width=3
+        )
+        self.caches.append((kv, seq))
+
+    def advance(self, kv: KVCache, seq: list[int], chunk: int, lazy: bool) -> None:
+        if kv.beam_width == 1:
+            super().advance(kv, seq, chunk, lazy)
+            return
+        beams = self.beam_seqs.get(id(kv))
+        width = kv.beam_width
+        h = kv.history_length
+        if beams is None:  # the shared prompt, then the fork
+            end = min(len(seq), h + chunk)
+            if not kv.resize(end, h):
+                return
+            self.engine.step(kv, seq, h, end)
+            if end < len(seq):
+                kv.commit(seq[h:end])
+            else:
+                kv.commit([seq[h:end]] * width, [0] * width)
+                self.beam_seqs[id(kv)] = [[*seq, self.rng.randrange(1 << 30)] for _ in range(width)]
+            return
+        if h >= len(seq) + 12:
+            return
+        before = [list(kv.get_base_page_indices(0, b)) for b in range(width)]  # type: ignore[arg-type]
+        if not kv.resize(h + 1):
+            assert [list(kv.get_base_page_indices(0, b)) for b in range(width)] == before  # type: ignore[arg-type]
+            return
+        for b in range(width):
+            self.engine.step(kv, beams[b], h, h + 1, beam=b)
+        parents = [self.rng.randrange(width) for _ in range(width)]
+        kv.commit([[beams[p][h]] for p in parents], parents)
+        self.beam_seqs[id(kv)] = [[*beams[p][: h + 1], self.rng.randrange(1 << 30)] for p in parents]
+
+    def check_resumed(self, kv: KVCache, seq: list[int]) -> None:
+        beams = self.beam_seqs.get(id(kv))
+        if beams is None:
+            super().check_resumed(kv, seq)
+            return
+        for b, beam_seq in enumerate(beams):
+            self.engine.check_all(kv, beam_seq, kv.history_length, beam=b)
+
+
+for machine in (ManagerMachine, TightMultiGroupMachine, ScratchMachine, TieredMachine, BeamMachine):
     machine.TestCase.settings = settings(
         max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
     )
 TestManagerMachine = ManagerMachine.TestCase
 TestTightMultiGroupMachine = TightMultiGroupMachine.TestCase
 TestScratchMachine = ScratchMachine.TestCase
+TestBeamMachine = BeamMachine.TestCase
 TestTieredMachine = TieredMachine.TestCase
 
 

@@ -91,6 +91,24 @@ class BlockTable:
                 # filled as a list, then stored at once: array item calls are slow compiled
                 self._store[lc][: len(pages)] = array("i", [BAD_PAGE_INDEX if p is None else p.slot for p in pages])
 
+    def clone(self, locked: bool) -> BlockTable:
+        """Another beam's table sharing every page (each taken once more: one owner per table);
+        indices and stale ranges copied; no caller buffers, scratch slots or pending copies."""
+        t = BlockTable(len(self.pages))
+        t.live = self.live
+        for i, pages in enumerate(self.pages):
+            lc = LifeCycleId(i)
+            for p in pages:
+                if p is not None:
+                    p.take(locked)
+            t.pages[lc] = list(pages)
+            nb = len(pages)
+            if nb:
+                t._set_len(lc, 0, nb)
+                t._store[lc][:nb] = self._store[lc][:nb]
+            t.stale_end[lc] = self.stale_end[lc]
+        return t
+
     def block_pages(self, o: int) -> list[Page | None]:
         """Block ``o``'s page in every life cycle."""
         return [pages[o] for pages in self.pages.items]
@@ -271,6 +289,23 @@ class BlockTable:
             n = len(self.pages[lc])
             view[:n] = memoryview(self._store[lc])[:n]
             self.write_user_tail(lc, n)
+
+    def take_user_bufs(self) -> list[memoryview | None]:
+        """Hand the callers' buffers over (to the table that takes this beam's place)."""
+        bufs = list(self.user_bufs.items)
+        for i in range(len(bufs)):
+            self.user_bufs.items[i] = None
+        return bufs
+
+    def give_user_bufs(self, bufs: list[memoryview | None]) -> None:
+        """Adopt callers' buffers and write this table's indices into them."""
+        for i, view in enumerate(bufs):
+            lc = LifeCycleId(i)
+            self.user_bufs[lc] = view
+            if view is not None:
+                n = len(self.pages[lc])
+                view[:n] = memoryview(self._store[lc])[:n]
+                self.write_user_tail(lc, n)
 
     def detach_user_bufs(self) -> None:
         """Stop writing into callers' buffers (close)."""

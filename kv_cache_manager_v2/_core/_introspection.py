@@ -19,6 +19,7 @@ from .._reuse._tree import ReuseTree
 from .._storage._storage_manager import StorageManager
 
 if TYPE_CHECKING:
+    from ._block_table import BlockTable
     from ._kv_cache import KVCache
 
 
@@ -39,7 +40,8 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
 
     scratch: set[tuple[int, int, int]] = set()  # (level, pool group, slot) of scratch slots
     for kv in caches:
-        _check_cache(kv, own)
+        for beam, table in enumerate(kv.block_tables):
+            _check_cache(kv, table, beam, own)
         for i, slots in enumerate(kv.block_table.scratch_slots):
             group = kv._ctx.storage.lc_storage[LifeCycleId(i)]
             for slot in slots:
@@ -139,8 +141,8 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
                 _fail(f"pool group {group.index} at level {group.level} counts {group.num_lost} lost pages")
 
 
-def _check_cache(kv: KVCache, own: Callable[[Page, bool], None]) -> None:
-    table = kv.block_table
+def _check_cache(kv: KVCache, table: BlockTable, beam: int, own: Callable[[Page, bool], None]) -> None:
+    """One beam's table of ``kv`` (each beam's table owns its pages once)."""
     status = kv.status
     if not kv.num_committed_tokens <= kv.history_length <= kv.capacity:
         _fail(f"{kv!r}: lengths out of order")
@@ -160,9 +162,9 @@ def _check_cache(kv: KVCache, own: Callable[[Page, bool], None]) -> None:
                 _fail(f"{kv!r}: a closed cache still has pages")
             continue
         if len(lc_pages) != kv.num_blocks or len(indices) != kv.num_blocks:
-            _fail(f"{kv!r}: life cycle {lc} has {len(lc_pages)} pages / {len(indices)} indices")
+            _fail(f"{kv!r} beam {beam}: life cycle {lc} has {len(lc_pages)} pages / {len(indices)} indices")
         buf = table.user_bufs[lc]
-        src = table.pending_copy[lc]
+        src = kv.block_table.pending_copy[lc]  # beam 0 holds it for every beam
         sinks = life_cycles[lc].num_sink_blocks
         stale_end = table.stale_end[lc]
         sb, se = table.scratch[lc]
@@ -184,5 +186,5 @@ def _check_cache(kv: KVCache, own: Callable[[Page, bool], None]) -> None:
                 own(p, locked)
         if buf is not None and any(x != BAD_PAGE_INDEX for x in buf[kv.num_blocks :]):
             _fail(f"{kv!r}: the caller's index buffer has entries past the blocks")
-        if src is not None:
+        if src is not None and beam == 0:
             own(src, False)

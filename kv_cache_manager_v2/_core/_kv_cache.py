@@ -56,7 +56,12 @@ class KVCache:
     _rawref: rawref.ref[KVCache] | None
 
     def __init__(
-        self, ctx: CacheContext, reuse_scope: ReuseScope, id: object, priority_callback: PriorityCallback
+        self,
+        ctx: CacheContext,
+        reuse_scope: ReuseScope,
+        id: object,
+        priority_callback: PriorityCallback,
+        beam_width: int = 1,
     ) -> None:
         self._rawref = None
         self._ctx = ctx
@@ -75,7 +80,19 @@ class KVCache:
         self._committing = True
         self._cuda_stream = 0
         self._table = BlockTable(ctx.num_life_cycles)
-        self._scratch_enabled = ctx.max_rewind_len >= 0 and ctx.has_swa
+        # Beam search: one block table per beam (beam 0's is ``_table``). Until the first commit
+        # with beam_search_indices every beam's table holds the same pages (one owner per table);
+        # from then on ("forked") each beam has its own committed tokens and tail pages.
+        self._beam_width = beam_width
+        self._tables = [self._table] + [BlockTable(ctx.num_life_cycles) for _ in range(beam_width - 1)]
+        self._forked = False
+        #: committed full blocks and tail of beams 1.. once forked (beam 0's are the fields above)
+        self._beam_seqs: list[tuple[list[tuple[TokenIdExt, ...]], list[TokenIdExt]]] = []
+        #: (beam, life cycle, block) whose page other beams share but this beam will write: the
+        #: next resize gives it a private page (a copy, for the block holding committed tokens)
+        self._cow: list[tuple[int, LifeCycleId, int]] = []
+        self._final_beam = 0
+        self._scratch_enabled = ctx.max_rewind_len >= 0 and ctx.has_swa and beam_width == 1
         # Reuse: the tree node of the last published full block, and how many full blocks are published.
         self._last_node: Node | None = None
         self._num_published = 0
@@ -107,6 +124,11 @@ class KVCache:
                     src.take(False)
                     table.pending_copy[lc_id] = src
             table.adopt(lc_id, pages, lc.stale_end(length))
+            for other in self._tables[1:]:
+                for p in pages:
+                    if p is not None:
+                        p.take(False)
+                other.adopt(lc_id, list(pages), lc.stale_end(length))
         self._committed_blocks = [node.tokens for node in nodes]  # equal keys: equal tokens
         self._tail = list(tokens[len(nodes) * t : length])
         self._capacity = self._history = length
@@ -166,8 +188,19 @@ class KVCache:
 
     @property
     def committed_tokens(self) -> list[TokenIdExt]:
-        """A copy of the committed token sequence."""
+        """A copy of the committed token sequence (beam 0's; see ``get_committed_tokens``)."""
         return [tok for block in self._committed_blocks for tok in block] + self._tail
+
+    def get_committed_tokens(self, beam: BeamIndex = BeamIndex(0)) -> list[TokenIdExt]:
+        """A copy of one beam's committed token sequence."""
+        self._check_beam(beam)
+        blocks, tail = self._seq(beam)
+        return [tok for block in blocks for tok in block] + tail
+
+    def _seq(self, beam: int) -> tuple[list[tuple[TokenIdExt, ...]], list[TokenIdExt]]:
+        if beam == 0 or not self._forked:
+            return self._committed_blocks, self._tail
+        return self._beam_seqs[beam - 1]
 
     @property
     def reuse_scope(self) -> ReuseScope:
@@ -179,7 +212,8 @@ class KVCache:
 
     @property
     def beam_width(self) -> int:
-        return 1
+        """Beams of this request (set by ``create_kv_cache``; fixed for its life)."""
+        return self._beam_width
 
     @property
     def id(self) -> object:
@@ -202,8 +236,13 @@ class KVCache:
 
     @property
     def block_table(self) -> BlockTable:
-        """This request's pages and indices (for introspection)."""
+        """This request's pages and indices, beam 0's (for introspection)."""
         return self._table
+
+    @property
+    def block_tables(self) -> list[BlockTable]:
+        """Every beam's block table (for introspection)."""
+        return list(self._tables)
 
     @property
     def has_scratch_slots(self) -> bool:
@@ -283,8 +322,8 @@ class KVCache:
             if end > beg
         ]
         if storage.num_levels == 1 and not table.has_pending() and not scratch_needs:
-            table.lock_all()  # GPU only: every page is in GPU memory and nothing new is taken
-            table.show_indices()
+            self._lock_all()  # GPU only: every page is in GPU memory and nothing new is taken
+            self._show_indices()
             self._status = KVCacheStatus.ACTIVE
             return True
         if storage.any_lost():
@@ -296,8 +335,8 @@ class KVCache:
         for lc, n in scratch_needs:
             need[ctx.lc_group[lc]] += n
         if not up and not pending and not scratch_needs and not any(excluded[GPU_LEVEL]):
-            table.lock_all()  # everything is in GPU memory already and takes nothing from others
-            table.show_indices()
+            self._lock_all()  # everything is in GPU memory already and takes nothing from others
+            self._show_indices()
             self._status = KVCacheStatus.ACTIVE
             return True
         if not storage.fits(need, [0] * len(need), ctx.config.max_util_for_resume, excluded):
@@ -306,7 +345,7 @@ class KVCache:
         o = self._num_published
         priorities = [self._priorities(lc, [o])[0] for lc, _ in pending]  # may raise: nothing changed yet
         # Lock first: the pages leave the evictors, so making room cannot push any of them down.
-        table.lock_all()
+        self._lock_all()
         table.lock_pending()
         copies: list[tuple[Page, Page]] = []
         scratch: list[tuple[LifeCycleId, list[SlotId]]] = []
@@ -323,7 +362,7 @@ class KVCache:
             for lc, slots in scratch:
                 storage.free_scratch_slots(lc, slots)
             table.hold_pending()
-            table.hold_all()
+            self._hold_all()
             raise
         for lc, slots in scratch:
             table.scratch_slots[lc].extend(slots)
@@ -336,12 +375,15 @@ class KVCache:
                 bad_block = o
             else:
                 table.set_page(lc, o, dst)
+                for other in self._tables[1:]:  # every beam shares the copy (one owner each)
+                    dst.take(True)
+                    other.set_page(lc, o, dst)
             src.release(True)
         if ctx.enable_stats:
             ctx.stats.allocated_pages += len(copies) - len(bad)
         if lost or bad_block >= 0:
             self._drop_lost_blocks(True, bad_block)
-        table.show_indices()
+        self._show_indices()
         self._status = KVCacheStatus.ACTIVE
         return True
 
@@ -373,13 +415,13 @@ class KVCache:
         if target_level == GPU_LEVEL:
             storage.reserve(need)
         table = self._table
-        table.lock_all()  # pinned while pages move
+        self._lock_all()  # pinned while pages move
         table.lock_pending()
         try:
             lost = storage.move_up(up, target_level)
         finally:
             table.hold_pending()
-            table.hold_all()
+            self._hold_all()
         if lost:
             self._drop_lost_blocks(False, -1)
         return True
@@ -394,7 +436,11 @@ class KVCache:
         excluded = [[0] * n_groups for _ in range(ctx.storage.num_levels)]
         up: list[Page] = []
         pending = self._table.pending_copy
-        for p in self._table.all_pages():
+        seen: set[int] = set()
+        for p in self._all_pages():
+            if id(p) in seen:  # a page beams share is moved once
+                continue
+            seen.add(id(p))
             g = p.storage.index
             if p.in_evictor:
                 excluded[p.level][g] += 1
@@ -405,12 +451,13 @@ class KVCache:
 
     def _drop_lost_blocks(self, locked: bool, bad_block: int) -> None:
         """Shrink to the longest prefix whose needed pages are all intact, after a disk error lost
-        the data of some page (or of the block ``bad_block``). Lengths and committed tokens follow;
-        the blocks dropped are recomputed by the engine like any other new tokens."""
-        table = self._table
-        first = table.first_lost_block()
-        if bad_block >= 0 and (first < 0 or bad_block < first):
-            first = bad_block
+        the data of some page (or of the block ``bad_block``). Lengths and committed tokens follow
+        (every beam's); the blocks dropped are recomputed by the engine like any other new tokens."""
+        first = bad_block
+        for table in self._tables:
+            f = table.first_lost_block()
+            if f >= 0 and (first < 0 or f < first):
+                first = f
         if first < 0:
             return
         b = first
@@ -418,40 +465,45 @@ class KVCache:
             b -= 1
         t = self._tokens_per_block
         n = b * t
-        table.release_pending(locked)
-        table.truncate(b, locked)
+        self._table.release_pending(locked)
+        for table in self._tables:
+            table.truncate(b, locked)
         self._free_scratch_slots()  # the step they served is gone with the blocks
-        for i in range(len(table)):
-            table.scratch[LifeCycleId(i)] = (0, 0)
+        for i in range(len(self._table)):
+            self._table.scratch[LifeCycleId(i)] = (0, 0)
+        self._cow = [c for c in self._cow if c[2] < b]
         ctx = self._ctx
         for i, life_cycle in enumerate(ctx.life_cycles):
             lc = LifeCycleId(i)
             end = life_cycle.stale_end(n)
-            table.release_range(lc, max(table.stale_end[lc], life_cycle.num_sink_blocks), end, locked)
-            table.stale_end[lc] = end
+            for table in self._tables:
+                table.release_range(lc, max(table.stale_end[lc], life_cycle.num_sink_blocks), end, locked)
+                table.stale_end[lc] = end
         self._capacity = self._history = n
         self._num_blocks = b
         if self.num_committed_tokens > n:
-            del self._committed_blocks[b:]
-            self._tail = []
+            for beam in range(self._beam_width):
+                blocks, tail = self._seq(beam)
+                del blocks[b:]
+                tail.clear()
         if self._committing and self._num_published > len(self._committed_blocks):
             node = self._published_node(len(self._committed_blocks))
             self._num_published = node.ordinal + 1 if node is not None else 0
             self._extend_from(node)
 
     def _intact(self, nb: int) -> bool:
-        """Whether every page needed at ``nb`` full blocks of history exists and holds its data."""
+        """Whether every page needed at ``nb`` full blocks of history exists and holds its data (every beam)."""
         n = nb * self._tokens_per_block
-        table = self._table
         for i, life_cycle in enumerate(self._ctx.life_cycles):
             beg, end = life_cycle.stale_range(n)
-            pages = table.pages[LifeCycleId(i)]
-            for o in range(nb):
-                if beg <= o < end:
-                    continue
-                p = pages[o]
-                if p is None or p.lost:
-                    return False
+            for table in self._tables:
+                pages = table.pages[LifeCycleId(i)]
+                for o in range(nb):
+                    if beg <= o < end:
+                        continue
+                    p = pages[o]
+                    if p is None or p.lost:
+                        return False
         return True
 
     def _published_node(self, nb: int) -> Node | None:
@@ -474,12 +526,32 @@ class KVCache:
         ctx = self._ctx
         ctx.enter("suspend()")
         try:
-            self._table.hold_all()
-            self._table.hide_indices()
+            self._hold_all()
+            for table in self._tables:
+                table.hide_indices()
             self._free_scratch_slots()  # scratch keeps nothing between steps; resume allocates it again
             self._status = KVCacheStatus.SUSPENDED
         finally:
             ctx.leave()
+
+    def _lock_all(self) -> None:
+        """Every beam's holds become locks (each table owns its pages once)."""
+        for table in self._tables:
+            table.lock_all()
+
+    def _hold_all(self) -> None:
+        for table in self._tables:
+            table.hold_all()
+
+    def _show_indices(self) -> None:
+        for table in self._tables:
+            table.show_indices()
+
+    def _all_pages(self) -> list[Page]:
+        """Every page of every beam (a page beams share appears once per beam)."""
+        if len(self._tables) == 1:
+            return self._table.all_pages()
+        return [p for table in self._tables for p in table.all_pages()]
 
     def _free_scratch_slots(self) -> None:
         table = self._table
@@ -503,10 +575,12 @@ class KVCache:
     def _close(self) -> None:
         if self._status is KVCacheStatus.SUSPENDED and self._ctx.storage.any_lost():
             self._drop_lost_blocks(False, -1)  # never publish a block whose data is gone
-        if self._committing and self._tail:
-            self._publish(self._num_published + 1)
-        self._table.release_all(self._status is KVCacheStatus.ACTIVE)
-        self._table.detach_user_bufs()
+        self._publish_final()
+        locked = self._status is KVCacheStatus.ACTIVE
+        for table in self._tables:
+            table.release_all(locked)
+            table.detach_user_bufs()
+        self._cow = []
         self._free_scratch_slots()
         for i in range(len(self._table)):
             self._table.scratch[LifeCycleId(i)] = (0, 0)
@@ -548,7 +622,7 @@ class KVCache:
             raise LogicError(f"capacity {cap} is below history_length {h}")
         t = self._tokens_per_block
         nb = (cap + t - 1) // t
-        if nb == self._num_blocks and (not self._ctx.has_swa or not self._window_moves(cap, h)):
+        if nb == self._num_blocks and (not self._ctx.has_swa or not self._window_moves(cap, h)) and not self._cow:
             self._capacity = cap
             self._history = h
             return True
@@ -584,9 +658,13 @@ class KVCache:
     def _resize_blocks(self, cap: int, h: int, nb: int) -> bool:
         ctx = self._ctx
         table = self._table
+        tables = self._tables
         storage = ctx.storage
         old_nb = self._num_blocks
-        table.check_user_buf_room(nb)
+        for tb in tables:
+            tb.check_user_buf_room(nb)
+        # beams that forked get a page each per new block; before that they share one
+        per_block = len(tables) if self._forked else 1
         # Plan without touching anything: which blocks get pages, with which priorities, and
         # whether every pool group has enough slots once this request's releases are counted.
         need = [0] * ctx.num_pool_groups
@@ -601,20 +679,31 @@ class KVCache:
             end = life_cycle.stale_end(h)
             stale_ends.append(end)
             g = ctx.lc_group[lc]
-            gain[g] += table.sole_owned(lc, max(sinks, table.stale_end[lc]), min(end, old_nb))
-            gain[g] += table.sole_owned(lc, max(nb, end), old_nb)
             sb, se, num_slots = self._scratch_plan(lc, cap, h)  # (0, 0, 0) without scratch
-            # blocks of this step's scratch range that got pages in an earlier resize give them back
-            gain[g] += table.sole_owned(lc, sb, min(se, old_nb))
+            # released: blocks leaving the window, blocks past the new end, and blocks of this
+            # step's scratch range that got pages in an earlier resize
+            released = (
+                (max(sinks, table.stale_end[lc]), min(end, old_nb)),
+                (max(nb, end), old_nb),
+                (sb, min(se, old_nb)),
+            )
+            if len(tables) == 1:
+                for beg, stop in released:
+                    gain[g] += table.sole_owned(lc, beg, stop)
+            else:
+                gain[g] += self._beams_release_gain(lc, released)
             held = len(table.scratch_slots[lc])
             need[g] += max(0, num_slots - held)
             gain[g] += max(0, held - num_slots)
             # new blocks, and blocks that were scratch and now need a page, except stale and scratch
             # ones; counted first, so a huge capacity is refused before any per-block work
             old_sb, old_se = table.scratch[lc]
-            need[g] += _count_outside(old_sb, min(old_se, nb), sinks, end, sb, se)
-            need[g] += _count_outside(old_nb, nb, sinks, end, sb, se)
+            need[g] += per_block * _count_outside(old_sb, min(old_se, nb), sinks, end, sb, se)
+            need[g] += per_block * _count_outside(old_nb, nb, sinks, end, sb, se)
             scratch.append((sb, se, num_slots))
+        cow = [c for c in self._cow if c[2] < nb and not self._is_stale(c[1], c[2], h)]
+        for _, lc, _ in cow:
+            need[ctx.lc_group[lc]] += 1
         if not storage.fits(need, gain):
             return False
         for i, (sb, se, _) in enumerate(scratch):
@@ -626,6 +715,7 @@ class KVCache:
             want += [o for o in range(old_nb, nb) if not sinks <= o < end and not sb <= o < se]
             wanted.append(want)
             priorities.append(self._priorities(lc, want))  # may raise: nothing changed yet
+        cow_priorities = [self._priorities(lc, [o])[0] for _, lc, o in cow]
         storage.reserve(need)  # a driver failure here changes nothing
         # Release everything first: life cycles sharing a pool group use each other's releases.
         for i in range(ctx.num_life_cycles):
@@ -638,42 +728,123 @@ class KVCache:
                 storage.free_scratch_slots(lc, slots[num_slots:])
                 del slots[num_slots:]
         if nb < old_nb:
-            table.truncate(nb, True)
+            for tb in tables:
+                tb.truncate(nb, True)
         for i in range(ctx.num_life_cycles):
             lc = LifeCycleId(i)
             if wanted[i] or nb > old_nb:
-                table.extend(lc, nb, wanted[i], storage.new_pages(lc, priorities[i], True))
-                if ctx.enable_stats:
-                    ctx.stats.allocated_pages += len(wanted[i])
+                self._extend(lc, nb, wanted[i], priorities[i])
             sb, se, num_slots = scratch[i]
             slots = table.scratch_slots[lc]
             if len(slots) < num_slots:
                 slots.extend(storage.new_scratch_slots(lc, num_slots - len(slots)))
             table.scratch[lc] = (sb, se)
+        if cow:
+            self._copy_on_write(cow, cow_priorities)
+        self._cow = []
         self._capacity = cap
         self._history = h
         self._num_blocks = nb
         return True
 
+    def _is_stale(self, lc: LifeCycleId, o: int, h: int) -> bool:
+        life_cycle = self._ctx.life_cycles[lc]
+        return life_cycle.num_sink_blocks <= o < life_cycle.stale_end(h)
+
+    def _extend(self, lc: LifeCycleId, nb: int, want: list[int], priorities: list[Priority]) -> None:
+        """New pages for blocks ``want`` of every beam (one shared page a block before beams fork)."""
+        ctx = self._ctx
+        storage = ctx.storage
+        tables = self._tables
+        if len(tables) == 1 or self._forked:
+            for tb in tables:
+                tb.extend(lc, nb, want, storage.new_pages(lc, priorities, True))
+        else:
+            pages = storage.new_pages(lc, priorities, True)
+            self._table.extend(lc, nb, want, pages)
+            for tb in tables[1:]:
+                for p in pages:
+                    p.take(True)
+                tb.extend(lc, nb, want, pages)
+        if ctx.enable_stats:
+            ctx.stats.allocated_pages += len(want) * (len(tables) if self._forked else 1)
+
+    def _beams_release_gain(self, lc: LifeCycleId, ranges: tuple[tuple[int, int], ...]) -> int:
+        """Slots that releasing blocks ``ranges`` in every beam frees: pages whose every owner is
+        one of this request's beams (a page beams share is freed once, by its last beam)."""
+        refs: dict[int, int] = {}
+        pages: dict[int, Page] = {}
+        for table in self._tables:
+            lst = table.pages[lc]
+            for beg, end in ranges:
+                for o in range(beg, min(end, len(lst))):
+                    p = lst[o]
+                    if p is not None:
+                        refs[id(p)] = refs.get(id(p), 0) + 1
+                        pages[id(p)] = p
+        return sum(1 for k, p in pages.items() if p.num_holds == 0 and p.num_locks == refs[k])
+
+    def _copy_on_write(self, cow: list[tuple[int, LifeCycleId, int]], priorities: list[Priority]) -> None:
+        """Give each listed beam a private page for a block it shares with another beam; the data
+        is copied where the block holds committed tokens (the partial last block)."""
+        storage = self._ctx.storage
+        committed_blocks = (self.num_committed_tokens + self._tokens_per_block - 1) // self._tokens_per_block
+        copies: list[tuple[Page, Page]] = []
+        for (b, lc, o), prio in zip(cow, priorities):
+            table = self._tables[b]
+            src = table.pages[lc][o]
+            if src is None:
+                continue
+            dst = storage.new_pages(lc, [prio], True)[0]
+            if o < committed_blocks:
+                copies.append((src, dst))
+            table.set_page(lc, o, dst)
+            src.release(True)
+        if copies:
+            storage.copy_pages(copies)
+        if self._ctx.enable_stats:
+            self._ctx.stats.allocated_pages += len(cow)
+
     def _release_stale(self, lc: LifeCycleId, end: int) -> None:
-        """Release pages of blocks below ``end`` that left the window (sinks never do)."""
-        table = self._table
-        done = table.stale_end[lc]
+        """Release pages of blocks below ``end`` that left the window (sinks never do), in every beam."""
+        done = self._table.stale_end[lc]
         if end <= done:
             return
         sinks = self._ctx.life_cycles[lc].num_sink_blocks
-        table.release_range(lc, max(done, sinks), end, self._status is KVCacheStatus.ACTIVE)
-        table.stale_end[lc] = end
+        locked = self._status is KVCacheStatus.ACTIVE
+        for table in self._tables:
+            table.release_range(lc, max(done, sinks), end, locked)
+            table.stale_end[lc] = end
 
     # ------------------------------------------------------------------ tokens
-    def commit(self, accepted_input_tokens: Sequence[TokenIdExt], beam_search_indices: object = None) -> None:
-        """Append tokens whose KV has been computed; history rises to at least the committed length."""
+    def commit(
+        self,
+        accepted_input_tokens: Sequence[TokenIdExt] | Sequence[Sequence[TokenIdExt]],
+        beam_search_indices: Sequence[int] | None = None,
+    ) -> None:
+        """Append tokens whose KV has been computed; history rises to at least the committed length.
+
+        Beam search (``beam_width > 1``): without ``beam_search_indices`` every beam commits the
+        same tokens (the prompt; allowed until beams fork). With them, ``accepted_input_tokens[b]``
+        are beam ``b``'s tokens (the same count for every beam) and ``beam_search_indices[b]`` the
+        beam it continues: its history is that beam's, and so are its pages (full blocks shared,
+        the partial last block copied on the next ``resize``). The first such commit forks the
+        beams; commit the last prompt chunk that way (``[chunk] * B``, indices ``[0] * B``) so every
+        beam has its own tail before the first generation step writes it.
+        """
         if self._status is not KVCacheStatus.ACTIVE:
             raise LogicError(f"commit() needs an ACTIVE cache; this one is {self._status.name}")
         if not self._committing:
             raise LogicError("commit() after stop_committing(): this request no longer commits tokens")
         if beam_search_indices is not None:
-            raise ValueError("beam_search_indices: this cache has beam_width 1; pass None")
+            self._commit_beams(cast(Sequence[Sequence[TokenIdExt]], accepted_input_tokens), beam_search_indices)
+            return
+        if self._forked:
+            raise LogicError(
+                "commit() without beam_search_indices after the beams forked: pass each beam's tokens and "
+                "the beam it continues"
+            )
+        accepted_input_tokens = cast(Sequence[TokenIdExt], accepted_input_tokens)
         if len(accepted_input_tokens) == 1:
             # the decode step: one token (read as an object: compiled code would type-check it first)
             check_token(cast(Sequence[object], accepted_input_tokens)[0], "accepted_input_tokens")
@@ -709,24 +880,143 @@ class KVCache:
         finally:
             ctx.leave()
 
-    def stop_committing(self) -> None:
-        """No more commits for this request (its further output must not be reused)."""
+    def _commit_beams(self, tokens: Sequence[Sequence[TokenIdExt]], parents: Sequence[int]) -> None:
+        """Beam search's commit: rebuild each beam from the beam it continues, then append its tokens."""
+        width = self._beam_width
+        if width == 1:
+            raise ValueError("beam_search_indices: this cache has beam_width 1; pass None")
+        if len(parents) != width or len(tokens) != width:
+            raise ValueError(
+                f"beam_search_indices and accepted_input_tokens need one entry per beam ({width}), got "
+                f"{len(parents)} and {len(tokens)}"
+            )
+        for b in range(width):
+            check_int(f"beam_search_indices[{b}]", parents[b])
+            if parents[b] >= width:
+                raise ValueError(f"beam_search_indices[{b}] must be in [0, {width}), got {parents[b]}")
+            validate_tokens(tokens[b], f"accepted_input_tokens[{b}]")
+        n_new = len(tokens[0])
+        if any(len(toks) != n_new for toks in tokens):
+            raise ValueError("accepted_input_tokens: every beam commits the same number of tokens")
+        n = self.num_committed_tokens + n_new
+        if n > self._capacity:
+            raise LogicError(
+                f"commit() would reach {n} committed tokens, beyond capacity {self._capacity}; resize() first"
+            )
+        ctx = self._ctx
+        ctx.enter("commit()")
+        try:
+            if not self._forked:
+                self._forked = True
+                self._beam_seqs = [(list(self._committed_blocks), list(self._tail)) for _ in range(width - 1)]
+            old_tables = self._tables
+            old_seqs = [self._seq(b) for b in range(width)]
+            bufs = [table.take_user_bufs() for table in old_tables]
+            new_tables: list[BlockTable] = []
+            new_seqs: list[tuple[list[tuple[TokenIdExt, ...]], list[TokenIdExt]]] = []
+            used = [False] * width
+            for b in range(width):
+                p = parents[b]
+                if used[p]:  # a second child: shares the parent's pages (one more owner each)
+                    new_tables.append(old_tables[p].clone(True))
+                    new_seqs.append((list(old_seqs[p][0]), list(old_seqs[p][1])))
+                else:
+                    used[p] = True
+                    new_tables.append(old_tables[p])
+                    new_seqs.append(old_seqs[p])
+            for p in range(width):
+                if not used[p]:
+                    old_tables[p].release_all(True)  # no beam continues it: its private pages go
+            t = self._tokens_per_block
+            for b in range(width):
+                new_tables[b].give_user_bufs(bufs[b])
+                blocks, tail = new_seqs[b]
+                tail.extend(tokens[b])
+                if len(tail) >= t:
+                    full = len(tail) // t
+                    blocks.extend([tuple(tail[i * t : (i + 1) * t]) for i in range(full)])
+                    del tail[: full * t]
+            self._tables = new_tables
+            self._table = new_tables[0]
+            self._committed_blocks, self._tail = new_seqs[0]
+            self._beam_seqs = new_seqs[1:]
+            if n > self._history:
+                self._history = n
+                for lc in ctx.swa_life_cycles:
+                    self._release_stale(lc, ctx.life_cycles[lc].stale_end(n))
+            self._cow = self._shared_tails(n)
+            self._publish(self._num_published + self._common_full_blocks())
+        finally:
+            ctx.leave()
+
+    def _common_full_blocks(self) -> int:
+        """Full blocks after the published ones that every beam holds alike (same tokens, same
+        pages): reusable by others already, like a prompt."""
+        n = 0
+        o = self._num_published
+        seqs = [self._seq(b)[0] for b in range(self._beam_width)]
+        while all(len(blocks) > o for blocks in seqs) and all(blocks[o] == seqs[0][o] for blocks in seqs):
+            for i in range(len(self._table)):
+                page = self._table.pages[LifeCycleId(i)][o]
+                if any(table.pages[LifeCycleId(i)][o] is not page for table in self._tables):
+                    return n
+            n += 1
+            o += 1
+        return n
+
+    def _shared_tails(self, committed: int) -> list[tuple[int, LifeCycleId, int]]:
+        """Blocks from the one holding position ``committed`` on whose page several beams share:
+        every beam after the first needs its own before it writes there."""
+        out: list[tuple[int, LifeCycleId, int]] = []
+        first = committed // self._tokens_per_block
+        for i in range(len(self._table)):
+            lc = LifeCycleId(i)
+            for o in range(first, self._num_blocks):
+                seen: set[int] = set()
+                for b, table in enumerate(self._tables):
+                    p = table.pages[lc][o]
+                    if p is None:
+                        continue
+                    if id(p) in seen:
+                        out.append((b, lc, o))
+                    else:
+                        seen.add(id(p))
+        return out
+
+    def stop_committing(self, final_beam: BeamIndex | None = None) -> None:
+        """No more commits for this request (its further output must not be reused); publishes
+        what was committed, the partial last block included. With beams, that is the sequence of
+        ``final_beam`` (default: the one ``close`` would publish, beam 0)."""
         if self._status is KVCacheStatus.CLOSED:
             raise LogicError("stop_committing() on a CLOSED cache")
+        if final_beam is not None:
+            self._check_beam(final_beam)
         ctx = self._ctx
         ctx.enter("stop_committing()")
         try:
             if self._status is KVCacheStatus.SUSPENDED and ctx.storage.any_lost():
                 self._drop_lost_blocks(False, -1)
-            if self._committing and self._tail:
-                self._publish(self._num_published + 1)
+            if final_beam is not None:
+                self._final_beam = final_beam
+            self._publish_final()
             self._committing = False
             self._extend_from(None)
         finally:
             ctx.leave()
 
-    def _publish(self, upto: int) -> None:
-        """Insert committed blocks ``[num_published, upto)`` into the reuse tree (the last may be partial)."""
+    def _publish_final(self) -> None:
+        """Publish the rest of the committed sequence (the final beam's, once beams forked)."""
+        if not self._committing:
+            return
+        blocks, tail = self._seq(self._final_beam)
+        upto = len(blocks) + (1 if tail else 0)
+        if upto > self._num_published:
+            self._publish(upto, self._final_beam)
+
+    def _publish(self, upto: int, beam: int = 0) -> None:
+        """Insert committed blocks ``[num_published, upto)`` of ``beam`` into the reuse tree (the
+        last may be partial). Before beams fork every beam's table holds the same pages: a block
+        deduplicated onto the tree's page switches in all of them."""
         tree = self._ctx.tree
         t = self._tokens_per_block
         parent = self._last_node
@@ -736,18 +1026,28 @@ class KVCache:
         if parent.ordinal >= 0 and parent.parent is None:
             return  # our last block was evicted and pruned: nothing after it can be reached
         locked = self._status is KVCacheStatus.ACTIVE
-        table = self._table
-        blocks = self._committed_blocks
+        table = self._tables[beam]
+        blocks, tail = self._seq(beam)
+        shared = len(self._tables) > 1
         for o in range(self._num_published, upto):
-            toks = blocks[o] if o < len(blocks) else tuple(self._tail)
+            toks = blocks[o] if o < len(blocks) else tuple(tail)
             mine = table.block_pages(o)
             pages = list(mine)
             node = tree.publish(parent, toks, pages, locked)
             if node is None:
                 return
             for i in range(len(pages)):
-                if pages[i] is not mine[i]:  # deduplicated: the tree's page replaced ours
-                    table.set_page(LifeCycleId(i), o, pages[i])
+                theirs = pages[i]
+                old = mine[i]
+                if theirs is not old:  # deduplicated: the tree's page replaced ours
+                    lc = LifeCycleId(i)
+                    table.set_page(lc, o, theirs)
+                    if shared and theirs is not None and old is not None:
+                        for other in self._tables:  # other beams holding the same page switch too
+                            if other is not table and other.pages[lc][o] is old:
+                                theirs.take(locked)
+                                other.set_page(lc, o, theirs)
+                                old.release(locked)
             if len(toks) < t:
                 return
             parent = node
@@ -777,7 +1077,7 @@ class KVCache:
             return indices[layer_group_id]  # the per-step path: no helper calls
         self._check_lc(layer_group_id)
         self._check_beam(beam_id)
-        return indices[layer_group_id]
+        return self._tables[beam_id].views[layer_group_id]
 
     def set_base_page_index_buf(self, beam: BeamIndex, layer_group_id: LayerGroupId, buf: memoryview | None) -> None:
         """Have the manager write this layer group's indices into ``buf`` (1-D int32, writable).
@@ -788,8 +1088,9 @@ class KVCache:
         self._check_lc(layer_group_id)
         if self._status is KVCacheStatus.CLOSED:
             raise LogicError("set_base_page_index_buf() on a CLOSED cache")
+        table = self._tables[beam]
         if buf is None:
-            self._table.attach_user_buf(layer_group_id, None)
+            table.attach_user_buf(layer_group_id, None)
             return
         if not isinstance(buf, memoryview):
             raise TypeError(f"buf must be a memoryview (or None), got {type(buf).__name__}")
@@ -806,7 +1107,7 @@ class KVCache:
             )
         if len(buf) < self._num_blocks:
             raise ValueError(f"buf holds {len(buf)} entries but the cache has {self._num_blocks} blocks")
-        self._table.attach_user_buf(layer_group_id, buf.cast("B").cast("i"))
+        table.attach_user_buf(layer_group_id, buf.cast("B").cast("i"))
 
     def get_aggregated_page_indices(
         self, layer_group_id: LayerGroupId, beam_id: BeamIndex = BeamIndex(0), valid_only: bool = False
@@ -832,8 +1133,8 @@ class KVCache:
 
     def _check_beam(self, beam: int) -> None:
         check_int("beam index", beam)
-        if beam != 0:
-            raise ValueError(f"beam index must be 0 (beam_width is 1), got {beam}")
+        if beam >= self._beam_width:
+            raise ValueError(f"beam index must be in [0, {self._beam_width}) (the beam width), got {beam}")
 
 
 def _count_outside(beg: int, end: int, a_beg: int, a_end: int, b_beg: int, b_end: int) -> int:

@@ -9,6 +9,7 @@ import rawref
 from .._common import (
     DEFAULT_REUSE_SCOPE,
     GPU_LEVEL,
+    MAX_BEAM_WIDTH,
     AggregatedPageDesc,
     BufferId,
     CacheLevel,
@@ -113,9 +114,17 @@ class KVCacheManager:
         input_tokens: Sequence[TokenIdExt] | None = None,
         id: object = None,
         custom_priority_callback: PriorityCallback = default_priority,
+        beam_width: int = 1,
     ) -> KVCache:
-        """A new SUSPENDED cache for one request; call ``resume()`` before ``resize()``."""
+        """A new SUSPENDED cache for one request; call ``resume()`` before ``resize()``.
+
+        ``beam_width`` (fixed for the request's life): beams share every page until the first
+        ``commit`` with ``beam_search_indices``; then each has its own generated blocks.
+        """
         self._check_alive()
+        check_int("beam_width", beam_width, 1)
+        if beam_width > MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be at most {MAX_BEAM_WIDTH}, got {beam_width}")
         if reuse_scope is not None:
             check_type("reuse_scope", reuse_scope, ReuseScope)
         if not callable(custom_priority_callback):
@@ -124,7 +133,7 @@ class KVCacheManager:
         ctx = self._ctx
         ctx.enter("create_kv_cache()")
         try:
-            kv = KVCache(ctx, scope, id, custom_priority_callback)
+            kv = KVCache(ctx, scope, id, custom_priority_callback, beam_width)
             if input_tokens is not None and len(input_tokens) > 0:
                 nodes, part, part_len = self._match(scope, input_tokens, True)  # may raise: kv is not open yet
                 kv._adopt(nodes, part, part_len, input_tokens)
