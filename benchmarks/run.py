@@ -4,7 +4,8 @@
     python benchmarks/run.py --quick         # seconds; what CI runs so the suite never rots
     python benchmarks/run.py --only decode admission --modes compiled
 
-Scenarios (SPEC 9): decode (resize(+1) + commit + indices per request per step), admission
+Scenarios (SPEC 9): decode (resize(+1) + commit + indices per request per step), decode_beams
+(the same with 4 beams following random parents, per request), admission
 (probe_reuse + create_kv_cache + resume + resize for a 1536-token prompt, 1024 tokens shared),
 admission_array (the same with array('I') prompts), admission_scaling (admission with 1k, 10k
 and 40k cached conversations sharing a chat-template prefix), close (stop_committing + close), hashing
@@ -51,6 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST_DIR = os.path.join(ROOT, "build", "bench", "fast")
 SCENARIOS = [
     "decode",
+    "decode_beams",
     "admission",
     "admission_array",
     "admission_scaling",
@@ -167,6 +169,46 @@ def scenario_decode_events(p: dict[str, int]) -> dict[str, Any]:
         "events_per_step": n / p["steps"],
         "note": "decode with a KVCacheEventManager; the step includes draining the queue",
     }
+
+
+def scenario_decode_beams(p: dict[str, int]) -> dict[str, Any]:
+    """Decode with beam search, B = 4: resize(+1) + commit of every beam's token with random
+    parents (the partial tail copied on write when beams share a parent) + every beam's indices,
+    per request per step. The B = 1 figure is the ``decode`` scenario."""
+    import random
+
+    width = 4
+    t, n_req, steps = p["tokens_per_block"], p["beam_requests"], p["steps"]
+    prompt_len = p["shared"] + p["unique"]
+    m = _manager(p["layers"], t, n_req * width * (prompt_len + steps) // t + 64 * width)
+    system = list(range(10_000, 10_000 + p["shared"]))
+    rng = random.Random(0)
+    caches = []
+    for r in range(n_req):
+        prompt = system + [r * 100_003 + i for i in range(p["unique"])]
+        kv = m.create_kv_cache(input_tokens=prompt[:-1], beam_width=width)
+        assert kv.resume()
+        h = kv.history_length
+        assert kv.resize(len(prompt))
+        kv.commit([prompt[h:]] * width, [0] * width)
+        caches.append(kv)
+    parents = [[rng.randrange(width) for _ in range(width)] for _ in range(steps)]
+    tokens = [[[step * width + b] for b in range(width)] for step in range(steps)]
+    samples = []
+    for step in range(steps):
+        par, toks = parents[step], tokens[step]
+        t0 = time.perf_counter()
+        for kv in caches:
+            kv.resize(kv.capacity + 1)
+            kv.commit(toks, par)
+            for b in range(width):
+                kv.get_base_page_indices(0, b)
+        samples.append((time.perf_counter() - t0) / n_req * 1e6)
+    for kv in caches:
+        kv.close()
+    m.clear_reusable_blocks()
+    m.shutdown()
+    return {"unit": "us/request/step", "samples": samples, "beam_width": width, "note": "per request (4 beams)"}
 
 
 def scenario_swa(p: dict[str, int]) -> dict[str, Any]:
@@ -648,6 +690,7 @@ DEFAULTS = dict(
     hash_blocks=20_000,
     trace_requests=400,
     cache_tokens=3_000_000,
+    beam_requests=64,
     prefill_requests=32,
     prefill_tokens=8192,
     prefill_chunk=2048,
@@ -672,6 +715,7 @@ QUICK = dict(
     hash_blocks=500,
     trace_requests=20,
     cache_tokens=200_000,
+    beam_requests=4,
     prefill_requests=2,
     prefill_tokens=2048,
     prefill_chunk=512,

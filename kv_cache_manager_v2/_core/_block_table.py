@@ -91,23 +91,26 @@ class BlockTable:
                 # filled as a list, then stored at once: array item calls are slow compiled
                 self._store[lc][: len(pages)] = array("i", [BAD_PAGE_INDEX if p is None else p.slot for p in pages])
 
-    def clone(self, locked: bool) -> BlockTable:
-        """Another beam's table sharing every page (each taken once more: one owner per table);
-        indices and stale ranges copied; no caller buffers, scratch slots or pending copies."""
-        t = BlockTable(len(self.pages))
-        t.live = self.live
+    def become(self, other: BlockTable, locked: bool) -> None:
+        """Turn into a copy of ``other``, another beam's table of the same request (same block
+        count): pages it does not share with ``other`` are released, ``other``'s taken. Cheap
+        when the beams share most blocks, as beams do."""
         for i, pages in enumerate(self.pages):
             lc = LifeCycleId(i)
-            for p in pages:
-                if p is not None:
-                    p.take(locked)
-            t.pages[lc] = list(pages)
-            nb = len(pages)
-            if nb:
-                t._set_len(lc, 0, nb)
-                t._store[lc][:nb] = self._store[lc][:nb]
-            t.stale_end[lc] = self.stale_end[lc]
-        return t
+            src = other.pages[lc]
+            for o in range(len(src)):
+                p = src[o]
+                q = pages[o]
+                if p is not q:
+                    if p is not None:
+                        p.take(locked)
+                    pages[o] = p
+                    if q is not None:
+                        q.release(locked)
+            n = len(src)
+            if n:
+                self._store[lc][:n] = other._store[lc][:n]
+            self.stale_end[lc] = other.stale_end[lc]
 
     def block_pages(self, o: int) -> list[Page | None]:
         """Block ``o``'s page in every life cycle."""

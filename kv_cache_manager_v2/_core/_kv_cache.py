@@ -912,21 +912,26 @@ class KVCache:
             old_tables = self._tables
             old_seqs = [self._seq(b) for b in range(width)]
             bufs = [table.take_user_bufs() for table in old_tables]
-            new_tables: list[BlockTable] = []
-            new_seqs: list[tuple[list[tuple[TokenIdExt, ...]], list[TokenIdExt]]] = []
+            new_tables: list[BlockTable] = list(old_tables)
+            new_seqs: list[tuple[list[tuple[TokenIdExt, ...]], list[TokenIdExt]]] = list(old_seqs)
             used = [False] * width
+            extra: list[int] = []
             for b in range(width):
                 p = parents[b]
-                if used[p]:  # a second child: shares the parent's pages (one more owner each)
-                    new_tables.append(old_tables[p].clone(True))
-                    new_seqs.append((list(old_seqs[p][0]), list(old_seqs[p][1])))
-                else:
+                if used[p]:
+                    extra.append(b)
+                else:  # the first beam continuing p takes p's table as it is
                     used[p] = True
-                    new_tables.append(old_tables[p])
-                    new_seqs.append(old_seqs[p])
-            for p in range(width):
-                if not used[p]:
-                    old_tables[p].release_all(True)  # no beam continues it: its private pages go
+                    new_tables[b] = old_tables[p]
+                    new_seqs[b] = old_seqs[p]
+            # each further beam continuing a parent takes the table of a beam nobody continues:
+            # it becomes a copy of the parent's (beams share most pages, so few change hands)
+            dropped = [p for p in range(width) if not used[p]]
+            for b, d in zip(extra, dropped):
+                p = parents[b]
+                old_tables[d].become(old_tables[p], True)
+                new_tables[b] = old_tables[d]
+                new_seqs[b] = (list(old_seqs[p][0]), list(old_seqs[p][1]))
             t = self._tokens_per_block
             for b in range(width):
                 new_tables[b].give_user_bufs(bufs[b])
