@@ -30,6 +30,9 @@ class Page:
     while it is DROPPABLE, or HELD at a level above the last (``in_evictor`` says how).
     A page whose data was lost to a disk error is ``lost``: no slot, out of the tree, still
     counted by its owners until they let go.
+
+    Pages are untracked by the cyclic garbage collector, like tree nodes: the evictor unlinks
+    a page it stops listing, and the manager empties the evictors when it goes away.
     """
 
     __slots__ = (
@@ -67,6 +70,7 @@ class Page:
         self.lru_next: Page | None = None
         self.in_evictor = NOT_LISTED
         self.lost = False
+        rawref.untrack(self)  # see the class docstring
 
     @property
     def status(self) -> PageStatus:

@@ -18,3 +18,6 @@ class ref(Generic[_T]):
     def invalidate(self) -> None: ...
 
 NULL: ref[Any]
+
+def untrack(obj: _T) -> _T:
+    """Take ``obj`` out of the cyclic GC (its owner breaks its reference cycles); returns it."""

@@ -131,11 +131,33 @@ static PyTypeObject RawRefType = {
     .tp_new = rawref_new,
 };
 
+/*
+ * untrack(obj): take obj out of the cyclic garbage collector's lists. For objects that are
+ * many and long-lived (tree nodes, pages) and whose reference cycles their owner breaks
+ * explicitly: the collector then never traverses them again. Returns obj.
+ */
+static PyObject *
+rawref_untrack(PyObject *module, PyObject *obj)
+{
+    if (PyObject_IS_GC(obj)) {
+        PyObject_GC_UnTrack(obj); /* a no-op when already untracked */
+    }
+    Py_INCREF(obj);
+    return obj;
+}
+
+static PyMethodDef module_methods[] = {
+    {"untrack", (PyCFunction)rawref_untrack, METH_O,
+     "untrack(obj) -> obj: the cyclic GC stops tracking obj (its owner must break its cycles)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef rawref_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "rawref._rawref",
     .m_doc = "Non-owning references usable from mypyc-compiled code.",
     .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC

@@ -31,6 +31,7 @@ class CacheContext:
         "num_life_cycles",
         "num_pool_groups",
         "open_caches",
+        "orphaned",
         "busy",
         "deferred_closes",
         "scratch_util",
@@ -67,6 +68,8 @@ class CacheContext:
         self.enable_stats = config.enable_stats
         #: open caches as non-owning refs: a cache dropped by its owner closes itself
         self.open_caches: set[rawref.ref[KVCache]] = set()
+        #: the manager was dropped while caches were open: the last one to close releases the memory
+        self.orphaned = False
         #: a state-changing call is in progress (calls must not overlap: see ``enter``)
         self.busy = False
         #: caches the garbage collector dropped during a call; closed when it ends
@@ -82,6 +85,23 @@ class CacheContext:
                 "call at a time"
             )
         self.busy = True
+
+    def release_memory(self) -> None:
+        """Empty the tree and the evictors, give the pools back (no cache may be open).
+
+        Tree nodes and pages are not tracked by the cyclic garbage collector (see ``Node``), so
+        this is also what breaks their reference cycles when a manager goes away."""
+        self.tree.clear()
+        self.storage.drop_all_evictable()
+        self.storage.release()
+        self.storage.backend.shutdown()
+
+    def cache_closed(self, ref: rawref.ref[KVCache]) -> None:
+        """A cache closed; the last one of a dropped manager releases its memory."""
+        self.open_caches.discard(ref)
+        if self.orphaned and not self.open_caches:
+            self.orphaned = False
+            self.release_memory()
 
     def leave(self) -> None:
         self.busy = False

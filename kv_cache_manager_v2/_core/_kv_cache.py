@@ -589,7 +589,7 @@ class KVCache:
         self._capacity = self._history = self._num_blocks = 0
         r = self._rawref
         if r is not None:
-            self._ctx.open_caches.discard(r)
+            self._ctx.cache_closed(r)
             r.invalidate()
             self._rawref = None
 

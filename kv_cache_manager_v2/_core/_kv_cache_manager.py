@@ -51,6 +51,9 @@ from ._kv_cache import KVCache, PriorityCallback, default_priority
 class KVCacheManager:
     """Owns the KV memory pools and hands pages to per-request :class:`KVCache` objects."""
 
+    #: True until construction completes (a half-built manager has nothing to release)
+    _is_shut_down: bool = True
+
     def __init__(self, config: KVCacheManagerConfig, event_manager: KVCacheEventManager | None = None) -> None:
         if not isinstance(config, KVCacheManagerConfig):
             raise TypeError(f"config must be a KVCacheManagerConfig, got {type(config).__name__}")
@@ -241,13 +244,22 @@ class KVCacheManager:
         self._check_no_open_caches("shutdown")
         self._ctx.enter("shutdown()")
         try:
-            self._tree.clear()
-            self._storage.drop_all_evictable()
-            self._storage.release()
-            self._backend.shutdown()
+            self._ctx.release_memory()
             self._is_shut_down = True
         finally:
             self._ctx.leave()
+
+    def __del__(self) -> None:
+        # Tree nodes and pages are invisible to the cyclic GC: a manager dropped without
+        # shutdown() releases them (and the pools) now, or when its last open cache closes.
+        if self._is_shut_down:
+            return
+        ctx = self._ctx
+        if ctx.open_caches:
+            ctx.orphaned = True
+        elif not ctx.busy:
+            self._is_shut_down = True
+            ctx.release_memory()
 
     # ------------------------------------------------------------------ layout for kernels
     @property

@@ -80,7 +80,13 @@ def _id_encoding(tokens: Sequence[TokenIdExt]) -> bytes | None:
 
 
 class Node:
-    """One committed block (full, or a partial tail) with non-owning refs to its pages."""
+    """One committed block (full, or a partial tail) with non-owning refs to its pages.
+
+    A tree can hold millions of nodes, so nodes, their ``pages`` lists and ``_children`` dicts
+    are untracked by the cyclic garbage collector (which would traverse them all at every full
+    collection). The tree breaks its cycles itself: a node leaving the tree loses its ``parent``
+    and children; the manager clears the tree at shutdown or when it is dropped.
+    """
 
     __slots__ = (
         "_children",
@@ -109,13 +115,14 @@ class Node:
         self._children: dict[BlockKey, Node] | None = None
         #: sorted children for partial matching, built once a node has many children
         self._index: _PartialIndex | None = None
-        self.pages: list[rawref.ref[Page] | None] = [None] * num_life_cycles
+        self.pages: list[rawref.ref[Page] | None] = rawref.untrack([None] * num_life_cycles)
         #: requests that will publish the next block under this node: it stays while they may
         self.num_extenders = 0
         #: no page of this node or below it evicts after an anchor page of this node or above it
         self.prio_cap: Priority = parent.prio_cap if parent is not None else MAX_PRIORITY
         #: a root's ``(lora_id, salt)``
         self.scope: tuple[int | None, int | None] | None = None
+        rawref.untrack(self)
 
     def page(self, lc: int) -> Page | None:
         r = self.pages[lc]
@@ -137,6 +144,7 @@ class Node:
         if self._children is None:
             self._children = {}
         self._children[child.key] = child
+        rawref.untrack(self._children)  # inserting a node re-tracks a dict
         if self._index is not None:
             self._index.add(child)
 
