@@ -1,5 +1,12 @@
-"""Builds the rawref C extension (the only native piece needed in fast mode)."""
+"""Builds the two small C extensions (the only native pieces needed in fast mode): rawref
+(non-owning references, GC untracking) and blockhash (chained SHA-256 through hashlib's libcrypto)."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("rawref._rawref", ["rawref/_rawref.c"], extra_compile_args=["-O2", "-Wall"])])
+FLAGS = ["-O2", "-Wall"]
+setup(
+    ext_modules=[
+        Extension("rawref._rawref", ["rawref/_rawref.c"], extra_compile_args=FLAGS),
+        Extension("blockhash._blockhash", ["blockhash/_blockhash.c"], extra_compile_args=FLAGS, libraries=["dl"]),
+    ]
+)

@@ -30,7 +30,7 @@ from .._common import (
 )
 from .._exceptions import LogicError, OutOfPagesError
 from .._page import Page
-from .._reuse._keys import check_token, validate_tokens
+from .._reuse._keys import chain_keys, check_token, encode_validated, validate_tokens
 from .._reuse._tree import Node
 from .._utils import check_int, check_type
 from ._block_table import BlockTable
@@ -869,9 +869,11 @@ class KVCache:
             tail.extend(accepted_input_tokens)
             if len(tail) >= t:
                 full = len(tail) // t
+                first = len(self._committed_blocks)
+                encoded = encode_validated(tail[: full * t]) if first == self._num_published else None
                 self._committed_blocks.extend([tuple(tail[i * t : (i + 1) * t]) for i in range(full)])
                 del tail[: full * t]
-                self._publish(len(self._committed_blocks))
+                self._publish(first + full, 0, encoded)
             if n > self._history:
                 self._history = n
                 if ctx.has_swa:
@@ -1018,10 +1020,11 @@ class KVCache:
         if upto > self._num_published:
             self._publish(upto, self._final_beam)
 
-    def _publish(self, upto: int, beam: int = 0) -> None:
+    def _publish(self, upto: int, beam: int = 0, encoded: bytes | None = None) -> None:
         """Insert committed blocks ``[num_published, upto)`` of ``beam`` into the reuse tree (the
-        last may be partial). Before beams fork every beam's table holds the same pages: a block
-        deduplicated onto the tree's page switches in all of them."""
+        last may be partial); ``encoded``: those blocks' tokens encoded (full blocks of ids), so
+        their keys are hashed in one call. Before beams fork every beam's table holds the same
+        pages: a block deduplicated onto the tree's page switches in all of them."""
         tree = self._ctx.tree
         t = self._tokens_per_block
         parent = self._last_node
@@ -1034,11 +1037,13 @@ class KVCache:
         table = self._tables[beam]
         blocks, tail = self._seq(beam)
         shared = len(self._tables) > 1
-        for o in range(self._num_published, upto):
+        first = self._num_published
+        keys = chain_keys(parent.key, encoded, t * 4) if encoded is not None else None
+        for o in range(first, upto):
             toks = blocks[o] if o < len(blocks) else tuple(tail)
             mine = table.block_pages(o)
             pages = list(mine)
-            node = tree.publish(parent, toks, pages, locked)
+            node = tree.publish(parent, toks, pages, locked, keys[o - first] if keys is not None else None)
             if node is None:
                 return
             for i in range(len(pages)):

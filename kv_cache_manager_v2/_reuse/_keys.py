@@ -7,6 +7,8 @@ from array import array
 from collections.abc import Sequence
 from typing import Final, cast
 
+import blockhash
+
 from .._common import MAX_TOKEN_ID, ReuseScope, TokenIdExt
 
 BlockKey = bytes
@@ -14,10 +16,31 @@ BlockKey = bytes
 _SHA256_INIT: Final = hashlib.sha256()
 
 
+#: chained keys of a run of blocks in one native call (OpenSSL through blockhash); else hashlib
+NATIVE_CHAIN: Final = blockhash.available
+
+
 def _sha256_digest(data: bytes) -> bytes:
     h = _SHA256_INIT.copy()
     h.update(data)
     return h.digest()
+
+
+def chain_keys(parent: BlockKey, encoded: bytes, block_bytes: int) -> list[BlockKey]:
+    """Keys of the consecutive blocks encoded in ``encoded`` (``block_bytes`` each, the last may be
+    shorter), chained from ``parent``: ``block_key`` of each, in one call."""
+    if NATIVE_CHAIN:
+        return blockhash.chain(parent, encoded, block_bytes)
+    return chain_keys_hashlib(parent, encoded, block_bytes)
+
+
+def chain_keys_hashlib(parent: BlockKey, encoded: bytes, block_bytes: int) -> list[BlockKey]:
+    """``chain_keys`` through hashlib, a block at a time (where blockhash is not available)."""
+    keys: list[BlockKey] = []
+    for beg in range(0, len(encoded), block_bytes):
+        parent = _sha256_digest(parent + encoded[beg : beg + block_bytes])
+        keys.append(parent)
+    return keys
 
 
 #: Blocks validated and encoded together by ``BlockHasher``.
@@ -120,6 +143,16 @@ def encode_ids(tokens: Sequence[TokenIdExt], name: str) -> bytes | None:
     return encoded.tobytes()
 
 
+def encode_validated(tokens: list[TokenIdExt]) -> bytes | None:
+    """uint32 LE encoding of tokens already validated; None when they include digests."""
+    encoded: array[int] = array("I")
+    try:
+        encoded.fromlist(cast(list[int], tokens))
+    except TypeError:
+        return None
+    return encoded.tobytes()
+
+
 def _encode_array(tokens: array[int], name: str) -> bytes:
     if tokens.typecode == "I":
         return tokens.tobytes()  # a memory copy: no per-token conversion
@@ -172,15 +205,21 @@ class BlockHasher:
         while len(self._chunks) <= c:
             self._encode_chunk()
         chunk = self._chunks[c]
-        end = min((o + 1) * t, len(self.tokens))
         if chunk is None:
-            key = block_key(parent, self.tokens[o * t : end])
-        else:
-            base = c * _CHUNK_BLOCKS * t
-            key = _sha256_digest(parent + chunk[(o * t - base) * 4 : (end - base) * 4])
-        if o == len(self.keys):
-            self.keys.append(key)
-        return key
+            key = block_key(parent, self.tokens[o * t : min((o + 1) * t, len(self.tokens))])
+            if o == len(self.keys):
+                self.keys.append(key)
+            return key
+        beg = (o - c * _CHUNK_BLOCKS) * t * 4
+        full_end = len(chunk) - len(chunk) % (t * 4)
+        if o != len(self.keys) or beg >= full_end:  # out of sequence, or the partial last block: alone
+            key = _sha256_digest(parent + chunk[beg : beg + t * 4])
+            if o == len(self.keys):
+                self.keys.append(key)
+            return key
+        # the chunk's remaining full blocks in one call (a match usually goes on to the next block)
+        self.keys += chain_keys(parent, chunk[beg:full_end], t * 4)
+        return self.keys[o]
 
     def chain(self, parent: BlockKey) -> list[BlockKey]:
         """Keys of every block of the sequence, chained from ``parent``."""

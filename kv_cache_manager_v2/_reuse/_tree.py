@@ -282,9 +282,15 @@ class ReuseTree(PageDropListener):
 
     # ------------------------------------------------------------------ publishing
     def publish(
-        self, parent: Node, tokens: tuple[TokenIdExt, ...], pages: list[Page | None], locked: bool
+        self,
+        parent: Node,
+        tokens: tuple[TokenIdExt, ...],
+        pages: list[Page | None],
+        locked: bool,
+        key: BlockKey | None = None,
     ) -> Node | None:
-        """Insert one committed block under ``parent`` (a partial tail when shorter than a block).
+        """Insert one committed block under ``parent`` (a partial tail when shorter than a block);
+        ``key`` is its ``block_key`` when the caller computed it (with its neighbours', in one call).
 
         ``pages[lc]`` is the publishing request's page of the block (None: it has none there).
         Where the tree already holds a page for the block, the request switches to it (dedup):
@@ -299,7 +305,8 @@ class ReuseTree(PageDropListener):
         """
         if len(tokens) < self.tokens_per_block and parent.covers(tokens):
             return None
-        key = block_key(parent.key, tokens)
+        if key is None:
+            key = block_key(parent.key, tokens)
         node = parent.child(key)
         if node is None:
             node = Node(key, parent, tokens, len(pages))

@@ -1,0 +1,162 @@
+/*
+ * blockhash: the SHA-256 key chain of a run of blocks in one call.
+ *
+ * key[0] = SHA-256(parent || block[0]), key[i] = SHA-256(key[i-1] || block[i]), where the
+ * blocks are consecutive `block_bytes`-byte slices of `data` (the last may be shorter). The
+ * digest is OpenSSL's low-level SHA256_Init/Update/Final (the one-shot SHA256() of OpenSSL 3
+ * looks the algorithm up on every call), found in the libcrypto that Python's hashlib already
+ * loaded: no crypto here, and no OpenSSL headers needed to build. Without them, `available` is
+ * False and callers use hashlib.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <string.h>
+#if defined(__linux__)
+#include <link.h>
+#endif
+
+#define DIGEST 32
+
+/* SHA256_CTX is 112 bytes in every OpenSSL from 0.9.8 to 3.x; room to spare, suitably aligned */
+typedef union {
+    unsigned char bytes[256];
+    long double align;
+} sha256_ctx;
+typedef int (*init_fn)(sha256_ctx *ctx);
+typedef int (*update_fn)(sha256_ctx *ctx, const void *data, size_t len);
+typedef int (*final_fn)(unsigned char *md, sha256_ctx *ctx);
+static init_fn sha256_init;
+static update_fn sha256_update;
+static final_fn sha256_final;
+
+static int
+bind(void *handle)
+{
+    sha256_init = (init_fn)dlsym(handle, "SHA256_Init");
+    sha256_update = (update_fn)dlsym(handle, "SHA256_Update");
+    sha256_final = (final_fn)dlsym(handle, "SHA256_Final");
+    return sha256_init != NULL && sha256_update != NULL && sha256_final != NULL;
+}
+
+#if defined(__linux__)
+static int
+find_libcrypto(struct dl_phdr_info *info, size_t size, void *found)
+{
+    (void)size;
+    const char *name = info->dlpi_name;
+    if (name != NULL && strstr(name, "libcrypto") != NULL) {
+        void *handle = dlopen(name, RTLD_LAZY | RTLD_NOLOAD);
+        if (handle != NULL && bind(handle)) {
+            *(int *)found = 1;
+            return 1;
+        }
+    }
+    return 0;
+}
+#endif
+
+static void
+load_sha256(void)
+{
+    /* hashlib's OpenSSL module loads libcrypto; use that very library */
+    PyObject *hashlib = PyImport_ImportModule("_hashlib");
+    if (hashlib == NULL) {
+        PyErr_Clear();
+    }
+    Py_XDECREF(hashlib);
+    int found = 0;
+#if defined(__linux__)
+    dl_iterate_phdr(find_libcrypto, &found);
+#endif
+    static const char *names[] = {"libcrypto.so.3", "libcrypto.so.1.1", "libcrypto.dylib", NULL};
+    for (int i = 0; !found && names[i] != NULL; i++) {
+        void *handle = dlopen(names[i], RTLD_LAZY | RTLD_LOCAL);
+        found = handle != NULL && bind(handle);
+    }
+    if (!found) {
+        sha256_init = NULL;
+    }
+}
+
+static PyObject *
+blockhash_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "chain(parent, data, block_bytes) takes 3 arguments");
+        return NULL;
+    }
+    if (sha256_init == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "blockhash: OpenSSL's SHA-256 was not found (check blockhash.available)");
+        return NULL;
+    }
+    PyObject *parent = args[0];
+    if (!PyBytes_Check(parent) || PyBytes_GET_SIZE(parent) != DIGEST) {
+        PyErr_SetString(PyExc_ValueError, "chain: parent must be a 32-byte bytes digest");
+        return NULL;
+    }
+    Py_ssize_t block_bytes = PyLong_AsSsize_t(args[2]);
+    if (block_bytes == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (block_bytes <= 0) {
+        PyErr_SetString(PyExc_ValueError, "chain: block_bytes must be positive");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    Py_ssize_t n = (view.len + block_bytes - 1) / block_bytes;
+    PyObject *out = PyList_New(n);
+    const unsigned char *data = view.buf;
+    const char *prev = PyBytes_AS_STRING(parent);
+    sha256_ctx ctx;
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        Py_ssize_t beg = i * block_bytes;
+        Py_ssize_t len = view.len - beg < block_bytes ? view.len - beg : block_bytes;
+        PyObject *key = PyBytes_FromStringAndSize(NULL, DIGEST);
+        if (key == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        unsigned char *md = (unsigned char *)PyBytes_AS_STRING(key);
+        sha256_init(&ctx);
+        sha256_update(&ctx, prev, DIGEST);
+        sha256_update(&ctx, data + beg, (size_t)len);
+        sha256_final(md, &ctx);
+        prev = (const char *)md;
+        PyList_SET_ITEM(out, i, key);
+    }
+    PyBuffer_Release(&view);
+    return out;
+}
+
+static PyMethodDef module_methods[] = {
+    {"chain", (PyCFunction)(void (*)(void))blockhash_chain, METH_FASTCALL,
+     "chain(parent, data, block_bytes) -> list of 32-byte keys: key[i] = SHA-256(key[i-1] || block i)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef blockhash_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "blockhash._blockhash",
+    .m_doc = "Chained SHA-256 block keys through the libcrypto hashlib uses.",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__blockhash(void)
+{
+    load_sha256();
+    PyObject *m = PyModule_Create(&blockhash_module);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(m, "available", sha256_init != NULL ? Py_True : Py_False) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,115 @@
+"""Block keys hashed in runs (blockhash's native chain, hashlib's fallback) equal the per-block
+definition, for every way keys are computed: matching, probe -> create, and publishing."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from array import array
+
+import blockhash
+import pytest
+from conftest import kv_layers, make_config
+
+from kv_cache_manager_v2 import KVCacheManager, ReuseScope
+from kv_cache_manager_v2._reuse._keys import (
+    NATIVE_CHAIN,
+    BlockHasher,
+    block_key,
+    chain_keys,
+    chain_keys_hashlib,
+    scope_key,
+)
+
+
+def _reference(parent: bytes, data: bytes, block_bytes: int) -> list[bytes]:
+    out = []
+    for beg in range(0, len(data), block_bytes):
+        parent = hashlib.sha256(parent + data[beg : beg + block_bytes]).digest()
+        out.append(parent)
+    return out
+
+
+def test_native_chain_is_available_here() -> None:
+    # CI machines have the libcrypto hashlib uses; a silent fallback would hide a build problem
+    assert blockhash.available and NATIVE_CHAIN
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 129, 1000, 128 * 49, 5000])
+@pytest.mark.parametrize("block_bytes", [4, 128, 700, 4096])
+def test_chain_equals_sha256_of_parent_and_block(size: int, block_bytes: int) -> None:
+    parent = hashlib.sha256(b"root").digest()
+    data = os.urandom(size)
+    want = _reference(parent, data, block_bytes)
+    assert blockhash.chain(parent, data, block_bytes) == want
+    assert blockhash.chain(parent, memoryview(bytearray(data)), block_bytes) == want
+    assert chain_keys_hashlib(parent, data, block_bytes) == want
+    assert chain_keys(parent, data, block_bytes) == want
+
+
+def test_chain_rejects_bad_arguments() -> None:
+    parent = bytes(32)
+    with pytest.raises(ValueError, match="32-byte"):
+        blockhash.chain(b"short", b"x", 4)
+    with pytest.raises(ValueError, match="positive"):
+        blockhash.chain(parent, b"x", 0)
+    with pytest.raises(TypeError):
+        blockhash.chain(parent, "text", 4)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("as_array", [False, True])
+def test_hasher_keys_equal_block_keys(as_array: bool) -> None:
+    t = 8
+    tokens = [(i * 7919) % 50_000 for i in range(8 * 8 * 3 + 5)]  # three chunks and a partial block
+    root = scope_key(ReuseScope())
+    want, parent = [], root
+    for o in range(0, len(tokens), t):
+        parent = block_key(parent, tokens[o : o + t])
+        want.append(parent)
+    hasher = BlockHasher(array("I", tokens) if as_array else tokens, t, "tokens")
+    assert hasher.chain(root) == want
+    # a match stops early: keys are computed a chunk at a time, never for the partial block
+    hasher = BlockHasher(tokens, t, "tokens")
+    parent = root
+    for o in range(3):
+        parent = hasher.key(parent, o)
+    assert hasher.keys == want[:8]
+
+
+def test_probe_of_a_partial_block_then_longer_create() -> None:
+    """probe_reuse's keys are kept for create_kv_cache; a block that was partial in the probed
+    tokens is full in the created ones and must get its own key."""
+    m = KVCacheManager(make_config(kv_layers(1), tokens_per_block=8, enable_partial_reuse=False))  # type: ignore[arg-type]
+    prompt = list(range(100, 164))
+    kv = m.create_kv_cache(input_tokens=prompt)
+    assert kv.resume() and kv.resize(len(prompt))
+    kv.commit(prompt)
+    kv.close()
+    assert m.probe_reuse(None, prompt[:37]) == 32
+    other = m.create_kv_cache(input_tokens=prompt[:60])
+    assert other.num_committed_tokens == 56
+    other.close()
+    assert m.probe_reuse(None, prompt[:37]) == 32
+    wrong = m.create_kv_cache(input_tokens=prompt[:37] + [1, 2, 3, 4])
+    assert wrong.num_committed_tokens == 32
+    wrong.close()
+    m.shutdown()
+
+
+def test_published_keys_match_the_hasher() -> None:
+    """A prefill commit hashes its blocks in one run; the tree's keys equal block_key's."""
+    t = 8
+    m = KVCacheManager(make_config(kv_layers(1), tokens_per_block=t))  # type: ignore[arg-type]
+    prompt = list(range(1000, 1000 + 8 * t + 3))
+    kv = m.create_kv_cache(input_tokens=[])
+    assert kv.resume() and kv.resize(len(prompt))
+    kv.commit(prompt[:5])
+    kv.commit(prompt[5:])  # completes 8 blocks at once, the first started by the previous commit
+    kv.close()
+    keys = BlockHasher(prompt, t, "p").chain(scope_key(ReuseScope()))
+    node = m._tree.root(ReuseScope(), False)
+    assert node is not None
+    for o in range(8):
+        node = node.child(keys[o])
+        assert node is not None and node.tokens == tuple(prompt[o * t : (o + 1) * t])
+    m.shutdown()
