@@ -601,7 +601,7 @@ def test_wraps_an_existing_manager_and_leaves_it_running(make_manager: Callable[
         KVCacheResourceManager()
     with pytest.raises(ValueError, match="exactly one of config or manager"):
         KVCacheResourceManager(make_config(kv_layers(1, T)), manager=m)
-    with pytest.raises(TypeError, match="manager must be a KVCacheManager"):
+    with pytest.raises(TypeError, match=arg_type_error("manager must be a KVCacheManager")):
         KVCacheResourceManager(manager=object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="layer_group_id must be in"):
         m.get_layer_group_info(LayerGroupId(2))

@@ -115,7 +115,7 @@ def test_lower_tiers_get_their_rows(capsys: pytest.CaptureFixture[str], tmp_path
     assert set(rep["hit_rate"]["by_tier"]) == {"gpu", tier[2:]}
     code, out, err = run(capsys, *args)
     assert code == 0, err
-    assert f"{tier[2:]} 40000tok" in out and f"pages offloaded to {tier[2:]}" in out and "onboarded" in out, out
+    assert f"{tier[2:]} 40000tok" in out and f"offloaded to {tier[2:]}" in out and "onboarded" in out, out
     assert f"gpu {rep['hit_rate']['by_tier']['gpu']:.3f} + {tier[2:]}" in out
 
 

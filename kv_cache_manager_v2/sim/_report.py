@@ -174,7 +174,7 @@ def _traffic(tiers: list[dict[str, Any]], i: int) -> str:
     if i + 1 < len(tiers):
         below = tiers[i + 1]
         parts.append(
-            f"{format_count(below['offloaded_pages'])} pages offloaded to {below['tier']} "
+            f"{format_count(below['offloaded_pages'])} offloaded to {below['tier']} "
             f"({format_bytes(below['offloaded_bytes'])}; at most {format_count(below['max_step_offloaded_pages'])} a step)"
         )
     if i > 0:
