@@ -231,3 +231,17 @@ class ScratchDesc:
 
     range: HalfOpenRange
     slot_ids: tuple[SlotId, ...]
+
+
+@dataclass(frozen=True)
+class LayerGroupInfo:
+    """One layer group (life cycle): its layers, attention shape, and the pool group of its slots."""
+
+    layer_group_id: LayerGroupId
+    layer_ids: tuple[LayerId, ...]
+    #: sliding window in tokens; None for full attention
+    window_size: int | None
+    #: blocks of sink tokens a sliding window keeps (0 for full attention)
+    num_sink_blocks: int
+    #: the pool group whose slots hold this layer group's blocks
+    pool_group_index: PoolGroupIndex

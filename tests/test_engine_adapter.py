@@ -14,12 +14,17 @@ from fake_engine import FakeEngine
 from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
     AttentionLayerConfig,
+    BlockStoredEvent,
+    CacheLevel,
+    KVCacheEventManager,
+    KVCacheManager,
     KVCacheStatus,
     LayerGroupId,
     LayerId,
     LogicError,
     PageIndexMode,
     ReuseScope,
+    SwaScratchReuseConfig,
     TokenId,
     TokenIdExt,
     compiled,
@@ -573,3 +578,197 @@ def test_padding_requests(make_adapter: Callable[..., KVCacheResourceManager]) -
     assert a.manager.probe_reuse(None, [TokenId(0), TokenId(0)]) == 0  # never published
     with pytest.raises(TypeError):
         a.add_padding_request("x")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- tiers, scratch, an existing manager
+def test_wraps_an_existing_manager_and_leaves_it_running(make_manager: Callable[..., KVCacheManager]) -> None:
+    em = KVCacheEventManager()
+    m = make_manager(kv_layers(3, T, window=5, swa_every=2), T, 1 << 16, event_manager=em)
+    a = KVCacheResourceManager(manager=m)
+    assert a.manager is m
+    infos = [m.get_layer_group_info(LayerGroupId(lg)) for lg in range(len(m.layer_grouping))]
+    assert a.layer_group_pool_groups == [i.pool_group_index for i in infos]
+    assert [(i.window_size, i.num_sink_blocks, i.layer_ids) for i in infos] == [
+        (5, 0, (LayerId(0), LayerId(2))),
+        (None, 0, (LayerId(1),)),
+    ]
+    r = EngineRequest(1, toks(range(13)), 3)
+    run_to_end(a, FakeEngine(m), r)
+    assert any(isinstance(e, BlockStoredEvent) for e in em.get_latest_events())  # events with the adapter
+    a.shutdown()  # the adapter's requests are gone; the manager is the caller's
+    assert m.probe_reuse(None, r.all_tokens()) > 0
+    with pytest.raises(ValueError, match="exactly one of config or manager"):
+        KVCacheResourceManager()
+    with pytest.raises(ValueError, match="exactly one of config or manager"):
+        KVCacheResourceManager(make_config(kv_layers(1, T)), manager=m)
+    with pytest.raises(TypeError, match=arg_type_error("manager must be a KVCacheManager")):
+        KVCacheResourceManager(manager=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="layer_group_id must be in"):
+        m.get_layer_group_info(LayerGroupId(2))
+    m.shutdown()
+    with pytest.raises(LogicError, match="shut down"):
+        KVCacheResourceManager(manager=m)
+
+
+def test_suspended_request_spills_to_host_and_resumes_intact(
+    make_adapter: Callable[..., KVCacheResourceManager],
+) -> None:
+    """With a host tier, suspending frees GPU memory: another request takes it (the suspended pages
+    move down), and the next prepare brings them back with their data."""
+    a = make_adapter(kv_layers(1, T), quota=8 * slot_bytes(1), host_quota=16 * slot_bytes(1), max_util_for_resume=1.0)
+    m = a.manager
+    eng = FakeEngine(m)
+    host = CacheLevel(1)
+    first = EngineRequest(1, toks(range(20)), max_new_tokens=4)  # 5 blocks, then 6
+    assert step(a, eng, [first]) == []
+    a.suspend_resources(first)
+    assert a.get_needed_resource_to_completion_per_pool_group(first) == [6]  # its pages may spill: all again
+    other = EngineRequest(2, toks(range(100, 124)), max_new_tokens=2)  # 6 blocks: only fits if first spills
+    assert a.get_num_free_blocks() == 8  # first's pages count as free: the host can take them
+    assert step(a, eng, [other]) == []
+    assert m.get_tier_statistics(host).offloaded_pages >= 3
+    assert a.prepare_resources([first]) == [first]  # other holds the GPU: first stays suspended
+    run_to_end(a, eng, other)
+    assert a.is_suspended(first) and first.num_cached_tokens == 20
+    run_to_end(a, eng, first)  # resumed: the fake engine checks every page it attends to
+    assert m.get_tier_statistics(host).onboarded_pages >= 3
+    assert first.generated_tokens == [TokenId(5000 + 97 + i) for i in range(4)]
+
+
+def test_needed_to_completion_of_a_suspended_request_gpu_only(
+    make_adapter: Callable[..., KVCacheResourceManager],
+) -> None:
+    """Without lower tiers a suspended request keeps its GPU pages: it needs only the rest."""
+    a = make_adapter(kv_layers(1, T))
+    r = EngineRequest(1, toks(range(10)), max_new_tokens=9)  # 3 blocks now, 5 at the end
+    assert step(a, FakeEngine(a.manager), [r]) == []
+    need = a.get_needed_resource_to_completion_per_pool_group(r)
+    a.suspend_resources(r)
+    assert a.get_needed_resource_to_completion_per_pool_group(r) == need == [2]
+
+
+def test_disk_read_errors_shorten_what_prepare_reuses_and_resumes(
+    make_adapter: Callable[..., KVCacheResourceManager], tmp_path: object
+) -> None:
+    """A resume that loses blocks to a failed disk read sets num_cached_tokens (and, at admission,
+    num_reused_tokens) to what is intact; the engine recomputes the rest and the outputs hold."""
+    a = make_adapter(
+        kv_layers(1, T),
+        quota=6 * slot_bytes(1),
+        host_quota=8 * slot_bytes(1),
+        disk_quota=32 * slot_bytes(1),
+        disk_path=str(tmp_path),
+        max_util_for_resume=1.0,
+    )
+    m = a.manager
+    eng = FakeEngine(m)
+    sus = EngineRequest(1, toks(range(16)), max_new_tokens=4)
+    assert step(a, eng, [sus]) == []
+    a.suspend_resources(sus)
+    docs = [toks(range(100 * i, 100 * i + 20)) for i in range(2, 6)]
+    for i, doc in enumerate(docs):  # push sus's pages and the earlier docs down to disk
+        run_to_end(a, eng, EngineRequest(10 + i, doc, 1))
+    assert m.probe_reuse_levels(None, docs[0][:-1])[0] == 2 and m.probe_reuse_levels(None, sus.prompt_tokens)[0] == 2
+    disk = m._storage.levels[2].items[0].pools[0]
+    disk.error_hook = lambda op, off, n: op == "read"  # type: ignore[union-attr]
+    assert a.prepare_resources([sus]) == []
+    assert sus.num_cached_tokens == a.get_kv_cache(sus).history_length == 0  # block 0 was lost: recompute all
+    assert sus.num_scheduled_tokens == 17 and m.get_tier_statistics(CacheLevel(2)).io_errors > 0
+    eng.step(a.get_kv_cache(sus), sus.all_tokens(), 0, 17)
+    sus.generated_tokens.append(next_token(sus))
+    a.update_resources([sus])
+    run_to_end(a, eng, sus)
+    assert sus.generated_tokens == [TokenId(5000 + 97 + i) for i in range(4)]
+    again = EngineRequest(20, docs[0] + toks(range(7, 9)), max_new_tokens=2)
+    assert a.prepare_resources([again]) == []
+    disk.error_hook = None  # type: ignore[union-attr]
+    assert again.num_reused_tokens == again.num_cached_tokens == 0 and again.num_reused_tokens_per_level == [0, 0, 0]
+    assert again.num_scheduled_tokens == 22
+    eng.step(a.get_kv_cache(again), again.all_tokens(), 0, 22)
+    again.generated_tokens.append(next_token(again))
+    a.update_resources([again])
+    run_to_end(a, eng, again)
+
+
+def test_reused_tokens_per_level_follow_probe_reuse_levels(
+    make_adapter: Callable[..., KVCacheResourceManager],
+) -> None:
+    a = make_adapter(kv_layers(1, T), quota=8 * slot_bytes(1), host_quota=16 * slot_bytes(1), max_util_for_resume=1.0)
+    m = a.manager
+    eng = FakeEngine(m)
+    docs = [toks(range(100 * i, 100 * i + 16)) for i in range(1, 4)]  # 4 blocks each
+    for i, doc in enumerate(docs):
+        run_to_end(a, eng, EngineRequest(i, doc, 1))
+    prompt = docs[0] + toks(range(7, 10))
+    levels = m.probe_reuse_levels(None, prompt[:-1])
+    assert levels == [1, 1, 1, 1]  # the oldest blocks went to host
+    r = EngineRequest(9, prompt, 1)
+    run_to_end(a, eng, r)
+    assert r.num_reused_tokens == 16 and r.num_reused_tokens_per_level == [0, 16]
+    mixed = docs[1][:6] + docs[2][:2]  # 1 block of docs[1], then 2 tokens of docs[1]'s block 1 (partial)
+    levels = m.probe_reuse_levels(None, mixed)
+    assert m.probe_reuse(None, mixed) == 6 and len(levels) == 2
+    r2 = EngineRequest(10, mixed + toks(range(3)), 1)
+    run_to_end(a, eng, r2)
+    want = [0, 0]
+    want[levels[0]] += 4
+    want[levels[1]] += 2
+    assert r2.num_reused_tokens_per_level == want and levels[0] == 1
+    gpu_only = make_adapter(kv_layers(1, T))
+    r3 = EngineRequest(11, toks(range(9)), 1)
+    run_to_end(gpu_only, FakeEngine(gpu_only.manager), r3)
+    r4 = EngineRequest(12, toks(range(9)), 1)
+    assert step(gpu_only, FakeEngine(gpu_only.manager), [r4]) == [] and r4.num_reused_tokens_per_level == [8]
+
+
+SCRATCH_LAYERS = lambda: kv_layers(4, T, window=6, swa_every=2)  # noqa: E731
+
+
+def test_kernel_page_indices_pass_the_scratch_desc(make_adapter: Callable[..., KVCacheResourceManager]) -> None:
+    a = make_adapter(SCRATCH_LAYERS(), swa_scratch_reuse=SwaScratchReuseConfig())
+    m = a.manager
+    eng = FakeEngine(m)
+    r = EngineRequest(1, toks(range(40)), 2)  # one 40-token prefill step: its early blocks are scratch
+    assert a.prepare_resources([r]) == []
+    kv = a.get_kv_cache(r)
+    swa = m.get_layer_group_id(LayerId(0))
+    desc = kv.get_scratch_desc(swa)
+    assert desc is not None and len(desc.range) > 0
+    conv = m.get_page_index_converter(LayerId(2), "value")
+    want = conv(kv.get_base_page_indices(swa), PageIndexMode.PER_LAYER, desc)
+    assert a.get_kernel_page_indices(r, LayerId(2), "value") == want
+    assert all(x >= 0 for x in want[: desc.range.end])  # scratch blocks are addressable
+    with pytest.raises(LogicError, match="PER_LAYER"):
+        a.get_kernel_page_indices(r, LayerId(2), "value", PageIndexMode.SHARED)
+    eng.step(kv, r.all_tokens(), 0, 40)
+    r.generated_tokens.append(next_token(r))
+    a.update_resources([r])
+    run_to_end(a, eng, r)
+
+
+def test_needed_to_completion_is_an_upper_bound_with_scratch(
+    make_adapter: Callable[..., KVCacheResourceManager],
+) -> None:
+    """Scratch steps take fewer slots than the bound counts (out-of-window blocks share scratch slots)."""
+    a = make_adapter(SCRATCH_LAYERS(), swa_scratch_reuse=SwaScratchReuseConfig())
+    eng = FakeEngine(a.manager)
+    below = 0
+    for case, (n, chunk) in enumerate([(40, 0), (37, 16), (25, 8), (9, 0)]):
+        r = EngineRequest(case, toks(range(1000 * case, 1000 * case + n)), 5, context_chunk_size=chunk)
+        said = a.get_needed_resource_to_completion_per_pool_group(r)
+        peak = [0] * len(said)
+        while len(r.generated_tokens) < r.max_new_tokens:
+            assert a.prepare_resources([r]) == []
+            total, free = a.get_max_resource_count_per_pool_group(), a.get_num_free_blocks_per_pool_group()
+            peak = [max(p, t - f) for p, t, f in zip(peak, total, free)]  # pages and scratch slots
+            b = r.num_cached_tokens
+            eng.step(a.get_kv_cache(r), r.all_tokens(), b, b + r.num_scheduled_tokens)
+            if r.samples_this_step:
+                r.generated_tokens.append(next_token(r))
+            a.update_resources([r])
+        assert all(p <= s for p, s in zip(peak, said)), (case, peak, said)
+        below += peak != said
+        r.state = RequestState.FINISHED
+        a.free_resources(r)
+        a.manager.clear_reusable_blocks()
+    assert below > 0

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kv_cache_manager_v2 import BAD_PAGE_INDEX, KVCache, LayerGroupId, LayerId, PageIndexMode
+from kv_cache_manager_v2 import BAD_PAGE_INDEX, CacheLevel, KVCache, LayerGroupId, LayerId, PageIndexMode
 from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager, RequestState
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
@@ -22,13 +22,25 @@ from tiny_engine.workload import WorkloadParams, check_against_dense, run_worklo
 
 
 def held_slots(a: KVCacheResourceManager, reqs: list[EngineRequest]) -> list[int]:
-    """Distinct slots the requests' caches hold, per pool group (the pages themselves: a suspended
-    cache's indices read -1, since with lower tiers its pages may move)."""
+    """Distinct GPU slots the requests' caches hold, per pool group: their pages in GPU memory (the
+    pages themselves: a suspended cache's indices read -1, since with lower tiers its pages may move)
+    and the step's scratch slots."""
     slots: list[set[int]] = [set() for _ in a.get_max_resource_count_per_pool_group()]
+    groups = a.layer_group_pool_groups
     for r in reqs:
-        for p in a.get_kv_cache(r).block_table.all_pages():
-            slots[p.storage.index].add(p.slot)
+        kv = a.get_kv_cache(r)
+        for p in kv.block_table.all_pages():
+            if p.level == 0:
+                slots[p.storage.index].add(p.slot)
+        for lg, g in enumerate(groups):
+            desc = kv.get_scratch_desc(LayerGroupId(lg))
+            if desc is not None:
+                slots[g].update(desc.slot_ids)
     return [len(s) for s in slots]
+
+
+def spilled_pages(a: KVCacheResourceManager, reqs: list[EngineRequest]) -> int:
+    return sum(1 for r in reqs for p in a.get_kv_cache(r).block_table.all_pages() if p.level > 0)
 
 
 class Auditor:
@@ -40,21 +52,28 @@ class Auditor:
         self.tracked: dict[int, tuple[KVCache, list[int], list[int]]] = {}
         self.steps = 0
         self.swa_released = 0
+        self.scratch_steps = 0  #: (request, step) pairs with scratch slots
+        self.spilled = 0  #: steps where a suspended request had pages below the GPU tier
+        self.lower_peaks = 0  #: requests that peaked below their needed-to-completion (scratch)
 
     def __call__(self, s: Scheduler) -> None:
         a = s.adapter
         self.steps += 1
-        holders = s.running + s.suspended
+        lower_tiers = len(a.manager.cache_tier_list) > 1
+        # a suspended request's GPU pages are available when lower tiers can take them (plenty here)
+        holders = s.running if lower_tiers else s.running + s.suspended
         total = a.get_max_resource_count_per_pool_group()
         free = a.get_num_free_blocks_per_pool_group()
-        # every slot that is not available is one some request holds (no lower tiers yet)
+        # every slot that is not available is one some request holds
         assert [t - f for t, f in zip(total, free)] == held_slots(a, holders)
         assert a.get_num_free_blocks() == sum(free) and a.get_max_resource_count() == sum(total)
+        self.spilled += spilled_pages(a, s.suspended) > 0
         for r in s.running:
             if not r.num_scheduled_tokens:
                 continue
             kv = a.get_kv_cache(r)
             held = held_slots(a, [r])
+            self.scratch_steps += kv.has_scratch_slots
             entry = self.tracked.get(r.request_id)
             if entry is None or entry[0] is not kv:  # first step of this admission
                 need = a.get_needed_resource_to_completion_per_pool_group(r)
@@ -73,9 +92,17 @@ class Auditor:
                     assert all(idx[o] == BAD_PAGE_INDEX for o in below_window)  # released by the manager
                     self.swa_released += 1
 
-    def check_peaks(self) -> None:
+    def check_peaks(self, exact: bool = True) -> int:
+        """Needed-to-completion at admission vs the peak seen; returns how many peaked lower (an
+        upper bound is all that is promised with scratch slots)."""
+        lower = 0
         for rid, (_, said, seen) in self.tracked.items():
-            assert seen == said, f"request {rid}: needed-to-completion said the peak is {said}, it was {seen}"
+            if exact:
+                assert seen == said, f"request {rid}: needed-to-completion said the peak is {said}, it was {seen}"
+            else:
+                assert all(x <= y for x, y in zip(seen, said)), f"request {rid}: peak {seen} above the bound {said}"
+            lower += seen != said
+        return lower
 
 
 def run_and_check(p: WorkloadParams) -> tuple[Any, Auditor]:
@@ -83,7 +110,7 @@ def run_and_check(p: WorkloadParams) -> tuple[Any, Auditor]:
     audit = Auditor(cfg)
     res = run_workload(cfg, p, audit)
     check_against_dense(res)
-    audit.check_peaks()
+    audit.lower_peaks = audit.check_peaks(exact=not p.swa_scratch)
     assert len(audit.tracked) == p.num_requests
     a = res.adapter
     assert a.num_requests == 0 and a.manager.num_open_caches == 0
@@ -108,6 +135,33 @@ def test_end_to_end_under_memory_pressure_equals_the_dense_reference() -> None:
         assert any(by_id[f].num_reused_tokens > len(by_id[src].prompt_tokens) for f, src in res.followups.items()), (
             res.followups
         )
+    finally:
+        res.adapter.shutdown()
+
+
+def test_end_to_end_with_a_host_tier_equals_the_dense_reference() -> None:
+    """Suspended requests' pages spill to the host tier while others run, and come back on resume
+    (prepare_resources) with their data; evicted reusable blocks are reused from host."""
+    res, audit = run_and_check(WorkloadParams(num_requests=200, seed=4, host_tier=True))
+    try:
+        st = res.scheduler.stats
+        assert st.preempted_suspend > 0 and st.resumed > 0
+        assert audit.spilled > 0  # some suspended request had pages in host memory at some step
+        host = res.adapter.manager.get_tier_statistics(CacheLevel(1))
+        assert host.offloaded_pages > 0 and host.onboarded_pages > 0
+        assert any(r.num_reused_tokens_per_level[1] for r in res.requests)  # reuse straight from host
+    finally:
+        res.adapter.shutdown()
+
+
+def test_end_to_end_with_swa_scratch_equals_the_dense_reference() -> None:
+    """Prefill steps whose early blocks leave the window put them in shared scratch slots; the engine
+    addresses them through get_kernel_page_indices (the ScratchDesc); needed-to-completion stays an
+    upper bound (scratch steps take fewer slots)."""
+    res, audit = run_and_check(WorkloadParams(num_requests=150, seed=5, swa_scratch=True))
+    try:
+        assert audit.scratch_steps > 0 and audit.lower_peaks > 0
+        assert res.scheduler.stats.preempted_suspend > 0 and res.scheduler.stats.resumed > 0
     finally:
         res.adapter.shutdown()
 

@@ -185,7 +185,8 @@ def test_overflow_drops_oldest_then_resyncs(with_events: Callable[..., tuple]) -
 
 
 def test_tier_move_hook_reports_moves(with_events: Callable[..., tuple]) -> None:
-    """What exists of tier moves today: the storage manager's hook (PageDropListener.page_moved)."""
+    """The storage manager's hook (PageDropListener.page_moved), driven by hand: a moved block is reported
+    with both media and stays reusable (three-tier managers: test_router_index_stays_exact_across_three_tiers)."""
     m, em = with_events(kv_layers(1, T))
     prompt = toks(6, 16)
     publish(m, FakeEngine(m), prompt)
@@ -280,8 +281,8 @@ def test_publisher_arguments_are_checked() -> None:
 def pubsub() -> Iterator[Callable[..., tuple[ZmqEventPublisher, KVAwareRouter]]]:
     made: list[ZmqEventPublisher | KVAwareRouter] = []
 
-    def factory(n: int = 1, **kw: object) -> tuple[list[ZmqEventPublisher], KVAwareRouter]:
-        pubs = [ZmqEventPublisher(LOOPBACK, LOOPBACK, topic="kv") for _ in range(n)]
+    def factory(n: int = 1, moves: str = "vllm", **kw: object) -> tuple[list[ZmqEventPublisher], KVAwareRouter]:
+        pubs = [ZmqEventPublisher(LOOPBACK, LOOPBACK, topic="kv", moves=moves) for _ in range(n)]  # type: ignore[arg-type]
         made.extend(pubs)
         router = KVAwareRouter(
             [ReplicaEndpoints(p.endpoint, p.replay_endpoint) for p in pubs],
@@ -326,10 +327,75 @@ def test_router_index_predicts_probe_reuse_exactly(
     layers: list[object] = kw.pop("layers")  # type: ignore[assignment]
     em = KVCacheEventManager()
     m = make_manager(layers, quota=len(layers) * 2 * 32 * T * 60, event_manager=em, **kw)  # ~60 blocks
-    engine = FakeEngine(m)
     (pub,), router = pubsub(1, groups=[em.layer_groups])
-    index = router.indexes[0]
     rng = random.Random(sorted(CONFIGS).index(config))
+    hits, partial_hits = serve_and_compare(m, em, pub, router, rng)
+    dropped = sum(g.num_dropped for g in m._storage.gpu)
+    assert hits > 300 and partial_hits > 50 and dropped > 20, (hits, partial_hits, dropped)
+    assert router.subscriptions[0].num_lost == 0
+
+
+@pytest.mark.parametrize("moves", ["vllm", "native"])
+@pytest.mark.parametrize("config", ["full", "swa+full"])
+def test_router_index_stays_exact_across_three_tiers(
+    config: str, moves: str, make_manager: MakeManager, pubsub: Callable[..., tuple], tmp_path: object
+) -> None:
+    """GPU + host + disk with small quotas: pages move down and come back (reuse, resume of suspended
+    requests, GPU and host tier resizes), some disk reads and writes fail. Every move is reported with its
+    medium, so the index predicts probe_reuse and knows which medium holds each page."""
+    kw = dict(CONFIGS[config])
+    layers: list[object] = kw.pop("layers")  # type: ignore[assignment]
+    block = len(layers) * 2 * 32 * T  # bytes of one block of every layer
+    em = KVCacheEventManager()
+    m = make_manager(
+        layers,
+        quota=block * 24,
+        host_quota=block * 24,
+        disk_quota=block * 48,
+        disk_path=str(tmp_path),
+        max_util_for_resume=1.0,
+        event_manager=em,
+        **kw,
+    )
+    (pub,), router = pubsub(1, moves=moves, groups=[em.layer_groups])
+    calls = [0]
+
+    def flaky(op: str, offset: int, nbytes: int) -> bool:
+        calls[0] += 1
+        return calls[0] % 23 == 0
+
+    disk_pools = [p for g in m._storage.levels[2] for p in g.pools]
+    for pool in disk_pools:
+        pool.error_hook = flaky  # type: ignore[attr-defined]
+    rng = random.Random(7 + sorted(CONFIGS).index(config))
+    try:
+        hits, partial_hits = serve_and_compare(m, em, pub, router, rng, check_media=True, resize_tiers=True)
+    finally:
+        for pool in disk_pools:
+            pool.error_hook = None  # type: ignore[attr-defined]
+    stats = [m.get_tier_statistics(CacheLevel(level)) for level in range(3)]
+    assert stats[1].offloaded_pages > 50 and stats[2].offloaded_pages > 20, stats
+    assert stats[1].onboarded_pages > 10 and stats[2].onboarded_pages > 5, stats
+    assert stats[2].io_errors > 0 and stats[2].dropped_pages > 0, stats
+    assert hits > 300 and partial_hits > 50, (hits, partial_hits)
+    assert router.subscriptions[0].num_lost == 0
+
+
+MEDIA = ["GPU", "CPU", "DISK"]
+
+
+def serve_and_compare(
+    m: KVCacheManager,
+    em: KVCacheEventManager,
+    pub: ZmqEventPublisher,
+    router: KVAwareRouter,
+    rng: random.Random,
+    check_media: bool = False,
+    resize_tiers: bool = False,
+) -> tuple[int, int]:
+    """The random workload of the exactness tests; returns (probes with a hit, with a partial hit)."""
+    engine = FakeEngine(m)
+    index = router.indexes[0]
     systems = [toks(100 + i, rng.randrange(4, 30)) for i in range(3)]
     scopes = [None, ReuseScope(salt=1)]
     seen: list[tuple[ReuseScope | None, list[TokenIdExt]]] = []
@@ -368,7 +434,16 @@ def test_router_index_predicts_probe_reuse_exactly(
             else:
                 kv.close()
         if open_caches and (len(open_caches) > 3 or rng.random() < 0.1):
-            open_caches.pop(0).close()
+            c = open_caches.pop(0)
+            if rng.random() < 0.5 and c.resume():  # its pages come back up (from wherever they went)
+                engine.check_all(c, c.committed_tokens, c.num_committed_tokens)
+            c.close()
+        if resize_tiers and step % 25 == 12:  # every open cache is suspended here
+            for level in (CacheLevel(0), CacheLevel(1)):
+                quota = m.get_quota(level)
+                assert m.resize(level, quota // 2)  # pages move a level down (or are dropped), others compact
+                assert m.resize(level, quota)
+            engine = FakeEngine(m)  # the GPU's page index bound changed
         if step % 25 == 24:
             for c in open_caches:
                 c.close()
@@ -382,11 +457,18 @@ def test_router_index_predicts_probe_reuse_exactly(
                 assert index.match_length(q, pscope) == want, (step, len(q), want)
                 hits += want > 0
                 partial_hits += want % T != 0
+        if check_media:
+            pages = 0
+            for node in m._tree.nodes():
+                for lc in range(len(node.pages)):
+                    page = node.page(lc)
+                    if page is not None:
+                        assert index.medium_of(block_hash(node.key), lc) == MEDIA[page.level], (step, lc)
+                        pages += 1
+            assert pages == sum(len(n.groups) for n in index._nodes.values()), step  # nothing stale either
     for c in open_caches:
         c.close()
-    dropped = sum(g.num_dropped for g in m._storage.gpu)
-    assert hits > 300 and partial_hits > 50 and dropped > 20, (hits, partial_hits, dropped)
-    assert router.subscriptions[0].num_lost == 0
+    return hits, partial_hits
 
 
 def test_lost_batches_are_recovered_by_replay(make_manager: MakeManager, pubsub: Callable[..., tuple]) -> None:

@@ -102,32 +102,21 @@ def test_malformed_traces_name_the_line(
     assert str(path) in line
 
 
-def _manager_has_lower_tiers() -> bool:
-    import kv_cache_manager_v2 as kvm
-
-    layers = [kvm.AttentionLayerConfig(kvm.LayerId(0), [kvm.BufferConfig("k", 64)])]
-    tiers = [kvm.GpuCacheTierConfig(1 << 16), kvm.HostCacheTierConfig(1 << 16)]
-    try:
-        kvm.KVCacheManager(kvm.KVCacheManagerConfig(16, tiers, layers, backend="host")).shutdown()
-    except ValueError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize("tier", ["--host", "--disk"])
-def test_lower_tiers_light_up_or_are_refused_in_one_line(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, tier: str
-) -> None:
-    args = [*QUICK, tier, "40000tok", "--json"] + (["--disk-path", str(tmp_path)] if tier == "--disk" else [])
-    if not _manager_has_lower_tiers():
-        line = one_line_error(capsys, *args)
-        assert "the manager refused this configuration: host and disk cache tiers are not supported" in line
-        return
-    code, out, err = run(capsys, *args)
+def test_lower_tiers_get_their_rows(capsys: pytest.CaptureFixture[str], tmp_path: Path, tier: str) -> None:
+    args = [*QUICK, "--gpu", "1500tok", tier, "40000tok"] + (["--disk-path", str(tmp_path)] if tier == "--disk" else [])
+    code, out, err = run(capsys, *args, "--json")
     assert code == 0, err
     rep = json.loads(out)
+    _check_schema(rep)
+    low = rep["tiers"][1]
     assert [t["tier"] for t in rep["tiers"]] == ["gpu", tier[2:]]
-    assert rep["tiers"][1]["capacity_tokens"] > 0
+    assert low["capacity_tokens"] > 0 and low["offloaded_pages"] > 0
+    assert set(rep["hit_rate"]["by_tier"]) == {"gpu", tier[2:]}
+    code, out, err = run(capsys, *args)
+    assert code == 0, err
+    assert f"{tier[2:]} 40000tok" in out and f"offloaded to {tier[2:]}" in out and "onboarded" in out, out
+    assert f"gpu {rep['hit_rate']['by_tier']['gpu']:.3f} + {tier[2:]}" in out
 
 
 def test_binary_trace_is_a_user_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -163,22 +152,28 @@ def test_table_report(capsys: pytest.CaptureFixture[str]) -> None:
         "requests/s",
     ):
         assert label in out, out
-    assert "gpu: " in out
+    assert "prompt blocks)  gpu " in out and "pages: " in out
 
 
 def _check_schema(rep: dict[str, Any]) -> None:
-    assert rep["schema"] == "kv-cache-sim/1"
+    assert rep["schema"] == "kv-cache-sim/2"
     assert rep["mode"] in ("compiled", "interpreted")
     assert set(rep) >= {
         "model", "tokens_per_block", "workload", "scheduler", "requests", "hit_rate", "prefill", "decode",
         "tiers", "preemptions", "manager", "manager_cpu", "replay", "data_check", "series", "eviction_policy",
     }  # fmt: skip
     assert 0.0 <= rep["hit_rate"]["tokens"] <= 1.0 and 0.0 <= rep["hit_rate"]["blocks"] <= 1.0
-    assert rep["hit_rate"]["by_tier"] == {"gpu": rep["hit_rate"]["blocks"]}
+    hit = rep["hit_rate"]
+    assert list(hit["by_tier"]) == list(hit["tokens_by_tier"]) == [t["tier"] for t in rep["tiers"]]
+    assert abs(sum(hit["by_tier"].values()) - hit["blocks"]) < 1e-9
+    assert abs(sum(hit["tokens_by_tier"].values()) - hit["tokens"]) < 1e-9
     tier = rep["tiers"][0]
     assert tier["tier"] == "gpu" and tier["capacity_tokens"] > 0
     assert 0 < tier["peak_used_fraction"] <= tier["peak_occupied_fraction"] <= 1.0
-    assert isinstance(tier["evicted_pages"], int)
+    for t in rep["tiers"]:
+        for key in ("offloaded", "onboarded", "dropped"):
+            assert isinstance(t[f"{key}_pages"], int) and t[f"{key}_bytes"] >= t[f"{key}_pages"]
+        assert t["max_step_onboarded_pages"] <= t["onboarded_pages"] and t["io_errors"] == 0
     assert rep["requests"]["finished"] == rep["workload"]["requests"]
     assert rep["prefill"]["reused_tokens"] + rep["prefill"]["computed_tokens"] >= rep["prefill"]["prompt_tokens"]
     assert rep["manager_cpu"]["per_step_us"]["p50"] <= rep["manager_cpu"]["per_step_us"]["max"]

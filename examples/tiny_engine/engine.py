@@ -6,14 +6,16 @@ full attention; the window and the sink tokens for sliding-window layers) throug
 
     address = get_mem_pool_base_address(layer, role, PER_LAYER) + page_index * get_page_stride(layer, role)
 
-with ``page_index`` from ``get_page_index_converter(layer, role)`` applied to the request's base
-page indices. On the host backend pool memory is host memory, so numpy views it through ctypes.
+with ``page_index`` from the adapter's ``get_kernel_page_indices(request, layer, role)`` (the
+request's base page indices through ``get_page_index_converter(layer, role)``, with the step's
+``ScratchDesc`` when SWA scratch slots are on: then a layer's out-of-window blocks of the step live
+in sub-pages of a few scratch slots that the next layer overwrites). On the host backend pool memory
+is host memory, so numpy views it through ctypes.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Any
 
 import numpy as np
 
@@ -38,15 +40,13 @@ class _LayerBuffers:
     def __init__(self, adapter: KVCacheResourceManager, layer: int, page_shape: tuple[int, ...]) -> None:
         m = adapter.manager
         lid = kvm.LayerId(layer)
-        self.layer_group = m.get_layer_group_id(lid)
+        self.layer_id = lid
         self.views: dict[str, Array] = {}
-        self.converters: dict[str, kvm.PageIndexConverter] = {}
         for role in ("key", "value"):
             base = m.get_mem_pool_base_address(lid, role, kvm.PageIndexMode.PER_LAYER)
             stride = m.get_page_stride(lid, role)
             assert stride == int(np.prod(page_shape)) * 8, (stride, page_shape)
             self.views[role] = pool_view(int(base), m.get_page_index_upper_bound(lid, role), page_shape)
-            self.converters[role] = m.get_page_index_converter(lid, role)
 
 
 class PagedEngine:
@@ -61,8 +61,8 @@ class PagedEngine:
         self.buffers = [_LayerBuffers(adapter, i, model.cfg.kv_page_shape) for i in range(len(model.cfg.layers))]
         self.positions_read = 0
 
-    def _pages(self, indices: Any, conv: kvm.PageIndexConverter) -> Array:
-        return np.asarray(conv(indices, kvm.PageIndexMode.PER_LAYER), dtype=np.int64)
+    def _pages(self, r: EngineRequest, layer: kvm.LayerId, role: str) -> Array:
+        return np.asarray(self.adapter.get_kernel_page_indices(r, layer, role), dtype=np.int64)
 
     def needed_positions(self, layer: int, begin: int, end: int) -> Array:
         """Positions the queries ``[begin, end)`` of this layer attend to."""
@@ -84,11 +84,7 @@ class PagedEngine:
         xs = [model.embed(r.tokens(b, e)) for r, (b, e) in zip(batch, ranges)]
         qpos = [np.arange(b, e) for b, e in ranges]
         for layer, bufs in enumerate(self.buffers):
-            indices = self.adapter.get_batch_cache_indices(batch, bufs.layer_group)
-            pages = {
-                role: [self._pages(indices[r.request_id], conv) for r in batch]
-                for role, conv in bufs.converters.items()
-            }
+            pages = {role: [self._pages(r, bufs.layer_id, role) for r in batch] for role in bufs.views}
             # write every request's new K/V first, then attend: a page wrongly shared within the
             # step would show up as a wrong read
             qs = []

@@ -1,6 +1,7 @@
 """Run the end-to-end workload: paged engine + scheduler + adapter, checked against the dense reference.
 
-python examples/tiny_engine/run.py [--requests 300] [--admission optimistic|guaranteed] [--json out.json]
+python examples/tiny_engine/run.py [--requests 300] [--admission optimistic|guaranteed] [--host] [--swa-scratch]
+                                   [--json out.json]
 """
 
 from __future__ import annotations
@@ -23,9 +24,17 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--admission", choices=["optimistic", "guaranteed"], default="optimistic")
+    ap.add_argument("--host", action="store_true", help="add a host tier (4x the GPU tier)")
+    ap.add_argument("--swa-scratch", action="store_true", help="SWA prefill scratch slots")
     ap.add_argument("--json", help="write the summary as JSON here")
     args = ap.parse_args()
-    p = WorkloadParams(num_requests=args.requests, seed=args.seed, admission=args.admission)
+    p = WorkloadParams(
+        num_requests=args.requests,
+        seed=args.seed,
+        admission=args.admission,
+        host_tier=args.host,
+        swa_scratch=args.swa_scratch,
+    )
     t0 = time.perf_counter()
     res = run_workload(TinyConfig(), p)
     wall = time.perf_counter() - t0
@@ -36,6 +45,8 @@ def main() -> None:
         "requests": len(res.requests),
         "steps": s.steps,
         "admission": args.admission,
+        "host_tier": args.host,
+        "swa_scratch": args.swa_scratch,
         "preempted_suspend": s.preempted_suspend,
         "resumed": s.resumed,
         "preempted_recompute": s.preempted_recompute,

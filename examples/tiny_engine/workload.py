@@ -29,6 +29,8 @@ class WorkloadParams:
     arrivals_per_step: int = 3
     followup_prob: float = 0.15  #: per step: a new request continuing a running one's tokens
     num_prefixes: int = 6
+    host_tier: bool = False  #: add a host tier 4x the GPU tier (evicted and suspended pages spill there)
+    swa_scratch: bool = False  #: SWA prefill scratch slots (out-of-window blocks of a step share a few slots)
 
 
 @dataclass
@@ -52,11 +54,15 @@ def make_adapter(cfg: TinyConfig, p: WorkloadParams) -> KVCacheResourceManager:
         size = 2 * cfg.kv_page_bytes * n
         groups[size] = groups.get(size, False) or window is None
     ratio = [size * (p.full_slots if full else p.swa_slots) for size, full in groups.items()]
+    tiers: list[kvm.GpuCacheTierConfig | kvm.HostCacheTierConfig] = [kvm.GpuCacheTierConfig(sum(ratio))]
+    if p.host_tier:
+        tiers.append(kvm.HostCacheTierConfig(4 * sum(ratio)))
     mgr_cfg = kvm.KVCacheManagerConfig(
         tokens_per_block=t,
-        cache_tiers=[kvm.GpuCacheTierConfig(sum(ratio))],
+        cache_tiers=tiers,
         layers=cfg.layer_configs(),
         initial_pool_ratio=[r / sum(ratio) for r in ratio],
+        swa_scratch_reuse=kvm.SwaScratchReuseConfig() if p.swa_scratch else None,
         backend="host",
     )
     return KVCacheResourceManager(mgr_cfg)

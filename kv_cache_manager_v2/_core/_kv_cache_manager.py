@@ -16,6 +16,7 @@ from .._common import (
     CacheTier,
     KVCacheStatus,
     LayerGroupId,
+    LayerGroupInfo,
     LayerId,
     LifeCycleId,
     MemAddress,
@@ -163,6 +164,44 @@ class KVCacheManager:
         finally:
             ctx.leave()
         return len(nodes) * self.tokens_per_block + part_len
+
+    def probe_reuse_levels(
+        self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None
+    ) -> list[CacheLevel]:
+        """Where the reusable prefix of ``input_tokens`` lives; takes nothing.
+
+        One entry per block of the prefix ``probe_reuse`` reports (the last may be partial): the
+        deepest cache level among the pages a match needs for that block (``GPU_LEVEL`` when it
+        needs none: outside every sliding window). ``resume()`` copies the others up. A following
+        ``create_kv_cache`` of the same tokens reuses this call's hashing, like after ``probe_reuse``.
+        """
+        self._check_alive()
+        if reuse_scope is not None:
+            check_type("reuse_scope", reuse_scope, ReuseScope)
+        if input_tokens is None or len(input_tokens) == 0:
+            return []
+        ctx = self._ctx
+        ctx.enter("probe_reuse_levels()")
+        try:
+            nodes, part, part_len = self._match(
+                reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE, input_tokens, False
+            )
+        finally:
+            ctx.leave()
+        t = self.tokens_per_block
+        length = len(nodes) * t + part_len
+        nb = (length + t - 1) // t
+        levels = [0] * nb
+        for i, life_cycle in enumerate(self._registry.life_cycles):
+            beg, end = life_cycle.stale_range(length)
+            for o in range(nb):
+                if beg <= o < end:
+                    continue
+                node = nodes[o] if o < len(nodes) else part
+                page = node.page(LifeCycleId(i)) if node is not None else None
+                if page is not None and page.level > levels[o]:
+                    levels[o] = page.level
+        return [CacheLevel(x) for x in levels]
 
     def _match(
         self, scope: ReuseScope, input_tokens: Sequence[TokenIdExt], for_create: bool
@@ -317,6 +356,25 @@ class KVCacheManager:
         if lc is None:
             raise ValueError(f"unknown layer_id {layer_id!r}; known: {self.layer_ids}")
         return lc
+
+    def get_layer_group_info(self, layer_group_id: LayerGroupId) -> LayerGroupInfo:
+        """Layers, window, sink blocks and pool group of one layer group (``LayerGroupId`` from
+        ``get_layer_group_id``; groups are numbered ``0 .. len(layer_grouping) - 1``)."""
+        check_int("layer_group_id", layer_group_id)
+        if layer_group_id >= self.num_life_cycles:
+            raise ValueError(
+                f"layer_group_id must be in [0, {self.num_life_cycles}) (layer groups of this manager), "
+                f"got {layer_group_id}"
+            )
+        lc = LifeCycleId(layer_group_id)
+        life_cycle = self._registry.life_cycles[lc]
+        return LayerGroupInfo(
+            lc,
+            tuple(self._registry.layers_of[lc]),
+            life_cycle.window_size,
+            life_cycle.num_sink_blocks,
+            self._layout.life_cycle_pool_group[lc],
+        )
 
     def _buffer(self, layer_id: LayerId, role: str) -> BufferAttr:
         attr = self._layout.buffers.get(BufferId(layer_id, role))

@@ -43,7 +43,9 @@ class EngineRequest:
     KV is in the cache; the step's input starts there), ``num_scheduled_tokens`` (positions
     ``[num_cached_tokens, num_cached_tokens + num_scheduled_tokens)`` are this step's input;
     0 when not scheduled), ``num_reused_tokens`` (tokens taken from the reuse tree at the
-    last admission), and ``state`` moving from CONTEXT to GENERATION once the prompt is cached.
+    last admission), ``num_reused_tokens_per_level`` (those tokens by the cache level their block
+    was found in: index 0 GPU, then host, disk), and ``state`` moving from CONTEXT to GENERATION
+    once the prompt is cached.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class EngineRequest:
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
         self.num_reused_tokens = 0
+        self.num_reused_tokens_per_level: list[int] = []
 
     def __repr__(self) -> str:
         return (

@@ -13,8 +13,10 @@ from typing import Any
 from .._common import (
     BAD_PAGE_INDEX,
     DEFAULT_PRIORITY,
+    GPU_LEVEL,
     BeamIndex,
     BlockOrdinal,
+    CacheLevel,
     KVCacheStatus,
     LayerGroupId,
     LayerId,
@@ -59,6 +61,10 @@ class _Sequence:
         self.undo_scheduled = 0
         self.undo_suspended = False
         self.undo_reused = 0
+        self.undo_reused_per_level: list[int] = []
+        #: pages per pool group the cache held when the adapter last suspended it (GPU-only
+        #: managers: they stay in GPU memory, so they are not needed again)
+        self.suspended_pages: list[int] = []
 
 
 def _check_request(name: str, request: object) -> EngineRequest:
@@ -80,29 +86,36 @@ class KVCacheResourceManager:
     "Blocks" in the capacity queries are slots: one slot holds one block of one layer group
     (all its layers and buffers). Scalars sum over pool groups; the ``*_per_pool_group``
     variants are exact per group (one pool group when every layer has the same buffer sizes).
+
+    Built from a ``config`` (the adapter owns the manager it builds: ``shutdown`` releases it),
+    or around an existing ``manager`` (e.g. one with an event manager; the caller keeps
+    ownership: ``shutdown`` frees the adapter's requests and leaves the manager running).
     """
 
-    def __init__(self, config: KVCacheManagerConfig) -> None:
-        if not isinstance(config, KVCacheManagerConfig):
-            raise TypeError(f"config must be a KVCacheManagerConfig, got {type(config).__name__}")
-        self.manager = KVCacheManager(config)
+    def __init__(self, config: KVCacheManagerConfig | None = None, *, manager: KVCacheManager | None = None) -> None:
+        if (config is None) == (manager is None):
+            raise ValueError("KVCacheResourceManager needs exactly one of config or manager=")
+        if manager is not None:
+            if not isinstance(manager, KVCacheManager):
+                raise TypeError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
+            manager.get_storage_statistics()  # raises LogicError if it was shut down
+            self.manager = manager
+            self._owns_manager = False
+        else:
+            if not isinstance(config, KVCacheManagerConfig):
+                raise TypeError(f"config must be a KVCacheManagerConfig, got {type(config).__name__}")
+            self.manager = KVCacheManager(config)
+            self._owns_manager = True
         m = self.manager
-        t = config.tokens_per_block
+        t = m.tokens_per_block
         self.tokens_per_block = t
-        descs = m.pool_group_descs
-        group_of_base: dict[int, PoolGroupIndex] = {}
-        for d in descs:
-            for pool in d.pools:
-                group_of_base[pool.base_address] = d.pool_group_index
-        by_id = {layer.layer_id: layer for layer in config.layers}
         self._shapes: list[LayerGroupShape] = []
-        for layer_ids in m.layer_grouping:
-            cfg = by_id[layer_ids[0]]
-            base = m.get_mem_pool_base_address(layer_ids[0], cfg.buffers[0].role, PageIndexMode.PER_LAYER)
-            w = cfg.sliding_window_size
-            sinks = (cfg.num_sink_tokens or 0) if w is not None else 0
-            self._shapes.append(LayerGroupShape(w, (sinks + t - 1) // t, group_of_base[base]))
-        self._num_pool_groups = len(descs)
+        for lg in range(len(m.layer_grouping)):
+            info = m.get_layer_group_info(LayerGroupId(lg))
+            self._shapes.append(LayerGroupShape(info.window_size, info.num_sink_blocks, info.pool_group_index))
+        self._num_pool_groups = len(m.pool_group_descs)
+        #: cache levels (tiers); with more than one, admission asks where the reused blocks are
+        self._num_levels = len(m.cache_tier_list)
         self._has_swa = any(s.window is not None for s in self._shapes)
         self._seqs: dict[int, _Sequence] = {}
         self._serial = 0
@@ -151,25 +164,31 @@ class KVCacheResourceManager:
                     raise LogicError(f"request {req.request_id} is FINISHED; free_resources() it instead")
                 kv = seq.kv
                 h = kv.history_length
-                n = len(req.prompt_tokens) + len(req.generated_tokens) - h
-                if n <= 0:
+                num_tokens = len(req.prompt_tokens) + len(req.generated_tokens)
+                if num_tokens <= h:
                     raise LogicError(
-                        f"request {req.request_id} has no uncomputed token ({h} cached of {h + n}); "
+                        f"request {req.request_id} has no uncomputed token ({h} cached of {num_tokens}); "
                         "append the sampled token to generated_tokens before the next step"
                     )
+                suspended = kv.status is KVCacheStatus.SUSPENDED
+                if suspended:
+                    ok = kv.resume()
+                    # a failed disk read (lower tiers) drops the blocks from the first lost one on,
+                    # even when resume returns False: the engine recomputes them
+                    h = kv.history_length
+                    req.num_cached_tokens = h
+                    if not ok:
+                        unserved.append(req)
+                        continue
+                    current = kv
+                n = num_tokens - h
                 c = req.context_chunk_size
                 if c and n > c:
                     n = c
                 old_cap = kv.capacity
-                suspended = kv.status is KVCacheStatus.SUSPENDED
-                if suspended:
-                    if not kv.resume():
-                        unserved.append(req)
-                        continue
-                    current = kv
                 if h + n > old_cap and not kv.resize(h + n):
                     if suspended:
-                        kv.suspend()
+                        self._suspend(seq)
                     current = None
                     unserved.append(req)
                     continue
@@ -183,26 +202,45 @@ class KVCacheResourceManager:
                 req.num_cached_tokens = h
         except BaseException:
             if current is not None and current.status is KVCacheStatus.ACTIVE:
-                current.suspend()
+                current.suspend()  # (its record was not updated yet: the suspended page counts stand)
             self._rollback(done)
             raise
         return unserved
+
+    def _suspend(self, seq: _Sequence) -> None:
+        """Suspend an ACTIVE cache, remembering how many pages it holds per pool group."""
+        kv = seq.kv
+        if self._num_levels == 1:
+            seq.suspended_pages = self._pages_per_pool_group(kv)
+        kv.suspend()
+
+    def _pages_per_pool_group(self, kv: KVCache) -> list[int]:
+        """Blocks with a page, per pool group, of an ACTIVE cache (its indices are live)."""
+        out = [0] * self._num_pool_groups
+        for lg, shape in enumerate(self._shapes):
+            indices = kv.get_base_page_indices(LayerGroupId(lg))
+            out[shape.pool_group] += len(indices) - indices.tolist().count(BAD_PAGE_INDEX)
+        return out
 
     def _admit(self, req: EngineRequest, serial: int) -> _Sequence | None:
         """A new cache for ``req`` (prefix reuse) sized for its first chunk; None if memory is short."""
         tokens: Sequence[TokenIdExt] = req.prompt_tokens if not req.generated_tokens else req.all_tokens()
         length = len(tokens)
         cb = default_priority if req.priority == DEFAULT_PRIORITY else _FixedPriority(req.priority)
-        kv = self.manager.create_kv_cache(
-            req.reuse_scope, tokens[: length - 1] if length > 1 else None, req.request_id, cb
-        )
+        prefix = tokens[: length - 1] if length > 1 else None
+        m = self.manager
+        levels = m.probe_reuse_levels(req.reuse_scope, prefix) if self._num_levels > 1 and prefix is not None else []
+        kv = m.create_kv_cache(req.reuse_scope, prefix, req.request_id, cb)  # (hashed once: by the probe)
         try:
-            m = kv.history_length
-            n = length - m
+            if not kv.resume():
+                kv.close()
+                return None
+            reused = kv.history_length  # after resume: a failed disk read shortens the reused prefix
+            n = length - reused
             c = req.context_chunk_size
             if c and n > c:
                 n = c
-            if not kv.resume() or not kv.resize(m + n):
+            if not kv.resize(reused + n):
                 kv.close()
                 return None
         except BaseException:
@@ -212,11 +250,21 @@ class KVCacheResourceManager:
         seq.serial = serial
         seq.scheduled = n
         seq.undo_reused = req.num_reused_tokens
+        seq.undo_reused_per_level = req.num_reused_tokens_per_level
         self._seqs[req.request_id] = seq
-        req.num_reused_tokens = m
-        req.num_cached_tokens = m
+        req.num_reused_tokens = reused
+        req.num_reused_tokens_per_level = self._tokens_per_level(reused, levels)
+        req.num_cached_tokens = reused
         req.num_scheduled_tokens = n
         return seq
+
+    def _tokens_per_level(self, reused: int, levels: list[CacheLevel]) -> list[int]:
+        """``reused`` tokens split by the cache level their block came from (``levels``: one per block)."""
+        out = [0] * self._num_levels
+        t = self.tokens_per_block
+        for o in range((reused + t - 1) // t):
+            out[levels[o] if o < len(levels) else GPU_LEVEL] += min(t, reused - o * t)
+        return out
 
     def _rollback(self, done: list[_Sequence]) -> None:
         """Undo the prepares of this call (newest first); shrinking and suspending cannot fail."""
@@ -227,13 +275,14 @@ class KVCacheResourceManager:
                 kv.close()
                 del self._seqs[req.request_id]
                 req.num_reused_tokens = seq.undo_reused
+                req.num_reused_tokens_per_level = seq.undo_reused_per_level
                 req.num_cached_tokens = 0
                 req.num_scheduled_tokens = 0
                 continue
             if kv.capacity > seq.undo_capacity:
                 kv.resize(seq.undo_capacity)
             if seq.undo_suspended:
-                kv.suspend()
+                self._suspend(seq)
             seq.scheduled = seq.undo_scheduled
             req.num_scheduled_tokens = seq.undo_scheduled
 
@@ -309,7 +358,7 @@ class KVCacheResourceManager:
             return
         if kv.capacity > kv.history_length:
             kv.resize(kv.history_length)
-        kv.suspend()
+        self._suspend(seq)
         seq.scheduled = 0
         seq.request.num_scheduled_tokens = 0
 
@@ -372,7 +421,12 @@ class KVCacheResourceManager:
         Assumes it generates ``max_new_tokens`` with its ``context_chunk_size``. Exact for an
         admitted request running alone (pages another request shares count as its own, and
         blocks leaving a window are released). For a request not admitted yet: an upper
-        bound that assumes no prefix reuse.
+        bound that assumes no prefix reuse. With SWA scratch reuse an upper bound: a prefill
+        step's out-of-window blocks are counted as pages, where they share a few scratch slots.
+
+        A suspended request counts the pages it holds in GPU memory only with a GPU-only manager;
+        with lower tiers its pages may spill (they count as free blocks as far as the tiers below
+        can take them), so it needs its whole peak again.
         """
         req = _check_request("request", request)
         t = self.tokens_per_block
@@ -384,10 +438,13 @@ class KVCacheResourceManager:
         kv = seq.kv
         plan = StepPlan(kv.history_length, kv.capacity, min(req.num_tokens, final_cap), final_cap, chunk)
         peak = peak_slots(self._shapes, self._num_pool_groups, t, plan, self._has_swa)
-        for lg, shape in enumerate(self._shapes):
-            indices = kv.get_base_page_indices(LayerGroupId(lg))
-            peak[shape.pool_group] -= len(indices) - indices.tolist().count(BAD_PAGE_INDEX)
-        return [max(0, n) for n in peak]
+        if kv.status is KVCacheStatus.ACTIVE:
+            held = self._pages_per_pool_group(kv)
+        elif self._num_levels == 1 and seq.suspended_pages:
+            held = seq.suspended_pages
+        else:
+            held = [0] * self._num_pool_groups
+        return [max(0, n - k) for n, k in zip(peak, held)]
 
     # ------------------------------------------------------------------ kernels
     def get_batch_cache_indices(
@@ -418,7 +475,13 @@ class KVCacheResourceManager:
         kv = self._seq_of(request).kv
         conv = self._converter(layer_id, role)
         lg = self.manager.get_layer_group_id(layer_id)
-        return conv(kv.get_base_page_indices(lg), index_mode, kv.get_scratch_desc(lg))
+        scratch = kv.get_scratch_desc(lg)
+        if scratch is not None and index_mode is not PageIndexMode.PER_LAYER:
+            raise LogicError(
+                f"request {request.request_id}: this step has SWA scratch blocks in layer group {lg}, which "
+                f"only index_mode=PageIndexMode.PER_LAYER can address (got {index_mode})"
+            )
+        return conv(kv.get_base_page_indices(lg), index_mode, scratch)
 
     def get_buffers(
         self,
@@ -475,13 +538,15 @@ class KVCacheResourceManager:
         return self._seq_of(request).kv
 
     def shutdown(self) -> None:
-        """Free every request's resources and release all memory. Idempotent."""
+        """Free every request's resources and release all memory (a manager given as ``manager=``
+        stays running: its owner shuts it down). Idempotent."""
         if self._is_shut_down:
             return
         for seq in list(self._seqs.values()):
             seq.kv.close()
         self._seqs.clear()
-        self.manager.shutdown()
+        if self._owns_manager:
+            self.manager.shutdown()
         self._is_shut_down = True
 
     def _seq_of(self, request: EngineRequest) -> _Sequence:

@@ -11,7 +11,8 @@ Every step, in this order and within a token budget and a batch size:
    assumed) plus a watermark of free or evictable slots;
 3. if nobody at all could be served, the latest request holding memory is freed
    (``free_resources``: preemption by recompute; its committed blocks stay reusable) and queued
-   again at the front.
+   again at the front. With a host (or disk) tier a step that suspended someone frees nobody: the
+   suspended requests' pages can now spill down, so the next step can resume one of them instead.
 
 Served requests "compute" their step: the clock advances by ``step_ms`` plus the step's tokens at
 ``tokens_per_s``; a request whose step ends at its last token samples the next output token;
@@ -34,7 +35,6 @@ import numpy as np
 
 from .._common import CacheLevel, ReuseScope, TokenId, TokenIdExt
 from .._config import KVCacheManagerConfig
-from .._core._kv_cache_manager import KVCacheManager
 from .._utils import check_int
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
@@ -73,13 +73,24 @@ class SchedulerOptions:
 
 @dataclass
 class LevelUsage:
-    """Slot usage of one cache level, summed over pool groups, in proxy bytes (see ``_models``)."""
+    """Use and traffic of one cache level, summed over pool groups; bytes are proxy bytes (see
+    ``_models``). Traffic and the occupied peak come from the manager's tier statistics."""
 
     level: int
     capacity: int = 0
-    peak_used: int = 0  #: held by requests (active or suspended)
-    peak_occupied: int = 0  #: held by requests or kept as reusable cache
-    dropped_pages: int | None = None  #: pages eviction dropped for good (None: the manager does not say)
+    peak_used: int = 0  #: held by requests (active, or suspended where they cannot spill), sampled each step
+    peak_occupied: int = 0  #: held by requests or kept as reusable cache (the allocator's high-water mark)
+    offloaded_pages: int = 0  #: evicted into this level from the one above
+    offloaded_bytes: int = 0
+    onboarded_pages: int = 0  #: copied from this level up (reuse, resume)
+    onboarded_bytes: int = 0
+    dropped_pages: int = 0  #: dropped for good here
+    dropped_bytes: int = 0
+    io_errors: int = 0
+    max_step_offloaded_pages: int = 0  #: most pages offloaded into this level in one step
+    max_step_onboarded_pages: int = 0  #: most pages onboarded from this level in one step
+    reused_tokens: int = 0  #: prompt tokens of first admissions reused from blocks found at this level
+    hit_blocks: int = 0  #: prompt blocks hit (see ReplayResult.hit_blocks) found at this level
 
 
 @dataclass
@@ -139,19 +150,6 @@ class _Live:
         self.retry_at = -1  #: suspended: Replay.releases when it was last refused
 
 
-def dropped_pages(manager: KVCacheManager, level: int) -> int | None:
-    """Pages eviction dropped for good at ``level``, or None.
-
-    Stop-gap: the public statistics do not count evictions yet, so this reads the storage
-    manager's per-pool-group counter (tests notice when it moves); ``None`` if it is not there.
-    """
-    try:
-        groups: Any = getattr(manager, "_storage").levels[level]  # noqa: B009
-        return sum(int(g.num_dropped) for g in groups)
-    except (AttributeError, IndexError, TypeError):
-        return None
-
-
 class Replay:
     """One replay of ``requests`` through a fresh manager built from ``config``."""
 
@@ -184,6 +182,7 @@ class Replay:
         self.totals = self.rm.get_max_resource_count_per_pool_group()
         self._step_manager_s = 0.0
         self.releases = 0  #: requests that finished or were freed so far (memory came back)
+        self.suspended_now = False  #: the step being scheduled preempted a request by suspending it
         stats = self.rm.manager.get_storage_statistics()
         self.slot_bytes = [sum(s.slot_sizes) for s in stats]
         for lvl in range(self.num_levels):
@@ -251,13 +250,15 @@ class Replay:
     def _schedule(self) -> list[_Live]:
         """Prepare this step's batch (see the module doc); returns the served requests."""
         o = self.opts
+        self.suspended_now = False
         rm = self.rm
         budget = o.max_num_tokens
         old: list[_Live] = []
-        for live in self.running + self.suspended:
+        num_running = len(self.running)
+        for i, live in enumerate(self.running + self.suspended):
             if len(old) >= o.max_batch:
                 break
-            if live.retry_at == self.releases and self.running:
+            if i >= num_running and live.retry_at == self.releases and num_running:
                 continue  # refused, and no request has released memory since: do not resume it in vain
             n = self._step_tokens(live)
             if n <= budget or not old:
@@ -280,12 +281,14 @@ class Replay:
                     self.running.remove(live)
                     self.suspended.append(live)
                     self.result.preempted_suspend += 1
+                    self.suspended_now = True
             for live in served:
                 if live in self.suspended:
                     self.suspended.remove(live)
                     self.running.append(live)
                     self.result.resumed += 1
                     live.full_check = True
+                    live.retry_at = -1
         if not refused and self.waiting and len(served) < o.max_batch:
             served += self._admit(budget, len(served), bool(self.running or self.suspended))
         return served
@@ -341,9 +344,24 @@ class Replay:
         r.prompt_tokens += n
         r.reused_tokens += reused
         r.prompt_blocks += blocks
-        r.hit_blocks += blocks if reused >= n - 1 else reused // t
+        hit = blocks if reused >= n - 1 else reused // t
+        r.hit_blocks += hit
+        # by the level each reused block was found in (the adapter splits reused tokens by block)
+        per_level = req.num_reused_tokens_per_level
+        partial = 0  # the level of the one partially reused block, if any
+        for lvl, k in enumerate(per_level):
+            usage = r.levels[lvl]
+            usage.reused_tokens += k
+            usage.hit_blocks += k // t
+            hit -= k // t
+            if k % t:
+                partial = lvl
+        if hit > 0:  # the last block, whose tokens were reused but for the always-computed last one
+            r.levels[partial].hit_blocks += hit
 
-    def _break_deadlock(self) -> None:
+    def _break_deadlock(self, suspended_now: bool) -> None:
+        if suspended_now and self.num_levels > 1:
+            return  # their pages can spill now: the next step resumes one of them instead
         holders = self.running + self.suspended
         if not holders:
             if self.waiting:  # alone and still refused (e.g. the resume utilisation limit)
@@ -415,8 +433,6 @@ class Replay:
             usage = r.levels[lvl]
             if used > usage.peak_used:
                 usage.peak_used = used
-            if occupied > usage.peak_occupied:
-                usage.peak_occupied = occupied
             if lvl == 0:
                 used_total = used
                 cached_total = occupied - used
@@ -426,6 +442,17 @@ class Replay:
         r.series_cached.append(cached_total / cap)
         r.series_hit.append(r.reused_tokens / r.prompt_tokens if r.prompt_tokens else 0.0)
         r.series_running.append(float(len(self.running)))
+
+    def _step_traffic(self) -> None:
+        """The step's tier traffic (``take_iteration_stats``: since the previous step)."""
+        if self.num_levels == 1:
+            return  # nothing moves between levels
+        for it in self.rm.manager.take_iteration_stats():
+            usage = self.result.levels[it.level]
+            if it.offloaded_pages > usage.max_step_offloaded_pages:
+                usage.max_step_offloaded_pages = it.offloaded_pages
+            if it.onboarded_pages > usage.max_step_onboarded_pages:
+                usage.max_step_onboarded_pages = it.onboarded_pages
 
     # ------------------------------------------------------------------ driver
     def run(self) -> ReplayResult:
@@ -446,7 +473,7 @@ class Replay:
                 self._step_manager_s = 0.0
                 served = self._schedule()
                 if not served:
-                    self._break_deadlock()
+                    self._break_deadlock(self.suspended_now)
                     r.manager_s += self._step_manager_s
                     continue
                 self._sample()  # after prepare: the step's pages are all allocated (its peak)
@@ -454,6 +481,7 @@ class Replay:
                 r.steps += 1
                 r.manager_s += self._step_manager_s
                 r.step_us.append(self._step_manager_s * 1e6)
+                self._step_traffic()
                 if self.on_step is not None:
                     self.on_step(self.rm)
         finally:
@@ -471,7 +499,15 @@ class Replay:
         r.reused_pages = st.reused_pages
         r.allocated_pages = st.allocated_pages
         for usage in r.levels:
-            usage.dropped_pages = dropped_pages(m, usage.level)
+            ts = m.get_tier_statistics(CacheLevel(usage.level))
+            usage.peak_occupied = ts.peak_used_bytes
+            usage.offloaded_pages = ts.offloaded_pages
+            usage.offloaded_bytes = ts.offloaded_bytes
+            usage.onboarded_pages = ts.onboarded_pages
+            usage.onboarded_bytes = ts.onboarded_bytes
+            usage.dropped_pages = ts.dropped_pages
+            usage.dropped_bytes = ts.dropped_bytes
+            usage.io_errors = ts.io_errors
         if self.checker is not None:
             r.records_checked = self.checker.records_checked
             r.layer_by_layer_steps = self.checker.layer_by_layer_steps

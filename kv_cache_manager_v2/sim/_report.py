@@ -7,7 +7,7 @@ from typing import Any
 from ._models import ModelShape, TierSpec, format_bytes, format_count
 from ._replay import ReplayResult, SchedulerOptions
 
-SCHEMA = "kv-cache-sim/1"
+SCHEMA = "kv-cache-sim/2"
 MAX_SERIES_POINTS = 400
 
 
@@ -39,7 +39,7 @@ def build_report(
     swa_scratch: bool,
     scale: float,
 ) -> dict[str, Any]:
-    """Everything the simulator reports, JSON-ready (schema ``kv-cache-sim/1``); ``scale``: the
+    """Everything the simulator reports, JSON-ready (schema ``kv-cache-sim/2``); ``scale``: the
     model's bytes per byte of the proxy manager."""
     r = result
     t = r.tokens_per_block
@@ -56,7 +56,16 @@ def build_report(
                 "peak_used_fraction": _ratio(usage.peak_used, usage.capacity),
                 "peak_occupied_bytes": int(usage.peak_occupied * scale),
                 "peak_occupied_fraction": _ratio(usage.peak_occupied, usage.capacity),
-                "evicted_pages": usage.dropped_pages,
+                # traffic in pages (one block of one layer group) and the model's bytes
+                "offloaded_pages": usage.offloaded_pages,
+                "offloaded_bytes": int(usage.offloaded_bytes * scale),
+                "onboarded_pages": usage.onboarded_pages,
+                "onboarded_bytes": int(usage.onboarded_bytes * scale),
+                "dropped_pages": usage.dropped_pages,
+                "dropped_bytes": int(usage.dropped_bytes * scale),
+                "io_errors": usage.io_errors,
+                "max_step_offloaded_pages": usage.max_step_offloaded_pages,
+                "max_step_onboarded_pages": usage.max_step_onboarded_pages,
             }
         )
     hit_blocks = _ratio(r.hit_blocks, r.prompt_blocks)
@@ -100,8 +109,9 @@ def build_report(
         "hit_rate": {
             "tokens": _ratio(r.reused_tokens, r.prompt_tokens),
             "blocks": hit_blocks,
-            # the manager does not say yet which tier a reused block came from
-            "by_tier": {"gpu": hit_blocks} if len(tiers) == 1 else None,
+            # split by the tier each reused block was found in at admission (they add up to the totals)
+            "by_tier": {t.kind: _ratio(u.hit_blocks, r.prompt_blocks) for t, u in zip(tiers, r.levels)},
+            "tokens_by_tier": {t.kind: _ratio(u.reused_tokens, r.prompt_tokens) for t, u in zip(tiers, r.levels)},
         },
         "prefill": {
             "prompt_tokens": r.prompt_tokens,
@@ -153,6 +163,31 @@ def _row(label: str, value: str) -> str:
     return f"  {label:<26}{value}"
 
 
+def _by_tier(split: dict[str, float]) -> str:
+    return "  " + " + ".join(f"{k} {v:.3f}" for k, v in split.items())
+
+
+def _traffic(tiers: list[dict[str, Any]], i: int) -> str:
+    """Where one tier's pages went: down (evicted to the next tier), up (onboarded), dropped."""
+    tier = tiers[i]
+    parts: list[str] = []
+    if i + 1 < len(tiers):
+        below = tiers[i + 1]
+        parts.append(
+            f"{format_count(below['offloaded_pages'])} offloaded to {below['tier']} "
+            f"({format_bytes(below['offloaded_bytes'])}; at most {format_count(below['max_step_offloaded_pages'])} a step)"
+        )
+    if i > 0:
+        parts.append(
+            f"{format_count(tier['onboarded_pages'])} onboarded ({format_bytes(tier['onboarded_bytes'])}; "
+            f"at most {format_count(tier['max_step_onboarded_pages'])} a step)"
+        )
+    parts.append(f"{format_count(tier['dropped_pages'])} dropped")
+    if tier["io_errors"]:
+        parts.append(f"{format_count(tier['io_errors'])} disk errors")
+    return "pages: " + ", ".join(parts)
+
+
 def format_report(rep: dict[str, Any]) -> str:
     """The summary table of one replay."""
     m = rep["model"]
@@ -184,12 +219,13 @@ def format_report(rep: dict[str, Any]) -> str:
         "prefix reuse",
         _row(
             "hit rate (tokens)",
-            f"{hit['tokens']:.3f}  ({format_count(pre['reused_tokens'])} of {format_count(pre['prompt_tokens'])} prompt tokens reused)",
+            f"{hit['tokens']:.3f}  ({format_count(pre['reused_tokens'])} of {format_count(pre['prompt_tokens'])} prompt tokens reused)"
+            + (_by_tier(hit["tokens_by_tier"]) if len(hit["tokens_by_tier"]) > 1 else ""),
         ),
         _row(
             "hit rate (blocks)",
             f"{hit['blocks']:.3f}  ({format_count(pre['hit_blocks'])} of {format_count(pre['prompt_blocks'])} prompt blocks)"
-            + ("" if hit["by_tier"] is None else "  " + ", ".join(f"{k}: {v:.3f}" for k, v in hit["by_tier"].items())),
+            + _by_tier(hit["by_tier"]),
         ),
         _row(
             "prefill tokens",
@@ -202,17 +238,17 @@ def format_report(rep: dict[str, Any]) -> str:
         ),
         "memory",
     ]
-    for tier in rep["tiers"]:
+    tiers = rep["tiers"]
+    for i, tier in enumerate(tiers):
         name = tier["tier"].upper() if tier["tier"] == "gpu" else tier["tier"]
-        ev = tier["evicted_pages"]
         lines.append(
             _row(
                 f"{name} {tier['quota']}",
                 f"{format_count(tier['capacity_tokens'])} tokens; peak in use {format_bytes(tier['peak_used_bytes'])} "
-                f"({tier['peak_used_fraction']:.0%}), with reusable cache {tier['peak_occupied_fraction']:.0%}"
-                + ("" if ev is None else f"; {format_count(ev)} pages evicted"),
+                f"({tier['peak_used_fraction']:.0%}), with reusable cache {tier['peak_occupied_fraction']:.0%}",
             )
         )
+        lines.append(_row("", _traffic(tiers, i)))
     lines += [
         "scheduling",
         _row(
@@ -238,18 +274,18 @@ def format_report(rep: dict[str, Any]) -> str:
 
 
 def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
-    """One line per sweep point: capacity, hit rates, peak use, preemptions, evictions."""
-    head = f"{key + ' quota':<14}{'tokens':>12}{'hit(tok)':>10}{'hit(blk)':>10}{'peak use':>10}{'preempt':>9}{'evicted':>10}"
+    """One line per sweep point: capacity, hit rates, peak use, preemptions, pages dropped (all tiers)."""
+    head = f"{key + ' quota':<14}{'tokens':>12}{'hit(tok)':>10}{'hit(blk)':>10}{'peak use':>10}{'preempt':>9}{'dropped':>10}"
     lines = [head]
     level = {"gpu": 0, "host": 1, "disk": 2}[key]
     for rep in reports:
         tier = rep["tiers"][min(level, len(rep["tiers"]) - 1)]
         gpu = rep["tiers"][0]
-        ev = gpu["evicted_pages"]
+        dropped = sum(t["dropped_pages"] for t in rep["tiers"])
         pm = rep["preemptions"]
         lines.append(
             f"{tier['quota']:<14}{format_count(tier['capacity_tokens']):>12}{rep['hit_rate']['tokens']:>10.3f}"
             f"{rep['hit_rate']['blocks']:>10.3f}{gpu['peak_used_fraction']:>10.0%}{pm['suspend'] + pm['recompute']:>9,}"
-            f"{'n/a' if ev is None else format_count(ev):>10}"
+            f"{format_count(dropped):>10}"
         )
     return "\n".join(lines)
