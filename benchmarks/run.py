@@ -53,6 +53,9 @@ FAST_DIR = os.path.join(ROOT, "build", "bench", "fast")
 SCENARIOS = [
     "decode",
     "decode_beams",
+    "decode_batch",
+    "decode_batch_swa",
+    "decode_batch_hybrid",
     "admission",
     "admission_array",
     "admission_scaling",
@@ -214,6 +217,50 @@ def scenario_decode_beams(p: dict[str, int]) -> dict[str, Any]:
 def scenario_swa(p: dict[str, int]) -> dict[str, Any]:
     s, _ = _decode(p, 2)
     return {"unit": "us/request/step", "samples": s, "note": "alternating window-128 / full layers"}
+
+
+def _decode_batch(p: dict[str, int], window_every: int) -> dict[str, Any]:
+    """The decode step through the batch calls: ``resize_batch(caches)`` before the forward pass,
+    ``commit_batch(caches, tokens)`` after it, every request's indices mirrored into an engine
+    buffer (a row of one int32 table per layer group, as an engine keeps them)."""
+    import numpy as np
+
+    t, n_req = p["tokens_per_block"], p["requests"]
+    prompt_len = p["shared"] + p["unique"]
+    m = _manager(p["layers"], t, n_req * (prompt_len + p["steps"]) // t + 64, window_every)
+    system = list(range(10_000, 10_000 + p["shared"]))
+    caches = [_admit(m, system + [r * 100_003 + i for i in range(p["unique"])]) for r in range(n_req)]
+    max_blocks = (prompt_len + p["steps"]) // t + 2
+    tables = [np.full((n_req, max_blocks), -1, dtype=np.int32) for _ in range(m.num_life_cycles)]
+    for r, kv in enumerate(caches):
+        for lg, table in enumerate(tables):
+            kv.set_base_page_index_buf(0, lg, memoryview(table[r]))
+    samples = []
+    for step in range(p["steps"]):
+        tokens = [step] * n_req
+        t0 = time.perf_counter()
+        failed = m.resize_batch(caches)
+        m.commit_batch(caches, tokens)
+        samples.append((time.perf_counter() - t0) / n_req * 1e6)
+        assert not failed
+    for kv in caches:
+        kv.close()
+    m.clear_reusable_blocks()
+    m.shutdown()
+    kinds = {0: "full attention", 1: "every layer window-128", 2: "alternating window-128 / full layers"}
+    return {"unit": "us/request/step", "samples": samples, "note": f"batched; {kinds[window_every]}"}
+
+
+def scenario_decode_batch(p: dict[str, int]) -> dict[str, Any]:
+    return _decode_batch(p, 0)
+
+
+def scenario_decode_batch_swa(p: dict[str, int]) -> dict[str, Any]:
+    return _decode_batch(p, 1)
+
+
+def scenario_decode_batch_hybrid(p: dict[str, int]) -> dict[str, Any]:
+    return _decode_batch(p, 2)
 
 
 def scenario_swa_prefill(p: dict[str, int]) -> dict[str, Any]:

@@ -51,6 +51,15 @@ class LifeCycle:
             return 0
         return max(self.num_sink_blocks, (history_length + 1 - w) // self.tokens_per_block)
 
+    def history_releasing_after(self, stale_end: int) -> int:
+        """The least history at which ``stale_end(history)`` exceeds ``stale_end`` (blocks up to
+        there were released): when the window moves next. Sliding-window life cycles only."""
+        w = self.window_size
+        assert w is not None
+        if self.num_sink_blocks > stale_end:
+            return 0
+        return (stale_end + 1) * self.tokens_per_block + w - 1
+
     def scratch_range(self, capacity: int, history_length: int, max_rewind_len: int) -> tuple[int, int]:
         """Blocks ``[beg, end)`` of a step ``history -> capacity`` that will be out of the window
         once the step is history (SPEC 5.7): they only need memory while one layer runs.

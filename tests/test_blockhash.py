@@ -7,10 +7,10 @@ import hashlib
 import os
 from array import array
 
-import blockhash
 import pytest
 from conftest import kv_layers, make_config
 
+import blockhash
 from kv_cache_manager_v2 import KVCacheManager, ReuseScope
 from kv_cache_manager_v2._reuse._keys import (
     NATIVE_CHAIN,

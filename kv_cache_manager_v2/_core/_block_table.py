@@ -146,6 +146,17 @@ class BlockTable:
         if buf is not None:
             buf[old_nb:nb] = memoryview(self._store[lc])[old_nb:nb]
 
+    def append(self, lc: LifeCycleId, page: Page) -> None:
+        """One more block, with ``page`` (the decode step's growth; ``extend`` in general)."""
+        pages = self.pages[lc]
+        o = len(pages)
+        pages.append(page)
+        self._set_len(lc, o, o + 1)
+        self._store[lc][o] = page.slot
+        buf = self.user_bufs[lc]
+        if buf is not None:
+            buf[o] = page.slot
+
     def truncate(self, nb: int, locked: bool) -> None:
         """Drop blocks from ``nb`` on, releasing their pages last block first: the tail becomes
         the least recently used, so eviction takes tails before the prefixes others share."""

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import rawref
 
-from .._common import LifeCycleId, PoolGroupIndex, ReuseStatistics
+from .._common import DEFAULT_PRIORITY, LifeCycleId, PoolGroupIndex, Priority, ReuseStatistics
 from .._config import KVCacheManagerConfig
 from .._exceptions import LogicError
 from .._life_cycle_registry import LifeCycle, LifeCycleRegistry
@@ -23,6 +23,9 @@ class CacheContext:
 
     __slots__ = (
         "config",
+        "default_priorities",
+        "no_gain",
+        "pages_per_block",
         "enable_stats",
         "has_swa",
         "lc_group",
@@ -55,6 +58,12 @@ class CacheContext:
         self.has_swa = len(self.swa_life_cycles) > 0
         self.lc_group: TypedList[LifeCycleId, PoolGroupIndex] = storage.layout.life_cycle_pool_group
         self.num_pool_groups = storage.num_pool_groups
+        #: per pool group, the pages one more block takes (one per life cycle in the group)
+        self.pages_per_block = [0] * self.num_pool_groups
+        for g in self.lc_group:
+            self.pages_per_block[g] += 1
+        self.no_gain = [0] * self.num_pool_groups
+        self.default_priorities: list[Priority] = [DEFAULT_PRIORITY] * self.num_life_cycles
         self.storage = storage
         self.tree = tree
         #: SWA scratch reuse (SPEC 5.7): -1 when not configured

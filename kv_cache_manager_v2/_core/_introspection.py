@@ -167,6 +167,11 @@ def _check_cache(kv: KVCache, table: BlockTable, beam: int, own: Callable[[Page,
         src = kv.block_table.pending_copy[lc]  # beam 0 holds it for every beam
         sinks = life_cycles[lc].num_sink_blocks
         stale_end = table.stale_end[lc]
+        if max(stale_end, sinks) != life_cycles[lc].stale_end(kv.history_length):
+            _fail(
+                f"{kv!r}: life cycle {lc} released blocks below {stale_end}, its window at history "
+                f"{kv.history_length} ends at {life_cycles[lc].stale_end(kv.history_length)}"
+            )
         sb, se = table.scratch[lc]
         slots_needed = (se - sb) > 0 and status is not KVCacheStatus.SUSPENDED
         if slots_needed != bool(table.scratch_slots[lc]):

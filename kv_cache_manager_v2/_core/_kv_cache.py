@@ -14,6 +14,7 @@ from .._common import (
     GPU_LEVEL,
     MAX_CAPACITY,
     MAX_PRIORITY,
+    MAX_TOKEN_ID,
     BeamIndex,
     BlockOrdinal,
     CacheLevel,
@@ -96,6 +97,10 @@ class KVCache:
         # Reuse: the tree node of the last published full block, and how many full blocks are published.
         self._last_node: Node | None = None
         self._num_published = 0
+        #: the last batch call that listed this cache (a cache listed twice is refused)
+        self._batch_serial = 0
+        #: no sliding window moves below this history (see ``_window_moves``; 0: check)
+        self._window_next = 0
 
     def _adopt(self, nodes: list[Node], part: Node | None, part_len: int, tokens: Sequence[TokenIdExt]) -> None:
         """Take holds on matched pages (called once, right after construction)."""
@@ -479,6 +484,7 @@ class KVCache:
             for table in self._tables:
                 table.release_range(lc, max(table.stale_end[lc], life_cycle.num_sink_blocks), end, locked)
                 table.stale_end[lc] = end
+        self._window_next = 0
         self._capacity = self._history = n
         self._num_blocks = b
         if self.num_committed_tokens > n:
@@ -629,21 +635,72 @@ class KVCache:
         ctx = self._ctx
         ctx.enter("resize()")
         try:
-            return self._resize_blocks(cap, h, nb)
+            return self._resize(cap, h, nb)
         finally:
             ctx.leave()
 
+    def _resize(self, cap: int, h: int, nb: int) -> bool:
+        """resize() past its checks and its no-op case (the caller entered the context)."""
+        if (
+            nb == self._num_blocks + 1
+            and len(self._tables) == 1
+            and not self._cow
+            and not self._scratch_enabled
+            and (not self._ctx.has_swa or not self._window_moves(cap, h))
+        ):
+            return self._grow_one_block(cap, h)
+        return self._resize_blocks(cap, h, nb)
+
+    def _grow_one_block(self, cap: int, h: int) -> bool:
+        """The decode step's growth, which ``_resize_blocks`` would plan the long way: one more
+        block with a new page in every life cycle, nothing released (one table, no scratch, no
+        copy-on-write, no window movement; a block at the end is never out of window)."""
+        ctx = self._ctx
+        storage = ctx.storage
+        table = self._table
+        o = self._num_blocks
+        table.check_user_buf_room(o + 1)
+        need = ctx.pages_per_block
+        if not storage.fits(need, ctx.no_gain):
+            return False
+        cb = self._priority_cb
+        if cb is default_priority:
+            priorities = ctx.default_priorities
+        else:
+            priorities = [_checked_priority(cb(BlockOrdinal(o), LifeCycleId(i))) for i in range(ctx.num_life_cycles)]
+        storage.reserve(need)
+        for i, prio in enumerate(priorities):
+            lc = LifeCycleId(i)
+            table.append(lc, storage.new_page(lc, prio, True))
+        if ctx.enable_stats:
+            ctx.stats.allocated_pages += ctx.num_life_cycles
+        self._capacity = cap
+        self._history = h
+        self._num_blocks = o + 1
+        return True
+
     def _window_moves(self, cap: int, h: int) -> bool:
         """Whether some SWA life cycle has blocks to release at history ``h``, or a different
-        scratch range for the step ``h -> cap``."""
+        scratch range for the step ``h -> cap``.
+
+        Without scratch, the answer stays False until history reaches ``_window_next`` (kept
+        from the last call), so a decode step usually costs one comparison."""
+        if h < self._window_next:
+            return False
         ctx = self._ctx
         table = self._table
+        scratch = self._scratch_enabled
+        nxt = MAX_CAPACITY + 1
         for lc in ctx.swa_life_cycles:
-            life_cycle = ctx.life_cycles[lc]
-            if life_cycle.stale_end(h) > table.stale_end[lc]:
+            life_cycle = ctx.life_cycles.items[lc]
+            done = table.stale_end.items[lc]
+            if life_cycle.stale_end(h) > done:
                 return True
-            if self._scratch_enabled and life_cycle.scratch_range(cap, h, ctx.max_rewind_len) != table.scratch[lc]:
+            if scratch and life_cycle.scratch_range(cap, h, ctx.max_rewind_len) != table.scratch.items[lc]:
                 return True
+            nxt = min(nxt, life_cycle.history_releasing_after(done))
+        if not scratch:
+            self._window_next = nxt
         return False
 
     def _scratch_plan(self, lc: LifeCycleId, cap: int, h: int) -> tuple[int, int, int]:
@@ -832,55 +889,93 @@ class KVCache:
         beams; commit the last prompt chunk that way (``[chunk] * B``, indices ``[0] * B``) so every
         beam has its own tail before the first generation step writes it.
         """
+        if beam_search_indices is not None:
+            self._check_committing()
+            self._commit_beams(cast(Sequence[Sequence[TokenIdExt]], accepted_input_tokens), beam_search_indices)
+            return
+        accepted_input_tokens = cast(Sequence[TokenIdExt], accepted_input_tokens)
+        if len(accepted_input_tokens) == 1:
+            # the decode step: one token (read as an object: compiled code would type-check it first)
+            tok = cast(Sequence[object], accepted_input_tokens)[0]
+            self._check_commit()
+            check_token(tok, "accepted_input_tokens")
+            self._check_room(1)
+            if not self._commit_token(cast(TokenIdExt, tok)):
+                ctx = self._ctx
+                ctx.enter("commit()")
+                try:
+                    self._committed()
+                finally:
+                    ctx.leave()
+            return
+        self._check_commit()
+        validate_tokens(accepted_input_tokens, "accepted_input_tokens")
+        self._check_room(len(accepted_input_tokens))
+        ctx = self._ctx
+        ctx.enter("commit()")
+        try:
+            self._tail.extend(accepted_input_tokens)
+            self._committed()
+        finally:
+            ctx.leave()
+
+    def _check_committing(self) -> None:
         if self._status is not KVCacheStatus.ACTIVE:
             raise LogicError(f"commit() needs an ACTIVE cache; this one is {self._status.name}")
         if not self._committing:
             raise LogicError("commit() after stop_committing(): this request no longer commits tokens")
-        if beam_search_indices is not None:
-            self._commit_beams(cast(Sequence[Sequence[TokenIdExt]], accepted_input_tokens), beam_search_indices)
-            return
+
+    def _check_commit(self) -> None:
+        """Raise unless tokens can be committed without beam_search_indices."""
+        self._check_committing()
         if self._forked:
             raise LogicError(
                 "commit() without beam_search_indices after the beams forked: pass each beam's tokens and "
                 "the beam it continues"
             )
-        accepted_input_tokens = cast(Sequence[TokenIdExt], accepted_input_tokens)
-        if len(accepted_input_tokens) == 1:
-            # the decode step: one token (read as an object: compiled code would type-check it first)
-            check_token(cast(Sequence[object], accepted_input_tokens)[0], "accepted_input_tokens")
-        else:
-            validate_tokens(accepted_input_tokens, "accepted_input_tokens")
-        t = self._tokens_per_block
-        n = len(self._committed_blocks) * t + len(self._tail) + len(accepted_input_tokens)
+
+    def _check_room(self, num_tokens: int) -> None:
+        n = len(self._committed_blocks) * self._tokens_per_block + len(self._tail) + num_tokens
         if n > self._capacity:
             raise LogicError(
-                f"commit() of {len(accepted_input_tokens)} tokens would reach {n} committed tokens, "
-                f"beyond capacity {self._capacity}; resize() first"
+                f"commit() of {num_tokens} tokens would reach {n} committed tokens, beyond capacity "
+                f"{self._capacity}; resize() first"
             )
+
+    def _commit_token(self, tok: TokenIdExt) -> bool:
+        """Append one checked token: the decode step. False when it completed a block or moved
+        a sliding window: then ``_committed`` must follow (in the entered context)."""
         tail = self._tail
-        ctx = self._ctx
-        if len(tail) + len(accepted_input_tokens) < t and (n <= self._history or not self._window_moves(n, n)):
-            tail.extend(accepted_input_tokens)  # the decode path: nothing shared changes
-            if n > self._history:
-                self._history = n
-            return
-        ctx.enter("commit()")
-        try:
-            tail.extend(accepted_input_tokens)
-            if len(tail) >= t:
-                full = len(tail) // t
-                first = len(self._committed_blocks)
-                encoded = encode_validated(tail[: full * t]) if first == self._num_published else None
-                self._committed_blocks.extend([tuple(tail[i * t : (i + 1) * t]) for i in range(full)])
-                del tail[: full * t]
-                self._publish(first + full, 0, encoded)
-            if n > self._history:
-                self._history = n
-                if ctx.has_swa:
-                    for lc in ctx.swa_life_cycles:
-                        self._release_stale(lc, ctx.life_cycles[lc].stale_end(n))
-        finally:
-            ctx.leave()
+        tail.append(tok)
+        t = self._tokens_per_block
+        n = len(self._committed_blocks) * t + len(tail)
+        if len(tail) == t:
+            return False
+        if n > self._history:
+            if self._ctx.has_swa and self._window_moves(n, n):
+                return False
+            self._history = n
+        return True
+
+    def _committed(self) -> None:
+        """After tokens were appended to the tail: publish the blocks they completed, raise
+        history to the committed length and release what left the sliding windows."""
+        t = self._tokens_per_block
+        tail = self._tail
+        if len(tail) >= t:
+            full = len(tail) // t
+            first = len(self._committed_blocks)
+            encoded = encode_validated(tail[: full * t]) if first == self._num_published else None
+            self._committed_blocks.extend([tuple(tail[i * t : (i + 1) * t]) for i in range(full)])
+            del tail[: full * t]
+            self._publish(first + full, 0, encoded)
+        n = len(self._committed_blocks) * t + len(tail)
+        if n > self._history:
+            self._history = n
+            ctx = self._ctx
+            if ctx.has_swa:
+                for lc in ctx.swa_life_cycles:
+                    self._release_stale(lc, ctx.life_cycles[lc].stale_end(n))
 
     def _commit_beams(self, tokens: Sequence[Sequence[TokenIdExt]], parents: Sequence[int]) -> None:
         """Beam search's commit: rebuild each beam from the beam it continues, then append its tokens."""
@@ -1145,6 +1240,78 @@ class KVCache:
         check_int("beam index", beam)
         if beam >= self._beam_width:
             raise ValueError(f"beam index must be in [0, {self._beam_width}) (the beam width), got {beam}")
+
+
+# ---------------------------------------------------------------------- batched decode steps
+def commit_batch(ctx: CacheContext, serial: int, caches: Sequence[KVCache], tokens: Sequence[TokenIdExt]) -> None:
+    """``caches[i].commit([tokens[i]])`` for every i, every cache and token checked first."""
+    if len(caches) != len(tokens):
+        raise ValueError(f"commit_batch: {len(caches)} caches but {len(tokens)} tokens (one token per cache)")
+    for i in range(len(caches)):
+        kv = _batch_member(ctx, serial, caches, i)
+        tok = cast(Sequence[object], tokens)[i]
+        try:
+            kv._check_commit()
+            if type(tok) is int:
+                if not 0 <= tok <= MAX_TOKEN_ID:
+                    check_token(tok, "token")  # raises with the reason
+            else:
+                check_token(tok, "token")
+            kv._check_room(1)
+        except (LogicError, ValueError, TypeError) as e:
+            raise type(e)(f"commit_batch: caches[{i}]: {e}") from None
+    ctx.enter("commit_batch()")
+    try:
+        for i in range(len(caches)):
+            kv = caches[i]
+            if not kv._commit_token(tokens[i]):
+                kv._committed()
+    finally:
+        ctx.leave()
+
+
+def resize_batch(ctx: CacheContext, caches: Sequence[KVCache], num_new_tokens: int) -> list[int]:
+    """Capacity of each cache at least its committed length + ``num_new_tokens``; the positions
+    of the caches that did not get it (each unchanged)."""
+    check_int("num_new_tokens", num_new_tokens)
+    for i in range(len(caches)):
+        kv = _batch_member(ctx, 0, caches, i)
+        if kv._status is not KVCacheStatus.ACTIVE:
+            raise LogicError(f"resize_batch: caches[{i}] is {kv._status.name}; only ACTIVE caches grow")
+    failed: list[int] = []
+    ctx.enter("resize_batch()")
+    try:
+        for i in range(len(caches)):
+            kv = caches[i]
+            t = kv._tokens_per_block
+            cap = len(kv._committed_blocks) * t + len(kv._tail) + num_new_tokens
+            if cap <= kv._capacity:
+                continue
+            if cap > MAX_CAPACITY:
+                raise ValueError(f"resize_batch: caches[{i}]: capacity must be at most {MAX_CAPACITY} tokens")
+            nb = (cap + t - 1) // t
+            h = kv._history
+            if nb == kv._num_blocks and not kv._cow and (not ctx.has_swa or not kv._window_moves(cap, h)):
+                kv._capacity = cap
+            elif not kv._resize(cap, h, nb):
+                failed.append(i)
+    finally:
+        ctx.leave()
+    return failed
+
+
+def _batch_member(ctx: CacheContext, serial: int, caches: Sequence[KVCache], i: int) -> KVCache:
+    """``caches[i]``, checked: a KVCache of this manager, listed once (with a nonzero ``serial``)."""
+    kv = cast(Sequence[object], caches)[i]
+    if not isinstance(kv, KVCache):
+        raise TypeError(f"caches[{i}] must be a KVCache, got {type(kv).__name__}")
+    if kv._ctx is not ctx:
+        raise ValueError(f"caches[{i}] belongs to another KVCacheManager")
+    if serial:
+        if kv._batch_serial == serial:
+            raise ValueError(f"caches[{i}] is listed twice")
+        kv._batch_serial = serial
+    return kv
 
 
 def _count_outside(beg: int, end: int, a_beg: int, a_end: int, b_beg: int, b_end: int) -> int:

@@ -46,7 +46,7 @@ from .._storage._storage_manager import StorageManager
 from .._utils import check_int, check_type
 from ._context import CacheContext
 from ._introspection import check_invariants
-from ._kv_cache import KVCache, PriorityCallback, default_priority
+from ._kv_cache import KVCache, PriorityCallback, commit_batch, default_priority, resize_batch
 
 
 class KVCacheManager:
@@ -95,6 +95,7 @@ class KVCacheManager:
         self._ctx = CacheContext(config, self._registry, self._storage, self._tree)
         self._probe_keys: tuple[ReuseScope, Sequence[TokenIdExt], list[BlockKey]] | None = None
         self._is_shut_down = False
+        self._batch_serial = 0
 
     def _split_gpu_quota(self, quota: int) -> list[int]:
         config = self._config
@@ -299,6 +300,34 @@ class KVCacheManager:
         elif not ctx.busy:
             self._is_shut_down = True
             ctx.release_memory()
+
+    # ------------------------------------------------------------------ batched decode steps
+    def resize_batch(self, caches: Sequence[KVCache], num_new_tokens: int = 1) -> list[int]:
+        """Room for ``num_new_tokens`` more tokens in every cache: the decode step's ``resize`` for a
+        whole batch in one call (before the forward pass).
+
+        Each cache's capacity becomes at least ``num_committed_tokens + num_new_tokens`` (never
+        less than it was; history is unchanged), exactly as ``kv.resize(...)`` would make it,
+        pages and index arrays included. All or nothing per cache: returns the positions in
+        ``caches`` of those that did not get the room because memory is short (each of them is
+        unchanged; suspend or close one and retry). Misuse (a cache that is not ACTIVE or not
+        this manager's) raises before anything changes.
+        """
+        self._check_alive()
+        return resize_batch(self._ctx, caches, num_new_tokens)
+
+    def commit_batch(self, caches: Sequence[KVCache], tokens: Sequence[TokenIdExt]) -> None:
+        """Commit ``tokens[i]``, one accepted token, to ``caches[i]`` for every i: the decode step's
+        ``commit`` for a whole batch in one call (after the forward pass).
+
+        The same as ``caches[i].commit([tokens[i]])`` for each cache: full blocks are published
+        and sliding windows move. Every cache and token is checked first (ACTIVE, committing,
+        within capacity, listed once, a valid token), so misuse raises with nothing changed.
+        Several tokens per request (speculative decoding) and forked beams use ``KVCache.commit``.
+        """
+        self._check_alive()
+        self._batch_serial += 1
+        commit_batch(self._ctx, self._batch_serial, caches, tokens)
 
     # ------------------------------------------------------------------ layout for kernels
     @property

@@ -389,6 +389,12 @@ class StorageManager:
         slots = storage.allocator.allocate(len(priorities))
         return [Page(storage, slot, lc, prio, locked) for slot, prio in zip(slots, priorities)]
 
+    def new_page(self, lc: LifeCycleId, priority: Priority, locked: bool) -> Page:
+        """``new_pages`` for one page."""
+        storage = self.lc_storage[lc]
+        self.make_room(storage, 1)
+        return Page(storage, storage.allocator.allocate_one(), lc, priority, locked)
+
     def new_scratch_slots(self, lc: LifeCycleId, count: int) -> list[SlotId]:
         """``count`` GPU slots of ``lc``'s pool group owned by a request as scratch (no pages)."""
         storage = self.lc_storage[lc]
