@@ -3,6 +3,6 @@
 ``available`` is False where the libcrypto that hashlib uses could not be found; callers then
 hash with hashlib (same keys)."""
 
-from blockhash._blockhash import available, chain
+from blockhash._blockhash import available, chain, chain_tokens
 
-__all__ = ["available", "chain"]
+__all__ = ["available", "chain", "chain_tokens"]

@@ -132,7 +132,99 @@ blockhash_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* chain_tokens(parent, tokens, block_tokens): chain() over the uint32 LE encoding of a list or
+ * tuple of ints, encoded here (one pass, no intermediate bytes). None when a token is not an
+ * int (the caller encodes those blocks its own way); ValueError for an int outside [0, 2**32). */
+static PyObject *
+blockhash_chain_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "chain_tokens(parent, tokens, block_tokens) takes 3 arguments");
+        return NULL;
+    }
+    if (sha256_init == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "blockhash: OpenSSL's SHA-256 was not found (check blockhash.available)");
+        return NULL;
+    }
+    PyObject *parent = args[0];
+    if (!PyBytes_Check(parent) || PyBytes_GET_SIZE(parent) != DIGEST) {
+        PyErr_SetString(PyExc_ValueError, "chain_tokens: parent must be a 32-byte bytes digest");
+        return NULL;
+    }
+    PyObject *seq = args[1];
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+        PyErr_SetString(PyExc_TypeError, "chain_tokens: tokens must be a list or a tuple");
+        return NULL;
+    }
+    Py_ssize_t per_block = PyLong_AsSsize_t(args[2]);
+    if (per_block == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (per_block <= 0) {
+        PyErr_SetString(PyExc_ValueError, "chain_tokens: block_tokens must be positive");
+        return NULL;
+    }
+    Py_ssize_t total = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < total; i++) {
+        if (!PyLong_CheckExact(items[i])) {
+            Py_RETURN_NONE;
+        }
+    }
+    unsigned char stack[4 * 256];
+    unsigned char *buf = stack;
+    if (per_block > 256) {
+        buf = PyMem_Malloc(4 * per_block);
+        if (buf == NULL) {
+            return PyErr_NoMemory();
+        }
+    }
+    Py_ssize_t n = (total + per_block - 1) / per_block;
+    PyObject *out = PyList_New(n);
+    const char *prev = PyBytes_AS_STRING(parent);
+    sha256_ctx ctx;
+    for (Py_ssize_t b = 0; out != NULL && b < n; b++) {
+        Py_ssize_t beg = b * per_block;
+        Py_ssize_t len = total - beg < per_block ? total - beg : per_block;
+        for (Py_ssize_t i = 0; i < len; i++) {
+            unsigned long v = PyLong_AsUnsignedLong(items[beg + i]);
+            if ((v == (unsigned long)-1 && PyErr_Occurred()) || v > 0xFFFFFFFFUL) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_ValueError, "chain_tokens: token %zd is outside [0, 2**32)", beg + i);
+                Py_CLEAR(out);
+                break;
+            }
+            buf[4 * i] = (unsigned char)v;
+            buf[4 * i + 1] = (unsigned char)(v >> 8);
+            buf[4 * i + 2] = (unsigned char)(v >> 16);
+            buf[4 * i + 3] = (unsigned char)(v >> 24);
+        }
+        if (out == NULL) {
+            break;
+        }
+        PyObject *key = PyBytes_FromStringAndSize(NULL, DIGEST);
+        if (key == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        unsigned char *md = (unsigned char *)PyBytes_AS_STRING(key);
+        sha256_init(&ctx);
+        sha256_update(&ctx, prev, DIGEST);
+        sha256_update(&ctx, buf, (size_t)(4 * len));
+        sha256_final(md, &ctx);
+        prev = (const char *)md;
+        PyList_SET_ITEM(out, b, key);
+    }
+    if (buf != stack) {
+        PyMem_Free(buf);
+    }
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
+    {"chain_tokens", (PyCFunction)(void (*)(void))blockhash_chain_tokens, METH_FASTCALL,
+     "chain_tokens(parent, tokens, block_tokens) -> chain() of the tokens' uint32 LE encoding, or None "
+     "when a token is not an int."},
     {"chain", (PyCFunction)(void (*)(void))blockhash_chain, METH_FASTCALL,
      "chain(parent, data, block_bytes) -> list of 32-byte keys: key[i] = SHA-256(key[i-1] || block i)."},
     {NULL, NULL, 0, NULL},

@@ -18,6 +18,7 @@ from kv_cache_manager_v2._reuse._keys import (
     block_key,
     chain_keys,
     chain_keys_hashlib,
+    chain_token_keys,
     scope_key,
 )
 
@@ -45,6 +46,28 @@ def test_chain_equals_sha256_of_parent_and_block(size: int, block_bytes: int) ->
     assert blockhash.chain(parent, memoryview(bytearray(data)), block_bytes) == want
     assert chain_keys_hashlib(parent, data, block_bytes) == want
     assert chain_keys(parent, data, block_bytes) == want
+
+
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 100, 300])
+@pytest.mark.parametrize("block_tokens", [1, 32, 300])
+def test_chain_tokens_encodes_ids_as_uint32(n: int, block_tokens: int) -> None:
+    parent = hashlib.sha256(b"root").digest()
+    tokens = [(i * 2_654_435_761) % (1 << 32) for i in range(n)]
+    want = _reference(parent, array("I", tokens).tobytes(), 4 * block_tokens)
+    assert blockhash.chain_tokens(parent, tokens, block_tokens) == want
+    assert blockhash.chain_tokens(parent, tuple(tokens), block_tokens) == want
+    assert chain_token_keys(parent, list(tokens), block_tokens) == want
+
+
+def test_chain_tokens_with_digests_or_bad_ids() -> None:
+    parent = bytes(32)
+    assert blockhash.chain_tokens(parent, [1, b"digest", 3], 2) is None  # encoded another way
+    assert chain_token_keys(parent, [1, b"digest", 3], 2) is None
+    for bad in (-1, 1 << 32):
+        with pytest.raises(ValueError, match="token 1 is outside"):
+            blockhash.chain_tokens(parent, [1, bad], 2)
+    with pytest.raises(TypeError, match="list or a tuple"):
+        blockhash.chain_tokens(parent, array("I", [1]), 1)  # type: ignore[arg-type]
 
 
 def test_chain_rejects_bad_arguments() -> None:

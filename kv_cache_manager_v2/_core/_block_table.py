@@ -71,15 +71,15 @@ class BlockTable:
     # ------------------------------------------------------------------ pages
     def _set_len(self, lc: LifeCycleId, old_nb: int, nb: int) -> None:
         """Resize the block count of the index view: -1 past the blocks, more capacity if needed."""
-        store = self._store[lc]
+        store = self._store.items[lc]
         if nb > len(store):
             grown = array("i", [BAD_PAGE_INDEX]) * max(nb, 2 * len(store), 16)
             if old_nb:
                 grown[:old_nb] = store[:old_nb]
-            self._store[lc] = store = grown
+            self._store.items[lc] = store = grown
         elif nb < old_nb:
             store[nb:old_nb] = array("i", [BAD_PAGE_INDEX]) * (old_nb - nb)
-        self.views[lc] = memoryview(store)[:nb]
+        self.views.items[lc] = memoryview(store)[:nb]
 
     def adopt(self, lc: LifeCycleId, pages: list[Page | None], stale_end: int) -> None:
         """Install the pages of a matched prefix (the table is empty)."""
@@ -148,12 +148,12 @@ class BlockTable:
 
     def append(self, lc: LifeCycleId, page: Page) -> None:
         """One more block, with ``page`` (the decode step's growth; ``extend`` in general)."""
-        pages = self.pages[lc]
+        pages = self.pages.items[lc]
         o = len(pages)
         pages.append(page)
         self._set_len(lc, o, o + 1)
-        self._store[lc][o] = page.slot
-        buf = self.user_bufs[lc]
+        self._store.items[lc][o] = page.slot
+        buf = self.user_bufs.items[lc]
         if buf is not None:
             buf[o] = page.slot
 

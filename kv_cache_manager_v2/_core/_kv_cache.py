@@ -31,7 +31,7 @@ from .._common import (
 )
 from .._exceptions import LogicError, OutOfPagesError
 from .._page import Page
-from .._reuse._keys import chain_keys, check_token, encode_validated, validate_tokens
+from .._reuse._keys import chain_token_keys, check_token, validate_tokens
 from .._reuse._tree import Node
 from .._utils import check_int, check_type
 from ._block_table import BlockTable
@@ -965,10 +965,10 @@ class KVCache:
         if len(tail) >= t:
             full = len(tail) // t
             first = len(self._committed_blocks)
-            encoded = encode_validated(tail[: full * t]) if first == self._num_published else None
+            completed = tail[: full * t] if first == self._num_published else None
             self._committed_blocks.extend([tuple(tail[i * t : (i + 1) * t]) for i in range(full)])
             del tail[: full * t]
-            self._publish(first + full, 0, encoded)
+            self._publish(first + full, 0, completed)
         n = len(self._committed_blocks) * t + len(tail)
         if n > self._history:
             self._history = n
@@ -1115,11 +1115,11 @@ class KVCache:
         if upto > self._num_published:
             self._publish(upto, self._final_beam)
 
-    def _publish(self, upto: int, beam: int = 0, encoded: bytes | None = None) -> None:
+    def _publish(self, upto: int, beam: int = 0, tokens: list[TokenIdExt] | None = None) -> None:
         """Insert committed blocks ``[num_published, upto)`` of ``beam`` into the reuse tree (the
-        last may be partial); ``encoded``: those blocks' tokens encoded (full blocks of ids), so
-        their keys are hashed in one call. Before beams fork every beam's table holds the same
-        pages: a block deduplicated onto the tree's page switches in all of them."""
+        last may be partial); ``tokens``: those blocks' tokens (full blocks), so their keys are
+        hashed in one call. Before beams fork every beam's table holds the same pages: a block
+        deduplicated onto the tree's page switches in all of them."""
         tree = self._ctx.tree
         t = self._tokens_per_block
         parent = self._last_node
@@ -1133,7 +1133,7 @@ class KVCache:
         blocks, tail = self._seq(beam)
         shared = len(self._tables) > 1
         first = self._num_published
-        keys = chain_keys(parent.key, encoded, t * 4) if encoded is not None else None
+        keys = chain_token_keys(parent.key, tokens, t) if tokens is not None else None
         for o in range(first, upto):
             toks = blocks[o] if o < len(blocks) else tuple(tail)
             mine = table.block_pages(o)
@@ -1245,11 +1245,13 @@ class KVCache:
 # ---------------------------------------------------------------------- batched decode steps
 def commit_batch(ctx: CacheContext, serial: int, caches: Sequence[KVCache], tokens: Sequence[TokenIdExt]) -> None:
     """``caches[i].commit([tokens[i]])`` for every i, every cache and token checked first."""
-    if len(caches) != len(tokens):
-        raise ValueError(f"commit_batch: {len(caches)} caches but {len(tokens)} tokens (one token per cache)")
-    for i in range(len(caches)):
-        kv = _batch_member(ctx, serial, caches, i)
-        tok = cast(Sequence[object], tokens)[i]
+    kvs = _batch_members(ctx, serial, caches)
+    toks = _as_list(tokens)
+    if len(kvs) != len(toks):
+        raise ValueError(f"commit_batch: {len(kvs)} caches but {len(toks)} tokens (one token per cache)")
+    for i in range(len(kvs)):
+        kv = kvs[i]
+        tok = toks[i]
         try:
             kv._check_commit()
             if type(tok) is int:
@@ -1262,9 +1264,9 @@ def commit_batch(ctx: CacheContext, serial: int, caches: Sequence[KVCache], toke
             raise type(e)(f"commit_batch: caches[{i}]: {e}") from None
     ctx.enter("commit_batch()")
     try:
-        for i in range(len(caches)):
-            kv = caches[i]
-            if not kv._commit_token(tokens[i]):
+        for i in range(len(kvs)):
+            kv = kvs[i]
+            if not kv._commit_token(cast(TokenIdExt, toks[i])):
                 kv._committed()
     finally:
         ctx.leave()
@@ -1274,21 +1276,22 @@ def resize_batch(ctx: CacheContext, caches: Sequence[KVCache], num_new_tokens: i
     """Capacity of each cache at least its committed length + ``num_new_tokens``; the positions
     of the caches that did not get it (each unchanged)."""
     check_int("num_new_tokens", num_new_tokens)
-    for i in range(len(caches)):
-        kv = _batch_member(ctx, 0, caches, i)
+    kvs = _batch_members(ctx, 0, caches)
+    for i in range(len(kvs)):
+        kv = kvs[i]
         if kv._status is not KVCacheStatus.ACTIVE:
             raise LogicError(f"resize_batch: caches[{i}] is {kv._status.name}; only ACTIVE caches grow")
+        if kv.num_committed_tokens + num_new_tokens > MAX_CAPACITY:
+            raise ValueError(f"resize_batch: caches[{i}]: capacity must be at most {MAX_CAPACITY} tokens")
     failed: list[int] = []
     ctx.enter("resize_batch()")
     try:
-        for i in range(len(caches)):
-            kv = caches[i]
+        for i in range(len(kvs)):
+            kv = kvs[i]
             t = kv._tokens_per_block
             cap = len(kv._committed_blocks) * t + len(kv._tail) + num_new_tokens
             if cap <= kv._capacity:
                 continue
-            if cap > MAX_CAPACITY:
-                raise ValueError(f"resize_batch: caches[{i}]: capacity must be at most {MAX_CAPACITY} tokens")
             nb = (cap + t - 1) // t
             h = kv._history
             if nb == kv._num_blocks and not kv._cow and (not ctx.has_swa or not kv._window_moves(cap, h)):
@@ -1300,18 +1303,25 @@ def resize_batch(ctx: CacheContext, caches: Sequence[KVCache], num_new_tokens: i
     return failed
 
 
-def _batch_member(ctx: CacheContext, serial: int, caches: Sequence[KVCache], i: int) -> KVCache:
-    """``caches[i]``, checked: a KVCache of this manager, listed once (with a nonzero ``serial``)."""
-    kv = cast(Sequence[object], caches)[i]
-    if not isinstance(kv, KVCache):
-        raise TypeError(f"caches[{i}] must be a KVCache, got {type(kv).__name__}")
-    if kv._ctx is not ctx:
-        raise ValueError(f"caches[{i}] belongs to another KVCacheManager")
-    if serial:
-        if kv._batch_serial == serial:
-            raise ValueError(f"caches[{i}] is listed twice")
-        kv._batch_serial = serial
-    return kv
+def _as_list(items: Sequence[object]) -> list[object]:
+    # compiled code indexes a list natively; any other sequence goes through the generic protocol
+    return cast(list[object], items) if type(items) is list else list(items)
+
+
+def _batch_members(ctx: CacheContext, serial: int, caches: Sequence[KVCache]) -> list[KVCache]:
+    """``caches`` checked: KVCaches of this manager, each listed once (when ``serial`` is nonzero)."""
+    items = _as_list(caches)
+    for i in range(len(items)):
+        kv = items[i]
+        if not isinstance(kv, KVCache):
+            raise TypeError(f"caches[{i}] must be a KVCache, got {type(kv).__name__}")
+        if kv._ctx is not ctx:
+            raise ValueError(f"caches[{i}] belongs to another KVCacheManager")
+        if serial:
+            if kv._batch_serial == serial:
+                raise ValueError(f"caches[{i}] is listed twice")
+            kv._batch_serial = serial
+    return cast(list[KVCache], items)
 
 
 def _count_outside(beg: int, end: int, a_beg: int, a_end: int, b_beg: int, b_end: int) -> int:

@@ -34,6 +34,15 @@ def chain_keys(parent: BlockKey, encoded: bytes, block_bytes: int) -> list[Block
     return chain_keys_hashlib(parent, encoded, block_bytes)
 
 
+def chain_token_keys(parent: BlockKey, tokens: list[TokenIdExt], tokens_per_block: int) -> list[BlockKey] | None:
+    """``chain_keys`` of validated ``tokens`` (blocks of ``tokens_per_block``, the last may be
+    shorter), encoded on the way; None when they include digests (hash those with ``block_key``)."""
+    if NATIVE_CHAIN:
+        return blockhash.chain_tokens(parent, tokens, tokens_per_block)
+    encoded = encode_validated(tokens)
+    return None if encoded is None else chain_keys_hashlib(parent, encoded, tokens_per_block * 4)
+
+
 def chain_keys_hashlib(parent: BlockKey, encoded: bytes, block_bytes: int) -> list[BlockKey]:
     """``chain_keys`` through hashlib, a block at a time (where blockhash is not available)."""
     keys: list[BlockKey] = []
