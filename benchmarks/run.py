@@ -64,6 +64,8 @@ SCENARIOS = [
     "swa",
     "swa_prefill",
     "replay",
+    "replay_gc",
+    "admission_gc",
     "adapter",
     "decode_events",
     "admission_events",
@@ -513,6 +515,99 @@ def scenario_replay(p: dict[str, int]) -> dict[str, Any]:
     }
 
 
+def _trace_prompts(limit: int) -> list[list[int]]:
+    """The trace's prompts as token lists (512 tokens per hash id, cut to input_length); the whole
+    trace when ``limit`` is 0."""
+    prompts = []
+    with open(TRACE) as f:
+        for line in f:
+            r = json.loads(line)
+            n = r["input_length"]
+            prompts.append([h * 512 + i for h in r["hash_ids"] for i in range(512)][:n])
+            if limit and len(prompts) >= limit:
+                break
+    return prompts
+
+
+def _replay_requests_per_s(prompts: list[list[int]], t: int, cache_tokens: int, gc_on: bool) -> tuple[float, float]:
+    """Requests/s and hit rate of a one-at-a-time replay (create, resume, resize, commit, close)."""
+    import gc
+
+    m = _manager(1, t, cache_tokens // t)
+    gc.collect()
+    if not gc_on:
+        gc.disable()
+    t0 = time.perf_counter()
+    for prompt in prompts:
+        kv = m.create_kv_cache(input_tokens=prompt[:-1])
+        if kv.resume() and kv.resize(len(prompt)):
+            kv.commit(prompt[kv.history_length :])
+        kv.close()
+    dt = time.perf_counter() - t0
+    gc.enable()
+    hit_rate = m.reuse_statistics.hit_rate
+    m.clear_reusable_blocks()
+    m.shutdown()
+    return len(prompts) / dt, hit_rate
+
+
+def scenario_replay_gc(p: dict[str, int]) -> dict[str, Any]:
+    """The trace replayed one request at a time (prompt blocks only) on a 3M-token cache, in
+    requests/s: with the cyclic GC enabled (the samples) and disabled, on fresh managers."""
+    if not os.path.exists(TRACE):
+        return {"unit": "requests/s", "samples": [0.0], "note": "trace not found: skipped"}
+    prompts = _trace_prompts(p["replay_gc_requests"])
+    on, hit_rate = _replay_requests_per_s(prompts, p["tokens_per_block"], p["cache_tokens"], gc_on=True)
+    off, _ = _replay_requests_per_s(prompts, p["tokens_per_block"], p["cache_tokens"], gc_on=False)
+    return {
+        "unit": "requests/s",
+        "samples": [on],
+        "gc_off_requests_per_s": off,
+        "gc_on_vs_off": on / off,
+        "requests": len(prompts),
+        "hit_rate": hit_rate,
+    }
+
+
+def scenario_admission_gc(p: dict[str, int]) -> dict[str, Any]:
+    """Admission including the prefill commit (then close) on a manager already holding
+    ``gc_blocks`` cached blocks, with the cyclic GC enabled (the samples) and disabled, in
+    alternating rounds (16 in all)."""
+    import gc
+
+    t, unique = p["tokens_per_block"], p["unique"]
+    prompt_len = p["shared"] + unique
+    m = _manager(1, t, p["gc_blocks"] + 4 * p["requests"] * prompt_len // t + 64)
+    system = list(range(10_000, 10_000 + p["shared"]))
+    fill_len = 32 * t  # 32 unique blocks per filler request
+    for r in range(p["gc_blocks"] // 32):
+        _admit(m, system[:t] + [1 << 30 | r * fill_len + i for i in range(fill_len)]).close()
+    gc.collect()
+    on: list[float] = []
+    off: list[float] = []
+    rounds = max(1, p["requests"] // 16)
+    for r in range(p["requests"]):
+        gc_on = r // rounds % 2 == 0
+        if not gc_on:
+            gc.disable()
+        prompt = system + [r * 100_003 + i for i in range(unique)]
+        t0 = time.perf_counter()
+        m.probe_reuse(None, prompt[:-1])
+        kv = _admit(m, prompt)
+        (on if gc_on else off).append((time.perf_counter() - t0) * 1e6)
+        gc.enable()
+        kv.close()
+    m.clear_reusable_blocks()
+    m.shutdown()
+    return {
+        "unit": "us/request",
+        "samples": on,
+        "gc_off_median": statistics.median(off),
+        "gc_on_vs_off": statistics.median(on) / statistics.median(off),
+        "cached_blocks": p["gc_blocks"],
+    }
+
+
 def scenario_adapter(p: dict[str, int]) -> dict[str, Any]:
     import kv_cache_manager_v2 as kvm
     from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager
@@ -751,6 +846,8 @@ DEFAULTS = dict(
     hit_rate_requests=0,  # 0: the whole trace
     trace_gpu_tokens=1_000_000,
     trace_host_tokens=3_000_000,
+    replay_gc_requests=0,  # 0: the whole trace
+    gc_blocks=300_000,
 )
 QUICK = dict(
     requests=16,
@@ -776,6 +873,8 @@ QUICK = dict(
     hit_rate_requests=30,
     trace_gpu_tokens=100_000,
     trace_host_tokens=300_000,
+    replay_gc_requests=30,
+    gc_blocks=2_000,
 )
 
 
