@@ -515,40 +515,43 @@ def scenario_replay(p: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def _trace_prompts(limit: int) -> list[list[int]]:
-    """The trace's prompts as token lists (512 tokens per hash id, cut to input_length); the whole
-    trace when ``limit`` is 0."""
-    prompts = []
+def _trace_requests(limit: int) -> list[tuple[int, list[int]]]:
+    """The trace's requests as (input_length, hash ids); the whole trace when ``limit`` is 0."""
+    out = []
     with open(TRACE) as f:
         for line in f:
             r = json.loads(line)
-            n = r["input_length"]
-            prompts.append([h * 512 + i for h in r["hash_ids"] for i in range(512)][:n])
-            if limit and len(prompts) >= limit:
+            out.append((r["input_length"], r["hash_ids"]))
+            if limit and len(out) >= limit:
                 break
-    return prompts
+    return out
 
 
-def _replay_requests_per_s(prompts: list[list[int]], t: int, cache_tokens: int, gc_on: bool) -> tuple[float, float]:
-    """Requests/s and hit rate of a one-at-a-time replay (create, resume, resize, commit, close)."""
+def _replay_requests_per_s(
+    reqs: list[tuple[int, list[int]]], t: int, cache_tokens: int, gc_on: bool
+) -> tuple[float, float]:
+    """Requests/s and hit rate of a one-at-a-time replay (create, resume, resize, commit, close) of
+    ``array('I')`` prompts (512 tokens per hash id), built outside the timed calls."""
     import gc
 
     m = _manager(1, t, cache_tokens // t)
     gc.collect()
     if not gc_on:
         gc.disable()
-    t0 = time.perf_counter()
-    for prompt in prompts:
+    spent = 0.0
+    for n, hash_ids in reqs:
+        prompt = array("I", [h * 512 + i for h in hash_ids for i in range(512)][:n])
+        t0 = time.perf_counter()
         kv = m.create_kv_cache(input_tokens=prompt[:-1])
-        if kv.resume() and kv.resize(len(prompt)):
+        if kv.resume() and kv.resize(n):
             kv.commit(prompt[kv.history_length :])
         kv.close()
-    dt = time.perf_counter() - t0
+        spent += time.perf_counter() - t0
     gc.enable()
     hit_rate = m.reuse_statistics.hit_rate
     m.clear_reusable_blocks()
     m.shutdown()
-    return len(prompts) / dt, hit_rate
+    return len(reqs) / spent, hit_rate
 
 
 def scenario_replay_gc(p: dict[str, int]) -> dict[str, Any]:
@@ -556,15 +559,15 @@ def scenario_replay_gc(p: dict[str, int]) -> dict[str, Any]:
     requests/s: with the cyclic GC enabled (the samples) and disabled, on fresh managers."""
     if not os.path.exists(TRACE):
         return {"unit": "requests/s", "samples": [0.0], "note": "trace not found: skipped"}
-    prompts = _trace_prompts(p["replay_gc_requests"])
-    on, hit_rate = _replay_requests_per_s(prompts, p["tokens_per_block"], p["cache_tokens"], gc_on=True)
-    off, _ = _replay_requests_per_s(prompts, p["tokens_per_block"], p["cache_tokens"], gc_on=False)
+    reqs = _trace_requests(p["replay_gc_requests"])
+    on, hit_rate = _replay_requests_per_s(reqs, p["tokens_per_block"], p["cache_tokens"], gc_on=True)
+    off, _ = _replay_requests_per_s(reqs, p["tokens_per_block"], p["cache_tokens"], gc_on=False)
     return {
         "unit": "requests/s",
         "samples": [on],
         "gc_off_requests_per_s": off,
         "gc_on_vs_off": on / off,
-        "requests": len(prompts),
+        "requests": len(reqs),
         "hit_rate": hit_rate,
     }
 
