@@ -30,6 +30,7 @@ from ._common import (
     PoolGroupIndex,
     PoolIndex,
     Priority,
+    RemoteStatistics,
     ReuseScope,
     ReuseStatistics,
     ScratchDesc,
@@ -48,6 +49,7 @@ from ._config import (
     HostCacheTierConfig,
     KVCacheDesc,
     KVCacheManagerConfig,
+    RemoteCacheTierConfig,
     SwaScratchReuseConfig,
 )
 from ._core._kv_cache import KVCache, default_priority
@@ -113,6 +115,8 @@ __all__ = [
     "PoolGroupIndex",
     "PoolIndex",
     "Priority",
+    "RemoteCacheTierConfig",
+    "RemoteStatistics",
     "ReuseScope",
     "ReuseStatistics",
     "ScratchDesc",

@@ -44,6 +44,7 @@ class Page:
         "num_holds",
         "num_locks",
         "priority",
+        "remote_copy",
         "slot",
         "storage",
     )
@@ -67,6 +68,8 @@ class Page:
         self.lru_next: Page | None = None
         self.in_evictor = NOT_LISTED
         self.lost = False
+        #: the remote tier has (or was sent) this page's data: dropping it locally writes nothing
+        self.remote_copy = False
 
     @property
     def status(self) -> PageStatus:

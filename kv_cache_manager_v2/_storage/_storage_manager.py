@@ -11,6 +11,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+import rawref
+
 from .._common import (
     GPU_LEVEL,
     CacheLevel,
@@ -23,7 +25,7 @@ from .._common import (
     StorageStatistics,
     TierStatistics,
 )
-from .._config import CacheTierConfig, DiskCacheTierConfig
+from .._config import DiskCacheTierConfig, LocalCacheTierConfig
 from .._eviction import Evictor
 from .._exceptions import OutOfPagesError
 from .._page import Page
@@ -32,6 +34,7 @@ from ._backend import MAX_GROWTH, MemoryBackend, MemoryPool, Pool
 from ._copy_engine import CopyEngine
 from ._disk import DiskPool
 from ._layout import PoolGroupLayout, StorageLayout
+from ._remote import HEADER_BYTES, RemoteStore
 from ._slot_allocator import SlotAllocator
 
 #: Per level and pool group, how many of the asking request's own pages its evictor lists
@@ -139,7 +142,7 @@ class StorageManager:
         layout: StorageLayout,
         slots: list[list[int]],
         backend: MemoryBackend,
-        tiers: Sequence[CacheTierConfig],
+        tiers: Sequence[LocalCacheTierConfig],
     ) -> None:
         self.layout = layout
         self.backend = backend
@@ -163,10 +166,20 @@ class StorageManager:
             [gpu[g] for g in layout.life_cycle_pool_group]
         )
         self.drop_listener: PageDropListener | None = None
-        #: cumulative counters at the last ``take_iteration_stats``, per level
-        self._iteration_base: list[list[int]] = [[0] * 7 for _ in tiers]
+        #: the remote tier below the last level (``attach_remote``): reusable full-block pages dropped
+        #: for good are written there
+        self.remote: RemoteStore | None = None
+        self.tokens_per_block = 0
+        #: write-through pages published since the last ``flush_write_through``
+        self._write_through: list[rawref.ref[Page]] = []
+        #: cumulative counters at the last ``take_iteration_stats``, per level (the remote tier last)
+        self._iteration_base: list[list[int]] = [[0] * 7 for _ in range(len(tiers) + 1)]
 
-    def _make_pools(self, cfg: CacheTierConfig, layout: PoolGroupLayout, num_slots: int) -> list[Pool]:
+    def attach_remote(self, remote: RemoteStore, tokens_per_block: int) -> None:
+        self.remote = remote
+        self.tokens_per_block = tokens_per_block
+
+    def _make_pools(self, cfg: LocalCacheTierConfig, layout: PoolGroupLayout, num_slots: int) -> list[Pool]:
         """The pools of one group at one level: GPU memory mapped on demand; host memory and disk
         files backed in full up front (so eviction never fails to find memory)."""
         pools: list[Pool] = []
@@ -347,7 +360,7 @@ class StorageManager:
         """A page whose data a disk error destroyed: reusable ones are dropped (a miss), owned ones
         are marked lost (their owners drop the blocks from there on when they next resume)."""
         if page.num_locks == 0 and page.num_holds == 0:
-            self.drop(page)
+            self.drop(page, False)  # its data is gone: nothing to write to the remote tier
             return
         listener = self.drop_listener
         if listener is not None:
@@ -373,17 +386,82 @@ class StorageManager:
                     for v in victims:
                         self.drop(v)
 
-    def drop(self, page: Page) -> None:
-        """Free an evicted page for good; the listener forgets it first."""
+    def drop(self, page: Page, spill: bool = True) -> None:
+        """Free an evicted page for good; the listener forgets it first. With a remote tier, a
+        reusable full block's data is queued for writing there first (unless ``spill`` is False)."""
+        if spill and self.remote is not None and page.node is not None:
+            self.spill([page])
         listener = self.drop_listener
         if listener is not None:
             listener.page_dropped(page)
         page.storage.num_dropped += 1
         page.free()
 
+    # ------------------------------------------------------------------ the remote tier's writes
+    def spill(self, pages: list[Page]) -> None:
+        """Queue the data of ``pages`` (reusable full blocks whose data the remote tier lacks) for
+        writing to the remote tier: copied out now (their slots may be reused at once), sent by the
+        writer thread. Pages beyond the write queue's room are skipped and counted as dropped."""
+        remote = self.remote
+        if remote is None:
+            return
+        t = self.tokens_per_block
+        room = remote.room()
+        groups: dict[int, list[Page]] = {}
+        for p in pages:
+            node = p.node
+            if node is None or p.remote_copy or p.lost or len(node.tokens) != t:
+                continue
+            nbytes = HEADER_BYTES + p.storage.layout.slot_bytes
+            if nbytes > room:
+                remote.count_dropped(1, nbytes)
+                continue
+            room -= nbytes
+            found = groups.get(id(p.storage))
+            if found is None:
+                groups[id(p.storage)] = [p]
+            else:
+                found.append(p)
+        for batch in groups.values():
+            src = batch[0].storage
+            bufs, failed = self.copier.read_slots(
+                src.pools, src.layout.slot_sizes, [p.slot for p in batch], HEADER_BYTES
+            )
+            for i, p in enumerate(batch):
+                node = p.node
+                assert node is not None
+                if i in failed:  # a disk read failed: the page keeps its (possibly bad) data locally
+                    src.num_io_errors += 1
+                    remote.count_dropped(1, len(bufs[i]))
+                    continue
+                remote.enqueue(node.key, p.life_cycle, bufs[i])
+                p.remote_copy = True
+
+    def queue_write_through(self, page: Page) -> None:
+        """Write-through: ``page`` was just published; its data goes to the remote tier at the next
+        ``flush_write_through`` (batched: one copy-out per flush, not per block)."""
+        self._write_through.append(rawref.ref(page))
+        if len(self._write_through) >= 64:
+            self.flush_write_through()
+
+    def flush_write_through(self) -> None:
+        """Copy out the published pages queued by ``queue_write_through`` that still exist."""
+        refs = self._write_through
+        if not refs:
+            return
+        self._write_through = []
+        pages: list[Page] = []
+        for r in refs:
+            p = r()
+            if p is not None:
+                pages.append(p)
+        self.spill(pages)
+
     # ------------------------------------------------------------------ allocation and moves
     def new_pages(self, lc: LifeCycleId, priorities: list[Priority], locked: bool) -> list[Page]:
         """One new GPU page of life cycle ``lc`` per priority, evicting as needed (callers planned)."""
+        if self._write_through:
+            self.flush_write_through()  # before any slot is reused
         storage = self.lc_storage[lc]
         self.make_room(storage, len(priorities))
         slots = storage.allocator.allocate(len(priorities))
@@ -545,6 +623,9 @@ class StorageManager:
 
     def _counters(self, level: int) -> list[int]:
         """Cumulative (offloaded, onboarded, dropped) pages then bytes, and io errors, of ``level``."""
+        if level == self.num_levels:
+            assert self.remote is not None
+            return self.remote.counters()
         out = [0] * 7
         for s in self.levels.items[level]:
             b = s.layout.slot_bytes
@@ -559,11 +640,38 @@ class StorageManager:
 
     def tier_statistics(self, level: CacheLevel) -> TierStatistics:
         """Usage and traffic of ``level`` since the manager was created."""
+        if level == self.num_levels:
+            return self._remote_stats(level, [0] * 7)
         return self._tier_stats(level, [0] * 7, [s.allocator.peak_used for s in self.levels[level]])
+
+    def _remote_stats(self, level: CacheLevel, base: list[int]) -> TierStatistics:
+        """The remote level: written (offloaded), fetched (onboarded), dropped writes, errors; usage
+        is the server's business (it is shared), so it reads 0."""
+        remote = self.remote
+        assert remote is not None
+        now = remote.counters()
+        d = [now[i] - base[i] for i in range(7)]
+        quota = remote.cfg.quota
+        return TierStatistics(
+            level=level,
+            tier=CacheTier.REMOTE,
+            total_bytes=quota if quota is not None else 0,
+            used_bytes=0,
+            peak_used_bytes=0,
+            offloaded_pages=d[0],
+            onboarded_pages=d[1],
+            dropped_pages=d[2],
+            offloaded_bytes=d[3],
+            onboarded_bytes=d[4],
+            dropped_bytes=d[5],
+            io_errors=d[6],
+        )
 
     def take_iteration_stats(self) -> list[TierStatistics]:
         """Per level, the traffic since the previous call (peaks: highest usage since then); resets."""
         out: list[TierStatistics] = []
+        if self.remote is not None:
+            self.flush_write_through()
         for level in range(self.num_levels):
             storages = self.levels.items[level]
             peaks = [s.allocator.iteration_peak for s in storages]
@@ -571,6 +679,10 @@ class StorageManager:
             self._iteration_base[level] = self._counters(level)
             for s in storages:
                 s.allocator.iteration_peak = s.allocator.num_used
+        if self.remote is not None:
+            level = self.num_levels
+            out.append(self._remote_stats(CacheLevel(level), self._iteration_base[level]))
+            self._iteration_base[level] = self.remote.counters()
         return out
 
     def _tier_stats(self, level: CacheLevel, base: list[int], peaks: list[int]) -> TierStatistics:

@@ -1,0 +1,418 @@
+"""The remote tier's store: content-addressed pages in Redis (or Valkey), shared by many managers.
+
+One key per page (one block of one layer group): ``kvcm:<namespace>:<layout fingerprint>:<layer
+group>:<block key hex>``, where the block key is the SHA-256 reuse key (so scopes, salts and LoRA
+adapters never share) and the fingerprint covers the model layout, so different models or layouts
+never share either. A value is a 64-byte header (magic, format version, layer group, fingerprint,
+block key, payload length, CRC-32 of the payload) then the slot's bytes of every pool of the page's
+pool group. A value that is missing, truncated, foreign or corrupted is a miss, never bad KV.
+
+Reads (``lookup``: one round trip returning every key's length; ``fetch``: one MGET) run on the
+scheduler's thread, bounded by ``timeout_ms`` per network operation. Writes are queued (a bounded
+deque; what does not fit is dropped and counted) and sent by a background thread in pipelined
+batches. A failed round trip marks the server down for ``retry_interval_ms``: meanwhile lookups are
+misses without network traffic and queued writes are dropped. Nothing raises into the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import struct
+import threading
+import time
+import zlib
+from collections import deque
+from typing import Any, Final
+
+from .._common import RemoteStatistics
+from .._config import KVCacheManagerConfig, RemoteCacheTierConfig
+
+LOG = logging.getLogger("kv_cache_manager_v2")
+
+MAGIC: Final = b"KVC2"
+#: bump when the value layout, the key layout or the slot layout (coalescing order) changes
+FORMAT_VERSION: Final = 1
+#: magic, version, layer group, layout fingerprint, block key, payload length, CRC-32, reserved
+HEADER: Final = struct.Struct("<4sHH8s32sQII")
+HEADER_BYTES: Final = 64
+#: a write batch ends at this many pages or bytes
+BATCH_PAGES: Final = 64
+BATCH_BYTES: Final = 8 << 20
+#: values at least this large are sent as their own chunk (one syscall) instead of being copied
+_BIG_VALUE: Final = 64 << 10
+
+_LOOKUP_LUA: Final = "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('STRLEN', k) end return r"
+
+
+def layout_fingerprint(config: KVCacheManagerConfig, dtype: str) -> bytes:
+    """8 bytes naming everything that decides what a page's bytes mean: format version, tokens per
+    block, ``dtype``, and every layer (id, window, sinks) with its buffers (role, size, override)."""
+    parts = [f"kvcm-layout/{FORMAT_VERSION}/T={config.tokens_per_block}/dtype={dtype}"]
+    for layer in config.layers:
+        parts.append(f"L{layer.layer_id}/w={layer.sliding_window_size}/s={layer.num_sink_tokens}")
+        for b in layer.buffers:
+            parts.append(f"B{b.role!r}/{b.size}/{b.tokens_per_block_override}")
+    return hashlib.sha256("\n".join(parts).encode()).digest()[:8]
+
+
+def encode_header(buf: bytearray, life_cycle: int, fingerprint: bytes, block_key: bytes) -> None:
+    """Fill the first ``HEADER_BYTES`` of ``buf`` (the payload follows them)."""
+    payload = memoryview(buf)[HEADER_BYTES:]
+    HEADER.pack_into(
+        buf, 0, MAGIC, FORMAT_VERSION, life_cycle, fingerprint, block_key, len(payload), zlib.crc32(payload), 0
+    )
+
+
+def decode_value(value: bytes, life_cycle: int, fingerprint: bytes, block_key: bytes, size: int) -> memoryview | None:
+    """The payload of ``value`` if it is a complete, intact page of ``size`` bytes for exactly this
+    layer group, layout and block; None otherwise."""
+    if len(value) != HEADER_BYTES + size:
+        return None
+    fields = HEADER.unpack_from(value)
+    if (
+        fields[0] != MAGIC
+        or fields[1] != FORMAT_VERSION
+        or fields[2] != life_cycle
+        or fields[3] != fingerprint
+        or fields[4] != block_key
+        or fields[5] != size
+    ):
+        return None
+    payload = memoryview(value)[HEADER_BYTES:]
+    if zlib.crc32(payload) != fields[6]:
+        return None
+    return payload
+
+
+class _Write:
+    """One queued page: its Redis key, what the header names, and the buffer (header space first)."""
+
+    __slots__ = ("block_key", "buf", "key", "life_cycle")
+
+    def __init__(self, key: bytes, life_cycle: int, block_key: bytes, buf: bytearray) -> None:
+        self.key = key
+        self.life_cycle = life_cycle
+        self.block_key = block_key
+        self.buf = buf
+
+
+class RemoteStore:
+    """The Redis side of the remote tier for one manager (see the module doc).
+
+    ``lookup``/``fetch``/``enqueue`` are called on the scheduler's thread (one at a time, like the
+    manager); the writer thread only pops the queue. Each counter is written by one thread.
+    """
+
+    def __init__(self, cfg: RemoteCacheTierConfig, fingerprint: bytes) -> None:
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError:
+            raise ImportError(
+                "RemoteCacheTierConfig needs the 'redis' package: pip install 'kv_cache_manager_v2[remote]'"
+            ) from None
+        self.cfg = cfg
+        self.fingerprint = fingerprint
+        self.prefix = f"kvcm:{cfg.namespace}:{fingerprint.hex()}:".encode()
+        timeout = cfg.timeout_ms / 1000.0
+        self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
+        self._response_error: type[BaseException] = redis.exceptions.ResponseError
+        self._no_script: type[BaseException] = redis.exceptions.NoScriptError
+        # no retries: a failure is a miss, and the next call after retry_interval_ms tries again
+        self.client: Any = redis.Redis.from_url(
+            cfg.url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        self._lookup_sha = ""
+        self._use_script = True
+        self._ttl = b"%d" % cfg.ttl_s if cfg.ttl_s is not None else b""
+        self._retry_s = cfg.retry_interval_ms / 1000.0
+        #: the server counts as down until this time.monotonic() value
+        self._down_until = 0.0
+        self._connected = True
+        # scheduler-thread counters
+        self.lookups = 0
+        self.looked_up_pages = 0
+        self.found_pages = 0
+        self.fetched_pages = 0
+        self.fetched_bytes = 0
+        self.hit_blocks = 0
+        self.corrupt_pages = 0
+        self.queued_writes = 0
+        self.queued_bytes = 0
+        self.dropped_on_queue = 0
+        self.dropped_bytes_on_queue = 0
+        self.read_errors = 0
+        self.skipped_lookups = 0
+        # writer-thread counters
+        self.written_pages = 0
+        self.written_bytes = 0
+        self.dropped_by_writer = 0
+        self.dropped_bytes_by_writer = 0
+        self.write_errors = 0
+        self.done_bytes = 0  # queued bytes the writer is finished with (written or dropped)
+        self._queue: deque[_Write] = deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._writer_loop, name="kvcm-remote-writer", daemon=True)
+        self._thread.start()
+        if cfg.quota is not None:
+            self.apply_quota(cfg.quota)
+
+    # ------------------------------------------------------------------ keys and state
+    def page_key(self, block_key: bytes, life_cycle: int) -> bytes:
+        return self.prefix + b"%d:" % life_cycle + block_key.hex().encode()
+
+    @property
+    def is_down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    @property
+    def pending_bytes(self) -> int:
+        return self.queued_bytes - self.done_bytes
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        """A round trip failed: the server counts as down for ``retry_interval_ms``; warn once per outage."""
+        self._down_until = time.monotonic() + self._retry_s
+        if self._connected:
+            self._connected = False
+            LOG.warning(
+                "remote KV tier %s: %s failed (%s: %s); treating it as a miss and retrying in %d ms",
+                self.cfg.url,
+                what,
+                type(e).__name__,
+                e,
+                self.cfg.retry_interval_ms,
+            )
+
+    def _succeeded(self) -> None:
+        if not self._connected:
+            self._connected = True
+            LOG.warning("remote KV tier %s is reachable again", self.cfg.url)
+
+    # ------------------------------------------------------------------ reads (scheduler thread)
+    def lookup(self, keys: list[bytes]) -> list[int] | None:
+        """The length of each key's value (0: absent) in one round trip; None when the server is
+        down, slow or failing (count it as all misses)."""
+        if not keys:
+            return []
+        if self.is_down:
+            self.skipped_lookups += 1
+            return None
+        self.lookups += 1
+        self.looked_up_pages += len(keys)
+        try:
+            out = self._lengths(keys)
+        except self._errors as e:
+            self.read_errors += 1
+            self._failed("lookup", e)
+            return None
+        self._succeeded()
+        return out
+
+    def _lengths(self, keys: list[bytes]) -> list[int]:
+        client = self.client
+        if self._use_script:
+            try:
+                if not self._lookup_sha:
+                    self._lookup_sha = str(client.script_load(_LOOKUP_LUA))
+                try:
+                    res: list[Any] = client.evalsha(self._lookup_sha, len(keys), *keys)
+                except self._no_script:  # the server restarted (scripts are not persisted)
+                    self._lookup_sha = str(client.script_load(_LOOKUP_LUA))
+                    res = client.evalsha(self._lookup_sha, len(keys), *keys)
+                return [int(x) for x in res]
+            except self._response_error as e:  # scripting disabled on this server: pipeline instead
+                LOG.warning("remote KV tier %s: Lua lookups refused (%s); using pipelined STRLEN", self.cfg.url, e)
+                self._use_script = False
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.strlen(k)
+        return [int(x) for x in pipe.execute()]
+
+    def fetch(self, keys: list[bytes]) -> list[bytes | None] | None:
+        """Every key's value (None: absent) in one MGET; None when the round trip fails."""
+        if not keys:
+            return []
+        if self.is_down:
+            self.skipped_lookups += 1
+            return None
+        try:
+            res: list[Any] = self.client.execute_command("MGET", *keys)
+        except self._errors as e:
+            self.read_errors += 1
+            self._failed("fetch", e)
+            return None
+        self._succeeded()
+        return [v if isinstance(v, bytes) else None for v in res]
+
+    def apply_quota(self, quota: int) -> bool:
+        """Set the server's ``maxmemory`` to ``quota`` bytes with LRU eviction over all keys.
+        Returns False (with a warning) when the server is unreachable or refuses."""
+        try:
+            self.client.config_set("maxmemory-policy", "allkeys-lru")
+            self.client.config_set("maxmemory", str(quota))
+        except self._errors as e:
+            self.read_errors += 1
+            self._failed("CONFIG SET maxmemory", e)
+            return False
+        self._succeeded()
+        return True
+
+    # ------------------------------------------------------------------ writes
+    def room(self) -> int:
+        """Bytes the write queue takes now (0 while the server counts as down): callers check it
+        before copying pages out, and count what does not fit with ``count_dropped``."""
+        if self._stopping or self.is_down:
+            return 0
+        return max(0, self.cfg.max_pending_bytes - self.pending_bytes)
+
+    def count_dropped(self, pages: int, nbytes: int) -> None:
+        self.dropped_on_queue += pages
+        self.dropped_bytes_on_queue += nbytes
+
+    def enqueue(self, block_key: bytes, life_cycle: int, buf: bytearray) -> None:
+        """Queue one page (``buf``: ``HEADER_BYTES`` of room, then the payload; the writer fills the
+        header). Callers checked ``room`` first. Never blocks."""
+        self.queued_writes += 1
+        self.queued_bytes += len(buf)
+        self._queue.append(_Write(self.page_key(block_key, life_cycle), life_cycle, block_key, buf))
+        self._wake.set()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued write is finished (written or dropped); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self.pending_bytes > 0:
+            if time.monotonic() >= deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.001)
+        return True
+
+    def _writer_loop(self) -> None:
+        queue = self._queue
+        while True:
+            self._wake.wait(0.1)
+            self._wake.clear()
+            while queue:
+                batch: list[_Write] = []
+                nbytes = 0
+                while queue and len(batch) < BATCH_PAGES and nbytes < BATCH_BYTES:
+                    w = queue.popleft()
+                    batch.append(w)
+                    nbytes += len(w.buf)
+                try:
+                    self._write_batch(batch)
+                except BaseException as e:  # never let the thread die (it would stall flush)
+                    self._dropped(batch)
+                    LOG.error("remote KV tier writer: unexpected %s: %s", type(e).__name__, e)
+                self.done_bytes += nbytes
+            if self._stopping:
+                return
+
+    def _write_batch(self, batch: list[_Write]) -> None:
+        """SET every page of ``batch`` in one pipelined send (with ``EX ttl_s`` when configured)."""
+        if self.is_down:
+            self._dropped(batch)
+            return
+        fp = self.fingerprint
+        chunks: list[Any] = []
+        acc = bytearray()
+        ttl = self._ttl
+        for w in batch:
+            encode_header(w.buf, w.life_cycle, fp, w.block_key)
+            n = len(w.buf)
+            if ttl:
+                acc += b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(w.key), w.key, n)
+            else:
+                acc += b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(w.key), w.key, n)
+            if n >= _BIG_VALUE:
+                chunks.append(bytes(acc))
+                chunks.append(memoryview(w.buf))
+                acc = bytearray()
+            else:
+                acc += w.buf
+            acc += b"\r\n"
+            if ttl:
+                acc += b"$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
+        if acc:
+            chunks.append(bytes(acc))
+        pool = self.client.connection_pool
+        done = 0
+        conn: Any = None
+        try:
+            conn = pool.get_connection()
+            conn.send_packed_command(chunks)
+            for w in batch:
+                try:
+                    conn.read_response()
+                    self.written_pages += 1
+                    self.written_bytes += len(w.buf)
+                except self._response_error:  # e.g. OOM under a noeviction policy: this write is lost
+                    self._dropped([w])
+                done += 1
+        except self._errors as e:
+            if conn is not None:
+                conn.disconnect()
+            self._dropped(batch[done:])
+            self.write_errors += 1
+            self._failed("write", e)
+            return
+        finally:
+            if conn is not None:
+                pool.release(conn)
+        self._succeeded()
+
+    def _dropped(self, writes: list[_Write]) -> None:
+        self.dropped_by_writer += len(writes)
+        self.dropped_bytes_by_writer += sum(len(w.buf) for w in writes)
+
+    # ------------------------------------------------------------------ life cycle and statistics
+    def counters(self) -> list[int]:
+        """Cumulative (written, fetched, dropped) pages then bytes, and errors (failed round trips and
+        refused values): the remote level's ``TierStatistics``."""
+        return [
+            self.written_pages,
+            self.fetched_pages,
+            self.dropped_on_queue + self.dropped_by_writer,
+            self.written_bytes,
+            self.fetched_bytes,
+            self.dropped_bytes_on_queue + self.dropped_bytes_by_writer,
+            self.read_errors + self.write_errors + self.corrupt_pages,
+        ]
+
+    def statistics(self) -> RemoteStatistics:
+        return RemoteStatistics(
+            lookups=self.lookups,
+            looked_up_pages=self.looked_up_pages,
+            found_pages=self.found_pages,
+            fetched_pages=self.fetched_pages,
+            fetched_bytes=self.fetched_bytes,
+            hit_blocks=self.hit_blocks,
+            corrupt_pages=self.corrupt_pages,
+            queued_writes=self.queued_writes,
+            written_pages=self.written_pages,
+            written_bytes=self.written_bytes,
+            dropped_writes=self.dropped_on_queue + self.dropped_by_writer,
+            errors=self.read_errors + self.write_errors,
+            skipped_lookups=self.skipped_lookups,
+            pending_bytes=self.pending_bytes,
+            connected=self._connected,
+        )
+
+    def close(self, drain_timeout_s: float) -> None:
+        """Stop the writer (after draining the queue for at most ``drain_timeout_s``) and disconnect."""
+        if self._stopping:
+            return
+        if drain_timeout_s > 0 and not self.is_down:
+            self.flush(drain_timeout_s)
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(max(drain_timeout_s, 0.0) + 1.0)
+        with contextlib.suppress(*self._errors):
+            self.client.close()
