@@ -136,6 +136,7 @@ class RemoteStore:
         #: the server counts as down until this time.monotonic() value
         self._down_until = 0.0
         self._connected = True
+        self._warned_refused = False
         # scheduler-thread counters
         self.lookups = 0
         self.looked_up_pages = 0
@@ -353,8 +354,11 @@ class RemoteStore:
                     conn.read_response()
                     self.written_pages += 1
                     self.written_bytes += len(w.buf)
-                except self._response_error:  # e.g. OOM under a noeviction policy: this write is lost
+                except self._response_error as e:  # e.g. OOM (noeviction, or nothing to evict): lost
                     self._dropped([w])
+                    if not self._warned_refused:
+                        self._warned_refused = True
+                        LOG.warning("remote KV tier %s refuses writes (%s); they are dropped", self.cfg.url, e)
                 done += 1
         except self._errors as e:
             if conn is not None:
