@@ -148,7 +148,7 @@ def test_config_validation_and_tier_list(redis_server: LocalRedisServer, manager
         kw: dict[str, Any] = {"url": url, "namespace": "n", **bad}
         with pytest.raises(ValueError, match=match):
             RemoteCacheTierConfig(**kw)
-    with pytest.raises(TypeError, match="write_through"):
+    with pytest.raises(TypeError):  # (compiled: mypyc checks the annotation itself)
         RemoteCacheTierConfig(url, "n", write_through=1)  # type: ignore[arg-type]
     remote = RemoteCacheTierConfig(url, "n")
     assert remote.tier is CacheTier.REMOTE

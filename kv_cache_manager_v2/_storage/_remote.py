@@ -161,8 +161,8 @@ class RemoteStore:
         self._queue: deque[_Write] = deque()
         self._wake = threading.Event()
         self._stopping = False
-        self._thread = threading.Thread(target=self._writer_loop, name="kvcm-remote-writer", daemon=True)
-        self._thread.start()
+        self._writer = threading.Thread(target=self._writer_loop, name="kvcm-remote-writer", daemon=True)
+        self._writer.start()
         if cfg.quota is not None:
             self.apply_quota(cfg.quota)
 
@@ -290,7 +290,7 @@ class RemoteStore:
         """Wait until every queued write is finished (written or dropped); False on timeout."""
         deadline = time.monotonic() + timeout_s
         while self.pending_bytes > 0:
-            if time.monotonic() >= deadline or not self._thread.is_alive():
+            if time.monotonic() >= deadline or not self._writer.is_alive():
                 return False
             time.sleep(0.001)
         return True
@@ -417,6 +417,6 @@ class RemoteStore:
             self.flush(drain_timeout_s)
         self._stopping = True
         self._wake.set()
-        self._thread.join(max(drain_timeout_s, 0.0) + 1.0)
+        self._writer.join(max(drain_timeout_s, 0.0) + 1.0)
         with contextlib.suppress(*self._errors):
             self.client.close()
