@@ -198,15 +198,29 @@ def test_value_format_refuses_truncated_foreign_and_corrupted_values() -> None:
     assert decode_value(value, 1, fp, key, 99) is None
 
 
-def test_core_works_without_the_redis_package(monkeypatch: pytest.MonkeyPatch, redis_server: LocalRedisServer) -> None:
-    monkeypatch.setitem(sys.modules, "redis", None)  # import redis -> ImportError
-    m = KVCacheManager(KVCacheManagerConfig(T, [GpuCacheTierConfig(8 * SLOT)], kv_layers(2, T), backend="host"))
-    publish(m, seq(1, 3 * T))
-    assert m.probe_reuse(None, seq(1, 3 * T)) == 3 * T
-    assert m.remote_statistics is None and m.flush_remote_writes()
-    m.shutdown()
-    with pytest.raises(ImportError, match=r"pip install 'kv_cache_manager_v2\[remote\]'"):
-        KVCacheManager(remote_config(redis_server.url))
+def test_core_works_without_the_redis_package(redis_server: LocalRedisServer) -> None:
+    # a fresh interpreter where ``import redis`` fails (compiled code caches imported modules, so
+    # blocking it in this process would not be seen)
+    script = f"""
+import sys
+sys.modules["redis"] = None
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_remote import T, remote_config, publish, seq, kv_layers, SLOT
+from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, KVCacheManagerConfig
+m = KVCacheManager(KVCacheManagerConfig(T, [GpuCacheTierConfig(8 * SLOT)], kv_layers(2, T), backend="host"))
+publish(m, seq(1, 3 * T))
+assert m.probe_reuse(None, seq(1, 3 * T)) == 3 * T
+assert m.remote_statistics is None and m.flush_remote_writes()
+m.shutdown()
+try:
+    KVCacheManager(remote_config({redis_server.url!r}))
+except ImportError as e:
+    print("refused:", e)
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "refused: RemoteCacheTierConfig needs the 'redis' package: pip install 'kv_cache_manager_v2[remote]'" in out.stdout
 
 
 # ---------------------------------------------------------------- sharing
