@@ -220,7 +220,10 @@ except ImportError as e:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "refused: RemoteCacheTierConfig needs the 'redis' package: pip install 'kv_cache_manager_v2[remote]'" in out.stdout
+    assert (
+        "refused: RemoteCacheTierConfig needs the 'redis' package: pip install 'kv_cache_manager_v2[remote]'"
+        in out.stdout
+    )
 
 
 # ---------------------------------------------------------------- sharing
