@@ -21,7 +21,13 @@ Admission scenarios also time the prefill ``commit`` separately (``commit_us``, 
 copy_bandwidth (the copy engine moving scattered slots GPU -> host on the host backend, vs one
 numpy copy of the same bytes), onboard (create_kv_cache + resume of a 1024-token prefix whose
 pages sit in the host tier), tier_hit_rate (the trace replayed one request at a time, prompt
-blocks only, with 1M GPU tokens alone and with 3M host tokens more).
+blocks only, with 1M GPU tokens alone and with 3M host tokens more),
+remote_onboard (create_kv_cache + resume of a 1024-token prefix that only a private loopback
+redis-server holds, written by another manager: us per request and blocks/s, next to the same
+prefix onboarded from the host tier; also with 64 KiB pages), remote_decode (the decode step while
+every new block evicts a reusable page: no remote tier, remote tier writing the dropped pages, remote
+tier with write-through; mean us per request per step and the overheads). The remote scenarios
+start their own redis-server (skipped with a note when none is installed).
 
 Each scenario runs in a child process per mode: fast mode imports a copy of the package
 sources from build/bench/fast (no compiled modules there); compiled mode builds the package
@@ -65,6 +71,8 @@ SCENARIOS = [
     "copy_bandwidth",
     "onboard",
     "tier_hit_rate",
+    "remote_onboard",
+    "remote_decode",
 ]
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
 #: deterministic results (a hit rate): one run per mode whatever --repeats says
@@ -81,6 +89,7 @@ def _manager(
     host_slots: int = 0,
     size: int = 64,
     events: bool = False,
+    remote: Any = None,
     **kw: Any,
 ) -> Any:
     import kv_cache_manager_v2 as kvm
@@ -98,6 +107,8 @@ def _manager(
     tiers: list[Any] = [kvm.GpuCacheTierConfig(num_slots * slot)]
     if host_slots:
         tiers.append(kvm.HostCacheTierConfig(host_slots * slot))
+    if remote is not None:
+        tiers.append(remote)
     cfg = kvm.KVCacheManagerConfig(tokens_per_block, tiers, layers, backend="host", **kw)
     if events:
         return kvm.KVCacheManager(cfg, kvm.KVCacheEventManager(max_events=1 << 20))
@@ -628,6 +639,164 @@ def scenario_tier_hit_rate(p: dict[str, int]) -> dict[str, Any]:
     }
 
 
+def _redis() -> Any:
+    """A private redis-server on a loopback port, or None when no binary is installed."""
+    from kv_cache_manager_v2.redis_server import LocalRedisServer, find_redis_server
+
+    if find_redis_server() is None:
+        return None
+    server = LocalRedisServer()
+    server.start()
+    return server
+
+
+def _remote_onboard_once(p: dict[str, int], url: str, size: int, requests: int) -> dict[str, Any]:
+    import kv_cache_manager_v2 as kvm
+
+    t = p["tokens_per_block"]
+    blocks = p["shared"] // t
+    gpu_slots = blocks + 8
+    remote = kvm.RemoteCacheTierConfig(url, f"bench-{size}", write_through=True, timeout_ms=1000)
+    writer = _manager(p["layers"], t, gpu_slots, size=size, remote=remote)
+    prefix = list(range(10_000, 10_000 + p["shared"]))
+    _admit(writer, prefix + [1]).close()
+    assert writer.flush_remote_writes()
+    writer.shutdown()
+    m = _manager(p["layers"], t, gpu_slots, host_slots=4 * gpu_slots, size=size, remote=remote)
+    samples, host_samples = [], []
+    for r in range(requests):
+        m.clear_reusable_blocks()  # this replica forgets the prefix: only Redis has it
+        prompt = prefix + [1_000_000 + r]
+        t0 = time.perf_counter()
+        kv = m.create_kv_cache(input_tokens=prompt)
+        assert kv.resume()
+        samples.append((time.perf_counter() - t0) * 1e6)
+        assert kv.history_length == p["shared"], kv.history_length
+        kv.close()
+        filler = m.create_kv_cache()  # the whole GPU: the prefix moves to the host tier
+        assert filler.resume() and filler.resize(gpu_slots * t)
+        filler.close()
+        t0 = time.perf_counter()
+        kv = m.create_kv_cache(input_tokens=prompt)
+        assert kv.resume()
+        host_samples.append((time.perf_counter() - t0) * 1e6)
+        assert kv.history_length == p["shared"]
+        kv.close()
+    st = m.remote_statistics
+    m.shutdown()
+    us = statistics.median(samples)
+    host_us = statistics.median(host_samples)
+    return {
+        "samples": samples,
+        "page_bytes": p["layers"] * 2 * size,
+        "blocks_per_request": blocks,
+        "remote_blocks_per_s": blocks / (us / 1e6),
+        "remote_mb_per_s": blocks * p["layers"] * 2 * size / us,
+        "host_onboard_us": host_us,
+        "host_blocks_per_s": blocks / (host_us / 1e6),
+        "remote_vs_host": us / host_us,
+        "fetched_pages": st.fetched_pages if st else 0,
+    }
+
+
+def scenario_remote_onboard(p: dict[str, int]) -> dict[str, Any]:
+    """create_kv_cache + resume of a prefix only Redis holds (one lookup + one MGET, placed in the host
+    tier, onboarded), vs. the same prefix onboarded from the host tier; small and 64 KiB pages."""
+    server = _redis()
+    if server is None:
+        return {"unit": "us/request", "samples": [0.0], "note": "no redis-server binary: skipped"}
+    try:
+        small = _remote_onboard_once(p, server.url, p["onboard_buffer_bytes"], p["onboard_requests"])
+        big = _remote_onboard_once(p, server.url, p["remote_big_buffer_bytes"], max(5, p["onboard_requests"] // 4))
+    finally:
+        server.close()
+    big.pop("samples")
+    big["us_per_request"] = big["host_onboard_us"] * big["remote_vs_host"]
+    small["prefix_tokens"] = p["shared"]
+    small["big_pages"] = big
+    small["unit"] = "us/request"
+    small["note"] = (
+        "loopback redis-server on this machine; a fresh local cache per request (clear_reusable_blocks), "
+        "so every block comes from Redis; host_onboard_us: the same prefix from the host tier"
+    )
+    return small
+
+
+def _decode_evicting(p: dict[str, int], remote: Any) -> tuple[list[float], float, Any]:
+    """Decode steps while every new block evicts (drops) a reusable page; per-step samples, the mean,
+    and the remote statistics."""
+    t, n_req = p["tokens_per_block"], p["requests"]
+    live = n_req * (p["shared"] // t + p["unique"] // t + 2 + p["steps"] // t + 1)
+    m = _manager(p["layers"], t, live + n_req * (p["steps"] // t + 1) + 64, remote=remote)
+    system = list(range(10_000, 10_000 + p["shared"]))
+    # staggered lengths: block boundaries (the steps that allocate, evict and write) spread over steps
+    caches = [_admit(m, system + [r * 100_003 + i for i in range(p["unique"] + r % t)]) for r in range(n_req)]
+    r = 0
+    while True:  # the rest of GPU memory: reusable pages, which the decode steps' new blocks evict
+        free = m.get_storage_statistics()[0].free
+        if free == 0:
+            break
+        r += 1
+        _admit(m, [7_000_000 + r * 1000 + i for i in range(min(free, 16) * t)]).close()
+    if remote is not None:
+        m.flush_remote_writes()
+    samples = []
+    t_all = time.perf_counter()
+    for step in range(p["steps"]):
+        t0 = time.perf_counter()
+        for kv in caches:
+            kv.resize(kv.capacity + 1)
+            kv.commit([step])
+            kv.get_base_page_indices(0)
+        samples.append((time.perf_counter() - t0) / n_req * 1e6)
+    mean = (time.perf_counter() - t_all) / (n_req * p["steps"]) * 1e6
+    for kv in caches:
+        kv.close()
+    if remote is not None:
+        m.flush_remote_writes()
+    st = m.remote_statistics
+    m.shutdown()
+    return samples, mean, st
+
+
+def scenario_remote_decode(p: dict[str, int]) -> dict[str, Any]:
+    """The write path's cost on the decode step: evictions with no remote tier, with a remote tier
+    (dropped pages are copied out and queued; a thread sends them), and with write-through."""
+    import kv_cache_manager_v2 as kvm
+
+    server = _redis()
+    if server is None:
+        return {"unit": "us/request/step", "samples": [0.0], "note": "no redis-server binary: skipped"}
+    runs: dict[str, list[tuple[list[float], float, Any]]] = {"none": [], "remote": [], "write_through": []}
+    try:
+        for rep in range(3):  # interleaved, best of three (a noisy machine)
+            for name in runs:
+                remote = None
+                if name != "none":
+                    remote = kvm.RemoteCacheTierConfig(
+                        server.url, f"bench-{name}-{rep}", write_through=name == "write_through", timeout_ms=1000
+                    )
+                runs[name].append(_decode_evicting(p, remote))
+    finally:
+        server.close()
+    best = {name: min(r, key=lambda x: x[1]) for name, r in runs.items()}
+    base = best["none"][1]
+    out: dict[str, Any] = {"unit": "us/request/step", "samples": best["remote"][0]}
+    for name, (samples, mean, st) in best.items():
+        out[f"{name}_mean_us"] = mean
+        out[f"{name}_median_us"] = statistics.median(samples)
+        if st is not None:
+            out[f"{name}_written_pages"] = st.written_pages
+            out[f"{name}_dropped_writes"] = st.dropped_writes
+    out["remote_overhead"] = best["remote"][1] / base - 1.0
+    out["write_through_overhead"] = best["write_through"][1] / base - 1.0
+    out["note"] = (
+        "every new block evicts a reusable page (GPU-only + remote); overheads: mean step time vs no remote "
+        "tier, best of 3 interleaved runs; the writer thread runs during the steps"
+    )
+    return out
+
+
 def worker(name: str, params: dict[str, int]) -> dict[str, Any]:
     import kv_cache_manager_v2
 
@@ -658,6 +827,7 @@ DEFAULTS = dict(
     copy_slot_bytes=256 << 10,
     onboard_requests=200,
     onboard_buffer_bytes=64,
+    remote_big_buffer_bytes=1024,
     hit_rate_requests=0,  # 0: the whole trace
     trace_gpu_tokens=1_000_000,
     trace_host_tokens=3_000_000,
@@ -682,6 +852,7 @@ QUICK = dict(
     copy_slot_bytes=64 << 10,
     onboard_requests=10,
     onboard_buffer_bytes=64,
+    remote_big_buffer_bytes=256,
     hit_rate_requests=30,
     trace_gpu_tokens=100_000,
     trace_host_tokens=300_000,

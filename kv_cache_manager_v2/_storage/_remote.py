@@ -16,6 +16,7 @@ misses without network traffic and queued writes are dropped. Nothing raises int
 
 from __future__ import annotations
 
+import binascii
 import contextlib
 import hashlib
 import logging
@@ -38,10 +39,13 @@ FORMAT_VERSION: Final = 1
 HEADER: Final = struct.Struct("<4sHH8s32sQII")
 HEADER_BYTES: Final = 64
 #: a write batch ends at this many pages or bytes
-BATCH_PAGES: Final = 64
+BATCH_PAGES: Final = 256
 BATCH_BYTES: Final = 8 << 20
-#: values at least this large are sent as their own chunk (one syscall) instead of being copied
-_BIG_VALUE: Final = 64 << 10
+#: the writer waits this long after being woken, so a burst of drops goes out as one batch (and the
+#: scheduler's thread is not interrupted for every page)
+LINGER_S: Final = 0.002
+#: buffers per sendmsg call (below IOV_MAX)
+_MAX_IOV: Final = 512
 
 _LOOKUP_LUA: Final = "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('STRLEN', k) end return r"
 
@@ -86,16 +90,25 @@ def decode_value(value: bytes, life_cycle: int, fingerprint: bytes, block_key: b
     return payload
 
 
-class _Write:
-    """One queued page: its Redis key, what the header names, and the buffer (header space first)."""
+#: one queued page: its block key, layer group, and the buffer (header room, then the payload)
+_Write = tuple[bytes, int, bytearray]
 
-    __slots__ = ("block_key", "buf", "key", "life_cycle")
 
-    def __init__(self, key: bytes, life_cycle: int, block_key: bytes, buf: bytearray) -> None:
-        self.key = key
-        self.life_cycle = life_cycle
-        self.block_key = block_key
-        self.buf = buf
+def _send_all(sock: Any, parts: list[Any]) -> None:
+    """Send every buffer of ``parts`` in order with as few ``sendmsg`` calls as the kernel allows."""
+    i = 0
+    while i < len(parts):
+        chunk = parts[i : i + _MAX_IOV]
+        sent: int = sock.sendmsg(chunk)
+        for b in chunk:  # skip what went out; a partly sent buffer continues where it stopped
+            n = len(b)
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                if sent:
+                    parts[i] = memoryview(b)[sent:]
+                break
 
 
 class RemoteStore:
@@ -129,6 +142,9 @@ class RemoteStore:
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
         )
+        #: key prefix per layer group: ``<prefix><layer group>:``; the block key's hex follows
+        self._lc_prefix: list[bytes] = []
+        self._max_pending = cfg.max_pending_bytes
         self._lookup_sha = ""
         self._use_script = True
         self._ttl = b"%d" % cfg.ttl_s if cfg.ttl_s is not None else b""
@@ -168,7 +184,10 @@ class RemoteStore:
 
     # ------------------------------------------------------------------ keys and state
     def page_key(self, block_key: bytes, life_cycle: int) -> bytes:
-        return self.prefix + b"%d:" % life_cycle + block_key.hex().encode()
+        prefixes = self._lc_prefix
+        while len(prefixes) <= life_cycle:
+            prefixes.append(self.prefix + b"%d:" % len(prefixes))
+        return prefixes[life_cycle] + binascii.hexlify(block_key)
 
     @property
     def is_down(self) -> bool:
@@ -272,7 +291,19 @@ class RemoteStore:
         before copying pages out, and count what does not fit with ``count_dropped``."""
         if self._stopping or self.is_down:
             return 0
-        return max(0, self.cfg.max_pending_bytes - self.pending_bytes)
+        return max(0, self._max_pending - self.pending_bytes)
+
+    def accepts(self, nbytes: int) -> bool:
+        """Whether one write of ``nbytes`` fits the queue now (else it is counted as dropped)."""
+        if (
+            self.queued_bytes - self.done_bytes + nbytes > self._max_pending
+            or self._stopping
+            or time.monotonic() < self._down_until
+        ):
+            self.dropped_on_queue += 1
+            self.dropped_bytes_on_queue += nbytes
+            return False
+        return True
 
     def count_dropped(self, pages: int, nbytes: int) -> None:
         self.dropped_on_queue += pages
@@ -280,11 +311,12 @@ class RemoteStore:
 
     def enqueue(self, block_key: bytes, life_cycle: int, buf: bytearray) -> None:
         """Queue one page (``buf``: ``HEADER_BYTES`` of room, then the payload; the writer fills the
-        header). Callers checked ``room`` first. Never blocks."""
+        header). Callers checked ``room`` or ``accepts`` first. Never blocks."""
         self.queued_writes += 1
         self.queued_bytes += len(buf)
-        self._queue.append(_Write(self.page_key(block_key, life_cycle), life_cycle, block_key, buf))
-        self._wake.set()
+        self._queue.append((block_key, life_cycle, buf))
+        if not self._wake.is_set():
+            self._wake.set()
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued write is finished (written or dropped); False on timeout."""
@@ -298,7 +330,9 @@ class RemoteStore:
     def _writer_loop(self) -> None:
         queue = self._queue
         while True:
-            self._wake.wait(0.1)
+            self._wake.wait(1.0)  # (enqueue and close set it)
+            if not self._stopping:
+                time.sleep(LINGER_S)
             self._wake.clear()
             while queue:
                 batch: list[_Write] = []
@@ -306,7 +340,7 @@ class RemoteStore:
                 while queue and len(batch) < BATCH_PAGES and nbytes < BATCH_BYTES:
                     w = queue.popleft()
                     batch.append(w)
-                    nbytes += len(w.buf)
+                    nbytes += len(w[2])
                 try:
                     self._write_batch(batch)
                 except BaseException as e:  # never let the thread die (it would stall flush)
@@ -317,45 +351,42 @@ class RemoteStore:
                 return
 
     def _write_batch(self, batch: list[_Write]) -> None:
-        """SET every page of ``batch`` in one pipelined send (with ``EX ttl_s`` when configured)."""
+        """Send ``batch`` in one go: one MSET, or pipelined ``SET key value EX ttl_s`` with a TTL."""
         if self.is_down:
             self._dropped(batch)
             return
         fp = self.fingerprint
-        chunks: list[Any] = []
-        acc = bytearray()
         ttl = self._ttl
-        for w in batch:
-            encode_header(w.buf, w.life_cycle, fp, w.block_key)
-            n = len(w.buf)
-            if ttl:
-                acc += b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(w.key), w.key, n)
-            else:
-                acc += b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(w.key), w.key, n)
-            if n >= _BIG_VALUE:
-                chunks.append(bytes(acc))
-                chunks.append(memoryview(w.buf))
-                acc = bytearray()
-            else:
-                acc += w.buf
-            acc += b"\r\n"
-            if ttl:
-                acc += b"$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
-        if acc:
-            chunks.append(bytes(acc))
+        # one small bytes object between values, the values themselves: sent with one sendmsg
+        # (no copy of the values into a command buffer, the GIL released while the kernel copies)
+        parts: list[Any] = []
+        tail = b"\r\n" + (b"$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl) if ttl else b"")
+        cmd = b"*5\r\n$3\r\nSET\r\n" if ttl else b""
+        before = b"" if ttl else b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * len(batch))
+        for block_key, lc, buf in batch:
+            encode_header(buf, lc, fp, block_key)
+            key = self.page_key(block_key, lc)
+            parts.append(before + cmd + b"$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(buf)))
+            parts.append(buf)
+            before = tail
+        parts.append(tail)
+        replies = len(batch) if ttl else 1
         pool = self.client.connection_pool
         done = 0
         conn: Any = None
         try:
             conn = pool.get_connection()
-            conn.send_packed_command(chunks)
-            for w in batch:
+            sock = getattr(conn, "_sock", None)
+            if sock is not None and hasattr(sock, "sendmsg"):
+                _send_all(sock, parts)
+            else:  # not a plain socket (an unusual connection class): the client's own send
+                conn.send_packed_command(parts)
+            while done < replies:
                 try:
                     conn.read_response()
-                    self.written_pages += 1
-                    self.written_bytes += len(w.buf)
+                    self._written(batch[done : done + 1] if ttl else batch)
                 except self._response_error as e:  # e.g. OOM (noeviction, or nothing to evict): lost
-                    self._dropped([w])
+                    self._dropped(batch[done : done + 1] if ttl else batch)
                     if not self._warned_refused:
                         self._warned_refused = True
                         LOG.warning("remote KV tier %s refuses writes (%s); they are dropped", self.cfg.url, e)
@@ -363,7 +394,7 @@ class RemoteStore:
         except self._errors as e:
             if conn is not None:
                 conn.disconnect()
-            self._dropped(batch[done:])
+            self._dropped(batch[done:] if ttl else batch)
             self.write_errors += 1
             self._failed("write", e)
             return
@@ -372,9 +403,13 @@ class RemoteStore:
                 pool.release(conn)
         self._succeeded()
 
+    def _written(self, writes: list[_Write]) -> None:
+        self.written_pages += len(writes)
+        self.written_bytes += sum(len(w[2]) for w in writes)
+
     def _dropped(self, writes: list[_Write]) -> None:
         self.dropped_by_writer += len(writes)
-        self.dropped_bytes_by_writer += sum(len(w.buf) for w in writes)
+        self.dropped_bytes_by_writer += sum(len(w[2]) for w in writes)
 
     # ------------------------------------------------------------------ life cycle and statistics
     def counters(self) -> list[int]:

@@ -389,8 +389,8 @@ class StorageManager:
     def drop(self, page: Page, spill: bool = True) -> None:
         """Free an evicted page for good; the listener forgets it first. With a remote tier, a
         reusable full block's data is queued for writing there first (unless ``spill`` is False)."""
-        if spill and self.remote is not None and page.node is not None:
-            self.spill([page])
+        if spill and self.remote is not None and page.node is not None and not page.remote_copy:
+            self._spill_one(page)
         listener = self.drop_listener
         if listener is not None:
             listener.page_dropped(page)
@@ -436,6 +436,26 @@ class StorageManager:
                     continue
                 remote.enqueue(node.key, p.life_cycle, bufs[i])
                 p.remote_copy = True
+
+    def _spill_one(self, p: Page) -> None:
+        """``spill`` of one page being dropped (the eviction path: kept lean, one memory copy)."""
+        node = p.node
+        remote = self.remote
+        assert node is not None and remote is not None
+        if p.lost or len(node.tokens) != self.tokens_per_block:
+            return
+        st = p.storage
+        pool = st.pools[0]
+        hv = pool.host_view if len(st.pools) == 1 and isinstance(pool, MemoryPool) else None
+        if hv is None:
+            self.spill([p])
+            return
+        size = st.layout.slot_sizes[0]
+        if remote.accepts(HEADER_BYTES + size):  # host memory (or the emulated GPU): one copy
+            buf = bytearray(HEADER_BYTES)
+            buf += hv[p.slot * size : (p.slot + 1) * size]
+            remote.enqueue(node.key, p.life_cycle, buf)
+            p.remote_copy = True
 
     def queue_write_through(self, page: Page) -> None:
         """Write-through: ``page`` was just published; its data goes to the remote tier at the next
