@@ -87,7 +87,9 @@ class RemoteCacheTierConfig:
     - ``dtype``: the KV data type (e.g. ``"bf16"``), part of the layout fingerprint.
     - ``write_through``: also write every published full block (not only pages dropped locally).
     - ``ttl_s``: expiry of written keys (None: keys stay until the server evicts them).
-    - ``max_pending_bytes``: bound of the background write queue; writes beyond it are dropped (counted).
+    - ``max_pending_bytes``: bound of the background write queue, a ring of this many bytes mapped
+      (resident) at start-up; writes beyond it are dropped (counted). Size it for a burst of
+      evictions: at least a few dozen pages of the largest pool group.
     - ``max_lookup_blocks``: blocks past a local match one lookup asks about.
     - ``retry_interval_ms``: after a failed round trip the server counts as down this long (misses
       without network traffic), then the next operation tries again.
@@ -100,7 +102,7 @@ class RemoteCacheTierConfig:
     dtype: str = ""
     write_through: bool = False
     ttl_s: int | None = None
-    max_pending_bytes: int = 256 << 20
+    max_pending_bytes: int = 64 << 20
     max_lookup_blocks: int = 1024
     retry_interval_ms: int = 1000
 

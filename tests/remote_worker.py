@@ -37,7 +37,12 @@ T = 8
 def main() -> None:
     spec = json.loads(sys.argv[1])
     remote = RemoteCacheTierConfig(
-        spec["url"], spec["namespace"], dtype=spec.get("dtype", ""), write_through=True, timeout_ms=5000
+        spec["url"],
+        spec["namespace"],
+        dtype=spec.get("dtype", ""),
+        write_through=True,
+        timeout_ms=5000,
+        max_pending_bytes=4 << 20,
     )
     slot = 2 * 2 * 32 * T
     cfg = KVCacheManagerConfig(

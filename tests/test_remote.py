@@ -57,6 +57,7 @@ def remote_config(
     remote.setdefault("namespace", "test-model")
     remote.setdefault("timeout_ms", 3000)
     remote.setdefault("retry_interval_ms", 50)
+    remote.setdefault("max_pending_bytes", 8 << 20)  # resident per manager
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(gpu * SLOT)]
     if host is not None:
         tiers.append(HostCacheTierConfig(host * SLOT))
@@ -178,7 +179,7 @@ def test_value_format_refuses_truncated_foreign_and_corrupted_values() -> None:
     fp, key = b"\x01" * 8, b"\x02" * 32
     buf = bytearray(HEADER_BYTES + 100)
     buf[HEADER_BYTES:] = bytes(range(100))
-    encode_header(buf, 1, fp, key)
+    encode_header(memoryview(buf), 1, fp, key)
     value = bytes(buf)
     payload = decode_value(value, 1, fp, key, 100)
     assert payload is not None and bytes(payload) == bytes(range(100))

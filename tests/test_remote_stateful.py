@@ -54,7 +54,12 @@ class RemoteMachine(ManagerMachine):
             tiers.append(HostCacheTierConfig(host * GROUP))
         tiers.append(
             RemoteCacheTierConfig(
-                self.server.url, "stateful", timeout_ms=3000, retry_interval_ms=0, write_through=write_through
+                self.server.url,
+                "stateful",
+                timeout_ms=3000,
+                retry_interval_ms=0,
+                write_through=write_through,
+                max_pending_bytes=1 << 20,
             )
         )
         return KVCacheManagerConfig(

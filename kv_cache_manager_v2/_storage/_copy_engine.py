@@ -236,13 +236,17 @@ class CopyEngine:
 
     # ------------------------------------------------------------------ slots <-> byte buffers
     def read_slots(
-        self, pools: Sequence[Pool], slot_sizes: Sequence[int], slots: Sequence[int], offset: int
-    ) -> tuple[list[bytearray], set[int]]:
-        """One new buffer per slot: ``offset`` zero bytes, then the slot's bytes of every pool in
-        order. Returns the buffers and the indices of the slots a disk read failed for."""
-        total = sum(slot_sizes)
-        bufs = [bytearray(offset + total) for _ in slots]
-        views = [memoryview(b) for b in bufs]
+        self,
+        pools: Sequence[Pool],
+        slot_sizes: Sequence[int],
+        slots: Sequence[int],
+        bufs: list[memoryview],
+        offset: int,
+    ) -> set[int]:
+        """Fill ``bufs[i]`` from byte ``offset`` on with slot ``slots[i]``'s bytes of every pool, in
+        order (each buffer ``offset + sum(slot_sizes)`` long). Returns the indices of the slots a disk
+        read failed for."""
+        views = bufs
         failed: set[int] = set()
         if slots and _is_device(pools[0]):
             self.backend.synchronize_device()  # the pages may have been written by any stream
@@ -265,7 +269,7 @@ class CopyEngine:
                     self._device_to_buffers(pool, size, slots, [v[at : at + size] for v in views])
             at += size
         self.num_runs += len(slots) * len(slot_sizes)
-        return bufs, failed
+        return failed
 
     def write_slots(
         self, pools: Sequence[Pool], slot_sizes: Sequence[int], slots: Sequence[int], data: Sequence[memoryview]

@@ -406,17 +406,11 @@ class StorageManager:
         if remote is None:
             return
         t = self.tokens_per_block
-        room = remote.room()
         groups: dict[int, list[Page]] = {}
         for p in pages:
             node = p.node
             if node is None or p.remote_copy or p.lost or len(node.tokens) != t:
                 continue
-            nbytes = HEADER_BYTES + p.storage.layout.slot_bytes
-            if nbytes > room:
-                remote.count_dropped(1, nbytes)
-                continue
-            room -= nbytes
             found = groups.get(id(p.storage))
             if found is None:
                 groups[id(p.storage)] = [p]
@@ -424,17 +418,28 @@ class StorageManager:
                 found.append(p)
         for batch in groups.values():
             src = batch[0].storage
-            bufs, failed = self.copier.read_slots(
-                src.pools, src.layout.slot_sizes, [p.slot for p in batch], HEADER_BYTES
+            n = HEADER_BYTES + src.layout.slot_bytes
+            spans: list[int] = []
+            taken: list[Page] = []
+            for p in batch:
+                pos = remote.reserve(n)
+                if pos >= 0:
+                    spans.append(pos)
+                    taken.append(p)
+            if not taken:
+                continue
+            views = [remote.span(pos, n) for pos in spans]
+            failed = self.copier.read_slots(
+                src.pools, src.layout.slot_sizes, [p.slot for p in taken], views, HEADER_BYTES
             )
-            for i, p in enumerate(batch):
+            for i, (p, pos) in enumerate(zip(taken, spans)):
                 node = p.node
                 assert node is not None
                 if i in failed:  # a disk read failed: the page keeps its (possibly bad) data locally
                     src.num_io_errors += 1
-                    remote.count_dropped(1, len(bufs[i]))
+                    remote.enqueue(pos, n, b"", 0)
                     continue
-                remote.enqueue(node.key, p.life_cycle, bufs[i])
+                remote.enqueue(pos, n, node.key, p.life_cycle)
                 p.remote_copy = True
 
     def _spill_one(self, p: Page) -> None:
@@ -451,10 +456,11 @@ class StorageManager:
             self.spill([p])
             return
         size = st.layout.slot_sizes[0]
-        if remote.accepts(HEADER_BYTES + size):  # host memory (or the emulated GPU): one copy
-            buf = bytearray(HEADER_BYTES)
-            buf += hv[p.slot * size : (p.slot + 1) * size]
-            remote.enqueue(node.key, p.life_cycle, buf)
+        n = HEADER_BYTES + size
+        pos = remote.reserve(n)
+        if pos >= 0:  # host memory (or the emulated GPU): one copy into the write ring
+            remote.span(pos, n)[HEADER_BYTES:] = hv[p.slot * size : (p.slot + 1) * size]
+            remote.enqueue(pos, n, node.key, p.life_cycle)
             p.remote_copy = True
 
     def queue_write_through(self, page: Page) -> None:
