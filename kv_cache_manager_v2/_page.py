@@ -187,6 +187,17 @@ class Page:
         if r is not None:
             r.invalidate()
 
+    def hand_off(self) -> SlotId:
+        """Forget the slot without freeing it (the remote tier's writer sends its data, then the
+        storage manager reuses it) and invalidate refs to this page (owners must be gone)."""
+        slot = self.slot
+        self.slot = SlotId(BAD_PAGE_INDEX)
+        r = self._rawref
+        if r is not None:
+            r.invalidate()
+            self._rawref = None
+        return slot
+
     def free(self) -> None:
         """Give the slot back and invalidate refs to this page (owners must be gone)."""
         if self.slot == BAD_PAGE_INDEX:

@@ -177,10 +177,9 @@ def test_config_validation_and_tier_list(redis_server: LocalRedisServer, manager
 
 def test_value_format_refuses_truncated_foreign_and_corrupted_values() -> None:
     fp, key = b"\x01" * 8, b"\x02" * 32
-    buf = bytearray(HEADER_BYTES + 100)
-    buf[HEADER_BYTES:] = bytes(range(100))
-    encode_header(memoryview(buf), 1, fp, key)
-    value = bytes(buf)
+    payload_in = bytes(range(100))
+    value = encode_header([memoryview(payload_in[:30]), memoryview(payload_in[30:])], 1, fp, key) + payload_in
+    assert len(value) == HEADER_BYTES + 100
     payload = decode_value(value, 1, fp, key, 100)
     assert payload is not None and bytes(payload) == bytes(range(100))
     flipped = bytearray(value)
@@ -564,3 +563,62 @@ def test_remote_tier_on_the_cuda_backend(redis_server: LocalRedisServer, monkeyp
     for m in (a, b):
         m.shutdown()
     assert not drv.mapped and not drv.handles and not drv.reservations
+
+
+def evict_through_the_lower_tier(m: KVCacheManager) -> None:
+    """Fill GPU memory with a suspended request's pages, then with another's: the first one's move to
+    the level below (as large as the GPU tier), pushing every reusable page there out (dropped)."""
+    total = m.get_storage_statistics()[0].total
+    first = m.create_kv_cache()
+    assert first.resume() and first.resize(total * T)
+    first.suspend()
+    second = m.create_kv_cache()
+    assert second.resume() and second.resize(total * T)
+    second.close()
+    first.close()
+
+
+@pytest.mark.parametrize("lower", ["host", "disk"])
+def test_pages_dropped_from_a_lower_tier_are_sent_from_their_slots(
+    redis_server: LocalRedisServer, managers: Factory, tmp_path: Any, lower: str
+) -> None:
+    """A last level below the GPU hands a dropped page's slot to the writer (no copy on the
+    scheduler's thread); headroom slots stand in meanwhile and are not counted as capacity."""
+    from kv_cache_manager_v2 import DiskCacheTierConfig
+
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(16 * SLOT)]
+    if lower == "host":
+        tiers.append(HostCacheTierConfig(16 * SLOT))
+    else:
+        tiers.append(DiskCacheTierConfig(16 * SLOT, str(tmp_path)))
+    tiers.append(RemoteCacheTierConfig(redis_server.url, "test-model", timeout_ms=3000, max_pending_bytes=4 * SLOT))
+    a = KVCacheManager(KVCacheManagerConfig(T, tiers, kv_layers(2, T), backend="host", max_util_for_resume=1.0))
+    try:
+        level = CacheLevel(1)
+        stats = a.get_storage_statistics(level)[0]
+        assert stats.total == 16 and stats.free == 16  # the 4 headroom slots are not capacity
+        group = a._storage.levels[level][0]
+        assert group.headroom == 4 and len(group.parked) == 4
+        toks = [seq(40 + r, 4 * T) for r in range(3)]  # 12 blocks: more than the headroom
+        for t in toks:
+            publish(a, t)
+        evict_through_the_lower_tier(a)
+        assert a.flush_remote_writes()
+        a.check_invariants()
+        assert len(group.parked) == 4  # every handed-off slot came back
+        st = a.remote_statistics
+        # one burst of 12 drops: 4 slots handed off, 4 pages copied into the ring (4 slots' worth),
+        # the rest dropped (counted): the writer had no time to drain
+        assert st is not None and st.written_pages == 8 and st.dropped_writes == 4
+        assert a._remote is not None and a._remote.slots_queued == 4
+        b = managers(redis_server.url)
+        assert sum(reuse(b, t + [1]) for t in toks) == 8 * T  # every record checked
+        # a tier resize waits for the writer, moves pages out of the headroom and puts it back
+        publish(a, seq(50, 4 * T))
+        assert a.resize(level, 8 * SLOT)
+        assert a.get_storage_statistics(level)[0].total == 8 and group.headroom == 4
+        a.check_invariants()
+        assert a.resize(level, 20 * SLOT) and a.get_storage_statistics(level)[0].total == 20
+        a.check_invariants()
+    finally:
+        a.shutdown()

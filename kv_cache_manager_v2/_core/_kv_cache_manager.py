@@ -306,12 +306,14 @@ class KVCacheManager:
         self._ctx.enter("shutdown()")
         try:
             self._storage.flush_write_through()
+            # queued writes get a moment to reach the server; the writer must be done with handed-off
+            # slots before their memory goes (if it hangs, the memory is kept: logged)
+            stopped = self._remote.close(_SHUTDOWN_DRAIN_S) if self._remote is not None else True
             self._tree.clear()
             self._storage.drop_all_evictable()
-            self._storage.release()
-            self._backend.shutdown()
-            if self._remote is not None:
-                self._remote.close(_SHUTDOWN_DRAIN_S)  # queued writes get a moment to reach the server
+            if stopped:
+                self._storage.release()
+                self._backend.shutdown()
             self._is_shut_down = True
         finally:
             self._ctx.leave()

@@ -28,8 +28,9 @@ import zlib
 from collections import deque
 from typing import Any, Final
 
-from .._common import RemoteStatistics
+from .._common import RemoteStatistics, SlotId
 from .._config import KVCacheManagerConfig, RemoteCacheTierConfig
+from ._disk import DiskPool
 
 LOG = logging.getLogger("kv_cache_manager_v2")
 
@@ -62,12 +63,14 @@ def layout_fingerprint(config: KVCacheManagerConfig, dtype: str) -> bytes:
     return hashlib.sha256("\n".join(parts).encode()).digest()[:8]
 
 
-def encode_header(buf: memoryview, life_cycle: int, fingerprint: bytes, block_key: bytes) -> None:
-    """Fill the first ``HEADER_BYTES`` of ``buf`` (the payload follows them)."""
-    payload = buf[HEADER_BYTES:]
-    HEADER.pack_into(
-        buf, 0, MAGIC, FORMAT_VERSION, life_cycle, fingerprint, block_key, len(payload), zlib.crc32(payload), 0
-    )
+def encode_header(parts: list[memoryview], life_cycle: int, fingerprint: bytes, block_key: bytes) -> bytes:
+    """The header of a value whose payload is ``parts`` (concatenated)."""
+    crc = 0
+    n = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)  # (releases the GIL for parts above 5 KiB)
+        n += len(part)
+    return HEADER.pack(MAGIC, FORMAT_VERSION, life_cycle, fingerprint, block_key, n, crc, 0)
 
 
 def decode_value(value: bytes, life_cycle: int, fingerprint: bytes, block_key: bytes, size: int) -> memoryview | None:
@@ -91,9 +94,30 @@ def decode_value(value: bytes, life_cycle: int, fingerprint: bytes, block_key: b
     return payload
 
 
-#: one queued page: its span in the write ring (position, bytes: header room, then the payload), its
-#: block key (empty: an abandoned span, only released) and layer group
-_Write = tuple[int, int, bytes, int]
+class _Pending:
+    """One page queued for writing: its payload is a span of the write ring (``ring_pos`` >= 0), or
+    the slot of a dropped page handed to the writer (``parts``: memory views of the slot in each
+    pool, or ``(disk pool, offset, size)``), given back to ``parked`` once sent."""
+
+    __slots__ = ("block_key", "life_cycle", "nbytes", "parked", "parts", "ring_pos", "slot")
+
+    def __init__(
+        self,
+        block_key: bytes,
+        life_cycle: int,
+        nbytes: int,
+        ring_pos: int,
+        parts: list[memoryview | tuple[DiskPool, int, int]] | None,
+        parked: list[SlotId] | None,
+        slot: SlotId,
+    ) -> None:
+        self.block_key = block_key
+        self.life_cycle = life_cycle
+        self.nbytes = nbytes
+        self.ring_pos = ring_pos
+        self.parts = parts
+        self.parked = parked
+        self.slot = slot
 
 
 def _populated_mapping(nbytes: int) -> mmap.mmap:
@@ -175,7 +199,6 @@ class RemoteStore:
         self.hit_blocks = 0
         self.corrupt_pages = 0
         self.queued_writes = 0
-        #: end of the last span reserved in the write ring (a position that only grows)
         self.dropped_on_queue = 0
         self.dropped_bytes_on_queue = 0
         self.read_errors = 0
@@ -186,10 +209,14 @@ class RemoteStore:
         self.dropped_by_writer = 0
         self.dropped_bytes_by_writer = 0
         self.write_errors = 0
+        #: end of the last span reserved in the write ring (a position that only grows)
         self._head = 0
         #: ring positions below this are free again (the writer sent or dropped what was there)
         self._done = 0
-        self._queue: deque[_Write] = deque()
+        #: handed-off slots queued, and finished by the writer
+        self.slots_queued = 0
+        self.slots_done = 0
+        self._queue: deque[_Pending] = deque()
         #: the write queue's memory: a ring of ``max_pending_bytes``, mapped in full up front (a page
         #: fault on the scheduler's thread costs ~10 us on these VMs), reused from its start whenever
         #: the queue is empty
@@ -217,6 +244,11 @@ class RemoteStore:
     def pending_bytes(self) -> int:
         """Ring bytes queued and not yet sent (or dropped) by the writer."""
         return self._head - self._done
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or being sent."""
+        return self._head == self._done and self.slots_queued == self.slots_done
 
     def _failed(self, what: str, e: BaseException) -> None:
         """A round trip failed: the server counts as down for ``retry_interval_ms``; warn once per outage."""
@@ -333,21 +365,44 @@ class RemoteStore:
         return self._ring_view[off : off + nbytes]
 
     def enqueue(self, pos: int, nbytes: int, block_key: bytes, life_cycle: int) -> None:
-        """Hand a filled span to the writer (``HEADER_BYTES`` of room, then the payload; the writer
-        fills the header). An empty ``block_key`` gives the span back unused (a failed copy)."""
+        """Hand a filled ring span (``reserve``) to the writer. An empty ``block_key`` gives the
+        span back unused (a failed copy)."""
         if block_key:
             self.queued_writes += 1
         else:
             self.dropped_on_queue += 1
             self.dropped_bytes_on_queue += nbytes
-        self._queue.append((pos, nbytes, block_key, life_cycle))
+        self._queue.append(_Pending(block_key, life_cycle, nbytes, pos, None, None, SlotId(-1)))
+        self._wake_writer()
+
+    def accepts_slot(self) -> bool:
+        """Whether a handed-off slot would be sent now (not while the server counts as down)."""
+        return not self._stopping and time.monotonic() >= self._down_until
+
+    def enqueue_slot(
+        self,
+        block_key: bytes,
+        life_cycle: int,
+        parts: list[memoryview | tuple[DiskPool, int, int]],
+        nbytes: int,
+        parked: list[SlotId],
+        slot: SlotId,
+    ) -> None:
+        """Hand the slot of a dropped page to the writer (no copy here): it sends the slot's bytes
+        straight from ``parts`` and then appends ``slot`` to ``parked``."""
+        self.queued_writes += 1
+        self.slots_queued += 1
+        self._queue.append(_Pending(block_key, life_cycle, nbytes, -1, parts, parked, slot))
+        self._wake_writer()
+
+    def _wake_writer(self) -> None:
         if not self._wake.is_set():
             self._wake.set()
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued write is finished (written or dropped); False on timeout."""
         deadline = time.monotonic() + timeout_s
-        while self.pending_bytes > 0:
+        while not self.idle:
             if time.monotonic() >= deadline or not self._writer.is_alive():
                 return False
             time.sleep(0.001)
@@ -361,15 +416,15 @@ class RemoteStore:
                 time.sleep(LINGER_S)
             self._wake.clear()
             while queue:
-                batch: list[_Write] = []
+                batch: list[_Pending] = []
                 nbytes = 0
                 while queue and len(batch) < BATCH_PAGES and nbytes < BATCH_BYTES:
                     w = queue.popleft()
-                    if w[2]:
+                    if w.block_key:
                         batch.append(w)
-                        nbytes += w[1]
+                        nbytes += w.nbytes
                     else:
-                        self._done = w[0] + w[1]  # an abandoned span
+                        self._done = w.ring_pos + w.nbytes  # an abandoned span
                 if not batch:
                     continue
                 try:
@@ -377,33 +432,68 @@ class RemoteStore:
                 except BaseException as e:  # never let the thread die (it would stall flush)
                     self._dropped(batch)
                     LOG.error("remote KV tier writer: unexpected %s: %s", type(e).__name__, e)
-                last = batch[-1]
-                self._done = last[0] + last[1]  # the spans are free again (sent: nothing reads them)
+                self._finished(batch)
             if self._stopping:
                 return
 
-    def _write_batch(self, batch: list[_Write]) -> None:
-        """Send ``batch`` in one go: one MSET, or pipelined ``SET key value EX ttl_s`` with a TTL."""
+    def _finished(self, batch: list[_Pending]) -> None:
+        """Nothing reads the batch's memory any more: ring spans are free, handed-off slots parked."""
+        for w in batch:
+            if w.ring_pos >= 0:
+                self._done = w.ring_pos + w.nbytes
+            else:
+                parked = w.parked
+                assert parked is not None
+                w.parts = None
+                parked.append(w.slot)
+                self.slots_done += 1
+
+    def _payload(self, w: _Pending) -> list[memoryview]:
+        if w.ring_pos >= 0:
+            return [self.span(w.ring_pos, w.nbytes)]
+        out: list[memoryview] = []
+        parts = w.parts
+        assert parts is not None
+        for part in parts:
+            if isinstance(part, memoryview):
+                out.append(part)
+            else:  # a disk slot: read here (the GIL is released while the kernel reads)
+                buf = memoryview(bytearray(part[2]))
+                part[0].read_into(buf, part[1])
+                out.append(buf)
+        return out
+
+    def _write_batch(self, batch: list[_Pending]) -> None:
+        """Send ``batch`` in one go: one MSET, or pipelined ``SET key value EX ttl_s`` with a TTL.
+        Values go out with one ``sendmsg`` straight from where they are (the ring, or the dropped
+        pages' slots): no copy into a command buffer, and the GIL is released while the kernel copies."""
         if self.is_down:
             self._dropped(batch)
             return
         fp = self.fingerprint
         ttl = self._ttl
-        # one small bytes object between values, the values themselves: sent with one sendmsg
-        # (no copy of the values into a command buffer, the GIL released while the kernel copies)
+        sent: list[_Pending] = []
+        payloads: list[list[memoryview]] = []
+        for w in batch:
+            try:
+                payloads.append(self._payload(w))
+                sent.append(w)
+            except OSError:  # a disk read failed: this page is not written
+                self._dropped([w])
+        if not sent:
+            return
         parts: list[Any] = []
         tail = b"\r\n" + (b"$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl) if ttl else b"")
         cmd = b"*5\r\n$3\r\nSET\r\n" if ttl else b""
-        before = b"" if ttl else b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * len(batch))
-        for pos, n, block_key, lc in batch:
-            buf = self.span(pos, n)
-            encode_header(buf, lc, fp, block_key)
-            key = self.page_key(block_key, lc)
-            parts.append(before + cmd + b"$%d\r\n%s\r\n$%d\r\n" % (len(key), key, n))
-            parts.append(buf)
+        before = b"" if ttl else b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * len(sent))
+        for w, payload in zip(sent, payloads):
+            key = self.page_key(w.block_key, w.life_cycle)
+            header = encode_header(payload, w.life_cycle, fp, w.block_key)
+            parts.append(before + cmd + b"$%d\r\n%s\r\n$%d\r\n" % (len(key), key, HEADER_BYTES + w.nbytes) + header)
+            parts.extend(payload)
             before = tail
         parts.append(tail)
-        replies = len(batch) if ttl else 1
+        replies = len(sent) if ttl else 1
         pool = self.client.connection_pool
         done = 0
         conn: Any = None
@@ -417,9 +507,9 @@ class RemoteStore:
             while done < replies:
                 try:
                     conn.read_response()
-                    self._written(batch[done : done + 1] if ttl else batch)
+                    self._written(sent[done : done + 1] if ttl else sent)
                 except self._response_error as e:  # e.g. OOM (noeviction, or nothing to evict): lost
-                    self._dropped(batch[done : done + 1] if ttl else batch)
+                    self._dropped(sent[done : done + 1] if ttl else sent)
                     if not self._warned_refused:
                         self._warned_refused = True
                         LOG.warning("remote KV tier %s refuses writes (%s); they are dropped", self.cfg.url, e)
@@ -427,7 +517,7 @@ class RemoteStore:
         except self._errors as e:
             if conn is not None:
                 conn.disconnect()
-            self._dropped(batch[done:] if ttl else batch)
+            self._dropped(sent[done:] if ttl else sent)
             self.write_errors += 1
             self._failed("write", e)
             return
@@ -436,13 +526,13 @@ class RemoteStore:
                 pool.release(conn)
         self._succeeded()
 
-    def _written(self, writes: list[_Write]) -> None:
+    def _written(self, writes: list[_Pending]) -> None:
         self.written_pages += len(writes)
-        self.written_bytes += sum(w[1] for w in writes)
+        self.written_bytes += sum(HEADER_BYTES + w.nbytes for w in writes)
 
-    def _dropped(self, writes: list[_Write]) -> None:
+    def _dropped(self, writes: list[_Pending]) -> None:
         self.dropped_by_writer += len(writes)
-        self.dropped_bytes_by_writer += sum(w[1] for w in writes)
+        self.dropped_bytes_by_writer += sum(HEADER_BYTES + w.nbytes for w in writes)
 
     # ------------------------------------------------------------------ life cycle and statistics
     def counters(self) -> list[int]:
@@ -477,14 +567,21 @@ class RemoteStore:
             connected=self._connected,
         )
 
-    def close(self, drain_timeout_s: float) -> None:
-        """Stop the writer (after draining the queue for at most ``drain_timeout_s``) and disconnect."""
-        if self._stopping:
-            return
-        if drain_timeout_s > 0 and not self.is_down:
-            self.flush(drain_timeout_s)
-        self._stopping = True
-        self._wake.set()
-        self._writer.join(max(drain_timeout_s, 0.0) + 1.0)
+    def close(self, drain_timeout_s: float) -> bool:
+        """Stop the writer (after draining the queue for at most ``drain_timeout_s``; then what is
+        left is dropped) and disconnect. Returns False if the writer did not stop: it may still read
+        handed-off slots, so their memory must not be released."""
+        if not self._stopping:
+            if drain_timeout_s > 0 and not self.is_down:
+                self.flush(drain_timeout_s)
+            self._stopping = True
+            self._down_until = float("inf")  # what is still queued is dropped, not sent
+            self._wake.set()
+        # each network operation is bounded by timeout_ms; the rest of the queue is dropped at once
+        self._writer.join(2 * self.cfg.timeout_ms / 1000.0 + 5.0)
+        if self._writer.is_alive():
+            LOG.error("remote KV tier writer did not stop; keeping the memory it may still read")
+            return False
         with contextlib.suppress(*self._errors):
             self.client.close()
+        return True

@@ -34,12 +34,16 @@ from ._backend import MAX_GROWTH, MemoryBackend, MemoryPool, Pool
 from ._copy_engine import CopyEngine
 from ._disk import DiskPool
 from ._layout import PoolGroupLayout, StorageLayout
-from ._remote import HEADER_BYTES, RemoteStore
+from ._remote import RemoteStore
 from ._slot_allocator import SlotAllocator
 
 #: Per level and pool group, how many of the asking request's own pages its evictor lists
 #: (they are about to be used, so they do not count as evictable).
 Excluded = list[list[int]]
+#: most headroom slots one pool group gets for the remote tier's writes
+_MAX_HEADROOM = 4096
+#: how long a tier resize waits for the remote tier's writer to finish with handed-off slots
+_RESIZE_FLUSH_S = 30.0
 
 
 class PoolGroupStorage:
@@ -49,6 +53,7 @@ class PoolGroupStorage:
     __slots__ = (
         "allocator",
         "evictor",
+        "headroom",
         "is_last",
         "layout",
         "level",
@@ -58,6 +63,7 @@ class PoolGroupStorage:
         "num_lost",
         "num_offloaded",
         "num_onboarded",
+        "parked",
         "pools",
         "tier",
     )
@@ -91,6 +97,12 @@ class PoolGroupStorage:
         self.num_io_errors = 0
         #: lost pages whose owners have not let go yet
         self.num_lost = 0
+        #: slots beyond ``num_slots`` for the remote tier's writes (the last level only): a dropped
+        #: page's slot goes to the writer, which sends the data from there, and a parked slot takes
+        #: its place; the allocator counts all of them as used
+        self.headroom = 0
+        #: headroom slots not being written from (the writer appends, the scheduler's thread pops)
+        self.parked: list[SlotId] = []
 
     @property
     def index(self) -> PoolGroupIndex:
@@ -98,7 +110,16 @@ class PoolGroupStorage:
 
     @property
     def num_slots(self) -> int:
-        return self.allocator.num_slots
+        """Slots for pages (the headroom not counted)."""
+        return self.allocator.num_slots - self.headroom
+
+    @property
+    def num_used(self) -> int:
+        return self.allocator.num_used - self.headroom
+
+    def can_hand_off(self) -> bool:
+        """Whether a dropped page's slot can go to the remote tier's writer as it is (host memory or disk)."""
+        return all(not isinstance(pool, MemoryPool) or pool.host_view is not None for pool in self.pools)
 
     def memory_pool(self, pool: int) -> MemoryPool:
         """Pool ``pool`` of a memory level (GPU or host)."""
@@ -176,8 +197,45 @@ class StorageManager:
         self._iteration_base: list[list[int]] = [[0] * 7 for _ in range(len(tiers) + 1)]
 
     def attach_remote(self, remote: RemoteStore, tokens_per_block: int) -> None:
+        """Write dropped pages to ``remote``. A last level below the GPU gets headroom slots, so a
+        dropped page's data is sent from its slot (no copy on the scheduler's thread)."""
         self.remote = remote
         self.tokens_per_block = tokens_per_block
+        level = self.num_levels - 1
+        if level > 0:
+            for s in self.levels.items[level]:
+                self._add_headroom(s, self._headroom_for(s, s.num_slots))
+
+    def _headroom_for(self, s: PoolGroupStorage, num_slots: int) -> int:
+        """Headroom of a last-level pool group with ``num_slots`` slots: the write queue's budget
+        (``max_pending_bytes``, split among pool groups), at most as many slots as it has and what
+        its reserved address space takes; 0 where slots cannot be handed off."""
+        remote = self.remote
+        if remote is None or not s.can_hand_off():
+            return 0
+        h = max(1, remote.cfg.max_pending_bytes // (self.num_pool_groups * s.layout.slot_bytes))
+        h = min(h, num_slots, _MAX_HEADROOM)
+        for pool, size in zip(s.pools, s.layout.slot_sizes):
+            h = min(h, pool.reserved_bytes // size - num_slots)
+        return max(h, 0)
+
+    def _add_headroom(self, s: PoolGroupStorage, h: int) -> None:
+        """Give ``s`` (which has none) ``h`` headroom slots past its slots, all parked."""
+        n = s.allocator.num_slots
+        if h <= 0:
+            return
+        for pool, size in zip(s.pools, s.layout.slot_sizes):
+            pool.ensure_mapped((n + h) * size)
+        s.allocator.resize(n + h)
+        s.parked = s.allocator.allocate(h)
+        s.headroom = h
+
+    def _drop_headroom(self, s: PoolGroupStorage) -> None:
+        """Turn the headroom of ``s`` (none in flight) into ordinary free slots."""
+        for x in s.parked:
+            s.allocator.free(x)
+        s.parked = []
+        s.headroom = 0
 
     def _make_pools(self, cfg: LocalCacheTierConfig, layout: PoolGroupLayout, num_slots: int) -> list[Pool]:
         """The pools of one group at one level: GPU memory mapped on demand; host memory and disk
@@ -390,12 +448,45 @@ class StorageManager:
         """Free an evicted page for good; the listener forgets it first. With a remote tier, a
         reusable full block's data is queued for writing there first (unless ``spill`` is False)."""
         if spill and self.remote is not None and page.node is not None and not page.remote_copy:
+            st = page.storage
+            if (
+                st.parked
+                and not page.lost
+                and len(page.node.tokens) == self.tokens_per_block
+                and self.remote.accepts_slot()
+            ):
+                self._hand_off(page)
+                return
             self._spill_one(page)
         listener = self.drop_listener
         if listener is not None:
             listener.page_dropped(page)
         page.storage.num_dropped += 1
         page.free()
+
+    def _hand_off(self, page: Page) -> None:
+        """Drop ``page`` and give its slot to the remote tier's writer, which sends the data from
+        there (no copy here); a parked headroom slot becomes free in its place."""
+        node = page.node
+        remote = self.remote
+        assert node is not None and remote is not None
+        key = node.key
+        lc = page.life_cycle
+        listener = self.drop_listener
+        if listener is not None:
+            listener.page_dropped(page)
+        st = page.storage
+        st.num_dropped += 1
+        slot = page.hand_off()
+        st.allocator.free(st.parked.pop())
+        parts: list[memoryview | tuple[DiskPool, int, int]] = []
+        for pool, size in zip(st.pools, st.layout.slot_sizes):
+            if isinstance(pool, DiskPool):
+                parts.append((pool, slot * size, size))
+            else:
+                assert isinstance(pool, MemoryPool) and pool.host_view is not None
+                parts.append(pool.host_view[slot * size : (slot + 1) * size])
+        remote.enqueue_slot(key, lc, parts, st.layout.slot_bytes, st.parked, slot)
 
     # ------------------------------------------------------------------ the remote tier's writes
     def spill(self, pages: list[Page]) -> None:
@@ -418,7 +509,7 @@ class StorageManager:
                 found.append(p)
         for batch in groups.values():
             src = batch[0].storage
-            n = HEADER_BYTES + src.layout.slot_bytes
+            n = src.layout.slot_bytes
             spans: list[int] = []
             taken: list[Page] = []
             for p in batch:
@@ -429,9 +520,7 @@ class StorageManager:
             if not taken:
                 continue
             views = [remote.span(pos, n) for pos in spans]
-            failed = self.copier.read_slots(
-                src.pools, src.layout.slot_sizes, [p.slot for p in taken], views, HEADER_BYTES
-            )
+            failed = self.copier.read_slots(src.pools, src.layout.slot_sizes, [p.slot for p in taken], views, 0)
             for i, (p, pos) in enumerate(zip(taken, spans)):
                 node = p.node
                 assert node is not None
@@ -456,11 +545,10 @@ class StorageManager:
             self.spill([p])
             return
         size = st.layout.slot_sizes[0]
-        n = HEADER_BYTES + size
-        pos = remote.reserve(n)
+        pos = remote.reserve(size)
         if pos >= 0:  # host memory (or the emulated GPU): one copy into the write ring
-            remote.span(pos, n)[HEADER_BYTES:] = hv[p.slot * size : (p.slot + 1) * size]
-            remote.enqueue(pos, n, node.key, p.life_cycle)
+            remote.span(pos, size)[:] = hv[p.slot * size : (p.slot + 1) * size]
+            remote.enqueue(pos, size, node.key, p.life_cycle)
             p.remote_copy = True
 
     def queue_write_through(self, page: Page) -> None:
@@ -587,10 +675,30 @@ class StorageManager:
         storages = self.levels[level]
         for g, n in enumerate(slots):
             s = storages.items[g]
-            must_leave = s.allocator.num_used - n
+            must_leave = s.num_used - n
             if must_leave > 0 and must_leave > self.available(level, g) - s.allocator.num_free:
                 return False
         self.check_resize(level, slots)
+        remote = self.remote
+        headroom = [s.headroom for s in storages]
+        if any(headroom):
+            # the writer may still read handed-off slots: wait for it, then work without headroom
+            assert remote is not None
+            if not remote.flush(_RESIZE_FLUSH_S):
+                return False
+            for s in storages:
+                self._drop_headroom(s)  # its slots are ordinary ones now: the resize moves pages out of them
+        try:
+            self._resize_slots(storages, slots, live)
+        finally:
+            for s in storages:
+                if headroom[s.index]:
+                    self._add_headroom(s, self._headroom_for(s, s.num_slots))
+        return True
+
+    def _resize_slots(
+        self, storages: TypedList[PoolGroupIndex, PoolGroupStorage], slots: list[int], live: list[Page]
+    ) -> None:
         for g, n in enumerate(slots):  # may raise (driver, disk space): nothing logical changed yet
             s = storages.items[g]
             if n > s.num_slots and s.tier is not CacheTier.GPU_MEM:
@@ -606,7 +714,6 @@ class StorageManager:
             if shrinking:
                 for pool, size in zip(s.pools, s.layout.slot_sizes):
                     pool.shrink(n * size)
-        return True
 
     def _compact(self, storage: PoolGroupStorage, n: int, live: list[Page]) -> None:
         """Move the pages of ``storage`` in slots ``>= n`` to free slots below ``n``."""
@@ -668,7 +775,7 @@ class StorageManager:
         """Usage and traffic of ``level`` since the manager was created."""
         if level == self.num_levels:
             return self._remote_stats(level, [0] * 7)
-        return self._tier_stats(level, [0] * 7, [s.allocator.peak_used for s in self.levels[level]])
+        return self._tier_stats(level, [0] * 7, [s.allocator.peak_used - s.headroom for s in self.levels[level]])
 
     def _remote_stats(self, level: CacheLevel, base: list[int]) -> TierStatistics:
         """The remote level: written (offloaded), fetched (onboarded), dropped writes, errors; usage
@@ -700,7 +807,7 @@ class StorageManager:
             self.flush_write_through()
         for level in range(self.num_levels):
             storages = self.levels.items[level]
-            peaks = [s.allocator.iteration_peak for s in storages]
+            peaks = [s.allocator.iteration_peak - s.headroom for s in storages]
             out.append(self._tier_stats(CacheLevel(level), self._iteration_base[level], peaks))
             self._iteration_base[level] = self._counters(level)
             for s in storages:
@@ -719,7 +826,7 @@ class StorageManager:
             level=level,
             tier=self.tiers[level],
             total_bytes=self._bytes(level, [s.num_slots for s in storages]),
-            used_bytes=self._bytes(level, [s.allocator.num_used for s in storages]),
+            used_bytes=self._bytes(level, [s.num_used for s in storages]),
             peak_used_bytes=self._bytes(level, peaks),
             offloaded_pages=d[0],
             onboarded_pages=d[1],
