@@ -120,6 +120,17 @@ class _Pending:
         self.slot = slot
 
 
+def _forget_frames(e: BaseException) -> None:
+    """Drop the tracebacks of ``e`` and the exceptions it chains: their frames hold memory views of
+    slots, which would keep the pools' memory exported (so it could not be released)."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        x.__traceback__ = None
+        x = x.__context__ or x.__cause__
+
+
 def _populated_mapping(nbytes: int) -> mmap.mmap:
     """Anonymous memory of ``nbytes``, faulted in at once where the OS offers it (MAP_POPULATE)."""
     populate = getattr(mmap, "MAP_POPULATE", 0)
@@ -260,7 +271,7 @@ class RemoteStore:
                 self.cfg.url,
                 what,
                 type(e).__name__,
-                e,
+                str(e),  # not the exception: a kept log record would keep its frames (and slot views) alive
                 self.cfg.retry_interval_ms,
             )
 
@@ -302,7 +313,7 @@ class RemoteStore:
                     res = client.evalsha(self._lookup_sha, len(keys), *keys)
                 return [int(x) for x in res]
             except self._response_error as e:  # scripting disabled on this server: pipeline instead
-                LOG.warning("remote KV tier %s: Lua lookups refused (%s); using pipelined STRLEN", self.cfg.url, e)
+                LOG.warning("remote KV tier %s: Lua lookups refused (%s); using pipelined STRLEN", self.cfg.url, str(e))
                 self._use_script = False
         pipe = client.pipeline(transaction=False)
         for k in keys:
@@ -430,8 +441,9 @@ class RemoteStore:
                 try:
                     self._write_batch(batch)
                 except BaseException as e:  # never let the thread die (it would stall flush)
+                    _forget_frames(e)
                     self._dropped(batch)
-                    LOG.error("remote KV tier writer: unexpected %s: %s", type(e).__name__, e)
+                    LOG.error("remote KV tier writer: unexpected %s: %s", type(e).__name__, str(e))
                 self._finished(batch)
             if self._stopping:
                 return
@@ -478,7 +490,8 @@ class RemoteStore:
             try:
                 payloads.append(self._payload(w))
                 sent.append(w)
-            except OSError:  # a disk read failed: this page is not written
+            except OSError as e:  # a disk read failed: this page is not written
+                _forget_frames(e)
                 self._dropped([w])
         if not sent:
             return
@@ -509,12 +522,14 @@ class RemoteStore:
                     conn.read_response()
                     self._written(sent[done : done + 1] if ttl else sent)
                 except self._response_error as e:  # e.g. OOM (noeviction, or nothing to evict): lost
+                    _forget_frames(e)
                     self._dropped(sent[done : done + 1] if ttl else sent)
                     if not self._warned_refused:
                         self._warned_refused = True
-                        LOG.warning("remote KV tier %s refuses writes (%s); they are dropped", self.cfg.url, e)
+                        LOG.warning("remote KV tier %s refuses writes (%s); they are dropped", self.cfg.url, str(e))
                 done += 1
         except self._errors as e:
+            _forget_frames(e)
             if conn is not None:
                 conn.disconnect()
             self._dropped(sent[done:] if ttl else sent)
