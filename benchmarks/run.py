@@ -26,7 +26,8 @@ remote_onboard (create_kv_cache + resume of a 1024-token prefix that only a priv
 redis-server holds, written by another manager: us per request and blocks/s, next to the same
 prefix onboarded from the host tier; also with 64 KiB pages), remote_decode (the decode step while
 every new block evicts a reusable page: no remote tier, remote tier writing the dropped pages, remote
-tier with write-through; mean us per request per step and the overheads). The remote scenarios
+tier with write-through, on GPU + host tiers, 4 KiB and 64 KiB pages; mean us per request per step
+and the overheads). The remote scenarios
 start their own redis-server (skipped with a note when none is installed).
 
 Each scenario runs in a child process per mode: fast mode imports a copy of the package
@@ -722,34 +723,44 @@ def scenario_remote_onboard(p: dict[str, int]) -> dict[str, Any]:
     return small
 
 
-def _decode_evicting(p: dict[str, int], remote: Any) -> tuple[list[float], float, Any]:
-    """Decode steps while every new block evicts (drops) a reusable page; per-step samples, the mean,
-    and the remote statistics."""
-    t, n_req = p["tokens_per_block"], p["requests"]
-    live = n_req * (p["shared"] // t + p["unique"] // t + 2 + p["steps"] // t + 1)
-    m = _manager(p["layers"], t, live + n_req * (p["steps"] // t + 1) + 64, remote=remote)
+def _touch(m: Any) -> None:
+    """Write every GPU slot once, as kernels would have (untouched memory reads as a page fault)."""
+    for g in m.pool_group_descs:
+        for pool in g.pools:
+            n = g.num_slots * pool.slot_bytes
+            for off in range(0, n, 1 << 20):
+                m.backend.write(pool.base_address + off, b"\x01" * min(1 << 20, n - off))
+
+
+def _decode_evicting(p: dict[str, int], remote: Any, size: int) -> tuple[list[float], float, Any]:
+    """Decode steps of GPU + host (+ remote) while every new block evicts: a GPU page moves to the host
+    tier, whose oldest page is dropped (written to the remote tier when there is one). Per-step
+    samples, the mean per request per step, and the remote statistics."""
+    t, n_req, steps = p["tokens_per_block"], p["remote_requests"], p["steps"]
+    live = n_req * (p["shared"] // t + p["unique"] // t + 2 + steps // t + 1)
+    gpu_slots = live + n_req * (steps // t + 1) + 64
+    m = _manager(p["layers"], t, gpu_slots, host_slots=gpu_slots, size=size, remote=remote)
+    _touch(m)
     system = list(range(10_000, 10_000 + p["shared"]))
     # staggered lengths: block boundaries (the steps that allocate, evict and write) spread over steps
     caches = [_admit(m, system + [r * 100_003 + i for i in range(p["unique"] + r % t)]) for r in range(n_req)]
     r = 0
-    while True:  # the rest of GPU memory: reusable pages, which the decode steps' new blocks evict
-        free = m.get_storage_statistics()[0].free
-        if free == 0:
-            break
-        r += 1
+    while m.get_storage_statistics(0)[0].free or m.get_storage_statistics(1)[0].free:
+        r += 1  # reusable pages fill the rest of GPU memory, then push down until the host tier is full
+        free = m.get_storage_statistics(0)[0].free or 16
         _admit(m, [7_000_000 + r * 1000 + i for i in range(min(free, 16) * t)]).close()
     if remote is not None:
         m.flush_remote_writes()
     samples = []
     t_all = time.perf_counter()
-    for step in range(p["steps"]):
+    for step in range(steps):
         t0 = time.perf_counter()
         for kv in caches:
             kv.resize(kv.capacity + 1)
             kv.commit([step])
             kv.get_base_page_indices(0)
         samples.append((time.perf_counter() - t0) / n_req * 1e6)
-    mean = (time.perf_counter() - t_all) / (n_req * p["steps"]) * 1e6
+    mean = (time.perf_counter() - t_all) / (n_req * steps) * 1e6
     for kv in caches:
         kv.close()
     if remote is not None:
@@ -760,39 +771,50 @@ def _decode_evicting(p: dict[str, int], remote: Any) -> tuple[list[float], float
 
 
 def scenario_remote_decode(p: dict[str, int]) -> dict[str, Any]:
-    """The write path's cost on the decode step: evictions with no remote tier, with a remote tier
-    (dropped pages are copied out and queued; a thread sends them), and with write-through."""
+    """The write path's cost on the decode step (GPU + host tiers, every new block evicts): no remote
+    tier, a remote tier (host pages dropped are handed to the writer), and write-through; with
+    4 KiB and larger pages."""
     import kv_cache_manager_v2 as kvm
 
     server = _redis()
     if server is None:
         return {"unit": "us/request/step", "samples": [0.0], "note": "no redis-server binary: skipped"}
-    runs: dict[str, list[tuple[list[float], float, Any]]] = {"none": [], "remote": [], "write_through": []}
+    out: dict[str, Any] = {"unit": "us/request/step"}
     try:
-        for rep in range(3):  # interleaved, best of three (a noisy machine)
-            for name in runs:
-                remote = None
-                if name != "none":
-                    remote = kvm.RemoteCacheTierConfig(
-                        server.url, f"bench-{name}-{rep}", write_through=name == "write_through", timeout_ms=1000
-                    )
-                runs[name].append(_decode_evicting(p, remote))
+        for size in (64, p["remote_big_buffer_bytes"]):
+            runs: dict[str, list[tuple[list[float], float, Any]]] = {"none": [], "remote": [], "write_through": []}
+            for rep in range(3):  # interleaved, best of three (a noisy machine)
+                for name in runs:
+                    remote = None
+                    if name != "none":
+                        remote = kvm.RemoteCacheTierConfig(
+                            server.url,
+                            f"bench-{name}-{size}-{rep}",
+                            write_through=name == "write_through",
+                            timeout_ms=1000,
+                        )
+                    runs[name].append(_decode_evicting(p, remote, size))
+            best = {name: min(r, key=lambda x: x[1]) for name, r in runs.items()}
+            base = best["none"][1]
+            row: dict[str, Any] = {"page_bytes": p["layers"] * 2 * size}
+            for name, (samples, mean, st) in best.items():
+                row[f"{name}_mean_us"] = mean
+                row[f"{name}_median_us"] = statistics.median(samples)
+                if st is not None:
+                    row[f"{name}_written_pages"] = st.written_pages
+                    row[f"{name}_dropped_writes"] = st.dropped_writes
+            row["remote_overhead"] = best["remote"][1] / base - 1.0
+            row["write_through_overhead"] = best["write_through"][1] / base - 1.0
+            if size == 64:
+                out["samples"] = best["remote"][0]
+                out.update(row)
+            else:
+                out["big_pages"] = row
     finally:
         server.close()
-    best = {name: min(r, key=lambda x: x[1]) for name, r in runs.items()}
-    base = best["none"][1]
-    out: dict[str, Any] = {"unit": "us/request/step", "samples": best["remote"][0]}
-    for name, (samples, mean, st) in best.items():
-        out[f"{name}_mean_us"] = mean
-        out[f"{name}_median_us"] = statistics.median(samples)
-        if st is not None:
-            out[f"{name}_written_pages"] = st.written_pages
-            out[f"{name}_dropped_writes"] = st.dropped_writes
-    out["remote_overhead"] = best["remote"][1] / base - 1.0
-    out["write_through_overhead"] = best["write_through"][1] / base - 1.0
     out["note"] = (
-        "every new block evicts a reusable page (GPU-only + remote); overheads: mean step time vs no remote "
-        "tier, best of 3 interleaved runs; the writer thread runs during the steps"
+        "GPU + host tiers, every new block evicts (GPU -> host, host drops its oldest page); overheads: mean "
+        "step time vs no remote tier, best of 3 interleaved runs; the writer thread runs during the steps"
     )
     return out
 
@@ -828,6 +850,7 @@ DEFAULTS = dict(
     onboard_requests=200,
     onboard_buffer_bytes=64,
     remote_big_buffer_bytes=1024,
+    remote_requests=64,
     hit_rate_requests=0,  # 0: the whole trace
     trace_gpu_tokens=1_000_000,
     trace_host_tokens=3_000_000,
@@ -853,6 +876,7 @@ QUICK = dict(
     onboard_requests=10,
     onboard_buffer_bytes=64,
     remote_big_buffer_bytes=256,
+    remote_requests=8,
     hit_rate_requests=30,
     trace_gpu_tokens=100_000,
     trace_host_tokens=300_000,
