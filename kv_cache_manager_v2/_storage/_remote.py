@@ -43,9 +43,12 @@ HEADER_BYTES: Final = 64
 #: a write batch ends at this many pages or bytes
 BATCH_PAGES: Final = 256
 BATCH_BYTES: Final = 8 << 20
-#: the writer waits this long after being woken, so a burst of drops goes out as one batch (and the
-#: scheduler's thread is not interrupted for every page)
-LINGER_S: Final = 0.002
+#: the writer looks at its queue this often while there is work (a burst of drops goes out as one
+#: batch), backing off to ``IDLE_POLL_S`` when there is none. Enqueueing never wakes it: waking a
+#: thread is a system call (several us on a VM) on the scheduler's thread, and a woken writer would
+#: compete for the GIL in the middle of the step instead of between steps
+POLL_S: Final = 0.002
+IDLE_POLL_S: Final = 0.05
 #: buffers per sendmsg call (below IOV_MAX)
 _MAX_IOV: Final = 512
 
@@ -384,7 +387,6 @@ class RemoteStore:
             self.dropped_on_queue += 1
             self.dropped_bytes_on_queue += nbytes
         self._queue.append(_Pending(block_key, life_cycle, nbytes, pos, None, None, SlotId(-1)))
-        self._wake_writer()
 
     def accepts_slot(self) -> bool:
         """Whether a handed-off slot would be sent now (not while the server counts as down)."""
@@ -404,15 +406,11 @@ class RemoteStore:
         self.queued_writes += 1
         self.slots_queued += 1
         self._queue.append(_Pending(block_key, life_cycle, nbytes, -1, parts, parked, slot))
-        self._wake_writer()
-
-    def _wake_writer(self) -> None:
-        if not self._wake.is_set():
-            self._wake.set()
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued write is finished (written or dropped); False on timeout."""
         deadline = time.monotonic() + timeout_s
+        self._wake.set()  # no need to wait for the writer's next poll
         while not self.idle:
             if time.monotonic() >= deadline or not self._writer.is_alive():
                 return False
@@ -421,11 +419,11 @@ class RemoteStore:
 
     def _writer_loop(self) -> None:
         queue = self._queue
+        poll = IDLE_POLL_S
         while True:
-            self._wake.wait(1.0)  # (enqueue and close set it)
-            if not self._stopping:
-                time.sleep(LINGER_S)
+            self._wake.wait(poll)  # (flush and close set it)
             self._wake.clear()
+            poll = POLL_S if queue else min(IDLE_POLL_S, 2 * poll)
             while queue:
                 batch: list[_Pending] = []
                 nbytes = 0
