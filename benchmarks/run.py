@@ -732,98 +732,112 @@ def _touch(m: Any) -> None:
                 m.backend.write(pool.base_address + off, b"\x01" * min(1 << 20, n - off))
 
 
-def _decode_evicting(p: dict[str, int], remote: Any, size: int, gap_us: int) -> tuple[list[float], float, Any]:
-    """Decode steps of GPU + host (+ remote) while every new block evicts: a GPU page moves to the host
-    tier, whose oldest page is dropped (written to the remote tier when there is one). ``gap_us``:
-    the model's forward pass between steps (a sleep, not timed; the writer thread works meanwhile).
-    Per-step samples and the mean of the manager's calls per request per step, the remote statistics."""
-    t, n_req, steps = p["tokens_per_block"], p["remote_requests"], p["steps"]
-    live = n_req * (p["shared"] // t + p["unique"] // t + 2 + steps // t + 1)
-    gpu_slots = live + n_req * (steps // t + 1) + 64
-    m = _manager(p["layers"], t, gpu_slots, host_slots=gpu_slots, size=size, remote=remote)
-    _touch(m)
-    system = list(range(10_000, 10_000 + p["shared"]))
-    # staggered lengths: block boundaries (the steps that allocate, evict and write) spread over steps
-    caches = [_admit(m, system + [r * 100_003 + i for i in range(p["unique"] + r % t)]) for r in range(n_req)]
-    r = 0
-    while m.get_storage_statistics(0)[0].free or m.get_storage_statistics(1)[0].free:
-        r += 1  # reusable pages fill the rest of GPU memory, then push down until the host tier is full
-        free = m.get_storage_statistics(0)[0].free or 16
-        _admit(m, [7_000_000 + r * 1000 + i for i in range(min(free, 16) * t)]).close()
-    if remote is not None:
+class _EvictingDecode:
+    """Decode steps of GPU + host (+ remote) while every new block evicts: a GPU page moves to the
+    host tier, whose oldest page is dropped (written to the remote tier when there is one)."""
+
+    def __init__(self, p: dict[str, int], remote: Any, size: int) -> None:
+        t, n_req, steps = p["tokens_per_block"], p["remote_requests"], p["steps"]
+        live = n_req * (p["shared"] // t + p["unique"] // t + 2 + steps // t + 1)
+        gpu_slots = live + n_req * (steps // t + 1) + 64
+        m = self.m = _manager(p["layers"], t, gpu_slots, host_slots=gpu_slots, size=size, remote=remote)
+        _touch(m)
+        system = list(range(10_000, 10_000 + p["shared"]))
+        # staggered lengths: block boundaries (the steps that allocate, evict and write) spread over steps
+        self.caches = [_admit(m, system + [r * 100_003 + i for i in range(p["unique"] + r % t)]) for r in range(n_req)]
+        r = 0
+        while m.get_storage_statistics(0)[0].free or m.get_storage_statistics(1)[0].free:
+            r += 1  # reusable pages fill the rest of GPU memory, then push down until the host tier is full
+            free = m.get_storage_statistics(0)[0].free or 16
+            _admit(m, [7_000_000 + r * 1000 + i for i in range(min(free, 16) * t)]).close()
         m.flush_remote_writes()
-    samples = []
-    total = 0.0
-    for step in range(steps):
-        t0 = time.perf_counter()
-        for kv in caches:
-            kv.resize(kv.capacity + 1)
-            kv.commit([step])
-            kv.get_base_page_indices(0)
-        dt = time.perf_counter() - t0
-        total += dt
-        samples.append(dt / n_req * 1e6)
-        if gap_us:
-            time.sleep(gap_us / 1e6)
-    mean = total / (n_req * steps) * 1e6
-    for kv in caches:
-        kv.close()
-    if remote is not None:
-        m.flush_remote_writes()
-    st = m.remote_statistics
-    m.shutdown()
-    return samples, mean, st
+        self.step = 0
+        self.samples: list[float] = []
+        self.total = 0.0
+
+    def run(self, steps: int, gap_us: int) -> None:
+        """``steps`` decode steps; ``gap_us``: the model's forward pass after each (a sleep, not timed)."""
+        caches = self.caches
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            for kv in caches:
+                kv.resize(kv.capacity + 1)
+                kv.commit([self.step])
+                kv.get_base_page_indices(0)
+            dt = time.perf_counter() - t0
+            self.total += dt
+            self.samples.append(dt / len(caches) * 1e6)
+            self.step += 1
+            if gap_us:
+                time.sleep(gap_us / 1e6)
+
+    def close(self) -> Any:
+        for kv in self.caches:
+            kv.close()
+        self.m.flush_remote_writes()
+        st = self.m.remote_statistics
+        self.m.shutdown()
+        return st
 
 
 def scenario_remote_decode(p: dict[str, int]) -> dict[str, Any]:
     """The write path's cost on the decode step (GPU + host tiers, every new block evicts): no remote
-    tier, a remote tier (host pages dropped are handed to the writer), and write-through; with
-    4 KiB and larger pages."""
+    tier, a remote tier (host pages dropped are handed to the writer), and write-through; 4 KiB and
+    larger pages; with a model step between decode steps and back to back. The three run side by
+    side, alternating blocks of 16 steps (each writer drained before a block), so a noisy stretch of
+    the machine hits all of them."""
     import kv_cache_manager_v2 as kvm
 
     server = _redis()
     if server is None:
         return {"unit": "us/request/step", "samples": [0.0], "note": "no redis-server binary: skipped"}
     out: dict[str, Any] = {"unit": "us/request/step"}
+    names = ("none", "remote", "write_through")
     try:
         for size in (64, p["remote_big_buffer_bytes"]):
             for gap in (p["remote_step_gap_us"], 0):
-                runs: dict[str, list[tuple[list[float], float, Any]]] = {"none": [], "remote": [], "write_through": []}
-                for rep in range(3):  # interleaved, best of three (a noisy machine)
-                    for name in runs:
-                        remote = None
-                        if name != "none":
-                            remote = kvm.RemoteCacheTierConfig(
-                                server.url,
-                                f"bench-{name}-{size}-{gap}-{rep}",
-                                write_through=name == "write_through",
-                                timeout_ms=1000,
-                            )
-                        runs[name].append(_decode_evicting(p, remote, size, gap))
-                best = {name: min(r, key=lambda x: x[1]) for name, r in runs.items()}
-                base = best["none"][1]
+                runs: dict[str, _EvictingDecode] = {}
+                for name in names:
+                    remote = None
+                    if name != "none":
+                        remote = kvm.RemoteCacheTierConfig(
+                            server.url, f"bench-{name}-{size}-{gap}", write_through=name == "write_through"
+                        )
+                    runs[name] = _EvictingDecode(p, remote, size)
+                block = 16
+                for b in range(0, p["steps"], block):
+                    order = names[b // block % 3 :] + names[: b // block % 3]
+                    for name in order:
+                        for other in runs.values():
+                            other.m.flush_remote_writes()
+                        runs[name].run(min(block, p["steps"] - b), gap)
+                n = p["remote_requests"] * p["steps"]
                 row: dict[str, Any] = {"page_bytes": p["layers"] * 2 * size, "model_step_us": gap}
-                for name, (samples, mean, st) in best.items():
-                    row[f"{name}_mean_us"] = mean
-                    row[f"{name}_median_us"] = statistics.median(samples)
+                for name, run in runs.items():
+                    row[f"{name}_mean_us"] = run.total / n * 1e6
+                    row[f"{name}_median_us"] = statistics.median(run.samples)
+                    samples = run.samples
+                    st = run.close()
                     if st is not None:
                         row[f"{name}_written_pages"] = st.written_pages
                         row[f"{name}_dropped_writes"] = st.dropped_writes
-                row["remote_overhead"] = best["remote"][1] / base - 1.0
-                row["write_through_overhead"] = best["write_through"][1] / base - 1.0
+                    if size == 64 and gap and name == "remote":
+                        out["samples"] = samples
+                base = row["none_mean_us"]
+                row["remote_overhead"] = row["remote_mean_us"] / base - 1.0
+                row["write_through_overhead"] = row["write_through_mean_us"] / base - 1.0
                 label = f"{'small' if size == 64 else 'big'}_pages_{'model_step' if gap else 'back_to_back'}"
                 out[label] = row
                 if size == 64 and gap:
-                    out["samples"] = best["remote"][0]
                     out["remote_overhead"] = row["remote_overhead"]
                     out["write_through_overhead"] = row["write_through_overhead"]
     finally:
         server.close()
     out["note"] = (
         "GPU + host tiers, every new block evicts (GPU -> host, host drops its oldest page); the manager's calls "
-        "per request per step (mean), best of 3 interleaved runs; model_step: a sleep of model_step_us between "
-        "steps (the forward pass; the writer thread and redis-server work meanwhile), back_to_back: none (on 2 "
-        "cores the writer and redis-server then compete with the steps for CPU)"
+        "per request per step (mean); the three configurations alternate blocks of 16 steps; model_step: a "
+        "sleep of model_step_us after each step (the forward pass: the writer thread and redis-server work "
+        "meanwhile), back_to_back: none (on 2 cores the writer and redis-server then compete for the CPU)"
     )
     return out
 
