@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .._common import RemoteStatistics
 from .._config import KVCacheManagerConfig
+from ..engine import KVCacheResourceManager
 from ._replay import LevelUsage, Replay, ReplayResult, SchedulerOptions
 from ._workload import SimRequest
 
@@ -29,8 +30,9 @@ class ReplicaReplay(Replay):
         requests: list[SimRequest],
         options: SchedulerOptions,
         check_data: bool = False,
+        on_step: Callable[[KVCacheResourceManager], None] | None = None,
     ) -> None:
-        super().__init__(config, requests, options, check_data)
+        super().__init__(config, requests, options, check_data, None, on_step)
         self.fleet = fleet
         #: what the manager's remote tier did, read before it shuts down
         self.remote: RemoteStatistics | None = None
@@ -66,6 +68,8 @@ class ReplicaReplay(Replay):
         r.steps += 1
         r.manager_s += self._step_manager_s
         r.step_us.append(self._step_manager_s * 1e6)
+        if self.on_step is not None:
+            self.on_step(self.rm)
 
     def finish(self) -> ReplayResult:
         self.result.sim_time_ms = self.clock
@@ -79,6 +83,7 @@ def run_replicas(
     requests: list[SimRequest],
     options: SchedulerOptions,
     check_data: bool = False,
+    on_step: Callable[[KVCacheResourceManager], None] | None = None,
 ) -> tuple[list[ReplayResult], list[RemoteStatistics | None]]:
     """Replay ``requests`` over one replica per config (round-robin); per replica its counters and
     its remote tier's statistics (None without one)."""
@@ -86,7 +91,7 @@ def run_replicas(
     wall0 = time.perf_counter()
     try:
         for cfg in configs:
-            fleet.append(ReplicaReplay(fleet, cfg, requests, options, check_data))
+            fleet.append(ReplicaReplay(fleet, cfg, requests, options, check_data, on_step))
         n = len(fleet)
         for sim in requests:
             if sim.after >= 0:
