@@ -266,6 +266,8 @@ def test_extends_a_local_match_and_fills_missing_pages(redis_server: LocalRedisS
     publish(a, toks)
     publish(b, toks[: 2 * T])  # b has the first two blocks itself
     assert a.flush_remote_writes()
+    # where the prefix lives: two blocks in b's GPU memory, four in the remote tier (b's level 1)
+    assert b.probe_reuse_levels(None, toks + [1]) == [CacheLevel(0)] * 2 + [CacheLevel(1)] * 4
     before = b.remote_statistics
     assert before is not None
     assert reuse(b, toks + [1]) == 6 * T
