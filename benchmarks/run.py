@@ -22,7 +22,14 @@ Admission scenarios also time the prefill ``commit`` separately (``commit_us``, 
 copy_bandwidth (the copy engine moving scattered slots GPU -> host on the host backend, vs one
 numpy copy of the same bytes), onboard (create_kv_cache + resume of a 1024-token prefix whose
 pages sit in the host tier), tier_hit_rate (the trace replayed one request at a time, prompt
-blocks only, with 1M GPU tokens alone and with 3M host tokens more).
+blocks only, with 1M GPU tokens alone and with 3M host tokens more),
+remote_onboard (create_kv_cache + resume of a 1024-token prefix that only a private loopback
+redis-server holds, written by another manager: us per request and blocks/s, next to the same
+prefix onboarded from the host tier; also with 64 KiB pages), remote_decode (the decode step while
+every new block evicts a reusable page: no remote tier, remote tier writing the dropped pages, remote
+tier with write-through, on GPU + host tiers, 4 KiB and 64 KiB pages; mean us per request per step
+and the overheads). The remote scenarios
+start their own redis-server (skipped with a note when none is installed).
 
 Each scenario runs in a child process per mode: fast mode imports a copy of the package
 sources from build/bench/fast (no compiled modules there); compiled mode builds the package
@@ -72,6 +79,8 @@ SCENARIOS = [
     "copy_bandwidth",
     "onboard",
     "tier_hit_rate",
+    "remote_onboard",
+    "remote_decode",
 ]
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
 #: deterministic results (a hit rate): one run per mode whatever --repeats says
@@ -88,6 +97,7 @@ def _manager(
     host_slots: int = 0,
     size: int = 64,
     events: bool = False,
+    remote: Any = None,
     **kw: Any,
 ) -> Any:
     import kv_cache_manager_v2 as kvm
@@ -105,6 +115,8 @@ def _manager(
     tiers: list[Any] = [kvm.GpuCacheTierConfig(num_slots * slot)]
     if host_slots:
         tiers.append(kvm.HostCacheTierConfig(host_slots * slot))
+    if remote is not None:
+        tiers.append(remote)
     cfg = kvm.KVCacheManagerConfig(tokens_per_block, tiers, layers, backend="host", **kw)
     if events:
         return kvm.KVCacheManager(cfg, kvm.KVCacheEventManager(max_events=1 << 20))
@@ -815,6 +827,208 @@ def scenario_tier_hit_rate(p: dict[str, int]) -> dict[str, Any]:
     }
 
 
+def _redis() -> Any:
+    """A private redis-server on a loopback port, or None when no binary is installed."""
+    from kv_cache_manager_v2.redis_server import LocalRedisServer, find_redis_server
+
+    if find_redis_server() is None:
+        return None
+    server = LocalRedisServer()
+    server.start()
+    return server
+
+
+def _remote_onboard_once(p: dict[str, int], url: str, size: int, requests: int) -> dict[str, Any]:
+    import kv_cache_manager_v2 as kvm
+
+    t = p["tokens_per_block"]
+    blocks = p["shared"] // t
+    gpu_slots = blocks + 8
+    remote = kvm.RemoteCacheTierConfig(url, f"bench-{size}", write_through=True, timeout_ms=1000)
+    writer = _manager(p["layers"], t, gpu_slots, size=size, remote=remote)
+    prefix = list(range(10_000, 10_000 + p["shared"]))
+    _admit(writer, prefix + [1]).close()
+    assert writer.flush_remote_writes()
+    writer.shutdown()
+    m = _manager(p["layers"], t, gpu_slots, host_slots=4 * gpu_slots, size=size, remote=remote)
+    samples, host_samples = [], []
+    for r in range(requests):
+        m.clear_reusable_blocks()  # this replica forgets the prefix: only Redis has it
+        prompt = prefix + [1_000_000 + r]
+        t0 = time.perf_counter()
+        kv = m.create_kv_cache(input_tokens=prompt)
+        assert kv.resume()
+        samples.append((time.perf_counter() - t0) * 1e6)
+        assert kv.history_length == p["shared"], kv.history_length
+        kv.close()
+        filler = m.create_kv_cache()  # the whole GPU: the prefix moves to the host tier
+        assert filler.resume() and filler.resize(gpu_slots * t)
+        filler.close()
+        t0 = time.perf_counter()
+        kv = m.create_kv_cache(input_tokens=prompt)
+        assert kv.resume()
+        host_samples.append((time.perf_counter() - t0) * 1e6)
+        assert kv.history_length == p["shared"]
+        kv.close()
+    st = m.remote_statistics
+    m.shutdown()
+    us = statistics.median(samples)
+    host_us = statistics.median(host_samples)
+    return {
+        "samples": samples,
+        "page_bytes": p["layers"] * 2 * size,
+        "blocks_per_request": blocks,
+        "remote_blocks_per_s": blocks / (us / 1e6),
+        "remote_mb_per_s": blocks * p["layers"] * 2 * size / us,
+        "host_onboard_us": host_us,
+        "host_blocks_per_s": blocks / (host_us / 1e6),
+        "remote_vs_host": us / host_us,
+        "fetched_pages": st.fetched_pages if st else 0,
+    }
+
+
+def scenario_remote_onboard(p: dict[str, int]) -> dict[str, Any]:
+    """create_kv_cache + resume of a prefix only Redis holds (one lookup + one MGET, placed in the host
+    tier, onboarded), vs. the same prefix onboarded from the host tier; small and 64 KiB pages."""
+    server = _redis()
+    if server is None:
+        return {"unit": "us/request", "samples": [0.0], "note": "no redis-server binary: skipped"}
+    try:
+        small = _remote_onboard_once(p, server.url, p["onboard_buffer_bytes"], p["onboard_requests"])
+        big = _remote_onboard_once(p, server.url, p["remote_big_buffer_bytes"], max(5, p["onboard_requests"] // 4))
+    finally:
+        server.close()
+    big.pop("samples")
+    big["us_per_request"] = big["host_onboard_us"] * big["remote_vs_host"]
+    small["prefix_tokens"] = p["shared"]
+    small["big_pages"] = big
+    small["unit"] = "us/request"
+    small["note"] = (
+        "loopback redis-server on this machine; a fresh local cache per request (clear_reusable_blocks), "
+        "so every block comes from Redis; host_onboard_us: the same prefix from the host tier"
+    )
+    return small
+
+
+def _touch(m: Any) -> None:
+    """Write every GPU slot once, as kernels would have (untouched memory reads as a page fault)."""
+    for g in m.pool_group_descs:
+        for pool in g.pools:
+            n = g.num_slots * pool.slot_bytes
+            for off in range(0, n, 1 << 20):
+                m.backend.write(pool.base_address + off, b"\x01" * min(1 << 20, n - off))
+
+
+class _EvictingDecode:
+    """Decode steps of GPU + host (+ remote) while every new block evicts: a GPU page moves to the
+    host tier, whose oldest page is dropped (written to the remote tier when there is one)."""
+
+    def __init__(self, p: dict[str, int], remote: Any, size: int) -> None:
+        t, n_req, steps = p["tokens_per_block"], p["remote_requests"], p["steps"]
+        live = n_req * (p["shared"] // t + p["unique"] // t + 2 + steps // t + 1)
+        gpu_slots = live + n_req * (steps // t + 1) + 64
+        m = self.m = _manager(p["layers"], t, gpu_slots, host_slots=gpu_slots, size=size, remote=remote)
+        _touch(m)
+        system = list(range(10_000, 10_000 + p["shared"]))
+        # staggered lengths: block boundaries (the steps that allocate, evict and write) spread over steps
+        self.caches = [_admit(m, system + [r * 100_003 + i for i in range(p["unique"] + r % t)]) for r in range(n_req)]
+        r = 0
+        while m.get_storage_statistics(0)[0].free or m.get_storage_statistics(1)[0].free:
+            r += 1  # reusable pages fill the rest of GPU memory, then push down until the host tier is full
+            free = m.get_storage_statistics(0)[0].free or 16
+            _admit(m, [7_000_000 + r * 1000 + i for i in range(min(free, 16) * t)]).close()
+        m.flush_remote_writes()
+        self.step = 0
+        self.samples: list[float] = []
+        self.total = 0.0
+
+    def run(self, steps: int, gap_us: int) -> None:
+        """``steps`` decode steps; ``gap_us``: the model's forward pass after each (a sleep, not timed)."""
+        caches = self.caches
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            for kv in caches:
+                kv.resize(kv.capacity + 1)
+                kv.commit([self.step])
+                kv.get_base_page_indices(0)
+            dt = time.perf_counter() - t0
+            self.total += dt
+            self.samples.append(dt / len(caches) * 1e6)
+            self.step += 1
+            if gap_us:
+                time.sleep(gap_us / 1e6)
+
+    def close(self) -> Any:
+        for kv in self.caches:
+            kv.close()
+        self.m.flush_remote_writes()
+        st = self.m.remote_statistics
+        self.m.shutdown()
+        return st
+
+
+def scenario_remote_decode(p: dict[str, int]) -> dict[str, Any]:
+    """The write path's cost on the decode step (GPU + host tiers, every new block evicts): no remote
+    tier, a remote tier (host pages dropped are handed to the writer), and write-through; 4 KiB and
+    larger pages; with a model step between decode steps and back to back. The three run side by
+    side, alternating blocks of 16 steps (each writer drained before a block), so a noisy stretch of
+    the machine hits all of them."""
+    import kv_cache_manager_v2 as kvm
+
+    server = _redis()
+    if server is None:
+        return {"unit": "us/request/step", "samples": [0.0], "note": "no redis-server binary: skipped"}
+    out: dict[str, Any] = {"unit": "us/request/step"}
+    names = ("none", "remote", "write_through")
+    try:
+        for size in (64, p["remote_big_buffer_bytes"]):
+            for gap in (p["remote_step_gap_us"], 0):
+                runs: dict[str, _EvictingDecode] = {}
+                for name in names:
+                    remote = None
+                    if name != "none":
+                        remote = kvm.RemoteCacheTierConfig(
+                            server.url, f"bench-{name}-{size}-{gap}", write_through=name == "write_through"
+                        )
+                    runs[name] = _EvictingDecode(p, remote, size)
+                block = 16
+                for b in range(0, p["steps"], block):
+                    order = names[b // block % 3 :] + names[: b // block % 3]
+                    for name in order:
+                        for other in runs.values():
+                            other.m.flush_remote_writes()
+                        runs[name].run(min(block, p["steps"] - b), gap)
+                n = p["remote_requests"] * p["steps"]
+                row: dict[str, Any] = {"page_bytes": p["layers"] * 2 * size, "model_step_us": gap}
+                for name, run in runs.items():
+                    row[f"{name}_mean_us"] = run.total / n * 1e6
+                    row[f"{name}_median_us"] = statistics.median(run.samples)
+                    samples = run.samples
+                    st = run.close()
+                    if st is not None:
+                        row[f"{name}_written_pages"] = st.written_pages
+                        row[f"{name}_dropped_writes"] = st.dropped_writes
+                    if size == 64 and gap and name == "remote":
+                        out["samples"] = samples
+                base = row["none_mean_us"]
+                row["remote_overhead"] = row["remote_mean_us"] / base - 1.0
+                row["write_through_overhead"] = row["write_through_mean_us"] / base - 1.0
+                label = f"{'small' if size == 64 else 'big'}_pages_{'model_step' if gap else 'back_to_back'}"
+                out[label] = row
+                if size == 64 and gap:
+                    out["remote_overhead"] = row["remote_overhead"]
+                    out["write_through_overhead"] = row["write_through_overhead"]
+    finally:
+        server.close()
+    out["note"] = (
+        "GPU + host tiers, every new block evicts (GPU -> host, host drops its oldest page); the manager's calls "
+        "per request per step (mean); the three configurations alternate blocks of 16 steps; model_step: a "
+        "sleep of model_step_us after each step (the forward pass: the writer thread and redis-server work "
+        "meanwhile), back_to_back: none (on 2 cores the writer and redis-server then compete for the CPU)"
+    )
+    return out
+
+
 def worker(name: str, params: dict[str, int]) -> dict[str, Any]:
     import kv_cache_manager_v2
 
@@ -846,6 +1060,9 @@ DEFAULTS = dict(
     copy_slot_bytes=256 << 10,
     onboard_requests=200,
     onboard_buffer_bytes=64,
+    remote_big_buffer_bytes=1024,
+    remote_requests=64,
+    remote_step_gap_us=2000,
     hit_rate_requests=0,  # 0: the whole trace
     trace_gpu_tokens=1_000_000,
     trace_host_tokens=3_000_000,
@@ -873,6 +1090,9 @@ QUICK = dict(
     copy_slot_bytes=64 << 10,
     onboard_requests=10,
     onboard_buffer_bytes=64,
+    remote_big_buffer_bytes=256,
+    remote_requests=8,
+    remote_step_gap_us=500,
     hit_rate_requests=30,
     trace_gpu_tokens=100_000,
     trace_host_tokens=300_000,

@@ -31,6 +31,7 @@ from ._common import (
     PoolGroupIndex,
     PoolIndex,
     Priority,
+    RemoteStatistics,
     ReuseScope,
     ReuseStatistics,
     ScratchDesc,
@@ -49,6 +50,7 @@ from ._config import (
     HostCacheTierConfig,
     KVCacheDesc,
     KVCacheManagerConfig,
+    RemoteCacheTierConfig,
     SwaScratchReuseConfig,
 )
 from ._core._kv_cache import KVCache, default_priority
@@ -115,6 +117,8 @@ __all__ = [
     "PoolGroupIndex",
     "PoolIndex",
     "Priority",
+    "RemoteCacheTierConfig",
+    "RemoteStatistics",
     "ReuseScope",
     "ReuseStatistics",
     "ScratchDesc",

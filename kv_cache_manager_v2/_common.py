@@ -47,6 +47,8 @@ class CacheTier(enum.Enum):
     GPU_MEM = 0
     HOST_MEM = 1
     DISK = 2
+    #: a content-addressed store shared by many managers (Redis); not slot-based, always the last level
+    REMOTE = 3
 
 
 class PageStatus(enum.Enum):
@@ -178,6 +180,42 @@ class ReuseStatistics:
         """reused / (reused + missed) input blocks; 0 when nothing was looked up."""
         n = self.reused_blocks + self.missed_blocks
         return self.reused_blocks / n if n else 0.0
+
+
+@dataclass(frozen=True)
+class RemoteStatistics:
+    """What the remote tier did for one manager since it was created (pages: one block of one layer group).
+
+    Reads happen on the scheduler's thread inside ``probe_reuse`` / ``create_kv_cache``; writes on a
+    background thread. Nothing here is authoritative: the server may evict or lose any key.
+    """
+
+    #: round trips that looked up block keys (one per ``probe_reuse``/``create_kv_cache`` that went remote)
+    lookups: int
+    #: pages looked up, and of those found with the right length
+    looked_up_pages: int
+    found_pages: int
+    #: pages fetched and placed in the local cache (then reused like pages of a lower tier), and their bytes
+    fetched_pages: int
+    fetched_bytes: int
+    #: blocks matches were extended by thanks to the remote tier (``create_kv_cache`` only)
+    hit_blocks: int
+    #: fetched values refused: truncated, foreign (other layout or key), or failing their checksum
+    corrupt_pages: int
+    #: pages queued for writing, written (acknowledged by the server), and their bytes
+    queued_writes: int
+    written_pages: int
+    written_bytes: int
+    #: writes given up: queue full, server down or refusing them
+    dropped_writes: int
+    #: failed round trips (timeouts, connection errors); each made the server count as down for a while
+    errors: int
+    #: lookups skipped because the server counted as down (misses without a round trip)
+    skipped_lookups: int
+    #: bytes waiting in the write queue now
+    pending_bytes: int
+    #: whether the last round trip succeeded
+    connected: bool
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,72 @@ class DiskCacheTierConfig:
         return CacheTier.DISK
 
 
-CacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig
+#: URL schemes the ``redis`` client accepts
+REMOTE_URL_SCHEMES: tuple[str, ...] = ("redis://", "rediss://", "unix://")
+
+
+@dataclass(frozen=True)
+class RemoteCacheTierConfig:
+    """A remote tier on Redis (or Valkey), shared by every manager that points at the same server and
+    ``namespace``: below the local tiers, content-addressed by the reuse key of each page.
+
+    - ``url``: ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS) or ``unix://path``.
+    - ``namespace``: names the model (and anything else that must never share KV with another);
+      keys also carry a fingerprint of the layout (layers, buffers, sizes, tokens per block, ``dtype``).
+    - ``quota``: bytes; when given, the manager sets the server's ``maxmemory`` to it (with
+      ``maxmemory-policy allkeys-lru``) on start-up and on ``resize``. Leave None for a server its
+      operator configures (several managers share it: give them all the same quota, or none).
+    - ``timeout_ms``: bound of each network operation on the scheduler's thread (connect, each read);
+      a slow or dead server turns into misses after it.
+    - ``dtype``: the KV data type (e.g. ``"bf16"``), part of the layout fingerprint.
+    - ``write_through``: also write every published full block (not only pages dropped locally).
+    - ``ttl_s``: expiry of written keys (None: keys stay until the server evicts them).
+    - ``max_pending_bytes``: bound of the background write queue, a ring of this many bytes mapped
+      (resident) at start-up; writes beyond it are dropped (counted). Size it for a burst of
+      evictions: at least a few dozen pages of the largest pool group.
+    - ``max_lookup_blocks``: blocks past a local match one lookup asks about.
+    - ``retry_interval_ms``: after a failed round trip the server counts as down this long (misses
+      without network traffic), then the next operation tries again.
+    """
+
+    url: str
+    namespace: str
+    quota: int | None = None
+    timeout_ms: int = 100
+    dtype: str = ""
+    write_through: bool = False
+    ttl_s: int | None = None
+    max_pending_bytes: int = 64 << 20
+    max_lookup_blocks: int = 1024
+    retry_interval_ms: int = 1000
+
+    def __post_init__(self) -> None:
+        n = "RemoteCacheTierConfig"
+        check_type(f"{n}.url", self.url, str)
+        if not self.url.startswith(REMOTE_URL_SCHEMES):
+            raise ValueError(f"{n}.url must start with one of {REMOTE_URL_SCHEMES}, got {self.url!r}")
+        check_type(f"{n}.namespace", self.namespace, str)
+        if not self.namespace or len(self.namespace) > 256 or not self.namespace.isprintable():
+            raise ValueError(f"{n}.namespace must be 1 to 256 printable characters, got {self.namespace!r}")
+        if self.quota is not None:
+            _check_quota(n, self.quota)
+        check_int(f"{n}.timeout_ms", self.timeout_ms, 1)
+        check_type(f"{n}.dtype", self.dtype, str)
+        check_type(f"{n}.write_through", self.write_through, bool)
+        if self.ttl_s is not None:
+            check_int(f"{n}.ttl_s", self.ttl_s, 1)
+        check_int(f"{n}.max_pending_bytes", self.max_pending_bytes, 1)
+        check_int(f"{n}.max_lookup_blocks", self.max_lookup_blocks, 1)
+        check_int(f"{n}.retry_interval_ms", self.retry_interval_ms)
+
+    @property
+    def tier(self) -> CacheTier:
+        return CacheTier.REMOTE
+
+
+#: the tiers backed by slots of this machine's memory or disk
+LocalCacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig
+CacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig | RemoteCacheTierConfig
 
 
 @dataclass(frozen=True)
@@ -163,7 +228,7 @@ class SwaScratchReuseConfig:
         check_int("SwaScratchReuseConfig.max_rewind_len", self.max_rewind_len)
 
 
-_TIER_ORDER = {CacheTier.GPU_MEM: 0, CacheTier.HOST_MEM: 1, CacheTier.DISK: 2}
+_TIER_ORDER = {CacheTier.GPU_MEM: 0, CacheTier.HOST_MEM: 1, CacheTier.DISK: 2, CacheTier.REMOTE: 3}
 
 
 @dataclass(frozen=True)
@@ -229,11 +294,30 @@ class KVCacheManagerConfig:
             raise ValueError("cache_tiers must start with a GpuCacheTierConfig")
         prev = -1
         for tier in tiers:
-            check_type("each of cache_tiers", tier, (GpuCacheTierConfig, HostCacheTierConfig, DiskCacheTierConfig))
+            check_type(
+                "each of cache_tiers",
+                tier,
+                (GpuCacheTierConfig, HostCacheTierConfig, DiskCacheTierConfig, RemoteCacheTierConfig),
+            )
             order = _TIER_ORDER[tier.tier]
             if order <= prev:
                 raise ValueError(
-                    "cache_tiers must be GPU, then optionally host, then optionally disk, each at most once; "
-                    f"got {[x.tier.name for x in tiers]}"
+                    "cache_tiers must be GPU, then optionally host, then optionally disk, then optionally "
+                    f"remote, each at most once; got {[x.tier.name for x in tiers]}"
                 )
             prev = order
+
+    @property
+    def local_tiers(self) -> list[LocalCacheTierConfig]:
+        """The tiers backed by this machine (GPU, host, disk): the slot-based cache levels."""
+        out: list[LocalCacheTierConfig] = []
+        for t in self.cache_tiers:
+            if not isinstance(t, RemoteCacheTierConfig):
+                out.append(t)
+        return out
+
+    @property
+    def remote_tier(self) -> RemoteCacheTierConfig | None:
+        """The remote tier, when configured (always the last level)."""
+        last = self.cache_tiers[-1]
+        return last if isinstance(last, RemoteCacheTierConfig) else None

@@ -22,7 +22,14 @@ if TYPE_CHECKING:
     from ._reuse._tree import Node, ReuseTree
 
 #: The ``medium`` string of each tier (vLLM's names for GPU and CPU).
-MEDIUM_OF_TIER: Final = {CacheTier.GPU_MEM: "GPU", CacheTier.HOST_MEM: "CPU", CacheTier.DISK: "DISK"}
+#: The remote tier reports no events (it is shared by every replica, not a replica's cache): pages
+#: fetched from it enter the local tree and are reported at the local medium they land in.
+MEDIUM_OF_TIER: Final = {
+    CacheTier.GPU_MEM: "GPU",
+    CacheTier.HOST_MEM: "CPU",
+    CacheTier.DISK: "DISK",
+    CacheTier.REMOTE: "REMOTE",
+}
 
 
 def block_hash(key: bytes) -> int:

@@ -47,6 +47,7 @@ class Page:
         "num_holds",
         "num_locks",
         "priority",
+        "remote_copy",
         "slot",
         "storage",
     )
@@ -70,6 +71,8 @@ class Page:
         self.lru_next: Page | None = None
         self.in_evictor = NOT_LISTED
         self.lost = False
+        #: the remote tier has (or was sent) this page's data: dropping it locally writes nothing
+        self.remote_copy = False
         rawref.untrack(self)  # see the class docstring
 
     @property
@@ -187,6 +190,17 @@ class Page:
         r = self._rawref
         if r is not None:
             r.invalidate()
+
+    def hand_off(self) -> SlotId:
+        """Forget the slot without freeing it (the remote tier's writer sends its data, then the
+        storage manager reuses it) and invalidate refs to this page (owners must be gone)."""
+        slot = self.slot
+        self.slot = SlotId(BAD_PAGE_INDEX)
+        r = self._rawref
+        if r is not None:
+            r.invalidate()
+            self._rawref = None
+        return slot
 
     def free(self) -> None:
         """Give the slot back and invalidate refs to this page (owners must be gone)."""

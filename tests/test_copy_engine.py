@@ -86,3 +86,32 @@ def test_disk_errors_are_reported_per_slot(engine: CopyEngine, tmp_path: object)
     host.release()
     disk.release()
     disk.release()  # idempotent
+
+
+def test_slots_to_buffers_and_back_on_every_medium(engine: CopyEngine, tmp_path: object) -> None:
+    """read_slots / write_slots (the remote tier's values): a slot's bytes of every pool, in pool order,
+    after ``offset`` bytes of room; disk failures reported per slot."""
+    backend = engine.backend
+    gpu = [backend.reserve_pool(SLOTS * SIZE) for _ in range(2)]
+    host = [backend.reserve_host_pool(SLOTS * SIZE) for _ in range(2)]
+    for p in gpu + host:
+        p.ensure_mapped(SLOTS * SIZE)
+    disk = [DiskPool(str(tmp_path), SLOTS * SIZE) for _ in range(2)]
+    fill(gpu[0], 0x40)
+    fill(gpu[1], 0x50)
+    bufs = [bytearray(8 + 2 * SIZE) for _ in range(2)]
+    assert engine.read_slots(gpu, [SIZE, SIZE], [3, 7], [memoryview(b) for b in bufs], 8) == set()
+    assert [bytes(b) for b in bufs] == [b"\0" * 8 + bytes([0x40 ^ s]) * SIZE + bytes([0x50 ^ s]) * SIZE for s in (3, 7)]
+    views = [memoryview(b)[8:] for b in bufs]
+    for dst in (host, disk):
+        assert engine.write_slots(dst, [SIZE, SIZE], [1, 9], views) == set()
+        for p, tag in zip(dst, (0x40, 0x50)):
+            assert slot_bytes(p, 1) == bytes([tag ^ 3]) * SIZE and slot_bytes(p, 9) == bytes([tag ^ 7]) * SIZE
+        again = [bytearray(2 * SIZE) for _ in range(2)]
+        assert engine.read_slots(dst, [SIZE, SIZE], [9, 1], [memoryview(b) for b in again], 0) == set()
+        assert [bytes(b) for b in again] == [bytes(views[1]), bytes(views[0])]
+    disk[1].error_hook = lambda op, off, n: off == 9 * SIZE
+    assert engine.read_slots(disk, [SIZE, SIZE], [1, 9], [memoryview(bytearray(2 * SIZE)) for _ in range(2)], 0) == {1}
+    assert engine.write_slots(disk, [SIZE, SIZE], [9, 1], views) == {0}
+    for p in gpu + host + disk:
+        p.release()

@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from ._kv_cache import KVCache
 
 
+#: how long shutdown lets queued remote writes drain
+_SHUTDOWN_DRAIN_S = 1.0
+
+
 class CacheContext:
     """Built once by :class:`KVCacheManager`; every :class:`KVCache` it creates refers to it."""
 
@@ -100,10 +104,16 @@ class CacheContext:
 
         Tree nodes and pages are not tracked by the cyclic garbage collector (see ``Node``), so
         this is also what breaks their reference cycles when a manager goes away."""
+        storage = self.storage
+        storage.flush_write_through()
+        # queued remote writes get a moment to reach the server; the writer must be done with
+        # handed-off slots before their memory goes (if it hangs, the memory is kept: logged)
+        stopped = storage.remote.close(_SHUTDOWN_DRAIN_S) if storage.remote is not None else True
         self.tree.clear()
-        self.storage.drop_all_evictable()
-        self.storage.release()
-        self.storage.backend.shutdown()
+        storage.drop_all_evictable()
+        if stopped:
+            storage.release()
+            storage.backend.shutdown()
 
     def cache_closed(self, ref: rawref.ref[KVCache]) -> None:
         """A cache closed; the last one of a dropped manager releases its memory."""

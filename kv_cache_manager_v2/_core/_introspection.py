@@ -132,10 +132,13 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
     for level in storage.levels:
         for group in level:
             n_scratch = len([1 for lv, g, _ in scratch if lv == group.level and g == group.index])
-            if group.allocator.num_used != used.get(id(group), 0) + n_scratch:
+            if len(group.parked) > group.headroom or any(not group.allocator.is_allocated(x) for x in group.parked):
+                _fail(f"pool group {group.index} at level {group.level}: parked headroom slots are not reserved")
+            if group.allocator.num_used != used.get(id(group), 0) + n_scratch + group.headroom:
                 _fail(
                     f"pool group {group.index} at level {group.level}: allocator counts "
-                    f"{group.allocator.num_used} used slots, pages hold {used.get(id(group), 0)}, scratch {n_scratch}"
+                    f"{group.allocator.num_used} used slots, pages hold {used.get(id(group), 0)}, scratch {n_scratch}, "
+                    f"remote-tier headroom {group.headroom}"
                 )
             if group.num_lost != lost.get(id(group), 0):
                 _fail(f"pool group {group.index} at level {group.level} counts {group.num_lost} lost pages")

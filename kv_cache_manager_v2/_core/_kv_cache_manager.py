@@ -24,23 +24,26 @@ from .._common import (
     PoolDesc,
     PoolGroupDesc,
     PoolIndex,
+    RemoteStatistics,
     ReuseScope,
     ReuseStatistics,
     StorageStatistics,
     TierStatistics,
     TokenIdExt,
 )
-from .._config import KVCacheManagerConfig
+from .._config import HostCacheTierConfig, KVCacheManagerConfig
 from .._events import MEDIUM_OF_TIER, KVCacheEvent, KVCacheEventManager, LayerGroupSpec
 from .._exceptions import LogicError
 from .._life_cycle_registry import LifeCycleRegistry
 from .._page import Page
 from .._page_index import PageIndexConverter
 from .._reuse._keys import BlockHasher, BlockKey
+from .._reuse._remote_fill import Found, RemoteFill
 from .._reuse._tree import Node, ReuseTree
 from .._storage._backend import MemoryBackend
 from .._storage._layout import BufferAttr, StorageLayout
 from .._storage._quota import split_like, split_quota
+from .._storage._remote import RemoteStore, layout_fingerprint
 from .._storage._select import select_backend
 from .._storage._storage_manager import StorageManager
 from .._utils import check_int, check_type
@@ -70,20 +73,40 @@ class KVCacheManager:
         self._registry = LifeCycleRegistry(config.layers, config.tokens_per_block)
         self._layout = StorageLayout(list(config.layers), self._registry, config.tokens_per_block)
         self.num_life_cycles = len(self._registry)
-        self._quotas = [tier.quota for tier in config.cache_tiers]
+        local = config.local_tiers
+        remote_cfg = config.remote_tier
+        #: byte quota per level (the remote tier: 0 when it has none)
+        self._quotas = [tier.quota for tier in local] + ([remote_cfg.quota or 0] if remote_cfg is not None else [])
         gpu_slots = self._split_gpu_quota(self._quotas[0])
         slots = [gpu_slots] + [
-            split_like(q, gpu_slots, self._layout, type(tier).__name__)
-            for q, tier in zip(self._quotas[1:], config.cache_tiers[1:])
+            split_like(tier.quota, gpu_slots, self._layout, type(tier).__name__) for tier in local[1:]
         ]
         self._backend: MemoryBackend = select_backend(config.backend)
         try:
-            self._storage = StorageManager(self._layout, slots, self._backend, config.cache_tiers)
+            self._storage = StorageManager(self._layout, slots, self._backend, local)
         except BaseException:
             self._backend.shutdown()
             raise
         self._tree = ReuseTree(self._registry.life_cycles, self.tokens_per_block)
         self._storage.drop_listener = self._tree
+        #: the remote tier (issue #17): writes of dropped (and, with write-through, published) pages,
+        #: and match extension
+        self._remote: RemoteStore | None = None
+        self._remote_fill: RemoteFill | None = None
+        if remote_cfg is not None:
+            try:
+                self._remote = RemoteStore(remote_cfg, layout_fingerprint(config, remote_cfg.dtype))
+            except BaseException:
+                self._storage.release()
+                self._backend.shutdown()
+                raise
+            self._storage.attach_remote(self._remote, self.tokens_per_block)
+            if remote_cfg.write_through:
+                self._tree.write_through = self._storage
+            target = CacheLevel(1) if len(local) > 1 and isinstance(local[1], HostCacheTierConfig) else GPU_LEVEL
+            self._remote_fill = RemoteFill(
+                self._tree, self._storage, self._remote, self._registry.life_cycles, self.tokens_per_block, target
+            )
         self._event_manager = event_manager
         if event_manager is not None:
             groups = [
@@ -93,7 +116,8 @@ class KVCacheManager:
             event_manager._attach(self._tree, self.tokens_per_block, groups, media)
             self._tree.event_sink = event_manager
         self._ctx = CacheContext(config, self._registry, self._storage, self._tree)
-        self._probe_keys: tuple[ReuseScope, Sequence[TokenIdExt], list[BlockKey]] | None = None
+        #: what ``probe_reuse`` learned (scope, tokens, block keys, remote lookup) for the next create
+        self._probe_keys: tuple[ReuseScope, Sequence[TokenIdExt], list[BlockKey], Found | None] | None = None
         self._is_shut_down = False
         self._batch_serial = 0
 
@@ -140,7 +164,7 @@ class KVCacheManager:
         try:
             kv = KVCache(ctx, scope, id, custom_priority_callback, beam_width)
             if input_tokens is not None and len(input_tokens) > 0:
-                nodes, part, part_len = self._match(scope, input_tokens, True)  # may raise: kv is not open yet
+                nodes, part, part_len, _ = self._match(scope, input_tokens, True)  # may raise: kv is not open yet
                 kv._adopt(nodes, part, part_len, input_tokens)
             ctx.open_caches.add(rawref.ref(kv))
         finally:
@@ -150,7 +174,11 @@ class KVCacheManager:
     def probe_reuse(
         self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None
     ) -> int:
-        """Length of the reusable prefix of ``input_tokens``; takes nothing."""
+        """Length of the reusable prefix of ``input_tokens``; takes nothing.
+
+        With a remote tier, the blocks after the local match are looked up there (one round trip,
+        no data moved): a ``create_kv_cache`` of the same tokens fetches them, and may find fewer
+        (a value evicted or corrupted meanwhile), never more than is intact."""
         self._check_alive()
         if reuse_scope is not None:
             check_type("reuse_scope", reuse_scope, ReuseScope)
@@ -159,12 +187,12 @@ class KVCacheManager:
         ctx = self._ctx
         ctx.enter("probe_reuse()")
         try:
-            nodes, _, part_len = self._match(
+            nodes, _, part_len, remote_blocks = self._match(
                 reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE, input_tokens, False
             )
         finally:
             ctx.leave()
-        return len(nodes) * self.tokens_per_block + part_len
+        return max(len(nodes) * self.tokens_per_block + part_len, remote_blocks * self.tokens_per_block)
 
     def probe_reuse_levels(
         self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None
@@ -184,7 +212,7 @@ class KVCacheManager:
         ctx = self._ctx
         ctx.enter("probe_reuse_levels()")
         try:
-            nodes, part, part_len = self._match(
+            nodes, part, part_len, remote_blocks = self._match(
                 reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE, input_tokens, False
             )
         finally:
@@ -192,11 +220,19 @@ class KVCacheManager:
         t = self.tokens_per_block
         length = len(nodes) * t + part_len
         nb = (length + t - 1) // t
+        remote_level = self._storage.num_levels
+        if remote_blocks * t > length:  # the rest of the prefix is fetched from the remote tier
+            length = remote_blocks * t
+            nb = remote_blocks
+            part = None
         levels = [0] * nb
         for i, life_cycle in enumerate(self._registry.life_cycles):
             beg, end = life_cycle.stale_range(length)
             for o in range(nb):
                 if beg <= o < end:
+                    continue
+                if o >= len(nodes) and part is None:
+                    levels[o] = remote_level
                     continue
                 node = nodes[o] if o < len(nodes) else part
                 page = node.page(LifeCycleId(i)) if node is not None else None
@@ -206,36 +242,77 @@ class KVCacheManager:
 
     def _match(
         self, scope: ReuseScope, input_tokens: Sequence[TokenIdExt], for_create: bool
-    ) -> tuple[list[Node], Node | None, int]:
+    ) -> tuple[list[Node], Node | None, int, int]:
         """Match ``input_tokens`` (all of them are validated). Block keys hashed by ``probe_reuse``
         are kept for the ``create_kv_cache`` of the same tokens that usually follows, so each
-        block is hashed once."""
+        block is hashed once. With a remote tier the match is extended there: a create fetches the
+        pages into the tree and matches again; a probe only says how many full blocks it would
+        reach (the last value; 0 when the remote tier did not extend the match)."""
         check_type("reuse_scope", scope, ReuseScope)
         cached = self._probe_keys
         self._probe_keys = None
         keys: list[BlockKey] | None = None
+        known: Found | None = None
         validated = 0
         if cached is not None and (cached[0] is scope or cached[0] == scope):
             probed = cached[1]
             if input_tokens[: len(probed)] == probed:  # the tokens probe_reuse validated and hashed
                 keys = cached[2]
                 validated = len(probed)
+                if len(input_tokens) == len(probed):
+                    known = cached[3]
         hasher = BlockHasher(input_tokens, self.tokens_per_block, "input_tokens", keys, validated)
+        partial = self._config.enable_partial_reuse
         root = self._tree.root(scope, False)
-        result: tuple[list[Node], Node | None, int] = ([], None, 0)
+        nodes: list[Node] = []
+        part: Node | None = None
+        part_len = 0
         if root is not None:
-            result = self._tree.match(root, hasher, self._config.enable_partial_reuse)
+            nodes, part, part_len = self._tree.match(root, hasher, partial)
+        remote_blocks = 0
+        found: Found | None = None
+        fill = self._remote_fill
+        if fill is not None:
+            remote_blocks, found = fill.extend(scope, hasher, nodes, for_create, known)
+            if remote_blocks <= len(nodes):
+                remote_blocks = 0
+            elif for_create:  # the fetched pages are in the tree now
+                root = self._tree.root(scope, False)
+                assert root is not None
+                nodes, part, part_len = self._tree.match(root, hasher, partial)
+                remote_blocks = 0
         hasher.validate_rest()
         if not for_create:
             # the probed tokens, copied with their own type so == is exact
-            self._probe_keys = (scope, input_tokens[:], hasher.keys)
-        return result
+            self._probe_keys = (scope, input_tokens[:], hasher.keys, found)
+        return nodes, part, part_len, remote_blocks
 
     @property
     def reuse_statistics(self) -> ReuseStatistics:
         """What prefix reuse did so far (a copy; all zero when ``enable_stats`` is False)."""
         s = self._ctx.stats
         return ReuseStatistics(s.reused_blocks, s.missed_blocks, s.reused_pages, s.allocated_pages)
+
+    @property
+    def remote_statistics(self) -> RemoteStatistics | None:
+        """What the remote tier did so far (None without one)."""
+        remote = self._remote
+        return remote.statistics() if remote is not None else None
+
+    def flush_remote_writes(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every page queued for the remote tier is written (or dropped); False on
+        timeout. Writes never need this (they are sent in the background); tests and a graceful
+        hand-over do. True at once without a remote tier."""
+        remote = self._remote
+        if remote is None:
+            return True
+        self._check_alive()
+        self._ctx.enter("flush_remote_writes()")
+        try:
+            self._storage.flush_write_through()
+        finally:
+            self._ctx.leave()
+        return remote.flush(timeout_s)
 
     @property
     def event_manager(self) -> KVCacheEventManager | None:
@@ -272,6 +349,7 @@ class KVCacheManager:
         self._check_no_open_caches("clear_reusable_blocks")
         self._ctx.enter("clear_reusable_blocks()")
         try:
+            self._storage.flush_write_through()  # published pages still owe the remote tier a copy
             self._tree.clear()
             self._storage.drop_all_evictable()  # garbage of subtrees removed earlier
         finally:
@@ -494,11 +572,18 @@ class KVCacheManager:
         a level or are dropped, suspended requests' pages go down a level, and pages above the
         new end move into free slots below it. Returns False, changing nothing, when what must be
         kept does not fit. GPU slot counts change: query ``pool_group_descs`` and
-        ``get_page_index_upper_bound`` again.
+        ``get_page_index_upper_bound`` again. The remote tier's quota is the server's ``maxmemory``
+        (no cache needs to be suspended): False when the server is unreachable or refuses.
         """
         self._check_alive()
         self._check_level(cache_level)
         check_int("quota (bytes)", quota, 1)
+        if cache_level == self._storage.num_levels:  # the remote tier: the server's maxmemory
+            assert self._remote is not None
+            if not self._remote.apply_quota(quota):
+                return False
+            self._quotas[cache_level] = quota
+            return True
         active = [kv for kv in self.open_caches() if kv.status is KVCacheStatus.ACTIVE]
         if active:
             raise LogicError(
@@ -536,14 +621,19 @@ class KVCacheManager:
 
     def get_storage_statistics(self, level: CacheLevel = GPU_LEVEL) -> list[StorageStatistics]:
         """Slot accounting per pool group at ``level``: free slots, and evictable ones (reusable
-        pages, and suspended requests' pages as far as the levels below can take them)."""
+        pages, and suspended requests' pages as far as the levels below can take them). The remote
+        tier has no slots: an empty list (see ``get_tier_statistics`` and ``remote_statistics``)."""
         self._check_alive()
         self._check_level(level)
+        if level == self._storage.num_levels:
+            return []
         return self._storage.statistics(level)
 
     def get_tier_statistics(self, level: CacheLevel = GPU_LEVEL) -> TierStatistics:
         """Usage, peak and traffic (offloaded / onboarded / dropped pages and bytes, disk errors)
-        of cache ``level`` since the manager was created."""
+        of cache ``level`` since the manager was created. The remote tier: pages written
+        (offloaded), fetched (onboarded), writes dropped, failed round trips and refused values
+        (io_errors); its usage reads 0 (the server is shared)."""
         self._check_level(level)
         return self._storage.tier_statistics(level)
 

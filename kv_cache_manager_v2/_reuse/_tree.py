@@ -14,7 +14,7 @@ from .._common import MAX_PRIORITY, CacheLevel, LifeCycleId, Priority, ReuseScop
 from .._events import KVCacheEventManager
 from .._life_cycle_registry import LifeCycle
 from .._page import Page
-from .._storage._storage_manager import PageDropListener
+from .._storage._storage_manager import PageDropListener, StorageManager
 from .._typed import TypedList
 from ._keys import BlockHasher, BlockKey, block_key, scope_key, validate_tokens
 
@@ -218,6 +218,8 @@ class ReuseTree(PageDropListener):
         self.roots: dict[tuple[int | None, int | None], Node] = {}
         #: told about every page that enters, leaves or moves within the tree (None: nobody listens)
         self.event_sink: KVCacheEventManager | None = None
+        #: remote tier with write-through: every full block published is queued for writing there
+        self.write_through: StorageManager | None = None
 
     def root(self, scope: ReuseScope, create: bool) -> Node | None:
         """The root node of a scope (keyed by the scope's digest), created on first publish."""
@@ -301,7 +303,8 @@ class ReuseTree(PageDropListener):
         published).
 
         A published page's priority is capped by the anchor pages above it, so a block is never
-        evicted after its ancestors' anchors (whose eviction would take it along).
+        evicted after its ancestors' anchors (whose eviction would take it along). ``key``: the
+        block's key when the caller has it already.
         """
         if len(tokens) < self.tokens_per_block and parent.covers(tokens):
             return None
@@ -326,6 +329,9 @@ class ReuseTree(PageDropListener):
                     sink = self.event_sink
                     if sink is not None:
                         sink.block_stored(node, lc, mine)
+                    wt = self.write_through
+                    if wt is not None and len(tokens) == self.tokens_per_block and not mine.remote_copy:
+                        wt.queue_write_through(mine)
             elif mine is not None and theirs is not mine:
                 if theirs.level > mine.level:  # the tree's copy is in a lower tier: it takes our place
                     source_level = theirs.level

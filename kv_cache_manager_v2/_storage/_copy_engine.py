@@ -6,6 +6,9 @@ disk and disk <-> disk (pread/pwrite), GPU <-> disk through the backend's page-l
 buffer when the GPU is not CPU-addressable. Runs of consecutive slots on both sides are merged
 into one copy. A failed disk read or write is retried slot by slot; the pairs that still fail
 are reported, never raised, so callers can turn exactly those pages into misses.
+
+``read_slots`` / ``write_slots`` move whole slots (every pool of a group, in pool order) between a
+level and plain byte buffers: the remote tier's values.
 """
 
 from __future__ import annotations
@@ -229,4 +232,105 @@ class CopyEngine:
                 i += 1
             # slots that failed to read carry garbage to pages their callers will drop
             self.backend.copy_batch(H2D, dsts, srcs, sizes)
+            self.backend.synchronize()
+
+    # ------------------------------------------------------------------ slots <-> byte buffers
+    def read_slots(
+        self,
+        pools: Sequence[Pool],
+        slot_sizes: Sequence[int],
+        slots: Sequence[int],
+        bufs: list[memoryview],
+        offset: int,
+    ) -> set[int]:
+        """Fill ``bufs[i]`` from byte ``offset`` on with slot ``slots[i]``'s bytes of every pool, in
+        order (each buffer ``offset + sum(slot_sizes)`` long). Returns the indices of the slots a disk
+        read failed for."""
+        views = bufs
+        failed: set[int] = set()
+        if slots and _is_device(pools[0]):
+            self.backend.synchronize_device()  # the pages may have been written by any stream
+        at = offset
+        for p, size in enumerate(slot_sizes):
+            pool = pools[p]
+            if isinstance(pool, DiskPool):
+                for i, s in enumerate(slots):
+                    try:
+                        pool.read_into(views[i][at : at + size], s * size)
+                    except OSError:
+                        failed.add(i)
+            else:
+                assert isinstance(pool, MemoryPool)
+                hv = pool.host_view
+                if hv is not None:
+                    for i, s in enumerate(slots):
+                        views[i][at : at + size] = hv[s * size : (s + 1) * size]
+                else:
+                    self._device_to_buffers(pool, size, slots, [v[at : at + size] for v in views])
+            at += size
+        self.num_runs += len(slots) * len(slot_sizes)
+        return failed
+
+    def write_slots(
+        self, pools: Sequence[Pool], slot_sizes: Sequence[int], slots: Sequence[int], data: Sequence[memoryview]
+    ) -> set[int]:
+        """Write ``data[i]`` (the bytes of every pool in order, ``sum(slot_sizes)`` long) into slot
+        ``slots[i]``. Returns the indices a disk write failed for; the data is in place on return."""
+        failed: set[int] = set()
+        at = 0
+        for p, size in enumerate(slot_sizes):
+            pool = pools[p]
+            parts = [d[at : at + size] for d in data]
+            if isinstance(pool, DiskPool):
+                for i, s in enumerate(slots):
+                    try:
+                        pool.write_from(parts[i], s * size)
+                    except OSError:
+                        failed.add(i)
+            else:
+                assert isinstance(pool, MemoryPool)
+                hv = pool.host_view
+                if hv is not None:
+                    for i, s in enumerate(slots):
+                        hv[s * size : (s + 1) * size] = parts[i]
+                else:
+                    self._buffers_to_device(pool, size, slots, parts)
+            at += size
+        self.num_runs += len(slots) * len(slot_sizes)
+        return failed
+
+    def _device_to_buffers(self, pool: MemoryPool, size: int, slots: Sequence[int], out: list[memoryview]) -> None:
+        """GPU slots -> host buffers through the page-locked staging buffer, as many per batch as fit."""
+        staging = self._staging(size)
+        view = staging.host_view
+        assert view is not None
+        per = staging.mapped_bytes // size
+        for beg in range(0, len(slots), per):
+            chunk = slots[beg : beg + per]
+            self.backend.copy_batch(
+                D2H,
+                [staging.base_address + j * size for j in range(len(chunk))],
+                [pool.base_address + s * size for s in chunk],
+                [size] * len(chunk),
+            )
+            self.backend.synchronize()
+            for j in range(len(chunk)):
+                out[beg + j][:] = view[j * size : (j + 1) * size]
+
+    def _buffers_to_device(self, pool: MemoryPool, size: int, slots: Sequence[int], data: list[memoryview]) -> None:
+        staging = self._staging(size)
+        view = staging.host_view
+        assert view is not None
+        per = staging.mapped_bytes // size
+        self.backend.synchronize_device()  # nobody may still read the slots being overwritten
+        for beg in range(0, len(slots), per):
+            chunk = slots[beg : beg + per]
+            for j in range(len(chunk)):
+                view[j * size : (j + 1) * size] = data[beg + j]
+            self.backend.copy_batch(
+                H2D,
+                [pool.base_address + s * size for s in chunk],
+                [staging.base_address + j * size for j in range(len(chunk))],
+                [size] * len(chunk),
+            )
             self.backend.synchronize()

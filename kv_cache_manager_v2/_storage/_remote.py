@@ -1,0 +1,600 @@
+"""The remote tier's store: content-addressed pages in Redis (or Valkey), shared by many managers.
+
+One key per page (one block of one layer group): ``kvcm:<namespace>:<layout fingerprint>:<layer
+group>:<block key hex>``, where the block key is the SHA-256 reuse key (so scopes, salts and LoRA
+adapters never share) and the fingerprint covers the model layout, so different models or layouts
+never share either. A value is a 64-byte header (magic, format version, layer group, fingerprint,
+block key, payload length, CRC-32 of the payload) then the slot's bytes of every pool of the page's
+pool group. A value that is missing, truncated, foreign or corrupted is a miss, never bad KV.
+
+Reads (``lookup``: one round trip returning every key's length; ``fetch``: one MGET) run on the
+scheduler's thread, bounded by ``timeout_ms`` per network operation. Writes are queued (a bounded
+deque; what does not fit is dropped and counted) and sent by a background thread in pipelined
+batches. A failed round trip marks the server down for ``retry_interval_ms``: meanwhile lookups are
+misses without network traffic and queued writes are dropped. Nothing raises into the engine.
+"""
+
+from __future__ import annotations
+
+import binascii
+import contextlib
+import hashlib
+import logging
+import mmap
+import struct
+import threading
+import time
+import zlib
+from collections import deque
+from typing import Any, Final
+
+from .._common import RemoteStatistics, SlotId
+from .._config import KVCacheManagerConfig, RemoteCacheTierConfig
+from ._disk import DiskPool
+
+LOG = logging.getLogger("kv_cache_manager_v2")
+
+MAGIC: Final = b"KVC2"
+#: bump when the value layout, the key layout or the slot layout (coalescing order) changes
+FORMAT_VERSION: Final = 1
+#: magic, version, layer group, layout fingerprint, block key, payload length, CRC-32, reserved
+HEADER: Final = struct.Struct("<4sHH8s32sQII")
+HEADER_BYTES: Final = 64
+#: a write batch ends at this many pages or bytes
+BATCH_PAGES: Final = 256
+BATCH_BYTES: Final = 8 << 20
+#: the writer looks at its queue this often while there is work (a burst of drops goes out as one
+#: batch), backing off to ``IDLE_POLL_S`` when there is none. Enqueueing never wakes it: waking a
+#: thread is a system call (several us on a VM) on the scheduler's thread, and a woken writer would
+#: compete for the GIL in the middle of the step instead of between steps
+POLL_S: Final = 0.002
+IDLE_POLL_S: Final = 0.05
+#: buffers per sendmsg call (below IOV_MAX)
+_MAX_IOV: Final = 512
+
+_LOOKUP_LUA: Final = "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('STRLEN', k) end return r"
+
+
+def layout_fingerprint(config: KVCacheManagerConfig, dtype: str) -> bytes:
+    """8 bytes naming everything that decides what a page's bytes mean: format version, tokens per
+    block, ``dtype``, and every layer (id, window, sinks) with its buffers (role, size, override)."""
+    parts = [f"kvcm-layout/{FORMAT_VERSION}/T={config.tokens_per_block}/dtype={dtype}"]
+    for layer in config.layers:
+        parts.append(f"L{layer.layer_id}/w={layer.sliding_window_size}/s={layer.num_sink_tokens}")
+        for b in layer.buffers:
+            parts.append(f"B{b.role!r}/{b.size}/{b.tokens_per_block_override}")
+    return hashlib.sha256("\n".join(parts).encode()).digest()[:8]
+
+
+def encode_header(parts: list[memoryview], life_cycle: int, fingerprint: bytes, block_key: bytes) -> bytes:
+    """The header of a value whose payload is ``parts`` (concatenated)."""
+    crc = 0
+    n = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)  # (releases the GIL for parts above 5 KiB)
+        n += len(part)
+    return HEADER.pack(MAGIC, FORMAT_VERSION, life_cycle, fingerprint, block_key, n, crc, 0)
+
+
+def decode_value(value: bytes, life_cycle: int, fingerprint: bytes, block_key: bytes, size: int) -> memoryview | None:
+    """The payload of ``value`` if it is a complete, intact page of ``size`` bytes for exactly this
+    layer group, layout and block; None otherwise."""
+    if len(value) != HEADER_BYTES + size:
+        return None
+    fields = HEADER.unpack_from(value)
+    if (
+        fields[0] != MAGIC
+        or fields[1] != FORMAT_VERSION
+        or fields[2] != life_cycle
+        or fields[3] != fingerprint
+        or fields[4] != block_key
+        or fields[5] != size
+    ):
+        return None
+    payload = memoryview(value)[HEADER_BYTES:]
+    if zlib.crc32(payload) != fields[6]:
+        return None
+    return payload
+
+
+class _Pending:
+    """One page queued for writing: its payload is a span of the write ring (``ring_pos`` >= 0), or
+    the slot of a dropped page handed to the writer (``parts``: memory views of the slot in each
+    pool, or ``(disk pool, offset, size)``), given back to ``parked`` once sent."""
+
+    __slots__ = ("block_key", "life_cycle", "nbytes", "parked", "parts", "ring_pos", "slot")
+
+    def __init__(
+        self,
+        block_key: bytes,
+        life_cycle: int,
+        nbytes: int,
+        ring_pos: int,
+        parts: list[memoryview | tuple[DiskPool, int, int]] | None,
+        parked: list[SlotId] | None,
+        slot: SlotId,
+    ) -> None:
+        self.block_key = block_key
+        self.life_cycle = life_cycle
+        self.nbytes = nbytes
+        self.ring_pos = ring_pos
+        self.parts = parts
+        self.parked = parked
+        self.slot = slot
+
+
+def _forget_frames(e: BaseException) -> None:
+    """Drop the tracebacks of ``e`` and the exceptions it chains: their frames hold memory views of
+    slots, which would keep the pools' memory exported (so it could not be released)."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        x.__traceback__ = None
+        x = x.__context__ or x.__cause__
+
+
+def _populated_mapping(nbytes: int) -> mmap.mmap:
+    """Anonymous memory of ``nbytes``, faulted in at once where the OS offers it (MAP_POPULATE)."""
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    if populate:
+        try:
+            return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+        except OSError:
+            pass
+    return mmap.mmap(-1, nbytes)
+
+
+def _send_all(sock: Any, parts: list[Any]) -> None:
+    """Send every buffer of ``parts`` in order with as few ``sendmsg`` calls as the kernel allows."""
+    i = 0
+    while i < len(parts):
+        chunk = parts[i : i + _MAX_IOV]
+        sent: int = sock.sendmsg(chunk)
+        for b in chunk:  # skip what went out; a partly sent buffer continues where it stopped
+            n = len(b)
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                if sent:
+                    parts[i] = memoryview(b)[sent:]
+                break
+
+
+class RemoteStore:
+    """The Redis side of the remote tier for one manager (see the module doc).
+
+    ``lookup``/``fetch``/``enqueue`` are called on the scheduler's thread (one at a time, like the
+    manager); the writer thread only pops the queue. Each counter is written by one thread.
+    """
+
+    def __init__(self, cfg: RemoteCacheTierConfig, fingerprint: bytes) -> None:
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError:
+            raise ImportError(
+                "RemoteCacheTierConfig needs the 'redis' package: pip install 'kv_cache_manager_v2[remote]'"
+            ) from None
+        self.cfg = cfg
+        self.fingerprint = fingerprint
+        self.prefix = f"kvcm:{cfg.namespace}:{fingerprint.hex()}:".encode()
+        timeout = cfg.timeout_ms / 1000.0
+        self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
+        self._response_error: type[BaseException] = redis.exceptions.ResponseError
+        self._no_script: type[BaseException] = redis.exceptions.NoScriptError
+        # no retries: a failure is a miss, and the next call after retry_interval_ms tries again
+        self.client: Any = redis.Redis.from_url(
+            cfg.url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        #: key prefix per layer group: ``<prefix><layer group>:``; the block key's hex follows
+        self._lc_prefix: list[bytes] = []
+        self._max_pending = cfg.max_pending_bytes
+        self._lookup_sha = ""
+        self._use_script = True
+        self._ttl = b"%d" % cfg.ttl_s if cfg.ttl_s is not None else b""
+        self._retry_s = cfg.retry_interval_ms / 1000.0
+        #: the server counts as down until this time.monotonic() value
+        self._down_until = 0.0
+        self._connected = True
+        self._warned_refused = False
+        # scheduler-thread counters
+        self.lookups = 0
+        self.looked_up_pages = 0
+        self.found_pages = 0
+        self.fetched_pages = 0
+        self.fetched_bytes = 0
+        self.hit_blocks = 0
+        self.corrupt_pages = 0
+        self.queued_writes = 0
+        self.dropped_on_queue = 0
+        self.dropped_bytes_on_queue = 0
+        self.read_errors = 0
+        self.skipped_lookups = 0
+        # writer-thread counters
+        self.written_pages = 0
+        self.written_bytes = 0
+        self.dropped_by_writer = 0
+        self.dropped_bytes_by_writer = 0
+        self.write_errors = 0
+        #: end of the last span reserved in the write ring (a position that only grows)
+        self._head = 0
+        #: ring positions below this are free again (the writer sent or dropped what was there)
+        self._done = 0
+        #: handed-off slots queued, and finished by the writer
+        self.slots_queued = 0
+        self.slots_done = 0
+        self._queue: deque[_Pending] = deque()
+        #: the write queue's memory: a ring of ``max_pending_bytes``, mapped in full up front (a page
+        #: fault on the scheduler's thread costs ~10 us on these VMs), reused from its start whenever
+        #: the queue is empty
+        self._ring = _populated_mapping(cfg.max_pending_bytes)
+        self._ring_view = memoryview(self._ring)
+        self._wake = threading.Event()
+        self._stopping = False
+        self._writer = threading.Thread(target=self._writer_loop, name="kvcm-remote-writer", daemon=True)
+        self._writer.start()
+        if cfg.quota is not None:
+            self.apply_quota(cfg.quota)
+
+    # ------------------------------------------------------------------ keys and state
+    def page_key(self, block_key: bytes, life_cycle: int) -> bytes:
+        prefixes = self._lc_prefix
+        while len(prefixes) <= life_cycle:
+            prefixes.append(self.prefix + b"%d:" % len(prefixes))
+        return prefixes[life_cycle] + binascii.hexlify(block_key)
+
+    @property
+    def is_down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    @property
+    def pending_bytes(self) -> int:
+        """Ring bytes queued and not yet sent (or dropped) by the writer."""
+        return self._head - self._done
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or being sent."""
+        return self._head == self._done and self.slots_queued == self.slots_done
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        """A round trip failed: the server counts as down for ``retry_interval_ms``; warn once per outage."""
+        self._down_until = time.monotonic() + self._retry_s
+        if self._connected:
+            self._connected = False
+            LOG.warning(
+                "remote KV tier %s: %s failed (%s: %s); treating it as a miss and retrying in %d ms",
+                self.cfg.url,
+                what,
+                type(e).__name__,
+                str(e),  # not the exception: a kept log record would keep its frames (and slot views) alive
+                self.cfg.retry_interval_ms,
+            )
+
+    def _succeeded(self) -> None:
+        if not self._connected:
+            self._connected = True
+            LOG.warning("remote KV tier %s is reachable again", self.cfg.url)
+
+    # ------------------------------------------------------------------ reads (scheduler thread)
+    def lookup(self, keys: list[bytes]) -> list[int] | None:
+        """The length of each key's value (0: absent) in one round trip; None when the server is
+        down, slow or failing (count it as all misses)."""
+        if not keys:
+            return []
+        if self.is_down:
+            self.skipped_lookups += 1
+            return None
+        self.lookups += 1
+        self.looked_up_pages += len(keys)
+        try:
+            out = self._lengths(keys)
+        except self._errors as e:
+            self.read_errors += 1
+            self._failed("lookup", e)
+            return None
+        self._succeeded()
+        return out
+
+    def _lengths(self, keys: list[bytes]) -> list[int]:
+        client = self.client
+        if self._use_script:
+            try:
+                if not self._lookup_sha:
+                    self._lookup_sha = str(client.script_load(_LOOKUP_LUA))
+                try:
+                    res: list[Any] = client.evalsha(self._lookup_sha, len(keys), *keys)
+                except self._no_script:  # the server restarted (scripts are not persisted)
+                    self._lookup_sha = str(client.script_load(_LOOKUP_LUA))
+                    res = client.evalsha(self._lookup_sha, len(keys), *keys)
+                return [int(x) for x in res]
+            except self._response_error as e:  # scripting disabled on this server: pipeline instead
+                LOG.warning("remote KV tier %s: Lua lookups refused (%s); using pipelined STRLEN", self.cfg.url, str(e))
+                self._use_script = False
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.strlen(k)
+        return [int(x) for x in pipe.execute()]
+
+    def fetch(self, keys: list[bytes]) -> list[bytes | None] | None:
+        """Every key's value (None: absent) in one MGET; None when the round trip fails."""
+        if not keys:
+            return []
+        if self.is_down:
+            self.skipped_lookups += 1
+            return None
+        try:
+            res: list[Any] = self.client.execute_command("MGET", *keys)
+        except self._errors as e:
+            self.read_errors += 1
+            self._failed("fetch", e)
+            return None
+        self._succeeded()
+        return [v if isinstance(v, bytes) else None for v in res]
+
+    def apply_quota(self, quota: int) -> bool:
+        """Set the server's ``maxmemory`` to ``quota`` bytes with LRU eviction over all keys.
+        Returns False (with a warning) when the server is unreachable or refuses."""
+        try:
+            self.client.config_set("maxmemory-policy", "allkeys-lru")
+            self.client.config_set("maxmemory", str(quota))
+        except self._errors as e:
+            self.read_errors += 1
+            self._failed("CONFIG SET maxmemory", e)
+            return False
+        self._succeeded()
+        return True
+
+    # ------------------------------------------------------------------ writes
+    def reserve(self, nbytes: int) -> int:
+        """Room for one value of ``nbytes`` in the write ring: its position (fill ``span(pos, nbytes)``
+        then ``enqueue``), or -1 when the queue is full or the server counts as down (counted as a
+        dropped write). Never blocks."""
+        cap = self._max_pending
+        pos = self._head
+        off = pos % cap
+        if off and pos == self._done:
+            # nothing in flight (the writer is done with every span): start again at the ring's
+            # beginning, so only its high-water mark is ever mapped
+            pos += cap - off
+            self._head = self._done = pos
+        elif off + nbytes > cap:  # does not fit before the end of the ring: start the next lap
+            pos += cap - off
+        if pos + nbytes - self._done > cap or self._stopping or time.monotonic() < self._down_until:
+            self.dropped_on_queue += 1
+            self.dropped_bytes_on_queue += nbytes
+            return -1
+        self._head = pos + nbytes
+        return pos
+
+    def span(self, pos: int, nbytes: int) -> memoryview:
+        off = pos % self._max_pending
+        return self._ring_view[off : off + nbytes]
+
+    def enqueue(self, pos: int, nbytes: int, block_key: bytes, life_cycle: int) -> None:
+        """Hand a filled ring span (``reserve``) to the writer. An empty ``block_key`` gives the
+        span back unused (a failed copy)."""
+        if block_key:
+            self.queued_writes += 1
+        else:
+            self.dropped_on_queue += 1
+            self.dropped_bytes_on_queue += nbytes
+        self._queue.append(_Pending(block_key, life_cycle, nbytes, pos, None, None, SlotId(-1)))
+
+    def accepts_slot(self) -> bool:
+        """Whether a handed-off slot would be sent now (not while the server counts as down)."""
+        return not self._stopping and time.monotonic() >= self._down_until
+
+    def enqueue_slot(
+        self,
+        block_key: bytes,
+        life_cycle: int,
+        parts: list[memoryview | tuple[DiskPool, int, int]],
+        nbytes: int,
+        parked: list[SlotId],
+        slot: SlotId,
+    ) -> None:
+        """Hand the slot of a dropped page to the writer (no copy here): it sends the slot's bytes
+        straight from ``parts`` and then appends ``slot`` to ``parked``."""
+        self.queued_writes += 1
+        self.slots_queued += 1
+        self._queue.append(_Pending(block_key, life_cycle, nbytes, -1, parts, parked, slot))
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued write is finished (written or dropped); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        self._wake.set()  # no need to wait for the writer's next poll
+        while not self.idle:
+            if time.monotonic() >= deadline or not self._writer.is_alive():
+                return False
+            time.sleep(0.001)
+        return True
+
+    def _writer_loop(self) -> None:
+        queue = self._queue
+        poll = IDLE_POLL_S
+        while True:
+            self._wake.wait(poll)  # (flush and close set it)
+            self._wake.clear()
+            poll = POLL_S if queue else min(IDLE_POLL_S, 2 * poll)
+            while queue:
+                batch: list[_Pending] = []
+                nbytes = 0
+                while queue and len(batch) < BATCH_PAGES and nbytes < BATCH_BYTES:
+                    w = queue.popleft()
+                    if w.block_key:
+                        batch.append(w)
+                        nbytes += w.nbytes
+                    else:
+                        self._done = w.ring_pos + w.nbytes  # an abandoned span
+                if not batch:
+                    continue
+                try:
+                    self._write_batch(batch)
+                except BaseException as e:  # never let the thread die (it would stall flush)
+                    _forget_frames(e)
+                    self._dropped(batch)
+                    LOG.error("remote KV tier writer: unexpected %s: %s", type(e).__name__, str(e))
+                self._finished(batch)
+            if self._stopping:
+                return
+
+    def _finished(self, batch: list[_Pending]) -> None:
+        """Nothing reads the batch's memory any more: ring spans are free, handed-off slots parked."""
+        for w in batch:
+            if w.ring_pos >= 0:
+                self._done = w.ring_pos + w.nbytes
+            else:
+                parked = w.parked
+                assert parked is not None
+                w.parts = None
+                parked.append(w.slot)
+                self.slots_done += 1
+
+    def _payload(self, w: _Pending) -> list[memoryview]:
+        if w.ring_pos >= 0:
+            return [self.span(w.ring_pos, w.nbytes)]
+        out: list[memoryview] = []
+        parts = w.parts
+        assert parts is not None
+        for part in parts:
+            if isinstance(part, memoryview):
+                out.append(part)
+            else:  # a disk slot: read here (the GIL is released while the kernel reads)
+                buf = memoryview(bytearray(part[2]))
+                part[0].read_into(buf, part[1])
+                out.append(buf)
+        return out
+
+    def _write_batch(self, batch: list[_Pending]) -> None:
+        """Send ``batch`` in one go: one MSET, or pipelined ``SET key value EX ttl_s`` with a TTL.
+        Values go out with one ``sendmsg`` straight from where they are (the ring, or the dropped
+        pages' slots): no copy into a command buffer, and the GIL is released while the kernel copies."""
+        if self.is_down:
+            self._dropped(batch)
+            return
+        fp = self.fingerprint
+        ttl = self._ttl
+        sent: list[_Pending] = []
+        payloads: list[list[memoryview]] = []
+        for w in batch:
+            try:
+                payloads.append(self._payload(w))
+                sent.append(w)
+            except OSError as e:  # a disk read failed: this page is not written
+                _forget_frames(e)
+                self._dropped([w])
+        if not sent:
+            return
+        parts: list[Any] = []
+        tail = b"\r\n" + (b"$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl) if ttl else b"")
+        cmd = b"*5\r\n$3\r\nSET\r\n" if ttl else b""
+        before = b"" if ttl else b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * len(sent))
+        for w, payload in zip(sent, payloads):
+            key = self.page_key(w.block_key, w.life_cycle)
+            header = encode_header(payload, w.life_cycle, fp, w.block_key)
+            parts.append(before + cmd + b"$%d\r\n%s\r\n$%d\r\n" % (len(key), key, HEADER_BYTES + w.nbytes) + header)
+            parts.extend(payload)
+            before = tail
+        parts.append(tail)
+        replies = len(sent) if ttl else 1
+        pool = self.client.connection_pool
+        done = 0
+        conn: Any = None
+        try:
+            conn = pool.get_connection()
+            sock = getattr(conn, "_sock", None)
+            if sock is not None and hasattr(sock, "sendmsg"):
+                _send_all(sock, parts)
+            else:  # not a plain socket (an unusual connection class): the client's own send
+                conn.send_packed_command(parts)
+            while done < replies:
+                try:
+                    conn.read_response()
+                    self._written(sent[done : done + 1] if ttl else sent)
+                except self._response_error as e:  # e.g. OOM (noeviction, or nothing to evict): lost
+                    _forget_frames(e)
+                    self._dropped(sent[done : done + 1] if ttl else sent)
+                    if not self._warned_refused:
+                        self._warned_refused = True
+                        LOG.warning("remote KV tier %s refuses writes (%s); they are dropped", self.cfg.url, str(e))
+                done += 1
+        except self._errors as e:
+            _forget_frames(e)
+            if conn is not None:
+                conn.disconnect()
+            self._dropped(sent[done:] if ttl else sent)
+            self.write_errors += 1
+            self._failed("write", e)
+            return
+        finally:
+            if conn is not None:
+                pool.release(conn)
+        self._succeeded()
+
+    def _written(self, writes: list[_Pending]) -> None:
+        self.written_pages += len(writes)
+        self.written_bytes += sum(HEADER_BYTES + w.nbytes for w in writes)
+
+    def _dropped(self, writes: list[_Pending]) -> None:
+        self.dropped_by_writer += len(writes)
+        self.dropped_bytes_by_writer += sum(HEADER_BYTES + w.nbytes for w in writes)
+
+    # ------------------------------------------------------------------ life cycle and statistics
+    def counters(self) -> list[int]:
+        """Cumulative (written, fetched, dropped) pages then bytes, and errors (failed round trips and
+        refused values): the remote level's ``TierStatistics``."""
+        return [
+            self.written_pages,
+            self.fetched_pages,
+            self.dropped_on_queue + self.dropped_by_writer,
+            self.written_bytes,
+            self.fetched_bytes,
+            self.dropped_bytes_on_queue + self.dropped_bytes_by_writer,
+            self.read_errors + self.write_errors + self.corrupt_pages,
+        ]
+
+    def statistics(self) -> RemoteStatistics:
+        return RemoteStatistics(
+            lookups=self.lookups,
+            looked_up_pages=self.looked_up_pages,
+            found_pages=self.found_pages,
+            fetched_pages=self.fetched_pages,
+            fetched_bytes=self.fetched_bytes,
+            hit_blocks=self.hit_blocks,
+            corrupt_pages=self.corrupt_pages,
+            queued_writes=self.queued_writes,
+            written_pages=self.written_pages,
+            written_bytes=self.written_bytes,
+            dropped_writes=self.dropped_on_queue + self.dropped_by_writer,
+            errors=self.read_errors + self.write_errors,
+            skipped_lookups=self.skipped_lookups,
+            pending_bytes=self.pending_bytes,
+            connected=self._connected,
+        )
+
+    def close(self, drain_timeout_s: float) -> bool:
+        """Stop the writer (after draining the queue for at most ``drain_timeout_s``; then what is
+        left is dropped) and disconnect. Returns False if the writer did not stop: it may still read
+        handed-off slots, so their memory must not be released."""
+        if not self._stopping:
+            if drain_timeout_s > 0 and not self.is_down:
+                self.flush(drain_timeout_s)
+            self._stopping = True
+            self._down_until = float("inf")  # what is still queued is dropped, not sent
+            self._wake.set()
+        # each network operation is bounded by timeout_ms; the rest of the queue is dropped at once
+        self._writer.join(2 * self.cfg.timeout_ms / 1000.0 + 5.0)
+        if self._writer.is_alive():
+            LOG.error("remote KV tier writer did not stop; keeping the memory it may still read")
+            return False
+        with contextlib.suppress(*self._errors):
+            self.client.close()
+        return True

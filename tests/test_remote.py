@@ -1,0 +1,626 @@
+"""The remote tier on a real redis-server (issue #17), through the fake engine: pages written by one
+manager are reused by another (in this process and in a second one) with the right records; layout
+fingerprints, namespaces and salts isolate; a dead, hung, flushed, restarted or evicting server and
+corrupted or truncated values only cost hits; statistics, events, the write queue's bound."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from conftest import REC, kv_layers
+from fake_engine import FakeEngine
+
+import kv_cache_manager_v2
+from kv_cache_manager_v2 import (
+    AttentionLayerConfig,
+    BufferConfig,
+    CacheLevel,
+    CacheTier,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCache,
+    KVCacheEventManager,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    LayerId,
+    RemoteCacheTierConfig,
+    ReuseScope,
+)
+from kv_cache_manager_v2._config import CacheTierConfig
+from kv_cache_manager_v2._storage._remote import HEADER_BYTES, decode_value, encode_header
+from kv_cache_manager_v2.redis_server import LocalRedisServer
+
+T = 8
+SLOT = 2 * 2 * REC * T  # two layers, key + value
+Factory = Callable[..., KVCacheManager]
+
+
+def remote_config(
+    url: str,
+    gpu: int = 16,
+    host: int | None = None,
+    layers: list[AttentionLayerConfig] | None = None,
+    backend: str = "host",
+    **remote: Any,
+) -> KVCacheManagerConfig:
+    """``gpu`` / ``host`` slots of two K/V layers, then the remote tier (generous timeouts: the
+    machine is shared, and a spurious timeout would make a correctness test flaky)."""
+    remote.setdefault("namespace", "test-model")
+    remote.setdefault("timeout_ms", 3000)
+    remote.setdefault("retry_interval_ms", 50)
+    remote.setdefault("max_pending_bytes", 8 << 20)  # resident per manager
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(gpu * SLOT)]
+    if host is not None:
+        tiers.append(HostCacheTierConfig(host * SLOT))
+    tiers.append(RemoteCacheTierConfig(url, **remote))
+    return KVCacheManagerConfig(
+        tokens_per_block=T,
+        cache_tiers=tiers,
+        layers=layers if layers is not None else kv_layers(2, T),
+        backend=backend,  # type: ignore[arg-type]
+        max_util_for_resume=1.0,
+    )
+
+
+@pytest.fixture
+def managers() -> Iterator[Factory]:
+    made: list[KVCacheManager] = []
+
+    def factory(url: str, event_manager: KVCacheEventManager | None = None, **kw: Any) -> KVCacheManager:
+        m = KVCacheManager(remote_config(url, **kw), event_manager)
+        made.append(m)
+        return m
+
+    yield factory
+    for m in made:
+        for kv in m.open_caches():
+            kv.close()
+        m.shutdown()
+
+
+def seq(r: int, n: int) -> list[int]:
+    return [r * 10_000 + i for i in range(n)]
+
+
+def compute(engine: FakeEngine, kv: KVCache, toks: list[int], upto: int) -> None:
+    h = kv.history_length
+    assert kv.resize(upto, h)
+    engine.step(kv, toks, h, upto)
+    kv.commit(toks[h:upto])
+
+
+def publish(m: KVCacheManager, toks: list[int], scope: ReuseScope | None = None) -> None:
+    kv = m.create_kv_cache(scope)
+    assert kv.resume()
+    compute(FakeEngine(m), kv, toks, len(toks))
+    kv.close()
+
+
+def evict_everything(m: KVCacheManager) -> None:
+    """Fill GPU memory with a request's own pages (a GPU-only manager: every reusable page is dropped)."""
+    total = m.get_storage_statistics()[0].total
+    kv = m.create_kv_cache()
+    assert kv.resume() and kv.resize(total * T)
+    kv.close()
+
+
+def reuse(m: KVCacheManager, toks: list[int], scope: ReuseScope | None = None) -> int:
+    """Create, resume and check every record of the reused prefix through ``m``'s own addresses."""
+    kv = m.create_kv_cache(scope, toks)
+    h = kv.history_length
+    assert kv.resume()
+    FakeEngine(m).check_all(kv, toks, h)
+    kv.close()
+    m.check_invariants()
+    return h
+
+
+def remote_keys(server: LocalRedisServer) -> list[bytes]:
+    import redis
+
+    client = redis.Redis.from_url(server.url)
+    try:
+        return sorted(client.keys("kvcm:*"))
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------- configuration and format
+def test_config_validation_and_tier_list(redis_server: LocalRedisServer, managers: Factory) -> None:
+    url = redis_server.url
+    for bad, match in (
+        (dict(url="http://x"), "url must start with"),
+        (dict(namespace=""), "namespace"),
+        (dict(namespace="a\nb"), "namespace"),
+        (dict(timeout_ms=0), "timeout_ms"),
+        (dict(quota=0), "quota"),
+        (dict(ttl_s=0), "ttl_s"),
+        (dict(max_lookup_blocks=0), "max_lookup_blocks"),
+    ):
+        kw: dict[str, Any] = {"url": url, "namespace": "n", **bad}
+        with pytest.raises(ValueError, match=match):
+            RemoteCacheTierConfig(**kw)
+    with pytest.raises(TypeError):  # (compiled: mypyc checks the annotation itself)
+        RemoteCacheTierConfig(url, "n", write_through=1)  # type: ignore[arg-type]
+    remote = RemoteCacheTierConfig(url, "n")
+    assert remote.tier is CacheTier.REMOTE
+    for tiers in (
+        [GpuCacheTierConfig(SLOT), remote, HostCacheTierConfig(SLOT)],
+        [GpuCacheTierConfig(SLOT), remote, remote],
+    ):
+        with pytest.raises(ValueError, match="then optionally remote"):
+            KVCacheManagerConfig(T, tiers, kv_layers(2, T))
+    m = managers(url, host=4)
+    assert m.cache_tier_list == [CacheTier.GPU_MEM, CacheTier.HOST_MEM, CacheTier.REMOTE]
+    assert m.config.remote_tier is not None and len(m.config.local_tiers) == 2
+    remote_level = CacheLevel(2)
+    assert m.get_storage_statistics(remote_level) == []  # no slots
+    assert m.get_quota(remote_level) == 0
+    assert m.get_tier_statistics(remote_level).tier is CacheTier.REMOTE
+    assert len(m.take_iteration_stats()) == 3
+    with pytest.raises(ValueError, match="cache level"):
+        m.get_storage_statistics(CacheLevel(3))
+    kv = m.create_kv_cache()
+    with pytest.raises(ValueError, match="target_level"):
+        kv.prefetch(remote_level)  # only local levels hold pages
+    kv.close()
+
+
+def test_value_format_refuses_truncated_foreign_and_corrupted_values() -> None:
+    fp, key = b"\x01" * 8, b"\x02" * 32
+    payload_in = bytes(range(100))
+    value = encode_header([memoryview(payload_in[:30]), memoryview(payload_in[30:])], 1, fp, key) + payload_in
+    assert len(value) == HEADER_BYTES + 100
+    payload = decode_value(value, 1, fp, key, 100)
+    assert payload is not None and bytes(payload) == bytes(range(100))
+    flipped = bytearray(value)
+    flipped[HEADER_BYTES + 50] ^= 0x40
+    bad = [
+        value[:-1],  # truncated
+        value + b"\0",  # too long
+        bytes(flipped),  # corrupted payload
+        b"XXXX" + value[4:],  # not ours
+    ]
+    for v in bad:
+        assert decode_value(v, 1, fp, key, 100) is None
+    assert decode_value(value, 0, fp, key, 100) is None  # another layer group's page
+    assert decode_value(value, 1, b"\x09" * 8, key, 100) is None  # another layout
+    assert decode_value(value, 1, fp, b"\x03" * 32, 100) is None  # stored under another key
+    assert decode_value(value, 1, fp, key, 99) is None
+
+
+def test_core_works_without_the_redis_package(redis_server: LocalRedisServer) -> None:
+    # a fresh interpreter where ``import redis`` fails (compiled code caches imported modules, so
+    # blocking it in this process would not be seen)
+    script = f"""
+import sys
+sys.modules["redis"] = None
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_remote import T, remote_config, publish, seq, kv_layers, SLOT
+from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, KVCacheManagerConfig
+m = KVCacheManager(KVCacheManagerConfig(T, [GpuCacheTierConfig(8 * SLOT)], kv_layers(2, T), backend="host"))
+publish(m, seq(1, 3 * T))
+assert m.probe_reuse(None, seq(1, 3 * T)) == 3 * T
+assert m.remote_statistics is None and m.flush_remote_writes()
+m.shutdown()
+try:
+    KVCacheManager(remote_config({redis_server.url!r}))
+except ImportError as e:
+    print("refused:", e)
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (
+        "refused: RemoteCacheTierConfig needs the 'redis' package: pip install 'kv_cache_manager_v2[remote]'"
+        in out.stdout
+    )
+
+
+# ---------------------------------------------------------------- sharing
+@pytest.mark.parametrize("write_through", [False, True])
+def test_a_prefix_published_by_one_manager_is_reused_by_another(
+    redis_server: LocalRedisServer, managers: Factory, write_through: bool
+) -> None:
+    a = managers(redis_server.url, write_through=write_through)
+    b = managers(redis_server.url, host=16)
+    toks = seq(1, 4 * T + 3)
+    publish(a, toks)
+    if not write_through:
+        assert a.flush_remote_writes() and remote_keys(redis_server) == []  # nothing dropped yet
+        evict_everything(a)  # GPU is a's last level: its reusable pages are dropped, i.e. written
+    assert a.flush_remote_writes()
+    assert len(remote_keys(redis_server)) == 4  # full blocks only, one key per page (one layer group here)
+    prompt = toks[: 4 * T] + [7, 7]
+    assert b.probe_reuse(None, prompt) == 4 * T
+    assert reuse(b, prompt) == 4 * T
+    st = b.remote_statistics
+    assert st is not None and st.fetched_pages == 4 and st.hit_blocks == 4 and st.corrupt_pages == 0
+    assert st.lookups == 1  # create used what the probe found: one lookup round trip in all
+    host = b.get_tier_statistics(CacheLevel(1))
+    assert host.onboarded_pages == 4  # placed in b's host tier, then onboarded like any host page
+    assert b.get_tier_statistics(CacheLevel(2)).onboarded_pages == 4
+    sa = a.remote_statistics
+    assert sa is not None and sa.written_pages == 4
+    # fetched pages are known to be remote: dropping them again writes nothing
+    c = managers(redis_server.url)
+    assert reuse(c, prompt) == 4 * T
+    evict_everything(c)
+    sc = c.remote_statistics
+    assert c.flush_remote_writes() and sc is not None and sc.queued_writes == 0 and sc.written_pages == 0
+
+
+def test_extends_a_local_match_and_fills_missing_pages(redis_server: LocalRedisServer, managers: Factory) -> None:
+    a = managers(redis_server.url, write_through=True)
+    b = managers(redis_server.url)
+    toks = seq(2, 6 * T)
+    publish(a, toks)
+    publish(b, toks[: 2 * T])  # b has the first two blocks itself
+    assert a.flush_remote_writes()
+    # where the prefix lives: two blocks in b's GPU memory, four in the remote tier (b's level 1)
+    assert b.probe_reuse_levels(None, toks + [1]) == [CacheLevel(0)] * 2 + [CacheLevel(1)] * 4
+    before = b.remote_statistics
+    assert before is not None
+    assert reuse(b, toks + [1]) == 6 * T
+    after = b.remote_statistics
+    assert after is not None and after.fetched_pages - before.fetched_pages == 4  # only what b lacked
+    assert after.hit_blocks == 4
+
+
+def test_two_processes_share_one_redis(redis_server: LocalRedisServer, managers: Factory) -> None:
+    a = managers(redis_server.url, write_through=True)
+    first = seq(3, 5 * T + 1)
+    publish(a, first)
+    assert a.flush_remote_writes()
+    second = seq(4, 3 * T)
+
+    def worker(**spec: Any) -> dict[str, Any]:
+        spec.setdefault("url", redis_server.url)
+        spec.setdefault("namespace", "test-model")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        out = subprocess.run(
+            [sys.executable, os.path.join(os.path.dirname(__file__), "remote_worker.py"), json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        res: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+        assert res["compiled"] == kv_cache_manager_v2.compiled  # the same build mode as this process
+        return res
+
+    # process B reads A's prefix through its own addresses (every record checked), then publishes its own
+    res = worker(read=first[: 5 * T] + [9], write=second)
+    assert res["history"] == 5 * T and res["checked"] > 0 and res["flushed"]
+    assert res["stats"]["fetched_pages"] == 5 and res["stats"]["corrupt_pages"] == 0
+    assert reuse(a, second + [9]) == 3 * T  # and A reads B's
+    # another dtype (layout fingerprint), another namespace, another salt: nothing is shared
+    assert worker(read=first, dtype="fp8")["history"] == 0
+    assert worker(read=first, namespace="other-model")["history"] == 0
+    assert worker(read=first, salt=5)["history"] == 0
+
+
+def test_layouts_namespaces_and_scopes_never_share(redis_server: LocalRedisServer, managers: Factory) -> None:
+    url = redis_server.url
+    a = managers(url, write_through=True)
+    toks = seq(5, 3 * T)
+    salted = ReuseScope(salt=11)
+    publish(a, toks)
+    publish(a, toks, salted)
+    assert a.flush_remote_writes()
+    bigger = [
+        AttentionLayerConfig(LayerId(i), [BufferConfig("key", 2 * REC * T), BufferConfig("value", REC * T)])
+        for i in range(2)
+    ]
+    assert reuse(managers(url, dtype="fp8"), toks + [1]) == 0
+    assert reuse(managers(url, namespace="another"), toks + [1]) == 0
+    assert reuse(managers(url, layers=bigger), toks + [1]) == 0
+    b = managers(url)
+    assert reuse(b, toks + [1], ReuseScope(salt=12)) == 0
+    assert reuse(b, toks + [1], ReuseScope(lora_id=3)) == 0
+    assert reuse(b, toks + [1], salted) == 3 * T
+    assert reuse(b, toks + [1]) == 3 * T
+
+
+def test_sliding_window_layers_fetch_only_what_the_window_needs(
+    redis_server: LocalRedisServer, managers: Factory
+) -> None:
+    layers = kv_layers(4, T, window=2 * T, swa_every=2)  # layers 0, 2 slide (window 16), 1, 3 full
+    slot = 4 * 2 * REC * T
+    a = managers(redis_server.url, layers=layers, gpu=64 * slot // SLOT, write_through=True)
+    b = managers(redis_server.url, layers=layers, gpu=64 * slot // SLOT, host=64 * slot // SLOT)
+    toks = seq(6, 10 * T)
+    publish(a, toks)
+    assert a.flush_remote_writes()
+    assert reuse(b, toks + [1]) == 10 * T
+    st = b.remote_statistics
+    assert st is not None
+    # 10 full-attention pages, and only the window's sliding-window pages (the last 2 blocks at 80 tokens)
+    assert st.fetched_pages == 10 + 2
+
+
+def test_gpu_only_manager_places_fetched_pages_in_gpu_memory(redis_server: LocalRedisServer, managers: Factory) -> None:
+    a = managers(redis_server.url, write_through=True)
+    b = managers(redis_server.url, gpu=8)
+    toks = seq(7, 5 * T)
+    publish(a, toks)
+    assert a.flush_remote_writes()
+    assert reuse(b, toks + [1]) == 5 * T
+    # more than b's GPU can place: the match stops where room ends, never fails
+    big = seq(8, 12 * T)
+    publish(a, big)
+    assert a.flush_remote_writes()
+    kv = b.create_kv_cache(None, big + [1])
+    assert 0 < kv.history_length <= 8 * T
+    assert kv.resume()
+    FakeEngine(b).check_all(kv, big, kv.history_length)
+    kv.close()
+
+
+def test_events_report_fetched_pages_at_their_local_medium(redis_server: LocalRedisServer, managers: Factory) -> None:
+    a = managers(redis_server.url, write_through=True)
+    em = KVCacheEventManager(max_events=1000)
+    b = managers(redis_server.url, event_manager=em, host=8)
+    toks = seq(9, 2 * T)
+    publish(a, toks)
+    assert a.flush_remote_writes()
+    assert reuse(b, toks + [1]) == 2 * T
+    media = {getattr(e, "medium", None) for e in b.get_latest_events() if type(e).__name__ == "BlockStoredEvent"}
+    assert media == {"CPU"}
+
+
+# ---------------------------------------------------------------- the server fails, the data is bad
+def test_corrupted_truncated_and_foreign_values_are_misses(redis_server: LocalRedisServer, managers: Factory) -> None:
+    import redis
+
+    a = managers(redis_server.url, write_through=True)
+    toks = seq(10, 6 * T)
+    publish(a, toks)
+    assert a.flush_remote_writes()
+    client = redis.Redis.from_url(redis_server.url)
+    keys = remote_keys(redis_server)
+    assert len(keys) == 6
+    from kv_cache_manager_v2._reuse._keys import BlockHasher, scope_key
+
+    chain = BlockHasher(toks, T, "t").chain(scope_key(ReuseScope()))
+    prefix = b":".join(keys[0].split(b":")[:3]) + b":"
+
+    def key(o: int) -> bytes:
+        """Block ``o``'s page (the one layer group, 0): namespace, layout fingerprint, group, block key."""
+        return prefix + b"0:" + chain[o].hex().encode()
+
+    assert set(keys) == {key(o) for o in range(6)}
+    b = managers(redis_server.url)
+    # a flipped payload bit in block 4: create stops before it (the probe, seeing lengths, cannot tell)
+    v = bytearray(client.get(key(4)) or b"")
+    v[HEADER_BYTES + 3] ^= 1
+    client.set(key(4), bytes(v))
+    assert b.probe_reuse(None, toks + [1]) == 6 * T
+    assert reuse(b, toks + [1]) == 4 * T
+    st = b.remote_statistics
+    assert st is not None and st.corrupt_pages == 1
+    # truncated (block 3) and foreign (block 2 holds block 1's value): misses at lookup or fetch
+    b2 = managers(redis_server.url)
+    client.set(key(3), (client.get(key(3)) or b"")[:-5])
+    assert b2.probe_reuse(None, toks + [1]) == 3 * T  # a wrong length is a miss at lookup
+    client.set(key(2), client.get(key(1)) or b"")
+    assert reuse(b2, toks + [1]) == 2 * T
+    st = b2.remote_statistics
+    assert st is not None and st.corrupt_pages == 1 and st.fetched_pages == 2
+    client.close()
+
+
+def test_a_dead_server_costs_hits_only_and_reuse_resumes_when_it_returns(
+    redis_server: LocalRedisServer, managers: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = managers(redis_server.url, gpu=8)
+    b = managers(redis_server.url, gpu=8)
+    engine_a = FakeEngine(a)
+    toks = seq(11, 3 * T)
+    publish(a, toks)
+    evict_everything(a)
+    assert a.flush_remote_writes()
+    redis_server.kill()
+    with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
+        assert b.probe_reuse(None, toks + [1]) == 0
+        assert reuse(b, toks + [1]) == 0  # misses, no exception
+        # both keep serving: a publishes and evicts (its writes are dropped), b computes
+        for r in range(3):
+            publish(a, seq(20 + r, 3 * T))
+            evict_everything(a)
+            kv = b.create_kv_cache(None, seq(30 + r, 2 * T))
+            assert kv.resume()
+            compute(FakeEngine(b), kv, seq(30 + r, 2 * T), 2 * T)
+            kv.close()
+            time.sleep(0.06)  # past retry_interval_ms: the next call tries the server again
+    assert any("treating it as a miss" in r.getMessage() for r in caplog.records)
+    sa, sb = a.remote_statistics, b.remote_statistics
+    assert sa is not None and sb is not None
+    assert a.flush_remote_writes() and sa.dropped_writes > 0
+    assert sb.errors > 0 and not sb.connected
+    redis_server.start()  # back, empty (same port)
+    time.sleep(0.06)
+    assert reuse(b, toks + [1]) == 0  # the old data is gone
+    kv = a.create_kv_cache(None, toks)
+    assert kv.resume()
+    compute(engine_a, kv, toks, len(toks))
+    kv.close()
+    evict_everything(a)
+    assert a.flush_remote_writes()
+    assert reuse(b, toks + [1]) == 3 * T  # reuse resumed
+    sb = b.remote_statistics
+    assert sb is not None and sb.connected
+
+
+def test_a_hung_server_times_out_into_misses(redis_server: LocalRedisServer, managers: Factory) -> None:
+    a = managers(redis_server.url, write_through=True)
+    b = managers(redis_server.url, timeout_ms=100, retry_interval_ms=60_000)
+    toks = seq(12, 3 * T)
+    publish(a, toks)
+    assert a.flush_remote_writes()
+    redis_server.pause()  # accepts nothing, answers nothing
+    try:
+        t0 = time.monotonic()
+        assert reuse(b, toks + [1]) == 0
+        first = time.monotonic() - t0
+        t0 = time.monotonic()
+        assert reuse(b, toks + [1]) == 0  # counted as down: no second wait
+        second = time.monotonic() - t0
+    finally:
+        redis_server.resume()
+    assert first < 2.0 and second < first  # bounded by the timeout (0.1 s per operation), not hung
+    st = b.remote_statistics
+    assert st is not None and st.errors == 1 and st.skipped_lookups >= 1
+
+
+def test_flushed_and_evicting_servers_cost_hits_only(redis_server: LocalRedisServer, managers: Factory) -> None:
+    import redis
+
+    a = managers(redis_server.url, write_through=True, gpu=64)
+    toks = seq(13, 4 * T)
+    publish(a, toks)
+    assert a.flush_remote_writes()
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    assert reuse(managers(redis_server.url), toks + [1]) == 0
+    # a server short of memory evicts keys (allkeys-lru): whatever is left is reused correctly
+    quota = int(client.info("memory")["used_memory"]) + (1 << 20)
+    wide = [  # 16 KiB pages: 240 of them do not fit in 1 MiB
+        AttentionLayerConfig(LayerId(i), [BufferConfig("key", 4 << 10), BufferConfig("value", 4 << 10)])
+        for i in range(2)
+    ]
+    big = managers(redis_server.url, write_through=True, gpu=64 * 16, quota=quota, layers=wide)
+    assert client.config_get("maxmemory")["maxmemory"] == str(quota)
+    assert big.get_quota(CacheLevel(1)) == quota
+    for r in range(40):
+        publish(big, seq(100 + r, 6 * T))
+        assert big.flush_remote_writes()
+    assert int(client.info("stats")["evicted_keys"]) > 0
+    assert big.resize(CacheLevel(1), quota + 1) and big.get_quota(CacheLevel(1)) == quota + 1
+    b = managers(redis_server.url, gpu=64 * 16, layers=wide)
+    for r in (0, 20, 39):
+        reuse(b, seq(100 + r, 6 * T) + [1])  # any length, every record checked
+    client.close()
+
+
+def test_the_write_queue_is_bounded(redis_server: LocalRedisServer, managers: Factory) -> None:
+    m = managers(redis_server.url, max_pending_bytes=1)
+    publish(m, seq(14, 4 * T))
+    evict_everything(m)  # nothing fits the queue: the writes are dropped and counted
+    assert m.flush_remote_writes()
+    st = m.remote_statistics
+    assert st is not None and st.dropped_writes == 4 and st.queued_writes == 0
+    assert m.get_tier_statistics(CacheLevel(1)).dropped_pages == 4
+    assert remote_keys(redis_server) == []
+
+
+def test_statistics_of_the_remote_level(redis_server: LocalRedisServer, managers: Factory) -> None:
+    a = managers(redis_server.url, write_through=True, ttl_s=60)
+    b = managers(redis_server.url)
+    publish(a, seq(15, 2 * T))
+    assert a.flush_remote_writes()
+    ta = a.take_iteration_stats()[-1]
+    assert ta.tier is CacheTier.REMOTE and ta.offloaded_pages == 2 and ta.offloaded_bytes == 2 * (HEADER_BYTES + SLOT)
+    assert a.take_iteration_stats()[-1].offloaded_pages == 0  # per interval
+    assert a.get_tier_statistics(CacheLevel(1)).offloaded_pages == 2  # cumulative
+    assert reuse(b, seq(15, 2 * T) + [1]) == 2 * T
+    tb = b.get_tier_statistics(CacheLevel(1))
+    assert tb.onboarded_pages == 2 and tb.onboarded_bytes == 2 * (HEADER_BYTES + SLOT) and tb.io_errors == 0
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    assert all(0 < client.ttl(k) <= 60 for k in remote_keys(redis_server))
+    client.close()
+    stats = b.remote_statistics
+    assert stats is not None
+    st = dataclasses.asdict(stats)
+    assert st["found_pages"] == 2 and st["pending_bytes"] == 0
+
+
+# ---------------------------------------------------------------- CUDA backend logic (emulated driver)
+def test_remote_tier_on_the_cuda_backend(redis_server: LocalRedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    import cuda.bindings
+    from fake_cuda_driver import FakeDriver
+
+    drv = FakeDriver()
+    monkeypatch.setattr(cuda.bindings, "driver", drv)
+    a = KVCacheManager(remote_config(redis_server.url, backend="cuda", gpu=2048))
+    b = KVCacheManager(remote_config(redis_server.url, backend="cuda", gpu=2048))
+    toks = seq(16, 3 * T)
+    publish(a, toks)
+    evict_everything(a)  # GPU pages copied out through the staging buffer
+    assert a.flush_remote_writes()
+    assert reuse(b, toks + [1]) == 3 * T  # fetched into GPU memory through the staging buffer
+    assert "cuMemcpyBatchAsync" in drv.calls or "cuMemcpyAsync" in drv.calls
+    for m in (a, b):
+        m.shutdown()
+    assert not drv.mapped and not drv.handles and not drv.reservations
+
+
+def evict_through_the_lower_tier(m: KVCacheManager) -> None:
+    """Fill GPU memory with a suspended request's pages, then with another's: the first one's move to
+    the level below (as large as the GPU tier), pushing every reusable page there out (dropped)."""
+    total = m.get_storage_statistics()[0].total
+    first = m.create_kv_cache()
+    assert first.resume() and first.resize(total * T)
+    first.suspend()
+    second = m.create_kv_cache()
+    assert second.resume() and second.resize(total * T)
+    second.close()
+    first.close()
+
+
+@pytest.mark.parametrize("lower", ["host", "disk"])
+def test_pages_dropped_from_a_lower_tier_are_sent_from_their_slots(
+    redis_server: LocalRedisServer, managers: Factory, tmp_path: Any, lower: str
+) -> None:
+    """A last level below the GPU hands a dropped page's slot to the writer (no copy on the
+    scheduler's thread); headroom slots stand in meanwhile and are not counted as capacity."""
+    from kv_cache_manager_v2 import DiskCacheTierConfig
+
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(16 * SLOT)]
+    if lower == "host":
+        tiers.append(HostCacheTierConfig(16 * SLOT))
+    else:
+        tiers.append(DiskCacheTierConfig(16 * SLOT, str(tmp_path)))
+    tiers.append(RemoteCacheTierConfig(redis_server.url, "test-model", timeout_ms=3000, max_pending_bytes=4 * SLOT))
+    a = KVCacheManager(KVCacheManagerConfig(T, tiers, kv_layers(2, T), backend="host", max_util_for_resume=1.0))
+    try:
+        level = CacheLevel(1)
+        stats = a.get_storage_statistics(level)[0]
+        assert stats.total == 16 and stats.free == 16  # the 4 headroom slots are not capacity
+        group = a._storage.levels[level][0]
+        assert group.headroom == 4 and len(group.parked) == 4
+        toks = [seq(40 + r, 4 * T) for r in range(3)]  # 12 blocks: more than the headroom
+        for t in toks:
+            publish(a, t)
+        evict_through_the_lower_tier(a)
+        assert a.flush_remote_writes()
+        a.check_invariants()
+        assert len(group.parked) == 4  # every handed-off slot came back
+        st = a.remote_statistics
+        # one burst of 12 drops: 4 slots handed off, 4 pages copied into the ring (4 slots' worth),
+        # the rest dropped (counted): the writer had no time to drain
+        assert st is not None and st.written_pages == 8 and st.dropped_writes == 4
+        assert a._remote is not None and a._remote.slots_queued == 4
+        b = managers(redis_server.url)
+        assert sum(reuse(b, t + [1]) for t in toks) == 8 * T  # every record checked
+        # a tier resize waits for the writer, moves pages out of the headroom and puts it back
+        publish(a, seq(50, 4 * T))
+        assert a.resize(level, 8 * SLOT)
+        assert a.get_storage_statistics(level)[0].total == 8 and group.headroom == 4
+        a.check_invariants()
+        assert a.resize(level, 20 * SLOT) and a.get_storage_statistics(level)[0].total == 20
+        a.check_invariants()
+    finally:
+        a.shutdown()
