@@ -7,6 +7,7 @@ import gc
 import random
 from array import array
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from conftest import kv_layers
@@ -80,6 +81,32 @@ def test_batch_prefill_and_decode_through_fake_engine(make_manager: MakeManager,
     m.clear_reusable_blocks()
     assert free_slots(m) == [s.total for s in m.get_storage_statistics()]
     assert engine.pages_checked > 0
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "array", "range", "deque"])
+def test_commit_accepts_any_token_sequence(make_manager: MakeManager, kind: str) -> None:
+    """Prefill commits of every sequence type publish the same blocks (block-aligned or not)."""
+    from collections import deque
+
+    m = make_manager(kv_layers(1, T))
+    toks = list(range(1000, 1000 + 3 * T + 5))
+    as_kind: dict[str, Callable[[list[int]], Any]] = {
+        "list": list,
+        "tuple": tuple,
+        "array": lambda x: array("I", x),
+        "range": lambda x: range(x[0], x[0] + len(x)),
+        "deque": deque,
+    }
+    kv = m.create_kv_cache()
+    assert kv.resume() and kv.resize(len(toks))
+    kv.commit(as_kind[kind](toks[: T + 3]))  # from an empty tail: blocks cut from the input
+    kv.commit(as_kind[kind](toks[T + 3 :]))  # onto a partial tail
+    assert kv.committed_tokens == toks
+    kv.close()
+    assert m.probe_reuse(None, toks + [1]) == len(toks)
+    kv = m.create_kv_cache(input_tokens=toks + [1])
+    assert kv.history_length == len(toks) and kv.committed_tokens == toks
+    kv.close()
 
 
 def test_fake_engine_detects_corruption(make_manager: MakeManager) -> None:

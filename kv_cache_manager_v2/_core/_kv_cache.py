@@ -3,6 +3,7 @@ the storage manager (allocation) and the reuse tree (publishing) (SPEC 4.3)."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 
@@ -914,8 +915,7 @@ class KVCache:
         ctx = self._ctx
         ctx.enter("commit()")
         try:
-            self._tail.extend(accepted_input_tokens)
-            self._committed()
+            self._committed(accepted_input_tokens)
         finally:
             ctx.leave()
 
@@ -957,18 +957,30 @@ class KVCache:
             self._history = n
         return True
 
-    def _committed(self) -> None:
-        """After tokens were appended to the tail: publish the blocks they completed, raise
-        history to the committed length and release what left the sliding windows."""
+    def _committed(self, more: Sequence[TokenIdExt] | None = None) -> None:
+        """After tokens were appended to the tail, or with validated tokens ``more`` to append:
+        publish the blocks they completed, raise history to the committed length and release
+        what left the sliding windows."""
         t = self._tokens_per_block
         tail = self._tail
-        if len(tail) >= t:
-            full = len(tail) // t
+        if more is not None and (tail or not isinstance(more, (list, tuple, array))):
+            tail.extend(more)  # the tail's block first (or a sequence without slices): cut from the tail
+            more = None
+        src: Sequence[TokenIdExt] = tail if more is None else more
+        full = len(src) // t
+        if full:
             first = len(self._committed_blocks)
-            completed = tail[: full * t] if first == self._num_published else None
-            self._committed_blocks.extend([tuple(tail[i * t : (i + 1) * t]) for i in range(full)])
-            del tail[: full * t]
+            completed = src[: full * t] if first == self._num_published else None
+            items = rawref.untrack(src.tolist()) if isinstance(src, array) else src  # ints made in one pass
+            # a block's tokens (ints, digests) can be in no reference cycle: untracked by the GC
+            self._committed_blocks.extend([rawref.untrack(tuple(items[i * t : (i + 1) * t])) for i in range(full)])
+            if more is None:
+                del tail[: full * t]
+            else:
+                tail.extend(items[full * t :])
             self._publish(first + full, 0, completed)
+        elif more is not None:
+            tail.extend(more)
         n = len(self._committed_blocks) * t + len(tail)
         if n > self._history:
             self._history = n
@@ -1115,7 +1127,7 @@ class KVCache:
         if upto > self._num_published:
             self._publish(upto, self._final_beam)
 
-    def _publish(self, upto: int, beam: int = 0, tokens: list[TokenIdExt] | None = None) -> None:
+    def _publish(self, upto: int, beam: int = 0, tokens: Sequence[TokenIdExt] | None = None) -> None:
         """Insert committed blocks ``[num_published, upto)`` of ``beam`` into the reuse tree (the
         last may be partial); ``tokens``: those blocks' tokens (full blocks), so their keys are
         hashed in one call. Before beams fork every beam's table holds the same pages: a block

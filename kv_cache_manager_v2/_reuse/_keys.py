@@ -34,12 +34,16 @@ def chain_keys(parent: BlockKey, encoded: bytes, block_bytes: int) -> list[Block
     return chain_keys_hashlib(parent, encoded, block_bytes)
 
 
-def chain_token_keys(parent: BlockKey, tokens: list[TokenIdExt], tokens_per_block: int) -> list[BlockKey] | None:
-    """``chain_keys`` of validated ``tokens`` (blocks of ``tokens_per_block``, the last may be
-    shorter), encoded on the way; None when they include digests (hash those with ``block_key``)."""
+def chain_token_keys(parent: BlockKey, tokens: Sequence[TokenIdExt], tokens_per_block: int) -> list[BlockKey] | None:
+    """``chain_keys`` of validated ``tokens`` (a list, tuple or ``array``; blocks of
+    ``tokens_per_block``, the last may be shorter), encoded on the way; None when they include
+    digests (hash those with ``block_key``)."""
+    if isinstance(tokens, array):
+        return chain_keys(parent, _encode_array(tokens, "tokens"), tokens_per_block * 4)
+    items = tokens if isinstance(tokens, (list, tuple)) else list(tokens)
     if NATIVE_CHAIN:
-        return blockhash.chain_tokens(parent, tokens, tokens_per_block)
-    encoded = encode_validated(tokens)
+        return blockhash.chain_tokens(parent, items, tokens_per_block)
+    encoded = encode_validated(list(items))
     return None if encoded is None else chain_keys_hashlib(parent, encoded, tokens_per_block * 4)
 
 
