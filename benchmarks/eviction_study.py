@@ -293,6 +293,73 @@ class HeapPolicy(Policy):
         pass
 
 
+class Counted(HeapPolicy):
+    """A heap policy that counts uses: ``f[node]`` = requests that used the page (insert or
+    hit) while it stayed cached (``ghost``: also before it was evicted)."""
+
+    def __init__(self, ghost: bool = False) -> None:
+        super().__init__()
+        self.f: dict[int, int] = {}
+        self.seen: dict[int, int] = {}  # node -> last request counted
+        self.ghost = ghost
+        self.r = 0
+
+    def begin(self, r: int, req: Req) -> None:
+        self.r = r
+
+    def count(self, node: int) -> None:
+        if self.seen.get(node) != self.r:
+            self.seen[node] = self.r
+            self.f[node] = self.f.get(node, 0) + 1
+
+    def add(self, node: int) -> None:
+        self.count(node)  # a new page: its first use
+        super().add(node)
+
+    def remove(self, node: int) -> None:
+        del self.live[node]
+        self.count(node)
+
+    def drop(self, node: int) -> None:
+        del self.live[node]
+        self.forget(node)
+
+    def on_victim(self, node: int, key: Any) -> None:
+        self.forget(node)
+
+    def forget(self, node: int) -> None:
+        if not self.ghost:
+            del self.f[node]
+            del self.seen[node]
+
+
+class GDSF(Counted):
+    """GreedyDual-Size-Frequency with unit sizes: value = L + w(f) at release; L = the last
+    victim's value (the clock only rises)."""
+
+    def __init__(self, name: str, w: Callable[[int], float], ghost: bool = False) -> None:
+        super().__init__(ghost)
+        self.name = name
+        self.w = w
+        self.L = 0.0
+
+    def key(self, node: int) -> Any:
+        return self.L + self.w(self.f[node])
+
+    def on_victim(self, node: int, key: Any) -> None:
+        self.L = key
+        self.forget(node)
+
+
+class LFU(Counted):
+    """Lowest use count first (no aging); ties: least recently released."""
+
+    name = "lfu"
+
+    def key(self, node: int) -> Any:
+        return self.f[node]
+
+
 class Belady(HeapPolicy):
     """Offline: evict the page whose next lookup is farthest away (never: first); ties: deeper."""
 
@@ -321,7 +388,19 @@ POLICIES: dict[str, Callable[[list[Req]], Policy]] = {
     "lru_head": lambda reqs: LRU("head"),
     "lru_tail": lambda reqs: LRU("tail"),
     "belady": lambda reqs: Belady(reqs),
+    "gdsf": lambda reqs: GDSF("gdsf", lambda f: f),
+    "gdsf_head": lambda reqs: _head(GDSF("gdsf_head", lambda f: f)),
+    "gdsf_ghost": lambda reqs: GDSF("gdsf_ghost", lambda f: f, ghost=True),
+    "gdsf_sqrt": lambda reqs: GDSF("gdsf_sqrt", lambda f: f**0.5),
+    "gdsf_sq": lambda reqs: GDSF("gdsf_sq", lambda f: f * f),
+    "gdsf_log": lambda reqs: GDSF("gdsf_log", lambda f: math.log2(1 + f)),
+    "lfu": lambda reqs: LFU(),
 }
+
+
+def _head(p: Policy) -> Policy:
+    p.order = "head"
+    return p
 
 
 # ------------------------------------------------------------------ manager check
