@@ -120,6 +120,9 @@ class Policy:
     def begin(self, r: int, req: Req) -> None:
         """A new request starts (its arrival index ``r``): a logical clock if needed."""
 
+    def became_leaf(self, node: int) -> None:
+        """``node``'s last cached child left the tree (the node may be droppable or in use)."""
+
 
 class Replay:
     def __init__(self, reqs: list[Req], cap_tokens: int, policy: Policy) -> None:
@@ -154,6 +157,8 @@ class Replay:
             if not ch:
                 del self.children[par]
         self.free += 1
+        if par >= 0 and par not in self.children:
+            self.policy.became_leaf(par)
         stack = list(self.children.pop(victim, ()))
         while stack:
             n = stack.pop()
@@ -261,23 +266,42 @@ class LRU(Policy):
 
 class HeapPolicy(Policy):
     """Lowest key first, a heap with lazy deletion; ties: first added first (tail-first
-    release makes that the deepest block). Subclasses compute ``key(node)`` at add."""
+    release makes that the deepest block). Subclasses compute ``key(node)`` at add.
+
+    ``leaves_only``: a droppable page with cached children is parked outside the heap and
+    enters it (with the key it got at release) when its last child leaves the tree, so a
+    block never goes before its descendants whatever the keys (no subtree collateral)."""
+
+    leaves_only = False
 
     def __init__(self) -> None:
         self.heap: list[tuple[Any, int, int]] = []
         self.live: dict[int, int] = {}  # node -> seq of its valid heap entry
+        self.parked: dict[int, Any] = {}  # droppable non-leaf node -> its key
         self.seq = 0
 
     def key(self, node: int) -> Any:
         raise NotImplementedError
 
     def add(self, node: int) -> None:
+        k = self.key(node)
+        if self.leaves_only and node in self.sim.children:
+            self.parked[node] = k
+            return
         self.seq += 1
         self.live[node] = self.seq
-        heapq.heappush(self.heap, (self.key(node), self.seq, node))
+        heapq.heappush(self.heap, (k, self.seq, node))
 
     def remove(self, node: int) -> None:
-        del self.live[node]
+        if self.live.pop(node, None) is None:
+            del self.parked[node]
+
+    def became_leaf(self, node: int) -> None:
+        k = self.parked.pop(node, None)
+        if k is not None:
+            self.seq += 1
+            self.live[node] = self.seq
+            heapq.heappush(self.heap, (k, self.seq, node))
 
     def pop(self) -> int:
         heap = self.heap
@@ -317,11 +341,11 @@ class Counted(HeapPolicy):
         super().add(node)
 
     def remove(self, node: int) -> None:
-        del self.live[node]
+        HeapPolicy.remove(self, node)
         self.count(node)
 
     def drop(self, node: int) -> None:
-        del self.live[node]
+        HeapPolicy.remove(self, node)
         self.forget(node)
 
     def on_victim(self, node: int, key: Any) -> None:
