@@ -319,22 +319,34 @@ class HeapPolicy(Policy):
 
 class Counted(HeapPolicy):
     """A heap policy that counts uses: ``f[node]`` = requests that used the page (insert or
-    hit) while it stayed cached (``ghost``: also before it was evicted)."""
+    hit). ``ghost``: an evicted page's count is remembered (``ghost_slots`` > 0: only for the
+    last ``ghost_slots * slots`` evicted pages, FIFO; 0: forever) and resumes on reinsert;
+    ``halve_every`` > 0: every that many requests all counts are halved (aging)."""
 
-    def __init__(self, ghost: bool = False) -> None:
+    def __init__(self, ghost: bool = False, ghost_slots: float = 0, halve_every: int = 0) -> None:
         super().__init__()
         self.f: dict[int, int] = {}
         self.seen: dict[int, int] = {}  # node -> last request counted
         self.ghost = ghost
+        self.ghost_slots = ghost_slots
+        self.ghosts: OrderedDict[int, int] = OrderedDict()  # evicted node -> count
+        self.halve_every = halve_every
         self.r = 0
 
     def begin(self, r: int, req: Req) -> None:
         self.r = r
+        if self.halve_every and r and r % self.halve_every == 0:
+            for d in (self.f, self.ghosts):
+                for k in d:
+                    d[k] >>= 1
 
     def count(self, node: int) -> None:
         if self.seen.get(node) != self.r:
             self.seen[node] = self.r
-            self.f[node] = self.f.get(node, 0) + 1
+            f = self.f.get(node)
+            if f is None:
+                f = self.ghosts.pop(node, 0)
+            self.f[node] = f + 1
 
     def add(self, node: int) -> None:
         self.count(node)  # a new page: its first use
@@ -352,17 +364,21 @@ class Counted(HeapPolicy):
         self.forget(node)
 
     def forget(self, node: int) -> None:
-        if not self.ghost:
-            del self.f[node]
-            del self.seen[node]
+        f = self.f.pop(node)
+        del self.seen[node]
+        if self.ghost:
+            g = self.ghosts
+            g[node] = f
+            if self.ghost_slots and len(g) > self.ghost_slots * self.sim.slots:
+                g.popitem(last=False)
 
 
 class GDSF(Counted):
     """GreedyDual-Size-Frequency with unit sizes: value = L + w(f) at release; L = the last
     victim's value (the clock only rises)."""
 
-    def __init__(self, name: str, w: Callable[[int], float], ghost: bool = False) -> None:
-        super().__init__(ghost)
+    def __init__(self, name: str, w: Callable[[int], float], **kw: Any) -> None:
+        super().__init__(**kw)
         self.name = name
         self.w = w
         self.L = 0.0
