@@ -131,7 +131,6 @@ class Replay:
         self.policy = policy
         self.parent: dict[int, int] = {}  # node -> parent node (-1: root) for nodes in the tree
         self.children: dict[int, set[int]] = {}  # node -> cached children (absent: none)
-        self.locked: set[int] = set()  # pages owned by the current request
         self.free = self.slots
         self.collateral = 0
         self.victims = 0
@@ -160,17 +159,16 @@ class Replay:
         if par >= 0 and par not in self.children:
             self.policy.became_leaf(par)
         stack = list(self.children.pop(victim, ()))
+        # Evictions happen before this request publishes, while it holds only its matched
+        # prefix (and maybe the partial source), whose ancestors it holds too: a droppable
+        # victim never has pages in use below it, so nothing is ever detached here.
         while stack:
             n = stack.pop()
             stack.extend(self.children.pop(n, ()))
             del self.parent[n]
-            if n in self.locked:
-                self.locked.discard(n)  # detached: private to its owner, freed at close
-                self.detached.add(n)
-            else:
-                self.policy.drop(n)
-                self.free += 1
-                self.collateral += 1
+            self.policy.drop(n)
+            self.free += 1
+            self.collateral += 1
 
     def make_room(self, k: int) -> None:
         pop = self.policy.pop
@@ -186,7 +184,6 @@ class Replay:
         for r, req in enumerate(self.reqs):
             pol.begin(r, req)
             ids = req.ids
-            self.detached: set[int] = set()
             # create_kv_cache(prompt[:-1]): match and take (hold) the matched pages
             m = 0
             nq = req.nq
@@ -197,10 +194,8 @@ class Replay:
             tot_tok += req.n
             hit_blk += m + part
             q_blk += nq + (req.qpart > 0)
-            locked = self.locked
             for j in range(m):
                 pol.remove(ids[j])
-                locked.add(ids[j])
             if part:
                 src = ids[m]
                 pol.remove(src)  # held as the copy source
@@ -224,19 +219,13 @@ class Replay:
                     self.free += 1  # our private page is freed
                 else:
                     self.insert(node, prev)
-                locked.add(node)
                 pages.append(node)
                 prev = node
-            # close(): tree pages go to the evictor; private pages (the partial tail, a
-            # deduplicated copy was already freed at publish) and detached ones are freed
-            detached = self.detached
+            # close(): tree pages go to the evictor; private pages (the partial tail; a
+            # deduplicated copy was already freed at publish) are freed
             for node in (pages if head else pages[::-1]):
-                if node in detached:
-                    self.free += 1
-                else:
-                    pol.add(node)
+                pol.add(node)
             self.free += req.nb - len(pages)
-            locked.clear()
         return {
             "hit": hit_tok / tot_tok,
             "blk": hit_blk / q_blk,
@@ -361,25 +350,36 @@ class TableGhost(Ghost):
 
     def bind(self, slots: int) -> None:
         self.nsets = max(1, int(self.k * slots) // self.ways)
-        self.sets: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self.nsets)]
-
-    def _set(self, node: int) -> list[tuple[int, int, int, int]]:
-        return self.sets[(((node * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF) >> 20) % self.nsets]
+        n = self.nsets * self.ways
+        self.keys = [-1] * n  # flat: set s holds entries s*ways .. s*ways+ways-1
+        self.uses = [0] * n
+        self.first = [0] * n
+        self.stamps = [0] * n
 
     def get(self, node: int) -> tuple[int, int] | None:
-        st = self._set(node)
-        for i, e in enumerate(st):
-            if e[0] == node:
-                del st[i]
-                return e[1], e[2]
+        base = (node * 2654435761 % 4294967296) % self.nsets * self.ways
+        keys = self.keys
+        for i in range(base, base + self.ways):
+            if keys[i] == node:
+                keys[i] = -1
+                return self.uses[i], self.first[i]
         return None
 
     def put(self, node: int, uses: int, first: int) -> None:
-        st = self._set(node)
+        base = (node * 2654435761 % 4294967296) % self.nsets * self.ways
+        keys, us, st = self.keys, self.uses, self.stamps
         self.stamp += 1
-        if len(st) >= self.ways:
-            del st[min(range(len(st)), key=lambda i: (st[i][1], st[i][3]))]
-        st.append((node, uses, first, self.stamp))
+        j = base
+        for i in range(base, base + self.ways):
+            if keys[i] == -1:
+                j = i
+                break
+            if us[i] < us[j] or (us[i] == us[j] and st[i] < st[j]):
+                j = i
+        keys[j] = node
+        us[j] = uses
+        self.first[j] = first
+        st[j] = self.stamp
 
 
 class Counted(HeapPolicy):
@@ -460,9 +460,12 @@ class RateGDSF(GDSF):
     least that of the child released just before it (tail-first), a local rule that keeps
     parents above children without tree callbacks."""
 
-    def __init__(self, name: str, tau_slots: float = 15.0, ghost: Ghost | None = None, leaves: bool = True) -> None:
+    def __init__(
+        self, name: str, tau_slots: float = 15.0, ghost: Ghost | None = None, leaves: bool = True, power: float = 1.0
+    ) -> None:
         super().__init__(name, lambda f: 0.0, ghost)
         self.tau_slots = tau_slots
+        self.power = power
         self.leaves_only = leaves
         self.prev: tuple[int, float] | None = None
         self.kold: dict[int, float] = {}
@@ -477,7 +480,7 @@ class RateGDSF(GDSF):
 
     def key(self, node: int) -> Any:
         f = self.f[node]
-        k = self.L + ((f - 1) / (self.now - self.first[node] + self.tau) if f > 1 else 0.0)
+        k = self.L + ((f - 1) ** self.power / (self.now - self.first[node] + self.tau) if f > 1 else 0.0)
         if not self.leaves_only:
             prev = self.prev
             if prev is not None and self.sim.parent.get(prev[0]) == node:
@@ -712,6 +715,8 @@ POLICIES: dict[str, Callable[[list[Req]], Policy]] = {
     "rgdsf_local": lambda reqs: RateGDSF("rgdsf_local", 15.0, TableGhost(8), leaves=False),
     "rgdsf_tau5": lambda reqs: RateGDSF("rgdsf_tau5", 5.0, TableGhost(8)),
     "rgdsf_tau50": lambda reqs: RateGDSF("rgdsf_tau50", 50.0, TableGhost(8)),
+    "rgdsf_pow1.5": lambda reqs: RateGDSF("rgdsf_pow1.5", 15.0, TableGhost(8), power=1.5),
+    "rgdsf_pow0.5": lambda reqs: RateGDSF("rgdsf_pow0.5", 15.0, TableGhost(8), power=0.5),
 }
 DEFAULT = ["lru_head", "lru_tail", "belady", "gdsf_ghost", "gdsf1_ghost", "rgdsf", "rgdsf_ideal"]
 
