@@ -1,8 +1,17 @@
 """Offline eviction-policy study on the shared Mooncake trace (issue #18).
 
-    python benchmarks/eviction_study.py                    # every policy, 1M/3M/10M tokens
-    python benchmarks/eviction_study.py --only lru_head gdsf --caps 1000000
+    python benchmarks/eviction_study.py                    # the main policies, 1M/3M/10M tokens (~3 min)
+    python benchmarks/eviction_study.py --all              # every policy tried (~10 min)
+    python benchmarks/eviction_study.py --only lru_head rgdsf --caps 1000000
     python benchmarks/eviction_study.py --requests 500     # a prefix of the trace (quick)
+    python benchmarks/eviction_study.py --jitter 5         # also 5 equally likely orderings
+    .venv/bin/python benchmarks/eviction_study.py --verify 1000000         # real manager, LRU
+    .venv/bin/python benchmarks/eviction_study.py --verify-policy 1000000  # real manager, rgdsf
+
+The proposal (``rgdsf``, see docs/eviction_proposal.md): GreedyDual values per priority,
+value = L + (uses - 1) / (now - first_use + tau), L = the last victim's value, tau = 15 x slots
+(clock: block uses), a block with cached children waits for them (descendants first), and the
+uses / first use of evicted blocks are remembered in a set-associative table of 8 x slots.
 
 A block-level replay of the manager's reuse path, one request at a time, without tokens or
 hashing. It reproduces exactly what ``benchmarks/run.py``'s ``scenario_replay`` does with one
