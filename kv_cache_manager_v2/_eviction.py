@@ -1,15 +1,28 @@
-"""Evictable pages of one (cache level, pool group): LRU lists per priority, O(1) add/remove.
+"""Evictable pages of one (cache level, pool group), in eviction order, under one of two policies.
 
 Evictable are DROPPABLE pages (reusable cache, or garbage), and HELD pages (owned only by
 suspended requests) when the level is not the last: those move down a level when evicted,
 never get dropped. The evictor counts the two kinds apart, for the availability arithmetic.
+
+Policies (``KVCacheManagerConfig.eviction_policy``), both lowest priority first, garbage before
+everything:
+
+* ``"lru"`` (:class:`LruEvictor`): least recently released first within a priority. O(1).
+* ``"frequency"`` (:class:`FrequencyEvictor`, issue #18; the study is docs/eviction_proposal.md):
+  use-rate GreedyDual. Within a priority the page with the lowest value goes first, value =
+  the class's clock ``L`` (the value of its last victim) + the block's use rate
+  ``(uses - 1) / (clock - first_use + tau)``; blocks used by one request only have rate 0 and go
+  first. Use counts survive eviction in a ghost table (:class:`UseHistory`). At the last level a
+  full-attention / sink page whose tree node has children waits (is *parked*) until its last
+  child leaves the tree, so descendants go first. O(log n) per operation.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from array import array
+from typing import TYPE_CHECKING, Final, final
 
-from ._common import MAX_PRIORITY, Priority
+from ._common import MAX_PRIORITY, Priority, RequestSerial
 
 if TYPE_CHECKING:
     from ._page import Page
@@ -23,8 +36,97 @@ NOT_LISTED: Final = 0
 LISTED_DROPPABLE: Final = 1
 LISTED_HELD: Final = 2
 
+#: ``Page.ev_pos`` values besides a heap index (frequency policy)
+NOT_IN_HEAP: Final = -1
+PARKED: Final = -2
+
+#: ``Page.use_serial`` of a page no request has been counted for
+NO_SERIAL: Final = RequestSerial(-1)
+
+#: Frequency policy: the rate's damping ``tau``, in cache sizes of block uses (15 x the level's slots).
+TAU_SLOTS: Final = 15
+#: Frequency policy: ghost entries per slot of the last level, and entries per set.
+GHOST_PER_SLOT: Final = 8
+GHOST_WAYS: Final = 4
+#: fields of one ghost entry: tag, uses, first use, stamp
+_GHOST_FIELDS: Final = 4
+_NO_TAG: Final = -1
+
 
 class Evictor:
+    """The pages one (cache level, pool group) may evict, in eviction order (the interface).
+
+    ``count`` pages are listed, ``num_held`` of them HELD. Subclasses keep the order; the
+    listing state (``Page.in_evictor``) and the counts are kept here.
+    """
+
+    __slots__ = ("count", "num_held")
+
+    def __init__(self) -> None:
+        self.count = 0
+        #: listed pages that are HELD (the rest are DROPPABLE)
+        self.num_held = 0
+
+    @final
+    def _listed(self, page: Page) -> None:
+        """Bookkeeping of a page that enters the evictor (HELD if it has holders, else DROPPABLE)."""
+        if page.num_holds:
+            page.in_evictor = LISTED_HELD
+            self.num_held += 1
+        else:
+            page.in_evictor = LISTED_DROPPABLE
+        self.count += 1
+
+    @final
+    def _unlisted(self, page: Page) -> None:
+        if page.in_evictor == LISTED_HELD:
+            self.num_held -= 1
+        page.in_evictor = NOT_LISTED
+        self.count -= 1
+
+    def add(self, page: Page) -> None:
+        """List ``page`` (released by its last active owner, moved here, or re-prioritized)."""
+        raise NotImplementedError
+
+    def remove(self, page: Page) -> None:
+        """Unlist a listed page (taken by a request, moved, or freed)."""
+        raise NotImplementedError
+
+    def pop_victim(self) -> Page:
+        """Remove and return the page to evict next (callers check ``count`` first)."""
+        raise NotImplementedError
+
+    def select(self, count: int, max_held: int) -> list[Page]:
+        """Take out and return up to ``count`` pages in eviction order, at most ``max_held`` of them
+        HELD (HELD pages beyond that are skipped: there is no room for them below)."""
+        raise NotImplementedError
+
+    def pages(self) -> list[Page]:
+        """Every evictable page, in eviction order (for checks and statistics)."""
+        raise NotImplementedError
+
+    def structure_error(self) -> str | None:
+        """The first inconsistency of the internal structure, or None (for the invariant checker)."""
+        raise NotImplementedError
+
+    def to_garbage(self, page: Page) -> None:
+        """Move an evictable page to the front of the eviction order (it can no longer be reused).
+        A page an eviction has already taken out is only marked."""
+        if page.in_evictor == NOT_LISTED:
+            page.priority = GARBAGE_PRIORITY
+            return
+        self.remove(page)
+        page.priority = GARBAGE_PRIORITY
+        self.add(page)
+
+    def became_leaf(self, page: Page) -> None:
+        """``page``'s tree node lost its last child (the tree tells policies that park pages)."""
+
+    def resize(self, num_slots: int) -> None:
+        """The level now has ``num_slots`` slots of this pool group."""
+
+
+class LruEvictor(Evictor):
     """Lowest priority first, least recently released first within a priority.
 
     One intrusive doubly linked list per priority (``Page.lru_prev`` / ``lru_next``), plus one
@@ -32,24 +134,18 @@ class Evictor:
     pick-victim allocate nothing.
     """
 
-    __slots__ = ("_heads", "_nonempty", "_tails", "count", "num_held")
+    __slots__ = ("_heads", "_nonempty", "_tails")
 
     def __init__(self) -> None:
+        super().__init__()
         # list i holds priority i - 1: list 0 is garbage
         self._heads: list[Page | None] = [None] * (MAX_PRIORITY + 2)  # oldest
         self._tails: list[Page | None] = [None] * (MAX_PRIORITY + 2)  # newest
         self._nonempty = 0  # bit i set: list i has pages
-        self.count = 0
-        #: listed pages that are HELD (the rest are DROPPABLE)
-        self.num_held = 0
 
     def add(self, page: Page) -> None:
         """List ``page`` as the newest of its priority (HELD if it has holders, else DROPPABLE)."""
-        if page.num_holds:
-            page.in_evictor = LISTED_HELD
-            self.num_held += 1
-        else:
-            page.in_evictor = LISTED_DROPPABLE
+        self._listed(page)
         i = page.priority + 1
         tail = self._tails[i]
         page.lru_prev = tail
@@ -60,12 +156,9 @@ class Evictor:
         else:
             tail.lru_next = page
         self._tails[i] = page
-        self.count += 1
 
     def remove(self, page: Page) -> None:
-        if page.in_evictor == LISTED_HELD:
-            self.num_held -= 1
-        page.in_evictor = NOT_LISTED
+        self._unlisted(page)
         i = page.priority + 1
         prev = page.lru_prev
         nxt = page.lru_next
@@ -80,21 +173,8 @@ class Evictor:
         page.lru_prev = page.lru_next = None
         if self._heads[i] is None:
             self._nonempty &= ~(1 << i)
-        self.count -= 1
-
-    def to_garbage(self, page: Page) -> None:
-        """Move an evictable page to the front of the eviction order (it can no longer be reused).
-        A page an eviction has already taken out is only marked."""
-        if page.in_evictor == NOT_LISTED:
-            page.priority = GARBAGE_PRIORITY
-            return
-        self.remove(page)
-        page.priority = GARBAGE_PRIORITY
-        self.add(page)
 
     def select(self, count: int, max_held: int) -> list[Page]:
-        """Take out and return up to ``count`` pages in eviction order, at most ``max_held`` of them
-        HELD (HELD pages beyond that are skipped: there is no room for them below)."""
         out: list[Page] = []
         held = 0
         mask = self._nonempty
@@ -113,7 +193,6 @@ class Evictor:
         return out
 
     def pop_victim(self) -> Page:
-        """Remove and return the page to evict next (callers check ``count`` first)."""
         mask = self._nonempty
         if mask == 0:
             raise IndexError("no evictable page")
@@ -123,7 +202,6 @@ class Evictor:
         return page
 
     def pages(self) -> list[Page]:
-        """Every evictable page, in eviction order (for checks and statistics)."""
         out: list[Page] = []
         mask = self._nonempty
         while mask:
@@ -133,3 +211,389 @@ class Evictor:
                 page = page.lru_next
             mask &= mask - 1
         return out
+
+    def structure_error(self) -> str | None:
+        for i in range(len(self._heads)):
+            prev: Page | None = None
+            page = self._heads[i]
+            while page is not None:
+                if page.lru_prev is not prev or page.priority + 1 != i:
+                    return f"LRU list {i - 1}: broken back link or a page of priority {page.priority}"
+                prev = page
+                page = page.lru_next
+            if self._tails[i] is not prev or bool(self._nonempty >> i & 1) != (prev is not None):
+                return f"LRU list {i - 1}: tail or non-empty bit out of date"
+        return None
+
+
+class UseHistory:
+    """Use counting of one pool group for the frequency policy, shared by its evictors of every
+    cache level: the use clock, and the ghost table that remembers the blocks that left.
+
+    A *use* is a request taking a reusable page (a match, a partial-match source, a dedup at
+    publish) or publishing its own page into the tree; a request counts once per page
+    (``Page.use_serial``). ``now`` counts uses. A page counted for the first time resumes what
+    the ghost remembers of its block (``uses``, ``first_use``); a page dropped for good while in
+    the tree is remembered there.
+
+    The ghost is a set-associative table of ``GHOST_PER_SLOT`` x the last level's slots entries,
+    ``GHOST_WAYS`` per set, keyed by 56 bits of the block key (a SHA-256 digest); a full set
+    replaces its entry with the fewest uses, then the oldest. One preallocated ``array('q')``:
+    32 bytes per entry, nothing allocated per entry.
+    """
+
+    __slots__ = ("_ghost", "_num_sets", "_stamp", "now")
+
+    def __init__(self, num_slots: int) -> None:
+        #: block uses so far in this pool group (the clock of first uses and rates)
+        self.now = 0
+        self._stamp = 0
+        self._num_sets = 1
+        self._ghost: array[int] = array("q")
+        self.resize(num_slots)
+
+    def resize(self, num_slots: int) -> None:
+        """Size the ghost for a last level of ``num_slots`` slots (keeps what fits)."""
+        old = self._ghost
+        self._num_sets = max(1, GHOST_PER_SLOT * num_slots // GHOST_WAYS)
+        self._ghost = array("q", [_NO_TAG, 0, 0, 0]) * (self._num_sets * GHOST_WAYS)
+        entries = [
+            (old[i + 3], old[i], old[i + 1], old[i + 2])
+            for i in range(0, len(old), _GHOST_FIELDS)
+            if old[i] != _NO_TAG
+        ]
+        entries.sort()  # oldest first: the newest win where a set overflows
+        for _, tag, uses, first in entries:
+            self._put(tag, uses, first)
+
+    @property
+    def num_entries(self) -> int:
+        return self._num_sets * GHOST_WAYS
+
+    def use(self, page: Page, serial: RequestSerial) -> None:
+        """Request ``serial`` uses ``page`` (a page in the tree); counted once per request."""
+        if page.use_serial == serial:
+            return
+        page.use_serial = serial
+        self.now += 1
+        if page.uses == 0:  # never counted: resume the block's history, if remembered
+            node = page.node
+            assert node is not None
+            self._recall(page, _tag(node.key))
+        page.uses += 1
+
+    def record(self, page: Page) -> None:
+        """``page`` (in the tree) is dropped for good: remember its block's uses."""
+        node = page.node
+        if node is not None and page.uses:
+            self._put(_tag(node.key), page.uses, page.first_use)
+
+    def remembers(self, key: bytes) -> int:
+        """Uses the ghost remembers of the block with ``key`` (0: none; for tests)."""
+        tag = _tag(key)
+        g = self._ghost
+        base = tag % self._num_sets * GHOST_WAYS * _GHOST_FIELDS
+        for i in range(base, base + GHOST_WAYS * _GHOST_FIELDS, _GHOST_FIELDS):
+            if g[i] == tag:
+                return g[i + 1]
+        return 0
+
+    def _recall(self, page: Page, tag: int) -> None:
+        g = self._ghost
+        base = tag % self._num_sets * GHOST_WAYS * _GHOST_FIELDS
+        for i in range(base, base + GHOST_WAYS * _GHOST_FIELDS, _GHOST_FIELDS):
+            if g[i] == tag:
+                g[i] = _NO_TAG  # the block is cached again: its page carries the history
+                page.uses = g[i + 1]
+                page.first_use = g[i + 2]
+                return
+        page.first_use = self.now
+
+    def _put(self, tag: int, uses: int, first: int) -> None:
+        g = self._ghost
+        self._stamp += 1
+        base = tag % self._num_sets * GHOST_WAYS * _GHOST_FIELDS
+        j = base
+        for i in range(base, base + GHOST_WAYS * _GHOST_FIELDS, _GHOST_FIELDS):
+            if g[i] == _NO_TAG:
+                j = i
+                break
+            if g[i + 1] < g[j + 1] or (g[i + 1] == g[j + 1] and g[i + 3] < g[j + 3]):
+                j = i
+        g[j] = tag
+        g[j + 1] = uses
+        g[j + 2] = first
+        g[j + 3] = self._stamp
+
+
+def _tag(key: bytes) -> int:
+    """56 bits of a block key (a SHA-256 digest): a short int in compiled code."""
+    return int.from_bytes(key[:7], "little")
+
+
+class _Class:
+    """One priority class of a :class:`FrequencyEvictor`: a binary min-heap of pages by
+    ``(ev_key, ev_seq)`` (each page knows its index, ``ev_pos``), the class's GreedyDual clock,
+    and the parked pages (an intrusive list through ``lru_prev`` / ``lru_next``, oldest first)."""
+
+    __slots__ = ("clock", "heap", "parked_head", "parked_tail")
+
+    def __init__(self) -> None:
+        self.heap: list[Page] = []
+        #: the value of the class's last victim (rises only): pages released now start above it
+        self.clock = 0.0
+        self.parked_head: Page | None = None
+        self.parked_tail: Page | None = None
+
+
+def _before(a: Page, b: Page) -> bool:
+    """Whether ``a`` is evicted before ``b`` (same class): lower value, then listed earlier."""
+    return a.ev_key < b.ev_key or (a.ev_key == b.ev_key and a.ev_seq < b.ev_seq)
+
+
+class FrequencyEvictor(Evictor):
+    """Lowest priority first; within a priority, lowest use-rate value first (see the module).
+
+    Per priority (and garbage) a :class:`_Class`; a bit mask of the non-empty ones. A page's
+    value is fixed when it is listed: ``clock + (uses - 1) / (now - first_use + tau)`` (rate 0
+    for a block one request used), ``tau = TAU_SLOTS x`` the level's slots. ``parks`` (the last
+    level): an anchor page (full attention, sinks) whose node has children is parked instead of
+    entering the heap, and enters it (same value) when the tree reports ``became_leaf``; a class
+    whose heap is empty gives its oldest parked page (whose drop removes the subtree, as under
+    LRU). Add, remove, pop and select: O(log n) sifts comparing unboxed fields, nothing
+    allocated besides amortized list growth.
+    """
+
+    __slots__ = ("_classes", "_history", "_nonempty", "_parks", "_seq", "_tau")
+
+    def __init__(self, history: UseHistory, num_slots: int, parks: bool) -> None:
+        super().__init__()
+        self._classes = [_Class() for _ in range(MAX_PRIORITY + 2)]  # class i: priority i - 1
+        self._nonempty = 0  # bit i set: class i has heap or parked pages
+        self._history = history
+        self._parks = parks
+        self._seq = 0
+        self._tau = 1.0
+        self.resize(num_slots)
+
+    def resize(self, num_slots: int) -> None:
+        self._tau = float(TAU_SLOTS * max(1, num_slots))
+
+    # ------------------------------------------------------------------ the interface
+    def add(self, page: Page) -> None:
+        """List ``page`` with its value now: park it (last level, an anchor with children) or push it."""
+        self._listed(page)
+        i = page.priority + 1
+        cls = self._classes[i]
+        uses = page.uses
+        if uses > 1:
+            page.ev_key = cls.clock + (uses - 1) / (self._history.now - page.first_use + self._tau)
+        else:
+            page.ev_key = cls.clock
+        self._seq += 1
+        page.ev_seq = self._seq
+        node = page.node
+        if self._parks and page.anchor and node is not None and node.has_children:
+            self._park(cls, page)
+        else:
+            self._push(cls, page)
+        self._nonempty |= 1 << i
+
+    def remove(self, page: Page) -> None:
+        self._unlisted(page)
+        self._take_out(page)
+
+    def pop_victim(self) -> Page:
+        if self._nonempty == 0:
+            raise IndexError("no evictable page")
+        page = self._next()
+        self._advance_clock(page)
+        return page
+
+    def select(self, count: int, max_held: int) -> list[Page]:
+        out: list[Page] = []
+        skipped: list[Page] = []
+        held = 0
+        while len(out) < count and self._nonempty:
+            page = self._next()
+            if page.num_holds:
+                if held >= max_held:
+                    skipped.append(page)
+                    continue
+                held += 1
+            self._advance_clock(page)
+            out.append(page)
+        for p in skipped:  # back where they were: same value, same sequence number
+            self._listed(p)
+            i = p.priority + 1
+            self._push(self._classes[i], p)
+            self._nonempty |= 1 << i
+        return out
+
+    def became_leaf(self, page: Page) -> None:
+        """A parked page's node lost its last child: it becomes a candidate, with its value."""
+        if page.in_evictor != NOT_LISTED and page.ev_pos == PARKED:
+            cls = self._classes[page.priority + 1]
+            self._unpark(cls, page)
+            self._seq += 1
+            page.ev_seq = self._seq
+            self._push(cls, page)
+
+    def pages(self) -> list[Page]:
+        out: list[Page] = []
+        for cls in self._classes:
+            out.extend(sorted(cls.heap, key=_order))
+            page = cls.parked_head
+            while page is not None:
+                out.append(page)
+                page = page.lru_next
+        return out
+
+    def class_clock(self, priority: Priority) -> float:
+        """The GreedyDual clock of ``priority``'s class (for tests and statistics)."""
+        return self._classes[priority + 1].clock
+
+    def is_parked(self, page: Page) -> bool:
+        return page.in_evictor != NOT_LISTED and page.ev_pos == PARKED
+
+    def structure_error(self) -> str | None:
+        n = 0
+        for i, cls in enumerate(self._classes):
+            heap = cls.heap
+            for k, page in enumerate(heap):
+                if page.ev_pos != k:
+                    return f"frequency class {i - 1}: heap entry {k} records position {page.ev_pos}"
+                if page.priority + 1 != i:
+                    return f"frequency class {i - 1}: holds a page of priority {page.priority}"
+                if k and _before(page, heap[(k - 1) >> 1]):
+                    return f"frequency class {i - 1}: heap order broken at {k}"
+                if page.ev_seq > self._seq:
+                    return f"frequency class {i - 1}: sequence number from the future"
+                node = page.node
+                if self._parks and page.anchor and node is not None and node.has_children:
+                    return f"frequency class {i - 1}: an anchor page with cached descendants is a candidate"
+            n += len(heap)
+            prev: Page | None = None
+            page_ = cls.parked_head
+            while page_ is not None:
+                parked_node = page_.node
+                if page_.ev_pos != PARKED or page_.lru_prev is not prev or page_.priority + 1 != i:
+                    return f"frequency class {i - 1}: parked list broken"
+                if not self._parks or not page_.anchor or parked_node is None or not parked_node.has_children:
+                    return f"frequency class {i - 1}: a parked page that should be a candidate"
+                n += 1
+                prev = page_
+                page_ = page_.lru_next
+            if cls.parked_tail is not prev:
+                return f"frequency class {i - 1}: parked tail out of date"
+            if bool(self._nonempty >> i & 1) != (bool(heap) or prev is not None):
+                return f"frequency class {i - 1}: non-empty bit out of date"
+        if n != self.count:
+            return f"frequency evictor counts {self.count} pages but holds {n}"
+        return None
+
+    # ------------------------------------------------------------------ internals
+    def _next(self) -> Page:
+        """Take out the next page in eviction order (some class is non-empty)."""
+        mask = self._nonempty
+        cls = self._classes[(mask & -mask).bit_length() - 1]
+        page = cls.heap[0] if cls.heap else cls.parked_head
+        assert page is not None
+        self.remove(page)
+        return page
+
+    def _advance_clock(self, victim: Page) -> None:
+        """GreedyDual aging: the class's clock rises to its victim's value (a page listed long
+        ago may hold a value below it: the clock never falls)."""
+        cls = self._classes[victim.priority + 1]
+        if victim.ev_key > cls.clock:
+            cls.clock = victim.ev_key
+
+    def _take_out(self, page: Page) -> None:
+        i = page.priority + 1
+        cls = self._classes[i]
+        if page.ev_pos == PARKED:
+            self._unpark(cls, page)
+        else:
+            self._delete(cls.heap, page)
+        if not cls.heap and cls.parked_head is None:
+            self._nonempty &= ~(1 << i)
+
+    def _park(self, cls: _Class, page: Page) -> None:
+        page.ev_pos = PARKED
+        tail = cls.parked_tail
+        page.lru_prev = tail
+        page.lru_next = None
+        if tail is None:
+            cls.parked_head = page
+        else:
+            tail.lru_next = page
+        cls.parked_tail = page
+
+    def _unpark(self, cls: _Class, page: Page) -> None:
+        prev = page.lru_prev
+        nxt = page.lru_next
+        if prev is None:
+            cls.parked_head = nxt
+        else:
+            prev.lru_next = nxt
+        if nxt is None:
+            cls.parked_tail = prev
+        else:
+            nxt.lru_prev = prev
+        page.lru_prev = page.lru_next = None
+        page.ev_pos = NOT_IN_HEAP
+
+    def _push(self, cls: _Class, page: Page) -> None:
+        heap = cls.heap
+        heap.append(page)
+        self._sift_up(heap, len(heap) - 1, page)
+
+    def _delete(self, heap: list[Page], page: Page) -> None:
+        i = page.ev_pos
+        last = heap.pop()
+        page.ev_pos = NOT_IN_HEAP
+        if last is page:
+            return
+        if i > 0 and _before(last, heap[(i - 1) >> 1]):
+            self._sift_up(heap, i, last)
+        else:
+            self._sift_down(heap, i, last)
+
+    def _sift_up(self, heap: list[Page], i: int, page: Page) -> None:
+        """Place ``page`` at hole ``i`` or above."""
+        while i > 0:
+            j = (i - 1) >> 1
+            parent = heap[j]
+            if not _before(page, parent):
+                break
+            heap[i] = parent
+            parent.ev_pos = i
+            i = j
+        heap[i] = page
+        page.ev_pos = i
+
+    def _sift_down(self, heap: list[Page], i: int, page: Page) -> None:
+        """Place ``page`` at hole ``i`` or below."""
+        n = len(heap)
+        while True:
+            c = 2 * i + 1
+            if c >= n:
+                break
+            child = heap[c]
+            if c + 1 < n:
+                right = heap[c + 1]
+                if _before(right, child):
+                    c += 1
+                    child = right
+            if not _before(child, page):
+                break
+            heap[i] = child
+            child.ev_pos = i
+            i = c
+        heap[i] = page
+        page.ev_pos = i
+
+
+def _order(page: Page) -> tuple[float, int]:
+    return (page.ev_key, page.ev_seq)

@@ -74,11 +74,14 @@ class KVCacheManager:
         ]
         self._backend: MemoryBackend = select_backend(config.backend)
         try:
-            self._storage = StorageManager(self._layout, slots, self._backend, config.cache_tiers)
+            self._storage = StorageManager(
+                self._layout, slots, self._backend, config.cache_tiers, config.eviction_policy
+            )
         except BaseException:
             self._backend.shutdown()
             raise
         self._tree = ReuseTree(self._registry.life_cycles, self.tokens_per_block)
+        self._tree.reports_leaves = config.eviction_policy == "frequency"  # its evictors park pages
         self._storage.drop_listener = self._tree
         self._event_manager = event_manager
         if event_manager is not None:
