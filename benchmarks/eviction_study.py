@@ -5,8 +5,8 @@
     python benchmarks/eviction_study.py --only lru_head rgdsf --caps 1000000
     python benchmarks/eviction_study.py --requests 500     # a prefix of the trace (quick)
     python benchmarks/eviction_study.py --jitter 5         # also 5 equally likely orderings
-    .venv/bin/python benchmarks/eviction_study.py --verify 1000000         # real manager, LRU
-    .venv/bin/python benchmarks/eviction_study.py --verify-policy 1000000  # real manager, rgdsf
+    .venv/bin/python benchmarks/eviction_study.py --verify 1000000                      # real manager, LRU
+    .venv/bin/python benchmarks/eviction_study.py --verify 1000000 --policy frequency   # real manager, rgdsf
 
 The proposal (``rgdsf``, see docs/eviction_proposal.md): GreedyDual values per priority,
 value = L + (uses - 1) / (now - first_use + tau), L = the last victim's value, tau = 15 x slots
@@ -60,7 +60,8 @@ import statistics
 import sys
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
@@ -127,7 +128,7 @@ class Policy:
     name = "?"
     order = "tail"  # release order at close: "head" (ascending, today) or "tail" (issue #19)
 
-    def bind(self, sim: "Replay") -> None:
+    def bind(self, sim: Replay) -> None:
         self.sim = sim
 
     def add(self, node: int) -> None: ...
@@ -242,7 +243,7 @@ class Replay:
                 prev = node
             # close(): tree pages go to the evictor; private pages (the partial tail; a
             # deduplicated copy was already freed at publish) are freed
-            for node in (pages if head else pages[::-1]):
+            for node in pages if head else pages[::-1]:
                 pol.add(node)
             self.free += req.nb - len(pages)
         return {
@@ -415,7 +416,7 @@ class Counted(HeapPolicy):
         self.r = 0
         self.now = 0
 
-    def bind(self, sim: "Replay") -> None:
+    def bind(self, sim: Replay) -> None:
         super().bind(sim)
         self.ghost.bind(sim.slots)
 
@@ -489,7 +490,7 @@ class RateGDSF(GDSF):
         self.prev: tuple[int, float] | None = None
         self.kold: dict[int, float] = {}
 
-    def bind(self, sim: "Replay") -> None:
+    def bind(self, sim: Replay) -> None:
         super().bind(sim)
         self.tau = self.tau_slots * sim.slots
 
@@ -561,9 +562,9 @@ class LRFU(History):
     def __init__(self, lam_slots: float) -> None:
         super().__init__()
         self.lam_slots = lam_slots
-        self.name = f"lrfu"
+        self.name = "lrfu"
 
-    def bind(self, sim: "Replay") -> None:
+    def bind(self, sim: Replay) -> None:
         super().bind(sim)
         self.lam = 1.0 / (self.lam_slots * sim.slots)
 
@@ -732,6 +733,8 @@ POLICIES: dict[str, Callable[[list[Req]], Policy]] = {
     "s3fifo": lambda reqs: S3FIFO(),
     # use-rate GDSF (the proposal) and its variants
     "rgdsf": lambda reqs: RateGDSF("rgdsf", 15.0, TableGhost(8)),
+    # what the manager ships (eviction_policy="frequency"): 16-way ghost sets
+    "rgdsf16": lambda reqs: RateGDSF("rgdsf16", 15.0, TableGhost(8, 16)),
     "rgdsf_table4": lambda reqs: RateGDSF("rgdsf_table4", 15.0, TableGhost(4)),
     "rgdsf_ideal": lambda reqs: RateGDSF("rgdsf_ideal", 15.0, DictGhost()),
     "rgdsf_noghost": lambda reqs: RateGDSF("rgdsf_noghost", 15.0, Ghost()),
@@ -750,250 +753,13 @@ def _head(p: Policy) -> Policy:
 
 
 # ------------------------------------------------------------------ manager check
-def verify_with_manager(path: str, cap_tokens: int, limit: int | None) -> dict[str, Any]:
-    """Replay through the real KVCacheManager (as benchmarks/run.py's scenario_replay: one
-    full-attention layer, 64-byte buffers, host backend, metadata only) and return its rates."""
-    sys.path.insert(0, ROOT)
-    import kv_cache_manager_v2 as kvm
+def verify_with_manager(path: str, cap_tokens: int, limit: int | None, policy: str = "lru") -> dict[str, Any]:
+    """Replay through the real KVCacheManager with ``eviction_policy=policy`` (see
+    benchmarks/eviction_hit_rate.py, which this delegates to) and return its rates."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import eviction_hit_rate
 
-    layers = [kvm.AttentionLayerConfig(kvm.LayerId(0), [kvm.BufferConfig("key", 64), kvm.BufferConfig("value", 64)])]
-    slots = cap_tokens // T
-    cfg = kvm.KVCacheManagerConfig(T, [kvm.GpuCacheTierConfig(slots * 2 * 64)], layers, backend="host")
-    m = kvm.KVCacheManager(cfg)
-    total_slots = m.get_storage_statistics()[0].total
-    hit_tok = tot_tok = 0
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if limit is not None and i >= limit:
-                break
-            r = json.loads(line)
-            n = r["input_length"]
-            prompt = [h * 512 + k for h in r["hash_ids"] for k in range(512)][:n]
-            kv = m.create_kv_cache(input_tokens=prompt[:-1])
-            hit_tok += kv.history_length
-            tot_tok += n
-            if not (kv.resume() and kv.resize(n)):
-                raise SystemExit(f"request {i} did not fit")
-            kv.commit(prompt[kv.history_length :])
-            kv.close()
-    st = m.reuse_statistics
-    m.shutdown()
-    return {"hit": hit_tok / tot_tok, "blk": st.hit_rate, "slots": total_slots, "compiled": kvm.compiled}
-
-
-# ------------------------------------------------------------ manager prototype
-class RateEvictor:
-    """Prototype of the proposed evictor in the manager's shape (study only; interpreted mode).
-
-    Per priority an indexed binary min-heap of pages ordered by (value, seq), values
-    ``L[p] + (uses - 1) / (clock - first_use + tau)``; a page whose tree node has children is
-    parked (out of the heap, still counted) until its last child leaves the tree. State per
-    page: ``ev_uses``, ``ev_first``, ``ev_req`` (last request counted), ``ev_key``, ``ev_seq``,
-    ``ev_pos`` (heap index; -1 not here, -2 parked). ``clock`` is shared by the manager's
-    evictors: ``now`` (block uses so far) and ``request`` (serial of the current request).
-    ``node_id`` maps a page to its ghost key (here the trace node id, so the ghost table is
-    the simulator's; the manager would hash ``node.key``)."""
-
-    def __init__(self, num_slots: int, clock: Any, node_id: Callable[[Any], int], tau_slots: float = 15.0,
-                 ghost: Ghost | None = None) -> None:
-        self.heaps: list[list[Any]] = [[] for _ in range(101)]
-        self.L = [0.0] * 101
-        self.nonempty = 0
-        self.count = 0
-        self.seq = 0
-        self.tau = tau_slots * num_slots
-        self.clock = clock
-        self.node_id = node_id
-        self.ghost = ghost if ghost is not None else TableGhost(8)
-        self.ghost.bind(num_slots)
-        # parked pages must stay referenced: the tree holds pages only through rawrefs (the
-        # manager would chain them in an intrusive list, reusing lru_prev / lru_next)
-        self.parked: set[Any] = set()
-
-    # use counting ------------------------------------------------------------
-    def touch(self, page: Any) -> None:
-        """A request uses the page (take, or first release of a new page): once per request."""
-        c = self.clock
-        if getattr(page, "ev_req", None) == c.request:
-            return
-        c.now += 1
-        if getattr(page, "ev_req", None) is None:  # a new page: resume what the ghost knows
-            g = self.ghost.get(self.node_id(page))
-            page.ev_uses, page.ev_first = g if g is not None else (0, c.now)
-            page.ev_pos = -1
-        page.ev_req = c.request
-        page.ev_uses += 1
-
-    # the Evictor interface -----------------------------------------------------
-    def add(self, page: Any) -> None:
-        self.touch(page)
-        u = page.ev_uses
-        p = page.priority
-        page.ev_key = self.L[p] + ((u - 1) / (self.clock.now - page.ev_first + self.tau) if u > 1 else 0.0)
-        self.count += 1
-        node = page.node
-        if node is not None and node.has_children:
-            page.ev_pos = -2  # parked: descendants go first
-            self.parked.add(page)
-            return
-        self._push(page)
-
-    def remove(self, page: Any) -> None:
-        if page.ev_pos == -2:
-            page.ev_pos = -1
-            self.parked.discard(page)
-        else:
-            self._delete(page)
-        self.count -= 1
-
-    def pop_victim(self) -> Any:
-        mask = self.nonempty
-        if mask == 0:
-            raise IndexError("no evictable page (or only parked ones)")
-        p = (mask & -mask).bit_length() - 1
-        page = self.heaps[p][0]
-        self._delete(page)
-        self.count -= 1
-        if page.ev_key > self.L[p]:
-            self.L[p] = page.ev_key  # the clock only rises (a page parked long ago may be below it)
-        self.ghost.put(self.node_id(page), page.ev_uses, page.ev_first)
-        return page
-
-    def became_leaf(self, page: Any) -> None:
-        """Tree hook: ``page``'s node lost its last child; a parked page becomes a candidate."""
-        if page.ev_pos == -2:
-            self.parked.discard(page)
-            self._push(page)
-
-    def pages(self) -> list[Any]:
-        return sorted((q for h in self.heaps for q in h), key=lambda q: (q.priority, q.ev_key, q.ev_seq))
-
-    # indexed heap ----------------------------------------------------------------
-    def _push(self, page: Any) -> None:
-        self.seq += 1
-        page.ev_seq = self.seq
-        h = self.heaps[page.priority]
-        page.ev_pos = len(h)
-        h.append(page)
-        self._up(h, page.ev_pos)
-        self.nonempty |= 1 << page.priority
-
-    def _delete(self, page: Any) -> None:
-        h = self.heaps[page.priority]
-        i = page.ev_pos
-        last = h.pop()
-        if last is not page:
-            h[i] = last
-            last.ev_pos = i
-            self._up(h, i)
-            self._down(h, last.ev_pos)
-        page.ev_pos = -1
-        if not h:
-            self.nonempty &= ~(1 << page.priority)
-
-    @staticmethod
-    def _less(a: Any, b: Any) -> bool:
-        return a.ev_key < b.ev_key or (a.ev_key == b.ev_key and a.ev_seq < b.ev_seq)
-
-    def _up(self, h: list[Any], i: int) -> None:
-        x = h[i]
-        while i > 0:
-            j = (i - 1) >> 1
-            y = h[j]
-            if not self._less(x, y):
-                break
-            h[i] = y
-            y.ev_pos = i
-            i = j
-        h[i] = x
-        x.ev_pos = i
-
-    def _down(self, h: list[Any], i: int) -> None:
-        n = len(h)
-        x = h[i]
-        while True:
-            c = 2 * i + 1
-            if c >= n:
-                break
-            if c + 1 < n and self._less(h[c + 1], h[c]):
-                c += 1
-            if not self._less(h[c], x):
-                break
-            h[i] = h[c]
-            h[i].ev_pos = i
-            i = c
-        h[i] = x
-        x.ev_pos = i
-
-
-def verify_policy_with_manager(path: str, cap_tokens: int, limit: int | None) -> dict[str, Any]:
-    """The real manager with ``RateEvictor`` patched in (interpreted mode), close() releasing
-    tail-first (issue #19), and two hooks: Page.take counts a use, Node.remove_child tells the
-    evictor when a node became a leaf. Returns its hit rates (to compare with ``rgdsf``)."""
-    sys.path.insert(0, ROOT)
-    import kv_cache_manager_v2 as kvm
-    from kv_cache_manager_v2 import _page, _radix_tree
-    from kv_cache_manager_v2._core import _kv_cache
-    from kv_cache_manager_v2._storage import _storage
-
-    if kvm.compiled:
-        raise SystemExit("--verify-policy patches classes: run it without compiled modules (fast mode)")
-
-    class Clock:
-        now = 0
-        request = 0
-
-    clock = Clock()
-    slots = cap_tokens // T
-    saved = (_storage.Evictor, _page.Page.take, _radix_tree.Node.remove_child, _kv_cache.KVCache.close)
-    orig_take, orig_remove_child, orig_close = saved[1], saved[2], saved[3]
-
-    def take(self: Any, locked: bool) -> None:
-        orig_take(self, locked)  # a droppable page leaves the evictor (remove)
-        self.storage.evictor.touch(self)  # a request uses it
-
-    def remove_child(self: Any, child: Any) -> None:
-        orig_remove_child(self, child)
-        if not self.has_children:
-            for r in self.pages:
-                pg = r() if r is not None else None
-                if pg is not None and pg.num_locks == 0 and pg.num_holds == 0:
-                    pg.storage.evictor.became_leaf(pg)
-
-    def close(self: Any) -> None:
-        for pages in self._pages:
-            pages.reverse()  # tail-first release (issue #19)
-        orig_close(self)
-
-    _storage.Evictor = lambda: RateEvictor(slots, clock, lambda pg: pg.node.tokens[0] // T)  # type: ignore
-    _page.Page.take = take
-    _radix_tree.Node.remove_child = remove_child
-    _kv_cache.KVCache.close = close
-    try:
-        layers = [kvm.AttentionLayerConfig(kvm.LayerId(0), [kvm.BufferConfig("key", 64), kvm.BufferConfig("value", 64)])]
-        cfg = kvm.KVCacheManagerConfig(T, [kvm.GpuCacheTierConfig(slots * 2 * 64)], layers, backend="host")
-        m = kvm.KVCacheManager(cfg)
-        hit_tok = tot_tok = 0
-        with open(path) as f:
-            for i, line in enumerate(f):
-                if limit is not None and i >= limit:
-                    break
-                r = json.loads(line)
-                n = r["input_length"]
-                prompt = [h * 512 + k for h in r["hash_ids"] for k in range(512)][:n]
-                clock.request = i
-                kv = m.create_kv_cache(input_tokens=prompt[:-1])
-                hit_tok += kv.history_length
-                tot_tok += n
-                if not (kv.resume() and kv.resize(n)):
-                    raise SystemExit(f"request {i} did not fit")
-                kv.commit(prompt[kv.history_length :])
-                kv.close()
-        st = m.reuse_statistics
-        m.shutdown()
-    finally:
-        _storage.Evictor, _page.Page.take, _radix_tree.Node.remove_child, _kv_cache.KVCache.close = saved
-    return {"hit": hit_tok / tot_tok, "blk": st.hit_rate}
+    return eviction_hit_rate.replay(eviction_hit_rate.load(path, limit), cap_tokens, policy)
 
 
 def main() -> None:
@@ -1005,26 +771,27 @@ def main() -> None:
     ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--jitter", type=int, metavar="SEEDS", help="also replay SEEDS jittered orderings (arrivals +-3 s)")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench_results", "eviction_study.json"))
-    ap.add_argument("--verify", type=int, metavar="TOKENS", help="replay through the real manager (LRU) at this capacity")
-    ap.add_argument("--verify-policy", type=int, metavar="TOKENS", help="replay through the real manager with the rgdsf prototype evictor")
+    ap.add_argument("--verify", type=int, metavar="TOKENS", help="replay through the real manager at this capacity")
+    ap.add_argument(
+        "--policy",
+        default="lru",
+        choices=["lru", "frequency"],
+        help="--verify: the manager's eviction_policy (compared with lru_tail / rgdsf16 here)",
+    )
     args = ap.parse_args()
     if not os.path.exists(args.trace):
         print(f"skipped: {os.path.normpath(args.trace)} not found (the shared trace lives beside the repository)")
         return
     if args.verify:
         t0 = time.perf_counter()
-        mres = verify_with_manager(args.trace, args.verify, args.requests)
-        sres = Replay(load_trace(args.trace, args.requests), args.verify, LRU("head")).run()
-        print(f"manager at {args.verify} tokens ({mres['slots']} slots, compiled={mres['compiled']}): "
-              f"hit {mres['hit']:.6f} blk {mres['blk']:.6f}; simulator lru_head: hit {sres['hit']:.6f} "
-              f"blk {sres['blk']:.6f} ({time.perf_counter() - t0:.0f} s)")
-        return
-    if args.verify_policy:
-        t0 = time.perf_counter()
-        mres = verify_policy_with_manager(args.trace, args.verify_policy, args.requests)
-        sres = Replay(load_trace(args.trace, args.requests), args.verify_policy, POLICIES["rgdsf"]([])).run()
-        print(f"manager + RateEvictor at {args.verify_policy} tokens: hit {mres['hit']:.6f} blk {mres['blk']:.6f}; "
-              f"simulator rgdsf: hit {sres['hit']:.6f} blk {sres['blk']:.6f} ({time.perf_counter() - t0:.0f} s)")
+        mres = verify_with_manager(args.trace, args.verify, args.requests, args.policy)
+        sim = "lru_tail" if args.policy == "lru" else "rgdsf16"
+        sres = Replay(load_trace(args.trace, args.requests), args.verify, POLICIES[sim]([])).run()
+        print(
+            f"manager ({args.policy}) at {args.verify} tokens ({mres['slots']} slots, compiled={mres['compiled']}): "
+            f"hit {mres['hit']:.6f} blk {mres['blk']:.6f}; simulator {sim}: hit {sres['hit']:.6f} "
+            f"blk {sres['blk']:.6f} ({time.perf_counter() - t0:.0f} s)"
+        )
         return
     reqs = load_trace(args.trace, args.requests)
     names = args.only or (list(POLICIES) if args.all else DEFAULT)

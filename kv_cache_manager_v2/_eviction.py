@@ -19,7 +19,6 @@ everything:
 
 from __future__ import annotations
 
-from array import array
 from typing import TYPE_CHECKING, Final, final
 
 from ._common import MAX_PRIORITY, Priority, RequestSerial
@@ -45,11 +44,13 @@ NO_SERIAL: Final = RequestSerial(-1)
 
 #: Frequency policy: the rate's damping ``tau``, in cache sizes of block uses (15 x the level's slots).
 TAU_SLOTS: Final = 15
-#: Frequency policy: ghost entries per slot of the last level, and entries per set.
+#: Frequency policy: ghost entries per slot of the last level, and entries per set (the study:
+#: 16 ways evict the fewest-uses entry of a wide neighbourhood, which beats 4 ways by 0.003 at 1M).
 GHOST_PER_SLOT: Final = 8
-GHOST_WAYS: Final = 4
-#: fields of one ghost entry: tag, uses, first use, stamp
-_GHOST_FIELDS: Final = 4
+GHOST_WAYS: Final = 16
+#: a ghost entry's rank: min(uses, _MAX_RANKED_USES) above 40 bits of stamp (lowest replaced first)
+_STAMP_BITS: Final = 40
+_MAX_RANKED_USES: Final = (1 << 22) - 1
 _NO_TAG: Final = -1
 
 
@@ -238,37 +239,41 @@ class UseHistory:
 
     The ghost is a set-associative table of ``GHOST_PER_SLOT`` x the last level's slots entries,
     ``GHOST_WAYS`` per set, keyed by 56 bits of the block key (a SHA-256 digest); a full set
-    replaces its entry with the fewest uses, then the oldest. One preallocated ``array('q')``:
-    32 bytes per entry, nothing allocated per entry.
+    replaces its entry with the fewest uses, then the oldest. Three preallocated lists of ints
+    (tag, rank = uses and stamp, first use): reading them unboxes, nothing is allocated but the
+    ints a new entry stores.
     """
 
-    __slots__ = ("_ghost", "_num_sets", "_stamp", "now")
+    __slots__ = ("_firsts", "_num_sets", "_ranks", "_stamp", "_tags", "now")
 
     def __init__(self, num_slots: int) -> None:
         #: block uses so far in this pool group (the clock of first uses and rates)
         self.now = 0
         self._stamp = 0
         self._num_sets = 1
-        self._ghost: array[int] = array("q")
+        self._tags: list[int] = []
+        self._ranks: list[int] = []
+        self._firsts: list[int] = []
         self.resize(num_slots)
 
     def resize(self, num_slots: int) -> None:
-        """Size the ghost for a last level of ``num_slots`` slots (keeps what fits)."""
-        old = self._ghost
+        """Size the ghost for a last level of ``num_slots`` slots (keeps what fits, newest first)."""
+        old = sorted(
+            (self._ranks[i] & ((1 << _STAMP_BITS) - 1), self._tags[i], self._ranks[i] >> _STAMP_BITS, self._firsts[i])
+            for i in range(len(self._tags))
+            if self._tags[i] != _NO_TAG
+        )
         self._num_sets = max(1, GHOST_PER_SLOT * num_slots // GHOST_WAYS)
-        self._ghost = array("q", [_NO_TAG, 0, 0, 0]) * (self._num_sets * GHOST_WAYS)
-        entries = [
-            (old[i + 3], old[i], old[i + 1], old[i + 2])
-            for i in range(0, len(old), _GHOST_FIELDS)
-            if old[i] != _NO_TAG
-        ]
-        entries.sort()  # oldest first: the newest win where a set overflows
-        for _, tag, uses, first in entries:
+        n = self._num_sets * GHOST_WAYS
+        self._tags = [_NO_TAG] * n
+        self._ranks = [0] * n
+        self._firsts = [0] * n
+        for _, tag, uses, first in old:  # oldest first: the newest win where a set overflows
             self._put(tag, uses, first)
 
     @property
     def num_entries(self) -> int:
-        return self._num_sets * GHOST_WAYS
+        return len(self._tags)
 
     def use(self, page: Page, serial: RequestSerial) -> None:
         """Request ``serial`` uses ``page`` (a page in the tree); counted once per request."""
@@ -290,40 +295,41 @@ class UseHistory:
 
     def remembers(self, key: bytes) -> int:
         """Uses the ghost remembers of the block with ``key`` (0: none; for tests)."""
-        tag = _tag(key)
-        g = self._ghost
-        base = tag % self._num_sets * GHOST_WAYS * _GHOST_FIELDS
-        for i in range(base, base + GHOST_WAYS * _GHOST_FIELDS, _GHOST_FIELDS):
-            if g[i] == tag:
-                return g[i + 1]
-        return 0
+        i = self._find(_tag(key))
+        return self._ranks[i] >> _STAMP_BITS if i >= 0 else 0
+
+    def _find(self, tag: int) -> int:
+        tags = self._tags
+        base = tag % self._num_sets * GHOST_WAYS
+        for i in range(base, base + GHOST_WAYS):
+            if tags[i] == tag:
+                return i
+        return -1
 
     def _recall(self, page: Page, tag: int) -> None:
-        g = self._ghost
-        base = tag % self._num_sets * GHOST_WAYS * _GHOST_FIELDS
-        for i in range(base, base + GHOST_WAYS * _GHOST_FIELDS, _GHOST_FIELDS):
-            if g[i] == tag:
-                g[i] = _NO_TAG  # the block is cached again: its page carries the history
-                page.uses = g[i + 1]
-                page.first_use = g[i + 2]
-                return
-        page.first_use = self.now
+        i = self._find(tag)
+        if i < 0:
+            page.first_use = self.now
+            return
+        self._tags[i] = _NO_TAG  # the block is cached again: its page carries the history
+        page.uses = self._ranks[i] >> _STAMP_BITS
+        page.first_use = self._firsts[i]
 
     def _put(self, tag: int, uses: int, first: int) -> None:
-        g = self._ghost
+        tags = self._tags
+        ranks = self._ranks
         self._stamp += 1
-        base = tag % self._num_sets * GHOST_WAYS * _GHOST_FIELDS
+        base = tag % self._num_sets * GHOST_WAYS
         j = base
-        for i in range(base, base + GHOST_WAYS * _GHOST_FIELDS, _GHOST_FIELDS):
-            if g[i] == _NO_TAG:
+        for i in range(base, base + GHOST_WAYS):
+            if tags[i] == _NO_TAG:
                 j = i
                 break
-            if g[i + 1] < g[j + 1] or (g[i + 1] == g[j + 1] and g[i + 3] < g[j + 3]):
+            if ranks[i] < ranks[j]:
                 j = i
-        g[j] = tag
-        g[j + 1] = uses
-        g[j + 2] = first
-        g[j + 3] = self._stamp
+        tags[j] = tag
+        ranks[j] = min(uses, _MAX_RANKED_USES) << _STAMP_BITS | self._stamp
+        self._firsts[j] = first
 
 
 def _tag(key: bytes) -> int:

@@ -8,6 +8,8 @@ import pytest
 from conftest import kv_layers
 
 from kv_cache_manager_v2 import CacheLevel, KVCache, KVCacheManager, LayerGroupId, LifeCycleId, SlotId
+from kv_cache_manager_v2._eviction import FrequencyEvictor
+from kv_cache_manager_v2._page import Page
 
 T = 8
 MakeManager = Callable[..., KVCacheManager]
@@ -173,3 +175,55 @@ def test_lost_page_count_out_of_sync_is_caught(make_manager: MakeManager, tmp_pa
     m._storage.levels[CacheLevel(1)].items[0].num_lost -= 1
     a.close()
     hog.close()
+
+
+def frequency_heap(make_manager: MakeManager) -> tuple[KVCacheManager, list[Page]]:
+    """A manager with the frequency policy and 4 reusable one-block leaves (its heap), plus the
+    parked parent of a 2-block sequence."""
+    m = make_manager(kv_layers(2, T), eviction_policy="frequency")
+    for r in range(4):
+        kv = m.create_kv_cache()
+        kv.resume()
+        assert kv.resize(T)
+        kv.commit([r * 1000 + i for i in range(T)])
+        kv.close()
+    kv = m.create_kv_cache()
+    kv.resume()
+    assert kv.resize(2 * T)
+    kv.commit(list(range(50_000, 50_000 + 2 * T)))
+    kv.close()
+    m.check_invariants()
+    evictor = m._storage.gpu.items[0].evictor
+    assert type(evictor) is FrequencyEvictor
+    return m, evictor.pages()
+
+
+@pytest.mark.parametrize("damage", ["order", "position", "count", "parked", "mask"])
+def test_broken_frequency_evictor_is_caught(make_manager: MakeManager, damage: str) -> None:
+    m, pages = frequency_heap(make_manager)
+    evictor = m._storage.gpu.items[0].evictor
+    assert type(evictor) is FrequencyEvictor
+    heap = pages[:-1]  # the parked parent comes last
+    parked = pages[-1]
+    assert evictor.is_parked(parked) and len(heap) == 5
+    saved = (heap[0].ev_key, heap[1].ev_pos, evictor.count, evictor._nonempty)
+    if damage == "order":
+        heap[0].ev_key = heap[-1].ev_key + 1.0
+        says = "heap order broken"
+    elif damage == "position":
+        heap[1].ev_pos += 1
+        says = "records position"
+    elif damage == "count":
+        evictor.count += 1
+        says = "counts 7 pages but holds 6"
+    elif damage == "parked":
+        parked.anchor = False
+        says = "a parked page that should be a candidate"
+    else:
+        evictor._nonempty = 0
+        says = "non-empty bit out of date"
+    with pytest.raises(AssertionError, match=says):
+        m.check_invariants()
+    heap[0].ev_key, heap[1].ev_pos, evictor.count, evictor._nonempty = saved
+    parked.anchor = True
+    m.check_invariants()  # repaired: the manager shuts down cleanly

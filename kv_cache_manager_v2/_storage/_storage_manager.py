@@ -79,9 +79,7 @@ class PoolGroupStorage:
         self.allocator = SlotAllocator(num_slots, pools, layout.slot_sizes)
         #: the pool group's use counting, shared by its levels (frequency policy; None: LRU)
         self.history = history
-        self.evictor: Evictor = (
-            LruEvictor() if history is None else FrequencyEvictor(history, num_slots, parks=is_last)
-        )
+        self.evictor: Evictor = LruEvictor() if history is None else FrequencyEvictor(history, num_slots, parks=is_last)
         #: pages dropped for good here: evicted reusable pages, and pages lost to disk errors (cumulative)
         self.num_dropped = 0
         #: pages eviction took out of this level (moved down or dropped)
