@@ -10,15 +10,17 @@ everything:
 * ``"lru"`` (:class:`LruEvictor`): least recently released first within a priority. O(1).
 * ``"frequency"`` (:class:`FrequencyEvictor`, issue #18; the study is docs/eviction_proposal.md):
   use-rate GreedyDual. Within a priority the page with the lowest value goes first, value =
-  the class's clock ``L`` (the value of its last victim) + the block's use rate
-  ``(uses - 1) / (clock - first_use + tau)``; blocks used by one request only have rate 0 and go
+  the class's clock (the value of its last victim) + the block's use rate
+  ``(uses - 1) / (now - first_use + tau)``; blocks used by one request only have rate 0 and go
   first. Use counts survive eviction in a ghost table (:class:`UseHistory`). At the last level a
   full-attention / sink page whose tree node has children waits (is *parked*) until its last
-  child leaves the tree, so descendants go first. O(log n) per operation.
+  child leaves the tree, so descendants go first. O(log n) per operation, O(1) for pages of
+  rate 0 (most of them).
 """
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING, Final, final
 
 from ._common import MAX_PRIORITY, Priority, RequestSerial
@@ -35,9 +37,10 @@ NOT_LISTED: Final = 0
 LISTED_DROPPABLE: Final = 1
 LISTED_HELD: Final = 2
 
-#: ``Page.ev_pos`` values besides a heap index (frequency policy)
+#: ``Page.ev_pos`` (frequency policy): a heap index, or one of these
 NOT_IN_HEAP: Final = -1
 PARKED: Final = -2
+IN_FIFO: Final = -3
 
 #: ``Page.use_serial`` of a page no request has been counted for
 NO_SERIAL: Final = RequestSerial(-1)
@@ -51,7 +54,10 @@ GHOST_WAYS: Final = 16
 #: a ghost entry's rank: min(uses, _MAX_RANKED_USES) above 40 bits of stamp (lowest replaced first)
 _STAMP_BITS: Final = 40
 _MAX_RANKED_USES: Final = (1 << 22) - 1
-_NO_TAG: Final = -1
+#: a ghost tag: the first 8 bytes of the block key (its first 4 choose the set)
+_TAG_BYTES: Final = 8
+_EMPTY_TAG: Final = bytes(_TAG_BYTES)
+_ZERO_TAG_STAND_IN: Final = b"\x01" + bytes(_TAG_BYTES - 1)
 
 
 class Evictor:
@@ -238,10 +244,10 @@ class UseHistory:
     the tree is remembered there.
 
     The ghost is a set-associative table of ``GHOST_PER_SLOT`` x the last level's slots entries,
-    ``GHOST_WAYS`` per set, keyed by 56 bits of the block key (a SHA-256 digest); a full set
-    replaces its entry with the fewest uses, then the oldest. Three preallocated lists of ints
-    (tag, rank = uses and stamp, first use): reading them unboxes, nothing is allocated but the
-    ints a new entry stores.
+    ``GHOST_WAYS`` per set, keyed by the first 8 bytes of the block key (a SHA-256 digest; 4 of
+    them pick the set); a full set replaces its entry with the fewest uses, then the oldest.
+    Contiguous storage (24 bytes an entry): tags in a ``bytearray`` searched in C, ranks (uses
+    and stamp) and first uses in ``array('q')``; a set fits in a few cache lines.
     """
 
     __slots__ = ("_firsts", "_num_sets", "_ranks", "_stamp", "_tags", "now")
@@ -251,29 +257,31 @@ class UseHistory:
         self.now = 0
         self._stamp = 0
         self._num_sets = 1
-        self._tags: list[int] = []
-        self._ranks: list[int] = []
-        self._firsts: list[int] = []
+        self._tags = bytearray()
+        self._ranks: array[int] = array("q")
+        self._firsts: array[int] = array("q")
         self.resize(num_slots)
 
     def resize(self, num_slots: int) -> None:
         """Size the ghost for a last level of ``num_slots`` slots (keeps what fits, newest first)."""
+        tags, ranks, firsts = self._tags, self._ranks, self._firsts
         old = sorted(
-            (self._ranks[i] & ((1 << _STAMP_BITS) - 1), self._tags[i], self._ranks[i] >> _STAMP_BITS, self._firsts[i])
-            for i in range(len(self._tags))
-            if self._tags[i] != _NO_TAG
+            (ranks[i] & ((1 << _STAMP_BITS) - 1), i)
+            for i in range(len(ranks))
+            if tags[i * _TAG_BYTES : (i + 1) * _TAG_BYTES] != _EMPTY_TAG
         )
         self._num_sets = max(1, GHOST_PER_SLOT * num_slots // GHOST_WAYS)
         n = self._num_sets * GHOST_WAYS
-        self._tags = [_NO_TAG] * n
-        self._ranks = [0] * n
-        self._firsts = [0] * n
-        for _, tag, uses, first in old:  # oldest first: the newest win where a set overflows
-            self._put(tag, uses, first)
+        self._tags = bytearray(n * _TAG_BYTES)
+        self._ranks = array("q", [0]) * n
+        self._firsts = array("q", [0]) * n
+        for _, i in old:  # oldest first: the newest win where a set overflows
+            tag = bytes(tags[i * _TAG_BYTES : (i + 1) * _TAG_BYTES])
+            self._put(tag, ranks[i] >> _STAMP_BITS, firsts[i])
 
     @property
     def num_entries(self) -> int:
-        return len(self._tags)
+        return len(self._ranks)
 
     def use(self, page: Page, serial: RequestSerial) -> None:
         """Request ``serial`` uses ``page`` (a page in the tree); counted once per request."""
@@ -284,70 +292,74 @@ class UseHistory:
         if page.uses == 0:  # never counted: resume the block's history, if remembered
             node = page.node
             assert node is not None
-            self._recall(page, _tag(node.key))
+            i = self._find(_tag_of(node.key))
+            if i < 0:
+                page.first_use = self.now
+            else:
+                self._tags[i * _TAG_BYTES : (i + 1) * _TAG_BYTES] = _EMPTY_TAG  # the page carries it now
+                page.uses = self._ranks[i] >> _STAMP_BITS
+                page.first_use = self._firsts[i]
         page.uses += 1
 
     def record(self, page: Page) -> None:
         """``page`` (in the tree) is dropped for good: remember its block's uses."""
         node = page.node
         if node is not None and page.uses:
-            self._put(_tag(node.key), page.uses, page.first_use)
+            self._put(_tag_of(node.key), page.uses, page.first_use)
 
     def remembers(self, key: bytes) -> int:
         """Uses the ghost remembers of the block with ``key`` (0: none; for tests)."""
-        i = self._find(_tag(key))
+        i = self._find(_tag_of(key))
         return self._ranks[i] >> _STAMP_BITS if i >= 0 else 0
 
-    def _find(self, tag: int) -> int:
-        tags = self._tags
-        base = tag % self._num_sets * GHOST_WAYS
-        for i in range(base, base + GHOST_WAYS):
-            if tags[i] == tag:
-                return i
-        return -1
+    def _set(self, tag: bytes) -> int:
+        """The set of a tag: its first 4 bytes modulo the number of sets."""
+        return (tag[0] | tag[1] << 8 | tag[2] << 16 | tag[3] << 24) % self._num_sets
 
-    def _recall(self, page: Page, tag: int) -> None:
-        i = self._find(tag)
-        if i < 0:
-            page.first_use = self.now
-            return
-        self._tags[i] = _NO_TAG  # the block is cached again: its page carries the history
-        page.uses = self._ranks[i] >> _STAMP_BITS
-        page.first_use = self._firsts[i]
-
-    def _put(self, tag: int, uses: int, first: int) -> None:
+    def _find(self, tag: bytes, s: int = -1) -> int:
+        """The entry holding ``tag`` in its set (or in set ``s``), or -1."""
         tags = self._tags
-        ranks = self._ranks
+        lo = (self._set(tag) if s < 0 else s) * GHOST_WAYS * _TAG_BYTES
+        hi = lo + GHOST_WAYS * _TAG_BYTES
+        pos = tags.find(tag, lo, hi)
+        while pos >= 0 and pos % _TAG_BYTES:  # a match across two entries: look further
+            pos = tags.find(tag, pos + 1, hi)
+        return pos // _TAG_BYTES if pos >= 0 else -1
+
+    def _put(self, tag: bytes, uses: int, first: int) -> None:
         self._stamp += 1
-        base = tag % self._num_sets * GHOST_WAYS
-        j = base
-        for i in range(base, base + GHOST_WAYS):
-            if tags[i] == _NO_TAG:
-                j = i
-                break
-            if ranks[i] < ranks[j]:
-                j = i
-        tags[j] = tag
-        ranks[j] = min(uses, _MAX_RANKED_USES) << _STAMP_BITS | self._stamp
-        self._firsts[j] = first
+        s = self._set(tag)
+        i = self._find(_EMPTY_TAG, s)
+        if i < 0:  # the set is full: replace its lowest rank (fewest uses, then the oldest)
+            base = s * GHOST_WAYS
+            ranks = self._ranks[base : base + GHOST_WAYS]
+            i = base + ranks.index(min(ranks))
+        self._tags[i * _TAG_BYTES : (i + 1) * _TAG_BYTES] = tag
+        self._ranks[i] = min(uses, _MAX_RANKED_USES) << _STAMP_BITS | self._stamp
+        self._firsts[i] = first
 
 
-def _tag(key: bytes) -> int:
-    """56 bits of a block key (a SHA-256 digest): a short int in compiled code."""
-    return int.from_bytes(key[:7], "little")
+def _tag_of(key: bytes) -> bytes:
+    """The ghost tag of a block key: its first 8 bytes (never the empty marker)."""
+    tag = key[:_TAG_BYTES]
+    return tag if tag != _EMPTY_TAG else _ZERO_TAG_STAND_IN
 
 
 class _Class:
-    """One priority class of a :class:`FrequencyEvictor`: a binary min-heap of pages by
-    ``(ev_key, ev_seq)`` (each page knows its index, ``ev_pos``), the class's GreedyDual clock,
-    and the parked pages (an intrusive list through ``lru_prev`` / ``lru_next``, oldest first)."""
+    """One priority class of a :class:`FrequencyEvictor`: its GreedyDual clock; pages listed with
+    rate 0 in release order (a FIFO: their value is the clock when listed, which only rises, so
+    the FIFO is in eviction order); the rest in a binary min-heap by ``(ev_key, ev_seq)`` (each
+    page knows its index, ``ev_pos``); and the parked pages. The two lists are intrusive
+    (``lru_prev`` / ``lru_next``), oldest first."""
 
-    __slots__ = ("clock", "heap", "parked_head", "parked_tail")
+    __slots__ = ("clock", "fifo_head", "fifo_tail", "heap", "parked_head", "parked_tail")
 
     def __init__(self) -> None:
-        self.heap: list[Page] = []
-        #: the value of the class's last victim (rises only): pages released now start above it
+        #: the value of the class's last victim (rises only): pages listed now start above it
         self.clock = 0.0
+        self.heap: list[Page] = []
+        self.fifo_head: Page | None = None
+        self.fifo_tail: Page | None = None
         self.parked_head: Page | None = None
         self.parked_tail: Page | None = None
 
@@ -362,12 +374,12 @@ class FrequencyEvictor(Evictor):
 
     Per priority (and garbage) a :class:`_Class`; a bit mask of the non-empty ones. A page's
     value is fixed when it is listed: ``clock + (uses - 1) / (now - first_use + tau)`` (rate 0
-    for a block one request used), ``tau = TAU_SLOTS x`` the level's slots. ``parks`` (the last
-    level): an anchor page (full attention, sinks) whose node has children is parked instead of
-    entering the heap, and enters it (same value) when the tree reports ``became_leaf``; a class
-    whose heap is empty gives its oldest parked page (whose drop removes the subtree, as under
-    LRU). Add, remove, pop and select: O(log n) sifts comparing unboxed fields, nothing
-    allocated besides amortized list growth.
+    for a block one request used), ``tau = TAU_SLOTS x`` the level's slots. The next victim of
+    a class is the earlier of its FIFO's head and its heap's top. ``parks`` (the last level): an
+    anchor page (full attention, sinks) whose node has children is parked instead, and enters
+    the heap (same value) when the tree reports ``became_leaf``; a class with nothing else gives
+    its oldest parked page (whose drop removes the subtree, as under LRU). Heap operations sift
+    comparing unboxed fields; nothing is allocated besides amortized list growth.
     """
 
     __slots__ = ("_classes", "_history", "_nonempty", "_parks", "_seq", "_tau")
@@ -375,7 +387,7 @@ class FrequencyEvictor(Evictor):
     def __init__(self, history: UseHistory, num_slots: int, parks: bool) -> None:
         super().__init__()
         self._classes = [_Class() for _ in range(MAX_PRIORITY + 2)]  # class i: priority i - 1
-        self._nonempty = 0  # bit i set: class i has heap or parked pages
+        self._nonempty = 0  # bit i set: class i has pages
         self._history = history
         self._parks = parks
         self._seq = 0
@@ -387,27 +399,43 @@ class FrequencyEvictor(Evictor):
 
     # ------------------------------------------------------------------ the interface
     def add(self, page: Page) -> None:
-        """List ``page`` with its value now: park it (last level, an anchor with children) or push it."""
+        """List ``page`` with its value now: parked (last level, an anchor with children), in the
+        FIFO (rate 0) or in the heap."""
         self._listed(page)
         i = page.priority + 1
         cls = self._classes[i]
+        self._seq += 1
+        page.ev_seq = self._seq
+        node = page.node
         uses = page.uses
         if uses > 1:
             page.ev_key = cls.clock + (uses - 1) / (self._history.now - page.first_use + self._tau)
         else:
             page.ev_key = cls.clock
-        self._seq += 1
-        page.ev_seq = self._seq
-        node = page.node
         if self._parks and page.anchor and node is not None and node.has_children:
-            self._park(cls, page)
-        else:
+            page.ev_pos = PARKED
+            cls.parked_head, cls.parked_tail = _append(cls.parked_head, cls.parked_tail, page)
+        elif uses > 1:
             self._push(cls, page)
+        else:
+            page.ev_pos = IN_FIFO
+            cls.fifo_head, cls.fifo_tail = _append(cls.fifo_head, cls.fifo_tail, page)
         self._nonempty |= 1 << i
 
     def remove(self, page: Page) -> None:
         self._unlisted(page)
-        self._take_out(page)
+        i = page.priority + 1
+        cls = self._classes[i]
+        pos = page.ev_pos
+        if pos >= 0:
+            self._delete(cls.heap, page)
+        elif pos == IN_FIFO:
+            cls.fifo_head, cls.fifo_tail = _unlink(cls.fifo_head, cls.fifo_tail, page)
+        else:
+            cls.parked_head, cls.parked_tail = _unlink(cls.parked_head, cls.parked_tail, page)
+        page.ev_pos = NOT_IN_HEAP
+        if not cls.heap and cls.fifo_head is None and cls.parked_head is None:
+            self._nonempty &= ~(1 << i)
 
     def pop_victim(self) -> Page:
         if self._nonempty == 0:
@@ -429,7 +457,7 @@ class FrequencyEvictor(Evictor):
                 held += 1
             self._advance_clock(page)
             out.append(page)
-        for p in skipped:  # back where they were: same value, same sequence number
+        for p in skipped:  # back in order: same value, same sequence number (in the heap)
             self._listed(p)
             i = p.priority + 1
             self._push(self._classes[i], p)
@@ -440,15 +468,20 @@ class FrequencyEvictor(Evictor):
         """A parked page's node lost its last child: it becomes a candidate, with its value."""
         if page.in_evictor != NOT_LISTED and page.ev_pos == PARKED:
             cls = self._classes[page.priority + 1]
-            self._unpark(cls, page)
+            cls.parked_head, cls.parked_tail = _unlink(cls.parked_head, cls.parked_tail, page)
             self._seq += 1
             page.ev_seq = self._seq
-            self._push(cls, page)
+            self._push(cls, page)  # its value may be below the FIFO's: the heap orders any value
 
     def pages(self) -> list[Page]:
         out: list[Page] = []
         for cls in self._classes:
-            out.extend(sorted(cls.heap, key=_order))
+            candidates = list(cls.heap)
+            page = cls.fifo_head
+            while page is not None:
+                candidates.append(page)
+                page = page.lru_next
+            out.extend(sorted(candidates, key=_order))
             page = cls.parked_head
             while page is not None:
                 out.append(page)
@@ -465,37 +498,61 @@ class FrequencyEvictor(Evictor):
     def structure_error(self) -> str | None:
         n = 0
         for i, cls in enumerate(self._classes):
+            where = f"frequency class {i - 1}"
             heap = cls.heap
             for k, page in enumerate(heap):
                 if page.ev_pos != k:
-                    return f"frequency class {i - 1}: heap entry {k} records position {page.ev_pos}"
-                if page.priority + 1 != i:
-                    return f"frequency class {i - 1}: holds a page of priority {page.priority}"
+                    return f"{where}: heap entry {k} records position {page.ev_pos}"
                 if k and _before(page, heap[(k - 1) >> 1]):
-                    return f"frequency class {i - 1}: heap order broken at {k}"
-                if page.ev_seq > self._seq:
-                    return f"frequency class {i - 1}: sequence number from the future"
-                node = page.node
-                if self._parks and page.anchor and node is not None and node.has_children:
-                    return f"frequency class {i - 1}: an anchor page with cached descendants is a candidate"
+                    return f"{where}: heap order broken at {k}"
+                error = self._entry_error(page, i)
+                if error is not None:
+                    return f"{where}: {error}"
             n += len(heap)
             prev: Page | None = None
+            page_ = cls.fifo_head
+            while page_ is not None:
+                if page_.ev_pos != IN_FIFO or page_.lru_prev is not prev:
+                    return f"{where}: FIFO list broken"
+                if prev is not None and not _before(prev, page_):
+                    return f"{where}: FIFO out of eviction order"
+                error = self._entry_error(page_, i)
+                if error is not None:
+                    return f"{where}: {error}"
+                n += 1
+                prev = page_
+                page_ = page_.lru_next
+            if cls.fifo_tail is not prev:
+                return f"{where}: FIFO tail out of date"
+            prev = None
             page_ = cls.parked_head
             while page_ is not None:
-                parked_node = page_.node
+                node = page_.node
                 if page_.ev_pos != PARKED or page_.lru_prev is not prev or page_.priority + 1 != i:
-                    return f"frequency class {i - 1}: parked list broken"
-                if not self._parks or not page_.anchor or parked_node is None or not parked_node.has_children:
-                    return f"frequency class {i - 1}: a parked page that should be a candidate"
+                    return f"{where}: parked list broken"
+                if not self._parks or not page_.anchor or node is None or not node.has_children:
+                    return f"{where}: a parked page that should be a candidate"
                 n += 1
                 prev = page_
                 page_ = page_.lru_next
             if cls.parked_tail is not prev:
-                return f"frequency class {i - 1}: parked tail out of date"
-            if bool(self._nonempty >> i & 1) != (bool(heap) or prev is not None):
-                return f"frequency class {i - 1}: non-empty bit out of date"
+                return f"{where}: parked tail out of date"
+            nonempty = bool(heap) or cls.fifo_head is not None or prev is not None
+            if bool(self._nonempty >> i & 1) != nonempty:
+                return f"{where}: non-empty bit out of date"
         if n != self.count:
             return f"frequency evictor counts {self.count} pages but holds {n}"
+        return None
+
+    def _entry_error(self, page: Page, i: int) -> str | None:
+        """What is wrong with a candidate (heap or FIFO) page of class ``i``, or None."""
+        if page.priority + 1 != i:
+            return f"holds a page of priority {page.priority}"
+        if page.ev_seq > self._seq:
+            return "a sequence number from the future"
+        node = page.node
+        if self._parks and page.anchor and node is not None and node.has_children:
+            return "an anchor page with cached descendants is a candidate"
         return None
 
     # ------------------------------------------------------------------ internals
@@ -503,7 +560,12 @@ class FrequencyEvictor(Evictor):
         """Take out the next page in eviction order (some class is non-empty)."""
         mask = self._nonempty
         cls = self._classes[(mask & -mask).bit_length() - 1]
-        page = cls.heap[0] if cls.heap else cls.parked_head
+        page = cls.fifo_head
+        heap = cls.heap
+        if heap and (page is None or _before(heap[0], page)):
+            page = heap[0]
+        if page is None:
+            page = cls.parked_head
         assert page is not None
         self.remove(page)
         return page
@@ -515,41 +577,6 @@ class FrequencyEvictor(Evictor):
         if victim.ev_key > cls.clock:
             cls.clock = victim.ev_key
 
-    def _take_out(self, page: Page) -> None:
-        i = page.priority + 1
-        cls = self._classes[i]
-        if page.ev_pos == PARKED:
-            self._unpark(cls, page)
-        else:
-            self._delete(cls.heap, page)
-        if not cls.heap and cls.parked_head is None:
-            self._nonempty &= ~(1 << i)
-
-    def _park(self, cls: _Class, page: Page) -> None:
-        page.ev_pos = PARKED
-        tail = cls.parked_tail
-        page.lru_prev = tail
-        page.lru_next = None
-        if tail is None:
-            cls.parked_head = page
-        else:
-            tail.lru_next = page
-        cls.parked_tail = page
-
-    def _unpark(self, cls: _Class, page: Page) -> None:
-        prev = page.lru_prev
-        nxt = page.lru_next
-        if prev is None:
-            cls.parked_head = nxt
-        else:
-            prev.lru_next = nxt
-        if nxt is None:
-            cls.parked_tail = prev
-        else:
-            nxt.lru_prev = prev
-        page.lru_prev = page.lru_next = None
-        page.ev_pos = NOT_IN_HEAP
-
     def _push(self, cls: _Class, page: Page) -> None:
         heap = cls.heap
         heap.append(page)
@@ -558,7 +585,6 @@ class FrequencyEvictor(Evictor):
     def _delete(self, heap: list[Page], page: Page) -> None:
         i = page.ev_pos
         last = heap.pop()
-        page.ev_pos = NOT_IN_HEAP
         if last is page:
             return
         if i > 0 and _before(last, heap[(i - 1) >> 1]):
@@ -599,6 +625,32 @@ class FrequencyEvictor(Evictor):
             i = c
         heap[i] = page
         page.ev_pos = i
+
+
+def _append(head: Page | None, tail: Page | None, page: Page) -> tuple[Page | None, Page | None]:
+    """Append ``page`` to the intrusive list ``head .. tail``; returns the new (head, tail)."""
+    page.lru_prev = tail
+    page.lru_next = None
+    if tail is None:
+        return page, page
+    tail.lru_next = page
+    return head, page
+
+
+def _unlink(head: Page | None, tail: Page | None, page: Page) -> tuple[Page | None, Page | None]:
+    """Unlink ``page`` from the intrusive list ``head .. tail``; returns the new (head, tail)."""
+    prev = page.lru_prev
+    nxt = page.lru_next
+    if prev is None:
+        head = nxt
+    else:
+        prev.lru_next = nxt
+    if nxt is None:
+        tail = prev
+    else:
+        nxt.lru_prev = prev
+    page.lru_prev = page.lru_next = None
+    return head, tail
 
 
 def _order(page: Page) -> tuple[float, int]:

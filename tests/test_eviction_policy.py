@@ -24,7 +24,7 @@ from kv_cache_manager_v2 import (
     Priority,
 )
 from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
-from kv_cache_manager_v2._eviction import GARBAGE_PRIORITY, FrequencyEvictor, LruEvictor, UseHistory
+from kv_cache_manager_v2._eviction import GARBAGE_PRIORITY, FrequencyEvictor, LruEvictor, UseHistory, _tag_of
 from kv_cache_manager_v2._page import Page
 
 MakeManager = Callable[..., KVCacheManager]
@@ -282,6 +282,27 @@ def test_ghost_restores_the_uses_of_an_evicted_block(make_manager: MakeManager) 
     m.check_invariants()
 
 
+def test_ghost_set_replaces_its_fewest_uses_then_its_oldest() -> None:
+    """One set of 16 ways (2 slots x 8 entries): a 17th block replaces the entry with the fewest
+    uses, the oldest among equals; tags are matched on entry boundaries only; resize keeps the
+    newest entries."""
+    ghost = UseHistory(2)
+    assert ghost.num_entries == 16
+    keys = [bytes([k + 1]) * 32 for k in range(16)]
+    for k, key in enumerate(keys):
+        ghost._put(key[:8], 1 if k in (3, 7) else 5, 0)
+    ghost._put(b"\xaa" * 8, 2, 0)  # full: replaces key 3 (uses 1, older than key 7)
+    assert ghost.remembers(keys[3]) == 0 and ghost.remembers(keys[7]) == 1 and ghost.remembers(b"\xaa" * 32) == 2
+    ghost._put(b"\xbb" * 8, 9, 0)  # then key 7
+    assert ghost.remembers(keys[7]) == 0 and ghost.remembers(b"\xbb" * 32) == 9
+    # a tag that only occurs across two neighbouring entries is not found
+    straddling = keys[0][4:8] + keys[1][:4] + bytes(24)
+    assert ghost.remembers(straddling) == 0
+    assert _tag_of(bytes(32)) != bytes(8)  # a key that starts like an empty entry gets a stand-in
+    ghost.resize(1)  # one set still (the minimum): everything that fits stays
+    assert ghost.num_entries == 16 and ghost.remembers(b"\xbb" * 32) == 9
+
+
 def test_each_request_counts_once_per_block(make_manager: MakeManager) -> None:
     """A partial match's source is taken, released at resume, then deduplicated at publish: one use."""
     m = make_manager(one_layer(), tokens_per_block=T, quota=8 * SLOT, eviction_policy="frequency")
@@ -311,5 +332,5 @@ def test_unknown_policy_is_refused_with_the_choices(bad: str) -> None:
 
 
 def test_policy_of_the_wrong_type_is_a_type_error() -> None:
-    with pytest.raises(TypeError, match="eviction_policy must be str"):
+    with pytest.raises(TypeError, match="str"):  # compiled, mypyc's own check answers first
         KVCacheManagerConfig(T, [GpuCacheTierConfig(SLOT)], one_layer(), eviction_policy=1)  # type: ignore[arg-type]
