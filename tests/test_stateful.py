@@ -313,7 +313,13 @@ class BeamMachine(ManagerMachine):
     def __init__(self) -> None:
         super().__init__()
         self.engine.check_beam_field = False
-        self.beam_seqs: dict[int, list[list[int]]] = {}
+        #: per beam request, each beam's sequence once the beams forked (keyed by id(kv), the cache
+        #: kept alongside: a closed cache's id can come back for a new one)
+        self.beam_seqs: dict[int, tuple[KVCache, list[list[int]]]] = {}
+
+    def beams_of(self, kv: KVCache) -> list[list[int]] | None:
+        entry = self.beam_seqs.get(id(kv))
+        return entry[1] if entry is not None and entry[0] is kv else None
 
     def make_manager(self) -> KVCacheManager:
         layers = kv_layers(3, T, window=9, swa_every=3, sink_tokens=2)
@@ -342,7 +348,7 @@ class BeamMachine(ManagerMachine):
         if kv.beam_width == 1:
             super().advance(kv, seq, chunk, lazy)
             return
-        beams = self.beam_seqs.get(id(kv))
+        beams = self.beams_of(kv)
         width = kv.beam_width
         h = kv.history_length
         if beams is None:  # the shared prompt, then the fork
@@ -354,7 +360,7 @@ class BeamMachine(ManagerMachine):
                 kv.commit(seq[h:end])
             else:
                 kv.commit([seq[h:end]] * width, [0] * width)
-                self.beam_seqs[id(kv)] = [[*seq, self.rng.randrange(1 << 30)] for _ in range(width)]
+                self.beam_seqs[id(kv)] = (kv, [[*seq, self.rng.randrange(1 << 30)] for _ in range(width)])
             return
         if h >= len(seq) + 12:
             return
@@ -366,10 +372,10 @@ class BeamMachine(ManagerMachine):
             self.engine.step(kv, beams[b], h, h + 1, beam=b)
         parents = [self.rng.randrange(width) for _ in range(width)]
         kv.commit([[beams[p][h]] for p in parents], parents)
-        self.beam_seqs[id(kv)] = [[*beams[p][: h + 1], self.rng.randrange(1 << 30)] for p in parents]
+        self.beam_seqs[id(kv)] = (kv, [[*beams[p][: h + 1], self.rng.randrange(1 << 30)] for p in parents])
 
     def check_resumed(self, kv: KVCache, seq: list[int]) -> None:
-        beams = self.beam_seqs.get(id(kv))
+        beams = self.beams_of(kv)
         if beams is None:
             super().check_resumed(kv, seq)
             return
