@@ -42,10 +42,12 @@ from ._common import (
     TokenIdExt,
 )
 from ._config import (
+    EVICTION_POLICIES,
     AttentionLayerConfig,
     BatchDesc,
     BufferConfig,
     DiskCacheTierConfig,
+    EvictionPolicy,
     GpuCacheTierConfig,
     HostCacheTierConfig,
     KVCacheDesc,
@@ -74,6 +76,7 @@ compiled: bool = not str(getattr(_core._kv_cache, "__file__", "")).endswith(".py
 __all__ = [
     "BAD_PAGE_INDEX",
     "DEFAULT_PRIORITY",
+    "EVICTION_POLICIES",
     "GPU_LEVEL",
     "AggregatedPageDesc",
     "AllBlocksClearedEvent",
@@ -90,6 +93,7 @@ __all__ = [
     "CacheTier",
     "CuError",
     "DiskCacheTierConfig",
+    "EvictionPolicy",
     "GpuCacheTierConfig",
     "HalfOpenRange",
     "HostCacheTierConfig",

@@ -19,6 +19,8 @@ BeamIndex = NewType("BeamIndex", int)
 MemAddress = NewType("MemAddress", int)
 Priority = NewType("Priority", int)
 TokenId = NewType("TokenId", int)
+#: One per request (``KVCache``), in creation order: use counting counts a request once per page.
+RequestSerial = NewType("RequestSerial", int)
 #: A token position is a plain id, or a digest standing for a position whose id is ambiguous.
 TokenIdExt = TokenId | bytes
 

@@ -13,6 +13,11 @@ from ._utils import check_int, check_type, is_power_of_two
 BackendName = Literal["auto", "cuda", "host"]
 BACKEND_NAMES: tuple[str, ...] = ("auto", "cuda", "host")
 BACKEND_ENV_VAR = "KV_CACHE_MANAGER_V2_BACKEND"
+#: How reusable pages are chosen for eviction within a priority (docs/design.md, "Eviction"):
+#: ``"lru"`` least recently released first; ``"frequency"`` lowest use rate first (use-rate
+#: GreedyDual with a ghost table of evicted blocks' uses; descendants before their anchors).
+EvictionPolicy = Literal["lru", "frequency"]
+EVICTION_POLICIES: tuple[str, ...] = ("lru", "frequency")
 
 
 def _check_quota(cls_name: str, quota: int) -> None:
@@ -246,6 +251,7 @@ class KVCacheManagerConfig:
     swa_scratch_reuse: SwaScratchReuseConfig | None = None
     enable_stats: bool = True
     backend: BackendName = "auto"
+    eviction_policy: EvictionPolicy = "lru"
 
     def __post_init__(self) -> None:
         t = self.tokens_per_block
@@ -287,6 +293,12 @@ class KVCacheManagerConfig:
                 )
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
+        check_type("eviction_policy", self.eviction_policy, str)
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction_policy must be one of {', '.join(map(repr, EVICTION_POLICIES))}, "
+                f"got {self.eviction_policy!r}"
+            )
 
     def _validate_tiers(self) -> None:
         tiers = self.cache_tiers

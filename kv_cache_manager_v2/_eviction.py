@@ -1,15 +1,29 @@
-"""Evictable pages of one (cache level, pool group): LRU lists per priority, O(1) add/remove.
+"""Evictable pages of one (cache level, pool group), in eviction order, under one of two policies.
 
 Evictable are DROPPABLE pages (reusable cache, or garbage), and HELD pages (owned only by
 suspended requests) when the level is not the last: those move down a level when evicted,
 never get dropped. The evictor counts the two kinds apart, for the availability arithmetic.
+
+Policies (``KVCacheManagerConfig.eviction_policy``), both lowest priority first, garbage before
+everything:
+
+* ``"lru"`` (:class:`LruEvictor`): least recently released first within a priority. O(1).
+* ``"frequency"`` (:class:`FrequencyEvictor`, issue #18; the study is docs/eviction_proposal.md):
+  use-rate GreedyDual. Within a priority the page with the lowest value goes first, value =
+  the class's clock (the value of its last victim) + the block's use rate
+  ``(uses - 1) / (now - first_use + tau)``; blocks used by one request only have rate 0 and go
+  first. Use counts survive eviction in a ghost table (:class:`UseHistory`). At the last level a
+  full-attention / sink page whose tree node has children waits (is *parked*) until its last
+  child leaves the tree, so descendants go first. O(log n) per operation, O(1) for pages of
+  rate 0 (most of them).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from array import array
+from typing import TYPE_CHECKING, Final, final
 
-from ._common import MAX_PRIORITY, Priority
+from ._common import MAX_PRIORITY, Priority, RequestSerial
 
 if TYPE_CHECKING:
     from ._page import Page
@@ -23,8 +37,103 @@ NOT_LISTED: Final = 0
 LISTED_DROPPABLE: Final = 1
 LISTED_HELD: Final = 2
 
+#: ``Page.ev_pos`` (frequency policy): a heap index, or one of these
+NOT_IN_HEAP: Final = -1
+PARKED: Final = -2
+IN_FIFO: Final = -3
+
+#: ``Page.use_serial`` of a page no request has been counted for
+NO_SERIAL: Final = RequestSerial(-1)
+
+#: Frequency policy: the rate's damping ``tau``, in cache sizes of block uses (15 x the level's slots).
+TAU_SLOTS: Final = 15
+#: Frequency policy: ghost entries per slot of the last level, and entries per set (the study:
+#: 16 ways evict the fewest-uses entry of a wide neighbourhood, which beats 4 ways by 0.003 at 1M).
+GHOST_PER_SLOT: Final = 8
+GHOST_WAYS: Final = 16
+#: a ghost entry's rank: min(uses, _MAX_RANKED_USES) above 40 bits of stamp (lowest replaced first)
+_STAMP_BITS: Final = 40
+_MAX_RANKED_USES: Final = (1 << 22) - 1
+#: a ghost tag: the first 8 bytes of the block key (its first 4 choose the set)
+_TAG_BYTES: Final = 8
+_EMPTY_TAG: Final = bytes(_TAG_BYTES)
+_ZERO_TAG_STAND_IN: Final = b"\x01" + bytes(_TAG_BYTES - 1)
+
 
 class Evictor:
+    """The pages one (cache level, pool group) may evict, in eviction order (the interface).
+
+    ``count`` pages are listed, ``num_held`` of them HELD. Subclasses keep the order; the
+    listing state (``Page.in_evictor``) and the counts are kept here.
+    """
+
+    __slots__ = ("count", "num_held")
+
+    def __init__(self) -> None:
+        self.count = 0
+        #: listed pages that are HELD (the rest are DROPPABLE)
+        self.num_held = 0
+
+    @final
+    def _listed(self, page: Page) -> None:
+        """Bookkeeping of a page that enters the evictor (HELD if it has holders, else DROPPABLE)."""
+        if page.num_holds:
+            page.in_evictor = LISTED_HELD
+            self.num_held += 1
+        else:
+            page.in_evictor = LISTED_DROPPABLE
+        self.count += 1
+
+    @final
+    def _unlisted(self, page: Page) -> None:
+        if page.in_evictor == LISTED_HELD:
+            self.num_held -= 1
+        page.in_evictor = NOT_LISTED
+        self.count -= 1
+
+    def add(self, page: Page) -> None:
+        """List ``page`` (released by its last active owner, moved here, or re-prioritized)."""
+        raise NotImplementedError
+
+    def remove(self, page: Page) -> None:
+        """Unlist a listed page (taken by a request, moved, or freed)."""
+        raise NotImplementedError
+
+    def pop_victim(self) -> Page:
+        """Remove and return the page to evict next (callers check ``count`` first)."""
+        raise NotImplementedError
+
+    def select(self, count: int, max_held: int) -> list[Page]:
+        """Take out and return up to ``count`` pages in eviction order, at most ``max_held`` of them
+        HELD (HELD pages beyond that are skipped: there is no room for them below)."""
+        raise NotImplementedError
+
+    def pages(self) -> list[Page]:
+        """Every evictable page, in eviction order (for checks and statistics)."""
+        raise NotImplementedError
+
+    def structure_error(self) -> str | None:
+        """The first inconsistency of the internal structure, or None (for the invariant checker)."""
+        raise NotImplementedError
+
+    def to_garbage(self, page: Page) -> None:
+        """Move an evictable page to the front of the eviction order (it can no longer be reused).
+        A page an eviction has already taken out is only marked."""
+        if page.in_evictor == NOT_LISTED:
+            page.priority = GARBAGE_PRIORITY
+            return
+        self.remove(page)
+        page.priority = GARBAGE_PRIORITY
+        self.add(page)
+
+    def became_leaf(self, page: Page) -> None:
+        """``page``'s tree node lost its last child (the tree tells policies that park pages)."""
+
+    def resize(self, num_slots: int) -> None:
+        """The level now has ``num_slots`` slots of this pool group."""
+
+
+class LruEvictor(Evictor):
     """Lowest priority first, least recently released first within a priority.
 
     One intrusive doubly linked list per priority (``Page.lru_prev`` / ``lru_next``), plus one
@@ -32,24 +141,18 @@ class Evictor:
     pick-victim allocate nothing.
     """
 
-    __slots__ = ("_heads", "_nonempty", "_tails", "count", "num_held")
+    __slots__ = ("_heads", "_nonempty", "_tails")
 
     def __init__(self) -> None:
+        super().__init__()
         # list i holds priority i - 1: list 0 is garbage
         self._heads: list[Page | None] = [None] * (MAX_PRIORITY + 2)  # oldest
         self._tails: list[Page | None] = [None] * (MAX_PRIORITY + 2)  # newest
         self._nonempty = 0  # bit i set: list i has pages
-        self.count = 0
-        #: listed pages that are HELD (the rest are DROPPABLE)
-        self.num_held = 0
 
     def add(self, page: Page) -> None:
         """List ``page`` as the newest of its priority (HELD if it has holders, else DROPPABLE)."""
-        if page.num_holds:
-            page.in_evictor = LISTED_HELD
-            self.num_held += 1
-        else:
-            page.in_evictor = LISTED_DROPPABLE
+        self._listed(page)
         i = page.priority + 1
         tail = self._tails[i]
         page.lru_prev = tail
@@ -60,12 +163,9 @@ class Evictor:
         else:
             tail.lru_next = page
         self._tails[i] = page
-        self.count += 1
 
     def remove(self, page: Page) -> None:
-        if page.in_evictor == LISTED_HELD:
-            self.num_held -= 1
-        page.in_evictor = NOT_LISTED
+        self._unlisted(page)
         i = page.priority + 1
         prev = page.lru_prev
         nxt = page.lru_next
@@ -80,21 +180,8 @@ class Evictor:
         page.lru_prev = page.lru_next = None
         if self._heads[i] is None:
             self._nonempty &= ~(1 << i)
-        self.count -= 1
-
-    def to_garbage(self, page: Page) -> None:
-        """Move an evictable page to the front of the eviction order (it can no longer be reused).
-        A page an eviction has already taken out is only marked."""
-        if page.in_evictor == NOT_LISTED:
-            page.priority = GARBAGE_PRIORITY
-            return
-        self.remove(page)
-        page.priority = GARBAGE_PRIORITY
-        self.add(page)
 
     def select(self, count: int, max_held: int) -> list[Page]:
-        """Take out and return up to ``count`` pages in eviction order, at most ``max_held`` of them
-        HELD (HELD pages beyond that are skipped: there is no room for them below)."""
         out: list[Page] = []
         held = 0
         mask = self._nonempty
@@ -113,7 +200,6 @@ class Evictor:
         return out
 
     def pop_victim(self) -> Page:
-        """Remove and return the page to evict next (callers check ``count`` first)."""
         mask = self._nonempty
         if mask == 0:
             raise IndexError("no evictable page")
@@ -123,7 +209,6 @@ class Evictor:
         return page
 
     def pages(self) -> list[Page]:
-        """Every evictable page, in eviction order (for checks and statistics)."""
         out: list[Page] = []
         mask = self._nonempty
         while mask:
@@ -133,3 +218,440 @@ class Evictor:
                 page = page.lru_next
             mask &= mask - 1
         return out
+
+    def structure_error(self) -> str | None:
+        for i in range(len(self._heads)):
+            prev: Page | None = None
+            page = self._heads[i]
+            while page is not None:
+                if page.lru_prev is not prev or page.priority + 1 != i:
+                    return f"LRU list {i - 1}: broken back link or a page of priority {page.priority}"
+                prev = page
+                page = page.lru_next
+            if self._tails[i] is not prev or bool(self._nonempty >> i & 1) != (prev is not None):
+                return f"LRU list {i - 1}: tail or non-empty bit out of date"
+        return None
+
+
+class UseHistory:
+    """Use counting of one pool group for the frequency policy, shared by its evictors of every
+    cache level: the use clock, and the ghost table that remembers the blocks that left.
+
+    A *use* is a request taking a reusable page (a match, a partial-match source, a dedup at
+    publish) or publishing its own page into the tree; a request counts once per page
+    (``Page.use_serial``). ``now`` counts uses. A page counted for the first time resumes what
+    the ghost remembers of its block (``uses``, ``first_use``); a page dropped for good while in
+    the tree is remembered there.
+
+    The ghost is a set-associative table of ``GHOST_PER_SLOT`` x the last level's slots entries,
+    ``GHOST_WAYS`` per set, keyed by the first 8 bytes of the block key (a SHA-256 digest; 4 of
+    them pick the set); a full set replaces its entry with the fewest uses, then the oldest.
+    Contiguous storage (24 bytes an entry): tags in a ``bytearray`` searched in C, ranks (uses
+    and stamp) and first uses in ``array('q')``; a set fits in a few cache lines.
+    """
+
+    __slots__ = ("_firsts", "_num_sets", "_ranks", "_stamp", "_tags", "now")
+
+    def __init__(self, num_slots: int) -> None:
+        #: block uses so far in this pool group (the clock of first uses and rates)
+        self.now = 0
+        self._stamp = 0
+        self._num_sets = 1
+        self._tags = bytearray()
+        self._ranks: array[int] = array("q")
+        self._firsts: array[int] = array("q")
+        self.resize(num_slots)
+
+    def resize(self, num_slots: int) -> None:
+        """Size the ghost for a last level of ``num_slots`` slots (keeps what fits, newest first)."""
+        tags, ranks, firsts = self._tags, self._ranks, self._firsts
+        old = sorted(
+            (ranks[i] & ((1 << _STAMP_BITS) - 1), i)
+            for i in range(len(ranks))
+            if tags[i * _TAG_BYTES : (i + 1) * _TAG_BYTES] != _EMPTY_TAG
+        )
+        self._num_sets = max(1, GHOST_PER_SLOT * num_slots // GHOST_WAYS)
+        n = self._num_sets * GHOST_WAYS
+        self._tags = bytearray(n * _TAG_BYTES)
+        self._ranks = array("q", [0]) * n
+        self._firsts = array("q", [0]) * n
+        for _, i in old:  # oldest first: the newest win where a set overflows
+            tag = bytes(tags[i * _TAG_BYTES : (i + 1) * _TAG_BYTES])
+            self._put(tag, ranks[i] >> _STAMP_BITS, firsts[i])
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._ranks)
+
+    def use(self, page: Page, serial: RequestSerial) -> None:
+        """Request ``serial`` uses ``page`` (a page in the tree); counted once per request."""
+        if page.use_serial == serial:
+            return
+        page.use_serial = serial
+        self.now += 1
+        if page.uses == 0:  # never counted: resume the block's history, if remembered
+            node = page.node
+            assert node is not None
+            i = self._find(_tag_of(node.key))
+            if i < 0:
+                page.first_use = self.now
+            else:
+                self._tags[i * _TAG_BYTES : (i + 1) * _TAG_BYTES] = _EMPTY_TAG  # the page carries it now
+                page.uses = self._ranks[i] >> _STAMP_BITS
+                page.first_use = self._firsts[i]
+        page.uses += 1
+
+    def record(self, page: Page) -> None:
+        """``page`` (in the tree) is dropped for good: remember its block's uses."""
+        node = page.node
+        if node is not None and page.uses:
+            self._put(_tag_of(node.key), page.uses, page.first_use)
+
+    def remembers(self, key: bytes) -> int:
+        """Uses the ghost remembers of the block with ``key`` (0: none; for tests)."""
+        i = self._find(_tag_of(key))
+        return self._ranks[i] >> _STAMP_BITS if i >= 0 else 0
+
+    def _set(self, tag: bytes) -> int:
+        """The set of a tag: its first 4 bytes modulo the number of sets."""
+        return (tag[0] | tag[1] << 8 | tag[2] << 16 | tag[3] << 24) % self._num_sets
+
+    def _find(self, tag: bytes, s: int = -1) -> int:
+        """The entry holding ``tag`` in its set (or in set ``s``), or -1."""
+        tags = self._tags
+        lo = (self._set(tag) if s < 0 else s) * GHOST_WAYS * _TAG_BYTES
+        hi = lo + GHOST_WAYS * _TAG_BYTES
+        pos = tags.find(tag, lo, hi)
+        while pos >= 0 and pos % _TAG_BYTES:  # a match across two entries: look further
+            pos = tags.find(tag, pos + 1, hi)
+        return pos // _TAG_BYTES if pos >= 0 else -1
+
+    def _put(self, tag: bytes, uses: int, first: int) -> None:
+        self._stamp += 1
+        s = self._set(tag)
+        i = self._find(_EMPTY_TAG, s)
+        if i < 0:  # the set is full: replace its lowest rank (fewest uses, then the oldest)
+            base = s * GHOST_WAYS
+            ranks = self._ranks[base : base + GHOST_WAYS]
+            i = base + ranks.index(min(ranks))
+        self._tags[i * _TAG_BYTES : (i + 1) * _TAG_BYTES] = tag
+        self._ranks[i] = min(uses, _MAX_RANKED_USES) << _STAMP_BITS | self._stamp
+        self._firsts[i] = first
+
+
+def _tag_of(key: bytes) -> bytes:
+    """The ghost tag of a block key: its first 8 bytes (never the empty marker)."""
+    tag = key[:_TAG_BYTES]
+    return tag if tag != _EMPTY_TAG else _ZERO_TAG_STAND_IN
+
+
+class _Class:
+    """One priority class of a :class:`FrequencyEvictor`: its GreedyDual clock; pages listed with
+    rate 0 in release order (a FIFO: their value is the clock when listed, which only rises, so
+    the FIFO is in eviction order); the rest in a binary min-heap by ``(ev_key, ev_seq)`` (each
+    page knows its index, ``ev_pos``); and the parked pages. The two lists are intrusive
+    (``lru_prev`` / ``lru_next``), oldest first."""
+
+    __slots__ = ("clock", "fifo_head", "fifo_tail", "heap", "parked_head", "parked_tail")
+
+    def __init__(self) -> None:
+        #: the value of the class's last victim (rises only): pages listed now start above it
+        self.clock = 0.0
+        self.heap: list[Page] = []
+        self.fifo_head: Page | None = None
+        self.fifo_tail: Page | None = None
+        self.parked_head: Page | None = None
+        self.parked_tail: Page | None = None
+
+
+def _before(a: Page, b: Page) -> bool:
+    """Whether ``a`` is evicted before ``b`` (same class): lower value, then listed earlier."""
+    return a.ev_key < b.ev_key or (a.ev_key == b.ev_key and a.ev_seq < b.ev_seq)
+
+
+class FrequencyEvictor(Evictor):
+    """Lowest priority first; within a priority, lowest use-rate value first (see the module).
+
+    Per priority (and garbage) a :class:`_Class`; a bit mask of the non-empty ones. A page's
+    value is fixed when it is listed: ``clock + (uses - 1) / (now - first_use + tau)`` (rate 0
+    for a block one request used), ``tau = TAU_SLOTS x`` the level's slots. The next victim of
+    a class is the earlier of its FIFO's head and its heap's top. ``parks`` (the last level): an
+    anchor page (full attention, sinks) whose node has children is parked instead, and enters
+    the heap (same value) when the tree reports ``became_leaf``; a class with nothing else gives
+    its oldest parked page (whose drop removes the subtree, as under LRU). Heap operations sift
+    comparing unboxed fields; nothing is allocated besides amortized list growth.
+    """
+
+    __slots__ = ("_classes", "_history", "_nonempty", "_parks", "_seq", "_tau")
+
+    def __init__(self, history: UseHistory, num_slots: int, parks: bool) -> None:
+        super().__init__()
+        self._classes = [_Class() for _ in range(MAX_PRIORITY + 2)]  # class i: priority i - 1
+        self._nonempty = 0  # bit i set: class i has pages
+        self._history = history
+        self._parks = parks
+        self._seq = 0
+        self._tau = 1.0
+        self.resize(num_slots)
+
+    def resize(self, num_slots: int) -> None:
+        self._tau = float(TAU_SLOTS * max(1, num_slots))
+
+    # ------------------------------------------------------------------ the interface
+    def add(self, page: Page) -> None:
+        """List ``page`` with its value now: parked (last level, an anchor with children), in the
+        FIFO (rate 0) or in the heap."""
+        self._listed(page)
+        i = page.priority + 1
+        cls = self._classes[i]
+        self._seq += 1
+        page.ev_seq = self._seq
+        node = page.node
+        uses = page.uses
+        if uses > 1:
+            page.ev_key = cls.clock + (uses - 1) / (self._history.now - page.first_use + self._tau)
+        else:
+            page.ev_key = cls.clock
+        if self._parks and page.anchor and node is not None and node.has_children:
+            page.ev_pos = PARKED
+            cls.parked_head, cls.parked_tail = _append(cls.parked_head, cls.parked_tail, page)
+        elif uses > 1:
+            self._push(cls, page)
+        else:
+            page.ev_pos = IN_FIFO
+            cls.fifo_head, cls.fifo_tail = _append(cls.fifo_head, cls.fifo_tail, page)
+        self._nonempty |= 1 << i
+
+    def remove(self, page: Page) -> None:
+        self._unlisted(page)
+        i = page.priority + 1
+        cls = self._classes[i]
+        pos = page.ev_pos
+        if pos >= 0:
+            self._delete(cls.heap, page)
+        elif pos == IN_FIFO:
+            cls.fifo_head, cls.fifo_tail = _unlink(cls.fifo_head, cls.fifo_tail, page)
+        else:
+            cls.parked_head, cls.parked_tail = _unlink(cls.parked_head, cls.parked_tail, page)
+        page.ev_pos = NOT_IN_HEAP
+        if not cls.heap and cls.fifo_head is None and cls.parked_head is None:
+            self._nonempty &= ~(1 << i)
+
+    def pop_victim(self) -> Page:
+        if self._nonempty == 0:
+            raise IndexError("no evictable page")
+        page = self._next()
+        self._advance_clock(page)
+        return page
+
+    def select(self, count: int, max_held: int) -> list[Page]:
+        out: list[Page] = []
+        skipped: list[Page] = []
+        held = 0
+        while len(out) < count and self._nonempty:
+            page = self._next()
+            if page.num_holds:
+                if held >= max_held:
+                    skipped.append(page)
+                    continue
+                held += 1
+            self._advance_clock(page)
+            out.append(page)
+        for p in skipped:  # back in order: same value, same sequence number (in the heap)
+            self._listed(p)
+            i = p.priority + 1
+            self._push(self._classes[i], p)
+            self._nonempty |= 1 << i
+        return out
+
+    def became_leaf(self, page: Page) -> None:
+        """A parked page's node lost its last child: it becomes a candidate, with its value."""
+        if page.in_evictor != NOT_LISTED and page.ev_pos == PARKED:
+            cls = self._classes[page.priority + 1]
+            cls.parked_head, cls.parked_tail = _unlink(cls.parked_head, cls.parked_tail, page)
+            self._seq += 1
+            page.ev_seq = self._seq
+            self._push(cls, page)  # its value may be below the FIFO's: the heap orders any value
+
+    def pages(self) -> list[Page]:
+        out: list[Page] = []
+        for cls in self._classes:
+            candidates = list(cls.heap)
+            page = cls.fifo_head
+            while page is not None:
+                candidates.append(page)
+                page = page.lru_next
+            out.extend(sorted(candidates, key=_order))
+            page = cls.parked_head
+            while page is not None:
+                out.append(page)
+                page = page.lru_next
+        return out
+
+    def class_clock(self, priority: Priority) -> float:
+        """The GreedyDual clock of ``priority``'s class (for tests and statistics)."""
+        return self._classes[priority + 1].clock
+
+    def is_parked(self, page: Page) -> bool:
+        return page.in_evictor != NOT_LISTED and page.ev_pos == PARKED
+
+    def structure_error(self) -> str | None:
+        n = 0
+        for i, cls in enumerate(self._classes):
+            where = f"frequency class {i - 1}"
+            heap = cls.heap
+            for k, page in enumerate(heap):
+                if page.ev_pos != k:
+                    return f"{where}: heap entry {k} records position {page.ev_pos}"
+                if k and _before(page, heap[(k - 1) >> 1]):
+                    return f"{where}: heap order broken at {k}"
+                error = self._entry_error(page, i)
+                if error is not None:
+                    return f"{where}: {error}"
+            n += len(heap)
+            prev: Page | None = None
+            page_ = cls.fifo_head
+            while page_ is not None:
+                if page_.ev_pos != IN_FIFO or page_.lru_prev is not prev:
+                    return f"{where}: FIFO list broken"
+                if prev is not None and not _before(prev, page_):
+                    return f"{where}: FIFO out of eviction order"
+                error = self._entry_error(page_, i)
+                if error is not None:
+                    return f"{where}: {error}"
+                n += 1
+                prev = page_
+                page_ = page_.lru_next
+            if cls.fifo_tail is not prev:
+                return f"{where}: FIFO tail out of date"
+            prev = None
+            page_ = cls.parked_head
+            while page_ is not None:
+                node = page_.node
+                if page_.ev_pos != PARKED or page_.lru_prev is not prev or page_.priority + 1 != i:
+                    return f"{where}: parked list broken"
+                if not self._parks or not page_.anchor or node is None or not node.has_children:
+                    return f"{where}: a parked page that should be a candidate"
+                n += 1
+                prev = page_
+                page_ = page_.lru_next
+            if cls.parked_tail is not prev:
+                return f"{where}: parked tail out of date"
+            nonempty = bool(heap) or cls.fifo_head is not None or prev is not None
+            if bool(self._nonempty >> i & 1) != nonempty:
+                return f"{where}: non-empty bit out of date"
+        if n != self.count:
+            return f"frequency evictor counts {self.count} pages but holds {n}"
+        return None
+
+    def _entry_error(self, page: Page, i: int) -> str | None:
+        """What is wrong with a candidate (heap or FIFO) page of class ``i``, or None."""
+        if page.priority + 1 != i:
+            return f"holds a page of priority {page.priority}"
+        if page.ev_seq > self._seq:
+            return "a sequence number from the future"
+        node = page.node
+        if self._parks and page.anchor and node is not None and node.has_children:
+            return "an anchor page with cached descendants is a candidate"
+        return None
+
+    # ------------------------------------------------------------------ internals
+    def _next(self) -> Page:
+        """Take out the next page in eviction order (some class is non-empty)."""
+        mask = self._nonempty
+        cls = self._classes[(mask & -mask).bit_length() - 1]
+        page = cls.fifo_head
+        heap = cls.heap
+        if heap and (page is None or _before(heap[0], page)):
+            page = heap[0]
+        if page is None:
+            page = cls.parked_head
+        assert page is not None
+        self.remove(page)
+        return page
+
+    def _advance_clock(self, victim: Page) -> None:
+        """GreedyDual aging: the class's clock rises to its victim's value (a page listed long
+        ago may hold a value below it: the clock never falls)."""
+        cls = self._classes[victim.priority + 1]
+        if victim.ev_key > cls.clock:
+            cls.clock = victim.ev_key
+
+    def _push(self, cls: _Class, page: Page) -> None:
+        heap = cls.heap
+        heap.append(page)
+        self._sift_up(heap, len(heap) - 1, page)
+
+    def _delete(self, heap: list[Page], page: Page) -> None:
+        i = page.ev_pos
+        last = heap.pop()
+        if last is page:
+            return
+        if i > 0 and _before(last, heap[(i - 1) >> 1]):
+            self._sift_up(heap, i, last)
+        else:
+            self._sift_down(heap, i, last)
+
+    def _sift_up(self, heap: list[Page], i: int, page: Page) -> None:
+        """Place ``page`` at hole ``i`` or above."""
+        while i > 0:
+            j = (i - 1) >> 1
+            parent = heap[j]
+            if not _before(page, parent):
+                break
+            heap[i] = parent
+            parent.ev_pos = i
+            i = j
+        heap[i] = page
+        page.ev_pos = i
+
+    def _sift_down(self, heap: list[Page], i: int, page: Page) -> None:
+        """Place ``page`` at hole ``i`` or below."""
+        n = len(heap)
+        while True:
+            c = 2 * i + 1
+            if c >= n:
+                break
+            child = heap[c]
+            if c + 1 < n:
+                right = heap[c + 1]
+                if _before(right, child):
+                    c += 1
+                    child = right
+            if not _before(child, page):
+                break
+            heap[i] = child
+            child.ev_pos = i
+            i = c
+        heap[i] = page
+        page.ev_pos = i
+
+
+def _append(head: Page | None, tail: Page | None, page: Page) -> tuple[Page | None, Page | None]:
+    """Append ``page`` to the intrusive list ``head .. tail``; returns the new (head, tail)."""
+    page.lru_prev = tail
+    page.lru_next = None
+    if tail is None:
+        return page, page
+    tail.lru_next = page
+    return head, page
+
+
+def _unlink(head: Page | None, tail: Page | None, page: Page) -> tuple[Page | None, Page | None]:
+    """Unlink ``page`` from the intrusive list ``head .. tail``; returns the new (head, tail)."""
+    prev = page.lru_prev
+    nxt = page.lru_next
+    if prev is None:
+        head = nxt
+    else:
+        prev.lru_next = nxt
+    if nxt is None:
+        tail = prev
+    else:
+        nxt.lru_prev = prev
+    page.lru_prev = page.lru_next = None
+    return head, tail
+
+
+def _order(page: Page) -> tuple[float, int]:
+    return (page.ev_key, page.ev_seq)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import rawref
 
 from ._common import BAD_PAGE_INDEX, LifeCycleId, PageStatus, Priority, SlotId
-from ._eviction import NOT_LISTED
+from ._eviction import NO_SERIAL, NOT_IN_HEAP, NOT_LISTED
 from ._exceptions import LogicError
 
 if TYPE_CHECKING:
@@ -37,6 +37,11 @@ class Page:
 
     __slots__ = (
         "_rawref",
+        "anchor",
+        "ev_key",
+        "ev_pos",
+        "ev_seq",
+        "first_use",
         "in_evictor",
         "level",
         "life_cycle",
@@ -50,6 +55,8 @@ class Page:
         "remote_copy",
         "slot",
         "storage",
+        "use_serial",
+        "uses",
     )
 
     _rawref: rawref.ref[Page] | None
@@ -66,13 +73,24 @@ class Page:
         self.num_holds = 0 if locked else 1
         self._rawref = None
         self.node: Node | None = None
-        # links of the evictor's LRU list while listed there
+        # links of the evictor's LRU list (frequency policy: of its parked list) while listed there
         self.lru_prev: Page | None = None
         self.lru_next: Page | None = None
         self.in_evictor = NOT_LISTED
         self.lost = False
         #: the remote tier has (or was sent) this page's data: dropping it locally writes nothing
         self.remote_copy = False
+        #: set when published: a full-attention or sink block, whose loss removes the blocks after it
+        self.anchor = False
+        # Frequency policy (see _eviction.py): requests that used the block (history included),
+        # the use clock at its first use, the last request counted; the value and sequence
+        # number the page was listed with, and its heap index (or NOT_IN_HEAP / PARKED).
+        self.uses = 0
+        self.first_use = 0
+        self.use_serial = NO_SERIAL
+        self.ev_key = 0.0
+        self.ev_seq = 0
+        self.ev_pos = NOT_IN_HEAP
         rawref.untrack(self)  # see the class docstring
 
     @property

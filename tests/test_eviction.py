@@ -1,17 +1,37 @@
 """Eviction order and exactness (tails before shared prefixes, never more slots than asked) and
-the SWA key chain surviving evicted pages; through the fake engine."""
+the SWA key chain surviving evicted pages; through the fake engine, under every eviction policy."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import pytest
 from conftest import REC
 from fake_engine import FakeEngine
 
-from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, KVCache, KVCacheManager, LayerId, Priority
+from kv_cache_manager_v2 import (
+    EVICTION_POLICIES,
+    AttentionLayerConfig,
+    BufferConfig,
+    KVCache,
+    KVCacheManager,
+    LayerId,
+    Priority,
+)
 
 MakeManager = Callable[..., KVCacheManager]
 T = 16
+
+
+@pytest.fixture(params=EVICTION_POLICIES)
+def make_manager(request: pytest.FixtureRequest, make_manager: MakeManager) -> Iterator[MakeManager]:
+    """conftest's factory, once per eviction policy: these behaviours hold under each."""
+
+    def factory(*args: object, **kw: object) -> KVCacheManager:
+        kw.setdefault("eviction_policy", request.param)
+        return make_manager(*args, **kw)
+
+    yield factory
 
 
 def one_layer(window: int | None = None, sinks: int | None = None, size: int = REC * T) -> list[AttentionLayerConfig]:

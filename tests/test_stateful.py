@@ -34,6 +34,9 @@ PREFIXES = [[(p * 1000 + i) for i in range(24)] for p in range(3)]
 
 
 class ManagerMachine(RuleBasedStateMachine):
+    #: the manager's eviction_policy (each machine also runs with "frequency", below)
+    POLICY = "lru"
+
     def __init__(self) -> None:
         super().__init__()
         self.m = self.make_manager()
@@ -46,7 +49,9 @@ class ManagerMachine(RuleBasedStateMachine):
         # full attention first, then SWA with sinks: both life cycles share one pool group
         layers = kv_layers(3, T, window=9, swa_every=3, sink_tokens=2)
         layers = layers[1:] + layers[:1]
-        return KVCacheManager(make_config(layers, tokens_per_block=T, quota=3 * 2 * 32 * T * 40))
+        return KVCacheManager(
+            make_config(layers, tokens_per_block=T, quota=3 * 2 * 32 * T * 40, eviction_policy=self.POLICY)
+        )
 
     @rule(
         prefix=st.integers(0, 2),
@@ -186,6 +191,7 @@ class TightMultiGroupMachine(ManagerMachine):
                 quota=(128 + 64) * T * 14,
                 enable_partial_reuse=False,
                 initial_pool_ratio=[0.7, 0.3],
+                eviction_policy=self.POLICY,
             )
         )
 
@@ -203,6 +209,7 @@ class ScratchMachine(ManagerMachine):
                 quota=5 * 2 * 32 * T * 20,
                 swa_scratch_reuse=SwaScratchReuseConfig(1),
                 initial_pool_ratio=[0.5, 0.5],
+                eviction_policy=self.POLICY,
             )
         )
 
@@ -227,6 +234,7 @@ class TieredMachine(ManagerMachine):
                 disk_path=self.tmp,
                 max_util_for_resume=1.0,
                 initial_pool_ratio=[0.6, 0.4],
+                eviction_policy=self.POLICY,
             )
         )
 
@@ -317,7 +325,9 @@ class BeamMachine(ManagerMachine):
         layers = kv_layers(3, T, window=9, swa_every=3, sink_tokens=2)
         layers = layers[1:] + layers[:1]
         slot = 3 * 2 * 32 * T
-        return KVCacheManager(make_config(layers, tokens_per_block=T, quota=slot * 36, host_quota=slot * 30))
+        return KVCacheManager(
+            make_config(layers, tokens_per_block=T, quota=slot * 36, host_quota=slot * 30, eviction_policy=self.POLICY)
+        )
 
     @rule(
         prefix=st.integers(0, 2),
@@ -373,7 +383,35 @@ class BeamMachine(ManagerMachine):
             self.engine.check_all(kv, beam_seq, kv.history_length, beam=b)
 
 
-for machine in (ManagerMachine, TightMultiGroupMachine, ScratchMachine, TieredMachine, BeamMachine):
+class FrequencyManagerMachine(ManagerMachine):
+    POLICY = "frequency"
+
+
+class FrequencyTightMultiGroupMachine(TightMultiGroupMachine):
+    POLICY = "frequency"
+
+
+class FrequencyScratchMachine(ScratchMachine):
+    POLICY = "frequency"
+
+
+class FrequencyTieredMachine(TieredMachine):
+    POLICY = "frequency"
+
+
+class FrequencyBeamMachine(BeamMachine):
+    POLICY = "frequency"
+
+
+MACHINES = (ManagerMachine, TightMultiGroupMachine, ScratchMachine, TieredMachine, BeamMachine)
+FREQUENCY_MACHINES = (
+    FrequencyManagerMachine,
+    FrequencyTightMultiGroupMachine,
+    FrequencyScratchMachine,
+    FrequencyTieredMachine,
+    FrequencyBeamMachine,
+)
+for machine in MACHINES + FREQUENCY_MACHINES:
     machine.TestCase.settings = settings(
         max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
     )
@@ -382,15 +420,22 @@ TestTightMultiGroupMachine = TightMultiGroupMachine.TestCase
 TestScratchMachine = ScratchMachine.TestCase
 TestBeamMachine = BeamMachine.TestCase
 TestTieredMachine = TieredMachine.TestCase
+# the same machines with eviction_policy="frequency" (issue #18): data checked under its eviction order
+TestFrequencyManagerMachine = FrequencyManagerMachine.TestCase
+TestFrequencyTightMultiGroupMachine = FrequencyTightMultiGroupMachine.TestCase
+TestFrequencyScratchMachine = FrequencyScratchMachine.TestCase
+TestFrequencyBeamMachine = FrequencyBeamMachine.TestCase
+TestFrequencyTieredMachine = FrequencyTieredMachine.TestCase
 
 
+@pytest.mark.parametrize("policy", ["lru", "frequency"])
 @pytest.mark.parametrize("seed", range(8))
-def test_tiered_long_random_walk(seed: int) -> None:
+def test_tiered_long_random_walk(seed: int, policy: str) -> None:
     """Hypothesis keeps its programs short; this walks the same rules 400 steps deep (seeded), so
     pages go all the way down, come back, get lost to disk errors and tiers resize under load.
     The fake engine and the invariant checker run after every step."""
     rng = random.Random(seed)
-    m = TieredMachine()
+    m = TieredMachine() if policy == "lru" else FrequencyTieredMachine()
     for _ in range(400):
         r = rng.randrange(10)
         if r == 0 or not m.caches:

@@ -37,6 +37,7 @@ class CacheContext:
         "life_cycles",
         "num_life_cycles",
         "num_pool_groups",
+        "num_requests",
         "open_caches",
         "orphaned",
         "busy",
@@ -87,6 +88,8 @@ class CacheContext:
         self.busy = False
         #: caches the garbage collector dropped during a call; closed when it ends
         self.deferred_closes: list[KVCache] = []
+        #: caches created so far (each gets the next ``RequestSerial``)
+        self.num_requests = 0
 
     def enter(self, what: str) -> None:
         """Start a state-changing call; refuse one that overlaps another (a priority callback

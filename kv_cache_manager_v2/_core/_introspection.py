@@ -1,6 +1,7 @@
 """Invariant checker: walks every request, page, evictor and tree node and verifies they agree
 (per cache level: evictors list exactly the DROPPABLE pages and the HELD pages above the last
-level, every slot has at most one page, allocators count what pages hold, lost pages only in
+level, in a consistent structure (LRU lists; the frequency policy's heaps, positions, parked
+pages and counts), every slot has at most one page, allocators count what pages hold, lost pages only in
 suspended requests, active requests only in GPU memory).
 
 ``KVCacheManager.check_invariants()`` calls it; tests run it after every step. Cost: a walk over
@@ -55,6 +56,9 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
     for level in storage.levels:
         for group in level:
             ev = group.evictor
+            broken = ev.structure_error()
+            if broken is not None:
+                _fail(f"evictor of pool group {group.index} at level {group.level}: {broken}")
             listed = ev.pages()
             if len(listed) != ev.count:
                 _fail(

@@ -25,6 +25,7 @@ from .._common import (
     LifeCycleId,
     PageIndexMode,
     Priority,
+    RequestSerial,
     ReuseScope,
     ScratchDesc,
     SlotId,
@@ -67,6 +68,9 @@ class KVCache:
     ) -> None:
         self._rawref = None
         self._ctx = ctx
+        ctx.num_requests += 1
+        #: this request in use counting (frequency eviction policy)
+        self._serial = RequestSerial(ctx.num_requests)
         self._tokens_per_block = ctx.tokens_per_block
         self._reuse_scope = reuse_scope
         self._id = id
@@ -121,6 +125,9 @@ class KVCache:
                     p = nodes[o].page(lc_id)
                     assert p is not None
                     p.take(False)
+                    history = p.storage.history
+                    if history is not None:
+                        history.use(p, self._serial)
                     pages[o] = p
                     taken += 1
                 else:
@@ -128,6 +135,9 @@ class KVCache:
                     src = part.page(lc_id)
                     assert src is not None
                     src.take(False)
+                    history = src.storage.history
+                    if history is not None:
+                        history.use(src, self._serial)
                     table.pending_copy[lc_id] = src
             table.adopt(lc_id, pages, lc.stale_end(length))
             for other in self._tables[1:]:
@@ -1150,7 +1160,9 @@ class KVCache:
             toks = blocks[o] if o < len(blocks) else tuple(tail)
             mine = table.block_pages(o)
             pages = list(mine)
-            node = tree.publish(parent, toks, pages, locked, keys[o - first] if keys is not None else None)
+            node = tree.publish(
+                parent, toks, pages, locked, self._serial, keys[o - first] if keys is not None else None
+            )
             if node is None:
                 return
             for i in range(len(pages)):

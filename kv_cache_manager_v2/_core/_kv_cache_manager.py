@@ -83,11 +83,12 @@ class KVCacheManager:
         ]
         self._backend: MemoryBackend = select_backend(config.backend)
         try:
-            self._storage = StorageManager(self._layout, slots, self._backend, local)
+            self._storage = StorageManager(self._layout, slots, self._backend, local, config.eviction_policy)
         except BaseException:
             self._backend.shutdown()
             raise
         self._tree = ReuseTree(self._registry.life_cycles, self.tokens_per_block)
+        self._tree.reports_leaves = config.eviction_policy == "frequency"  # its evictors park pages
         self._storage.drop_listener = self._tree
         #: the remote tier (issue #17): writes of dropped (and, with write-through, published) pages,
         #: and match extension

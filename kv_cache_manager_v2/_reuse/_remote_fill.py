@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .._common import DEFAULT_PRIORITY, CacheLevel, LifeCycleId, ReuseScope, TokenIdExt
+from .._eviction import NO_SERIAL
 from .._life_cycle_registry import LifeCycle
 from .._page import Page
 from .._storage._remote import HEADER_BYTES, RemoteStore, decode_value
@@ -317,7 +318,8 @@ class RemoteFill:
             pages: list[Page | None] = [placed.get((o, lc)) for lc in range(n_lc)]
             node = chain[o]
             if node is None or any(p is not None for p in pages):
-                node = tree.publish(parent, tuple(tokens[o * t : (o + 1) * t]), pages, True, keys[o])
+                # NO_SERIAL: a fetch is no use; the request matching these blocks next counts its use
+                node = tree.publish(parent, tuple(tokens[o * t : (o + 1) * t]), pages, True, NO_SERIAL, keys[o])
                 assert node is not None  # a full block is always published
             parent = node
         for o in range(m - 1, -1, -1):

@@ -10,7 +10,7 @@ from typing import cast
 
 import rawref
 
-from .._common import MAX_PRIORITY, CacheLevel, LifeCycleId, Priority, ReuseScope, TokenIdExt
+from .._common import MAX_PRIORITY, CacheLevel, LifeCycleId, Priority, RequestSerial, ReuseScope, TokenIdExt
 from .._events import KVCacheEventManager
 from .._life_cycle_registry import LifeCycle
 from .._page import Page
@@ -220,6 +220,8 @@ class ReuseTree(PageDropListener):
         self.event_sink: KVCacheEventManager | None = None
         #: remote tier with write-through: every full block published is queued for writing there
         self.write_through: StorageManager | None = None
+        #: tell the evictors when a node loses its last child (the frequency policy parks pages)
+        self.reports_leaves = False
 
     def root(self, scope: ReuseScope, create: bool) -> Node | None:
         """The root node of a scope (keyed by the scope's digest), created on first publish."""
@@ -289,6 +291,7 @@ class ReuseTree(PageDropListener):
         tokens: tuple[TokenIdExt, ...],
         pages: list[Page | None],
         locked: bool,
+        serial: RequestSerial,
         key: BlockKey | None = None,
     ) -> Node | None:
         """Insert one committed block under ``parent`` (a partial tail when shorter than a block);
@@ -298,7 +301,8 @@ class ReuseTree(PageDropListener):
         Where the tree already holds a page for the block, the request switches to it (dedup):
         ``pages[lc]`` becomes the tree's page, taken (locked if ``locked``, else held), and the
         request's own is released; if the tree's page sits in a lower cache level, the two swap
-        places first (same data), so an active request keeps a GPU page. Returns the block's
+        places first (same data), so an active request keeps a GPU page. Either way request
+        ``serial`` uses the block (use counting, frequency policy). Returns the block's
         node, or None when a longer sibling already covers a partial tail (then nothing is
         published).
 
@@ -324,8 +328,13 @@ class ReuseTree(PageDropListener):
                         mine.set_priority(cap)
                     mine.node = node
                     node.pages[lc] = rawref.ref(mine)
-                    if self.life_cycles.items[lc].is_anchor(node.ordinal) and mine.priority < node.prio_cap:
+                    anchor = self.life_cycles.items[lc].is_anchor(node.ordinal)
+                    mine.anchor = anchor
+                    if anchor and mine.priority < node.prio_cap:
                         node.prio_cap = mine.priority
+                    history = mine.storage.history
+                    if history is not None:
+                        history.use(mine, serial)
                     sink = self.event_sink
                     if sink is not None:
                         sink.block_stored(node, lc, mine)
@@ -338,6 +347,9 @@ class ReuseTree(PageDropListener):
                     theirs.exchange_location(mine)
                     self.page_moved(theirs, source_level)
                 theirs.take(locked)
+                history = theirs.storage.history
+                if history is not None:
+                    history.use(theirs, serial)
                 pages[lc] = theirs
                 mine.release(locked)
         return node
@@ -367,6 +379,8 @@ class ReuseTree(PageDropListener):
         parent = node.parent
         if parent is not None:
             parent.remove_child(node)
+            if self.reports_leaves and not parent.has_children:
+                self._became_leaf(parent)
         sink = self.event_sink
         stack = [node]
         while stack:
@@ -379,8 +393,12 @@ class ReuseTree(PageDropListener):
                 if p is not None:
                     if sink is not None:
                         sink.block_removed(n, lc, p)
+                    unused = p.num_locks == 0 and p.num_holds == 0
+                    history = p.storage.history
+                    if unused and history is not None and not free_unused:
+                        history.record(p)  # the block leaves the cache: remember its uses
                     p.node = None
-                    if p.num_locks == 0 and p.num_holds == 0:
+                    if unused:
                         if free_unused:
                             p.storage.evictor.remove(p)
                             p.free()
@@ -404,9 +422,18 @@ class ReuseTree(PageDropListener):
             assert parent is not None
             parent.remove_child(n)
             n.parent = None
+            if self.reports_leaves and not parent.has_children:
+                self._became_leaf(parent)
             n = parent
         if n is not None and n.scope is not None and n.is_removable and self.roots.get(n.scope) is n:
             del self.roots[n.scope]
+
+    def _became_leaf(self, node: Node) -> None:
+        """``node`` lost its last child: its listed pages may stop waiting for descendants."""
+        for r in node.pages:
+            p = r() if r is not None else None
+            if p is not None and p.in_evictor:
+                p.storage.evictor.became_leaf(p)
 
     def clear(self) -> None:
         """Remove every block (callers made sure no request uses any); subscribers get one event."""

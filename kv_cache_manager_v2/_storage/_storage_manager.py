@@ -26,7 +26,7 @@ from .._common import (
     TierStatistics,
 )
 from .._config import DiskCacheTierConfig, LocalCacheTierConfig
-from .._eviction import Evictor
+from .._eviction import Evictor, FrequencyEvictor, LruEvictor, UseHistory
 from .._exceptions import OutOfPagesError
 from .._page import Page
 from .._typed import TypedList
@@ -54,6 +54,7 @@ class PoolGroupStorage:
         "allocator",
         "evictor",
         "headroom",
+        "history",
         "is_last",
         "layout",
         "level",
@@ -76,6 +77,7 @@ class PoolGroupStorage:
         layout: PoolGroupLayout,
         num_slots: int,
         pools: list[Pool],
+        history: UseHistory | None,
     ) -> None:
         self.level = level
         self.tier = tier
@@ -84,7 +86,9 @@ class PoolGroupStorage:
         self.layout = layout
         self.pools = pools
         self.allocator = SlotAllocator(num_slots, pools, layout.slot_sizes)
-        self.evictor = Evictor()
+        #: the pool group's use counting, shared by its levels (frequency policy; None: LRU)
+        self.history = history
+        self.evictor: Evictor = LruEvictor() if history is None else FrequencyEvictor(history, num_slots, parks=is_last)
         #: pages dropped for good here: evicted reusable pages, and pages lost to disk errors (cumulative)
         self.num_dropped = 0
         #: pages eviction took out of this level (moved down or dropped)
@@ -164,6 +168,7 @@ class StorageManager:
         slots: list[list[int]],
         backend: MemoryBackend,
         tiers: Sequence[LocalCacheTierConfig],
+        eviction_policy: str = "lru",
     ) -> None:
         self.layout = layout
         self.backend = backend
@@ -171,13 +176,19 @@ class StorageManager:
         self.tiers: list[CacheTier] = [t.tier for t in tiers]
         self.levels: TypedList[CacheLevel, TypedList[PoolGroupIndex, PoolGroupStorage]] = TypedList([])
         last = len(tiers) - 1
+        #: per pool group, the use counting the frequency policy shares among the group's levels
+        histories: list[UseHistory | None] = [
+            UseHistory(n) if eviction_policy == "frequency" else None for n in slots[last]
+        ]
         try:
             for level, cfg in enumerate(tiers):
                 groups: TypedList[PoolGroupIndex, PoolGroupStorage] = TypedList([])
                 self.levels.items.append(groups)
-                for g, n in zip(layout.pool_groups, slots[level]):
+                for g, n, history in zip(layout.pool_groups, slots[level], histories):
                     pools = self._make_pools(cfg, g, n)
-                    groups.items.append(PoolGroupStorage(CacheLevel(level), cfg.tier, level == last, g, n, pools))
+                    groups.items.append(
+                        PoolGroupStorage(CacheLevel(level), cfg.tier, level == last, g, n, pools, history)
+                    )
         except BaseException:
             self.release()
             raise
@@ -445,8 +456,12 @@ class StorageManager:
                         self.drop(v)
 
     def drop(self, page: Page, spill: bool = True) -> None:
-        """Free an evicted page for good; the listener forgets it first. With a remote tier, a
-        reusable full block's data is queued for writing there first (unless ``spill`` is False)."""
+        """Free an evicted page for good; the listener forgets it first (and the use history
+        remembers a reusable block's uses). With a remote tier, a reusable full block's data is
+        queued for writing there first (unless ``spill`` is False)."""
+        history = page.storage.history
+        if history is not None:
+            history.record(page)
         if spill and self.remote is not None and page.node is not None and not page.remote_copy:
             st = page.storage
             if (
@@ -717,6 +732,9 @@ class StorageManager:
                 self.make_room(s, s.num_slots - n)
                 self._compact(s, n, live)
             s.allocator.resize(n)
+            s.evictor.resize(n)
+            if s.is_last and s.history is not None:
+                s.history.resize(n)
             if shrinking:
                 for pool, size in zip(s.pools, s.layout.slot_sizes):
                     pool.shrink(n * size)

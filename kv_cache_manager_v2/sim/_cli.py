@@ -18,9 +18,9 @@ from typing import Any, NoReturn
 
 import kv_cache_manager_v2 as kvm
 
+from .._config import EVICTION_POLICIES
 from ._check import DataCheckError
 from ._models import (
-    EVICTION_POLICIES,
     PRESETS,
     ModelShape,
     SimUserError,
@@ -76,7 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", help="host-memory tier quota (evicted and suspended pages spill there)")
     g.add_argument("--disk", help="disk tier quota, below the host tier if any")
     g.add_argument("--disk-path", help="directory of the disk tier (default: a temporary one)")
-    g.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES, help="reusable-page eviction")
+    g.add_argument(
+        "--eviction-policy",
+        default=["lru"],
+        type=_policies,
+        metavar="POLICY[,POLICY..]",
+        help=f"reusable-page eviction: {', '.join(EVICTION_POLICIES)}, or all; several: one replay each, "
+        "compared in a table (per --sweep point)",
+    )
     g.add_argument("--swa-scratch", action="store_true", help="SWA prefill scratch-slot reuse")
     g.add_argument("--no-reuse", action="store_true", help="disable prefix reuse (every request on its own)")
     g = p.add_argument_group("replicas sharing a remote tier (Redis)")
@@ -119,12 +126,31 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output")
     g.add_argument("--json", nargs="?", const="-", metavar="FILE", help="write the report as JSON (default: stdout)")
     g.add_argument("--plot", metavar="FILE", help="write a PNG (needs matplotlib)")
-    g.add_argument("--sweep", metavar="TIER=V1,V2,..", help="replay once per quota, e.g. gpu=1,3,10 or gpu=1Mtok,3Mtok")
+    g.add_argument(
+        "--sweep",
+        metavar="TIER=V1,V2,..",
+        help="replay once per quota (and eviction policy), e.g. gpu=1,3,10 or gpu=1Mtok,3Mtok",
+    )
     g.add_argument(
         "--check-data", action="store_true", help="also write and check KV records through the pages (slower)"
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def _policies(text: str) -> list[str]:
+    """``--eviction-policy``: one policy, a comma-separated list, or ``all``."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if names == ["all"]:
+        return list(EVICTION_POLICIES)
+    for x in names:
+        if x not in EVICTION_POLICIES:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {x!r} (choose from {', '.join(EVICTION_POLICIES)}, or all; comma-separated)"
+            )
+    if not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: name each policy once, comma-separated")
+    return names
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -421,8 +447,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     row.append(spec)
                 row.sort(key=lambda x: SWEEP_KEYS.index(x.kind))
                 points.append(row)
-        for row in points:
+        policies: list[str] = a.eviction_policy
+        runs = [(row, policy) for row in points for policy in policies]
+        for row, policy in runs:
             label = f"replay ({row[-1].kind} {row[-1].text})" if sweep else "replay"
+            if len(policies) > 1:
+                label += f" {policy}"
             update, close = _progress_bar(len(requests), not a.no_progress, label)
             try:
                 reports.append(
@@ -436,14 +466,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         a.swa_scratch,
                         a.check_data,
                         update,
-                        a.eviction_policy,
+                        policy,
                     )
                 )
             finally:
                 close()
-        if sweep is not None:
-            doc: dict[str, Any] = {"schema": SCHEMA, "sweep": {"key": sweep[0], "points": reports}}
-            text = format_report(reports[0]).split("\n")[0] + "\n" + format_sweep(sweep[0], reports)
+        if sweep is not None or len(reports) > 1:  # a sweep of quotas and/or policies
+            key = sweep[0] if sweep is not None else "gpu"
+            doc: dict[str, Any] = {"schema": SCHEMA, "sweep": {"key": key, "policies": policies, "points": reports}}
+            text = format_report(reports[0]).split("\n")[0] + "\n" + format_sweep(key, reports)
         else:
             doc = reports[0]
             text = format_report(doc)
@@ -461,7 +492,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(text)
         if a.plot:
-            write_plot(a.plot, None if sweep else doc, (sweep[0], reports) if sweep else None)
+            many = sweep is not None or len(reports) > 1
+            write_plot(a.plot, None if many else doc, (doc["sweep"]["key"], reports) if many else None)
             if a.json != "-":
                 print(f"plot written to {a.plot}")
         return 0

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from typing import cast
 
 from mypy_extensions import mypyc_attr
 
 from .._common import LayerId
 from .._config import (
+    EVICTION_POLICIES,
     AttentionLayerConfig,
     BufferConfig,
     CacheTierConfig,
     DiskCacheTierConfig,
+    EvictionPolicy,
     GpuCacheTierConfig,
     HostCacheTierConfig,
     KVCacheManagerConfig,
@@ -243,10 +246,6 @@ def real_bytes_per_proxy_byte(shape: ModelShape, tokens_per_block: int, page_byt
     return shape.buffer_bytes_per_token * tokens_per_block / page_bytes
 
 
-#: eviction policies of reusable pages the manager offers (today its one policy: LRU within priorities)
-EVICTION_POLICIES = ("lru",)
-
-
 def manager_config(
     shape: ModelShape,
     tokens_per_block: int,
@@ -265,7 +264,6 @@ def manager_config(
         raise SimUserError(
             f"unknown --eviction-policy {eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}"
         )
-    # when KVCacheManagerConfig gains ``eviction_policy``, pass it below and extend EVICTION_POLICIES
     layers = [
         AttentionLayerConfig(
             LayerId(i),
@@ -300,4 +298,5 @@ def manager_config(
         layers=layers,
         swa_scratch_reuse=SwaScratchReuseConfig() if swa_scratch else None,
         backend="host",
+        eviction_policy=cast(EvictionPolicy, eviction_policy),
     )

@@ -28,12 +28,17 @@ def write_plot(
     import matplotlib.ticker
 
     if sweep is not None:
-        key, reports = sweep
+        key, all_reports = sweep
         level = {"gpu": 0, "host": 1, "disk": 2}[key]
-        xs = [rep["tiers"][min(level, len(rep["tiers"]) - 1)]["capacity_tokens"] for rep in reports]
+        policies = list(dict.fromkeys(rep["eviction_policy"] for rep in all_reports))
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        ax.plot(xs, [rep["hit_rate"]["tokens"] for rep in reports], "o-", label="hit rate (prompt tokens)")
-        ax.plot(xs, [rep["hit_rate"]["blocks"] for rep in reports], "s--", label="hit rate (blocks)")
+        xs: list[int] = []
+        for policy in policies:  # one pair of lines per eviction policy
+            reports = [rep for rep in all_reports if rep["eviction_policy"] == policy]
+            xs = [rep["tiers"][min(level, len(rep["tiers"]) - 1)]["capacity_tokens"] for rep in reports]
+            tag = f", {policy}" if len(policies) > 1 else ""
+            ax.plot(xs, [rep["hit_rate"]["tokens"] for rep in reports], "o-", label=f"hit rate (prompt tokens{tag})")
+            ax.plot(xs, [rep["hit_rate"]["blocks"] for rep in reports], "s--", label=f"hit rate (blocks{tag})")
         for x, rep in zip(xs, reports):
             quota = rep["tiers"][min(level, len(rep["tiers"]) - 1)]["quota"]
             ax.annotate(quota, (x, rep["hit_rate"]["tokens"]), textcoords="offset points", xytext=(0, 6), ha="center")

@@ -274,8 +274,12 @@ def format_report(rep: dict[str, Any]) -> str:
 
 
 def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
-    """One line per sweep point: capacity, hit rates, peak use, preemptions, pages dropped (all tiers)."""
-    head = f"{key + ' quota':<14}{'tokens':>12}{'hit(tok)':>10}{'hit(blk)':>10}{'peak use':>10}{'preempt':>9}{'dropped':>10}"
+    """One line per sweep point: capacity, eviction policy, hit rates, peak use, preemptions, pages
+    dropped (all tiers)."""
+    head = (
+        f"{key + ' quota':<14}{'tokens':>12}  {'policy':<10}{'hit(tok)':>10}{'hit(blk)':>10}{'peak use':>10}"
+        f"{'preempt':>9}{'dropped':>10}"
+    )
     lines = [head]
     level = {"gpu": 0, "host": 1, "disk": 2}[key]
     for rep in reports:
@@ -284,7 +288,8 @@ def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
         dropped = sum(t["dropped_pages"] for t in rep["tiers"])
         pm = rep["preemptions"]
         lines.append(
-            f"{tier['quota']:<14}{format_count(tier['capacity_tokens']):>12}{rep['hit_rate']['tokens']:>10.3f}"
+            f"{tier['quota']:<14}{format_count(tier['capacity_tokens']):>12}  {rep['eviction_policy']:<10}"
+            f"{rep['hit_rate']['tokens']:>10.3f}"
             f"{rep['hit_rate']['blocks']:>10.3f}{gpu['peak_used_fraction']:>10.0%}{pm['suspend'] + pm['recompute']:>9,}"
             f"{format_count(dropped):>10}"
         )

@@ -1,0 +1,336 @@
+"""The frequency eviction policy (issue #18) on small hand-made sequences, through the fake engine:
+a popular prefix survives a scan of one-off prompts that LRU lets evict it, aging lets a formerly
+popular block go, priorities and garbage still come first, descendants go before their anchor
+(and an anchor that must go takes its subtree), demotion to the host tier follows the same order
+with the use history travelling along, and the ghost table restores uses of evicted blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from conftest import REC
+from fake_engine import FakeEngine
+
+from kv_cache_manager_v2 import (
+    EVICTION_POLICIES,
+    AttentionLayerConfig,
+    BufferConfig,
+    GpuCacheTierConfig,
+    KVCache,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    LayerId,
+    Priority,
+)
+from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
+from kv_cache_manager_v2._eviction import GARBAGE_PRIORITY, FrequencyEvictor, LruEvictor, UseHistory, _tag_of
+from kv_cache_manager_v2._page import Page
+
+MakeManager = Callable[..., KVCacheManager]
+T = 4
+SLOT = REC * T  # one layer, one buffer: bytes per slot
+
+
+def one_layer(window: int | None = None, sinks: int | None = None) -> list[AttentionLayerConfig]:
+    return [AttentionLayerConfig(LayerId(0), [BufferConfig("key", SLOT)], window, sinks)]
+
+
+def run(engine: FakeEngine, m: KVCacheManager, tokens: list[int], priority: int = 35) -> None:
+    """One request: match ``tokens[:-1]``, compute the rest, commit everything, close."""
+    kv = m.create_kv_cache(input_tokens=tokens[:-1], custom_priority_callback=lambda o, lc: Priority(priority))
+    assert kv.resume()
+    h = kv.history_length
+    engine.check_all(kv, tokens, h)  # what was reused holds the right KV
+    assert kv.resize(len(tokens))
+    engine.step(kv, tokens, h, len(tokens))
+    kv.commit(tokens[h:])
+    kv.close()
+
+
+def hold(m: KVCacheManager, blocks: int) -> KVCache:
+    """An active request holding ``blocks`` new pages (pressure: eviction makes the room)."""
+    kv = m.create_kv_cache()
+    assert kv.resume()
+    assert kv.resize(blocks * T)
+    return kv
+
+
+def gpu_evictor(m: KVCacheManager, level: int = 0) -> FrequencyEvictor:
+    ev = m._storage.levels[level].items[0].evictor
+    assert type(ev) is FrequencyEvictor
+    return ev
+
+
+def history(m: KVCacheManager) -> UseHistory:
+    h = m._storage.gpu.items[0].history
+    assert h is not None
+    return h
+
+
+def tree_page(m: KVCacheManager, tokens: list[int], block: int) -> Page:
+    """The tree's page of block ``block`` of ``tokens`` (it must be cached); looked up without
+    taking it (a request's match would count a use)."""
+    nodes, _, _ = m._match(DEFAULT_REUSE_SCOPE, tokens, True)
+    assert len(nodes) > block
+    page = nodes[block].page(0)
+    assert page is not None
+    return page
+
+
+def uniq(n: int, base: int) -> list[int]:
+    return list(range(base, base + n))
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_popular_prefix_survives_a_scan_of_one_off_prompts(make_manager: MakeManager, policy: str) -> None:
+    """Issue #18's defining case: a prefix three requests shared, then a scan of one-off prompts
+    larger than the cache. LRU evicts the prefix (it is the oldest); frequency keeps it."""
+    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * SLOT, eviction_policy=policy)
+    engine = FakeEngine(m)
+    prefix = uniq(2 * T, 1000)
+    for r in range(3):
+        run(engine, m, prefix + uniq(T, 2000 + 100 * r))
+    for r in range(6):  # 12 one-off blocks through an 8-slot cache
+        run(engine, m, uniq(2 * T, 5000 + 100 * r))
+    kept = m.probe_reuse(input_tokens=[*prefix, 1])
+    if policy == "lru":
+        assert kept == 0
+    else:
+        assert kept == 2 * T
+        run(engine, m, [*prefix, 7, 7])  # and it is intact
+    m.check_invariants()
+
+
+def test_aging_lets_a_formerly_popular_block_go(make_manager: MakeManager) -> None:
+    """A block four requests used early loses to blocks two requests each used later: every
+    eviction of a re-used block raises the class clock, and pages listed since start above it."""
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
+    engine = FakeEngine(m)
+    old = uniq(T, 1000)
+    for r in range(4):
+        run(engine, m, old + uniq(1, 2000 + r))  # one block (the partial tail is never cached)
+    ev = gpu_evictor(m)
+    old_page = tree_page(m, old + [0], 0)
+    old_value = old_page.ev_key
+    rounds = 0
+    while m.probe_reuse(input_tokens=[*old, 1]) and rounds < 200:
+        block = uniq(T, 10_000 + 10 * rounds)
+        run(engine, m, block + [1])
+        run(engine, m, block + [2])  # used twice: a positive rate, below the old block's
+        hog = hold(m, 2)  # pressure: two evictions
+        hog.close()
+        rounds += 1
+    assert 2 <= rounds < 200  # it survived the first rounds, then aged out
+    assert ev.class_clock(Priority(35)) >= old_value
+    m.check_invariants()
+
+
+def test_priorities_come_before_values(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
+    engine = FakeEngine(m)
+    popular = uniq(2 * T, 1000)
+    for r in range(3):
+        run(engine, m, popular + [r], priority=10)  # popular but low priority
+    once = uniq(2 * T, 5000)
+    run(engine, m, once + [0], priority=90)  # used once, high priority
+    hog = hold(m, 2)
+    assert m.probe_reuse(input_tokens=[*popular, 1]) == 0
+    assert m.probe_reuse(input_tokens=[*once, 1]) == 2 * T
+    hog.close()
+    m.check_invariants()
+
+
+def test_garbage_goes_first(make_manager: MakeManager) -> None:
+    """Two pool groups of 3 slots: full attention, and a window with a sink block. Dropping the
+    one-off block's page in one group removes its node, so its page in the other group becomes
+    garbage, which that group evicts before the popular block: exactly the one-off goes."""
+    layers = [
+        AttentionLayerConfig(LayerId(0), [BufferConfig("key", SLOT)]),
+        AttentionLayerConfig(LayerId(1), [BufferConfig("key", 2 * SLOT)], sliding_window_size=T, num_sink_tokens=T),
+    ]
+    m = make_manager(
+        layers, tokens_per_block=T, quota=9 * SLOT, initial_pool_ratio=[1 / 3, 2 / 3], eviction_policy="frequency"
+    )
+    assert [s.total for s in m.get_storage_statistics()] == [3, 3]
+    engine = FakeEngine(m)
+    popular = uniq(T, 1000)
+    for _ in range(3):
+        run(engine, m, popular)  # block-aligned prompts: no partial tails
+    doomed = uniq(T, 5000)
+    run(engine, m, doomed)
+    assert [s.free for s in m.get_storage_statistics()] == [1, 1]
+    hog = hold(m, 2)  # one eviction per group: the one-off, then its garbage in the other group
+    assert m.probe_reuse(input_tokens=[*doomed, 1]) == 0
+    assert m.probe_reuse(input_tokens=[*popular, 1]) == T
+    assert [s.free for s in m.get_storage_statistics()] == [0, 0]
+    for group in m._storage.gpu:
+        assert not [p for p in group.evictor.pages() if p.priority == GARBAGE_PRIORITY]
+    hog.close()
+    m.check_invariants()
+
+
+def hold_first_use(engine: FakeEngine, m: KVCacheManager, tokens: list[int]) -> KVCache:
+    """A request that publishes ``tokens`` (whole blocks) and stays open: their first use is now."""
+    kv = m.create_kv_cache(input_tokens=tokens[:-1])
+    assert kv.resume() and kv.resize(len(tokens))
+    engine.step(kv, tokens, kv.history_length, len(tokens))
+    kv.commit(tokens[kv.history_length :])
+    return kv
+
+
+def test_descendants_go_before_their_anchor_whatever_the_values(make_manager: MakeManager) -> None:
+    """Block A was first used long ago, so its use rate is below that of its child B: by value A
+    would go first (and take B along). A waits, parked, until B has left the tree."""
+    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * SLOT, eviction_policy="frequency")
+    engine = FakeEngine(m)
+    a, b = uniq(T, 1000), uniq(T, 2000)
+    first = hold_first_use(engine, m, a)
+    for r in range(50):  # 200 uses of other blocks while A is held: now >> tau (15 x 8 slots)
+        run(engine, m, uniq(4 * T, 100_000 + 100 * r))
+    first.close()
+    run(engine, m, [*a, *b])  # uses A again, publishes B under it
+    run(engine, m, [*a, *b])  # uses A and B (B as a partial match, then deduplicated)
+    ev = gpu_evictor(m)
+    page_a = tree_page(m, [*a, *b], 0)
+    page_b = tree_page(m, [*a, *b], 1)
+    assert page_a.uses == 3 and page_b.uses == 2
+    assert page_a.ev_key < page_b.ev_key  # A is worth less ...
+    assert ev.is_parked(page_a) and not ev.is_parked(page_b)  # ... but waits for B
+    st = m.get_storage_statistics()[0]
+    hog = hold(m, st.free + st.evictable - 1)  # everything but one page goes
+    assert m.probe_reuse(input_tokens=[*a, *b, 1]) == T  # A stayed, B went
+    assert not ev.is_parked(page_a)  # a candidate now
+    hog.close()
+    m.check_invariants()
+
+
+def test_an_anchor_that_must_go_takes_its_subtree(make_manager: MakeManager) -> None:
+    """GPU (4 slots) + host (2): the GPU keeps the more valuable child B and demotes its parent A
+    to the host, the last level, where A is parked (B is cached). When the host must make room
+    and has nothing else, A goes anyway and its subtree with it: B's GPU page becomes garbage,
+    as under LRU, and the eviction stays exact."""
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * SLOT, host_quota=2 * SLOT, eviction_policy="frequency")
+    engine = FakeEngine(m)
+    a, b = uniq(T, 1000), uniq(T, 2000)
+    first = hold_first_use(engine, m, a)
+    for r in range(34):  # the clock runs while A is held: A's rate ends up below B's
+        run(engine, m, uniq(3 * T, 100_000 + 100 * r))
+    first.close()
+    for _ in range(3):
+        run(engine, m, [*a, *b])  # A: 4 uses since long ago; B: 3 uses, recent
+    host_ev = gpu_evictor(m, 1)
+    page_a = tree_page(m, [*a, *b], 0)
+    page_b = tree_page(m, [*a, *b], 1)
+    assert page_a.ev_key < page_b.ev_key
+    hog = hold(m, 3)  # the GPU keeps one page, B; A moves to the host and is parked there
+    assert page_b.level == 0 and page_a.level == 1 and host_ev.is_parked(page_a)
+    assert page_a.uses == 4  # the history travelled with the page
+    hog.close()
+    run(engine, m, uniq(2 * T, 7000))  # two one-off blocks in GPU memory
+    hog = hold(m, 3)  # they move to the host, which drops what it has: only A is left, parked
+    assert m.probe_reuse(input_tokens=[*a, *b, 1]) == 0
+    garbage = [p for p in gpu_evictor(m).pages() if p.priority == GARBAGE_PRIORITY]
+    assert garbage == [page_b]
+    assert [s.free for s in m.get_storage_statistics()] == [0]
+    hog.close()
+    m.check_invariants()
+
+
+def test_host_tier_demotes_in_eviction_order_and_keeps_the_popular(make_manager: MakeManager) -> None:
+    """GPU 4 slots + host 4 slots. A scan of one-off blocks moves through the GPU to the host and
+    out; the popular prefix stays in GPU memory (one-offs are demoted first), and once pushed to
+    the host it carries its uses there and outlives the one-offs again."""
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * SLOT, host_quota=4 * SLOT, eviction_policy="frequency")
+    engine = FakeEngine(m)
+    popular = uniq(2 * T, 1000)
+    for _ in range(3):
+        run(engine, m, popular)
+    for r in range(6):  # 12 one-off blocks: more than GPU + host
+        run(engine, m, uniq(2 * T, 5000 + 100 * r))
+    page = tree_page(m, popular, 0)
+    assert page.level == 0  # never demoted: the one-offs went first
+    hog = hold(m, 4)  # the whole GPU: the prefix is demoted
+    assert page.level == 1 and page.uses == 3
+    hog.close()
+    for r in range(6):  # another scan: the host drops one-offs, not the prefix
+        run(engine, m, uniq(2 * T, 9000 + 100 * r))
+    assert m.probe_reuse(input_tokens=[*popular, 1]) == 2 * T
+    run(engine, m, [*popular, 5])  # onboarded intact
+    m.check_invariants()
+
+
+def test_ghost_restores_the_uses_of_an_evicted_block(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
+    engine = FakeEngine(m)
+    popular = uniq(T, 1000)
+    for _ in range(3):
+        run(engine, m, popular)
+    node = tree_page(m, popular, 0).node
+    assert node is not None
+    block_key = node.key
+    hog = hold(m, 4)  # everything is evicted
+    assert m.probe_reuse(input_tokens=[*popular, 1]) == 0
+    assert history(m).remembers(block_key) == 3
+    hog.close()
+    run(engine, m, popular)  # computed again: its uses come back from the ghost, plus this one
+    assert tree_page(m, popular, 0).uses == 4
+    assert history(m).remembers(block_key) == 0  # the entry moved back to the page
+    fresh = uniq(T, 3000)
+    run(engine, m, fresh)
+    assert tree_page(m, fresh, 0).uses == 1
+    m.check_invariants()
+
+
+def test_ghost_set_replaces_its_fewest_uses_then_its_oldest() -> None:
+    """One set of 16 ways (2 slots x 8 entries): a 17th block replaces the entry with the fewest
+    uses, the oldest among equals; tags are matched on entry boundaries only; resize keeps the
+    newest entries."""
+    ghost = UseHistory(2)
+    assert ghost.num_entries == 16
+    keys = [bytes([k + 1]) * 32 for k in range(16)]
+    for k, key in enumerate(keys):
+        ghost._put(key[:8], 1 if k in (3, 7) else 5, 0)
+    ghost._put(b"\xaa" * 8, 2, 0)  # full: replaces key 3 (uses 1, older than key 7)
+    assert ghost.remembers(keys[3]) == 0 and ghost.remembers(keys[7]) == 1 and ghost.remembers(b"\xaa" * 32) == 2
+    ghost._put(b"\xbb" * 8, 9, 0)  # then key 7
+    assert ghost.remembers(keys[7]) == 0 and ghost.remembers(b"\xbb" * 32) == 9
+    # a tag that only occurs across two neighbouring entries is not found
+    straddling = keys[0][4:8] + keys[1][:4] + bytes(24)
+    assert ghost.remembers(straddling) == 0
+    assert _tag_of(bytes(32)) != bytes(8)  # a key that starts like an empty entry gets a stand-in
+    ghost.resize(1)  # one set still (the minimum): everything that fits stays
+    assert ghost.num_entries == 16 and ghost.remembers(b"\xbb" * 32) == 9
+
+
+def test_each_request_counts_once_per_block(make_manager: MakeManager) -> None:
+    """A partial match's source is taken, released at resume, then deduplicated at publish: one use."""
+    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * SLOT, eviction_policy="frequency")
+    engine = FakeEngine(m)
+    block = uniq(T, 1000)
+    run(engine, m, [*block, 0])
+    assert tree_page(m, block, 0).uses == 1
+    run(engine, m, [*block, 5])  # a full match
+    assert tree_page(m, block, 0).uses == 2
+    run(engine, m, block)  # prompt[:-1] ends inside the block: a partial match, copied, deduplicated
+    assert tree_page(m, block, 0).uses == 3
+    m.check_invariants()
+
+
+def test_the_evictor_classes_follow_the_config(make_manager: MakeManager) -> None:
+    lru = make_manager(one_layer(), tokens_per_block=T, quota=4 * SLOT)
+    assert type(lru._storage.gpu.items[0].evictor) is LruEvictor and lru._storage.gpu.items[0].history is None
+    freq = make_manager(one_layer(), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
+    assert type(freq._storage.gpu.items[0].evictor) is FrequencyEvictor
+    assert history(freq).num_entries == 8 * 4  # GHOST_PER_SLOT x the last level's slots
+
+
+@pytest.mark.parametrize("bad", ["LRU", "mru", ""])
+def test_unknown_policy_is_refused_with_the_choices(bad: str) -> None:
+    with pytest.raises(ValueError, match="eviction_policy must be one of 'lru', 'frequency', got"):
+        KVCacheManagerConfig(T, [GpuCacheTierConfig(SLOT)], one_layer(), eviction_policy=bad)  # type: ignore[arg-type]
+
+
+def test_policy_of_the_wrong_type_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="str"):  # compiled, mypyc's own check answers first
+        KVCacheManagerConfig(T, [GpuCacheTierConfig(SLOT)], one_layer(), eviction_policy=1)  # type: ignore[arg-type]
