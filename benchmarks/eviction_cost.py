@@ -28,7 +28,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from array import array
@@ -156,16 +155,7 @@ def worker(name: str, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_child(mode: str, name: str, params: dict[str, Any]) -> dict[str, Any]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = (bench.FAST_DIR + os.pathsep + bench.ROOT) if mode == "fast" else bench.ROOT
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--params", json.dumps(params)]
-    res = subprocess.run(cmd, env=env, cwd=bench.ROOT, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise SystemExit(f"{name} ({mode}, {params['policy']}) failed:\n{res.stderr}")
-    out: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
-    if out["compiled"] != (mode == "compiled"):
-        raise SystemExit(f"{name}: asked for {mode} mode but the package imported compiled={out['compiled']}")
-    return out
+    return bench.run_child(mode, name, params, os.path.abspath(__file__))
 
 
 def main() -> None:

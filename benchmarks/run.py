@@ -1132,16 +1132,17 @@ def prepare_compiled() -> None:
         )
 
 
-def run_child(mode: str, name: str, params: dict[str, int]) -> dict[str, Any]:
+def run_child(mode: str, name: str, params: dict[str, Any], script: str = os.path.abspath(__file__)) -> dict[str, Any]:
+    """Run scenario ``name`` of ``script`` (``--worker``) in a child process in ``mode``."""
     env = dict(os.environ)
     if mode == "fast":
         env["PYTHONPATH"] = FAST_DIR + os.pathsep + ROOT
     else:
         env["PYTHONPATH"] = ROOT
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--params", json.dumps(params)]
+    cmd = [sys.executable, script, "--worker", name, "--params", json.dumps(params)]
     res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0:
-        raise SystemExit(f"{name} ({mode}) failed:\n{res.stderr}")
+        raise SystemExit(f"{name} ({mode}, {params}) failed:\n{res.stderr}")
     out: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
     if out["compiled"] != (mode == "compiled"):
         raise SystemExit(f"{name}: asked for {mode} mode but the package imported compiled={out['compiled']}")

@@ -79,30 +79,60 @@ load_sha256(void)
     }
 }
 
-static PyObject *
-blockhash_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* The arguments both functions share: 3 of them, a 32-byte parent digest, a positive block size
+ * (args[2]) stored in *size. 0 on success, -1 with an exception set. */
+static int
+check_args(const char *name, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t *size)
 {
     if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "chain(parent, data, block_bytes) takes 3 arguments");
-        return NULL;
+        PyErr_Format(PyExc_TypeError, "%s takes 3 arguments", name);
+        return -1;
     }
     if (sha256_init == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "blockhash: OpenSSL's SHA-256 was not found (check blockhash.available)");
+        return -1;
+    }
+    if (!PyBytes_Check(args[0]) || PyBytes_GET_SIZE(args[0]) != DIGEST) {
+        PyErr_Format(PyExc_ValueError, "%s: parent must be a 32-byte bytes digest", name);
+        return -1;
+    }
+    *size = PyLong_AsSsize_t(args[2]);
+    if (*size == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (*size <= 0) {
+        PyErr_Format(PyExc_ValueError, "%s: the block size must be positive", name);
+        return -1;
+    }
+    return 0;
+}
+
+/* SHA-256(*prev || data[:len]) as a new bytes object, which becomes *prev; NULL on no memory. */
+static PyObject *
+next_key(const char **prev, const unsigned char *data, Py_ssize_t len)
+{
+    PyObject *key = PyBytes_FromStringAndSize(NULL, DIGEST);
+    if (key == NULL) {
+        return NULL;
+    }
+    unsigned char *md = (unsigned char *)PyBytes_AS_STRING(key);
+    sha256_ctx ctx;
+    sha256_init(&ctx);
+    sha256_update(&ctx, *prev, DIGEST);
+    sha256_update(&ctx, data, (size_t)len);
+    sha256_final(md, &ctx);
+    *prev = (const char *)md;
+    return key;
+}
+
+static PyObject *
+blockhash_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t block_bytes;
+    if (check_args("chain", args, nargs, &block_bytes) < 0) {
         return NULL;
     }
     PyObject *parent = args[0];
-    if (!PyBytes_Check(parent) || PyBytes_GET_SIZE(parent) != DIGEST) {
-        PyErr_SetString(PyExc_ValueError, "chain: parent must be a 32-byte bytes digest");
-        return NULL;
-    }
-    Py_ssize_t block_bytes = PyLong_AsSsize_t(args[2]);
-    if (block_bytes == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (block_bytes <= 0) {
-        PyErr_SetString(PyExc_ValueError, "chain: block_bytes must be positive");
-        return NULL;
-    }
     Py_buffer view;
     if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0) {
         return NULL;
@@ -111,21 +141,14 @@ blockhash_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *out = PyList_New(n);
     const unsigned char *data = view.buf;
     const char *prev = PyBytes_AS_STRING(parent);
-    sha256_ctx ctx;
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
         Py_ssize_t beg = i * block_bytes;
         Py_ssize_t len = view.len - beg < block_bytes ? view.len - beg : block_bytes;
-        PyObject *key = PyBytes_FromStringAndSize(NULL, DIGEST);
+        PyObject *key = next_key(&prev, data + beg, len);
         if (key == NULL) {
             Py_CLEAR(out);
             break;
         }
-        unsigned char *md = (unsigned char *)PyBytes_AS_STRING(key);
-        sha256_init(&ctx);
-        sha256_update(&ctx, prev, DIGEST);
-        sha256_update(&ctx, data + beg, (size_t)len);
-        sha256_final(md, &ctx);
-        prev = (const char *)md;
         PyList_SET_ITEM(out, i, key);
     }
     PyBuffer_Release(&view);
@@ -138,30 +161,14 @@ blockhash_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 blockhash_chain_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "chain_tokens(parent, tokens, block_tokens) takes 3 arguments");
-        return NULL;
-    }
-    if (sha256_init == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "blockhash: OpenSSL's SHA-256 was not found (check blockhash.available)");
+    Py_ssize_t per_block;
+    if (check_args("chain_tokens", args, nargs, &per_block) < 0) {
         return NULL;
     }
     PyObject *parent = args[0];
-    if (!PyBytes_Check(parent) || PyBytes_GET_SIZE(parent) != DIGEST) {
-        PyErr_SetString(PyExc_ValueError, "chain_tokens: parent must be a 32-byte bytes digest");
-        return NULL;
-    }
     PyObject *seq = args[1];
     if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
         PyErr_SetString(PyExc_TypeError, "chain_tokens: tokens must be a list or a tuple");
-        return NULL;
-    }
-    Py_ssize_t per_block = PyLong_AsSsize_t(args[2]);
-    if (per_block == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (per_block <= 0) {
-        PyErr_SetString(PyExc_ValueError, "chain_tokens: block_tokens must be positive");
         return NULL;
     }
     Py_ssize_t total = PySequence_Fast_GET_SIZE(seq);
@@ -182,7 +189,6 @@ blockhash_chain_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     Py_ssize_t n = (total + per_block - 1) / per_block;
     PyObject *out = PyList_New(n);
     const char *prev = PyBytes_AS_STRING(parent);
-    sha256_ctx ctx;
     for (Py_ssize_t b = 0; out != NULL && b < n; b++) {
         Py_ssize_t beg = b * per_block;
         Py_ssize_t len = total - beg < per_block ? total - beg : per_block;
@@ -202,17 +208,11 @@ blockhash_chain_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         if (out == NULL) {
             break;
         }
-        PyObject *key = PyBytes_FromStringAndSize(NULL, DIGEST);
+        PyObject *key = next_key(&prev, buf, 4 * len);
         if (key == NULL) {
             Py_CLEAR(out);
             break;
         }
-        unsigned char *md = (unsigned char *)PyBytes_AS_STRING(key);
-        sha256_init(&ctx);
-        sha256_update(&ctx, prev, DIGEST);
-        sha256_update(&ctx, buf, (size_t)(4 * len));
-        sha256_final(md, &ctx);
-        prev = (const char *)md;
         PyList_SET_ITEM(out, b, key);
     }
     if (buf != stack) {
