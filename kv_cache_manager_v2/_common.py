@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple, NewType
 
@@ -23,6 +24,9 @@ TokenId = NewType("TokenId", int)
 RequestSerial = NewType("RequestSerial", int)
 #: A token position is a plain id, or a digest standing for a position whose id is ambiguous.
 TokenIdExt = TokenId | bytes
+#: A committed block's tokens: a tuple, or a slice of an ``array('I')`` for a block committed from
+#: one (one object, no int per token). Compare two with ``same_tokens`` (a tuple never equals an array).
+BlockTokens = Sequence[TokenIdExt]
 
 
 class BufferId(NamedTuple):

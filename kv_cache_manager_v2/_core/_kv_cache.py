@@ -18,6 +18,7 @@ from .._common import (
     MAX_TOKEN_ID,
     BeamIndex,
     BlockOrdinal,
+    BlockTokens,
     CacheLevel,
     HalfOpenRange,
     KVCacheStatus,
@@ -34,7 +35,7 @@ from .._common import (
 from .._exceptions import LogicError, OutOfPagesError
 from .._page import Page
 from .._reuse._keys import chain_token_keys, check_token, validate_tokens
-from .._reuse._tree import Node
+from .._reuse._tree import Node, same_tokens
 from .._utils import check_int, check_type
 from ._block_table import BlockTable
 from ._context import CacheContext
@@ -81,7 +82,7 @@ class KVCache:
         self._num_blocks = 0
         # Committed tokens: full blocks as tuples (ints-only tuples leave the cycle collector's
         # view, so long prompts cost no GC traversal), then the partial tail.
-        self._committed_blocks: list[tuple[TokenIdExt, ...]] = []
+        self._committed_blocks: list[BlockTokens] = []
         self._tail: list[TokenIdExt] = []
         self._committing = True
         self._cuda_stream = 0
@@ -93,7 +94,7 @@ class KVCache:
         self._tables = [self._table] + [BlockTable(ctx.num_life_cycles) for _ in range(beam_width - 1)]
         self._forked = False
         #: committed full blocks and tail of beams 1.. once forked (beam 0's are the fields above)
-        self._beam_seqs: list[tuple[list[tuple[TokenIdExt, ...]], list[TokenIdExt]]] = []
+        self._beam_seqs: list[tuple[list[BlockTokens], list[TokenIdExt]]] = []
         #: (beam, life cycle, block) whose page other beams share but this beam will write: the
         #: next resize gives it a private page (a copy, for the block holding committed tokens)
         self._cow: list[tuple[int, LifeCycleId, int]] = []
@@ -213,7 +214,7 @@ class KVCache:
         blocks, tail = self._seq(beam)
         return [tok for block in blocks for tok in block] + tail
 
-    def _seq(self, beam: int) -> tuple[list[tuple[TokenIdExt, ...]], list[TokenIdExt]]:
+    def _seq(self, beam: int) -> tuple[list[BlockTokens], list[TokenIdExt]]:
         if beam == 0 or not self._forked:
             return self._committed_blocks, self._tail
         return self._beam_seqs[beam - 1]
@@ -981,13 +982,18 @@ class KVCache:
         if full:
             first = len(self._committed_blocks)
             completed = src[: full * t] if first == self._num_published else None
-            items = rawref.untrack(src.tolist()) if isinstance(src, array) else src  # ints made in one pass
-            # a block's tokens (ints, digests) can be in no reference cycle: untracked by the GC
-            self._committed_blocks.extend([rawref.untrack(tuple(items[i * t : (i + 1) * t])) for i in range(full)])
-            if more is None:
-                del tail[: full * t]
+            if isinstance(src, array) and src.typecode == "I":
+                # an array('I') block is one object (no int objects; the GC does not track it)
+                self._committed_blocks.extend([src[i * t : (i + 1) * t] for i in range(full)])
+                tail.extend(src[full * t :])
             else:
-                tail.extend(items[full * t :])
+                items = rawref.untrack(src.tolist()) if isinstance(src, array) else src  # ints made in one pass
+                # a block's tokens (ints, digests) can be in no reference cycle: untracked by the GC
+                self._committed_blocks.extend([rawref.untrack(tuple(items[i * t : (i + 1) * t])) for i in range(full)])
+                if more is None:
+                    del tail[: full * t]
+                else:
+                    tail.extend(items[full * t :])
             self._publish(first + full, 0, completed)
         elif more is not None:
             tail.extend(more)
@@ -1032,7 +1038,7 @@ class KVCache:
             old_seqs = [self._seq(b) for b in range(width)]
             bufs = [table.take_user_bufs() for table in old_tables]
             new_tables: list[BlockTable] = list(old_tables)
-            new_seqs: list[tuple[list[tuple[TokenIdExt, ...]], list[TokenIdExt]]] = list(old_seqs)
+            new_seqs: list[tuple[list[BlockTokens], list[TokenIdExt]]] = list(old_seqs)
             used = [False] * width
             extra: list[int] = []
             for b in range(width):
@@ -1079,7 +1085,7 @@ class KVCache:
         n = 0
         o = self._num_published
         seqs = [self._seq(b)[0] for b in range(self._beam_width)]
-        while all(len(blocks) > o for blocks in seqs) and all(blocks[o] == seqs[0][o] for blocks in seqs):
+        while all(len(blocks) > o for blocks in seqs) and all(same_tokens(blocks[o], seqs[0][o]) for blocks in seqs):
             for i in range(len(self._table)):
                 page = self._table.pages[LifeCycleId(i)][o]
                 if any(table.pages[LifeCycleId(i)][o] is not page for table in self._tables):

@@ -10,7 +10,16 @@ from typing import cast
 
 import rawref
 
-from .._common import MAX_PRIORITY, CacheLevel, LifeCycleId, Priority, RequestSerial, ReuseScope, TokenIdExt
+from .._common import (
+    MAX_PRIORITY,
+    BlockTokens,
+    CacheLevel,
+    LifeCycleId,
+    Priority,
+    RequestSerial,
+    ReuseScope,
+    TokenIdExt,
+)
 from .._events import KVCacheEventManager
 from .._life_cycle_registry import LifeCycle
 from .._page import Page
@@ -102,9 +111,7 @@ class Node:
         "tokens",
     )
 
-    def __init__(
-        self, key: BlockKey, parent: Node | None, tokens: tuple[TokenIdExt, ...], num_life_cycles: int
-    ) -> None:
+    def __init__(self, key: BlockKey, parent: Node | None, tokens: BlockTokens, num_life_cycles: int) -> None:
         self.key = key
         self.parent = parent
         self.tokens = tokens
@@ -190,7 +197,7 @@ class Node:
     def covers(self, tokens: Sequence[TokenIdExt]) -> bool:
         """Whether some child's tokens start with ``tokens``."""
         n = len(tokens)
-        return any(len(c.tokens) >= n and c.tokens[:n] == tokens for c in self.partial_candidates(tokens))
+        return any(common_prefix_len(c.tokens, tokens) == n for c in self.partial_candidates(tokens))
 
     def has_pages(self) -> bool:
         return any(r is not None and r.is_valid for r in self.pages)
@@ -207,6 +214,13 @@ def common_prefix_len(a: Sequence[TokenIdExt], b: Sequence[TokenIdExt]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def same_tokens(a: BlockTokens, b: BlockTokens) -> bool:
+    """Whether two blocks hold the same tokens (whichever of tuple and array each is)."""
+    if type(a) is type(b):
+        return a == b
+    return len(a) == len(b) and common_prefix_len(a, b) == len(a)
 
 
 class ReuseTree(PageDropListener):
@@ -288,7 +302,7 @@ class ReuseTree(PageDropListener):
     def publish(
         self,
         parent: Node,
-        tokens: tuple[TokenIdExt, ...],
+        tokens: BlockTokens,
         pages: list[Page | None],
         locked: bool,
         serial: RequestSerial,
