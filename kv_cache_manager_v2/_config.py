@@ -93,7 +93,9 @@ class RemoteCacheTierConfig:
     - ``write_through``: also write every published full block (not only pages dropped locally).
     - ``ttl_s``: expiry of written keys (None: keys stay until the server evicts them).
     - ``max_pending_bytes``: bound of the background write queue, a ring of this many bytes mapped
-      (resident) at start-up; writes beyond it are dropped (counted). Size it for a burst of
+      (resident) at start-up; writes beyond it are dropped (counted). A last local tier below
+      the GPU also keeps up to this many bytes of headroom slots beyond its quota (a dropped
+      page is sent from its slot), so budget up to twice this. Size it for a burst of
       evictions: at least a few dozen pages of the largest pool group.
     - ``max_lookup_blocks``: blocks past a local match one lookup asks about.
     - ``retry_interval_ms``: after a failed round trip the server counts as down this long (misses

@@ -170,3 +170,27 @@ def test_resize_batch_reports_who_did_not_grow() -> None:
     for kv in [*caches, filler]:
         kv.close()
     m.shutdown()
+
+
+def test_resize_batch_checks_index_buffers_before_anything_changes() -> None:
+    m = _manager(False, 64)
+    caches = []
+    for r in range(3):
+        kv = m.create_kv_cache()
+        kv.resume()
+        assert kv.resize(T)
+        kv.commit(list(range(r * 100, r * 100 + T)))
+        caches.append(kv)
+    from array import array
+
+    from kv_cache_manager_v2 import BeamIndex, LayerGroupId
+
+    small = array("i", [0])  # one block: the next step needs two
+    caches[2].set_base_page_index_buf(BeamIndex(0), LayerGroupId(0), memoryview(small))
+    before = _state(m, caches)
+    with pytest.raises(LogicError, match=r"caches\[2\].*index buffer"):
+        m.resize_batch(caches)
+    assert _state(m, caches) == before
+    m.check_invariants()
+    for kv in caches:
+        kv.close()

@@ -230,6 +230,48 @@ def test_a_priority_callback_cannot_call_back_into_the_manager(make_manager: Mak
     assert free(m) == 16
 
 
+def test_a_one_token_commit_from_a_callback_changes_nothing(make_manager: MakeManager) -> None:
+    """The decode commit's fast path is refused like any call while another is in progress,
+    before the token goes in (it used to stay in the tail, unpublished)."""
+    m = make_manager(kv_layers(1, T), quota=2 * REC * T * 16)
+    other = m.create_kv_cache()
+    other.resume()
+    assert other.resize(2 * T)
+    other.commit(list(range(T + 3)))
+    before = other.committed_tokens
+
+    def commits_the_other(o: int, lc: int) -> Priority:
+        other.commit([7])
+        return Priority(35)
+
+    kv = m.create_kv_cache(custom_priority_callback=commits_the_other)  # type: ignore[arg-type]
+    kv.resume()
+    with pytest.raises(LogicError, match="another call"):
+        kv.resize(4 * T)
+    assert other.committed_tokens == before and other.history_length == T + 3
+    m.check_invariants()
+    kv.close()
+    other.close()
+
+
+def test_bytes_are_not_a_token_sequence(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T))
+    with pytest.raises(TypeError, match=r"\[digest\]"):
+        m.create_kv_cache(input_tokens=b"\x01" * 32)
+    with pytest.raises(TypeError, match="input_tokens"):
+        m.probe_reuse(None, b"abc")
+    kv = m.create_kv_cache()
+    kv.resume()
+    assert kv.resize(T)
+    for bad in (b"a", b"abc", "abc"):
+        with pytest.raises(TypeError, match="accepted_input_tokens"):
+            kv.commit(bad)  # type: ignore[arg-type]
+    assert kv.num_committed_tokens == 0
+    kv.commit([b"a digest"])  # a digest token in a list is fine
+    assert kv.committed_tokens == [b"a digest"]
+    kv.close()
+
+
 def test_a_cache_collected_during_a_call_is_closed_when_it_ends(make_manager: MakeManager) -> None:
     m = make_manager(kv_layers(1, T))
     victim = [m.create_kv_cache()]

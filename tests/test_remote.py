@@ -31,6 +31,7 @@ from kv_cache_manager_v2 import (
     KVCacheEventManager,
     KVCacheManager,
     KVCacheManagerConfig,
+    KVCacheStatus,
     LayerId,
     RemoteCacheTierConfig,
     ReuseScope,
@@ -624,3 +625,69 @@ def test_pages_dropped_from_a_lower_tier_are_sent_from_their_slots(
         a.check_invariants()
     finally:
         a.shutdown()
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_frequency_policy_and_batched_decode_with_a_remote_tier(redis_server: LocalRedisServer, hybrid: bool) -> None:
+    """The seams of the three: a manager decoding through the batch calls under the frequency
+    policy, with GPU + host + a write-through remote tier; a second manager reuses what reached
+    Redis, with the records checked and the invariants after every round."""
+    import random
+
+    from conftest import make_config
+
+    rng = random.Random(3)
+    layers = kv_layers(4, T, window=20, swa_every=2, sink_tokens=4) if hybrid else kv_layers(2, T)
+    slot = len(layers) * 2 * REC * T
+
+    def make() -> KVCacheManager:
+        cfg = make_config(layers, T, slot * 40, host_quota=slot * 60, eviction_policy="frequency")
+        remote = RemoteCacheTierConfig(redis_server.url, namespace="seam", timeout_ms=3000, write_through=True)
+        return KVCacheManager(dataclasses.replace(cfg, cache_tiers=[*cfg.cache_tiers, remote]))
+
+    a, b = make(), make()
+    try:
+        engine = FakeEngine(a)
+        system = [rng.randrange(1 << 20) for _ in range(5 * T)]
+        done: list[list[int]] = []
+        for _ in range(4):
+            running: list[tuple[KVCache, list[int]]] = []
+            for _ in range(6):
+                p = system[: rng.randrange(len(system))] + [
+                    rng.randrange(1 << 20) for _ in range(rng.randrange(1, 3 * T))
+                ]
+                kv = a.create_kv_cache(input_tokens=p)
+                assert kv.resume()
+                h = kv.history_length
+                if not kv.resize(len(p)):
+                    kv.close()
+                    continue
+                engine.step(kv, p, h, len(p))
+                kv.commit(p[h:])
+                running.append((kv, p + [rng.randrange(1 << 20) for _ in range(40)]))
+            for _ in range(30):
+                live = [c for c in running if c[0].status is KVCacheStatus.ACTIVE]
+                failed = set(a.resize_batch([kv for kv, _ in live]))
+                for i in failed:
+                    live[i][0].close()
+                go = [c for i, c in enumerate(live) if i not in failed]
+                for kv, s in go:
+                    n = kv.num_committed_tokens
+                    engine.step(kv, s, n, n + 1)
+                a.commit_batch([kv for kv, _ in go], [s[kv.num_committed_tokens] for kv, s in go])
+            for kv, s in running:
+                done.append(s[: kv.num_committed_tokens])
+                if kv.status is not KVCacheStatus.CLOSED:
+                    kv.close()
+            a.check_invariants()
+        assert a.flush_remote_writes(10)
+        hits = 0
+        for s in done[-12:]:
+            hits += reuse(b, s) > 0  # records checked through b's own pages
+        st = b.remote_statistics
+        assert st is not None and hits > 0 and st.corrupt_pages == 0
+    finally:
+        for m in (a, b):
+            for kv in m.open_caches():
+                kv.close()
+            m.shutdown()

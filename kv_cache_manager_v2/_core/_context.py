@@ -94,13 +94,17 @@ class CacheContext:
     def enter(self, what: str) -> None:
         """Start a state-changing call; refuse one that overlaps another (a priority callback
         calling back into the manager, or two threads using it at once)."""
+        self.check_idle(what)
+        self.busy = True
+
+    def check_idle(self, what: str) -> None:
+        """Refuse ``what`` while another call is in progress (see ``enter``)."""
         if self.busy:
             raise LogicError(
                 f"{what} was called while another call into this manager is in progress (from a "
                 "custom_priority_callback, or from another thread); a manager and its caches take one "
                 "call at a time"
             )
-        self.busy = True
 
     def release_memory(self) -> None:
         """Empty the tree and the evictors, give the pools back (no cache may be open).

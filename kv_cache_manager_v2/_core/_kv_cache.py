@@ -34,7 +34,7 @@ from .._common import (
 )
 from .._exceptions import LogicError, OutOfPagesError
 from .._page import Page
-from .._reuse._keys import chain_token_keys, check_token, validate_tokens
+from .._reuse._keys import chain_token_keys, check_token, check_token_sequence, validate_tokens
 from .._reuse._tree import Node, same_tokens
 from .._utils import check_int, check_type
 from ._block_table import BlockTable
@@ -901,6 +901,7 @@ class KVCache:
         beams; commit the last prompt chunk that way (``[chunk] * B``, indices ``[0] * B``) so every
         beam has its own tail before the first generation step writes it.
         """
+        check_token_sequence(accepted_input_tokens, "accepted_input_tokens")
         if beam_search_indices is not None:
             self._check_committing()
             self._commit_beams(cast(Sequence[Sequence[TokenIdExt]], accepted_input_tokens), beam_search_indices)
@@ -912,8 +913,9 @@ class KVCache:
             self._check_commit()
             check_token(tok, "accepted_input_tokens")
             self._check_room(1)
+            ctx = self._ctx
+            ctx.check_idle("commit()")  # before the token goes in: all or nothing
             if not self._commit_token(cast(TokenIdExt, tok)):
-                ctx = self._ctx
                 ctx.enter("commit()")
                 try:
                     self._committed()
@@ -1311,10 +1313,19 @@ def resize_batch(ctx: CacheContext, caches: Sequence[KVCache], num_new_tokens: i
         kv = kvs[i]
         if kv._status is not KVCacheStatus.ACTIVE:
             raise LogicError(f"resize_batch: caches[{i}] is {kv._status.name}; only ACTIVE caches grow")
-        if kv.num_committed_tokens + num_new_tokens > MAX_CAPACITY:
+        cap = kv.num_committed_tokens + num_new_tokens
+        if cap > MAX_CAPACITY:
             raise ValueError(f"resize_batch: caches[{i}]: capacity must be at most {MAX_CAPACITY} tokens")
+        nb = (cap + kv._tokens_per_block - 1) // kv._tokens_per_block
+        if nb > kv._num_blocks:
+            try:
+                for table in kv._tables:
+                    table.check_user_buf_room(nb)
+            except LogicError as e:
+                raise LogicError(f"resize_batch: caches[{i}]: {e}") from None
     failed: list[int] = []
     ctx.enter("resize_batch()")
+    i = 0
     try:
         for i in range(len(kvs)):
             kv = kvs[i]
@@ -1328,6 +1339,12 @@ def resize_batch(ctx: CacheContext, caches: Sequence[KVCache], num_new_tokens: i
                 kv._capacity = cap
             elif not kv._resize(cap, h, nb):
                 failed.append(i)
+    except BaseException as e:  # e.g. a custom_priority_callback raised: say what already happened
+        e.add_note(
+            f"resize_batch: raised at caches[{i}] (unchanged); caches before it got their room, except "
+            f"positions {failed}"
+        )
+        raise
     finally:
         ctx.leave()
     return failed

@@ -37,7 +37,7 @@ from .._exceptions import LogicError
 from .._life_cycle_registry import LifeCycleRegistry
 from .._page import Page
 from .._page_index import PageIndexConverter
-from .._reuse._keys import BlockHasher, BlockKey
+from .._reuse._keys import BlockHasher, BlockKey, check_token_sequence
 from .._reuse._remote_fill import Found, RemoteFill
 from .._reuse._tree import Node, ReuseTree
 from .._storage._backend import MemoryBackend
@@ -250,6 +250,7 @@ class KVCacheManager:
         pages into the tree and matches again; a probe only says how many full blocks it would
         reach (the last value; 0 when the remote tier did not extend the match)."""
         check_type("reuse_scope", scope, ReuseScope)
+        check_token_sequence(input_tokens, "input_tokens")
         cached = self._probe_keys
         self._probe_keys = None
         keys: list[BlockKey] | None = None
@@ -274,6 +275,7 @@ class KVCacheManager:
         found: Found | None = None
         fill = self._remote_fill
         if fill is not None:
+            hasher.validate_rest()  # a bad token raises before any network call
             remote_blocks, found = fill.extend(scope, hasher, nodes, for_create, known)
             if remote_blocks <= len(nodes):
                 remote_blocks = 0

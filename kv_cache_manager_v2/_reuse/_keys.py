@@ -106,6 +106,14 @@ def check_token(tok: object, name: str = "token") -> None:
         )
 
 
+def check_token_sequence(tokens: object, name: str) -> None:
+    """Refuse a bytes or str object where a sequence of tokens is expected (it would read as ids)."""
+    if isinstance(tokens, (bytes, bytearray, str)):
+        raise TypeError(
+            f"{name} must be a sequence of tokens, got {type(tokens).__name__}; pass a digest token in a list: [digest]"
+        )
+
+
 def validate_tokens(tokens: Sequence[TokenIdExt], name: str = "tokens") -> None:
     """Check every token (ints in ``[0, 2**32)`` or non-empty bytes); clear errors otherwise.
 

@@ -598,6 +598,8 @@ class StorageManager:
 
     def new_page(self, lc: LifeCycleId, priority: Priority, locked: bool) -> Page:
         """``new_pages`` for one page."""
+        if self._write_through:
+            self.flush_write_through()  # before any slot is reused
         storage = self.lc_storage[lc]
         self.make_room(storage, 1)
         return Page(storage, storage.allocator.allocate_one(), lc, priority, locked)
