@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import random
 import sys
+from array import array
 
 import pytest
 from conftest import kv_layers, make_config
@@ -34,7 +35,7 @@ def _workload(m: KVCacheManager, rng: random.Random, steps: int = 60) -> list[KV
             continue
         h = kv.history_length
         if kv.resize(len(prompt) + 4):
-            kv.commit(prompt[h:])
+            kv.commit(prompt[h:] if i % 2 else array("I", prompt[h:]))  # blocks: tuples or array slices
             for t in range(rng.randrange(4)):
                 kv.commit([5000 + t])
         if i % 3 == 0:
@@ -61,7 +62,7 @@ def test_tree_nodes_and_pages_are_not_gc_tracked() -> None:
     assert len(nodes) > 20
     tracked = {id(o) for o in gc.get_objects()}
     for n in nodes:
-        assert id(n) not in tracked and id(n.pages) not in tracked
+        assert id(n) not in tracked and id(n.pages) not in tracked and id(n.tokens) not in tracked
         if n.has_children:
             assert id(n._children) not in tracked
         for lc in range(len(n.pages)):

@@ -985,8 +985,9 @@ class KVCache:
             first = len(self._committed_blocks)
             completed = src[: full * t] if first == self._num_published else None
             if isinstance(src, array) and src.typecode == "I":
-                # an array('I') block is one object (no int objects; the GC does not track it)
-                self._committed_blocks.extend([src[i * t : (i + 1) * t] for i in range(full)])
+                # an array('I') block is one object, no int objects; it refers to nothing but its
+                # type, so it is untracked by the GC like the tuples below
+                self._committed_blocks.extend([rawref.untrack(src[i * t : (i + 1) * t]) for i in range(full)])
                 tail.extend(src[full * t :])
             else:
                 items = rawref.untrack(src.tolist()) if isinstance(src, array) else src  # ints made in one pass
@@ -1165,7 +1166,7 @@ class KVCache:
         first = self._num_published
         keys = chain_token_keys(parent.key, tokens, t) if tokens is not None else None
         for o in range(first, upto):
-            toks = blocks[o] if o < len(blocks) else tuple(tail)
+            toks = blocks[o] if o < len(blocks) else rawref.untrack(tuple(tail))
             mine = table.block_pages(o)
             pages = list(mine)
             node = tree.publish(

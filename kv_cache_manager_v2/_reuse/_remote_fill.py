@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import rawref
+
 from .._common import DEFAULT_PRIORITY, CacheLevel, LifeCycleId, ReuseScope, TokenIdExt
 from .._eviction import NO_SERIAL
 from .._life_cycle_registry import LifeCycle
@@ -319,7 +321,8 @@ class RemoteFill:
             node = chain[o]
             if node is None or any(p is not None for p in pages):
                 # NO_SERIAL: a fetch is no use; the request matching these blocks next counts its use
-                node = tree.publish(parent, tuple(tokens[o * t : (o + 1) * t]), pages, True, NO_SERIAL, keys[o])
+                toks = rawref.untrack(tuple(tokens[o * t : (o + 1) * t]))
+                node = tree.publish(parent, toks, pages, True, NO_SERIAL, keys[o])
                 assert node is not None  # a full block is always published
             parent = node
         for o in range(m - 1, -1, -1):
