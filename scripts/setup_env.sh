@@ -1,5 +1,5 @@
 # Sourced by the other scripts: creates .venv (once) and installs the package in editable mode,
-# which also builds the rawref C extension in place.
+# which also builds the rawref and blockhash C extensions in place.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -7,8 +7,9 @@ PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import rawref._rawref, mypy, pytest, numpy, hypothesis, importlinter, msgspec, zmq, redis" 2>/dev/null \
-   || [ pyproject.toml -nt .venv/.installed ] || [ rawref/_rawref.c -nt .venv/.installed ]; then
+if ! .venv/bin/python -c "import rawref._rawref, blockhash._blockhash, mypy, pytest, numpy, hypothesis, importlinter, msgspec, zmq, redis" 2>/dev/null \
+   || [ pyproject.toml -nt .venv/.installed ] || [ rawref/_rawref.c -nt .venv/.installed ] \
+   || [ blockhash/_blockhash.c -nt .venv/.installed ]; then
   echo "setting up .venv (log: .venv/install.log)" >&2
   {
     .venv/bin/python -m pip install --upgrade pip setuptools wheel
