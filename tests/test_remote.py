@@ -691,3 +691,24 @@ def test_frequency_policy_and_batched_decode_with_a_remote_tier(redis_server: Lo
             for kv in m.open_caches():
                 kv.close()
             m.shutdown()
+
+
+def test_a_failed_constructor_stops_the_remote_writer(
+    redis_server: LocalRedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure after the remote store started (here: reserving its headroom slots) stops its
+    writer thread and releases the pools."""
+    import threading
+
+    from kv_cache_manager_v2._storage._storage_manager import StorageManager
+
+    if kv_cache_manager_v2.compiled:
+        pytest.skip("a compiled class's methods cannot be patched to inject the failure")
+
+    def no_memory(self: StorageManager, *args: object) -> None:
+        raise MemoryError("injected")
+
+    monkeypatch.setattr(StorageManager, "attach_remote", no_memory)
+    with pytest.raises(MemoryError, match="injected"):
+        KVCacheManager(remote_config(redis_server.url))
+    assert not any(t.name == "kvcm-remote-writer" and t.is_alive() for t in threading.enumerate())

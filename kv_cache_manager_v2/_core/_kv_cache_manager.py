@@ -94,28 +94,31 @@ class KVCacheManager:
         #: and match extension
         self._remote: RemoteStore | None = None
         self._remote_fill: RemoteFill | None = None
-        if remote_cfg is not None:
-            try:
+        try:
+            if remote_cfg is not None:
                 self._remote = RemoteStore(remote_cfg, layout_fingerprint(config, remote_cfg.dtype))
-            except BaseException:
-                self._storage.release()
-                self._backend.shutdown()
-                raise
-            self._storage.attach_remote(self._remote, self.tokens_per_block)
-            if remote_cfg.write_through:
-                self._tree.write_through = self._storage
-            target = CacheLevel(1) if len(local) > 1 and isinstance(local[1], HostCacheTierConfig) else GPU_LEVEL
-            self._remote_fill = RemoteFill(
-                self._tree, self._storage, self._remote, self._registry.life_cycles, self.tokens_per_block, target
-            )
-        self._event_manager = event_manager
-        if event_manager is not None:
-            groups = [
-                LayerGroupSpec(i, lc.window_size, lc.num_sink_blocks) for i, lc in enumerate(self._registry.life_cycles)
-            ]
-            media = [MEDIUM_OF_TIER[t.tier] for t in config.cache_tiers]
-            event_manager._attach(self._tree, self.tokens_per_block, groups, media)
-            self._tree.event_sink = event_manager
+                self._storage.attach_remote(self._remote, self.tokens_per_block)
+                if remote_cfg.write_through:
+                    self._tree.write_through = self._storage
+                target = CacheLevel(1) if len(local) > 1 and isinstance(local[1], HostCacheTierConfig) else GPU_LEVEL
+                self._remote_fill = RemoteFill(
+                    self._tree, self._storage, self._remote, self._registry.life_cycles, self.tokens_per_block, target
+                )
+            self._event_manager = event_manager
+            if event_manager is not None:
+                groups = [
+                    LayerGroupSpec(i, lc.window_size, lc.num_sink_blocks)
+                    for i, lc in enumerate(self._registry.life_cycles)
+                ]
+                media = [MEDIUM_OF_TIER[t.tier] for t in config.cache_tiers]
+                event_manager._attach(self._tree, self.tokens_per_block, groups, media)
+                self._tree.event_sink = event_manager
+        except BaseException:  # e.g. an event manager already attached elsewhere: release what was made
+            if self._remote is not None:
+                self._remote.close(0.0)
+            self._storage.release()
+            self._backend.shutdown()
+            raise
         self._ctx = CacheContext(config, self._registry, self._storage, self._tree)
         #: what ``probe_reuse`` learned (scope, tokens, block keys, remote lookup) for the next create
         self._probe_keys: tuple[ReuseScope, Sequence[TokenIdExt], list[BlockKey], Found | None] | None = None
