@@ -484,17 +484,13 @@ def scenario_hashing(p: dict[str, int]) -> dict[str, Any]:
 
 def scenario_replay(p: dict[str, int]) -> dict[str, Any]:
     t = p["tokens_per_block"]
-    reqs = []
     if os.path.exists(TRACE):
-        with open(TRACE) as f:
-            for line in f:
-                reqs.append(json.loads(line))
-                if len(reqs) >= p["trace_requests"]:
-                    break
+        reqs = _trace(p["trace_requests"])
         source = "shared/traces/synthetic_trace.jsonl"
     else:  # built-in generator: a few shared prefixes of random depth
         import random
 
+        reqs = []
         rng = random.Random(0)
         for r in range(p["trace_requests"]):
             base = rng.randrange(8) * 1000
@@ -508,7 +504,7 @@ def scenario_replay(p: dict[str, int]) -> dict[str, Any]:
     t0 = time.perf_counter()
     for r in reqs:
         n = r["input_length"]
-        prompt = [h * 512 + i for h in r["hash_ids"] for i in range(512)][:n]
+        prompt = _trace_prompt(r)
         kv = m.create_kv_cache(input_tokens=prompt[:-1])
         if kv.resume() and kv.resize(n):
             kv.commit(prompt[kv.history_length :])
@@ -527,56 +523,62 @@ def scenario_replay(p: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def _trace_requests(limit: int) -> list[tuple[int, list[int]]]:
-    """The trace's requests as (input_length, hash ids); the whole trace when ``limit`` is 0."""
-    out = []
+def _trace(limit: int) -> list[dict[str, Any]]:
+    """The trace's requests (the first ``limit``; all of them when 0)."""
+    reqs = []
     with open(TRACE) as f:
         for line in f:
-            r = json.loads(line)
-            out.append((r["input_length"], r["hash_ids"]))
-            if limit and len(out) >= limit:
+            reqs.append(json.loads(line))
+            if limit and len(reqs) >= limit:
                 break
-    return out
+    return reqs
+
+
+def _trace_prompt(r: dict[str, Any]) -> list[int]:
+    """A trace request's prompt: 512 tokens per hash id (equal ids, equal tokens), cut to its length."""
+    return [h * 512 + i for h in r["hash_ids"] for i in range(512)][: r["input_length"]]
 
 
 def _replay_requests_per_s(
-    reqs: list[tuple[int, list[int]]], t: int, cache_tokens: int, gc_on: bool
+    reqs: list[dict[str, Any]], t: int, cache_tokens: int, gc_on: bool
 ) -> tuple[float, float, float]:
     """Requests/s, hit rate and the share of the timed calls spent in GC collections, of a
-    one-at-a-time replay (create, resume, resize, commit, close) of ``array('I')`` prompts (512
-    tokens per hash id), built outside the timed calls."""
+    one-at-a-time replay (create, resume, resize, commit, close) of ``array('I')`` prompts, built
+    outside the timed calls."""
     import gc
 
     m = _manager(1, t, cache_tokens // t)
     gc.collect()
     if not gc_on:
         gc.disable()
-    spent = 0.0
-    in_gc = [0.0, 0.0, 0.0]  # collection start, time in collections during the timed calls, timing?
+    spent = gc_spent = gc_start = 0.0
+    timing = False  # collections count only inside the timed calls
 
     def on_gc(phase: str, info: dict[str, int]) -> None:
+        nonlocal gc_spent, gc_start
         if phase == "start":
-            in_gc[0] = time.perf_counter()
-        elif in_gc[2]:
-            in_gc[1] += time.perf_counter() - in_gc[0]
+            gc_start = time.perf_counter()
+        elif timing:
+            gc_spent += time.perf_counter() - gc_start
 
     gc.callbacks.append(on_gc)
-    for n, hash_ids in reqs:
-        prompt = array("I", [h * 512 + i for h in hash_ids for i in range(512)][:n])
-        in_gc[2] = 1.0
+    for r in reqs:
+        n = r["input_length"]
+        prompt = array("I", _trace_prompt(r))
+        timing = True
         t0 = time.perf_counter()
         kv = m.create_kv_cache(input_tokens=prompt[:-1])
         if kv.resume() and kv.resize(n):
             kv.commit(prompt[kv.history_length :])
         kv.close()
         spent += time.perf_counter() - t0
-        in_gc[2] = 0.0
+        timing = False
     gc.callbacks.remove(on_gc)
     gc.enable()
     hit_rate = m.reuse_statistics.hit_rate
     m.clear_reusable_blocks()
     m.shutdown()
-    return len(reqs) / spent, hit_rate, in_gc[1] / spent
+    return len(reqs) / spent, hit_rate, gc_spent / spent
 
 
 def scenario_replay_gc(p: dict[str, int]) -> dict[str, Any]:
@@ -585,7 +587,7 @@ def scenario_replay_gc(p: dict[str, int]) -> dict[str, Any]:
     alternating passes each, the best of each)."""
     if not os.path.exists(TRACE):
         return {"unit": "requests/s", "samples": [0.0], "note": "trace not found: skipped"}
-    reqs = _trace_requests(p["replay_gc_requests"])
+    reqs = _trace(p["replay_gc_requests"])
     on, off, hit_rate, gc_share = 0.0, 0.0, 0.0, 1.0
     for _ in range(2):  # alternating, the best of each: a noisy stretch should not decide the ratio
         r, hit_rate, share = _replay_requests_per_s(reqs, p["tokens_per_block"], p["cache_tokens"], gc_on=True)
@@ -801,7 +803,7 @@ def _trace_hit_rate(reqs: list[dict[str, Any]], t: int, gpu_tokens: int, host_to
     t0 = time.perf_counter()
     for r in reqs:
         n = r["input_length"]
-        prompt = array("I", [h * 512 + i for h in r["hash_ids"] for i in range(512)][:n])
+        prompt = array("I", _trace_prompt(r))
         kv = m.create_kv_cache(input_tokens=prompt[:-1])
         if kv.resume() and kv.resize(n):
             kv.commit(prompt[kv.history_length :])
@@ -819,12 +821,7 @@ def scenario_tier_hit_rate(p: dict[str, int]) -> dict[str, Any]:
     t = p["tokens_per_block"]
     if not os.path.exists(TRACE):
         return {"unit": "hit rate", "samples": [0.0], "note": f"trace not found at {TRACE}"}
-    reqs = []
-    with open(TRACE) as f:
-        for line in f:
-            reqs.append(json.loads(line))
-            if p["hit_rate_requests"] and len(reqs) >= p["hit_rate_requests"]:
-                break
+    reqs = _trace(p["hit_rate_requests"])
     gpu_only, dt_gpu, _ = _trace_hit_rate(reqs, t, p["trace_gpu_tokens"], 0)
     tiered, dt_tiered, tiers = _trace_hit_rate(reqs, t, p["trace_gpu_tokens"], p["trace_host_tokens"])
     return {
