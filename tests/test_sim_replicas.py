@@ -79,5 +79,10 @@ def test_trace_hit_rate_gain_and_cli_report(redis_server: LocalRedisServer, tmp_
     assert main([*args, "--replicas", "2", "--remote-url", redis_server.url, "--json", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert rep["replicas"]["count"] == 2 and set(rep["replicas"]) >= {"private", "shared", "hit_rate_gain"}
+    assert rep["replicas"]["shared"]["eviction_policy"] == "lru"
+    policy = ["--eviction-policy", "frequency"]  # the replicas' managers use it (it used to be ignored)
+    assert main([*args, *policy, "--replicas", "2", "--remote-url", redis_server.url, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["replicas"]["private"]["eviction_policy"] == "frequency"
     assert main([*args, "--replicas", "2", "--sweep", "gpu=1,2"]) == 2  # does not combine
+    assert main([*args, "--replicas", "2", "--eviction-policy", "all"]) == 2  # one policy per fleet
     assert main([*args, "--replicas", "1", "--remote-url", redis_server.url]) == 2  # nothing to compare

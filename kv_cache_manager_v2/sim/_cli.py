@@ -273,11 +273,7 @@ def simulate(
     eviction_policy: str = "lru",
 ) -> dict[str, Any]:
     """One replay; returns the report dict. Raises SimUserError for refused configurations."""
-    t = tokens_per_block
-    if t < 1 or t & (t - 1):
-        raise SimUserError(f"--tokens-per-block must be a power of two, got {t}")
-    page_bytes = proxy_page_bytes(t, check_data)
-    config = manager_config(shape, t, tiers, swa_scratch, page_bytes, eviction_policy)
+    config, scale = _sim_config(shape, tiers, tokens_per_block, swa_scratch, check_data, eviction_policy)
     try:
         replay = Replay(config, requests, options, check_data, progress)
     except SimUserError:
@@ -289,10 +285,26 @@ def simulate(
             f"cannot reserve the pools ({e}); lower the quotas" + (" or drop --check-data" if check_data else "")
         ) from None
     result = replay.run()
-    scale = real_bytes_per_proxy_byte(shape, t, page_bytes)
     rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
     rep["eviction_policy"] = eviction_policy
     return rep
+
+
+def _sim_config(
+    shape: ModelShape,
+    tiers: list[TierSpec],
+    tokens_per_block: int,
+    swa_scratch: bool,
+    check_data: bool,
+    eviction_policy: str,
+) -> tuple[kvm.KVCacheManagerConfig, float]:
+    """The proxy-sized manager config of a replay, and the real bytes per proxy byte."""
+    t = tokens_per_block
+    if t < 1 or t & (t - 1):
+        raise SimUserError(f"--tokens-per-block must be a power of two, got {t}")
+    page_bytes = proxy_page_bytes(t, check_data)
+    config = manager_config(shape, t, tiers, swa_scratch, page_bytes, eviction_policy)
+    return config, real_bytes_per_proxy_byte(shape, t, page_bytes)
 
 
 def _replica_config(config: kvm.KVCacheManagerConfig, url: str | None, namespace: str) -> kvm.KVCacheManagerConfig:
@@ -313,17 +325,13 @@ def simulate_replicas(
     remote_url: str,
     swa_scratch: bool = False,
     check_data: bool = False,
+    eviction_policy: str = "lru",
 ) -> dict[str, Any]:
     """Replay over ``replicas`` round-robin replicas twice: private caches, then sharing a remote tier
     at ``remote_url`` (each replica writes through). Returns both reports and the gain."""
-    t = tokens_per_block
-    if t < 1 or t & (t - 1):
-        raise SimUserError(f"--tokens-per-block must be a power of two, got {t}")
     if replicas < 2:
         raise SimUserError(f"--replicas must be at least 2 to compare sharing, got {replicas}")
-    page_bytes = proxy_page_bytes(t, check_data)
-    config = manager_config(shape, t, tiers, swa_scratch, page_bytes)
-    scale = real_bytes_per_proxy_byte(shape, t, page_bytes)
+    config, scale = _sim_config(shape, tiers, tokens_per_block, swa_scratch, check_data, eviction_policy)
     namespace = f"kv-cache-sim-{os.getpid()}-{id(requests):x}"  # fresh keys: no hits from an earlier run
     out: dict[str, Any] = {"count": replicas, "routing": "round-robin", "remote_url": remote_url}
     for label, url in (("private", None), ("shared", remote_url)):
@@ -333,6 +341,7 @@ def simulate_replicas(
         except ValueError as e:
             raise SimUserError(f"the manager refused this configuration: {e}") from None
         rep = build_report(merge_results(results), shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
+        rep["eviction_policy"] = eviction_policy
         rep["per_replica_hit_rate_tokens"] = [
             r.reused_tokens / r.prompt_tokens if r.prompt_tokens else 0.0 for r in results
         ]
@@ -394,8 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         options.validate()
         requests, workload = _workload(a)
         if a.replicas != 1 or a.remote_url:
-            if sweep is not None or a.plot:
-                raise SimUserError("--replicas does not combine with --sweep or --plot")
+            if sweep is not None or a.plot or len(a.eviction_policy) > 1:
+                raise SimUserError("--replicas does not combine with --sweep, --plot or several eviction policies")
             url = a.remote_url
             if url is None:
                 from ..redis_server import LocalRedisServer, find_redis_server
@@ -419,6 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 url,
                 a.swa_scratch,
                 a.check_data,
+                a.eviction_policy[0],
             )
             fleet_doc = {"schema": SCHEMA, "replicas": fleet}
             if a.json == "-":
