@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TypeVar, cast
+
+_T = TypeVar("_T")
+
 
 def div_up(a: int, b: int) -> int:
     """Ceiling of ``a / b`` for ``a >= 0, b > 0``."""
@@ -35,3 +40,9 @@ def check_type(name: str, value: object, expected: type | tuple[type, ...]) -> N
     if not isinstance(value, expected):
         names = expected.__name__ if isinstance(expected, type) else " or ".join(t.__name__ for t in expected)
         raise TypeError(f"{name} must be {names}, got {type(value).__name__} {value!r}")
+
+
+def as_list(items: Sequence[_T]) -> list[_T]:
+    """``items`` as a list (itself when it is one): compiled code indexes a list natively, any
+    other sequence through the generic protocol."""
+    return cast(list[_T], items) if type(items) is list else list(items)

@@ -36,7 +36,7 @@ from .._exceptions import LogicError, OutOfPagesError
 from .._page import Page
 from .._reuse._keys import chain_token_keys, check_token, check_token_sequence, validate_tokens
 from .._reuse._tree import Node, same_tokens
-from .._utils import check_int, check_type
+from .._utils import as_list, check_int, check_type
 from ._block_table import BlockTable
 from ._context import CacheContext
 
@@ -1279,7 +1279,7 @@ class KVCache:
 def commit_batch(ctx: CacheContext, serial: int, caches: Sequence[KVCache], tokens: Sequence[TokenIdExt]) -> None:
     """``caches[i].commit([tokens[i]])`` for every i, every cache and token checked first."""
     kvs = _batch_members(ctx, serial, caches)
-    toks = _as_list(tokens)
+    toks: list[object] = as_list(tokens)
     if len(kvs) != len(toks):
         raise ValueError(f"commit_batch: {len(kvs)} caches but {len(toks)} tokens (one token per cache)")
     for i in range(len(kvs)):
@@ -1310,11 +1310,13 @@ def resize_batch(ctx: CacheContext, caches: Sequence[KVCache], num_new_tokens: i
     of the caches that did not get it (each unchanged)."""
     check_int("num_new_tokens", num_new_tokens)
     kvs = _batch_members(ctx, 0, caches)
+    caps: list[int] = []  # each cache's capacity to reach
     for i in range(len(kvs)):
         kv = kvs[i]
         if kv._status is not KVCacheStatus.ACTIVE:
             raise LogicError(f"resize_batch: caches[{i}] is {kv._status.name}; only ACTIVE caches grow")
         cap = kv.num_committed_tokens + num_new_tokens
+        caps.append(cap)
         if cap > MAX_CAPACITY:
             raise ValueError(f"resize_batch: caches[{i}]: capacity must be at most {MAX_CAPACITY} tokens")
         nb = (cap + kv._tokens_per_block - 1) // kv._tokens_per_block
@@ -1330,10 +1332,10 @@ def resize_batch(ctx: CacheContext, caches: Sequence[KVCache], num_new_tokens: i
     try:
         for i in range(len(kvs)):
             kv = kvs[i]
-            t = kv._tokens_per_block
-            cap = len(kv._committed_blocks) * t + len(kv._tail) + num_new_tokens
+            cap = caps[i]
             if cap <= kv._capacity:
                 continue
+            t = kv._tokens_per_block
             nb = (cap + t - 1) // t
             h = kv._history
             if nb == kv._num_blocks and not kv._cow and (not ctx.has_swa or not kv._window_moves(cap, h)):
@@ -1351,14 +1353,9 @@ def resize_batch(ctx: CacheContext, caches: Sequence[KVCache], num_new_tokens: i
     return failed
 
 
-def _as_list(items: Sequence[object]) -> list[object]:
-    # compiled code indexes a list natively; any other sequence goes through the generic protocol
-    return cast(list[object], items) if type(items) is list else list(items)
-
-
 def _batch_members(ctx: CacheContext, serial: int, caches: Sequence[KVCache]) -> list[KVCache]:
     """``caches`` checked: KVCaches of this manager, each listed once (when ``serial`` is nonzero)."""
-    items = _as_list(caches)
+    items: list[object] = as_list(caches)
     for i in range(len(items)):
         kv = items[i]
         if not isinstance(kv, KVCache):

@@ -183,19 +183,10 @@ class KVCacheManager:
         With a remote tier, the blocks after the local match are looked up there (one round trip,
         no data moved): a ``create_kv_cache`` of the same tokens fetches them, and may find fewer
         (a value evicted or corrupted meanwhile), never more than is intact."""
-        self._check_alive()
-        if reuse_scope is not None:
-            check_type("reuse_scope", reuse_scope, ReuseScope)
-        if input_tokens is None or len(input_tokens) == 0:
+        found = self._probe("probe_reuse()", reuse_scope, input_tokens)
+        if found is None:
             return 0
-        ctx = self._ctx
-        ctx.enter("probe_reuse()")
-        try:
-            nodes, _, part_len, remote_blocks = self._match(
-                reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE, input_tokens, False
-            )
-        finally:
-            ctx.leave()
+        nodes, _, part_len, remote_blocks = found
         return max(len(nodes) * self.tokens_per_block + part_len, remote_blocks * self.tokens_per_block)
 
     def probe_reuse_levels(
@@ -208,19 +199,10 @@ class KVCacheManager:
         needs none: outside every sliding window). ``resume()`` copies the others up. A following
         ``create_kv_cache`` of the same tokens reuses this call's hashing, like after ``probe_reuse``.
         """
-        self._check_alive()
-        if reuse_scope is not None:
-            check_type("reuse_scope", reuse_scope, ReuseScope)
-        if input_tokens is None or len(input_tokens) == 0:
+        found = self._probe("probe_reuse_levels()", reuse_scope, input_tokens)
+        if found is None:
             return []
-        ctx = self._ctx
-        ctx.enter("probe_reuse_levels()")
-        try:
-            nodes, part, part_len, remote_blocks = self._match(
-                reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE, input_tokens, False
-            )
-        finally:
-            ctx.leave()
+        nodes, part, part_len, remote_blocks = found
         t = self.tokens_per_block
         length = len(nodes) * t + part_len
         nb = (length + t - 1) // t
@@ -243,6 +225,22 @@ class KVCacheManager:
                 if page is not None and page.level > levels[o]:
                     levels[o] = page.level
         return [CacheLevel(x) for x in levels]
+
+    def _probe(
+        self, what: str, reuse_scope: ReuseScope | None, input_tokens: Sequence[TokenIdExt] | None
+    ) -> tuple[list[Node], Node | None, int, int] | None:
+        """``_match`` for a query that takes nothing (None: no tokens to match)."""
+        self._check_alive()
+        if reuse_scope is not None:
+            check_type("reuse_scope", reuse_scope, ReuseScope)
+        if input_tokens is None or len(input_tokens) == 0:
+            return None
+        ctx = self._ctx
+        ctx.enter(what)
+        try:
+            return self._match(reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE, input_tokens, False)
+        finally:
+            ctx.leave()
 
     def _match(
         self, scope: ReuseScope, input_tokens: Sequence[TokenIdExt], for_create: bool

@@ -10,6 +10,7 @@ from typing import Final, cast
 import blockhash
 
 from .._common import MAX_TOKEN_ID, ReuseScope, TokenIdExt
+from .._utils import as_list
 
 BlockKey = bytes
 # Copying an initialised context is ~7% cheaper than constructing one per block.
@@ -40,7 +41,7 @@ def chain_token_keys(parent: BlockKey, tokens: Sequence[TokenIdExt], tokens_per_
     digests (hash those with ``block_key``)."""
     if isinstance(tokens, array):
         return chain_keys(parent, _encode_array(tokens, "tokens"), tokens_per_block * 4)
-    items = tokens if isinstance(tokens, (list, tuple)) else list(tokens)
+    items = tokens if isinstance(tokens, tuple) else as_list(tokens)
     if NATIVE_CHAIN:
         return blockhash.chain_tokens(parent, items, tokens_per_block)
     encoded = encode_validated(list(items))
@@ -122,7 +123,7 @@ def validate_tokens(tokens: Sequence[TokenIdExt], name: str = "tokens") -> None:
     if isinstance(tokens, array):
         _encode_array(tokens, name)
         return
-    items = cast(list[object], tokens) if isinstance(tokens, list) else list(cast(Sequence[object], tokens))
+    items = as_list(cast(Sequence[object], tokens))
     for tok in items:
         if isinstance(tok, int) and not isinstance(tok, bool):  # exact type flags: fast compiled
             if tok < 0 or tok > MAX_TOKEN_ID:

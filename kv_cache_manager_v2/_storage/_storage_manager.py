@@ -808,23 +808,8 @@ class StorageManager:
         is the server's business (it is shared), so it reads 0."""
         remote = self.remote
         assert remote is not None
-        now = remote.counters()
-        d = [now[i] - base[i] for i in range(7)]
         quota = remote.cfg.quota
-        return TierStatistics(
-            level=level,
-            tier=CacheTier.REMOTE,
-            total_bytes=quota if quota is not None else 0,
-            used_bytes=0,
-            peak_used_bytes=0,
-            offloaded_pages=d[0],
-            onboarded_pages=d[1],
-            dropped_pages=d[2],
-            offloaded_bytes=d[3],
-            onboarded_bytes=d[4],
-            dropped_bytes=d[5],
-            io_errors=d[6],
-        )
+        return _statistics(level, CacheTier.REMOTE, quota if quota is not None else 0, 0, 0, remote.counters(), base)
 
     def take_iteration_stats(self) -> list[TierStatistics]:
         """Per level, the traffic since the previous call (peaks: highest usage since then); resets."""
@@ -846,24 +831,39 @@ class StorageManager:
 
     def _tier_stats(self, level: CacheLevel, base: list[int], peaks: list[int]) -> TierStatistics:
         storages = self.levels[level]
-        now = self._counters(level)
-        d = [now[i] - base[i] for i in range(7)]
-        return TierStatistics(
-            level=level,
-            tier=self.tiers[level],
-            total_bytes=self._bytes(level, [s.num_slots for s in storages]),
-            used_bytes=self._bytes(level, [s.num_used for s in storages]),
-            peak_used_bytes=self._bytes(level, peaks),
-            offloaded_pages=d[0],
-            onboarded_pages=d[1],
-            dropped_pages=d[2],
-            offloaded_bytes=d[3],
-            onboarded_bytes=d[4],
-            dropped_bytes=d[5],
-            io_errors=d[6],
+        return _statistics(
+            level,
+            self.tiers[level],
+            self._bytes(level, [s.num_slots for s in storages]),
+            self._bytes(level, [s.num_used for s in storages]),
+            self._bytes(level, peaks),
+            self._counters(level),
+            base,
         )
 
     def release(self) -> None:
         for level in self.levels:
             for g in level:
                 g.release()
+
+
+def _statistics(
+    level: CacheLevel, tier: CacheTier, total: int, used: int, peak: int, now: list[int], base: list[int]
+) -> TierStatistics:
+    """A level's statistics; traffic is the counters ``now`` minus ``base`` (offloaded, onboarded and
+    dropped pages, the same in bytes, I/O errors)."""
+    d = [now[i] - base[i] for i in range(7)]
+    return TierStatistics(
+        level=level,
+        tier=tier,
+        total_bytes=total,
+        used_bytes=used,
+        peak_used_bytes=peak,
+        offloaded_pages=d[0],
+        onboarded_pages=d[1],
+        dropped_pages=d[2],
+        offloaded_bytes=d[3],
+        onboarded_bytes=d[4],
+        dropped_bytes=d[5],
+        io_errors=d[6],
+    )
