@@ -1,0 +1,117 @@
+"""Correctness round 3 (issue #24): the cascade through a tier smaller than one request, the
+resume gate on every path, tier resize with beams, refused calls from a second thread, bools as
+sizes, SWA scratch planning, engine adapter fields, window releases last block first."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from conftest import REC, kv_layers
+from fake_engine import FakeEngine
+
+from kv_cache_manager_v2 import (
+    CacheLevel,
+    KVCache,
+    KVCacheManager,
+    KVCacheStatus,
+    PageStatus,
+)
+
+T = 16
+SLOT = 2 * 2 * REC * T  # two layers, key + value: one slot holds one block
+MakeManager = Callable[..., KVCacheManager]
+GPU, HOST, DISK = CacheLevel(0), CacheLevel(1), CacheLevel(2)
+
+
+def seq(r: int, n: int) -> list[int]:
+    return [r * 100_000 + i for i in range(n)]
+
+
+def compute(engine: FakeEngine, kv: KVCache, toks: list[int], upto: int) -> None:
+    h = kv.history_length
+    assert kv.resize(upto, h)
+    engine.step(kv, toks, h, upto)
+    kv.commit(toks[h:upto])
+
+
+def levels_of(kv: KVCache) -> list[int]:
+    return [p.level for p in kv.block_table.pages[0] if p is not None]
+
+
+def small_host(make_manager: MakeManager, tmp_path: object, host: int, **kw: object) -> KVCacheManager:
+    """GPU 16 slots, a host tier of ``host`` slots, a disk tier of 64."""
+    kw.setdefault("max_util_for_resume", 1.0)
+    return make_manager(
+        kv_layers(2, T), T, 16 * SLOT, host_quota=host * SLOT, disk_quota=64 * SLOT, disk_path=str(tmp_path), **kw
+    )
+
+
+# ---------------------------------------------------------------- 1. the cascade through a small host
+def test_gpu_victims_push_the_small_host_tier_down_to_disk(make_manager: MakeManager, tmp_path: object) -> None:
+    for host in (2, 4, 8):
+        m = small_host(make_manager, tmp_path, host)
+        engine = FakeEngine(m)
+        toks = seq(1, 8 * T)
+        a = m.create_kv_cache(input_tokens=toks)
+        assert a.resume()
+        compute(engine, a, toks, 8 * T)
+        a.close()
+        hog = m.create_kv_cache()
+        assert hog.resume()
+        compute(engine, hog, seq(2, 16 * T), 16 * T)  # the whole GPU
+        assert m.probe_reuse(None, toks + [7]) == 8 * T  # nothing was dropped: the disk had room
+        stats = [m.get_tier_statistics(level) for level in (GPU, HOST, DISK)]
+        assert sum(s.dropped_pages for s in stats) == 0
+        # the newest victims go to the host, the older rest straight on to disk
+        assert stats[HOST].offloaded_pages == min(host, 8)
+        assert stats[DISK].offloaded_pages == 8 - min(host, 8)
+        assert stats[HOST].used_bytes == min(host, 8) * SLOT
+        assert stats[DISK].used_bytes == (8 - min(host, 8)) * SLOT
+        hog.close()
+        b = m.create_kv_cache(input_tokens=toks + [7])
+        assert b.history_length == 8 * T and b.resume()
+        engine.check_all(b, toks, 8 * T)  # every record back intact, from host and disk
+        b.close()
+        m.shutdown()
+
+
+def test_the_newest_victims_stay_in_the_small_host_tier(make_manager: MakeManager, tmp_path: object) -> None:
+    m = small_host(make_manager, tmp_path, 2)
+    engine = FakeEngine(m)
+    toks = seq(1, 8 * T)
+    a = m.create_kv_cache(input_tokens=toks)
+    assert a.resume()
+    compute(engine, a, toks, 8 * T)
+    a.close()  # released last block first: block 7 is the oldest, block 0 the newest
+    hog = m.create_kv_cache()
+    assert hog.resume()
+    compute(engine, hog, seq(2, 16 * T), 16 * T)
+    b = m.create_kv_cache(input_tokens=toks + [7])
+    assert levels_of(b) == [HOST, HOST] + [DISK] * 6
+    b.close()
+    hog.close()
+
+
+def test_suspended_pages_spill_through_a_small_host_to_disk(make_manager: MakeManager, tmp_path: object) -> None:
+    m = small_host(make_manager, tmp_path, 2)
+    engine = FakeEngine(m)
+    a_toks = seq(1, 8 * T)
+    a = m.create_kv_cache()
+    assert a.resume()
+    compute(engine, a, a_toks, 8 * T - 3)
+    a.suspend()
+    hog = m.create_kv_cache()
+    assert hog.resume()
+    assert hog.resize(16 * T, 0)  # needs the whole GPU: a's 8 pages go down through the host
+    assert sorted(levels_of(a)) == [HOST] * 2 + [DISK] * 6
+    assert all(p.status is PageStatus.HELD for p in a.block_table.all_pages())
+    engine.step(hog, seq(2, 16 * T), 0, 16 * T)
+    hog.commit(seq(2, 16 * T))
+    assert not a.resume()  # the GPU is locked by hog: nothing changes
+    assert a.status is KVCacheStatus.SUSPENDED
+    hog.close()
+    assert a.resume()
+    assert levels_of(a) == [GPU] * 8 and a.history_length == 8 * T - 3
+    engine.check_all(a, a_toks, 8 * T - 3)
+    assert sum(m.get_tier_statistics(level).dropped_pages for level in (GPU, HOST, DISK)) == 0
+    a.close()
