@@ -115,3 +115,23 @@ def test_suspended_pages_spill_through_a_small_host_to_disk(make_manager: MakeMa
     engine.check_all(a, a_toks, 8 * T - 3)
     assert sum(m.get_tier_statistics(level).dropped_pages for level in (GPU, HOST, DISK)) == 0
     a.close()
+
+
+# ---------------------------------------------------------------- 2. the resume gate on every path
+def test_resume_of_an_empty_cache_respects_max_util(make_manager: MakeManager, tmp_path: object) -> None:
+    for tiers in (False, True):
+        kw: dict[str, object] = {"max_util_for_resume": 0.5}
+        if tiers:
+            kw.update(host_quota=4 * SLOT, disk_quota=4 * SLOT, disk_path=str(tmp_path))
+        m = make_manager(kv_layers(2, T), T, 10 * SLOT, **kw)
+        a = m.create_kv_cache()
+        assert a.resume() and a.resize(8 * T)  # 80 % of the slots locked
+        b = m.create_kv_cache()
+        assert not b.resume()  # nothing to place, but the GPU is above the limit
+        assert b.status is KVCacheStatus.SUSPENDED
+        assert a.resize(5 * T)  # 50 %: at the limit, not above it
+        assert b.resume()
+        assert m.gpu_utilization <= 0.5
+        b.close()
+        a.close()
+        m.shutdown()

@@ -338,8 +338,13 @@ class KVCache:
             for i, (beg, end) in enumerate(table.scratch)
             if end > beg
         ]
+        max_util = ctx.config.max_util_for_resume
         if storage.num_levels == 1 and not table.has_pending() and not scratch_needs:
-            self._lock_all()  # GPU only: every page is in GPU memory and nothing new is taken
+            # GPU only: every page is in GPU memory and nothing new is taken; the admission gate
+            # still applies (its pages already count as used)
+            if max_util < 1.0 and not storage.fits(ctx.no_gain, ctx.no_gain, max_util):
+                return False
+            self._lock_all()
             self._show_indices()
             self._status = KVCacheStatus.ACTIVE
             return True
@@ -351,13 +356,13 @@ class KVCache:
             need[ctx.lc_group[lc]] += 1
         for lc, n in scratch_needs:
             need[ctx.lc_group[lc]] += n
+        if not storage.fits(need, ctx.no_gain, max_util, excluded):
+            return False
         if not up and not pending and not scratch_needs and not any(excluded[GPU_LEVEL]):
             self._lock_all()  # everything is in GPU memory already and takes nothing from others
             self._show_indices()
             self._status = KVCacheStatus.ACTIVE
             return True
-        if not storage.fits(need, [0] * len(need), ctx.config.max_util_for_resume, excluded):
-            return False
         storage.reserve(need)
         o = self._num_published
         priorities = [self._priorities(lc, [o])[0] for lc, _ in pending]  # may raise: nothing changed yet

@@ -314,10 +314,10 @@ class StorageManager:
     def fits(self, need: list[int], gain: list[int], max_util: float = 1.0, excluded: Excluded | None = None) -> bool:
         """Whether every GPU pool group can provide ``need[g]`` slots, counting ``gain[g]`` slots
         the asking request releases first, without GPU utilisation exceeding ``max_util``.
-        ``excluded``: the asker's own listed pages, which stop being evictable (resume); the
-        utilisation limit then applies to every group they are in, even with no new slot."""
+        ``excluded``: the asker's own listed pages, which stop being evictable (resume). A
+        utilisation limit below 1 applies to every group, even with no new slot (the resume gate)."""
         for g, n in enumerate(need):
-            if n == 0 and (excluded is None or excluded[0][g] == 0):
+            if n == 0 and max_util >= 1.0 and (excluded is None or excluded[0][g] == 0):
                 continue
             storage = self.gpu.items[g]
             if excluded is None and storage.is_last:
