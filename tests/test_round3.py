@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import random
+
 from conftest import REC, kv_layers
 from fake_engine import FakeEngine
+from test_beams import B, beam_step, start_beams
 
 from kv_cache_manager_v2 import (
+    BeamIndex,
     CacheLevel,
     KVCache,
     KVCacheManager,
@@ -135,3 +139,74 @@ def test_resume_of_an_empty_cache_respects_max_util(make_manager: MakeManager, t
         b.close()
         a.close()
         m.shutdown()
+
+
+# ---------------------------------------------------------------- 3. tier resize with a suspended beam request
+def _beam_pages(kv: KVCache) -> int:
+    return len({id(p) for b in range(kv.beam_width) for p in kv._tables[b].all_pages()})
+
+
+def _check_beams(engine: FakeEngine, kv: KVCache, seqs: list[list[int]]) -> None:
+    assert kv.resume()
+    for b in range(B):
+        engine.check_all(kv, seqs[b], kv.history_length, beam=b)
+        assert kv.get_committed_tokens(BeamIndex(b)) == seqs[b][: kv.history_length]
+
+
+def _filler(m: KVCacheManager) -> KVCache:
+    """A suspended request of 4 uncommitted blocks, listed for eviction before the beam request."""
+    f = m.create_kv_cache()
+    assert f.resume() and f.resize(4 * T)
+    f.suspend()
+    return f
+
+
+def _fill_gpu(m: KVCacheManager) -> None:
+    """A request taking the whole GPU (pushing every suspended page down), then closed."""
+    hog = m.create_kv_cache()
+    assert hog.resume() and hog.resize(16 * T)
+    hog.close()
+
+
+def test_tier_resize_moves_every_beams_pages(make_manager: MakeManager, tmp_path: object) -> None:
+    m = make_manager(
+        kv_layers(2, T), T, 16 * SLOT, host_quota=16 * SLOT, disk_quota=16 * SLOT, disk_path=str(tmp_path),
+        max_util_for_resume=1.0,
+    )
+    engine = FakeEngine(m)
+    engine.check_beam_field = False
+    rng = random.Random(5)
+    prompt = [rng.randrange(1 << 30) for _ in range(20)]
+    f = _filler(m)
+    kv = m.create_kv_cache(input_tokens=prompt[:-1], beam_width=B)
+    seqs = start_beams(engine, kv, prompt, rng)
+    while kv.history_length < 2 * T - 2:
+        assert kv.resize(kv.history_length + 1)
+        seqs = beam_step(engine, kv, seqs, rng)
+    n = _beam_pages(kv)
+    assert n > len(kv.block_table.all_pages())  # some pages only other beams hold
+    kv.suspend()
+    f.close()  # the GPU's first slots are free, the beam request's pages lie above them
+    assert m.resize(GPU, n * SLOT)
+    _check_beams(engine, kv, seqs)
+    assert m.get_storage_statistics(GPU)[0].total == n
+    kv.suspend()
+    assert m.resize(GPU, 16 * SLOT)
+    assert kv.resume()
+    f = _filler(m)
+    kv.suspend()
+    _fill_gpu(m)  # the filler goes to the host's first slots, the beam pages after it
+    assert {p.level for p in kv._all_pages()} == {HOST}
+    f.close()
+    assert m.resize(HOST, n * SLOT)
+    _check_beams(engine, kv, seqs)
+    f = _filler(m)
+    kv.suspend()
+    _fill_gpu(m)
+    assert m.resize(HOST, SLOT)  # all but the newest page the host held go to disk, the filler first
+    assert m.resize(HOST, 16 * SLOT)
+    assert sorted(p.level for p in {id(p): p for p in kv._all_pages()}.values()) == [HOST] + [DISK] * (n - 1)
+    f.close()
+    assert m.resize(DISK, (n - 1) * SLOT)
+    _check_beams(engine, kv, seqs)
+    kv.close()

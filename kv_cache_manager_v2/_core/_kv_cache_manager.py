@@ -610,7 +610,7 @@ class KVCacheManager:
         """Every page that holds a slot: the requests', the reuse tree's, and garbage."""
         pages: dict[int, Page] = {}
         for kv in self.open_caches():
-            for p in kv.block_table.all_pages():
+            for p in kv._all_pages():  # every beam's (a page only other beams hold moves too)
                 pages[id(p)] = p
         for node in self._tree.nodes():
             for lc in range(len(node.pages)):
