@@ -7,13 +7,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import random
+import threading
 
+import pytest
 from conftest import REC, kv_layers
 from fake_engine import FakeEngine
 from test_beams import B, beam_step, start_beams
 
+import kv_cache_manager_v2 as kvm
 from kv_cache_manager_v2 import (
     BeamIndex,
+    LogicError,
+    Priority,
     CacheLevel,
     KVCache,
     KVCacheManager,
@@ -210,3 +215,81 @@ def test_tier_resize_moves_every_beams_pages(make_manager: MakeManager, tmp_path
     assert m.resize(DISK, (n - 1) * SLOT)
     _check_beams(engine, kv, seqs)
     kv.close()
+
+
+# ---------------------------------------------------------------- 4. a refused call from another thread changes nothing
+def _state(kv: KVCache) -> tuple[object, ...]:
+    return (kv.num_committed_tokens, kv.get_committed_tokens(), kv.history_length, kv.capacity, kv.status)
+
+
+def test_calls_refused_while_another_thread_is_inside_change_nothing(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(2, T), T, 64 * SLOT)
+    inside = threading.Event()
+    release = threading.Event()
+
+    def slow(o: int, lc: int) -> Priority:
+        inside.set()
+        release.wait(5)
+        return Priority(35)
+
+    a = m.create_kv_cache()
+    assert a.resume() and a.resize(2 * T)
+    a.commit(seq(1, T - 1))  # the next token completes a block
+    b = m.create_kv_cache(custom_priority_callback=slow)  # type: ignore[arg-type]
+    assert b.resume()
+    t = threading.Thread(target=lambda: b.resize(2 * T))
+    t.start()
+    assert inside.wait(5)
+    try:
+        before = _state(a)
+        for call in (
+            lambda: a.commit([5]),  # completes a block
+            lambda: a.commit([5, 6]),
+            lambda: a.resize(4 * T),
+            lambda: a.suspend(),
+            lambda: a.stop_committing(),
+            lambda: m.create_kv_cache(),
+        ):
+            with pytest.raises(LogicError, match="another call"):
+                call()
+            assert _state(a) == before
+    finally:
+        release.set()
+        t.join()
+    assert b.capacity == 2 * T
+    m.check_invariants()
+    a.commit([5])
+    assert a.num_committed_tokens == T
+    a.close()
+    b.close()
+
+
+@pytest.mark.skipif(kvm.compiled, reason="patches a method of a compiled class")
+def test_commit_refused_after_its_idle_check_takes_its_token_back(
+    make_manager: MakeManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Interpreted mode can switch threads between the decode commit's idle check and its entry;
+    simulated here: another call starts right after the check."""
+    from kv_cache_manager_v2._core._context import CacheContext
+
+    m = make_manager(kv_layers(2, T), T, 64 * SLOT)
+    a = m.create_kv_cache()
+    assert a.resume() and a.resize(2 * T)
+    a.commit(seq(1, T - 1))
+    check_idle = CacheContext.check_idle
+
+    def then_another_thread_enters(self: CacheContext, what: str) -> None:
+        check_idle(self, what)
+        self.busy = True
+
+    monkeypatch.setattr(CacheContext, "check_idle", then_another_thread_enters)
+    before = _state(a)
+    with pytest.raises(LogicError, match="another call"):
+        a.commit([5])
+    assert _state(a) == before
+    monkeypatch.undo()
+    m._ctx.busy = False  # the other call ends
+    a.commit([5])
+    assert a.get_committed_tokens() == seq(1, T - 1) + [5]
+    m.check_invariants()
+    a.close()

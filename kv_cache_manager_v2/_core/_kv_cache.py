@@ -921,7 +921,13 @@ class KVCache:
             ctx = self._ctx
             ctx.check_idle("commit()")  # before the token goes in: all or nothing
             if not self._commit_token(cast(TokenIdExt, tok)):
-                ctx.enter("commit()")
+                try:
+                    ctx.enter("commit()")
+                except LogicError:
+                    # another thread entered since check_idle: take the token out again (only
+                    # the tail changed: _commit_token returns False before touching history)
+                    self._tail.pop()
+                    raise
                 try:
                     self._committed()
                 finally:
