@@ -1,4 +1,8 @@
-"""Configuration dataclasses (SPEC 4.1); each validates itself in ``__post_init__``."""
+"""Configuration dataclasses (SPEC 4.1); each validates itself in ``__post_init__``.
+
+They stay Python classes when compiled (``native_class=False``): a native int field would turn a
+bool into an int before ``__post_init__`` could refuse it, and validation is the same in both modes.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+from mypy_extensions import mypyc_attr
 
 from ._common import CacheTier, LayerId
 from ._utils import check_int, check_type, is_power_of_two
@@ -24,6 +30,7 @@ def _check_quota(cls_name: str, quota: int) -> None:
     check_int(f"{cls_name}.quota (bytes)", quota, 1)
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class GpuCacheTierConfig:
     """GPU memory tier (level 0): ``quota`` bytes for KV pools."""
@@ -38,6 +45,7 @@ class GpuCacheTierConfig:
         return CacheTier.GPU_MEM
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class HostCacheTierConfig:
     """Host memory tier: ``quota`` bytes of (pinned) host memory."""
@@ -52,6 +60,7 @@ class HostCacheTierConfig:
         return CacheTier.HOST_MEM
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class DiskCacheTierConfig:
     """Disk tier: ``quota`` bytes in files under the existing writable directory ``path``."""
@@ -76,6 +85,7 @@ class DiskCacheTierConfig:
 REMOTE_URL_SCHEMES: tuple[str, ...] = ("redis://", "rediss://", "unix://")
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class RemoteCacheTierConfig:
     """A remote tier on Redis (or Valkey), shared by every manager that points at the same server and
@@ -142,6 +152,7 @@ LocalCacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierC
 CacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig | RemoteCacheTierConfig
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class BufferConfig:
     """One buffer of a layer: ``size`` bytes per kernel page.
@@ -163,6 +174,7 @@ class BufferConfig:
             check_int("BufferConfig.tokens_per_block_override", self.tokens_per_block_override, 1)
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class AttentionLayerConfig:
     """One attention layer: its buffers and optional sliding window with sink tokens."""
@@ -196,6 +208,7 @@ class AttentionLayerConfig:
         return self.sliding_window_size
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class KVCacheDesc:
     """Shape of one request for sizing: ``capacity`` tokens, of which ``history_length`` are history."""
@@ -212,6 +225,7 @@ class KVCacheDesc:
             )
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class BatchDesc:
     """A batch of requests used for sizing (``typical_step``, ``constraints``)."""
@@ -225,6 +239,7 @@ class BatchDesc:
             check_type("each of BatchDesc.kv_caches", d, KVCacheDesc)
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class SwaScratchReuseConfig:
     """Enables SWA prefill scratch-slot reuse (SPEC 5.7)."""
@@ -238,6 +253,7 @@ class SwaScratchReuseConfig:
 _TIER_ORDER = {CacheTier.GPU_MEM: 0, CacheTier.HOST_MEM: 1, CacheTier.DISK: 2, CacheTier.REMOTE: 3}
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class KVCacheManagerConfig:
     """Everything a :class:`KVCacheManager` needs to know up front."""

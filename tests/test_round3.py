@@ -16,7 +16,17 @@ from test_beams import B, beam_step, start_beams
 
 import kv_cache_manager_v2 as kvm
 from kv_cache_manager_v2 import (
+    AttentionLayerConfig,
+    BatchDesc,
     BeamIndex,
+    BufferConfig,
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheDesc,
+    KVCacheManagerConfig,
+    LayerId,
+    SwaScratchReuseConfig,
     LogicError,
     Priority,
     CacheLevel,
@@ -293,3 +303,54 @@ def test_commit_refused_after_its_idle_check_takes_its_token_back(
     assert a.get_committed_tokens() == seq(1, T - 1) + [5]
     m.check_invariants()
     a.close()
+
+
+# ---------------------------------------------------------------- 5. bools are not sizes, in both modes
+def test_bools_are_refused_as_sizes(make_manager: MakeManager, tmp_path: object) -> None:
+    m = make_manager(kv_layers(2, T), T, 16 * SLOT)
+    kv = m.create_kv_cache()
+    assert kv.resume() and kv.resize(2 * T)
+    kv.commit(seq(1, 3))
+    before = _state(kv)
+
+    def set_capacity() -> None:
+        kv.capacity = True  # type: ignore[assignment]
+
+    def set_history() -> None:
+        kv.history_length = True  # type: ignore[assignment]
+
+    def set_stream() -> None:
+        kv.cuda_stream = True  # type: ignore[assignment]
+
+    for call in (
+        lambda: kv.resize(True),
+        lambda: kv.resize(False),
+        lambda: kv.resize(8, True),
+        lambda: kv.resize(None, True),
+        set_capacity,
+        set_history,
+        set_stream,
+    ):
+        with pytest.raises(TypeError, match="int"):
+            call()
+        assert _state(kv) == before
+    m.check_invariants()
+    kv.close()
+    buffers = [BufferConfig("key", REC * T), BufferConfig("value", REC * T)]
+    for make in (
+        lambda: AttentionLayerConfig(LayerId(True), buffers),
+        lambda: AttentionLayerConfig(LayerId(0), buffers, sliding_window_size=True),
+        lambda: AttentionLayerConfig(LayerId(0), buffers, sliding_window_size=4, num_sink_tokens=True),
+        lambda: BufferConfig("key", True),
+        lambda: BufferConfig("key", 64, tokens_per_block_override=True),
+        lambda: GpuCacheTierConfig(True),
+        lambda: HostCacheTierConfig(True),
+        lambda: DiskCacheTierConfig(True, str(tmp_path)),
+        lambda: KVCacheDesc(True, 0),
+        lambda: KVCacheDesc(1, False),
+        lambda: BatchDesc([KVCacheDesc(1, 0)], system_prompt_length=True),
+        lambda: SwaScratchReuseConfig(True),
+        lambda: KVCacheManagerConfig(True, [GpuCacheTierConfig(1 << 20)], kv_layers(1)),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(TypeError, match="int"):
+            make()

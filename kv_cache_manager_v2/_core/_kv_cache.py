@@ -179,8 +179,8 @@ class KVCache:
         return self._capacity
 
     @capacity.setter
-    def capacity(self, value: int) -> None:
-        if not self.resize(value):
+    def capacity(self, value: object) -> None:  # object: compiled code would turn a bool into an int first
+        if not self.resize(check_int("capacity", value)):
             raise OutOfPagesError(
                 f"not enough GPU memory to grow this cache to capacity {value}; nothing changed "
                 "(resize() returns False instead of raising)"
@@ -195,8 +195,8 @@ class KVCache:
         return self._history
 
     @history_length.setter
-    def history_length(self, value: int) -> None:
-        if not self.resize(None, value):
+    def history_length(self, value: object) -> None:
+        if not self.resize(None, check_int("history_length", value)):
             raise OutOfPagesError(f"not enough GPU memory to raise history to {value}; nothing changed")
 
     @property
@@ -242,9 +242,8 @@ class KVCache:
         return self._cuda_stream
 
     @cuda_stream.setter
-    def cuda_stream(self, value: int) -> None:
-        check_int("cuda_stream (a CUstream handle)", value)
-        self._cuda_stream = value
+    def cuda_stream(self, value: object) -> None:
+        self._cuda_stream = check_int("cuda_stream (a CUstream handle)", value)
 
     @property
     def num_blocks(self) -> int:
@@ -632,6 +631,9 @@ class KVCache:
         """
         if self._status is not KVCacheStatus.ACTIVE:
             raise LogicError(f"resize() needs an ACTIVE cache; this one is {self._status.name} (call resume() first)")
+        if type(capacity) is bool or type(history_length) is bool:  # before they become native ints
+            check_int("capacity", capacity if capacity is not None else 0)
+            check_int("history_length", history_length if history_length is not None else 0)
         cap = self._capacity if capacity is None else capacity
         h = self._history if history_length is None else history_length
         if type(cap) is not int or type(h) is not int or cap < 0 or h < 0 or cap > MAX_CAPACITY:
