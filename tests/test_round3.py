@@ -4,10 +4,9 @@ sizes, SWA scratch planning, engine adapter fields, window releases last block f
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import random
 import threading
+from collections.abc import Callable
 
 import pytest
 from conftest import REC, kv_layers
@@ -20,20 +19,20 @@ from kv_cache_manager_v2 import (
     BatchDesc,
     BeamIndex,
     BufferConfig,
+    CacheLevel,
     DiskCacheTierConfig,
     GpuCacheTierConfig,
     HostCacheTierConfig,
-    KVCacheDesc,
-    KVCacheManagerConfig,
-    LayerId,
-    SwaScratchReuseConfig,
-    LogicError,
-    Priority,
-    CacheLevel,
     KVCache,
+    KVCacheDesc,
     KVCacheManager,
+    KVCacheManagerConfig,
     KVCacheStatus,
+    LayerId,
+    LogicError,
     PageStatus,
+    Priority,
+    SwaScratchReuseConfig,
 )
 
 T = 16
@@ -185,7 +184,12 @@ def _fill_gpu(m: KVCacheManager) -> None:
 
 def test_tier_resize_moves_every_beams_pages(make_manager: MakeManager, tmp_path: object) -> None:
     m = make_manager(
-        kv_layers(2, T), T, 16 * SLOT, host_quota=16 * SLOT, disk_quota=16 * SLOT, disk_path=str(tmp_path),
+        kv_layers(2, T),
+        T,
+        16 * SLOT,
+        host_quota=16 * SLOT,
+        disk_quota=16 * SLOT,
+        disk_path=str(tmp_path),
         max_util_for_resume=1.0,
     )
     engine = FakeEngine(m)
