@@ -358,3 +358,26 @@ def test_bools_are_refused_as_sizes(make_manager: MakeManager, tmp_path: object)
     ):
         with pytest.raises(TypeError, match="int"):
             make()
+
+
+# ---------------------------------------------------------------- 8. blocks leaving a window together: last block first
+def test_blocks_leaving_a_window_together_are_released_last_first(make_manager: MakeManager) -> None:
+    t = 2
+    slot = 2 * REC * t
+    m = make_manager(kv_layers(1, t, window=4, swa_every=1), t, 11 * slot)
+    engine = FakeEngine(m)
+    toks = seq(1, 22)
+    kv = m.create_kv_cache(input_tokens=toks)
+    assert kv.resume() and kv.resize(22)
+    engine.step(kv, toks, 0, 22)
+    kv.commit(toks)  # blocks 0..8 leave the window in this one commit
+    kv.close()
+    other = m.create_kv_cache()
+    assert other.resume() and other.resize(t)  # one slot of pressure: one page evicted
+    other.close()
+    assert m.probe_reuse(None, toks[:4]) == 4  # block 8 went, not block 0
+    assert m.probe_reuse(None, toks[:18]) == 18 - 2  # block 8 is gone: the longest match ends before it
+    b = m.create_kv_cache(input_tokens=toks[:4] + [7])
+    assert b.history_length == 4 and b.resume()
+    engine.check_all(b, toks, 4)
+    b.close()
