@@ -295,12 +295,25 @@ class KVCache:
             raise LogicError(
                 "enable_swa_scratch_reuse needs a manager configured with swa_scratch_reuse=SwaScratchReuseConfig(...)"
             )
-        if any(beg < end for beg, end in self._table.scratch):
+        table = self._table
+        ctx = self._ctx
+        done = True  # every scratch block is out of the window at the current history: the step is over
+        for i, (beg, end) in enumerate(table.scratch):
+            if beg < end and ctx.life_cycles[LifeCycleId(i)].stale_end(self._history) < end:
+                done = False
+        if not done:
             raise LogicError(
                 "enable_swa_scratch_reuse cannot change while the current step has scratch blocks; "
                 "commit the step (or resize to one without scratch blocks) first"
             )
-        self._scratch_enabled = value and self._ctx.has_swa
+        ctx.enter("enable_swa_scratch_reuse")
+        try:
+            self._free_scratch_slots()  # the committed step's scratch slots: nothing needs them now
+            for i in range(len(table.scratch)):
+                table.scratch[LifeCycleId(i)] = (0, 0)
+        finally:
+            ctx.leave()
+        self._scratch_enabled = value and ctx.has_swa
 
     # ------------------------------------------------------------------ state machine
     def resume(self, cuda_stream: int | None = None) -> bool:

@@ -127,8 +127,15 @@ class KVCacheManager:
 
     def _split_gpu_quota(self, quota: int) -> list[int]:
         config = self._config
+        scratch = config.swa_scratch_reuse
         return split_quota(
-            quota, self._registry, self._layout, config.initial_pool_ratio, config.typical_step, config.constraints
+            quota,
+            self._registry,
+            self._layout,
+            config.initial_pool_ratio,
+            config.typical_step,
+            config.constraints,
+            scratch.max_rewind_len if scratch is not None else -1,
         )
 
     def __repr__(self) -> str:
