@@ -26,7 +26,13 @@ EvictionPolicy = Literal["lru", "frequency"]
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "frequency")
 
 
-def _check_quota(cls_name: str, quota: int) -> None:
+def _raw(config: object, name: str) -> object:
+    """Field ``name`` as stored: compiled code reading an int-typed field would turn a bool into
+    an int before ``check_int`` could refuse it."""
+    return getattr(config, name)
+
+
+def _check_quota(cls_name: str, quota: object) -> None:
     check_int(f"{cls_name}.quota (bytes)", quota, 1)
 
 
@@ -38,7 +44,7 @@ class GpuCacheTierConfig:
     quota: int
 
     def __post_init__(self) -> None:
-        _check_quota("GpuCacheTierConfig", self.quota)
+        _check_quota("GpuCacheTierConfig", _raw(self, "quota"))
 
     @property
     def tier(self) -> CacheTier:
@@ -53,7 +59,7 @@ class HostCacheTierConfig:
     quota: int
 
     def __post_init__(self) -> None:
-        _check_quota("HostCacheTierConfig", self.quota)
+        _check_quota("HostCacheTierConfig", _raw(self, "quota"))
 
     @property
     def tier(self) -> CacheTier:
@@ -69,7 +75,7 @@ class DiskCacheTierConfig:
     path: str
 
     def __post_init__(self) -> None:
-        _check_quota("DiskCacheTierConfig", self.quota)
+        _check_quota("DiskCacheTierConfig", _raw(self, "quota"))
         check_type("DiskCacheTierConfig.path", self.path, str)
         if not os.path.isdir(self.path):
             raise ValueError(f"DiskCacheTierConfig.path must be an existing directory, got {self.path!r}")
@@ -132,15 +138,15 @@ class RemoteCacheTierConfig:
         if not self.namespace or len(self.namespace) > 256 or not self.namespace.isprintable():
             raise ValueError(f"{n}.namespace must be 1 to 256 printable characters, got {self.namespace!r}")
         if self.quota is not None:
-            _check_quota(n, self.quota)
-        check_int(f"{n}.timeout_ms", self.timeout_ms, 1)
+            _check_quota(n, _raw(self, "quota"))
+        check_int(f"{n}.timeout_ms", _raw(self, "timeout_ms"), 1)
         check_type(f"{n}.dtype", self.dtype, str)
         check_type(f"{n}.write_through", self.write_through, bool)
         if self.ttl_s is not None:
-            check_int(f"{n}.ttl_s", self.ttl_s, 1)
-        check_int(f"{n}.max_pending_bytes", self.max_pending_bytes, 1)
-        check_int(f"{n}.max_lookup_blocks", self.max_lookup_blocks, 1)
-        check_int(f"{n}.retry_interval_ms", self.retry_interval_ms)
+            check_int(f"{n}.ttl_s", _raw(self, "ttl_s"), 1)
+        check_int(f"{n}.max_pending_bytes", _raw(self, "max_pending_bytes"), 1)
+        check_int(f"{n}.max_lookup_blocks", _raw(self, "max_lookup_blocks"), 1)
+        check_int(f"{n}.retry_interval_ms", _raw(self, "retry_interval_ms"))
 
     @property
     def tier(self) -> CacheTier:
@@ -169,9 +175,9 @@ class BufferConfig:
         check_type("BufferConfig.role", self.role, str)
         if not self.role:
             raise ValueError("BufferConfig.role must be a non-empty str")
-        check_int("BufferConfig.size (bytes)", self.size, 1)
+        check_int("BufferConfig.size (bytes)", _raw(self, "size"), 1)
         if self.tokens_per_block_override is not None:
-            check_int("BufferConfig.tokens_per_block_override", self.tokens_per_block_override, 1)
+            check_int("BufferConfig.tokens_per_block_override", _raw(self, "tokens_per_block_override"), 1)
 
 
 @mypyc_attr(native_class=False)
@@ -185,7 +191,7 @@ class AttentionLayerConfig:
     num_sink_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        check_int("AttentionLayerConfig.layer_id", self.layer_id)
+        check_int("AttentionLayerConfig.layer_id", _raw(self, "layer_id"))
         if len(self.buffers) == 0:
             raise ValueError(f"layer {self.layer_id}: buffers must not be empty")
         roles: set[str] = set()
@@ -217,8 +223,8 @@ class KVCacheDesc:
     history_length: int
 
     def __post_init__(self) -> None:
-        check_int("KVCacheDesc.capacity", self.capacity)
-        check_int("KVCacheDesc.history_length", self.history_length)
+        check_int("KVCacheDesc.capacity", _raw(self, "capacity"))
+        check_int("KVCacheDesc.history_length", _raw(self, "history_length"))
         if self.history_length > self.capacity:
             raise ValueError(
                 f"KVCacheDesc.history_length ({self.history_length}) must not exceed capacity ({self.capacity})"
@@ -234,7 +240,7 @@ class BatchDesc:
     system_prompt_length: int = 0
 
     def __post_init__(self) -> None:
-        check_int("BatchDesc.system_prompt_length", self.system_prompt_length)
+        check_int("BatchDesc.system_prompt_length", _raw(self, "system_prompt_length"))
         for d in self.kv_caches:
             check_type("each of BatchDesc.kv_caches", d, KVCacheDesc)
 
@@ -247,7 +253,7 @@ class SwaScratchReuseConfig:
     max_rewind_len: int = 0
 
     def __post_init__(self) -> None:
-        check_int("SwaScratchReuseConfig.max_rewind_len", self.max_rewind_len)
+        check_int("SwaScratchReuseConfig.max_rewind_len", _raw(self, "max_rewind_len"))
 
 
 _TIER_ORDER = {CacheTier.GPU_MEM: 0, CacheTier.HOST_MEM: 1, CacheTier.DISK: 2, CacheTier.REMOTE: 3}
@@ -272,8 +278,7 @@ class KVCacheManagerConfig:
     eviction_policy: EvictionPolicy = "lru"
 
     def __post_init__(self) -> None:
-        t = self.tokens_per_block
-        check_int("tokens_per_block", t)
+        t = check_int("tokens_per_block", _raw(self, "tokens_per_block"))
         if not is_power_of_two(t):
             raise ValueError(f"tokens_per_block must be a positive power of two, got {t!r}")
         self._validate_tiers()

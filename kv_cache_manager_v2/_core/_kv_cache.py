@@ -644,9 +644,11 @@ class KVCache:
         """
         if self._status is not KVCacheStatus.ACTIVE:
             raise LogicError(f"resize() needs an ACTIVE cache; this one is {self._status.name} (call resume() first)")
-        if type(capacity) is bool or type(history_length) is bool:  # before they become native ints
-            check_int("capacity", capacity if capacity is not None else 0)
-            check_int("history_length", history_length if history_length is not None else 0)
+        # refuse bools while they are still objects (compiled, an int local would make them 0 / 1)
+        if type(capacity) is bool:
+            check_int("capacity", capacity)
+        if type(history_length) is bool:
+            check_int("history_length", history_length)
         cap = self._capacity if capacity is None else capacity
         h = self._history if history_length is None else history_length
         if type(cap) is not int or type(h) is not int or cap < 0 or h < 0 or cap > MAX_CAPACITY:
