@@ -202,12 +202,12 @@ class AttentionLayerConfig:
             roles.add(b.role)
         w = self.sliding_window_size
         if w is not None:
-            check_int(f"layer {self.layer_id}: sliding_window_size", w, 1)
+            check_int(f"layer {self.layer_id}: sliding_window_size", _raw(self, "sliding_window_size"), 1)
         s = self.num_sink_tokens
         if s is not None:
             if w is None:
                 raise ValueError(f"layer {self.layer_id}: num_sink_tokens needs a sliding_window_size")
-            check_int(f"layer {self.layer_id}: num_sink_tokens", s)
+            check_int(f"layer {self.layer_id}: num_sink_tokens", _raw(self, "num_sink_tokens"))
 
     @property
     def window_size(self) -> int | None:
