@@ -1,4 +1,8 @@
-"""Configuration dataclasses (SPEC 4.1); each validates itself in ``__post_init__``."""
+"""Configuration dataclasses (SPEC 4.1); each validates itself in ``__post_init__``.
+
+They stay Python classes when compiled (``native_class=False``): a native int field would turn a
+bool into an int before ``__post_init__`` could refuse it, and validation is the same in both modes.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+from mypy_extensions import mypyc_attr
 
 from ._common import CacheTier, LayerId
 from ._utils import check_int, check_type, is_power_of_two
@@ -20,10 +26,17 @@ EvictionPolicy = Literal["lru", "frequency"]
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "frequency")
 
 
-def _check_quota(cls_name: str, quota: int) -> None:
+def _raw(config: object, name: str) -> object:
+    """Field ``name`` as stored: compiled code reading an int-typed field would turn a bool into
+    an int before ``check_int`` could refuse it."""
+    return getattr(config, name)
+
+
+def _check_quota(cls_name: str, quota: object) -> None:
     check_int(f"{cls_name}.quota (bytes)", quota, 1)
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class GpuCacheTierConfig:
     """GPU memory tier (level 0): ``quota`` bytes for KV pools."""
@@ -31,13 +44,14 @@ class GpuCacheTierConfig:
     quota: int
 
     def __post_init__(self) -> None:
-        _check_quota("GpuCacheTierConfig", self.quota)
+        _check_quota("GpuCacheTierConfig", _raw(self, "quota"))
 
     @property
     def tier(self) -> CacheTier:
         return CacheTier.GPU_MEM
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class HostCacheTierConfig:
     """Host memory tier: ``quota`` bytes of (pinned) host memory."""
@@ -45,13 +59,14 @@ class HostCacheTierConfig:
     quota: int
 
     def __post_init__(self) -> None:
-        _check_quota("HostCacheTierConfig", self.quota)
+        _check_quota("HostCacheTierConfig", _raw(self, "quota"))
 
     @property
     def tier(self) -> CacheTier:
         return CacheTier.HOST_MEM
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class DiskCacheTierConfig:
     """Disk tier: ``quota`` bytes in files under the existing writable directory ``path``."""
@@ -60,7 +75,7 @@ class DiskCacheTierConfig:
     path: str
 
     def __post_init__(self) -> None:
-        _check_quota("DiskCacheTierConfig", self.quota)
+        _check_quota("DiskCacheTierConfig", _raw(self, "quota"))
         check_type("DiskCacheTierConfig.path", self.path, str)
         if not os.path.isdir(self.path):
             raise ValueError(f"DiskCacheTierConfig.path must be an existing directory, got {self.path!r}")
@@ -76,6 +91,7 @@ class DiskCacheTierConfig:
 REMOTE_URL_SCHEMES: tuple[str, ...] = ("redis://", "rediss://", "unix://")
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class RemoteCacheTierConfig:
     """A remote tier on Redis (or Valkey), shared by every manager that points at the same server and
@@ -122,15 +138,15 @@ class RemoteCacheTierConfig:
         if not self.namespace or len(self.namespace) > 256 or not self.namespace.isprintable():
             raise ValueError(f"{n}.namespace must be 1 to 256 printable characters, got {self.namespace!r}")
         if self.quota is not None:
-            _check_quota(n, self.quota)
-        check_int(f"{n}.timeout_ms", self.timeout_ms, 1)
+            _check_quota(n, _raw(self, "quota"))
+        check_int(f"{n}.timeout_ms", _raw(self, "timeout_ms"), 1)
         check_type(f"{n}.dtype", self.dtype, str)
         check_type(f"{n}.write_through", self.write_through, bool)
         if self.ttl_s is not None:
-            check_int(f"{n}.ttl_s", self.ttl_s, 1)
-        check_int(f"{n}.max_pending_bytes", self.max_pending_bytes, 1)
-        check_int(f"{n}.max_lookup_blocks", self.max_lookup_blocks, 1)
-        check_int(f"{n}.retry_interval_ms", self.retry_interval_ms)
+            check_int(f"{n}.ttl_s", _raw(self, "ttl_s"), 1)
+        check_int(f"{n}.max_pending_bytes", _raw(self, "max_pending_bytes"), 1)
+        check_int(f"{n}.max_lookup_blocks", _raw(self, "max_lookup_blocks"), 1)
+        check_int(f"{n}.retry_interval_ms", _raw(self, "retry_interval_ms"))
 
     @property
     def tier(self) -> CacheTier:
@@ -142,6 +158,7 @@ LocalCacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierC
 CacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig | RemoteCacheTierConfig
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class BufferConfig:
     """One buffer of a layer: ``size`` bytes per kernel page.
@@ -158,11 +175,12 @@ class BufferConfig:
         check_type("BufferConfig.role", self.role, str)
         if not self.role:
             raise ValueError("BufferConfig.role must be a non-empty str")
-        check_int("BufferConfig.size (bytes)", self.size, 1)
+        check_int("BufferConfig.size (bytes)", _raw(self, "size"), 1)
         if self.tokens_per_block_override is not None:
-            check_int("BufferConfig.tokens_per_block_override", self.tokens_per_block_override, 1)
+            check_int("BufferConfig.tokens_per_block_override", _raw(self, "tokens_per_block_override"), 1)
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class AttentionLayerConfig:
     """One attention layer: its buffers and optional sliding window with sink tokens."""
@@ -173,7 +191,7 @@ class AttentionLayerConfig:
     num_sink_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        check_int("AttentionLayerConfig.layer_id", self.layer_id)
+        check_int("AttentionLayerConfig.layer_id", _raw(self, "layer_id"))
         if len(self.buffers) == 0:
             raise ValueError(f"layer {self.layer_id}: buffers must not be empty")
         roles: set[str] = set()
@@ -184,18 +202,19 @@ class AttentionLayerConfig:
             roles.add(b.role)
         w = self.sliding_window_size
         if w is not None:
-            check_int(f"layer {self.layer_id}: sliding_window_size", w, 1)
+            check_int(f"layer {self.layer_id}: sliding_window_size", _raw(self, "sliding_window_size"), 1)
         s = self.num_sink_tokens
         if s is not None:
             if w is None:
                 raise ValueError(f"layer {self.layer_id}: num_sink_tokens needs a sliding_window_size")
-            check_int(f"layer {self.layer_id}: num_sink_tokens", s)
+            check_int(f"layer {self.layer_id}: num_sink_tokens", _raw(self, "num_sink_tokens"))
 
     @property
     def window_size(self) -> int | None:
         return self.sliding_window_size
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class KVCacheDesc:
     """Shape of one request for sizing: ``capacity`` tokens, of which ``history_length`` are history."""
@@ -204,14 +223,15 @@ class KVCacheDesc:
     history_length: int
 
     def __post_init__(self) -> None:
-        check_int("KVCacheDesc.capacity", self.capacity)
-        check_int("KVCacheDesc.history_length", self.history_length)
+        check_int("KVCacheDesc.capacity", _raw(self, "capacity"))
+        check_int("KVCacheDesc.history_length", _raw(self, "history_length"))
         if self.history_length > self.capacity:
             raise ValueError(
                 f"KVCacheDesc.history_length ({self.history_length}) must not exceed capacity ({self.capacity})"
             )
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class BatchDesc:
     """A batch of requests used for sizing (``typical_step``, ``constraints``)."""
@@ -220,11 +240,12 @@ class BatchDesc:
     system_prompt_length: int = 0
 
     def __post_init__(self) -> None:
-        check_int("BatchDesc.system_prompt_length", self.system_prompt_length)
+        check_int("BatchDesc.system_prompt_length", _raw(self, "system_prompt_length"))
         for d in self.kv_caches:
             check_type("each of BatchDesc.kv_caches", d, KVCacheDesc)
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class SwaScratchReuseConfig:
     """Enables SWA prefill scratch-slot reuse (SPEC 5.7)."""
@@ -232,12 +253,13 @@ class SwaScratchReuseConfig:
     max_rewind_len: int = 0
 
     def __post_init__(self) -> None:
-        check_int("SwaScratchReuseConfig.max_rewind_len", self.max_rewind_len)
+        check_int("SwaScratchReuseConfig.max_rewind_len", _raw(self, "max_rewind_len"))
 
 
 _TIER_ORDER = {CacheTier.GPU_MEM: 0, CacheTier.HOST_MEM: 1, CacheTier.DISK: 2, CacheTier.REMOTE: 3}
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class KVCacheManagerConfig:
     """Everything a :class:`KVCacheManager` needs to know up front."""
@@ -256,8 +278,7 @@ class KVCacheManagerConfig:
     eviction_policy: EvictionPolicy = "lru"
 
     def __post_init__(self) -> None:
-        t = self.tokens_per_block
-        check_int("tokens_per_block", t)
+        t = check_int("tokens_per_block", _raw(self, "tokens_per_block"))
         if not is_power_of_two(t):
             raise ValueError(f"tokens_per_block must be a positive power of two, got {t!r}")
         self._validate_tiers()

@@ -3,6 +3,7 @@ fake engine checking every KV record and the invariant checker after every opera
 
     .venv/bin/python scripts/soak.py --steps 200000            # both layer mixes, prints ops/s and RSS
     .venv/bin/python scripts/soak.py --steps 20000 --seed 3 --check-every 10
+    .venv/bin/python scripts/soak.py --host-slots 1 --disk-slots 48   # a host tier smaller than one request, then disk
 
 Operations: create (shared prefixes, salts, priorities, scratch on/off), resume, prefill chunks
 and decode steps (with lazily committed tokens), suspend, stop_committing, close; memory is
@@ -16,7 +17,9 @@ import argparse
 import os
 import random
 import resource
+import shutil
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,27 +39,37 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / (1 << 20)
 
 
-def manager(mix: str) -> KVCacheManager:
+def manager(mix: str, host_slots: int, disk_slots: int, disk_path: str) -> KVCacheManager:
+    """``host_slots`` / ``disk_slots``: lower tiers of that many slots of every pool group (0: none)."""
+    num_layers = 3 if mix == "full+swa" else 5
+    slot = num_layers * 2 * 32 * T  # one slot of every pool group
+    tiers: dict[str, object] = {"max_util_for_resume": 1.0} if host_slots or disk_slots else {}
+    if host_slots:
+        tiers["host_quota"] = host_slots * slot
+    if disk_slots:
+        tiers.update(disk_quota=disk_slots * slot, disk_path=disk_path)
     if mix == "full+swa":
         layers = kv_layers(3, T, window=9, swa_every=3, sink_tokens=2)
         return KVCacheManager(
-            make_config(layers, tokens_per_block=T, quota=3 * 2 * 32 * T * 24, initial_pool_ratio=[0.4, 0.6])
+            make_config(layers, tokens_per_block=T, quota=slot * 24, initial_pool_ratio=[0.4, 0.6], **tiers)
         )
     layers = kv_layers(5, T, window=6, swa_every=2, sink_tokens=2)
     return KVCacheManager(
         make_config(
             layers,
             tokens_per_block=T,
-            quota=5 * 2 * 32 * T * 24,
+            quota=slot * 24,
             swa_scratch_reuse=kvm.SwaScratchReuseConfig(1),
             initial_pool_ratio=[0.5, 0.5],
+            **tiers,
         )
     )
 
 
-def soak(mix: str, steps: int, seed: int, check_every: int) -> None:
+def soak(mix: str, steps: int, seed: int, check_every: int, host_slots: int = 0, disk_slots: int = 0) -> None:
     rng = random.Random(seed)
-    m = manager(mix)
+    disk_path = tempfile.mkdtemp(prefix="kvcm-soak-")
+    m = manager(mix, host_slots, disk_slots, disk_path)
     engine = FakeEngine(m)
     engine.check_invariants = False  # checked below, every ``check_every`` operations
     prefixes = [[p * 1000 + i for i in range(40)] for p in range(4)]
@@ -122,10 +135,21 @@ def soak(mix: str, steps: int, seed: int, check_every: int) -> None:
     m.check_invariants()
     assert all(s.free == s.total for s in m.get_storage_statistics())
     dt = time.perf_counter() - t0
+    tiers = ""
+    for level in range(1, len(m.cache_tier_list)):
+        st = m.get_tier_statistics(kvm.CacheLevel(level))
+        tiers += (
+            f"; {st.tier.name} offloaded {st.offloaded_pages:,} onboarded {st.onboarded_pages:,} "
+            f"dropped {st.dropped_pages:,}"
+        )
+    if tiers:
+        tiers += f"; GPU dropped {m.get_tier_statistics(kvm.CacheLevel(0)).dropped_pages:,}"
+    m.shutdown()
+    shutil.rmtree(disk_path, ignore_errors=True)
     print(
         f"{mix:9s} compiled={kvm.compiled} seed={seed}: {steps} operations in {dt:.1f} s = {steps / dt:,.0f} ops/s; "
         f"{engine.records_written:,} records written, {engine.pages_checked:,} checked; resizes/resumes refused "
-        f"{counts['refused']:,}; RSS {rss0:.0f} -> {rss_mib():.0f} MiB",
+        f"{counts['refused']:,}; RSS {rss0:.0f} -> {rss_mib():.0f} MiB{tiers}",
         flush=True,
     )
 
@@ -136,9 +160,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check-every", type=int, default=1, help="run the invariant checker every N operations")
     ap.add_argument("--mix", choices=["full+swa", "scratch", "both"], default="both")
+    ap.add_argument("--host-slots", type=int, default=0, help="a host tier of N slots of every pool group")
+    ap.add_argument("--disk-slots", type=int, default=0, help="a disk tier of N slots of every pool group")
     args = ap.parse_args()
     for mix in ["full+swa", "scratch"] if args.mix == "both" else [args.mix]:
-        soak(mix, args.steps, args.seed, args.check_every)
+        soak(mix, args.steps, args.seed, args.check_every, args.host_slots, args.disk_slots)
 
 
 if __name__ == "__main__":

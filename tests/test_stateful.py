@@ -218,6 +218,11 @@ class TieredMachine(ManagerMachine):
     """GPU + host + disk with small quotas: reusable blocks and suspended requests move down and
     come back, requests prefetch, tier quotas change, and the disk fails now and then."""
 
+    #: host and disk quotas in slots of both pool groups (768 bytes); the host's most after a resize
+    HOST_SLOTS = 4
+    DISK_SLOTS = 5
+    MAX_HOST_SLOTS = 14
+
     def make_manager(self) -> KVCacheManager:
         self.tmp = tempfile.mkdtemp(prefix="kvcm-stateful-")
         self.flaky = 0
@@ -229,8 +234,8 @@ class TieredMachine(ManagerMachine):
                 layers,
                 tokens_per_block=T,
                 quota=6 * 768,
-                host_quota=4 * 768,
-                disk_quota=5 * 768,
+                host_quota=self.HOST_SLOTS * 768,
+                disk_quota=self.DISK_SLOTS * 768,
                 disk_path=self.tmp,
                 max_util_for_resume=1.0,
                 initial_pool_ratio=[0.6, 0.4],
@@ -270,6 +275,8 @@ class TieredMachine(ManagerMachine):
     def resize_tier(self, level: int, slots: int, pause: bool) -> None:
         """Change one tier's quota; with ``pause``, suspend everything first (as an engine would)."""
         lvl = CacheLevel(level)
+        if level == 1:
+            slots = min(slots, self.MAX_HOST_SLOTS)
         if any(kv.status is KVCacheStatus.ACTIVE for kv, _ in self.caches):
             if not pause:
                 with pytest.raises(LogicError, match="suspended"):
@@ -303,6 +310,16 @@ class TieredMachine(ManagerMachine):
             pool.error_hook = None
         super().teardown()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class TinyHostTieredMachine(TieredMachine):
+    """The three tiers with a host tier of one slot per pool group (two after a resize), smaller
+    than any request: GPU victims must push the host's own victims to disk (issue #24), and
+    suspended requests spill through the host to disk and come back intact."""
+
+    HOST_SLOTS = 1
+    DISK_SLOTS = 12
+    MAX_HOST_SLOTS = 2
 
 
 class BeamMachine(ManagerMachine):
@@ -403,13 +420,18 @@ class FrequencyBeamMachine(BeamMachine):
     POLICY = "frequency"
 
 
-MACHINES = (ManagerMachine, TightMultiGroupMachine, ScratchMachine, TieredMachine, BeamMachine)
+class FrequencyTinyHostTieredMachine(TinyHostTieredMachine):
+    POLICY = "frequency"
+
+
+MACHINES = (ManagerMachine, TightMultiGroupMachine, ScratchMachine, TieredMachine, TinyHostTieredMachine, BeamMachine)
 FREQUENCY_MACHINES = (
     FrequencyManagerMachine,
     FrequencyTightMultiGroupMachine,
     FrequencyScratchMachine,
     FrequencyTieredMachine,
     FrequencyBeamMachine,
+    FrequencyTinyHostTieredMachine,
 )
 for machine in MACHINES + FREQUENCY_MACHINES:
     machine.TestCase.settings = settings(
@@ -420,22 +442,29 @@ TestTightMultiGroupMachine = TightMultiGroupMachine.TestCase
 TestScratchMachine = ScratchMachine.TestCase
 TestBeamMachine = BeamMachine.TestCase
 TestTieredMachine = TieredMachine.TestCase
+TestTinyHostTieredMachine = TinyHostTieredMachine.TestCase
 # the same machines with eviction_policy="frequency" (issue #18): data checked under its eviction order
 TestFrequencyManagerMachine = FrequencyManagerMachine.TestCase
 TestFrequencyTightMultiGroupMachine = FrequencyTightMultiGroupMachine.TestCase
 TestFrequencyScratchMachine = FrequencyScratchMachine.TestCase
 TestFrequencyBeamMachine = FrequencyBeamMachine.TestCase
 TestFrequencyTieredMachine = FrequencyTieredMachine.TestCase
+TestFrequencyTinyHostTieredMachine = FrequencyTinyHostTieredMachine.TestCase
 
 
+@pytest.mark.parametrize("tiny_host", [False, True])
 @pytest.mark.parametrize("policy", ["lru", "frequency"])
 @pytest.mark.parametrize("seed", range(8))
-def test_tiered_long_random_walk(seed: int, policy: str) -> None:
+def test_tiered_long_random_walk(seed: int, policy: str, tiny_host: bool) -> None:
     """Hypothesis keeps its programs short; this walks the same rules 400 steps deep (seeded), so
-    pages go all the way down, come back, get lost to disk errors and tiers resize under load.
-    The fake engine and the invariant checker run after every step."""
+    pages go all the way down, come back, get lost to disk errors and tiers resize under load
+    (also with a host tier smaller than one request). The fake engine and the invariant checker
+    run after every step."""
     rng = random.Random(seed)
-    m = TieredMachine() if policy == "lru" else FrequencyTieredMachine()
+    if tiny_host:
+        m: TieredMachine = TinyHostTieredMachine() if policy == "lru" else FrequencyTinyHostTieredMachine()
+    else:
+        m = TieredMachine() if policy == "lru" else FrequencyTieredMachine()
     for _ in range(400):
         r = rng.randrange(10)
         if r == 0 or not m.caches:

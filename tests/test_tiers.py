@@ -194,14 +194,17 @@ def test_resume_refuses_above_max_util_with_lower_tiers(make_manager: MakeManage
     b.close()
 
 
-def test_gpu_only_resume_of_a_request_already_in_gpu_memory_never_fails(make_manager: MakeManager) -> None:
+def test_gpu_only_resume_of_a_request_already_in_gpu_memory_is_gated_too(make_manager: MakeManager) -> None:
     m = make_manager(kv_layers(2, T), T, 10 * SLOT, max_util_for_resume=0.5)
     a = m.create_kv_cache()
     assert a.resume() and a.resize(3 * T)
     a.suspend()
     b = m.create_kv_cache()
     assert b.resume() and b.resize(7 * T)  # 10/10 unavailable
-    assert a.resume()  # it takes nothing it did not hold
+    assert not a.resume()  # its pages are placed already, but the GPU is above the limit
+    assert a.status is KVCacheStatus.SUSPENDED
+    assert b.resize(2 * T)  # 5/10 with a's pages
+    assert a.resume()
     a.close()
     b.close()
 

@@ -174,9 +174,11 @@ class BlockTable:
             self.write_user_tail(lc, nb)
 
     def release_range(self, lc: LifeCycleId, beg: int, end: int, locked: bool) -> None:
-        """Release the pages of blocks ``[beg, end)`` (they keep their place, with no page)."""
+        """Release the pages of blocks ``[beg, end)`` (they keep their place, with no page), last
+        block first like ``truncate``: blocks leaving a sliding window together are evicted
+        newest first, so the prefix others may share stays longest."""
         pages = self.pages[lc]
-        for o in range(beg, min(end, len(pages))):
+        for o in range(min(end, len(pages)) - 1, beg - 1, -1):
             p = pages[o]
             if p is not None:
                 self.set_page(lc, o, None)

@@ -179,8 +179,8 @@ class KVCache:
         return self._capacity
 
     @capacity.setter
-    def capacity(self, value: int) -> None:
-        if not self.resize(value):
+    def capacity(self, value: object) -> None:  # object: compiled code would turn a bool into an int first
+        if not self.resize(check_int("capacity", value)):
             raise OutOfPagesError(
                 f"not enough GPU memory to grow this cache to capacity {value}; nothing changed "
                 "(resize() returns False instead of raising)"
@@ -195,8 +195,8 @@ class KVCache:
         return self._history
 
     @history_length.setter
-    def history_length(self, value: int) -> None:
-        if not self.resize(None, value):
+    def history_length(self, value: object) -> None:
+        if not self.resize(None, check_int("history_length", value)):
             raise OutOfPagesError(f"not enough GPU memory to raise history to {value}; nothing changed")
 
     @property
@@ -242,9 +242,8 @@ class KVCache:
         return self._cuda_stream
 
     @cuda_stream.setter
-    def cuda_stream(self, value: int) -> None:
-        check_int("cuda_stream (a CUstream handle)", value)
-        self._cuda_stream = value
+    def cuda_stream(self, value: object) -> None:
+        self._cuda_stream = check_int("cuda_stream (a CUstream handle)", value)
 
     @property
     def num_blocks(self) -> int:
@@ -296,12 +295,25 @@ class KVCache:
             raise LogicError(
                 "enable_swa_scratch_reuse needs a manager configured with swa_scratch_reuse=SwaScratchReuseConfig(...)"
             )
-        if any(beg < end for beg, end in self._table.scratch):
+        table = self._table
+        ctx = self._ctx
+        done = True  # every scratch block is out of the window at the current history: the step is over
+        for i, (beg, end) in enumerate(table.scratch):
+            if beg < end and ctx.life_cycles[LifeCycleId(i)].stale_end(self._history) < end:
+                done = False
+        if not done:
             raise LogicError(
                 "enable_swa_scratch_reuse cannot change while the current step has scratch blocks; "
                 "commit the step (or resize to one without scratch blocks) first"
             )
-        self._scratch_enabled = value and self._ctx.has_swa
+        ctx.enter("enable_swa_scratch_reuse")
+        try:
+            self._free_scratch_slots()  # the committed step's scratch slots: nothing needs them now
+            for i in range(len(table.scratch)):
+                table.scratch[LifeCycleId(i)] = (0, 0)
+        finally:
+            ctx.leave()
+        self._scratch_enabled = value and ctx.has_swa
 
     # ------------------------------------------------------------------ state machine
     def resume(self, cuda_stream: int | None = None) -> bool:
@@ -338,8 +350,13 @@ class KVCache:
             for i, (beg, end) in enumerate(table.scratch)
             if end > beg
         ]
+        max_util = ctx.config.max_util_for_resume
         if storage.num_levels == 1 and not table.has_pending() and not scratch_needs:
-            self._lock_all()  # GPU only: every page is in GPU memory and nothing new is taken
+            # GPU only: every page is in GPU memory and nothing new is taken; the admission gate
+            # still applies (its pages already count as used)
+            if max_util < 1.0 and not storage.fits(ctx.no_gain, ctx.no_gain, max_util):
+                return False
+            self._lock_all()
             self._show_indices()
             self._status = KVCacheStatus.ACTIVE
             return True
@@ -351,13 +368,13 @@ class KVCache:
             need[ctx.lc_group[lc]] += 1
         for lc, n in scratch_needs:
             need[ctx.lc_group[lc]] += n
+        if not storage.fits(need, ctx.no_gain, max_util, excluded):
+            return False
         if not up and not pending and not scratch_needs and not any(excluded[GPU_LEVEL]):
             self._lock_all()  # everything is in GPU memory already and takes nothing from others
             self._show_indices()
             self._status = KVCacheStatus.ACTIVE
             return True
-        if not storage.fits(need, [0] * len(need), ctx.config.max_util_for_resume, excluded):
-            return False
         storage.reserve(need)
         o = self._num_published
         priorities = [self._priorities(lc, [o])[0] for lc, _ in pending]  # may raise: nothing changed yet
@@ -627,6 +644,11 @@ class KVCache:
         """
         if self._status is not KVCacheStatus.ACTIVE:
             raise LogicError(f"resize() needs an ACTIVE cache; this one is {self._status.name} (call resume() first)")
+        # refuse bools while they are still objects (compiled, an int local would make them 0 / 1)
+        if type(capacity) is bool:
+            check_int("capacity", capacity)
+        if type(history_length) is bool:
+            check_int("history_length", history_length)
         cap = self._capacity if capacity is None else capacity
         h = self._history if history_length is None else history_length
         if type(cap) is not int or type(h) is not int or cap < 0 or h < 0 or cap > MAX_CAPACITY:
@@ -916,7 +938,13 @@ class KVCache:
             ctx = self._ctx
             ctx.check_idle("commit()")  # before the token goes in: all or nothing
             if not self._commit_token(cast(TokenIdExt, tok)):
-                ctx.enter("commit()")
+                try:
+                    ctx.enter("commit()")
+                except LogicError:
+                    # another thread entered since check_idle: take the token out again (only
+                    # the tail changed: _commit_token returns False before touching history)
+                    self._tail.pop()
+                    raise
                 try:
                     self._committed()
                 finally:

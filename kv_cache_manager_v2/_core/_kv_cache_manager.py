@@ -127,8 +127,15 @@ class KVCacheManager:
 
     def _split_gpu_quota(self, quota: int) -> list[int]:
         config = self._config
+        scratch = config.swa_scratch_reuse
         return split_quota(
-            quota, self._registry, self._layout, config.initial_pool_ratio, config.typical_step, config.constraints
+            quota,
+            self._registry,
+            self._layout,
+            config.initial_pool_ratio,
+            config.typical_step,
+            config.constraints,
+            scratch.max_rewind_len if scratch is not None else -1,
         )
 
     def __repr__(self) -> str:
@@ -610,7 +617,7 @@ class KVCacheManager:
         """Every page that holds a slot: the requests', the reuse tree's, and garbage."""
         pages: dict[int, Page] = {}
         for kv in self.open_caches():
-            for p in kv.block_table.all_pages():
+            for p in kv._all_pages():  # every beam's (a page only other beams hold moves too)
                 pages[id(p)] = p
         for node in self._tree.nodes():
             for lc in range(len(node.pages)):

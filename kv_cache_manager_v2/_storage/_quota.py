@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from .._common import LifeCycleId
 from .._config import BatchDesc, KVCacheDesc
 from .._life_cycle_registry import LifeCycleRegistry
+from .._utils import div_up
 from ._layout import StorageLayout
 
 #: Request shape assumed for the default quota split when no typical_step is configured: a
@@ -15,20 +16,30 @@ from ._layout import StorageLayout
 DEFAULT_TYPICAL_STEP = BatchDesc([KVCacheDesc(capacity=4096, history_length=3584)])
 
 
-def batch_needs(registry: LifeCycleRegistry, layout: StorageLayout, batch: BatchDesc) -> list[int]:
+def batch_needs(
+    registry: LifeCycleRegistry, layout: StorageLayout, batch: BatchDesc, max_rewind_len: int = -1
+) -> list[int]:
     """Slots per pool group a whole batch needs; each full block of the shared system prompt
-    takes one page however many requests hold it (and none where it is out of their window)."""
+    takes one page however many requests hold it (and none where it is out of their window).
+    With SWA scratch reuse (``max_rewind_len >= 0``) a step's out-of-window blocks take no page
+    but their share of scratch slots, ``ceil(blocks * slot_util_frac_max)`` per request."""
     t = registry.tokens_per_block
     shared = batch.system_prompt_length // t
     out = [0] * len(layout.pool_groups)
     for i, lc in enumerate(registry.life_cycles):
         holders = [0] * shared
         pages = 0
+        frac = layout.slot_util_frac_max[LifeCycleId(i)]
         for desc in batch.kv_caches:
             pages += lc.num_blocks_with_pages(desc.capacity, desc.history_length)
+            sb = se = 0
+            if max_rewind_len >= 0:
+                sb, se = lc.scratch_range(desc.capacity, desc.history_length, max_rewind_len)
+                n = se - sb  # scratch blocks: no page each, a share of the request's scratch slots
+                pages += div_up(n * frac.numerator, frac.denominator) - n
             sinks, stale_end = lc.num_sink_blocks, lc.stale_end(desc.history_length)
             for o in range(min(shared, (desc.capacity + t - 1) // t)):
-                if not sinks <= o < stale_end:
+                if not sinks <= o < stale_end and not sb <= o < se:
                     holders[o] += 1
         out[layout.life_cycle_pool_group[LifeCycleId(i)]] += pages - sum(max(0, n - 1) for n in holders)
     return out
@@ -41,18 +52,20 @@ def split_quota(
     initial_pool_ratio: Sequence[float] | None,
     typical_step: BatchDesc | None,
     constraints: Sequence[BatchDesc],
+    max_rewind_len: int = -1,
 ) -> list[int]:
     """Slots per pool group for ``quota`` bytes (SPEC 4.2).
 
     Byte shares come from ``initial_pool_ratio``, else from the slot needs of ``typical_step``
-    (or a default request shape); ``constraints`` are floors every group must keep.
+    (or a default request shape); ``constraints`` are floors every group must keep. Both count
+    SWA scratch slots instead of pages when scratch reuse is on (``max_rewind_len >= 0``).
     """
     groups = layout.pool_groups
     slot_bytes = [g.slot_bytes for g in groups]
     n_groups = len(groups)
     floors = [1] * n_groups
     for batch in constraints:
-        for g, n in enumerate(batch_needs(registry, layout, batch)):
+        for g, n in enumerate(batch_needs(registry, layout, batch, max_rewind_len)):
             floors[g] = max(floors[g], n)
     floor_bytes = sum(f * b for f, b in zip(floors, slot_bytes))
     if floor_bytes > quota:
@@ -67,7 +80,7 @@ def split_quota(
             )
         weights = [float(r) for r in initial_pool_ratio]
     else:
-        needs = batch_needs(registry, layout, typical_step or DEFAULT_TYPICAL_STEP)
+        needs = batch_needs(registry, layout, typical_step or DEFAULT_TYPICAL_STEP, max_rewind_len)
         weights = [max(n, 1) * b for n, b in zip(needs, slot_bytes)]
     # Give each group its byte share; groups whose share is below their floor get the floor and
     # the rest is shared again among the others, until no group is below its floor.

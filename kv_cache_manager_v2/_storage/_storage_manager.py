@@ -296,16 +296,28 @@ class StorageManager:
         if excluded is not None:
             held -= excluded[level][g]
         if held > 0:
-            n += min(held, self.available(level + 1, g, excluded))
+            n += min(held, self.capacity(level + 1, g))
+        return n
+
+    def capacity(self, level: int, g: int) -> int:
+        """How many pages of pool group ``g`` levels ``level`` and below can take in (0 past the
+        last): their free slots and DROPPABLE pages. Each level keeps the newest pages it can hold
+        and passes the older rest further down (``_place``), so a small level does not limit how
+        much the levels below it take, and HELD pages already there may stay where they are."""
+        n = 0
+        for storages in self.levels.items[level:]:
+            storage = storages.items[g]
+            ev = storage.evictor
+            n += storage.allocator.num_free + ev.count - ev.num_held
         return n
 
     def fits(self, need: list[int], gain: list[int], max_util: float = 1.0, excluded: Excluded | None = None) -> bool:
         """Whether every GPU pool group can provide ``need[g]`` slots, counting ``gain[g]`` slots
         the asking request releases first, without GPU utilisation exceeding ``max_util``.
-        ``excluded``: the asker's own listed pages, which stop being evictable (resume); the
-        utilisation limit then applies to every group they are in, even with no new slot."""
+        ``excluded``: the asker's own listed pages, which stop being evictable (resume). A
+        utilisation limit below 1 applies to every group, even with no new slot (the resume gate)."""
         for g, n in enumerate(need):
-            if n == 0 and (excluded is None or excluded[0][g] == 0):
+            if n == 0 and max_util >= 1.0 and (excluded is None or excluded[0][g] == 0):
                 continue
             storage = self.gpu.items[g]
             if excluded is None and storage.is_last:
@@ -333,8 +345,9 @@ class StorageManager:
                 self.gpu.items[g].allocator.prepare(n)
 
     # ------------------------------------------------------------------ eviction
-    def make_room(self, storage: PoolGroupStorage, count: int) -> None:
-        """Evict (lowest priority, least recently used first) until ``count`` slots are free."""
+    def make_room(self, storage: PoolGroupStorage, count: int, reserve: int = 0) -> None:
+        """Evict (lowest priority, least recently used first) until ``count`` slots are free.
+        ``reserve``: pages the caller places in the levels below afterwards (room kept for them)."""
         allocator = storage.allocator
         if allocator.num_free >= count:
             return
@@ -343,15 +356,14 @@ class StorageManager:
                 storage.num_evicted += 1
                 self.drop(storage.evictor.pop_victim())
             return
-        self._evict(storage, count - allocator.num_free)
+        self._evict(storage, count - allocator.num_free, reserve)
 
-    def _evict(self, storage: PoolGroupStorage, n: int) -> None:
+    def _evict(self, storage: PoolGroupStorage, n: int, reserve: int) -> None:
         """Take ``n`` pages out of a level above the last: HELD ones and the newest reusable ones
-        move down as far as the level below has room, garbage and the oldest reusable ones beyond
-        that are dropped. One batch of copies."""
+        move down as far as the levels below have room (``capacity``, less ``reserve``), garbage
+        and the oldest reusable ones beyond that are dropped. One batch of copies per level."""
         level, g = storage.level, storage.index
-        below = self.levels.items[level + 1].items[g]
-        room = self.available(level + 1, g)
+        room = self.capacity(level + 1, g) - reserve
         victims = storage.evictor.select(n, room)
         if len(victims) < n:
             for v in victims:
@@ -371,29 +383,48 @@ class StorageManager:
         for v in victims:  # dropping an anchor above may have made a kept page garbage
             if id(v) in keep and v.node is None and v.slot >= 0:
                 self.drop(v)
+        self._place(movers, level + 1, g)
+
+    def _place(self, movers: list[Page], level: int, g: int) -> None:
+        """Move ``movers`` (one source storage, in no evictor, in eviction order; at most
+        ``capacity(level, g)`` of them) into ``level`` and below: the newest as many as ``level``
+        can hold (it evicts its own victims further down first), the older rest one level
+        further down. A GPU victim thus makes room in a small host tier by pushing the host's
+        own victims to disk, and only the last level drops."""
+        dst = self.levels.items[level].items[g]
+        take = len(movers)
+        if not dst.is_last:
+            take = min(take, dst.allocator.num_free + dst.evictor.count)
+        rest = movers[: len(movers) - take]
+        here = movers[len(movers) - take :]
         try:
-            self.make_room(below, len(movers))
+            self.make_room(dst, take, len(rest))
         except BaseException:
-            for v in movers:  # e.g. a driver error below: they stay here, listed again
+            for v in movers:  # e.g. a driver error below: they stay where they are, listed again
                 v.relist()
             raise
-        still = [v for v in movers if v.num_holds or v.node is not None]
-        for v in movers:
+        still = [v for v in here if v.num_holds or v.node is not None]
+        for v in here:
             if not v.num_holds and v.node is None:
-                self.drop(v)  # became garbage while the level below made room: not worth moving
+                self.drop(v)  # became garbage while the levels below made room: not worth moving
         try:
-            failed = self._relocate(still, below)
+            failed = self._relocate(still, dst)
         except BaseException:
-            for v in still:
+            for v in still + rest:
                 v.relist()
             raise
-        below.num_offloaded += len(still) - len(failed)
+        dst.num_offloaded += len(still) - len(failed)
         lost = {id(p) for p in failed}
         for p in still:
             if id(p) not in lost:
                 p.relist()
         for p in failed:
             self.lose(p)
+        if rest:
+            for v in rest:
+                if not v.num_holds and v.node is None:
+                    self.drop(v)  # became garbage meanwhile
+            self._place([v for v in rest if v.num_holds or v.node is not None], level + 1, g)
 
     def _relocate(self, pages: list[Page], dst: PoolGroupStorage) -> list[Page]:
         """Copy ``pages`` (one source storage, in no evictor) into new slots of ``dst`` (room made)

@@ -21,7 +21,8 @@ class RequestState(enum.Enum):
     FINISHED = 2  #: done; call ``free_resources``
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
+def check_field(name: str, value: object, minimum: int) -> int:
+    """``value`` of the int field ``name`` if it is an int ``>= minimum`` (TypeError / ValueError)."""
     if type(value) is not int:
         raise TypeError(f"EngineRequest.{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
@@ -33,11 +34,13 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 class EngineRequest:
     """One request as the resource manager sees it; engines use it directly or subclass it.
 
-    Set by the engine: ``prompt_tokens``, ``generated_tokens`` (append-only; append the
-    sampled token after a step that ends at the last token), ``max_new_tokens``,
+    Fixed at construction (read-only: the adapter keys its records by them): ``request_id``,
+    ``prompt_tokens``, ``reuse_scope``. Set by the engine: ``generated_tokens`` (append-only;
+    append the sampled token after a step that ends at the last token), ``max_new_tokens``,
     ``context_chunk_size`` (at most this many tokens per step while more than one token is
-    uncomputed; 0 = no limit), ``state`` (set FINISHED when done), ``reuse_scope`` and
-    ``priority`` (eviction priority 0..100 of the pages this request creates).
+    uncomputed; 0 = no limit), ``state`` (set FINISHED when done) and ``priority`` (eviction
+    priority 0..100 of the pages this request creates, read at admission). The adapter checks
+    these where it uses them (``TypeError`` / ``ValueError``, the batch rolled back).
 
     Written by the resource manager, read by the engine: ``num_cached_tokens`` (tokens whose
     KV is in the cache; the step's input starts there), ``num_scheduled_tokens`` (positions
@@ -57,7 +60,7 @@ class EngineRequest:
         reuse_scope: ReuseScope | None = None,
         priority: int = DEFAULT_PRIORITY,
     ) -> None:
-        self.request_id = RequestId(_check_int("request_id", request_id, 0))
+        self._request_id = RequestId(check_field("request_id", request_id, 0))
         if isinstance(prompt_tokens, (str, bytes)) or not hasattr(prompt_tokens, "__len__"):
             raise TypeError(
                 f"EngineRequest.prompt_tokens must be a sequence of tokens (list or array('I')), "
@@ -65,22 +68,32 @@ class EngineRequest:
             )
         if len(prompt_tokens) == 0:
             raise ValueError("EngineRequest.prompt_tokens must not be empty")
-        self.prompt_tokens: Sequence[TokenIdExt] = prompt_tokens
+        self._prompt_tokens: Sequence[TokenIdExt] = prompt_tokens
         self.generated_tokens: list[TokenIdExt] = []
-        self.max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
-        self.context_chunk_size = _check_int("context_chunk_size", context_chunk_size, 0)
+        self.max_new_tokens = check_field("max_new_tokens", max_new_tokens, 1)
+        self.context_chunk_size = check_field("context_chunk_size", context_chunk_size, 0)
         if reuse_scope is not None and not isinstance(reuse_scope, ReuseScope):
             raise TypeError(f"EngineRequest.reuse_scope must be a ReuseScope or None, got {type(reuse_scope).__name__}")
-        self.reuse_scope: ReuseScope | None = reuse_scope
-        _check_int("priority", priority, 0)
-        if priority > MAX_PRIORITY:
-            raise ValueError(f"EngineRequest.priority must be in [0, {MAX_PRIORITY}], got {priority}")
-        self.priority: Priority = Priority(priority)
+        self._reuse_scope: ReuseScope | None = reuse_scope
+        self.priority: Priority = check_priority(priority)
         self.state = RequestState.CONTEXT
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
         self.num_reused_tokens = 0
         self.num_reused_tokens_per_level: list[int] = []
+
+    @property
+    def request_id(self) -> RequestId:
+        """The request's id (unique among the adapter's requests)."""
+        return self._request_id
+
+    @property
+    def prompt_tokens(self) -> Sequence[TokenIdExt]:
+        return self._prompt_tokens
+
+    @property
+    def reuse_scope(self) -> ReuseScope | None:
+        return self._reuse_scope
 
     def __repr__(self) -> str:
         return (
@@ -112,3 +125,11 @@ class EngineRequest:
     def all_tokens(self) -> list[TokenIdExt]:
         """Prompt followed by generated tokens (a copy)."""
         return list(self.prompt_tokens) + self.generated_tokens
+
+
+def check_priority(priority: object) -> Priority:
+    """``priority`` if it is an eviction priority (an int in ``[0, MAX_PRIORITY]``)."""
+    p = check_field("priority", priority, 0)
+    if p > MAX_PRIORITY:
+        raise ValueError(f"EngineRequest.priority must be in [0, {MAX_PRIORITY}], got {p}")
+    return Priority(p)

@@ -34,7 +34,7 @@ from .._exceptions import LogicError
 from .._page_index import PageIndexConverter
 from ._buffers import CudaBufferView, host_view, page_layout
 from ._capacity import LayerGroupShape, StepPlan, admission_bound, peak_slots
-from ._request import EngineRequest, RequestId, RequestState
+from ._request import EngineRequest, RequestId, RequestState, check_field, check_priority
 
 
 class _FixedPriority:
@@ -162,6 +162,7 @@ class KVCacheResourceManager:
                 seq.serial = serial
                 if req.state is RequestState.FINISHED:
                     raise LogicError(f"request {req.request_id} is FINISHED; free_resources() it instead")
+                c = check_field("context_chunk_size", req.context_chunk_size, 0)  # before anything changes
                 kv = seq.kv
                 h = kv.history_length
                 num_tokens = len(req.prompt_tokens) + len(req.generated_tokens)
@@ -182,7 +183,6 @@ class KVCacheResourceManager:
                         continue
                     current = kv
                 n = num_tokens - h
-                c = req.context_chunk_size
                 if c and n > c:
                     n = c
                 old_cap = kv.capacity
@@ -226,7 +226,9 @@ class KVCacheResourceManager:
         """A new cache for ``req`` (prefix reuse) sized for its first chunk; None if memory is short."""
         tokens: Sequence[TokenIdExt] = req.prompt_tokens if not req.generated_tokens else req.all_tokens()
         length = len(tokens)
-        cb = default_priority if req.priority == DEFAULT_PRIORITY else _FixedPriority(req.priority)
+        c = check_field("context_chunk_size", req.context_chunk_size, 0)
+        priority = check_priority(req.priority)
+        cb = default_priority if priority == DEFAULT_PRIORITY else _FixedPriority(priority)
         prefix = tokens[: length - 1] if length > 1 else None
         m = self.manager
         levels = m.probe_reuse_levels(req.reuse_scope, prefix) if self._num_levels > 1 and prefix is not None else []
@@ -237,7 +239,6 @@ class KVCacheResourceManager:
                 return None
             reused = kv.history_length  # after resume: a failed disk read shortens the reused prefix
             n = length - reused
-            c = req.context_chunk_size
             if c and n > c:
                 n = c
             if not kv.resize(reused + n):
@@ -430,8 +431,8 @@ class KVCacheResourceManager:
         """
         req = _check_request("request", request)
         t = self.tokens_per_block
-        final_cap = len(req.prompt_tokens) + req.max_new_tokens - 1
-        chunk = req.context_chunk_size
+        final_cap = len(req.prompt_tokens) + check_field("max_new_tokens", req.max_new_tokens, 1) - 1
+        chunk = check_field("context_chunk_size", req.context_chunk_size, 0)
         seq = self._seqs.get(req.request_id)
         if seq is None or seq.request is not req:
             return admission_bound(self._shapes, self._num_pool_groups, t, final_cap, chunk)
