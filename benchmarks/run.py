@@ -19,6 +19,12 @@ decode_events / admission_events (decode and admission with a KVCacheEventManage
 step includes draining the queue; extra keys quote the prefill commit that publishes the blocks and
 the wire cost, to_wire + msgpack, per event, which a publisher pays on its own thread).
 Admission scenarios also time the prefill ``commit`` separately (``commit_us``, not in the samples).
+``--only phases`` (issue 30's table; the default sizes are its workload): admission_full /
+admission_hybrid (create_kv_cache + resume + resize + commit of the prompt, no probe: hash, match,
+allocate, commit; full attention / alternating window-128 and full layers), rematch_full /
+rematch_swa (probe_reuse of a prompt whose blocks are all cached, hashing included; full attention /
+every layer window-128), decode_batch / decode_batch_hybrid, free (close at the end of the
+decode_batch workload).
 copy_bandwidth (the copy engine moving scattered slots GPU -> host on the host backend, vs one
 numpy copy of the same bytes), onboard (create_kv_cache + resume of a 1024-token prefix whose
 pages sit in the host tier), tier_hit_rate (the trace replayed one request at a time, prompt
@@ -64,6 +70,11 @@ SCENARIOS = [
     "decode_batch_swa",
     "decode_batch_hybrid",
     "admission",
+    "admission_full",
+    "admission_hybrid",
+    "rematch_full",
+    "rematch_swa",
+    "free",
     "admission_array",
     "admission_scaling",
     "close",
@@ -82,6 +93,19 @@ SCENARIOS = [
     "remote_onboard",
     "remote_decode",
 ]
+#: ``--only phases``: one scenario per phase of issue 30's table, each on its workload (256 requests,
+#: 1024 shared + 512 unique prompt tokens, 32 tokens per block, 32 layers, 256 decode steps)
+GROUPS = {
+    "phases": [
+        "admission_full",
+        "admission_hybrid",
+        "rematch_full",
+        "rematch_swa",
+        "decode_batch",
+        "decode_batch_hybrid",
+        "free",
+    ]
+}
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
 #: deterministic results (a hit rate): one run per mode whatever --repeats says
 RUN_ONCE = {"tier_hit_rate"}
@@ -257,24 +281,51 @@ def _decode_batch(p: dict[str, int], window_every: int) -> dict[str, Any]:
         m.commit_batch(caches, tokens)
         samples.append((time.perf_counter() - t0) / n_req * 1e6)
         assert not failed
-    for kv in caches:
+    close_samples = []
+    for kv in caches:  # the requests finish: each close releases its pages (published ones stay reusable)
+        t0 = time.perf_counter()
         kv.close()
+        close_samples.append((time.perf_counter() - t0) * 1e6)
     m.clear_reusable_blocks()
     m.shutdown()
     kinds = {0: "full attention", 1: "every layer window-128", 2: "alternating window-128 / full layers"}
-    return {"unit": "us/request/step", "samples": samples, "note": f"batched; {kinds[window_every]}"}
+    return {
+        "unit": "us/request/step",
+        "samples": samples,
+        "note": f"batched, engine-owned index buffers; {kinds[window_every]}",
+        "close_samples": close_samples,
+    }
+
+
+def _decode_batch_scenario(p: dict[str, int], window_every: int) -> dict[str, Any]:
+    out = _decode_batch(p, window_every)
+    out["close_us"] = statistics.median(out.pop("close_samples"))
+    return out
 
 
 def scenario_decode_batch(p: dict[str, int]) -> dict[str, Any]:
-    return _decode_batch(p, 0)
+    return _decode_batch_scenario(p, 0)
 
 
 def scenario_decode_batch_swa(p: dict[str, int]) -> dict[str, Any]:
-    return _decode_batch(p, 1)
+    return _decode_batch_scenario(p, 1)
 
 
 def scenario_decode_batch_hybrid(p: dict[str, int]) -> dict[str, Any]:
-    return _decode_batch(p, 2)
+    return _decode_batch_scenario(p, 2)
+
+
+def scenario_free(p: dict[str, int]) -> dict[str, Any]:
+    """``close`` of each request at the end of the ``decode_batch`` workload (prompt + every decode
+    step committed, so nothing is left to publish): the pages go back or stay reusable."""
+    out = _decode_batch(p, 0)
+    decode = out["samples"]
+    return {
+        "unit": "us/request",
+        "samples": out["close_samples"],
+        "note": "close after the batched decode steps, full attention",
+        "decode_us": statistics.median(decode),
+    }
 
 
 def scenario_swa_prefill(p: dict[str, int]) -> dict[str, Any]:
@@ -354,6 +405,18 @@ def scenario_admission(p: dict[str, int]) -> dict[str, Any]:
     return _admission(p, as_array=False)
 
 
+def scenario_admission_full(p: dict[str, int]) -> dict[str, Any]:
+    out = _admission(p, as_array=False, probe=False, timed_commit=True)
+    out["note"] = "create_kv_cache (hash + match) + resume + resize (allocate) + commit of the prompt"
+    return out
+
+
+def scenario_admission_hybrid(p: dict[str, int]) -> dict[str, Any]:
+    out = _admission(p, as_array=False, probe=False, timed_commit=True, window_every=2)
+    out["note"] = "admission_full with alternating window-128 / full layers"
+    return out
+
+
 def scenario_admission_events(p: dict[str, int]) -> dict[str, Any]:
     out = _admission(p, as_array=False, events=True)
     out["note"] = "admission with a KVCacheEventManager (blocks are published by the prefill commit: commit_us)"
@@ -366,13 +429,24 @@ def scenario_admission_array(p: dict[str, int]) -> dict[str, Any]:
     return out
 
 
-def _admission(p: dict[str, int], as_array: bool, events: bool = False) -> dict[str, Any]:
+def _admission(
+    p: dict[str, int],
+    as_array: bool,
+    events: bool = False,
+    probe: bool = True,
+    timed_commit: bool = False,
+    window_every: int = 0,
+) -> dict[str, Any]:
+    """Admission of ``requests`` prompts (``shared`` tokens cached by an earlier request, then
+    ``unique`` ones): [probe_reuse +] create_kv_cache + resume + resize per sample; with
+    ``timed_commit`` the prefill commit right after is in the sample, else the commits follow
+    every admission (so the samples see the same tree as before that phase existed)."""
     from kv_cache_manager_v2 import ReuseScope
     from kv_cache_manager_v2._reuse._keys import BlockHasher, scope_key
 
     t, n_req = p["tokens_per_block"], p["requests"]
     prompt_len = p["shared"] + p["unique"]
-    m = _manager(p["layers"], t, (n_req + 1) * prompt_len // t + 64, events=events)
+    m = _manager(p["layers"], t, (n_req + 1) * prompt_len // t + 64, window_every, events=events)
     system = list(range(10_000, 10_000 + p["shared"]))
     first = _admit(m, system + list(range(5_000_000, 5_000_000 + p["unique"])))
     first.close()
@@ -380,19 +454,25 @@ def _admission(p: dict[str, int], as_array: bool, events: bool = False) -> dict[
     prompts: list[Any] = [system + [r * 100_003 + i for i in range(p["unique"])] for r in range(n_req)]
     if as_array:
         prompts = [array("I", prompt) for prompt in prompts]
-    samples, caches, commit_us = [], [], []
+    samples, caches, commit_us, reused = [], [], [], 0
     for prompt in prompts:
         t0 = time.perf_counter()
-        m.probe_reuse(None, prompt[:-1])
+        if probe:
+            m.probe_reuse(None, prompt[:-1])
         kv = m.create_kv_cache(input_tokens=prompt[:-1])
         kv.resume()
         kv.resize(len(prompt))
+        if timed_commit:
+            h = kv.history_length
+            t1 = time.perf_counter()
+            kv.commit(prompt[h:])
+            commit_us.append((time.perf_counter() - t1) * 1e6)
+            reused += h
         samples.append((time.perf_counter() - t0) * 1e6)
         caches.append(kv)
-    # the prefill commits (publishing the unique blocks), after every admission so the samples see
-    # the same tree as before this phase existed
-    for kv, prompt in zip(caches, prompts):
+    for kv, prompt in zip(caches, prompts) if not timed_commit else ():
         h = kv.history_length
+        reused += h
         t0 = time.perf_counter()
         kv.commit(prompt[h:])
         commit_us.append((time.perf_counter() - t0) * 1e6)
@@ -418,6 +498,7 @@ def _admission(p: dict[str, int], as_array: bool, events: bool = False) -> dict[
         "hashing_us": hash_us,
         "hashing_share": hash_us / statistics.median(samples),
         "commit_us": statistics.median(commit_us),
+        "reused_tokens_per_request": reused / n_req,
     }
     if events:
         out.update(
@@ -426,6 +507,44 @@ def _admission(p: dict[str, int], as_array: bool, events: bool = False) -> dict[
             wire_us_per_event=_wire_us_per_event(drained),
         )
     return out
+
+
+def _rematch(p: dict[str, int], window_every: int) -> dict[str, Any]:
+    """Warm rematch: ``probe_reuse`` (hashing included) of prompts whose every block is cached
+    (admitted, committed and closed before), ``rematch_rounds`` passes over the requests."""
+    t, n_req = p["tokens_per_block"], p["requests"]
+    prompt_len = p["shared"] + p["unique"]
+    m = _manager(p["layers"], t, (n_req + 1) * prompt_len // t + 64, window_every)
+    system = list(range(10_000, 10_000 + p["shared"]))
+    prompts = [system + [r * 100_003 + i for i in range(p["unique"])] for r in range(n_req)]
+    for prompt in prompts:
+        _admit(m, prompt).close()
+    queries = [prompt[:-1] for prompt in prompts]  # as at admission: the last token is computed again
+    samples, matched = [], 0
+    for _ in range(p["rematch_rounds"]):
+        for query in queries:
+            t0 = time.perf_counter()
+            n = m.probe_reuse(None, query)
+            samples.append((time.perf_counter() - t0) * 1e6)
+            matched += n
+    m.clear_reusable_blocks()
+    m.shutdown()
+    kinds = {0: "full attention", 1: "every layer window-128"}
+    return {
+        "unit": "us/request",
+        "samples": samples,
+        "matched_tokens_per_probe": matched / len(samples),
+        "probe_tokens": prompt_len - 1,
+        "note": f"probe_reuse of a cached prompt; {kinds[window_every]}",
+    }
+
+
+def scenario_rematch_full(p: dict[str, int]) -> dict[str, Any]:
+    return _rematch(p, 0)
+
+
+def scenario_rematch_swa(p: dict[str, int]) -> dict[str, Any]:
+    return _rematch(p, 1)
 
 
 def scenario_close(p: dict[str, int]) -> dict[str, Any]:
@@ -1061,6 +1180,7 @@ DEFAULTS = dict(
     shared=1024,
     unique=512,
     steps=256,
+    rematch_rounds=3,
     hash_blocks=20_000,
     trace_requests=400,
     cache_tokens=3_000_000,
@@ -1091,6 +1211,7 @@ QUICK = dict(
     shared=256,
     unique=128,
     steps=16,
+    rematch_rounds=1,
     hash_blocks=500,
     trace_requests=20,
     cache_tokens=200_000,
@@ -1167,7 +1288,9 @@ def run_child(mode: str, name: str, params: dict[str, Any], script: str = os.pat
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
-    ap.add_argument("--only", nargs="*", choices=SCENARIOS, default=SCENARIOS)
+    ap.add_argument(
+        "--only", nargs="*", choices=SCENARIOS + list(GROUPS), default=SCENARIOS, help=f"scenarios or groups: {GROUPS}"
+    )
     ap.add_argument("--modes", nargs="*", choices=["fast", "compiled"], default=["fast", "compiled"])
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help=f"override sizes: {sorted(DEFAULTS)}")
     ap.add_argument("--repeats", type=int, default=3, help="runs per scenario and mode; the best is reported")
@@ -1178,6 +1301,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, json.loads(args.params))))
         return
+    args.only = [name for group in args.only for name in GROUPS.get(group, [group])]
     params = dict(QUICK if args.quick else DEFAULTS)
     for kv in args.set:
         k, _, v = kv.partition("=")
