@@ -519,9 +519,10 @@ def _rematch(p: dict[str, int], window_every: int) -> dict[str, Any]:
     prompts = [system + [r * 100_003 + i for i in range(p["unique"])] for r in range(n_req)]
     for prompt in prompts:
         _admit(m, prompt).close()
-    queries = [prompt[:-1] for prompt in prompts]  # as at admission: the last token is computed again
     samples, matched = [], 0
     for _ in range(p["rematch_rounds"]):
+        # new lists each round (as at admission, without the last token): nothing hashed before is known
+        queries = [prompt[:-1] for prompt in prompts]
         for query in queries:
             t0 = time.perf_counter()
             n = m.probe_reuse(None, query)
