@@ -106,6 +106,20 @@ GROUPS = {
         "free",
     ]
 }
+#: ``--instructions``: the calls a scenario times, as globs over mypyc's entry points (callgrind's
+#: ``--toggle-collect``): instructions are counted inside them only (compiled mode)
+_ADMIT_CALLS = [f"CPyPy_*___{c}" for c in ("KVCacheManager___create_kv_cache", "KVCache___resume", "KVCache___resize")]
+_PROBE_CALLS = ["CPyPy_*___KVCacheManager___probe_reuse"]
+COUNTED_CALLS = {
+    "admission": _PROBE_CALLS + _ADMIT_CALLS,
+    "admission_full": [*_ADMIT_CALLS, "CPyPy_*___KVCache___commit"],
+    "admission_hybrid": [*_ADMIT_CALLS, "CPyPy_*___KVCache___commit"],
+    "rematch_full": _PROBE_CALLS,
+    "rematch_swa": _PROBE_CALLS,
+    "decode_batch": ["CPyPy_*___KVCacheManager___resize_batch", "CPyPy_*___KVCacheManager___commit_batch"],
+    "decode_batch_hybrid": ["CPyPy_*___KVCacheManager___resize_batch", "CPyPy_*___KVCacheManager___commit_batch"],
+    "free": ["CPyPy_*___KVCache___close"],
+}
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
 #: deterministic results (a hit rate): one run per mode whatever --repeats says
 RUN_ONCE = {"tier_hit_rate"}
@@ -1269,14 +1283,17 @@ def prepare_compiled() -> None:
         )
 
 
-def run_child(mode: str, name: str, params: dict[str, Any], script: str = os.path.abspath(__file__)) -> dict[str, Any]:
-    """Run scenario ``name`` of ``script`` (``--worker``) in a child process in ``mode``."""
+def run_child(
+    mode: str, name: str, params: dict[str, Any], script: str = os.path.abspath(__file__), wrap: list[str] | None = None
+) -> dict[str, Any]:
+    """Run scenario ``name`` of ``script`` (``--worker``) in a child process in ``mode`` (under the
+    command ``wrap`` when given, e.g. valgrind)."""
     env = dict(os.environ)
     if mode == "fast":
         env["PYTHONPATH"] = FAST_DIR + os.pathsep + ROOT
     else:
         env["PYTHONPATH"] = ROOT
-    cmd = [sys.executable, script, "--worker", name, "--params", json.dumps(params)]
+    cmd = [*(wrap or []), sys.executable, script, "--worker", name, "--params", json.dumps(params)]
     res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"{name} ({mode}, {params}) failed:\n{res.stderr}")
@@ -1284,6 +1301,23 @@ def run_child(mode: str, name: str, params: dict[str, Any], script: str = os.pat
     if out["compiled"] != (mode == "compiled"):
         raise SystemExit(f"{name}: asked for {mode} mode but the package imported compiled={out['compiled']}")
     return out
+
+
+def count_instructions(name: str, params: dict[str, Any]) -> float:
+    """Instructions per unit of scenario ``name`` (compiled), counted by callgrind inside the calls
+    the scenario times: exact where wall clocks on a shared machine are not (SHA-256 runs without
+    the CPU's SHA extensions under valgrind, so hashing weighs more than in wall time)."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
+    out_file = os.path.join(ROOT, "build", "bench", f"callgrind.{name}.out")
+    os.makedirs(os.path.dirname(out_file), exist_ok=True)
+    wrap = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_file}"]
+    wrap += [f"--toggle-collect={pattern}" for pattern in COUNTED_CALLS[name]]
+    r = run_child("compiled", name, params, wrap=wrap)
+    with open(out_file) as f:
+        total = max(int(line.split()[1]) for line in f if line.startswith(("summary:", "totals:")))
+    units = len(r["samples"]) * (params["requests"] if r["unit"].endswith("/step") else 1)
+    return total / units
 
 
 def main() -> None:
@@ -1296,6 +1330,11 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help=f"override sizes: {sorted(DEFAULTS)}")
     ap.add_argument("--repeats", type=int, default=3, help="runs per scenario and mode; the best is reported")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "bench.json"))
+    ap.add_argument(
+        "--instructions",
+        action="store_true",
+        help=f"also count instructions per unit under callgrind (compiled; scenarios {sorted(COUNTED_CALLS)})",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--params", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -1335,11 +1374,15 @@ def main() -> None:
             higher_is_better = runs[mode][0]["unit"].endswith("/s")
             best = (max if higher_is_better else min)(runs[mode], key=lambda x: float(x["median"]))
             best["medians_of_repeats"] = [x["median"] for x in runs[mode]]
+            counted = ""
+            if args.instructions and mode == "compiled" and name in COUNTED_CALLS:
+                best["instructions_per_unit"] = count_instructions(name, params)
+                counted = f"   instructions {best['instructions_per_unit']:,.0f}"
             results.append(best)
             print(
                 f"{name:16s} {mode:9s} median {best['median']:>14.3f} {best['unit']:16s} mean {best['mean']:>12.3f}"
                 f" p90 {best['p90']:>12.3f}"
-                f"   (repeats: {', '.join(f'{m:.2f}' for m in best['medians_of_repeats'])})",
+                f"   (repeats: {', '.join(f'{m:.2f}' for m in best['medians_of_repeats'])}){counted}",
                 flush=True,
             )
     speedups = {}
