@@ -1309,10 +1309,24 @@ def count_instructions(name: str, params: dict[str, Any]) -> float:
     the CPU's SHA extensions under valgrind, so hashing weighs more than in wall time)."""
     if shutil.which("valgrind") is None:
         raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
+    import fnmatch
+    import glob
+
+    # callgrind (3.19) applied only the first of several wildcard patterns: pass exact names from the symbol table
+    symbols: set[str] = set()
+    for lib in glob.glob(os.path.join(ROOT, "*__mypyc*.so")):
+        nm = subprocess.run(["nm", "--defined-only", lib], capture_output=True, text=True, check=True)
+        symbols.update(line.split()[-1] for line in nm.stdout.splitlines() if line.strip())
+    calls = []
+    for pattern in COUNTED_CALLS[name]:
+        found = fnmatch.filter(symbols, pattern)
+        if len(found) != 1:
+            raise SystemExit(f"--instructions: {pattern!r} names {len(found)} compiled functions, not one: {found}")
+        calls.append(found[0])
     out_file = os.path.join(ROOT, "build", "bench", f"callgrind.{name}.out")
     os.makedirs(os.path.dirname(out_file), exist_ok=True)
     wrap = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_file}"]
-    wrap += [f"--toggle-collect={pattern}" for pattern in COUNTED_CALLS[name]]
+    wrap += [f"--toggle-collect={call}" for call in calls]
     r = run_child("compiled", name, params, wrap=wrap)
     with open(out_file) as f:
         total = max(int(line.split()[1]) for line in f if line.startswith(("summary:", "totals:")))
