@@ -24,7 +24,8 @@ admission_hybrid (create_kv_cache + resume + resize + commit of the prompt, no p
 allocate, commit; full attention / alternating window-128 and full layers), rematch_full /
 rematch_swa (probe_reuse of a prompt whose blocks are all cached, hashing included; full attention /
 every layer window-128), decode_batch / decode_batch_hybrid, free (close at the end of the
-decode_batch workload).
+decode_batch workload). ``--instructions`` adds, for those (compiled), the instructions per unit
+counted by callgrind inside the calls each one times: exact where the wall clock is noisy.
 copy_bandwidth (the copy engine moving scattered slots GPU -> host on the host backend, vs one
 numpy copy of the same bytes), onboard (create_kv_cache + resume of a 1024-token prefix whose
 pages sit in the host tier), tier_hit_rate (the trace replayed one request at a time, prompt
