@@ -19,6 +19,13 @@ decode_events / admission_events (decode and admission with a KVCacheEventManage
 step includes draining the queue; extra keys quote the prefill commit that publishes the blocks and
 the wire cost, to_wire + msgpack, per event, which a publisher pays on its own thread).
 Admission scenarios also time the prefill ``commit`` separately (``commit_us``, not in the samples).
+``--only phases`` (issue 30's table; the default sizes are its workload): admission_full /
+admission_hybrid (create_kv_cache + resume + resize + commit of the prompt, no probe: hash, match,
+allocate, commit; full attention / alternating window-128 and full layers), rematch_full /
+rematch_swa (probe_reuse of a prompt whose blocks are all cached, hashing included; full attention /
+every layer window-128), decode_batch / decode_batch_hybrid, free (close at the end of the
+decode_batch workload). ``--instructions`` adds, for those (compiled), the instructions per unit
+counted by callgrind inside the calls each one times: exact where the wall clock is noisy.
 copy_bandwidth (the copy engine moving scattered slots GPU -> host on the host backend, vs one
 numpy copy of the same bytes), onboard (create_kv_cache + resume of a 1024-token prefix whose
 pages sit in the host tier), tier_hit_rate (the trace replayed one request at a time, prompt
@@ -64,6 +71,11 @@ SCENARIOS = [
     "decode_batch_swa",
     "decode_batch_hybrid",
     "admission",
+    "admission_full",
+    "admission_hybrid",
+    "rematch_full",
+    "rematch_swa",
+    "free",
     "admission_array",
     "admission_scaling",
     "close",
@@ -82,6 +94,33 @@ SCENARIOS = [
     "remote_onboard",
     "remote_decode",
 ]
+#: ``--only phases``: one scenario per phase of issue 30's table, each on its workload (256 requests,
+#: 1024 shared + 512 unique prompt tokens, 32 tokens per block, 32 layers, 256 decode steps)
+GROUPS = {
+    "phases": [
+        "admission_full",
+        "admission_hybrid",
+        "rematch_full",
+        "rematch_swa",
+        "decode_batch",
+        "decode_batch_hybrid",
+        "free",
+    ]
+}
+#: ``--instructions``: the calls a scenario times, as globs over mypyc's entry points (callgrind's
+#: ``--toggle-collect``): instructions are counted inside them only (compiled mode)
+_ADMIT_CALLS = [f"CPyPy_*___{c}" for c in ("KVCacheManager___create_kv_cache", "KVCache___resume", "KVCache___resize")]
+_PROBE_CALLS = ["CPyPy_*___KVCacheManager___probe_reuse"]
+COUNTED_CALLS = {
+    "admission": _PROBE_CALLS + _ADMIT_CALLS,
+    "admission_full": [*_ADMIT_CALLS, "CPyPy_*___KVCache___commit"],
+    "admission_hybrid": [*_ADMIT_CALLS, "CPyPy_*___KVCache___commit"],
+    "rematch_full": _PROBE_CALLS,
+    "rematch_swa": _PROBE_CALLS,
+    "decode_batch": ["CPyPy_*___KVCacheManager___resize_batch", "CPyPy_*___KVCacheManager___commit_batch"],
+    "decode_batch_hybrid": ["CPyPy_*___KVCacheManager___resize_batch", "CPyPy_*___KVCacheManager___commit_batch"],
+    "free": ["CPyPy_*___KVCache___close"],
+}
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
 #: deterministic results (a hit rate): one run per mode whatever --repeats says
 RUN_ONCE = {"tier_hit_rate"}
@@ -257,24 +296,51 @@ def _decode_batch(p: dict[str, int], window_every: int) -> dict[str, Any]:
         m.commit_batch(caches, tokens)
         samples.append((time.perf_counter() - t0) / n_req * 1e6)
         assert not failed
-    for kv in caches:
+    close_samples = []
+    for kv in caches:  # the requests finish: each close releases its pages (published ones stay reusable)
+        t0 = time.perf_counter()
         kv.close()
+        close_samples.append((time.perf_counter() - t0) * 1e6)
     m.clear_reusable_blocks()
     m.shutdown()
     kinds = {0: "full attention", 1: "every layer window-128", 2: "alternating window-128 / full layers"}
-    return {"unit": "us/request/step", "samples": samples, "note": f"batched; {kinds[window_every]}"}
+    return {
+        "unit": "us/request/step",
+        "samples": samples,
+        "note": f"batched, engine-owned index buffers; {kinds[window_every]}",
+        "close_samples": close_samples,
+    }
+
+
+def _decode_batch_scenario(p: dict[str, int], window_every: int) -> dict[str, Any]:
+    out = _decode_batch(p, window_every)
+    out["close_us"] = statistics.median(out.pop("close_samples"))
+    return out
 
 
 def scenario_decode_batch(p: dict[str, int]) -> dict[str, Any]:
-    return _decode_batch(p, 0)
+    return _decode_batch_scenario(p, 0)
 
 
 def scenario_decode_batch_swa(p: dict[str, int]) -> dict[str, Any]:
-    return _decode_batch(p, 1)
+    return _decode_batch_scenario(p, 1)
 
 
 def scenario_decode_batch_hybrid(p: dict[str, int]) -> dict[str, Any]:
-    return _decode_batch(p, 2)
+    return _decode_batch_scenario(p, 2)
+
+
+def scenario_free(p: dict[str, int]) -> dict[str, Any]:
+    """``close`` of each request at the end of the ``decode_batch`` workload (prompt + every decode
+    step committed, so nothing is left to publish): the pages go back or stay reusable."""
+    out = _decode_batch(p, 0)
+    decode = out["samples"]
+    return {
+        "unit": "us/request",
+        "samples": out["close_samples"],
+        "note": "close after the batched decode steps, full attention",
+        "decode_us": statistics.median(decode),
+    }
 
 
 def scenario_swa_prefill(p: dict[str, int]) -> dict[str, Any]:
@@ -354,6 +420,18 @@ def scenario_admission(p: dict[str, int]) -> dict[str, Any]:
     return _admission(p, as_array=False)
 
 
+def scenario_admission_full(p: dict[str, int]) -> dict[str, Any]:
+    out = _admission(p, as_array=False, probe=False, timed_commit=True)
+    out["note"] = "create_kv_cache (hash + match) + resume + resize (allocate) + commit of the prompt"
+    return out
+
+
+def scenario_admission_hybrid(p: dict[str, int]) -> dict[str, Any]:
+    out = _admission(p, as_array=False, probe=False, timed_commit=True, window_every=2)
+    out["note"] = "admission_full with alternating window-128 / full layers"
+    return out
+
+
 def scenario_admission_events(p: dict[str, int]) -> dict[str, Any]:
     out = _admission(p, as_array=False, events=True)
     out["note"] = "admission with a KVCacheEventManager (blocks are published by the prefill commit: commit_us)"
@@ -366,13 +444,24 @@ def scenario_admission_array(p: dict[str, int]) -> dict[str, Any]:
     return out
 
 
-def _admission(p: dict[str, int], as_array: bool, events: bool = False) -> dict[str, Any]:
+def _admission(
+    p: dict[str, int],
+    as_array: bool,
+    events: bool = False,
+    probe: bool = True,
+    timed_commit: bool = False,
+    window_every: int = 0,
+) -> dict[str, Any]:
+    """Admission of ``requests`` prompts (``shared`` tokens cached by an earlier request, then
+    ``unique`` ones): [probe_reuse +] create_kv_cache + resume + resize per sample; with
+    ``timed_commit`` the prefill commit right after is in the sample, else the commits follow
+    every admission (so the samples see the same tree as before that phase existed)."""
     from kv_cache_manager_v2 import ReuseScope
     from kv_cache_manager_v2._reuse._keys import BlockHasher, scope_key
 
     t, n_req = p["tokens_per_block"], p["requests"]
     prompt_len = p["shared"] + p["unique"]
-    m = _manager(p["layers"], t, (n_req + 1) * prompt_len // t + 64, events=events)
+    m = _manager(p["layers"], t, (n_req + 1) * prompt_len // t + 64, window_every, events=events)
     system = list(range(10_000, 10_000 + p["shared"]))
     first = _admit(m, system + list(range(5_000_000, 5_000_000 + p["unique"])))
     first.close()
@@ -380,19 +469,25 @@ def _admission(p: dict[str, int], as_array: bool, events: bool = False) -> dict[
     prompts: list[Any] = [system + [r * 100_003 + i for i in range(p["unique"])] for r in range(n_req)]
     if as_array:
         prompts = [array("I", prompt) for prompt in prompts]
-    samples, caches, commit_us = [], [], []
+    samples, caches, commit_us, reused = [], [], [], 0
     for prompt in prompts:
         t0 = time.perf_counter()
-        m.probe_reuse(None, prompt[:-1])
+        if probe:
+            m.probe_reuse(None, prompt[:-1])
         kv = m.create_kv_cache(input_tokens=prompt[:-1])
         kv.resume()
         kv.resize(len(prompt))
+        if timed_commit:
+            h = kv.history_length
+            t1 = time.perf_counter()
+            kv.commit(prompt[h:])
+            commit_us.append((time.perf_counter() - t1) * 1e6)
+            reused += h
         samples.append((time.perf_counter() - t0) * 1e6)
         caches.append(kv)
-    # the prefill commits (publishing the unique blocks), after every admission so the samples see
-    # the same tree as before this phase existed
-    for kv, prompt in zip(caches, prompts):
+    for kv, prompt in zip(caches, prompts) if not timed_commit else ():
         h = kv.history_length
+        reused += h
         t0 = time.perf_counter()
         kv.commit(prompt[h:])
         commit_us.append((time.perf_counter() - t0) * 1e6)
@@ -418,6 +513,7 @@ def _admission(p: dict[str, int], as_array: bool, events: bool = False) -> dict[
         "hashing_us": hash_us,
         "hashing_share": hash_us / statistics.median(samples),
         "commit_us": statistics.median(commit_us),
+        "reused_tokens_per_request": reused / n_req,
     }
     if events:
         out.update(
@@ -426,6 +522,45 @@ def _admission(p: dict[str, int], as_array: bool, events: bool = False) -> dict[
             wire_us_per_event=_wire_us_per_event(drained),
         )
     return out
+
+
+def _rematch(p: dict[str, int], window_every: int) -> dict[str, Any]:
+    """Warm rematch: ``probe_reuse`` (hashing included) of prompts whose every block is cached
+    (admitted, committed and closed before), ``rematch_rounds`` passes over the requests."""
+    t, n_req = p["tokens_per_block"], p["requests"]
+    prompt_len = p["shared"] + p["unique"]
+    m = _manager(p["layers"], t, (n_req + 1) * prompt_len // t + 64, window_every)
+    system = list(range(10_000, 10_000 + p["shared"]))
+    prompts = [system + [r * 100_003 + i for i in range(p["unique"])] for r in range(n_req)]
+    for prompt in prompts:
+        _admit(m, prompt).close()
+    samples, matched = [], 0
+    for _ in range(p["rematch_rounds"]):
+        # new lists each round (as at admission, without the last token): nothing hashed before is known
+        queries = [prompt[:-1] for prompt in prompts]
+        for query in queries:
+            t0 = time.perf_counter()
+            n = m.probe_reuse(None, query)
+            samples.append((time.perf_counter() - t0) * 1e6)
+            matched += n
+    m.clear_reusable_blocks()
+    m.shutdown()
+    kinds = {0: "full attention", 1: "every layer window-128"}
+    return {
+        "unit": "us/request",
+        "samples": samples,
+        "matched_tokens_per_probe": matched / len(samples),
+        "probe_tokens": prompt_len - 1,
+        "note": f"probe_reuse of a cached prompt; {kinds[window_every]}",
+    }
+
+
+def scenario_rematch_full(p: dict[str, int]) -> dict[str, Any]:
+    return _rematch(p, 0)
+
+
+def scenario_rematch_swa(p: dict[str, int]) -> dict[str, Any]:
+    return _rematch(p, 1)
 
 
 def scenario_close(p: dict[str, int]) -> dict[str, Any]:
@@ -1061,6 +1196,7 @@ DEFAULTS = dict(
     shared=1024,
     unique=512,
     steps=256,
+    rematch_rounds=3,
     hash_blocks=20_000,
     trace_requests=400,
     cache_tokens=3_000_000,
@@ -1091,6 +1227,7 @@ QUICK = dict(
     shared=256,
     unique=128,
     steps=16,
+    rematch_rounds=1,
     hash_blocks=500,
     trace_requests=20,
     cache_tokens=200_000,
@@ -1147,14 +1284,17 @@ def prepare_compiled() -> None:
         )
 
 
-def run_child(mode: str, name: str, params: dict[str, Any], script: str = os.path.abspath(__file__)) -> dict[str, Any]:
-    """Run scenario ``name`` of ``script`` (``--worker``) in a child process in ``mode``."""
+def run_child(
+    mode: str, name: str, params: dict[str, Any], script: str = os.path.abspath(__file__), wrap: list[str] | None = None
+) -> dict[str, Any]:
+    """Run scenario ``name`` of ``script`` (``--worker``) in a child process in ``mode`` (under the
+    command ``wrap`` when given, e.g. valgrind)."""
     env = dict(os.environ)
     if mode == "fast":
         env["PYTHONPATH"] = FAST_DIR + os.pathsep + ROOT
     else:
         env["PYTHONPATH"] = ROOT
-    cmd = [sys.executable, script, "--worker", name, "--params", json.dumps(params)]
+    cmd = [*(wrap or []), sys.executable, script, "--worker", name, "--params", json.dumps(params)]
     res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"{name} ({mode}, {params}) failed:\n{res.stderr}")
@@ -1164,20 +1304,59 @@ def run_child(mode: str, name: str, params: dict[str, Any], script: str = os.pat
     return out
 
 
+def count_instructions(name: str, params: dict[str, Any]) -> float:
+    """Instructions per unit of scenario ``name`` (compiled), counted by callgrind inside the calls
+    the scenario times: exact where wall clocks on a shared machine are not (SHA-256 runs without
+    the CPU's SHA extensions under valgrind, so hashing weighs more than in wall time)."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
+    import fnmatch
+    import glob
+
+    # callgrind (3.19) applied only the first of several wildcard patterns: pass exact names from the symbol table
+    symbols: set[str] = set()
+    for lib in glob.glob(os.path.join(ROOT, "*__mypyc*.so")):
+        nm = subprocess.run(["nm", "--defined-only", lib], capture_output=True, text=True, check=True)
+        symbols.update(line.split()[-1] for line in nm.stdout.splitlines() if line.strip())
+    calls = []
+    for pattern in COUNTED_CALLS[name]:
+        found = fnmatch.filter(symbols, pattern)
+        if len(found) != 1:
+            raise SystemExit(f"--instructions: {pattern!r} names {len(found)} compiled functions, not one: {found}")
+        calls.append(found[0])
+    out_file = os.path.join(ROOT, "build", "bench", f"callgrind.{name}.out")
+    os.makedirs(os.path.dirname(out_file), exist_ok=True)
+    wrap = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_file}"]
+    wrap += [f"--toggle-collect={call}" for call in calls]
+    r = run_child("compiled", name, params, wrap=wrap)
+    with open(out_file) as f:
+        total = max(int(line.split()[1]) for line in f if line.startswith(("summary:", "totals:")))
+    units = len(r["samples"]) * (params["requests"] if r["unit"].endswith("/step") else 1)
+    return total / units
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
-    ap.add_argument("--only", nargs="*", choices=SCENARIOS, default=SCENARIOS)
+    ap.add_argument(
+        "--only", nargs="*", choices=SCENARIOS + list(GROUPS), default=SCENARIOS, help=f"scenarios or groups: {GROUPS}"
+    )
     ap.add_argument("--modes", nargs="*", choices=["fast", "compiled"], default=["fast", "compiled"])
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help=f"override sizes: {sorted(DEFAULTS)}")
     ap.add_argument("--repeats", type=int, default=3, help="runs per scenario and mode; the best is reported")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "bench.json"))
+    ap.add_argument(
+        "--instructions",
+        action="store_true",
+        help=f"also count instructions per unit under callgrind (compiled; scenarios {sorted(COUNTED_CALLS)})",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--params", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, json.loads(args.params))))
         return
+    args.only = [name for group in args.only for name in GROUPS.get(group, [group])]
     params = dict(QUICK if args.quick else DEFAULTS)
     for kv in args.set:
         k, _, v = kv.partition("=")
@@ -1210,11 +1389,15 @@ def main() -> None:
             higher_is_better = runs[mode][0]["unit"].endswith("/s")
             best = (max if higher_is_better else min)(runs[mode], key=lambda x: float(x["median"]))
             best["medians_of_repeats"] = [x["median"] for x in runs[mode]]
+            counted = ""
+            if args.instructions and mode == "compiled" and name in COUNTED_CALLS:
+                best["instructions_per_unit"] = count_instructions(name, params)
+                counted = f"   instructions {best['instructions_per_unit']:,.0f}"
             results.append(best)
             print(
                 f"{name:16s} {mode:9s} median {best['median']:>14.3f} {best['unit']:16s} mean {best['mean']:>12.3f}"
                 f" p90 {best['p90']:>12.3f}"
-                f"   (repeats: {', '.join(f'{m:.2f}' for m in best['medians_of_repeats'])})",
+                f"   (repeats: {', '.join(f'{m:.2f}' for m in best['medians_of_repeats'])}){counted}",
                 flush=True,
             )
     speedups = {}

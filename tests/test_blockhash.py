@@ -99,6 +99,55 @@ def test_hasher_keys_equal_block_keys(as_array: bool) -> None:
     assert hasher.keys == want[:8]
 
 
+@pytest.mark.parametrize("kind", ["list", "tuple", "digest_in_second_chunk", "numpy_ints"])
+def test_hasher_native_chunks_and_python_fallback_agree(kind: str) -> None:
+    """List and tuple tokens are checked, encoded and hashed natively a chunk at a time; a chunk
+    holding anything but exact ints switches to the Python encoding. Keys equal block_key's either way."""
+    t = 4
+    tokens: list[object] = [(i * 7919) % 70_000 for i in range(8 * t * 3 + 2)]  # three chunks, a partial block
+    if kind == "digest_in_second_chunk":
+        tokens[8 * t + 5] = b"\x07" * 32
+    seq: object = tuple(tokens) if kind == "tuple" else tokens
+    if kind == "numpy_ints":
+        np = pytest.importorskip("numpy")
+        seq = list(np.array(tokens, dtype=np.int64))  # numpy integers are not token ids
+        with pytest.raises(TypeError, match="tokens must be int or bytes"):
+            BlockHasher(seq, t, "tokens").chain(scope_key(ReuseScope()))  # type: ignore[arg-type]
+        return
+    root = scope_key(ReuseScope())
+    want, parent = [], root
+    for o in range(0, len(tokens), t):
+        parent = block_key(parent, tokens[o : o + t])  # type: ignore[arg-type]
+        want.append(parent)
+    assert BlockHasher(seq, t, "tokens").chain(root) == want  # type: ignore[arg-type]
+    hasher = BlockHasher(seq, t, "tokens")  # type: ignore[arg-type]
+    parent = root
+    for o in range(10):  # into the second chunk, as a match that goes on
+        parent = hasher.key(parent, o)
+    # a chunk of ids at once (the first 16 blocks); a chunk holding a digest a block at a time
+    assert hasher.keys == want[: 10 if kind == "digest_in_second_chunk" else 16]
+    hasher.validate_rest()
+
+
+@pytest.mark.parametrize("where", [3, 8 * 4 + 1, 8 * 4 * 3 + 1])  # first chunk, second chunk, partial block
+@pytest.mark.parametrize("bad", [True, -1, 2**32, None])
+def test_hasher_names_a_bad_token_wherever_it_is(where: int, bad: object) -> None:
+    """A bad token raises the same error (TypeError / ValueError naming the argument) whether its
+    chunk is hashed natively or in Python, or it sits in the partial block only checked at the end."""
+    t = 4
+    tokens: list[object] = list(range(1000, 1000 + 8 * t * 3 + 2))
+    tokens[where] = bad
+    error = TypeError if bad is None or bad is True else ValueError
+    with pytest.raises(error, match="input_tokens"):
+        BlockHasher(tokens, t, "input_tokens").chain(scope_key(ReuseScope()))  # type: ignore[arg-type]
+    hasher = BlockHasher(tokens, t, "input_tokens")  # type: ignore[arg-type]
+    with pytest.raises(error, match="input_tokens"):
+        parent = scope_key(ReuseScope())
+        for o in range(len(tokens) // t):
+            parent = hasher.key(parent, o)
+        hasher.validate_rest()
+
+
 def test_probe_of_a_partial_block_then_longer_create() -> None:
     """probe_reuse's keys are kept for create_kv_cache; a block that was partial in the probed
     tokens is full in the created ones and must get its own key."""

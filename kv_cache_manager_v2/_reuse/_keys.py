@@ -217,6 +217,9 @@ class BlockHasher:
         #: tokens known valid from the start (checked earlier, e.g. by ``probe_reuse``)
         self.validated = validated
         self._chunks: list[bytes | None] = []  # None: the chunk holds digests
+        #: full blocks of a list or tuple are checked, encoded and hashed in one native call a chunk
+        #: at a time (False once a chunk held a digest or a bad token: encoded in Python from then on)
+        self._native = NATIVE_CHAIN and (type(tokens) is list or type(tokens) is tuple)
 
     def key(self, parent: BlockKey, o: int) -> BlockKey:
         """Block ``o``'s key given its parent's (computed once, then kept in ``keys``)."""
@@ -224,6 +227,10 @@ class BlockHasher:
             return self.keys[o]
         t = self.tokens_per_block
         c = o // _CHUNK_BLOCKS
+        if self._native and o == len(self.keys):
+            end = min((c + 1) * _CHUNK_BLOCKS, len(self.tokens) // t) * t
+            if o * t < end and self._native_keys(parent, o * t, end):
+                return self.keys[o]
         while len(self._chunks) <= c:
             self._encode_chunk()
         chunk = self._chunks[c]
@@ -242,6 +249,24 @@ class BlockHasher:
         # the chunk's remaining full blocks in one call (a match usually goes on to the next block)
         self.keys += chain_keys(parent, chunk[beg:full_end], t * 4)
         return self.keys[o]
+
+    def _native_keys(self, parent: BlockKey, beg: int, end: int) -> bool:
+        """Keys of the full blocks in tokens ``[beg, end)`` through ``blockhash.chain_tokens`` (which
+        checks them as ``encode_ids`` does); False, switching to the Python encoding, when a token is
+        not exactly an int or is out of range (that path raises with the token's name)."""
+        try:
+            keys = blockhash.chain_tokens(
+                parent, cast("list[object] | tuple[object, ...]", self.tokens[beg:end]), self.tokens_per_block
+            )
+        except ValueError:
+            keys = None
+        if keys is None:
+            self._native = False
+            return False
+        self.keys += keys
+        if beg <= max(self.validated, len(self._chunks) * _CHUNK_BLOCKS * self.tokens_per_block):
+            self.validated = max(self.validated, end)
+        return True
 
     def chain(self, parent: BlockKey) -> list[BlockKey]:
         """Keys of every block of the sequence, chained from ``parent``."""
