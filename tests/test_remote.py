@@ -712,3 +712,36 @@ def test_a_failed_constructor_stops_the_remote_writer(
     with pytest.raises(MemoryError, match="injected"):
         KVCacheManager(remote_config(redis_server.url))
     assert not any(t.name == "kvcm-remote-writer" and t.is_alive() for t in threading.enumerate())
+
+
+def test_probe_reports_what_create_reuses_with_a_partial_block(
+    redis_server: LocalRedisServer, managers: Factory
+) -> None:
+    """Regression (issue #28): when the local match stops early for want of sliding-window pages
+    the remote tier has, probe reported the remote tier's full blocks (56 tokens) while create,
+    once the fetched pages were in the tree, also matched the local partial block after them (59)."""
+    layers = kv_layers(4, T, window=2 * T, swa_every=2)
+    slot = 4 * 2 * REC * T
+    a = managers(redis_server.url, layers=layers, gpu=64 * slot // SLOT, write_through=True)
+    toks = seq(40, 10 * T)
+    kv = a.create_kv_cache()
+    assert kv.resume()
+    for end in range(T, 10 * T + 1, T):  # block by block: every block's window pages are published
+        compute(FakeEngine(a), kv, toks, end)
+    kv.close()
+    assert a.flush_remote_writes()
+    prompt = toks[: 7 * T + 3] + [5, 5]
+    for with_levels in (False, True):
+        b = managers(redis_server.url, layers=layers, gpu=32 * slot // SLOT)
+        publish(b, toks)
+        # a request of 25 blocks takes 50 of b's 64 slots: 6 published pages make room, the
+        # sliding-window pages of blocks 0-5 (the nodes stay); a match at 59 tokens needs 5, 6, 7
+        kv = b.create_kv_cache()
+        assert kv.resume() and kv.resize(25 * T)
+        if with_levels:
+            levels = b.probe_reuse_levels(None, prompt)
+            assert levels == [CacheLevel(0)] * 5 + [CacheLevel(1)] + [CacheLevel(0)] * 2  # block 5 is remote
+        probed = b.probe_reuse(None, prompt)
+        kv.close()
+        assert probed == 7 * T + 3
+        assert reuse(b, prompt) == probed
