@@ -73,7 +73,8 @@ def ping(port: int, timeout_s: float = 0.2) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
             s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+            reply = s.recv(64)
+            return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")  # (a password-protected one)
     except OSError:
         return False
 

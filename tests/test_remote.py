@@ -745,3 +745,85 @@ def test_probe_reports_what_create_reuses_with_a_partial_block(
         kv.close()
         assert probed == 7 * T + 3
         assert reuse(b, prompt) == probed
+
+
+def test_a_key_of_the_wrong_type_costs_that_key_only(redis_server: LocalRedisServer, managers: Factory) -> None:
+    """Regression (issue #28): a list under one page's key made the Lua lookup fail, which turned Lua
+    off for good, marked the whole tier down and lost the intact blocks before it."""
+    import redis
+
+    a = managers(redis_server.url, write_through=True)
+    b = managers(redis_server.url, host=16)
+    toks = seq(41, 5 * T)
+    publish(a, toks)
+    assert a.flush_remote_writes()
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        keys = remote_keys(redis_server)
+        assert len(keys) == 5
+        # the key of block 3: the one b's lookup finds at position 3 of its STRLEN answers
+        by_block = {k: i for i, k in enumerate(sorted(keys))}
+        assert by_block
+        remote = b._remote
+        assert remote is not None
+        bad = None
+        from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
+        from kv_cache_manager_v2._reuse._keys import BlockHasher, scope_key
+
+        hasher = BlockHasher(toks, T, "toks", None, 0)
+        parent = scope_key(DEFAULT_REUSE_SCOPE)
+        for o in range(4):
+            parent = hasher.key(parent, o)
+            bad = remote.page_key(parent, 0)
+        assert bad in keys
+        client.delete(bad)
+        client.rpush(bad, b"x")
+        evalsha_before = client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+        assert b.probe_reuse(None, toks + [1]) == 3 * T
+        assert reuse(b, toks + [1]) == 3 * T
+        st = b.remote_statistics
+        assert st is not None and st.errors == 0 and st.connected and st.skipped_lookups == 0
+        # still the Lua lookup, and the tier stays up: the next prompt is looked up at once
+        other = seq(42, 2 * T)
+        publish(a, other)
+        assert a.flush_remote_writes()
+        assert reuse(b, other + [1]) == 2 * T
+        assert client.info("commandstats")["cmdstat_evalsha"]["calls"] >= evalsha_before + 2
+    finally:
+        client.close()
+
+
+def test_credentials_never_reach_logs_repr_or_errors(
+    managers: Factory, caplog: pytest.LogCaptureFixture, tmp_path: Any
+) -> None:
+    """Regression (issue #28): the outage warning logged ``redis://user:password@host`` and ``repr``
+    of the config showed the password."""
+    from conftest import REDIS_SERVER
+
+    if REDIS_SERVER is None:
+        pytest.skip("no redis-server")
+    secret = "s3cr3t-pw"
+    with LocalRedisServer(REDIS_SERVER, extra_args=["--requirepass", secret]) as server:
+        url = f"redis://default:{secret}@127.0.0.1:{server.port}/0"
+        cfg = RemoteCacheTierConfig(url, "n")
+        assert secret not in repr(cfg) and secret not in str(cfg) and "default:***@" in repr(cfg)
+        a = managers(url, write_through=True)
+        b = managers(url)
+        toks = seq(43, 2 * T)
+        publish(a, toks)
+        assert a.flush_remote_writes()
+        assert reuse(b, toks + [1]) == 2 * T  # the password is used, just never shown
+        assert secret not in repr(a.config) and secret not in str(b.remote_statistics)
+        with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
+            server.kill()
+            assert reuse(b, seq(44, 2 * T)) == 0
+            wrong = managers(f"redis://default:wrong-{secret}@127.0.0.1:{server.port}/0")
+            server.start()
+            assert reuse(wrong, toks + [1]) == 0  # WRONGPASS: a miss
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("treating it as a miss" in m for m in messages)
+        assert not any(secret in m for m in messages), messages
+    for bad in (f"http://u:{secret}@h", f"redis+cluster://u:{secret}@h"):
+        with pytest.raises(ValueError) as info:
+            RemoteCacheTierConfig(bad, "n")
+        assert secret not in str(info.value)

@@ -263,6 +263,11 @@ class ClusterRouter:
         self.read_errors = 0
         self.write_errors = 0
         self.refreshes = 0
+        #: pipelined exchanges with one node (a round over three nodes counts three)
+        self.node_round_trips = 0
+        #: replies redirecting a command: ``MOVED`` (the slot map is read again), ``ASK`` (a slot being migrated)
+        self.moved_replies = 0
+        self.ask_replies = 0
         #: a node failed since the last slot map read: read it again (a replica may have taken over)
         self._stale = False
 
@@ -346,6 +351,7 @@ class ClusterRouter:
                         parts.extend(commands[i])
                     _send(conn, parts)
                     sent.append((n, conn, group))
+                    self.node_round_trips += 1
                 except self._errors as e:
                     if conn is not None:
                         conn.disconnect()
@@ -368,9 +374,11 @@ class ClusterRouter:
                             if isinstance(e, self._moved):
                                 self.slot_node[err.slot_id] = self.node((err.host, int(err.port)))
                                 moved = True
+                                self.moved_replies += 1
                                 redirected.append(i)
                             elif isinstance(e, self._ask):
                                 asks[i] = self.node((err.host, int(err.port)))
+                                self.ask_replies += 1
                                 redirected.append(i)
                             else:
                                 replies[i] = e
