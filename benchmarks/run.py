@@ -1181,9 +1181,7 @@ def scenario_remote_cluster(p: dict[str, int]) -> dict[str, Any]:
     finally:
         server.close()
         cluster.close()
-    out["samples"] = [
-        out[f"pages_{p['layers'] * 2 * p['onboard_buffer_bytes'] // 1024}k"]["cluster_onboard_blocks_per_s"]
-    ]
+    out["samples"] = [out[f"pages_{p['layers'] * 2 * p['onboard_buffer_bytes']}_bytes"]["cluster_onboard_blocks_per_s"]]
     out["note"] = (
         "loopback on this 2-core VM: the cluster's 3 redis-servers share the cores with the client, so "
         "this measures the client's per-node pipelining cost, not a cluster's bandwidth (which scales "
