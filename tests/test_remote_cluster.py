@@ -21,7 +21,7 @@ from test_remote import Factory, T, publish, reuse, seq
 from test_remote import managers as managers  # (a fixture)
 
 import kv_cache_manager_v2
-from kv_cache_manager_v2 import KVCacheManager, RemoteCacheTierConfig
+from kv_cache_manager_v2 import CacheLevel, KVCacheManager, RemoteCacheTierConfig
 from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
 from kv_cache_manager_v2._reuse._keys import BlockHasher, scope_key
 from kv_cache_manager_v2._storage._remote import key_slot
@@ -258,3 +258,25 @@ def test_a_key_of_the_wrong_type_costs_that_key_only(cl: LocalRedisCluster, make
     assert reuse(b, toks + [1]) == 3 * T
     st = b.remote_statistics
     assert st is not None and st.errors == 0 and st.connected and st.skipped_lookups == 0
+
+
+def test_quota_on_every_master_and_unreachable_seeds(cl: LocalRedisCluster, make: Factory, managers: Factory) -> None:
+    m = make(quota=64 << 20)
+    for port in cl.ports:
+        assert command(port, "CONFIG", "GET", "maxmemory") == [b"maxmemory", str(64 << 20).encode()]
+        assert command(port, "CONFIG", "GET", "maxmemory-policy") == [b"maxmemory-policy", b"allkeys-lru"]
+    assert m.get_quota(CacheLevel(1)) == 64 << 20
+    m.resize(CacheLevel(1), 32 << 20)  # the remote level: maxmemory of every master
+    assert {command(p, "CONFIG", "GET", "maxmemory") == [b"maxmemory", str(32 << 20).encode()] for p in cl.ports} == {
+        True
+    }
+    # no seed answers: the whole tier is down (misses, writes dropped), nothing raises
+    from kv_cache_manager_v2.redis_server import free_cluster_port
+
+    dead = managers(f"redis+cluster://127.0.0.1:{free_cluster_port()}", write_through=True)
+    toks = seq(80, 2 * T)
+    publish(dead, toks)
+    assert dead.flush_remote_writes()
+    assert reuse(dead, seq(81, 2 * T)) == 0
+    st = dead.remote_statistics
+    assert st is not None and st.errors > 0 and not st.connected and st.dropped_writes > 0
