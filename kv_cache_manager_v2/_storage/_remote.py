@@ -248,6 +248,8 @@ class ClusterRouter:
 
         self.cfg = cfg
         self.seeds = cluster_seed_nodes(cfg.url)
+        self._url = redact_url(cfg.url)
+        self._secret = _url_password(cfg.url) or ""
         self._make_client = make_client
         self._errors: tuple[type[BaseException], ...] = errors
         self._response_error: type[BaseException] = redis.exceptions.ResponseError
@@ -409,12 +411,12 @@ class ClusterRouter:
             node.connected = False
             LOG.warning(
                 "remote KV tier %s: node %s:%d: %s failed (%s: %s); its keys are misses, retrying in %d ms",
-                redact_url(self.cfg.url),
+                self._url,
                 node.addr[0],
                 node.addr[1],
                 what,
                 type(e).__name__,
-                str(e),
+                str(e).replace(self._secret, "***") if self._secret else str(e),
                 self.cfg.retry_interval_ms,
             )
 
@@ -422,7 +424,7 @@ class ClusterRouter:
         node = self.nodes[n]
         if not node.connected:
             node.connected = True
-            LOG.warning("remote KV tier %s: node %s:%d is reachable again", redact_url(self.cfg.url), *node.addr)
+            LOG.warning("remote KV tier %s: node %s:%d is reachable again", self._url, *node.addr)
 
     @property
     def connected(self) -> bool:
