@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
+from mypy_extensions import mypyc_attr
+
 ENV_VAR = "KVCM_REDIS_SERVER"
 
 
@@ -79,6 +81,7 @@ def ping(port: int, timeout_s: float = 0.2) -> bool:
         return False
 
 
+@mypyc_attr(native_class=False)  # (mypyc cannot compile a RuntimeError subclass as a native class)
 class RedisReplyError(RuntimeError):
     """An error reply of ``command``."""
 
