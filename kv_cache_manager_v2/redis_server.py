@@ -56,18 +56,19 @@ def free_port() -> int:
 def free_cluster_port() -> int:
     """A free port whose cluster bus port (port + 10000) is free as well."""
     for _ in range(1000):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port: int = s.getsockname()[1]
-            if port + 10000 >= 65536:
-                continue
-            try:
-                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as bus:
-                    bus.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
+        port = free_port()
+        if port + 10000 < 65536 and _bindable(port + 10000):
             return port
     raise RuntimeError("found no free port pair for a cluster node")
+
+
+def _bindable(port: int) -> bool:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    return True
 
 
 def ping(port: int, timeout_s: float = 0.2) -> bool:

@@ -289,21 +289,9 @@ class ClusterRouter:
         candidates = [n.addr for n in list(self.nodes) if n.down_until <= now]
         candidates += [a for a in self.seeds if a not in candidates]
         for addr in candidates:
-            i = self.node(addr)
-            conn: Any = None
-            pool = self.nodes[i].client.connection_pool
-            try:
-                conn = pool.get_connection()
-                conn.send_packed_command([resp_command(b"CLUSTER", b"SLOTS")])
-                reply: Any = conn.read_response()
-            except self._errors as e:
-                _forget_frames(e)
-                if conn is not None:
-                    conn.disconnect()
+            reply = self._cluster_slots(addr)
+            if reply is None:
                 continue
-            finally:
-                if conn is not None:
-                    pool.release(conn)
             slot_node = [-1] * CLUSTER_SLOTS
             for entry in reply:
                 master = entry[2]
@@ -315,6 +303,25 @@ class ClusterRouter:
             self.refreshes += 1
             return True
         return False
+
+    def _cluster_slots(self, addr: tuple[str, int]) -> Any:
+        """``CLUSTER SLOTS`` as node ``addr`` answers it; None when it does not."""
+        pool = self.nodes[self.node(addr)].client.connection_pool
+        conn: Any = None
+        reply: Any = None
+        try:
+            conn = pool.get_connection()
+            conn.send_packed_command([resp_command(b"CLUSTER", b"SLOTS")])
+            reply = conn.read_response()
+        except self._errors as e:
+            _forget_frames(e)
+            if conn is not None:
+                conn.disconnect()
+            reply = None
+        finally:
+            if conn is not None:
+                pool.release(conn)
+        return reply
 
     def run(self, slots: list[int], commands: list[list[Any]], what: str, writer: bool) -> list[Any] | None:
         """Send ``commands[i]`` (RESP parts) to the master of ``slots[i]``, every node's commands
