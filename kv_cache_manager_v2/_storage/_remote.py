@@ -243,18 +243,20 @@ class ClusterRouter:
     mutated in place, except single entries set from a ``MOVED`` reply (a list store is atomic).
     """
 
-    def __init__(self, cfg: RemoteCacheTierConfig, make_client: Callable[[str, int], Any], errors: Any) -> None:
-        import redis.exceptions
-
+    def __init__(
+        self, cfg: RemoteCacheTierConfig, make_client: Callable[[str, int], Any], errors: Any, exceptions: Any
+    ) -> None:
+        # (``exceptions``: the ``redis.exceptions`` module; an ``import redis.exceptions`` here would make
+        # mypyc read ``redis.exceptions`` in RemoteStore from its module table before anything set it)
         self.cfg = cfg
         self.seeds = cluster_seed_nodes(cfg.url)
         self._url = redact_url(cfg.url)
         self._secret = _url_password(cfg.url) or ""
         self._make_client = make_client
         self._errors: tuple[type[BaseException], ...] = errors
-        self._response_error: type[BaseException] = redis.exceptions.ResponseError
-        self._moved: type[BaseException] = redis.exceptions.MovedError
-        self._ask: type[BaseException] = redis.exceptions.AskError
+        self._response_error: type[BaseException] = exceptions.ResponseError
+        self._moved: type[BaseException] = exceptions.MovedError
+        self._ask: type[BaseException] = exceptions.AskError
         self._retry_s = cfg.retry_interval_ms / 1000.0
         self._lock = threading.Lock()
         self.nodes: list[ClusterNode] = []
@@ -499,7 +501,7 @@ class RemoteStore:
             def make_client(host: str, port: int) -> Any:
                 return redis.Redis(host=host, port=port, username=username, password=password, ssl=tls, **options)
 
-            self.router = ClusterRouter(cfg, make_client, self._errors)
+            self.router = ClusterRouter(cfg, make_client, self._errors, redis.exceptions)
         else:
             self.client = redis.Redis.from_url(cfg.url, **options)
         #: key prefix per layer group: ``<prefix><layer group>:``; the block key's hex follows
