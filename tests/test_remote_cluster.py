@@ -280,3 +280,27 @@ def test_quota_on_every_master_and_unreachable_seeds(cl: LocalRedisCluster, make
     assert reuse(dead, seq(81, 2 * T)) == 0
     st = dead.remote_statistics
     assert st is not None and st.errors > 0 and not st.connected and st.dropped_writes > 0
+
+
+def test_a_hung_master_times_out_into_misses_for_its_slots(cl: LocalRedisCluster, make: Factory) -> None:
+    a = make(write_through=True)
+    prompts = [seq(90 + r, 3 * T) for r in range(6)]
+    for toks in prompts:
+        publish(a, toks)
+    assert a.flush_remote_writes()
+    b = make(host=64, timeout_ms=200, retry_interval_ms=60_000)
+    assert b.probe_reuse(None, seq(99, 2 * T)) == 0  # b reads the slot map while all answer
+    hung = 2
+    assert hung in [n for toks in prompts for n in owners(cl, page_keys(b, toks))]
+    cl.servers[hung].pause()  # keeps its connections, answers nothing
+    try:
+        t0 = time.monotonic()
+        for toks in prompts:
+            want = expected_reuse(owners(cl, page_keys(b, toks)), hung)
+            assert reuse(b, toks + [1]) == want * T  # records checked
+        elapsed = time.monotonic() - t0
+    finally:
+        cl.servers[hung].resume()
+    assert elapsed < 5.0  # one timeout, then the node is skipped for retry_interval_ms
+    st = b.remote_statistics
+    assert st is not None and st.errors >= 1 and not st.connected and st.corrupt_pages == 0
