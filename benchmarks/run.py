@@ -93,6 +93,7 @@ SCENARIOS = [
     "tier_hit_rate",
     "remote_onboard",
     "remote_decode",
+    "remote_cluster",
 ]
 #: ``--only phases``: one scenario per phase of issue 30's table, each on its workload (256 requests,
 #: 1024 shared + 512 unique prompt tokens, 32 tokens per block, 32 layers, 256 decode steps)
@@ -1179,6 +1180,152 @@ def scenario_remote_decode(p: dict[str, int]) -> dict[str, Any]:
     return out
 
 
+def _remote_write_once(p: dict[str, int], url: str, size: int, prompts: int, seed: int) -> dict[str, Any]:
+    """Write throughput: ``prompts`` distinct prefixes published with write-through, timed from the
+    first publish until the writer has sent everything (flush)."""
+    import kv_cache_manager_v2 as kvm
+
+    t = p["tokens_per_block"]
+    blocks = p["shared"] // t
+    remote = kvm.RemoteCacheTierConfig(
+        url, f"bench-write-{size}", write_through=True, timeout_ms=2000, max_pending_bytes=256 << 20
+    )
+    m = _manager(p["layers"], t, blocks + 8, size=size, remote=remote)
+    t0 = time.perf_counter()
+    for r in range(prompts):
+        prefix = [seed * 100_000_000 + r * 100_000 + i for i in range(p["shared"])]
+        _admit(m, prefix + [1]).close()  # publishes (write-through); the next prompt evicts it
+    assert m.flush_remote_writes(120.0)
+    dt = time.perf_counter() - t0
+    st = m.remote_statistics
+    m.shutdown()
+    assert st is not None
+    return {
+        "pages_per_s": st.written_pages / dt,
+        "mb_per_s": st.written_bytes / dt / 1e6,
+        "written_pages": st.written_pages,
+        "dropped_writes": st.dropped_writes,
+        "seconds": dt,
+    }
+
+
+def _redis_py_cluster_fetch(p: dict[str, int], url: str, size: int, rounds: int) -> dict[str, Any]:
+    """The same prefix's pages read by our cluster fetch (one MGET per slot group, every master's
+    pipelined at once) vs redis-py's ``RedisCluster.mget_nonatomic``; lookups by our lookup vs a
+    ``RedisCluster`` pipeline of STRLEN."""
+    from redis.cluster import ClusterNode, RedisCluster
+
+    import kv_cache_manager_v2 as kvm
+    from kv_cache_manager_v2._config import cluster_seed_nodes
+    from kv_cache_manager_v2._storage._remote import RemoteStore
+
+    t = p["tokens_per_block"]
+    blocks = p["shared"] // t
+    remote = kvm.RemoteCacheTierConfig(url, f"bench-rp-{size}", write_through=True, timeout_ms=2000)
+    m = _manager(p["layers"], t, blocks + 8, size=size, remote=remote)
+    prefix = list(range(20_000, 20_000 + p["shared"]))
+    _admit(m, prefix + [1]).close()
+    assert m.flush_remote_writes()
+    store: RemoteStore = m._remote
+    keys = sorted(k for k in _cluster_keys(url) if k.startswith(store.prefix))
+    assert len(keys) == blocks, len(keys)
+    rc = RedisCluster(startup_nodes=[ClusterNode(h, port) for h, port in cluster_seed_nodes(url)])
+    ours_fetch, theirs_fetch, ours_lookup, theirs_lookup = [], [], [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        got = store.fetch(keys)
+        ours_fetch.append((time.perf_counter() - t0) * 1e6)
+        t0 = time.perf_counter()
+        ref = rc.mget_nonatomic(keys)
+        theirs_fetch.append((time.perf_counter() - t0) * 1e6)
+        assert got == ref
+        t0 = time.perf_counter()
+        lengths = store.lookup(keys)
+        ours_lookup.append((time.perf_counter() - t0) * 1e6)
+        t0 = time.perf_counter()
+        pipe = rc.pipeline()
+        for k in keys:
+            pipe.strlen(k)
+        ref_lengths = pipe.execute()
+        theirs_lookup.append((time.perf_counter() - t0) * 1e6)
+        assert lengths == ref_lengths
+    rc.close()
+    m.shutdown()
+    return {
+        "keys": len(keys),
+        "fetch_us": statistics.median(ours_fetch),
+        "redis_py_mget_nonatomic_us": statistics.median(theirs_fetch),
+        "lookup_us": statistics.median(ours_lookup),
+        "redis_py_pipeline_strlen_us": statistics.median(theirs_lookup),
+    }
+
+
+def _cluster_keys(url: str) -> list[bytes]:
+    from kv_cache_manager_v2._config import cluster_seed_nodes
+    from kv_cache_manager_v2.redis_server import command
+
+    out: list[bytes] = []
+    for _, port in cluster_seed_nodes(url):
+        keys = command(port, "KEYS", "kvcm:*")
+        assert isinstance(keys, list)
+        out.extend(k for k in keys if isinstance(k, bytes))
+    return out
+
+
+def scenario_remote_cluster(p: dict[str, int]) -> dict[str, Any]:
+    """One redis-server vs a 3-master Redis Cluster on loopback, same run: onboarding (create_kv_cache +
+    resume of a prefix only the remote tier holds) and write throughput (write-through of distinct
+    prefixes until flushed), 4 KiB and 64 KiB pages; plus our cluster fetch/lookup vs redis-py's
+    RedisCluster on the same keys."""
+    from kv_cache_manager_v2.redis_server import LocalRedisCluster, find_redis_server
+
+    if find_redis_server() is None:
+        return {"unit": "blocks/s", "samples": [0.0], "note": "no redis-server binary: skipped"}
+    server = _redis()
+    cluster = LocalRedisCluster(3)
+    cluster.start()
+    out: dict[str, Any] = {"unit": "blocks/s"}
+    try:
+        for size in (p["onboard_buffer_bytes"], p["remote_big_buffer_bytes"]):
+            page = p["layers"] * 2 * size
+            row: dict[str, Any] = {"page_bytes": page}
+            requests = (
+                p["onboard_requests"] if size == p["onboard_buffer_bytes"] else max(5, p["onboard_requests"] // 4)
+            )
+            prompts = (
+                p["remote_write_prompts"]
+                if size == p["onboard_buffer_bytes"]
+                else max(4, p["remote_write_prompts"] // 4)
+            )
+            for name, url in (("server", server.url), ("cluster", cluster.url)):
+                on = _remote_onboard_once(p, url, size, requests)
+                on.pop("samples")
+                row[f"{name}_onboard_blocks_per_s"] = on["remote_blocks_per_s"]
+                row[f"{name}_onboard_mb_per_s"] = on["remote_mb_per_s"]
+            for rep in range(2):  # alternating, the better of two each
+                for name, url in (("server", server.url), ("cluster", cluster.url)):
+                    w = _remote_write_once(p, url, size, prompts, 1 + rep * 2 + (name == "cluster"))
+                    if w["pages_per_s"] > row.get(f"{name}_write_pages_per_s", 0.0):
+                        row[f"{name}_write_pages_per_s"] = w["pages_per_s"]
+                        row[f"{name}_write_mb_per_s"] = w["mb_per_s"]
+                        row[f"{name}_write_dropped"] = w["dropped_writes"]
+            row["cluster_vs_server_onboard"] = row["cluster_onboard_blocks_per_s"] / row["server_onboard_blocks_per_s"]
+            row["cluster_vs_server_write"] = row["cluster_write_pages_per_s"] / row["server_write_pages_per_s"]
+            out[f"pages_{page}_bytes"] = row
+        out["redis_py_cluster"] = _redis_py_cluster_fetch(p, cluster.url, p["onboard_buffer_bytes"], 50)
+    finally:
+        server.close()
+        cluster.close()
+    out["samples"] = [out[f"pages_{p['layers'] * 2 * p['onboard_buffer_bytes']}_bytes"]["cluster_onboard_blocks_per_s"]]
+    out["note"] = (
+        "loopback on this 2-core VM: the cluster's 3 redis-servers share the cores with the client, so "
+        "this measures the client's per-node pipelining cost, not a cluster's bandwidth (which scales "
+        "with machines); onboarding: blocks of a 1024-token prefix per second (one lookup + one fetch); "
+        "write: pages per second from the first publish until flushed"
+    )
+    return out
+
+
 def worker(name: str, params: dict[str, int]) -> dict[str, Any]:
     import kv_cache_manager_v2
 
@@ -1214,6 +1361,7 @@ DEFAULTS = dict(
     remote_big_buffer_bytes=1024,
     remote_requests=64,
     remote_step_gap_us=2000,
+    remote_write_prompts=64,
     hit_rate_requests=0,  # 0: the whole trace
     trace_gpu_tokens=1_000_000,
     trace_host_tokens=3_000_000,
@@ -1245,6 +1393,7 @@ QUICK = dict(
     remote_big_buffer_bytes=256,
     remote_requests=8,
     remote_step_gap_us=500,
+    remote_write_prompts=4,
     hit_rate_requests=30,
     trace_gpu_tokens=100_000,
     trace_host_tokens=300_000,

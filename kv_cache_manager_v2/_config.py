@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from mypy_extensions import mypyc_attr
@@ -88,7 +88,51 @@ class DiskCacheTierConfig:
 
 
 #: URL schemes the ``redis`` client accepts
-REMOTE_URL_SCHEMES: tuple[str, ...] = ("redis://", "rediss://", "unix://")
+REMOTE_URL_SCHEMES: tuple[str, ...] = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+CLUSTER_URL_SCHEMES: tuple[str, ...] = ("redis+cluster://", "rediss+cluster://")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (``user:password@`` or a ``password=`` query parameter) replaced by ``***``."""
+    scheme_end = url.find("://")
+    if scheme_end >= 0:
+        rest = url[scheme_end + 3 :]
+        at = rest.rfind("@", 0, _first_of(rest, "/?"))
+        if at >= 0:
+            userinfo = rest[:at]
+            colon = userinfo.find(":")
+            if colon >= 0:
+                url = url[: scheme_end + 3] + userinfo[:colon] + ":***" + rest[at:]
+    query = url.find("?")
+    if query >= 0:
+        params = url[query + 1 :].split("&")
+        for i, p in enumerate(params):
+            if p.lower().startswith("password="):
+                params[i] = p[:9] + "***"
+        url = url[: query + 1] + "&".join(params)
+    return url
+
+
+def _first_of(text: str, chars: str) -> int:
+    """Index of the first of ``chars`` in ``text`` (its length when none occurs)."""
+    found = [i for i in (text.find(c) for c in chars) if i >= 0]
+    return min(found) if found else len(text)
+
+
+def cluster_seed_nodes(url: str) -> list[tuple[str, int]]:
+    """The ``host:port`` seed nodes of a ``redis+cluster://[user:password@]host:port[,host:port...][/0]``
+    URL (ValueError naming the redacted URL when one is malformed)."""
+    rest = url[url.find("://") + 3 :]
+    rest = rest[: _first_of(rest, "/?")]
+    rest = rest[rest.rfind("@") + 1 :]
+    out: list[tuple[str, int]] = []
+    for part in rest.split(","):
+        host, colon, port = part.rpartition(":")
+        host = host.strip("[]")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"cluster URL {redact_url(url)!r}: seed node {part!r} is not host:port")
+        out.append((host, int(port)))
+    return out
 
 
 @mypyc_attr(native_class=False)
@@ -97,7 +141,11 @@ class RemoteCacheTierConfig:
     """A remote tier on Redis (or Valkey), shared by every manager that points at the same server and
     ``namespace``: below the local tiers, content-addressed by the reuse key of each page.
 
-    - ``url``: ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS) or ``unix://path``.
+    - ``url``: ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS) or ``unix://path`` for one
+      server; ``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster://``: TLS)
+      for a Redis Cluster or Valkey cluster, given by one or more seed nodes (the client reads the slot
+      map from them, and again when a node answers ``MOVED``). The password never appears in logs,
+      ``repr`` or error messages.
     - ``namespace``: names the model (and anything else that must never share KV with another);
       keys also carry a fingerprint of the layout (layers, buffers, sizes, tokens per block, ``dtype``).
     - ``quota``: bytes; when given, the manager sets the server's ``maxmemory`` to it (with
@@ -133,7 +181,9 @@ class RemoteCacheTierConfig:
         n = "RemoteCacheTierConfig"
         check_type(f"{n}.url", self.url, str)
         if not self.url.startswith(REMOTE_URL_SCHEMES):
-            raise ValueError(f"{n}.url must start with one of {REMOTE_URL_SCHEMES}, got {self.url!r}")
+            raise ValueError(f"{n}.url must start with one of {REMOTE_URL_SCHEMES}, got {redact_url(self.url)!r}")
+        if self.cluster:
+            cluster_seed_nodes(self.url)
         check_type(f"{n}.namespace", self.namespace, str)
         if not self.namespace or len(self.namespace) > 256 or not self.namespace.isprintable():
             raise ValueError(f"{n}.namespace must be 1 to 256 printable characters, got {self.namespace!r}")
@@ -151,6 +201,17 @@ class RemoteCacheTierConfig:
     @property
     def tier(self) -> CacheTier:
         return CacheTier.REMOTE
+
+    @property
+    def cluster(self) -> bool:
+        """Whether ``url`` names a cluster (``redis+cluster://``, ``rediss+cluster://``)."""
+        return self.url.startswith(CLUSTER_URL_SCHEMES)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(
+            f"{f.name}={redact_url(self.url) if f.name == 'url' else getattr(self, f.name)!r}" for f in fields(self)
+        )
+        return f"RemoteCacheTierConfig({shown})"
 
 
 #: the tiers backed by slots of this machine's memory or disk

@@ -712,3 +712,118 @@ def test_a_failed_constructor_stops_the_remote_writer(
     with pytest.raises(MemoryError, match="injected"):
         KVCacheManager(remote_config(redis_server.url))
     assert not any(t.name == "kvcm-remote-writer" and t.is_alive() for t in threading.enumerate())
+
+
+def test_probe_reports_what_create_reuses_with_a_partial_block(
+    redis_server: LocalRedisServer, managers: Factory
+) -> None:
+    """Regression (issue #28): when the local match stops early for want of sliding-window pages
+    the remote tier has, probe reported the remote tier's full blocks (56 tokens) while create,
+    once the fetched pages were in the tree, also matched the local partial block after them (59)."""
+    layers = kv_layers(4, T, window=2 * T, swa_every=2)
+    slot = 4 * 2 * REC * T
+    a = managers(redis_server.url, layers=layers, gpu=64 * slot // SLOT, write_through=True)
+    toks = seq(40, 10 * T)
+    kv = a.create_kv_cache()
+    assert kv.resume()
+    for end in range(T, 10 * T + 1, T):  # block by block: every block's window pages are published
+        compute(FakeEngine(a), kv, toks, end)
+    kv.close()
+    assert a.flush_remote_writes()
+    prompt = toks[: 7 * T + 3] + [5, 5]
+    for with_levels in (False, True):
+        b = managers(redis_server.url, layers=layers, gpu=32 * slot // SLOT)
+        publish(b, toks)
+        # a request of 25 blocks takes 50 of b's 64 slots: 6 published pages make room, the
+        # sliding-window pages of blocks 0-5 (the nodes stay); a match at 59 tokens needs 5, 6, 7
+        kv = b.create_kv_cache()
+        assert kv.resume() and kv.resize(25 * T)
+        if with_levels:
+            levels = b.probe_reuse_levels(None, prompt)
+            assert levels == [CacheLevel(0)] * 5 + [CacheLevel(1)] + [CacheLevel(0)] * 2  # block 5 is remote
+        probed = b.probe_reuse(None, prompt)
+        kv.close()
+        assert probed == 7 * T + 3
+        assert reuse(b, prompt) == probed
+
+
+def test_a_key_of_the_wrong_type_costs_that_key_only(redis_server: LocalRedisServer, managers: Factory) -> None:
+    """Regression (issue #28): a list under one page's key made the Lua lookup fail, which turned Lua
+    off for good, marked the whole tier down and lost the intact blocks before it."""
+    import redis
+
+    a = managers(redis_server.url, write_through=True)
+    b = managers(redis_server.url, host=16)
+    toks = seq(41, 5 * T)
+    publish(a, toks)
+    assert a.flush_remote_writes()
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        keys = remote_keys(redis_server)
+        assert len(keys) == 5
+        # the key of block 3: the one b's lookup finds at position 3 of its STRLEN answers
+        by_block = {k: i for i, k in enumerate(sorted(keys))}
+        assert by_block
+        remote = b._remote
+        assert remote is not None
+        bad = None
+        from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
+        from kv_cache_manager_v2._reuse._keys import BlockHasher, scope_key
+
+        hasher = BlockHasher(toks, T, "toks", None, 0)
+        parent = scope_key(DEFAULT_REUSE_SCOPE)
+        for o in range(4):
+            parent = hasher.key(parent, o)
+            bad = remote.page_key(parent, 0)
+        assert bad in keys
+        client.delete(bad)
+        client.rpush(bad, b"x")
+        evalsha_before = client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+        assert b.probe_reuse(None, toks + [1]) == 3 * T
+        assert reuse(b, toks + [1]) == 3 * T
+        st = b.remote_statistics
+        assert st is not None and st.errors == 0 and st.connected and st.skipped_lookups == 0
+        # still the Lua lookup, and the tier stays up: the next prompt is looked up at once
+        other = seq(42, 2 * T)
+        publish(a, other)
+        assert a.flush_remote_writes()
+        assert reuse(b, other + [1]) == 2 * T
+        assert client.info("commandstats")["cmdstat_evalsha"]["calls"] >= evalsha_before + 2
+    finally:
+        client.close()
+
+
+def test_credentials_never_reach_logs_repr_or_errors(
+    managers: Factory, caplog: pytest.LogCaptureFixture, tmp_path: Any
+) -> None:
+    """Regression (issue #28): the outage warning logged ``redis://user:password@host`` and ``repr``
+    of the config showed the password."""
+    from conftest import REDIS_SERVER
+
+    if REDIS_SERVER is None:
+        pytest.skip("no redis-server")
+    secret = "s3cr3t-pw"
+    with LocalRedisServer(REDIS_SERVER, extra_args=["--requirepass", secret]) as server:
+        url = f"redis://default:{secret}@127.0.0.1:{server.port}/0"
+        cfg = RemoteCacheTierConfig(url, "n")
+        assert secret not in repr(cfg) and secret not in str(cfg) and "default:***@" in repr(cfg)
+        a = managers(url, write_through=True)
+        b = managers(url)
+        toks = seq(43, 2 * T)
+        publish(a, toks)
+        assert a.flush_remote_writes()
+        assert reuse(b, toks + [1]) == 2 * T  # the password is used, just never shown
+        assert secret not in repr(a.config) and secret not in str(b.remote_statistics)
+        with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
+            server.kill()
+            assert reuse(b, seq(44, 2 * T)) == 0
+            wrong = managers(f"redis://default:wrong-{secret}@127.0.0.1:{server.port}/0")
+            server.start()
+            assert reuse(wrong, toks + [1]) == 0  # WRONGPASS: a miss
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("treating it as a miss" in m for m in messages)
+        assert not any(secret in m for m in messages), messages
+    for bad in (f"http://u:{secret}@h", f"redis+cluster://u:{secret}@h"):
+        with pytest.raises(ValueError) as info:
+            RemoteCacheTierConfig(bad, "n")
+        assert secret not in str(info.value)

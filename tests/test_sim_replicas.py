@@ -86,3 +86,16 @@ def test_trace_hit_rate_gain_and_cli_report(redis_server: LocalRedisServer, tmp_
     assert main([*args, "--replicas", "2", "--sweep", "gpu=1,2"]) == 2  # does not combine
     assert main([*args, "--replicas", "2", "--eviction-policy", "all"]) == 2  # one policy per fleet
     assert main([*args, "--replicas", "1", "--remote-url", redis_server.url]) == 2  # nothing to compare
+
+
+def test_cli_replicas_share_a_private_cluster(tmp_path: Any, redis_server: LocalRedisServer) -> None:
+    """--remote-cluster: the replicas share a 3-master cluster on loopback ports (records checked)."""
+    out = tmp_path / "c.json"
+    args = ["--conversations", "6", "--turns", "2", "--check-data", "--no-progress", "--replicas", "2"]
+    assert main([*args, "--remote-cluster", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())["replicas"]
+    assert rep["remote_url"].startswith("redis+cluster://127.0.0.1:") and rep["remote_url"].count(",") == 2
+    remote = rep["shared"]["remote"]
+    assert remote["fetched_pages"] > 0 and remote["errors"] == 0 and remote["dropped_writes"] == 0
+    assert rep["hit_rate_gain"]["blocks"] > 0
+    assert main([*args, "--remote-cluster", "--remote-url", redis_server.url]) == 2  # one or the other

