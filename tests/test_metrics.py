@@ -257,3 +257,62 @@ def test_a_manager_without_adapter_and_several_sources(tiered: Callable[..., tup
     engines = {s.labels["engine"] for m in collector.collect() for s in m.samples}
     assert engines == {"0", "1"}
     collector.remove(source)
+
+
+# ---------------------------------------------------------------- kv-cache-sim
+SIM = [
+    *("--model", "custom", "--layers", "2", "--kv-heads", "1", "--head-dim", "16", "--tokens-per-block", "16"),
+    *("--conversations", "12", "--turns", "2", "--system-tokens", "300", "--user-tokens", "100"),
+    *("--output-tokens", "60", "--time-scale", "0", "--gpu", "1500tok", "--host", "20000tok", "--no-progress"),
+]
+
+
+def test_sim_writes_its_final_metrics(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    """``kv-cache-sim --metrics-file``: the final values agree with the JSON report of the same run."""
+    import json
+    import os
+
+    from kv_cache_manager_v2.sim._cli import main
+
+    metrics_path = os.path.join(str(tmp_path), "metrics.prom")
+    report_path = os.path.join(str(tmp_path), "report.json")
+    assert main([*SIM, "--metrics-file", metrics_path, "--json", report_path]) == 0
+    capsys.readouterr()
+    with open(report_path) as f:
+        doc = json.load(f)
+    with open(metrics_path) as f:
+        got = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(f.read())
+            for s in fam.samples
+        }
+    assert got[("kvcm_prefix_cache_blocks_total", (("result", "hit"),))] == doc["manager"]["reused_blocks"]
+    assert got[("kvcm_prefix_cache_blocks_total", (("result", "miss"),))] == doc["manager"]["missed_blocks"]
+    assert got[("kvcm_allocated_pages_total", ())] == doc["manager"]["allocated_pages"]
+    pre = doc["preemptions"]
+    assert got[("vllm:num_preemptions_total", ())] == pre["suspend"] + pre["recompute"] > 0
+    cached = {dict(lab)["source"]: v for (n, lab), v in got.items() if n == "vllm:prompt_tokens_cached_total"}
+    assert sum(cached.values()) == doc["prefill"]["reused_tokens"] and cached["host"] > 0
+    for row in doc["tiers"]:
+        tier = (("tier", row["tier"]),)
+        for what in ("offloaded_pages", "onboarded_pages", "dropped_pages", "io_errors"):
+            assert got[(f"kvcm_tier_{what}_total", tier)] == row[what], (row["tier"], what)
+    assert got[("kvcm_open_caches", ())] == 0  # the end of the replay: every request finished
+
+
+def test_sim_serves_metrics_on_a_port(tmp_path: object) -> None:
+    from kv_cache_manager_v2.sim._cli import SimMetrics, main
+
+    metrics = SimMetrics(0, None)
+    try:
+        a = KVCacheResourceManager(make_config(kv_layers(1, T), backend="host"))
+        metrics.attach(a)
+        got = scrape(metrics.server.server_port)
+        assert got[("kvcm_tier_total_bytes", (("tier", "gpu"),))] == 1 << 20
+        metrics.finish(a)
+        assert scrape(metrics.server.server_port) == {}  # the replay is over: nothing left to report
+        a.shutdown()
+    finally:
+        metrics.close()
+    assert main([*SIM, "--metrics-port", "70000"]) == 2
+    assert main([*SIM, "--metrics-file", "x", "--sweep", "gpu=1000tok,2000tok"]) == 2
