@@ -12,9 +12,21 @@ from fake_engine import FakeEngine
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kv_cache_manager_v2 import CacheLevel, KVCacheEventManager, KVCacheManager, TokenId, TokenIdExt
+from kv_cache_manager_v2 import (
+    CacheLevel,
+    CacheTier,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheEventManager,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    RemoteCacheTierConfig,
+    TokenId,
+    TokenIdExt,
+)
 from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager, RequestState
 from kv_cache_manager_v2.metrics import KVCacheMetricsCollector, register_metrics, serve_metrics
+from kv_cache_manager_v2.redis_server import LocalRedisServer
 
 T = 8
 BLOCK = 2 * 2 * 32 * T  # bytes of one block of both layers (kv_layers(2): key + value of 32 bytes a token)
@@ -116,9 +128,6 @@ def tiered(backend: str, tmp_path: object) -> Iterator[Callable[..., tuple[KVCac
             m.shutdown()
 
 
-TIERS = ("gpu", "host", "disk")
-
-
 def expected_samples(m: KVCacheManager, a: KVCacheResourceManager, labels: dict[str, str]) -> Samples:
     """What the scrape must say, from the manager's and the adapter's statistics."""
     base = tuple(sorted(labels.items()))
@@ -128,7 +137,6 @@ def expected_samples(m: KVCacheManager, a: KVCacheResourceManager, labels: dict[
 
     r = m.reuse_statistics
     em = m.event_manager
-    assert em is not None
     out: Samples = {
         key("vllm:kv_cache_usage_perc"): m.gpu_utilization,
         key("vllm:prefix_cache_queries_total"): r.queried_tokens,
@@ -139,10 +147,13 @@ def expected_samples(m: KVCacheManager, a: KVCacheResourceManager, labels: dict[
         key("kvcm_reused_pages_total"): r.reused_pages,
         key("kvcm_allocated_pages_total"): r.allocated_pages,
         key("kvcm_open_caches"): m.num_open_caches,
-        key("kvcm_events_dropped_total"): em.num_dropped,
-        key("kvcm_events_pending"): em.num_pending,
     }
-    for level, tier in enumerate(TIERS):
+    if em is not None:
+        out[key("kvcm_events_dropped_total")] = em.num_dropped
+        out[key("kvcm_events_pending")] = em.num_pending
+    names = {CacheTier.GPU_MEM: "gpu", CacheTier.HOST_MEM: "host", CacheTier.DISK: "disk", CacheTier.REMOTE: "remote"}
+    for level, kind in enumerate(m.cache_tier_list):
+        tier = names[kind]
         out[key("vllm:prompt_tokens_cached_total", source=tier)] = a.reused_tokens_per_level[level]
         t = m.get_tier_statistics(CacheLevel(level))
         out[key("kvcm_tier_used_bytes", tier=tier)] = t.used_bytes
@@ -152,6 +163,21 @@ def expected_samples(m: KVCacheManager, a: KVCacheResourceManager, labels: dict[
             out[key(f"kvcm_tier_{what}_pages_total", tier=tier)] = getattr(t, f"{what}_pages")
             out[key(f"kvcm_tier_{what}_bytes_total", tier=tier)] = getattr(t, f"{what}_bytes")
         out[key("kvcm_tier_io_errors_total", tier=tier)] = t.io_errors
+    rs = m.remote_statistics
+    if rs is not None:
+        for name, value in (
+            ("lookups", rs.lookups),
+            ("found_pages", rs.found_pages),
+            ("fetched_pages", rs.fetched_pages),
+            ("written_pages", rs.written_pages),
+            ("writes_dropped", rs.dropped_writes),
+            ("errors", rs.errors),
+            ("corrupt_pages", rs.corrupt_pages),
+            ("skipped_lookups", rs.skipped_lookups),
+        ):
+            out[key(f"kvcm_remote_{name}_total")] = value
+        out[key("kvcm_remote_pending_bytes")] = rs.pending_bytes
+        out[key("kvcm_remote_connected")] = float(rs.connected)
     return out
 
 
@@ -316,3 +342,71 @@ def test_sim_serves_metrics_on_a_port(tmp_path: object) -> None:
         metrics.close()
     assert main([*SIM, "--metrics-port", "70000"]) == 2
     assert main([*SIM, "--metrics-file", "x", "--sweep", "gpu=1000tok,2000tok"]) == 2
+
+
+def test_remote_tier_metrics(backend: str, redis_server: LocalRedisServer) -> None:
+    """Replica A writes its blocks through to Redis; replica B admits the same documents and finds
+    them remote: its scrape reports them under source="remote", with the remote counters."""
+    adapters = []
+    for _ in range(2):
+        config = KVCacheManagerConfig(
+            tokens_per_block=T,
+            cache_tiers=[
+                GpuCacheTierConfig(BLOCK * 20),
+                HostCacheTierConfig(BLOCK * 20),
+                RemoteCacheTierConfig(redis_server.url, namespace="metrics", timeout_ms=3000, write_through=True),
+            ],
+            layers=kv_layers(2, T),
+            backend=backend,  # type: ignore[arg-type]
+            max_util_for_resume=1.0,
+        )
+        adapters.append(KVCacheResourceManager(config))
+    try:
+        docs = [[TokenId(1000 * (i + 1) + t) for t in range(40)] for i in range(4)]
+        wa, wb = Workload(adapters[0]), Workload(adapters[1])
+        for d in docs:
+            wa.finish(wa.admit(d + [TokenId(3)], 2))
+        assert adapters[0].manager.flush_remote_writes(10.0)
+        for d in docs:
+            wb.finish(wb.admit(d + [TokenId(4)], 2))
+        b = adapters[1]
+        server, thread, _ = serve_metrics(0, adapter=b)
+        try:
+            got = scrape(server.server_port)
+        finally:
+            server.shutdown()
+            server.server_close()
+            thread.join(5)
+        want = expected_samples(b.manager, b, {})
+        assert got == want
+        assert got[("vllm:prompt_tokens_cached_total", (("source", "remote"),))] == 4 * 40 > 0
+        assert got[("kvcm_remote_fetched_pages_total", ())] > 0 and got[("kvcm_remote_connected", ())] == 1
+    finally:
+        for a in adapters:
+            a.shutdown()
+
+
+def test_event_publisher_counters(tiered: Callable[..., tuple]) -> None:
+    """Batches a publisher dropped (full hand-off queue) are reported next to the manager's dropped events."""
+    from kv_cache_manager_v2.events import ZmqEventPublisher
+
+    a, m = tiered()
+    with ZmqEventPublisher("tcp://127.0.0.1:*", max_queue_size=1) as pub:
+        registry = CollectorRegistry()
+        register_metrics(m, publisher=pub, registry=registry)
+        Workload(a).run()
+        events = m.event_manager.snapshot()
+        with pub._sender.sent:  # the publisher thread stalls after its next send
+            pub.publish(events)
+            while pub._sender.queue.qsize():
+                pass
+            pub.publish(events)
+            pub.publish(events)  # dropped
+        pub.flush()
+        text = generate_latest(registry).decode()
+        got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+        assert got["kvcm_event_batches_dropped_total"] == pub.num_dropped_batches == 1
+        assert got["kvcm_event_batches_withheld_total"] == 0
+        assert got["kvcm_events_dropped_total"] == m.event_manager.num_dropped > 0
+    with pytest.raises(TypeError, match="ZmqEventPublisher"):
+        KVCacheMetricsCollector(m, publisher=object())  # type: ignore[arg-type]
