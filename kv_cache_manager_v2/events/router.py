@@ -421,15 +421,19 @@ class KVAwareRouter(PrefixRouter):
         return self.subscriptions[replica].last_seq
 
     def poll(self, timeout: float = 0.0) -> int:
-        """Apply every batch that arrived (waiting up to ``timeout`` seconds for the first); returns
-        how many batches were applied, replayed ones included."""
+        """Apply the batches that arrived (waiting up to ``timeout`` seconds for the first); returns
+        how many batches were applied, replayed ones included. Under a flood it stops after
+        ``max(timeout, 0.01)`` seconds of work (plus replay waits); the rest waits for the next call."""
         applied = 0
         ready = dict(self._poller.poll(int(timeout * 1000)))
+        budget_end = time.monotonic() + max(timeout, 0.01)
         while ready:
             for i, s in enumerate(self.subscriptions):
                 if s.sub in ready:
                     while s.sub.poll(0):
                         applied += self._on_message(i, s.sub.recv_multipart())
+                        if time.monotonic() > budget_end:
+                            return applied
             ready = dict(self._poller.poll(0))
         return applied
 
@@ -489,7 +493,8 @@ class KVAwareRouter(PrefixRouter):
             return 0  # already applied (replayed before it arrived live)
         applied = 0
         if seq > s.last_seq + 1 or batch.withheld:
-            applied += self._replay(i, s.last_seq + 1, seq + 1 if batch.withheld else seq)
+            # a withheld batch: ask for everything buffered (the placeholders after it are then covered too)
+            applied += self._replay(i, s.last_seq + 1, None if batch.withheld else seq)
             if seq <= s.last_seq:
                 return applied  # the withheld batch came with the replay
         if seq > s.last_seq + 1:  # replay could not fill the gap: the view may be stale
@@ -534,7 +539,10 @@ class KVAwareRouter(PrefixRouter):
                     batch = self._decode(s, frames[-1])
                     if batch is None or batch.withheld or not self._same_instance(i, batch):
                         continue
-                    if seq == s.last_seq + 1 and (stop is None or seq < stop):
+                    if seq > s.last_seq and (stop is None or seq < stop):
+                        if seq > s.last_seq + 1:  # no longer buffered: go on from the oldest batch it has
+                            s.num_lost += seq - s.last_seq - 1
+                            s.stale = True
                         self._apply(i, batch)
                         s.last_seq = seq
                         s.num_replayed += 1
