@@ -410,3 +410,19 @@ def test_event_publisher_counters(tiered: Callable[..., tuple]) -> None:
         assert got["kvcm_events_dropped_total"] == m.event_manager.num_dropped > 0
     with pytest.raises(TypeError, match="ZmqEventPublisher"):
         KVCacheMetricsCollector(m, publisher=object())  # type: ignore[arg-type]
+
+
+def test_adapter_counters_roll_back_with_a_failed_batch(tiered: Callable[..., tuple]) -> None:
+    a, _ = tiered()
+    work = Workload(a)
+    doc = [TokenId(900 + t) for t in range(40)]
+    work.finish(work.admit(doc + [TokenId(3)], 2))
+    before, preemptions = list(a.reused_tokens_per_level), a.num_preemptions
+    r = EngineRequest(100, doc + [TokenId(5)], 2)
+    with pytest.raises(ValueError, match="twice"):
+        a.prepare_resources([r, r])  # admitted (reusing 40 tokens), then refused: the batch is undone
+    assert a.reused_tokens_per_level == before and r.num_reused_tokens == 0 and not a.has_resources(r)
+    step(a, work.engine, [r])
+    assert sum(a.reused_tokens_per_level) == sum(before) + 40
+    a.free_resources(r)  # not finished: a preemption
+    assert a.num_preemptions == preemptions + 1
