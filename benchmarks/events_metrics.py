@@ -25,6 +25,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -53,6 +54,12 @@ def _events(tokens: int) -> list[Any]:
     return out
 
 
+def _consume(router: Any, done: threading.Event) -> None:
+    """The router polls on its own thread, as a router process would."""
+    while not done.is_set():
+        router.poll(0.01)
+
+
 def publisher_scenarios(n: int) -> dict[str, Any]:
     from kv_cache_manager_v2.events import KVAwareRouter, ReplicaEndpoints, ZmqEventPublisher
 
@@ -67,20 +74,26 @@ def publisher_scenarios(n: int) -> dict[str, Any]:
                 while router.last_seq(0) < 0 and time.monotonic() < deadline:
                     router.poll(0.01)
                     router.catch_up(0)
+                done = threading.Event()
+
+                consumer = threading.Thread(target=_consume, args=(router, done))
+                consumer.start()
                 t0 = time.perf_counter()
                 for _ in range(n):
                     pub.publish(events)
                 t1 = time.perf_counter()
                 last = pub.flush(60)
-                while router.last_seq(0) < last:
-                    router.poll(0.01)
-                    if time.perf_counter() - t1 > 30:
-                        router.catch_up(0)
+                while router.last_seq(0) < last and time.perf_counter() - t1 < 60:
+                    time.sleep(0.001)
                 t2 = time.perf_counter()
+                done.set()
+                consumer.join()
                 out[name] = {
                     "publish_us": (t1 - t0) / n * 1e6,
                     "batches_per_s": n / (t2 - t0),
                     "router_lost": router.subscriptions[0].num_lost,
+                    "router_last_seq": router.last_seq(0),
+                    "last_seq": last,
                 }
             finally:
                 router.close()
