@@ -280,7 +280,7 @@ def simulate(
     """One replay; returns the report dict. Raises SimUserError for refused configurations."""
     config, scale = _sim_config(shape, tiers, tokens_per_block, swa_scratch, check_data, eviction_policy)
     try:
-        replay = Replay(config, requests, options, check_data, progress, None, metrics.finish if metrics else None)
+        replay = Replay(config, requests, options, check_data, progress, on_finish=metrics.finish if metrics else None)
         if metrics is not None:
             metrics.attach(replay.rm)
     except SimUserError:
