@@ -17,10 +17,12 @@ PACKAGE = "kv_cache_manager_v2"
 #: Modules left interpreted in production mode, each with its reason (tests/test_build_mode.py reads this).
 #: ``events/``: msgspec.Struct subclasses cannot be native classes and pyzmq is plain Python; they run
 #: off the scheduler's hot path (the compiled queue is ``_events.py``) and need the optional extra.
+#: ``metrics.py``: runs only when Prometheus scrapes, on prometheus-client (optional extra, plain Python).
 #: The simulator's presentation: ``sim/__main__.py`` (``python -m`` needs a code object), ``sim/_cli.py``
 #: (argparse, optional tqdm) and ``sim/_plot.py`` (matplotlib, untyped); the replay loop they drive is compiled.
 NOT_COMPILED = (
     "kv_cache_manager_v2/events/",
+    "kv_cache_manager_v2/metrics.py",
     "kv_cache_manager_v2/sim/__main__.py",
     "kv_cache_manager_v2/sim/_cli.py",
     "kv_cache_manager_v2/sim/_plot.py",

@@ -180,6 +180,9 @@ class ReuseStatistics:
     reused_pages: int = 0
     #: new pages allocated (``resize`` growth and copy-on-partial copies)
     allocated_pages: int = 0
+    #: input tokens of ``create_kv_cache`` (looked up in the reuse cache), and of those reused
+    queried_tokens: int = 0
+    reused_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -157,6 +157,8 @@ class KVCache:
             stats.reused_blocks += nb
             stats.missed_blocks += (len(tokens) + t - 1) // t - nb
             stats.reused_pages += taken
+            stats.queried_tokens += len(tokens)
+            stats.reused_tokens += length
 
     def __repr__(self) -> str:
         return (

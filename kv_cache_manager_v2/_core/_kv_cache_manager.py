@@ -302,7 +302,9 @@ class KVCacheManager:
     def reuse_statistics(self) -> ReuseStatistics:
         """What prefix reuse did so far (a copy; all zero when ``enable_stats`` is False)."""
         s = self._ctx.stats
-        return ReuseStatistics(s.reused_blocks, s.missed_blocks, s.reused_pages, s.allocated_pages)
+        return ReuseStatistics(
+            s.reused_blocks, s.missed_blocks, s.reused_pages, s.allocated_pages, s.queried_tokens, s.reused_tokens
+        )
 
     @property
     def remote_statistics(self) -> RemoteStatistics | None:

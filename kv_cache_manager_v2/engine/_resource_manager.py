@@ -121,6 +121,11 @@ class KVCacheResourceManager:
         self._serial = 0
         self._converters: dict[tuple[LayerId, str], PageIndexConverter] = {}
         self._is_shut_down = False
+        #: preemptions so far: ``suspend_resources`` of a running request, ``free_resources`` of one not FINISHED
+        self.num_preemptions = 0
+        #: prompt tokens admitted requests reused so far, by the cache level they came from (see
+        #: ``EngineRequest.num_reused_tokens_per_level``; the last level of a remote tier included)
+        self.reused_tokens_per_level = [0] * self._num_levels
 
     def __repr__(self) -> str:
         return f"KVCacheResourceManager(requests={len(self._seqs)}, free_blocks={self.get_num_free_blocks_per_pool_group()})"
@@ -254,7 +259,11 @@ class KVCacheResourceManager:
         seq.undo_reused_per_level = req.num_reused_tokens_per_level
         self._seqs[req.request_id] = seq
         req.num_reused_tokens = reused
-        req.num_reused_tokens_per_level = self._tokens_per_level(reused, levels)
+        per_level = self._tokens_per_level(reused, levels)
+        req.num_reused_tokens_per_level = per_level
+        total = self.reused_tokens_per_level
+        for level, level_tokens in enumerate(per_level):
+            total[level] += level_tokens
         req.num_cached_tokens = reused
         req.num_scheduled_tokens = n
         return seq
@@ -275,6 +284,9 @@ class KVCacheResourceManager:
             if seq.undo_capacity < 0:
                 kv.close()
                 del self._seqs[req.request_id]
+                total = self.reused_tokens_per_level
+                for level, level_tokens in enumerate(req.num_reused_tokens_per_level):
+                    total[level] -= level_tokens
                 req.num_reused_tokens = seq.undo_reused
                 req.num_reused_tokens_per_level = seq.undo_reused_per_level
                 req.num_cached_tokens = 0
@@ -343,6 +355,8 @@ class KVCacheResourceManager:
         kv = seq.kv
         if not seq.padding:
             kv.stop_committing()
+            if req.state is not RequestState.FINISHED:
+                self.num_preemptions += 1
         kv.close()
         req.num_scheduled_tokens = 0
         req.num_cached_tokens = 0
@@ -360,6 +374,7 @@ class KVCacheResourceManager:
         if kv.capacity > kv.history_length:
             kv.resize(kv.history_length)
         self._suspend(seq)
+        self.num_preemptions += 1
         seq.scheduled = 0
         seq.request.num_scheduled_tokens = 0
 

@@ -12,9 +12,11 @@ directly (simulators).
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 
 from .._common import DEFAULT_REUSE_SCOPE, ReuseScope, TokenIdExt
@@ -110,6 +112,11 @@ class ReplicaIndex:
 
     def _stored(self, ev: BlockStored) -> None:
         t = ev.block_size
+        n = len(ev.block_hashes)
+        if t < 1 or n == 0 or not (n - 1) * t < len(ev.token_ids) <= n * t:
+            raise ValueError(f"malformed BlockStored: {n} block hash(es), {len(ev.token_ids)} token(s), block_size {t}")
+        if self.tokens_per_block is not None and t != self.tokens_per_block:
+            raise ValueError(f"BlockStored with block_size {t}, the replica's is {self.tokens_per_block}")
         if self.tokens_per_block is None:
             self.tokens_per_block = t
             self.groups = {g: LifeCycle(lc.window_size, lc.num_sink_blocks, t) for g, lc in self.groups.items()}
@@ -292,20 +299,50 @@ class ReplicaEndpoints:
 
 
 class _Subscription:
+    """One replica's sockets and stream state (sequence, publisher instance, replay back-off, counters)."""
+
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], ep: ReplicaEndpoints, topic: bytes) -> None:
+        self.ctx = ctx
+        self.endpoints = ep
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.sub.connect(ep.endpoint)
         self.replay: zmq.Socket[bytes] | None = None
-        if ep.replay_endpoint is not None:
-            self.replay = ctx.socket(zmq.DEALER)
-            self.replay.setsockopt(zmq.LINGER, 0)
-            self.replay.connect(ep.replay_endpoint)
+        self.open_replay()
         #: last sequence number applied (-1: none)
         self.last_seq = -1
+        #: the publisher instance the index reflects (None: not known yet, or a publisher without ids)
+        self.instance: int | None = None
+        self.retired: set[int] = set()
+        #: when the next replay may be tried (monotonic seconds), and the wait after the next failure
+        self.replay_retry_at = 0.0
+        self.backoff = 0.0
         self.num_replayed = 0
+        #: batches that could not be replayed: the index may miss their events until a resync
         self.num_lost = 0
+        #: frames or batches that could not be decoded or applied (skipped)
+        self.num_malformed = 0
+        #: times the replica's publisher was seen restarted (its index was cleared)
+        self.num_restarts = 0
+        #: replay attempts that failed (endpoint unreachable or silent): each started a back-off
+        self.num_replay_failures = 0
+        #: whether the index may be stale (a batch was lost since the last AllBlocksCleared)
+        self.stale = False
+
+    def open_replay(self) -> None:
+        """A fresh DEALER socket (after a failed replay: no stale answer can reach the new one)."""
+        if self.replay is not None:
+            self.replay.close(linger=0)
+            self.replay = None
+        if self.endpoints.replay_endpoint is None:
+            return
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue requests only on a completed connection
+        sock.setsockopt(zmq.SNDHWM, 1)
+        sock.connect(self.endpoints.replay_endpoint)
+        self.replay = sock
 
     def close(self) -> None:
         self.sub.close(linger=0)
@@ -318,6 +355,14 @@ class KVAwareRouter(PrefixRouter):
 
     Call :meth:`poll` regularly (it applies what arrived; on a sequence gap it fetches the missed
     batches from the replica's replay socket first); :meth:`route` answers from the indexes.
+
+    Guarantees: ``poll`` never blocks longer than its ``timeout`` plus one ``replay_timeout`` per
+    replica whose replay endpoint stopped answering; after such a failure that replica's replays
+    are skipped for ``replay_backoff`` seconds, doubling up to ``max_replay_backoff`` while it keeps
+    failing. Malformed frames and batches are counted (``num_malformed``) and skipped. A batch from
+    a new publisher instance (a restarted replica) clears that replica's index and replays the new
+    stream from 0. A batch that could not be replayed is counted (``num_lost``) and marks the index
+    ``stale`` until the replica sends a resynchronisation (a batch starting with AllBlocksCleared).
     """
 
     def __init__(
@@ -329,11 +374,22 @@ class KVAwareRouter(PrefixRouter):
         enable_partial_reuse: bool = True,
         replay_timeout: float = 2.0,
         seed: int | None = 0,
+        replay_backoff: float = 1.0,
+        max_replay_backoff: float = 30.0,
     ) -> None:
         if len(replicas) == 0:
             raise ValueError("replicas must name at least one replica")
         if groups is not None and len(groups) != len(replicas):
             raise ValueError(f"groups must give one list per replica ({len(replicas)}), got {len(groups)}")
+        for name, value in (
+            ("replay_timeout", replay_timeout),
+            ("replay_backoff", replay_backoff),
+            ("max_replay_backoff", max_replay_backoff),
+        ):
+            if type(value) not in (int, float) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        if max_replay_backoff < replay_backoff:
+            raise ValueError(f"max_replay_backoff ({max_replay_backoff}) must be >= replay_backoff ({replay_backoff})")
         super().__init__(
             [
                 ReplicaIndex(tokens_per_block, groups[i] if groups is not None else (), enable_partial_reuse)
@@ -342,7 +398,9 @@ class KVAwareRouter(PrefixRouter):
             seed,
         )
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._replay_timeout_ms = int(replay_timeout * 1000)
+        self._replay_timeout = float(replay_timeout)
+        self._replay_backoff = float(replay_backoff)
+        self._max_replay_backoff = float(max_replay_backoff)
         self.subscriptions = [_Subscription(self._ctx, ep, topic.encode()) for ep in replicas]
         self._poller = zmq.Poller()
         for s in self.subscriptions:
@@ -363,59 +421,139 @@ class KVAwareRouter(PrefixRouter):
         return self.subscriptions[replica].last_seq
 
     def poll(self, timeout: float = 0.0) -> int:
-        """Apply every batch that arrived (waiting up to ``timeout`` seconds for the first); returns
-        how many batches were applied, replayed ones included."""
+        """Apply the batches that arrived (waiting up to ``timeout`` seconds for the first); returns
+        how many batches were applied, replayed ones included. Under a flood it stops after
+        ``max(timeout, 0.01)`` seconds of work (plus replay waits); the rest waits for the next call."""
         applied = 0
         ready = dict(self._poller.poll(int(timeout * 1000)))
+        budget_end = time.monotonic() + max(timeout, 0.01)
         while ready:
             for i, s in enumerate(self.subscriptions):
                 if s.sub in ready:
                     while s.sub.poll(0):
                         applied += self._on_message(i, s.sub.recv_multipart())
+                        if time.monotonic() > budget_end:
+                            return applied
             ready = dict(self._poller.poll(0))
         return applied
 
     def catch_up(self, replica: int) -> int:
         """Ask the replica's replay socket for every batch after the last one applied (e.g. when
-        the stream went quiet after a loss); returns how many were applied."""
+        the stream went quiet after a loss); returns how many were applied (0 while its replays
+        are backed off)."""
         return self._replay(replica, self.subscriptions[replica].last_seq + 1, None)
 
-    def _on_message(self, i: int, frames: list[bytes]) -> int:
-        if len(frames) != 3:
-            return 0
+    # ------------------------------------------------------------------ stream handling
+    def _decode(self, s: _Subscription, payload: bytes) -> KVEventBatch | None:
+        try:
+            return decode_batch(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            s.num_malformed += 1
+            return None
+
+    def _apply(self, i: int, batch: KVEventBatch) -> None:
         s = self.subscriptions[i]
+        try:
+            self.indexes[i].apply_batch(batch)
+        except (ValueError, TypeError, IndexError, KeyError):  # well-formed msgpack, impossible content
+            s.num_malformed += 1
+            s.stale = True
+            return
+        if batch.events and isinstance(batch.events[0], AllBlocksCleared):
+            s.stale = False  # a resynchronisation (or a clear): the index is rebuilt from here
+
+    def _same_instance(self, i: int, batch: KVEventBatch) -> bool:
+        """Track the publisher instance; a new one (restarted replica) resets the replica's index.
+        False for a late batch of an instance already replaced."""
+        s = self.subscriptions[i]
+        inst = batch.instance_id
+        if inst is None or inst == s.instance:
+            return True
+        if inst in s.retired:
+            return False
+        if s.instance is not None:
+            s.retired.add(s.instance)
+            s.num_restarts += 1
+            self.indexes[i].clear()
+            s.last_seq = -1
+            s.stale = False
+        s.instance = inst
+        return True
+
+    def _on_message(self, i: int, frames: list[bytes]) -> int:
+        s = self.subscriptions[i]
+        if len(frames) != 3 or len(frames[1]) != 8:
+            s.num_malformed += 1
+            return 0
+        batch = self._decode(s, frames[2])
+        if batch is None or not self._same_instance(i, batch):
+            return 0
         seq = int.from_bytes(frames[1], "big")
+        if seq <= s.last_seq:
+            return 0  # already applied (replayed before it arrived live)
         applied = 0
-        if seq > s.last_seq + 1:
-            applied += self._replay(i, s.last_seq + 1, seq)
-        if seq == s.last_seq + 1:
-            self.indexes[i].apply_batch(decode_batch(frames[2]))
-            s.last_seq = seq
-            applied += 1
-        elif seq > s.last_seq + 1:  # replay could not fill the gap: the view may be stale
+        if seq > s.last_seq + 1 or batch.withheld:
+            # a withheld batch: ask for everything buffered (the placeholders after it are then covered too)
+            applied += self._replay(i, s.last_seq + 1, None if batch.withheld else seq)
+            if seq <= s.last_seq:
+                return applied  # the withheld batch came with the replay
+        if seq > s.last_seq + 1:  # replay could not fill the gap: the view may be stale
             s.num_lost += seq - s.last_seq - 1
-            self.indexes[i].apply_batch(decode_batch(frames[2]))
-            s.last_seq = seq
-            applied += 1
-        return applied
+            s.stale = True
+        if batch.withheld:
+            s.num_lost += 1
+            s.stale = True
+        else:
+            self._apply(i, batch)
+        s.last_seq = seq
+        return applied + (not batch.withheld)
 
     def _replay(self, i: int, start: int, stop: int | None) -> int:
-        """Apply replayed batches ``start <= seq < stop`` (``stop`` None: all buffered)."""
+        """Apply replayed batches ``start <= seq < stop`` (``stop`` None: all buffered). Waits at most
+        ``replay_timeout``; a failure backs this replica's replays off."""
         s = self.subscriptions[i]
         sock = s.replay
-        if sock is None:
+        now = time.monotonic()
+        if sock is None or now < s.replay_retry_at:
             return 0
-        sock.send_multipart([b"", start.to_bytes(8, "big")])
+        deadline = now + self._replay_timeout
         applied = 0
-        while sock.poll(self._replay_timeout_ms):
-            frames = sock.recv_multipart()
-            seq_bytes, payload = frames[-2], frames[-1]
-            seq = int.from_bytes(seq_bytes, "big", signed=True)
-            if seq == END_SEQ:
-                break
-            if seq == s.last_seq + 1 and (stop is None or seq < stop):
-                self.indexes[i].apply_batch(decode_batch(payload))
-                s.last_seq = seq
-                s.num_replayed += 1
-                applied += 1
+        if sock.poll(_ms_until(deadline), zmq.POLLOUT):
+            try:
+                request = [b"", start.to_bytes(8, "big")]
+                if stop is not None and s.instance is not None:  # our publisher: ask for the range only
+                    request.append(stop.to_bytes(8, "big"))
+                sock.send_multipart(request, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            else:
+                while sock.poll(_ms_until(deadline)):
+                    frames = sock.recv_multipart()
+                    if len(frames) < 2 or len(frames[-2]) != 8:
+                        s.num_malformed += 1
+                        continue
+                    seq = int.from_bytes(frames[-2], "big", signed=True)
+                    if seq == END_SEQ:
+                        s.backoff = 0.0
+                        return applied
+                    batch = self._decode(s, frames[-1])
+                    if batch is None or batch.withheld or not self._same_instance(i, batch):
+                        continue
+                    if seq > s.last_seq and (stop is None or seq < stop):
+                        if seq > s.last_seq + 1:  # no longer buffered: go on from the oldest batch it has
+                            s.num_lost += seq - s.last_seq - 1
+                            s.stale = True
+                        self._apply(i, batch)
+                        s.last_seq = seq
+                        s.num_replayed += 1
+                        applied += 1
+        # no connection, or no end marker in time: back off, and forget the request
+        s.num_replay_failures += 1
+        s.backoff = min(self._max_replay_backoff, s.backoff * 2 if s.backoff else self._replay_backoff)
+        s.replay_retry_at = time.monotonic() + s.backoff
+        s.open_replay()
         return applied
+
+
+def _ms_until(deadline: float) -> int:
+    return max(0, int((deadline - time.monotonic()) * 1000))

@@ -96,6 +96,11 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     ts: float
     events: list[AnyWireEvent]
     data_parallel_rank: int | None = None
+    #: extension: random id of the publisher instance (a restarted replica's sequence numbers start again at 0)
+    instance_id: int | None = None
+    #: extension: the events were withheld from the PUB socket (its byte bound was reached): ``events`` is
+    #: empty and the batch is in the replay buffer under the same sequence number
+    withheld: bool = False
 
 
 def digest_stand_in(digest: bytes) -> int:

@@ -141,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--check-data", action="store_true", help="also write and check KV records through the pages (slower)"
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on 127.0.0.1:PORT during the replay"
+    )
+    g.add_argument("--metrics-file", metavar="FILE", help="write the final Prometheus metrics (text format) to FILE")
     return p
 
 
@@ -277,11 +281,14 @@ def simulate(
     check_data: bool = False,
     progress: Callable[[int], None] | None = None,
     eviction_policy: str = "lru",
+    metrics: SimMetrics | None = None,
 ) -> dict[str, Any]:
     """One replay; returns the report dict. Raises SimUserError for refused configurations."""
     config, scale = _sim_config(shape, tiers, tokens_per_block, swa_scratch, check_data, eviction_policy)
     try:
-        replay = Replay(config, requests, options, check_data, progress)
+        replay = Replay(config, requests, options, check_data, progress, on_finish=metrics.finish if metrics else None)
+        if metrics is not None:
+            metrics.attach(replay.rm)
     except SimUserError:
         raise
     except ValueError as e:
@@ -294,6 +301,53 @@ def simulate(
     rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
     rep["eviction_policy"] = eviction_policy
     return rep
+
+
+class SimMetrics:
+    """``--metrics-port`` / ``--metrics-file``: the replay's manager and adapter on a Prometheus registry
+    of their own (``kv_cache_manager_v2.metrics``), served while it runs and/or written at the end."""
+
+    def __init__(self, port: int | None, path: str | None) -> None:
+        try:
+            from prometheus_client import CollectorRegistry, start_http_server
+
+            from ..metrics import KVCacheMetricsCollector
+        except ImportError:
+            raise SimUserError(
+                "--metrics-port/--metrics-file need prometheus-client: pip install 'kv_cache_manager_v2[metrics]'"
+            ) from None
+        if port is not None and not 0 <= port < 65536:
+            raise SimUserError(f"--metrics-port must be in [0, 65536), got {port}")
+        self.path = path
+        self.registry = CollectorRegistry()
+        self.collector = KVCacheMetricsCollector()
+        self.registry.register(self.collector)
+        self.server: Any = None
+        if port is not None:
+            try:
+                self.server, _ = start_http_server(port, "127.0.0.1", self.registry)
+            except OSError as e:
+                raise SimUserError(f"--metrics-port {port}: cannot listen ({e.strerror or e})") from None
+
+    def attach(self, adapter: Any) -> None:
+        self.source = self.collector.add(adapter=adapter)
+
+    def finish(self, adapter: Any) -> None:
+        """The final values (the manager is shut down right after)."""
+        from prometheus_client import generate_latest
+
+        if self.path is not None:
+            try:
+                with open(self.path, "wb") as f:
+                    f.write(generate_latest(self.registry))
+            except OSError as e:
+                raise SimUserError(f"--metrics-file {self.path}: cannot write it ({e.strerror or e})") from None
+        self.collector.remove(self.source)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
 
 
 def _sim_config(
@@ -395,6 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     tmp: str | None = None
     server: Any = None
+    metrics: SimMetrics | None = None
     try:
         shape = _shape(a)
         if a.plot:
@@ -408,6 +463,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = _options(a)
         options.validate()
         requests, workload = _workload(a)
+        if a.metrics_port is not None or a.metrics_file:
+            if sweep is not None or a.replicas != 1 or a.remote_url or len(a.eviction_policy) > 1:
+                raise SimUserError(
+                    "--metrics-port/--metrics-file report one replay: no --sweep, --replicas or policies"
+                )
+            metrics = SimMetrics(a.metrics_port, a.metrics_file)
         if a.replicas != 1 or a.remote_url:
             if sweep is not None or a.plot or len(a.eviction_policy) > 1:
                 raise SimUserError("--replicas does not combine with --sweep, --plot or several eviction policies")
@@ -485,6 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         a.check_data,
                         update,
                         policy,
+                        metrics,
                     )
                 )
             finally:
@@ -529,3 +591,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
         if server is not None:
             server.close()
+        if metrics is not None:
+            metrics.close()

@@ -161,6 +161,7 @@ class Replay:
         check_data: bool = False,
         progress: Callable[[int], None] | None = None,
         on_step: Callable[[KVCacheResourceManager], None] | None = None,
+        on_finish: Callable[[KVCacheResourceManager], None] | None = None,
     ) -> None:
         options.validate()
         self.opts = options
@@ -171,6 +172,7 @@ class Replay:
         self.checker = DataChecker(self.rm) if check_data else None
         self.progress = progress
         self.on_step = on_step  #: called after every step (tests run the invariant checker there)
+        self.on_finish = on_finish  #: called once at the end, before the manager is shut down (final metrics)
         self.result = ReplayResult(self.t, num_requests=len(requests))
         self.clock = 0.0
         self.arrivals: list[tuple[float, int]] = []
@@ -516,4 +518,6 @@ class Replay:
         if self.checker is not None:
             r.records_checked = self.checker.records_checked
             r.layer_by_layer_steps = self.checker.layer_by_layer_steps
+        if self.on_finish is not None:
+            self.on_finish(self.rm)
         self.rm.shutdown()

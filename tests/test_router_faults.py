@@ -1,0 +1,429 @@
+"""Issue #29: the router and publisher under faults, over real ZMQ sockets on loopback.
+
+A replay endpoint that is dead or silent, a restarted replica, malformed frames, a full hand-off
+queue, a subscriber that stops reading (byte bound), a publisher dropped without ``close()``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+import zmq
+from conftest import kv_layers
+from fake_engine import FakeEngine
+
+from kv_cache_manager_v2 import KVCacheEventManager, KVCacheManager, TokenIdExt
+from kv_cache_manager_v2.events import (
+    BlockStored,
+    KVAwareRouter,
+    KVEventBatch,
+    ReplicaEndpoints,
+    ZmqEventPublisher,
+    encode_batch,
+    to_wire,
+)
+
+T = 8
+MakeManager = Callable[..., KVCacheManager]
+LOOPBACK = "tcp://127.0.0.1:*"
+
+
+def toks(seed: int, n: int) -> list[TokenIdExt]:
+    rng = random.Random(seed)
+    return [rng.randrange(1 << 31) for _ in range(n)]
+
+
+def cache_prompt(m: KVCacheManager, tokens: list[TokenIdExt]) -> None:
+    """A request computes ``tokens`` (what is not reused), commits them and closes: its blocks stay cached."""
+    engine = FakeEngine(m)
+    kv = m.create_kv_cache(input_tokens=tokens)
+    assert kv.resume()
+    h = kv.history_length
+    assert kv.resize(len(tokens))
+    engine.step(kv, tokens, h, len(tokens))
+    kv.commit(tokens[h:])
+    kv.close()
+
+
+def free_tcp_endpoint() -> str:
+    """A loopback address nothing listens on (the port was free a moment ago)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"tcp://127.0.0.1:{port}"
+
+
+def sync(router: KVAwareRouter, replica: int, pub: ZmqEventPublisher, timeout: float = 30.0) -> None:
+    """Wait until the router applied everything ``pub`` sent (replaying what the SUB socket lost)."""
+    last = pub.flush()
+    deadline = time.monotonic() + timeout
+    while router.last_seq(replica) < last:
+        router.poll(0.02)
+        if router.last_seq(replica) < last and time.monotonic() > deadline - timeout / 2:
+            router.catch_up(replica)
+        s = router.subscriptions[replica]
+        assert time.monotonic() < deadline, (
+            f"router stuck at {router.last_seq(replica)} < {last}: replayed {s.num_replayed}, lost {s.num_lost}, "
+            f"replay failures {s.num_replay_failures}, malformed {s.num_malformed}"
+        )
+
+
+class RawPublisher:
+    """A bare XPUB socket speaking the wire protocol, so tests choose every frame; ``wait_subscriber``
+    returns once a router's subscription arrived (nothing sent before it would be lost)."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.sock = self.ctx.socket(zmq.XPUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.XPUB_NODROP, 1)  # a full queue refuses a message (zmq.Again) instead of dropping it
+        self.sock.bind(LOOPBACK)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def wait_subscriber(self) -> None:
+        assert self.sock.poll(10_000), "no subscriber"
+        assert self.sock.recv()[:1] == b"\x01"
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.send_multipart(frames)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def raw() -> Iterator[RawPublisher]:
+    p = RawPublisher()
+    yield p
+    p.close()
+
+
+def batch(m: KVCacheManager, tokens: list[TokenIdExt], instance_id: int | None = 7) -> bytes:
+    """The payload announcing ``tokens`` (cached on ``m``, whose events are drained)."""
+    cache_prompt(m, tokens)
+    return encode_batch(KVEventBatch(time.time(), to_wire(m.get_latest_events()), None, instance_id))
+
+
+# ---------------------------------------------------------------- 1. a dead or silent replay endpoint
+@pytest.mark.parametrize("endpoint", ["dead", "silent"])
+def test_unreachable_replay_endpoint_never_blocks_poll(endpoint: str, raw: RawPublisher) -> None:
+    """Every message opens a gap (odd sequence numbers only). The replay endpoint has no listener
+    ("dead") or a ROUTER socket that never answers ("silent"): poll() costs at most one
+    replay_timeout per outage, then backs off; it never blocks on a full request queue."""
+    silent: zmq.Socket[bytes] | None = None
+    if endpoint == "dead":
+        replay_endpoint = free_tcp_endpoint()
+    else:
+        silent = raw.ctx.socket(zmq.ROUTER)
+        silent.setsockopt(zmq.LINGER, 0)
+        silent.bind(LOOPBACK)
+        replay_endpoint = silent.getsockopt_string(zmq.LAST_ENDPOINT)
+    timeout = 0.25
+    router = KVAwareRouter(
+        [ReplicaEndpoints(raw.endpoint, replay_endpoint)], replay_timeout=timeout, replay_backoff=5.0
+    )
+    raw.wait_subscriber()
+    payload = encode_batch(KVEventBatch(0.0, []))
+    n = 3000
+    slowest = [0.0]
+    elapsed = [0.0]
+
+    def poll(timeout: float) -> None:
+        start = time.monotonic()
+        router.poll(timeout)
+        slowest[0] = max(slowest[0], time.monotonic() - start)
+
+    def drive() -> None:
+        t0 = time.monotonic()
+        for k in range(n):
+            while True:  # nothing is lost on the way: every gap is one the publisher made
+                try:
+                    raw.sock.send_multipart((b"", (2 * k + 1).to_bytes(8, "big"), payload), zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    poll(0.001)
+            if k % 10 == 9:
+                poll(0)
+        while router.last_seq(0) < 2 * n - 1:  # what is still on its way
+            poll(0.05)
+            assert time.monotonic() - t0 < 60
+        elapsed[0] = time.monotonic() - t0
+
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            drive()
+        except BaseException as e:
+            failure.append(e)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(120)
+    try:
+        assert not worker.is_alive(), "poll() hung"
+        if failure:
+            raise failure[0]
+        s = router.subscriptions[0]
+        assert s.last_seq == 2 * n - 1 and s.num_lost == n and s.stale
+        # one failure, then backed off for 5 s (a second one only if the run took that long)
+        assert 1 <= s.num_replay_failures <= 1 + int(elapsed[0] / 5.0), (s.num_replay_failures, elapsed[0])
+        assert slowest[0] < timeout + 1.0, slowest[0]
+        if endpoint == "dead":  # no connection: nothing to wait for at all
+            assert router.catch_up(0) == 0
+    finally:
+        router.close()
+        if silent is not None:
+            silent.close(linger=0)
+
+
+def test_replay_backoff_grows_and_recovers(make_manager: MakeManager) -> None:
+    """While the endpoint stays unreachable the back-off doubles; once a replay succeeds it resets."""
+    em = KVCacheEventManager()
+    m = make_manager(kv_layers(1, T), event_manager=em)
+    with ZmqEventPublisher(LOOPBACK, LOOPBACK) as pub:
+        router = KVAwareRouter(
+            [ReplicaEndpoints(pub.endpoint, free_tcp_endpoint())], replay_timeout=0.05, replay_backoff=0.1
+        )
+        try:
+            s = router.subscriptions[0]
+            for expected in (0.1, 0.2, 0.4):
+                s.replay_retry_at = 0.0  # the back-off expired
+                assert router.catch_up(0) == 0
+                assert s.backoff == pytest.approx(expected)
+            cache_prompt(m, toks(1, 24))
+            pub.drain(em)
+            pub.flush()
+            s.endpoints = ReplicaEndpoints(pub.endpoint, pub.replay_endpoint)  # the endpoint is back
+            s.open_replay()
+            s.replay_retry_at = 0.0
+            assert router.catch_up(0) == 1 and s.backoff == 0.0
+            assert router.indexes[0].match_length(toks(1, 24)) == m.probe_reuse(None, toks(1, 24)) == 24
+        finally:
+            router.close()
+
+
+# ---------------------------------------------------------------- 2. a restarted replica
+def test_restarted_replica_resets_its_index(make_manager: MakeManager) -> None:
+    """The replica restarts (new manager, new publisher on the same ports): its sequence numbers start
+    at 0 again. The router notices the new instance, clears the replica's index and replays the new
+    stream, so it no longer claims the old prefix and finds the new one."""
+    old_prompt, new_prompt = toks(10, 32), toks(11, 40)
+    em1 = KVCacheEventManager()
+    m1 = make_manager(kv_layers(1, T), event_manager=em1)
+    pub1 = ZmqEventPublisher(LOOPBACK, LOOPBACK)
+    endpoints = ReplicaEndpoints(pub1.endpoint, pub1.replay_endpoint)
+    router = KVAwareRouter([endpoints], replay_timeout=1.0)
+    try:
+        for i in range(4):  # a few batches: the old instance got further than the new one will
+            cache_prompt(m1, old_prompt if i == 0 else toks(20 + i, 16))
+            pub1.drain(em1)
+        sync(router, 0, pub1)
+        assert router.indexes[0].match_length(old_prompt) == 32 and router.last_seq(0) == 3
+        old_instance = pub1.instance_id
+        pub1.close()
+        m1.shutdown()
+
+        em2 = KVCacheEventManager()
+        m2 = make_manager(kv_layers(1, T), event_manager=em2)
+        with ZmqEventPublisher(endpoints.endpoint, endpoints.replay_endpoint) as pub2:
+            assert pub2.instance_id != old_instance
+            cache_prompt(m2, new_prompt)
+            pub2.drain(em2)
+            deadline = time.monotonic() + 15
+            k = 0
+            while router.subscriptions[0].num_restarts == 0:  # the SUB socket reconnects meanwhile
+                assert time.monotonic() < deadline, "the restart was never noticed"
+                router.poll(0.05)
+                if router.subscriptions[0].num_restarts == 0:
+                    k += 1
+                    cache_prompt(m2, toks(100 + k, 16))
+                    pub2.drain(em2)
+            sync(router, 0, pub2)
+            s = router.subscriptions[0]
+            assert s.num_restarts == 1 and s.instance == pub2.instance_id and s.num_lost == 0 and not s.stale
+            for p in (old_prompt, new_prompt, *[toks(100 + i, 16) for i in range(1, k + 1)]):
+                assert router.indexes[0].match_length(p) == m2.probe_reuse(None, p), len(p)
+            assert router.indexes[0].match_length(old_prompt) == 0
+            assert router.indexes[0].match_length(new_prompt) == 40
+            # a late batch of the old instance changes nothing
+            assert not router._same_instance(0, KVEventBatch(0.0, [], None, old_instance))
+    finally:
+        router.close()
+        pub1.close()
+
+
+# ---------------------------------------------------------------- 3. malformed frames
+def test_malformed_frames_are_counted_and_skipped(make_manager: MakeManager, raw: RawPublisher) -> None:
+    m = make_manager(kv_layers(1, T), event_manager=KVCacheEventManager())
+    router = KVAwareRouter([ReplicaEndpoints(raw.endpoint)])
+    try:
+        raw.wait_subscriber()
+        good = batch(m, toks(30, 24))
+        stored = msgspec.msgpack.decode(good)[1][0]
+        bad_content = msgspec.msgpack.encode([0.0, [[*stored[:3], stored[3][:-10], *stored[4:]]]])  # tokens short
+        seq0 = (0).to_bytes(8, "big")
+        raw.send(b"", seq0)  # two frames
+        raw.send(b"", b"\x00", good)  # a sequence number of one byte
+        raw.send(b"", seq0, b"\xc1")  # not msgpack
+        raw.send(b"", seq0, msgspec.msgpack.encode({"ts": 1}))  # msgpack, not a batch
+        raw.send(b"", seq0, msgspec.msgpack.encode([0.0, [["NoSuchEvent", 1]]]))  # unknown event tag
+        raw.send(b"", seq0, bad_content)  # decodes, but its BlockStored cannot be applied
+        raw.send(b"", (1).to_bytes(8, "big"), good)
+        deadline = time.monotonic() + 10
+        while router.last_seq(0) < 1:
+            router.poll(0.05)  # never raises
+            assert time.monotonic() < deadline
+        s = router.subscriptions[0]
+        assert s.num_malformed == 6 and s.num_lost == 0
+        assert router.indexes[0].match_length(toks(30, 24)) == m.probe_reuse(None, toks(30, 24)) == 24
+        assert isinstance(msgspec.msgpack.decode(good, type=KVEventBatch).events[0], BlockStored)
+    finally:
+        router.close()
+
+
+# ---------------------------------------------------------------- 4. a full hand-off queue
+def test_dropped_batches_leave_a_gap_then_drain_resynchronises(make_manager: MakeManager) -> None:
+    """The publisher thread stalls (the test holds its lock) with a one-batch queue: a batch is
+    dropped. Its sequence number is used up, so the router sees the gap, asks for a replay that
+    cannot fill it, marks the replica stale; the next drain sends a snapshot that makes it exact."""
+    em = KVCacheEventManager()
+    m = make_manager(kv_layers(1, T), event_manager=em)
+    prompts = [toks(40 + i, 24) for i in range(5)]
+    with ZmqEventPublisher(LOOPBACK, LOOPBACK, max_queue_size=1) as pub:
+        router = KVAwareRouter([ReplicaEndpoints(pub.endpoint, pub.replay_endpoint)], replay_timeout=2.0)
+        try:
+            cache_prompt(m, prompts[0])
+            pub.drain(em)
+            sync(router, 0, pub)
+            sender = pub._sender
+            with sender.sent:  # the thread blocks after its next send
+                cache_prompt(m, prompts[1])
+                pub.drain(em)  # seq 1: taken by the thread, which then waits for the lock
+                deadline = time.monotonic() + 10
+                while sender.queue.qsize():
+                    assert time.monotonic() < deadline
+                    time.sleep(0.001)
+                cache_prompt(m, prompts[2])
+                pub.drain(em)  # seq 2: queued
+                cache_prompt(m, prompts[3])
+                pub.drain(em)  # seq 3: dropped (queue full)
+            pub.flush()
+            assert pub.num_dropped_batches == 1 and pub.next_seq == 4
+            sync(router, 0, pub)
+            s = router.subscriptions[0]
+            assert s.last_seq == 2 and s.num_lost == 0  # nothing reveals the gap yet
+            cache_prompt(m, prompts[4])
+            pub.drain(em)  # seq 4: the snapshot (the events of prompts[3] and [4] included)
+            sync(router, 0, pub)
+            assert s.num_lost == 1 and s.num_replay_failures == 0  # the gap was seen; replay had nothing for it
+            assert not s.stale  # the snapshot made the index exact again
+            for p in prompts:
+                assert router.indexes[0].match_length(p) == m.probe_reuse(None, p) == 24
+            # publish() without the event manager cannot resynchronise: the gap stays visible as staleness
+            with sender.sent:
+                pub.publish([*em.snapshot()[1:2]])
+                while sender.queue.qsize():
+                    time.sleep(0.001)
+                pub.publish([*em.snapshot()[1:2]])
+                pub.publish([*em.snapshot()[1:2]])  # dropped
+            pub.flush()
+            pub.publish([*em.snapshot()[1:2]])
+            sync(router, 0, pub)
+            assert s.num_lost == 2 and s.stale, (pub.num_dropped_batches, pub.next_seq, s.last_seq, s.num_replayed)
+        finally:
+            router.close()
+
+
+# ---------------------------------------------------------------- 5. the byte bound
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_a_subscriber_that_stops_reading_holds_at_most_the_byte_bound(make_manager: MakeManager) -> None:
+    """A SUB socket connects and never reads. ZMQ would queue every batch for it (up to ``hwm``
+    messages: 72 MB here); the publisher keeps what ZMQ holds under ``max_send_bytes`` and sends
+    withheld placeholders beyond it, which a healthy router replays: its index stays exact."""
+    em = KVCacheEventManager()
+    m = make_manager(kv_layers(1, T), quota=4 << 20, event_manager=em)
+    prompt = toks(50, 2048)
+    cache_prompt(m, prompt)
+    events = em.get_latest_events()  # one BlockStored of 2048 tokens on the wire: ~12 KB
+    limit = 2 << 20
+    with ZmqEventPublisher(LOOPBACK, LOOPBACK, max_send_bytes=limit, max_buffer_bytes=limit) as pub:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        stalled = ctx.socket(zmq.SUB)
+        stalled.setsockopt(zmq.RCVHWM, 1)
+        stalled.setsockopt(zmq.RCVBUF, 4096)
+        stalled.setsockopt(zmq.SUBSCRIBE, b"")
+        stalled.setsockopt(zmq.LINGER, 0)
+        stalled.connect(pub.endpoint)
+        router = KVAwareRouter([ReplicaEndpoints(pub.endpoint, pub.replay_endpoint)])
+        try:
+            pub.publish(events)
+            sync(router, 0, pub)  # both subscriptions are in place from here on
+            time.sleep(0.2)
+            before = rss_mib()
+            n = 6000
+            for k in range(n):
+                pub.publish(events)
+                if k % 100 == 99:
+                    pub.flush()
+                    while router.poll(0.001):  # the healthy router keeps up (replaying the withheld batches)
+                        pass
+                    assert pub.send_bytes_in_flight <= limit + 20_000
+            sync(router, 0, pub)
+            grown = rss_mib() - before
+            size = pub.replay_buffer_bytes / len(pub._sender.buffer)
+            assert size > 10_000 and n * size > 60 << 20  # what ZMQ would otherwise hold for the stalled socket
+            assert grown < 24, f"the process grew by {grown:.0f} MiB"
+            assert pub.replay_buffer_bytes <= limit and pub.num_withheld_batches > n // 2
+            s = router.subscriptions[0]
+            assert s.num_replayed > 0 and not s.stale
+            assert router.indexes[0].match_length(prompt) == m.probe_reuse(None, prompt) == 2048
+        finally:
+            router.close()
+            stalled.close(linger=0)
+            ctx.term()
+
+
+# ---------------------------------------------------------------- 6. a publisher collected without close()
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def publisher_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "kv-event-publisher"]
+
+
+def test_a_publisher_collected_without_close_stops_and_closes(make_manager: MakeManager) -> None:
+    em = KVCacheEventManager()
+    m = make_manager(kv_layers(1, T), event_manager=em)
+    cache_prompt(m, toks(60, 24))
+    events = em.get_latest_events()
+    with ZmqEventPublisher(LOOPBACK, LOOPBACK) as warm:  # pyzmq's process-wide helpers start once
+        warm.publish(events)
+        warm.flush()
+    gc.collect()
+    fds, threads = open_fds(), len(publisher_threads())
+    for _ in range(3):
+        pub = ZmqEventPublisher(LOOPBACK, LOOPBACK)
+        pub.publish(events)
+        pub.flush()
+        assert open_fds() > fds and len(publisher_threads()) == threads + 1
+        del pub  # no close()
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while len(publisher_threads()) > threads or open_fds() > fds:
+            assert time.monotonic() < deadline, (open_fds(), fds, publisher_threads())
+            time.sleep(0.01)
