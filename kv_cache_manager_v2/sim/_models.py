@@ -220,8 +220,8 @@ def quota_bytes(option: str, quota: Quota, shape: ModelShape) -> int:
     n = quota.bytes_for(shape)
     if n > MAX_QUOTA_BYTES:
         raise SimUserError(
-            f"{option}: {quota.text!r} is {format_bytes(n)} of {shape.name}, more than the "
-            f"{format_bytes(MAX_QUOTA_BYTES)} a tier can have"
+            f"{option}: {quota.text!r} of {shape.name} ({format_bytes(shape.bytes_per_token)} a token) is more "
+            "than the 1 EiB a tier can have"
         )
     return n
 
@@ -235,8 +235,9 @@ def _round_up(value: float) -> str:
     """``value`` rounded up to two significant digits (at least 1), as a short number."""
     if value <= 1:
         return "1"
-    step = 10 ** max(0, math.floor(math.log10(value)) - 1)
-    return f"{math.ceil(value / step) * step:g}"
+    digits = 1 - math.floor(math.log10(value))  # decimals that keep two significant digits
+    step = 10.0**-digits
+    return f"{round(math.ceil(round(value / step, 6)) * step, max(digits, 0)):g}"
 
 
 def format_quota(nbytes: float, shape: ModelShape, tokens: bool) -> str:

@@ -186,16 +186,17 @@ def _load(r: ReplayResult, shape: ModelShape, tiers: list[TierSpec], options: Sc
     longest_bytes = (r.longest_request_tokens + t) * bpt  # its blocks, one more for alignment
     fit_bytes = max(r.ideal_peak_tokens * bpt / (1.0 - options.watermark), longest_bytes)
     suggested = format_quota(fit_bytes, shape, in_tokens) if fit_bytes > gpu.quota_bytes else None
+    admits_all = format_quota(longest_bytes, shape, in_tokens)
     warnings: list[str] = []
     if r.rejected:
         warnings.append(
             f"{r.rejected:,} requests are longer than the GPU tier holds (the longest needs "
-            f"{format_count(r.longest_request_tokens)} tokens; --gpu {format_quota(longest_bytes, shape, in_tokens)} "
-            "admits every one); their prompts count as misses in the hit rates over all requests"
+            f"{format_count(r.longest_request_tokens)} tokens; --gpu {admits_all} admits every one); their "
+            "prompts count as misses in the hit rates over all requests"
         )
     if overloaded:
         msg = (
-            f"the simulated engine is overloaded: {sim_s:,.0f} s simulated for a {span_s:,.0f} s trace "
+            f"the simulated engine is overloaded: {sim_s:,.0f} s simulated for {span_s:,.0f} s of arrivals "
             f"(x{sim_s / span_s:.1f}; requests waited {_percentile(waits, 0.5):,.0f} s at p50, "
             f"{_percentile(waits, 0.99):,.0f} s at p99 before admission)"
         )
@@ -224,6 +225,7 @@ def _load(r: ReplayResult, shape: ModelShape, tiers: list[TierSpec], options: Sc
         "compute_s": compute_s,
         "ideal_peak_tokens": r.ideal_peak_tokens,
         "longest_request_tokens": r.longest_request_tokens,
+        "gpu_quota_admitting_all": admits_all,  #: a GPU quota that rejects no request
         "suggested_gpu_quota": suggested,
         "warnings": warnings,
     }
@@ -362,7 +364,7 @@ def _load_text(load: dict[str, Any]) -> str:
     if not load["trace_span_s"]:
         return head
     return (
-        f"{load['simulated_s']:,.0f} s simulated for a {load['trace_span_s']:,.0f} s trace "
+        f"{load['simulated_s']:,.0f} s simulated for {load['trace_span_s']:,.0f} s of arrivals "
         f"(x{load['time_ratio']:.2f}{', overloaded' if load['overloaded'] else ''}); " + head
     )
 
