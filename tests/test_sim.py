@@ -301,7 +301,19 @@ def test_too_long_requests_are_rejected_others_finish() -> None:
         SimRequest(2, 2.0, [(1, 200)], 200, 10, (1 << 31) + 200),
     ]
     rep = simulate(SMALL, gpu(1024), 16, reqs, {}, SchedulerOptions())
-    assert rep["requests"] == {"total": 3, "finished": 2, "rejected": 1, "rejected_examples": [1]}
+    assert rep["requests"] == {
+        "total": 3,
+        "finished": 2,
+        "rejected": 1,
+        "rejected_examples": [1],
+        "rejected_prompt_tokens": 5000,
+    }
+    hit = rep["hit_rate"]  # the rejected prompt is a miss over all requests
+    assert hit["tokens_all_requests"] == pytest.approx(rep["prefill"]["reused_tokens"] / 5500)
+    assert hit["blocks_all_requests"] == pytest.approx(rep["prefill"]["hit_blocks"] / (19 + 13 + 313))
+    load = rep["load"]
+    assert load["longest_request_tokens"] == 5010 and load["gpu_quota_admitting_all"] == "5.1ktok"
+    assert "rejected 1 of 3 requests as longer than the GPU tier holds" in load["warnings"][0]
 
 
 def _slots(config: KVCacheManagerConfig) -> list[int]:

@@ -190,7 +190,7 @@ def _load(r: ReplayResult, shape: ModelShape, tiers: list[TierSpec], options: Sc
     warnings: list[str] = []
     if r.rejected:
         warnings.append(
-            f"{r.rejected:,} requests are longer than the GPU tier holds (the longest needs "
+            f"rejected {r.rejected:,} of {r.num_requests:,} requests as longer than the GPU tier holds (the longest needs "
             f"{format_count(r.longest_request_tokens)} tokens; --gpu {admits_all} admits every one); their "
             "prompts count as misses in the hit rates over all requests"
         )
