@@ -59,7 +59,12 @@ def write_plot(
         for x, rep in zip(xs, reports):
             quota = rep["tiers"][min(level, len(rep["tiers"]) - 1)]["quota"]
             rejected = rep["requests"]["rejected"]
-            label = quota + (f"\n{rejected:,} rejected" if rejected else "")
+            preempted = rep["preemptions"]["suspend"] + rep["preemptions"]["recompute"]
+            label = (
+                quota
+                + (f"\n{rejected:,} rejected" if rejected else "")
+                + (f"\n{preempted:,} preempted" if preempted else "")
+            )
             y = rep["hit_rate"]["tokens_all_requests"]
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
         ax.set_xscale("log")
@@ -103,7 +108,13 @@ def write_plot(
         ax2.grid(True, alpha=0.3)
         gpu = report["tiers"][0]
         source = str(report["workload"]["description"]).split(":")[0]
-        ax1.set_title(f"{report['model']['name']}, GPU {gpu['quota']}: {source}", fontsize=9)
+        notes = []
+        if report["requests"]["rejected"]:
+            notes.append(f"{report['requests']['rejected']:,} rejected")
+        if report["load"]["overloaded"]:
+            notes.append(f"overloaded: x{report['load']['time_ratio']:.1f} the arrivals' span")
+        title = f"{report['model']['name']}, GPU {gpu['quota']}: {source}"
+        ax1.set_title(title + (f"\n({'; '.join(notes)})" if notes else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
