@@ -321,6 +321,7 @@ def cli_error(*args: str, env: dict[str, str] | None = None) -> str:
         (["--disk", "10tok"], "--disk 10tok cannot hold one block of llama-3-8b: one block of 32 tokens takes 32tok"),
         (["--trace", TRACE, "--seed", "3"], "--seed: for the built-in conversations, which --trace replaces; drop it"),
         (["--trace", TRACE, "--turns", "2", "--rate", "1"], "--turns, --rate: for the built-in conversations"),
+        (["--swa-scratch"], "--swa-scratch: llama-3-8b has no sliding-window layers"),
     ],
 )
 def test_misuse_is_one_line_and_exit_2(tmp_path: Path, args: list[str], says: str) -> None:

@@ -464,6 +464,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     server: Any = None
     try:
         shape = _shape(a)
+        if a.swa_scratch and not shape.num_swa_layers:
+            raise SimUserError(
+                f"--swa-scratch: {shape.name} has no sliding-window layers (choose a model with them, e.g. "
+                "gpt-oss-20b, or give --window)"
+            )
         if a.plot:
             missing = matplotlib_missing()
             if missing:
