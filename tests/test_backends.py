@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 from conftest import CUDA_REASON, kv_layers, make_config, requires_cuda
 
-from kv_cache_manager_v2 import CuError, KVCacheManager, MemAddress
+from kv_cache_manager_v2 import CuError, KVCacheManager, MemAddress, OutOfMemoryError
 from kv_cache_manager_v2._config import BACKEND_ENV_VAR
 from kv_cache_manager_v2._storage._host_backend import HostBackend
 from kv_cache_manager_v2._storage._select import select_backend
+
+
+def test_a_disk_tier_larger_than_the_disk_is_out_of_memory(tmp_path: Path) -> None:
+    """The disk file cannot be allocated: OutOfMemoryError naming the directory (not ENOSPC), no file left."""
+    config = make_config(kv_layers(2), disk_quota=1 << 60, disk_path=str(tmp_path))  # 1 EiB
+    with pytest.raises(OutOfMemoryError, match=f"disk tier could not allocate .* in {tmp_path}"):
+        KVCacheManager(config)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_host_pool_read_write_copy_and_stable_base() -> None:

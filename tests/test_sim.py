@@ -4,12 +4,12 @@ data checks, and that the proxy-sized manager has the real shape's slot counts."
 from __future__ import annotations
 
 import json
-import os
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import TRACES, trace_id
 
 from kv_cache_manager_v2 import KVCacheManager, KVCacheManagerConfig
 from kv_cache_manager_v2.engine import KVCacheResourceManager
@@ -34,7 +34,6 @@ from kv_cache_manager_v2.sim._models import (
 from kv_cache_manager_v2.sim._replay import Replay
 from kv_cache_manager_v2.sim._workload import SimRequest
 
-TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces", "synthetic_trace.jsonl")
 ONE_AT_A_TIME = SchedulerOptions(max_batch=1, time_scale=0.0, prompt_only=True)
 SMALL = ModelShape("small", 4, 2, 16, "fp16")  # 256 bytes per token
 SWA = ModelShape("swa", 4, 2, 16, "fp16", window=48, swa_every=2, sinks=4)
@@ -67,16 +66,15 @@ def lru_hit_rate(records: list[dict[str, Any]], capacity_blocks: int) -> float:
     return hits / total
 
 
+@pytest.mark.parametrize("trace", TRACES, ids=trace_id)
 @pytest.mark.parametrize("capacity_tokens", [200_000, 1_000_000, 10**8])
-def test_trace_hit_rate_matches_plain_lru(capacity_tokens: int) -> None:
+def test_trace_hit_rate_matches_plain_lru(capacity_tokens: int, trace: str) -> None:
     """Oracle: one request at a time, 512-token blocks, prompts only, one GPU tier of a token capacity."""
-    if not os.path.exists(TRACE):
-        pytest.skip("shared/traces/synthetic_trace.jsonl is not beside the repository")
     n = 700
-    with open(TRACE) as f:
+    with open(trace) as f:
         records = [json.loads(line) for _, line in zip(range(n), f)]
     expected = lru_hit_rate(records, capacity_tokens // 512)
-    reqs = load_trace(TRACE, n)
+    reqs = load_trace(trace, n)
     rep = simulate(SMALL, gpu(capacity_tokens), 512, reqs, {}, ONE_AT_A_TIME)
     assert rep["requests"]["finished"] == n
     assert abs(rep["hit_rate"]["blocks"] - expected) <= 0.01, (rep["hit_rate"], expected)
@@ -211,16 +209,17 @@ def test_a_host_tier_raises_the_hit_rate() -> None:
     assert 0 < h["peak_occupied_fraction"] <= 1.0 and h["io_errors"] == 0
 
 
-def test_trace_with_a_host_tier_matches_lru_over_both_tiers() -> None:
+@pytest.mark.parametrize("trace", TRACES, ids=trace_id)
+def test_trace_with_a_host_tier_matches_lru_over_both_tiers(trace: str) -> None:
     """One request at a time, reusable blocks only: GPU + host behave like one LRU of both capacities."""
-    if not os.path.exists(TRACE):
-        pytest.skip("shared/traces/synthetic_trace.jsonl is not beside the repository")
     n = 700
-    with open(TRACE) as f:
+    with open(trace) as f:
         records = [json.loads(line) for _, line in zip(range(n), f)]
-    rep = simulate(SMALL, gpu(1_000_000) + host(2_000_000), 512, load_trace(TRACE, n), {}, ONE_AT_A_TIME)
+    rep = simulate(SMALL, gpu(1_000_000) + host(2_000_000), 512, load_trace(trace, n), {}, ONE_AT_A_TIME)
     assert abs(rep["hit_rate"]["blocks"] - lru_hit_rate(records, 3_000_000 // 512)) <= 0.01, rep["hit_rate"]
-    assert rep["hit_rate"]["by_tier"]["host"] > rep["hit_rate"]["by_tier"]["gpu"] > 0
+    # the GPU holds the most recent 1M tokens: what it serves is what an LRU of 1M tokens would hit
+    assert abs(rep["hit_rate"]["by_tier"]["gpu"] - lru_hit_rate(records, 1_000_000 // 512)) <= 0.01, rep["hit_rate"]
+    assert rep["hit_rate"]["by_tier"]["host"] > 0.01
 
 
 @pytest.mark.parametrize("shape", [SMALL, SWA], ids=["full", "swa"])
@@ -302,7 +301,19 @@ def test_too_long_requests_are_rejected_others_finish() -> None:
         SimRequest(2, 2.0, [(1, 200)], 200, 10, (1 << 31) + 200),
     ]
     rep = simulate(SMALL, gpu(1024), 16, reqs, {}, SchedulerOptions())
-    assert rep["requests"] == {"total": 3, "finished": 2, "rejected": 1, "rejected_examples": [1]}
+    assert rep["requests"] == {
+        "total": 3,
+        "finished": 2,
+        "rejected": 1,
+        "rejected_examples": [1],
+        "rejected_prompt_tokens": 5000,
+    }
+    hit = rep["hit_rate"]  # the rejected prompt is a miss over all requests
+    assert hit["tokens_all_requests"] == pytest.approx(rep["prefill"]["reused_tokens"] / 5500)
+    assert hit["blocks_all_requests"] == pytest.approx(rep["prefill"]["hit_blocks"] / (19 + 13 + 313))
+    load = rep["load"]
+    assert load["longest_request_tokens"] == 5010 and load["gpu_quota_admitting_all"] == "5.1ktok"
+    assert "rejected 1 of 3 requests as longer than the GPU tier holds" in load["warnings"][0]
 
 
 def _slots(config: KVCacheManagerConfig) -> list[int]:

@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import TRACE
 
 from kv_cache_manager_v2.sim import main
+from kv_cache_manager_v2.sim._cli import build_parser
 
 SMALL = ["--model", "custom", "--layers", "2", "--kv-heads", "1", "--head-dim", "16", "--tokens-per-block", "16"]
 TINY_LOAD = ["--conversations", "6", "--turns", "2", "--system-tokens", "300", "--user-tokens", "100"]
@@ -54,6 +56,8 @@ def one_line_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
         (["--requests", "-1"], "--requests must be >= 0"),
         (["--eviction-policy", "fifo"], "argument --eviction-policy: invalid choice: 'fifo'"),
         (["--gpu"], "argument --gpu: expected one argument"),
+        (["--gpu", "-1GiB"], "--gpu: '-1GiB' is negative"),
+        (["--host", "-5"], "--host: '-5' is negative"),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
@@ -276,3 +280,146 @@ def test_progress_bar_on_a_terminal(capsys: pytest.CaptureFixture[str], monkeypa
     code, out, err = run(capsys, *QUICK[:-1])
     assert code == 0 and "hit rate (tokens)" in out
     assert "replay" in err and "req" in err  # tqdm's bar (left behind in the captured stream)
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m kv_cache_manager_v2.sim ARGS`` in a child process."""
+    return subprocess.run(
+        [sys.executable, "-m", "kv_cache_manager_v2.sim", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def cli_error(*args: str, env: dict[str, str] | None = None) -> str:
+    """The one stderr line of a refused command line (exit code 2, nothing on stdout, no traceback)."""
+    proc = cli(*args, env=env)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr)
+    assert lines[0].startswith("kv-cache-sim: error: ") and proc.stdout == "", (proc.stdout, proc.stderr)
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--chunk", "-1"], "--chunk must be >= 0, got -1"),
+        (["--disk", "1GiB", "--disk-path", "/nonexistent/dir"], "--disk-path /nonexistent/dir: no such directory"),
+        (["--disk", "1GiB", "--disk-path", "{file}"], "--disk-path {file}: not a directory"),
+        (["--disk-path", "{dir}"], "--disk-path needs a disk tier: give --disk"),
+        (["--plot", "/nonexistent/x.png"], "--plot /nonexistent/x.png: its directory /nonexistent: no such directory"),
+        (["--json", "/nonexistent/x.json"], "--json /nonexistent/x.json: its directory /nonexistent: no such"),
+        (["--json", "{dir}"], "--json {dir}: is a directory"),
+        (["--replicas", "2", "--remote-url", "notaurl"], "--remote-url 'notaurl': write redis://HOST:PORT"),
+        (["--gpu", "99999999999999999999"], "is more than the 1 EiB a tier can have"),
+        (["--gpu", "100000000Mtok"], "'100000000Mtok' of llama-3-8b (128 KiB a token) is more than the 1 EiB"),
+        (["--gpu", "-1GiB"], "--gpu: '-1GiB' is negative"),
+        (["--gpu", "1000000TiB"], "cannot reserve the pools of --gpu 1000000TiB (not enough memory or address"),
+        (["--host", "1KiB"], "--host 1KiB cannot hold one block of llama-3-8b: one block of 32 tokens takes 4MiB"),
+        (["--disk", "10tok"], "--disk 10tok cannot hold one block of llama-3-8b: one block of 32 tokens takes 32tok"),
+        (["--trace", TRACE, "--seed", "3"], "--seed: for the built-in conversations, which --trace replaces; drop it"),
+        (["--trace", TRACE, "--turns", "2", "--rate", "1"], "--turns, --rate: for the built-in conversations"),
+        (["--swa-scratch"], "--swa-scratch: llama-3-8b has no sliding-window layers"),
+    ],
+)
+def test_misuse_is_one_line_and_exit_2(tmp_path: Path, args: list[str], says: str) -> None:
+    """Each misuse of issue #31, through a real process: one line on stderr, exit code 2, before any replay."""
+    (tmp_path / "file").write_text("x")
+    subst = {"{file}": str(tmp_path / "file"), "{dir}": str(tmp_path)}
+    args = [subst.get(x, x) for x in args]
+    for key, value in subst.items():
+        says = says.replace(key, value)
+    if "--plot" in args:
+        pytest.importorskip("matplotlib")
+    line = cli_error(*args, "--no-progress")
+    assert says in line, line
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_a_disk_path_where_no_file_can_be_made_names_the_path() -> None:
+    line = cli_error("--disk", "1GiB", "--disk-path", "/proc", "--no-progress")
+    assert "--disk-path /proc: cannot create the disk tier's file there" in line and "lower" not in line, line
+
+
+def test_a_redis_server_that_does_not_start_is_one_line() -> None:
+    line = cli_error("--replicas", "2", "--no-progress", env={"KVCM_REDIS_SERVER": "/bin/false"})
+    assert "--replicas: cannot start a private redis-server" in line and "give --remote-url" in line, line
+
+
+def test_help_tells_each_default_once() -> None:
+    parser = build_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        text = formatter._format_action(action)
+        assert text.count("(default") <= 1, text
+        assert "(default: None)" not in text and "(default: [" not in text, text
+    help_text = " ".join(cli("--help").stdout.split())
+    assert "--seed SEED built-in: random seed (default: 0)" in help_text
+    assert "(default: a temporary one)" in help_text and "a bare number is GiB" in help_text
+
+
+def test_sweep_counts_rejected_prompts_as_misses(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Small quotas reject the longer requests: every sweep point's hit rates are over the same requests
+    (rejected prompts as misses), so they cannot rise because requests left the denominator."""
+    quotas = "gpu=600tok,5000tok,40000tok"
+    code, out, _ = run(capsys, *QUICK, "--sweep", quotas, "--json")
+    assert code == 0
+    points = json.loads(out)["sweep"]["points"]
+    rejected = [p["requests"]["rejected"] for p in points]
+    assert rejected[0] > rejected[-1] == 0 and rejected[0] < points[0]["requests"]["total"], rejected
+    every = {p["prefill"]["prompt_tokens"] + p["requests"]["rejected_prompt_tokens"] for p in points}
+    assert len(every) == 1  # one denominator
+    for p in points:
+        hit = p["hit_rate"]
+        assert hit["tokens_all_requests"] == pytest.approx(p["prefill"]["reused_tokens"] / every.copy().pop())
+        assert hit["tokens_all_requests"] <= hit["tokens"] and hit["blocks_all_requests"] <= hit["blocks"]
+        assert (hit["tokens_all_requests"] == hit["tokens"]) == (p["requests"]["rejected"] == 0)
+    all_requests = [p["hit_rate"]["tokens_all_requests"] for p in points]
+    assert all_requests == sorted(all_requests), all_requests
+    code, out, _ = run(capsys, *QUICK, "--sweep", quotas)
+    assert code == 0
+    head, *rows = out.splitlines()[1:6]
+    assert "rejected" in head and "admitted" in head and "time" in head
+    for row, p in zip(rows, points):
+        assert f"{p['hit_rate']['tokens_all_requests']:.3f}" in row and f"{p['requests']['rejected']:,}" in row
+    assert "warning: requests rejected (too long for the GPU tier) at gpu 600tok\n" in out
+    code, out, _ = run(capsys, *QUICK, "--gpu", "600tok")
+    assert code == 0 and "over all requests" in out and "rejected prompts count as misses" in out
+    code, out, _ = run(capsys, *QUICK, "--gpu", "600tok", "--json")
+    admit = json.loads(out)["load"]["gpu_quota_admitting_all"]
+    assert admit == "1.1ktok"  # the longest request: 993 tokens + a block, rounded up
+    code, out, _ = run(capsys, *QUICK, "--gpu", admit, "--json")
+    assert code == 0 and json.loads(out)["requests"]["rejected"] == 0
+
+
+OVERLOAD = [*SMALL, "--conversations", "40", "--turns", "2", "--system-tokens", "200", "--user-tokens", "200"]
+OVERLOAD += ["--output-tokens", "100", "--rate", "20", "--tokens-per-s", "1e7", "--no-progress"]
+
+
+def test_overload_warning_suggests_a_quota_that_keeps_up(capsys: pytest.CaptureFixture[str]) -> None:
+    """Many arrivals on a small GPU tier: requests queue, the replay takes far longer than the workload's
+    span, and the warning suggests a quota; with that quota the engine keeps up."""
+    code, out, _ = run(capsys, *OVERLOAD, "--gpu", "1000tok", "--json")
+    assert code == 0
+    load = json.loads(out)["load"]
+    assert load["overloaded"] and load["simulated_s"] > 1.2 * load["trace_span_s"] > 0
+    assert load["wait_s"]["p99"] > 1.0 and load["suggested_gpu_quota"].endswith("tok")
+    assert any("overloaded" in w and f"--gpu {load['suggested_gpu_quota']}" in w for w in load["warnings"])
+    code, out, _ = run(capsys, *OVERLOAD, "--gpu", "1000tok")
+    assert code == 0 and "warning: the simulated engine is overloaded" in out and ", overloaded)" in out
+    code, out, _ = run(capsys, *OVERLOAD, "--gpu", load["suggested_gpu_quota"], "--json")
+    fit = json.loads(out)["load"]
+    assert code == 0 and not fit["overloaded"] and fit["warnings"] == [] and fit["suggested_gpu_quota"] is None
+    assert fit["wait_s"]["p99"] < load["wait_s"]["p99"]
+    code, out, _ = run(capsys, *OVERLOAD, "--gpu", "1000tok", "--time-scale", "0", "--json")
+    assert not json.loads(out)["load"]["overloaded"]  # everything at once: no span to keep up with
+
+
+def test_sweep_plot_with_rejections_and_overload(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "sweep.png"
+    code, out, _ = run(capsys, *OVERLOAD, "--sweep", "gpu=400tok,1000tok,20000tok", "--plot", str(path))
+    assert code == 0 and "overloaded at gpu" in out
+    _png(path)

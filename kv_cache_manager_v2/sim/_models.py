@@ -9,6 +9,7 @@ replay reserves, copies and writes only a few bytes per block.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import cast
@@ -33,6 +34,9 @@ from .._config import (
 PROXY_RECORD_BYTES = 4
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 GIB = 1 << 30
+#: the largest tier quota the simulator takes (1 EiB; the proxy pools are far smaller, but the
+#: arithmetic and the messages stay sane)
+MAX_QUOTA_BYTES = 1 << 60
 
 
 @mypyc_attr(native_class=False)
@@ -178,6 +182,8 @@ class Quota:
 
 def parse_quota(option: str, text: str) -> Quota:
     """``16`` or ``16GiB`` (GiB), ``512MiB``, ``2GB``, or tokens: ``3Mtok``, ``300k tokens``, ``65536tok``."""
+    if text.strip().startswith("-"):
+        raise SimUserError(f"{option}: {text.strip()!r} is negative; give a size such as 16GiB or 3Mtok")
     m = _QUOTA_RE.match(text)
     if m is None:
         raise SimUserError(f"{option}: cannot read {text!r}; write e.g. 16GiB, 512MiB or 3Mtok (tokens)")
@@ -204,7 +210,49 @@ def parse_quota(option: str, text: str) -> Quota:
     value = number * mult
     if value < 1:
         raise SimUserError(f"{option}: {text!r} is less than one byte")
+    if value > MAX_QUOTA_BYTES:
+        raise SimUserError(f"{option}: {text!r} is more than the 1 EiB a tier can have")
     return Quota(float(int(value)), False, text.strip() + ("GiB" if not unit else ""))
+
+
+def quota_bytes(option: str, quota: Quota, shape: ModelShape) -> int:
+    """``quota`` in the model's bytes; SimUserError beyond MAX_QUOTA_BYTES (e.g. a huge token count)."""
+    n = quota.bytes_for(shape)
+    if n > MAX_QUOTA_BYTES:
+        raise SimUserError(
+            f"{option}: {quota.text!r} of {shape.name} ({format_bytes(shape.bytes_per_token)} a token) is more "
+            "than the 1 EiB a tier can have"
+        )
+    return n
+
+
+def is_token_quota(text: str) -> bool:
+    """Whether a quota as the user wrote it counts tokens (``3Mtok``, ``300k tokens``)."""
+    return text.replace(" ", "").lower().rstrip("s").endswith(("tok", "token"))
+
+
+def _round_up(value: float) -> str:
+    """``value`` rounded up to two significant digits (at least 1), as a short number."""
+    if value <= 1:
+        return "1"
+    digits = 1 - math.floor(math.log10(value))  # decimals that keep two significant digits
+    step = 10.0**-digits
+    return f"{round(math.ceil(round(value / step, 6)) * step, max(digits, 0)):g}"
+
+
+def format_quota(nbytes: float, shape: ModelShape, tokens: bool) -> str:
+    """A quota of at least ``nbytes`` in the units the user writes: tokens (``1.3Mtok``) or bytes
+    (``53GiB``, ``640MiB``), rounded up to two significant digits."""
+    if tokens:
+        n = math.ceil(nbytes / shape.bytes_per_token)
+        for suffix, size in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+            if n >= size:
+                return f"{_round_up(n / size)}{suffix}tok"
+        return f"{_round_up(n)}tok"
+    for unit, size in (("TiB", 1 << 40), ("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{_round_up(nbytes / size)}{unit}"
+    return f"{_round_up(nbytes)}B"
 
 
 def format_bytes(n: float) -> str:
@@ -280,8 +328,14 @@ def manager_config(
     if gpu.quota_bytes < min_bytes:
         raise SimUserError(
             f"--gpu {gpu.text} cannot hold one block of {shape.name}: one block of {t} tokens takes "
-            f"{format_bytes(min_bytes)}; raise --gpu or lower --tokens-per-block"
+            f"{format_quota(min_bytes, shape, is_token_quota(gpu.text))}; raise --gpu or lower --tokens-per-block"
         )
+    for tier in tiers[1:]:  # a lower tier must hold one page of every pool group: one block of every layer
+        if tier.quota_bytes < min_bytes:
+            raise SimUserError(
+                f"--{tier.kind} {tier.text} cannot hold one block of {shape.name}: one block of {t} tokens "
+                f"takes {format_quota(min_bytes, shape, is_token_quota(tier.text))}; raise --{tier.kind}"
+            )
     configs: list[CacheTierConfig] = []
     for tier in tiers:
         proxy = tier.quota_bytes * page_bytes // real_page

@@ -102,6 +102,13 @@ class ReplayResult:
     finished: int = 0
     rejected: int = 0
     rejected_lines: list[int] = field(default_factory=list)  #: trace lines (else workload indices) of the first five
+    rejected_prompt_tokens: int = 0  #: prompts of rejected requests (misses in the all-requests hit rates)
+    rejected_prompt_blocks: int = 0
+    longest_request_tokens: int = 0  #: the longest prompt + output of the workload (what a GPU tier must hold)
+    trace_span_ms: float = 0.0  #: the last arrival time (times time_scale)
+    #: most tokens (prompt + output) held at once if every request ran alone from its arrival on
+    #: (see ideal_peak_tokens): about what a GPU tier needs for the engine to keep up
+    ideal_peak_tokens: int = 0
     prompt_tokens: int = 0  #: prompt tokens of first admissions
     reused_tokens: int = 0  #: of those, taken from the cache
     prompt_blocks: int = 0
@@ -118,6 +125,7 @@ class ReplayResult:
     preempted_recompute: int = 0
     resumed: int = 0
     sim_time_ms: float = 0.0
+    wait_ms: array[float] = field(default_factory=lambda: array("d"))  #: arrival to first admission, per request
     wall_s: float = 0.0
     manager_s: float = 0.0  #: CPU time inside adapter calls
     request_steps: int = 0  #: (request, step) pairs served
@@ -135,6 +143,31 @@ class ReplayResult:
     records_checked: int = 0  #: --check-data
     layer_by_layer_steps: int = 0  #: --check-data steps with SWA scratch blocks (checked layer by layer)
     blocks_replayed: int = 0  #: blocks of prompt + output over all finished requests (replay speed)
+
+
+def ideal_peak_tokens(requests: Sequence[SimRequest], options: SchedulerOptions) -> int:
+    """The most tokens held at once if every request were served from its arrival without waiting:
+    its prefill chunks and decode steps one step each, at ``step_ms`` plus its own tokens, holding
+    its whole prompt + output meanwhile (no reuse assumed). The memory an engine needs to keep up
+    with the arrivals (a rough upper bound of it; compute aside)."""
+    o = options
+    events: list[tuple[float, int]] = []
+    per_token_ms = 1000.0 / o.tokens_per_s
+    for sim in requests:
+        p = sim.prompt_length
+        out = 1 if o.prompt_only else sim.output_length
+        chunks = (p + o.chunk - 1) // o.chunk if o.chunk else 1
+        duration = chunks * o.step_ms + p * per_token_ms + (out - 1) * (o.step_ms + per_token_ms)
+        start = sim.arrival_ms * o.time_scale
+        events.append((start, p + out))
+        events.append((start + duration, -(p + out)))
+    events.sort(key=lambda e: (e[0], e[1]))  # a request that ends frees its memory before one starts
+    held = peak = 0
+    for _, k in events:
+        held += k
+        if held > peak:
+            peak = held
+    return peak
 
 
 class _Live:
@@ -174,6 +207,11 @@ class Replay:
         self.on_step = on_step  #: called after every step (tests run the invariant checker there)
         self.on_finish = on_finish  #: called once at the end, before the manager is shut down (final metrics)
         self.result = ReplayResult(self.t, num_requests=len(requests))
+        for sim in requests:
+            self.result.trace_span_ms = max(self.result.trace_span_ms, sim.arrival_ms * options.time_scale)
+            need = sim.prompt_length + (1 if options.prompt_only else sim.output_length)
+            self.result.longest_request_tokens = max(self.result.longest_request_tokens, need)
+        self.result.ideal_peak_tokens = ideal_peak_tokens(requests, options)
         self.clock = 0.0
         self.arrivals: list[tuple[float, int]] = []
         self.successors: dict[int, list[int]] = {}
@@ -226,6 +264,9 @@ class Replay:
     def _reject(self, live: _Live) -> None:
         r = self.result
         r.rejected += 1
+        n = live.sim.prompt_length
+        r.rejected_prompt_tokens += n
+        r.rejected_prompt_blocks += (n + self.t - 1) // self.t
         if len(r.rejected_lines) < 5:
             r.rejected_lines.append(live.sim.source_line or live.sim.index)
         self.live.pop(live.sim.index, None)
@@ -340,6 +381,7 @@ class Replay:
             r.readmitted_reused_tokens += reused
             return
         live.admitted = True
+        r.wait_ms.append(self.clock - live.arrival_ms)
         n = len(req.prompt_tokens)
         t = self.t
         blocks = (n + t - 1) // t

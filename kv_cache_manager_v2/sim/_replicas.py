@@ -106,16 +106,16 @@ def merge_results(results: Sequence[ReplayResult]) -> ReplayResult:
         values = [getattr(r, f.name) for r in results]
         if f.name in ("tokens_per_block",):
             continue
-        if f.name in ("max_batch", "sim_time_ms"):
+        if f.name in ("max_batch", "sim_time_ms", "trace_span_ms", "longest_request_tokens", "ideal_peak_tokens"):
             setattr(out, f.name, max(values))
         elif isinstance(values[0], (int, float)) and not isinstance(values[0], bool):
             setattr(out, f.name, sum(values))
         elif f.name == "rejected_lines":
             setattr(out, f.name, [x for v in values for x in v][:5])
-        elif f.name == "step_us":
-            steps = out.step_us
+        elif f.name in ("step_us", "wait_ms"):
+            merged = getattr(out, f.name)
             for v in values:
-                steps.extend(v)
+                merged.extend(v)
     out.num_requests = first.num_requests  # every replica saw the whole list
     for name in ("series_t_s", "series_used", "series_cached", "series_hit", "series_running"):
         getattr(out, name).extend(getattr(first, name))

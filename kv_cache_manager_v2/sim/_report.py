@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._models import ModelShape, TierSpec, format_bytes, format_count
+from ._models import ModelShape, TierSpec, format_bytes, format_count, format_quota, is_token_quota
 from ._replay import ReplayResult, SchedulerOptions
 
 SCHEMA = "kv-cache-sim/2"
 MAX_SERIES_POINTS = 400
+#: overloaded: the replay took more than this many times the trace's span (plus OVERLOAD_SLACK_S)
+OVERLOAD_RATIO = 1.2
+OVERLOAD_SLACK_S = 10.0
 
 
 def _ratio(a: float, b: float) -> float:
@@ -69,6 +72,8 @@ def build_report(
             }
         )
     hit_blocks = _ratio(r.hit_blocks, r.prompt_blocks)
+    all_tokens = r.prompt_tokens + r.rejected_prompt_tokens
+    all_blocks = r.prompt_blocks + r.rejected_prompt_blocks
     steps = sorted(r.step_us)
     recomputed = r.readmitted_tokens - r.readmitted_reused_tokens
     return {
@@ -105,10 +110,16 @@ def build_report(
             "rejected": r.rejected,
             # trace lines (built-in workload: request indices) of the first rejected requests
             "rejected_examples": list(r.rejected_lines),
+            "rejected_prompt_tokens": r.rejected_prompt_tokens,
         },
         "hit_rate": {
+            # over the admitted requests' prompts
             "tokens": _ratio(r.reused_tokens, r.prompt_tokens),
             "blocks": hit_blocks,
+            # over every request of the workload, rejected prompts counting as misses: the same
+            # denominator at every quota (compare these across a sweep)
+            "tokens_all_requests": _ratio(r.reused_tokens, all_tokens),
+            "blocks_all_requests": _ratio(r.hit_blocks, all_blocks),
             # split by the tier each reused block was found in at admission (they add up to the totals)
             "by_tier": {t.kind: _ratio(u.hit_blocks, r.prompt_blocks) for t, u in zip(tiers, r.levels)},
             "tokens_by_tier": {t.kind: _ratio(u.reused_tokens, r.prompt_tokens) for t, u in zip(tiers, r.levels)},
@@ -124,6 +135,7 @@ def build_report(
         "decode": {"output_tokens": r.output_tokens, "computed_tokens": r.decode_computed},
         "tiers": tier_rows,
         "preemptions": {"suspend": r.preempted_suspend, "recompute": r.preempted_recompute, "resumed": r.resumed},
+        "load": _load(r, shape, tiers, options),
         "manager": {
             "reused_blocks": r.reused_blocks,
             "missed_blocks": r.missed_blocks,
@@ -156,6 +168,66 @@ def build_report(
             "hit_rate_tokens": _downsample(list(r.series_hit), MAX_SERIES_POINTS),
             "running": _downsample(list(r.series_running), MAX_SERIES_POINTS),
         },
+    }
+
+
+def _load(r: ReplayResult, shape: ModelShape, tiers: list[TierSpec], options: SchedulerOptions) -> dict[str, Any]:
+    """Whether the simulated engine kept up with the arrivals, and a GPU quota that would fit."""
+    span_s = r.trace_span_ms / 1000.0
+    sim_s = r.sim_time_ms / 1000.0
+    waits = sorted(x / 1000.0 for x in r.wait_ms)
+    computed = r.prefill_computed + r.decode_computed
+    compute_s = computed / options.tokens_per_s
+    overloaded = span_s > 0 and sim_s > OVERLOAD_RATIO * span_s + OVERLOAD_SLACK_S
+    gpu = tiers[0]
+    in_tokens = is_token_quota(gpu.text)
+    bpt = shape.bytes_per_token
+    t = r.tokens_per_block
+    longest_bytes = (r.longest_request_tokens + t) * bpt  # its blocks, one more for alignment
+    fit_bytes = max(r.ideal_peak_tokens * bpt / (1.0 - options.watermark), longest_bytes)
+    suggested = format_quota(fit_bytes, shape, in_tokens) if fit_bytes > gpu.quota_bytes else None
+    admits_all = format_quota(longest_bytes, shape, in_tokens)
+    warnings: list[str] = []
+    if r.rejected:
+        warnings.append(
+            f"rejected {r.rejected:,} of {r.num_requests:,} requests as longer than the GPU tier holds (the longest needs "
+            f"{format_count(r.longest_request_tokens)} tokens; --gpu {admits_all} admits every one); their "
+            "prompts count as misses in the hit rates over all requests"
+        )
+    if overloaded:
+        msg = (
+            f"the simulated engine is overloaded: {sim_s:,.0f} s simulated for {span_s:,.0f} s of arrivals "
+            f"(x{sim_s / span_s:.1f}; requests waited {_percentile(waits, 0.5):,.0f} s at p50, "
+            f"{_percentile(waits, 0.99):,.0f} s at p99 before admission)"
+        )
+        if compute_s > 0.9 * span_s:
+            msg += (
+                f"; computing its {format_count(computed)} tokens at --tokens-per-s {options.tokens_per_s:g} "
+                f"alone takes {compute_s:,.0f} s: raise --tokens-per-s (or spread arrivals with --time-scale)"
+            )
+        if suggested is not None:
+            msg += (
+                f"; the requests in flight at their arrival times hold up to {format_count(r.ideal_peak_tokens)} "
+                f"tokens: --gpu {suggested} holds them all even without reuse"
+            )
+        warnings.append(msg)
+    return {
+        "trace_span_s": span_s,
+        "simulated_s": sim_s,
+        "time_ratio": _ratio(sim_s, span_s),
+        "overloaded": overloaded,
+        "wait_s": {
+            "mean": _ratio(sum(waits), len(waits)),
+            "p50": _percentile(waits, 0.5),
+            "p99": _percentile(waits, 0.99),
+            "max": waits[-1] if waits else 0.0,
+        },
+        "compute_s": compute_s,
+        "ideal_peak_tokens": r.ideal_peak_tokens,
+        "longest_request_tokens": r.longest_request_tokens,
+        "gpu_quota_admitting_all": admits_all,  #: a GPU quota that rejects no request
+        "suggested_gpu_quota": suggested,
+        "warnings": warnings,
     }
 
 
@@ -227,6 +299,17 @@ def format_report(rep: dict[str, Any]) -> str:
             f"{hit['blocks']:.3f}  ({format_count(pre['hit_blocks'])} of {format_count(pre['prompt_blocks'])} prompt blocks)"
             + _by_tier(hit["by_tier"]),
         ),
+        *(
+            [
+                _row(
+                    "over all requests",
+                    f"{hit['tokens_all_requests']:.3f} tokens, {hit['blocks_all_requests']:.3f} blocks "
+                    f"(the {req['rejected']:,} rejected prompts count as misses)",
+                )
+            ]
+            if req["rejected"]
+            else []
+        ),
         _row(
             "prefill tokens",
             f"{format_count(pre['reused_tokens'])} saved, {format_count(pre['computed_tokens'])} computed"
@@ -256,6 +339,7 @@ def format_report(rep: dict[str, Any]) -> str:
             f"{rp['steps']:,} (largest batch {rp['max_batch']}); preemptions: {pm['suspend']:,} suspended "
             f"({pm['resumed']:,} resumed), {pm['recompute']:,} recomputed",
         ),
+        _row("load", _load_text(rep["load"])),
         "manager CPU time",
         _row(
             "per step",
@@ -270,15 +354,29 @@ def format_report(rep: dict[str, Any]) -> str:
     ]
     if rep["data_check"] is not None:
         lines.append(_row("data check", f"passed: {rep['data_check']['records_checked']:,} records checked"))
+    lines += [f"warning: {w}" for w in rep["load"]["warnings"]]
     return "\n".join(lines)
 
 
+def _load_text(load: dict[str, Any]) -> str:
+    w = load["wait_s"]
+    head = f"waited before admission: p50 {w['p50']:,.1f} s, p99 {w['p99']:,.1f} s"
+    if not load["trace_span_s"]:
+        return head
+    return (
+        f"{load['simulated_s']:,.0f} s simulated for {load['trace_span_s']:,.0f} s of arrivals "
+        f"(x{load['time_ratio']:.2f}{', overloaded' if load['overloaded'] else ''}); " + head
+    )
+
+
 def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
-    """One line per sweep point: capacity, eviction policy, hit rates, peak use, preemptions, pages
-    dropped (all tiers)."""
+    """One line per sweep point: capacity, eviction policy, hit rates over every request (rejected
+    prompts are misses, so every point has the same denominator) and over the admitted ones,
+    rejected requests, peak use, preemptions, pages dropped (all tiers), simulated time / trace span;
+    then what to make of overloaded points."""
     head = (
-        f"{key + ' quota':<14}{'tokens':>12}  {'policy':<10}{'hit(tok)':>10}{'hit(blk)':>10}{'peak use':>10}"
-        f"{'preempt':>9}{'dropped':>10}"
+        f"{key + ' quota':<14}{'tokens':>12}  {'policy':<10}{'hit(tok)':>10}{'hit(blk)':>10}{'admitted':>10}"
+        f"{'rejected':>10}{'peak use':>10}{'preempt':>9}{'dropped':>10}{'time':>8}"
     )
     lines = [head]
     level = {"gpu": 0, "host": 1, "disk": 2}[key]
@@ -287,10 +385,43 @@ def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
         gpu = rep["tiers"][0]
         dropped = sum(t["dropped_pages"] for t in rep["tiers"])
         pm = rep["preemptions"]
+        hit = rep["hit_rate"]
+        load = rep["load"]
+        ratio = f"x{load['time_ratio']:.1f}" + ("!" if load["overloaded"] else " ") if load["trace_span_s"] else "-"
         lines.append(
             f"{tier['quota']:<14}{format_count(tier['capacity_tokens']):>12}  {rep['eviction_policy']:<10}"
-            f"{rep['hit_rate']['tokens']:>10.3f}"
-            f"{rep['hit_rate']['blocks']:>10.3f}{gpu['peak_used_fraction']:>10.0%}{pm['suspend'] + pm['recompute']:>9,}"
-            f"{format_count(dropped):>10}"
+            f"{hit['tokens_all_requests']:>10.3f}{hit['blocks_all_requests']:>10.3f}{hit['tokens']:>10.3f}"
+            f"{rep['requests']['rejected']:>10,}{gpu['peak_used_fraction']:>10.0%}{pm['suspend'] + pm['recompute']:>9,}"
+            f"{format_count(dropped):>10}{ratio:>8}"
         )
+    lines.append(
+        "hit(tok), hit(blk): over all requests (rejected prompts count as misses); admitted: token hit rate of "
+        "the admitted requests only; time: simulated time / trace span (!: overloaded)"
+    )
+    lines += _sweep_advice(key, reports)
     return "\n".join(lines)
+
+
+def _sweep_advice(key: str, reports: list[dict[str, Any]]) -> list[str]:
+    """Warnings for rejected requests and overloaded points, and the smallest quota that does neither."""
+    level = {"gpu": 0, "host": 1, "disk": 2}[key]
+    quota = [rep["tiers"][min(level, len(rep["tiers"]) - 1)]["quota"] for rep in reports]
+    out: list[str] = []
+    rejecting = [q for q, rep in zip(quota, reports) if rep["requests"]["rejected"]]
+    if rejecting:
+        out.append(
+            f"warning: requests rejected (too long for the GPU tier) at {key} {', '.join(dict.fromkeys(rejecting))}"
+        )
+    overloaded = [q for q, rep in zip(quota, reports) if rep["load"]["overloaded"]]
+    if not overloaded:
+        return out
+    out.append(f"warning: the simulated engine is overloaded at {key} {', '.join(dict.fromkeys(overloaded))}")
+    fine = [q for q, rep in zip(quota, reports) if not rep["load"]["overloaded"] and not rep["requests"]["rejected"]]
+    if fine:
+        out.append(f"  the smallest {key} quota of this sweep that keeps up and rejects nothing: {fine[0]}")
+    else:
+        last = reports[-1]["load"]
+        note = [w for w in last["warnings"] if w.startswith("the simulated engine")]
+        if note:
+            out.append(f"  at {key} {quota[-1]}: {note[0]}")
+    return out
