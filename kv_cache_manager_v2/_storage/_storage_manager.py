@@ -259,7 +259,7 @@ class StorageManager:
             for size in layout.slot_sizes:
                 nbytes = num_slots * size
                 if isinstance(cfg, DiskCacheTierConfig):
-                    pools.append(DiskPool(cfg.path, nbytes))
+                    pools.append(DiskPool(cfg.path, nbytes, size))
                 elif cfg.tier is CacheTier.HOST_MEM:
                     host = self.backend.reserve_host_pool(max_slots * size)
                     pools.append(host)
@@ -792,6 +792,9 @@ class StorageManager:
                 out[i] += n
                 out[3 + i] += n * b
             out[6] += s.num_io_errors
+            for pool in s.pools:
+                if isinstance(pool, DiskPool):  # handed-off slots the remote writer found damaged
+                    out[6] += pool.num_unsent
         return out
 
     def _bytes(self, level: int, per_group: list[int]) -> int:
