@@ -112,6 +112,8 @@ class CacheContext:
         Tree nodes and pages are not tracked by the cyclic garbage collector (see ``Node``), so
         this is also what breaks their reference cycles when a manager goes away."""
         storage = self.storage
+        if storage.persist is not None:
+            storage.write_back()  # what the GPU and host tiers hold survives the restart too
         storage.flush_write_through()
         # queued remote writes get a moment to reach the server; the writer must be done with
         # handed-off slots before their memory goes (if it hangs, the memory is kept: logged)

@@ -15,15 +15,18 @@ from .._common import (
     BlockTokens,
     CacheLevel,
     LifeCycleId,
+    PoolGroupIndex,
     Priority,
     RequestSerial,
     ReuseScope,
+    SlotId,
     TokenIdExt,
 )
 from .._events import KVCacheEventManager
 from .._life_cycle_registry import LifeCycle
 from .._page import Page
-from .._storage._storage_manager import PageDropListener, StorageManager
+from .._storage._persist import DiskRecord
+from .._storage._storage_manager import PageDropListener, PoolGroupStorage, StorageManager
 from .._typed import TypedList
 from ._keys import BlockHasher, BlockKey, block_key, scope_key, validate_tokens
 
@@ -127,8 +130,8 @@ class Node:
         self.num_extenders = 0
         #: no page of this node or below it evicts after an anchor page of this node or above it
         self.prio_cap: Priority = parent.prio_cap if parent is not None else MAX_PRIORITY
-        #: a root's ``(lora_id, salt)``
-        self.scope: tuple[int | None, int | None] | None = None
+        #: the scope's ``(lora_id, salt)`` (set on roots, inherited; a persistent disk tier records it)
+        self.scope: tuple[int | None, int | None] | None = parent.scope if parent is not None else None
         rawref.untrack(self)
 
     def page(self, lc: int) -> Page | None:
@@ -367,6 +370,96 @@ class ReuseTree(PageDropListener):
                 pages[lc] = theirs
                 mine.release(locked)
         return node
+
+    # ------------------------------------------------------------------ a persistent disk tier
+    def adopt(
+        self,
+        records: list[list[DiskRecord]],
+        storages: TypedList[PoolGroupIndex, PoolGroupStorage],
+        lc_group: TypedList[LifeCycleId, PoolGroupIndex],
+    ) -> int:
+        """Publish the pages a persistent disk tier kept from a previous manager: ``records[g]`` are
+        the valid records of pool group ``g`` (slots already taken in ``storages``). A record whose
+        chain of parent blocks does not reach its scope's root through other records, whose layer
+        group is not of that pool group, or which repeats a (block, layer group) has its slot freed.
+        Pages become reusable (DROPPABLE) oldest first, so eviction order follows their write order;
+        subscribers hear of each (stored at the disk medium). Returns the pages adopted."""
+        num_lcs = len(self.life_cycles)
+        by_key: dict[bytes, DiskRecord] = {}
+        for found in records:
+            for r in found:
+                by_key.setdefault(r.key, r)
+        nodes: dict[bytes, Node | None] = {}
+        roots: dict[tuple[int | None, int | None], Node] = {}
+        found_nodes: list[tuple[int, int, Node, DiskRecord]] = []
+        for g, found in enumerate(records):
+            for r in found:
+                ident = (r.lora_id, r.salt)
+                root = roots.get(ident)
+                if root is None:
+                    root = self.root(ReuseScope(r.lora_id, r.salt), True)
+                    assert root is not None
+                    roots[ident] = root
+                    nodes[root.key] = root
+                node = self._adopted_node(r.key, by_key, nodes)
+                lc = r.life_cycle
+                if node is None or lc >= num_lcs or lc_group.items[lc] != g:
+                    storages.items[g].allocator.free(SlotId(r.slot))
+                    continue
+                found_nodes.append((node.ordinal, len(found_nodes), node, r))
+        found_nodes.sort(key=lambda x: (x[0], x[1]))  # ancestors first: their anchors cap descendants
+        placed: list[tuple[int, int, Page]] = []
+        write_through = self.write_through
+        self.write_through = None  # what a previous manager wrote is not sent again
+        try:
+            for _, _, node, r in found_nodes:
+                lc = r.life_cycle
+                st = storages.items[lc_group.items[lc]]
+                if node.page(lc) is not None:  # a second record of the block: the slot is free
+                    st.allocator.free(SlotId(r.slot))
+                    continue
+                page = Page(st, SlotId(r.slot), LifeCycleId(lc), Priority(min(r.priority, MAX_PRIORITY)), True)
+                parent = node.parent
+                assert parent is not None
+                pages: list[Page | None] = [None] * num_lcs
+                pages[lc] = page
+                self.publish(parent, node.tokens, pages, True, RequestSerial(0), node.key)
+                placed.append((r.seq, len(placed), page))
+        finally:
+            self.write_through = write_through
+        placed.sort(key=lambda x: (x[0], x[1]))
+        for _, _, page in placed:  # oldest first: the evictors list them in write order
+            page.release(True)
+        for n in nodes.values():  # nodes made for rejected records only
+            if n is not None and n.parent is not None and n.is_removable:
+                self.prune(n)
+        for root in roots.values():
+            self.prune(root)
+        return len(placed)
+
+    @staticmethod
+    def _adopted_node(key: bytes, by_key: dict[bytes, DiskRecord], nodes: dict[bytes, Node | None]) -> Node | None:
+        """The node of block ``key`` (made, with its missing ancestors, from their records); None when
+        its chain does not reach a root of ``nodes``."""
+        chain: list[DiskRecord] = []
+        k = key
+        while k not in nodes:
+            r = by_key.get(k)
+            if r is None or len(chain) > len(by_key):  # a missing ancestor (or a cycle of bad records)
+                break
+            chain.append(r)
+            k = r.parent
+        parent = nodes.get(k)
+        if parent is None:
+            for r in chain:
+                nodes[r.key] = None
+            return None
+        for r in reversed(chain):
+            child = Node(r.key, parent, cast(BlockTokens, r.tokens), len(parent.pages))
+            parent.add_child(child)
+            nodes[r.key] = child
+            parent = child
+        return parent
 
     # ------------------------------------------------------------------ removal
     def page_dropped(self, page: Page) -> None:

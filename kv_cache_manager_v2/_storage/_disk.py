@@ -42,16 +42,20 @@ NO_CHECKSUM: Final = -1
 
 class DiskPool(Pool):
     """A file created owner-only (mode 0600) in ``directory`` and unlinked at once: nobody else can
-    open it, and it disappears with the process. Space is allocated up front (``posix_fallocate``
-    where the file system supports it), so a write never finds the disk full.
+    open it, and it disappears with the process (a persistent tier passes ``file_path``: that file is
+    kept). Space is allocated up front (``posix_fallocate`` where the file system supports it), so a
+    write never finds the disk full. ``sums`` holds each slot's checksum (see the module doc).
 
     ``error_hook`` (None by default) is consulted before every I/O; tests use it to inject
     failures, which behave exactly like an ``OSError`` from the file system.
     """
 
-    def __init__(self, directory: str, nbytes: int, slot_size: int) -> None:
-        fd, path = tempfile.mkstemp(prefix="kv-cache-", suffix=".pool", dir=directory)
-        os.unlink(path)
+    def __init__(self, directory: str, nbytes: int, slot_size: int, file_path: str | None = None) -> None:
+        if file_path is None:
+            fd, path = tempfile.mkstemp(prefix="kv-cache-", suffix=".pool", dir=directory)
+            os.unlink(path)
+        else:  # a persistent tier's file: kept, its bytes read back by the next manager
+            fd = os.open(file_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self.fd = fd
         self.directory = directory
         self.reserved_bytes = 1 << 62  # a file can always grow; only the disk limits it
