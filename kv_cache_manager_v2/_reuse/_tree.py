@@ -211,6 +211,10 @@ class Node:
         return self._children is None and self.num_extenders == 0 and not self.has_pages()
 
 
+def _first(item: tuple[int, Page]) -> int:
+    return item[0]
+
+
 def common_prefix_len(a: Sequence[TokenIdExt], b: Sequence[TokenIdExt]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -341,23 +345,7 @@ class ReuseTree(PageDropListener):
             theirs = node.page(lc)
             if theirs is None:
                 if mine is not None and mine.node is None:  # owned by the request
-                    if mine.priority > cap:
-                        mine.set_priority(cap)
-                    mine.node = node
-                    node.pages[lc] = rawref.ref(mine)
-                    anchor = self.life_cycles.items[lc].is_anchor(node.ordinal)
-                    mine.anchor = anchor
-                    if anchor and mine.priority < node.prio_cap:
-                        node.prio_cap = mine.priority
-                    history = mine.storage.history
-                    if history is not None:
-                        history.use(mine, serial)
-                    sink = self.event_sink
-                    if sink is not None:
-                        sink.block_stored(node, lc, mine)
-                    wt = self.write_through
-                    if wt is not None and len(tokens) == self.tokens_per_block and not mine.remote_copy:
-                        wt.queue_write_through(mine)
+                    self._attach(node, lc, mine, cap, serial)
             elif mine is not None and theirs is not mine:
                 if theirs.level > mine.level:  # the tree's copy is in a lower tier: it takes our place
                     source_level = theirs.level
@@ -370,6 +358,27 @@ class ReuseTree(PageDropListener):
                 pages[lc] = theirs
                 mine.release(locked)
         return node
+
+    def _attach(self, node: Node, lc: int, page: Page, cap: Priority, serial: RequestSerial) -> None:
+        """Make ``page`` (owned, in no tree) ``node``'s page for layer group ``lc``, its priority
+        capped at ``cap``; request ``serial`` uses it; subscribers and write-through hear of it."""
+        if page.priority > cap:
+            page.set_priority(cap)
+        page.node = node
+        node.pages[lc] = rawref.ref(page)
+        anchor = self.life_cycles.items[lc].is_anchor(node.ordinal)
+        page.anchor = anchor
+        if anchor and page.priority < node.prio_cap:
+            node.prio_cap = page.priority
+        history = page.storage.history
+        if history is not None:
+            history.use(page, serial)
+        sink = self.event_sink
+        if sink is not None:
+            sink.block_stored(node, lc, page)
+        wt = self.write_through
+        if wt is not None and len(node.tokens) == self.tokens_per_block and not page.remote_copy:
+            wt.queue_write_through(page)
 
     # ------------------------------------------------------------------ a persistent disk tier
     def adopt(
@@ -384,82 +393,93 @@ class ReuseTree(PageDropListener):
         group is not of that pool group, or which repeats a (block, layer group) has its slot freed.
         Pages become reusable (DROPPABLE) oldest first, so eviction order follows their write order;
         subscribers hear of each (stored at the disk medium). Returns the pages adopted."""
-        num_lcs = len(self.life_cycles)
-        by_key: dict[bytes, DiskRecord] = {}
+        by_key: dict[bytes, list[DiskRecord]] = {}  # a block's records (one per layer group)
+        nodes: dict[bytes, Node | None] = {}  # None: a block whose chain does not reach a root
+        roots: dict[tuple[int | None, int | None], Node] = {}
         for found in records:
             for r in found:
-                by_key.setdefault(r.key, r)
-        nodes: dict[bytes, Node | None] = {}
-        roots: dict[tuple[int | None, int | None], Node] = {}
-        found_nodes: list[tuple[int, int, Node, DiskRecord]] = []
-        for g, found in enumerate(records):
-            for r in found:
+                same = by_key.get(r.key)
+                if same is None:
+                    by_key[r.key] = [r]
+                else:
+                    same.append(r)
                 ident = (r.lora_id, r.salt)
-                root = roots.get(ident)
-                if root is None:
+                if ident not in roots:
                     root = self.root(ReuseScope(r.lora_id, r.salt), True)
                     assert root is not None
                     roots[ident] = root
                     nodes[root.key] = root
-                node = self._adopted_node(r.key, by_key, nodes)
-                lc = r.life_cycle
-                if node is None or lc >= num_lcs or lc_group.items[lc] != g:
-                    storages.items[g].allocator.free(SlotId(r.slot))
-                    continue
-                found_nodes.append((node.ordinal, len(found_nodes), node, r))
-        found_nodes.sort(key=lambda x: (x[0], x[1]))  # ancestors first: their anchors cap descendants
-        placed: list[tuple[int, int, Page]] = []
+        placed: list[tuple[int, Page]] = []
+        rejected: list[DiskRecord] = []
+        made: list[Node] = []
         write_through = self.write_through
         self.write_through = None  # what a previous manager wrote is not sent again
         try:
-            for _, _, node, r in found_nodes:
-                lc = r.life_cycle
-                st = storages.items[lc_group.items[lc]]
-                if node.page(lc) is not None:  # a second record of the block: the slot is free
-                    st.allocator.free(SlotId(r.slot))
-                    continue
-                page = Page(st, SlotId(r.slot), LifeCycleId(lc), Priority(min(r.priority, MAX_PRIORITY)), True)
-                parent = node.parent
-                assert parent is not None
-                pages: list[Page | None] = [None] * num_lcs
-                pages[lc] = page
-                self.publish(parent, node.tokens, pages, True, RequestSerial(0), node.key)
-                placed.append((r.seq, len(placed), page))
+            for found in records:
+                for r in found:
+                    if r.key not in nodes:
+                        self._adopt_chain(r.key, by_key, nodes, storages, lc_group, placed, rejected, made)
         finally:
             self.write_through = write_through
-        placed.sort(key=lambda x: (x[0], x[1]))
-        for _, _, page in placed:  # oldest first: the evictors list them in write order
+        for r in rejected:
+            storages.items[r.group].allocator.free(SlotId(r.slot))
+        placed.sort(key=_first)
+        for _, page in placed:  # oldest first: the evictors list them in write order
             page.release(True)
-        for n in nodes.values():  # nodes made for rejected records only
-            if n is not None and n.parent is not None and n.is_removable:
-                self.prune(n)
+        for node in made:  # nodes none of whose records could be placed
+            if node.parent is not None and node.is_removable:
+                self.prune(node)
         for root in roots.values():
             self.prune(root)
         return len(placed)
 
-    @staticmethod
-    def _adopted_node(key: bytes, by_key: dict[bytes, DiskRecord], nodes: dict[bytes, Node | None]) -> Node | None:
-        """The node of block ``key`` (made, with its missing ancestors, from their records); None when
-        its chain does not reach a root of ``nodes``."""
-        chain: list[DiskRecord] = []
+    def _adopt_chain(
+        self,
+        key: bytes,
+        by_key: dict[bytes, list[DiskRecord]],
+        nodes: dict[bytes, Node | None],
+        storages: TypedList[PoolGroupIndex, PoolGroupStorage],
+        lc_group: TypedList[LifeCycleId, PoolGroupIndex],
+        placed: list[tuple[int, Page]],
+        rejected: list[DiskRecord],
+        made: list[Node],
+    ) -> None:
+        """``adopt`` of block ``key`` and of its ancestors not adopted yet, ancestors first (their
+        anchors cap the descendants' priorities); a chain that does not reach a root is rejected."""
+        chain: list[list[DiskRecord]] = []
         k = key
         while k not in nodes:
-            r = by_key.get(k)
-            if r is None or len(chain) > len(by_key):  # a missing ancestor (or a cycle of bad records)
+            same = by_key.get(k)
+            if same is None or len(chain) > len(by_key):  # a missing ancestor (or a cycle of bad records)
                 break
-            chain.append(r)
-            k = r.parent
+            chain.append(same)
+            k = same[0].parent
         parent = nodes.get(k)
         if parent is None:
-            for r in chain:
-                nodes[r.key] = None
-            return None
-        for r in reversed(chain):
-            child = Node(r.key, parent, cast(BlockTokens, r.tokens), len(parent.pages))
-            parent.add_child(child)
-            nodes[r.key] = child
-            parent = child
-        return parent
+            for same in chain:
+                nodes[same[0].key] = None
+                rejected.extend(same)
+            return
+        num_lcs = len(self.life_cycles)
+        for same in reversed(chain):
+            first = same[0]
+            node = Node(first.key, parent, cast(BlockTokens, first.tokens), num_lcs)
+            parent.add_child(node)
+            nodes[first.key] = node
+            empty = True
+            for r in same:
+                lc = r.life_cycle
+                if lc >= num_lcs or lc_group.items[lc] != r.group or node.pages[lc] is not None:
+                    rejected.append(r)  # (a second record of one page: its slot is free)
+                    continue
+                prio = r.priority if r.priority <= MAX_PRIORITY else MAX_PRIORITY
+                page = Page(storages.items[r.group], SlotId(r.slot), LifeCycleId(lc), Priority(prio), True)
+                self._attach(node, lc, page, parent.prio_cap, RequestSerial(0))
+                placed.append((r.seq, page))
+                empty = False
+            if empty:
+                made.append(node)
+            parent = node
 
     # ------------------------------------------------------------------ removal
     def page_dropped(self, page: Page) -> None:

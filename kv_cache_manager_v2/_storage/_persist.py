@@ -66,10 +66,23 @@ def record_size(num_pools: int, tokens_per_block: int) -> int:
 class DiskRecord:
     """One valid slot record read back: which published block's page the slot holds."""
 
-    __slots__ = ("key", "life_cycle", "lora_id", "parent", "priority", "salt", "seq", "slot", "sums", "tokens")
+    __slots__ = (
+        "group",
+        "key",
+        "life_cycle",
+        "lora_id",
+        "parent",
+        "priority",
+        "salt",
+        "seq",
+        "slot",
+        "sums",
+        "tokens",
+    )
 
     def __init__(
         self,
+        group: int,
         slot: int,
         life_cycle: int,
         priority: int,
@@ -81,6 +94,7 @@ class DiskRecord:
         sums: list[int],
         tokens: array[int],
     ) -> None:
+        self.group = group
         self.slot = slot
         self.life_cycle = life_cycle
         self.priority = priority
@@ -96,10 +110,11 @@ class DiskRecord:
 class _GroupFiles:
     """The record file of one pool group (open for the manager's lifetime)."""
 
-    __slots__ = ("fd", "num_pools", "num_slots", "record", "tokens_per_block")
+    __slots__ = ("fd", "group", "num_pools", "num_slots", "record", "tokens_per_block")
 
-    def __init__(self, fd: int, num_pools: int, num_slots: int, tokens_per_block: int) -> None:
+    def __init__(self, fd: int, group: int, num_pools: int, num_slots: int, tokens_per_block: int) -> None:
         self.fd = fd
+        self.group = group
         self.num_pools = num_pools
         self.num_slots = num_slots
         self.tokens_per_block = tokens_per_block
@@ -194,14 +209,19 @@ class PersistentDisk:
         file was ours (or new), else the number of records it held (it was reset)."""
         name = os.path.join(self.path, f"kvcm-g{g}.slots")
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        files = _GroupFiles(fd, len(sizes), num_slots, tokens_per_block)
+        files = _GroupFiles(fd, g, len(sizes), num_slots, tokens_per_block)
         try:
             header = self._header(g, sizes, tokens_per_block)
             old = os.pread(fd, HEADER_BYTES, 0)
             found: list[DiskRecord] = []
             foreign = -1
             if old == header:
-                found = self._read_records(files, num_slots)
+                # a slot beyond a data file's end (a tier resized smaller, a file cut) has no bytes
+                readable = num_slots
+                for p, size in enumerate(sizes):
+                    path = self.pool_path(g, p)
+                    readable = min(readable, os.path.getsize(path) // size if os.path.exists(path) else 0)
+                found = self._read_records(files, readable)
             elif old:
                 foreign = _count_foreign(fd, old)
                 for p in range(len(sizes)):  # its bytes mean nothing to us: give the space back
@@ -223,34 +243,39 @@ class PersistentDisk:
         return files, found, foreign
 
     def _read_records(self, files: _GroupFiles, num_slots: int) -> list[DiskRecord]:
+        """The valid records of slots ``[0, num_slots)``, read in chunks of about 16 MiB."""
         size = files.record
-        data = os.pread(files.fd, num_slots * size, HEADER_BYTES)
-        view = memoryview(data)
+        per = max(1, (16 << 20) // size)
         out: list[DiskRecord] = []
-        head = RECORD_HEAD
-        p = files.num_pools
+        for first in range(0, num_slots, per):
+            data = os.pread(files.fd, min(per, num_slots - first) * size, HEADER_BYTES + first * size)
+            self._parse_records(files, data, first, out)
+        return out
+
+    @staticmethod
+    def _parse_records(files: _GroupFiles, data: bytes, first: int, out: list[DiskRecord]) -> None:
+        size = files.record
         t = files.tokens_per_block
-        sums_at = head.size
-        tokens_at = sums_at + 4 * p
-        for slot in range(len(data) // size):
-            at = slot * size
-            if data[at : at + 4] != RECORD_MAGIC:
+        p = files.num_pools
+        whole = struct.Struct(f"<4sBBHHHQQQ32s32s{4 * p}s{4 * t}s{size - RECORD_HEAD.size - 4 * p - 4 * t - 4}xI")
+        view = memoryview(data)
+        at = -size
+        group = files.group
+        for fields in whole.iter_unpack(data):
+            at += size
+            if fields[0] != RECORD_MAGIC or fields[4] != t:
                 continue
-            rec = view[at : at + size]
-            if checksum(rec[: size - 4]) != int.from_bytes(rec[size - 4 :], "little"):
+            if checksum(view[at : at + size - 4]) != fields[13]:
                 continue  # torn or damaged: the slot is free
-            fields = head.unpack_from(rec)
             flags = fields[1]
-            n = fields[4]
-            if n != t:
-                continue
             sums = array("I")
-            sums.frombytes(rec[sums_at:tokens_at])
+            sums.frombytes(fields[11])
             tokens = array("I")
-            tokens.frombytes(rec[tokens_at : tokens_at + 4 * t])
+            tokens.frombytes(fields[12])
             out.append(
                 DiskRecord(
-                    slot,
+                    group,
+                    first + at // size,
                     fields[3],
                     fields[2],
                     fields[6] if flags & 1 else None,
@@ -262,7 +287,6 @@ class PersistentDisk:
                     tokens,
                 )
             )
-        return out
 
     def write(
         self,
