@@ -211,10 +211,6 @@ class Node:
         return self._children is None and self.num_extenders == 0 and not self.has_pages()
 
 
-def _first(item: tuple[int, Page]) -> int:
-    return item[0]
-
-
 def common_prefix_len(a: Sequence[TokenIdExt], b: Sequence[TokenIdExt]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -400,7 +396,7 @@ class ReuseTree(PageDropListener):
             for r in found:
                 same = by_key.get(r.key)
                 if same is None:
-                    by_key[r.key] = [r]
+                    by_key[r.key] = rawref.untrack([r])  # (records hold no containers: nothing for the GC)
                 else:
                     same.append(r)
                 ident = (r.lora_id, r.salt)
@@ -409,7 +405,8 @@ class ReuseTree(PageDropListener):
                     assert root is not None
                     roots[ident] = root
                     nodes[root.key] = root
-        placed: list[tuple[int, Page]] = []
+        placed: list[Page] = []
+        seqs: list[int] = []  # each placed page's write sequence
         rejected: list[DiskRecord] = []
         made: list[Node] = []
         write_through = self.write_through
@@ -418,14 +415,13 @@ class ReuseTree(PageDropListener):
             for found in records:
                 for r in found:
                     if r.key not in nodes:
-                        self._adopt_chain(r.key, by_key, nodes, storages, lc_group, placed, rejected, made)
+                        self._adopt_chain(r.key, by_key, nodes, storages, lc_group, placed, seqs, rejected, made)
         finally:
             self.write_through = write_through
         for r in rejected:
             storages.items[r.group].allocator.free(SlotId(r.slot))
-        placed.sort(key=_first)
-        for _, page in placed:  # oldest first: the evictors list them in write order
-            page.release(True)
+        for i in sorted(range(len(placed)), key=seqs.__getitem__):  # oldest first: evictors keep write order
+            placed[i].release(True)
         for node in made:  # nodes none of whose records could be placed
             if node.parent is not None and node.is_removable:
                 self.prune(node)
@@ -440,7 +436,8 @@ class ReuseTree(PageDropListener):
         nodes: dict[bytes, Node | None],
         storages: TypedList[PoolGroupIndex, PoolGroupStorage],
         lc_group: TypedList[LifeCycleId, PoolGroupIndex],
-        placed: list[tuple[int, Page]],
+        placed: list[Page],
+        seqs: list[int],
         rejected: list[DiskRecord],
         made: list[Node],
     ) -> None:
@@ -475,7 +472,8 @@ class ReuseTree(PageDropListener):
                 prio = r.priority if r.priority <= MAX_PRIORITY else MAX_PRIORITY
                 page = Page(storages.items[r.group], SlotId(r.slot), LifeCycleId(lc), Priority(prio), True)
                 self._attach(node, lc, page, parent.prio_cap, RequestSerial(0))
-                placed.append((r.seq, page))
+                placed.append(page)
+                seqs.append(r.seq)
                 empty = False
             if empty:
                 made.append(node)

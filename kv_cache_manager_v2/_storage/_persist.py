@@ -31,6 +31,8 @@ import struct
 from array import array
 from typing import Final
 
+import rawref
+
 from .._config import DiskCacheTierConfig
 from .._exceptions import LogicError
 from ._disk import CHECKSUM_IDS, CHECKSUM_NAME, checksum
@@ -64,7 +66,9 @@ def record_size(num_pools: int, tokens_per_block: int) -> int:
 
 
 class DiskRecord:
-    """One valid slot record read back: which published block's page the slot holds."""
+    """One valid slot record read back: which published block's page the slot holds (``sums``: the
+    checksum of each pool's bytes, 4 bytes little-endian each). Untracked by the cyclic GC (it holds
+    no container), so adopting millions of them triggers no full collections."""
 
     __slots__ = (
         "group",
@@ -91,7 +95,7 @@ class DiskRecord:
         seq: int,
         parent: bytes,
         key: bytes,
-        sums: list[int],
+        sums: bytes,
         tokens: array[int],
     ) -> None:
         self.group = group
@@ -268,25 +272,22 @@ class PersistentDisk:
             if checksum(view[at : at + size - 4]) != fields[13]:
                 continue  # torn or damaged: the slot is free
             flags = fields[1]
-            sums = array("I")
-            sums.frombytes(fields[11])
             tokens = array("I")
             tokens.frombytes(fields[12])
-            out.append(
-                DiskRecord(
-                    group,
-                    first + at // size,
-                    fields[3],
-                    fields[2],
-                    fields[6] if flags & 1 else None,
-                    fields[7] if flags & 2 else None,
-                    fields[8],
-                    fields[9],
-                    fields[10],
-                    sums.tolist(),
-                    tokens,
-                )
+            record = DiskRecord(
+                group,
+                first + at // size,
+                fields[3],
+                fields[2],
+                fields[6] if flags & 1 else None,
+                fields[7] if flags & 2 else None,
+                fields[8],
+                fields[9],
+                fields[10],
+                fields[11],
+                tokens,
             )
+            out.append(rawref.untrack(record))
 
     def write(
         self,

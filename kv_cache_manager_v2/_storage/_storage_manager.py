@@ -274,10 +274,11 @@ class StorageManager:
         for g, found in enumerate(persist.records):
             s = self.levels.items[self.persist_level].items[g]
             s.allocator.take([SlotId(r.slot) for r in found])
-            for r in found:
-                for pool, crc in zip(s.pools, r.sums):
-                    assert isinstance(pool, DiskPool)
-                    pool.sums[r.slot] = crc
+            for p, pool in enumerate(s.pools):
+                assert isinstance(pool, DiskPool)
+                sums = pool.sums
+                for r in found:
+                    sums[r.slot] = int.from_bytes(r.sums[4 * p : 4 * p + 4], "little")
 
     def persist_pages(self, pages: list[Page]) -> None:
         """Record the persistent disk tier's reusable full-block pages among ``pages`` (their bytes
