@@ -69,10 +69,23 @@ class HostCacheTierConfig:
 @mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class DiskCacheTierConfig:
-    """Disk tier: ``quota`` bytes in files under the existing writable directory ``path``."""
+    """Disk tier: ``quota`` bytes in files under the existing writable directory ``path``.
+
+    Every page is checksummed when written and verified when read (a damaged page is a miss).
+
+    - ``persistent``: keep the files (and a record of which slots hold which published blocks) in
+      ``path``, so the next manager with the same layout, ``namespace`` and ``dtype`` adopts them as
+      reusable blocks at start-up. One manager at a time per directory (a lock).
+    - ``namespace``: names the model (and anything else that must never share KV with another);
+      files of another namespace, layout or format version are ignored and overwritten.
+    - ``dtype``: the KV data type (e.g. ``"bf16"``), part of the layout fingerprint.
+    """
 
     quota: int
     path: str
+    persistent: bool = False
+    namespace: str = ""
+    dtype: str = ""
 
     def __post_init__(self) -> None:
         _check_quota("DiskCacheTierConfig", _raw(self, "quota"))
@@ -81,6 +94,13 @@ class DiskCacheTierConfig:
             raise ValueError(f"DiskCacheTierConfig.path must be an existing directory, got {self.path!r}")
         if not os.access(self.path, os.W_OK):
             raise ValueError(f"DiskCacheTierConfig.path {self.path!r} is not writable")
+        check_type("DiskCacheTierConfig.persistent", self.persistent, bool)
+        check_type("DiskCacheTierConfig.namespace", self.namespace, str)
+        if len(self.namespace) > 256 or not self.namespace.isprintable():
+            raise ValueError(
+                f"DiskCacheTierConfig.namespace must be at most 256 printable characters, got {self.namespace!r}"
+            )
+        check_type("DiskCacheTierConfig.dtype", self.dtype, str)
 
     @property
     def tier(self) -> CacheTier:

@@ -48,10 +48,13 @@ def engine() -> CopyEngine:
 def test_every_pair_of_media(engine: CopyEngine, tmp_path: object) -> None:
     backend = engine.backend
     gpu, host = backend.reserve_pool(SLOTS * SIZE), backend.reserve_host_pool(SLOTS * SIZE)
-    disk, disk2 = DiskPool(str(tmp_path), SLOTS * SIZE), DiskPool(str(tmp_path), SLOTS * SIZE)
+    disk, disk2 = DiskPool(str(tmp_path), SLOTS * SIZE, SIZE), DiskPool(str(tmp_path), SLOTS * SIZE, SIZE)
     for p in (gpu, host):
         p.ensure_mapped(SLOTS * SIZE)
     fill(gpu, 0x10)
+    for d in (disk, disk2):  # a disk slot reads back only what was written through the pool (checksums)
+        assert engine.copy([gpu], [d], [SIZE], [(s, s) for s in range(SLOTS)]) == set()
+    fill(gpu, 0x20)
     pairs = [(1, 2), (2, 3), (3, 4), (9, 0)]
     for src, dst in ((gpu, host), (host, disk), (disk, disk2), (disk2, gpu), (gpu, gpu)):
         moves = pairs if src is not dst else [(2, 12), (3, 13)]
@@ -69,7 +72,7 @@ def test_disk_errors_are_reported_per_slot(engine: CopyEngine, tmp_path: object)
     host = backend.reserve_host_pool(SLOTS * SIZE)
     host.ensure_mapped(SLOTS * SIZE)
     fill(host, 0x20)
-    disk = DiskPool(str(tmp_path), SLOTS * SIZE)
+    disk = DiskPool(str(tmp_path), SLOTS * SIZE, SIZE)
     disk.error_hook = lambda op, off, n: op == "write" and off <= 5 * SIZE < off + n
     failed = engine.copy([host], [disk], [SIZE], [(0, 3), (1, 4), (2, 5), (3, 6)])
     assert failed == {2}  # one run failed; retried slot by slot, only slot 5 failed again
@@ -88,6 +91,34 @@ def test_disk_errors_are_reported_per_slot(engine: CopyEngine, tmp_path: object)
     disk.release()  # idempotent
 
 
+def test_disk_reads_verify_every_slot_checksum(engine: CopyEngine, tmp_path: object) -> None:
+    """A slot whose file bytes changed behind the pool (zeroed, overwritten, truncated away, never
+    written) fails its read like an I/O error, alone; the other slots of the run still copy."""
+    backend = engine.backend
+    host = backend.reserve_host_pool(SLOTS * SIZE)
+    host.ensure_mapped(SLOTS * SIZE)
+    fill(host, 0x60)
+    disk = DiskPool(str(tmp_path), SLOTS * SIZE, SIZE)
+    assert engine.copy([host], [disk], [SIZE], [(s, s) for s in range(8)]) == set()
+    os.pwrite(disk.fd, bytes(SIZE), 2 * SIZE)  # zeroed
+    os.pwrite(disk.fd, b"\x01", 4 * SIZE + 7)  # one byte changed
+    os.pwrite(disk.fd, slot_bytes(disk, 6), 5 * SIZE)  # another slot's (valid) bytes
+    fill(host, 0x70)
+    pairs = [(s, 8 + s) for s in range(9)]  # slot 8 was never written
+    assert engine.copy([disk], [host], [SIZE], pairs) == {2, 4, 5, 8}
+    for s in (0, 1, 3, 6, 7):
+        assert slot_bytes(host, 8 + s) == bytes([0x60 ^ s]) * SIZE
+    assert disk.num_corrupt == 4 + 1  # the run, then each bad slot alone
+    os.ftruncate(disk.fd, 3 * SIZE)  # truncated: later slots read short, or as zeros once it grows again
+    os.ftruncate(disk.fd, SLOTS * SIZE)
+    assert engine.copy([disk], [host], [SIZE], [(0, 0), (1, 1), (3, 3), (7, 7)]) == {2, 3}
+    bufs = [memoryview(bytearray(SIZE)) for _ in range(2)]
+    assert engine.read_slots([disk], [SIZE], [1, 7], bufs, 0) == {1}
+    assert bytes(bufs[0]) == bytes([0x60 ^ 1]) * SIZE
+    host.release()
+    disk.release()
+
+
 def test_slots_to_buffers_and_back_on_every_medium(engine: CopyEngine, tmp_path: object) -> None:
     """read_slots / write_slots (the remote tier's values): a slot's bytes of every pool, in pool order,
     after ``offset`` bytes of room; disk failures reported per slot."""
@@ -96,7 +127,7 @@ def test_slots_to_buffers_and_back_on_every_medium(engine: CopyEngine, tmp_path:
     host = [backend.reserve_host_pool(SLOTS * SIZE) for _ in range(2)]
     for p in gpu + host:
         p.ensure_mapped(SLOTS * SIZE)
-    disk = [DiskPool(str(tmp_path), SLOTS * SIZE) for _ in range(2)]
+    disk = [DiskPool(str(tmp_path), SLOTS * SIZE, SIZE) for _ in range(2)]
     fill(gpu[0], 0x40)
     fill(gpu[1], 0x50)
     bufs = [bytearray(8 + 2 * SIZE) for _ in range(2)]

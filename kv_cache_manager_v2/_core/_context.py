@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import rawref
@@ -112,6 +113,13 @@ class CacheContext:
         Tree nodes and pages are not tracked by the cyclic garbage collector (see ``Node``), so
         this is also what breaks their reference cycles when a manager goes away."""
         storage = self.storage
+        if storage.persist is not None:
+            try:
+                storage.write_back()  # what the GPU and host tiers hold survives the restart too
+            except Exception as e:  # (a driver error): the memory must still be given back
+                logging.getLogger("kv_cache_manager_v2").warning(
+                    "persistent disk tier: writing the upper tiers' blocks back failed (%s: %s)", type(e).__name__, e
+                )
         storage.flush_write_through()
         # queued remote writes get a moment to reach the server; the writer must be done with
         # handed-off slots before their memory goes (if it hangs, the memory is kept: logged)

@@ -31,7 +31,7 @@ from .._common import (
     TierStatistics,
     TokenIdExt,
 )
-from .._config import HostCacheTierConfig, KVCacheManagerConfig
+from .._config import DiskCacheTierConfig, HostCacheTierConfig, KVCacheManagerConfig
 from .._events import MEDIUM_OF_TIER, KVCacheEvent, KVCacheEventManager, LayerGroupSpec
 from .._exceptions import LogicError
 from .._life_cycle_registry import LifeCycleRegistry
@@ -82,8 +82,18 @@ class KVCacheManager:
             split_like(tier.quota, gpu_slots, self._layout, type(tier).__name__) for tier in local[1:]
         ]
         self._backend: MemoryBackend = select_backend(config.backend)
+        disk = local[-1]
+        disk_fingerprint = layout_fingerprint(config, disk.dtype) if isinstance(disk, DiskCacheTierConfig) else b""
         try:
-            self._storage = StorageManager(self._layout, slots, self._backend, local, config.eviction_policy)
+            self._storage = StorageManager(
+                self._layout,
+                slots,
+                self._backend,
+                local,
+                config.eviction_policy,
+                disk_fingerprint,
+                self.tokens_per_block,
+            )
         except BaseException:
             self._backend.shutdown()
             raise
@@ -113,6 +123,16 @@ class KVCacheManager:
                 media = [MEDIUM_OF_TIER[t.tier] for t in config.cache_tiers]
                 event_manager._attach(self._tree, self.tokens_per_block, groups, media)
                 self._tree.event_sink = event_manager
+            persist = self._storage.persist
+            #: pages a persistent disk tier kept from a previous manager, adopted at start-up
+            self.num_adopted_pages = 0
+            if persist is not None:
+                records, persist.records = persist.records, []
+                self.num_adopted_pages = self._tree.adopt(
+                    records,
+                    self._storage.levels[CacheLevel(self._storage.persist_level)],
+                    self._layout.life_cycle_pool_group,
+                )
         except BaseException:  # e.g. an event manager already attached elsewhere: release what was made
             if self._remote is not None:
                 self._remote.close(0.0)
@@ -365,6 +385,8 @@ class KVCacheManager:
             self._storage.flush_write_through()  # published pages still owe the remote tier a copy
             self._tree.clear()
             self._storage.drop_all_evictable()  # garbage of subtrees removed earlier
+            if self._storage.persist is not None:
+                self._storage.persist.forget_all()  # nor are they adopted after a restart
         finally:
             self._ctx.leave()
 

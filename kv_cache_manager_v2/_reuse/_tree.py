@@ -15,15 +15,18 @@ from .._common import (
     BlockTokens,
     CacheLevel,
     LifeCycleId,
+    PoolGroupIndex,
     Priority,
     RequestSerial,
     ReuseScope,
+    SlotId,
     TokenIdExt,
 )
 from .._events import KVCacheEventManager
 from .._life_cycle_registry import LifeCycle
 from .._page import Page
-from .._storage._storage_manager import PageDropListener, StorageManager
+from .._storage._persist import DiskRecord
+from .._storage._storage_manager import PageDropListener, PoolGroupStorage, StorageManager
 from .._typed import TypedList
 from ._keys import BlockHasher, BlockKey, block_key, scope_key, validate_tokens
 
@@ -127,8 +130,8 @@ class Node:
         self.num_extenders = 0
         #: no page of this node or below it evicts after an anchor page of this node or above it
         self.prio_cap: Priority = parent.prio_cap if parent is not None else MAX_PRIORITY
-        #: a root's ``(lora_id, salt)``
-        self.scope: tuple[int | None, int | None] | None = None
+        #: the scope's ``(lora_id, salt)`` (set on roots, inherited; a persistent disk tier records it)
+        self.scope: tuple[int | None, int | None] | None = parent.scope if parent is not None else None
         rawref.untrack(self)
 
     def page(self, lc: int) -> Page | None:
@@ -338,23 +341,7 @@ class ReuseTree(PageDropListener):
             theirs = node.page(lc)
             if theirs is None:
                 if mine is not None and mine.node is None:  # owned by the request
-                    if mine.priority > cap:
-                        mine.set_priority(cap)
-                    mine.node = node
-                    node.pages[lc] = rawref.ref(mine)
-                    anchor = self.life_cycles.items[lc].is_anchor(node.ordinal)
-                    mine.anchor = anchor
-                    if anchor and mine.priority < node.prio_cap:
-                        node.prio_cap = mine.priority
-                    history = mine.storage.history
-                    if history is not None:
-                        history.use(mine, serial)
-                    sink = self.event_sink
-                    if sink is not None:
-                        sink.block_stored(node, lc, mine)
-                    wt = self.write_through
-                    if wt is not None and len(tokens) == self.tokens_per_block and not mine.remote_copy:
-                        wt.queue_write_through(mine)
+                    self._attach(node, lc, mine, cap, serial)
             elif mine is not None and theirs is not mine:
                 if theirs.level > mine.level:  # the tree's copy is in a lower tier: it takes our place
                     source_level = theirs.level
@@ -367,6 +354,130 @@ class ReuseTree(PageDropListener):
                 pages[lc] = theirs
                 mine.release(locked)
         return node
+
+    def _attach(self, node: Node, lc: int, page: Page, cap: Priority, serial: RequestSerial) -> None:
+        """Make ``page`` (owned, in no tree) ``node``'s page for layer group ``lc``, its priority
+        capped at ``cap``; request ``serial`` uses it; subscribers and write-through hear of it."""
+        if page.priority > cap:
+            page.set_priority(cap)
+        page.node = node
+        node.pages[lc] = rawref.ref(page)
+        anchor = self.life_cycles.items[lc].is_anchor(node.ordinal)
+        page.anchor = anchor
+        if anchor and page.priority < node.prio_cap:
+            node.prio_cap = page.priority
+        history = page.storage.history
+        if history is not None:
+            history.use(page, serial)
+        sink = self.event_sink
+        if sink is not None:
+            sink.block_stored(node, lc, page)
+        wt = self.write_through
+        if wt is not None and len(node.tokens) == self.tokens_per_block and not page.remote_copy:
+            wt.queue_write_through(page)
+
+    # ------------------------------------------------------------------ a persistent disk tier
+    def adopt(
+        self,
+        records: list[list[DiskRecord]],
+        storages: TypedList[PoolGroupIndex, PoolGroupStorage],
+        lc_group: TypedList[LifeCycleId, PoolGroupIndex],
+    ) -> int:
+        """Publish the pages a persistent disk tier kept from a previous manager: ``records[g]`` are
+        the valid records of pool group ``g`` (slots already taken in ``storages``). A record whose
+        chain of parent blocks does not reach its scope's root through other records, whose layer
+        group is not of that pool group, or which repeats a (block, layer group) has its slot freed.
+        Pages become reusable (DROPPABLE) oldest first, so eviction order follows their write order;
+        subscribers hear of each (stored at the disk medium). Returns the pages adopted."""
+        by_key: dict[bytes, list[DiskRecord]] = {}  # a block's records (one per layer group)
+        nodes: dict[bytes, Node | None] = {}  # None: a block whose chain does not reach a root
+        roots: dict[tuple[int | None, int | None], Node] = {}
+        for found in records:
+            for r in found:
+                same = by_key.get(r.key)
+                if same is None:
+                    by_key[r.key] = rawref.untrack([r])  # (records hold no containers: nothing for the GC)
+                else:
+                    same.append(r)
+                ident = (r.lora_id, r.salt)
+                if ident not in roots:
+                    root = self.root(ReuseScope(r.lora_id, r.salt), True)
+                    assert root is not None
+                    roots[ident] = root
+                    nodes[root.key] = root
+        placed: list[Page] = []
+        seqs: list[int] = []  # each placed page's write sequence
+        rejected: list[DiskRecord] = []
+        made: list[Node] = []
+        write_through = self.write_through
+        self.write_through = None  # what a previous manager wrote is not sent again
+        try:
+            for found in records:
+                for r in found:
+                    if r.key not in nodes:
+                        self._adopt_chain(r.key, by_key, nodes, storages, lc_group, placed, seqs, rejected, made)
+        finally:
+            self.write_through = write_through
+        for r in rejected:
+            storages.items[r.group].allocator.free(SlotId(r.slot))
+        for i in sorted(range(len(placed)), key=seqs.__getitem__):  # oldest first: evictors keep write order
+            placed[i].release(True)
+        for node in made:  # nodes none of whose records could be placed
+            if node.parent is not None and node.is_removable:
+                self.prune(node)
+        for root in roots.values():
+            self.prune(root)
+        return len(placed)
+
+    def _adopt_chain(
+        self,
+        key: bytes,
+        by_key: dict[bytes, list[DiskRecord]],
+        nodes: dict[bytes, Node | None],
+        storages: TypedList[PoolGroupIndex, PoolGroupStorage],
+        lc_group: TypedList[LifeCycleId, PoolGroupIndex],
+        placed: list[Page],
+        seqs: list[int],
+        rejected: list[DiskRecord],
+        made: list[Node],
+    ) -> None:
+        """``adopt`` of block ``key`` and of its ancestors not adopted yet, ancestors first (their
+        anchors cap the descendants' priorities); a chain that does not reach a root is rejected."""
+        chain: list[list[DiskRecord]] = []
+        k = key
+        while k not in nodes:
+            same = by_key.get(k)
+            if same is None or len(chain) > len(by_key):  # a missing ancestor (or a cycle of bad records)
+                break
+            chain.append(same)
+            k = same[0].parent
+        parent = nodes.get(k)
+        if parent is None:
+            for same in chain:
+                nodes[same[0].key] = None
+                rejected.extend(same)
+            return
+        num_lcs = len(self.life_cycles)
+        for same in reversed(chain):
+            first = same[0]
+            node = Node(first.key, parent, cast(BlockTokens, first.tokens), num_lcs)
+            parent.add_child(node)
+            nodes[first.key] = node
+            empty = True
+            for r in same:
+                lc = r.life_cycle
+                if lc >= num_lcs or lc_group.items[lc] != r.group or node.pages[lc] is not None:
+                    rejected.append(r)  # (a second record of one page: its slot is free)
+                    continue
+                prio = r.priority if r.priority <= MAX_PRIORITY else MAX_PRIORITY
+                page = Page(storages.items[r.group], SlotId(r.slot), LifeCycleId(lc), Priority(prio), True)
+                self._attach(node, lc, page, parent.prio_cap, RequestSerial(0))
+                placed.append(page)
+                seqs.append(r.seq)
+                empty = False
+            if empty:
+                made.append(node)
+            parent = node
 
     # ------------------------------------------------------------------ removal
     def page_dropped(self, page: Page) -> None:

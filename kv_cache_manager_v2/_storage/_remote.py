@@ -886,9 +886,13 @@ class RemoteStore:
             try:
                 payloads.append(self._payload(w))
                 sent.append(w)
-            except OSError as e:  # a disk read failed: this page is not written
+            except OSError as e:  # a disk read failed or did not verify: this page is not written
                 _forget_frames(e)
                 self._dropped([w])
+                for part in w.parts or ():
+                    if not isinstance(part, memoryview):
+                        part[0].num_unsent += 1  # the disk tier's io_errors
+                        break
         if not sent:
             return
         if self.router is not None:

@@ -80,6 +80,25 @@ class SlotAllocator:
         self._note_peak()
         return s
 
+    def take(self, slots: list[SlotId]) -> None:
+        """Mark ``slots`` (distinct, below ``num_slots``) used in a fresh allocator: the pages a
+        persistent disk tier adopts. The slots between them are free."""
+        if self._high_water or not slots:
+            if slots:
+                raise LogicError("slot allocator: take() is for a fresh allocator")
+            return
+        top = max(slots) + 1
+        if top > self.num_slots:
+            raise LogicError(f"slot allocator: slot {top - 1} is beyond its {self.num_slots} slots")
+        self._grow(top)  # first: if mapping fails, nothing has changed
+        used = bytearray(top)
+        for s in slots:
+            used[s] = 1
+        self._free = [SlotId(s) for s in range(top - 1, -1, -1) if not used[s]]  # the lowest pops first
+        for s in self._free:
+            self._is_free[s] = 1
+        self._note_peak()
+
     def allocate_below(self, limit: int, count: int) -> list[SlotId]:
         """``count`` free slots below ``limit`` (compaction before a shrink); raises ``LogicError``
         (changing nothing) if there are fewer."""

@@ -8,8 +8,12 @@ Requests never touch allocators or evictors directly: they ask ``fits`` (plan), 
 
 from __future__ import annotations
 
+import errno
+import os
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Sequence
+from typing import cast
 
 import rawref
 
@@ -34,6 +38,7 @@ from ._backend import MAX_GROWTH, MemoryBackend, MemoryPool, Pool
 from ._copy_engine import CopyEngine
 from ._disk import DiskPool
 from ._layout import PoolGroupLayout, StorageLayout
+from ._persist import PersistentDisk, pool_file
 from ._remote import RemoteStore
 from ._slot_allocator import SlotAllocator
 
@@ -169,6 +174,8 @@ class StorageManager:
         backend: MemoryBackend,
         tiers: Sequence[LocalCacheTierConfig],
         eviction_policy: str = "lru",
+        disk_fingerprint: bytes = b"",
+        tokens_per_block: int = 0,
     ) -> None:
         self.layout = layout
         self.backend = backend
@@ -180,8 +187,17 @@ class StorageManager:
         histories: list[UseHistory | None] = [
             UseHistory(n) if eviction_policy == "frequency" else None for n in slots[last]
         ]
+        #: the persistent disk tier's files (``DiskCacheTierConfig.persistent``), and its level
+        self.persist: PersistentDisk | None = None
+        self.persist_level = -1
         try:
             for level, cfg in enumerate(tiers):
+                if isinstance(cfg, DiskCacheTierConfig):
+                    _check_disk_space(cfg, layout, slots[level])
+                    if cfg.persistent:
+                        groups_at = [(g.slot_sizes, n) for g, n in zip(layout.pool_groups, slots[level])]
+                        self.persist = PersistentDisk(cfg, disk_fingerprint, groups_at, tokens_per_block)
+                        self.persist_level = level
                 groups: TypedList[PoolGroupIndex, PoolGroupStorage] = TypedList([])
                 self.levels.items.append(groups)
                 for g, n, history in zip(layout.pool_groups, slots[level], histories):
@@ -189,6 +205,8 @@ class StorageManager:
                     groups.items.append(
                         PoolGroupStorage(CacheLevel(level), cfg.tier, level == last, g, n, pools, history)
                     )
+            if self.persist is not None:
+                self._take_persisted()
         except BaseException:
             self.release()
             raise
@@ -201,7 +219,7 @@ class StorageManager:
         #: the remote tier below the last level (``attach_remote``): reusable full-block pages dropped
         #: for good are written there
         self.remote: RemoteStore | None = None
-        self.tokens_per_block = 0
+        self.tokens_per_block = tokens_per_block
         #: write-through pages published since the last ``flush_write_through``
         self._write_through: list[rawref.ref[Page]] = []
         #: cumulative counters at the last ``take_iteration_stats``, per level (the remote tier last)
@@ -248,6 +266,86 @@ class StorageManager:
         s.parked = []
         s.headroom = 0
 
+    def _take_persisted(self) -> None:
+        """Mark the slots of the persistent disk tier's valid records used (their pages are made by
+        the manager's ``adopt_persisted``, which frees what it cannot place) and arm their checksums."""
+        persist = self.persist
+        assert persist is not None
+        for g, found in enumerate(persist.records):
+            s = self.levels.items[self.persist_level].items[g]
+            s.allocator.take([SlotId(r.slot) for r in found])
+            for p, pool in enumerate(s.pools):
+                assert isinstance(pool, DiskPool)
+                sums = pool.sums
+                for r in found:
+                    sums[r.slot] = int.from_bytes(r.sums[4 * p : 4 * p + 4], "little")
+
+    def persist_pages(self, pages: list[Page]) -> None:
+        """Record the persistent disk tier's reusable full-block pages among ``pages`` (their bytes
+        are in place): a manager opening the directory after this one adopts them."""
+        persist = self.persist
+        assert persist is not None
+        t = self.tokens_per_block
+        for p in pages:
+            node = p.node
+            if node is None or p.level != self.persist_level or len(node.tokens) != t:
+                continue  # a suspended request's private page, a partial tail, a failed copy: not persisted
+            parent = node.parent
+            scope = node.scope
+            if parent is None or scope is None:
+                continue
+            raw = node.tokens
+            if type(raw) is array:
+                tokens = cast("array[int]", raw)
+            else:
+                try:
+                    tokens = array("I", cast(Sequence[int], raw))
+                except (TypeError, OverflowError):
+                    continue  # a block of digests (bytes tokens): not persisted
+            st = p.storage
+            sums: list[int] = []
+            for pool in st.pools:
+                assert isinstance(pool, DiskPool)
+                sums.append(pool.sums[p.slot])
+            persist.write(int(st.index), p.slot, p.life_cycle, p.priority, scope, parent.key, node.key, tokens, sums)
+
+    def write_back(self) -> int:
+        """Shutdown of a manager with a persistent disk tier: move the reusable full blocks of the
+        levels above it down to it (ancestors first; the tier's oldest pages make way), so they
+        survive the restart too. No request may be open. Returns the pages moved."""
+        level = self.persist_level
+        t = self.tokens_per_block
+        moved = 0
+        for g in range(self.num_pool_groups):
+            disk = self.levels.items[level].items[g]
+            candidates: list[Page] = []
+            for upper in range(level):
+                for p in self.levels.items[upper].items[g].evictor.pages():
+                    node = p.node
+                    if node is not None and len(node.tokens) == t and p.num_holds == 0:
+                        candidates.append(p)
+            if not candidates:
+                continue
+            candidates.sort(key=lambda p: p.node.ordinal if p.node is not None else 0)
+            room = disk.allocator.num_free + disk.evictor.count - disk.evictor.num_held
+            candidates = candidates[:room]
+            self.make_room(disk, len(candidates))
+            by_level: dict[int, list[Page]] = {}
+            for p in candidates:
+                if p.node is not None and p.in_evictor:  # (not made garbage while room was made)
+                    p.storage.evictor.remove(p)
+                    by_level.setdefault(int(p.level), []).append(p)
+            for batch in by_level.values():
+                failed = self._relocate(batch, disk)
+                lost = {id(p) for p in failed}
+                for p in batch:
+                    if id(p) not in lost:
+                        p.relist()
+                        moved += 1
+                for p in failed:
+                    self.lose(p)
+        return moved
+
     def _make_pools(self, cfg: LocalCacheTierConfig, layout: PoolGroupLayout, num_slots: int) -> list[Pool]:
         """The pools of one group at one level: GPU memory mapped on demand; host memory and disk
         files backed in full up front (so eviction never fails to find memory)."""
@@ -256,10 +354,12 @@ class StorageManager:
         # later split of a grown quota fits without moving
         max_slots = max(num_slots, MAX_GROWTH * cfg.quota // layout.slot_bytes)
         try:
-            for size in layout.slot_sizes:
+            for p, size in enumerate(layout.slot_sizes):
                 nbytes = num_slots * size
                 if isinstance(cfg, DiskCacheTierConfig):
-                    pools.append(DiskPool(cfg.path, nbytes))
+                    persist = self.persist if cfg.persistent else None
+                    file_path = persist.pool_path(int(layout.index), p) if persist is not None else None
+                    pools.append(DiskPool(cfg.path, nbytes, size, file_path))
                 elif cfg.tier is CacheTier.HOST_MEM:
                     host = self.backend.reserve_host_pool(max_slots * size)
                     pools.append(host)
@@ -451,6 +551,8 @@ class StorageManager:
             p.relocate(dst, s)
             if p.node is not None and self.drop_listener is not None:
                 self.drop_listener.page_moved(p, src.level)
+        if dst.level == self.persist_level:
+            self.persist_pages(pages)
         if failed:
             disk = dst if dst.tier is CacheTier.DISK else src
             disk.num_io_errors += len(failed)
@@ -797,6 +899,8 @@ class StorageManager:
                 continue
             storage.allocator.free(p.slot)
             p.slot = s  # same storage: the evictor listing is unaffected
+        if storage.level == self.persist_level:
+            self.persist_pages(movers)
 
     # ------------------------------------------------------------------ accounting
     def statistics(self, level: CacheLevel) -> list[StorageStatistics]:
@@ -823,6 +927,9 @@ class StorageManager:
                 out[i] += n
                 out[3 + i] += n * b
             out[6] += s.num_io_errors
+            for pool in s.pools:
+                if isinstance(pool, DiskPool):  # handed-off slots the remote writer found damaged
+                    out[6] += pool.num_unsent
         return out
 
     def _bytes(self, level: int, per_group: list[int]) -> int:
@@ -876,6 +983,8 @@ class StorageManager:
         for level in self.levels:
             for g in level:
                 g.release()
+        if self.persist is not None:
+            self.persist.release()
 
 
 def _statistics(
@@ -898,3 +1007,24 @@ def _statistics(
         dropped_bytes=d[5],
         io_errors=d[6],
     )
+
+
+def _check_disk_space(cfg: DiskCacheTierConfig, layout: StorageLayout, slots: list[int]) -> None:
+    """Raise ``OSError(ENOSPC)`` naming the tier, its path and the bytes needed when the file system
+    cannot hold the disk tier's files (a persistent tier's existing files count as room)."""
+    need = sum(n * group.slot_bytes for group, n in zip(layout.pool_groups, slots))
+    have = 0
+    if cfg.persistent:
+        for g, group in enumerate(layout.pool_groups):
+            for p in range(len(group.slot_sizes)):
+                path = pool_file(cfg.path, g, p)
+                if os.path.exists(path):
+                    have += os.stat(path).st_blocks * 512
+    st = os.statvfs(cfg.path)
+    free = st.f_bavail * st.f_frsize
+    if need > free + have:
+        raise OSError(
+            errno.ENOSPC,
+            f"disk cache tier at {cfg.path!r}: its quota needs {need} bytes of files, the file system has "
+            f"{free + have} bytes available (DiskCacheTierConfig.quota={cfg.quota})",
+        )

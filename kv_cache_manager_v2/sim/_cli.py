@@ -38,6 +38,7 @@ from ._plot import matplotlib_missing, write_plot
 from ._replay import Replay, SchedulerOptions
 from ._replicas import merge_results, run_replicas
 from ._report import SCHEMA, build_report, format_report, format_sweep
+from ._restart import format_restart, simulate_restart
 from ._workload import ConversationParams, SimRequest, generate_conversations, load_trace
 
 PROG = "kv-cache-sim"
@@ -102,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", help="host-memory tier quota (evicted and suspended pages spill there)")
     g.add_argument("--disk", help="disk tier quota, below the host tier if any")
     g.add_argument("--disk-path", help="existing directory of the disk tier (default: a temporary one)")
+    g.add_argument(
+        "--restart-at",
+        type=float,
+        metavar="FRACTION",
+        help="restart the engine at this fraction of the arrivals with a persistent disk tier (needs --disk), "
+        "and compare the hit rate after it with a replay without restart",
+    )
     g.add_argument(
         "--eviction-policy",
         default=["lru"],
@@ -557,11 +565,38 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         requests, workload = _workload(a)
         if a.metrics_port is not None or a.metrics_file:
-            if sweep is not None or a.replicas != 1 or a.remote_url or len(a.eviction_policy) > 1:
+            if (
+                sweep is not None
+                or a.replicas != 1
+                or a.remote_url
+                or len(a.eviction_policy) > 1
+                or a.restart_at is not None
+            ):
                 raise SimUserError(
-                    "--metrics-port/--metrics-file report one replay: no --sweep, --replicas or policies"
+                    "--metrics-port/--metrics-file report one replay: no --sweep, --replicas, --restart-at or policies"
                 )
             metrics = SimMetrics(a.metrics_port, a.metrics_file)
+        if a.restart_at is not None:
+            if sweep is not None or a.plot or a.replicas != 1 or a.remote_url or len(a.eviction_policy) > 1:
+                raise SimUserError("--restart-at does not combine with --sweep, --plot, --replicas or several policies")
+            bar = None if a.no_progress else (lambda label: _progress_bar(len(requests), True, label))
+            restart_doc = {"schema": SCHEMA, **simulate_restart(
+                shape, tiers, a.tokens_per_block, requests, workload, options, a.restart_at, a.swa_scratch,
+                a.check_data, a.eviction_policy[0], kvm.compiled, bar,
+            )}  # fmt: skip
+            text = format_report(restart_doc["restarted"]) + "\n" + format_restart(restart_doc["restart"])
+            if a.json:
+                payload = json.dumps(restart_doc, indent=1)
+                if a.json == "-":
+                    print(payload)
+                    return 0
+                try:
+                    with open(a.json, "w", encoding="utf-8") as f:
+                        f.write(payload + "\n")
+                except OSError as e:
+                    raise SimUserError(f"--json {a.json}: cannot write it ({e.strerror or e})") from None
+            print(text)
+            return 0
         if a.replicas != 1 or a.remote_url:
             if sweep is not None or a.plot or len(a.eviction_policy) > 1:
                 raise SimUserError("--replicas does not combine with --sweep, --plot or several eviction policies")

@@ -282,6 +282,7 @@ class TierSpec:
     quota_bytes: int
     text: str
     path: str | None = None
+    persistent: bool = False  #: a disk tier kept across a restart (``--restart-at``)
 
 
 def proxy_page_bytes(tokens_per_block: int, check_data: bool) -> int:
@@ -345,7 +346,7 @@ def manager_config(
             configs.append(HostCacheTierConfig(max(proxy, 1)))
         else:
             assert tier.path is not None
-            configs.append(DiskCacheTierConfig(max(proxy, 1), tier.path))
+            configs.append(DiskCacheTierConfig(max(proxy, 1), tier.path, persistent=tier.persistent))
     return KVCacheManagerConfig(
         tokens_per_block=t,
         cache_tiers=configs,

@@ -143,6 +143,13 @@ class ReplayResult:
     records_checked: int = 0  #: --check-data
     layer_by_layer_steps: int = 0  #: --check-data steps with SWA scratch blocks (checked layer by layer)
     blocks_replayed: int = 0  #: blocks of prompt + output over all finished requests (replay speed)
+    #: ``split_ms`` (``--restart-at``): the counters of first admissions before that time, and the
+    #: pages the restarted manager adopted from the persistent disk tier (-1: no restart)
+    split_prompt_blocks: int = 0
+    split_hit_blocks: int = 0
+    split_prompt_tokens: int = 0
+    split_reused_tokens: int = 0
+    adopted_pages: int = -1
 
 
 def ideal_peak_tokens(requests: Sequence[SimRequest], options: SchedulerOptions) -> int:
@@ -195,11 +202,17 @@ class Replay:
         progress: Callable[[int], None] | None = None,
         on_step: Callable[[KVCacheResourceManager], None] | None = None,
         on_finish: Callable[[KVCacheResourceManager], None] | None = None,
+        split_ms: float = -1.0,
+        restart: bool = False,
     ) -> None:
         options.validate()
         self.opts = options
         self.requests = requests
+        self.config = config
         self.rm = KVCacheResourceManager(config)  # may raise ValueError (refused configuration)
+        #: simulated time at which the counters are split (and the engine restarts, with ``restart``)
+        self.split_ms = split_ms
+        self.restart = restart
         self.t = config.tokens_per_block
         self.num_levels = len(config.cache_tiers)
         self.checker = DataChecker(self.rm) if check_data else None
@@ -523,6 +536,8 @@ class Replay:
         r = self.result
         if not (self.waiting or self.running or self.suspended):
             self.clock = max(self.clock, self.arrivals[0][0])
+        if 0 <= self.split_ms <= self.clock:
+            self._split()
         self._admit_arrivals()
         self._step_manager_s = 0.0
         served = self._schedule()
@@ -539,27 +554,59 @@ class Replay:
         if self.on_step is not None:
             self.on_step(self.rm)
 
-    def _finish(self) -> None:
+    def _split(self) -> None:
+        """``split_ms`` is reached: note the counters; with ``restart``, the engine restarts: every
+        live request is freed (its committed blocks stay reusable) and queued again at the front, the
+        manager is shut down and a new one opens the same configuration (a persistent disk tier's
+        blocks come back)."""
+        self.split_ms = -1.0
+        r = self.result
+        r.split_prompt_blocks = r.prompt_blocks
+        r.split_hit_blocks = r.hit_blocks
+        r.split_prompt_tokens = r.prompt_tokens
+        r.split_reused_tokens = r.reused_tokens
+        if not self.restart:
+            return
+        holders = self.running + self.suspended
+        for live in holders:
+            self.rm.free_resources(live.req)
+        self.waiting.extendleft(reversed(holders))
+        self.releases += len(holders)
+        self.running = []
+        self.suspended = []
+        self._collect()
+        self.rm = KVCacheResourceManager(self.config)
+        r.adopted_pages = self.rm.manager.num_adopted_pages
+        if self.checker is not None:
+            self.checker = DataChecker(self.rm)
+            for live in holders:
+                live.full_check = True
+
+    def _collect(self) -> None:
+        """Add the manager's counters to the result (they restart with a new manager) and shut it down."""
         r = self.result
         m = self.rm.manager
         st = m.reuse_statistics
-        r.reused_blocks = st.reused_blocks
-        r.missed_blocks = st.missed_blocks
-        r.reused_pages = st.reused_pages
-        r.allocated_pages = st.allocated_pages
+        r.reused_blocks += st.reused_blocks
+        r.missed_blocks += st.missed_blocks
+        r.reused_pages += st.reused_pages
+        r.allocated_pages += st.allocated_pages
         for usage in r.levels:
             ts = m.get_tier_statistics(CacheLevel(usage.level))
-            usage.peak_occupied = ts.peak_used_bytes
-            usage.offloaded_pages = ts.offloaded_pages
-            usage.offloaded_bytes = ts.offloaded_bytes
-            usage.onboarded_pages = ts.onboarded_pages
-            usage.onboarded_bytes = ts.onboarded_bytes
-            usage.dropped_pages = ts.dropped_pages
-            usage.dropped_bytes = ts.dropped_bytes
-            usage.io_errors = ts.io_errors
+            usage.peak_occupied = max(usage.peak_occupied, ts.peak_used_bytes)
+            usage.offloaded_pages += ts.offloaded_pages
+            usage.offloaded_bytes += ts.offloaded_bytes
+            usage.onboarded_pages += ts.onboarded_pages
+            usage.onboarded_bytes += ts.onboarded_bytes
+            usage.dropped_pages += ts.dropped_pages
+            usage.dropped_bytes += ts.dropped_bytes
+            usage.io_errors += ts.io_errors
         if self.checker is not None:
-            r.records_checked = self.checker.records_checked
-            r.layer_by_layer_steps = self.checker.layer_by_layer_steps
+            r.records_checked += self.checker.records_checked
+            r.layer_by_layer_steps += self.checker.layer_by_layer_steps
+        self.rm.shutdown()
+
+    def _finish(self) -> None:
         if self.on_finish is not None:
             self.on_finish(self.rm)
-        self.rm.shutdown()
+        self._collect()
