@@ -31,6 +31,7 @@ from kv_cache_manager_v2 import (
     KVCacheManager,
     KVCacheManagerConfig,
     LogicError,
+    OutOfMemoryError,
     ReuseScope,
 )
 from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
@@ -356,7 +357,7 @@ def test_a_disk_too_small_for_the_quota_is_a_clear_error(tmp_path: Any) -> None:
         cfg = config(str(tmp_path))
         tiers = list(cfg.cache_tiers)
         tiers[-1] = DiskCacheTierConfig(huge, str(tmp_path), persistent=persistent)
-        with pytest.raises(OSError, match=r"disk cache tier at .* needs \d+ bytes .* available") as info:
+        with pytest.raises(OutOfMemoryError, match=r"disk tier could not allocate \d+ bytes .* available") as info:
             KVCacheManager(dataclasses.replace(cfg, cache_tiers=tiers))
         assert str(tmp_path) in str(info.value)
     KVCacheManager(config(str(tmp_path))).shutdown()  # the lock was given back

@@ -724,16 +724,21 @@ def test_probe_reports_what_create_reuses_with_a_partial_block(
     slot = 4 * 2 * REC * T
     a = managers(redis_server.url, layers=layers, gpu=64 * slot // SLOT, write_through=True)
     toks = seq(40, 10 * T)
-    kv = a.create_kv_cache()
-    assert kv.resume()
-    for end in range(T, 10 * T + 1, T):  # block by block: every block's window pages are published
-        compute(FakeEngine(a), kv, toks, end)
-    kv.close()
+
+    def publish_block_by_block(m: KVCacheManager) -> None:
+        """Every block's window pages are published, and released oldest first (one step each)."""
+        kv = m.create_kv_cache()
+        assert kv.resume()
+        for end in range(T, 10 * T + 1, T):
+            compute(FakeEngine(m), kv, toks, end)
+        kv.close()
+
+    publish_block_by_block(a)
     assert a.flush_remote_writes()
     prompt = toks[: 7 * T + 3] + [5, 5]
     for with_levels in (False, True):
         b = managers(redis_server.url, layers=layers, gpu=32 * slot // SLOT)
-        publish(b, toks)
+        publish_block_by_block(b)
         # a request of 25 blocks takes 50 of b's 64 slots: 6 published pages make room, the
         # sliding-window pages of blocks 0-5 (the nodes stay); a match at 59 tokens needs 5, 6, 7
         kv = b.create_kv_cache()

@@ -8,7 +8,6 @@ Requests never touch allocators or evictors directly: they ask ``fits`` (plan), 
 
 from __future__ import annotations
 
-import errno
 import os
 from abc import ABC, abstractmethod
 from array import array
@@ -31,7 +30,7 @@ from .._common import (
 )
 from .._config import DiskCacheTierConfig, LocalCacheTierConfig
 from .._eviction import Evictor, FrequencyEvictor, LruEvictor, UseHistory
-from .._exceptions import OutOfPagesError
+from .._exceptions import OutOfMemoryError, OutOfPagesError
 from .._page import Page
 from .._typed import TypedList
 from ._backend import MAX_GROWTH, MemoryBackend, MemoryPool, Pool
@@ -1010,7 +1009,7 @@ def _statistics(
 
 
 def _check_disk_space(cfg: DiskCacheTierConfig, layout: StorageLayout, slots: list[int]) -> None:
-    """Raise ``OSError(ENOSPC)`` naming the tier, its path and the bytes needed when the file system
+    """Raise ``OutOfMemoryError`` naming the tier, its path and the bytes needed when the file system
     cannot hold the disk tier's files (a persistent tier's existing files count as room)."""
     need = sum(n * group.slot_bytes for group, n in zip(layout.pool_groups, slots))
     have = 0
@@ -1023,8 +1022,8 @@ def _check_disk_space(cfg: DiskCacheTierConfig, layout: StorageLayout, slots: li
     st = os.statvfs(cfg.path)
     free = st.f_bavail * st.f_frsize
     if need > free + have:
-        raise OSError(
-            errno.ENOSPC,
-            f"disk cache tier at {cfg.path!r}: its quota needs {need} bytes of files, the file system has "
-            f"{free + have} bytes available (DiskCacheTierConfig.quota={cfg.quota})",
+        advice = "lower the tier's quota or free space there" if free + have else "choose a directory on a real disk"
+        raise OutOfMemoryError(
+            f"the disk tier could not allocate {need} bytes in {cfg.path} (the file system has {free + have} "
+            f"bytes available, DiskCacheTierConfig.quota={cfg.quota}); {advice}"
         )

@@ -418,6 +418,12 @@ def _pool_error(e: BaseException, tiers: list[TierSpec], check_data: bool) -> Si
     disk = next((t for t in tiers if t.kind == "disk"), None)
     if disk is not None and isinstance(e, OSError) and e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
         return SimUserError(f"--disk-path {disk.path}: cannot create the disk tier's file there ({why})")
+    if disk is not None and isinstance(e, kvm.OutOfMemoryError) and "disk tier could not allocate" in why:
+        if "choose a directory" in why:  # no space at all: not a file system for data (e.g. /proc)
+            return SimUserError(f"--disk-path {disk.path}: no room for files there; choose a directory on a real disk")
+        return SimUserError(
+            f"--disk {disk.text} --disk-path {disk.path}: not enough free space; lower --disk or free space"
+        )
     quotas = " ".join(f"--{t.kind} {t.text}" for t in tiers)
     if isinstance(e, OSError) and e.strerror:
         why = e.strerror
