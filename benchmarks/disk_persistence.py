@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -270,16 +269,7 @@ def main() -> None:
             best = (max if higher else min)(runs[mode], key=lambda x: float(x["median"]))
             results.append(best)
             print(f"{name:18s} {mode:9s} {best['median']:>12.4f} {best['unit']}", flush=True)
-    doc = {
-        "params": params,
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpu_count": os.cpu_count()},
-        "results": results,
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"wrote {args.out}")
+    bench.write_results(args.out, params, results)
 
 
 if __name__ == "__main__":

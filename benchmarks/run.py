@@ -1577,22 +1577,23 @@ def main() -> None:
             speedups[name] = (c / f) if by["fast"]["unit"].endswith("/s") else (f / c)
     for name, x in speedups.items():
         print(f"{name:16s} compiled speedup x{x:.2f}")
-    doc = {
-        "params": params,
-        "machine": {
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "processor": platform.processor(),
-        },
-        "results": results,
-        "compiled_speedup": speedups,
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    write_results(args.out, params, results, compiled_speedup=speedups)
+
+
+def write_results(path: str, params: dict[str, Any], results: list[dict[str, Any]], **extra: Any) -> None:
+    """The JSON every benchmark script writes: its parameters, this machine, the results, a time stamp."""
+    machine = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor(),
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    doc = {"params": params, "machine": machine, "results": results, **extra}
+    doc["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(doc, f, indent=2)
-    print(f"wrote {args.out}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -334,6 +334,21 @@ def _progress_bar(total: int, enabled: bool, label: str) -> tuple[Callable[[int]
     return update, bar.close
 
 
+def _emit(json_path: str | None, doc: dict[str, Any], text: str) -> None:
+    """Print the report: its JSON alone for ``--json -``; the text, after writing the JSON file if any."""
+    if json_path:
+        payload = json.dumps(doc, indent=1)
+        if json_path == "-":
+            print(payload)
+            return
+        try:
+            with open(json_path, "w", encoding="utf-8") as f:
+                f.write(payload + "\n")
+        except OSError as e:
+            raise SimUserError(f"--json {json_path}: cannot write it ({e.strerror or e})") from None
+    print(text)
+
+
 def simulate(
     shape: ModelShape,
     tiers: list[TierSpec],
@@ -590,18 +605,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 shape, tiers, a.tokens_per_block, requests, workload, options, a.restart_at, a.swa_scratch,
                 a.check_data, a.eviction_policy[0], kvm.compiled, bar,
             )}  # fmt: skip
-            text = format_report(restart_doc["restarted"]) + "\n" + format_restart(restart_doc["restart"])
-            if a.json:
-                payload = json.dumps(restart_doc, indent=1)
-                if a.json == "-":
-                    print(payload)
-                    return 0
-                try:
-                    with open(a.json, "w", encoding="utf-8") as f:
-                        f.write(payload + "\n")
-                except OSError as e:
-                    raise SimUserError(f"--json {a.json}: cannot write it ({e.strerror or e})") from None
-            print(text)
+            _emit(
+                a.json,
+                restart_doc,
+                format_report(restart_doc["restarted"]) + "\n" + format_restart(restart_doc["restart"]),
+            )
             return 0
         if a.replicas != 1 or a.remote_url:
             if sweep is not None or a.plot or len(a.eviction_policy) > 1:
@@ -698,19 +706,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             doc = reports[0]
             text = format_report(doc)
-        if a.json:
-            payload = json.dumps(doc, indent=1)
-            if a.json == "-":
-                print(payload)
-            else:
-                try:
-                    with open(a.json, "w", encoding="utf-8") as f:
-                        f.write(payload + "\n")
-                except OSError as e:
-                    raise SimUserError(f"--json {a.json}: cannot write it ({e.strerror or e})") from None
-                print(text)
-        else:
-            print(text)
+        _emit(a.json, doc, text)
         if a.plot:
             many = sweep is not None or len(reports) > 1
             write_plot(a.plot, None if many else doc, (doc["sweep"]["key"], reports) if many else None)
