@@ -18,6 +18,7 @@ from kv_cache_manager_v2 import TokenId, TokenIdExt
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
+from tiny_engine.engine import PagedEngine
 from tiny_engine.hybrid import (
     SequenceState,
     Snapshot,
@@ -39,6 +40,7 @@ from tiny_engine.model import (
     mamba2_state_bytes,
     parallel_layers,
 )
+from tiny_engine.workload import WorkloadParams, make_adapter
 
 TOL = 1e-12
 #: a wrong state must show up far above rounding noise
@@ -345,6 +347,9 @@ def test_validation() -> None:
     with pytest.raises(ValueError, match="recurrent"):
         TinyConfig(layers=hybrid_layers()).layer_configs()
     model = MODELS["hybrid"]
+    adapter = make_adapter(TinyConfig(), WorkloadParams(full_slots=4, swa_slots=4))
+    with pytest.raises(ValueError, match="attention-only"):
+        PagedEngine(model, adapter)
     bad = RecurrentState(np.zeros((2, 3)), model.initial_state().ssm_state)
     with pytest.raises(ValueError, match="state shapes"):
         model.recurrent(0, model.embed(tokens_of(1, 2)), bad)
