@@ -348,8 +348,11 @@ def test_validation() -> None:
         TinyConfig(layers=hybrid_layers()).layer_configs()
     model = MODELS["hybrid"]
     adapter = make_adapter(TinyConfig(), WorkloadParams(full_slots=4, swa_slots=4))
-    with pytest.raises(ValueError, match="attention-only"):
-        PagedEngine(model, adapter)
+    try:
+        with pytest.raises(ValueError, match="attention-only"):
+            PagedEngine(model, adapter)
+    finally:
+        adapter.shutdown()
     bad = RecurrentState(np.zeros((2, 3)), model.initial_state().ssm_state)
     with pytest.raises(ValueError, match="state shapes"):
         model.recurrent(0, model.embed(tokens_of(1, 2)), bad)
