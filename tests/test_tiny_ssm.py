@@ -324,8 +324,8 @@ def test_state_bytes_match_the_arrays(shape: RecurrentShape) -> None:
 
 
 def test_state_formulas_of_the_other_families() -> None:
-    """Mamba1 is Mamba2 with one channel per head, one group per channel... except that its convolution
-    sees x only; gated delta-net's conv sees q, k and v, its state is one key x value matrix per head."""
+    """Mamba1's state equals Mamba2's with one channel per head, but its convolution sees x only (no B,
+    C); gated delta-net's convolution sees q, k and v, its state is one key x value matrix per head."""
     m1 = mamba1_state_bytes(64, 16, 4, conv_dtype_bytes=2, ssm_dtype_bytes=4)
     m2 = mamba2_state_bytes(64, 1, 16, 1, 4, conv_dtype_bytes=2, ssm_dtype_bytes=4)
     assert m1["ssm_state"] == m2["ssm_state"] == 64 * 16 * 4
