@@ -101,6 +101,17 @@ def test_conv_state_is_the_last_inputs() -> None:
     assert max_err(state.conv_state[-2:], xbc) <= TOL
 
 
+def test_layer_kinds_keep_the_right_state() -> None:
+    """Attention layers keep K/V, recurrent ones a state, parallel ones both; the state's shape is fixed."""
+    hybrid, parallel = (SequenceState(MODELS[n]) for n in ("hybrid", "parallel"))
+    assert (sorted(hybrid.keys), sorted(hybrid.states)) == ([3, 7], [0, 1, 2, 4, 5, 6])
+    assert (sorted(parallel.keys), sorted(parallel.states)) == ([0, 1, 3], [0, 1, 2, 3])
+    before = {i: (s.conv_state.shape, s.ssm_state.shape) for i, s in parallel.states.items()}
+    parallel.step(tokens_of(2, 9))
+    assert {i: (s.conv_state.shape, s.ssm_state.shape) for i, s in parallel.states.items()} == before
+    assert all(k.shape[0] == 9 for k in parallel.keys.values())
+
+
 def test_attention_only_model_steps_equal_dense() -> None:
     """The default (attention-only) model through the same runner: no recurrent state at all."""
     model = TinyModel(TinyConfig())
