@@ -55,6 +55,11 @@ class PagedEngine:
     def __init__(self, model: TinyModel, adapter: KVCacheResourceManager) -> None:
         if adapter.manager.backend_name != "host":
             raise ValueError("the tiny engine reads pool memory with numpy: it needs the host backend")
+        if model.cfg.recurrent_layers:
+            raise ValueError(
+                f"layers {model.cfg.recurrent_layers} are recurrent: the paged engine runs attention-only models "
+                "(hybrid models run through tiny_engine.hybrid)"
+            )
         self.model = model
         self.adapter = adapter
         self.tokens_per_block = adapter.tokens_per_block
