@@ -290,7 +290,7 @@ def _decode_batch(p: dict[str, int], window_every: int) -> dict[str, Any]:
     system = list(range(10_000, 10_000 + p["shared"]))
     caches = [_admit(m, system + [r * 100_003 + i for i in range(p["unique"])]) for r in range(n_req)]
     max_blocks = (prompt_len + p["steps"]) // t + 2
-    tables = [np.full((n_req, max_blocks), -1, dtype=np.int32) for _ in range(m.num_life_cycles)]
+    tables = [np.full((n_req, max_blocks), -1, dtype=np.int32) for _ in range(m.num_layer_groups)]
     for r, kv in enumerate(caches):
         for lg, table in enumerate(tables):
             kv.set_base_page_index_buf(0, lg, memoryview(table[r]))

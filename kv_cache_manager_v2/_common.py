@@ -8,9 +8,7 @@ from dataclasses import dataclass
 from typing import Final, NamedTuple, NewType
 
 LayerId = NewType("LayerId", int)
-LifeCycleId = NewType("LifeCycleId", int)
-#: A layer group is a life cycle seen from the kernels' side; the two ids are the same.
-LayerGroupId = LifeCycleId
+LayerGroupId = NewType("LayerGroupId", int)
 PoolGroupIndex = NewType("PoolGroupIndex", int)
 PoolIndex = NewType("PoolIndex", int)
 SlotId = NewType("SlotId", int)
@@ -167,9 +165,9 @@ class ReuseStatistics:
     """What prefix reuse did, counted since the manager was created (all zero with ``enable_stats=False``).
 
     Blocks count token positions (a block of the input is reused when its KV need not be
-    computed, whatever the life cycles); pages count memory (one per block and life cycle).
+    computed, whatever the layer groups); pages count memory (one per block and layer group).
     With sliding-window layers a reused block needs pages only in the window, so
-    ``reused_pages`` can be smaller than ``reused_blocks`` times the number of life cycles.
+    ``reused_pages`` can be smaller than ``reused_blocks`` times the number of layer groups.
     """
 
     #: input blocks of ``create_kv_cache`` whose KV was found (a partially matched block counts)
@@ -253,7 +251,7 @@ class AggregatedPageDesc:
     """
 
     buffer_ids: tuple[BufferId, ...]
-    layer_group_id: LifeCycleId
+    layer_group_id: LayerGroupId
     pool_group_index: PoolGroupIndex
     pool_index: PoolIndex
     base_address: MemAddress
@@ -282,7 +280,7 @@ class ScratchDesc:
 
 @dataclass(frozen=True)
 class LayerGroupInfo:
-    """One layer group (life cycle): its layers, attention shape, and the pool group of its slots."""
+    """One layer group : its layers, attention shape, and the pool group of its slots."""
 
     layer_group_id: LayerGroupId
     layer_ids: tuple[LayerId, ...]

@@ -39,7 +39,7 @@ def block_hash(key: bytes) -> int:
 
 
 class LayerGroupSpec:
-    """The attention shape of one layer group (life cycle), as events describe it."""
+    """The attention shape of one layer group , as events describe it."""
 
     __slots__ = ("group_idx", "num_sink_blocks", "window_size")
 

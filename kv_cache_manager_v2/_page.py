@@ -1,4 +1,4 @@
-"""Pages: one slot in some tier holding one block of one life cycle, and who owns it."""
+"""Pages: one slot in some tier holding one block of one layer group, and who owns it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import rawref
 
-from ._common import BAD_PAGE_INDEX, LifeCycleId, PageStatus, Priority, SlotId
+from ._common import BAD_PAGE_INDEX, LayerGroupId, PageStatus, Priority, SlotId
 from ._eviction import NO_SERIAL, NOT_IN_HEAP, NOT_LISTED
 from ._exceptions import LogicError
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 class Page:
-    """A block's memory for one life cycle.
+    """A block's memory for one layer group.
 
     Owners count themselves: active requests lock (``num_locks``), suspended ones hold
     (``num_holds``). When the last owner lets go the slot is freed at once, so release is
@@ -44,7 +44,7 @@ class Page:
         "first_use",
         "in_evictor",
         "level",
-        "life_cycle",
+        "layer_group",
         "lost",
         "lru_next",
         "lru_prev",
@@ -62,12 +62,12 @@ class Page:
     _rawref: rawref.ref[Page] | None
 
     def __init__(
-        self, storage: PoolGroupStorage, slot: SlotId, life_cycle: LifeCycleId, priority: Priority, locked: bool
+        self, storage: PoolGroupStorage, slot: SlotId, layer_group: LayerGroupId, priority: Priority, locked: bool
     ) -> None:
         self.storage = storage
         self.slot = slot
         self.level = storage.level
-        self.life_cycle = life_cycle
+        self.layer_group = layer_group
         self.priority = priority
         self.num_locks = 1 if locked else 0
         self.num_holds = 0 if locked else 1

@@ -1,4 +1,4 @@
-"""A list indexed by one kind of id: ``TypedList[LifeCycleId, X]`` refuses a ``PoolGroupIndex``."""
+"""A list indexed by one kind of id: ``TypedList[LayerGroupId, X]`` refuses a ``PoolGroupIndex``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ V = TypeVar("V")
 
 
 class TypedList(Generic[K, V]):
-    """Per-id storage (per life cycle, pool group, cache level...) whose index type mypy checks.
+    """Per-id storage (per layer group, pool group, cache level...) whose index type mypy checks.
 
     Ids are dense from 0, so this is a list underneath; ``items`` exposes it for loops that
     need raw speed.

@@ -1,4 +1,4 @@
-"""Soak test (not in CI): random request life cycles on small memory for a long time, with the
+"""Soak test (not in CI): random request layer groups on small memory for a long time, with the
 fake engine checking every KV record and the invariant checker after every operation.
 
     .venv/bin/python scripts/soak.py --steps 200000            # both layer mixes, prints ops/s and RSS

@@ -50,7 +50,7 @@ class _Buffer:
     layer: LayerId
     role: str
     index: int
-    life_cycle: int
+    layer_group: int
     window: int | None
     sink_tokens: int
     base: int
@@ -88,7 +88,7 @@ class FakeEngine:
                     layer=layer_id,
                     role=role,
                     index=i,
-                    life_cycle=manager.get_layer_group_id(layer_id),
+                    layer_group=manager.get_layer_group_id(layer_id),
                     window=lc_cfg.sliding_window_size,
                     sink_tokens=lc_cfg.num_sink_tokens or 0,
                     base=manager.get_mem_pool_base_address(layer_id, role, index_mode),
@@ -131,10 +131,10 @@ class FakeEngine:
 
     def kernel_indices(self, kv: KVCache, buf: _Buffer, beam: int = 0) -> list[int]:
         """The buffer's page indices for this step (of one beam), scratch blocks included."""
-        scratch = kv.get_scratch_desc(buf.life_cycle)
+        scratch = kv.get_scratch_desc(buf.layer_group)
         if scratch is not None and not kv.supports_index_mode(self.mode):
             raise KVMismatch(f"{self.mode.name} cannot address the scratch blocks of this step")
-        return buf.converter(kv.get_base_page_indices(buf.life_cycle, BeamIndex(beam)), self.mode, scratch)
+        return buf.converter(kv.get_base_page_indices(buf.layer_group, BeamIndex(beam)), self.mode, scratch)
 
     def step(
         self, kv: KVCache, tokens: Sequence[TokenIdExt], start: int, end: int, beam: int = 0, check: bool = True

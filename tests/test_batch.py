@@ -26,7 +26,7 @@ def _state(m: KVCacheManager, caches: list[KVCache]) -> list[object]:
     for kv in caches:
         out.append((kv.status, kv.capacity, kv.history_length, kv.num_blocks, kv.committed_tokens))
         if kv.status is KVCacheStatus.ACTIVE:
-            out.append([list(kv.get_base_page_indices(lg)) for lg in range(m.num_life_cycles)])
+            out.append([list(kv.get_base_page_indices(lg)) for lg in range(m.num_layer_groups)])
     out.append([(s.free, s.evictable) for s in m.get_storage_statistics()])
     out.append(m.reuse_statistics)
     return out

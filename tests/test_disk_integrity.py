@@ -55,7 +55,7 @@ def publish(m: KVCacheManager, toks: list[int]) -> None:
 
 
 def tree_pages(m: KVCacheManager, toks: list[int]) -> list[Page]:
-    """The reusable page of each matched block of ``toks`` (life cycle 0), in order."""
+    """The reusable page of each matched block of ``toks`` (layer group 0), in order."""
     root = m._tree.root(DEFAULT_REUSE_SCOPE, False)
     assert root is not None
     nodes, _, _ = m._tree.match(root, BlockHasher(toks, m.tokens_per_block, "tokens"), False)

@@ -7,13 +7,13 @@ from collections.abc import Callable
 import pytest
 from conftest import kv_layers
 
-from kv_cache_manager_v2 import CacheLevel, KVCache, KVCacheManager, LayerGroupId, LifeCycleId, SlotId
+from kv_cache_manager_v2 import CacheLevel, KVCache, KVCacheManager, LayerGroupId, SlotId
 from kv_cache_manager_v2._eviction import FrequencyEvictor
 from kv_cache_manager_v2._page import Page
 
 T = 8
 MakeManager = Callable[..., KVCacheManager]
-LC0 = LifeCycleId(0)
+LC0 = LayerGroupId(0)
 
 
 def setup(make_manager: MakeManager) -> tuple[KVCacheManager, KVCache, KVCache]:

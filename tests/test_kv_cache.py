@@ -438,8 +438,8 @@ def test_swa_releases_out_of_window_blocks_and_keeps_the_window(make_manager: Ma
     assert free_slots(m) == [s.total for s in m.get_storage_statistics()]
 
 
-def test_growth_uses_slots_released_by_another_life_cycle_of_the_same_pool_group(make_manager: MakeManager) -> None:
-    # layer 0 full attention (life cycle 0), layer 1 window 8 (life cycle 1); one pool group of 8 slots
+def test_growth_uses_slots_released_by_another_layer_group_of_the_same_pool_group(make_manager: MakeManager) -> None:
+    # layer 0 full attention (layer group 0), layer 1 window 8 (layer group 1); one pool group of 8 slots
     layers = [
         AttentionLayerConfig(LayerId(0), [BufferConfig("key", 32 * T), BufferConfig("value", 32 * T)]),
         AttentionLayerConfig(LayerId(1), [BufferConfig("key", 32 * T), BufferConfig("value", 32 * T)], 8),

@@ -16,7 +16,7 @@ from kv_cache_manager_v2 import (
     ScratchDesc,
     SlotId,
 )
-from kv_cache_manager_v2._life_cycle_registry import LifeCycle
+from kv_cache_manager_v2._layer_groups import LayerGroup
 
 KIB = 1024
 
@@ -45,7 +45,7 @@ def test_four_full_layers_one_pool_of_64k() -> None:
     m.shutdown()
 
 
-def test_swa_on_even_layers_two_life_cycles_share_one_pool_group() -> None:
+def test_swa_on_even_layers_two_layer_groups_share_one_pool_group() -> None:
     m = manager(kv8k(4, swa_even=True))
     assert m.layer_grouping == [(0, 2), (1, 3)]
     assert len(m.pool_group_descs) == 1
@@ -99,12 +99,12 @@ def test_tokens_per_block_override_expands_pages() -> None:
     ],
 )
 def test_stale_range(window: int | None, sinks: int, h: int, expected: tuple[int, int]) -> None:
-    assert LifeCycle(window, sinks, 32).stale_range(h) == expected
+    assert LayerGroup(window, sinks, 32).stale_range(h) == expected
 
 
 @pytest.mark.parametrize("window, sinks", [(None, 0), (1, 0), (8, 0), (8, 1), (40, 3), (128, 2)])
 def test_stale_end_is_the_stale_range_past_the_sinks(window: int | None, sinks: int) -> None:
-    lc = LifeCycle(window, sinks, 8)
+    lc = LayerGroup(window, sinks, 8)
     for h in range(300):
         beg, end = lc.stale_range(h)
         assert set(range(beg, end)) == set(range(sinks, lc.stale_end(h))), h

@@ -103,12 +103,12 @@ def test_from_compiled_code_cache_closed_on_gc() -> None:
 def test_page_invalidates_its_ref_when_collected_without_free() -> None:
     from conftest import kv_layers, make_config
 
-    from kv_cache_manager_v2 import KVCacheManager, LifeCycleId, Priority, SlotId
+    from kv_cache_manager_v2 import KVCacheManager, LayerGroupId, Priority, SlotId
     from kv_cache_manager_v2._page import Page
 
     m = KVCacheManager(make_config(kv_layers(1)))
     storage = m._storage.gpu.items[0]
-    page = Page(storage, SlotId(storage.allocator.allocate_one()), LifeCycleId(0), Priority(35), True)
+    page = Page(storage, SlotId(storage.allocator.allocate_one()), LayerGroupId(0), Priority(35), True)
     r = rawref.ref(page)
     del page
     gc.collect()

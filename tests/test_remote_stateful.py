@@ -1,4 +1,4 @@
-"""Stateful property test of the remote tier: the request life cycle of one manager (GPU + host +
+"""Stateful property test of the remote tier: the request layer group of one manager (GPU + host +
 Redis, little memory) interleaved with a peer manager publishing into the same Redis, and with the
 server dying, coming back empty, being flushed and having values corrupted or cut short. The fake
 engine checks every record a resumed request reads (fetched ones included) and the invariant

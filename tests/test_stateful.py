@@ -1,4 +1,4 @@
-"""Stateful property test: random interleavings of the request life cycle with shared
+"""Stateful property test: random interleavings of the request layer group with shared
 prefixes, checked by the fake engine and by slot-ownership invariants."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.computed: dict[int, int] = {}  # id(kv) -> tokens computed but not yet committed
 
     def make_manager(self) -> KVCacheManager:
-        # full attention first, then SWA with sinks: both life cycles share one pool group
+        # full attention first, then SWA with sinks: both layer groups share one pool group
         layers = kv_layers(3, T, window=9, swa_every=3, sink_tokens=2)
         layers = layers[1:] + layers[:1]
         return KVCacheManager(

@@ -64,7 +64,7 @@ def publish(m: KVCacheManager, engine: FakeEngine, toks: list[int]) -> None:
 
 
 def tree_levels(m: KVCacheManager, toks: list[int]) -> list[int]:
-    """Cache level of each reusable block of ``toks`` (life cycle 0), in order."""
+    """Cache level of each reusable block of ``toks`` (layer group 0), in order."""
     root = m._tree.root(DEFAULT_REUSE_SCOPE, False)
     assert root is not None
     nodes, _, _ = m._tree.match(root, BlockHasher(toks, m.tokens_per_block, "tokens"), False)

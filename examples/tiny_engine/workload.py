@@ -45,12 +45,12 @@ class WorkloadResult:
 def make_adapter(cfg: TinyConfig, p: WorkloadParams) -> KVCacheResourceManager:
     """An adapter whose pool groups get ``full_slots`` (groups with full attention) or ``swa_slots`` slots."""
     t = cfg.tokens_per_block
-    life_cycles: dict[tuple[int | None, int], int] = {}  # (window, sink blocks) -> layers
+    layer_groups: dict[tuple[int | None, int], int] = {}  # (window, sink blocks) -> layers
     for spec in cfg.layers:
         key = (spec.window, -(-spec.sink_tokens // t) if spec.window is not None else 0)
-        life_cycles[key] = life_cycles.get(key, 0) + 1
+        layer_groups[key] = layer_groups.get(key, 0) + 1
     groups: dict[int, bool] = {}  # slot bytes -> has full attention (first-seen order = pool group order)
-    for (window, _), n in life_cycles.items():
+    for (window, _), n in layer_groups.items():
         size = 2 * cfg.kv_page_bytes * n
         groups[size] = groups.get(size, False) or window is None
     ratio = [size * (p.full_slots if full else p.swa_slots) for size, full in groups.items()]

@@ -1,7 +1,7 @@
-"""The block table of one request: per life cycle, the page of every block and the live index
+"""The block table of one request: per layer group, the page of every block and the live index
 array kernels read (one beam's view; a beam-search request keeps one table per beam).
 
-Index storage never changes size: each life cycle's slot ids live in an ``array('i')`` with
+Index storage never changes size: each layer group's slot ids live in an ``array('i')`` with
 spare capacity (-1 past the blocks), and callers get a cached ``memoryview`` of its first
 ``num_blocks`` entries. A caller may wrap that view (numpy, torch) for as long as it likes: the
 manager writes into it in place, and when the blocks outgrow the capacity it moves to a new
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from array import array
 
-from .._common import BAD_PAGE_INDEX, LifeCycleId, SlotId
+from .._common import BAD_PAGE_INDEX, LayerGroupId, SlotId
 from .._exceptions import LogicError
 from .._page import Page
 from .._typed import TypedList
@@ -25,7 +25,7 @@ _EMPTY_VIEW = memoryview(_EMPTY_STORE)
 
 
 class BlockTable:
-    """Pages and page indices of one request's blocks, per life cycle.
+    """Pages and page indices of one request's blocks, per layer group.
 
     ``pages[lc][o]`` is block ``o``'s page (None: stale, not allocated, or awaiting its
     copy-on-partial), ``views[lc]`` the matching slot ids (``BAD_PAGE_INDEX`` where there is
@@ -52,24 +52,24 @@ class BlockTable:
         "live",
     )
 
-    def __init__(self, num_life_cycles: int) -> None:
-        n = num_life_cycles
-        self.pages: TypedList[LifeCycleId, list[Page | None]] = TypedList([[] for _ in range(n)])
+    def __init__(self, num_layer_groups: int) -> None:
+        n = num_layer_groups
+        self.pages: TypedList[LayerGroupId, list[Page | None]] = TypedList([[] for _ in range(n)])
         # slot ids with spare capacity (never resized), and a view of the blocks' part
-        self._store: TypedList[LifeCycleId, array[int]] = TypedList([_EMPTY_STORE] * n)
-        self.views: TypedList[LifeCycleId, memoryview] = TypedList([_EMPTY_VIEW] * n)
-        self.user_bufs: TypedList[LifeCycleId, memoryview | None] = TypedList([None] * n)
-        self.stale_end: TypedList[LifeCycleId, int] = TypedList([0] * n)
-        self.pending_copy: TypedList[LifeCycleId, Page | None] = TypedList([None] * n)
-        self.scratch: TypedList[LifeCycleId, tuple[int, int]] = TypedList([(0, 0)] * n)
-        self.scratch_slots: TypedList[LifeCycleId, list[SlotId]] = TypedList([[] for _ in range(n)])
+        self._store: TypedList[LayerGroupId, array[int]] = TypedList([_EMPTY_STORE] * n)
+        self.views: TypedList[LayerGroupId, memoryview] = TypedList([_EMPTY_VIEW] * n)
+        self.user_bufs: TypedList[LayerGroupId, memoryview | None] = TypedList([None] * n)
+        self.stale_end: TypedList[LayerGroupId, int] = TypedList([0] * n)
+        self.pending_copy: TypedList[LayerGroupId, Page | None] = TypedList([None] * n)
+        self.scratch: TypedList[LayerGroupId, tuple[int, int]] = TypedList([(0, 0)] * n)
+        self.scratch_slots: TypedList[LayerGroupId, list[SlotId]] = TypedList([[] for _ in range(n)])
         self.live = False
 
     def __len__(self) -> int:
         return len(self.pages)
 
     # ------------------------------------------------------------------ pages
-    def _set_len(self, lc: LifeCycleId, old_nb: int, nb: int) -> None:
+    def _set_len(self, lc: LayerGroupId, old_nb: int, nb: int) -> None:
         """Resize the block count of the index view: -1 past the blocks, more capacity if needed."""
         store = self._store.items[lc]
         if nb > len(store):
@@ -81,7 +81,7 @@ class BlockTable:
             store[nb:old_nb] = array("i", [BAD_PAGE_INDEX]) * (old_nb - nb)
         self.views.items[lc] = memoryview(store)[:nb]
 
-    def adopt(self, lc: LifeCycleId, pages: list[Page | None], stale_end: int) -> None:
+    def adopt(self, lc: LayerGroupId, pages: list[Page | None], stale_end: int) -> None:
         """Install the pages of a matched prefix (the table is empty)."""
         self.pages[lc] = pages
         self.stale_end[lc] = stale_end
@@ -96,7 +96,7 @@ class BlockTable:
         count): pages it does not share with ``other`` are released, ``other``'s taken. Cheap
         when the beams share most blocks, as beams do."""
         for i, pages in enumerate(self.pages):
-            lc = LifeCycleId(i)
+            lc = LayerGroupId(i)
             src = other.pages[lc]
             for o in range(len(src)):
                 p = src[o]
@@ -113,10 +113,10 @@ class BlockTable:
             self.stale_end[lc] = other.stale_end[lc]
 
     def block_pages(self, o: int) -> list[Page | None]:
-        """Block ``o``'s page in every life cycle."""
+        """Block ``o``'s page in every layer group."""
         return [pages[o] for pages in self.pages.items]
 
-    def set_page(self, lc: LifeCycleId, o: int, page: Page | None) -> None:
+    def set_page(self, lc: LayerGroupId, o: int, page: Page | None) -> None:
         """Point block ``o`` at ``page`` (or at nothing) in the pages, the indices and the caller's buffer."""
         self.pages[lc][o] = page
         slot = BAD_PAGE_INDEX if page is None or not self.live else page.slot
@@ -125,7 +125,7 @@ class BlockTable:
         if buf is not None:
             buf[o] = slot
 
-    def extend(self, lc: LifeCycleId, nb: int, ordinals: list[int], new_pages: list[Page]) -> None:
+    def extend(self, lc: LayerGroupId, nb: int, ordinals: list[int], new_pages: list[Page]) -> None:
         """Grow to ``nb`` blocks (or keep the count); block ``ordinals[i]`` gets ``new_pages[i]``,
         the other new blocks none. Ordinals below the old count fill blocks that had no page."""
         pages = self.pages[lc]
@@ -146,7 +146,7 @@ class BlockTable:
         if buf is not None:
             buf[old_nb:nb] = memoryview(self._store[lc])[old_nb:nb]
 
-    def append(self, lc: LifeCycleId, page: Page) -> None:
+    def append(self, lc: LayerGroupId, page: Page) -> None:
         """One more block, with ``page`` (the decode step's growth; ``extend`` in general)."""
         pages = self.pages.items[lc]
         o = len(pages)
@@ -167,13 +167,13 @@ class BlockTable:
                 if p is not None:
                     p.release(locked)
         for i, pages in enumerate(all_pages):
-            lc = LifeCycleId(i)
+            lc = LayerGroupId(i)
             old_nb = len(pages)
             del pages[nb:]
             self._set_len(lc, old_nb, nb)
             self.write_user_tail(lc, nb)
 
-    def release_range(self, lc: LifeCycleId, beg: int, end: int, locked: bool) -> None:
+    def release_range(self, lc: LayerGroupId, beg: int, end: int, locked: bool) -> None:
         """Release the pages of blocks ``[beg, end)`` (they keep their place, with no page), last
         block first like ``truncate``: blocks leaving a sliding window together are evicted
         newest first, so the prefix others may share stays longest."""
@@ -184,7 +184,7 @@ class BlockTable:
                 self.set_page(lc, o, None)
                 p.release(locked)
 
-    def sole_owned(self, lc: LifeCycleId, beg: int, end: int) -> int:
+    def sole_owned(self, lc: LayerGroupId, beg: int, end: int) -> int:
         """How many pages of blocks ``[beg, end)`` become available when this request lets go."""
         pages = self.pages[lc]
         n = 0
@@ -271,7 +271,7 @@ class BlockTable:
     def _write_indices(self) -> None:
         live = self.live
         for i, pages in enumerate(self.pages):
-            lc = LifeCycleId(i)
+            lc = LayerGroupId(i)
             n = len(pages)
             if n == 0:
                 continue
@@ -295,7 +295,7 @@ class BlockTable:
                     "give set_base_page_index_buf() a larger buffer"
                 )
 
-    def attach_user_buf(self, lc: LifeCycleId, view: memoryview | None) -> None:
+    def attach_user_buf(self, lc: LayerGroupId, view: memoryview | None) -> None:
         """Mirror the indices into ``view`` from now on (None: stop)."""
         old = self.user_bufs[lc]
         self.user_bufs[lc] = view
@@ -316,7 +316,7 @@ class BlockTable:
     def give_user_bufs(self, bufs: list[memoryview | None]) -> None:
         """Adopt callers' buffers and write this table's indices into them."""
         for i, view in enumerate(bufs):
-            lc = LifeCycleId(i)
+            lc = LayerGroupId(i)
             self.user_bufs[lc] = view
             if view is not None:
                 n = len(self.pages[lc])
@@ -326,9 +326,9 @@ class BlockTable:
     def detach_user_bufs(self) -> None:
         """Stop writing into callers' buffers (close)."""
         for i in range(len(self.user_bufs)):
-            self.attach_user_buf(LifeCycleId(i), None)
+            self.attach_user_buf(LayerGroupId(i), None)
 
-    def write_user_tail(self, lc: LifeCycleId, n: int) -> None:
+    def write_user_tail(self, lc: LayerGroupId, n: int) -> None:
         buf = self.user_bufs[lc]
         if buf is not None and n < len(buf):
             buf[n:] = memoryview(array("i", [BAD_PAGE_INDEX]) * (len(buf) - n))

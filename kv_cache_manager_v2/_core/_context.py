@@ -1,4 +1,4 @@
-"""What the requests of one manager share: life-cycle policies, storage, the reuse tree, statistics."""
+"""What the requests of one manager share: layer-group policies, storage, the reuse tree, statistics."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import rawref
 
-from .._common import DEFAULT_PRIORITY, LifeCycleId, PoolGroupIndex, Priority, ReuseStatistics
+from .._common import DEFAULT_PRIORITY, LayerGroupId, PoolGroupIndex, Priority, ReuseStatistics
 from .._config import KVCacheManagerConfig
 from .._exceptions import LogicError
-from .._life_cycle_registry import LifeCycle, LifeCycleRegistry
+from .._layer_groups import LayerGroup, LayerGroupRegistry
 from .._reuse._tree import ReuseTree
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList
@@ -35,8 +35,8 @@ class CacheContext:
         "has_swa",
         "lc_group",
         "max_rewind_len",
-        "life_cycles",
-        "num_life_cycles",
+        "layer_groups",
+        "num_layer_groups",
         "num_pool_groups",
         "num_requests",
         "open_caches",
@@ -47,36 +47,36 @@ class CacheContext:
         "registry",
         "stats",
         "storage",
-        "swa_life_cycles",
+        "swa_layer_groups",
         "tokens_per_block",
         "tree",
     )
 
     def __init__(
-        self, config: KVCacheManagerConfig, registry: LifeCycleRegistry, storage: StorageManager, tree: ReuseTree
+        self, config: KVCacheManagerConfig, registry: LayerGroupRegistry, storage: StorageManager, tree: ReuseTree
     ) -> None:
         self.config = config
         self.tokens_per_block = config.tokens_per_block
         self.registry = registry
-        self.life_cycles: TypedList[LifeCycleId, LifeCycle] = registry.life_cycles
-        self.num_life_cycles = len(registry)
-        self.swa_life_cycles = registry.swa_life_cycles
-        self.has_swa = len(self.swa_life_cycles) > 0
-        self.lc_group: TypedList[LifeCycleId, PoolGroupIndex] = storage.layout.life_cycle_pool_group
+        self.layer_groups: TypedList[LayerGroupId, LayerGroup] = registry.layer_groups
+        self.num_layer_groups = len(registry)
+        self.swa_layer_groups = registry.swa_layer_groups
+        self.has_swa = len(self.swa_layer_groups) > 0
+        self.lc_group: TypedList[LayerGroupId, PoolGroupIndex] = storage.layout.pool_group_of_layer_group
         self.num_pool_groups = storage.num_pool_groups
-        #: per pool group, the pages one more block takes (one per life cycle in the group)
+        #: per pool group, the pages one more block takes (one per layer group in the group)
         self.pages_per_block = [0] * self.num_pool_groups
         for g in self.lc_group:
             self.pages_per_block[g] += 1
         self.no_gain = [0] * self.num_pool_groups
-        self.default_priorities: list[Priority] = [DEFAULT_PRIORITY] * self.num_life_cycles
+        self.default_priorities: list[Priority] = [DEFAULT_PRIORITY] * self.num_layer_groups
         self.storage = storage
         self.tree = tree
         #: SWA scratch reuse (SPEC 5.7): -1 when not configured
         scratch = config.swa_scratch_reuse
         self.max_rewind_len = scratch.max_rewind_len if scratch is not None else -1
-        #: per life cycle, slot_util_frac_max as (numerator, denominator): slots per scratch block
-        self.scratch_util: TypedList[LifeCycleId, tuple[int, int]] = TypedList(
+        #: per layer group, slot_util_frac_max as (numerator, denominator): slots per scratch block
+        self.scratch_util: TypedList[LayerGroupId, tuple[int, int]] = TypedList(
             [(f.numerator, f.denominator) for f in storage.layout.slot_util_frac_max]
         )
         self.stats = ReuseStatistics()

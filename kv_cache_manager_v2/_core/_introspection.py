@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
-from .._common import BAD_PAGE_INDEX, KVCacheStatus, LifeCycleId
+from .._common import BAD_PAGE_INDEX, KVCacheStatus, LayerGroupId
 from .._eviction import GARBAGE_PRIORITY, LISTED_DROPPABLE, LISTED_HELD, NOT_LISTED
 from .._page import Page
 from .._reuse._tree import ReuseTree
@@ -44,7 +44,7 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
         for beam, table in enumerate(kv.block_tables):
             _check_cache(kv, table, beam, own)
         for i, slots in enumerate(kv.block_table.scratch_slots):
-            group = kv._ctx.storage.lc_storage[LifeCycleId(i)]
+            group = kv._ctx.storage.lc_storage[LayerGroupId(i)]
             for slot in slots:
                 if not group.allocator.is_allocated(slot):
                     _fail(f"{kv!r}: scratch slot {slot} is not allocated")
@@ -100,9 +100,9 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
                 continue
             tree_page = r()
             if tree_page is None:
-                _fail(f"tree node at ordinal {node.ordinal} refers to a freed page (life cycle {lc})")
+                _fail(f"tree node at ordinal {node.ordinal} refers to a freed page (layer group {lc})")
             p = tree_page
-            if p.node is not node or p.life_cycle != lc:
+            if p.node is not node or p.layer_group != lc:
                 _fail(f"page {p.slot} and tree node at ordinal {node.ordinal} disagree")
             pages[id(p)] = p
             if p.num_locks == 0 and p.num_holds == 0 and id(p) not in evictable:
@@ -159,9 +159,9 @@ def _check_cache(kv: KVCache, table: BlockTable, beam: int, own: Callable[[Page,
     locked = status is KVCacheStatus.ACTIVE
     if status is not KVCacheStatus.CLOSED and table.live != locked:
         _fail(f"{kv!r}: its indices are {'live' if table.live else 'hidden'}")
-    life_cycles = kv._ctx.life_cycles
+    layer_groups = kv._ctx.layer_groups
     for i in range(len(table)):
-        lc = LifeCycleId(i)
+        lc = LayerGroupId(i)
         lc_pages = table.pages[lc]
         indices = table.views[lc]
         if status is KVCacheStatus.CLOSED:
@@ -169,32 +169,32 @@ def _check_cache(kv: KVCache, table: BlockTable, beam: int, own: Callable[[Page,
                 _fail(f"{kv!r}: a closed cache still has pages")
             continue
         if len(lc_pages) != kv.num_blocks or len(indices) != kv.num_blocks:
-            _fail(f"{kv!r} beam {beam}: life cycle {lc} has {len(lc_pages)} pages / {len(indices)} indices")
+            _fail(f"{kv!r} beam {beam}: layer group {lc} has {len(lc_pages)} pages / {len(indices)} indices")
         buf = table.user_bufs[lc]
         src = kv.block_table.pending_copy[lc]  # beam 0 holds it for every beam
-        sinks = life_cycles[lc].num_sink_blocks
+        sinks = layer_groups[lc].num_sink_blocks
         stale_end = table.stale_end[lc]
-        if max(stale_end, sinks) != life_cycles[lc].stale_end(kv.history_length):
+        if max(stale_end, sinks) != layer_groups[lc].stale_end(kv.history_length):
             _fail(
-                f"{kv!r}: life cycle {lc} released blocks below {stale_end}, its window at history "
-                f"{kv.history_length} ends at {life_cycles[lc].stale_end(kv.history_length)}"
+                f"{kv!r}: layer group {lc} released blocks below {stale_end}, its window at history "
+                f"{kv.history_length} ends at {layer_groups[lc].stale_end(kv.history_length)}"
             )
         sb, se = table.scratch[lc]
         slots_needed = (se - sb) > 0 and status is not KVCacheStatus.SUSPENDED
         if slots_needed != bool(table.scratch_slots[lc]):
-            _fail(f"{kv!r}: life cycle {lc} has scratch blocks {sb}..{se} but {len(table.scratch_slots[lc])} slots")
+            _fail(f"{kv!r}: layer group {lc} has scratch blocks {sb}..{se} but {len(table.scratch_slots[lc])} slots")
         for o, p in enumerate(lc_pages):
             stale = sinks <= o < stale_end or sb <= o < se
             if stale and p is not None:
-                _fail(f"{kv!r}: block {o} of life cycle {lc} is out of the window or scratch but keeps a page")
+                _fail(f"{kv!r}: block {o} of layer group {lc} is out of the window or scratch but keeps a page")
             if not stale and p is None and not (src is not None and o == kv.num_blocks - 1):
-                _fail(f"{kv!r}: block {o} of life cycle {lc} needs a page but has none")
+                _fail(f"{kv!r}: block {o} of layer group {lc} needs a page but has none")
             want = BAD_PAGE_INDEX if p is None or not locked else p.slot
             if indices[o] != want or (buf is not None and buf[o] != want):
-                _fail(f"{kv!r}: index of block {o} (life cycle {lc}) is {indices[o]}, its page is at {want}")
+                _fail(f"{kv!r}: index of block {o} (layer group {lc}) is {indices[o]}, its page is at {want}")
             if p is not None:
                 if locked and (p.level != 0 or p.lost):
-                    _fail(f"{kv!r}: block {o} of life cycle {lc} is at cache level {p.level} (lost: {p.lost})")
+                    _fail(f"{kv!r}: block {o} of layer group {lc} is at cache level {p.level} (lost: {p.lost})")
                 own(p, locked)
         if buf is not None and any(x != BAD_PAGE_INDEX for x in buf[kv.num_blocks :]):
             _fail(f"{kv!r}: the caller's index buffer has entries past the blocks")

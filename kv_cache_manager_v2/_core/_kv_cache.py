@@ -23,7 +23,6 @@ from .._common import (
     HalfOpenRange,
     KVCacheStatus,
     LayerGroupId,
-    LifeCycleId,
     PageIndexMode,
     Priority,
     RequestSerial,
@@ -40,10 +39,10 @@ from .._utils import as_list, check_int, check_type
 from ._block_table import BlockTable
 from ._context import CacheContext
 
-PriorityCallback = Callable[[BlockOrdinal, LifeCycleId], Priority]
+PriorityCallback = Callable[[BlockOrdinal, LayerGroupId], Priority]
 
 
-def default_priority(block_ordinal: BlockOrdinal, life_cycle: LifeCycleId) -> Priority:
+def default_priority(block_ordinal: BlockOrdinal, layer_group: LayerGroupId) -> Priority:
     """The priority pages get unless a request passes its own callback: 35."""
     return DEFAULT_PRIORITY
 
@@ -86,18 +85,18 @@ class KVCache:
         self._tail: list[TokenIdExt] = []
         self._committing = True
         self._cuda_stream = 0
-        self._table = BlockTable(ctx.num_life_cycles)
+        self._table = BlockTable(ctx.num_layer_groups)
         # Beam search: one block table per beam (beam 0's is ``_table``). Until the first commit
         # with beam_search_indices every beam's table holds the same pages (one owner per table);
         # from then on ("forked") each beam has its own committed tokens and tail pages.
         self._beam_width = beam_width
-        self._tables = [self._table] + [BlockTable(ctx.num_life_cycles) for _ in range(beam_width - 1)]
+        self._tables = [self._table] + [BlockTable(ctx.num_layer_groups) for _ in range(beam_width - 1)]
         self._forked = False
         #: committed full blocks and tail of beams 1.. once forked (beam 0's are the fields above)
         self._beam_seqs: list[tuple[list[BlockTokens], list[TokenIdExt]]] = []
-        #: (beam, life cycle, block) whose page other beams share but this beam will write: the
+        #: (beam, layer group, block) whose page other beams share but this beam will write: the
         #: next resize gives it a private page (a copy, for the block holding committed tokens)
-        self._cow: list[tuple[int, LifeCycleId, int]] = []
+        self._cow: list[tuple[int, LayerGroupId, int]] = []
         self._final_beam = 0
         self._scratch_enabled = ctx.max_rewind_len >= 0 and ctx.has_swa and beam_width == 1
         # Reuse: the tree node of the last published full block, and how many full blocks are published.
@@ -115,8 +114,8 @@ class KVCache:
         nb = (length + t - 1) // t
         table = self._table
         taken = 0
-        for i, lc in enumerate(self._ctx.life_cycles):
-            lc_id = LifeCycleId(i)
+        for i, lc in enumerate(self._ctx.layer_groups):
+            lc_id = LayerGroupId(i)
             beg, end = lc.stale_range(length)
             pages: list[Page | None] = [None] * nb
             for o in range(nb):
@@ -301,7 +300,7 @@ class KVCache:
         ctx = self._ctx
         done = True  # every scratch block is out of the window at the current history: the step is over
         for i, (beg, end) in enumerate(table.scratch):
-            if beg < end and ctx.life_cycles[LifeCycleId(i)].stale_end(self._history) < end:
+            if beg < end and ctx.layer_groups[LayerGroupId(i)].stale_end(self._history) < end:
                 done = False
         if not done:
             raise LogicError(
@@ -312,7 +311,7 @@ class KVCache:
         try:
             self._free_scratch_slots()  # the committed step's scratch slots: nothing needs them now
             for i in range(len(table.scratch)):
-                table.scratch[LifeCycleId(i)] = (0, 0)
+                table.scratch[LayerGroupId(i)] = (0, 0)
         finally:
             ctx.leave()
         self._scratch_enabled = value and ctx.has_swa
@@ -348,7 +347,7 @@ class KVCache:
         table = self._table
         storage = ctx.storage
         scratch_needs = [
-            (LifeCycleId(i), self._scratch_slots_for(beg, end, LifeCycleId(i)))
+            (LayerGroupId(i), self._scratch_slots_for(beg, end, LayerGroupId(i)))
             for i, (beg, end) in enumerate(table.scratch)
             if end > beg
         ]
@@ -364,7 +363,7 @@ class KVCache:
             return True
         if storage.any_lost():
             self._drop_lost_blocks(False, -1)
-        pending = [(LifeCycleId(i), src) for i, src in enumerate(table.pending_copy) if src is not None]
+        pending = [(LayerGroupId(i), src) for i, src in enumerate(table.pending_copy) if src is not None]
         need, excluded, up = self._plan_move_up(GPU_LEVEL, False)
         for lc, _ in pending:
             need[ctx.lc_group[lc]] += 1
@@ -384,7 +383,7 @@ class KVCache:
         self._lock_all()
         table.lock_pending()
         copies: list[tuple[Page, Page]] = []
-        scratch: list[tuple[LifeCycleId, list[SlotId]]] = []
+        scratch: list[tuple[LayerGroupId, list[SlotId]]] = []
         try:
             lost = storage.move_up(up, GPU_LEVEL) if up else []
             for (lc, src), prio in zip(pending, priorities):
@@ -423,7 +422,7 @@ class KVCache:
         self._status = KVCacheStatus.ACTIVE
         return True
 
-    def _scratch_slots_for(self, beg: int, end: int, lc: LifeCycleId) -> int:
+    def _scratch_slots_for(self, beg: int, end: int, lc: LayerGroupId) -> int:
         num, den = self._ctx.scratch_util[lc]
         return ((end - beg) * num + den - 1) // den
 
@@ -480,7 +479,7 @@ class KVCache:
             g = p.storage.index
             if p.in_evictor:
                 excluded[p.level][g] += 1
-            if p.level > target and (sources_too or p is not pending[p.life_cycle]):
+            if p.level > target and (sources_too or p is not pending[p.layer_group]):
                 need[g] += 1
                 up.append(p)
         return need, excluded, up
@@ -506,14 +505,14 @@ class KVCache:
             table.truncate(b, locked)
         self._free_scratch_slots()  # the step they served is gone with the blocks
         for i in range(len(self._table)):
-            self._table.scratch[LifeCycleId(i)] = (0, 0)
+            self._table.scratch[LayerGroupId(i)] = (0, 0)
         self._cow = [c for c in self._cow if c[2] < b]
         ctx = self._ctx
-        for i, life_cycle in enumerate(ctx.life_cycles):
-            lc = LifeCycleId(i)
-            end = life_cycle.stale_end(n)
+        for i, layer_group in enumerate(ctx.layer_groups):
+            lc = LayerGroupId(i)
+            end = layer_group.stale_end(n)
             for table in self._tables:
-                table.release_range(lc, max(table.stale_end[lc], life_cycle.num_sink_blocks), end, locked)
+                table.release_range(lc, max(table.stale_end[lc], layer_group.num_sink_blocks), end, locked)
                 table.stale_end[lc] = end
         self._window_next = 0
         self._capacity = self._history = n
@@ -531,10 +530,10 @@ class KVCache:
     def _intact(self, nb: int) -> bool:
         """Whether every page needed at ``nb`` full blocks of history exists and holds its data (every beam)."""
         n = nb * self._tokens_per_block
-        for i, life_cycle in enumerate(self._ctx.life_cycles):
-            beg, end = life_cycle.stale_range(n)
+        for i, layer_group in enumerate(self._ctx.layer_groups):
+            beg, end = layer_group.stale_range(n)
             for table in self._tables:
-                pages = table.pages[LifeCycleId(i)]
+                pages = table.pages[LayerGroupId(i)]
                 for o in range(nb):
                     if beg <= o < end:
                         continue
@@ -594,7 +593,7 @@ class KVCache:
         table = self._table
         for i, slots in enumerate(table.scratch_slots):
             if slots:
-                self._ctx.storage.free_scratch_slots(LifeCycleId(i), slots)
+                self._ctx.storage.free_scratch_slots(LayerGroupId(i), slots)
                 slots.clear()
 
     def close(self) -> None:
@@ -620,7 +619,7 @@ class KVCache:
         self._cow = []
         self._free_scratch_slots()
         for i in range(len(self._table)):
-            self._table.scratch[LifeCycleId(i)] = (0, 0)
+            self._table.scratch[LayerGroupId(i)] = (0, 0)
         self._extend_from(None)
         self._status = KVCacheStatus.CLOSED
         self._capacity = self._history = self._num_blocks = 0
@@ -689,7 +688,7 @@ class KVCache:
 
     def _grow_one_block(self, cap: int, h: int) -> bool:
         """The decode step's growth, which ``_resize_blocks`` would plan the long way: one more
-        block with a new page in every life cycle, nothing released (one table, no scratch, no
+        block with a new page in every layer group, nothing released (one table, no scratch, no
         copy-on-write, no window movement; a block at the end is never out of window)."""
         ctx = self._ctx
         storage = ctx.storage
@@ -703,20 +702,20 @@ class KVCache:
         if cb is default_priority:
             priorities = ctx.default_priorities
         else:
-            priorities = [_checked_priority(cb(BlockOrdinal(o), LifeCycleId(i))) for i in range(ctx.num_life_cycles)]
+            priorities = [_checked_priority(cb(BlockOrdinal(o), LayerGroupId(i))) for i in range(ctx.num_layer_groups)]
         storage.reserve(need)
         for i, prio in enumerate(priorities):
-            lc = LifeCycleId(i)
+            lc = LayerGroupId(i)
             table.append(lc, storage.new_page(lc, prio, True))
         if ctx.enable_stats:
-            ctx.stats.allocated_pages += ctx.num_life_cycles
+            ctx.stats.allocated_pages += ctx.num_layer_groups
         self._capacity = cap
         self._history = h
         self._num_blocks = o + 1
         return True
 
     def _window_moves(self, cap: int, h: int) -> bool:
-        """Whether some SWA life cycle has blocks to release at history ``h``, or a different
+        """Whether some SWA layer group has blocks to release at history ``h``, or a different
         scratch range for the step ``h -> cap``.
 
         Without scratch, the answer stays False until history reaches ``_window_next`` (kept
@@ -727,25 +726,25 @@ class KVCache:
         table = self._table
         scratch = self._scratch_enabled
         nxt = MAX_CAPACITY + 1
-        for lc in ctx.swa_life_cycles:
-            life_cycle = ctx.life_cycles.items[lc]
+        for lc in ctx.swa_layer_groups:
+            layer_group = ctx.layer_groups.items[lc]
             done = table.stale_end.items[lc]
-            if life_cycle.stale_end(h) > done:
+            if layer_group.stale_end(h) > done:
                 return True
-            if scratch and life_cycle.scratch_range(cap, h, ctx.max_rewind_len) != table.scratch.items[lc]:
+            if scratch and layer_group.scratch_range(cap, h, ctx.max_rewind_len) != table.scratch.items[lc]:
                 return True
-            nxt = min(nxt, life_cycle.history_releasing_after(done))
+            nxt = min(nxt, layer_group.history_releasing_after(done))
         if not scratch:
             self._window_next = nxt
         return False
 
-    def _scratch_plan(self, lc: LifeCycleId, cap: int, h: int) -> tuple[int, int, int]:
-        """Scratch range ``(beg, end)`` of life cycle ``lc`` for the step ``h -> cap`` and the
+    def _scratch_plan(self, lc: LayerGroupId, cap: int, h: int) -> tuple[int, int, int]:
+        """Scratch range ``(beg, end)`` of layer group ``lc`` for the step ``h -> cap`` and the
         scratch slots it needs: ``ceil(blocks * slot_util_frac_max)`` (several blocks share a slot)."""
         ctx = self._ctx
         if not self._scratch_enabled:
             return (0, 0, 0)
-        beg, end = ctx.life_cycles[lc].scratch_range(cap, h, ctx.max_rewind_len)
+        beg, end = ctx.layer_groups[lc].scratch_range(cap, h, ctx.max_rewind_len)
         return (beg, end, self._scratch_slots_for(beg, end, lc))
 
     def _resize_blocks(self, cap: int, h: int, nb: int) -> bool:
@@ -766,10 +765,10 @@ class KVCache:
         scratch: list[tuple[int, int, int]] = []
         wanted: list[list[int]] = []
         priorities: list[list[Priority]] = []
-        for i, life_cycle in enumerate(ctx.life_cycles):
-            lc = LifeCycleId(i)
-            sinks = life_cycle.num_sink_blocks
-            end = life_cycle.stale_end(h)
+        for i, layer_group in enumerate(ctx.layer_groups):
+            lc = LayerGroupId(i)
+            sinks = layer_group.num_sink_blocks
+            end = layer_group.stale_end(h)
             stale_ends.append(end)
             g = ctx.lc_group[lc]
             sb, se, num_slots = self._scratch_plan(lc, cap, h)  # (0, 0, 0) without scratch
@@ -800,8 +799,8 @@ class KVCache:
         if not storage.fits(need, gain):
             return False
         for i, (sb, se, _) in enumerate(scratch):
-            lc = LifeCycleId(i)
-            sinks, end = ctx.life_cycles[lc].num_sink_blocks, stale_ends[i]
+            lc = LayerGroupId(i)
+            sinks, end = ctx.layer_groups[lc].num_sink_blocks, stale_ends[i]
             old_sb, old_se = table.scratch[lc]
             # (two ranges, not one list of both: compiled, a range loop stays on unboxed ints)
             want = [o for o in range(old_sb, min(old_se, nb)) if not sinks <= o < end and not sb <= o < se]
@@ -810,9 +809,9 @@ class KVCache:
             priorities.append(self._priorities(lc, want))  # may raise: nothing changed yet
         cow_priorities = [self._priorities(lc, [o])[0] for _, lc, o in cow]
         storage.reserve(need)  # a driver failure here changes nothing
-        # Release everything first: life cycles sharing a pool group use each other's releases.
-        for i in range(ctx.num_life_cycles):
-            lc = LifeCycleId(i)
+        # Release everything first: layer groups sharing a pool group use each other's releases.
+        for i in range(ctx.num_layer_groups):
+            lc = LayerGroupId(i)
             self._release_stale(lc, stale_ends[i])
             sb, se, num_slots = scratch[i]
             table.release_range(lc, sb, se, True)
@@ -823,8 +822,8 @@ class KVCache:
         if nb < old_nb:
             for tb in tables:
                 tb.truncate(nb, True)
-        for i in range(ctx.num_life_cycles):
-            lc = LifeCycleId(i)
+        for i in range(ctx.num_layer_groups):
+            lc = LayerGroupId(i)
             if wanted[i] or nb > old_nb:
                 self._extend(lc, nb, wanted[i], priorities[i])
             sb, se, num_slots = scratch[i]
@@ -840,11 +839,11 @@ class KVCache:
         self._num_blocks = nb
         return True
 
-    def _is_stale(self, lc: LifeCycleId, o: int, h: int) -> bool:
-        life_cycle = self._ctx.life_cycles[lc]
-        return life_cycle.num_sink_blocks <= o < life_cycle.stale_end(h)
+    def _is_stale(self, lc: LayerGroupId, o: int, h: int) -> bool:
+        layer_group = self._ctx.layer_groups[lc]
+        return layer_group.num_sink_blocks <= o < layer_group.stale_end(h)
 
-    def _extend(self, lc: LifeCycleId, nb: int, want: list[int], priorities: list[Priority]) -> None:
+    def _extend(self, lc: LayerGroupId, nb: int, want: list[int], priorities: list[Priority]) -> None:
         """New pages for blocks ``want`` of every beam (one shared page a block before beams fork)."""
         ctx = self._ctx
         storage = ctx.storage
@@ -862,7 +861,7 @@ class KVCache:
         if ctx.enable_stats:
             ctx.stats.allocated_pages += len(want) * (len(tables) if self._forked else 1)
 
-    def _beams_release_gain(self, lc: LifeCycleId, ranges: tuple[tuple[int, int], ...]) -> int:
+    def _beams_release_gain(self, lc: LayerGroupId, ranges: tuple[tuple[int, int], ...]) -> int:
         """Slots that releasing blocks ``ranges`` in every beam frees: pages whose every owner is
         one of this request's beams (a page beams share is freed once, by its last beam)."""
         refs: dict[int, int] = {}
@@ -877,7 +876,7 @@ class KVCache:
                         pages[id(p)] = p
         return sum(1 for k, p in pages.items() if p.num_holds == 0 and p.num_locks == refs[k])
 
-    def _copy_on_write(self, cow: list[tuple[int, LifeCycleId, int]], priorities: list[Priority]) -> None:
+    def _copy_on_write(self, cow: list[tuple[int, LayerGroupId, int]], priorities: list[Priority]) -> None:
         """Give each listed beam a private page for a block it shares with another beam; the data
         is copied where the block holds committed tokens (the partial last block)."""
         storage = self._ctx.storage
@@ -898,12 +897,12 @@ class KVCache:
         if self._ctx.enable_stats:
             self._ctx.stats.allocated_pages += len(cow)
 
-    def _release_stale(self, lc: LifeCycleId, end: int) -> None:
+    def _release_stale(self, lc: LayerGroupId, end: int) -> None:
         """Release pages of blocks below ``end`` that left the window (sinks never do), in every beam."""
         done = self._table.stale_end[lc]
         if end <= done:
             return
-        sinks = self._ctx.life_cycles[lc].num_sink_blocks
+        sinks = self._ctx.layer_groups[lc].num_sink_blocks
         locked = self._status is KVCacheStatus.ACTIVE
         for table in self._tables:
             table.release_range(lc, max(done, sinks), end, locked)
@@ -1035,8 +1034,8 @@ class KVCache:
             self._history = n
             ctx = self._ctx
             if ctx.has_swa:
-                for lc in ctx.swa_life_cycles:
-                    self._release_stale(lc, ctx.life_cycles[lc].stale_end(n))
+                for lc in ctx.swa_layer_groups:
+                    self._release_stale(lc, ctx.layer_groups[lc].stale_end(n))
 
     def _commit_beams(self, tokens: Sequence[Sequence[TokenIdExt]], parents: Sequence[int]) -> None:
         """Beam search's commit: rebuild each beam from the beam it continues, then append its tokens."""
@@ -1105,8 +1104,8 @@ class KVCache:
             self._beam_seqs = new_seqs[1:]
             if n > self._history:
                 self._history = n
-                for lc in ctx.swa_life_cycles:
-                    self._release_stale(lc, ctx.life_cycles[lc].stale_end(n))
+                for lc in ctx.swa_layer_groups:
+                    self._release_stale(lc, ctx.layer_groups[lc].stale_end(n))
             self._cow = self._shared_tails(n)
             self._publish(self._num_published + self._common_full_blocks())
         finally:
@@ -1120,20 +1119,20 @@ class KVCache:
         seqs = [self._seq(b)[0] for b in range(self._beam_width)]
         while all(len(blocks) > o for blocks in seqs) and all(same_tokens(blocks[o], seqs[0][o]) for blocks in seqs):
             for i in range(len(self._table)):
-                page = self._table.pages[LifeCycleId(i)][o]
-                if any(table.pages[LifeCycleId(i)][o] is not page for table in self._tables):
+                page = self._table.pages[LayerGroupId(i)][o]
+                if any(table.pages[LayerGroupId(i)][o] is not page for table in self._tables):
                     return n
             n += 1
             o += 1
         return n
 
-    def _shared_tails(self, committed: int) -> list[tuple[int, LifeCycleId, int]]:
+    def _shared_tails(self, committed: int) -> list[tuple[int, LayerGroupId, int]]:
         """Blocks from the one holding position ``committed`` on whose page several beams share:
         every beam after the first needs its own before it writes there."""
-        out: list[tuple[int, LifeCycleId, int]] = []
+        out: list[tuple[int, LayerGroupId, int]] = []
         first = committed // self._tokens_per_block
         for i in range(len(self._table)):
-            lc = LifeCycleId(i)
+            lc = LayerGroupId(i)
             for o in range(first, self._num_blocks):
                 seen: set[int] = set()
                 for b, table in enumerate(self._tables):
@@ -1208,7 +1207,7 @@ class KVCache:
                 theirs = pages[i]
                 old = mine[i]
                 if theirs is not old:  # deduplicated: the tree's page replaced ours
-                    lc = LifeCycleId(i)
+                    lc = LayerGroupId(i)
                     table.set_page(lc, o, theirs)
                     if shared and theirs is not None and old is not None:
                         for other in self._tables:  # other beams holding the same page switch too
@@ -1286,7 +1285,7 @@ class KVCache:
                 yield idx
 
     # ------------------------------------------------------------------ helpers
-    def _priorities(self, lc: LifeCycleId, ordinals: list[int]) -> list[Priority]:
+    def _priorities(self, lc: LayerGroupId, ordinals: list[int]) -> list[Priority]:
         """Eviction priorities of new pages for these blocks (the callback is validated)."""
         cb = self._priority_cb
         if cb is default_priority:
@@ -1294,7 +1293,7 @@ class KVCache:
         return [_checked_priority(cb(BlockOrdinal(o), lc)) for o in ordinals]
 
     def _check_lc(self, layer_group_id: int) -> None:
-        n = self._ctx.num_life_cycles
+        n = self._ctx.num_layer_groups
         check_int("layer_group_id", layer_group_id)
         if layer_group_id >= n:
             raise ValueError(f"layer_group_id must be in [0, {n}), got {layer_group_id}")

@@ -18,7 +18,6 @@ from .._common import (
     LayerGroupId,
     LayerGroupInfo,
     LayerId,
-    LifeCycleId,
     MemAddress,
     PageIndexMode,
     PoolDesc,
@@ -34,7 +33,7 @@ from .._common import (
 from .._config import DiskCacheTierConfig, HostCacheTierConfig, KVCacheManagerConfig
 from .._events import MEDIUM_OF_TIER, KVCacheEvent, KVCacheEventManager, LayerGroupSpec
 from .._exceptions import LogicError
-from .._life_cycle_registry import LifeCycleRegistry
+from .._layer_groups import LayerGroupRegistry
 from .._page import Page
 from .._page_index import PageIndexConverter
 from .._reuse._keys import BlockHasher, BlockKey, check_token_sequence
@@ -70,9 +69,9 @@ class KVCacheManager:
                 raise ValueError("event_manager is already attached to another KVCacheManager; use one per manager")
         self._config = config
         self.tokens_per_block = config.tokens_per_block
-        self._registry = LifeCycleRegistry(config.layers, config.tokens_per_block)
+        self._registry = LayerGroupRegistry(config.layers, config.tokens_per_block)
         self._layout = StorageLayout(list(config.layers), self._registry, config.tokens_per_block)
-        self.num_life_cycles = len(self._registry)
+        self.num_layer_groups = len(self._registry)
         local = config.local_tiers
         remote_cfg = config.remote_tier
         #: byte quota per level (the remote tier: 0 when it has none)
@@ -97,7 +96,7 @@ class KVCacheManager:
         except BaseException:
             self._backend.shutdown()
             raise
-        self._tree = ReuseTree(self._registry.life_cycles, self.tokens_per_block)
+        self._tree = ReuseTree(self._registry.layer_groups, self.tokens_per_block)
         self._tree.reports_leaves = config.eviction_policy == "frequency"  # its evictors park pages
         self._storage.drop_listener = self._tree
         #: the remote tier (issue #17): writes of dropped (and, with write-through, published) pages,
@@ -112,13 +111,13 @@ class KVCacheManager:
                     self._tree.write_through = self._storage
                 target = CacheLevel(1) if len(local) > 1 and isinstance(local[1], HostCacheTierConfig) else GPU_LEVEL
                 self._remote_fill = RemoteFill(
-                    self._tree, self._storage, self._remote, self._registry.life_cycles, self.tokens_per_block, target
+                    self._tree, self._storage, self._remote, self._registry.layer_groups, self.tokens_per_block, target
                 )
             self._event_manager = event_manager
             if event_manager is not None:
                 groups = [
                     LayerGroupSpec(i, lc.window_size, lc.num_sink_blocks)
-                    for i, lc in enumerate(self._registry.life_cycles)
+                    for i, lc in enumerate(self._registry.layer_groups)
                 ]
                 media = [MEDIUM_OF_TIER[t.tier] for t in config.cache_tiers]
                 event_manager._attach(self._tree, self.tokens_per_block, groups, media)
@@ -131,7 +130,7 @@ class KVCacheManager:
                 self.num_adopted_pages = self._tree.adopt(
                     records,
                     self._storage.levels[CacheLevel(self._storage.persist_level)],
-                    self._layout.life_cycle_pool_group,
+                    self._layout.pool_group_of_layer_group,
                 )
         except BaseException:  # e.g. an event manager already attached elsewhere: release what was made
             if self._remote is not None:
@@ -163,7 +162,7 @@ class KVCacheManager:
         groups = ", ".join(f"{g.num_slots - storage.available(0, g.index)}/{g.num_slots}" for g in storage.gpu)
         return (
             f"KVCacheManager(backend={self._backend.name!r}, layers={self.num_layers}, "
-            f"layer_groups={self.num_life_cycles}, gpu_slots_unavailable=[{groups}], "
+            f"layer_groups={self.num_layer_groups}, gpu_slots_unavailable=[{groups}], "
             f"open_caches={self.num_open_caches})"
         )
 
@@ -188,7 +187,7 @@ class KVCacheManager:
         if reuse_scope is not None:
             check_type("reuse_scope", reuse_scope, ReuseScope)
         if not callable(custom_priority_callback):
-            raise TypeError("custom_priority_callback must be callable (block_ordinal, life_cycle) -> priority")
+            raise TypeError("custom_priority_callback must be callable (block_ordinal, layer_group) -> priority")
         scope = reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE
         ctx = self._ctx
         ctx.enter("create_kv_cache()")
@@ -242,8 +241,8 @@ class KVCacheManager:
         nb = (length + t - 1) // t
         remote_level = self._storage.num_levels
         levels = [0] * nb
-        for i, life_cycle in enumerate(self._registry.life_cycles):
-            beg, end = life_cycle.stale_range(length)
+        for i, layer_group in enumerate(self._registry.layer_groups):
+            beg, end = layer_group.stale_range(length)
             for o in range(nb):
                 if beg <= o < end:
                     continue
@@ -251,7 +250,7 @@ class KVCacheManager:
                     levels[o] = remote_level
                     continue
                 node = nodes[o] if o < len(nodes) else part
-                page = node.page(LifeCycleId(i)) if node is not None else None
+                page = node.page(LayerGroupId(i)) if node is not None else None
                 if page is not None and page.level > levels[o]:
                     levels[o] = page.level
         return [CacheLevel(x) for x in levels]
@@ -494,7 +493,7 @@ class KVCacheManager:
         ]
 
     def get_layer_group_id(self, layer_id: LayerId) -> LayerGroupId:
-        lc = self._registry.layer_to_life_cycle.get(layer_id)
+        lc = self._registry.layer_to_layer_group.get(layer_id)
         if lc is None:
             raise ValueError(f"unknown layer_id {layer_id!r}; known: {self.layer_ids}")
         return lc
@@ -503,19 +502,19 @@ class KVCacheManager:
         """Layers, window, sink blocks and pool group of one layer group (``LayerGroupId`` from
         ``get_layer_group_id``; groups are numbered ``0 .. len(layer_grouping) - 1``)."""
         check_int("layer_group_id", layer_group_id)
-        if layer_group_id >= self.num_life_cycles:
+        if layer_group_id >= self.num_layer_groups:
             raise ValueError(
-                f"layer_group_id must be in [0, {self.num_life_cycles}) (layer groups of this manager), "
+                f"layer_group_id must be in [0, {self.num_layer_groups}) (layer groups of this manager), "
                 f"got {layer_group_id}"
             )
-        lc = LifeCycleId(layer_group_id)
-        life_cycle = self._registry.life_cycles[lc]
+        lc = LayerGroupId(layer_group_id)
+        layer_group = self._registry.layer_groups[lc]
         return LayerGroupInfo(
             lc,
             tuple(self._registry.layers_of[lc]),
-            life_cycle.window_size,
-            life_cycle.num_sink_blocks,
-            self._layout.life_cycle_pool_group[lc],
+            layer_group.window_size,
+            layer_group.num_sink_blocks,
+            self._layout.pool_group_of_layer_group[lc],
         )
 
     def _buffer(self, layer_id: LayerId, role: str) -> BufferAttr:
@@ -569,7 +568,7 @@ class KVCacheManager:
             self._buffer(bid[0], bid[1])
             wanted.add(BufferId(bid[0], bid[1]))
         for lc, cbs in enumerate(self._layout.coalesced):
-            g = self._storage.gpu[self._layout.life_cycle_pool_group[LifeCycleId(lc)]]
+            g = self._storage.gpu[self._layout.pool_group_of_layer_group[LayerGroupId(lc)]]
             for p, cb in enumerate(cbs):
                 base = g.memory_pool(p).base_address
                 run: list[BufferId] = []
@@ -582,7 +581,7 @@ class KVCacheManager:
                     elif run:
                         yield AggregatedPageDesc(
                             tuple(run),
-                            LifeCycleId(lc),
+                            LayerGroupId(lc),
                             g.index,
                             PoolIndex(p),
                             MemAddress(base + run_beg * cb.single_size),
@@ -695,8 +694,8 @@ class KVCacheManager:
 
         def fits_up_to(n: int) -> bool:
             peak = [0] * len(totals)
-            for i, lc in enumerate(self._registry.life_cycles):
-                g = layout.life_cycle_pool_group[LifeCycleId(i)]
+            for i, lc in enumerate(self._registry.layer_groups):
+                g = layout.pool_group_of_layer_group[LayerGroupId(i)]
                 peak[g] += lc.peak_pages(n)
             return all(batch_size * k <= total for k, total in zip(peak, totals))
 

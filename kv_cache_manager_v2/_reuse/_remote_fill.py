@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 import rawref
 
-from .._common import DEFAULT_PRIORITY, CacheLevel, LifeCycleId, ReuseScope, TokenIdExt
+from .._common import DEFAULT_PRIORITY, CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
 from .._eviction import NO_SERIAL
-from .._life_cycle_registry import LifeCycle
+from .._layer_groups import LayerGroup
 from .._page import Page
 from .._storage._remote import HEADER_BYTES, RemoteStore, decode_value
 from .._storage._storage_manager import StorageManager
@@ -46,21 +46,21 @@ class RemoteFill:
         tree: ReuseTree,
         storage: StorageManager,
         remote: RemoteStore,
-        life_cycles: TypedList[LifeCycleId, LifeCycle],
+        layer_groups: TypedList[LayerGroupId, LayerGroup],
         tokens_per_block: int,
         target: CacheLevel,
     ) -> None:
         self.tree = tree
         self.storage = storage
         self.remote = remote
-        self.life_cycles = life_cycles
+        self.layer_groups = layer_groups
         self.tokens_per_block = tokens_per_block
         #: the local level fetched pages are placed in (host if configured, else GPU)
         self.target = target
         #: payload bytes of one page of each layer group (the slot's bytes over its pool group's pools)
         self.page_bytes: list[int] = [
-            storage.layout.pool_groups[storage.layout.life_cycle_pool_group[LifeCycleId(lc)]].slot_bytes
-            for lc in range(len(life_cycles))
+            storage.layout.pool_groups[storage.layout.pool_group_of_layer_group[LayerGroupId(lc)]].slot_bytes
+            for lc in range(len(layer_groups))
         ]
 
     def extend(
@@ -88,7 +88,7 @@ class RemoteFill:
             return k, found, None
         root = self.tree.root(scope, False)
         chain, keys = self._chain(root, scope_key(scope) if root is None else root.key, hasher, end)
-        n_lc = len(self.life_cycles)
+        n_lc = len(self.layer_groups)
         cand: list[tuple[int, int]] = []
         for o in range(k, end):
             node = chain[o]
@@ -136,18 +136,18 @@ class RemoteFill:
             rest = tokens[len(nodes) * t : (len(nodes) + 1) * t]
             validate_tokens(rest, hasher.name)
             part, part_len = node.best_partial(rest)
-        life_cycles = self.life_cycles.items
+        layer_groups = self.layer_groups.items
         while True:
             length = len(nodes) * t + part_len
             nb = (length + t - 1) // t
             missing = -1
-            for lc, life_cycle in enumerate(life_cycles):
-                beg, stale_end = life_cycle.stale_range(length)
+            for lc, layer_group in enumerate(layer_groups):
+                beg, stale_end = layer_group.stale_range(length)
                 for o in range(nb):
                     if beg <= o < stale_end or (o, lc) in fetched:
                         continue
                     at = nodes[o] if o < len(nodes) else part
-                    if at is None or at.page(LifeCycleId(lc)) is None:
+                    if at is None or at.page(LayerGroupId(lc)) is None:
                         if missing < 0 or o < missing:
                             missing = o
                         break
@@ -178,8 +178,8 @@ class RemoteFill:
         ``have[(o, lc)]``); ``k`` when none is longer. A length is reusable for a layer group when
         every block missing a page below it lies in the group's stale range there."""
         t = self.tokens_per_block
-        life_cycles = self.life_cycles.items
-        n_lc = len(life_cycles)
+        layer_groups = self.layer_groups.items
+        n_lc = len(layer_groups)
         first = [-1] * n_lc  # first block missing a page, per layer group
         last = [-1] * n_lc  # last one so far
         best = k
@@ -199,7 +199,7 @@ class RemoteFill:
             ok = True
             for lc in range(n_lc):
                 if first[lc] >= 0:
-                    beg, stale_end = life_cycles[lc].stale_range(m * t)
+                    beg, stale_end = layer_groups[lc].stale_range(m * t)
                     if first[lc] < beg or last[lc] >= stale_end:
                         ok = False
                         break
@@ -210,8 +210,8 @@ class RemoteFill:
     def _needed(self, chain: list[Node | None], k: int, m: int) -> list[tuple[int, int]]:
         """Pages a match of ``m`` blocks needs that the local tree lacks (all at or after block ``k``)."""
         out: list[tuple[int, int]] = []
-        for lc, life_cycle in enumerate(self.life_cycles):
-            beg, end = life_cycle.stale_range(m * self.tokens_per_block)
+        for lc, layer_group in enumerate(self.layer_groups):
+            beg, end = layer_group.stale_range(m * self.tokens_per_block)
             for o in range(k, m):
                 if beg <= o < end:
                     continue
@@ -224,7 +224,7 @@ class RemoteFill:
         storage = self.storage
         counts = [0] * storage.num_pool_groups
         for _, lc in needed:
-            counts[storage.layout.life_cycle_pool_group[LifeCycleId(lc)]] += 1
+            counts[storage.layout.pool_group_of_layer_group[LayerGroupId(lc)]] += 1
         return all(n == 0 or n <= storage.available(self.target, g) for g, n in enumerate(counts))
 
     def _fetch(
@@ -322,7 +322,7 @@ class RemoteFill:
         storage = self.storage
         by_group: dict[int, list[tuple[int, int]]] = {}
         for o, lc in needed:
-            g = int(storage.layout.life_cycle_pool_group[LifeCycleId(lc)])
+            g = int(storage.layout.pool_group_of_layer_group[LayerGroupId(lc)])
             found = by_group.get(g)
             if found is None:
                 by_group[g] = [(o, lc)]
@@ -345,7 +345,7 @@ class RemoteFill:
                         dst.allocator.free(s)
                     raise
                 for (o, lc), slot in zip(items, slots):
-                    page = Page(dst, slot, LifeCycleId(lc), DEFAULT_PRIORITY, True)
+                    page = Page(dst, slot, LayerGroupId(lc), DEFAULT_PRIORITY, True)
                     page.remote_copy = True
                     placed[(o, lc)] = page
         except BaseException:
@@ -367,7 +367,7 @@ class RemoteFill:
         (last block first: tails are evicted before the prefixes they hang from)."""
         tree = self.tree
         t = self.tokens_per_block
-        n_lc = len(self.life_cycles)
+        n_lc = len(self.layer_groups)
         tokens: Sequence[TokenIdExt] = hasher.tokens
         parent = tree.root(scope, True)
         assert parent is not None

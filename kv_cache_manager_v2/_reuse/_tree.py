@@ -14,7 +14,7 @@ from .._common import (
     MAX_PRIORITY,
     BlockTokens,
     CacheLevel,
-    LifeCycleId,
+    LayerGroupId,
     PoolGroupIndex,
     Priority,
     RequestSerial,
@@ -23,7 +23,7 @@ from .._common import (
     TokenIdExt,
 )
 from .._events import KVCacheEventManager
-from .._life_cycle_registry import LifeCycle
+from .._layer_groups import LayerGroup
 from .._page import Page
 from .._storage._persist import DiskRecord
 from .._storage._storage_manager import PageDropListener, PoolGroupStorage, StorageManager
@@ -114,7 +114,7 @@ class Node:
         "tokens",
     )
 
-    def __init__(self, key: BlockKey, parent: Node | None, tokens: BlockTokens, num_life_cycles: int) -> None:
+    def __init__(self, key: BlockKey, parent: Node | None, tokens: BlockTokens, num_layer_groups: int) -> None:
         self.key = key
         self.parent = parent
         self.tokens = tokens
@@ -125,7 +125,7 @@ class Node:
         self._children: dict[BlockKey, Node] | None = None
         #: sorted children for partial matching, built once a node has many children
         self._index: _PartialIndex | None = None
-        self.pages: list[rawref.ref[Page] | None] = rawref.untrack([None] * num_life_cycles)
+        self.pages: list[rawref.ref[Page] | None] = rawref.untrack([None] * num_layer_groups)
         #: requests that will publish the next block under this node: it stays while they may
         self.num_extenders = 0
         #: no page of this node or below it evicts after an anchor page of this node or above it
@@ -229,8 +229,8 @@ def same_tokens(a: BlockTokens, b: BlockTokens) -> bool:
 class ReuseTree(PageDropListener):
     """Roots per reuse scope; matching, publishing and removal of committed blocks."""
 
-    def __init__(self, life_cycles: TypedList[LifeCycleId, LifeCycle], tokens_per_block: int) -> None:
-        self.life_cycles = life_cycles
+    def __init__(self, layer_groups: TypedList[LayerGroupId, LayerGroup], tokens_per_block: int) -> None:
+        self.layer_groups = layer_groups
         self.tokens_per_block = tokens_per_block
         self.roots: dict[tuple[int | None, int | None], Node] = {}
         #: told about every page that enters, leaves or moves within the tree (None: nobody listens)
@@ -245,7 +245,7 @@ class ReuseTree(PageDropListener):
         ident = (scope.lora_id, scope.salt)
         node = self.roots.get(ident)
         if node is None and create:
-            node = self.roots[ident] = Node(scope_key(scope), None, (), len(self.life_cycles))
+            node = self.roots[ident] = Node(scope_key(scope), None, (), len(self.layer_groups))
             node.scope = ident
             node.lora_id = scope.lora_id
         return node
@@ -255,7 +255,7 @@ class ReuseTree(PageDropListener):
         """Longest reusable prefix: matched full-block nodes, then an optional partial node and its length.
 
         Walks full blocks by key (``hasher`` computes and keeps them); at the first miss picks
-        the child with the longest common token prefix; then shortens until every life cycle
+        the child with the longest common token prefix; then shortens until every layer group
         has the pages it needs there. Only the tokens of the blocks looked at are validated.
         """
         t = self.tokens_per_block
@@ -275,7 +275,7 @@ class ReuseTree(PageDropListener):
             rest = tokens[len(nodes) * t : (len(nodes) + 1) * t]
             validate_tokens(rest, hasher.name)  # compared token by token below
             part, part_len = node.best_partial(rest)
-        # Shorten until the pages needed at the matched length exist for every life cycle.
+        # Shorten until the pages needed at the matched length exist for every layer group.
         while True:
             length = len(nodes) * t + part_len
             missing = self._first_missing_block(nodes, part, length)
@@ -289,7 +289,7 @@ class ReuseTree(PageDropListener):
         t = self.tokens_per_block
         nb = (length + t - 1) // t
         first = -1
-        for lc_id, lc in enumerate(self.life_cycles):
+        for lc_id, lc in enumerate(self.layer_groups):
             beg, end = lc.stale_range(length)
             for o in range(nb):
                 if beg <= o < end:
@@ -362,7 +362,7 @@ class ReuseTree(PageDropListener):
             page.set_priority(cap)
         page.node = node
         node.pages[lc] = rawref.ref(page)
-        anchor = self.life_cycles.items[lc].is_anchor(node.ordinal)
+        anchor = self.layer_groups.items[lc].is_anchor(node.ordinal)
         page.anchor = anchor
         if anchor and page.priority < node.prio_cap:
             node.prio_cap = page.priority
@@ -381,7 +381,7 @@ class ReuseTree(PageDropListener):
         self,
         records: list[list[DiskRecord]],
         storages: TypedList[PoolGroupIndex, PoolGroupStorage],
-        lc_group: TypedList[LifeCycleId, PoolGroupIndex],
+        lc_group: TypedList[LayerGroupId, PoolGroupIndex],
     ) -> int:
         """Publish the pages a persistent disk tier kept from a previous manager: ``records[g]`` are
         the valid records of pool group ``g`` (slots already taken in ``storages``). A record whose
@@ -435,7 +435,7 @@ class ReuseTree(PageDropListener):
         by_key: dict[bytes, list[DiskRecord]],
         nodes: dict[bytes, Node | None],
         storages: TypedList[PoolGroupIndex, PoolGroupStorage],
-        lc_group: TypedList[LifeCycleId, PoolGroupIndex],
+        lc_group: TypedList[LayerGroupId, PoolGroupIndex],
         placed: list[Page],
         seqs: list[int],
         rejected: list[DiskRecord],
@@ -457,7 +457,7 @@ class ReuseTree(PageDropListener):
                 nodes[same[0].key] = None
                 rejected.extend(same)
             return
-        num_lcs = len(self.life_cycles)
+        num_lcs = len(self.layer_groups)
         for same in reversed(chain):
             first = same[0]
             node = Node(first.key, parent, cast(BlockTokens, first.tokens), num_lcs)
@@ -465,12 +465,12 @@ class ReuseTree(PageDropListener):
             nodes[first.key] = node
             empty = True
             for r in same:
-                lc = r.life_cycle
+                lc = r.layer_group
                 if lc >= num_lcs or lc_group.items[lc] != r.group or node.pages[lc] is not None:
                     rejected.append(r)  # (a second record of one page: its slot is free)
                     continue
                 prio = r.priority if r.priority <= MAX_PRIORITY else MAX_PRIORITY
-                page = Page(storages.items[r.group], SlotId(r.slot), LifeCycleId(lc), Priority(prio), True)
+                page = Page(storages.items[r.group], SlotId(r.slot), LayerGroupId(lc), Priority(prio), True)
                 self._attach(node, lc, page, parent.prio_cap, RequestSerial(0))
                 placed.append(page)
                 seqs.append(r.seq)
@@ -486,11 +486,11 @@ class ReuseTree(PageDropListener):
         page.node = None
         if node is None:
             return
-        node.pages[page.life_cycle] = None
+        node.pages[page.layer_group] = None
         sink = self.event_sink
         if sink is not None:
-            sink.block_removed(node, page.life_cycle, page)
-        if self.life_cycles[page.life_cycle].is_anchor(node.ordinal):
+            sink.block_removed(node, page.layer_group, page)
+        if self.layer_groups[page.layer_group].is_anchor(node.ordinal):
             self.remove_subtree(node)
         else:
             self.prune(node)
@@ -537,7 +537,7 @@ class ReuseTree(PageDropListener):
         sink = self.event_sink
         node = page.node
         if sink is not None and node is not None:
-            sink.block_moved(node, page.life_cycle, page, source_level)
+            sink.block_moved(node, page.layer_group, page, source_level)
 
     def prune(self, node: Node) -> None:
         """Remove removable nodes upward, and the scope's root once it holds nothing."""

@@ -5,15 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .._common import BufferId, LayerId, LifeCycleId, PoolGroupIndex, PoolIndex
+from .._common import BufferId, LayerGroupId, LayerId, PoolGroupIndex, PoolIndex
 from .._config import AttentionLayerConfig
-from .._life_cycle_registry import LifeCycleRegistry
+from .._layer_groups import LayerGroupRegistry
 from .._typed import TypedList
 
 
 @dataclass(frozen=True)
 class CoalescedBuffer:
-    """Buffers of one life cycle with equal expanded size, packed side by side in one pool slot."""
+    """Buffers of one layer group with equal expanded size, packed side by side in one pool slot."""
 
     single_size: int
     buffer_ids: tuple[BufferId, ...]
@@ -27,7 +27,7 @@ class CoalescedBuffer:
 class BufferAttr:
     """Where one buffer lives: ``pool_base + slot * slot_size + offset`` holds its block data."""
 
-    life_cycle: LifeCycleId
+    layer_group: LayerGroupId
     pool_group: PoolGroupIndex
     pool: PoolIndex
     offset: int  #: bytes from the start of the pool slot
@@ -40,11 +40,11 @@ class BufferAttr:
 
 @dataclass(frozen=True)
 class PoolGroupLayout:
-    """Life cycles sharing one slot-size list; one pool per entry."""
+    """Layer groups sharing one slot-size list; one pool per entry."""
 
     index: PoolGroupIndex
     slot_sizes: tuple[int, ...]
-    life_cycles: tuple[LifeCycleId, ...]
+    layer_groups: tuple[LayerGroupId, ...]
 
     @property
     def slot_bytes(self) -> int:
@@ -53,22 +53,22 @@ class PoolGroupLayout:
 
 
 class StorageLayout:
-    """The full layout derived from the layer configs and life cycles."""
+    """The full layout derived from the layer configs and layer groups."""
 
-    coalesced: TypedList[LifeCycleId, list[CoalescedBuffer]]  #: sorted by size descending
+    coalesced: TypedList[LayerGroupId, list[CoalescedBuffer]]  #: sorted by size descending
     pool_groups: TypedList[PoolGroupIndex, PoolGroupLayout]
-    life_cycle_pool_group: TypedList[LifeCycleId, PoolGroupIndex]
+    pool_group_of_layer_group: TypedList[LayerGroupId, PoolGroupIndex]
     buffers: dict[BufferId, BufferAttr]
     buffer_order: list[BufferId]  #: config order (layer, then role)
-    slot_util_frac_max: TypedList[LifeCycleId, Fraction]  #: max P / S over the life cycle's layers and pools
+    slot_util_frac_max: TypedList[LayerGroupId, Fraction]  #: max P / S over the layer group's layers and pools
 
-    def __init__(self, layers: list[AttentionLayerConfig], registry: LifeCycleRegistry, tokens_per_block: int) -> None:
+    def __init__(self, layers: list[AttentionLayerConfig], registry: LayerGroupRegistry, tokens_per_block: int) -> None:
         num_lc = len(registry)
         expanded: dict[BufferId, tuple[int, int]] = {}  # size, expansion
         by_lc: list[dict[int, list[BufferId]]] = [{} for _ in range(num_lc)]
         self.buffer_order = []
         for layer in layers:
-            layer_lc = registry.layer_to_life_cycle[layer.layer_id]
+            layer_lc = registry.layer_to_layer_group[layer.layer_id]
             for b in layer.buffers:
                 bid = BufferId(LayerId(layer.layer_id), b.role)
                 e = tokens_per_block // b.tokens_per_block_override if b.tokens_per_block_override else 1
@@ -77,7 +77,7 @@ class StorageLayout:
                 self.buffer_order.append(bid)
         coalesced: list[list[CoalescedBuffer]] = []
         group_of_sizes: dict[tuple[int, ...], PoolGroupIndex] = {}
-        group_lcs: list[list[LifeCycleId]] = []
+        group_lcs: list[list[LayerGroupId]] = []
         lc_group: list[PoolGroupIndex] = []
         for lc in range(num_lc):
             cbs = [CoalescedBuffer(size, tuple(ids)) for size, ids in by_lc[lc].items()]
@@ -89,10 +89,10 @@ class StorageLayout:
                 g = PoolGroupIndex(len(group_lcs))
                 group_of_sizes[sizes] = g
                 group_lcs.append([])
-            group_lcs[g].append(LifeCycleId(lc))
+            group_lcs[g].append(LayerGroupId(lc))
             lc_group.append(g)
         self.coalesced = TypedList(coalesced)
-        self.life_cycle_pool_group = TypedList(lc_group)
+        self.pool_group_of_layer_group = TypedList(lc_group)
         groups = [PoolGroupLayout(g, sizes, tuple(group_lcs[g])) for sizes, g in group_of_sizes.items()]
         groups.sort(key=lambda pg: pg.index)
         self.pool_groups = TypedList(groups)
@@ -108,7 +108,7 @@ class StorageLayout:
                 for k, bid in enumerate(cb.buffer_ids):
                     size, e = expanded[bid]
                     self.buffers[bid] = BufferAttr(
-                        life_cycle=LifeCycleId(lc),
+                        layer_group=LayerGroupId(lc),
                         pool_group=lc_group[lc],
                         pool=PoolIndex(p),
                         offset=k * cb.single_size,

@@ -73,7 +73,7 @@ class DiskRecord:
     __slots__ = (
         "group",
         "key",
-        "life_cycle",
+        "layer_group",
         "lora_id",
         "parent",
         "priority",
@@ -88,7 +88,7 @@ class DiskRecord:
         self,
         group: int,
         slot: int,
-        life_cycle: int,
+        layer_group: int,
         priority: int,
         lora_id: int | None,
         salt: int | None,
@@ -100,7 +100,7 @@ class DiskRecord:
     ) -> None:
         self.group = group
         self.slot = slot
-        self.life_cycle = life_cycle
+        self.layer_group = layer_group
         self.priority = priority
         self.lora_id = lora_id
         self.salt = salt
@@ -293,7 +293,7 @@ class PersistentDisk:
         self,
         group: int,
         slot: int,
-        life_cycle: int,
+        layer_group: int,
         priority: int,
         scope: tuple[int | None, int | None],
         parent: bytes,
@@ -314,7 +314,7 @@ class PersistentDisk:
             RECORD_MAGIC,
             flags,
             priority,
-            life_cycle,
+            layer_group,
             len(tokens),
             0,
             lora_id or 0,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._common import LifeCycleId
+from .._common import LayerGroupId
 from .._config import BatchDesc, KVCacheDesc
-from .._life_cycle_registry import LifeCycleRegistry
+from .._layer_groups import LayerGroupRegistry
 from .._utils import div_up
 from ._layout import StorageLayout
 
@@ -17,7 +17,7 @@ DEFAULT_TYPICAL_STEP = BatchDesc([KVCacheDesc(capacity=4096, history_length=3584
 
 
 def batch_needs(
-    registry: LifeCycleRegistry, layout: StorageLayout, batch: BatchDesc, max_rewind_len: int = -1
+    registry: LayerGroupRegistry, layout: StorageLayout, batch: BatchDesc, max_rewind_len: int = -1
 ) -> list[int]:
     """Slots per pool group a whole batch needs; each full block of the shared system prompt
     takes one page however many requests hold it (and none where it is out of their window).
@@ -26,10 +26,10 @@ def batch_needs(
     t = registry.tokens_per_block
     shared = batch.system_prompt_length // t
     out = [0] * len(layout.pool_groups)
-    for i, lc in enumerate(registry.life_cycles):
+    for i, lc in enumerate(registry.layer_groups):
         holders = [0] * shared
         pages = 0
-        frac = layout.slot_util_frac_max[LifeCycleId(i)]
+        frac = layout.slot_util_frac_max[LayerGroupId(i)]
         for desc in batch.kv_caches:
             pages += lc.num_blocks_with_pages(desc.capacity, desc.history_length)
             sb = se = 0
@@ -41,13 +41,13 @@ def batch_needs(
             for o in range(min(shared, (desc.capacity + t - 1) // t)):
                 if not sinks <= o < stale_end and not sb <= o < se:
                     holders[o] += 1
-        out[layout.life_cycle_pool_group[LifeCycleId(i)]] += pages - sum(max(0, n - 1) for n in holders)
+        out[layout.pool_group_of_layer_group[LayerGroupId(i)]] += pages - sum(max(0, n - 1) for n in holders)
     return out
 
 
 def split_quota(
     quota: int,
-    registry: LifeCycleRegistry,
+    registry: LayerGroupRegistry,
     layout: StorageLayout,
     initial_pool_ratio: Sequence[float] | None,
     typical_step: BatchDesc | None,

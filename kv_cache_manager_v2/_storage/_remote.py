@@ -99,17 +99,17 @@ def layout_fingerprint(config: KVCacheManagerConfig, dtype: str) -> bytes:
     return hashlib.sha256("\n".join(parts).encode()).digest()[:8]
 
 
-def encode_header(parts: list[memoryview], life_cycle: int, fingerprint: bytes, block_key: bytes) -> bytes:
+def encode_header(parts: list[memoryview], layer_group: int, fingerprint: bytes, block_key: bytes) -> bytes:
     """The header of a value whose payload is ``parts`` (concatenated)."""
     crc = 0
     n = 0
     for part in parts:
         crc = zlib.crc32(part, crc)  # (releases the GIL for parts above 5 KiB)
         n += len(part)
-    return HEADER.pack(MAGIC, FORMAT_VERSION, life_cycle, fingerprint, block_key, n, crc, 0)
+    return HEADER.pack(MAGIC, FORMAT_VERSION, layer_group, fingerprint, block_key, n, crc, 0)
 
 
-def decode_value(value: bytes, life_cycle: int, fingerprint: bytes, block_key: bytes, size: int) -> memoryview | None:
+def decode_value(value: bytes, layer_group: int, fingerprint: bytes, block_key: bytes, size: int) -> memoryview | None:
     """The payload of ``value`` if it is a complete, intact page of ``size`` bytes for exactly this
     layer group, layout and block; None otherwise."""
     if len(value) != HEADER_BYTES + size:
@@ -118,7 +118,7 @@ def decode_value(value: bytes, life_cycle: int, fingerprint: bytes, block_key: b
     if (
         fields[0] != MAGIC
         or fields[1] != FORMAT_VERSION
-        or fields[2] != life_cycle
+        or fields[2] != layer_group
         or fields[3] != fingerprint
         or fields[4] != block_key
         or fields[5] != size
@@ -135,12 +135,12 @@ class _Pending:
     the slot of a dropped page handed to the writer (``parts``: memory views of the slot in each
     pool, or ``(disk pool, offset, size)``), given back to ``parked`` once sent."""
 
-    __slots__ = ("block_key", "life_cycle", "nbytes", "parked", "parts", "ring_pos", "slot")
+    __slots__ = ("block_key", "layer_group", "nbytes", "parked", "parts", "ring_pos", "slot")
 
     def __init__(
         self,
         block_key: bytes,
-        life_cycle: int,
+        layer_group: int,
         nbytes: int,
         ring_pos: int,
         parts: list[memoryview | tuple[DiskPool, int, int]] | None,
@@ -148,7 +148,7 @@ class _Pending:
         slot: SlotId,
     ) -> None:
         self.block_key = block_key
-        self.life_cycle = life_cycle
+        self.layer_group = layer_group
         self.nbytes = nbytes
         self.ring_pos = ring_pos
         self.parts = parts
@@ -555,11 +555,11 @@ class RemoteStore:
             self.apply_quota(cfg.quota)
 
     # ------------------------------------------------------------------ keys and state
-    def page_key(self, block_key: bytes, life_cycle: int) -> bytes:
+    def page_key(self, block_key: bytes, layer_group: int) -> bytes:
         prefixes = self._lc_prefix
-        while len(prefixes) <= life_cycle:
+        while len(prefixes) <= layer_group:
             prefixes.append(self.prefix + b"%d:" % len(prefixes))
-        return prefixes[life_cycle] + binascii.hexlify(block_key)
+        return prefixes[layer_group] + binascii.hexlify(block_key)
 
     @property
     def is_down(self) -> bool:
@@ -776,7 +776,7 @@ class RemoteStore:
         off = pos % self._max_pending
         return self._ring_view[off : off + nbytes]
 
-    def enqueue(self, pos: int, nbytes: int, block_key: bytes, life_cycle: int) -> None:
+    def enqueue(self, pos: int, nbytes: int, block_key: bytes, layer_group: int) -> None:
         """Hand a filled ring span (``reserve``) to the writer. An empty ``block_key`` gives the
         span back unused (a failed copy)."""
         if block_key:
@@ -784,7 +784,7 @@ class RemoteStore:
         else:
             self.dropped_on_queue += 1
             self.dropped_bytes_on_queue += nbytes
-        self._queue.append(_Pending(block_key, life_cycle, nbytes, pos, None, None, SlotId(-1)))
+        self._queue.append(_Pending(block_key, layer_group, nbytes, pos, None, None, SlotId(-1)))
 
     def accepts_slot(self) -> bool:
         """Whether a handed-off slot would be sent now (not while the server counts as down)."""
@@ -793,7 +793,7 @@ class RemoteStore:
     def enqueue_slot(
         self,
         block_key: bytes,
-        life_cycle: int,
+        layer_group: int,
         parts: list[memoryview | tuple[DiskPool, int, int]],
         nbytes: int,
         parked: list[SlotId],
@@ -803,7 +803,7 @@ class RemoteStore:
         straight from ``parts`` and then appends ``slot`` to ``parked``."""
         self.queued_writes += 1
         self.slots_queued += 1
-        self._queue.append(_Pending(block_key, life_cycle, nbytes, -1, parts, parked, slot))
+        self._queue.append(_Pending(block_key, layer_group, nbytes, -1, parts, parked, slot))
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued write is finished (written or dropped); False on timeout."""
@@ -903,8 +903,8 @@ class RemoteStore:
         cmd = b"*5\r\n$3\r\nSET\r\n" if ttl else b""
         before = b"" if ttl else b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * len(sent))
         for w, payload in zip(sent, payloads):
-            key = self.page_key(w.block_key, w.life_cycle)
-            header = encode_header(payload, w.life_cycle, fp, w.block_key)
+            key = self.page_key(w.block_key, w.layer_group)
+            header = encode_header(payload, w.layer_group, fp, w.block_key)
             parts.append(before + cmd + b"$%d\r\n%s\r\n$%d\r\n" % (len(key), key, HEADER_BYTES + w.nbytes) + header)
             parts.extend(payload)
             before = tail
@@ -950,7 +950,7 @@ class RemoteStore:
         assert router is not None
         fp = self.fingerprint
         ttl = self._ttl
-        keys = [self.page_key(w.block_key, w.life_cycle) for w in sent]
+        keys = [self.page_key(w.block_key, w.layer_group) for w in sent]
         expiry = b"$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl) if ttl else b""
         slots: list[int] = []
         commands: list[list[Any]] = []
@@ -961,7 +961,7 @@ class RemoteStore:
                 parts: list[Any] = [b"*5\r\n$3\r\nSET\r\n" if ttl else b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * len(sub))]
                 for i in sub:
                     w, key, payload = sent[i], keys[i], payloads[i]
-                    header = encode_header(payload, w.life_cycle, fp, w.block_key)
+                    header = encode_header(payload, w.layer_group, fp, w.block_key)
                     parts.append(b"$%d\r\n%s\r\n$%d\r\n" % (len(key), key, HEADER_BYTES + w.nbytes) + header)
                     parts.extend(payload)
                     parts.append(b"\r\n")
@@ -994,7 +994,7 @@ class RemoteStore:
         self.dropped_by_writer += len(writes)
         self.dropped_bytes_by_writer += sum(HEADER_BYTES + w.nbytes for w in writes)
 
-    # ------------------------------------------------------------------ life cycle and statistics
+    # ------------------------------------------------------------------ layer group and statistics
     def counters(self) -> list[int]:
         """Cumulative (written, fetched, dropped) pages then bytes, and errors (failed round trips and
         refused values): the remote level's ``TierStatistics``."""

@@ -20,7 +20,7 @@ from .._common import (
     GPU_LEVEL,
     CacheLevel,
     CacheTier,
-    LifeCycleId,
+    LayerGroupId,
     MemAddress,
     PoolGroupIndex,
     Priority,
@@ -210,9 +210,9 @@ class StorageManager:
             self.release()
             raise
         gpu = self.levels[GPU_LEVEL]
-        #: GPU storage of each life cycle's pool group (the allocation hot path)
-        self.lc_storage: TypedList[LifeCycleId, PoolGroupStorage] = TypedList(
-            [gpu[g] for g in layout.life_cycle_pool_group]
+        #: GPU storage of each layer group's pool group (the allocation hot path)
+        self.lc_storage: TypedList[LayerGroupId, PoolGroupStorage] = TypedList(
+            [gpu[g] for g in layout.pool_group_of_layer_group]
         )
         self.drop_listener: PageDropListener | None = None
         #: the remote tier below the last level (``attach_remote``): reusable full-block pages dropped
@@ -306,7 +306,7 @@ class StorageManager:
             for pool in st.pools:
                 assert isinstance(pool, DiskPool)
                 sums.append(pool.sums[p.slot])
-            persist.write(int(st.index), p.slot, p.life_cycle, p.priority, scope, parent.key, node.key, tokens, sums)
+            persist.write(int(st.index), p.slot, p.layer_group, p.priority, scope, parent.key, node.key, tokens, sums)
 
     def write_back(self) -> int:
         """Shutdown of a manager with a persistent disk tier: move the reusable full blocks of the
@@ -618,7 +618,7 @@ class StorageManager:
         remote = self.remote
         assert node is not None and remote is not None
         key = node.key
-        lc = page.life_cycle
+        lc = page.layer_group
         listener = self.drop_listener
         if listener is not None:
             listener.page_dropped(page)
@@ -675,7 +675,7 @@ class StorageManager:
                     src.num_io_errors += 1
                     remote.enqueue(pos, n, b"", 0)
                     continue
-                remote.enqueue(pos, n, node.key, p.life_cycle)
+                remote.enqueue(pos, n, node.key, p.layer_group)
                 p.remote_copy = True
 
     def _spill_one(self, p: Page) -> None:
@@ -695,7 +695,7 @@ class StorageManager:
         pos = remote.reserve(size)
         if pos >= 0:  # host memory (or the emulated GPU): one copy into the write ring
             remote.span(pos, size)[:] = hv[p.slot * size : (p.slot + 1) * size]
-            remote.enqueue(pos, size, node.key, p.life_cycle)
+            remote.enqueue(pos, size, node.key, p.layer_group)
             p.remote_copy = True
 
     def queue_write_through(self, page: Page) -> None:
@@ -719,8 +719,8 @@ class StorageManager:
         self.spill(pages)
 
     # ------------------------------------------------------------------ allocation and moves
-    def new_pages(self, lc: LifeCycleId, priorities: list[Priority], locked: bool) -> list[Page]:
-        """One new GPU page of life cycle ``lc`` per priority, evicting as needed (callers planned)."""
+    def new_pages(self, lc: LayerGroupId, priorities: list[Priority], locked: bool) -> list[Page]:
+        """One new GPU page of layer group ``lc`` per priority, evicting as needed (callers planned)."""
         if self._write_through:
             self.flush_write_through()  # before any slot is reused
         storage = self.lc_storage[lc]
@@ -728,7 +728,7 @@ class StorageManager:
         slots = storage.allocator.allocate(len(priorities))
         return [Page(storage, slot, lc, prio, locked) for slot, prio in zip(slots, priorities)]
 
-    def new_page(self, lc: LifeCycleId, priority: Priority, locked: bool) -> Page:
+    def new_page(self, lc: LayerGroupId, priority: Priority, locked: bool) -> Page:
         """``new_pages`` for one page."""
         if self._write_through:
             self.flush_write_through()  # before any slot is reused
@@ -736,13 +736,13 @@ class StorageManager:
         self.make_room(storage, 1)
         return Page(storage, storage.allocator.allocate_one(), lc, priority, locked)
 
-    def new_scratch_slots(self, lc: LifeCycleId, count: int) -> list[SlotId]:
+    def new_scratch_slots(self, lc: LayerGroupId, count: int) -> list[SlotId]:
         """``count`` GPU slots of ``lc``'s pool group owned by a request as scratch (no pages)."""
         storage = self.lc_storage[lc]
         self.make_room(storage, count)
         return storage.allocator.allocate(count)
 
-    def free_scratch_slots(self, lc: LifeCycleId, slots: list[SlotId]) -> None:
+    def free_scratch_slots(self, lc: LayerGroupId, slots: list[SlotId]) -> None:
         allocator = self.lc_storage[lc].allocator
         for slot in slots:
             allocator.free(slot)

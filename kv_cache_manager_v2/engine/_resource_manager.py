@@ -20,7 +20,6 @@ from .._common import (
     KVCacheStatus,
     LayerGroupId,
     LayerId,
-    LifeCycleId,
     PageIndexMode,
     PoolGroupIndex,
     Priority,
@@ -43,7 +42,7 @@ class _FixedPriority:
     def __init__(self, priority: Priority) -> None:
         self.priority = priority
 
-    def __call__(self, block_ordinal: BlockOrdinal, life_cycle: LifeCycleId) -> Priority:
+    def __call__(self, block_ordinal: BlockOrdinal, layer_group: LayerGroupId) -> Priority:
         return self.priority
 
 

@@ -21,7 +21,7 @@ import zmq
 
 from .._common import DEFAULT_REUSE_SCOPE, ReuseScope, TokenIdExt
 from .._events import LayerGroupSpec, block_hash
-from .._life_cycle_registry import LifeCycle
+from .._layer_groups import LayerGroup
 from .._reuse._keys import BlockHasher, scope_key
 from .schema import (
     AllBlocksCleared,
@@ -73,7 +73,7 @@ class ReplicaIndex:
     ) -> None:
         self.tokens_per_block = tokens_per_block
         self.enable_partial_reuse = enable_partial_reuse
-        self.groups: dict[int, LifeCycle] = {}
+        self.groups: dict[int, LayerGroup] = {}
         for g in groups:
             self._learn_group(g.group_idx, g.window_size, g.num_sink_blocks)
         self._nodes: dict[int, _Node] = {}
@@ -108,7 +108,7 @@ class ReplicaIndex:
 
     def _learn_group(self, g: int, window: int | None, sinks: int) -> None:
         if g not in self.groups:
-            self.groups[g] = LifeCycle(window, sinks, self.tokens_per_block or 1)
+            self.groups[g] = LayerGroup(window, sinks, self.tokens_per_block or 1)
 
     def _stored(self, ev: BlockStored) -> None:
         t = ev.block_size
@@ -119,7 +119,7 @@ class ReplicaIndex:
             raise ValueError(f"BlockStored with block_size {t}, the replica's is {self.tokens_per_block}")
         if self.tokens_per_block is None:
             self.tokens_per_block = t
-            self.groups = {g: LifeCycle(lc.window_size, lc.num_sink_blocks, t) for g, lc in self.groups.items()}
+            self.groups = {g: LayerGroup(lc.window_size, lc.num_sink_blocks, t) for g, lc in self.groups.items()}
         g = ev.group_idx if ev.group_idx is not None else 0
         if g not in self.groups:
             window = ev.kv_cache_spec_sliding_window if ev.kv_cache_spec_kind == "sliding_window" else None

@@ -53,7 +53,7 @@ class BlockStored(WireEvent):
     lora_name: str | None = None
     #: per block: None (plain ids) or [[offset, digest bytes], ...] for its digest tokens
     extra_keys: list[list[tuple[int, bytes]] | None] | None = None
-    #: layer group (life cycle) id
+    #: layer group id
     group_idx: int | None = None
     #: "full_attention" or "sliding_window"
     kv_cache_spec_kind: str | None = None

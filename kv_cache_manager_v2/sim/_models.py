@@ -324,7 +324,7 @@ def manager_config(
     ]
     real_page = shape.buffer_bytes_per_token * t
     gpu = tiers[0]
-    # one block of every layer (both life cycles of a SWA model) is the least any request needs
+    # one block of every layer (both layer groups of a SWA model) is the least any request needs
     min_bytes = shape.bytes_per_token * t
     if gpu.quota_bytes < min_bytes:
         raise SimUserError(

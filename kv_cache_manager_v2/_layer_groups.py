@@ -1,4 +1,4 @@
-"""Layers -> life cycles (layer groups), and each life cycle's policy: which blocks it needs.
+"""Layers -> layer groups (layer groups), and each layer group's policy: which blocks it needs.
 
 Every window-dependent rule lives here (SPEC 5.1, 5.3, 5.4): the stale range at a history
 length, which blocks a match needs pages for, and which blocks are anchors whose loss makes
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._common import LayerId, LifeCycleId
+from ._common import LayerGroupId, LayerId
 from ._config import AttentionLayerConfig
 from ._typed import TypedList
 from ._utils import div_up
 
 
-class LifeCycle:
+class LayerGroup:
     """Attention shape shared by the layers of one group: window (None = full) and sink blocks."""
 
     __slots__ = ("num_sink_blocks", "tokens_per_block", "window_size")
@@ -26,7 +26,7 @@ class LifeCycle:
         self.tokens_per_block = tokens_per_block
 
     def __repr__(self) -> str:
-        return f"LifeCycle(window_size={self.window_size}, num_sink_blocks={self.num_sink_blocks})"
+        return f"LayerGroup(window_size={self.window_size}, num_sink_blocks={self.num_sink_blocks})"
 
     @property
     def is_swa(self) -> bool:
@@ -53,7 +53,7 @@ class LifeCycle:
 
     def history_releasing_after(self, stale_end: int) -> int:
         """The least history at which ``stale_end(history)`` exceeds ``stale_end`` (blocks up to
-        there were released): when the window moves next. Sliding-window life cycles only."""
+        there were released): when the window moves next. Sliding-window layer groups only."""
         w = self.window_size
         assert w is not None
         if self.num_sink_blocks > stale_end:
@@ -101,37 +101,37 @@ class LifeCycle:
         return self.window_size is None or ordinal < self.num_sink_blocks
 
 
-class LifeCycleRegistry:
-    """Dense ``LifeCycleId`` per distinct attention shape, in first-seen order of the layers."""
+class LayerGroupRegistry:
+    """Dense ``LayerGroupId`` per distinct attention shape, in first-seen order of the layers."""
 
-    life_cycles: TypedList[LifeCycleId, LifeCycle]
-    layer_to_life_cycle: dict[LayerId, LifeCycleId]
-    layers_of: TypedList[LifeCycleId, list[LayerId]]
+    layer_groups: TypedList[LayerGroupId, LayerGroup]
+    layer_to_layer_group: dict[LayerId, LayerGroupId]
+    layers_of: TypedList[LayerGroupId, list[LayerId]]
     tokens_per_block: int
-    #: life cycles with a window: the only ones whose blocks go stale
-    swa_life_cycles: list[LifeCycleId]
+    #: layer groups with a window: the only ones whose blocks go stale
+    swa_layer_groups: list[LayerGroupId]
 
     def __init__(self, layers: Sequence[AttentionLayerConfig], tokens_per_block: int) -> None:
         self.tokens_per_block = tokens_per_block
-        self.life_cycles = TypedList([])
-        self.layer_to_life_cycle = {}
+        self.layer_groups = TypedList([])
+        self.layer_to_layer_group = {}
         self.layers_of = TypedList([])
-        index: dict[tuple[int | None, int], LifeCycleId] = {}
+        index: dict[tuple[int | None, int], LayerGroupId] = {}
         for layer in layers:
             w = layer.sliding_window_size
             sinks = div_up(layer.num_sink_tokens or 0, tokens_per_block) if w is not None else 0
             lc_id = index.get((w, sinks))
             if lc_id is None:
-                lc_id = LifeCycleId(len(self.life_cycles))
+                lc_id = LayerGroupId(len(self.layer_groups))
                 index[(w, sinks)] = lc_id
-                self.life_cycles.items.append(LifeCycle(w, sinks, tokens_per_block))
+                self.layer_groups.items.append(LayerGroup(w, sinks, tokens_per_block))
                 self.layers_of.items.append([])
-            self.layer_to_life_cycle[layer.layer_id] = lc_id
+            self.layer_to_layer_group[layer.layer_id] = lc_id
             self.layers_of[lc_id].append(layer.layer_id)
-        self.swa_life_cycles = [LifeCycleId(i) for i, lc in enumerate(self.life_cycles) if lc.is_swa]
+        self.swa_layer_groups = [LayerGroupId(i) for i, lc in enumerate(self.layer_groups) if lc.is_swa]
 
     def __len__(self) -> int:
-        return len(self.life_cycles)
+        return len(self.layer_groups)
 
-    def ids(self) -> list[LifeCycleId]:
-        return [LifeCycleId(i) for i in range(len(self.life_cycles))]
+    def ids(self) -> list[LayerGroupId]:
+        return [LayerGroupId(i) for i in range(len(self.layer_groups))]
