@@ -8,7 +8,6 @@ Requests never touch allocators or evictors directly: they ask ``fits`` (plan), 
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Sequence
@@ -30,16 +29,18 @@ from .._common import (
 )
 from .._config import DiskCacheTierConfig, LocalCacheTierConfig
 from .._eviction import Evictor, FrequencyEvictor, LruEvictor, UseHistory
-from .._exceptions import OutOfMemoryError, OutOfPagesError
+from .._exceptions import OutOfPagesError
 from .._page import Page
 from .._typed import TypedList
 from ._backend import MAX_GROWTH, MemoryBackend, MemoryPool, Pool
 from ._copy_engine import CopyEngine
-from ._disk import DiskPool
 from ._layout import PoolGroupLayout, StorageLayout
-from ._persist import PersistentDisk, pool_file
+from ._persist import PersistentDisk
 from ._remote import RemoteStore
 from ._slot_allocator import SlotAllocator
+from ._tiers._base import HandOffPart, MediumAccess, Tier, memory
+from ._tiers._disk_tier import arm_sums, check_disk_space, slot_sums
+from ._tiers._registry import local_tier
 
 #: Per level and pool group, how many of the asking request's own pages its evictor lists
 #: (they are about to be used, so they do not count as evictable).
@@ -62,6 +63,7 @@ class PoolGroupStorage:
         "is_last",
         "layout",
         "level",
+        "media",
         "num_dropped",
         "num_evicted",
         "num_io_errors",
@@ -76,15 +78,19 @@ class PoolGroupStorage:
     def __init__(
         self,
         level: CacheLevel,
-        tier: CacheTier,
+        tier: Tier,
         is_last: bool,
         layout: PoolGroupLayout,
         num_slots: int,
         pools: list[Pool],
         history: UseHistory | None,
+        media: list[MediumAccess],
     ) -> None:
         self.level = level
+        #: the medium's tier object (builds and grows the pools)
         self.tier = tier
+        #: each pool's access object (see ``_tiers``)
+        self.media = [media[pool.medium] for pool in pools]
         #: the last level drops what it evicts; levels above move it down
         self.is_last = is_last
         self.layout = layout
@@ -127,13 +133,18 @@ class PoolGroupStorage:
 
     def can_hand_off(self) -> bool:
         """Whether a dropped page's slot can go to the remote tier's writer as it is (host memory or disk)."""
-        return all(not isinstance(pool, MemoryPool) or pool.host_view is not None for pool in self.pools)
+        return all(access.can_hand_off() for access in self.media)
+
+    def hand_off_parts(self, slot: SlotId) -> list[HandOffPart]:
+        """Where the remote tier's writer reads ``slot`` of each pool (``can_hand_off`` groups)."""
+        return [
+            access.hand_off_part(pool, slot, size)
+            for access, pool, size in zip(self.media, self.pools, self.layout.slot_sizes)
+        ]
 
     def memory_pool(self, pool: int) -> MemoryPool:
         """Pool ``pool`` of a memory level (GPU or host)."""
-        p = self.pools[pool]
-        assert isinstance(p, MemoryPool)
-        return p
+        return memory(self.pools[pool])
 
     def slot_address(self, pool: int, slot: SlotId) -> MemAddress:
         return MemAddress(self.memory_pool(pool).base_address + slot * self.layout.slot_sizes[pool])
@@ -180,6 +191,8 @@ class StorageManager:
         self.backend = backend
         self.copier = CopyEngine(backend)
         self.tiers: list[CacheTier] = [t.tier for t in tiers]
+        #: the tier object of each level (``_tiers``)
+        self.tier_objects: list[Tier] = []
         self.levels: TypedList[CacheLevel, TypedList[PoolGroupIndex, PoolGroupStorage]] = TypedList([])
         last = len(tiers) - 1
         #: per pool group, the use counting the frequency policy shares among the group's levels
@@ -192,17 +205,23 @@ class StorageManager:
         try:
             for level, cfg in enumerate(tiers):
                 if isinstance(cfg, DiskCacheTierConfig):
-                    _check_disk_space(cfg, layout, slots[level])
+                    check_disk_space(cfg, layout, slots[level])
                     if cfg.persistent:
                         groups_at = [(g.slot_sizes, n) for g, n in zip(layout.pool_groups, slots[level])]
                         self.persist = PersistentDisk(cfg, disk_fingerprint, groups_at, tokens_per_block)
                         self.persist_level = level
+                tier = local_tier(cfg, backend, self.persist if self.persist_level == level else None)
+                self.tier_objects.append(tier)
                 groups: TypedList[PoolGroupIndex, PoolGroupStorage] = TypedList([])
                 self.levels.items.append(groups)
                 for g, n, history in zip(layout.pool_groups, slots[level], histories):
-                    pools = self._make_pools(cfg, g, n)
+                    # address space for MAX_GROWTH x the tier's quota, as if this group got all of it,
+                    # so any later split of a grown quota fits without moving
+                    pools = tier.make_pools(g, n, max(n, MAX_GROWTH * cfg.quota // g.slot_bytes))
                     groups.items.append(
-                        PoolGroupStorage(CacheLevel(level), cfg.tier, level == last, g, n, pools, history)
+                        PoolGroupStorage(
+                            CacheLevel(level), tier, level == last, g, n, pools, history, self.copier.media
+                        )
                     )
             if self.persist is not None:
                 self._take_persisted()
@@ -273,11 +292,7 @@ class StorageManager:
         for g, found in enumerate(persist.records):
             s = self.levels.items[self.persist_level].items[g]
             s.allocator.take([SlotId(r.slot) for r in found])
-            for p, pool in enumerate(s.pools):
-                assert isinstance(pool, DiskPool)
-                sums = pool.sums
-                for r in found:
-                    sums[r.slot] = int.from_bytes(r.sums[4 * p : 4 * p + 4], "little")
+            arm_sums(s.pools, [r.slot for r in found], [r.sums for r in found])
 
     def persist_pages(self, pages: list[Page]) -> None:
         """Record the persistent disk tier's reusable full-block pages among ``pages`` (their bytes
@@ -302,10 +317,7 @@ class StorageManager:
                 except (TypeError, OverflowError):
                     continue  # a block of digests (bytes tokens): not persisted
             st = p.storage
-            sums: list[int] = []
-            for pool in st.pools:
-                assert isinstance(pool, DiskPool)
-                sums.append(pool.sums[p.slot])
+            sums = slot_sums(st.pools, p.slot)
             persist.write(int(st.index), p.slot, p.layer_group, p.priority, scope, parent.key, node.key, tokens, sums)
 
     def write_back(self) -> int:
@@ -344,32 +356,6 @@ class StorageManager:
                 for p in failed:
                     self.lose(p)
         return moved
-
-    def _make_pools(self, cfg: LocalCacheTierConfig, layout: PoolGroupLayout, num_slots: int) -> list[Pool]:
-        """The pools of one group at one level: GPU memory mapped on demand; host memory and disk
-        files backed in full up front (so eviction never fails to find memory)."""
-        pools: list[Pool] = []
-        # address space for MAX_GROWTH x the tier's quota, as if this group got all of it, so any
-        # later split of a grown quota fits without moving
-        max_slots = max(num_slots, MAX_GROWTH * cfg.quota // layout.slot_bytes)
-        try:
-            for p, size in enumerate(layout.slot_sizes):
-                nbytes = num_slots * size
-                if isinstance(cfg, DiskCacheTierConfig):
-                    persist = self.persist if cfg.persistent else None
-                    file_path = persist.pool_path(int(layout.index), p) if persist is not None else None
-                    pools.append(DiskPool(cfg.path, nbytes, size, file_path))
-                elif cfg.tier is CacheTier.HOST_MEM:
-                    host = self.backend.reserve_host_pool(max_slots * size)
-                    pools.append(host)
-                    host.ensure_mapped(nbytes)
-                else:
-                    pools.append(self.backend.reserve_pool(max_slots * size))
-        except BaseException:
-            for pool in pools:
-                pool.release()
-            raise
-        return pools
 
     @property
     def num_pool_groups(self) -> int:
@@ -553,7 +539,7 @@ class StorageManager:
         if dst.level == self.persist_level:
             self.persist_pages(pages)
         if failed:
-            disk = dst if dst.tier is CacheTier.DISK else src
+            disk = dst if dst.tier.tier is CacheTier.DISK else src
             disk.num_io_errors += len(failed)
         return failed
 
@@ -626,13 +612,7 @@ class StorageManager:
         st.num_dropped += 1
         slot = page.hand_off()
         st.allocator.free(st.parked.pop())
-        parts: list[memoryview | tuple[DiskPool, int, int]] = []
-        for pool, size in zip(st.pools, st.layout.slot_sizes):
-            if isinstance(pool, DiskPool):
-                parts.append((pool, slot * size, size))
-            else:
-                assert isinstance(pool, MemoryPool) and pool.host_view is not None
-                parts.append(pool.host_view[slot * size : (slot + 1) * size])
+        parts = st.hand_off_parts(slot)
         remote.enqueue_slot(key, lc, parts, st.layout.slot_bytes, st.parked, slot)
 
     # ------------------------------------------------------------------ the remote tier's writes
@@ -686,15 +666,14 @@ class StorageManager:
         if p.lost or len(node.tokens) != self.tokens_per_block:
             return
         st = p.storage
-        pool = st.pools[0]
-        hv = pool.host_view if len(st.pools) == 1 and isinstance(pool, MemoryPool) else None
-        if hv is None:
+        size = st.layout.slot_sizes[0]
+        data = st.media[0].host_bytes(st.pools[0], p.slot, size) if len(st.pools) == 1 else None
+        if data is None:
             self.spill([p])
             return
-        size = st.layout.slot_sizes[0]
         pos = remote.reserve(size)
         if pos >= 0:  # host memory (or the emulated GPU): one copy into the write ring
-            remote.span(pos, size)[:] = hv[p.slot * size : (p.slot + 1) * size]
+            remote.span(pos, size)[:] = data
             remote.enqueue(pos, size, node.key, p.layer_group)
             p.remote_copy = True
 
@@ -856,9 +835,8 @@ class StorageManager:
     ) -> None:
         for g, n in enumerate(slots):  # may raise (driver, disk space): nothing logical changed yet
             s = storages.items[g]
-            if n > s.num_slots and s.tier is not CacheTier.GPU_MEM:
-                for pool, size in zip(s.pools, s.layout.slot_sizes):
-                    pool.ensure_mapped(n * size)
+            if n > s.num_slots:
+                s.tier.grow(s.pools, s.layout.slot_sizes, n)
         for g, n in enumerate(slots):
             s = storages.items[g]
             shrinking = n < s.num_slots
@@ -926,9 +904,8 @@ class StorageManager:
                 out[i] += n
                 out[3 + i] += n * b
             out[6] += s.num_io_errors
-            for pool in s.pools:
-                if isinstance(pool, DiskPool):  # handed-off slots the remote writer found damaged
-                    out[6] += pool.num_unsent
+            for access, pool in zip(s.media, s.pools):  # handed-off slots the remote writer found damaged
+                out[6] += access.num_unsent(pool)
         return out
 
     def _bytes(self, level: int, per_group: list[int]) -> int:
@@ -1006,24 +983,3 @@ def _statistics(
         dropped_bytes=d[5],
         io_errors=d[6],
     )
-
-
-def _check_disk_space(cfg: DiskCacheTierConfig, layout: StorageLayout, slots: list[int]) -> None:
-    """Raise ``OutOfMemoryError`` naming the tier, its path and the bytes needed when the file system
-    cannot hold the disk tier's files (a persistent tier's existing files count as room)."""
-    need = sum(n * group.slot_bytes for group, n in zip(layout.pool_groups, slots))
-    have = 0
-    if cfg.persistent:
-        for g, group in enumerate(layout.pool_groups):
-            for p in range(len(group.slot_sizes)):
-                path = pool_file(cfg.path, g, p)
-                if os.path.exists(path):
-                    have += os.stat(path).st_blocks * 512
-    st = os.statvfs(cfg.path)
-    free = st.f_bavail * st.f_frsize
-    if need > free + have:
-        advice = "lower the tier's quota or free space there" if free + have else "choose a directory on a real disk"
-        raise OutOfMemoryError(
-            f"the disk tier could not allocate {need} bytes in {cfg.path} (the file system has {free + have} "
-            f"bytes available, DiskCacheTierConfig.quota={cfg.quota}); {advice}"
-        )
