@@ -25,9 +25,9 @@ from kv_cache_manager_v2 import (
 )
 from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
 from kv_cache_manager_v2._config import CacheTierConfig
-from kv_cache_manager_v2._page import Page
 from kv_cache_manager_v2._reuse._keys import BlockHasher
 from kv_cache_manager_v2._storage._disk import DiskPool
+from kv_cache_manager_v2._storage._page import Page
 from kv_cache_manager_v2.redis_server import LocalRedisServer
 
 T = 8

@@ -20,7 +20,6 @@ from .._common import (
     CacheLevel,
     CacheTier,
     LayerGroupId,
-    MemAddress,
     PoolGroupIndex,
     Priority,
     SlotId,
@@ -28,17 +27,16 @@ from .._common import (
     TierStatistics,
 )
 from .._config import DiskCacheTierConfig, LocalCacheTierConfig
-from .._eviction import Evictor, FrequencyEvictor, LruEvictor, UseHistory
 from .._exceptions import OutOfPagesError
-from .._page import Page
 from .._typed import TypedList
-from ._backend import MAX_GROWTH, MemoryBackend, MemoryPool, Pool
+from ._backend import MAX_GROWTH, MemoryBackend
 from ._copy_engine import CopyEngine
-from ._layout import PoolGroupLayout, StorageLayout
+from ._eviction import FrequencyEvictor, LruEvictor, UseHistory
+from ._layout import StorageLayout
+from ._page import Evictor, Page, PoolGroupStorage
 from ._persist import PersistentDisk
 from ._remote import RemoteStore
-from ._slot_allocator import SlotAllocator
-from ._tiers._base import HandOffPart, MediumAccess, Tier, memory
+from ._tiers._base import Tier
 from ._tiers._disk_tier import arm_sums, check_disk_space, slot_sums
 from ._tiers._registry import local_tier
 
@@ -49,109 +47,6 @@ Excluded = list[list[int]]
 _MAX_HEADROOM = 4096
 #: how long a tier resize waits for the remote tier's writer to finish with handed-off slots
 _RESIZE_FLUSH_S = 30.0
-
-
-class PoolGroupStorage:
-    """The pools of one pool group at one cache level, the allocator of their shared slots, and
-    the evictor of the level's evictable pages of that group, with its traffic counters."""
-
-    __slots__ = (
-        "allocator",
-        "evictor",
-        "headroom",
-        "history",
-        "is_last",
-        "layout",
-        "level",
-        "media",
-        "num_dropped",
-        "num_evicted",
-        "num_io_errors",
-        "num_lost",
-        "num_offloaded",
-        "num_onboarded",
-        "parked",
-        "pools",
-        "tier",
-    )
-
-    def __init__(
-        self,
-        level: CacheLevel,
-        tier: Tier,
-        is_last: bool,
-        layout: PoolGroupLayout,
-        num_slots: int,
-        pools: list[Pool],
-        history: UseHistory | None,
-        media: list[MediumAccess],
-    ) -> None:
-        self.level = level
-        #: the medium's tier object (builds and grows the pools)
-        self.tier = tier
-        #: each pool's access object (see ``_tiers``)
-        self.media = [media[pool.medium] for pool in pools]
-        #: the last level drops what it evicts; levels above move it down
-        self.is_last = is_last
-        self.layout = layout
-        self.pools = pools
-        self.allocator = SlotAllocator(num_slots, pools, layout.slot_sizes)
-        #: the pool group's use counting, shared by its levels (frequency policy; None: LRU)
-        self.history = history
-        self.evictor: Evictor = LruEvictor() if history is None else FrequencyEvictor(history, num_slots, parks=is_last)
-        #: pages dropped for good here: evicted reusable pages, and pages lost to disk errors (cumulative)
-        self.num_dropped = 0
-        #: pages eviction took out of this level (moved down or dropped)
-        self.num_evicted = 0
-        #: pages evicted into this level from the level above
-        self.num_offloaded = 0
-        #: pages copied from this level to a higher one
-        self.num_onboarded = 0
-        #: pages a disk read or write failed for
-        self.num_io_errors = 0
-        #: lost pages whose owners have not let go yet
-        self.num_lost = 0
-        #: slots beyond ``num_slots`` for the remote tier's writes (the last level only): a dropped
-        #: page's slot goes to the writer, which sends the data from there, and a parked slot takes
-        #: its place; the allocator counts all of them as used
-        self.headroom = 0
-        #: headroom slots not being written from (the writer appends, the scheduler's thread pops)
-        self.parked: list[SlotId] = []
-
-    @property
-    def index(self) -> PoolGroupIndex:
-        return self.layout.index
-
-    @property
-    def num_slots(self) -> int:
-        """Slots for pages (the headroom not counted)."""
-        return self.allocator.num_slots - self.headroom
-
-    @property
-    def num_used(self) -> int:
-        return self.allocator.num_used - self.headroom
-
-    def can_hand_off(self) -> bool:
-        """Whether a dropped page's slot can go to the remote tier's writer as it is (host memory or disk)."""
-        return all(access.can_hand_off() for access in self.media)
-
-    def hand_off_parts(self, slot: SlotId) -> list[HandOffPart]:
-        """Where the remote tier's writer reads ``slot`` of each pool (``can_hand_off`` groups)."""
-        return [
-            access.hand_off_part(pool, slot, size)
-            for access, pool, size in zip(self.media, self.pools, self.layout.slot_sizes)
-        ]
-
-    def memory_pool(self, pool: int) -> MemoryPool:
-        """Pool ``pool`` of a memory level (GPU or host)."""
-        return memory(self.pools[pool])
-
-    def slot_address(self, pool: int, slot: SlotId) -> MemAddress:
-        return MemAddress(self.memory_pool(pool).base_address + slot * self.layout.slot_sizes[pool])
-
-    def release(self) -> None:
-        for pool in self.pools:
-            pool.release()
 
 
 class PageDropListener(ABC):
@@ -214,13 +109,15 @@ class StorageManager:
                 self.tier_objects.append(tier)
                 groups: TypedList[PoolGroupIndex, PoolGroupStorage] = TypedList([])
                 self.levels.items.append(groups)
+                is_last = level == last
                 for g, n, history in zip(layout.pool_groups, slots[level], histories):
                     # address space for MAX_GROWTH x the tier's quota, as if this group got all of it,
                     # so any later split of a grown quota fits without moving
                     pools = tier.make_pools(g, n, max(n, MAX_GROWTH * cfg.quota // g.slot_bytes))
+                    evictor: Evictor = LruEvictor() if history is None else FrequencyEvictor(history, n, parks=is_last)
                     groups.items.append(
                         PoolGroupStorage(
-                            CacheLevel(level), tier, level == last, g, n, pools, history, self.copier.media
+                            CacheLevel(level), tier, is_last, g, n, pools, evictor, history, self.copier.media
                         )
                     )
             if self.persist is not None:
