@@ -59,6 +59,18 @@ class MemoryPool(Pool):
     #: the pool's bytes as a writable view when the CPU can access them directly, else None
     host_view: memoryview | None
 
+    def ensure_mapped(self, nbytes: int) -> None:
+        if nbytes <= self.mapped_bytes:
+            return
+        if nbytes > self.reserved_bytes:
+            raise ValueError(f"pool needs {nbytes} bytes but only {self.reserved_bytes} are reserved")
+        self._map(nbytes)
+
+    @abstractmethod
+    def _map(self, nbytes: int) -> None:
+        """Back the first ``nbytes`` bytes (more than are mapped, at most ``reserved_bytes``); may
+        raise, then nothing changed."""
+
 
 class MemoryBackend(ABC):
     """Where the GPU tier lives (real CUDA memory, or host memory standing in for it), and how

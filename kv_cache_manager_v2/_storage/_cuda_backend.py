@@ -73,11 +73,7 @@ class CudaDevicePool(MemoryPool):
     def mapped_bytes(self) -> int:
         return self._mapped
 
-    def ensure_mapped(self, nbytes: int) -> None:
-        if nbytes <= self._mapped:
-            return
-        if nbytes > self.reserved_bytes:
-            raise ValueError(f"pool needs {nbytes} bytes but only {self.reserved_bytes} are reserved")
+    def _map(self, nbytes: int) -> None:
         cu = _driver()
         target = round_up(nbytes, self._granularity)
         size = target - self._mapped
@@ -144,11 +140,7 @@ class PinnedHostPool(MemoryPool):
     def mapped_bytes(self) -> int:
         return self._mapped
 
-    def ensure_mapped(self, nbytes: int) -> None:
-        if nbytes <= self._mapped:
-            return
-        if nbytes > self.reserved_bytes:
-            raise ValueError(f"pool needs {nbytes} bytes but only {self.reserved_bytes} are reserved")
+    def _map(self, nbytes: int) -> None:
         cu = _driver()
         target = min(round_up(nbytes, mmap.PAGESIZE), self.reserved_bytes)
         done: list[tuple[int, int]] = []

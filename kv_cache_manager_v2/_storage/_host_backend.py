@@ -47,10 +47,8 @@ class HostMemoryPool(MemoryPool):
     def mapped_bytes(self) -> int:
         return self._mapped
 
-    def ensure_mapped(self, nbytes: int) -> None:
-        if nbytes > self.reserved_bytes:
-            raise ValueError(f"pool needs {nbytes} bytes but only {self.reserved_bytes} are reserved")
-        self._mapped = max(self._mapped, nbytes)
+    def _map(self, nbytes: int) -> None:
+        self._mapped = nbytes
 
     def shrink(self, nbytes: int) -> None:
         beg = round_up(nbytes, mmap.PAGESIZE)
