@@ -84,21 +84,21 @@ class EvictionCascade(StorageLevels):
             return
         self._evict(storage, count - allocator.num_free, reserve)
 
-    def _evict(self, storage: PoolGroupStorage, n: int, reserve: int) -> None:
-        """Take ``n`` pages out of a level above the last: HELD ones and the newest reusable ones
+    def _evict(self, storage: PoolGroupStorage, count: int, reserve: int) -> None:
+        """Take ``count`` pages out of a level above the last: HELD ones and the newest reusable ones
         move down as far as the levels below have room (``capacity``, less ``reserve``), garbage
         and the oldest reusable ones beyond that are dropped. One batch of copies per level."""
-        level, g = storage.level, storage.index
-        room = self.capacity(level + 1, g) - reserve
-        victims = storage.evictor.select(n, room)
-        if len(victims) < n:
+        level, pool_group = storage.level, storage.index
+        room = self.capacity(level + 1, pool_group) - reserve
+        victims = storage.evictor.select(count, room)
+        if len(victims) < count:
             for v in victims:
                 v.relist()
             raise OutOfPagesError(
-                f"cache level {level}, pool group {g}: {n} pages must be evicted but only {len(victims)} can be "
+                f"cache level {level}, pool group {pool_group}: {count} pages must be evicted but only {len(victims)} can be "
                 "(the caller's planning and the evictor disagree)"
             )
-        storage.num_evicted += n
+        storage.num_evicted += count
         spare = room - sum(1 for v in victims if v.num_holds)
         reusable = [v for v in victims if not v.num_holds and v.node is not None]
         keep = {id(v) for v in reusable[max(0, len(reusable) - spare) :]}  # the newest ones move down
@@ -109,15 +109,15 @@ class EvictionCascade(StorageLevels):
         for v in victims:  # dropping an anchor above may have made a kept page garbage
             if id(v) in keep and v.node is None and v.slot >= 0:
                 self.drop(v)
-        self._place(movers, level + 1, g)
+        self._place(movers, level + 1, pool_group)
 
-    def _place(self, movers: list[Page], level: int, g: int) -> None:
+    def _place(self, movers: list[Page], level: int, pool_group: int) -> None:
         """Move ``movers`` (one source storage, in no evictor, in eviction order; at most
-        ``capacity(level, g)`` of them) into ``level`` and below: the newest as many as ``level``
+        ``capacity(level, pool_group)`` of them) into ``level`` and below: the newest as many as ``level``
         can hold (it evicts its own victims further down first), the older rest one level
         further down. A GPU victim thus makes room in a small host tier by pushing the host's
         own victims to disk, and only the last level drops."""
-        dst = self.levels.items[level].items[g]
+        dst = self.levels.items[level].items[pool_group]
         take = len(movers)
         if not dst.is_last:
             take = min(take, dst.allocator.num_free + dst.evictor.count)
@@ -150,7 +150,7 @@ class EvictionCascade(StorageLevels):
             for v in rest:
                 if not v.num_holds and v.node is None:
                     self.drop(v)  # became garbage meanwhile
-            self._place([v for v in rest if v.num_holds or v.node is not None], level + 1, g)
+            self._place([v for v in rest if v.num_holds or v.node is not None], level + 1, pool_group)
 
     def _relocate(self, pages: list[Page], dst: PoolGroupStorage) -> list[Page]:
         """Copy ``pages`` (one source storage, in no evictor) into new slots of ``dst`` (room made)

@@ -105,31 +105,31 @@ class StorageLevels:
         return self.levels[GPU_LEVEL]
 
     # ------------------------------------------------------------------ planning
-    def available(self, level: int, g: int, excluded: Excluded | None = None) -> int:
-        """Slots of pool group ``g`` at ``level`` that are free or can be made free: free slots,
+    def available(self, level: int, pool_group: int, excluded: Excluded | None = None) -> int:
+        """Slots of pool group ``pool_group`` at ``level`` that are free or can be made free: free slots,
         DROPPABLE pages (moved down or dropped), and HELD pages as far as the levels below can take
         them. ``excluded`` pages (listed per level and group) are not counted as evictable."""
-        storage = self.levels.items[level].items[g]
-        ev = storage.evictor
-        n = storage.allocator.num_free + ev.count - ev.num_held
-        held = ev.num_held
+        storage = self.levels.items[level].items[pool_group]
+        evictor = storage.evictor
+        count = storage.allocator.num_free + evictor.count - evictor.num_held
+        held = evictor.num_held
         if excluded is not None:
-            held -= excluded[level][g]
+            held -= excluded[level][pool_group]
         if held > 0:
-            n += min(held, self.capacity(level + 1, g))
-        return n
+            count += min(held, self.capacity(level + 1, pool_group))
+        return count
 
-    def capacity(self, level: int, g: int) -> int:
-        """How many pages of pool group ``g`` levels ``level`` and below can take in (0 past the
+    def capacity(self, level: int, pool_group: int) -> int:
+        """How many pages of pool group ``pool_group`` levels ``level`` and below can take in (0 past the
         last): their free slots and DROPPABLE pages. Each level keeps the newest pages it can hold
         and passes the older rest further down (the eviction cascade), so a small level does not
         limit how much the levels below it take, and HELD pages already there may stay where they are."""
-        n = 0
+        count = 0
         for storages in self.levels.items[level:]:
-            storage = storages.items[g]
-            ev = storage.evictor
-            n += storage.allocator.num_free + ev.count - ev.num_held
-        return n
+            storage = storages.items[pool_group]
+            evictor = storage.evictor
+            count += storage.allocator.num_free + evictor.count - evictor.num_held
+        return count
 
     def fits(self, need: list[int], gain: list[int], max_util: float = 1.0, excluded: Excluded | None = None) -> bool:
         """Whether every GPU pool group can provide ``need[g]`` slots, counting ``gain[g]`` slots

@@ -407,9 +407,9 @@ class ClusterRouter:
             ask_to = asks
         return replies
 
-    def _node_failed(self, n: int, what: str, e: BaseException, writer: bool) -> None:
+    def _node_failed(self, node_index: int, what: str, e: BaseException, writer: bool) -> None:
         _forget_frames(e)
-        node = self.nodes[n]
+        node = self.nodes[node_index]
         node.down_until = time.monotonic() + self._retry_s
         self._stale = True
         if writer:
@@ -429,8 +429,8 @@ class ClusterRouter:
                 self.cfg.retry_interval_ms,
             )
 
-    def _node_ok(self, n: int) -> None:
-        node = self.nodes[n]
+    def _node_ok(self, node_index: int) -> None:
+        node = self.nodes[node_index]
         if not node.connected:
             node.connected = True
             LOG.warning("remote KV tier %s: node %s:%d is reachable again", self._url, *node.addr)
@@ -856,11 +856,11 @@ class RemoteStore:
                 parked.append(w.slot)
                 self.slots_done += 1
 
-    def _payload(self, w: _Pending) -> list[memoryview]:
-        if w.ring_pos >= 0:
-            return [self.span(w.ring_pos, w.nbytes)]
+    def _payload(self, write: _Pending) -> list[memoryview]:
+        if write.ring_pos >= 0:
+            return [self.span(write.ring_pos, write.nbytes)]
         out: list[memoryview] = []
-        parts = w.parts
+        parts = write.parts
         assert parts is not None
         for part in parts:
             if isinstance(part, memoryview):

@@ -131,31 +131,31 @@ class StorageManager(EvictionCascade):
             self.remote_tier.flush_write_through()
 
     # ------------------------------------------------------------------ allocation and moves
-    def new_pages(self, lc: LayerGroupId, priorities: list[Priority], locked: bool) -> list[Page]:
-        """One new GPU page of layer group ``lc`` per priority, evicting as needed (callers planned)."""
+    def new_pages(self, layer_group: LayerGroupId, priorities: list[Priority], locked: bool) -> list[Page]:
+        """One new GPU page of layer group ``layer_group`` per priority, evicting as needed (callers planned)."""
         if self._write_through:
             self.flush_write_through()  # before any slot is reused
-        storage = self.lc_storage[lc]
+        storage = self.lc_storage[layer_group]
         self.make_room(storage, len(priorities))
         slots = storage.allocator.allocate(len(priorities))
-        return [Page(storage, slot, lc, prio, locked) for slot, prio in zip(slots, priorities)]
+        return [Page(storage, slot, layer_group, prio, locked) for slot, prio in zip(slots, priorities)]
 
-    def new_page(self, lc: LayerGroupId, priority: Priority, locked: bool) -> Page:
+    def new_page(self, layer_group: LayerGroupId, priority: Priority, locked: bool) -> Page:
         """``new_pages`` for one page."""
         if self._write_through:
             self.flush_write_through()  # before any slot is reused
-        storage = self.lc_storage[lc]
+        storage = self.lc_storage[layer_group]
         self.make_room(storage, 1)
-        return Page(storage, storage.allocator.allocate_one(), lc, priority, locked)
+        return Page(storage, storage.allocator.allocate_one(), layer_group, priority, locked)
 
-    def new_scratch_slots(self, lc: LayerGroupId, count: int) -> list[SlotId]:
-        """``count`` GPU slots of ``lc``'s pool group owned by a request as scratch (no pages)."""
-        storage = self.lc_storage[lc]
+    def new_scratch_slots(self, layer_group: LayerGroupId, count: int) -> list[SlotId]:
+        """``count`` GPU slots of ``layer_group``'s pool group owned by a request as scratch (no pages)."""
+        storage = self.lc_storage[layer_group]
         self.make_room(storage, count)
         return storage.allocator.allocate(count)
 
-    def free_scratch_slots(self, lc: LayerGroupId, slots: list[SlotId]) -> None:
-        allocator = self.lc_storage[lc].allocator
+    def free_scratch_slots(self, layer_group: LayerGroupId, slots: list[SlotId]) -> None:
+        allocator = self.lc_storage[layer_group].allocator
         for slot in slots:
             allocator.free(slot)
 
