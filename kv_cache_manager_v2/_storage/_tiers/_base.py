@@ -20,9 +20,6 @@ from .._layout import PoolGroupLayout
 Run = tuple[int, int, int, list[int]]
 #: Copies gathered for the backend's batched calls, per direction: (destinations, sources, sizes).
 Batches = dict[int, tuple[list[int], list[int], list[int]]]
-#: Where the remote tier's writer reads a handed-off slot of one pool: a view of host memory, or
-#: (file pool, byte offset, bytes).
-HandOffPart = memoryview | tuple[DiskPool, int, int]
 
 
 def coalesce(pairs: Sequence[tuple[int, int]]) -> list[Run]:
@@ -53,6 +50,17 @@ def add_batch(batches: Batches, kind: int, dst: int, src: int, nbytes: int) -> N
     batch[0].append(dst)
     batch[1].append(src)
     batch[2].append(nbytes)
+
+
+class HandOffPart(ABC):
+    """Where the remote tier's writer reads a handed-off slot of one pool, on its own thread."""
+
+    @abstractmethod
+    def read(self) -> memoryview:
+        """The slot's bytes; raises ``OSError`` where they cannot be read or do not verify."""
+
+    def unsent(self) -> None:
+        """The slot's page was not written because ``read`` failed (the medium counts it)."""
 
 
 class MediumAccess(ABC):

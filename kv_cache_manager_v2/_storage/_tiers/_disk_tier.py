@@ -45,6 +45,24 @@ def transfer(disk: DiskPool, slot: int, view: memoryview, size: int, run: Run, f
             failed.add(indices[k])
 
 
+class FileSlot(HandOffPart):
+    """A handed-off slot in a disk tier's file: read (and verified) on the writer's thread; the
+    kernel copies with the GIL released."""
+
+    def __init__(self, disk: DiskPool, offset: int, size: int) -> None:
+        self.disk = disk
+        self.offset = offset
+        self.size = size
+
+    def read(self) -> memoryview:
+        buf = memoryview(bytearray(self.size))
+        self.disk.read_into(buf, self.offset)
+        return buf
+
+    def unsent(self) -> None:
+        self.disk.num_unsent += 1  # the disk tier's io_errors
+
+
 class FileAccess(MediumAccess):
     """A disk tier's file: one pread / pwrite per slot."""
 
@@ -72,7 +90,7 @@ class FileAccess(MediumAccess):
         return True
 
     def hand_off_part(self, pool: Pool, slot: int, size: int) -> HandOffPart:
-        return (file(pool), slot * size, size)
+        return FileSlot(file(pool), slot * size, size)
 
     def num_unsent(self, pool: Pool) -> int:
         return file(pool).num_unsent

@@ -18,6 +18,16 @@ def host_view(pool: Pool) -> memoryview:
     return view
 
 
+class HostSlot(HandOffPart):
+    """A handed-off slot in host memory: read in place."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+
+    def read(self) -> memoryview:
+        return self.view
+
+
 class HostAccess(MediumAccess):
     """Host memory: plain memory copies."""
 
@@ -39,7 +49,7 @@ class HostAccess(MediumAccess):
         return True
 
     def hand_off_part(self, pool: Pool, slot: int, size: int) -> HandOffPart:
-        return host_view(pool)[slot * size : (slot + 1) * size]
+        return HostSlot(host_view(pool)[slot * size : (slot + 1) * size])
 
     def host_bytes(self, pool: Pool, slot: int, size: int) -> memoryview | None:
         return host_view(pool)[slot * size : (slot + 1) * size]
