@@ -10,13 +10,9 @@ moved pages, after the move; the listener never calls back into storage while be
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 
 from .._common import CacheLevel, CacheTier
-from .._config import LocalCacheTierConfig
 from .._exceptions import OutOfPagesError
-from ._backend import MemoryBackend
-from ._layout import StorageLayout
 from ._levels import StorageLevels
 from ._page import Page, PoolGroupStorage
 from ._persistence import persist_pages
@@ -47,21 +43,11 @@ class EvictionCascade(StorageLevels):
     ever move, so an allocation that would need to drop one is refused by the planning arithmetic
     (``available``) before anything moves."""
 
-    def __init__(
-        self,
-        layout: StorageLayout,
-        slots: list[list[int]],
-        backend: MemoryBackend,
-        tiers: Sequence[LocalCacheTierConfig],
-        eviction_policy: str,
-        disk_fingerprint: bytes,
-        tokens_per_block: int,
-    ) -> None:
-        super().__init__(layout, slots, backend, tiers, eviction_policy, disk_fingerprint, tokens_per_block)
-        self.drop_listener: PageDropListener | None = None
-        #: the remote tier below the last level (``attach_remote``): reusable full-block pages
-        #: dropped for good are written there
-        self.remote_tier: RemoteTier | None = None
+    #: told of the pages dropped and moved (the reuse tree); set by the subclass's constructor
+    drop_listener: PageDropListener | None
+    #: the remote tier below the last level (``attach_remote``): reusable full-block pages dropped
+    #: for good are written there
+    remote_tier: RemoteTier | None
 
     def persist_pages(self, pages: list[Page]) -> None:
         """Record the persistent disk tier's reusable full-block pages among ``pages`` (their bytes

@@ -50,6 +50,8 @@ class StorageManager(EvictionCascade):
         tokens_per_block: int = 0,
     ) -> None:
         super().__init__(layout, slots, backend, tiers, eviction_policy, disk_fingerprint, tokens_per_block)
+        self.drop_listener = None
+        self.remote_tier = None
         gpu = self.gpu
         #: GPU storage of each layer group's pool group (the allocation hot path)
         self.lc_storage: TypedList[LayerGroupId, PoolGroupStorage] = TypedList(

@@ -123,12 +123,16 @@ class FileToHost(Route):
             transfer(source, s, target[d * size : (d + n) * size], size, run, failed, True)
 
 
-class DeviceToFile(Route):
-    """Device memory -> file through the staging buffer."""
+class StagedRoute(Route):
+    """A route through the backend's staging buffer (at least ``staging_bytes``)."""
 
     def __init__(self, backend: MemoryBackend, staging_bytes: int) -> None:
         self.backend = backend
         self.staging_bytes = staging_bytes
+
+
+class DeviceToFile(StagedRoute):
+    """Device memory -> file through the staging buffer."""
 
     def copy(self, src: Pool, dst: Pool, size: int, runs: list[Run], failed: set[int], batches: Batches) -> None:
         target = file(dst)
@@ -139,13 +143,9 @@ class DeviceToFile(Route):
         read_device(self.backend, self.staging_bytes, src, size, runs, take)
 
 
-class FileToDevice(Route):
+class FileToDevice(StagedRoute):
     """File -> device memory through the staging buffer (a slot that fails to read carries garbage
     to a page its caller drops)."""
-
-    def __init__(self, backend: MemoryBackend, staging_bytes: int) -> None:
-        self.backend = backend
-        self.staging_bytes = staging_bytes
 
     def copy(self, src: Pool, dst: Pool, size: int, runs: list[Run], failed: set[int], batches: Batches) -> None:
         source = file(src)
