@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .._common import GPU_LEVEL, CacheLevel, CacheTier, PoolGroupIndex
-from .._config import DiskCacheTierConfig, LocalCacheTierConfig
+from .._config import LocalCacheTierConfig
 from .._typed import TypedList
 from ._backend import MAX_GROWTH, MemoryBackend
 from ._copy_engine import CopyEngine
@@ -20,7 +20,6 @@ from ._page import Evictor, PoolGroupStorage
 from ._persist import PersistentDisk
 from ._persistence import take_persisted
 from ._tiers._base import Tier
-from ._tiers._disk_tier import check_disk_space
 from ._tiers._registry import local_tier
 
 #: Per level and pool group, how many of the asking request's own pages its evictor lists
@@ -58,26 +57,32 @@ class StorageLevels:
             UseHistory(n) if eviction_policy == "frequency" else None for n in slots[len(tiers) - 1]
         ]
         try:
-            for level, cfg in enumerate(tiers):
-                if isinstance(cfg, DiskCacheTierConfig):
-                    check_disk_space(cfg, layout, slots[level])
-                    if cfg.persistent:
-                        groups_at = [(g.slot_sizes, n) for g, n in zip(layout.pool_groups, slots[level])]
-                        self.persist = PersistentDisk(cfg, disk_fingerprint, groups_at, tokens_per_block)
-                        self.persist_level = level
-                self._add_level(cfg, slots, histories)
-            if self.persist is not None:
-                take_persisted(self.persist, self.levels.items[self.persist_level])
+            for cfg in tiers:
+                self._add_level(cfg, slots, histories, disk_fingerprint)
+            for level, tier in enumerate(self.tier_objects):
+                persist = tier.persistent()
+                if persist is not None:  # its slots with valid records are taken
+                    take_persisted(persist, self.levels.items[level])
         except BaseException:
             self.release()
             raise
 
-    def _add_level(self, cfg: LocalCacheTierConfig, slots: list[list[int]], histories: list[UseHistory | None]) -> None:
-        """Build the next level's pool groups (``slots[level][g]`` slots each)."""
+    def _add_level(
+        self,
+        cfg: LocalCacheTierConfig,
+        slots: list[list[int]],
+        histories: list[UseHistory | None],
+        disk_fingerprint: bytes,
+    ) -> None:
+        """Build the next level's tier and pool groups (``slots[level][g]`` slots each)."""
         level = len(self.levels)
         last = len(self.tiers) - 1
-        tier = local_tier(cfg, self.backend, self.persist if self.persist_level == level else None)
+        tier = local_tier(cfg, self.backend, self.layout, slots[level], disk_fingerprint, self.tokens_per_block)
         self.tier_objects.append(tier)
+        persist = tier.persistent()
+        if persist is not None:
+            self.persist = persist
+            self.persist_level = level
         groups: TypedList[PoolGroupIndex, PoolGroupStorage] = TypedList([])
         self.levels.items.append(groups)
         is_last = level == last

@@ -15,6 +15,7 @@ from ..._common import CacheTier
 from .._backend import MemoryBackend, MemoryPool, Pool
 from .._disk import DiskPool
 from .._layout import PoolGroupLayout
+from .._persist import PersistentDisk
 
 #: A run: (first source slot, first destination slot, number of slots, pair indices in slot order).
 Run = tuple[int, int, int, list[int]]
@@ -130,6 +131,10 @@ class Tier(ABC):
                 made.release()
             raise
         return pools
+
+    def persistent(self) -> PersistentDisk | None:
+        """The files that keep this level's pages across restarts (a persistent disk tier), else None."""
+        return None
 
     def grow(self, pools: list[Pool], slot_sizes: Sequence[int], num_slots: int) -> None:
         """Back ``num_slots`` slots of each pool before a resize hands them out (may raise, nothing changed)."""

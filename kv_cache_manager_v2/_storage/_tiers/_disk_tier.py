@@ -157,12 +157,29 @@ class FileToDevice(StagedRoute):
 
 
 class DiskTier(Tier):
-    """Files under ``cfg.path`` (named and kept when the tier is persistent)."""
+    """Files under ``cfg.path`` for ``slots[g]`` slots of each pool group of ``layout``; named and
+    kept, with their records, when the tier is persistent (``disk_fingerprint``: the layout's, in
+    the records). Refuses (``OutOfMemoryError``) a file system that cannot hold them."""
 
-    def __init__(self, backend: MemoryBackend, cfg: DiskCacheTierConfig, persist: PersistentDisk | None) -> None:
+    def __init__(
+        self,
+        backend: MemoryBackend,
+        cfg: DiskCacheTierConfig,
+        layout: StorageLayout,
+        slots: list[int],
+        disk_fingerprint: bytes,
+        tokens_per_block: int,
+    ) -> None:
         super().__init__(backend, CacheTier.DISK)
         self.cfg = cfg
-        self.persist = persist
+        check_disk_space(cfg, layout, slots)
+        self.persist: PersistentDisk | None = None
+        if cfg.persistent:
+            groups = [(group.slot_sizes, n) for group, n in zip(layout.pool_groups, slots)]
+            self.persist = PersistentDisk(cfg, disk_fingerprint, groups, tokens_per_block)
+
+    def persistent(self) -> PersistentDisk | None:
+        return self.persist
 
     def make_pool(self, group: PoolGroupLayout, pool: int, num_bytes: int, max_bytes: int) -> Pool:
         persist = self.persist

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..._common import CacheTier
 from ..._config import DiskCacheTierConfig, LocalCacheTierConfig
 from .._backend import D2D, D2H, DEVICE_MEMORY, FILE, H2D, HOST_MEMORY, NUM_MEDIA, MemoryBackend
-from .._persist import PersistentDisk
+from .._layout import StorageLayout
 from ._base import MediumAccess, Route, Tier
 from ._disk_tier import DeviceToFile, DiskTier, FileAccess, FileCopy, FileToDevice, FileToHost, HostToFile
 from ._gpu_tier import DeviceAccess, DeviceCopy, GpuTier
@@ -39,10 +39,18 @@ def routes(backend: MemoryBackend, staging_bytes: int) -> list[Route]:
     return [table[(src, dst)] for src in range(NUM_MEDIA) for dst in range(NUM_MEDIA)]
 
 
-def local_tier(cfg: LocalCacheTierConfig, backend: MemoryBackend, persist: PersistentDisk | None) -> Tier:
-    """The tier object of a local cache level (``persist``: a persistent disk tier's files)."""
+def local_tier(
+    cfg: LocalCacheTierConfig,
+    backend: MemoryBackend,
+    layout: StorageLayout,
+    slots: list[int],
+    disk_fingerprint: bytes,
+    tokens_per_block: int,
+) -> Tier:
+    """The tier object of a local cache level with ``slots[g]`` slots per pool group of ``layout``
+    (``disk_fingerprint``, ``tokens_per_block``: a persistent disk tier's records)."""
     if isinstance(cfg, DiskCacheTierConfig):
-        return DiskTier(backend, cfg, persist)
+        return DiskTier(backend, cfg, layout, slots, disk_fingerprint, tokens_per_block)
     if cfg.tier is CacheTier.HOST_MEM:
         return HostTier(backend)
     return GpuTier(backend)
