@@ -1,10 +1,10 @@
 """KV-cache events (SPEC 10, issue #14): what enters and leaves the reuse tree, queued for the engine.
 
-The reuse tree reports every page it gains or loses (one event per block and layer group), the
-storage manager's tier moves reach it through ``PageDropListener.page_moved``; this module turns
-those calls into small event objects in a bounded queue that the engine drains each step
-(``KVCacheEventManager.get_latest_events``). Events keep references to the tree's keys and token
-tuples: the hot path copies nothing, hashes are computed when a consumer asks.
+The reuse tree reports every page it gains, loses or sees moved between tiers (one event per block
+and layer group) in plain values (keys, tokens, layer group, cache level): this module knows
+neither the tree nor pages, it turns those values into small event objects in a bounded queue
+that the engine drains each step (``KVCacheEventManager.get_latest_events``). Events keep
+references to the tree's keys: hashes are computed when a consumer asks.
 
 Wire format, publisher and router index: ``kv_cache_manager_v2.events`` (optional extra).
 """
@@ -12,14 +12,11 @@ Wire format, publisher and router index: ``kv_cache_manager_v2.events`` (optiona
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Final
+from collections.abc import Sequence
+from typing import Final, Protocol
 
-from ._common import CacheLevel, CacheTier, Priority, TokenIdExt
+from ._common import CacheTier, Priority, TokenIdExt
 from ._utils import check_int, check_type
-
-if TYPE_CHECKING:
-    from ._page import Page
-    from ._reuse._tree import Node, ReuseTree
 
 #: The ``medium`` string of each tier (vLLM's names for GPU and CPU).
 #: The remote tier reports no events (it is shared by every replica, not a replica's cache): pages
@@ -36,6 +33,10 @@ def block_hash(key: bytes) -> int:
     """The stable 64-bit block hash routers see: the last 8 bytes of the SHA-256 reuse key, read
     big-endian as an unsigned int. Equal prefixes in equal scopes give equal hashes on every replica."""
     return int.from_bytes(key[-8:], "big")
+
+
+#: ``source_level`` of a block that did not move (``KVCacheEventManager.block_stored``)
+NOT_MOVED: Final = -1
 
 
 class LayerGroupSpec:
@@ -150,25 +151,13 @@ class BlockStoredEvent(KVCacheEvent):
 
 
 class BlockMovedEvent(BlockStoredEvent):
-    """A block's page of one layer group moved between tiers (``source_medium`` -> ``medium``)."""
+    """A block's page of one layer group moved between tiers (``source_medium`` -> ``medium``).
+    Made by the event manager: a stored event's fields, then ``source_medium``."""
 
     __slots__ = ("source_medium",)
 
-    def __init__(
-        self,
-        key: bytes,
-        parent_key: bytes,
-        parent_is_root: bool,
-        tokens: tuple[TokenIdExt, ...],
-        block_size: int,
-        lora_id: int | None,
-        group: LayerGroupSpec,
-        priority: Priority,
-        medium: str,
-        source_medium: str,
-    ) -> None:
-        super().__init__(key, parent_key, parent_is_root, tokens, block_size, lora_id, group, priority, medium)
-        self.source_medium = source_medium
+    #: the medium the page left
+    source_medium: str
 
 
 class BlockRemovedEvent(KVCacheEvent):
@@ -202,6 +191,14 @@ class AllBlocksClearedEvent(KVCacheEvent):
         return "AllBlocksClearedEvent()"
 
 
+class BlockSource(Protocol):
+    """What the event manager reads for a resynchronisation (the reuse tree)."""
+
+    def stored_block_events(self, events: KVCacheEventManager) -> list[BlockStoredEvent]:
+        """A ``BlockStoredEvent`` (``events.stored_event``) per page, parents first."""
+        ...
+
+
 class KVCacheEventManager:
     """Bounded queue of KV-cache events, filled by one :class:`KVCacheManager` and drained by the engine.
 
@@ -223,7 +220,7 @@ class KVCacheEventManager:
         #: events dropped because the queue was full (cumulative)
         self.num_dropped = 0
         self._overflowed = False
-        self._tree: ReuseTree | None = None
+        self._source: BlockSource | None = None
         self._groups: list[LayerGroupSpec] = []
         self._media: list[str] = []
         self._tokens_per_block = 0
@@ -231,14 +228,14 @@ class KVCacheEventManager:
     def __repr__(self) -> str:
         return (
             f"KVCacheEventManager(pending={len(self._queue)}, max_events={self._max}, dropped={self.num_dropped}, "
-            f"attached={self._tree is not None})"
+            f"attached={self._source is not None})"
         )
 
     # ------------------------------------------------------------------ engine side
     @property
     def is_attached(self) -> bool:
         """Whether a :class:`KVCacheManager` records into this queue (one manager per queue)."""
-        return self._tree is not None
+        return self._source is not None
 
     @property
     def max_events(self) -> int:
@@ -276,21 +273,18 @@ class KVCacheEventManager:
         The pending queue is left alone.
         """
         out: list[KVCacheEvent] = [AllBlocksClearedEvent()]
-        tree = self._tree
-        if tree is None:
-            return out
-        for node in tree.nodes():  # pre-order: a parent before its children
-            for lc in range(len(node.pages)):
-                page = node.page(lc)
-                if page is not None:
-                    out.append(self._stored_event(node, lc, page))
+        source = self._source
+        if source is not None:
+            out.extend(source.stored_block_events(self))
         return out
 
     # ------------------------------------------------------------------ manager side
-    def _attach(self, tree: ReuseTree, tokens_per_block: int, groups: list[LayerGroupSpec], media: list[str]) -> None:
-        if self._tree is not None:
+    def _attach(
+        self, source: BlockSource, tokens_per_block: int, groups: list[LayerGroupSpec], media: list[str]
+    ) -> None:
+        if self._source is not None:
             raise ValueError("event_manager is already attached to a KVCacheManager; use one per manager")
-        self._tree = tree
+        self._source = source
         self._tokens_per_block = tokens_per_block
         self._groups = groups
         self._media = media
@@ -303,47 +297,37 @@ class KVCacheEventManager:
             self._overflowed = True
         q.append(event)
 
-    def _stored_event(self, node: Node, lc: int, page: Page) -> BlockStoredEvent:
-        parent = node.parent
-        assert parent is not None
-        return BlockStoredEvent(
-            node.key,
-            parent.key,
-            parent.parent is None,
-            tuple(node.tokens),
-            self._tokens_per_block,
-            node.lora_id,
-            self._groups[lc],
-            page.priority,
-            self._media[page.level],
-        )
-
-    def block_stored(self, node: Node, lc: int, page: Page) -> None:
-        """``page`` became the tree's page of ``node`` for layer group ``lc``."""
-        self._push(self._stored_event(node, lc, page))
-
-    def block_removed(self, node: Node, lc: int, page: Page) -> None:
-        """``node`` no longer has a page for layer group ``lc`` (``page`` was it)."""
-        self._push(BlockRemovedEvent(node.key, self._groups[lc], self._media[page.level]))
-
-    def block_moved(self, node: Node, lc: int, page: Page, source_level: CacheLevel) -> None:
-        """The tree's page of ``node`` for ``lc`` moved from ``source_level`` to ``page.level``."""
-        parent = node.parent
-        assert parent is not None
-        self._push(
-            BlockMovedEvent(
-                node.key,
-                parent.key,
-                parent.parent is None,
-                tuple(node.tokens),
-                self._tokens_per_block,
-                node.lora_id,
-                self._groups[lc],
-                page.priority,
-                self._media[page.level],
-                self._media[source_level],
+    def stored_event(
+        self,
+        key: bytes,
+        parent_key: bytes,
+        parent_is_root: bool,
+        tokens: Sequence[TokenIdExt],
+        lora_id: int | None,
+        layer_group: int,
+        priority: Priority,
+        level: int,
+        source_level: int = NOT_MOVED,
+    ) -> BlockStoredEvent:
+        """The event of a block's page of ``layer_group`` now at cache ``level`` (a ``BlockMovedEvent``
+        when it came from ``source_level``)."""
+        group, medium = self._groups[layer_group], self._media[level]
+        block_size, copied = self._tokens_per_block, tuple(tokens)
+        if source_level == NOT_MOVED:
+            return BlockStoredEvent(
+                key, parent_key, parent_is_root, copied, block_size, lora_id, group, priority, medium
             )
-        )
+        moved = BlockMovedEvent(key, parent_key, parent_is_root, copied, block_size, lora_id, group, priority, medium)
+        moved.source_medium = self._media[source_level]
+        return moved
+
+    def block_stored(self, event: BlockStoredEvent) -> None:
+        """Queue ``event`` (made by ``stored_event``): a block gained a page, or its page moved."""
+        self._push(event)
+
+    def block_removed(self, key: bytes, layer_group: int, level: int) -> None:
+        """The block ``key`` no longer has a page of ``layer_group`` (it was at cache ``level``)."""
+        self._push(BlockRemovedEvent(key, self._groups[layer_group], self._media[level]))
 
     def all_cleared(self) -> None:
         """Every block left the tree at once."""

@@ -26,3 +26,18 @@ def test_every_module_has_a_layer() -> None:
     listed = {name.strip() for layer in layers for name in layer.split("|")}
     missing = {m for m in package_modules() if not any(m == x or m.startswith(x + ".") for x in listed)}
     assert not missing, f"add these modules to the layers contract in pyproject.toml: {sorted(missing)}"
+
+
+def test_storage_and_events_have_no_type_only_imports() -> None:
+    """The forbidden contracts ignore ``TYPE_CHECKING`` imports while the core still has one type-only
+    climb; storage and the event queue have none at all, so no type-only import can climb from them."""
+    offenders = []
+    for d, _, files in os.walk(os.path.join(ROOT, PACKAGE)):
+        for f in files:
+            path = os.path.join(d, f)
+            rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+            if f.endswith(".py") and (rel.startswith(f"{PACKAGE}/_storage/") or rel == f"{PACKAGE}/_events.py"):
+                with open(path) as fh:
+                    if "TYPE_CHECKING" in fh.read():
+                        offenders.append(rel)
+    assert not offenders, f"type-only imports in {offenders}"

@@ -146,3 +146,50 @@ def test_slots_to_buffers_and_back_on_every_medium(engine: CopyEngine, tmp_path:
     assert engine.write_slots(disk, [SIZE, SIZE], [9, 1], views) == {0}
     for p in gpu + host + disk:
         p.release()
+
+
+def test_device_memory_routes_through_a_small_staging_buffer(tmp_path: object) -> None:
+    """GPU memory the CPU cannot address (the host backend playing a real device): device <-> device
+    and host by address, device <-> disk and <-> byte buffers through a staging buffer of three slots,
+    so runs are cut and batched; disk errors still reported per slot."""
+    backend = HostBackend(addressable=False)
+    engine = CopyEngine(backend, staging_bytes=3 * SIZE)
+    dev, dev2 = backend.reserve_pool(SLOTS * SIZE), backend.reserve_pool(SLOTS * SIZE)
+    host = backend.reserve_host_pool(SLOTS * SIZE)
+    disk = DiskPool(str(tmp_path), SLOTS * SIZE, SIZE)
+    assert dev.host_view is None and dev.medium != host.medium
+    for p in (dev, dev2, host):
+        p.ensure_mapped(SLOTS * SIZE)
+
+    def read(pool: object, s: int) -> bytes:
+        if pool is dev or pool is dev2:
+            return backend.read(pool.base_address + s * SIZE, SIZE)  # type: ignore[attr-defined]
+        return slot_bytes(pool, s)
+
+    for s in range(SLOTS):
+        backend.write(dev.base_address + s * SIZE, bytes([0x80 ^ s]) * SIZE)
+    pairs = [(s, s) for s in range(SLOTS)]
+    assert engine.copy([dev], [disk], [SIZE], pairs) == set()  # 16 slots in batches of 3
+    pairs = [(0, 8), (1, 9), (2, 10), (3, 11), (4, 12), (5, 13), (6, 14), (9, 0), (11, 3)]
+    for src, dst in ((dev, host), (host, dev2), (dev2, disk), (disk, dev), (dev, dev2)):
+        want = {d: read(src, s) for s, d in pairs}
+        before = {s: read(dst, s) for s in range(SLOTS)}
+        assert engine.copy([src], [dst], [SIZE], pairs) == set()
+        for s in range(SLOTS):
+            assert read(dst, s) == want.get(s, before[s])
+    disk.error_hook = lambda op, off, n: op == "read" and off <= 12 * SIZE < off + n
+    assert engine.copy([disk], [dev], [SIZE], [(10, 0), (11, 1), (12, 2), (13, 3)]) == {2}  # slot 2: garbage
+    disk.error_hook = None
+    assert read(dev, 0) == read(disk, 10) and read(dev, 1) == read(disk, 11) and read(dev, 3) == read(disk, 13)
+    disk.error_hook = lambda op, off, n: op == "write" and off <= 4 * SIZE < off + n
+    assert engine.copy([dev], [disk], [SIZE], [(0, 3), (1, 4), (2, 5)]) == {1}
+    disk.error_hook = None
+    bufs = [memoryview(bytearray(4 + SIZE)) for _ in range(5)]
+    slots = [15, 0, 7, 3, 9]
+    assert engine.read_slots([dev], [SIZE], slots, bufs, 4) == set()
+    assert [bytes(b[4:]) for b in bufs] == [read(dev, s) for s in slots]
+    assert engine.write_slots([dev2], [SIZE], [1, 2, 3, 4, 5], [b[4:] for b in bufs]) == set()
+    assert [read(dev2, s) for s in (1, 2, 3, 4, 5)] == [read(dev, s) for s in slots]
+    for p in (dev, dev2, host, disk):
+        p.release()
+    backend.shutdown()

@@ -11,47 +11,27 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import REC, kv_layers
+from conftest import kv_layers
 from fake_engine import FakeEngine
+from tier_helpers import SLOT, T, compute, publish, seq
 
 from kv_cache_manager_v2 import (
     CacheLevel,
     DiskCacheTierConfig,
     GpuCacheTierConfig,
-    KVCache,
     KVCacheManager,
     KVCacheManagerConfig,
     RemoteCacheTierConfig,
 )
 from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
 from kv_cache_manager_v2._config import CacheTierConfig
-from kv_cache_manager_v2._page import Page
 from kv_cache_manager_v2._reuse._keys import BlockHasher
 from kv_cache_manager_v2._storage._disk import DiskPool
+from kv_cache_manager_v2._storage._page import Page
 from kv_cache_manager_v2.redis_server import LocalRedisServer
 
-T = 8
-SLOT = 2 * 2 * REC * T  # two layers, key + value: one slot holds one block
 MakeManager = Callable[..., KVCacheManager]
 DISK = CacheLevel(2)
-
-
-def seq(r: int, n: int) -> list[int]:
-    return [r * 10_000 + i for i in range(n)]
-
-
-def compute(engine: FakeEngine, kv: KVCache, toks: list[int], upto: int) -> None:
-    h = kv.history_length
-    assert kv.resize(upto, h)
-    engine.step(kv, toks, h, upto)
-    kv.commit(toks[h:upto])
-
-
-def publish(m: KVCacheManager, toks: list[int]) -> None:
-    kv = m.create_kv_cache(input_tokens=toks)
-    assert kv.resume()
-    compute(FakeEngine(m), kv, toks, len(toks))
-    kv.close()
 
 
 def tree_pages(m: KVCacheManager, toks: list[int]) -> list[Page]:

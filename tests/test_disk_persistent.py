@@ -17,8 +17,9 @@ import time
 from typing import Any
 
 import pytest
-from conftest import REC, kv_layers
+from conftest import kv_layers
 from fake_engine import FakeEngine
+from tier_helpers import SLOT, T, publish, seq
 
 from kv_cache_manager_v2 import (
     BlockStoredEvent,
@@ -26,7 +27,6 @@ from kv_cache_manager_v2 import (
     DiskCacheTierConfig,
     GpuCacheTierConfig,
     HostCacheTierConfig,
-    KVCache,
     KVCacheEventManager,
     KVCacheManager,
     KVCacheManagerConfig,
@@ -39,8 +39,6 @@ from kv_cache_manager_v2._config import CacheTierConfig
 from kv_cache_manager_v2._reuse._keys import BlockHasher
 from kv_cache_manager_v2._storage._persist import FILE_HEADER, HEADER_BYTES
 
-T = 8
-SLOT = 2 * 2 * REC * T
 DISK = CacheLevel(1)
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "disk_worker.py")
 
@@ -52,24 +50,6 @@ def config(path: str, gpu: int = 4, disk: int = 32, host: int = 0, **kw: Any) ->
     tiers.append(DiskCacheTierConfig(disk * SLOT, path, persistent=True, namespace=kw.pop("namespace", "")))
     layers = kw.pop("layers", None) or kv_layers(2, T)
     return KVCacheManagerConfig(T, tiers, layers, backend="host", max_util_for_resume=1.0, **kw)
-
-
-def seq(r: int, n: int) -> list[int]:
-    return [r * 10_000 + i for i in range(n)]
-
-
-def compute(engine: FakeEngine, kv: KVCache, toks: list[int], upto: int) -> None:
-    h = kv.history_length
-    assert kv.resize(upto, h)
-    engine.step(kv, toks, h, upto)
-    kv.commit(toks[h:upto])
-
-
-def publish(m: KVCacheManager, toks: list[int], scope: ReuseScope | None = None) -> None:
-    kv = m.create_kv_cache(scope, toks)
-    assert kv.resume()
-    compute(FakeEngine(m), kv, toks, len(toks))
-    kv.close()
 
 
 def reused(m: KVCacheManager, toks: list[int], scope: ReuseScope | None = None) -> int:

@@ -24,8 +24,8 @@ from kv_cache_manager_v2 import (
     Priority,
 )
 from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
-from kv_cache_manager_v2._eviction import GARBAGE_PRIORITY, FrequencyEvictor, LruEvictor, UseHistory, _tag_of
-from kv_cache_manager_v2._page import Page
+from kv_cache_manager_v2._storage._eviction import FrequencyEvictor, LruEvictor, UseHistory, _tag_of
+from kv_cache_manager_v2._storage._page import GARBAGE_PRIORITY, Page
 
 MakeManager = Callable[..., KVCacheManager]
 T = 4

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from conftest import REC, kv_layers
 from fake_engine import FakeEngine
+from tier_helpers import SLOT, T, compute, publish, seq
 
 import kv_cache_manager_v2
 from kv_cache_manager_v2 import (
@@ -40,8 +41,6 @@ from kv_cache_manager_v2._config import CacheTierConfig
 from kv_cache_manager_v2._storage._remote import HEADER_BYTES, decode_value, encode_header
 from kv_cache_manager_v2.redis_server import LocalRedisServer
 
-T = 8
-SLOT = 2 * 2 * REC * T  # two layers, key + value
 Factory = Callable[..., KVCacheManager]
 
 
@@ -86,24 +85,6 @@ def managers() -> Iterator[Factory]:
         for kv in m.open_caches():
             kv.close()
         m.shutdown()
-
-
-def seq(r: int, n: int) -> list[int]:
-    return [r * 10_000 + i for i in range(n)]
-
-
-def compute(engine: FakeEngine, kv: KVCache, toks: list[int], upto: int) -> None:
-    h = kv.history_length
-    assert kv.resize(upto, h)
-    engine.step(kv, toks, h, upto)
-    kv.commit(toks[h:upto])
-
-
-def publish(m: KVCacheManager, toks: list[int], scope: ReuseScope | None = None) -> None:
-    kv = m.create_kv_cache(scope)
-    assert kv.resume()
-    compute(FakeEngine(m), kv, toks, len(toks))
-    kv.close()
 
 
 def evict_everything(m: KVCacheManager) -> None:
@@ -209,7 +190,7 @@ sys.path.insert(0, {os.path.dirname(__file__)!r})
 from test_remote import T, remote_config, publish, seq, kv_layers, SLOT
 from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, KVCacheManagerConfig
 m = KVCacheManager(KVCacheManagerConfig(T, [GpuCacheTierConfig(8 * SLOT)], kv_layers(2, T), backend="host"))
-publish(m, seq(1, 3 * T))
+publish(m, seq(1, 3 * T), match=False)
 assert m.probe_reuse(None, seq(1, 3 * T)) == 3 * T
 assert m.remote_statistics is None and m.flush_remote_writes()
 m.shutdown()
@@ -235,7 +216,7 @@ def test_a_prefix_published_by_one_manager_is_reused_by_another(
     a = managers(redis_server.url, write_through=write_through)
     b = managers(redis_server.url, host=16)
     toks = seq(1, 4 * T + 3)
-    publish(a, toks)
+    publish(a, toks, match=False)
     if not write_through:
         assert a.flush_remote_writes() and remote_keys(redis_server) == []  # nothing dropped yet
         evict_everything(a)  # GPU is a's last level: its reusable pages are dropped, i.e. written
@@ -264,8 +245,8 @@ def test_extends_a_local_match_and_fills_missing_pages(redis_server: LocalRedisS
     a = managers(redis_server.url, write_through=True)
     b = managers(redis_server.url)
     toks = seq(2, 6 * T)
-    publish(a, toks)
-    publish(b, toks[: 2 * T])  # b has the first two blocks itself
+    publish(a, toks, match=False)
+    publish(b, toks[: 2 * T], match=False)  # b has the first two blocks itself
     assert a.flush_remote_writes()
     # where the prefix lives: two blocks in b's GPU memory, four in the remote tier (b's level 1)
     assert b.probe_reuse_levels(None, toks + [1]) == [CacheLevel(0)] * 2 + [CacheLevel(1)] * 4
@@ -280,7 +261,7 @@ def test_extends_a_local_match_and_fills_missing_pages(redis_server: LocalRedisS
 def test_two_processes_share_one_redis(redis_server: LocalRedisServer, managers: Factory) -> None:
     a = managers(redis_server.url, write_through=True)
     first = seq(3, 5 * T + 1)
-    publish(a, first)
+    publish(a, first, match=False)
     assert a.flush_remote_writes()
     second = seq(4, 3 * T)
 
@@ -316,8 +297,8 @@ def test_layouts_namespaces_and_scopes_never_share(redis_server: LocalRedisServe
     a = managers(url, write_through=True)
     toks = seq(5, 3 * T)
     salted = ReuseScope(salt=11)
-    publish(a, toks)
-    publish(a, toks, salted)
+    publish(a, toks, match=False)
+    publish(a, toks, salted, match=False)
     assert a.flush_remote_writes()
     bigger = [
         AttentionLayerConfig(LayerId(i), [BufferConfig("key", 2 * REC * T), BufferConfig("value", REC * T)])
@@ -341,7 +322,7 @@ def test_sliding_window_layers_fetch_only_what_the_window_needs(
     a = managers(redis_server.url, layers=layers, gpu=64 * slot // SLOT, write_through=True)
     b = managers(redis_server.url, layers=layers, gpu=64 * slot // SLOT, host=64 * slot // SLOT)
     toks = seq(6, 10 * T)
-    publish(a, toks)
+    publish(a, toks, match=False)
     assert a.flush_remote_writes()
     assert reuse(b, toks + [1]) == 10 * T
     st = b.remote_statistics
@@ -354,12 +335,12 @@ def test_gpu_only_manager_places_fetched_pages_in_gpu_memory(redis_server: Local
     a = managers(redis_server.url, write_through=True)
     b = managers(redis_server.url, gpu=8)
     toks = seq(7, 5 * T)
-    publish(a, toks)
+    publish(a, toks, match=False)
     assert a.flush_remote_writes()
     assert reuse(b, toks + [1]) == 5 * T
     # more than b's GPU can place: the match stops where room ends, never fails
     big = seq(8, 12 * T)
-    publish(a, big)
+    publish(a, big, match=False)
     assert a.flush_remote_writes()
     kv = b.create_kv_cache(None, big + [1])
     assert 0 < kv.history_length <= 8 * T
@@ -373,7 +354,7 @@ def test_events_report_fetched_pages_at_their_local_medium(redis_server: LocalRe
     em = KVCacheEventManager(max_events=1000)
     b = managers(redis_server.url, event_manager=em, host=8)
     toks = seq(9, 2 * T)
-    publish(a, toks)
+    publish(a, toks, match=False)
     assert a.flush_remote_writes()
     assert reuse(b, toks + [1]) == 2 * T
     media = {getattr(e, "medium", None) for e in b.get_latest_events() if type(e).__name__ == "BlockStoredEvent"}
@@ -386,7 +367,7 @@ def test_corrupted_truncated_and_foreign_values_are_misses(redis_server: LocalRe
 
     a = managers(redis_server.url, write_through=True)
     toks = seq(10, 6 * T)
-    publish(a, toks)
+    publish(a, toks, match=False)
     assert a.flush_remote_writes()
     client = redis.Redis.from_url(redis_server.url)
     keys = remote_keys(redis_server)
@@ -428,7 +409,7 @@ def test_a_dead_server_costs_hits_only_and_reuse_resumes_when_it_returns(
     b = managers(redis_server.url, gpu=8)
     engine_a = FakeEngine(a)
     toks = seq(11, 3 * T)
-    publish(a, toks)
+    publish(a, toks, match=False)
     evict_everything(a)
     assert a.flush_remote_writes()
     redis_server.kill()
@@ -437,7 +418,7 @@ def test_a_dead_server_costs_hits_only_and_reuse_resumes_when_it_returns(
         assert reuse(b, toks + [1]) == 0  # misses, no exception
         # both keep serving: a publishes and evicts (its writes are dropped), b computes
         for r in range(3):
-            publish(a, seq(20 + r, 3 * T))
+            publish(a, seq(20 + r, 3 * T), match=False)
             evict_everything(a)
             kv = b.create_kv_cache(None, seq(30 + r, 2 * T))
             assert kv.resume()
@@ -467,7 +448,7 @@ def test_a_hung_server_times_out_into_misses(redis_server: LocalRedisServer, man
     a = managers(redis_server.url, write_through=True)
     b = managers(redis_server.url, timeout_ms=100, retry_interval_ms=60_000)
     toks = seq(12, 3 * T)
-    publish(a, toks)
+    publish(a, toks, match=False)
     assert a.flush_remote_writes()
     redis_server.pause()  # accepts nothing, answers nothing
     try:
@@ -489,7 +470,7 @@ def test_flushed_and_evicting_servers_cost_hits_only(redis_server: LocalRedisSer
 
     a = managers(redis_server.url, write_through=True, gpu=64)
     toks = seq(13, 4 * T)
-    publish(a, toks)
+    publish(a, toks, match=False)
     assert a.flush_remote_writes()
     client = redis.Redis.from_url(redis_server.url)
     client.flushall()
@@ -504,7 +485,7 @@ def test_flushed_and_evicting_servers_cost_hits_only(redis_server: LocalRedisSer
     assert client.config_get("maxmemory")["maxmemory"] == str(quota)
     assert big.get_quota(CacheLevel(1)) == quota
     for r in range(40):
-        publish(big, seq(100 + r, 6 * T))
+        publish(big, seq(100 + r, 6 * T), match=False)
         assert big.flush_remote_writes()
     assert int(client.info("stats")["evicted_keys"]) > 0
     assert big.resize(CacheLevel(1), quota + 1) and big.get_quota(CacheLevel(1)) == quota + 1
@@ -516,7 +497,7 @@ def test_flushed_and_evicting_servers_cost_hits_only(redis_server: LocalRedisSer
 
 def test_the_write_queue_is_bounded(redis_server: LocalRedisServer, managers: Factory) -> None:
     m = managers(redis_server.url, max_pending_bytes=1)
-    publish(m, seq(14, 4 * T))
+    publish(m, seq(14, 4 * T), match=False)
     evict_everything(m)  # nothing fits the queue: the writes are dropped and counted
     assert m.flush_remote_writes()
     st = m.remote_statistics
@@ -528,7 +509,7 @@ def test_the_write_queue_is_bounded(redis_server: LocalRedisServer, managers: Fa
 def test_statistics_of_the_remote_level(redis_server: LocalRedisServer, managers: Factory) -> None:
     a = managers(redis_server.url, write_through=True, ttl_s=60)
     b = managers(redis_server.url)
-    publish(a, seq(15, 2 * T))
+    publish(a, seq(15, 2 * T), match=False)
     assert a.flush_remote_writes()
     ta = a.take_iteration_stats()[-1]
     assert ta.tier is CacheTier.REMOTE and ta.offloaded_pages == 2 and ta.offloaded_bytes == 2 * (HEADER_BYTES + SLOT)
@@ -558,7 +539,7 @@ def test_remote_tier_on_the_cuda_backend(redis_server: LocalRedisServer, monkeyp
     a = KVCacheManager(remote_config(redis_server.url, backend="cuda", gpu=2048))
     b = KVCacheManager(remote_config(redis_server.url, backend="cuda", gpu=2048))
     toks = seq(16, 3 * T)
-    publish(a, toks)
+    publish(a, toks, match=False)
     evict_everything(a)  # GPU pages copied out through the staging buffer
     assert a.flush_remote_writes()
     assert reuse(b, toks + [1]) == 3 * T  # fetched into GPU memory through the staging buffer
@@ -604,7 +585,7 @@ def test_pages_dropped_from_a_lower_tier_are_sent_from_their_slots(
         assert group.headroom == 4 and len(group.parked) == 4
         toks = [seq(40 + r, 4 * T) for r in range(3)]  # 12 blocks: more than the headroom
         for t in toks:
-            publish(a, t)
+            publish(a, t, match=False)
         evict_through_the_lower_tier(a)
         assert a.flush_remote_writes()
         a.check_invariants()
@@ -617,7 +598,7 @@ def test_pages_dropped_from_a_lower_tier_are_sent_from_their_slots(
         b = managers(redis_server.url)
         assert sum(reuse(b, t + [1]) for t in toks) == 8 * T  # every record checked
         # a tier resize waits for the writer, moves pages out of the headroom and puts it back
-        publish(a, seq(50, 4 * T))
+        publish(a, seq(50, 4 * T), match=False)
         assert a.resize(level, 8 * SLOT)
         assert a.get_storage_statistics(level)[0].total == 8 and group.headroom == 4
         a.check_invariants()
@@ -760,7 +741,7 @@ def test_a_key_of_the_wrong_type_costs_that_key_only(redis_server: LocalRedisSer
     a = managers(redis_server.url, write_through=True)
     b = managers(redis_server.url, host=16)
     toks = seq(41, 5 * T)
-    publish(a, toks)
+    publish(a, toks, match=False)
     assert a.flush_remote_writes()
     client = redis.Redis.from_url(redis_server.url)
     try:
@@ -790,7 +771,7 @@ def test_a_key_of_the_wrong_type_costs_that_key_only(redis_server: LocalRedisSer
         assert st is not None and st.errors == 0 and st.connected and st.skipped_lookups == 0
         # still the Lua lookup, and the tier stays up: the next prompt is looked up at once
         other = seq(42, 2 * T)
-        publish(a, other)
+        publish(a, other, match=False)
         assert a.flush_remote_writes()
         assert reuse(b, other + [1]) == 2 * T
         assert client.info("commandstats")["cmdstat_evalsha"]["calls"] >= evalsha_before + 2
@@ -815,7 +796,7 @@ def test_credentials_never_reach_logs_repr_or_errors(
         a = managers(url, write_through=True)
         b = managers(url)
         toks = seq(43, 2 * T)
-        publish(a, toks)
+        publish(a, toks, match=False)
         assert a.flush_remote_writes()
         assert reuse(b, toks + [1]) == 2 * T  # the password is used, just never shown
         assert secret not in repr(a.config) and secret not in str(b.remote_statistics)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 from conftest import REC, kv_layers
 from fake_engine import FakeEngine
+from tier_helpers import SLOT, T, compute, publish, seq
 
 from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
@@ -27,8 +28,6 @@ from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
 from kv_cache_manager_v2._reuse._keys import BlockHasher
 from kv_cache_manager_v2._storage._disk import DiskPool
 
-T = 8
-SLOT = 2 * 2 * REC * T  # two layers, key + value: one slot holds one block
 MakeManager = Callable[..., KVCacheManager]
 LG0 = LayerGroupId(0)
 HOST, DISK = CacheLevel(1), CacheLevel(2)
@@ -43,24 +42,6 @@ def tiered(
     if disk is not None:
         kw.update(disk_quota=disk * SLOT, disk_path=str(tmp_path))
     return make_manager(kv_layers(2, T), T, gpu * SLOT, host_quota=host * SLOT, **kw)
-
-
-def seq(r: int, n: int) -> list[int]:
-    return [r * 10_000 + i for i in range(n)]
-
-
-def compute(engine: FakeEngine, kv: KVCache, toks: list[int], upto: int) -> None:
-    h = kv.history_length
-    assert kv.resize(upto, h)
-    engine.step(kv, toks, h, upto)
-    kv.commit(toks[h:upto])
-
-
-def publish(m: KVCacheManager, engine: FakeEngine, toks: list[int]) -> None:
-    kv = m.create_kv_cache(input_tokens=toks)
-    assert kv.resume()
-    compute(engine, kv, toks, len(toks))
-    kv.close()
 
 
 def tree_levels(m: KVCacheManager, toks: list[int]) -> list[int]:
@@ -95,7 +76,7 @@ def test_reusable_blocks_fall_to_host_then_disk_and_come_back_intact(
     engine = FakeEngine(m)
     seqs = [seq(r, 3 * T) for r in range(4)]
     for s in seqs:
-        publish(m, engine, s)
+        publish(m, engine=engine, toks=s)
     # LRU spans the levels: the oldest request's blocks are deepest
     assert tree_levels(m, seqs[0]) == [2, 2, 2]
     assert tree_levels(m, seqs[3]) == [0, 0, 0]
@@ -123,7 +104,7 @@ def test_last_level_drops_the_oldest_and_keeps_the_rest(make_manager: MakeManage
     engine = FakeEngine(m)
     seqs = [seq(r, 2 * T) for r in range(3)]
     for s in seqs:
-        publish(m, engine, s)
+        publish(m, engine=engine, toks=s)
     assert m.probe_reuse(None, seqs[0]) == 0  # dropped at the host level (the last)
     assert m.get_tier_statistics(HOST).dropped_pages == 2
     assert tree_levels(m, seqs[1]) == [1, 1] and tree_levels(m, seqs[2]) == [0, 0]
@@ -266,8 +247,8 @@ def test_dedup_onto_a_tree_page_in_a_lower_tier_keeps_the_gpu_page(make_manager:
     m = tiered(make_manager, tmp_path, gpu=3, host=4, disk=None)
     engine = FakeEngine(m)
     toks = seq(1, 2 * T)
-    publish(m, engine, toks)
-    publish(m, engine, seq(2, 3 * T))  # pushes toks' blocks to host
+    publish(m, engine=engine, toks=toks)
+    publish(m, engine=engine, toks=seq(2, 3 * T))  # pushes toks' blocks to host
     assert tree_levels(m, toks) == [1, 1]
     b = m.create_kv_cache()  # computes the same tokens without matching them
     assert b.resume()
@@ -287,9 +268,9 @@ def test_copy_on_partial_from_a_lower_tier(make_manager: MakeManager, tmp_path: 
     m = tiered(make_manager, tmp_path, gpu=3, host=3, disk=3)
     engine = FakeEngine(m)
     writer = seq(1, 2 * T)
-    publish(m, engine, writer)
-    publish(m, engine, seq(2, 3 * T))
-    publish(m, engine, seq(3, 3 * T))
+    publish(m, engine=engine, toks=writer)
+    publish(m, engine=engine, toks=seq(2, 3 * T))
+    publish(m, engine=engine, toks=seq(3, 3 * T))
     assert tree_levels(m, writer) == [2, 2]
     b = m.create_kv_cache(input_tokens=writer[: T + 5] + [1, 2])
     assert b.history_length == T + 5
@@ -311,7 +292,7 @@ def test_resize_tiers_keeps_suspended_data(make_manager: MakeManager, tmp_path: 
         compute(engine, kv, seq(r, 3 * T), 3 * T)
         kv.suspend()
         caches.append(kv)
-    publish(m, engine, seq(9, 2 * T))  # reusable blocks too
+    publish(m, engine=engine, toks=seq(9, 2 * T))  # reusable blocks too
     with pytest.raises(ValueError, match="quota"):
         m.resize(GPU, 0)
     with pytest.raises(ValueError, match="cache level"):
@@ -394,15 +375,15 @@ def test_failed_disk_write_turns_reusable_blocks_into_misses(make_manager: MakeM
     pool = disk_pool(m)
     seqs = [seq(r, T) for r in range(6)]
     for s in seqs[:4]:
-        publish(m, engine, s)
+        publish(m, engine=engine, toks=s)
     assert tree_levels(m, seqs[0]) == [1]
     pool.error_hook = lambda op, off, n: op == "write"
-    publish(m, engine, seqs[4])  # seqs[0] goes to disk: the write fails
+    publish(m, engine=engine, toks=seqs[4])  # seqs[0] goes to disk: the write fails
     pool.error_hook = None
     assert m.probe_reuse(None, seqs[0]) == 0  # a miss now
     assert m.get_tier_statistics(DISK).io_errors == 1 and pool.num_errors == 1
     assert m.get_tier_statistics(HOST).dropped_pages == 1  # dropped from where it was
-    publish(m, engine, seqs[5])  # seqs[1] goes to disk normally
+    publish(m, engine=engine, toks=seqs[5])  # seqs[1] goes to disk normally
     assert tree_levels(m, seqs[1]) == [2]
     for s in seqs[1:]:
         kv = m.create_kv_cache(input_tokens=s)
@@ -418,9 +399,9 @@ def test_a_failed_run_is_retried_slot_by_slot(make_manager: MakeManager, tmp_pat
     pool = disk_pool(m)
     two = [seq(r, 2 * T) for r in range(3)]
     for s in two[:2]:
-        publish(m, engine, s)
+        publish(m, engine=engine, toks=s)
     pool.error_hook = lambda op, off, n: op == "write" and off <= SLOT < off + n  # file slot 1 only
-    publish(m, engine, two[2])  # two[0]'s two blocks go to disk slots 0 and 1 in one run
+    publish(m, engine=engine, toks=two[2])  # two[0]'s two blocks go to disk slots 0 and 1 in one run
     pool.error_hook = None
     assert pool.num_errors == 2  # the run, then slot 1 alone (slot 0 succeeded)
     assert m.get_tier_statistics(DISK).io_errors == 1
@@ -441,7 +422,7 @@ def test_failed_disk_read_shortens_the_match_and_leaves_the_rest_intact(
     pool = disk_pool(m)
     seqs = [seq(r, 3 * T) for r in range(4)]
     for s in seqs:
-        publish(m, engine, s)
+        publish(m, engine=engine, toks=s)
     assert tree_levels(m, seqs[0]) == [2, 2, 2]
     b = m.create_kv_cache(input_tokens=seqs[0] + [5])
     assert b.history_length == 3 * T
@@ -556,7 +537,7 @@ def test_iteration_statistics_reset_on_take(make_manager: MakeManager, tmp_path:
     first = m.take_iteration_stats()
     assert [s.level for s in first] == [0, 1] and all(s.offloaded_pages == 0 for s in first)
     for r in range(3):
-        publish(m, engine, seq(r, 2 * T))
+        publish(m, engine=engine, toks=seq(r, 2 * T))
     it = m.take_iteration_stats()
     assert it[1].offloaded_pages == 4 and it[1].offloaded_bytes == 4 * SLOT
     assert it[0].peak_used_bytes == 2 * SLOT and it[1].peak_used_bytes == 4 * SLOT
@@ -583,9 +564,9 @@ def test_host_tier_priorities_span_levels(make_manager: MakeManager, tmp_path: o
         assert kv.resume()
         compute(engine, kv, toks, 2 * T)
         kv.close()
-    publish(m, engine, seq(3, 2 * T))  # the low-priority blocks move down, the high-priority ones stay
+    publish(m, engine=engine, toks=seq(3, 2 * T))  # the low-priority blocks move down, the high-priority ones stay
     assert tree_levels(m, hi) == [0, 0] and tree_levels(m, lo) == [1, 1]
-    publish(m, engine, seq(4, 2 * T))  # seq 3 moves down, the low-priority blocks are dropped
+    publish(m, engine=engine, toks=seq(4, 2 * T))  # seq 3 moves down, the low-priority blocks are dropped
     assert m.probe_reuse(None, lo) == 0 and tree_levels(m, hi) == [0, 0] and tree_levels(m, seq(3, 2 * T)) == [1, 1]
 
 
@@ -626,7 +607,7 @@ def test_cuda_backend_tiers_on_an_emulated_driver(fake_cuda: object, tmp_path: o
     engine = FakeEngine(m)
     seqs = [seq(r, 3 * T) for r in range(4)]
     for s in seqs:
-        publish(m, engine, s)
+        publish(m, engine=engine, toks=s)
     last = len(m.cache_tier_list) - 1
     assert tree_levels(m, seqs[0]) == [last] * 3
     for s in seqs:
@@ -692,7 +673,7 @@ def test_cuda_copy_failure_during_eviction_leaves_a_consistent_state(fake_cuda: 
     )
     engine = FakeEngine(m)
     toks = seq(1, 2 * T)
-    publish(m, engine, toks)  # the GPU is full of reusable blocks
+    publish(m, engine=engine, toks=toks)  # the GPU is full of reusable blocks
     kv = m.create_kv_cache()
     assert kv.resume()
     for name in ("cuMemcpyBatchAsync", "cuMemcpyDtoHAsync"):
@@ -720,7 +701,7 @@ def test_failed_read_of_a_partial_match_source_drops_only_that_block(
     engine = FakeEngine(m)
     writer = seq(1, 2 * T)
     for s in (writer, seq(2, 3 * T), seq(3, 3 * T)):
-        publish(m, engine, s)
+        publish(m, engine=engine, toks=s)
     b = m.create_kv_cache(input_tokens=writer[: T + 5] + [1, 2])
     src = b.block_table.pending_copy[0]
     assert b.history_length == T + 5 and src is not None and src.level == 2

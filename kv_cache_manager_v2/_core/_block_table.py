@@ -16,7 +16,7 @@ from array import array
 
 from .._common import BAD_PAGE_INDEX, LayerGroupId, SlotId
 from .._exceptions import LogicError
-from .._page import Page
+from .._storage._page import Page
 from .._typed import TypedList
 
 #: Shared by new tables until their first block: never written (writes go to grown arrays).

@@ -14,9 +14,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from .._common import BAD_PAGE_INDEX, KVCacheStatus, LayerGroupId
-from .._eviction import GARBAGE_PRIORITY, LISTED_DROPPABLE, LISTED_HELD, NOT_LISTED
-from .._page import Page
 from .._reuse._tree import ReuseTree
+from .._storage._page import GARBAGE_PRIORITY, LISTED_DROPPABLE, LISTED_HELD, NOT_LISTED, Page
 from .._storage._storage_manager import StorageManager
 
 if TYPE_CHECKING:

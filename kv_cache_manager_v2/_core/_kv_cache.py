@@ -32,9 +32,9 @@ from .._common import (
     TokenIdExt,
 )
 from .._exceptions import LogicError, OutOfPagesError
-from .._page import Page
 from .._reuse._keys import chain_token_keys, check_token, check_token_sequence, validate_tokens
 from .._reuse._tree import Node, same_tokens
+from .._storage._page import Page
 from .._utils import as_list, check_int, check_type
 from ._block_table import BlockTable
 from ._context import CacheContext
@@ -550,7 +550,7 @@ class KVCache:
                 p = pages[o]
                 node = p.node if p is not None else None
                 if node is not None and node.ordinal == o and node.parent is not None:
-                    return node
+                    return cast(Node, node)
         return None
 
     def suspend(self) -> None:

@@ -34,13 +34,13 @@ from .._config import DiskCacheTierConfig, HostCacheTierConfig, KVCacheManagerCo
 from .._events import MEDIUM_OF_TIER, KVCacheEvent, KVCacheEventManager, LayerGroupSpec
 from .._exceptions import LogicError
 from .._layer_groups import LayerGroupRegistry
-from .._page import Page
 from .._page_index import PageIndexConverter
 from .._reuse._keys import BlockHasher, BlockKey, check_token_sequence
 from .._reuse._remote_fill import Found, Projection, RemoteFill
 from .._reuse._tree import Node, ReuseTree
 from .._storage._backend import MemoryBackend
 from .._storage._layout import BufferAttr, StorageLayout
+from .._storage._page import Page
 from .._storage._quota import split_like, split_quota
 from .._storage._remote import RemoteStore, layout_fingerprint
 from .._storage._select import select_backend

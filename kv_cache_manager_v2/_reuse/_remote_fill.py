@@ -22,9 +22,8 @@ from collections.abc import Sequence
 import rawref
 
 from .._common import DEFAULT_PRIORITY, CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
-from .._eviction import NO_SERIAL
 from .._layer_groups import LayerGroup
-from .._page import Page
+from .._storage._page import NO_SERIAL, Page
 from .._storage._remote import HEADER_BYTES, RemoteStore, decode_value
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList

@@ -22,11 +22,11 @@ from .._common import (
     SlotId,
     TokenIdExt,
 )
-from .._events import KVCacheEventManager
+from .._events import NOT_MOVED, BlockStoredEvent, KVCacheEventManager
 from .._layer_groups import LayerGroup
-from .._page import Page
+from .._storage._page import Page, PoolGroupStorage
 from .._storage._persist import DiskRecord
-from .._storage._storage_manager import PageDropListener, PoolGroupStorage, StorageManager
+from .._storage._storage_manager import PageDropListener, StorageManager
 from .._typed import TypedList
 from ._keys import BlockHasher, BlockKey, block_key, scope_key, validate_tokens
 
@@ -371,7 +371,7 @@ class ReuseTree(PageDropListener):
             history.use(page, serial)
         sink = self.event_sink
         if sink is not None:
-            sink.block_stored(node, lc, page)
+            sink.block_stored(_event(sink, node, lc, page, NOT_MOVED))
         wt = self.write_through
         if wt is not None and len(node.tokens) == self.tokens_per_block and not page.remote_copy:
             wt.queue_write_through(page)
@@ -482,14 +482,14 @@ class ReuseTree(PageDropListener):
     # ------------------------------------------------------------------ removal
     def page_dropped(self, page: Page) -> None:
         """Forget an evicted page; remove what can no longer be reused without it."""
-        node = page.node
-        page.node = None
-        if node is None:
+        if page.node is None:
             return
+        node = cast(Node, page.node)
+        page.node = None
         node.pages[page.layer_group] = None
         sink = self.event_sink
         if sink is not None:
-            sink.block_removed(node, page.layer_group, page)
+            sink.block_removed(node.key, page.layer_group, page.level)
         if self.layer_groups[page.layer_group].is_anchor(node.ordinal):
             self.remove_subtree(node)
         else:
@@ -517,7 +517,7 @@ class ReuseTree(PageDropListener):
                 n.pages[lc] = None
                 if p is not None:
                     if sink is not None:
-                        sink.block_removed(n, lc, p)
+                        sink.block_removed(n.key, lc, p.level)
                     unused = p.num_locks == 0 and p.num_holds == 0
                     history = p.storage.history
                     if unused and history is not None and not free_unused:
@@ -535,9 +535,8 @@ class ReuseTree(PageDropListener):
     def page_moved(self, page: Page, source_level: CacheLevel) -> None:
         """A tree page moved between tiers (it is at ``page.level`` now): only subscribers care."""
         sink = self.event_sink
-        node = page.node
-        if sink is not None and node is not None:
-            sink.block_moved(node, page.layer_group, page, source_level)
+        if sink is not None and page.node is not None:
+            sink.block_stored(_event(sink, cast(Node, page.node), page.layer_group, page, source_level))
 
     def prune(self, node: Node) -> None:
         """Remove removable nodes upward, and the scope's root once it holds nothing."""
@@ -574,6 +573,16 @@ class ReuseTree(PageDropListener):
         if sink is not None:
             sink.all_cleared()
 
+    def stored_block_events(self, events: KVCacheEventManager) -> list[BlockStoredEvent]:
+        """A stored event per page in the tree, parents first (an event subscriber's resync)."""
+        out: list[BlockStoredEvent] = []
+        for node in self.nodes():  # pre-order: a parent before its children
+            for lc in range(len(node.pages)):
+                page = node.page(lc)
+                if page is not None:
+                    out.append(_event(events, node, lc, page, NOT_MOVED))
+        return out
+
     def nodes(self) -> list[Node]:
         """Every node below the roots (for checks and statistics)."""
         out: list[Node] = []
@@ -583,3 +592,20 @@ class ReuseTree(PageDropListener):
             out.append(n)
             stack.extend(n.children())
         return out
+
+
+def _event(events: KVCacheEventManager, node: Node, lc: int, page: Page, source_level: int) -> BlockStoredEvent:
+    """The event of ``page`` being ``node``'s page of layer group ``lc`` (moved from ``source_level``)."""
+    parent = node.parent
+    assert parent is not None
+    return events.stored_event(
+        node.key,
+        parent.key,
+        parent.parent is None,
+        node.tokens,
+        node.lora_id,
+        lc,
+        page.priority,
+        page.level,
+        source_level,
+    )

@@ -13,6 +13,12 @@ H2D: Final = 1
 D2H: Final = 2
 H2H: Final = 3
 
+#: ``Pool.medium``: how the CPU reaches a pool's bytes (the copy engine's routes are keyed by it).
+HOST_MEMORY: Final = 0  # CPU-addressable memory (host tier, or a GPU tier the host emulates)
+DEVICE_MEMORY: Final = 1  # GPU memory: addresses only, copied by the backend
+FILE: Final = 2  # a disk tier's file: pread / pwrite
+NUM_MEDIA: Final = 3
+
 #: Memory pools reserve address space for this many times their initial size, so a tier can
 #: grow in place (``KVCacheManager.resize``) up to this factor of its configured quota.
 MAX_GROWTH: Final = 4
@@ -26,6 +32,8 @@ class Pool(ABC):
 
     #: bytes the pool can grow to without moving
     reserved_bytes: int
+    #: ``HOST_MEMORY``, ``DEVICE_MEMORY`` or ``FILE`` (fixed at construction)
+    medium: int
 
     @property
     @abstractmethod
@@ -50,6 +58,18 @@ class MemoryPool(Pool):
     base_address: MemAddress
     #: the pool's bytes as a writable view when the CPU can access them directly, else None
     host_view: memoryview | None
+
+    def ensure_mapped(self, nbytes: int) -> None:
+        if nbytes <= self.mapped_bytes:
+            return
+        if nbytes > self.reserved_bytes:
+            raise ValueError(f"pool needs {nbytes} bytes but only {self.reserved_bytes} are reserved")
+        self._map(nbytes)
+
+    @abstractmethod
+    def _map(self, nbytes: int) -> None:
+        """Back the first ``nbytes`` bytes (more than are mapped, at most ``reserved_bytes``); may
+        raise, then nothing changed."""
 
 
 class MemoryBackend(ABC):

@@ -17,7 +17,7 @@ from typing import Any
 from .._common import MemAddress
 from .._exceptions import CuError
 from .._utils import round_up
-from ._backend import D2D, D2H, H2D, H2H, MemoryBackend, MemoryPool
+from ._backend import D2D, D2H, DEVICE_MEMORY, H2D, H2H, HOST_MEMORY, MemoryBackend, MemoryPool
 
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0)
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
@@ -60,6 +60,7 @@ class CudaDevicePool(MemoryPool):
         cu = _driver()
         self._backend = backend
         self._granularity = backend.granularity
+        self.medium = DEVICE_MEMORY
         self.reserved_bytes = round_up(max(max_bytes, 1), self._granularity)
         ptr = _check(cu.cuMemAddressReserve(self.reserved_bytes, 0, 0, 0), "cuMemAddressReserve")
         self.base_address = MemAddress(int(ptr))
@@ -72,11 +73,7 @@ class CudaDevicePool(MemoryPool):
     def mapped_bytes(self) -> int:
         return self._mapped
 
-    def ensure_mapped(self, nbytes: int) -> None:
-        if nbytes <= self._mapped:
-            return
-        if nbytes > self.reserved_bytes:
-            raise ValueError(f"pool needs {nbytes} bytes but only {self.reserved_bytes} are reserved")
+    def _map(self, nbytes: int) -> None:
         cu = _driver()
         target = round_up(nbytes, self._granularity)
         size = target - self._mapped
@@ -124,6 +121,7 @@ class PinnedHostPool(MemoryPool):
     """Host memory reserved as an anonymous mapping; its used part is page-locked chunk by chunk."""
 
     def __init__(self, max_bytes: int) -> None:
+        self.medium = HOST_MEMORY
         self.reserved_bytes = round_up(max(max_bytes, 1), mmap.PAGESIZE)
         self._mapping: mmap.mmap | None = mmap.mmap(
             -1,
@@ -142,11 +140,7 @@ class PinnedHostPool(MemoryPool):
     def mapped_bytes(self) -> int:
         return self._mapped
 
-    def ensure_mapped(self, nbytes: int) -> None:
-        if nbytes <= self._mapped:
-            return
-        if nbytes > self.reserved_bytes:
-            raise ValueError(f"pool needs {nbytes} bytes but only {self.reserved_bytes} are reserved")
+    def _map(self, nbytes: int) -> None:
         cu = _driver()
         target = min(round_up(nbytes, mmap.PAGESIZE), self.reserved_bytes)
         done: list[tuple[int, int]] = []

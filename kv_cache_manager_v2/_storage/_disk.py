@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Final
 
 from .._exceptions import OutOfMemoryError
-from ._backend import Pool
+from ._backend import FILE, Pool
 
 #: ``DiskPool.error_hook(op, offset, nbytes)``: return True to make that read/write fail (tests).
 ErrorHook = Callable[[str, int, int], bool]
@@ -58,6 +58,7 @@ class DiskPool(Pool):
         else:  # a persistent tier's file: kept, its bytes read back by the next manager
             fd = os.open(file_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self.fd = fd
+        self.medium = FILE
         self.directory = directory
         self.reserved_bytes = 1 << 62  # a file can always grow; only the disk limits it
         self._size = 0

@@ -9,7 +9,7 @@ import sys
 from .._common import MemAddress
 from .._exceptions import OutOfMemoryError
 from .._utils import round_up
-from ._backend import MemoryBackend, MemoryPool
+from ._backend import DEVICE_MEMORY, HOST_MEMORY, MemoryBackend, MemoryPool
 
 # Python exposes MAP_NORESERVE only from 3.13; Linux's value: reserve address space, commit
 # memory page by page as it is touched (so a pool sized like a real GPU costs nothing up front).
@@ -18,9 +18,11 @@ _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 
 
 class HostMemoryPool(MemoryPool):
-    """An anonymous private mapping; the OS backs pages lazily, so reserving is cheap."""
+    """An anonymous private mapping; the OS backs pages lazily, so reserving is cheap. With
+    ``addressable`` False it plays device memory: no ``host_view``, reached by address only."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, addressable: bool = True) -> None:
+        self.medium = HOST_MEMORY if addressable else DEVICE_MEMORY
         self.reserved_bytes = round_up(max(max_bytes, 1), mmap.PAGESIZE)
         try:
             self._mapping: mmap.mmap | None = mmap.mmap(
@@ -37,17 +39,16 @@ class HostMemoryPool(MemoryPool):
         view = ctypes.c_char.from_buffer(self._mapping)
         self.base_address = MemAddress(ctypes.addressof(view))
         del view  # drop the buffer export so the mapping can be closed later
-        self.host_view = memoryview(self._mapping)
+        self._view: memoryview | None = memoryview(self._mapping)
+        self.host_view = self._view if addressable else None
         self._mapped = 0
 
     @property
     def mapped_bytes(self) -> int:
         return self._mapped
 
-    def ensure_mapped(self, nbytes: int) -> None:
-        if nbytes > self.reserved_bytes:
-            raise ValueError(f"pool needs {nbytes} bytes but only {self.reserved_bytes} are reserved")
-        self._mapped = max(self._mapped, nbytes)
+    def _map(self, nbytes: int) -> None:
+        self._mapped = nbytes
 
     def shrink(self, nbytes: int) -> None:
         beg = round_up(nbytes, mmap.PAGESIZE)
@@ -57,22 +58,28 @@ class HostMemoryPool(MemoryPool):
 
     def release(self) -> None:
         if self._mapping is not None:
-            view = self.host_view
+            view = self._view
             if view is not None:
                 view.release()
-                self.host_view = None
+                self._view = self.host_view = None
             self._mapping.close()
             self._mapping = None
 
 
 class HostBackend(MemoryBackend):
-    """Stands in for a GPU: addresses are plain host addresses, streams and events are no-ops."""
+    """Stands in for a GPU: addresses are plain host addresses, streams and events are no-ops.
 
-    def __init__(self) -> None:
+    ``addressable=False`` makes its GPU pools act like real device memory (no CPU view: copies by
+    address, the CPU reaches them through a staging buffer), to exercise those routes without a GPU.
+    """
+
+    def __init__(self, addressable: bool = True) -> None:
         self.name = "host"
+        self.addressable = addressable
+        self._staging: HostMemoryPool | None = None
 
     def reserve_pool(self, max_bytes: int) -> MemoryPool:
-        return HostMemoryPool(max_bytes)
+        return HostMemoryPool(max_bytes, self.addressable)
 
     def reserve_host_pool(self, max_bytes: int) -> MemoryPool:
         return HostMemoryPool(max_bytes)
@@ -95,3 +102,20 @@ class HostBackend(MemoryBackend):
 
     def synchronize_device(self) -> None:
         return None
+
+    def staging_buffer(self, min_bytes: int) -> MemoryPool | None:
+        if self.addressable:
+            return None
+        staging = self._staging
+        if staging is None or staging.mapped_bytes < min_bytes:
+            if staging is not None:
+                staging.release()
+            staging = HostMemoryPool(min_bytes)
+            staging.ensure_mapped(min_bytes)
+            self._staging = staging
+        return staging
+
+    def shutdown(self) -> None:
+        if self._staging is not None:
+            self._staging.release()
+            self._staging = None

@@ -191,13 +191,13 @@ class PersistentDisk:
     def pool_path(self, group: int, pool: int) -> str:
         return pool_file(self.path, group, pool)
 
-    def _header(self, g: int, sizes: tuple[int, ...], tokens_per_block: int) -> bytes:
+    def _header(self, group: int, sizes: tuple[int, ...], tokens_per_block: int) -> bytes:
         digest = hashlib.sha256(",".join(str(s) for s in sizes).encode()).digest()[:8]
         head = FILE_HEADER.pack(
             FILE_MAGIC,
             DISK_FORMAT_VERSION,
             CHECKSUM_IDS[CHECKSUM_NAME],
-            g,
+            group,
             self._fingerprint,
             self._namespace,
             digest,
@@ -207,15 +207,15 @@ class PersistentDisk:
         return head + bytes(HEADER_BYTES - len(head))
 
     def _open_group(
-        self, g: int, sizes: tuple[int, ...], num_slots: int, tokens_per_block: int
+        self, group: int, sizes: tuple[int, ...], num_slots: int, tokens_per_block: int
     ) -> tuple[_GroupFiles, list[DiskRecord], int]:
-        """Open (or create) group ``g``'s record file; returns it, its valid records, and -1 when the
+        """Open (or create) group ``group``'s record file; returns it, its valid records, and -1 when the
         file was ours (or new), else the number of records it held (it was reset)."""
-        name = os.path.join(self.path, f"kvcm-g{g}.slots")
+        name = os.path.join(self.path, f"kvcm-g{group}.slots")
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        files = _GroupFiles(fd, g, len(sizes), num_slots, tokens_per_block)
+        files = _GroupFiles(fd, group, len(sizes), num_slots, tokens_per_block)
         try:
-            header = self._header(g, sizes, tokens_per_block)
+            header = self._header(group, sizes, tokens_per_block)
             old = os.pread(fd, HEADER_BYTES, 0)
             found: list[DiskRecord] = []
             foreign = -1
@@ -223,13 +223,13 @@ class PersistentDisk:
                 # a slot beyond a data file's end (a tier resized smaller, a file cut) has no bytes
                 readable = num_slots
                 for p, size in enumerate(sizes):
-                    path = self.pool_path(g, p)
+                    path = self.pool_path(group, p)
                     readable = min(readable, os.path.getsize(path) // size if os.path.exists(path) else 0)
                 found = self._read_records(files, readable)
             elif old:
                 foreign = _count_foreign(fd, old)
                 for p in range(len(sizes)):  # its bytes mean nothing to us: give the space back
-                    path = self.pool_path(g, p)
+                    path = self.pool_path(group, p)
                     if os.path.exists(path):
                         os.truncate(path, 0)
             end = HEADER_BYTES + num_slots * files.record
@@ -238,7 +238,7 @@ class PersistentDisk:
                 os.pwrite(fd, header, 0)
             os.ftruncate(fd, end)  # records of slots beyond ours are dropped; new ones read as empty
             for p, size in enumerate(sizes):  # slots beyond ours: reclaimed
-                path = self.pool_path(g, p)
+                path = self.pool_path(group, p)
                 if os.path.exists(path) and os.path.getsize(path) > num_slots * size:
                     os.truncate(path, num_slots * size)
         except BaseException:

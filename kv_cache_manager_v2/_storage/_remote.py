@@ -41,7 +41,7 @@ from typing import Any, Final
 
 from .._common import RemoteStatistics, SlotId
 from .._config import KVCacheManagerConfig, RemoteCacheTierConfig, cluster_seed_nodes, redact_url
-from ._disk import DiskPool
+from ._tiers._base import HandOffPart
 
 LOG = logging.getLogger("kv_cache_manager_v2")
 
@@ -132,8 +132,8 @@ def decode_value(value: bytes, layer_group: int, fingerprint: bytes, block_key: 
 
 class _Pending:
     """One page queued for writing: its payload is a span of the write ring (``ring_pos`` >= 0), or
-    the slot of a dropped page handed to the writer (``parts``: memory views of the slot in each
-    pool, or ``(disk pool, offset, size)``), given back to ``parked`` once sent."""
+    the slot of a dropped page handed to the writer (``parts``: where the slot of each pool is read,
+    ``_tiers``' ``HandOffPart``), given back to ``parked`` once sent."""
 
     __slots__ = ("block_key", "layer_group", "nbytes", "parked", "parts", "ring_pos", "slot")
 
@@ -143,7 +143,7 @@ class _Pending:
         layer_group: int,
         nbytes: int,
         ring_pos: int,
-        parts: list[memoryview | tuple[DiskPool, int, int]] | None,
+        parts: list[HandOffPart] | None,
         parked: list[SlotId] | None,
         slot: SlotId,
     ) -> None:
@@ -407,9 +407,9 @@ class ClusterRouter:
             ask_to = asks
         return replies
 
-    def _node_failed(self, n: int, what: str, e: BaseException, writer: bool) -> None:
+    def _node_failed(self, node_index: int, what: str, e: BaseException, writer: bool) -> None:
         _forget_frames(e)
-        node = self.nodes[n]
+        node = self.nodes[node_index]
         node.down_until = time.monotonic() + self._retry_s
         self._stale = True
         if writer:
@@ -429,8 +429,8 @@ class ClusterRouter:
                 self.cfg.retry_interval_ms,
             )
 
-    def _node_ok(self, n: int) -> None:
-        node = self.nodes[n]
+    def _node_ok(self, node_index: int) -> None:
+        node = self.nodes[node_index]
         if not node.connected:
             node.connected = True
             LOG.warning("remote KV tier %s: node %s:%d is reachable again", self._url, *node.addr)
@@ -794,7 +794,7 @@ class RemoteStore:
         self,
         block_key: bytes,
         layer_group: int,
-        parts: list[memoryview | tuple[DiskPool, int, int]],
+        parts: list[HandOffPart],
         nbytes: int,
         parked: list[SlotId],
         slot: SlotId,
@@ -856,20 +856,12 @@ class RemoteStore:
                 parked.append(w.slot)
                 self.slots_done += 1
 
-    def _payload(self, w: _Pending) -> list[memoryview]:
-        if w.ring_pos >= 0:
-            return [self.span(w.ring_pos, w.nbytes)]
-        out: list[memoryview] = []
-        parts = w.parts
+    def _payload(self, write: _Pending) -> list[memoryview]:
+        if write.ring_pos >= 0:
+            return [self.span(write.ring_pos, write.nbytes)]
+        parts = write.parts
         assert parts is not None
-        for part in parts:
-            if isinstance(part, memoryview):
-                out.append(part)
-            else:  # a disk slot: read here (the GIL is released while the kernel reads)
-                buf = memoryview(bytearray(part[2]))
-                part[0].read_into(buf, part[1])
-                out.append(buf)
-        return out
+        return [part.read() for part in parts]
 
     def _write_batch(self, batch: list[_Pending]) -> None:
         """Send ``batch`` in one go: one MSET, or pipelined ``SET key value EX ttl_s`` with a TTL.
@@ -889,10 +881,8 @@ class RemoteStore:
             except OSError as e:  # a disk read failed or did not verify: this page is not written
                 _forget_frames(e)
                 self._dropped([w])
-                for part in w.parts or ():
-                    if not isinstance(part, memoryview):
-                        part[0].num_unsent += 1  # the disk tier's io_errors
-                        break
+                if w.parts:
+                    w.parts[0].unsent()
         if not sent:
             return
         if self.router is not None:

@@ -48,8 +48,8 @@ def prompt_block_hashes(
 class _Node:
     __slots__ = ("by_first", "children", "groups", "hash", "parent", "tokens")
 
-    def __init__(self, h: int, parent: _Node | None, tokens: tuple[TokenIdExt, ...]) -> None:
-        self.hash = h
+    def __init__(self, block_hash: int, parent: _Node | None, tokens: tuple[TokenIdExt, ...]) -> None:
+        self.hash = block_hash
         self.parent = parent
         self.tokens = tokens
         self.children: dict[int, _Node] = {}
@@ -106,48 +106,52 @@ class ReplicaIndex:
         self._nodes.clear()
         self._roots.clear()
 
-    def _learn_group(self, g: int, window: int | None, sinks: int) -> None:
-        if g not in self.groups:
-            self.groups[g] = LayerGroup(window, sinks, self.tokens_per_block or 1)
+    def _learn_group(self, group: int, window: int | None, sinks: int) -> None:
+        if group not in self.groups:
+            self.groups[group] = LayerGroup(window, sinks, self.tokens_per_block or 1)
 
-    def _stored(self, ev: BlockStored) -> None:
-        t = ev.block_size
-        n = len(ev.block_hashes)
-        if t < 1 or n == 0 or not (n - 1) * t < len(ev.token_ids) <= n * t:
-            raise ValueError(f"malformed BlockStored: {n} block hash(es), {len(ev.token_ids)} token(s), block_size {t}")
+    def _stored(self, event: BlockStored) -> None:
+        t = event.block_size
+        n = len(event.block_hashes)
+        if t < 1 or n == 0 or not (n - 1) * t < len(event.token_ids) <= n * t:
+            raise ValueError(
+                f"malformed BlockStored: {n} block hash(es), {len(event.token_ids)} token(s), block_size {t}"
+            )
         if self.tokens_per_block is not None and t != self.tokens_per_block:
             raise ValueError(f"BlockStored with block_size {t}, the replica's is {self.tokens_per_block}")
         if self.tokens_per_block is None:
             self.tokens_per_block = t
-            self.groups = {g: LayerGroup(lc.window_size, lc.num_sink_blocks, t) for g, lc in self.groups.items()}
-        g = ev.group_idx if ev.group_idx is not None else 0
-        if g not in self.groups:
-            window = ev.kv_cache_spec_sliding_window if ev.kv_cache_spec_kind == "sliding_window" else None
-            self._learn_group(g, window, ev.num_sink_blocks or 0)
-        if ev.parent_block_hash is None:
-            key = (ev.scope_hash, ev.lora_id)
+            self.groups = {
+                group: LayerGroup(spec.window_size, spec.num_sink_blocks, t) for group, spec in self.groups.items()
+            }
+        group = event.group_idx if event.group_idx is not None else 0
+        if group not in self.groups:
+            window = event.kv_cache_spec_sliding_window if event.kv_cache_spec_kind == "sliding_window" else None
+            self._learn_group(group, window, event.num_sink_blocks or 0)
+        if event.parent_block_hash is None:
+            key = (event.scope_hash, event.lora_id)
             parent = self._roots.get(key)
             if parent is None:
                 parent = self._roots[key] = _Node(-1, None, ())
         else:
-            found = self._nodes.get(ev.parent_block_hash)
+            found = self._nodes.get(event.parent_block_hash)
             if found is None:
                 return  # its parent is gone (or was never seen): unreachable, as on the replica
             parent = found
-        for h, toks in zip(ev.block_hashes, block_tokens(ev)):
-            node = self._nodes.get(h)
+        for block, toks in zip(event.block_hashes, block_tokens(event)):
+            node = self._nodes.get(block)
             if node is None:
-                node = self._nodes[h] = _Node(h, parent, toks)
-                parent.children[h] = node
+                node = self._nodes[block] = _Node(block, parent, toks)
+                parent.children[block] = node
                 parent.by_first.setdefault(toks[0], []).append(node)
-            node.groups[g] = ev.medium
+            node.groups[group] = event.medium
             parent = node
 
-    def _removed(self, h: int, g: int) -> None:
-        node = self._nodes.get(h)
+    def _removed(self, block_hash: int, group: int) -> None:
+        node = self._nodes.get(block_hash)
         if node is None:
             return
-        node.groups.pop(g, None)
+        node.groups.pop(group, None)
         self._prune(node)
 
     def _prune(self, node: _Node) -> None:
@@ -171,14 +175,14 @@ class ReplicaIndex:
         """Blocks known (with a page in some group, or linking to such blocks)."""
         return len(self._nodes)
 
-    def has_block(self, h: int, group_idx: int | None = None) -> bool:
-        node = self._nodes.get(h)
+    def has_block(self, block_hash: int, group_idx: int | None = None) -> bool:
+        node = self._nodes.get(block_hash)
         if node is None:
             return False
         return bool(node.groups) if group_idx is None else group_idx in node.groups
 
-    def medium_of(self, h: int, group_idx: int = 0) -> str | None:
-        node = self._nodes.get(h)
+    def medium_of(self, block_hash: int, group_idx: int = 0) -> str | None:
+        node = self._nodes.get(block_hash)
         return node.groups.get(group_idx) if node is not None else None
 
     def match_length(

@@ -21,29 +21,14 @@ everything:
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING, Final, final
+from typing import Final
 
-from ._common import MAX_PRIORITY, Priority, RequestSerial
+from .._common import MAX_PRIORITY, Priority, RequestSerial
+from ._page import LISTED_HELD, NOT_IN_HEAP, NOT_LISTED, Evictor, Page, UseCounter
 
-if TYPE_CHECKING:
-    from ._page import Page
-
-#: Priority of pages that no longer belong to a reusable block (their subtree was removed):
-#: they are evicted before everything else.
-GARBAGE_PRIORITY: Final = Priority(-1)
-
-#: ``Page.in_evictor`` values: not listed, listed as DROPPABLE, listed as HELD.
-NOT_LISTED: Final = 0
-LISTED_DROPPABLE: Final = 1
-LISTED_HELD: Final = 2
-
-#: ``Page.ev_pos`` (frequency policy): a heap index, or one of these
-NOT_IN_HEAP: Final = -1
+#: ``Page.ev_pos`` (frequency policy): a heap index, ``NOT_IN_HEAP``, or one of these
 PARKED: Final = -2
 IN_FIFO: Final = -3
-
-#: ``Page.use_serial`` of a page no request has been counted for
-NO_SERIAL: Final = RequestSerial(-1)
 
 #: Frequency policy: the rate's damping ``tau``, in cache sizes of block uses (15 x the level's slots).
 TAU_SLOTS: Final = 15
@@ -58,79 +43,6 @@ _MAX_RANKED_USES: Final = (1 << 22) - 1
 _TAG_BYTES: Final = 8
 _EMPTY_TAG: Final = bytes(_TAG_BYTES)
 _ZERO_TAG_STAND_IN: Final = b"\x01" + bytes(_TAG_BYTES - 1)
-
-
-class Evictor:
-    """The pages one (cache level, pool group) may evict, in eviction order (the interface).
-
-    ``count`` pages are listed, ``num_held`` of them HELD. Subclasses keep the order; the
-    listing state (``Page.in_evictor``) and the counts are kept here.
-    """
-
-    __slots__ = ("count", "num_held")
-
-    def __init__(self) -> None:
-        self.count = 0
-        #: listed pages that are HELD (the rest are DROPPABLE)
-        self.num_held = 0
-
-    @final
-    def _listed(self, page: Page) -> None:
-        """Bookkeeping of a page that enters the evictor (HELD if it has holders, else DROPPABLE)."""
-        if page.num_holds:
-            page.in_evictor = LISTED_HELD
-            self.num_held += 1
-        else:
-            page.in_evictor = LISTED_DROPPABLE
-        self.count += 1
-
-    @final
-    def _unlisted(self, page: Page) -> None:
-        if page.in_evictor == LISTED_HELD:
-            self.num_held -= 1
-        page.in_evictor = NOT_LISTED
-        self.count -= 1
-
-    def add(self, page: Page) -> None:
-        """List ``page`` (released by its last active owner, moved here, or re-prioritized)."""
-        raise NotImplementedError
-
-    def remove(self, page: Page) -> None:
-        """Unlist a listed page (taken by a request, moved, or freed)."""
-        raise NotImplementedError
-
-    def pop_victim(self) -> Page:
-        """Remove and return the page to evict next (callers check ``count`` first)."""
-        raise NotImplementedError
-
-    def select(self, count: int, max_held: int) -> list[Page]:
-        """Take out and return up to ``count`` pages in eviction order, at most ``max_held`` of them
-        HELD (HELD pages beyond that are skipped: there is no room for them below)."""
-        raise NotImplementedError
-
-    def pages(self) -> list[Page]:
-        """Every evictable page, in eviction order (for checks and statistics)."""
-        raise NotImplementedError
-
-    def structure_error(self) -> str | None:
-        """The first inconsistency of the internal structure, or None (for the invariant checker)."""
-        raise NotImplementedError
-
-    def to_garbage(self, page: Page) -> None:
-        """Move an evictable page to the front of the eviction order (it can no longer be reused).
-        A page an eviction has already taken out is only marked."""
-        if page.in_evictor == NOT_LISTED:
-            page.priority = GARBAGE_PRIORITY
-            return
-        self.remove(page)
-        page.priority = GARBAGE_PRIORITY
-        self.add(page)
-
-    def became_leaf(self, page: Page) -> None:
-        """``page``'s tree node lost its last child (the tree tells policies that park pages)."""
-
-    def resize(self, num_slots: int) -> None:
-        """The level now has ``num_slots`` slots of this pool group."""
 
 
 class LruEvictor(Evictor):
@@ -233,7 +145,7 @@ class LruEvictor(Evictor):
         return None
 
 
-class UseHistory:
+class UseHistory(UseCounter):
     """Use counting of one pool group for the frequency policy, shared by its evictors of every
     cache level: the use clock, and the ghost table that remembers the blocks that left.
 

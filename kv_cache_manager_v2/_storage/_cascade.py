@@ -1,0 +1,222 @@
+"""The eviction cascade: making room at a level by moving its victims down the levels (the newest
+as far as the levels below have room) and dropping what the last level evicts, and the one place
+pages leave storage for good (``drop``, ``lose``).
+
+Storage reports what it did in one direction: to the page-drop listener (the reuse tree, which
+tells KV-cache event subscribers in plain values), once per dropped page and once per batch of
+moved pages, after the move; the listener never calls back into storage while being told.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from .._common import CacheLevel, CacheTier
+from .._exceptions import OutOfPagesError
+from ._levels import StorageLevels
+from ._page import Page, PoolGroupStorage
+from ._persistence import persist_pages
+from ._tiers._remote_tier import RemoteTier
+
+
+class PageDropListener(ABC):
+    """Told when eviction drops a page for good (the reuse tree forgets it), and when pages move
+    between tiers (the tree reports them to KV-cache event subscribers)."""
+
+    @abstractmethod
+    def page_dropped(self, page: Page) -> None:
+        """``page`` is about to be freed (or was lost): forget every reference to it."""
+
+    def page_moved(self, page: Page, source_level: CacheLevel) -> None:
+        """``page`` now lives at ``page.level`` (it was at ``source_level``); the default does nothing."""
+
+    def pages_moved(self, pages: list[Page], source_level: CacheLevel) -> None:
+        """Published ``pages`` moved from ``source_level`` to their ``level`` (after the copy), in order."""
+        for page in pages:
+            self.page_moved(page, source_level)
+
+
+class EvictionCascade(StorageLevels):
+    """Storage levels that evict: ``make_room`` takes the evictor's victims lowest priority first;
+    above the last level they move one level down (which may push that level's victims further),
+    at the last level reusable pages are dropped (the listener is told first). HELD pages only
+    ever move, so an allocation that would need to drop one is refused by the planning arithmetic
+    (``available``) before anything moves."""
+
+    #: told of the pages dropped and moved (the reuse tree); set by the subclass's constructor
+    drop_listener: PageDropListener | None
+    #: the remote tier below the last level (``attach_remote``): reusable full-block pages dropped
+    #: for good are written there
+    remote_tier: RemoteTier | None
+
+    def persist_pages(self, pages: list[Page]) -> None:
+        """Record the persistent disk tier's reusable full-block pages among ``pages`` (their bytes
+        are in place): a manager opening the directory after this one adopts them."""
+        persist = self.persist
+        assert persist is not None
+        persist_pages(persist, self.persist_level, self.tokens_per_block, pages)
+
+    # ------------------------------------------------------------------ eviction
+    def make_room(self, storage: PoolGroupStorage, count: int, reserve: int = 0) -> None:
+        """Evict (lowest priority, least recently used first) until ``count`` slots are free.
+        ``reserve``: pages the caller places in the levels below afterwards (room kept for them)."""
+        allocator = storage.allocator
+        if allocator.num_free >= count:
+            return
+        if storage.is_last:
+            while allocator.num_free < count:
+                storage.num_evicted += 1
+                self.drop(storage.evictor.pop_victim())
+            return
+        self._evict(storage, count - allocator.num_free, reserve)
+
+    def _evict(self, storage: PoolGroupStorage, count: int, reserve: int) -> None:
+        """Take ``count`` pages out of a level above the last: HELD ones and the newest reusable ones
+        move down as far as the levels below have room (``capacity``, less ``reserve``), garbage
+        and the oldest reusable ones beyond that are dropped. One batch of copies per level."""
+        level, pool_group = storage.level, storage.index
+        room = self.capacity(level + 1, pool_group) - reserve
+        victims = storage.evictor.select(count, room)
+        if len(victims) < count:
+            for v in victims:
+                v.relist()
+            raise OutOfPagesError(
+                f"cache level {level}, pool group {pool_group}: {count} pages must be evicted but only {len(victims)} can be "
+                "(the caller's planning and the evictor disagree)"
+            )
+        storage.num_evicted += count
+        spare = room - sum(1 for v in victims if v.num_holds)
+        reusable = [v for v in victims if not v.num_holds and v.node is not None]
+        keep = {id(v) for v in reusable[max(0, len(reusable) - spare) :]}  # the newest ones move down
+        for v in victims:
+            if not v.num_holds and id(v) not in keep:
+                self.drop(v)
+        movers = [v for v in victims if v.num_holds or (id(v) in keep and v.node is not None)]
+        for v in victims:  # dropping an anchor above may have made a kept page garbage
+            if id(v) in keep and v.node is None and v.slot >= 0:
+                self.drop(v)
+        self._place(movers, level + 1, pool_group)
+
+    def _place(self, movers: list[Page], level: int, pool_group: int) -> None:
+        """Move ``movers`` (one source storage, in no evictor, in eviction order; at most
+        ``capacity(level, pool_group)`` of them) into ``level`` and below: the newest as many as ``level``
+        can hold (it evicts its own victims further down first), the older rest one level
+        further down. A GPU victim thus makes room in a small host tier by pushing the host's
+        own victims to disk, and only the last level drops."""
+        dst = self.levels.items[level].items[pool_group]
+        take = len(movers)
+        if not dst.is_last:
+            take = min(take, dst.allocator.num_free + dst.evictor.count)
+        rest = movers[: len(movers) - take]
+        here = movers[len(movers) - take :]
+        try:
+            self.make_room(dst, take, len(rest))
+        except BaseException:
+            for v in movers:  # e.g. a driver error below: they stay where they are, listed again
+                v.relist()
+            raise
+        still = [v for v in here if v.num_holds or v.node is not None]
+        for v in here:
+            if not v.num_holds and v.node is None:
+                self.drop(v)  # became garbage while the levels below made room: not worth moving
+        try:
+            failed = self._relocate(still, dst)
+        except BaseException:
+            for v in still + rest:
+                v.relist()
+            raise
+        dst.num_offloaded += len(still) - len(failed)
+        lost = {id(p) for p in failed}
+        for p in still:
+            if id(p) not in lost:
+                p.relist()
+        for p in failed:
+            self.lose(p)
+        if rest:
+            for v in rest:
+                if not v.num_holds and v.node is None:
+                    self.drop(v)  # became garbage meanwhile
+            self._place([v for v in rest if v.num_holds or v.node is not None], level + 1, pool_group)
+
+    def _relocate(self, pages: list[Page], dst: PoolGroupStorage) -> list[Page]:
+        """Copy ``pages`` (one source storage, in no evictor) into new slots of ``dst`` (room made)
+        and free their old slots. Returns the pages whose copy failed; they stay where they were."""
+        if not pages:
+            return []
+        src = pages[0].storage
+        slots = dst.allocator.allocate(len(pages))
+        try:
+            failed_idx = self.copier.copy(
+                src.pools, dst.pools, src.layout.slot_sizes, [(p.slot, s) for p, s in zip(pages, slots)]
+            )
+        except BaseException:  # a driver error: the pages stay where they were
+            for s in slots:
+                dst.allocator.free(s)
+            raise
+        failed: list[Page] = []
+        moved: list[Page] = []
+        for i, (p, s) in enumerate(zip(pages, slots)):
+            if i in failed_idx:
+                dst.allocator.free(s)
+                failed.append(p)
+                continue
+            src.allocator.free(p.slot)
+            p.relocate(dst, s)
+            if p.node is not None:
+                moved.append(p)
+        listener = self.drop_listener
+        if moved and listener is not None:
+            listener.pages_moved(moved, src.level)
+        if dst.level == self.persist_level:
+            self.persist_pages(pages)
+        if failed:
+            disk = dst if dst.tier.tier is CacheTier.DISK else src
+            disk.num_io_errors += len(failed)
+        return failed
+
+    def lose(self, page: Page) -> None:
+        """A page whose data a disk error destroyed: reusable ones are dropped (a miss), owned ones
+        are marked lost (their owners drop the blocks from there on when they next resume)."""
+        if page.num_locks == 0 and page.num_holds == 0:
+            self.drop(page, False)  # its data is gone: nothing to write to the remote tier
+            return
+        listener = self.drop_listener
+        if listener is not None:
+            listener.page_dropped(page)
+        page.storage.num_dropped += 1
+        page.mark_lost()
+
+    def drop_all_evictable(self) -> None:
+        """Drop every evictable page of every level (clearing the reusable cache; no request is open)."""
+        for level in self.levels:
+            for storage in level:
+                ev = storage.evictor
+                while ev.count > ev.num_held:
+                    victims = ev.select(ev.count - ev.num_held, 0)
+                    for v in victims:
+                        self.drop(v)
+
+    def drop(self, page: Page, spill: bool = True) -> None:
+        """Free an evicted page for good; the listener forgets it first (and the use history
+        remembers a reusable block's uses). With a remote tier, a reusable full block's data is
+        queued for writing there first (unless ``spill`` is False)."""
+        storage = page.storage
+        history = storage.history
+        if history is not None:
+            history.record(page)
+        remote = self.remote_tier
+        listener = self.drop_listener
+        node = page.node
+        if spill and remote is not None and node is not None and not page.remote_copy:
+            if remote.takes_slot(page):
+                key = node.key
+                if listener is not None:
+                    listener.page_dropped(page)
+                storage.num_dropped += 1
+                remote.hand_off(page, key)
+                return
+            remote.spill_one(page)
+        if listener is not None:
+            listener.page_dropped(page)
+        storage.num_dropped += 1
+        page.free()

@@ -1,0 +1,488 @@
+"""Pages and where they live: one slot of some cache level holding one block of one layer group
+(``Page``), the storage of one pool group at one level (``PoolGroupStorage``: pools, slot
+allocator, evictor, traffic counters), and the interfaces pages use there: the evictor
+(``Evictor``; the policies are in ``_eviction.py``) and the use counting (``UseCounter``).
+
+Storage never names the reuse tree: what a page needs of its tree node is ``PageNode``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final, Protocol, final
+
+import rawref
+
+from .._common import (
+    BAD_PAGE_INDEX,
+    CacheLevel,
+    LayerGroupId,
+    MemAddress,
+    PageStatus,
+    PoolGroupIndex,
+    Priority,
+    RequestSerial,
+    SlotId,
+    TokenIdExt,
+)
+from .._exceptions import LogicError
+from ._backend import MemoryPool, Pool
+from ._layout import PoolGroupLayout
+from ._slot_allocator import SlotAllocator
+from ._tiers._base import HandOffPart, MediumAccess, Tier, memory
+
+#: Priority of pages that no longer belong to a reusable block (their subtree was removed):
+#: they are evicted before everything else.
+GARBAGE_PRIORITY: Final = Priority(-1)
+
+#: ``Page.in_evictor`` values: not listed, listed as DROPPABLE, listed as HELD.
+NOT_LISTED: Final = 0
+LISTED_DROPPABLE: Final = 1
+LISTED_HELD: Final = 2
+
+#: ``Page.ev_pos`` (frequency policy): not in a heap (see ``_eviction.py`` for the other values)
+NOT_IN_HEAP: Final = -1
+
+#: ``Page.use_serial`` of a page no request has been counted for
+NO_SERIAL: Final = RequestSerial(-1)
+
+
+class PageNode(Protocol):
+    """What storage needs of the reuse-tree node a published page belongs to."""
+
+    @property
+    def key(self) -> bytes: ...
+
+    @property
+    def parent(self) -> PageNode | None: ...
+
+    @property
+    def tokens(self) -> Sequence[TokenIdExt]: ...
+
+    @property
+    def ordinal(self) -> int:
+        """The block's index in its sequence."""
+
+    @property
+    def scope(self) -> tuple[int | None, int | None] | None:
+        """The scope's ``(lora_id, salt)``."""
+
+    @property
+    def has_children(self) -> bool: ...
+
+
+class UseCounter:
+    """Use counting of one pool group (the frequency policy's ``UseHistory``; the interface)."""
+
+    __slots__ = ()
+
+    def use(self, page: Page, serial: RequestSerial) -> None:
+        """Request ``serial`` uses ``page`` (a page in the tree); counted once per request."""
+        raise NotImplementedError
+
+    def record(self, page: Page) -> None:
+        """``page`` (in the tree) is dropped for good: remember its block's uses."""
+        raise NotImplementedError
+
+    def resize(self, num_slots: int) -> None:
+        """Size for a last level of ``num_slots`` slots."""
+        raise NotImplementedError
+
+
+class Evictor:
+    """The pages one (cache level, pool group) may evict, in eviction order (the interface).
+
+    ``count`` pages are listed, ``num_held`` of them HELD. Subclasses keep the order; the
+    listing state (``Page.in_evictor``) and the counts are kept here.
+    """
+
+    __slots__ = ("count", "num_held")
+
+    def __init__(self) -> None:
+        self.count = 0
+        #: listed pages that are HELD (the rest are DROPPABLE)
+        self.num_held = 0
+
+    @final
+    def _listed(self, page: Page) -> None:
+        """Bookkeeping of a page that enters the evictor (HELD if it has holders, else DROPPABLE)."""
+        if page.num_holds:
+            page.in_evictor = LISTED_HELD
+            self.num_held += 1
+        else:
+            page.in_evictor = LISTED_DROPPABLE
+        self.count += 1
+
+    @final
+    def _unlisted(self, page: Page) -> None:
+        if page.in_evictor == LISTED_HELD:
+            self.num_held -= 1
+        page.in_evictor = NOT_LISTED
+        self.count -= 1
+
+    def add(self, page: Page) -> None:
+        """List ``page`` (released by its last active owner, moved here, or re-prioritized)."""
+        raise NotImplementedError
+
+    def remove(self, page: Page) -> None:
+        """Unlist a listed page (taken by a request, moved, or freed)."""
+        raise NotImplementedError
+
+    def pop_victim(self) -> Page:
+        """Remove and return the page to evict next (callers check ``count`` first)."""
+        raise NotImplementedError
+
+    def select(self, count: int, max_held: int) -> list[Page]:
+        """Take out and return up to ``count`` pages in eviction order, at most ``max_held`` of them
+        HELD (HELD pages beyond that are skipped: there is no room for them below)."""
+        raise NotImplementedError
+
+    def pages(self) -> list[Page]:
+        """Every evictable page, in eviction order (for checks and statistics)."""
+        raise NotImplementedError
+
+    def structure_error(self) -> str | None:
+        """The first inconsistency of the internal structure, or None (for the invariant checker)."""
+        raise NotImplementedError
+
+    def to_garbage(self, page: Page) -> None:
+        """Move an evictable page to the front of the eviction order (it can no longer be reused).
+        A page an eviction has already taken out is only marked."""
+        if page.in_evictor == NOT_LISTED:
+            page.priority = GARBAGE_PRIORITY
+            return
+        self.remove(page)
+        page.priority = GARBAGE_PRIORITY
+        self.add(page)
+
+    def became_leaf(self, page: Page) -> None:
+        """``page``'s tree node lost its last child (the tree tells policies that park pages)."""
+
+    def resize(self, num_slots: int) -> None:
+        """The level now has ``num_slots`` slots of this pool group."""
+
+
+class PoolGroupStorage:
+    """The pools of one pool group at one cache level, the allocator of their shared slots, and
+    the evictor of the level's evictable pages of that group, with its traffic counters."""
+
+    __slots__ = (
+        "allocator",
+        "evictor",
+        "headroom",
+        "history",
+        "is_last",
+        "layout",
+        "level",
+        "media",
+        "num_dropped",
+        "num_evicted",
+        "num_io_errors",
+        "num_lost",
+        "num_offloaded",
+        "num_onboarded",
+        "parked",
+        "pools",
+        "tier",
+    )
+
+    def __init__(
+        self,
+        level: CacheLevel,
+        tier: Tier,
+        is_last: bool,
+        layout: PoolGroupLayout,
+        num_slots: int,
+        pools: list[Pool],
+        evictor: Evictor,
+        history: UseCounter | None,
+        media: list[MediumAccess],
+    ) -> None:
+        self.level = level
+        #: the medium's tier object (builds and grows the pools)
+        self.tier = tier
+        #: each pool's access object (see ``_tiers``)
+        self.media = [media[pool.medium] for pool in pools]
+        #: the last level drops what it evicts; levels above move it down
+        self.is_last = is_last
+        self.layout = layout
+        self.pools = pools
+        self.allocator = SlotAllocator(num_slots, pools, layout.slot_sizes)
+        #: the pool group's use counting, shared by its levels (frequency policy; None: LRU)
+        self.history = history
+        #: the level's evictable pages of this group, in eviction order
+        self.evictor = evictor
+        #: pages dropped for good here: evicted reusable pages, and pages lost to disk errors (cumulative)
+        self.num_dropped = 0
+        #: pages eviction took out of this level (moved down or dropped)
+        self.num_evicted = 0
+        #: pages evicted into this level from the level above
+        self.num_offloaded = 0
+        #: pages copied from this level to a higher one
+        self.num_onboarded = 0
+        #: pages a disk read or write failed for
+        self.num_io_errors = 0
+        #: lost pages whose owners have not let go yet
+        self.num_lost = 0
+        #: slots beyond ``num_slots`` for the remote tier's writes (the last level only): a dropped
+        #: page's slot goes to the writer, which sends the data from there, and a parked slot takes
+        #: its place; the allocator counts all of them as used
+        self.headroom = 0
+        #: headroom slots not being written from (the writer appends, the scheduler's thread pops)
+        self.parked: list[SlotId] = []
+
+    @property
+    def index(self) -> PoolGroupIndex:
+        return self.layout.index
+
+    @property
+    def num_slots(self) -> int:
+        """Slots for pages (the headroom not counted)."""
+        return self.allocator.num_slots - self.headroom
+
+    @property
+    def num_used(self) -> int:
+        return self.allocator.num_used - self.headroom
+
+    def can_hand_off(self) -> bool:
+        """Whether a dropped page's slot can go to the remote tier's writer as it is (host memory or disk)."""
+        return all(access.can_hand_off() for access in self.media)
+
+    def hand_off_parts(self, slot: SlotId) -> list[HandOffPart]:
+        """Where the remote tier's writer reads ``slot`` of each pool (``can_hand_off`` groups)."""
+        return [
+            access.hand_off_part(pool, slot, size)
+            for access, pool, size in zip(self.media, self.pools, self.layout.slot_sizes)
+        ]
+
+    def memory_pool(self, pool: int) -> MemoryPool:
+        """Pool ``pool`` of a memory level (GPU or host)."""
+        return memory(self.pools[pool])
+
+    def slot_address(self, pool: int, slot: SlotId) -> MemAddress:
+        return MemAddress(self.memory_pool(pool).base_address + slot * self.layout.slot_sizes[pool])
+
+    def release(self) -> None:
+        for pool in self.pools:
+            pool.release()
+
+
+class Page:
+    """A block's memory for one layer group.
+
+    Owners count themselves: active requests lock (``num_locks``), suspended ones hold
+    (``num_holds``). When the last owner lets go the slot is freed at once, so release is
+    deterministic and never waits for the cycle collector. A page committed to the reuse
+    tree (``node`` set) is not freed but becomes DROPPABLE: it waits in its pool group's
+    evictor until reused or evicted. The tree refers to pages through ``rawref.ref(page)``,
+    which is invalidated when the slot is freed.
+
+    A page keeps its identity when it moves between cache levels (``storage``, ``slot`` and
+    ``level`` change; owners and the tree keep their references). Its level's evictor lists it
+    while it is DROPPABLE, or HELD at a level above the last (``in_evictor`` says how).
+    A page whose data was lost to a disk error is ``lost``: no slot, out of the tree, still
+    counted by its owners until they let go.
+
+    Pages are untracked by the cyclic garbage collector, like tree nodes: the evictor unlinks
+    a page it stops listing, and the manager empties the evictors when it goes away.
+    """
+
+    __slots__ = (
+        "_rawref",
+        "anchor",
+        "ev_key",
+        "ev_pos",
+        "ev_seq",
+        "first_use",
+        "in_evictor",
+        "level",
+        "layer_group",
+        "lost",
+        "lru_next",
+        "lru_prev",
+        "node",
+        "num_holds",
+        "num_locks",
+        "priority",
+        "remote_copy",
+        "slot",
+        "storage",
+        "use_serial",
+        "uses",
+    )
+
+    _rawref: rawref.ref[Page] | None
+
+    def __init__(
+        self, storage: PoolGroupStorage, slot: SlotId, layer_group: LayerGroupId, priority: Priority, locked: bool
+    ) -> None:
+        self.storage = storage
+        self.slot = slot
+        self.level = storage.level
+        self.layer_group = layer_group
+        self.priority = priority
+        self.num_locks = 1 if locked else 0
+        self.num_holds = 0 if locked else 1
+        self._rawref = None
+        self.node: PageNode | None = None
+        # links of the evictor's LRU list (frequency policy: of its parked list) while listed there
+        self.lru_prev: Page | None = None
+        self.lru_next: Page | None = None
+        self.in_evictor = NOT_LISTED
+        self.lost = False
+        #: the remote tier has (or was sent) this page's data: dropping it locally writes nothing
+        self.remote_copy = False
+        #: set when published: a full-attention or sink block, whose loss removes the blocks after it
+        self.anchor = False
+        # Frequency policy (see _eviction.py): requests that used the block (history included),
+        # the use clock at its first use, the last request counted; the value and sequence
+        # number the page was listed with, and its heap index (or NOT_IN_HEAP / PARKED).
+        self.uses = 0
+        self.first_use = 0
+        self.use_serial = NO_SERIAL
+        self.ev_key = 0.0
+        self.ev_seq = 0
+        self.ev_pos = NOT_IN_HEAP
+        rawref.untrack(self)  # see the class docstring
+
+    @property
+    def status(self) -> PageStatus:
+        if self.num_locks:
+            return PageStatus.LOCKED
+        if self.num_holds:
+            return PageStatus.HELD
+        return PageStatus.DROPPABLE
+
+    def _list_if_held(self) -> None:
+        """List a page that only suspended requests own, above the last level (it may spill down)."""
+        if self.num_locks == 0 and not self.storage.is_last and not self.lost:
+            self.storage.evictor.add(self)
+
+    def lock_from_hold(self) -> None:
+        if self.in_evictor:
+            self.storage.evictor.remove(self)
+        self.num_holds -= 1
+        self.num_locks += 1
+
+    def hold_from_lock(self) -> None:
+        self.num_locks -= 1
+        self.num_holds += 1
+        self._list_if_held()
+
+    def take(self, locked: bool) -> None:
+        """A new owner (locking if ``locked``, else holding); a listed page leaves the evictor
+        (a HELD page comes back as the newest)."""
+        storage = self.storage
+        if self.in_evictor:
+            storage.evictor.remove(self)
+        if locked:
+            self.num_locks += 1
+        else:
+            self.num_holds += 1
+            if self.num_locks == 0 and not storage.is_last and not self.lost:
+                storage.evictor.add(self)
+
+    def release(self, locked: bool) -> None:
+        """One owner lets go; after the last, a committed page becomes DROPPABLE, others are freed."""
+        if locked:  # a locked page is in no evictor
+            self.num_locks -= 1
+            if self.num_locks:
+                return
+            if self.num_holds:
+                self._list_if_held()  # only suspended requests own it now
+            elif self.node is not None:
+                self.storage.evictor.add(self)
+            else:
+                self.free()
+            return
+        self.num_holds -= 1
+        if self.num_locks == 0:
+            if self.num_holds == 0:
+                if self.in_evictor:
+                    self.storage.evictor.remove(self)
+                if self.node is not None:
+                    self.storage.evictor.add(self)
+                else:
+                    self.free()
+            elif not self.in_evictor:
+                self._list_if_held()
+
+    def set_priority(self, priority: Priority) -> None:
+        """Change the eviction priority (a listed page moves to its new priority's list)."""
+        if self.in_evictor:
+            self.storage.evictor.remove(self)
+            self.priority = priority
+            self.storage.evictor.add(self)
+        else:
+            self.priority = priority
+
+    def relocate(self, storage: PoolGroupStorage, slot: SlotId) -> None:
+        """Now at ``slot`` of ``storage`` (the caller copied the data and frees the old slot)."""
+        self.storage = storage
+        self.slot = slot
+        self.level = storage.level
+
+    def exchange_location(self, other: Page) -> None:
+        """Swap where this page and ``other`` (same pool group, same data) live; evictor listing follows."""
+        a, b = self.in_evictor, other.in_evictor
+        if a:
+            self.storage.evictor.remove(self)
+        if b:
+            other.storage.evictor.remove(other)
+        storage, slot = self.storage, self.slot
+        self.relocate(other.storage, other.slot)
+        other.relocate(storage, slot)
+        if a:
+            self.relist()
+        if b:
+            other.relist()
+
+    def relist(self) -> None:
+        """List a page its level's evictor should hold (after a move): DROPPABLE, or HELD above the last level."""
+        if self.num_locks == 0 and not self.lost and (self.num_holds == 0 or not self.storage.is_last):
+            self.storage.evictor.add(self)
+
+    def mark_lost(self) -> None:
+        """The data is gone (disk error): free the slot, keep the owners' counts (they drop the page)."""
+        if self.in_evictor:
+            self.storage.evictor.remove(self)
+        self.storage.allocator.free(self.slot)
+        self.slot = SlotId(BAD_PAGE_INDEX)
+        self.lost = True
+        self.storage.num_lost += 1
+        r = self._rawref
+        if r is not None:
+            r.invalidate()
+            self._rawref = None
+
+    def __del__(self) -> None:
+        # rawref's contract: a target invalidates its ref before it dies. Normally free() did.
+        r = self._rawref
+        if r is not None:
+            r.invalidate()
+
+    def hand_off(self) -> SlotId:
+        """Forget the slot without freeing it (the remote tier's writer sends its data, then the
+        storage manager reuses it) and invalidate refs to this page (owners must be gone)."""
+        slot = self.slot
+        self.slot = SlotId(BAD_PAGE_INDEX)
+        r = self._rawref
+        if r is not None:
+            r.invalidate()
+            self._rawref = None
+        return slot
+
+    def free(self) -> None:
+        """Give the slot back and invalidate refs to this page (owners must be gone)."""
+        if self.slot == BAD_PAGE_INDEX:
+            if not self.lost:
+                raise LogicError("page freed twice")
+            self.lost = False  # the last owner let go of a lost page: nothing to free
+            self.storage.num_lost -= 1
+            return
+        self.storage.allocator.free(self.slot)
+        self.slot = SlotId(BAD_PAGE_INDEX)
+        r = self._rawref
+        if r is not None:
+            r.invalidate()
+            self._rawref = None

@@ -1,0 +1,49 @@
+"""The persistent disk tier's records as pages come and go: the slots a previous manager left
+(taken at start-up, adopted by the manager), and a record per reusable full block written there."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import cast
+
+from .._common import PoolGroupIndex, SlotId
+from .._typed import TypedList
+from ._page import Page, PoolGroupStorage
+from ._persist import PersistentDisk
+from ._tiers._disk_tier import arm_sums, slot_sums
+
+
+def take_persisted(persist: PersistentDisk, storages: TypedList[PoolGroupIndex, PoolGroupStorage]) -> None:
+    """Mark the slots of the persistent disk tier's valid records used (their pages are made by
+    the manager's ``adopt_persisted``, which frees what it cannot place) and arm their checksums."""
+    for g, found in enumerate(persist.records):
+        storage = storages.items[g]
+        storage.allocator.take([SlotId(r.slot) for r in found])
+        arm_sums(storage.pools, [r.slot for r in found], [r.sums for r in found])
+
+
+def persist_pages(persist: PersistentDisk, level: int, tokens_per_block: int, pages: list[Page]) -> None:
+    """Record the persistent disk tier's (at ``level``) reusable full-block pages among ``pages``
+    (their bytes are in place): a manager opening the directory after this one adopts them."""
+    for page in pages:
+        node = page.node
+        if node is None or page.level != level or len(node.tokens) != tokens_per_block:
+            continue  # a suspended request's private page, a partial tail, a failed copy: not persisted
+        parent = node.parent
+        scope = node.scope
+        if parent is None or scope is None:
+            continue
+        raw = node.tokens
+        if type(raw) is array:
+            tokens = cast("array[int]", raw)
+        else:
+            try:
+                tokens = array("I", cast(Sequence[int], raw))
+            except (TypeError, OverflowError):
+                continue  # a block of digests (bytes tokens): not persisted
+        storage = page.storage
+        sums = slot_sums(storage.pools, page.slot)
+        persist.write(
+            int(storage.index), page.slot, page.layer_group, page.priority, scope, parent.key, node.key, tokens, sums
+        )

@@ -1,0 +1,124 @@
+"""Storage statistics: per level usage, traffic counters (offloaded, onboarded and dropped pages
+and bytes, I/O errors) since creation or since the previous iteration, the remote tier's last."""
+
+from __future__ import annotations
+
+from .._common import CacheLevel, CacheTier, StorageStatistics, TierStatistics
+from ._levels import StorageLevels
+from ._tiers._remote_tier import RemoteTier
+
+#: traffic counters of a level: offloaded, onboarded, dropped pages, the same in bytes, I/O errors
+NUM_COUNTERS = 7
+
+
+class TrafficStatistics:
+    """Statistics of the levels of ``storage`` (and of its remote tier, once attached)."""
+
+    def __init__(self, storage: StorageLevels) -> None:
+        self.storage = storage
+        self.remote: RemoteTier | None = None
+        #: cumulative counters at the last ``take_iteration_stats``, per level (the remote tier last)
+        self._iteration_base: list[list[int]] = [[0] * NUM_COUNTERS for _ in range(storage.num_levels + 1)]
+
+    def statistics(self, level: CacheLevel) -> list[StorageStatistics]:
+        storage = self.storage
+        out: list[StorageStatistics] = []
+        for group in storage.levels[level]:
+            free = group.allocator.num_free
+            available = storage.available(level, group.index)
+            out.append(StorageStatistics(group.index, group.layout.slot_sizes, group.num_slots, free, available - free))
+        return out
+
+    def utilization(self) -> float:
+        """Max over GPU pool groups of unavailable / total slots."""
+        storage = self.storage
+        return max(1.0 - storage.available(0, group.index) / group.num_slots for group in storage.gpu)
+
+    def _counters(self, level: int) -> list[int]:
+        """Cumulative (offloaded, onboarded, dropped) pages then bytes, and io errors, of ``level``."""
+        if level == self.storage.num_levels:
+            assert self.remote is not None
+            return self.remote.remote.counters()
+        out = [0] * NUM_COUNTERS
+        for group in self.storage.levels.items[level]:
+            slot_bytes = group.layout.slot_bytes
+            for i, count in enumerate((group.num_offloaded, group.num_onboarded, group.num_dropped)):
+                out[i] += count
+                out[3 + i] += count * slot_bytes
+            out[6] += group.num_io_errors
+            for access, pool in zip(group.media, group.pools):  # handed-off slots the remote writer found damaged
+                out[6] += access.num_unsent(pool)
+        return out
+
+    def _bytes(self, level: int, per_group: list[int]) -> int:
+        return sum(n * group.layout.slot_bytes for n, group in zip(per_group, self.storage.levels.items[level]))
+
+    def tier_statistics(self, level: CacheLevel) -> TierStatistics:
+        """Usage and traffic of ``level`` since the manager was created."""
+        if level == self.storage.num_levels:
+            return self._remote_stats(level, [0] * NUM_COUNTERS)
+        peaks = [group.allocator.peak_used - group.headroom for group in self.storage.levels[level]]
+        return self._tier_stats(level, [0] * NUM_COUNTERS, peaks)
+
+    def _remote_stats(self, level: CacheLevel, base: list[int]) -> TierStatistics:
+        """The remote level: written (offloaded), fetched (onboarded), dropped writes, errors; usage
+        is the server's business (it is shared), so it reads 0."""
+        remote = self.remote
+        assert remote is not None
+        quota = remote.remote.cfg.quota
+        counters = remote.remote.counters()
+        return _statistics(level, CacheTier.REMOTE, quota if quota is not None else 0, 0, 0, counters, base)
+
+    def take_iteration_stats(self) -> list[TierStatistics]:
+        """Per level, the traffic since the previous call (peaks: highest usage since then); resets."""
+        out: list[TierStatistics] = []
+        remote = self.remote
+        if remote is not None:
+            remote.flush_write_through()
+        storage = self.storage
+        for level in range(storage.num_levels):
+            groups = storage.levels.items[level]
+            peaks = [group.allocator.iteration_peak - group.headroom for group in groups]
+            out.append(self._tier_stats(CacheLevel(level), self._iteration_base[level], peaks))
+            self._iteration_base[level] = self._counters(level)
+            for group in groups:
+                group.allocator.iteration_peak = group.allocator.num_used
+        if remote is not None:
+            level = storage.num_levels
+            out.append(self._remote_stats(CacheLevel(level), self._iteration_base[level]))
+            self._iteration_base[level] = remote.remote.counters()
+        return out
+
+    def _tier_stats(self, level: CacheLevel, base: list[int], peaks: list[int]) -> TierStatistics:
+        groups = self.storage.levels[level]
+        return _statistics(
+            level,
+            self.storage.tiers[level],
+            self._bytes(level, [group.num_slots for group in groups]),
+            self._bytes(level, [group.num_used for group in groups]),
+            self._bytes(level, peaks),
+            self._counters(level),
+            base,
+        )
+
+
+def _statistics(
+    level: CacheLevel, tier: CacheTier, total: int, used: int, peak: int, now: list[int], base: list[int]
+) -> TierStatistics:
+    """A level's statistics; traffic is the counters ``now`` minus ``base`` (offloaded, onboarded and
+    dropped pages, the same in bytes, I/O errors)."""
+    d = [now[i] - base[i] for i in range(NUM_COUNTERS)]
+    return TierStatistics(
+        level=level,
+        tier=tier,
+        total_bytes=total,
+        used_bytes=used,
+        peak_used_bytes=peak,
+        offloaded_pages=d[0],
+        onboarded_pages=d[1],
+        dropped_pages=d[2],
+        offloaded_bytes=d[3],
+        onboarded_bytes=d[4],
+        dropped_bytes=d[5],
+        io_errors=d[6],
+    )

@@ -1,0 +1,169 @@
+"""The remote tier's side of local storage: what a dropped or published page sends to the remote
+store (``RemoteStore``, below the last local level).
+
+A reusable full block dropped for good at a last level whose slots the writer thread can read as
+they are (host memory, disk) is *handed off*: its slot goes to the writer, which sends the data
+from there, and a parked *headroom* slot takes its place (no copy on the scheduler's thread).
+Otherwise the data is copied into the store's write ring (``spill``). Write-through queues the
+pages published since the last flush and copies them out in one batch.
+"""
+
+from __future__ import annotations
+
+import rawref
+
+from .._copy_engine import CopyEngine
+from .._page import Page, PoolGroupStorage
+from .._remote import RemoteStore
+
+#: most headroom slots one pool group gets for the remote tier's writes
+MAX_HEADROOM = 4096
+
+
+class RemoteTier:
+    """Writes to ``remote`` the reusable full-block pages local storage lets go of."""
+
+    def __init__(self, remote: RemoteStore, copier: CopyEngine, tokens_per_block: int, num_pool_groups: int) -> None:
+        self.remote = remote
+        self.copier = copier
+        self.tokens_per_block = tokens_per_block
+        self.num_pool_groups = num_pool_groups
+        #: write-through pages published since the last ``flush_write_through`` (emptied in place:
+        #: the storage manager tests this very list on its allocation path)
+        self.write_through: list[rawref.ref[Page]] = []
+
+    # ------------------------------------------------------------------ headroom
+    def headroom_for(self, storage: PoolGroupStorage, num_slots: int) -> int:
+        """Headroom of a last-level pool group with ``num_slots`` slots: the write queue's budget
+        (``max_pending_bytes``, split among pool groups), at most as many slots as it has and what
+        its reserved address space takes; 0 where slots cannot be handed off."""
+        if not storage.can_hand_off():
+            return 0
+        headroom = max(1, self.remote.cfg.max_pending_bytes // (self.num_pool_groups * storage.layout.slot_bytes))
+        headroom = min(headroom, num_slots, MAX_HEADROOM)
+        for pool, size in zip(storage.pools, storage.layout.slot_sizes):
+            headroom = min(headroom, pool.reserved_bytes // size - num_slots)
+        return max(headroom, 0)
+
+    @staticmethod
+    def add_headroom(storage: PoolGroupStorage, headroom: int) -> None:
+        """Give ``storage`` (which has none) ``headroom`` slots past its slots, all parked."""
+        num_slots = storage.allocator.num_slots
+        if headroom <= 0:
+            return
+        for pool, size in zip(storage.pools, storage.layout.slot_sizes):
+            pool.ensure_mapped((num_slots + headroom) * size)
+        storage.allocator.resize(num_slots + headroom)
+        storage.parked = storage.allocator.allocate(headroom)
+        storage.headroom = headroom
+
+    @staticmethod
+    def drop_headroom(storage: PoolGroupStorage) -> None:
+        """Turn the headroom of ``storage`` (none in flight) into ordinary free slots."""
+        for slot in storage.parked:
+            storage.allocator.free(slot)
+        storage.parked = []
+        storage.headroom = 0
+
+    # ------------------------------------------------------------------ dropped pages
+    def takes_slot(self, page: Page) -> bool:
+        """Whether dropping ``page`` (a reusable page the store lacks) hands its slot off."""
+        node = page.node
+        return (
+            bool(page.storage.parked)
+            and not page.lost
+            and node is not None
+            and len(node.tokens) == self.tokens_per_block
+            and self.remote.accepts_slot()
+        )
+
+    def hand_off(self, page: Page, key: bytes) -> None:
+        """Give the slot of ``page`` (block ``key``; its listener told, its counters kept) to the
+        writer, which sends the data from there; a parked headroom slot becomes free in its place."""
+        storage = page.storage
+        layer_group = page.layer_group
+        slot = page.hand_off()
+        storage.allocator.free(storage.parked.pop())
+        parts = storage.hand_off_parts(slot)
+        self.remote.enqueue_slot(key, layer_group, parts, storage.layout.slot_bytes, storage.parked, slot)
+
+    def spill(self, pages: list[Page]) -> None:
+        """Queue the data of ``pages`` (reusable full blocks whose data the remote tier lacks) for
+        writing to the remote tier: copied out now (their slots may be reused at once), sent by the
+        writer thread. Pages beyond the write queue's room are skipped and counted as dropped."""
+        remote = self.remote
+        groups: dict[int, list[Page]] = {}
+        for page in pages:
+            node = page.node
+            if node is None or page.remote_copy or page.lost or len(node.tokens) != self.tokens_per_block:
+                continue
+            found = groups.get(id(page.storage))
+            if found is None:
+                groups[id(page.storage)] = [page]
+            else:
+                found.append(page)
+        for batch in groups.values():
+            source = batch[0].storage
+            nbytes = source.layout.slot_bytes
+            spans: list[int] = []
+            taken: list[Page] = []
+            for page in batch:
+                pos = remote.reserve(nbytes)
+                if pos >= 0:
+                    spans.append(pos)
+                    taken.append(page)
+            if not taken:
+                continue
+            views = [remote.span(pos, nbytes) for pos in spans]
+            failed = self.copier.read_slots(
+                source.pools, source.layout.slot_sizes, [page.slot for page in taken], views, 0
+            )
+            for i, (page, pos) in enumerate(zip(taken, spans)):
+                node = page.node
+                assert node is not None
+                if i in failed:  # a disk read failed: the page keeps its (possibly bad) data locally
+                    source.num_io_errors += 1
+                    remote.enqueue(pos, nbytes, b"", 0)
+                    continue
+                remote.enqueue(pos, nbytes, node.key, page.layer_group)
+                page.remote_copy = True
+
+    def spill_one(self, page: Page) -> None:
+        """``spill`` of one page being dropped (the eviction path: kept lean, one memory copy)."""
+        node = page.node
+        assert node is not None
+        if page.lost or len(node.tokens) != self.tokens_per_block:
+            return
+        storage = page.storage
+        size = storage.layout.slot_sizes[0]
+        data = storage.media[0].host_bytes(storage.pools[0], page.slot, size) if len(storage.pools) == 1 else None
+        if data is None:
+            self.spill([page])
+            return
+        remote = self.remote
+        pos = remote.reserve(size)
+        if pos >= 0:  # host memory (or the emulated GPU): one copy into the write ring
+            remote.span(pos, size)[:] = data
+            remote.enqueue(pos, size, node.key, page.layer_group)
+            page.remote_copy = True
+
+    # ------------------------------------------------------------------ write-through
+    def queue_write_through(self, page: Page) -> None:
+        """``page`` was just published; its data goes to the remote tier at the next
+        ``flush_write_through`` (batched: one copy-out per flush, not per block)."""
+        self.write_through.append(rawref.ref(page))
+        if len(self.write_through) >= 64:
+            self.flush_write_through()
+
+    def flush_write_through(self) -> None:
+        """Copy out the published pages queued by ``queue_write_through`` that still exist."""
+        refs = self.write_through
+        if not refs:
+            return
+        pages: list[Page] = []
+        for ref in refs:
+            page = ref()
+            if page is not None:
+                pages.append(page)
+        refs.clear()
+        self.spill(pages)
