@@ -30,7 +30,8 @@ class BlockTable:
     ``pages[lc][o]`` is block ``o``'s page (None: stale, not allocated, or awaiting its
     copy-on-partial), ``views[lc]`` the matching slot ids (``BAD_PAGE_INDEX`` where there is
     no page), mirrored into ``user_bufs[lc]`` when the caller gave a buffer. Blocks
-    ``[num_sink_blocks, stale_end[lc])`` were released as out of window.
+    ``[initial, stale_end[lc])`` were released as stale, ``initial`` being the layer group's
+    stale end at history 0 (its sink blocks), where ``stale_end[lc]`` starts.
     ``pending_copy[lc]`` is the held source page of a partially matched block.
     Blocks ``scratch[lc]`` (a ``(beg, end)`` range) of the current step have no page: they
     share the request's ``scratch_slots[lc]`` (SPEC 5.7).
@@ -52,14 +53,14 @@ class BlockTable:
         "live",
     )
 
-    def __init__(self, num_layer_groups: int) -> None:
-        n = num_layer_groups
+    def __init__(self, initial_stale_ends: list[int]) -> None:
+        n = len(initial_stale_ends)
         self.pages: TypedList[LayerGroupId, list[Page | None]] = TypedList([[] for _ in range(n)])
         # slot ids with spare capacity (never resized), and a view of the blocks' part
         self._store: TypedList[LayerGroupId, array[int]] = TypedList([_EMPTY_STORE] * n)
         self.views: TypedList[LayerGroupId, memoryview] = TypedList([_EMPTY_VIEW] * n)
         self.user_bufs: TypedList[LayerGroupId, memoryview | None] = TypedList([None] * n)
-        self.stale_end: TypedList[LayerGroupId, int] = TypedList([0] * n)
+        self.stale_end: TypedList[LayerGroupId, int] = TypedList(list(initial_stale_ends))
         self.pending_copy: TypedList[LayerGroupId, Page | None] = TypedList([None] * n)
         self.scratch: TypedList[LayerGroupId, tuple[int, int]] = TypedList([(0, 0)] * n)
         self.scratch_slots: TypedList[LayerGroupId, list[SlotId]] = TypedList([[] for _ in range(n)])

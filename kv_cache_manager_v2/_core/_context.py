@@ -10,7 +10,8 @@ import rawref
 from .._common import DEFAULT_PRIORITY, LayerGroupId, PoolGroupIndex, Priority, ReuseStatistics
 from .._config import KVCacheManagerConfig
 from .._exceptions import LogicError
-from .._layer_groups import LayerGroup, LayerGroupRegistry
+from .._layers._policy import LayerGroup
+from .._layers._registry import LayerGroupRegistry
 from .._reuse._tree import ReuseTree
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList
@@ -32,7 +33,8 @@ class CacheContext:
         "no_gain",
         "pages_per_block",
         "enable_stats",
-        "has_swa",
+        "has_releasing_groups",
+        "initial_stale_ends",
         "lc_group",
         "max_rewind_len",
         "layer_groups",
@@ -47,7 +49,7 @@ class CacheContext:
         "registry",
         "stats",
         "storage",
-        "swa_layer_groups",
+        "releasing_layer_groups",
         "tokens_per_block",
         "tree",
     )
@@ -60,8 +62,12 @@ class CacheContext:
         self.registry = registry
         self.layer_groups: TypedList[LayerGroupId, LayerGroup] = registry.layer_groups
         self.num_layer_groups = len(registry)
-        self.swa_layer_groups = registry.swa_layer_groups
-        self.has_swa = len(self.swa_layer_groups) > 0
+        #: layer groups whose blocks go stale as history grows (sliding windows)
+        self.releasing_layer_groups = registry.releasing_layer_groups
+        self.has_releasing_groups = len(self.releasing_layer_groups) > 0
+        #: per layer group, the stale end at history 0: where a new block table starts (blocks
+        #: ``[stale_end(0), table.stale_end)`` are the released ones)
+        self.initial_stale_ends = [layer_group.stale_end(0) for layer_group in self.layer_groups]
         self.lc_group: TypedList[LayerGroupId, PoolGroupIndex] = storage.layout.pool_group_of_layer_group
         self.num_pool_groups = storage.num_pool_groups
         #: per pool group, the pages one more block takes (one per layer group in the group)

@@ -172,9 +172,8 @@ def _check_cache(kv: KVCache, table: BlockTable, beam: int, own: Callable[[Page,
             _fail(f"{kv!r} beam {beam}: layer group {lc} has {len(lc_pages)} pages / {len(indices)} indices")
         buf = table.user_bufs[lc]
         src = kv.block_table.pending_copy[lc]  # beam 0 holds it for every beam
-        sinks = layer_groups[lc].num_sink_blocks
         stale_end = table.stale_end[lc]
-        if max(stale_end, sinks) != layer_groups[lc].stale_end(kv.history_length):
+        if stale_end != layer_groups[lc].stale_end(kv.history_length):
             _fail(
                 f"{kv!r}: layer group {lc} released blocks below {stale_end}, its window at history "
                 f"{kv.history_length} ends at {layer_groups[lc].stale_end(kv.history_length)}"
@@ -184,7 +183,7 @@ def _check_cache(kv: KVCache, table: BlockTable, beam: int, own: Callable[[Page,
         if slots_needed != bool(table.scratch_slots[lc]):
             _fail(f"{kv!r}: layer group {lc} has scratch blocks {sb}..{se} but {len(table.scratch_slots[lc])} slots")
         for o, p in enumerate(lc_pages):
-            stale = sinks <= o < stale_end or sb <= o < se
+            stale = layer_groups[lc].is_stale(o, kv.history_length) or sb <= o < se
             if stale and p is not None:
                 _fail(f"{kv!r}: block {o} of layer group {lc} is out of the window or scratch but keeps a page")
             if not stale and p is None and not (src is not None and o == kv.num_blocks - 1):

@@ -85,12 +85,12 @@ class KVCache:
         self._tail: list[TokenIdExt] = []
         self._committing = True
         self._cuda_stream = 0
-        self._table = BlockTable(ctx.num_layer_groups)
+        self._table = BlockTable(ctx.initial_stale_ends)
         # Beam search: one block table per beam (beam 0's is ``_table``). Until the first commit
         # with beam_search_indices every beam's table holds the same pages (one owner per table);
         # from then on ("forked") each beam has its own committed tokens and tail pages.
         self._beam_width = beam_width
-        self._tables = [self._table] + [BlockTable(ctx.num_layer_groups) for _ in range(beam_width - 1)]
+        self._tables = [self._table] + [BlockTable(ctx.initial_stale_ends) for _ in range(beam_width - 1)]
         self._forked = False
         #: committed full blocks and tail of beams 1.. once forked (beam 0's are the fields above)
         self._beam_seqs: list[tuple[list[BlockTokens], list[TokenIdExt]]] = []
@@ -98,7 +98,7 @@ class KVCache:
         #: next resize gives it a private page (a copy, for the block holding committed tokens)
         self._cow: list[tuple[int, LayerGroupId, int]] = []
         self._final_beam = 0
-        self._scratch_enabled = ctx.max_rewind_len >= 0 and ctx.has_swa and beam_width == 1
+        self._scratch_enabled = ctx.max_rewind_len >= 0 and ctx.has_releasing_groups and beam_width == 1
         # Reuse: the tree node of the last published full block, and how many full blocks are published.
         self._last_node: Node | None = None
         self._num_published = 0
@@ -314,7 +314,7 @@ class KVCache:
                 table.scratch[LayerGroupId(i)] = (0, 0)
         finally:
             ctx.leave()
-        self._scratch_enabled = value and ctx.has_swa
+        self._scratch_enabled = value and ctx.has_releasing_groups
 
     # ------------------------------------------------------------------ state machine
     def resume(self, cuda_stream: int | None = None) -> bool:
@@ -512,7 +512,7 @@ class KVCache:
             lc = LayerGroupId(i)
             end = layer_group.stale_end(n)
             for table in self._tables:
-                table.release_range(lc, max(table.stale_end[lc], layer_group.num_sink_blocks), end, locked)
+                table.release_range(lc, table.stale_end[lc], end, locked)
                 table.stale_end[lc] = end
         self._window_next = 0
         self._capacity = self._history = n
@@ -663,7 +663,11 @@ class KVCache:
             raise LogicError(f"capacity {cap} is below history_length {h}")
         t = self._tokens_per_block
         nb = (cap + t - 1) // t
-        if nb == self._num_blocks and (not self._ctx.has_swa or not self._window_moves(cap, h)) and not self._cow:
+        if (
+            nb == self._num_blocks
+            and (not self._ctx.has_releasing_groups or not self._window_moves(cap, h))
+            and not self._cow
+        ):
             self._capacity = cap
             self._history = h
             return True
@@ -681,7 +685,7 @@ class KVCache:
             and len(self._tables) == 1
             and not self._cow
             and not self._scratch_enabled
-            and (not self._ctx.has_swa or not self._window_moves(cap, h))
+            and (not self._ctx.has_releasing_groups or not self._window_moves(cap, h))
         ):
             return self._grow_one_block(cap, h)
         return self._resize_blocks(cap, h, nb)
@@ -726,7 +730,7 @@ class KVCache:
         table = self._table
         scratch = self._scratch_enabled
         nxt = MAX_CAPACITY + 1
-        for lc in ctx.swa_layer_groups:
+        for lc in ctx.releasing_layer_groups:
             layer_group = ctx.layer_groups.items[lc]
             done = table.stale_end.items[lc]
             if layer_group.stale_end(h) > done:
@@ -762,20 +766,22 @@ class KVCache:
         need = [0] * ctx.num_pool_groups
         gain = [0] * ctx.num_pool_groups
         stale_ends: list[int] = []
+        stale_ranges: list[tuple[int, int]] = []
         scratch: list[tuple[int, int, int]] = []
         wanted: list[list[int]] = []
         priorities: list[list[Priority]] = []
         for i, layer_group in enumerate(ctx.layer_groups):
             lc = LayerGroupId(i)
-            sinks = layer_group.num_sink_blocks
             end = layer_group.stale_end(h)
             stale_ends.append(end)
+            stale_beg, stale_stop = layer_group.stale_range(h)
+            stale_ranges.append((stale_beg, stale_stop))
             g = ctx.lc_group[lc]
             sb, se, num_slots = self._scratch_plan(lc, cap, h)  # (0, 0, 0) without scratch
             # released: blocks leaving the window, blocks past the new end, and blocks of this
             # step's scratch range that got pages in an earlier resize
             released = (
-                (max(sinks, table.stale_end[lc]), min(end, old_nb)),
+                (table.stale_end[lc], min(end, old_nb)),
                 (max(nb, end), old_nb),
                 (sb, min(se, old_nb)),
             )
@@ -790,21 +796,21 @@ class KVCache:
             # new blocks, and blocks that were scratch and now need a page, except stale and scratch
             # ones; counted first, so a huge capacity is refused before any per-block work
             old_sb, old_se = table.scratch[lc]
-            need[g] += per_block * _count_outside(old_sb, min(old_se, nb), sinks, end, sb, se)
-            need[g] += per_block * _count_outside(old_nb, nb, sinks, end, sb, se)
+            need[g] += per_block * _count_outside(old_sb, min(old_se, nb), stale_beg, stale_stop, sb, se)
+            need[g] += per_block * _count_outside(old_nb, nb, stale_beg, stale_stop, sb, se)
             scratch.append((sb, se, num_slots))
-        cow = [c for c in self._cow if c[2] < nb and not self._is_stale(c[1], c[2], h)]
+        cow = [c for c in self._cow if c[2] < nb and not ctx.layer_groups[c[1]].is_stale(c[2], h)]
         for _, lc, _ in cow:
             need[ctx.lc_group[lc]] += 1
         if not storage.fits(need, gain):
             return False
         for i, (sb, se, _) in enumerate(scratch):
             lc = LayerGroupId(i)
-            sinks, end = ctx.layer_groups[lc].num_sink_blocks, stale_ends[i]
+            stale_beg, stale_stop = stale_ranges[i]
             old_sb, old_se = table.scratch[lc]
             # (two ranges, not one list of both: compiled, a range loop stays on unboxed ints)
-            want = [o for o in range(old_sb, min(old_se, nb)) if not sinks <= o < end and not sb <= o < se]
-            want += [o for o in range(old_nb, nb) if not sinks <= o < end and not sb <= o < se]
+            want = [o for o in range(old_sb, min(old_se, nb)) if not stale_beg <= o < stale_stop and not sb <= o < se]
+            want += [o for o in range(old_nb, nb) if not stale_beg <= o < stale_stop and not sb <= o < se]
             wanted.append(want)
             priorities.append(self._priorities(lc, want))  # may raise: nothing changed yet
         cow_priorities = [self._priorities(lc, [o])[0] for _, lc, o in cow]
@@ -838,10 +844,6 @@ class KVCache:
         self._history = h
         self._num_blocks = nb
         return True
-
-    def _is_stale(self, lc: LayerGroupId, o: int, h: int) -> bool:
-        layer_group = self._ctx.layer_groups[lc]
-        return layer_group.num_sink_blocks <= o < layer_group.stale_end(h)
 
     def _extend(self, lc: LayerGroupId, nb: int, want: list[int], priorities: list[Priority]) -> None:
         """New pages for blocks ``want`` of every beam (one shared page a block before beams fork)."""
@@ -902,10 +904,9 @@ class KVCache:
         done = self._table.stale_end[lc]
         if end <= done:
             return
-        sinks = self._ctx.layer_groups[lc].num_sink_blocks
         locked = self._status is KVCacheStatus.ACTIVE
         for table in self._tables:
-            table.release_range(lc, max(done, sinks), end, locked)
+            table.release_range(lc, done, end, locked)
             table.stale_end[lc] = end
 
     # ------------------------------------------------------------------ tokens
@@ -994,7 +995,7 @@ class KVCache:
         if len(tail) == t:
             return False
         if n > self._history:
-            if self._ctx.has_swa and self._window_moves(n, n):
+            if self._ctx.has_releasing_groups and self._window_moves(n, n):
                 return False
             self._history = n
         return True
@@ -1033,8 +1034,8 @@ class KVCache:
         if n > self._history:
             self._history = n
             ctx = self._ctx
-            if ctx.has_swa:
-                for lc in ctx.swa_layer_groups:
+            if ctx.has_releasing_groups:
+                for lc in ctx.releasing_layer_groups:
                     self._release_stale(lc, ctx.layer_groups[lc].stale_end(n))
 
     def _commit_beams(self, tokens: Sequence[Sequence[TokenIdExt]], parents: Sequence[int]) -> None:
@@ -1104,7 +1105,7 @@ class KVCache:
             self._beam_seqs = new_seqs[1:]
             if n > self._history:
                 self._history = n
-                for lc in ctx.swa_layer_groups:
+                for lc in ctx.releasing_layer_groups:
                     self._release_stale(lc, ctx.layer_groups[lc].stale_end(n))
             self._cow = self._shared_tails(n)
             self._publish(self._num_published + self._common_full_blocks())
@@ -1367,7 +1368,7 @@ def resize_batch(ctx: CacheContext, caches: Sequence[KVCache], num_new_tokens: i
             t = kv._tokens_per_block
             nb = (cap + t - 1) // t
             h = kv._history
-            if nb == kv._num_blocks and not kv._cow and (not ctx.has_swa or not kv._window_moves(cap, h)):
+            if nb == kv._num_blocks and not kv._cow and (not ctx.has_releasing_groups or not kv._window_moves(cap, h)):
                 kv._capacity = cap
             elif not kv._resize(cap, h, nb):
                 failed.append(i)

@@ -33,7 +33,8 @@ from .._common import (
 from .._config import DiskCacheTierConfig, HostCacheTierConfig, KVCacheManagerConfig
 from .._events import MEDIUM_OF_TIER, KVCacheEvent, KVCacheEventManager, LayerGroupSpec
 from .._exceptions import LogicError
-from .._layer_groups import LayerGroupRegistry
+from .._layers._policy import LayerGroup
+from .._layers._registry import LayerGroupRegistry
 from .._page import Page
 from .._page_index import PageIndexConverter
 from .._reuse._keys import BlockHasher, BlockKey, check_token_sequence
@@ -516,6 +517,10 @@ class KVCacheManager:
             layer_group.num_sink_blocks,
             self._layout.pool_group_of_layer_group[lc],
         )
+
+    def _layer_group_policy(self, layer_group_id: LayerGroupId) -> LayerGroup:
+        """The policy of a layer group (for the engine adapter's capacity planning)."""
+        return self._registry.layer_groups[layer_group_id]
 
     def _buffer(self, layer_id: LayerId, role: str) -> BufferAttr:
         attr = self._layout.buffers.get(BufferId(layer_id, role))

@@ -23,7 +23,7 @@ import rawref
 
 from .._common import DEFAULT_PRIORITY, CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
 from .._eviction import NO_SERIAL
-from .._layer_groups import LayerGroup
+from .._layers._policy import LayerGroup
 from .._page import Page
 from .._storage._remote import HEADER_BYTES, RemoteStore, decode_value
 from .._storage._storage_manager import StorageManager

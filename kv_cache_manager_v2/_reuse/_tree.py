@@ -23,7 +23,7 @@ from .._common import (
     TokenIdExt,
 )
 from .._events import KVCacheEventManager
-from .._layer_groups import LayerGroup
+from .._layers._policy import LayerGroup
 from .._page import Page
 from .._storage._persist import DiskRecord
 from .._storage._storage_manager import PageDropListener, PoolGroupStorage, StorageManager

@@ -21,7 +21,8 @@ import zmq
 
 from .._common import DEFAULT_REUSE_SCOPE, ReuseScope, TokenIdExt
 from .._events import LayerGroupSpec, block_hash
-from .._layer_groups import LayerGroup
+from .._layers._policy import LayerGroup
+from .._layers._registry import announced_layer_group
 from .._reuse._keys import BlockHasher, scope_key
 from .schema import (
     AllBlocksCleared,
@@ -108,7 +109,8 @@ class ReplicaIndex:
 
     def _learn_group(self, g: int, window: int | None, sinks: int) -> None:
         if g not in self.groups:
-            self.groups[g] = LayerGroup(window, sinks, self.tokens_per_block or 1)
+            kind = "full_attention" if window is None else "sliding_window"
+            self.groups[g] = announced_layer_group(kind, window, sinks, self.tokens_per_block or 1)
 
     def _stored(self, ev: BlockStored) -> None:
         t = ev.block_size
@@ -119,7 +121,10 @@ class ReplicaIndex:
             raise ValueError(f"BlockStored with block_size {t}, the replica's is {self.tokens_per_block}")
         if self.tokens_per_block is None:
             self.tokens_per_block = t
-            self.groups = {g: LayerGroup(lc.window_size, lc.num_sink_blocks, t) for g, lc in self.groups.items()}
+            self.groups = {
+                g: announced_layer_group(lc.kind, lc.window_size, lc.num_sink_blocks, t)
+                for g, lc in self.groups.items()
+            }
         g = ev.group_idx if ev.group_idx is not None else 0
         if g not in self.groups:
             window = ev.kv_cache_spec_sliding_window if ev.kv_cache_spec_kind == "sliding_window" else None
