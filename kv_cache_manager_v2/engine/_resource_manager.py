@@ -27,8 +27,9 @@ from .._common import (
     TokenIdExt,
 )
 from .._config import KVCacheManagerConfig
-from .._core._kv_cache import KVCache, default_priority
+from .._core._kv_cache import KVCache
 from .._core._kv_cache_manager import KVCacheManager
+from .._core._request_state import default_priority
 from .._exceptions import LogicError
 from .._page_index import PageIndexConverter
 from ._buffers import CudaBufferView, host_view, page_layout

@@ -1,0 +1,70 @@
+"""What the manager reads off its pools: byte-contiguous runs of buffers (bulk transfer), every
+live page (a tier resize moves them), and the pages per pool group a decode peaks at
+(sequence-length clamping)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from .._common import AggregatedPageDesc, BufferId, LayerGroupId, LayerId, MemAddress, PoolIndex
+from .._layers._registry import LayerGroupRegistry
+from .._page import Page
+from .._reuse._tree import ReuseTree
+from .._storage._layout import StorageLayout
+from .._storage._storage_manager import StorageManager
+from ._request_state import RequestState
+
+
+def aggregated_pages(
+    layout: StorageLayout, storage: StorageManager, wanted: set[BufferId]
+) -> Iterator[AggregatedPageDesc]:
+    """Byte-contiguous runs of the ``wanted`` buffers, one or more per GPU pool."""
+    for layer_group, coalesced_buffers in enumerate(layout.coalesced):
+        pool_group = storage.gpu[layout.pool_group_of_layer_group[LayerGroupId(layer_group)]]
+        for pool, coalesced in enumerate(coalesced_buffers):
+            base = pool_group.memory_pool(pool).base_address
+            run: list[BufferId] = []
+            run_beg = 0
+            for position, buffer_id in enumerate([*coalesced.buffer_ids, BufferId(LayerId(-1), "")]):
+                if buffer_id in wanted:
+                    if not run:
+                        run_beg = position
+                    run.append(buffer_id)
+                elif run:
+                    yield AggregatedPageDesc(
+                        tuple(run),
+                        LayerGroupId(layer_group),
+                        pool_group.index,
+                        PoolIndex(pool),
+                        MemAddress(base + run_beg * coalesced.single_size),
+                        len(run) * coalesced.single_size,
+                        coalesced.slot_size,
+                        pool_group.num_slots,
+                    )
+                    run = []
+
+
+def live_pages(caches: list[RequestState], tree: ReuseTree, storage: StorageManager) -> list[Page]:
+    """Every page that holds a slot: the requests', the reuse tree's, and garbage."""
+    pages: dict[int, Page] = {}
+    for cache in caches:
+        for page in cache._all_pages():  # every beam's (a page only other beams hold moves too)
+            pages[id(page)] = page
+    for node in tree.nodes():
+        for layer_group in range(len(node.pages)):
+            tree_page = node.page(layer_group)
+            if tree_page is not None:
+                pages[id(tree_page)] = tree_page
+    for level in storage.levels:
+        for pool_group in level:
+            for page in pool_group.evictor.pages():
+                pages[id(page)] = page
+    return list(pages.values())
+
+
+def peak_pages_per_pool_group(registry: LayerGroupRegistry, layout: StorageLayout, length: int) -> list[int]:
+    """Most pages one request holds per pool group while it decodes up to ``length`` tokens."""
+    peak = [0] * len(layout.pool_groups)
+    for i, policy in enumerate(registry.layer_groups):
+        peak[layout.pool_group_of_layer_group[LayerGroupId(i)]] += policy.peak_pages(length)
+    return peak
