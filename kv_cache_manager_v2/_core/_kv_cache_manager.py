@@ -122,8 +122,8 @@ class KVCacheManager:
             self._event_manager = event_manager
             if event_manager is not None:
                 groups = [
-                    LayerGroupSpec(i, lc.window_size, lc.num_sink_blocks)
-                    for i, lc in enumerate(self._registry.layer_groups)
+                    LayerGroupSpec(i, layer_group.window_size, layer_group.num_sink_blocks)
+                    for i, layer_group in enumerate(self._registry.layer_groups)
                 ]
                 media = [MEDIUM_OF_TIER[t.tier] for t in config.cache_tiers]
                 event_manager._attach(self._tree, self.tokens_per_block, groups, media)
@@ -431,10 +431,10 @@ class KVCacheManager:
         ]
 
     def get_layer_group_id(self, layer_id: LayerId) -> LayerGroupId:
-        lc = self._registry.layer_to_layer_group.get(layer_id)
-        if lc is None:
+        layer_group = self._registry.layer_to_layer_group.get(layer_id)
+        if layer_group is None:
             raise ValueError(f"unknown layer_id {layer_id!r}; known: {self.layer_ids}")
-        return lc
+        return layer_group
 
     def get_layer_group_info(self, layer_group_id: LayerGroupId) -> LayerGroupInfo:
         """Layers, window, sink blocks and pool group of one layer group (``LayerGroupId`` from
@@ -445,14 +445,14 @@ class KVCacheManager:
                 f"layer_group_id must be in [0, {self.num_layer_groups}) (layer groups of this manager), "
                 f"got {layer_group_id}"
             )
-        lc = LayerGroupId(layer_group_id)
-        layer_group = self._registry.layer_groups[lc]
+        layer_group = LayerGroupId(layer_group_id)
+        policy = self._registry.layer_groups[layer_group]
         return LayerGroupInfo(
-            lc,
-            tuple(self._registry.layers_of[lc]),
-            layer_group.window_size,
-            layer_group.num_sink_blocks,
-            self._layout.pool_group_of_layer_group[lc],
+            layer_group,
+            tuple(self._registry.layers_of[layer_group]),
+            policy.window_size,
+            policy.num_sink_blocks,
+            self._layout.pool_group_of_layer_group[layer_group],
         )
 
     def _layer_group_policy(self, layer_group_id: LayerGroupId) -> LayerGroup:
