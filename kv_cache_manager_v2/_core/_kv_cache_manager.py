@@ -36,7 +36,6 @@ from .._events import MEDIUM_OF_TIER, KVCacheEvent, KVCacheEventManager, LayerGr
 from .._exceptions import LogicError
 from .._layers._policy import LayerGroup
 from .._layers._registry import LayerGroupRegistry
-from .._page import Page
 from .._page_index import PageIndexConverter
 from .._reuse._remote_fill import RemoteFill
 from .._reuse._tree import ReuseTree
@@ -51,8 +50,8 @@ from ._batch import commit_batch, resize_batch
 from ._context import CacheContext, OpenCache
 from ._introspection import check_invariants
 from ._kv_cache import KVCache
-from ._matching import Match, PrefixMatcher, match_length, match_levels
-from ._pools import aggregated_pages, live_pages, peak_pages_per_pool_group
+from ._matching import PrefixMatcher, match_length, match_levels
+from ._pools import aggregated_pages, live_pages, longest_decode_that_fits
 from ._request_state import PriorityCallback, default_priority
 from ._residency import adopt
 
@@ -218,7 +217,8 @@ class KVCacheManager:
         no data moved): a ``create_kv_cache`` of the same tokens right after reuses exactly this
         many tokens when the values found are still intact and the host tier (else GPU memory) has
         room for them, else fewer (never wrong data)."""
-        found = self._probe("probe_reuse()", reuse_scope, input_tokens)
+        self._check_alive()
+        found = self._matcher.probe(self._ctx, "probe_reuse()", reuse_scope, input_tokens)
         if found is None:
             return 0
         return match_length(found, self.tokens_per_block)
@@ -233,27 +233,11 @@ class KVCacheManager:
         needs none: outside every sliding window). ``resume()`` copies the others up. A following
         ``create_kv_cache`` of the same tokens reuses this call's hashing, like after ``probe_reuse``.
         """
-        found = self._probe("probe_reuse_levels()", reuse_scope, input_tokens)
+        self._check_alive()
+        found = self._matcher.probe(self._ctx, "probe_reuse_levels()", reuse_scope, input_tokens)
         if found is None:
             return []
         return match_levels(found, self._registry.layer_groups, self.tokens_per_block, self._storage.num_levels)
-
-    def _probe(
-        self, what: str, reuse_scope: ReuseScope | None, input_tokens: Sequence[TokenIdExt] | None
-    ) -> Match | None:
-        """A match for a query that takes nothing (None: no tokens to match)."""
-        self._check_alive()
-        if reuse_scope is not None:
-            check_type("reuse_scope", reuse_scope, ReuseScope)
-        if input_tokens is None or len(input_tokens) == 0:
-            return None
-        ctx = self._ctx
-        ctx.enter(what)
-        try:
-            scope = reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE
-            return self._matcher.match(scope, input_tokens, False)
-        finally:
-            ctx.leave()
 
     @property
     def reuse_statistics(self) -> ReuseStatistics:
@@ -551,14 +535,11 @@ class KVCacheManager:
             gpu_slots = [g.num_slots for g in self._storage.gpu]
             slots = split_like(quota, gpu_slots, self._layout, type(tier).__name__)
         self._storage.check_resize(cache_level, slots)
-        if not self._storage.resize_level(cache_level, slots, self._live_pages()):
+        live = live_pages(list(self.open_caches()), self._tree, self._storage)  # every page holding a slot
+        if not self._storage.resize_level(cache_level, slots, live):
             return False
         self._quotas[cache_level] = quota
         return True
-
-    def _live_pages(self) -> list[Page]:
-        """Every page that holds a slot: the requests', the reuse tree's, and garbage."""
-        return live_pages(list(self.open_caches()), self._tree, self._storage)
 
     def get_storage_statistics(self, level: CacheLevel = GPU_LEVEL) -> list[StorageStatistics]:
         """Slot accounting per pool group at ``level``: free slots, and evictable ones (reusable
@@ -597,19 +578,7 @@ class KVCacheManager:
         check_int("batch_size", batch_size, 1)
         check_int("token_num_upper_bound", token_num_upper_bound)
         totals = [pool_group.num_slots for pool_group in self._storage.gpu]
-
-        def fits_up_to(length: int) -> bool:
-            peak = peak_pages_per_pool_group(self._registry, self._layout, length)
-            return all(batch_size * pages <= total for pages, total in zip(peak, totals))
-
-        lo, hi = 0, token_num_upper_bound
-        while lo < hi:  # fits_up_to is monotone: the peak over lengths <= n never falls
-            mid = (lo + hi + 1) // 2
-            if fits_up_to(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return longest_decode_that_fits(self._registry, self._layout, totals, batch_size, token_num_upper_bound)
 
     # ------------------------------------------------------------------ checks
     def _check_alive(self) -> None:

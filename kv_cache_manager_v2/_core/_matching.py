@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._common import CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
+from .._common import DEFAULT_REUSE_SCOPE, CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
 from .._layers._policy import LayerGroup
 from .._reuse._keys import BlockHasher, BlockKey, check_token_sequence
 from .._reuse._remote_fill import Found, Projection, RemoteFill
 from .._reuse._tree import Node, ReuseTree
 from .._typed import TypedList
 from .._utils import check_type
+from ._context import CacheContext
 
 #: a match: the matched full blocks' nodes, the partially matched node and its length, and the
 #: projected remote extension (None: the remote tier does not extend it)
@@ -31,6 +32,20 @@ class PrefixMatcher:
         self.enable_partial_reuse = enable_partial_reuse
         #: what the last probe learned (scope, tokens, block keys, remote lookup) for the next create
         self.probe_keys: tuple[ReuseScope, Sequence[TokenIdExt], list[BlockKey], Found | None] | None = None
+
+    def probe(
+        self, ctx: CacheContext, what: str, reuse_scope: ReuseScope | None, input_tokens: Sequence[TokenIdExt] | None
+    ) -> Match | None:
+        """The match for a query ``what`` that takes nothing (None: no tokens to match)."""
+        if reuse_scope is not None:
+            check_type("reuse_scope", reuse_scope, ReuseScope)
+        if input_tokens is None or len(input_tokens) == 0:
+            return None
+        ctx.enter(what)
+        try:
+            return self.match(reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE, input_tokens, False)
+        finally:
+            ctx.leave()
 
     def match(self, scope: ReuseScope, input_tokens: Sequence[TokenIdExt], for_create: bool) -> Match:
         """Match ``input_tokens`` (all of them are validated). With a remote tier the match is

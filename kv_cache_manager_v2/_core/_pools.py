@@ -1,6 +1,6 @@
 """What the manager reads off its pools: byte-contiguous runs of buffers (bulk transfer), every
 live page (a tier resize moves them), and the pages per pool group a decode peaks at
-(sequence-length clamping)."""
+(``clamp_max_seq_len_for_mem``)."""
 
 from __future__ import annotations
 
@@ -68,3 +68,23 @@ def peak_pages_per_pool_group(registry: LayerGroupRegistry, layout: StorageLayou
     for i, policy in enumerate(registry.layer_groups):
         peak[layout.pool_group_of_layer_group[LayerGroupId(i)]] += policy.peak_pages(length)
     return peak
+
+
+def longest_decode_that_fits(
+    registry: LayerGroupRegistry, layout: StorageLayout, totals: list[int], batch_size: int, upper_bound: int
+) -> int:
+    """Longest length (<= ``upper_bound``) that ``batch_size`` requests can each decode to with
+    ``totals`` slots per pool group: every length on the way must fit (``peak_pages``)."""
+
+    def fits_up_to(length: int) -> bool:
+        peak = peak_pages_per_pool_group(registry, layout, length)
+        return all(batch_size * pages <= total for pages, total in zip(peak, totals))
+
+    lo, hi = 0, upper_bound
+    while lo < hi:  # fits_up_to is monotone: the peak over lengths <= n never falls
+        mid = (lo + hi + 1) // 2
+        if fits_up_to(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
