@@ -26,7 +26,6 @@ def resize_blocks(state: RequestState, capacity: int, history_length: int, num_b
     need = [0] * ctx.num_pool_groups
     gain = [0] * ctx.num_pool_groups
     stale_ends: list[int] = []
-    stale_ranges: list[tuple[int, int]] = []
     scratch: list[tuple[int, int, int]] = []
     wanted: list[list[int]] = []
     priorities: list[list[Priority]] = []
@@ -35,7 +34,6 @@ def resize_blocks(state: RequestState, capacity: int, history_length: int, num_b
         end = policy.stale_end(history_length)
         stale_ends.append(end)
         stale_beg, stale_stop = policy.stale_range(history_length)
-        stale_ranges.append((stale_beg, stale_stop))
         pool_group = ctx.pool_group_of[layer_group]
         scratch_beg, scratch_end, num_slots = scratch_plan(state, layer_group, capacity, history_length)
         # released: blocks going stale, blocks past the new end, and blocks of this step's
@@ -74,7 +72,7 @@ def resize_blocks(state: RequestState, capacity: int, history_length: int, num_b
         return False
     for i, (scratch_beg, scratch_end, _) in enumerate(scratch):
         layer_group = LayerGroupId(i)
-        stale_beg, stale_stop = stale_ranges[i]
+        stale_beg, stale_stop = ctx.layer_groups[layer_group].stale_range(history_length)  # (no tuple kept)
         old_scratch_beg, old_scratch_end = table.scratch[layer_group]
         # (two ranges, not one list of both: compiled, a range loop stays on unboxed ints)
         want = [

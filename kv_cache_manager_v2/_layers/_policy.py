@@ -41,7 +41,8 @@ class LayerGroup:
 
     # ------------------------------------------------------------------ pages a request holds
     def stale_range(self, history_length: int) -> tuple[int, int]:
-        """Blocks ``[beg, end)`` a request no longer needs at ``history_length`` (SPEC 5.1)."""
+        """Blocks ``[beg, end)`` a request no longer needs at ``history_length`` (SPEC 5.1); also
+        what a match of that length needs: a page for every block outside the range (SPEC 5.3)."""
         raise NotImplementedError
 
     def stale_end(self, history_length: int) -> int:
