@@ -26,3 +26,26 @@ def test_every_module_has_a_layer() -> None:
     listed = {name.strip() for layer in layers for name in layer.split("|")}
     missing = {m for m in package_modules() if not any(m == x or m.startswith(x + ".") for x in listed)}
     assert not missing, f"add these modules to the layers contract in pyproject.toml: {sorted(missing)}"
+
+
+def test_window_arithmetic_lives_in_the_layer_kinds() -> None:
+    """The core, the reuse tree and the adapter's capacity code ask a layer group's policy
+    (``_layers/``); they never branch on a window themselves. Only the manager passes the
+    announced window and sinks on (``LayerGroupInfo``, event specs)."""
+    import re
+
+    forbidden = re.compile(r"window_size is (not )?None|\bis_swa\b|swa_layer_groups|num_sink_blocks|\.window\b")
+    checked = [os.path.join(ROOT, PACKAGE, "engine", "_capacity.py")]
+    for sub in ("_core", "_reuse"):
+        folder = os.path.join(ROOT, PACKAGE, sub)
+        checked += [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".py")]
+    found = []
+    for path in checked:
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                announced = path.endswith("_kv_cache_manager.py") and re.search(
+                    r"\bpolicy\.(window_size|num_sink_blocks)", line
+                )
+                if forbidden.search(line) and not announced and not line.lstrip().startswith("#"):
+                    found.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
+    assert not found, "window arithmetic outside kv_cache_manager_v2/_layers:\n" + "\n".join(found)

@@ -121,8 +121,8 @@ class KVCacheManager:
             self._event_manager = event_manager
             if event_manager is not None:
                 groups = [
-                    LayerGroupSpec(i, layer_group.window_size, layer_group.num_sink_blocks)
-                    for i, layer_group in enumerate(self._registry.layer_groups)
+                    LayerGroupSpec(i, policy.window_size, policy.num_sink_blocks)
+                    for i, policy in enumerate(self._registry.layer_groups)
                 ]
                 media = [MEDIUM_OF_TIER[t.tier] for t in config.cache_tiers]
                 event_manager._attach(self._tree, self.tokens_per_block, groups, media)
