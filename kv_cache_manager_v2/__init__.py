@@ -54,8 +54,9 @@ from ._config import (
     RemoteCacheTierConfig,
     SwaScratchReuseConfig,
 )
-from ._core._kv_cache import KVCache, default_priority
+from ._core._kv_cache import KVCache
 from ._core._kv_cache_manager import KVCacheManager
+from ._core._request_state import default_priority
 from ._events import (
     AllBlocksClearedEvent,
     BlockMovedEvent,

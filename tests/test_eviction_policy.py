@@ -71,7 +71,7 @@ def history(m: KVCacheManager) -> UseHistory:
 def tree_page(m: KVCacheManager, tokens: list[int], block: int) -> Page:
     """The tree's page of block ``block`` of ``tokens`` (it must be cached); looked up without
     taking it (a request's match would count a use)."""
-    nodes, _, _, _ = m._match(DEFAULT_REUSE_SCOPE, tokens, True)
+    nodes, _, _, _ = m._matcher.match(DEFAULT_REUSE_SCOPE, tokens, True)
     assert len(nodes) > block
     page = nodes[block].page(0)
     assert page is not None

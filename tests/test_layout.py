@@ -16,9 +16,15 @@ from kv_cache_manager_v2 import (
     ScratchDesc,
     SlotId,
 )
-from kv_cache_manager_v2._layer_groups import LayerGroup
+from kv_cache_manager_v2._layers._policy import LayerGroup
+from kv_cache_manager_v2._layers._registry import announced_layer_group
 
 KIB = 1024
+
+
+def _policy(window: int | None, sinks: int, tokens_per_block: int) -> LayerGroup:
+    kind = "full_attention" if window is None else "sliding_window"
+    return announced_layer_group(kind, window, sinks, tokens_per_block)
 
 
 def kv8k(n: int, swa_even: bool = False, extra: list[BufferConfig] | None = None) -> list[AttentionLayerConfig]:
@@ -99,12 +105,12 @@ def test_tokens_per_block_override_expands_pages() -> None:
     ],
 )
 def test_stale_range(window: int | None, sinks: int, h: int, expected: tuple[int, int]) -> None:
-    assert LayerGroup(window, sinks, 32).stale_range(h) == expected
+    assert _policy(window, sinks, 32).stale_range(h) == expected
 
 
 @pytest.mark.parametrize("window, sinks", [(None, 0), (1, 0), (8, 0), (8, 1), (40, 3), (128, 2)])
 def test_stale_end_is_the_stale_range_past_the_sinks(window: int | None, sinks: int) -> None:
-    lc = LayerGroup(window, sinks, 8)
+    lc = _policy(window, sinks, 8)
     for h in range(300):
         beg, end = lc.stale_range(h)
         assert set(range(beg, end)) == set(range(sinks, lc.stale_end(h))), h

@@ -27,13 +27,14 @@ _EMPTY_VIEW = memoryview(_EMPTY_STORE)
 class BlockTable:
     """Pages and page indices of one request's blocks, per layer group.
 
-    ``pages[lc][o]`` is block ``o``'s page (None: stale, not allocated, or awaiting its
-    copy-on-partial), ``views[lc]`` the matching slot ids (``BAD_PAGE_INDEX`` where there is
-    no page), mirrored into ``user_bufs[lc]`` when the caller gave a buffer. Blocks
-    ``[num_sink_blocks, stale_end[lc])`` were released as out of window.
-    ``pending_copy[lc]`` is the held source page of a partially matched block.
-    Blocks ``scratch[lc]`` (a ``(beg, end)`` range) of the current step have no page: they
-    share the request's ``scratch_slots[lc]`` (SPEC 5.7).
+    ``pages[layer_group][ordinal]`` is block ``ordinal``'s page (None: stale, not allocated, or awaiting its
+    copy-on-partial), ``views[layer_group]`` the matching slot ids (``BAD_PAGE_INDEX`` where there is
+    no page), mirrored into ``user_bufs[layer_group]`` when the caller gave a buffer. Blocks
+    ``[initial, stale_end[layer_group])`` were released as stale, ``initial`` being the layer group's
+    stale end at history 0 (its sink blocks), where ``stale_end[layer_group]`` starts.
+    ``pending_copy[layer_group]`` is the held source page of a partially matched block.
+    Blocks ``scratch[layer_group]`` (a ``(beg, end)`` range) of the current step have no page: they
+    share the request's ``scratch_slots[layer_group]`` (SPEC 5.7).
 
     Indices are ``live`` only while the request is ACTIVE (every page then sits in GPU memory);
     while it is SUSPENDED its pages may move between cache levels, so every index (and the
@@ -52,144 +53,146 @@ class BlockTable:
         "live",
     )
 
-    def __init__(self, num_layer_groups: int) -> None:
-        n = num_layer_groups
-        self.pages: TypedList[LayerGroupId, list[Page | None]] = TypedList([[] for _ in range(n)])
+    def __init__(self, initial_stale_ends: list[int]) -> None:
+        num_layer_groups = len(initial_stale_ends)
+        self.pages: TypedList[LayerGroupId, list[Page | None]] = TypedList([[] for _ in range(num_layer_groups)])
         # slot ids with spare capacity (never resized), and a view of the blocks' part
-        self._store: TypedList[LayerGroupId, array[int]] = TypedList([_EMPTY_STORE] * n)
-        self.views: TypedList[LayerGroupId, memoryview] = TypedList([_EMPTY_VIEW] * n)
-        self.user_bufs: TypedList[LayerGroupId, memoryview | None] = TypedList([None] * n)
-        self.stale_end: TypedList[LayerGroupId, int] = TypedList([0] * n)
-        self.pending_copy: TypedList[LayerGroupId, Page | None] = TypedList([None] * n)
-        self.scratch: TypedList[LayerGroupId, tuple[int, int]] = TypedList([(0, 0)] * n)
-        self.scratch_slots: TypedList[LayerGroupId, list[SlotId]] = TypedList([[] for _ in range(n)])
+        self._store: TypedList[LayerGroupId, array[int]] = TypedList([_EMPTY_STORE] * num_layer_groups)
+        self.views: TypedList[LayerGroupId, memoryview] = TypedList([_EMPTY_VIEW] * num_layer_groups)
+        self.user_bufs: TypedList[LayerGroupId, memoryview | None] = TypedList([None] * num_layer_groups)
+        self.stale_end: TypedList[LayerGroupId, int] = TypedList(list(initial_stale_ends))
+        self.pending_copy: TypedList[LayerGroupId, Page | None] = TypedList([None] * num_layer_groups)
+        self.scratch: TypedList[LayerGroupId, tuple[int, int]] = TypedList([(0, 0)] * num_layer_groups)
+        self.scratch_slots: TypedList[LayerGroupId, list[SlotId]] = TypedList([[] for _ in range(num_layer_groups)])
         self.live = False
 
     def __len__(self) -> int:
         return len(self.pages)
 
     # ------------------------------------------------------------------ pages
-    def _set_len(self, lc: LayerGroupId, old_nb: int, nb: int) -> None:
+    def _set_len(self, layer_group: LayerGroupId, old_num_blocks: int, num_blocks: int) -> None:
         """Resize the block count of the index view: -1 past the blocks, more capacity if needed."""
-        store = self._store.items[lc]
-        if nb > len(store):
-            grown = array("i", [BAD_PAGE_INDEX]) * max(nb, 2 * len(store), 16)
-            if old_nb:
-                grown[:old_nb] = store[:old_nb]
-            self._store.items[lc] = store = grown
-        elif nb < old_nb:
-            store[nb:old_nb] = array("i", [BAD_PAGE_INDEX]) * (old_nb - nb)
-        self.views.items[lc] = memoryview(store)[:nb]
+        store = self._store.items[layer_group]
+        if num_blocks > len(store):
+            grown = array("i", [BAD_PAGE_INDEX]) * max(num_blocks, 2 * len(store), 16)
+            if old_num_blocks:
+                grown[:old_num_blocks] = store[:old_num_blocks]
+            self._store.items[layer_group] = store = grown
+        elif num_blocks < old_num_blocks:
+            store[num_blocks:old_num_blocks] = array("i", [BAD_PAGE_INDEX]) * (old_num_blocks - num_blocks)
+        self.views.items[layer_group] = memoryview(store)[:num_blocks]
 
-    def adopt(self, lc: LayerGroupId, pages: list[Page | None], stale_end: int) -> None:
+    def adopt(self, layer_group: LayerGroupId, pages: list[Page | None], stale_end: int) -> None:
         """Install the pages of a matched prefix (the table is empty)."""
-        self.pages[lc] = pages
-        self.stale_end[lc] = stale_end
+        self.pages[layer_group] = pages
+        self.stale_end[layer_group] = stale_end
         if pages:  # (an empty slice assignment counts as a resize for an exported array)
-            self._set_len(lc, 0, len(pages))  # new entries read BAD_PAGE_INDEX
+            self._set_len(layer_group, 0, len(pages))  # new entries read BAD_PAGE_INDEX
             if self.live:
                 # filled as a list, then stored at once: array item calls are slow compiled
-                self._store[lc][: len(pages)] = array("i", [BAD_PAGE_INDEX if p is None else p.slot for p in pages])
+                self._store[layer_group][: len(pages)] = array(
+                    "i", [BAD_PAGE_INDEX if p is None else p.slot for p in pages]
+                )
 
     def become(self, other: BlockTable, locked: bool) -> None:
         """Turn into a copy of ``other``, another beam's table of the same request (same block
         count): pages it does not share with ``other`` are released, ``other``'s taken. Cheap
         when the beams share most blocks, as beams do."""
         for i, pages in enumerate(self.pages):
-            lc = LayerGroupId(i)
-            src = other.pages[lc]
-            for o in range(len(src)):
-                p = src[o]
-                q = pages[o]
+            layer_group = LayerGroupId(i)
+            src = other.pages[layer_group]
+            for ordinal in range(len(src)):
+                p = src[ordinal]
+                q = pages[ordinal]
                 if p is not q:
                     if p is not None:
                         p.take(locked)
-                    pages[o] = p
+                    pages[ordinal] = p
                     if q is not None:
                         q.release(locked)
             n = len(src)
             if n:
-                self._store[lc][:n] = other._store[lc][:n]
-            self.stale_end[lc] = other.stale_end[lc]
+                self._store[layer_group][:n] = other._store[layer_group][:n]
+            self.stale_end[layer_group] = other.stale_end[layer_group]
 
-    def block_pages(self, o: int) -> list[Page | None]:
-        """Block ``o``'s page in every layer group."""
-        return [pages[o] for pages in self.pages.items]
+    def block_pages(self, ordinal: int) -> list[Page | None]:
+        """Block ``ordinal``'s page in every layer group."""
+        return [pages[ordinal] for pages in self.pages.items]
 
-    def set_page(self, lc: LayerGroupId, o: int, page: Page | None) -> None:
-        """Point block ``o`` at ``page`` (or at nothing) in the pages, the indices and the caller's buffer."""
-        self.pages[lc][o] = page
+    def set_page(self, layer_group: LayerGroupId, ordinal: int, page: Page | None) -> None:
+        """Point block ``ordinal`` at ``page`` (or at nothing) in the pages, the indices and the caller's buffer."""
+        self.pages[layer_group][ordinal] = page
         slot = BAD_PAGE_INDEX if page is None or not self.live else page.slot
-        self._store[lc][o] = slot
-        buf = self.user_bufs[lc]
+        self._store[layer_group][ordinal] = slot
+        buf = self.user_bufs[layer_group]
         if buf is not None:
-            buf[o] = slot
+            buf[ordinal] = slot
 
-    def extend(self, lc: LayerGroupId, nb: int, ordinals: list[int], new_pages: list[Page]) -> None:
-        """Grow to ``nb`` blocks (or keep the count); block ``ordinals[i]`` gets ``new_pages[i]``,
+    def extend(self, layer_group: LayerGroupId, num_blocks: int, ordinals: list[int], new_pages: list[Page]) -> None:
+        """Grow to ``num_blocks`` blocks (or keep the count); block ``ordinals[i]`` gets ``new_pages[i]``,
         the other new blocks none. Ordinals below the old count fill blocks that had no page."""
-        pages = self.pages[lc]
-        old_nb = len(pages)
-        slots = [BAD_PAGE_INDEX] * max(0, nb - old_nb)
-        pages.extend([None] * (nb - old_nb))
-        for o, page in zip(ordinals, new_pages):
-            if o < old_nb:
-                self.set_page(lc, o, page)
+        pages = self.pages[layer_group]
+        old_num_blocks = len(pages)
+        slots = [BAD_PAGE_INDEX] * max(0, num_blocks - old_num_blocks)
+        pages.extend([None] * (num_blocks - old_num_blocks))
+        for ordinal, page in zip(ordinals, new_pages):
+            if ordinal < old_num_blocks:
+                self.set_page(layer_group, ordinal, page)
                 continue
-            pages[o] = page
-            slots[o - old_nb] = page.slot
-        if nb <= old_nb:
+            pages[ordinal] = page
+            slots[ordinal - old_num_blocks] = page.slot
+        if num_blocks <= old_num_blocks:
             return
-        self._set_len(lc, old_nb, nb)
-        self._store[lc][old_nb:nb] = array("i", slots)
-        buf = self.user_bufs[lc]
+        self._set_len(layer_group, old_num_blocks, num_blocks)
+        self._store[layer_group][old_num_blocks:num_blocks] = array("i", slots)
+        buf = self.user_bufs[layer_group]
         if buf is not None:
-            buf[old_nb:nb] = memoryview(self._store[lc])[old_nb:nb]
+            buf[old_num_blocks:num_blocks] = memoryview(self._store[layer_group])[old_num_blocks:num_blocks]
 
-    def append(self, lc: LayerGroupId, page: Page) -> None:
+    def append(self, layer_group: LayerGroupId, page: Page) -> None:
         """One more block, with ``page`` (the decode step's growth; ``extend`` in general)."""
-        pages = self.pages.items[lc]
-        o = len(pages)
+        pages = self.pages.items[layer_group]
+        ordinal = len(pages)
         pages.append(page)
-        self._set_len(lc, o, o + 1)
-        self._store.items[lc][o] = page.slot
-        buf = self.user_bufs.items[lc]
+        self._set_len(layer_group, ordinal, ordinal + 1)
+        self._store.items[layer_group][ordinal] = page.slot
+        buf = self.user_bufs.items[layer_group]
         if buf is not None:
-            buf[o] = page.slot
+            buf[ordinal] = page.slot
 
-    def truncate(self, nb: int, locked: bool) -> None:
-        """Drop blocks from ``nb`` on, releasing their pages last block first: the tail becomes
+    def truncate(self, num_blocks: int, locked: bool) -> None:
+        """Drop blocks from ``num_blocks`` on, releasing their pages last block first: the tail becomes
         the least recently used, so eviction takes tails before the prefixes others share."""
         all_pages = self.pages.items
-        for o in range(max(len(pages) for pages in all_pages) - 1, nb - 1, -1):
+        for ordinal in range(max(len(pages) for pages in all_pages) - 1, num_blocks - 1, -1):
             for pages in all_pages:
-                p = pages[o]
+                p = pages[ordinal]
                 if p is not None:
                     p.release(locked)
         for i, pages in enumerate(all_pages):
-            lc = LayerGroupId(i)
-            old_nb = len(pages)
-            del pages[nb:]
-            self._set_len(lc, old_nb, nb)
-            self.write_user_tail(lc, nb)
+            layer_group = LayerGroupId(i)
+            old_num_blocks = len(pages)
+            del pages[num_blocks:]
+            self._set_len(layer_group, old_num_blocks, num_blocks)
+            self.write_user_tail(layer_group, num_blocks)
 
-    def release_range(self, lc: LayerGroupId, beg: int, end: int, locked: bool) -> None:
+    def release_range(self, layer_group: LayerGroupId, beg: int, end: int, locked: bool) -> None:
         """Release the pages of blocks ``[beg, end)`` (they keep their place, with no page), last
         block first like ``truncate``: blocks leaving a sliding window together are evicted
         newest first, so the prefix others may share stays longest."""
-        pages = self.pages[lc]
-        for o in range(min(end, len(pages)) - 1, beg - 1, -1):
-            p = pages[o]
+        pages = self.pages[layer_group]
+        for ordinal in range(min(end, len(pages)) - 1, beg - 1, -1):
+            p = pages[ordinal]
             if p is not None:
-                self.set_page(lc, o, None)
+                self.set_page(layer_group, ordinal, None)
                 p.release(locked)
 
-    def sole_owned(self, lc: LayerGroupId, beg: int, end: int) -> int:
+    def sole_owned(self, layer_group: LayerGroupId, beg: int, end: int) -> int:
         """How many pages of blocks ``[beg, end)`` become available when this request lets go."""
-        pages = self.pages[lc]
+        pages = self.pages[layer_group]
         n = 0
-        for o in range(beg, end):
-            p = pages[o]
+        for ordinal in range(beg, end):
+            p = pages[ordinal]
             if p is not None and p.num_locks == 1 and p.num_holds == 0:
                 n += 1
         return n
@@ -246,16 +249,16 @@ class BlockTable:
         """The first block with a page whose data was lost (disk error); -1 if none."""
         first = -1
         for pages in self.pages:
-            for o, p in enumerate(pages):
+            for ordinal, p in enumerate(pages):
                 if p is not None and p.lost:
-                    if first < 0 or o < first:
-                        first = o
+                    if first < 0 or ordinal < first:
+                        first = ordinal
                     break
         for i, src in enumerate(self.pending_copy):
             if src is not None and src.lost:
-                o = len(self.pages.items[i]) - 1
-                if first < 0 or o < first:
-                    first = o
+                ordinal = len(self.pages.items[i]) - 1
+                if first < 0 or ordinal < first:
+                    first = ordinal
         return first
 
     def show_indices(self) -> None:
@@ -271,14 +274,16 @@ class BlockTable:
     def _write_indices(self) -> None:
         live = self.live
         for i, pages in enumerate(self.pages):
-            lc = LayerGroupId(i)
+            layer_group = LayerGroupId(i)
             n = len(pages)
             if n == 0:
                 continue
-            self._store[lc][:n] = array("i", [BAD_PAGE_INDEX if p is None or not live else p.slot for p in pages])
-            buf = self.user_bufs[lc]
+            self._store[layer_group][:n] = array(
+                "i", [BAD_PAGE_INDEX if p is None or not live else p.slot for p in pages]
+            )
+            buf = self.user_bufs[layer_group]
             if buf is not None:
-                buf[:n] = memoryview(self._store[lc])[:n]
+                buf[:n] = memoryview(self._store[layer_group])[:n]
 
     def release_all(self, locked: bool) -> None:
         """Let go of every page (close); the table ends empty."""
@@ -286,25 +291,25 @@ class BlockTable:
         self.truncate(0, locked)
 
     # ------------------------------------------------------------------ caller buffers
-    def check_user_buf_room(self, nb: int) -> None:
-        """Raise (before anything changes) if a caller's buffer cannot hold ``nb`` blocks."""
-        for lc, buf in enumerate(self.user_bufs):
-            if buf is not None and nb > len(buf):
+    def check_user_buf_room(self, num_blocks: int) -> None:
+        """Raise (before anything changes) if a caller's buffer cannot hold ``num_blocks`` blocks."""
+        for layer_group, buf in enumerate(self.user_bufs):
+            if buf is not None and num_blocks > len(buf):
                 raise LogicError(
-                    f"the index buffer of layer group {lc} holds {len(buf)} entries but the cache needs {nb}; "
+                    f"the index buffer of layer group {layer_group} holds {len(buf)} entries but the cache needs {num_blocks}; "
                     "give set_base_page_index_buf() a larger buffer"
                 )
 
-    def attach_user_buf(self, lc: LayerGroupId, view: memoryview | None) -> None:
+    def attach_user_buf(self, layer_group: LayerGroupId, view: memoryview | None) -> None:
         """Mirror the indices into ``view`` from now on (None: stop)."""
-        old = self.user_bufs[lc]
-        self.user_bufs[lc] = view
+        old = self.user_bufs[layer_group]
+        self.user_bufs[layer_group] = view
         if old is not None and old is not view:
             old.release()  # the caller's buffer is no longer exported by us
         if view is not None:
-            n = len(self.pages[lc])
-            view[:n] = memoryview(self._store[lc])[:n]
-            self.write_user_tail(lc, n)
+            n = len(self.pages[layer_group])
+            view[:n] = memoryview(self._store[layer_group])[:n]
+            self.write_user_tail(layer_group, n)
 
     def take_user_bufs(self) -> list[memoryview | None]:
         """Hand the callers' buffers over (to the table that takes this beam's place)."""
@@ -316,19 +321,19 @@ class BlockTable:
     def give_user_bufs(self, bufs: list[memoryview | None]) -> None:
         """Adopt callers' buffers and write this table's indices into them."""
         for i, view in enumerate(bufs):
-            lc = LayerGroupId(i)
-            self.user_bufs[lc] = view
+            layer_group = LayerGroupId(i)
+            self.user_bufs[layer_group] = view
             if view is not None:
-                n = len(self.pages[lc])
-                view[:n] = memoryview(self._store[lc])[:n]
-                self.write_user_tail(lc, n)
+                n = len(self.pages[layer_group])
+                view[:n] = memoryview(self._store[layer_group])[:n]
+                self.write_user_tail(layer_group, n)
 
     def detach_user_bufs(self) -> None:
         """Stop writing into callers' buffers (close)."""
         for i in range(len(self.user_bufs)):
             self.attach_user_buf(LayerGroupId(i), None)
 
-    def write_user_tail(self, lc: LayerGroupId, n: int) -> None:
-        buf = self.user_bufs[lc]
+    def write_user_tail(self, layer_group: LayerGroupId, n: int) -> None:
+        buf = self.user_bufs[layer_group]
         if buf is not None and n < len(buf):
             buf[n:] = memoryview(array("i", [BAD_PAGE_INDEX]) * (len(buf) - n))

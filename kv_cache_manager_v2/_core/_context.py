@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import rawref
 
 from .._common import DEFAULT_PRIORITY, LayerGroupId, PoolGroupIndex, Priority, ReuseStatistics
 from .._config import KVCacheManagerConfig
 from .._exceptions import LogicError
-from .._layer_groups import LayerGroup, LayerGroupRegistry
+from .._layers._policy import LayerGroup
+from .._layers._registry import LayerGroupRegistry
 from .._reuse._tree import ReuseTree
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList
 
-if TYPE_CHECKING:
-    from ._kv_cache import KVCache
+
+class OpenCache:
+    """What the context needs of the caches it tracks (a ``KVCache``): closing them."""
+
+    #: the one non-owning reference to this cache (``rawref``), made when it opens
+    _rawref: rawref.ref[OpenCache] | None
+
+    def close(self) -> None:
+        raise NotImplementedError
 
 
 #: how long shutdown lets queued remote writes drain
@@ -32,8 +39,9 @@ class CacheContext:
         "no_gain",
         "pages_per_block",
         "enable_stats",
-        "has_swa",
-        "lc_group",
+        "has_releasing_groups",
+        "initial_stale_ends",
+        "pool_group_of",
         "max_rewind_len",
         "layer_groups",
         "num_layer_groups",
@@ -47,7 +55,7 @@ class CacheContext:
         "registry",
         "stats",
         "storage",
-        "swa_layer_groups",
+        "releasing_layer_groups",
         "tokens_per_block",
         "tree",
     )
@@ -60,14 +68,19 @@ class CacheContext:
         self.registry = registry
         self.layer_groups: TypedList[LayerGroupId, LayerGroup] = registry.layer_groups
         self.num_layer_groups = len(registry)
-        self.swa_layer_groups = registry.swa_layer_groups
-        self.has_swa = len(self.swa_layer_groups) > 0
-        self.lc_group: TypedList[LayerGroupId, PoolGroupIndex] = storage.layout.pool_group_of_layer_group
+        #: layer groups whose blocks go stale as history grows (sliding windows)
+        self.releasing_layer_groups = registry.releasing_layer_groups
+        self.has_releasing_groups = len(self.releasing_layer_groups) > 0
+        #: per layer group, the stale end at history 0: where a new block table starts (blocks
+        #: ``[stale_end(0), table.stale_end)`` are the released ones)
+        self.initial_stale_ends = [layer_group.stale_end(0) for layer_group in self.layer_groups]
+        #: per layer group, the pool group of its slots
+        self.pool_group_of: TypedList[LayerGroupId, PoolGroupIndex] = storage.layout.pool_group_of_layer_group
         self.num_pool_groups = storage.num_pool_groups
         #: per pool group, the pages one more block takes (one per layer group in the group)
         self.pages_per_block = [0] * self.num_pool_groups
-        for g in self.lc_group:
-            self.pages_per_block[g] += 1
+        for pool_group in self.pool_group_of:
+            self.pages_per_block[pool_group] += 1
         self.no_gain = [0] * self.num_pool_groups
         self.default_priorities: list[Priority] = [DEFAULT_PRIORITY] * self.num_layer_groups
         self.storage = storage
@@ -82,13 +95,13 @@ class CacheContext:
         self.stats = ReuseStatistics()
         self.enable_stats = config.enable_stats
         #: open caches as non-owning refs: a cache dropped by its owner closes itself
-        self.open_caches: set[rawref.ref[KVCache]] = set()
+        self.open_caches: set[rawref.ref[OpenCache]] = set()
         #: the manager was dropped while caches were open: the last one to close releases the memory
         self.orphaned = False
         #: a state-changing call is in progress (calls must not overlap: see ``enter``)
         self.busy = False
         #: caches the garbage collector dropped during a call; closed when it ends
-        self.deferred_closes: list[KVCache] = []
+        self.deferred_closes: list[OpenCache] = []
         #: caches created so far (each gets the next ``RequestSerial``)
         self.num_requests = 0
 
@@ -130,7 +143,7 @@ class CacheContext:
             storage.release()
             storage.backend.shutdown()
 
-    def cache_closed(self, ref: rawref.ref[KVCache]) -> None:
+    def cache_closed(self, ref: rawref.ref[OpenCache]) -> None:
         """A cache closed; the last one of a dropped manager releases its memory."""
         self.open_caches.discard(ref)
         if self.orphaned and not self.open_caches:

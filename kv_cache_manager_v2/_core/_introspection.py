@@ -11,16 +11,14 @@ all state, so it is for tests and debugging only.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 from .._common import BAD_PAGE_INDEX, KVCacheStatus, LayerGroupId
 from .._reuse._tree import ReuseTree
 from .._storage._page import GARBAGE_PRIORITY, LISTED_DROPPABLE, LISTED_HELD, NOT_LISTED, Page
 from .._storage._storage_manager import StorageManager
-
-if TYPE_CHECKING:
-    from ._block_table import BlockTable
-    from ._kv_cache import KVCache
+from ._block_table import BlockTable
+from ._kv_cache import KVCache
 
 
 def _fail(what: str) -> NoReturn:
@@ -94,14 +92,14 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
             _fail(f"tree node at ordinal {node.ordinal} counts {node.num_extenders} extending requests")
         if node.is_removable:
             _fail(f"tree node at ordinal {node.ordinal} has no pages, children or extenders but was kept")
-        for lc, r in enumerate(node.pages):
+        for layer_group, r in enumerate(node.pages):
             if r is None:
                 continue
             tree_page = r()
             if tree_page is None:
-                _fail(f"tree node at ordinal {node.ordinal} refers to a freed page (layer group {lc})")
+                _fail(f"tree node at ordinal {node.ordinal} refers to a freed page (layer group {layer_group})")
             p = tree_page
-            if p.node is not node or p.layer_group != lc:
+            if p.node is not node or p.layer_group != layer_group:
                 _fail(f"page {p.slot} and tree node at ordinal {node.ordinal} disagree")
             pages[id(p)] = p
             if p.num_locks == 0 and p.num_holds == 0 and id(p) not in evictable:
@@ -160,40 +158,47 @@ def _check_cache(kv: KVCache, table: BlockTable, beam: int, own: Callable[[Page,
         _fail(f"{kv!r}: its indices are {'live' if table.live else 'hidden'}")
     layer_groups = kv._ctx.layer_groups
     for i in range(len(table)):
-        lc = LayerGroupId(i)
-        lc_pages = table.pages[lc]
-        indices = table.views[lc]
+        layer_group = LayerGroupId(i)
+        lc_pages = table.pages[layer_group]
+        indices = table.views[layer_group]
         if status is KVCacheStatus.CLOSED:
             if lc_pages or len(indices):
                 _fail(f"{kv!r}: a closed cache still has pages")
             continue
         if len(lc_pages) != kv.num_blocks or len(indices) != kv.num_blocks:
-            _fail(f"{kv!r} beam {beam}: layer group {lc} has {len(lc_pages)} pages / {len(indices)} indices")
-        buf = table.user_bufs[lc]
-        src = kv.block_table.pending_copy[lc]  # beam 0 holds it for every beam
-        sinks = layer_groups[lc].num_sink_blocks
-        stale_end = table.stale_end[lc]
-        if max(stale_end, sinks) != layer_groups[lc].stale_end(kv.history_length):
+            _fail(f"{kv!r} beam {beam}: layer group {layer_group} has {len(lc_pages)} pages / {len(indices)} indices")
+        buf = table.user_bufs[layer_group]
+        src = kv.block_table.pending_copy[layer_group]  # beam 0 holds it for every beam
+        stale_end = table.stale_end[layer_group]
+        if stale_end != layer_groups[layer_group].stale_end(kv.history_length):
             _fail(
-                f"{kv!r}: layer group {lc} released blocks below {stale_end}, its window at history "
-                f"{kv.history_length} ends at {layer_groups[lc].stale_end(kv.history_length)}"
+                f"{kv!r}: layer group {layer_group} released blocks below {stale_end}, its window at history "
+                f"{kv.history_length} ends at {layer_groups[layer_group].stale_end(kv.history_length)}"
             )
-        sb, se = table.scratch[lc]
+        sb, se = table.scratch[layer_group]
         slots_needed = (se - sb) > 0 and status is not KVCacheStatus.SUSPENDED
-        if slots_needed != bool(table.scratch_slots[lc]):
-            _fail(f"{kv!r}: layer group {lc} has scratch blocks {sb}..{se} but {len(table.scratch_slots[lc])} slots")
-        for o, p in enumerate(lc_pages):
-            stale = sinks <= o < stale_end or sb <= o < se
+        if slots_needed != bool(table.scratch_slots[layer_group]):
+            _fail(
+                f"{kv!r}: layer group {layer_group} has scratch blocks {sb}..{se} but {len(table.scratch_slots[layer_group])} slots"
+            )
+        for ordinal, p in enumerate(lc_pages):
+            stale = layer_groups[layer_group].is_stale(ordinal, kv.history_length) or sb <= ordinal < se
             if stale and p is not None:
-                _fail(f"{kv!r}: block {o} of layer group {lc} is out of the window or scratch but keeps a page")
-            if not stale and p is None and not (src is not None and o == kv.num_blocks - 1):
-                _fail(f"{kv!r}: block {o} of layer group {lc} needs a page but has none")
+                _fail(
+                    f"{kv!r}: block {ordinal} of layer group {layer_group} is out of the window or scratch but keeps a page"
+                )
+            if not stale and p is None and not (src is not None and ordinal == kv.num_blocks - 1):
+                _fail(f"{kv!r}: block {ordinal} of layer group {layer_group} needs a page but has none")
             want = BAD_PAGE_INDEX if p is None or not locked else p.slot
-            if indices[o] != want or (buf is not None and buf[o] != want):
-                _fail(f"{kv!r}: index of block {o} (layer group {lc}) is {indices[o]}, its page is at {want}")
+            if indices[ordinal] != want or (buf is not None and buf[ordinal] != want):
+                _fail(
+                    f"{kv!r}: index of block {ordinal} (layer group {layer_group}) is {indices[ordinal]}, its page is at {want}"
+                )
             if p is not None:
                 if locked and (p.level != 0 or p.lost):
-                    _fail(f"{kv!r}: block {o} of layer group {lc} is at cache level {p.level} (lost: {p.lost})")
+                    _fail(
+                        f"{kv!r}: block {ordinal} of layer group {layer_group} is at cache level {p.level} (lost: {p.lost})"
+                    )
                 own(p, locked)
         if buf is not None and any(x != BAD_PAGE_INDEX for x in buf[kv.num_blocks :]):
             _fail(f"{kv!r}: the caller's index buffer has entries past the blocks")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import rawref
 
@@ -33,22 +34,26 @@ from .._common import (
 from .._config import DiskCacheTierConfig, HostCacheTierConfig, KVCacheManagerConfig
 from .._events import MEDIUM_OF_TIER, KVCacheEvent, KVCacheEventManager, LayerGroupSpec
 from .._exceptions import LogicError
-from .._layer_groups import LayerGroupRegistry
+from .._layers._policy import LayerGroup
+from .._layers._registry import LayerGroupRegistry
 from .._page_index import PageIndexConverter
-from .._reuse._keys import BlockHasher, BlockKey, check_token_sequence
-from .._reuse._remote_fill import Found, Projection, RemoteFill
-from .._reuse._tree import Node, ReuseTree
+from .._reuse._remote_fill import RemoteFill
+from .._reuse._tree import ReuseTree
 from .._storage._backend import MemoryBackend
 from .._storage._layout import BufferAttr, StorageLayout
-from .._storage._page import Page
 from .._storage._quota import split_like, split_quota
 from .._storage._remote import RemoteStore, layout_fingerprint
 from .._storage._select import select_backend
 from .._storage._storage_manager import StorageManager
 from .._utils import check_int, check_type
-from ._context import CacheContext
+from ._batch import commit_batch, resize_batch
+from ._context import CacheContext, OpenCache
 from ._introspection import check_invariants
-from ._kv_cache import KVCache, PriorityCallback, commit_batch, default_priority, resize_batch
+from ._kv_cache import KVCache
+from ._matching import PrefixMatcher, match_length, match_levels
+from ._pools import aggregated_pages, live_pages, longest_decode_that_fits
+from ._request_state import PriorityCallback, default_priority
+from ._residency import adopt
 
 
 class KVCacheManager:
@@ -116,8 +121,8 @@ class KVCacheManager:
             self._event_manager = event_manager
             if event_manager is not None:
                 groups = [
-                    LayerGroupSpec(i, lc.window_size, lc.num_sink_blocks)
-                    for i, lc in enumerate(self._registry.layer_groups)
+                    LayerGroupSpec(i, policy.window_size, policy.num_sink_blocks)
+                    for i, policy in enumerate(self._registry.layer_groups)
                 ]
                 media = [MEDIUM_OF_TIER[t.tier] for t in config.cache_tiers]
                 event_manager._attach(self._tree, self.tokens_per_block, groups, media)
@@ -139,8 +144,7 @@ class KVCacheManager:
             self._backend.shutdown()
             raise
         self._ctx = CacheContext(config, self._registry, self._storage, self._tree)
-        #: what ``probe_reuse`` learned (scope, tokens, block keys, remote lookup) for the next create
-        self._probe_keys: tuple[ReuseScope, Sequence[TokenIdExt], list[BlockKey], Found | None] | None = None
+        self._matcher = PrefixMatcher(self._tree, self._remote_fill, self.tokens_per_block, config.enable_partial_reuse)
         self._is_shut_down = False
         self._batch_serial = 0
 
@@ -194,9 +198,12 @@ class KVCacheManager:
         try:
             kv = KVCache(ctx, scope, id, custom_priority_callback, beam_width)
             if input_tokens is not None and len(input_tokens) > 0:
-                nodes, part, part_len, _ = self._match(scope, input_tokens, True)  # may raise: kv is not open yet
-                kv._adopt(nodes, part, part_len, input_tokens)
-            ctx.open_caches.add(rawref.ref(kv))
+                nodes, part, part_len, _ = self._matcher.match(
+                    scope, input_tokens, True
+                )  # may raise: kv is not open yet
+                adopt(kv, nodes, part, part_len, input_tokens)
+            handle: rawref.ref[OpenCache] = rawref.ref(kv)
+            ctx.open_caches.add(handle)
         finally:
             ctx.leave()
         return kv
@@ -210,13 +217,11 @@ class KVCacheManager:
         no data moved): a ``create_kv_cache`` of the same tokens right after reuses exactly this
         many tokens when the values found are still intact and the host tier (else GPU memory) has
         room for them, else fewer (never wrong data)."""
-        found = self._probe("probe_reuse()", reuse_scope, input_tokens)
+        self._check_alive()
+        found = self._matcher.probe(self._ctx, "probe_reuse()", reuse_scope, input_tokens)
         if found is None:
             return 0
-        nodes, _, part_len, projection = found
-        if projection is not None:
-            return len(projection[0]) * self.tokens_per_block + projection[2]
-        return len(nodes) * self.tokens_per_block + part_len
+        return match_length(found, self.tokens_per_block)
 
     def probe_reuse_levels(
         self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None
@@ -228,94 +233,11 @@ class KVCacheManager:
         needs none: outside every sliding window). ``resume()`` copies the others up. A following
         ``create_kv_cache`` of the same tokens reuses this call's hashing, like after ``probe_reuse``.
         """
-        found = self._probe("probe_reuse_levels()", reuse_scope, input_tokens)
+        self._check_alive()
+        found = self._matcher.probe(self._ctx, "probe_reuse_levels()", reuse_scope, input_tokens)
         if found is None:
             return []
-        local_nodes, part, part_len, projection = found
-        nodes: Sequence[Node | None] = local_nodes
-        fetched: set[tuple[int, int]] = set()
-        if projection is not None:  # part of the prefix is fetched from the remote tier
-            nodes, part, part_len, fetched = projection
-        t = self.tokens_per_block
-        length = len(nodes) * t + part_len
-        nb = (length + t - 1) // t
-        remote_level = self._storage.num_levels
-        levels = [0] * nb
-        for i, layer_group in enumerate(self._registry.layer_groups):
-            beg, end = layer_group.stale_range(length)
-            for o in range(nb):
-                if beg <= o < end:
-                    continue
-                if (o, i) in fetched:
-                    levels[o] = remote_level
-                    continue
-                node = nodes[o] if o < len(nodes) else part
-                page = node.page(LayerGroupId(i)) if node is not None else None
-                if page is not None and page.level > levels[o]:
-                    levels[o] = page.level
-        return [CacheLevel(x) for x in levels]
-
-    def _probe(
-        self, what: str, reuse_scope: ReuseScope | None, input_tokens: Sequence[TokenIdExt] | None
-    ) -> tuple[list[Node], Node | None, int, Projection | None] | None:
-        """``_match`` for a query that takes nothing (None: no tokens to match)."""
-        self._check_alive()
-        if reuse_scope is not None:
-            check_type("reuse_scope", reuse_scope, ReuseScope)
-        if input_tokens is None or len(input_tokens) == 0:
-            return None
-        ctx = self._ctx
-        ctx.enter(what)
-        try:
-            return self._match(reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE, input_tokens, False)
-        finally:
-            ctx.leave()
-
-    def _match(
-        self, scope: ReuseScope, input_tokens: Sequence[TokenIdExt], for_create: bool
-    ) -> tuple[list[Node], Node | None, int, Projection | None]:
-        """Match ``input_tokens`` (all of them are validated). Block keys hashed by ``probe_reuse``
-        are kept for the ``create_kv_cache`` of the same tokens that usually follows, so each
-        block is hashed once. With a remote tier the match is extended there: a create fetches the
-        pages into the tree and matches again; a probe only projects the match the create would
-        make (the last value, ``RemoteFill.project``; None when the remote tier does not extend it)."""
-        check_type("reuse_scope", scope, ReuseScope)
-        check_token_sequence(input_tokens, "input_tokens")
-        cached = self._probe_keys
-        self._probe_keys = None
-        keys: list[BlockKey] | None = None
-        known: Found | None = None
-        validated = 0
-        if cached is not None and (cached[0] is scope or cached[0] == scope):
-            probed = cached[1]
-            if input_tokens[: len(probed)] == probed:  # the tokens probe_reuse validated and hashed
-                keys = cached[2]
-                validated = len(probed)
-                if len(input_tokens) == len(probed):
-                    known = cached[3]
-        hasher = BlockHasher(input_tokens, self.tokens_per_block, "input_tokens", keys, validated)
-        partial = self._config.enable_partial_reuse
-        root = self._tree.root(scope, False)
-        nodes: list[Node] = []
-        part: Node | None = None
-        part_len = 0
-        if root is not None:
-            nodes, part, part_len = self._tree.match(root, hasher, partial)
-        projection: Projection | None = None
-        found: Found | None = None
-        fill = self._remote_fill
-        if fill is not None:
-            hasher.validate_rest()  # a bad token raises before any network call
-            remote_blocks, found, projection = fill.extend(scope, hasher, nodes, for_create, known, partial)
-            if for_create and remote_blocks > len(nodes):  # the fetched pages are in the tree now
-                root = self._tree.root(scope, False)
-                assert root is not None
-                nodes, part, part_len = self._tree.match(root, hasher, partial)
-        hasher.validate_rest()
-        if not for_create:
-            # the probed tokens, copied with their own type so == is exact
-            self._probe_keys = (scope, input_tokens[:], hasher.keys, found)
-        return nodes, part, part_len, projection
+        return match_levels(found, self._registry.layer_groups, self.tokens_per_block, self._storage.num_levels)
 
     @property
     def reuse_statistics(self) -> ReuseStatistics:
@@ -363,10 +285,10 @@ class KVCacheManager:
     def open_caches(self) -> list[KVCache]:
         """The caches created and not closed yet."""
         out: list[KVCache] = []
-        for r in self._ctx.open_caches:
-            kv = r()
+        for ref in self._ctx.open_caches:
+            kv = ref()
             if kv is not None:
-                out.append(kv)
+                out.append(cast(KVCache, kv))
         return out
 
     def check_invariants(self) -> None:
@@ -493,10 +415,10 @@ class KVCacheManager:
         ]
 
     def get_layer_group_id(self, layer_id: LayerId) -> LayerGroupId:
-        lc = self._registry.layer_to_layer_group.get(layer_id)
-        if lc is None:
+        layer_group = self._registry.layer_to_layer_group.get(layer_id)
+        if layer_group is None:
             raise ValueError(f"unknown layer_id {layer_id!r}; known: {self.layer_ids}")
-        return lc
+        return layer_group
 
     def get_layer_group_info(self, layer_group_id: LayerGroupId) -> LayerGroupInfo:
         """Layers, window, sink blocks and pool group of one layer group (``LayerGroupId`` from
@@ -507,15 +429,19 @@ class KVCacheManager:
                 f"layer_group_id must be in [0, {self.num_layer_groups}) (layer groups of this manager), "
                 f"got {layer_group_id}"
             )
-        lc = LayerGroupId(layer_group_id)
-        layer_group = self._registry.layer_groups[lc]
+        layer_group = LayerGroupId(layer_group_id)
+        policy = self._registry.layer_groups[layer_group]
         return LayerGroupInfo(
-            lc,
-            tuple(self._registry.layers_of[lc]),
-            layer_group.window_size,
-            layer_group.num_sink_blocks,
-            self._layout.pool_group_of_layer_group[lc],
+            layer_group,
+            tuple(self._registry.layers_of[layer_group]),
+            policy.window_size,
+            policy.num_sink_blocks,
+            self._layout.pool_group_of_layer_group[layer_group],
         )
+
+    def _layer_group_policy(self, layer_group_id: LayerGroupId) -> LayerGroup:
+        """The policy of a layer group (for the engine adapter's capacity planning)."""
+        return self._registry.layer_groups[layer_group_id]
 
     def _buffer(self, layer_id: LayerId, role: str) -> BufferAttr:
         attr = self._layout.buffers.get(BufferId(layer_id, role))
@@ -567,29 +493,7 @@ class KVCacheManager:
         for bid in buffer_ids:
             self._buffer(bid[0], bid[1])
             wanted.add(BufferId(bid[0], bid[1]))
-        for lc, cbs in enumerate(self._layout.coalesced):
-            g = self._storage.gpu[self._layout.pool_group_of_layer_group[LayerGroupId(lc)]]
-            for p, cb in enumerate(cbs):
-                base = g.memory_pool(p).base_address
-                run: list[BufferId] = []
-                run_beg = 0
-                for k, bid in enumerate([*cb.buffer_ids, BufferId(LayerId(-1), "")]):
-                    if bid in wanted:
-                        if not run:
-                            run_beg = k
-                        run.append(bid)
-                    elif run:
-                        yield AggregatedPageDesc(
-                            tuple(run),
-                            LayerGroupId(lc),
-                            g.index,
-                            PoolIndex(p),
-                            MemAddress(base + run_beg * cb.single_size),
-                            len(run) * cb.single_size,
-                            cb.slot_size,
-                            g.num_slots,
-                        )
-                        run = []
+        yield from aggregated_pages(self._layout, self._storage, wanted)
 
     # ------------------------------------------------------------------ capacity
     def get_quota(self, level: CacheLevel) -> int:
@@ -631,27 +535,11 @@ class KVCacheManager:
             gpu_slots = [g.num_slots for g in self._storage.gpu]
             slots = split_like(quota, gpu_slots, self._layout, type(tier).__name__)
         self._storage.check_resize(cache_level, slots)
-        if not self._storage.resize_level(cache_level, slots, self._live_pages()):
+        live = live_pages(list(self.open_caches()), self._tree, self._storage)  # every page holding a slot
+        if not self._storage.resize_level(cache_level, slots, live):
             return False
         self._quotas[cache_level] = quota
         return True
-
-    def _live_pages(self) -> list[Page]:
-        """Every page that holds a slot: the requests', the reuse tree's, and garbage."""
-        pages: dict[int, Page] = {}
-        for kv in self.open_caches():
-            for p in kv._all_pages():  # every beam's (a page only other beams hold moves too)
-                pages[id(p)] = p
-        for node in self._tree.nodes():
-            for lc in range(len(node.pages)):
-                tree_page = node.page(lc)
-                if tree_page is not None:
-                    pages[id(tree_page)] = tree_page
-        for level in self._storage.levels:
-            for g in level:
-                for p in g.evictor.pages():
-                    pages[id(p)] = p
-        return list(pages.values())
 
     def get_storage_statistics(self, level: CacheLevel = GPU_LEVEL) -> list[StorageStatistics]:
         """Slot accounting per pool group at ``level``: free slots, and evictable ones (reusable
@@ -689,24 +577,8 @@ class KVCacheManager:
         self._check_alive()
         check_int("batch_size", batch_size, 1)
         check_int("token_num_upper_bound", token_num_upper_bound)
-        totals = [g.num_slots for g in self._storage.gpu]
-        layout = self._layout
-
-        def fits_up_to(n: int) -> bool:
-            peak = [0] * len(totals)
-            for i, lc in enumerate(self._registry.layer_groups):
-                g = layout.pool_group_of_layer_group[LayerGroupId(i)]
-                peak[g] += lc.peak_pages(n)
-            return all(batch_size * k <= total for k, total in zip(peak, totals))
-
-        lo, hi = 0, token_num_upper_bound
-        while lo < hi:  # fits_up_to is monotone: the peak over lengths <= n never falls
-            mid = (lo + hi + 1) // 2
-            if fits_up_to(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        totals = [pool_group.num_slots for pool_group in self._storage.gpu]
+        return longest_decode_that_fits(self._registry, self._layout, totals, batch_size, token_num_upper_bound)
 
     # ------------------------------------------------------------------ checks
     def _check_alive(self) -> None:

@@ -195,8 +195,8 @@ class BlockHasher:
 
     Tokens are validated and encoded lazily, a chunk of blocks at a time, so a match that
     stops early does not hash the rest of a long prompt (``validate_rest`` checks it without
-    hashing); plain-id blocks hash a slice of the chunk's encoding. ``keys[o]`` is
-    ``block_key(parent, tokens[o*T:(o+1)*T])`` chained from the scope root; ``keys`` may start
+    hashing); plain-id blocks hash a slice of the chunk's encoding. ``keys[ordinal]`` is
+    ``block_key(parent, tokens[ordinal*T:(ordinal+1)*T])`` chained from the scope root; ``keys`` may start
     with keys computed earlier for the same tokens (``probe_reuse`` -> ``create_kv_cache``).
     Passing an ``array('I')`` makes encoding a memory copy.
     """
@@ -221,34 +221,34 @@ class BlockHasher:
         #: at a time (False once a chunk held a digest or a bad token: encoded in Python from then on)
         self._native = NATIVE_CHAIN and (type(tokens) is list or type(tokens) is tuple)
 
-    def key(self, parent: BlockKey, o: int) -> BlockKey:
-        """Block ``o``'s key given its parent's (computed once, then kept in ``keys``)."""
-        if o < len(self.keys):
-            return self.keys[o]
+    def key(self, parent: BlockKey, ordinal: int) -> BlockKey:
+        """Block ``ordinal``'s key given its parent's (computed once, then kept in ``keys``)."""
+        if ordinal < len(self.keys):
+            return self.keys[ordinal]
         t = self.tokens_per_block
-        c = o // _CHUNK_BLOCKS
-        if self._native and o == len(self.keys):
+        c = ordinal // _CHUNK_BLOCKS
+        if self._native and ordinal == len(self.keys):
             end = min((c + 1) * _CHUNK_BLOCKS, len(self.tokens) // t) * t
-            if o * t < end and self._native_keys(parent, o * t, end):
-                return self.keys[o]
+            if ordinal * t < end and self._native_keys(parent, ordinal * t, end):
+                return self.keys[ordinal]
         while len(self._chunks) <= c:
             self._encode_chunk()
         chunk = self._chunks[c]
         if chunk is None:
-            key = block_key(parent, self.tokens[o * t : min((o + 1) * t, len(self.tokens))])
-            if o == len(self.keys):
+            key = block_key(parent, self.tokens[ordinal * t : min((ordinal + 1) * t, len(self.tokens))])
+            if ordinal == len(self.keys):
                 self.keys.append(key)
             return key
-        beg = (o - c * _CHUNK_BLOCKS) * t * 4
+        beg = (ordinal - c * _CHUNK_BLOCKS) * t * 4
         full_end = len(chunk) - len(chunk) % (t * 4)
-        if o != len(self.keys) or beg >= full_end:  # out of sequence, or the partial last block: alone
+        if ordinal != len(self.keys) or beg >= full_end:  # out of sequence, or the partial last block: alone
             key = _sha256_digest(parent + chunk[beg : beg + t * 4])
-            if o == len(self.keys):
+            if ordinal == len(self.keys):
                 self.keys.append(key)
             return key
         # the chunk's remaining full blocks in one call (a match usually goes on to the next block)
         self.keys += chain_keys(parent, chunk[beg:full_end], t * 4)
-        return self.keys[o]
+        return self.keys[ordinal]
 
     def _native_keys(self, parent: BlockKey, beg: int, end: int) -> bool:
         """Keys of the full blocks in tokens ``[beg, end)`` through ``blockhash.chain_tokens`` (which
@@ -270,8 +270,8 @@ class BlockHasher:
 
     def chain(self, parent: BlockKey) -> list[BlockKey]:
         """Keys of every block of the sequence, chained from ``parent``."""
-        for o in range(self.num_blocks):
-            parent = self.key(parent, o)
+        for ordinal in range(self.num_blocks):
+            parent = self.key(parent, ordinal)
         return self.keys
 
     def validate_rest(self) -> None:

@@ -3,8 +3,8 @@ trip, fetch the hits in one more, and place them in the local cache as ordinary 
 (in the host tier, else GPU memory), where the match then finds them and ``resume`` onboards them
 like any lower-tier page.
 
-The rule for how far a match may go is the tree's (SPEC 5.3): at ``m`` blocks every layer group
-needs a page for each block it does not consider stale at ``m * T`` tokens (full attention: every
+The rule for how far a match may go is the tree's (SPEC 5.3): at ``matched_blocks`` blocks every layer group
+needs a page for each block it does not consider stale at ``matched_blocks * T`` tokens (full attention: every
 block; a window: sinks and the window). A page counts when the local tree has it or the remote
 tier has a value of the right length for it. ``probe_reuse`` only looks up (and remembers what it
 learned for the ``create_kv_cache`` of the same tokens); ``create_kv_cache`` fetches. A probe reports
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import rawref
 
 from .._common import DEFAULT_PRIORITY, CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
-from .._layer_groups import LayerGroup
+from .._layers._policy import LayerGroup
 from .._storage._page import NO_SERIAL, Page
 from .._storage._remote import HEADER_BYTES, RemoteStore, decode_value
 from .._storage._storage_manager import StorageManager
@@ -58,8 +58,8 @@ class RemoteFill:
         self.target = target
         #: payload bytes of one page of each layer group (the slot's bytes over its pool group's pools)
         self.page_bytes: list[int] = [
-            storage.layout.pool_groups[storage.layout.pool_group_of_layer_group[LayerGroupId(lc)]].slot_bytes
-            for lc in range(len(layer_groups))
+            storage.layout.pool_groups[storage.layout.pool_group_of_layer_group[LayerGroupId(layer_group)]].slot_bytes
+            for layer_group in range(len(layer_groups))
         ]
 
     def extend(
@@ -75,54 +75,56 @@ class RemoteFill:
         help), what the lookup found (for a later call with ``known``), and without ``fetch``, when
         the remote tier helps, the match a create would make (``project``). With ``fetch`` the pages
         are fetched and placed in the tree, so a new local match reaches that far."""
-        k = len(nodes)
-        t = self.tokens_per_block
-        end = min(len(hasher.tokens) // t, k + self.remote.cfg.max_lookup_blocks)
+        local_blocks = len(nodes)
+        tokens_per_block = self.tokens_per_block
+        end = min(len(hasher.tokens) // tokens_per_block, local_blocks + self.remote.cfg.max_lookup_blocks)
         found: Found = {} if known is None else known
-        if end <= k:
-            return k, found, None
+        if end <= local_blocks:
+            return local_blocks, found, None
         remote = self.remote
         if known is None and remote.is_down:
             remote.skipped_lookups += 1
-            return k, found, None
+            return local_blocks, found, None
         root = self.tree.root(scope, False)
         chain, keys = self._chain(root, scope_key(scope) if root is None else root.key, hasher, end)
         n_lc = len(self.layer_groups)
         cand: list[tuple[int, int]] = []
-        for o in range(k, end):
-            node = chain[o]
-            for lc in range(n_lc):
-                if node is None or node.page(lc) is None:
-                    cand.append((o, lc))
+        for ordinal in range(local_blocks, end):
+            node = chain[ordinal]
+            for layer_group in range(n_lc):
+                if node is None or node.page(layer_group) is None:
+                    cand.append((ordinal, layer_group))
         ask = [c for c in cand if c not in found]
         if ask:
-            lengths = remote.lookup([remote.page_key(keys[o], lc) for o, lc in ask])
+            lengths = remote.lookup([remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in ask])
             if lengths is None:
-                return k, found, None
-            for (o, lc), n in zip(ask, lengths):
-                ok = n == HEADER_BYTES + self.page_bytes[lc]
-                found[(o, lc)] = ok
+                return local_blocks, found, None
+            for (ordinal, layer_group), n in zip(ask, lengths):
+                ok = n == HEADER_BYTES + self.page_bytes[layer_group]
+                found[(ordinal, layer_group)] = ok
                 if ok:
                     remote.found_pages += 1
-        m = self._best(chain, k, end, found)
-        if m <= k:
-            return m, found, None
+        matched_blocks = self._best(chain, local_blocks, end, found)
+        if matched_blocks <= local_blocks:
+            return matched_blocks, found, None
         if not fetch:
-            return m, found, self.project(chain, hasher, k, m, partial)
-        return self._fetch(scope, hasher, chain, keys, k, m, found), found, None
+            return matched_blocks, found, self.project(chain, hasher, local_blocks, matched_blocks, partial)
+        return self._fetch(scope, hasher, chain, keys, local_blocks, matched_blocks, found), found, None
 
-    def project(self, chain: list[Node | None], hasher: BlockHasher, k: int, m: int, partial: bool) -> Projection:
-        """The match a create reaches when it fetches what ``m`` blocks need: ``ReuseTree.match``'s
+    def project(
+        self, chain: list[Node | None], hasher: BlockHasher, local_blocks: int, matched_blocks: int, partial: bool
+    ) -> Projection:
+        """The match a create reaches when it fetches what ``matched_blocks`` blocks need: ``ReuseTree.match``'s
         walk and shortening (full blocks by key, then the best partial child, shortened at the first
-        block missing a needed page), over the local tree with blocks ``[0, m)`` present and the
+        block missing a needed page), over the local tree with blocks ``[0, matched_blocks)`` present and the
         fetched pages counted as there."""
-        t = self.tokens_per_block
+        tokens_per_block = self.tokens_per_block
         tokens = hasher.tokens
-        fetched = set(self._needed(chain, k, m))
-        nodes: list[Node | None] = list(chain[:m])
-        node = chain[m - 1]  # None: the fetch creates it, without children
+        fetched = set(self._needed(chain, local_blocks, matched_blocks))
+        nodes: list[Node | None] = list(chain[:matched_blocks])
+        node = chain[matched_blocks - 1]  # None: the fetch creates it, without children
         if node is not None:
-            n_full = len(tokens) // t
+            n_full = len(tokens) // tokens_per_block
             while len(nodes) < n_full and node.has_children:
                 child = node.child(hasher.key(node.key, len(nodes)))
                 if child is None:
@@ -131,24 +133,24 @@ class RemoteFill:
                 node = child
         part: Node | None = None
         part_len = 0
-        if partial and node is not None and len(nodes) * t < len(tokens) and node.has_children:
-            rest = tokens[len(nodes) * t : (len(nodes) + 1) * t]
+        if partial and node is not None and len(nodes) * tokens_per_block < len(tokens) and node.has_children:
+            rest = tokens[len(nodes) * tokens_per_block : (len(nodes) + 1) * tokens_per_block]
             validate_tokens(rest, hasher.name)
             part, part_len = node.best_partial(rest)
         layer_groups = self.layer_groups.items
         while True:
-            length = len(nodes) * t + part_len
-            nb = (length + t - 1) // t
+            length = len(nodes) * tokens_per_block + part_len
+            num_blocks = (length + tokens_per_block - 1) // tokens_per_block
             missing = -1
-            for lc, layer_group in enumerate(layer_groups):
-                beg, stale_end = layer_group.stale_range(length)
-                for o in range(nb):
-                    if beg <= o < stale_end or (o, lc) in fetched:
+            for layer_group, policy in enumerate(layer_groups):
+                beg, stale_end = policy.stale_range(length)
+                for ordinal in range(num_blocks):
+                    if beg <= ordinal < stale_end or (ordinal, layer_group) in fetched:
                         continue
-                    at = nodes[o] if o < len(nodes) else part
-                    if at is None or at.page(LayerGroupId(lc)) is None:
-                        if missing < 0 or o < missing:
-                            missing = o
+                    at = nodes[ordinal] if ordinal < len(nodes) else part
+                    if at is None or at.page(LayerGroupId(layer_group)) is None:
+                        if missing < 0 or ordinal < missing:
+                            missing = ordinal
                         break
             if missing < 0:
                 return nodes, part, part_len, fetched
@@ -163,8 +165,8 @@ class RemoteFill:
         keys: list[BlockKey] = []
         node = root
         parent = root_key
-        for o in range(end):
-            key = hasher.key(parent, o)
+        for ordinal in range(end):
+            key = hasher.key(parent, ordinal)
             child = node.child(key) if node is not None else None
             out.append(child)
             keys.append(key)
@@ -172,59 +174,59 @@ class RemoteFill:
             parent = key
         return out, keys
 
-    def _best(self, chain: list[Node | None], k: int, end: int, have: Found) -> int:
-        """The longest match ``m`` in ``[k, end]`` blocks whose needed pages all exist (locally, or
-        ``have[(o, lc)]``); ``k`` when none is longer. A length is reusable for a layer group when
+    def _best(self, chain: list[Node | None], local_blocks: int, end: int, have: Found) -> int:
+        """The longest match ``matched_blocks`` in ``[local_blocks, end]`` blocks whose needed pages all exist (locally, or
+        ``have[(ordinal, layer_group)]``); ``local_blocks`` when none is longer. A length is reusable for a layer group when
         every block missing a page below it lies in the group's stale range there."""
-        t = self.tokens_per_block
+        tokens_per_block = self.tokens_per_block
         layer_groups = self.layer_groups.items
         n_lc = len(layer_groups)
         first = [-1] * n_lc  # first block missing a page, per layer group
         last = [-1] * n_lc  # last one so far
-        best = k
-        for o in range(end):
-            node = chain[o]
-            for lc in range(n_lc):
-                present = node is not None and node.page(lc) is not None
-                if not present and o >= k:
-                    present = have.get((o, lc), False)
+        best = local_blocks
+        for ordinal in range(end):
+            node = chain[ordinal]
+            for layer_group in range(n_lc):
+                present = node is not None and node.page(layer_group) is not None
+                if not present and ordinal >= local_blocks:
+                    present = have.get((ordinal, layer_group), False)
                 if not present:
-                    if first[lc] < 0:
-                        first[lc] = o
-                    last[lc] = o
-            m = o + 1
-            if m <= k:
+                    if first[layer_group] < 0:
+                        first[layer_group] = ordinal
+                    last[layer_group] = ordinal
+            matched_blocks = ordinal + 1
+            if matched_blocks <= local_blocks:
                 continue
             ok = True
-            for lc in range(n_lc):
-                if first[lc] >= 0:
-                    beg, stale_end = layer_groups[lc].stale_range(m * t)
-                    if first[lc] < beg or last[lc] >= stale_end:
+            for layer_group in range(n_lc):
+                if first[layer_group] >= 0:
+                    beg, stale_end = layer_groups[layer_group].stale_range(matched_blocks * tokens_per_block)
+                    if first[layer_group] < beg or last[layer_group] >= stale_end:
                         ok = False
                         break
             if ok:
-                best = m
+                best = matched_blocks
         return best
 
-    def _needed(self, chain: list[Node | None], k: int, m: int) -> list[tuple[int, int]]:
-        """Pages a match of ``m`` blocks needs that the local tree lacks (all at or after block ``k``)."""
+    def _needed(self, chain: list[Node | None], local_blocks: int, matched_blocks: int) -> list[tuple[int, int]]:
+        """Pages a match of ``matched_blocks`` blocks needs that the local tree lacks (all at or after block ``local_blocks``)."""
         out: list[tuple[int, int]] = []
-        for lc, layer_group in enumerate(self.layer_groups):
-            beg, end = layer_group.stale_range(m * self.tokens_per_block)
-            for o in range(k, m):
-                if beg <= o < end:
+        for layer_group, policy in enumerate(self.layer_groups):
+            beg, end = policy.stale_range(matched_blocks * self.tokens_per_block)
+            for ordinal in range(local_blocks, matched_blocks):
+                if beg <= ordinal < end:
                     continue
-                node = chain[o]
-                if node is None or node.page(lc) is None:
-                    out.append((o, lc))
+                node = chain[ordinal]
+                if node is None or node.page(layer_group) is None:
+                    out.append((ordinal, layer_group))
         return out
 
     def _fits(self, needed: list[tuple[int, int]]) -> bool:
         storage = self.storage
         counts = [0] * storage.num_pool_groups
-        for _, lc in needed:
-            counts[storage.layout.pool_group_of_layer_group[LayerGroupId(lc)]] += 1
-        return all(n == 0 or n <= storage.available(self.target, g) for g, n in enumerate(counts))
+        for _, layer_group in needed:
+            counts[storage.layout.pool_group_of_layer_group[LayerGroupId(layer_group)]] += 1
+        return all(n == 0 or n <= storage.available(self.target, pool_group) for pool_group, n in enumerate(counts))
 
     def _fetch(
         self,
@@ -232,11 +234,11 @@ class RemoteFill:
         hasher: BlockHasher,
         chain: list[Node | None],
         keys: list[BlockKey],
-        k: int,
-        m: int,
+        local_blocks: int,
+        matched_blocks: int,
         found: Found,
     ) -> int:
-        """Fetch what a match of (up to) ``m`` blocks needs and publish it; returns the blocks reached."""
+        """Fetch what a match of (up to) ``matched_blocks`` blocks needs and publish it; returns the blocks reached."""
         # Pin what the match stands on: the chain's pages (locked, out of every evictor) and its
         # deepest node (an extender), so making room for the fetched pages cannot take them away.
         pinned: list[Page] = []
@@ -245,15 +247,15 @@ class RemoteFill:
             if node is None:
                 break
             deepest = node
-            for lc in range(len(node.pages)):
-                p = node.page(lc)
+            for layer_group in range(len(node.pages)):
+                p = node.page(layer_group)
                 if p is not None:
                     p.take(True)
                     pinned.append(p)
         if deepest is not None:
             deepest.num_extenders += 1
         try:
-            return self._fetch_pinned(scope, hasher, chain, keys, k, m, found)
+            return self._fetch_pinned(scope, hasher, chain, keys, local_blocks, matched_blocks, found)
         finally:
             for p in reversed(pinned):
                 p.release(True)
@@ -267,51 +269,55 @@ class RemoteFill:
         hasher: BlockHasher,
         chain: list[Node | None],
         keys: list[BlockKey],
-        k: int,
-        m: int,
+        local_blocks: int,
+        matched_blocks: int,
         found: Found,
     ) -> int:
-        needed = self._needed(chain, k, m)
+        needed = self._needed(chain, local_blocks, matched_blocks)
         if not self._fits(needed):
             # room for fewer blocks: the longest reusable length whose pages fit (halving the range)
-            lo, hi = k, m
+            lo, hi = local_blocks, matched_blocks
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                m2 = self._best(chain, k, mid, found)
-                if m2 > k and self._fits(self._needed(chain, k, m2)):
+                m2 = self._best(chain, local_blocks, mid, found)
+                if m2 > local_blocks and self._fits(self._needed(chain, local_blocks, m2)):
                     lo = mid
                 else:
                     hi = mid - 1
-            m = self._best(chain, k, lo, found)
-            if m <= k:
-                return k
-            needed = self._needed(chain, k, m)
+            matched_blocks = self._best(chain, local_blocks, lo, found)
+            if matched_blocks <= local_blocks:
+                return local_blocks
+            needed = self._needed(chain, local_blocks, matched_blocks)
         remote = self.remote
-        values = remote.fetch([remote.page_key(keys[o], lc) for o, lc in needed])
+        values = remote.fetch([remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in needed])
         if values is None:
-            return k
+            return local_blocks
         fp = remote.fingerprint
         good: Found = {}
         payloads: dict[tuple[int, int], memoryview] = {}
-        for (o, lc), value in zip(needed, values):
-            payload = decode_value(value, lc, fp, keys[o], self.page_bytes[lc]) if value is not None else None
+        for (ordinal, layer_group), value in zip(needed, values):
+            payload = (
+                decode_value(value, layer_group, fp, keys[ordinal], self.page_bytes[layer_group])
+                if value is not None
+                else None
+            )
             if payload is None:
                 if value is not None:
                     remote.corrupt_pages += 1
                 continue
-            good[(o, lc)] = True
-            payloads[(o, lc)] = payload
+            good[(ordinal, layer_group)] = True
+            payloads[(ordinal, layer_group)] = payload
         if len(payloads) < len(needed):  # some values were gone or bad: shorten to what is intact
-            m = self._best(chain, k, m, good)
-            if m <= k:
-                return k
-            needed = self._needed(chain, k, m)
+            matched_blocks = self._best(chain, local_blocks, matched_blocks, good)
+            if matched_blocks <= local_blocks:
+                return local_blocks
+            needed = self._needed(chain, local_blocks, matched_blocks)
         placed = self._place(needed, payloads)
-        self._publish(scope, hasher, chain, keys, m, placed)
+        self._publish(scope, hasher, chain, keys, matched_blocks, placed)
         remote.fetched_pages += len(placed)
-        remote.fetched_bytes += sum(HEADER_BYTES + self.page_bytes[lc] for _, lc in placed)
-        remote.hit_blocks += m - k
-        return m
+        remote.fetched_bytes += sum(HEADER_BYTES + self.page_bytes[layer_group] for _, layer_group in placed)
+        remote.hit_blocks += matched_blocks - local_blocks
+        return matched_blocks
 
     def _place(
         self, needed: list[tuple[int, int]], payloads: dict[tuple[int, int], memoryview]
@@ -320,18 +326,18 @@ class RemoteFill:
         holding the payloads of ``needed``, one batch per pool group."""
         storage = self.storage
         by_group: dict[int, list[tuple[int, int]]] = {}
-        for o, lc in needed:
-            g = int(storage.layout.pool_group_of_layer_group[LayerGroupId(lc)])
-            found = by_group.get(g)
+        for ordinal, layer_group in needed:
+            pool_group = int(storage.layout.pool_group_of_layer_group[LayerGroupId(layer_group)])
+            found = by_group.get(pool_group)
             if found is None:
-                by_group[g] = [(o, lc)]
+                by_group[pool_group] = [(ordinal, layer_group)]
             else:
-                found.append((o, lc))
+                found.append((ordinal, layer_group))
         placed: dict[tuple[int, int], Page] = {}
         level = storage.levels.items[self.target]
         try:
-            for g, items in by_group.items():
-                dst = level.items[g]
+            for pool_group, items in by_group.items():
+                dst = level.items[pool_group]
                 storage.make_room(dst, len(items))
                 slots = dst.allocator.allocate(len(items))
                 try:
@@ -343,10 +349,10 @@ class RemoteFill:
                     for s in slots:
                         dst.allocator.free(s)
                     raise
-                for (o, lc), slot in zip(items, slots):
-                    page = Page(dst, slot, LayerGroupId(lc), DEFAULT_PRIORITY, True)
+                for (ordinal, layer_group), slot in zip(items, slots):
+                    page = Page(dst, slot, LayerGroupId(layer_group), DEFAULT_PRIORITY, True)
                     page.remote_copy = True
-                    placed[(o, lc)] = page
+                    placed[(ordinal, layer_group)] = page
         except BaseException:
             for p in placed.values():
                 p.release(True)  # not in the tree: freed
@@ -359,28 +365,28 @@ class RemoteFill:
         hasher: BlockHasher,
         chain: list[Node | None],
         keys: list[BlockKey],
-        m: int,
+        matched_blocks: int,
         placed: dict[tuple[int, int], Page],
     ) -> None:
-        """Insert blocks ``[0, m)`` with the placed pages into the tree, then let the pages go
+        """Insert blocks ``[0, matched_blocks)`` with the placed pages into the tree, then let the pages go
         (last block first: tails are evicted before the prefixes they hang from)."""
         tree = self.tree
-        t = self.tokens_per_block
+        tokens_per_block = self.tokens_per_block
         n_lc = len(self.layer_groups)
         tokens: Sequence[TokenIdExt] = hasher.tokens
         parent = tree.root(scope, True)
         assert parent is not None
-        for o in range(m):
-            pages: list[Page | None] = [placed.get((o, lc)) for lc in range(n_lc)]
-            node = chain[o]
+        for ordinal in range(matched_blocks):
+            pages: list[Page | None] = [placed.get((ordinal, layer_group)) for layer_group in range(n_lc)]
+            node = chain[ordinal]
             if node is None or any(p is not None for p in pages):
                 # NO_SERIAL: a fetch is no use; the request matching these blocks next counts its use
-                toks = rawref.untrack(tuple(tokens[o * t : (o + 1) * t]))
-                node = tree.publish(parent, toks, pages, True, NO_SERIAL, keys[o])
+                toks = rawref.untrack(tuple(tokens[ordinal * tokens_per_block : (ordinal + 1) * tokens_per_block]))
+                node = tree.publish(parent, toks, pages, True, NO_SERIAL, keys[ordinal])
                 assert node is not None  # a full block is always published
             parent = node
-        for o in range(m - 1, -1, -1):
-            for lc in range(n_lc):
-                p = placed.get((o, lc))
+        for ordinal in range(matched_blocks - 1, -1, -1):
+            for layer_group in range(n_lc):
+                p = placed.get((ordinal, layer_group))
                 if p is not None:
                     p.release(True)

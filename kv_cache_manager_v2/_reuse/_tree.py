@@ -23,7 +23,7 @@ from .._common import (
     TokenIdExt,
 )
 from .._events import NOT_MOVED, BlockStoredEvent, KVCacheEventManager
-from .._layer_groups import LayerGroup
+from .._layers._policy import LayerGroup
 from .._storage._page import Page, PoolGroupStorage
 from .._storage._persist import DiskRecord
 from .._storage._storage_manager import PageDropListener, StorageManager
@@ -134,8 +134,8 @@ class Node:
         self.scope: tuple[int | None, int | None] | None = parent.scope if parent is not None else None
         rawref.untrack(self)
 
-    def page(self, lc: int) -> Page | None:
-        r = self.pages[lc]
+    def page(self, layer_group: int) -> Page | None:
+        r = self.pages[layer_group]
         return r() if r is not None else None
 
     @property
@@ -289,13 +289,13 @@ class ReuseTree(PageDropListener):
         t = self.tokens_per_block
         nb = (length + t - 1) // t
         first = -1
-        for lc_id, lc in enumerate(self.layer_groups):
-            beg, end = lc.stale_range(length)
+        for layer_group_id, policy in enumerate(self.layer_groups):
+            beg, end = policy.stale_range(length)
             for o in range(nb):
                 if beg <= o < end:
                     continue
                 node = nodes[o] if o < len(nodes) else part
-                if node is None or node.page(lc_id) is None:
+                if node is None or node.page(layer_group_id) is None:
                     if first < 0 or o < first:
                         first = o
                     break
@@ -314,9 +314,9 @@ class ReuseTree(PageDropListener):
         """Insert one committed block under ``parent`` (a partial tail when shorter than a block);
         ``key`` is its ``block_key`` when the caller computed it (with its neighbours', in one call).
 
-        ``pages[lc]`` is the publishing request's page of the block (None: it has none there).
+        ``pages[layer_group]`` is the publishing request's page of the block (None: it has none there).
         Where the tree already holds a page for the block, the request switches to it (dedup):
-        ``pages[lc]`` becomes the tree's page, taken (locked if ``locked``, else held), and the
+        ``pages[layer_group]`` becomes the tree's page, taken (locked if ``locked``, else held), and the
         request's own is released; if the tree's page sits in a lower cache level, the two swap
         places first (same data), so an active request keeps a GPU page. Either way request
         ``serial`` uses the block (use counting, frequency policy). Returns the block's
@@ -335,13 +335,13 @@ class ReuseTree(PageDropListener):
         if node is None:
             node = Node(key, parent, tokens, len(pages))
             parent.add_child(node)
-        cap = parent.prio_cap
-        for lc in range(len(pages)):
-            mine = pages[lc]
-            theirs = node.page(lc)
+        priority_cap = parent.prio_cap
+        for layer_group in range(len(pages)):
+            mine = pages[layer_group]
+            theirs = node.page(layer_group)
             if theirs is None:
                 if mine is not None and mine.node is None:  # owned by the request
-                    self._attach(node, lc, mine, cap, serial)
+                    self._attach(node, layer_group, mine, priority_cap, serial)
             elif mine is not None and theirs is not mine:
                 if theirs.level > mine.level:  # the tree's copy is in a lower tier: it takes our place
                     source_level = theirs.level
@@ -351,18 +351,18 @@ class ReuseTree(PageDropListener):
                 history = theirs.storage.history
                 if history is not None:
                     history.use(theirs, serial)
-                pages[lc] = theirs
+                pages[layer_group] = theirs
                 mine.release(locked)
         return node
 
-    def _attach(self, node: Node, lc: int, page: Page, cap: Priority, serial: RequestSerial) -> None:
-        """Make ``page`` (owned, in no tree) ``node``'s page for layer group ``lc``, its priority
-        capped at ``cap``; request ``serial`` uses it; subscribers and write-through hear of it."""
-        if page.priority > cap:
-            page.set_priority(cap)
+    def _attach(self, node: Node, layer_group: int, page: Page, priority_cap: Priority, serial: RequestSerial) -> None:
+        """Make ``page`` (owned, in no tree) ``node``'s page for layer group ``layer_group``, its priority
+        capped at ``priority_cap``; request ``serial`` uses it; subscribers and write-through hear of it."""
+        if page.priority > priority_cap:
+            page.set_priority(priority_cap)
         page.node = node
-        node.pages[lc] = rawref.ref(page)
-        anchor = self.layer_groups.items[lc].is_anchor(node.ordinal)
+        node.pages[layer_group] = rawref.ref(page)
+        anchor = self.layer_groups.items[layer_group].is_anchor(node.ordinal)
         page.anchor = anchor
         if anchor and page.priority < node.prio_cap:
             node.prio_cap = page.priority
@@ -371,7 +371,7 @@ class ReuseTree(PageDropListener):
             history.use(page, serial)
         sink = self.event_sink
         if sink is not None:
-            sink.block_stored(_event(sink, node, lc, page, NOT_MOVED))
+            sink.block_stored(_event(sink, node, layer_group, page, NOT_MOVED))
         wt = self.write_through
         if wt is not None and len(node.tokens) == self.tokens_per_block and not page.remote_copy:
             wt.queue_write_through(page)
@@ -381,7 +381,7 @@ class ReuseTree(PageDropListener):
         self,
         records: list[list[DiskRecord]],
         storages: TypedList[PoolGroupIndex, PoolGroupStorage],
-        lc_group: TypedList[LayerGroupId, PoolGroupIndex],
+        pool_group_of: TypedList[LayerGroupId, PoolGroupIndex],
     ) -> int:
         """Publish the pages a persistent disk tier kept from a previous manager: ``records[g]`` are
         the valid records of pool group ``g`` (slots already taken in ``storages``). A record whose
@@ -415,7 +415,7 @@ class ReuseTree(PageDropListener):
             for found in records:
                 for r in found:
                     if r.key not in nodes:
-                        self._adopt_chain(r.key, by_key, nodes, storages, lc_group, placed, seqs, rejected, made)
+                        self._adopt_chain(r.key, by_key, nodes, storages, pool_group_of, placed, seqs, rejected, made)
         finally:
             self.write_through = write_through
         for r in rejected:
@@ -435,7 +435,7 @@ class ReuseTree(PageDropListener):
         by_key: dict[bytes, list[DiskRecord]],
         nodes: dict[bytes, Node | None],
         storages: TypedList[PoolGroupIndex, PoolGroupStorage],
-        lc_group: TypedList[LayerGroupId, PoolGroupIndex],
+        pool_group_of: TypedList[LayerGroupId, PoolGroupIndex],
         placed: list[Page],
         seqs: list[int],
         rejected: list[DiskRecord],
@@ -457,21 +457,25 @@ class ReuseTree(PageDropListener):
                 nodes[same[0].key] = None
                 rejected.extend(same)
             return
-        num_lcs = len(self.layer_groups)
+        num_layer_groups = len(self.layer_groups)
         for same in reversed(chain):
             first = same[0]
-            node = Node(first.key, parent, cast(BlockTokens, first.tokens), num_lcs)
+            node = Node(first.key, parent, cast(BlockTokens, first.tokens), num_layer_groups)
             parent.add_child(node)
             nodes[first.key] = node
             empty = True
             for r in same:
-                lc = r.layer_group
-                if lc >= num_lcs or lc_group.items[lc] != r.group or node.pages[lc] is not None:
+                layer_group = r.layer_group
+                if (
+                    layer_group >= num_layer_groups
+                    or pool_group_of.items[layer_group] != r.group
+                    or node.pages[layer_group] is not None
+                ):
                     rejected.append(r)  # (a second record of one page: its slot is free)
                     continue
                 prio = r.priority if r.priority <= MAX_PRIORITY else MAX_PRIORITY
-                page = Page(storages.items[r.group], SlotId(r.slot), LayerGroupId(lc), Priority(prio), True)
-                self._attach(node, lc, page, parent.prio_cap, RequestSerial(0))
+                page = Page(storages.items[r.group], SlotId(r.slot), LayerGroupId(layer_group), Priority(prio), True)
+                self._attach(node, layer_group, page, parent.prio_cap, RequestSerial(0))
                 placed.append(page)
                 seqs.append(r.seq)
                 empty = False
@@ -512,12 +516,12 @@ class ReuseTree(PageDropListener):
             n = stack.pop()
             stack.extend(n.drop_children())
             n.parent = None
-            for lc, r in enumerate(n.pages):
+            for layer_group, r in enumerate(n.pages):
                 p = r() if r is not None else None
-                n.pages[lc] = None
+                n.pages[layer_group] = None
                 if p is not None:
                     if sink is not None:
-                        sink.block_removed(n.key, lc, p.level)
+                        sink.block_removed(n.key, layer_group, p.level)
                     unused = p.num_locks == 0 and p.num_holds == 0
                     history = p.storage.history
                     if unused and history is not None and not free_unused:

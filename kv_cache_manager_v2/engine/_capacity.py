@@ -8,27 +8,15 @@ group at a step is the sum of those counts over the group's layer groups.
 from __future__ import annotations
 
 from .._common import PoolGroupIndex
+from .._layers._policy import LayerGroup
 
 
 class LayerGroupShape:
-    """Attention shape of one layer group: window (None: full attention) and sink blocks."""
+    """One layer group as capacity planning sees it: its policy and the pool group of its slots."""
 
-    def __init__(self, window: int | None, num_sink_blocks: int, pool_group: PoolGroupIndex) -> None:
-        self.window = window
-        self.num_sink_blocks = num_sink_blocks
+    def __init__(self, policy: LayerGroup, pool_group: PoolGroupIndex) -> None:
+        self.policy = policy
         self.pool_group = pool_group
-
-
-def live_blocks(shape: LayerGroupShape, tokens_per_block: int, history: int, capacity: int) -> int:
-    """Blocks holding a page at ``(history, capacity)``: all blocks but the stale ones."""
-    t = tokens_per_block
-    nb = (capacity + t - 1) // t
-    w = shape.window
-    if w is None:
-        return nb
-    beg = min((history + t - 1) // t, shape.num_sink_blocks)
-    end = max(beg, (history + 1 - w) // t)
-    return nb - max(0, min(end, nb) - min(beg, nb))
 
 
 class StepPlan:
@@ -55,63 +43,53 @@ class StepPlan:
         sinks are still growing nothing is stale), so the first step and those are enough;
         with ``need_all_steps`` False (full attention only: counts never fall) the last one is.
         """
-        t = tokens_per_block
         out: list[tuple[int, int]] = []
-        h = self.history
-        if self.capacity > h:
-            out.append((h, self.capacity))
-            h = self.capacity
-        n = self.num_tokens
-        c = self.chunk
-        while h < n:
-            cap = n if c == 0 else min(h + c, n)
-            out.append((h, cap))
-            h = cap
+        history = self.history
+        if self.capacity > history:
+            out.append((history, self.capacity))
+            history = self.capacity
+        num_tokens = self.num_tokens
+        chunk = self.chunk
+        while history < num_tokens:
+            capacity = num_tokens if chunk == 0 else min(history + chunk, num_tokens)
+            out.append((history, capacity))
+            history = capacity
         last = self.final_capacity - 1  # history of the last one-token step
-        if h > last:
+        if history > last:
             return out
         if not need_all_steps:
             out.append((last, last + 1))
             return out
-        out.append((h, h + 1))
-        for b in range((h // t + 1) * t, last + 1, t):
-            out.append((b, b + 1))
+        out.append((history, history + 1))
+        for boundary in range((history // tokens_per_block + 1) * tokens_per_block, last + 1, tokens_per_block):
+            out.append((boundary, boundary + 1))
         return out
 
 
 def peak_slots(
-    shapes: list[LayerGroupShape], num_pool_groups: int, tokens_per_block: int, plan: StepPlan, has_swa: bool
+    shapes: list[LayerGroupShape], num_pool_groups: int, tokens_per_block: int, plan: StepPlan, releases_blocks: bool
 ) -> list[int]:
-    """Max over the plan's steps of the request's slots per pool group (max of sums, per group)."""
+    """Max over the plan's steps of the request's slots per pool group (max of sums, per group);
+    ``releases_blocks``: some layer group's page count may fall as history grows."""
     peak = [0] * num_pool_groups
-    for h, cap in plan.states(tokens_per_block, has_swa):
+    for history_length, capacity in plan.states(tokens_per_block, releases_blocks):
         counts = [0] * num_pool_groups
         for shape in shapes:
-            counts[shape.pool_group] += live_blocks(shape, tokens_per_block, h, cap)
-        for g in range(num_pool_groups):
-            if counts[g] > peak[g]:
-                peak[g] = counts[g]
+            counts[shape.pool_group] += shape.policy.num_blocks_with_pages(capacity, history_length)
+        for group in range(num_pool_groups):
+            if counts[group] > peak[group]:
+                peak[group] = counts[group]
     return peak
 
 
-def admission_bound(
-    shapes: list[LayerGroupShape], num_pool_groups: int, tokens_per_block: int, final_capacity: int, chunk: int
-) -> list[int]:
+def admission_bound(shapes: list[LayerGroupShape], num_pool_groups: int, final_capacity: int, chunk: int) -> list[int]:
     """Slots per pool group a request not yet admitted may need at most.
 
     Prefix reuse shifts where its chunks start, and with a window the blocks a chunk spans
-    depend on that alignment, so each sliding-window layer group is bounded over every
-    alignment: ``sinks + (c + W + 2T - 3) // T`` blocks for chunks of ``c`` tokens (never more
-    than the blocks of the whole sequence). Full-attention groups need every block.
+    depend on that alignment, so each layer group is bounded over every alignment
+    (``LayerGroup.admission_blocks``).
     """
-    t = tokens_per_block
-    nb = (final_capacity + t - 1) // t
-    c = final_capacity if chunk == 0 else min(chunk, final_capacity)
     out = [0] * num_pool_groups
     for shape in shapes:
-        w = shape.window
-        if w is None:
-            out[shape.pool_group] += nb
-        else:
-            out[shape.pool_group] += min(nb, shape.num_sink_blocks + (c + w + 2 * t - 3) // t)
+        out[shape.pool_group] += shape.policy.admission_blocks(final_capacity, chunk)
     return out

@@ -27,8 +27,9 @@ from .._common import (
     TokenIdExt,
 )
 from .._config import KVCacheManagerConfig
-from .._core._kv_cache import KVCache, default_priority
+from .._core._kv_cache import KVCache
 from .._core._kv_cache_manager import KVCacheManager
+from .._core._request_state import default_priority
 from .._exceptions import LogicError
 from .._page_index import PageIndexConverter
 from ._buffers import CudaBufferView, host_view, page_layout
@@ -111,11 +112,11 @@ class KVCacheResourceManager:
         self._shapes: list[LayerGroupShape] = []
         for lg in range(len(m.layer_grouping)):
             info = m.get_layer_group_info(LayerGroupId(lg))
-            self._shapes.append(LayerGroupShape(info.window_size, info.num_sink_blocks, info.pool_group_index))
+            self._shapes.append(LayerGroupShape(m._layer_group_policy(LayerGroupId(lg)), info.pool_group_index))
         self._num_pool_groups = len(m.pool_group_descs)
         #: cache levels (tiers); with more than one, admission asks where the reused blocks are
         self._num_levels = len(m.cache_tier_list)
-        self._has_swa = any(s.window is not None for s in self._shapes)
+        self._releases_blocks = any(s.policy.releases_blocks for s in self._shapes)
         self._seqs: dict[int, _Sequence] = {}
         self._serial = 0
         self._converters: dict[tuple[LayerId, str], PageIndexConverter] = {}
@@ -449,10 +450,10 @@ class KVCacheResourceManager:
         chunk = check_field("context_chunk_size", req.context_chunk_size, 0)
         seq = self._seqs.get(req.request_id)
         if seq is None or seq.request is not req:
-            return admission_bound(self._shapes, self._num_pool_groups, t, final_cap, chunk)
+            return admission_bound(self._shapes, self._num_pool_groups, final_cap, chunk)
         kv = seq.kv
         plan = StepPlan(kv.history_length, kv.capacity, min(req.num_tokens, final_cap), final_cap, chunk)
-        peak = peak_slots(self._shapes, self._num_pool_groups, t, plan, self._has_swa)
+        peak = peak_slots(self._shapes, self._num_pool_groups, t, plan, self._releases_blocks)
         if kv.status is KVCacheStatus.ACTIVE:
             held = self._pages_per_pool_group(kv)
         elif self._num_levels == 1 and seq.suspended_pages:

@@ -21,7 +21,8 @@ import zmq
 
 from .._common import DEFAULT_REUSE_SCOPE, ReuseScope, TokenIdExt
 from .._events import LayerGroupSpec, block_hash
-from .._layer_groups import LayerGroup
+from .._layers._policy import LayerGroup
+from .._layers._registry import announced_layer_group
 from .._reuse._keys import BlockHasher, scope_key
 from .schema import (
     AllBlocksCleared,
@@ -108,7 +109,8 @@ class ReplicaIndex:
 
     def _learn_group(self, group: int, window: int | None, sinks: int) -> None:
         if group not in self.groups:
-            self.groups[group] = LayerGroup(window, sinks, self.tokens_per_block or 1)
+            kind = "full_attention" if window is None else "sliding_window"
+            self.groups[group] = announced_layer_group(kind, window, sinks, self.tokens_per_block or 1)
 
     def _stored(self, event: BlockStored) -> None:
         t = event.block_size
@@ -122,7 +124,8 @@ class ReplicaIndex:
         if self.tokens_per_block is None:
             self.tokens_per_block = t
             self.groups = {
-                group: LayerGroup(spec.window_size, spec.num_sink_blocks, t) for group, spec in self.groups.items()
+                group: announced_layer_group(spec.kind, spec.window_size, spec.num_sink_blocks, t)
+                for group, spec in self.groups.items()
             }
         group = event.group_idx if event.group_idx is not None else 0
         if group not in self.groups:

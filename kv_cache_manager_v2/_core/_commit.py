@@ -1,0 +1,117 @@
+"""Committing tokens and publishing the blocks they complete into the reuse tree (SPEC 4.3,
+4.4). The one-token decode commit that completes nothing stays on ``KVCache``; this is the
+rest: a block completed, several tokens, the final partial block."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import rawref
+
+from .._common import KVCacheStatus, LayerGroupId, TokenIdExt
+from .._reuse._keys import chain_token_keys
+from ._request_state import RequestState
+
+
+def commit_tokens(state: RequestState, more: Sequence[TokenIdExt] | None = None) -> None:
+    """After tokens were appended to the tail, or with validated tokens ``more`` to append:
+    publish the blocks they completed, raise history to the committed length and release
+    what went stale."""
+    tokens_per_block = state._tokens_per_block
+    tail = state._tail
+    if more is not None and (tail or not isinstance(more, (list, tuple, array))):
+        tail.extend(more)  # the tail's block first (or a sequence without slices): cut from the tail
+        more = None
+    source: Sequence[TokenIdExt] = tail if more is None else more
+    num_full = len(source) // tokens_per_block
+    if num_full:
+        first = len(state._committed_blocks)
+        completed = source[: num_full * tokens_per_block] if first == state._num_published else None
+        if isinstance(source, array) and source.typecode == "I":
+            # an array('I') block is one object, no int objects; it refers to nothing but its
+            # type, so it is untracked by the GC like the tuples below
+            state._committed_blocks.extend(
+                [rawref.untrack(source[i * tokens_per_block : (i + 1) * tokens_per_block]) for i in range(num_full)]
+            )
+            tail.extend(source[num_full * tokens_per_block :])
+        else:
+            items = rawref.untrack(source.tolist()) if isinstance(source, array) else source  # ints made in one pass
+            # a block's tokens (ints, digests) can be in no reference cycle: untracked by the GC
+            state._committed_blocks.extend(
+                [
+                    rawref.untrack(tuple(items[i * tokens_per_block : (i + 1) * tokens_per_block]))
+                    for i in range(num_full)
+                ]
+            )
+            if more is None:
+                del tail[: num_full * tokens_per_block]
+            else:
+                tail.extend(items[num_full * tokens_per_block :])
+        publish(state, first + num_full, 0, completed)
+    elif more is not None:
+        tail.extend(more)
+    committed = len(state._committed_blocks) * tokens_per_block + len(tail)
+    if committed > state._history:
+        state._history = committed
+        ctx = state._ctx
+        if ctx.has_releasing_groups:
+            for layer_group in ctx.releasing_layer_groups:
+                state._release_stale(layer_group, ctx.layer_groups[layer_group].stale_end(committed))
+
+
+def publish_final(state: RequestState) -> None:
+    """Publish the rest of the committed sequence (the final beam's, once beams forked)."""
+    if not state._committing:
+        return
+    blocks, tail = state._seq(state._final_beam)
+    upto = len(blocks) + (1 if tail else 0)
+    if upto > state._num_published:
+        publish(state, upto, state._final_beam)
+
+
+def publish(state: RequestState, upto: int, beam: int = 0, tokens: Sequence[TokenIdExt] | None = None) -> None:
+    """Insert committed blocks ``[num_published, upto)`` of ``beam`` into the reuse tree (the
+    last may be partial); ``tokens``: those blocks' tokens (full blocks), so their keys are
+    hashed in one call. Before beams fork every beam's table holds the same pages: a block
+    deduplicated onto the tree's page switches in all of them."""
+    tree = state._ctx.tree
+    tokens_per_block = state._tokens_per_block
+    parent = state._last_node
+    if parent is None:
+        parent = tree.root(state._reuse_scope, True)
+        assert parent is not None
+    if parent.ordinal >= 0 and parent.parent is None:
+        return  # our last block was evicted and pruned: nothing after it can be reached
+    locked = state._status is KVCacheStatus.ACTIVE
+    table = state._tables[beam]
+    blocks, tail = state._seq(beam)
+    shared = len(state._tables) > 1
+    first = state._num_published
+    keys = chain_token_keys(parent.key, tokens, tokens_per_block) if tokens is not None else None
+    for ordinal in range(first, upto):
+        block_tokens = blocks[ordinal] if ordinal < len(blocks) else rawref.untrack(tuple(tail))
+        mine = table.block_pages(ordinal)
+        pages = list(mine)
+        node = tree.publish(
+            parent, block_tokens, pages, locked, state._serial, keys[ordinal - first] if keys is not None else None
+        )
+        if node is None:
+            return
+        for i in range(len(pages)):
+            theirs = pages[i]
+            old = mine[i]
+            if theirs is not old:  # deduplicated: the tree's page replaced ours
+                layer_group = LayerGroupId(i)
+                table.set_page(layer_group, ordinal, theirs)
+                if shared and theirs is not None and old is not None:
+                    for other in state._tables:  # other beams holding the same page switch too
+                        if other is not table and other.pages[layer_group][ordinal] is old:
+                            theirs.take(locked)
+                            other.set_page(layer_group, ordinal, theirs)
+                            old.release(locked)
+        if len(block_tokens) < tokens_per_block:
+            return
+        parent = node
+        state._num_published = ordinal + 1
+        state._extend_from(node)

@@ -1,0 +1,6 @@
+"""Layer kinds: what each kind of layer keeps per request, one policy class per kind (SPEC 5.1,
+5.3, 5.4), and the registry that sorts a model's layers into layer groups.
+
+A new kind is one module here (a :class:`~._policy.LayerGroup` subclass with its ``from_layer``)
+plus its line in ``_registry.LAYER_KINDS``.
+"""
