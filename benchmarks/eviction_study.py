@@ -375,8 +375,6 @@ class TableGhost(Ghost):
         self.uses = [0] * n
         self.first = [0] * n
         self.stamps = [0] * n
-        self.cstamps = [0] * n
-        self.once = self.multi = 0
 
     def get(self, node: int) -> tuple[int, int] | None:
         base = (node * 2654435761 % 4294967296) % self.nsets * self.ways
@@ -384,9 +382,6 @@ class TableGhost(Ghost):
         for i in range(base, base + self.ways):
             if keys[i] == node:
                 keys[i] = -1
-                # evictions of its kind (one use / more) since this block left
-                self.age = (self.once if self.uses[i] == 1 else self.multi) - self.cstamps[i]
-                self.age_all = self.stamp - self.stamps[i]
                 return self.uses[i], self.first[i]
         return None
 
@@ -401,12 +396,6 @@ class TableGhost(Ghost):
                 break
             if us[i] < us[j] or (us[i] == us[j] and st[i] < st[j]):
                 j = i
-        if uses == 1:
-            self.once += 1
-            self.cstamps[j] = self.once
-        else:
-            self.multi += 1
-            self.cstamps[j] = self.multi
         keys[j] = node
         us[j] = uses
         self.first[j] = first
@@ -530,151 +519,50 @@ class RateGDSF(GDSF):
         self.forget(node)
 
 
-class AdaptiveRate(RateGDSF):
-    """rate-GDSF with an ARC-style split (issue #31): blocks used once (rate 0) wait in a FIFO
-    whose target size ``p`` adapts; the rest are ordered by value in the heap. A victim comes
-    from the FIFO while it holds more than ``p`` pages (the earlier value of its head and the
-    heap's top, as in rgdsf), else from the heap. A block that returns from the ghost within
-    ``window`` x slots evictions moves ``p``: up by ``step`` pages if it left with one use (the
-    FIFO was too small), down if it left with more (the heap was too small)."""
+class AdaptiveAging(RateGDSF):
+    """rgdsf with adaptive aging (issue #31; what the manager ships as ``eviction_policy="frequency"``):
+    each victim also raises the clock by ``aging / slots**2``. A page listed gets an LRU deadline,
+    victims so far + pages listed (under LRU it would leave after about that many victims). A
+    hit on a page past its deadline (kept where LRU would have lost it) divides ``aging`` by
+    ``1 + step``; a block that comes back from the ghost before its deadline (lost where LRU
+    would still have it) multiplies it. ``aging`` starts at ``lo`` (pure use-rate order) and
+    stays in [lo, hi] (at hi: recency order)."""
 
-    def __init__(self, name: str, window: float = 1.0, step: float = 1.0, ghost: Ghost | None = None,
-                 arc_ratio: bool = False, p0: float = 0.0) -> None:
-        super().__init__(name, 15.0, ghost if ghost is not None else TableGhost(8, 16))
-        self.window = window
-        self.step = step
-        self.arc_ratio = arc_ratio
-        self.p0 = p0
-        self.fifo: OrderedDict[int, float] = OrderedDict()
-        self.b1 = self.b2 = 0  # recent ghost hits of each kind (for the ARC ratio)
-
-    def bind(self, sim: Replay) -> None:
-        super().bind(sim)
-        self.p = self.p0 * sim.slots
-        self.once: set[int] = set()  # listed pages with one use (the recency class, parked ones too)
-
-    def count(self, node: int) -> None:
-        if self.seen.get(node) != self.r and node not in self.f:
-            g = self.ghost
-            g.age = -1
-            super().count(node)
-            age = getattr(g, "age", -1)
-            if 0 <= age <= self.window * self.sim.slots:
-                if self.f[node] == 2:  # it left with one use
-                    self.p = min(float(self.sim.slots), self.p + self.step)
-                else:
-                    self.p = max(0.0, self.p - self.step)
-            return
-        super().count(node)
-
-    def add(self, node: int) -> None:
-        self.count(node)
-        k = self.key(node)
-        if self.f[node] == 1:
-            self.once.add(node)
-        if node in self.sim.children:
-            self.parked[node] = k
-        elif self.f[node] == 1:
-            self.fifo[node] = k
-        else:
-            self.seq += 1
-            self.live[node] = self.seq
-            heapq.heappush(self.heap, (k, self.seq, node))
-
-    def _unlist(self, node: int) -> None:
-        self.once.discard(node)
-        if self.fifo.pop(node, None) is None and self.live.pop(node, None) is None:
-            del self.parked[node]
-
-    def remove(self, node: int) -> None:
-        self._unlist(node)
-        self.count(node)
-
-    def drop(self, node: int) -> None:
-        self._unlist(node)
-        self.forget(node)
-
-    def _top(self) -> tuple[float, int] | None:
-        heap, live = self.heap, self.live
-        while heap:
-            k, seq, node = heap[0]
-            if live.get(node) == seq:
-                return k, node
-            heapq.heappop(heap)
-        return None
-
-    def pop(self) -> int:
-        top = self._top()
-        fifo = self.fifo
-        if fifo and (top is None or len(self.once) > self.p):
-            node, k = next(iter(fifo.items()))
-            if top is None or k <= top[0]:
-                del fifo[node]
-                self.once.discard(node)
-                self.on_victim(node, k)
-                return node
-        assert top is not None
-        k, node = top
-        heapq.heappop(self.heap)
-        del self.live[node]
-        self.once.discard(node)
-        self.on_victim(node, k)
-        return node
-
-
-class AgedRate(RateGDSF):
-    """rgdsf whose clock also rises by 1 / (``aging`` x slots) per victim: a block's use rate buys
-    it a bounded number of extra evictions (recency wins back over old popularity)."""
-
-    def __init__(self, name: str, aging: float) -> None:
+    def __init__(self, name: str, step: float = 0.001, lo: float = 1e-4, hi: float = 1e4) -> None:
         super().__init__(name, 15.0, TableGhost(8, 16))
-        self.aging = aging
-
-    def on_victim(self, node: int, key: Any) -> None:
-        self.L = max(self.L, key) + 1.0 / (self.aging * self.sim.slots * self.sim.slots)
-        self.forget(node)
-
-
-class AdaptiveAging(AgedRate):
-    """AgedRate whose aging adapts (issue #31, exploration): a block that returns from the
-    ghost within ``slots / 4`` evictions of leaving (a miss recency would likely have avoided)
-    ages faster (B / (1 + eps)); a hit on a page listed more than ``count`` listings ago (one
-    recency would likely have lost) ages slower (B x (1 + eps))."""
-
-    def __init__(self, name: str, eps: float = 0.01, b0: float = 100.0) -> None:
-        super().__init__(name, b0)
-        self.eps = eps
-        self.rel: dict[int, int] = {}
-        self.nlist = 0
+        self.step, self.lo, self.hi = step, lo, hi
+        self.aging = lo
+        self.victims = 0
+        self.deadline: dict[int, int] = {}  # listed node -> its LRU deadline
+        self.ghost_deadline: dict[int, int] = {}  # evicted node -> its deadline (read while the ghost has it)
 
     def add(self, node: int) -> None:
-        self.nlist += 1
-        self.rel[node] = self.nlist
+        self.deadline[node] = self.victims + len(self.live) + len(self.parked) + 1
         super().add(node)
 
-    def remove(self, node: int) -> None:
-        if self.nlist - self.rel.pop(node) > len(self.live) + len(self.parked):
-            self.aging = min(1e6, self.aging * (1 + self.eps))
+    def remove(self, node: int) -> None:  # a hit
+        if self.victims > self.deadline.pop(node):
+            self.aging = max(self.lo, self.aging / (1 + self.step))
         super().remove(node)
 
     def drop(self, node: int) -> None:
-        self.rel.pop(node, None)
+        del self.deadline[node]
         super().drop(node)
-
-    def on_victim(self, node: int, key: Any) -> None:
-        self.rel.pop(node, None)
-        super().on_victim(node, key)
 
     def count(self, node: int) -> None:
         if self.seen.get(node) != self.r and node not in self.f:
+            d = self.ghost_deadline.pop(node, None)
             g = self.ghost
-            g.age_all = -1
-            super().count(node)
-            age = getattr(g, "age_all", -1)
-            if 0 <= age <= self.sim.slots / 4:
-                self.aging = max(1e-7, self.aging / (1 + self.eps))
-            return
+            base = (node * 2654435761 % 4294967296) % g.nsets * g.ways
+            if d is not None and self.victims <= d and node in g.keys[base : base + g.ways]:
+                self.aging = min(self.hi, self.aging * (1 + self.step))
         super().count(node)
+
+    def on_victim(self, node: int, key: Any) -> None:
+        self.victims += 1
+        self.L = max(self.L, key) + self.aging / (self.sim.slots * self.sim.slots)
+        self.ghost_deadline[node] = self.deadline.pop(node)
+        self.forget(node)
 
 
 class LFU(Counted):
@@ -893,20 +781,10 @@ POLICIES: dict[str, Callable[[list[Req]], Policy]] = {
     "rgdsf": lambda reqs: RateGDSF("rgdsf", 15.0, TableGhost(8)),
     # what the manager ships (eviction_policy="frequency"): 16-way ghost sets
     "rgdsf16": lambda reqs: RateGDSF("rgdsf16", 15.0, TableGhost(8, 16)),
-    "adaptive": lambda reqs: AdaptiveRate("adaptive"),
-    "adaptive_w2": lambda reqs: AdaptiveRate("adaptive_w2", window=2.0),
-    "adaptive_w05": lambda reqs: AdaptiveRate("adaptive_w05", window=0.5),
-    "adaptive_w01": lambda reqs: AdaptiveRate("adaptive_w01", window=0.1),
-    "adaptive_w01s4": lambda reqs: AdaptiveRate("adaptive_w01s4", window=0.1, step=4.0),
-    "adaptive_w025": lambda reqs: AdaptiveRate("adaptive_w025", window=0.25),
-    "adaptive_s4": lambda reqs: AdaptiveRate("adaptive_s4", step=4.0),
-    "aged3": lambda reqs: AgedRate("aged3", 3.0),
-    "aged10": lambda reqs: AgedRate("aged10", 10.0),
-    "aged40": lambda reqs: AgedRate("aged40", 40.0),
-    "aged160": lambda reqs: AgedRate("aged160", 160.0),
-    "adage": lambda reqs: AdaptiveAging("adage"),
-    "adage_e3": lambda reqs: AdaptiveAging("adage_e3", eps=0.001),
-    "adaptive_s0": lambda reqs: AdaptiveRate("adaptive_s0", step=0.0),
+    # issue #31: rgdsf16 + adaptive aging (the manager's "frequency" since then); step variants
+    "adaptive_aging": lambda reqs: AdaptiveAging("adaptive_aging"),
+    "adaptive_aging_fast": lambda reqs: AdaptiveAging("adaptive_aging_fast", step=0.01),
+    "adaptive_aging_slow": lambda reqs: AdaptiveAging("adaptive_aging_slow", step=0.0003),
     "rgdsf_table4": lambda reqs: RateGDSF("rgdsf_table4", 15.0, TableGhost(4)),
     "rgdsf_ideal": lambda reqs: RateGDSF("rgdsf_ideal", 15.0, DictGhost()),
     "rgdsf_noghost": lambda reqs: RateGDSF("rgdsf_noghost", 15.0, Ghost()),
@@ -948,7 +826,7 @@ def main() -> None:
         "--policy",
         default="lru",
         choices=["lru", "frequency"],
-        help="--verify: the manager's eviction_policy (compared with lru_tail / rgdsf16 here)",
+        help="--verify: the manager's eviction_policy (compared with lru_tail / adaptive_aging here)",
     )
     args = ap.parse_args()
     if not os.path.exists(args.trace):
@@ -957,7 +835,7 @@ def main() -> None:
     if args.verify:
         t0 = time.perf_counter()
         mres = verify_with_manager(args.trace, args.verify, args.requests, args.policy)
-        sim = "lru_tail" if args.policy == "lru" else "rgdsf16"
+        sim = "lru_tail" if args.policy == "lru" else "adaptive_aging"
         sres = Replay(load_trace(args.trace, args.requests), args.verify, POLICIES[sim]([])).run()
         print(
             f"manager ({args.policy}) at {args.verify} tokens ({mres['slots']} slots, compiled={mres['compiled']}): "
