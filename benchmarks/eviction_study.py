@@ -560,7 +560,7 @@ class AdaptiveAging(RateGDSF):
 
     def on_victim(self, node: int, key: Any) -> None:
         self.victims += 1
-        self.L = max(self.L, key) + self.aging / (self.sim.slots * self.sim.slots)
+        self.L = max(self.L, key) + (self.aging / (self.sim.slots * self.sim.slots) if self.aging > self.lo else 0.0)
         self.ghost_deadline[node] = self.deadline.pop(node)
         self.forget(node)
 

@@ -58,8 +58,8 @@ GHOST_WAYS: Final = 16
 #: a ghost entry's rank: min(uses, _MAX_RANKED_USES) above 40 bits of stamp (lowest replaced first)
 _STAMP_BITS: Final = 40
 _MAX_RANKED_USES: Final = (1 << 22) - 1
-#: Frequency policy, adaptive aging (issue #31): ``UseHistory.aging`` starts at AGING_MIN (pure
-#: use-rate order) and moves by the factor ``1 + AGING_STEP`` per disagreement with LRU, within
+#: Frequency policy, adaptive aging (issue #31): ``UseHistory.aging`` starts at AGING_MIN (no
+#: aging beyond GreedyDual's: pure use-rate order) and moves by the factor ``1 + AGING_STEP`` per disagreement with LRU, within
 #: [AGING_MIN, AGING_MAX] (at the top, a page's rate buys it a small fraction of a cache
 #: turnover: recency order). The study (benchmarks/eviction_study.py, policy ``adaptive_aging``)
 #: chose the step: 10x faster drifts to LRU where frequency wins, 3x slower adapts too late.
@@ -619,14 +619,18 @@ class FrequencyEvictor(Evictor):
 
     def _advance_clock(self, victim: Page) -> None:
         """GreedyDual aging: the class's clock rises to its victim's value (a page listed long
-        ago may hold a value below it: the clock never falls), plus the adaptive aging."""
+        ago may hold a value below it: the clock never falls), plus the adaptive aging (none at
+        its floor: there the order is exactly use-rate GreedyDual's)."""
         cls = self._classes[victim.priority + 1]
         history = self._history
         history.evictions += 1
         clock = cls.clock
         if victim.ev_key > clock:
             clock = victim.ev_key
-        cls.clock = clock + history.aging * self._age_unit
+        aging = history.aging
+        if aging > AGING_MIN:
+            clock += aging * self._age_unit
+        cls.clock = clock
 
     def _push(self, cls: _Class, page: Page) -> None:
         heap = cls.heap
