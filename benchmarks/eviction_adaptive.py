@@ -21,7 +21,9 @@ on two traces:
 Hit rate = matched prompt tokens / prompt tokens. ``--check``: on every trace and capacity
 ``frequency >= lru - 0.005``; the gain over LRU at 1M and 3M on the shared trace is reported
 (issue #31 asked for +10 %; the policy before reached +9.6 % / +8.2 % there).
-Output: a table and ``bench_results/eviction_adaptive.json``.
+Output: a table and ``bench_results/eviction_adaptive.json``. The committed
+``benchmarks/eviction_adaptive_results.json`` holds one run, plus the same table through the real
+manager (``benchmarks/eviction_hit_rate.py --trace FILE``; ``frequency_before`` from the code before).
 """
 
 from __future__ import annotations
