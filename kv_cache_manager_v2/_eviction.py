@@ -59,9 +59,9 @@ GHOST_WAYS: Final = 16
 _STAMP_BITS: Final = 40
 _MAX_RANKED_USES: Final = (1 << 22) - 1
 #: Frequency policy, adaptive aging (issue #31): ``UseHistory.aging`` starts at AGING_MIN (no
-#: aging beyond GreedyDual's: pure use-rate order) and moves by the factor ``1 + AGING_STEP`` per disagreement with LRU, within
-#: [AGING_MIN, AGING_MAX] (at the top, a page's rate buys it a small fraction of a cache
-#: turnover: recency order). The study (benchmarks/eviction_study.py, policy ``adaptive_aging``)
+#: aging beyond GreedyDual's: pure use-rate order) and moves by the factor ``1 + AGING_STEP``
+#: per disagreement with LRU, within [AGING_MIN, AGING_MAX] (at the top, a page's rate buys it a
+#: small fraction of a cache turnover: recency order). The study (benchmarks/eviction_study.py, policy ``adaptive_aging``)
 #: chose the step: 10x faster drifts to LRU where frequency wins, 3x slower adapts too late.
 AGING_STEP: Final = 0.001
 AGING_MIN: Final = 1e-4
