@@ -519,6 +519,52 @@ class RateGDSF(GDSF):
         self.forget(node)
 
 
+class AdaptiveAging(RateGDSF):
+    """rgdsf with adaptive aging (issue #31; what the manager ships as ``eviction_policy="frequency"``):
+    each victim also raises the clock by ``aging / slots**2``. A page listed gets an LRU deadline,
+    victims so far + pages listed (under LRU it would leave after about that many victims). A
+    hit on a page past its deadline (kept where LRU would have lost it) divides ``aging`` by
+    ``1 + step``; a block that comes back from the ghost before its deadline (lost where LRU
+    would still have it) multiplies it. ``aging`` starts at ``lo`` (pure use-rate order) and
+    stays in [lo, hi] (at hi: recency order)."""
+
+    def __init__(self, name: str, step: float = 0.001, lo: float = 1e-4, hi: float = 1e4) -> None:
+        super().__init__(name, 15.0, TableGhost(8, 16))
+        self.step, self.lo, self.hi = step, lo, hi
+        self.aging = lo
+        self.victims = 0
+        self.deadline: dict[int, int] = {}  # listed node -> its LRU deadline
+        self.ghost_deadline: dict[int, int] = {}  # evicted node -> its deadline (read while the ghost has it)
+
+    def add(self, node: int) -> None:
+        self.deadline[node] = self.victims + len(self.live) + len(self.parked) + 1
+        super().add(node)
+
+    def remove(self, node: int) -> None:  # a hit
+        if self.victims > self.deadline.pop(node):
+            self.aging = max(self.lo, self.aging / (1 + self.step))
+        super().remove(node)
+
+    def drop(self, node: int) -> None:
+        del self.deadline[node]
+        super().drop(node)
+
+    def count(self, node: int) -> None:
+        if self.seen.get(node) != self.r and node not in self.f:
+            d = self.ghost_deadline.pop(node, None)
+            g = self.ghost
+            base = (node * 2654435761 % 4294967296) % g.nsets * g.ways
+            if d is not None and self.victims <= d and node in g.keys[base : base + g.ways]:
+                self.aging = min(self.hi, self.aging * (1 + self.step))
+        super().count(node)
+
+    def on_victim(self, node: int, key: Any) -> None:
+        self.victims += 1
+        self.L = max(self.L, key) + (self.aging / (self.sim.slots * self.sim.slots) if self.aging > self.lo else 0.0)
+        self.ghost_deadline[node] = self.deadline.pop(node)
+        self.forget(node)
+
+
 class LFU(Counted):
     """Lowest use count first (no aging); ties: least recently released."""
 
@@ -735,6 +781,10 @@ POLICIES: dict[str, Callable[[list[Req]], Policy]] = {
     "rgdsf": lambda reqs: RateGDSF("rgdsf", 15.0, TableGhost(8)),
     # what the manager ships (eviction_policy="frequency"): 16-way ghost sets
     "rgdsf16": lambda reqs: RateGDSF("rgdsf16", 15.0, TableGhost(8, 16)),
+    # issue #31: rgdsf16 + adaptive aging (the manager's "frequency" since then); step variants
+    "adaptive_aging": lambda reqs: AdaptiveAging("adaptive_aging"),
+    "adaptive_aging_fast": lambda reqs: AdaptiveAging("adaptive_aging_fast", step=0.01),
+    "adaptive_aging_slow": lambda reqs: AdaptiveAging("adaptive_aging_slow", step=0.0003),
     "rgdsf_table4": lambda reqs: RateGDSF("rgdsf_table4", 15.0, TableGhost(4)),
     "rgdsf_ideal": lambda reqs: RateGDSF("rgdsf_ideal", 15.0, DictGhost()),
     "rgdsf_noghost": lambda reqs: RateGDSF("rgdsf_noghost", 15.0, Ghost()),
@@ -776,7 +826,7 @@ def main() -> None:
         "--policy",
         default="lru",
         choices=["lru", "frequency"],
-        help="--verify: the manager's eviction_policy (compared with lru_tail / rgdsf16 here)",
+        help="--verify: the manager's eviction_policy (compared with lru_tail / adaptive_aging here)",
     )
     args = ap.parse_args()
     if not os.path.exists(args.trace):
@@ -785,7 +835,7 @@ def main() -> None:
     if args.verify:
         t0 = time.perf_counter()
         mres = verify_with_manager(args.trace, args.verify, args.requests, args.policy)
-        sim = "lru_tail" if args.policy == "lru" else "rgdsf16"
+        sim = "lru_tail" if args.policy == "lru" else "adaptive_aging"
         sres = Replay(load_trace(args.trace, args.requests), args.verify, POLICIES[sim]([])).run()
         print(
             f"manager ({args.policy}) at {args.verify} tokens ({mres['slots']} slots, compiled={mres['compiled']}): "

@@ -14,8 +14,12 @@ everything:
   ``(uses - 1) / (now - first_use + tau)``; blocks used by one request only have rate 0 and go
   first. Use counts survive eviction in a ghost table (:class:`UseHistory`). At the last level a
   full-attention / sink page whose tree node has children waits (is *parked*) until its last
-  child leaves the tree, so descendants go first. O(log n) per operation, O(1) for pages of
-  rate 0 (most of them).
+  child leaves the tree, so descendants go first. Adaptive aging (issue #31): each victim also
+  raises its class clock by ``aging / slots**2``; ``aging`` learns from the disagreements with
+  LRU (a miss LRU would have hit ages faster, a hit LRU would have missed ages slower), so
+  the policy drifts to recency order where recency wins (long multi-turn chats at large
+  capacity) and stays frequency-driven where popularity wins. O(log n) per operation, O(1) for
+  pages of rate 0 (most of them).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from array import array
 from typing import Final
 
 from .._common import MAX_PRIORITY, Priority, RequestSerial
-from ._page import LISTED_HELD, NOT_IN_HEAP, NOT_LISTED, Evictor, Page, UseCounter
+from ._page import LISTED_DROPPABLE, LISTED_HELD, NOT_IN_HEAP, NOT_LISTED, Evictor, Page, UseCounter
 
 #: ``Page.ev_pos`` (frequency policy): a heap index, ``NOT_IN_HEAP``, or one of these
 PARKED: Final = -2
@@ -39,6 +43,14 @@ GHOST_WAYS: Final = 16
 #: a ghost entry's rank: min(uses, _MAX_RANKED_USES) above 40 bits of stamp (lowest replaced first)
 _STAMP_BITS: Final = 40
 _MAX_RANKED_USES: Final = (1 << 22) - 1
+#: Frequency policy, adaptive aging (issue #31): ``UseHistory.aging`` starts at AGING_MIN (no
+#: aging beyond GreedyDual's: pure use-rate order) and moves by the factor ``1 + AGING_STEP``
+#: per disagreement with LRU, within [AGING_MIN, AGING_MAX] (at the top, a page's rate buys it a
+#: small fraction of a cache turnover: recency order). The study (benchmarks/eviction_study.py, policy ``adaptive_aging``)
+#: chose the step: 10x faster drifts to LRU where frequency wins, 3x slower adapts too late.
+AGING_STEP: Final = 0.001
+AGING_MIN: Final = 1e-4
+AGING_MAX: Final = 1e4
 #: a ghost tag: the first 8 bytes of the block key (its first 4 choose the set)
 _TAG_BYTES: Final = 8
 _EMPTY_TAG: Final = bytes(_TAG_BYTES)
@@ -158,25 +170,37 @@ class UseHistory(UseCounter):
     The ghost is a set-associative table of ``GHOST_PER_SLOT`` x the last level's slots entries,
     ``GHOST_WAYS`` per set, keyed by the first 8 bytes of the block key (a SHA-256 digest; 4 of
     them pick the set); a full set replaces its entry with the fewest uses, then the oldest.
-    Contiguous storage (24 bytes an entry): tags in a ``bytearray`` searched in C, ranks (uses
-    and stamp) and first uses in ``array('q')``; a set fits in a few cache lines.
+    Contiguous storage (32 bytes an entry): tags in a ``bytearray`` searched in C, ranks (uses
+    and stamp), first uses and LRU deadlines in ``array('q')``; a set fits in a few cache lines.
+
+    Adaptive aging (``aging``, read by the evictors at each victim): ``evictions`` counts the
+    victims of the pool group's evictors; a page listed gets the *LRU deadline* ``evictions +
+    count`` of its evictor (under LRU it would leave after about that many victims). A page a
+    request takes after its deadline (kept, where LRU would have lost it) lowers ``aging``; a
+    block that comes back from the ghost before its deadline (lost, where LRU would still have
+    had it) raises it. One factor per event: O(1).
     """
 
-    __slots__ = ("_firsts", "_num_sets", "_ranks", "_stamp", "_tags", "now")
+    __slots__ = ("_deadlines", "_firsts", "_num_sets", "_ranks", "_stamp", "_tags", "aging", "evictions", "now")
 
     def __init__(self, num_slots: int) -> None:
         #: block uses so far in this pool group (the clock of first uses and rates)
         self.now = 0
+        #: victims of this pool group's frequency evictors (every level): the clock of LRU deadlines
+        self.evictions = 0
+        #: clock rise per victim, in units of 1 / slots**2 of the evicting level (adapts)
+        self.aging = AGING_MIN
         self._stamp = 0
         self._num_sets = 1
         self._tags = bytearray()
         self._ranks: array[int] = array("q")
         self._firsts: array[int] = array("q")
+        self._deadlines: array[int] = array("q")
         self.resize(num_slots)
 
     def resize(self, num_slots: int) -> None:
         """Size the ghost for a last level of ``num_slots`` slots (keeps what fits, newest first)."""
-        tags, ranks, firsts = self._tags, self._ranks, self._firsts
+        tags, ranks, firsts, deadlines = self._tags, self._ranks, self._firsts, self._deadlines
         old = sorted(
             (ranks[i] & ((1 << _STAMP_BITS) - 1), i)
             for i in range(len(ranks))
@@ -187,9 +211,10 @@ class UseHistory(UseCounter):
         self._tags = bytearray(n * _TAG_BYTES)
         self._ranks = array("q", [0]) * n
         self._firsts = array("q", [0]) * n
+        self._deadlines = array("q", [0]) * n
         for _, i in old:  # oldest first: the newest win where a set overflows
             tag = bytes(tags[i * _TAG_BYTES : (i + 1) * _TAG_BYTES])
-            self._put(tag, ranks[i] >> _STAMP_BITS, firsts[i])
+            self._put(tag, ranks[i] >> _STAMP_BITS, firsts[i], deadlines[i])
 
     @property
     def num_entries(self) -> int:
@@ -211,13 +236,19 @@ class UseHistory(UseCounter):
                 self._tags[i * _TAG_BYTES : (i + 1) * _TAG_BYTES] = _EMPTY_TAG  # the page carries it now
                 page.uses = self._ranks[i] >> _STAMP_BITS
                 page.first_use = self._firsts[i]
+                if self.evictions <= self._deadlines[i]:  # LRU would still have had it: more recency
+                    self.aging = min(AGING_MAX, self.aging * (1.0 + AGING_STEP))
         page.uses += 1
+
+    def kept_past_deadline(self) -> None:
+        """A request took a page LRU would have evicted by now: less recency."""
+        self.aging = max(AGING_MIN, self.aging / (1.0 + AGING_STEP))
 
     def record(self, page: Page) -> None:
         """``page`` (in the tree) is dropped for good: remember its block's uses."""
         node = page.node
         if node is not None and page.uses:
-            self._put(_tag_of(node.key), page.uses, page.first_use)
+            self._put(_tag_of(node.key), page.uses, page.first_use, page.ev_deadline)
 
     def remembers(self, key: bytes) -> int:
         """Uses the ghost remembers of the block with ``key`` (0: none; for tests)."""
@@ -238,7 +269,7 @@ class UseHistory(UseCounter):
             pos = tags.find(tag, pos + 1, hi)
         return pos // _TAG_BYTES if pos >= 0 else -1
 
-    def _put(self, tag: bytes, uses: int, first: int) -> None:
+    def _put(self, tag: bytes, uses: int, first: int, deadline: int = -1) -> None:
         self._stamp += 1
         s = self._set(tag)
         i = self._find(_EMPTY_TAG, s)
@@ -249,6 +280,7 @@ class UseHistory(UseCounter):
         self._tags[i * _TAG_BYTES : (i + 1) * _TAG_BYTES] = tag
         self._ranks[i] = min(uses, _MAX_RANKED_USES) << _STAMP_BITS | self._stamp
         self._firsts[i] = first
+        self._deadlines[i] = deadline
 
 
 def _tag_of(key: bytes) -> bytes:
@@ -294,7 +326,7 @@ class FrequencyEvictor(Evictor):
     comparing unboxed fields; nothing is allocated besides amortized list growth.
     """
 
-    __slots__ = ("_classes", "_history", "_nonempty", "_parks", "_seq", "_tau")
+    __slots__ = ("_age_unit", "_classes", "_history", "_nonempty", "_parks", "_seq", "_tau")
 
     def __init__(self, history: UseHistory, num_slots: int, parks: bool) -> None:
         super().__init__()
@@ -304,10 +336,13 @@ class FrequencyEvictor(Evictor):
         self._parks = parks
         self._seq = 0
         self._tau = 1.0
+        self._age_unit = 1.0
         self.resize(num_slots)
 
     def resize(self, num_slots: int) -> None:
-        self._tau = float(TAU_SLOTS * max(1, num_slots))
+        slots = float(max(1, num_slots))
+        self._tau = TAU_SLOTS * slots
+        self._age_unit = 1.0 / (slots * slots)
 
     # ------------------------------------------------------------------ the interface
     def add(self, page: Page) -> None:
@@ -318,10 +353,12 @@ class FrequencyEvictor(Evictor):
         cls = self._classes[i]
         self._seq += 1
         page.ev_seq = self._seq
+        history = self._history
+        page.ev_deadline = history.evictions + self.count
         node = page.node
         uses = page.uses
         if uses > 1:
-            page.ev_key = cls.clock + (uses - 1) / (self._history.now - page.first_use + self._tau)
+            page.ev_key = cls.clock + (uses - 1) / (history.now - page.first_use + self._tau)
         else:
             page.ev_key = cls.clock
         if self._parks and page.anchor and node is not None and node.has_children:
@@ -348,6 +385,12 @@ class FrequencyEvictor(Evictor):
         page.ev_pos = NOT_IN_HEAP
         if not cls.heap and cls.fifo_head is None and cls.parked_head is None:
             self._nonempty &= ~(1 << i)
+
+    def taken(self, page: Page) -> None:
+        """A request reuses a listed page; one LRU would have evicted by now lowers the aging."""
+        if page.in_evictor == LISTED_DROPPABLE and self._history.evictions > page.ev_deadline:
+            self._history.kept_past_deadline()
+        self.remove(page)
 
     def pop_victim(self) -> Page:
         if self._nonempty == 0:
@@ -484,10 +527,18 @@ class FrequencyEvictor(Evictor):
 
     def _advance_clock(self, victim: Page) -> None:
         """GreedyDual aging: the class's clock rises to its victim's value (a page listed long
-        ago may hold a value below it: the clock never falls)."""
+        ago may hold a value below it: the clock never falls), plus the adaptive aging (none at
+        its floor: there the order is exactly use-rate GreedyDual's)."""
         cls = self._classes[victim.priority + 1]
-        if victim.ev_key > cls.clock:
-            cls.clock = victim.ev_key
+        history = self._history
+        history.evictions += 1
+        clock = cls.clock
+        if victim.ev_key > clock:
+            clock = victim.ev_key
+        aging = history.aging
+        if aging > AGING_MIN:
+            clock += aging * self._age_unit
+        cls.clock = clock
 
     def _push(self, cls: _Class, page: Page) -> None:
         heap = cls.heap

@@ -128,6 +128,10 @@ class Evictor:
         """Unlist a listed page (taken by a request, moved, or freed)."""
         raise NotImplementedError
 
+    def taken(self, page: Page) -> None:
+        """Unlist a listed page a new owner takes (a request reuses it)."""
+        self.remove(page)
+
     def pop_victim(self) -> Page:
         """Remove and return the page to evict next (callers check ``count`` first)."""
         raise NotImplementedError
@@ -290,6 +294,7 @@ class Page:
     __slots__ = (
         "_rawref",
         "anchor",
+        "ev_deadline",
         "ev_key",
         "ev_pos",
         "ev_seq",
@@ -336,13 +341,15 @@ class Page:
         self.anchor = False
         # Frequency policy (see _eviction.py): requests that used the block (history included),
         # the use clock at its first use, the last request counted; the value and sequence
-        # number the page was listed with, and its heap index (or NOT_IN_HEAP / PARKED).
+        # number the page was listed with, its heap index (or NOT_IN_HEAP / PARKED), and its
+        # LRU deadline (UseHistory: adaptive aging).
         self.uses = 0
         self.first_use = 0
         self.use_serial = NO_SERIAL
         self.ev_key = 0.0
         self.ev_seq = 0
         self.ev_pos = NOT_IN_HEAP
+        self.ev_deadline = 0
         rawref.untrack(self)  # see the class docstring
 
     @property
@@ -374,7 +381,7 @@ class Page:
         (a HELD page comes back as the newest)."""
         storage = self.storage
         if self.in_evictor:
-            storage.evictor.remove(self)
+            storage.evictor.taken(self)
         if locked:
             self.num_locks += 1
         else:
