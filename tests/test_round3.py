@@ -12,6 +12,7 @@ import pytest
 from conftest import REC, kv_layers
 from fake_engine import FakeEngine
 from test_beams import B, beam_step, start_beams
+from tier_helpers import compute, seq
 
 import kv_cache_manager_v2 as kvm
 from kv_cache_manager_v2 import (
@@ -41,17 +42,6 @@ T = 16
 SLOT = 2 * 2 * REC * T  # two layers, key + value: one slot holds one block
 MakeManager = Callable[..., KVCacheManager]
 GPU, HOST, DISK = CacheLevel(0), CacheLevel(1), CacheLevel(2)
-
-
-def seq(r: int, n: int) -> list[int]:
-    return [r * 100_000 + i for i in range(n)]
-
-
-def compute(engine: FakeEngine, kv: KVCache, toks: list[int], upto: int) -> None:
-    h = kv.history_length
-    assert kv.resize(upto, h)
-    engine.step(kv, toks, h, upto)
-    kv.commit(toks[h:upto])
 
 
 def levels_of(kv: KVCache) -> list[int]:
