@@ -73,6 +73,9 @@ from ._page_index import PageIndexConverter
 #: True when the package's modules are mypyc-compiled extension modules (production mode).
 compiled: bool = not str(getattr(_core._kv_cache, "__file__", "")).endswith(".py")
 
+#: the old name of ``LayerGroupId`` (before "layer group" became the only word), kept for callers
+LifeCycleId = LayerGroupId
+
 __all__ = [
     "BAD_PAGE_INDEX",
     "DEFAULT_PRIORITY",
@@ -108,6 +111,7 @@ __all__ = [
     "LayerGroupInfo",
     "LayerGroupSpec",
     "LayerId",
+    "LifeCycleId",
     "LogicError",
     "MemAddress",
     "OutOfMemoryError",

@@ -280,7 +280,7 @@ class ScratchDesc:
 
 @dataclass(frozen=True)
 class LayerGroupInfo:
-    """One layer group : its layers, attention shape, and the pool group of its slots."""
+    """One layer group: its layers, layer kind and attention shape, and the pool group of its slots."""
 
     layer_group_id: LayerGroupId
     layer_ids: tuple[LayerId, ...]
@@ -290,3 +290,5 @@ class LayerGroupInfo:
     num_sink_blocks: int
     #: the pool group whose slots hold this layer group's blocks
     pool_group_index: PoolGroupIndex
+    #: its layer kind: ``"full_attention"`` or ``"sliding_window"`` (the same name KV events announce)
+    kind: str = "full_attention"

@@ -40,25 +40,23 @@ NOT_MOVED: Final = -1
 
 
 class LayerGroupSpec:
-    """The attention shape of one layer group , as events describe it."""
+    """The shape of one layer group, as events describe it: its layer kind (the policy's name,
+    vLLM's ``kv_cache_spec_kind``), window and sink blocks."""
 
-    __slots__ = ("group_idx", "num_sink_blocks", "window_size")
+    __slots__ = ("group_idx", "kind", "num_sink_blocks", "window_size")
 
-    def __init__(self, group_idx: int, window_size: int | None, num_sink_blocks: int) -> None:
+    def __init__(self, group_idx: int, window_size: int | None, num_sink_blocks: int, kind: str = "") -> None:
         self.group_idx = group_idx
         #: sliding window in tokens; None for full attention
         self.window_size = window_size
         self.num_sink_blocks = num_sink_blocks
-
-    @property
-    def kind(self) -> str:
-        """``"full_attention"`` or ``"sliding_window"`` (vLLM's ``kv_cache_spec_kind``)."""
-        return "full_attention" if self.window_size is None else "sliding_window"
+        #: ``"full_attention"``, ``"sliding_window"``, ... (default: told by the window)
+        self.kind = kind or ("full_attention" if window_size is None else "sliding_window")
 
     def __repr__(self) -> str:
         return (
             f"LayerGroupSpec(group_idx={self.group_idx}, window_size={self.window_size}, "
-            f"num_sink_blocks={self.num_sink_blocks})"
+            f"num_sink_blocks={self.num_sink_blocks}, kind={self.kind!r})"
         )
 
     def __eq__(self, other: object) -> bool:
@@ -67,10 +65,11 @@ class LayerGroupSpec:
             and self.group_idx == other.group_idx
             and self.window_size == other.window_size
             and self.num_sink_blocks == other.num_sink_blocks
+            and self.kind == other.kind
         )
 
     def __hash__(self) -> int:
-        return hash((self.group_idx, self.window_size, self.num_sink_blocks))
+        return hash((self.group_idx, self.window_size, self.num_sink_blocks, self.kind))
 
 
 class KVCacheEvent:

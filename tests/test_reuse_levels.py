@@ -102,6 +102,7 @@ def test_layer_group_info(make_manager: MakeManager) -> None:
     )
     full = m.get_layer_group_info(m.get_layer_group_id(LayerId(1)))
     assert (full.window_size, full.num_sink_blocks, full.layer_ids) == (None, 0, (LayerId(1),))
+    assert (info.kind, full.kind) == ("sliding_window", "full_attention")  # the policy's name, as events say
     # the pool group whose slots hold the group: the one whose pools contain the layer's base address
     for lg in range(len(m.layer_grouping)):
         info = m.get_layer_group_info(LayerGroupId(lg))

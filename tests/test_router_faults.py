@@ -427,3 +427,35 @@ def test_a_publisher_collected_without_close_stops_and_closes(make_manager: Make
         while len(publisher_threads()) > threads or open_fds() > fds:
             assert time.monotonic() < deadline, (open_fds(), fds, publisher_threads())
             time.sleep(0.01)
+
+
+def test_a_reset_index_learns_the_restarted_replicas_block_size() -> None:
+    """A restarted replica may run another block size or other groups: reset() forgets what was
+    learnt from events (what the constructor was given stays)."""
+    from kv_cache_manager_v2.events.router import ReplicaIndex
+    from kv_cache_manager_v2.events.schema import BlockStored
+
+    def stored(block_size: int) -> BlockStored:
+        return BlockStored([1], None, list(range(block_size)), block_size, None, "GPU", group_idx=0)
+
+    index = ReplicaIndex()
+    index.apply([stored(16)])
+    assert index.tokens_per_block == 16 and index.num_blocks == 1
+    with pytest.raises(ValueError, match="block_size 32"):
+        index.apply([stored(32)])
+    index.reset()
+    index.apply([stored(32)])
+    assert index.tokens_per_block == 32 and index.num_blocks == 1
+
+
+def test_an_unknown_layer_kind_is_malformed_not_full_attention() -> None:
+    """A group whose kind this router does not know is refused (counted as malformed by the router),
+    never taken for full attention."""
+    from kv_cache_manager_v2.events.router import ReplicaIndex
+    from kv_cache_manager_v2.events.schema import BlockStored
+
+    index = ReplicaIndex()
+    event = BlockStored([1], None, list(range(16)), 16, None, "GPU", group_idx=0, kv_cache_spec_kind="mamba")
+    with pytest.raises(ValueError, match="unknown layer kind 'mamba'"):
+        index.apply([event])
+    assert index.num_blocks == 0 and 0 not in index.groups

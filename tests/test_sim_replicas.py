@@ -96,3 +96,4 @@ def test_cli_replicas_share_a_private_cluster(tmp_path: Any, redis_server: Local
     assert remote["fetched_pages"] > 0 and remote["errors"] == 0 and remote["dropped_writes"] == 0
     assert rep["hit_rate_gain"]["blocks"] > 0
     assert main([*args, "--remote-cluster", "--remote-url", redis_server.url]) == 2  # one or the other
+    assert main([*args[:-2], "--remote-cluster"]) == 2  # a shared tier needs replicas to share it

@@ -19,8 +19,11 @@ def test_a_restart_with_a_persistent_disk_tier_keeps_the_hit_rate(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     out = tmp_path / "report.json"
+    disk = tmp_path / "disk"
+    disk.mkdir()
     code = main(
-        [*QUICK, "--host", "4000tok", "--disk", "100000tok", "--restart-at", "0.5", "--check-data", "--json", str(out)]
+        [*QUICK, "--host", "4000tok", "--disk", "100000tok", "--disk-path", str(disk), "--restart-at", "0.5"]
+        + ["--check-data", "--json", str(out)]
     )
     text, err = capsys.readouterr()
     assert code == 0, err
@@ -33,6 +36,7 @@ def test_a_restart_with_a_persistent_disk_tier_keeps_the_hit_rate(
     assert doc["restarted"]["data_check"]["records_checked"] > 0  # every record, across the restart
     assert doc["warm"]["requests"]["finished"] == doc["restarted"]["requests"]["finished"]
     assert "restart at 0.50 of the arrivals" in text and "of warm" in text
+    assert list(disk.iterdir()) == []  # both replays' files were made there and removed
 
 
 @pytest.mark.parametrize(
@@ -41,6 +45,7 @@ def test_a_restart_with_a_persistent_disk_tier_keeps_the_hit_rate(
         (["--restart-at", "0.5"], "needs a disk tier"),
         (["--disk", "10000tok", "--restart-at", "1.5"], "fraction in (0, 1)"),
         (["--disk", "10000tok", "--restart-at", "0.5", "--sweep", "gpu=4000tok,8000tok"], "does not combine"),
+        (["--disk", "10000tok", "--restart-at", "0.5", "--remote-cluster"], "--replicas 2 or more"),
     ],
 )
 def test_restart_errors(capsys: pytest.CaptureFixture[str], args: list[str], says: str) -> None:

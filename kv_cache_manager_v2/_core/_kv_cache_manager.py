@@ -121,7 +121,7 @@ class KVCacheManager:
             self._event_manager = event_manager
             if event_manager is not None:
                 groups = [
-                    LayerGroupSpec(i, policy.window_size, policy.num_sink_blocks)
+                    LayerGroupSpec(i, policy.window_size, policy.num_sink_blocks, policy.kind)
                     for i, policy in enumerate(self._registry.layer_groups)
                 ]
                 media = [MEDIUM_OF_TIER[t.tier] for t in config.cache_tiers]
@@ -437,6 +437,7 @@ class KVCacheManager:
             policy.window_size,
             policy.num_sink_blocks,
             self._layout.pool_group_of_layer_group[layer_group],
+            policy.kind,
         )
 
     def _layer_group_policy(self, layer_group_id: LayerGroupId) -> LayerGroup:

@@ -26,21 +26,20 @@ def batch_needs(
     t = registry.tokens_per_block
     shared = batch.system_prompt_length // t
     out = [0] * len(layout.pool_groups)
-    for i, lc in enumerate(registry.layer_groups):
+    for i, layer_group in enumerate(registry.layer_groups):
         holders = [0] * shared
         pages = 0
         frac = layout.slot_util_frac_max[LayerGroupId(i)]
         for desc in batch.kv_caches:
-            pages += lc.num_blocks_with_pages(desc.capacity, desc.history_length)
-            sb = se = 0
+            pages += layer_group.num_blocks_with_pages(desc.capacity, desc.history_length)
+            sb = se = 0  # scratch blocks [sb, se)
             if max_rewind_len >= 0:
-                sb, se = lc.scratch_range(desc.capacity, desc.history_length, max_rewind_len)
+                sb, se = layer_group.scratch_range(desc.capacity, desc.history_length, max_rewind_len)
                 n = se - sb  # scratch blocks: no page each, a share of the request's scratch slots
                 pages += div_up(n * frac.numerator, frac.denominator) - n
-            sinks, stale_end = lc.num_sink_blocks, lc.stale_end(desc.history_length)
-            for o in range(min(shared, (desc.capacity + t - 1) // t)):
-                if not sinks <= o < stale_end and not sb <= o < se:
-                    holders[o] += 1
+            for ordinal in range(min(shared, (desc.capacity + t - 1) // t)):
+                if not layer_group.is_stale(ordinal, desc.history_length) and not sb <= ordinal < se:
+                    holders[ordinal] += 1
         out[layout.pool_group_of_layer_group[LayerGroupId(i)]] += pages - sum(max(0, n - 1) for n in holders)
     return out
 

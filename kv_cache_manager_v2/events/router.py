@@ -72,13 +72,14 @@ class ReplicaIndex:
         groups: Sequence[LayerGroupSpec] = (),
         enable_partial_reuse: bool = True,
     ) -> None:
-        self.tokens_per_block = tokens_per_block
+        self._given_tokens_per_block = tokens_per_block
+        self._given_groups = tuple(groups)
         self.enable_partial_reuse = enable_partial_reuse
+        self.tokens_per_block = tokens_per_block
         self.groups: dict[int, LayerGroup] = {}
-        for g in groups:
-            self._learn_group(g.group_idx, g.window_size, g.num_sink_blocks)
         self._nodes: dict[int, _Node] = {}
         self._roots: dict[tuple[int | None, int | None], _Node] = {}  # (scope hash, lora id)
+        self.reset()
         #: wire events applied so far
         self.num_events = 0
 
@@ -104,12 +105,21 @@ class ReplicaIndex:
                 self.clear()
 
     def clear(self) -> None:
+        """Forget every block (AllBlocksCleared)."""
         self._nodes.clear()
         self._roots.clear()
 
-    def _learn_group(self, group: int, window: int | None, sinks: int) -> None:
+    def reset(self) -> None:
+        """Forget every block and what was learnt of the replica (block size, layer groups) beyond
+        what the constructor was given: a restarted replica may use other ones."""
+        self.clear()
+        self.tokens_per_block = self._given_tokens_per_block
+        self.groups = {}
+        for spec in self._given_groups:
+            self._learn_group(spec.group_idx, spec.kind, spec.window_size, spec.num_sink_blocks)
+
+    def _learn_group(self, group: int, kind: str, window: int | None, sinks: int) -> None:
         if group not in self.groups:
-            kind = "full_attention" if window is None else "sliding_window"
             self.groups[group] = announced_layer_group(kind, window, sinks, self.tokens_per_block or 1)
 
     def _stored(self, event: BlockStored) -> None:
@@ -130,7 +140,8 @@ class ReplicaIndex:
         group = event.group_idx if event.group_idx is not None else 0
         if group not in self.groups:
             window = event.kv_cache_spec_sliding_window if event.kv_cache_spec_kind == "sliding_window" else None
-            self._learn_group(group, window, event.num_sink_blocks or 0)
+            kind = event.kv_cache_spec_kind or ("full_attention" if window is None else "sliding_window")
+            self._learn_group(group, kind, window, event.num_sink_blocks or 0)  # an unknown kind: malformed
         if event.parent_block_hash is None:
             key = (event.scope_hash, event.lora_id)
             parent = self._roots.get(key)
@@ -481,7 +492,7 @@ class KVAwareRouter(PrefixRouter):
         if s.instance is not None:
             s.retired.add(s.instance)
             s.num_restarts += 1
-            self.indexes[i].clear()
+            self.indexes[i].reset()
             s.last_seq = -1
             s.stale = False
         s.instance = inst

@@ -584,6 +584,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SimUserError(
                 f"--remote-url {a.remote_url!r}: write redis://HOST:PORT (or rediss://, unix://PATH, redis+cluster://HOST:PORT)"
             )
+        if a.remote_cluster and a.replicas == 1:
+            raise SimUserError("--remote-cluster is the shared tier of --replicas N: give --replicas 2 or more")
         requests, workload = _workload(a)
         if a.metrics_port is not None or a.metrics_file:
             if (

@@ -23,6 +23,7 @@ for the previous answer. A request that could not fit in the GPU tier even alone
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import time
 from array import array
@@ -525,10 +526,14 @@ class Replay:
         try:
             while self.arrivals or self.waiting or self.running or self.suspended:
                 self.advance()
-        finally:
-            r.wall_s = time.perf_counter() - wall0
-            r.sim_time_ms = self.clock
-            self._finish()
+        except BaseException:
+            # the error is what the caller needs; the manager (maybe already shut down) lets its memory go
+            with contextlib.suppress(Exception):
+                self.rm.shutdown()
+            raise
+        r.wall_s = time.perf_counter() - wall0
+        r.sim_time_ms = self.clock
+        self._finish()
         return r
 
     def advance(self) -> None:

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from .._exceptions import OutOfMemoryError
 from ._models import ModelShape, SimUserError, TierSpec, manager_config, proxy_page_bytes, real_bytes_per_proxy_byte
 from ._replay import Replay, ReplayResult, SchedulerOptions
 from ._report import build_report
@@ -61,8 +62,9 @@ def simulate_restart(
     scale = real_bytes_per_proxy_byte(shape, t, page_bytes)
     out: dict[str, Any] = {}
     results: dict[str, ReplayResult] = {}
+    disk_dir = next(x.path for x in tiers if x.kind == "disk")  # --disk-path or the CLI's temporary one
     for name, restart in (("warm", False), ("restarted", True)):
-        path = tempfile.mkdtemp(prefix="kv-cache-sim-restart-")
+        path = tempfile.mkdtemp(prefix="kv-cache-sim-restart-", dir=disk_dir)
         try:
             row = [dataclasses.replace(x, path=path, persistent=True) if x.kind == "disk" else x for x in tiers]
             config = manager_config(shape, t, row, swa_scratch, page_bytes, eviction_policy)
@@ -70,9 +72,12 @@ def simulate_restart(
             try:
                 try:
                     replay = Replay(config, requests, options, check_data, update, split_ms=split_ms, restart=restart)
+                    result = replay.run()  # the restart opens a second manager on the same files
                 except ValueError as e:
                     raise SimUserError(f"the manager refused this configuration: {e}") from None
-                result = replay.run()
+                except (OSError, OutOfMemoryError) as e:
+                    why = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
+                    raise SimUserError(f"--restart-at: the persistent disk tier in {disk_dir}: {why}") from None
             finally:
                 if close is not None:
                     close()
