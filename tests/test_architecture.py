@@ -43,7 +43,7 @@ def test_the_package_has_no_type_only_imports() -> None:
 
 
 def test_window_arithmetic_lives_in_the_layer_kinds() -> None:
-    """The core, the reuse tree and the adapter's capacity code ask a layer group's policy
+    """The core, the reuse tree, storage and the adapter's capacity code ask a layer group's policy
     (``_layers/``); they never branch on a window themselves. Only the manager passes the
     announced window and sinks on (``LayerGroupInfo``, event specs)."""
     import re

@@ -315,6 +315,40 @@ def test_private_pages_of_suspended_requests_and_cleared_blocks_are_not_adopted(
     m3.shutdown()
 
 
+def test_a_slot_reused_by_a_private_page_loses_its_old_record(tmp_path: Any) -> None:
+    """A published block's disk slot, freed when the block is onboarded and then taken by a
+    suspended request's private page: the old record must not be adopted after a restart (its
+    bytes are gone: it would be announced, then fail its checksum)."""
+    path = str(tmp_path)
+    m = KVCacheManager(config(path, gpu=4, disk=4))
+    engine = FakeEngine(m)
+    old = seq(1, 4 * T)
+    publish(m, old)
+    hog = m.create_kv_cache()
+    assert hog.resume() and hog.resize(4 * T, 0)  # the published blocks go down to the disk
+    hog.close()
+    assert reused(m, old) == 4 * T  # onboarded: their disk slots are free, their records stay
+    m.clear_reusable_blocks()  # nothing else for the next steps to evict
+    publish(m, old)  # published again on the GPU: no record written yet
+    a = m.create_kv_cache()
+    assert a.resume() and a.resize(4 * T, 0)  # takes the GPU: the republished blocks are dropped
+    engine.step(a, seq(2, 4 * T), 0, 4 * T)  # computed, not committed: private pages
+    a.suspend()
+    b = m.create_kv_cache()
+    assert b.resume() and b.resize(4 * T, 0)  # a's pages spill into the disk slots the old blocks had
+    assert sorted(int(p.slot) for p in a.block_table.pages[0] if p is not None and p.level == DISK) == [0, 1, 2, 3]
+    b.close()
+    a.close()
+    m.shutdown()
+    m2 = KVCacheManager(config(path, gpu=4, disk=4))
+    try:
+        assert m2.num_adopted_pages == 0
+        assert m2.probe_reuse(None, old + [1]) == 0
+        assert m2.get_tier_statistics(DISK).io_errors == 0
+    finally:
+        m2.shutdown()
+
+
 def test_host_tier_blocks_are_written_back_at_shutdown(tmp_path: Any) -> None:
     path = str(tmp_path)
     m = KVCacheManager(config(path, gpu=4, host=4, disk=16))

@@ -335,6 +335,15 @@ class PersistentDisk:
         except OSError:
             self.num_write_errors += 1
 
+    def forget(self, group: int, slot: int) -> None:
+        """Invalidate the record of ``slot`` of ``group`` (a page that is not persisted now holds
+        it: a previous block's record must not be adopted and then fail its checksum)."""
+        files = self.files[group]
+        try:
+            os.pwrite(files.fd, bytes(files.record), HEADER_BYTES + slot * files.record)
+        except OSError:
+            self.num_write_errors += 1
+
     def forget_all(self) -> None:
         """Invalidate every record (``clear_reusable_blocks``: nothing is adopted after a restart)."""
         for files in self.files:

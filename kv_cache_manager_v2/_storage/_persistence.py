@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from array import array
 from collections.abc import Sequence
 from typing import cast
@@ -27,22 +28,25 @@ def persist_pages(persist: PersistentDisk, level: int, tokens_per_block: int, pa
     """Record the persistent disk tier's (at ``level``) reusable full-block pages among ``pages``
     (their bytes are in place): a manager opening the directory after this one adopts them."""
     for page in pages:
-        node = page.node
-        if node is None or page.level != level or len(node.tokens) != tokens_per_block:
-            continue  # a suspended request's private page, a partial tail, a failed copy: not persisted
-        parent = node.parent
-        scope = node.scope
-        if parent is None or scope is None:
-            continue
-        raw = node.tokens
-        if type(raw) is array:
-            tokens = cast("array[int]", raw)
-        else:
-            try:
-                tokens = array("I", cast(Sequence[int], raw))
-            except (TypeError, OverflowError):
-                continue  # a block of digests (bytes tokens): not persisted
+        if page.level != level:
+            continue  # a failed copy
         storage = page.storage
+        node = page.node
+        parent = node.parent if node is not None else None
+        scope = node.scope if node is not None else None
+        tokens: array[int] | None = None
+        if node is not None and parent is not None and scope is not None and len(node.tokens) == tokens_per_block:
+            raw = node.tokens
+            if type(raw) is array:
+                tokens = cast("array[int]", raw)
+            else:
+                with contextlib.suppress(TypeError, OverflowError):  # a block of digests (bytes tokens)
+                    tokens = array("I", cast(Sequence[int], raw))
+        if node is None or parent is None or scope is None or tokens is None:
+            # a suspended request's private page, a partial tail, a block of digests: not
+            # persisted, and the block this slot held before is gone
+            persist.forget(int(storage.index), page.slot)
+            continue
         sums = slot_sums(storage.pools, page.slot)
         persist.write(
             int(storage.index), page.slot, page.layer_group, page.priority, scope, parent.key, node.key, tokens, sums
