@@ -4,7 +4,9 @@ scopes, dedup, eviction order, and slot accounting."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import pytest
 from conftest import kv_layers
@@ -18,9 +20,10 @@ from kv_cache_manager_v2 import (
     PageStatus,
     Priority,
     ReuseScope,
+    TokenIdExt,
 )
 from kv_cache_manager_v2._reuse._keys import BlockHasher, block_key, encode_tokens, scope_key
-from kv_cache_manager_v2._reuse._tree import Node, ReuseTree
+from kv_cache_manager_v2._reuse._tree import Node, ReuseTree, common_prefix_len
 
 T = 8
 MakeManager = Callable[..., KVCacheManager]
@@ -448,3 +451,20 @@ def _reference_walk_length(tree: ReuseTree, root: Node, hasher: BlockHasher) -> 
         node = node.child(hasher.key(node.key, n))
         n += node is not None
     return n
+
+
+def test_common_prefix_len_equals_the_token_by_token_count() -> None:
+    rng = random.Random(5)
+    kinds: list[Callable[[list[TokenIdExt]], Sequence[TokenIdExt]]] = [tuple, list, lambda x: x]
+    for _ in range(2000):
+        base: list[TokenIdExt] = [rng.choice([1, 2, 2**32 - 1, b"d" * 32, b"e" * 32]) for _ in range(rng.randrange(9))]
+        other = list(base[: rng.randrange(len(base) + 1)])
+        other += [rng.choice([1, 2, 3, b"d" * 32]) for _ in range(rng.randrange(4))]
+        a, b = rng.choice(kinds)(base), rng.choice(kinds)(other)
+        if all(type(t) is int for t in other) and rng.random() < 0.3:
+            b = array("I", cast("list[int]", other))
+        expected = 0
+        while expected < min(len(a), len(b)) and a[expected] == b[expected]:
+            expected += 1
+        assert common_prefix_len(a, b) == expected, (a, b)
+        assert common_prefix_len(b, a) == expected, (a, b)

@@ -212,7 +212,12 @@ class Node:
 
 
 def common_prefix_len(a: Sequence[TokenIdExt], b: Sequence[TokenIdExt]) -> int:
+    """Leading tokens ``a`` and ``b`` share."""
     n = min(len(a), len(b))
+    # A block's tokens (a tuple) usually start with the whole query: compared in one C-level
+    # call (tokens are ints or bytes, whose == is reflexive: the tuple's identity shortcut agrees)
+    if type(a) is tuple and a[:n] == tuple(b[:n]):
+        return n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
