@@ -4,7 +4,9 @@ scopes, dedup, eviction order, and slot accounting."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import pytest
 from conftest import kv_layers
@@ -18,8 +20,10 @@ from kv_cache_manager_v2 import (
     PageStatus,
     Priority,
     ReuseScope,
+    TokenIdExt,
 )
-from kv_cache_manager_v2._reuse._keys import block_key, encode_tokens, scope_key
+from kv_cache_manager_v2._reuse._keys import BlockHasher, block_key, encode_tokens, scope_key
+from kv_cache_manager_v2._reuse._tree import Node, ReuseTree, common_prefix_len
 
 T = 8
 MakeManager = Callable[..., KVCacheManager]
@@ -348,3 +352,119 @@ def test_bad_tokens_in_create_leave_nothing_open(make_manager: MakeManager) -> N
     assert m.num_open_caches == 0
     stats = m.get_storage_statistics()[0]
     assert stats.evictable == 2  # the published blocks are untouched (no holds taken)
+
+
+def _reference_match(
+    tree: ReuseTree, root: Node, hasher: BlockHasher, partial: bool
+) -> tuple[list[Node], Node | None, int]:
+    """The match as first specified: walk every full block by key, pick the best partial child,
+    then drop everything from the first block some layer group needs a page for but has none
+    (checking every block outside each group's stale range), until nothing is missing."""
+    t = tree.tokens_per_block
+    tokens = hasher.tokens
+    nodes: list[Node] = []
+    node = root
+    while len(nodes) < len(tokens) // t and node.has_children:
+        child = node.child(hasher.key(node.key, len(nodes)))
+        if child is None:
+            break
+        nodes.append(child)
+        node = child
+    part: Node | None = None
+    part_len = 0
+    if partial and len(nodes) * t < len(tokens) and node.has_children:
+        part, part_len = node.best_partial(tokens[len(nodes) * t : (len(nodes) + 1) * t])
+    while True:
+        length = len(nodes) * t + part_len
+        first = -1
+        for layer_group, policy in enumerate(tree.layer_groups):
+            beg, end = policy.stale_range(length)
+            for o in range(-(-length // t)):
+                if beg <= o < end:
+                    continue
+                n = nodes[o] if o < len(nodes) else part
+                if n is None or n.page(layer_group) is None:
+                    first = o if first < 0 else min(first, o)
+                    break
+        if first < 0:
+            return nodes, part, part_len
+        del nodes[first:]
+        part, part_len = None, 0
+
+
+@pytest.mark.parametrize("window, swa_every, sink_tokens", [(12, 2, None), (12, 2, 8), (20, 1, None), (12, 1, 8)])
+def test_match_equals_the_reference_walk_under_eviction(
+    make_manager: MakeManager, window: int, swa_every: int, sink_tokens: int | None
+) -> None:
+    """The tree's match (one walk, window groups checked only outside their stale range) finds
+    exactly what the reference does on trees that eviction left with holes."""
+    m = make_manager(
+        kv_layers(2, T, window=window, swa_every=swa_every, sink_tokens=sink_tokens), quota=2 * 32 * T * 48
+    )
+    rng = random.Random(window * 7 + swa_every + (sink_tokens or 0))
+    prefixes = [toks(100 + i, 5 * T) for i in range(3)]
+    tree = m._tree
+    shortened = 0
+    for step in range(150):
+        tokens = rng.choice(prefixes) + toks(1000 + rng.randrange(40), rng.randrange(1, 5 * T))
+        for partial in (False, True):
+            root = tree.root(ReuseScope(), False)
+            if root is None:
+                continue
+            query = tokens[: rng.randrange(1, len(tokens) + 1)]
+            # hide a page for the match only (holes eviction does not leave: a full group's or a sink's)
+            unhidden = _reference_match(tree, root, BlockHasher(query, T, "q"), partial)
+            on_path = unhidden[0] + ([unhidden[1]] if unhidden[1] is not None else [])
+            hidden = []
+            for _ in range(rng.randrange(1, 5)):
+                node = rng.choice(on_path if on_path and rng.random() < 0.8 else tree.nodes())
+                layer_group = rng.randrange(len(node.pages))
+                hidden.append((node, layer_group, node.pages[layer_group]))
+                node.pages[layer_group] = None
+            try:
+                got = tree.match(root, BlockHasher(query, T, "q"), partial)
+                want = _reference_match(tree, root, BlockHasher(query, T, "q"), partial)
+            finally:
+                for node, layer_group, ref in reversed(hidden):
+                    node.pages[layer_group] = ref
+            assert got[0] == want[0] and got[1] is want[1] and got[2] == want[2], step
+            walked = _reference_walk_length(tree, root, BlockHasher(query, T, "q"))
+            shortened += len(got[0]) < walked
+            got = tree.match(root, BlockHasher(query, T, "q"), partial)
+            want = _reference_match(tree, root, BlockHasher(query, T, "q"), partial)
+            assert got[0] == want[0] and got[1] is want[1] and got[2] == want[2], step
+        if step % 3 == 0:  # fill the GPU tier: publishing evicts earlier blocks page by page
+            kv = m.create_kv_cache(input_tokens=tokens)
+            if kv.resume():
+                h = kv.history_length
+                if kv.resize(len(tokens)):
+                    kv.commit(tokens[h:])
+            kv.close()
+    assert shortened > 0  # some matches stopped at a missing page, not at a missing key
+
+
+def _reference_walk_length(tree: ReuseTree, root: Node, hasher: BlockHasher) -> int:
+    """Full blocks found by key, pages aside."""
+    node: Node | None = root
+    n = 0
+    while node is not None and n < len(hasher.tokens) // tree.tokens_per_block:
+        node = node.child(hasher.key(node.key, n))
+        n += node is not None
+    return n
+
+
+def test_common_prefix_len_equals_the_token_by_token_count() -> None:
+    rng = random.Random(5)
+    kinds: list[Callable[[list[TokenIdExt]], Sequence[TokenIdExt]]] = [tuple, list, lambda x: x]
+    for _ in range(2000):
+        base: list[TokenIdExt] = [rng.choice([1, 2, 2**32 - 1, b"d" * 32, b"e" * 32]) for _ in range(rng.randrange(9))]
+        other = list(base[: rng.randrange(len(base) + 1)])
+        other += [rng.choice([1, 2, 3, b"d" * 32]) for _ in range(rng.randrange(4))]
+        a, b = rng.choice(kinds)(base), rng.choice(kinds)(other)
+        if all(type(t) is int for t in other) and rng.random() < 0.3:
+            b = array("I", cast("list[int]", other))
+        expected = 0
+        while expected < min(len(a), len(b)) and a[expected] == b[expected]:
+            expected += 1
+        assert common_prefix_len(a, b) == expected, (a, b)
+        assert common_prefix_len(b, a) == expected, (a, b)

@@ -28,7 +28,8 @@ class LayerGroup:
         #: leading blocks a window keeps whatever the history (0 without a window)
         self.num_sink_blocks = num_sink_blocks
         self.tokens_per_block = tokens_per_block
-        #: whether blocks go stale as history grows (False: ``stale_end`` is always 0)
+        #: whether blocks go stale as history grows (False: ``stale_range`` is always empty and
+        #: ``stale_end`` 0; a match then needs the group's page at every block it walks)
         self.releases_blocks = False
 
     def __repr__(self) -> str:

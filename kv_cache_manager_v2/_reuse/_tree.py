@@ -212,7 +212,12 @@ class Node:
 
 
 def common_prefix_len(a: Sequence[TokenIdExt], b: Sequence[TokenIdExt]) -> int:
+    """Leading tokens ``a`` and ``b`` share."""
     n = min(len(a), len(b))
+    # A block's tokens (a tuple) usually start with the whole query: compared in one C-level
+    # call (tokens are ints or bytes, whose == is reflexive: the tuple's identity shortcut agrees)
+    if type(a) is tuple and a[:n] == tuple(b[:n]):
+        return n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
@@ -232,6 +237,10 @@ class ReuseTree(PageDropListener):
     def __init__(self, layer_groups: TypedList[LayerGroupId, LayerGroup], tokens_per_block: int) -> None:
         self.layer_groups = layer_groups
         self.tokens_per_block = tokens_per_block
+        #: layer groups that keep every block: a match needs their page at each block it walks
+        self._keeping_groups = [i for i, policy in enumerate(layer_groups) if not policy.releases_blocks]
+        #: the others: a match needs their pages only outside ``stale_range`` of its length
+        self._releasing_groups = [i for i, policy in enumerate(layer_groups) if policy.releases_blocks]
         self.roots: dict[tuple[int | None, int | None], Node] = {}
         #: told about every page that enters, leaves or moves within the tree (None: nobody listens)
         self.event_sink: KVCacheEventManager | None = None
@@ -254,50 +263,80 @@ class ReuseTree(PageDropListener):
     def match(self, root: Node, hasher: BlockHasher, partial: bool) -> tuple[list[Node], Node | None, int]:
         """Longest reusable prefix: matched full-block nodes, then an optional partial node and its length.
 
-        Walks full blocks by key (``hasher`` computes and keeps them); at the first miss picks
-        the child with the longest common token prefix; then shortens until every layer group
-        has the pages it needs there. Only the tokens of the blocks looked at are validated.
+        Walks full blocks by key (``hasher`` computes and keeps them), checking on the way the
+        pages of the layer groups that keep every block; at the first miss picks the child with
+        the longest common token prefix; then shortens until every layer group has the pages it
+        needs there (a sliding window only those outside its stale range). Only the tokens of
+        the blocks looked at are validated.
         """
         t = self.tokens_per_block
         tokens = hasher.tokens
+        keeping = self._keeping_groups
         nodes: list[Node] = []
         node = root
+        children = root._children
         n_full = len(tokens) // t
-        while len(nodes) < n_full and node.has_children:
-            child = node.child(hasher.key(node.key, len(nodes)))
+        ordinal = 0
+        gap = -1  # the first block walked that lacks a page of a group keeping every block
+        while ordinal < n_full and children is not None:
+            keys = hasher.keys
+            child = children.get(keys[ordinal] if ordinal < len(keys) else hasher.key(node.key, ordinal))
             if child is None:
                 break
+            if gap < 0:
+                pages = child.pages
+                for layer_group in keeping:
+                    r = pages[layer_group]
+                    if r is None or r() is None:
+                        gap = ordinal
+                        break
             nodes.append(child)
             node = child
+            children = child._children
+            ordinal += 1
         part: Node | None = None
         part_len = 0
-        if partial and len(nodes) * t < len(tokens) and node.has_children:
-            rest = tokens[len(nodes) * t : (len(nodes) + 1) * t]
+        if partial and ordinal * t < len(tokens) and children is not None:
+            rest = tokens[ordinal * t : (ordinal + 1) * t]
             validate_tokens(rest, hasher.name)  # compared token by token below
             part, part_len = node.best_partial(rest)
-        # Shorten until the pages needed at the matched length exist for every layer group.
-        while True:
-            length = len(nodes) * t + part_len
-            missing = self._first_missing_block(nodes, part, length)
-            if missing < 0:
-                return nodes, part, part_len
+            if part is not None and gap < 0:
+                pages = part.pages
+                for layer_group in keeping:
+                    r = pages[layer_group]
+                    if r is None or r() is None:
+                        gap = ordinal
+                        break
+        # Shorten until the pages needed at the matched length exist for every layer group. Once
+        # shortened, the groups keeping every block have all their pages (``gap`` was the first).
+        missing = self._first_missing_block(nodes, part, len(nodes) * t + part_len, gap)
+        while missing >= 0:
             del nodes[missing:]
             part, part_len = None, 0
+            missing = self._first_missing_block(nodes, None, len(nodes) * t, -1)
+        return nodes, part, part_len
 
-    def _first_missing_block(self, nodes: list[Node], part: Node | None, length: int) -> int:
-        """The first block a match of ``length`` tokens needs a page for but has none; -1 if none."""
+    def _first_missing_block(self, nodes: list[Node], part: Node | None, length: int, first: int) -> int:
+        """The first block a match of ``length`` tokens needs a page of a releasing layer group for
+        but has none, or ``first`` (the first such block of the other groups; -1: none) if lower."""
         t = self.tokens_per_block
-        nb = (length + t - 1) // t
-        first = -1
-        for layer_group_id, policy in enumerate(self.layer_groups):
-            beg, end = policy.stale_range(length)
-            for o in range(nb):
-                if beg <= o < end:
-                    continue
-                node = nodes[o] if o < len(nodes) else part
-                if node is None or node.page(layer_group_id) is None:
-                    if first < 0 or o < first:
-                        first = o
+        num_nodes = len(nodes)
+        policies = self.layer_groups.items
+        for layer_group in self._releasing_groups:
+            beg, end = policies[layer_group].stale_range(length)
+            limit = (length + t - 1) // t if first < 0 else first  # blocks past a known miss do not matter
+            # the blocks before and after the stale range (all of them when it is empty)
+            for o in range(min(beg, limit)):
+                node = nodes[o] if o < num_nodes else part
+                r = node.pages[layer_group] if node is not None else None
+                if r is None or r() is None:
+                    first = limit = o
+                    break
+            for o in range(max(beg, end), limit):
+                node = nodes[o] if o < num_nodes else part
+                r = node.pages[layer_group] if node is not None else None
+                if r is None or r() is None:
+                    first = o
                     break
         return first
 
