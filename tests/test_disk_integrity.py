@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from conftest import kv_layers
 from fake_engine import FakeEngine
-from tier_helpers import SLOT, T, compute, publish, seq
+from tier_helpers import SLOT, T, compute, publish, seq, tree_pages
 
 from kv_cache_manager_v2 import (
     CacheLevel,
@@ -23,28 +23,13 @@ from kv_cache_manager_v2 import (
     KVCacheManagerConfig,
     RemoteCacheTierConfig,
 )
-from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
 from kv_cache_manager_v2._config import CacheTierConfig
-from kv_cache_manager_v2._reuse._keys import BlockHasher
 from kv_cache_manager_v2._storage._disk import DiskPool
 from kv_cache_manager_v2._storage._page import Page
 from kv_cache_manager_v2.redis_server import LocalRedisServer
 
 MakeManager = Callable[..., KVCacheManager]
 DISK = CacheLevel(2)
-
-
-def tree_pages(m: KVCacheManager, toks: list[int]) -> list[Page]:
-    """The reusable page of each matched block of ``toks`` (layer group 0), in order."""
-    root = m._tree.root(DEFAULT_REUSE_SCOPE, False)
-    assert root is not None
-    nodes, _, _ = m._tree.match(root, BlockHasher(toks, m.tokens_per_block, "tokens"), False)
-    out = []
-    for n in nodes:
-        p = n.page(0)
-        assert p is not None
-        out.append(p)
-    return out
 
 
 def disk_file(page: Page) -> DiskPool:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from conftest import kv_layers
 from fake_engine import FakeEngine
-from tier_helpers import SLOT, T, publish, seq
+from tier_helpers import SLOT, T, publish, run_worker, seq, tree_pages
 
 from kv_cache_manager_v2 import (
     BlockStoredEvent,
@@ -34,9 +34,7 @@ from kv_cache_manager_v2 import (
     OutOfMemoryError,
     ReuseScope,
 )
-from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
 from kv_cache_manager_v2._config import CacheTierConfig
-from kv_cache_manager_v2._reuse._keys import BlockHasher
 from kv_cache_manager_v2._storage._persist import FILE_HEADER, HEADER_BYTES
 
 DISK = CacheLevel(1)
@@ -65,21 +63,13 @@ def reused(m: KVCacheManager, toks: list[int], scope: ReuseScope | None = None) 
 
 def leaf_slot(m: KVCacheManager, toks: list[int]) -> int:
     """The disk slot of the last block of ``toks`` (published)."""
-    root = m._tree.root(DEFAULT_REUSE_SCOPE, False)
-    assert root is not None
-    nodes, _, _ = m._tree.match(root, BlockHasher(toks, T, "tokens"), False)
-    page = nodes[-1].page(0)
-    assert page is not None and page.level == DISK
+    page = tree_pages(m, toks)[-1]
+    assert page.level == DISK
     return int(page.slot)
 
 
 def worker(spec: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, WORKER, json.dumps(spec)], capture_output=True, text=True, timeout=timeout, check=False
-    )
-    assert out.returncode == 0, out.stderr
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+    return run_worker("disk_worker.py", spec, timeout)
 
 
 def test_a_new_process_adopts_the_published_blocks(tmp_path: Any) -> None:

@@ -6,7 +6,6 @@ corrupted or truncated values only cost hits; statistics, events, the write queu
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import subprocess
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 from conftest import REC, kv_layers
 from fake_engine import FakeEngine
-from tier_helpers import SLOT, T, compute, publish, seq
+from tier_helpers import SLOT, T, compute, publish, run_worker, seq
 
 import kv_cache_manager_v2
 from kv_cache_manager_v2 import (
@@ -268,16 +267,7 @@ def test_two_processes_share_one_redis(redis_server: LocalRedisServer, managers:
     def worker(**spec: Any) -> dict[str, Any]:
         spec.setdefault("url", redis_server.url)
         spec.setdefault("namespace", "test-model")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-        out = subprocess.run(
-            [sys.executable, os.path.join(os.path.dirname(__file__), "remote_worker.py"), json.dumps(spec)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120,
-        )
-        assert out.returncode == 0, out.stderr[-3000:]
-        res: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+        res = run_worker("remote_worker.py", spec)
         assert res["compiled"] == kv_cache_manager_v2.compiled  # the same build mode as this process
         return res
 

@@ -5,12 +5,8 @@ a slot migrated mid-run (ASK, then MOVED), keys of the wrong type, and credentia
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import random
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +15,7 @@ import pytest
 from conftest import NO_REDIS_REASON, REDIS_SERVER
 from test_remote import Factory, T, publish, reuse, seq
 from test_remote import managers as managers  # (a fixture)
+from tier_helpers import run_worker
 
 import kv_cache_manager_v2
 from kv_cache_manager_v2 import CacheLevel, KVCacheManager, RemoteCacheTierConfig
@@ -133,16 +130,7 @@ def test_two_processes_share_a_prefix_through_the_cluster(cl: LocalRedisCluster,
     assert a.flush_remote_writes()
     second = seq(4, 7 * T)
     spec = {"url": cl.url, "namespace": "test-model", "read": first[: 9 * T] + [9], "write": second}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run(
-        [sys.executable, os.path.join(os.path.dirname(__file__), "remote_worker.py"), json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    res: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    res = run_worker("remote_worker.py", spec)
     assert res["compiled"] == kv_cache_manager_v2.compiled
     assert res["history"] == 9 * T and res["checked"] > 0 and res["flushed"]
     assert res["stats"]["fetched_pages"] == 9 and res["stats"]["corrupt_pages"] == 0

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 from conftest import REC, kv_layers
 from fake_engine import FakeEngine
-from tier_helpers import SLOT, T, compute, publish, seq
+from tier_helpers import SLOT, T, compute, publish, seq, tree_pages
 
 from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
@@ -24,8 +24,6 @@ from kv_cache_manager_v2 import (
     PageStatus,
     Priority,
 )
-from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
-from kv_cache_manager_v2._reuse._keys import BlockHasher
 from kv_cache_manager_v2._storage._disk import DiskPool
 
 MakeManager = Callable[..., KVCacheManager]
@@ -46,15 +44,7 @@ def tiered(
 
 def tree_levels(m: KVCacheManager, toks: list[int]) -> list[int]:
     """Cache level of each reusable block of ``toks`` (layer group 0), in order."""
-    root = m._tree.root(DEFAULT_REUSE_SCOPE, False)
-    assert root is not None
-    nodes, _, _ = m._tree.match(root, BlockHasher(toks, m.tokens_per_block, "tokens"), False)
-    out = []
-    for n in nodes:
-        p = n.page(0)
-        assert p is not None
-        out.append(p.level)
-    return out
+    return [p.level for p in tree_pages(m, toks)]
 
 
 def levels_of(kv: KVCache) -> list[int]:

@@ -1,12 +1,22 @@
-"""What the tier tests share: a two-layer model whose slot holds one block, token sequences, and
-computing and publishing blocks through the fake engine."""
+"""What the tier tests share: a two-layer model whose slot holds one block, token sequences,
+computing and publishing blocks through the fake engine, the tree's pages of a prompt, and
+worker scripts run in a child process."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
 
 from conftest import REC
 from fake_engine import FakeEngine
 
 from kv_cache_manager_v2 import KVCache, KVCacheManager, ReuseScope
+from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
+from kv_cache_manager_v2._reuse._keys import BlockHasher
+from kv_cache_manager_v2._storage._page import Page
 
 T = 8
 SLOT = 2 * 2 * REC * T  # two layers, key + value: one slot holds one block
@@ -38,3 +48,32 @@ def publish(
     assert kv.resume()
     compute(engine if engine is not None else FakeEngine(m), kv, toks, len(toks))
     kv.close()
+
+
+def tree_pages(m: KVCacheManager, toks: list[int]) -> list[Page]:
+    """The reusable page of each matched block of ``toks`` (layer group 0), in order."""
+    root = m._tree.root(DEFAULT_REUSE_SCOPE, False)
+    assert root is not None
+    nodes, _, _ = m._tree.match(root, BlockHasher(toks, m.tokens_per_block, "tokens"), False)
+    out = []
+    for n in nodes:
+        p = n.page(0)
+        assert p is not None
+        out.append(p)
+    return out
+
+
+def run_worker(script: str, spec: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+    """Run ``tests/<script>`` with ``spec`` (JSON) in a child process on this process's path; the
+    JSON of its last stdout line."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), script), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+        timeout=timeout,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
