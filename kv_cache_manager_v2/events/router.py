@@ -140,8 +140,8 @@ class ReplicaIndex:
         group = event.group_idx if event.group_idx is not None else 0
         if group not in self.groups:
             window = event.kv_cache_spec_sliding_window if event.kv_cache_spec_kind == "sliding_window" else None
-            kind = event.kv_cache_spec_kind or ("full_attention" if window is None else "sliding_window")
-            self._learn_group(group, kind, window, event.num_sink_blocks or 0)  # an unknown kind: malformed
+            kind = event.kv_cache_spec_kind or "full_attention"  # (an unknown kind: malformed)
+            self._learn_group(group, kind, window, event.num_sink_blocks or 0)
         if event.parent_block_hash is None:
             key = (event.scope_hash, event.lora_id)
             parent = self._roots.get(key)
