@@ -135,7 +135,8 @@ def publish_final(state: RequestState) -> None:
     if not state._committing:
         return
     blocks, tail = state._seq(state._final_beam)
-    upto = len(blocks) + (1 if tail else 0)
+    # (a hybrid match never ends inside a block: a partial tail would only take memory)
+    upto = len(blocks) + (1 if tail and not state._ctx.state_layer_groups else 0)
     if upto > state._num_published:
         publish(state, upto, state._final_beam)
 
