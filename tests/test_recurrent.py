@@ -463,3 +463,35 @@ def test_probe_reuse_levels_report_where_the_snapshot_is(make_manager: MakeManag
     b = m.create_kv_cache(input_tokens=prompt + toks(22, 5))
     prefill(engine, b, prompt + toks(22, 5), 69)
     b.close()
+
+
+def test_a_failing_priority_callback_at_a_snapshot_changes_nothing(make_manager: MakeManager) -> None:
+    m = make_manager(hybrid_layers(), T, ssm_reuse_interval=64)
+    engine = FakeEngine(m)
+    g = state_group(m)
+    fail = [False]
+
+    def callback(block: int, layer_group: LayerGroupId) -> Priority:
+        if fail[0] and layer_group == g:
+            raise RuntimeError("callback failed")
+        return Priority(35)
+
+    tokens = toks(23, 200)
+    kv = m.create_kv_cache(custom_priority_callback=callback)
+    assert kv.resume()
+    assert kv.resize(64)
+    engine.step(kv, tokens, 0, 64)
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="callback failed"):
+        kv.commit(tokens[:64])  # a multi-token commit ending at a snapshot position
+    assert kv.num_committed_tokens == 0 and kv.committed_tokens == []
+    kv.commit(tokens[:63])
+    with pytest.raises(RuntimeError, match="callback failed"):
+        kv.commit([tokens[63]])  # the decode path
+    assert kv.committed_tokens == tokens[:63]
+    m.check_invariants()
+    fail[0] = False
+    kv.commit([tokens[63]])
+    assert m.reuse_statistics.snapshots_taken == 1
+    kv.close()
+    assert m.probe_reuse(None, tokens[:100]) == 64
