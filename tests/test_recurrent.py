@@ -13,11 +13,13 @@ from fake_engine import FakeEngine, KVMismatch
 
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
+    BatchDesc,
     BlockRemovedEvent,
     BlockStoredEvent,
     BufferConfig,
     CacheLevel,
     KVCache,
+    KVCacheDesc,
     KVCacheEventManager,
     KVCacheManager,
     LayerGroupId,
@@ -434,6 +436,12 @@ def test_sizing_counts_live_states_and_snapshots(make_manager: MakeManager) -> N
         for mm in (default, few)
     ]
     assert states[0] > states[1] > 0  # snapshots every 512 tokens take more than one per 4096
+    # a constraint batch of 7 requests needs 7 live states (however long), whatever the ratio says
+    batch = BatchDesc([KVCacheDesc(100, 99)] * 7)
+    tight = make_manager(hybrid_layers(), T, quota=64 << 10, initial_pool_ratio=[0.01, 0.99], constraints=[batch])
+    assert tight.pool_group_descs[tight.get_layer_group_info(state_group(tight)).pool_group_index].num_slots == 7
+    with pytest.raises(ValueError, match="too small"):
+        make_manager(hybrid_layers(), T, quota=8 << 10, constraints=[BatchDesc([KVCacheDesc(1, 0)] * 9)])
 
 
 def test_probe_reuse_levels_report_where_the_snapshot_is(make_manager: MakeManager) -> None:
