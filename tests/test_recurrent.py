@@ -18,10 +18,13 @@ from kv_cache_manager_v2 import (
     BlockStoredEvent,
     BufferConfig,
     CacheLevel,
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
     KVCache,
     KVCacheDesc,
     KVCacheEventManager,
     KVCacheManager,
+    KVCacheManagerConfig,
     LayerGroupId,
     LayerId,
     Priority,
@@ -503,3 +506,29 @@ def test_a_failing_priority_callback_at_a_snapshot_changes_nothing(make_manager:
     assert m.reuse_statistics.snapshots_taken == 1
     kv.close()
     assert m.probe_reuse(None, tokens[:100]) == 64
+
+
+def test_snapshots_survive_a_restart_on_a_persistent_disk_tier(backend: str, tmp_path: object) -> None:
+    def config() -> KVCacheManagerConfig:
+        return KVCacheManagerConfig(
+            tokens_per_block=T,
+            cache_tiers=[GpuCacheTierConfig(256 << 10), DiskCacheTierConfig(1 << 20, str(tmp_path), persistent=True)],
+            layers=hybrid_layers(),
+            ssm_reuse_interval=64,
+            backend=backend,  # type: ignore[arg-type]
+        )
+
+    prompt = toks(24, 150)
+    m = KVCacheManager(config())
+    engine = FakeEngine(m)
+    kv = m.create_kv_cache(input_tokens=prompt)
+    prefill(engine, kv, prompt, 150)
+    kv.close()
+    m.shutdown()  # writes the tree's pages, snapshots included, to the disk tier
+    again = KVCacheManager(config())
+    assert again.num_adopted_pages > 0
+    assert again.probe_reuse(None, prompt) == 128
+    kv = again.create_kv_cache(input_tokens=prompt)
+    prefill(FakeEngine(again), kv, prompt, 150)  # the adopted snapshot holds the state at 128
+    kv.close()
+    again.shutdown()
