@@ -28,9 +28,11 @@ from kv_cache_manager_v2 import (
     LayerGroupId,
     LayerId,
     Priority,
+    RemoteCacheTierConfig,
     SsmLayerConfig,
 )
 from kv_cache_manager_v2._config import LayerConfig
+from kv_cache_manager_v2.redis_server import LocalRedisServer
 
 T = 32
 MakeManager = Callable[..., KVCacheManager]
@@ -532,3 +534,37 @@ def test_snapshots_survive_a_restart_on_a_persistent_disk_tier(backend: str, tmp
     prefill(FakeEngine(again), kv, prompt, 150)  # the adopted snapshot holds the state at 128
     kv.close()
     again.shutdown()
+
+
+def test_a_remote_tier_never_extends_a_hybrid_match(backend: str, redis_server: LocalRedisServer) -> None:
+    """Pages go to the shared tier as usual, but a hybrid match ends at a local snapshot: a
+    replica with an empty local cache reuses nothing, so probe_reuse and create still agree."""
+
+    def manager() -> KVCacheManager:
+        return KVCacheManager(
+            KVCacheManagerConfig(
+                tokens_per_block=T,
+                cache_tiers=[
+                    GpuCacheTierConfig(256 << 10),
+                    RemoteCacheTierConfig(redis_server.url, "hybrid", write_through=True),
+                ],
+                layers=hybrid_layers(),
+                ssm_reuse_interval=64,
+                backend=backend,  # type: ignore[arg-type]
+            )
+        )
+
+    prompt = toks(25, 150)
+    first, second = manager(), manager()
+    kv = first.create_kv_cache(input_tokens=prompt)
+    prefill(FakeEngine(first), kv, prompt, 150)
+    kv.close()
+    assert first.flush_remote_writes()
+    assert first.probe_reuse(None, prompt) == 128
+    assert second.probe_reuse(None, prompt) == 0
+    kv = second.create_kv_cache(input_tokens=prompt)
+    assert kv.history_length == 0
+    prefill(FakeEngine(second), kv, prompt, 150)
+    kv.close()
+    first.shutdown()
+    second.shutdown()
