@@ -568,3 +568,21 @@ def test_a_remote_tier_never_extends_a_hybrid_match(backend: str, redis_server: 
     kv.close()
     first.shutdown()
     second.shutdown()
+
+
+def test_history_past_the_commit_takes_no_snapshot(make_manager: MakeManager) -> None:
+    """The live state holds ``history`` tokens: a commit ending at a snapshot position below it
+    would store a later state as that position's."""
+    m = make_manager(hybrid_layers(), T, ssm_reuse_interval=64)
+    engine = FakeEngine(m)
+    tokens = toks(26, 100)
+    kv = m.create_kv_cache()
+    assert kv.resume()
+    assert kv.resize(70)
+    engine.step(kv, tokens, 0, 70)
+    assert kv.resize(70, 70)  # history 70: the state holds 70 tokens
+    kv.commit(tokens[:64])
+    assert m.reuse_statistics.snapshots_taken == 0
+    kv.commit(tokens[64:70])
+    kv.close()
+    assert m.probe_reuse(None, tokens) == 0

@@ -26,7 +26,13 @@ def commit_tokens(state: RequestState, more: Sequence[TokenIdExt] | None = None)
         # a snapshot's priorities come from the callback: asked before anything changes (with
         # ``more`` None the caller appended one token to the tail: taken out again if it raises)
         end = state.num_committed_tokens + (len(more) if more is not None else 0)
-        if end % tokens_per_block == 0 and not state._forked and is_snapshot_position(state, end):
+        # (history beyond the committed end: the state holds more than the block, no snapshot)
+        if (
+            end % tokens_per_block == 0
+            and state._history <= end
+            and not state._forked
+            and is_snapshot_position(state, end)
+        ):
             try:
                 snapshot_priorities = [
                     state._priorities(layer_group, [end // tokens_per_block - 1])[0]
@@ -105,6 +111,7 @@ def take_snapshot(state: RequestState, priorities: list[Priority]) -> None:
     node = state._last_node
     if (
         state._forked
+        or state._history != committed
         or not is_snapshot_position(state, committed)
         or node is None
         or node.ordinal != ordinal
