@@ -503,6 +503,10 @@ class FrequencyTinyHostTieredMachine(TinyHostTieredMachine):
     POLICY = "frequency"
 
 
+class FrequencyHybridTieredMachine(HybridTieredMachine):
+    POLICY = "frequency"
+
+
 MACHINES = (
     ManagerMachine,
     TightMultiGroupMachine,
@@ -521,6 +525,7 @@ FREQUENCY_MACHINES = (
     FrequencyTieredMachine,
     FrequencyBeamMachine,
     FrequencyTinyHostTieredMachine,
+    FrequencyHybridTieredMachine,
 )
 for machine in MACHINES + FREQUENCY_MACHINES:
     machine.TestCase.settings = settings(
@@ -540,21 +545,24 @@ TestFrequencyManagerMachine = FrequencyManagerMachine.TestCase
 TestFrequencyTightMultiGroupMachine = FrequencyTightMultiGroupMachine.TestCase
 TestFrequencyScratchMachine = FrequencyScratchMachine.TestCase
 TestFrequencyBeamMachine = FrequencyBeamMachine.TestCase
+TestFrequencyHybridTieredMachine = FrequencyHybridTieredMachine.TestCase
 TestFrequencyTieredMachine = FrequencyTieredMachine.TestCase
 TestFrequencyTinyHostTieredMachine = FrequencyTinyHostTieredMachine.TestCase
 
 
-@pytest.mark.parametrize("tiny_host", [False, True])
+@pytest.mark.parametrize("machine", ["tiered", "tiny_host", "hybrid"])
 @pytest.mark.parametrize("policy", ["lru", "frequency"])
 @pytest.mark.parametrize("seed", range(8))
-def test_tiered_long_random_walk(seed: int, policy: str, tiny_host: bool) -> None:
+def test_tiered_long_random_walk(seed: int, policy: str, machine: str) -> None:
     """Hypothesis keeps its programs short; this walks the same rules 400 steps deep (seeded), so
     pages go all the way down, come back, get lost to disk errors and tiers resize under load
     (also with a host tier smaller than one request). The fake engine and the invariant checker
     run after every step."""
     rng = random.Random(seed)
-    if tiny_host:
-        m: TieredMachine = TinyHostTieredMachine() if policy == "lru" else FrequencyTinyHostTieredMachine()
+    if machine == "hybrid":  # (recurrent layers beside attention: live states and snapshots move too)
+        m: TieredMachine = HybridTieredMachine() if policy == "lru" else FrequencyHybridTieredMachine()
+    elif machine == "tiny_host":
+        m = TinyHostTieredMachine() if policy == "lru" else FrequencyTinyHostTieredMachine()
     else:
         m = TieredMachine() if policy == "lru" else FrequencyTieredMachine()
     for _ in range(400):
