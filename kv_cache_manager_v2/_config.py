@@ -400,6 +400,13 @@ class KVCacheManagerConfig:
     #: tokens between recurrent-state snapshots (prefix reuse of hybrid models): a multiple of
     #: ``tokens_per_block``; None: ``max(512, tokens_per_block)`` rounded up to a multiple of it
     ssm_reuse_interval: int | None = None
+    #: extra snapshot positions of every request, in tokens from its start (e.g. the end of a
+    #: shared system prompt); each a positive multiple of ``tokens_per_block``
+    ssm_snapshots_from_start: Sequence[int] = ()
+    #: extra snapshot positions before each request's prompt end (rounded down to a block), in
+    #: tokens (e.g. ``[T]``: the prompt without its last block, for a re-sent prompt whose last
+    #: message changed); each a positive multiple of ``tokens_per_block``
+    ssm_snapshots_from_end: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         t = check_int("tokens_per_block", _raw(self, "tokens_per_block"))
@@ -426,6 +433,16 @@ class KVCacheManagerConfig:
             check_int("ssm_reuse_interval", _raw(self, "ssm_reuse_interval"), -(1 << 62))
             if i <= 0 or i % t != 0:
                 raise ValueError(f"ssm_reuse_interval must be a positive multiple of tokens_per_block ({t}), got {i}")
+        for name in ("ssm_snapshots_from_start", "ssm_snapshots_from_end"):
+            offsets = getattr(self, name)
+            if isinstance(offsets, (str, bytes)) or not isinstance(offsets, Sequence):
+                raise TypeError(f"{name} must be a sequence of ints, got {type(offsets).__name__}")
+            for offset in offsets:
+                check_int(f"each of {name}", offset, -(1 << 62))
+                if offset <= 0 or offset % t != 0:
+                    raise ValueError(
+                        f"{name} entries must be positive multiples of tokens_per_block ({t}), got {offset}"
+                    )
         u = self.max_util_for_resume
         check_type("max_util_for_resume", u, (int, float))
         if not 0.0 < u <= 1.0:

@@ -586,3 +586,32 @@ def test_history_past_the_commit_takes_no_snapshot(make_manager: MakeManager) ->
     kv.commit(tokens[64:70])
     kv.close()
     assert m.probe_reuse(None, tokens) == 0
+
+
+def test_extra_snapshot_positions_from_start_and_end(make_manager: MakeManager) -> None:
+    layers = hybrid_layers()
+    for name in ("ssm_snapshots_from_start", "ssm_snapshots_from_end"):
+        for bad in (0, -32, 48):
+            with pytest.raises(ValueError, match=rf"{name} entries must be positive multiples.*\({T}\), got {bad}"):
+                make_config(layers, T, **{name: [bad]})
+        with pytest.raises(TypeError, match=name):
+            make_config(layers, T, **{name: [True]})
+        with pytest.raises(TypeError, match=name):
+            make_config(layers, T, **{name: 64})
+    m = make_manager(layers, T, ssm_snapshots_from_start=[96], ssm_snapshots_from_end=[64, 32])
+    engine = FakeEngine(m)
+    system = toks(27, 96)  # a shared system prompt: snapshot at its end
+    prompt = system + toks(28, 150)  # 246 tokens: prompt end 224, and 160, 192 before it
+    kv = m.create_kv_cache(input_tokens=prompt)
+    assert [kv.next_snapshot_position(p) for p in (0, 96, 160, 192, 224)] == [96, 160, 192, 224, 512]
+    prefill(engine, kv, prompt, len(prompt))
+    kv.close()
+    assert m.reuse_statistics.snapshots_taken == 4
+    # the same conversation re-sent with its last message changed reuses up to a block before
+    edited = prompt[:200] + toks(29, 40)
+    assert m.probe_reuse(None, edited) == 192
+    another = system + toks(30, 80)  # another conversation with the same system prompt
+    assert m.probe_reuse(None, another) == 96
+    b = m.create_kv_cache(input_tokens=another)
+    prefill(engine, b, another, len(another))
+    b.close()

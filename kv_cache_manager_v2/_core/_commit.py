@@ -86,18 +86,19 @@ def commit_tokens(state: RequestState, more: Sequence[TokenIdExt] | None = None)
 
 def is_snapshot_position(state: RequestState, position: int) -> bool:
     """Whether the live state at ``position`` tokens is kept as a snapshot: a positive multiple
-    of the snapshot interval, or the request's prompt end rounded down to a block."""
+    of the snapshot interval, the request's prompt end rounded down to a block, or a configured
+    extra position."""
     interval = state._ctx.snapshot_interval
-    return position > 0 and (position % interval == 0 or position == state._prompt_end)
+    return position > 0 and (position % interval == 0 or position in state._snapshot_positions)
 
 
 def next_snapshot_position(state: RequestState, position: int) -> int:
     """The least snapshot position after ``position``."""
     interval = state._ctx.snapshot_interval
     nxt = (position // interval + 1) * interval
-    prompt_end = state._prompt_end
-    if position < prompt_end < nxt:
-        return prompt_end
+    for extra in state._snapshot_positions:  # ascending
+        if extra > position:
+            return min(extra, nxt)
     return nxt
 
 

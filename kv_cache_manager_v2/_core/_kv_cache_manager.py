@@ -206,8 +206,9 @@ class KVCacheManager:
         ctx.enter("create_kv_cache()")
         try:
             kv = KVCache(ctx, scope, id, custom_priority_callback, beam_width)
+            if ctx.state_layer_groups:
+                kv._snapshot_positions = self._snapshot_positions(len(input_tokens) if input_tokens is not None else 0)
             if input_tokens is not None and len(input_tokens) > 0:
-                kv._prompt_end = len(input_tokens) // self.tokens_per_block * self.tokens_per_block
                 nodes, part, part_len, _ = self._matcher.match(
                     scope, input_tokens, True
                 )  # may raise: kv is not open yet
@@ -217,6 +218,16 @@ class KVCacheManager:
         finally:
             ctx.leave()
         return kv
+
+    def _snapshot_positions(self, num_input_tokens: int) -> list[int]:
+        """A new request's snapshot positions besides the multiples of the interval."""
+        config = self._config
+        prompt_end = num_input_tokens // self.tokens_per_block * self.tokens_per_block
+        positions = set(config.ssm_snapshots_from_start)
+        if prompt_end > 0:
+            positions.add(prompt_end)
+            positions.update([prompt_end - offset for offset in config.ssm_snapshots_from_end if offset < prompt_end])
+        return sorted(positions)
 
     def probe_reuse(
         self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None

@@ -85,9 +85,10 @@ class RequestState(OpenCache):
         self._tables = [self._table] + [
             BlockTable(ctx.initial_stale_ends, ctx.state_layer_groups) for _ in range(beam_width - 1)
         ]
-        #: the prompt end rounded down to a block (``input_tokens`` given at create): a snapshot
-        #: position besides the multiples of the snapshot interval (0: none)
-        self._prompt_end = 0
+        #: snapshot positions besides the multiples of the snapshot interval, ascending: the
+        #: prompt end rounded down to a block (``input_tokens`` given at create) and the
+        #: configured extra ones (``ssm_snapshots_from_start`` / ``_from_end``)
+        self._snapshot_positions: list[int] = []
         self._forked = False
         #: committed full blocks and tail of beams 1.. once forked (beam 0's are the fields above)
         self._beam_seqs: list[tuple[list[BlockTokens], list[TokenIdExt]]] = []
