@@ -25,6 +25,7 @@ from kv_cache_manager_v2 import (
     LogicError,
     Priority,
     ReuseScope,
+    SsmLayerConfig,
     SwaScratchReuseConfig,
 )
 from kv_cache_manager_v2._storage._disk import DiskPool
@@ -123,6 +124,9 @@ class ManagerMachine(RuleBasedStateMachine):
     def advance(self, kv: KVCache, seq: list[int], chunk: int, lazy: bool) -> None:
         h = max(kv.history_length, self.computed.get(id(kv), 0))
         end = min(len(seq), h + chunk)
+        nxt = kv.next_snapshot_position(h)
+        if nxt is not None and chunk % 4:  # hybrid models: most chunks end at snapshot positions
+            end = min(end, nxt)
         if end == h:
             return
         before = (kv.capacity, kv.history_length, list(kv.get_base_page_indices(0)))
@@ -370,6 +374,9 @@ class BeamMachine(ManagerMachine):
         h = kv.history_length
         if beams is None:  # the shared prompt, then the fork
             end = min(len(seq), h + chunk)
+            nxt = kv.next_snapshot_position(h)
+            if nxt is not None and chunk % 4:  # hybrid models: most chunks end at snapshot positions
+                end = min(end, nxt)
             if not kv.resize(end, h):
                 return
             self.engine.step(kv, seq, h, end)
@@ -400,6 +407,78 @@ class BeamMachine(ManagerMachine):
             self.engine.check_all(kv, beam_seq, kv.history_length, beam=b)
 
 
+def hybrid_layers(attention: list[AttentionLayerConfig]) -> list[AttentionLayerConfig | SsmLayerConfig]:
+    """Two recurrent layers (one layer group: 128 bytes of state per request) before ``attention``."""
+    ssm: list[AttentionLayerConfig | SsmLayerConfig] = [
+        SsmLayerConfig(LayerId(100 + i), [BufferConfig("conv_state", 32), BufferConfig("ssm_state", 32)])
+        for i in range(2)
+    ]
+    return ssm + list(attention)
+
+
+class HybridMachine(ManagerMachine):
+    """Recurrent layers beside full attention and a window with sinks (snapshots every 2 blocks
+    and at prompt ends): live states are checked at every resume and step, reused snapshots hold
+    the state of their position, matches end at snapshots."""
+
+    def make_manager(self) -> KVCacheManager:
+        layers = kv_layers(3, T, window=9, swa_every=3, sink_tokens=2)
+        return KVCacheManager(
+            make_config(
+                hybrid_layers(layers[1:] + layers[:1]),  # type: ignore[arg-type]
+                tokens_per_block=T,
+                quota=3 * 2 * 32 * T * 20,
+                initial_pool_ratio=[0.06, 0.6, 0.34],  # 7 state slots: live states and snapshots compete
+                ssm_reuse_interval=2 * T,
+                eviction_policy=self.POLICY,
+            )
+        )
+
+
+class HybridTieredMachine(TieredMachine):
+    """The tiered machine with recurrent layers: live states and snapshots move down and back,
+    the disk fails now and then (a lost state restarts its request)."""
+
+    def make_manager(self) -> KVCacheManager:
+        self.tmp = tempfile.mkdtemp(prefix="kvcm-stateful-")
+        self.flaky = 0
+        layers = kv_layers(3, T, window=9, swa_every=3, sink_tokens=2)
+        return KVCacheManager(
+            make_config(
+                hybrid_layers(layers[1:] + layers[:1]),  # type: ignore[arg-type]
+                tokens_per_block=T,
+                quota=6 * 768 + 6 * 128,
+                host_quota=self.HOST_SLOTS * 896,
+                disk_quota=self.DISK_SLOTS * 896,
+                disk_path=self.tmp,
+                max_util_for_resume=1.0,
+                initial_pool_ratio=[0.15, 0.5, 0.35],
+                ssm_reuse_interval=2 * T,
+                eviction_policy=self.POLICY,
+            )
+        )
+
+
+class HybridBeamMachine(BeamMachine):
+    """Beam search with recurrent layers: the fork copies beam 0's state to every beam, each later
+    commit gives a beam its parent's state."""
+
+    def make_manager(self) -> KVCacheManager:
+        layers = kv_layers(3, T, window=9, swa_every=3, sink_tokens=2)
+        slot = 3 * 2 * 32 * T
+        return KVCacheManager(
+            make_config(
+                hybrid_layers(layers[1:] + layers[:1]),  # type: ignore[arg-type]
+                tokens_per_block=T,
+                quota=slot * 40,
+                host_quota=slot * 30,
+                initial_pool_ratio=[0.1, 0.6, 0.3],
+                ssm_reuse_interval=2 * T,
+                eviction_policy=self.POLICY,
+            )
+        )
+
+
 class FrequencyManagerMachine(ManagerMachine):
     POLICY = "frequency"
 
@@ -424,7 +503,21 @@ class FrequencyTinyHostTieredMachine(TinyHostTieredMachine):
     POLICY = "frequency"
 
 
-MACHINES = (ManagerMachine, TightMultiGroupMachine, ScratchMachine, TieredMachine, TinyHostTieredMachine, BeamMachine)
+class FrequencyHybridTieredMachine(HybridTieredMachine):
+    POLICY = "frequency"
+
+
+MACHINES = (
+    ManagerMachine,
+    TightMultiGroupMachine,
+    ScratchMachine,
+    TieredMachine,
+    TinyHostTieredMachine,
+    BeamMachine,
+    HybridMachine,
+    HybridTieredMachine,
+    HybridBeamMachine,
+)
 FREQUENCY_MACHINES = (
     FrequencyManagerMachine,
     FrequencyTightMultiGroupMachine,
@@ -432,6 +525,7 @@ FREQUENCY_MACHINES = (
     FrequencyTieredMachine,
     FrequencyBeamMachine,
     FrequencyTinyHostTieredMachine,
+    FrequencyHybridTieredMachine,
 )
 for machine in MACHINES + FREQUENCY_MACHINES:
     machine.TestCase.settings = settings(
@@ -443,26 +537,32 @@ TestScratchMachine = ScratchMachine.TestCase
 TestBeamMachine = BeamMachine.TestCase
 TestTieredMachine = TieredMachine.TestCase
 TestTinyHostTieredMachine = TinyHostTieredMachine.TestCase
+TestHybridMachine = HybridMachine.TestCase
+TestHybridTieredMachine = HybridTieredMachine.TestCase
+TestHybridBeamMachine = HybridBeamMachine.TestCase
 # the same machines with eviction_policy="frequency" (issue #18): data checked under its eviction order
 TestFrequencyManagerMachine = FrequencyManagerMachine.TestCase
 TestFrequencyTightMultiGroupMachine = FrequencyTightMultiGroupMachine.TestCase
 TestFrequencyScratchMachine = FrequencyScratchMachine.TestCase
 TestFrequencyBeamMachine = FrequencyBeamMachine.TestCase
+TestFrequencyHybridTieredMachine = FrequencyHybridTieredMachine.TestCase
 TestFrequencyTieredMachine = FrequencyTieredMachine.TestCase
 TestFrequencyTinyHostTieredMachine = FrequencyTinyHostTieredMachine.TestCase
 
 
-@pytest.mark.parametrize("tiny_host", [False, True])
+@pytest.mark.parametrize("machine", ["tiered", "tiny_host", "hybrid"])
 @pytest.mark.parametrize("policy", ["lru", "frequency"])
 @pytest.mark.parametrize("seed", range(8))
-def test_tiered_long_random_walk(seed: int, policy: str, tiny_host: bool) -> None:
+def test_tiered_long_random_walk(seed: int, policy: str, machine: str) -> None:
     """Hypothesis keeps its programs short; this walks the same rules 400 steps deep (seeded), so
     pages go all the way down, come back, get lost to disk errors and tiers resize under load
     (also with a host tier smaller than one request). The fake engine and the invariant checker
     run after every step."""
     rng = random.Random(seed)
-    if tiny_host:
-        m: TieredMachine = TinyHostTieredMachine() if policy == "lru" else FrequencyTinyHostTieredMachine()
+    if machine == "hybrid":  # (recurrent layers beside attention: live states and snapshots move too)
+        m: TieredMachine = HybridTieredMachine() if policy == "lru" else FrequencyHybridTieredMachine()
+    elif machine == "tiny_host":
+        m = TinyHostTieredMachine() if policy == "lru" else FrequencyTinyHostTieredMachine()
     else:
         m = TieredMachine() if policy == "lru" else FrequencyTieredMachine()
     for _ in range(400):

@@ -74,7 +74,7 @@ class KVCacheManager:
                 raise ValueError("event_manager is already attached to another KVCacheManager; use one per manager")
         self._config = config
         self.tokens_per_block = config.tokens_per_block
-        self._registry = LayerGroupRegistry(config.layers, config.tokens_per_block)
+        self._registry = LayerGroupRegistry(config.layers, config.tokens_per_block, config.snapshot_interval)
         self._layout = StorageLayout(list(config.layers), self._registry, config.tokens_per_block)
         self.num_layer_groups = len(self._registry)
         local = config.local_tiers
@@ -115,9 +115,16 @@ class KVCacheManager:
                 if remote_cfg.write_through:
                     self._tree.write_through = self._storage
                 target = CacheLevel(1) if len(local) > 1 and isinstance(local[1], HostCacheTierConfig) else GPU_LEVEL
-                self._remote_fill = RemoteFill(
-                    self._tree, self._storage, self._remote, self._registry.layer_groups, self.tokens_per_block, target
-                )
+                if not self._registry.state_layer_groups:
+                    # (hybrid models: a match ends at a local snapshot; the remote tier extends none)
+                    self._remote_fill = RemoteFill(
+                        self._tree,
+                        self._storage,
+                        self._remote,
+                        self._registry.layer_groups,
+                        self.tokens_per_block,
+                        target,
+                    )
             self._event_manager = event_manager
             if event_manager is not None:
                 groups = [
@@ -144,7 +151,9 @@ class KVCacheManager:
             self._backend.shutdown()
             raise
         self._ctx = CacheContext(config, self._registry, self._storage, self._tree)
-        self._matcher = PrefixMatcher(self._tree, self._remote_fill, self.tokens_per_block, config.enable_partial_reuse)
+        # a match of a hybrid model ends at a snapshot: never inside a block
+        partial = config.enable_partial_reuse and not self._registry.state_layer_groups
+        self._matcher = PrefixMatcher(self._tree, self._remote_fill, self.tokens_per_block, partial)
         self._is_shut_down = False
         self._batch_serial = 0
 
@@ -197,6 +206,8 @@ class KVCacheManager:
         ctx.enter("create_kv_cache()")
         try:
             kv = KVCache(ctx, scope, id, custom_priority_callback, beam_width)
+            if ctx.state_layer_groups:
+                kv._snapshot_positions = self._snapshot_positions(len(input_tokens) if input_tokens is not None else 0)
             if input_tokens is not None and len(input_tokens) > 0:
                 nodes, part, part_len, _ = self._matcher.match(
                     scope, input_tokens, True
@@ -207,6 +218,16 @@ class KVCacheManager:
         finally:
             ctx.leave()
         return kv
+
+    def _snapshot_positions(self, num_input_tokens: int) -> list[int]:
+        """A new request's snapshot positions besides the multiples of the interval."""
+        config = self._config
+        prompt_end = num_input_tokens // self.tokens_per_block * self.tokens_per_block
+        positions = set(config.ssm_snapshots_from_start)
+        if prompt_end > 0:
+            positions.add(prompt_end)
+            positions.update([prompt_end - offset for offset in config.ssm_snapshots_from_end if offset < prompt_end])
+        return sorted(positions)
 
     def probe_reuse(
         self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None
@@ -244,7 +265,16 @@ class KVCacheManager:
         """What prefix reuse did so far (a copy; all zero when ``enable_stats`` is False)."""
         s = self._ctx.stats
         return ReuseStatistics(
-            s.reused_blocks, s.missed_blocks, s.reused_pages, s.allocated_pages, s.queried_tokens, s.reused_tokens
+            s.reused_blocks,
+            s.missed_blocks,
+            s.reused_pages,
+            s.allocated_pages,
+            s.queried_tokens,
+            s.reused_tokens,
+            s.snapshots_taken,
+            s.snapshots_skipped,
+            s.snapshots_reused,
+            self._tree.snapshots_evicted if self._ctx.enable_stats else 0,
         )
 
     @property
