@@ -97,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--window", type=int, help="override: sliding window of the SWA layers (0: none)")
     g.add_argument("--swa-every", type=int, help="override: layer i slides when i %% N == 0 (2: alternating)")
     g.add_argument("--sinks", type=int, help="override: sink tokens kept by sliding-window layers")
+    g.add_argument("--state-dtype", help="override (hybrid presets): recurrent state dtype (fp32, bf16, ...)")
+    g.add_argument(
+        "--ssm-reuse-interval",
+        type=int,
+        metavar="N",
+        help="hybrid models: snapshot the recurrent state every N tokens (a multiple of --tokens-per-block; "
+        "0: no snapshots, so no prefix reuse) (default: the largest of 512 and --tokens-per-block)",
+    )
     g.add_argument("--tokens-per-block", type=int, default=32, help="tokens per KV block (a power of two)")
     g = p.add_argument_group("cache tiers (sizes: 16GiB, 512MiB, 2GB, a bare number is GiB; tokens: 3Mtok, 300ktok)")
     g.add_argument("--gpu", default="8GiB", help="GPU tier quota")
@@ -197,7 +205,9 @@ def _fail(message: str, code: int = 2) -> int:
 
 
 def _shape(a: argparse.Namespace) -> ModelShape:
-    return model_shape(a.model, a.layers, a.kv_heads, a.head_dim, a.dtype, a.window, a.swa_every, a.sinks)
+    return model_shape(
+        a.model, a.layers, a.kv_heads, a.head_dim, a.dtype, a.window, a.swa_every, a.sinks, a.state_dtype
+    )
 
 
 def _tier(kind: str, option: str, text: str, shape: ModelShape, disk_path: str | None) -> TierSpec:
