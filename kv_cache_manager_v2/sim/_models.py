@@ -27,6 +27,8 @@ from .._config import (
     GpuCacheTierConfig,
     HostCacheTierConfig,
     KVCacheManagerConfig,
+    LayerConfig,
+    SsmLayerConfig,
     SwaScratchReuseConfig,
 )
 
@@ -435,9 +437,23 @@ class TierSpec:
     persistent: bool = False  #: a disk tier kept across a restart (``--restart-at``)
 
 
-def proxy_page_bytes(tokens_per_block: int, check_data: bool) -> int:
-    """Bytes of one proxy buffer page: a record per token for the data checker, else 4."""
-    return PROXY_RECORD_BYTES * tokens_per_block if check_data else PROXY_RECORD_BYTES
+def proxy_page_bytes(tokens_per_block: int, check_data: bool, shape: ModelShape | None = None) -> int:
+    """Bytes of one proxy buffer page: a record per token for the data checker, else 4. For a hybrid
+    ``shape`` the least multiple of that large enough that every recurrent state buffer
+    scales to a whole number of proxy bytes (see ``proxy_state_bytes``)."""
+    page = PROXY_RECORD_BYTES * tokens_per_block if check_data else PROXY_RECORD_BYTES
+    if shape is None or not shape.is_hybrid:
+        return page
+    real_page = shape.buffer_bytes_per_token * tokens_per_block
+    g = math.gcd(real_page, shape.conv_state_bytes, shape.ssm_state_bytes)
+    return math.lcm(page, real_page // g)
+
+
+def proxy_state_bytes(shape: ModelShape, tokens_per_block: int, page_bytes: int, real_bytes: int) -> int:
+    """A recurrent state buffer of ``real_bytes`` scaled like the KV pages (exact with the page
+    bytes of ``proxy_page_bytes``, rounded up otherwise)."""
+    real_page = shape.buffer_bytes_per_token * tokens_per_block
+    return max(1, -(-real_bytes * page_bytes // real_page))
 
 
 def real_bytes_per_proxy_byte(shape: ModelShape, tokens_per_block: int, page_bytes: int) -> float:
@@ -452,6 +468,7 @@ def manager_config(
     swa_scratch: bool,
     page_bytes: int,
     eviction_policy: str = "lru",
+    ssm_reuse_interval: int | None = None,
 ) -> KVCacheManagerConfig:
     """The manager configuration of the replay: real layer structure, proxy buffers of ``page_bytes``
     per page, quotas scaled to match (so the slot counts are those of the real shape).
@@ -463,9 +480,7 @@ def manager_config(
         raise SimUserError(
             f"unknown --eviction-policy {eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}"
         )
-    if shape.is_hybrid:
-        raise SimUserError(f"{shape.name}: recurrent layers are not supported by this build of the manager yet")
-    layers = [
+    layers: list[LayerConfig] = [
         AttentionLayerConfig(
             LayerId(i),
             [BufferConfig("key", page_bytes), BufferConfig("value", page_bytes)],
@@ -474,10 +489,16 @@ def manager_config(
         )
         for i in shape.kv_layers
     ]
+    state = [
+        BufferConfig(role, proxy_state_bytes(shape, t, page_bytes, real))
+        for role, real in (("conv_state", shape.conv_state_bytes), ("ssm_state", shape.ssm_state_bytes))
+    ]
+    layers += [SsmLayerConfig(LayerId(shape.recurrent_layer_id(i)), state) for i in shape.recurrent_layers]
     real_page = shape.buffer_bytes_per_token * t
     gpu = tiers[0]
-    # one block of every layer (both layer groups of a SWA model) is the least any request needs
-    min_bytes = shape.bytes_per_token * t
+    # one block of every layer (both layer groups of a SWA model) and one live state per recurrent
+    # layer is the least any request needs
+    min_bytes = shape.bytes_per_token * t + shape.state_bytes_per_request
     if gpu.quota_bytes < min_bytes:
         raise SimUserError(
             f"--gpu {gpu.text} cannot hold one block of {shape.name}: one block of {t} tokens takes "
@@ -506,4 +527,5 @@ def manager_config(
         swa_scratch_reuse=SwaScratchReuseConfig() if swa_scratch else None,
         backend="host",
         eviction_policy=cast(EvictionPolicy, eviction_policy),
+        ssm_reuse_interval=ssm_reuse_interval if shape.is_hybrid else None,
     )
