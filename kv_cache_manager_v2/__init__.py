@@ -52,6 +52,7 @@ from ._config import (
     KVCacheDesc,
     KVCacheManagerConfig,
     RemoteCacheTierConfig,
+    SsmLayerConfig,
     SwaScratchReuseConfig,
 )
 from ._core._kv_cache import KVCache
@@ -130,6 +131,7 @@ __all__ = [
     "ReuseStatistics",
     "ScratchDesc",
     "SlotId",
+    "SsmLayerConfig",
     "StorageStatistics",
     "SwaScratchReuseConfig",
     "TierStatistics",

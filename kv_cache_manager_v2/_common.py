@@ -181,6 +181,13 @@ class ReuseStatistics:
     #: input tokens of ``create_kv_cache`` (looked up in the reuse cache), and of those reused
     queried_tokens: int = 0
     reused_tokens: int = 0
+    #: recurrent-state snapshots copied into the reuse tree (one page per recurrent layer group),
+    #: skipped for want of a free slot at any level, taken by a match (copied into a request's live
+    #: state at its first resume), and evicted from the reuse cache
+    snapshots_taken: int = 0
+    snapshots_skipped: int = 0
+    snapshots_reused: int = 0
+    snapshots_evicted: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -290,5 +297,6 @@ class LayerGroupInfo:
     num_sink_blocks: int
     #: the pool group whose slots hold this layer group's blocks
     pool_group_index: PoolGroupIndex
-    #: its layer kind: ``"full_attention"`` or ``"sliding_window"`` (the same name KV events announce)
+    #: its layer kind: ``"full_attention"``, ``"sliding_window"`` or ``"recurrent"`` (the same name KV
+    #: events announce)
     kind: str = "full_attention"

@@ -297,6 +297,46 @@ class AttentionLayerConfig:
 
 @mypyc_attr(native_class=False)
 @dataclass(frozen=True)
+class SsmLayerConfig:
+    """One recurrent-state layer (Mamba, SSM, gated delta-net): no per-token KV, one fixed-size
+    state per sequence. ``buffers``: its state roles (e.g. ``"conv_state"``, ``"ssm_state"``), each
+    ``size`` bytes for ONE sequence in this layer (``tokens_per_block_override`` is refused).
+    Recurrent layers with the same buffer roles and sizes share one layer group."""
+
+    layer_id: LayerId
+    buffers: Sequence[BufferConfig]
+
+    def __post_init__(self) -> None:
+        check_int("SsmLayerConfig.layer_id", _raw(self, "layer_id"))
+        if len(self.buffers) == 0:
+            raise ValueError(f"layer {self.layer_id}: buffers must not be empty")
+        roles: set[str] = set()
+        for b in self.buffers:
+            check_type(f"layer {self.layer_id}: each buffer", b, BufferConfig)
+            if b.role in roles:
+                raise ValueError(f"layer {self.layer_id}: buffer role {b.role!r} appears twice; roles must be unique")
+            roles.add(b.role)
+            if b.tokens_per_block_override is not None:
+                raise ValueError(
+                    f"layer {self.layer_id} buffer {b.role!r}: a recurrent layer's state is per sequence, not per "
+                    f"token; tokens_per_block_override must be None, got {b.tokens_per_block_override}"
+                )
+
+    @property
+    def window_size(self) -> int | None:
+        return None
+
+
+#: any layer a model may have
+LayerConfig = AttentionLayerConfig | SsmLayerConfig
+
+#: tokens between recurrent-state snapshots when ``ssm_reuse_interval`` is None (rounded up to
+#: a multiple of ``tokens_per_block``)
+DEFAULT_SSM_REUSE_INTERVAL = 512
+
+
+@mypyc_attr(native_class=False)
+@dataclass(frozen=True)
 class KVCacheDesc:
     """Shape of one request for sizing: ``capacity`` tokens, of which ``history_length`` are history."""
 
@@ -347,7 +387,7 @@ class KVCacheManagerConfig:
 
     tokens_per_block: int
     cache_tiers: Sequence[CacheTierConfig]
-    layers: Sequence[AttentionLayerConfig]
+    layers: Sequence[LayerConfig]
     max_util_for_resume: float = 0.97
     enable_partial_reuse: bool = True
     constraints: Sequence[BatchDesc] = field(default_factory=list)
@@ -357,6 +397,9 @@ class KVCacheManagerConfig:
     enable_stats: bool = True
     backend: BackendName = "auto"
     eviction_policy: EvictionPolicy = "lru"
+    #: tokens between recurrent-state snapshots (prefix reuse of hybrid models): a multiple of
+    #: ``tokens_per_block``; None: ``max(512, tokens_per_block)`` rounded up to a multiple of it
+    ssm_reuse_interval: int | None = None
 
     def __post_init__(self) -> None:
         t = check_int("tokens_per_block", _raw(self, "tokens_per_block"))
@@ -367,7 +410,7 @@ class KVCacheManagerConfig:
             raise ValueError("layers must not be empty")
         seen: set[int] = set()
         for layer in self.layers:
-            check_type("each of layers", layer, AttentionLayerConfig)
+            check_type("each of layers", layer, (AttentionLayerConfig, SsmLayerConfig))
             if layer.layer_id in seen:
                 raise ValueError(f"layer_id {layer.layer_id} appears twice; layer ids must be unique")
             seen.add(layer.layer_id)
@@ -378,6 +421,11 @@ class KVCacheManagerConfig:
                         f"layer {layer.layer_id} buffer {b.role!r}: tokens_per_block_override {o} "
                         f"must divide tokens_per_block {t}"
                     )
+        i = self.ssm_reuse_interval
+        if i is not None:
+            check_int("ssm_reuse_interval", _raw(self, "ssm_reuse_interval"), -(1 << 62))
+            if i <= 0 or i % t != 0:
+                raise ValueError(f"ssm_reuse_interval must be a positive multiple of tokens_per_block ({t}), got {i}")
         u = self.max_util_for_resume
         check_type("max_util_for_resume", u, (int, float))
         if not 0.0 < u <= 1.0:
@@ -422,6 +470,23 @@ class KVCacheManagerConfig:
                     f"remote, each at most once; got {[x.tier.name for x in tiers]}"
                 )
             prev = order
+
+    @property
+    def has_recurrent_layers(self) -> bool:
+        """Whether some layer is a recurrent-state (``SsmLayerConfig``) layer."""
+        return any(isinstance(layer, SsmLayerConfig) for layer in self.layers)
+
+    @property
+    def snapshot_interval(self) -> int:
+        """Tokens between recurrent-state snapshots: ``ssm_reuse_interval``, else its default;
+        0 without recurrent layers."""
+        if not self.has_recurrent_layers:
+            return 0
+        i = self.ssm_reuse_interval
+        if i is not None:
+            return i
+        t = self.tokens_per_block
+        return (max(DEFAULT_SSM_REUSE_INTERVAL, t) + t - 1) // t * t
 
     @property
     def local_tiers(self) -> list[LocalCacheTierConfig]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, LayerId
+from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, LayerGroupId, LayerId, SsmLayerConfig
 from kv_cache_manager_v2._layers._full_attention import FullAttentionGroup
 from kv_cache_manager_v2._layers._policy import LayerGroup
 from kv_cache_manager_v2._layers._registry import (
@@ -14,6 +14,7 @@ from kv_cache_manager_v2._layers._registry import (
     layer_group_of,
 )
 from kv_cache_manager_v2._layers._sliding_window import SlidingWindowGroup
+from kv_cache_manager_v2._layers._recurrent import RecurrentGroup
 
 SHAPES = [(None, 0), (1, 0), (8, 0), (8, 1), (13, 2), (40, 3), (128, 2)]
 
@@ -99,15 +100,40 @@ def test_registry_groups_equal_shapes_in_first_seen_order() -> None:
 
 
 def test_every_kind_is_one_registry_entry() -> None:
-    assert [kind.name for kind in LAYER_KINDS] == ["sliding_window", "full_attention"]
+    assert [kind.name for kind in LAYER_KINDS] == ["sliding_window", "full_attention", "recurrent"]
     assert isinstance(layer_group_of(_layer(0), 4), FullAttentionGroup)
     assert isinstance(layer_group_of(_layer(0, 9, 4), 4), SlidingWindowGroup)
-    for kind in LAYER_KINDS:  # what a manager announces rebuilds the same policy
-        for layer in (_layer(0), _layer(1, 9, 4)):
+    ssm = SsmLayerConfig(LayerId(2), [BufferConfig("ssm_state", 64)])
+    assert isinstance(layer_group_of(ssm, 4), RecurrentGroup)
+    for kind in LAYER_KINDS:  # what a manager announces rebuilds the same policy (a recurrent
+        # group's buffer layout is not announced: it decides grouping only)
+        for layer in (_layer(0), _layer(1, 9, 4), ssm):
             policy = kind.from_layer(layer, 4)
             if policy is not None:
                 again = announced_layer_group(policy.kind, policy.window_size, policy.num_sink_blocks, 4)
-                assert again.shape_key() == policy.shape_key()
+                assert again.shape_key()[:3] == policy.shape_key()[:3]
+                assert type(again) is type(policy)
+
+
+def test_recurrent_layers_group_by_buffer_layout() -> None:
+    def ssm(layer_id: int, conv: int, state: int) -> SsmLayerConfig:
+        return SsmLayerConfig(LayerId(layer_id), [BufferConfig("conv_state", conv), BufferConfig("ssm_state", state)])
+
+    layers = [ssm(0, 16, 64), _layer(1), ssm(2, 16, 64), ssm(3, 16, 128)]
+    registry = LayerGroupRegistry(layers, 8, 64)
+    assert [list(ids) for ids in registry.layers_of] == [[0, 2], [1], [3]]
+    assert registry.state_layer_groups == [0, 2]
+    assert [g.kind for g in registry.layer_groups] == ["recurrent", "full_attention", "recurrent"]
+    assert [g.snapshot_interval for g in registry.layer_groups] == [64, 0, 64]
+    policy = registry.layer_groups[LayerGroupId(0)]
+    # no page for any block (every block stale at every history), one live state per request
+    for history in (0, 1, 7, 8, 100):
+        assert policy.stale_range(history)[0] == 0 and policy.stale_range(history)[1] > 10**9
+        assert all(policy.is_stale(o, history) for o in range(20))
+        assert policy.num_blocks_with_pages(history + 1, history) == 1
+    assert policy.num_blocks_with_pages(0, 0) == 0
+    assert [policy.peak_pages(n) for n in (0, 1, 1000)] == [0, 1, 1]
+    assert policy.admission_blocks(1000, 0) == 1 and not policy.is_anchor(0)
 
 
 def test_announced_layer_group_refuses_bad_input() -> None:

@@ -9,6 +9,7 @@ from .._common import BlockTokens, LayerGroupId, TokenIdExt
 from .._exceptions import LogicError
 from .._reuse._keys import validate_tokens
 from .._reuse._tree import same_tokens
+from .._storage._page import Page
 from .._utils import check_int
 from ._block_table import BlockTable
 from ._commit import publish
@@ -62,11 +63,18 @@ def commit_beams(state: RequestState, tokens: Sequence[Sequence[TokenIdExt]], pa
         # each further beam continuing a parent takes the table of a beam nobody continues:
         # it becomes a copy of the parent's (beams share most pages, so few change hands)
         dropped = [parent for parent in range(width) if not used[parent]]
+        state_copies: list[tuple[Page, Page]] = []
         for beam, free in zip(extra, dropped):
             parent = parents[beam]
             old_tables[free].become(old_tables[parent], True)
             new_tables[beam] = old_tables[free]
             new_seqs[beam] = (list(old_seqs[parent][0]), list(old_seqs[parent][1]))
+            # its live state continues the parent's: a copy (the free beam's own is nobody's parent)
+            for source, destination in zip(old_tables[parent].state_pages, old_tables[free].state_pages):
+                if source is not None and destination is not None:
+                    state_copies.append((source, destination))
+        if state_copies:
+            ctx.storage.copy_pages(state_copies)
         tokens_per_block = state._tokens_per_block
         for beam in range(width):
             new_tables[beam].give_user_bufs(bufs[beam])

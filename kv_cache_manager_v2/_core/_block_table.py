@@ -50,10 +50,12 @@ class BlockTable:
         "pending_copy",
         "scratch",
         "scratch_slots",
+        "state_groups",
+        "state_pages",
         "live",
     )
 
-    def __init__(self, initial_stale_ends: list[int]) -> None:
+    def __init__(self, initial_stale_ends: list[int], state_groups: list[LayerGroupId]) -> None:
         num_layer_groups = len(initial_stale_ends)
         self.pages: TypedList[LayerGroupId, list[Page | None]] = TypedList([[] for _ in range(num_layer_groups)])
         # slot ids with spare capacity (never resized), and a view of the blocks' part
@@ -64,6 +66,11 @@ class BlockTable:
         self.pending_copy: TypedList[LayerGroupId, Page | None] = TypedList([None] * num_layer_groups)
         self.scratch: TypedList[LayerGroupId, tuple[int, int]] = TypedList([(0, 0)] * num_layer_groups)
         self.scratch_slots: TypedList[LayerGroupId, list[SlotId]] = TypedList([[] for _ in range(num_layer_groups)])
+        #: the layer groups keeping a live state (recurrent layers), and this beam's state page of
+        #: each (None until the first resume); a matched snapshot waits in ``pending_copy`` (of
+        #: beam 0's table) until that resume copies it into every beam's state page
+        self.state_groups = state_groups
+        self.state_pages: list[Page | None] = [None] * len(state_groups)
         self.live = False
 
     def __len__(self) -> int:
@@ -207,6 +214,9 @@ class BlockTable:
             for p in pages:
                 if p is not None:
                     p.lock_from_hold()
+        for state_page in self.state_pages:
+            if state_page is not None:
+                state_page.lock_from_hold()
 
     def hold_all(self) -> None:
         """Locks become holds (suspend)."""
@@ -214,6 +224,23 @@ class BlockTable:
             for p in pages:
                 if p is not None:
                     p.hold_from_lock()
+        for state_page in self.state_pages:
+            if state_page is not None:
+                state_page.hold_from_lock()
+
+    def needs_state_pages(self) -> bool:
+        """Whether some live-state page waits for the first resume."""
+        for p in self.state_pages:  # noqa: SIM110 - a plain loop on the resume path (no generator)
+            if p is None:
+                return True
+        return False
+
+    def state_page(self, layer_group: LayerGroupId) -> Page | None:
+        """This beam's live-state page of ``layer_group`` (None: none yet, or not a state group)."""
+        for i, state_group in enumerate(self.state_groups):
+            if state_group == layer_group:
+                return self.state_pages[i]
+        return None
 
     def has_pending(self) -> bool:
         """Whether a copy-on-partial waits for the first resume."""
@@ -240,9 +267,10 @@ class BlockTable:
                 src.release(locked)
 
     def all_pages(self) -> list[Page]:
-        """Every page of the request, copy-on-partial sources included (each once)."""
+        """Every page of the request, copy-on-partial sources and live states included (each once)."""
         out = [p for pages in self.pages for p in pages if p is not None]
         out.extend([src for src in self.pending_copy if src is not None])
+        out.extend([p for p in self.state_pages if p is not None])
         return out
 
     def first_lost_block(self) -> int:
@@ -256,9 +284,13 @@ class BlockTable:
                     break
         for i, src in enumerate(self.pending_copy):
             if src is not None and src.lost:
-                ordinal = len(self.pages.items[i]) - 1
+                # a lost snapshot: the state at every position after the start is gone
+                ordinal = 0 if LayerGroupId(i) in self.state_groups else len(self.pages.items[i]) - 1
                 if first < 0 or ordinal < first:
                     first = ordinal
+        for state_page in self.state_pages:
+            if state_page is not None and state_page.lost:
+                first = 0
         return first
 
     def show_indices(self) -> None:
@@ -289,6 +321,14 @@ class BlockTable:
         """Let go of every page (close); the table ends empty."""
         self.release_pending(False)
         self.truncate(0, locked)
+        self.release_state_pages(locked)
+
+    def release_state_pages(self, locked: bool) -> None:
+        """Let go of the live-state pages (close, or a state lost to a disk error)."""
+        for i, state_page in enumerate(self.state_pages):
+            if state_page is not None:
+                self.state_pages[i] = None
+                state_page.release(locked)
 
     # ------------------------------------------------------------------ caller buffers
     def check_user_buf_room(self, num_blocks: int) -> None:

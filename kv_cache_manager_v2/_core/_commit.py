@@ -11,6 +11,7 @@ import rawref
 
 from .._common import KVCacheStatus, LayerGroupId, TokenIdExt
 from .._reuse._keys import chain_token_keys
+from .._storage._page import Page
 from ._request_state import RequestState
 
 
@@ -58,6 +59,75 @@ def commit_tokens(state: RequestState, more: Sequence[TokenIdExt] | None = None)
         if ctx.has_releasing_groups:
             for layer_group in ctx.releasing_layer_groups:
                 state._release_stale(layer_group, ctx.layer_groups[layer_group].stale_end(committed))
+    if not tail and num_full and state._ctx.state_layer_groups:
+        take_snapshot(state)
+
+
+def is_snapshot_position(state: RequestState, position: int) -> bool:
+    """Whether the live state at ``position`` tokens is kept as a snapshot: a positive multiple
+    of the snapshot interval, or the request's prompt end rounded down to a block."""
+    interval = state._ctx.snapshot_interval
+    return position > 0 and (position % interval == 0 or position == state._prompt_end)
+
+
+def next_snapshot_position(state: RequestState, position: int) -> int:
+    """The least snapshot position after ``position``."""
+    interval = state._ctx.snapshot_interval
+    nxt = (position // interval + 1) * interval
+    prompt_end = state._prompt_end
+    if position < prompt_end < nxt:
+        return prompt_end
+    return nxt
+
+
+def take_snapshot(state: RequestState) -> None:
+    """The commit ended history at a block boundary: when that is a snapshot position and the
+    block is published, copy the live state (beam 0's; none once beams forked) into a new page
+    that becomes the block's snapshot in the reuse tree. No room at any level: skipped and
+    counted (a snapshot never blocks, and never takes a page a request holds)."""
+    committed = state.num_committed_tokens
+    ordinal = committed // state._tokens_per_block - 1
+    node = state._last_node
+    if (
+        state._forked
+        or not is_snapshot_position(state, committed)
+        or node is None
+        or node.ordinal != ordinal
+        or node.parent is None
+    ):
+        return
+    ctx = state._ctx
+    storage = ctx.storage
+    table = state._table
+    wanted: list[LayerGroupId] = []
+    sources: list[Page] = []
+    need = [0] * ctx.num_pool_groups
+    for k, layer_group in enumerate(table.state_groups):
+        live = table.state_pages[k]
+        if live is not None and node.page(layer_group) is None:
+            wanted.append(layer_group)
+            sources.append(live)
+            need[ctx.pool_group_of[layer_group]] += 1
+    if not wanted:
+        return
+    if not storage.fits(need, ctx.no_gain):
+        if ctx.enable_stats:
+            ctx.stats.snapshots_skipped += len(wanted)
+        return
+    priorities = [state._priorities(layer_group, [ordinal])[0] for layer_group in wanted]  # may raise
+    storage.reserve(need)
+    copies = [
+        (source, storage.new_pages(layer_group, [priority], True)[0])
+        for source, layer_group, priority in zip(sources, wanted, priorities)
+    ]
+    storage.copy_pages(copies)  # GPU to GPU: no disk, no failure to report
+    tree = ctx.tree
+    for layer_group, (_, snapshot) in zip(wanted, copies):
+        tree.attach_snapshot(node, layer_group, snapshot, state._serial)
+        snapshot.release(True)  # the tree's alone: reusable
+    if ctx.enable_stats:
+        ctx.stats.snapshots_taken += len(wanted)
+        ctx.stats.allocated_pages += len(wanted)
 
 
 def publish_final(state: RequestState) -> None:

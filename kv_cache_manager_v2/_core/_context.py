@@ -56,6 +56,8 @@ class CacheContext:
         "stats",
         "storage",
         "releasing_layer_groups",
+        "snapshot_interval",
+        "state_layer_groups",
         "tokens_per_block",
         "tree",
     )
@@ -71,6 +73,10 @@ class CacheContext:
         #: layer groups whose blocks go stale as history grows (sliding windows)
         self.releasing_layer_groups = registry.releasing_layer_groups
         self.has_releasing_groups = len(self.releasing_layer_groups) > 0
+        #: layer groups holding one live-state page per request and beam (recurrent layers)
+        self.state_layer_groups = registry.state_layer_groups
+        #: tokens between recurrent-state snapshots (0 without recurrent layers)
+        self.snapshot_interval = config.snapshot_interval
         #: per layer group, the stale end at history 0: where a new block table starts (blocks
         #: ``[stale_end(0), table.stale_end)`` are the released ones)
         self.initial_stale_ends = [layer_group.stale_end(0) for layer_group in self.layer_groups]

@@ -30,7 +30,7 @@ from .._reuse._keys import check_token, check_token_sequence, validate_tokens
 from .._utils import check_int, check_type
 from ._beams import commit_beams
 from ._block_table import BlockTable
-from ._commit import commit_tokens, publish_final
+from ._commit import commit_tokens, next_snapshot_position, publish_final
 from ._planning import resize_blocks
 from ._request_state import RequestState, checked_priority, default_priority
 from ._residency import close_pages, drop_lost_blocks, prefetch_pages, resume_pages, suspend_pages
@@ -523,6 +523,39 @@ class KVCache(RequestState):
         if len(buf) < self._num_blocks:
             raise ValueError(f"buf holds {len(buf)} entries but the cache has {self._num_blocks} blocks")
         table.attach_user_buf(layer_group_id, buf.cast("B").cast("i"))
+
+    def get_ssm_state_index(self, layer_group_id: LayerGroupId, beam: BeamIndex = BeamIndex(0)) -> int:
+        """The base page index of beam ``beam``'s live recurrent state in layer group
+        ``layer_group_id`` (a ``"recurrent"`` group): one slot holds the state of every layer of
+        the group; per layer and buffer, ``PageIndexConverter`` applies as for KV pages. The
+        index stays the same across suspend/resume while the state stayed in GPU memory; fetch
+        it again after each resume."""
+        self._check_layer_group(layer_group_id)
+        self._check_beam(beam)
+        groups = self._ctx.state_layer_groups
+        if layer_group_id not in groups:
+            kind = self._ctx.layer_groups[layer_group_id].kind
+            raise ValueError(
+                f"get_ssm_state_index: layer group {layer_group_id} is a {kind!r} group; a recurrent "
+                f"group is one of {[int(g) for g in groups]}"
+            )
+        page = self._tables[beam].state_page(layer_group_id)
+        if self._status is not KVCacheStatus.ACTIVE or page is None:
+            raise ValueError(
+                f"get_ssm_state_index: the cache is {self._status.name}; its live state has an index only "
+                "while it is ACTIVE (after resume())"
+            )
+        return int(page.slot)
+
+    def next_snapshot_position(self, position: int) -> int | None:
+        """The least position after ``position`` where the manager keeps a snapshot of the
+        recurrent state (a multiple of the snapshot interval, or the prompt end rounded down to a
+        block); None without recurrent layers. A commit that ends history exactly there takes
+        the snapshot: cut prefill chunks at these positions."""
+        check_int("position", position)
+        if not self._ctx.state_layer_groups:
+            return None
+        return next_snapshot_position(self, position)
 
     def get_aggregated_page_indices(
         self, layer_group_id: LayerGroupId, beam_id: BeamIndex = BeamIndex(0), valid_only: bool = False

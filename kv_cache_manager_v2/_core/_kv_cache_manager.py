@@ -74,7 +74,7 @@ class KVCacheManager:
                 raise ValueError("event_manager is already attached to another KVCacheManager; use one per manager")
         self._config = config
         self.tokens_per_block = config.tokens_per_block
-        self._registry = LayerGroupRegistry(config.layers, config.tokens_per_block)
+        self._registry = LayerGroupRegistry(config.layers, config.tokens_per_block, config.snapshot_interval)
         self._layout = StorageLayout(list(config.layers), self._registry, config.tokens_per_block)
         self.num_layer_groups = len(self._registry)
         local = config.local_tiers
@@ -144,7 +144,9 @@ class KVCacheManager:
             self._backend.shutdown()
             raise
         self._ctx = CacheContext(config, self._registry, self._storage, self._tree)
-        self._matcher = PrefixMatcher(self._tree, self._remote_fill, self.tokens_per_block, config.enable_partial_reuse)
+        # a match of a hybrid model ends at a snapshot: never inside a block
+        partial = config.enable_partial_reuse and not self._registry.state_layer_groups
+        self._matcher = PrefixMatcher(self._tree, self._remote_fill, self.tokens_per_block, partial)
         self._is_shut_down = False
         self._batch_serial = 0
 
@@ -198,6 +200,7 @@ class KVCacheManager:
         try:
             kv = KVCache(ctx, scope, id, custom_priority_callback, beam_width)
             if input_tokens is not None and len(input_tokens) > 0:
+                kv._prompt_end = len(input_tokens) // self.tokens_per_block * self.tokens_per_block
                 nodes, part, part_len, _ = self._matcher.match(
                     scope, input_tokens, True
                 )  # may raise: kv is not open yet
@@ -244,7 +247,16 @@ class KVCacheManager:
         """What prefix reuse did so far (a copy; all zero when ``enable_stats`` is False)."""
         s = self._ctx.stats
         return ReuseStatistics(
-            s.reused_blocks, s.missed_blocks, s.reused_pages, s.allocated_pages, s.queried_tokens, s.reused_tokens
+            s.reused_blocks,
+            s.missed_blocks,
+            s.reused_pages,
+            s.allocated_pages,
+            s.queried_tokens,
+            s.reused_tokens,
+            s.snapshots_taken,
+            s.snapshots_skipped,
+            s.snapshots_reused,
+            self._tree.snapshots_evicted if self._ctx.enable_stats else 0,
         )
 
     @property

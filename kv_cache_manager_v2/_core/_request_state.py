@@ -77,12 +77,17 @@ class RequestState(OpenCache):
         self._tail: list[TokenIdExt] = []
         self._committing = True
         self._cuda_stream = 0
-        self._table = BlockTable(ctx.initial_stale_ends)
+        self._table = BlockTable(ctx.initial_stale_ends, ctx.state_layer_groups)
         # Beam search: one block table per beam (beam 0's is ``_table``). Until the first commit
         # with beam_search_indices every beam's table holds the same pages (one owner per table);
         # from then on ("forked") each beam has its own committed tokens and tail pages.
         self._beam_width = beam_width
-        self._tables = [self._table] + [BlockTable(ctx.initial_stale_ends) for _ in range(beam_width - 1)]
+        self._tables = [self._table] + [
+            BlockTable(ctx.initial_stale_ends, ctx.state_layer_groups) for _ in range(beam_width - 1)
+        ]
+        #: the prompt end rounded down to a block (``input_tokens`` given at create): a snapshot
+        #: position besides the multiples of the snapshot interval (0: none)
+        self._prompt_end = 0
         self._forked = False
         #: committed full blocks and tail of beams 1.. once forked (beam 0's are the fields above)
         self._beam_seqs: list[tuple[list[BlockTokens], list[TokenIdExt]]] = []

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
-from .._common import GPU_LEVEL, CacheLevel, KVCacheStatus, LayerGroupId, SlotId, TokenIdExt
+from .._common import DEFAULT_PRIORITY, GPU_LEVEL, CacheLevel, KVCacheStatus, LayerGroupId, SlotId, TokenIdExt
 from .._reuse._tree import Node
 from .._storage._page import Page
 from ._commit import publish_final
@@ -54,6 +54,18 @@ def adopt(
                 if page_or_none is not None:
                     page_or_none.take(False)
             other.adopt(layer_group, list(pages), policy.stale_end(length))
+    if nodes:  # a hybrid match ends at a block holding a snapshot of each state group
+        for layer_group in table.state_groups:
+            snapshot = nodes[-1].page(layer_group)
+            assert snapshot is not None
+            snapshot.take(False)
+            history = snapshot.storage.history
+            if history is not None:
+                history.use(snapshot, state._serial)
+            table.pending_copy[layer_group] = snapshot
+            taken += 1
+            if state._ctx.enable_stats:
+                state._ctx.stats.snapshots_reused += 1
     state._committed_blocks = [node.tokens for node in nodes]  # equal keys: equal tokens
     state._tail = list(tokens[len(nodes) * tokens_per_block : length])
     state._capacity = state._history = length
@@ -80,7 +92,11 @@ def resume_pages(state: RequestState) -> bool:
         if end > beg
     ]
     max_util = ctx.config.max_util_for_resume
-    if storage.num_levels == 1 and not table.has_pending() and not scratch_needs:
+    new_states = False
+    for each in state._tables:
+        if each.needs_state_pages():
+            new_states = True
+    if storage.num_levels == 1 and not table.has_pending() and not scratch_needs and not new_states:
         # GPU only: every page is in GPU memory and nothing new is taken; the admission gate
         # still applies (its pages already count as used)
         if max_util < 1.0 and not storage.fits(ctx.no_gain, ctx.no_gain, max_util):
@@ -89,15 +105,30 @@ def resume_pages(state: RequestState) -> bool:
         return True
     if storage.any_lost():
         drop_lost_blocks(state, False, -1)
-    pending = [(LayerGroupId(i), source) for i, source in enumerate(table.pending_copy) if source is not None]
+    state_groups = table.state_groups
+    pending = [
+        (LayerGroupId(i), source)
+        for i, source in enumerate(table.pending_copy)
+        if source is not None and LayerGroupId(i) not in state_groups
+    ]
+    # live states: one new page per beam and state group at the first resume (or after a
+    # disk error lost one), a copy of the matched snapshot when there is one
+    state_news: list[tuple[int, int]] = []  # (beam, index in state_groups)
+    if new_states:
+        for beam, each_table in enumerate(state._tables):
+            for k, state_page in enumerate(each_table.state_pages):
+                if state_page is None:
+                    state_news.append((beam, k))
     need, excluded, up = plan_move_up(state, GPU_LEVEL, False)
     for layer_group, _ in pending:
         need[ctx.pool_group_of[layer_group]] += 1
+    for _, k in state_news:
+        need[ctx.pool_group_of[state_groups[k]]] += 1
     for layer_group, num_slots in scratch_needs:
         need[ctx.pool_group_of[layer_group]] += num_slots
     if not storage.fits(need, ctx.no_gain, max_util, excluded):
         return False
-    if not up and not pending and not scratch_needs and not any(excluded[GPU_LEVEL]):
+    if not up and not pending and not scratch_needs and not state_news and not any(excluded[GPU_LEVEL]):
         _activate(state)  # everything is in GPU memory already and takes nothing from others
         return True
     storage.reserve(need)
@@ -108,14 +139,25 @@ def resume_pages(state: RequestState) -> bool:
     table.lock_pending()
     copies: list[tuple[Page, Page]] = []
     scratch: list[tuple[LayerGroupId, list[SlotId]]] = []
+    made_states: list[Page] = []
+    state_copies: list[tuple[Page, Page]] = []
     try:
         lost = storage.move_up(up, GPU_LEVEL) if up else []
         for (layer_group, source), priority in zip(pending, priorities):
             copies.append((source, storage.new_pages(layer_group, [priority], True)[0]))
         bad = storage.copy_pages(copies) if copies else set()
+        for _, k in state_news:
+            layer_group = state_groups[k]
+            made_states.append(storage.new_pages(layer_group, [DEFAULT_PRIORITY], True)[0])
+            snapshot = table.pending_copy[layer_group]
+            if snapshot is not None:
+                state_copies.append((snapshot, made_states[-1]))
+        bad_states = storage.copy_pages(state_copies) if state_copies else set()
         for layer_group, num_slots in scratch_needs:  # the current step's scratch slots come back too
             scratch.append((layer_group, storage.new_scratch_slots(layer_group, num_slots)))
     except BaseException:
+        for destination in made_states:
+            destination.release(True)
         for _, destination in copies:
             destination.release(True)  # private and unpublished: its slot is freed
         for layer_group, slots in scratch:
@@ -138,8 +180,18 @@ def resume_pages(state: RequestState) -> bool:
                 destination.take(True)
                 other.set_page(layer_group, ordinal, destination)
         source.release(True)
+    for (beam, k), made in zip(state_news, made_states):
+        state._tables[beam].state_pages[k] = made
+    for layer_group in state_groups:
+        snapshot = table.pending_copy[layer_group]
+        if snapshot is not None:  # copied into every beam's live state: copy-on-write done
+            table.pending_copy[layer_group] = None
+            if bad_states:  # the snapshot could not be read back: the request starts over
+                storage.lose(snapshot)
+                bad_block = 0
+            snapshot.release(True)
     if ctx.enable_stats:
-        ctx.stats.allocated_pages += len(copies) - len(bad)
+        ctx.stats.allocated_pages += len(copies) - len(bad) + len(made_states)
     if lost or bad_block >= 0:
         drop_lost_blocks(state, True, bad_block)
     state._show_indices()
@@ -217,6 +269,13 @@ def drop_lost_blocks(state: RequestState, locked: bool, bad_block: int) -> None:
     num_blocks = first
     while num_blocks > 0 and not _intact(state, num_blocks):
         num_blocks -= 1
+    if state._ctx.state_layer_groups and num_blocks < state._num_blocks:
+        # a live state holds the whole history: a shorter one cannot be recovered from it
+        num_blocks = 0
+        if not locked:  # a lost state page is replaced at the next resume
+            for table in state._tables:
+                if any(p is not None and p.lost for p in table.state_pages):
+                    table.release_state_pages(False)
     length = num_blocks * state._tokens_per_block
     state._table.release_pending(locked)
     for table in state._tables:

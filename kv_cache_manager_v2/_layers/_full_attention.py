@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .._config import AttentionLayerConfig
+from .._config import AttentionLayerConfig, LayerConfig
 from .._utils import div_up
 from ._policy import LayerGroup
 
@@ -43,9 +43,9 @@ class FullAttentionGroup(LayerGroup):
         return div_up(final_capacity, self.tokens_per_block)
 
 
-def from_layer(layer: AttentionLayerConfig, tokens_per_block: int) -> LayerGroup | None:
+def from_layer(layer: LayerConfig, tokens_per_block: int) -> LayerGroup | None:
     """The policy of ``layer`` when it is a full-attention layer, else None."""
-    if layer.sliding_window_size is not None:
+    if not isinstance(layer, AttentionLayerConfig) or layer.sliding_window_size is not None:
         return None
     return FullAttentionGroup(tokens_per_block)
 

@@ -18,7 +18,15 @@ class LayerGroup:
     outside (``LayerGroupInfo``, KV events); the block arithmetic is in the methods.
     """
 
-    __slots__ = ("kind", "num_sink_blocks", "releases_blocks", "tokens_per_block", "window_size")
+    __slots__ = (
+        "keeps_live_state",
+        "kind",
+        "num_sink_blocks",
+        "releases_blocks",
+        "snapshot_interval",
+        "tokens_per_block",
+        "window_size",
+    )
 
     def __init__(self, kind: str, window_size: int | None, num_sink_blocks: int, tokens_per_block: int) -> None:
         #: the event kind announced for the group (``"full_attention"``, ``"sliding_window"``)
@@ -31,14 +39,19 @@ class LayerGroup:
         #: whether blocks go stale as history grows (False: ``stale_range`` is always empty and
         #: ``stale_end`` 0; a match then needs the group's page at every block it walks)
         self.releases_blocks = False
+        #: whether a request holds one live-state page per beam instead of per-block pages
+        #: (recurrent layers); the reuse tree then holds snapshots of that state at some blocks
+        self.keeps_live_state = False
+        #: tokens between snapshots of the live state (0: none; set by the registry)
+        self.snapshot_interval = 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(window_size={self.window_size}, num_sink_blocks={self.num_sink_blocks})"
 
-    def shape_key(self) -> tuple[str, int, int]:
+    def shape_key(self) -> tuple[str, int, int, str]:
         """Layers whose keys are equal share one layer group."""
         window = self.window_size
-        return (self.kind, -1 if window is None else window, self.num_sink_blocks)
+        return (self.kind, -1 if window is None else window, self.num_sink_blocks, "")
 
     # ------------------------------------------------------------------ pages a request holds
     def stale_range(self, history_length: int) -> tuple[int, int]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from .._common import LayerGroupId, LayerId
-from .._config import AttentionLayerConfig
+from .._config import LayerConfig
 from .._typed import TypedList
-from . import _full_attention, _sliding_window
+from . import _full_attention, _recurrent, _sliding_window
 from ._policy import LayerGroup
 
 #: the policy of a layer config when it is of the kind, else None
-FromLayer = Callable[[AttentionLayerConfig, int], LayerGroup | None]
+FromLayer = Callable[[LayerConfig, int], LayerGroup | None]
 #: the policy of a group another manager announced: (window_size, num_sink_blocks, tokens_per_block)
 FromAnnounced = Callable[[int | None, int, int], LayerGroup]
 
@@ -31,10 +31,11 @@ class LayerKind:
 LAYER_KINDS: list[LayerKind] = [
     LayerKind("sliding_window", _sliding_window.from_layer, _sliding_window.from_announced),
     LayerKind("full_attention", _full_attention.from_layer, _full_attention.from_announced),
+    LayerKind("recurrent", _recurrent.from_layer, _recurrent.from_announced),
 ]
 
 
-def layer_group_of(layer: AttentionLayerConfig, tokens_per_block: int) -> LayerGroup:
+def layer_group_of(layer: LayerConfig, tokens_per_block: int) -> LayerGroup:
     """The policy of the layer group ``layer`` belongs to."""
     for kind in LAYER_KINDS:
         layer_group = kind.from_layer(layer, tokens_per_block)
@@ -63,12 +64,15 @@ class LayerGroupRegistry:
     #: layer groups whose blocks go stale as history grows (``LayerGroup.releases_blocks``)
     releasing_layer_groups: list[LayerGroupId]
 
-    def __init__(self, layers: Sequence[AttentionLayerConfig], tokens_per_block: int) -> None:
+    #: layer groups that keep a live state per request and beam (``LayerGroup.keeps_live_state``)
+    state_layer_groups: list[LayerGroupId]
+
+    def __init__(self, layers: Sequence[LayerConfig], tokens_per_block: int, snapshot_interval: int = 0) -> None:
         self.tokens_per_block = tokens_per_block
         self.layer_groups = TypedList([])
         self.layer_to_layer_group = {}
         self.layers_of = TypedList([])
-        index: dict[tuple[str, int, int], LayerGroupId] = {}
+        index: dict[tuple[str, int, int, str], LayerGroupId] = {}
         for layer in layers:
             layer_group = layer_group_of(layer, tokens_per_block)
             key = layer_group.shape_key()
@@ -83,6 +87,11 @@ class LayerGroupRegistry:
         self.releasing_layer_groups = [
             LayerGroupId(i) for i, layer_group in enumerate(self.layer_groups) if layer_group.releases_blocks
         ]
+        self.state_layer_groups = [
+            LayerGroupId(i) for i, layer_group in enumerate(self.layer_groups) if layer_group.keeps_live_state
+        ]
+        for layer_group_id in self.state_layer_groups:
+            self.layer_groups[layer_group_id].snapshot_interval = snapshot_interval
 
     def __len__(self) -> int:
         return len(self.layer_groups)

@@ -3,7 +3,7 @@ its window covers; the blocks in between are released as the window moves past t
 
 from __future__ import annotations
 
-from .._config import AttentionLayerConfig
+from .._config import AttentionLayerConfig, LayerConfig
 from .._utils import div_up
 from ._policy import LayerGroup
 
@@ -74,8 +74,10 @@ class SlidingWindowGroup(LayerGroup):
         )
 
 
-def from_layer(layer: AttentionLayerConfig, tokens_per_block: int) -> LayerGroup | None:
+def from_layer(layer: LayerConfig, tokens_per_block: int) -> LayerGroup | None:
     """The policy of ``layer`` when it has a sliding window, else None."""
+    if not isinstance(layer, AttentionLayerConfig):
+        return None
     window = layer.sliding_window_size
     if window is None:
         return None

@@ -241,6 +241,11 @@ class ReuseTree(PageDropListener):
         self._keeping_groups = [i for i, policy in enumerate(layer_groups) if not policy.releases_blocks]
         #: the others: a match needs their pages only outside ``stale_range`` of its length
         self._releasing_groups = [i for i, policy in enumerate(layer_groups) if policy.releases_blocks]
+        #: groups whose pages are snapshots of a live state (recurrent layers): a match ends at a
+        #: block holding a snapshot of each
+        self._state_groups = [i for i, policy in enumerate(layer_groups) if policy.keeps_live_state]
+        #: snapshot pages that left the tree (evicted, or with their block)
+        self.snapshots_evicted = 0
         self.roots: dict[tuple[int | None, int | None], Node] = {}
         #: told about every page that enters, leaves or moves within the tree (None: nobody listens)
         self.event_sink: KVCacheEventManager | None = None
@@ -314,7 +319,40 @@ class ReuseTree(PageDropListener):
             del nodes[missing:]
             part, part_len = None, 0
             missing = self._first_missing_block(nodes, None, len(nodes) * t, -1)
+        if self._state_groups:
+            self.cut_to_snapshot(nodes)
+            return nodes, None, 0
         return nodes, part, part_len
+
+    def cut_to_snapshot(self, nodes: list[Node]) -> None:
+        """Shorten a match (full blocks) to end at the last block holding a snapshot of every
+        state group, then until the attention groups have their pages there; again until both
+        hold (a shorter match may need pages a sliding window did not). Never longer than before."""
+        t = self.tokens_per_block
+        state_groups = self._state_groups
+        while True:
+            n = len(nodes)
+            while n > 0 and not self._has_snapshots(nodes[n - 1], state_groups):
+                n -= 1
+            del nodes[n:]
+            missing = self._first_missing_block(nodes, None, n * t, -1)
+            if missing < 0:
+                return
+            del nodes[missing:]
+
+    @staticmethod
+    def _has_snapshots(node: Node, state_groups: list[int]) -> bool:
+        pages = node.pages
+        for layer_group in state_groups:
+            r = pages[layer_group]
+            if r is None or r() is None:
+                return False
+        return True
+
+    def attach_snapshot(self, node: Node, layer_group: int, page: Page, serial: RequestSerial) -> None:
+        """Make ``page`` (a new private copy of a live state, locked by the caller) ``node``'s
+        snapshot for ``layer_group``; its priority is capped like the block's other pages."""
+        self._attach(node, layer_group, page, node.prio_cap, serial)
 
     def _first_missing_block(self, nodes: list[Node], part: Node | None, length: int, first: int) -> int:
         """The first block a match of ``length`` tokens needs a page of a releasing layer group for
@@ -530,6 +568,8 @@ class ReuseTree(PageDropListener):
         node = cast(Node, page.node)
         page.node = None
         node.pages[page.layer_group] = None
+        if self.layer_groups.items[page.layer_group].keeps_live_state:
+            self.snapshots_evicted += 1
         sink = self.event_sink
         if sink is not None:
             sink.block_removed(node.key, page.layer_group, page.level)
@@ -559,6 +599,8 @@ class ReuseTree(PageDropListener):
                 p = r() if r is not None else None
                 n.pages[layer_group] = None
                 if p is not None:
+                    if self.layer_groups.items[layer_group].keeps_live_state:
+                        self.snapshots_evicted += 1
                     if sink is not None:
                         sink.block_removed(n.key, layer_group, p.level)
                     unused = p.num_locks == 0 and p.num_holds == 0

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from .._common import BufferId, LayerGroupId, LayerId, PoolGroupIndex, PoolIndex
-from .._config import AttentionLayerConfig
+from .._config import LayerConfig
 from .._layers._registry import LayerGroupRegistry
 from .._typed import TypedList
 
@@ -62,7 +62,7 @@ class StorageLayout:
     buffer_order: list[BufferId]  #: config order (layer, then role)
     slot_util_frac_max: TypedList[LayerGroupId, Fraction]  #: max P / S over the layer group's layers and pools
 
-    def __init__(self, layers: list[AttentionLayerConfig], registry: LayerGroupRegistry, tokens_per_block: int) -> None:
+    def __init__(self, layers: list[LayerConfig], registry: LayerGroupRegistry, tokens_per_block: int) -> None:
         num_lc = len(registry)
         expanded: dict[BufferId, tuple[int, int]] = {}  # size, expansion
         by_lc: list[dict[int, list[BufferId]]] = [{} for _ in range(num_lc)]
@@ -71,7 +71,8 @@ class StorageLayout:
             layer_lc = registry.layer_to_layer_group[layer.layer_id]
             for b in layer.buffers:
                 bid = BufferId(LayerId(layer.layer_id), b.role)
-                e = tokens_per_block // b.tokens_per_block_override if b.tokens_per_block_override else 1
+                override = b.tokens_per_block_override
+                e = tokens_per_block // override if override else 1
                 expanded[bid] = (b.size, e)
                 by_lc[layer_lc].setdefault(b.size * e, []).append(bid)
                 self.buffer_order.append(bid)

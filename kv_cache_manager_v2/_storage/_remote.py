@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from .._common import RemoteStatistics, SlotId
-from .._config import KVCacheManagerConfig, RemoteCacheTierConfig, cluster_seed_nodes, redact_url
+from .._config import AttentionLayerConfig, KVCacheManagerConfig, RemoteCacheTierConfig, cluster_seed_nodes, redact_url
 from ._tiers._base import HandOffPart
 
 LOG = logging.getLogger("kv_cache_manager_v2")
@@ -93,7 +93,10 @@ def layout_fingerprint(config: KVCacheManagerConfig, dtype: str) -> bytes:
     block, ``dtype``, and every layer (id, window, sinks) with its buffers (role, size, override)."""
     parts = [f"kvcm-layout/{FORMAT_VERSION}/T={config.tokens_per_block}/dtype={dtype}"]
     for layer in config.layers:
-        parts.append(f"L{layer.layer_id}/w={layer.sliding_window_size}/s={layer.num_sink_tokens}")
+        if isinstance(layer, AttentionLayerConfig):
+            parts.append(f"L{layer.layer_id}/w={layer.sliding_window_size}/s={layer.num_sink_tokens}")
+        else:
+            parts.append(f"L{layer.layer_id}/recurrent")
         for b in layer.buffers:
             parts.append(f"B{b.role!r}/{b.size}/{b.tokens_per_block_override}")
     return hashlib.sha256("\n".join(parts).encode()).digest()[:8]

@@ -17,6 +17,7 @@ import numpy as np
 from mypy_extensions import mypyc_attr
 
 from .._common import LayerGroupId, LayerId, PageIndexMode
+from .._config import AttentionLayerConfig
 from ..engine import EngineRequest, KVCacheResourceManager
 
 
@@ -77,6 +78,8 @@ class DataChecker:
         for layer in m.config.layers:
             row: list[_Buffer] = []
             lg = m.get_layer_group_id(layer.layer_id)
+            if not isinstance(layer, AttentionLayerConfig):
+                raise ValueError("the data checker handles attention layers only (no recurrent layers)")
             for b in layer.buffers:
                 if m.get_page_stride(layer.layer_id, b.role) != 4 * t:
                     raise ValueError("the data checker needs buffers of 4 bytes per token (the simulator's proxy)")
