@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import TRACES, trace_id
 
-from kv_cache_manager_v2 import KVCacheManager, KVCacheManagerConfig
+from kv_cache_manager_v2 import KVCacheManager, KVCacheManagerConfig, SsmLayerConfig
 from kv_cache_manager_v2.engine import KVCacheResourceManager
 from kv_cache_manager_v2.sim import (
     PRESETS,
@@ -324,15 +324,20 @@ def _slots(config: KVCacheManagerConfig) -> list[int]:
         m.shutdown()
 
 
-@pytest.mark.parametrize("preset", sorted(p for p, m in PRESETS.items() if not m.is_hybrid))
+@pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_proxy_manager_has_the_real_slot_counts(preset: str) -> None:
     shape = model_shape(preset)
     for t, quota in ((32, "1GiB"), (16, "3GiB"), (64, "40000tok")):
         spec = [TierSpec("gpu", parse_quota("--gpu", quota).bytes_for(shape), quota)]
         real = manager_config(shape, t, spec, False, shape.buffer_bytes_per_token * t)  # the real buffer sizes
+        if shape.is_hybrid:  # the real state sizes, in the manager's config
+            sizes = {b.role: b.size for layer in real.layers if isinstance(layer, SsmLayerConfig) for b in layer.buffers}
+            assert sizes == {"conv_state": shape.conv_state_bytes, "ssm_state": shape.ssm_state_bytes}
         want = _slots(real)
         for check in (False, True):
-            assert _slots(manager_config(shape, t, spec, False, proxy_page_bytes(t, check))) == want
+            page = proxy_page_bytes(t, check, shape)
+            assert page <= 4096  # still a proxy: a few bytes per block, not the model's KiB
+            assert _slots(manager_config(shape, t, spec, False, page)) == want
 
 
 def test_quota_parsing() -> None:
