@@ -9,6 +9,12 @@ buffers, then checks them back (each token attends to itself and the step's earl
 So pages shared across layers are caught, and so are two blocks of one layer colliding in an
 SWA scratch slot (scratch sub-pages are reused by the next layer; PER_LAYER mode with the
 request's ``ScratchDesc`` addresses them).
+
+A recurrent layer (``SsmLayerConfig``) keeps one record per buffer in the live state of the
+request's beam (``get_ssm_state_index``): ``(MAGIC, prefix digest, position, layer, buffer,
+beam)``, the state after the first ``position`` tokens. A step ``[start, end)`` checks that the
+state holds exactly the record of position ``start`` (unless ``start`` is 0: a fresh state),
+then writes the record of ``end``. So a reused snapshot must hold the state of its position.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from kv_cache_manager_v2 import (
     LayerId,
     PageIndexConverter,
     PageIndexMode,
+    SsmLayerConfig,
     TokenIdExt,
 )
 
@@ -59,6 +66,7 @@ class _Buffer:
     converter: PageIndexConverter
     tokens_per_page: int
     expansion: int
+    recurrent: bool = False
 
 
 class KVMismatch(AssertionError):
@@ -80,23 +88,29 @@ class FakeEngine:
             conv = manager.get_page_index_converter(layer_id, role)
             stride = manager.get_page_stride(layer_id, role)
             tpp = t // conv.expansion
-            if stride // tpp < RECORD_BYTES:
-                raise ValueError(f"buffer {layer_id}/{role}: {stride} bytes per page is too small for records")
             lc_cfg = cfg_layers[layer_id]
+            recurrent = isinstance(lc_cfg, SsmLayerConfig)
+            if recurrent:
+                tpp = 1
+                if stride < RECORD_BYTES:
+                    raise ValueError(f"buffer {layer_id}/{role}: {stride} bytes of state are too small for a record")
+            elif stride // tpp < RECORD_BYTES:
+                raise ValueError(f"buffer {layer_id}/{role}: {stride} bytes per page is too small for records")
             self.buffers.append(
                 _Buffer(
                     layer=layer_id,
                     role=role,
                     index=i,
                     layer_group=manager.get_layer_group_id(layer_id),
-                    window=lc_cfg.sliding_window_size,
-                    sink_tokens=lc_cfg.num_sink_tokens or 0,
+                    window=None if recurrent else lc_cfg.sliding_window_size,  # type: ignore[union-attr]
+                    sink_tokens=0 if recurrent else lc_cfg.num_sink_tokens or 0,  # type: ignore[union-attr]
                     base=manager.get_mem_pool_base_address(layer_id, role, index_mode),
                     stride=stride,
                     upper_bound=manager.get_page_index_upper_bound(layer_id, role),
                     converter=conv,
                     tokens_per_page=tpp,
                     expansion=conv.expansion,
+                    recurrent=recurrent,
                 )
             )
         self.layers: list[list[_Buffer]] = []
@@ -113,6 +127,8 @@ class FakeEngine:
 
     def needed_positions(self, buf: _Buffer, start: int) -> list[int]:
         """Positions a step starting at ``start`` attends to for this buffer's layer."""
+        if buf.recurrent:
+            return []
         if buf.window is None:
             return list(range(start))
         lo = max(0, start + 1 - buf.window)
@@ -145,6 +161,16 @@ class FakeEngine:
         """
         assert 0 <= start <= end <= kv.capacity, (start, end, kv.capacity)
         for layer_buffers in self.layers:
+            if layer_buffers[0].recurrent:
+                for buf in layer_buffers:
+                    address = self.state_address(kv, buf, beam)
+                    if check and start > 0:
+                        self._check_state(buf, address, tokens, start, beam)
+                    self.backend.write(address, self.state_record(buf, tokens, end, beam))
+                    self.records_written += 1
+                    if check:
+                        self._check_state(buf, address, tokens, end, beam)
+                continue
             indices = [self.kernel_indices(kv, buf, beam) for buf in layer_buffers]
             if check:
                 for buf, idx in zip(layer_buffers, indices):
@@ -164,9 +190,37 @@ class FakeEngine:
         if self.check_invariants:
             self.mgr.check_invariants()
 
+    def state_address(self, kv: KVCache, buf: _Buffer, beam: int = 0) -> int:
+        """Where ``buf``'s record of the live state of ``beam`` lives."""
+        index = kv.get_ssm_state_index(buf.layer_group, BeamIndex(beam))
+        x = buf.converter([index], self.mode, None)[0]
+        if not 0 <= x < buf.upper_bound:
+            raise KVMismatch(f"layer {buf.layer} {buf.role}: state page index {x} outside [0, {buf.upper_bound})")
+        return buf.base + x * buf.stride
+
+    def state_record(self, buf: _Buffer, tokens: Sequence[TokenIdExt], position: int, beam: int) -> bytes:
+        digest = zlib.crc32(np.array([token_value(tok) for tok in tokens[:position]], dtype=np.int64).tobytes())
+        return np.array([MAGIC, digest & 0x7FFF_FFFF, position, buf.layer, buf.index, beam], dtype=np.int32).tobytes()
+
+    def _check_state(self, buf: _Buffer, address: int, tokens: Sequence[TokenIdExt], position: int, beam: int) -> None:
+        got = list(np.frombuffer(self.backend.read(address, RECORD_BYTES), dtype=np.int32))
+        want = list(np.frombuffer(self.state_record(buf, tokens, position, beam), dtype=np.int32))
+        if not self.check_beam_field:
+            got, want = got[:5], want[:5]
+        if got != want:
+            raise KVMismatch(
+                f"layer {buf.layer} {buf.role}: the state holds {got}, expected the state at position {position}: {want}"
+            )
+        self.pages_checked += 1
+
     def check_all(self, kv: KVCache, tokens: Sequence[TokenIdExt], upto: int, beam: int = 0) -> None:
-        """Check every position below ``upto`` that a step starting there would need."""
+        """Check every position below ``upto`` that a step starting there would need (and the
+        live state of recurrent layers: the state at ``upto``, unless ``upto`` is 0)."""
         for buf in self.buffers:
+            if buf.recurrent:
+                if upto > 0:
+                    self._check_state(buf, self.state_address(kv, buf, beam), tokens, upto, beam)
+                continue
             indices = self.kernel_indices(kv, buf, beam)
             for pos in self.needed_positions(buf, upto):
                 self._check(buf, indices, pos, tokens[pos], beam)

@@ -7,6 +7,7 @@ import pytest
 from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, LayerGroupId, LayerId, SsmLayerConfig
 from kv_cache_manager_v2._layers._full_attention import FullAttentionGroup
 from kv_cache_manager_v2._layers._policy import LayerGroup
+from kv_cache_manager_v2._layers._recurrent import RecurrentGroup
 from kv_cache_manager_v2._layers._registry import (
     LAYER_KINDS,
     LayerGroupRegistry,
@@ -14,7 +15,6 @@ from kv_cache_manager_v2._layers._registry import (
     layer_group_of,
 )
 from kv_cache_manager_v2._layers._sliding_window import SlidingWindowGroup
-from kv_cache_manager_v2._layers._recurrent import RecurrentGroup
 
 SHAPES = [(None, 0), (1, 0), (8, 0), (8, 1), (13, 2), (40, 3), (128, 2)]
 

@@ -52,6 +52,7 @@ class CacheContext:
         "busy",
         "deferred_closes",
         "scratch_util",
+        "block_layer_groups",
         "registry",
         "stats",
         "storage",
@@ -83,12 +84,17 @@ class CacheContext:
         #: per layer group, the pool group of its slots
         self.pool_group_of: TypedList[LayerGroupId, PoolGroupIndex] = storage.layout.pool_group_of_layer_group
         self.num_pool_groups = storage.num_pool_groups
+        #: layer groups whose requests hold pages per block (all but the live-state ones)
+        self.block_layer_groups = [
+            LayerGroupId(i) for i in range(self.num_layer_groups) if i not in registry.state_layer_groups
+        ]
         #: per pool group, the pages one more block takes (one per layer group in the group)
         self.pages_per_block = [0] * self.num_pool_groups
-        for pool_group in self.pool_group_of:
-            self.pages_per_block[pool_group] += 1
+        for layer_group in self.block_layer_groups:
+            self.pages_per_block[self.pool_group_of[layer_group]] += 1
         self.no_gain = [0] * self.num_pool_groups
-        self.default_priorities: list[Priority] = [DEFAULT_PRIORITY] * self.num_layer_groups
+        #: a new block's page priorities (one per ``block_layer_groups`` entry)
+        self.default_priorities: list[Priority] = [DEFAULT_PRIORITY] * len(self.block_layer_groups)
         self.storage = storage
         self.tree = tree
         #: SWA scratch reuse (SPEC 5.7): -1 when not configured

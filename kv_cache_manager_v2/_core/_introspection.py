@@ -38,8 +38,14 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
 
     scratch: set[tuple[int, int, int]] = set()  # (level, pool group, slot) of scratch slots
     for kv in caches:
+        states: set[int] = set()
         for beam, table in enumerate(kv.block_tables):
             _check_cache(kv, table, beam, own)
+            for state_page in table.state_pages:
+                if state_page is not None:
+                    if id(state_page) in states:
+                        _fail(f"{kv!r}: two beams share one live-state page")
+                    states.add(id(state_page))
         for i, slots in enumerate(kv.block_table.scratch_slots):
             group = kv._ctx.storage.lc_storage[LayerGroupId(i)]
             for slot in slots:
@@ -204,3 +210,18 @@ def _check_cache(kv: KVCache, table: BlockTable, beam: int, own: Callable[[Page,
             _fail(f"{kv!r}: the caller's index buffer has entries past the blocks")
         if src is not None and beam == 0:
             own(src, False)
+    for k, state_page in enumerate(table.state_pages):
+        layer_group = table.state_groups[k]
+        if status is KVCacheStatus.CLOSED or (status is KVCacheStatus.ACTIVE and state_page is None):
+            if state_page is not None or status is KVCacheStatus.ACTIVE:
+                _fail(f"{kv!r} beam {beam}: layer group {layer_group} has a live state page: {state_page is not None}")
+            continue
+        if state_page is None:
+            continue  # allocated at the first resume
+        if state_page.node is not None or state_page.layer_group != layer_group:
+            _fail(f"{kv!r} beam {beam}: the live state of layer group {layer_group} is in the tree or another group")
+        if locked and (state_page.level != 0 or state_page.lost):
+            _fail(f"{kv!r} beam {beam}: live state at cache level {state_page.level} (lost: {state_page.lost})")
+        own(state_page, locked)
+        if status is KVCacheStatus.ACTIVE and kv.block_table.pending_copy[layer_group] is not None:
+            _fail(f"{kv!r}: the matched snapshot of layer group {layer_group} was not copied at resume")

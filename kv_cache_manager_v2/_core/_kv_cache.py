@@ -348,18 +348,20 @@ class KVCache(RequestState):
         if not storage.fits(need, ctx.no_gain):
             return False
         callback = self._priority_cb
+        groups = ctx.block_layer_groups
         if callback is default_priority:
             priorities = ctx.default_priorities
         else:
-            priorities = [
-                checked_priority(callback(BlockOrdinal(ordinal), LayerGroupId(i))) for i in range(ctx.num_layer_groups)
-            ]
+            priorities = [checked_priority(callback(BlockOrdinal(ordinal), layer_group)) for layer_group in groups]
         storage.reserve(need)
-        for i, priority in enumerate(priorities):
-            layer_group = LayerGroupId(i)
+        for layer_group, priority in zip(groups, priorities):
             table.append(layer_group, storage.new_page(layer_group, priority, True))
+        if len(groups) < ctx.num_layer_groups:  # live-state groups: the block has no page there
+            for i in range(ctx.num_layer_groups):
+                if LayerGroupId(i) not in groups:
+                    table.extend(LayerGroupId(i), ordinal + 1, [], [])
         if ctx.enable_stats:
-            ctx.stats.allocated_pages += ctx.num_layer_groups
+            ctx.stats.allocated_pages += len(groups)
         self._capacity = new_capacity
         self._history = new_history
         self._num_blocks = ordinal + 1

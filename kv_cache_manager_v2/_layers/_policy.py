@@ -85,6 +85,11 @@ class LayerGroup:
         is history (SPEC 5.7): they need memory only while one layer runs. Empty by default."""
         return (0, 0)
 
+    def snapshot_pages(self, history_length: int) -> int:
+        """Snapshots of the live state a request at ``history_length`` leaves in the reuse cache
+        (sizing: the share of the snapshot pool). None by default."""
+        return 0
+
     # ------------------------------------------------------------------ reuse and eviction
     def is_anchor(self, ordinal: int) -> bool:
         """Whether the blocks after this one are useless to a match without its page."""

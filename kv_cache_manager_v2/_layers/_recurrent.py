@@ -46,6 +46,11 @@ class RecurrentGroup(LayerGroup):
         """The live state: one page once the request has any capacity."""
         return 1 if capacity > 0 else 0
 
+    def snapshot_pages(self, history_length: int) -> int:
+        """One per snapshot interval of history, plus the prompt end."""
+        interval = self.snapshot_interval
+        return history_length // interval + 1 if interval > 0 and history_length > 0 else 0
+
     def is_anchor(self, ordinal: int) -> bool:
         """A snapshot is the whole state at its position: later ones never need it."""
         return False

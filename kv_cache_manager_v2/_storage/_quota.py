@@ -17,12 +17,18 @@ DEFAULT_TYPICAL_STEP = BatchDesc([KVCacheDesc(capacity=4096, history_length=3584
 
 
 def batch_needs(
-    registry: LayerGroupRegistry, layout: StorageLayout, batch: BatchDesc, max_rewind_len: int = -1
+    registry: LayerGroupRegistry,
+    layout: StorageLayout,
+    batch: BatchDesc,
+    max_rewind_len: int = -1,
+    with_snapshots: bool = False,
 ) -> list[int]:
     """Slots per pool group a whole batch needs; each full block of the shared system prompt
     takes one page however many requests hold it (and none where it is out of their window).
     With SWA scratch reuse (``max_rewind_len >= 0``) a step's out-of-window blocks take no page
-    but their share of scratch slots, ``ceil(blocks * slot_util_frac_max)`` per request."""
+    but their share of scratch slots, ``ceil(blocks * slot_util_frac_max)`` per request.
+    ``with_snapshots``: also the recurrent-state snapshots each request leaves (the live state,
+    one per request, is always counted)."""
     t = registry.tokens_per_block
     shared = batch.system_prompt_length // t
     out = [0] * len(layout.pool_groups)
@@ -32,6 +38,8 @@ def batch_needs(
         frac = layout.slot_util_frac_max[LayerGroupId(i)]
         for desc in batch.kv_caches:
             pages += layer_group.num_blocks_with_pages(desc.capacity, desc.history_length)
+            if with_snapshots:
+                pages += layer_group.snapshot_pages(desc.history_length)
             sb = se = 0  # scratch blocks [sb, se)
             if max_rewind_len >= 0:
                 sb, se = layer_group.scratch_range(desc.capacity, desc.history_length, max_rewind_len)
@@ -79,7 +87,7 @@ def split_quota(
             )
         weights = [float(r) for r in initial_pool_ratio]
     else:
-        needs = batch_needs(registry, layout, typical_step or DEFAULT_TYPICAL_STEP, max_rewind_len)
+        needs = batch_needs(registry, layout, typical_step or DEFAULT_TYPICAL_STEP, max_rewind_len, True)
         weights = [max(n, 1) * b for n, b in zip(needs, slot_bytes)]
     # Give each group its byte share; groups whose share is below their floor get the floor and
     # the rest is shared again among the others, until no group is below its floor.

@@ -1,0 +1,417 @@
+"""Recurrent-state layers (issue #26): config, the live state per request and beam, snapshots
+for prefix reuse, the matching rule, eviction, tiers, beams, events, sizing, through the fake
+engine (recurrent records: the state after ``position`` tokens) and the invariant checker."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+import pytest
+from conftest import REC, make_config
+from fake_engine import FakeEngine, KVMismatch
+
+from kv_cache_manager_v2 import (
+    AttentionLayerConfig,
+    BlockRemovedEvent,
+    BlockStoredEvent,
+    BufferConfig,
+    CacheLevel,
+    KVCache,
+    KVCacheEventManager,
+    KVCacheManager,
+    LayerGroupId,
+    LayerId,
+    Priority,
+    SsmLayerConfig,
+)
+from kv_cache_manager_v2._config import LayerConfig
+
+T = 32
+MakeManager = Callable[..., KVCacheManager]
+CONV = 64
+STATE = 256
+
+
+def hybrid_layers(num_ssm: int = 3, num_attention: int = 1, window: int | None = None, t: int = T) -> list[LayerConfig]:
+    """``num_ssm`` recurrent layers then ``num_attention`` attention layers (``window``: theirs)."""
+    out: list[LayerConfig] = []
+    for i in range(num_ssm):
+        out.append(SsmLayerConfig(LayerId(i), [BufferConfig("conv_state", CONV), BufferConfig("ssm_state", STATE)]))
+    for i in range(num_attention):
+        out.append(
+            AttentionLayerConfig(
+                LayerId(num_ssm + i),
+                [BufferConfig("key", REC * t), BufferConfig("value", REC * t)],
+                sliding_window_size=window,
+            )
+        )
+    return out
+
+
+def toks(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1 << 31) for _ in range(n)]
+
+
+def state_group(m: KVCacheManager) -> LayerGroupId:
+    groups = [
+        LayerGroupId(g)
+        for g in range(m.num_layer_groups)
+        if m.get_layer_group_info(LayerGroupId(g)).kind == "recurrent"
+    ]
+    assert len(groups) == 1
+    return groups[0]
+
+
+def prefill(
+    engine: FakeEngine, kv: KVCache, tokens: Sequence[int], upto: int, chunk: int = 1 << 30, cut: bool = True
+) -> None:
+    """Resume, check the reused prefix and state, then compute and commit up to ``upto`` in chunks
+    of at most ``chunk`` tokens, cut at snapshot positions when ``cut``."""
+    assert kv.resume()
+    pos = kv.history_length
+    engine.check_all(kv, tokens, pos)
+    while pos < upto:
+        end = min(upto, pos + chunk)
+        nxt = kv.next_snapshot_position(pos)
+        if cut and nxt is not None:
+            end = min(end, nxt)
+        assert kv.resize(end)
+        engine.step(kv, tokens, pos, end)
+        kv.commit(list(tokens[pos:end]))
+        pos = end
+
+
+def decode(engine: FakeEngine, kv: KVCache, tokens: Sequence[int], upto: int) -> None:
+    for pos in range(kv.history_length, upto):
+        assert kv.resize(pos + 1)
+        engine.step(kv, tokens, pos, pos + 1)
+        kv.commit([tokens[pos]])
+
+
+# ---------------------------------------------------------------------- config
+def test_config_validation() -> None:
+    layers = hybrid_layers()
+    for bad in (0, -32, 48, 1000):
+        with pytest.raises(ValueError, match=rf"ssm_reuse_interval.*tokens_per_block \({T}\).*got {bad}"):
+            make_config(layers, T, ssm_reuse_interval=bad)
+    with pytest.raises(TypeError, match="ssm_reuse_interval"):
+        make_config(layers, T, ssm_reuse_interval=True)
+    with pytest.raises(ValueError, match="tokens_per_block_override must be None"):
+        SsmLayerConfig(LayerId(0), [BufferConfig("ssm_state", 64, 8)])
+    with pytest.raises(ValueError, match="appears twice"):
+        SsmLayerConfig(LayerId(0), [BufferConfig("ssm_state", 64), BufferConfig("ssm_state", 32)])
+    with pytest.raises(ValueError, match="must not be empty"):
+        SsmLayerConfig(LayerId(0), [])
+    with pytest.raises(ValueError, match="appears twice"):
+        make_config([*layers, SsmLayerConfig(LayerId(0), [BufferConfig("s", 64)])], T)
+    assert make_config(layers, T).snapshot_interval == 512
+    assert make_config(layers, T, ssm_reuse_interval=64).snapshot_interval == 64
+    assert make_config(hybrid_layers(t=1024), 1024, quota=1 << 24).snapshot_interval == 1024
+    assert make_config(hybrid_layers(num_ssm=0), T).snapshot_interval == 0
+
+
+def test_layer_groups_and_memory_per_request_is_the_buffer_bytes(make_manager: MakeManager) -> None:
+    m = make_manager(hybrid_layers(), T)
+    g = state_group(m)
+    info = m.get_layer_group_info(g)
+    assert info.layer_ids == (0, 1, 2) and info.window_size is None and info.num_sink_blocks == 0
+    desc = m.pool_group_descs[info.pool_group_index]
+    assert sum(p.slot_bytes for p in desc.pools) == 3 * (CONV + STATE)  # one slot: a request's whole state
+    kv = m.create_kv_cache(input_tokens=toks(1, 100))
+    used = m.get_storage_statistics()[info.pool_group_index]
+    assert kv.resume()
+    after = m.get_storage_statistics()[info.pool_group_index]
+    assert used.free - after.free == 1
+    for layer in (0, 1, 2):
+        for role, size in (("conv_state", CONV), ("ssm_state", STATE)):
+            assert m.get_page_stride(LayerId(layer), role) == size
+    assert kv.resize(200)  # growth takes KV pages, never another state page
+    assert m.get_storage_statistics()[info.pool_group_index].free == after.free
+    with pytest.raises(ValueError, match="'full_attention' group"):
+        kv.get_ssm_state_index(LayerGroupId(1 - g))
+    kv.close()
+    assert m.get_storage_statistics()[info.pool_group_index].free == used.free
+
+
+def test_state_index_needs_an_active_cache_and_stays_across_suspend(make_manager: MakeManager) -> None:
+    m = make_manager(hybrid_layers(), T)
+    engine = FakeEngine(m)
+    g = state_group(m)
+    tokens = toks(2, 80)
+    kv = m.create_kv_cache(input_tokens=tokens)
+    with pytest.raises(ValueError, match="SUSPENDED"):
+        kv.get_ssm_state_index(g)
+    prefill(engine, kv, tokens, 50)
+    index = kv.get_ssm_state_index(g)
+    kv.suspend()
+    with pytest.raises(ValueError, match="SUSPENDED"):
+        kv.get_ssm_state_index(g)
+    assert kv.resume()
+    assert kv.get_ssm_state_index(g) == index
+    engine.check_all(kv, tokens, 50)
+    decode(engine, kv, tokens, 80)
+    with pytest.raises(ValueError, match="beam"):
+        kv.get_ssm_state_index(g, 1)
+    kv.close()
+
+
+def test_next_snapshot_position(make_manager: MakeManager) -> None:
+    m = make_manager(hybrid_layers(), T, ssm_reuse_interval=128)
+    kv = m.create_kv_cache(input_tokens=toks(3, 300))  # prompt end 288
+    assert [kv.next_snapshot_position(p) for p in (0, 127, 128, 255, 256, 287, 288, 500)] == [
+        128,
+        128,
+        256,
+        256,
+        288,
+        288,
+        384,
+        512,
+    ]
+    kv.close()
+    plain = make_manager(hybrid_layers(num_ssm=0), T)
+    kv = plain.create_kv_cache(input_tokens=toks(3, 300))
+    assert kv.next_snapshot_position(0) is None
+    kv.close()
+
+
+# ---------------------------------------------------------------------- snapshots and matching
+def test_no_reuse_before_the_first_snapshot(make_manager: MakeManager) -> None:
+    m = make_manager(hybrid_layers(), T, ssm_reuse_interval=128)
+    engine = FakeEngine(m)
+    prompt = toks(4, 200)  # prompt end 192
+    a = m.create_kv_cache(input_tokens=prompt)
+    prefill(engine, a, prompt, 96)
+    a.close()
+    assert m.reuse_statistics.snapshots_taken == 0
+    assert m.probe_reuse(None, prompt) == 0  # the attention blocks are there, no state is
+    b = m.create_kv_cache(input_tokens=prompt)
+    assert b.history_length == 0
+    prefill(engine, b, prompt, 128)
+    b.close()
+    assert m.reuse_statistics.snapshots_taken == 1
+    assert m.probe_reuse(None, prompt) == 128
+    c = m.create_kv_cache(input_tokens=prompt)
+    assert c.history_length == 128
+    prefill(engine, c, prompt, 200)  # checks the copied state holds the state at 128
+    decode(engine, c, prompt + toks(5, 10), 210)
+    c.close()
+    stats = m.reuse_statistics
+    assert stats.snapshots_reused == 1 and stats.snapshots_taken == 2  # and the prompt end, 192
+
+
+def test_a_commit_past_a_boundary_takes_no_snapshot(make_manager: MakeManager) -> None:
+    m = make_manager(hybrid_layers(), T, ssm_reuse_interval=64)
+    engine = FakeEngine(m)
+    prompt = toks(6, 100)
+    a = m.create_kv_cache(input_tokens=prompt)
+    prefill(engine, a, prompt, 96, chunk=96, cut=False)  # 0 -> 96 jumps over 64; 96 is the prompt end
+    a.close()
+    assert m.reuse_statistics.snapshots_taken == 1
+    assert m.probe_reuse(None, prompt) == 96
+    assert m.probe_reuse(None, prompt[:95]) == 0  # a match never ends between snapshots
+
+
+def test_prompt_end_snapshot_is_reused_by_the_next_turn(make_manager: MakeManager) -> None:
+    m = make_manager(hybrid_layers(), T)  # interval 512: only prompt ends
+    engine = FakeEngine(m)
+    turn1 = toks(7, 100)
+    answer = toks(8, 20)
+    a = m.create_kv_cache(input_tokens=turn1)
+    prefill(engine, a, turn1, 100)
+    decode(engine, a, turn1 + answer, 120)
+    a.close()
+    turn2 = turn1 + answer + toks(9, 50)
+    assert m.probe_reuse(None, turn2) == 96
+    b = m.create_kv_cache(input_tokens=turn2)
+    assert b.history_length == 96
+    prefill(engine, b, turn2, len(turn2))
+    b.close()
+    turn3 = turn2 + toks(10, 40)
+    assert m.probe_reuse(None, turn3) == len(turn2) // T * T
+
+
+def test_the_fake_engine_catches_a_wrong_state(make_manager: MakeManager) -> None:
+    m = make_manager(hybrid_layers(), T, ssm_reuse_interval=64)
+    engine = FakeEngine(m)
+    prompt = toks(11, 130)
+    a = m.create_kv_cache(input_tokens=prompt)
+    prefill(engine, a, prompt, 130)
+    a.close()
+    other = toks(12, 64)
+    b = m.create_kv_cache(input_tokens=other)
+    prefill(engine, b, other, 64)
+    with pytest.raises(KVMismatch, match="state at position 64"):
+        engine.check_all(b, prompt, 64)  # another sequence's state
+    b.close()
+
+
+def test_hybrid_match_never_exceeds_attention_and_probe_equals_create(make_manager: MakeManager) -> None:
+    """Random prompts sharing prefixes, random chunkings (some jumping over snapshot positions),
+    sliding-window attention: what ``probe_reuse`` reports ``create`` reuses, it ends at a
+    snapshot, and the reused state is the state at that position."""
+    rng = random.Random(13)
+    m = make_manager(hybrid_layers(num_ssm=2, num_attention=2, window=48), T, quota=4 << 20, ssm_reuse_interval=64)
+    attention_only = make_manager(hybrid_layers(num_ssm=0, num_attention=2, window=48), T, quota=4 << 20)
+    engine = FakeEngine(m)
+    engine_a = FakeEngine(attention_only)
+    bases = [toks(100 + i, 400) for i in range(3)]
+    for round_ in range(25):
+        base = rng.choice(bases)
+        n = rng.randrange(1, 400)
+        prompt = base[: rng.randrange(0, n + 1)] + toks(1000 + round_, 0 if rng.random() < 0.5 else 20)
+        prompt = (prompt + base)[:n] if rng.random() < 0.5 else prompt
+        if not prompt:
+            continue
+        probed = m.probe_reuse(None, prompt)
+        assert probed <= attention_only.probe_reuse(None, prompt)
+        assert probed % T == 0
+        kv = m.create_kv_cache(input_tokens=prompt)
+        assert kv.history_length == probed
+        cut = rng.random() < 0.7
+        prefill(engine, kv, prompt, len(prompt), chunk=rng.choice([16, 32, 50, 100, 1000]), cut=cut)
+        kv.close()
+        ref = attention_only.create_kv_cache(input_tokens=prompt)
+        prefill(engine_a, ref, prompt, len(prompt), cut=False)
+        ref.close()
+    stats = m.reuse_statistics
+    assert stats.snapshots_reused > 0 and stats.snapshots_taken > 0
+
+
+# ---------------------------------------------------------------------- eviction, tiers, events
+def _low_priority_at(ordinal: int, state: LayerGroupId) -> Callable[[int, LayerGroupId], Priority]:
+    def callback(block: int, layer_group: LayerGroupId) -> Priority:
+        return Priority(1 if (block == ordinal and layer_group == state) else 35)
+
+    return callback
+
+
+def test_snapshot_evicted_with_the_kv_kept_and_events_scoped(make_manager: MakeManager) -> None:
+    events = KVCacheEventManager()
+    m = make_manager(
+        hybrid_layers(), T, quota=64 << 10, initial_pool_ratio=[0.1, 0.9], ssm_reuse_interval=64, event_manager=events
+    )
+    engine = FakeEngine(m)
+    g = state_group(m)
+    prompt = toks(14, 200)  # snapshots at 64, 128, 192 (also the prompt end)
+    a = m.create_kv_cache(input_tokens=prompt, custom_priority_callback=_low_priority_at(5, g))
+    prefill(engine, a, prompt, 200)
+    a.close()
+    assert m.reuse_statistics.snapshots_taken == 3
+    stored = [e for e in m.get_latest_events() if isinstance(e, BlockStoredEvent)]
+    assert sum(1 for e in stored if e.group_idx == g) == 3
+    assert m.probe_reuse(None, prompt) == 192
+    # live states of other requests fill the state pool: the low-priority snapshot goes first
+    slots = m.pool_group_descs[m.get_layer_group_info(g).pool_group_index].num_slots
+    others = []
+    for i in range(slots):
+        kv = m.create_kv_cache(id=i)
+        assert kv.resume()
+        others.append(kv)
+        if m.reuse_statistics.snapshots_evicted:
+            break
+    assert m.reuse_statistics.snapshots_evicted == 1
+    removed = [e for e in m.get_latest_events() if isinstance(e, BlockRemovedEvent)]
+    assert removed and all(e.group.group_idx == g for e in removed)  # the KV block stays announced
+    assert m.probe_reuse(None, prompt) == 128  # the KV of blocks 4 and 5 stays, the match stops earlier
+    b = m.create_kv_cache(input_tokens=prompt)
+    assert b.history_length == 128
+    for kv in others:
+        kv.close()
+    prefill(engine, b, prompt, 200)
+    b.close()
+
+
+def test_no_room_for_a_snapshot_skips_it(make_manager: MakeManager) -> None:
+    m = make_manager(
+        hybrid_layers(),
+        T,
+        quota=64 << 10,
+        initial_pool_ratio=[0.1, 0.9],
+        ssm_reuse_interval=32,
+        max_util_for_resume=1.0,
+    )
+    engine = FakeEngine(m)
+    g = state_group(m)
+    slots = m.pool_group_descs[m.get_layer_group_info(g).pool_group_index].num_slots
+    held = [m.create_kv_cache(id=i) for i in range(slots - 1)]
+    for kv in held:
+        assert kv.resume()
+    tokens = toks(15, 64)
+    kv = m.create_kv_cache(input_tokens=tokens)
+    prefill(engine, kv, tokens, 64)  # its live state takes the last slot: no room at 32 and 64
+    stats = m.reuse_statistics
+    assert stats.snapshots_taken == 0 and stats.snapshots_skipped == 2
+    kv.close()
+    for other in held:
+        other.close()
+    assert m.probe_reuse(None, tokens) == 0
+
+
+def test_live_state_and_snapshots_spill_to_host_and_come_back(make_manager: MakeManager) -> None:
+    m = make_manager(
+        hybrid_layers(),
+        T,
+        quota=64 << 10,
+        initial_pool_ratio=[0.1, 0.9],
+        host_quota=256 << 10,
+        ssm_reuse_interval=64,
+        max_util_for_resume=1.0,
+    )
+    engine = FakeEngine(m)
+    g = state_group(m)
+    slots = m.pool_group_descs[m.get_layer_group_info(g).pool_group_index].num_slots
+    prompt = toks(16, 150)
+    a = m.create_kv_cache(input_tokens=prompt)
+    prefill(engine, a, prompt, 150)
+    a.close()
+    b_tokens = toks(17, 90)
+    b = m.create_kv_cache(input_tokens=b_tokens)
+    prefill(engine, b, b_tokens, 90)
+    b.suspend()
+    # fill the GPU state pool with other live states: b's state and the snapshots go to the host tier
+    others = [m.create_kv_cache(id=i) for i in range(slots)]
+    for kv in others:
+        assert kv.resume()
+    host = m.get_storage_statistics(CacheLevel(1))[m.get_layer_group_info(g).pool_group_index]
+    assert host.free < host.total  # b's live state (held) and snapshots went down
+    for kv in others:
+        kv.close()
+    assert b.resume()  # back with its bytes intact
+    engine.check_all(b, b_tokens, 90)
+    decode(engine, b, b_tokens + toks(18, 10), 100)
+    b.close()
+    assert m.probe_reuse(None, prompt) == 128
+    c = m.create_kv_cache(input_tokens=prompt)
+    prefill(engine, c, prompt, 150)  # the snapshot at 128, onboarded and copied
+    c.close()
+
+
+def test_beams_copy_the_state(make_manager: MakeManager) -> None:
+    m = make_manager(hybrid_layers(), T, ssm_reuse_interval=64)
+    engine = FakeEngine(m)
+    g = state_group(m)
+    prompt = toks(19, 70)
+    kv = m.create_kv_cache(input_tokens=prompt, beam_width=2)
+    assert kv.resume()
+    assert kv.get_ssm_state_index(g, 0) != kv.get_ssm_state_index(g, 1)
+    assert kv.resize(70)
+    for beam in (0, 1):
+        engine.step(kv, prompt, 0, 70, beam)
+    kv.commit([prompt] * 2, [0, 0])
+    seqs = [list(prompt), list(prompt)]
+    engine.check_beam_field = False
+    rng = random.Random(20)
+    for pos in range(70, 90):
+        assert kv.resize(pos + 1)
+        new = [rng.randrange(1000), rng.randrange(1000)]
+        for beam in (0, 1):
+            engine.step(kv, seqs[beam] + [new[beam]], pos, pos + 1, beam)
+        parents = [rng.randrange(2), rng.randrange(2)]
+        seqs = [seqs[parents[b]] + [new[parents[b]]] for b in (0, 1)]
+        kv.commit([[new[parents[b]]] for b in (0, 1)], parents)
+        for beam in (0, 1):
+            engine.check_all(kv, seqs[beam], pos + 1, beam)
+    kv.close()
