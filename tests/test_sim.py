@@ -331,7 +331,9 @@ def test_proxy_manager_has_the_real_slot_counts(preset: str) -> None:
         spec = [TierSpec("gpu", parse_quota("--gpu", quota).bytes_for(shape), quota)]
         real = manager_config(shape, t, spec, False, shape.buffer_bytes_per_token * t)  # the real buffer sizes
         if shape.is_hybrid:  # the real state sizes, in the manager's config
-            sizes = {b.role: b.size for layer in real.layers if isinstance(layer, SsmLayerConfig) for b in layer.buffers}
+            sizes = {
+                b.role: b.size for layer in real.layers if isinstance(layer, SsmLayerConfig) for b in layer.buffers
+            }
             assert sizes == {"conv_state": shape.conv_state_bytes, "ssm_state": shape.ssm_state_bytes}
         want = _slots(real)
         for check in (False, True):

@@ -477,17 +477,23 @@ def test_hybrid_replay_reports_state_memory_and_snapshots(capsys: pytest.Capture
 
 
 def test_hybrid_interval_sweep(capsys: pytest.CaptureFixture[str]) -> None:
-    # a GPU tier holding the whole trace: nothing is evicted, so a match is cut only by the snapshots
     args = [*HYBRID, "--gpu", "40GiB", "--sweep", "ssm-interval=64,1024,prompt,kv"]
     code, out, err = run(capsys, *args, "--json")
     assert code == 0, err
     points = json.loads(out)["sweep"]["points"]
     assert [p["sweep_point"] for p in points] == ["64", "1024", "prompt", "kv"]
     hits = [p["hit_rate"]["tokens"] for p in points]
-    taken = [p["snapshots"]["taken"] if p["snapshots"] else None for p in points]
-    # denser snapshots: more of them and longer matches; the attention layers alone bound every hybrid match
-    assert taken[0] > taken[1] > taken[2] > 0 and taken[3] is None
-    assert hits[3] >= hits[0] >= hits[1] >= hits[2] > 0, hits
-    assert points[3]["model"]["recurrent_layers"] == 0
+    snaps = [p["snapshots"] for p in points]
+    assert snaps[3] is None and points[3]["model"]["recurrent_layers"] == 0
+    # denser snapshots: more of them; at prompt ends only, at most one per request
+    assert snaps[0]["taken"] > snaps[1]["taken"] > snaps[2]["taken"] > 0
+    assert snaps[2]["taken"] <= 120 and snaps[2]["interval"] >= 1 << 30
+    # the attention layers alone bound every hybrid match
+    assert hits[3] >= max(hits[:3]), hits
+    # this trace shares prefixes at multiples of 512 tokens, never at a prompt end: prompt-end
+    # snapshots alone reuse next to nothing
+    assert hits[1] > 10 * hits[2], hits
+    # a snapshot of 37.7 MiB every 64 tokens overflows 40 GiB: snapshots are evicted, matches shorten
+    assert snaps[0]["evicted"] > 0 and snaps[1]["evicted"] == 0 and hits[0] < hits[1], (snaps, hits)
     code, out, _ = run(capsys, *args)
     assert code == 0 and "ssm-interval" in out and "prompt" in out and "without any snapshot" in out

@@ -98,6 +98,12 @@ class PagedEngine:
     def __init__(self, model: TinyModel, adapter: KVCacheResourceManager) -> None:
         if adapter.manager.backend_name != "host":
             raise ValueError("the tiny engine reads pool memory with numpy: it needs the host backend")
+        kinds = {layer.layer_id: type(layer) for layer in adapter.manager.config.layers}
+        for layer in model.cfg.layer_configs():  # the manager must know the model's layers, of the same kinds
+            if kinds.get(layer.layer_id) is not type(layer):
+                raise ValueError(
+                    f"the adapter's manager has no layer {layer.layer_id}: build it from model.cfg.layer_configs()"
+                )
         self.model = model
         self.adapter = adapter
         self.tokens_per_block = adapter.tokens_per_block
@@ -184,3 +190,44 @@ class PagedEngine:
             self.positions_read += len(kpos)
             out.append(model.attend(layer, qs[i], qpos[i], kv_read[0], kv_read[1], kpos))
         return out
+
+    def step_sequence(
+        self, kv: kvm.KVCache, tokens: list[kvm.TokenIdExt], begin: int, end: int, beam: int = 0
+    ) -> Array:
+        """Run positions ``[begin, end)`` of one beam of a cache driven directly (``KVCache``, e.g. beam
+        search: ``tokens`` is that beam's sequence): K/V through the beam's base page indices, the
+        recurrent states in the beam's live slots. Returns the logits of those positions."""
+        t = self.tokens_per_block
+        model = self.model
+        m = self.adapter.manager
+        pos = np.arange(begin, end)
+        x = model.embed(tokens[begin:end])
+        for layer, spec in enumerate(model.cfg.layers):
+            attn = rec = None
+            if spec.has_attention:
+                bufs = self.buffers[layer]
+                lg = m.get_layer_group_id(bufs.layer_id)
+                base = list(kv.get_base_page_indices(lg, kvm.BeamIndex(beam)))
+                q, k, v = model.qkv(layer, x, pos)
+                kpos = self.needed_positions(layer, begin, end)
+                read = []
+                for role, val in (("key", k), ("value", v)):
+                    pages = np.asarray(
+                        m.get_page_index_converter(bufs.layer_id, role)(base, kvm.PageIndexMode.PER_LAYER, None),
+                        dtype=np.int64,
+                    )
+                    if (pages[pos // t] < 0).any() or (pages[kpos // t] < 0).any():
+                        raise MissingPage(f"beam {beam} layer {layer}: a needed block has no page")
+                    bufs.views[role][pages[pos // t], pos % t] = val
+                    read.append(bufs.views[role][pages[kpos // t], kpos % t])
+                attn = model.attend(layer, q, pos, read[0], read[1], kpos)
+            if spec.has_recurrence:
+                live = self.states[layer].state(kv, beam)
+                if begin == 0:
+                    live.conv_state[...] = 0.0
+                    live.ssm_state[...] = 0.0
+                rec, new = model.recurrent(layer, x, live)
+                np.copyto(live.conv_state, new.conv_state)
+                np.copyto(live.ssm_state, new.ssm_state)
+            x = model.finish_layer(layer, x, attn, rec)
+        return model.logits(x)
