@@ -415,3 +415,51 @@ def test_beams_copy_the_state(make_manager: MakeManager) -> None:
         for beam in (0, 1):
             engine.check_all(kv, seqs[beam], pos + 1, beam)
     kv.close()
+
+
+# ---------------------------------------------------------------------- sizing and levels
+def test_sizing_counts_live_states_and_snapshots(make_manager: MakeManager) -> None:
+    m = make_manager(hybrid_layers(), T, quota=64 << 10, initial_pool_ratio=[0.1, 0.9])
+    g = state_group(m)
+    state_slots = m.pool_group_descs[m.get_layer_group_info(g).pool_group_index].num_slots
+    kv_slots = m.pool_group_descs[1 - m.get_layer_group_info(g).pool_group_index].num_slots
+    # a request holds one live state whatever its length: the batch is bounded by the state slots
+    assert m.clamp_max_seq_len_for_mem(state_slots, 10_000) == kv_slots // state_slots * T
+    assert m.clamp_max_seq_len_for_mem(state_slots + 1, 10_000) == 0
+    # the default split gives the state pool room for live states and their snapshots
+    default = make_manager(hybrid_layers(), T, quota=1 << 20)
+    few = make_manager(hybrid_layers(), T, quota=1 << 20, ssm_reuse_interval=4096)
+    states = [
+        mm.pool_group_descs[mm.get_layer_group_info(state_group(mm)).pool_group_index].num_slots
+        for mm in (default, few)
+    ]
+    assert states[0] > states[1] > 0  # snapshots every 512 tokens take more than one per 4096
+
+
+def test_probe_reuse_levels_report_where_the_snapshot_is(make_manager: MakeManager) -> None:
+    m = make_manager(
+        hybrid_layers(),
+        T,
+        quota=64 << 10,
+        initial_pool_ratio=[0.1, 0.9],
+        host_quota=256 << 10,
+        ssm_reuse_interval=64,
+        max_util_for_resume=1.0,
+    )
+    engine = FakeEngine(m)
+    g = state_group(m)
+    prompt = toks(21, 64)
+    a = m.create_kv_cache(input_tokens=prompt)
+    prefill(engine, a, prompt, 64)
+    a.close()
+    assert m.probe_reuse_levels(None, prompt) == [CacheLevel(0), CacheLevel(0)]
+    slots = m.pool_group_descs[m.get_layer_group_info(g).pool_group_index].num_slots
+    others = [m.create_kv_cache(id=i) for i in range(slots)]
+    for kv in others:
+        assert kv.resume()  # the snapshot goes down to the host tier, the KV stays
+    assert m.probe_reuse_levels(None, prompt) == [CacheLevel(0), CacheLevel(1)]
+    for kv in others:
+        kv.close()
+    b = m.create_kv_cache(input_tokens=prompt + toks(22, 5))
+    prefill(engine, b, prompt + toks(22, 5), 69)
+    b.close()

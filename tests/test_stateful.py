@@ -25,6 +25,7 @@ from kv_cache_manager_v2 import (
     LogicError,
     Priority,
     ReuseScope,
+    SsmLayerConfig,
     SwaScratchReuseConfig,
 )
 from kv_cache_manager_v2._storage._disk import DiskPool
@@ -123,6 +124,9 @@ class ManagerMachine(RuleBasedStateMachine):
     def advance(self, kv: KVCache, seq: list[int], chunk: int, lazy: bool) -> None:
         h = max(kv.history_length, self.computed.get(id(kv), 0))
         end = min(len(seq), h + chunk)
+        nxt = kv.next_snapshot_position(h)
+        if nxt is not None and chunk % 4:  # hybrid models: most chunks end at snapshot positions
+            end = min(end, nxt)
         if end == h:
             return
         before = (kv.capacity, kv.history_length, list(kv.get_base_page_indices(0)))
@@ -400,6 +404,78 @@ class BeamMachine(ManagerMachine):
             self.engine.check_all(kv, beam_seq, kv.history_length, beam=b)
 
 
+def hybrid_layers(attention: list[AttentionLayerConfig]) -> list[AttentionLayerConfig | SsmLayerConfig]:
+    """Two recurrent layers (one layer group: 128 bytes of state per request) before ``attention``."""
+    ssm: list[AttentionLayerConfig | SsmLayerConfig] = [
+        SsmLayerConfig(LayerId(100 + i), [BufferConfig("conv_state", 32), BufferConfig("ssm_state", 32)])
+        for i in range(2)
+    ]
+    return ssm + list(attention)
+
+
+class HybridMachine(ManagerMachine):
+    """Recurrent layers beside full attention and a window with sinks (snapshots every 2 blocks
+    and at prompt ends): live states are checked at every resume and step, reused snapshots hold
+    the state of their position, matches end at snapshots."""
+
+    def make_manager(self) -> KVCacheManager:
+        layers = kv_layers(3, T, window=9, swa_every=3, sink_tokens=2)
+        return KVCacheManager(
+            make_config(
+                hybrid_layers(layers[1:] + layers[:1]),  # type: ignore[arg-type]
+                tokens_per_block=T,
+                quota=3 * 2 * 32 * T * 20,
+                initial_pool_ratio=[0.1, 0.6, 0.3],
+                ssm_reuse_interval=2 * T,
+                eviction_policy=self.POLICY,
+            )
+        )
+
+
+class HybridTieredMachine(TieredMachine):
+    """The tiered machine with recurrent layers: live states and snapshots move down and back,
+    the disk fails now and then (a lost state restarts its request)."""
+
+    def make_manager(self) -> KVCacheManager:
+        self.tmp = tempfile.mkdtemp(prefix="kvcm-stateful-")
+        self.flaky = 0
+        layers = kv_layers(3, T, window=9, swa_every=3, sink_tokens=2)
+        return KVCacheManager(
+            make_config(
+                hybrid_layers(layers[1:] + layers[:1]),  # type: ignore[arg-type]
+                tokens_per_block=T,
+                quota=6 * 768 + 6 * 128,
+                host_quota=self.HOST_SLOTS * 896,
+                disk_quota=self.DISK_SLOTS * 896,
+                disk_path=self.tmp,
+                max_util_for_resume=1.0,
+                initial_pool_ratio=[0.15, 0.5, 0.35],
+                ssm_reuse_interval=2 * T,
+                eviction_policy=self.POLICY,
+            )
+        )
+
+
+class HybridBeamMachine(BeamMachine):
+    """Beam search with recurrent layers: the fork copies beam 0's state to every beam, each later
+    commit gives a beam its parent's state."""
+
+    def make_manager(self) -> KVCacheManager:
+        layers = kv_layers(3, T, window=9, swa_every=3, sink_tokens=2)
+        slot = 3 * 2 * 32 * T
+        return KVCacheManager(
+            make_config(
+                hybrid_layers(layers[1:] + layers[:1]),  # type: ignore[arg-type]
+                tokens_per_block=T,
+                quota=slot * 40,
+                host_quota=slot * 30,
+                initial_pool_ratio=[0.1, 0.6, 0.3],
+                ssm_reuse_interval=2 * T,
+                eviction_policy=self.POLICY,
+            )
+        )
+
+
 class FrequencyManagerMachine(ManagerMachine):
     POLICY = "frequency"
 
@@ -424,7 +500,17 @@ class FrequencyTinyHostTieredMachine(TinyHostTieredMachine):
     POLICY = "frequency"
 
 
-MACHINES = (ManagerMachine, TightMultiGroupMachine, ScratchMachine, TieredMachine, TinyHostTieredMachine, BeamMachine)
+MACHINES = (
+    ManagerMachine,
+    TightMultiGroupMachine,
+    ScratchMachine,
+    TieredMachine,
+    TinyHostTieredMachine,
+    BeamMachine,
+    HybridMachine,
+    HybridTieredMachine,
+    HybridBeamMachine,
+)
 FREQUENCY_MACHINES = (
     FrequencyManagerMachine,
     FrequencyTightMultiGroupMachine,
@@ -443,6 +529,9 @@ TestScratchMachine = ScratchMachine.TestCase
 TestBeamMachine = BeamMachine.TestCase
 TestTieredMachine = TieredMachine.TestCase
 TestTinyHostTieredMachine = TinyHostTieredMachine.TestCase
+TestHybridMachine = HybridMachine.TestCase
+TestHybridTieredMachine = HybridTieredMachine.TestCase
+TestHybridBeamMachine = HybridBeamMachine.TestCase
 # the same machines with eviction_policy="frequency" (issue #18): data checked under its eviction order
 TestFrequencyManagerMachine = FrequencyManagerMachine.TestCase
 TestFrequencyTightMultiGroupMachine = FrequencyTightMultiGroupMachine.TestCase

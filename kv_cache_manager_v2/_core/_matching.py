@@ -124,4 +124,9 @@ def match_levels(
             page = node.page(LayerGroupId(i)) if node is not None else None
             if page is not None and page.level > levels[ordinal]:
                 levels[ordinal] = page.level
+        last = nodes[-1] if policy.keeps_live_state and nodes and part is None else None
+        if last is not None:  # the snapshot a hybrid match ends at: copied at resume
+            snapshot = last.page(LayerGroupId(i))
+            if snapshot is not None and snapshot.level > levels[-1]:
+                levels[-1] = snapshot.level
     return [CacheLevel(level) for level in levels]

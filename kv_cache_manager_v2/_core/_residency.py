@@ -269,13 +269,10 @@ def drop_lost_blocks(state: RequestState, locked: bool, bad_block: int) -> None:
     num_blocks = first
     while num_blocks > 0 and not _intact(state, num_blocks):
         num_blocks -= 1
-    if state._ctx.state_layer_groups and num_blocks < state._num_blocks:
+    if state._ctx.state_layer_groups:
         # a live state holds the whole history: a shorter one cannot be recovered from it
         num_blocks = 0
-        if not locked:  # a lost state page is replaced at the next resume
-            for table in state._tables:
-                if any(p is not None and p.lost for p in table.state_pages):
-                    table.release_state_pages(False)
+        replace_lost_states(state, locked)
     length = num_blocks * state._tokens_per_block
     state._table.release_pending(locked)
     for table in state._tables:
@@ -300,6 +297,19 @@ def drop_lost_blocks(state: RequestState, locked: bool, bad_block: int) -> None:
         node = _published_node(state, len(state._committed_blocks))
         state._num_published = node.ordinal + 1 if node is not None else 0
         state._extend_from(node)
+
+
+def replace_lost_states(state: RequestState, locked: bool) -> None:
+    """Let go of live-state pages a disk error lost; an ACTIVE request gets new ones at once (the
+    GPU slot its move up reserved), a suspended one at its next resume."""
+    storage = state._ctx.storage
+    for table in state._tables:
+        for k, state_page in enumerate(table.state_pages):
+            if state_page is not None and state_page.lost:
+                table.state_pages[k] = None
+                state_page.release(locked)
+                if locked:
+                    table.state_pages[k] = storage.new_pages(table.state_groups[k], [DEFAULT_PRIORITY], True)[0]
 
 
 def _intact(state: RequestState, num_blocks: int) -> bool:

@@ -235,7 +235,16 @@ class ReplicaIndex:
                 n = _common_prefix_len(c.tokens, rest)
                 if n > part_len:
                     part, part_len = c, n
+        # recurrent groups: a match ends at a block with a snapshot of each (never partial)
+        state_groups = [g for g, lc in self.groups.items() if lc.keeps_live_state]
+        if state_groups:
+            part, part_len = None, 0
         while True:
+            if state_groups:
+                n = len(nodes)
+                while n > 0 and any(g not in nodes[n - 1].groups for g in state_groups):
+                    n -= 1
+                del nodes[n:]
             length = len(nodes) * t + part_len
             missing = self._first_missing_block(nodes, part, length)
             if missing < 0:
