@@ -70,9 +70,11 @@ SCENARIOS = [
     "decode_batch",
     "decode_batch_swa",
     "decode_batch_hybrid",
+    "decode_batch_ssm",
     "admission",
     "admission_full",
     "admission_hybrid",
+    "admission_ssm",
     "rematch_full",
     "rematch_swa",
     "free",
@@ -116,10 +118,12 @@ COUNTED_CALLS = {
     "admission": _PROBE_CALLS + _ADMIT_CALLS,
     "admission_full": [*_ADMIT_CALLS, "CPyPy_*___KVCache___commit"],
     "admission_hybrid": [*_ADMIT_CALLS, "CPyPy_*___KVCache___commit"],
+    "admission_ssm": [*_ADMIT_CALLS, "CPyPy_*___KVCache___commit"],
     "rematch_full": _PROBE_CALLS,
     "rematch_swa": _PROBE_CALLS,
     "decode_batch": ["CPyPy_*___KVCacheManager___resize_batch", "CPyPy_*___KVCacheManager___commit_batch"],
     "decode_batch_hybrid": ["CPyPy_*___KVCacheManager___resize_batch", "CPyPy_*___KVCacheManager___commit_batch"],
+    "decode_batch_ssm": ["CPyPy_*___KVCacheManager___resize_batch", "CPyPy_*___KVCacheManager___commit_batch"],
     "free": ["CPyPy_*___KVCache___close"],
 }
 #: the project's shared Mooncake trace when it is beside the repository (the figures in README.md
@@ -143,12 +147,13 @@ def _manager(
     size: int = 64,
     events: bool = False,
     remote: Any = None,
+    ssm_every: int = 0,
     **kw: Any,
 ) -> Any:
     import kv_cache_manager_v2 as kvm
 
     # size: bytes per buffer page (64 by default: most benchmarks never touch KV memory)
-    layers = [
+    layers: list[Any] = [
         kvm.AttentionLayerConfig(
             kvm.LayerId(i),
             [kvm.BufferConfig("key", size), kvm.BufferConfig("value", size)],
@@ -156,6 +161,15 @@ def _manager(
         )
         for i in range(num_layers)
     ]
+    if ssm_every:  # every ssm_every-th layer keeps attention, the others are recurrent (Qwen3-Next: 4)
+        layers = [
+            layer
+            if i % ssm_every == ssm_every - 1
+            else kvm.SsmLayerConfig(
+                kvm.LayerId(i), [kvm.BufferConfig("conv_state", size), kvm.BufferConfig("ssm_state", size)]
+            )
+            for i, layer in enumerate(layers)
+        ]
     slot = num_layers * 2 * size
     tiers: list[Any] = [kvm.GpuCacheTierConfig(num_slots * slot)]
     if host_slots:
@@ -186,8 +200,21 @@ def _admit(m: Any, prompt: list[int]) -> Any:
     assert kv.resume()
     h = kv.history_length
     assert kv.resize(len(prompt))
-    kv.commit(prompt[h:])
+    _commit_prompt(kv, prompt, h)
     return kv
+
+
+def _commit_prompt(kv: Any, prompt: Any, h: int) -> None:
+    """Commit the prompt from ``h``; a hybrid model's in chunks cut at its snapshot positions."""
+    nxt = kv.next_snapshot_position(h)
+    if nxt is None:
+        kv.commit(prompt[h:])
+        return
+    while h < len(prompt):
+        end = min(len(prompt), nxt)
+        kv.commit(prompt[h:end])
+        h = end
+        nxt = kv.next_snapshot_position(h)
 
 
 def _decode(p: dict[str, int], window_every: int, events: bool = False) -> tuple[list[float], int]:
@@ -278,7 +305,7 @@ def scenario_swa(p: dict[str, int]) -> dict[str, Any]:
     return {"unit": "us/request/step", "samples": s, "note": "alternating window-128 / full layers"}
 
 
-def _decode_batch(p: dict[str, int], window_every: int) -> dict[str, Any]:
+def _decode_batch(p: dict[str, int], window_every: int, ssm_every: int = 0) -> dict[str, Any]:
     """The decode step through the batch calls: ``resize_batch(caches)`` before the forward pass,
     ``commit_batch(caches, tokens)`` after it, every request's indices mirrored into an engine
     buffer (a row of one int32 table per layer group, as an engine keeps them)."""
@@ -286,7 +313,7 @@ def _decode_batch(p: dict[str, int], window_every: int) -> dict[str, Any]:
 
     t, n_req = p["tokens_per_block"], p["requests"]
     prompt_len = p["shared"] + p["unique"]
-    m = _manager(p["layers"], t, n_req * (prompt_len + p["steps"]) // t + 64, window_every)
+    m = _manager(p["layers"], t, n_req * (prompt_len + p["steps"]) // t + 64, window_every, ssm_every=ssm_every)
     system = list(range(10_000, 10_000 + p["shared"]))
     caches = [_admit(m, system + [r * 100_003 + i for i in range(p["unique"])]) for r in range(n_req)]
     max_blocks = (prompt_len + p["steps"]) // t + 2
@@ -310,10 +337,11 @@ def _decode_batch(p: dict[str, int], window_every: int) -> dict[str, Any]:
     m.clear_reusable_blocks()
     m.shutdown()
     kinds = {0: "full attention", 1: "every layer window-128", 2: "alternating window-128 / full layers"}
+    kind = kinds[window_every] if not ssm_every else f"{ssm_every - 1} recurrent : 1 full-attention layers"
     return {
         "unit": "us/request/step",
         "samples": samples,
-        "note": f"batched, engine-owned index buffers; {kinds[window_every]}",
+        "note": f"batched, engine-owned index buffers; {kind}",
         "close_samples": close_samples,
     }
 
@@ -334,6 +362,12 @@ def scenario_decode_batch_swa(p: dict[str, int]) -> dict[str, Any]:
 
 def scenario_decode_batch_hybrid(p: dict[str, int]) -> dict[str, Any]:
     return _decode_batch_scenario(p, 2)
+
+
+def scenario_decode_batch_ssm(p: dict[str, int]) -> dict[str, Any]:
+    out = _decode_batch(p, 0, ssm_every=4)
+    out["close_us"] = statistics.median(out.pop("close_samples"))
+    return out
 
 
 def scenario_free(p: dict[str, int]) -> dict[str, Any]:
@@ -432,6 +466,14 @@ def scenario_admission_full(p: dict[str, int]) -> dict[str, Any]:
     return out
 
 
+def scenario_admission_ssm(p: dict[str, int]) -> dict[str, Any]:
+    out = _admission(p, as_array=False, probe=False, timed_commit=True, ssm_every=4)
+    out["note"] = (
+        "admission_full with 3 recurrent : 1 full-attention layers (prompt committed in chunks cut at snapshots)"
+    )
+    return out
+
+
 def scenario_admission_hybrid(p: dict[str, int]) -> dict[str, Any]:
     out = _admission(p, as_array=False, probe=False, timed_commit=True, window_every=2)
     out["note"] = "admission_full with alternating window-128 / full layers"
@@ -457,6 +499,7 @@ def _admission(
     probe: bool = True,
     timed_commit: bool = False,
     window_every: int = 0,
+    ssm_every: int = 0,
 ) -> dict[str, Any]:
     """Admission of ``requests`` prompts (``shared`` tokens cached by an earlier request, then
     ``unique`` ones): [probe_reuse +] create_kv_cache + resume + resize per sample; with
@@ -467,7 +510,7 @@ def _admission(
 
     t, n_req = p["tokens_per_block"], p["requests"]
     prompt_len = p["shared"] + p["unique"]
-    m = _manager(p["layers"], t, (n_req + 1) * prompt_len // t + 64, window_every, events=events)
+    m = _manager(p["layers"], t, (n_req + 1) * prompt_len // t + 64, window_every, events=events, ssm_every=ssm_every)
     system = list(range(10_000, 10_000 + p["shared"]))
     first = _admit(m, system + list(range(5_000_000, 5_000_000 + p["unique"])))
     first.close()
@@ -486,7 +529,10 @@ def _admission(
         if timed_commit:
             h = kv.history_length
             t1 = time.perf_counter()
-            kv.commit(prompt[h:])
+            if ssm_every:
+                _commit_prompt(kv, prompt, h)
+            else:
+                kv.commit(prompt[h:])
             commit_us.append((time.perf_counter() - t1) * 1e6)
             reused += h
         samples.append((time.perf_counter() - t0) * 1e6)

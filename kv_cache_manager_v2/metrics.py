@@ -229,6 +229,22 @@ class KVCacheMetricsCollector:
             )
         f.add("counter", p + "reused_pages", "Pages matches took from the reuse cache", lv, [], r.reused_pages)
         f.add("counter", p + "allocated_pages", "New pages allocated", lv, [], r.allocated_pages)
+        if m.config.has_recurrent_layers:
+            for what, n in (
+                ("taken", r.snapshots_taken),
+                ("skipped", r.snapshots_skipped),
+                ("reused", r.snapshots_reused),
+                ("evicted", r.snapshots_evicted),
+            ):
+                f.add(
+                    "counter",
+                    p + "state_snapshots",
+                    "Recurrent-state snapshots taken, skipped for want of room, reused by a match, evicted",
+                    lv,
+                    [what],
+                    n,
+                    ("event",),
+                )
         f.add(
             "gauge", p + "open_caches", "KVCache objects open (active or suspended requests)", lv, [], m.num_open_caches
         )

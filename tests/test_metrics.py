@@ -148,6 +148,9 @@ def expected_samples(m: KVCacheManager, a: KVCacheResourceManager, labels: dict[
         key("kvcm_allocated_pages_total"): r.allocated_pages,
         key("kvcm_open_caches"): m.num_open_caches,
     }
+    if m.config.has_recurrent_layers:
+        for what in ("taken", "skipped", "reused", "evicted"):
+            out[key("kvcm_state_snapshots_total", event=what)] = getattr(r, f"snapshots_{what}")
     if em is not None:
         out[key("kvcm_events_dropped_total")] = em.num_dropped
         out[key("kvcm_events_pending")] = em.num_pending
@@ -426,3 +429,30 @@ def test_adapter_counters_roll_back_with_a_failed_batch(tiered: Callable[..., tu
     assert sum(a.reused_tokens_per_level) == sum(before) + 40
     a.free_resources(r)  # not finished: a preemption
     assert a.num_preemptions == preemptions + 1
+
+
+def test_hybrid_model_reports_its_state_snapshots() -> None:
+    from test_recurrent import hybrid_layers, prefill, toks
+
+    m = KVCacheManager(make_config(hybrid_layers(), 32, ssm_reuse_interval=64))
+    engine = FakeEngine(m)
+    prompt = toks(1, 150)
+    for _ in range(2):
+        kv = m.create_kv_cache(input_tokens=prompt)
+        prefill(engine, kv, prompt, 150)
+        kv.close()
+    registry = CollectorRegistry()
+    registry.register(KVCacheMetricsCollector(m))
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    got = {s.labels["event"]: s.value for s in fams["kvcm_state_snapshots"].samples if s.name.endswith("_total")}
+    r = m.reuse_statistics
+    assert got == {"taken": 2, "skipped": 0, "reused": 1, "evicted": 0}  # at 64 and 128 (the prompt end)
+    assert got["taken"] == r.snapshots_taken and got["reused"] == r.snapshots_reused
+    m.shutdown()
+    plain = KVCacheManager(make_config(kv_layers(1, T), backend="host"))
+    registry = CollectorRegistry()
+    registry.register(KVCacheMetricsCollector(plain))
+    assert "kvcm_state_snapshots" not in {
+        f.name for f in text_string_to_metric_families(generate_latest(registry).decode())
+    }
+    plain.shutdown()

@@ -13,19 +13,26 @@ from fake_engine import FakeEngine, KVMismatch
 
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
+    BatchDesc,
     BlockRemovedEvent,
     BlockStoredEvent,
     BufferConfig,
     CacheLevel,
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
     KVCache,
+    KVCacheDesc,
     KVCacheEventManager,
     KVCacheManager,
+    KVCacheManagerConfig,
     LayerGroupId,
     LayerId,
     Priority,
+    RemoteCacheTierConfig,
     SsmLayerConfig,
 )
 from kv_cache_manager_v2._config import LayerConfig
+from kv_cache_manager_v2.redis_server import LocalRedisServer
 
 T = 32
 MakeManager = Callable[..., KVCacheManager]
@@ -434,6 +441,12 @@ def test_sizing_counts_live_states_and_snapshots(make_manager: MakeManager) -> N
         for mm in (default, few)
     ]
     assert states[0] > states[1] > 0  # snapshots every 512 tokens take more than one per 4096
+    # a constraint batch of 7 requests needs 7 live states (however long), whatever the ratio says
+    batch = BatchDesc([KVCacheDesc(100, 99)] * 7)
+    tight = make_manager(hybrid_layers(), T, quota=64 << 10, initial_pool_ratio=[0.01, 0.99], constraints=[batch])
+    assert tight.pool_group_descs[tight.get_layer_group_info(state_group(tight)).pool_group_index].num_slots == 7
+    with pytest.raises(ValueError, match="too small"):
+        make_manager(hybrid_layers(), T, quota=8 << 10, constraints=[BatchDesc([KVCacheDesc(1, 0)] * 9)])
 
 
 def test_probe_reuse_levels_report_where_the_snapshot_is(make_manager: MakeManager) -> None:
@@ -463,3 +476,113 @@ def test_probe_reuse_levels_report_where_the_snapshot_is(make_manager: MakeManag
     b = m.create_kv_cache(input_tokens=prompt + toks(22, 5))
     prefill(engine, b, prompt + toks(22, 5), 69)
     b.close()
+
+
+def test_a_failing_priority_callback_at_a_snapshot_changes_nothing(make_manager: MakeManager) -> None:
+    m = make_manager(hybrid_layers(), T, ssm_reuse_interval=64)
+    engine = FakeEngine(m)
+    g = state_group(m)
+    fail = [False]
+
+    def callback(block: int, layer_group: LayerGroupId) -> Priority:
+        if fail[0] and layer_group == g:
+            raise RuntimeError("callback failed")
+        return Priority(35)
+
+    tokens = toks(23, 200)
+    kv = m.create_kv_cache(custom_priority_callback=callback)
+    assert kv.resume()
+    assert kv.resize(64)
+    engine.step(kv, tokens, 0, 64)
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="callback failed"):
+        kv.commit(tokens[:64])  # a multi-token commit ending at a snapshot position
+    assert kv.num_committed_tokens == 0 and kv.committed_tokens == []
+    kv.commit(tokens[:63])
+    with pytest.raises(RuntimeError, match="callback failed"):
+        kv.commit([tokens[63]])  # the decode path
+    assert kv.committed_tokens == tokens[:63]
+    m.check_invariants()
+    fail[0] = False
+    kv.commit([tokens[63]])
+    assert m.reuse_statistics.snapshots_taken == 1
+    kv.close()
+    assert m.probe_reuse(None, tokens[:100]) == 64
+
+
+def test_snapshots_survive_a_restart_on_a_persistent_disk_tier(backend: str, tmp_path: object) -> None:
+    def config() -> KVCacheManagerConfig:
+        return KVCacheManagerConfig(
+            tokens_per_block=T,
+            cache_tiers=[GpuCacheTierConfig(256 << 10), DiskCacheTierConfig(1 << 20, str(tmp_path), persistent=True)],
+            layers=hybrid_layers(),
+            ssm_reuse_interval=64,
+            backend=backend,  # type: ignore[arg-type]
+        )
+
+    prompt = toks(24, 150)
+    m = KVCacheManager(config())
+    engine = FakeEngine(m)
+    kv = m.create_kv_cache(input_tokens=prompt)
+    prefill(engine, kv, prompt, 150)
+    kv.close()
+    m.shutdown()  # writes the tree's pages, snapshots included, to the disk tier
+    again = KVCacheManager(config())
+    assert again.num_adopted_pages > 0
+    assert again.probe_reuse(None, prompt) == 128
+    kv = again.create_kv_cache(input_tokens=prompt)
+    prefill(FakeEngine(again), kv, prompt, 150)  # the adopted snapshot holds the state at 128
+    kv.close()
+    again.shutdown()
+
+
+def test_a_remote_tier_never_extends_a_hybrid_match(backend: str, redis_server: LocalRedisServer) -> None:
+    """Pages go to the shared tier as usual, but a hybrid match ends at a local snapshot: a
+    replica with an empty local cache reuses nothing, so probe_reuse and create still agree."""
+
+    def manager() -> KVCacheManager:
+        return KVCacheManager(
+            KVCacheManagerConfig(
+                tokens_per_block=T,
+                cache_tiers=[
+                    GpuCacheTierConfig(256 << 10),
+                    RemoteCacheTierConfig(redis_server.url, "hybrid", write_through=True),
+                ],
+                layers=hybrid_layers(),
+                ssm_reuse_interval=64,
+                backend=backend,  # type: ignore[arg-type]
+            )
+        )
+
+    prompt = toks(25, 150)
+    first, second = manager(), manager()
+    kv = first.create_kv_cache(input_tokens=prompt)
+    prefill(FakeEngine(first), kv, prompt, 150)
+    kv.close()
+    assert first.flush_remote_writes()
+    assert first.probe_reuse(None, prompt) == 128
+    assert second.probe_reuse(None, prompt) == 0
+    kv = second.create_kv_cache(input_tokens=prompt)
+    assert kv.history_length == 0
+    prefill(FakeEngine(second), kv, prompt, 150)
+    kv.close()
+    first.shutdown()
+    second.shutdown()
+
+
+def test_history_past_the_commit_takes_no_snapshot(make_manager: MakeManager) -> None:
+    """The live state holds ``history`` tokens: a commit ending at a snapshot position below it
+    would store a later state as that position's."""
+    m = make_manager(hybrid_layers(), T, ssm_reuse_interval=64)
+    engine = FakeEngine(m)
+    tokens = toks(26, 100)
+    kv = m.create_kv_cache()
+    assert kv.resume()
+    assert kv.resize(70)
+    engine.step(kv, tokens, 0, 70)
+    assert kv.resize(70, 70)  # history 70: the state holds 70 tokens
+    kv.commit(tokens[:64])
+    assert m.reuse_statistics.snapshots_taken == 0
+    kv.commit(tokens[64:70])
+    kv.close()
+    assert m.probe_reuse(None, tokens) == 0

@@ -374,6 +374,9 @@ class BeamMachine(ManagerMachine):
         h = kv.history_length
         if beams is None:  # the shared prompt, then the fork
             end = min(len(seq), h + chunk)
+            nxt = kv.next_snapshot_position(h)
+            if nxt is not None and chunk % 4:  # hybrid models: most chunks end at snapshot positions
+                end = min(end, nxt)
             if not kv.resize(end, h):
                 return
             self.engine.step(kv, seq, h, end)
@@ -425,7 +428,7 @@ class HybridMachine(ManagerMachine):
                 hybrid_layers(layers[1:] + layers[:1]),  # type: ignore[arg-type]
                 tokens_per_block=T,
                 quota=3 * 2 * 32 * T * 20,
-                initial_pool_ratio=[0.1, 0.6, 0.3],
+                initial_pool_ratio=[0.06, 0.6, 0.34],  # 7 state slots: live states and snapshots compete
                 ssm_reuse_interval=2 * T,
                 eviction_policy=self.POLICY,
             )

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import rawref
 
-from .._common import KVCacheStatus, LayerGroupId, TokenIdExt
+from .._common import KVCacheStatus, LayerGroupId, Priority, TokenIdExt
 from .._reuse._keys import chain_token_keys
 from .._storage._page import Page
 from ._request_state import RequestState
@@ -21,6 +21,27 @@ def commit_tokens(state: RequestState, more: Sequence[TokenIdExt] | None = None)
     what went stale."""
     tokens_per_block = state._tokens_per_block
     tail = state._tail
+    snapshot_priorities: list[Priority] | None = None
+    if state._ctx.state_layer_groups:
+        # a snapshot's priorities come from the callback: asked before anything changes (with
+        # ``more`` None the caller appended one token to the tail: taken out again if it raises)
+        end = state.num_committed_tokens + (len(more) if more is not None else 0)
+        # (history beyond the committed end: the state holds more than the block, no snapshot)
+        if (
+            end % tokens_per_block == 0
+            and state._history <= end
+            and not state._forked
+            and is_snapshot_position(state, end)
+        ):
+            try:
+                snapshot_priorities = [
+                    state._priorities(layer_group, [end // tokens_per_block - 1])[0]
+                    for layer_group in state._ctx.state_layer_groups
+                ]
+            except BaseException:
+                if more is None:
+                    tail.pop()
+                raise
     if more is not None and (tail or not isinstance(more, (list, tuple, array))):
         tail.extend(more)  # the tail's block first (or a sequence without slices): cut from the tail
         more = None
@@ -59,8 +80,8 @@ def commit_tokens(state: RequestState, more: Sequence[TokenIdExt] | None = None)
         if ctx.has_releasing_groups:
             for layer_group in ctx.releasing_layer_groups:
                 state._release_stale(layer_group, ctx.layer_groups[layer_group].stale_end(committed))
-    if not tail and num_full and state._ctx.state_layer_groups:
-        take_snapshot(state)
+    if snapshot_priorities is not None and not tail:
+        take_snapshot(state, snapshot_priorities)
 
 
 def is_snapshot_position(state: RequestState, position: int) -> bool:
@@ -80,9 +101,9 @@ def next_snapshot_position(state: RequestState, position: int) -> int:
     return nxt
 
 
-def take_snapshot(state: RequestState) -> None:
-    """The commit ended history at a block boundary: when that is a snapshot position and the
-    block is published, copy the live state (beam 0's; none once beams forked) into a new page
+def take_snapshot(state: RequestState, priorities: list[Priority]) -> None:
+    """The commit ended history at a snapshot position (``priorities``: the snapshots' per state
+    group, asked of the callback before the commit changed anything): when the block is published, copy the live state (beam 0's; none once beams forked) into a new page
     that becomes the block's snapshot in the reuse tree. No room at any level: skipped and
     counted (a snapshot never blocks, and never takes a page a request holds)."""
     committed = state.num_committed_tokens
@@ -90,6 +111,7 @@ def take_snapshot(state: RequestState) -> None:
     node = state._last_node
     if (
         state._forked
+        or state._history != committed
         or not is_snapshot_position(state, committed)
         or node is None
         or node.ordinal != ordinal
@@ -101,12 +123,14 @@ def take_snapshot(state: RequestState) -> None:
     table = state._table
     wanted: list[LayerGroupId] = []
     sources: list[Page] = []
+    wanted_priorities: list[Priority] = []
     need = [0] * ctx.num_pool_groups
     for k, layer_group in enumerate(table.state_groups):
         live = table.state_pages[k]
         if live is not None and node.page(layer_group) is None:
             wanted.append(layer_group)
             sources.append(live)
+            wanted_priorities.append(priorities[k])
             need[ctx.pool_group_of[layer_group]] += 1
     if not wanted:
         return
@@ -114,11 +138,10 @@ def take_snapshot(state: RequestState) -> None:
         if ctx.enable_stats:
             ctx.stats.snapshots_skipped += len(wanted)
         return
-    priorities = [state._priorities(layer_group, [ordinal])[0] for layer_group in wanted]  # may raise
     storage.reserve(need)
     copies = [
         (source, storage.new_pages(layer_group, [priority], True)[0])
-        for source, layer_group, priority in zip(sources, wanted, priorities)
+        for source, layer_group, priority in zip(sources, wanted, wanted_priorities)
     ]
     storage.copy_pages(copies)  # GPU to GPU: no disk, no failure to report
     tree = ctx.tree
@@ -135,7 +158,8 @@ def publish_final(state: RequestState) -> None:
     if not state._committing:
         return
     blocks, tail = state._seq(state._final_beam)
-    upto = len(blocks) + (1 if tail else 0)
+    # (a hybrid match never ends inside a block: a partial tail would only take memory)
+    upto = len(blocks) + (1 if tail and not state._ctx.state_layer_groups else 0)
     if upto > state._num_published:
         publish(state, upto, state._final_beam)
 
