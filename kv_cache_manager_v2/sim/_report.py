@@ -197,7 +197,8 @@ def _load(r: ReplayResult, shape: ModelShape, tiers: list[TierSpec], options: Sc
     in_tokens = is_token_quota(gpu.text)
     bpt = shape.bytes_per_token
     t = r.tokens_per_block
-    longest_bytes = (r.longest_request_tokens + t) * bpt  # its blocks, one more for alignment
+    # its blocks (one more for alignment) and its live recurrent state
+    longest_bytes = (r.longest_request_tokens + t) * bpt + shape.state_bytes_per_request
     fit_bytes = max(r.ideal_peak_tokens * bpt / (1.0 - options.watermark), longest_bytes)
     suggested = format_quota(fit_bytes, shape, in_tokens) if fit_bytes > gpu.quota_bytes else None
     admits_all = format_quota(longest_bytes, shape, in_tokens)
@@ -205,8 +206,13 @@ def _load(r: ReplayResult, shape: ModelShape, tiers: list[TierSpec], options: Sc
     if r.rejected:
         warnings.append(
             f"rejected {r.rejected:,} of {r.num_requests:,} requests as longer than the GPU tier holds (the longest needs "
-            f"{format_count(r.longest_request_tokens)} tokens; --gpu {admits_all} admits every one); their "
-            "prompts count as misses in the hit rates over all requests"
+            f"{format_count(r.longest_request_tokens)} tokens; --gpu {admits_all} admits every one"
+            + (
+                ", plus the share the manager gives snapshots, which grows as --ssm-reuse-interval shrinks"
+                if shape.is_hybrid
+                else ""
+            )
+            + "); their prompts count as misses in the hit rates over all requests"
         )
     if overloaded:
         msg = (
