@@ -488,6 +488,9 @@ def test_hybrid_interval_sweep(capsys: pytest.CaptureFixture[str]) -> None:
     # denser snapshots: more of them; at prompt ends only, at most one per request
     assert snaps[0]["taken"] > snaps[1]["taken"] > snaps[2]["taken"] > 0
     assert snaps[2]["taken"] <= 120 and snaps[2]["interval"] >= 1 << 30
+    # prompt ends (rounded down to a block) are almost never multiples of the 2048-token chunks: the
+    # replay takes these snapshots because the adapter cuts each prefill chunk at the next one
+    assert snaps[2]["taken"] >= 108
     # the attention layers alone bound every hybrid match
     assert hits[3] >= max(hits[:3]), hits
     # this trace shares prefixes at multiples of 512 tokens, never at a prompt end: prompt-end
