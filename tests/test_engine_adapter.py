@@ -772,3 +772,37 @@ def test_needed_to_completion_is_an_upper_bound_with_scratch(
         a.free_resources(r)
         a.manager.clear_reusable_blocks()
     assert below > 0
+
+
+def test_step_tokens_cuts_at_the_next_snapshot_position() -> None:
+    """A hybrid model's step ends at the next snapshot position (multiples of the interval, the prompt
+    end rounded down to a block); an attention-only model's at the chunk size alone."""
+    import kv_cache_manager_v2 as kvm
+    from kv_cache_manager_v2.engine import step_tokens
+
+    layers: list[kvm.AttentionLayerConfig | kvm.SsmLayerConfig] = [
+        kvm.AttentionLayerConfig(kvm.LayerId(0), [kvm.BufferConfig("key", 64), kvm.BufferConfig("value", 64)]),
+        kvm.SsmLayerConfig(kvm.LayerId(1), [kvm.BufferConfig("conv_state", 32), kvm.BufferConfig("ssm_state", 96)]),
+    ]
+    hybrid = [7, 8, 15, 16, 23, 24, 31, 32, 39, 40, 44, 46]
+    for with_state, want in ((True, hybrid), (False, [7, 14, 21, 28, 35, 42, 46])):
+        config = kvm.KVCacheManagerConfig(
+            tokens_per_block=2,
+            cache_tiers=[kvm.GpuCacheTierConfig(1 << 16)],
+            layers=layers if with_state else layers[:1],
+            ssm_reuse_interval=8 if with_state else None,
+            backend="host",
+        )
+        rm = KVCacheResourceManager(config)
+        req = EngineRequest(0, list(range(46)), 1, context_chunk_size=7)  # created with 45 tokens: prompt end 44
+        ends = []
+        while req.state is RequestState.CONTEXT:
+            assert rm.prepare_resources([req]) == []
+            kv = rm.get_kv_cache(req)
+            assert req.num_scheduled_tokens == step_tokens(kv, req.num_cached_tokens, 46 - req.num_cached_tokens, 7)
+            ends.append(req.num_cached_tokens + req.num_scheduled_tokens)
+            if req.samples_this_step:
+                req.generated_tokens.append(kvm.TokenId(0))
+            rm.update_resources([req])
+        assert ends == want, ends
+        rm.shutdown()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import TRACES, trace_id
 
-from kv_cache_manager_v2 import KVCacheManager, KVCacheManagerConfig
+from kv_cache_manager_v2 import KVCacheManager, KVCacheManagerConfig, SsmLayerConfig
 from kv_cache_manager_v2.engine import KVCacheResourceManager
 from kv_cache_manager_v2.sim import (
     PRESETS,
@@ -330,9 +330,16 @@ def test_proxy_manager_has_the_real_slot_counts(preset: str) -> None:
     for t, quota in ((32, "1GiB"), (16, "3GiB"), (64, "40000tok")):
         spec = [TierSpec("gpu", parse_quota("--gpu", quota).bytes_for(shape), quota)]
         real = manager_config(shape, t, spec, False, shape.buffer_bytes_per_token * t)  # the real buffer sizes
+        if shape.is_hybrid:  # the real state sizes, in the manager's config
+            sizes = {
+                b.role: b.size for layer in real.layers if isinstance(layer, SsmLayerConfig) for b in layer.buffers
+            }
+            assert sizes == {"conv_state": shape.conv_state_bytes, "ssm_state": shape.ssm_state_bytes}
         want = _slots(real)
         for check in (False, True):
-            assert _slots(manager_config(shape, t, spec, False, proxy_page_bytes(t, check))) == want
+            page = proxy_page_bytes(t, check, shape)
+            assert page <= 4096  # still a proxy: a few bytes per block, not the model's KiB
+            assert _slots(manager_config(shape, t, spec, False, page)) == want
 
 
 def test_quota_parsing() -> None:
@@ -379,3 +386,38 @@ def test_checker_mix_separates_tokens_positions_buffers() -> None:
     assert not np.any(a == _mix(tok, pos, np.uint32(2)))
     assert not np.any(a == _mix(tok + np.uint32(1), pos, np.uint32(1)))
     assert not np.any(a == _mix(tok, pos + 1, np.uint32(1)))
+
+
+# layer counts of the published configs (attention, recurrent, manager layers) and the state of one
+# recurrent layer in elements, worked out by hand from the config fields named in the preset docstrings
+HYBRIDS = {
+    "qwen3-next-80b-a3b": (12, 36, 48, 3 * (2 * 16 * 128 + 32 * 128), 32 * 128 * 128),
+    "nemotron-h-8b": (4, 24, 28, 3 * (128 * 64 + 2 * 8 * 128), 128 * 64 * 128),
+    "jamba-v0.1": (4, 28, 32, 3 * 8192, 8192 * 16),
+    "falcon-h1-7b": (44, 44, 88, 3 * (24 * 128 + 2 * 256), 24 * 128 * 256),
+    "granite-4.0-h-small": (4, 36, 40, 3 * (128 * 64 + 2 * 128), 128 * 64 * 128),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(HYBRIDS))
+def test_hybrid_presets_match_their_published_configs(preset: str) -> None:
+    shape = model_shape(preset)
+    attention, recurrent, manager_layers, conv, ssm = HYBRIDS[preset]
+    assert (len(shape.kv_layers), len(shape.recurrent_layers)) == (attention, recurrent)
+    ids = set(shape.kv_layers) | {shape.recurrent_layer_id(i) for i in shape.recurrent_layers}
+    assert len(ids) == manager_layers  # a parallel layer is two manager layers, never one id twice
+    assert (shape.conv_state_elems, shape.ssm_state_elems) == (conv, ssm)
+    assert shape.state_bytes_per_request == recurrent * (conv + ssm) * 2  # bf16 as published
+    assert shape.bytes_per_token == 2 * attention * shape.kv_heads * shape.head_dim * 2
+    fp32 = model_shape(preset, state_dtype="fp32")
+    assert fp32.state_bytes_per_request == 2 * shape.state_bytes_per_request and fp32.kv_layers == shape.kv_layers
+    assert "recurrent layers" in shape.describe()
+    with pytest.raises(SimUserError, match="keeps its layer count"):
+        model_shape(preset, layers=3)
+
+
+def test_state_dtype_needs_a_hybrid_model() -> None:
+    with pytest.raises(SimUserError, match="--state-dtype: llama-3-8b has no recurrent layers"):
+        model_shape("llama-3-8b", state_dtype="fp32")
+    with pytest.raises(SimUserError, match="unknown --state-dtype 'fp64'"):
+        model_shape("jamba-v0.1", state_dtype="fp64")

@@ -139,7 +139,8 @@ def test_errors_through_the_module_entry_point_have_no_traceback() -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "kv-cache-sim: error: unknown model preset 'nope'; choose one of llama-3-8b, llama-3-70b, qwen2.5-7b, "
-        "qwen3-32b, gpt-oss-20b, gpt-oss-120b, or custom"
+        "qwen3-32b, gpt-oss-20b, gpt-oss-120b, qwen3-next-80b-a3b, nemotron-h-8b, jamba-v0.1, falcon-h1-7b, "
+        "granite-4.0-h-small, or custom"
     ]
 
 
@@ -423,3 +424,79 @@ def test_sweep_plot_with_rejections_and_overload(capsys: pytest.CaptureFixture[s
     code, out, _ = run(capsys, *OVERLOAD, "--sweep", "gpu=400tok,1000tok,20000tok", "--plot", str(path))
     assert code == 0 and "overloaded at gpu" in out
     _png(path)
+
+
+# ---------------------------------------------------------------- hybrid models (recurrent layers)
+HYBRID = ["--model", "qwen3-next-80b-a3b", "--trace", TRACE, "--requests", "120", "--no-progress"]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--model", "jamba-v0.1", "--ssm-reuse-interval", "100"], "--ssm-reuse-interval must be a positive multiple of --tokens-per-block (32), got 100"),
+        (["--model", "jamba-v0.1", "--ssm-reuse-interval", "-64"], "--ssm-reuse-interval must be a positive multiple of --tokens-per-block (32), got -64"),
+        (["--ssm-reuse-interval", "512"], "--ssm-reuse-interval: llama-3-8b has no recurrent layers"),
+        (["--state-dtype", "fp32"], "--state-dtype: llama-3-8b has no recurrent layers"),
+        (["--model", "nemotron-h-8b", "--state-dtype", "fp64"], "unknown --state-dtype 'fp64'"),
+        (["--model", "nemotron-h-8b", "--layers", "8"], "a hybrid preset keeps its layer count"),
+        (["--model", "nemotron-h-8b", "--check-data"], "--check-data checks KV records per token; nemotron-h-8b has recurrent layers"),
+        (["--model", "falcon-h1-7b", "--sweep", "ssm-interval=512,often"], "--sweep ssm-interval: 'often' is not a number of tokens"),
+        (["--model", "falcon-h1-7b", "--sweep", "ssm-interval=48"], "--sweep ssm-interval must be a positive multiple of --tokens-per-block (32), got 48"),
+        (["--sweep", "ssm-interval=512"], "--sweep ssm-interval: llama-3-8b has no recurrent layers"),
+        (["--model", "jamba-v0.1", "--sweep", "ssm-interval=512", "--ssm-reuse-interval", "64"], "drop --ssm-reuse-interval"),
+        (["--model", "granite-4.0-h-small", "--gpu", "64MiB"], "cannot hold one block of granite-4.0-h-small"),
+    ],
+)  # fmt: skip
+def test_hybrid_option_errors_are_one_line_through_the_entry_point(args: list[str], says: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kv_cache_manager_v2.sim", *args, "--conversations", "2", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("kv-cache-sim: error: "), proc.stderr
+    assert says in lines[0], lines[0]
+
+
+def test_hybrid_replay_reports_state_memory_and_snapshots(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *HYBRID, "--ssm-reuse-interval", "256", "--json")
+    assert code == 0, err
+    rep = json.loads(out)
+    m = rep["model"]
+    # 36 gated delta-nets of conv 3 x 8192 and ssm 32 x 128 x 128, bf16
+    assert (m["attention_layers"], m["recurrent_layers"]) == (12, 36)
+    assert m["state_bytes_per_request"] == 36 * 2 * (3 * 8192 + 32 * 128 * 128)
+    snap = rep["snapshots"]
+    assert snap["interval"] == 256 and snap["taken"] > 0 and snap["reused"] > 0
+    assert 0 < rep["hit_rate"]["tokens"] < 1
+    code, out, _ = run(capsys, *HYBRID, "--ssm-reuse-interval", "256")
+    assert code == 0 and "recurrent state" in out and "37.7 MiB per request" in out and "every 256 tokens" in out
+    code, out, _ = run(capsys, *QUICK, "--json")
+    assert json.loads(out)["snapshots"] is None  # attention-only models have none
+
+
+def test_hybrid_interval_sweep(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*HYBRID, "--gpu", "40GiB", "--sweep", "ssm-interval=64,1024,prompt,kv"]
+    code, out, err = run(capsys, *args, "--json")
+    assert code == 0, err
+    points = json.loads(out)["sweep"]["points"]
+    assert [p["sweep_point"] for p in points] == ["64", "1024", "prompt", "kv"]
+    hits = [p["hit_rate"]["tokens"] for p in points]
+    snaps = [p["snapshots"] for p in points]
+    assert snaps[3] is None and points[3]["model"]["recurrent_layers"] == 0
+    # denser snapshots: more of them; at prompt ends only, at most one per request
+    assert snaps[0]["taken"] > snaps[1]["taken"] > snaps[2]["taken"] > 0
+    assert snaps[2]["taken"] <= 120 and snaps[2]["interval"] >= 1 << 30
+    # prompt ends (rounded down to a block) are almost never multiples of the 2048-token chunks: the
+    # replay takes these snapshots because the adapter cuts each prefill chunk at the next one
+    assert snaps[2]["taken"] >= 108
+    # the attention layers alone bound every hybrid match
+    assert hits[3] >= max(hits[:3]), hits
+    # this trace shares prefixes at multiples of 512 tokens, never at a prompt end: prompt-end
+    # snapshots alone reuse next to nothing
+    assert hits[1] > 10 * hits[2], hits
+    # a snapshot of 37.7 MiB every 64 tokens overflows 40 GiB: snapshots are evicted, matches shorten
+    assert snaps[0]["evicted"] > 0 and snaps[1]["evicted"] == 0 and hits[0] < hits[1], (snaps, hits)
+    code, out, _ = run(capsys, *args)
+    assert code == 0 and "ssm-interval" in out and "prompt" in out and "without any snapshot" in out

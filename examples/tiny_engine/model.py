@@ -234,15 +234,18 @@ class TinyConfig:
         t, h, d = self.kv_page_shape
         return t * h * d * 8
 
-    def layer_configs(self) -> list[kvm.AttentionLayerConfig]:
-        """The manager's view of the model: per layer a key and a value buffer, windows as configured.
-        Attention-only models: the manager has no layer kind for a recurrent state yet."""
-        if self.recurrent_layers:
-            raise ValueError(
-                f"layers {self.recurrent_layers} are recurrent: the manager has no layer config for a recurrent "
-                "state yet (run hybrid models through tiny_engine.hybrid)"
-            )
-        return [
+    def state_layer_id(self, layer: int) -> int:
+        """The manager's layer id of layer ``layer``'s recurrent state: the layer's own id, or for a
+        ``"parallel"`` layer (whose attention keeps that id) ``len(layers) + layer``."""
+        if not self.layers[layer].has_recurrence:
+            raise ValueError(f"layer {layer} has no recurrent state")
+        return len(self.layers) + layer if self.layers[layer].has_attention else layer
+
+    def layer_configs(self) -> list[kvm.AttentionLayerConfig | kvm.SsmLayerConfig]:
+        """The manager's view of the model: per attention layer a key and a value buffer, windows as
+        configured; per recurrent state (its id: ``state_layer_id``) a ``conv_state`` and an
+        ``ssm_state`` buffer of one sequence's state."""
+        out: list[kvm.AttentionLayerConfig | kvm.SsmLayerConfig] = [
             kvm.AttentionLayerConfig(
                 kvm.LayerId(i),
                 [kvm.BufferConfig("key", self.kv_page_bytes), kvm.BufferConfig("value", self.kv_page_bytes)],
@@ -250,7 +253,17 @@ class TinyConfig:
                 num_sink_tokens=spec.sink_tokens if spec.window is not None and spec.sink_tokens else None,
             )
             for i, spec in enumerate(self.layers)
+            if spec.has_attention
         ]
+        state = self.recurrent_state_bytes()
+        out += [
+            kvm.SsmLayerConfig(
+                kvm.LayerId(self.state_layer_id(i)),
+                [kvm.BufferConfig(role, size) for role, size in state.items()],
+            )
+            for i in self.recurrent_layers
+        ]
+        return out
 
 
 def attention_mask(spec: LayerSpec, q_pos: Array, k_pos: Array) -> Array:

@@ -31,6 +31,9 @@ class WorkloadParams:
     num_prefixes: int = 6
     host_tier: bool = False  #: add a host tier 4x the GPU tier (evicted and suspended pages spill there)
     swa_scratch: bool = False  #: SWA prefill scratch slots (out-of-window blocks of a step share a few slots)
+    #: hybrid models: GPU room for this many recurrent states (live slots and snapshots) besides the KV
+    state_slots: int = 80
+    ssm_reuse_interval: int | None = None  #: hybrid models: tokens between state snapshots (None: default)
 
 
 @dataclass
@@ -47,23 +50,30 @@ def make_adapter(cfg: TinyConfig, p: WorkloadParams) -> KVCacheResourceManager:
     t = cfg.tokens_per_block
     layer_groups: dict[tuple[int | None, int], int] = {}  # (window, sink blocks) -> layers
     for spec in cfg.layers:
+        if not spec.has_attention:
+            continue
         key = (spec.window, -(-spec.sink_tokens // t) if spec.window is not None else 0)
         layer_groups[key] = layer_groups.get(key, 0) + 1
     groups: dict[int, bool] = {}  # slot bytes -> has full attention (first-seen order = pool group order)
-    for (window, _), n in layer_groups.items():
+    for (window, _), n in layer_groups.items():  # attention layers only (see below for recurrent ones)
         size = 2 * cfg.kv_page_bytes * n
         groups[size] = groups.get(size, False) or window is None
     ratio = [size * (p.full_slots if full else p.swa_slots) for size, full in groups.items()]
-    tiers: list[kvm.GpuCacheTierConfig | kvm.HostCacheTierConfig] = [kvm.GpuCacheTierConfig(sum(ratio))]
+    total = sum(ratio)
+    hybrid = bool(cfg.recurrent_layers)
+    if hybrid:  # the manager splits the quota between KV and state slots itself
+        total += p.state_slots * len(cfg.recurrent_layers) * sum(cfg.recurrent_state_bytes().values())
+    tiers: list[kvm.GpuCacheTierConfig | kvm.HostCacheTierConfig] = [kvm.GpuCacheTierConfig(total)]
     if p.host_tier:
-        tiers.append(kvm.HostCacheTierConfig(4 * sum(ratio)))
+        tiers.append(kvm.HostCacheTierConfig(4 * total))
     mgr_cfg = kvm.KVCacheManagerConfig(
         tokens_per_block=t,
         cache_tiers=tiers,
         layers=cfg.layer_configs(),
-        initial_pool_ratio=[r / sum(ratio) for r in ratio],
+        initial_pool_ratio=None if hybrid else [r / sum(ratio) for r in ratio],
         swa_scratch_reuse=kvm.SwaScratchReuseConfig() if p.swa_scratch else None,
         backend="host",
+        ssm_reuse_interval=p.ssm_reuse_interval,
     )
     return KVCacheResourceManager(mgr_cfg)
 

@@ -7,6 +7,6 @@ from __future__ import annotations
 
 from ._buffers import CudaBufferView
 from ._request import EngineRequest, RequestId, RequestState
-from ._resource_manager import KVCacheResourceManager
+from ._resource_manager import KVCacheResourceManager, step_tokens
 
-__all__ = ["CudaBufferView", "EngineRequest", "KVCacheResourceManager", "RequestId", "RequestState"]
+__all__ = ["CudaBufferView", "EngineRequest", "KVCacheResourceManager", "RequestId", "RequestState", "step_tokens"]

@@ -73,6 +73,21 @@ def _check_request(name: str, request: object) -> EngineRequest:
     return request
 
 
+def step_tokens(kv: KVCache, begin: int, remaining: int, chunk: int) -> int:
+    """Tokens of a request's next step from position ``begin`` with ``remaining`` uncomputed: at most
+    ``chunk`` (0: no limit), and for a hybrid model cut at the next snapshot position
+    (``KVCache.next_snapshot_position``), so that a step ends there and the manager can keep the
+    recurrent state of that exact position for prefix reuse."""
+    n = remaining
+    if chunk and n > chunk:
+        n = chunk
+    if n > 1:
+        cut = kv.next_snapshot_position(begin)
+        if cut is not None and cut < begin + n:
+            n = cut - begin
+    return n
+
+
 class KVCacheResourceManager:
     """Resource-manager adapter over one :class:`KVCacheManager` (built from ``config``).
 
@@ -187,9 +202,7 @@ class KVCacheResourceManager:
                         unserved.append(req)
                         continue
                     current = kv
-                n = num_tokens - h
-                if c and n > c:
-                    n = c
+                n = step_tokens(kv, h, num_tokens - h, c)
                 old_cap = kv.capacity
                 if h + n > old_cap and not kv.resize(h + n):
                     if suspended:
@@ -243,9 +256,7 @@ class KVCacheResourceManager:
                 kv.close()
                 return None
             reused = kv.history_length  # after resume: a failed disk read shortens the reused prefix
-            n = length - reused
-            if c and n > c:
-                n = c
+            n = step_tokens(kv, reused, length - reused, c)
             if not kv.resize(reused + n):
                 kv.close()
                 return None

@@ -43,6 +43,12 @@ from ._workload import ConversationParams, SimRequest, generate_conversations, l
 
 PROG = "kv-cache-sim"
 SWEEP_KEYS = ("gpu", "host", "disk")
+#: the --sweep key over the snapshot interval of a hybrid model, and its two special values
+SSM_SWEEP_KEY = "ssm-interval"
+#: snapshots at prompt ends only (an interval longer than any request)
+SSM_PROMPT_ONLY = "prompt"
+#: the attention layers alone: the hit rate a snapshot at every block would allow
+SSM_KV_ONLY = "kv"
 #: options of the built-in conversations (refused with --trace): flag, type, help
 BUILT_IN_OPTIONS: tuple[tuple[str, type, str], ...] = (
     ("--conversations", int, "conversations"),
@@ -97,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--window", type=int, help="override: sliding window of the SWA layers (0: none)")
     g.add_argument("--swa-every", type=int, help="override: layer i slides when i %% N == 0 (2: alternating)")
     g.add_argument("--sinks", type=int, help="override: sink tokens kept by sliding-window layers")
+    g.add_argument("--state-dtype", help="override (hybrid presets): recurrent state dtype (fp32, bf16, ...)")
+    g.add_argument(
+        "--ssm-reuse-interval",
+        type=int,
+        metavar="N",
+        help="hybrid models: snapshot the recurrent state every N tokens, besides prompt ends (a positive "
+        "multiple of --tokens-per-block; a match ends at a snapshot) (default: the largest of 512 and "
+        "--tokens-per-block)",
+    )
     g.add_argument("--tokens-per-block", type=int, default=32, help="tokens per KV block (a power of two)")
     g = p.add_argument_group("cache tiers (sizes: 16GiB, 512MiB, 2GB, a bare number is GiB; tokens: 3Mtok, 300ktok)")
     g.add_argument("--gpu", default="8GiB", help="GPU tier quota")
@@ -163,7 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--sweep",
         metavar="TIER=V1,V2,..",
-        help="replay once per quota (and eviction policy), e.g. gpu=1,3,10 or gpu=1Mtok,3Mtok",
+        help="replay once per quota (and eviction policy), e.g. gpu=1,3,10 or gpu=1Mtok,3Mtok; hybrid models: "
+        f"once per snapshot interval, e.g. {SSM_SWEEP_KEY}=256,1024,{SSM_PROMPT_ONLY},{SSM_KV_ONLY} "
+        f"({SSM_PROMPT_ONLY}: prompt-end snapshots only; {SSM_KV_ONLY}: the attention layers alone, as if "
+        "every block had a snapshot)",
     )
     g.add_argument(
         "--check-data", action="store_true", help="also write and check KV records through the pages (slower)"
@@ -197,7 +215,9 @@ def _fail(message: str, code: int = 2) -> int:
 
 
 def _shape(a: argparse.Namespace) -> ModelShape:
-    return model_shape(a.model, a.layers, a.kv_heads, a.head_dim, a.dtype, a.window, a.swa_every, a.sinks)
+    return model_shape(
+        a.model, a.layers, a.kv_heads, a.head_dim, a.dtype, a.window, a.swa_every, a.sinks, a.state_dtype
+    )
 
 
 def _tier(kind: str, option: str, text: str, shape: ModelShape, disk_path: str | None) -> TierSpec:
@@ -307,12 +327,45 @@ def _options(a: argparse.Namespace) -> SchedulerOptions:
 def _parse_sweep(text: str) -> tuple[str, list[str]]:
     key, sep, values = text.partition("=")
     key = key.strip().lower()
-    if not sep or key not in SWEEP_KEYS or not values.strip():
-        raise SimUserError(f"--sweep {text!r}: write TIER=V1,V2,... with TIER one of {', '.join(SWEEP_KEYS)}")
+    if not sep or key not in (*SWEEP_KEYS, SSM_SWEEP_KEY) or not values.strip():
+        raise SimUserError(
+            f"--sweep {text!r}: write TIER=V1,V2,... with TIER one of {', '.join(SWEEP_KEYS)}, or "
+            f"{SSM_SWEEP_KEY}=N1,N2,..."
+        )
     vals = [v.strip() for v in values.split(",") if v.strip()]
+    if key == SSM_SWEEP_KEY:
+        for v in vals:
+            if v not in (SSM_PROMPT_ONLY, SSM_KV_ONLY) and not v.isdigit():
+                raise SimUserError(
+                    f"--sweep {key}: {v!r} is not a number of tokens, {SSM_PROMPT_ONLY} or {SSM_KV_ONLY}"
+                )
+        return key, vals
     for v in vals:
         parse_quota(f"--sweep {key}", v)
     return key, vals
+
+
+def check_ssm_interval(option: str, interval: int, shape: ModelShape, tokens_per_block: int) -> None:
+    """An explicit snapshot interval needs a hybrid model and a positive multiple of the block size."""
+    if not shape.is_hybrid:
+        raise SimUserError(
+            f"{option}: {shape.name} has no recurrent layers (choose a hybrid preset, e.g. qwen3-next-80b-a3b)"
+        )
+    if interval <= 0 or interval % tokens_per_block:
+        raise SimUserError(
+            f"{option} must be a positive multiple of --tokens-per-block ({tokens_per_block}), got {interval}"
+        )
+
+
+def _ssm_point(value: str, shape: ModelShape, tokens_per_block: int) -> tuple[ModelShape, int | None]:
+    """One point of an ssm-interval sweep: the shape to replay and its snapshot interval."""
+    t = tokens_per_block
+    if value == SSM_KV_ONLY:
+        return dataclasses.replace(shape, name=f"{shape.name} (attention only)", recurrent_layers=()), None
+    if value == SSM_PROMPT_ONLY:
+        return shape, (1 << 40) // t * t  # longer than any request: prompt ends only
+    check_ssm_interval(f"--sweep {SSM_SWEEP_KEY}", int(value), shape, t)
+    return shape, int(value)
 
 
 def _progress_bar(total: int, enabled: bool, label: str) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
@@ -361,9 +414,12 @@ def simulate(
     progress: Callable[[int], None] | None = None,
     eviction_policy: str = "lru",
     metrics: SimMetrics | None = None,
+    ssm_reuse_interval: int | None = None,
 ) -> dict[str, Any]:
     """One replay; returns the report dict. Raises SimUserError for refused configurations."""
-    config, scale = _sim_config(shape, tiers, tokens_per_block, swa_scratch, check_data, eviction_policy)
+    config, scale = _sim_config(
+        shape, tiers, tokens_per_block, swa_scratch, check_data, eviction_policy, ssm_reuse_interval
+    )
     try:
         replay = Replay(config, requests, options, check_data, progress, on_finish=metrics.finish if metrics else None)
         if metrics is not None:
@@ -457,13 +513,18 @@ def _sim_config(
     swa_scratch: bool,
     check_data: bool,
     eviction_policy: str,
+    ssm_reuse_interval: int | None = None,
 ) -> tuple[kvm.KVCacheManagerConfig, float]:
     """The proxy-sized manager config of a replay, and the real bytes per proxy byte."""
     t = tokens_per_block
     if t < 1 or t & (t - 1):
         raise SimUserError(f"--tokens-per-block must be a power of two, got {t}")
-    page_bytes = proxy_page_bytes(t, check_data)
-    config = manager_config(shape, t, tiers, swa_scratch, page_bytes, eviction_policy)
+    if check_data and shape.is_hybrid:
+        raise SimUserError(
+            f"--check-data checks KV records per token; {shape.name} has recurrent layers (drop --check-data)"
+        )
+    page_bytes = proxy_page_bytes(t, check_data, shape)
+    config = manager_config(shape, t, tiers, swa_scratch, page_bytes, eviction_policy, ssm_reuse_interval)
     return config, real_bytes_per_proxy_byte(shape, t, page_bytes)
 
 
@@ -486,12 +547,15 @@ def simulate_replicas(
     swa_scratch: bool = False,
     check_data: bool = False,
     eviction_policy: str = "lru",
+    ssm_reuse_interval: int | None = None,
 ) -> dict[str, Any]:
     """Replay over ``replicas`` round-robin replicas twice: private caches, then sharing a remote tier
     at ``remote_url`` (each replica writes through). Returns both reports and the gain."""
     if replicas < 2:
         raise SimUserError(f"--replicas must be at least 2 to compare sharing, got {replicas}")
-    config, scale = _sim_config(shape, tiers, tokens_per_block, swa_scratch, check_data, eviction_policy)
+    config, scale = _sim_config(
+        shape, tiers, tokens_per_block, swa_scratch, check_data, eviction_policy, ssm_reuse_interval
+    )
     namespace = f"kv-cache-sim-{os.getpid()}-{id(requests):x}"  # fresh keys: no hits from an earlier run
     out: dict[str, Any] = {"count": replicas, "routing": "round-robin", "remote_url": remote_url}
     for label, url in (("private", None), ("shared", remote_url)):
@@ -567,6 +631,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.json and a.json != "-":
             _check_output("--json", a.json)
         sweep = _parse_sweep(a.sweep) if a.sweep else None
+        interval: int | None = a.ssm_reuse_interval
+        if interval is not None:
+            check_ssm_interval("--ssm-reuse-interval", interval, shape, a.tokens_per_block)
+        if sweep is not None and sweep[0] == SSM_SWEEP_KEY:
+            if interval is not None:
+                raise SimUserError(
+                    f"--sweep {SSM_SWEEP_KEY} sets the interval of each replay: drop --ssm-reuse-interval"
+                )
+            if a.plot:
+                raise SimUserError(f"--plot draws quota sweeps; --sweep {SSM_SWEEP_KEY} prints its table only")
+            if not shape.is_hybrid:
+                raise SimUserError(
+                    f"--sweep {SSM_SWEEP_KEY}: {shape.name} has no recurrent layers (choose a hybrid preset, "
+                    "e.g. qwen3-next-80b-a3b)"
+                )
         uses_disk = bool(a.disk) or (sweep is not None and sweep[0] == "disk")
         if a.disk_path:
             if not uses_disk:
@@ -605,7 +684,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             bar = None if a.no_progress else (lambda label: _progress_bar(len(requests), True, label))
             restart_doc = {"schema": SCHEMA, **simulate_restart(
                 shape, tiers, a.tokens_per_block, requests, workload, options, a.restart_at, a.swa_scratch,
-                a.check_data, a.eviction_policy[0], kvm.compiled, bar,
+                a.check_data, a.eviction_policy[0], kvm.compiled, bar, interval,
             )}  # fmt: skip
             _emit(
                 a.json,
@@ -648,6 +727,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 a.swa_scratch,
                 a.check_data,
                 a.eviction_policy[0],
+                interval,
             )
             fleet_doc = {"schema": SCHEMA, "replicas": fleet}
             if a.json == "-":
@@ -663,7 +743,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         reports: list[dict[str, Any]] = []
         points: list[list[TierSpec]] = [tiers]
-        if sweep is not None:
+        #: per point of an ssm-interval sweep: the shape and interval of its replay
+        variants: list[tuple[ModelShape, int | None, str]] = [(shape, interval, "")]
+        if sweep is not None and sweep[0] == SSM_SWEEP_KEY:
+            variants = [(*_ssm_point(v, shape, a.tokens_per_block), v) for v in sweep[1]]
+        elif sweep is not None:
             key, values = sweep
             points = []
             for v in values:
@@ -677,28 +761,33 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row.sort(key=lambda x: SWEEP_KEYS.index(x.kind))
                 points.append(row)
         policies: list[str] = a.eviction_policy
-        runs = [(row, policy) for row in points for policy in policies]
-        for row, policy in runs:
-            label = f"replay ({row[-1].kind} {row[-1].text})" if sweep else "replay"
+        runs = [(row, variant, policy) for row in points for variant in variants for policy in policies]
+        for row, (run_shape, run_interval, point), policy in runs:
+            if point:
+                label = f"replay ({SSM_SWEEP_KEY} {point})"
+            else:
+                label = f"replay ({row[-1].kind} {row[-1].text})" if sweep else "replay"
             if len(policies) > 1:
                 label += f" {policy}"
             update, close = _progress_bar(len(requests), not a.no_progress, label)
             try:
-                reports.append(
-                    simulate(
-                        shape,
-                        row,
-                        a.tokens_per_block,
-                        requests,
-                        workload,
-                        options,
-                        a.swa_scratch,
-                        a.check_data,
-                        update,
-                        policy,
-                        metrics,
-                    )
+                rep = simulate(
+                    run_shape,
+                    row,
+                    a.tokens_per_block,
+                    requests,
+                    workload,
+                    options,
+                    a.swa_scratch,
+                    a.check_data,
+                    update,
+                    policy,
+                    metrics,
+                    run_interval,
                 )
+                if point:
+                    rep["sweep_point"] = point
+                reports.append(rep)
             finally:
                 close()
         if sweep is not None or len(reports) > 1:  # a sweep of quotas and/or policies

@@ -27,6 +27,8 @@ from .._config import (
     GpuCacheTierConfig,
     HostCacheTierConfig,
     KVCacheManagerConfig,
+    LayerConfig,
+    SsmLayerConfig,
     SwaScratchReuseConfig,
 )
 
@@ -46,8 +48,15 @@ class SimUserError(ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The attention shape that decides KV memory: every layer holds a key and a value buffer of
-    ``kv_heads * head_dim`` elements per token; layers ``i % swa_every == 0`` (when ``window``) slide."""
+    """The shape that decides cache memory. Every attention layer holds a key and a value buffer of
+    ``kv_heads * head_dim`` elements per token; attention layers ``i % swa_every == 0`` (when
+    ``window``) slide. A hybrid model also has recurrent layers (Mamba / gated delta-net): each holds
+    one fixed-size state per request, ``conv_state_elems + ssm_state_elems`` elements of ``state_dtype``.
+
+    ``attention_layers`` (None: ``0 .. num_layers-1``) and ``recurrent_layers`` are the model's layer
+    numbers. A layer in both (Falcon-H1's parallel attention + Mamba2) is two layers for the manager:
+    its attention keeps layer id ``i``, its recurrence gets ``num_layers + i``.
+    """
 
     name: str
     num_layers: int
@@ -57,6 +66,18 @@ class ModelShape:
     window: int | None = None  #: sliding-window size of the SWA layers (None: all layers full attention)
     swa_every: int = 0  #: layer i is a sliding-window layer when window and i % swa_every == 0
     sinks: int = 0  #: sink tokens the sliding-window layers keep
+    attention_layers: tuple[int, ...] | None = None  #: layers with KV (None: every layer)
+    recurrent_layers: tuple[int, ...] = ()  #: layers with a recurrent state
+    conv_state_elems: int = 0  #: elements of one recurrent layer's conv_state (per request)
+    ssm_state_elems: int = 0  #: elements of one recurrent layer's ssm_state (per request)
+    state_dtype: str = "bf16"  #: dtype of the recurrent states
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """The layers that hold KV."""
+        if self.attention_layers is None:
+            return list(range(self.num_layers))
+        return list(self.attention_layers)
 
     @property
     def buffer_bytes_per_token(self) -> int:
@@ -65,26 +86,53 @@ class ModelShape:
 
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes of one token across all layers (key + value), as if every layer kept it."""
-        return 2 * self.num_layers * self.buffer_bytes_per_token
+        """KV bytes of one token across all attention layers (key + value), as if every layer kept it."""
+        return 2 * len(self.kv_layers) * self.buffer_bytes_per_token
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.recurrent_layers)
+
+    @property
+    def conv_state_bytes(self) -> int:
+        """Bytes of one recurrent layer's conv_state (one request)."""
+        return self.conv_state_elems * DTYPE_BYTES[self.state_dtype]
+
+    @property
+    def ssm_state_bytes(self) -> int:
+        """Bytes of one recurrent layer's ssm_state (one request)."""
+        return self.ssm_state_elems * DTYPE_BYTES[self.state_dtype]
+
+    @property
+    def state_bytes_per_request(self) -> int:
+        """Recurrent state bytes of one request (one beam) across all recurrent layers."""
+        return len(self.recurrent_layers) * (self.conv_state_bytes + self.ssm_state_bytes)
+
+    def recurrent_layer_id(self, layer: int) -> int:
+        """The manager's layer id of recurrent layer ``layer`` (see the class doc)."""
+        return self.num_layers + layer if layer in self.kv_layers else layer
 
     def is_swa_layer(self, i: int) -> bool:
         return self.window is not None and self.swa_every > 0 and i % self.swa_every == 0
 
     @property
     def num_swa_layers(self) -> int:
-        return sum(1 for i in range(self.num_layers) if self.is_swa_layer(i))
+        return sum(1 for i in self.kv_layers if self.is_swa_layer(i))
 
     def describe(self) -> str:
         kib = self.bytes_per_token / 1024
-        s = (
-            f"{self.name} ({self.num_layers} layers, {self.kv_heads} KV heads x {self.head_dim}, {self.dtype}: "
-            f"{kib:g} KiB/token"
-        )
+        n = len(self.kv_layers)
+        layers = f"{n} layers" if not self.is_hybrid else f"{n} attention layers"
+        s = f"{self.name} ({layers}, {self.kv_heads} KV heads x {self.head_dim}, {self.dtype}: {kib:g} KiB/token"
         if self.window is not None and self.num_swa_layers:
             s += f"; {self.num_swa_layers} sliding-window layers, window {self.window}"
             if self.sinks:
                 s += f", {self.sinks} sinks"
+        if self.is_hybrid:
+            s += (
+                f"; {len(self.recurrent_layers)} recurrent layers, {self.state_dtype} state "
+                f"{format_bytes(self.state_bytes_per_request)}/request"
+            )
         return s + ")"
 
     def validate(self) -> None:
@@ -97,12 +145,106 @@ class ModelShape:
         ):
             if v < lo:
                 raise SimUserError(f"{what} must be >= {lo}, got {v}")
-        if self.dtype not in DTYPE_BYTES:
-            raise SimUserError(f"unknown --dtype {self.dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
+        for what, dt in (("--dtype", self.dtype), ("--state-dtype", self.state_dtype)):
+            if dt not in DTYPE_BYTES:
+                raise SimUserError(f"unknown {what} {dt!r}; choose one of {', '.join(DTYPE_BYTES)}")
         if self.window is not None and self.window < 1:
             raise SimUserError(f"--window must be >= 1, got {self.window}")
         if self.sinks and self.window is None:
             raise SimUserError("--sinks needs a --window (sink tokens belong to sliding-window layers)")
+        if any(not 0 <= i < self.num_layers for i in (*self.kv_layers, *self.recurrent_layers)):
+            raise SimUserError(
+                f"--layers {self.num_layers}: {self.name} has layers up to "
+                f"{max((*self.kv_layers, *self.recurrent_layers))}; a hybrid preset keeps its layer count"
+            )
+        if not self.kv_layers:
+            raise SimUserError(f"{self.name} has no attention layer; the simulator needs at least one")
+
+
+# ---------------------------------------------------------------------- hybrid presets
+# Recurrent state per layer and request, in elements (conv_state keeps the last d_conv - 1 inputs
+# of every convolved channel, as vLLM and SGLang store it):
+def mamba1_state(d_inner: int, d_state: int, d_conv: int) -> tuple[int, int]:
+    """Mamba (v1): conv_state = (d_conv - 1) x d_inner, ssm_state = d_inner x d_state."""
+    return (d_conv - 1) * d_inner, d_inner * d_state
+
+
+def mamba2_state(heads: int, head_dim: int, d_state: int, n_groups: int, d_conv: int) -> tuple[int, int]:
+    """Mamba2: the convolution runs over x, B and C, so conv_state = (d_conv - 1) x (heads * head_dim
+    + 2 * n_groups * d_state); ssm_state = heads x head_dim x d_state."""
+    return (d_conv - 1) * (heads * head_dim + 2 * n_groups * d_state), heads * head_dim * d_state
+
+
+def gated_delta_net_state(k_heads: int, k_head_dim: int, v_heads: int, v_head_dim: int, d_conv: int) -> tuple[int, int]:
+    """Gated delta-net: the convolution runs over q, k and v, so conv_state = (d_conv - 1) x
+    (2 * k_heads * k_head_dim + v_heads * v_head_dim); ssm_state (the delta-rule matrix) =
+    v_heads x k_head_dim x v_head_dim."""
+    return (d_conv - 1) * (2 * k_heads * k_head_dim + v_heads * v_head_dim), v_heads * k_head_dim * v_head_dim
+
+
+def qwen3_next_80b_a3b() -> ModelShape:
+    """Qwen/Qwen3-Next-80B-A3B (config.json): ``num_hidden_layers`` 48, ``full_attention_interval`` 4
+    (layers 3, 7, .., 47 attend: 12; the other 36 are gated delta-nets), ``num_key_value_heads`` 2,
+    ``head_dim`` 256; ``linear_num_key_heads`` 16, ``linear_key_head_dim`` 128,
+    ``linear_num_value_heads`` 32, ``linear_value_head_dim`` 128, ``linear_conv_kernel_dim`` 4;
+    ``torch_dtype`` bfloat16. Per recurrent layer: conv 3 x 8192, ssm 32 x 128 x 128."""
+    conv, ssm = gated_delta_net_state(16, 128, 32, 128, 4)
+    attn = tuple(i for i in range(48) if (i + 1) % 4 == 0)
+    rec = tuple(i for i in range(48) if i not in attn)
+    return ModelShape("qwen3-next-80b-a3b", 48, 2, 256, attention_layers=attn, recurrent_layers=rec,
+                      conv_state_elems=conv, ssm_state_elems=ssm)  # fmt: skip
+
+
+def nemotron_h_8b() -> ModelShape:
+    """nvidia/Nemotron-H-8B-Base-8K (config.json): ``hybrid_override_pattern``
+    ``M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-`` (52 layers: 24 Mamba2 ``M``, 4 attention
+    ``*`` at 7, 18, 29, 40, 24 MLP ``-``), ``num_key_value_heads`` 8, ``head_dim`` 128;
+    ``mamba_num_heads`` 128, ``mamba_head_dim`` 64, ``ssm_state_size`` 128, ``n_groups`` 8,
+    ``conv_kernel`` 4; ``torch_dtype`` bfloat16. Per Mamba2 layer: conv 3 x 10240, ssm 128 x 64 x 128."""
+    pattern = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+    conv, ssm = mamba2_state(128, 64, 128, 8, 4)
+    attn = tuple(i for i, c in enumerate(pattern) if c == "*")
+    rec = tuple(i for i, c in enumerate(pattern) if c == "M")
+    return ModelShape("nemotron-h-8b", len(pattern), 8, 128, attention_layers=attn, recurrent_layers=rec,
+                      conv_state_elems=conv, ssm_state_elems=ssm)  # fmt: skip
+
+
+def jamba_v0_1() -> ModelShape:
+    """ai21labs/Jamba-v0.1 (config.json): ``num_hidden_layers`` 32, ``attn_layer_period`` 8,
+    ``attn_layer_offset`` 4 (layers 4, 12, 20, 28 attend; the other 28 are Mamba),
+    ``num_key_value_heads`` 8, head dim ``hidden_size`` 4096 / ``num_attention_heads`` 32 = 128;
+    ``mamba_expand`` 2 (d_inner 8192), ``mamba_d_state`` 16, ``mamba_d_conv`` 4; ``torch_dtype``
+    bfloat16. Per Mamba layer: conv 3 x 8192, ssm 8192 x 16."""
+    conv, ssm = mamba1_state(2 * 4096, 16, 4)
+    attn = tuple(range(4, 32, 8))
+    rec = tuple(i for i in range(32) if i not in attn)
+    return ModelShape("jamba-v0.1", 32, 8, 128, attention_layers=attn, recurrent_layers=rec,
+                      conv_state_elems=conv, ssm_state_elems=ssm)  # fmt: skip
+
+
+def falcon_h1_7b() -> ModelShape:
+    """tiiuae/Falcon-H1-7B (config.json): ``num_hidden_layers`` 44, every layer runs attention and
+    Mamba2 side by side; ``num_key_value_heads`` 2, ``head_dim`` 128; ``mamba_n_heads`` 24,
+    ``mamba_d_head`` 128 (``mamba_d_ssm`` 3072), ``mamba_d_state`` 256, ``mamba_n_groups`` 1,
+    ``mamba_d_conv`` 4; ``torch_dtype`` bfloat16. Per Mamba2 layer: conv 3 x 3584, ssm 24 x 128 x 256.
+    The manager sees 88 layers: attention ids 0..43, recurrent ids 44..87."""
+    conv, ssm = mamba2_state(24, 128, 256, 1, 4)
+    every = tuple(range(44))
+    return ModelShape("falcon-h1-7b", 44, 2, 128, attention_layers=every, recurrent_layers=every,
+                      conv_state_elems=conv, ssm_state_elems=ssm)  # fmt: skip
+
+
+def granite_4_0_h_small() -> ModelShape:
+    """ibm-granite/granite-4.0-h-small (config.json): ``num_hidden_layers`` 40, ``layer_types``
+    ``attention`` at 5, 15, 25, 35 and ``mamba`` elsewhere (36), ``num_key_value_heads`` 8, head dim
+    ``hidden_size`` 4096 / ``num_attention_heads`` 32 = 128; ``mamba_n_heads`` 128, ``mamba_d_head``
+    64, ``mamba_d_state`` 128, ``mamba_n_groups`` 1, ``mamba_d_conv`` 4; ``torch_dtype`` bfloat16.
+    Per Mamba2 layer: conv 3 x 8448, ssm 128 x 64 x 128."""
+    conv, ssm = mamba2_state(128, 64, 128, 1, 4)
+    attn = (5, 15, 25, 35)
+    rec = tuple(i for i in range(40) if i not in attn)
+    return ModelShape("granite-4.0-h-small", 40, 8, 128, attention_layers=attn, recurrent_layers=rec,
+                      conv_state_elems=conv, ssm_state_elems=ssm)  # fmt: skip
 
 
 PRESETS: dict[str, ModelShape] = {
@@ -115,6 +257,12 @@ PRESETS: dict[str, ModelShape] = {
         # gpt-oss: alternating sliding-window (128) and full-attention layers, GQA with 8 KV heads of 64
         ModelShape("gpt-oss-20b", 24, 8, 64, window=128, swa_every=2),
         ModelShape("gpt-oss-120b", 36, 8, 64, window=128, swa_every=2),
+        # hybrids: attention + recurrent layers (docstrings: the published config fields and formulas)
+        qwen3_next_80b_a3b(),
+        nemotron_h_8b(),
+        jamba_v0_1(),
+        falcon_h1_7b(),
+        granite_4_0_h_small(),
     )
 }
 
@@ -128,6 +276,7 @@ def model_shape(
     window: int | None = None,
     swa_every: int | None = None,
     sinks: int | None = None,
+    state_dtype: str | None = None,
 ) -> ModelShape:
     """A preset with optional overrides (``preset="custom"`` starts from llama-3-8b's shape)."""
     if preset == "custom":
@@ -143,6 +292,7 @@ def model_shape(
         ("head_dim", head_dim),
         ("dtype", dtype),
         ("sinks", sinks),
+        ("state_dtype", state_dtype),
     ):
         if value is not None:
             changes[key] = value
@@ -152,6 +302,8 @@ def model_shape(
             changes["swa_every"] = 2
     if swa_every is not None:
         changes["swa_every"] = swa_every
+    if state_dtype is not None and not base.is_hybrid:
+        raise SimUserError(f"--state-dtype: {base.name} has no recurrent layers (choose a hybrid preset)")
     shape = replace(base, **changes) if changes else base  # type: ignore[arg-type]
     if changes and preset != "custom":
         shape = replace(shape, name=f"{preset} (modified)")
@@ -285,9 +437,23 @@ class TierSpec:
     persistent: bool = False  #: a disk tier kept across a restart (``--restart-at``)
 
 
-def proxy_page_bytes(tokens_per_block: int, check_data: bool) -> int:
-    """Bytes of one proxy buffer page: a record per token for the data checker, else 4."""
-    return PROXY_RECORD_BYTES * tokens_per_block if check_data else PROXY_RECORD_BYTES
+def proxy_page_bytes(tokens_per_block: int, check_data: bool, shape: ModelShape | None = None) -> int:
+    """Bytes of one proxy buffer page: a record per token for the data checker, else 4. For a hybrid
+    ``shape`` the least multiple of that large enough that every recurrent state buffer
+    scales to a whole number of proxy bytes (see ``proxy_state_bytes``)."""
+    page = PROXY_RECORD_BYTES * tokens_per_block if check_data else PROXY_RECORD_BYTES
+    if shape is None or not shape.is_hybrid:
+        return page
+    real_page = shape.buffer_bytes_per_token * tokens_per_block
+    g = math.gcd(real_page, shape.conv_state_bytes, shape.ssm_state_bytes)
+    return math.lcm(page, real_page // g)
+
+
+def proxy_state_bytes(shape: ModelShape, tokens_per_block: int, page_bytes: int, real_bytes: int) -> int:
+    """A recurrent state buffer of ``real_bytes`` scaled like the KV pages (exact with the page
+    bytes of ``proxy_page_bytes``, rounded up otherwise)."""
+    real_page = shape.buffer_bytes_per_token * tokens_per_block
+    return max(1, -(-real_bytes * page_bytes // real_page))
 
 
 def real_bytes_per_proxy_byte(shape: ModelShape, tokens_per_block: int, page_bytes: int) -> float:
@@ -302,6 +468,7 @@ def manager_config(
     swa_scratch: bool,
     page_bytes: int,
     eviction_policy: str = "lru",
+    ssm_reuse_interval: int | None = None,
 ) -> KVCacheManagerConfig:
     """The manager configuration of the replay: real layer structure, proxy buffers of ``page_bytes``
     per page, quotas scaled to match (so the slot counts are those of the real shape).
@@ -313,19 +480,25 @@ def manager_config(
         raise SimUserError(
             f"unknown --eviction-policy {eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}"
         )
-    layers = [
+    layers: list[LayerConfig] = [
         AttentionLayerConfig(
             LayerId(i),
             [BufferConfig("key", page_bytes), BufferConfig("value", page_bytes)],
             sliding_window_size=shape.window if shape.is_swa_layer(i) else None,
             num_sink_tokens=shape.sinks if shape.is_swa_layer(i) and shape.sinks else None,
         )
-        for i in range(shape.num_layers)
+        for i in shape.kv_layers
     ]
+    state = [
+        BufferConfig(role, proxy_state_bytes(shape, t, page_bytes, real))
+        for role, real in (("conv_state", shape.conv_state_bytes), ("ssm_state", shape.ssm_state_bytes))
+    ]
+    layers += [SsmLayerConfig(LayerId(shape.recurrent_layer_id(i)), state) for i in shape.recurrent_layers]
     real_page = shape.buffer_bytes_per_token * t
     gpu = tiers[0]
-    # one block of every layer (both layer groups of a SWA model) is the least any request needs
-    min_bytes = shape.bytes_per_token * t
+    # one block of every layer (both layer groups of a SWA model) and one live state per recurrent
+    # layer is the least any request needs
+    min_bytes = shape.bytes_per_token * t + shape.state_bytes_per_request
     if gpu.quota_bytes < min_bytes:
         raise SimUserError(
             f"--gpu {gpu.text} cannot hold one block of {shape.name}: one block of {t} tokens takes "
@@ -354,4 +527,5 @@ def manager_config(
         swa_scratch_reuse=SwaScratchReuseConfig() if swa_scratch else None,
         backend="host",
         eviction_policy=cast(EvictionPolicy, eviction_policy),
+        ssm_reuse_interval=ssm_reuse_interval if shape.is_hybrid else None,
     )

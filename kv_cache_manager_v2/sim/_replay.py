@@ -141,6 +141,12 @@ class ReplayResult:
     missed_blocks: int = 0
     reused_pages: int = 0
     allocated_pages: int = 0
+    #: recurrent-state snapshots (hybrid models; the manager's ReuseStatistics)
+    snapshots_taken: int = 0
+    snapshots_skipped: int = 0
+    snapshots_reused: int = 0
+    snapshots_evicted: int = 0
+    snapshot_interval: int = 0  #: tokens between snapshots (0: no recurrent layers)
     records_checked: int = 0  #: --check-data
     layer_by_layer_steps: int = 0  #: --check-data steps with SWA scratch blocks (checked layer by layer)
     blocks_replayed: int = 0  #: blocks of prompt + output over all finished requests (replay speed)
@@ -596,6 +602,11 @@ class Replay:
         r.missed_blocks += st.missed_blocks
         r.reused_pages += st.reused_pages
         r.allocated_pages += st.allocated_pages
+        r.snapshots_taken += st.snapshots_taken
+        r.snapshots_skipped += st.snapshots_skipped
+        r.snapshots_reused += st.snapshots_reused
+        r.snapshots_evicted += st.snapshots_evicted
+        r.snapshot_interval = m.config.snapshot_interval
         for usage in r.levels:
             ts = m.get_tier_statistics(CacheLevel(usage.level))
             usage.peak_occupied = max(usage.peak_occupied, ts.peak_used_bytes)

@@ -106,7 +106,14 @@ def merge_results(results: Sequence[ReplayResult]) -> ReplayResult:
         values = [getattr(r, f.name) for r in results]
         if f.name in ("tokens_per_block",):
             continue
-        if f.name in ("max_batch", "sim_time_ms", "trace_span_ms", "longest_request_tokens", "ideal_peak_tokens"):
+        if f.name in (
+            "max_batch",
+            "sim_time_ms",
+            "trace_span_ms",
+            "longest_request_tokens",
+            "ideal_peak_tokens",
+            "snapshot_interval",
+        ):
             setattr(out, f.name, max(values))
         elif isinstance(values[0], (int, float)) and not isinstance(values[0], bool):
             setattr(out, f.name, sum(values))

@@ -90,7 +90,21 @@ def build_report(
             "sinks": shape.sinks,
             "bytes_per_token": shape.bytes_per_token,
             "swa_scratch_reuse": swa_scratch,
+            "attention_layers": len(shape.kv_layers),
+            "recurrent_layers": len(shape.recurrent_layers),
+            "state_dtype": shape.state_dtype if shape.is_hybrid else None,
+            #: one request's (one beam's) recurrent state: conv_state + ssm_state of every recurrent layer
+            "state_bytes_per_request": shape.state_bytes_per_request,
         },
+        "snapshots": {
+            "interval": r.snapshot_interval,
+            "taken": r.snapshots_taken,
+            "skipped": r.snapshots_skipped,
+            "reused": r.snapshots_reused,
+            "evicted": r.snapshots_evicted,
+        }
+        if shape.is_hybrid
+        else None,
         "tokens_per_block": t,
         "workload": workload,
         "scheduler": {
@@ -183,7 +197,8 @@ def _load(r: ReplayResult, shape: ModelShape, tiers: list[TierSpec], options: Sc
     in_tokens = is_token_quota(gpu.text)
     bpt = shape.bytes_per_token
     t = r.tokens_per_block
-    longest_bytes = (r.longest_request_tokens + t) * bpt  # its blocks, one more for alignment
+    # its blocks (one more for alignment) and its live recurrent state
+    longest_bytes = (r.longest_request_tokens + t) * bpt + shape.state_bytes_per_request
     fit_bytes = max(r.ideal_peak_tokens * bpt / (1.0 - options.watermark), longest_bytes)
     suggested = format_quota(fit_bytes, shape, in_tokens) if fit_bytes > gpu.quota_bytes else None
     admits_all = format_quota(longest_bytes, shape, in_tokens)
@@ -191,8 +206,13 @@ def _load(r: ReplayResult, shape: ModelShape, tiers: list[TierSpec], options: Sc
     if r.rejected:
         warnings.append(
             f"rejected {r.rejected:,} of {r.num_requests:,} requests as longer than the GPU tier holds (the longest needs "
-            f"{format_count(r.longest_request_tokens)} tokens; --gpu {admits_all} admits every one); their "
-            "prompts count as misses in the hit rates over all requests"
+            f"{format_count(r.longest_request_tokens)} tokens; --gpu {admits_all} admits every one"
+            + (
+                ", plus the share the manager gives snapshots, which grows as --ssm-reuse-interval shrinks"
+                if shape.is_hybrid
+                else ""
+            )
+            + "); their prompts count as misses in the hit rates over all requests"
         )
     if overloaded:
         msg = (
@@ -319,8 +339,18 @@ def format_report(rep: dict[str, Any]) -> str:
                 else ""
             ),
         ),
+        *_snapshot_lines(rep),
         "memory",
     ]
+    if m.get("recurrent_layers"):
+        lines.append(
+            _row(
+                "recurrent state",
+                f"{format_bytes(m['state_bytes_per_request'])} per request ({m['recurrent_layers']} recurrent layers, "
+                f"{m['state_dtype']}), besides {format_bytes(m['bytes_per_token'])}/token of KV in "
+                f"{m['attention_layers']} attention layers",
+            )
+        )
     tiers = rep["tiers"]
     for i, tier in enumerate(tiers):
         name = tier["tier"].upper() if tier["tier"] == "gpu" else tier["tier"]
@@ -358,6 +388,21 @@ def format_report(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _snapshot_lines(rep: dict[str, Any]) -> list[str]:
+    """Hybrid models: the recurrent-state snapshots that bound every match."""
+    snap = rep.get("snapshots")
+    if not snap:
+        return []
+    return [
+        _row(
+            "state snapshots",
+            f"every {snap['interval']} tokens and at prompt ends: {format_count(snap['taken'])} taken, "
+            f"{format_count(snap['reused'])} reused, {format_count(snap['evicted'])} evicted, "
+            f"{format_count(snap['skipped'])} skipped (no free slot); a match ends at a snapshot",
+        )
+    ]
+
+
 def _load_text(load: dict[str, Any]) -> str:
     w = load["wait_s"]
     head = f"waited before admission: p50 {w['p50']:,.1f} s, p99 {w['p99']:,.1f} s"
@@ -374,6 +419,8 @@ def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
     prompts are misses, so every point has the same denominator) and over the admitted ones,
     rejected requests, peak use, preemptions, pages dropped (all tiers), simulated time / trace span;
     then what to make of overloaded points."""
+    if key == "ssm-interval":
+        return format_ssm_sweep(reports)
     head = (
         f"{key + ' quota':<14}{'tokens':>12}  {'policy':<10}{'hit(tok)':>10}{'hit(blk)':>10}{'admitted':>10}"
         f"{'rejected':>10}{'peak use':>10}{'preempt':>9}{'dropped':>10}{'time':>8}"
@@ -425,3 +472,32 @@ def _sweep_advice(key: str, reports: list[dict[str, Any]]) -> list[str]:
         if note:
             out.append(f"  at {key} {quota[-1]}: {note[0]}")
     return out
+
+
+def format_ssm_sweep(reports: list[dict[str, Any]]) -> str:
+    """One line per snapshot interval of a hybrid model (``prompt``: prompt-end snapshots only;
+    ``kv``: the attention layers alone, the bound a snapshot at every block would reach): hit rates,
+    snapshots taken / reused / evicted / skipped, peak GPU use, preemptions."""
+    head = (
+        f"{'ssm-interval':<14}{'policy':<10}{'hit(tok)':>10}{'hit(blk)':>10}{'taken':>10}{'reused':>10}"
+        f"{'evicted':>10}{'skipped':>10}{'peak use':>10}{'preempt':>9}"
+    )
+    lines = [head]
+    for rep in reports:
+        snap = rep.get("snapshots") or {}
+        hit = rep["hit_rate"]
+        pm = rep["preemptions"]
+        count = {k: format_count(snap[k]) if snap else "-" for k in ("taken", "reused", "evicted", "skipped")}
+        lines.append(
+            f"{rep.get('sweep_point', ''):<14}{rep['eviction_policy']:<10}{hit['tokens_all_requests']:>10.3f}"
+            f"{hit['blocks_all_requests']:>10.3f}{count['taken']:>10}{count['reused']:>10}{count['evicted']:>10}"
+            f"{count['skipped']:>10}{rep['tiers'][0]['peak_used_fraction']:>10.0%}{pm['suspend'] + pm['recompute']:>9,}"
+        )
+    lines.append(
+        "hit(tok), hit(blk): over all requests; prompt: snapshots at prompt ends only; kv: the attention layers "
+        "alone (a snapshot at every block); without any snapshot a hybrid model reuses nothing"
+    )
+    rejecting = [str(rep.get("sweep_point")) for rep in reports if rep["requests"]["rejected"]]
+    if rejecting:
+        lines.append(f"warning: requests rejected (too long for the GPU tier) at ssm-interval {', '.join(rejecting)}")
+    return "\n".join(lines)

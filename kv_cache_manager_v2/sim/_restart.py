@@ -45,6 +45,7 @@ def simulate_restart(
     eviction_policy: str = "lru",
     compiled: bool = False,
     progress: Callable[[str], tuple[Callable[[int], None] | None, Callable[[], None]]] | None = None,
+    ssm_reuse_interval: int | None = None,
 ) -> dict[str, Any]:
     """Both replays (see the module doc); returns ``{"restart": summary, "warm": report,
     "restarted": report}`` (``compiled``: the package's mode, for the reports). Raises :class:`SimUserError` for refused settings."""
@@ -58,7 +59,7 @@ def simulate_restart(
         raise SimUserError("--restart-at: the workload has no requests")
     split_ms = fraction * max(arrivals) * options.time_scale
     t = tokens_per_block
-    page_bytes = proxy_page_bytes(t, check_data)
+    page_bytes = proxy_page_bytes(t, check_data, shape)
     scale = real_bytes_per_proxy_byte(shape, t, page_bytes)
     out: dict[str, Any] = {}
     results: dict[str, ReplayResult] = {}
@@ -67,7 +68,7 @@ def simulate_restart(
         path = tempfile.mkdtemp(prefix="kv-cache-sim-restart-", dir=disk_dir)
         try:
             row = [dataclasses.replace(x, path=path, persistent=True) if x.kind == "disk" else x for x in tiers]
-            config = manager_config(shape, t, row, swa_scratch, page_bytes, eviction_policy)
+            config = manager_config(shape, t, row, swa_scratch, page_bytes, eviction_policy, ssm_reuse_interval)
             update, close = progress(f"replay ({name})") if progress is not None else (None, None)
             try:
                 try:

@@ -1,0 +1,294 @@
+"""The numpy engine on hybrid models with the manager holding every recurrent state: K/V in pages,
+each recurrent layer's conv_state and ssm_state in the request's live state slot
+(``KVCache.get_ssm_state_index`` + the page-index converter + ``get_buffers``), prefix reuse from
+the manager's snapshots. Generations equal the dense recomputation from scratch (max error <= 1e-12)
+with chunked prefill of arbitrary chunk sizes (cut at the snapshot positions by the adapter),
+suspend/resume, a host tier and beams; every snapshot holds exactly the state at its position."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kv_cache_manager_v2 as kvm
+from kv_cache_manager_v2 import TokenId, TokenIdExt
+from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager, RequestState
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+from tiny_engine.engine import PagedEngine
+from tiny_engine.model import TinyConfig, TinyModel, hybrid_layers, parallel_layers
+from tiny_engine.workload import WorkloadParams, check_against_dense, make_adapter, run_workload
+
+TOL = 1e-12
+INTERVAL = 8  #: tokens between snapshots (two blocks of the tiny model's 4 tokens)
+CONFIGS = {
+    "3:1 hybrid": TinyConfig(layers=hybrid_layers()),  # recurrent x3, attention; twice (one SWA)
+    "parallel": TinyConfig(layers=parallel_layers(), seed=1),  # attention + recurrence side by side
+}
+MODELS = {name: TinyModel(cfg) for name, cfg in CONFIGS.items()}
+
+
+def tokens_of(seed: int, n: int, vocab: int = 97) -> list[TokenIdExt]:
+    rng = np.random.default_rng(seed)
+    return [TokenId(int(t)) for t in rng.integers(0, vocab, n)]
+
+
+def setup(name: str, p: WorkloadParams | None = None) -> tuple[TinyModel, KVCacheResourceManager, PagedEngine]:
+    model = MODELS[name]
+    adapter = make_adapter(model.cfg, p or WorkloadParams(full_slots=200, swa_slots=200, ssm_reuse_interval=INTERVAL))
+    return model, adapter, PagedEngine(model, adapter)
+
+
+def live_state_error(model: TinyModel, engine: PagedEngine, kv: kvm.KVCache, tokens: Sequence[TokenIdExt]) -> float:
+    """Largest difference between the request's live states in the pools and the dense reference's
+    states after ``tokens``."""
+    ref = model.dense_states(tokens) if tokens else {i: model.initial_state() for i in engine.states}
+    err = 0.0
+    for layer, bufs in engine.states.items():
+        live = bufs.state(kv)
+        err = max(err, float(np.abs(live.conv_state - ref[layer].conv_state).max()))
+        err = max(err, float(np.abs(live.ssm_state - ref[layer].ssm_state).max()))
+    return err
+
+
+def run_request(
+    adapter: KVCacheResourceManager, engine: PagedEngine, req: EngineRequest, chunks: Sequence[int] = (0,)
+) -> tuple[list[tuple[int, int]], list[np.ndarray]]:
+    """Run one request alone to the end (its chunk size cycling through ``chunks``; 0: no limit);
+    its steps ``(begin, end)`` and the logits of every sampled token."""
+    steps: list[tuple[int, int]] = []
+    logits: list[np.ndarray] = []
+    while req.state is not RequestState.FINISHED:
+        req.context_chunk_size = chunks[len(steps) % len(chunks)]
+        assert adapter.prepare_resources([req]) == []
+        steps.append((req.num_cached_tokens, req.num_cached_tokens + req.num_scheduled_tokens))
+        out = engine.forward([req])
+        if req.samples_this_step:
+            lg = out[req.request_id]
+            logits.append(lg)
+            req.generated_tokens.append(TokenId(int(np.argmax(lg))))
+        adapter.update_resources([req])
+        if len(req.generated_tokens) >= req.max_new_tokens:
+            req.state = RequestState.FINISHED
+    adapter.free_resources(req)
+    return steps, logits
+
+
+def assert_equals_dense(model: TinyModel, req: EngineRequest, logits: list[np.ndarray]) -> None:
+    ref = model.dense_logits(req.all_tokens()[:-1])
+    p = len(req.prompt_tokens)
+    err = max(float(np.abs(lg - ref[p - 1 + i]).max()) for i, lg in enumerate(logits))
+    assert err <= TOL, err
+    assert [int(np.argmax(ref[p - 1 + i])) for i in range(len(logits))] == [int(t) for t in req.generated_tokens]
+
+
+# ---------------------------------------------------------------- reuse from snapshots
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_generation_resumed_from_a_snapshot_equals_recomputation(name: str) -> None:
+    model, adapter, engine = setup(name)
+    prompt = tokens_of(1, 27)
+    first = EngineRequest(0, prompt, 6)
+    steps, logits = run_request(adapter, engine, first, chunks=(5, 3, 7))
+    assert first.num_reused_tokens == 0
+    assert_equals_dense(model, first, logits)
+    # chunks end at every snapshot position: multiples of 8 and the prompt end rounded to a block (24)
+    ends = {e for _, e in steps}
+    assert {8, 16, 24} <= ends
+    stats = adapter.manager.reuse_statistics
+    assert stats.snapshots_taken >= 4  # 8, 16, 24 and 32 (reached while decoding)
+    # a follow-up turn: the whole conversation so far plus new tokens resumes from the snapshot at 32
+    second = EngineRequest(1, first.all_tokens() + tokens_of(2, 9), 5)
+    _, logits = run_request(adapter, engine, second, chunks=(4,))
+    assert second.num_reused_tokens == 32
+    assert adapter.manager.reuse_statistics.snapshots_reused == stats.snapshots_reused + 1
+    assert_equals_dense(model, second, logits)
+    # a shorter shared prefix resumes from the last snapshot at or before it (16: the match of 21
+    # tokens ends there, never between snapshots)
+    third = EngineRequest(2, prompt[:21] + tokens_of(3, 4), 3)
+    _, logits = run_request(adapter, engine, third)
+    assert third.num_reused_tokens == 16
+    assert_equals_dense(model, third, logits)
+    adapter.shutdown()
+
+
+def test_the_engine_check_catches_a_stale_live_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison is sensitive to the live slot: an engine that does not zero a new sequence's
+    slot (the manager hands slots out as they are) computes from the previous owner's state."""
+    model, adapter, engine = setup("3:1 hybrid")
+    run_request(adapter, engine, EngineRequest(0, tokens_of(4, 13), 3))
+    original = engine.states[0].state
+
+    def stale(kv: kvm.KVCache, beam: int = 0) -> object:
+        live = original(kv, beam)
+        live.ssm_state[...] += 1.0  # what a previous owner might have left
+        return live
+
+    monkeypatch.setattr(engine.states[0], "state", stale)
+    req = EngineRequest(1, tokens_of(5, 11), 3)
+    _, logits = run_request(adapter, engine, req)
+    with pytest.raises(AssertionError):
+        assert_equals_dense(model, req, logits)
+    adapter.shutdown()
+
+
+# ---------------------------------------------------------------- the snapshot-position property
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    prompt_len=st.integers(1, 30),
+    chunks=st.lists(st.integers(0, 11), min_size=1, max_size=5),
+    decode=st.integers(1, 14),
+    seed=st.integers(0, 1000),
+)
+def test_every_snapshot_holds_exactly_the_state_at_its_position(
+    name: str, prompt_len: int, chunks: list[int], decode: int, seed: int
+) -> None:
+    """After a request with random chunking and decode length, a probe for every prefix length q
+    reuses exactly up to the last snapshot position at or before q (multiples of the interval, the
+    prompt end rounded down to a block), and the live state it starts from is the dense reference's
+    state at that position (the bug class: a chunk-end state cached under a boundary position)."""
+    model, adapter, engine = setup(name)
+    t = model.cfg.tokens_per_block
+    req = EngineRequest(0, tokens_of(seed, prompt_len), decode)
+    _, logits = run_request(adapter, engine, req, chunks)
+    assert_equals_dense(model, req, logits)
+    seq = req.all_tokens()
+    history = len(seq) - 1  # the last sampled token is never computed
+    prompt_end = (prompt_len - 1) // t * t  # the adapter creates the cache with all but the last token
+    snapshots = {p for p in range(INTERVAL, history + 1, INTERVAL)} | ({prompt_end} if prompt_end else set())
+    states: dict[int, float] = {}
+    for q in range(1, history + 1):
+        probe = EngineRequest(1 + q, seq[:q] + [TokenId(96)], 1)
+        assert adapter.prepare_resources([probe]) == []
+        reused = probe.num_reused_tokens
+        assert reused == max((p for p in snapshots if p <= q), default=0), (q, reused, sorted(snapshots))
+        if reused and reused not in states:
+            states[reused] = live_state_error(model, engine, adapter.get_kv_cache(probe), seq[:reused])
+        adapter.free_resources(probe)
+    assert all(err <= TOL for err in states.values()), states
+    assert set(states) == {p for p in snapshots if p <= history}
+    adapter.shutdown()
+
+
+# ---------------------------------------------------------------- workloads: pressure, suspend, host tier
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("host_tier", [False, True])
+def test_workload_under_pressure_equals_the_dense_reference(name: str, host_tier: bool) -> None:
+    """Shared prefixes, follow-ups during generation, chunk sizes 0/5/8/16, a GPU tier small enough
+    to suspend requests (live states spilled to the host tier and back when there is one) and to
+    evict snapshots: every token's logits equal the dense reference within 1e-12."""
+    p = WorkloadParams(
+        num_requests=70, full_slots=30, swa_slots=60, state_slots=24, host_tier=host_tier, ssm_reuse_interval=INTERVAL
+    )
+    res = run_workload(CONFIGS[name], p)
+    assert check_against_dense(res, atol=TOL) <= TOL
+    stats = res.adapter.manager.reuse_statistics
+    sched = res.scheduler.stats
+    assert sched.reused_prompt_tokens > 0 and stats.snapshots_reused > 0 and stats.snapshots_taken > 0
+    assert sched.preempted_suspend + sched.preempted_recompute > 0  # the pressure was real
+    assert stats.snapshots_evicted > 0
+    if host_tier:
+        host = res.adapter.manager.get_tier_statistics(kvm.CacheLevel(1))
+        assert host.offloaded_pages > 0
+    res.adapter.manager.check_invariants()
+    res.adapter.shutdown()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_suspend_and_resume_keep_the_live_state(name: str) -> None:
+    """A request suspended between every step (its slot kept, or spilled to the host tier under
+    pressure and brought back) generates what the dense reference does."""
+    p = WorkloadParams(full_slots=60, swa_slots=60, state_slots=12, host_tier=True, ssm_reuse_interval=INTERVAL)
+    model, adapter, engine = setup(name, p)
+    req = EngineRequest(0, tokens_of(7, 23), 7, context_chunk_size=5)
+    others = [EngineRequest(10 + i, tokens_of(20 + i, 17), 2) for i in range(4)]
+    logits: list[np.ndarray] = []
+    g = engine.states[model.cfg.recurrent_layers[0]].layer_group
+    slots: list[int] = []
+    while req.state is not RequestState.FINISHED:
+        assert adapter.prepare_resources([req]) == []
+        kv = adapter.get_kv_cache(req)
+        slots.append(kv.get_ssm_state_index(g))
+        out = engine.forward([req])
+        if req.samples_this_step:
+            logits.append(out[0])
+            req.generated_tokens.append(TokenId(int(np.argmax(out[0]))))
+        adapter.update_resources([req])
+        if len(req.generated_tokens) >= req.max_new_tokens:
+            req.state = RequestState.FINISHED
+            break
+        adapter.suspend_resources(req)
+        if others:  # other requests take the GPU's state slots meanwhile: the suspended state spills
+            other = others.pop()
+            run_request(adapter, engine, other)
+    adapter.free_resources(req)
+    assert_equals_dense(model, req, logits)
+    assert len(set(slots)) > 1 or not others  # it moved at least once (spilled and brought back)
+    adapter.shutdown()
+
+
+# ---------------------------------------------------------------- beams
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_beams_resumed_from_a_snapshot_equal_recomputation(name: str) -> None:
+    """Two beams over a prompt whose prefix is reused from a snapshot: each beam's state lives in its
+    own slot, a beam continuing the other gets that beam's state (the manager copies it), and every
+    step's logits equal the dense reference of that beam's sequence."""
+    model, adapter, engine = setup(name)
+    m = adapter.manager
+    prompt = tokens_of(8, 26)
+    run_request(adapter, engine, EngineRequest(0, prompt[:19] + tokens_of(9, 3), 2))  # snapshots at 8, 16
+    kv = m.create_kv_cache(input_tokens=prompt[:-1], beam_width=2)
+    assert kv.resume()
+    start = kv.history_length
+    assert start == 16
+    g = engine.states[model.cfg.recurrent_layers[0]].layer_group
+    assert kv.get_ssm_state_index(g, kvm.BeamIndex(0)) != kv.get_ssm_state_index(g, kvm.BeamIndex(1))
+    assert kv.resize(len(prompt))
+    last = [engine.step_sequence(kv, prompt, start, len(prompt), beam)[-1] for beam in (0, 1)]
+    kv.commit([prompt[start:]] * 2, [0, 0])
+    seqs = [list(prompt), list(prompt)]
+    worst = 0.0
+    for step in range(9):
+        pos = len(seqs[0])
+        # beam b tries its best token (beam 1: its second best), then each beam continues a parent
+        new = [TokenId(int(np.argsort(last[b])[-1 - b])) for b in (0, 1)]
+        assert kv.resize(pos + 1)
+        outs = [engine.step_sequence(kv, seqs[b] + [new[b]], pos, pos + 1, b)[-1] for b in (0, 1)]
+        parents = ([0, 0], [1, 0], [0, 1])[step % 3]  # both continue beam 0; swapped; each its own
+        seqs = [seqs[parents[b]] + [new[parents[b]]] for b in (0, 1)]
+        last = [outs[parents[b]] for b in (0, 1)]
+        kv.commit([[new[parents[b]]] for b in (0, 1)], parents)
+        for b in (0, 1):
+            worst = max(worst, float(np.abs(last[b] - model.dense_logits(seqs[b])[-1]).max()))
+            assert live_state_error_beam(model, engine, kv, seqs[b], b) <= TOL
+    assert worst <= TOL, worst
+    assert seqs[0] != seqs[1]
+    kv.close()
+    adapter.shutdown()
+
+
+def live_state_error_beam(
+    model: TinyModel, engine: PagedEngine, kv: kvm.KVCache, tokens: Sequence[TokenIdExt], beam: int
+) -> float:
+    ref = model.dense_states(tokens)
+    err = 0.0
+    for layer, bufs in engine.states.items():
+        live = bufs.state(kv, beam)
+        err = max(err, float(np.abs(live.conv_state - ref[layer].conv_state).max()))
+        err = max(err, float(np.abs(live.ssm_state - ref[layer].ssm_state).max()))
+    return err
