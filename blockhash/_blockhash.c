@@ -221,10 +221,124 @@ blockhash_chain_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     return out;
 }
 
+/* A tree token's id (an exact int); one outside [0, 2**32) (never in a tree) equals no query token */
+static unsigned long
+tree_value(PyObject *want)
+{
+    unsigned long v = PyLong_AsUnsignedLong(want);
+    if (v == (unsigned long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0x100000000UL;
+    }
+    return v;
+}
+
+/* Exact token equality of one block, value by value: 1 equal, 0 different, -1 undecided (a query
+ * token that is not exactly an int in [0, 2**32) or non-empty bytes: the caller hashes, which
+ * reports it). `want` are a block's tokens from the tree (valid). */
+static int
+same_token(PyObject *have, PyObject *want)
+{
+    if (have == want) {
+        return 1;
+    }
+    if (PyLong_CheckExact(have)) {
+        unsigned long v = PyLong_AsUnsignedLong(have);
+        if ((v == (unsigned long)-1 && PyErr_Occurred()) || v > 0xFFFFFFFFUL) {
+            PyErr_Clear();
+            return -1;
+        }
+        return PyLong_CheckExact(want) && tree_value(want) == v;
+    }
+    if (PyBytes_CheckExact(have) && PyBytes_GET_SIZE(have) > 0) {
+        return PyBytes_CheckExact(want) && PyBytes_GET_SIZE(want) == PyBytes_GET_SIZE(have) &&
+               memcmp(PyBytes_AS_STRING(want), PyBytes_AS_STRING(have), PyBytes_GET_SIZE(have)) == 0;
+    }
+    return -1;
+}
+
+/* same_block(block, tokens, beg, per_block): whether `block` (a tree block: a tuple of valid
+ * tokens) is a full block (`per_block` tokens) holding exactly tokens[beg:beg+per_block], compared
+ * in place (no slice, no encoding). Equal tokens under one parent mean an equal key, so a match
+ * can follow a child without hashing. `tokens`: a list, a tuple or an array('I'). None when it
+ * cannot tell cheaply (another type of block or tokens, a query token that is not exactly a valid
+ * int or bytes): hash instead (which reports a bad token). */
+static PyObject *
+blockhash_same_block(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "same_block takes 4 arguments");
+        return NULL;
+    }
+    PyObject *block = args[0];
+    PyObject *seq = args[1];
+    Py_ssize_t beg = PyLong_AsSsize_t(args[2]);
+    if (beg == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(args[3]);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (beg < 0 || n <= 0) {
+        PyErr_SetString(PyExc_ValueError, "same_block: beg must not be negative, per_block must be positive");
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(block)) {
+        Py_RETURN_NONE;
+    }
+    if (PyTuple_GET_SIZE(block) != n) {
+        Py_RETURN_FALSE;
+    }
+    PyObject **want = &PyTuple_GET_ITEM(block, 0);
+    if (PyList_CheckExact(seq) || PyTuple_CheckExact(seq)) {
+        if (beg + n > PySequence_Fast_GET_SIZE(seq)) {
+            Py_RETURN_FALSE;
+        }
+        PyObject **have = PySequence_Fast_ITEMS(seq) + beg;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int same = same_token(have[i], want[i]);
+            if (same < 0) {
+                Py_RETURN_NONE;
+            }
+            if (!same) {
+                Py_RETURN_FALSE;
+            }
+        }
+        Py_RETURN_TRUE;
+    }
+    if (!PyObject_CheckBuffer(seq)) {
+        Py_RETURN_NONE;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(seq, &view, PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *out = Py_None;
+    if (view.itemsize == 4 && view.format != NULL && strcmp(view.format, "I") == 0) {
+        out = Py_True;
+        if (beg + n > view.len / 4) {
+            out = Py_False;
+        }
+        const unsigned int *have = (const unsigned int *)view.buf + beg;
+        for (Py_ssize_t i = 0; out == Py_True && i < n; i++) {
+            if (!PyLong_CheckExact(want[i]) || tree_value(want[i]) != (unsigned long)have[i]) {
+                out = Py_False;
+            }
+        }
+    }
+    PyBuffer_Release(&view);
+    return Py_NewRef(out);
+}
+
 static PyMethodDef module_methods[] = {
     {"chain_tokens", (PyCFunction)(void (*)(void))blockhash_chain_tokens, METH_FASTCALL,
      "chain_tokens(parent, tokens, block_tokens) -> chain() of the tokens' uint32 LE encoding, or None "
      "when a token is not an int."},
+    {"same_block", (PyCFunction)(void (*)(void))blockhash_same_block, METH_FASTCALL,
+     "same_block(block, tokens, beg, per_block) -> whether the tuple block holds exactly "
+     "tokens[beg:beg+per_block]; None when it cannot tell cheaply."},
     {"chain", (PyCFunction)(void (*)(void))blockhash_chain, METH_FASTCALL,
      "chain(parent, data, block_bytes) -> list of 32-byte keys: key[i] = SHA-256(key[i-1] || block i)."},
     {NULL, NULL, 0, NULL},

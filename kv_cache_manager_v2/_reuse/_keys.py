@@ -250,6 +250,29 @@ class BlockHasher:
         self.keys += chain_keys(parent, chunk[beg:full_end], t * 4)
         return self.keys[ordinal]
 
+    def key_alone(self, parent: BlockKey, ordinal: int) -> BlockKey:
+        """``key``, hashing block ``ordinal`` alone when it is the next full block of a list or tuple
+        (a match that follows children by their tokens hashes only at a branch, where it may stop)."""
+        t = self.tokens_per_block
+        beg = ordinal * t
+        if (
+            self._native
+            and ordinal == len(self.keys)
+            and beg + t <= len(self.tokens)
+            and self._native_keys(parent, beg, beg + t)
+        ):
+            return self.keys[ordinal]
+        return self.key(parent, ordinal)
+
+    def matched(self, ordinal: int, key: BlockKey) -> None:
+        """Block ``ordinal`` (the next one without a key) equals, token for token, a tree block of
+        key ``key`` under its parent: that is its key, and its tokens are valid."""
+        if ordinal == len(self.keys):
+            self.keys.append(key)
+            t = self.tokens_per_block
+            if ordinal * t <= self.validated:
+                self.validated = (ordinal + 1) * t
+
     def _native_keys(self, parent: BlockKey, beg: int, end: int) -> bool:
         """Keys of the full blocks in tokens ``[beg, end)`` through ``blockhash.chain_tokens`` (which
         checks them as ``encode_ids`` does); False, switching to the Python encoding, when a token is

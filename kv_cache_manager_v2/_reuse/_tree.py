@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import cast
 
 import rawref
+from blockhash import same_block
 
 from .._common import (
     MAX_PRIORITY,
@@ -211,6 +212,26 @@ class Node:
         return self._children is None and self.num_extenders == 0 and not self.has_pages()
 
 
+def _child_of_block(children: dict[BlockKey, Node], hasher: BlockHasher, parent: BlockKey, ordinal: int) -> Node | None:
+    """The child holding full block ``ordinal`` of ``hasher``'s tokens (``parent``: the key of their
+    parent). A few children are compared with it token by token: equal tokens under one parent
+    are an equal key (``hasher`` records it), so a walk down a chain hashes nothing; at a branch
+    of more children, or when ``same_block`` cannot tell, the block is hashed and looked up."""
+    if len(children) <= _SCAN_LIMIT:
+        tokens = hasher.tokens
+        t = hasher.tokens_per_block
+        beg = ordinal * t
+        for child in children.values():
+            same = same_block(child.tokens, tokens, beg, t)
+            if same is None:
+                return children.get(hasher.key_alone(parent, ordinal))
+            if same:
+                hasher.matched(ordinal, child.key)
+                return child
+        return None
+    return children.get(hasher.key_alone(parent, ordinal))
+
+
 def common_prefix_len(a: Sequence[TokenIdExt], b: Sequence[TokenIdExt]) -> int:
     """Leading tokens ``a`` and ``b`` share."""
     n = min(len(a), len(b))
@@ -280,7 +301,10 @@ class ReuseTree(PageDropListener):
         gap = -1  # the first block walked that lacks a page of a group keeping every block
         while ordinal < n_full and children is not None:
             keys = hasher.keys
-            child = children.get(keys[ordinal] if ordinal < len(keys) else hasher.key(node.key, ordinal))
+            if ordinal < len(keys):
+                child = children.get(keys[ordinal])
+            else:
+                child = _child_of_block(children, hasher, node.key, ordinal)
             if child is None:
                 break
             if gap < 0:
