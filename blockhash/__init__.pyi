@@ -11,6 +11,6 @@ def chain_tokens(parent: bytes, tokens: list[Any] | tuple[Any, ...], block_token
     None when a token is not an int; ValueError for an int outside ``[0, 2**32)``."""
 
 def same_block(block: object, tokens: object, beg: int, per_block: int, /) -> bool | None:
-    """Whether ``block`` (a tuple of valid tokens: ints in ``[0, 2**32)``, non-empty bytes) holds exactly
+    """Whether ``block`` (a tuple of valid tokens: ints in ``[0, 2**32)``, non-empty bytes; or an ``array('I')``) holds exactly
     ``tokens[beg:beg+per_block]`` (``tokens``: a list, tuple or ``array('I')``); None when it cannot tell
     cheaply (another type, or a query token that is not exactly a valid int or bytes)."""

@@ -257,12 +257,76 @@ same_token(PyObject *have, PyObject *want)
     return -1;
 }
 
+/* A buffer of uint32 items (an array('I')) in *view (release it); 0, no error set, otherwise. */
+static int
+uint32_view(PyObject *obj, Py_buffer *view)
+{
+    if (!PyObject_CheckBuffer(obj)) {
+        return 0;
+    }
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (view->itemsize == 4 && view->format != NULL && strcmp(view->format, "I") == 0) {
+        return 1;
+    }
+    PyBuffer_Release(view);
+    return 0;
+}
+
+/* same_block for a block that is an array('I') (committed from one): None when it is not */
+static PyObject *
+same_array_block(PyObject *block, PyObject *seq, Py_ssize_t beg, Py_ssize_t n)
+{
+    Py_buffer want;
+    if (!uint32_view(block, &want)) {
+        Py_RETURN_NONE;
+    }
+    PyObject *out = Py_None;
+    if (want.len / 4 != n) {
+        out = Py_False;
+    } else if (PyList_CheckExact(seq) || PyTuple_CheckExact(seq)) {
+        out = Py_False;
+        if (beg + n <= PySequence_Fast_GET_SIZE(seq)) {
+            PyObject **have = PySequence_Fast_ITEMS(seq) + beg;
+            const unsigned int *ids = (const unsigned int *)want.buf;
+            out = Py_True;
+            for (Py_ssize_t i = 0; out == Py_True && i < n; i++) {
+                if (!PyLong_CheckExact(have[i])) {
+                    /* bytes: no id equals a digest; anything else: hashing decides (and reports it) */
+                    out = PyBytes_CheckExact(have[i]) && PyBytes_GET_SIZE(have[i]) > 0 ? Py_False : Py_None;
+                    break;
+                }
+                unsigned long v = PyLong_AsUnsignedLong(have[i]);
+                if ((v == (unsigned long)-1 && PyErr_Occurred()) || v > 0xFFFFFFFFUL) {
+                    PyErr_Clear();
+                    out = Py_None;
+                } else if (v != (unsigned long)ids[i]) {
+                    out = Py_False;
+                }
+            }
+        }
+    } else {
+        Py_buffer have;
+        if (uint32_view(seq, &have)) {
+            out = beg + n <= have.len / 4 && memcmp((const unsigned int *)have.buf + beg, want.buf, 4 * n) == 0
+                      ? Py_True
+                      : Py_False;
+            PyBuffer_Release(&have);
+        }
+    }
+    PyBuffer_Release(&want);
+    return Py_NewRef(out);
+}
+
 /* same_block(block, tokens, beg, per_block): whether `block` (a tree block: a tuple of valid
  * tokens) is a full block (`per_block` tokens) holding exactly tokens[beg:beg+per_block], compared
  * in place (no slice, no encoding). Equal tokens under one parent mean an equal key, so a match
- * can follow a child without hashing. `tokens`: a list, a tuple or an array('I'). None when it
- * cannot tell cheaply (another type of block or tokens, a query token that is not exactly a valid
- * int or bytes): hash instead (which reports a bad token). */
+ * can follow a child without hashing. `block` may also be an array('I') (a block committed from
+ * one); `tokens`: a list, a tuple or an array('I'). None when it cannot tell cheaply (another type
+ * of block or tokens, a query token that is not exactly a valid int or bytes): hash instead (which
+ * reports a bad token). */
 static PyObject *
 blockhash_same_block(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -285,7 +349,7 @@ blockhash_same_block(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (!PyTuple_CheckExact(block)) {
-        Py_RETURN_NONE;
+        return same_array_block(block, seq, beg, n);
     }
     if (PyTuple_GET_SIZE(block) != n) {
         Py_RETURN_FALSE;
@@ -307,25 +371,15 @@ blockhash_same_block(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_RETURN_TRUE;
     }
-    if (!PyObject_CheckBuffer(seq)) {
-        Py_RETURN_NONE;
-    }
     Py_buffer view;
-    if (PyObject_GetBuffer(seq, &view, PyBUF_FORMAT) < 0) {
-        PyErr_Clear();
+    if (!uint32_view(seq, &view)) {
         Py_RETURN_NONE;
     }
-    PyObject *out = Py_None;
-    if (view.itemsize == 4 && view.format != NULL && strcmp(view.format, "I") == 0) {
-        out = Py_True;
-        if (beg + n > view.len / 4) {
+    PyObject *out = beg + n <= view.len / 4 ? Py_True : Py_False;
+    const unsigned int *have = (const unsigned int *)view.buf + beg;
+    for (Py_ssize_t i = 0; out == Py_True && i < n; i++) {
+        if (!PyLong_CheckExact(want[i]) || tree_value(want[i]) != (unsigned long)have[i]) {
             out = Py_False;
-        }
-        const unsigned int *have = (const unsigned int *)view.buf + beg;
-        for (Py_ssize_t i = 0; out == Py_True && i < n; i++) {
-            if (!PyLong_CheckExact(want[i]) || tree_value(want[i]) != (unsigned long)have[i]) {
-                out = Py_False;
-            }
         }
     }
     PyBuffer_Release(&view);

@@ -192,6 +192,24 @@ def _same_block_reference(block: object, tokens: object, beg: int, per_block: in
     """What ``blockhash.same_block`` must answer: None where it cannot tell (a block that is not a
     tuple, tokens of another type, a query token in the block that is not exactly a valid id or
     non-empty bytes before the first difference); else whether the block is full and equal."""
+    if isinstance(block, array) and block.typecode == "I":  # a block committed from an array
+        if len(block) != per_block:
+            return False
+        if isinstance(tokens, array):
+            return None if tokens.typecode != "I" else tuple(tokens[beg : beg + per_block]) == tuple(block)
+        if type(tokens) not in (list, tuple):
+            return None
+        seq_ids = list(cast("list[object] | tuple[object, ...]", tokens))
+        if beg + per_block > len(seq_ids):
+            return False
+        for have, want in zip(seq_ids[beg : beg + per_block], block):
+            if type(have) is bytes and have:
+                return False
+            if type(have) is not int or not 0 <= have < 1 << 32:
+                return None
+            if have != want:
+                return False
+        return True
     if type(block) is not tuple:
         return None
     if isinstance(tokens, array):
@@ -239,7 +257,11 @@ def test_same_block_compares_in_place_like_a_slice(kind: str) -> None:
         (9, 9, 9, 9),
         (9, 9, 1, 2),
         (5, b"digest", 2**32 - 1, 0),
-        [5, 70_000, 2**32 - 1, 0],  # not a tuple
+        [5, 70_000, 2**32 - 1, 0],  # neither a tuple nor an array
+        array("I", [5, 70_000, 2**32 - 1, 0]),  # a block committed from an array
+        array("I", [9, 9, 1, 2]),
+        array("I", [5, 70_000, 2**32 - 1]),
+        array("L", [5, 70_000, 2**32 - 1, 0]),
     ]
     for tokens_list in variants:
         tokens: object = tokens_list
@@ -255,6 +277,7 @@ def test_same_block_compares_in_place_like_a_slice(kind: str) -> None:
     assert blockhash.same_block((2**31 + 5,), [int("2147483653")], 0, 1) is True
     assert blockhash.same_block((1, 2), array("L", [1, 2]), 0, 2) is None
     assert blockhash.same_block((1, 2), range(1, 3), 0, 2) is None
+    assert blockhash.same_block(array("I", [1, 2]), range(1, 3), 0, 2) is None
     with pytest.raises(ValueError, match="negative"):
         blockhash.same_block((1,), [1], -1, 1)
     with pytest.raises(ValueError, match="positive"):
