@@ -6,7 +6,7 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_left
 from collections.abc import Sequence
-from typing import cast
+from typing import Final, cast
 
 import rawref
 from blockhash import same_block
@@ -33,6 +33,10 @@ from ._keys import BlockHasher, BlockKey, block_key, scope_key, validate_tokens
 
 #: Children a node scans one by one for a partial match; beyond this it keeps a sorted index.
 _SCAN_LIMIT = 8
+
+#: bound once: mypyc looks a module's attribute up at every call (hot: once or twice per block)
+_untrack: Final = rawref.untrack
+_new_ref: Final = rawref.ref
 
 
 class _PartialIndex:
@@ -126,14 +130,14 @@ class Node:
         self._children: dict[BlockKey, Node] | None = None
         #: sorted children for partial matching, built once a node has many children
         self._index: _PartialIndex | None = None
-        self.pages: list[rawref.ref[Page] | None] = rawref.untrack([None] * num_layer_groups)
+        self.pages: list[rawref.ref[Page] | None] = _untrack([None] * num_layer_groups)
         #: requests that will publish the next block under this node: it stays while they may
         self.num_extenders = 0
         #: no page of this node or below it evicts after an anchor page of this node or above it
         self.prio_cap: Priority = parent.prio_cap if parent is not None else MAX_PRIORITY
         #: the scope's ``(lora_id, salt)`` (set on roots, inherited; a persistent disk tier records it)
         self.scope: tuple[int | None, int | None] | None = parent.scope if parent is not None else None
-        rawref.untrack(self)
+        _untrack(self)
 
     def page(self, layer_group: int) -> Page | None:
         r = self.pages[layer_group]
@@ -155,7 +159,7 @@ class Node:
         if self._children is None:
             self._children = {}
         self._children[child.key] = child
-        rawref.untrack(self._children)  # inserting a node re-tracks a dict
+        _untrack(self._children)  # inserting a node re-tracks a dict
         if self._index is not None:
             self._index.add(child)
 
@@ -204,7 +208,7 @@ class Node:
         return any(common_prefix_len(c.tokens, tokens) == n for c in self.partial_candidates(tokens))
 
     def has_pages(self) -> bool:
-        return any(r is not None and r.is_valid for r in self.pages)
+        return any(r is not None and r() is not None for r in self.pages)
 
     @property
     def is_removable(self) -> bool:
@@ -424,7 +428,7 @@ class ReuseTree(PageDropListener):
         if page.priority > priority_cap:
             page.set_priority(priority_cap)
         page.node = node
-        node.pages[layer_group] = rawref.ref(page)
+        node.pages[layer_group] = _new_ref(page)
         anchor = self.layer_groups.items[layer_group].is_anchor(node.ordinal)
         page.anchor = anchor
         if anchor and page.priority < node.prio_cap:
