@@ -386,10 +386,36 @@ blockhash_same_block(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return Py_NewRef(out);
 }
 
+/* all_ids(tokens): whether a list or tuple holds only exact ints in [0, 2**32) (the common case
+ * of token validation, in one pass; False for anything else: the caller checks token by token
+ * and names the bad one, or accepts bytes tokens). */
+static PyObject *
+blockhash_all_ids(PyObject *module, PyObject *seq)
+{
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
+        Py_RETURN_FALSE;
+    }
+    Py_ssize_t total = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < total; i++) {
+        if (!PyLong_CheckExact(items[i])) {
+            Py_RETURN_FALSE;
+        }
+        unsigned long v = PyLong_AsUnsignedLong(items[i]);
+        if ((v == (unsigned long)-1 && PyErr_Occurred()) || v > 0xFFFFFFFFUL) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef module_methods[] = {
     {"chain_tokens", (PyCFunction)(void (*)(void))blockhash_chain_tokens, METH_FASTCALL,
      "chain_tokens(parent, tokens, block_tokens) -> chain() of the tokens' uint32 LE encoding, or None "
      "when a token is not an int."},
+    {"all_ids", (PyCFunction)blockhash_all_ids, METH_O,
+     "all_ids(tokens) -> whether a list or tuple holds only exact ints in [0, 2**32)."},
     {"same_block", (PyCFunction)(void (*)(void))blockhash_same_block, METH_FASTCALL,
      "same_block(block, tokens, beg, per_block) -> whether the tuple block holds exactly "
      "tokens[beg:beg+per_block]; None when it cannot tell cheaply."},

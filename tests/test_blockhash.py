@@ -21,6 +21,7 @@ from kv_cache_manager_v2._reuse._keys import (
     chain_keys_hashlib,
     chain_token_keys,
     scope_key,
+    validate_tokens,
 )
 
 
@@ -342,3 +343,21 @@ def test_a_bad_token_in_a_cached_block_still_raises(bad: object) -> None:
         m.create_kv_cache(input_tokens=query)  # type: ignore[arg-type]
     assert m.num_open_caches == 0
     m.shutdown()
+
+
+def test_all_ids_accepts_exact_valid_ids_only() -> None:
+    """all_ids is validate_tokens' native shortcut: True only where every token is an exact int in
+    [0, 2**32) (the loop then never runs); everything else goes to the token-by-token check."""
+    assert blockhash.all_ids([]) and blockhash.all_ids(()) and blockhash.all_ids([0, 2**32 - 1, 7])
+    assert blockhash.all_ids((5, 2**31))
+    for bad in (-1, 2**32, 2**70, True, 1.0, b"digest", None):
+        assert not blockhash.all_ids([1, bad, 2])
+        assert not blockhash.all_ids((bad,))
+    assert not blockhash.all_ids(array("I", [1, 2]))  # arrays are checked by their typecode
+    assert not blockhash.all_ids(range(3))
+    # the slow path still names the bad token (and accepts digests)
+    validate_tokens([1, b"digest", 3])
+    with pytest.raises(ValueError, match="toks: token id 4294967296 is outside"):
+        validate_tokens([1, 2**32], "toks")
+    with pytest.raises(TypeError, match="toks: tokens must be int or bytes"):
+        validate_tokens((1, True), "toks")
