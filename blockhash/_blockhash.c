@@ -221,10 +221,204 @@ blockhash_chain_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     return out;
 }
 
+/* A tree token's id (an exact int); one outside [0, 2**32) (never in a tree) equals no query token */
+static unsigned long
+tree_value(PyObject *want)
+{
+    unsigned long v = PyLong_AsUnsignedLong(want);
+    if (v == (unsigned long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0x100000000UL;
+    }
+    return v;
+}
+
+/* Exact token equality of one block, value by value: 1 equal, 0 different, -1 undecided (a query
+ * token that is not exactly an int in [0, 2**32) or non-empty bytes: the caller hashes, which
+ * reports it). `want` are a block's tokens from the tree (valid). */
+static int
+same_token(PyObject *have, PyObject *want)
+{
+    if (have == want) {
+        return 1;
+    }
+    if (PyLong_CheckExact(have)) {
+        unsigned long v = PyLong_AsUnsignedLong(have);
+        if ((v == (unsigned long)-1 && PyErr_Occurred()) || v > 0xFFFFFFFFUL) {
+            PyErr_Clear();
+            return -1;
+        }
+        return PyLong_CheckExact(want) && tree_value(want) == v;
+    }
+    if (PyBytes_CheckExact(have) && PyBytes_GET_SIZE(have) > 0) {
+        return PyBytes_CheckExact(want) && PyBytes_GET_SIZE(want) == PyBytes_GET_SIZE(have) &&
+               memcmp(PyBytes_AS_STRING(want), PyBytes_AS_STRING(have), PyBytes_GET_SIZE(have)) == 0;
+    }
+    return -1;
+}
+
+/* A buffer of uint32 items (an array('I')) in *view (release it); 0, no error set, otherwise. */
+static int
+uint32_view(PyObject *obj, Py_buffer *view)
+{
+    if (!PyObject_CheckBuffer(obj)) {
+        return 0;
+    }
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (view->itemsize == 4 && view->format != NULL && strcmp(view->format, "I") == 0) {
+        return 1;
+    }
+    PyBuffer_Release(view);
+    return 0;
+}
+
+/* same_block for a block that is an array('I') (committed from one): None when it is not */
+static PyObject *
+same_array_block(PyObject *block, PyObject *seq, Py_ssize_t beg, Py_ssize_t n)
+{
+    Py_buffer want;
+    if (!uint32_view(block, &want)) {
+        Py_RETURN_NONE;
+    }
+    PyObject *out = Py_None;
+    if (want.len / 4 != n) {
+        out = Py_False;
+    } else if (PyList_CheckExact(seq) || PyTuple_CheckExact(seq)) {
+        out = Py_False;
+        if (beg + n <= PySequence_Fast_GET_SIZE(seq)) {
+            PyObject **have = PySequence_Fast_ITEMS(seq) + beg;
+            const unsigned int *ids = (const unsigned int *)want.buf;
+            out = Py_True;
+            for (Py_ssize_t i = 0; out == Py_True && i < n; i++) {
+                if (!PyLong_CheckExact(have[i])) {
+                    /* bytes: no id equals a digest; anything else: hashing decides (and reports it) */
+                    out = PyBytes_CheckExact(have[i]) && PyBytes_GET_SIZE(have[i]) > 0 ? Py_False : Py_None;
+                    break;
+                }
+                unsigned long v = PyLong_AsUnsignedLong(have[i]);
+                if ((v == (unsigned long)-1 && PyErr_Occurred()) || v > 0xFFFFFFFFUL) {
+                    PyErr_Clear();
+                    out = Py_None;
+                } else if (v != (unsigned long)ids[i]) {
+                    out = Py_False;
+                }
+            }
+        }
+    } else {
+        Py_buffer have;
+        if (uint32_view(seq, &have)) {
+            out = beg + n <= have.len / 4 && memcmp((const unsigned int *)have.buf + beg, want.buf, 4 * n) == 0
+                      ? Py_True
+                      : Py_False;
+            PyBuffer_Release(&have);
+        }
+    }
+    PyBuffer_Release(&want);
+    return Py_NewRef(out);
+}
+
+/* same_block(block, tokens, beg, per_block): whether `block` (a tree block: a tuple of valid
+ * tokens) is a full block (`per_block` tokens) holding exactly tokens[beg:beg+per_block], compared
+ * in place (no slice, no encoding). Equal tokens under one parent mean an equal key, so a match
+ * can follow a child without hashing. `block` may also be an array('I') (a block committed from
+ * one); `tokens`: a list, a tuple or an array('I'). None when it cannot tell cheaply (another type
+ * of block or tokens, a query token that is not exactly a valid int or bytes): hash instead (which
+ * reports a bad token). */
+static PyObject *
+blockhash_same_block(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "same_block takes 4 arguments");
+        return NULL;
+    }
+    PyObject *block = args[0];
+    PyObject *seq = args[1];
+    Py_ssize_t beg = PyLong_AsSsize_t(args[2]);
+    if (beg == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(args[3]);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (beg < 0 || n <= 0) {
+        PyErr_SetString(PyExc_ValueError, "same_block: beg must not be negative, per_block must be positive");
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(block)) {
+        return same_array_block(block, seq, beg, n);
+    }
+    if (PyTuple_GET_SIZE(block) != n) {
+        Py_RETURN_FALSE;
+    }
+    PyObject **want = &PyTuple_GET_ITEM(block, 0);
+    if (PyList_CheckExact(seq) || PyTuple_CheckExact(seq)) {
+        if (beg + n > PySequence_Fast_GET_SIZE(seq)) {
+            Py_RETURN_FALSE;
+        }
+        PyObject **have = PySequence_Fast_ITEMS(seq) + beg;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int same = same_token(have[i], want[i]);
+            if (same < 0) {
+                Py_RETURN_NONE;
+            }
+            if (!same) {
+                Py_RETURN_FALSE;
+            }
+        }
+        Py_RETURN_TRUE;
+    }
+    Py_buffer view;
+    if (!uint32_view(seq, &view)) {
+        Py_RETURN_NONE;
+    }
+    PyObject *out = beg + n <= view.len / 4 ? Py_True : Py_False;
+    const unsigned int *have = (const unsigned int *)view.buf + beg;
+    for (Py_ssize_t i = 0; out == Py_True && i < n; i++) {
+        if (!PyLong_CheckExact(want[i]) || tree_value(want[i]) != (unsigned long)have[i]) {
+            out = Py_False;
+        }
+    }
+    PyBuffer_Release(&view);
+    return Py_NewRef(out);
+}
+
+/* all_ids(tokens): whether a list or tuple holds only exact ints in [0, 2**32) (the common case
+ * of token validation, in one pass; False for anything else: the caller checks token by token
+ * and names the bad one, or accepts bytes tokens). */
+static PyObject *
+blockhash_all_ids(PyObject *module, PyObject *seq)
+{
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
+        Py_RETURN_FALSE;
+    }
+    Py_ssize_t total = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < total; i++) {
+        if (!PyLong_CheckExact(items[i])) {
+            Py_RETURN_FALSE;
+        }
+        unsigned long v = PyLong_AsUnsignedLong(items[i]);
+        if ((v == (unsigned long)-1 && PyErr_Occurred()) || v > 0xFFFFFFFFUL) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef module_methods[] = {
     {"chain_tokens", (PyCFunction)(void (*)(void))blockhash_chain_tokens, METH_FASTCALL,
      "chain_tokens(parent, tokens, block_tokens) -> chain() of the tokens' uint32 LE encoding, or None "
      "when a token is not an int."},
+    {"all_ids", (PyCFunction)blockhash_all_ids, METH_O,
+     "all_ids(tokens) -> whether a list or tuple holds only exact ints in [0, 2**32)."},
+    {"same_block", (PyCFunction)(void (*)(void))blockhash_same_block, METH_FASTCALL,
+     "same_block(block, tokens, beg, per_block) -> whether the tuple block holds exactly "
+     "tokens[beg:beg+per_block]; None when it cannot tell cheaply."},
     {"chain", (PyCFunction)(void (*)(void))blockhash_chain, METH_FASTCALL,
      "chain(parent, data, block_bytes) -> list of 32-byte keys: key[i] = SHA-256(key[i-1] || block i)."},
     {NULL, NULL, 0, NULL},

@@ -32,7 +32,9 @@ rawref_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     PyObject *obj;
     static char *kwlist[] = {"obj", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:ref", kwlist, &obj)) {
+    if (kwds == NULL && PyTuple_GET_SIZE(args) == 1) {
+        obj = PyTuple_GET_ITEM(args, 0); /* the usual call: no argument parsing (one per published page) */
+    } else if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:ref", kwlist, &obj)) {
         return NULL;
     }
     PyObject *existing = PyObject_GetAttr(obj, attr_name);

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 from array import array
+from typing import cast
 
 import pytest
 from conftest import kv_layers, make_config
@@ -20,6 +21,7 @@ from kv_cache_manager_v2._reuse._keys import (
     chain_keys_hashlib,
     chain_token_keys,
     scope_key,
+    validate_tokens,
 )
 
 
@@ -185,3 +187,177 @@ def test_published_keys_match_the_hasher() -> None:
         node = node.child(keys[o])
         assert node is not None and node.tokens == tuple(prompt[o * t : (o + 1) * t])
     m.shutdown()
+
+
+def _same_block_reference(block: object, tokens: object, beg: int, per_block: int) -> bool | None:
+    """What ``blockhash.same_block`` must answer: None where it cannot tell (a block that is not a
+    tuple, tokens of another type, a query token in the block that is not exactly a valid id or
+    non-empty bytes before the first difference); else whether the block is full and equal."""
+    if isinstance(block, array) and block.typecode == "I":  # a block committed from an array
+        if len(block) != per_block:
+            return False
+        if isinstance(tokens, array):
+            return None if tokens.typecode != "I" else tuple(tokens[beg : beg + per_block]) == tuple(block)
+        if type(tokens) not in (list, tuple):
+            return None
+        seq_ids = list(cast("list[object] | tuple[object, ...]", tokens))
+        if beg + per_block > len(seq_ids):
+            return False
+        for have, want in zip(seq_ids[beg : beg + per_block], block):
+            if type(have) is bytes and have:
+                return False
+            if type(have) is not int or not 0 <= have < 1 << 32:
+                return None
+            if have != want:
+                return False
+        return True
+    if type(block) is not tuple:
+        return None
+    if isinstance(tokens, array):
+        if tokens.typecode != "I":
+            return None
+        return len(block) == per_block and tuple(tokens[beg : beg + per_block]) == block
+    if type(tokens) not in (list, tuple):
+        return None
+    if len(block) != per_block:
+        return False
+    seq = cast("list[object]", list(cast("list[object] | tuple[object, ...]", tokens)))
+    if beg + per_block > len(seq):
+        return False
+    for have, want in zip(seq[beg : beg + per_block], block):
+        if have is want:
+            continue
+        valid = (type(have) is int and 0 <= have < 1 << 32) or (type(have) is bytes and len(have) > 0)
+        if not valid:
+            return None
+        if type(have) is not type(want) or have != want:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "array"])
+def test_same_block_compares_in_place_like_a_slice(kind: str) -> None:
+    """same_block(block, tokens, beg, T) agrees with comparing the slice, on equal, different,
+    shorter, out-of-range and bad-token cases (None where hashing must decide)."""
+    t = 4
+    base: list[object] = [5, 70_000, 2**32 - 1, 0, 9, 9, 9, 9, 1, 2]
+    variants: list[list[object]] = [base]
+    if kind != "array":
+        for i, bad in [(1, True), (2, 2**32), (0, -1), (3, 1.0), (1, b""), (2, None)]:
+            v = list(base)
+            v[i] = bad
+            variants.append(v)
+        v = list(base)
+        v[1] = b"digest"
+        variants.append(v)
+    blocks: list[object] = [
+        (5, 70_000, 2**32 - 1, 0),
+        (5, 70_000, 2**32 - 1, 1),
+        (4, 70_000, 2**32 - 1, 0),
+        (5, 70_000, 2**32 - 1),  # a partial block holding the first tokens
+        (9, 9, 9, 9),
+        (9, 9, 1, 2),
+        (5, b"digest", 2**32 - 1, 0),
+        [5, 70_000, 2**32 - 1, 0],  # neither a tuple nor an array
+        array("I", [5, 70_000, 2**32 - 1, 0]),  # a block committed from an array
+        array("I", [9, 9, 1, 2]),
+        array("I", [5, 70_000, 2**32 - 1]),
+        array("L", [5, 70_000, 2**32 - 1, 0]),
+    ]
+    for tokens_list in variants:
+        tokens: object = tokens_list
+        if kind == "tuple":
+            tokens = tuple(tokens_list)
+        elif kind == "array":
+            tokens = array("I", cast("list[int]", tokens_list))
+        for block in blocks:
+            for beg in (0, 4, 6, 7, 20):
+                want = _same_block_reference(block, tokens, beg, t)
+                assert blockhash.same_block(block, tokens, beg, t) is want, (tokens, block, beg)
+    # big ints from other objects compare by value; other sequence types: None
+    assert blockhash.same_block((2**31 + 5,), [int("2147483653")], 0, 1) is True
+    assert blockhash.same_block((1, 2), array("L", [1, 2]), 0, 2) is None
+    assert blockhash.same_block((1, 2), range(1, 3), 0, 2) is None
+    assert blockhash.same_block(array("I", [1, 2]), range(1, 3), 0, 2) is None
+    with pytest.raises(ValueError, match="negative"):
+        blockhash.same_block((1,), [1], -1, 1)
+    with pytest.raises(ValueError, match="positive"):
+        blockhash.same_block((1,), [1], 0, 0)
+
+
+@pytest.mark.parametrize("num_children", [1, 3, 12])  # compared token by token / hashed at a wide branch
+@pytest.mark.parametrize("as_array", [False, True])
+def test_match_by_tokens_records_the_keys_hashing_would(num_children: int, as_array: bool) -> None:
+    """A match follows a few children by their tokens instead of hashing: the keys it records,
+    the blocks it matches and what a create then reuses equal the hashed ones; a partial sibling
+    holding the start of a block is no match for the full block."""
+    t = 4
+    m = KVCacheManager(make_config(kv_layers(1), tokens_per_block=t))  # type: ignore[arg-type]
+    shared = list(range(1000, 1000 + 3 * t))
+    prompts = [shared + [50_000 + c * 100 + i for i in range(2 * t)] for c in range(num_children)]
+    prompts.append(shared + [50_000, 50_001])  # a partial tail: the start of the first child's block
+    for prompt in prompts:
+        kv = m.create_kv_cache(input_tokens=[])
+        assert kv.resume() and kv.resize(len(prompt))
+        kv.commit(prompt)
+        kv.close()
+    root = m._tree.root(ReuseScope(), False)
+    assert root is not None
+    for c in (0, num_children - 1):
+        query = prompts[c] + [7, 7, 7]  # a miss after the cached blocks
+        want = BlockHasher(query, t, "q").chain(scope_key(ReuseScope()))
+        hasher = BlockHasher(array("I", query) if as_array else query, t, "q")
+        nodes, part, part_len = m._tree.match(root, hasher, True)
+        assert [n.key for n in nodes] == want[:5]
+        assert hasher.keys == want[: len(hasher.keys)] and len(hasher.keys) >= 5
+        assert part is None and part_len == 0
+        assert m.probe_reuse(None, query) == 5 * t
+        kv = m.create_kv_cache(input_tokens=query)
+        assert kv.num_committed_tokens == 5 * t
+        kv.close()
+    # the partial sibling matches only as a partial block
+    assert m.probe_reuse(None, [*shared, 50_000, 50_001, 3]) == 3 * t + 2
+    m.shutdown()
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, -1])
+def test_a_bad_token_in_a_cached_block_still_raises(bad: object) -> None:
+    """A token equal in value to the cached one but not a valid id (a bool, a float, ...) is
+    refused as before, though the match compares tokens instead of hashing them."""
+    t = 4
+    m = KVCacheManager(make_config(kv_layers(1), tokens_per_block=t))  # type: ignore[arg-type]
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    kv = m.create_kv_cache(input_tokens=[])
+    assert kv.resume() and kv.resize(len(prompt))
+    kv.commit(prompt)
+    kv.close()
+    query: list[object] = list(prompt)
+    if bad == -1:
+        query[4] = -1  # in the second (cached) block
+    else:
+        query[0] = bad  # equal in value to the cached 1
+    error = ValueError if bad == -1 else TypeError
+    with pytest.raises(error, match="input_tokens"):
+        m.probe_reuse(None, query)  # type: ignore[arg-type]
+    with pytest.raises(error, match="input_tokens"):
+        m.create_kv_cache(input_tokens=query)  # type: ignore[arg-type]
+    assert m.num_open_caches == 0
+    m.shutdown()
+
+
+def test_all_ids_accepts_exact_valid_ids_only() -> None:
+    """all_ids is validate_tokens' native shortcut: True only where every token is an exact int in
+    [0, 2**32) (the loop then never runs); everything else goes to the token-by-token check."""
+    assert blockhash.all_ids([]) and blockhash.all_ids(()) and blockhash.all_ids([0, 2**32 - 1, 7])
+    assert blockhash.all_ids((5, 2**31))
+    for bad in (-1, 2**32, 2**70, True, 1.0, b"digest", None):
+        assert not blockhash.all_ids([1, bad, 2])
+        assert not blockhash.all_ids((bad,))
+    assert not blockhash.all_ids(array("I", [1, 2]))  # arrays are checked by their typecode
+    assert not blockhash.all_ids(range(3))
+    # the slow path still names the bad token (and accepts digests)
+    validate_tokens([1, b"digest", 3])
+    with pytest.raises(ValueError, match="toks: token id 4294967296 is outside"):
+        validate_tokens([1, 2**32], "toks")
+    with pytest.raises(TypeError, match="toks: tokens must be int or bytes"):
+        validate_tokens((1, True), "toks")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import Final
 
 import rawref
 
@@ -13,6 +14,9 @@ from .._common import KVCacheStatus, LayerGroupId, Priority, TokenIdExt
 from .._reuse._keys import chain_token_keys
 from .._storage._page import Page
 from ._request_state import RequestState
+
+#: bound once: mypyc looks a module's attribute up at every call (hot: once or twice per block)
+_untrack: Final = rawref.untrack
 
 
 def commit_tokens(state: RequestState, more: Sequence[TokenIdExt] | None = None) -> None:
@@ -54,17 +58,14 @@ def commit_tokens(state: RequestState, more: Sequence[TokenIdExt] | None = None)
             # an array('I') block is one object, no int objects; it refers to nothing but its
             # type, so it is untracked by the GC like the tuples below
             state._committed_blocks.extend(
-                [rawref.untrack(source[i * tokens_per_block : (i + 1) * tokens_per_block]) for i in range(num_full)]
+                [_untrack(source[i * tokens_per_block : (i + 1) * tokens_per_block]) for i in range(num_full)]
             )
             tail.extend(source[num_full * tokens_per_block :])
         else:
-            items = rawref.untrack(source.tolist()) if isinstance(source, array) else source  # ints made in one pass
+            items = _untrack(source.tolist()) if isinstance(source, array) else source  # ints made in one pass
             # a block's tokens (ints, digests) can be in no reference cycle: untracked by the GC
             state._committed_blocks.extend(
-                [
-                    rawref.untrack(tuple(items[i * tokens_per_block : (i + 1) * tokens_per_block]))
-                    for i in range(num_full)
-                ]
+                [_untrack(tuple(items[i * tokens_per_block : (i + 1) * tokens_per_block])) for i in range(num_full)]
             )
             if more is None:
                 del tail[: num_full * tokens_per_block]
@@ -185,7 +186,7 @@ def publish(state: RequestState, upto: int, beam: int = 0, tokens: Sequence[Toke
     first = state._num_published
     keys = chain_token_keys(parent.key, tokens, tokens_per_block) if tokens is not None else None
     for ordinal in range(first, upto):
-        block_tokens = blocks[ordinal] if ordinal < len(blocks) else rawref.untrack(tuple(tail))
+        block_tokens = blocks[ordinal] if ordinal < len(blocks) else _untrack(tuple(tail))
         mine = table.block_pages(ordinal)
         pages = list(mine)
         node = tree.publish(

@@ -60,7 +60,9 @@ class PrefixMatcher:
         validated = 0
         if cached is not None and (cached[0] is scope or cached[0] == scope):
             probed = cached[1]
-            if input_tokens[: len(probed)] == probed:  # the tokens probe_reuse validated and hashed
+            n = len(probed)
+            # the last probed token first: a different prompt (a probe per request) is not copied and compared
+            if len(input_tokens) >= n and input_tokens[n - 1] == probed[n - 1] and input_tokens[:n] == probed:
                 keys = cached[2]
                 validated = len(probed)
                 if len(input_tokens) == len(probed):

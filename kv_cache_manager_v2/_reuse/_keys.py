@@ -19,6 +19,8 @@ _SHA256_INIT: Final = hashlib.sha256()
 
 #: chained keys of a run of blocks in one native call (OpenSSL through blockhash); else hashlib
 NATIVE_CHAIN: Final = blockhash.available
+#: bound once: mypyc looks a module's attribute up at every call
+_all_ids: Final = blockhash.all_ids
 
 
 def _sha256_digest(data: bytes) -> bytes:
@@ -118,10 +120,13 @@ def check_token_sequence(tokens: object, name: str) -> None:
 def validate_tokens(tokens: Sequence[TokenIdExt], name: str = "tokens") -> None:
     """Check every token (ints in ``[0, 2**32)`` or non-empty bytes); clear errors otherwise.
 
-    One pass of type and range checks (no encoding); ~2 ns a token compiled.
+    A list or tuple of ids is checked natively in one pass (``blockhash.all_ids``); otherwise one
+    pass of type and range checks (no encoding), which names the first bad token.
     """
     if isinstance(tokens, array):
         _encode_array(tokens, name)
+        return
+    if _all_ids(tokens):  # ids only, checked natively in one pass (else the loop below names the bad token)
         return
     items = as_list(cast(Sequence[object], tokens))
     for tok in items:
@@ -249,6 +254,29 @@ class BlockHasher:
         # the chunk's remaining full blocks in one call (a match usually goes on to the next block)
         self.keys += chain_keys(parent, chunk[beg:full_end], t * 4)
         return self.keys[ordinal]
+
+    def key_alone(self, parent: BlockKey, ordinal: int) -> BlockKey:
+        """``key``, hashing block ``ordinal`` alone when it is the next full block of a list or tuple
+        (a match that follows children by their tokens hashes only at a branch, where it may stop)."""
+        t = self.tokens_per_block
+        beg = ordinal * t
+        if (
+            self._native
+            and ordinal == len(self.keys)
+            and beg + t <= len(self.tokens)
+            and self._native_keys(parent, beg, beg + t)
+        ):
+            return self.keys[ordinal]
+        return self.key(parent, ordinal)
+
+    def matched(self, ordinal: int, key: BlockKey) -> None:
+        """Block ``ordinal`` (the next one without a key) equals, token for token, a tree block of
+        key ``key`` under its parent: that is its key, and its tokens are valid."""
+        if ordinal == len(self.keys):
+            self.keys.append(key)
+            t = self.tokens_per_block
+            if ordinal * t <= self.validated:
+                self.validated = (ordinal + 1) * t
 
     def _native_keys(self, parent: BlockKey, beg: int, end: int) -> bool:
         """Keys of the full blocks in tokens ``[beg, end)`` through ``blockhash.chain_tokens`` (which

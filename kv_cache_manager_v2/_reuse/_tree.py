@@ -6,9 +6,10 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_left
 from collections.abc import Sequence
-from typing import cast
+from typing import Final, cast
 
 import rawref
+from blockhash import same_block
 
 from .._common import (
     MAX_PRIORITY,
@@ -32,6 +33,10 @@ from ._keys import BlockHasher, BlockKey, block_key, scope_key, validate_tokens
 
 #: Children a node scans one by one for a partial match; beyond this it keeps a sorted index.
 _SCAN_LIMIT = 8
+
+#: bound once: mypyc looks a module's attribute up at every call (hot: once or twice per block)
+_untrack: Final = rawref.untrack
+_new_ref: Final = rawref.ref
 
 
 class _PartialIndex:
@@ -95,7 +100,7 @@ class Node:
     """One committed block (full, or a partial tail) with non-owning refs to its pages.
 
     A tree can hold millions of nodes, so nodes, their ``pages`` lists and ``_children`` dicts
-    are untracked by the cyclic garbage collector (which would traverse them all at every full
+    (a node with one child, the usual case down a prompt, keeps it in ``_only``: no dict) are untracked by the cyclic garbage collector (which would traverse them all at every full
     collection). The tree breaks its cycles itself: a node leaving the tree loses its ``parent``
     and children; the manager clears the tree at shutdown or when it is dropped.
     """
@@ -103,6 +108,7 @@ class Node:
     __slots__ = (
         "_children",
         "_index",
+        "_only",
         "key",
         "lora_id",
         "num_extenders",
@@ -121,18 +127,20 @@ class Node:
         self.ordinal: int = parent.ordinal + 1 if parent is not None else -1
         #: the scope's LoRA adapter (set on roots, inherited): KV-cache events report it per block
         self.lora_id: int | None = parent.lora_id if parent is not None else None
-        # Created with the first child: most nodes are leaves, and a tree can hold millions.
+        # Created with the second child: most nodes are leaves or have one child (``_only``).
         self._children: dict[BlockKey, Node] | None = None
+        #: the child while it is the only one (then ``_children`` is None)
+        self._only: Node | None = None
         #: sorted children for partial matching, built once a node has many children
         self._index: _PartialIndex | None = None
-        self.pages: list[rawref.ref[Page] | None] = rawref.untrack([None] * num_layer_groups)
+        self.pages: list[rawref.ref[Page] | None] = _untrack([None] * num_layer_groups)
         #: requests that will publish the next block under this node: it stays while they may
         self.num_extenders = 0
         #: no page of this node or below it evicts after an anchor page of this node or above it
         self.prio_cap: Priority = parent.prio_cap if parent is not None else MAX_PRIORITY
         #: the scope's ``(lora_id, salt)`` (set on roots, inherited; a persistent disk tier records it)
         self.scope: tuple[int | None, int | None] | None = parent.scope if parent is not None else None
-        rawref.untrack(self)
+        _untrack(self)
 
     def page(self, layer_group: int) -> Page | None:
         r = self.pages[layer_group]
@@ -140,25 +148,41 @@ class Node:
 
     @property
     def has_children(self) -> bool:
-        return self._children is not None
+        return self._only is not None or self._children is not None
 
     def child(self, key: BlockKey) -> Node | None:
+        only = self._only
+        if only is not None:
+            return only if only.key == key else None
         c = self._children
         return c.get(key) if c is not None else None
 
     def children(self) -> list[Node]:
+        only = self._only
+        if only is not None:
+            return [only]
         c = self._children
         return list(c.values()) if c is not None else []
 
     def add_child(self, child: Node) -> None:
+        only = self._only
+        if self._children is None and (only is None or only.key == child.key):
+            self._only = child
+            return
         if self._children is None:
-            self._children = {}
+            assert only is not None
+            self._children = {only.key: only}
+            self._only = None
         self._children[child.key] = child
-        rawref.untrack(self._children)  # inserting a node re-tracks a dict
+        _untrack(self._children)  # inserting a node re-tracks a dict
         if self._index is not None:
             self._index.add(child)
 
     def remove_child(self, child: Node) -> None:
+        if self._only is not None:
+            assert self._only.key == child.key
+            self._only = None
+            return
         children = self._children
         assert children is not None
         del children[child.key]
@@ -171,6 +195,7 @@ class Node:
     def drop_children(self) -> list[Node]:
         """Unlink every child (subtree removal); returns them."""
         out = self.children()
+        self._only = None
         self._children = None
         self._index = None
         return out
@@ -178,6 +203,9 @@ class Node:
     def partial_candidates(self, tokens: Sequence[TokenIdExt]) -> list[Node]:
         """Children that may share the longest token prefix with ``tokens`` (at most a few plus
         the digest-holding ones, whatever the number of children)."""
+        only = self._only
+        if only is not None:
+            return [only]
         c = self._children
         if c is None:
             return []
@@ -203,12 +231,44 @@ class Node:
         return any(common_prefix_len(c.tokens, tokens) == n for c in self.partial_candidates(tokens))
 
     def has_pages(self) -> bool:
-        return any(r is not None and r.is_valid for r in self.pages)
+        return any(r is not None and r() is not None for r in self.pages)
 
     @property
     def is_removable(self) -> bool:
         """A leaf with no pages that no request extends: nothing can reach or need it."""
-        return self._children is None and self.num_extenders == 0 and not self.has_pages()
+        return self._only is None and self._children is None and self.num_extenders == 0 and not self.has_pages()
+
+
+def _child_of_block(node: Node, hasher: BlockHasher, ordinal: int) -> Node | None:
+    """The child of ``node`` holding full block ``ordinal`` of ``hasher``'s tokens. A few children
+    are compared with it token by token: equal tokens under one parent are an equal key
+    (``hasher`` records it), so a walk down a chain hashes nothing; at a branch of more
+    children, or when ``same_block`` cannot tell, the block is hashed and looked up."""
+    tokens = hasher.tokens
+    t = hasher.tokens_per_block
+    only = node._only
+    if only is not None:
+        same = same_block(only.tokens, tokens, ordinal * t, t)
+        if same:
+            hasher.matched(ordinal, only.key)
+            return only
+        if same is not None:
+            return None
+    else:
+        children = node._children
+        if children is None:
+            return None
+        if len(children) <= _SCAN_LIMIT:
+            for child in children.values():
+                same = same_block(child.tokens, tokens, ordinal * t, t)
+                if same is None:
+                    break
+                if same:
+                    hasher.matched(ordinal, child.key)
+                    return child
+            else:
+                return None
+    return node.child(hasher.key_alone(node.key, ordinal))
 
 
 def common_prefix_len(a: Sequence[TokenIdExt], b: Sequence[TokenIdExt]) -> int:
@@ -279,13 +339,15 @@ class ReuseTree(PageDropListener):
         keeping = self._keeping_groups
         nodes: list[Node] = []
         node = root
-        children = root._children
         n_full = len(tokens) // t
         ordinal = 0
         gap = -1  # the first block walked that lacks a page of a group keeping every block
-        while ordinal < n_full and children is not None:
+        while ordinal < n_full:
             keys = hasher.keys
-            child = children.get(keys[ordinal] if ordinal < len(keys) else hasher.key(node.key, ordinal))
+            if ordinal < len(keys):
+                child = node.child(keys[ordinal])
+            else:
+                child = _child_of_block(node, hasher, ordinal)
             if child is None:
                 break
             if gap < 0:
@@ -297,11 +359,10 @@ class ReuseTree(PageDropListener):
                         break
             nodes.append(child)
             node = child
-            children = child._children
             ordinal += 1
         part: Node | None = None
         part_len = 0
-        if partial and ordinal * t < len(tokens) and children is not None:
+        if partial and ordinal * t < len(tokens) and node.has_children:
             rest = tokens[ordinal * t : (ordinal + 1) * t]
             validate_tokens(rest, hasher.name)  # compared token by token below
             part, part_len = node.best_partial(rest)
@@ -438,7 +499,7 @@ class ReuseTree(PageDropListener):
         if page.priority > priority_cap:
             page.set_priority(priority_cap)
         page.node = node
-        node.pages[layer_group] = rawref.ref(page)
+        node.pages[layer_group] = _new_ref(page)
         anchor = self.layer_groups.items[layer_group].is_anchor(node.ordinal)
         page.anchor = anchor
         if anchor and page.priority < node.prio_cap:

@@ -45,6 +45,8 @@ NOT_IN_HEAP: Final = -1
 
 #: ``Page.use_serial`` of a page no request has been counted for
 NO_SERIAL: Final = RequestSerial(-1)
+#: bound once: mypyc looks a module's attribute up at every call (hot: once per page)
+_untrack: Final = rawref.untrack
 
 
 class PageNode(Protocol):
@@ -350,7 +352,7 @@ class Page:
         self.ev_seq = 0
         self.ev_pos = NOT_IN_HEAP
         self.ev_deadline = 0
-        rawref.untrack(self)  # see the class docstring
+        _untrack(self)  # see the class docstring
 
     @property
     def status(self) -> PageStatus:
