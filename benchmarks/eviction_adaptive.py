@@ -5,11 +5,14 @@
     python benchmarks/eviction_adaptive.py --caps 1000000 --requests 1500   # quicker
 
 Replays, with ``benchmarks/eviction_study.py``'s block-level simulator (T = 32, GPU tier only, the
-manager's reuse path), three policies:
+manager's reuse path), four policies:
 
 * ``lru``: the manager's ``eviction_policy="lru"`` (tail-first release);
 * ``frequency_before``: use-rate GreedyDual as shipped by issue #18 (``rgdsf16``);
-* ``frequency``: the same plus adaptive aging (issue #31, what the manager ships now).
+* ``frequency_deadlines``: the same plus issue #31's first adaptive aging (``adaptive_aging``:
+  disagreements with LRU estimated from LRU deadlines);
+* ``frequency``: the same with the aging learnt from a simulated LRU (``shadow_aging``, what
+  the manager ships now).
 
 on two traces:
 
@@ -40,7 +43,12 @@ import eviction_study as study
 import multiturn_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-POLICIES = {"lru": "lru_tail", "frequency_before": "rgdsf16", "frequency": "adaptive_aging"}
+POLICIES = {
+    "lru": "lru_tail",
+    "frequency_before": "rgdsf16",
+    "frequency_deadlines": "adaptive_aging",
+    "frequency": "shadow_aging",
+}
 TOLERANCE = 0.005  # frequency may trail LRU by this much
 
 

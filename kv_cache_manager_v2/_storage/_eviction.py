@@ -45,17 +45,19 @@ GHOST_WAYS: Final = 16
 #: a ghost entry's rank: min(uses, _MAX_RANKED_USES) above 40 bits of stamp (lowest replaced first)
 _STAMP_BITS: Final = 40
 _MAX_RANKED_USES: Final = (1 << 22) - 1
-#: Frequency policy, adaptive aging (issue #31): ``UseHistory.aging`` starts at AGING_ON and
+#: Frequency policy, adaptive aging (issue #31): ``UseHistory.aging`` starts at AGING_START and
 #: moves by the factor ``1 + AGING_STEP`` per page on which the policy and the simulated LRU
 #: disagree, within [AGING_MIN, AGING_MAX] (at the top, a page's rate buys it a small fraction
-#: of a cache turnover: recency order). Below AGING_ON it adds nothing to the clock (pure
-#: use-rate order): where frequency wins, the two kinds of disagreement come in runs that move
-#: the aging up and down by a few decades, and even aging 1e-4 / slots**2 per victim costs hit
-#: rate (the smallest rates are ~1e-8). The study (benchmarks/eviction_study.py, policy
-#: ``shadow_aging``) chose the step and the threshold: step 0.002 drifts to LRU on the shared
-#: trace at 3M tokens; no threshold loses 0.001-0.004 there.
-AGING_STEP: Final = 0.001
+#: of a cache turnover: recency order). Up to AGING_ON it adds nothing to the clock (pure
+#: use-rate order): where frequency wins, the two kinds of disagreement still come in runs that
+#: move the aging by a decade or two (the floor, two decades below, absorbs them), and even
+#: aging 1e-4 / slots**2 per victim costs hit rate (the smallest rates are ~1e-8). The study
+#: (benchmarks/eviction_study.py, ``shadow_aging`` and its variants) chose these: step 0.002,
+#: a floor of 1e-3 or a start at AGING_ON drift to recency on the documents trace at 3M tokens;
+#: step 0.001 or a start at the floor adapt too late on long chats.
+AGING_STEP: Final = 0.0015
 AGING_MIN: Final = 1e-4
+AGING_START: Final = 1e-3
 AGING_ON: Final = 0.01
 AGING_MAX: Final = 1e4
 #: a ghost tag: the first 8 bytes of the block key (its first 4 choose the set)
@@ -207,7 +209,7 @@ class UseHistory(UseCounter):
         #: block uses so far in this pool group (the clock of first uses and rates)
         self.now = 0
         #: clock rise per victim, in units of 1 / slots**2 of the evicting level (adapts)
-        self.aging = AGING_ON
+        self.aging = AGING_START
         #: the simulated LRU: tags of the blocks it holds, oldest first, at most ``lru_slots``
         self.recent: OrderedDict[bytes, None] = OrderedDict()
         #: slots of the pool group's levels together (each frequency evictor adds its own)
