@@ -80,7 +80,7 @@ def main() -> None:
     for trace_name, path in traces(args).items():
         reqs = study.load_trace(path, args.requests)
         print(f"{trace_name}: {len(reqs)} requests, T={study.T}; token hit rate")
-        print(f"{'capacity':>10}" + "".join(f"{p:>18}" for p in POLICIES) + f"{'vs lru':>10}")
+        print(f"{'capacity':>10}" + "".join(f"{p:>21}" for p in POLICIES) + f"{'vs lru':>10}")
         rows: dict[str, Any] = {}
         for cap in args.caps:
             row: dict[str, Any] = {}
@@ -95,7 +95,7 @@ def main() -> None:
             rows[str(cap)] = row
             if row["frequency"] < row["lru"] - TOLERANCE:
                 failures.append(f"{trace_name} at {cap}: frequency {row['frequency']} < lru {row['lru']} - {TOLERANCE}")
-            print(f"{cap / 1e6:>9g}M" + "".join(f"{row[p]:>18.4f}" for p in POLICIES) + f"{gain:>+10.1%}", flush=True)
+            print(f"{cap / 1e6:>9g}M" + "".join(f"{row[p]:>21.4f}" for p in POLICIES) + f"{gain:>+10.1%}", flush=True)
         results[trace_name] = {"path": os.path.normpath(path), "requests": len(reqs), "capacities": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:

@@ -569,8 +569,9 @@ class ShadowAging(RateGDSF):
     """rgdsf16 with adaptive aging learnt from a simulated LRU (issue #31, second version; what the
     manager ships as ``eviction_policy="frequency"``): each victim raises the clock by
     ``aging / slots**2`` once ``aging`` exceeds ``on``. ``sh`` holds the blocks LRU would hold:
-    in release order (tail-first), trimmed at each victim to the number of evictable pages (the
-    same requests hold the same pages in use under LRU) and never more than ``slots``. At each
+    the last ``slots`` released, in release order (tail-first); ``trim``: also trimmed at each
+    victim to the number of evictable pages (here, unlike in the manager, the misses were
+    checked before this request's victims). At each
     request, a hit ``sh`` lacks divides ``aging`` by ``1 + step`` (frequency kept what LRU lost),
     a published block ``sh`` has multiplies it (LRU would have hit); ``aging`` starts at
     ``init`` and stays in [lo, hi]."""
@@ -581,7 +582,7 @@ class ShadowAging(RateGDSF):
         step: float = 0.0015,
         on: float = 0.01,
         init: float = 1e-3,
-        trim: bool = True,
+        trim: bool = False,
         lo: float = 1e-4,
         hi: float = 1e4,
     ) -> None:
@@ -850,7 +851,7 @@ POLICIES: dict[str, Callable[[list[Req]], Policy]] = {
     "shadow_aging_from_on": lambda reqs: ShadowAging("shadow_aging_from_on", init=0.01),
     "shadow_aging_floor3": lambda reqs: ShadowAging("shadow_aging_floor3", lo=1e-3),
     "shadow_aging_no_threshold": lambda reqs: ShadowAging("shadow_aging_no_threshold", on=0.0),
-    "shadow_aging_no_trim": lambda reqs: ShadowAging("shadow_aging_no_trim", trim=False),
+    "shadow_aging_trim": lambda reqs: ShadowAging("shadow_aging_trim", trim=True),
     "rgdsf_table4": lambda reqs: RateGDSF("rgdsf_table4", 15.0, TableGhost(4)),
     "rgdsf_ideal": lambda reqs: RateGDSF("rgdsf_ideal", 15.0, DictGhost()),
     "rgdsf_noghost": lambda reqs: RateGDSF("rgdsf_noghost", 15.0, Ghost()),
