@@ -94,10 +94,10 @@ def tree_page(m: KVCacheManager, tokens: list[int], block: int) -> Page:
 
 
 def tag(m: KVCacheManager, tokens: list[int]) -> bytes:
-    """The use history's tag of the first block of ``tokens`` (it must be cached)."""
+    """The key of the first block of ``tokens`` (it must be cached), as the simulated LRU holds it."""
     node = tree_page(m, tokens, 0).node
     assert node is not None
-    return _tag_of(node.key)
+    return node.key
 
 
 def uniq(n: int, base: int) -> list[int]:

@@ -183,7 +183,7 @@ class UseHistory(UseCounter):
     and stamp) and first uses in ``array('q')``; a set fits in a few cache lines.
 
     Adaptive aging (``aging``, read by the evictors at each victim): ``recent`` simulates what
-    ``eviction_policy="lru"`` would hold: the tags of the last ``lru_slots`` (the pool group's
+    ``eviction_policy="lru"`` would hold: the keys of the last ``lru_slots`` (the pool group's
     slots, every level) blocks whose pages became DROPPABLE, in that order (LRU's eviction
     order; its levels together act as one LRU list), without the data. A page a request takes
     that this LRU would not have (kept, where LRU would have lost it) lowers ``aging`` by one
@@ -202,7 +202,7 @@ class UseHistory(UseCounter):
         self.now = 0
         #: clock rise per victim, in units of 1 / slots**2 of the evicting level (adapts)
         self.aging = AGING_START
-        #: the simulated LRU: tags of the blocks it holds, oldest first, at most ``lru_slots``
+        #: the simulated LRU: keys of the blocks it holds, oldest first, at most ``lru_slots``
         self.recent: OrderedDict[bytes, None] = OrderedDict()
         #: slots of the pool group's levels together (each frequency evictor adds its own)
         self.lru_slots = 0
@@ -244,14 +244,14 @@ class UseHistory(UseCounter):
         self.now += 1
         node = page.node
         assert node is not None
-        tag = _tag_of(node.key)
-        if cached != (tag in self.recent):
+        key = node.key
+        if cached != (key in self.recent):
             if cached:  # kept where LRU would have lost it: less recency
                 self.aging = max(AGING_MIN, self.aging / (1.0 + AGING_STEP))
             else:  # lost where LRU would still have it: more recency
                 self.aging = min(AGING_MAX, self.aging * (1.0 + AGING_STEP))
         if page.uses == 0:  # never counted: resume the block's history, if remembered
-            i = self._find(tag)
+            i = self._find(_tag_of(key))
             if i < 0:
                 page.first_use = self.now
             else:
@@ -265,12 +265,12 @@ class UseHistory(UseCounter):
         (and forgets its oldest beyond ``lru_slots``)."""
         node = page.node
         assert node is not None
-        tag = _tag_of(node.key)
+        key = node.key  # the key object itself: its hash is computed once
         recent = self.recent
-        if tag in recent:
-            recent.move_to_end(tag)
+        if key in recent:
+            recent.move_to_end(key)
             return
-        recent[tag] = None
+        recent[key] = None
         while len(recent) > self.lru_slots:
             recent.popitem(last=False)
 
