@@ -5,11 +5,14 @@
     python benchmarks/eviction_adaptive.py --caps 1000000 --requests 1500   # quicker
 
 Replays, with ``benchmarks/eviction_study.py``'s block-level simulator (T = 32, GPU tier only, the
-manager's reuse path), three policies:
+manager's reuse path), four policies:
 
 * ``lru``: the manager's ``eviction_policy="lru"`` (tail-first release);
 * ``frequency_before``: use-rate GreedyDual as shipped by issue #18 (``rgdsf16``);
-* ``frequency``: the same plus adaptive aging (issue #31, what the manager ships now).
+* ``frequency_deadlines``: the same plus issue #31's first adaptive aging (``adaptive_aging``:
+  disagreements with LRU estimated from LRU deadlines);
+* ``frequency``: the same with the aging learnt from a simulated LRU (``shadow_aging``, what
+  the manager ships now).
 
 on two traces:
 
@@ -40,7 +43,12 @@ import eviction_study as study
 import multiturn_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-POLICIES = {"lru": "lru_tail", "frequency_before": "rgdsf16", "frequency": "adaptive_aging"}
+POLICIES = {
+    "lru": "lru_tail",
+    "frequency_before": "rgdsf16",
+    "frequency_deadlines": "adaptive_aging",
+    "frequency": "shadow_aging",
+}
 TOLERANCE = 0.005  # frequency may trail LRU by this much
 
 
@@ -72,7 +80,7 @@ def main() -> None:
     for trace_name, path in traces(args).items():
         reqs = study.load_trace(path, args.requests)
         print(f"{trace_name}: {len(reqs)} requests, T={study.T}; token hit rate")
-        print(f"{'capacity':>10}" + "".join(f"{p:>18}" for p in POLICIES) + f"{'vs lru':>10}")
+        print(f"{'capacity':>10}" + "".join(f"{p:>21}" for p in POLICIES) + f"{'vs lru':>10}")
         rows: dict[str, Any] = {}
         for cap in args.caps:
             row: dict[str, Any] = {}
@@ -87,7 +95,7 @@ def main() -> None:
             rows[str(cap)] = row
             if row["frequency"] < row["lru"] - TOLERANCE:
                 failures.append(f"{trace_name} at {cap}: frequency {row['frequency']} < lru {row['lru']} - {TOLERANCE}")
-            print(f"{cap / 1e6:>9g}M" + "".join(f"{row[p]:>18.4f}" for p in POLICIES) + f"{gain:>+10.1%}", flush=True)
+            print(f"{cap / 1e6:>9g}M" + "".join(f"{row[p]:>21.4f}" for p in POLICIES) + f"{gain:>+10.1%}", flush=True)
         results[trace_name] = {"path": os.path.normpath(path), "requests": len(reqs), "capacities": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:

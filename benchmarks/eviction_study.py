@@ -565,6 +565,64 @@ class AdaptiveAging(RateGDSF):
         self.forget(node)
 
 
+class ShadowAging(RateGDSF):
+    """rgdsf16 with adaptive aging learnt from a simulated LRU (issue #31, second version; what the
+    manager ships as ``eviction_policy="frequency"``): each victim raises the clock by
+    ``aging / slots**2`` once ``aging`` exceeds ``on``. ``sh`` holds the blocks LRU would hold:
+    the last ``slots`` released, in release order (tail-first); ``trim``: also trimmed at each
+    victim to the number of evictable pages (here, unlike in the manager, the misses were
+    checked before this request's victims). At each
+    request, a hit ``sh`` lacks divides ``aging`` by ``1 + step`` (frequency kept what LRU lost),
+    a published block ``sh`` has multiplies it (LRU would have hit); ``aging`` starts at
+    ``init`` and stays in [lo, hi]."""
+
+    def __init__(
+        self,
+        name: str,
+        step: float = 0.0015,
+        on: float = 0.01,
+        init: float = 1e-3,
+        trim: bool = False,
+        lo: float = 1e-4,
+        hi: float = 1e4,
+    ) -> None:
+        super().__init__(name, 15.0, TableGhost(8, 16))
+        self.step, self.on, self.trim, self.lo, self.hi = step, on, trim, lo, hi
+        self.aging = init
+        self.sh: OrderedDict[int, None] = OrderedDict()
+
+    def begin(self, r: int, req: Req) -> None:
+        super().begin(r, req)
+        ids, parent, sh = req.ids, self.sim.parent, self.sh
+        m = 0
+        while m < req.nq and ids[m] in parent:
+            m += 1
+        part = int(m == req.nq and req.qpart > 0 and ids[m] in parent)
+        up, down = 1.0 + self.step, 1.0 / (1.0 + self.step)
+        for j in range(req.nfull if req.nfull > m else m + part):
+            hit = j < m + part
+            if hit != (ids[j] in sh):
+                self.aging = max(self.lo, self.aging * down) if hit else min(self.hi, self.aging * up)
+
+    def add(self, node: int) -> None:
+        sh = self.sh
+        if node in sh:
+            sh.move_to_end(node)
+        else:
+            sh[node] = None
+            if len(sh) > self.sim.slots:
+                sh.popitem(last=False)
+        super().add(node)
+
+    def on_victim(self, node: int, key: Any) -> None:
+        self.L = max(self.L, key) + (self.aging / (self.sim.slots * self.sim.slots) if self.aging > self.on else 0.0)
+        self.forget(node)
+        if self.trim:
+            n = len(self.live) + len(self.parked)
+            while len(self.sh) > n:
+                self.sh.popitem(last=False)
+
+
 class LFU(Counted):
     """Lowest use count first (no aging); ties: least recently released."""
 
@@ -781,10 +839,19 @@ POLICIES: dict[str, Callable[[list[Req]], Policy]] = {
     "rgdsf": lambda reqs: RateGDSF("rgdsf", 15.0, TableGhost(8)),
     # what the manager ships (eviction_policy="frequency"): 16-way ghost sets
     "rgdsf16": lambda reqs: RateGDSF("rgdsf16", 15.0, TableGhost(8, 16)),
-    # issue #31: rgdsf16 + adaptive aging (the manager's "frequency" since then); step variants
+    # issue #31, first version: rgdsf16 + adaptive aging from LRU deadlines; step variants
     "adaptive_aging": lambda reqs: AdaptiveAging("adaptive_aging"),
     "adaptive_aging_fast": lambda reqs: AdaptiveAging("adaptive_aging_fast", step=0.01),
     "adaptive_aging_slow": lambda reqs: AdaptiveAging("adaptive_aging_slow", step=0.0003),
+    # issue #31, second version: aging learnt from a simulated LRU (the manager's "frequency" now)
+    "shadow_aging": lambda reqs: ShadowAging("shadow_aging"),
+    "shadow_aging_slow": lambda reqs: ShadowAging("shadow_aging_slow", step=0.001),
+    "shadow_aging_fast": lambda reqs: ShadowAging("shadow_aging_fast", step=0.002),
+    "shadow_aging_from_floor": lambda reqs: ShadowAging("shadow_aging_from_floor", init=1e-4),
+    "shadow_aging_from_on": lambda reqs: ShadowAging("shadow_aging_from_on", init=0.01),
+    "shadow_aging_floor3": lambda reqs: ShadowAging("shadow_aging_floor3", lo=1e-3),
+    "shadow_aging_no_threshold": lambda reqs: ShadowAging("shadow_aging_no_threshold", on=0.0),
+    "shadow_aging_trim": lambda reqs: ShadowAging("shadow_aging_trim", trim=True),
     "rgdsf_table4": lambda reqs: RateGDSF("rgdsf_table4", 15.0, TableGhost(4)),
     "rgdsf_ideal": lambda reqs: RateGDSF("rgdsf_ideal", 15.0, DictGhost()),
     "rgdsf_noghost": lambda reqs: RateGDSF("rgdsf_noghost", 15.0, Ghost()),
@@ -826,7 +893,7 @@ def main() -> None:
         "--policy",
         default="lru",
         choices=["lru", "frequency"],
-        help="--verify: the manager's eviction_policy (compared with lru_tail / adaptive_aging here)",
+        help="--verify: the manager's eviction_policy (compared with lru_tail / shadow_aging here)",
     )
     args = ap.parse_args()
     if not os.path.exists(args.trace):
@@ -835,7 +902,7 @@ def main() -> None:
     if args.verify:
         t0 = time.perf_counter()
         mres = verify_with_manager(args.trace, args.verify, args.requests, args.policy)
-        sim = "lru_tail" if args.policy == "lru" else "adaptive_aging"
+        sim = "lru_tail" if args.policy == "lru" else "shadow_aging"
         sres = Replay(load_trace(args.trace, args.requests), args.verify, POLICIES[sim]([])).run()
         print(
             f"manager ({args.policy}) at {args.verify} tokens ({mres['slots']} slots, compiled={mres['compiled']}): "

@@ -36,7 +36,7 @@ def adopt(
                 page.take(False)
                 history = page.storage.history
                 if history is not None:
-                    history.use(page, state._serial)
+                    history.use(page, state._serial, True)
                 pages[ordinal] = page
                 taken += 1
             else:
@@ -46,7 +46,7 @@ def adopt(
                 source.take(False)
                 history = source.storage.history
                 if history is not None:
-                    history.use(source, state._serial)
+                    history.use(source, state._serial, True)
                 table.pending_copy[layer_group] = source
         table.adopt(layer_group, pages, policy.stale_end(length))
         for other in state._tables[1:]:

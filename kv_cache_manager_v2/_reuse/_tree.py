@@ -488,7 +488,7 @@ class ReuseTree(PageDropListener):
                 theirs.take(locked)
                 history = theirs.storage.history
                 if history is not None:
-                    history.use(theirs, serial)
+                    history.use(theirs, serial, True)
                 pages[layer_group] = theirs
                 mine.release(locked)
         return node
@@ -506,7 +506,7 @@ class ReuseTree(PageDropListener):
             node.prio_cap = page.priority
         history = page.storage.history
         if history is not None:
-            history.use(page, serial)
+            history.use(page, serial, False)
         sink = self.event_sink
         if sink is not None:
             sink.block_stored(_event(sink, node, layer_group, page, NOT_MOVED))

@@ -16,19 +16,21 @@ everything:
   full-attention / sink page whose tree node has children waits (is *parked*) until its last
   child leaves the tree, so descendants go first. Adaptive aging (issue #31): each victim also
   raises its class clock by ``aging / slots**2``; ``aging`` learns from the disagreements with
-  LRU (a miss LRU would have hit ages faster, a hit LRU would have missed ages slower), so
-  the policy drifts to recency order where recency wins (long multi-turn chats at large
-  capacity) and stays frequency-driven where popularity wins. O(log n) per operation, O(1) for
-  pages of rate 0 (most of them).
+  an LRU cache of the same size, simulated beside the policy over the block keys (a miss that
+  LRU would have hit ages faster, a hit that LRU would have missed ages slower), so the policy
+  drifts to recency order where recency wins (long multi-turn chats at large capacity) and
+  stays frequency-driven where popularity wins. O(log n) per operation, O(1) for pages of
+  rate 0 (most of them).
 """
 
 from __future__ import annotations
 
 from array import array
+from collections import OrderedDict
 from typing import Final
 
 from .._common import MAX_PRIORITY, Priority, RequestSerial
-from ._page import LISTED_DROPPABLE, LISTED_HELD, NOT_IN_HEAP, NOT_LISTED, Evictor, Page, UseCounter
+from ._page import LISTED_HELD, NOT_IN_HEAP, NOT_LISTED, Evictor, Page, UseCounter
 
 #: ``Page.ev_pos`` (frequency policy): a heap index, ``NOT_IN_HEAP``, or one of these
 PARKED: Final = -2
@@ -43,13 +45,20 @@ GHOST_WAYS: Final = 16
 #: a ghost entry's rank: min(uses, _MAX_RANKED_USES) above 40 bits of stamp (lowest replaced first)
 _STAMP_BITS: Final = 40
 _MAX_RANKED_USES: Final = (1 << 22) - 1
-#: Frequency policy, adaptive aging (issue #31): ``UseHistory.aging`` starts at AGING_MIN (no
-#: aging beyond GreedyDual's: pure use-rate order) and moves by the factor ``1 + AGING_STEP``
-#: per disagreement with LRU, within [AGING_MIN, AGING_MAX] (at the top, a page's rate buys it a
-#: small fraction of a cache turnover: recency order). The study (benchmarks/eviction_study.py, policy ``adaptive_aging``)
-#: chose the step: 10x faster drifts to LRU where frequency wins, 3x slower adapts too late.
-AGING_STEP: Final = 0.001
+#: Frequency policy, adaptive aging (issue #31): ``UseHistory.aging`` starts at AGING_START and
+#: moves by the factor ``1 + AGING_STEP`` per page on which the policy and the simulated LRU
+#: disagree, within [AGING_MIN, AGING_MAX] (at the top, a page's rate buys it a small fraction
+#: of a cache turnover: recency order). Up to AGING_ON it adds nothing to the clock (pure
+#: use-rate order): where frequency wins, the two kinds of disagreement still come in runs that
+#: move the aging by a decade or two (the floor, two decades below, absorbs them), and even
+#: aging 1e-4 / slots**2 per victim costs hit rate (the smallest rates are ~1e-8). The study
+#: (benchmarks/eviction_study.py, ``shadow_aging`` and its variants) chose these: step 0.002,
+#: a floor of 1e-3 or a start at AGING_ON drift to recency on the documents trace at 3M tokens;
+#: step 0.001 or a start at the floor adapt too late on long chats.
+AGING_STEP: Final = 0.0015
 AGING_MIN: Final = 1e-4
+AGING_START: Final = 1e-3
+AGING_ON: Final = 0.01
 AGING_MAX: Final = 1e4
 #: a ghost tag: the first 8 bytes of the block key (its first 4 choose the set)
 _TAG_BYTES: Final = 8
@@ -170,37 +179,43 @@ class UseHistory(UseCounter):
     The ghost is a set-associative table of ``GHOST_PER_SLOT`` x the last level's slots entries,
     ``GHOST_WAYS`` per set, keyed by the first 8 bytes of the block key (a SHA-256 digest; 4 of
     them pick the set); a full set replaces its entry with the fewest uses, then the oldest.
-    Contiguous storage (32 bytes an entry): tags in a ``bytearray`` searched in C, ranks (uses
-    and stamp), first uses and LRU deadlines in ``array('q')``; a set fits in a few cache lines.
+    Contiguous storage (24 bytes an entry): tags in a ``bytearray`` searched in C, ranks (uses
+    and stamp) and first uses in ``array('q')``; a set fits in a few cache lines.
 
-    Adaptive aging (``aging``, read by the evictors at each victim): ``evictions`` counts the
-    victims of the pool group's evictors; a page listed gets the *LRU deadline* ``evictions +
-    count`` of its evictor (under LRU it would leave after about that many victims). A page a
-    request takes after its deadline (kept, where LRU would have lost it) lowers ``aging``; a
-    block that comes back from the ghost before its deadline (lost, where LRU would still have
-    had it) raises it. One factor per event: O(1).
+    Adaptive aging (``aging``, read by the evictors at each victim): ``recent`` simulates what
+    ``eviction_policy="lru"`` would hold: the keys of the last ``lru_slots`` (the pool group's
+    slots, every level) blocks whose pages became DROPPABLE, in that order (LRU's eviction
+    order; its levels together act as one LRU list), without the data. A page a request takes
+    that this LRU would not have (kept, where LRU would have lost it) lowers ``aging`` by one
+    step; a page a request publishes (a miss) that this LRU still has raises it. O(1) per use
+    and release. It ignores the slots that requests hold: where they hold much of the cache it
+    overrates LRU a little (the aging leans to recency, LRU's side). Trimming it to the
+    DROPPABLE count at each victim was tried: the check of a request's misses then comes after
+    its own evictions, which had already trimmed blocks LRU would have matched (0.003 lower on
+    long chats at 3M through the manager).
     """
 
-    __slots__ = ("_deadlines", "_firsts", "_num_sets", "_ranks", "_stamp", "_tags", "aging", "evictions", "now")
+    __slots__ = ("_firsts", "_num_sets", "_ranks", "_stamp", "_tags", "aging", "lru_slots", "now", "recent")
 
     def __init__(self, num_slots: int) -> None:
         #: block uses so far in this pool group (the clock of first uses and rates)
         self.now = 0
-        #: victims of this pool group's frequency evictors (every level): the clock of LRU deadlines
-        self.evictions = 0
         #: clock rise per victim, in units of 1 / slots**2 of the evicting level (adapts)
-        self.aging = AGING_MIN
+        self.aging = AGING_START
+        #: the simulated LRU: keys of the blocks it holds, oldest first, at most ``lru_slots``
+        self.recent: OrderedDict[bytes, None] = OrderedDict()
+        #: slots of the pool group's levels together (each frequency evictor adds its own)
+        self.lru_slots = 0
         self._stamp = 0
         self._num_sets = 1
         self._tags = bytearray()
         self._ranks: array[int] = array("q")
         self._firsts: array[int] = array("q")
-        self._deadlines: array[int] = array("q")
         self.resize(num_slots)
 
     def resize(self, num_slots: int) -> None:
         """Size the ghost for a last level of ``num_slots`` slots (keeps what fits, newest first)."""
-        tags, ranks, firsts, deadlines = self._tags, self._ranks, self._firsts, self._deadlines
+        tags, ranks, firsts = self._tags, self._ranks, self._firsts
         old = sorted(
             (ranks[i] & ((1 << _STAMP_BITS) - 1), i)
             for i in range(len(ranks))
@@ -211,44 +226,59 @@ class UseHistory(UseCounter):
         self._tags = bytearray(n * _TAG_BYTES)
         self._ranks = array("q", [0]) * n
         self._firsts = array("q", [0]) * n
-        self._deadlines = array("q", [0]) * n
         for _, i in old:  # oldest first: the newest win where a set overflows
             tag = bytes(tags[i * _TAG_BYTES : (i + 1) * _TAG_BYTES])
-            self._put(tag, ranks[i] >> _STAMP_BITS, firsts[i], deadlines[i])
+            self._put(tag, ranks[i] >> _STAMP_BITS, firsts[i])
 
     @property
     def num_entries(self) -> int:
         return len(self._ranks)
 
-    def use(self, page: Page, serial: RequestSerial) -> None:
-        """Request ``serial`` uses ``page`` (a page in the tree); counted once per request."""
+    def use(self, page: Page, serial: RequestSerial, cached: bool) -> None:
+        """Request ``serial`` uses ``page`` (a page in the tree; ``cached``: a hit, else the
+        request publishes it); counted once per request. Where the simulated LRU disagrees (a
+        hit it would have missed, a miss it would have hit), the aging moves one step."""
         if page.use_serial == serial:
             return
         page.use_serial = serial
         self.now += 1
+        node = page.node
+        assert node is not None
+        key = node.key
+        if cached != (key in self.recent):
+            if cached:  # kept where LRU would have lost it: less recency
+                self.aging = max(AGING_MIN, self.aging / (1.0 + AGING_STEP))
+            else:  # lost where LRU would still have it: more recency
+                self.aging = min(AGING_MAX, self.aging * (1.0 + AGING_STEP))
         if page.uses == 0:  # never counted: resume the block's history, if remembered
-            node = page.node
-            assert node is not None
-            i = self._find(_tag_of(node.key))
+            i = self._find(_tag_of(key))
             if i < 0:
                 page.first_use = self.now
             else:
                 self._tags[i * _TAG_BYTES : (i + 1) * _TAG_BYTES] = _EMPTY_TAG  # the page carries it now
                 page.uses = self._ranks[i] >> _STAMP_BITS
                 page.first_use = self._firsts[i]
-                if self.evictions <= self._deadlines[i]:  # LRU would still have had it: more recency
-                    self.aging = min(AGING_MAX, self.aging * (1.0 + AGING_STEP))
         page.uses += 1
 
-    def kept_past_deadline(self) -> None:
-        """A request took a page LRU would have evicted by now: less recency."""
-        self.aging = max(AGING_MIN, self.aging / (1.0 + AGING_STEP))
+    def released(self, page: Page) -> None:
+        """``page`` (in the tree) became DROPPABLE: the simulated LRU lists its block as the newest
+        (and forgets its oldest beyond ``lru_slots``)."""
+        node = page.node
+        assert node is not None
+        key = node.key  # the key object itself: its hash is computed once
+        recent = self.recent
+        if key in recent:
+            recent.move_to_end(key)
+            return
+        recent[key] = None
+        while len(recent) > self.lru_slots:
+            recent.popitem(last=False)
 
     def record(self, page: Page) -> None:
         """``page`` (in the tree) is dropped for good: remember its block's uses."""
         node = page.node
         if node is not None and page.uses:
-            self._put(_tag_of(node.key), page.uses, page.first_use, page.ev_deadline)
+            self._put(_tag_of(node.key), page.uses, page.first_use)
 
     def remembers(self, key: bytes) -> int:
         """Uses the ghost remembers of the block with ``key`` (0: none; for tests)."""
@@ -269,7 +299,7 @@ class UseHistory(UseCounter):
             pos = tags.find(tag, pos + 1, hi)
         return pos // _TAG_BYTES if pos >= 0 else -1
 
-    def _put(self, tag: bytes, uses: int, first: int, deadline: int = -1) -> None:
+    def _put(self, tag: bytes, uses: int, first: int) -> None:
         self._stamp += 1
         s = self._set(tag)
         i = self._find(_EMPTY_TAG, s)
@@ -280,7 +310,6 @@ class UseHistory(UseCounter):
         self._tags[i * _TAG_BYTES : (i + 1) * _TAG_BYTES] = tag
         self._ranks[i] = min(uses, _MAX_RANKED_USES) << _STAMP_BITS | self._stamp
         self._firsts[i] = first
-        self._deadlines[i] = deadline
 
 
 def _tag_of(key: bytes) -> bytes:
@@ -326,7 +355,7 @@ class FrequencyEvictor(Evictor):
     comparing unboxed fields; nothing is allocated besides amortized list growth.
     """
 
-    __slots__ = ("_age_unit", "_classes", "_history", "_nonempty", "_parks", "_seq", "_tau")
+    __slots__ = ("_age_unit", "_classes", "_history", "_nonempty", "_parks", "_seq", "_slots", "_tau")
 
     def __init__(self, history: UseHistory, num_slots: int, parks: bool) -> None:
         super().__init__()
@@ -337,9 +366,12 @@ class FrequencyEvictor(Evictor):
         self._seq = 0
         self._tau = 1.0
         self._age_unit = 1.0
+        self._slots = 0
         self.resize(num_slots)
 
     def resize(self, num_slots: int) -> None:
+        self._history.lru_slots += num_slots - self._slots  # the simulated LRU spans every level
+        self._slots = num_slots
         slots = float(max(1, num_slots))
         self._tau = TAU_SLOTS * slots
         self._age_unit = 1.0 / (slots * slots)
@@ -354,7 +386,6 @@ class FrequencyEvictor(Evictor):
         self._seq += 1
         page.ev_seq = self._seq
         history = self._history
-        page.ev_deadline = history.evictions + self.count
         node = page.node
         uses = page.uses
         if uses > 1:
@@ -385,12 +416,6 @@ class FrequencyEvictor(Evictor):
         page.ev_pos = NOT_IN_HEAP
         if not cls.heap and cls.fifo_head is None and cls.parked_head is None:
             self._nonempty &= ~(1 << i)
-
-    def taken(self, page: Page) -> None:
-        """A request reuses a listed page; one LRU would have evicted by now lowers the aging."""
-        if page.in_evictor == LISTED_DROPPABLE and self._history.evictions > page.ev_deadline:
-            self._history.kept_past_deadline()
-        self.remove(page)
 
     def pop_victim(self) -> Page:
         if self._nonempty == 0:
@@ -527,16 +552,14 @@ class FrequencyEvictor(Evictor):
 
     def _advance_clock(self, victim: Page) -> None:
         """GreedyDual aging: the class's clock rises to its victim's value (a page listed long
-        ago may hold a value below it: the clock never falls), plus the adaptive aging (none at
-        its floor: there the order is exactly use-rate GreedyDual's)."""
+        ago may hold a value below it: the clock never falls), plus the adaptive aging (none up to
+        ``AGING_ON``: there the order is exactly use-rate GreedyDual's)."""
         cls = self._classes[victim.priority + 1]
-        history = self._history
-        history.evictions += 1
         clock = cls.clock
         if victim.ev_key > clock:
             clock = victim.ev_key
-        aging = history.aging
-        if aging > AGING_MIN:
+        aging = self._history.aging
+        if aging > AGING_ON:
             clock += aging * self._age_unit
         cls.clock = clock
 

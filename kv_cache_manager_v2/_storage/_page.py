@@ -78,8 +78,13 @@ class UseCounter:
 
     __slots__ = ()
 
-    def use(self, page: Page, serial: RequestSerial) -> None:
-        """Request ``serial`` uses ``page`` (a page in the tree); counted once per request."""
+    def use(self, page: Page, serial: RequestSerial, cached: bool) -> None:
+        """Request ``serial`` uses ``page`` (a page in the tree; ``cached``: it was there before,
+        a hit; else the request publishes it); counted once per request."""
+        raise NotImplementedError
+
+    def released(self, page: Page) -> None:
+        """``page`` (in the tree) became DROPPABLE: its last owner let go."""
         raise NotImplementedError
 
     def record(self, page: Page) -> None:
@@ -296,7 +301,6 @@ class Page:
     __slots__ = (
         "_rawref",
         "anchor",
-        "ev_deadline",
         "ev_key",
         "ev_pos",
         "ev_seq",
@@ -343,15 +347,13 @@ class Page:
         self.anchor = False
         # Frequency policy (see _eviction.py): requests that used the block (history included),
         # the use clock at its first use, the last request counted; the value and sequence
-        # number the page was listed with, its heap index (or NOT_IN_HEAP / PARKED), and its
-        # LRU deadline (UseHistory: adaptive aging).
+        # number the page was listed with, and its heap index (or NOT_IN_HEAP / PARKED / IN_FIFO).
         self.uses = 0
         self.first_use = 0
         self.use_serial = NO_SERIAL
         self.ev_key = 0.0
         self.ev_seq = 0
         self.ev_pos = NOT_IN_HEAP
-        self.ev_deadline = 0
         _untrack(self)  # see the class docstring
 
     @property
@@ -378,6 +380,14 @@ class Page:
         self.num_holds += 1
         self._list_if_held()
 
+    def _droppable(self) -> None:
+        """The last owner of a tree page let go: list it DROPPABLE (the use history hears of it)."""
+        storage = self.storage
+        storage.evictor.add(self)
+        history = storage.history
+        if history is not None:
+            history.released(self)
+
     def take(self, locked: bool) -> None:
         """A new owner (locking if ``locked``, else holding); a listed page leaves the evictor
         (a HELD page comes back as the newest)."""
@@ -400,7 +410,7 @@ class Page:
             if self.num_holds:
                 self._list_if_held()  # only suspended requests own it now
             elif self.node is not None:
-                self.storage.evictor.add(self)
+                self._droppable()
             else:
                 self.free()
             return
@@ -410,7 +420,7 @@ class Page:
                 if self.in_evictor:
                     self.storage.evictor.remove(self)
                 if self.node is not None:
-                    self.storage.evictor.add(self)
+                    self._droppable()
                 else:
                     self.free()
             elif not self.in_evictor:
