@@ -61,7 +61,7 @@ def adopt(
             snapshot.take(False)
             history = snapshot.storage.history
             if history is not None:
-                history.use(snapshot, state._serial)
+                history.use(snapshot, state._serial, True)
             table.pending_copy[layer_group] = snapshot
             taken += 1
             if state._ctx.enable_stats:
