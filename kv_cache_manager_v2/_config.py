@@ -261,6 +261,18 @@ class BufferConfig:
             check_int("BufferConfig.tokens_per_block_override", _raw(self, "tokens_per_block_override"), 1)
 
 
+def _check_buffers(layer_id: LayerId, buffers: Sequence[BufferConfig]) -> None:
+    """A layer's buffers: at least one, each a BufferConfig, roles unique."""
+    if len(buffers) == 0:
+        raise ValueError(f"layer {layer_id}: buffers must not be empty")
+    roles: set[str] = set()
+    for b in buffers:
+        check_type(f"layer {layer_id}: each buffer", b, BufferConfig)
+        if b.role in roles:
+            raise ValueError(f"layer {layer_id}: buffer role {b.role!r} appears twice; roles must be unique")
+        roles.add(b.role)
+
+
 @mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class AttentionLayerConfig:
@@ -273,14 +285,7 @@ class AttentionLayerConfig:
 
     def __post_init__(self) -> None:
         check_int("AttentionLayerConfig.layer_id", _raw(self, "layer_id"))
-        if len(self.buffers) == 0:
-            raise ValueError(f"layer {self.layer_id}: buffers must not be empty")
-        roles: set[str] = set()
-        for b in self.buffers:
-            check_type(f"layer {self.layer_id}: each buffer", b, BufferConfig)
-            if b.role in roles:
-                raise ValueError(f"layer {self.layer_id}: buffer role {b.role!r} appears twice; roles must be unique")
-            roles.add(b.role)
+        _check_buffers(self.layer_id, self.buffers)
         w = self.sliding_window_size
         if w is not None:
             check_int(f"layer {self.layer_id}: sliding_window_size", _raw(self, "sliding_window_size"), 1)
@@ -308,14 +313,8 @@ class SsmLayerConfig:
 
     def __post_init__(self) -> None:
         check_int("SsmLayerConfig.layer_id", _raw(self, "layer_id"))
-        if len(self.buffers) == 0:
-            raise ValueError(f"layer {self.layer_id}: buffers must not be empty")
-        roles: set[str] = set()
+        _check_buffers(self.layer_id, self.buffers)
         for b in self.buffers:
-            check_type(f"layer {self.layer_id}: each buffer", b, BufferConfig)
-            if b.role in roles:
-                raise ValueError(f"layer {self.layer_id}: buffer role {b.role!r} appears twice; roles must be unique")
-            roles.add(b.role)
             if b.tokens_per_block_override is not None:
                 raise ValueError(
                     f"layer {self.layer_id} buffer {b.role!r}: a recurrent layer's state is per sequence, not per "

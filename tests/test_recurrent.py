@@ -357,8 +357,9 @@ def test_no_room_for_a_snapshot_skips_it(make_manager: MakeManager) -> None:
     assert m.probe_reuse(None, tokens) == 0
 
 
-def test_live_state_and_snapshots_spill_to_host_and_come_back(make_manager: MakeManager) -> None:
-    m = make_manager(
+def host_tier_manager(make_manager: MakeManager) -> KVCacheManager:
+    """A small GPU tier (a tenth for the states) over a host tier, snapshots every 64 tokens."""
+    return make_manager(
         hybrid_layers(),
         T,
         quota=64 << 10,
@@ -367,6 +368,10 @@ def test_live_state_and_snapshots_spill_to_host_and_come_back(make_manager: Make
         ssm_reuse_interval=64,
         max_util_for_resume=1.0,
     )
+
+
+def test_live_state_and_snapshots_spill_to_host_and_come_back(make_manager: MakeManager) -> None:
+    m = host_tier_manager(make_manager)
     engine = FakeEngine(m)
     g = state_group(m)
     slots = m.pool_group_descs[m.get_layer_group_info(g).pool_group_index].num_slots
@@ -450,15 +455,7 @@ def test_sizing_counts_live_states_and_snapshots(make_manager: MakeManager) -> N
 
 
 def test_probe_reuse_levels_report_where_the_snapshot_is(make_manager: MakeManager) -> None:
-    m = make_manager(
-        hybrid_layers(),
-        T,
-        quota=64 << 10,
-        initial_pool_ratio=[0.1, 0.9],
-        host_quota=256 << 10,
-        ssm_reuse_interval=64,
-        max_util_for_resume=1.0,
-    )
+    m = host_tier_manager(make_manager)
     engine = FakeEngine(m)
     g = state_group(m)
     prompt = toks(21, 64)

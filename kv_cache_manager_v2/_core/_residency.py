@@ -14,6 +14,17 @@ from ._commit import publish_final
 from ._request_state import RequestState
 
 
+def _take_reused(node: Node, layer_group: LayerGroupId, state: RequestState) -> Page:
+    """Take ``node``'s page of ``layer_group`` for a request that matched it (a hit)."""
+    page = node.page(layer_group)
+    assert page is not None
+    page.take(False)
+    history = page.storage.history
+    if history is not None:
+        history.use(page, state._serial, True)
+    return page
+
+
 def adopt(
     state: RequestState, nodes: list[Node], part: Node | None, part_len: int, tokens: Sequence[TokenIdExt]
 ) -> None:
@@ -31,23 +42,11 @@ def adopt(
             if beg <= ordinal < end:
                 continue
             if ordinal < len(nodes):
-                page = nodes[ordinal].page(layer_group)
-                assert page is not None
-                page.take(False)
-                history = page.storage.history
-                if history is not None:
-                    history.use(page, state._serial, True)
-                pages[ordinal] = page
+                pages[ordinal] = _take_reused(nodes[ordinal], layer_group, state)
                 taken += 1
             else:
                 assert part is not None
-                source = part.page(layer_group)
-                assert source is not None
-                source.take(False)
-                history = source.storage.history
-                if history is not None:
-                    history.use(source, state._serial, True)
-                table.pending_copy[layer_group] = source
+                table.pending_copy[layer_group] = _take_reused(part, layer_group, state)
         table.adopt(layer_group, pages, policy.stale_end(length))
         for other in state._tables[1:]:
             for page_or_none in pages:
@@ -56,13 +55,7 @@ def adopt(
             other.adopt(layer_group, list(pages), policy.stale_end(length))
     if nodes:  # a hybrid match ends at a block holding a snapshot of each state group
         for layer_group in table.state_groups:
-            snapshot = nodes[-1].page(layer_group)
-            assert snapshot is not None
-            snapshot.take(False)
-            history = snapshot.storage.history
-            if history is not None:
-                history.use(snapshot, state._serial, True)
-            table.pending_copy[layer_group] = snapshot
+            table.pending_copy[layer_group] = _take_reused(nodes[-1], layer_group, state)
             taken += 1
             if state._ctx.enable_stats:
                 state._ctx.stats.snapshots_reused += 1
