@@ -132,7 +132,7 @@ def test_partial_match_looks_at_a_few_siblings_whatever_their_number(make_manage
     node = m._tree.roots[(None, None)].children()[0].children()[0]
     query = [7, 7, 7, 345, 0, 1]
     assert len(node.partial_candidates(query)) <= 2
-    best, n = node.best_partial(query)
+    best, n = node.best_partial(query, m._tree.partial_groups)
     brute = max(node.children(), key=lambda c: sum(1 for _ in iter_common(c.tokens, query)))
     assert best is not None and n == 6 and best.tokens[:6] == brute.tokens[:6]
     assert m.probe_reuse(input_tokens=[*template, *query]) == 2 * T + 6

@@ -401,6 +401,46 @@ def test_live_state_and_snapshots_spill_to_host_and_come_back(make_manager: Make
     c.close()
 
 
+def test_a_live_state_lost_to_a_disk_error_is_replaced_at_resume(make_manager: MakeManager, tmp_path: object) -> None:
+    """A suspended request's live state goes to disk and the write fails: the state is lost, so the
+    resume lets it go, starts the request over (a shorter state cannot be recovered) and takes a new
+    live state page for it (it once resumed ACTIVE without one)."""
+    m = make_manager(
+        hybrid_layers(),
+        T,
+        quota=64 << 10,
+        initial_pool_ratio=[0.1, 0.9],
+        disk_quota=256 << 10,
+        disk_path=str(tmp_path),
+        ssm_reuse_interval=64,
+        max_util_for_resume=1.0,
+    )
+    engine = FakeEngine(m)
+    g = state_group(m)
+    slots = m.pool_group_descs[m.get_layer_group_info(g).pool_group_index].num_slots
+    b_tokens = toks(21, 90)
+    b = m.create_kv_cache(input_tokens=b_tokens)
+    prefill(engine, b, b_tokens, 90)
+    b.suspend()
+    disk = m._storage.levels[CacheLevel(1)].items[m.get_layer_group_info(g).pool_group_index].pools[0]
+    disk.error_hook = lambda op, off, n: op == "write"  # type: ignore[attr-defined]
+    others = [m.create_kv_cache(id=i) for i in range(slots)]  # b's live state is pushed down: lost
+    for kv in others:
+        assert kv.resume()
+    disk.error_hook = None  # type: ignore[attr-defined]
+    assert m.get_tier_statistics(CacheLevel(1)).io_errors > 0
+    for kv in others:
+        kv.close()
+    assert b.resume()
+    assert b.history_length == 0 and b.num_committed_tokens == 0
+    b.get_ssm_state_index(g)  # a live state again
+    m.check_invariants()
+    b.suspend()
+    prefill(engine, b, b_tokens, 90)  # recomputed from the start
+    engine.check_all(b, b_tokens, 90)
+    b.close()
+
+
 def test_beams_copy_the_state(make_manager: MakeManager) -> None:
     m = make_manager(hybrid_layers(), T, ssm_reuse_interval=64)
     engine = FakeEngine(m)

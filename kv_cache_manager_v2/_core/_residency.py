@@ -98,6 +98,10 @@ def resume_pages(state: RequestState) -> bool:
         return True
     if storage.any_lost():
         drop_lost_blocks(state, False, -1)
+        if not new_states:  # a live state it lost was let go of: a new one is taken below
+            for each in state._tables:
+                if each.needs_state_pages():
+                    new_states = True
     state_groups = table.state_groups
     pending = [
         (LayerGroupId(i), source)

@@ -136,7 +136,7 @@ class RemoteFill:
         if partial and node is not None and len(nodes) * tokens_per_block < len(tokens) and node.has_children:
             rest = tokens[len(nodes) * tokens_per_block : (len(nodes) + 1) * tokens_per_block]
             validate_tokens(rest, hasher.name)
-            part, part_len = node.best_partial(rest)
+            part, part_len = node.best_partial(rest, self.tree.partial_groups)
         layer_groups = self.layer_groups.items
         while True:
             length = len(nodes) * tokens_per_block + part_len

@@ -80,6 +80,30 @@ class _PartialIndex:
         del self.keys[i]
         del self.nodes[i]
 
+    def best(self, tokens: Sequence[TokenIdExt], groups: list[int]) -> tuple[Node | None, int]:
+        """The child holding a page of each of ``groups`` with the longest common token prefix with
+        ``tokens`` (>= 1), and its length. Moving away from the binary search's position the common
+        prefix never grows, so each direction stops at its first child holding the pages (or once
+        the prefix is no longer than the best)."""
+        enc = _id_encoding(tokens)
+        if enc is None:
+            return _best_of(list(self.nodes) + self.others, tokens, groups)
+        best, best_len = _best_of(self.others, tokens, groups)
+        nodes = self.nodes
+        i = bisect_left(self.keys, enc)
+        for step in (-1, 1):
+            j = i - 1 if step < 0 else i
+            while 0 <= j < len(nodes):
+                child = nodes[j]
+                n = common_prefix_len(child.tokens, tokens)
+                if n <= best_len:
+                    break
+                if child.holds_pages(groups):
+                    best, best_len = child, n
+                    break
+                j += step
+        return best, best_len
+
     def candidates(self, tokens: Sequence[TokenIdExt]) -> list[Node]:
         """The children that can share the longest prefix with ``tokens`` (or start with them)."""
         enc = _id_encoding(tokens)
@@ -88,6 +112,18 @@ class _PartialIndex:
         i = bisect_left(self.keys, enc)
         out = self.others + self.nodes[max(0, i - 1) : i + 1]
         return out
+
+
+def _best_of(children: list[Node], tokens: Sequence[TokenIdExt], groups: list[int]) -> tuple[Node | None, int]:
+    """Of ``children``, the one holding a page of each of ``groups`` with the longest common token
+    prefix with ``tokens`` (>= 1; the first of equals), and its length."""
+    best: Node | None = None
+    best_len = 0
+    for child in children:
+        n = common_prefix_len(child.tokens, tokens)
+        if n > best_len and child.holds_pages(groups):
+            best, best_len = child, n
+    return best, best_len
 
 
 def _id_encoding(tokens: Sequence[TokenIdExt]) -> bytes | None:
@@ -215,20 +251,36 @@ class Node:
             self._index = _PartialIndex(list(c.values()))
         return self._index.candidates(tokens)
 
-    def best_partial(self, tokens: Sequence[TokenIdExt]) -> tuple[Node | None, int]:
-        """The child with the longest common token prefix with ``tokens`` (>= 1), and its length."""
-        best: Node | None = None
-        best_len = 0
-        for child in self.partial_candidates(tokens):
-            n = common_prefix_len(child.tokens, tokens)
-            if n > best_len:
-                best, best_len = child, n
-        return best, best_len
+    def best_partial(self, tokens: Sequence[TokenIdExt], groups: list[int]) -> tuple[Node | None, int]:
+        """The child with the longest common token prefix with ``tokens`` (>= 1) among those holding
+        a page of each of ``groups`` (a partially matched block is the last block of the match: every
+        attention group needs its page), and its length. A child lacking one is skipped, not
+        picked and then cut: a sibling sharing as many tokens may hold them all."""
+        only = self._only
+        if only is not None:
+            return _best_of([only], tokens, groups)
+        c = self._children
+        if c is None:
+            return None, 0
+        if len(c) <= _SCAN_LIMIT:
+            return _best_of(list(c.values()), tokens, groups)
+        if self._index is None:
+            self._index = _PartialIndex(list(c.values()))
+        return self._index.best(tokens, groups)
 
     def covers(self, tokens: Sequence[TokenIdExt]) -> bool:
         """Whether some child's tokens start with ``tokens``."""
         n = len(tokens)
         return any(common_prefix_len(c.tokens, tokens) == n for c in self.partial_candidates(tokens))
+
+    def holds_pages(self, groups: list[int]) -> bool:
+        """Whether the block holds a page of each of ``groups``."""
+        pages = self.pages
+        for layer_group in groups:
+            r = pages[layer_group]
+            if r is None or r() is None:
+                return False
+        return True
 
     def has_pages(self) -> bool:
         return any(r is not None and r() is not None for r in self.pages)
@@ -304,6 +356,8 @@ class ReuseTree(PageDropListener):
         #: groups whose pages are snapshots of a live state (recurrent layers): a match ends at a
         #: block holding a snapshot of each
         self._state_groups = [i for i, policy in enumerate(layer_groups) if policy.keeps_live_state]
+        #: the others: a partially matched block must hold a page of each (it is the match's last block)
+        self.partial_groups = [i for i, policy in enumerate(layer_groups) if not policy.keeps_live_state]
         #: snapshot pages that left the tree (evicted, or with their block)
         self.snapshots_evicted = 0
         self.roots: dict[tuple[int | None, int | None], Node] = {}
@@ -365,14 +419,7 @@ class ReuseTree(PageDropListener):
         if partial and ordinal * t < len(tokens) and node.has_children:
             rest = tokens[ordinal * t : (ordinal + 1) * t]
             validate_tokens(rest, hasher.name)  # compared token by token below
-            part, part_len = node.best_partial(rest)
-            if part is not None and gap < 0:
-                pages = part.pages
-                for layer_group in keeping:
-                    r = pages[layer_group]
-                    if r is None or r() is None:
-                        gap = ordinal
-                        break
+            part, part_len = node.best_partial(rest, self.partial_groups)  # holds every page it needs
         # Shorten until the pages needed at the matched length exist for every layer group. Once
         # shortened, the groups keeping every block have all their pages (``gap`` was the first).
         missing = self._first_missing_block(nodes, part, len(nodes) * t + part_len, gap)
