@@ -544,6 +544,17 @@ def test_a_failing_priority_callback_at_a_snapshot_changes_nothing(make_manager:
     assert m.reuse_statistics.snapshots_taken == 1
     kv.close()
     assert m.probe_reuse(None, tokens[:100]) == 64
+    # a beam fork ending at a snapshot position asks the callback before it forks anything
+    beams = m.create_kv_cache(custom_priority_callback=callback, beam_width=2)
+    assert beams.resume()
+    assert beams.resize(128)
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="callback failed"):
+        beams.commit([tokens[64:192]] * 2, [0, 0])
+    assert beams.num_committed_tokens == 0
+    beams.commit(tokens[64:100])  # not forked: a commit without indices is still allowed
+    m.check_invariants()
+    beams.close()
 
 
 def test_snapshots_survive_a_restart_on_a_persistent_disk_tier(backend: str, tmp_path: object) -> None:
