@@ -555,6 +555,28 @@ def test_a_failing_priority_callback_at_a_snapshot_changes_nothing(make_manager:
     beams.commit(tokens[64:100])  # not forked: a commit without indices is still allowed
     m.check_invariants()
     beams.close()
+    # commit_batch: the caches before the one whose callback raised are committed (as documented)
+    fail[0] = False
+    second_fails = [False]
+
+    def second(block: int, layer_group: LayerGroupId) -> Priority:
+        if second_fails[0]:
+            raise RuntimeError("callback failed")
+        return Priority(35)
+
+    kvs = [m.create_kv_cache(custom_priority_callback=cb) for cb in (callback, second)]
+    for kv in kvs:
+        assert kv.resume()
+        assert kv.resize(63)
+        kv.commit(tokens[:63])
+    assert m.resize_batch(kvs) == []
+    second_fails[0] = True
+    with pytest.raises(RuntimeError, match="callback failed"):
+        m.commit_batch(kvs, [tokens[63], tokens[63]])
+    assert [kv.num_committed_tokens for kv in kvs] == [64, 63]
+    m.check_invariants()
+    for kv in kvs:
+        kv.close()
 
 
 def test_snapshots_survive_a_restart_on_a_persistent_disk_tier(backend: str, tmp_path: object) -> None:

@@ -387,6 +387,9 @@ class KVCacheManager:
         The same as ``caches[i].commit([tokens[i]])`` for each cache: full blocks are published
         and sliding windows move. Every cache and token is checked first (ACTIVE, committing,
         within capacity, listed once, a valid token), so misuse raises with nothing changed.
+        A custom priority callback that raises (hybrid models ask it when a token completes a
+        block at a recurrent-state snapshot position) stops the batch at that cache: the caches
+        before it are committed, it and the rest are not.
         Several tokens per request (speculative decoding) and forked beams use ``KVCache.commit``.
         """
         self._check_alive()
