@@ -469,6 +469,42 @@ def test_beams_copy_the_state(make_manager: MakeManager) -> None:
     kv.close()
 
 
+def test_a_beam_fork_at_a_snapshot_position_takes_the_snapshot(make_manager: MakeManager) -> None:
+    """The documented protocol commits the last prompt chunk through the fork (``[chunk] * B``,
+    indices ``[0] * B``): a prompt ending at a snapshot position keeps its snapshot, and a later
+    block every beam shares keeps its own; the next turn resumes from them with the right state."""
+    m = make_manager(hybrid_layers(), T, ssm_reuse_interval=128)
+    engine = FakeEngine(m)
+    prompt = toks(21, 96)  # block-aligned: the prompt end is a snapshot position
+    kv = m.create_kv_cache(input_tokens=prompt, beam_width=2)
+    assert kv.resume()
+    assert kv.resize(96)
+    for beam in (0, 1):
+        engine.step(kv, prompt, 0, 96, beam)
+    kv.commit([prompt] * 2, [0, 0])  # the fork
+    assert m.reuse_statistics.snapshots_taken == 1
+    seq = list(prompt)
+    engine.check_beam_field = False  # (records of shared pages name the beam that wrote them last)
+    for pos in range(96, 128):  # both beams continue beam 0 with the same tokens: shared blocks
+        assert kv.resize(pos + 1)
+        token = 7 + pos
+        for beam in (0, 1):
+            engine.step(kv, seq + [token], pos, pos + 1, beam)
+        seq.append(token)
+        kv.commit([[token], [token]], [0, 0])
+    assert m.reuse_statistics.snapshots_taken == 2  # 128: a multiple of the interval
+    m.check_invariants()
+    kv.close()
+    for upto in (96, 128):  # (beam 1 wrote the shared pages last: no writer-beam check)
+        nxt = seq[:upto] + [1, 2]
+        assert m.probe_reuse(None, nxt) == upto
+        again = m.create_kv_cache(input_tokens=nxt)
+        assert again.history_length == upto
+        prefill(engine, again, nxt, upto + 2)
+        again.close()
+    m.check_invariants()
+
+
 # ---------------------------------------------------------------------- sizing and levels
 def test_sizing_counts_live_states_and_snapshots(make_manager: MakeManager) -> None:
     m = make_manager(hybrid_layers(), T, quota=64 << 10, initial_pool_ratio=[0.1, 0.9])
@@ -545,6 +581,39 @@ def test_a_failing_priority_callback_at_a_snapshot_changes_nothing(make_manager:
     assert m.reuse_statistics.snapshots_taken == 1
     kv.close()
     assert m.probe_reuse(None, tokens[:100]) == 64
+    # a beam fork ending at a snapshot position asks the callback before it forks anything
+    beams = m.create_kv_cache(custom_priority_callback=callback, beam_width=2)
+    assert beams.resume()
+    assert beams.resize(128)
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="callback failed"):
+        beams.commit([tokens[64:192]] * 2, [0, 0])
+    assert beams.num_committed_tokens == 0
+    beams.commit(tokens[64:100])  # not forked: a commit without indices is still allowed
+    m.check_invariants()
+    beams.close()
+    # commit_batch: the caches before the one whose callback raised are committed (as documented)
+    fail[0] = False
+    second_fails = [False]
+
+    def second(block: int, layer_group: LayerGroupId) -> Priority:
+        if second_fails[0]:
+            raise RuntimeError("callback failed")
+        return Priority(35)
+
+    kvs = [m.create_kv_cache(custom_priority_callback=cb) for cb in (callback, second)]
+    for kv in kvs:
+        assert kv.resume()
+        assert kv.resize(63)
+        kv.commit(tokens[:63])
+    assert m.resize_batch(kvs) == []
+    second_fails[0] = True
+    with pytest.raises(RuntimeError, match="callback failed"):
+        m.commit_batch(kvs, [tokens[63], tokens[63]])
+    assert [kv.num_committed_tokens for kv in kvs] == [64, 63]
+    m.check_invariants()
+    for kv in kvs:
+        kv.close()
 
 
 def test_snapshots_survive_a_restart_on_a_persistent_disk_tier(backend: str, tmp_path: object) -> None:

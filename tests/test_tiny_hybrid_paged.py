@@ -282,6 +282,38 @@ def test_beams_resumed_from_a_snapshot_equal_recomputation(name: str) -> None:
     adapter.shutdown()
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_beams_sharing_a_block_leave_its_exact_snapshot(name: str) -> None:
+    """A beam request forked with the prompt's last chunk (``[chunk] * 2``, indices ``[0, 0]``) whose
+    beams both continue beam 0: the blocks they share are published, and those ending at snapshot
+    positions (the block-aligned prompt end, multiples of the interval) keep beam 0's state, which
+    is the dense reference's state at that position."""
+    model, adapter, engine = setup(name)
+    m = adapter.manager
+    prompt = tokens_of(11, 12)  # 3 blocks: the prompt end (12) is a snapshot position
+    kv = m.create_kv_cache(input_tokens=prompt, beam_width=2)
+    assert kv.resume()
+    assert kv.resize(len(prompt))
+    last = [engine.step_sequence(kv, prompt, 0, len(prompt), beam)[-1] for beam in (0, 1)]
+    kv.commit([prompt] * 2, [0, 0])
+    seq = list(prompt)
+    for pos in range(len(prompt), 17):  # past 16 (a multiple of the interval)
+        token = TokenId(int(np.argmax(last[0])))
+        assert kv.resize(pos + 1)
+        last = [engine.step_sequence(kv, seq + [token], pos, pos + 1, b)[-1] for b in (0, 1)]
+        seq.append(token)
+        kv.commit([[token], [token]], [0, 0])
+    assert m.reuse_statistics.snapshots_taken == 2
+    kv.close()
+    for upto in (12, 16):
+        probe = EngineRequest(100 + upto, seq[:upto] + [TokenId(96)], 1)
+        assert adapter.prepare_resources([probe]) == []
+        assert probe.num_reused_tokens == upto
+        assert live_state_error(model, engine, adapter.get_kv_cache(probe), seq[:upto]) <= TOL
+        adapter.free_resources(probe)
+    adapter.shutdown()
+
+
 def live_state_error_beam(
     model: TinyModel, engine: PagedEngine, kv: kvm.KVCache, tokens: Sequence[TokenIdExt], beam: int
 ) -> float:

@@ -12,7 +12,7 @@ from .._reuse._tree import same_tokens
 from .._storage._page import Page
 from .._utils import check_int
 from ._block_table import BlockTable
-from ._commit import publish
+from ._commit import publish, snapshot_priorities_at, take_snapshot
 from ._request_state import RequestState
 
 
@@ -42,6 +42,8 @@ def commit_beams(state: RequestState, tokens: Sequence[Sequence[TokenIdExt]], pa
     ctx = state._ctx
     ctx.enter("commit()")
     try:
+        # (asked of the callback before anything changes: it may raise)
+        snapshot_priorities = snapshot_priorities_at(state, committed) if ctx.state_layer_groups else None
         if not state._forked:
             state._forked = True
             state._beam_seqs = [(list(state._committed_blocks), list(state._tail)) for _ in range(width - 1)]
@@ -94,6 +96,8 @@ def commit_beams(state: RequestState, tokens: Sequence[Sequence[TokenIdExt]], pa
                 state._release_stale(layer_group, ctx.layer_groups[layer_group].stale_end(committed))
         state._cow = shared_tails(state, committed)
         publish(state, state._num_published + common_full_blocks(state))
+        if snapshot_priorities is not None:
+            take_snapshot(state, snapshot_priorities)
     finally:
         ctx.leave()
 

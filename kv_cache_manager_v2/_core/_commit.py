@@ -29,23 +29,14 @@ def commit_tokens(state: RequestState, more: Sequence[TokenIdExt] | None = None)
     if state._ctx.state_layer_groups:
         # a snapshot's priorities come from the callback: asked before anything changes (with
         # ``more`` None the caller appended one token to the tail: taken out again if it raises)
-        end = state.num_committed_tokens + (len(more) if more is not None else 0)
-        # (history beyond the committed end: the state holds more than the block, no snapshot)
-        if (
-            end % tokens_per_block == 0
-            and state._history <= end
-            and not state._forked
-            and is_snapshot_position(state, end)
-        ):
-            try:
-                snapshot_priorities = [
-                    state._priorities(layer_group, [end // tokens_per_block - 1])[0]
-                    for layer_group in state._ctx.state_layer_groups
-                ]
-            except BaseException:
-                if more is None:
-                    tail.pop()
-                raise
+        try:
+            snapshot_priorities = snapshot_priorities_at(
+                state, state.num_committed_tokens + (len(more) if more is not None else 0)
+            )
+        except BaseException:
+            if more is None:
+                tail.pop()
+            raise
     if more is not None and (tail or not isinstance(more, (list, tuple, array))):
         tail.extend(more)  # the tail's block first (or a sequence without slices): cut from the tail
         more = None
@@ -85,6 +76,19 @@ def commit_tokens(state: RequestState, more: Sequence[TokenIdExt] | None = None)
         take_snapshot(state, snapshot_priorities)
 
 
+def snapshot_priorities_at(state: RequestState, end: int) -> list[Priority] | None:
+    """When a commit ending at ``end`` committed tokens may take a snapshot: its priorities per
+    state group, from the callback (may raise: ask before the commit changes anything); else None."""
+    tokens_per_block = state._tokens_per_block
+    # (history beyond the committed end: the state holds more than the block, no snapshot)
+    if end % tokens_per_block != 0 or state._history > end or not is_snapshot_position(state, end):
+        return None
+    return [
+        state._priorities(layer_group, [end // tokens_per_block - 1])[0]
+        for layer_group in state._ctx.state_layer_groups
+    ]
+
+
 def is_snapshot_position(state: RequestState, position: int) -> bool:
     """Whether the live state at ``position`` tokens is kept as a snapshot: a positive multiple
     of the snapshot interval, the request's prompt end rounded down to a block, or a configured
@@ -105,15 +109,17 @@ def next_snapshot_position(state: RequestState, position: int) -> int:
 
 def take_snapshot(state: RequestState, priorities: list[Priority]) -> None:
     """The commit ended history at a snapshot position (``priorities``: the snapshots' per state
-    group, asked of the callback before the commit changed anything): when the block is published, copy the live state (beam 0's; none once beams forked) into a new page
-    that becomes the block's snapshot in the reuse tree. No room at any level: skipped and
-    counted (a snapshot never blocks, and never takes a page a request holds)."""
+    group, asked of the callback before the commit changed anything): when the block is published
+    as the request's last node, copy beam 0's live state into a new page that becomes the block's
+    snapshot in the reuse tree. (Once beams forked, a block is published only when every beam
+    holds it alike: beam 0's state is then the state after exactly that block's chain.) No room
+    at any level: skipped and counted (a snapshot never blocks, and never takes a page a request
+    holds)."""
     committed = state.num_committed_tokens
     ordinal = committed // state._tokens_per_block - 1
     node = state._last_node
     if (
-        state._forked
-        or state._history != committed
+        state._history != committed
         or not is_snapshot_position(state, committed)
         or node is None
         or node.ordinal != ordinal

@@ -488,7 +488,9 @@ class KVCache(RequestState):
     def get_base_page_indices(self, layer_group_id: LayerGroupId, beam_id: BeamIndex = BeamIndex(0)) -> memoryview:
         """Slot id per block (``BAD_PAGE_INDEX`` for none): an int32 ``memoryview`` the manager keeps
         up to date in place (wrap it with numpy at will; do not write to it). Its length is the
-        block count when fetched: fetch it again after a ``resize`` that changes ``num_blocks``."""
+        block count when fetched: fetch it again after a ``resize`` that changes ``num_blocks``.
+        A recurrent group's blocks have no page (all ``BAD_PAGE_INDEX``): its live state is at
+        ``get_ssm_state_index``."""
         indices = self._table.views.items
         if type(layer_group_id) is int and 0 <= layer_group_id < len(indices) and beam_id == 0:
             return indices[layer_group_id]  # the per-step path: no helper calls

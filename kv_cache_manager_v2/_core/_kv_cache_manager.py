@@ -237,7 +237,8 @@ class KVCacheManager:
         With a remote tier, the blocks after the local match are looked up there (one round trip,
         no data moved): a ``create_kv_cache`` of the same tokens right after reuses exactly this
         many tokens when the values found are still intact and the host tier (else GPU memory) has
-        room for them, else fewer (never wrong data)."""
+        room for them, else fewer (never wrong data). A hybrid model's match (recurrent layers)
+        ends at the last block holding a state snapshot, and the remote tier does not extend it."""
         self._check_alive()
         found = self._matcher.probe(self._ctx, "probe_reuse()", reuse_scope, input_tokens)
         if found is None:
@@ -387,6 +388,9 @@ class KVCacheManager:
         The same as ``caches[i].commit([tokens[i]])`` for each cache: full blocks are published
         and sliding windows move. Every cache and token is checked first (ACTIVE, committing,
         within capacity, listed once, a valid token), so misuse raises with nothing changed.
+        A custom priority callback that raises (hybrid models ask it when a token completes a
+        block at a recurrent-state snapshot position) stops the batch at that cache: the caches
+        before it are committed, it and the rest are not.
         Several tokens per request (speculative decoding) and forked beams use ``KVCache.commit``.
         """
         self._check_alive()
