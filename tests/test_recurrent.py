@@ -433,20 +433,48 @@ def test_sizing_counts_live_states_and_snapshots(make_manager: MakeManager) -> N
     # a request holds one live state whatever its length: the batch is bounded by the state slots
     assert m.clamp_max_seq_len_for_mem(state_slots, 10_000) == kv_slots // state_slots * T
     assert m.clamp_max_seq_len_for_mem(state_slots + 1, 10_000) == 0
-    # the default split gives the state pool room for live states and their snapshots
+    # the default split counts a live state and one snapshot per request, whatever the interval
     default = make_manager(hybrid_layers(), T, quota=1 << 20)
     few = make_manager(hybrid_layers(), T, quota=1 << 20, ssm_reuse_interval=4096)
     states = [
         mm.pool_group_descs[mm.get_layer_group_info(state_group(mm)).pool_group_index].num_slots
         for mm in (default, few)
     ]
-    assert states[0] > states[1] > 0  # snapshots every 512 tokens take more than one per 4096
+    assert states[0] == states[1] > 0
     # a constraint batch of 7 requests needs 7 live states (however long), whatever the ratio says
     batch = BatchDesc([KVCacheDesc(100, 99)] * 7)
     tight = make_manager(hybrid_layers(), T, quota=64 << 10, initial_pool_ratio=[0.01, 0.99], constraints=[batch])
     assert tight.pool_group_descs[tight.get_layer_group_info(state_group(tight)).pool_group_index].num_slots == 7
     with pytest.raises(ValueError, match="too small"):
         make_manager(hybrid_layers(), T, quota=8 << 10, constraints=[BatchDesc([KVCacheDesc(1, 0)] * 9)])
+
+
+def test_default_split_admits_a_typical_step_request_with_a_heavy_state(make_manager: MakeManager) -> None:
+    """A state as heavy as 50 KV blocks (Qwen3-Next: 37.7 MiB vs 768 KiB): the default split
+    (typical step: 4096 tokens) counts the live state and one snapshot, so a quota holding those
+    and the request's 128 blocks admits it. Counting a snapshot per 512 tokens (9 states) left
+    the KV pool 53 blocks, 1696 tokens."""
+    kv_block = 2 * REC * T  # one attention layer
+    layers: list[LayerConfig] = [
+        SsmLayerConfig(LayerId(i), [BufferConfig("conv_state", 1024), BufferConfig("ssm_state", 25 * kv_block - 1024)])
+        for i in range(2)
+    ]
+    layers.append(AttentionLayerConfig(LayerId(2), [BufferConfig("key", REC * T), BufferConfig("value", REC * T)]))
+    m = make_manager(layers, T, quota=240 * kv_block, max_util_for_resume=1.0)  # 2 state slots: both used
+    assert m.clamp_max_seq_len_for_mem(1, 4096) == 4096
+    engine = FakeEngine(m)
+    prompt = toks(31, 4096 + 64)
+    a = m.create_kv_cache(input_tokens=prompt[:4096])
+    prefill(engine, a, prompt, 4096)
+    a.close()
+    m.check_invariants()
+    # the one snapshot slot kept the prompt end: a follow-up turn resumes from it
+    assert m.probe_reuse(None, prompt) == 4096
+    b = m.create_kv_cache(input_tokens=prompt)
+    assert b.num_committed_tokens == 4096
+    prefill(engine, b, prompt, len(prompt))
+    b.close()
+    m.check_invariants()
 
 
 def test_probe_reuse_levels_report_where_the_snapshot_is(make_manager: MakeManager) -> None:
