@@ -449,6 +449,74 @@ def test_sizing_counts_live_states_and_snapshots(make_manager: MakeManager) -> N
         make_manager(hybrid_layers(), T, quota=8 << 10, constraints=[BatchDesc([KVCacheDesc(1, 0)] * 9)])
 
 
+def test_sizing_counts_a_live_state_per_beam(make_manager: MakeManager) -> None:
+    """Constraints, ``clamp_max_seq_len_for_mem`` and the typical step count one live state per
+    beam: two requests of three beams need six, and run side by side in exactly those."""
+    beams = 3
+    batch = BatchDesc([KVCacheDesc(100, 99, beam_width=beams)] * 2)
+    m = make_manager(
+        hybrid_layers(),
+        T,
+        quota=64 << 10,
+        initial_pool_ratio=[0.01, 0.99],
+        constraints=[batch],
+        max_util_for_resume=1.0,
+    )
+    g = state_group(m)
+    assert m.pool_group_descs[m.get_layer_group_info(g).pool_group_index].num_slots == 2 * beams
+    kv_slots = m.pool_group_descs[1 - m.get_layer_group_info(g).pool_group_index].num_slots
+    assert m.clamp_max_seq_len_for_mem(2, 10_000, beam_width=beams) == kv_slots // 2 * T
+    assert m.clamp_max_seq_len_for_mem(3, 10_000, beam_width=beams) == 0
+    assert m.clamp_max_seq_len_for_mem(2 * beams, 10_000) == kv_slots // (2 * beams) * T
+    with pytest.raises(ValueError, match="beam_width must be >= 1, got 0"):
+        m.clamp_max_seq_len_for_mem(1, 100, beam_width=0)
+    with pytest.raises(ValueError, match=r"KVCacheDesc\.beam_width must be at most 256, got 257"):
+        KVCacheDesc(1, 0, beam_width=257)
+    with pytest.raises(TypeError, match=r"KVCacheDesc\.beam_width must be an int"):
+        KVCacheDesc(1, 0, beam_width=True)
+    # through the fake engine: both requests fork and decode, every beam's state checked
+    engine = FakeEngine(m)
+    engine.check_beam_field = False
+    rng = random.Random(23)
+    caches: list[tuple[KVCache, list[list[int]]]] = []
+    for r in range(2):
+        prompt = toks(40 + r, 70)
+        kv = m.create_kv_cache(input_tokens=prompt, beam_width=beams)
+        assert kv.resume()
+        assert kv.resize(70)
+        for beam in range(beams):
+            engine.step(kv, prompt, 0, 70, beam)
+        kv.commit([prompt] * beams, [0] * beams)
+        caches.append((kv, [list(prompt) for _ in range(beams)]))
+    assert len({kv.get_ssm_state_index(g, b) for kv, _ in caches for b in range(beams)}) == 2 * beams
+    late = m.create_kv_cache(input_tokens=toks(49, 40))
+    assert not late.resume()  # every state slot is a live beam state
+    for pos in range(70, 80):
+        for i, (kv, seqs) in enumerate(caches):
+            assert kv.resize(pos + 1)
+            new = [rng.randrange(1000) for _ in range(beams)]
+            for beam in range(beams):
+                engine.step(kv, seqs[beam] + [new[beam]], pos, pos + 1, beam)
+            parents = [rng.randrange(beams) for _ in range(beams)]
+            seqs = [seqs[parents[b]] + [new[parents[b]]] for b in range(beams)]
+            kv.commit([[new[parents[b]]] for b in range(beams)], parents)
+            for beam in range(beams):
+                engine.check_all(kv, seqs[beam], pos + 1, beam)
+            caches[i] = (kv, seqs)
+        m.check_invariants()
+    for kv, _ in caches:
+        kv.close()
+    assert late.resume()
+    late.close()
+    # the default split weights a typical step's beams: more live states, so more state slots
+    shapes = [BatchDesc([KVCacheDesc(4096, 3584, beam_width=w)] * 4) for w in (1, 4)]
+    states = [
+        mm.pool_group_descs[mm.get_layer_group_info(state_group(mm)).pool_group_index].num_slots
+        for mm in (make_manager(hybrid_layers(), T, quota=1 << 20, typical_step=s) for s in shapes)
+    ]
+    assert states[1] > states[0] > 0
+
+
 def test_default_split_admits_a_typical_step_request_with_a_heavy_state(make_manager: MakeManager) -> None:
     """A state as heavy as 50 KV blocks (Qwen3-Next: 37.7 MiB vs 768 KiB): the default split
     (typical step: 4096 tokens) counts the live state and one snapshot, so a quota holding those

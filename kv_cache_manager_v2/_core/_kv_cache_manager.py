@@ -601,15 +601,22 @@ class KVCacheManager:
         self._check_alive()
         return self._storage.utilization()
 
-    def clamp_max_seq_len_for_mem(self, batch_size: int, token_num_upper_bound: int) -> int:
+    def clamp_max_seq_len_for_mem(self, batch_size: int, token_num_upper_bound: int, beam_width: int = 1) -> int:
         """Longest sequence length (<= the bound) that ``batch_size`` requests can each reach by
         decoding in GPU memory: every length on the way must fit, since a sliding-window request
-        needs more pages just past a block boundary than at the next one."""
+        needs more pages just past a block boundary than at the next one. Each request has
+        ``beam_width`` beams, each with its own live recurrent state (hybrid models); blocks are
+        counted once, as beams share them until they fork."""
         self._check_alive()
         check_int("batch_size", batch_size, 1)
         check_int("token_num_upper_bound", token_num_upper_bound)
+        check_int("beam_width", beam_width, 1)
+        if beam_width > MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be at most {MAX_BEAM_WIDTH}, got {beam_width}")
         totals = [pool_group.num_slots for pool_group in self._storage.gpu]
-        return longest_decode_that_fits(self._registry, self._layout, totals, batch_size, token_num_upper_bound)
+        return longest_decode_that_fits(
+            self._registry, self._layout, totals, batch_size, token_num_upper_bound, beam_width
+        )
 
     # ------------------------------------------------------------------ checks
     def _check_alive(self) -> None:

@@ -35,7 +35,7 @@ def batch_needs(
     With SWA scratch reuse (``max_rewind_len >= 0``) a step's out-of-window blocks take no page
     but their share of scratch slots, ``ceil(blocks * slot_util_frac_max)`` per request.
     ``with_snapshots``: also the recurrent-state snapshots each request leaves, at most
-    ``MAX_SNAPSHOTS_PER_REQUEST`` (the live state, one per request, is always counted)."""
+    ``MAX_SNAPSHOTS_PER_REQUEST`` (the live states, one per request and beam, are always counted)."""
     t = registry.tokens_per_block
     shared = batch.system_prompt_length // t
     out = [0] * len(layout.pool_groups)
@@ -44,7 +44,9 @@ def batch_needs(
         pages = 0
         frac = layout.slot_util_frac_max[LayerGroupId(i)]
         for desc in batch.kv_caches:
-            pages += layer_group.num_blocks_with_pages(desc.capacity, desc.history_length)
+            pages += layer_group.num_blocks_with_pages(desc.capacity, desc.history_length) * (
+                desc.beam_width if layer_group.keeps_live_state else 1
+            )
             if with_snapshots:
                 pages += min(layer_group.snapshot_pages(desc.history_length), MAX_SNAPSHOTS_PER_REQUEST)
             sb = se = 0  # scratch blocks [sb, se)
