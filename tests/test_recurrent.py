@@ -38,6 +38,9 @@ T = 32
 MakeManager = Callable[..., KVCacheManager]
 CONV = 64
 STATE = 256
+#: a typical step of short requests: with the default one (4096 tokens) a 256 KiB GPU holds one
+#: request's blocks, so the split gives the small states only the slots of one request
+SHORT_STEP = BatchDesc([KVCacheDesc(160, 150)] * 4)
 
 
 def hybrid_layers(num_ssm: int = 3, num_attention: int = 1, window: int | None = None, t: int = T) -> list[LayerConfig]:
@@ -613,6 +616,7 @@ def test_snapshots_survive_a_restart_on_a_persistent_disk_tier(backend: str, tmp
             cache_tiers=[GpuCacheTierConfig(256 << 10), DiskCacheTierConfig(1 << 20, str(tmp_path), persistent=True)],
             layers=hybrid_layers(),
             ssm_reuse_interval=64,
+            typical_step=SHORT_STEP,
             backend=backend,  # type: ignore[arg-type]
         )
 
@@ -646,6 +650,7 @@ def test_a_remote_tier_never_extends_a_hybrid_match(backend: str, redis_server: 
                 ],
                 layers=hybrid_layers(),
                 ssm_reuse_interval=64,
+                typical_step=SHORT_STEP,
                 backend=backend,  # type: ignore[arg-type]
             )
         )
