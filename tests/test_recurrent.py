@@ -636,21 +636,25 @@ def test_snapshots_survive_a_restart_on_a_persistent_disk_tier(backend: str, tmp
     again.shutdown()
 
 
-def test_a_remote_tier_never_extends_a_hybrid_match(backend: str, redis_server: LocalRedisServer) -> None:
-    """Pages go to the shared tier as usual, but a hybrid match ends at a local snapshot: a
-    replica with an empty local cache reuses nothing, so probe_reuse and create still agree."""
+def test_a_remote_tier_extends_a_hybrid_match_to_a_remote_snapshot(
+    backend: str, redis_server: LocalRedisServer
+) -> None:
+    """Replicas share pages, snapshots included, through the remote tier: a replica with an empty
+    local cache extends its match to the last block whose snapshot the remote tier holds (never
+    between snapshots), probe_reuse equals what create reuses, and the fetched state is exact."""
 
-    def manager() -> KVCacheManager:
+    def manager(gpu: int = 256 << 10) -> KVCacheManager:
         return KVCacheManager(
             KVCacheManagerConfig(
                 tokens_per_block=T,
                 cache_tiers=[
-                    GpuCacheTierConfig(256 << 10),
+                    GpuCacheTierConfig(gpu),
                     RemoteCacheTierConfig(redis_server.url, "hybrid", write_through=True),
                 ],
-                layers=hybrid_layers(),
+                layers=hybrid_layers(window=96),
                 ssm_reuse_interval=64,
                 typical_step=SHORT_STEP,
+                max_util_for_resume=1.0,
                 backend=backend,  # type: ignore[arg-type]
             )
         )
@@ -662,13 +666,37 @@ def test_a_remote_tier_never_extends_a_hybrid_match(backend: str, redis_server: 
     kv.close()
     assert first.flush_remote_writes()
     assert first.probe_reuse(None, prompt) == 128
-    assert second.probe_reuse(None, prompt) == 0
+    assert second.probe_reuse(None, prompt) == 128  # snapshots at 64 and 128 (prompt end), from Redis
+    assert second.probe_reuse(None, prompt[:127]) == 64  # never between snapshots
     kv = second.create_kv_cache(input_tokens=prompt)
-    assert kv.history_length == 0
-    prefill(FakeEngine(second), kv, prompt, 150)
+    assert kv.history_length == 128 and second.reuse_statistics.snapshots_reused == 1
+    prefill(FakeEngine(second), kv, prompt, 150)  # checks the reused KV and the fetched state at 128
     kv.close()
-    first.shutdown()
-    second.shutdown()
+    second.check_invariants()
+    # random workloads over three replicas with small GPUs: probe == create, every reuse exact
+    rng = random.Random(26)
+    replicas = [manager(96 << 10) for _ in range(3)]
+    engines = [FakeEngine(r) for r in replicas]
+    prefixes = [toks(300 + i, 256) for i in range(3)]
+    remote_hits = 0
+    for step in range(30):
+        r = rng.randrange(3)
+        m = replicas[r]
+        tokens = prefixes[rng.randrange(3)][: rng.choice([64, 100, 160, 256])] + toks(400 + step, rng.randrange(40))
+        want = m.probe_reuse(None, tokens)
+        levels = m.probe_reuse_levels(None, tokens)  # level 1: the remote tier
+        assert len(levels) == want // T
+        kv = m.create_kv_cache(input_tokens=tokens)
+        assert kv.history_length == want, (step, want, kv.history_length)
+        remote_hits += CacheLevel(1) in levels
+        # checks the reused KV and that the state (local or fetched) is exactly that of ``want`` tokens
+        prefill(engines[r], kv, tokens, len(tokens), chunk=rng.choice([32, 64, 1 << 30]))
+        kv.close()
+        assert m.flush_remote_writes()
+        m.check_invariants()
+    assert remote_hits >= 5, remote_hits  # 14 of 30
+    for m in (first, second, *replicas):
+        m.shutdown()
 
 
 def test_history_past_the_commit_takes_no_snapshot(make_manager: MakeManager) -> None:

@@ -115,16 +115,10 @@ class KVCacheManager:
                 if remote_cfg.write_through:
                     self._tree.write_through = self._storage
                 target = CacheLevel(1) if len(local) > 1 and isinstance(local[1], HostCacheTierConfig) else GPU_LEVEL
-                if not self._registry.state_layer_groups:
-                    # (hybrid models: a match ends at a local snapshot; the remote tier extends none)
-                    self._remote_fill = RemoteFill(
-                        self._tree,
-                        self._storage,
-                        self._remote,
-                        self._registry.layer_groups,
-                        self.tokens_per_block,
-                        target,
-                    )
+                # (hybrid models: an extension ends at a block whose snapshot is local or remote)
+                self._remote_fill = RemoteFill(
+                    self._tree, self._storage, self._remote, self._registry.layer_groups, self.tokens_per_block, target
+                )
             self._event_manager = event_manager
             if event_manager is not None:
                 groups = [
