@@ -673,6 +673,23 @@ def test_a_remote_tier_extends_a_hybrid_match_to_a_remote_snapshot(
     prefill(FakeEngine(second), kv, prompt, 150)  # checks the reused KV and the fetched state at 128
     kv.close()
     second.check_invariants()
+    # local blocks past the last remote snapshot (computed in one chunk: no snapshot) do not count
+    third, fourth = manager(), manager()
+    longer = toks(27, 250)
+    kv = third.create_kv_cache(input_tokens=longer)
+    prefill(FakeEngine(third), kv, longer, 250, cut=False)
+    kv.close()
+    assert third.reuse_statistics.snapshots_taken == 0
+    kv = fourth.create_kv_cache(input_tokens=longer[:150])
+    prefill(FakeEngine(fourth), kv, longer, 150)  # snapshots at 64 and 128, written through
+    kv.close()
+    assert fourth.flush_remote_writes()
+    assert third.probe_reuse(None, longer) == 128  # KV to 224 locally, the last snapshot at 128
+    kv = third.create_kv_cache(input_tokens=longer)
+    assert kv.history_length == 128
+    prefill(FakeEngine(third), kv, longer, 250)
+    kv.close()
+    third.check_invariants()
     # random workloads over three replicas with small GPUs: probe == create, every reuse exact
     rng = random.Random(26)
     replicas = [manager(96 << 10) for _ in range(3)]
@@ -695,7 +712,7 @@ def test_a_remote_tier_extends_a_hybrid_match_to_a_remote_snapshot(
         assert m.flush_remote_writes()
         m.check_invariants()
     assert remote_hits >= 5, remote_hits  # 14 of 30
-    for m in (first, second, *replicas):
+    for m in (first, second, third, fourth, *replicas):
         m.shutdown()
 
 
