@@ -13,7 +13,7 @@ from typing import Literal
 
 from mypy_extensions import mypyc_attr
 
-from ._common import CacheTier, LayerId
+from ._common import MAX_BEAM_WIDTH, CacheTier, LayerId
 from ._utils import check_int, check_type, is_power_of_two
 
 BackendName = Literal["auto", "cuda", "host"]
@@ -337,14 +337,21 @@ DEFAULT_SSM_REUSE_INTERVAL = 512
 @mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class KVCacheDesc:
-    """Shape of one request for sizing: ``capacity`` tokens, of which ``history_length`` are history."""
+    """Shape of one request for sizing: ``capacity`` tokens, of which ``history_length`` are history.
+
+    ``beam_width``: the request's beams, each with its own live recurrent state (hybrid models;
+    blocks are counted once, as beams share them until they fork)."""
 
     capacity: int
     history_length: int
+    beam_width: int = 1
 
     def __post_init__(self) -> None:
         check_int("KVCacheDesc.capacity", _raw(self, "capacity"))
         check_int("KVCacheDesc.history_length", _raw(self, "history_length"))
+        check_int("KVCacheDesc.beam_width", _raw(self, "beam_width"), 1)
+        if self.beam_width > MAX_BEAM_WIDTH:
+            raise ValueError(f"KVCacheDesc.beam_width must be at most {MAX_BEAM_WIDTH}, got {self.beam_width}")
         if self.history_length > self.capacity:
             raise ValueError(
                 f"KVCacheDesc.history_length ({self.history_length}) must not exceed capacity ({self.capacity})"

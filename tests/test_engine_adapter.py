@@ -791,6 +791,7 @@ def test_step_tokens_cuts_at_the_next_snapshot_position() -> None:
             cache_tiers=[kvm.GpuCacheTierConfig(1 << 16)],
             layers=layers if with_state else layers[:1],
             ssm_reuse_interval=8 if with_state else None,
+            typical_step=kvm.BatchDesc([kvm.KVCacheDesc(46, 39)]),  # the default (4096 tokens) leaves 1 state slot
             backend="host",
         )
         rm = KVCacheResourceManager(config)

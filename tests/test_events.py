@@ -324,6 +324,8 @@ CONFIGS: dict[str, dict[str, object]] = {
             *kv_layers(2, T, window=20, swa_every=2),
         ],
         ssm_reuse_interval=2 * T,
+        # room for many short requests' states (the default split sizes for 4096-token requests)
+        initial_pool_ratio=[0.07, 0.93],
     ),
 }
 

@@ -38,6 +38,9 @@ T = 32
 MakeManager = Callable[..., KVCacheManager]
 CONV = 64
 STATE = 256
+#: a typical step of short requests: with the default one (4096 tokens) a 256 KiB GPU holds one
+#: request's blocks, so the split gives the small states only the slots of one request
+SHORT_STEP = BatchDesc([KVCacheDesc(160, 150)] * 4)
 
 
 def hybrid_layers(num_ssm: int = 3, num_attention: int = 1, window: int | None = None, t: int = T) -> list[LayerConfig]:
@@ -514,20 +517,116 @@ def test_sizing_counts_live_states_and_snapshots(make_manager: MakeManager) -> N
     # a request holds one live state whatever its length: the batch is bounded by the state slots
     assert m.clamp_max_seq_len_for_mem(state_slots, 10_000) == kv_slots // state_slots * T
     assert m.clamp_max_seq_len_for_mem(state_slots + 1, 10_000) == 0
-    # the default split gives the state pool room for live states and their snapshots
+    # the default split counts a live state and one snapshot per request, whatever the interval
     default = make_manager(hybrid_layers(), T, quota=1 << 20)
     few = make_manager(hybrid_layers(), T, quota=1 << 20, ssm_reuse_interval=4096)
     states = [
         mm.pool_group_descs[mm.get_layer_group_info(state_group(mm)).pool_group_index].num_slots
         for mm in (default, few)
     ]
-    assert states[0] > states[1] > 0  # snapshots every 512 tokens take more than one per 4096
+    assert states[0] == states[1] > 0
     # a constraint batch of 7 requests needs 7 live states (however long), whatever the ratio says
     batch = BatchDesc([KVCacheDesc(100, 99)] * 7)
     tight = make_manager(hybrid_layers(), T, quota=64 << 10, initial_pool_ratio=[0.01, 0.99], constraints=[batch])
     assert tight.pool_group_descs[tight.get_layer_group_info(state_group(tight)).pool_group_index].num_slots == 7
     with pytest.raises(ValueError, match="too small"):
         make_manager(hybrid_layers(), T, quota=8 << 10, constraints=[BatchDesc([KVCacheDesc(1, 0)] * 9)])
+
+
+def test_sizing_counts_a_live_state_per_beam(make_manager: MakeManager) -> None:
+    """Constraints, ``clamp_max_seq_len_for_mem`` and the typical step count one live state per
+    beam: two requests of three beams need six, and run side by side in exactly those."""
+    beams = 3
+    batch = BatchDesc([KVCacheDesc(100, 99, beam_width=beams)] * 2)
+    m = make_manager(
+        hybrid_layers(),
+        T,
+        quota=64 << 10,
+        initial_pool_ratio=[0.01, 0.99],
+        constraints=[batch],
+        max_util_for_resume=1.0,
+    )
+    g = state_group(m)
+    assert m.pool_group_descs[m.get_layer_group_info(g).pool_group_index].num_slots == 2 * beams
+    kv_slots = m.pool_group_descs[1 - m.get_layer_group_info(g).pool_group_index].num_slots
+    assert m.clamp_max_seq_len_for_mem(2, 10_000, beam_width=beams) == kv_slots // 2 * T
+    assert m.clamp_max_seq_len_for_mem(3, 10_000, beam_width=beams) == 0
+    assert m.clamp_max_seq_len_for_mem(2 * beams, 10_000) == kv_slots // (2 * beams) * T
+    with pytest.raises(ValueError, match="beam_width must be >= 1, got 0"):
+        m.clamp_max_seq_len_for_mem(1, 100, beam_width=0)
+    with pytest.raises(ValueError, match=r"KVCacheDesc\.beam_width must be at most 256, got 257"):
+        KVCacheDesc(1, 0, beam_width=257)
+    with pytest.raises(TypeError, match=r"KVCacheDesc\.beam_width must be an int"):
+        KVCacheDesc(1, 0, beam_width=True)
+    # through the fake engine: both requests fork and decode, every beam's state checked
+    engine = FakeEngine(m)
+    engine.check_beam_field = False
+    rng = random.Random(23)
+    caches: list[tuple[KVCache, list[list[int]]]] = []
+    for r in range(2):
+        prompt = toks(40 + r, 70)
+        kv = m.create_kv_cache(input_tokens=prompt, beam_width=beams)
+        assert kv.resume()
+        assert kv.resize(70)
+        for beam in range(beams):
+            engine.step(kv, prompt, 0, 70, beam)
+        kv.commit([prompt] * beams, [0] * beams)
+        caches.append((kv, [list(prompt) for _ in range(beams)]))
+    assert len({kv.get_ssm_state_index(g, b) for kv, _ in caches for b in range(beams)}) == 2 * beams
+    late = m.create_kv_cache(input_tokens=toks(49, 40))
+    assert not late.resume()  # every state slot is a live beam state
+    for pos in range(70, 80):
+        for i, (kv, seqs) in enumerate(caches):
+            assert kv.resize(pos + 1)
+            new = [rng.randrange(1000) for _ in range(beams)]
+            for beam in range(beams):
+                engine.step(kv, seqs[beam] + [new[beam]], pos, pos + 1, beam)
+            parents = [rng.randrange(beams) for _ in range(beams)]
+            seqs = [seqs[parents[b]] + [new[parents[b]]] for b in range(beams)]
+            kv.commit([[new[parents[b]]] for b in range(beams)], parents)
+            for beam in range(beams):
+                engine.check_all(kv, seqs[beam], pos + 1, beam)
+            caches[i] = (kv, seqs)
+        m.check_invariants()
+    for kv, _ in caches:
+        kv.close()
+    assert late.resume()
+    late.close()
+    # the default split weights a typical step's beams: more live states, so more state slots
+    shapes = [BatchDesc([KVCacheDesc(4096, 3584, beam_width=w)] * 4) for w in (1, 4)]
+    states = [
+        mm.pool_group_descs[mm.get_layer_group_info(state_group(mm)).pool_group_index].num_slots
+        for mm in (make_manager(hybrid_layers(), T, quota=1 << 20, typical_step=s) for s in shapes)
+    ]
+    assert states[1] > states[0] > 0
+
+
+def test_default_split_admits_a_typical_step_request_with_a_heavy_state(make_manager: MakeManager) -> None:
+    """A state as heavy as 50 KV blocks (Qwen3-Next: 37.7 MiB vs 768 KiB): the default split
+    (typical step: 4096 tokens) counts the live state and one snapshot, so a quota holding those
+    and the request's 128 blocks admits it. Counting a snapshot per 512 tokens (9 states) left
+    the KV pool 53 blocks, 1696 tokens."""
+    kv_block = 2 * REC * T  # one attention layer
+    layers: list[LayerConfig] = [
+        SsmLayerConfig(LayerId(i), [BufferConfig("conv_state", 1024), BufferConfig("ssm_state", 25 * kv_block - 1024)])
+        for i in range(2)
+    ]
+    layers.append(AttentionLayerConfig(LayerId(2), [BufferConfig("key", REC * T), BufferConfig("value", REC * T)]))
+    m = make_manager(layers, T, quota=240 * kv_block, max_util_for_resume=1.0)  # 2 state slots: both used
+    assert m.clamp_max_seq_len_for_mem(1, 4096) == 4096
+    engine = FakeEngine(m)
+    prompt = toks(31, 4096 + 64)
+    a = m.create_kv_cache(input_tokens=prompt[:4096])
+    prefill(engine, a, prompt, 4096)
+    a.close()
+    m.check_invariants()
+    # the one snapshot slot kept the prompt end: a follow-up turn resumes from it
+    assert m.probe_reuse(None, prompt) == 4096
+    b = m.create_kv_cache(input_tokens=prompt)
+    assert b.num_committed_tokens == 4096
+    prefill(engine, b, prompt, len(prompt))
+    b.close()
+    m.check_invariants()
 
 
 def test_probe_reuse_levels_report_where_the_snapshot_is(make_manager: MakeManager) -> None:
@@ -623,6 +722,7 @@ def test_snapshots_survive_a_restart_on_a_persistent_disk_tier(backend: str, tmp
             cache_tiers=[GpuCacheTierConfig(256 << 10), DiskCacheTierConfig(1 << 20, str(tmp_path), persistent=True)],
             layers=hybrid_layers(),
             ssm_reuse_interval=64,
+            typical_step=SHORT_STEP,
             backend=backend,  # type: ignore[arg-type]
         )
 
@@ -642,20 +742,25 @@ def test_snapshots_survive_a_restart_on_a_persistent_disk_tier(backend: str, tmp
     again.shutdown()
 
 
-def test_a_remote_tier_never_extends_a_hybrid_match(backend: str, redis_server: LocalRedisServer) -> None:
-    """Pages go to the shared tier as usual, but a hybrid match ends at a local snapshot: a
-    replica with an empty local cache reuses nothing, so probe_reuse and create still agree."""
+def test_a_remote_tier_extends_a_hybrid_match_to_a_remote_snapshot(
+    backend: str, redis_server: LocalRedisServer
+) -> None:
+    """Replicas share pages, snapshots included, through the remote tier: a replica with an empty
+    local cache extends its match to the last block whose snapshot the remote tier holds (never
+    between snapshots), probe_reuse equals what create reuses, and the fetched state is exact."""
 
-    def manager() -> KVCacheManager:
+    def manager(gpu: int = 256 << 10) -> KVCacheManager:
         return KVCacheManager(
             KVCacheManagerConfig(
                 tokens_per_block=T,
                 cache_tiers=[
-                    GpuCacheTierConfig(256 << 10),
+                    GpuCacheTierConfig(gpu),
                     RemoteCacheTierConfig(redis_server.url, "hybrid", write_through=True),
                 ],
-                layers=hybrid_layers(),
+                layers=hybrid_layers(window=96),
                 ssm_reuse_interval=64,
+                typical_step=SHORT_STEP,
+                max_util_for_resume=1.0,
                 backend=backend,  # type: ignore[arg-type]
             )
         )
@@ -667,13 +772,54 @@ def test_a_remote_tier_never_extends_a_hybrid_match(backend: str, redis_server: 
     kv.close()
     assert first.flush_remote_writes()
     assert first.probe_reuse(None, prompt) == 128
-    assert second.probe_reuse(None, prompt) == 0
+    assert second.probe_reuse(None, prompt) == 128  # snapshots at 64 and 128 (prompt end), from Redis
+    assert second.probe_reuse(None, prompt[:127]) == 64  # never between snapshots
     kv = second.create_kv_cache(input_tokens=prompt)
-    assert kv.history_length == 0
-    prefill(FakeEngine(second), kv, prompt, 150)
+    assert kv.history_length == 128 and second.reuse_statistics.snapshots_reused == 1
+    prefill(FakeEngine(second), kv, prompt, 150)  # checks the reused KV and the fetched state at 128
     kv.close()
-    first.shutdown()
-    second.shutdown()
+    second.check_invariants()
+    # local blocks past the last remote snapshot (computed in one chunk: no snapshot) do not count
+    third, fourth = manager(), manager()
+    longer = toks(27, 250)
+    kv = third.create_kv_cache(input_tokens=longer)
+    prefill(FakeEngine(third), kv, longer, 250, cut=False)
+    kv.close()
+    assert third.reuse_statistics.snapshots_taken == 0
+    kv = fourth.create_kv_cache(input_tokens=longer[:150])
+    prefill(FakeEngine(fourth), kv, longer, 150)  # snapshots at 64 and 128, written through
+    kv.close()
+    assert fourth.flush_remote_writes()
+    assert third.probe_reuse(None, longer) == 128  # KV to 224 locally, the last snapshot at 128
+    kv = third.create_kv_cache(input_tokens=longer)
+    assert kv.history_length == 128
+    prefill(FakeEngine(third), kv, longer, 250)
+    kv.close()
+    third.check_invariants()
+    # random workloads over three replicas with small GPUs: probe == create, every reuse exact
+    rng = random.Random(26)
+    replicas = [manager(96 << 10) for _ in range(3)]
+    engines = [FakeEngine(r) for r in replicas]
+    prefixes = [toks(300 + i, 256) for i in range(3)]
+    remote_hits = 0
+    for step in range(30):
+        r = rng.randrange(3)
+        m = replicas[r]
+        tokens = prefixes[rng.randrange(3)][: rng.choice([64, 100, 160, 256])] + toks(400 + step, rng.randrange(40))
+        want = m.probe_reuse(None, tokens)
+        levels = m.probe_reuse_levels(None, tokens)  # level 1: the remote tier
+        assert len(levels) == want // T
+        kv = m.create_kv_cache(input_tokens=tokens)
+        assert kv.history_length == want, (step, want, kv.history_length)
+        remote_hits += CacheLevel(1) in levels
+        # checks the reused KV and that the state (local or fetched) is exactly that of ``want`` tokens
+        prefill(engines[r], kv, tokens, len(tokens), chunk=rng.choice([32, 64, 1 << 30]))
+        kv.close()
+        assert m.flush_remote_writes()
+        m.check_invariants()
+    assert remote_hits >= 5, remote_hits  # 14 of 30
+    for m in (first, second, third, fourth, *replicas):
+        m.shutdown()
 
 
 def test_history_past_the_commit_takes_no_snapshot(make_manager: MakeManager) -> None:

@@ -6,6 +6,7 @@ checker runs after every rule."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -14,7 +15,7 @@ from fake_engine import FakeEngine
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
-from test_stateful import PREFIXES, ManagerMachine, T
+from test_stateful import PREFIXES, ManagerMachine, T, hybrid_layers
 
 from kv_cache_manager_v2 import (
     GpuCacheTierConfig,
@@ -99,9 +100,12 @@ class RemoteMachine(ManagerMachine):
         assert kv.resume()
         h = kv.history_length
         self.peer_engine.check_all(kv, seq, h)
-        assert kv.resize(len(seq))
-        self.peer_engine.step(kv, seq, h, len(seq))
-        kv.commit(seq[h:])
+        while h < len(seq):  # chunks cut at snapshot positions (hybrid models; else one chunk)
+            end = min(len(seq), kv.next_snapshot_position(h) or len(seq))
+            assert kv.resize(end)
+            self.peer_engine.step(kv, seq, h, end)
+            kv.commit(seq[h:end])
+            h = end
         kv.close()
         assert self.peer.flush_remote_writes()
         self.peer.check_invariants()
@@ -153,18 +157,41 @@ class RemoteMachine(ManagerMachine):
             self.server.close()
 
 
-RemoteMachine.TestCase.settings = settings(
-    max_examples=50, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
-)
+class HybridRemoteMachine(RemoteMachine):
+    """The same with recurrent layers (snapshots every 2 blocks and at prompt ends): snapshots go to
+    Redis with the blocks, an extension from it ends at a block whose snapshot is local or remote,
+    and the fake engine checks every state a resumed request starts from (fetched ones included)."""
+
+    def config(self, write_through: bool, gpu: int, host: int | None) -> KVCacheManagerConfig:
+        base = super().config(write_through, gpu, host)
+        tiers = [
+            dataclasses.replace(t, quota=t.quota * 5 // 4) if not isinstance(t, RemoteCacheTierConfig) else t
+            for t in base.cache_tiers
+        ]
+        return dataclasses.replace(
+            base,
+            cache_tiers=tiers,
+            layers=hybrid_layers(LAYERS),
+            initial_pool_ratio=[0.2, 0.48, 0.32],
+            ssm_reuse_interval=2 * T,
+        )
+
+
+for machine in (RemoteMachine, HybridRemoteMachine):
+    machine.TestCase.settings = settings(
+        max_examples=50, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+    )
 TestRemoteMachine = RemoteMachine.TestCase
+TestHybridRemoteMachine = HybridRemoteMachine.TestCase
 
 
+@pytest.mark.parametrize("machine", [RemoteMachine, HybridRemoteMachine])
 @pytest.mark.parametrize("seed", range(3))
-def test_remote_long_random_walk(seed: int) -> None:
+def test_remote_long_random_walk(seed: int, machine: type[RemoteMachine]) -> None:
     """The same rules 300 steps deep (seeded): pages go to Redis and come back, across managers,
     through outages and tampering; the fake engine and the invariant checker after every step."""
     rng = random.Random(seed)
-    m = RemoteMachine()
+    m = machine()
     try:
         for _ in range(300):
             r = rng.randrange(12)

@@ -496,7 +496,8 @@ def test_hybrid_interval_sweep(capsys: pytest.CaptureFixture[str]) -> None:
     # this trace shares prefixes at multiples of 512 tokens, never at a prompt end: prompt-end
     # snapshots alone reuse next to nothing
     assert hits[1] > 10 * hits[2], hits
-    # a snapshot of 37.7 MiB every 64 tokens overflows 40 GiB: snapshots are evicted, matches shorten
-    assert snaps[0]["evicted"] > 0 and snaps[1]["evicted"] == 0 and hits[0] < hits[1], (snaps, hits)
+    # a snapshot of 37.7 MiB every 64 tokens overflows the state pool (the default split counts one
+    # snapshot per request): most are evicted, matches shorten
+    assert snaps[0]["evicted"] > 10 * snaps[1]["evicted"] and hits[0] < hits[1], (snaps, hits)
     code, out, _ = run(capsys, *args)
     assert code == 0 and "ssm-interval" in out and "prompt" in out and "without any snapshot" in out

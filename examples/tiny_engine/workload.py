@@ -59,10 +59,9 @@ def make_adapter(cfg: TinyConfig, p: WorkloadParams) -> KVCacheResourceManager:
         size = 2 * cfg.kv_page_bytes * n
         groups[size] = groups.get(size, False) or window is None
     ratio = [size * (p.full_slots if full else p.swa_slots) for size, full in groups.items()]
+    if cfg.recurrent_layers:  # the state pool group too: ask a throwaway manager for the order and sizes
+        ratio = _hybrid_pool_bytes(cfg, p)
     total = sum(ratio)
-    hybrid = bool(cfg.recurrent_layers)
-    if hybrid:  # the manager splits the quota between KV and state slots itself
-        total += p.state_slots * len(cfg.recurrent_layers) * sum(cfg.recurrent_state_bytes().values())
     tiers: list[kvm.GpuCacheTierConfig | kvm.HostCacheTierConfig] = [kvm.GpuCacheTierConfig(total)]
     if p.host_tier:
         tiers.append(kvm.HostCacheTierConfig(4 * total))
@@ -70,12 +69,38 @@ def make_adapter(cfg: TinyConfig, p: WorkloadParams) -> KVCacheResourceManager:
         tokens_per_block=t,
         cache_tiers=tiers,
         layers=cfg.layer_configs(),
-        initial_pool_ratio=None if hybrid else [r / sum(ratio) for r in ratio],
+        initial_pool_ratio=[r / total for r in ratio],
         swa_scratch_reuse=kvm.SwaScratchReuseConfig() if p.swa_scratch else None,
         backend="host",
         ssm_reuse_interval=p.ssm_reuse_interval,
     )
     return KVCacheResourceManager(mgr_cfg)
+
+
+def _hybrid_pool_bytes(cfg: TinyConfig, p: WorkloadParams) -> list[int]:
+    """Bytes per pool group of a hybrid model, in the manager's pool-group order: ``state_slots``
+    slots for the recurrent states, ``full_slots`` for a group with full attention, else
+    ``swa_slots`` (the manager's default split would size the states for 4096-token requests)."""
+    probe = kvm.KVCacheManager(
+        kvm.KVCacheManagerConfig(
+            tokens_per_block=cfg.tokens_per_block,
+            cache_tiers=[kvm.GpuCacheTierConfig(1 << 24)],
+            layers=cfg.layer_configs(),
+            backend="host",
+        )
+    )
+    try:
+        descs = probe.pool_group_descs
+        slots = [p.swa_slots] * len(descs)
+        for g in range(probe.num_layer_groups):
+            info = probe.get_layer_group_info(kvm.LayerGroupId(g))
+            if info.kind == "recurrent":
+                slots[info.pool_group_index] = p.state_slots
+            elif info.window_size is None:
+                slots[info.pool_group_index] = p.full_slots
+        return [n * sum(pool.slot_bytes for pool in d.pools) for n, d in zip(slots, descs)]
+    finally:
+        probe.shutdown()
 
 
 def _prompt(rng: random.Random, prefixes: list[list[TokenIdExt]], vocab: int) -> list[TokenIdExt]:

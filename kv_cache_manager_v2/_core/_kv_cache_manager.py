@@ -115,16 +115,10 @@ class KVCacheManager:
                 if remote_cfg.write_through:
                     self._tree.write_through = self._storage
                 target = CacheLevel(1) if len(local) > 1 and isinstance(local[1], HostCacheTierConfig) else GPU_LEVEL
-                if not self._registry.state_layer_groups:
-                    # (hybrid models: a match ends at a local snapshot; the remote tier extends none)
-                    self._remote_fill = RemoteFill(
-                        self._tree,
-                        self._storage,
-                        self._remote,
-                        self._registry.layer_groups,
-                        self.tokens_per_block,
-                        target,
-                    )
+                # (hybrid models: an extension ends at a block whose snapshot is local or remote)
+                self._remote_fill = RemoteFill(
+                    self._tree, self._storage, self._remote, self._registry.layer_groups, self.tokens_per_block, target
+                )
             self._event_manager = event_manager
             if event_manager is not None:
                 groups = [
@@ -605,15 +599,22 @@ class KVCacheManager:
         self._check_alive()
         return self._storage.utilization()
 
-    def clamp_max_seq_len_for_mem(self, batch_size: int, token_num_upper_bound: int) -> int:
+    def clamp_max_seq_len_for_mem(self, batch_size: int, token_num_upper_bound: int, beam_width: int = 1) -> int:
         """Longest sequence length (<= the bound) that ``batch_size`` requests can each reach by
         decoding in GPU memory: every length on the way must fit, since a sliding-window request
-        needs more pages just past a block boundary than at the next one."""
+        needs more pages just past a block boundary than at the next one. Each request has
+        ``beam_width`` beams, each with its own live recurrent state (hybrid models); blocks are
+        counted once, as beams share them until they fork."""
         self._check_alive()
         check_int("batch_size", batch_size, 1)
         check_int("token_num_upper_bound", token_num_upper_bound)
+        check_int("beam_width", beam_width, 1)
+        if beam_width > MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be at most {MAX_BEAM_WIDTH}, got {beam_width}")
         totals = [pool_group.num_slots for pool_group in self._storage.gpu]
-        return longest_decode_that_fits(self._registry, self._layout, totals, batch_size, token_num_upper_bound)
+        return longest_decode_that_fits(
+            self._registry, self._layout, totals, batch_size, token_num_upper_bound, beam_width
+        )
 
     # ------------------------------------------------------------------ checks
     def _check_alive(self) -> None:

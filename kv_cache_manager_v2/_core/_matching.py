@@ -126,8 +126,13 @@ def match_levels(
             page = node.page(LayerGroupId(i)) if node is not None else None
             if page is not None and page.level > levels[ordinal]:
                 levels[ordinal] = page.level
-        last = nodes[-1] if policy.keeps_live_state and nodes and part is None else None
-        if last is not None:  # the snapshot a hybrid match ends at: copied at resume
+        if not (policy.keeps_live_state and nodes and part is None):
+            continue
+        # the snapshot a hybrid match ends at (copied at resume): local, or fetched from the remote tier
+        last = nodes[-1]
+        if (len(nodes) - 1, i) in fetched:
+            levels[-1] = remote_level
+        elif last is not None:
             snapshot = last.page(LayerGroupId(i))
             if snapshot is not None and snapshot.level > levels[-1]:
                 levels[-1] = snapshot.level

@@ -62,22 +62,32 @@ def live_pages(caches: list[RequestState], tree: ReuseTree, storage: StorageMana
     return list(pages.values())
 
 
-def peak_pages_per_pool_group(registry: LayerGroupRegistry, layout: StorageLayout, length: int) -> list[int]:
-    """Most pages one request holds per pool group while it decodes up to ``length`` tokens."""
+def peak_pages_per_pool_group(
+    registry: LayerGroupRegistry, layout: StorageLayout, length: int, beam_width: int = 1
+) -> list[int]:
+    """Most pages one request of ``beam_width`` beams holds per pool group while it decodes up to
+    ``length`` tokens (a live state per beam; blocks once: beams share them until they fork)."""
     peak = [0] * len(layout.pool_groups)
     for i, policy in enumerate(registry.layer_groups):
-        peak[layout.pool_group_of_layer_group[LayerGroupId(i)]] += policy.peak_pages(length)
+        pages = policy.peak_pages(length) * (beam_width if policy.keeps_live_state else 1)
+        peak[layout.pool_group_of_layer_group[LayerGroupId(i)]] += pages
     return peak
 
 
 def longest_decode_that_fits(
-    registry: LayerGroupRegistry, layout: StorageLayout, totals: list[int], batch_size: int, upper_bound: int
+    registry: LayerGroupRegistry,
+    layout: StorageLayout,
+    totals: list[int],
+    batch_size: int,
+    upper_bound: int,
+    beam_width: int = 1,
 ) -> int:
-    """Longest length (<= ``upper_bound``) that ``batch_size`` requests can each decode to with
-    ``totals`` slots per pool group: every length on the way must fit (``peak_pages``)."""
+    """Longest length (<= ``upper_bound``) that ``batch_size`` requests of ``beam_width`` beams can
+    each decode to with ``totals`` slots per pool group: every length on the way must fit
+    (``peak_pages``)."""
 
     def fits_up_to(length: int) -> bool:
-        peak = peak_pages_per_pool_group(registry, layout, length)
+        peak = peak_pages_per_pool_group(registry, layout, length, beam_width)
         return all(batch_size * pages <= total for pages, total in zip(peak, totals))
 
     lo, hi = 0, upper_bound

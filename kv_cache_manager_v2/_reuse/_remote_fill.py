@@ -56,6 +56,9 @@ class RemoteFill:
         self.tokens_per_block = tokens_per_block
         #: the local level fetched pages are placed in (host if configured, else GPU)
         self.target = target
+        #: recurrent-state groups (hybrid models): a match must end at a block with a snapshot of each,
+        #: local or fetched (the tree's ``cut_to_snapshot``)
+        self.state_groups: list[int] = [i for i, policy in enumerate(layer_groups) if policy.keeps_live_state]
         #: payload bytes of one page of each layer group (the slot's bytes over its pool group's pools)
         self.page_bytes: list[int] = [
             storage.layout.pool_groups[storage.layout.pool_group_of_layer_group[LayerGroupId(layer_group)]].slot_bytes
@@ -153,9 +156,24 @@ class RemoteFill:
                             missing = ordinal
                         break
             if missing < 0:
-                return nodes, part, part_len, fetched
+                if not self.state_groups:
+                    return nodes, part, part_len, fetched
+                n = len(nodes)  # hybrid: end at a snapshot, then the attention pages again (cut_to_snapshot)
+                while n > 0 and not self._has_snapshots(nodes, n - 1, fetched):
+                    n -= 1
+                if n == len(nodes) and part is None:
+                    return nodes, None, 0, fetched
+                missing = n
             del nodes[missing:]
             part, part_len = None, 0
+
+    def _has_snapshots(self, nodes: Sequence[Node | None], ordinal: int, fetched: set[tuple[int, int]]) -> bool:
+        """Whether block ``ordinal`` has a snapshot of every state group, local or fetched."""
+        node = nodes[ordinal]
+        for layer_group in self.state_groups:
+            if (ordinal, layer_group) not in fetched and (node is None or node.page(LayerGroupId(layer_group)) is None):
+                return False
+        return True
 
     def _chain(
         self, root: Node | None, root_key: BlockKey, hasher: BlockHasher, end: int
@@ -177,15 +195,18 @@ class RemoteFill:
     def _best(self, chain: list[Node | None], local_blocks: int, end: int, have: Found) -> int:
         """The longest match ``matched_blocks`` in ``[local_blocks, end]`` blocks whose needed pages all exist (locally, or
         ``have[(ordinal, layer_group)]``); ``local_blocks`` when none is longer. A length is reusable for a layer group when
-        every block missing a page below it lies in the group's stale range there."""
+        every block missing a page below it lies in the group's stale range there; with state groups
+        (hybrid models) its last block has a snapshot of each."""
         tokens_per_block = self.tokens_per_block
         layer_groups = self.layer_groups.items
         n_lc = len(layer_groups)
         first = [-1] * n_lc  # first block missing a page, per layer group
         last = [-1] * n_lc  # last one so far
+        state_groups = self.state_groups
         best = local_blocks
         for ordinal in range(end):
             node = chain[ordinal]
+            snapshots = True  # (hybrid) this block has a snapshot of every state group
             for layer_group in range(n_lc):
                 present = node is not None and node.page(layer_group) is not None
                 if not present and ordinal >= local_blocks:
@@ -194,8 +215,10 @@ class RemoteFill:
                     if first[layer_group] < 0:
                         first[layer_group] = ordinal
                     last[layer_group] = ordinal
+                    if layer_group in state_groups:
+                        snapshots = False
             matched_blocks = ordinal + 1
-            if matched_blocks <= local_blocks:
+            if matched_blocks <= local_blocks or not snapshots:
                 continue
             ok = True
             for layer_group in range(n_lc):
@@ -219,6 +242,11 @@ class RemoteFill:
                 node = chain[ordinal]
                 if node is None or node.page(layer_group) is None:
                     out.append((ordinal, layer_group))
+        last = matched_blocks - 1  # hybrid: the snapshots the match ends at
+        node = chain[last]
+        for layer_group in self.state_groups:
+            if last >= local_blocks and (node is None or node.page(layer_group) is None):
+                out.append((last, layer_group))
         return out
 
     def _fits(self, needed: list[tuple[int, int]]) -> bool:

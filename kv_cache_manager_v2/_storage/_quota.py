@@ -15,6 +15,13 @@ from ._layout import StorageLayout
 #: their window plus one chunk per request (a decode-only shape would starve prefill steps).
 DEFAULT_TYPICAL_STEP = BatchDesc([KVCacheDesc(capacity=4096, history_length=3584)])
 
+#: Snapshots of the recurrent state the quota split counts per request of the typical step, at
+#: most: the latest one (what a follow-up turn or a request sharing the prefix resumes from).
+#: Counting one per snapshot interval instead gives a 37.7 MiB state (Qwen3-Next) most of the GPU
+#: at interval 512 and starves the KV pool of long requests; an engine that wants more snapshot
+#: slots says so through ``initial_pool_ratio`` or a ``typical_step`` with more requests.
+MAX_SNAPSHOTS_PER_REQUEST = 1
+
 
 def batch_needs(
     registry: LayerGroupRegistry,
@@ -27,8 +34,8 @@ def batch_needs(
     takes one page however many requests hold it (and none where it is out of their window).
     With SWA scratch reuse (``max_rewind_len >= 0``) a step's out-of-window blocks take no page
     but their share of scratch slots, ``ceil(blocks * slot_util_frac_max)`` per request.
-    ``with_snapshots``: also the recurrent-state snapshots each request leaves (the live state,
-    one per request, is always counted)."""
+    ``with_snapshots``: also the recurrent-state snapshots each request leaves, at most
+    ``MAX_SNAPSHOTS_PER_REQUEST`` (the live states, one per request and beam, are always counted)."""
     t = registry.tokens_per_block
     shared = batch.system_prompt_length // t
     out = [0] * len(layout.pool_groups)
@@ -37,9 +44,11 @@ def batch_needs(
         pages = 0
         frac = layout.slot_util_frac_max[LayerGroupId(i)]
         for desc in batch.kv_caches:
-            pages += layer_group.num_blocks_with_pages(desc.capacity, desc.history_length)
+            pages += layer_group.num_blocks_with_pages(desc.capacity, desc.history_length) * (
+                desc.beam_width if layer_group.keeps_live_state else 1
+            )
             if with_snapshots:
-                pages += layer_group.snapshot_pages(desc.history_length)
+                pages += min(layer_group.snapshot_pages(desc.history_length), MAX_SNAPSHOTS_PER_REQUEST)
             sb = se = 0  # scratch blocks [sb, se)
             if max_rewind_len >= 0:
                 sb, se = layer_group.scratch_range(desc.capacity, desc.history_length, max_rewind_len)
