@@ -232,7 +232,7 @@ class KVCacheManager:
         no data moved): a ``create_kv_cache`` of the same tokens right after reuses exactly this
         many tokens when the values found are still intact and the host tier (else GPU memory) has
         room for them, else fewer (never wrong data). A hybrid model's match (recurrent layers)
-        ends at the last block holding a state snapshot, and the remote tier does not extend it."""
+        ends at the last block holding a state snapshot, local or (extended remotely) in Redis."""
         self._check_alive()
         found = self._matcher.probe(self._ctx, "probe_reuse()", reuse_scope, input_tokens)
         if found is None:
