@@ -133,7 +133,10 @@ class Node:
         self._only: Node | None = None
         #: sorted children for partial matching, built once a node has many children
         self._index: _PartialIndex | None = None
-        self.pages: list[rawref.ref[Page] | None] = _untrack([None] * num_layer_groups)
+        # (a list display for one group: ``[None] * n`` allocates a second list)
+        self.pages: list[rawref.ref[Page] | None] = _untrack(
+            [None] if num_layer_groups == 1 else [None] * num_layer_groups
+        )
         #: requests that will publish the next block under this node: it stays while they may
         self.num_extenders = 0
         #: no page of this node or below it evicts after an anchor page of this node or above it
