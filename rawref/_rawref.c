@@ -8,14 +8,18 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
 
 typedef struct {
     PyObject_HEAD
-    PyObject *target; /* borrowed; NULL once invalidated */
+    PyObject *target;        /* borrowed; NULL once invalidated */
+    vectorcallfunc vectorcall; /* calling a ref (a dereference) skips the argument tuple */
 } RawRef;
 
 static PyTypeObject RawRefType;
 static PyObject *attr_name; /* interned "_rawref" */
+
+static PyObject *rawref_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 
 static RawRef *
 rawref_alloc(PyObject *target)
@@ -23,20 +27,15 @@ rawref_alloc(PyObject *target)
     RawRef *self = PyObject_New(RawRef, &RawRefType);
     if (self != NULL) {
         self->target = target;
+        self->vectorcall = rawref_vectorcall;
     }
     return self;
 }
 
+/* The one ref of obj: its `_rawref` when that refers to it, else a new one stored there. */
 static PyObject *
-rawref_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+rawref_of(PyObject *obj)
 {
-    PyObject *obj;
-    static char *kwlist[] = {"obj", NULL};
-    if (kwds == NULL && PyTuple_GET_SIZE(args) == 1) {
-        obj = PyTuple_GET_ITEM(args, 0); /* the usual call: no argument parsing (one per published page) */
-    } else if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:ref", kwlist, &obj)) {
-        return NULL;
-    }
     PyObject *existing = PyObject_GetAttr(obj, attr_name);
     if (existing == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
@@ -65,10 +64,72 @@ rawref_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)ref;
 }
 
+static PyObject *
+rawref_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *obj;
+    static char *kwlist[] = {"obj", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:ref", kwlist, &obj)) {
+        return NULL;
+    }
+    return rawref_of(obj);
+}
+
+/* ref(obj) called through vectorcall (the usual call, one per published page): no argument tuple */
+static PyObject *
+rawref_type_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    if (PyVectorcall_NARGS(nargsf) == 1 && (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0)) {
+        return rawref_of(args[0]);
+    }
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *tuple = PyTuple_New(nargs); /* anything else: the keyword-aware path */
+    if (tuple == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        Py_INCREF(args[i]);
+        PyTuple_SET_ITEM(tuple, i, args[i]);
+    }
+    PyObject *kwds = NULL;
+    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) {
+        kwds = PyDict_New();
+        for (Py_ssize_t i = 0; kwds != NULL && i < PyTuple_GET_SIZE(kwnames); i++) {
+            if (PyDict_SetItem(kwds, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0) {
+                Py_CLEAR(kwds);
+            }
+        }
+        if (kwds == NULL) {
+            Py_DECREF(tuple);
+            return NULL;
+        }
+    }
+    PyObject *out = rawref_new((PyTypeObject *)type, tuple, kwds);
+    Py_DECREF(tuple);
+    Py_XDECREF(kwds);
+    return out;
+}
+
 static void
 rawref_dealloc(RawRef *self)
 {
     PyObject_Free(self);
+}
+
+/* ref(): the target, or None once invalidated (a dereference: no argument tuple) */
+static PyObject *
+rawref_vectorcall(PyObject *self, PyObject *const *Py_UNUSED(args), size_t nargsf, PyObject *kwnames)
+{
+    if (PyVectorcall_NARGS(nargsf) != 0 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "rawref.ref() takes no arguments when called");
+        return NULL;
+    }
+    PyObject *target = ((RawRef *)self)->target;
+    if (target == NULL) {
+        target = Py_None;
+    }
+    Py_INCREF(target);
+    return target;
 }
 
 static PyObject *
@@ -125,12 +186,14 @@ static PyTypeObject RawRefType = {
     .tp_dealloc = (destructor)rawref_dealloc,
     .tp_repr = (reprfunc)rawref_repr,
     .tp_call = (ternaryfunc)rawref_call,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_vectorcall_offset = offsetof(RawRef, vectorcall),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_doc = "ref(obj): the one non-owning reference of obj (created on first use).\n\n"
               "Calling it returns obj while obj is alive, None after obj invalidated it.",
     .tp_methods = rawref_methods,
     .tp_getset = rawref_getset,
     .tp_new = rawref_new,
+    .tp_vectorcall = rawref_type_vectorcall,
 };
 
 /*

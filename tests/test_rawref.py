@@ -84,6 +84,26 @@ def test_generic_alias_and_errors() -> None:
         rawref.ref(Target())(1)  # type: ignore[call-arg]
 
 
+def test_calls_other_than_the_usual_ones() -> None:
+    # ref(obj) and r() take a fast path; the rest still parse their arguments
+    t = Target()
+    r = rawref.ref(t)
+    assert rawref.ref(obj=t) is r
+    assert r.__call__() is t
+    with pytest.raises(TypeError, match="takes no arguments"):
+        r(x=1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="takes no arguments"):
+        r.__call__(1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        rawref.ref()  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        rawref.ref(t, t)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        rawref.ref(t, bad=1)  # type: ignore[call-arg]
+    r.invalidate()
+    assert r() is None and r.__call__() is None
+
+
 def test_from_compiled_code_cache_closed_on_gc() -> None:
     """The manager (compiled in production mode) tracks open caches through rawrefs."""
     from conftest import kv_layers, make_config

@@ -193,16 +193,16 @@ def publish(state: RequestState, upto: int, beam: int = 0, tokens: Sequence[Toke
     keys = chain_token_keys(parent.key, tokens, tokens_per_block) if tokens is not None else None
     for ordinal in range(first, upto):
         block_tokens = blocks[ordinal] if ordinal < len(blocks) else _untrack(tuple(tail))
-        mine = table.block_pages(ordinal)
-        pages = list(mine)
+        pages = table.block_pages(ordinal)  # (a new list: the tree may switch its pages)
         node = tree.publish(
             parent, block_tokens, pages, locked, state._serial, keys[ordinal - first] if keys is not None else None
         )
         if node is None:
             return
+        table_pages = table.pages.items
         for i in range(len(pages)):
             theirs = pages[i]
-            old = mine[i]
+            old = table_pages[i][ordinal]  # the table still holds our page until set_page below
             if theirs is not old:  # deduplicated: the tree's page replaced ours
                 layer_group = LayerGroupId(i)
                 table.set_page(layer_group, ordinal, theirs)

@@ -169,7 +169,10 @@ class Node:
         self._only: Node | None = None
         #: sorted children for partial matching, built once a node has many children
         self._index: _PartialIndex | None = None
-        self.pages: list[rawref.ref[Page] | None] = _untrack([None] * num_layer_groups)
+        # (a list display for one group: ``[None] * n`` allocates a second list)
+        self.pages: list[rawref.ref[Page] | None] = _untrack(
+            [None] if num_layer_groups == 1 else [None] * num_layer_groups
+        )
         #: requests that will publish the next block under this node: it stays while they may
         self.num_extenders = 0
         #: no page of this node or below it evicts after an anchor page of this node or above it
@@ -697,33 +700,43 @@ class ReuseTree(PageDropListener):
             parent.remove_child(node)
             if self.reports_leaves and not parent.has_children:
                 self._became_leaf(parent)
-        sink = self.event_sink
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            stack.extend(n.drop_children())
-            n.parent = None
-            for layer_group, r in enumerate(n.pages):
-                p = r() if r is not None else None
-                n.pages[layer_group] = None
-                if p is not None:
-                    if self.layer_groups.items[layer_group].keeps_live_state:
-                        self.snapshots_evicted += 1
-                    if sink is not None:
-                        sink.block_removed(n.key, layer_group, p.level)
-                    unused = p.num_locks == 0 and p.num_holds == 0
-                    history = p.storage.history
-                    if unused and history is not None and not free_unused:
-                        history.record(p)  # the block leaves the cache: remember its uses
-                    p.node = None
-                    if unused:
-                        if free_unused:
-                            p.storage.evictor.remove(p)
-                            p.free()
-                        else:
-                            p.storage.evictor.to_garbage(p)
+        if node.has_children:
+            stack = [node]
+            while stack:
+                n = stack.pop()
+                stack.extend(n.drop_children())
+                self._detach(n, free_unused)
+        else:  # a leaf (the usual eviction): no stack
+            self._detach(node, free_unused)
         if parent is not None:
             self.prune(parent)
+
+    def _detach(self, n: Node, free_unused: bool) -> None:
+        """``remove_subtree`` for one node already unlinked from its children: it leaves its
+        parent, and its pages leave it (unused ones become garbage, or are freed)."""
+        n.parent = None
+        sink = self.event_sink
+        pages = n.pages
+        for layer_group in range(len(pages)):
+            r = pages[layer_group]
+            p = r() if r is not None else None
+            pages[layer_group] = None
+            if p is not None:
+                if self.layer_groups.items[layer_group].keeps_live_state:
+                    self.snapshots_evicted += 1
+                if sink is not None:
+                    sink.block_removed(n.key, layer_group, p.level)
+                unused = p.num_locks == 0 and p.num_holds == 0
+                history = p.storage.history
+                if unused and history is not None and not free_unused:
+                    history.record(p)  # the block leaves the cache: remember its uses
+                p.node = None
+                if unused:
+                    if free_unused:
+                        p.storage.evictor.remove(p)
+                        p.free()
+                    else:
+                        p.storage.evictor.to_garbage(p)
 
     def page_moved(self, page: Page, source_level: CacheLevel) -> None:
         """A tree page moved between tiers (it is at ``page.level`` now): only subscribers care."""
