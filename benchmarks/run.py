@@ -182,6 +182,17 @@ def _manager(
     return kvm.KVCacheManager(cfg)
 
 
+def _hybrid_sizing(ssm_every: int, num_requests: int, capacity: int, shared: int) -> dict[str, Any]:
+    """A hybrid manager's ``typical_step``: the benchmark's own batch (its live states and one
+    snapshot per request; the default step of one long request leaves too few state slots)."""
+    if not ssm_every:
+        return {}
+    import kv_cache_manager_v2 as kvm
+
+    desc = kvm.KVCacheDesc(capacity=capacity, history_length=capacity - 1)
+    return {"typical_step": kvm.BatchDesc([desc] * num_requests, system_prompt_length=shared)}
+
+
 def _wire_us_per_event(events: list[Any]) -> float | None:
     """to_wire + msgpack encoding per event (what a publisher pays on its thread); None without msgspec."""
     try:
@@ -313,7 +324,14 @@ def _decode_batch(p: dict[str, int], window_every: int, ssm_every: int = 0) -> d
 
     t, n_req = p["tokens_per_block"], p["requests"]
     prompt_len = p["shared"] + p["unique"]
-    m = _manager(p["layers"], t, n_req * (prompt_len + p["steps"]) // t + 64, window_every, ssm_every=ssm_every)
+    m = _manager(
+        p["layers"],
+        t,
+        n_req * (prompt_len + p["steps"]) // t + 64,
+        window_every,
+        ssm_every=ssm_every,
+        **_hybrid_sizing(ssm_every, n_req, prompt_len + p["steps"], p["shared"]),
+    )
     system = list(range(10_000, 10_000 + p["shared"]))
     caches = [_admit(m, system + [r * 100_003 + i for i in range(p["unique"])]) for r in range(n_req)]
     max_blocks = (prompt_len + p["steps"]) // t + 2
@@ -510,7 +528,15 @@ def _admission(
 
     t, n_req = p["tokens_per_block"], p["requests"]
     prompt_len = p["shared"] + p["unique"]
-    m = _manager(p["layers"], t, (n_req + 1) * prompt_len // t + 64, window_every, events=events, ssm_every=ssm_every)
+    m = _manager(
+        p["layers"],
+        t,
+        (n_req + 1) * prompt_len // t + 64,
+        window_every,
+        events=events,
+        ssm_every=ssm_every,
+        **_hybrid_sizing(ssm_every, n_req + 1, prompt_len, p["shared"]),
+    )
     system = list(range(10_000, 10_000 + p["shared"]))
     first = _admit(m, system + list(range(5_000_000, 5_000_000 + p["unique"])))
     first.close()
