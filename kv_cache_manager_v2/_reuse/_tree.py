@@ -443,22 +443,13 @@ class ReuseTree(PageDropListener):
         state_groups = self._state_groups
         while True:
             n = len(nodes)
-            while n > 0 and not self._has_snapshots(nodes[n - 1], state_groups):
+            while n > 0 and not nodes[n - 1].holds_pages(state_groups):
                 n -= 1
             del nodes[n:]
             missing = self._first_missing_block(nodes, None, n * t, -1)
             if missing < 0:
                 return
             del nodes[missing:]
-
-    @staticmethod
-    def _has_snapshots(node: Node, state_groups: list[int]) -> bool:
-        pages = node.pages
-        for layer_group in state_groups:
-            r = pages[layer_group]
-            if r is None or r() is None:
-                return False
-        return True
 
     def attach_snapshot(self, node: Node, layer_group: int, page: Page, serial: RequestSerial) -> None:
         """Make ``page`` (a new private copy of a live state, locked by the caller) ``node``'s
