@@ -349,9 +349,7 @@ class KVCacheDesc:
     def __post_init__(self) -> None:
         check_int("KVCacheDesc.capacity", _raw(self, "capacity"))
         check_int("KVCacheDesc.history_length", _raw(self, "history_length"))
-        check_int("KVCacheDesc.beam_width", _raw(self, "beam_width"), 1)
-        if self.beam_width > MAX_BEAM_WIDTH:
-            raise ValueError(f"KVCacheDesc.beam_width must be at most {MAX_BEAM_WIDTH}, got {self.beam_width}")
+        check_int("KVCacheDesc.beam_width", _raw(self, "beam_width"), 1, MAX_BEAM_WIDTH)
         if self.history_length > self.capacity:
             raise ValueError(
                 f"KVCacheDesc.history_length ({self.history_length}) must not exceed capacity ({self.capacity})"

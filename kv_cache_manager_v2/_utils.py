@@ -22,8 +22,8 @@ def is_power_of_two(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
-def check_int(name: str, value: object, minimum: int = 0) -> int:
-    """Return ``value`` if it is an int ``>= minimum``.
+def check_int(name: str, value: object, minimum: int = 0, maximum: int | None = None) -> int:
+    """Return ``value`` if it is an int ``>= minimum`` (and ``<= maximum`` when given).
 
     Wrong types raise ``TypeError`` (bool is refused), wrong values ``ValueError``: the same
     exception types mypyc's own argument checks raise in production mode.
@@ -32,6 +32,8 @@ def check_int(name: str, value: object, minimum: int = 0) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value}")
     return value
 
 

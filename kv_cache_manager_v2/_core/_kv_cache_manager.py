@@ -188,9 +188,7 @@ class KVCacheManager:
         ``commit`` with ``beam_search_indices``; then each has its own generated blocks.
         """
         self._check_alive()
-        check_int("beam_width", beam_width, 1)
-        if beam_width > MAX_BEAM_WIDTH:
-            raise ValueError(f"beam_width must be at most {MAX_BEAM_WIDTH}, got {beam_width}")
+        check_int("beam_width", beam_width, 1, MAX_BEAM_WIDTH)
         if reuse_scope is not None:
             check_type("reuse_scope", reuse_scope, ReuseScope)
         if not callable(custom_priority_callback):
@@ -608,9 +606,7 @@ class KVCacheManager:
         self._check_alive()
         check_int("batch_size", batch_size, 1)
         check_int("token_num_upper_bound", token_num_upper_bound)
-        check_int("beam_width", beam_width, 1)
-        if beam_width > MAX_BEAM_WIDTH:
-            raise ValueError(f"beam_width must be at most {MAX_BEAM_WIDTH}, got {beam_width}")
+        check_int("beam_width", beam_width, 1, MAX_BEAM_WIDTH)
         totals = [pool_group.num_slots for pool_group in self._storage.gpu]
         return longest_decode_that_fits(
             self._registry, self._layout, totals, batch_size, token_num_upper_bound, beam_width
