@@ -234,13 +234,6 @@ class BlockTable:
             if state_page is not None:
                 state_page.hold_from_lock()
 
-    def needs_state_pages(self) -> bool:
-        """Whether some live-state page waits for the first resume."""
-        for p in self.state_pages:  # noqa: SIM110 - a plain loop on the resume path (no generator)
-            if p is None:
-                return True
-        return False
-
     def state_page(self, layer_group: LayerGroupId) -> Page | None:
         """This beam's live-state page of ``layer_group`` (None: none yet, or not a state group)."""
         for i, state_group in enumerate(self.state_groups):

@@ -356,10 +356,8 @@ class KVCache(RequestState):
         storage.reserve(need)
         for layer_group, priority in zip(groups, priorities):
             table.append(layer_group, storage.new_page(layer_group, priority, True))
-        if len(groups) < ctx.num_layer_groups:  # live-state groups: the block has no page there
-            for i in range(ctx.num_layer_groups):
-                if LayerGroupId(i) not in groups:
-                    table.extend(LayerGroupId(i), ordinal + 1, [], [])
+        for layer_group in ctx.state_layer_groups:  # live-state groups: the block has no page there
+            table.extend(layer_group, ordinal + 1, [], [])
         if ctx.enable_stats:
             ctx.stats.allocated_pages += len(groups)
         self._capacity = new_capacity

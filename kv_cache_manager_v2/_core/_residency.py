@@ -74,6 +74,16 @@ def adopt(
         stats.reused_tokens += length
 
 
+def _missing_states(state: RequestState) -> list[tuple[int, int]]:
+    """``(beam, index in state_groups)`` of every live state the request has no page for yet."""
+    return [
+        (beam, k)
+        for beam, table in enumerate(state._tables)
+        for k, state_page in enumerate(table.state_pages)
+        if state_page is None
+    ]
+
+
 def resume_pages(state: RequestState) -> bool:
     """``KVCache.resume`` past its checks (the caller entered the context)."""
     ctx = state._ctx
@@ -85,11 +95,10 @@ def resume_pages(state: RequestState) -> bool:
         if end > beg
     ]
     max_util = ctx.config.max_util_for_resume
-    new_states = False
-    for each in state._tables:
-        if each.needs_state_pages():
-            new_states = True
-    if storage.num_levels == 1 and not table.has_pending() and not scratch_needs and not new_states:
+    # live states: one new page per beam and state group at the first resume (or after a
+    # disk error lost one), a copy of the matched snapshot when there is one
+    state_news = _missing_states(state)
+    if storage.num_levels == 1 and not table.has_pending() and not scratch_needs and not state_news:
         # GPU only: every page is in GPU memory and nothing new is taken; the admission gate
         # still applies (its pages already count as used)
         if max_util < 1.0 and not storage.fits(ctx.no_gain, ctx.no_gain, max_util):
@@ -98,24 +107,13 @@ def resume_pages(state: RequestState) -> bool:
         return True
     if storage.any_lost():
         drop_lost_blocks(state, False, -1)
-        if not new_states:  # a live state it lost was let go of: a new one is taken below
-            for each in state._tables:
-                if each.needs_state_pages():
-                    new_states = True
+        state_news = _missing_states(state)  # a live state it lost was let go of: a new one is taken below
     state_groups = table.state_groups
     pending = [
         (LayerGroupId(i), source)
         for i, source in enumerate(table.pending_copy)
         if source is not None and LayerGroupId(i) not in state_groups
     ]
-    # live states: one new page per beam and state group at the first resume (or after a
-    # disk error lost one), a copy of the matched snapshot when there is one
-    state_news: list[tuple[int, int]] = []  # (beam, index in state_groups)
-    if new_states:
-        for beam, each_table in enumerate(state._tables):
-            for k, state_page in enumerate(each_table.state_pages):
-                if state_page is None:
-                    state_news.append((beam, k))
     need, excluded, up = plan_move_up(state, GPU_LEVEL, False)
     for layer_group, _ in pending:
         need[ctx.pool_group_of[layer_group]] += 1

@@ -58,7 +58,7 @@ class RemoteFill:
         self.target = target
         #: recurrent-state groups (hybrid models): a match must end at a block with a snapshot of each,
         #: local or fetched (the tree's ``cut_to_snapshot``)
-        self.state_groups: list[int] = [i for i, policy in enumerate(layer_groups) if policy.keeps_live_state]
+        self.state_groups: list[int] = tree.state_groups
         #: payload bytes of one page of each layer group (the slot's bytes over its pool group's pools)
         self.page_bytes: list[int] = [
             storage.layout.pool_groups[storage.layout.pool_group_of_layer_group[LayerGroupId(layer_group)]].slot_bytes

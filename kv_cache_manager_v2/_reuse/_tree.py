@@ -136,7 +136,8 @@ class Node:
     """One committed block (full, or a partial tail) with non-owning refs to its pages.
 
     A tree can hold millions of nodes, so nodes, their ``pages`` lists and ``_children`` dicts
-    (a node with one child, the usual case down a prompt, keeps it in ``_only``: no dict) are untracked by the cyclic garbage collector (which would traverse them all at every full
+    (a node with one child, the usual case down a prompt, keeps it in ``_only``: no dict) are
+    untracked by the cyclic garbage collector (which would traverse them all at every full
     collection). The tree breaks its cycles itself: a node leaving the tree loses its ``parent``
     and children; the manager clears the tree at shutdown or when it is dropped.
     """
@@ -358,7 +359,7 @@ class ReuseTree(PageDropListener):
         self._releasing_groups = [i for i, policy in enumerate(layer_groups) if policy.releases_blocks]
         #: groups whose pages are snapshots of a live state (recurrent layers): a match ends at a
         #: block holding a snapshot of each
-        self._state_groups = [i for i, policy in enumerate(layer_groups) if policy.keeps_live_state]
+        self.state_groups = [i for i, policy in enumerate(layer_groups) if policy.keeps_live_state]
         #: the others: a partially matched block must hold a page of each (it is the match's last block)
         self.partial_groups = [i for i, policy in enumerate(layer_groups) if not policy.keeps_live_state]
         #: snapshot pages that left the tree (evicted, or with their block)
@@ -430,7 +431,7 @@ class ReuseTree(PageDropListener):
             del nodes[missing:]
             part, part_len = None, 0
             missing = self._first_missing_block(nodes, None, len(nodes) * t, -1)
-        if self._state_groups:
+        if self.state_groups:
             self.cut_to_snapshot(nodes)
             return nodes, None, 0
         return nodes, part, part_len
@@ -440,7 +441,7 @@ class ReuseTree(PageDropListener):
         state group, then until the attention groups have their pages there; again until both
         hold (a shorter match may need pages a sliding window did not). Never longer than before."""
         t = self.tokens_per_block
-        state_groups = self._state_groups
+        state_groups = self.state_groups
         while True:
             n = len(nodes)
             while n > 0 and not nodes[n - 1].holds_pages(state_groups):

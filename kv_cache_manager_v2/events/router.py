@@ -4,8 +4,9 @@
 ``match_length(tokens, scope)`` with the same rule as the replica's ``probe_reuse``: walk full blocks
 by hash, pick a partially matching child by longest common token prefix among those holding a page of
 every attention layer group, then shorten until every layer group holds the pages the match needs
-(full attention: every block; sliding window: sinks and the window). :class:`KVAwareRouter` subscribes to N replicas over ZMQ (replaying missed batches) and
-picks the replica with the longest match. :class:`PrefixRouter` does the same over indexes fed
+(full attention: every block; sliding window: sinks and the window; recurrent: a snapshot at the last
+block). :class:`KVAwareRouter` subscribes to N replicas over ZMQ (replaying missed batches) and picks
+the replica with the longest match. :class:`PrefixRouter` does the same over indexes fed
 directly (simulators).
 """
 
@@ -231,7 +232,7 @@ class ReplicaIndex:
         part_len = 0
         # recurrent groups: a match ends at a block with a snapshot of each (never partial)
         state_groups = [g for g, lc in self.groups.items() if lc.keeps_live_state]
-        if self.enable_partial_reuse and len(nodes) * t < len(tokens):
+        if self.enable_partial_reuse and not state_groups and len(nodes) * t < len(tokens):
             # the child sharing the most tokens among those with a page of every attention group
             # (the partial block is the match's last: each group needs it)
             needed = [g for g, lc in self.groups.items() if not lc.keeps_live_state]
@@ -240,8 +241,6 @@ class ReplicaIndex:
                 n = _common_prefix_len(c.tokens, rest)
                 if n > part_len and all(g in c.groups for g in needed):
                     part, part_len = c, n
-        if state_groups:
-            part, part_len = None, 0
         while True:
             if state_groups:
                 n = len(nodes)
