@@ -49,7 +49,7 @@ def test_window_arithmetic_lives_in_the_layer_kinds() -> None:
     import re
 
     forbidden = re.compile(r"window_size is (not )?None|\bis_swa\b|swa_layer_groups|num_sink_blocks|\.window\b")
-    checked = [os.path.join(ROOT, PACKAGE, "engine", "_capacity.py")]
+    checked = [os.path.join(ROOT, PACKAGE, "engine", "_capacity.py"), os.path.join(ROOT, PACKAGE, "_page.py")]
     for sub in ("_core", "_reuse", "_storage", "_storage/_tiers"):
         folder = os.path.join(ROOT, PACKAGE, sub)
         checked += [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".py")]
@@ -63,3 +63,20 @@ def test_window_arithmetic_lives_in_the_layer_kinds() -> None:
                 if forbidden.search(line) and not announced and not line.lstrip().startswith("#"):
                     found.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
     assert not found, "window arithmetic outside kv_cache_manager_v2/_layers:\n" + "\n".join(found)
+
+
+def test_the_design_cards_modules_do_their_jobs() -> None:
+    """The design card names four typed modules: ``_core`` and ``_storage`` (packages),
+    ``_life_cycle_registry`` (layers -> layer groups and each group's policy) and ``_page`` (the page)."""
+    import importlib
+
+    for name in ("_core", "_storage"):
+        assert os.path.isfile(os.path.join(ROOT, PACKAGE, name, "__init__.py"))
+    registry = importlib.import_module(f"{PACKAGE}._life_cycle_registry")
+    page = importlib.import_module(f"{PACKAGE}._page")
+    assert registry.LayerGroupRegistry.__module__ == f"{PACKAGE}._life_cycle_registry"
+    assert registry.LAYER_KINDS and registry.announced_layer_group
+    assert page.Page.__module__ == f"{PACKAGE}._page"
+    assert page.PoolGroupStorage.__module__ == f"{PACKAGE}._page"
+    assert not os.path.exists(os.path.join(ROOT, PACKAGE, "_storage", "_page.py"))
+    assert not os.path.exists(os.path.join(ROOT, PACKAGE, "_layers", "_registry.py"))

@@ -24,8 +24,8 @@ from kv_cache_manager_v2 import (
     RemoteCacheTierConfig,
 )
 from kv_cache_manager_v2._config import CacheTierConfig
+from kv_cache_manager_v2._page import Page
 from kv_cache_manager_v2._storage._disk import DiskPool
-from kv_cache_manager_v2._storage._page import Page
 from kv_cache_manager_v2.redis_server import LocalRedisServer
 
 MakeManager = Callable[..., KVCacheManager]

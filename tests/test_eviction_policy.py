@@ -29,6 +29,7 @@ from kv_cache_manager_v2 import (
     Priority,
 )
 from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
+from kv_cache_manager_v2._page import GARBAGE_PRIORITY, Page
 from kv_cache_manager_v2._storage._eviction import (
     AGING_MAX,
     AGING_MIN,
@@ -40,7 +41,6 @@ from kv_cache_manager_v2._storage._eviction import (
     UseHistory,
     _tag_of,
 )
-from kv_cache_manager_v2._storage._page import GARBAGE_PRIORITY, Page
 
 MakeManager = Callable[..., KVCacheManager]
 T = 4

@@ -8,8 +8,8 @@ import pytest
 from conftest import kv_layers
 
 from kv_cache_manager_v2 import CacheLevel, KVCache, KVCacheManager, LayerGroupId, SlotId
+from kv_cache_manager_v2._page import Page
 from kv_cache_manager_v2._storage._eviction import FrequencyEvictor
-from kv_cache_manager_v2._storage._page import Page
 
 T = 8
 MakeManager = Callable[..., KVCacheManager]

@@ -8,13 +8,13 @@ from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, LayerGroupId
 from kv_cache_manager_v2._layers._full_attention import FullAttentionGroup
 from kv_cache_manager_v2._layers._policy import LayerGroup
 from kv_cache_manager_v2._layers._recurrent import RecurrentGroup
-from kv_cache_manager_v2._layers._registry import (
+from kv_cache_manager_v2._layers._sliding_window import SlidingWindowGroup
+from kv_cache_manager_v2._life_cycle_registry import (
     LAYER_KINDS,
     LayerGroupRegistry,
     announced_layer_group,
     layer_group_of,
 )
-from kv_cache_manager_v2._layers._sliding_window import SlidingWindowGroup
 
 SHAPES = [(None, 0), (1, 0), (8, 0), (8, 1), (13, 2), (40, 3), (128, 2)]
 

@@ -17,7 +17,7 @@ from kv_cache_manager_v2 import (
     SlotId,
 )
 from kv_cache_manager_v2._layers._policy import LayerGroup
-from kv_cache_manager_v2._layers._registry import announced_layer_group
+from kv_cache_manager_v2._life_cycle_registry import announced_layer_group
 
 KIB = 1024
 

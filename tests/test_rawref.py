@@ -124,7 +124,7 @@ def test_page_invalidates_its_ref_when_collected_without_free() -> None:
     from conftest import kv_layers, make_config
 
     from kv_cache_manager_v2 import KVCacheManager, LayerGroupId, Priority, SlotId
-    from kv_cache_manager_v2._storage._page import Page
+    from kv_cache_manager_v2._page import Page
 
     m = KVCacheManager(make_config(kv_layers(1)))
     storage = m._storage.gpu.items[0]

@@ -15,8 +15,8 @@ from fake_engine import FakeEngine
 
 from kv_cache_manager_v2 import KVCache, KVCacheManager, ReuseScope
 from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
+from kv_cache_manager_v2._page import Page
 from kv_cache_manager_v2._reuse._keys import BlockHasher
-from kv_cache_manager_v2._storage._page import Page
 
 T = 8
 SLOT = 2 * 2 * REC * T  # two layers, key + value: one slot holds one block

@@ -18,7 +18,7 @@ from typing import Final
 
 from .._common import BAD_PAGE_INDEX, LayerGroupId, SlotId
 from .._exceptions import LogicError
-from .._storage._page import Page
+from .._page import Page
 from .._typed import TypedList
 
 #: bound once: mypyc looks a module's attribute up at every call

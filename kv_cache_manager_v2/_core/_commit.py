@@ -11,8 +11,8 @@ from typing import Final
 import rawref
 
 from .._common import KVCacheStatus, LayerGroupId, Priority, TokenIdExt
+from .._page import Page
 from .._reuse._keys import chain_token_keys
-from .._storage._page import Page
 from ._request_state import RequestState
 
 #: bound once: mypyc looks a module's attribute up at every call (hot: once or twice per block)

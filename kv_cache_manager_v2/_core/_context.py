@@ -10,7 +10,7 @@ from .._common import DEFAULT_PRIORITY, LayerGroupId, PoolGroupIndex, Priority, 
 from .._config import KVCacheManagerConfig
 from .._exceptions import LogicError
 from .._layers._policy import LayerGroup
-from .._layers._registry import LayerGroupRegistry
+from .._life_cycle_registry import LayerGroupRegistry
 from .._reuse._tree import ReuseTree
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList

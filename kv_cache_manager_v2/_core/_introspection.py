@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from .._common import BAD_PAGE_INDEX, KVCacheStatus, LayerGroupId
+from .._page import GARBAGE_PRIORITY, LISTED_DROPPABLE, LISTED_HELD, NOT_LISTED, Page
 from .._reuse._tree import ReuseTree
-from .._storage._page import GARBAGE_PRIORITY, LISTED_DROPPABLE, LISTED_HELD, NOT_LISTED, Page
 from .._storage._storage_manager import StorageManager
 from ._block_table import BlockTable
 from ._kv_cache import KVCache

@@ -35,7 +35,7 @@ from .._config import DiskCacheTierConfig, HostCacheTierConfig, KVCacheManagerCo
 from .._events import MEDIUM_OF_TIER, KVCacheEvent, KVCacheEventManager, LayerGroupSpec
 from .._exceptions import LogicError
 from .._layers._policy import LayerGroup
-from .._layers._registry import LayerGroupRegistry
+from .._life_cycle_registry import LayerGroupRegistry
 from .._page_index import PageIndexConverter
 from .._reuse._remote_fill import RemoteFill
 from .._reuse._tree import ReuseTree

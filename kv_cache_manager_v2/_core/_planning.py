@@ -5,7 +5,7 @@ The decode step's one-block growth stays on ``KVCache``; this is every other res
 from __future__ import annotations
 
 from .._common import LayerGroupId, Priority
-from .._storage._page import Page
+from .._page import Page
 from ._request_state import RequestState
 
 

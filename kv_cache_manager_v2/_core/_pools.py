@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from .._common import AggregatedPageDesc, BufferId, LayerGroupId, LayerId, MemAddress, PoolIndex
-from .._layers._registry import LayerGroupRegistry
+from .._life_cycle_registry import LayerGroupRegistry
+from .._page import Page
 from .._reuse._tree import ReuseTree
 from .._storage._layout import StorageLayout
-from .._storage._page import Page
 from .._storage._storage_manager import StorageManager
 from ._request_state import RequestState
 

@@ -23,8 +23,8 @@ from .._common import (
     TokenIdExt,
 )
 from .._exceptions import LogicError
+from .._page import Page
 from .._reuse._tree import Node
-from .._storage._page import Page
 from .._utils import check_int
 from ._block_table import BlockTable
 from ._context import CacheContext, OpenCache

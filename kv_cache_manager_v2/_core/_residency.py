@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from typing import cast
 
 from .._common import DEFAULT_PRIORITY, GPU_LEVEL, CacheLevel, KVCacheStatus, LayerGroupId, SlotId, TokenIdExt
+from .._page import Page
 from .._reuse._tree import Node
-from .._storage._page import Page
 from ._commit import publish_final
 from ._request_state import RequestState
 

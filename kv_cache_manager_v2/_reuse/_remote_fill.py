@@ -23,7 +23,7 @@ import rawref
 
 from .._common import DEFAULT_PRIORITY, CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
 from .._layers._policy import LayerGroup
-from .._storage._page import NO_SERIAL, Page
+from .._page import NO_SERIAL, Page
 from .._storage._remote import HEADER_BYTES, RemoteStore, decode_value
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList

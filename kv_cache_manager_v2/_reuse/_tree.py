@@ -25,7 +25,7 @@ from .._common import (
 )
 from .._events import NOT_MOVED, BlockStoredEvent, KVCacheEventManager
 from .._layers._policy import LayerGroup
-from .._storage._page import Page, PoolGroupStorage
+from .._page import Page, PoolGroupStorage
 from .._storage._persist import DiskRecord
 from .._storage._storage_manager import PageDropListener, StorageManager
 from .._typed import TypedList

@@ -13,8 +13,8 @@ from abc import ABC, abstractmethod
 
 from .._common import CacheLevel, CacheTier
 from .._exceptions import OutOfPagesError
+from .._page import Page, PoolGroupStorage
 from ._levels import StorageLevels
-from ._page import Page, PoolGroupStorage
 from ._persistence import persist_pages
 from ._tiers._remote_tier import RemoteTier
 

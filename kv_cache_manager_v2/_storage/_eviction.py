@@ -30,7 +30,7 @@ from collections import OrderedDict
 from typing import Final
 
 from .._common import MAX_PRIORITY, Priority, RequestSerial
-from ._page import LISTED_HELD, NOT_IN_HEAP, NOT_LISTED, Evictor, Page, UseCounter
+from .._page import LISTED_HELD, NOT_IN_HEAP, NOT_LISTED, Evictor, Page, UseCounter
 
 #: ``Page.ev_pos`` (frequency policy): a heap index, ``NOT_IN_HEAP``, or one of these
 PARKED: Final = -2

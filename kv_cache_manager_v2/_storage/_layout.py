@@ -7,7 +7,7 @@ from fractions import Fraction
 
 from .._common import BufferId, LayerGroupId, LayerId, PoolGroupIndex, PoolIndex
 from .._config import LayerConfig
-from .._layers._registry import LayerGroupRegistry
+from .._life_cycle_registry import LayerGroupRegistry
 from .._typed import TypedList
 
 

@@ -11,12 +11,12 @@ from collections.abc import Sequence
 
 from .._common import GPU_LEVEL, CacheLevel, CacheTier, PoolGroupIndex
 from .._config import LocalCacheTierConfig
+from .._page import Evictor, PoolGroupStorage
 from .._typed import TypedList
 from ._backend import MAX_GROWTH, MemoryBackend
 from ._copy_engine import CopyEngine
 from ._eviction import FrequencyEvictor, LruEvictor, UseHistory
 from ._layout import StorageLayout
-from ._page import Evictor, PoolGroupStorage
 from ._persist import PersistentDisk
 from ._persistence import take_persisted
 from ._tiers._base import Tier

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from typing import cast
 
 from .._common import PoolGroupIndex, SlotId
+from .._page import Page, PoolGroupStorage
 from .._typed import TypedList
-from ._page import Page, PoolGroupStorage
 from ._persist import PersistentDisk
 from ._tiers._disk_tier import arm_sums, slot_sums
 

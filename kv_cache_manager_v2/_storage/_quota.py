@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from .._common import LayerGroupId
 from .._config import BatchDesc, KVCacheDesc
-from .._layers._registry import LayerGroupRegistry
+from .._life_cycle_registry import LayerGroupRegistry
 from .._utils import div_up
 from ._layout import StorageLayout
 

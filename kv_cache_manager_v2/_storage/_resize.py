@@ -5,10 +5,10 @@ the cut range into free slots below it. The remote tier's headroom is set aside 
 from __future__ import annotations
 
 from .._common import CacheLevel, PoolGroupIndex
+from .._page import Page, PoolGroupStorage
 from .._typed import TypedList
 from ._backend import MAX_GROWTH
 from ._cascade import EvictionCascade
-from ._page import Page, PoolGroupStorage
 
 #: how long a tier resize waits for the remote tier's writer to finish with handed-off slots
 RESIZE_FLUSH_S = 30.0

@@ -23,11 +23,11 @@ from .._common import (
     TierStatistics,
 )
 from .._config import LocalCacheTierConfig
+from .._page import Page, PoolGroupStorage
 from .._typed import TypedList
 from ._backend import MemoryBackend
 from ._cascade import EvictionCascade, PageDropListener
 from ._layout import StorageLayout
-from ._page import Page, PoolGroupStorage
 from ._remote import RemoteStore
 from ._resize import TierResizer
 from ._statistics import TrafficStatistics

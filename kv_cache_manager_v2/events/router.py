@@ -23,7 +23,7 @@ import zmq
 from .._common import DEFAULT_REUSE_SCOPE, ReuseScope, TokenIdExt
 from .._events import LayerGroupSpec, block_hash
 from .._layers._policy import LayerGroup
-from .._layers._registry import announced_layer_group
+from .._life_cycle_registry import announced_layer_group
 from .._reuse._keys import BlockHasher, scope_key
 from .schema import (
     AllBlocksCleared,

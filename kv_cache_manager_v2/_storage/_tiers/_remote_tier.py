@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import rawref
 
+from ..._page import Page, PoolGroupStorage
 from .._copy_engine import CopyEngine
-from .._page import Page, PoolGroupStorage
 from .._remote import RemoteStore
 
 #: most headroom slots one pool group gets for the remote tier's writes

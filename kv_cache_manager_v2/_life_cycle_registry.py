@@ -1,14 +1,19 @@
-"""Layers -> layer groups -> kind: one line per layer kind in ``LAYER_KINDS``."""
+"""The life cycle registry: which layers form which layer group, and each group's policy.
+
+"Life cycle" is the reference system's word for what this package calls a *layer group*: layers
+whose blocks are kept and released alike. Layers -> layer groups -> kind, one line per
+layer kind in ``LAYER_KINDS``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .._common import LayerGroupId, LayerId
-from .._config import LayerConfig
-from .._typed import TypedList
-from . import _full_attention, _recurrent, _sliding_window
-from ._policy import LayerGroup
+from ._common import LayerGroupId, LayerId
+from ._config import LayerConfig
+from ._layers import _full_attention, _recurrent, _sliding_window
+from ._layers._policy import LayerGroup
+from ._typed import TypedList
 
 #: the policy of a layer config when it is of the kind, else None
 FromLayer = Callable[[LayerConfig, int], LayerGroup | None]

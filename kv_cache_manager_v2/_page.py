@@ -13,7 +13,7 @@ from typing import Final, Protocol, final
 
 import rawref
 
-from .._common import (
+from ._common import (
     BAD_PAGE_INDEX,
     CacheLevel,
     LayerGroupId,
@@ -25,11 +25,11 @@ from .._common import (
     SlotId,
     TokenIdExt,
 )
-from .._exceptions import LogicError
-from ._backend import MemoryPool, Pool
-from ._layout import PoolGroupLayout
-from ._slot_allocator import SlotAllocator
-from ._tiers._base import HandOffPart, MediumAccess, Tier, memory
+from ._exceptions import LogicError
+from ._storage._backend import MemoryPool, Pool
+from ._storage._layout import PoolGroupLayout
+from ._storage._slot_allocator import SlotAllocator
+from ._storage._tiers._base import HandOffPart, MediumAccess, Tier, memory
 
 #: Priority of pages that no longer belong to a reusable block (their subtree was removed):
 #: they are evicted before everything else.
