@@ -160,14 +160,32 @@ class StorageLevels:
         """Whether every pool group at ``level`` can provide ``need[g]`` slots (prefetch)."""
         return all(n == 0 or n <= self.available(level, g, excluded) for g, n in enumerate(need))
 
-    def reserve(self, need: list[int]) -> None:
-        """Map the memory ``need[g]`` allocations may take, so they cannot fail later.
+    def levels_with_room(self, need: list[int]) -> list[CacheLevel] | None:
+        """Per pool group, the first level that can provide ``need[g]`` new slots (``available``:
+        the cascade makes that room without dropping a HELD page); None when some group has no
+        room at any level. Groups needing nothing get the GPU level."""
+        out = [GPU_LEVEL] * len(need)
+        for g, n in enumerate(need):
+            if n == 0:
+                continue
+            level = 0
+            while n > self.available(level, g):
+                level += 1
+                if level == self.num_levels:
+                    return None
+            out[g] = CacheLevel(level)
+        return out
+
+    def reserve(self, need: list[int], levels: list[CacheLevel] | None = None) -> None:
+        """Map the memory ``need[g]`` allocations may take (at GPU level, or at ``levels[g]``), so
+        they cannot fail later.
 
         May raise (e.g. ``CuError``); changes no allocation state.
         """
         for g, n in enumerate(need):
             if n:
-                self.gpu.items[g].allocator.prepare(n)
+                level = GPU_LEVEL if levels is None else levels[g]
+                self.levels.items[level].items[g].allocator.prepare(n)
 
     def any_lost(self) -> bool:
         """Whether some page lost to a disk error still has owners (suspended requests)."""
