@@ -136,11 +136,20 @@ class StorageLevels:
             count += storage.allocator.num_free + evictor.count - evictor.num_held
         return count
 
-    def fits(self, need: list[int], gain: list[int], max_util: float = 1.0, excluded: Excluded | None = None) -> bool:
+    def fits(
+        self,
+        need: list[int],
+        gain: list[int],
+        max_util: float = 1.0,
+        excluded: Excluded | None = None,
+        floor: list[int] | None = None,
+    ) -> bool:
         """Whether every GPU pool group can provide ``need[g]`` slots, counting ``gain[g]`` slots
         the asking request releases first, without GPU utilisation exceeding ``max_util``.
         ``excluded``: the asker's own listed pages, which stop being evictable (resume). A
-        utilisation limit below 1 applies to every group, even with no new slot (the resume gate)."""
+        utilisation limit below 1 applies to every group, even with no new slot (the resume gate),
+        except while the group's unavailable slots stay within ``floor[g]`` (what the
+        constraints guarantee)."""
         for g, n in enumerate(need):
             if n == 0 and max_util >= 1.0 and (excluded is None or excluded[0][g] == 0):
                 continue
@@ -152,7 +161,8 @@ class StorageLevels:
             if n > available:
                 return False
             total = storage.num_slots
-            if max_util < 1.0 and (total - available + n) / total > max_util:
+            used = total - available + n
+            if max_util < 1.0 and used / total > max_util and (floor is None or used > floor[g]):
                 return False
         return True
 
