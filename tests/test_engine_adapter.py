@@ -15,6 +15,7 @@ from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
     AttentionLayerConfig,
     BlockStoredEvent,
+    BufferConfig,
     CacheLevel,
     KVCacheEventManager,
     KVCacheManager,
@@ -24,11 +25,13 @@ from kv_cache_manager_v2 import (
     LogicError,
     PageIndexMode,
     ReuseScope,
+    SsmLayerConfig,
     SwaScratchReuseConfig,
     TokenId,
     TokenIdExt,
     compiled,
 )
+from kv_cache_manager_v2._config import LayerConfig
 from kv_cache_manager_v2.engine import CudaBufferView, EngineRequest, KVCacheResourceManager, RequestState
 
 T = 4
@@ -807,3 +810,55 @@ def test_step_tokens_cuts_at_the_next_snapshot_position() -> None:
             rm.update_resources([req])
         assert ends == want, ends
         rm.shutdown()
+
+
+def hybrid_adapter_layers() -> list[LayerConfig]:
+    """One attention layer and one recurrent layer (its live state in another pool group)."""
+    return [
+        AttentionLayerConfig(LayerId(0), [BufferConfig("key", REC * T), BufferConfig("value", REC * T)]),
+        SsmLayerConfig(LayerId(1), [BufferConfig("ssm_state", 64)]),
+    ]
+
+
+def held_with_states(a: KVCacheResourceManager, r: EngineRequest) -> list[int]:
+    """``held_per_pool_group`` plus the request's live recurrent states (an independent count)."""
+    held = held_per_pool_group(a, [r])
+    kv = a.get_kv_cache(r)
+    states: set[tuple[int, int]] = set()
+    for lg, g in enumerate(a.layer_group_pool_groups):
+        if a.manager.get_layer_group_info(LayerGroupId(lg)).kind == "recurrent":
+            states.add((g, kv.get_ssm_state_index(LayerGroupId(lg))))
+    for g, _ in states:
+        held[g] += 1
+    return held
+
+
+@pytest.mark.parametrize("suspended", [False, True])
+def test_round4_needed_to_completion_counts_no_held_live_state(
+    suspended: bool, make_adapter: Callable[..., KVCacheResourceManager]
+) -> None:
+    """Issue 38.2: an admitted hybrid request already holds its live state (ACTIVE, or suspended on
+    a GPU-only manager, where it stays in GPU memory): it needs no more state slots, and its block
+    slots exactly to its real peak (it once said one state slot more)."""
+    a = make_adapter(hybrid_adapter_layers(), initial_pool_ratio=[0.5, 0.5], ssm_reuse_interval=8)
+    eng = FakeEngine(a.manager)
+    kinds = [a.manager.get_layer_group_info(LayerGroupId(lg)).kind for lg in range(a.manager.num_layer_groups)]
+    state_pool = a.layer_group_pool_groups[kinds.index("recurrent")]
+    r = EngineRequest(1, toks(range(10)), max_new_tokens=9, context_chunk_size=3)
+    assert step(a, eng, [r]) == []
+    held0 = held_with_states(a, r)
+    assert held0[state_pool] == 1
+    need = a.get_needed_resource_to_completion_per_pool_group(r)
+    if suspended:
+        a.suspend_resources(r)
+        assert a.get_needed_resource_to_completion_per_pool_group(r) == need
+    assert need[state_pool] == 0
+    peak = list(held0)
+    while len(r.generated_tokens) < r.max_new_tokens:
+        assert step(a, eng, [r]) == []
+        if len(r.generated_tokens) < r.max_new_tokens:
+            peak = [max(p, h) for p, h in zip(peak, held_with_states(a, r))]
+    assert [p - h for p, h in zip(peak, held0)] == need
+    assert a.get_needed_resource_to_completion_per_pool_group(r) == [0, 0]
+    r.state = RequestState.FINISHED
+    a.free_resources(r)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from conftest import REC
+from conftest import REC, kv_layers
 from fake_engine import FakeEngine
 
 import kv_cache_manager_v2 as kvm
@@ -170,6 +170,69 @@ def test_constraints_count_shared_prompt_blocks_once_and_only_in_the_window(make
         assert kv.resume() and kv.history_length == 64
         assert kv.resize(576, 575)  # the constraint's shape: window pages only, shared sink once
     assert m.get_storage_statistics()[0].free == 0
+    for kv in caches:
+        kv.close()
+
+
+def _two_pool_groups(t: int) -> tuple[list[AttentionLayerConfig], int]:
+    """Two layer groups (full attention, a window) of different slot sizes, so two pool groups,
+    and the bytes of one slot of each."""
+    buffers = [BufferConfig("key", 2 * REC * t), BufferConfig("value", 2 * REC * t)]
+    big = AttentionLayerConfig(LayerId(1), buffers, sliding_window_size=8 * t)
+    return [*kv_layers(1, t), big], (2 + 4) * REC * t
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_round4_constraint_batch_resumes_past_the_resume_gate(make_manager: MakeManager, host: bool) -> None:
+    """Issue 38.3: a quota of exactly 32 slots per pool group, a constraint of 32 one-block
+    requests, ``max_util_for_resume=0.95``: every request of the batch resumes (the gate once
+    refused the last ones at 30/32 used), new or resumed again after a suspend, GPU only or over a
+    host tier; the KV of each is intact."""
+    t = 8
+    layers, both = _two_pool_groups(t)
+    m = make_manager(
+        layers,
+        t,
+        quota=32 * both,
+        host_quota=4 * both if host else None,
+        constraints=[BatchDesc([KVCacheDesc(1, 0)] * 32)],
+        max_util_for_resume=0.95,
+    )
+    assert [s.total for s in m.get_storage_statistics()] == [32, 32]
+    engine = FakeEngine(m)
+    caches = [m.create_kv_cache(id=i) for i in range(32)]
+    for i, kv in enumerate(caches):
+        assert kv.resume(), i
+        assert kv.resize(1)
+        engine.step(kv, [1000 + i], 0, 1)
+        kv.commit([1000 + i])
+    assert [s.free for s in m.get_storage_statistics()] == [0, 0]
+    for kv in caches:
+        kv.suspend()
+    for i, kv in enumerate(caches):
+        assert kv.resume(), i
+        engine.check_all(kv, [1000 + i], 1)
+    for kv in caches:
+        kv.close()
+
+
+def test_round4_the_resume_gate_applies_above_the_constraint_floor(make_manager: MakeManager) -> None:
+    """Issue 38.3: the gate admits while the unavailable slots (with the request's pages placed)
+    stay within what the constraints guarantee, and applies ``max_util_for_resume`` beyond: 16
+    guaranteed of 32 at 0.25 admit 17 resumes of empty caches (the 17th sees 16 used), not 9."""
+    t = 8
+    batch = BatchDesc([KVCacheDesc(1, 0)] * 16)
+    m = make_manager(kv_layers(1, t), t, quota=32 * 2 * REC * t, constraints=[batch], max_util_for_resume=0.25)
+    assert [s.total for s in m.get_storage_statistics()] == [32]
+    caches: list[KVCache] = []
+    while True:
+        kv = m.create_kv_cache()
+        if not kv.resume():
+            kv.close()
+            break
+        caches.append(kv)
+        assert kv.resize(1)
+    assert len(caches) == 17
     for kv in caches:
         kv.close()
 

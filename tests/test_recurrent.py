@@ -867,3 +867,119 @@ def test_extra_snapshot_positions_from_start_and_end(make_manager: MakeManager) 
     b = m.create_kv_cache(input_tokens=another)
     prefill(engine, b, another, len(another))
     b.close()
+
+
+# ---------------------------------------------------------------------- issue 38
+def _round4_manager(make_manager: MakeManager, **tiers: object) -> tuple[KVCacheManager, int]:
+    """Issue 38's layout: one attention layer + one recurrent layer (``ssm_state`` only), T = 16,
+    snapshots every 32 tokens, a GPU quota of 40.5 attention slots + 3.5 state slots (the pool
+    ratio to match) over ``tiers`` (``make_config``'s lower tiers); returns the manager and the
+    state pool's GPU slot count (3)."""
+    t = 16
+    layers: list[LayerConfig] = [
+        AttentionLayerConfig(LayerId(0), [BufferConfig("key", REC * t), BufferConfig("value", REC * t)]),
+        SsmLayerConfig(LayerId(1), [BufferConfig("ssm_state", STATE)]),
+    ]
+    attention, state = 2 * REC * t * 81 // 2, STATE * 7 // 2
+    quota = attention + state
+    probe = make_manager(layers, t, quota=quota, initial_pool_ratio=[0.5, 0.5], ssm_reuse_interval=32)
+    ratio = [0.0, 0.0]
+    for g in range(probe.num_layer_groups):
+        info = probe.get_layer_group_info(LayerGroupId(g))
+        ratio[info.pool_group_index] = (state if info.kind == "recurrent" else attention) / quota
+    probe.shutdown()
+    m = make_manager(
+        layers,
+        t,
+        quota=quota,
+        initial_pool_ratio=ratio,
+        ssm_reuse_interval=32,
+        max_util_for_resume=1.0,
+        **tiers,
+    )
+    slots = m.pool_group_descs[m.get_layer_group_info(state_group(m)).pool_group_index].num_slots
+    assert slots == 3
+    return m, slots
+
+
+def test_round4_snapshot_placed_on_host(make_manager: MakeManager) -> None:
+    """Issue 38.1: every GPU state slot is taken (two empty caches and the request's own live
+    state), the host tier has room: the snapshots at 32 and 64 go to the host tier (the docs: skipped
+    only with no room at any level), and a second request with the same prompt resumes from the
+    one at 64, byte for byte."""
+    m, slots = _round4_manager(make_manager, host_quota=1 << 20)
+    engine = FakeEngine(m)
+    pool_group = m.get_layer_group_info(state_group(m)).pool_group_index
+    held = [m.create_kv_cache(id=i) for i in range(slots - 1)]
+    for kv in held:
+        assert kv.resume()
+    prompt = toks(38, 70)
+    kv = m.create_kv_cache(input_tokens=prompt)
+    prefill(engine, kv, prompt, 70)  # commits 0-32, 32-64, 64-70
+    stats = m.reuse_statistics
+    assert (stats.snapshots_taken, stats.snapshots_skipped) == (2, 0)
+    host = m.get_storage_statistics(CacheLevel(1))[pool_group]
+    assert host.total - host.free == 2  # both snapshots on the host tier
+    kv.close()
+    assert m.probe_reuse_levels(None, prompt)[-1] == CacheLevel(1)
+    again = m.create_kv_cache(input_tokens=prompt)
+    assert again.history_length == 64
+    prefill(engine, again, prompt, 70)  # checks the state copied from the host snapshot at 64
+    decode(engine, again, prompt + toks(39, 4), 74)
+    assert m.reuse_statistics.snapshots_reused == 1
+    again.close()
+    for other in held:
+        other.close()
+
+
+def test_round4_snapshot_skipped_with_no_room_at_any_level(make_manager: MakeManager) -> None:
+    """Issue 38.1, the other side: with no tier below the GPU the same request skips both."""
+    m, slots = _round4_manager(make_manager)
+    engine = FakeEngine(m)
+    held = [m.create_kv_cache(id=i) for i in range(slots - 1)]
+    for kv in held:
+        assert kv.resume()
+    prompt = toks(38, 70)
+    kv = m.create_kv_cache(input_tokens=prompt)
+    prefill(engine, kv, prompt, 70)
+    assert (m.reuse_statistics.snapshots_taken, m.reuse_statistics.snapshots_skipped) == (0, 2)
+    kv.close()
+    for other in held:
+        other.close()
+    assert m.probe_reuse(None, prompt) == 0
+
+
+def test_round4_snapshot_placed_on_disk_and_a_failed_write_skips_it(
+    make_manager: MakeManager, tmp_path: object
+) -> None:
+    """Issue 38.1 with a disk tier below the GPU: the snapshot at 32 is written to disk (counted
+    as offloaded there); the write of the one at 64 fails: skipped, its slot freed, the error
+    counted on the disk tier; a later request resumes from the disk snapshot at 32."""
+    m, slots = _round4_manager(make_manager, disk_quota=1 << 20, disk_path=str(tmp_path))
+    engine = FakeEngine(m)
+    pool_group = m.get_layer_group_info(state_group(m)).pool_group_index
+    held = [m.create_kv_cache(id=i) for i in range(slots - 1)]
+    for kv in held:
+        assert kv.resume()
+    prompt = toks(40, 70)
+    kv = m.create_kv_cache(input_tokens=prompt)
+    prefill(engine, kv, prompt, 32)
+    assert m.reuse_statistics.snapshots_taken == 1
+    disk = m._storage.levels[CacheLevel(1)].items[pool_group]
+    assert disk.num_offloaded == 1 and disk.num_io_errors == 0
+    disk.pools[0].error_hook = lambda op, off, n: op == "write"  # type: ignore[attr-defined]
+    kv.suspend()
+    used = disk.num_used
+    prefill(engine, kv, prompt, 70)
+    disk.pools[0].error_hook = None  # type: ignore[attr-defined]
+    stats = m.reuse_statistics
+    assert (stats.snapshots_taken, stats.snapshots_skipped) == (1, 1)
+    assert disk.num_io_errors == 1 and disk.num_used == used
+    m.check_invariants()
+    kv.close()
+    again = m.create_kv_cache(input_tokens=prompt)
+    assert again.history_length == 32
+    prefill(engine, again, prompt, 70)  # the state copied from the disk snapshot at 32
+    again.close()
+    for other in held:
+        other.close()

@@ -111,10 +111,11 @@ def take_snapshot(state: RequestState, priorities: list[Priority]) -> None:
     """The commit ended history at a snapshot position (``priorities``: the snapshots' per state
     group, asked of the callback before the commit changed anything): when the block is published
     as the request's last node, copy beam 0's live state into a new page that becomes the block's
-    snapshot in the reuse tree. (Once beams forked, a block is published only when every beam
-    holds it alike: beam 0's state is then the state after exactly that block's chain.) No room
-    at any level: skipped and counted (a snapshot never blocks, and never takes a page a request
-    holds)."""
+    snapshot in the reuse tree, in GPU memory or, when the GPU has no room, at the first lower
+    tier with room (the cascade's ``available``). (Once beams forked, a block is published only
+    when every beam holds it alike: beam 0's state is then the state after exactly that block's
+    chain.) No room at any level, or a failed write to a disk tier: skipped and counted (a
+    snapshot never blocks, and never takes a page a request holds)."""
     committed = state.num_committed_tokens
     ordinal = committed // state._tokens_per_block - 1
     node = state._last_node
@@ -142,20 +143,35 @@ def take_snapshot(state: RequestState, priorities: list[Priority]) -> None:
             need[ctx.pool_group_of[layer_group]] += 1
     if not wanted:
         return
-    if not storage.fits(need, ctx.no_gain):
+    levels = storage.levels_with_room(need)  # the GPU's, else the first lower tier with room
+    if levels is None:
         if ctx.enable_stats:
             ctx.stats.snapshots_skipped += len(wanted)
         return
-    storage.reserve(need)
-    copies = [
-        (source, storage.new_pages(layer_group, [priority], True)[0])
-        for source, layer_group, priority in zip(sources, wanted, wanted_priorities)
-    ]
-    storage.copy_pages(copies)  # GPU to GPU: no disk, no failure to report
+    storage.reserve(need, levels)
+    pool_group_of = ctx.pool_group_of
+    snapshots: list[Page] = []  # HELD by us, in no evictor, until attached and released
+    try:
+        for layer_group, priority in zip(wanted, wanted_priorities):
+            level = levels[pool_group_of[layer_group]]
+            snapshots.append(storage.new_pages_at(level, layer_group, [priority])[0])
+        failed = storage.copy_pages(list(zip(sources, snapshots)))  # a write to a disk tier may fail
+    except BaseException:
+        for snapshot in snapshots:
+            snapshot.release(False)  # private: its slot is freed
+        raise
+    if failed:  # the block's snapshot is all of its state groups or none
+        for snapshot in snapshots:
+            snapshot.release(False)
+        if ctx.enable_stats:
+            ctx.stats.snapshots_skipped += len(wanted)
+        return
     tree = ctx.tree
-    for layer_group, (_, snapshot) in zip(wanted, copies):
+    for layer_group, snapshot in zip(wanted, snapshots):
         tree.attach_snapshot(node, layer_group, snapshot, state._serial)
-        snapshot.release(True)  # the tree's alone: reusable
+        snapshot.release(False)  # the tree's alone: reusable
+    if storage.persist is not None:
+        storage.persist_pages(snapshots)  # those placed on the persistent disk tier
     if ctx.enable_stats:
         ctx.stats.snapshots_taken += len(wanted)
         ctx.stats.allocated_pages += len(wanted)

@@ -12,6 +12,7 @@ from .._exceptions import LogicError
 from .._layers._policy import LayerGroup
 from .._life_cycle_registry import LayerGroupRegistry
 from .._reuse._tree import ReuseTree
+from .._storage._quota import constraint_floors
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList
 
@@ -54,6 +55,7 @@ class CacheContext:
         "scratch_util",
         "block_layer_groups",
         "registry",
+        "resume_floor",
         "stats",
         "storage",
         "releasing_layer_groups",
@@ -104,6 +106,8 @@ class CacheContext:
         self.scratch_util: TypedList[LayerGroupId, tuple[int, int]] = TypedList(
             [(f.numerator, f.denominator) for f in storage.layout.slot_util_frac_max]
         )
+        #: per pool group, the slots the constraints guarantee: the resume gate admits below them
+        self.resume_floor = constraint_floors(registry, storage.layout, config.constraints, self.max_rewind_len)
         self.stats = ReuseStatistics()
         self.enable_stats = config.enable_stats
         #: open caches as non-owning refs: a cache dropped by its owner closes itself

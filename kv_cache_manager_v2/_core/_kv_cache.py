@@ -198,9 +198,10 @@ class KVCache(RequestState):
         Pages in lower cache levels (matched there, or spilled while suspended) come up in one
         batch per (source level, pool group); a partially matched block gets its private copy.
         Returns False (staying SUSPENDED, nothing changed) when there is no room for them, or
-        when GPU utilisation with them placed would exceed ``max_util_for_resume``. If a disk
-        read fails, the blocks from the first lost one on are dropped: ``history_length`` (and
-        capacity, committed tokens) shrink to what is still intact; read it again after resume.
+        when GPU utilisation with them placed would exceed ``max_util_for_resume`` in a pool
+        group above what the ``constraints`` guarantee. If a disk read fails, the blocks from the
+        first lost one on are dropped: ``history_length`` (and capacity, committed tokens) shrink
+        to what is still intact; read it again after resume.
         """
         if self._status is not KVCacheStatus.SUSPENDED:
             raise LogicError(f"resume() needs a SUSPENDED cache; this one is {self._status.name}")

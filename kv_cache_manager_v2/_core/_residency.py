@@ -101,7 +101,7 @@ def resume_pages(state: RequestState) -> bool:
     if storage.num_levels == 1 and not table.has_pending() and not scratch_needs and not state_news:
         # GPU only: every page is in GPU memory and nothing new is taken; the admission gate
         # still applies (its pages already count as used)
-        if max_util < 1.0 and not storage.fits(ctx.no_gain, ctx.no_gain, max_util):
+        if max_util < 1.0 and not storage.fits(ctx.no_gain, ctx.no_gain, max_util, None, ctx.resume_floor):
             return False
         _activate(state)
         return True
@@ -121,7 +121,7 @@ def resume_pages(state: RequestState) -> bool:
         need[ctx.pool_group_of[state_groups[k]]] += 1
     for layer_group, num_slots in scratch_needs:
         need[ctx.pool_group_of[layer_group]] += num_slots
-    if not storage.fits(need, ctx.no_gain, max_util, excluded):
+    if not storage.fits(need, ctx.no_gain, max_util, excluded, ctx.resume_floor):
         return False
     if not up and not pending and not scratch_needs and not state_news and not any(excluded[GPU_LEVEL]):
         _activate(state)  # everything is in GPU memory already and takes nothing from others

@@ -136,11 +136,20 @@ class StorageLevels:
             count += storage.allocator.num_free + evictor.count - evictor.num_held
         return count
 
-    def fits(self, need: list[int], gain: list[int], max_util: float = 1.0, excluded: Excluded | None = None) -> bool:
+    def fits(
+        self,
+        need: list[int],
+        gain: list[int],
+        max_util: float = 1.0,
+        excluded: Excluded | None = None,
+        floor: list[int] | None = None,
+    ) -> bool:
         """Whether every GPU pool group can provide ``need[g]`` slots, counting ``gain[g]`` slots
         the asking request releases first, without GPU utilisation exceeding ``max_util``.
         ``excluded``: the asker's own listed pages, which stop being evictable (resume). A
-        utilisation limit below 1 applies to every group, even with no new slot (the resume gate)."""
+        utilisation limit below 1 applies to every group, even with no new slot (the resume gate),
+        except while the group's unavailable slots stay within ``floor[g]`` (what the
+        constraints guarantee)."""
         for g, n in enumerate(need):
             if n == 0 and max_util >= 1.0 and (excluded is None or excluded[0][g] == 0):
                 continue
@@ -152,7 +161,8 @@ class StorageLevels:
             if n > available:
                 return False
             total = storage.num_slots
-            if max_util < 1.0 and (total - available + n) / total > max_util:
+            used = total - available + n
+            if max_util < 1.0 and used / total > max_util and (floor is None or used > floor[g]):
                 return False
         return True
 
@@ -160,14 +170,32 @@ class StorageLevels:
         """Whether every pool group at ``level`` can provide ``need[g]`` slots (prefetch)."""
         return all(n == 0 or n <= self.available(level, g, excluded) for g, n in enumerate(need))
 
-    def reserve(self, need: list[int]) -> None:
-        """Map the memory ``need[g]`` allocations may take, so they cannot fail later.
+    def levels_with_room(self, need: list[int]) -> list[CacheLevel] | None:
+        """Per pool group, the first level that can provide ``need[g]`` new slots (``available``:
+        the cascade makes that room without dropping a HELD page); None when some group has no
+        room at any level. Groups needing nothing get the GPU level."""
+        out = [GPU_LEVEL] * len(need)
+        for g, n in enumerate(need):
+            if n == 0:
+                continue
+            level = 0
+            while n > self.available(level, g):
+                level += 1
+                if level == self.num_levels:
+                    return None
+            out[g] = CacheLevel(level)
+        return out
+
+    def reserve(self, need: list[int], levels: list[CacheLevel] | None = None) -> None:
+        """Map the memory ``need[g]`` allocations may take (at GPU level, or at ``levels[g]``), so
+        they cannot fail later.
 
         May raise (e.g. ``CuError``); changes no allocation state.
         """
         for g, n in enumerate(need):
             if n:
-                self.gpu.items[g].allocator.prepare(n)
+                level = GPU_LEVEL if levels is None else levels[g]
+                self.levels.items[level].items[g].allocator.prepare(n)
 
     def any_lost(self) -> bool:
         """Whether some page lost to a disk error still has owners (suspended requests)."""

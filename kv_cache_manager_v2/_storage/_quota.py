@@ -61,6 +61,18 @@ def batch_needs(
     return out
 
 
+def constraint_floors(
+    registry: LayerGroupRegistry, layout: StorageLayout, constraints: Sequence[BatchDesc], max_rewind_len: int = -1
+) -> list[int]:
+    """Per pool group, the most slots one of the ``constraints`` batches needs (0 without any):
+    the GPU split keeps at least that many, and the resume gate never refuses below it."""
+    floors = [0] * len(layout.pool_groups)
+    for batch in constraints:
+        for g, n in enumerate(batch_needs(registry, layout, batch, max_rewind_len)):
+            floors[g] = max(floors[g], n)
+    return floors
+
+
 def split_quota(
     quota: int,
     registry: LayerGroupRegistry,
@@ -79,10 +91,7 @@ def split_quota(
     groups = layout.pool_groups
     slot_bytes = [g.slot_bytes for g in groups]
     n_groups = len(groups)
-    floors = [1] * n_groups
-    for batch in constraints:
-        for g, n in enumerate(batch_needs(registry, layout, batch, max_rewind_len)):
-            floors[g] = max(floors[g], n)
+    floors = [max(1, n) for n in constraint_floors(registry, layout, constraints, max_rewind_len)]
     floor_bytes = sum(f * b for f, b in zip(floors, slot_bytes))
     if floor_bytes > quota:
         raise ValueError(

@@ -15,7 +15,9 @@ from collections.abc import Sequence
 import rawref
 
 from .._common import (
+    GPU_LEVEL,
     CacheLevel,
+    CacheTier,
     LayerGroupId,
     Priority,
     SlotId,
@@ -150,6 +152,19 @@ class StorageManager(EvictionCascade):
         self.make_room(storage, 1)
         return Page(storage, storage.allocator.allocate_one(), layer_group, priority, locked)
 
+    def new_pages_at(self, level: CacheLevel, layer_group: LayerGroupId, priorities: list[Priority]) -> list[Page]:
+        """One new page of layer group ``layer_group`` per priority at ``level``, evicting as needed
+        (callers planned: ``levels_with_room``). The pages are HELD by the caller and in no evictor
+        (a page below the GPU is never locked): ``release(False)`` lists them."""
+        if level == GPU_LEVEL:
+            return self.new_pages(layer_group, priorities, False)
+        if self._write_through:
+            self.flush_write_through()  # before any slot is reused
+        storage = self.levels[level][self.layout.pool_group_of_layer_group[layer_group]]
+        self.make_room(storage, len(priorities))
+        slots = storage.allocator.allocate(len(priorities))
+        return [Page(storage, slot, layer_group, prio, False) for slot, prio in zip(slots, priorities)]
+
     def new_scratch_slots(self, layer_group: LayerGroupId, count: int) -> list[SlotId]:
         """``count`` GPU slots of ``layer_group``'s pool group owned by a request as scratch (no pages)."""
         storage = self.lc_storage[layer_group]
@@ -196,18 +211,18 @@ class StorageManager(EvictionCascade):
 
     def copy_pages(self, pairs: list[tuple[Page, Page]]) -> set[int]:
         """Copy every pool's slot data of each ``(src, dst)`` pair (same pool group; sources on
-        any level), batched per source level. Returns the indices of pairs whose source could not
-        be read (disk errors); the data is in place on return."""
-        by_src: dict[int, list[int]] = {}
-        for i, (src, _) in enumerate(pairs):
-            key = id(src.storage)
-            lst = by_src.get(key)
+        any level), batched per (source, destination) storage. Returns the indices of pairs whose
+        copy failed (a disk read or write); the data is in place on return."""
+        batches: dict[tuple[int, int], list[int]] = {}
+        for i, (src, dst) in enumerate(pairs):
+            key = (id(src.storage), id(dst.storage))
+            lst = batches.get(key)
             if lst is None:
-                by_src[key] = [i]
+                batches[key] = [i]
             else:
                 lst.append(i)
         failed: set[int] = set()
-        for idxs in by_src.values():
+        for idxs in batches.values():
             src_storage = pairs[idxs[0]][0].storage
             dst_storage = pairs[idxs[0]][1].storage
             bad = self.copier.copy(
@@ -216,9 +231,12 @@ class StorageManager(EvictionCascade):
                 src_storage.layout.slot_sizes,
                 [(pairs[i][0].slot, pairs[i][1].slot) for i in idxs],
             )
-            if src_storage.level != dst_storage.level:
+            if src_storage.level > dst_storage.level:
                 src_storage.num_onboarded += len(idxs) - len(bad)
-            src_storage.num_io_errors += len(bad)
+            elif src_storage.level < dst_storage.level:  # (a snapshot placed below the GPU)
+                dst_storage.num_offloaded += len(idxs) - len(bad)
+            disk = dst_storage if dst_storage.tier.tier is CacheTier.DISK else src_storage
+            disk.num_io_errors += len(bad)
             failed.update(idxs[k] for k in bad)
         return failed
 

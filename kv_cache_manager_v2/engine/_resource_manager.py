@@ -233,9 +233,14 @@ class KVCacheResourceManager:
         kv.suspend()
 
     def _pages_per_pool_group(self, kv: KVCache) -> list[int]:
-        """Blocks with a page, per pool group, of an ACTIVE cache (its indices are live)."""
+        """Slots held per pool group by an ACTIVE cache (its indices are live): blocks with a page,
+        and the live state of each group that keeps one (resume took it; one: the adapter creates
+        no beams), as ``peak_slots`` counts them."""
         out = [0] * self._num_pool_groups
         for lg, shape in enumerate(self._shapes):
+            if shape.policy.keeps_live_state:
+                out[shape.pool_group] += 1  # (its blocks have no page)
+                continue
             indices = kv.get_base_page_indices(LayerGroupId(lg))
             out[shape.pool_group] += len(indices) - indices.tolist().count(BAD_PAGE_INDEX)
         return out
