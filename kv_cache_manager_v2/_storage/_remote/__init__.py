@@ -8,10 +8,12 @@ block key, payload length, CRC-32 of the payload) then the slot's bytes of every
 pool group. A value that is missing, truncated, foreign or corrupted is a miss, never bad KV.
 
 Reads (``lookup``: one round trip returning every key's length; ``fetch``: one MGET) run on the
-scheduler's thread, bounded by ``timeout_ms`` per network operation. Writes are queued (a bounded
+scheduler's thread, each call's replies bounded by one deadline of ``timeout_ms`` (``ReplyReader``
+reads them from the socket; a cluster gives each node its own). Writes are queued (a bounded
 deque; what does not fit is dropped and counted) and sent by a background thread in pipelined
-batches. A failed round trip marks the server down for ``retry_interval_ms``: meanwhile lookups are
-misses without network traffic and queued writes are dropped. Nothing raises into the engine.
+batches. A failed round trip (no answer in time, a broken connection, or a reply of the wrong shape:
+``BadReply``) marks the server down for ``retry_interval_ms``: meanwhile lookups are misses without
+network traffic and queued writes are dropped. Nothing raises into the engine.
 
 A cluster (``redis+cluster://``: Redis Cluster, Valkey cluster) is served by ``ClusterRouter``: keys
 are grouped by hash slot (CRC-16 of the key, or of its ``{tag}``, mod 16384), one command per slot

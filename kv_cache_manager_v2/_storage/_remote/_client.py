@@ -33,8 +33,8 @@ class RemoteClient:
         self.prefix = f"kvcm:{cfg.namespace}:{fingerprint.hex()}:".encode()
         timeout = cfg.timeout_ms / 1000.0
         self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
-        self._response_error: type[BaseException] = redis.exceptions.ResponseError
-        self._no_script: type[BaseException] = redis.exceptions.NoScriptError
+        #: one call's replies (with a cluster: one node's) come within this, or the call fails
+        self._timeout_s = timeout
         self._url = redact_url(cfg.url)
         password = url_password(cfg.url)
         #: words that must not reach a log line (the password)
@@ -55,7 +55,7 @@ class RemoteClient:
             def make_client(host: str, port: int) -> Any:
                 return redis.Redis(host=host, port=port, username=username, password=password, ssl=tls, **options)
 
-            self.router = ClusterRouter(cfg, make_client, self._errors, redis.exceptions)
+            self.router = ClusterRouter(cfg, make_client, self._errors)
         else:
             self.client = redis.Redis.from_url(cfg.url, **options)
         #: key prefix per layer group: ``<prefix><layer group>:``; the block key's hex follows

@@ -12,12 +12,22 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from ..._config import RemoteCacheTierConfig, cluster_seed_nodes, redact_url
-from ._protocol import forget_frames, resp_command, send, url_password
+from ._protocol import (
+    CLUSTER_SLOTS,
+    BadReply,
+    ErrorReply,
+    ReplyReader,
+    connection,
+    exchange,
+    forget_frames,
+    parse_redirect,
+    resp_command,
+    send,
+    slot_ranges,
+    url_password,
+)
 
 LOG = logging.getLogger("kv_cache_manager_v2")
-
-#: hash slots of a cluster
-CLUSTER_SLOTS: Final = 16384
 
 
 def key_slot(key: bytes) -> int:
@@ -69,19 +79,19 @@ class ClusterRouter:
     """
 
     def __init__(
-        self, cfg: RemoteCacheTierConfig, make_client: Callable[[str, int], Any], errors: Any, exceptions: Any
+        self,
+        cfg: RemoteCacheTierConfig,
+        make_client: Callable[[str, int], Any],
+        errors: tuple[type[BaseException], ...],
     ) -> None:
-        # (``exceptions``: the ``redis.exceptions`` module; an ``import redis.exceptions`` here would make
-        # mypyc read ``redis.exceptions`` in RemoteStore from its module table before anything set it)
         self.cfg = cfg
         self.seeds = cluster_seed_nodes(cfg.url)
         self._url = redact_url(cfg.url)
         self._secret = url_password(cfg.url) or ""
         self._make_client = make_client
         self._errors: tuple[type[BaseException], ...] = errors
-        self._response_error: type[BaseException] = exceptions.ResponseError
-        self._moved: type[BaseException] = exceptions.MovedError
-        self._ask: type[BaseException] = exceptions.AskError
+        #: each node's replies of one round are read within this (from when they are first waited for)
+        self._timeout_s = cfg.timeout_ms / 1000.0
         self._retry_s = cfg.retry_interval_ms / 1000.0
         self._lock = threading.Lock()
         self.nodes: list[ClusterNode] = []
@@ -116,45 +126,45 @@ class ClusterRouter:
         candidates = [n.addr for n in list(self.nodes) if n.down_until <= now]
         candidates += [a for a in self.seeds if a not in candidates]
         for addr in candidates:
-            reply = self._cluster_slots(addr)
-            if reply is None:
+            ranges = self._cluster_slots(addr)
+            if ranges is None:
                 continue
             slot_node = [-1] * CLUSTER_SLOTS
-            for entry in reply:
-                master = entry[2]
-                host = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
-                n = self.node((host or addr[0], int(master[1])))
-                for slot in range(int(entry[0]), int(entry[1]) + 1):
+            for first, last, host, port in ranges:
+                n = self.node((host or addr[0], port))
+                for slot in range(first, last + 1):
                     slot_node[slot] = n
             self.slot_node = slot_node
             self.refreshes += 1
             return True
         return False
 
-    def _cluster_slots(self, addr: tuple[str, int]) -> Any:
-        """``CLUSTER SLOTS`` as node ``addr`` answers it; None when it does not."""
+    def _cluster_slots(self, addr: tuple[str, int]) -> list[tuple[int, int, str, int]] | None:
+        """``CLUSTER SLOTS`` as node ``addr`` answers it; None when it does not, in time and well formed."""
         pool = self.nodes[self.node(addr)].client.connection_pool
-        conn: Any = None
-        reply: Any = None
         try:
-            conn = pool.get_connection()
-            conn.send_packed_command([resp_command(b"CLUSTER", b"SLOTS")])
-            reply = conn.read_response()
+            reply = exchange(
+                pool, self._errors, [resp_command(b"CLUSTER", b"SLOTS")], time.monotonic() + self._timeout_s
+            )[0]
+            return slot_ranges(reply)
         except self._errors as e:
             forget_frames(e)
-            if conn is not None:
-                conn.disconnect()
-            reply = None
-        finally:
-            if conn is not None:
-                pool.release(conn)
-        return reply
+            return None
 
-    def run(self, slots: list[int], commands: list[list[Any]], what: str, writer: bool) -> list[Any] | None:
+    def run(
+        self,
+        slots: list[int],
+        commands: list[list[Any]],
+        what: str,
+        writer: bool,
+        valid: Callable[[int, Any], bool],
+    ) -> list[Any] | None:
         """Send ``commands[i]`` (RESP parts) to the master of ``slots[i]``, every node's commands
         pipelined and all nodes sent to before any reply is read; follow ``MOVED``/``ASK`` (twice at
-        most). Returns each command's reply; an error reply as its exception, ``NODE_DOWN`` where the
-        node is down or failed. None when no node tells the slot map."""
+        most). Returns each command's reply; an error reply as an ``ErrorReply``, ``NODE_DOWN`` where
+        the node is down or failed: it failed when a reply comes late (``timeout_ms`` for all of a
+        node's replies of one round) or ``valid(i, reply)`` says a reply has the wrong shape. None
+        when no node tells the slot map."""
         replies: list[Any] = [NODE_DOWN] * len(commands)
         if self._stale or self.slot_node[slots[0]] < 0:
             self._stale = False
@@ -179,7 +189,7 @@ class ClusterRouter:
                 pool = self.nodes[n].client.connection_pool
                 conn: Any = None
                 try:
-                    conn = pool.get_connection()
+                    conn = connection(pool, self._errors)
                     parts: list[Any] = []
                     for i in group:
                         if i in ask_to:
@@ -194,30 +204,12 @@ class ClusterRouter:
                         pool.release(conn)
                     self._node_failed(n, what, e, writer)
             redirected: list[int] = []
-            moved = False
             asks: dict[int, int] = {}
+            moved = False
             for n, conn, group in sent:
                 pool = self.nodes[n].client.connection_pool
                 try:
-                    for i in group:
-                        try:
-                            if i in ask_to:
-                                conn.read_response()  # +OK to ASKING
-                            replies[i] = conn.read_response()
-                        except self._response_error as e:
-                            forget_frames(e)
-                            err: Any = e
-                            if isinstance(e, self._moved):
-                                self.slot_node[err.slot_id] = self.node((err.host, int(err.port)))
-                                moved = True
-                                self.moved_replies += 1
-                                redirected.append(i)
-                            elif isinstance(e, self._ask):
-                                asks[i] = self.node((err.host, int(err.port)))
-                                self.ask_replies += 1
-                                redirected.append(i)
-                            else:
-                                replies[i] = e
+                    moved = self._read_node(n, conn, group, ask_to, valid, replies, redirected, asks) or moved
                     self._node_ok(n)
                 except self._errors as e:  # the connection failed: this node's other replies are lost
                     conn.disconnect()
@@ -231,6 +223,49 @@ class ClusterRouter:
             pending = redirected
             ask_to = asks
         return replies
+
+    def _read_node(
+        self,
+        n: int,
+        conn: Any,
+        group: list[int],
+        ask_to: dict[int, int],
+        valid: Callable[[int, Any], bool],
+        replies: list[Any],
+        redirected: list[int],
+        asks: dict[int, int],
+    ) -> bool:
+        """Read node ``n``'s replies to the commands ``group`` into ``replies``, by one deadline; a
+        redirected command goes to ``redirected`` (``ASK``: and its node to ``asks``). Returns whether
+        a ``MOVED`` came; raises ``BadReply`` for a reply of the wrong shape."""
+        reader = ReplyReader(conn, time.monotonic() + self._timeout_s)
+        moved = False
+        try:
+            for i in group:
+                if i in ask_to:
+                    reader.reply()  # +OK to ASKING
+                reply = reader.reply()
+                if not isinstance(reply, ErrorReply):
+                    if not valid(i, reply):
+                        raise BadReply(f"unexpected reply {reply!r:.80}")
+                    replies[i] = reply
+                    continue
+                redirect = parse_redirect(str(reply), self.nodes[n].addr[0])
+                if redirect is None:
+                    replies[i] = reply
+                    continue
+                target = self.node(redirect[2])
+                if redirect[0]:
+                    self.slot_node[redirect[1]] = target
+                    self.moved_replies += 1
+                    moved = True
+                else:
+                    asks[i] = target
+                    self.ask_replies += 1
+                redirected.append(i)
+        finally:
+            reader.close()
+        return moved
 
     def _node_failed(self, node_index: int, what: str, e: BaseException, writer: bool) -> None:
         forget_frames(e)

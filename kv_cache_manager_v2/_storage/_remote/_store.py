@@ -5,13 +5,14 @@ whole design."""
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 from ..._common import RemoteStatistics
 from ..._config import RemoteCacheTierConfig
 from ._client import LOG
 from ._cluster import NODE_DOWN, group_by_slot
-from ._protocol import LOOKUP_LUA, resp_command
+from ._protocol import LOOKUP_LUA, BadReply, ErrorReply, exchange, is_lengths, is_values, resp_command
 from ._writer import RemoteWriter
 
 
@@ -42,7 +43,8 @@ class RemoteStore(RemoteWriter):
 
     def lookup(self, keys: list[bytes]) -> list[int] | None:
         """The length of each key's value (0: absent) in one round trip; None when the server is
-        down, slow or failing (count it as all misses)."""
+        down, slow (no complete answer within ``timeout_ms`` of the call) or failing (count it as all
+        misses)."""
         if not keys:
             return []
         if self.is_down:
@@ -53,7 +55,7 @@ class RemoteStore(RemoteWriter):
         if self.router is not None:
             return self._cluster_lengths(keys)
         try:
-            out = self._lengths(keys)
+            out = self._lengths(keys, time.monotonic() + self._timeout_s)
         except self._errors as e:
             self.read_errors += 1
             self._failed("lookup", e)
@@ -61,34 +63,46 @@ class RemoteStore(RemoteWriter):
         self._succeeded()
         return out
 
-    def _lengths(self, keys: list[bytes]) -> list[int]:
-        client = self.client
-        if self._use_script:
-            try:
-                if not self._lookup_sha:
-                    self._lookup_sha = str(client.script_load(LOOKUP_LUA))
-                try:
-                    res: list[Any] = client.evalsha(self._lookup_sha, len(keys), *keys)
-                except self._no_script:  # the server restarted (scripts are not persisted)
-                    self._lookup_sha = str(client.script_load(LOOKUP_LUA))
-                    res = client.evalsha(self._lookup_sha, len(keys), *keys)
-                return [int(x) for x in res]
-            except self._response_error as e:  # scripting disabled on this server: pipeline instead
-                LOG.warning(
-                    "remote KV tier %s: Lua lookups refused (%s); using pipelined STRLEN",
-                    self._url,
-                    self._scrub(str(e)),
-                )
-                self._use_script = False
-        pipe = client.pipeline(transaction=False)
-        for k in keys:
-            pipe.strlen(k)
+    def _lengths(self, keys: list[bytes], deadline: float) -> list[int]:
+        pool = self.client.connection_pool
+        n = len(keys)
+        for _ in range(2 if self._use_script else 0):  # (again after NOSCRIPT)
+            if not self._lookup_sha:
+                sha = exchange(pool, self._errors, [resp_command(b"SCRIPT", b"LOAD", LOOKUP_LUA.encode())], deadline)[0]
+                if isinstance(sha, bytes):
+                    self._lookup_sha = sha.decode(errors="replace")
+                elif isinstance(sha, ErrorReply):
+                    self._lua_refused(sha, "pipelined STRLEN")
+                    break
+                else:
+                    raise BadReply(f"SCRIPT LOAD answered {sha!r:.80}")
+            command = resp_command(b"EVALSHA", self._lookup_sha.encode(), b"%d" % n, *keys)
+            reply = exchange(pool, self._errors, [command], deadline)[0]
+            if is_lengths(reply, n):
+                return list(reply)
+            if not isinstance(reply, ErrorReply):
+                raise BadReply(f"the Lua lookup of {n} keys answered {reply!r:.80}")
+            if str(reply).startswith("NOSCRIPT"):  # the server restarted (scripts are not persisted)
+                self._lookup_sha = ""
+            else:  # scripting disabled on this server: pipeline instead
+                self._lua_refused(reply, "pipelined STRLEN")
+                break
+        replies = exchange(pool, self._errors, [resp_command(b"STRLEN", k) for k in keys], deadline)
+        for x in replies:
+            if not (type(x) is int and x >= 0) and not isinstance(x, ErrorReply):
+                raise BadReply(f"STRLEN answered {x!r:.80}")
         # a key of another type answers WRONGTYPE: a miss for that key only
-        return [x if type(x) is int else 0 for x in pipe.execute(raise_on_error=False)]
+        return [x if type(x) is int else 0 for x in replies]
+
+    def _lua_refused(self, reply: ErrorReply, instead: str) -> None:
+        LOG.warning(
+            "remote KV tier %s: Lua lookups refused (%s); using %s", self._url, self._scrub(str(reply)), instead
+        )
+        self._use_script = False
 
     def _cluster_lengths(self, keys: list[bytes]) -> list[int] | None:
         """``lookup`` on a cluster: per slot group one STRLEN (one key) or Lua lookup (several), each
-        master's pipelined; keys of a node that is down or failing read as absent."""
+        master's pipelined; keys of a node that is down, slow or failing read as absent."""
         router = self.router
         assert router is not None
         slots: list[int] = []
@@ -105,7 +119,11 @@ class RemoteStore(RemoteWriter):
                 groups.append(group)
                 n = b"%d" % len(group)
                 commands.append([resp_command(b"EVAL", LOOKUP_LUA.encode(), n, *[keys[i] for i in group])])
-        replies = router.run(slots, commands, "lookup", False)
+
+        def valid(i: int, reply: Any) -> bool:
+            return is_lengths(reply, len(groups[i])) if len(groups[i]) > 1 else type(reply) is int and reply >= 0
+
+        replies = router.run(slots, commands, "lookup", False, valid)
         if replies is None:
             self.read_errors += 1
             self._failed("lookup (no cluster node answers)", NODE_DOWN)
@@ -115,18 +133,16 @@ class RemoteStore(RemoteWriter):
         for group, reply in zip(groups, replies):
             if isinstance(reply, list):
                 for i, x in zip(group, reply):
-                    out[i] = x if type(x) is int else 0
+                    out[i] = x
             elif type(reply) is int:
                 out[group[0]] = reply
-            elif isinstance(reply, self._response_error) and len(group) > 1:
-                LOG.warning(
-                    "remote KV tier %s: Lua lookups refused (%s); using STRLEN", self._url, self._scrub(str(reply))
-                )
-                self._use_script = False
+            elif isinstance(reply, ErrorReply) and len(group) > 1:
+                self._lua_refused(reply, "STRLEN")
         return out
 
     def fetch(self, keys: list[bytes]) -> list[bytes | None] | None:
-        """Every key's value (None: absent) in one MGET; None when the round trip fails."""
+        """Every key's value (None: absent) in one MGET; None when the round trip fails (or takes
+        more than ``timeout_ms``)."""
         if not keys:
             return []
         if self.is_down:
@@ -135,17 +151,20 @@ class RemoteStore(RemoteWriter):
         if self.router is not None:
             return self._cluster_fetch(keys)
         try:
-            res: list[Any] = self.client.execute_command("MGET", *keys)
+            deadline = time.monotonic() + self._timeout_s
+            reply = exchange(self.client.connection_pool, self._errors, [resp_command(b"MGET", *keys)], deadline)[0]
+            if not is_values(reply, len(keys)):
+                raise BadReply(f"MGET of {len(keys)} keys answered {reply!r:.80}")
         except self._errors as e:
             self.read_errors += 1
             self._failed("fetch", e)
             return None
         self._succeeded()
-        return [v if isinstance(v, bytes) else None for v in res]
+        return list(reply)
 
     def _cluster_fetch(self, keys: list[bytes]) -> list[bytes | None] | None:
         """``fetch`` on a cluster: one MGET per slot group, each master's pipelined; values of a node
-        that is down or failing are absent."""
+        that is down, slow or failing are absent."""
         router = self.router
         assert router is not None
         slots: list[int] = []
@@ -155,7 +174,7 @@ class RemoteStore(RemoteWriter):
             slots.append(slot)
             groups.append(group)
             commands.append([resp_command(b"MGET", *[keys[i] for i in group])])
-        replies = router.run(slots, commands, "fetch", False)
+        replies = router.run(slots, commands, "fetch", False, lambda i, reply: is_values(reply, len(groups[i])))
         if replies is None:
             self.read_errors += 1
             self._failed("fetch (no cluster node answers)", NODE_DOWN)
@@ -165,12 +184,16 @@ class RemoteStore(RemoteWriter):
         for group, reply in zip(groups, replies):
             if isinstance(reply, list):
                 for i, v in zip(group, reply):
-                    out[i] = v if isinstance(v, bytes) else None
+                    out[i] = v
         return out
 
     def apply_quota(self, quota: int) -> bool:
         """Set the server's ``maxmemory`` to ``quota`` bytes with LRU eviction over all keys.
         Returns False (with a warning) when the server is unreachable or refuses."""
+        commands = [
+            resp_command(b"CONFIG", b"SET", b"maxmemory-policy", b"allkeys-lru"),
+            resp_command(b"CONFIG", b"SET", b"maxmemory", b"%d" % quota),
+        ]
         try:
             router = self.router
             if router is None:
@@ -180,8 +203,10 @@ class RemoteStore(RemoteWriter):
                     raise ConnectionError("no cluster node answers")
                 clients = [router.nodes[n].client for n in sorted(set(router.slot_node)) if n >= 0]
             for client in clients:
-                client.config_set("maxmemory-policy", "allkeys-lru")
-                client.config_set("maxmemory", str(quota))
+                deadline = time.monotonic() + self._timeout_s
+                for reply in exchange(client.connection_pool, self._errors, commands, deadline):
+                    if reply != b"OK":
+                        raise BadReply(f"CONFIG SET answered {reply!r:.80}")
         except self._errors as e:
             self.read_errors += 1
             self._failed("CONFIG SET maxmemory", e)

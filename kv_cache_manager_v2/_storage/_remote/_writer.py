@@ -16,7 +16,7 @@ from ..._config import RemoteCacheTierConfig
 from .._tiers._base import HandOffPart
 from ._client import LOG, RemoteClient
 from ._cluster import NODE_DOWN, group_by_slot
-from ._protocol import HEADER_BYTES, encode_header, forget_frames, send
+from ._protocol import HEADER_BYTES, BadReply, ErrorReply, ReplyReader, connection, encode_header, forget_frames, send
 
 #: a write batch ends at this many pages or bytes
 BATCH_PAGES: Final = 256
@@ -262,17 +262,21 @@ class RemoteWriter(RemoteClient):
         pool = self.client.connection_pool
         done = 0
         conn: Any = None
+        reader: ReplyReader | None = None
         try:
-            conn = pool.get_connection()
+            conn = connection(pool, self._errors)
             send(conn, parts)
+            # (the deadline starts once the batch is sent: up to BATCH_BYTES go out first)
+            reader = ReplyReader(conn, time.monotonic() + self._timeout_s)
             while done < replies:
-                try:
-                    conn.read_response()
-                    self._written(sent[done : done + 1] if ttl else sent)
-                except self._response_error as e:  # e.g. OOM (noeviction, or nothing to evict): lost
-                    forget_frames(e)
+                reply = reader.reply()
+                if isinstance(reply, ErrorReply):  # e.g. OOM (noeviction, or nothing to evict): lost
                     self._dropped(sent[done : done + 1] if ttl else sent)
-                    self._refused(e)
+                    self._refused(reply)
+                elif reply == b"OK":
+                    self._written(sent[done : done + 1] if ttl else sent)
+                else:
+                    raise BadReply(f"a write answered {reply!r:.80}")
                 done += 1
         except self._errors as e:
             forget_frames(e)
@@ -283,6 +287,8 @@ class RemoteWriter(RemoteClient):
             self._failed("write", e)
             return
         finally:
+            if reader is not None:
+                reader.close()
             if conn is not None:
                 pool.release(conn)
         self._succeeded()
@@ -314,7 +320,7 @@ class RemoteWriter(RemoteClient):
                 slots.append(slot)
                 commands.append(parts)
                 members.append(sub)
-        replies = router.run(slots, commands, "write", True)
+        replies = router.run(slots, commands, "write", True, lambda i, reply: reply == b"OK")
         if replies is None:
             self._dropped(sent)
             self.write_errors += 1
