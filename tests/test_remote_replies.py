@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from test_remote import SLOT, Factory, T, seq
+from test_remote import SLOT, Factory, T, publish, seq
 from test_remote import managers as managers  # (a fixture)
 
 from kv_cache_manager_v2._storage._remote._protocol import HEADER_BYTES
@@ -190,10 +190,43 @@ def test_a_slot_map_of_the_wrong_shape_is_an_outage(
     assert_outage_then_retry(m, server, b"CLUSTER")
 
 
+@pytest.mark.parametrize("redirect", [b"-MOVED 16384 127.0.0.1:7000\r\n", b"-ASK 12 127.0.0.1:port\r\n"])
+def test_a_redirect_to_nowhere_is_an_outage_of_that_node(
+    fake: Callable[[Answer], FakeRedis], managers: Factory, redirect: bytes
+) -> None:
+    server = fake(lambda args: [(0.0, redirect)] if args[0].upper() in (b"STRLEN", b"EVAL") else None)
+    m = managers(f"redis+cluster://127.0.0.1:{server.port}", retry_interval_ms=60_000)
+    toks = seq(5, 4 * T)
+    assert m.probe_reuse(None, toks + [1]) == 0
+    st = m.remote_statistics
+    assert st is not None and st.errors == 1 and not st.connected
+    asked = server.count(b"STRLEN") + server.count(b"EVAL")
+    assert m.probe_reuse(None, seq(6, 4 * T) + [1]) == 0  # its node counts as down: not asked again
+    assert server.count(b"STRLEN") + server.count(b"EVAL") == asked
+    st = m.remote_statistics
+    assert st is not None and st.errors == 1 and st.lookups == 2
+
+
 def test_a_hello_that_is_not_a_map_is_an_outage(fake: Callable[[Answer], FakeRedis], managers: Factory) -> None:
     server = fake(only(b"HELLO", lambda args: [(0.0, b"+OK\r\n")]))
     m = managers(f"redis://127.0.0.1:{server.port}/0?protocol=3", retry_interval_ms=200)
     assert_outage_then_retry(m, server, b"HELLO")
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
+def test_writes_answered_with_the_wrong_shape_are_dropped_not_counted_written(
+    fake: Callable[[Answer], FakeRedis], managers: Factory, cluster: bool
+) -> None:
+    """MSET answered with an integer: the pages are dropped (counted), the server counts as down."""
+    server = fake(only(b"MSET", lambda args: [(0.0, b":1\r\n")]))
+    scheme = "redis+cluster" if cluster else "redis"
+    m = managers(f"{scheme}://127.0.0.1:{server.port}", write_through=True, retry_interval_ms=60_000)
+    publish(m, seq(4, 3 * T), match=False)
+    assert m.flush_remote_writes()
+    st = m.remote_statistics
+    assert st is not None and server.count(b"MSET") >= 1
+    assert st.written_pages == 0 and st.dropped_writes == 3 and st.errors == 1 and not st.connected
+    m.check_invariants()
 
 
 # ---------------------------------------------------------------- one deadline per call (item 10)
