@@ -213,6 +213,21 @@ def test_a_hello_that_is_not_a_map_is_an_outage(fake: Callable[[Answer], FakeRed
     assert_outage_then_retry(m, server, b"HELLO")
 
 
+def test_a_quota_on_a_server_of_the_wrong_shape_is_an_outage(
+    fake: Callable[[Answer], FakeRedis], managers: Factory
+) -> None:
+    """The constructor sets ``maxmemory``: a broken handshake or a CONFIG SET answered with an
+    integer fails that (False, one warning, counted), never the constructor."""
+    hello = fake(only(b"HELLO", lambda args: [(0.0, b"*0\r\n")]))
+    config = fake(only(b"CONFIG", lambda args: [(0.0, b":0\r\n")]))
+    for server in (hello, config):
+        m = managers(f"redis://127.0.0.1:{server.port}/0?protocol=3", quota=1 << 20, retry_interval_ms=60_000)
+        st = m.remote_statistics
+        assert st is not None and st.errors == 1 and not st.connected
+        assert m.probe_reuse(None, seq(7, 2 * T) + [1]) == 0
+        assert m.remote_statistics is not None and m.remote_statistics.skipped_lookups == 1
+
+
 @pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
 def test_writes_answered_with_the_wrong_shape_are_dropped_not_counted_written(
     fake: Callable[[Answer], FakeRedis], managers: Factory, cluster: bool
