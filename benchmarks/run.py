@@ -1296,7 +1296,7 @@ def _redis_py_cluster_fetch(p: dict[str, int], url: str, size: int, rounds: int)
 
     import kv_cache_manager_v2 as kvm
     from kv_cache_manager_v2._config import cluster_seed_nodes
-    from kv_cache_manager_v2._storage._remote import RemoteStore
+    from kv_cache_manager_v2._storage._remote._store import RemoteStore
 
     t = p["tokens_per_block"]
     blocks = p["shared"] // t

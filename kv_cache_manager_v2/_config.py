@@ -171,8 +171,9 @@ class RemoteCacheTierConfig:
     - ``quota``: bytes; when given, the manager sets the server's ``maxmemory`` to it (with
       ``maxmemory-policy allkeys-lru``) on start-up and on ``resize``. Leave None for a server its
       operator configures (several managers share it: give them all the same quota, or none).
-    - ``timeout_ms``: bound of each network operation on the scheduler's thread (connect, each read);
-      a slow or dead server turns into misses after it.
+    - ``timeout_ms``: deadline of each call on the scheduler's thread (a lookup, a fetch: all its
+      replies; with a cluster, per node), and of each connect; a slow, dead or trickling server
+      turns into misses after it.
     - ``dtype``: the KV data type (e.g. ``"bf16"``), part of the layout fingerprint.
     - ``write_through``: also write every published full block (not only pages dropped locally).
     - ``ttl_s``: expiry of written keys (None: keys stay until the server evicts them).

@@ -50,7 +50,7 @@ def test_window_arithmetic_lives_in_the_layer_kinds() -> None:
 
     forbidden = re.compile(r"window_size is (not )?None|\bis_swa\b|swa_layer_groups|num_sink_blocks|\.window\b")
     checked = [os.path.join(ROOT, PACKAGE, "engine", "_capacity.py"), os.path.join(ROOT, PACKAGE, "_page.py")]
-    for sub in ("_core", "_reuse", "_storage", "_storage/_tiers"):
+    for sub in ("_core", "_reuse", "_storage", "_storage/_tiers", "_storage/_remote"):
         folder = os.path.join(ROOT, PACKAGE, sub)
         checked += [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".py")]
     found = []

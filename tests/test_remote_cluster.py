@@ -21,7 +21,7 @@ import kv_cache_manager_v2
 from kv_cache_manager_v2 import CacheLevel, KVCacheManager, RemoteCacheTierConfig
 from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
 from kv_cache_manager_v2._reuse._keys import BlockHasher, scope_key
-from kv_cache_manager_v2._storage._remote import key_slot
+from kv_cache_manager_v2._storage._remote._cluster import key_slot
 from kv_cache_manager_v2.redis_server import LocalRedisCluster, command
 
 

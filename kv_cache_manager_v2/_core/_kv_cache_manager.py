@@ -42,7 +42,8 @@ from .._reuse._tree import ReuseTree
 from .._storage._backend import MemoryBackend
 from .._storage._layout import BufferAttr, StorageLayout
 from .._storage._quota import split_like, split_quota
-from .._storage._remote import RemoteStore, layout_fingerprint
+from .._storage._remote._protocol import layout_fingerprint
+from .._storage._remote._store import RemoteStore
 from .._storage._select import select_backend
 from .._storage._storage_manager import StorageManager
 from .._utils import check_int, check_type

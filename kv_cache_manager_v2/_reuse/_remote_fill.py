@@ -24,7 +24,8 @@ import rawref
 from .._common import DEFAULT_PRIORITY, CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
 from .._layers._policy import LayerGroup
 from .._page import NO_SERIAL, Page
-from .._storage._remote import HEADER_BYTES, RemoteStore, decode_value
+from .._storage._remote._protocol import HEADER_BYTES, decode_value
+from .._storage._remote._store import RemoteStore
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList
 from ._keys import BlockHasher, BlockKey, scope_key, validate_tokens

@@ -30,7 +30,7 @@ from .._typed import TypedList
 from ._backend import MemoryBackend
 from ._cascade import EvictionCascade, PageDropListener
 from ._layout import StorageLayout
-from ._remote import RemoteStore
+from ._remote._store import RemoteStore
 from ._resize import TierResizer
 from ._statistics import TrafficStatistics
 from ._tiers._remote_tier import RemoteTier

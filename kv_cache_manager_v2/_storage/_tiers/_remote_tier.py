@@ -14,7 +14,7 @@ import rawref
 
 from ..._page import Page, PoolGroupStorage
 from .._copy_engine import CopyEngine
-from .._remote import RemoteStore
+from .._remote._store import RemoteStore
 
 #: most headroom slots one pool group gets for the remote tier's writes
 MAX_HEADROOM = 4096

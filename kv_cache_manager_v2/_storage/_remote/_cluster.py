@@ -1,0 +1,305 @@
+"""A Redis Cluster seen from the remote tier: hash slots, the slot map, and one pipelined round over
+the masters concerned (``ClusterRouter``)."""
+
+from __future__ import annotations
+
+import binascii
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+from ..._config import RemoteCacheTierConfig, cluster_seed_nodes, redact_url
+from ._protocol import (
+    CLUSTER_SLOTS,
+    BadReply,
+    ErrorReply,
+    ReplyReader,
+    connection,
+    exchange,
+    forget_frames,
+    parse_redirect,
+    resp_command,
+    send,
+    slot_ranges,
+    url_password,
+)
+
+LOG = logging.getLogger("kv_cache_manager_v2")
+
+
+def key_slot(key: bytes) -> int:
+    """The cluster hash slot of ``key``: CRC-16/XMODEM of the key, or of the text between its first
+    ``{`` and the next ``}`` when that is not empty, mod 16384."""
+    start = key.find(b"{")
+    if start >= 0:
+        end = key.find(b"}", start + 1)
+        if end > start + 1:
+            key = key[start + 1 : end]
+    return binascii.crc_hqx(key, 0) % CLUSTER_SLOTS
+
+
+def group_by_slot(keys: list[bytes]) -> dict[int, list[int]]:
+    """Indices of ``keys`` per hash slot (in order)."""
+    out: dict[int, list[int]] = {}
+    for i, k in enumerate(keys):
+        slot = key_slot(k)
+        group = out.get(slot)
+        if group is None:
+            out[slot] = [i]
+        else:
+            group.append(i)
+    return out
+
+
+#: the reply of a command that was not answered: its node is down or failed during the round trip
+NODE_DOWN: Final = ConnectionError("cluster node down")
+
+
+class ClusterNode:
+    """One master of a cluster: its client (connection pool) and down-state."""
+
+    __slots__ = ("addr", "client", "connected", "down_until")
+
+    def __init__(self, addr: tuple[str, int], client: Any) -> None:
+        self.addr = addr
+        self.client = client
+        #: the node counts as down until this time.monotonic() value
+        self.down_until = 0.0
+        self.connected = True
+
+
+class ClusterRouter:
+    """The slot map of a cluster and one pipelined round over its masters (see the module doc).
+
+    Used from the scheduler's thread and the writer thread: the slot map is replaced, never
+    mutated in place, except single entries set from a ``MOVED`` reply (a list store is atomic).
+    """
+
+    def __init__(
+        self,
+        cfg: RemoteCacheTierConfig,
+        make_client: Callable[[str, int], Any],
+        errors: tuple[type[BaseException], ...],
+    ) -> None:
+        self.cfg = cfg
+        self.seeds = cluster_seed_nodes(cfg.url)
+        self._url = redact_url(cfg.url)
+        self._secret = url_password(cfg.url) or ""
+        self._make_client = make_client
+        self._errors: tuple[type[BaseException], ...] = errors
+        #: each node's replies of one round are read within this (from when they are first waited for)
+        self._timeout_s = cfg.timeout_ms / 1000.0
+        self._retry_s = cfg.retry_interval_ms / 1000.0
+        self._lock = threading.Lock()
+        self.nodes: list[ClusterNode] = []
+        self._index: dict[tuple[str, int], int] = {}
+        #: node index serving each slot (-1: unknown)
+        self.slot_node: list[int] = [-1] * CLUSTER_SLOTS
+        #: failed node round trips, of the scheduler's thread and of the writer thread
+        self.read_errors = 0
+        self.write_errors = 0
+        self.refreshes = 0
+        #: pipelined exchanges with one node (a round over three nodes counts three)
+        self.node_round_trips = 0
+        #: replies redirecting a command: ``MOVED`` (the slot map is read again), ``ASK`` (a slot being migrated)
+        self.moved_replies = 0
+        self.ask_replies = 0
+        #: a node failed since the last slot map read: read it again (a replica may have taken over)
+        self._stale = False
+
+    def node(self, addr: tuple[str, int]) -> int:
+        with self._lock:
+            i = self._index.get(addr)
+            if i is None:
+                i = len(self.nodes)
+                self.nodes.append(ClusterNode(addr, self._make_client(addr[0], addr[1])))
+                self._index[addr] = i
+            return i
+
+    def refresh(self) -> bool:
+        """Read the slot map (``CLUSTER SLOTS``) from the first node that answers (known nodes that
+        are not down first, then the seeds). False when none does."""
+        now = time.monotonic()
+        candidates = [n.addr for n in list(self.nodes) if n.down_until <= now]
+        candidates += [a for a in self.seeds if a not in candidates]
+        for addr in candidates:
+            ranges = self._cluster_slots(addr)
+            if ranges is None:
+                continue
+            slot_node = [-1] * CLUSTER_SLOTS
+            for first, last, host, port in ranges:
+                n = self.node((host or addr[0], port))
+                for slot in range(first, last + 1):
+                    slot_node[slot] = n
+            self.slot_node = slot_node
+            self.refreshes += 1
+            return True
+        return False
+
+    def _cluster_slots(self, addr: tuple[str, int]) -> list[tuple[int, int, str, int]] | None:
+        """``CLUSTER SLOTS`` as node ``addr`` answers it; None when it does not, in time and well formed."""
+        pool = self.nodes[self.node(addr)].client.connection_pool
+        try:
+            reply = exchange(
+                pool, self._errors, [resp_command(b"CLUSTER", b"SLOTS")], time.monotonic() + self._timeout_s
+            )[0]
+            return slot_ranges(reply)
+        except self._errors as e:
+            forget_frames(e)
+            return None
+
+    def run(
+        self,
+        slots: list[int],
+        commands: list[list[Any]],
+        what: str,
+        writer: bool,
+        valid: Callable[[int, Any], bool],
+    ) -> list[Any] | None:
+        """Send ``commands[i]`` (RESP parts) to the master of ``slots[i]``, every node's commands
+        pipelined and all nodes sent to before any reply is read; follow ``MOVED``/``ASK`` (twice at
+        most). Returns each command's reply; an error reply as an ``ErrorReply``, ``NODE_DOWN`` where
+        the node is down or failed: it failed when a reply comes late (``timeout_ms`` for all of a
+        node's replies of one round) or ``valid(i, reply)`` says a reply has the wrong shape. None
+        when no node tells the slot map."""
+        replies: list[Any] = [NODE_DOWN] * len(commands)
+        if self._stale or self.slot_node[slots[0]] < 0:
+            self._stale = False
+            if not self.refresh() and self.slot_node[slots[0]] < 0:
+                return None
+        pending = list(range(len(commands)))
+        ask_to: dict[int, int] = {}
+        for _ in range(3):
+            now = time.monotonic()
+            by_node: dict[int, list[int]] = {}
+            slot_node = self.slot_node
+            for i in pending:
+                n = ask_to.get(i, slot_node[slots[i]])
+                if n >= 0 and self.nodes[n].down_until <= now:
+                    group = by_node.get(n)
+                    if group is None:
+                        by_node[n] = [i]
+                    else:
+                        group.append(i)
+            sent: list[tuple[int, Any, list[int]]] = []
+            for n, group in by_node.items():
+                pool = self.nodes[n].client.connection_pool
+                conn: Any = None
+                try:
+                    conn = connection(pool, self._errors)
+                    parts: list[Any] = []
+                    for i in group:
+                        if i in ask_to:
+                            parts.append(b"*1\r\n$6\r\nASKING\r\n")
+                        parts.extend(commands[i])
+                    send(conn, parts)
+                    sent.append((n, conn, group))
+                    self.node_round_trips += 1
+                except self._errors as e:
+                    if conn is not None:
+                        conn.disconnect()
+                        pool.release(conn)
+                    self._node_failed(n, what, e, writer)
+            redirected: list[int] = []
+            asks: dict[int, int] = {}
+            moved = False
+            for n, conn, group in sent:
+                pool = self.nodes[n].client.connection_pool
+                try:
+                    moved = self._read_node(n, conn, group, ask_to, valid, replies, redirected, asks) or moved
+                    self._node_ok(n)
+                except self._errors as e:  # the connection failed: this node's other replies are lost
+                    conn.disconnect()
+                    self._node_failed(n, what, e, writer)
+                finally:
+                    pool.release(conn)
+            if not redirected:
+                break
+            if moved:
+                self.refresh()
+            pending = redirected
+            ask_to = asks
+        return replies
+
+    def _read_node(
+        self,
+        n: int,
+        conn: Any,
+        group: list[int],
+        ask_to: dict[int, int],
+        valid: Callable[[int, Any], bool],
+        replies: list[Any],
+        redirected: list[int],
+        asks: dict[int, int],
+    ) -> bool:
+        """Read node ``n``'s replies to the commands ``group`` into ``replies``, by one deadline; a
+        redirected command goes to ``redirected`` (``ASK``: and its node to ``asks``). Returns whether
+        a ``MOVED`` came; raises ``BadReply`` for a reply of the wrong shape."""
+        reader = ReplyReader(conn, time.monotonic() + self._timeout_s)
+        moved = False
+        try:
+            for i in group:
+                if i in ask_to:
+                    reader.reply()  # +OK to ASKING
+                reply = reader.reply()
+                if not isinstance(reply, ErrorReply):
+                    if not valid(i, reply):
+                        raise BadReply(f"unexpected reply {reply!r:.80}")
+                    replies[i] = reply
+                    continue
+                redirect = parse_redirect(str(reply), self.nodes[n].addr[0])
+                if redirect is None:
+                    replies[i] = reply
+                    continue
+                target = self.node(redirect[2])
+                if redirect[0]:
+                    self.slot_node[redirect[1]] = target
+                    self.moved_replies += 1
+                    moved = True
+                else:
+                    asks[i] = target
+                    self.ask_replies += 1
+                redirected.append(i)
+        finally:
+            reader.close()
+        return moved
+
+    def _node_failed(self, node_index: int, what: str, e: BaseException, writer: bool) -> None:
+        forget_frames(e)
+        node = self.nodes[node_index]
+        node.down_until = time.monotonic() + self._retry_s
+        self._stale = True
+        if writer:
+            self.write_errors += 1
+        else:
+            self.read_errors += 1
+        if node.connected:
+            node.connected = False
+            LOG.warning(
+                "remote KV tier %s: node %s:%d: %s failed (%s: %s); its keys are misses, retrying in %d ms",
+                self._url,
+                node.addr[0],
+                node.addr[1],
+                what,
+                type(e).__name__,
+                str(e).replace(self._secret, "***") if self._secret else str(e),
+                self.cfg.retry_interval_ms,
+            )
+
+    def _node_ok(self, node_index: int) -> None:
+        node = self.nodes[node_index]
+        if not node.connected:
+            node.connected = True
+            LOG.warning("remote KV tier %s: node %s:%d is reachable again", self._url, *node.addr)
+
+    @property
+    def connected(self) -> bool:
+        return all(n.connected for n in self.nodes)
+
+    def close(self) -> None:
+        for n in self.nodes:
+            with contextlib.suppress(*self._errors):
+                n.client.close()

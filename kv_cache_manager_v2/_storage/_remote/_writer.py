@@ -1,0 +1,345 @@
+"""The remote store's write side: a ring of ``max_pending_bytes`` the scheduler's thread copies pages
+into (or slots of dropped pages handed off without a copy), and a background thread that sends them
+in pipelined batches. Enqueueing never blocks: what does not fit, or meets a server that is down,
+is dropped and counted."""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+from collections import deque
+from typing import Any, Final
+
+from ..._common import SlotId
+from ..._config import RemoteCacheTierConfig
+from .._tiers._base import HandOffPart
+from ._client import LOG, RemoteClient
+from ._cluster import NODE_DOWN, group_by_slot
+from ._protocol import HEADER_BYTES, BadReply, ErrorReply, ReplyReader, connection, encode_header, forget_frames, send
+
+#: a write batch ends at this many pages or bytes
+BATCH_PAGES: Final = 256
+BATCH_BYTES: Final = 8 << 20
+#: the writer looks at its queue this often while there is work (a burst of drops goes out as one
+#: batch), backing off to ``IDLE_POLL_S`` when there is none. Enqueueing never wakes it: waking a
+#: thread is a system call (several us on a VM) on the scheduler's thread, and a woken writer would
+#: compete for the GIL in the middle of the step instead of between steps
+POLL_S: Final = 0.002
+IDLE_POLL_S: Final = 0.05
+
+
+class _Pending:
+    """One page queued for writing: its payload is a span of the write ring (``ring_pos`` >= 0), or
+    the slot of a dropped page handed to the writer (``parts``: where the slot of each pool is read,
+    ``_tiers``' ``HandOffPart``), given back to ``parked`` once sent."""
+
+    __slots__ = ("block_key", "layer_group", "nbytes", "parked", "parts", "ring_pos", "slot")
+
+    def __init__(
+        self,
+        block_key: bytes,
+        layer_group: int,
+        nbytes: int,
+        ring_pos: int,
+        parts: list[HandOffPart] | None,
+        parked: list[SlotId] | None,
+        slot: SlotId,
+    ) -> None:
+        self.block_key = block_key
+        self.layer_group = layer_group
+        self.nbytes = nbytes
+        self.ring_pos = ring_pos
+        self.parts = parts
+        self.parked = parked
+        self.slot = slot
+
+
+def populated_mapping(nbytes: int) -> mmap.mmap:
+    """Anonymous memory of ``nbytes``, faulted in at once where the OS offers it (MAP_POPULATE)."""
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    if populate:
+        try:
+            return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+        except OSError:
+            pass
+    return mmap.mmap(-1, nbytes)
+
+
+class RemoteWriter(RemoteClient):
+    """The write queue and its thread (see the module doc); ``RemoteStore`` adds the reads. The
+    scheduler's thread reserves, fills and enqueues; the writer thread only pops the queue."""
+
+    def __init__(self, cfg: RemoteCacheTierConfig, fingerprint: bytes) -> None:
+        super().__init__(cfg, fingerprint)
+        self._max_pending = cfg.max_pending_bytes
+        self.queued_writes = 0
+        self.dropped_on_queue = 0
+        self.dropped_bytes_on_queue = 0
+        # writer-thread counters
+        self.written_pages = 0
+        self.written_bytes = 0
+        self.dropped_by_writer = 0
+        self.dropped_bytes_by_writer = 0
+        self.write_errors = 0
+        #: end of the last span reserved in the write ring (a position that only grows)
+        self._head = 0
+        #: ring positions below this are free again (the writer sent or dropped what was there)
+        self._done = 0
+        #: handed-off slots queued, and finished by the writer
+        self.slots_queued = 0
+        self.slots_done = 0
+        self._queue: deque[_Pending] = deque()
+        #: the write queue's memory: a ring of ``max_pending_bytes``, mapped in full up front (a page
+        #: fault on the scheduler's thread costs ~10 us on these VMs), reused from its start whenever
+        #: the queue is empty
+        self._ring = populated_mapping(cfg.max_pending_bytes)
+        self._ring_view = memoryview(self._ring)
+        self._wake = threading.Event()
+        self._stopping = False
+        #: started by ``RemoteStore`` once it is complete
+        self._writer = threading.Thread(target=self._writer_loop, name="kvcm-remote-writer", daemon=True)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Ring bytes queued and not yet sent (or dropped) by the writer."""
+        return self._head - self._done
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or being sent."""
+        return self._head == self._done and self.slots_queued == self.slots_done
+
+    def reserve(self, nbytes: int) -> int:
+        """Room for one value of ``nbytes`` in the write ring: its position (fill ``span(pos, nbytes)``
+        then ``enqueue``), or -1 when the queue is full or the server counts as down (counted as a
+        dropped write). Never blocks."""
+        cap = self._max_pending
+        pos = self._head
+        off = pos % cap
+        if off and pos == self._done:
+            # nothing in flight (the writer is done with every span): start again at the ring's
+            # beginning, so only its high-water mark is ever mapped
+            pos += cap - off
+            self._head = self._done = pos
+        elif off + nbytes > cap:  # does not fit before the end of the ring: start the next lap
+            pos += cap - off
+        if pos + nbytes - self._done > cap or self._stopping or time.monotonic() < self._down_until:
+            self.dropped_on_queue += 1
+            self.dropped_bytes_on_queue += nbytes
+            return -1
+        self._head = pos + nbytes
+        return pos
+
+    def span(self, pos: int, nbytes: int) -> memoryview:
+        off = pos % self._max_pending
+        return self._ring_view[off : off + nbytes]
+
+    def enqueue(self, pos: int, nbytes: int, block_key: bytes, layer_group: int) -> None:
+        """Hand a filled ring span (``reserve``) to the writer. An empty ``block_key`` gives the
+        span back unused (a failed copy)."""
+        if block_key:
+            self.queued_writes += 1
+        else:
+            self.dropped_on_queue += 1
+            self.dropped_bytes_on_queue += nbytes
+        self._queue.append(_Pending(block_key, layer_group, nbytes, pos, None, None, SlotId(-1)))
+
+    def accepts_slot(self) -> bool:
+        """Whether a handed-off slot would be sent now (not while the server counts as down)."""
+        return not self._stopping and time.monotonic() >= self._down_until
+
+    def enqueue_slot(
+        self,
+        block_key: bytes,
+        layer_group: int,
+        parts: list[HandOffPart],
+        nbytes: int,
+        parked: list[SlotId],
+        slot: SlotId,
+    ) -> None:
+        """Hand the slot of a dropped page to the writer (no copy here): it sends the slot's bytes
+        straight from ``parts`` and then appends ``slot`` to ``parked``."""
+        self.queued_writes += 1
+        self.slots_queued += 1
+        self._queue.append(_Pending(block_key, layer_group, nbytes, -1, parts, parked, slot))
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued write is finished (written or dropped); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        self._wake.set()  # no need to wait for the writer's next poll
+        while not self.idle:
+            if time.monotonic() >= deadline or not self._writer.is_alive():
+                return False
+            time.sleep(0.001)
+        return True
+
+    def _writer_loop(self) -> None:
+        queue = self._queue
+        poll = IDLE_POLL_S
+        while True:
+            self._wake.wait(poll)  # (flush and close set it)
+            self._wake.clear()
+            poll = POLL_S if queue else min(IDLE_POLL_S, 2 * poll)
+            while queue:
+                batch: list[_Pending] = []
+                nbytes = 0
+                while queue and len(batch) < BATCH_PAGES and nbytes < BATCH_BYTES:
+                    w = queue.popleft()
+                    if w.block_key:
+                        batch.append(w)
+                        nbytes += w.nbytes
+                    else:
+                        self._done = w.ring_pos + w.nbytes  # an abandoned span
+                if not batch:
+                    continue
+                try:
+                    self._write_batch(batch)
+                except BaseException as e:  # never let the thread die (it would stall flush)
+                    forget_frames(e)
+                    self._dropped(batch)
+                    LOG.error("remote KV tier writer: unexpected %s: %s", type(e).__name__, str(e))
+                self._finished(batch)
+            if self._stopping:
+                return
+
+    def _finished(self, batch: list[_Pending]) -> None:
+        """Nothing reads the batch's memory any more: ring spans are free, handed-off slots parked."""
+        for w in batch:
+            if w.ring_pos >= 0:
+                self._done = w.ring_pos + w.nbytes
+            else:
+                parked = w.parked
+                assert parked is not None
+                w.parts = None
+                parked.append(w.slot)
+                self.slots_done += 1
+
+    def _payload(self, write: _Pending) -> list[memoryview]:
+        if write.ring_pos >= 0:
+            return [self.span(write.ring_pos, write.nbytes)]
+        parts = write.parts
+        assert parts is not None
+        return [part.read() for part in parts]
+
+    def _write_batch(self, batch: list[_Pending]) -> None:
+        """Send ``batch`` in one go: one MSET, or pipelined ``SET key value EX ttl_s`` with a TTL.
+        Values go out with one ``sendmsg`` straight from where they are (the ring, or the dropped
+        pages' slots): no copy into a command buffer, and the GIL is released while the kernel copies."""
+        if self.is_down:
+            self._dropped(batch)
+            return
+        fp = self.fingerprint
+        ttl = self._ttl
+        sent: list[_Pending] = []
+        payloads: list[list[memoryview]] = []
+        for w in batch:
+            try:
+                payloads.append(self._payload(w))
+                sent.append(w)
+            except OSError as e:  # a disk read failed or did not verify: this page is not written
+                forget_frames(e)
+                self._dropped([w])
+                if w.parts:
+                    w.parts[0].unsent()
+        if not sent:
+            return
+        if self.router is not None:
+            self._write_cluster(sent, payloads)
+            return
+        parts: list[Any] = []
+        tail = b"\r\n" + (b"$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl) if ttl else b"")
+        cmd = b"*5\r\n$3\r\nSET\r\n" if ttl else b""
+        before = b"" if ttl else b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * len(sent))
+        for w, payload in zip(sent, payloads):
+            key = self.page_key(w.block_key, w.layer_group)
+            header = encode_header(payload, w.layer_group, fp, w.block_key)
+            parts.append(before + cmd + b"$%d\r\n%s\r\n$%d\r\n" % (len(key), key, HEADER_BYTES + w.nbytes) + header)
+            parts.extend(payload)
+            before = tail
+        parts.append(tail)
+        replies = len(sent) if ttl else 1
+        pool = self.client.connection_pool
+        done = 0
+        conn: Any = None
+        reader: ReplyReader | None = None
+        try:
+            conn = connection(pool, self._errors)
+            send(conn, parts)
+            # (the deadline starts once the batch is sent: up to BATCH_BYTES go out first)
+            reader = ReplyReader(conn, time.monotonic() + self._timeout_s)
+            while done < replies:
+                reply = reader.reply()
+                if isinstance(reply, ErrorReply):  # e.g. OOM (noeviction, or nothing to evict): lost
+                    self._dropped(sent[done : done + 1] if ttl else sent)
+                    self._refused(reply)
+                elif reply == b"OK":
+                    self._written(sent[done : done + 1] if ttl else sent)
+                else:
+                    raise BadReply(f"a write answered {reply!r:.80}")
+                done += 1
+        except self._errors as e:
+            forget_frames(e)
+            if conn is not None:
+                conn.disconnect()
+            self._dropped(sent[done:] if ttl else sent)
+            self.write_errors += 1
+            self._failed("write", e)
+            return
+        finally:
+            if reader is not None:
+                reader.close()
+            if conn is not None:
+                pool.release(conn)
+        self._succeeded()
+
+    def _write_cluster(self, sent: list[_Pending], payloads: list[list[memoryview]]) -> None:
+        """``_write_batch`` on a cluster: one MSET per slot group (one SET per page with a TTL),
+        each master's pipelined; writes to a node that is down or failing are dropped."""
+        router = self.router
+        assert router is not None
+        fp = self.fingerprint
+        ttl = self._ttl
+        keys = [self.page_key(w.block_key, w.layer_group) for w in sent]
+        expiry = b"$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl) if ttl else b""
+        slots: list[int] = []
+        commands: list[list[Any]] = []
+        members: list[list[int]] = []
+        for slot, group in group_by_slot(keys).items():
+            subgroups = [[i] for i in group] if ttl else [group]
+            for sub in subgroups:
+                parts: list[Any] = [b"*5\r\n$3\r\nSET\r\n" if ttl else b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * len(sub))]
+                for i in sub:
+                    w, key, payload = sent[i], keys[i], payloads[i]
+                    header = encode_header(payload, w.layer_group, fp, w.block_key)
+                    parts.append(b"$%d\r\n%s\r\n$%d\r\n" % (len(key), key, HEADER_BYTES + w.nbytes) + header)
+                    parts.extend(payload)
+                    parts.append(b"\r\n")
+                if ttl:
+                    parts.append(expiry)
+                slots.append(slot)
+                commands.append(parts)
+                members.append(sub)
+        replies = router.run(slots, commands, "write", True, lambda i, reply: reply == b"OK")
+        if replies is None:
+            self._dropped(sent)
+            self.write_errors += 1
+            self._failed("write (no cluster node answers)", NODE_DOWN)
+            return
+        for reply, sub in zip(replies, members):
+            writes = [sent[i] for i in sub]
+            if isinstance(reply, BaseException):
+                self._dropped(writes)
+                if reply is not NODE_DOWN:
+                    self._refused(reply)
+            else:
+                self._written(writes)
+        self._succeeded()
+
+    def _written(self, writes: list[_Pending]) -> None:
+        self.written_pages += len(writes)
+        self.written_bytes += sum(HEADER_BYTES + w.nbytes for w in writes)
+
+    def _dropped(self, writes: list[_Pending]) -> None:
+        self.dropped_by_writer += len(writes)
+        self.dropped_bytes_by_writer += sum(HEADER_BYTES + w.nbytes for w in writes)
