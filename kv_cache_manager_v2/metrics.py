@@ -184,12 +184,20 @@ class KVCacheMetricsCollector:
     def _collect_one(self, f: _Families, source: MetricsSource) -> None:
         m = source.manager
         lv = [v for _, v in source.labels]
-        v = self.vllm_prefix
-        p = self.prefix
         try:
             usage = m.gpu_utilization
         except LogicError:  # shut down: nothing left to report
             return
+        self._collect_reuse(f, source, lv, usage)
+        self._collect_tiers(f, m, lv)
+        self._collect_remote(f, m, lv)
+        self._collect_events(f, source, lv)
+
+    def _collect_reuse(self, f: _Families, source: MetricsSource, lv: list[str], usage: float) -> None:
+        """GPU usage, prefix-cache hits, the adapter's counters, pages, snapshots, open caches."""
+        m = source.manager
+        v = self.vllm_prefix
+        p = self.prefix
         f.add(
             "gauge",
             v + "kv_cache_usage_perc",
@@ -248,7 +256,11 @@ class KVCacheMetricsCollector:
         f.add(
             "gauge", p + "open_caches", "KVCache objects open (active or suspended requests)", lv, [], m.num_open_caches
         )
-        for level, tier in enumerate(tiers):
+
+    def _collect_tiers(self, f: _Families, m: KVCacheManager, lv: list[str]) -> None:
+        """Per tier: bytes in use, quota, peak, traffic, I/O errors."""
+        p = self.prefix
+        for level, tier in enumerate(m.cache_tier_list):
             t = m.get_tier_statistics(CacheLevel(level))
             tl = [TIER_LABELS[tier]]
             tier_name = ("tier",)
@@ -281,6 +293,10 @@ class KVCacheMetricsCollector:
                 t.io_errors,
                 tier_name,
             )
+
+    def _collect_remote(self, f: _Families, m: KVCacheManager, lv: list[str]) -> None:
+        """The remote tier's round trips, pages and queue (when there is one)."""
+        p = self.prefix
         rs = m.remote_statistics
         if rs is not None:
             for name, value, doc in (
@@ -305,7 +321,11 @@ class KVCacheMetricsCollector:
                 [],
                 float(rs.connected),
             )
-        em = m.event_manager
+
+    def _collect_events(self, f: _Families, source: MetricsSource, lv: list[str]) -> None:
+        """The event queue's and the event publisher's counters (when attached)."""
+        p = self.prefix
+        em = source.manager.event_manager
         if em is not None:
             f.add(
                 "counter", p + "events_dropped", "KV-cache events dropped by a full event queue", lv, [], em.num_dropped
