@@ -211,20 +211,7 @@ class KVCacheMetricsCollector:
             "counter", v + "prefix_cache_queries", "Prefix cache queries, in queried tokens", lv, [], r.queried_tokens
         )
         f.add("counter", v + "prefix_cache_hits", "Prefix cache hits, in cached tokens", lv, [], r.reused_tokens)
-        adapter = source.adapter
-        tiers = m.cache_tier_list
-        if adapter is not None:
-            for level, n in enumerate(adapter.reused_tokens_per_level):
-                f.add(
-                    "counter",
-                    v + "prompt_tokens_cached",
-                    "Prompt tokens of admitted requests found cached, by the tier they came from",
-                    lv,
-                    [TIER_LABELS[tiers[level]]],
-                    n,
-                    ("source",),
-                )
-            f.add("counter", v + "num_preemptions", "Cumulative number of preemptions", lv, [], adapter.num_preemptions)
+        self._collect_adapter(f, source, lv)
         for result, n in (("hit", r.reused_blocks), ("miss", r.missed_blocks)):
             f.add(
                 "counter",
@@ -256,6 +243,24 @@ class KVCacheMetricsCollector:
         f.add(
             "gauge", p + "open_caches", "KVCache objects open (active or suspended requests)", lv, [], m.num_open_caches
         )
+
+    def _collect_adapter(self, f: _Families, source: MetricsSource, lv: list[str]) -> None:
+        """The engine adapter's counters: prompt tokens found cached per tier, preemptions."""
+        v = self.vllm_prefix
+        adapter = source.adapter
+        tiers = source.manager.cache_tier_list
+        if adapter is not None:
+            for level, n in enumerate(adapter.reused_tokens_per_level):
+                f.add(
+                    "counter",
+                    v + "prompt_tokens_cached",
+                    "Prompt tokens of admitted requests found cached, by the tier they came from",
+                    lv,
+                    [TIER_LABELS[tiers[level]]],
+                    n,
+                    ("source",),
+                )
+            f.add("counter", v + "num_preemptions", "Cumulative number of preemptions", lv, [], adapter.num_preemptions)
 
     def _collect_tiers(self, f: _Families, m: KVCacheManager, lv: list[str]) -> None:
         """Per tier: bytes in use, quota, peak, traffic, I/O errors."""

@@ -51,7 +51,9 @@ class ReplicaIndex:
     """What one replica caches, rebuilt from its events.
 
     ``tokens_per_block`` and the layer groups are learnt from ``BlockStored`` events; pass them
-    (e.g. ``event_manager.layer_groups``) to match exactly before every group has stored a block.
+    (e.g. ``event_manager.layer_groups``) to match exactly before every group has stored a block,
+    and to refuse events for a group the replica does not have (learning, a store for a group that
+    does not exist would make every match need it).
     """
 
     def __init__(
