@@ -176,10 +176,10 @@ class KVAwareRouter(PrefixRouter):
         for k in range(n):
             i = (first + k) % n
             s = self.subscriptions[i]
-            applied += s.apply_pending(self.indexes[i], deadline) if s.pending else 0
+            applied += s.apply_pending(self.indexes[i], deadline)
             while not s.pending and time.monotonic() < deadline and s.sub.poll(0):
                 self._on_message(i, s.sub.recv_multipart())
-                applied += s.apply_pending(self.indexes[i], deadline) if s.pending else 0
+                applied += s.apply_pending(self.indexes[i], deadline)
             if time.monotonic() >= deadline:
                 break
         self._probe_silent()
