@@ -184,12 +184,20 @@ class KVCacheMetricsCollector:
     def _collect_one(self, f: _Families, source: MetricsSource) -> None:
         m = source.manager
         lv = [v for _, v in source.labels]
-        v = self.vllm_prefix
-        p = self.prefix
         try:
             usage = m.gpu_utilization
         except LogicError:  # shut down: nothing left to report
             return
+        self._collect_reuse(f, source, lv, usage)
+        self._collect_tiers(f, m, lv)
+        self._collect_remote(f, m, lv)
+        self._collect_events(f, source, lv)
+
+    def _collect_reuse(self, f: _Families, source: MetricsSource, lv: list[str], usage: float) -> None:
+        """GPU usage, prefix-cache hits, the adapter's counters, pages, snapshots, open caches."""
+        m = source.manager
+        v = self.vllm_prefix
+        p = self.prefix
         f.add(
             "gauge",
             v + "kv_cache_usage_perc",
@@ -203,20 +211,7 @@ class KVCacheMetricsCollector:
             "counter", v + "prefix_cache_queries", "Prefix cache queries, in queried tokens", lv, [], r.queried_tokens
         )
         f.add("counter", v + "prefix_cache_hits", "Prefix cache hits, in cached tokens", lv, [], r.reused_tokens)
-        adapter = source.adapter
-        tiers = m.cache_tier_list
-        if adapter is not None:
-            for level, n in enumerate(adapter.reused_tokens_per_level):
-                f.add(
-                    "counter",
-                    v + "prompt_tokens_cached",
-                    "Prompt tokens of admitted requests found cached, by the tier they came from",
-                    lv,
-                    [TIER_LABELS[tiers[level]]],
-                    n,
-                    ("source",),
-                )
-            f.add("counter", v + "num_preemptions", "Cumulative number of preemptions", lv, [], adapter.num_preemptions)
+        self._collect_adapter(f, source, lv)
         for result, n in (("hit", r.reused_blocks), ("miss", r.missed_blocks)):
             f.add(
                 "counter",
@@ -248,7 +243,29 @@ class KVCacheMetricsCollector:
         f.add(
             "gauge", p + "open_caches", "KVCache objects open (active or suspended requests)", lv, [], m.num_open_caches
         )
-        for level, tier in enumerate(tiers):
+
+    def _collect_adapter(self, f: _Families, source: MetricsSource, lv: list[str]) -> None:
+        """The engine adapter's counters: prompt tokens found cached per tier, preemptions."""
+        v = self.vllm_prefix
+        adapter = source.adapter
+        tiers = source.manager.cache_tier_list
+        if adapter is not None:
+            for level, n in enumerate(adapter.reused_tokens_per_level):
+                f.add(
+                    "counter",
+                    v + "prompt_tokens_cached",
+                    "Prompt tokens of admitted requests found cached, by the tier they came from",
+                    lv,
+                    [TIER_LABELS[tiers[level]]],
+                    n,
+                    ("source",),
+                )
+            f.add("counter", v + "num_preemptions", "Cumulative number of preemptions", lv, [], adapter.num_preemptions)
+
+    def _collect_tiers(self, f: _Families, m: KVCacheManager, lv: list[str]) -> None:
+        """Per tier: bytes in use, quota, peak, traffic, I/O errors."""
+        p = self.prefix
+        for level, tier in enumerate(m.cache_tier_list):
             t = m.get_tier_statistics(CacheLevel(level))
             tl = [TIER_LABELS[tier]]
             tier_name = ("tier",)
@@ -281,6 +298,10 @@ class KVCacheMetricsCollector:
                 t.io_errors,
                 tier_name,
             )
+
+    def _collect_remote(self, f: _Families, m: KVCacheManager, lv: list[str]) -> None:
+        """The remote tier's round trips, pages and queue (when there is one)."""
+        p = self.prefix
         rs = m.remote_statistics
         if rs is not None:
             for name, value, doc in (
@@ -305,7 +326,11 @@ class KVCacheMetricsCollector:
                 [],
                 float(rs.connected),
             )
-        em = m.event_manager
+
+    def _collect_events(self, f: _Families, source: MetricsSource, lv: list[str]) -> None:
+        """The event queue's and the event publisher's counters (when attached)."""
+        p = self.prefix
+        em = source.manager.event_manager
         if em is not None:
             f.add(
                 "counter", p + "events_dropped", "KV-cache events dropped by a full event queue", lv, [], em.num_dropped

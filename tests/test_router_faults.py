@@ -256,7 +256,7 @@ def test_restarted_replica_resets_its_index(make_manager: MakeManager) -> None:
             assert router.indexes[0].match_length(old_prompt) == 0
             assert router.indexes[0].match_length(new_prompt) == 40
             # a late batch of the old instance changes nothing
-            assert not router._same_instance(0, KVEventBatch(0.0, [], None, old_instance))
+            assert not router._same_instance(0, old_instance)
     finally:
         router.close()
         pub1.close()
@@ -270,21 +270,22 @@ def test_malformed_frames_are_counted_and_skipped(make_manager: MakeManager, raw
         raw.wait_subscriber()
         good = batch(m, toks(30, 24))
         stored = msgspec.msgpack.decode(good)[1][0]
-        bad_content = msgspec.msgpack.encode([0.0, [[*stored[:3], stored[3][:-10], *stored[4:]]]])  # tokens short
+        bad_stored = [*stored[:3], stored[3][:-10], *stored[4:]]  # tokens short
         seq0 = (0).to_bytes(8, "big")
         raw.send(b"", seq0)  # two frames
         raw.send(b"", b"\x00", good)  # a sequence number of one byte
         raw.send(b"", seq0, b"\xc1")  # not msgpack
         raw.send(b"", seq0, msgspec.msgpack.encode({"ts": 1}))  # msgpack, not a batch
-        raw.send(b"", seq0, msgspec.msgpack.encode([0.0, [["NoSuchEvent", 1]]]))  # unknown event tag
-        raw.send(b"", seq0, bad_content)  # decodes, but its BlockStored cannot be applied
+        # a batch of two events: an unknown tag; a BlockStored that decodes but cannot be applied
+        raw.send(b"", seq0, msgspec.msgpack.encode([0.0, [["NoSuchEvent", 1], bad_stored]]))
         raw.send(b"", (1).to_bytes(8, "big"), good)
         deadline = time.monotonic() + 10
         while router.last_seq(0) < 1:
             router.poll(0.05)  # never raises
             assert time.monotonic() < deadline
         s = router.subscriptions[0]
-        assert s.num_malformed == 6 and s.num_lost == 0
+        # the unknown tag and the short BlockStored are events of decodable batches: refused alone
+        assert s.num_malformed == 4 and s.num_refused == 2 and s.num_lost == 0
         assert router.indexes[0].match_length(toks(30, 24)) == m.probe_reuse(None, toks(30, 24)) == 24
         assert isinstance(msgspec.msgpack.decode(good, type=KVEventBatch).events[0], BlockStored)
     finally:
@@ -459,3 +460,280 @@ def test_an_unknown_layer_kind_is_malformed_not_full_attention() -> None:
     with pytest.raises(ValueError, match="unknown layer kind 'mamba'"):
         index.apply([event])
     assert index.num_blocks == 0 and 0 not in index.groups
+
+
+# ---------------------------------------------------------------- 7. issue 38: router limits
+def seq_frame(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def wait_applied(router: KVAwareRouter, seq: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while router.last_seq(0) < seq:
+        router.poll(0.05)
+        s = router.subscriptions[0]
+        assert time.monotonic() < deadline, (router.last_seq(0), s.last_seq, s.num_malformed, s.num_lost)
+
+
+class GcPauses:
+    """Seconds the cyclic garbage collector ran since ``total`` was last reset (its full passes
+    take time in proportion to the process's heap, whatever the code that allocated)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.monotonic()
+        else:
+            self.total += time.monotonic() - self._start
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+
+def test_a_resync_sized_batch_is_applied_in_slices(raw: RawPublisher) -> None:
+    """A 96k-event batch (the size of a resync snapshot) and a small one after it: each poll(0.1)
+    keeps its bound, the big batch is applied over several polls and the small one after it (in
+    order). Mid-batch, the index is the replica's as of an event inside the batch: the prompts it
+    matches in full are a prefix of the snapshot's order, at most one is partly matched."""
+    from kv_cache_manager_v2 import ReuseScope, block_hash
+    from kv_cache_manager_v2._reuse._keys import scope_key
+    from kv_cache_manager_v2.events import AllBlocksCleared, BlockRemoved, prompt_block_hashes
+
+    root = block_hash(scope_key(ReuseScope()))
+    t, blocks, n_prompts = 4, 16, 6000
+    prompts = [toks(1000 + k, t * blocks) for k in range(n_prompts)]
+    events: list[BlockStored] = []
+    last_hashes = []
+    for p in prompts:
+        parent = None
+        for b, h in enumerate(prompt_block_hashes(p, t)):
+            tokens = list(p[b * t : (b + 1) * t])
+            scope = root if parent is None else None
+            events.append(BlockStored([h], parent, tokens, t, None, "GPU", group_idx=0, scope_hash=scope))
+            parent = h
+        last_hashes.append(parent)
+    assert len(events) == 96_000
+    router = KVAwareRouter([ReplicaEndpoints(raw.endpoint)])
+    try:
+        raw.wait_subscriber()
+        raw.send(b"", seq_frame(0), encode_batch(KVEventBatch(0.0, [AllBlocksCleared(), *events], None, 7)))
+        raw.send(
+            b"", seq_frame(1), encode_batch(KVEventBatch(0.0, [BlockRemoved([last_hashes[0]], "GPU", 0)], None, 7))
+        )
+        assert router.subscriptions[0].sub.poll(10_000)
+        sample = [*prompts[:: n_prompts // 40], prompts[-1]]
+        index = router.indexes[0]
+        slowest, polls, partial_views, middle = 0.0, 0, 0, 0
+        deadline = time.monotonic() + 120
+        gc_pause = GcPauses()
+        while router.last_seq(0) < 1:
+            start = time.monotonic()
+            gc_pause.total = 0.0
+            router.poll(0.1)
+            slowest = max(slowest, time.monotonic() - start - gc_pause.total)
+            polls += 1
+            assert time.monotonic() < deadline
+            if router.last_seq(0) < 0 and 0 < index.num_blocks < len(events):
+                partial_views += 1
+                matched = [index.match_length(p) for p in sample]
+                assert matched == sorted(matched, reverse=True), matched
+                assert sum(0 < x < t * blocks for x in matched) <= 1, matched
+                middle += matched[0] == t * blocks and matched[-1] < t * blocks
+        gc_pause.close()
+        assert slowest < 1.0, f"one poll(0.1) took {slowest:.2f} s (besides cyclic-GC pauses)"
+        assert polls > 2 and partial_views > 0 and middle > 0, (polls, partial_views, middle)
+        s = router.subscriptions[0]
+        assert s.num_malformed == s.num_refused == s.num_lost == 0 and not s.stale
+        assert index.num_blocks == len(events) - 1  # the removal (batch 1) came after the stores (batch 0)
+        assert index.match_length(prompts[0]) == t * (blocks - 1)
+        assert all(index.match_length(p) == t * blocks for p in prompts[1:])
+    finally:
+        router.close()
+
+
+def test_an_impossible_sequence_number_does_not_poison_the_replica(
+    make_manager: MakeManager, raw: RawPublisher
+) -> None:
+    """One decodable frame with sequence 2**64 - 1 (the replay end marker, as a signed number) and no
+    instance id is refused and counted; the batches after it apply."""
+    m = make_manager(kv_layers(1, T), event_manager=KVCacheEventManager())
+    router = KVAwareRouter([ReplicaEndpoints(raw.endpoint)])
+    try:
+        raw.wait_subscriber()
+        raw.send(b"", seq_frame(0), batch(m, toks(70, 24), None))
+        raw.send(b"", seq_frame(2**64 - 1), encode_batch(KVEventBatch(0.0, [])))
+        raw.send(b"", seq_frame(1), batch(m, toks(71, 24), None))
+        wait_applied(router, 1)
+        s = router.subscriptions[0]
+        for p in (toks(70, 24), toks(71, 24)):
+            assert router.indexes[0].match_length(p) == m.probe_reuse(None, p) == 24
+        assert s.num_malformed == 1 and s.num_lost == 0 and not s.stale
+    finally:
+        router.close()
+
+
+def test_a_sequence_number_the_publisher_never_sent_is_refused(make_manager: MakeManager, raw: RawPublisher) -> None:
+    """A frame jumps the sequence far ahead: the router asks the replay socket, whose end marker
+    names the newest batch the publisher sent; the frame is beyond it, so it is refused (counted)
+    and the stream goes on. (The live stream comes from a bare socket carrying the publisher's own
+    batches, so the test can add a forged one.)"""
+    em = KVCacheEventManager()
+    m = make_manager(kv_layers(1, T), event_manager=em)
+    with ZmqEventPublisher(LOOPBACK, LOOPBACK) as pub:
+        router = KVAwareRouter([ReplicaEndpoints(raw.endpoint, pub.replay_endpoint)], replay_timeout=2.0)
+        try:
+            raw.wait_subscriber()
+
+            def forward(tokens: list[TokenIdExt]) -> None:
+                cache_prompt(m, tokens)
+                events = em.get_latest_events()
+                pub.publish(events)
+                seq = pub.flush()
+                raw.send(b"", seq_frame(seq), encode_batch(KVEventBatch(0.0, to_wire(events), None, pub.instance_id)))
+
+            forward(toks(80, 24))
+            wait_applied(router, 0)
+            forged = encode_batch(KVEventBatch(0.0, [], None, pub.instance_id))
+            raw.send(b"", seq_frame(10**12), forged)
+            forward(toks(81, 24))
+            wait_applied(router, 1)
+            s = router.subscriptions[0]
+            assert s.num_malformed == 1 and s.num_lost == 0 and not s.stale and s.last_seq == 1
+            for p in (toks(80, 24), toks(81, 24)):
+                assert router.indexes[0].match_length(p) == m.probe_reuse(None, p) == 24
+        finally:
+            router.close()
+
+
+def test_an_event_with_impossible_values_is_refused_alone(make_manager: MakeManager, raw: RawPublisher) -> None:
+    """A BlockStored for a layer group that cannot exist (-1, window -100), a removal for one, a
+    negative hash: each event is refused and counted, the others of the batch apply, and the
+    replica's matches stay exact."""
+    from kv_cache_manager_v2.events import BlockRemoved
+
+    m = make_manager(kv_layers(1, T), event_manager=KVCacheEventManager())
+    prompt = toks(90, 40)
+    cache_prompt(m, prompt)
+    good = to_wire(m.get_latest_events())
+    impossible = [
+        BlockStored(
+            [5],
+            None,
+            list(range(T)),
+            T,
+            None,
+            "GPU",
+            group_idx=-1,
+            kv_cache_spec_kind="sliding_window",
+            kv_cache_spec_sliding_window=-100,
+        ),
+        BlockStored(
+            [6],
+            None,
+            list(range(T)),
+            T,
+            None,
+            "GPU",
+            group_idx=0,
+            kv_cache_spec_kind="sliding_window",
+            kv_cache_spec_sliding_window=-100,
+        ),
+        BlockStored([-7], None, list(range(T)), T, None, "GPU", group_idx=0),
+        BlockRemoved([1], "GPU", -1),
+    ]
+    router = KVAwareRouter([ReplicaEndpoints(raw.endpoint)])
+    try:
+        raw.wait_subscriber()
+        raw.send(b"", seq_frame(0), encode_batch(KVEventBatch(0.0, [impossible[0], *good, *impossible[1:]])))
+        wait_applied(router, 0)
+        assert router.indexes[0].match_length(prompt) == m.probe_reuse(None, prompt) == 40
+        s = router.subscriptions[0]
+        assert s.num_refused == len(impossible) and s.num_malformed == 0 and not s.stale
+        assert sorted(router.indexes[0].groups) == [0] and router.indexes[0].num_blocks == 5
+    finally:
+        router.close()
+
+
+def test_an_index_given_the_groups_refuses_any_other() -> None:
+    """With the replica's layer groups given, an event for another group (or one announcing a group
+    as another kind) is refused and changes nothing."""
+    from kv_cache_manager_v2 import LayerGroupSpec
+    from kv_cache_manager_v2.events import ReplicaIndex
+
+    index = ReplicaIndex(4, [LayerGroupSpec(0, None, 0)])
+    for group, kind in ((3, None), (0, "sliding_window")):
+        event = BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", group_idx=group, kv_cache_spec_kind=kind,
+                            kv_cache_spec_sliding_window=8)  # fmt: skip
+        with pytest.raises(ValueError, match="group"):
+            index.apply_event(event)
+    assert index.num_blocks == 0 and sorted(index.groups) == [0] and index.num_events == 0
+    index.apply_event(BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", group_idx=0))
+    assert index.num_blocks == 1 and index.match_length([1, 2, 3, 4]) == 0  # (hash 1 is not the prompt's)
+
+
+def test_a_restarted_replica_that_stays_idle_is_noticed(make_manager: MakeManager) -> None:
+    """The replica restarts and publishes nothing: the router probes it once it has been silent for
+    ``probe_interval``; the replay socket's end marker names the new publisher instance, so the old
+    index is dropped without waiting for a batch."""
+    old_prompt = toks(110, 32)
+    em = KVCacheEventManager()
+    m = make_manager(kv_layers(1, T), event_manager=em)
+    pub1 = ZmqEventPublisher(LOOPBACK, LOOPBACK)
+    endpoints = ReplicaEndpoints(pub1.endpoint, pub1.replay_endpoint)
+    router = KVAwareRouter([endpoints], replay_timeout=0.5, replay_backoff=0.2, probe_interval=0.2)
+    try:
+        cache_prompt(m, old_prompt)
+        pub1.drain(em)
+        sync(router, 0, pub1)
+        assert router.indexes[0].match_length(old_prompt) == 32
+        pub1.close()
+        with ZmqEventPublisher(endpoints.endpoint, endpoints.replay_endpoint) as pub2:  # idle
+            s = router.subscriptions[0]
+            deadline = time.monotonic() + 15
+            while s.num_restarts == 0:
+                assert time.monotonic() < deadline, "the restart was never noticed"
+                router.poll(0.05)
+            assert s.instance == pub2.instance_id and not s.expired
+            assert router.indexes[0].match_length(old_prompt) == 0 and router.indexes[0].num_blocks == 0
+    finally:
+        router.close()
+        pub1.close()
+
+
+def test_a_replica_whose_publisher_is_gone_scores_zero(make_manager: MakeManager) -> None:
+    """Replica 0 holds the longer prefix, then its publisher goes away for good: once it is silent
+    and its replay socket does not answer a probe, it is expired (counted) and routes go to replica 1;
+    an idle replica that answers its probes stays."""
+    prompt = toks(120, 32)
+    ems = [KVCacheEventManager() for _ in range(2)]
+    ms = [make_manager(kv_layers(1, T), event_manager=em) for em in ems]
+    pubs = [ZmqEventPublisher(LOOPBACK, LOOPBACK) for _ in range(2)]
+    router = KVAwareRouter(
+        [ReplicaEndpoints(p.endpoint, p.replay_endpoint) for p in pubs],
+        replay_timeout=0.3,
+        replay_backoff=0.2,
+        probe_interval=0.2,
+    )
+    try:
+        cache_prompt(ms[0], prompt)
+        cache_prompt(ms[1], prompt[:16])
+        for i in range(2):
+            pubs[i].drain(ems[i])
+            sync(router, i, pubs[i])
+        assert router.route(prompt).replica == 0 and router.scores(prompt) == [32, 16]
+        pubs[0].close()
+        s = router.subscriptions[0]
+        deadline = time.monotonic() + 15
+        while not s.expired:
+            assert time.monotonic() < deadline, "the gone replica was never expired"
+            router.poll(0.05)
+        assert s.num_expired == 1 and router.scores(prompt) == [0, 16] and router.route(prompt).replica == 1
+        assert not router.subscriptions[1].expired and router.subscriptions[1].num_expired == 0
+    finally:
+        router.close()
+        for p in pubs:
+            p.close()

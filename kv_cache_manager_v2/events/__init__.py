@@ -16,15 +16,10 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "kv_cache_manager_v2.events needs msgspec and pyzmq: pip install 'kv_cache_manager_v2[events]'"
     ) from e
 
+from ._stream import ReplicaEndpoints
+from .index import ReplicaIndex, prompt_block_hashes
 from .publisher import ZmqEventPublisher
-from .router import (
-    KVAwareRouter,
-    PrefixRouter,
-    ReplicaEndpoints,
-    ReplicaIndex,
-    RouteDecision,
-    prompt_block_hashes,
-)
+from .router import KVAwareRouter, PrefixRouter, RouteDecision
 from .schema import (
     AllBlocksCleared,
     BlockMoved,

@@ -4,8 +4,11 @@ Wire protocol (vLLM's): every batch is one multipart message ``[topic, seq, payl
 socket, ``seq`` an 8-byte big-endian sequence number (0, 1, 2, ... per publisher) and ``payload``
 a msgpack :class:`~kv_cache_manager_v2.events.schema.KVEventBatch`. The replay socket (ROUTER)
 answers a request whose last frame is an 8-byte big-endian start sequence number with every
-buffered batch from there on (an extension: a start and a stop frame, the batches in that range), one ``[seq, payload]`` message each (behind the requester's
-envelope), then ``[seq = -1 (signed), b""]`` as the end marker. It keeps the last
+buffered batch from there on (an extension: a start and a stop frame, the batches in that range),
+one ``[seq, payload]`` message each (behind the requester's envelope), then ``[seq = -1 (signed),
+instance_id + newest seq]`` as the end marker (vLLM's payload is ``b""``; ours, an extension, is the
+publisher's instance id and the newest sequence number it sent (-1: none), 8 bytes each: a router
+probing an idle replica notices a restart, and refuses a sequence number never sent). It keeps the last
 ``buffer_steps`` batches (at most ``max_buffer_bytes`` of payload).
 
 Encoding and sending run on a background thread: ``publish`` only queues the drained events, so
@@ -183,7 +186,9 @@ class _Sender:
             for seq, payload in self.buffer:
                 if seq >= start and (stop is None or seq < stop):
                     sock.send_multipart([*envelope, seq.to_bytes(8, "big"), payload])
-            sock.send_multipart([*envelope, END_SEQ, b""])
+            newest = self.buffer[-1][0] if self.buffer else -1
+            end = self.instance_id.to_bytes(8, "big") + newest.to_bytes(8, "big", signed=True)
+            sock.send_multipart([*envelope, END_SEQ, end])
 
 
 class ZmqEventPublisher:

@@ -103,6 +103,17 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     withheld: bool = False
 
 
+class RawEventBatch(msgspec.Struct, array_like=True, gc=False):
+    """A :class:`KVEventBatch` whose events stay encoded until :func:`decode_event` (a router decodes
+    and applies a large batch in slices, and refuses a bad event alone)."""
+
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+    instance_id: int | None = None
+    withheld: bool = False
+
+
 def digest_stand_in(digest: bytes) -> int:
     """The token id a digest token shows in ``token_ids``: the first 4 bytes of SHA-256(digest),
     big-endian (different digests look different to consumers that hash token ids themselves)."""
@@ -206,6 +217,8 @@ def to_wire(events: Sequence[KVCacheEvent], moves: MovesAs = "vllm") -> list[Any
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+_RAW_DECODER = msgspec.msgpack.Decoder(RawEventBatch)
+_EVENT_DECODER: msgspec.msgpack.Decoder[AnyWireEvent] = msgspec.msgpack.Decoder(AnyWireEvent)
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
@@ -215,6 +228,16 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 def decode_batch(payload: bytes) -> KVEventBatch:
     """Decode one batch (raises ``msgspec.DecodeError`` / ``ValidationError`` on a malformed payload)."""
     return _DECODER.decode(payload)
+
+
+def decode_raw_batch(payload: bytes) -> RawEventBatch:
+    """Decode one batch, its events left encoded (raises like :func:`decode_batch`)."""
+    return _RAW_DECODER.decode(payload)
+
+
+def decode_event(raw: msgspec.Raw) -> AnyWireEvent:
+    """Decode one event of a :class:`RawEventBatch` (raises like :func:`decode_batch`)."""
+    return _EVENT_DECODER.decode(raw)
 
 
 def block_tokens(ev: BlockStored) -> list[tuple[TokenIdExt, ...]]:

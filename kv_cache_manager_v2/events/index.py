@@ -1,0 +1,308 @@
+"""One replica's cache as a router sees it: a radix tree of block hashes rebuilt from its events.
+
+:class:`ReplicaIndex` applies a replica's wire events and answers ``match_length(tokens, scope)``
+with the same rule as the replica's ``probe_reuse``: walk full blocks by hash, pick a partially
+matching child by longest common token prefix among those holding a page of every attention layer
+group, then shorten until every layer group holds the pages the match needs (full attention: every
+block; sliding window: sinks and the window; recurrent: a snapshot at the last block). An event
+with impossible values (a negative or unknown layer group, a window below one token, hashes outside
+64 bits, a block size other than the replica's) is refused whole: it changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .._common import DEFAULT_REUSE_SCOPE, ReuseScope, TokenIdExt
+from .._events import LayerGroupSpec, block_hash
+from .._layers._policy import LayerGroup
+from .._life_cycle_registry import announced_layer_group
+from .._reuse._keys import BlockHasher, scope_key
+from .schema import AllBlocksCleared, AnyWireEvent, BlockMoved, BlockRemoved, BlockStored, KVEventBatch, block_tokens
+
+#: block hashes are unsigned 64-bit ints
+HASH_LIMIT = 1 << 64
+#: layer group ids are small ints >= 0 (a replica numbers its groups densely from 0)
+GROUP_LIMIT = 1 << 16
+
+
+def prompt_block_hashes(
+    tokens: Sequence[TokenIdExt], tokens_per_block: int, reuse_scope: ReuseScope | None = None
+) -> list[int]:
+    """The 64-bit hashes a replica reports for the blocks of ``tokens`` (the last may be partial)."""
+    scope = reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE
+    return [block_hash(k) for k in BlockHasher(tokens, tokens_per_block, "tokens").chain(scope_key(scope))]
+
+
+class _Node:
+    __slots__ = ("by_first", "children", "groups", "hash", "parent", "tokens")
+
+    def __init__(self, block_hash: int, parent: _Node | None, tokens: tuple[TokenIdExt, ...]) -> None:
+        self.hash = block_hash
+        self.parent = parent
+        self.tokens = tokens
+        self.children: dict[int, _Node] = {}
+        self.by_first: dict[TokenIdExt, list[_Node]] = {}
+        #: layer group -> medium holding its page
+        self.groups: dict[int, str | None] = {}
+
+
+class ReplicaIndex:
+    """What one replica caches, rebuilt from its events.
+
+    ``tokens_per_block`` and the layer groups are learnt from ``BlockStored`` events; pass them
+    (e.g. ``event_manager.layer_groups``) to match exactly before every group has stored a block,
+    and to refuse events for a group the replica does not have (learning, a store for a group that
+    does not exist would make every match need it).
+    """
+
+    def __init__(
+        self,
+        tokens_per_block: int | None = None,
+        groups: Sequence[LayerGroupSpec] = (),
+        enable_partial_reuse: bool = True,
+    ) -> None:
+        self._given_tokens_per_block = tokens_per_block
+        self._given_groups = tuple(groups)
+        self.enable_partial_reuse = enable_partial_reuse
+        self.tokens_per_block = tokens_per_block
+        self.groups: dict[int, LayerGroup] = {}
+        self._nodes: dict[int, _Node] = {}
+        self._roots: dict[tuple[int | None, int | None], _Node] = {}  # (scope hash, lora id)
+        self.reset()
+        #: wire events applied so far
+        self.num_events = 0
+
+    # ------------------------------------------------------------------ applying events
+    def apply_batch(self, batch: KVEventBatch) -> None:
+        """:meth:`apply` the events of ``batch``."""
+        self.apply(batch.events)
+
+    def apply(self, events: Sequence[AnyWireEvent]) -> None:
+        """Apply ``events`` in order; an impossible event raises ``ValueError`` (the events before it
+        are applied, it and the ones after are not)."""
+        for ev in events:
+            self.apply_event(ev)
+
+    def apply_event(self, ev: AnyWireEvent) -> None:
+        """Apply one event; ``ValueError`` (and no change) when it holds impossible values."""
+        if isinstance(ev, BlockStored):
+            self._stored(ev)
+        elif isinstance(ev, BlockRemoved):
+            g = self._check_target(ev.block_hashes, ev.group_idx)
+            for h in ev.block_hashes:
+                self._removed(h, g)
+        elif isinstance(ev, BlockMoved):
+            g = self._check_target(ev.block_hashes, ev.group_idx)
+            for h in ev.block_hashes:
+                node = self._nodes.get(h)
+                if node is not None and g in node.groups:
+                    node.groups[g] = ev.medium
+        elif isinstance(ev, AllBlocksCleared):
+            self.clear()
+        self.num_events += 1
+
+    def clear(self) -> None:
+        """Forget every block (AllBlocksCleared)."""
+        self._nodes.clear()
+        self._roots.clear()
+
+    def reset(self) -> None:
+        """Forget every block and what was learnt of the replica (block size, layer groups) beyond
+        what the constructor was given: a restarted replica may use other ones."""
+        self.clear()
+        self.tokens_per_block = self._given_tokens_per_block
+        self.groups = {}
+        for spec in self._given_groups:
+            self._learn_group(spec.group_idx, spec.kind, spec.window_size, spec.num_sink_blocks)
+
+    def _learn_group(self, group: int, kind: str, window: int | None, sinks: int) -> None:
+        if group not in self.groups:
+            self.groups[group] = announced_layer_group(kind, window, sinks, self.tokens_per_block or 1)
+
+    def _check_target(self, hashes: Sequence[int], group_idx: int | None) -> int:
+        """The layer group an event names (None: 0), checked with its block hashes."""
+        g = 0 if group_idx is None else group_idx
+        if not 0 <= g < GROUP_LIMIT or (self._given_groups and g not in self.groups):
+            allowed = sorted(self.groups) if self._given_groups else f"[0, {GROUP_LIMIT})"
+            raise ValueError(f"group_idx {g} is not a layer group of the replica (allowed: {allowed})")
+        if hashes and not (min(hashes) >= 0 and max(hashes) < HASH_LIMIT):
+            raise ValueError(f"block hashes must be unsigned 64-bit ints, got {min(hashes)} .. {max(hashes)}")
+        return g
+
+    def _check_stored(self, event: BlockStored) -> tuple[int, str, int | None, int]:
+        """``(group, kind, window, sinks)`` of a ``BlockStored``, every value checked."""
+        t = event.block_size
+        n = len(event.block_hashes)
+        if t < 1 or n == 0 or not (n - 1) * t < len(event.token_ids) <= n * t:
+            raise ValueError(
+                f"malformed BlockStored: {n} block hash(es), {len(event.token_ids)} token(s), block_size {t}"
+            )
+        if self.tokens_per_block is not None and t != self.tokens_per_block:
+            raise ValueError(f"BlockStored with block_size {t}, the replica's is {self.tokens_per_block}")
+        group = self._check_target(event.block_hashes, event.group_idx)
+        for name, h in (("parent_block_hash", event.parent_block_hash), ("scope_hash", event.scope_hash)):
+            if h is not None and not 0 <= h < HASH_LIMIT:
+                raise ValueError(f"{name} must be an unsigned 64-bit int, got {h}")
+        kind = event.kv_cache_spec_kind
+        window = event.kv_cache_spec_sliding_window if kind == "sliding_window" else None
+        sinks = event.num_sink_blocks or 0
+        if kind == "sliding_window" and (window is None or window < 1):
+            raise ValueError(f"a sliding-window group needs a window of at least 1 token, got {window}")
+        if sinks < 0:
+            raise ValueError(f"num_sink_blocks must be >= 0, got {sinks}")
+        known = self.groups.get(group)
+        if known is None:
+            announced_layer_group(kind or "full_attention", window, sinks, t)  # an unknown kind raises
+        elif kind is not None and (kind, window, sinks) != (known.kind, known.window_size, known.num_sink_blocks):
+            raise ValueError(
+                f"BlockStored announces group {group} as {kind} (window {window}, {sinks} sink blocks), "
+                f"it was {known.kind} (window {known.window_size}, {known.num_sink_blocks} sink blocks)"
+            )
+        return group, kind or "full_attention", window, sinks
+
+    def _stored(self, event: BlockStored) -> None:
+        group, kind, window, sinks = self._check_stored(event)
+        t = event.block_size
+        if self.tokens_per_block is None:
+            self.tokens_per_block = t
+            self.groups = {
+                g: announced_layer_group(lc.kind, lc.window_size, lc.num_sink_blocks, t)
+                for g, lc in self.groups.items()
+            }
+        self._learn_group(group, kind, window, sinks)
+        if event.parent_block_hash is None:
+            key = (event.scope_hash, event.lora_id)
+            parent = self._roots.get(key)
+            if parent is None:
+                parent = self._roots[key] = _Node(-1, None, ())
+        else:
+            found = self._nodes.get(event.parent_block_hash)
+            if found is None:
+                return  # its parent is gone (or was never seen): unreachable, as on the replica
+            parent = found
+        for block, toks in zip(event.block_hashes, block_tokens(event)):
+            node = self._nodes.get(block)
+            if node is None:
+                node = self._nodes[block] = _Node(block, parent, toks)
+                parent.children[block] = node
+                parent.by_first.setdefault(toks[0], []).append(node)
+            node.groups[group] = event.medium
+            parent = node
+
+    def _removed(self, block_hash: int, group: int) -> None:
+        node = self._nodes.get(block_hash)
+        if node is None:
+            return
+        node.groups.pop(group, None)
+        self._prune(node)
+
+    def _prune(self, node: _Node) -> None:
+        """Drop nodes with no page and no children, upward (a replica keeps them only as chain links)."""
+        n: _Node | None = node
+        while n is not None and n.parent is not None and not n.groups and not n.children:
+            parent = n.parent
+            del parent.children[n.hash]
+            lst = parent.by_first[n.tokens[0]]
+            lst.remove(n)
+            if not lst:
+                del parent.by_first[n.tokens[0]]
+            del self._nodes[n.hash]
+            n.parent = None
+            n = parent
+        # empty roots stay: cheap, and a replica keeps its roots too
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_blocks(self) -> int:
+        """Blocks known (with a page in some group, or linking to such blocks)."""
+        return len(self._nodes)
+
+    def has_block(self, block_hash: int, group_idx: int | None = None) -> bool:
+        node = self._nodes.get(block_hash)
+        if node is None:
+            return False
+        return bool(node.groups) if group_idx is None else group_idx in node.groups
+
+    def medium_of(self, block_hash: int, group_idx: int = 0) -> str | None:
+        node = self._nodes.get(block_hash)
+        return node.groups.get(group_idx) if node is not None else None
+
+    def match_length(
+        self,
+        tokens: Sequence[TokenIdExt],
+        reuse_scope: ReuseScope | None = None,
+        hashes: Sequence[int] | None = None,
+    ) -> int:
+        """Tokens of ``tokens`` the replica would reuse (what its ``probe_reuse`` returns).
+
+        ``hashes`` (from :func:`prompt_block_hashes`) saves hashing when several indexes are asked.
+        """
+        t = self.tokens_per_block
+        if t is None or len(tokens) == 0:
+            return 0
+        scope = reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE
+        root = self._roots.get((block_hash(scope_key(scope)), scope.lora_id))
+        if root is None:
+            return 0
+        if hashes is None:
+            hashes = prompt_block_hashes(tokens, t, scope)
+        nodes: list[_Node] = []
+        node = root
+        n_full = len(tokens) // t
+        while len(nodes) < n_full:
+            child = node.children.get(hashes[len(nodes)])
+            if child is None:
+                break
+            nodes.append(child)
+            node = child
+        part: _Node | None = None
+        part_len = 0
+        # recurrent groups: a match ends at a block with a snapshot of each (never partial)
+        state_groups = [g for g, lc in self.groups.items() if lc.keeps_live_state]
+        if self.enable_partial_reuse and not state_groups and len(nodes) * t < len(tokens):
+            # the child sharing the most tokens among those with a page of every attention group
+            # (the partial block is the match's last: each group needs it)
+            needed = [g for g, lc in self.groups.items() if not lc.keeps_live_state]
+            rest = tokens[len(nodes) * t : (len(nodes) + 1) * t]
+            for c in node.by_first.get(rest[0], []):
+                n = _common_prefix_len(c.tokens, rest)
+                if n > part_len and all(g in c.groups for g in needed):
+                    part, part_len = c, n
+        while True:
+            if state_groups:
+                n = len(nodes)
+                while n > 0 and any(g not in nodes[n - 1].groups for g in state_groups):
+                    n -= 1
+                del nodes[n:]
+            length = len(nodes) * t + part_len
+            missing = self._first_missing_block(nodes, part, length)
+            if missing < 0:
+                return length
+            del nodes[missing:]
+            part, part_len = None, 0
+
+    def _first_missing_block(self, nodes: list[_Node], part: _Node | None, length: int) -> int:
+        t = self.tokens_per_block
+        assert t is not None
+        nb = (length + t - 1) // t
+        first = -1
+        for g, lc in self.groups.items():
+            beg, end = lc.stale_range(length)
+            for o in range(nb):
+                if beg <= o < end:
+                    continue
+                node = nodes[o] if o < len(nodes) else part
+                if node is None or g not in node.groups:
+                    if first < 0 or o < first:
+                        first = o
+                    break
+        return first
+
+
+def _common_prefix_len(a: Sequence[TokenIdExt], b: Sequence[TokenIdExt]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
