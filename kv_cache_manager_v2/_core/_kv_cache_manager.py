@@ -133,11 +133,12 @@ class KVCacheManager:
             self.num_adopted_pages = 0
             if persist is not None:
                 records, persist.records = persist.records, []
-                self.num_adopted_pages = self._tree.adopt(
+                self.num_adopted_pages, ignored = self._tree.adopt(
                     records,
                     self._storage.levels[CacheLevel(self._storage.persist_level)],
                     self._layout.pool_group_of_layer_group,
                 )
+                persist.ignore(ignored)
         except BaseException:  # e.g. an event manager already attached elsewhere: release what was made
             if self._remote is not None:
                 self._remote.close(0.0)

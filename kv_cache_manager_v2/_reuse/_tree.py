@@ -562,13 +562,16 @@ class ReuseTree(PageDropListener):
         records: list[list[DiskRecord]],
         storages: TypedList[PoolGroupIndex, PoolGroupStorage],
         pool_group_of: TypedList[LayerGroupId, PoolGroupIndex],
-    ) -> int:
+    ) -> tuple[int, list[DiskRecord]]:
         """Publish the pages a persistent disk tier kept from a previous manager: ``records[g]`` are
-        the valid records of pool group ``g`` (slots already taken in ``storages``). A record whose
-        chain of parent blocks does not reach its scope's root through other records, whose layer
-        group is not of that pool group, or which repeats a (block, layer group) has its slot freed.
-        Pages become reusable (DROPPABLE) oldest first, so eviction order follows their write order;
-        subscribers hear of each (stored at the disk medium). Returns the pages adopted."""
+        the valid records of pool group ``g`` (slots already taken in ``storages``), in any order
+        (ancestors are adopted first). A record is ignored and its slot freed when its chain of
+        parent blocks does not reach its scope's root through other records (a missing parent, a
+        cycle, a record of another scope on the way), when it is keyed like a scope's root, when
+        its layer group is not of that pool group, or when it repeats a (block, layer group) or
+        disagrees with the block's first record (parent, tokens). Pages become reusable
+        (DROPPABLE) oldest first, so eviction order follows their write order; subscribers hear
+        of each (stored at the disk medium). Returns the pages adopted and the records ignored."""
         by_key: dict[bytes, list[DiskRecord]] = {}  # a block's records (one per layer group)
         nodes: dict[bytes, Node | None] = {}  # None: a block whose chain does not reach a root
         roots: dict[tuple[int | None, int | None], Node] = {}
@@ -588,6 +591,10 @@ class ReuseTree(PageDropListener):
         placed: list[Page] = []
         seqs: list[int] = []  # each placed page's write sequence
         rejected: list[DiskRecord] = []
+        for root in roots.values():  # a record keyed like a scope's root is no block
+            rooted = by_key.pop(root.key, None)
+            if rooted is not None:
+                rejected.extend(rooted)
         made: list[Node] = []
         write_through = self.write_through
         self.write_through = None  # what a previous manager wrote is not sent again
@@ -607,7 +614,7 @@ class ReuseTree(PageDropListener):
                 self.prune(node)
         for root in roots.values():
             self.prune(root)
-        return len(placed)
+        return len(placed), rejected
 
     def _adopt_chain(
         self,
@@ -624,20 +631,23 @@ class ReuseTree(PageDropListener):
         """``adopt`` of block ``key`` and of its ancestors not adopted yet, ancestors first (their
         anchors cap the descendants' priorities); a chain that does not reach a root is rejected."""
         chain: list[list[DiskRecord]] = []
+        on_chain: set[bytes] = set()
         k = key
-        while k not in nodes:
+        while k not in nodes and k not in on_chain:
             same = by_key.get(k)
-            if same is None or len(chain) > len(by_key):  # a missing ancestor (or a cycle of bad records)
+            if same is None:  # a missing ancestor
                 break
+            on_chain.add(k)
             chain.append(same)
             k = same[0].parent
-        parent = nodes.get(k)
+        parent = nodes.get(k)  # None: missing, rejected before, or a cycle (``k`` is on the chain)
         if parent is None:
             for same in chain:
                 nodes[same[0].key] = None
                 rejected.extend(same)
             return
         num_layer_groups = len(self.layer_groups)
+        scope = parent.scope
         for same in reversed(chain):
             first = same[0]
             node = Node(first.key, parent, cast(BlockTokens, first.tokens), num_layer_groups)
@@ -650,6 +660,9 @@ class ReuseTree(PageDropListener):
                     layer_group >= num_layer_groups
                     or pool_group_of.items[layer_group] != r.group
                     or node.pages[layer_group] is not None
+                    or (r.lora_id, r.salt) != scope
+                    or r.parent != parent.key
+                    or r.tokens != first.tokens
                 ):
                     rejected.append(r)  # (a second record of one page: its slot is free)
                     continue
