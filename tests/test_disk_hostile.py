@@ -122,17 +122,34 @@ def test_records_that_do_not_form_a_tree_are_ignored_once_and_their_slots_reclai
 
 # ---------------------------------------------------------------- item 5: forked children
 def test_a_forked_child_does_not_keep_the_directory_locked(tmp_path: Any) -> None:
+    """The child even shuts its copy of the manager down: that writes nothing to the parent's files."""
     path = str(tmp_path)
     m = KVCacheManager(config(path))
-    publish(m, seq(1, 2 * T))
-    read, write = os.pipe()
+    publish(m, seq(1, 2 * T))  # on the GPU: a shutdown would write it back to disk
+
+    def contents() -> list[bytes]:
+        out = []
+        for name in (POOL, SLOTS):
+            with open(os.path.join(path, name), "rb") as f:
+                out.append(f.read())
+        return out
+
+    before = contents()
+    done_r, done_w = os.pipe()
+    go_r, go_w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: waits for the parent's word, touches nothing
-        os.close(write)
-        os.read(read, 1)
-        os._exit(0)
-    os.close(read)
+    if pid == 0:  # the child
+        code = 0
+        try:
+            m.shutdown()
+        except BaseException:
+            code = 1
+        os.write(done_w, b"x")
+        os.read(go_r, 1)  # lives on until the parent's word
+        os._exit(code)
     try:
+        assert os.read(done_r, 1) == b"x"
+        assert contents() == before
         with pytest.raises(LogicError, match=f"process {os.getpid()} holds"):
             KVCacheManager(config(path))  # refused while the parent holds it: the error names it
         m.shutdown()
@@ -141,8 +158,10 @@ def test_a_forked_child_does_not_keep_the_directory_locked(tmp_path: Any) -> Non
         assert m2.num_adopted_pages == 2 and reused(m2, seq(1, 2 * T)) == 2 * T
         m2.shutdown()
     finally:
-        os.close(write)
-        os.waitpid(pid, 0)
+        os.write(go_w, b"x")
+        assert os.waitpid(pid, 0)[1] == 0
+        for fd in (done_r, done_w, go_r, go_w):
+            os.close(fd)
 
 
 def test_a_child_forked_by_a_killed_process_does_not_keep_the_directory_locked(tmp_path: Any) -> None:
