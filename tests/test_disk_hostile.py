@@ -226,6 +226,20 @@ def test_symlinks_named_like_our_files_are_refused_and_their_targets_untouched(
     KVCacheManager(config(path)).shutdown()  # the lock was given back
 
 
+@pytest.mark.parametrize("name", [LOCK, SLOTS, POOL])
+def test_a_hard_link_named_like_our_files_is_refused_and_its_other_name_untouched(tmp_path: Any, name: str) -> None:
+    path = str(tmp_path / "tier")
+    os.mkdir(path)
+    other = str(tmp_path / "precious")
+    with open(other, "wb") as f:
+        f.write(b"precious " * 1000)
+    os.link(other, os.path.join(path, name))
+    with pytest.raises(ValueError, match=re.escape(os.path.join(path, name)) + ".*1 other hard link"):
+        KVCacheManager(config(path))
+    with open(other, "rb") as f:
+        assert f.read() == b"precious " * 1000
+
+
 @pytest.mark.parametrize("name", [LOCK, SLOTS, POOL, "kvcm-g3.slots"])
 @pytest.mark.parametrize("kind", ["directory", "fifo"])
 def test_a_directory_or_fifo_named_like_our_files_is_a_clear_error_or_left_alone(

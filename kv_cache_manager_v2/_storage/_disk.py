@@ -51,7 +51,7 @@ def refuse_unusable(name: str) -> None:
     except FileNotFoundError:
         return
     mode = st.st_mode
-    if stat.S_ISREG(mode) and st.st_nlink == 1:
+    if stat.S_ISREG(mode) and st.st_nlink <= 1:
         return
     if stat.S_ISREG(mode):
         what = f"a file with {st.st_nlink - 1} other hard link(s)"
@@ -81,7 +81,7 @@ def open_file(name: str) -> int:
         refuse_unusable(name)  # (replaced since it was checked)
         raise
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
         os.close(fd)
         refuse_unusable(name)
         raise ValueError(f"the persistent disk tier's path {name} is not a regular file of its own")
