@@ -211,11 +211,11 @@ def check_disk_space(cfg: DiskCacheTierConfig, layout: StorageLayout, slots: lis
         for g, group in enumerate(layout.pool_groups):
             for p in range(len(group.slot_sizes)):
                 try:
-                    st = os.lstat(pool_file(cfg.path, g, p))
+                    info = os.lstat(pool_file(cfg.path, g, p))
                 except FileNotFoundError:
                     continue
-                if stat.S_ISREG(st.st_mode):  # (a link or device named like it is refused later)
-                    have += st.st_blocks * 512
+                if stat.S_ISREG(info.st_mode):  # (a link or device named like it is refused later)
+                    have += info.st_blocks * 512
     st = os.statvfs(cfg.path)
     free = st.f_bavail * st.f_frsize
     if need > free + have:
