@@ -21,8 +21,8 @@ old-and-valid or unusable (a miss), never torn-and-served. A file of another lay
 checksum algorithm or namespace is ignored (one warning) and overwritten.
 
 Only exact names of this format are ever opened, truncated or deleted, and only as regular files:
-a symbolic link, directory, FIFO or device named like one is refused (``ValueError`` naming it), and
-other files (``kvcm-g0-p0.pool.bak``) are left alone.
+a symbolic link, directory, FIFO, device or file with other hard links named like one is refused
+(``ValueError`` naming it), and other files (``kvcm-g0-p0.pool.bak``) are left alone.
 """
 
 from __future__ import annotations
@@ -284,6 +284,8 @@ class PersistentDisk:
         out: list[DiskRecord] = []
         for first in range(0, num_slots, per):
             data = os.pread(files.fd, min(per, num_slots - first) * size, HEADER_BYTES + first * size)
+            if len(data) % size:  # a file cut inside a record: the part is no record
+                data = data[: len(data) - len(data) % size]
             self._parse_records(files, data, first, out)
         return out
 
