@@ -353,38 +353,9 @@ def test_the_record_file_is_allocated_up_front(tmp_path: Any) -> None:
         m.shutdown()
 
 
-def test_failed_record_writes_are_counted_and_warned_once(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    path = str(tmp_path)
-    real = os.pwrite
-    failed = [0]
-
-    def full(fd: int, data: Any, offset: int) -> int:  # the record file's writes fail: disk full
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".slots"):
-            failed[0] += 1
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, data, offset)
-
-    m = KVCacheManager(config(path, gpu=4, disk=32))
-    monkeypatch.setattr(os, "pwrite", full)
-    with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
-        for r in range(6):
-            publish(m, seq(r, 2 * T))  # the older prompts' blocks go down to the disk tier
-        m.shutdown()
-    monkeypatch.setattr(os, "pwrite", real)
-    assert failed[0] >= 12
-    said = [s for s in warnings_of(caplog) if "record" in s]
-    assert len(said) == 1 and path in said[0] and "No space left" in said[0], said
-    m2 = KVCacheManager(config(path, gpu=4, disk=32))
-    try:
-        assert m2.num_adopted_pages == 0  # nothing was recorded
-    finally:
-        m2.shutdown()
-
-
-def test_failed_record_writes_reach_io_errors(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = str(tmp_path)
+def fail_record_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make every write to a record file fail as on a full disk (data files are written as usual);
+    returns the count of failed writes, kept up to date (``monkeypatch.undo()`` ends it)."""
     real = os.pwrite
     failed = [0]
 
@@ -394,14 +365,29 @@ def test_failed_record_writes_reach_io_errors(tmp_path: Any, monkeypatch: pytest
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd, data, offset)
 
+    monkeypatch.setattr(os, "pwrite", full)
+    return failed
+
+
+def test_failed_record_writes_are_counted_and_warned_once(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(tmp_path)
     m = KVCacheManager(config(path, gpu=4, disk=32))
-    try:
-        monkeypatch.setattr(os, "pwrite", full)
+    failed = fail_record_writes(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
         for r in range(4):
-            publish(m, seq(r, 2 * T))
-        monkeypatch.setattr(os, "pwrite", real)
+            publish(m, seq(r, 2 * T))  # the older prompts' blocks go down to the disk tier
         assert failed[0] >= 4
         assert m.get_tier_statistics(DISK).io_errors == failed[0]
         assert m.take_iteration_stats()[1].io_errors == failed[0]
+        m.shutdown()  # the rest is written back: its records fail too
+    monkeypatch.undo()
+    assert failed[0] >= 8
+    said = [s for s in warnings_of(caplog) if "record" in s]
+    assert len(said) == 1 and path in said[0] and "No space left" in said[0], said
+    m2 = KVCacheManager(config(path, gpu=4, disk=32))
+    try:
+        assert m2.num_adopted_pages == 0  # nothing was recorded
     finally:
-        m.shutdown()
+        m2.shutdown()
