@@ -175,7 +175,9 @@ class RemoteCacheTierConfig:
       replies; with a cluster, per node), and of each connect; a slow, dead or trickling server
       turns into misses after it.
     - ``dtype``: the KV data type (e.g. ``"bf16"``), part of the layout fingerprint.
-    - ``write_through``: also write every published full block (not only pages dropped locally).
+    - ``write_through``: also write every published full block (not only pages dropped locally),
+      handed to the background writer at the next page allocation, at the latest when the request
+      that published it closes.
     - ``ttl_s``: expiry of written keys (None: keys stay until the server evicts them).
     - ``max_pending_bytes``: bound of the background write queue, a ring of this many bytes mapped
       (resident) at start-up; writes beyond it are dropped (counted). A last local tier below

@@ -11,6 +11,9 @@ Modes:
 - ``churn``: publish new prompts and evict them to disk in a loop until killed, printing
   ``ready`` once the first round is on disk (the parent kills it with SIGKILL mid-writes).
 - ``hold``: open the directory, print ``ready`` and wait to be killed.
+- ``fork``: publish every prompt and move its blocks down to the disk tier, start a
+  ``multiprocessing`` child with the "fork" method (it sleeps), print ``ready <child pid>`` and
+  wait to be killed.
 
 Prints one JSON line (``read``/``publish``).
 """
@@ -18,6 +21,7 @@ Prints one JSON line (``read``/``publish``).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -100,6 +104,16 @@ def main() -> None:
                 print("ready", flush=True)
     elif mode == "hold":
         print("ready", flush=True)
+        time.sleep(600)
+    elif mode == "fork":
+        for toks in prompts:
+            publish(m, engine, toks)
+        hog = m.create_kv_cache()  # takes every GPU slot: the published blocks go down to disk
+        assert hog.resume() and hog.resize(int(spec.get("gpu", 4)) * T)
+        hog.close()
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+        child.start()
+        print(f"ready {child.pid}", flush=True)
         time.sleep(600)
     m.shutdown()
     print(json.dumps(out), flush=True)

@@ -240,6 +240,25 @@ def test_a_prefix_published_by_one_manager_is_reused_by_another(
     assert c.flush_remote_writes() and sc is not None and sc.queued_writes == 0 and sc.written_pages == 0
 
 
+def test_write_through_sends_a_requests_blocks_when_it_closes(
+    redis_server: LocalRedisServer, managers: Factory
+) -> None:
+    """Write-through hands a request's published blocks to the writer by the time ``close()``
+    returns: an idle engine (no later allocation, no flush, no statistics) still shares them."""
+    a = managers(redis_server.url, write_through=True)
+    toks = seq(6, 3 * T + 2)
+    kv = a.create_kv_cache(None, None)
+    assert kv.resume()
+    compute(FakeEngine(a), kv, toks, len(toks))  # committed: three full blocks published
+    kv.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(remote_keys(redis_server)) < 3:
+        time.sleep(0.02)
+    assert len(remote_keys(redis_server)) == 3
+    b = managers(redis_server.url)
+    assert reuse(b, toks[: 3 * T] + [1]) == 3 * T
+
+
 def test_extends_a_local_match_and_fills_missing_pages(redis_server: LocalRedisServer, managers: Factory) -> None:
     a = managers(redis_server.url, write_through=True)
     b = managers(redis_server.url)

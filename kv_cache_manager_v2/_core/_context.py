@@ -142,7 +142,7 @@ class CacheContext:
         Tree nodes and pages are not tracked by the cyclic garbage collector (see ``Node``), so
         this is also what breaks their reference cycles when a manager goes away."""
         storage = self.storage
-        if storage.persist is not None:
+        if storage.persist is not None and storage.persist.owned:  # (not in a forked child)
             try:
                 storage.write_back()  # what the GPU and host tiers hold survives the restart too
             except Exception as e:  # (a driver error): the memory must still be given back

@@ -249,7 +249,8 @@ class KVCache(RequestState):
 
     def close(self) -> None:
         """Publish the partial last block (unless ``stop_committing()`` came first) and release
-        every page; committed pages stay reusable. Idempotent; also runs on garbage collection."""
+        every page; committed pages stay reusable (with a write-through remote tier, its published
+        full blocks are handed to the writer now). Idempotent; also runs on garbage collection."""
         if self._status is KVCacheStatus.CLOSED:
             return
         ctx = self._ctx
@@ -261,6 +262,7 @@ class KVCache(RequestState):
 
     def _close(self) -> None:
         close_pages(self)
+        self._ctx.storage.flush_write_through()  # its published blocks go to the remote writer now
         ref = self._rawref
         if ref is not None:
             self._ctx.cache_closed(ref)

@@ -37,6 +37,7 @@ from .._exceptions import LogicError
 from .._layers._policy import LayerGroup
 from .._life_cycle_registry import LayerGroupRegistry
 from .._page_index import PageIndexConverter
+from .._reuse._adopt import adopt_records
 from .._reuse._remote_fill import RemoteFill
 from .._reuse._tree import ReuseTree
 from .._storage._backend import MemoryBackend
@@ -134,11 +135,13 @@ class KVCacheManager:
             self.num_adopted_pages = 0
             if persist is not None:
                 records, persist.records = persist.records, []
-                self.num_adopted_pages = self._tree.adopt(
+                self.num_adopted_pages, ignored = adopt_records(
+                    self._tree,
                     records,
                     self._storage.levels[CacheLevel(self._storage.persist_level)],
                     self._layout.pool_group_of_layer_group,
                 )
+                persist.ignore(ignored)
         except BaseException:  # e.g. an event manager already attached elsewhere: release what was made
             if self._remote is not None:
                 self._remote.close(0.0)

@@ -16,17 +16,14 @@ from .._common import (
     BlockTokens,
     CacheLevel,
     LayerGroupId,
-    PoolGroupIndex,
     Priority,
     RequestSerial,
     ReuseScope,
-    SlotId,
     TokenIdExt,
 )
 from .._events import NOT_MOVED, BlockStoredEvent, KVCacheEventManager
 from .._layers._policy import LayerGroup
-from .._page import Page, PoolGroupStorage
-from .._storage._persist import DiskRecord
+from .._page import Page
 from .._storage._storage_manager import PageDropListener, StorageManager
 from .._typed import TypedList
 from ._keys import BlockHasher, BlockKey, block_key, scope_key, validate_tokens
@@ -555,113 +552,6 @@ class ReuseTree(PageDropListener):
         wt = self.write_through
         if wt is not None and len(node.tokens) == self.tokens_per_block and not page.remote_copy:
             wt.queue_write_through(page)
-
-    # ------------------------------------------------------------------ a persistent disk tier
-    def adopt(
-        self,
-        records: list[list[DiskRecord]],
-        storages: TypedList[PoolGroupIndex, PoolGroupStorage],
-        pool_group_of: TypedList[LayerGroupId, PoolGroupIndex],
-    ) -> int:
-        """Publish the pages a persistent disk tier kept from a previous manager: ``records[g]`` are
-        the valid records of pool group ``g`` (slots already taken in ``storages``). A record whose
-        chain of parent blocks does not reach its scope's root through other records, whose layer
-        group is not of that pool group, or which repeats a (block, layer group) has its slot freed.
-        Pages become reusable (DROPPABLE) oldest first, so eviction order follows their write order;
-        subscribers hear of each (stored at the disk medium). Returns the pages adopted."""
-        by_key: dict[bytes, list[DiskRecord]] = {}  # a block's records (one per layer group)
-        nodes: dict[bytes, Node | None] = {}  # None: a block whose chain does not reach a root
-        roots: dict[tuple[int | None, int | None], Node] = {}
-        for found in records:
-            for r in found:
-                same = by_key.get(r.key)
-                if same is None:
-                    by_key[r.key] = rawref.untrack([r])  # (records hold no containers: nothing for the GC)
-                else:
-                    same.append(r)
-                ident = (r.lora_id, r.salt)
-                if ident not in roots:
-                    root = self.root(ReuseScope(r.lora_id, r.salt), True)
-                    assert root is not None
-                    roots[ident] = root
-                    nodes[root.key] = root
-        placed: list[Page] = []
-        seqs: list[int] = []  # each placed page's write sequence
-        rejected: list[DiskRecord] = []
-        made: list[Node] = []
-        write_through = self.write_through
-        self.write_through = None  # what a previous manager wrote is not sent again
-        try:
-            for found in records:
-                for r in found:
-                    if r.key not in nodes:
-                        self._adopt_chain(r.key, by_key, nodes, storages, pool_group_of, placed, seqs, rejected, made)
-        finally:
-            self.write_through = write_through
-        for r in rejected:
-            storages.items[r.group].allocator.free(SlotId(r.slot))
-        for i in sorted(range(len(placed)), key=seqs.__getitem__):  # oldest first: evictors keep write order
-            placed[i].release(True)
-        for node in made:  # nodes none of whose records could be placed
-            if node.parent is not None and node.is_removable:
-                self.prune(node)
-        for root in roots.values():
-            self.prune(root)
-        return len(placed)
-
-    def _adopt_chain(
-        self,
-        key: bytes,
-        by_key: dict[bytes, list[DiskRecord]],
-        nodes: dict[bytes, Node | None],
-        storages: TypedList[PoolGroupIndex, PoolGroupStorage],
-        pool_group_of: TypedList[LayerGroupId, PoolGroupIndex],
-        placed: list[Page],
-        seqs: list[int],
-        rejected: list[DiskRecord],
-        made: list[Node],
-    ) -> None:
-        """``adopt`` of block ``key`` and of its ancestors not adopted yet, ancestors first (their
-        anchors cap the descendants' priorities); a chain that does not reach a root is rejected."""
-        chain: list[list[DiskRecord]] = []
-        k = key
-        while k not in nodes:
-            same = by_key.get(k)
-            if same is None or len(chain) > len(by_key):  # a missing ancestor (or a cycle of bad records)
-                break
-            chain.append(same)
-            k = same[0].parent
-        parent = nodes.get(k)
-        if parent is None:
-            for same in chain:
-                nodes[same[0].key] = None
-                rejected.extend(same)
-            return
-        num_layer_groups = len(self.layer_groups)
-        for same in reversed(chain):
-            first = same[0]
-            node = Node(first.key, parent, cast(BlockTokens, first.tokens), num_layer_groups)
-            parent.add_child(node)
-            nodes[first.key] = node
-            empty = True
-            for r in same:
-                layer_group = r.layer_group
-                if (
-                    layer_group >= num_layer_groups
-                    or pool_group_of.items[layer_group] != r.group
-                    or node.pages[layer_group] is not None
-                ):
-                    rejected.append(r)  # (a second record of one page: its slot is free)
-                    continue
-                prio = r.priority if r.priority <= MAX_PRIORITY else MAX_PRIORITY
-                page = Page(storages.items[r.group], SlotId(r.slot), LayerGroupId(layer_group), Priority(prio), True)
-                self._attach(node, layer_group, page, parent.prio_cap, RequestSerial(0))
-                placed.append(page)
-                seqs.append(r.seq)
-                empty = False
-            if empty:
-                made.append(node)
-            parent = node
 
     # ------------------------------------------------------------------ removal
     def page_dropped(self, page: Page) -> None:

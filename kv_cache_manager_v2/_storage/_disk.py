@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import tempfile
 import zlib
 from array import array
@@ -41,6 +42,69 @@ CHECKSUM_IDS: Final = {"crc32c": 1, "crc32": 2}
 NO_CHECKSUM: Final = -1
 
 
+def refuse_unusable(name: str) -> None:
+    """``ValueError`` naming ``name`` when it exists and is not a regular file of ours alone (a
+    symbolic link, a directory, a FIFO, a socket, a device, a file with other hard links): a
+    persistent tier never follows, truncates nor replaces such a path."""
+    try:
+        st = os.lstat(name)
+    except FileNotFoundError:
+        return
+    mode = st.st_mode
+    if stat.S_ISREG(mode) and st.st_nlink <= 1:
+        return
+    if stat.S_ISREG(mode):
+        what = f"a file with {st.st_nlink - 1} other hard link(s)"
+    elif stat.S_ISLNK(mode):
+        what = "a symbolic link"
+    elif stat.S_ISDIR(mode):
+        what = "a directory"
+    elif stat.S_ISFIFO(mode):
+        what = "a FIFO"
+    elif stat.S_ISSOCK(mode):
+        what = "a socket"
+    else:
+        what = "a device"
+    raise ValueError(
+        f"the persistent disk tier's path {name} is {what}, not a regular file: it is never followed, "
+        "truncated nor replaced; remove it or choose another directory"
+    )
+
+
+def open_file(name: str) -> int:
+    """Open ``name`` read-write for a persistent disk tier, creating it (mode 0600): never through
+    a symbolic link, and only a regular file of ours alone (``ValueError`` naming it otherwise)."""
+    refuse_unusable(name)
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        refuse_unusable(name)  # (replaced since it was checked)
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+        os.close(fd)
+        refuse_unusable(name)
+        raise ValueError(f"the persistent disk tier's path {name} is not a regular file of its own")
+    return fd
+
+
+def allocate(fd: int, offset: int, nbytes: int, directory: str) -> None:
+    """Reserve ``nbytes`` of file ``fd`` from ``offset`` on (``posix_fallocate``; extended without
+    reserving on a file system that cannot): ``OutOfMemoryError`` when the disk cannot hold them."""
+    try:
+        os.posix_fallocate(fd, offset, nbytes)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise OutOfMemoryError(
+                f"the disk tier could not allocate {offset + nbytes} bytes in {directory} ({e.strerror}); "
+                "lower the tier's quota or free space there"
+            ) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        if os.fstat(fd).st_size < offset + nbytes:
+            os.ftruncate(fd, offset + nbytes)  # no fallocate here (e.g. some network file systems)
+
+
 class DiskPool(Pool):
     """A file created owner-only (mode 0600) in ``directory`` and unlinked at once: nobody else can
     open it, and it disappears with the process (a persistent tier passes ``file_path``: that file is
@@ -56,7 +120,7 @@ class DiskPool(Pool):
             fd, path = tempfile.mkstemp(prefix="kv-cache-", suffix=".pool", dir=directory)
             os.unlink(path)
         else:  # a persistent tier's file: kept, its bytes read back by the next manager
-            fd = os.open(file_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = open_file(file_path)
         self.fd = fd
         self.medium = FILE
         self.directory = directory
@@ -86,17 +150,7 @@ class DiskPool(Pool):
     def ensure_mapped(self, nbytes: int) -> None:
         if nbytes <= self._size:
             return
-        try:
-            os.posix_fallocate(self.fd, self._size, nbytes - self._size)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                raise OutOfMemoryError(
-                    f"the disk tier could not allocate {nbytes} bytes in {self.directory} ({e.strerror}); "
-                    "lower the tier's quota or free space there"
-                ) from None
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                raise
-            os.ftruncate(self.fd, nbytes)  # no fallocate here (e.g. some network file systems)
+        allocate(self.fd, self._size, nbytes - self._size, self.directory)
         self._size = nbytes
         slots = nbytes // self.slot_size
         if slots > len(self.sums):

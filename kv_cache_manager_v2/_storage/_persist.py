@@ -5,6 +5,8 @@ the published blocks a previous one left there.
 Files in the tier's directory:
 
 - ``kvcm-disk.lock``: ``flock``-ed by the manager using the directory; a second opener is refused.
+  A process forked from it closes its copies of the lock and records at once (``register_at_fork``):
+  a child never keeps the directory locked after its parent is gone.
 - ``kvcm-g<group>-p<pool>.pool``: the slots' bytes (as in a private disk pool).
 - ``kvcm-g<group>.slots``: a 4 KiB header (magic, format version, checksum algorithm, pool group,
   layout fingerprint, namespace digest, slot sizes digest, record size, tokens per block), then one
@@ -17,16 +19,20 @@ is valid only when its own checksum matches, and a slot is served only when its 
 checksum its record names (verified at every read). A process killed anywhere leaves each slot
 old-and-valid or unusable (a miss), never torn-and-served. A file of another layout, format version,
 checksum algorithm or namespace is ignored (one warning) and overwritten.
+
+Only exact names of this format are ever opened, truncated or deleted, and only as regular files:
+a symbolic link, directory, FIFO, device or file with other hard links named like one is refused
+(``ValueError`` naming it), and other files (``kvcm-g0-p0.pool.bak``) are left alone.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import glob
 import hashlib
 import logging
 import os
+import re
 import struct
 from array import array
 from typing import Final
@@ -34,8 +40,8 @@ from typing import Final
 import rawref
 
 from .._config import DiskCacheTierConfig
-from .._exceptions import LogicError
-from ._disk import CHECKSUM_IDS, CHECKSUM_NAME, checksum
+from .._exceptions import LogicError, OutOfMemoryError
+from ._disk import CHECKSUM_IDS, CHECKSUM_NAME, allocate, checksum, open_file, refuse_unusable
 
 LOG = logging.getLogger("kv_cache_manager_v2")
 
@@ -52,11 +58,18 @@ RECORD_MAGIC: Final = b"KVR1"
 #: magic, flags (1: LoRA id, 2: salt), priority, layer group, tokens, reserved, LoRA id, salt,
 #: sequence, parent key, block key; then one checksum per pool, the token ids, the record checksum
 RECORD_HEAD: Final = struct.Struct("<4sBBHHHQQQ32s32s")
+#: the names of the data and record files (``pool_file``, ``records_file``): nothing else is deleted
+OUR_NAME: Final = re.compile(r"kvcm-g(?:0|[1-9][0-9]*)(?:-p(?:0|[1-9][0-9]*)\.pool|\.slots)")
 
 
 def pool_file(path: str, group: int, pool: int) -> str:
     """The data file of ``pool`` of pool group ``group`` in a persistent tier's directory."""
     return os.path.join(path, f"kvcm-g{group}-p{pool}.pool")
+
+
+def records_file(path: str, group: int) -> str:
+    """The slot records of pool group ``group`` in a persistent tier's directory."""
+    return os.path.join(path, f"kvcm-g{group}.slots")
 
 
 def record_size(num_pools: int, tokens_per_block: int) -> int:
@@ -129,9 +142,10 @@ class PersistentDisk:
     """The lock, record files and adoption state of one persistent disk tier.
 
     ``groups`` lists, per pool group, its slot sizes (one per pool) and slot count. Construction
-    takes the lock (``LogicError`` if another manager holds it), reads every compatible record
-    file (``records[g]``: the valid records of slots below the slot count) and resets the others;
-    the data files are then opened by the disk pools (``pool_path``).
+    checks every path it will use (``ValueError`` naming one that is not a regular file), takes
+    the lock (``LogicError`` naming the holder's pid if another manager has it), reads every
+    compatible record file (``records[g]``: the valid records of slots below the slot count) and
+    resets the others; the data files are then opened by the disk pools (``pool_path``).
     """
 
     def __init__(
@@ -142,16 +156,21 @@ class PersistentDisk:
         tokens_per_block: int,
     ) -> None:
         self.path = cfg.path
+        for g, (sizes, _) in enumerate(groups):  # before anything is touched
+            refuse_unusable(records_file(cfg.path, g))
+            for p in range(len(sizes)):
+                refuse_unusable(pool_file(cfg.path, g, p))
         self.lock_fd = _take_lock(cfg.path)
         self.files: list[_GroupFiles] = []
         #: per pool group, the valid records loaded at start-up (emptied once adopted)
         self.records: list[list[DiskRecord]] = []
         #: write sequence of the next record (orders adopted pages oldest first)
         self.seq = 1
-        #: record writes that failed (the slot is then just not persisted)
+        #: record writes that failed (the slot is then just not persisted; the tier's io_errors)
         self.num_write_errors = 0
         self._namespace = hashlib.sha256(cfg.namespace.encode()).digest()[:8]
         self._fingerprint = fingerprint
+        _OPEN[id(self)] = self
         ignored_files = ignored_records = 0
         try:
             for g, (sizes, num_slots) in enumerate(groups):
@@ -161,10 +180,7 @@ class PersistentDisk:
                 if foreign >= 0:
                     ignored_files += 1
                     ignored_records += foreign
-            for name in glob.glob(os.path.join(cfg.path, "kvcm-g*")):  # groups or pools this layout lacks
-                if not self._is_ours(os.path.basename(name), groups):
-                    os.unlink(name)
-                    ignored_files += 1
+            ignored_files += self._remove_stale(groups)
         except BaseException:
             self.release()
             raise
@@ -181,12 +197,24 @@ class PersistentDisk:
                 ignored_records,
             )
 
-    @staticmethod
-    def _is_ours(name: str, groups: list[tuple[tuple[int, ...], int]]) -> bool:
+    def _remove_stale(self, groups: list[tuple[tuple[int, ...], int]]) -> int:
+        """Delete the regular files named exactly like a data or record file that this layout
+        lacks (other groups or pools); returns how many. Nothing else in the directory is touched."""
+        ours = {os.path.basename(records_file(self.path, g)) for g in range(len(groups))}
         for g, (sizes, _) in enumerate(groups):
-            if name == f"kvcm-g{g}.slots" or any(name == f"kvcm-g{g}-p{p}.pool" for p in range(len(sizes))):
-                return True
-        return False
+            ours.update(os.path.basename(pool_file(self.path, g, p)) for p in range(len(sizes)))
+        removed = 0
+        for name in os.listdir(self.path):
+            if name in ours or OUR_NAME.fullmatch(name) is None:
+                continue
+            where = os.path.join(self.path, name)
+            try:
+                refuse_unusable(where)
+            except ValueError:
+                continue  # a link, directory, ... named like ours: not ours to delete
+            os.unlink(where)
+            removed += 1
+        return removed
 
     def pool_path(self, group: int, pool: int) -> str:
         return pool_file(self.path, group, pool)
@@ -209,12 +237,15 @@ class PersistentDisk:
     def _open_group(
         self, group: int, sizes: tuple[int, ...], num_slots: int, tokens_per_block: int
     ) -> tuple[_GroupFiles, list[DiskRecord], int]:
-        """Open (or create) group ``group``'s record file; returns it, its valid records, and -1 when the
-        file was ours (or new), else the number of records it held (it was reset)."""
-        name = os.path.join(self.path, f"kvcm-g{group}.slots")
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        """Open (or create) group ``group``'s record file, its space allocated; returns it, its valid
+        records, and -1 when the file was ours (or new), else the number of records it held (it was
+        reset). The group's data files are cut to ``num_slots`` (emptied with a reset)."""
+        fd = open_file(records_file(self.path, group))
         files = _GroupFiles(fd, group, len(sizes), num_slots, tokens_per_block)
+        pools: list[int] = []
         try:
+            for p in range(len(sizes)):
+                pools.append(open_file(self.pool_path(group, p)))
             header = self._header(group, sizes, tokens_per_block)
             old = os.pread(fd, HEADER_BYTES, 0)
             found: list[DiskRecord] = []
@@ -222,28 +253,28 @@ class PersistentDisk:
             if old == header:
                 # a slot beyond a data file's end (a tier resized smaller, a file cut) has no bytes
                 readable = num_slots
-                for p, size in enumerate(sizes):
-                    path = self.pool_path(group, p)
-                    readable = min(readable, os.path.getsize(path) // size if os.path.exists(path) else 0)
+                for pool, size in zip(pools, sizes):
+                    readable = min(readable, os.fstat(pool).st_size // size)
                 found = self._read_records(files, readable)
             elif old:
                 foreign = _count_foreign(fd, old)
-                for p in range(len(sizes)):  # its bytes mean nothing to us: give the space back
-                    path = self.pool_path(group, p)
-                    if os.path.exists(path):
-                        os.truncate(path, 0)
+                for pool in pools:  # its bytes mean nothing to us: give the space back
+                    os.ftruncate(pool, 0)
             end = HEADER_BYTES + num_slots * files.record
             if old != header:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, header, 0)
             os.ftruncate(fd, end)  # records of slots beyond ours are dropped; new ones read as empty
-            for p, size in enumerate(sizes):  # slots beyond ours: reclaimed
-                path = self.pool_path(group, p)
-                if os.path.exists(path) and os.path.getsize(path) > num_slots * size:
-                    os.truncate(path, num_slots * size)
+            allocate(fd, 0, end, self.path)  # a disk filling up later cannot refuse a record
+            for pool, size in zip(pools, sizes):  # slots beyond ours: reclaimed
+                if os.fstat(pool).st_size > num_slots * size:
+                    os.ftruncate(pool, num_slots * size)
         except BaseException:
             os.close(fd)
             raise
+        finally:
+            for pool in pools:
+                os.close(pool)
         return files, found, foreign
 
     def _read_records(self, files: _GroupFiles, num_slots: int) -> list[DiskRecord]:
@@ -253,6 +284,8 @@ class PersistentDisk:
         out: list[DiskRecord] = []
         for first in range(0, num_slots, per):
             data = os.pread(files.fd, min(per, num_slots - first) * size, HEADER_BYTES + first * size)
+            if len(data) % size:  # a file cut inside a record: the part is no record
+                data = data[: len(data) - len(data) % size]
             self._parse_records(files, data, first, out)
         return out
 
@@ -304,6 +337,8 @@ class PersistentDisk:
         """Record that ``slot`` of ``group`` now holds this block's page (its bytes are written and
         ``sums`` are their checksums, one per pool). A failed write is counted, not raised."""
         files = self.files[group]
+        if files.fd < 0:
+            return  # released (a forked child's copy)
         size = files.record
         buf = bytearray(size)
         lora_id, salt = scope
@@ -332,43 +367,95 @@ class PersistentDisk:
         buf[size - 4 :] = checksum(view[: size - 4]).to_bytes(4, "little")
         try:
             os.pwrite(files.fd, buf, HEADER_BYTES + slot * size)
-        except OSError:
-            self.num_write_errors += 1
+        except OSError as e:
+            self._failed(e)
 
     def forget(self, group: int, slot: int) -> None:
         """Invalidate the record of ``slot`` of ``group`` (a page that is not persisted now holds
         it: a previous block's record must not be adopted and then fail its checksum)."""
         files = self.files[group]
+        if files.fd < 0:
+            return
         try:
             os.pwrite(files.fd, bytes(files.record), HEADER_BYTES + slot * files.record)
-        except OSError:
-            self.num_write_errors += 1
+        except OSError as e:
+            self._failed(e)
 
     def forget_all(self) -> None:
         """Invalidate every record (``clear_reusable_blocks``: nothing is adopted after a restart)."""
         for files in self.files:
+            if files.fd < 0:
+                continue
             end = HEADER_BYTES + files.num_slots * files.record
             try:
                 os.ftruncate(files.fd, HEADER_BYTES)
                 os.ftruncate(files.fd, end)
-            except OSError:
-                self.num_write_errors += 1
+                allocate(files.fd, 0, end, self.path)
+            except (OSError, OutOfMemoryError) as e:
+                self._failed(e)
+
+    def ignore(self, records: list[DiskRecord]) -> None:
+        """Erase ``records``, which adoption ignored (their slots are free again), with one warning:
+        the next manager does not meet them again."""
+        if not records:
+            return
+        for r in records:
+            self.forget(r.group, r.slot)
+        LOG.warning(
+            "persistent disk tier %s: ignored %d record(s) that do not fit a tree of blocks (a parent block "
+            "missing or looping, a scope's root key, another scope, layer group or pool group, a second "
+            "record of one page); their slots are reclaimed",
+            self.path,
+            len(records),
+        )
+
+    def _failed(self, e: BaseException) -> None:
+        """A record write failed: counted (the tier's ``io_errors``), the first one logged."""
+        self.num_write_errors += 1
+        if self.num_write_errors == 1:
+            LOG.warning(
+                "persistent disk tier %s: a slot record could not be written (%s); blocks whose records "
+                "fail are served now but not adopted after a restart (counted in the tier's io_errors)",
+                self.path,
+                e.strerror if isinstance(e, OSError) and e.strerror else e,
+            )
+
+    @property
+    def owned(self) -> bool:
+        """Whether this process still holds the directory (False once released, and in a forked child)."""
+        return self.lock_fd >= 0
 
     def release(self) -> None:
         """Close the files and give the lock up (idempotent)."""
+        _OPEN.pop(id(self), None)
         for files in self.files:
             if files.fd >= 0:
                 os.close(files.fd)
                 files.fd = -1
         if self.lock_fd >= 0:
-            os.close(self.lock_fd)  # releases the flock
+            os.close(self.lock_fd)  # the flock goes with the last descriptor of this open file
             self.lock_fd = -1
+
+
+#: the persistent tiers open in this process (by ``id``): a forked child releases its copies at once
+_OPEN: Final[dict[int, PersistentDisk]] = {}
+
+
+def _release_in_child() -> None:
+    """``os.fork`` (``multiprocessing``'s "fork" too) shares the lock's open file with the child, and
+    ``flock`` holds while any descriptor of it is open: the child closes its copies (and stops
+    writing records), so the directory is free once the parent is gone."""
+    for persist in list(_OPEN.values()):
+        persist.release()
+
+
+os.register_at_fork(after_in_child=_release_in_child)
 
 
 def _take_lock(path: str) -> int:
     """Lock ``path`` for this manager: ``LogicError`` naming the holder when another one has it."""
     name = os.path.join(path, LOCK_NAME)
-    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = open_file(name)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

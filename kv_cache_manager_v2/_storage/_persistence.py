@@ -17,7 +17,7 @@ from ._tiers._disk_tier import arm_sums, slot_sums
 
 def take_persisted(persist: PersistentDisk, storages: TypedList[PoolGroupIndex, PoolGroupStorage]) -> None:
     """Mark the slots of the persistent disk tier's valid records used (their pages are made by
-    the manager's ``adopt_persisted``, which frees what it cannot place) and arm their checksums."""
+    ``_reuse._adopt.adopt_records``, which frees what it cannot place) and arm their checksums."""
     for g, found in enumerate(persist.records):
         storage = storages.items[g]
         storage.allocator.take([SlotId(r.slot) for r in found])

@@ -48,6 +48,9 @@ class TrafficStatistics:
             out[6] += group.num_io_errors
             for access, pool in zip(group.media, group.pools):  # handed-off slots the remote writer found damaged
                 out[6] += access.num_unsent(pool)
+        persist = self.storage.persist
+        if persist is not None and level == self.storage.persist_level:
+            out[6] += persist.num_write_errors  # slot records that could not be written
         return out
 
     def _bytes(self, level: int, per_group: list[int]) -> int:

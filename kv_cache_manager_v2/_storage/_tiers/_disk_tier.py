@@ -6,6 +6,7 @@ memory reaches the file through the backend's staging buffer."""
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Sequence
 
 from ..._common import CacheTier
@@ -209,9 +210,12 @@ def check_disk_space(cfg: DiskCacheTierConfig, layout: StorageLayout, slots: lis
     if cfg.persistent:
         for g, group in enumerate(layout.pool_groups):
             for p in range(len(group.slot_sizes)):
-                path = pool_file(cfg.path, g, p)
-                if os.path.exists(path):
-                    have += os.stat(path).st_blocks * 512
+                try:
+                    info = os.lstat(pool_file(cfg.path, g, p))
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(info.st_mode):  # (a link or device named like it is refused later)
+                    have += info.st_blocks * 512
     st = os.statvfs(cfg.path)
     free = st.f_bavail * st.f_frsize
     if need > free + have:

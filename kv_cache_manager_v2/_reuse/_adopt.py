@@ -1,0 +1,169 @@
+"""A persistent disk tier's records published into the reuse tree at start-up: the chains of
+blocks a previous manager left, validated (records are checksummed, not trusted: a crafted or
+damaged directory must neither crash the manager nor leak a slot)."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import rawref
+
+from .._common import (
+    MAX_PRIORITY,
+    BlockTokens,
+    LayerGroupId,
+    PoolGroupIndex,
+    Priority,
+    RequestSerial,
+    ReuseScope,
+    SlotId,
+)
+from .._page import Page, PoolGroupStorage
+from .._storage._persist import DiskRecord
+from .._typed import TypedList
+from ._tree import Node, ReuseTree
+
+
+def adopt_records(
+    tree: ReuseTree,
+    records: list[list[DiskRecord]],
+    storages: TypedList[PoolGroupIndex, PoolGroupStorage],
+    pool_group_of: TypedList[LayerGroupId, PoolGroupIndex],
+) -> tuple[int, list[DiskRecord]]:
+    """Publish the pages a persistent disk tier kept from a previous manager: ``records[g]`` are
+    the valid records of pool group ``g`` (slots already taken in ``storages``), in any order
+    (ancestors are adopted first). A record is ignored and its slot freed when its chain of
+    parent blocks does not reach its scope's root through other records (a missing parent, a
+    cycle, a record of another scope on the way), when it is keyed like a scope's root, when its
+    layer group is not of that pool group, or when it repeats a (block, layer group) or disagrees
+    with the block's first record (parent, tokens). Pages become reusable (DROPPABLE) oldest
+    first, so eviction order follows their write order; subscribers hear of each (stored at the
+    disk medium). Returns the pages adopted and the records ignored."""
+    run = _Adoption(tree, storages, pool_group_of)
+    write_through = tree.write_through
+    tree.write_through = None  # what a previous manager wrote is not sent again
+    try:
+        run.adopt(records)
+    finally:
+        tree.write_through = write_through
+    run.finish()
+    return len(run.placed), run.rejected
+
+
+class _Adoption:
+    """The state of one ``adopt_records``."""
+
+    def __init__(
+        self,
+        tree: ReuseTree,
+        storages: TypedList[PoolGroupIndex, PoolGroupStorage],
+        pool_group_of: TypedList[LayerGroupId, PoolGroupIndex],
+    ) -> None:
+        self.tree = tree
+        self.storages = storages
+        self.pool_group_of = pool_group_of
+        #: a block's records (one per layer group)
+        self.by_key: dict[bytes, list[DiskRecord]] = {}
+        #: blocks adopted, and the roots (None: a block whose chain does not reach a root)
+        self.nodes: dict[bytes, Node | None] = {}
+        self.roots: dict[tuple[int | None, int | None], Node] = {}
+        self.placed: list[Page] = []
+        #: each placed page's write sequence
+        self.seqs: list[int] = []
+        self.rejected: list[DiskRecord] = []
+        #: nodes none of whose records could be placed
+        self.made: list[Node] = []
+
+    def adopt(self, records: list[list[DiskRecord]]) -> None:
+        by_key = self.by_key
+        nodes = self.nodes
+        roots = self.roots
+        for found in records:
+            for r in found:
+                same = by_key.get(r.key)
+                if same is None:
+                    by_key[r.key] = rawref.untrack([r])  # (records hold no containers: nothing for the GC)
+                else:
+                    same.append(r)
+                ident = (r.lora_id, r.salt)
+                if ident not in roots:
+                    root = self.tree.root(ReuseScope(r.lora_id, r.salt), True)
+                    assert root is not None
+                    roots[ident] = root
+                    nodes[root.key] = root
+        for root in roots.values():  # a record keyed like a scope's root is no block
+            rooted = by_key.pop(root.key, None)
+            if rooted is not None:
+                self.rejected.extend(rooted)
+        for found in records:
+            for r in found:
+                if r.key not in nodes:
+                    self._chain(r.key)
+
+    def _chain(self, key: bytes) -> None:
+        """Block ``key`` and its ancestors not adopted yet, ancestors first (their anchors cap the
+        descendants' priorities); a chain that does not reach a root is rejected."""
+        by_key = self.by_key
+        nodes = self.nodes
+        chain: list[list[DiskRecord]] = []
+        on_chain: set[bytes] = set()
+        k = key
+        while k not in nodes and k not in on_chain:
+            same = by_key.get(k)
+            if same is None:  # a missing ancestor
+                break
+            on_chain.add(k)
+            chain.append(same)
+            k = same[0].parent
+        parent = nodes.get(k)  # None: missing, rejected before, or a cycle (``k`` is on the chain)
+        if parent is None:
+            for same in chain:
+                nodes[same[0].key] = None
+                self.rejected.extend(same)
+            return
+        tree = self.tree
+        num_layer_groups = len(tree.layer_groups)
+        scope = parent.scope
+        for same in reversed(chain):
+            first = same[0]
+            node = Node(first.key, parent, cast(BlockTokens, first.tokens), num_layer_groups)
+            parent.add_child(node)
+            nodes[first.key] = node
+            empty = True
+            for r in same:
+                layer_group = r.layer_group
+                if (
+                    layer_group >= num_layer_groups
+                    or self.pool_group_of.items[layer_group] != r.group
+                    or node.pages[layer_group] is not None
+                    or (r.lora_id, r.salt) != scope
+                    or r.parent != parent.key
+                    or r.tokens != first.tokens
+                ):
+                    self.rejected.append(r)  # (a second record of one page: its slot is free)
+                    continue
+                prio = r.priority if r.priority <= MAX_PRIORITY else MAX_PRIORITY
+                storage = self.storages.items[r.group]
+                page = Page(storage, SlotId(r.slot), LayerGroupId(layer_group), Priority(prio), True)
+                tree._attach(node, layer_group, page, parent.prio_cap, RequestSerial(0))
+                self.placed.append(page)
+                self.seqs.append(r.seq)
+                empty = False
+            if empty:
+                self.made.append(node)
+            parent = node
+
+    def finish(self) -> None:
+        """Free the rejected records' slots, release the placed pages oldest first (evictors keep
+        write order) and prune what holds nothing."""
+        tree = self.tree
+        for r in self.rejected:
+            self.storages.items[r.group].allocator.free(SlotId(r.slot))
+        placed = self.placed
+        for i in sorted(range(len(placed)), key=self.seqs.__getitem__):
+            placed[i].release(True)
+        for node in self.made:
+            if node.parent is not None and node.is_removable:
+                tree.prune(node)
+        for root in self.roots.values():
+            tree.prune(root)
