@@ -15,9 +15,9 @@ from kv_cache_manager_v2 import KVCacheManagerConfig, RemoteCacheTierConfig
 from kv_cache_manager_v2.engine import KVCacheResourceManager
 from kv_cache_manager_v2.redis_server import LocalRedisServer
 from kv_cache_manager_v2.sim import ConversationParams, SchedulerOptions, generate_conversations, load_trace, main
-from kv_cache_manager_v2.sim._cli import simulate_replicas
 from kv_cache_manager_v2.sim._models import ModelShape, TierSpec, manager_config, proxy_page_bytes
 from kv_cache_manager_v2.sim._replicas import merge_results, run_replicas
+from kv_cache_manager_v2.sim._run import simulate_replicas
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason=NO_REDIS_REASON)
 
