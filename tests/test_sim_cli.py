@@ -501,3 +501,82 @@ def test_hybrid_interval_sweep(capsys: pytest.CaptureFixture[str]) -> None:
     assert snaps[0]["evicted"] > 10 * snaps[1]["evicted"] and hits[0] < hits[1], (snaps, hits)
     code, out, _ = run(capsys, *args)
     assert code == 0 and "ssm-interval" in out and "prompt" in out and "without any snapshot" in out
+
+
+# ---------------------------------------------------------------- issue 38: inputs that hung, crashed or grew without bound
+#: the address space a refused command line may use: far below what the runaway inputs took
+MEMORY_LIMIT = 2 << 30
+
+
+def _limit_memory() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+
+def bounded_cli_error(*args: str, timeout: float = 120.0) -> str:
+    """``cli_error`` under a 2 GiB address-space limit and a time limit (a hang fails as a timeout)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kv_cache_manager_v2.sim", *args, "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=_limit_memory,
+        env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-2000:])
+    assert lines[0].startswith("kv-cache-sim: error: ") and proc.stdout == "", (proc.stdout, proc.stderr)
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        # 14: NaN looped forever, inf divided by zero or reported "inf s simulated"
+        (["--time-scale", "nan"], "--time-scale must be a finite number >= 0, got nan"),
+        (["--step-ms", "nan"], "--step-ms must be in [0, 3600000] (an hour), got nan"),
+        (["--step-ms", "inf"], "--step-ms must be in [0, 3600000] (an hour), got inf"),
+        (["--tokens-per-s", "inf"], "--tokens-per-s must be a finite number > 0, got inf"),
+        (["--think-s", "inf", "--turns", "2"], "--think-s must be a finite number >= 0, got inf"),
+        (["--rate", "nan"], "--rate must be a finite number > 0"),
+        # 15: memory without bound
+        (["--layers", "1000000000"], "--layers must be at most 1,024, got 1,000,000,000"),
+        (["--kv-heads", "100000000"], "--kv-heads must be at most 1,024"),
+        (["--replicas", "1000000"], "--replicas must be in [1, 64]"),
+        (["--trace", "/dev/zero"], "/dev/zero line 1: longer than 4 MiB; is this a JSON-lines trace?"),
+        (["--turns", "1e9"], "--turns must be in [1, 1,000]"),
+        (["--conversations", "100000", "--turns", "100"], "the built-in workload is too large to hold in memory"),
+        # 17: ignored or meaningless options
+        (["--sweep", "gpu=1,2", "--gpu", "4"], "--sweep gpu sets the gpu quota of each replay: drop --gpu"),
+        (["--sweep", "host=1,2", "--host", "4"], "--sweep host sets the host quota of each replay: drop --host"),
+        (["--window", "-1"], "--window must be >= 0 (0: no sliding-window layers), got -1"),
+        (["--model", "gpt-oss-20b", "--swa-every", "0"], "--swa-every must be >= 1 (1: every layer slides), got 0"),
+        (["--swa-every", "2"], "--swa-every: llama-3-8b has no sliding window; give --window too"),
+        (["--model", "jamba-v0.1", "--ssm-reuse-interval", str(2**70)], "--ssm-reuse-interval must be at most"),
+        (["--think-s", "nan"], "--think-s must be a finite number >= 0, got nan"),
+        # 20: abbreviations, a bare number of GiB far beyond any tier
+        (["--hos", "32GiB"], "unrecognized arguments: --hos 32GiB"),
+        (["--gpu", "1000000"], "--gpu: '1000000' is 977 TiB (a bare number is GiB); write the unit"),
+    ],
+)
+def test_runaway_and_meaningless_inputs_are_one_line_in_bounded_time_and_memory(args: list[str], says: str) -> None:
+    line = bounded_cli_error(*args)
+    assert says in line, line
+
+
+def test_trace_lines_whose_hash_ids_cover_more_than_the_input_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1, 2, 3]}\n')
+    line = bounded_cli_error("--trace", str(path))
+    assert f"{path} line 1: input_length 10 needs 1 hash_ids (512 tokens each), got 3" in line, line
+
+
+def test_list_models_keeps_names_and_descriptions_apart(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--list-models")
+    assert code == 0
+    rows = out.splitlines()
+    column = rows[0].index("llama-3-8b (")
+    for row in rows:
+        name = row.split()[0]
+        assert row[:column].rstrip() == name and row[column - 2 : column] == "  ", row

@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -51,6 +53,9 @@ BUILT_IN_OPTIONS: tuple[tuple[str, type, str], ...] = (
 )
 #: options whose value may start with "-" (a negative size gets its own message, not argparse's)
 QUOTA_OPTIONS = ("--gpu", "--host", "--disk", "--sweep")
+DEFAULT_GPU = "8GiB"
+#: the most engine replicas of --replicas (each its own manager, all in this process)
+MAX_REPLICAS = 64
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -80,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
             "preemptions and the manager's CPU time. Metadata only: no KV bytes are computed."
         ),
         formatter_class=_HelpFormatter,
+        allow_abbrev=False,  # --hos 32GiB is a mistake, not --host
     )
     g = p.add_argument_group("model")
     g.add_argument("--model", default="llama-3-8b", help=f"preset: {', '.join(PRESETS)}, or custom")
@@ -102,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--tokens-per-block", type=int, default=32, help="tokens per KV block (a power of two)")
     g = p.add_argument_group("cache tiers (sizes: 16GiB, 512MiB, 2GB, a bare number is GiB; tokens: 3Mtok, 300ktok)")
-    g.add_argument("--gpu", default="8GiB", help="GPU tier quota")
+    g.add_argument("--gpu", help=f"GPU tier quota (default: {DEFAULT_GPU})")
     g.add_argument("--host", help="host-memory tier quota (evicted and suspended pages spill there)")
     g.add_argument("--disk", help="disk tier quota, below the host tier if any")
     g.add_argument("--disk-path", help="existing directory of the disk tier (default: a temporary one)")
@@ -244,7 +250,7 @@ def _join_negative_values(argv: list[str]) -> list[str]:
 
 
 def _tiers(a: argparse.Namespace, shape: ModelShape, disk_path: str | None) -> list[TierSpec]:
-    tiers = [tier_spec("gpu", "--gpu", a.gpu, shape, None)]
+    tiers = [tier_spec("gpu", "--gpu", a.gpu or DEFAULT_GPU, shape, None)]
     if a.host:
         tiers.append(tier_spec("host", "--host", a.host, shape, None))
     if a.disk:
@@ -338,6 +344,8 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
         )
     _check_outputs(a)
     sweep = _parse_sweep(a.sweep) if a.sweep else None
+    if sweep is not None and sweep[0] in SWEEP_KEYS and getattr(a, sweep[0]) is not None:
+        raise SimUserError(f"--sweep {sweep[0]} sets the {sweep[0]} quota of each replay: drop --{sweep[0]}")
     interval: int | None = a.ssm_reuse_interval
     if interval is not None:
         check_ssm_interval("--ssm-reuse-interval", interval, shape, a.tokens_per_block)
@@ -368,6 +376,10 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
     if a.remote_url is not None and not a.remote_url.startswith(REMOTE_URL_SCHEMES):
         raise SimUserError(
             f"--remote-url {a.remote_url!r}: write redis://HOST:PORT (or rediss://, unix://PATH, redis+cluster://HOST:PORT)"
+        )
+    if not 1 <= a.replicas <= MAX_REPLICAS:
+        raise SimUserError(
+            f"--replicas must be in [1, {MAX_REPLICAS}] (each replica is a manager here), got {a.replicas}"
         )
     if a.remote_cluster and a.replicas == 1:
         raise SimUserError("--remote-cluster is the shared tier of --replicas N: give --replicas 2 or more")
@@ -402,10 +414,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The console script; returns the exit code (2: bad input, 1: data check failed)."""
     a = build_parser().parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
     if a.list_models:
+        width = max(map(len, PRESETS)) + 2
         for name, m in PRESETS.items():
-            print(f"{name:<14}{m.describe()}")
+            print(f"{name:<{width}}{m.describe()}")
         return 0
     res = Resources()
+    previous = _catch_sigterm()
     try:
         s = _setup(a, res)
         if a.restart_at is not None:
@@ -419,8 +433,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"data check failed: {e}", 1)
     except KeyboardInterrupt:
         return 130
+    except _Terminated:
+        return 128 + signal.SIGTERM
     except BrokenPipeError:  # e.g. piped into head: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     finally:
         res.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread: the run ends through the same clean-up as Ctrl-C (its
+    private redis-server stopped, its temporary directory removed)."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not interrupt the clean-up
+    raise _Terminated
+
+
+def _catch_sigterm() -> Any:
+    """Install the SIGTERM handler (main thread only); returns the handler to restore, or None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    return signal.SIG_DFL if previous is None else previous

@@ -3,6 +3,7 @@ and the raw counters a replay leaves (:class:`ReplayResult`, one :class:`LevelUs
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -10,6 +11,9 @@ from dataclasses import dataclass, field
 from .._utils import check_int
 from ._models import SimUserError
 from ._workload import SimRequest
+
+#: the longest simulated step (an hour): beyond it the simulated clock means nothing
+MAX_STEP_MS = 3_600_000.0
 
 
 @dataclass(frozen=True)
@@ -37,8 +41,13 @@ class SchedulerOptions:
                 raise SimUserError(f"{name} must be >= {lo}, got {v}")
         if not 0.0 <= self.watermark < 1.0:
             raise SimUserError(f"--watermark must be in [0, 1), got {self.watermark}")
-        if self.step_ms < 0 or not self.tokens_per_s > 0 or self.time_scale < 0:
-            raise SimUserError("--step-ms and --time-scale must be >= 0 and --tokens-per-s > 0")
+        for name, x, ok, allowed in (
+            ("--step-ms", self.step_ms, 0 <= self.step_ms <= MAX_STEP_MS, f"in [0, {MAX_STEP_MS:.0f}] (an hour)"),
+            ("--tokens-per-s", self.tokens_per_s, 0 < self.tokens_per_s < math.inf, "a finite number > 0"),
+            ("--time-scale", self.time_scale, 0 <= self.time_scale < math.inf, "a finite number >= 0"),
+        ):
+            if not ok:
+                raise SimUserError(f"{name} must be {allowed}, got {x}")
 
 
 @dataclass

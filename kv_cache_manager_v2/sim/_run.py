@@ -45,6 +45,8 @@ SSM_SWEEP_KEY = "ssm-interval"
 SSM_PROMPT_ONLY = "prompt"
 #: the attention layers alone: the hit rate a snapshot at every block would allow
 SSM_KV_ONLY = "kv"
+#: the longest snapshot interval: longer than any request (prompt + output) can be
+MAX_SSM_INTERVAL = 1 << 25
 
 
 def tier_spec(kind: str, option: str, text: str, shape: ModelShape, disk_path: str | None) -> TierSpec:
@@ -62,6 +64,10 @@ def check_ssm_interval(option: str, interval: int, shape: ModelShape, tokens_per
     if interval <= 0 or interval % tokens_per_block:
         raise SimUserError(
             f"{option} must be a positive multiple of --tokens-per-block ({tokens_per_block}), got {interval}"
+        )
+    if interval > MAX_SSM_INTERVAL:
+        raise SimUserError(
+            f"{option} must be at most {MAX_SSM_INTERVAL:,} tokens (longer than any request), got {interval}"
         )
 
 
