@@ -14,10 +14,13 @@ from conftest import TRACE
 
 from kv_cache_manager_v2.sim import main
 from kv_cache_manager_v2.sim._cli import build_parser
+from kv_cache_manager_v2.sim._models import format_bytes
 
 SMALL = ["--model", "custom", "--layers", "2", "--kv-heads", "1", "--head-dim", "16", "--tokens-per-block", "16"]
 TINY_LOAD = ["--conversations", "6", "--turns", "2", "--system-tokens", "300", "--user-tokens", "100"]
 QUICK = SMALL + TINY_LOAD + ["--output-tokens", "20", "--gpu", "20000tok", "--no-progress"]
+#: QUICK for a sweep of GPU quotas (which refuses a --gpu it would ignore)
+QUICK_SWEEP = SMALL + TINY_LOAD + ["--output-tokens", "20", "--no-progress"]
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -231,10 +234,10 @@ def test_list_models(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_sweep_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, *QUICK, "--sweep", "gpu=4000tok,40000tok")
+    code, out, _ = run(capsys, *QUICK_SWEEP, "--sweep", "gpu=4000tok,40000tok")
     assert code == 0
     assert "gpu quota" in out and "4000tok" in out and "40000tok" in out
-    code, out, _ = run(capsys, *QUICK, "--sweep", "gpu=4000tok,40000tok", "--json")
+    code, out, _ = run(capsys, *QUICK_SWEEP, "--sweep", "gpu=4000tok,40000tok", "--json")
     doc = json.loads(out)
     points = doc["sweep"]["points"]
     assert doc["sweep"]["key"] == "gpu" and len(points) == 2
@@ -255,7 +258,7 @@ def test_plot_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert code == 0 and f"plot written to {one}" in out
     _png(one)
     sweep = tmp_path / "sweep.png"
-    code, _, _ = run(capsys, *QUICK, "--sweep", "gpu=4000tok,40000tok", "--plot", str(sweep))
+    code, _, _ = run(capsys, *QUICK_SWEEP, "--sweep", "gpu=4000tok,40000tok", "--plot", str(sweep))
     assert code == 0
     _png(sweep)
 
@@ -365,7 +368,7 @@ def test_sweep_counts_rejected_prompts_as_misses(capsys: pytest.CaptureFixture[s
     """Small quotas reject the longer requests: every sweep point's hit rates are over the same requests
     (rejected prompts as misses), so they cannot rise because requests left the denominator."""
     quotas = "gpu=600tok,5000tok,40000tok"
-    code, out, _ = run(capsys, *QUICK, "--sweep", quotas, "--json")
+    code, out, _ = run(capsys, *QUICK_SWEEP, "--sweep", quotas, "--json")
     assert code == 0
     points = json.loads(out)["sweep"]["points"]
     rejected = [p["requests"]["rejected"] for p in points]
@@ -379,7 +382,7 @@ def test_sweep_counts_rejected_prompts_as_misses(capsys: pytest.CaptureFixture[s
         assert (hit["tokens_all_requests"] == hit["tokens"]) == (p["requests"]["rejected"] == 0)
     all_requests = [p["hit_rate"]["tokens_all_requests"] for p in points]
     assert all_requests == sorted(all_requests), all_requests
-    code, out, _ = run(capsys, *QUICK, "--sweep", quotas)
+    code, out, _ = run(capsys, *QUICK_SWEEP, "--sweep", quotas)
     assert code == 0
     head, *rows = out.splitlines()[1:6]
     assert "rejected" in head and "admitted" in head and "time" in head
@@ -580,3 +583,36 @@ def test_list_models_keeps_names_and_descriptions_apart(capsys: pytest.CaptureFi
     for row in rows:
         name = row.split()[0]
         assert row[:column].rstrip() == name and row[column - 2 : column] == "  ", row
+
+
+def test_each_tier_reports_how_full_it_got_and_what_it_keeps(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 38.19: a host tier that pages were onboarded from reported "peak in use 0 B (0%)" (what
+    requests held there), and the host sweep's "peak use" column was the GPU's. Each tier now says how
+    full it got, how much of that requests held, and the reusable blocks it kept; the sweep shows the
+    swept tier's fill beside the GPU's share held by requests."""
+    more = ["--conversations", "30", "--turns", "3"]
+    args = [*QUICK_SWEEP, *more, "--gpu", "1500tok", "--host", "3000tok"]
+    code, out, err = run(capsys, *args, "--json")
+    assert code == 0, err
+    host = json.loads(out)["tiers"][1]
+    assert host["onboarded_pages"] > 0 and host["dropped_pages"] > 0
+    assert host["peak_occupied_fraction"] == 1.0  # it dropped pages: it was full
+    assert 0 < host["reusable_bytes_at_end"] <= host["peak_occupied_bytes"] <= host["capacity_bytes"]
+    code, out, _ = run(capsys, *args)
+    row = next(line for line in out.splitlines() if line.startswith("  host 3000tok"))
+    assert f"filled up to {format_bytes(host['peak_occupied_bytes'])} (100%)" in row, row
+    assert f"held by suspended requests up to {format_bytes(host['peak_used_bytes'])}" in row, row
+    assert f"{format_bytes(host['reusable_bytes_at_end'])} of reusable blocks at the end" in row, row
+    sweep = [*QUICK_SWEEP, *more, "--gpu", "1500tok", "--sweep", "host=3000tok,40000tok"]
+    code, out, _ = run(capsys, *sweep, "--json")
+    points = json.loads(out)["sweep"]["points"]
+    code, out, _ = run(capsys, *sweep)
+    head, *rows = out.splitlines()[1:4]
+    assert head.split()[8:10] == ["held", "filled"], head
+    for line, p in zip(rows, points):
+        held, filled = line.split()[7:9]
+        assert (
+            held == f"{p['tiers'][0]['peak_used_fraction']:.0%}"
+            and filled == f"{p['tiers'][1]['peak_occupied_fraction']:.0%}"
+        )
+    assert [line.split()[8] for line in rows] == ["100%", f"{points[1]['tiers'][1]['peak_occupied_fraction']:.0%}"]

@@ -344,8 +344,6 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
         )
     _check_outputs(a)
     sweep = _parse_sweep(a.sweep) if a.sweep else None
-    if sweep is not None and sweep[0] in SWEEP_KEYS and getattr(a, sweep[0]) is not None:
-        raise SimUserError(f"--sweep {sweep[0]} sets the {sweep[0]} quota of each replay: drop --{sweep[0]}")
     interval: int | None = a.ssm_reuse_interval
     if interval is not None:
         check_ssm_interval("--ssm-reuse-interval", interval, shape, a.tokens_per_block)

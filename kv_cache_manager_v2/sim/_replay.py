@@ -51,6 +51,7 @@ class _Live:
         self.full_check = True  #: --check-data: check every attended position at the next step
         self.tokens: Any = None  #: --check-data: prompt + outputs as uint32
         self.retry_at = -1  #: suspended: Replay.releases when it was last refused
+        self.restarted = False  #: freed by the engine's restart, not yet admitted again
 
 
 class Replay:
@@ -251,6 +252,11 @@ class Replay:
         req = live.req
         reused = req.num_reused_tokens
         live.full_check = True
+        if live.restarted:  # its KV was lost with the engine, not preempted
+            live.restarted = False
+            r.restart_readmitted_tokens += req.num_tokens
+            r.restart_readmitted_reused_tokens += reused
+            return
         if live.admitted:
             r.readmissions += 1
             r.readmitted_tokens += req.num_tokens
@@ -437,6 +443,7 @@ class Replay:
         holders = self.running + self.suspended
         for live in holders:
             self.rm.free_resources(live.req)
+            live.restarted = True
         self.waiting.extendleft(reversed(holders))
         self.releases += len(holders)
         self.running = []
@@ -466,6 +473,9 @@ class Replay:
         for usage in r.levels:
             ts = m.get_tier_statistics(CacheLevel(usage.level))
             usage.peak_occupied = max(usage.peak_occupied, ts.peak_used_bytes)
+            # every request is gone: what the level still holds is reusable blocks
+            stats = m.get_storage_statistics(CacheLevel(usage.level))
+            usage.reusable_at_end = sum((x.total - x.free) * sum(x.slot_sizes) for x in stats)
             usage.offloaded_pages += ts.offloaded_pages
             usage.offloaded_bytes += ts.offloaded_bytes
             usage.onboarded_pages += ts.onboarded_pages

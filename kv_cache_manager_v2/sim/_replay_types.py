@@ -59,6 +59,7 @@ class LevelUsage:
     capacity: int = 0
     peak_used: int = 0  #: held by requests (active, or suspended where they cannot spill), sampled each step
     peak_occupied: int = 0  #: held by requests or kept as reusable cache (the allocator's high-water mark)
+    reusable_at_end: int = 0  #: holding reusable blocks when the replay ended (every request done)
     offloaded_pages: int = 0  #: evicted into this level from the one above
     offloaded_bytes: int = 0
     onboarded_pages: int = 0  #: copied from this level up (reuse, resume)
@@ -95,6 +96,9 @@ class ReplayResult:
     readmissions: int = 0
     readmitted_tokens: int = 0
     readmitted_reused_tokens: int = 0
+    #: requests the engine's restart (--restart-at) freed, admitted again: not preemptions
+    restart_readmitted_tokens: int = 0
+    restart_readmitted_reused_tokens: int = 0
     prefill_computed: int = 0  #: tokens computed before a request's first output token (incl. recompute)
     decode_computed: int = 0
     output_tokens: int = 0

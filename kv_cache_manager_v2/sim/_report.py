@@ -68,7 +68,9 @@ def build_report(
             "prompt_blocks": r.prompt_blocks,
             "hit_blocks": r.hit_blocks,
             "computed_tokens": r.prefill_computed,
+            # computed again: by requests preempted by recompute, and by those the restart freed
             "recomputed_tokens": r.readmitted_tokens - r.readmitted_reused_tokens,
+            "recomputed_after_restart_tokens": r.restart_readmitted_tokens - r.restart_readmitted_reused_tokens,
         },
         "decode": {"output_tokens": r.output_tokens, "computed_tokens": r.decode_computed},
         "tiers": [_tier_row(tier, usage, shape, scale) for tier, usage in zip(tiers, r.levels)],
@@ -166,6 +168,7 @@ def _tier_row(tier: TierSpec, usage: LevelUsage, shape: ModelShape, scale: float
         "peak_used_fraction": _ratio(usage.peak_used, usage.capacity),
         "peak_occupied_bytes": int(usage.peak_occupied * scale),
         "peak_occupied_fraction": _ratio(usage.peak_occupied, usage.capacity),
+        "reusable_bytes_at_end": int(usage.reusable_at_end * scale),
         # traffic in pages (one block of one layer group) and the model's bytes
         "offloaded_pages": usage.offloaded_pages,
         "offloaded_bytes": int(usage.offloaded_bytes * scale),
@@ -277,6 +280,27 @@ def _by_tier(split: dict[str, float]) -> str:
     return "  " + " + ".join(f"{k} {v:.3f}" for k, v in split.items())
 
 
+def _recomputed(pre: dict[str, Any]) -> str:
+    """Prefill computed again: after a preemption by recompute, after the engine's restart."""
+    parts = []
+    if pre["recomputed_tokens"]:
+        parts.append(f"{format_count(pre['recomputed_tokens'])} recomputed after preemption")
+    if pre.get("recomputed_after_restart_tokens"):
+        parts.append(f"{format_count(pre['recomputed_after_restart_tokens'])} recomputed after the restart")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _tier_use(tier: dict[str, Any], i: int) -> str:
+    """How full a tier got (its blocks: requests' and reusable ones), how much of it requests held
+    (below the GPU: suspended requests that spilled), and the reusable blocks left at the end."""
+    held = "requests" if i == 0 else "suspended requests"
+    return (
+        f"{format_count(tier['capacity_tokens'])} tokens; filled up to {format_bytes(tier['peak_occupied_bytes'])} "
+        f"({tier['peak_occupied_fraction']:.0%}), held by {held} up to {format_bytes(tier['peak_used_bytes'])} "
+        f"({tier['peak_used_fraction']:.0%}); {format_bytes(tier['reusable_bytes_at_end'])} of reusable blocks at the end"
+    )
+
+
 def _traffic(tiers: list[dict[str, Any]], i: int) -> str:
     """Where one tier's pages went: down (evicted to the next tier), up (onboarded), dropped."""
     tier = tiers[i]
@@ -351,11 +375,7 @@ def format_report(rep: dict[str, Any]) -> str:
         _row(
             "prefill tokens",
             f"{format_count(pre['reused_tokens'])} saved, {format_count(pre['computed_tokens'])} computed"
-            + (
-                f" ({format_count(pre['recomputed_tokens'])} recomputed after preemption)"
-                if pre["recomputed_tokens"]
-                else ""
-            ),
+            + _recomputed(pre),
         ),
         *_snapshot_lines(rep),
         "memory",
@@ -372,13 +392,7 @@ def format_report(rep: dict[str, Any]) -> str:
     tiers = rep["tiers"]
     for i, tier in enumerate(tiers):
         name = tier["tier"].upper() if tier["tier"] == "gpu" else tier["tier"]
-        lines.append(
-            _row(
-                f"{name} {tier['quota']}",
-                f"{format_count(tier['capacity_tokens'])} tokens; peak in use {format_bytes(tier['peak_used_bytes'])} "
-                f"({tier['peak_used_fraction']:.0%}), with reusable cache {tier['peak_occupied_fraction']:.0%}",
-            )
-        )
+        lines.append(_row(f"{name} {tier['quota']}", _tier_use(tier, i)))
         lines.append(_row("", _traffic(tiers, i)))
     lines += [
         "scheduling",
@@ -435,13 +449,14 @@ def _load_text(load: dict[str, Any]) -> str:
 def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
     """One line per sweep point: capacity, eviction policy, hit rates over every request (rejected
     prompts are misses, so every point has the same denominator) and over the admitted ones,
-    rejected requests, peak use, preemptions, pages dropped (all tiers), simulated time / trace span;
-    then what to make of overloaded points."""
+    rejected requests, the peak GPU share requests held and the peak share of the swept tier that
+    held blocks, preemptions, pages dropped (all tiers), simulated time / trace span; then what to
+    make of overloaded points."""
     if key == "ssm-interval":
         return format_ssm_sweep(reports)
     head = (
         f"{key + ' quota':<14}{'tokens':>12}  {'policy':<10}{'hit(tok)':>10}{'hit(blk)':>10}{'admitted':>10}"
-        f"{'rejected':>10}{'peak use':>10}{'preempt':>9}{'dropped':>10}{'time':>8}"
+        f"{'rejected':>10}{'held':>7}{'filled':>8}{'preempt':>9}{'dropped':>10}{'time':>8}"
     )
     lines = [head]
     level = {"gpu": 0, "host": 1, "disk": 2}[key]
@@ -456,12 +471,14 @@ def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
         lines.append(
             f"{tier['quota']:<14}{format_count(tier['capacity_tokens']):>12}  {rep['eviction_policy']:<10}"
             f"{hit['tokens_all_requests']:>10.3f}{hit['blocks_all_requests']:>10.3f}{hit['tokens']:>10.3f}"
-            f"{rep['requests']['rejected']:>10,}{gpu['peak_used_fraction']:>10.0%}{pm['suspend'] + pm['recompute']:>9,}"
+            f"{rep['requests']['rejected']:>10,}{gpu['peak_used_fraction']:>7.0%}{tier['peak_occupied_fraction']:>8.0%}"
+            f"{pm['suspend'] + pm['recompute']:>9,}"
             f"{format_count(dropped):>10}{ratio:>8}"
         )
     lines.append(
         "hit(tok), hit(blk): over all requests (rejected prompts count as misses); admitted: token hit rate of "
-        "the admitted requests only; time: simulated time / trace span (!: overloaded)"
+        "the admitted requests only; held: peak GPU share held by requests; filled: peak share of the "
+        f"{key} tier holding blocks (requests' or reusable); time: simulated time / trace span (!: overloaded)"
     )
     lines += _sweep_advice(key, reports)
     return "\n".join(lines)

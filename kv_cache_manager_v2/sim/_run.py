@@ -416,6 +416,9 @@ def _sweep_points(
     a: argparse.Namespace, s: Setup
 ) -> tuple[list[list[TierSpec]], list[tuple[ModelShape, int | None, str]]]:
     """The tier rows of a quota sweep and the (shape, interval, point) variants of an interval sweep."""
+    if s.sweep is not None and s.sweep[0] in SWEEP_KEYS and getattr(a, s.sweep[0]) is not None:
+        key = s.sweep[0]
+        raise SimUserError(f"--sweep {key} sets the {key} quota of each replay: drop --{key}")
     points: list[list[TierSpec]] = [s.tiers]
     #: per point of an ssm-interval sweep: the shape and interval of its replay
     variants: list[tuple[ModelShape, int | None, str]] = [(s.shape, s.interval, "")]
