@@ -616,3 +616,69 @@ def test_each_tier_reports_how_full_it_got_and_what_it_keeps(capsys: pytest.Capt
             and filled == f"{p['tiers'][1]['peak_occupied_fraction']:.0%}"
         )
     assert [line.split()[8] for line in rows] == ["100%", f"{points[1]['tiers'][1]['peak_occupied_fraction']:.0%}"]
+
+
+def _figures(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The matplotlib figures --plot saves, kept for inspection (with the renderer that drew them)."""
+    from matplotlib.figure import Figure
+
+    figs: list[Any] = []
+    real = Figure.savefig
+
+    def keep(self: Any, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        self.saved_by = self.canvas.get_renderer()
+        figs.append(self)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    return figs
+
+
+def test_sweep_plot_ticks_labels_and_time_panel(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38.22: capacity ticks in M (not "1,000k"), the end points' labels inside the figure,
+    and with --time-scale 0 (no span to compare with) the load panel draws the simulated time."""
+    pytest.importorskip("matplotlib")
+    figs = _figures(monkeypatch)
+    path = tmp_path / "sweep.png"
+    sweep = "gpu=400tok,1000tok,1000000tok,100000000tok"
+    code, out, _ = run(capsys, *OVERLOAD, "--sweep", sweep, "--time-scale", "0", "--plot", str(path))
+    assert code == 0, out
+    _png(path)
+    (fig,) = figs
+    ax, ax_load = fig.axes[0], fig.axes[1]
+    assert [t.get_text() for t in ax_load.get_xticklabels()] == ["400", "992", "1M", "100M"]
+    renderer = fig.saved_by
+    labels = [t for t in ax.texts if "tok" in t.get_text()]
+    assert len(labels) == 4 and any("rejected" in t.get_text() for t in labels)
+    for text in labels:
+        box = text.get_window_extent(renderer)
+        assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1, (text.get_text(), box, fig.bbox)
+    (line,) = ax_load.get_lines()
+    assert min(line.get_ydata()) > 0  # seconds simulated, not a ratio to a span of 0
+
+
+def test_interval_sweep_plot(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38.21: --sweep ssm-interval --plot draws hit rate and snapshots taken per interval, and
+    the attention-only bound (kv) as a line."""
+    pytest.importorskip("matplotlib")
+    figs = _figures(monkeypatch)
+    path = tmp_path / "ssm.png"
+    args = ["--model", "qwen3-next-80b-a3b", "--trace", TRACE, "--requests", "40", "--no-progress", "--gpu", "40GiB"]
+    args += ["--sweep", "ssm-interval=64,1024,prompt,kv"]
+    code, out, err = run(capsys, *args, "--json")
+    assert code == 0, err
+    points = json.loads(out)["sweep"]["points"]
+    code, out, err = run(capsys, *args, "--plot", str(path))
+    assert code == 0 and f"plot written to {path}" in out, err
+    _png(path)
+    (fig,) = figs
+    ax, snaps = fig.axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["64", "1024", "prompt"]
+    hit, bound = ax.get_lines()
+    assert list(hit.get_ydata()) == [p["hit_rate"]["tokens_all_requests"] for p in points[:3]]
+    assert list(bound.get_ydata()) == [points[3]["hit_rate"]["tokens_all_requests"]] * 2
+    assert list(snaps.get_lines()[0].get_ydata()) == [p["snapshots"]["taken"] for p in points[:3]]

@@ -19,14 +19,22 @@ from typing import Any, NoReturn
 
 from .._config import EVICTION_POLICIES, REMOTE_URL_SCHEMES
 from ._check import DataCheckError
-from ._models import PRESETS, ModelShape, SimUserError, TierSpec, format_count, model_shape, parse_quota
-from ._plot import matplotlib_missing
-from ._replay_types import SchedulerOptions
-from ._run import (
+from ._models import (
+    PRESETS,
     SSM_KV_ONLY,
     SSM_PROMPT_ONLY,
     SSM_SWEEP_KEY,
     SWEEP_KEYS,
+    ModelShape,
+    SimUserError,
+    TierSpec,
+    format_count,
+    model_shape,
+    parse_quota,
+)
+from ._plot import matplotlib_missing
+from ._replay_types import SchedulerOptions
+from ._run import (
     Resources,
     Setup,
     SimMetrics,
@@ -350,8 +358,6 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
     if sweep is not None and sweep[0] == SSM_SWEEP_KEY:
         if interval is not None:
             raise SimUserError(f"--sweep {SSM_SWEEP_KEY} sets the interval of each replay: drop --ssm-reuse-interval")
-        if a.plot:
-            raise SimUserError(f"--plot draws quota sweeps; --sweep {SSM_SWEEP_KEY} prints its table only")
         if not shape.is_hybrid:
             raise SimUserError(
                 f"--sweep {SSM_SWEEP_KEY}: {shape.name} has no recurrent layers (choose a hybrid preset, "

@@ -49,6 +49,15 @@ MAX_HEAD_DIM = 16384
 #: a sliding window or sink count is a number of token positions (32-bit)
 MAX_WINDOW = 1 << 31
 
+#: the tiers --sweep can vary, in their order
+SWEEP_KEYS = ("gpu", "host", "disk")
+#: the --sweep key over the snapshot interval of a hybrid model, and its two special values
+SSM_SWEEP_KEY = "ssm-interval"
+#: snapshots at prompt ends only (an interval longer than any request)
+SSM_PROMPT_ONLY = "prompt"
+#: the attention layers alone: the hit rate a snapshot at every block would allow
+SSM_KV_ONLY = "kv"
+
 
 @mypyc_attr(native_class=False)
 class SimUserError(ValueError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._models import ModelShape, TierSpec, format_bytes, format_count, format_quota, is_token_quota
+from ._models import SSM_SWEEP_KEY, ModelShape, TierSpec, format_bytes, format_count, format_quota, is_token_quota
 from ._replay_types import LevelUsage, ReplayResult, SchedulerOptions
 
 SCHEMA = "kv-cache-sim/2"
@@ -452,7 +452,7 @@ def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
     rejected requests, the peak GPU share requests held and the peak share of the swept tier that
     held blocks, preemptions, pages dropped (all tiers), simulated time / trace span; then what to
     make of overloaded points."""
-    if key == "ssm-interval":
+    if key == SSM_SWEEP_KEY:
         return format_ssm_sweep(reports)
     head = (
         f"{key + ' quota':<14}{'tokens':>12}  {'policy':<10}{'hit(tok)':>10}{'hit(blk)':>10}{'admitted':>10}"

@@ -20,6 +20,10 @@ from typing import Any
 import kv_cache_manager_v2 as kvm
 
 from ._models import (
+    SSM_KV_ONLY,
+    SSM_PROMPT_ONLY,
+    SSM_SWEEP_KEY,
+    SWEEP_KEYS,
     ModelShape,
     SimUserError,
     TierSpec,
@@ -38,13 +42,6 @@ from ._report import SCHEMA, build_report, format_report, format_sweep
 from ._restart import format_restart, simulate_restart
 from ._workload import SimRequest
 
-SWEEP_KEYS = ("gpu", "host", "disk")
-#: the --sweep key over the snapshot interval of a hybrid model, and its two special values
-SSM_SWEEP_KEY = "ssm-interval"
-#: snapshots at prompt ends only (an interval longer than any request)
-SSM_PROMPT_ONLY = "prompt"
-#: the attention layers alone: the hit rate a snapshot at every block would allow
-SSM_KV_ONLY = "kv"
 #: the longest snapshot interval: longer than any request (prompt + output) can be
 MAX_SSM_INTERVAL = 1 << 25
 
