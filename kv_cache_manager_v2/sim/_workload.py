@@ -164,19 +164,20 @@ class ConversationParams:
     seed: int = 0
 
     def validate(self) -> None:
-        for name, v, lo, hi in (
+        for name, n, lo, hi in (
             ("--conversations", self.conversations, 1, MAX_CONVERSATIONS),
-            ("--turns", self.turns, 1, MAX_TURNS),
             ("--system-prompts", self.system_prompts, 1, MAX_SYSTEM_PROMPTS),
             ("--system-tokens", self.system_tokens, 0, MAX_PROMPT_TOKENS),
             ("--user-tokens", self.user_tokens, 1, MAX_PROMPT_TOKENS),
             ("--output-tokens", self.output_tokens, 1, MAX_OUTPUT),
-            ("--think-s", self.think_s, 0, math.inf),
         ):
-            if not lo <= v <= hi or not math.isfinite(v):
-                bound = f"in [{lo}, {hi:,}]" if math.isfinite(hi) else f"a finite number >= {lo}"
-                raise SimUserError(f"{name} must be {bound}, got {v}")
-        if not 0 < self.rate < math.inf:
+            if not lo <= n <= hi:
+                raise SimUserError(f"{name} must be in [{lo}, {hi:,}], got {n}")
+        if not 1.0 <= self.turns <= MAX_TURNS:  # (NaN fails every comparison)
+            raise SimUserError(f"--turns must be in [1, {MAX_TURNS:,}], got {self.turns}")
+        if not 0.0 <= self.think_s < math.inf:
+            raise SimUserError(f"--think-s must be a finite number >= 0, got {self.think_s}")
+        if not 0.0 < self.rate < math.inf:
             raise SimUserError(f"--rate must be a finite number > 0 (conversations per second), got {self.rate}")
 
 
