@@ -330,7 +330,8 @@ def test_sim_writes_its_final_metrics(tmp_path: object, capsys: pytest.CaptureFi
 
 
 def test_sim_serves_metrics_on_a_port(tmp_path: object) -> None:
-    from kv_cache_manager_v2.sim._cli import SimMetrics, main
+    from kv_cache_manager_v2.sim._cli import main
+    from kv_cache_manager_v2.sim._run import SimMetrics
 
     metrics = SimMetrics(0, None)
     try:

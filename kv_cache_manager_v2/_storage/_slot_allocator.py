@@ -72,6 +72,7 @@ class SlotAllocator:
         if free:
             s = free.pop()
             self._is_free[s] = 0
+            self._note_peak()  # a free-list slot can be a new peak too (after take(), or a reset iteration peak)
             return s
         if self._high_water >= self.num_slots:
             raise LogicError("slot allocator: no free slot")
