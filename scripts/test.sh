@@ -52,7 +52,7 @@ build_progress() {  # reads the build's output; prints each step with the second
   while IFS= read -r line; do
     case "$line" in
       "building '"*"__mypyc' extension")
-        printf '  %4ds  gcc: compiling the generated C (all modules in one unit: the long step)\n' "$(elapsed "$start")" ;;
+        printf '  %4ds  gcc: compiling the shared unit (all modules'"'"' code: the long step)\n' "$(elapsed "$start")" ;;
       "building '"*"' extension")
         done=$((done + 1))
         if [ $((done % 10)) -eq 0 ] || [ "$done" -eq "$total" ]; then
