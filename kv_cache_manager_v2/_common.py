@@ -125,10 +125,12 @@ class StorageStatistics:
 
     @property
     def available(self) -> int:
+        """Slots a new page can take: free ones plus those of evictable pages."""
         return self.free + self.evictable
 
     @property
     def unavailable(self) -> int:
+        """Slots held by pages in use (total - available)."""
         return self.total - self.available
 
 

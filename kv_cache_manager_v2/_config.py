@@ -48,6 +48,7 @@ class GpuCacheTierConfig:
 
     @property
     def tier(self) -> CacheTier:
+        """The medium this tier keeps pages in."""
         return CacheTier.GPU_MEM
 
 
@@ -63,6 +64,7 @@ class HostCacheTierConfig:
 
     @property
     def tier(self) -> CacheTier:
+        """The medium this tier keeps pages in."""
         return CacheTier.HOST_MEM
 
 
@@ -104,6 +106,7 @@ class DiskCacheTierConfig:
 
     @property
     def tier(self) -> CacheTier:
+        """The medium this tier keeps pages in."""
         return CacheTier.DISK
 
 
@@ -223,6 +226,7 @@ class RemoteCacheTierConfig:
 
     @property
     def tier(self) -> CacheTier:
+        """The medium this tier keeps pages in."""
         return CacheTier.REMOTE
 
     @property
@@ -300,6 +304,7 @@ class AttentionLayerConfig:
 
     @property
     def window_size(self) -> int | None:
+        """Tokens of history the layer attends to (None: all of them)."""
         return self.sliding_window_size
 
 
@@ -326,6 +331,7 @@ class SsmLayerConfig:
 
     @property
     def window_size(self) -> int | None:
+        """None: a recurrent layer keeps one state, not a window of blocks."""
         return None
 
 

@@ -16,7 +16,7 @@ def _module_files() -> dict[str, str]:
     for info in pkgutil.walk_packages(kv_cache_manager_v2.__path__, "kv_cache_manager_v2."):
         mod = importlib.import_module(info.name)
         out[info.name] = str(getattr(mod, "__file__", ""))
-    out["kv_cache_manager_v2"] = str(kv_cache_manager_v2.__file__)
+    out["kv_cache_manager_v2.__init__"] = str(kv_cache_manager_v2.__file__)
     return out
 
 

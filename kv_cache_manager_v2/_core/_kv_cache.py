@@ -54,6 +54,7 @@ class KVCache(RequestState):
     # ------------------------------------------------------------------ properties
     @property
     def status(self) -> KVCacheStatus:
+        """ACTIVE (pages locked in GPU memory), SUSPENDED or CLOSED."""
         return self._status
 
     @property
@@ -99,10 +100,12 @@ class KVCache(RequestState):
 
     @property
     def reuse_scope(self) -> ReuseScope:
+        """The scope its blocks are reused in (only between requests of equal scope)."""
         return self._reuse_scope
 
     @property
     def tokens_per_block(self) -> int:
+        """Tokens per block (the manager's)."""
         return self._tokens_per_block
 
     @property
@@ -112,6 +115,7 @@ class KVCache(RequestState):
 
     @property
     def id(self) -> object:
+        """The ``id`` given to ``create_kv_cache`` (any object; None by default)."""
         return self._id
 
     @property

@@ -307,6 +307,7 @@ class KVCacheManager:
 
     @property
     def num_open_caches(self) -> int:
+        """Caches created and not closed yet."""
         return len(self._ctx.open_caches)
 
     def open_caches(self) -> list[KVCache]:
@@ -401,6 +402,7 @@ class KVCacheManager:
 
     @property
     def backend(self) -> MemoryBackend:
+        """The memory backend in use (CUDA or host emulation)."""
         return self._backend
 
     @property
@@ -410,14 +412,17 @@ class KVCacheManager:
 
     @property
     def num_layers(self) -> int:
+        """How many layers are configured."""
         return len(self._config.layers)
 
     @property
     def layer_ids(self) -> list[LayerId]:
+        """The configured layers' ids, in config order."""
         return [LayerId(layer.layer_id) for layer in self._config.layers]
 
     @property
     def all_buffer_ids(self) -> list[BufferId]:
+        """Every (layer, role) buffer, in memory layout order."""
         return list(self._layout.buffer_order)
 
     @property
@@ -427,10 +432,12 @@ class KVCacheManager:
 
     @property
     def cache_tier_list(self) -> list[CacheTier]:
+        """The medium of each cache level, GPU first."""
         return [t.tier for t in self._config.cache_tiers]
 
     @property
     def pool_group_descs(self) -> list[PoolGroupDesc]:
+        """Each pool group's slots and pools (base addresses, slot sizes) at the GPU level."""
         self._check_alive()
         return [
             PoolGroupDesc(
@@ -445,6 +452,7 @@ class KVCacheManager:
         ]
 
     def get_layer_group_id(self, layer_id: LayerId) -> LayerGroupId:
+        """The layer group of ``layer_id`` (the index of its block table); ValueError for an unknown layer."""
         layer_group = self._registry.layer_to_layer_group.get(layer_id)
         if layer_group is None:
             raise ValueError(f"unknown layer_id {layer_id!r}; known: {self.layer_ids}")
@@ -506,6 +514,7 @@ class KVCacheManager:
         return self._storage.gpu[attr.pool_group].num_slots * attr.scale * attr.expansion
 
     def get_page_index_converter(self, layer_id: LayerId, role: str) -> PageIndexConverter:
+        """Turns a layer group's base page indices into the kernel page indices of ``layer_id``'s ``role`` buffer."""
         attr = self._buffer(layer_id, role)
         return PageIndexConverter(attr.scale, attr.expansion, attr.layer_offset, attr.pages_per_layer)
 

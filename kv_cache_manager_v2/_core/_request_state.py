@@ -107,6 +107,7 @@ class RequestState(OpenCache):
 
     @property
     def num_committed_tokens(self) -> int:
+        """Tokens committed so far (history whose KV the request computed or reused)."""
         return len(self._committed_blocks) * self._tokens_per_block + len(self._tail)
 
     def _seq(self, beam: int) -> tuple[list[BlockTokens], list[TokenIdExt]]:

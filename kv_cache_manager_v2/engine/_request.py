@@ -89,10 +89,12 @@ class EngineRequest:
 
     @property
     def prompt_tokens(self) -> Sequence[TokenIdExt]:
+        """The prompt, as given at construction (fixed)."""
         return self._prompt_tokens
 
     @property
     def reuse_scope(self) -> ReuseScope | None:
+        """Blocks are reused only between requests of equal scope (None: the default scope); fixed."""
         return self._reuse_scope
 
     def __repr__(self) -> str:

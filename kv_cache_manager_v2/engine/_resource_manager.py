@@ -434,6 +434,7 @@ class KVCacheResourceManager:
         return sum(self.get_max_resource_count_per_pool_group())
 
     def get_max_resource_count_per_pool_group(self) -> list[int]:
+        """Slots of each pool group at the GPU level."""
         return [s.total for s in self.manager.get_storage_statistics()]
 
     def get_num_free_blocks(self) -> int:
@@ -441,6 +442,7 @@ class KVCacheResourceManager:
         return sum(self.get_num_free_blocks_per_pool_group())
 
     def get_num_free_blocks_per_pool_group(self) -> list[int]:
+        """Slots each pool group can allocate now (free + evictable reusable)."""
         return [s.available for s in self.manager.get_storage_statistics()]
 
     def get_needed_resource_to_completion(self, request: EngineRequest) -> int:
@@ -559,10 +561,12 @@ class KVCacheResourceManager:
         return len(self._seqs)
 
     def has_resources(self, request: EngineRequest) -> bool:
+        """Whether the adapter holds a cache for this request (prepared and not freed)."""
         seq = self._seqs.get(_check_request("request", request).request_id)
         return seq is not None and seq.request is request
 
     def is_suspended(self, request: EngineRequest) -> bool:
+        """Whether the request's cache is suspended (preempted: its pages may sit in lower tiers)."""
         return self._seq_of(request).kv.status is KVCacheStatus.SUSPENDED
 
     def get_kv_cache(self, request: EngineRequest) -> KVCache:
