@@ -23,7 +23,8 @@ from kv_cache_manager_v2 import (
     TokenIdExt,
 )
 from kv_cache_manager_v2._reuse._keys import BlockHasher, block_key, encode_tokens, scope_key
-from kv_cache_manager_v2._reuse._tree import Node, ReuseTree, common_prefix_len
+from kv_cache_manager_v2._reuse._node import Node, common_prefix_len
+from kv_cache_manager_v2._reuse._tree import ReuseTree
 
 T = 8
 MakeManager = Callable[..., KVCacheManager]

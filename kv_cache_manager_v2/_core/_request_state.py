@@ -24,7 +24,7 @@ from .._common import (
 )
 from .._exceptions import LogicError
 from .._page import Page
-from .._reuse._tree import Node
+from .._reuse._node import Node
 from .._utils import check_int
 from ._block_table import BlockTable
 from ._context import CacheContext, OpenCache

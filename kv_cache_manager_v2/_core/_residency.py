@@ -9,7 +9,7 @@ from typing import cast
 
 from .._common import DEFAULT_PRIORITY, GPU_LEVEL, CacheLevel, KVCacheStatus, LayerGroupId, SlotId, TokenIdExt
 from .._page import Page
-from .._reuse._tree import Node
+from .._reuse._node import Node
 from ._commit import publish_final
 from ._request_state import RequestState
 
