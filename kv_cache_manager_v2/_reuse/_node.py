@@ -25,7 +25,6 @@ _SCAN_LIMIT = 8
 
 #: bound once: mypyc looks a module's attribute up at every call (hot: once or twice per block)
 _untrack: Final = rawref.untrack
-_new_ref: Final = rawref.ref
 
 
 class _PartialIndex:
