@@ -15,12 +15,13 @@ from .._page import Evictor, PoolGroupStorage
 from .._typed import TypedList
 from ._backend import MAX_GROWTH, MemoryBackend
 from ._copy_engine import CopyEngine
-from ._eviction import FrequencyEvictor, LruEvictor, UseHistory
+from ._eviction import FrequencyEvictor, LruEvictor
 from ._layout import StorageLayout
 from ._persist import PersistentDisk
 from ._persistence import take_persisted
 from ._tiers._base import Tier
 from ._tiers._registry import local_tier
+from ._use_history import UseHistory
 
 #: Per level and pool group, how many of the asking request's own pages its evictor lists
 #: (they are about to be used, so they do not count as evictable).
