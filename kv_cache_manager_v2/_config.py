@@ -7,7 +7,8 @@ bool into an int before ``__post_init__`` could refuse it, and validation is the
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -411,9 +412,13 @@ class KVCacheManagerConfig:
     #: tokens (e.g. ``[T]``: the prompt without its last block, for a re-sent prompt whose last
     #: message changed); each a positive multiple of ``tokens_per_block``
     ssm_snapshots_from_end: Sequence[int] = ()
+    #: seconds for retention durations (``Retention``, ``RequestRetention``); a simulator passes its own
+    clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
         t = check_int("tokens_per_block", _raw(self, "tokens_per_block"))
+        if not callable(self.clock):
+            raise TypeError(f"clock must be a callable returning seconds (like time.monotonic), got {self.clock!r}")
         if not is_power_of_two(t):
             raise ValueError(f"tokens_per_block must be a positive power of two, got {t!r}")
         self._validate_tiers()

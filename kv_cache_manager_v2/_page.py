@@ -43,6 +43,9 @@ LISTED_HELD: Final = 2
 #: ``Page.ev_pos`` (frequency policy): not in a heap (see ``_eviction.py`` for the other values)
 NOT_IN_HEAP: Final = -1
 
+#: ``Page.expires`` of a page without retention
+NO_EXPIRY: Final = float("inf")
+
 #: ``Page.use_serial`` of a page no request has been counted for
 NO_SERIAL: Final = RequestSerial(-1)
 #: bound once: mypyc looks a module's attribute up at every call (hot: once per page)
@@ -301,10 +304,13 @@ class Page:
     __slots__ = (
         "_rawref",
         "anchor",
+        "base_priority",
         "ev_key",
         "ev_pos",
         "ev_seq",
+        "expires",
         "first_use",
+        "hinted",
         "in_evictor",
         "level",
         "layer_group",
@@ -354,6 +360,12 @@ class Page:
         self.ev_key = 0.0
         self.ev_seq = 0
         self.ev_pos = NOT_IN_HEAP
+        # Retention (``_storage/_expiry.py``): the priority is kept until ``expires`` (clock seconds;
+        # inf: no expiry), then ``base_priority`` again; ``hinted``: a close-time hint, which a
+        # request reusing the page ends
+        self.expires = NO_EXPIRY
+        self.base_priority = priority
+        self.hinted = False
         _untrack(self)  # see the class docstring
 
     @property

@@ -14,6 +14,7 @@ from .._common import KVCacheStatus, LayerGroupId, Priority, TokenIdExt
 from .._page import Page
 from .._reuse._keys import chain_token_keys
 from ._request_state import RequestState
+from ._retention import retain_new_pages
 
 #: bound once: mypyc looks a module's attribute up at every call (hot: once or twice per block)
 _untrack: Final = rawref.untrack
@@ -152,6 +153,8 @@ def take_snapshot(state: RequestState, priorities: list[Priority]) -> None:
         for source, layer_group, priority in zip(sources, wanted, wanted_priorities)
     ]
     storage.copy_pages(copies)  # GPU to GPU: no disk, no failure to report
+    if state._retention is not None:
+        retain_new_pages(state, ordinal, [snapshot for _, snapshot in copies], storage.expiries.now())
     tree = ctx.tree
     for layer_group, (_, snapshot) in zip(wanted, copies):
         tree.attach_snapshot(node, layer_group, snapshot, state._serial)
@@ -191,9 +194,12 @@ def publish(state: RequestState, upto: int, beam: int = 0, tokens: Sequence[Toke
     shared = len(state._tables) > 1
     first = state._num_published
     keys = chain_token_keys(parent.key, tokens, tokens_per_block) if tokens is not None else None
+    now = state._ctx.storage.expiries.now() if state._retention is not None else 0.0
     for ordinal in range(first, upto):
         block_tokens = blocks[ordinal] if ordinal < len(blocks) else _untrack(tuple(tail))
         pages = table.block_pages(ordinal)  # (a new list: the tree may switch its pages)
+        if state._retention is not None:
+            retain_new_pages(state, ordinal, pages, now)
         node = tree.publish(
             parent, block_tokens, pages, locked, state._serial, keys[ordinal - first] if keys is not None else None
         )

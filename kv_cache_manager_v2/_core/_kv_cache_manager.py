@@ -37,6 +37,7 @@ from .._exceptions import LogicError
 from .._layers._policy import LayerGroup
 from .._life_cycle_registry import LayerGroupRegistry
 from .._page_index import PageIndexConverter
+from .._retention import RequestRetention
 from .._reuse._remote_fill import RemoteFill
 from .._reuse._tree import ReuseTree
 from .._storage._backend import MemoryBackend
@@ -97,6 +98,7 @@ class KVCacheManager:
                 config.eviction_policy,
                 disk_fingerprint,
                 self.tokens_per_block,
+                config.clock,
             )
         except BaseException:
             self._backend.shutdown()
@@ -181,14 +183,25 @@ class KVCacheManager:
         id: object = None,
         custom_priority_callback: PriorityCallback = default_priority,
         beam_width: int = 1,
+        retention: RequestRetention | None = None,
+        prompt_length: int | None = None,
     ) -> KVCache:
         """A new SUSPENDED cache for one request; call ``resume()`` before ``resize()``.
 
         ``beam_width`` (fixed for the request's life): beams share every page until the first
         ``commit`` with ``beam_search_indices``; then each has its own generated blocks.
+        ``retention``: priorities with durations of the blocks it publishes (its prompt's token
+        ranges, its decode blocks: those starting at or after ``prompt_length``, by default
+        ``len(input_tokens)``).
         """
         self._check_alive()
         check_int("beam_width", beam_width, 1, MAX_BEAM_WIDTH)
+        if retention is not None:
+            check_type("retention", retention, RequestRetention)
+        if prompt_length is not None:
+            check_int("prompt_length", prompt_length)
+        elif retention is not None and input_tokens is None and retention.open_ended:
+            raise ValueError("retention: a range open to the end of the prompt needs input_tokens or prompt_length")
         if reuse_scope is not None:
             check_type("reuse_scope", reuse_scope, ReuseScope)
         if not callable(custom_priority_callback):
@@ -198,6 +211,11 @@ class KVCacheManager:
         ctx.enter("create_kv_cache()")
         try:
             kv = KVCache(ctx, scope, id, custom_priority_callback, beam_width)
+            if retention is not None:
+                kv._retention = retention
+                kv._prompt_length = (
+                    prompt_length if prompt_length is not None else len(input_tokens) if input_tokens is not None else 0
+                )
             if ctx.state_layer_groups:
                 kv._snapshot_positions = self._snapshot_positions(len(input_tokens) if input_tokens is not None else 0)
             if input_tokens is not None and len(input_tokens) > 0:

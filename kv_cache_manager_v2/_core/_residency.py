@@ -9,9 +9,11 @@ from typing import cast
 
 from .._common import DEFAULT_PRIORITY, GPU_LEVEL, CacheLevel, KVCacheStatus, LayerGroupId, SlotId, TokenIdExt
 from .._page import Page
+from .._retention import Retention
 from .._reuse._tree import Node
 from ._commit import publish_final
 from ._request_state import RequestState
+from ._retention import end_hint, retain_history
 
 
 def _take_reused(node: Node, layer_group: LayerGroupId, state: RequestState) -> Page:
@@ -22,6 +24,8 @@ def _take_reused(node: Node, layer_group: LayerGroupId, state: RequestState) -> 
     history = page.storage.history
     if history is not None:
         history.use(page, state._serial, True)
+    if page.hinted:
+        end_hint(page, state)
     return page
 
 
@@ -63,7 +67,7 @@ def adopt(
     state._tail = list(tokens[len(nodes) * tokens_per_block : length])
     state._capacity = state._history = length
     state._num_blocks = num_blocks
-    state._num_published = len(nodes)
+    state._num_published = state._num_matched_blocks = len(nodes)
     state._extend_from(nodes[-1] if nodes else None)
     if state._ctx.enable_stats:
         stats = state._ctx.stats
@@ -346,11 +350,14 @@ def suspend_pages(state: RequestState) -> None:
     state._status = KVCacheStatus.SUSPENDED
 
 
-def close_pages(state: RequestState) -> None:
-    """``KVCache.close`` past its checks: publish the rest, release every page."""
+def close_pages(state: RequestState, retain: Retention | None = None) -> None:
+    """``KVCache.close`` past its checks: publish the rest, give the published history the
+    close-time hint ``retain``, release every page."""
     if state._status is KVCacheStatus.SUSPENDED and state._ctx.storage.any_lost():
         drop_lost_blocks(state, False, -1)  # never publish a block whose data is gone
     publish_final(state)
+    if retain is not None:
+        retain_history(state, retain)
     locked = state._status is KVCacheStatus.ACTIVE
     for table in state._tables:
         table.release_all(locked)

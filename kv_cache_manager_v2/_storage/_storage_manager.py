@@ -10,7 +10,8 @@ Requests never touch allocators or evictors directly: they ask ``fits`` (plan), 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import rawref
 
@@ -27,6 +28,7 @@ from .._page import Page, PoolGroupStorage
 from .._typed import TypedList
 from ._backend import MemoryBackend
 from ._cascade import EvictionCascade, PageDropListener
+from ._expiry import ExpiryQueue
 from ._layout import StorageLayout
 from ._remote import RemoteStore
 from ._resize import TierResizer
@@ -48,9 +50,11 @@ class StorageManager(EvictionCascade):
         eviction_policy: str = "lru",
         disk_fingerprint: bytes = b"",
         tokens_per_block: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(layout, slots, backend, tiers, eviction_policy, disk_fingerprint, tokens_per_block)
         self.drop_listener = None
+        self.expiries = ExpiryQueue(clock)
         self.remote_tier = None
         gpu = self.gpu
         #: GPU storage of each layer group's pool group (the allocation hot path)

@@ -1,0 +1,50 @@
+"""Retention a request asks for (``_retention.py`` values, ``_storage/_expiry.py`` mechanism):
+its ranges' and decode blocks' priorities, given to the pages it publishes, and the close-time
+hint over its whole published history, which a later request reusing those pages ends."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .._common import Priority
+from .._page import Page
+from .._retention import Retention
+from ._request_state import RequestState
+
+
+def retain_new_pages(state: RequestState, ordinal: int, pages: Sequence[Page | None], now: float) -> None:
+    """Give block ``ordinal``'s own pages (not yet in the tree) the request's retention for it."""
+    retention = state._retention
+    assert retention is not None
+    r = retention.at(ordinal * state._tokens_per_block, state._prompt_length)
+    if r is None:
+        return
+    expiries = state._ctx.storage.expiries
+    for page in pages:
+        if page is not None and page.node is None:
+            expiries.retain(page, ordinal, Priority(r[0]), r[1], False, now)
+
+
+def retain_history(state: RequestState, retain: Retention) -> None:
+    """The close-time hint: every page of the request's published full blocks keeps
+    ``retain.priority`` for ``retain.duration_s``. A hint below a page's priority applies only to
+    the blocks this request published itself (a prefix it reused may serve other conversations)."""
+    expiries = state._ctx.storage.expiries
+    expiries.expire()
+    now = expiries.now()
+    priority = Priority(retain.priority)
+    first_own = state._num_matched_blocks
+    node = state._last_node
+    while node is not None and node.ordinal >= 0:
+        own = node.ordinal >= first_own
+        for ref in node.pages:
+            page = ref() if ref is not None else None
+            if page is not None and (own or priority >= page.priority):
+                expiries.retain(page, node.ordinal, priority, retain.duration_s, True, now)
+        node = node.parent
+
+
+def end_hint(page: Page, state: RequestState) -> None:
+    """A request reuses ``page``: a close-time hint on it has done its work."""
+    if page.hinted:
+        state._ctx.storage.expiries.end(page)

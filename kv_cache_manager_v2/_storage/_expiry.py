@@ -1,0 +1,92 @@
+"""Retention with durations: pages kept at a priority until an expiry time, then back to their
+base priority (``Page.expires``, ``base_priority``, ``hinted``), on every tier (a page keeps
+these fields when it moves).
+
+Expiry costs nothing per decode step: the manager's one ``ExpiryQueue`` (a heap of the next
+expiry times) is consulted when the evictor runs (``EvictionCascade.make_room``) and before
+statistics, so an expired page is treated at its base priority even while the heap still had it
+in a higher class. Entries of pages that were freed, or re-retained since, are skipped when they
+come up (and swept when the heap outgrows its bound).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+from .._common import BAD_PAGE_INDEX, Priority
+from .._page import GARBAGE_PRIORITY, NO_EXPIRY, Page
+
+#: the heap is swept of dead entries when it holds more than this many plus twice the live ones
+_SWEEP_SLACK = 1024
+
+
+class ExpiryQueue:
+    """The manager's clock and the expiry times of retained pages (see the module)."""
+
+    __slots__ = ("_heap", "_limit", "_seq", "clock", "num_retained")
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        #: seconds (``KVCacheManagerConfig.clock``)
+        self.clock = clock
+        #: (expiry time, -block ordinal, sequence, page): of pages expiring together the later
+        #: blocks go back first, so the earlier ones are listed after them (tails evicted first)
+        self._heap: list[tuple[float, int, int, Page]] = []
+        self._seq = 0
+        self._limit = _SWEEP_SLACK
+        #: retain calls so far (statistics)
+        self.num_retained = 0
+
+    def now(self) -> float:
+        return float(self.clock())
+
+    def retain(
+        self, page: Page, ordinal: int, priority: Priority, duration_s: float | None, hint: bool, now: float
+    ) -> None:
+        """Keep ``page`` (of block ``ordinal``) at ``priority`` until ``now + duration_s`` (None: no
+        expiry), then at its base priority (what it had before any retention). ``hint``: a
+        close-time hint (ends when a request reuses the page)."""
+        if page.expires == NO_EXPIRY and not page.hinted:
+            page.base_priority = page.priority
+        if page.priority != GARBAGE_PRIORITY and page.priority != priority:
+            page.set_priority(priority)
+        page.hinted = hint
+        self.num_retained += 1
+        if duration_s is None:
+            page.expires = NO_EXPIRY
+            return
+        until = now + duration_s
+        page.expires = until
+        self._seq += 1
+        heapq.heappush(self._heap, (until, -ordinal, self._seq, page))
+        if len(self._heap) > self._limit:
+            self._sweep()
+
+    def end(self, page: Page) -> None:
+        """``page``'s retention ends now: back to its base priority."""
+        page.expires = NO_EXPIRY
+        page.hinted = False
+        if page.priority != GARBAGE_PRIORITY and page.priority != page.base_priority:
+            page.set_priority(page.base_priority)
+
+    def expire(self) -> None:
+        """End the retention of every page whose expiry time has come (cheap when none has)."""
+        heap = self._heap
+        if not heap or heap[0][0] > self.clock():
+            return
+        now = self.now()
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            until, page = entry[0], entry[3]
+            if page.expires == until and page.slot != BAD_PAGE_INDEX:
+                self.end(page)
+
+    def _sweep(self) -> None:
+        """Drop the entries of freed or re-retained pages."""
+        heap = [e for e in self._heap if e[3].expires == e[0] and e[3].slot != BAD_PAGE_INDEX]
+        heapq.heapify(heap)
+        self._heap = heap
+        self._limit = 2 * len(heap) + _SWEEP_SLACK
+
+    def __len__(self) -> int:
+        return len(self._heap)

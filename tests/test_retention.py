@@ -1,0 +1,252 @@
+"""Retention the engine controls (issue 37): token ranges and decode blocks with priorities and
+durations, the close-time hint, a simulated clock; through the fake engine (the conftest turns
+the invariant checker on), under both eviction policies."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import pytest
+from conftest import REC
+from fake_engine import FakeEngine
+
+from kv_cache_manager_v2 import (
+    EVICTION_POLICIES,
+    AttentionLayerConfig,
+    BlockOrdinal,
+    BufferConfig,
+    KVCache,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    LayerGroupId,
+    LayerId,
+    Priority,
+    RequestRetention,
+    Retention,
+    RetentionRange,
+)
+from kv_cache_manager_v2._config import GpuCacheTierConfig
+
+MakeManager = Callable[..., KVCacheManager]
+T = 16
+
+
+class Clock:
+    """A simulated clock: seconds set by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=EVICTION_POLICIES)
+def make_manager(request: pytest.FixtureRequest, make_manager: MakeManager) -> Iterator[MakeManager]:
+    def factory(*args: object, **kw: object) -> KVCacheManager:
+        kw.setdefault("eviction_policy", request.param)
+        return make_manager(*args, **kw)
+
+    yield factory
+
+
+def one_layer() -> list[AttentionLayerConfig]:
+    return [AttentionLayerConfig(LayerId(0), [BufferConfig("key", REC * T)])]
+
+
+def fixed(priority: int) -> Callable[[BlockOrdinal, LayerGroupId], Priority]:
+    return lambda ordinal, group: Priority(priority)
+
+
+def seq(base: int, blocks: int) -> list[int]:
+    return list(range(base, base + blocks * T))
+
+
+def run(
+    m: KVCacheManager, engine: FakeEngine, tokens: list[int], retain: Retention | None = None, **kw: object
+) -> KVCache:
+    """Create (matching ``tokens``), compute and commit all of ``tokens``, close."""
+    kv = m.create_kv_cache(input_tokens=tokens, **kw)  # type: ignore[arg-type]
+    assert kv.resume()
+    h = kv.history_length
+    assert kv.resize(len(tokens))
+    engine.step(kv, tokens, h, len(tokens))
+    kv.commit(tokens[h:])
+    kv.close(retain=retain)
+    return kv
+
+
+def pressure(m: KVCacheManager, engine: FakeEngine, blocks: int, base: int, priority: int = 60) -> None:
+    """A request of ``blocks`` new blocks (evicting that many when memory is full), closed."""
+    run(m, engine, seq(base, blocks), custom_priority_callback=fixed(priority))
+
+
+def test_a_range_keeps_its_priority_until_its_duration_ends_exactly(make_manager: MakeManager) -> None:
+    clock = Clock()
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    a, b = seq(1000, 2), seq(2000, 2)
+    run(m, engine, a, retention=RequestRetention([(0, None, 80, 10.0)]))
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    clock.now = 9.999
+    pressure(m, engine, 1, 3000, 20)  # B (50) goes before A (80)
+    assert m.probe_reuse(input_tokens=a) == 2 * T
+    assert m.probe_reuse(input_tokens=b) == T
+    clock.now = 10.0  # A is back at the default priority (35), below B
+    pressure(m, engine, 2, 4000, 20)
+    assert m.probe_reuse(input_tokens=a) == T
+    assert m.probe_reuse(input_tokens=b) == T
+    kv = m.create_kv_cache(input_tokens=b)
+    assert kv.resume()
+    engine.check_all(kv, b, T)
+    kv.close()
+
+
+def test_durations_survive_demotion_and_promotion_and_expire_on_the_host_tier(make_manager: MakeManager) -> None:
+    clock = Clock()
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, host_quota=8 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    a, b = seq(1000, 2), seq(2000, 2)
+    run(m, engine, a, retention=RequestRetention([RetentionRange(0, None, 80, 10.0)]))
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    pressure(m, engine, 4, 3000)  # A and B move down to the host tier
+    assert m.probe_reuse_levels(input_tokens=a) == [1, 1]
+    c = m.create_kv_cache(input_tokens=a)  # A comes back up to GPU memory ...
+    assert c.resume()
+    engine.check_all(c, a, 2 * T)
+    c.close()
+    assert m.probe_reuse_levels(input_tokens=a) == [0, 0]
+    clock.now = 5.0
+    pressure(m, engine, 4, 4000)  # ... and down again: the host holds B (50), 60s, A (80)
+    assert m.probe_reuse_levels(input_tokens=a) == [1, 1]
+    clock.now = 9.5
+    pressure(m, engine, 2, 5000)  # the host evicts B, not A
+    assert m.probe_reuse(input_tokens=b) == 0
+    assert m.probe_reuse(input_tokens=a) == 2 * T
+    clock.now = 10.0
+    pressure(m, engine, 2, 6000)  # A expired on the host tier: it goes first
+    assert m.probe_reuse(input_tokens=a) == 0
+
+
+def test_decode_blocks_take_the_decode_retention(make_manager: MakeManager) -> None:
+    clock = Clock()
+    m = make_manager(one_layer(), tokens_per_block=T, quota=5 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    prompt, out = seq(1000, 2), seq(9000, 1)
+    retention = RequestRetention([(0, None, 80, None)], decode_priority=20, decode_duration_s=30.0)
+    kv = m.create_kv_cache(input_tokens=prompt, retention=retention)
+    assert kv.resume() and kv.resize(3 * T)
+    full = prompt + out
+    engine.step(kv, full, 0, 3 * T)
+    kv.commit(full)
+    kv.close()
+    b = seq(2000, 2)
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    pressure(m, engine, 1, 3000, 90)  # the decode block (20) goes first
+    assert m.probe_reuse(input_tokens=full) == 2 * T
+    assert m.probe_reuse(input_tokens=b) == 2 * T
+    pressure(m, engine, 1, 4000, 90)  # then B (50), not the prompt (80, no expiry)
+    assert m.probe_reuse(input_tokens=b) == T
+    clock.now = 1e6
+    pressure(m, engine, 1, 5000, 90)
+    assert m.probe_reuse(input_tokens=full) == 2 * T
+
+
+@pytest.mark.parametrize("hint", [False, True])
+def test_the_close_time_hint_keeps_a_conversation_until_it_is_reused(make_manager: MakeManager, hint: bool) -> None:
+    clock = Clock()
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    a, b = seq(1000, 2), seq(2000, 2)
+    run(m, engine, a, Retention(80, 60.0) if hint else None)
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    pressure(m, engine, 2, 3000, 60)
+    assert m.probe_reuse(input_tokens=a) == (2 * T if hint else 0)
+    assert m.probe_reuse(input_tokens=b) == (0 if hint else 2 * T)
+    if not hint:
+        return
+    run(m, engine, seq(2000, 2), custom_priority_callback=fixed(50))  # B again, in place of the 60s
+    kv = m.create_kv_cache(input_tokens=a)  # the conversation continues: the hint ends
+    assert kv.resume()
+    engine.check_all(kv, a, 2 * T)
+    kv.close()
+    pressure(m, engine, 2, 4000, 90)  # A (35 again) goes before B (50)
+    assert m.probe_reuse(input_tokens=a) == 0
+    assert m.probe_reuse(input_tokens=b) == 2 * T
+
+
+def test_a_low_hint_lowers_only_the_blocks_the_request_published(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=6 * REC * T)
+    engine = FakeEngine(m)
+    e, prefix = seq(5000, 2), seq(1000, 2)
+    run(m, engine, e)
+    run(m, engine, prefix)
+    d = prefix + seq(2000, 2)
+    run(m, engine, d, Retention(0))  # "this conversation ends": D's own blocks go first
+    pressure(m, engine, 2, 3000, 90)
+    assert m.probe_reuse(input_tokens=d) == 2 * T
+    assert m.probe_reuse(input_tokens=e) == 2 * T
+    pressure(m, engine, 2, 4000, 90)  # then the oldest default-priority blocks: E, not the prefix
+    assert m.probe_reuse(input_tokens=e) == 0
+    assert m.probe_reuse(input_tokens=prefix) == 2 * T
+
+
+def test_the_default_clock_is_monotonic() -> None:
+    import time
+
+    cfg = KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), backend="host")
+    assert cfg.clock is time.monotonic
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "words"),
+    [
+        (lambda: Retention(101), ValueError, "Retention.priority must be in [0, 100]"),
+        (lambda: Retention(-1), ValueError, "Retention.priority"),
+        (lambda: Retention(True), TypeError, "Retention.priority"),  # type: ignore[arg-type]
+        (lambda: Retention(50, 0.0), ValueError, "finite number of seconds > 0"),
+        (lambda: Retention(50, math.inf), ValueError, "finite number of seconds > 0"),
+        (lambda: Retention(50, math.nan), ValueError, "finite number of seconds > 0"),
+        (lambda: Retention(50, "5"), TypeError, "Retention.duration_s must be a number"),  # type: ignore[arg-type]
+        (lambda: RetentionRange(8, 8, 50), ValueError, "RetentionRange.end must be > start (8)"),
+        (lambda: RetentionRange(-1, None, 50), ValueError, "RetentionRange.start"),
+        (lambda: RetentionRange(0, None, 500), ValueError, "RetentionRange.priority"),
+        (lambda: RequestRetention([(0, 10, 50, None), (5, 20, 60, None)]), ValueError, "ascending and not overlap"),
+        (lambda: RequestRetention([(0, None, 50, None), (5, 20, 60, None)]), ValueError, "ascending and not overlap"),
+        (lambda: RequestRetention([(0, 10, 50)]), ValueError, "(start, end, priority, duration_s)"),  # type: ignore[list-item]
+        (lambda: RequestRetention(["x"]), TypeError, "RetentionRange or a 4-tuple"),  # type: ignore[list-item]
+        (lambda: RequestRetention("ab"), TypeError, "sequence of RetentionRange"),  # type: ignore[arg-type]
+        (lambda: RequestRetention(decode_duration_s=5.0), ValueError, "needs a decode_priority"),
+        (lambda: RequestRetention(decode_priority=101), ValueError, "decode_priority"),
+        (lambda: RequestRetention(decode_priority=5, decode_duration_s=-1.0), ValueError, "decode_duration_s"),
+        (
+            lambda: KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), clock=5),  # type: ignore[arg-type]
+            TypeError,
+            "clock must be a callable",
+        ),
+    ],
+)
+def test_bad_retention_values_are_refused_clearly(
+    make: Callable[[], object], error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error) as info:
+        make()
+    assert words in str(info.value)
+
+
+def test_bad_retention_arguments_are_refused_and_change_nothing(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T)
+    with pytest.raises(TypeError, match="retention"):
+        m.create_kv_cache(retention=Retention(5))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs input_tokens or prompt_length"):
+        m.create_kv_cache(retention=RequestRetention([(0, None, 50, None)]))
+    with pytest.raises(ValueError, match="prompt_length"):
+        m.create_kv_cache(input_tokens=seq(0, 1), retention=RequestRetention(), prompt_length=-1)
+    assert m.num_open_caches == 0
+    kv = m.create_kv_cache(retention=RequestRetention([(0, None, 50, None)]), prompt_length=T)
+    with pytest.raises(TypeError, match="retain"):
+        kv.close(retain=50)  # type: ignore[arg-type]
+    assert m.num_open_caches == 1
+    kv.close(retain=Retention(50, 1.0))
+    assert m.num_open_caches == 0
