@@ -5,10 +5,12 @@ hint over its whole published history, which a later request reusing those pages
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from .._common import Priority
 from .._page import Page
 from .._retention import Retention
+from .._reuse._tree import Node
 from ._request_state import RequestState
 
 
@@ -34,7 +36,7 @@ def retain_history(state: RequestState, retain: Retention) -> None:
     now = expiries.now()
     priority = Priority(retain.priority)
     first_own = state._num_matched_blocks
-    node = state._last_node
+    node = _last_published(state)
     while node is not None and node.ordinal >= 0:
         own = node.ordinal >= first_own
         for ref in node.pages:
@@ -42,6 +44,19 @@ def retain_history(state: RequestState, retain: Retention) -> None:
             if page is not None and (own or priority >= page.priority):
                 expiries.retain(page, node.ordinal, priority, retain.duration_s, True, now)
         node = node.parent
+
+
+def _last_published(state: RequestState) -> Node | None:
+    """The tree node of the request's last published full block (also after ``stop_committing``,
+    which lets go of ``_last_node``), or None."""
+    node = state._last_node
+    n = state._num_published
+    if node is not None or n == 0:
+        return node
+    for page in state._tables[state._final_beam].block_pages(n - 1):
+        if page is not None and page.node is not None:
+            return cast(Node, page.node)
+    return None
 
 
 def end_hint(page: Page, state: RequestState) -> None:

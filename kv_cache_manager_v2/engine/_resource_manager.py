@@ -32,6 +32,8 @@ from .._core._kv_cache_manager import KVCacheManager
 from .._core._request_state import default_priority
 from .._exceptions import LogicError
 from .._page_index import PageIndexConverter
+from .._retention import RequestRetention, Retention
+from .._utils import check_type
 from ._buffers import CudaBufferView, host_view, page_layout
 from ._capacity import LayerGroupShape, StepPlan, admission_bound, peak_slots
 from ._request import EngineRequest, RequestId, RequestState, check_field, check_priority
@@ -250,7 +252,14 @@ class KVCacheResourceManager:
         prefix = tokens[: length - 1] if length > 1 else None
         m = self.manager
         levels = m.probe_reuse_levels(req.reuse_scope, prefix) if self._num_levels > 1 and prefix is not None else []
-        kv = m.create_kv_cache(req.reuse_scope, prefix, req.request_id, cb)  # (hashed once: by the probe)
+        retention = req.retention
+        if retention is not None and not isinstance(retention, RequestRetention):
+            raise TypeError(
+                f"EngineRequest.retention must be a RequestRetention or None, got {type(retention).__name__}"
+            )
+        kv = m.create_kv_cache(  # (hashed once: by the probe)
+            req.reuse_scope, prefix, req.request_id, cb, retention=retention, prompt_length=len(req.prompt_tokens)
+        )
         try:
             if not kv.resume():
                 kv.close()
@@ -350,13 +359,17 @@ class KVCacheResourceManager:
             if req.state is RequestState.CONTEXT and e >= p:
                 req.state = RequestState.GENERATION
 
-    def free_resources(self, request: EngineRequest) -> None:
+    def free_resources(self, request: EngineRequest, retain: Retention | None = None) -> None:
         """Release the request's KV (finished, or preempted to be recomputed). Unknown requests: no-op.
 
-        Committed blocks, including a partial last block, stay reusable until evicted.
+        Committed blocks, including a partial last block, stay reusable until evicted. ``retain``
+        (a finished request): the close-time hint of ``KVCache.close`` (its conversation
+        continues: a high priority for the expected pause; it ends: a low one).
         """
         self._check_alive()
         req = _check_request("request", request)
+        if retain is not None:
+            check_type("retain", retain, Retention)
         seq = self._seqs.get(req.request_id)
         if seq is None:
             return
@@ -368,7 +381,7 @@ class KVCacheResourceManager:
             kv.stop_committing()
             if req.state is not RequestState.FINISHED:
                 self.num_preemptions += 1
-        kv.close()
+        kv.close(retain if not seq.padding else None)
         req.num_scheduled_tokens = 0
         req.num_cached_tokens = 0
 
