@@ -21,6 +21,7 @@ import kv_cache_manager_v2 as kvm
 
 from .._config import EVICTION_POLICIES, REMOTE_URL_SCHEMES
 from ._check import DataCheckError
+from ._hints import format_hints, replay_with_hints
 from ._models import (
     PRESETS,
     ModelShape,
@@ -132,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="POLICY[,POLICY..]",
         help=f"reusable-page eviction: {', '.join(EVICTION_POLICIES)}, or all; several: one replay each, "
         "compared in a table (per --sweep point) (default: lru)",
+    )
+    g.add_argument(
+        "--retention-hints",
+        type=float,
+        metavar="ACCURACY",
+        help="replay again with close-time continuation hints derived from the workload's future, a share "
+        "1 - ACCURACY of them wrong, and report the hit rate with and without them",
     )
     g.add_argument("--swa-scratch", action="store_true", help="SWA prefill scratch-slot reuse")
     g.add_argument("--no-reuse", action="store_true", help="disable prefix reuse (every request on its own)")
@@ -415,8 +423,12 @@ def simulate(
     eviction_policy: str = "lru",
     metrics: SimMetrics | None = None,
     ssm_reuse_interval: int | None = None,
+    retention_hints: float | None = None,
 ) -> dict[str, Any]:
-    """One replay; returns the report dict. Raises SimUserError for refused configurations."""
+    """One replay (and one with continuation hints of accuracy ``retention_hints``); returns the
+    report dict. Raises SimUserError for refused configurations."""
+    if retention_hints is not None and not 0.0 <= retention_hints <= 1.0:
+        raise SimUserError(f"--retention-hints must be an accuracy in [0, 1], got {retention_hints:g}")
     config, scale = _sim_config(
         shape, tiers, tokens_per_block, swa_scratch, check_data, eviction_policy, ssm_reuse_interval
     )
@@ -433,6 +445,9 @@ def simulate(
     result = replay.run()
     rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
     rep["eviction_policy"] = eviction_policy
+    if retention_hints is not None:
+        without = rep["hit_rate"]["tokens"]
+        rep["retention_hints"] = replay_with_hints(config, requests, options, retention_hints, without)
     return rep
 
 
@@ -678,6 +693,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "--metrics-port/--metrics-file report one replay: no --sweep, --replicas, --restart-at or policies"
                 )
             metrics = SimMetrics(a.metrics_port, a.metrics_file)
+        if a.retention_hints is not None and (a.restart_at is not None or a.replicas != 1 or a.remote_url):
+            raise SimUserError("--retention-hints does not combine with --restart-at, --replicas or --remote-url")
         if a.restart_at is not None:
             if sweep is not None or a.plot or a.replicas != 1 or a.remote_url or len(a.eviction_policy) > 1:
                 raise SimUserError("--restart-at does not combine with --sweep, --plot, --replicas or several policies")
@@ -784,6 +801,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     policy,
                     metrics,
                     run_interval,
+                    a.retention_hints,
                 )
                 if point:
                     rep["sweep_point"] = point
@@ -796,7 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             text = format_report(reports[0]).split("\n")[0] + "\n" + format_sweep(key, reports)
         else:
             doc = reports[0]
-            text = format_report(doc)
+            text = format_report(doc) + format_hints(doc)
         _emit(a.json, doc, text)
         if a.plot:
             many = sweep is not None or len(reports) > 1

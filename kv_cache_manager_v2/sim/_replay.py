@@ -24,6 +24,7 @@ for the previous answer. A request that could not fit in the GPU tier even alone
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import time
 from array import array
@@ -36,6 +37,7 @@ import numpy as np
 
 from .._common import CacheLevel, ReuseScope, TokenId, TokenIdExt
 from .._config import KVCacheManagerConfig
+from .._retention import Retention
 from .._utils import check_int
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
@@ -215,7 +217,11 @@ class Replay:
         options.validate()
         self.opts = options
         self.requests = requests
+        config = dataclasses.replace(config, clock=self.seconds)  # retention durations in simulated time
         self.config = config
+        #: close-time retention per request index (``--retention-hints``), sent when it finishes
+        self.retain: Sequence[Retention] | None = None
+        self.clock = 0.0
         self.rm = KVCacheResourceManager(config)  # may raise ValueError (refused configuration)
         #: simulated time at which the counters are split (and the engine restarts, with ``restart``)
         self.split_ms = split_ms
@@ -232,7 +238,6 @@ class Replay:
             need = sim.prompt_length + (1 if options.prompt_only else sim.output_length)
             self.result.longest_request_tokens = max(self.result.longest_request_tokens, need)
         self.result.ideal_peak_tokens = ideal_peak_tokens(requests, options)
-        self.clock = 0.0
         self.arrivals: list[tuple[float, int]] = []
         self.successors: dict[int, list[int]] = {}
         self.waiting: deque[_Live] = deque()
@@ -251,6 +256,10 @@ class Replay:
                 s.total * sum(s.slot_sizes) for s in self.rm.manager.get_storage_statistics(CacheLevel(lvl))
             )
             self.result.levels.append(usage)
+
+    def seconds(self) -> float:
+        """The simulated clock in seconds (the manager's clock)."""
+        return self.clock / 1000.0
 
     # ------------------------------------------------------------------ arrivals
     def _arrive(self, index: int, at_ms: float) -> None:
@@ -464,7 +473,7 @@ class Replay:
         finished = [x for x in served if len(x.req.generated_tokens) >= x.req.max_new_tokens]
         for live in finished:
             live.req.state = RequestState.FINISHED
-            self.rm.free_resources(live.req)
+            self.rm.free_resources(live.req, self.retain[live.sim.index] if self.retain is not None else None)
         self._step_manager_s += time.perf_counter() - t0
         r.request_steps += len(served)
         if len(served) > r.max_batch:
