@@ -46,6 +46,9 @@ NOT_IN_HEAP: Final = -1
 #: ``Page.expires`` of a page without retention
 NO_EXPIRY: Final = float("inf")
 
+#: ``Page.hint_end`` of a page without a close-time hint
+NO_HINT: Final = -1
+
 #: ``Page.use_serial`` of a page no request has been counted for
 NO_SERIAL: Final = RequestSerial(-1)
 #: bound once: mypyc looks a module's attribute up at every call (hot: once per page)
@@ -310,7 +313,7 @@ class Page:
         "ev_seq",
         "expires",
         "first_use",
-        "hinted",
+        "hint_end",
         "in_evictor",
         "level",
         "layer_group",
@@ -361,11 +364,12 @@ class Page:
         self.ev_seq = 0
         self.ev_pos = NOT_IN_HEAP
         # Retention (``_storage/_expiry.py``): the priority is kept until ``expires`` (clock seconds;
-        # inf: no expiry), then ``base_priority`` again; ``hinted``: a close-time hint, which a
-        # request reusing the page ends
+        # inf: no expiry), then ``base_priority`` again; ``hint_end``: under a close-time hint, the
+        # last block (ordinal) of the hinted history, whose reuse (the conversation continues)
+        # ends the hint; NO_HINT: none
         self.expires = NO_EXPIRY
         self.base_priority = priority
-        self.hinted = False
+        self.hint_end = NO_HINT
         _untrack(self)  # see the class docstring
 
     @property

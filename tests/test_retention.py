@@ -178,6 +178,20 @@ def test_the_close_time_hint_keeps_a_conversation_until_it_is_reused(make_manage
     assert m.probe_reuse(input_tokens=b) == 2 * T
 
 
+def test_a_request_sharing_only_a_prefix_leaves_the_hint(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T)
+    engine = FakeEngine(m)
+    prefix = seq(1000, 2)
+    a = prefix + seq(2000, 2)
+    run(m, engine, a, Retention(80, 60.0))
+    b = seq(3000, 2)
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    run(m, engine, prefix + seq(4000, 1))  # another conversation on the same prefix: not A's continuation
+    pressure(m, engine, 3, 5000)  # evicts its own block (35) and B's tail (50), not A's prefix
+    assert m.probe_reuse(input_tokens=a) == 4 * T
+    assert m.probe_reuse(input_tokens=b) == T
+
+
 def test_a_low_hint_lowers_only_the_blocks_the_request_published(make_manager: MakeManager) -> None:
     m = make_manager(one_layer(), tokens_per_block=T, quota=6 * REC * T)
     engine = FakeEngine(m)

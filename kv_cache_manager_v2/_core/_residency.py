@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import cast
 
 from .._common import DEFAULT_PRIORITY, GPU_LEVEL, CacheLevel, KVCacheStatus, LayerGroupId, SlotId, TokenIdExt
-from .._page import Page
+from .._page import NO_HINT, Page
 from .._retention import Retention
 from .._reuse._tree import Node
 from ._commit import publish_final
@@ -16,16 +16,17 @@ from ._request_state import RequestState
 from ._retention import end_hint, retain_history
 
 
-def _take_reused(node: Node, layer_group: LayerGroupId, state: RequestState) -> Page:
-    """Take ``node``'s page of ``layer_group`` for a request that matched it (a hit)."""
+def _take_reused(node: Node, layer_group: LayerGroupId, state: RequestState, match_end: int) -> Page:
+    """Take ``node``'s page of ``layer_group`` for a request that matched it (a hit), its match
+    ending at block ``match_end``."""
     page = node.page(layer_group)
     assert page is not None
     page.take(False)
     history = page.storage.history
     if history is not None:
         history.use(page, state._serial, True)
-    if page.hinted:
-        end_hint(page, state)
+    if page.hint_end != NO_HINT:
+        end_hint(page, state, match_end)
     return page
 
 
@@ -38,6 +39,7 @@ def adopt(
     num_blocks = (length + tokens_per_block - 1) // tokens_per_block
     table = state._table
     taken = 0
+    match_end = num_blocks - 1
     for i, policy in enumerate(state._ctx.layer_groups):
         layer_group = LayerGroupId(i)
         beg, end = policy.stale_range(length)
@@ -46,11 +48,11 @@ def adopt(
             if beg <= ordinal < end:
                 continue
             if ordinal < len(nodes):
-                pages[ordinal] = _take_reused(nodes[ordinal], layer_group, state)
+                pages[ordinal] = _take_reused(nodes[ordinal], layer_group, state, match_end)
                 taken += 1
             else:
                 assert part is not None
-                table.pending_copy[layer_group] = _take_reused(part, layer_group, state)
+                table.pending_copy[layer_group] = _take_reused(part, layer_group, state, match_end)
         table.adopt(layer_group, pages, policy.stale_end(length))
         for other in state._tables[1:]:
             for page_or_none in pages:
@@ -59,7 +61,7 @@ def adopt(
             other.adopt(layer_group, list(pages), policy.stale_end(length))
     if nodes:  # a hybrid match ends at a block holding a snapshot of each state group
         for layer_group in table.state_groups:
-            table.pending_copy[layer_group] = _take_reused(nodes[-1], layer_group, state)
+            table.pending_copy[layer_group] = _take_reused(nodes[-1], layer_group, state, match_end)
             taken += 1
             if state._ctx.enable_stats:
                 state._ctx.stats.snapshots_reused += 1

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import cast
 
 from .._common import Priority
-from .._page import Page
+from .._page import NO_HINT, Page
 from .._retention import Retention
 from .._reuse._tree import Node
 from ._request_state import RequestState
@@ -24,7 +24,7 @@ def retain_new_pages(state: RequestState, ordinal: int, pages: Sequence[Page | N
     expiries = state._ctx.storage.expiries
     for page in pages:
         if page is not None and page.node is None:
-            expiries.retain(page, ordinal, Priority(r[0]), r[1], False, now)
+            expiries.retain(page, ordinal, Priority(r[0]), r[1], NO_HINT, now)
 
 
 def retain_history(state: RequestState, retain: Retention) -> None:
@@ -37,12 +37,15 @@ def retain_history(state: RequestState, retain: Retention) -> None:
     priority = Priority(retain.priority)
     first_own = state._num_matched_blocks
     node = _last_published(state)
+    if node is None:
+        return
+    last = node.ordinal
     while node is not None and node.ordinal >= 0:
         own = node.ordinal >= first_own
         for ref in node.pages:
             page = ref() if ref is not None else None
             if page is not None and (own or priority >= page.priority):
-                expiries.retain(page, node.ordinal, priority, retain.duration_s, True, now)
+                expiries.retain(page, node.ordinal, priority, retain.duration_s, last, now)
         node = node.parent
 
 
@@ -59,7 +62,9 @@ def _last_published(state: RequestState) -> Node | None:
     return None
 
 
-def end_hint(page: Page, state: RequestState) -> None:
-    """A request reuses ``page``: a close-time hint on it has done its work."""
-    if page.hinted:
+def end_hint(page: Page, state: RequestState, match_end: int) -> None:
+    """A request whose match ends at block ``match_end`` reuses ``page``: a close-time hint on it
+    has done its work when the match reaches the end of the hinted history (the conversation
+    continued; another request sharing only a prefix leaves it)."""
+    if match_end >= page.hint_end:
         state._ctx.storage.expiries.end(page)

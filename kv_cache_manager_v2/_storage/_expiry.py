@@ -1,5 +1,5 @@
 """Retention with durations: pages kept at a priority until an expiry time, then back to their
-base priority (``Page.expires``, ``base_priority``, ``hinted``), on every tier (a page keeps
+base priority (``Page.expires``, ``base_priority``, ``hint_end``), on every tier (a page keeps
 these fields when it moves).
 
 Expiry costs nothing per decode step: the manager's one ``ExpiryQueue`` (a heap of the next
@@ -15,7 +15,7 @@ import heapq
 from collections.abc import Callable
 
 from .._common import BAD_PAGE_INDEX, Priority
-from .._page import GARBAGE_PRIORITY, NO_EXPIRY, Page
+from .._page import GARBAGE_PRIORITY, NO_EXPIRY, NO_HINT, Page
 
 #: the heap is swept of dead entries when it holds more than this many plus twice the live ones
 _SWEEP_SLACK = 1024
@@ -41,16 +41,17 @@ class ExpiryQueue:
         return float(self.clock())
 
     def retain(
-        self, page: Page, ordinal: int, priority: Priority, duration_s: float | None, hint: bool, now: float
+        self, page: Page, ordinal: int, priority: Priority, duration_s: float | None, hint_end: int, now: float
     ) -> None:
         """Keep ``page`` (of block ``ordinal``) at ``priority`` until ``now + duration_s`` (None: no
-        expiry), then at its base priority (what it had before any retention). ``hint``: a
-        close-time hint (ends when a request reuses the page)."""
-        if page.expires == NO_EXPIRY and not page.hinted:
+        expiry), then at its base priority (what it had before any retention). ``hint_end``: for
+        a close-time hint, the last block of the hinted history (a request reusing the page
+        that far ends the hint), else ``NO_HINT``."""
+        if page.expires == NO_EXPIRY and page.hint_end == NO_HINT:
             page.base_priority = page.priority
         if page.priority != GARBAGE_PRIORITY and page.priority != priority:
             page.set_priority(priority)
-        page.hinted = hint
+        page.hint_end = hint_end
         self.num_retained += 1
         if duration_s is None:
             page.expires = NO_EXPIRY
@@ -65,7 +66,7 @@ class ExpiryQueue:
     def end(self, page: Page) -> None:
         """``page``'s retention ends now: back to its base priority."""
         page.expires = NO_EXPIRY
-        page.hinted = False
+        page.hint_end = NO_HINT
         if page.priority != GARBAGE_PRIORITY and page.priority != page.base_priority:
             page.set_priority(page.base_priority)
 
