@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from .._common import BAD_PAGE_INDEX, KVCacheStatus, LayerGroupId
-from .._page import GARBAGE_PRIORITY, LISTED_DROPPABLE, LISTED_HELD, NOT_LISTED, Page
+from .._page import GARBAGE_PRIORITY, LISTED_DROPPABLE, LISTED_HELD, NO_EXPIRY, NOT_LISTED, Page
 from .._reuse._tree import ReuseTree
 from .._storage._storage_manager import StorageManager
 from ._block_table import BlockTable
@@ -113,7 +113,10 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
     owner_of: dict[tuple[int, int, int], int] = {}
     used: dict[int, int] = {}
     lost: dict[int, int] = {}
+    expiring = storage.expiries.pending()
     for key, p in pages.items():
+        if p.expires != NO_EXPIRY and (key, p.expires) not in expiring:
+            _fail(f"page {p.slot} is retained until {p.expires} but the expiry queue does not have it")
         if p.num_locks != locks.get(key, 0) or p.num_holds != holds.get(key, 0):
             _fail(
                 f"page {p.slot} counts {p.num_locks} locks / {p.num_holds} holds but requests own "

@@ -24,7 +24,7 @@ _SWEEP_SLACK = 1024
 class ExpiryQueue:
     """The manager's clock and the expiry times of retained pages (see the module)."""
 
-    __slots__ = ("_heap", "_limit", "_seq", "clock", "num_retained")
+    __slots__ = ("_heap", "_limit", "_seq", "clock", "num_expired", "num_retained")
 
     def __init__(self, clock: Callable[[], float]) -> None:
         #: seconds (``KVCacheManagerConfig.clock``)
@@ -34,8 +34,9 @@ class ExpiryQueue:
         self._heap: list[tuple[float, int, int, Page]] = []
         self._seq = 0
         self._limit = _SWEEP_SLACK
-        #: retain calls so far (statistics)
+        #: pages given retention so far, and retention that ran out (statistics)
         self.num_retained = 0
+        self.num_expired = 0
 
     def now(self) -> float:
         return float(self.clock())
@@ -81,6 +82,7 @@ class ExpiryQueue:
             until, page = entry[0], entry[3]
             if page.expires == until and page.slot != BAD_PAGE_INDEX:
                 self.end(page)
+                self.num_expired += 1
 
     def _sweep(self) -> None:
         """Drop the entries of freed or re-retained pages."""
@@ -88,6 +90,10 @@ class ExpiryQueue:
         heapq.heapify(heap)
         self._heap = heap
         self._limit = 2 * len(heap) + _SWEEP_SLACK
+
+    def pending(self) -> set[tuple[int, float]]:
+        """``(id(page), expiry time)`` of every entry (for the invariant checker)."""
+        return {(id(e[3]), e[0]) for e in self._heap}
 
     def __len__(self) -> int:
         return len(self._heap)
