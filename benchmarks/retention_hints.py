@@ -88,7 +88,7 @@ def replay(reqs: list[SimRequest], cap_tokens: int, policy: str, retain: list[kv
 def block_keys(reqs: list[SimRequest]) -> list[tuple[list[int], list[int]]]:
     """Per request, its 32-token blocks as chain ids (a block's id names its whole prefix) and
     each block's token count."""
-    ids: dict[tuple[int, bytes], int] = {}
+    ids: dict[tuple[int, int], int] = {}
     out: list[tuple[list[int], list[int]]] = []
     for r in reqs:
         prompt = r.prompt_tokens()
@@ -97,7 +97,7 @@ def block_keys(reqs: list[SimRequest]) -> list[tuple[list[int], list[int]]]:
         parent = -1
         for b in range(0, len(prompt), T):
             block = prompt[b : b + T]
-            parent = ids.setdefault((parent, block.tobytes()), len(ids))
+            parent = ids.setdefault((parent, hash(block.tobytes())), len(ids))  # (64-bit: no collision here)
             chain.append(parent)
             sizes.append(len(block))
         out.append((chain, sizes))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from mypy_extensions import mypyc_attr
 
 from ._common import MAX_PRIORITY
-from ._utils import check_int
+from ._utils import check_int, check_type
 
 
 def check_retention_priority(name: str, priority: object) -> int:
@@ -127,3 +127,14 @@ class RequestRetention:
             if r.start <= position < end:
                 return (r.priority, r.duration_s)
         return None
+
+
+def checked_prompt_end(retention: object, prompt_length: object, input_tokens: Sequence[object] | None) -> int:
+    """``create_kv_cache``'s ``retention`` and ``prompt_length`` checked: where its prompt ends."""
+    if retention is not None:
+        check_type("retention", retention, RequestRetention)
+    if prompt_length is not None:
+        return check_int("prompt_length", prompt_length)
+    if isinstance(retention, RequestRetention) and input_tokens is None and retention.open_ended:
+        raise ValueError("retention: a range open to the end of the prompt needs input_tokens or prompt_length")
+    return len(input_tokens) if input_tokens is not None else 0

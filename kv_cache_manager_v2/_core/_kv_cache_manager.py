@@ -37,7 +37,7 @@ from .._exceptions import LogicError
 from .._layers._policy import LayerGroup
 from .._life_cycle_registry import LayerGroupRegistry
 from .._page_index import PageIndexConverter
-from .._retention import RequestRetention
+from .._retention import RequestRetention, checked_prompt_end
 from .._reuse._remote_fill import RemoteFill
 from .._reuse._tree import ReuseTree
 from .._storage._backend import MemoryBackend
@@ -190,18 +190,11 @@ class KVCacheManager:
 
         ``beam_width`` (fixed for the request's life): beams share every page until the first
         ``commit`` with ``beam_search_indices``; then each has its own generated blocks.
-        ``retention``: priorities with durations of the blocks it publishes (its prompt's token
-        ranges, its decode blocks: those starting at or after ``prompt_length``, by default
-        ``len(input_tokens)``).
-        """
+        ``retention``: of the blocks it publishes (decode blocks: from ``prompt_length``, by
+        default ``len(input_tokens)``)."""
         self._check_alive()
         check_int("beam_width", beam_width, 1, MAX_BEAM_WIDTH)
-        if retention is not None:
-            check_type("retention", retention, RequestRetention)
-        if prompt_length is not None:
-            check_int("prompt_length", prompt_length)
-        elif retention is not None and input_tokens is None and retention.open_ended:
-            raise ValueError("retention: a range open to the end of the prompt needs input_tokens or prompt_length")
+        prompt_end = checked_prompt_end(retention, prompt_length, input_tokens)
         if reuse_scope is not None:
             check_type("reuse_scope", reuse_scope, ReuseScope)
         if not callable(custom_priority_callback):
@@ -211,11 +204,7 @@ class KVCacheManager:
         ctx.enter("create_kv_cache()")
         try:
             kv = KVCache(ctx, scope, id, custom_priority_callback, beam_width)
-            if retention is not None:
-                kv._retention = retention
-                kv._prompt_length = (
-                    prompt_length if prompt_length is not None else len(input_tokens) if input_tokens is not None else 0
-                )
+            kv._retention, kv._prompt_length = retention, prompt_end
             if ctx.state_layer_groups:
                 kv._snapshot_positions = self._snapshot_positions(len(input_tokens) if input_tokens is not None else 0)
             if input_tokens is not None and len(input_tokens) > 0:

@@ -32,7 +32,7 @@ from .._core._kv_cache_manager import KVCacheManager
 from .._core._request_state import default_priority
 from .._exceptions import LogicError
 from .._page_index import PageIndexConverter
-from .._retention import RequestRetention, Retention
+from .._retention import Retention
 from .._utils import check_type
 from ._buffers import CudaBufferView, host_view, page_layout
 from ._capacity import LayerGroupShape, StepPlan, admission_bound, peak_slots
@@ -252,14 +252,8 @@ class KVCacheResourceManager:
         prefix = tokens[: length - 1] if length > 1 else None
         m = self.manager
         levels = m.probe_reuse_levels(req.reuse_scope, prefix) if self._num_levels > 1 and prefix is not None else []
-        retention = req.retention
-        if retention is not None and not isinstance(retention, RequestRetention):
-            raise TypeError(
-                f"EngineRequest.retention must be a RequestRetention or None, got {type(retention).__name__}"
-            )
-        kv = m.create_kv_cache(  # (hashed once: by the probe)
-            req.reuse_scope, prefix, req.request_id, cb, retention=retention, prompt_length=len(req.prompt_tokens)
-        )
+        # (hashed once: by the probe)
+        kv = m.create_kv_cache(req.reuse_scope, prefix, req.request_id, cb, 1, req.retention, len(req.prompt_tokens))
         try:
             if not kv.resume():
                 kv.close()
@@ -362,14 +356,11 @@ class KVCacheResourceManager:
     def free_resources(self, request: EngineRequest, retain: Retention | None = None) -> None:
         """Release the request's KV (finished, or preempted to be recomputed). Unknown requests: no-op.
 
-        Committed blocks, including a partial last block, stay reusable until evicted. ``retain``
-        (a finished request): the close-time hint of ``KVCache.close`` (its conversation
-        continues: a high priority for the expected pause; it ends: a low one).
+        Committed blocks, including a partial last block, stay reusable until evicted (``retain``: see ``KVCache.close``).
         """
         self._check_alive()
         req = _check_request("request", request)
-        if retain is not None:
-            check_type("retain", retain, Retention)
+        check_type("retain", retain, (Retention, type(None)))
         seq = self._seqs.get(req.request_id)
         if seq is None:
             return

@@ -21,7 +21,7 @@ import kv_cache_manager_v2 as kvm
 
 from .._config import EVICTION_POLICIES, REMOTE_URL_SCHEMES
 from ._check import DataCheckError
-from ._hints import format_hints, replay_with_hints
+from ._hints import HINTS_HELP, check_accuracy, format_hints, replay_with_hints
 from ._models import (
     PRESETS,
     ModelShape,
@@ -134,13 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"reusable-page eviction: {', '.join(EVICTION_POLICIES)}, or all; several: one replay each, "
         "compared in a table (per --sweep point) (default: lru)",
     )
-    g.add_argument(
-        "--retention-hints",
-        type=float,
-        metavar="ACCURACY",
-        help="replay again with close-time continuation hints derived from the workload's future, a share "
-        "1 - ACCURACY of them wrong, and report the hit rate with and without them",
-    )
+    g.add_argument("--retention-hints", type=float, metavar="ACCURACY", help=HINTS_HELP)
     g.add_argument("--swa-scratch", action="store_true", help="SWA prefill scratch-slot reuse")
     g.add_argument("--no-reuse", action="store_true", help="disable prefix reuse (every request on its own)")
     g = p.add_argument_group("replicas sharing a remote tier (Redis)")
@@ -425,10 +419,9 @@ def simulate(
     ssm_reuse_interval: int | None = None,
     retention_hints: float | None = None,
 ) -> dict[str, Any]:
-    """One replay (and one with continuation hints of accuracy ``retention_hints``); returns the
-    report dict. Raises SimUserError for refused configurations."""
-    if retention_hints is not None and not 0.0 <= retention_hints <= 1.0:
-        raise SimUserError(f"--retention-hints must be an accuracy in [0, 1], got {retention_hints:g}")
+    """One replay (and one with continuation hints, ``sim/_hints.py``); returns the report dict.
+    Raises SimUserError for refused configurations."""
+    check_accuracy(retention_hints)
     config, scale = _sim_config(
         shape, tiers, tokens_per_block, swa_scratch, check_data, eviction_policy, ssm_reuse_interval
     )
@@ -446,8 +439,9 @@ def simulate(
     rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
     rep["eviction_policy"] = eviction_policy
     if retention_hints is not None:
-        without = rep["hit_rate"]["tokens"]
-        rep["retention_hints"] = replay_with_hints(config, requests, options, retention_hints, without)
+        rep["retention_hints"] = replay_with_hints(
+            config, requests, options, retention_hints, rep["hit_rate"]["tokens"]
+        )
     return rep
 
 

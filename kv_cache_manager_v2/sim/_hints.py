@@ -19,6 +19,7 @@ from typing import Any
 from .._common import DEFAULT_PRIORITY
 from .._config import KVCacheManagerConfig
 from .._retention import Retention
+from ._models import SimUserError
 from ._replay import Replay, SchedulerOptions
 from ._workload import TRACE_BLOCK_TOKENS, SimRequest
 
@@ -30,6 +31,10 @@ DROP_PRIORITY = 0
 #: the kept time: the predicted pause times PAUSE_FACTOR, plus PAUSE_SLACK_S
 PAUSE_FACTOR = 1.25
 PAUSE_SLACK_S = 1.0
+HINTS_HELP = (
+    "replay again with close-time continuation hints derived from the workload's future, a share "
+    "1 - ACCURACY of them wrong, and report the hit rate with and without them"
+)
 
 
 def continuation_pauses(requests: Sequence[SimRequest], granularity: int = 1) -> list[float | None]:
@@ -106,6 +111,12 @@ def hint_retentions(pauses: Sequence[float | None], accuracy: float, seed: int =
         else:
             out.append(Retention(DROP_PRIORITY))
     return out
+
+
+def check_accuracy(accuracy: float | None) -> None:
+    """``--retention-hints``: an accuracy in [0, 1] (or None: no hints)."""
+    if accuracy is not None and not 0.0 <= accuracy <= 1.0:
+        raise SimUserError(f"--retention-hints must be an accuracy in [0, 1], got {accuracy:g}")
 
 
 def replay_with_hints(

@@ -217,11 +217,9 @@ class Replay:
         options.validate()
         self.opts = options
         self.requests = requests
-        config = dataclasses.replace(config, clock=self.seconds)  # retention durations in simulated time
-        self.config = config
-        #: close-time retention per request index (``--retention-hints``), sent when it finishes
-        self.retain: Sequence[Retention] | None = None
         self.clock = 0.0
+        self.config = config = dataclasses.replace(config, clock=lambda: self.clock / 1000.0)  # simulated seconds
+        self.retain: Sequence[Retention] | None = None  #: close-time hints by request index (--retention-hints)
         self.rm = KVCacheResourceManager(config)  # may raise ValueError (refused configuration)
         #: simulated time at which the counters are split (and the engine restarts, with ``restart``)
         self.split_ms = split_ms
@@ -256,10 +254,6 @@ class Replay:
                 s.total * sum(s.slot_sizes) for s in self.rm.manager.get_storage_statistics(CacheLevel(lvl))
             )
             self.result.levels.append(usage)
-
-    def seconds(self) -> float:
-        """The simulated clock in seconds (the manager's clock)."""
-        return self.clock / 1000.0
 
     # ------------------------------------------------------------------ arrivals
     def _arrive(self, index: int, at_ms: float) -> None:
