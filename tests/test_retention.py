@@ -321,3 +321,94 @@ def test_the_adapter_passes_request_retention_and_the_finish_hint(backend: str, 
     assert a.has_resources(r)
     a.free_resources(r)
     a.shutdown()
+
+
+# ---------------------------------------------------------------- pins
+def test_a_pinned_prefix_is_never_evicted_until_unpinned(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T, max_pinned_share=0.5)
+    engine = FakeEngine(m)
+    system, other = seq(1000, 2), seq(2000, 2)
+    run(m, engine, system, custom_priority_callback=fixed(0))  # the lowest priority: first to go
+    run(m, engine, other)
+    assert m.pin(system + seq(7000, 1)) == 2 * T  # the cached full blocks of the tokens
+    pressure(m, engine, 6, 3000)  # everything else goes
+    assert m.probe_reuse(input_tokens=system) == 2 * T
+    assert m.probe_reuse(input_tokens=other) == 0
+    kv = m.create_kv_cache(input_tokens=system)  # a pinned prefix is reused as usual
+    assert kv.resume()
+    engine.check_all(kv, system, 2 * T)
+    kv.close()
+    assert not m.unpin(system)  # not the tokens pinned
+    assert m.unpin(system + seq(7000, 1))
+    pressure(m, engine, 2, 4000)  # now it goes first again (priority 0)
+    assert m.probe_reuse(input_tokens=system) == 0
+
+
+def test_a_pin_beyond_its_share_is_refused_and_changes_nothing(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T, max_pinned_share=0.25)
+    engine = FakeEngine(m)
+    a, b = seq(1000, 2), seq(2000, 1)
+    run(m, engine, a)
+    run(m, engine, b)
+    assert m.pin(a) == 2 * T  # 2 of 8 slots
+    with pytest.raises(ValueError, match=r"3 of the 8 slots .* beyond max_pinned_share 0\.25 \(2 slots\)"):
+        m.pin(b)
+    assert m.pin(a[:T]) == T  # pages already pinned count once
+    pressure(m, engine, 6, 3000)  # b was not pinned: it goes
+    assert m.probe_reuse(input_tokens=b) == 0
+    assert m.probe_reuse(input_tokens=a) == 2 * T
+    assert m.unpin(a)
+    pressure(m, engine, 1, 4000)  # the second block stays pinned by the other pin
+    assert m.probe_reuse(input_tokens=a) == T
+
+
+def test_a_pin_with_a_duration_ends_by_itself(make_manager: MakeManager) -> None:
+    clock = Clock()
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    a = seq(1000, 2)
+    run(m, engine, a)
+    assert m.pin(a, duration_s=5.0) == 2 * T
+    clock.now = 4.9
+    pressure(m, engine, 2, 3000)
+    assert m.probe_reuse(input_tokens=a) == 2 * T
+    clock.now = 5.0
+    pressure(m, engine, 4, 4000)
+    assert m.probe_reuse(input_tokens=a) == 0
+    assert not m.unpin(a)
+
+
+def test_pins_stay_where_they_are_on_a_host_tier_and_clear_with_the_reusable_blocks(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, host_quota=4 * REC * T)
+    engine = FakeEngine(m)
+    a = seq(1000, 2)
+    run(m, engine, a)
+    pressure(m, engine, 4, 2000)  # a moves to the host tier
+    assert m.probe_reuse_levels(input_tokens=a) == [1, 1]
+    m.pin(a)
+    for base in (3000, 4000, 5000):  # the host tier fills and evicts again and again
+        pressure(m, engine, 4, base)
+    assert m.probe_reuse_levels(input_tokens=a) == [1, 1]
+    m.clear_reusable_blocks()
+    assert m.probe_reuse(input_tokens=a) == 0
+    assert not m.unpin(a)
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "words"),
+    [
+        ({"duration_s": 0}, ValueError, "duration_s must be a finite number of seconds > 0"),
+        ({"duration_s": "1"}, TypeError, "duration_s must be a number of seconds or None"),
+        ({"reuse_scope": 5}, TypeError, "reuse_scope"),
+    ],
+)
+def test_bad_pins_are_refused_clearly(
+    make_manager: MakeManager, kw: dict[str, object], error: type[Exception], words: str
+) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T)
+    with pytest.raises(error, match=words if not compiled or error is ValueError else None):
+        m.pin(seq(0, 1), **kw)  # type: ignore[arg-type]
+    with pytest.raises((TypeError, ValueError), match="max_pinned_share"):
+        KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), max_pinned_share=1.5)
+    with pytest.raises(TypeError, match="max_pinned_share"):
+        KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), max_pinned_share=True)

@@ -74,6 +74,20 @@ class ManagerMachine(RuleBasedStateMachine):
         """Time passes: retention durations run out (treated at their base priority from now on)."""
         self.now += seconds
 
+    @rule(prefix=st.integers(0, 2), length=st.integers(1, 24), duration=st.sampled_from([None, 1.0, 3.0]))
+    def pin(self, prefix: int, length: int, duration: float | None) -> None:
+        """Pin a shared prefix (refused beyond the share of a tier: then nothing changed)."""
+        before = [s.free for s in self.m.get_storage_statistics()]
+        try:
+            self.m.pin(PREFIXES[prefix][:length], duration_s=duration)
+        except ValueError as e:
+            assert "max_pinned_share" in str(e)
+            assert [s.free for s in self.m.get_storage_statistics()] == before
+
+    @rule(prefix=st.integers(0, 2), length=st.integers(1, 24))
+    def unpin(self, prefix: int, length: int) -> None:
+        self.m.unpin(PREFIXES[prefix][:length])
+
     @rule(
         prefix=st.integers(0, 2),
         shared=st.integers(0, 24),
@@ -611,6 +625,10 @@ def test_tiered_long_random_walk(seed: int, policy: str, machine: str) -> None:
         elif r == 5:
             m.close(rng.randrange(6), rng.random() < 0.5, rng.randrange(len(HINTS)))
             m.tick(rng.choice([0.5, 1.0, 2.5]))
+            if rng.random() < 0.2:
+                m.pin(rng.randrange(3), rng.randrange(1, 25), rng.choice([None, 1.0, 3.0]))
+            elif rng.random() < 0.2:
+                m.unpin(rng.randrange(3), rng.randrange(1, 25))
         elif r == 6:
             m.resume(rng.randrange(6))
         elif r == 7:

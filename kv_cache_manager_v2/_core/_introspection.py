@@ -69,8 +69,8 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
                 )
             held = 0
             for p in listed:
-                if p.num_locks or p.lost:
-                    _fail(f"evictor at level {group.level} lists page {p.slot}, which is locked or lost")
+                if p.num_locks or p.lost or p.num_pins:
+                    _fail(f"evictor at level {group.level} lists page {p.slot}, which is locked, lost or pinned")
                 if p.num_holds:
                     held += 1
                     if group.is_last:
@@ -108,11 +108,12 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
             if p.node is not node or p.layer_group != layer_group:
                 _fail(f"page {p.slot} and tree node at ordinal {node.ordinal} disagree")
             pages[id(p)] = p
-            if p.num_locks == 0 and p.num_holds == 0 and id(p) not in evictable:
+            if p.num_locks == 0 and p.num_holds == 0 and not p.num_pins and id(p) not in evictable:
                 _fail(f"unowned tree page {p.slot} (ordinal {node.ordinal}) is not evictable")
     owner_of: dict[tuple[int, int, int], int] = {}
     used: dict[int, int] = {}
     lost: dict[int, int] = {}
+    pinned: dict[int, int] = {}
     expiring = storage.expiries.pending()
     for key, p in pages.items():
         if p.expires != NO_EXPIRY and (key, p.expires) not in expiring:
@@ -131,7 +132,7 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
                 _fail("a lost page keeps a slot, a tree node or a lock")
             lost[id(p.storage)] = lost.get(id(p.storage), 0) + 1
             continue
-        if p.num_holds and not p.num_locks and not p.storage.is_last and key not in evictable:
+        if p.num_holds and not p.num_locks and not p.num_pins and not p.storage.is_last and key not in evictable:
             _fail(f"HELD page {p.slot} at level {p.level} (not the last) is not evictable")
         if p.slot == BAD_PAGE_INDEX or not p.storage.allocator.is_allocated(p.slot):
             _fail(f"live page of pool group {p.storage.index} has no allocated slot ({p.slot})")
@@ -139,6 +140,8 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
         if owner_of.setdefault(slot_key, key) != key or slot_key in scratch:
             _fail(f"slot {slot_key} (level, pool group, slot) is owned twice")
         used[id(p.storage)] = used.get(id(p.storage), 0) + 1
+        if p.num_pins:
+            pinned[id(p.storage)] = pinned.get(id(p.storage), 0) + 1
     for level in storage.levels:
         for group in level:
             n_scratch = len([1 for lv, g, _ in scratch if lv == group.level and g == group.index])
@@ -150,6 +153,8 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
                     f"{group.allocator.num_used} used slots, pages hold {used.get(id(group), 0)}, scratch {n_scratch}, "
                     f"remote-tier headroom {group.headroom}"
                 )
+            if group.num_pinned != pinned.get(id(group), 0):
+                _fail(f"pool group {group.index} at level {group.level} counts {group.num_pinned} pinned pages")
             if group.num_lost != lost.get(id(group), 0):
                 _fail(f"pool group {group.index} at level {group.level} counts {group.num_lost} lost pages")
 

@@ -52,6 +52,7 @@ from ._context import CacheContext, OpenCache
 from ._introspection import check_invariants
 from ._kv_cache import KVCache
 from ._matching import PrefixMatcher, match_length, match_levels
+from ._pins import pin_key, pin_prefix
 from ._pools import aggregated_pages, live_pages, longest_decode_that_fits
 from ._request_state import PriorityCallback, default_priority
 from ._residency import adopt
@@ -99,6 +100,7 @@ class KVCacheManager:
                 disk_fingerprint,
                 self.tokens_per_block,
                 config.clock,
+                config.max_pinned_share,
             )
         except BaseException:
             self._backend.shutdown()
@@ -228,6 +230,19 @@ class KVCacheManager:
             positions.update([prompt_end - offset for offset in config.ssm_snapshots_from_end if offset < prompt_end])
         return sorted(positions)
 
+    def pin(
+        self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None, duration_s: float | None = None
+    ) -> int:
+        """Keep the cached full blocks of ``tokens`` cached (never evicted) until ``unpin`` (or for
+        ``duration_s`` seconds); returns the tokens pinned. ``ValueError`` beyond ``max_pinned_share``."""
+        self._check_alive()
+        return pin_prefix(self._ctx, self._matcher, reuse_scope, tokens, duration_s)
+
+    def unpin(self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None) -> bool:
+        """End the pin of ``tokens`` (False: none); its pages are evicted as usual again."""
+        self._check_alive()
+        return self._storage.pins.unpin(pin_key(reuse_scope, tokens))
+
     def probe_reuse(
         self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None
     ) -> int:
@@ -328,12 +343,13 @@ class KVCacheManager:
         check_invariants(self._storage, self._tree, self.open_caches())
 
     def clear_reusable_blocks(self) -> None:
-        """Drop every reusable page. Refused while caches are open."""
+        """Drop every reusable page (and every pin). Refused while caches are open."""
         self._check_alive()
         self._check_no_open_caches("clear_reusable_blocks")
         self._ctx.enter("clear_reusable_blocks()")
         try:
             self._storage.flush_write_through()  # published pages still owe the remote tier a copy
+            self._storage.pins.clear()
             self._tree.clear()
             self._storage.drop_all_evictable()  # garbage of subtrees removed earlier
             if self._storage.persist is not None:

@@ -67,6 +67,7 @@ class EvictionCascade(StorageLevels):
         if allocator.num_free >= count:
             return
         self.expiries.expire()  # expired retention first: those pages go at their base priority
+        self.pins.expire()
         if storage.is_last:
             while allocator.num_free < count:
                 storage.num_evicted += 1

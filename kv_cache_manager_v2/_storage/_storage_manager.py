@@ -30,6 +30,7 @@ from ._backend import MemoryBackend
 from ._cascade import EvictionCascade, PageDropListener
 from ._expiry import ExpiryQueue
 from ._layout import StorageLayout
+from ._pins import PinTable
 from ._remote import RemoteStore
 from ._resize import TierResizer
 from ._statistics import TrafficStatistics
@@ -51,10 +52,12 @@ class StorageManager(EvictionCascade):
         disk_fingerprint: bytes = b"",
         tokens_per_block: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        max_pinned_share: float = 0.5,
     ) -> None:
         super().__init__(layout, slots, backend, tiers, eviction_policy, disk_fingerprint, tokens_per_block)
         self.drop_listener = None
         self.expiries = ExpiryQueue(clock)
+        self.pins = PinTable(clock, max_pinned_share)
         self.remote_tier = None
         gpu = self.gpu
         #: GPU storage of each layer group's pool group (the allocation hot path)
