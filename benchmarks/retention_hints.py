@@ -158,10 +158,10 @@ def main() -> None:
         f"{continued[len(continued) // 2]:.1f} s; token hit rate"
     )
     blocks = block_keys(reqs) if "optimum" in args.runs else []
-    print(f"{'capacity':>10}" + "".join(f"{r:>21}" for r in args.runs), flush=True)
     rows: dict[str, Any] = {}
     for cap in args.caps:
         row: dict[str, Any] = {}
+        rows[str(cap)] = row
         for run in args.runs:
             t0 = time.perf_counter()
             if run == "optimum":
@@ -172,8 +172,12 @@ def main() -> None:
             else:
                 row[run] = round(replay(reqs, cap, run, None), 4)
             row[f"{run}_seconds"] = round(time.perf_counter() - t0, 1)
-        rows[str(cap)] = row
-        print(f"{cap / 1e6:>9g}M" + "".join(f"{row[r]:>21.4f}" for r in args.runs), flush=True)
+            print(f"{cap / 1e6:>9g}M {run:>22} {row[run]:.4f}", flush=True)
+            write_json(args, reqs, continued, rows)  # after each run: a long sweep keeps what it measured
+    print(f"JSON: {args.json}")
+
+
+def write_json(args: argparse.Namespace, reqs: list[SimRequest], continued: list[float], rows: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(
@@ -192,7 +196,6 @@ def main() -> None:
             f,
             indent=1,
         )
-    print(f"JSON: {args.json}")
 
 
 if __name__ == "__main__":
