@@ -199,6 +199,7 @@ class PoolGroupStorage:
         "num_offloaded",
         "num_onboarded",
         "num_pinned",
+        "num_retained",
         "parked",
         "pools",
         "tier",
@@ -242,8 +243,9 @@ class PoolGroupStorage:
         self.num_io_errors = 0
         #: lost pages whose owners have not let go yet
         self.num_lost = 0
-        #: pinned pages here (``_pins.py``)
+        #: pinned pages here (``_pins.py``), and pages under retention (``_expiry.py``)
         self.num_pinned = 0
+        self.num_retained = 0
         #: slots beyond ``num_slots`` for the remote tier's writes (the last level only): a dropped
         #: page's slot goes to the writer, which sends the data from there, and a parked slot takes
         #: its place; the allocator counts all of them as used
@@ -463,6 +465,9 @@ class Page:
         if self.num_pins:
             self.storage.num_pinned -= 1
             storage.num_pinned += 1
+        if self.retained:
+            self.storage.num_retained -= 1
+            storage.num_retained += 1
         self.storage = storage
         self.slot = slot
         self.level = storage.level
@@ -506,11 +511,20 @@ class Page:
             r.invalidate()
             self._rawref = None
 
+    @property
+    def retained(self) -> bool:
+        """Whether the page is under retention (a priority until an expiry time, or a close-time hint)."""
+        return self.expires != NO_EXPIRY or self.hint_end != NO_HINT
+
     def _unpinned(self) -> None:
-        """The page leaves its slot (freed, lost): its pins go with it."""
+        """The page leaves its slot (freed, lost): its pins and retention go with it."""
         if self.num_pins:
             self.num_pins = 0
             self.storage.num_pinned -= 1
+        if self.retained:
+            self.expires = NO_EXPIRY
+            self.hint_end = NO_HINT
+            self.storage.num_retained -= 1
 
     def __del__(self) -> None:
         # rawref's contract: a target invalidates its ref before it dies. Normally free() did.

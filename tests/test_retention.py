@@ -95,7 +95,10 @@ def test_a_range_keeps_its_priority_until_its_duration_ends_exactly(make_manager
     pressure(m, engine, 1, 3000, 20)  # B (50) goes before A (80)
     assert m.probe_reuse(input_tokens=a) == 2 * T
     assert m.probe_reuse(input_tokens=b) == T
+    stats = m.get_storage_statistics()[0]
+    assert stats.retained == 2 and stats.retained_bytes == 2 * sum(stats.slot_sizes)
     clock.now = 10.0  # A is back at the default priority (35), below B
+    assert m.get_storage_statistics()[0].retained == 0
     pressure(m, engine, 2, 4000, 20)
     assert m.probe_reuse(input_tokens=a) == T
     assert m.probe_reuse(input_tokens=b) == T
@@ -331,6 +334,8 @@ def test_a_pinned_prefix_is_never_evicted_until_unpinned(make_manager: MakeManag
     run(m, engine, system, custom_priority_callback=fixed(0))  # the lowest priority: first to go
     run(m, engine, other)
     assert m.pin(system + seq(7000, 1)) == 2 * T  # the cached full blocks of the tokens
+    stats = m.get_storage_statistics()[0]
+    assert stats.pinned == 2 and stats.pinned_bytes == 2 * sum(stats.slot_sizes)
     pressure(m, engine, 6, 3000)  # everything else goes
     assert m.probe_reuse(input_tokens=system) == 2 * T
     assert m.probe_reuse(input_tokens=other) == 0

@@ -114,6 +114,7 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
     used: dict[int, int] = {}
     lost: dict[int, int] = {}
     pinned: dict[int, int] = {}
+    retained: dict[int, int] = {}
     expiring = storage.expiries.pending()
     for key, p in pages.items():
         if p.expires != NO_EXPIRY and (key, p.expires) not in expiring:
@@ -142,6 +143,8 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
         used[id(p.storage)] = used.get(id(p.storage), 0) + 1
         if p.num_pins:
             pinned[id(p.storage)] = pinned.get(id(p.storage), 0) + 1
+        if p.retained:
+            retained[id(p.storage)] = retained.get(id(p.storage), 0) + 1
     for level in storage.levels:
         for group in level:
             n_scratch = len([1 for lv, g, _ in scratch if lv == group.level and g == group.index])
@@ -153,8 +156,11 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
                     f"{group.allocator.num_used} used slots, pages hold {used.get(id(group), 0)}, scratch {n_scratch}, "
                     f"remote-tier headroom {group.headroom}"
                 )
-            if group.num_pinned != pinned.get(id(group), 0):
-                _fail(f"pool group {group.index} at level {group.level} counts {group.num_pinned} pinned pages")
+            if group.num_pinned != pinned.get(id(group), 0) or group.num_retained != retained.get(id(group), 0):
+                _fail(
+                    f"pool group {group.index} at level {group.level} counts {group.num_pinned} pinned / "
+                    f"{group.num_retained} retained pages, not {pinned.get(id(group), 0)} / {retained.get(id(group), 0)}"
+                )
             if group.num_lost != lost.get(id(group), 0):
                 _fail(f"pool group {group.index} at level {group.level} counts {group.num_lost} lost pages")
 

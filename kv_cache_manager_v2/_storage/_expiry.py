@@ -48,24 +48,25 @@ class ExpiryQueue:
         expiry), then at its base priority (what it had before any retention). ``hint_end``: for
         a close-time hint, the last block of the hinted history (a request reusing the page
         that far ends the hint), else ``NO_HINT``."""
-        if page.expires == NO_EXPIRY and page.hint_end == NO_HINT:
+        was = page.retained
+        if not was:
             page.base_priority = page.priority
         if page.priority != GARBAGE_PRIORITY and page.priority != priority:
             page.set_priority(priority)
         page.hint_end = hint_end
+        page.expires = NO_EXPIRY if duration_s is None else now + duration_s
         self.num_retained += 1
-        if duration_s is None:
-            page.expires = NO_EXPIRY
-            return
-        until = now + duration_s
-        page.expires = until
-        self._seq += 1
-        heapq.heappush(self._heap, (until, -ordinal, self._seq, page))
-        if len(self._heap) > self._limit:
-            self._sweep()
+        page.storage.num_retained += int(page.retained) - int(was)  # (a range without duration: a plain priority)
+        if duration_s is not None:
+            self._seq += 1
+            heapq.heappush(self._heap, (page.expires, -ordinal, self._seq, page))
+            if len(self._heap) > self._limit:
+                self._sweep()
 
     def end(self, page: Page) -> None:
         """``page``'s retention ends now: back to its base priority."""
+        if page.retained:
+            page.storage.num_retained -= 1
         page.expires = NO_EXPIRY
         page.hint_end = NO_HINT
         if page.priority != GARBAGE_PRIORITY and page.priority != page.base_priority:

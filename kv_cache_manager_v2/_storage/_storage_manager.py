@@ -240,6 +240,7 @@ class StorageManager(EvictionCascade):
 
     # ------------------------------------------------------------------ accounting
     def statistics(self, level: CacheLevel) -> list[StorageStatistics]:
+        self.expiries.expire()  # (retention that ran out is not counted)
         return self.stats.statistics(level)
 
     def utilization(self) -> float:
