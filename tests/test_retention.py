@@ -25,6 +25,7 @@ from kv_cache_manager_v2 import (
     RequestRetention,
     Retention,
     RetentionRange,
+    SsmLayerConfig,
     compiled,
 )
 from kv_cache_manager_v2._config import GpuCacheTierConfig
@@ -417,3 +418,32 @@ def test_bad_pins_are_refused_clearly(
         KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), max_pinned_share=1.5)
     with pytest.raises(TypeError, match="max_pinned_share"):
         KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), max_pinned_share=True)
+
+
+def test_snapshots_of_a_hybrid_model_and_window_pages_take_the_retention(make_manager: MakeManager) -> None:
+    """Recurrent layers (snapshots) beside a sliding window with sinks: every page the request
+    publishes, snapshot included, is retained, and all of it expires on time."""
+    clock = Clock()
+    ssm = SsmLayerConfig(LayerId(100), [BufferConfig("ssm_state", 64)])
+    swa = AttentionLayerConfig(LayerId(0), [BufferConfig("key", REC * T)], 2 * T, 2)
+    m = make_manager([ssm, swa], tokens_per_block=T, quota=64 * REC * T, clock=clock, ssm_reuse_interval=2 * T)
+    engine = FakeEngine(m)
+    a = seq(1000, 4)
+    kv = m.create_kv_cache(input_tokens=a[:-1], retention=RequestRetention([(0, None, 80, 10.0)]))
+    assert kv.resume()
+    for end in (2 * T, len(a) - 1):  # the first commit ends at a snapshot position
+        h = kv.history_length
+        assert kv.resize(end)
+        engine.step(kv, a, h, end)
+        kv.commit(a[h:end])
+    kv.close()
+    by_group = {s.slot_sizes: s.retained for s in m.get_storage_statistics()}
+    assert by_group[(64,)] == 1  # the snapshot at 2 blocks
+    assert by_group[(REC * T,)] >= 2  # the window's published pages (the sink block and the last ones)
+    kv = m.create_kv_cache(input_tokens=a)  # a hybrid match ends at a snapshot
+    assert kv.resume()
+    assert kv.history_length == 2 * T
+    engine.check_all(kv, a, kv.history_length)
+    kv.close()
+    clock.now = 10.0
+    assert sum(s.retained for s in m.get_storage_statistics()) == 0
