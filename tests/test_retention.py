@@ -212,6 +212,19 @@ def test_a_low_hint_lowers_only_the_blocks_the_request_published(make_manager: M
     assert m.probe_reuse(input_tokens=prefix) == 2 * T
 
 
+def test_a_low_hint_ends_when_any_request_reuses_the_blocks(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=6 * REC * T)
+    engine = FakeEngine(m)
+    doc = seq(1000, 2)
+    run(m, engine, doc, Retention(0))  # "nobody comes back to this" ...
+    e = seq(5000, 2)
+    run(m, engine, e)
+    run(m, engine, doc[:T] + seq(2000, 1))  # ... but another request reads its first block
+    pressure(m, engine, 3, 3000, 90)  # the second block (still 0), then the oldest at 35: E's tail
+    assert m.probe_reuse(input_tokens=doc) == T
+    assert m.probe_reuse(input_tokens=e) == T
+
+
 def test_the_default_clock_is_monotonic() -> None:
     import time
 

@@ -29,8 +29,10 @@ def retain_new_pages(state: RequestState, ordinal: int, pages: Sequence[Page | N
 
 def retain_history(state: RequestState, retain: Retention) -> None:
     """The close-time hint: every page of the request's published full blocks keeps
-    ``retain.priority`` for ``retain.duration_s``. A hint below a page's priority applies only to
-    the blocks this request published itself (a prefix it reused may serve other conversations)."""
+    ``retain.priority`` for ``retain.duration_s``. A hint raising a page ends when a later request
+    reuses the whole history (the conversation continued); a hint below a page's priority applies
+    only to the blocks this request published itself (a prefix it reused may serve others), and
+    ends when any request reuses the page (the guess that nobody would was wrong)."""
     expiries = state._ctx.storage.expiries
     expiries.expire()
     now = expiries.now()
@@ -45,7 +47,8 @@ def retain_history(state: RequestState, retain: Retention) -> None:
         for ref in node.pages:
             page = ref() if ref is not None else None
             if page is not None and (own or priority >= page.priority):
-                expiries.retain(page, node.ordinal, priority, retain.duration_s, last, now)
+                end = last if priority >= page.priority else node.ordinal
+                expiries.retain(page, node.ordinal, priority, retain.duration_s, end, now)
         node = node.parent
 
 
