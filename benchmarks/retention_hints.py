@@ -14,6 +14,8 @@ only), as ``benchmarks/eviction_hit_rate.py`` does: ``create_kv_cache(prompt[:-1
   ``sim._hints.hint_retentions`` derives from the trace's future (whether a later request's prompt
   starts with this one's, up to its last full 512-token trace block, and after what pause), a share
   ``1 - accuracy`` of the labels flipped (seed 0);
+* ``hintsh_<policy>_<accuracy>``: the same with a horizon: a conversation expected back later
+  than the cache's size over the trace's rate of prompt tokens gets no hint;
 * ``optimum``: ``belady`` below, a bound (not a policy): the hit rate of Belady's eviction (the
   block whose next use is farthest goes first, a deeper block first on ties) over the same
   32-token blocks, knowing the whole future; a request's leading cached blocks are its hit.
@@ -56,7 +58,7 @@ class TraceClock:
         return self.now
 
 
-def replay(reqs: list[SimRequest], cap_tokens: int, policy: str, retain: list[kvm.Retention] | None) -> float:
+def replay(reqs: list[SimRequest], cap_tokens: int, policy: str, retain: list[kvm.Retention | None] | None) -> float:
     """Hit rate of one replay through a fresh manager."""
     clock = TraceClock()
     layers = [kvm.AttentionLayerConfig(kvm.LayerId(0), [kvm.BufferConfig("key", 64), kvm.BufferConfig("value", 64)])]
@@ -158,6 +160,7 @@ def main() -> None:
         f"{continued[len(continued) // 2]:.1f} s; token hit rate"
     )
     blocks = block_keys(reqs) if "optimum" in args.runs else []
+    token_rate = sum(r.prompt_length for r in reqs) / max(1e-3, reqs[-1].arrival_ms / 1000.0)
     rows: dict[str, Any] = {}
     for cap in args.caps:
         row: dict[str, Any] = {}
@@ -166,9 +169,11 @@ def main() -> None:
             t0 = time.perf_counter()
             if run == "optimum":
                 row[run] = round(belady(blocks, cap), 4)
-            elif run.startswith("hints_"):
-                _, policy, accuracy = run.split("_")
-                row[run] = round(replay(reqs, cap, policy, hint_retentions(pauses, float(accuracy), args.seed)), 4)
+            elif run.startswith(("hints_", "hintsh_")):
+                kind, policy, accuracy = run.split("_")
+                horizon = cap / token_rate if kind == "hintsh" else None
+                hints = hint_retentions(pauses, float(accuracy), args.seed, horizon)
+                row[run] = round(replay(reqs, cap, policy, hints), 4)
             else:
                 row[run] = round(replay(reqs, cap, run, None), 4)
             row[f"{run}_seconds"] = round(time.perf_counter() - t0, 1)

@@ -91,22 +91,29 @@ def _truncated(segments: list[tuple[int, int]], length: int) -> list[tuple[int, 
     return out
 
 
-def hint_retentions(pauses: Sequence[float | None], accuracy: float, seed: int = 0) -> list[Retention]:
+def hint_retentions(
+    pauses: Sequence[float | None], accuracy: float, seed: int = 0, horizon_s: float | None = None
+) -> list[Retention | None]:
     """The close-time retention of each request from its continuation pause (None: it does not
     continue), a share ``1 - accuracy`` of the labels flipped (seeded). A request wrongly said
-    to continue is kept for the median pause."""
+    to continue is kept for the median pause. ``horizon_s``: a conversation expected back later
+    than this gets no hint (the cache could not hold it that long: about its size over the rate
+    of incoming prompt tokens)."""
     if not 0.0 <= accuracy <= 1.0:
         raise ValueError(f"accuracy must be in [0, 1], got {accuracy!r}")
     known = sorted(p for p in pauses if p is not None)
     typical = known[len(known) // 2] if known else 60.0
     rng = random.Random(seed)
-    out: list[Retention] = []
+    out: list[Retention | None] = []
     for pause in pauses:
         continues = pause is not None
         if rng.random() >= accuracy:
             continues = not continues
         if continues:
             predicted = pause if pause is not None else typical
+            if horizon_s is not None and predicted > horizon_s:
+                out.append(None)
+                continue
             out.append(Retention(keep_priority(predicted), predicted * PAUSE_FACTOR + PAUSE_SLACK_S))
         else:
             out.append(Retention(DROP_PRIORITY))

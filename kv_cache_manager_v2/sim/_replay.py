@@ -219,7 +219,7 @@ class Replay:
         self.requests = requests
         self.clock = 0.0
         self.config = config = dataclasses.replace(config, clock=lambda: self.clock / 1000.0)  # simulated seconds
-        self.retain: Sequence[Retention] | None = None  #: close-time hints by request index (--retention-hints)
+        self.retain: Sequence[Retention | None] | None = None  #: close-time hints by request index (--retention-hints)
         self.rm = KVCacheResourceManager(config)  # may raise ValueError (refused configuration)
         #: simulated time at which the counters are split (and the engine restarts, with ``restart``)
         self.split_ms = split_ms
