@@ -460,3 +460,21 @@ def test_snapshots_of_a_hybrid_model_and_window_pages_take_the_retention(make_ma
     kv.close()
     clock.now = 10.0
     assert sum(s.retained for s in m.get_storage_statistics()) == 0
+
+
+def test_a_later_hint_replaces_an_earlier_one_on_a_shared_history(make_manager: MakeManager) -> None:
+    """A continuation that matches only part of the hinted history (its last message differs)
+    leaves the first hint; its own hint, lower but longer, then replaces it on the shared blocks."""
+    clock = Clock()
+    m = make_manager(one_layer(), tokens_per_block=T, quota=6 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    p = seq(1000, 2)
+    run(m, engine, p + seq(2000, 1), Retention(80, 10.0))
+    later = p + seq(3000, 1)
+    run(m, engine, later, Retention(60, 100.0))
+    b = seq(4000, 2)
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    clock.now = 20.0  # the first hint ran out; the second holds the shared blocks at 60
+    pressure(m, engine, 2, 5000, 90)  # the first request's own block (35), then B's tail (50)
+    assert m.probe_reuse(input_tokens=later) == 3 * T
+    assert m.probe_reuse(input_tokens=b) == T

@@ -30,9 +30,10 @@ def retain_new_pages(state: RequestState, ordinal: int, pages: Sequence[Page | N
 def retain_history(state: RequestState, retain: Retention) -> None:
     """The close-time hint: every page of the request's published full blocks keeps
     ``retain.priority`` for ``retain.duration_s``. A hint raising a page ends when a later request
-    reuses the whole history (the conversation continued); a hint below a page's priority applies
-    only to the blocks this request published itself (a prefix it reused may serve others), and
-    ends when any request reuses the page (the guess that nobody would was wrong)."""
+    reuses the whole history (the conversation continued) and replaces an older hint; a hint below
+    a page's base priority applies only to the blocks this request published itself (a prefix it
+    reused may serve others), and ends when any request reuses the page (the guess that nobody
+    would was wrong)."""
     expiries = state._ctx.storage.expiries
     expiries.expire()
     now = expiries.now()
@@ -46,8 +47,13 @@ def retain_history(state: RequestState, retain: Retention) -> None:
         own = node.ordinal >= first_own
         for ref in node.pages:
             page = ref() if ref is not None else None
-            if page is not None and (own or priority >= page.priority):
-                end = last if priority >= page.priority else node.ordinal
+            if page is None:
+                continue
+            # compared with the priority the page has without retention: the latest hint replaces an
+            # older one (of this conversation or another sharing the prefix)
+            base = page.base_priority if page.retained else page.priority
+            if own or priority >= base:
+                end = last if priority >= base else node.ordinal
                 expiries.retain(page, node.ordinal, priority, retain.duration_s, end, now)
         node = node.parent
 
