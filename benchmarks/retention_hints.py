@@ -45,7 +45,7 @@ from kv_cache_manager_v2.sim._workload import TRACE_BLOCK_TOKENS  # noqa: E402
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
 T = 32
 CAPS = [1_000_000, 3_000_000, 10_000_000]
-RUNS = ["lru", "frequency", "hints_lru_0.8", "hints_lru_0.9", "hints_lru_1.0", "hints_frequency_0.9", "optimum"]
+RUNS = ["lru", "frequency", "hints_lru_0.9", "hints_lru_1.0", "optimum"]
 
 
 class TraceClock:
