@@ -102,6 +102,7 @@ from ._events import (
 )
 from ._exceptions import CuError, LogicError, OutOfMemoryError, OutOfPagesError
 from ._page_index import PageIndexConverter
+from ._retention import RequestRetention, Retention, RetentionRange
 
 #: True when the package's modules are mypyc-compiled extension modules (production mode).
 compiled = not str(getattr(_core._kv_cache, "__file__", "")).endswith(".py")
@@ -182,6 +183,9 @@ __all__ = [
     "Priority",
     "RemoteCacheTierConfig",
     "RemoteStatistics",
+    "RequestRetention",
+    "Retention",
+    "RetentionRange",
     "ReuseScope",
     "ReuseStatistics",
     "ScratchDesc",

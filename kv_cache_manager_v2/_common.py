@@ -122,6 +122,18 @@ class StorageStatistics:
     total: int
     free: int
     evictable: int
+    #: pinned pages (never evicted) and pages under retention (a priority until an expiry time, or
+    #: a close-time hint), held or evictable
+    pinned: int = 0
+    retained: int = 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.pinned * sum(self.slot_sizes)
+
+    @property
+    def retained_bytes(self) -> int:
+        return self.retained * sum(self.slot_sizes)
 
     @property
     def available(self) -> int:

@@ -7,7 +7,8 @@ bool into an int before ``__post_init__`` could refuse it, and validation is the
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -420,9 +421,20 @@ class KVCacheManagerConfig:
     #: tokens (e.g. ``[T]``: the prompt without its last block, for a re-sent prompt whose last
     #: message changed); each a positive multiple of ``tokens_per_block``
     ssm_snapshots_from_end: Sequence[int] = ()
+    #: seconds for retention durations (``Retention``, ``RequestRetention``); a simulator passes its own
+    clock: Callable[[], float] = time.monotonic
+    #: at most this share of each tier's slots (per pool group) may be pinned (``KVCacheManager.pin``)
+    max_pinned_share: float = 0.5
 
     def __post_init__(self) -> None:
         t = check_int("tokens_per_block", _raw(self, "tokens_per_block"))
+        if not callable(self.clock):
+            raise TypeError(f"clock must be a callable returning seconds (like time.monotonic), got {self.clock!r}")
+        s = self.max_pinned_share
+        if type(s) is bool or not isinstance(s, (int, float)):
+            raise TypeError(f"max_pinned_share must be a number, got {s!r}")
+        if not 0.0 <= s <= 1.0:
+            raise ValueError(f"max_pinned_share must be in [0, 1] (a share of each tier's slots), got {s!r}")
         if not is_power_of_two(t):
             raise ValueError(f"tokens_per_block must be a positive power of two, got {t!r}")
         self._validate_tiers()

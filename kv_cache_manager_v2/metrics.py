@@ -282,6 +282,13 @@ class KVCacheMetricsCollector:
             f.add(
                 "gauge", p + "tier_peak_used_bytes", "Highest bytes in use so far", lv, tl, t.peak_used_bytes, tier_name
             )
+            groups = m.get_storage_statistics(CacheLevel(level)) if tier is not CacheTier.REMOTE else []
+            for what, held in (
+                ("pinned", [g.pinned_bytes for g in groups]),
+                ("retained", [g.retained_bytes for g in groups]),
+            ):
+                doc = f"Bytes of {what} pages in the tier (KVCacheManager.pin; retention with a duration or a hint)"
+                f.add("gauge", f"{p}tier_{what}_bytes", doc, lv, tl, sum(held), tier_name)
             for what, pages, nbytes, doc in (
                 ("offloaded", t.offloaded_pages, t.offloaded_bytes, "evicted into the tier from the one above"),
                 ("onboarded", t.onboarded_pages, t.onboarded_bytes, "copied from the tier to a higher one"),

@@ -162,6 +162,9 @@ def expected_samples(m: KVCacheManager, a: KVCacheResourceManager, labels: dict[
         out[key("kvcm_tier_used_bytes", tier=tier)] = t.used_bytes
         out[key("kvcm_tier_total_bytes", tier=tier)] = t.total_bytes
         out[key("kvcm_tier_peak_used_bytes", tier=tier)] = t.peak_used_bytes
+        groups = m.get_storage_statistics(CacheLevel(level)) if kind is not CacheTier.REMOTE else []
+        out[key("kvcm_tier_pinned_bytes", tier=tier)] = sum(g.pinned_bytes for g in groups)
+        out[key("kvcm_tier_retained_bytes", tier=tier)] = sum(g.retained_bytes for g in groups)
         for what in ("offloaded", "onboarded", "dropped"):
             out[key(f"kvcm_tier_{what}_pages_total", tier=tier)] = getattr(t, f"{what}_pages")
             out[key(f"kvcm_tier_{what}_bytes_total", tier=tier)] = getattr(t, f"{what}_bytes")

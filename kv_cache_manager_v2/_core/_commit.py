@@ -14,6 +14,7 @@ from .._common import KVCacheStatus, LayerGroupId, Priority, TokenIdExt
 from .._page import Page
 from .._reuse._keys import chain_token_keys
 from ._request_state import RequestState
+from ._retention import retain_new_pages
 
 #: bound once: mypyc looks a module's attribute up at every call (hot: once or twice per block)
 _untrack: Final = rawref.untrack
@@ -166,6 +167,8 @@ def take_snapshot(state: RequestState, priorities: list[Priority]) -> None:
         if ctx.enable_stats:
             ctx.stats.snapshots_skipped += len(wanted)
         return
+    if state._retention is not None:
+        retain_new_pages(state, ordinal, snapshots, storage.expiries.now())
     tree = ctx.tree
     for layer_group, snapshot in zip(wanted, snapshots):
         tree.attach_snapshot(node, layer_group, snapshot, state._serial)
@@ -207,9 +210,12 @@ def publish(state: RequestState, upto: int, beam: int = 0, tokens: Sequence[Toke
     shared = len(state._tables) > 1
     first = state._num_published
     keys = chain_token_keys(parent.key, tokens, tokens_per_block) if tokens is not None else None
+    now = state._ctx.storage.expiries.now() if state._retention is not None else 0.0
     for ordinal in range(first, upto):
         block_tokens = blocks[ordinal] if ordinal < len(blocks) else _untrack(tuple(tail))
         pages = table.block_pages(ordinal)  # (a new list: the tree may switch its pages)
+        if state._retention is not None:
+            retain_new_pages(state, ordinal, pages, now)
         node = tree.publish(
             parent, block_tokens, pages, locked, state._serial, keys[ordinal - first] if keys is not None else None
         )

@@ -26,6 +26,7 @@ from .._common import (
     TokenIdExt,
 )
 from .._exceptions import LogicError, OutOfPagesError
+from .._retention import Retention
 from .._reuse._keys import check_token, check_token_sequence, validate_tokens
 from .._utils import check_int, check_type
 from ._beams import commit_beams
@@ -251,21 +252,28 @@ class KVCache(RequestState):
         finally:
             ctx.leave()
 
-    def close(self) -> None:
+    def close(self, retain: Retention | None = None) -> None:
         """Publish the partial last block (unless ``stop_committing()`` came first) and release
         every page; committed pages stay reusable (with a write-through remote tier, its published
-        full blocks are handed to the writer now). Idempotent; also runs on garbage collection."""
+        full blocks are handed to the writer now). Idempotent; also runs on garbage collection.
+
+        ``retain``: "this conversation continues" (or, at a low priority, "it does not"): every
+        page of the request's published full blocks keeps ``retain.priority`` for
+        ``retain.duration_s`` seconds, until a later request reuses it (below a page's priority:
+        only the blocks this request published itself)."""
+        if retain is not None:
+            check_type("retain", retain, Retention)
         if self._status is KVCacheStatus.CLOSED:
             return
         ctx = self._ctx
         ctx.enter("close()")
         try:
-            self._close()
+            self._close(retain)
         finally:
             ctx.leave()
 
-    def _close(self) -> None:
-        close_pages(self)
+    def _close(self, retain: Retention | None = None) -> None:
+        close_pages(self, retain)
         self._ctx.storage.flush_write_through()  # its published blocks go to the remote writer now
         ref = self._rawref
         if ref is not None:

@@ -37,6 +37,7 @@ from .._exceptions import LogicError
 from .._layers._policy import LayerGroup
 from .._life_cycle_registry import LayerGroupRegistry
 from .._page_index import PageIndexConverter
+from .._retention import RequestRetention, checked_prompt_end
 from .._reuse._adopt import adopt_records
 from .._reuse._remote_fill import RemoteFill
 from .._reuse._tree import ReuseTree
@@ -53,6 +54,7 @@ from ._context import CacheContext, OpenCache
 from ._introspection import check_invariants
 from ._kv_cache import KVCache
 from ._matching import PrefixMatcher, match_length, match_levels
+from ._pins import pin_key, pin_prefix
 from ._pools import aggregated_pages, live_pages, longest_decode_that_fits
 from ._request_state import PriorityCallback, default_priority
 from ._residency import adopt
@@ -99,6 +101,8 @@ class KVCacheManager:
                 config.eviction_policy,
                 disk_fingerprint,
                 self.tokens_per_block,
+                config.clock,
+                config.max_pinned_share,
             )
         except BaseException:
             self._backend.shutdown()
@@ -185,14 +189,18 @@ class KVCacheManager:
         id: object = None,
         custom_priority_callback: PriorityCallback = default_priority,
         beam_width: int = 1,
+        retention: RequestRetention | None = None,
+        prompt_length: int | None = None,
     ) -> KVCache:
         """A new SUSPENDED cache for one request; call ``resume()`` before ``resize()``.
 
         ``beam_width`` (fixed for the request's life): beams share every page until the first
         ``commit`` with ``beam_search_indices``; then each has its own generated blocks.
-        """
+        ``retention``: of the blocks it publishes (decode blocks: from ``prompt_length``, by
+        default ``len(input_tokens)``)."""
         self._check_alive()
         check_int("beam_width", beam_width, 1, MAX_BEAM_WIDTH)
+        prompt_end = checked_prompt_end(retention, prompt_length, input_tokens)
         if reuse_scope is not None:
             check_type("reuse_scope", reuse_scope, ReuseScope)
         if not callable(custom_priority_callback):
@@ -202,6 +210,7 @@ class KVCacheManager:
         ctx.enter("create_kv_cache()")
         try:
             kv = KVCache(ctx, scope, id, custom_priority_callback, beam_width)
+            kv._retention, kv._prompt_length = retention, prompt_end
             if ctx.state_layer_groups:
                 kv._snapshot_positions = self._snapshot_positions(len(input_tokens) if input_tokens is not None else 0)
             if input_tokens is not None and len(input_tokens) > 0:
@@ -224,6 +233,19 @@ class KVCacheManager:
             positions.add(prompt_end)
             positions.update([prompt_end - offset for offset in config.ssm_snapshots_from_end if offset < prompt_end])
         return sorted(positions)
+
+    def pin(
+        self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None, duration_s: float | None = None
+    ) -> int:
+        """Keep the cached full blocks of ``tokens`` cached (never evicted) until ``unpin`` (or for
+        ``duration_s`` seconds); returns the tokens pinned. ``ValueError`` beyond ``max_pinned_share``."""
+        self._check_alive()
+        return pin_prefix(self._ctx, self._matcher, reuse_scope, tokens, duration_s)
+
+    def unpin(self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None) -> bool:
+        """End the pin of ``tokens`` (False: none); its pages are evicted as usual again."""
+        self._check_alive()
+        return self._storage.pins.unpin(pin_key(reuse_scope, tokens))
 
     def probe_reuse(
         self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None
@@ -326,12 +348,13 @@ class KVCacheManager:
         check_invariants(self._storage, self._tree, self.open_caches())
 
     def clear_reusable_blocks(self) -> None:
-        """Drop every reusable page. Refused while caches are open."""
+        """Drop every reusable page (and every pin). Refused while caches are open."""
         self._check_alive()
         self._check_no_open_caches("clear_reusable_blocks")
         self._ctx.enter("clear_reusable_blocks()")
         try:
             self._storage.flush_write_through()  # published pages still owe the remote tier a copy
+            self._storage.pins.clear()
             self._tree.clear()
             self._storage.drop_all_evictable()  # garbage of subtrees removed earlier
             if self._storage.persist is not None:

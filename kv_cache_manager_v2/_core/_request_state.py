@@ -24,6 +24,7 @@ from .._common import (
 )
 from .._exceptions import LogicError
 from .._page import Page
+from .._retention import RequestRetention
 from .._reuse._node import Node
 from .._utils import check_int
 from ._block_table import BlockTable
@@ -104,6 +105,12 @@ class RequestState(OpenCache):
         self._batch_serial = 0
         #: no sliding window moves below this history (see ``KVCache._window_moves``; 0: check)
         self._window_next = 0
+        #: retention of the blocks this request publishes (``create_kv_cache(retention=...)``)
+        self._retention: RequestRetention | None = None
+        #: the prompt's length (where decode blocks start, for ``_retention``)
+        self._prompt_length = 0
+        #: full blocks reused at creation (the blocks after them this request published itself)
+        self._num_matched_blocks = 0
 
     @property
     def num_committed_tokens(self) -> int:

@@ -220,6 +220,8 @@ class ReuseTree(PageDropListener):
         capped at ``priority_cap``; request ``serial`` uses it; subscribers and write-through hear of it."""
         if page.priority > priority_cap:
             page.set_priority(priority_cap)
+        if page.base_priority > priority_cap:  # (where retention ends, too)
+            page.base_priority = priority_cap
         page.node = node
         node.pages[layer_group] = _new_ref(page)
         anchor = self.layer_groups.items[layer_group].is_anchor(node.ordinal)

@@ -19,6 +19,7 @@ from ._eviction import FrequencyEvictor, LruEvictor
 from ._layout import StorageLayout
 from ._persist import PersistentDisk
 from ._persistence import take_persisted
+from ._pins import PinTable
 from ._tiers._base import Tier
 from ._tiers._registry import local_tier
 from ._use_history import UseHistory
@@ -31,6 +32,9 @@ Excluded = list[list[int]]
 class StorageLevels:
     """The storage of every cache level and pool group: level 0 is the GPU tier, then host, then
     disk, as configured; the planning arithmetic over their free and evictable slots."""
+
+    #: pinned prefixes, whose pages are in no evictor (set by the subclass's constructor)
+    pins: PinTable
 
     def __init__(
         self,
@@ -115,6 +119,7 @@ class StorageLevels:
         """Slots of pool group ``pool_group`` at ``level`` that are free or can be made free: free slots,
         DROPPABLE pages (moved down or dropped), and HELD pages as far as the levels below can take
         them. ``excluded`` pages (listed per level and group) are not counted as evictable."""
+        self.pins.expire()  # (pins that ran out: their pages are evictable again)
         storage = self.levels.items[level].items[pool_group]
         evictor = storage.evictor
         count = storage.allocator.num_free + evictor.count - evictor.num_held
@@ -151,6 +156,7 @@ class StorageLevels:
         utilisation limit below 1 applies to every group, even with no new slot (the resume gate),
         except while the group's unavailable slots stay within ``floor[g]`` (what the
         constraints guarantee)."""
+        self.pins.expire()
         for g, n in enumerate(need):
             if n == 0 and max_util >= 1.0 and (excluded is None or excluded[0][g] == 0):
                 continue

@@ -9,6 +9,7 @@ from typing import NewType
 from mypy_extensions import mypyc_attr
 
 from .._common import DEFAULT_PRIORITY, MAX_PRIORITY, Priority, ReuseScope, TokenIdExt
+from .._retention import RequestRetention
 
 RequestId = NewType("RequestId", int)
 
@@ -38,8 +39,9 @@ class EngineRequest:
     ``prompt_tokens``, ``reuse_scope``. Set by the engine: ``generated_tokens`` (append-only;
     append the sampled token after a step that ends at the last token), ``max_new_tokens``,
     ``context_chunk_size`` (at most this many tokens per step while more than one token is
-    uncomputed; 0 = no limit), ``state`` (set FINISHED when done) and ``priority`` (eviction
-    priority 0..100 of the pages this request creates, read at admission). The adapter checks
+    uncomputed; 0 = no limit), ``state`` (set FINISHED when done), ``priority`` (eviction
+    priority 0..100 of the pages this request creates, read at admission) and ``retention``
+    (``RequestRetention``: priorities with durations per token range, read at admission). The adapter checks
     these where it uses them (``TypeError`` / ``ValueError``, the batch rolled back).
 
     Written by the resource manager, read by the engine: ``num_cached_tokens`` (tokens whose
@@ -59,6 +61,7 @@ class EngineRequest:
         context_chunk_size: int = 0,
         reuse_scope: ReuseScope | None = None,
         priority: int = DEFAULT_PRIORITY,
+        retention: RequestRetention | None = None,
     ) -> None:
         self._request_id = RequestId(check_field("request_id", request_id, 0))
         if isinstance(prompt_tokens, (str, bytes)) or not hasattr(prompt_tokens, "__len__"):
@@ -76,6 +79,12 @@ class EngineRequest:
             raise TypeError(f"EngineRequest.reuse_scope must be a ReuseScope or None, got {type(reuse_scope).__name__}")
         self._reuse_scope: ReuseScope | None = reuse_scope
         self.priority: Priority = check_priority(priority)
+        if retention is not None and not isinstance(retention, RequestRetention):
+            raise TypeError(
+                f"EngineRequest.retention must be a RequestRetention or None, got {type(retention).__name__}"
+            )
+        #: priorities with durations of the blocks it publishes (ranges of its prompt, decode blocks)
+        self.retention: RequestRetention | None = retention
         self.state = RequestState.CONTEXT
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0

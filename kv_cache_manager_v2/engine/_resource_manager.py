@@ -32,6 +32,8 @@ from .._core._kv_cache_manager import KVCacheManager
 from .._core._request_state import default_priority
 from .._exceptions import LogicError
 from .._page_index import PageIndexConverter
+from .._retention import Retention
+from .._utils import check_type
 from ._buffers import CudaBufferView, host_view, page_layout
 from ._capacity import LayerGroupShape, StepPlan, admission_bound, peak_slots
 from ._request import EngineRequest, RequestId, RequestState, check_field, check_priority
@@ -255,7 +257,8 @@ class KVCacheResourceManager:
         prefix = tokens[: length - 1] if length > 1 else None
         m = self.manager
         levels = m.probe_reuse_levels(req.reuse_scope, prefix) if self._num_levels > 1 and prefix is not None else []
-        kv = m.create_kv_cache(req.reuse_scope, prefix, req.request_id, cb)  # (hashed once: by the probe)
+        # (hashed once: by the probe)
+        kv = m.create_kv_cache(req.reuse_scope, prefix, req.request_id, cb, 1, req.retention, len(req.prompt_tokens))
         try:
             if not kv.resume():
                 kv.close()
@@ -355,13 +358,14 @@ class KVCacheResourceManager:
             if req.state is RequestState.CONTEXT and e >= p:
                 req.state = RequestState.GENERATION
 
-    def free_resources(self, request: EngineRequest) -> None:
+    def free_resources(self, request: EngineRequest, retain: Retention | None = None) -> None:
         """Release the request's KV (finished, or preempted to be recomputed). Unknown requests: no-op.
 
-        Committed blocks, including a partial last block, stay reusable until evicted.
+        Committed blocks, including a partial last block, stay reusable until evicted (``retain``: see ``KVCache.close``).
         """
         self._check_alive()
         req = _check_request("request", request)
+        check_type("retain", retain, (Retention, type(None)))
         seq = self._seqs.get(req.request_id)
         if seq is None:
             return
@@ -373,7 +377,7 @@ class KVCacheResourceManager:
             kv.stop_committing()
             if req.state is not RequestState.FINISHED:
                 self.num_preemptions += 1
-        kv.close()
+        kv.close(retain if not seq.padding else None)
         req.num_scheduled_tokens = 0
         req.num_cached_tokens = 0
 

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from .._config import EVICTION_POLICIES, REMOTE_URL_SCHEMES
 from ._check import DataCheckError
+from ._hints import HINTS_HELP, check_accuracy
 from ._models import (
     PRESETS,
     SSM_KV_ONLY,
@@ -135,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"reusable-page eviction: {', '.join(EVICTION_POLICIES)}, or all; several: one replay each, "
         "compared in a table (per --sweep point) (default: lru)",
     )
+    g.add_argument("--retention-hints", type=float, metavar="ACCURACY", help=HINTS_HELP)
     g.add_argument("--swa-scratch", action="store_true", help="SWA prefill scratch-slot reuse")
     g.add_argument("--no-reuse", action="store_true", help="disable prefix reuse (every request on its own)")
     g = p.add_argument_group("replicas sharing a remote tier (Redis)")
@@ -400,6 +402,10 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
                 "--metrics-port/--metrics-file report one replay: no --sweep, --replicas, --restart-at or policies"
             )
         res.metrics = SimMetrics(a.metrics_port, a.metrics_file)
+    if a.retention_hints is not None:
+        check_accuracy(a.retention_hints)
+        if a.restart_at is not None or a.replicas != 1 or a.remote_url:
+            raise SimUserError("--retention-hints does not combine with --restart-at, --replicas or --remote-url")
     return Setup(shape, tiers, options, requests, workload, sweep, interval, disk_dir)
 
 

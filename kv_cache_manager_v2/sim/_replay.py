@@ -24,6 +24,7 @@ for the previous answer. A request that could not fit in the GPU tier even alone
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import time
 from collections import deque
@@ -34,6 +35,7 @@ import numpy as np
 
 from .._common import CacheLevel, ReuseScope, TokenId, TokenIdExt
 from .._config import KVCacheManagerConfig
+from .._retention import Retention
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
 from ._replay_types import LevelUsage, ReplayResult, SchedulerOptions, ideal_peak_tokens
@@ -72,7 +74,9 @@ class Replay:
         options.validate()
         self.opts = options
         self.requests = requests
-        self.config = config
+        self.clock = 0.0
+        self.config = config = dataclasses.replace(config, clock=lambda: self.clock / 1000.0)  # simulated seconds
+        self.retain: Sequence[Retention | None] | None = None  #: close-time hints by request index (--retention-hints)
         self.rm = KVCacheResourceManager(config)  # may raise ValueError (refused configuration)
         #: simulated time at which the counters are split (and the engine restarts, with ``restart``)
         self.split_ms = split_ms
@@ -89,7 +93,6 @@ class Replay:
             need = sim.prompt_length + (1 if options.prompt_only else sim.output_length)
             self.result.longest_request_tokens = max(self.result.longest_request_tokens, need)
         self.result.ideal_peak_tokens = ideal_peak_tokens(requests, options)
-        self.clock = 0.0
         self.arrivals: list[tuple[float, int]] = []
         self.successors: dict[int, list[int]] = {}
         self.waiting: deque[_Live] = deque()
@@ -326,7 +329,7 @@ class Replay:
         finished = [x for x in served if len(x.req.generated_tokens) >= x.req.max_new_tokens]
         for live in finished:
             live.req.state = RequestState.FINISHED
-            self.rm.free_resources(live.req)
+            self.rm.free_resources(live.req, self.retain[live.sim.index] if self.retain is not None else None)
         self._step_manager_s += time.perf_counter() - t0
         r.request_steps += len(served)
         if len(served) > r.max_batch:

@@ -19,6 +19,7 @@ from typing import Any
 
 import kv_cache_manager_v2 as kvm
 
+from ._hints import check_accuracy, format_hints, replay_with_hints
 from ._models import (
     SSM_KV_ONLY,
     SSM_PROMPT_ONLY,
@@ -126,8 +127,11 @@ def simulate(
     eviction_policy: str = "lru",
     metrics: SimMetrics | None = None,
     ssm_reuse_interval: int | None = None,
+    retention_hints: float | None = None,
 ) -> dict[str, Any]:
-    """One replay; returns the report dict. Raises SimUserError for refused configurations."""
+    """One replay (and one with continuation hints, ``sim/_hints.py``); returns the report dict.
+    Raises SimUserError for refused configurations."""
+    check_accuracy(retention_hints)
     config, scale = _sim_config(
         shape, tiers, tokens_per_block, swa_scratch, check_data, eviction_policy, ssm_reuse_interval
     )
@@ -144,6 +148,10 @@ def simulate(
     result = replay.run()
     rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
     rep["eviction_policy"] = eviction_policy
+    if retention_hints is not None:
+        rep["retention_hints"] = replay_with_hints(
+            config, requests, options, retention_hints, rep["hit_rate"]["tokens"]
+        )
     return rep
 
 
@@ -455,7 +463,7 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
         try:
             rep = simulate(
                 run_shape, row, a.tokens_per_block, s.requests, s.workload, s.options, a.swa_scratch, a.check_data,
-                update, policy, metrics, run_interval,
+                update, policy, metrics, run_interval, a.retention_hints,
             )  # fmt: skip
             if point:
                 rep["sweep_point"] = point
@@ -468,7 +476,7 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
         text = format_report(reports[0]).split("\n")[0] + "\n" + format_sweep(key, reports)
     else:
         doc = reports[0]
-        text = format_report(doc)
+        text = format_report(doc) + format_hints(doc)
     _emit(a.json, doc, text)
     if a.plot:
         many = sweep is not None or len(reports) > 1
