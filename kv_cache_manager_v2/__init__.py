@@ -42,6 +42,7 @@ from ._common import (
 )
 from ._config import (
     EVICTION_POLICIES,
+    SNAPSHOT_POLICIES,
     AttentionLayerConfig,
     BatchDesc,
     BufferConfig,
@@ -52,6 +53,7 @@ from ._config import (
     KVCacheDesc,
     KVCacheManagerConfig,
     RemoteCacheTierConfig,
+    SnapshotPolicy,
     SsmLayerConfig,
     SwaScratchReuseConfig,
 )
@@ -82,6 +84,7 @@ __all__ = [
     "DEFAULT_PRIORITY",
     "EVICTION_POLICIES",
     "GPU_LEVEL",
+    "SNAPSHOT_POLICIES",
     "AggregatedPageDesc",
     "AllBlocksClearedEvent",
     "AttentionLayerConfig",
@@ -131,6 +134,7 @@ __all__ = [
     "ReuseStatistics",
     "ScratchDesc",
     "SlotId",
+    "SnapshotPolicy",
     "SsmLayerConfig",
     "StorageStatistics",
     "SwaScratchReuseConfig",

@@ -551,9 +551,10 @@ class KVCache(RequestState):
 
     def next_snapshot_position(self, position: int) -> int | None:
         """The least position after ``position`` where the manager keeps a snapshot of the
-        recurrent state (a multiple of the snapshot interval, or the prompt end rounded down to a
-        block); None without recurrent layers. A commit that ends history exactly there takes
-        the snapshot: cut prefill chunks at these positions."""
+        recurrent state (per ``ssm_snapshot_policy``: multiples of the snapshot interval, the
+        prompt's last full block, where the prompt leaves a cached path, ...; ``MAX_CAPACITY + 1``
+        when none is ahead); None without recurrent layers. A commit that ends history exactly
+        there takes the snapshot: cut prefill chunks at these positions."""
         check_int("position", position)
         if not self._ctx.state_layer_groups:
             return None

@@ -38,7 +38,7 @@ from .._layers._policy import LayerGroup
 from .._life_cycle_registry import LayerGroupRegistry
 from .._page_index import PageIndexConverter
 from .._reuse._remote_fill import RemoteFill
-from .._reuse._tree import ReuseTree
+from .._reuse._tree import Node, ReuseTree
 from .._storage._backend import MemoryBackend
 from .._storage._layout import BufferAttr, StorageLayout
 from .._storage._quota import split_like, split_quota
@@ -54,6 +54,7 @@ from ._matching import PrefixMatcher, match_length, match_levels
 from ._pools import aggregated_pages, live_pages, longest_decode_that_fits
 from ._request_state import PriorityCallback, default_priority
 from ._residency import adopt
+from ._snapshot_plan import plan_snapshots
 
 
 class KVCacheManager:
@@ -198,28 +199,24 @@ class KVCacheManager:
         ctx.enter("create_kv_cache()")
         try:
             kv = KVCache(ctx, scope, id, custom_priority_callback, beam_width)
-            if ctx.state_layer_groups:
-                kv._snapshot_positions = self._snapshot_positions(len(input_tokens) if input_tokens is not None else 0)
-            if input_tokens is not None and len(input_tokens) > 0:
+            num_input_tokens = len(input_tokens) if input_tokens is not None else 0
+            nodes: list[Node] = []
+            if input_tokens is not None and num_input_tokens > 0:
                 nodes, part, part_len, _ = self._matcher.match(
                     scope, input_tokens, True
                 )  # may raise: kv is not open yet
                 adopt(kv, nodes, part, part_len, input_tokens)
+            if ctx.state_layer_groups:
+                tree = self._tree
+                attention_blocks = max(tree.attention_blocks, len(nodes)) if num_input_tokens else 0
+                plan_snapshots(kv, num_input_tokens, len(nodes), attention_blocks, tree.branches)
+                if ctx.enable_stats:
+                    ctx.stats.attention_matched_tokens += attention_blocks * self.tokens_per_block
             handle: rawref.ref[OpenCache] = rawref.ref(kv)
             ctx.open_caches.add(handle)
         finally:
             ctx.leave()
         return kv
-
-    def _snapshot_positions(self, num_input_tokens: int) -> list[int]:
-        """A new request's snapshot positions besides the multiples of the interval."""
-        config = self._config
-        prompt_end = num_input_tokens // self.tokens_per_block * self.tokens_per_block
-        positions = set(config.ssm_snapshots_from_start)
-        if prompt_end > 0:
-            positions.add(prompt_end)
-            positions.update([prompt_end - offset for offset in config.ssm_snapshots_from_end if offset < prompt_end])
-        return sorted(positions)
 
     def probe_reuse(
         self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None
@@ -268,6 +265,12 @@ class KVCacheManager:
             s.snapshots_skipped,
             s.snapshots_reused,
             self._tree.snapshots_evicted if self._ctx.enable_stats else 0,
+            s.attention_matched_tokens,
+            s.snapshots_interval,
+            s.snapshots_branch,
+            s.snapshots_last,
+            s.snapshots_demand,
+            self._tree.snapshots_evicted_unused if self._ctx.enable_stats else 0,
         )
 
     @property
