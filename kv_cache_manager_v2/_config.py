@@ -418,8 +418,8 @@ class KVCacheManagerConfig:
     #: "interval": every ``ssm_reuse_interval`` tokens and at the prompt's last full block;
     #: "branch": where the prompt leaves a cached path, at its last full block, and where the
     #: attention layers matched at least an interval more than the snapshots did (demand);
-    #: "auto": "branch", plus the interval snapshots when a host or disk tier exists (taken at
-    #: the lowest priority: the first pages moved down to it)
+    #: "auto": both ("branch" and the interval snapshots; with a host or disk tier the interval
+    #: snapshots get the lowest priority: the first pages moved down there)
     ssm_snapshot_policy: SnapshotPolicy = "interval"
 
     def __post_init__(self) -> None:

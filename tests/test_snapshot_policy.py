@@ -39,18 +39,19 @@ def test_a_branch_point_snapshot_gives_the_third_request_the_whole_shared_prefix
     m = make_manager(hybrid_layers(), T, quota=16 << 20, ssm_snapshot_policy=policy)
     engine = FakeEngine(m)
     prefix = toks(1, PREFIX)
+    interval = 512 if policy == "auto" else 0  # "auto" keeps the interval snapshots too
     assert run(m, engine, prefix + toks(2, suffix)) == 0
     # the second leaves the first's path at 992 (no snapshot there yet): it plans one
     kv = m.create_kv_cache(input_tokens=prefix + toks(3, suffix))
-    assert kv.next_snapshot_position(0) == SHARED
+    assert kv.next_snapshot_position(kv.history_length) == SHARED
     kv.close()
-    assert run(m, engine, prefix + toks(3, suffix)) == 0
+    assert run(m, engine, prefix + toks(3, suffix)) == interval
     assert m.reuse_statistics.snapshots_branch == 1
     assert run(m, engine, prefix + toks(4, suffix)) == SHARED
     stats = m.reuse_statistics
-    assert stats.snapshots_interval == 0 and stats.snapshots_last == 3
+    assert (stats.snapshots_interval > 0) == (policy == "auto") and stats.snapshots_last == 3
     assert stats.attention_matched_tokens == 3 * SHARED  # the second (created twice) and third requests
-    assert stats.reused_tokens == SHARED
+    assert stats.reused_tokens == SHARED + 2 * interval
 
 
 @pytest.mark.parametrize("suffix", [64, 376, 1300])
@@ -94,14 +95,14 @@ def test_demand_promotion_at_the_end_of_a_previous_output(make_manager: MakeMana
     kv.close()
 
 
-def test_branch_policy_takes_no_interval_snapshot(make_manager: MakeManager) -> None:
+def test_branch_policy_takes_no_interval_snapshot_auto_does(make_manager: MakeManager) -> None:
     m = make_manager(hybrid_layers(), T, quota=16 << 20, ssm_snapshot_policy="branch", ssm_reuse_interval=64)
     kv = m.create_kv_cache(input_tokens=toks(1, 300))
     assert [kv.next_snapshot_position(p) for p in (0, 287, 288)] == [288, 288, MAX_CAPACITY + 1]
     kv.close()
     auto = make_manager(hybrid_layers(), T, quota=16 << 20, ssm_reuse_interval=64, ssm_snapshot_policy="auto")
-    kv = auto.create_kv_cache(input_tokens=toks(1, 300))  # no lower tier: "branch"
-    assert kv.next_snapshot_position(0) == 288
+    kv = auto.create_kv_cache(input_tokens=toks(1, 300))  # "branch" and the interval snapshots
+    assert [kv.next_snapshot_position(p) for p in (0, 256, 287, 288)] == [64, 288, 288, 320]
     kv.close()
 
 

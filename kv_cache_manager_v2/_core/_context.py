@@ -82,14 +82,11 @@ class CacheContext:
         #: tokens between recurrent-state snapshots (0 without recurrent layers)
         self.snapshot_interval = config.snapshot_interval
         policy = config.ssm_snapshot_policy
-        lower_tier = len(config.local_tiers) > 1
         #: tokens between the periodic snapshots a request takes (0: none; ``ssm_snapshot_policy``)
-        self.periodic_interval = (
-            self.snapshot_interval if policy == "interval" or (policy == "auto" and lower_tier) else 0
-        )
-        #: the periodic snapshots' priority ("auto": the lowest, they go down to the lower tier
-        #: first), or -1: the request's callback
-        self.periodic_priority = 0 if policy == "auto" else -1
+        self.periodic_interval = self.snapshot_interval if policy != "branch" else 0
+        #: the periodic snapshots' priority ("auto" with a host or disk tier: the lowest, they go
+        #: down there first), or -1: the request's callback
+        self.periodic_priority = 0 if policy == "auto" and len(config.local_tiers) > 1 else -1
         #: snapshots are planned where the prompt leaves a cached path, and on demand
         self.plans_branches = policy != "interval"
         #: per layer group, the stale end at history 0: where a new block table starts (blocks

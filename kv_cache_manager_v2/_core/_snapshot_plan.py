@@ -3,7 +3,7 @@ positions planned at admission from its match, and the kind each taken snapshot 
 
 A match of a hybrid model ends at a block holding a snapshot, so reuse is bounded by where the
 snapshots are, not by the attention layers' KV. Besides the multiples of the interval (policy
-"interval"; "auto" with a host or disk tier) a request keeps the state at its prompt's last full
+"interval" and "auto") a request keeps the state at its prompt's last full
 block, and, when its attention match ends past its hybrid match, at the attention match's end:
 a branch point when the tree goes on there (the prompt leaves a cached path: the next request
 with that prefix reuses all of it, whatever its suffix), else on demand when the gap is at least
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Final
 
-from .._common import Priority
 from ._request_state import RequestState
 
 #: kinds of snapshot positions (statistics): a multiple of the interval or a configured position
@@ -24,9 +23,6 @@ SNAPSHOT_BRANCH: Final = 1
 SNAPSHOT_LAST: Final = 2
 #: the attention match's end, at least one interval past the hybrid match
 SNAPSHOT_DEMAND: Final = 3
-
-#: the priority of "auto"'s interval snapshots: the first pages moved down to the host or disk tier
-LOWER_TIER_PRIORITY: Final = Priority(0)
 
 
 def plan_snapshots(

@@ -39,6 +39,7 @@ from ._replay import Replay, SchedulerOptions
 from ._replicas import merge_results, run_replicas
 from ._report import SCHEMA, build_report, format_report, format_sweep
 from ._restart import format_restart, simulate_restart
+from ._ssm_policy import SSM_POLICY_KEY, check_policy, policy_point
 from ._workload import ConversationParams, SimRequest, generate_conversations, load_trace
 
 PROG = "kv-cache-sim"
@@ -112,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
         "multiple of --tokens-per-block; a match ends at a snapshot) (default: the largest of 512 and "
         "--tokens-per-block)",
     )
+    g.add_argument(
+        "--ssm-snapshot-policy",
+        help="hybrid models: which recurrent-state snapshots requests keep: interval, branch or auto "
+        "(the manager's ssm_snapshot_policy) (default: the manager's default)",
+    )
     g.add_argument("--tokens-per-block", type=int, default=32, help="tokens per KV block (a power of two)")
     g = p.add_argument_group("cache tiers (sizes: 16GiB, 512MiB, 2GB, a bare number is GiB; tokens: 3Mtok, 300ktok)")
     g.add_argument("--gpu", default="8GiB", help="GPU tier quota")
@@ -181,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay once per quota (and eviction policy), e.g. gpu=1,3,10 or gpu=1Mtok,3Mtok; hybrid models: "
         f"once per snapshot interval, e.g. {SSM_SWEEP_KEY}=256,1024,{SSM_PROMPT_ONLY},{SSM_KV_ONLY} "
         f"({SSM_PROMPT_ONLY}: prompt-end snapshots only; {SSM_KV_ONLY}: the attention layers alone, as if "
-        "every block had a snapshot)",
+        f"every block had a snapshot); once per snapshot policy, e.g. {SSM_POLICY_KEY}=interval,branch,auto,kv",
     )
     g.add_argument(
         "--check-data", action="store_true", help="also write and check KV records through the pages (slower)"
@@ -327,12 +333,16 @@ def _options(a: argparse.Namespace) -> SchedulerOptions:
 def _parse_sweep(text: str) -> tuple[str, list[str]]:
     key, sep, values = text.partition("=")
     key = key.strip().lower()
-    if not sep or key not in (*SWEEP_KEYS, SSM_SWEEP_KEY) or not values.strip():
+    if not sep or key not in (*SWEEP_KEYS, SSM_SWEEP_KEY, SSM_POLICY_KEY) or not values.strip():
         raise SimUserError(
             f"--sweep {text!r}: write TIER=V1,V2,... with TIER one of {', '.join(SWEEP_KEYS)}, or "
-            f"{SSM_SWEEP_KEY}=N1,N2,..."
+            f"{SSM_SWEEP_KEY}=N1,N2,..., or {SSM_POLICY_KEY}=P1,P2,..."
         )
     vals = [v.strip() for v in values.split(",") if v.strip()]
+    if key == SSM_POLICY_KEY:
+        for v in vals:
+            check_policy(f"--sweep {key}", v)
+        return key, vals
     if key == SSM_SWEEP_KEY:
         for v in vals:
             if v not in (SSM_PROMPT_ONLY, SSM_KV_ONLY) and not v.isdigit():
@@ -415,11 +425,14 @@ def simulate(
     eviction_policy: str = "lru",
     metrics: SimMetrics | None = None,
     ssm_reuse_interval: int | None = None,
+    ssm_snapshot_policy: str | None = None,
 ) -> dict[str, Any]:
     """One replay; returns the report dict. Raises SimUserError for refused configurations."""
     config, scale = _sim_config(
         shape, tiers, tokens_per_block, swa_scratch, check_data, eviction_policy, ssm_reuse_interval
     )
+    if ssm_snapshot_policy is not None:
+        config = dataclasses.replace(config, ssm_snapshot_policy=ssm_snapshot_policy)  # type: ignore[arg-type]
     try:
         replay = Replay(config, requests, options, check_data, progress, on_finish=metrics.finish if metrics else None)
         if metrics is not None:
@@ -634,6 +647,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         interval: int | None = a.ssm_reuse_interval
         if interval is not None:
             check_ssm_interval("--ssm-reuse-interval", interval, shape, a.tokens_per_block)
+        policy_option: str | None = a.ssm_snapshot_policy
+        if policy_option is not None:
+            check_policy("--ssm-snapshot-policy", policy_option)
+        if (policy_option is not None or (sweep is not None and sweep[0] == SSM_POLICY_KEY)) and not shape.is_hybrid:
+            raise SimUserError(
+                f"snapshot policies: {shape.name} has no recurrent layers (choose a hybrid preset, e.g. qwen3-next-80b-a3b)"
+            )
+        if sweep is not None and sweep[0] == SSM_POLICY_KEY and (policy_option is not None or a.plot):
+            raise SimUserError(
+                f"--sweep {SSM_POLICY_KEY} sets the policy of each replay: no --ssm-snapshot-policy or --plot"
+            )
         if sweep is not None and sweep[0] == SSM_SWEEP_KEY:
             if interval is not None:
                 raise SimUserError(
@@ -744,9 +768,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         reports: list[dict[str, Any]] = []
         points: list[list[TierSpec]] = [tiers]
         #: per point of an ssm-interval sweep: the shape and interval of its replay
-        variants: list[tuple[ModelShape, int | None, str]] = [(shape, interval, "")]
+        variants: list[tuple[ModelShape, int | None, str | None, str]] = [(shape, interval, policy_option, "")]
         if sweep is not None and sweep[0] == SSM_SWEEP_KEY:
-            variants = [(*_ssm_point(v, shape, a.tokens_per_block), v) for v in sweep[1]]
+            variants = [(*_ssm_point(v, shape, a.tokens_per_block), policy_option, v) for v in sweep[1]]
+        elif sweep is not None and sweep[0] == SSM_POLICY_KEY:
+            variants = [
+                (point_shape, interval, point_policy, v)
+                for v in sweep[1]
+                for point_shape, point_policy in [policy_point(v, shape)]
+            ]
         elif sweep is not None:
             key, values = sweep
             points = []
@@ -762,9 +792,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 points.append(row)
         policies: list[str] = a.eviction_policy
         runs = [(row, variant, policy) for row in points for variant in variants for policy in policies]
-        for row, (run_shape, run_interval, point), policy in runs:
+        for row, (run_shape, run_interval, run_policy, point), policy in runs:
             if point:
-                label = f"replay ({SSM_SWEEP_KEY} {point})"
+                label = f"replay ({sweep[0] if sweep else ''} {point})"
             else:
                 label = f"replay ({row[-1].kind} {row[-1].text})" if sweep else "replay"
             if len(policies) > 1:
@@ -784,6 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     policy,
                     metrics,
                     run_interval,
+                    run_policy,
                 )
                 if point:
                     rep["sweep_point"] = point

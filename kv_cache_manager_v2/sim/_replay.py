@@ -40,6 +40,7 @@ from .._utils import check_int
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
 from ._models import SimUserError
+from ._ssm_policy import add_counters
 from ._workload import SimRequest
 
 
@@ -147,6 +148,8 @@ class ReplayResult:
     snapshots_reused: int = 0
     snapshots_evicted: int = 0
     snapshot_interval: int = 0  #: tokens between snapshots (0: no recurrent layers)
+    #: the manager's snapshot counters by kind (``_ssm_policy.COUNTERS``)
+    snapshot_counters: dict[str, int] = field(default_factory=dict)
     records_checked: int = 0  #: --check-data
     layer_by_layer_steps: int = 0  #: --check-data steps with SWA scratch blocks (checked layer by layer)
     blocks_replayed: int = 0  #: blocks of prompt + output over all finished requests (replay speed)
@@ -607,6 +610,7 @@ class Replay:
         r.snapshots_reused += st.snapshots_reused
         r.snapshots_evicted += st.snapshots_evicted
         r.snapshot_interval = m.config.snapshot_interval
+        add_counters(r.snapshot_counters, st)
         for usage in r.levels:
             ts = m.get_tier_statistics(CacheLevel(usage.level))
             usage.peak_occupied = max(usage.peak_occupied, ts.peak_used_bytes)

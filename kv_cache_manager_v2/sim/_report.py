@@ -6,6 +6,7 @@ from typing import Any
 
 from ._models import ModelShape, TierSpec, format_bytes, format_count, format_quota, is_token_quota
 from ._replay import ReplayResult, SchedulerOptions
+from ._ssm_policy import SSM_POLICY_KEY, format_policy_sweep
 
 SCHEMA = "kv-cache-sim/2"
 MAX_SERIES_POINTS = 400
@@ -102,6 +103,7 @@ def build_report(
             "skipped": r.snapshots_skipped,
             "reused": r.snapshots_reused,
             "evicted": r.snapshots_evicted,
+            **r.snapshot_counters,
         }
         if shape.is_hybrid
         else None,
@@ -421,6 +423,8 @@ def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
     then what to make of overloaded points."""
     if key == "ssm-interval":
         return format_ssm_sweep(reports)
+    if key == SSM_POLICY_KEY:
+        return format_policy_sweep(reports)
     head = (
         f"{key + ' quota':<14}{'tokens':>12}  {'policy':<10}{'hit(tok)':>10}{'hit(blk)':>10}{'admitted':>10}"
         f"{'rejected':>10}{'peak use':>10}{'preempt':>9}{'dropped':>10}{'time':>8}"
