@@ -149,3 +149,30 @@ def test_policy_validation() -> None:
         make_config(hybrid_layers(), T, ssm_snapshot_policy="x")
     with pytest.raises(TypeError, match="ssm_snapshot_policy"):
         make_config(hybrid_layers(), T, ssm_snapshot_policy=1)
+
+
+def test_plan_snapshot(make_manager: MakeManager) -> None:
+    """A position planned by the engine (e.g. the end of the output) is kept like the others;
+    bad positions are refused; the interval policy ignores it."""
+    m = make_manager(hybrid_layers(), T, quota=16 << 20, ssm_snapshot_policy="branch")
+    engine = FakeEngine(m)
+    prompt = toks(1, 100)
+    kv = m.create_kv_cache(input_tokens=prompt)
+    for bad in (0, -32, 48):
+        with pytest.raises(ValueError, match=r"positive multiple of tokens_per_block \(32\)"):
+            kv.plan_snapshot(bad)
+    with pytest.raises(TypeError):
+        kv.plan_snapshot("64")  # type: ignore[arg-type]
+    kv.plan_snapshot(160)
+    assert [kv.next_snapshot_position(p) for p in (0, 96)] == [96, 160]
+    seq = prompt + toks(2, 80)
+    prefill(engine, kv, prompt, 100)
+    decode(engine, kv, seq, 170)
+    kv.close()
+    assert m.reuse_statistics.snapshots_last == 2
+    assert run(m, engine, seq[:170] + toks(3, 5)) == 160
+    plain = make_manager(hybrid_layers(), T, quota=16 << 20, ssm_snapshot_policy="interval")
+    kv = plain.create_kv_cache(input_tokens=prompt)
+    kv.plan_snapshot(160)
+    assert kv.next_snapshot_position(96) == 512
+    kv.close()

@@ -34,6 +34,7 @@ from ._commit import commit_tokens, next_snapshot_position, publish_final
 from ._planning import resize_blocks
 from ._request_state import RequestState, checked_priority, default_priority
 from ._residency import close_pages, drop_lost_blocks, prefetch_pages, resume_pages, suspend_pages
+from ._snapshot_plan import add_snapshot_position
 
 
 class KVCache(RequestState):
@@ -559,6 +560,20 @@ class KVCache(RequestState):
         if not self._ctx.state_layer_groups:
             return None
         return next_snapshot_position(self, position)
+
+    def plan_snapshot(self, position: int) -> None:
+        """Hybrid models: also keep the recurrent state at ``position`` (a positive multiple of
+        ``tokens_per_block``) as a snapshot when a commit ends history exactly there, e.g. the last
+        full block of prompt + output that a conversation's next turn starts with. Ignored under
+        ``ssm_snapshot_policy="interval"`` and without recurrent layers."""
+        check_int("position", position, -MAX_CAPACITY)
+        t = self._tokens_per_block
+        if position <= 0 or position % t:
+            raise ValueError(
+                f"plan_snapshot: position must be a positive multiple of tokens_per_block ({t}), got {position}"
+            )
+        if self._ctx.plans_branches and self._ctx.state_layer_groups and position > self._history:
+            add_snapshot_position(self, position)
 
     def get_aggregated_page_indices(
         self, layer_group_id: LayerGroupId, beam_id: BeamIndex = BeamIndex(0), valid_only: bool = False

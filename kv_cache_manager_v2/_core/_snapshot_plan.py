@@ -19,7 +19,7 @@ from ._request_state import RequestState
 SNAPSHOT_INTERVAL: Final = 0
 #: where the prompt leaves a cached path (the attention match's end, the tree going on there)
 SNAPSHOT_BRANCH: Final = 1
-#: the prompt's last full block
+#: the prompt's last full block, or the last full block of prompt + output (``plan_snapshot``)
 SNAPSHOT_LAST: Final = 2
 #: the attention match's end, at least one interval past the hybrid match
 SNAPSHOT_DEMAND: Final = 3
@@ -50,6 +50,14 @@ def plan_snapshots(
             kinds.setdefault(end, SNAPSHOT_DEMAND)
     state._snapshot_kinds = kinds
     state._snapshot_positions = sorted(kinds)
+
+
+def add_snapshot_position(state: RequestState, position: int) -> None:
+    """Keep the state at ``position`` too (``KVCache.plan_snapshot``; counted as "last")."""
+    kinds = state._snapshot_kinds
+    if position not in kinds:
+        kinds[position] = SNAPSHOT_LAST
+        state._snapshot_positions = sorted(kinds)
 
 
 def count_snapshots(state: RequestState, position: int, count: int) -> None:
