@@ -528,3 +528,5 @@ def test_hybrid_snapshot_policy_sweep(capsys: pytest.CaptureFixture[str]) -> Non
     assert hits[2] >= hits[0], hits
     code, out, _ = run(capsys, *args)
     assert code == 0 and "bound" in out and "ratio" in out and "1.00" in out
+    code, out, _ = run(capsys, *HYBRID, "--ssm-snapshot-policy", "branch")
+    assert code == 0 and "branch: at branch points" in out and "snapshot kinds" in out and "0 interval" in out

@@ -383,23 +383,29 @@ def test_workload_with_each_policy_equals_the_dense_reference(name: str, policy:
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("policy", ["interval", "branch"])
-def test_conversation_snapshot_resumes_the_next_turn_exactly(name: str, policy: str) -> None:
-    """The adapter plans a snapshot at the last full block of prompt + output (what the next turn
-    of a conversation starts with): the next turn reuses up to it (policy "interval": up to the
-    last multiple of the interval) and generates what the dense recomputation does."""
+@pytest.mark.parametrize(
+    ("policy", "history", "reused"), [("interval", True, 24), ("branch", True, 28), ("branch", False, 12)]
+)
+def test_conversation_snapshot_resumes_the_next_turn_exactly(
+    name: str, policy: str, history: bool, reused: int
+) -> None:
+    """A request whose output is history (``output_is_history``: a conversation's next turn starts
+    with it) gets a snapshot at the last full block of prompt + output: the next turn reuses up to
+    it (policy "interval": up to the last multiple of the interval; without the flag: the prompt's
+    last full block) and generates what the dense recomputation does."""
     p = WorkloadParams(full_slots=200, swa_slots=200, ssm_reuse_interval=INTERVAL, ssm_snapshot_policy=policy)
     model, adapter, engine = setup(name, p)
     first = EngineRequest(0, tokens_of(40, 13), 16)  # history at the end: 13 + 16 - 1 = 28 tokens
+    first.output_is_history = history
     _, logits = run_request(adapter, engine, first, chunks=(5,))
     assert_equals_dense(model, first, logits)
     second = EngineRequest(1, first.all_tokens() + tokens_of(41, 6), 3)
     _, logits = run_request(adapter, engine, second, chunks=(3, 7))
-    assert second.num_reused_tokens == (28 if policy == "branch" else 24)
+    assert second.num_reused_tokens == reused
     assert_equals_dense(model, second, logits)
     probe = EngineRequest(2, first.all_tokens()[:28] + tokens_of(42, 2), 1)
     assert adapter.prepare_resources([probe]) == []
-    assert probe.num_reused_tokens == (28 if policy == "branch" else 24)
+    assert probe.num_reused_tokens == (reused if history else 28)  # the second turn planned 28 (demand)
     kv = adapter.get_kv_cache(probe)
     assert live_state_error(model, engine, kv, first.all_tokens()[: probe.num_reused_tokens]) <= TOL
     adapter.free_resources(probe)

@@ -38,8 +38,11 @@ class EngineRequest:
     ``prompt_tokens``, ``reuse_scope``. Set by the engine: ``generated_tokens`` (append-only;
     append the sampled token after a step that ends at the last token), ``max_new_tokens``,
     ``context_chunk_size`` (at most this many tokens per step while more than one token is
-    uncomputed; 0 = no limit), ``state`` (set FINISHED when done) and ``priority`` (eviction
-    priority 0..100 of the pages this request creates, read at admission). The adapter checks
+    uncomputed; 0 = no limit), ``state`` (set FINISHED when done), ``priority`` (eviction
+    priority 0..100 of the pages this request creates, read at admission) and
+    ``output_is_history`` (the output becomes the start of a later request, e.g. a conversation's
+    next turn: hybrid models keep the recurrent state at its last full block; read at admission,
+    ignored under ``ssm_snapshot_policy="interval"``). The adapter checks
     these where it uses them (``TypeError`` / ``ValueError``, the batch rolled back).
 
     Written by the resource manager, read by the engine: ``num_cached_tokens`` (tokens whose
@@ -76,6 +79,7 @@ class EngineRequest:
             raise TypeError(f"EngineRequest.reuse_scope must be a ReuseScope or None, got {type(reuse_scope).__name__}")
         self._reuse_scope: ReuseScope | None = reuse_scope
         self.priority: Priority = check_priority(priority)
+        self.output_is_history = False
         self.state = RequestState.CONTEXT
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0

@@ -446,6 +446,8 @@ def simulate(
     result = replay.run()
     rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
     rep["eviction_policy"] = eviction_policy
+    if rep["snapshots"]:
+        rep["snapshots"]["policy"] = config.ssm_snapshot_policy
     return rep
 
 

@@ -238,6 +238,8 @@ class Replay:
         self.clock = 0.0
         self.arrivals: list[tuple[float, int]] = []
         self.successors: dict[int, list[int]] = {}
+        #: requests a later one continues (their output is in its prompt: EngineRequest.output_is_history)
+        self.followed = {sim.after for sim in requests if sim.after >= 0}
         self.waiting: deque[_Live] = deque()
         self.running: list[_Live] = []
         self.suspended: list[_Live] = []
@@ -273,6 +275,7 @@ class Replay:
             max_new = 1 if o.prompt_only else sim.output_length
             tokens = cast("Sequence[TokenIdExt]", prompt)  # array('I'): hashed by a memory copy
             req = EngineRequest(index, tokens, max_new, o.chunk, None if o.reuse else ReuseScope(salt=index))
+            req.output_is_history = index in self.followed
             live = _Live(sim, req, at_ms)
             need = self.rm.get_needed_resource_to_completion_per_pool_group(req)
             if any(n > total for n, total in zip(need, self.totals)):

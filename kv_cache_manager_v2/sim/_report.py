@@ -6,7 +6,7 @@ from typing import Any
 
 from ._models import ModelShape, TierSpec, format_bytes, format_count, format_quota, is_token_quota
 from ._replay import ReplayResult, SchedulerOptions
-from ._ssm_policy import SSM_POLICY_KEY, format_policy_sweep
+from ._ssm_policy import SSM_POLICY_KEY, format_policy_sweep, snapshot_rows
 
 SCHEMA = "kv-cache-sim/2"
 MAX_SERIES_POINTS = 400
@@ -395,14 +395,7 @@ def _snapshot_lines(rep: dict[str, Any]) -> list[str]:
     snap = rep.get("snapshots")
     if not snap:
         return []
-    return [
-        _row(
-            "state snapshots",
-            f"every {snap['interval']} tokens and at prompt ends: {format_count(snap['taken'])} taken, "
-            f"{format_count(snap['reused'])} reused, {format_count(snap['evicted'])} evicted, "
-            f"{format_count(snap['skipped'])} skipped (no free slot); a match ends at a snapshot",
-        )
-    ]
+    return [_row(label, text) for label, text in snapshot_rows(snap)]
 
 
 def _load_text(load: dict[str, Any]) -> str:

@@ -77,3 +77,33 @@ def format_policy_sweep(reports: list[dict[str, Any]]) -> str:
         "snapshots taken by kind (interval: multiples of the interval), reused, evicted (unused: never reused)"
     )
     return "\n".join(lines)
+
+
+def snapshot_rows(snap: dict[str, Any]) -> list[tuple[str, str]]:
+    """The one-replay report's rows on snapshots (label, text): where they are taken, then by kind."""
+    policy = snap.get("policy", "interval")
+    where = {
+        "interval": f"every {snap['interval']} tokens and at prompt ends",
+        "branch": "at branch points, prompt and output ends, on demand",
+        "auto": f"every {snap['interval']} tokens, at branch points, prompt and output ends, on demand",
+    }.get(policy, "")
+    rows = [
+        (
+            "state snapshots",
+            f"{policy}: {where}: {format_count(snap['taken'])} taken, {format_count(snap['reused'])} reused, "
+            f"{format_count(snap['evicted'])} evicted, {format_count(snap['skipped'])} skipped (no free slot); "
+            "a match ends at a snapshot",
+        )
+    ]
+    if "snapshots_interval" in snap:
+        kinds = ", ".join(
+            f"{format_count(snap[f'snapshots_{k}'])} {k}" for k in ("interval", "branch", "last", "demand")
+        )
+        rows.append(
+            (
+                "snapshot kinds",
+                f"{kinds}; {format_count(snap['snapshots_evicted_unused'])} evicted never reused; the attention "
+                f"layers alone matched {format_count(snap['attention_matched_tokens'])} tokens",
+            )
+        )
+    return rows
