@@ -420,7 +420,7 @@ class KVCacheManagerConfig:
     #: attention layers matched at least an interval more than the snapshots did (demand);
     #: "auto": both ("branch" and the interval snapshots; with a host or disk tier the interval
     #: snapshots get the lowest priority: the first pages moved down there)
-    ssm_snapshot_policy: SnapshotPolicy = "interval"
+    ssm_snapshot_policy: SnapshotPolicy = "auto"
 
     def __post_init__(self) -> None:
         t = check_int("tokens_per_block", _raw(self, "tokens_per_block"))

@@ -772,7 +772,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         #: per point of an ssm-interval sweep: the shape and interval of its replay
         variants: list[tuple[ModelShape, int | None, str | None, str]] = [(shape, interval, policy_option, "")]
         if sweep is not None and sweep[0] == SSM_SWEEP_KEY:
-            variants = [(*_ssm_point(v, shape, a.tokens_per_block), policy_option, v) for v in sweep[1]]
+            # (the intervals alone unless a policy is given: "prompt" is prompt ends only)
+            ssm_policy = policy_option or "interval"
+            variants = [(*_ssm_point(v, shape, a.tokens_per_block), ssm_policy, v) for v in sweep[1]]
         elif sweep is not None and sweep[0] == SSM_POLICY_KEY:
             variants = [
                 (point_shape, interval, point_policy, v)
