@@ -158,12 +158,15 @@ def test_plan_snapshot(make_manager: MakeManager) -> None:
     engine = FakeEngine(m)
     prompt = toks(1, 100)
     kv = m.create_kv_cache(input_tokens=prompt)
-    for bad in (0, -32, 48):
-        with pytest.raises(ValueError, match=r"positive multiple of tokens_per_block \(32\)"):
-            kv.plan_snapshot(bad)
+    with pytest.raises(ValueError, match="position must be >= 0, got -32"):
+        kv.plan_snapshot(-32)
     with pytest.raises(TypeError):
         kv.plan_snapshot("64")  # type: ignore[arg-type]
-    kv.plan_snapshot(160)
+    kv.plan_snapshot(0)  # nothing: no full block
+    kv.plan_snapshot(31)
+    kv.plan_snapshot(96)  # the prompt end: planned already
+    assert [kv.next_snapshot_position(p) for p in (0, 96)] == [96, MAX_CAPACITY + 1]
+    kv.plan_snapshot(190)  # the last full block: 160
     assert [kv.next_snapshot_position(p) for p in (0, 96)] == [96, 160]
     seq = prompt + toks(2, 80)
     prefill(engine, kv, prompt, 100)

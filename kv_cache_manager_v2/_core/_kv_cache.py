@@ -562,16 +562,13 @@ class KVCache(RequestState):
         return next_snapshot_position(self, position)
 
     def plan_snapshot(self, position: int) -> None:
-        """Hybrid models: also keep the recurrent state at ``position`` (a positive multiple of
-        ``tokens_per_block``) as a snapshot when a commit ends history exactly there, e.g. the last
-        full block of prompt + output that a conversation's next turn starts with. Ignored under
-        ``ssm_snapshot_policy="interval"`` and without recurrent layers."""
-        check_int("position", position, -MAX_CAPACITY)
-        t = self._tokens_per_block
-        if position <= 0 or position % t:
-            raise ValueError(
-                f"plan_snapshot: position must be a positive multiple of tokens_per_block ({t}), got {position}"
-            )
+        """Hybrid models: also keep the recurrent state at the last full block at or before
+        ``position`` tokens as a snapshot when a commit ends history exactly there, e.g. the end of
+        prompt + output that a conversation's next turn starts with (the adapter does this for an
+        ``EngineRequest`` with ``output_is_history``). Ignored under ``ssm_snapshot_policy=
+        "interval"``, without recurrent layers, and for a block history has already reached."""
+        check_int("position", position)
+        position -= position % self._tokens_per_block
         if self._ctx.plans_branches and self._ctx.state_layer_groups and position > self._history:
             add_snapshot_position(self, position)
 

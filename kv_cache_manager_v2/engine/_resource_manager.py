@@ -132,8 +132,6 @@ class KVCacheResourceManager:
         #: cache levels (tiers); with more than one, admission asks where the reused blocks are
         self._num_levels = len(m.cache_tier_list)
         self._releases_blocks = any(s.policy.releases_blocks for s in self._shapes)
-        #: hybrid models: a snapshot is planned at the end of an output that is history
-        self._has_state = m.config.has_recurrent_layers
         self._seqs: dict[int, _Sequence] = {}
         self._serial = 0
         self._converters: dict[tuple[LayerId, str], PageIndexConverter] = {}
@@ -254,12 +252,8 @@ class KVCacheResourceManager:
         levels = m.probe_reuse_levels(req.reuse_scope, prefix) if self._num_levels > 1 and prefix is not None else []
         kv = m.create_kv_cache(req.reuse_scope, prefix, req.request_id, cb)  # (hashed once: by the probe)
         try:
-            if self._has_state and req.output_is_history:
-                # the state at the output's last full block (what the next turn starts with)
-                t = self.tokens_per_block
-                end = (len(req.prompt_tokens) + req.max_new_tokens - 1) // t * t
-                if end > 0:
-                    kv.plan_snapshot(end)
+            if req.output_is_history:  # hybrid models: keep the state the next turn starts with
+                kv.plan_snapshot(len(req.prompt_tokens) + req.max_new_tokens - 1)
             if not kv.resume():
                 kv.close()
                 return None
