@@ -418,8 +418,8 @@ class KVCacheManagerConfig:
     #: "interval": every ``ssm_reuse_interval`` tokens and at the prompt's last full block;
     #: "branch": where the prompt leaves a cached path, at its last full block, and where the
     #: attention layers matched at least an interval more than the snapshots did (demand);
-    #: "auto": both ("branch" and the interval snapshots; with a host or disk tier the interval
-    #: snapshots get the lowest priority: the first pages moved down there)
+    #: "auto": both, the interval snapshots at the lowest priority (evicted first; with a host or
+    #: disk tier, the first pages moved down there)
     ssm_snapshot_policy: SnapshotPolicy = "auto"
 
     def __post_init__(self) -> None:

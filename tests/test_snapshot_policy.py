@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from conftest import make_config
 from fake_engine import FakeEngine
-from test_recurrent import MakeManager, T, decode, hybrid_layers, prefill, toks
+from test_recurrent import MakeManager, T, decode, hybrid_layers, prefill, state_group, toks
 
 from kv_cache_manager_v2 import KVCacheManager
 from kv_cache_manager_v2._common import MAX_CAPACITY
@@ -179,3 +179,24 @@ def test_plan_snapshot(make_manager: MakeManager) -> None:
     kv.plan_snapshot(160)
     assert kv.next_snapshot_position(96) == 512
     kv.close()
+
+
+@pytest.mark.parametrize(("policy", "interval_priority"), [("interval", 35), ("auto", 0)])
+def test_auto_gives_interval_snapshots_the_lowest_priority(
+    make_manager: MakeManager, policy: str, interval_priority: int
+) -> None:
+    """Without a lower tier too: "auto"'s interval snapshots are evicted before any other snapshot
+    or KV (priority 0); the prompt's last block keeps the callback's priority."""
+    m = make_manager(hybrid_layers(), T, quota=16 << 20, ssm_snapshot_policy=policy, ssm_reuse_interval=64)
+    run(m, FakeEngine(m), toks(1, 300))
+    g = state_group(m)
+    priorities = {
+        (node.ordinal + 1) * T: page.priority for node in m._tree.nodes() if (page := node.page(g)) is not None
+    }
+    assert priorities == {
+        64: interval_priority,
+        128: interval_priority,
+        192: interval_priority,
+        256: interval_priority,
+        288: 35,
+    }

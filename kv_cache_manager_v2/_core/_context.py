@@ -84,9 +84,9 @@ class CacheContext:
         policy = config.ssm_snapshot_policy
         #: tokens between the periodic snapshots a request takes (0: none; ``ssm_snapshot_policy``)
         self.periodic_interval = self.snapshot_interval if policy != "branch" else 0
-        #: the periodic snapshots' priority ("auto" with a host or disk tier: the lowest, they go
-        #: down there first), or -1: the request's callback
-        self.periodic_priority = 0 if policy == "auto" and len(config.local_tiers) > 1 else -1
+        #: the periodic snapshots' priority ("auto": the lowest, evicted before the other
+        #: snapshots and any KV, and moved down first to a host or disk tier), or -1: the callback's
+        self.periodic_priority = 0 if policy == "auto" else -1
         #: snapshots are planned where the prompt leaves a cached path, and on demand
         self.plans_branches = policy != "interval"
         #: per layer group, the stale end at history 0: where a new block table starts (blocks

@@ -3,7 +3,7 @@ positions planned at admission from its match, and the kind each taken snapshot 
 
 A match of a hybrid model ends at a block holding a snapshot, so reuse is bounded by where the
 snapshots are, not by the attention layers' KV. Besides the multiples of the interval (policy
-"interval" and "auto") a request keeps the state at its prompt's last full
+"interval" and "auto", where they have the lowest priority) a request keeps the state at its prompt's last full
 block, and, when its attention match ends past its hybrid match, at the attention match's end:
 a branch point when the tree goes on there (the prompt leaves a cached path: the next request
 with that prefix reuses all of it, whatever its suffix), else on demand when the gap is at least
