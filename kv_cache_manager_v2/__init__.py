@@ -74,6 +74,7 @@ from ._common import (
 )
 from ._config import (
     EVICTION_POLICIES,
+    SNAPSHOT_POLICIES,
     AttentionLayerConfig,
     BatchDesc,
     BufferConfig,
@@ -84,6 +85,7 @@ from ._config import (
     KVCacheDesc,
     KVCacheManagerConfig,
     RemoteCacheTierConfig,
+    SnapshotPolicy,
     SsmLayerConfig,
     SwaScratchReuseConfig,
 )
@@ -138,6 +140,7 @@ __all__ = [
     "DEFAULT_PRIORITY",
     "EVICTION_POLICIES",
     "GPU_LEVEL",
+    "SNAPSHOT_POLICIES",
     "AggregatedPageDesc",
     "AllBlocksClearedEvent",
     "AttentionLayerConfig",
@@ -190,6 +193,7 @@ __all__ = [
     "ReuseStatistics",
     "ScratchDesc",
     "SlotId",
+    "SnapshotPolicy",
     "SsmLayerConfig",
     "StorageStatistics",
     "SwaScratchReuseConfig",

@@ -25,6 +25,9 @@ BACKEND_ENV_VAR = "KV_CACHE_MANAGER_V2_BACKEND"
 #: GreedyDual with a ghost table of evicted blocks' uses; descendants before their anchors).
 EvictionPolicy = Literal["lru", "frequency"]
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "frequency")
+SnapshotPolicy = Literal["interval", "branch", "auto"]
+#: where hybrid models keep recurrent-state snapshots (``ssm_snapshot_policy``)
+SNAPSHOT_POLICIES: tuple[str, ...] = ("interval", "branch", "auto")
 
 
 def _raw(config: object, name: str) -> object:
@@ -425,6 +428,13 @@ class KVCacheManagerConfig:
     clock: Callable[[], float] = time.monotonic
     #: at most this share of each tier's slots (per pool group) may be pinned (``KVCacheManager.pin``)
     max_pinned_share: float = 0.5
+    #: which recurrent-state snapshots a request keeps (besides the configured positions):
+    #: "interval": every ``ssm_reuse_interval`` tokens and at the prompt's last full block;
+    #: "branch": where the prompt leaves a cached path, at its last full block, and where the
+    #: attention layers matched at least an interval more than the snapshots did (demand);
+    #: "auto": both, the interval snapshots at the lowest priority (evicted first; with a host or
+    #: disk tier, the first pages moved down there)
+    ssm_snapshot_policy: SnapshotPolicy = "auto"
 
     def __post_init__(self) -> None:
         t = check_int("tokens_per_block", _raw(self, "tokens_per_block"))
@@ -468,6 +478,12 @@ class KVCacheManagerConfig:
                     raise ValueError(
                         f"{name} entries must be positive multiples of tokens_per_block ({t}), got {offset}"
                     )
+        check_type("ssm_snapshot_policy", self.ssm_snapshot_policy, str)
+        if self.ssm_snapshot_policy not in SNAPSHOT_POLICIES:
+            raise ValueError(
+                f"ssm_snapshot_policy must be one of {', '.join(map(repr, SNAPSHOT_POLICIES))}, "
+                f"got {self.ssm_snapshot_policy!r}"
+            )
         u = self.max_util_for_resume
         check_type("max_util_for_resume", u, (int, float))
         if not 0.0 < u <= 1.0:

@@ -47,6 +47,8 @@ HINTS = [None, Retention(85, 4.0), Retention(0)]
 class ManagerMachine(RuleBasedStateMachine):
     #: the manager's eviction_policy (each machine also runs with "frequency", below)
     POLICY = "lru"
+    #: the hybrid machines' ssm_snapshot_policy (each also runs with the others: test_stateful_policies.py)
+    SNAPSHOT_POLICY = "interval"
 
     def __init__(self) -> None:
         super().__init__()
@@ -473,6 +475,7 @@ class HybridMachine(ManagerMachine):
                 initial_pool_ratio=[0.06, 0.6, 0.34],  # 7 state slots: live states and snapshots compete
                 ssm_reuse_interval=2 * T,
                 eviction_policy=self.POLICY,
+                ssm_snapshot_policy=self.SNAPSHOT_POLICY,
             )
         )
 
@@ -497,6 +500,7 @@ class HybridTieredMachine(TieredMachine):
                 initial_pool_ratio=[0.15, 0.5, 0.35],
                 ssm_reuse_interval=2 * T,
                 eviction_policy=self.POLICY,
+                ssm_snapshot_policy=self.SNAPSHOT_POLICY,
             )
         )
 
@@ -517,6 +521,7 @@ class HybridBeamMachine(BeamMachine):
                 initial_pool_ratio=[0.1, 0.6, 0.3],
                 ssm_reuse_interval=2 * T,
                 eviction_policy=self.POLICY,
+                ssm_snapshot_policy=self.SNAPSHOT_POLICY,
             )
         )
 

@@ -10,11 +10,12 @@ from typing import Final
 
 import rawref
 
-from .._common import KVCacheStatus, LayerGroupId, Priority, TokenIdExt
+from .._common import MAX_CAPACITY, KVCacheStatus, LayerGroupId, Priority, TokenIdExt
 from .._page import Page
 from .._reuse._keys import chain_token_keys
 from ._request_state import RequestState
 from ._retention import retain_new_pages
+from ._snapshot_plan import count_snapshots
 
 #: bound once: mypyc looks a module's attribute up at every call (hot: once or twice per block)
 _untrack: Final = rawref.untrack
@@ -84,6 +85,9 @@ def snapshot_priorities_at(state: RequestState, end: int) -> list[Priority] | No
     # (history beyond the committed end: the state holds more than the block, no snapshot)
     if end % tokens_per_block != 0 or state._history > end or not is_snapshot_position(state, end):
         return None
+    periodic = state._ctx.periodic_priority
+    if periodic >= 0 and end not in state._snapshot_kinds:
+        return [Priority(periodic)] * len(state._ctx.state_layer_groups)
     return [
         state._priorities(layer_group, [end // tokens_per_block - 1])[0]
         for layer_group in state._ctx.state_layer_groups
@@ -92,16 +96,17 @@ def snapshot_priorities_at(state: RequestState, end: int) -> list[Priority] | No
 
 def is_snapshot_position(state: RequestState, position: int) -> bool:
     """Whether the live state at ``position`` tokens is kept as a snapshot: a positive multiple
-    of the snapshot interval, the request's prompt end rounded down to a block, or a configured
-    extra position."""
-    interval = state._ctx.snapshot_interval
-    return position > 0 and (position % interval == 0 or position in state._snapshot_positions)
+    of the periodic interval (``ssm_snapshot_policy``), or a position planned at admission
+    (``_snapshot_plan``)."""
+    interval = state._ctx.periodic_interval
+    return position > 0 and ((interval > 0 and position % interval == 0) or position in state._snapshot_positions)
 
 
 def next_snapshot_position(state: RequestState, position: int) -> int:
-    """The least snapshot position after ``position``."""
-    interval = state._ctx.snapshot_interval
-    nxt = (position // interval + 1) * interval
+    """The least snapshot position after ``position`` (none planned and no periodic interval:
+    the largest capacity, which no request reaches)."""
+    interval = state._ctx.periodic_interval
+    nxt = (position // interval + 1) * interval if interval > 0 else MAX_CAPACITY + 1
     for extra in state._snapshot_positions:  # ascending
         if extra > position:
             return min(extra, nxt)
@@ -178,6 +183,7 @@ def take_snapshot(state: RequestState, priorities: list[Priority]) -> None:
     if ctx.enable_stats:
         ctx.stats.snapshots_taken += len(wanted)
         ctx.stats.allocated_pages += len(wanted)
+        count_snapshots(state, committed, len(wanted))
 
 
 def publish_final(state: RequestState) -> None:

@@ -35,6 +35,7 @@ from ._commit import commit_tokens, next_snapshot_position, publish_final
 from ._planning import resize_blocks
 from ._request_state import RequestState, checked_priority, default_priority
 from ._residency import close_pages, drop_lost_blocks, prefetch_pages, resume_pages, suspend_pages
+from ._snapshot_plan import add_snapshot_position
 
 
 class KVCache(RequestState):
@@ -566,13 +567,25 @@ class KVCache(RequestState):
 
     def next_snapshot_position(self, position: int) -> int | None:
         """The least position after ``position`` where the manager keeps a snapshot of the
-        recurrent state (a multiple of the snapshot interval, or the prompt end rounded down to a
-        block); None without recurrent layers. A commit that ends history exactly there takes
-        the snapshot: cut prefill chunks at these positions."""
+        recurrent state (per ``ssm_snapshot_policy``: multiples of the snapshot interval, the
+        prompt's last full block, where the prompt leaves a cached path, ...; ``MAX_CAPACITY + 1``
+        when none is ahead); None without recurrent layers. A commit that ends history exactly
+        there takes the snapshot: cut prefill chunks at these positions."""
         check_int("position", position)
         if not self._ctx.state_layer_groups:
             return None
         return next_snapshot_position(self, position)
+
+    def plan_snapshot(self, position: int) -> None:
+        """Hybrid models: also keep the recurrent state at the last full block at or before
+        ``position`` tokens as a snapshot when a commit ends history exactly there, e.g. the end of
+        prompt + output that a conversation's next turn starts with (the adapter does this for an
+        ``EngineRequest`` with ``output_is_history``). Ignored under ``ssm_snapshot_policy=
+        "interval"``, without recurrent layers, and for a block history has already reached."""
+        check_int("position", position)
+        position -= position % self._tokens_per_block
+        if self._ctx.plans_branches and self._ctx.state_layer_groups and position > self._history:
+            add_snapshot_position(self, position)
 
     def get_aggregated_page_indices(
         self, layer_group_id: LayerGroupId, beam_id: BeamIndex = BeamIndex(0), valid_only: bool = False

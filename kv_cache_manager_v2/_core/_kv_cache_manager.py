@@ -39,6 +39,7 @@ from .._life_cycle_registry import LayerGroupRegistry
 from .._page_index import PageIndexConverter
 from .._retention import RequestRetention, checked_prompt_end
 from .._reuse._adopt import adopt_records
+from .._reuse._node import Node
 from .._reuse._remote_fill import RemoteFill
 from .._reuse._tree import ReuseTree
 from .._storage._backend import MemoryBackend
@@ -58,6 +59,7 @@ from ._pins import pin_key, pin_prefix
 from ._pools import aggregated_pages, live_pages, longest_decode_that_fits
 from ._request_state import PriorityCallback, default_priority
 from ._residency import adopt
+from ._snapshot_plan import plan_snapshots
 
 
 class KVCacheManager:
@@ -211,28 +213,24 @@ class KVCacheManager:
         try:
             kv = KVCache(ctx, scope, id, custom_priority_callback, beam_width)
             kv._retention, kv._prompt_length = retention, prompt_end
-            if ctx.state_layer_groups:
-                kv._snapshot_positions = self._snapshot_positions(len(input_tokens) if input_tokens is not None else 0)
-            if input_tokens is not None and len(input_tokens) > 0:
+            num_input_tokens = len(input_tokens) if input_tokens is not None else 0
+            nodes: list[Node] = []
+            if input_tokens is not None and num_input_tokens > 0:
                 nodes, part, part_len, _ = self._matcher.match(
                     scope, input_tokens, True
                 )  # may raise: kv is not open yet
                 adopt(kv, nodes, part, part_len, input_tokens)
+            if ctx.state_layer_groups:
+                tree = self._tree
+                attention_blocks = max(tree.attention_blocks, len(nodes)) if num_input_tokens else 0
+                plan_snapshots(kv, num_input_tokens, len(nodes), attention_blocks, tree.branches)
+                if ctx.enable_stats:
+                    ctx.stats.attention_matched_tokens += attention_blocks * self.tokens_per_block
             handle: rawref.ref[OpenCache] = rawref.ref(kv)
             ctx.open_caches.add(handle)
         finally:
             ctx.leave()
         return kv
-
-    def _snapshot_positions(self, num_input_tokens: int) -> list[int]:
-        """A new request's snapshot positions besides the multiples of the interval."""
-        config = self._config
-        prompt_end = num_input_tokens // self.tokens_per_block * self.tokens_per_block
-        positions = set(config.ssm_snapshots_from_start)
-        if prompt_end > 0:
-            positions.add(prompt_end)
-            positions.update([prompt_end - offset for offset in config.ssm_snapshots_from_end if offset < prompt_end])
-        return sorted(positions)
 
     def pin(
         self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None, duration_s: float | None = None
@@ -294,6 +292,12 @@ class KVCacheManager:
             s.snapshots_skipped,
             s.snapshots_reused,
             self._tree.snapshots_evicted if self._ctx.enable_stats else 0,
+            s.attention_matched_tokens,
+            s.snapshots_interval,
+            s.snapshots_branch,
+            s.snapshots_last,
+            s.snapshots_demand,
+            self._tree.snapshots_evicted_unused if self._ctx.enable_stats else 0,
         )
 
     @property

@@ -71,6 +71,7 @@ class PrefixMatcher:
         hasher = BlockHasher(input_tokens, self.tokens_per_block, "input_tokens", keys, validated)
         partial = self.enable_partial_reuse
         tree = self.tree
+        tree.attention_blocks, tree.branches = 0, False  # (set by a hybrid model's tree.match)
         root = tree.root(scope, False)
         nodes: list[Node] = []
         part: Node | None = None

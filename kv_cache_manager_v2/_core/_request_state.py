@@ -90,6 +90,8 @@ class RequestState(OpenCache):
         #: prompt end rounded down to a block (``input_tokens`` given at create) and the
         #: configured extra ones (``ssm_snapshots_from_start`` / ``_from_end``)
         self._snapshot_positions: list[int] = []
+        #: the kind of each of them (``_snapshot_plan``: statistics)
+        self._snapshot_kinds: dict[int, int] = {}
         self._forked = False
         #: committed full blocks and tail of beams 1.. once forked (beam 0's are the fields above)
         self._beam_seqs: list[tuple[list[BlockTokens], list[TokenIdExt]]] = []

@@ -62,6 +62,7 @@ def adopt(
     if nodes:  # a hybrid match ends at a block holding a snapshot of each state group
         for layer_group in table.state_groups:
             table.pending_copy[layer_group] = _take_reused(nodes[-1], layer_group, state, match_end)
+            state._ctx.tree.snapshot_used(nodes[-1], layer_group)
             taken += 1
             if state._ctx.enable_stats:
                 state._ctx.stats.snapshots_reused += 1

@@ -44,6 +44,15 @@ class ReuseTree(PageDropListener):
         self.partial_groups = [i for i, policy in enumerate(layer_groups) if not policy.keeps_live_state]
         #: snapshot pages that left the tree (evicted, or with their block)
         self.snapshots_evicted = 0
+        #: of those, the ones no match took
+        self.snapshots_evicted_unused = 0
+        #: (node id, layer group) of the snapshots in the tree a match took
+        self._used_snapshots: set[tuple[int, int]] = set()
+        #: what the last ``match`` of a hybrid model saw before its cut to a snapshot: the full
+        #: blocks the attention layers matched, and whether the tree goes on past them (the
+        #: tokens leave a cached path there)
+        self.attention_blocks = 0
+        self.branches = False
         self.roots: dict[tuple[int | None, int | None], Node] = {}
         #: told about every page that enters, leaves or moves within the tree (None: nobody listens)
         self.event_sink: KVCacheEventManager | None = None
@@ -112,6 +121,8 @@ class ReuseTree(PageDropListener):
             part, part_len = None, 0
             missing = self._first_missing_block(nodes, None, len(nodes) * t, -1)
         if self.state_groups:
+            self.attention_blocks = len(nodes)
+            self.branches = len(nodes) > 0 and nodes[-1].has_children
             self.cut_to_snapshot(nodes)
             return nodes, None, 0
         return nodes, part, part_len
@@ -136,6 +147,18 @@ class ReuseTree(PageDropListener):
         """Make ``page`` (a new private copy of a live state, locked by the caller) ``node``'s
         snapshot for ``layer_group``; its priority is capped like the block's other pages."""
         self._attach(node, layer_group, page, node.prio_cap, serial)
+
+    def snapshot_used(self, node: Node, layer_group: int) -> None:
+        """A match took ``node``'s snapshot of ``layer_group`` (statistics)."""
+        self._used_snapshots.add((id(node), layer_group))
+
+    def _snapshot_left(self, node: Node, layer_group: int) -> None:
+        self.snapshots_evicted += 1
+        key = (id(node), layer_group)
+        if key in self._used_snapshots:
+            self._used_snapshots.discard(key)
+        else:
+            self.snapshots_evicted_unused += 1
 
     def _first_missing_block(self, nodes: list[Node], part: Node | None, length: int, first: int) -> int:
         """The first block a match of ``length`` tokens needs a page of a releasing layer group for
@@ -247,7 +270,7 @@ class ReuseTree(PageDropListener):
         page.node = None
         node.pages[page.layer_group] = None
         if self.layer_groups.items[page.layer_group].keeps_live_state:
-            self.snapshots_evicted += 1
+            self._snapshot_left(node, page.layer_group)
         sink = self.event_sink
         if sink is not None:
             sink.block_removed(node.key, page.layer_group, page.level)
@@ -290,7 +313,7 @@ class ReuseTree(PageDropListener):
             pages[layer_group] = None
             if p is not None:
                 if self.layer_groups.items[layer_group].keeps_live_state:
-                    self.snapshots_evicted += 1
+                    self._snapshot_left(n, layer_group)
                 if sink is not None:
                     sink.block_removed(n.key, layer_group, p.level)
                 unused = p.num_locks == 0 and p.num_holds == 0

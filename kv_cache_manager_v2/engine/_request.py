@@ -40,8 +40,11 @@ class EngineRequest:
     append the sampled token after a step that ends at the last token), ``max_new_tokens``,
     ``context_chunk_size`` (at most this many tokens per step while more than one token is
     uncomputed; 0 = no limit), ``state`` (set FINISHED when done), ``priority`` (eviction
-    priority 0..100 of the pages this request creates, read at admission) and ``retention``
-    (``RequestRetention``: priorities with durations per token range, read at admission). The adapter checks
+    priority 0..100 of the pages this request creates, read at admission), ``retention``
+    (``RequestRetention``: priorities with durations per token range, read at admission) and
+    ``output_is_history`` (the output becomes the start of a later request, e.g. a conversation's
+    next turn: hybrid models keep the recurrent state at its last full block; read at admission,
+    ignored under ``ssm_snapshot_policy="interval"``). The adapter checks
     these where it uses them (``TypeError`` / ``ValueError``, the batch rolled back).
 
     Written by the resource manager, read by the engine: ``num_cached_tokens`` (tokens whose
@@ -85,6 +88,7 @@ class EngineRequest:
             )
         #: priorities with durations of the blocks it publishes (ranges of its prompt, decode blocks)
         self.retention: RequestRetention | None = retention
+        self.output_is_history = False
         self.state = RequestState.CONTEXT
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0

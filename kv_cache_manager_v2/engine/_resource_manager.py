@@ -260,6 +260,8 @@ class KVCacheResourceManager:
         # (hashed once: by the probe)
         kv = m.create_kv_cache(req.reuse_scope, prefix, req.request_id, cb, 1, req.retention, len(req.prompt_tokens))
         try:
+            if req.output_is_history:  # hybrid models: keep the state the next turn starts with
+                kv.plan_snapshot(len(req.prompt_tokens) + req.max_new_tokens - 1)
             if not kv.resume():
                 kv.close()
                 return None

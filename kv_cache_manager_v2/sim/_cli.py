@@ -45,6 +45,7 @@ from ._run import (
     run_restart,
     tier_spec,
 )
+from ._ssm_policy import SSM_POLICY_KEY, check_policy
 from ._workload import ConversationParams, SimRequest, generate_conversations, load_trace
 
 PROG = "kv-cache-sim"
@@ -114,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="hybrid models: snapshot the recurrent state every N tokens, besides prompt ends (a positive "
         "multiple of --tokens-per-block; a match ends at a snapshot) (default: the largest of 512 and "
         "--tokens-per-block)",
+    )
+    g.add_argument(
+        "--ssm-snapshot-policy",
+        help="hybrid models: which recurrent-state snapshots requests keep: interval, branch or auto "
+        "(the manager's ssm_snapshot_policy) (default: the manager's default)",
     )
     g.add_argument("--tokens-per-block", type=int, default=32, help="tokens per KV block (a power of two)")
     g = p.add_argument_group("cache tiers (sizes: 16GiB, 512MiB, 2GB, a bare number is GiB; tokens: 3Mtok, 300ktok)")
@@ -185,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay once per quota (and eviction policy), e.g. gpu=1,3,10 or gpu=1Mtok,3Mtok; hybrid models: "
         f"once per snapshot interval, e.g. {SSM_SWEEP_KEY}=256,1024,{SSM_PROMPT_ONLY},{SSM_KV_ONLY} "
         f"({SSM_PROMPT_ONLY}: prompt-end snapshots only; {SSM_KV_ONLY}: the attention layers alone, as if "
-        "every block had a snapshot)",
+        f"every block had a snapshot); once per snapshot policy, e.g. {SSM_POLICY_KEY}=interval,branch,auto,kv",
     )
     g.add_argument(
         "--check-data", action="store_true", help="also write and check KV records through the pages (slower)"
@@ -326,12 +332,16 @@ def _options(a: argparse.Namespace) -> SchedulerOptions:
 def _parse_sweep(text: str) -> tuple[str, list[str]]:
     key, sep, values = text.partition("=")
     key = key.strip().lower()
-    if not sep or key not in (*SWEEP_KEYS, SSM_SWEEP_KEY) or not values.strip():
+    if not sep or key not in (*SWEEP_KEYS, SSM_SWEEP_KEY, SSM_POLICY_KEY) or not values.strip():
         raise SimUserError(
             f"--sweep {text!r}: write TIER=V1,V2,... with TIER one of {', '.join(SWEEP_KEYS)}, or "
-            f"{SSM_SWEEP_KEY}=N1,N2,..."
+            f"{SSM_SWEEP_KEY}=N1,N2,..., or {SSM_POLICY_KEY}=P1,P2,..."
         )
     vals = [v.strip() for v in values.split(",") if v.strip()]
+    if key == SSM_POLICY_KEY:
+        for v in vals:
+            check_policy(f"--sweep {key}", v)
+        return key, vals
     if key == SSM_SWEEP_KEY:
         for v in vals:
             if v not in (SSM_PROMPT_ONLY, SSM_KV_ONLY) and not v.isdigit():
@@ -357,6 +367,7 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
     interval: int | None = a.ssm_reuse_interval
     if interval is not None:
         check_ssm_interval("--ssm-reuse-interval", interval, shape, a.tokens_per_block)
+    _check_snapshot_policy(a, shape, sweep)
     if sweep is not None and sweep[0] == SSM_SWEEP_KEY:
         if interval is not None:
             raise SimUserError(f"--sweep {SSM_SWEEP_KEY} sets the interval of each replay: drop --ssm-reuse-interval")
@@ -407,6 +418,22 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
         if a.restart_at is not None or a.replicas != 1 or a.remote_url:
             raise SimUserError("--retention-hints does not combine with --restart-at, --replicas or --remote-url")
     return Setup(shape, tiers, options, requests, workload, sweep, interval, disk_dir)
+
+
+def _check_snapshot_policy(a: argparse.Namespace, shape: ModelShape, sweep: tuple[str, list[str]] | None) -> None:
+    """``--ssm-snapshot-policy`` and ``--sweep ssm-policy=...``: known policies, on a hybrid model."""
+    policy: str | None = a.ssm_snapshot_policy
+    policy_sweep = sweep is not None and sweep[0] == SSM_POLICY_KEY
+    if policy is not None:
+        check_policy("--ssm-snapshot-policy", policy)
+    if (policy is not None or policy_sweep) and not shape.is_hybrid:
+        raise SimUserError(
+            f"snapshot policies: {shape.name} has no recurrent layers (choose a hybrid preset, e.g. qwen3-next-80b-a3b)"
+        )
+    if policy_sweep and (policy is not None or a.plot):
+        raise SimUserError(
+            f"--sweep {SSM_POLICY_KEY} sets the policy of each replay: no --ssm-snapshot-policy or --plot"
+        )
 
 
 def _check_outputs(a: argparse.Namespace) -> None:

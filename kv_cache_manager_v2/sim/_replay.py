@@ -39,6 +39,7 @@ from .._retention import Retention
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
 from ._replay_types import LevelUsage, ReplayResult, SchedulerOptions, ideal_peak_tokens
+from ._ssm_policy import add_counters
 from ._workload import SimRequest
 
 
@@ -95,6 +96,8 @@ class Replay:
         self.result.ideal_peak_tokens = ideal_peak_tokens(requests, options)
         self.arrivals: list[tuple[float, int]] = []
         self.successors: dict[int, list[int]] = {}
+        #: requests a later one continues (their output is in its prompt: EngineRequest.output_is_history)
+        self.followed = {sim.after for sim in requests if sim.after >= 0}
         self.waiting: deque[_Live] = deque()
         self.running: list[_Live] = []
         self.suspended: list[_Live] = []
@@ -130,6 +133,7 @@ class Replay:
             max_new = 1 if o.prompt_only else sim.output_length
             tokens = cast("Sequence[TokenIdExt]", prompt)  # array('I'): hashed by a memory copy
             req = EngineRequest(index, tokens, max_new, o.chunk, None if o.reuse else ReuseScope(salt=index))
+            req.output_is_history = index in self.followed
             live = _Live(sim, req, at_ms)
             need = self.rm.get_needed_resource_to_completion_per_pool_group(req)
             if any(n > total for n, total in zip(need, self.totals)):
@@ -473,6 +477,7 @@ class Replay:
         r.snapshots_reused += st.snapshots_reused
         r.snapshots_evicted += st.snapshots_evicted
         r.snapshot_interval = m.config.snapshot_interval
+        add_counters(r.snapshot_counters, st)
         for usage in r.levels:
             ts = m.get_tier_statistics(CacheLevel(usage.level))
             usage.peak_occupied = max(usage.peak_occupied, ts.peak_used_bytes)

@@ -129,6 +129,8 @@ class ReplayResult:
     snapshots_reused: int = 0
     snapshots_evicted: int = 0
     snapshot_interval: int = 0  #: tokens between snapshots (0: no recurrent layers)
+    #: the manager's snapshot counters by kind (``_ssm_policy.COUNTERS``)
+    snapshot_counters: dict[str, int] = field(default_factory=dict)
     records_checked: int = 0  #: --check-data
     layer_by_layer_steps: int = 0  #: --check-data steps with SWA scratch blocks (checked layer by layer)
     blocks_replayed: int = 0  #: blocks of prompt + output over all finished requests (replay speed)

@@ -6,6 +6,7 @@ from typing import Any
 
 from ._models import SSM_SWEEP_KEY, ModelShape, TierSpec, format_bytes, format_count, format_quota, is_token_quota
 from ._replay_types import LevelUsage, ReplayResult, SchedulerOptions
+from ._ssm_policy import SSM_POLICY_KEY, format_policy_sweep, snapshot_rows
 
 SCHEMA = "kv-cache-sim/2"
 MAX_SERIES_POINTS = 400
@@ -123,6 +124,7 @@ def _snapshots(r: ReplayResult) -> dict[str, Any]:
         "skipped": r.snapshots_skipped,
         "reused": r.snapshots_reused,
         "evicted": r.snapshots_evicted,
+        **r.snapshot_counters,
     }
 
 
@@ -425,14 +427,7 @@ def _snapshot_lines(rep: dict[str, Any]) -> list[str]:
     snap = rep.get("snapshots")
     if not snap:
         return []
-    return [
-        _row(
-            "state snapshots",
-            f"every {snap['interval']} tokens and at prompt ends: {format_count(snap['taken'])} taken, "
-            f"{format_count(snap['reused'])} reused, {format_count(snap['evicted'])} evicted, "
-            f"{format_count(snap['skipped'])} skipped (no free slot); a match ends at a snapshot",
-        )
-    ]
+    return [_row(label, text) for label, text in snapshot_rows(snap)]
 
 
 def _load_text(load: dict[str, Any]) -> str:
@@ -452,6 +447,8 @@ def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
     rejected requests, the peak GPU share requests held and the peak share of the swept tier that
     held blocks, preemptions, pages dropped (all tiers), simulated time / trace span; then what to
     make of overloaded points."""
+    if key == SSM_POLICY_KEY:
+        return format_policy_sweep(reports)
     if key == SSM_SWEEP_KEY:
         return format_ssm_sweep(reports)
     head = (

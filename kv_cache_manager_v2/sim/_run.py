@@ -41,6 +41,7 @@ from ._replay_types import SchedulerOptions
 from ._replicas import merge_results, run_replicas
 from ._report import SCHEMA, build_report, format_report, format_sweep
 from ._restart import format_restart, simulate_restart
+from ._ssm_policy import SSM_POLICY_KEY, policy_point
 from ._workload import SimRequest
 
 #: the longest snapshot interval: longer than any request (prompt + output) can be
@@ -128,6 +129,7 @@ def simulate(
     metrics: SimMetrics | None = None,
     ssm_reuse_interval: int | None = None,
     retention_hints: float | None = None,
+    ssm_snapshot_policy: str | None = None,
 ) -> dict[str, Any]:
     """One replay (and one with continuation hints, ``sim/_hints.py``); returns the report dict.
     Raises SimUserError for refused configurations."""
@@ -135,6 +137,8 @@ def simulate(
     config, scale = _sim_config(
         shape, tiers, tokens_per_block, swa_scratch, check_data, eviction_policy, ssm_reuse_interval
     )
+    if ssm_snapshot_policy is not None:
+        config = dataclasses.replace(config, ssm_snapshot_policy=ssm_snapshot_policy)  # type: ignore[arg-type]
     try:
         replay = Replay(config, requests, options, check_data, progress, on_finish=metrics.finish if metrics else None)
         if metrics is not None:
@@ -148,6 +152,8 @@ def simulate(
     result = replay.run()
     rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
     rep["eviction_policy"] = eviction_policy
+    if rep["snapshots"]:
+        rep["snapshots"]["policy"] = config.ssm_snapshot_policy
     if retention_hints is not None:
         rep["retention_hints"] = replay_with_hints(
             config, requests, options, retention_hints, rep["hit_rate"]["tokens"]
@@ -419,16 +425,24 @@ def _start_redis(cluster: bool, res: Resources) -> str:
 
 def _sweep_points(
     a: argparse.Namespace, s: Setup
-) -> tuple[list[list[TierSpec]], list[tuple[ModelShape, int | None, str]]]:
-    """The tier rows of a quota sweep and the (shape, interval, point) variants of an interval sweep."""
+) -> tuple[list[list[TierSpec]], list[tuple[ModelShape, int | None, str | None, str]]]:
+    """The tier rows of a quota sweep and the (shape, interval, snapshot policy, point) variants of an
+    interval or snapshot-policy sweep."""
     if s.sweep is not None and s.sweep[0] in SWEEP_KEYS and getattr(a, s.sweep[0]) is not None:
         key = s.sweep[0]
         raise SimUserError(f"--sweep {key} sets the {key} quota of each replay: drop --{key}")
     points: list[list[TierSpec]] = [s.tiers]
-    #: per point of an ssm-interval sweep: the shape and interval of its replay
-    variants: list[tuple[ModelShape, int | None, str]] = [(s.shape, s.interval, "")]
+    policy: str | None = a.ssm_snapshot_policy
+    variants: list[tuple[ModelShape, int | None, str | None, str]] = [(s.shape, s.interval, policy, "")]
     if s.sweep is not None and s.sweep[0] == SSM_SWEEP_KEY:
-        variants = [(*_ssm_point(v, s.shape, a.tokens_per_block), v) for v in s.sweep[1]]
+        # the intervals alone unless a policy is given ("prompt" is prompt ends only)
+        variants = [(*_ssm_point(v, s.shape, a.tokens_per_block), policy or "interval", v) for v in s.sweep[1]]
+    elif s.sweep is not None and s.sweep[0] == SSM_POLICY_KEY:
+        variants = [
+            (point_shape, s.interval, point_policy, v)
+            for v in s.sweep[1]
+            for point_shape, point_policy in [policy_point(v, s.shape)]
+        ]
     elif s.sweep is not None:
         key, values = s.sweep
         points = []
@@ -452,9 +466,9 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
     reports: list[dict[str, Any]] = []
     policies: list[str] = a.eviction_policy
     runs = [(row, variant, policy) for row in points for variant in variants for policy in policies]
-    for row, (run_shape, run_interval, point), policy in runs:
+    for row, (run_shape, run_interval, run_policy, point), policy in runs:
         if point:
-            label = f"replay ({SSM_SWEEP_KEY} {point})"
+            label = f"replay ({sweep[0] if sweep else ''} {point})"
         else:
             label = f"replay ({row[-1].kind} {row[-1].text})" if sweep else "replay"
         if len(policies) > 1:
@@ -463,7 +477,7 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
         try:
             rep = simulate(
                 run_shape, row, a.tokens_per_block, s.requests, s.workload, s.options, a.swa_scratch, a.check_data,
-                update, policy, metrics, run_interval, a.retention_hints,
+                update, policy, metrics, run_interval, a.retention_hints, run_policy,
             )  # fmt: skip
             if point:
                 rep["sweep_point"] = point
