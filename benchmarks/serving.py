@@ -31,8 +31,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -206,14 +204,34 @@ def _instructions(mode: str, params: dict[str, Any]) -> dict[str, int]:
     os.makedirs(os.path.dirname(out_file), exist_ok=True)
     wrap = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_file}"]
     bench.run_child(mode, "serving", params, os.path.abspath(__file__), wrap=wrap)
-    ann = subprocess.run(
-        ["callgrind_annotate", "--inclusive=yes", "--threshold=100", out_file], capture_output=True, text=True, check=True
-    ).stdout
-    counts = {}
-    for phase, fn in MARKERS.items():
-        lines = [ln for ln in ann.splitlines() if ln.rstrip().endswith(f":{fn}") or f":{fn} [" in ln]
-        counts[phase] = int(lines[0].split()[0].replace(",", "")) if lines else 0
-    return counts
+    return _inclusive(out_file, set(MARKERS.values()))
+
+
+def _inclusive(path: str, names: set[str]) -> dict[str, int]:
+    """Inclusive instructions of the functions ``names`` in a callgrind output file: the costs of
+    the calls to them (the line after each ``calls=`` line), summed over their call sites."""
+    ids: dict[str, str] = {}  # compressed "(n)" -> name
+    totals = dict.fromkeys(names, 0)
+    target = None
+    after_calls = False
+    with open(path) as f:
+        for line in f:
+            if after_calls:
+                if target in totals:
+                    totals[target] += int(line.split()[1])
+                after_calls = False
+            elif line.startswith("cfn="):
+                ref, _, name = line[4:].strip().partition(" ")
+                if name:
+                    ids[ref] = name
+                target = ids.get(ref, ref)
+            elif line.startswith("fn="):
+                ref, _, name = line[3:].strip().partition(" ")
+                if name:
+                    ids[ref] = name
+            elif line.startswith("calls="):
+                after_calls = True
+    return {phase: totals[fn] for phase, fn in MARKERS.items()}
 
 
 def _per_unit(r: dict[str, Any], counts: dict[str, int]) -> dict[str, float]:
@@ -286,14 +304,20 @@ def main() -> None:
                 f"{res['us_per_decode_step_per_request']:7.2f} us   eviction/block {res['us_per_evicted_block']:7.2f} us"
             )
             if args.instructions:
-                counts = {k: _instructions(mode, {**params, "variant": variant, "roomy": i}) for i, k in enumerate(best)}
+                counts = {
+                    k: _instructions(mode, {**params, "variant": variant, "roomy": i}) for i, k in enumerate(best)
+                }
                 inst = {k: _per_unit(best[k], counts[k]) for k in counts}
                 inst["full"]["per_evicted_block"] = (counts["full"]["prefill"] - counts["roomy"]["prefill"]) / evicted
                 res["instructions"] = inst["full"]
                 res["instructions_roomy"] = inst["roomy"]
-                line += "\n" + " " * 18 + "instructions: " + "   ".join(f"{k} {v:,.0f}" for k, v in inst["full"].items())
+                line += (
+                    "\n" + " " * 18 + "instructions: " + "   ".join(f"{k} {v:,.0f}" for k, v in inst["full"].items())
+                )
             if not same_reuse:
-                line += f"\n{'':18s}(reuse differs without eviction: {full['reused_tokens']} vs {room['reused_tokens']})"
+                line += (
+                    f"\n{'':18s}(reuse differs without eviction: {full['reused_tokens']} vs {room['reused_tokens']})"
+                )
             print(line, flush=True)
             results.append(res)
     bench.write_results(args.out, params, results)
