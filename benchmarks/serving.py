@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 import run as bench
-from bench_common import _hybrid_sizing, _manager
+from bench_common import _hybrid_sizing, _manager, _trace, _trace_prompt
 
 VARIANTS = ["full", "hybrid", "host"]
 DEFAULTS = dict(
@@ -49,8 +49,10 @@ DEFAULTS = dict(
     min_prompt=8192,
     max_prompt=32768,
     seed=0,
+    replay_requests=400,  # the replay comparison: benchmarks/run.py's defaults
+    replay_cache_tokens=3_000_000,
 )
-QUICK = dict(DEFAULTS, requests=8, running=4, decode_steps=32, layers=4, hybrid_layers=8)
+QUICK = dict(DEFAULTS, requests=8, running=4, decode_steps=32, layers=4, hybrid_layers=8, replay_requests=60)
 #: the C function each phase's engine calls go through (``--instructions``: their inclusive cost)
 MARKERS = {"prefill": "partial_vectorcall", "decode": "methodcaller_call", "free": "map_next"}
 
@@ -147,7 +149,48 @@ def _serve(rm: Any, prompts: list[list[int]], p: dict[str, Any]) -> dict[str, An
     return {"spent": spent, "decode_units": decode_units, "steps": steps}
 
 
+def replay(p: dict[str, Any]) -> dict[str, Any]:
+    """``benchmarks/run.py``'s replay scenario (the trace one request at a time: create, resume,
+    resize, commit, close; one layer, a cache that never evicts), its calls through the prefill
+    marker and the prompts built outside them: its cost per prompt block, counted the same way."""
+    import functools
+
+    import kv_cache_manager_v2 as kvm
+
+    t = p["tokens_per_block"]
+    m = _manager(1, t, p["replay_cache_tokens"] // t)
+    blocks = 0
+    spent = 0.0
+
+    def one(prompt: list[int]) -> None:
+        kv = m.create_kv_cache(input_tokens=prompt[:-1])
+        if kv.resume() and kv.resize(len(prompt)):
+            kv.commit(prompt[kv.history_length :])
+        kv.close()
+
+    for r in _trace(p["replay_requests"]):
+        prompt = _trace_prompt(r)
+        t0 = time.perf_counter()
+        functools.partial(one, prompt)()
+        spent += time.perf_counter() - t0
+        blocks += (len(prompt) + t - 1) // t
+    hit_rate = m.reuse_statistics.hit_rate
+    m.clear_reusable_blocks()
+    m.shutdown()
+    return {
+        "variant": "replay",
+        "compiled": kvm.compiled,
+        "prompt_blocks": blocks,
+        "decode_units": 0,
+        "hit_rate": hit_rate,
+        "us_per_prompt_block": spent / blocks * 1e6,
+        "seconds": {"prefill": spent},
+    }
+
+
 def scenario(p: dict[str, Any]) -> dict[str, Any]:
+    if p["variant"] == "replay":
+        return replay(p)
     import kv_cache_manager_v2 as kvm
     from kv_cache_manager_v2.engine import KVCacheResourceManager
 
@@ -249,6 +292,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="runs per mode (modes alternate; the best is kept)")
     ap.add_argument("--requests", type=int, help="override the number of requests")
     ap.add_argument("--decode-steps", type=int, help="override the decode steps per request")
+    ap.add_argument("--replay", action="store_true", help="also run the replay benchmark's loop, for comparison")
     ap.add_argument("--instructions", action="store_true", help="also count instructions per unit (callgrind)")
     ap.add_argument("--out", default=os.path.join(bench.ROOT, "benchmarks", "serving_results.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -269,6 +313,16 @@ def main() -> None:
     if "compiled" in args.modes:
         bench.prepare_compiled()
     results = []
+    for mode in args.modes if args.replay else []:
+        r = bench.run_child(mode, "serving", {**params, "variant": "replay"}, __file__)
+        r["mode"] = mode
+        line = f"replay  {mode:9s} prompt block {r['us_per_prompt_block']:7.2f} us   (hit rate {r['hit_rate']:.3f})"
+        if args.instructions:
+            counts = _instructions(mode, {**params, "variant": "replay", "roomy": 0})
+            r["instructions"] = {"per_prompt_block": counts["prefill"] / r["prompt_blocks"]}
+            line += f"\n{'':18s}instructions: per_prompt_block {r['instructions']['per_prompt_block']:,.0f}"
+        print(line, flush=True)
+        results.append(r)
     for variant in args.only:
         for mode in args.modes:
             best: dict[str, dict[str, Any]] = {}
