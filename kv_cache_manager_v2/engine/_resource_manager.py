@@ -7,6 +7,7 @@ capacity queries for the scheduler, block tables and pool views for the kernels.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,12 @@ from .._page_index import PageIndexConverter
 from ._buffers import CudaBufferView, host_view, page_layout
 from ._capacity import LayerGroupShape, StepPlan, admission_bound, peak_slots
 from ._request import EngineRequest, RequestId, RequestState, check_field, check_priority
+
+
+def _slices_as_is(tokens: Sequence[TokenIdExt]) -> bool:
+    """Whether ``commit`` takes slices of ``tokens`` as they are: a list, or an ``array('I')``
+    (whose chunks are then committed without making an int object per token)."""
+    return type(tokens) is list or (isinstance(tokens, array) and tokens.typecode == "I")
 
 
 class _FixedPriority:
@@ -347,6 +354,8 @@ class KVCacheResourceManager:
                 kv.resize(None, e)
             elif n == 1:
                 kv.commit([req.generated_tokens[h - p]] if h >= p else [req.prompt_tokens[h]])
+            elif e <= p and _slices_as_is(req.prompt_tokens):  # a prompt chunk: one slice, no list rebuilt
+                kv.commit(req.prompt_tokens[h:e])
             else:
                 kv.commit(req.tokens(h, e))
             seq.scheduled = 0
