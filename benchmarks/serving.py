@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 import run as bench
-from bench_common import _hybrid_sizing, _manager, _trace, _trace_prompt
+from bench_common import REPO_TRACE, _hybrid_sizing, _manager, _trace, _trace_prompt
 
 VARIANTS = ["full", "hybrid", "host"]
 DEFAULTS = dict(
@@ -168,7 +168,7 @@ def replay(p: dict[str, Any]) -> dict[str, Any]:
             kv.commit(prompt[kv.history_length :])
         kv.close()
 
-    for r in _trace(p["replay_requests"]):
+    for r in _trace(p["replay_requests"], REPO_TRACE):  # (the repository's trace: the same everywhere)
         prompt = _trace_prompt(r)
         t0 = time.perf_counter()
         functools.partial(one, prompt)()
@@ -294,7 +294,7 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, help="override the decode steps per request")
     ap.add_argument("--replay", action="store_true", help="also run the replay benchmark's loop, for comparison")
     ap.add_argument("--instructions", action="store_true", help="also count instructions per unit (callgrind)")
-    ap.add_argument("--out", default=os.path.join(bench.ROOT, "benchmarks", "serving_results.json"))
+    ap.add_argument("--out", default=os.path.join(bench.ROOT, "bench_results", "serving.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--params", help=argparse.SUPPRESS)
     args = ap.parse_args()
