@@ -7,7 +7,6 @@ capacity queries for the scheduler, block tables and pool views for the kernels.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,13 +34,7 @@ from .._exceptions import LogicError
 from .._page_index import PageIndexConverter
 from ._buffers import CudaBufferView, host_view, page_layout
 from ._capacity import LayerGroupShape, StepPlan, admission_bound, peak_slots
-from ._request import EngineRequest, RequestId, RequestState, check_field, check_priority
-
-
-def _slices_as_is(tokens: Sequence[TokenIdExt]) -> bool:
-    """Whether ``commit`` takes slices of ``tokens`` as they are: a list, or an ``array('I')``
-    (whose chunks are then committed without making an int object per token)."""
-    return type(tokens) is list or (isinstance(tokens, array) and tokens.typecode == "I")
+from ._request import EngineRequest, RequestId, RequestState, check_field, check_priority, slices_as_is
 
 
 class _FixedPriority:
@@ -354,10 +347,8 @@ class KVCacheResourceManager:
                 kv.resize(None, e)
             elif n == 1:
                 kv.commit([req.generated_tokens[h - p]] if h >= p else [req.prompt_tokens[h]])
-            elif e <= p and _slices_as_is(req.prompt_tokens):  # a prompt chunk: one slice, no list rebuilt
-                kv.commit(req.prompt_tokens[h:e])
-            else:
-                kv.commit(req.tokens(h, e))
+            else:  # a prompt chunk is one slice of the prompt where commit takes it as it is
+                kv.commit(req.prompt_tokens[h:e] if e <= p and slices_as_is(req.prompt_tokens) else req.tokens(h, e))
             seq.scheduled = 0
             req.num_scheduled_tokens = 0
             req.num_cached_tokens = e
