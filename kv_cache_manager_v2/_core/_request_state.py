@@ -194,7 +194,8 @@ class RequestState(OpenCache):
         self._last_node = node
         if old is not None:
             old.num_extenders -= 1
-            self._ctx.tree.prune(old)
+            if old.num_extenders == 0 and not old.has_children:  # (else prune removes nothing: skip its walk)
+                self._ctx.tree.prune(old)
 
     # ------------------------------------------------------------------ checks
     def _check_committing(self) -> None:

@@ -275,7 +275,10 @@ class Node:
         return True
 
     def has_pages(self) -> bool:
-        return any(r is not None and r() is not None for r in self.pages)
+        for r in self.pages:  # noqa: SIM110 - a plain loop (no generator): once per evicted block
+            if r is not None and r() is not None:
+                return True
+        return False
 
     @property
     def is_removable(self) -> bool:

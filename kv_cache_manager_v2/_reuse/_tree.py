@@ -267,14 +267,16 @@ class ReuseTree(PageDropListener):
         if page.node is None:
             return
         node = cast(Node, page.node)
+        layer_group = page.layer_group
         page.node = None
-        node.pages[page.layer_group] = None
-        if self.layer_groups.items[page.layer_group].keeps_live_state:
-            self._snapshot_left(node, page.layer_group)
+        node.pages[layer_group] = None
+        policy = self.layer_groups.items[layer_group]
+        if policy.keeps_live_state:
+            self._snapshot_left(node, layer_group)
         sink = self.event_sink
         if sink is not None:
-            sink.block_removed(node.key, page.layer_group, page.level)
-        if self.layer_groups[page.layer_group].is_anchor(node.ordinal):
+            sink.block_removed(node.key, layer_group, page.level)
+        if policy.is_anchor(node.ordinal):
             self.remove_subtree(node)
         else:
             self.prune(node)
@@ -345,7 +347,14 @@ class ReuseTree(PageDropListener):
             if self.reports_leaves and not parent.has_children:
                 self._became_leaf(parent)
             n = parent
-        if n is not None and n.scope is not None and n.is_removable and self.roots.get(n.scope) is n:
+        # (only a root has no parent: the loop stopped at a node with one that is not removable)
+        if (
+            n is not None
+            and n.parent is None
+            and n.scope is not None
+            and n.is_removable
+            and self.roots.get(n.scope) is n
+        ):
             del self.roots[n.scope]
 
     def _became_leaf(self, node: Node) -> None:

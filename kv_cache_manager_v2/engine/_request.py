@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Sequence
 from typing import NewType
 
@@ -140,6 +141,12 @@ class EngineRequest:
     def all_tokens(self) -> list[TokenIdExt]:
         """Prompt followed by generated tokens (a copy)."""
         return list(self.prompt_tokens) + self.generated_tokens
+
+
+def slices_as_is(tokens: Sequence[TokenIdExt]) -> bool:
+    """Whether ``KVCache.commit`` takes slices of ``tokens`` as they are: a list, or an ``array('I')``
+    (whose chunks are committed without an int object per token)."""
+    return type(tokens) is list or (isinstance(tokens, array) and tokens.typecode == "I")
 
 
 def check_priority(priority: object) -> Priority:

@@ -36,7 +36,7 @@ from .._retention import Retention
 from .._utils import check_type
 from ._buffers import CudaBufferView, host_view, page_layout
 from ._capacity import LayerGroupShape, StepPlan, admission_bound, peak_slots
-from ._request import EngineRequest, RequestId, RequestState, check_field, check_priority
+from ._request import EngineRequest, RequestId, RequestState, check_field, check_priority, slices_as_is
 
 
 class _FixedPriority:
@@ -352,8 +352,8 @@ class KVCacheResourceManager:
                 kv.resize(None, e)
             elif n == 1:
                 kv.commit([req.generated_tokens[h - p]] if h >= p else [req.prompt_tokens[h]])
-            else:
-                kv.commit(req.tokens(h, e))
+            else:  # a prompt chunk is one slice of the prompt where commit takes it as it is
+                kv.commit(req.prompt_tokens[h:e] if e <= p and slices_as_is(req.prompt_tokens) else req.tokens(h, e))
             seq.scheduled = 0
             req.num_scheduled_tokens = 0
             req.num_cached_tokens = e
