@@ -4,7 +4,9 @@ Main objects
     KVCacheManager(KVCacheManagerConfig)  one per model: memory tiers (GpuCacheTierConfig,
         HostCacheTierConfig, DiskCacheTierConfig, RemoteCacheTierConfig), layers
         (AttentionLayerConfig, SsmLayerConfig of BufferConfig), prefix reuse, eviction
-        (EvictionPolicy), statistics (StorageStatistics, TierStatistics, ReuseStatistics).
+        (EvictionPolicy), retention the engine controls (RequestRetention of RetentionRange,
+        Retention at close, pin/unpin), hybrid snapshot policy (SnapshotPolicy), statistics
+        (StorageStatistics, TierStatistics, ReuseStatistics).
     KVCache  one per request (create_kv_cache): its block table, per layer group, of pages
         that kernels address by index (get_base_page_indices, PageIndexConverter).
     KVCacheEventManager  block stored / removed / moved events for KV-aware routers.
@@ -31,7 +33,8 @@ More: kv_cache_manager_v2.events (ZMQ publisher, KV-aware router), kv_cache_mana
 (Prometheus). Usage: README.md; how it works, guarantees and the engine contract: docs/design.md.
 
 Constants: BAD_PAGE_INDEX (the index of a block without a page), GPU_LEVEL (cache level 0),
-DEFAULT_PRIORITY (retention priority of blocks), EVICTION_POLICIES (the EvictionPolicy values);
+DEFAULT_PRIORITY (retention priority of blocks), EVICTION_POLICIES (the EvictionPolicy values),
+SNAPSHOT_POLICIES (the SnapshotPolicy values);
 compiled is True when the package runs mypyc-compiled (production mode), False interpreted (fast
 mode). Modules whose names start with an underscore are private.
 """
@@ -118,6 +121,8 @@ _TYPE_DOCS = {
     "BlockOrdinal": "Position of a block in a request: token position // tokens_per_block.",
     "CacheLevel": "Index of a cache tier in KVCacheManagerConfig.cache_tiers (0: GPU, then host, disk, remote).",
     "EvictionPolicy": "'lru' (least recently released first) or 'frequency' (lowest use rate first).",
+    "SnapshotPolicy": "'interval' (periodic snapshots), 'branch' (where prompts branch, last blocks, demand) or "
+    "'auto' (both; the periodic ones at the lowest priority): which recurrent-state snapshots requests keep.",
     "LayerGroupId": "Index of a layer group: layers whose blocks are kept and released alike (old name: LifeCycleId).",
     "LayerId": "Id of a model layer, as given in the layer configs.",
     "MemAddress": "A device or host memory address (an int).",
