@@ -80,3 +80,29 @@ def test_the_design_cards_modules_do_their_jobs() -> None:
     assert page.PoolGroupStorage.__module__ == f"{PACKAGE}._page"
     assert not os.path.exists(os.path.join(ROOT, PACKAGE, "_storage", "_page.py"))
     assert not os.path.exists(os.path.join(ROOT, PACKAGE, "_layers", "_registry.py"))
+
+
+def test_no_room_past_its_size() -> None:
+    """No module of the package or the benchmarks above 600 lines, no class above 500, no function
+    above 120: past that, split by concern."""
+    import ast
+
+    found = []
+    for top in (PACKAGE, "benchmarks"):
+        for d, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                path = os.path.join(d, f)
+                with open(path) as fh:
+                    text = fh.read()
+                rel = os.path.relpath(path, ROOT)
+                if text.count("\n") > 600:
+                    found.append(f"{rel}: {text.count(chr(10))} lines")
+                for node in ast.walk(ast.parse(text)):
+                    if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                        size = (node.end_lineno or node.lineno) - node.lineno + 1
+                        limit = 500 if isinstance(node, ast.ClassDef) else 120
+                        if size > limit:
+                            found.append(f"{rel}: {node.name} {size} lines (limit {limit})")
+    assert not found, "split these by concern:\n" + "\n".join(found)
