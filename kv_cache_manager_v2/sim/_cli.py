@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from .._config import EVICTION_POLICIES, REMOTE_URL_SCHEMES
 from ._check import DataCheckError
-from ._hints import HINTS_HELP, check_accuracy
+from ._hints import HINTS_HELP, HINTS_SWEEP_KEY, check_accuracy, check_pin_share
 from ._models import (
     PRESETS,
     SSM_KV_ONLY,
@@ -137,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
         "compared in a table (per --sweep point) (default: lru)",
     )
     g.add_argument("--retention-hints", type=float, metavar="ACCURACY", help=HINTS_HELP)
+    g.add_argument(
+        "--pin-system-prompts",
+        type=int,
+        metavar="N",
+        help="pin (KVCacheManager.pin) each prefix that more than N requests of the workload start with, once "
+        "cached (the share a tier may pin: max_pinned_share)",
+    )
     g.add_argument("--swa-scratch", action="store_true", help="SWA prefill scratch-slot reuse")
     g.add_argument("--no-reuse", action="store_true", help="disable prefix reuse (every request on its own)")
     g = p.add_argument_group("replicas sharing a remote tier (Redis)")
@@ -326,12 +333,21 @@ def _options(a: argparse.Namespace) -> SchedulerOptions:
 def _parse_sweep(text: str) -> tuple[str, list[str]]:
     key, sep, values = text.partition("=")
     key = key.strip().lower()
-    if not sep or key not in (*SWEEP_KEYS, SSM_SWEEP_KEY) or not values.strip():
+    if not sep or key not in (*SWEEP_KEYS, SSM_SWEEP_KEY, HINTS_SWEEP_KEY) or not values.strip():
         raise SimUserError(
-            f"--sweep {text!r}: write TIER=V1,V2,... with TIER one of {', '.join(SWEEP_KEYS)}, or "
-            f"{SSM_SWEEP_KEY}=N1,N2,..."
+            f"--sweep {text!r}: write TIER=V1,V2,... with TIER one of {', '.join(SWEEP_KEYS)}, "
+            f"{SSM_SWEEP_KEY}=N1,N2,..., or {HINTS_SWEEP_KEY}=ACCURACY1,ACCURACY2,..."
         )
     vals = [v.strip() for v in values.split(",") if v.strip()]
+    if key == HINTS_SWEEP_KEY:
+        for v in vals:
+            try:
+                accuracy = float(v)
+            except ValueError:
+                raise SimUserError(f"--sweep {key}: {v!r} is not an accuracy in [0, 1]") from None
+            if not 0.0 <= accuracy <= 1.0:
+                raise SimUserError(f"--sweep {key}: {v!r} is not an accuracy in [0, 1]")
+        return key, vals
     if key == SSM_SWEEP_KEY:
         for v in vals:
             if v not in (SSM_PROMPT_ONLY, SSM_KV_ONLY) and not v.isdigit():
@@ -402,10 +418,18 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
                 "--metrics-port/--metrics-file report one replay: no --sweep, --replicas, --restart-at or policies"
             )
         res.metrics = SimMetrics(a.metrics_port, a.metrics_file)
-    if a.retention_hints is not None:
-        check_accuracy(a.retention_hints)
-        if a.restart_at is not None or a.replicas != 1 or a.remote_url:
-            raise SimUserError("--retention-hints does not combine with --restart-at, --replicas or --remote-url")
+    hint_sweep = sweep is not None and sweep[0] == HINTS_SWEEP_KEY
+    if hint_sweep and a.retention_hints is not None:
+        raise SimUserError(f"--sweep {HINTS_SWEEP_KEY} sets the accuracy of each replay: drop --retention-hints")
+    check_pin_share(a.pin_system_prompts)
+    for flag, given in (
+        ("--retention-hints", a.retention_hints is not None),
+        (f"--sweep {HINTS_SWEEP_KEY}", hint_sweep),
+        ("--pin-system-prompts", a.pin_system_prompts is not None),
+    ):
+        if given and (a.restart_at is not None or a.replicas != 1 or a.remote_url):
+            raise SimUserError(f"{flag} does not combine with --restart-at, --replicas or --remote-url")
+    check_accuracy(a.retention_hints)
     return Setup(shape, tiers, options, requests, workload, sweep, interval, disk_dir)
 
 
