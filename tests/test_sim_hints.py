@@ -47,18 +47,19 @@ def test_a_request_continues_when_a_later_prompt_starts_with_its_prompt() -> Non
     assert continuation_pauses(reqs, 128) == [None, 1.0, None, None, None, None, None]
 
 
-def test_hints_keep_continued_conversations_for_their_pause_and_drop_the_others() -> None:
+def test_hints_keep_continued_conversations_for_their_pause_and_leave_the_others() -> None:
     pauses = [2.0, None, 300.0, None]
-    hints = hint_retentions(pauses, 1.0)
+    assert hint_retentions(pauses, 1.0)[1::2] == [None, None]  # not continued: no hint
+    hints = hint_retentions(pauses, 1.0, drop=True)
     assert hints[1] == hints[3] == Retention(DROP_PRIORITY)
     assert hints[0] == Retention(keep_priority(2.0), 2.0 * PAUSE_FACTOR + PAUSE_SLACK_S)
     assert hints[2].duration_s == 300.0 * PAUSE_FACTOR + PAUSE_SLACK_S
     assert KEEP_PRIORITY >= hints[0].priority > hints[2].priority > 35  # sooner back: kept longer
-    flipped = hint_retentions(pauses, 0.0)
+    flipped = hint_retentions(pauses, 0.0, drop=True)
     assert flipped[0] == flipped[2] == Retention(DROP_PRIORITY)
     assert flipped[1].priority > 35 and flipped[1].duration_s == 300.0 * PAUSE_FACTOR + PAUSE_SLACK_S  # the median
     many = [1.0 if i % 3 else None for i in range(3000)]
-    wrong = sum((h.priority == DROP_PRIORITY) != (p is None) for h, p in zip(hint_retentions(many, 0.9, seed=7), many))
+    wrong = sum((h is None) != (p is None) for h, p in zip(hint_retentions(many, 0.9, seed=7), many))
     assert 240 <= wrong <= 360  # about 10 %, the same for the same seed
     assert hint_retentions(many, 0.9, seed=7) == hint_retentions(many, 0.9, seed=7)
     with pytest.raises(ValueError, match=r"accuracy must be in \[0, 1\]"):

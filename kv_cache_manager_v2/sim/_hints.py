@@ -6,7 +6,9 @@ a later request's prompt starts with ``i``'s whole prompt, after the pause betwe
 arrivals. ``continuation_pauses`` finds that pause; ``hint_retentions`` turns it into the
 close-time retention an engine would send, with a share ``1 - accuracy`` of the labels flipped
 at random (seeded): continues, keep at ``KEEP_PRIORITY`` for the predicted pause (with a margin);
-does not, ``DROP_PRIORITY`` (its own blocks go first) until reused. ``shared_prefixes`` finds
+does not, no hint (``drop``: ``DROP_PRIORITY``, its own blocks go first until reused). Not
+continued is not "closed by its user": other conversations may still start with part of the
+prompt, and dropping its blocks costs more than it frees (measured: ``benchmarks/retention_hints.py``). ``shared_prefixes`` finds
 the prefixes ``--pin-system-prompts N`` pins (shared by more than N requests).
 """
 
@@ -96,13 +98,17 @@ def _truncated(segments: list[tuple[int, int]], length: int) -> list[tuple[int, 
 
 
 def hint_retentions(
-    pauses: Sequence[float | None], accuracy: float, seed: int = 0, horizon_s: float | None = None
+    pauses: Sequence[float | None],
+    accuracy: float,
+    seed: int = 0,
+    horizon_s: float | None = None,
+    drop: bool = False,
 ) -> list[Retention | None]:
     """The close-time retention of each request from its continuation pause (None: it does not
     continue), a share ``1 - accuracy`` of the labels flipped (seeded). A request wrongly said
-    to continue is kept for the median pause. ``horizon_s``: a conversation expected back later
-    than this gets no hint (the cache could not hold it that long: about its size over the rate
-    of incoming prompt tokens)."""
+    to continue is kept for the median pause; one said not to gets no hint (``drop``:
+    ``DROP_PRIORITY``). ``horizon_s``: a conversation expected back later than this gets no hint
+    (the cache could not hold it that long: about its size over the rate of incoming prompt tokens)."""
     if not 0.0 <= accuracy <= 1.0:
         raise ValueError(f"accuracy must be in [0, 1], got {accuracy!r}")
     known = sorted(p for p in pauses if p is not None)
@@ -120,7 +126,7 @@ def hint_retentions(
                 continue
             out.append(Retention(keep_priority(predicted), predicted * PAUSE_FACTOR + PAUSE_SLACK_S))
         else:
-            out.append(Retention(DROP_PRIORITY))
+            out.append(Retention(DROP_PRIORITY) if drop else None)
     return out
 
 
