@@ -13,7 +13,9 @@ only), as ``benchmarks/eviction_hit_rate.py`` does: ``create_kv_cache(prompt[:-1
 * ``hints_<policy>_<accuracy>``: the same policy, each request closed with the retention
   ``sim._hints.hint_retentions`` derives from the trace's future (whether a later request's prompt
   starts with this one's, up to its last full 512-token trace block, and after what pause), a share
-  ``1 - accuracy`` of the labels flipped (seed 0);
+  ``1 - accuracy`` of the labels flipped (seed 0); a request said not to continue gets no hint;
+* ``hintsdrop_<policy>_<accuracy>``: the same, a request said not to continue closed at
+  ``DROP_PRIORITY`` (its own blocks evicted first until reused: the first version, for comparison);
 * ``hintsh_<policy>_<accuracy>``: the same with a horizon: a conversation expected back later
   than the cache's size over the trace's rate of prompt tokens gets no hint;
 * ``optimum``: ``belady`` below, a bound (not a policy): the hit rate of Belady's eviction (the
@@ -45,7 +47,16 @@ from kv_cache_manager_v2.sim._workload import TRACE_BLOCK_TOKENS  # noqa: E402
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
 T = 32
 CAPS = [1_000_000, 3_000_000, 10_000_000]
-RUNS = ["lru", "frequency", "hints_lru_0.9", "hints_lru_1.0", "optimum"]
+RUNS = [
+    "lru",
+    "frequency",
+    "hints_lru_0.9",
+    "hints_lru_1.0",
+    "hints_frequency_0.9",
+    "hints_frequency_1.0",
+    "hintsdrop_lru_0.9",
+    "optimum",
+]
 
 
 class TraceClock:
@@ -169,10 +180,10 @@ def main() -> None:
             t0 = time.perf_counter()
             if run == "optimum":
                 row[run] = round(belady(blocks, cap), 4)
-            elif run.startswith(("hints_", "hintsh_")):
+            elif run.startswith(("hints_", "hintsh_", "hintsdrop_")):
                 kind, policy, accuracy = run.split("_")
                 horizon = cap / token_rate if kind == "hintsh" else None
-                hints = hint_retentions(pauses, float(accuracy), args.seed, horizon)
+                hints = hint_retentions(pauses, float(accuracy), args.seed, horizon, drop=kind == "hintsdrop")
                 row[run] = round(replay(reqs, cap, policy, hints), 4)
             else:
                 row[run] = round(replay(reqs, cap, run, None), 4)

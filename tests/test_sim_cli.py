@@ -565,6 +565,9 @@ def bounded_cli_error(*args: str, timeout: float = 120.0) -> str:
         # 20: abbreviations, a bare number of GiB far beyond any tier
         (["--hos", "32GiB"], "unrecognized arguments: --hos 32GiB"),
         (["--gpu", "1000000"], "--gpu: '1000000' is 977 TiB (a bare number is GiB); write the unit"),
+        # issue 37: hints sweep and pins
+        (["--sweep", "hints=0.9,nan"], "--sweep hints: 'nan' is not an accuracy in [0, 1]"),
+        (["--pin-system-prompts", "-3"], "--pin-system-prompts must be >= 1"),
     ],
 )
 def test_runaway_and_meaningless_inputs_are_one_line_in_bounded_time_and_memory(args: list[str], says: str) -> None:

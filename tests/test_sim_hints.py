@@ -17,7 +17,11 @@ from kv_cache_manager_v2.sim._hints import (
     continuation_pauses,
     hint_retentions,
     keep_priority,
+    shared_prefixes,
 )
+from kv_cache_manager_v2.sim._models import ModelShape, TierSpec
+from kv_cache_manager_v2.sim._replay_types import SchedulerOptions
+from kv_cache_manager_v2.sim._run import simulate
 
 SMALL = ["--model", "custom", "--layers", "2", "--kv-heads", "1", "--head-dim", "16", "--tokens-per-block", "16"]
 LOAD = ["--conversations", "12", "--turns", "3", "--system-tokens", "300", "--user-tokens", "100"]
@@ -43,18 +47,19 @@ def test_a_request_continues_when_a_later_prompt_starts_with_its_prompt() -> Non
     assert continuation_pauses(reqs, 128) == [None, 1.0, None, None, None, None, None]
 
 
-def test_hints_keep_continued_conversations_for_their_pause_and_drop_the_others() -> None:
+def test_hints_keep_continued_conversations_for_their_pause_and_leave_the_others() -> None:
     pauses = [2.0, None, 300.0, None]
-    hints = hint_retentions(pauses, 1.0)
+    assert hint_retentions(pauses, 1.0)[1::2] == [None, None]  # not continued: no hint
+    hints = hint_retentions(pauses, 1.0, drop=True)
     assert hints[1] == hints[3] == Retention(DROP_PRIORITY)
     assert hints[0] == Retention(keep_priority(2.0), 2.0 * PAUSE_FACTOR + PAUSE_SLACK_S)
     assert hints[2].duration_s == 300.0 * PAUSE_FACTOR + PAUSE_SLACK_S
     assert KEEP_PRIORITY >= hints[0].priority > hints[2].priority > 35  # sooner back: kept longer
-    flipped = hint_retentions(pauses, 0.0)
+    flipped = hint_retentions(pauses, 0.0, drop=True)
     assert flipped[0] == flipped[2] == Retention(DROP_PRIORITY)
     assert flipped[1].priority > 35 and flipped[1].duration_s == 300.0 * PAUSE_FACTOR + PAUSE_SLACK_S  # the median
     many = [1.0 if i % 3 else None for i in range(3000)]
-    wrong = sum((h.priority == DROP_PRIORITY) != (p is None) for h, p in zip(hint_retentions(many, 0.9, seed=7), many))
+    wrong = sum((h is None) != (p is None) for h, p in zip(hint_retentions(many, 0.9, seed=7), many))
     assert 240 <= wrong <= 360  # about 10 %, the same for the same seed
     assert hint_retentions(many, 0.9, seed=7) == hint_retentions(many, 0.9, seed=7)
     with pytest.raises(ValueError, match=r"accuracy must be in \[0, 1\]"):
@@ -84,6 +89,12 @@ def test_the_simulator_reports_the_hit_rate_with_and_without_hints(
         (["--retention-hints", "1.5"], "--retention-hints must be an accuracy in [0, 1], got 1.5"),
         (["--retention-hints", "x"], "argument --retention-hints: invalid float value: 'x'"),
         (["--retention-hints", "1", "--replicas", "2"], "--retention-hints does not combine with"),
+        (["--sweep", "hints=0.9,1.5"], "--sweep hints: '1.5' is not an accuracy in [0, 1]"),
+        (["--sweep", "hints=x"], "--sweep hints: 'x' is not an accuracy in [0, 1]"),
+        (["--sweep", "hints=0.9", "--retention-hints", "0.9"], "--sweep hints sets the accuracy of each replay"),
+        (["--sweep", "hints=0.9", "--replicas", "2"], "--sweep hints does not combine with"),
+        (["--pin-system-prompts", "0"], "--pin-system-prompts must be >= 1"),
+        (["--pin-system-prompts", "2", "--replicas", "2"], "--pin-system-prompts does not combine with"),
     ],
 )
 def test_bad_retention_hints_are_one_line_errors(
@@ -95,3 +106,74 @@ def test_bad_retention_hints_are_one_line_errors(
         code = int(e.code or 0)
     err = capsys.readouterr().err
     assert code == 2 and says in err and len(err.strip().splitlines()) == 1
+
+
+def test_shared_prefixes_are_the_longest_ones_more_than_n_requests_start_with() -> None:
+    reqs = [
+        req(0, 0.0, (0, 40), (100, 8)),
+        req(1, 1.0, (0, 40), (200, 8)),
+        req(2, 2.0, (0, 20), (20, 20), (100, 16)),  # the same tokens in other runs: 0 starts with them too
+        req(3, 3.0, (0, 15)),  # not one whole block of 16
+        req(4, 4.0, (500, 48)),
+    ]
+    got = shared_prefixes(reqs, 2, 16)
+    assert [g[1] if g else None for g in got] == [32, 32, 32, None, None]  # 3 requests share 2 blocks
+    assert got[0] == got[1] == got[2]  # one prefix (one pin)
+    pairs = shared_prefixes(reqs, 1, 16)
+    assert [g[1] if g else None for g in pairs] == [48, 32, 48, None, None]  # 0 and 2 share 3 blocks
+    assert pairs[0] == pairs[2] != pairs[1]
+    assert shared_prefixes(reqs, 3, 16) == [None] * 5
+
+
+SHAPE = ModelShape("small", 4, 2, 16, "fp16")  # 256 bytes per token
+ONE_AT_A_TIME = SchedulerOptions(max_batch=1, time_scale=0.0, prompt_only=True)
+
+
+def gpu_tokens(tokens: int) -> list[TierSpec]:
+    return [TierSpec("gpu", tokens * SHAPE.bytes_per_token, f"{tokens}tok")]
+
+
+def system_prompt_workload(system_tokens: int) -> list[SimRequest]:
+    """Three requests with one system prompt, apart by unrelated prompts that fill the cache."""
+    reqs: list[SimRequest] = []
+    for i in range(12):
+        if i % 4 == 0:
+            reqs.append(req(i, float(i), (0, system_tokens), (10_000 + 100 * i, 40)))
+        else:
+            reqs.append(req(i, float(i), (50_000 + 1000 * i, 600)))
+    return reqs
+
+
+def test_pinned_system_prompts_stay_cached_through_the_public_pin() -> None:
+    reqs = system_prompt_workload(256)
+    plain = simulate(SHAPE, gpu_tokens(1024), 16, reqs, {}, ONE_AT_A_TIME)
+    pinned = simulate(SHAPE, gpu_tokens(1024), 16, reqs, {}, ONE_AT_A_TIME, pin_shared=2)
+    assert "pins" not in plain and plain["prefill"]["reused_tokens"] == 0  # LRU lost it each time
+    p = pinned["pins"]
+    assert p["prefixes"] == 1 and p["pinned_tokens"] == 256 and p["refused"] == 0
+    assert p["peak_pinned_bytes"] == 256 * SHAPE.bytes_per_token
+    assert pinned["prefill"]["reused_tokens"] == 2 * 256  # the 2nd and 3rd use hit the pinned prompt
+    assert plain["tiers"][0]["peak_pinned_bytes"] == 0
+
+
+def test_a_pin_beyond_max_pinned_share_is_refused_and_counted() -> None:
+    rep = simulate(SHAPE, gpu_tokens(1024), 16, system_prompt_workload(576), {}, ONE_AT_A_TIME, pin_shared=2)
+    p = rep["pins"]  # 576 of 1024 tokens: beyond the default share of one half
+    assert p["prefixes"] == 0 and p["pinned_tokens"] == 0 and p["refused"] == 1
+    assert rep["tiers"][0]["peak_pinned_bytes"] == 0
+
+
+def test_the_hints_sweep_reports_each_accuracy_against_one_replay_without(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = [*SMALL, *LOAD, "--output-tokens", "20", "--gpu", "6000tok", "--no-progress"]
+    assert main([*args, "--sweep", "hints=0.5,1.0", "--pin-system-prompts", "3", "--json", "-"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    sweep = rep["retention_hints_sweep"]
+    assert [h["accuracy"] for h in sweep] == [0.5, 1.0]
+    assert all(h["token_hit_rate_without"] == rep["hit_rate"]["tokens"] for h in sweep)
+    assert all(h["peak_retained_bytes"] > 0 for h in sweep) and rep["pins"]["prefixes"] > 0
+    assert main([*args, "--sweep", "hints=0.5,1.0", "--pin-system-prompts", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "retention hints (accuracy 0.5" in out and "retention hints (accuracy 1," in out
+    assert "pinned prefixes (shared by more than 3 requests)" in out

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from .._config import EVICTION_POLICIES, REMOTE_URL_SCHEMES
 from ._check import DataCheckError
-from ._hints import HINTS_HELP, check_accuracy
+from ._hints import HINTS_HELP, HINTS_SWEEP_KEY, check_accuracy, check_pin_share
 from ._models import (
     PRESETS,
     SSM_KV_ONLY,
@@ -97,31 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
         allow_abbrev=False,  # --hos 32GiB is a mistake, not --host
     )
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="llama-3-8b", help=f"preset: {', '.join(PRESETS)}, or custom")
-    g.add_argument("--list-models", action="store_true", help="print the presets and exit")
-    g.add_argument("--layers", type=int, help="override: attention layers")
-    g.add_argument("--kv-heads", type=int, help="override: KV heads per layer")
-    g.add_argument("--head-dim", type=int, help="override: head dimension")
-    g.add_argument("--dtype", help="override: KV dtype (fp32, bf16, fp16, fp8, int8)")
-    g.add_argument("--window", type=int, help="override: sliding window of the SWA layers (0: none)")
-    g.add_argument("--swa-every", type=int, help="override: layer i slides when i %% N == 0 (2: alternating)")
-    g.add_argument("--sinks", type=int, help="override: sink tokens kept by sliding-window layers")
-    g.add_argument("--state-dtype", help="override (hybrid presets): recurrent state dtype (fp32, bf16, ...)")
-    g.add_argument(
-        "--ssm-reuse-interval",
-        type=int,
-        metavar="N",
-        help="hybrid models: snapshot the recurrent state every N tokens, besides prompt ends (a positive "
-        "multiple of --tokens-per-block; a match ends at a snapshot) (default: the largest of 512 and "
-        "--tokens-per-block)",
-    )
-    g.add_argument(
-        "--ssm-snapshot-policy",
-        help="hybrid models: which recurrent-state snapshots requests keep: interval, branch or auto "
-        "(the manager's ssm_snapshot_policy) (default: the manager's default)",
-    )
-    g.add_argument("--tokens-per-block", type=int, default=32, help="tokens per KV block (a power of two)")
+    _add_model_arguments(p.add_argument_group("model"))
     g = p.add_argument_group("cache tiers (sizes: 16GiB, 512MiB, 2GB, a bare number is GiB; tokens: 3Mtok, 300ktok)")
     g.add_argument("--gpu", help=f"GPU tier quota (default: {DEFAULT_GPU})")
     g.add_argument("--host", help="host-memory tier quota (evicted and suspended pages spill there)")
@@ -143,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
         "compared in a table (per --sweep point) (default: lru)",
     )
     g.add_argument("--retention-hints", type=float, metavar="ACCURACY", help=HINTS_HELP)
+    g.add_argument(
+        "--pin-system-prompts",
+        type=int,
+        metavar="N",
+        help="pin (KVCacheManager.pin) each prefix that more than N requests of the workload start with, once "
+        "cached (the share a tier may pin: max_pinned_share)",
+    )
     g.add_argument("--swa-scratch", action="store_true", help="SWA prefill scratch-slot reuse")
     g.add_argument("--no-reuse", action="store_true", help="disable prefix reuse (every request on its own)")
     g = p.add_argument_group("replicas sharing a remote tier (Redis)")
@@ -202,6 +185,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--metrics-file", metavar="FILE", help="write the final Prometheus metrics (text format) to FILE")
     return p
+
+
+def _add_model_arguments(g: argparse._ArgumentGroup) -> None:
+    """The ``model`` group of ``build_parser``: preset, overrides, hybrid snapshot options."""
+    g.add_argument("--model", default="llama-3-8b", help=f"preset: {', '.join(PRESETS)}, or custom")
+    g.add_argument("--list-models", action="store_true", help="print the presets and exit")
+    g.add_argument("--layers", type=int, help="override: attention layers")
+    g.add_argument("--kv-heads", type=int, help="override: KV heads per layer")
+    g.add_argument("--head-dim", type=int, help="override: head dimension")
+    g.add_argument("--dtype", help="override: KV dtype (fp32, bf16, fp16, fp8, int8)")
+    g.add_argument("--window", type=int, help="override: sliding window of the SWA layers (0: none)")
+    g.add_argument("--swa-every", type=int, help="override: layer i slides when i %% N == 0 (2: alternating)")
+    g.add_argument("--sinks", type=int, help="override: sink tokens kept by sliding-window layers")
+    g.add_argument("--state-dtype", help="override (hybrid presets): recurrent state dtype (fp32, bf16, ...)")
+    g.add_argument(
+        "--ssm-reuse-interval",
+        type=int,
+        metavar="N",
+        help="hybrid models: snapshot the recurrent state every N tokens, besides prompt ends (a positive "
+        "multiple of --tokens-per-block; a match ends at a snapshot) (default: the largest of 512 and "
+        "--tokens-per-block)",
+    )
+    g.add_argument(
+        "--ssm-snapshot-policy",
+        help="hybrid models: which recurrent-state snapshots requests keep: interval, branch or auto "
+        "(the manager's ssm_snapshot_policy) (default: the manager's default)",
+    )
+    g.add_argument("--tokens-per-block", type=int, default=32, help="tokens per KV block (a power of two)")
 
 
 def _policies(text: str) -> list[str]:
@@ -332,12 +343,21 @@ def _options(a: argparse.Namespace) -> SchedulerOptions:
 def _parse_sweep(text: str) -> tuple[str, list[str]]:
     key, sep, values = text.partition("=")
     key = key.strip().lower()
-    if not sep or key not in (*SWEEP_KEYS, SSM_SWEEP_KEY, SSM_POLICY_KEY) or not values.strip():
+    if not sep or key not in (*SWEEP_KEYS, SSM_SWEEP_KEY, SSM_POLICY_KEY, HINTS_SWEEP_KEY) or not values.strip():
         raise SimUserError(
-            f"--sweep {text!r}: write TIER=V1,V2,... with TIER one of {', '.join(SWEEP_KEYS)}, or "
-            f"{SSM_SWEEP_KEY}=N1,N2,..., or {SSM_POLICY_KEY}=P1,P2,..."
+            f"--sweep {text!r}: write TIER=V1,V2,... with TIER one of {', '.join(SWEEP_KEYS)}, "
+            f"{SSM_SWEEP_KEY}=N1,N2,..., {SSM_POLICY_KEY}=P1,P2,... or {HINTS_SWEEP_KEY}=ACCURACY1,ACCURACY2,..."
         )
     vals = [v.strip() for v in values.split(",") if v.strip()]
+    if key == HINTS_SWEEP_KEY:
+        for v in vals:
+            try:
+                accuracy = float(v)
+            except ValueError:
+                raise SimUserError(f"--sweep {key}: {v!r} is not an accuracy in [0, 1]") from None
+            if not 0.0 <= accuracy <= 1.0:
+                raise SimUserError(f"--sweep {key}: {v!r} is not an accuracy in [0, 1]")
+        return key, vals
     if key == SSM_POLICY_KEY:
         for v in vals:
             check_policy(f"--sweep {key}", v)
@@ -413,10 +433,18 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
                 "--metrics-port/--metrics-file report one replay: no --sweep, --replicas, --restart-at or policies"
             )
         res.metrics = SimMetrics(a.metrics_port, a.metrics_file)
-    if a.retention_hints is not None:
-        check_accuracy(a.retention_hints)
-        if a.restart_at is not None or a.replicas != 1 or a.remote_url:
-            raise SimUserError("--retention-hints does not combine with --restart-at, --replicas or --remote-url")
+    hint_sweep = sweep is not None and sweep[0] == HINTS_SWEEP_KEY
+    if hint_sweep and a.retention_hints is not None:
+        raise SimUserError(f"--sweep {HINTS_SWEEP_KEY} sets the accuracy of each replay: drop --retention-hints")
+    check_pin_share(a.pin_system_prompts)
+    for flag, given in (
+        ("--retention-hints", a.retention_hints is not None),
+        (f"--sweep {HINTS_SWEEP_KEY}", hint_sweep),
+        ("--pin-system-prompts", a.pin_system_prompts is not None),
+    ):
+        if given and (a.restart_at is not None or a.replicas != 1 or a.remote_url):
+            raise SimUserError(f"{flag} does not combine with --restart-at, --replicas or --remote-url")
+    check_accuracy(a.retention_hints)
     return Setup(shape, tiers, options, requests, workload, sweep, interval, disk_dir)
 
 

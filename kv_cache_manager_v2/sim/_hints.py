@@ -6,7 +6,10 @@ a later request's prompt starts with ``i``'s whole prompt, after the pause betwe
 arrivals. ``continuation_pauses`` finds that pause; ``hint_retentions`` turns it into the
 close-time retention an engine would send, with a share ``1 - accuracy`` of the labels flipped
 at random (seeded): continues, keep at ``KEEP_PRIORITY`` for the predicted pause (with a margin);
-does not, ``DROP_PRIORITY`` (its own blocks go first) until reused.
+does not, no hint (``drop``: ``DROP_PRIORITY``, its own blocks go first until reused). Not
+continued is not "closed by its user": other conversations may still start with part of the
+prompt, and dropping its blocks costs more than it frees (measured: ``benchmarks/retention_hints.py``). ``shared_prefixes`` finds
+the prefixes ``--pin-system-prompts N`` pins (shared by more than N requests).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 from .._common import DEFAULT_PRIORITY
 from .._config import KVCacheManagerConfig
 from .._retention import Retention
-from ._models import SimUserError
+from ._models import SimUserError, format_bytes
 from ._replay import Replay
 from ._replay_types import SchedulerOptions
 from ._workload import TRACE_BLOCK_TOKENS, SimRequest
@@ -32,6 +35,8 @@ DROP_PRIORITY = 0
 #: the kept time: the predicted pause times PAUSE_FACTOR, plus PAUSE_SLACK_S
 PAUSE_FACTOR = 1.25
 PAUSE_SLACK_S = 1.0
+#: ``--sweep hints=0.8,0.9,1.0``: one replay with hints per accuracy
+HINTS_SWEEP_KEY = "hints"
 HINTS_HELP = (
     "replay again with close-time continuation hints derived from the workload's future, a share "
     "1 - ACCURACY of them wrong, and report the hit rate with and without them"
@@ -93,13 +98,17 @@ def _truncated(segments: list[tuple[int, int]], length: int) -> list[tuple[int, 
 
 
 def hint_retentions(
-    pauses: Sequence[float | None], accuracy: float, seed: int = 0, horizon_s: float | None = None
+    pauses: Sequence[float | None],
+    accuracy: float,
+    seed: int = 0,
+    horizon_s: float | None = None,
+    drop: bool = False,
 ) -> list[Retention | None]:
     """The close-time retention of each request from its continuation pause (None: it does not
     continue), a share ``1 - accuracy`` of the labels flipped (seeded). A request wrongly said
-    to continue is kept for the median pause. ``horizon_s``: a conversation expected back later
-    than this gets no hint (the cache could not hold it that long: about its size over the rate
-    of incoming prompt tokens)."""
+    to continue is kept for the median pause; one said not to gets no hint (``drop``:
+    ``DROP_PRIORITY``). ``horizon_s``: a conversation expected back later than this gets no hint
+    (the cache could not hold it that long: about its size over the rate of incoming prompt tokens)."""
     if not 0.0 <= accuracy <= 1.0:
         raise ValueError(f"accuracy must be in [0, 1], got {accuracy!r}")
     known = sorted(p for p in pauses if p is not None)
@@ -117,8 +126,64 @@ def hint_retentions(
                 continue
             out.append(Retention(keep_priority(predicted), predicted * PAUSE_FACTOR + PAUSE_SLACK_S))
         else:
-            out.append(Retention(DROP_PRIORITY))
+            out.append(Retention(DROP_PRIORITY) if drop else None)
     return out
+
+
+def shared_prefixes(requests: Sequence[SimRequest], more_than: int, granularity: int) -> list[tuple[int, int] | None]:
+    """Per request, the longest prefix of its prompt that more than ``more_than`` requests of the
+    workload start with, as (prefix id, tokens), or None; prompts are compared in whole runs of
+    ``granularity`` tokens (a block)."""
+    ids: dict[tuple[int, tuple[tuple[int, int], ...]], int] = {}  # (parent prefix, next chunk) -> prefix id
+    counts: list[int] = []
+    paths: list[list[int]] = []
+    for r in requests:
+        path: list[int] = []
+        prefix = -1
+        for chunk in _chunks(r.prompt_segments, r.prompt_length // granularity, granularity):
+            prefix = ids.setdefault((prefix, chunk), len(ids))
+            if prefix == len(counts):
+                counts.append(0)
+            counts[prefix] += 1
+            path.append(prefix)
+        paths.append(path)
+    out: list[tuple[int, int] | None] = []
+    for path in paths:
+        depth = 0
+        while depth < len(path) and counts[path[depth]] > more_than:
+            depth += 1
+        out.append((path[depth - 1], depth * granularity) if depth else None)
+    return out
+
+
+def _chunks(segments: list[tuple[int, int]], num: int, size: int) -> list[tuple[tuple[int, int], ...]]:
+    """The first ``num`` chunks of ``size`` tokens of ``segments``, each as its token runs (merged)."""
+    out: list[tuple[tuple[int, int], ...]] = []
+    cur: list[tuple[int, int]] = []
+    room = size
+    for first, count in segments:
+        while count and len(out) < num:
+            n = min(count, room)
+            if cur and cur[-1][0] + cur[-1][1] == first:  # adjacent runs: one (the same tokens compare equal)
+                cur[-1] = (cur[-1][0], cur[-1][1] + n)
+            else:
+                cur.append((first, n))
+            first += n
+            count -= n
+            room -= n
+            if not room:
+                out.append(tuple(cur))
+                cur = []
+                room = size
+    return out
+
+
+def check_pin_share(more_than: int | None) -> None:
+    """``--pin-system-prompts``: shared by more than N >= 1 requests (or None: no pins)."""
+    if more_than is not None and more_than < 1:
+        raise SimUserError(
+            f"--pin-system-prompts must be >= 1 (pin prefixes shared by more than N requests), got {more_than}"
+        )
 
 
 def check_accuracy(accuracy: float | None) -> None:
@@ -134,15 +199,19 @@ def replay_with_hints(
     accuracy: float,
     without: float,
     seed: int = 0,
+    pins: Sequence[tuple[int, int] | None] | None = None,
+    scale: float = 1.0,
 ) -> dict[str, Any]:
     """``--retention-hints ACCURACY``: the replay again, each finished request sending the hint of
     ``hint_retentions`` (pauses in simulated time: scaled by ``options.time_scale``); the report's
-    ``retention_hints`` part (``without``: the token hit rate of the replay without hints)."""
+    ``retention_hints`` part (``without``: the token hit rate of the replay without hints; ``pins``:
+    the replay's ``Replay.pins``; ``scale``: the model's bytes per proxy byte)."""
     granularity = TRACE_BLOCK_TOKENS if requests and requests[0].source_line else 1
     pauses = continuation_pauses(requests, granularity)
     scaled = [p * options.time_scale if p is not None else None for p in pauses]
     replay = Replay(config, requests, options)
     replay.retain = hint_retentions(scaled, accuracy, seed)
+    replay.pins = pins
     result = replay.run()
     continued = sorted(p for p in scaled if p is not None)
     return {
@@ -152,15 +221,26 @@ def replay_with_hints(
         "median_pause_s": continued[len(continued) // 2] if continued else None,
         "token_hit_rate": round(result.reused_tokens / result.prompt_tokens, 4) if result.prompt_tokens else 0.0,
         "token_hit_rate_without": without,
+        "peak_retained_bytes": int(result.levels[0].peak_retained * scale),
     }
 
 
 def format_hints(rep: dict[str, Any]) -> str:
-    """The report's line for ``--retention-hints`` (empty without)."""
-    h = rep.get("retention_hints")
-    if h is None:
-        return ""
-    return (
-        f"\nretention hints (accuracy {h['accuracy']:g}, {h['continued_share']:.1%} of requests continued): "
-        f"token hit rate {h['token_hit_rate']:.3f} with, {h['token_hit_rate_without']:.3f} without"
-    )
+    """The report's lines for ``--retention-hints``, ``--sweep hints=`` and ``--pin-system-prompts``
+    (empty without)."""
+    out = ""
+    p = rep.get("pins")
+    if p is not None:
+        out += (
+            f"\npinned prefixes (shared by more than {p['shared_by_more_than']} requests): {p['prefixes']:,} "
+            f"({p['pinned_tokens']:,} tokens, {p['refused']:,} refused beyond max_pinned_share), "
+            f"up to {format_bytes(p['peak_pinned_bytes'])} pinned on the GPU tier"
+        )
+    sweep = rep.get("retention_hints_sweep") or [h for h in [rep.get("retention_hints")] if h is not None]
+    for h in sweep:
+        out += (
+            f"\nretention hints (accuracy {h['accuracy']:g}, {h['continued_share']:.1%} of requests continued): "
+            f"token hit rate {h['token_hit_rate']:.3f} with, {h['token_hit_rate_without']:.3f} without; "
+            f"up to {format_bytes(h['peak_retained_bytes'])} retained on the GPU tier"
+        )
+    return out

@@ -78,6 +78,9 @@ class Replay:
         self.clock = 0.0
         self.config = config = dataclasses.replace(config, clock=lambda: self.clock / 1000.0)  # simulated seconds
         self.retain: Sequence[Retention | None] | None = None  #: close-time hints by request index (--retention-hints)
+        #: per request index, the shared prefix (id, tokens) to pin once it finished (--pin-system-prompts)
+        self.pins: Sequence[tuple[int, int] | None] | None = None
+        self._pinned: dict[int, int] = {}  #: prefix id -> tokens pinned (-1: refused beyond max_pinned_share)
         self.rm = KVCacheResourceManager(config)  # may raise ValueError (refused configuration)
         #: simulated time at which the counters are split (and the engine restarts, with ``restart``)
         self.split_ms = split_ms
@@ -334,6 +337,8 @@ class Replay:
         for live in finished:
             live.req.state = RequestState.FINISHED
             self.rm.free_resources(live.req, self.retain[live.sim.index] if self.retain is not None else None)
+            if self.pins is not None:
+                self._pin_shared(live)
         self._step_manager_s += time.perf_counter() - t0
         r.request_steps += len(served)
         if len(served) > r.max_batch:
@@ -350,6 +355,28 @@ class Replay:
         if finished:
             self._report_progress()
 
+    def _pin_shared(self, live: _Live) -> None:
+        """Pin the finished request's shared prefix (its full blocks, now cached) through the
+        public ``KVCacheManager.pin``, unless pinned whole already or refused."""
+        target = self.pins[live.sim.index] if self.pins is not None else None
+        if target is None:
+            return
+        key, length = target
+        done = self._pinned.get(key, 0)
+        if done < 0 or done >= length // self.t * self.t:
+            return
+        r = self.result
+        try:
+            pinned = self.rm.manager.pin(live.req.prompt_tokens[:length])
+        except ValueError:  # beyond max_pinned_share: the prefix stays unpinned
+            r.pins_refused += 1
+            self._pinned[key] = -1
+            return
+        if pinned > 0 and done == 0:
+            r.pinned_prefixes += 1
+        r.pinned_tokens += pinned - done
+        self._pinned[key] = pinned
+
     def _sample(self) -> None:
         r = self.result
         used_total = 0
@@ -359,11 +386,17 @@ class Replay:
             stats = m.get_storage_statistics(CacheLevel(lvl))
             used = 0
             occupied = 0
+            pinned = 0
+            retained = 0
             for s in stats:
                 b = sum(s.slot_sizes)
                 used += (s.total - s.free - s.evictable) * b
                 occupied += (s.total - s.free) * b
+                pinned += s.pinned * b
+                retained += s.retained * b
             usage = r.levels[lvl]
+            usage.peak_pinned = max(usage.peak_pinned, pinned)
+            usage.peak_retained = max(usage.peak_retained, retained)
             if used > usage.peak_used:
                 usage.peak_used = used
             if lvl == 0:

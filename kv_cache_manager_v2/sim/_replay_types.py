@@ -60,6 +60,8 @@ class LevelUsage:
     peak_used: int = 0  #: held by requests (active, or suspended where they cannot spill), sampled each step
     peak_occupied: int = 0  #: held by requests or kept as reusable cache (the allocator's high-water mark)
     reusable_at_end: int = 0  #: holding reusable blocks when the replay ended (every request done)
+    peak_pinned: int = 0  #: in pinned pages (--pin-system-prompts), sampled each step
+    peak_retained: int = 0  #: in pages under close-time retention (--retention-hints), sampled each step
     offloaded_pages: int = 0  #: evicted into this level from the one above
     offloaded_bytes: int = 0
     onboarded_pages: int = 0  #: copied from this level up (reuse, resume)
@@ -119,6 +121,9 @@ class ReplayResult:
     series_hit: array[float] = field(default_factory=lambda: array("d"))  #: cumulative token hit rate
     series_running: array[float] = field(default_factory=lambda: array("d"))
     levels: list[LevelUsage] = field(default_factory=list)
+    pinned_prefixes: int = 0  #: shared prefixes pinned (--pin-system-prompts)
+    pinned_tokens: int = 0
+    pins_refused: int = 0  #: pins refused beyond max_pinned_share
     reused_blocks: int = 0  #: the manager's ReuseStatistics
     missed_blocks: int = 0
     reused_pages: int = 0

@@ -171,6 +171,8 @@ def _tier_row(tier: TierSpec, usage: LevelUsage, shape: ModelShape, scale: float
         "peak_occupied_bytes": int(usage.peak_occupied * scale),
         "peak_occupied_fraction": _ratio(usage.peak_occupied, usage.capacity),
         "reusable_bytes_at_end": int(usage.reusable_at_end * scale),
+        "peak_pinned_bytes": int(usage.peak_pinned * scale),
+        "peak_retained_bytes": int(usage.peak_retained * scale),
         # traffic in pages (one block of one layer group) and the model's bytes
         "offloaded_pages": usage.offloaded_pages,
         "offloaded_bytes": int(usage.offloaded_bytes * scale),

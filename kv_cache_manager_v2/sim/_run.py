@@ -14,12 +14,12 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import kv_cache_manager_v2 as kvm
 
-from ._hints import check_accuracy, format_hints, replay_with_hints
+from ._hints import HINTS_SWEEP_KEY, check_accuracy, check_pin_share, format_hints, replay_with_hints, shared_prefixes
 from ._models import (
     SSM_KV_ONLY,
     SSM_PROMPT_ONLY,
@@ -128,12 +128,16 @@ def simulate(
     eviction_policy: str = "lru",
     metrics: SimMetrics | None = None,
     ssm_reuse_interval: int | None = None,
-    retention_hints: float | None = None,
+    retention_hints: Sequence[float] = (),
+    pin_shared: int | None = None,
     ssm_snapshot_policy: str | None = None,
 ) -> dict[str, Any]:
-    """One replay (and one with continuation hints, ``sim/_hints.py``); returns the report dict.
-    Raises SimUserError for refused configurations."""
-    check_accuracy(retention_hints)
+    """One replay (and one per accuracy of ``retention_hints`` with continuation hints; prefixes
+    shared by more than ``pin_shared`` requests pinned: ``sim/_hints.py``); returns the report
+    dict. Raises SimUserError for refused configurations."""
+    for accuracy in retention_hints:
+        check_accuracy(accuracy)
+    check_pin_share(pin_shared)
     config, scale = _sim_config(
         shape, tiers, tokens_per_block, swa_scratch, check_data, eviction_policy, ssm_reuse_interval
     )
@@ -149,15 +153,29 @@ def simulate(
         raise SimUserError(f"the manager refused this configuration: {e}") from None
     except (OSError, MemoryError, OverflowError, kvm.OutOfMemoryError) as e:
         raise _pool_error(e, tiers, check_data) from None
+    pins = shared_prefixes(requests, pin_shared, tokens_per_block) if pin_shared is not None else None
+    replay.pins = pins
     result = replay.run()
     rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
     rep["eviction_policy"] = eviction_policy
     if rep["snapshots"]:
         rep["snapshots"]["policy"] = config.ssm_snapshot_policy
-    if retention_hints is not None:
-        rep["retention_hints"] = replay_with_hints(
-            config, requests, options, retention_hints, rep["hit_rate"]["tokens"]
-        )
+    if pin_shared is not None:
+        rep["pins"] = {
+            "shared_by_more_than": pin_shared,
+            "prefixes": result.pinned_prefixes,
+            "pinned_tokens": result.pinned_tokens,
+            "refused": result.pins_refused,
+            "peak_pinned_bytes": rep["tiers"][0]["peak_pinned_bytes"],
+        }
+    hints = [
+        replay_with_hints(config, requests, options, accuracy, rep["hit_rate"]["tokens"], pins=pins, scale=scale)
+        for accuracy in retention_hints
+    ]
+    if len(hints) == 1:
+        rep["retention_hints"] = hints[0]
+    elif hints:
+        rep["retention_hints_sweep"] = hints
     return rep
 
 
@@ -443,7 +461,7 @@ def _sweep_points(
             for v in s.sweep[1]
             for point_shape, point_policy in [policy_point(v, s.shape)]
         ]
-    elif s.sweep is not None:
+    elif s.sweep is not None and s.sweep[0] != HINTS_SWEEP_KEY:
         key, values = s.sweep
         points = []
         for v in values:
@@ -463,6 +481,10 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
     """One replay, or one per sweep point and eviction policy (a table, and ``--plot``)."""
     points, variants = _sweep_points(a, s)
     sweep = s.sweep
+    hints: list[float] = [a.retention_hints] if a.retention_hints is not None else []
+    if sweep is not None and sweep[0] == HINTS_SWEEP_KEY:
+        hints = [float(v) for v in sweep[1]]
+        sweep = None  # one replay without hints and one per accuracy, in one report
     reports: list[dict[str, Any]] = []
     policies: list[str] = a.eviction_policy
     runs = [(row, variant, policy) for row in points for variant in variants for policy in policies]
@@ -477,7 +499,7 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
         try:
             rep = simulate(
                 run_shape, row, a.tokens_per_block, s.requests, s.workload, s.options, a.swa_scratch, a.check_data,
-                update, policy, metrics, run_interval, a.retention_hints, run_policy,
+                update, policy, metrics, run_interval, hints, a.pin_system_prompts, run_policy,
             )  # fmt: skip
             if point:
                 rep["sweep_point"] = point
@@ -488,6 +510,7 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
         key = sweep[0] if sweep is not None else "gpu"
         doc: dict[str, Any] = {"schema": SCHEMA, "sweep": {"key": key, "policies": policies, "points": reports}}
         text = format_report(reports[0]).split("\n")[0] + "\n" + format_sweep(key, reports)
+        text += "".join(format_hints(rep) for rep in reports)
     else:
         doc = reports[0]
         text = format_report(doc) + format_hints(doc)
