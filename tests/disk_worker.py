@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import multiprocessing.synchronize
 import os
 import sys
 import time
@@ -111,12 +112,21 @@ def main() -> None:
         hog = m.create_kv_cache()  # takes every GPU slot: the published blocks go down to disk
         assert hog.resume() and hog.resize(int(spec.get("gpu", 4)) * T)
         hog.close()
-        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+        context = multiprocessing.get_context("fork")
+        started = context.Event()
+        child = context.Process(target=_sleep_started, args=(started,))
         child.start()
+        # the child's fork handlers (which drop its copy of the lock) run before its target
+        assert started.wait(60)
         print(f"ready {child.pid}", flush=True)
         time.sleep(600)
     m.shutdown()
     print(json.dumps(out), flush=True)
+
+
+def _sleep_started(started: multiprocessing.synchronize.Event) -> None:
+    started.set()
+    time.sleep(600)
 
 
 if __name__ == "__main__":
