@@ -15,7 +15,7 @@ from typing import Literal
 from mypy_extensions import mypyc_attr
 
 from ._common import MAX_BEAM_WIDTH, CacheTier, LayerId
-from ._utils import check_int, check_type, is_power_of_two
+from ._utils import check_int, check_type, is_power_of_two, raw_field
 
 BackendName = Literal["auto", "cuda", "host"]
 BACKEND_NAMES: tuple[str, ...] = ("auto", "cuda", "host")
@@ -30,10 +30,7 @@ SnapshotPolicy = Literal["interval", "branch", "auto"]
 SNAPSHOT_POLICIES: tuple[str, ...] = ("interval", "branch", "auto")
 
 
-def _raw(config: object, name: str) -> object:
-    """Field ``name`` as stored: compiled code reading an int-typed field would turn a bool into
-    an int before ``check_int`` could refuse it."""
-    return getattr(config, name)
+_raw = raw_field
 
 
 def _check_quota(cls_name: str, quota: object) -> None:
@@ -440,7 +437,7 @@ class KVCacheManagerConfig:
         t = check_int("tokens_per_block", _raw(self, "tokens_per_block"))
         if not callable(self.clock):
             raise TypeError(f"clock must be a callable returning seconds (like time.monotonic), got {self.clock!r}")
-        s = self.max_pinned_share
+        s = _raw(self, "max_pinned_share")
         if type(s) is bool or not isinstance(s, (int, float)):
             raise TypeError(f"max_pinned_share must be a number, got {s!r}")
         if not 0.0 <= s <= 1.0:
@@ -478,11 +475,11 @@ class KVCacheManagerConfig:
                     raise ValueError(
                         f"{name} entries must be positive multiples of tokens_per_block ({t}), got {offset}"
                     )
-        check_type("ssm_snapshot_policy", self.ssm_snapshot_policy, str)
-        if self.ssm_snapshot_policy not in SNAPSHOT_POLICIES:
+        policy = _raw(self, "ssm_snapshot_policy")
+        check_type("ssm_snapshot_policy", policy, str)
+        if policy not in SNAPSHOT_POLICIES:
             raise ValueError(
-                f"ssm_snapshot_policy must be one of {', '.join(map(repr, SNAPSHOT_POLICIES))}, "
-                f"got {self.ssm_snapshot_policy!r}"
+                f"ssm_snapshot_policy must be one of {', '.join(map(repr, SNAPSHOT_POLICIES))}, got {policy!r}"
             )
         u = self.max_util_for_resume
         check_type("max_util_for_resume", u, (int, float))

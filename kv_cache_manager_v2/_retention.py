@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from mypy_extensions import mypyc_attr
 
 from ._common import MAX_PRIORITY
-from ._utils import check_int, check_type
+from ._utils import check_int, check_type, raw_field
 
 
 def check_retention_priority(name: str, priority: object) -> int:
@@ -47,8 +47,8 @@ class Retention:
     duration_s: float | None = None
 
     def __post_init__(self) -> None:
-        check_retention_priority("Retention.priority", self.priority)
-        check_duration("Retention.duration_s", self.duration_s)
+        check_retention_priority("Retention.priority", raw_field(self, "priority"))
+        check_duration("Retention.duration_s", raw_field(self, "duration_s"))
 
 
 @mypyc_attr(native_class=False)
@@ -63,13 +63,14 @@ class RetentionRange:
     duration_s: float | None = None
 
     def __post_init__(self) -> None:
-        start = check_int("RetentionRange.start", self.start)
-        if self.end is not None:
-            end = check_int("RetentionRange.end", self.end)
+        start = check_int("RetentionRange.start", raw_field(self, "start"))
+        given_end = raw_field(self, "end")
+        if given_end is not None:
+            end = check_int("RetentionRange.end", given_end)
             if end <= start:
                 raise ValueError(f"RetentionRange.end must be > start ({start}) or None, got {end}")
-        check_retention_priority("RetentionRange.priority", self.priority)
-        check_duration("RetentionRange.duration_s", self.duration_s)
+        check_retention_priority("RetentionRange.priority", raw_field(self, "priority"))
+        check_duration("RetentionRange.duration_s", raw_field(self, "duration_s"))
 
 
 @mypyc_attr(native_class=False)
@@ -104,11 +105,12 @@ class RequestRetention:
                     )
             ranges.append(r)
         object.__setattr__(self, "ranges", tuple(ranges))
-        if self.decode_priority is not None:
-            check_retention_priority("RequestRetention.decode_priority", self.decode_priority)
-        elif self.decode_duration_s is not None:
+        decode_priority, decode_duration = raw_field(self, "decode_priority"), raw_field(self, "decode_duration_s")
+        if decode_priority is not None:
+            check_retention_priority("RequestRetention.decode_priority", decode_priority)
+        elif decode_duration is not None:
             raise ValueError("RequestRetention.decode_duration_s needs a decode_priority")
-        check_duration("RequestRetention.decode_duration_s", self.decode_duration_s)
+        check_duration("RequestRetention.decode_duration_s", decode_duration)
 
     @property
     def open_ended(self) -> bool:

@@ -37,6 +37,12 @@ def check_int(name: str, value: object, minimum: int = 0, maximum: int | None = 
     return value
 
 
+def raw_field(obj: object, name: str) -> object:
+    """Field ``name`` as stored: compiled code reading a typed field would convert it first (a bool
+    becomes an int, a str a TypeError of mypyc's) before a check could refuse it clearly."""
+    return getattr(obj, name)
+
+
 def check_type(name: str, value: object, expected: type | tuple[type, ...]) -> None:
     """Raise ``TypeError`` naming ``name`` unless ``value`` is an instance of ``expected``."""
     if not isinstance(value, expected):
