@@ -30,9 +30,6 @@ SnapshotPolicy = Literal["interval", "branch", "auto"]
 SNAPSHOT_POLICIES: tuple[str, ...] = ("interval", "branch", "auto")
 
 
-_raw = raw_field
-
-
 def _check_quota(cls_name: str, quota: object) -> None:
     check_int(f"{cls_name}.quota (bytes)", quota, 1)
 
@@ -45,7 +42,7 @@ class GpuCacheTierConfig:
     quota: int
 
     def __post_init__(self) -> None:
-        _check_quota("GpuCacheTierConfig", _raw(self, "quota"))
+        _check_quota("GpuCacheTierConfig", raw_field(self, "quota"))
 
     @property
     def tier(self) -> CacheTier:
@@ -61,7 +58,7 @@ class HostCacheTierConfig:
     quota: int
 
     def __post_init__(self) -> None:
-        _check_quota("HostCacheTierConfig", _raw(self, "quota"))
+        _check_quota("HostCacheTierConfig", raw_field(self, "quota"))
 
     @property
     def tier(self) -> CacheTier:
@@ -91,7 +88,7 @@ class DiskCacheTierConfig:
     dtype: str = ""
 
     def __post_init__(self) -> None:
-        _check_quota("DiskCacheTierConfig", _raw(self, "quota"))
+        _check_quota("DiskCacheTierConfig", raw_field(self, "quota"))
         check_type("DiskCacheTierConfig.path", self.path, str)
         if not os.path.isdir(self.path):
             raise ValueError(f"DiskCacheTierConfig.path must be an existing directory, got {self.path!r}")
@@ -215,15 +212,15 @@ class RemoteCacheTierConfig:
         if not self.namespace or len(self.namespace) > 256 or not self.namespace.isprintable():
             raise ValueError(f"{n}.namespace must be 1 to 256 printable characters, got {self.namespace!r}")
         if self.quota is not None:
-            _check_quota(n, _raw(self, "quota"))
-        check_int(f"{n}.timeout_ms", _raw(self, "timeout_ms"), 1)
+            _check_quota(n, raw_field(self, "quota"))
+        check_int(f"{n}.timeout_ms", raw_field(self, "timeout_ms"), 1)
         check_type(f"{n}.dtype", self.dtype, str)
         check_type(f"{n}.write_through", self.write_through, bool)
         if self.ttl_s is not None:
-            check_int(f"{n}.ttl_s", _raw(self, "ttl_s"), 1)
-        check_int(f"{n}.max_pending_bytes", _raw(self, "max_pending_bytes"), 1)
-        check_int(f"{n}.max_lookup_blocks", _raw(self, "max_lookup_blocks"), 1)
-        check_int(f"{n}.retry_interval_ms", _raw(self, "retry_interval_ms"))
+            check_int(f"{n}.ttl_s", raw_field(self, "ttl_s"), 1)
+        check_int(f"{n}.max_pending_bytes", raw_field(self, "max_pending_bytes"), 1)
+        check_int(f"{n}.max_lookup_blocks", raw_field(self, "max_lookup_blocks"), 1)
+        check_int(f"{n}.retry_interval_ms", raw_field(self, "retry_interval_ms"))
 
     @property
     def tier(self) -> CacheTier:
@@ -264,9 +261,9 @@ class BufferConfig:
         check_type("BufferConfig.role", self.role, str)
         if not self.role:
             raise ValueError("BufferConfig.role must be a non-empty str")
-        check_int("BufferConfig.size (bytes)", _raw(self, "size"), 1)
+        check_int("BufferConfig.size (bytes)", raw_field(self, "size"), 1)
         if self.tokens_per_block_override is not None:
-            check_int("BufferConfig.tokens_per_block_override", _raw(self, "tokens_per_block_override"), 1)
+            check_int("BufferConfig.tokens_per_block_override", raw_field(self, "tokens_per_block_override"), 1)
 
 
 def _check_buffers(layer_id: LayerId, buffers: Sequence[BufferConfig]) -> None:
@@ -292,16 +289,16 @@ class AttentionLayerConfig:
     num_sink_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        check_int("AttentionLayerConfig.layer_id", _raw(self, "layer_id"))
+        check_int("AttentionLayerConfig.layer_id", raw_field(self, "layer_id"))
         _check_buffers(self.layer_id, self.buffers)
         w = self.sliding_window_size
         if w is not None:
-            check_int(f"layer {self.layer_id}: sliding_window_size", _raw(self, "sliding_window_size"), 1)
+            check_int(f"layer {self.layer_id}: sliding_window_size", raw_field(self, "sliding_window_size"), 1)
         s = self.num_sink_tokens
         if s is not None:
             if w is None:
                 raise ValueError(f"layer {self.layer_id}: num_sink_tokens needs a sliding_window_size")
-            check_int(f"layer {self.layer_id}: num_sink_tokens", _raw(self, "num_sink_tokens"))
+            check_int(f"layer {self.layer_id}: num_sink_tokens", raw_field(self, "num_sink_tokens"))
 
     @property
     def window_size(self) -> int | None:
@@ -321,7 +318,7 @@ class SsmLayerConfig:
     buffers: Sequence[BufferConfig]
 
     def __post_init__(self) -> None:
-        check_int("SsmLayerConfig.layer_id", _raw(self, "layer_id"))
+        check_int("SsmLayerConfig.layer_id", raw_field(self, "layer_id"))
         _check_buffers(self.layer_id, self.buffers)
         for b in self.buffers:
             if b.tokens_per_block_override is not None:
@@ -357,9 +354,9 @@ class KVCacheDesc:
     beam_width: int = 1
 
     def __post_init__(self) -> None:
-        check_int("KVCacheDesc.capacity", _raw(self, "capacity"))
-        check_int("KVCacheDesc.history_length", _raw(self, "history_length"))
-        check_int("KVCacheDesc.beam_width", _raw(self, "beam_width"), 1, MAX_BEAM_WIDTH)
+        check_int("KVCacheDesc.capacity", raw_field(self, "capacity"))
+        check_int("KVCacheDesc.history_length", raw_field(self, "history_length"))
+        check_int("KVCacheDesc.beam_width", raw_field(self, "beam_width"), 1, MAX_BEAM_WIDTH)
         if self.history_length > self.capacity:
             raise ValueError(
                 f"KVCacheDesc.history_length ({self.history_length}) must not exceed capacity ({self.capacity})"
@@ -375,7 +372,7 @@ class BatchDesc:
     system_prompt_length: int = 0
 
     def __post_init__(self) -> None:
-        check_int("BatchDesc.system_prompt_length", _raw(self, "system_prompt_length"))
+        check_int("BatchDesc.system_prompt_length", raw_field(self, "system_prompt_length"))
         for d in self.kv_caches:
             check_type("each of BatchDesc.kv_caches", d, KVCacheDesc)
 
@@ -388,7 +385,7 @@ class SwaScratchReuseConfig:
     max_rewind_len: int = 0
 
     def __post_init__(self) -> None:
-        check_int("SwaScratchReuseConfig.max_rewind_len", _raw(self, "max_rewind_len"))
+        check_int("SwaScratchReuseConfig.max_rewind_len", raw_field(self, "max_rewind_len"))
 
 
 _TIER_ORDER = {CacheTier.GPU_MEM: 0, CacheTier.HOST_MEM: 1, CacheTier.DISK: 2, CacheTier.REMOTE: 3}
@@ -434,10 +431,10 @@ class KVCacheManagerConfig:
     ssm_snapshot_policy: SnapshotPolicy = "auto"
 
     def __post_init__(self) -> None:
-        t = check_int("tokens_per_block", _raw(self, "tokens_per_block"))
+        t = check_int("tokens_per_block", raw_field(self, "tokens_per_block"))
         if not callable(self.clock):
             raise TypeError(f"clock must be a callable returning seconds (like time.monotonic), got {self.clock!r}")
-        s = _raw(self, "max_pinned_share")
+        s = raw_field(self, "max_pinned_share")
         if type(s) is bool or not isinstance(s, (int, float)):
             raise TypeError(f"max_pinned_share must be a number, got {s!r}")
         if not 0.0 <= s <= 1.0:
@@ -462,7 +459,7 @@ class KVCacheManagerConfig:
                     )
         i = self.ssm_reuse_interval
         if i is not None:
-            check_int("ssm_reuse_interval", _raw(self, "ssm_reuse_interval"), -(1 << 62))
+            check_int("ssm_reuse_interval", raw_field(self, "ssm_reuse_interval"), -(1 << 62))
             if i <= 0 or i % t != 0:
                 raise ValueError(f"ssm_reuse_interval must be a positive multiple of tokens_per_block ({t}), got {i}")
         for name in ("ssm_snapshots_from_start", "ssm_snapshots_from_end"):
@@ -475,7 +472,7 @@ class KVCacheManagerConfig:
                     raise ValueError(
                         f"{name} entries must be positive multiples of tokens_per_block ({t}), got {offset}"
                     )
-        policy = _raw(self, "ssm_snapshot_policy")
+        policy = raw_field(self, "ssm_snapshot_policy")
         check_type("ssm_snapshot_policy", policy, str)
         if policy not in SNAPSHOT_POLICIES:
             raise ValueError(
