@@ -41,7 +41,13 @@ sys.path.insert(0, ROOT)
 
 import kv_cache_manager_v2 as kvm  # noqa: E402
 from kv_cache_manager_v2.sim import SimRequest, load_trace  # noqa: E402
-from kv_cache_manager_v2.sim._hints import continuation_pauses, hint_retentions  # noqa: E402
+from kv_cache_manager_v2.sim._hints import (  # noqa: E402
+    continuation_pauses,
+    continuers,
+    conversations,
+    hint_retentions,
+    shared_prefixes,
+)
 from kv_cache_manager_v2.sim._workload import TRACE_BLOCK_TOKENS  # noqa: E402
 
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "synthetic_trace.jsonl")
@@ -69,8 +75,20 @@ class TraceClock:
         return self.now
 
 
-def replay(reqs: list[SimRequest], cap_tokens: int, policy: str, retain: list[kvm.Retention | None] | None) -> float:
-    """Hit rate of one replay through a fresh manager."""
+def replay(
+    reqs: list[SimRequest],
+    cap_tokens: int,
+    policy: str,
+    retain: list[kvm.Retention | None] | None,
+    pins: list[tuple[int, int] | None] | None = None,
+    pin_share: float = 0.5,
+    stats: dict[str, Any] | None = None,
+    pin_ttl: float | None = None,
+) -> float:
+    """Hit rate of one replay through a fresh manager (``pins``: per request, the shared prefix
+    (id, tokens) pinned once the request committed it, through ``KVCacheManager.pin``; with
+    ``pin_ttl``, pinned again by every request using it, for that many seconds; counts in
+    ``stats``)."""
     clock = TraceClock()
     layers = [kvm.AttentionLayerConfig(kvm.LayerId(0), [kvm.BufferConfig("key", 64), kvm.BufferConfig("value", 64)])]
     cfg = kvm.KVCacheManagerConfig(
@@ -80,8 +98,11 @@ def replay(reqs: list[SimRequest], cap_tokens: int, policy: str, retain: list[kv
         backend="host",
         eviction_policy=policy,  # type: ignore[arg-type]
         clock=clock,
+        max_pinned_share=pin_share,
     )
     m = kvm.KVCacheManager(cfg)
+    pinned: dict[int, int] = {}  # prefix id -> tokens pinned (-1: refused)
+    refused = peak = 0
     hit = total = 0
     for i, r in enumerate(reqs):
         clock.now = r.arrival_ms / 1000.0
@@ -93,7 +114,21 @@ def replay(reqs: list[SimRequest], cap_tokens: int, policy: str, retain: list[kv
         if not (kv.resume() and kv.resize(n)):
             raise SystemExit(f"request {i} did not fit")
         kv.commit(prompt[kv.history_length :])
+        target = pins[i] if pins is not None else None
+        if target is not None and (pin_ttl is not None or pinned.get(target[0], 0) == 0):
+            try:
+                pinned[target[0]] = m.pin(prompt[: target[1]], duration_s=pin_ttl)
+            except ValueError:  # beyond max_pinned_share
+                pinned[target[0]] = -1
+                refused += 1
+        if pins is not None and i % 64 == 0:
+            peak = max(peak, m.get_storage_statistics()[0].pinned)
         kv.close(retain[i] if retain is not None else None)
+    if stats is not None:
+        stats["pinned_prefixes"] = sum(1 for v in pinned.values() if v > 0)
+        stats["pinned_tokens"] = sum(v for v in pinned.values() if v > 0)
+        stats["pins_refused"] = refused
+        stats["peak_pinned_tokens"] = peak * T
     m.shutdown()
     return hit / total
 
@@ -161,10 +196,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=0, help="replay only the first N requests")
     ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--seed", type=int, default=0, help="of the flipped labels")
+    ap.add_argument("--pin-share", type=float, default=0.5, help="max_pinned_share of the *_pinN runs")
+    ap.add_argument("--pin-ttl", type=float, default=None, help="*_ttlN runs: seconds (default: the cache's turnover)")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench_results", "retention_hints.json"))
     args = ap.parse_args()
     reqs = load_trace(args.trace, args.requests)
     pauses = continuation_pauses(reqs, TRACE_BLOCK_TOKENS)
+    conv = conversations(continuers(reqs, TRACE_BLOCK_TOKENS))
+    shared_by = [p[1] if p is not None else 0 for p in shared_prefixes(reqs, 1, TRACE_BLOCK_TOKENS, conv)]
     continued = sorted(p for p in pauses if p is not None)
     print(
         f"{len(reqs)} requests; {len(continued) / len(reqs):.1%} continued, median pause "
@@ -180,13 +219,26 @@ def main() -> None:
             t0 = time.perf_counter()
             if run == "optimum":
                 row[run] = round(belady(blocks, cap), 4)
-            elif run.startswith(("hints_", "hintsh_", "hintsdrop_")):
-                kind, policy, accuracy = run.split("_")
-                horizon = cap / token_rate if kind == "hintsh" else None
-                hints = hint_retentions(pauses, float(accuracy), args.seed, horizon, drop=kind == "hintsdrop")
-                row[run] = round(replay(reqs, cap, policy, hints), 4)
             else:
-                row[run] = round(replay(reqs, cap, run, None), 4)
+                parts = run.split("_")
+                pins = None
+                stats: dict[str, Any] = {}
+                ttl = None
+                if parts[-1].startswith(("pin", "ttl")):  # pinN: prefixes at least N conversations start with
+                    if parts[-1].startswith("ttl"):  # pinned by each use for a while
+                        ttl = args.pin_ttl if args.pin_ttl is not None else cap / token_rate
+                    pins = shared_prefixes(reqs, int(parts.pop()[3:]) - 1, TRACE_BLOCK_TOKENS, conv)
+                hints = None
+                policy = parts[0]
+                if parts[0] in ("hints", "hintsh", "hintsdrop", "hintsown"):
+                    kind, policy, accuracy = parts
+                    horizon = cap / token_rate if kind == "hintsh" else None
+                    drop = kind in ("hintsdrop", "hintsown")
+                    own = shared_by if kind == "hintsown" else None
+                    hints = hint_retentions(pauses, float(accuracy), args.seed, horizon, drop, own)
+                row[run] = round(replay(reqs, cap, policy, hints, pins, args.pin_share, stats, ttl), 4)
+                if pins is not None:
+                    row[f"{run}_pins"] = stats
             row[f"{run}_seconds"] = round(time.perf_counter() - t0, 1)
             print(f"{cap / 1e6:>9g}M {run:>22} {row[run]:.4f}", flush=True)
             write_json(args, reqs, continued, rows)  # after each run: a long sweep keeps what it measured

@@ -201,6 +201,7 @@ class PoolGroupStorage:
         "num_pinned",
         "num_retained",
         "parked",
+        "pinned_share",
         "pools",
         "tier",
     )
@@ -243,8 +244,11 @@ class PoolGroupStorage:
         self.num_io_errors = 0
         #: lost pages whose owners have not let go yet
         self.num_lost = 0
-        #: pinned pages here (``_pins.py``), and pages under retention (``_expiry.py``)
+        #: pinned pages here (``_pins.py``: those whose pin this storage holds), and pages under
+        #: retention (``_expiry.py``)
         self.num_pinned = 0
+        #: ``max_pinned_share``: at most this share of the slots may hold pins
+        self.pinned_share = 1.0
         self.num_retained = 0
         #: slots beyond ``num_slots`` for the remote tier's writes (the last level only): a dropped
         #: page's slot goes to the writer, which sends the data from there, and a parked slot takes
@@ -256,6 +260,11 @@ class PoolGroupStorage:
     @property
     def index(self) -> PoolGroupIndex:
         return self.layout.index
+
+    @property
+    def pin_limit(self) -> int:
+        """The most pinned pages this storage holds (``max_pinned_share`` of its slots)."""
+        return int(self.pinned_share * self.num_slots)
 
     @property
     def num_slots(self) -> int:
@@ -329,6 +338,7 @@ class Page:
         "num_holds",
         "num_locks",
         "num_pins",
+        "pin_held",
         "priority",
         "remote_copy",
         "slot",
@@ -376,8 +386,10 @@ class Page:
         self.expires = NO_EXPIRY
         self.base_priority = priority
         self.hint_end = NO_HINT
-        #: pins on this page (``_storage/_pins.py``): a pinned page is in no evictor
+        #: pins on this page (``_storage/_pins.py``), and whether its storage holds them (counted
+        #: in ``num_pinned``, within the share): a page whose pins are held is in no evictor
         self.num_pins = 0
+        self.pin_held = False
         _untrack(self)  # see the class docstring
 
     @property
@@ -390,7 +402,7 @@ class Page:
 
     def _list_if_held(self) -> None:
         """List a page that only suspended requests own, above the last level (it may spill down)."""
-        if self.num_locks == 0 and not self.storage.is_last and not self.lost and not self.num_pins:
+        if self.num_locks == 0 and not self.storage.is_last and not self.lost and not self.pin_held:
             self.storage.evictor.add(self)
 
     def lock_from_hold(self) -> None:
@@ -407,7 +419,7 @@ class Page:
     def _droppable(self) -> None:
         """The last owner of a tree page let go: list it DROPPABLE (the use history hears of it)."""
         storage = self.storage
-        if not self.num_pins:
+        if not self.pin_held:
             storage.evictor.add(self)
         history = storage.history
         if history is not None:
@@ -423,7 +435,7 @@ class Page:
             self.num_locks += 1
         else:
             self.num_holds += 1
-            if self.num_locks == 0 and not storage.is_last and not self.lost and not self.num_pins:
+            if self.num_locks == 0 and not storage.is_last and not self.lost and not self.pin_held:
                 storage.evictor.add(self)
 
     def release(self, locked: bool) -> None:
@@ -461,10 +473,13 @@ class Page:
             self.priority = priority
 
     def relocate(self, storage: PoolGroupStorage, slot: SlotId) -> None:
-        """Now at ``slot`` of ``storage`` (the caller copied the data and frees the old slot)."""
-        if self.num_pins:
-            self.storage.num_pinned -= 1
+        """Now at ``slot`` of ``storage`` (the caller copied the data and frees the old slot). A
+        pinned page's pins are held there within its share only (beyond it, e.g. pulled up to a
+        tier whose share is taken, it is evicted like any page until it moves again)."""
+        self.unhold_pins()
+        if self.num_pins and storage.num_pinned < storage.pin_limit:
             storage.num_pinned += 1
+            self.pin_held = True
         if self.retained:
             self.storage.num_retained -= 1
             storage.num_retained += 1
@@ -487,12 +502,18 @@ class Page:
         if b:
             other.relist()
 
+    def unhold_pins(self) -> None:
+        """Its storage no longer holds its pins (the caller lists it where it should be)."""
+        if self.pin_held:
+            self.pin_held = False
+            self.storage.num_pinned -= 1
+
     def relist(self) -> None:
         """List a page its level's evictor should hold (after a move): DROPPABLE, or HELD above the last level."""
         if (
             self.num_locks == 0
             and not self.lost
-            and not self.num_pins
+            and not self.pin_held
             and (self.num_holds == 0 or not self.storage.is_last)
         ):
             self.storage.evictor.add(self)
@@ -518,9 +539,8 @@ class Page:
 
     def _unpinned(self) -> None:
         """The page leaves its slot (freed, lost): its pins and retention go with it."""
-        if self.num_pins:
-            self.num_pins = 0
-            self.storage.num_pinned -= 1
+        self.num_pins = 0
+        self.unhold_pins()
         if self.retained:
             self.expires = NO_EXPIRY
             self.hint_end = NO_HINT

@@ -41,14 +41,18 @@ def check_duration(name: str, duration_s: object) -> float | None:
 @dataclass(frozen=True)
 class Retention:
     """Keep pages at ``priority`` (0..100; lower is evicted first) for ``duration_s`` seconds of
-    the manager's clock (None: until the pages are evicted, or reused after a close-time hint)."""
+    the manager's clock (None: until the pages are evicted, or reused after a close-time hint).
+    ``start``: a close-time hint covers only the blocks holding a token at or after this position
+    (the blocks before it, e.g. a system prompt other conversations share, keep their priority)."""
 
     priority: int
     duration_s: float | None = None
+    start: int = 0
 
     def __post_init__(self) -> None:
         check_retention_priority("Retention.priority", raw_field(self, "priority"))
         check_duration("Retention.duration_s", raw_field(self, "duration_s"))
+        check_int("Retention.start", raw_field(self, "start"))
 
 
 @mypyc_attr(native_class=False)

@@ -16,6 +16,7 @@ from kv_cache_manager_v2 import (
     AttentionLayerConfig,
     BlockOrdinal,
     BufferConfig,
+    CacheLevel,
     KVCache,
     KVCacheManager,
     KVCacheManagerConfig,
@@ -212,6 +213,27 @@ def test_a_low_hint_lowers_only_the_blocks_the_request_published(make_manager: M
     assert m.probe_reuse(input_tokens=prefix) == 2 * T
 
 
+@pytest.mark.parametrize("start", [0, 2 * T, 2 * T + 1])
+def test_a_hint_from_a_start_leaves_the_blocks_before_it(make_manager: MakeManager, start: int) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T)
+    engine = FakeEngine(m)
+    system = seq(1000, 2)  # a system prompt others will share, first published by this request
+    chat = system + seq(2000, 2)
+    run(m, engine, chat, Retention(0, None, start))  # "this chat ends" after the system prompt
+    other = seq(3000, 2)
+    run(m, engine, other, custom_priority_callback=fixed(20))
+    pressure(m, engine, 6, 4000, 90)  # 2 free slots, then the 4 lowest-priority blocks go
+    kept = m.probe_reuse(input_tokens=system) == 2 * T
+    assert kept == (start > 0)  # from a start: the chat's own blocks (0), then other's (20)
+    assert m.probe_reuse(input_tokens=other) == (0 if start else 2 * T)
+    assert m.probe_reuse(input_tokens=chat) == (2 * T if start else 0)
+    if kept:
+        kv = m.create_kv_cache(input_tokens=system + seq(6000, 1))
+        assert kv.resume()
+        engine.check_all(kv, system, 2 * T)
+        kv.close()
+
+
 def test_a_low_hint_ends_when_any_request_reuses_the_blocks(make_manager: MakeManager) -> None:
     m = make_manager(one_layer(), tokens_per_block=T, quota=6 * REC * T)
     engine = FakeEngine(m)
@@ -242,6 +264,8 @@ def test_the_default_clock_is_monotonic() -> None:
         (lambda: Retention(50, math.inf), ValueError, "finite number of seconds > 0"),
         (lambda: Retention(50, math.nan), ValueError, "finite number of seconds > 0"),
         (lambda: Retention(50, "5"), TypeError, "Retention.duration_s must be a number"),  # type: ignore[arg-type]
+        (lambda: Retention(0, None, -1), ValueError, "Retention.start must be >= 0"),
+        (lambda: Retention(0, None, 1.5), TypeError, "Retention.start must be an int"),  # type: ignore[arg-type]
         (lambda: RetentionRange(8, 8, 50), ValueError, "RetentionRange.end must be > start (8)"),
         (lambda: RetentionRange(-1, None, 50), ValueError, "RetentionRange.start"),
         (lambda: RetentionRange(0, None, 500), ValueError, "RetentionRange.priority"),
@@ -412,6 +436,43 @@ def test_pins_stay_where_they_are_on_a_host_tier_and_clear_with_the_reusable_blo
     m.clear_reusable_blocks()
     assert m.probe_reuse(input_tokens=a) == 0
     assert not m.unpin(a)
+
+
+def test_a_pinned_page_pulled_up_beyond_the_share_is_held_by_its_pin_only_within_the_share(
+    make_manager: MakeManager,
+) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T, host_quota=8 * REC * T, max_pinned_share=0.25)
+    engine = FakeEngine(m)
+    a, b = seq(1000, 2), seq(2000, 2)
+    run(m, engine, a)
+    assert m.pin(a) == 2 * T  # the GPU tier's share: 2 of 8 slots
+    run(m, engine, b)
+    pressure(m, engine, 6, 3000)  # b moves down to the host tier
+    assert m.probe_reuse_levels(input_tokens=b) == [1, 1]
+    assert m.pin(b) == 2 * T  # pinned on the host tier (its share: 2 of 8 slots)
+    kv = m.create_kv_cache(input_tokens=b)  # b comes up to the GPU tier, whose share is taken
+    assert kv.resume()
+    engine.check_all(kv, b, 2 * T)
+    assert pinned(m) == [2, 0]  # b's pin is not held on the GPU tier: beyond its share
+    kv.close()
+    pressure(m, engine, 6, 4000)  # so b leaves the GPU tier like any page: down, pinned there again
+    assert m.probe_reuse_levels(input_tokens=b) == [1, 1]
+    assert m.probe_reuse_levels(input_tokens=a) == [0, 0]
+    assert pinned(m) == [2, 2]
+    for base in (5000, 6000, 7000):  # the host tier fills and evicts again and again: b stays
+        pressure(m, engine, 6, base)
+    assert m.probe_reuse_levels(input_tokens=b) == [1, 1]
+    kv = m.create_kv_cache(input_tokens=b)
+    assert kv.resume()
+    engine.check_all(kv, b, 2 * T)
+    kv.close()
+    assert m.unpin(a) and m.unpin(b)
+    assert pinned(m) == [0, 0]
+
+
+def pinned(m: KVCacheManager) -> list[int]:
+    """Pinned pages per cache level."""
+    return [m.get_storage_statistics(CacheLevel(level))[0].pinned for level in range(2)]
 
 
 @pytest.mark.parametrize(

@@ -102,7 +102,7 @@ def _check_evictors(storage: StorageManager, census: _Census) -> None:
                 )
             held = 0
             for p in listed:
-                if p.num_locks or p.lost or p.num_pins:
+                if p.num_locks or p.lost or p.pin_held:
                     _fail(f"evictor at level {group.level} lists page {p.slot}, which is locked, lost or pinned")
                 if p.num_holds:
                     held += 1
@@ -146,7 +146,7 @@ def _check_tree(tree: ReuseTree, caches: list[KVCache], census: _Census) -> None
             if p.node is not node or p.layer_group != layer_group:
                 _fail(f"page {p.slot} and tree node at ordinal {node.ordinal} disagree")
             census.pages[id(p)] = p
-            if p.num_locks == 0 and p.num_holds == 0 and not p.num_pins and id(p) not in census.evictable:
+            if p.num_locks == 0 and p.num_holds == 0 and not p.pin_held and id(p) not in census.evictable:
                 _fail(f"unowned tree page {p.slot} (ordinal {node.ordinal}) is not evictable")
 
 
@@ -178,7 +178,7 @@ def _check_pages(storage: StorageManager, census: _Census) -> _PageCounts:
                 _fail("a lost page keeps a slot, a tree node or a lock")
             lost[id(p.storage)] = lost.get(id(p.storage), 0) + 1
             continue
-        if p.num_holds and not p.num_locks and not p.num_pins and not p.storage.is_last and key not in evictable:
+        if p.num_holds and not p.num_locks and not p.pin_held and not p.storage.is_last and key not in evictable:
             _fail(f"HELD page {p.slot} at level {p.level} (not the last) is not evictable")
         if p.slot == BAD_PAGE_INDEX or not p.storage.allocator.is_allocated(p.slot):
             _fail(f"live page of pool group {p.storage.index} has no allocated slot ({p.slot})")
@@ -186,7 +186,9 @@ def _check_pages(storage: StorageManager, census: _Census) -> _PageCounts:
         if owner_of.setdefault(slot_key, key) != key or slot_key in census.scratch:
             _fail(f"slot {slot_key} (level, pool group, slot) is owned twice")
         used[id(p.storage)] = used.get(id(p.storage), 0) + 1
-        if p.num_pins:
+        if p.pin_held:
+            if not p.num_pins:
+                _fail(f"page {p.slot} at level {p.level} holds pins but has none")
             pinned[id(p.storage)] = pinned.get(id(p.storage), 0) + 1
         if p.retained:
             retained[id(p.storage)] = retained.get(id(p.storage), 0) + 1

@@ -33,7 +33,7 @@ def retain_history(state: RequestState, retain: Retention) -> None:
     reuses the whole history (the conversation continued) and replaces an older hint; a hint below
     a page's base priority applies only to the blocks this request published itself (a prefix it
     reused may serve others), and ends when any request reuses the page (the guess that nobody
-    would was wrong)."""
+    would was wrong). Blocks that end at or before ``retain.start`` are left as they are."""
     expiries = state._ctx.storage.expiries
     expiries.expire()
     now = expiries.now()
@@ -43,7 +43,8 @@ def retain_history(state: RequestState, retain: Retention) -> None:
     if node is None:
         return
     last = node.ordinal
-    while node is not None and node.ordinal >= 0:
+    first = retain.start // state._tokens_per_block  # the first block holding a token at or after start
+    while node is not None and node.ordinal >= first:
         own = node.ordinal >= first_own
         for ref in node.pages:
             page = ref() if ref is not None else None

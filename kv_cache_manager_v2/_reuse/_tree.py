@@ -328,6 +328,9 @@ class ReuseTree(PageDropListener):
                         p.storage.evictor.remove(p)
                         p.free()
                     else:
+                        if p.pin_held:  # (its block left the tree: a pin cannot keep it)
+                            p.unhold_pins()
+                            p.relist()
                         p.storage.evictor.to_garbage(p)
 
     def page_moved(self, page: Page, source_level: CacheLevel) -> None:

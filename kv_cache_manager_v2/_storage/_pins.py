@@ -1,9 +1,12 @@
 """Pins: prefixes kept cached whatever the eviction policy (``KVCacheManager.pin`` / ``unpin``).
 
-A pinned page (``Page.num_pins`` > 0) is in no evictor: it is never evicted (nor moved down)
-while pinned, wherever it is. Each (cache level, pool group) may hold at most
-``max_pinned_share`` of its slots pinned (``PoolGroupStorage.num_pinned``); a pin beyond that
-is refused before anything changes. A pin with a duration ends by itself: its expiry time is
+A pinned page (``Page.num_pins`` > 0) whose storage holds its pins (``Page.pin_held``) is in no
+evictor: it is never evicted (nor moved down) while pinned, wherever it is. Each (cache level,
+pool group) holds at most ``max_pinned_share`` of its slots pinned (``PoolGroupStorage.num_pinned``,
+``pin_limit``): a pin beyond that is refused before anything changes, and a pinned page that
+moves (a request pulls it up to the GPU tier) holds its pins at the new place only within that
+share; beyond it, it is an ordinary page there (evicted, moved down as usual) until it moves to a
+place with room in its share, where its pins hold again (or is pinned afresh). A pin with a duration ends by itself: its expiry time is
 consulted when the evictor runs, like retention's (``_expiry.py``).
 """
 
@@ -50,7 +53,7 @@ class PinTable:
                 entry = new.get(id(s))
                 new[id(s)] = (s, (entry[1] if entry is not None else 0) + 1)
         for storage, count in new.values():
-            limit = int(self.share * storage.num_slots)
+            limit = storage.pin_limit
             if storage.num_pinned + count > limit:
                 raise ValueError(
                     f"pin refused: {count} more pinned pages would make {storage.num_pinned + count} of the "
@@ -62,6 +65,7 @@ class PinTable:
                 if page.in_evictor:
                     page.storage.evictor.remove(page)
                 page.storage.num_pinned += 1
+                page.pin_held = True
             page.num_pins += 1
         if old is not None:
             self._release(old)
@@ -106,8 +110,8 @@ class PinTable:
             if page.num_pins == 0:
                 continue  # freed meanwhile (its pins went with it)
             page.num_pins -= 1
-            if page.num_pins == 0 and page.slot != BAD_PAGE_INDEX:
-                page.storage.num_pinned -= 1
+            if page.num_pins == 0 and page.pin_held and page.slot != BAD_PAGE_INDEX:
+                page.unhold_pins()
                 if page.node is not None:
-                    page.relist()
+                    page.relist()  # (a page whose pins were not held is listed already, or owned)
         pin.pages = []

@@ -60,6 +60,9 @@ class StorageManager(EvictionCascade):
         self.drop_listener = None
         self.expiries = ExpiryQueue(clock)
         self.pins = PinTable(clock, max_pinned_share)
+        for level in self.levels:
+            for group in level:
+                group.pinned_share = max_pinned_share
         self.remote_tier = None
         gpu = self.gpu
         #: GPU storage of each layer group's pool group (the allocation hot path)

@@ -48,12 +48,21 @@ def continuation_pauses(requests: Sequence[SimRequest], granularity: int = 1) ->
     (its conversation continues), or None. ``granularity``: prompts are compared up to their last
     multiple of this many tokens (a trace's 512-token blocks: a trace names a prompt's partial
     last block apart from the full block a later turn holds there; shorter prompts never continue)."""
+    return [
+        (requests[j].arrival_ms - requests[i].arrival_ms) / 1000.0 if j is not None else None
+        for i, j in enumerate(continuers(requests, granularity))
+    ]
+
+
+def continuers(requests: Sequence[SimRequest], granularity: int = 1) -> list[int | None]:
+    """Per request, the index of the first later request whose prompt starts with its prompt
+    (see ``continuation_pauses``), or None."""
     order = sorted(range(len(requests)), key=lambda k: (requests[k].arrival_ms, k))
     chain_ids: dict[tuple[int, int, int], int] = {}  # (parent chain, first, count) -> chain id
     # requests waiting for a continuation, by (chain of all but their last run, last run's first
     # token): (last run's length, request)
     waiting: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    out: list[float | None] = [None] * len(requests)
+    out: list[int | None] = [None] * len(requests)
     for j in order:
         req = requests[j]
         segs = _truncated(req.prompt_segments, req.prompt_length // granularity * granularity)
@@ -64,7 +73,7 @@ def continuation_pauses(requests: Sequence[SimRequest], granularity: int = 1) ->
                 kept = [(n, i) for n, i in group if n > count]
                 for n, i in group:
                     if n <= count:
-                        out[i] = (req.arrival_ms - requests[i].arrival_ms) / 1000.0
+                        out[i] = j
                 if kept:
                     waiting[(parent, first)] = kept
                 else:
@@ -76,6 +85,25 @@ def continuation_pauses(requests: Sequence[SimRequest], granularity: int = 1) ->
             for first, count in segs[:-1]:
                 prefix = chain_ids[(prefix, first, count)]
             waiting.setdefault((prefix, segs[-1][0]), []).append((segs[-1][1], j))
+    return out
+
+
+def conversations(next_turn: Sequence[int | None]) -> list[int]:
+    """Per request, its conversation (the index of the conversation's last request), following
+    ``continuers``' links."""
+    out = [-1] * len(next_turn)
+    for i in range(len(next_turn)):
+        path = []
+        k = i
+        while out[k] < 0:
+            path.append(k)
+            nxt = next_turn[k]
+            if nxt is None:
+                out[k] = k
+                break
+            k = nxt
+        for p in path:
+            out[p] = out[k]
     return out
 
 
@@ -103,11 +131,13 @@ def hint_retentions(
     seed: int = 0,
     horizon_s: float | None = None,
     drop: bool = False,
+    shared: Sequence[int] | None = None,
 ) -> list[Retention | None]:
     """The close-time retention of each request from its continuation pause (None: it does not
     continue), a share ``1 - accuracy`` of the labels flipped (seeded). A request wrongly said
     to continue is kept for the median pause; one said not to gets no hint (``drop``:
-    ``DROP_PRIORITY``). ``horizon_s``: a conversation expected back later than this gets no hint
+    ``DROP_PRIORITY``; ``shared``, per request: the tokens of its prompt's prefix other
+    conversations share, left out of the drop). ``horizon_s``: a conversation expected back later than this gets no hint
     (the cache could not hold it that long: about its size over the rate of incoming prompt tokens)."""
     if not 0.0 <= accuracy <= 1.0:
         raise ValueError(f"accuracy must be in [0, 1], got {accuracy!r}")
@@ -115,7 +145,7 @@ def hint_retentions(
     typical = known[len(known) // 2] if known else 60.0
     rng = random.Random(seed)
     out: list[Retention | None] = []
-    for pause in pauses:
+    for i, pause in enumerate(pauses):
         continues = pause is not None
         if rng.random() >= accuracy:
             continues = not continues
@@ -126,31 +156,35 @@ def hint_retentions(
                 continue
             out.append(Retention(keep_priority(predicted), predicted * PAUSE_FACTOR + PAUSE_SLACK_S))
         else:
-            out.append(Retention(DROP_PRIORITY) if drop else None)
+            out.append(Retention(DROP_PRIORITY, None, shared[i] if shared is not None else 0) if drop else None)
     return out
 
 
-def shared_prefixes(requests: Sequence[SimRequest], more_than: int, granularity: int) -> list[tuple[int, int] | None]:
+def shared_prefixes(
+    requests: Sequence[SimRequest], more_than: int, granularity: int, conversation: Sequence[int] | None = None
+) -> list[tuple[int, int] | None]:
     """Per request, the longest prefix of its prompt that more than ``more_than`` requests of the
-    workload start with, as (prefix id, tokens), or None; prompts are compared in whole runs of
+    workload start with (``conversation``, per request: more than that many distinct
+    conversations), as (prefix id, tokens), or None; prompts are compared in whole runs of
     ``granularity`` tokens (a block)."""
     ids: dict[tuple[int, tuple[tuple[int, int], ...]], int] = {}  # (parent prefix, next chunk) -> prefix id
-    counts: list[int] = []
+    users: list[set[int]] = []
     paths: list[list[int]] = []
-    for r in requests:
+    for i, r in enumerate(requests):
+        who = conversation[i] if conversation is not None else i
         path: list[int] = []
         prefix = -1
         for chunk in _chunks(r.prompt_segments, r.prompt_length // granularity, granularity):
             prefix = ids.setdefault((prefix, chunk), len(ids))
-            if prefix == len(counts):
-                counts.append(0)
-            counts[prefix] += 1
+            if prefix == len(users):
+                users.append(set())
+            users[prefix].add(who)
             path.append(prefix)
         paths.append(path)
     out: list[tuple[int, int] | None] = []
     for path in paths:
         depth = 0
-        while depth < len(path) and counts[path[depth]] > more_than:
+        while depth < len(path) and len(users[path[depth]]) > more_than:
             depth += 1
         out.append((path[depth - 1], depth * granularity) if depth else None)
     return out
