@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 from conftest import kv_layers
 from fake_engine import FakeEngine
-from tier_helpers import SLOT, T, publish, run_worker, seq, tree_pages
+from tier_helpers import SLOT, T, compute, publish, run_worker, seq, tree_pages
 
 from kv_cache_manager_v2 import (
+    DEFAULT_PRIORITY,
     BlockStoredEvent,
     CacheLevel,
     DiskCacheTierConfig,
@@ -32,6 +33,7 @@ from kv_cache_manager_v2 import (
     KVCacheManagerConfig,
     LogicError,
     OutOfMemoryError,
+    Retention,
     ReuseScope,
 )
 from kv_cache_manager_v2._config import CacheTierConfig
@@ -91,6 +93,27 @@ def test_a_new_process_adopts_the_published_blocks(tmp_path: Any) -> None:
         assert m2.probe_reuse(None, scoped + [1]) == 0  # another scope
         assert reused(m2, scoped, ReuseScope(lora_id=3, salt=7)) == 2 * T
         assert m2.get_tier_statistics(DISK).onboarded_pages >= 2
+    finally:
+        m2.shutdown()
+
+
+def test_retention_does_not_outlive_the_process_adopted_pages_take_their_base_priority(tmp_path: Any) -> None:
+    path = str(tmp_path)
+    m = KVCacheManager(config(path))
+    hinted, plain = seq(1, 2 * T), seq(2, 2 * T)
+    kv = m.create_kv_cache(None, hinted)
+    assert kv.resume()
+    compute(FakeEngine(m), kv, hinted, len(hinted))
+    kv.close(retain=Retention(99, 3600.0))  # "this conversation continues" ...
+    publish(m, plain)
+    assert [p.priority for p in tree_pages(m, hinted)] == [99, 99]
+    m.shutdown()  # ... but the process ends first
+    m2 = KVCacheManager(config(path))
+    try:
+        assert [p.priority for p in tree_pages(m2, hinted)] == [DEFAULT_PRIORITY] * 2  # not 99 for ever
+        assert [p.priority for p in tree_pages(m2, plain)] == [DEFAULT_PRIORITY] * 2
+        assert m2.get_storage_statistics(DISK)[0].retained == 0
+        assert reused(m2, hinted) == 2 * T
     finally:
         m2.shutdown()
 

@@ -15,9 +15,12 @@ from kv_cache_manager_v2.sim._hints import (
     PAUSE_FACTOR,
     PAUSE_SLACK_S,
     continuation_pauses,
+    continuers,
+    conversations,
     hint_retentions,
     keep_priority,
     shared_prefixes,
+    system_prompts,
 )
 from kv_cache_manager_v2.sim._models import ModelShape, TierSpec
 from kv_cache_manager_v2.sim._replay_types import SchedulerOptions
@@ -125,6 +128,26 @@ def test_shared_prefixes_are_the_longest_ones_more_than_n_requests_start_with() 
     assert shared_prefixes(reqs, 3, 16) == [None] * 5
 
 
+def test_system_prompts_are_prefixes_distinct_conversations_share() -> None:
+    reqs = [
+        req(0, 0.0, (0, 32), (100, 16)),  # conversation A, turn 1
+        req(1, 1.0, (0, 32), (100, 32)),  # A, turn 2 (starts with turn 1's prompt)
+        req(2, 2.0, (0, 32), (100, 48)),  # A, turn 3
+        req(3, 3.0, (0, 32), (300, 16)),  # B: the same system prompt (2 blocks of 16)
+    ]
+    nxt = continuers(reqs)
+    assert nxt == [1, 2, None, None]
+    assert conversations(nxt) == [2, 2, 2, 3]  # named by their last request
+    # by requests, three share A's first turn too; by conversations, only the system prompt
+    assert [g[1] if g else None for g in shared_prefixes(reqs, 2, 16)] == [48, 48, 48, 32]
+    assert [g[1] if g else None for g in system_prompts(reqs, 1, 16)] == [32, 32, 32, 32]
+    assert system_prompts(reqs, 2, 16) == [None] * 4
+    # a request said not to continue drops only what follows the system prompt
+    hints = hint_retentions([1.0, 1.0, None, None], 1.0, drop=True, shared=[32, 32, 32, 0])
+    assert hints[2] == Retention(DROP_PRIORITY, None, 32) and hints[3] == Retention(DROP_PRIORITY)
+    assert hints[0] is not None and hints[0].start == 0  # a continuation keeps the whole history
+
+
 SHAPE = ModelShape("small", 4, 2, 16, "fp16")  # 256 bytes per token
 ONE_AT_A_TIME = SchedulerOptions(max_batch=1, time_scale=0.0, prompt_only=True)
 
@@ -176,4 +199,4 @@ def test_the_hints_sweep_reports_each_accuracy_against_one_replay_without(
     assert main([*args, "--sweep", "hints=0.5,1.0", "--pin-system-prompts", "3"]) == 0
     out = capsys.readouterr().out
     assert "retention hints (accuracy 0.5" in out and "retention hints (accuracy 1," in out
-    assert "pinned prefixes (shared by more than 3 requests)" in out
+    assert "pinned prefixes (shared by more than 3 conversations)" in out

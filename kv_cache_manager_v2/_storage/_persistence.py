@@ -48,6 +48,8 @@ def persist_pages(persist: PersistentDisk, level: int, tokens_per_block: int, pa
             persist.forget(int(storage.index), page.slot)
             continue
         sums = slot_sums(storage.pools, page.slot)
+        # retention (and its clock) ends with the process: the record keeps the priority without it
+        priority = page.base_priority if page.retained else page.priority
         persist.write(
-            int(storage.index), page.slot, page.layer_group, page.priority, scope, parent.key, node.key, tokens, sums
+            int(storage.index), page.slot, page.layer_group, priority, scope, parent.key, node.key, tokens, sums
         )

@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--pin-system-prompts",
         type=int,
         metavar="N",
-        help="pin (KVCacheManager.pin) each prefix that more than N requests of the workload start with, once "
+        help="pin (KVCacheManager.pin) each prefix that more than N conversations of the workload start with, once "
         "cached (the share a tier may pin: max_pinned_share)",
     )
     g.add_argument("--swa-scratch", action="store_true", help="SWA prefill scratch-slot reuse")

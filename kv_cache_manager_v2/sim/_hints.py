@@ -213,10 +213,10 @@ def _chunks(segments: list[tuple[int, int]], num: int, size: int) -> list[tuple[
 
 
 def check_pin_share(more_than: int | None) -> None:
-    """``--pin-system-prompts``: shared by more than N >= 1 requests (or None: no pins)."""
+    """``--pin-system-prompts``: shared by more than N >= 1 conversations (or None: no pins)."""
     if more_than is not None and more_than < 1:
         raise SimUserError(
-            f"--pin-system-prompts must be >= 1 (pin prefixes shared by more than N requests), got {more_than}"
+            f"--pin-system-prompts must be >= 1 (pin prefixes shared by more than N conversations), got {more_than}"
         )
 
 
@@ -224,6 +224,18 @@ def check_accuracy(accuracy: float | None) -> None:
     """``--retention-hints``: an accuracy in [0, 1] (or None: no hints)."""
     if accuracy is not None and not 0.0 <= accuracy <= 1.0:
         raise SimUserError(f"--retention-hints must be an accuracy in [0, 1], got {accuracy:g}")
+
+
+def system_prompts(requests: Sequence[SimRequest], more_than: int, granularity: int) -> list[tuple[int, int] | None]:
+    """``shared_prefixes`` of distinct conversations (chains of ``continuers``): what an engine
+    knows as a system prompt or template, shared by more than ``more_than`` conversations."""
+    talks = conversations(continuers(requests, _trace_granularity(requests)))
+    return shared_prefixes(requests, more_than, granularity, talks)
+
+
+def _trace_granularity(requests: Sequence[SimRequest]) -> int:
+    """Prompts of a trace are compared in its 512-token blocks (see ``continuation_pauses``)."""
+    return TRACE_BLOCK_TOKENS if requests and requests[0].source_line else 1
 
 
 def replay_with_hints(
@@ -237,14 +249,16 @@ def replay_with_hints(
     scale: float = 1.0,
 ) -> dict[str, Any]:
     """``--retention-hints ACCURACY``: the replay again, each finished request sending the hint of
-    ``hint_retentions`` (pauses in simulated time: scaled by ``options.time_scale``); the report's
-    ``retention_hints`` part (``without``: the token hit rate of the replay without hints; ``pins``:
-    the replay's ``Replay.pins``; ``scale``: the model's bytes per proxy byte)."""
-    granularity = TRACE_BLOCK_TOKENS if requests and requests[0].source_line else 1
-    pauses = continuation_pauses(requests, granularity)
+    ``hint_retentions`` (pauses in simulated time: scaled by ``options.time_scale``; a request
+    said not to continue drops its blocks after the system prompt it shares with other
+    conversations); the report's ``retention_hints`` part (``without``: the token hit rate of the
+    replay without hints; ``pins``: the replay's ``Replay.pins``; ``scale``: the model's bytes per
+    proxy byte)."""
+    pauses = continuation_pauses(requests, _trace_granularity(requests))
     scaled = [p * options.time_scale if p is not None else None for p in pauses]
+    shared = [p[1] if p is not None else 0 for p in system_prompts(requests, 1, config.tokens_per_block)]
     replay = Replay(config, requests, options)
-    replay.retain = hint_retentions(scaled, accuracy, seed)
+    replay.retain = hint_retentions(scaled, accuracy, seed, drop=True, shared=shared)
     replay.pins = pins
     result = replay.run()
     continued = sorted(p for p in scaled if p is not None)
@@ -266,7 +280,7 @@ def format_hints(rep: dict[str, Any]) -> str:
     p = rep.get("pins")
     if p is not None:
         out += (
-            f"\npinned prefixes (shared by more than {p['shared_by_more_than']} requests): {p['prefixes']:,} "
+            f"\npinned prefixes (shared by more than {p['shared_by_more_than']} conversations): {p['prefixes']:,} "
             f"({p['pinned_tokens']:,} tokens, {p['refused']:,} refused beyond max_pinned_share), "
             f"up to {format_bytes(p['peak_pinned_bytes'])} pinned on the GPU tier"
         )

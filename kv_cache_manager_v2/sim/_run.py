@@ -19,7 +19,7 @@ from typing import Any
 
 import kv_cache_manager_v2 as kvm
 
-from ._hints import HINTS_SWEEP_KEY, check_accuracy, check_pin_share, format_hints, replay_with_hints, shared_prefixes
+from ._hints import HINTS_SWEEP_KEY, check_accuracy, check_pin_share, format_hints, replay_with_hints, system_prompts
 from ._models import (
     SSM_KV_ONLY,
     SSM_PROMPT_ONLY,
@@ -153,7 +153,7 @@ def simulate(
         raise SimUserError(f"the manager refused this configuration: {e}") from None
     except (OSError, MemoryError, OverflowError, kvm.OutOfMemoryError) as e:
         raise _pool_error(e, tiers, check_data) from None
-    pins = shared_prefixes(requests, pin_shared, tokens_per_block) if pin_shared is not None else None
+    pins = system_prompts(requests, pin_shared, tokens_per_block) if pin_shared is not None else None
     replay.pins = pins
     result = replay.run()
     rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
