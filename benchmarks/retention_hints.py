@@ -46,6 +46,7 @@ from kv_cache_manager_v2.sim._hints import (  # noqa: E402
     continuers,
     conversations,
     hint_retentions,
+    pin_threshold,
     shared_prefixes,
 )
 from kv_cache_manager_v2.sim._workload import TRACE_BLOCK_TOKENS  # noqa: E402
@@ -227,6 +228,10 @@ def main() -> None:
                 if parts[-1].startswith(("pin", "ttl")):  # pinN: prefixes at least N conversations start with
                     if parts[-1].startswith("ttl"):  # pinned by each use for a while
                         ttl = args.pin_ttl if args.pin_ttl is not None else cap / token_rate
+                    if parts[-1] == "ttl":  # N by the rule: the smallest whose pins fit the pin share
+                        budget = int(args.pin_share * cap)
+                        parts[-1] += str(pin_threshold(reqs, budget, ttl or 0.0, TRACE_BLOCK_TOKENS, conv))
+                        row[f"{run}_threshold"] = int(parts[-1][3:])
                     pins = shared_prefixes(reqs, int(parts.pop()[3:]) - 1, TRACE_BLOCK_TOKENS, conv)
                 hints = None
                 policy = parts[0]

@@ -97,6 +97,9 @@ def test_the_simulator_reports_the_hit_rate_with_and_without_hints(
         (["--sweep", "hints=0.9", "--retention-hints", "0.9"], "--sweep hints sets the accuracy of each replay"),
         (["--sweep", "hints=0.9", "--replicas", "2"], "--sweep hints does not combine with"),
         (["--pin-system-prompts", "0"], "--pin-system-prompts must be >= 1"),
+        (["--pin-duration", "5"], "--pin-duration needs --pin-system-prompts"),
+        (["--pin-system-prompts", "2", "--pin-duration", "0"], "--pin-duration must be a finite number"),
+        (["--pin-system-prompts", "2", "--pin-duration", "inf"], "--pin-duration must be a finite number"),
         (["--pin-system-prompts", "2", "--replicas", "2"], "--pin-system-prompts does not combine with"),
     ],
 )
@@ -177,6 +180,14 @@ def test_pinned_system_prompts_stay_cached_through_the_public_pin() -> None:
     assert p["peak_pinned_bytes"] == 256 * SHAPE.bytes_per_token
     assert pinned["prefill"]["reused_tokens"] == 2 * 256  # the 2nd and 3rd use hit the pinned prompt
     assert plain["tiers"][0]["peak_pinned_bytes"] == 0
+
+
+def test_pins_with_a_duration_end_unless_their_prefix_is_used_again_in_time() -> None:
+    reqs = system_prompt_workload(256)
+    short = simulate(SHAPE, gpu_tokens(1024), 16, reqs, {}, ONE_AT_A_TIME, pin_shared=2, pin_duration=1e-6)
+    long = simulate(SHAPE, gpu_tokens(1024), 16, reqs, {}, ONE_AT_A_TIME, pin_shared=2, pin_duration=3600.0)
+    assert short["pins"]["prefixes"] == 1 and short["prefill"]["reused_tokens"] == 0  # ended before the next use
+    assert long["pins"]["duration_s"] == 3600.0 and long["prefill"]["reused_tokens"] == 2 * 256
 
 
 def test_a_pin_beyond_max_pinned_share_is_refused_and_counted() -> None:

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from .._config import EVICTION_POLICIES, REMOTE_URL_SCHEMES
 from ._check import DataCheckError
-from ._hints import HINTS_HELP, HINTS_SWEEP_KEY, check_accuracy, check_pin_share
+from ._hints import HINTS_HELP, HINTS_SWEEP_KEY, check_accuracy, check_pin_duration, check_pin_share
 from ._models import (
     PRESETS,
     SSM_KV_ONLY,
@@ -125,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="pin (KVCacheManager.pin) each prefix that more than N conversations of the workload start with, once "
         "cached (the share a tier may pin: max_pinned_share)",
+    )
+    g.add_argument(
+        "--pin-duration",
+        type=float,
+        metavar="SECONDS",
+        help="with --pin-system-prompts: each pin lasts this many simulated seconds after each use of its prefix "
+        "(default: to the end)",
     )
     g.add_argument("--swa-scratch", action="store_true", help="SWA prefill scratch-slot reuse")
     g.add_argument("--no-reuse", action="store_true", help="disable prefix reuse (every request on its own)")
@@ -437,6 +444,7 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
     if hint_sweep and a.retention_hints is not None:
         raise SimUserError(f"--sweep {HINTS_SWEEP_KEY} sets the accuracy of each replay: drop --retention-hints")
     check_pin_share(a.pin_system_prompts)
+    check_pin_duration(a.pin_duration, a.pin_system_prompts)
     for flag, given in (
         ("--retention-hints", a.retention_hints is not None),
         (f"--sweep {HINTS_SWEEP_KEY}", hint_sweep),

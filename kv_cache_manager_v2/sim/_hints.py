@@ -6,14 +6,16 @@ a later request's prompt starts with ``i``'s whole prompt, after the pause betwe
 arrivals. ``continuation_pauses`` finds that pause; ``hint_retentions`` turns it into the
 close-time retention an engine would send, with a share ``1 - accuracy`` of the labels flipped
 at random (seeded): continues, keep at ``KEEP_PRIORITY`` for the predicted pause (with a margin);
-does not, no hint (``drop``: ``DROP_PRIORITY``, its own blocks go first until reused). Not
-continued is not "closed by its user": other conversations may still start with part of the
-prompt, and dropping its blocks costs more than it frees (measured: ``benchmarks/retention_hints.py``). ``shared_prefixes`` finds
-the prefixes ``--pin-system-prompts N`` pins (shared by more than N requests).
+does not, ``DROP_PRIORITY`` for the blocks after its system prompt (``shared``: the prefix other
+conversations start with, which an engine knows as its template; dropping that too cost more
+than it freed, measured in ``benchmarks/retention_hints.py``). Conversations are the chains of
+``continuers``; ``system_prompts`` finds the prefixes more than N of them share, which
+``--pin-system-prompts N`` pins.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections.abc import Sequence
@@ -167,6 +169,55 @@ def shared_prefixes(
     workload start with (``conversation``, per request: more than that many distinct
     conversations), as (prefix id, tokens), or None; prompts are compared in whole runs of
     ``granularity`` tokens (a block)."""
+    paths, users = _prefix_users(requests, granularity, conversation)
+    out: list[tuple[int, int] | None] = []
+    for path in paths:
+        depth = 0
+        while depth < len(path) and users[path[depth]] > more_than:
+            depth += 1
+        out.append((path[depth - 1], depth * granularity) if depth else None)
+    return out
+
+
+def pin_threshold(
+    requests: Sequence[SimRequest],
+    budget_tokens: int,
+    duration_s: float,
+    granularity: int,
+    conversation: Sequence[int] | None = None,
+) -> int:
+    """The smallest N of 2, 4, 8, ... for which pinning each prefix that at least N conversations
+    (or requests) start with, for ``duration_s`` after each use, never holds more than
+    ``budget_tokens`` pinned at once (a pin share of the cache): the most shared prompts first."""
+    paths, users = _prefix_users(requests, granularity, conversation)
+    order = sorted(range(len(requests)), key=lambda k: (requests[k].arrival_ms, k))
+    n = 2
+    while True:
+        last_use: dict[int, float] = {}  # prefix -> when its pin ends
+        ends: list[tuple[float, int]] = []  # (pin end, prefix), a heap
+        peak = 0
+        for k in order:
+            now = requests[k].arrival_ms / 1000.0
+            while ends and ends[0][0] <= now:
+                end, prefix = heapq.heappop(ends)
+                if last_use.get(prefix) == end:
+                    del last_use[prefix]
+            for prefix in paths[k]:
+                if users[prefix] < n:
+                    break
+                last_use[prefix] = now + duration_s
+                heapq.heappush(ends, (now + duration_s, prefix))
+            peak = max(peak, len(last_use))
+        if peak * granularity <= budget_tokens or peak == 0:
+            return n
+        n *= 2
+
+
+def _prefix_users(
+    requests: Sequence[SimRequest], granularity: int, conversation: Sequence[int] | None
+) -> tuple[list[list[int]], list[int]]:
+    """Each request's prompt as a path of prefix ids (one per whole block), and per prefix id the
+    number of requests (or distinct ``conversation`` ids) that start with it."""
     ids: dict[tuple[int, tuple[tuple[int, int], ...]], int] = {}  # (parent prefix, next chunk) -> prefix id
     users: list[set[int]] = []
     paths: list[list[int]] = []
@@ -181,13 +232,7 @@ def shared_prefixes(
             users[prefix].add(who)
             path.append(prefix)
         paths.append(path)
-    out: list[tuple[int, int] | None] = []
-    for path in paths:
-        depth = 0
-        while depth < len(path) and len(users[path[depth]]) > more_than:
-            depth += 1
-        out.append((path[depth - 1], depth * granularity) if depth else None)
-    return out
+    return paths, [len(u) for u in users]
 
 
 def _chunks(segments: list[tuple[int, int]], num: int, size: int) -> list[tuple[tuple[int, int], ...]]:
@@ -220,6 +265,16 @@ def check_pin_share(more_than: int | None) -> None:
         )
 
 
+def check_pin_duration(duration_s: float | None, more_than: int | None) -> None:
+    """``--pin-duration``: finite seconds > 0, with ``--pin-system-prompts``."""
+    if duration_s is None:
+        return
+    if not (duration_s > 0.0 and math.isfinite(duration_s)):
+        raise SimUserError(f"--pin-duration must be a finite number of seconds > 0, got {duration_s:g}")
+    if more_than is None:
+        raise SimUserError("--pin-duration needs --pin-system-prompts N (the prefixes it pins)")
+
+
 def check_accuracy(accuracy: float | None) -> None:
     """``--retention-hints``: an accuracy in [0, 1] (or None: no hints)."""
     if accuracy is not None and not 0.0 <= accuracy <= 1.0:
@@ -247,19 +302,21 @@ def replay_with_hints(
     seed: int = 0,
     pins: Sequence[tuple[int, int] | None] | None = None,
     scale: float = 1.0,
+    pin_duration_s: float | None = None,
 ) -> dict[str, Any]:
     """``--retention-hints ACCURACY``: the replay again, each finished request sending the hint of
     ``hint_retentions`` (pauses in simulated time: scaled by ``options.time_scale``; a request
     said not to continue drops its blocks after the system prompt it shares with other
     conversations); the report's ``retention_hints`` part (``without``: the token hit rate of the
-    replay without hints; ``pins``: the replay's ``Replay.pins``; ``scale``: the model's bytes per
-    proxy byte)."""
+    replay without hints; ``pins``, ``pin_duration_s``: the replay's ``Replay.pins``,
+    ``pin_duration_s``; ``scale``: the model's bytes per proxy byte)."""
     pauses = continuation_pauses(requests, _trace_granularity(requests))
     scaled = [p * options.time_scale if p is not None else None for p in pauses]
     shared = [p[1] if p is not None else 0 for p in system_prompts(requests, 1, config.tokens_per_block)]
     replay = Replay(config, requests, options)
     replay.retain = hint_retentions(scaled, accuracy, seed, drop=True, shared=shared)
     replay.pins = pins
+    replay.pin_duration_s = pin_duration_s
     result = replay.run()
     continued = sorted(p for p in scaled if p is not None)
     return {

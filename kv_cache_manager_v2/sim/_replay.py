@@ -81,6 +81,8 @@ class Replay:
         #: per request index, the shared prefix (id, tokens) to pin once it finished (--pin-system-prompts)
         self.pins: Sequence[tuple[int, int] | None] | None = None
         self._pinned: dict[int, int] = {}  #: prefix id -> tokens pinned (-1: refused beyond max_pinned_share)
+        #: seconds a pin lasts after each use (--pin-duration; None: until the end)
+        self.pin_duration_s: float | None = None
         self.rm = KVCacheResourceManager(config)  # may raise ValueError (refused configuration)
         #: simulated time at which the counters are split (and the engine restarts, with ``restart``)
         self.split_ms = split_ms
@@ -357,25 +359,29 @@ class Replay:
 
     def _pin_shared(self, live: _Live) -> None:
         """Pin the finished request's shared prefix (its full blocks, now cached) through the
-        public ``KVCacheManager.pin``, unless pinned whole already or refused."""
+        public ``KVCacheManager.pin``, unless pinned whole already or refused; with
+        ``pin_duration_s``, pinned again by every request using it, for that long."""
         target = self.pins[live.sim.index] if self.pins is not None else None
         if target is None:
             return
         key, length = target
         done = self._pinned.get(key, 0)
-        if done < 0 or done >= length // self.t * self.t:
+        ttl = self.pin_duration_s
+        if ttl is None and (done < 0 or done >= length // self.t * self.t):
             return
         r = self.result
         try:
-            pinned = self.rm.manager.pin(live.req.prompt_tokens[:length])
+            pinned = self.rm.manager.pin(live.req.prompt_tokens[:length], duration_s=ttl)
         except ValueError:  # beyond max_pinned_share: the prefix stays unpinned
             r.pins_refused += 1
-            self._pinned[key] = -1
+            if ttl is None:
+                self._pinned[key] = -1
             return
-        if pinned > 0 and done == 0:
+        if pinned > 0 and done <= 0:
             r.pinned_prefixes += 1
-        r.pinned_tokens += pinned - done
-        self._pinned[key] = pinned
+        if pinned > done:
+            r.pinned_tokens += pinned - max(done, 0)
+            self._pinned[key] = pinned
 
     def _sample(self) -> None:
         r = self.result

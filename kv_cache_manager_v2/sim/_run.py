@@ -131,9 +131,11 @@ def simulate(
     retention_hints: Sequence[float] = (),
     pin_shared: int | None = None,
     ssm_snapshot_policy: str | None = None,
+    pin_duration: float | None = None,
 ) -> dict[str, Any]:
     """One replay (and one per accuracy of ``retention_hints`` with continuation hints; prefixes
-    shared by more than ``pin_shared`` requests pinned: ``sim/_hints.py``); returns the report
+    shared by more than ``pin_shared`` conversations pinned, for ``pin_duration`` seconds after
+    each use: ``sim/_hints.py``); returns the report
     dict. Raises SimUserError for refused configurations."""
     for accuracy in retention_hints:
         check_accuracy(accuracy)
@@ -155,6 +157,7 @@ def simulate(
         raise _pool_error(e, tiers, check_data) from None
     pins = system_prompts(requests, pin_shared, tokens_per_block) if pin_shared is not None else None
     replay.pins = pins
+    replay.pin_duration_s = pin_duration
     result = replay.run()
     rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
     rep["eviction_policy"] = eviction_policy
@@ -163,13 +166,23 @@ def simulate(
     if pin_shared is not None:
         rep["pins"] = {
             "shared_by_more_than": pin_shared,
+            "duration_s": pin_duration,
             "prefixes": result.pinned_prefixes,
             "pinned_tokens": result.pinned_tokens,
             "refused": result.pins_refused,
             "peak_pinned_bytes": rep["tiers"][0]["peak_pinned_bytes"],
         }
     hints = [
-        replay_with_hints(config, requests, options, accuracy, rep["hit_rate"]["tokens"], pins=pins, scale=scale)
+        replay_with_hints(
+            config,
+            requests,
+            options,
+            accuracy,
+            rep["hit_rate"]["tokens"],
+            pins=pins,
+            scale=scale,
+            pin_duration_s=pin_duration,
+        )
         for accuracy in retention_hints
     ]
     if len(hints) == 1:
@@ -499,7 +512,7 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
         try:
             rep = simulate(
                 run_shape, row, a.tokens_per_block, s.requests, s.workload, s.options, a.swa_scratch, a.check_data,
-                update, policy, metrics, run_interval, hints, a.pin_system_prompts, run_policy,
+                update, policy, metrics, run_interval, hints, a.pin_system_prompts, run_policy, a.pin_duration,
             )  # fmt: skip
             if point:
                 rep["sweep_point"] = point
