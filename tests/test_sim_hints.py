@@ -19,6 +19,7 @@ from kv_cache_manager_v2.sim._hints import (
     conversations,
     hint_retentions,
     keep_priority,
+    pin_threshold,
     shared_prefixes,
     system_prompts,
 )
@@ -149,6 +150,16 @@ def test_system_prompts_are_prefixes_distinct_conversations_share() -> None:
     hints = hint_retentions([1.0, 1.0, None, None], 1.0, drop=True, shared=[32, 32, 32, 0])
     assert hints[2] == Retention(DROP_PRIORITY, None, 32) and hints[3] == Retention(DROP_PRIORITY)
     assert hints[0] is not None and hints[0].start == 0  # a continuation keeps the whole history
+
+
+def test_the_pin_threshold_is_the_smallest_whose_pins_fit_the_budget() -> None:
+    reqs = [req(i, float(i), (0, 32), (1000 + 100 * i, 16)) for i in range(4)]  # 4 chats, one prompt
+    reqs += [req(4 + i, 4.0 + i, (500, 16), (3000 + 100 * i, 16)) for i in range(2)]  # 2 chats, another
+    talks = list(range(6))
+    assert pin_threshold(reqs, 48, 10.0, 16, talks) == 2  # both prompts (3 blocks) fit
+    assert pin_threshold(reqs, 32, 10.0, 16, talks) == 4  # only the one 4 chats share
+    assert pin_threshold(reqs, 32, 0.5, 16, talks) == 2  # short pins: never both at once
+    assert pin_threshold(reqs, 16, 10.0, 16, talks) == 8  # nothing fits: no prefix that shared
 
 
 SHAPE = ModelShape("small", 4, 2, 16, "fp16")  # 256 bytes per token
