@@ -16,8 +16,15 @@ only), as ``benchmarks/eviction_hit_rate.py`` does: ``create_kv_cache(prompt[:-1
   ``1 - accuracy`` of the labels flipped (seed 0); a request said not to continue gets no hint;
 * ``hintsdrop_<policy>_<accuracy>``: the same, a request said not to continue closed at
   ``DROP_PRIORITY`` (its own blocks evicted first until reused: the first version, for comparison);
-* ``hintsh_<policy>_<accuracy>``: the same with a horizon: a conversation expected back later
+* ``hintsown_<policy>_<accuracy>``: the same, the drop only from the end of the request's system
+  prompt on (``Retention.start``: the prefix at least 2 conversations start with, ``system_prompts``);
+* ``hintsh_<policy>_<accuracy>``: ``hints_`` with a horizon: a conversation expected back later
   than the cache's size over the trace's rate of prompt tokens gets no hint;
+* a suffix ``_pinN``: each request pins (``KVCacheManager.pin``, once) the prefix at least N
+  conversations start with; ``_ttlN``: pinned again by every request using it, for the cache's
+  turnover (its size over the trace's rate of prompt tokens; ``--pin-ttl``); ``_ttl``: N by the
+  rule ``sim._hints.pin_threshold`` (the smallest of 2, 4, 8, ... whose pins never need more than
+  ``--pin-share`` of the cache at once); ``max_pinned_share`` = ``--pin-share`` (0.5);
 * ``optimum``: ``belady`` below, a bound (not a policy): the hit rate of Belady's eviction (the
   block whose next use is farthest goes first, a deeper block first on ties) over the same
   32-token blocks, knowing the whole future; a request's leading cached blocks are its hit.
@@ -57,11 +64,10 @@ CAPS = [1_000_000, 3_000_000, 10_000_000]
 RUNS = [
     "lru",
     "frequency",
-    "hints_lru_0.9",
-    "hints_lru_1.0",
-    "hints_frequency_0.9",
-    "hints_frequency_1.0",
-    "hintsdrop_lru_0.9",
+    "hintsown_lru_0.9_ttl",
+    "hintsown_lru_1.0_ttl",
+    "hintsown_frequency_0.9_ttl",
+    "hintsown_frequency_1.0_ttl",
     "optimum",
 ]
 
