@@ -10,7 +10,7 @@ from conftest import make_config
 from fake_engine import FakeEngine
 from test_recurrent import MakeManager, T, decode, hybrid_layers, prefill, state_group, toks
 
-from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2 import KVCacheManager, LayerGroupId
 from kv_cache_manager_v2._common import MAX_CAPACITY
 
 PREFIX = 1000  #: shared tokens: its last full block ends at 992
@@ -200,3 +200,36 @@ def test_auto_gives_interval_snapshots_the_lowest_priority(
         256: interval_priority,
         288: 35,
     }
+
+
+def snapshot_levels(m: KVCacheManager) -> dict[int, int]:
+    """The cache level of each snapshot in the tree, by its position."""
+    g = state_group(m)
+    return {(node.ordinal + 1) * T: int(page.level) for node in m._tree.nodes() if (page := node.page(g)) is not None}
+
+
+@pytest.mark.parametrize("policy", ["interval", "auto"])
+def test_auto_writes_interval_snapshots_to_the_host_tier_and_a_hit_promotes_one(
+    make_manager: MakeManager, policy: str
+) -> None:
+    """Under "auto" a periodic snapshot is copied from the live state straight into the host tier
+    (the GPU keeps its KV and the planned snapshots); a match ending there brings it up to the GPU
+    with the request's pages, and the live state resumed from it is exact (the fake engine's
+    records). Under "interval" every snapshot starts in GPU memory."""
+    m = make_manager(
+        hybrid_layers(), T, quota=16 << 20, host_quota=16 << 20, ssm_snapshot_policy=policy, ssm_reuse_interval=64
+    )
+    engine = FakeEngine(m)
+    prompt = toks(1, 300)
+    run(m, engine, prompt)
+    below = 1 if policy == "auto" else 0
+    assert snapshot_levels(m) == {64: below, 128: below, 192: below, 256: below, 288: 0}
+    # nothing was evicted from the GPU: its KV stayed, the host got only snapshots
+    kv_groups = [LayerGroupId(g) for g in range(m.num_layer_groups) if g != state_group(m)]
+    assert {int(p.level) for node in m._tree.nodes() for g in kv_groups if (p := node.page(g)) is not None} == {0}
+    assert m.get_tier_statistics(1).offloaded_pages == 4 * below
+    assert run(m, engine, prompt[:200] + toks(8, 20)) == 192  # prefill() checked the resumed state
+    assert snapshot_levels(m) == {64: below, 128: below, 192: 0, 256: below, 288: 0}
+    assert m.get_tier_statistics(1).onboarded_pages == below
+    assert run(m, engine, prompt[:200] + toks(9, 20)) == 192  # the promoted snapshot, from the GPU
+    assert m.get_tier_statistics(1).onboarded_pages == below
