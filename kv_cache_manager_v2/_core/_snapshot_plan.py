@@ -42,6 +42,12 @@ def plan_snapshots(
             if offset < prompt_end:
                 kinds[prompt_end - offset] = SNAPSHOT_INTERVAL
         kinds[prompt_end] = SNAPSHOT_LAST
+        interval = ctx.periodic_interval
+        if interval > 0 and ctx.plans_branches and prompt_end >= interval:
+            # "auto": the prompt's last multiple of the interval is kept like its last block (on
+            # the GPU first, the callback's priority): a request sharing the prompt up to a point
+            # between the two (a changed last message) resumes there
+            kinds.setdefault(prompt_end // interval * interval, SNAPSHOT_LAST)
     if ctx.plans_branches and attention_blocks > reused_blocks:
         end = attention_blocks * t
         if branches:
