@@ -119,9 +119,9 @@ def take_snapshot(state: RequestState, priorities: list[Priority]) -> None:
     as the request's last node, copy beam 0's live state into a new page that becomes the block's
     snapshot in the reuse tree, in GPU memory or, when the GPU has no room, at the first lower
     tier with room (the cascade's ``available``); a periodic snapshot under "auto" goes to the
-    first tier below the GPU first (``periodic_level``), the live state staying where it is. (Once beams forked, a block is published only
-    when every beam holds it alike: beam 0's state is then the state after exactly that block's
-    chain.) No room at any level, or a failed write to a disk tier: skipped and counted (a
+    first tier below the GPU first (``periodic_level``), the live state staying where it is.
+    (Once beams forked, a block is published only when every beam holds it alike: beam 0's
+    state is then the state after exactly that block's chain.) No room at any level, or a failed write to a disk tier: skipped and counted (a
     snapshot never blocks, and never takes a page a request holds)."""
     committed = state.num_committed_tokens
     ordinal = committed // state._tokens_per_block - 1

@@ -88,7 +88,7 @@ class CacheContext:
         #: tokens between the periodic snapshots a request takes (0: none; ``ssm_snapshot_policy``)
         self.periodic_interval = self.snapshot_interval if policy != "branch" else 0
         #: the periodic snapshots' priority ("auto": the lowest, evicted before the other
-        #: snapshots and any KV, and moved down first to a host or disk tier), or -1: the callback's
+        #: snapshots and any KV), or -1: the callback's
         self.periodic_priority = 0 if policy == "auto" else -1
         #: the cache level a periodic snapshot is written to first ("auto": the first tier below
         #: the GPU when there is one, so they never evict GPU pages; a hit brings one up)
