@@ -29,7 +29,8 @@ def plan_snapshots(
     state: RequestState, num_input_tokens: int, reused_blocks: int, attention_blocks: int, branches: bool
 ) -> None:
     """A new request's snapshot positions besides the multiples of the interval, with their kinds:
-    the configured ones, its prompt's last full block, and (policies "branch" and "auto") the end
+    the configured ones, its prompt's last full block (and, under "auto" with a tier below the
+    GPU, its last multiple of the interval), and (policies "branch" and "auto") the end
     of its attention match (``attention_blocks`` full blocks; ``branches``: the tree goes on past
     it) when that is past its hybrid match (``reused_blocks``)."""
     ctx = state._ctx
