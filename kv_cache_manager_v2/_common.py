@@ -172,6 +172,9 @@ class TierStatistics:
     dropped_bytes: int
     #: pages a disk read or write failed for (each also counts as dropped)
     io_errors: int
+    #: hybrid models: bytes in use by recurrent states at this level now (requests' live states
+    #: and the reuse tree's snapshots; part of ``used_bytes``)
+    state_bytes: int = 0
 
 
 @dataclass

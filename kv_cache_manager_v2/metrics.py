@@ -296,6 +296,9 @@ class KVCacheMetricsCollector:
             f.add(
                 "gauge", p + "tier_peak_used_bytes", "Highest bytes in use so far", lv, tl, t.peak_used_bytes, tier_name
             )
+            if m.config.has_recurrent_layers:
+                doc = "Bytes of the tier in use by recurrent states (live states and snapshots; hybrid models)"
+                f.add("gauge", p + "tier_state_bytes", doc, lv, tl, t.state_bytes, tier_name)
             groups = m.get_storage_statistics(CacheLevel(level)) if tier is not CacheTier.REMOTE else []
             for what, held in (
                 ("pinned", [g.pinned_bytes for g in groups]),

@@ -165,6 +165,8 @@ def expected_samples(m: KVCacheManager, a: KVCacheResourceManager, labels: dict[
         out[key("kvcm_tier_used_bytes", tier=tier)] = t.used_bytes
         out[key("kvcm_tier_total_bytes", tier=tier)] = t.total_bytes
         out[key("kvcm_tier_peak_used_bytes", tier=tier)] = t.peak_used_bytes
+        if m.config.has_recurrent_layers:
+            out[key("kvcm_tier_state_bytes", tier=tier)] = t.state_bytes
         groups = m.get_storage_statistics(CacheLevel(level)) if kind is not CacheTier.REMOTE else []
         out[key("kvcm_tier_pinned_bytes", tier=tier)] = sum(g.pinned_bytes for g in groups)
         out[key("kvcm_tier_retained_bytes", tier=tier)] = sum(g.retained_bytes for g in groups)
@@ -465,11 +467,18 @@ def test_hybrid_model_reports_its_state_snapshots() -> None:
         "taken_demand": 0,
     }
     assert got["taken"] == r.snapshots_taken and got["reused"] == r.snapshots_reused
+    # state bytes by tier: the two snapshots (3 recurrent layers of 64 + 256 bytes each); no live state
+    state = {s.labels["tier"]: s.value for s in fams["kvcm_tier_state_bytes"].samples}
+    assert state == {"gpu": 2 * 3 * (64 + 256)} and m.get_tier_statistics(CacheLevel(0)).state_bytes == state["gpu"]
+    kv = m.create_kv_cache(input_tokens=prompt)
+    assert kv.resume()  # its live state
+    assert m.get_tier_statistics(CacheLevel(0)).state_bytes == 3 * 3 * (64 + 256)
+    kv.close()
     m.shutdown()
     plain = KVCacheManager(make_config(kv_layers(1, T), backend="host"))
     registry = CollectorRegistry()
     registry.register(KVCacheMetricsCollector(plain))
-    assert "kvcm_state_snapshots" not in {
-        f.name for f in text_string_to_metric_families(generate_latest(registry).decode())
-    }
+    names = {f.name for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    assert "kvcm_state_snapshots" not in names and "kvcm_tier_state_bytes" not in names
+    assert plain.get_tier_statistics(CacheLevel(0)).state_bytes == 0
     plain.shutdown()

@@ -477,8 +477,12 @@ def test_hybrid_replay_reports_state_memory_and_snapshots(capsys: pytest.Capture
     snap = rep["snapshots"]
     assert snap["interval"] == 256 and snap["taken"] > 0 and snap["reused"] > 0
     assert 0 < rep["hit_rate"]["tokens"] < 1
+    # state bytes by tier at the end: the snapshots still kept (one state-sized page each)
+    kept = sum(t["snapshot_bytes_at_end"] for t in rep["tiers"])
+    assert kept == (snap["taken"] - snap["evicted"]) * m["state_bytes_per_request"] > 0
     code, out, _ = run(capsys, *HYBRID, "--ssm-reuse-interval", "256")
     assert code == 0 and "recurrent state" in out and "37.7 MiB per request" in out and "every 256 tokens" in out
+    assert "in state snapshots)" in out
     code, out, _ = run(capsys, *QUICK, "--json")
     assert json.loads(out)["snapshots"] is None  # attention-only models have none
 

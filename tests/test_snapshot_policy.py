@@ -10,7 +10,7 @@ from conftest import make_config
 from fake_engine import FakeEngine
 from test_recurrent import MakeManager, T, decode, hybrid_layers, prefill, state_group, toks
 
-from kv_cache_manager_v2 import KVCacheManager
+from kv_cache_manager_v2 import KVCacheManager, LayerGroupId
 from kv_cache_manager_v2._common import MAX_CAPACITY
 
 PREFIX = 1000  #: shared tokens: its last full block ends at 992
@@ -124,7 +124,7 @@ def test_auto_takes_interval_snapshots_at_the_lowest_priority_with_a_host_tier(m
     kv.close()
     run(m, engine, prompt)
     stats = m.reuse_statistics
-    assert stats.snapshots_interval == 4 and stats.snapshots_last == 1
+    assert stats.snapshots_interval == 3 and stats.snapshots_last == 2  # 256: the prompt's last multiple of 64
     for _ in range(6):  # other requests push the reusable pages down to the host tier
         run(m, engine, toks(50 + _, 300))
     assert run(m, engine, prompt[:200] + toks(8, 20)) == 192
@@ -200,3 +200,41 @@ def test_auto_gives_interval_snapshots_the_lowest_priority(
         256: interval_priority,
         288: 35,
     }
+
+
+def snapshot_levels(m: KVCacheManager) -> dict[int, int]:
+    """The cache level of each snapshot in the tree, by its position."""
+    g = state_group(m)
+    return {(node.ordinal + 1) * T: int(page.level) for node in m._tree.nodes() if (page := node.page(g)) is not None}
+
+
+@pytest.mark.parametrize("policy", ["interval", "auto"])
+def test_auto_writes_interval_snapshots_to_the_host_tier_and_a_hit_promotes_one(
+    make_manager: MakeManager, policy: str
+) -> None:
+    """Under "auto" a periodic snapshot is copied from the live state straight into the host tier
+    (the GPU keeps its KV and the planned snapshots); a match ending there brings it up to the GPU
+    with the request's pages, and the live state resumed from it is exact (the fake engine's
+    records). Under "interval" every snapshot starts in GPU memory."""
+    m = make_manager(
+        hybrid_layers(), T, quota=16 << 20, host_quota=16 << 20, ssm_snapshot_policy=policy, ssm_reuse_interval=64
+    )
+    engine = FakeEngine(m)
+    prompt = toks(1, 300)
+    run(m, engine, prompt)
+    below = 1 if policy == "auto" else 0
+    # 256: with a lower tier "auto" keeps the prompt's last multiple of the interval like its last block
+    assert snapshot_levels(m) == {64: below, 128: below, 192: below, 256: 0, 288: 0}
+    g = state_group(m)
+    priorities = {(n.ordinal + 1) * T: page.priority for n in m._tree.nodes() if (page := n.page(g)) is not None}
+    assert priorities == {64: 35 - 35 * below, 128: 35 - 35 * below, 192: 35 - 35 * below, 256: 35, 288: 35}
+    assert m.reuse_statistics.snapshots_last == 1 + below
+    # nothing was evicted from the GPU: its KV stayed, the host got only snapshots
+    kv_groups = [LayerGroupId(g) for g in range(m.num_layer_groups) if g != state_group(m)]
+    assert {int(p.level) for node in m._tree.nodes() for g in kv_groups if (p := node.page(g)) is not None} == {0}
+    assert m.get_tier_statistics(1).offloaded_pages == 3 * below
+    assert run(m, engine, prompt[:200] + toks(8, 20)) == 192  # prefill() checked the resumed state
+    assert snapshot_levels(m) == {64: below, 128: below, 192: 0, 256: 0, 288: 0}
+    assert m.get_tier_statistics(1).onboarded_pages == below
+    assert run(m, engine, prompt[:200] + toks(9, 20)) == 192  # the promoted snapshot, from the GPU
+    assert m.get_tier_statistics(1).onboarded_pages == below

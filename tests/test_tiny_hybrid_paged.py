@@ -410,3 +410,70 @@ def test_conversation_snapshot_resumes_the_next_turn_exactly(
     assert live_state_error(model, engine, kv, first.all_tokens()[: probe.num_reused_tokens]) <= TOL
     adapter.free_resources(probe)
     adapter.shutdown()
+
+
+def snapshot_levels(adapter: KVCacheResourceManager, position: int) -> list[int]:
+    """The cache level of each snapshot (one per recurrent layer group) of the block ending at ``position``."""
+    m = adapter.manager
+    groups = [
+        kvm.LayerGroupId(g)
+        for g in range(m.num_layer_groups)
+        if m.get_layer_group_info(kvm.LayerGroupId(g)).kind == "recurrent"
+    ]
+    t = m.config.tokens_per_block
+    return [
+        int(page.level)
+        for node in m._tree.nodes()
+        if (node.ordinal + 1) * t == position
+        for g in groups
+        if (page := node.page(g)) is not None
+    ]
+
+
+def resumed_states(engine: PagedEngine, kv: kvm.KVCache) -> list[np.ndarray]:
+    """Copies of the request's live states (every recurrent layer, both buffers)."""
+    out: list[np.ndarray] = []
+    for bufs in engine.states.values():
+        live = bufs.state(kv)
+        out += [live.conv_state.copy(), live.ssm_state.copy()]
+    return out
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_snapshot_promoted_from_the_host_tier_is_byte_exact(name: str) -> None:
+    """Policy "auto" with a host tier: a periodic snapshot is written straight to the host tier; the
+    first request resuming from it promotes it to the GPU, and its live state equals the dense
+    recomputation's; a later request resumes from the promoted copy to the same bytes, and its
+    generation equals the dense recomputation."""
+    p = WorkloadParams(
+        full_slots=200, swa_slots=200, ssm_reuse_interval=INTERVAL, ssm_snapshot_policy="auto", host_tier=True
+    )
+    model, adapter, engine = setup(name, p)
+    prompt = tokens_of(50, 27)
+    first = EngineRequest(0, prompt, 4)
+    _, logits = run_request(adapter, engine, first, chunks=(5, 3, 7))
+    assert_equals_dense(model, first, logits)
+    num_groups = len(snapshot_levels(adapter, 16))
+    assert num_groups > 0
+    assert snapshot_levels(adapter, 16) == [1] * num_groups  # periodic: on the host tier
+    assert snapshot_levels(adapter, 24) == [0] * num_groups  # the prompt's last full block: on the GPU
+    host = adapter.manager.get_tier_statistics(kvm.CacheLevel(1))
+    states: list[list[np.ndarray]] = []
+    for i in range(2):  # the first promotes the snapshot from the host, the second takes it from the GPU
+        probe = EngineRequest(10 + i, prompt[:21] + tokens_of(51 + i, 4), 1)
+        assert adapter.prepare_resources([probe]) == []
+        assert probe.num_reused_tokens == 16
+        kv = adapter.get_kv_cache(probe)
+        assert live_state_error(model, engine, kv, prompt[:16]) <= TOL
+        states.append(resumed_states(engine, kv))
+        adapter.free_resources(probe)
+        assert snapshot_levels(adapter, 16) == [0] * num_groups
+    assert all(np.array_equal(a, b) for a, b in zip(states[0], states[1], strict=True))
+    onboarded = adapter.manager.get_tier_statistics(kvm.CacheLevel(1)).onboarded_pages - host.onboarded_pages
+    assert onboarded == num_groups  # brought up once (the request's KV was in GPU memory)
+    second = EngineRequest(2, prompt[:21] + tokens_of(53, 6), 5)
+    _, logits = run_request(adapter, engine, second, chunks=(3, 7))
+    assert second.num_reused_tokens == 16
+    assert_equals_dense(model, second, logits)
+    adapter.manager.check_invariants()
+    adapter.shutdown()

@@ -10,7 +10,7 @@ from typing import Final
 
 import rawref
 
-from .._common import MAX_CAPACITY, KVCacheStatus, LayerGroupId, Priority, TokenIdExt
+from .._common import GPU_LEVEL, MAX_CAPACITY, KVCacheStatus, LayerGroupId, Priority, TokenIdExt
 from .._page import Page
 from .._reuse._keys import chain_token_keys
 from ._request_state import RequestState
@@ -118,9 +118,10 @@ def take_snapshot(state: RequestState, priorities: list[Priority]) -> None:
     group, asked of the callback before the commit changed anything): when the block is published
     as the request's last node, copy beam 0's live state into a new page that becomes the block's
     snapshot in the reuse tree, in GPU memory or, when the GPU has no room, at the first lower
-    tier with room (the cascade's ``available``). (Once beams forked, a block is published only
-    when every beam holds it alike: beam 0's state is then the state after exactly that block's
-    chain.) No room at any level, or a failed write to a disk tier: skipped and counted (a
+    tier with room (the cascade's ``available``); a periodic snapshot under "auto" goes to the
+    first tier below the GPU first (``periodic_level``), the live state staying where it is.
+    (Once beams forked, a block is published only when every beam holds it alike: beam 0's
+    state is then the state after exactly that block's chain.) No room at any level, or a failed write to a disk tier: skipped and counted (a
     snapshot never blocks, and never takes a page a request holds)."""
     committed = state.num_committed_tokens
     ordinal = committed // state._tokens_per_block - 1
@@ -149,7 +150,9 @@ def take_snapshot(state: RequestState, priorities: list[Priority]) -> None:
             need[ctx.pool_group_of[layer_group]] += 1
     if not wanted:
         return
-    levels = storage.levels_with_room(need)  # the GPU's, else the first lower tier with room
+    # planned snapshots start at the GPU, periodic ones at ``periodic_level``; else the next tier with room
+    first = ctx.periodic_level if committed not in state._snapshot_kinds else GPU_LEVEL
+    levels = storage.levels_with_room(need, first)
     if levels is None:
         if ctx.enable_stats:
             ctx.stats.snapshots_skipped += len(wanted)

@@ -6,7 +6,7 @@ import logging
 
 import rawref
 
-from .._common import DEFAULT_PRIORITY, LayerGroupId, PoolGroupIndex, Priority, ReuseStatistics
+from .._common import DEFAULT_PRIORITY, CacheLevel, LayerGroupId, PoolGroupIndex, Priority, ReuseStatistics
 from .._config import KVCacheManagerConfig
 from .._exceptions import LogicError
 from .._layers._policy import LayerGroup
@@ -62,6 +62,7 @@ class CacheContext:
         "snapshot_interval",
         "periodic_interval",
         "periodic_priority",
+        "periodic_level",
         "plans_branches",
         "state_layer_groups",
         "tokens_per_block",
@@ -87,8 +88,11 @@ class CacheContext:
         #: tokens between the periodic snapshots a request takes (0: none; ``ssm_snapshot_policy``)
         self.periodic_interval = self.snapshot_interval if policy != "branch" else 0
         #: the periodic snapshots' priority ("auto": the lowest, evicted before the other
-        #: snapshots and any KV, and moved down first to a host or disk tier), or -1: the callback's
+        #: snapshots and any KV), or -1: the callback's
         self.periodic_priority = 0 if policy == "auto" else -1
+        #: the cache level a periodic snapshot is written to first ("auto": the first tier below
+        #: the GPU when there is one, so they never evict GPU pages; a hit brings one up)
+        self.periodic_level = CacheLevel(1 if policy == "auto" and storage.num_levels > 1 else 0)
         #: snapshots are planned where the prompt leaves a cached path, and on demand
         self.plans_branches = policy != "interval"
         #: per layer group, the stale end at history 0: where a new block table starts (blocks

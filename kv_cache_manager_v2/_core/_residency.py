@@ -128,6 +128,14 @@ def resume_pages(state: RequestState) -> bool:
         need[ctx.pool_group_of[state_groups[k]]] += 1
     for layer_group, num_slots in scratch_needs:
         need[ctx.pool_group_of[layer_group]] += num_slots
+    promote = _snapshots_below_gpu(state)
+    if promote:  # a matched snapshot below the GPU is brought up too (promoted), when that fits
+        more = list(need)
+        for below in promote:
+            more[ctx.pool_group_of[below.layer_group]] += 1
+        if storage.fits(more, ctx.no_gain, max_util, excluded, ctx.resume_floor):
+            need = more
+            up.extend(promote)
     if not storage.fits(need, ctx.no_gain, max_util, excluded, ctx.resume_floor):
         return False
     if not up and not pending and not scratch_needs and not state_news and not any(excluded[GPU_LEVEL]):
@@ -152,7 +160,7 @@ def resume_pages(state: RequestState) -> bool:
             layer_group = state_groups[k]
             made_states.append(storage.new_pages(layer_group, [DEFAULT_PRIORITY], True)[0])
             snapshot = table.pending_copy[layer_group]
-            if snapshot is not None:
+            if snapshot is not None and not snapshot.lost:  # (lost: a disk read failed bringing it up)
                 state_copies.append((snapshot, made_states[-1]))
         bad_states = storage.copy_pages(state_copies) if state_copies else set()
         for layer_group, num_slots in scratch_needs:  # the current step's scratch slots come back too
@@ -188,8 +196,9 @@ def resume_pages(state: RequestState) -> bool:
         snapshot = table.pending_copy[layer_group]
         if snapshot is not None:  # copied into every beam's live state: copy-on-write done
             table.pending_copy[layer_group] = None
-            if bad_states:  # the snapshot could not be read back: the request starts over
-                storage.lose(snapshot)
+            if bad_states or snapshot.lost:  # the snapshot could not be read back: the request starts over
+                if not snapshot.lost:
+                    storage.lose(snapshot)
                 bad_block = 0
             snapshot.release(True)
     if ctx.enable_stats:
@@ -199,6 +208,17 @@ def resume_pages(state: RequestState) -> bool:
     state._show_indices()
     state._status = KVCacheStatus.ACTIVE
     return True
+
+
+def _snapshots_below_gpu(state: RequestState) -> list[Page]:
+    """The matched snapshots (copied into the live states at the first resume) below the GPU."""
+    table = state._table
+    out: list[Page] = []
+    for layer_group in table.state_groups:
+        snapshot = table.pending_copy[layer_group]
+        if snapshot is not None and snapshot.level > GPU_LEVEL:
+            out.append(snapshot)
+    return out
 
 
 def _activate(state: RequestState) -> None:

@@ -29,7 +29,8 @@ def plan_snapshots(
     state: RequestState, num_input_tokens: int, reused_blocks: int, attention_blocks: int, branches: bool
 ) -> None:
     """A new request's snapshot positions besides the multiples of the interval, with their kinds:
-    the configured ones, its prompt's last full block, and (policies "branch" and "auto") the end
+    the configured ones, its prompt's last full block (and, under "auto" with a tier below the
+    GPU, its last multiple of the interval), and (policies "branch" and "auto") the end
     of its attention match (``attention_blocks`` full blocks; ``branches``: the tree goes on past
     it) when that is past its hybrid match (``reused_blocks``)."""
     ctx = state._ctx
@@ -42,6 +43,13 @@ def plan_snapshots(
             if offset < prompt_end:
                 kinds[prompt_end - offset] = SNAPSHOT_INTERVAL
         kinds[prompt_end] = SNAPSHOT_LAST
+        interval = ctx.periodic_interval
+        if ctx.periodic_level > 0 and prompt_end >= interval:
+            # "auto" with a tier below the GPU (where the other periodic snapshots go): the
+            # prompt's last multiple of the interval is kept like its last block (the GPU first,
+            # the callback's priority), for a request sharing the prompt up to a point between
+            # the two (a changed last message; prefixes shared at multiples of the interval)
+            kinds.setdefault(prompt_end // interval * interval, SNAPSHOT_LAST)
     if ctx.plans_branches and attention_blocks > reused_blocks:
         end = attention_blocks * t
         if branches:

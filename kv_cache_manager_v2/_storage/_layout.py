@@ -45,6 +45,9 @@ class PoolGroupLayout:
     index: PoolGroupIndex
     slot_sizes: tuple[int, ...]
     layer_groups: tuple[LayerGroupId, ...]
+    #: its layer groups keep recurrent states (live states and snapshots); a pool group never
+    #: mixes them with per-block KV, so its usage is the state bytes of its level
+    holds_states: bool = False
 
     @property
     def slot_bytes(self) -> int:
@@ -77,24 +80,24 @@ class StorageLayout:
                 by_lc[layer_lc].setdefault(b.size * e, []).append(bid)
                 self.buffer_order.append(bid)
         coalesced: list[list[CoalescedBuffer]] = []
-        group_of_sizes: dict[tuple[int, ...], PoolGroupIndex] = {}
+        group_of_sizes: dict[tuple[tuple[int, ...], bool], PoolGroupIndex] = {}
         group_lcs: list[list[LayerGroupId]] = []
         lc_group: list[PoolGroupIndex] = []
         for lc in range(num_lc):
             cbs = [CoalescedBuffer(size, tuple(ids)) for size, ids in by_lc[lc].items()]
             cbs.sort(key=lambda cb: (-cb.slot_size, -cb.single_size))
             coalesced.append(cbs)
-            sizes = tuple(cb.slot_size for cb in cbs)
-            g = group_of_sizes.get(sizes)
+            key = (tuple(cb.slot_size for cb in cbs), registry.layer_groups[LayerGroupId(lc)].keeps_live_state)
+            g = group_of_sizes.get(key)
             if g is None:
                 g = PoolGroupIndex(len(group_lcs))
-                group_of_sizes[sizes] = g
+                group_of_sizes[key] = g
                 group_lcs.append([])
             group_lcs[g].append(LayerGroupId(lc))
             lc_group.append(g)
         self.coalesced = TypedList(coalesced)
         self.pool_group_of_layer_group = TypedList(lc_group)
-        groups = [PoolGroupLayout(g, sizes, tuple(group_lcs[g])) for sizes, g in group_of_sizes.items()]
+        groups = [PoolGroupLayout(g, key[0], tuple(group_lcs[g]), key[1]) for key, g in group_of_sizes.items()]
         groups.sort(key=lambda pg: pg.index)
         self.pool_groups = TypedList(groups)
         self.buffers = {}

@@ -177,20 +177,22 @@ class StorageLevels:
         """Whether every pool group at ``level`` can provide ``need[g]`` slots (prefetch)."""
         return all(n == 0 or n <= self.available(level, g, excluded) for g, n in enumerate(need))
 
-    def levels_with_room(self, need: list[int]) -> list[CacheLevel] | None:
-        """Per pool group, the first level that can provide ``need[g]`` new slots (``available``:
-        the cascade makes that room without dropping a HELD page); None when some group has no
-        room at any level. Groups needing nothing get the GPU level."""
+    def levels_with_room(self, need: list[int], first: CacheLevel = GPU_LEVEL) -> list[CacheLevel] | None:
+        """Per pool group, the first level from ``first`` down that can provide ``need[g]`` new
+        slots (``available``: the cascade makes that room without dropping a HELD page), else the
+        first above ``first`` that can; None when some group has no room at any level. Groups
+        needing nothing get the GPU level."""
         out = [GPU_LEVEL] * len(need)
+        order = list(range(first, self.num_levels)) + list(range(min(first, self.num_levels)))
         for g, n in enumerate(need):
             if n == 0:
                 continue
-            level = 0
-            while n > self.available(level, g):
-                level += 1
-                if level == self.num_levels:
-                    return None
-            out[g] = CacheLevel(level)
+            for level in order:
+                if n <= self.available(level, g):
+                    out[g] = CacheLevel(level)
+                    break
+            else:
+                return None
         return out
 
     def reserve(self, need: list[int], levels: list[CacheLevel] | None = None) -> None:

@@ -80,7 +80,7 @@ class TrafficStatistics:
         assert remote is not None
         quota = remote.remote.cfg.quota
         counters = remote.remote.counters()
-        return _statistics(level, CacheTier.REMOTE, quota if quota is not None else 0, 0, 0, counters, base)
+        return _statistics(level, CacheTier.REMOTE, quota if quota is not None else 0, 0, 0, 0, counters, base)
 
     def take_iteration_stats(self) -> list[TierStatistics]:
         """Per level, the traffic since the previous call (peaks: highest usage since then); resets."""
@@ -110,16 +110,18 @@ class TrafficStatistics:
             self._bytes(level, [group.num_slots for group in groups]),
             self._bytes(level, [group.num_used for group in groups]),
             self._bytes(level, peaks),
+            self._bytes(level, [group.num_used if group.layout.holds_states else 0 for group in groups]),
             self._counters(level),
             base,
         )
 
 
 def _statistics(
-    level: CacheLevel, tier: CacheTier, total: int, used: int, peak: int, now: list[int], base: list[int]
+    level: CacheLevel, tier: CacheTier, total: int, used: int, peak: int, state: int, now: list[int], base: list[int]
 ) -> TierStatistics:
-    """A level's statistics; traffic is the counters ``now`` minus ``base`` (offloaded, onboarded and
-    dropped pages, the same in bytes, I/O errors)."""
+    """A level's statistics (``state``: the bytes of recurrent states in use); traffic is the
+    counters ``now`` minus ``base`` (offloaded, onboarded and dropped pages, the same in bytes, I/O
+    errors)."""
     d = [now[i] - base[i] for i in range(NUM_COUNTERS)]
     return TierStatistics(
         level=level,
@@ -134,4 +136,5 @@ def _statistics(
         onboarded_bytes=d[4],
         dropped_bytes=d[5],
         io_errors=d[6],
+        state_bytes=state,
     )

@@ -523,6 +523,7 @@ class Replay:
             # every request is gone: what the level still holds is reusable blocks
             stats = m.get_storage_statistics(CacheLevel(usage.level))
             usage.reusable_at_end = sum((x.total - x.free) * sum(x.slot_sizes) for x in stats)
+            usage.snapshots_at_end = ts.state_bytes  # (no live state is left)
             usage.offloaded_pages += ts.offloaded_pages
             usage.offloaded_bytes += ts.offloaded_bytes
             usage.onboarded_pages += ts.onboarded_pages

@@ -60,6 +60,7 @@ class LevelUsage:
     peak_used: int = 0  #: held by requests (active, or suspended where they cannot spill), sampled each step
     peak_occupied: int = 0  #: held by requests or kept as reusable cache (the allocator's high-water mark)
     reusable_at_end: int = 0  #: holding reusable blocks when the replay ended (every request done)
+    snapshots_at_end: int = 0  #: of those, recurrent-state snapshots (hybrid models)
     peak_pinned: int = 0  #: in pinned pages (--pin-system-prompts), sampled each step
     peak_retained: int = 0  #: in pages under close-time retention (--retention-hints), sampled each step
     offloaded_pages: int = 0  #: evicted into this level from the one above

@@ -171,6 +171,7 @@ def _tier_row(tier: TierSpec, usage: LevelUsage, shape: ModelShape, scale: float
         "peak_occupied_bytes": int(usage.peak_occupied * scale),
         "peak_occupied_fraction": _ratio(usage.peak_occupied, usage.capacity),
         "reusable_bytes_at_end": int(usage.reusable_at_end * scale),
+        "snapshot_bytes_at_end": int(usage.snapshots_at_end * scale),
         "peak_pinned_bytes": int(usage.peak_pinned * scale),
         "peak_retained_bytes": int(usage.peak_retained * scale),
         # traffic in pages (one block of one layer group) and the model's bytes
@@ -302,6 +303,11 @@ def _tier_use(tier: dict[str, Any], i: int) -> str:
         f"{format_count(tier['capacity_tokens'])} tokens; filled up to {format_bytes(tier['peak_occupied_bytes'])} "
         f"({tier['peak_occupied_fraction']:.0%}), held by {held} up to {format_bytes(tier['peak_used_bytes'])} "
         f"({tier['peak_used_fraction']:.0%}); {format_bytes(tier['reusable_bytes_at_end'])} of reusable blocks at the end"
+        + (
+            f" ({format_bytes(tier['snapshot_bytes_at_end'])} in state snapshots)"
+            if tier["snapshot_bytes_at_end"]
+            else ""
+        )
     )
 
 
