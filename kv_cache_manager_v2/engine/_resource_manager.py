@@ -115,6 +115,17 @@ class KVCacheResourceManager(ResourceQueries):
                 kv = seq.kv
                 h = kv.history_length
                 num_tokens = len(req.prompt_tokens) + len(req.generated_tokens)
+                old_cap = kv.capacity
+                if num_tokens == h + 1 and h < old_cap and kv.status is KVCacheStatus.ACTIVE:
+                    # the decode step with room for its token: nothing to allocate
+                    seq.undo_capacity = old_cap
+                    seq.undo_scheduled = seq.scheduled
+                    seq.undo_suspended = False
+                    done.append(seq)
+                    seq.scheduled = 1
+                    req.num_scheduled_tokens = 1
+                    req.num_cached_tokens = h
+                    continue
                 if num_tokens <= h:
                     raise LogicError(
                         f"request {req.request_id} has no uncomputed token ({h} cached of {num_tokens}); "
