@@ -116,8 +116,11 @@ class KVCacheResourceManager(ResourceQueries):
                 h = kv.history_length
                 num_tokens = len(req.prompt_tokens) + len(req.generated_tokens)
                 old_cap = kv.capacity
-                if num_tokens == h + 1 and h < old_cap and kv.status is KVCacheStatus.ACTIVE:
-                    # the decode step with room for its token: nothing to allocate
+                if num_tokens == h + 1 and kv.status is KVCacheStatus.ACTIVE:
+                    # the decode step: room for one more token (a new block at a block boundary)
+                    if h >= old_cap and not kv.resize(h + 1):
+                        unserved.append(req)
+                        continue
                     seq.undo_capacity = old_cap
                     seq.undo_scheduled = seq.scheduled
                     seq.undo_suspended = False
