@@ -51,6 +51,7 @@ def generate(
     one_off: int = 320,
     duration_s: float = 1800.0,
     max_context: int = 32_768,
+    message_tokens: float = 350.0,
 ) -> list[dict[str, object]]:
     """The trace's records, sorted by timestamp."""
     rng = random.Random(seed)
@@ -72,7 +73,7 @@ def generate(
         length = sys_tokens
         known = list(sys_ids[: sys_tokens // BLOCK])  # ids of the full blocks that stay as they are
         for _turn in range(turns):
-            length += max(16, int(rng.expovariate(1 / 350.0)))  # the new user message
+            length += max(16, int(rng.expovariate(1 / message_tokens)))  # the new user message
             if length > max_context:
                 break
             hash_ids = known + ids.take(_blocks(length) - len(known))
@@ -110,8 +111,16 @@ def render(records: list[dict[str, object]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=DEFAULT_OUT, help="where to write (default: traces/multi_turn.jsonl)")
+    ap.add_argument(
+        "--long", action="store_true", help="a larger trace: 12,024 requests, mean prompt about 12k tokens, 4.5 hours"
+    )
     args = ap.parse_args()
-    records = generate()
+    if args.long:  # longer user messages, a 64k context, 9x the requests over 9x the time
+        records = generate(
+            conversations=1300, one_off=2550, duration_s=16_200.0, max_context=65_536, message_tokens=1300.0
+        )
+    else:
+        records = generate()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         f.write(render(records))

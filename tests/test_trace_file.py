@@ -42,3 +42,17 @@ def test_it_is_a_multi_turn_mooncake_trace() -> None:
     # a shared first block (system prompts, popular documents) across many requests
     firsts = [r["hash_ids"][0] for r in records]
     assert max(firsts.count(h) for h in set(firsts)) > 50
+
+
+def test_the_long_trace_has_twelve_thousand_long_prompts(tmp_path: Path) -> None:
+    """``--long``: the size of a real serving trace (the main job's benchmark): 12,024 requests,
+    mean prompt about 12k tokens, still a valid multi-turn trace for the simulator."""
+    out = tmp_path / "long.jsonl"
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_trace.py"), "--long", "--out", str(out)], check=True, timeout=300
+    )
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 12_024
+    mean = sum(r["input_length"] for r in records) / len(records)
+    assert 11_500 < mean < 13_000, mean
+    assert len(load_trace(str(out))) == len(records)

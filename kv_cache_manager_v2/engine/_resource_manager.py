@@ -115,6 +115,20 @@ class KVCacheResourceManager(ResourceQueries):
                 kv = seq.kv
                 h = kv.history_length
                 num_tokens = len(req.prompt_tokens) + len(req.generated_tokens)
+                old_cap = kv.capacity
+                if num_tokens == h + 1 and kv.status is KVCacheStatus.ACTIVE:
+                    # the decode step: room for one more token (a new block at a block boundary)
+                    if h >= old_cap and not kv.resize(h + 1):
+                        unserved.append(req)
+                        continue
+                    seq.undo_capacity = old_cap
+                    seq.undo_scheduled = seq.scheduled
+                    seq.undo_suspended = False
+                    done.append(seq)
+                    seq.scheduled = 1
+                    req.num_scheduled_tokens = 1
+                    req.num_cached_tokens = h
+                    continue
                 if num_tokens <= h:
                     raise LogicError(
                         f"request {req.request_id} has no uncomputed token ({h} cached of {num_tokens}); "

@@ -49,6 +49,7 @@ class _Live:
     def __init__(self, sim: SimRequest, req: EngineRequest, arrival_ms: float) -> None:
         self.sim = sim
         self.req = req
+        self.prompt_length = len(req.prompt_tokens)
         self.arrival_ms = arrival_ms
         self.admitted = False  #: admitted at least once (the first admission counts for hit rates)
         self.full_check = True  #: --check-data: check every attended position at the next step
@@ -169,9 +170,9 @@ class Replay:
     # ------------------------------------------------------------------ the step
     def _step_tokens(self, live: _Live) -> int:
         req = live.req
-        n = req.num_tokens - req.num_cached_tokens
+        n = live.prompt_length + len(req.generated_tokens) - req.num_cached_tokens
         c = req.context_chunk_size
-        return min(n, c) if c else n
+        return c if c and n > c else n
 
     def _timed_prepare(self, batch: list[EngineRequest]) -> list[EngineRequest]:
         t0 = time.perf_counter()
@@ -199,22 +200,26 @@ class Replay:
         served: list[_Live] = []
         refused = False
         if old:
-            unserved = {r.request_id for r in self._timed_prepare([x.req for x in old])}
-            for live in old:
-                if live.req.request_id not in unserved:
-                    served.append(live)
-                    continue
+            refusals = self._timed_prepare([x.req for x in old])
+            if not refusals:
+                served = old
+            else:
                 refused = True
-                live.retry_at = self.releases
-                if live in self.running:
-                    t0 = time.perf_counter()
-                    rm.suspend_resources(live.req)
-                    self._step_manager_s += time.perf_counter() - t0
-                    self.running.remove(live)
-                    self.suspended.append(live)
-                    self.result.preempted_suspend += 1
-                    self.suspended_now = True
-            for live in served:
+                unserved = {r.request_id for r in refusals}
+                for live in old:
+                    if live.req.request_id not in unserved:
+                        served.append(live)
+                        continue
+                    live.retry_at = self.releases
+                    if live in self.running:
+                        t0 = time.perf_counter()
+                        rm.suspend_resources(live.req)
+                        self._step_manager_s += time.perf_counter() - t0
+                        self.running.remove(live)
+                        self.suspended.append(live)
+                        self.result.preempted_suspend += 1
+                        self.suspended_now = True
+            for live in served if self.suspended else ():
                 if live in self.suspended:
                     self.suspended.remove(live)
                     self.running.append(live)
@@ -318,24 +323,28 @@ class Replay:
         o = self.opts
         r = self.result
         tokens = 0
+        finished: list[_Live] = []
+        checker = self.checker
         for live in served:
             req = live.req
-            n = req.num_scheduled_tokens
+            n = req.num_scheduled_tokens  # (> 0: the request is served)
             tokens += n
-            if req.num_cached_tokens < len(req.prompt_tokens):
+            cached = req.num_cached_tokens
+            if cached < live.prompt_length:
                 r.prefill_computed += n
             else:
                 r.decode_computed += n
-            if self.checker is not None:
-                self.checker.step(req, live.tokens, live.full_check)
+            if checker is not None:
+                checker.step(req, live.tokens, live.full_check)
                 live.full_check = False
-            if req.samples_this_step:
-                sim = live.sim
-                req.generated_tokens.append(TokenId(sim.output_base + len(req.generated_tokens)))
+            generated = req.generated_tokens
+            if cached + n == live.prompt_length + len(generated):  # the step samples (samples_this_step)
+                generated.append(TokenId(live.sim.output_base + len(generated)))
+                if len(generated) >= req.max_new_tokens:
+                    finished.append(live)
         self.clock += o.step_ms + tokens * 1000.0 / o.tokens_per_s
         t0 = time.perf_counter()
         self.rm.update_resources([x.req for x in served])
-        finished = [x for x in served if len(x.req.generated_tokens) >= x.req.max_new_tokens]
         for live in finished:
             live.req.state = RequestState.FINISHED
             self.rm.free_resources(live.req, self.retain[live.sim.index] if self.retain is not None else None)
@@ -394,15 +403,20 @@ class Replay:
             occupied = 0
             pinned = 0
             retained = 0
-            for s in stats:
-                b = sum(s.slot_sizes)
-                used += (s.total - s.free - s.evictable) * b
-                occupied += (s.total - s.free) * b
-                pinned += s.pinned * b
-                retained += s.retained * b
+            for i, s in enumerate(stats):
+                b = self.slot_bytes[i]
+                taken = s.total - s.free
+                used += (taken - s.evictable) * b
+                occupied += taken * b
+                if s.pinned:
+                    pinned += s.pinned * b
+                if s.retained:
+                    retained += s.retained * b
             usage = r.levels[lvl]
-            usage.peak_pinned = max(usage.peak_pinned, pinned)
-            usage.peak_retained = max(usage.peak_retained, retained)
+            if pinned > usage.peak_pinned:
+                usage.peak_pinned = pinned
+            if retained > usage.peak_retained:
+                usage.peak_retained = retained
             if used > usage.peak_used:
                 usage.peak_used = used
             if lvl == 0:

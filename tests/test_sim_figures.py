@@ -1,0 +1,51 @@
+"""The simulator's figures, pinned to the digit: work on its speed (or the manager's) must leave
+every figure of the report as it was, in both modes (issue 39: "speed only").
+
+Each setup replays a prefix of the repository's trace under memory pressure (preemptions by
+suspend and recompute, eviction; a hybrid model's snapshots; a host tier's offloads and onboards)
+and compares a digest of the JSON report without its timing fields. A change that is meant to
+change a figure updates the digest here and says why in its commit."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from conftest import TRACE
+
+#: the first 80 requests arriving 20x faster than in the trace: the GPU tier cannot hold them all
+PRESSURE = ["--requests", "80", "--time-scale", "0.05"]
+#: setup -> (kv-cache-sim options, digest of its figures)
+SETUPS = {
+    "full": ([*PRESSURE, "--gpu", "2GiB"], "ee55a186eec69bd3"),
+    "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "a6e6eb73b690f362"),
+    "host": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB"], "9249626c060993b9"),
+}
+#: report fields that measure the machine, not the replay
+TIMING = ("wall_s", "requests_per_s", "blocks_per_s")
+
+
+def figures(report: dict[str, Any]) -> dict[str, Any]:
+    """The report without its timing fields and mode."""
+    out = {k: v for k, v in report.items() if k not in ("mode", "manager_cpu")}
+    out["replay"] = {k: v for k, v in report["replay"].items() if k not in TIMING}
+    out["workload"] = {k: v for k, v in report["workload"].items() if k != "path"}
+    return out
+
+
+def digest(report: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(figures(report), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_the_figures_are_as_pinned(setup: str) -> None:
+    options, expected = SETUPS[setup]
+    cmd = [sys.executable, "-m", "kv_cache_manager_v2.sim", "--trace", TRACE, "--no-progress", "--json", "-", *options]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
+    report = json.loads(done.stdout)
+    key = {"hit_rate": report["hit_rate"]["blocks"], "steps": report["replay"]["steps"], **report["preemptions"]}
+    assert digest(report) == expected, f"{setup}: the figures changed ({key})"
