@@ -21,9 +21,9 @@ from conftest import TRACE
 PRESSURE = ["--requests", "80", "--time-scale", "0.05"]
 #: setup -> (kv-cache-sim options, digest of its figures)
 SETUPS = {
-    "full": ([*PRESSURE, "--gpu", "2GiB"], "ee55a186eec69bd3"),
-    "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "a6e6eb73b690f362"),
-    "host": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB"], "9249626c060993b9"),
+    "full": ([*PRESSURE, "--gpu", "2GiB"], "c8dadba58cb25161"),
+    "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "547729c0957cf342"),
+    "host": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB"], "980fc98d7420af9f"),
 }
 #: report fields that measure the machine, not the replay
 TIMING = ("wall_s", "requests_per_s", "blocks_per_s")
