@@ -362,8 +362,8 @@ class Page:
         #: set when published: a full-attention or sink block, whose loss removes the blocks after it
         self.anchor = False
         #: the tree's valuation (hybrid models): evicted before the other pages of its priority:
-        #: KV no snapshot can use (past the deepest snapshot on its path), or a snapshot with a
-        #: deeper one below it; changed only through ``set_low_value`` (it places a listed page)
+        #: KV no match can use (past the deepest snapshot on its path), or a block's incomplete
+        #: snapshot; changed only through ``set_low_value`` (it places a listed page)
         self.low_value = False
         # Frequency policy (see _eviction.py): requests that used the block (history included),
         # the use clock at its first use, the last request counted; the value and sequence

@@ -15,7 +15,7 @@ from .._page import Page
 from .._reuse._keys import chain_token_keys
 from ._request_state import RequestState
 from ._retention import retain_new_pages
-from ._snapshot_plan import count_snapshots
+from ._snapshot_plan import SNAPSHOT_LAST, count_snapshots
 
 #: bound once: mypyc looks a module's attribute up at every call (hot: once or twice per block)
 _untrack: Final = rawref.untrack
@@ -86,7 +86,9 @@ def snapshot_priorities_at(state: RequestState, end: int) -> list[Priority] | No
     if end % tokens_per_block != 0 or state._history > end or not is_snapshot_position(state, end):
         return None
     periodic = state._ctx.periodic_priority
-    if periodic >= 0 and end not in state._snapshot_kinds:
+    # ("auto": the interval snapshots, and the prompt's last full block, which usually lies in its
+    # own unique suffix, at the periodic priority; positions planned from a match or the engine not)
+    if periodic >= 0 and state._snapshot_kinds.get(end, SNAPSHOT_LAST) == SNAPSHOT_LAST:
         return [Priority(periodic)] * len(state._ctx.state_layer_groups)
     return [
         state._priorities(layer_group, [end // tokens_per_block - 1])[0]

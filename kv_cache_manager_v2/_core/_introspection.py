@@ -155,7 +155,7 @@ def _check_tree(tree: ReuseTree, caches: list[KVCache], census: _Census) -> None
 def _check_value(tree: ReuseTree, node: Node) -> None:
     """A hybrid model's node counts its own complete snapshot and its children reaching one
     (``snapshot_reach``); its KV is low-value exactly when it reaches none, its snapshot pages when
-    incomplete or shadowed by a deeper one. No page is low-value in other models."""
+    incomplete. No page is low-value in other models."""
     state_groups = tree.state_groups
     complete = bool(state_groups) and node.holds_pages(state_groups)
     reach = int(complete) + sum(1 for child in node.children() if child.snapshot_reach > 0) if state_groups else 0
@@ -168,7 +168,7 @@ def _check_value(tree: ReuseTree, node: Node) -> None:
         if not state_groups:
             low = False
         elif layer_group in state_groups:
-            low = not complete or reach > 1
+            low = not complete
         else:
             low = reach == 0
         if p.low_value != low:

@@ -276,20 +276,19 @@ class ReuseTree(PageDropListener):
 
     def _reach(self, node: Node, delta: int) -> None:
         """``node.snapshot_reach`` changes by ``delta`` (its own snapshot came or went, or a child
-        started or stopped reaching one): its snapshot is low-value when incomplete or shadowed by
-        a deeper one; when the node starts or stops reaching a snapshot its KV is revalued and its
-        parent told, and so on up."""
+        started or stopped reaching one; its snapshot pages are low-value while incomplete): when a
+        node starts or stops reaching a snapshot its KV is revalued and its parent told, and so on up."""
         state_groups = self.state_groups
+        incomplete = not node.holds_pages(state_groups)
+        for layer_group in state_groups:
+            page = node.page(layer_group)
+            if page is not None:
+                page.set_low_value(incomplete)
         n = node
         while True:
             before = n.snapshot_reach
             after = before + delta
             n.snapshot_reach = after
-            shadowed = after > 1 or not n.holds_pages(state_groups)
-            for layer_group in state_groups:
-                page = n.page(layer_group)
-                if page is not None:
-                    page.set_low_value(shadowed)
             parent = n.parent
             if (before > 0) == (after > 0) or parent is None:
                 return

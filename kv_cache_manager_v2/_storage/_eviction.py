@@ -8,10 +8,6 @@ Policies (``KVCacheManagerConfig.eviction_policy``), both lowest priority first,
 everything:
 
 * ``"lru"`` (:class:`LruEvictor`): least recently released first within a priority. O(1).
-
-Within a priority, under both, pages the reuse tree marks ``low_value`` go first (hybrid models:
-KV past the deepest snapshot on its path, which no match can use, and snapshots with a deeper one
-below them on their path).
 * ``"frequency"`` (:class:`FrequencyEvictor`, issue #18; the study is docs/eviction_proposal.md):
   use-rate GreedyDual. Within a priority the page with the lowest value goes first, value =
   the class's clock (the value of its last victim) + the block's use rate
@@ -25,6 +21,9 @@ below them on their path).
   drifts to recency order where recency wins (long multi-turn chats at large capacity) and
   stays frequency-driven where popularity wins. O(log n) per operation, O(1) for pages of
   rate 0 (most of them).
+
+Within a priority, under both, pages the reuse tree marks ``low_value`` go first (hybrid models:
+KV past the deepest snapshot on its path, which no match can use, and incomplete snapshots).
 """
 
 from __future__ import annotations
