@@ -332,6 +332,7 @@ class Page:
         "level",
         "layer_group",
         "lost",
+        "low_value",
         "lru_next",
         "lru_prev",
         "node",
@@ -370,6 +371,10 @@ class Page:
         self.remote_copy = False
         #: set when published: a full-attention or sink block, whose loss removes the blocks after it
         self.anchor = False
+        #: the tree's valuation (hybrid models): evicted before the other pages of its priority:
+        #: KV no match can use (past the deepest snapshot on its path), or a block's incomplete
+        #: snapshot; changed only through ``set_low_value`` (it places a listed page)
+        self.low_value = False
         # Frequency policy (see _eviction.py): requests that used the block (history included),
         # the use clock at its first use, the last request counted; the value and sequence
         # number the page was listed with, and its heap index (or NOT_IN_HEAP / PARKED / IN_FIFO).
@@ -471,6 +476,17 @@ class Page:
             self.storage.evictor.add(self)
         else:
             self.priority = priority
+
+    def set_low_value(self, low: bool) -> None:
+        """Evict before (``low``) or with the other pages of its priority (a listed page moves)."""
+        if self.low_value == low:
+            return
+        if self.in_evictor:
+            self.storage.evictor.remove(self)
+            self.low_value = low
+            self.storage.evictor.add(self)
+        else:
+            self.low_value = low
 
     def relocate(self, storage: PoolGroupStorage, slot: SlotId) -> None:
         """Now at ``slot`` of ``storage`` (the caller copied the data and frees the old slot). A

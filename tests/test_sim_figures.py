@@ -22,7 +22,7 @@ PRESSURE = ["--requests", "80", "--time-scale", "0.05"]
 #: setup -> (kv-cache-sim options, digest of its figures)
 SETUPS = {
     "full": ([*PRESSURE, "--gpu", "2GiB"], "c8dadba58cb25161"),
-    "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "547729c0957cf342"),
+    "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "704caf9e0db28e29"),
     "host": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB"], "980fc98d7420af9f"),
 }
 #: report fields that measure the machine, not the replay

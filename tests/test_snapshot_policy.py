@@ -182,24 +182,34 @@ def test_plan_snapshot(make_manager: MakeManager) -> None:
 
 
 @pytest.mark.parametrize(("policy", "interval_priority"), [("interval", 35), ("auto", 0)])
-def test_auto_gives_interval_snapshots_the_lowest_priority(
+def test_auto_gives_interval_and_prompt_end_snapshots_the_lowest_priority(
     make_manager: MakeManager, policy: str, interval_priority: int
 ) -> None:
-    """Without a lower tier too: "auto"'s interval snapshots are evicted before any other snapshot
-    or KV (priority 0); the prompt's last block keeps the callback's priority."""
+    """Without a lower tier too: "auto"'s interval snapshots and its prompt's last block (usually
+    in the prompt's own unique suffix) are evicted before any other snapshot or KV (priority 0);
+    positions known to be shared (a branch point, demand, the engine's ``plan_snapshot``: a
+    conversation's next turn) keep the callback's priority."""
     m = make_manager(hybrid_layers(), T, quota=16 << 20, ssm_snapshot_policy=policy, ssm_reuse_interval=64)
-    run(m, FakeEngine(m), toks(1, 300))
+    engine = FakeEngine(m)
+    run(m, engine, toks(1, 300))
+    prompt = toks(2, 100)
+    kv = m.create_kv_cache(input_tokens=prompt)
+    kv.plan_snapshot(190)  # prompt + output: 160
+    prefill(engine, kv, prompt, 100)
+    decode(engine, kv, prompt + toks(3, 80), 170)
+    kv.close()
+    m.check_invariants()
     g = state_group(m)
-    priorities = {
-        (node.ordinal + 1) * T: page.priority for node in m._tree.nodes() if (page := node.page(g)) is not None
-    }
-    assert priorities == {
-        64: interval_priority,
-        128: interval_priority,
-        192: interval_priority,
-        256: interval_priority,
-        288: 35,
-    }
+    priorities = sorted(
+        ((node.ordinal + 1) * T, page.priority) for node in m._tree.nodes() if (page := node.page(g)) is not None
+    )
+    low = interval_priority
+    planned = [(160, 35)] if policy == "auto" else []  # "interval" ignores plan_snapshot
+    # the first request: 64 .. 256 and its prompt's last block 288; the second: 64, 128 (decoded),
+    # its prompt's last block 96 and the planned 160
+    assert priorities == sorted(
+        [(64, low), (128, low), (192, low), (256, low), (288, low), (64, low), (96, low), (128, low), *planned]
+    )
 
 
 def snapshot_levels(m: KVCacheManager) -> dict[int, int]:

@@ -15,7 +15,7 @@ from .._page import Page
 from .._reuse._keys import chain_token_keys
 from ._request_state import RequestState
 from ._retention import retain_new_pages
-from ._snapshot_plan import count_snapshots
+from ._snapshot_plan import SNAPSHOT_LAST, count_snapshots
 
 #: bound once: mypyc looks a module's attribute up at every call (hot: once or twice per block)
 _untrack: Final = rawref.untrack
@@ -86,7 +86,11 @@ def snapshot_priorities_at(state: RequestState, end: int) -> list[Priority] | No
     if end % tokens_per_block != 0 or state._history > end or not is_snapshot_position(state, end):
         return None
     periodic = state._ctx.periodic_priority
-    if periodic >= 0 and end not in state._snapshot_kinds:
+    # "auto": the interval snapshots at the periodic priority; without a tier below the GPU (where
+    # they would go) the prompt's last full block too, which usually lies in the prompt's own unique
+    # suffix; positions planned from a match or by the engine keep the request's priority
+    kind = state._snapshot_kinds.get(end, -1)
+    if periodic >= 0 and (kind == -1 or (kind == SNAPSHOT_LAST and state._ctx.periodic_level == 0)):
         return [Priority(periodic)] * len(state._ctx.state_layer_groups)
     return [
         state._priorities(layer_group, [end // tokens_per_block - 1])[0]

@@ -15,6 +15,7 @@ from typing import NoReturn
 
 from .._common import BAD_PAGE_INDEX, KVCacheStatus, LayerGroupId
 from .._page import GARBAGE_PRIORITY, LISTED_DROPPABLE, LISTED_HELD, NO_EXPIRY, NOT_LISTED, Page
+from .._reuse._node import Node
 from .._reuse._tree import ReuseTree
 from .._storage._storage_manager import StorageManager
 from ._block_table import BlockTable
@@ -136,6 +137,7 @@ def _check_tree(tree: ReuseTree, caches: list[KVCache], census: _Census) -> None
             _fail(f"tree node at ordinal {node.ordinal} counts {node.num_extenders} extending requests")
         if node.is_removable:
             _fail(f"tree node at ordinal {node.ordinal} has no pages, children or extenders but was kept")
+        _check_value(tree, node)
         for layer_group, r in enumerate(node.pages):
             if r is None:
                 continue
@@ -148,6 +150,29 @@ def _check_tree(tree: ReuseTree, caches: list[KVCache], census: _Census) -> None
             census.pages[id(p)] = p
             if p.num_locks == 0 and p.num_holds == 0 and not p.pin_held and id(p) not in census.evictable:
                 _fail(f"unowned tree page {p.slot} (ordinal {node.ordinal}) is not evictable")
+
+
+def _check_value(tree: ReuseTree, node: Node) -> None:
+    """A hybrid model's node counts its own complete snapshot and its children reaching one
+    (``snapshot_reach``); its KV is low-value exactly when it reaches none, its snapshot pages when
+    incomplete. No page is low-value in other models."""
+    state_groups = tree.state_groups
+    complete = bool(state_groups) and node.holds_pages(state_groups)
+    reach = int(complete) + sum(1 for child in node.children() if child.snapshot_reach > 0) if state_groups else 0
+    if node.snapshot_reach != reach:
+        _fail(f"tree node at ordinal {node.ordinal} counts snapshot reach {node.snapshot_reach}, not {reach}")
+    for layer_group, r in enumerate(node.pages):
+        p = r() if r is not None else None
+        if p is None:
+            continue
+        if not state_groups:
+            low = False
+        elif layer_group in state_groups:
+            low = not complete
+        else:
+            low = reach == 0
+        if p.low_value != low:
+            _fail(f"page {p.slot} (ordinal {node.ordinal}, layer group {layer_group}) is low-value: {p.low_value}")
 
 
 def _check_pages(storage: StorageManager, census: _Census) -> _PageCounts:
@@ -171,6 +196,8 @@ def _check_pages(storage: StorageManager, census: _Census) -> _PageCounts:
             )
         if p.level != p.storage.level or storage.levels[p.level].items[p.storage.index] is not p.storage:
             _fail(f"page {p.slot} says level {p.level} but lives in storage of level {p.storage.level}")
+        if p.node is None and p.low_value:
+            _fail(f"page {p.slot} is in no tree but low-value")
         if (key in evictable) != (p.in_evictor != NOT_LISTED):
             _fail(f"page {p.slot} at level {p.level} thinks it is listed ({p.in_evictor}) but is not, or the reverse")
         if p.lost:

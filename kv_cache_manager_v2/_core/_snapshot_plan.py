@@ -23,6 +23,9 @@ SNAPSHOT_BRANCH: Final = 1
 SNAPSHOT_LAST: Final = 2
 #: the attention match's end, at least one interval past the hybrid match
 SNAPSHOT_DEMAND: Final = 3
+#: a position the engine planned (``KVCache.plan_snapshot``: prompt + output, a conversation's
+#: next turn starts there); counted as "last"
+SNAPSHOT_HISTORY: Final = 4
 
 
 def plan_snapshots(
@@ -53,9 +56,9 @@ def plan_snapshots(
     if ctx.plans_branches and attention_blocks > reused_blocks:
         end = attention_blocks * t
         if branches:
-            kinds.setdefault(end, SNAPSHOT_BRANCH)
+            kinds[end] = SNAPSHOT_BRANCH  # (also at the prompt's last block: a later request stops there)
         elif end - reused_blocks * t >= ctx.snapshot_interval:
-            kinds.setdefault(end, SNAPSHOT_DEMAND)
+            kinds[end] = SNAPSHOT_DEMAND
     state._snapshot_kinds = kinds
     state._snapshot_positions = sorted(kinds)
 
@@ -63,8 +66,8 @@ def plan_snapshots(
 def add_snapshot_position(state: RequestState, position: int) -> None:
     """Keep the state at ``position`` too (``KVCache.plan_snapshot``; counted as "last")."""
     kinds = state._snapshot_kinds
-    if position not in kinds:
-        kinds[position] = SNAPSHOT_LAST
+    if kinds.get(position, SNAPSHOT_LAST) == SNAPSHOT_LAST:
+        kinds[position] = SNAPSHOT_HISTORY
         state._snapshot_positions = sorted(kinds)
 
 
@@ -74,7 +77,7 @@ def count_snapshots(state: RequestState, position: int, count: int) -> None:
     kind = state._snapshot_kinds.get(position, SNAPSHOT_INTERVAL)
     if kind == SNAPSHOT_BRANCH:
         stats.snapshots_branch += count
-    elif kind == SNAPSHOT_LAST:
+    elif kind in (SNAPSHOT_LAST, SNAPSHOT_HISTORY):
         stats.snapshots_last += count
     elif kind == SNAPSHOT_DEMAND:
         stats.snapshots_demand += count

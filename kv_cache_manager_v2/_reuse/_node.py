@@ -142,6 +142,7 @@ class Node:
         "parent",
         "prio_cap",
         "scope",
+        "snapshot_reach",
         "tokens",
     )
 
@@ -166,6 +167,9 @@ class Node:
         self.num_extenders = 0
         #: no page of this node or below it evicts after an anchor page of this node or above it
         self.prio_cap: Priority = parent.prio_cap if parent is not None else MAX_PRIORITY
+        #: hybrid models: 1 if the block holds a snapshot of every state group, plus its children
+        #: whose ``snapshot_reach`` is positive (0: no match can end at or below it: its KV is useless)
+        self.snapshot_reach = 0
         #: the scope's ``(lora_id, salt)`` (set on roots, inherited; a persistent disk tier records it)
         self.scope: tuple[int | None, int | None] | None = parent.scope if parent is not None else None
         _untrack(self)

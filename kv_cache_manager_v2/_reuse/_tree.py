@@ -254,12 +254,49 @@ class ReuseTree(PageDropListener):
         history = page.storage.history
         if history is not None:
             history.use(page, serial, False)
+        if self.state_groups:
+            self._value_attached(node, page)
         sink = self.event_sink
         if sink is not None:
             sink.block_stored(_event(sink, node, layer_group, page, NOT_MOVED))
         wt = self.write_through
         if wt is not None and len(node.tokens) == self.tokens_per_block and not page.remote_copy:
             wt.queue_write_through(page)
+
+    # ------------------------------------------------------------------ value (hybrid models)
+    def _value_attached(self, node: Node, page: Page) -> None:
+        """Value a page just attached to ``node``: KV is low-value while no match can end at or
+        below its block; a snapshot completing the block's reaches the ancestors (``_reach``)."""
+        if not self.layer_groups.items[page.layer_group].keeps_live_state:
+            page.set_low_value(node.snapshot_reach == 0)
+        elif node.holds_pages(self.state_groups):
+            self._reach(node, 1)
+        else:
+            page.set_low_value(True)  # the block's snapshot is incomplete so far: no match ends here
+
+    def _reach(self, node: Node, delta: int) -> None:
+        """``node.snapshot_reach`` changes by ``delta`` (its own snapshot came or went, or a child
+        started or stopped reaching one; its snapshot pages are low-value while incomplete): when a
+        node starts or stops reaching a snapshot its KV is revalued and its parent told, and so on up."""
+        state_groups = self.state_groups
+        incomplete = not node.holds_pages(state_groups)
+        for layer_group in state_groups:
+            page = node.page(layer_group)
+            if page is not None:
+                page.set_low_value(incomplete)
+        n = node
+        while True:
+            before = n.snapshot_reach
+            after = before + delta
+            n.snapshot_reach = after
+            parent = n.parent
+            if (before > 0) == (after > 0) or parent is None:
+                return
+            for layer_group in self.partial_groups:
+                page = n.page(layer_group)
+                if page is not None:
+                    page.set_low_value(after == 0)
+            n = parent
 
     # ------------------------------------------------------------------ removal
     def page_dropped(self, page: Page) -> None:
@@ -268,11 +305,15 @@ class ReuseTree(PageDropListener):
             return
         node = cast(Node, page.node)
         layer_group = page.layer_group
+        policy = self.layer_groups.items[layer_group]
+        had_snapshot = policy.keeps_live_state and node.holds_pages(self.state_groups)
+        page.set_low_value(False)
         page.node = None
         node.pages[layer_group] = None
-        policy = self.layer_groups.items[layer_group]
         if policy.keeps_live_state:
             self._snapshot_left(node, layer_group)
+            if had_snapshot:
+                self._reach(node, -1)
         sink = self.event_sink
         if sink is not None:
             sink.block_removed(node.key, layer_group, page.level)
@@ -290,6 +331,8 @@ class ReuseTree(PageDropListener):
         parent = node.parent
         if parent is not None:
             parent.remove_child(node)
+            if node.snapshot_reach > 0:
+                self._reach(parent, -1)
             if self.reports_leaves and not parent.has_children:
                 self._became_leaf(parent)
         if node.has_children:
@@ -318,6 +361,7 @@ class ReuseTree(PageDropListener):
                     self._snapshot_left(n, layer_group)
                 if sink is not None:
                     sink.block_removed(n.key, layer_group, p.level)
+                p.set_low_value(False)
                 unused = p.num_locks == 0 and p.num_holds == 0
                 history = p.storage.history
                 if unused and history is not None and not free_unused:

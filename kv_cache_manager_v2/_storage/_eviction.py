@@ -21,6 +21,9 @@ everything:
   drifts to recency order where recency wins (long multi-turn chats at large capacity) and
   stays frequency-driven where popularity wins. O(log n) per operation, O(1) for pages of
   rate 0 (most of them).
+
+Within a priority, under both, pages the reuse tree marks ``low_value`` go first (hybrid models:
+KV past the deepest snapshot on its path, which no match can use, and incomplete snapshots).
 """
 
 from __future__ import annotations
@@ -35,15 +38,25 @@ from ._use_history import AGING_ON, UseHistory
 PARKED: Final = -2
 IN_FIFO: Final = -3
 
+#: Frequency policy: the value of a low-value page (``Page.low_value``): below every other
+#: (values are >= 0), so it goes first of its class, the earliest listed first
+LOW_VALUE_KEY: Final = -1.0
+
 #: Frequency policy: the rate's damping ``tau``, in cache sizes of block uses (15 x the level's slots).
 TAU_SLOTS: Final = 15
 
 
-class LruEvictor(Evictor):
-    """Lowest priority first, least recently released first within a priority.
+def _lru_list(page: Page) -> int:
+    """The LRU list of ``page``: two per priority (its low-value pages first), garbage's first."""
+    return 2 * (page.priority + 1) + (0 if page.low_value else 1)
 
-    One intrusive doubly linked list per priority (``Page.lru_prev`` / ``lru_next``), plus one
-    for garbage ahead of priority 0, and a bit mask of the non-empty lists, so add, remove and
+
+class LruEvictor(Evictor):
+    """Lowest priority first, low-value pages first within a priority (``Page.low_value``), least
+    recently released first within those.
+
+    One intrusive doubly linked list per priority and value (``Page.lru_prev`` / ``lru_next``),
+    the garbage's ahead of priority 0, and a bit mask of the non-empty lists, so add, remove and
     pick-victim allocate nothing.
     """
 
@@ -51,15 +64,15 @@ class LruEvictor(Evictor):
 
     def __init__(self) -> None:
         super().__init__()
-        # list i holds priority i - 1: list 0 is garbage
-        self._heads: list[Page | None] = [None] * (MAX_PRIORITY + 2)  # oldest
-        self._tails: list[Page | None] = [None] * (MAX_PRIORITY + 2)  # newest
+        # lists 2i and 2i + 1 hold priority i - 1 (low value, the rest): lists 0 and 1 are garbage
+        self._heads: list[Page | None] = [None] * (2 * MAX_PRIORITY + 4)  # oldest
+        self._tails: list[Page | None] = [None] * (2 * MAX_PRIORITY + 4)  # newest
         self._nonempty = 0  # bit i set: list i has pages
 
     def add(self, page: Page) -> None:
-        """List ``page`` as the newest of its priority (HELD if it has holders, else DROPPABLE)."""
+        """List ``page`` as the newest of its priority and value (HELD if it has holders, else DROPPABLE)."""
         self._listed(page)
-        i = page.priority + 1
+        i = _lru_list(page)
         tail = self._tails[i]
         page.lru_prev = tail
         page.lru_next = None
@@ -72,7 +85,7 @@ class LruEvictor(Evictor):
 
     def remove(self, page: Page) -> None:
         self._unlisted(page)
-        i = page.priority + 1
+        i = _lru_list(page)
         prev = page.lru_prev
         nxt = page.lru_next
         if prev is None:
@@ -130,12 +143,12 @@ class LruEvictor(Evictor):
             prev: Page | None = None
             page = self._heads[i]
             while page is not None:
-                if page.lru_prev is not prev or page.priority + 1 != i:
-                    return f"LRU list {i - 1}: broken back link or a page of priority {page.priority}"
+                if page.lru_prev is not prev or _lru_list(page) != i:
+                    return f"LRU list {i}: broken back link or a page of priority {page.priority} (low value: {page.low_value})"
                 prev = page
                 page = page.lru_next
             if self._tails[i] is not prev or bool(self._nonempty >> i & 1) != (prev is not None):
-                return f"LRU list {i - 1}: tail or non-empty bit out of date"
+                return f"LRU list {i}: tail or non-empty bit out of date"
         return None
 
 
@@ -164,7 +177,8 @@ def _before(a: Page, b: Page) -> bool:
 
 
 class FrequencyEvictor(Evictor):
-    """Lowest priority first; within a priority, lowest use-rate value first (see the module).
+    """Lowest priority first; within a priority, low-value pages (``Page.low_value``) first, then
+    lowest use-rate value first (see the module).
 
     Per priority (and garbage) a :class:`_Class`; a bit mask of the non-empty ones. A page's
     value is fixed when it is listed: ``clock + (uses - 1) / (now - first_use + tau)`` (rate 0
@@ -209,14 +223,16 @@ class FrequencyEvictor(Evictor):
         history = self._history
         node = page.node
         uses = page.uses
-        if uses > 1:
+        if page.low_value:
+            page.ev_key = LOW_VALUE_KEY
+        elif uses > 1:
             page.ev_key = cls.clock + (uses - 1) / (history.now - page.first_use + self._tau)
         else:
             page.ev_key = cls.clock
         if self._parks and page.anchor and node is not None and node.has_children:
             page.ev_pos = PARKED
             cls.parked_head, cls.parked_tail = _append(cls.parked_head, cls.parked_tail, page)
-        elif uses > 1:
+        elif uses > 1 or page.low_value:
             self._push(cls, page)
         else:
             page.ev_pos = IN_FIFO
