@@ -27,10 +27,10 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run import write_results  # noqa: E402
+from run import write_results
 
-import kv_cache_manager_v2 as kvm  # noqa: E402
-from kv_cache_manager_v2._common import CacheLevel, PoolGroupIndex  # noqa: E402
+import kv_cache_manager_v2 as kvm
+from kv_cache_manager_v2._common import CacheLevel, PoolGroupIndex
 
 DEFAULTS = {
     "layers": 8,
@@ -73,18 +73,24 @@ class Mix:
         self.running: list[tuple[Any, list[int], int]] = []  # cache, tokens, decode blocks left
         self.suspended: list[tuple[Any, list[int], int]] = []
         self.serial = 0
+        self.reuse = p["reuse"]
 
     def tokens(self, blocks: int) -> list[int]:
         self.serial += 1
         return [self.serial * 10_000 + i for i in range(blocks * self.t + self.rng.randrange(self.t))]
 
     def admit(self, toks: list[int]) -> Any:
-        kv = self.m.create_kv_cache(None, toks)
+        kv = self.m.create_kv_cache(None, toks if self.reuse else None)
         if not kv.resume() or not kv.resize(len(toks) + 1, kv.history_length):
             kv.close()
             return None
-        kv.commit(toks[kv.history_length :])
+        self.commit(kv, toks[kv.history_length :])
         return kv
+
+    def commit(self, kv: Any, toks: list[int]) -> None:
+        """Commit (the blocks become reusable at close), or not: the slots are freed at close."""
+        if self.reuse:
+            kv.commit(toks)
 
     def step(self) -> None:
         """One scheduler step: admit up to ``running``, one block of decode each, finish some."""
@@ -111,7 +117,7 @@ class Mix:
             if not kv.resize(len(toks) + t + 1, kv.history_length):
                 kv.close()  # no room: it finishes early
                 continue
-            kv.commit(grow)
+            self.commit(kv, grow)
             toks.extend(grow)
             if rng.random() < 0.02 and len(self.suspended) < 4:
                 kv.suspend()
@@ -148,7 +154,7 @@ def trial(m: Any, mix: Mix) -> dict[str, Any]:
         while not kv.resize(len(toks) + t + 1, kv.history_length):
             assert mix.running, "the 100-block request does not fit in the GPU tier"
             mix.running.pop(0)[0].close()  # no room: the oldest finishes first
-        kv.commit(grow)
+        mix.commit(kv, grow)
         toks.extend(grow)
     pages = [p for p in kv.block_table.pages[0] if p is not None][:BLOCKS]
     kv.suspend()
@@ -198,21 +204,14 @@ def trial(m: Any, mix: Mix) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "contiguity_results.json"))
-    ap.add_argument("--label", default="", help="a note stored with the results (e.g. the commit measured)")
-    args = ap.parse_args()
-    p = dict(QUICK if args.quick else DEFAULTS)
+def regime(p: dict[str, int]) -> dict[str, Any]:
+    """The mix, then ``trials`` 100-block requests offloaded and onboarded (50 steps apart)."""
     m = make_manager(p)
-    rng = random.Random(p["seed"])
-    mix = Mix(m, p, rng)
+    mix = Mix(m, p, random.Random(p["seed"]))
     t0 = time.perf_counter()
     while mix.serial < p["requests"]:
         mix.step()
     warm_s = time.perf_counter() - t0
-    gpu_alloc = m._storage.levels[0][0].allocator
     trials = []
     for _ in range(p["trials"]):
         trials.append(trial(m, mix))
@@ -221,19 +220,34 @@ def main() -> None:
     mix.close_all()
     m.shutdown()
     keys = [k for k in trials[0] if k != "bytes"]
-    summary = {k: statistics.mean(float(x[k]) for x in trials) for k in keys}
-    summary["offload_vs_numpy"] = summary["offload_gb_per_s"] / summary["numpy_gb_per_s"]
-    for k, v in summary.items():
-        print(f"{k:24} {v:10.2f}")
-    write_results(
-        args.out,
-        p,
-        [{"scenario": "contiguity", "mean": summary, "trials": trials}],
-        label=args.label,
-        compiled=kvm.compiled,
-        warm_up_s=warm_s,
-        gpu_free_runs_at_end=getattr(gpu_alloc, "num_runs", None),
+    mean = {k: statistics.mean(float(x[k]) for x in trials) for k in keys}
+    mean["offload_vs_numpy"] = mean["offload_gb_per_s"] / mean["numpy_gb_per_s"]
+    return {"mean": mean, "trials": trials, "warm_up_s": warm_s}
+
+
+REGIMES = {
+    "cached": "every block committed: the tiers fill with reusable pages and every allocation evicts",
+    "free": "nothing committed: closed requests free their slots, the free space is what the mix left",
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "contiguity_results.json")
     )
+    ap.add_argument("--label", default="", help="a note stored with the results (e.g. the commit measured)")
+    args = ap.parse_args()
+    p = dict(QUICK if args.quick else DEFAULTS)
+    results = []
+    for name, note in REGIMES.items():
+        r = regime({**p, "reuse": int(name == "cached")})
+        results.append({"scenario": name, "note": note, **r})
+        print(name)
+        for k, v in r["mean"].items():
+            print(f"  {k:24} {v:10.2f}")
+    write_results(args.out, p, results, label=args.label, compiled=kvm.compiled)
 
 
 if __name__ == "__main__":

@@ -213,12 +213,12 @@ class SlotAllocator:
         for s in slots:
             used[s] = 1
         first = -1
-        for s in range(top + 1):
-            if s < top and not used[s]:
+        for i in range(top + 1):
+            if i < top and not used[i]:
                 if first < 0:
-                    first = s
+                    first = i
             elif first >= 0:
-                self._put(first, s - first)
+                self._put(first, i - first)
                 first = -1
         self._note_peak()
 
@@ -285,10 +285,17 @@ class SlotAllocator:
 
 
 def paired_in_order(sources: list[int], slots: list[SlotId]) -> list[SlotId]:
-    """``slots`` (ascending runs, as ``allocate`` returns them) reordered so the lowest source slot
-    gets the first, and so on: consecutive sources land in consecutive slots and their copies
-    merge (eviction lists a request's blocks last first)."""
+    """The target of each source slot: ``slots`` (ascending runs, as ``allocate`` returns them) in
+    the sources' order, except that a stretch of sources in descending consecutive slots (a
+    request's blocks, which eviction lists last first) takes its targets in reverse, so its copies
+    merge too. Keeping the list order elsewhere keeps pages listed together (evicted together
+    later) in consecutive targets."""
     out = list(slots)
-    for k, i in enumerate(sorted(range(len(sources)), key=sources.__getitem__)):
-        out[i] = slots[k]
+    beg = 0
+    n = len(sources)
+    for i in range(1, n + 1):
+        if i == n or sources[i] != sources[i - 1] - 1:
+            if i - beg > 1:
+                out[beg:i] = out[beg:i][::-1]
+            beg = i
     return out
