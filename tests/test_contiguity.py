@@ -50,10 +50,10 @@ def check_runs(a: SlotAllocator, free: set[int]) -> None:
         while s + n in free and s + n < hw:
             n += 1
         want[s] = n
-    assert a._run_len == want
-    assert a._run_first == {f + n - 1: f for f, n in want.items()}
+    assert a._last_of == {f: f + n - 1 for f, n in want.items()}
+    assert a._first_of == {f + n - 1: f for f, n in want.items()}
     for c, runs in enumerate(a._classes):
-        assert all(want[f].bit_length() == c for f in runs)
+        assert all((last - a._first_of[last] + 1).bit_length() == c for last in runs)
         assert bool(runs) == bool(a._nonempty >> c & 1)
     assert sum(len(r) for r in a._classes) == len(want)
     assert a.num_free == len(free) and a.num_used == a.num_slots - len(free)
@@ -135,7 +135,7 @@ def test_allocate_takes_the_smallest_class_that_fits_and_frees_merge() -> None:
         a.free(SlotId(s))
     a.free(SlotId(39))
     a.free(SlotId(44))
-    assert a._run_len == {39: 6}  # merged both ways
+    assert a._last_of == {39: 44}  # merged both ways
     assert a.allocate_one(SlotId(38)) == 39  # continues after the previous block
     assert a.allocate(2, SlotId(50)) == [40, 41]  # 49 and 51 are in use: from a run
     assert a.allocate(2, SlotId(45)) == [43, 44]  # 46 is in use: the end of the run before

@@ -35,11 +35,12 @@ class SlotAllocator:
         self._slot_sizes = slot_sizes
         self._high_water = 0
         self._is_free: bytearray = bytearray(num_slots)
-        #: free runs below the high-water mark: first slot -> length, last slot -> first slot
-        self._run_len: dict[int, int] = {}
-        self._run_first: dict[int, int] = {}
-        #: first slots of the runs per length class ``length.bit_length()``; bit c of
-        #: ``_nonempty`` is set while class c has a run
+        #: free runs below the high-water mark: first slot -> last slot and back
+        self._last_of: dict[int, int] = {}
+        self._first_of: dict[int, int] = {}
+        #: the runs (by last slot, which stays put while a run grows at the front, as releases
+        #: go last block first, or is used from the front) per length class
+        #: ``length.bit_length()``; bit c of ``_nonempty`` is set while class c has a run
         self._classes: list[dict[int, None]] = [{} for _ in range(65)]
         self._nonempty = 0
         self._num_free_below = 0
@@ -58,7 +59,7 @@ class SlotAllocator:
     @property
     def num_runs(self) -> int:
         """Free runs below the high-water mark (a measure of fragmentation)."""
-        return len(self._run_len)
+        return len(self._last_of)
 
     def prepare(self, count: int) -> None:
         """Map the memory ``count`` allocations may need, so they cannot fail later.
@@ -70,48 +71,64 @@ class SlotAllocator:
             self._map(min(self._high_water + rest, self.num_slots))
 
     # ------------------------------------------------------------------ runs
-    def _add_run(self, first: int, length: int) -> None:
-        self._run_len[first] = length
-        self._run_first[first + length - 1] = first
-        c = length.bit_length()
-        self._classes[c][first] = None
+    def _list(self, first: int, last: int) -> None:
+        self._last_of[first] = last
+        self._first_of[last] = first
+        c = (last - first + 1).bit_length()
+        self._classes[c][last] = None
         self._nonempty |= 1 << c
 
-    def _remove_run(self, first: int) -> int:
-        """Unlist the run starting at ``first``; returns its length."""
-        length = self._run_len.pop(first)
-        del self._run_first[first + length - 1]
+    def _unclass(self, last: int, length: int) -> None:
         c = length.bit_length()
         runs = self._classes[c]
-        del runs[first]
+        del runs[last]
         if not runs:
             self._nonempty &= ~(1 << c)
-        return length
 
-    def _take(self, first: int, count: int, out: list[SlotId]) -> None:
-        """Use the first ``count`` slots of the run starting at ``first`` (at least that long)."""
-        length = self._remove_run(first)
-        if length > count:
-            self._add_run(first + count, length - count)
-        self._use(first, count, out)
+    def _reclass(self, last: int, old: int, new: int) -> None:
+        """The run ending at ``last`` is now ``new`` slots long (it was ``old``)."""
+        c = new.bit_length()
+        if c != old.bit_length():
+            self._unclass(last, old)
+            self._classes[c][last] = None
+            self._nonempty |= 1 << c
 
-    def _take_last(self, last: int, count: int, out: list[SlotId]) -> None:
-        """Use the last ``count`` slots of the run ending at ``last`` (at least that long)."""
-        first = self._run_first[last]
-        length = self._remove_run(first)
-        if length > count:
-            self._add_run(first, length - count)
-        self._use(last + 1 - count, count, out)
-
-    def _next_to(self, slot: int, count: int, out: list[SlotId]) -> None:
-        """Up to ``count`` slots of the free run right after ``slot``, else of the one right before."""
-        length = self._run_len.get(slot + 1)
-        if length is not None:
-            self._take(slot + 1, min(length, count), out)
+    def _take(self, first: int, want: int, out: list[SlotId]) -> None:
+        """Use up to ``want`` slots from the front of the run starting at ``first``."""
+        last = self._last_of.pop(first)
+        length = last - first + 1
+        if want >= length:
+            del self._first_of[last]
+            self._unclass(last, length)
+            self._use(first, length, out)
             return
-        first = self._run_first.get(slot - 1)
-        if first is not None:
-            self._take_last(slot - 1, min(slot - first, count), out)
+        self._last_of[first + want] = last  # the run keeps its last slot (its key)
+        self._first_of[last] = first + want
+        self._reclass(last, length, length - want)
+        self._use(first, want, out)
+
+    def _take_last(self, last: int, want: int, out: list[SlotId]) -> None:
+        """Use up to ``want`` slots from the back of the run ending at ``last``."""
+        first = self._first_of.pop(last)
+        length = last - first + 1
+        self._unclass(last, length)
+        if want >= length:
+            del self._last_of[first]
+            self._use(first, length, out)
+            return
+        self._list(first, last - want)
+        self._use(last - want + 1, want, out)
+
+    def _next_to(self, slot: int, want: int, out: list[SlotId]) -> None:
+        """Up to ``want`` slots of the free run right after ``slot`` (in use), else of the one
+        right before."""
+        is_free = self._is_free
+        if slot >= self._high_water or is_free[slot]:
+            return
+        if slot + 1 < self._high_water and is_free[slot + 1]:
+            self._take(slot + 1, want, out)
+        elif slot and is_free[slot - 1]:
+            self._take_last(slot - 1, want, out)
 
     def _use(self, first: int, count: int, out: list[SlotId]) -> None:
         is_free = self._is_free
@@ -127,14 +144,19 @@ class SlotAllocator:
         for s in range(first, first + count):
             is_free[s] = 1
         self._num_free_below += count
-        end = first + count
-        left = self._run_first.get(first - 1)
-        if left is not None:
-            count += self._remove_run(left)
+        last = first + count - 1
+        if first and is_free[first - 1]:  # a run ends right before
+            left = self._first_of.pop(first - 1)
+            del self._last_of[left]
+            self._unclass(first - 1, first - left)
             first = left
-        if end in self._run_len:
-            count += self._remove_run(end)
-        self._add_run(first, count)
+        if last + 1 < self._high_water and is_free[last + 1]:  # a run starts right after: it grows
+            end = self._last_of.pop(last + 1)
+            self._last_of[first] = end
+            self._first_of[end] = first
+            self._reclass(end, end - last, end - first + 1)
+        else:
+            self._list(first, last)
 
     def _fit(self, count: int) -> int:
         """First slot of a free run to take ``count`` slots from: a run of the smallest length class
@@ -144,14 +166,15 @@ class SlotAllocator:
         above = self._nonempty >> c
         if above:
             runs = self._classes[c + (above & -above).bit_length() - 1]
-            return next(reversed(runs))
+            return self._first_of[next(reversed(runs))]
         if c > 1 and self._nonempty >> (c - 1) & 1:
-            for probes, first in enumerate(reversed(self._classes[c - 1])):
-                if self._run_len[first] >= count:
+            for probes, last in enumerate(reversed(self._classes[c - 1])):
+                first = self._first_of[last]
+                if last - first + 1 >= count:
                     return first
                 if probes + 1 == FIT_PROBES:
                     break
-        return next(reversed(self._classes[self._nonempty.bit_length() - 1]))
+        return self._first_of[next(reversed(self._classes[self._nonempty.bit_length() - 1]))]
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, count: int, after: int = -1) -> list[SlotId]:
@@ -167,8 +190,7 @@ class SlotAllocator:
             self._next_to(after, count, out)
         while len(out) < count:
             need = count - len(out)
-            first = self._fit(need)
-            self._take(first, min(self._run_len[first], need), out)
+            self._take(self._fit(need), need, out)
         self._note_peak()
         return out
 
@@ -225,19 +247,19 @@ class SlotAllocator:
     def allocate_below(self, limit: int, count: int) -> list[SlotId]:
         """``count`` free slots below ``limit``, lowest first (compaction before a shrink); raises
         ``LogicError`` (changing nothing) if there are fewer."""
-        firsts = sorted(f for f in self._run_len if f < limit)
-        have = sum(min(self._run_len[f], limit - f) for f in firsts)
+        firsts = sorted(f for f in self._last_of if f < limit)
+        have = sum(min(self._last_of[f] + 1, limit) - f for f in firsts)
         rest = count - have
         if rest > 0:
             if self._high_water + rest > limit:
                 raise LogicError(f"slot allocator: {count} free slots below {limit} requested, fewer exist")
             self._grow(self._high_water + rest)  # first: if mapping fails, nothing has changed
-            firsts = sorted(f for f in self._run_len if f < limit)
+            firsts = sorted(f for f in self._last_of if f < limit)
         out: list[SlotId] = []
         for f in firsts:
             if len(out) == count:
                 break
-            self._take(f, min(self._run_len[f], limit - f, count - len(out)), out)
+            self._take(f, min(limit - f, count - len(out)), out)
         self._note_peak()
         return out
 
@@ -251,11 +273,13 @@ class SlotAllocator:
             if not self._is_free[s]:
                 raise LogicError(f"slot allocator: cannot shrink to {num_slots} slots, slot {s} is in use")
         if self._high_water > num_slots:
-            first = self._run_first[self._high_water - 1]  # one free run covers [num_slots, high water)
-            length = self._remove_run(first)
-            self._num_free_below -= length
+            last = self._high_water - 1
+            first = self._first_of.pop(last)  # one free run covers [num_slots, high water)
+            del self._last_of[first]
+            self._unclass(last, last - first + 1)
+            self._num_free_below -= last - first + 1
             if first < num_slots:
-                self._add_run(first, num_slots - first)
+                self._list(first, num_slots - 1)
                 self._num_free_below += num_slots - first
             self._high_water = num_slots
         del self._is_free[num_slots:]
