@@ -4,16 +4,18 @@ host -> host offload bandwidth against a plain memcpy of the same bytes.
     python benchmarks/contiguity.py            # JSON to benchmarks/contiguity_results.json
     python benchmarks/contiguity.py --quick
 
-A long random mix of requests (shared prefixes, prompts of 1-48 blocks, up to 16 running, decode
-of up to 64 blocks each, some suspended and resumed later) fills a GPU pool and a host tier with
-reusable pages, as a serving engine's cache looks after a while. Then a 100-block request (a
-64-block prompt, 36 blocks of decode while the others keep decoding) is suspended and its pages
-go down to the host tier through the eviction cascade's own path (``_place``: room made there,
-targets allocated, one batch of copies), and come back with ``resume``. The copy engine's
-``num_runs`` counts the copies issued (one per run of consecutive slots per pool): pages per run
-is pages x pools / runs (1 = no merging). The host backend stands in for the GPU (both tiers in
-host memory), so the offload is a host -> host copy; it is timed again on the same slot pairs
-and compared with one ``numpy.copyto`` of the same number of bytes.
+A long random mix of requests (shared prefixes, prompts of 8-96 blocks, up to 16 running, one
+block of decode per step up to 8 each, some suspended and resumed later) runs on a GPU pool and a
+host tier, in two regimes: ``cached`` (every block committed: the tiers fill with reusable pages
+and every allocation evicts, so new pages take exactly the victims' slots) and ``free`` (nothing
+committed: a closed request frees its slots and the free space is what the mix left). Then a
+100-block request (a 96-block prompt and 4 blocks of decode while the others keep decoding) is
+suspended, its pages go down to the host tier through the eviction cascade's own path
+(``_place``: room made there, targets allocated, one batch of copies), and come back with
+``resume``. The copy engine's ``num_runs`` counts the copies issued (one per run of consecutive
+slots per pool): pages per run is pages x pools / copies (1 = nothing merged). The host backend
+stands in for the GPU (both tiers in host memory), so the offload is a host -> host copy; it is
+timed again on the same slot pairs, interleaved with one ``numpy.copyto`` of as many bytes.
 """
 
 from __future__ import annotations
