@@ -241,6 +241,18 @@ def test_offload_and_onboard_merge_their_copies(make_manager: MakeManager) -> No
     assert copier.num_runs - before <= fewest * pools
     assert runs_of(sorted(p.slot for p in pages)) <= fewest
     engine.check_all(kv, toks, len(toks))
+    runs_now = runs_of(sorted(p.slot for p in pages))
+    kv.close()  # reusable now, listed for eviction last block first
+    before = copier.num_runs
+    filler = m.create_kv_cache()
+    assert filler.resume()
+    assert filler.resize((gpu_pool.allocator.num_free + len(pages)) * T)
+    assert all(p.level == HOST for p in pages)
+    assert copier.num_runs - before == runs_now * pools
+    filler.close()
+    kv = m.create_kv_cache(None, toks)
+    assert kv.resume() and kv.history_length == len(toks)  # onboarded from the host
+    engine.check_all(kv, toks, len(toks))
     for other in [*others, kv]:
         other.close()
 
