@@ -20,12 +20,15 @@ PACKAGE = "kv_cache_manager_v2"
 #: ``metrics.py``: runs only when Prometheus scrapes, on prometheus-client (optional extra, plain Python).
 #: The simulator's presentation: ``sim/__main__.py`` (``python -m`` needs a code object), ``sim/_cli.py``
 #: (argparse, optional tqdm) and ``sim/_plot.py`` (matplotlib, untyped); the replay loop they drive is compiled.
+#: The package's ``__init__.py``: re-exports only, and mypyc drops docstrings (its map is what ``help()`` shows).
 NOT_COMPILED = (
+    "kv_cache_manager_v2/__init__.py",
     "kv_cache_manager_v2/events/",
     "kv_cache_manager_v2/metrics.py",
     "kv_cache_manager_v2/sim/__main__.py",
     "kv_cache_manager_v2/sim/_cli.py",
     "kv_cache_manager_v2/sim/_plot.py",
+    "kv_cache_manager_v2/sim/_run.py",
 )
 
 

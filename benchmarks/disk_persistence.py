@@ -39,7 +39,8 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import run as bench  # noqa: E402  (benchmarks/run.py: the fast copy, the build, the trace)
+import bench_common  # noqa: E402  (the trace)
+import run as bench  # noqa: E402  (benchmarks/run.py: the fast copy, the build)
 
 SCENARIOS = ["checksum", "index_load", "restart_hit_rate"]
 DEFAULTS = dict(checksum_mib=256, index_pages=60_000, trace_requests=0, restart_percent=50, gpu_tokens=1_000_000)
@@ -177,7 +178,7 @@ def _replay(m: Any, reqs: list[dict[str, Any]]) -> tuple[int, int]:
     hit0, miss0 = st.reused_blocks, st.missed_blocks
     for r in reqs:
         n = r["input_length"]
-        prompt = array("I", bench._trace_prompt(r))
+        prompt = array("I", bench_common._trace_prompt(r))
         kv = m.create_kv_cache(input_tokens=prompt[:-1])
         if kv.resume() and kv.resize(n):
             kv.commit(prompt[kv.history_length :])
@@ -188,12 +189,11 @@ def _replay(m: Any, reqs: list[dict[str, Any]]) -> tuple[int, int]:
 
 
 def scenario_restart_hit_rate(p: dict[str, int]) -> dict[str, Any]:
-    trace = os.environ.get("KVCM_BENCH_TRACE", bench.TRACE)
+    trace = os.environ.get("KVCM_BENCH_TRACE", bench_common.TRACE)
     if not os.path.exists(trace):
         return {"unit": "ratio", "samples": [0.0], "note": f"trace not found at {trace} (--trace PATH)"}
-    bench.TRACE = trace
     t = 512  # the trace's hash blocks: one block per hash id
-    reqs = bench._trace(p["trace_requests"])
+    reqs = bench_common._trace(p["trace_requests"], trace)
     cut = len(reqs) * p["restart_percent"] // 100
     gpu_slots = p["gpu_tokens"] // t
     disk_slots = 3 * gpu_slots
@@ -242,7 +242,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", choices=SCENARIOS, default=SCENARIOS)
     ap.add_argument("--modes", nargs="*", choices=["fast", "compiled"], default=["fast", "compiled"])
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--trace", default=bench.TRACE, help="the Mooncake trace (JSONL) for restart_hit_rate")
+    ap.add_argument("--trace", default=bench_common.TRACE, help="the Mooncake trace (JSONL) for restart_hit_rate")
     ap.add_argument("--out", default=os.path.join(bench.ROOT, "bench_results", "disk_persistence.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--params", help=argparse.SUPPRESS)

@@ -35,6 +35,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import bench_common  # noqa: E402  (the benchmark manager)
 import run as bench  # noqa: E402  (benchmarks/run.py: the fast copy, the build, the decode/admission scenarios)
 
 POLICIES = ["lru", "frequency"]
@@ -46,7 +47,7 @@ T = 32
 
 def _listed_pages(policy: str, n: int) -> tuple[Any, Any, list[Any]]:
     """A manager whose GPU evictor lists ``n`` reusable one-block pages (uses 1..8 under frequency)."""
-    m = bench._manager(1, T, n, eviction_policy=policy)
+    m = bench_common._manager(1, T, n, eviction_policy=policy)
     for r in range(n):
         kv = m.create_kv_cache()
         kv.resume()
@@ -99,7 +100,7 @@ def scenario_victim(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def scenario_churn(p: dict[str, Any]) -> dict[str, Any]:
-    m = bench._manager(1, T, p["churn_slots"], eviction_policy=p["policy"])
+    m = bench_common._manager(1, T, p["churn_slots"], eviction_policy=p["policy"])
     rng = random.Random(3)
     weights = [1.0 / (k + 1) for k in range(256)]
     prefixes = rng.choices(range(256), weights, k=p["churn_requests"])
@@ -127,15 +128,11 @@ def scenario_churn(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def _with_policy(name: str, p: dict[str, Any]) -> dict[str, Any]:
-    orig = bench._manager
-    bench._manager = lambda *a, **kw: orig(*a, eviction_policy=p["policy"], **kw)
+    bench_common.MANAGER_CONFIG["eviction_policy"] = p["policy"]
     try:
-        out: dict[str, Any] = getattr(bench, f"scenario_{name}")(
-            dict(bench.DEFAULTS if not p["quick"] else bench.QUICK)
-        )
+        return bench.scenario(name)(dict(bench.DEFAULTS if not p["quick"] else bench.QUICK))
     finally:
-        bench._manager = orig
-    return out
+        bench_common.MANAGER_CONFIG.clear()
 
 
 def scenario_decode(p: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,42 @@
-"""kv_cache_manager_v2: engine-agnostic paged KV-cache manager for LLM inference.
+"""Engine-agnostic paged KV-cache manager for LLM inference: a map of the package.
 
-The same sources run interpreted (fast mode) or compiled with mypyc (production mode);
-``compiled`` tells which one was imported.
+Main objects
+    KVCacheManager(KVCacheManagerConfig)  one per model: memory tiers (GpuCacheTierConfig,
+        HostCacheTierConfig, DiskCacheTierConfig, RemoteCacheTierConfig), layers
+        (AttentionLayerConfig, SsmLayerConfig of BufferConfig), prefix reuse, eviction
+        (EvictionPolicy), retention the engine controls (RequestRetention of RetentionRange,
+        Retention at close, pin/unpin), hybrid snapshot policy (SnapshotPolicy), statistics
+        (StorageStatistics, TierStatistics, ReuseStatistics).
+    KVCache  one per request (create_kv_cache): its block table, per layer group, of pages
+        that kernels address by index (get_base_page_indices, PageIndexConverter).
+    KVCacheEventManager  block stored / removed / moved events for KV-aware routers.
+    Errors: LogicError (misuse), ValueError / TypeError (bad input), CuError (driver),
+        OutOfMemoryError, OutOfPagesError. Memory shortage in serving returns False instead.
+
+The step cycle of a request
+    kv = manager.create_kv_cache(input_tokens=prompt[:-1])  SUSPENDED, the cached prefix reused
+    kv.resume(stream)            pages locked in GPU memory (False: no room, nothing changed)
+    kv.resize(n)                 room for n tokens; kv.commit(tokens) after the forward pass
+    decode: manager.resize_batch(caches), manager.commit_batch(caches, tokens) each step
+    kv.suspend() under pressure (pages may move down the tiers), kv.close() when done
+    probe_reuse(...) tells how much of a prompt is cached without creating a cache.
+
+Engine adapter
+    kv_cache_manager_v2.engine: KVCacheResourceManager (prepare_resources, update_resources,
+    free_resources per step) over EngineRequest, for engines with a resource-manager loop.
+
+Simulator
+    kv-cache-sim (python -m kv_cache_manager_v2.sim): replays a workload or a Mooncake trace
+    through the engine adapter and reports hit rates by tier, memory and the manager's CPU time.
+
+More: kv_cache_manager_v2.events (ZMQ publisher, KV-aware router), kv_cache_manager_v2.metrics
+(Prometheus). Usage: README.md; how it works, guarantees and the engine contract: docs/design.md.
+
+Constants: BAD_PAGE_INDEX (the index of a block without a page), GPU_LEVEL (cache level 0),
+DEFAULT_PRIORITY (retention priority of blocks), EVICTION_POLICIES (the EvictionPolicy values),
+SNAPSHOT_POLICIES (the SnapshotPolicy values);
+compiled is True when the package runs mypyc-compiled (production mode), False interpreted (fast
+mode). Modules whose names start with an underscore are private.
 """
 
 from __future__ import annotations
@@ -42,6 +77,7 @@ from ._common import (
 )
 from ._config import (
     EVICTION_POLICIES,
+    SNAPSHOT_POLICIES,
     AttentionLayerConfig,
     BatchDesc,
     BufferConfig,
@@ -52,6 +88,7 @@ from ._config import (
     KVCacheDesc,
     KVCacheManagerConfig,
     RemoteCacheTierConfig,
+    SnapshotPolicy,
     SsmLayerConfig,
     SwaScratchReuseConfig,
 )
@@ -70,18 +107,45 @@ from ._events import (
 )
 from ._exceptions import CuError, LogicError, OutOfMemoryError, OutOfPagesError
 from ._page_index import PageIndexConverter
+from ._retention import RequestRetention, Retention, RetentionRange
 
 #: True when the package's modules are mypyc-compiled extension modules (production mode).
-compiled: bool = not str(getattr(_core._kv_cache, "__file__", "")).endswith(".py")
+compiled = not str(getattr(_core._kv_cache, "__file__", "")).endswith(".py")
 
 #: the old name of ``LayerGroupId`` (before "layer group" became the only word), kept for callers
 LifeCycleId = LayerGroupId
+
+#: docstrings of the public id types and aliases (typing objects, documented here, where users meet them)
+_TYPE_DOCS = {
+    "BeamIndex": "Index of a beam of a request (0 to beam_width - 1).",
+    "BlockOrdinal": "Position of a block in a request: token position // tokens_per_block.",
+    "CacheLevel": "Index of a cache tier in KVCacheManagerConfig.cache_tiers (0: GPU, then host, disk, remote).",
+    "EvictionPolicy": "'lru' (least recently released first) or 'frequency' (lowest use rate first).",
+    "SnapshotPolicy": "'interval' (periodic snapshots), 'branch' (where prompts branch, last blocks, demand) or "
+    "'auto' (both; the periodic ones at the lowest priority): which recurrent-state snapshots requests keep.",
+    "LayerGroupId": "Index of a layer group: layers whose blocks are kept and released alike (old name: LifeCycleId).",
+    "LayerId": "Id of a model layer, as given in the layer configs.",
+    "MemAddress": "A device or host memory address (an int).",
+    "PoolGroupIndex": "Index of a pool group: the memory pools of layer groups whose pages have the same sizes.",
+    "PoolIndex": "Index of a pool (one buffer role's memory) in its pool group.",
+    "Priority": "Retention priority of a block: lower is evicted first (DEFAULT_PRIORITY unless set).",
+    "SlotId": "Index of a page slot in a pool group's memory.",
+    "TokenId": "A token id: an int in [0, 2**32).",
+    "TokenIdExt": "A token: a TokenId, or a bytes digest standing for a multimodal item or extra id.",
+}
+for _name, _doc in _TYPE_DOCS.items():
+    _public = globals()[_name]
+    _public.__doc__ = _doc
+    if hasattr(_public, "__supertype__"):  # a NewType: its repr names where users import it from
+        _public.__module__ = __name__
+del _name, _doc, _public
 
 __all__ = [
     "BAD_PAGE_INDEX",
     "DEFAULT_PRIORITY",
     "EVICTION_POLICIES",
     "GPU_LEVEL",
+    "SNAPSHOT_POLICIES",
     "AggregatedPageDesc",
     "AllBlocksClearedEvent",
     "AttentionLayerConfig",
@@ -127,10 +191,14 @@ __all__ = [
     "Priority",
     "RemoteCacheTierConfig",
     "RemoteStatistics",
+    "RequestRetention",
+    "Retention",
+    "RetentionRange",
     "ReuseScope",
     "ReuseStatistics",
     "ScratchDesc",
     "SlotId",
+    "SnapshotPolicy",
     "SsmLayerConfig",
     "StorageStatistics",
     "SwaScratchReuseConfig",

@@ -122,13 +122,27 @@ class StorageStatistics:
     total: int
     free: int
     evictable: int
+    #: pinned pages (never evicted) and pages under retention (a priority until an expiry time, or
+    #: a close-time hint), held or evictable
+    pinned: int = 0
+    retained: int = 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.pinned * sum(self.slot_sizes)
+
+    @property
+    def retained_bytes(self) -> int:
+        return self.retained * sum(self.slot_sizes)
 
     @property
     def available(self) -> int:
+        """Slots a new page can take: free ones plus those of evictable pages."""
         return self.free + self.evictable
 
     @property
     def unavailable(self) -> int:
+        """Slots held by pages in use (total - available)."""
         return self.total - self.available
 
 
@@ -188,6 +202,18 @@ class ReuseStatistics:
     snapshots_skipped: int = 0
     snapshots_reused: int = 0
     snapshots_evicted: int = 0
+    #: hybrid models: input tokens of ``create_kv_cache`` the attention layers alone matched (the
+    #: bound a snapshot at every block would reach; compare with ``reused_tokens``)
+    attention_matched_tokens: int = 0
+    #: snapshots taken by kind: a multiple of the interval or a configured position, where a
+    #: prompt left a cached path (branch), at a prompt's last full block, where the attention
+    #: match exceeded the hybrid one by an interval (demand)
+    snapshots_interval: int = 0
+    snapshots_branch: int = 0
+    snapshots_last: int = 0
+    snapshots_demand: int = 0
+    #: snapshots evicted (of ``snapshots_evicted``) that no match ever took
+    snapshots_evicted_unused: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -7,7 +7,8 @@ bool into an int before ``__post_init__`` could refuse it, and validation is the
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -24,6 +25,9 @@ BACKEND_ENV_VAR = "KV_CACHE_MANAGER_V2_BACKEND"
 #: GreedyDual with a ghost table of evicted blocks' uses; descendants before their anchors).
 EvictionPolicy = Literal["lru", "frequency"]
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "frequency")
+SnapshotPolicy = Literal["interval", "branch", "auto"]
+#: where hybrid models keep recurrent-state snapshots (``ssm_snapshot_policy``)
+SNAPSHOT_POLICIES: tuple[str, ...] = ("interval", "branch", "auto")
 
 
 def _raw(config: object, name: str) -> object:
@@ -48,6 +52,7 @@ class GpuCacheTierConfig:
 
     @property
     def tier(self) -> CacheTier:
+        """The medium this tier keeps pages in."""
         return CacheTier.GPU_MEM
 
 
@@ -63,6 +68,7 @@ class HostCacheTierConfig:
 
     @property
     def tier(self) -> CacheTier:
+        """The medium this tier keeps pages in."""
         return CacheTier.HOST_MEM
 
 
@@ -104,6 +110,7 @@ class DiskCacheTierConfig:
 
     @property
     def tier(self) -> CacheTier:
+        """The medium this tier keeps pages in."""
         return CacheTier.DISK
 
 
@@ -223,6 +230,7 @@ class RemoteCacheTierConfig:
 
     @property
     def tier(self) -> CacheTier:
+        """The medium this tier keeps pages in."""
         return CacheTier.REMOTE
 
     @property
@@ -300,6 +308,7 @@ class AttentionLayerConfig:
 
     @property
     def window_size(self) -> int | None:
+        """Tokens of history the layer attends to (None: all of them)."""
         return self.sliding_window_size
 
 
@@ -326,6 +335,7 @@ class SsmLayerConfig:
 
     @property
     def window_size(self) -> int | None:
+        """None: a recurrent layer keeps one state, not a window of blocks."""
         return None
 
 
@@ -414,9 +424,27 @@ class KVCacheManagerConfig:
     #: tokens (e.g. ``[T]``: the prompt without its last block, for a re-sent prompt whose last
     #: message changed); each a positive multiple of ``tokens_per_block``
     ssm_snapshots_from_end: Sequence[int] = ()
+    #: seconds for retention durations (``Retention``, ``RequestRetention``); a simulator passes its own
+    clock: Callable[[], float] = time.monotonic
+    #: at most this share of each tier's slots (per pool group) may be pinned (``KVCacheManager.pin``)
+    max_pinned_share: float = 0.5
+    #: which recurrent-state snapshots a request keeps (besides the configured positions):
+    #: "interval": every ``ssm_reuse_interval`` tokens and at the prompt's last full block;
+    #: "branch": where the prompt leaves a cached path, at its last full block, and where the
+    #: attention layers matched at least an interval more than the snapshots did (demand);
+    #: "auto": both, the interval snapshots at the lowest priority (evicted first; with a host or
+    #: disk tier, the first pages moved down there)
+    ssm_snapshot_policy: SnapshotPolicy = "auto"
 
     def __post_init__(self) -> None:
         t = check_int("tokens_per_block", _raw(self, "tokens_per_block"))
+        if not callable(self.clock):
+            raise TypeError(f"clock must be a callable returning seconds (like time.monotonic), got {self.clock!r}")
+        s = self.max_pinned_share
+        if type(s) is bool or not isinstance(s, (int, float)):
+            raise TypeError(f"max_pinned_share must be a number, got {s!r}")
+        if not 0.0 <= s <= 1.0:
+            raise ValueError(f"max_pinned_share must be in [0, 1] (a share of each tier's slots), got {s!r}")
         if not is_power_of_two(t):
             raise ValueError(f"tokens_per_block must be a positive power of two, got {t!r}")
         self._validate_tiers()
@@ -450,6 +478,12 @@ class KVCacheManagerConfig:
                     raise ValueError(
                         f"{name} entries must be positive multiples of tokens_per_block ({t}), got {offset}"
                     )
+        check_type("ssm_snapshot_policy", self.ssm_snapshot_policy, str)
+        if self.ssm_snapshot_policy not in SNAPSHOT_POLICIES:
+            raise ValueError(
+                f"ssm_snapshot_policy must be one of {', '.join(map(repr, SNAPSHOT_POLICIES))}, "
+                f"got {self.ssm_snapshot_policy!r}"
+            )
         u = self.max_util_for_resume
         check_type("max_util_for_resume", u, (int, float))
         if not 0.0 < u <= 1.0:

@@ -122,6 +122,7 @@ class BlockStoredEvent(KVCacheEvent):
 
     @property
     def block_hash(self) -> int:
+        """The block's 64-bit hash (see :func:`block_hash`)."""
         return block_hash(self.key)
 
     @property
@@ -136,10 +137,12 @@ class BlockStoredEvent(KVCacheEvent):
 
     @property
     def group_idx(self) -> int:
+        """The layer group's index (as in ``LayerGroupSpec.group_idx``)."""
         return self.group.group_idx
 
     @property
     def is_partial(self) -> bool:
+        """Whether the block holds fewer tokens than a full block (a request's last one)."""
         return len(self.tokens) < self.block_size
 
     def __repr__(self) -> str:
@@ -171,10 +174,12 @@ class BlockRemovedEvent(KVCacheEvent):
 
     @property
     def block_hash(self) -> int:
+        """The block's 64-bit hash (see :func:`block_hash`)."""
         return block_hash(self.key)
 
     @property
     def group_idx(self) -> int:
+        """The layer group's index (as in ``LayerGroupSpec.group_idx``)."""
         return self.group.group_idx
 
     def __repr__(self) -> str:
@@ -238,10 +243,12 @@ class KVCacheEventManager:
 
     @property
     def max_events(self) -> int:
+        """How many events the queue holds before it drops the oldest."""
         return self._max
 
     @property
     def num_pending(self) -> int:
+        """Events recorded and not yet taken."""
         return len(self._queue)
 
     @property

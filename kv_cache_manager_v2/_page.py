@@ -43,6 +43,12 @@ LISTED_HELD: Final = 2
 #: ``Page.ev_pos`` (frequency policy): not in a heap (see ``_eviction.py`` for the other values)
 NOT_IN_HEAP: Final = -1
 
+#: ``Page.expires`` of a page without retention
+NO_EXPIRY: Final = float("inf")
+
+#: ``Page.hint_end`` of a page without a close-time hint
+NO_HINT: Final = -1
+
 #: ``Page.use_serial`` of a page no request has been counted for
 NO_SERIAL: Final = RequestSerial(-1)
 #: bound once: mypyc looks a module's attribute up at every call (hot: once per page)
@@ -192,6 +198,8 @@ class PoolGroupStorage:
         "num_lost",
         "num_offloaded",
         "num_onboarded",
+        "num_pinned",
+        "num_retained",
         "parked",
         "pools",
         "tier",
@@ -235,6 +243,9 @@ class PoolGroupStorage:
         self.num_io_errors = 0
         #: lost pages whose owners have not let go yet
         self.num_lost = 0
+        #: pinned pages here (``_pins.py``), and pages under retention (``_expiry.py``)
+        self.num_pinned = 0
+        self.num_retained = 0
         #: slots beyond ``num_slots`` for the remote tier's writes (the last level only): a dropped
         #: page's slot goes to the writer, which sends the data from there, and a parked slot takes
         #: its place; the allocator counts all of them as used
@@ -301,10 +312,13 @@ class Page:
     __slots__ = (
         "_rawref",
         "anchor",
+        "base_priority",
         "ev_key",
         "ev_pos",
         "ev_seq",
+        "expires",
         "first_use",
+        "hint_end",
         "in_evictor",
         "level",
         "layer_group",
@@ -314,6 +328,7 @@ class Page:
         "node",
         "num_holds",
         "num_locks",
+        "num_pins",
         "priority",
         "remote_copy",
         "slot",
@@ -354,6 +369,15 @@ class Page:
         self.ev_key = 0.0
         self.ev_seq = 0
         self.ev_pos = NOT_IN_HEAP
+        # Retention (``_storage/_expiry.py``): the priority is kept until ``expires`` (clock seconds;
+        # inf: no expiry), then ``base_priority`` again; ``hint_end``: under a close-time hint, the
+        # last block (ordinal) of the hinted history, whose reuse (the conversation continues)
+        # ends the hint; NO_HINT: none
+        self.expires = NO_EXPIRY
+        self.base_priority = priority
+        self.hint_end = NO_HINT
+        #: pins on this page (``_storage/_pins.py``): a pinned page is in no evictor
+        self.num_pins = 0
         _untrack(self)  # see the class docstring
 
     @property
@@ -366,7 +390,7 @@ class Page:
 
     def _list_if_held(self) -> None:
         """List a page that only suspended requests own, above the last level (it may spill down)."""
-        if self.num_locks == 0 and not self.storage.is_last and not self.lost:
+        if self.num_locks == 0 and not self.storage.is_last and not self.lost and not self.num_pins:
             self.storage.evictor.add(self)
 
     def lock_from_hold(self) -> None:
@@ -383,7 +407,8 @@ class Page:
     def _droppable(self) -> None:
         """The last owner of a tree page let go: list it DROPPABLE (the use history hears of it)."""
         storage = self.storage
-        storage.evictor.add(self)
+        if not self.num_pins:
+            storage.evictor.add(self)
         history = storage.history
         if history is not None:
             history.released(self)
@@ -398,7 +423,7 @@ class Page:
             self.num_locks += 1
         else:
             self.num_holds += 1
-            if self.num_locks == 0 and not storage.is_last and not self.lost:
+            if self.num_locks == 0 and not storage.is_last and not self.lost and not self.num_pins:
                 storage.evictor.add(self)
 
     def release(self, locked: bool) -> None:
@@ -437,6 +462,12 @@ class Page:
 
     def relocate(self, storage: PoolGroupStorage, slot: SlotId) -> None:
         """Now at ``slot`` of ``storage`` (the caller copied the data and frees the old slot)."""
+        if self.num_pins:
+            self.storage.num_pinned -= 1
+            storage.num_pinned += 1
+        if self.retained:
+            self.storage.num_retained -= 1
+            storage.num_retained += 1
         self.storage = storage
         self.slot = slot
         self.level = storage.level
@@ -458,13 +489,19 @@ class Page:
 
     def relist(self) -> None:
         """List a page its level's evictor should hold (after a move): DROPPABLE, or HELD above the last level."""
-        if self.num_locks == 0 and not self.lost and (self.num_holds == 0 or not self.storage.is_last):
+        if (
+            self.num_locks == 0
+            and not self.lost
+            and not self.num_pins
+            and (self.num_holds == 0 or not self.storage.is_last)
+        ):
             self.storage.evictor.add(self)
 
     def mark_lost(self) -> None:
         """The data is gone (disk error): free the slot, keep the owners' counts (they drop the page)."""
         if self.in_evictor:
             self.storage.evictor.remove(self)
+        self._unpinned()
         self.storage.allocator.free(self.slot)
         self.slot = SlotId(BAD_PAGE_INDEX)
         self.lost = True
@@ -473,6 +510,21 @@ class Page:
         if r is not None:
             r.invalidate()
             self._rawref = None
+
+    @property
+    def retained(self) -> bool:
+        """Whether the page is under retention (a priority until an expiry time, or a close-time hint)."""
+        return self.expires != NO_EXPIRY or self.hint_end != NO_HINT
+
+    def _unpinned(self) -> None:
+        """The page leaves its slot (freed, lost): its pins and retention go with it."""
+        if self.num_pins:
+            self.num_pins = 0
+            self.storage.num_pinned -= 1
+        if self.retained:
+            self.expires = NO_EXPIRY
+            self.hint_end = NO_HINT
+            self.storage.num_retained -= 1
 
     def __del__(self) -> None:
         # rawref's contract: a target invalidates its ref before it dies. Normally free() did.
@@ -483,6 +535,7 @@ class Page:
     def hand_off(self) -> SlotId:
         """Forget the slot without freeing it (the remote tier's writer sends its data, then the
         storage manager reuses it) and invalidate refs to this page (owners must be gone)."""
+        self._unpinned()
         slot = self.slot
         self.slot = SlotId(BAD_PAGE_INDEX)
         r = self._rawref
@@ -499,6 +552,7 @@ class Page:
             self.lost = False  # the last owner let go of a lost page: nothing to free
             self.storage.num_lost -= 1
             return
+        self._unpinned()
         self.storage.allocator.free(self.slot)
         self.slot = SlotId(BAD_PAGE_INDEX)
         r = self._rawref

@@ -230,16 +230,30 @@ class KVCacheMetricsCollector:
                 ("skipped", r.snapshots_skipped),
                 ("reused", r.snapshots_reused),
                 ("evicted", r.snapshots_evicted),
+                ("evicted_unused", r.snapshots_evicted_unused),
+                ("taken_interval", r.snapshots_interval),
+                ("taken_branch", r.snapshots_branch),
+                ("taken_last", r.snapshots_last),
+                ("taken_demand", r.snapshots_demand),
             ):
                 f.add(
                     "counter",
                     p + "state_snapshots",
-                    "Recurrent-state snapshots taken, skipped for want of room, reused by a match, evicted",
+                    "Recurrent-state snapshots taken (in all, by kind), skipped for want of room, reused by a "
+                    "match, evicted (of which never reused)",
                     lv,
                     [what],
                     n,
                     ("event",),
                 )
+            f.add(
+                "counter",
+                p + "attention_matched_tokens",
+                "Input tokens of create_kv_cache the attention layers alone matched (bound of the hybrid match)",
+                lv,
+                [],
+                r.attention_matched_tokens,
+            )
         f.add(
             "gauge", p + "open_caches", "KVCache objects open (active or suspended requests)", lv, [], m.num_open_caches
         )
@@ -282,6 +296,13 @@ class KVCacheMetricsCollector:
             f.add(
                 "gauge", p + "tier_peak_used_bytes", "Highest bytes in use so far", lv, tl, t.peak_used_bytes, tier_name
             )
+            groups = m.get_storage_statistics(CacheLevel(level)) if tier is not CacheTier.REMOTE else []
+            for what, held in (
+                ("pinned", [g.pinned_bytes for g in groups]),
+                ("retained", [g.retained_bytes for g in groups]),
+            ):
+                doc = f"Bytes of {what} pages in the tier (KVCacheManager.pin; retention with a duration or a hint)"
+                f.add("gauge", f"{p}tier_{what}_bytes", doc, lv, tl, sum(held), tier_name)
             for what, pages, nbytes, doc in (
                 ("offloaded", t.offloaded_pages, t.offloaded_bytes, "evicted into the tier from the one above"),
                 ("onboarded", t.onboarded_pages, t.onboarded_bytes, "copied from the tier to a higher one"),

@@ -3,27 +3,33 @@
 # the mypyc build, and the test suite again compiled.
 #   scripts/test.sh            # everything (what CI runs)
 #   scripts/test.sh fast       # mypy + fast-mode tests only
-#   scripts/test.sh compiled   # build + compiled tests only
+#   scripts/test.sh quick      # the edit-test loop: fast mode, stops at the first failure, last failures first
+#   scripts/test.sh compiled   # build (skipped when up to date) + compiled tests only
 # Extra arguments after the mode go to pytest, e.g. scripts/test.sh fast -k rawref
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 mode="${1:-all}"
 shift || true
 
-run_fast() {
-  python setup_mypyc.py clean_compiled > /dev/null  # compiled modules would shadow the sources
+source "$(dirname "${BASH_SOURCE[0]}")/compiled_build.sh"  # ensure_compiled, stash_compiled
+
+lint_and_types() {
   echo "== ruff (lint + format check), import layering"
   ruff check .
   ruff format --check . > /dev/null || { ruff format --diff . | head -40; exit 1; }
   lint-imports --no-cache > /dev/null || { lint-imports --no-cache | tail -20; exit 1; }
   echo "== mypy --strict"
   mypy
+}
+
+run_fast() {
+  stash_compiled  # compiled modules would shadow the sources
+  lint_and_types
   echo "== tests, fast mode (interpreted)"
   KVCM_EXPECT_COMPILED=0 python -m pytest -q "$@"
 }
 
 run_compiled() {
-  echo "== mypyc build (production mode)"
-  python setup_mypyc.py build_ext --inplace -j 2 > build/mypyc.log 2>&1 || { tail -50 build/mypyc.log; exit 1; }
+  ensure_compiled || exit 1
   echo "== tests, production mode (compiled)"
   KVCM_EXPECT_COMPILED=1 python -m pytest -q "$@"
   if [ $# -eq 0 ]; then
@@ -32,10 +38,10 @@ run_compiled() {
   fi
 }
 
-mkdir -p build
 case "$mode" in
   fast) run_fast "$@" ;;
+  quick) run_fast -x --ff "$@" ;;
   compiled) run_compiled "$@" ;;
   all) run_fast "$@"; run_compiled "$@" ;;
-  *) echo "usage: scripts/test.sh [all|fast|compiled] [pytest args]" >&2; exit 2 ;;
+  *) echo "usage: scripts/test.sh [all|fast|quick|compiled] [pytest args]" >&2; exit 2 ;;
 esac

@@ -16,7 +16,7 @@ def _module_files() -> dict[str, str]:
     for info in pkgutil.walk_packages(kv_cache_manager_v2.__path__, "kv_cache_manager_v2."):
         mod = importlib.import_module(info.name)
         out[info.name] = str(getattr(mod, "__file__", ""))
-    out["kv_cache_manager_v2"] = str(kv_cache_manager_v2.__file__)
+    out["kv_cache_manager_v2.__init__"] = str(kv_cache_manager_v2.__file__)
     return out
 
 
@@ -37,3 +37,75 @@ def test_expected_mode() -> None:
     if expected is None:
         pytest.skip("KVCM_EXPECT_COMPILED not set (scripts/test.sh sets it)")
     assert kv_cache_manager_v2.compiled is (expected == "1")
+
+
+def _sim_sandbox(tmp: str) -> dict[str, str]:
+    """A copy of ``scripts/sim.sh`` and ``scripts/compiled_build.sh`` in ``tmp`` with stand-ins: a
+    ``setup_env.sh`` that puts a fake ``python`` (its mypyc build writes a ``*__mypyc*.so`` and
+    counts itself) and a ``kv-cache-sim`` that says whether a compiled module is in place."""
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.makedirs(os.path.join(tmp, "scripts"))
+    os.makedirs(os.path.join(tmp, "bin"))
+    os.makedirs(os.path.join(tmp, "kv_cache_manager_v2"))
+    for name in ("sim.sh", "compiled_build.sh"):
+        shutil.copy(os.path.join(root, "scripts", name), os.path.join(tmp, "scripts", name))
+    with open(os.path.join(tmp, "kv_cache_manager_v2", "mod.py"), "w") as f:
+        f.write("x = 1\n")
+    with open(os.path.join(tmp, "setup_mypyc.py"), "w") as f:
+        f.write("")
+    with open(os.path.join(tmp, "scripts", "setup_env.sh"), "w") as f:
+        f.write('set -euo pipefail\nROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"\ncd "$ROOT"\n')
+        f.write('export PATH="$ROOT/bin:$PATH"\n')
+    scripts = {
+        "python": '#!/bin/bash\nif [ "$1" = -c ]; then echo 1; exit 0; fi\necho build >> builds.log\n'
+        "echo \"building 'x__mypyc' extension\"\ntouch x__mypyc.so\n",
+        "kv-cache-sim": "#!/bin/bash\nif ls *__mypyc*.so >/dev/null 2>&1; then echo sim compiled; else echo sim interpreted; fi\n",
+    }
+    for name, text in scripts.items():
+        path = os.path.join(tmp, "bin", name)
+        with open(path, "w") as f:
+            f.write(text)
+        os.chmod(path, 0o755)
+    return dict(os.environ, PATH=os.environ.get("PATH", ""))
+
+
+def test_sim_script_runs_on_the_compiled_core(tmp_path: object) -> None:
+    """``scripts/sim.sh`` builds the compiled core on its first run (progress shown), skips the
+    build while no source changed, and runs interpreted with ``KVCM_SIM_INTERPRETED=1``."""
+    import subprocess
+
+    tmp = str(tmp_path)
+    env = _sim_sandbox(tmp)
+
+    def sim(**extra: str) -> str:
+        r = subprocess.run(["bash", "scripts/sim.sh"], cwd=tmp, env={**env, **extra}, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return r.stdout + r.stderr
+
+    def builds() -> int:
+        path = os.path.join(tmp, "builds.log")
+        if not os.path.exists(path):
+            return 0
+        with open(path) as f:
+            return len(f.read().split())
+
+    first = sim()
+    assert "sim compiled" in first and "mypyc build" in first and "compiling the shared unit" in first, first
+    assert builds() == 1
+    assert "sim compiled" in sim() and builds() == 1  # up to date: no second build
+    assert "sim interpreted" in sim(KVCM_SIM_INTERPRETED="1") and builds() == 1
+    assert "sim compiled" in sim() and builds() == 1  # the stashed build comes back
+    later = os.path.getmtime(os.path.join(tmp, "build", "mypyc.stamp")) + 10
+    os.utime(os.path.join(tmp, "kv_cache_manager_v2", "mod.py"), (later, later))
+    assert "sim compiled" in sim() and builds() == 2  # a source changed: built again
+
+
+def test_test_script_shares_the_build() -> None:
+    """``scripts/test.sh`` and ``scripts/sim.sh`` use one build script (stamp, stash, progress)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in ("test.sh", "sim.sh"):
+        with open(os.path.join(root, "scripts", name)) as f:
+            text = f.read()
+        assert "compiled_build.sh" in text and "setup_mypyc.py build_ext" not in text, name

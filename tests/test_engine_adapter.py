@@ -862,3 +862,27 @@ def test_round4_needed_to_completion_counts_no_held_live_state(
     assert a.get_needed_resource_to_completion_per_pool_group(r) == [0, 0]
     r.state = RequestState.FINISHED
     a.free_resources(r)
+
+
+def test_an_array_prompt_is_committed_in_slices_and_reused_by_a_list_prompt(
+    make_adapter: Callable[..., KVCacheResourceManager],
+) -> None:
+    """A prompt chunk is committed as a slice of the prompt (no token list rebuilt per step: an
+    ``array('I')`` prompt's blocks stay arrays, no int object per token); its blocks are reused by
+    the same tokens given as a list, with the first request's KV."""
+    from array import array
+
+    a = make_adapter(kv_layers(2, T))
+    eng = FakeEngine(a.manager)
+    tokens: list[TokenIdExt] = list(range(300, 300 + 6 * T + 2))
+    r = EngineRequest(1, array("I", tokens), max_new_tokens=2, context_chunk_size=2 * T)
+    while r.state is RequestState.CONTEXT:
+        assert step(a, eng, [r]) == []
+    blocks = a.get_kv_cache(r)._committed_blocks
+    assert len(blocks) == 6 and all(type(b) is array for b in blocks), [type(b) for b in blocks]
+    run_to_end(a, eng, r)
+    r2 = EngineRequest(2, [*tokens, 7], max_new_tokens=1, context_chunk_size=2 * T)
+    assert a.prepare_resources([r2]) == []
+    assert r2.num_reused_tokens == len(tokens)
+    eng.check_all(a.get_kv_cache(r2), r2.all_tokens(), len(tokens))  # the reused KV is r's
+    a.update_resources([r2])

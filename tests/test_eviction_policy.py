@@ -30,16 +30,15 @@ from kv_cache_manager_v2 import (
 )
 from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
 from kv_cache_manager_v2._page import GARBAGE_PRIORITY, Page
-from kv_cache_manager_v2._storage._eviction import (
+from kv_cache_manager_v2._storage._eviction import FrequencyEvictor, LruEvictor
+from kv_cache_manager_v2._storage._use_history import (
     AGING_MAX,
     AGING_MIN,
     AGING_ON,
     AGING_START,
     AGING_STEP,
-    FrequencyEvictor,
-    LruEvictor,
     UseHistory,
-    _tag_of,
+    ghost_tag,
 )
 
 MakeManager = Callable[..., KVCacheManager]
@@ -322,7 +321,7 @@ def test_ghost_set_replaces_its_fewest_uses_then_its_oldest() -> None:
     # a tag that only occurs across two neighbouring entries is not found
     straddling = keys[0][4:8] + keys[1][:4] + bytes(24)
     assert ghost.remembers(straddling) == 0
-    assert _tag_of(bytes(32)) != bytes(8)  # a key that starts like an empty entry gets a stand-in
+    assert ghost_tag(bytes(32)) != bytes(8)  # a key that starts like an empty entry gets a stand-in
     ghost.resize(1)  # one set still (the minimum): everything that fits stays
     assert ghost.num_entries == 16 and ghost.remembers(b"\xbb" * 32) == 9
 

@@ -149,8 +149,11 @@ def expected_samples(m: KVCacheManager, a: KVCacheResourceManager, labels: dict[
         key("kvcm_open_caches"): m.num_open_caches,
     }
     if m.config.has_recurrent_layers:
-        for what in ("taken", "skipped", "reused", "evicted"):
+        for what in ("taken", "skipped", "reused", "evicted", "evicted_unused"):
             out[key("kvcm_state_snapshots_total", event=what)] = getattr(r, f"snapshots_{what}")
+        for kind in ("interval", "branch", "last", "demand"):
+            out[key("kvcm_state_snapshots_total", event=f"taken_{kind}")] = getattr(r, f"snapshots_{kind}")
+        out[key("kvcm_attention_matched_tokens_total")] = r.attention_matched_tokens
     if em is not None:
         out[key("kvcm_events_dropped_total")] = em.num_dropped
         out[key("kvcm_events_pending")] = em.num_pending
@@ -162,6 +165,9 @@ def expected_samples(m: KVCacheManager, a: KVCacheResourceManager, labels: dict[
         out[key("kvcm_tier_used_bytes", tier=tier)] = t.used_bytes
         out[key("kvcm_tier_total_bytes", tier=tier)] = t.total_bytes
         out[key("kvcm_tier_peak_used_bytes", tier=tier)] = t.peak_used_bytes
+        groups = m.get_storage_statistics(CacheLevel(level)) if kind is not CacheTier.REMOTE else []
+        out[key("kvcm_tier_pinned_bytes", tier=tier)] = sum(g.pinned_bytes for g in groups)
+        out[key("kvcm_tier_retained_bytes", tier=tier)] = sum(g.retained_bytes for g in groups)
         for what in ("offloaded", "onboarded", "dropped"):
             out[key(f"kvcm_tier_{what}_pages_total", tier=tier)] = getattr(t, f"{what}_pages")
             out[key(f"kvcm_tier_{what}_bytes_total", tier=tier)] = getattr(t, f"{what}_bytes")
@@ -330,7 +336,8 @@ def test_sim_writes_its_final_metrics(tmp_path: object, capsys: pytest.CaptureFi
 
 
 def test_sim_serves_metrics_on_a_port(tmp_path: object) -> None:
-    from kv_cache_manager_v2.sim._cli import SimMetrics, main
+    from kv_cache_manager_v2.sim._cli import main
+    from kv_cache_manager_v2.sim._run import SimMetrics
 
     metrics = SimMetrics(0, None)
     try:
@@ -446,7 +453,17 @@ def test_hybrid_model_reports_its_state_snapshots() -> None:
     fams = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
     got = {s.labels["event"]: s.value for s in fams["kvcm_state_snapshots"].samples if s.name.endswith("_total")}
     r = m.reuse_statistics
-    assert got == {"taken": 2, "skipped": 0, "reused": 1, "evicted": 0}  # at 64 and 128 (the prompt end)
+    assert got == {
+        "taken": 2,  # at 64 and 128 (the prompt end)
+        "skipped": 0,
+        "reused": 1,
+        "evicted": 0,
+        "evicted_unused": 0,
+        "taken_interval": 1,
+        "taken_branch": 0,
+        "taken_last": 1,
+        "taken_demand": 0,
+    }
     assert got["taken"] == r.snapshots_taken and got["reused"] == r.snapshots_reused
     m.shutdown()
     plain = KVCacheManager(make_config(kv_layers(1, T), backend="host"))

@@ -43,6 +43,11 @@ def test_host_and_disk_example_runs_after_it(tmp_path: Path) -> None:
     assert [line.split()[0] for line in proc.stdout.splitlines()] == ["0", "1", "2"]  # a row per tier
 
 
+def test_retention_example_runs(tmp_path: Path) -> None:
+    proc = run_python(python_block_after("## Retention the engine controls"), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_hybrid_example_runs(tmp_path: Path) -> None:
     proc = run_python(python_block_after("## Hybrid models"), tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -23,7 +23,8 @@ from kv_cache_manager_v2 import (
     TokenIdExt,
 )
 from kv_cache_manager_v2._reuse._keys import BlockHasher, block_key, encode_tokens, scope_key
-from kv_cache_manager_v2._reuse._tree import Node, ReuseTree, common_prefix_len
+from kv_cache_manager_v2._reuse._node import Node, common_prefix_len
+from kv_cache_manager_v2._reuse._tree import ReuseTree
 
 T = 8
 MakeManager = Callable[..., KVCacheManager]
@@ -486,3 +487,47 @@ def test_common_prefix_len_equals_the_token_by_token_count() -> None:
             expected += 1
         assert common_prefix_len(a, b) == expected, (a, b)
         assert common_prefix_len(b, a) == expected, (a, b)
+
+
+def test_publishing_and_evicting_a_chain_repeat_no_prune_walks(
+    make_manager: MakeManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Committing a prompt publishes its blocks without a prune walk per block, and evicting the
+    chain (tails first) asks each node once whether it can go (issue 39.3: work per block on the
+    adapter path). The KV data and reuse stay those of the plain path."""
+    import kv_cache_manager_v2
+
+    if kv_cache_manager_v2.compiled:
+        pytest.skip("counts calls by patching the interpreted classes")
+    counts = {"prune": 0, "is_removable": 0, "in_prune": 0}
+    prune, is_removable = ReuseTree.prune, Node.is_removable
+
+    def counted_prune(tree: ReuseTree, node: Node) -> None:
+        counts["prune"] += 1
+        counts["in_prune"] = 1
+        try:
+            prune(tree, node)
+        finally:
+            counts["in_prune"] = 0
+
+    def counted_is_removable(node: Node) -> bool:
+        counts["is_removable"] += counts["in_prune"]  # (the invariant checker asks too)
+        return bool(is_removable.fget(node))  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(ReuseTree, "prune", counted_prune)
+    monkeypatch.setattr(Node, "is_removable", property(counted_is_removable))
+    blocks = 16
+    m = make_manager(kv_layers(1, T), quota=2 * 32 * T * blocks)  # one slot per block of the prompt
+    engine = FakeEngine(m)
+    prompt = toks(7, blocks * T)
+    publish(m, engine, prompt)
+    assert m.probe_reuse(None, prompt) == blocks * T
+    assert counts["prune"] <= 1, counts  # (closing the request lets go of its last node: one walk)
+    counts.update(prune=0, is_removable=0)
+    other = toks(8, blocks * T)
+    kv = m.create_kv_cache(input_tokens=other)
+    serve(engine, kv, other)  # evicts the whole chain, last block first
+    assert m.probe_reuse(None, prompt) == 0
+    assert counts["is_removable"] <= blocks, counts  # one question per evicted node
+    kv.close()
+    assert m.probe_reuse(None, other) == blocks * T

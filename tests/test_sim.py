@@ -4,12 +4,13 @@ data checks, and that the proxy-sized manager has the real shape's slot counts."
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import TRACES, trace_id
+from conftest import SHARED_TRACE, TRACES, trace_id
 
 from kv_cache_manager_v2 import KVCacheManager, KVCacheManagerConfig, SsmLayerConfig
 from kv_cache_manager_v2.engine import KVCacheResourceManager
@@ -89,7 +90,7 @@ def test_trace_tokens_are_equal_for_equal_ids(tmp_path: Any) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text(
         '{"timestamp": 0, "input_length": 700, "output_length": 3, "hash_ids": [5, 9]}\n\n'
-        '{"timestamp": 10, "input_length": 600, "output_length": 0, "hash_ids": [5, 7, 8]}\n'
+        '{"timestamp": 10, "input_length": 600, "output_length": 0, "hash_ids": [5, 7]}\n'
     )
     a, b = load_trace(str(path))
     pa, pb = a.prompt_tokens(), b.prompt_tokens()
@@ -421,3 +422,14 @@ def test_state_dtype_needs_a_hybrid_model() -> None:
         model_shape("llama-3-8b", state_dtype="fp32")
     with pytest.raises(SimUserError, match="unknown --state-dtype 'fp64'"):
         model_shape("jamba-v0.1", state_dtype="fp64")
+
+
+def test_the_shared_trace_cases_skip_with_a_reason_where_it_is_absent() -> None:
+    """Issue 38.24: on a fresh clone (no shared trace beside it) the cases of the shared trace are
+    collected and skipped with the reason shown, not silently left out."""
+    repo, shared = TRACES
+    assert trace_id(str(repo)) == "repo"
+    assert isinstance(shared, type(pytest.param(0))) and shared.id == "shared" and shared.values == (SHARED_TRACE,)
+    (mark,) = [m for m in shared.marks if m.name == "skipif"]
+    assert mark.args == (not os.path.exists(SHARED_TRACE),)
+    assert SHARED_TRACE in mark.kwargs["reason"]

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from typing import Any
 
 import pytest
@@ -15,9 +20,9 @@ from kv_cache_manager_v2 import KVCacheManagerConfig, RemoteCacheTierConfig
 from kv_cache_manager_v2.engine import KVCacheResourceManager
 from kv_cache_manager_v2.redis_server import LocalRedisServer
 from kv_cache_manager_v2.sim import ConversationParams, SchedulerOptions, generate_conversations, load_trace, main
-from kv_cache_manager_v2.sim._cli import simulate_replicas
 from kv_cache_manager_v2.sim._models import ModelShape, TierSpec, manager_config, proxy_page_bytes
 from kv_cache_manager_v2.sim._replicas import merge_results, run_replicas
+from kv_cache_manager_v2.sim._run import simulate_replicas
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason=NO_REDIS_REASON)
 
@@ -97,3 +102,46 @@ def test_cli_replicas_share_a_private_cluster(tmp_path: Any, redis_server: Local
     assert rep["hit_rate_gain"]["blocks"] > 0
     assert main([*args, "--remote-cluster", "--remote-url", redis_server.url]) == 2  # one or the other
     assert main([*args[:-2], "--remote-cluster"]) == 2  # a shared tier needs replicas to share it
+
+
+def _redis_children(pid: int) -> list[int]:
+    """The redis-server processes whose parent is ``pid`` (from /proc)."""
+    out: list[int] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"redis" in cmd:
+            out.append(int(entry))
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_sigterm_stops_the_private_redis_server() -> None:
+    """Issue 38.16: SIGTERM (as from a job runner) ends the run like Ctrl-C: its redis-server goes too."""
+    args = ["--replicas", "2", "--conversations", "2000", "--no-progress"]
+    proc = subprocess.Popen([sys.executable, "-m", "kv_cache_manager_v2.sim", *args], stdout=subprocess.DEVNULL)
+    servers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not servers:
+            assert proc.poll() is None and time.monotonic() < deadline, "no redis-server started"
+            time.sleep(0.05)
+            servers = _redis_children(proc.pid)
+        time.sleep(1.0)  # the replay is under way
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert [p for p in servers if os.path.exists(f"/proc/{p}")] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in servers:  # left behind by a failing run: ours, stop it
+            if os.path.exists(f"/proc/{p}"):
+                os.kill(p, signal.SIGKILL)

@@ -52,3 +52,21 @@ def test_restart_errors(capsys: pytest.CaptureFixture[str], args: list[str], say
     code = main([*QUICK, *args])
     _, err = capsys.readouterr()
     assert code == 2 and says in err and err.count("\n") == 1
+
+
+def test_restart_recompute_is_named_apart_from_preemption(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Issue 38.18: the requests the restart freed compute their prompts again; that is not a
+    preemption, and the report names the two apart."""
+    out = tmp_path / "report.json"
+    load = ["--conversations", "6", "--turns", "2", "--system-tokens", "300", "--user-tokens", "100"]
+    args = [*SMALL, *load, "--output-tokens", "20", "--gpu", "1500tok", "--no-progress"]
+    args += ["--disk", "40000tok", "--disk-path", str(tmp_path), "--restart-at", "0.5"]
+    assert main([*args, "--json", str(out)]) == 0
+    text, _ = capsys.readouterr()
+    rep = json.loads(out.read_text())["restarted"]
+    pre, pm = rep["prefill"], rep["preemptions"]
+    assert pm["recompute"] == 0 and pre["recomputed_tokens"] == 0
+    assert pre["recomputed_after_restart_tokens"] > 0
+    prefill = next(line for line in text.splitlines() if "prefill tokens" in line)
+    assert f"({pre['recomputed_after_restart_tokens']:,} recomputed after the restart)" in prefill, prefill
+    assert "after preemption" not in text

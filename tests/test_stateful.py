@@ -24,6 +24,8 @@ from kv_cache_manager_v2 import (
     LayerId,
     LogicError,
     Priority,
+    RequestRetention,
+    Retention,
     ReuseScope,
     SsmLayerConfig,
     SwaScratchReuseConfig,
@@ -32,11 +34,21 @@ from kv_cache_manager_v2._storage._disk import DiskPool
 
 T = 4
 PREFIXES = [[(p * 1000 + i) for i in range(24)] for p in range(3)]
+#: retention of created requests (issue 37), by index: none, a prefix range, the whole prompt and decode
+RETENTIONS = [
+    None,
+    RequestRetention([(0, 8, 90, 3.0)]),
+    RequestRetention([(0, None, 70, None)], decode_priority=10, decode_duration_s=2.0),
+]
+#: close-time hints, by index: none, "continues" for a while, "ends"
+HINTS = [None, Retention(85, 4.0), Retention(0)]
 
 
 class ManagerMachine(RuleBasedStateMachine):
     #: the manager's eviction_policy (each machine also runs with "frequency", below)
     POLICY = "lru"
+    #: the hybrid machines' ssm_snapshot_policy (each also runs with the others: test_stateful_policies.py)
+    SNAPSHOT_POLICY = "interval"
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,6 +57,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.caches: list[tuple[KVCache, list[int]]] = []
         self.rng = random.Random(0)
         self.computed: dict[int, int] = {}  # id(kv) -> tokens computed but not yet committed
+        self.now = 0.0  # the manager's clock (retention durations)
+        self.m._storage.expiries.clock = self.clock
 
     def make_manager(self) -> KVCacheManager:
         # full attention first, then SWA with sinks: both layer groups share one pool group
@@ -54,20 +68,45 @@ class ManagerMachine(RuleBasedStateMachine):
             make_config(layers, tokens_per_block=T, quota=3 * 2 * 32 * T * 40, eviction_policy=self.POLICY)
         )
 
+    def clock(self) -> float:
+        return self.now
+
+    @rule(seconds=st.sampled_from([0.5, 1.0, 2.5]))
+    def tick(self, seconds: float) -> None:
+        """Time passes: retention durations run out (treated at their base priority from now on)."""
+        self.now += seconds
+
+    @rule(prefix=st.integers(0, 2), length=st.integers(1, 24), duration=st.sampled_from([None, 1.0, 3.0]))
+    def pin(self, prefix: int, length: int, duration: float | None) -> None:
+        """Pin a shared prefix (refused beyond the share of a tier: then nothing changed)."""
+        before = [s.free for s in self.m.get_storage_statistics()]
+        try:
+            self.m.pin(PREFIXES[prefix][:length], duration_s=duration)
+        except ValueError as e:
+            assert "max_pinned_share" in str(e)
+            assert [s.free for s in self.m.get_storage_statistics()] == before
+
+    @rule(prefix=st.integers(0, 2), length=st.integers(1, 24))
+    def unpin(self, prefix: int, length: int) -> None:
+        self.m.unpin(PREFIXES[prefix][:length])
+
     @rule(
         prefix=st.integers(0, 2),
         shared=st.integers(0, 24),
         extra=st.integers(1, 30),
         salt=st.sampled_from([None, 1]),
         priority=st.integers(0, 100),
+        retention=st.integers(0, len(RETENTIONS) - 1),
     )
-    def create(self, prefix: int, shared: int, extra: int, salt: int | None, priority: int) -> None:
+    def create(self, prefix: int, shared: int, extra: int, salt: int | None, priority: int, retention: int = 0) -> None:
         if len(self.caches) >= 6:
             return
         seq = PREFIXES[prefix][:shared] + [self.rng.randrange(1 << 30) for _ in range(extra)]
         scope = ReuseScope(salt=salt)
         probed = self.m.probe_reuse(scope, seq[:-1])
-        kv = self.m.create_kv_cache(scope, seq[:-1], custom_priority_callback=lambda o, lc: Priority(priority))
+        kv = self.m.create_kv_cache(
+            scope, seq[:-1], custom_priority_callback=lambda o, lc: Priority(priority), retention=RETENTIONS[retention]
+        )
         assert kv.history_length == probed == kv.num_committed_tokens
         if kv.enable_swa_scratch_reuse:
             kv.enable_swa_scratch_reuse = priority % 2 == 0  # scratch on for some requests only
@@ -157,13 +196,13 @@ class ManagerMachine(RuleBasedStateMachine):
         kv.suspend()
 
     @precondition(lambda self: self.caches)
-    @rule(i=st.integers(0, 5), stop=st.booleans())
-    def close(self, i: int, stop: bool) -> None:
+    @rule(i=st.integers(0, 5), stop=st.booleans(), hint=st.integers(0, len(HINTS) - 1))
+    def close(self, i: int, stop: bool, hint: int = 0) -> None:
         kv, _ = self.caches.pop(i % len(self.caches))
         self.computed.pop(id(kv), None)
         if stop:
             kv.stop_committing()
-        kv.close()
+        kv.close(retain=HINTS[hint])
 
     @invariant()
     def invariants_hold(self) -> None:
@@ -355,13 +394,18 @@ class BeamMachine(ManagerMachine):
         shared=st.integers(0, 24),
         extra=st.integers(1, 30),
         priority=st.integers(0, 100),
+        retention=st.integers(0, 2),
     )
-    def create_beams(self, prefix: int, shared: int, extra: int, priority: int) -> None:
+    def create_beams(self, prefix: int, shared: int, extra: int, priority: int, retention: int = 0) -> None:
         if len(self.caches) >= 6:
             return
         seq = PREFIXES[prefix][:shared] + [self.rng.randrange(1 << 30) for _ in range(extra)]
         kv = self.m.create_kv_cache(
-            None, seq[:-1], custom_priority_callback=lambda o, lc: Priority(priority), beam_width=3
+            None,
+            seq[:-1],
+            custom_priority_callback=lambda o, lc: Priority(priority),
+            beam_width=3,
+            retention=RETENTIONS[retention],
         )
         self.caches.append((kv, seq))
 
@@ -431,6 +475,7 @@ class HybridMachine(ManagerMachine):
                 initial_pool_ratio=[0.06, 0.6, 0.34],  # 7 state slots: live states and snapshots compete
                 ssm_reuse_interval=2 * T,
                 eviction_policy=self.POLICY,
+                ssm_snapshot_policy=self.SNAPSHOT_POLICY,
             )
         )
 
@@ -455,6 +500,7 @@ class HybridTieredMachine(TieredMachine):
                 initial_pool_ratio=[0.15, 0.5, 0.35],
                 ssm_reuse_interval=2 * T,
                 eviction_policy=self.POLICY,
+                ssm_snapshot_policy=self.SNAPSHOT_POLICY,
             )
         )
 
@@ -475,6 +521,7 @@ class HybridBeamMachine(BeamMachine):
                 initial_pool_ratio=[0.1, 0.6, 0.3],
                 ssm_reuse_interval=2 * T,
                 eviction_policy=self.POLICY,
+                ssm_snapshot_policy=self.SNAPSHOT_POLICY,
             )
         )
 
@@ -569,14 +616,24 @@ def test_tiered_long_random_walk(seed: int, policy: str, machine: str) -> None:
         r = rng.randrange(10)
         if r == 0 or not m.caches:
             m.create(
-                rng.randrange(3), rng.randrange(25), rng.randrange(1, 31), rng.choice([None, 1]), rng.randrange(101)
+                rng.randrange(3),
+                rng.randrange(25),
+                rng.randrange(1, 31),
+                rng.choice([None, 1]),
+                rng.randrange(101),
+                rng.randrange(len(RETENTIONS)),
             )
         elif r <= 3:
             m.step(rng.randrange(6), rng.randrange(1, 13), rng.random() < 0.5)
         elif r == 4:
             m.suspend(rng.randrange(6))
         elif r == 5:
-            m.close(rng.randrange(6), rng.random() < 0.5)
+            m.close(rng.randrange(6), rng.random() < 0.5, rng.randrange(len(HINTS)))
+            m.tick(rng.choice([0.5, 1.0, 2.5]))
+            if rng.random() < 0.2:
+                m.pin(rng.randrange(3), rng.randrange(1, 25), rng.choice([None, 1.0, 3.0]))
+            elif rng.random() < 0.2:
+                m.unpin(rng.randrange(3), rng.randrange(1, 25))
         elif r == 6:
             m.resume(rng.randrange(6))
         elif r == 7:
@@ -588,4 +645,6 @@ def test_tiered_long_random_walk(seed: int, policy: str, machine: str) -> None:
         m.invariants_hold()
     stats = [m.m.get_tier_statistics(CacheLevel(level)) for level in range(3)]
     assert stats[1].offloaded_pages and stats[2].offloaded_pages and stats[2].onboarded_pages
+    expiries = m.m._storage.expiries
+    assert expiries.num_retained and expiries.num_expired  # retention was given, and ran out under pressure
     m.teardown()

@@ -24,7 +24,9 @@ from kv_cache_manager_v2 import (
     PageStatus,
     Priority,
 )
+from kv_cache_manager_v2._common import SlotId
 from kv_cache_manager_v2._storage._disk import DiskPool
+from kv_cache_manager_v2._storage._slot_allocator import SlotAllocator
 
 MakeManager = Callable[..., KVCacheManager]
 LG0 = LayerGroupId(0)
@@ -731,3 +733,22 @@ def test_index_buffer_reads_bad_while_suspended(make_manager: MakeManager, tmp_p
     assert list(backing[:3]) == list(kv.get_base_page_indices(LG0)) and BAD_PAGE_INDEX not in backing[:3]
     engine.check_all(kv, seq(1, 3 * T), 3 * T)
     kv.close()
+
+
+def test_a_slot_taken_from_the_free_list_counts_toward_the_peaks() -> None:
+    """Issue 38.19: ``allocate_one`` from the free list left the peaks behind, so a tier whose
+    slots were reused (after adoption's holes, or once the per-step peak was reset) read a lower
+    peak than it held; pool-less allocator (its slots are only counted here)."""
+    a = SlotAllocator(8, [], ())
+    a.take([SlotId(0), SlotId(5)])  # what a persistent disk tier adopts: slots 1-4 are holes
+    for _ in range(4):
+        a.allocate_one()
+    assert a.num_used == 6 and a.peak_used == 6
+    b = SlotAllocator(8, [], ())
+    slots = b.allocate(6)
+    for s in slots[:3]:
+        b.free(s)
+    b.iteration_peak = b.num_used  # what take_iteration_stats() does after each step
+    for _ in range(3):
+        b.allocate_one()
+    assert b.num_used == 6 and b.iteration_peak == 6

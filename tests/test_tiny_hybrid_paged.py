@@ -324,3 +324,89 @@ def live_state_error_beam(
         err = max(err, float(np.abs(live.conv_state - ref[layer].conv_state).max()))
         err = max(err, float(np.abs(live.ssm_state - ref[layer].ssm_state).max()))
     return err
+
+
+# ---------------------------------------------------------------- snapshot policies (issue 36)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("suffix", [6, 13, 37])
+def test_branch_point_snapshot_resumes_the_third_request_exactly(name: str, suffix: int) -> None:
+    """Policy "branch": the second request with a shared prefix (23 tokens: 5 full blocks) plans
+    a snapshot where it leaves the first one's path (20, no snapshot there yet), the adapter cuts
+    its chunks there; the third reuses those 20 tokens whatever its suffix, probe_reuse says so
+    before, and its generation and live state equal the dense recomputation."""
+    p = WorkloadParams(full_slots=200, swa_slots=200, ssm_reuse_interval=INTERVAL, ssm_snapshot_policy="branch")
+    model, adapter, engine = setup(name, p)
+    prefix = tokens_of(20, 23)
+    for i, chunks in enumerate([(0,), (5, 3, 7), (4,)]):
+        prompt = prefix + tokens_of(21 + i, suffix)
+        probed = adapter.manager.probe_reuse(None, prompt[:-1])
+        req = EngineRequest(i, prompt, 4)
+        steps, logits = run_request(adapter, engine, req, chunks)
+        assert req.num_reused_tokens == probed == (20 if i == 2 else 0)
+        assert_equals_dense(model, req, logits)
+        if i == 1:
+            assert 20 in {e for _, e in steps}
+    stats = adapter.manager.reuse_statistics
+    assert stats.snapshots_branch == 1 and stats.snapshots_interval == 0
+    probe = EngineRequest(9, prefix[:20] + tokens_of(30, 5), 1)
+    assert adapter.prepare_resources([probe]) == []
+    assert probe.num_reused_tokens == 20
+    assert live_state_error(model, engine, adapter.get_kv_cache(probe), prefix[:20]) <= TOL
+    adapter.free_resources(probe)
+    adapter.shutdown()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("policy", ["branch", "auto"])
+@pytest.mark.parametrize("host_tier", [False, True])
+def test_workload_with_each_policy_equals_the_dense_reference(name: str, policy: str, host_tier: bool) -> None:
+    """The pressure workload (shared prefixes, follow-ups, chunking, suspend, eviction) under the
+    branch-point policies: every token's logits equal the dense reference within 1e-12."""
+    p = WorkloadParams(
+        num_requests=50,
+        full_slots=30,
+        swa_slots=60,
+        state_slots=24,
+        host_tier=host_tier,
+        ssm_reuse_interval=INTERVAL,
+        ssm_snapshot_policy="branch" if policy == "branch" else "auto",
+    )
+    res = run_workload(CONFIGS[name], p)
+    assert check_against_dense(res, atol=TOL) <= TOL
+    stats = res.adapter.manager.reuse_statistics
+    assert stats.snapshots_reused > 0 and stats.snapshots_branch + stats.snapshots_demand > 0
+    assert (stats.snapshots_interval > 0) == (policy == "auto")
+    res.adapter.manager.check_invariants()
+    res.adapter.shutdown()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize(
+    ("policy", "history", "reused"), [("interval", True, 24), ("branch", True, 28), ("branch", False, 12)]
+)
+def test_conversation_snapshot_resumes_the_next_turn_exactly(
+    name: str, policy: str, history: bool, reused: int
+) -> None:
+    """A request whose output is history (``output_is_history``: a conversation's next turn starts
+    with it) gets a snapshot at the last full block of prompt + output: the next turn reuses up to
+    it (policy "interval": up to the last multiple of the interval; without the flag: the prompt's
+    last full block) and generates what the dense recomputation does."""
+    p = WorkloadParams(full_slots=200, swa_slots=200, ssm_reuse_interval=INTERVAL, ssm_snapshot_policy=policy)
+    model, adapter, engine = setup(name, p)
+    first = EngineRequest(0, tokens_of(40, 13), 16)  # history at the end: 13 + 16 - 1 = 28 tokens
+    first.output_is_history = history
+    _, logits = run_request(adapter, engine, first, chunks=(5,))
+    assert_equals_dense(model, first, logits)
+    second = EngineRequest(1, first.all_tokens() + tokens_of(41, 6), 3)
+    _, logits = run_request(adapter, engine, second, chunks=(3, 7))
+    assert second.num_reused_tokens == reused
+    assert_equals_dense(model, second, logits)
+    probe = EngineRequest(2, first.all_tokens()[:28] + tokens_of(42, 2), 1)
+    assert adapter.prepare_resources([probe]) == []
+    assert probe.num_reused_tokens == (reused if history else 28)  # the second turn planned 28 (demand)
+    kv = adapter.get_kv_cache(probe)
+    assert live_state_error(model, engine, kv, first.all_tokens()[: probe.num_reused_tokens]) <= TOL
+    adapter.free_resources(probe)
+    adapter.shutdown()

@@ -34,6 +34,7 @@ class WorkloadParams:
     #: hybrid models: GPU room for this many recurrent states (live slots and snapshots) besides the KV
     state_slots: int = 80
     ssm_reuse_interval: int | None = None  #: hybrid models: tokens between state snapshots (None: default)
+    ssm_snapshot_policy: kvm.SnapshotPolicy = "interval"  #: hybrid models: which snapshots requests keep
 
 
 @dataclass
@@ -73,6 +74,7 @@ def make_adapter(cfg: TinyConfig, p: WorkloadParams) -> KVCacheResourceManager:
         swa_scratch_reuse=kvm.SwaScratchReuseConfig() if p.swa_scratch else None,
         backend="host",
         ssm_reuse_interval=p.ssm_reuse_interval,
+        ssm_snapshot_policy=p.ssm_snapshot_policy,
     )
     return KVCacheResourceManager(mgr_cfg)
 

@@ -9,7 +9,7 @@ from .._common import BlockTokens, LayerGroupId, TokenIdExt
 from .._exceptions import LogicError
 from .._page import Page
 from .._reuse._keys import validate_tokens
-from .._reuse._tree import same_tokens
+from .._reuse._node import same_tokens
 from .._utils import check_int
 from ._block_table import BlockTable
 from ._commit import publish, snapshot_priorities_at, take_snapshot

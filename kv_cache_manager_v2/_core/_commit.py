@@ -10,10 +10,12 @@ from typing import Final
 
 import rawref
 
-from .._common import KVCacheStatus, LayerGroupId, Priority, TokenIdExt
+from .._common import MAX_CAPACITY, KVCacheStatus, LayerGroupId, Priority, TokenIdExt
 from .._page import Page
 from .._reuse._keys import chain_token_keys
 from ._request_state import RequestState
+from ._retention import retain_new_pages
+from ._snapshot_plan import count_snapshots
 
 #: bound once: mypyc looks a module's attribute up at every call (hot: once or twice per block)
 _untrack: Final = rawref.untrack
@@ -83,6 +85,9 @@ def snapshot_priorities_at(state: RequestState, end: int) -> list[Priority] | No
     # (history beyond the committed end: the state holds more than the block, no snapshot)
     if end % tokens_per_block != 0 or state._history > end or not is_snapshot_position(state, end):
         return None
+    periodic = state._ctx.periodic_priority
+    if periodic >= 0 and end not in state._snapshot_kinds:
+        return [Priority(periodic)] * len(state._ctx.state_layer_groups)
     return [
         state._priorities(layer_group, [end // tokens_per_block - 1])[0]
         for layer_group in state._ctx.state_layer_groups
@@ -91,16 +96,17 @@ def snapshot_priorities_at(state: RequestState, end: int) -> list[Priority] | No
 
 def is_snapshot_position(state: RequestState, position: int) -> bool:
     """Whether the live state at ``position`` tokens is kept as a snapshot: a positive multiple
-    of the snapshot interval, the request's prompt end rounded down to a block, or a configured
-    extra position."""
-    interval = state._ctx.snapshot_interval
-    return position > 0 and (position % interval == 0 or position in state._snapshot_positions)
+    of the periodic interval (``ssm_snapshot_policy``), or a position planned at admission
+    (``_snapshot_plan``)."""
+    interval = state._ctx.periodic_interval
+    return position > 0 and ((interval > 0 and position % interval == 0) or position in state._snapshot_positions)
 
 
 def next_snapshot_position(state: RequestState, position: int) -> int:
-    """The least snapshot position after ``position``."""
-    interval = state._ctx.snapshot_interval
-    nxt = (position // interval + 1) * interval
+    """The least snapshot position after ``position`` (none planned and no periodic interval:
+    the largest capacity, which no request reaches)."""
+    interval = state._ctx.periodic_interval
+    nxt = (position // interval + 1) * interval if interval > 0 else MAX_CAPACITY + 1
     for extra in state._snapshot_positions:  # ascending
         if extra > position:
             return min(extra, nxt)
@@ -166,6 +172,8 @@ def take_snapshot(state: RequestState, priorities: list[Priority]) -> None:
         if ctx.enable_stats:
             ctx.stats.snapshots_skipped += len(wanted)
         return
+    if state._retention is not None:
+        retain_new_pages(state, ordinal, snapshots, storage.expiries.now())
     tree = ctx.tree
     for layer_group, snapshot in zip(wanted, snapshots):
         tree.attach_snapshot(node, layer_group, snapshot, state._serial)
@@ -175,6 +183,7 @@ def take_snapshot(state: RequestState, priorities: list[Priority]) -> None:
     if ctx.enable_stats:
         ctx.stats.snapshots_taken += len(wanted)
         ctx.stats.allocated_pages += len(wanted)
+        count_snapshots(state, committed, len(wanted))
 
 
 def publish_final(state: RequestState) -> None:
@@ -207,9 +216,12 @@ def publish(state: RequestState, upto: int, beam: int = 0, tokens: Sequence[Toke
     shared = len(state._tables) > 1
     first = state._num_published
     keys = chain_token_keys(parent.key, tokens, tokens_per_block) if tokens is not None else None
+    now = state._ctx.storage.expiries.now() if state._retention is not None else 0.0
     for ordinal in range(first, upto):
         block_tokens = blocks[ordinal] if ordinal < len(blocks) else _untrack(tuple(tail))
         pages = table.block_pages(ordinal)  # (a new list: the tree may switch its pages)
+        if state._retention is not None:
+            retain_new_pages(state, ordinal, pages, now)
         node = tree.publish(
             parent, block_tokens, pages, locked, state._serial, keys[ordinal - first] if keys is not None else None
         )

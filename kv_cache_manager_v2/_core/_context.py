@@ -60,6 +60,9 @@ class CacheContext:
         "storage",
         "releasing_layer_groups",
         "snapshot_interval",
+        "periodic_interval",
+        "periodic_priority",
+        "plans_branches",
         "state_layer_groups",
         "tokens_per_block",
         "tree",
@@ -80,6 +83,14 @@ class CacheContext:
         self.state_layer_groups = registry.state_layer_groups
         #: tokens between recurrent-state snapshots (0 without recurrent layers)
         self.snapshot_interval = config.snapshot_interval
+        policy = config.ssm_snapshot_policy
+        #: tokens between the periodic snapshots a request takes (0: none; ``ssm_snapshot_policy``)
+        self.periodic_interval = self.snapshot_interval if policy != "branch" else 0
+        #: the periodic snapshots' priority ("auto": the lowest, evicted before the other
+        #: snapshots and any KV, and moved down first to a host or disk tier), or -1: the callback's
+        self.periodic_priority = 0 if policy == "auto" else -1
+        #: snapshots are planned where the prompt leaves a cached path, and on demand
+        self.plans_branches = policy != "interval"
         #: per layer group, the stale end at history 0: where a new block table starts (blocks
         #: ``[stale_end(0), table.stale_end)`` are the released ones)
         self.initial_stale_ends = [layer_group.stale_end(0) for layer_group in self.layer_groups]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from .._common import BAD_PAGE_INDEX, KVCacheStatus, LayerGroupId
-from .._page import GARBAGE_PRIORITY, LISTED_DROPPABLE, LISTED_HELD, NOT_LISTED, Page
+from .._page import GARBAGE_PRIORITY, LISTED_DROPPABLE, LISTED_HELD, NO_EXPIRY, NOT_LISTED, Page
 from .._reuse._tree import ReuseTree
 from .._storage._storage_manager import StorageManager
 from ._block_table import BlockTable
@@ -25,37 +25,70 @@ def _fail(what: str) -> NoReturn:
     raise AssertionError(f"kv_cache_manager_v2 invariant broken: {what}")
 
 
-def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCache]) -> None:
-    """Raise ``AssertionError`` describing the first broken invariant."""
-    locks: dict[int, int] = {}
-    holds: dict[int, int] = {}
-    pages: dict[int, Page] = {}
+class _Census:
+    """What the walk found: every page seen (by id), the locks and holds requests own on each,
+    the scratch slots ``(level, pool group, slot)`` and the pages the evictors list."""
 
-    def own(p: Page, locked: bool) -> None:
-        pages[id(p)] = p
-        counts = locks if locked else holds
+    def __init__(self) -> None:
+        self.pages: dict[int, Page] = {}
+        self.locks: dict[int, int] = {}
+        self.holds: dict[int, int] = {}
+        self.scratch: set[tuple[int, int, int]] = set()
+        self.evictable: set[int] = set()
+
+    def own(self, p: Page, locked: bool) -> None:
+        """A request owns ``p`` once more (a lock when active, else a hold)."""
+        self.pages[id(p)] = p
+        counts = self.locks if locked else self.holds
         counts[id(p)] = counts.get(id(p), 0) + 1
 
-    scratch: set[tuple[int, int, int]] = set()  # (level, pool group, slot) of scratch slots
+
+class _PageCounts:
+    """Pages per pool group (by the storage's id): live, lost, pinned, retained."""
+
+    def __init__(
+        self, used: dict[int, int], lost: dict[int, int], pinned: dict[int, int], retained: dict[int, int]
+    ) -> None:
+        self.used = used
+        self.lost = lost
+        self.pinned = pinned
+        self.retained = retained
+
+
+def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCache]) -> None:
+    """Raise ``AssertionError`` describing the first broken invariant."""
+    census = _Census()
     for kv in caches:
-        states: set[int] = set()
-        for beam, table in enumerate(kv.block_tables):
-            _check_cache(kv, table, beam, own)
-            for state_page in table.state_pages:
-                if state_page is not None:
-                    if id(state_page) in states:
-                        _fail(f"{kv!r}: two beams share one live-state page")
-                    states.add(id(state_page))
-        for i, slots in enumerate(kv.block_table.scratch_slots):
-            group = kv._ctx.storage.lc_storage[LayerGroupId(i)]
-            for slot in slots:
-                if not group.allocator.is_allocated(slot):
-                    _fail(f"{kv!r}: scratch slot {slot} is not allocated")
-                scratch_key = (int(group.level), int(group.index), int(slot))
-                if scratch_key in scratch:
-                    _fail(f"scratch slot {scratch_key} is owned twice")
-                scratch.add(scratch_key)
-    evictable: set[int] = set()
+        _check_request(kv, census)
+    _check_evictors(storage, census)
+    _check_tree(tree, caches, census)
+    _check_pool_groups(storage, census.scratch, _check_pages(storage, census))
+
+
+def _check_request(kv: KVCache, census: _Census) -> None:
+    """Each beam's table of ``kv``, its live states (one page per beam) and its scratch slots."""
+    states: set[int] = set()
+    for beam, table in enumerate(kv.block_tables):
+        _check_cache(kv, table, beam, census.own)
+        for state_page in table.state_pages:
+            if state_page is not None:
+                if id(state_page) in states:
+                    _fail(f"{kv!r}: two beams share one live-state page")
+                states.add(id(state_page))
+    for i, slots in enumerate(kv.block_table.scratch_slots):
+        group = kv._ctx.storage.lc_storage[LayerGroupId(i)]
+        for slot in slots:
+            if not group.allocator.is_allocated(slot):
+                _fail(f"{kv!r}: scratch slot {slot} is not allocated")
+            scratch_key = (int(group.level), int(group.index), int(slot))
+            if scratch_key in census.scratch:
+                _fail(f"scratch slot {scratch_key} is owned twice")
+            census.scratch.add(scratch_key)
+
+
+def _check_evictors(storage: StorageManager, census: _Census) -> None:
+    """Each evictor is consistent and lists exactly unlocked, not lost pages of its pool group:
+    DROPPABLE ones (garbage exactly when out of the tree) and, above the last level, HELD ones."""
     for level in storage.levels:
         for group in level:
             ev = group.evictor
@@ -69,8 +102,8 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
                 )
             held = 0
             for p in listed:
-                if p.num_locks or p.lost:
-                    _fail(f"evictor at level {group.level} lists page {p.slot}, which is locked or lost")
+                if p.num_locks or p.lost or p.num_pins:
+                    _fail(f"evictor at level {group.level} lists page {p.slot}, which is locked, lost or pinned")
                 if p.num_holds:
                     held += 1
                     if group.is_last:
@@ -81,10 +114,15 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
                     _fail(f"evictor lists page {p.slot} as held, or garbage that is in the tree, or neither")
                 if p.storage is not group:
                     _fail(f"evictor of pool group {group.index} at level {group.level} lists a page of another storage")
-                evictable.add(id(p))
-                pages[id(p)] = p
+                census.evictable.add(id(p))
+                census.pages[id(p)] = p
             if held != ev.num_held:
                 _fail(f"evictor at level {group.level} counts {ev.num_held} HELD pages but lists {held}")
+
+
+def _check_tree(tree: ReuseTree, caches: list[KVCache], census: _Census) -> None:
+    """Every node is linked from its parent, counts the requests extending it, is kept only while
+    needed, and agrees with its pages, each owned or evictable."""
     extenders: dict[int, int] = {}
     for kv in caches:
         last = kv._last_node
@@ -107,13 +145,25 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
             p = tree_page
             if p.node is not node or p.layer_group != layer_group:
                 _fail(f"page {p.slot} and tree node at ordinal {node.ordinal} disagree")
-            pages[id(p)] = p
-            if p.num_locks == 0 and p.num_holds == 0 and id(p) not in evictable:
+            census.pages[id(p)] = p
+            if p.num_locks == 0 and p.num_holds == 0 and not p.num_pins and id(p) not in census.evictable:
                 _fail(f"unowned tree page {p.slot} (ordinal {node.ordinal}) is not evictable")
+
+
+def _check_pages(storage: StorageManager, census: _Census) -> _PageCounts:
+    """Every page seen counts exactly the owners found, lives at its level, is listed exactly when
+    an evictor lists it and holds one slot of its own (a lost one none), and a retained one is in
+    the expiry queue; returns the pages counted per pool group."""
     owner_of: dict[tuple[int, int, int], int] = {}
     used: dict[int, int] = {}
     lost: dict[int, int] = {}
-    for key, p in pages.items():
+    pinned: dict[int, int] = {}
+    retained: dict[int, int] = {}
+    expiring = storage.expiries.pending()
+    locks, holds, evictable = census.locks, census.holds, census.evictable
+    for key, p in census.pages.items():
+        if p.expires != NO_EXPIRY and (key, p.expires) not in expiring:
+            _fail(f"page {p.slot} is retained until {p.expires} but the expiry queue does not have it")
         if p.num_locks != locks.get(key, 0) or p.num_holds != holds.get(key, 0):
             _fail(
                 f"page {p.slot} counts {p.num_locks} locks / {p.num_holds} holds but requests own "
@@ -128,14 +178,25 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
                 _fail("a lost page keeps a slot, a tree node or a lock")
             lost[id(p.storage)] = lost.get(id(p.storage), 0) + 1
             continue
-        if p.num_holds and not p.num_locks and not p.storage.is_last and key not in evictable:
+        if p.num_holds and not p.num_locks and not p.num_pins and not p.storage.is_last and key not in evictable:
             _fail(f"HELD page {p.slot} at level {p.level} (not the last) is not evictable")
         if p.slot == BAD_PAGE_INDEX or not p.storage.allocator.is_allocated(p.slot):
             _fail(f"live page of pool group {p.storage.index} has no allocated slot ({p.slot})")
         slot_key = (int(p.level), int(p.storage.index), int(p.slot))
-        if owner_of.setdefault(slot_key, key) != key or slot_key in scratch:
+        if owner_of.setdefault(slot_key, key) != key or slot_key in census.scratch:
             _fail(f"slot {slot_key} (level, pool group, slot) is owned twice")
         used[id(p.storage)] = used.get(id(p.storage), 0) + 1
+        if p.num_pins:
+            pinned[id(p.storage)] = pinned.get(id(p.storage), 0) + 1
+        if p.retained:
+            retained[id(p.storage)] = retained.get(id(p.storage), 0) + 1
+    return _PageCounts(used, lost, pinned, retained)
+
+
+def _check_pool_groups(storage: StorageManager, scratch: set[tuple[int, int, int]], counts: _PageCounts) -> None:
+    """Each allocator counts exactly the slots of live pages, scratch and parked headroom; each
+    pool group counts its lost, pinned and retained pages."""
+    used, lost, pinned, retained = counts.used, counts.lost, counts.pinned, counts.retained
     for level in storage.levels:
         for group in level:
             n_scratch = len([1 for lv, g, _ in scratch if lv == group.level and g == group.index])
@@ -146,6 +207,11 @@ def check_invariants(storage: StorageManager, tree: ReuseTree, caches: list[KVCa
                     f"pool group {group.index} at level {group.level}: allocator counts "
                     f"{group.allocator.num_used} used slots, pages hold {used.get(id(group), 0)}, scratch {n_scratch}, "
                     f"remote-tier headroom {group.headroom}"
+                )
+            if group.num_pinned != pinned.get(id(group), 0) or group.num_retained != retained.get(id(group), 0):
+                _fail(
+                    f"pool group {group.index} at level {group.level} counts {group.num_pinned} pinned / "
+                    f"{group.num_retained} retained pages, not {pinned.get(id(group), 0)} / {retained.get(id(group), 0)}"
                 )
             if group.num_lost != lost.get(id(group), 0):
                 _fail(f"pool group {group.index} at level {group.level} counts {group.num_lost} lost pages")

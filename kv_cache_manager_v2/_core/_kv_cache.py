@@ -1,6 +1,7 @@
 """KVCache: the public object of one request's KV memory (SPEC 4.3).
 
-Its state is a :class:`~._request_state.RequestState`; the concerns are functions over it in
+Its state is a :class:`~._request_state.RequestState`, its queries (lengths, tokens, tables,
+page indices) are :class:`~._cache_view.CacheView`'s; the concerns are functions over the state in
 their own modules: residency (resume, suspend, prefetch, close, lost blocks), resize planning,
 commit and publishing, beams. The decode step's fast paths stay here as methods: a resize that
 needs no new block or one more block, and the commit of one token that completes nothing.
@@ -8,35 +9,24 @@ needs no new block or one more block, and the commit of one token that completes
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import cast
 
-from .._common import (
-    BAD_PAGE_INDEX,
-    MAX_CAPACITY,
-    BeamIndex,
-    BlockOrdinal,
-    CacheLevel,
-    HalfOpenRange,
-    KVCacheStatus,
-    LayerGroupId,
-    PageIndexMode,
-    ReuseScope,
-    ScratchDesc,
-    TokenIdExt,
-)
+from .._common import MAX_CAPACITY, BeamIndex, BlockOrdinal, CacheLevel, KVCacheStatus, LayerGroupId, TokenIdExt
 from .._exceptions import LogicError, OutOfPagesError
+from .._retention import Retention
 from .._reuse._keys import check_token, check_token_sequence, validate_tokens
 from .._utils import check_int, check_type
 from ._beams import commit_beams
-from ._block_table import BlockTable
-from ._commit import commit_tokens, next_snapshot_position, publish_final
+from ._cache_view import CacheView
+from ._commit import commit_tokens, publish_final
 from ._planning import resize_blocks
-from ._request_state import RequestState, checked_priority, default_priority
+from ._request_state import checked_priority, default_priority
 from ._residency import close_pages, drop_lost_blocks, prefetch_pages, resume_pages, suspend_pages
+from ._snapshot_plan import add_snapshot_position
 
 
-class KVCache(RequestState):
+class KVCache(CacheView):
     """The KV memory of one request.
 
     Created SUSPENDED by :meth:`KVCacheManager.create_kv_cache`; ``resume()`` makes it ACTIVE,
@@ -52,10 +42,6 @@ class KVCache(RequestState):
         )
 
     # ------------------------------------------------------------------ properties
-    @property
-    def status(self) -> KVCacheStatus:
-        return self._status
-
     @property
     def capacity(self) -> int:
         """Tokens the request has pages for (allocated or stale).
@@ -85,80 +71,6 @@ class KVCache(RequestState):
     def history_length(self, value: object) -> None:
         if not self.resize(None, check_int("history_length", value)):
             raise OutOfPagesError(f"not enough GPU memory to raise history to {value}; nothing changed")
-
-    @property
-    def committed_tokens(self) -> list[TokenIdExt]:
-        """A copy of the committed token sequence (beam 0's; see ``get_committed_tokens``)."""
-        return [tok for block in self._committed_blocks for tok in block] + self._tail
-
-    def get_committed_tokens(self, beam: BeamIndex = BeamIndex(0)) -> list[TokenIdExt]:
-        """A copy of one beam's committed token sequence."""
-        self._check_beam(beam)
-        blocks, tail = self._seq(beam)
-        return [tok for block in blocks for tok in block] + tail
-
-    @property
-    def reuse_scope(self) -> ReuseScope:
-        return self._reuse_scope
-
-    @property
-    def tokens_per_block(self) -> int:
-        return self._tokens_per_block
-
-    @property
-    def beam_width(self) -> int:
-        """Beams of this request (set by ``create_kv_cache``; fixed for its life)."""
-        return self._beam_width
-
-    @property
-    def id(self) -> object:
-        return self._id
-
-    @property
-    def cuda_stream(self) -> int:
-        """The stream (``CUstream`` handle) the request's kernels run on; 0 until set here or by ``resume``."""
-        return self._cuda_stream
-
-    @cuda_stream.setter
-    def cuda_stream(self, value: object) -> None:
-        self._cuda_stream = check_int("cuda_stream (a CUstream handle)", value)
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks covered by ``capacity``: ``ceil(capacity / tokens_per_block)``."""
-        return self._num_blocks
-
-    @property
-    def block_table(self) -> BlockTable:
-        """This request's pages and indices, beam 0's (for introspection)."""
-        return self._table
-
-    @property
-    def block_tables(self) -> list[BlockTable]:
-        """Every beam's block table (for introspection)."""
-        return list(self._tables)
-
-    @property
-    def has_scratch_slots(self) -> bool:
-        """Whether this step has scratch blocks (then only ``PageIndexMode.PER_LAYER`` addresses them)."""
-        return self._table.has_scratch_slots
-
-    def get_scratch_desc(self, layer_group_id: LayerGroupId) -> ScratchDesc | None:
-        """Scratch blocks of this step for the layer group and the slots they share (None: none).
-
-        Pass it to the ``PageIndexConverter`` (with ``PageIndexMode.PER_LAYER``) to address them.
-        """
-        self._check_layer_group(layer_group_id)
-        slots = self._table.scratch_slots[layer_group_id]
-        if not slots:
-            return None
-        beg, end = self._table.scratch[layer_group_id]
-        return ScratchDesc(HalfOpenRange(beg, end), tuple(slots))
-
-    def supports_index_mode(self, mode: PageIndexMode) -> bool:
-        """PER_LAYER addresses every block; SHARED every block except scratch ones."""
-        check_type("mode", mode, PageIndexMode)
-        return mode is PageIndexMode.PER_LAYER or not self._table.has_scratch_slots
 
     @property
     def enable_swa_scratch_reuse(self) -> bool:
@@ -247,21 +159,28 @@ class KVCache(RequestState):
         finally:
             ctx.leave()
 
-    def close(self) -> None:
+    def close(self, retain: Retention | None = None) -> None:
         """Publish the partial last block (unless ``stop_committing()`` came first) and release
         every page; committed pages stay reusable (with a write-through remote tier, its published
-        full blocks are handed to the writer now). Idempotent; also runs on garbage collection."""
+        full blocks are handed to the writer now). Idempotent; also runs on garbage collection.
+
+        ``retain``: "this conversation continues" (or, at a low priority, "it does not"): every
+        page of the request's published full blocks keeps ``retain.priority`` for
+        ``retain.duration_s`` seconds, until a later request reuses it (below a page's priority:
+        only the blocks this request published itself)."""
+        if retain is not None:
+            check_type("retain", retain, Retention)
         if self._status is KVCacheStatus.CLOSED:
             return
         ctx = self._ctx
         ctx.enter("close()")
         try:
-            self._close()
+            self._close(retain)
         finally:
             ctx.leave()
 
-    def _close(self) -> None:
-        close_pages(self)
+    def _close(self, retain: Retention | None = None) -> None:
+        close_pages(self, retain)
         self._ctx.storage.flush_write_through()  # its published blocks go to the remote writer now
         ref = self._rawref
         if ref is not None:
@@ -487,87 +406,13 @@ class KVCache(RequestState):
         finally:
             ctx.leave()
 
-    # ------------------------------------------------------------------ indices
-    def get_base_page_indices(self, layer_group_id: LayerGroupId, beam_id: BeamIndex = BeamIndex(0)) -> memoryview:
-        """Slot id per block (``BAD_PAGE_INDEX`` for none): an int32 ``memoryview`` the manager keeps
-        up to date in place (wrap it with numpy at will; do not write to it). Its length is the
-        block count when fetched: fetch it again after a ``resize`` that changes ``num_blocks``.
-        A recurrent group's blocks have no page (all ``BAD_PAGE_INDEX``): its live state is at
-        ``get_ssm_state_index``."""
-        indices = self._table.views.items
-        if type(layer_group_id) is int and 0 <= layer_group_id < len(indices) and beam_id == 0:
-            return indices[layer_group_id]  # the per-step path: no helper calls
-        self._check_layer_group(layer_group_id)
-        self._check_beam(beam_id)
-        return self._tables[beam_id].views[layer_group_id]
-
-    def set_base_page_index_buf(self, beam: BeamIndex, layer_group_id: LayerGroupId, buf: memoryview | None) -> None:
-        """Have the manager write this layer group's indices into ``buf`` (1-D int32, writable).
-
-        Entries past the cache's blocks are set to ``BAD_PAGE_INDEX``; ``None`` detaches.
-        """
-        self._check_beam(beam)
-        self._check_layer_group(layer_group_id)
-        if self._status is KVCacheStatus.CLOSED:
-            raise LogicError("set_base_page_index_buf() on a CLOSED cache")
-        table = self._tables[beam]
-        if buf is None:
-            table.attach_user_buf(layer_group_id, None)
-            return
-        if not isinstance(buf, memoryview):
-            raise TypeError(f"buf must be a memoryview (or None), got {type(buf).__name__}")
-        if (
-            buf.readonly
-            or buf.ndim != 1
-            or buf.itemsize != 4
-            or buf.format not in ("i", "=i", "<i", "@i")
-            or not buf.c_contiguous
-        ):
-            raise ValueError(
-                "buf must be a writable, C-contiguous, 1-D memoryview of int32 (format 'i'); got "
-                f"format={buf.format!r} itemsize={buf.itemsize} ndim={buf.ndim} readonly={buf.readonly}"
-            )
-        if len(buf) < self._num_blocks:
-            raise ValueError(f"buf holds {len(buf)} entries but the cache has {self._num_blocks} blocks")
-        table.attach_user_buf(layer_group_id, buf.cast("B").cast("i"))
-
-    def get_ssm_state_index(self, layer_group_id: LayerGroupId, beam: BeamIndex = BeamIndex(0)) -> int:
-        """The base page index of beam ``beam``'s live recurrent state in layer group
-        ``layer_group_id`` (a ``"recurrent"`` group): one slot holds the state of every layer of
-        the group; per layer and buffer, ``PageIndexConverter`` applies as for KV pages. The
-        index stays the same across suspend/resume while the state stayed in GPU memory; fetch
-        it again after each resume."""
-        self._check_layer_group(layer_group_id)
-        self._check_beam(beam)
-        groups = self._ctx.state_layer_groups
-        if layer_group_id not in groups:
-            kind = self._ctx.layer_groups[layer_group_id].kind
-            raise ValueError(
-                f"get_ssm_state_index: layer group {layer_group_id} is a {kind!r} group; a recurrent "
-                f"group is one of {[int(g) for g in groups]}"
-            )
-        page = self._tables[beam].state_page(layer_group_id)
-        if self._status is not KVCacheStatus.ACTIVE or page is None:
-            raise ValueError(
-                f"get_ssm_state_index: the cache is {self._status.name}; its live state has an index only "
-                "while it is ACTIVE (after resume())"
-            )
-        return int(page.slot)
-
-    def next_snapshot_position(self, position: int) -> int | None:
-        """The least position after ``position`` where the manager keeps a snapshot of the
-        recurrent state (a multiple of the snapshot interval, or the prompt end rounded down to a
-        block); None without recurrent layers. A commit that ends history exactly there takes
-        the snapshot: cut prefill chunks at these positions."""
+    def plan_snapshot(self, position: int) -> None:
+        """Hybrid models: also keep the recurrent state at the last full block at or before
+        ``position`` tokens as a snapshot when a commit ends history exactly there, e.g. the end of
+        prompt + output that a conversation's next turn starts with (the adapter does this for an
+        ``EngineRequest`` with ``output_is_history``). Ignored under ``ssm_snapshot_policy=
+        "interval"``, without recurrent layers, and for a block history has already reached."""
         check_int("position", position)
-        if not self._ctx.state_layer_groups:
-            return None
-        return next_snapshot_position(self, position)
-
-    def get_aggregated_page_indices(
-        self, layer_group_id: LayerGroupId, beam_id: BeamIndex = BeamIndex(0), valid_only: bool = False
-    ) -> Iterator[int]:
-        """Slot ids of the blocks: one slot aggregates every buffer of the layer group."""
-        for idx in self.get_base_page_indices(layer_group_id, beam_id):
-            if not valid_only or idx != BAD_PAGE_INDEX:
-                yield idx
+        position -= position % self._tokens_per_block
+        if self._ctx.plans_branches and self._ctx.state_layer_groups and position > self._history:
+            add_snapshot_position(self, position)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import cast
 
 import rawref
@@ -11,37 +11,21 @@ from .._common import (
     DEFAULT_REUSE_SCOPE,
     GPU_LEVEL,
     MAX_BEAM_WIDTH,
-    AggregatedPageDesc,
-    BufferId,
     CacheLevel,
-    CacheTier,
     KVCacheStatus,
-    LayerGroupId,
-    LayerGroupInfo,
-    LayerId,
-    MemAddress,
-    PageIndexMode,
-    PoolDesc,
-    PoolGroupDesc,
-    PoolIndex,
-    RemoteStatistics,
     ReuseScope,
-    ReuseStatistics,
-    StorageStatistics,
-    TierStatistics,
     TokenIdExt,
 )
 from .._config import DiskCacheTierConfig, HostCacheTierConfig, KVCacheManagerConfig
 from .._events import MEDIUM_OF_TIER, KVCacheEvent, KVCacheEventManager, LayerGroupSpec
 from .._exceptions import LogicError
-from .._layers._policy import LayerGroup
 from .._life_cycle_registry import LayerGroupRegistry
-from .._page_index import PageIndexConverter
+from .._retention import RequestRetention, checked_prompt_end
 from .._reuse._adopt import adopt_records
+from .._reuse._node import Node
 from .._reuse._remote_fill import RemoteFill
 from .._reuse._tree import ReuseTree
-from .._storage._backend import MemoryBackend
-from .._storage._layout import BufferAttr, StorageLayout
+from .._storage._layout import StorageLayout
 from .._storage._quota import split_like, split_quota
 from .._storage._remote._protocol import layout_fingerprint
 from .._storage._remote._store import RemoteStore
@@ -52,17 +36,17 @@ from ._batch import commit_batch, resize_batch
 from ._context import CacheContext, OpenCache
 from ._introspection import check_invariants
 from ._kv_cache import KVCache
+from ._manager_queries import ManagerQueries
 from ._matching import PrefixMatcher, match_length, match_levels
-from ._pools import aggregated_pages, live_pages, longest_decode_that_fits
+from ._pins import pin_key, pin_prefix
+from ._pools import live_pages, longest_decode_that_fits
 from ._request_state import PriorityCallback, default_priority
 from ._residency import adopt
+from ._snapshot_plan import plan_snapshots
 
 
-class KVCacheManager:
+class KVCacheManager(ManagerQueries):
     """Owns the KV memory pools and hands pages to per-request :class:`KVCache` objects."""
-
-    #: True until construction completes (a half-built manager has nothing to release)
-    _is_shut_down: bool = True
 
     def __init__(self, config: KVCacheManagerConfig, event_manager: KVCacheEventManager | None = None) -> None:
         if not isinstance(config, KVCacheManagerConfig):
@@ -87,7 +71,7 @@ class KVCacheManager:
         slots = [gpu_slots] + [
             split_like(tier.quota, gpu_slots, self._layout, type(tier).__name__) for tier in local[1:]
         ]
-        self._backend: MemoryBackend = select_backend(config.backend)
+        self._backend = select_backend(config.backend)
         disk = local[-1]
         disk_fingerprint = layout_fingerprint(config, disk.dtype) if isinstance(disk, DiskCacheTierConfig) else b""
         try:
@@ -99,6 +83,8 @@ class KVCacheManager:
                 config.eviction_policy,
                 disk_fingerprint,
                 self.tokens_per_block,
+                config.clock,
+                config.max_pinned_share,
             )
         except BaseException:
             self._backend.shutdown()
@@ -108,7 +94,7 @@ class KVCacheManager:
         self._storage.drop_listener = self._tree
         #: the remote tier (issue #17): writes of dropped (and, with write-through, published) pages,
         #: and match extension
-        self._remote: RemoteStore | None = None
+        self._remote = None
         self._remote_fill: RemoteFill | None = None
         try:
             if remote_cfg is not None:
@@ -185,14 +171,18 @@ class KVCacheManager:
         id: object = None,
         custom_priority_callback: PriorityCallback = default_priority,
         beam_width: int = 1,
+        retention: RequestRetention | None = None,
+        prompt_length: int | None = None,
     ) -> KVCache:
         """A new SUSPENDED cache for one request; call ``resume()`` before ``resize()``.
 
         ``beam_width`` (fixed for the request's life): beams share every page until the first
         ``commit`` with ``beam_search_indices``; then each has its own generated blocks.
-        """
+        ``retention``: of the blocks it publishes (decode blocks: from ``prompt_length``, by
+        default ``len(input_tokens)``)."""
         self._check_alive()
         check_int("beam_width", beam_width, 1, MAX_BEAM_WIDTH)
+        prompt_end = checked_prompt_end(retention, prompt_length, input_tokens)
         if reuse_scope is not None:
             check_type("reuse_scope", reuse_scope, ReuseScope)
         if not callable(custom_priority_callback):
@@ -202,28 +192,38 @@ class KVCacheManager:
         ctx.enter("create_kv_cache()")
         try:
             kv = KVCache(ctx, scope, id, custom_priority_callback, beam_width)
-            if ctx.state_layer_groups:
-                kv._snapshot_positions = self._snapshot_positions(len(input_tokens) if input_tokens is not None else 0)
-            if input_tokens is not None and len(input_tokens) > 0:
+            kv._retention, kv._prompt_length = retention, prompt_end
+            num_input_tokens = len(input_tokens) if input_tokens is not None else 0
+            nodes: list[Node] = []
+            if input_tokens is not None and num_input_tokens > 0:
                 nodes, part, part_len, _ = self._matcher.match(
                     scope, input_tokens, True
                 )  # may raise: kv is not open yet
                 adopt(kv, nodes, part, part_len, input_tokens)
+            if ctx.state_layer_groups:
+                tree = self._tree
+                attention_blocks = max(tree.attention_blocks, len(nodes)) if num_input_tokens else 0
+                plan_snapshots(kv, num_input_tokens, len(nodes), attention_blocks, tree.branches)
+                if ctx.enable_stats:
+                    ctx.stats.attention_matched_tokens += attention_blocks * self.tokens_per_block
             handle: rawref.ref[OpenCache] = rawref.ref(kv)
             ctx.open_caches.add(handle)
         finally:
             ctx.leave()
         return kv
 
-    def _snapshot_positions(self, num_input_tokens: int) -> list[int]:
-        """A new request's snapshot positions besides the multiples of the interval."""
-        config = self._config
-        prompt_end = num_input_tokens // self.tokens_per_block * self.tokens_per_block
-        positions = set(config.ssm_snapshots_from_start)
-        if prompt_end > 0:
-            positions.add(prompt_end)
-            positions.update([prompt_end - offset for offset in config.ssm_snapshots_from_end if offset < prompt_end])
-        return sorted(positions)
+    def pin(
+        self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None, duration_s: float | None = None
+    ) -> int:
+        """Keep the cached full blocks of ``tokens`` cached (never evicted) until ``unpin`` (or for
+        ``duration_s`` seconds); returns the tokens pinned. ``ValueError`` beyond ``max_pinned_share``."""
+        self._check_alive()
+        return pin_prefix(self._ctx, self._matcher, reuse_scope, tokens, duration_s)
+
+    def unpin(self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None) -> bool:
+        """End the pin of ``tokens`` (False: none); its pages are evicted as usual again."""
+        self._check_alive()
+        return self._storage.pins.unpin(pin_key(reuse_scope, tokens))
 
     def probe_reuse(
         self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None
@@ -257,29 +257,6 @@ class KVCacheManager:
             return []
         return match_levels(found, self._registry.layer_groups, self.tokens_per_block, self._storage.num_levels)
 
-    @property
-    def reuse_statistics(self) -> ReuseStatistics:
-        """What prefix reuse did so far (a copy; all zero when ``enable_stats`` is False)."""
-        s = self._ctx.stats
-        return ReuseStatistics(
-            s.reused_blocks,
-            s.missed_blocks,
-            s.reused_pages,
-            s.allocated_pages,
-            s.queried_tokens,
-            s.reused_tokens,
-            s.snapshots_taken,
-            s.snapshots_skipped,
-            s.snapshots_reused,
-            self._tree.snapshots_evicted if self._ctx.enable_stats else 0,
-        )
-
-    @property
-    def remote_statistics(self) -> RemoteStatistics | None:
-        """What the remote tier did so far (None without one)."""
-        remote = self._remote
-        return remote.statistics() if remote is not None else None
-
     def flush_remote_writes(self, timeout_s: float = 10.0) -> bool:
         """Wait until every page queued for the remote tier is written (or dropped); False on
         timeout. Writes never need this (they are sent in the background); tests and a graceful
@@ -307,6 +284,7 @@ class KVCacheManager:
 
     @property
     def num_open_caches(self) -> int:
+        """Caches created and not closed yet."""
         return len(self._ctx.open_caches)
 
     def open_caches(self) -> list[KVCache]:
@@ -325,12 +303,13 @@ class KVCacheManager:
         check_invariants(self._storage, self._tree, self.open_caches())
 
     def clear_reusable_blocks(self) -> None:
-        """Drop every reusable page. Refused while caches are open."""
+        """Drop every reusable page (and every pin). Refused while caches are open."""
         self._check_alive()
         self._check_no_open_caches("clear_reusable_blocks")
         self._ctx.enter("clear_reusable_blocks()")
         try:
             self._storage.flush_write_through()  # published pages still owe the remote tier a copy
+            self._storage.pins.clear()
             self._tree.clear()
             self._storage.drop_all_evictable()  # garbage of subtrees removed earlier
             if self._storage.persist is not None:
@@ -393,139 +372,6 @@ class KVCacheManager:
         self._batch_serial += 1
         commit_batch(self._ctx, self._batch_serial, caches, tokens)
 
-    # ------------------------------------------------------------------ layout for kernels
-    @property
-    def backend_name(self) -> str:
-        """``"cuda"`` or ``"host"``: where the GPU tier lives."""
-        return self._backend.name
-
-    @property
-    def backend(self) -> MemoryBackend:
-        return self._backend
-
-    @property
-    def config(self) -> KVCacheManagerConfig:
-        """The configuration this manager was built from (layers, windows, tiers)."""
-        return self._config
-
-    @property
-    def num_layers(self) -> int:
-        return len(self._config.layers)
-
-    @property
-    def layer_ids(self) -> list[LayerId]:
-        return [LayerId(layer.layer_id) for layer in self._config.layers]
-
-    @property
-    def all_buffer_ids(self) -> list[BufferId]:
-        return list(self._layout.buffer_order)
-
-    @property
-    def layer_grouping(self) -> list[tuple[LayerId, ...]]:
-        """Layer ids of each layer group (indexed by ``LayerGroupId``)."""
-        return [tuple(ids) for ids in self._registry.layers_of]
-
-    @property
-    def cache_tier_list(self) -> list[CacheTier]:
-        return [t.tier for t in self._config.cache_tiers]
-
-    @property
-    def pool_group_descs(self) -> list[PoolGroupDesc]:
-        self._check_alive()
-        return [
-            PoolGroupDesc(
-                g.index,
-                g.num_slots,
-                tuple(
-                    PoolDesc(PoolIndex(i), g.memory_pool(i).base_address, size)
-                    for i, size in enumerate(g.layout.slot_sizes)
-                ),
-            )
-            for g in self._storage.gpu
-        ]
-
-    def get_layer_group_id(self, layer_id: LayerId) -> LayerGroupId:
-        layer_group = self._registry.layer_to_layer_group.get(layer_id)
-        if layer_group is None:
-            raise ValueError(f"unknown layer_id {layer_id!r}; known: {self.layer_ids}")
-        return layer_group
-
-    def get_layer_group_info(self, layer_group_id: LayerGroupId) -> LayerGroupInfo:
-        """Layers, window, sink blocks and pool group of one layer group (``LayerGroupId`` from
-        ``get_layer_group_id``; groups are numbered ``0 .. len(layer_grouping) - 1``)."""
-        check_int("layer_group_id", layer_group_id)
-        if layer_group_id >= self.num_layer_groups:
-            raise ValueError(
-                f"layer_group_id must be in [0, {self.num_layer_groups}) (layer groups of this manager), "
-                f"got {layer_group_id}"
-            )
-        layer_group = LayerGroupId(layer_group_id)
-        policy = self._registry.layer_groups[layer_group]
-        return LayerGroupInfo(
-            layer_group,
-            tuple(self._registry.layers_of[layer_group]),
-            policy.window_size,
-            policy.num_sink_blocks,
-            self._layout.pool_group_of_layer_group[layer_group],
-            policy.kind,
-        )
-
-    def _layer_group_policy(self, layer_group_id: LayerGroupId) -> LayerGroup:
-        """The policy of a layer group (for the engine adapter's capacity planning)."""
-        return self._registry.layer_groups[layer_group_id]
-
-    def _buffer(self, layer_id: LayerId, role: str) -> BufferAttr:
-        attr = self._layout.buffers.get(BufferId(layer_id, role))
-        if attr is None:
-            self.get_layer_group_id(layer_id)
-            roles = [r for (lid, r) in self._layout.buffer_order if lid == layer_id]
-            raise ValueError(f"layer {layer_id} has no buffer with role {role!r}; its roles: {roles}")
-        return attr
-
-    def get_mem_pool_base_address(
-        self, layer_id: LayerId, role: str, index_mode: PageIndexMode | None = None
-    ) -> MemAddress:
-        """Base address for kernel page indices of this buffer in ``index_mode`` (None: SHARED)."""
-        self._check_alive()
-        attr = self._buffer(layer_id, role)
-        base = self._storage.gpu[attr.pool_group].memory_pool(attr.pool).base_address
-        if index_mode is None or index_mode is PageIndexMode.SHARED:
-            return MemAddress(base + attr.offset)
-        if index_mode is PageIndexMode.PER_LAYER:
-            return base
-        raise TypeError(f"index_mode must be a PageIndexMode or None, got {index_mode!r}")
-
-    def get_page_stride(self, layer_id: LayerId, role: str) -> int:
-        """Bytes of one kernel page of this buffer."""
-        return self._buffer(layer_id, role).size
-
-    def get_page_index_upper_bound(self, layer_id: LayerId, role: str) -> int:
-        """Kernel page indices of this buffer are below this bound."""
-        self._check_alive()
-        attr = self._buffer(layer_id, role)
-        return self._storage.gpu[attr.pool_group].num_slots * attr.scale * attr.expansion
-
-    def get_page_index_converter(self, layer_id: LayerId, role: str) -> PageIndexConverter:
-        attr = self._buffer(layer_id, role)
-        return PageIndexConverter(attr.scale, attr.expansion, attr.layer_offset, attr.pages_per_layer)
-
-    def supports_index_mode(self, mode: PageIndexMode) -> bool | None:
-        """PER_LAYER: True. SHARED: True without SWA scratch reuse; with it None, meaning "ask each
-        request" (``KVCache.supports_index_mode``): scratch blocks need PER_LAYER."""
-        check_type("mode", mode, PageIndexMode)
-        if mode is PageIndexMode.PER_LAYER or self._ctx.max_rewind_len < 0:
-            return True
-        return None
-
-    def get_aggregated_pages(self, buffer_ids: Sequence[BufferId]) -> Iterator[AggregatedPageDesc]:
-        """Byte-contiguous runs of the requested buffers, one or more per pool (bulk transfer)."""
-        self._check_alive()
-        wanted: set[BufferId] = set()
-        for bid in buffer_ids:
-            self._buffer(bid[0], bid[1])
-            wanted.add(BufferId(bid[0], bid[1]))
-        yield from aggregated_pages(self._layout, self._storage, wanted)
-
     # ------------------------------------------------------------------ capacity
     def get_quota(self, level: CacheLevel) -> int:
         """The byte quota of cache ``level`` (as configured, or as last set by ``resize``)."""
@@ -572,35 +418,6 @@ class KVCacheManager:
         self._quotas[cache_level] = quota
         return True
 
-    def get_storage_statistics(self, level: CacheLevel = GPU_LEVEL) -> list[StorageStatistics]:
-        """Slot accounting per pool group at ``level``: free slots, and evictable ones (reusable
-        pages, and suspended requests' pages as far as the levels below can take them). The remote
-        tier has no slots: an empty list (see ``get_tier_statistics`` and ``remote_statistics``)."""
-        self._check_alive()
-        self._check_level(level)
-        if level == self._storage.num_levels:
-            return []
-        return self._storage.statistics(level)
-
-    def get_tier_statistics(self, level: CacheLevel = GPU_LEVEL) -> TierStatistics:
-        """Usage, peak and traffic (offloaded / onboarded / dropped pages and bytes, disk errors)
-        of cache ``level`` since the manager was created. The remote tier: pages written
-        (offloaded), fetched (onboarded), writes dropped, failed round trips and refused values
-        (io_errors); its usage reads 0 (the server is shared)."""
-        self._check_level(level)
-        return self._storage.tier_statistics(level)
-
-    def take_iteration_stats(self) -> list[TierStatistics]:
-        """One entry per cache level with the traffic since the previous call (peak usage: since
-        then too), and start a new interval. An engine calls it once per step and logs it."""
-        return self._storage.take_iteration_stats()
-
-    @property
-    def gpu_utilization(self) -> float:
-        """Max over pool groups of unavailable / total GPU slots."""
-        self._check_alive()
-        return self._storage.utilization()
-
     def clamp_max_seq_len_for_mem(self, batch_size: int, token_num_upper_bound: int, beam_width: int = 1) -> int:
         """Longest sequence length (<= the bound) that ``batch_size`` requests can each reach by
         decoding in GPU memory: every length on the way must fit, since a sliding-window request
@@ -617,16 +434,6 @@ class KVCacheManager:
         )
 
     # ------------------------------------------------------------------ checks
-    def _check_alive(self) -> None:
-        if self._is_shut_down:
-            raise LogicError("the manager was shut down: its memory is released; build a new KVCacheManager")
-
-    def _check_level(self, level: CacheLevel) -> None:
-        n = len(self._config.cache_tiers)
-        check_int("cache level", level)
-        if level >= n:
-            raise ValueError(f"cache level must be in [0, {n}) ({n} tiers configured), got {level}")
-
     def _check_no_open_caches(self, what: str) -> None:
         if self._ctx.open_caches:
             raise LogicError(f"{what}() refused: {self.num_open_caches} KVCache(s) still open; close() them first")

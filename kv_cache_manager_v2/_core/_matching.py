@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from .._common import DEFAULT_REUSE_SCOPE, CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
 from .._layers._policy import LayerGroup
 from .._reuse._keys import BlockHasher, BlockKey, check_token_sequence
+from .._reuse._node import Node
 from .._reuse._remote_fill import Found, Projection, RemoteFill
-from .._reuse._tree import Node, ReuseTree
+from .._reuse._tree import ReuseTree
 from .._typed import TypedList
 from .._utils import check_type
 from ._context import CacheContext
@@ -70,6 +71,7 @@ class PrefixMatcher:
         hasher = BlockHasher(input_tokens, self.tokens_per_block, "input_tokens", keys, validated)
         partial = self.enable_partial_reuse
         tree = self.tree
+        tree.attention_blocks, tree.branches = 0, False  # (set by a hybrid model's tree.match)
         root = tree.root(scope, False)
         nodes: list[Node] = []
         part: Node | None = None

@@ -24,7 +24,8 @@ from .._common import (
 )
 from .._exceptions import LogicError
 from .._page import Page
-from .._reuse._tree import Node
+from .._retention import RequestRetention
+from .._reuse._node import Node
 from .._utils import check_int
 from ._block_table import BlockTable
 from ._context import CacheContext, OpenCache
@@ -89,6 +90,8 @@ class RequestState(OpenCache):
         #: prompt end rounded down to a block (``input_tokens`` given at create) and the
         #: configured extra ones (``ssm_snapshots_from_start`` / ``_from_end``)
         self._snapshot_positions: list[int] = []
+        #: the kind of each of them (``_snapshot_plan``: statistics)
+        self._snapshot_kinds: dict[int, int] = {}
         self._forked = False
         #: committed full blocks and tail of beams 1.. once forked (beam 0's are the fields above)
         self._beam_seqs: list[tuple[list[BlockTokens], list[TokenIdExt]]] = []
@@ -104,9 +107,16 @@ class RequestState(OpenCache):
         self._batch_serial = 0
         #: no sliding window moves below this history (see ``KVCache._window_moves``; 0: check)
         self._window_next = 0
+        #: retention of the blocks this request publishes (``create_kv_cache(retention=...)``)
+        self._retention: RequestRetention | None = None
+        #: the prompt's length (where decode blocks start, for ``_retention``)
+        self._prompt_length = 0
+        #: full blocks reused at creation (the blocks after them this request published itself)
+        self._num_matched_blocks = 0
 
     @property
     def num_committed_tokens(self) -> int:
+        """Tokens committed so far (history whose KV the request computed or reused)."""
         return len(self._committed_blocks) * self._tokens_per_block + len(self._tail)
 
     def _seq(self, beam: int) -> tuple[list[BlockTokens], list[TokenIdExt]]:
@@ -184,7 +194,8 @@ class RequestState(OpenCache):
         self._last_node = node
         if old is not None:
             old.num_extenders -= 1
-            self._ctx.tree.prune(old)
+            if old.num_extenders == 0 and not old.has_children:  # (else prune removes nothing: skip its walk)
+                self._ctx.tree.prune(old)
 
     # ------------------------------------------------------------------ checks
     def _check_committing(self) -> None:

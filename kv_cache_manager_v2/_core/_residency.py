@@ -8,20 +8,25 @@ from collections.abc import Sequence
 from typing import cast
 
 from .._common import DEFAULT_PRIORITY, GPU_LEVEL, CacheLevel, KVCacheStatus, LayerGroupId, SlotId, TokenIdExt
-from .._page import Page
-from .._reuse._tree import Node
+from .._page import NO_HINT, Page
+from .._retention import Retention
+from .._reuse._node import Node
 from ._commit import publish_final
 from ._request_state import RequestState
+from ._retention import end_hint, retain_history
 
 
-def _take_reused(node: Node, layer_group: LayerGroupId, state: RequestState) -> Page:
-    """Take ``node``'s page of ``layer_group`` for a request that matched it (a hit)."""
+def _take_reused(node: Node, layer_group: LayerGroupId, state: RequestState, match_end: int) -> Page:
+    """Take ``node``'s page of ``layer_group`` for a request that matched it (a hit), its match
+    ending at block ``match_end``."""
     page = node.page(layer_group)
     assert page is not None
     page.take(False)
     history = page.storage.history
     if history is not None:
         history.use(page, state._serial, True)
+    if page.hint_end != NO_HINT:
+        end_hint(page, state, match_end)
     return page
 
 
@@ -34,6 +39,7 @@ def adopt(
     num_blocks = (length + tokens_per_block - 1) // tokens_per_block
     table = state._table
     taken = 0
+    match_end = num_blocks - 1
     for i, policy in enumerate(state._ctx.layer_groups):
         layer_group = LayerGroupId(i)
         beg, end = policy.stale_range(length)
@@ -42,11 +48,11 @@ def adopt(
             if beg <= ordinal < end:
                 continue
             if ordinal < len(nodes):
-                pages[ordinal] = _take_reused(nodes[ordinal], layer_group, state)
+                pages[ordinal] = _take_reused(nodes[ordinal], layer_group, state, match_end)
                 taken += 1
             else:
                 assert part is not None
-                table.pending_copy[layer_group] = _take_reused(part, layer_group, state)
+                table.pending_copy[layer_group] = _take_reused(part, layer_group, state, match_end)
         table.adopt(layer_group, pages, policy.stale_end(length))
         for other in state._tables[1:]:
             for page_or_none in pages:
@@ -55,7 +61,8 @@ def adopt(
             other.adopt(layer_group, list(pages), policy.stale_end(length))
     if nodes:  # a hybrid match ends at a block holding a snapshot of each state group
         for layer_group in table.state_groups:
-            table.pending_copy[layer_group] = _take_reused(nodes[-1], layer_group, state)
+            table.pending_copy[layer_group] = _take_reused(nodes[-1], layer_group, state, match_end)
+            state._ctx.tree.snapshot_used(nodes[-1], layer_group)
             taken += 1
             if state._ctx.enable_stats:
                 state._ctx.stats.snapshots_reused += 1
@@ -63,7 +70,7 @@ def adopt(
     state._tail = list(tokens[len(nodes) * tokens_per_block : length])
     state._capacity = state._history = length
     state._num_blocks = num_blocks
-    state._num_published = len(nodes)
+    state._num_published = state._num_matched_blocks = len(nodes)
     state._extend_from(nodes[-1] if nodes else None)
     if state._ctx.enable_stats:
         stats = state._ctx.stats
@@ -346,11 +353,14 @@ def suspend_pages(state: RequestState) -> None:
     state._status = KVCacheStatus.SUSPENDED
 
 
-def close_pages(state: RequestState) -> None:
-    """``KVCache.close`` past its checks: publish the rest, release every page."""
+def close_pages(state: RequestState, retain: Retention | None = None) -> None:
+    """``KVCache.close`` past its checks: publish the rest, give the published history the
+    close-time hint ``retain``, release every page."""
     if state._status is KVCacheStatus.SUSPENDED and state._ctx.storage.any_lost():
         drop_lost_blocks(state, False, -1)  # never publish a block whose data is gone
     publish_final(state)
+    if retain is not None:
+        retain_history(state, retain)
     locked = state._status is KVCacheStatus.ACTIVE
     for table in state._tables:
         table.release_all(locked)

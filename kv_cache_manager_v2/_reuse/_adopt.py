@@ -21,7 +21,8 @@ from .._common import (
 from .._page import Page, PoolGroupStorage
 from .._storage._persist import DiskRecord
 from .._typed import TypedList
-from ._tree import Node, ReuseTree
+from ._node import Node
+from ._tree import ReuseTree
 
 
 def adopt_records(

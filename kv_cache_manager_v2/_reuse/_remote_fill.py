@@ -29,7 +29,8 @@ from .._storage._remote._store import RemoteStore
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList
 from ._keys import BlockHasher, BlockKey, scope_key, validate_tokens
-from ._tree import Node, ReuseTree
+from ._node import Node
+from ._tree import ReuseTree
 
 #: what a lookup learned: (block ordinal, layer group) -> the remote tier has a value of the right length
 Found = dict[tuple[int, int], bool]

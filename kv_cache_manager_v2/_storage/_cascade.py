@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from .._common import CacheLevel, CacheTier
 from .._exceptions import OutOfPagesError
 from .._page import Page, PoolGroupStorage
+from ._expiry import ExpiryQueue
 from ._levels import StorageLevels
 from ._persistence import persist_pages
 from ._slot_allocator import paired_in_order
@@ -49,6 +50,8 @@ class EvictionCascade(StorageLevels):
     #: the remote tier below the last level (``attach_remote``): reusable full-block pages dropped
     #: for good are written there
     remote_tier: RemoteTier | None
+    #: retained pages' expiry times, consulted before each eviction
+    expiries: ExpiryQueue
 
     def persist_pages(self, pages: list[Page]) -> None:
         """Record the persistent disk tier's reusable full-block pages among ``pages`` (their bytes
@@ -64,6 +67,8 @@ class EvictionCascade(StorageLevels):
         allocator = storage.allocator
         if allocator.num_free >= count:
             return
+        self.expiries.expire()  # expired retention first: those pages go at their base priority
+        self.pins.expire()
         if storage.is_last:
             while allocator.num_free < count:
                 storage.num_evicted += 1

@@ -15,12 +15,14 @@ from .._page import Evictor, PoolGroupStorage
 from .._typed import TypedList
 from ._backend import MAX_GROWTH, MemoryBackend
 from ._copy_engine import CopyEngine
-from ._eviction import FrequencyEvictor, LruEvictor, UseHistory
+from ._eviction import FrequencyEvictor, LruEvictor
 from ._layout import StorageLayout
 from ._persist import PersistentDisk
 from ._persistence import take_persisted
+from ._pins import PinTable
 from ._tiers._base import Tier
 from ._tiers._registry import local_tier
+from ._use_history import UseHistory
 
 #: Per level and pool group, how many of the asking request's own pages its evictor lists
 #: (they are about to be used, so they do not count as evictable).
@@ -30,6 +32,9 @@ Excluded = list[list[int]]
 class StorageLevels:
     """The storage of every cache level and pool group: level 0 is the GPU tier, then host, then
     disk, as configured; the planning arithmetic over their free and evictable slots."""
+
+    #: pinned prefixes, whose pages are in no evictor (set by the subclass's constructor)
+    pins: PinTable
 
     def __init__(
         self,
@@ -114,6 +119,7 @@ class StorageLevels:
         """Slots of pool group ``pool_group`` at ``level`` that are free or can be made free: free slots,
         DROPPABLE pages (moved down or dropped), and HELD pages as far as the levels below can take
         them. ``excluded`` pages (listed per level and group) are not counted as evictable."""
+        self.pins.expire()  # (pins that ran out: their pages are evictable again)
         storage = self.levels.items[level].items[pool_group]
         evictor = storage.evictor
         count = storage.allocator.num_free + evictor.count - evictor.num_held
@@ -150,6 +156,7 @@ class StorageLevels:
         utilisation limit below 1 applies to every group, even with no new slot (the resume gate),
         except while the group's unavailable slots stay within ``floor[g]`` (what the
         constraints guarantee)."""
+        self.pins.expire()
         for g, n in enumerate(need):
             if n == 0 and max_util >= 1.0 and (excluded is None or excluded[0][g] == 0):
                 continue

@@ -201,8 +201,10 @@ class SlotAllocator:
             if after >= 0:
                 self._next_to(after, 1, out)
                 if out:
+                    self._note_peak()  # a free slot can be a new peak too (after take(), or a reset iteration peak)
                     return out[0]
             self._take(self._fit(1), 1, out)
+            self._note_peak()
             return out[0]
         if self._high_water >= self.num_slots:
             raise LogicError("slot allocator: no free slot")

@@ -26,7 +26,17 @@ class TrafficStatistics:
         for group in storage.levels[level]:
             free = group.allocator.num_free
             available = storage.available(level, group.index)
-            out.append(StorageStatistics(group.index, group.layout.slot_sizes, group.num_slots, free, available - free))
+            out.append(
+                StorageStatistics(
+                    group.index,
+                    group.layout.slot_sizes,
+                    group.num_slots,
+                    free,
+                    available - free,
+                    group.num_pinned,
+                    group.num_retained,
+                )
+            )
         return out
 
     def utilization(self) -> float:

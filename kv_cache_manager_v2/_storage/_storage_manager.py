@@ -10,7 +10,8 @@ Requests never touch allocators or evictors directly: they ask ``fits`` (plan), 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import rawref
 
@@ -29,7 +30,9 @@ from .._page import Page, PoolGroupStorage
 from .._typed import TypedList
 from ._backend import MemoryBackend
 from ._cascade import EvictionCascade, PageDropListener
+from ._expiry import ExpiryQueue
 from ._layout import StorageLayout
+from ._pins import PinTable
 from ._remote._store import RemoteStore
 from ._resize import TierResizer
 from ._statistics import TrafficStatistics
@@ -50,9 +53,13 @@ class StorageManager(EvictionCascade):
         eviction_policy: str = "lru",
         disk_fingerprint: bytes = b"",
         tokens_per_block: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        max_pinned_share: float = 0.5,
     ) -> None:
         super().__init__(layout, slots, backend, tiers, eviction_policy, disk_fingerprint, tokens_per_block)
         self.drop_listener = None
+        self.expiries = ExpiryQueue(clock)
+        self.pins = PinTable(clock, max_pinned_share)
         self.remote_tier = None
         gpu = self.gpu
         #: GPU storage of each layer group's pool group (the allocation hot path)
@@ -257,6 +264,7 @@ class StorageManager(EvictionCascade):
 
     # ------------------------------------------------------------------ accounting
     def statistics(self, level: CacheLevel) -> list[StorageStatistics]:
+        self.expiries.expire()  # (retention that ran out is not counted)
         return self.stats.statistics(level)
 
     def utilization(self) -> float:

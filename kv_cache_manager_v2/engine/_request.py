@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Sequence
 from typing import NewType
 
 from mypy_extensions import mypyc_attr
 
 from .._common import DEFAULT_PRIORITY, MAX_PRIORITY, Priority, ReuseScope, TokenIdExt
+from .._retention import RequestRetention
 
 RequestId = NewType("RequestId", int)
 
@@ -38,8 +40,12 @@ class EngineRequest:
     ``prompt_tokens``, ``reuse_scope``. Set by the engine: ``generated_tokens`` (append-only;
     append the sampled token after a step that ends at the last token), ``max_new_tokens``,
     ``context_chunk_size`` (at most this many tokens per step while more than one token is
-    uncomputed; 0 = no limit), ``state`` (set FINISHED when done) and ``priority`` (eviction
-    priority 0..100 of the pages this request creates, read at admission). The adapter checks
+    uncomputed; 0 = no limit), ``state`` (set FINISHED when done), ``priority`` (eviction
+    priority 0..100 of the pages this request creates, read at admission), ``retention``
+    (``RequestRetention``: priorities with durations per token range, read at admission) and
+    ``output_is_history`` (the output becomes the start of a later request, e.g. a conversation's
+    next turn: hybrid models keep the recurrent state at its last full block; read at admission,
+    ignored under ``ssm_snapshot_policy="interval"``). The adapter checks
     these where it uses them (``TypeError`` / ``ValueError``, the batch rolled back).
 
     Written by the resource manager, read by the engine: ``num_cached_tokens`` (tokens whose
@@ -59,6 +65,7 @@ class EngineRequest:
         context_chunk_size: int = 0,
         reuse_scope: ReuseScope | None = None,
         priority: int = DEFAULT_PRIORITY,
+        retention: RequestRetention | None = None,
     ) -> None:
         self._request_id = RequestId(check_field("request_id", request_id, 0))
         if isinstance(prompt_tokens, (str, bytes)) or not hasattr(prompt_tokens, "__len__"):
@@ -76,6 +83,13 @@ class EngineRequest:
             raise TypeError(f"EngineRequest.reuse_scope must be a ReuseScope or None, got {type(reuse_scope).__name__}")
         self._reuse_scope: ReuseScope | None = reuse_scope
         self.priority: Priority = check_priority(priority)
+        if retention is not None and not isinstance(retention, RequestRetention):
+            raise TypeError(
+                f"EngineRequest.retention must be a RequestRetention or None, got {type(retention).__name__}"
+            )
+        #: priorities with durations of the blocks it publishes (ranges of its prompt, decode blocks)
+        self.retention: RequestRetention | None = retention
+        self.output_is_history = False
         self.state = RequestState.CONTEXT
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
@@ -89,10 +103,12 @@ class EngineRequest:
 
     @property
     def prompt_tokens(self) -> Sequence[TokenIdExt]:
+        """The prompt, as given at construction (fixed)."""
         return self._prompt_tokens
 
     @property
     def reuse_scope(self) -> ReuseScope | None:
+        """Blocks are reused only between requests of equal scope (None: the default scope); fixed."""
         return self._reuse_scope
 
     def __repr__(self) -> str:
@@ -125,6 +141,12 @@ class EngineRequest:
     def all_tokens(self) -> list[TokenIdExt]:
         """Prompt followed by generated tokens (a copy)."""
         return list(self.prompt_tokens) + self.generated_tokens
+
+
+def slices_as_is(tokens: Sequence[TokenIdExt]) -> bool:
+    """Whether ``KVCache.commit`` takes slices of ``tokens`` as they are: a list, or an ``array('I')``
+    (whose chunks are committed without an int object per token)."""
+    return type(tokens) is list or (isinstance(tokens, array) and tokens.typecode == "I")
 
 
 def check_priority(priority: object) -> Priority:

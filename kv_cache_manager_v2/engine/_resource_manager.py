@@ -2,39 +2,32 @@
 
 Seed 002 (a KV-cache manager as a *resource manager* of an executor): ``prepare_resources``
 before the forward step, ``update_resources`` after it, ``free_resources`` when a request ends,
-capacity queries for the scheduler, block tables and pool views for the kernels.
+capacity queries for the scheduler, block tables and pool views for the kernels (those, and the
+records they read, are the base class in ``_queries.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from .._common import (
-    BAD_PAGE_INDEX,
     DEFAULT_PRIORITY,
     GPU_LEVEL,
-    BeamIndex,
     BlockOrdinal,
     CacheLevel,
     KVCacheStatus,
     LayerGroupId,
-    LayerId,
-    PageIndexMode,
-    PoolGroupIndex,
     Priority,
     TokenId,
     TokenIdExt,
 )
-from .._config import KVCacheManagerConfig
 from .._core._kv_cache import KVCache
-from .._core._kv_cache_manager import KVCacheManager
 from .._core._request_state import default_priority
 from .._exceptions import LogicError
-from .._page_index import PageIndexConverter
-from ._buffers import CudaBufferView, host_view, page_layout
-from ._capacity import LayerGroupShape, StepPlan, admission_bound, peak_slots
-from ._request import EngineRequest, RequestId, RequestState, check_field, check_priority
+from .._retention import Retention
+from .._utils import check_type
+from ._queries import RequestRecord, ResourceQueries, check_request
+from ._request import EngineRequest, RequestState, check_field, check_priority, slices_as_is
 
 
 class _FixedPriority:
@@ -45,32 +38,6 @@ class _FixedPriority:
 
     def __call__(self, block_ordinal: BlockOrdinal, layer_group: LayerGroupId) -> Priority:
         return self.priority
-
-
-class _Sequence:
-    """The adapter's record of one request: its cache and what the current step computes."""
-
-    def __init__(self, request: EngineRequest, kv: KVCache, padding: bool) -> None:
-        self.request = request
-        self.kv = kv
-        self.padding = padding
-        self.scheduled = 0  #: tokens the prepared step computes (0: none)
-        self.serial = 0  #: the prepare_resources call that last saw this request
-        # how to undo this step's prepare if a later request of the batch raises
-        self.undo_capacity = -1  #: -1: admitted in this step (undo = close)
-        self.undo_scheduled = 0
-        self.undo_suspended = False
-        self.undo_reused = 0
-        self.undo_reused_per_level: list[int] = []
-        #: pages per pool group the cache held when the adapter last suspended it (GPU-only
-        #: managers: they stay in GPU memory, so they are not needed again)
-        self.suspended_pages: list[int] = []
-
-
-def _check_request(name: str, request: object) -> EngineRequest:
-    if not isinstance(request, EngineRequest):
-        raise TypeError(f"{name} must be an EngineRequest, got {type(request).__name__}")
-    return request
 
 
 def step_tokens(kv: KVCache, begin: int, remaining: int, chunk: int) -> int:
@@ -88,7 +55,7 @@ def step_tokens(kv: KVCache, begin: int, remaining: int, chunk: int) -> int:
     return n
 
 
-class KVCacheResourceManager:
+class KVCacheResourceManager(ResourceQueries):
     """Resource-manager adapter over one :class:`KVCacheManager` (built from ``config``).
 
     Per step: ``unserved = prepare_resources(batch)``; run the model on the served requests
@@ -107,44 +74,6 @@ class KVCacheResourceManager:
     ownership: ``shutdown`` frees the adapter's requests and leaves the manager running).
     """
 
-    def __init__(self, config: KVCacheManagerConfig | None = None, *, manager: KVCacheManager | None = None) -> None:
-        if (config is None) == (manager is None):
-            raise ValueError("KVCacheResourceManager needs exactly one of config or manager=")
-        if manager is not None:
-            if not isinstance(manager, KVCacheManager):
-                raise TypeError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
-            manager.get_storage_statistics()  # raises LogicError if it was shut down
-            self.manager = manager
-            self._owns_manager = False
-        else:
-            if not isinstance(config, KVCacheManagerConfig):
-                raise TypeError(f"config must be a KVCacheManagerConfig, got {type(config).__name__}")
-            self.manager = KVCacheManager(config)
-            self._owns_manager = True
-        m = self.manager
-        t = m.tokens_per_block
-        self.tokens_per_block = t
-        self._shapes: list[LayerGroupShape] = []
-        for lg in range(len(m.layer_grouping)):
-            info = m.get_layer_group_info(LayerGroupId(lg))
-            self._shapes.append(LayerGroupShape(m._layer_group_policy(LayerGroupId(lg)), info.pool_group_index))
-        self._num_pool_groups = len(m.pool_group_descs)
-        #: cache levels (tiers); with more than one, admission asks where the reused blocks are
-        self._num_levels = len(m.cache_tier_list)
-        self._releases_blocks = any(s.policy.releases_blocks for s in self._shapes)
-        self._seqs: dict[int, _Sequence] = {}
-        self._serial = 0
-        self._converters: dict[tuple[LayerId, str], PageIndexConverter] = {}
-        self._is_shut_down = False
-        #: preemptions so far: ``suspend_resources`` of a running request, ``free_resources`` of one not FINISHED
-        self.num_preemptions = 0
-        #: prompt tokens admitted requests reused so far, by the cache level they came from (see
-        #: ``EngineRequest.num_reused_tokens_per_level``; the last level of a remote tier included)
-        self.reused_tokens_per_level = [0] * self._num_levels
-
-    def __repr__(self) -> str:
-        return f"KVCacheResourceManager(requests={len(self._seqs)}, free_blocks={self.get_num_free_blocks_per_pool_group()})"
-
     # ------------------------------------------------------------------ the step
     def prepare_resources(self, batch: Sequence[EngineRequest]) -> list[EngineRequest]:
         """Give every request of ``batch`` KV memory for its next step; return those that got none.
@@ -159,7 +88,7 @@ class KVCacheResourceManager:
         self._serial += 1
         serial = self._serial
         unserved: list[EngineRequest] = []
-        done: list[_Sequence] = []
+        done: list[RequestRecord] = []
         current: KVCache | None = None  # resumed by this call for the request being prepared
         try:
             for req in batch:
@@ -225,27 +154,14 @@ class KVCacheResourceManager:
             raise
         return unserved
 
-    def _suspend(self, seq: _Sequence) -> None:
+    def _suspend(self, seq: RequestRecord) -> None:
         """Suspend an ACTIVE cache, remembering how many pages it holds per pool group."""
         kv = seq.kv
         if self._num_levels == 1:
             seq.suspended_pages = self._pages_per_pool_group(kv)
         kv.suspend()
 
-    def _pages_per_pool_group(self, kv: KVCache) -> list[int]:
-        """Slots held per pool group by an ACTIVE cache (its indices are live): blocks with a page,
-        and the live state of each group that keeps one (resume took it; one: the adapter creates
-        no beams), as ``peak_slots`` counts them."""
-        out = [0] * self._num_pool_groups
-        for lg, shape in enumerate(self._shapes):
-            if shape.policy.keeps_live_state:
-                out[shape.pool_group] += 1  # (its blocks have no page)
-                continue
-            indices = kv.get_base_page_indices(LayerGroupId(lg))
-            out[shape.pool_group] += len(indices) - indices.tolist().count(BAD_PAGE_INDEX)
-        return out
-
-    def _admit(self, req: EngineRequest, serial: int) -> _Sequence | None:
+    def _admit(self, req: EngineRequest, serial: int) -> RequestRecord | None:
         """A new cache for ``req`` (prefix reuse) sized for its first chunk; None if memory is short."""
         tokens: Sequence[TokenIdExt] = req.prompt_tokens if not req.generated_tokens else req.all_tokens()
         length = len(tokens)
@@ -255,8 +171,11 @@ class KVCacheResourceManager:
         prefix = tokens[: length - 1] if length > 1 else None
         m = self.manager
         levels = m.probe_reuse_levels(req.reuse_scope, prefix) if self._num_levels > 1 and prefix is not None else []
-        kv = m.create_kv_cache(req.reuse_scope, prefix, req.request_id, cb)  # (hashed once: by the probe)
+        # (hashed once: by the probe)
+        kv = m.create_kv_cache(req.reuse_scope, prefix, req.request_id, cb, 1, req.retention, len(req.prompt_tokens))
         try:
+            if req.output_is_history:  # hybrid models: keep the state the next turn starts with
+                kv.plan_snapshot(len(req.prompt_tokens) + req.max_new_tokens - 1)
             if not kv.resume():
                 kv.close()
                 return None
@@ -268,7 +187,7 @@ class KVCacheResourceManager:
         except BaseException:
             kv.close()
             raise
-        seq = _Sequence(req, kv, False)
+        seq = RequestRecord(req, kv, False)
         seq.serial = serial
         seq.scheduled = n
         seq.undo_reused = req.num_reused_tokens
@@ -292,7 +211,7 @@ class KVCacheResourceManager:
             out[levels[o] if o < len(levels) else GPU_LEVEL] += min(t, reused - o * t)
         return out
 
-    def _rollback(self, done: list[_Sequence]) -> None:
+    def _rollback(self, done: list[RequestRecord]) -> None:
         """Undo the prepares of this call (newest first); shrinking and suspending cannot fail."""
         for seq in reversed(done):
             req = seq.request
@@ -347,21 +266,22 @@ class KVCacheResourceManager:
                 kv.resize(None, e)
             elif n == 1:
                 kv.commit([req.generated_tokens[h - p]] if h >= p else [req.prompt_tokens[h]])
-            else:
-                kv.commit(req.tokens(h, e))
+            else:  # a prompt chunk is one slice of the prompt where commit takes it as it is
+                kv.commit(req.prompt_tokens[h:e] if e <= p and slices_as_is(req.prompt_tokens) else req.tokens(h, e))
             seq.scheduled = 0
             req.num_scheduled_tokens = 0
             req.num_cached_tokens = e
             if req.state is RequestState.CONTEXT and e >= p:
                 req.state = RequestState.GENERATION
 
-    def free_resources(self, request: EngineRequest) -> None:
+    def free_resources(self, request: EngineRequest, retain: Retention | None = None) -> None:
         """Release the request's KV (finished, or preempted to be recomputed). Unknown requests: no-op.
 
-        Committed blocks, including a partial last block, stay reusable until evicted.
+        Committed blocks, including a partial last block, stay reusable until evicted (``retain``: see ``KVCache.close``).
         """
         self._check_alive()
-        req = _check_request("request", request)
+        req = check_request("request", request)
+        check_type("retain", retain, (Retention, type(None)))
         seq = self._seqs.get(req.request_id)
         if seq is None:
             return
@@ -373,7 +293,7 @@ class KVCacheResourceManager:
             kv.stop_committing()
             if req.state is not RequestState.FINISHED:
                 self.num_preemptions += 1
-        kv.close()
+        kv.close(retain if not seq.padding else None)
         req.num_scheduled_tokens = 0
         req.num_cached_tokens = 0
 
@@ -421,153 +341,12 @@ class KVCacheResourceManager:
         if is_generation:
             req.generated_tokens.append(tok)
             req.state = RequestState.GENERATION
-        seq = _Sequence(req, kv, True)
+        seq = RequestRecord(req, kv, True)
         seq.scheduled = 1
         self._seqs[req.request_id] = seq
         req.num_cached_tokens = h
         req.num_scheduled_tokens = 1
         return req
-
-    # ------------------------------------------------------------------ capacity
-    def get_max_resource_count(self) -> int:
-        """Slots of all pool groups (see the class doc for what a block is)."""
-        return sum(self.get_max_resource_count_per_pool_group())
-
-    def get_max_resource_count_per_pool_group(self) -> list[int]:
-        return [s.total for s in self.manager.get_storage_statistics()]
-
-    def get_num_free_blocks(self) -> int:
-        """Slots that can be allocated now (free + evictable reusable), summed over pool groups."""
-        return sum(self.get_num_free_blocks_per_pool_group())
-
-    def get_num_free_blocks_per_pool_group(self) -> list[int]:
-        return [s.available for s in self.manager.get_storage_statistics()]
-
-    def get_needed_resource_to_completion(self, request: EngineRequest) -> int:
-        """More slots the request needs to finish (summed over pool groups); see the per-group variant."""
-        return sum(self.get_needed_resource_to_completion_per_pool_group(request))
-
-    def get_needed_resource_to_completion_per_pool_group(self, request: EngineRequest) -> list[int]:
-        """Slots per pool group the request still needs beyond those it holds, at the peak of its remaining steps.
-
-        Assumes it generates ``max_new_tokens`` with its ``context_chunk_size``. Exact for an
-        admitted request running alone (pages another request shares count as its own, and
-        blocks leaving a window are released). For a request not admitted yet: an upper
-        bound that assumes no prefix reuse. With SWA scratch reuse an upper bound: a prefill
-        step's out-of-window blocks are counted as pages, where they share a few scratch slots.
-
-        A suspended request counts the pages it holds in GPU memory only with a GPU-only manager;
-        with lower tiers its pages may spill (they count as free blocks as far as the tiers below
-        can take them), so it needs its whole peak again.
-        """
-        req = _check_request("request", request)
-        t = self.tokens_per_block
-        final_cap = len(req.prompt_tokens) + check_field("max_new_tokens", req.max_new_tokens, 1) - 1
-        chunk = check_field("context_chunk_size", req.context_chunk_size, 0)
-        seq = self._seqs.get(req.request_id)
-        if seq is None or seq.request is not req:
-            return admission_bound(self._shapes, self._num_pool_groups, final_cap, chunk)
-        kv = seq.kv
-        plan = StepPlan(kv.history_length, kv.capacity, min(req.num_tokens, final_cap), final_cap, chunk)
-        peak = peak_slots(self._shapes, self._num_pool_groups, t, plan, self._releases_blocks)
-        if kv.status is KVCacheStatus.ACTIVE:
-            held = self._pages_per_pool_group(kv)
-        elif self._num_levels == 1 and seq.suspended_pages:
-            held = seq.suspended_pages
-        else:
-            held = [0] * self._num_pool_groups
-        return [max(0, n - k) for n, k in zip(peak, held)]
-
-    # ------------------------------------------------------------------ kernels
-    def get_batch_cache_indices(
-        self,
-        requests: Sequence[EngineRequest],
-        layer_group_id: LayerGroupId = LayerGroupId(0),
-        beam: BeamIndex = BeamIndex(0),
-    ) -> dict[RequestId, memoryview]:
-        """Base page index (slot id, -1 for none) per block of each request, for one layer group.
-
-        The views are the manager's live index views (no copy; see
-        ``KVCache.get_base_page_indices``): fetch them again after the next prepare of that
-        request; do not modify them.
-        """
-        out: dict[RequestId, memoryview] = {}
-        for req in requests:
-            out[req.request_id] = self._seq_of(req).kv.get_base_page_indices(layer_group_id, beam)
-        return out
-
-    def get_kernel_page_indices(
-        self, request: EngineRequest, layer_id: LayerId, role: str, index_mode: PageIndexMode = PageIndexMode.PER_LAYER
-    ) -> list[int]:
-        """The request's kernel page indices for one buffer (``expansion`` per block, -1 for none).
-
-        Address of index ``x``: ``get_mem_pool_base_address(layer_id, role, index_mode) + x *
-        get_page_stride(layer_id, role)``; ``get_buffers(layer_id, role)[x]`` is that page.
-        """
-        kv = self._seq_of(request).kv
-        conv = self._converter(layer_id, role)
-        lg = self.manager.get_layer_group_id(layer_id)
-        scratch = kv.get_scratch_desc(lg)
-        if scratch is not None and index_mode is not PageIndexMode.PER_LAYER:
-            raise LogicError(
-                f"request {request.request_id}: this step has SWA scratch blocks in layer group {lg}, which "
-                f"only index_mode=PageIndexMode.PER_LAYER can address (got {index_mode})"
-            )
-        return conv(kv.get_base_page_indices(lg), index_mode, scratch)
-
-    def get_buffers(
-        self,
-        layer_id: LayerId,
-        role: str,
-        dtype: Any = None,
-        page_shape: tuple[int, ...] | None = None,
-        index_mode: PageIndexMode = PageIndexMode.PER_LAYER,
-    ) -> Any:
-        """Zero-copy view of the pool holding this buffer, indexed by kernel page index.
-
-        Shape ``(num_pages, *page_shape)`` of ``dtype`` (default: ``(num_pages, page_bytes)``
-        of uint8): numpy on the host backend; on CUDA a :class:`CudaBufferView` exposing
-        ``__cuda_array_interface__``. Page ``x`` is this buffer's page for kernel index ``x``
-        in ``index_mode`` (other indices hold other layers' pages of the same pool). Valid
-        until the manager shuts down.
-        """
-        self._check_alive()
-        m = self.manager
-        if not isinstance(index_mode, PageIndexMode):
-            raise TypeError(f"index_mode must be a PageIndexMode, got {type(index_mode).__name__}")
-        stride = m.get_page_stride(layer_id, role)  # validates layer_id and role
-        dt, shape = page_layout(stride, dtype, page_shape)
-        num_pages = m.get_page_index_upper_bound(layer_id, role)
-        if index_mode is PageIndexMode.SHARED:
-            conv = self._converter(layer_id, role)
-            num_pages -= conv.layer_offset * conv.expansion
-        address = int(m.get_mem_pool_base_address(layer_id, role, index_mode))
-        full_shape = (num_pages,) + shape
-        if m.backend_name == "cuda":
-            return CudaBufferView(address, full_shape, dt)
-        return host_view(address, full_shape, dt)
-
-    # ------------------------------------------------------------------ bookkeeping
-    @property
-    def layer_group_pool_groups(self) -> list[PoolGroupIndex]:
-        """The pool group holding each layer group's slots (indexed by ``LayerGroupId``)."""
-        return [s.pool_group for s in self._shapes]
-
-    @property
-    def num_requests(self) -> int:
-        """Requests holding resources (active or suspended)."""
-        return len(self._seqs)
-
-    def has_resources(self, request: EngineRequest) -> bool:
-        seq = self._seqs.get(_check_request("request", request).request_id)
-        return seq is not None and seq.request is request
-
-    def is_suspended(self, request: EngineRequest) -> bool:
-        return self._seq_of(request).kv.status is KVCacheStatus.SUSPENDED
-
-    def get_kv_cache(self, request: EngineRequest) -> KVCache:
-        """The request's :class:`KVCache` (for what the adapter does not cover; do not close it)."""
-        return self._seq_of(request).kv
 
     def shutdown(self) -> None:
         """Free every request's resources and release all memory (a manager given as ``manager=``
@@ -580,22 +359,3 @@ class KVCacheResourceManager:
         if self._owns_manager:
             self.manager.shutdown()
         self._is_shut_down = True
-
-    def _seq_of(self, request: EngineRequest) -> _Sequence:
-        req = _check_request("request", request)
-        seq = self._seqs.get(req.request_id)
-        if seq is None or seq.request is not req:
-            raise LogicError(f"request {req.request_id} holds no resources in this adapter (prepare_resources first)")
-        return seq
-
-    def _converter(self, layer_id: LayerId, role: str) -> PageIndexConverter:
-        key = (layer_id, role)
-        conv = self._converters.get(key)
-        if conv is None:
-            conv = self.manager.get_page_index_converter(layer_id, role)
-            self._converters[key] = conv
-        return conv
-
-    def _check_alive(self) -> None:
-        if self._is_shut_down:
-            raise LogicError("the resource manager was shut down")

@@ -10,9 +10,10 @@ memory, preemptions and the manager's CPU time. Programmatic use::
 
 from __future__ import annotations
 
-from ._cli import main, simulate
+from ._cli import main
 from ._models import PRESETS, ModelShape, SimUserError, TierSpec, model_shape, parse_quota
-from ._replay import SchedulerOptions
+from ._replay_types import SchedulerOptions
+from ._run import simulate
 from ._workload import ConversationParams, SimRequest, generate_conversations, load_trace
 
 __all__ = [

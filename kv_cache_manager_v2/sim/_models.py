@@ -39,6 +39,24 @@ GIB = 1 << 30
 #: the largest tier quota the simulator takes (1 EiB; the proxy pools are far smaller, but the
 #: arithmetic and the messages stay sane)
 MAX_QUOTA_BYTES = 1 << 60
+#: the largest bare-number quota (GiB): a bigger one is more likely a missing unit than a real tier
+MAX_BARE_GIB = 1024
+#: bounds of a model's shape (the largest published models are far below them): the manager
+#: builds one layer config per layer, so an absurd count would only exhaust memory
+MAX_LAYERS = 1024
+MAX_KV_HEADS = 1024
+MAX_HEAD_DIM = 16384
+#: a sliding window or sink count is a number of token positions (32-bit)
+MAX_WINDOW = 1 << 31
+
+#: the tiers --sweep can vary, in their order
+SWEEP_KEYS = ("gpu", "host", "disk")
+#: the --sweep key over the snapshot interval of a hybrid model, and its two special values
+SSM_SWEEP_KEY = "ssm-interval"
+#: snapshots at prompt ends only (an interval longer than any request)
+SSM_PROMPT_ONLY = "prompt"
+#: the attention layers alone: the hit rate a snapshot at every block would allow
+SSM_KV_ONLY = "kv"
 
 
 @mypyc_attr(native_class=False)
@@ -136,20 +154,22 @@ class ModelShape:
         return s + ")"
 
     def validate(self) -> None:
-        for what, v, lo in (
-            ("--layers", self.num_layers, 1),
-            ("--kv-heads", self.kv_heads, 1),
-            ("--head-dim", self.head_dim, 1),
-            ("--sinks", self.sinks, 0),
-            ("--swa-every", self.swa_every, 0),
+        for what, v, lo, hi in (
+            ("--layers", self.num_layers, 1, MAX_LAYERS),
+            ("--kv-heads", self.kv_heads, 1, MAX_KV_HEADS),
+            ("--head-dim", self.head_dim, 1, MAX_HEAD_DIM),
+            ("--sinks", self.sinks, 0, MAX_WINDOW),
+            ("--swa-every", self.swa_every, 0, MAX_LAYERS),
         ):
             if v < lo:
                 raise SimUserError(f"{what} must be >= {lo}, got {v}")
+            if v > hi:
+                raise SimUserError(f"{what} must be at most {hi:,}, got {v:,}")
         for what, dt in (("--dtype", self.dtype), ("--state-dtype", self.state_dtype)):
             if dt not in DTYPE_BYTES:
                 raise SimUserError(f"unknown {what} {dt!r}; choose one of {', '.join(DTYPE_BYTES)}")
-        if self.window is not None and self.window < 1:
-            raise SimUserError(f"--window must be >= 1, got {self.window}")
+        if self.window is not None and not 1 <= self.window <= MAX_WINDOW:
+            raise SimUserError(f"--window must be in [1, {MAX_WINDOW:,}], got {self.window:,}")
         if self.sinks and self.window is None:
             raise SimUserError("--sinks needs a --window (sink tokens belong to sliding-window layers)")
         if any(not 0 <= i < self.num_layers for i in (*self.kv_layers, *self.recurrent_layers)):
@@ -297,10 +317,16 @@ def model_shape(
         if value is not None:
             changes[key] = value
     if window is not None:
+        if window < 0:
+            raise SimUserError(f"--window must be >= 0 (0: no sliding-window layers), got {window}")
         changes["window"] = window if window > 0 else None  # --window 0: no sliding-window layers
         if swa_every is None and base.swa_every == 0:
             changes["swa_every"] = 2
     if swa_every is not None:
+        if swa_every < 1:
+            raise SimUserError(f"--swa-every must be >= 1 (1: every layer slides), got {swa_every}")
+        if changes.get("window", base.window) is None:
+            raise SimUserError(f"--swa-every: {base.name} has no sliding window; give --window too")
         changes["swa_every"] = swa_every
     if state_dtype is not None and not base.is_hybrid:
         raise SimUserError(f"--state-dtype: {base.name} has no recurrent layers (choose a hybrid preset)")
@@ -364,6 +390,11 @@ def parse_quota(option: str, text: str) -> Quota:
         raise SimUserError(f"{option}: {text!r} is less than one byte")
     if value > MAX_QUOTA_BYTES:
         raise SimUserError(f"{option}: {text!r} is more than the 1 EiB a tier can have")
+    if not unit and number > MAX_BARE_GIB:
+        raise SimUserError(
+            f"{option}: {text.strip()!r} is {format_bytes(value)} (a bare number is GiB); write the unit "
+            f"(e.g. {m.group(1)}MiB or {m.group(1)}tok), or up to {MAX_BARE_GIB} for GiB"
+        )
     return Quota(float(int(value)), False, text.strip() + ("GiB" if not unit else ""))
 
 

@@ -24,164 +24,23 @@ for the previous answer. A request that could not fit in the GPU tier even alone
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import time
-from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 
 from .._common import CacheLevel, ReuseScope, TokenId, TokenIdExt
 from .._config import KVCacheManagerConfig
-from .._utils import check_int
+from .._retention import Retention
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
-from ._models import SimUserError
+from ._replay_types import LevelUsage, ReplayResult, SchedulerOptions, ideal_peak_tokens
+from ._ssm_policy import add_counters
 from ._workload import SimRequest
-
-
-@dataclass(frozen=True)
-class SchedulerOptions:
-    """How the simulated engine schedules (see the module doc)."""
-
-    max_batch: int = 256  #: requests per step
-    max_num_tokens: int = 8192  #: tokens per step (prefill chunks + one per decoding request)
-    chunk: int = 2048  #: prefill chunk per request and step (0: the whole prompt at once)
-    watermark: float = 0.01  #: share of every GPU pool group admission leaves free or evictable
-    step_ms: float = 15.0  #: simulated time of a step, plus its tokens at tokens_per_s
-    tokens_per_s: float = 50_000.0
-    time_scale: float = 1.0  #: multiplies arrival times (0: everything arrives at once)
-    reuse: bool = True  #: False: every request in its own reuse scope (no prefix reuse at all)
-    prompt_only: bool = False  #: requests end after their prompt (one sampled token, no decode steps)
-
-    def validate(self) -> None:
-        for name, v, lo in (
-            ("--max-batch", self.max_batch, 1),
-            ("--max-num-tokens", self.max_num_tokens, 1),
-            ("--chunk", self.chunk, 0),
-        ):
-            check_int(name, v)
-            if v < lo:
-                raise SimUserError(f"{name} must be >= {lo}, got {v}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise SimUserError(f"--watermark must be in [0, 1), got {self.watermark}")
-        if self.step_ms < 0 or not self.tokens_per_s > 0 or self.time_scale < 0:
-            raise SimUserError("--step-ms and --time-scale must be >= 0 and --tokens-per-s > 0")
-
-
-@dataclass
-class LevelUsage:
-    """Use and traffic of one cache level, summed over pool groups; bytes are proxy bytes (see
-    ``_models``). Traffic and the occupied peak come from the manager's tier statistics."""
-
-    level: int
-    capacity: int = 0
-    peak_used: int = 0  #: held by requests (active, or suspended where they cannot spill), sampled each step
-    peak_occupied: int = 0  #: held by requests or kept as reusable cache (the allocator's high-water mark)
-    offloaded_pages: int = 0  #: evicted into this level from the one above
-    offloaded_bytes: int = 0
-    onboarded_pages: int = 0  #: copied from this level up (reuse, resume)
-    onboarded_bytes: int = 0
-    dropped_pages: int = 0  #: dropped for good here
-    dropped_bytes: int = 0
-    io_errors: int = 0
-    max_step_offloaded_pages: int = 0  #: most pages offloaded into this level in one step
-    max_step_onboarded_pages: int = 0  #: most pages onboarded from this level in one step
-    reused_tokens: int = 0  #: prompt tokens of first admissions reused from blocks found at this level
-    hit_blocks: int = 0  #: prompt blocks hit (see ReplayResult.hit_blocks) found at this level
-
-
-@dataclass
-class ReplayResult:
-    """Counters of one replay (raw; ``_report`` turns them into the report)."""
-
-    tokens_per_block: int
-    num_requests: int = 0
-    finished: int = 0
-    rejected: int = 0
-    rejected_lines: list[int] = field(default_factory=list)  #: trace lines (else workload indices) of the first five
-    rejected_prompt_tokens: int = 0  #: prompts of rejected requests (misses in the all-requests hit rates)
-    rejected_prompt_blocks: int = 0
-    longest_request_tokens: int = 0  #: the longest prompt + output of the workload (what a GPU tier must hold)
-    trace_span_ms: float = 0.0  #: the last arrival time (times time_scale)
-    #: most tokens (prompt + output) held at once if every request ran alone from its arrival on
-    #: (see ideal_peak_tokens): about what a GPU tier needs for the engine to keep up
-    ideal_peak_tokens: int = 0
-    prompt_tokens: int = 0  #: prompt tokens of first admissions
-    reused_tokens: int = 0  #: of those, taken from the cache
-    prompt_blocks: int = 0
-    hit_blocks: int = 0  #: prompt blocks whose KV was reused whole (the last token is always computed)
-    readmissions: int = 0
-    readmitted_tokens: int = 0
-    readmitted_reused_tokens: int = 0
-    prefill_computed: int = 0  #: tokens computed before a request's first output token (incl. recompute)
-    decode_computed: int = 0
-    output_tokens: int = 0
-    steps: int = 0
-    max_batch: int = 0
-    preempted_suspend: int = 0
-    preempted_recompute: int = 0
-    resumed: int = 0
-    sim_time_ms: float = 0.0
-    wait_ms: array[float] = field(default_factory=lambda: array("d"))  #: arrival to first admission, per request
-    wall_s: float = 0.0
-    manager_s: float = 0.0  #: CPU time inside adapter calls
-    request_steps: int = 0  #: (request, step) pairs served
-    step_us: array[float] = field(default_factory=lambda: array("d"))  #: manager time per step
-    series_t_s: array[float] = field(default_factory=lambda: array("d"))
-    series_used: array[float] = field(default_factory=lambda: array("d"))  #: GPU share held by requests
-    series_cached: array[float] = field(default_factory=lambda: array("d"))  #: GPU share kept as reusable cache
-    series_hit: array[float] = field(default_factory=lambda: array("d"))  #: cumulative token hit rate
-    series_running: array[float] = field(default_factory=lambda: array("d"))
-    levels: list[LevelUsage] = field(default_factory=list)
-    reused_blocks: int = 0  #: the manager's ReuseStatistics
-    missed_blocks: int = 0
-    reused_pages: int = 0
-    allocated_pages: int = 0
-    #: recurrent-state snapshots (hybrid models; the manager's ReuseStatistics)
-    snapshots_taken: int = 0
-    snapshots_skipped: int = 0
-    snapshots_reused: int = 0
-    snapshots_evicted: int = 0
-    snapshot_interval: int = 0  #: tokens between snapshots (0: no recurrent layers)
-    records_checked: int = 0  #: --check-data
-    layer_by_layer_steps: int = 0  #: --check-data steps with SWA scratch blocks (checked layer by layer)
-    blocks_replayed: int = 0  #: blocks of prompt + output over all finished requests (replay speed)
-    #: ``split_ms`` (``--restart-at``): the counters of first admissions before that time, and the
-    #: pages the restarted manager adopted from the persistent disk tier (-1: no restart)
-    split_prompt_blocks: int = 0
-    split_hit_blocks: int = 0
-    split_prompt_tokens: int = 0
-    split_reused_tokens: int = 0
-    adopted_pages: int = -1
-
-
-def ideal_peak_tokens(requests: Sequence[SimRequest], options: SchedulerOptions) -> int:
-    """The most tokens held at once if every request were served from its arrival without waiting:
-    its prefill chunks and decode steps one step each, at ``step_ms`` plus its own tokens, holding
-    its whole prompt + output meanwhile (no reuse assumed). The memory an engine needs to keep up
-    with the arrivals (a rough upper bound of it; compute aside)."""
-    o = options
-    events: list[tuple[float, int]] = []
-    per_token_ms = 1000.0 / o.tokens_per_s
-    for sim in requests:
-        p = sim.prompt_length
-        out = 1 if o.prompt_only else sim.output_length
-        chunks = (p + o.chunk - 1) // o.chunk if o.chunk else 1
-        duration = chunks * o.step_ms + p * per_token_ms + (out - 1) * (o.step_ms + per_token_ms)
-        start = sim.arrival_ms * o.time_scale
-        events.append((start, p + out))
-        events.append((start + duration, -(p + out)))
-    events.sort(key=lambda e: (e[0], e[1]))  # a request that ends frees its memory before one starts
-    held = peak = 0
-    for _, k in events:
-        held += k
-        if held > peak:
-            peak = held
-    return peak
 
 
 class _Live:
@@ -195,6 +54,7 @@ class _Live:
         self.full_check = True  #: --check-data: check every attended position at the next step
         self.tokens: Any = None  #: --check-data: prompt + outputs as uint32
         self.retry_at = -1  #: suspended: Replay.releases when it was last refused
+        self.restarted = False  #: freed by the engine's restart, not yet admitted again
 
 
 class Replay:
@@ -215,7 +75,9 @@ class Replay:
         options.validate()
         self.opts = options
         self.requests = requests
-        self.config = config
+        self.clock = 0.0
+        self.config = config = dataclasses.replace(config, clock=lambda: self.clock / 1000.0)  # simulated seconds
+        self.retain: Sequence[Retention | None] | None = None  #: close-time hints by request index (--retention-hints)
         self.rm = KVCacheResourceManager(config)  # may raise ValueError (refused configuration)
         #: simulated time at which the counters are split (and the engine restarts, with ``restart``)
         self.split_ms = split_ms
@@ -232,9 +94,10 @@ class Replay:
             need = sim.prompt_length + (1 if options.prompt_only else sim.output_length)
             self.result.longest_request_tokens = max(self.result.longest_request_tokens, need)
         self.result.ideal_peak_tokens = ideal_peak_tokens(requests, options)
-        self.clock = 0.0
         self.arrivals: list[tuple[float, int]] = []
         self.successors: dict[int, list[int]] = {}
+        #: requests a later one continues (their output is in its prompt: EngineRequest.output_is_history)
+        self.followed = {sim.after for sim in requests if sim.after >= 0}
         self.waiting: deque[_Live] = deque()
         self.running: list[_Live] = []
         self.suspended: list[_Live] = []
@@ -270,6 +133,7 @@ class Replay:
             max_new = 1 if o.prompt_only else sim.output_length
             tokens = cast("Sequence[TokenIdExt]", prompt)  # array('I'): hashed by a memory copy
             req = EngineRequest(index, tokens, max_new, o.chunk, None if o.reuse else ReuseScope(salt=index))
+            req.output_is_history = index in self.followed
             live = _Live(sim, req, at_ms)
             need = self.rm.get_needed_resource_to_completion_per_pool_group(req)
             if any(n > total for n, total in zip(need, self.totals)):
@@ -395,6 +259,11 @@ class Replay:
         req = live.req
         reused = req.num_reused_tokens
         live.full_check = True
+        if live.restarted:  # its KV was lost with the engine, not preempted
+            live.restarted = False
+            r.restart_readmitted_tokens += req.num_tokens
+            r.restart_readmitted_reused_tokens += reused
+            return
         if live.admitted:
             r.readmissions += 1
             r.readmitted_tokens += req.num_tokens
@@ -464,7 +333,7 @@ class Replay:
         finished = [x for x in served if len(x.req.generated_tokens) >= x.req.max_new_tokens]
         for live in finished:
             live.req.state = RequestState.FINISHED
-            self.rm.free_resources(live.req)
+            self.rm.free_resources(live.req, self.retain[live.sim.index] if self.retain is not None else None)
         self._step_manager_s += time.perf_counter() - t0
         r.request_steps += len(served)
         if len(served) > r.max_batch:
@@ -581,6 +450,7 @@ class Replay:
         holders = self.running + self.suspended
         for live in holders:
             self.rm.free_resources(live.req)
+            live.restarted = True
         self.waiting.extendleft(reversed(holders))
         self.releases += len(holders)
         self.running = []
@@ -607,9 +477,13 @@ class Replay:
         r.snapshots_reused += st.snapshots_reused
         r.snapshots_evicted += st.snapshots_evicted
         r.snapshot_interval = m.config.snapshot_interval
+        add_counters(r.snapshot_counters, st)
         for usage in r.levels:
             ts = m.get_tier_statistics(CacheLevel(usage.level))
             usage.peak_occupied = max(usage.peak_occupied, ts.peak_used_bytes)
+            # every request is gone: what the level still holds is reusable blocks
+            stats = m.get_storage_statistics(CacheLevel(usage.level))
+            usage.reusable_at_end = sum((x.total - x.free) * sum(x.slot_sizes) for x in stats)
             usage.offloaded_pages += ts.offloaded_pages
             usage.offloaded_bytes += ts.offloaded_bytes
             usage.onboarded_pages += ts.onboarded_pages

@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from .._common import RemoteStatistics
 from .._config import KVCacheManagerConfig
 from ..engine import KVCacheResourceManager
-from ._replay import LevelUsage, Replay, ReplayResult, SchedulerOptions
+from ._replay import Replay
+from ._replay_types import LevelUsage, ReplayResult, SchedulerOptions
 from ._workload import SimRequest
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._models import ModelShape, TierSpec, format_bytes, format_count, format_quota, is_token_quota
-from ._replay import ReplayResult, SchedulerOptions
+from ._models import SSM_SWEEP_KEY, ModelShape, TierSpec, format_bytes, format_count, format_quota, is_token_quota
+from ._replay_types import LevelUsage, ReplayResult, SchedulerOptions
+from ._ssm_policy import SSM_POLICY_KEY, format_policy_sweep, snapshot_rows
 
 SCHEMA = "kv-cache-sim/2"
 MAX_SERIES_POINTS = 400
@@ -45,79 +46,14 @@ def build_report(
     """Everything the simulator reports, JSON-ready (schema ``kv-cache-sim/2``); ``scale``: the
     model's bytes per byte of the proxy manager."""
     r = result
-    t = r.tokens_per_block
-    tier_rows: list[dict[str, Any]] = []
-    for tier, usage in zip(tiers, r.levels):
-        cap = usage.capacity * scale
-        tier_rows.append(
-            {
-                "tier": tier.kind,
-                "quota": tier.text,
-                "capacity_bytes": int(cap),
-                "capacity_tokens": int(cap // shape.bytes_per_token),
-                "peak_used_bytes": int(usage.peak_used * scale),
-                "peak_used_fraction": _ratio(usage.peak_used, usage.capacity),
-                "peak_occupied_bytes": int(usage.peak_occupied * scale),
-                "peak_occupied_fraction": _ratio(usage.peak_occupied, usage.capacity),
-                # traffic in pages (one block of one layer group) and the model's bytes
-                "offloaded_pages": usage.offloaded_pages,
-                "offloaded_bytes": int(usage.offloaded_bytes * scale),
-                "onboarded_pages": usage.onboarded_pages,
-                "onboarded_bytes": int(usage.onboarded_bytes * scale),
-                "dropped_pages": usage.dropped_pages,
-                "dropped_bytes": int(usage.dropped_bytes * scale),
-                "io_errors": usage.io_errors,
-                "max_step_offloaded_pages": usage.max_step_offloaded_pages,
-                "max_step_onboarded_pages": usage.max_step_onboarded_pages,
-            }
-        )
-    hit_blocks = _ratio(r.hit_blocks, r.prompt_blocks)
-    all_tokens = r.prompt_tokens + r.rejected_prompt_tokens
-    all_blocks = r.prompt_blocks + r.rejected_prompt_blocks
-    steps = sorted(r.step_us)
-    recomputed = r.readmitted_tokens - r.readmitted_reused_tokens
     return {
         "schema": SCHEMA,
         "mode": "compiled" if compiled else "interpreted",
-        "model": {
-            "name": shape.name,
-            "layers": shape.num_layers,
-            "kv_heads": shape.kv_heads,
-            "head_dim": shape.head_dim,
-            "dtype": shape.dtype,
-            "window": shape.window if shape.num_swa_layers else None,
-            "sliding_window_layers": shape.num_swa_layers,
-            "sinks": shape.sinks,
-            "bytes_per_token": shape.bytes_per_token,
-            "swa_scratch_reuse": swa_scratch,
-            "attention_layers": len(shape.kv_layers),
-            "recurrent_layers": len(shape.recurrent_layers),
-            "state_dtype": shape.state_dtype if shape.is_hybrid else None,
-            #: one request's (one beam's) recurrent state: conv_state + ssm_state of every recurrent layer
-            "state_bytes_per_request": shape.state_bytes_per_request,
-        },
-        "snapshots": {
-            "interval": r.snapshot_interval,
-            "taken": r.snapshots_taken,
-            "skipped": r.snapshots_skipped,
-            "reused": r.snapshots_reused,
-            "evicted": r.snapshots_evicted,
-        }
-        if shape.is_hybrid
-        else None,
-        "tokens_per_block": t,
+        "model": _model(shape, swa_scratch),
+        "snapshots": _snapshots(r) if shape.is_hybrid else None,
+        "tokens_per_block": r.tokens_per_block,
         "workload": workload,
-        "scheduler": {
-            "max_batch": options.max_batch,
-            "max_num_tokens": options.max_num_tokens,
-            "chunk": options.chunk,
-            "watermark": options.watermark,
-            "step_ms": options.step_ms,
-            "tokens_per_s": options.tokens_per_s,
-            "time_scale": options.time_scale,
-            "reuse": options.reuse,
-            "prompt_only": options.prompt_only,
-        },
+        "scheduler": _scheduler(options),
         "requests": {
             "total": r.num_requests,
             "finished": r.finished,
@@ -126,28 +62,19 @@ def build_report(
             "rejected_examples": list(r.rejected_lines),
             "rejected_prompt_tokens": r.rejected_prompt_tokens,
         },
-        "hit_rate": {
-            # over the admitted requests' prompts
-            "tokens": _ratio(r.reused_tokens, r.prompt_tokens),
-            "blocks": hit_blocks,
-            # over every request of the workload, rejected prompts counting as misses: the same
-            # denominator at every quota (compare these across a sweep)
-            "tokens_all_requests": _ratio(r.reused_tokens, all_tokens),
-            "blocks_all_requests": _ratio(r.hit_blocks, all_blocks),
-            # split by the tier each reused block was found in at admission (they add up to the totals)
-            "by_tier": {t.kind: _ratio(u.hit_blocks, r.prompt_blocks) for t, u in zip(tiers, r.levels)},
-            "tokens_by_tier": {t.kind: _ratio(u.reused_tokens, r.prompt_tokens) for t, u in zip(tiers, r.levels)},
-        },
+        "hit_rate": _hit_rate(r, tiers),
         "prefill": {
             "prompt_tokens": r.prompt_tokens,
             "reused_tokens": r.reused_tokens,
             "prompt_blocks": r.prompt_blocks,
             "hit_blocks": r.hit_blocks,
             "computed_tokens": r.prefill_computed,
-            "recomputed_tokens": recomputed,
+            # computed again: by requests preempted by recompute, and by those the restart freed
+            "recomputed_tokens": r.readmitted_tokens - r.readmitted_reused_tokens,
+            "recomputed_after_restart_tokens": r.restart_readmitted_tokens - r.restart_readmitted_reused_tokens,
         },
         "decode": {"output_tokens": r.output_tokens, "computed_tokens": r.decode_computed},
-        "tiers": tier_rows,
+        "tiers": [_tier_row(tier, usage, shape, scale) for tier, usage in zip(tiers, r.levels)],
         "preemptions": {"suspend": r.preempted_suspend, "recompute": r.preempted_recompute, "resumed": r.resumed},
         "load": _load(r, shape, tiers, options),
         "manager": {
@@ -156,16 +83,7 @@ def build_report(
             "reused_pages": r.reused_pages,
             "allocated_pages": r.allocated_pages,
         },
-        "manager_cpu": {
-            "total_s": r.manager_s,
-            "per_step_us": {
-                "mean": _ratio(sum(steps), len(steps)),
-                "p50": _percentile(steps, 0.5),
-                "p99": _percentile(steps, 0.99),
-                "max": steps[-1] if steps else 0.0,
-            },
-            "per_request_step_us": _ratio(r.manager_s * 1e6, r.request_steps),
-        },
+        "manager_cpu": _manager_cpu(r),
         "replay": {
             "wall_s": r.wall_s,
             "steps": r.steps,
@@ -175,13 +93,118 @@ def build_report(
             "blocks_per_s": _ratio(r.blocks_replayed, r.wall_s),
         },
         "data_check": {"records_checked": r.records_checked} if r.records_checked else None,
-        "series": {
-            "t_s": _downsample(list(r.series_t_s), MAX_SERIES_POINTS),
-            "gpu_used": _downsample(list(r.series_used), MAX_SERIES_POINTS),
-            "gpu_cached": _downsample(list(r.series_cached), MAX_SERIES_POINTS),
-            "hit_rate_tokens": _downsample(list(r.series_hit), MAX_SERIES_POINTS),
-            "running": _downsample(list(r.series_running), MAX_SERIES_POINTS),
+        "series": _series(r),
+    }
+
+
+def _model(shape: ModelShape, swa_scratch: bool) -> dict[str, Any]:
+    return {
+        "name": shape.name,
+        "layers": shape.num_layers,
+        "kv_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "dtype": shape.dtype,
+        "window": shape.window if shape.num_swa_layers else None,
+        "sliding_window_layers": shape.num_swa_layers,
+        "sinks": shape.sinks,
+        "bytes_per_token": shape.bytes_per_token,
+        "swa_scratch_reuse": swa_scratch,
+        "attention_layers": len(shape.kv_layers),
+        "recurrent_layers": len(shape.recurrent_layers),
+        "state_dtype": shape.state_dtype if shape.is_hybrid else None,
+        #: one request's (one beam's) recurrent state: conv_state + ssm_state of every recurrent layer
+        "state_bytes_per_request": shape.state_bytes_per_request,
+    }
+
+
+def _snapshots(r: ReplayResult) -> dict[str, Any]:
+    return {
+        "interval": r.snapshot_interval,
+        "taken": r.snapshots_taken,
+        "skipped": r.snapshots_skipped,
+        "reused": r.snapshots_reused,
+        "evicted": r.snapshots_evicted,
+        **r.snapshot_counters,
+    }
+
+
+def _scheduler(options: SchedulerOptions) -> dict[str, Any]:
+    return {
+        "max_batch": options.max_batch,
+        "max_num_tokens": options.max_num_tokens,
+        "chunk": options.chunk,
+        "watermark": options.watermark,
+        "step_ms": options.step_ms,
+        "tokens_per_s": options.tokens_per_s,
+        "time_scale": options.time_scale,
+        "reuse": options.reuse,
+        "prompt_only": options.prompt_only,
+    }
+
+
+def _hit_rate(r: ReplayResult, tiers: list[TierSpec]) -> dict[str, Any]:
+    all_tokens = r.prompt_tokens + r.rejected_prompt_tokens
+    all_blocks = r.prompt_blocks + r.rejected_prompt_blocks
+    return {
+        # over the admitted requests' prompts
+        "tokens": _ratio(r.reused_tokens, r.prompt_tokens),
+        "blocks": _ratio(r.hit_blocks, r.prompt_blocks),
+        # over every request of the workload, rejected prompts counting as misses: the same
+        # denominator at every quota (compare these across a sweep)
+        "tokens_all_requests": _ratio(r.reused_tokens, all_tokens),
+        "blocks_all_requests": _ratio(r.hit_blocks, all_blocks),
+        # split by the tier each reused block was found in at admission (they add up to the totals)
+        "by_tier": {t.kind: _ratio(u.hit_blocks, r.prompt_blocks) for t, u in zip(tiers, r.levels)},
+        "tokens_by_tier": {t.kind: _ratio(u.reused_tokens, r.prompt_tokens) for t, u in zip(tiers, r.levels)},
+    }
+
+
+def _tier_row(tier: TierSpec, usage: LevelUsage, shape: ModelShape, scale: float) -> dict[str, Any]:
+    cap = usage.capacity * scale
+    return {
+        "tier": tier.kind,
+        "quota": tier.text,
+        "capacity_bytes": int(cap),
+        "capacity_tokens": int(cap // shape.bytes_per_token),
+        "peak_used_bytes": int(usage.peak_used * scale),
+        "peak_used_fraction": _ratio(usage.peak_used, usage.capacity),
+        "peak_occupied_bytes": int(usage.peak_occupied * scale),
+        "peak_occupied_fraction": _ratio(usage.peak_occupied, usage.capacity),
+        "reusable_bytes_at_end": int(usage.reusable_at_end * scale),
+        # traffic in pages (one block of one layer group) and the model's bytes
+        "offloaded_pages": usage.offloaded_pages,
+        "offloaded_bytes": int(usage.offloaded_bytes * scale),
+        "onboarded_pages": usage.onboarded_pages,
+        "onboarded_bytes": int(usage.onboarded_bytes * scale),
+        "dropped_pages": usage.dropped_pages,
+        "dropped_bytes": int(usage.dropped_bytes * scale),
+        "io_errors": usage.io_errors,
+        "max_step_offloaded_pages": usage.max_step_offloaded_pages,
+        "max_step_onboarded_pages": usage.max_step_onboarded_pages,
+    }
+
+
+def _manager_cpu(r: ReplayResult) -> dict[str, Any]:
+    steps = sorted(r.step_us)
+    return {
+        "total_s": r.manager_s,
+        "per_step_us": {
+            "mean": _ratio(sum(steps), len(steps)),
+            "p50": _percentile(steps, 0.5),
+            "p99": _percentile(steps, 0.99),
+            "max": steps[-1] if steps else 0.0,
         },
+        "per_request_step_us": _ratio(r.manager_s * 1e6, r.request_steps),
+    }
+
+
+def _series(r: ReplayResult) -> dict[str, list[float]]:
+    return {
+        "t_s": _downsample(list(r.series_t_s), MAX_SERIES_POINTS),
+        "gpu_used": _downsample(list(r.series_used), MAX_SERIES_POINTS),
+        "gpu_cached": _downsample(list(r.series_cached), MAX_SERIES_POINTS),
+        "hit_rate_tokens": _downsample(list(r.series_hit), MAX_SERIES_POINTS),
+        "running": _downsample(list(r.series_running), MAX_SERIES_POINTS),
     }
 
 
@@ -259,6 +282,27 @@ def _by_tier(split: dict[str, float]) -> str:
     return "  " + " + ".join(f"{k} {v:.3f}" for k, v in split.items())
 
 
+def _recomputed(pre: dict[str, Any]) -> str:
+    """Prefill computed again: after a preemption by recompute, after the engine's restart."""
+    parts = []
+    if pre["recomputed_tokens"]:
+        parts.append(f"{format_count(pre['recomputed_tokens'])} recomputed after preemption")
+    if pre.get("recomputed_after_restart_tokens"):
+        parts.append(f"{format_count(pre['recomputed_after_restart_tokens'])} recomputed after the restart")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _tier_use(tier: dict[str, Any], i: int) -> str:
+    """How full a tier got (its blocks: requests' and reusable ones), how much of it requests held
+    (below the GPU: suspended requests that spilled), and the reusable blocks left at the end."""
+    held = "requests" if i == 0 else "suspended requests"
+    return (
+        f"{format_count(tier['capacity_tokens'])} tokens; filled up to {format_bytes(tier['peak_occupied_bytes'])} "
+        f"({tier['peak_occupied_fraction']:.0%}), held by {held} up to {format_bytes(tier['peak_used_bytes'])} "
+        f"({tier['peak_used_fraction']:.0%}); {format_bytes(tier['reusable_bytes_at_end'])} of reusable blocks at the end"
+    )
+
+
 def _traffic(tiers: list[dict[str, Any]], i: int) -> str:
     """Where one tier's pages went: down (evicted to the next tier), up (onboarded), dropped."""
     tier = tiers[i]
@@ -333,11 +377,7 @@ def format_report(rep: dict[str, Any]) -> str:
         _row(
             "prefill tokens",
             f"{format_count(pre['reused_tokens'])} saved, {format_count(pre['computed_tokens'])} computed"
-            + (
-                f" ({format_count(pre['recomputed_tokens'])} recomputed after preemption)"
-                if pre["recomputed_tokens"]
-                else ""
-            ),
+            + _recomputed(pre),
         ),
         *_snapshot_lines(rep),
         "memory",
@@ -354,13 +394,7 @@ def format_report(rep: dict[str, Any]) -> str:
     tiers = rep["tiers"]
     for i, tier in enumerate(tiers):
         name = tier["tier"].upper() if tier["tier"] == "gpu" else tier["tier"]
-        lines.append(
-            _row(
-                f"{name} {tier['quota']}",
-                f"{format_count(tier['capacity_tokens'])} tokens; peak in use {format_bytes(tier['peak_used_bytes'])} "
-                f"({tier['peak_used_fraction']:.0%}), with reusable cache {tier['peak_occupied_fraction']:.0%}",
-            )
-        )
+        lines.append(_row(f"{name} {tier['quota']}", _tier_use(tier, i)))
         lines.append(_row("", _traffic(tiers, i)))
     lines += [
         "scheduling",
@@ -393,14 +427,7 @@ def _snapshot_lines(rep: dict[str, Any]) -> list[str]:
     snap = rep.get("snapshots")
     if not snap:
         return []
-    return [
-        _row(
-            "state snapshots",
-            f"every {snap['interval']} tokens and at prompt ends: {format_count(snap['taken'])} taken, "
-            f"{format_count(snap['reused'])} reused, {format_count(snap['evicted'])} evicted, "
-            f"{format_count(snap['skipped'])} skipped (no free slot); a match ends at a snapshot",
-        )
-    ]
+    return [_row(label, text) for label, text in snapshot_rows(snap)]
 
 
 def _load_text(load: dict[str, Any]) -> str:
@@ -417,13 +444,16 @@ def _load_text(load: dict[str, Any]) -> str:
 def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
     """One line per sweep point: capacity, eviction policy, hit rates over every request (rejected
     prompts are misses, so every point has the same denominator) and over the admitted ones,
-    rejected requests, peak use, preemptions, pages dropped (all tiers), simulated time / trace span;
-    then what to make of overloaded points."""
-    if key == "ssm-interval":
+    rejected requests, the peak GPU share requests held and the peak share of the swept tier that
+    held blocks, preemptions, pages dropped (all tiers), simulated time / trace span; then what to
+    make of overloaded points."""
+    if key == SSM_POLICY_KEY:
+        return format_policy_sweep(reports)
+    if key == SSM_SWEEP_KEY:
         return format_ssm_sweep(reports)
     head = (
         f"{key + ' quota':<14}{'tokens':>12}  {'policy':<10}{'hit(tok)':>10}{'hit(blk)':>10}{'admitted':>10}"
-        f"{'rejected':>10}{'peak use':>10}{'preempt':>9}{'dropped':>10}{'time':>8}"
+        f"{'rejected':>10}{'held':>7}{'filled':>8}{'preempt':>9}{'dropped':>10}{'time':>8}"
     )
     lines = [head]
     level = {"gpu": 0, "host": 1, "disk": 2}[key]
@@ -438,12 +468,14 @@ def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
         lines.append(
             f"{tier['quota']:<14}{format_count(tier['capacity_tokens']):>12}  {rep['eviction_policy']:<10}"
             f"{hit['tokens_all_requests']:>10.3f}{hit['blocks_all_requests']:>10.3f}{hit['tokens']:>10.3f}"
-            f"{rep['requests']['rejected']:>10,}{gpu['peak_used_fraction']:>10.0%}{pm['suspend'] + pm['recompute']:>9,}"
+            f"{rep['requests']['rejected']:>10,}{gpu['peak_used_fraction']:>7.0%}{tier['peak_occupied_fraction']:>8.0%}"
+            f"{pm['suspend'] + pm['recompute']:>9,}"
             f"{format_count(dropped):>10}{ratio:>8}"
         )
     lines.append(
         "hit(tok), hit(blk): over all requests (rejected prompts count as misses); admitted: token hit rate of "
-        "the admitted requests only; time: simulated time / trace span (!: overloaded)"
+        "the admitted requests only; held: peak GPU share held by requests; filled: peak share of the "
+        f"{key} tier holding blocks (requests' or reusable); time: simulated time / trace span (!: overloaded)"
     )
     lines += _sweep_advice(key, reports)
     return "\n".join(lines)

@@ -17,7 +17,8 @@ from typing import Any
 
 from .._exceptions import OutOfMemoryError
 from ._models import ModelShape, SimUserError, TierSpec, manager_config, proxy_page_bytes, real_bytes_per_proxy_byte
-from ._replay import Replay, ReplayResult, SchedulerOptions
+from ._replay import Replay
+from ._replay_types import ReplayResult, SchedulerOptions
 from ._report import build_report
 from ._workload import SimRequest
 

@@ -24,6 +24,15 @@ TRACE_BLOCK_TOKENS = 512
 OUTPUT_BASE = 1 << 31
 #: longest output of a trace request (each gets this many token ids of its own)
 MAX_OUTPUT = 65_536
+#: longest prompt a request may have (a trace line's input_length): 16M tokens
+MAX_PROMPT_TOKENS = 1 << 24
+#: longest trace line read (a 16M-token prompt's hash_ids fit in far less): anything longer is not a trace
+MAX_LINE_BYTES = 4 << 20
+#: the built-in workload's limits: its requests and prompt segments are all in memory at once
+MAX_CONVERSATIONS = 100_000
+MAX_TURNS = 1_000
+MAX_SYSTEM_PROMPTS = 10_000
+MAX_SEGMENTS = 5_000_000
 
 
 @dataclass
@@ -88,6 +97,8 @@ def _parse_line(line: str, where: str, line_no: int, idx: int) -> SimRequest:
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
         raise SimUserError(f"{where}: 'timestamp' must be a number >= 0 (milliseconds), got {ts!r}")
     n_in = _field_int(rec, "input_length", where, 1)
+    if n_in > MAX_PROMPT_TOKENS:
+        raise SimUserError(f"{where}: input_length {n_in} is above {MAX_PROMPT_TOKENS}")
     n_out = _field_int(rec, "output_length", where, 0)
     if n_out > MAX_OUTPUT:
         raise SimUserError(f"{where}: output_length {n_out} is above {MAX_OUTPUT}")
@@ -96,7 +107,7 @@ def _parse_line(line: str, where: str, line_no: int, idx: int) -> SimRequest:
     if not isinstance(ids, list) or not all(type(h) is int and 0 <= h <= max_id for h in ids):
         raise SimUserError(f"{where}: 'hash_ids' must be a list of integers in [0, {max_id}]")
     need = (n_in + TRACE_BLOCK_TOKENS - 1) // TRACE_BLOCK_TOKENS
-    if len(ids) < need:
+    if len(ids) != need:
         raise SimUserError(
             f"{where}: input_length {n_in} needs {need} hash_ids ({TRACE_BLOCK_TOKENS} tokens each), got {len(ids)}"
         )
@@ -114,8 +125,12 @@ def load_trace(path: str, limit: int = 0) -> list[SimRequest]:
     line_no = 0
     try:
         with open(path, "rb") as f:
-            for raw in f:
+            while raw := f.readline(MAX_LINE_BYTES + 1):  # bounded: /dev/zero has no line end
                 line_no += 1
+                if len(raw) > MAX_LINE_BYTES:
+                    raise SimUserError(
+                        f"{path} line {line_no}: longer than {MAX_LINE_BYTES >> 20} MiB; is this a JSON-lines trace?"
+                    )
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError:
@@ -149,19 +164,21 @@ class ConversationParams:
     seed: int = 0
 
     def validate(self) -> None:
-        for name, v, lo in (
-            ("--conversations", self.conversations, 1),
-            ("--turns", self.turns, 1),
-            ("--system-prompts", self.system_prompts, 1),
-            ("--system-tokens", self.system_tokens, 0),
-            ("--user-tokens", self.user_tokens, 1),
-            ("--output-tokens", self.output_tokens, 1),
-            ("--think-s", self.think_s, 0),
+        for name, n, lo, hi in (
+            ("--conversations", self.conversations, 1, MAX_CONVERSATIONS),
+            ("--system-prompts", self.system_prompts, 1, MAX_SYSTEM_PROMPTS),
+            ("--system-tokens", self.system_tokens, 0, MAX_PROMPT_TOKENS),
+            ("--user-tokens", self.user_tokens, 1, MAX_PROMPT_TOKENS),
+            ("--output-tokens", self.output_tokens, 1, MAX_OUTPUT),
         ):
-            if v < lo:
-                raise SimUserError(f"{name} must be >= {lo}, got {v}")
-        if not self.rate > 0:
-            raise SimUserError(f"--rate must be > 0 conversations per second, got {self.rate}")
+            if not lo <= n <= hi:
+                raise SimUserError(f"{name} must be in [{lo}, {hi:,}], got {n}")
+        if not 1.0 <= self.turns <= MAX_TURNS:  # (NaN fails every comparison)
+            raise SimUserError(f"--turns must be in [1, {MAX_TURNS:,}], got {self.turns}")
+        if not 0.0 <= self.think_s < math.inf:
+            raise SimUserError(f"--think-s must be a finite number >= 0, got {self.think_s}")
+        if not 0.0 < self.rate < math.inf:
+            raise SimUserError(f"--rate must be a finite number > 0 (conversations per second), got {self.rate}")
 
 
 def _around(rng: random.Random, mean: int) -> int:
@@ -183,6 +200,7 @@ def generate_conversations(p: ConversationParams, limit: int = 0) -> list[SimReq
     out: list[SimRequest] = []
     t_ms = 0.0
     out_cursor = OUTPUT_BASE
+    segments = 0
     for _ in range(p.conversations):
         t_ms += rng.expovariate(p.rate) * 1000.0
         turns = 1 + int(rng.expovariate(1.0 / max(p.turns - 1.0, 1e-9))) if p.turns > 1 else 1
@@ -198,6 +216,12 @@ def generate_conversations(p: ConversationParams, limit: int = 0) -> list[SimReq
             n_out = _around(rng, p.output_tokens)
             if out_cursor + n_out >= 1 << 32 or next_token >= OUTPUT_BASE:
                 raise SimUserError("the built-in workload is too large for 32-bit token ids; lower --conversations")
+            segments += len(segs)
+            if segments > MAX_SEGMENTS or length + q > MAX_PROMPT_TOKENS:
+                raise SimUserError(
+                    "the built-in workload is too large to hold in memory (its conversations grow with every turn); "
+                    "lower --conversations, --turns or the token counts"
+                )
             req = SimRequest(len(out), arrival, segs, length + q, n_out, out_cursor, after=prev)
             out.append(req)
             # the next turn repeats the question and the answer

@@ -1,0 +1,113 @@
+"""Pins: prefixes kept cached whatever the eviction policy (``KVCacheManager.pin`` / ``unpin``).
+
+A pinned page (``Page.num_pins`` > 0) is in no evictor: it is never evicted (nor moved down)
+while pinned, wherever it is. Each (cache level, pool group) may hold at most
+``max_pinned_share`` of its slots pinned (``PoolGroupStorage.num_pinned``); a pin beyond that
+is refused before anything changes. A pin with a duration ends by itself: its expiry time is
+consulted when the evictor runs, like retention's (``_expiry.py``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Hashable
+
+from .._common import BAD_PAGE_INDEX
+from .._page import Page, PoolGroupStorage
+
+
+class Pin:
+    """The pages of one pinned prefix, and when the pin ends (inf: when unpinned)."""
+
+    __slots__ = ("pages", "until")
+
+    def __init__(self, pages: list[Page], until: float) -> None:
+        self.pages = pages
+        self.until = until
+
+
+class PinTable:
+    """The manager's pins by key (scope and tokens), bounded per (level, pool group)."""
+
+    __slots__ = ("_heap", "_seq", "clock", "pins", "share")
+
+    def __init__(self, clock: Callable[[], float], share: float) -> None:
+        self.clock = clock
+        #: at most this share of each (level, pool group)'s slots may be pinned
+        self.share = share
+        self.pins: dict[Hashable, Pin] = {}
+        self._heap: list[tuple[float, int, Hashable, Pin]] = []
+        self._seq = 0
+
+    def pin(self, key: Hashable, pages: list[Page], duration_s: float | None) -> None:
+        """Pin ``pages`` (tree pages, distinct) under ``key`` (a key pinned again: its pages
+        and duration are replaced). Raises ``ValueError`` beyond a storage's share, changing nothing."""
+        old = self.pins.get(key)
+        new: dict[int, tuple[PoolGroupStorage, int]] = {}  # pages pinned now for the first time
+        for page in pages:
+            if page.num_pins == 0:
+                s = page.storage
+                entry = new.get(id(s))
+                new[id(s)] = (s, (entry[1] if entry is not None else 0) + 1)
+        for storage, count in new.values():
+            limit = int(self.share * storage.num_slots)
+            if storage.num_pinned + count > limit:
+                raise ValueError(
+                    f"pin refused: {count} more pinned pages would make {storage.num_pinned + count} of the "
+                    f"{storage.num_slots} slots of pool group {storage.index} at cache level {storage.level} "
+                    f"pinned, beyond max_pinned_share {self.share:g} ({limit} slots); unpin something first"
+                )
+        for page in pages:
+            if page.num_pins == 0:
+                if page.in_evictor:
+                    page.storage.evictor.remove(page)
+                page.storage.num_pinned += 1
+            page.num_pins += 1
+        if old is not None:
+            self._release(old)
+        until = float("inf") if duration_s is None else float(self.clock()) + duration_s
+        pin = Pin(pages, until)
+        self.pins[key] = pin
+        if duration_s is not None:
+            self._seq += 1
+            heapq.heappush(self._heap, (until, self._seq, key, pin))
+
+    def unpin(self, key: Hashable) -> bool:
+        """End the pin of ``key``; False if there is none."""
+        pin = self.pins.pop(key, None)
+        if pin is None:
+            return False
+        self._release(pin)
+        return True
+
+    def expire(self) -> None:
+        """End the pins whose duration ran out."""
+        heap = self._heap
+        if not heap or heap[0][0] > self.clock():
+            return
+        now = float(self.clock())
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            key, pin = entry[2], entry[3]
+            if self.pins.get(key) is pin:
+                del self.pins[key]
+                self._release(pin)
+
+    def clear(self) -> None:
+        """Forget every pin (their pages were dropped with the reusable blocks)."""
+        for pin in self.pins.values():
+            self._release(pin)
+        self.pins.clear()
+        self._heap.clear()
+
+    @staticmethod
+    def _release(pin: Pin) -> None:
+        for page in pin.pages:
+            if page.num_pins == 0:
+                continue  # freed meanwhile (its pins went with it)
+            page.num_pins -= 1
+            if page.num_pins == 0 and page.slot != BAD_PAGE_INDEX:
+                page.storage.num_pinned -= 1
+                if page.node is not None:
+                    page.relist()
+        pin.pages = []

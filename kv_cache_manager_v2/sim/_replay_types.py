@@ -1,0 +1,168 @@
+"""The replay's inputs and outputs: how the simulated engine schedules (:class:`SchedulerOptions`)
+and the raw counters a replay leaves (:class:`ReplayResult`, one :class:`LevelUsage` per cache level)."""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .._utils import check_int
+from ._models import SimUserError
+from ._workload import SimRequest
+
+#: the longest simulated step (an hour): beyond it the simulated clock means nothing
+MAX_STEP_MS = 3_600_000.0
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """How the simulated engine schedules (see the module doc)."""
+
+    max_batch: int = 256  #: requests per step
+    max_num_tokens: int = 8192  #: tokens per step (prefill chunks + one per decoding request)
+    chunk: int = 2048  #: prefill chunk per request and step (0: the whole prompt at once)
+    watermark: float = 0.01  #: share of every GPU pool group admission leaves free or evictable
+    step_ms: float = 15.0  #: simulated time of a step, plus its tokens at tokens_per_s
+    tokens_per_s: float = 50_000.0
+    time_scale: float = 1.0  #: multiplies arrival times (0: everything arrives at once)
+    reuse: bool = True  #: False: every request in its own reuse scope (no prefix reuse at all)
+    prompt_only: bool = False  #: requests end after their prompt (one sampled token, no decode steps)
+
+    def validate(self) -> None:
+        for name, v, lo in (
+            ("--max-batch", self.max_batch, 1),
+            ("--max-num-tokens", self.max_num_tokens, 1),
+            ("--chunk", self.chunk, 0),
+        ):
+            check_int(name, v)
+            if v < lo:
+                raise SimUserError(f"{name} must be >= {lo}, got {v}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise SimUserError(f"--watermark must be in [0, 1), got {self.watermark}")
+        for name, x, ok, allowed in (
+            ("--step-ms", self.step_ms, 0 <= self.step_ms <= MAX_STEP_MS, f"in [0, {MAX_STEP_MS:.0f}] (an hour)"),
+            ("--tokens-per-s", self.tokens_per_s, 0 < self.tokens_per_s < math.inf, "a finite number > 0"),
+            ("--time-scale", self.time_scale, 0 <= self.time_scale < math.inf, "a finite number >= 0"),
+        ):
+            if not ok:
+                raise SimUserError(f"{name} must be {allowed}, got {x}")
+
+
+@dataclass
+class LevelUsage:
+    """Use and traffic of one cache level, summed over pool groups; bytes are proxy bytes (see
+    ``_models``). Traffic and the occupied peak come from the manager's tier statistics."""
+
+    level: int
+    capacity: int = 0
+    peak_used: int = 0  #: held by requests (active, or suspended where they cannot spill), sampled each step
+    peak_occupied: int = 0  #: held by requests or kept as reusable cache (the allocator's high-water mark)
+    reusable_at_end: int = 0  #: holding reusable blocks when the replay ended (every request done)
+    offloaded_pages: int = 0  #: evicted into this level from the one above
+    offloaded_bytes: int = 0
+    onboarded_pages: int = 0  #: copied from this level up (reuse, resume)
+    onboarded_bytes: int = 0
+    dropped_pages: int = 0  #: dropped for good here
+    dropped_bytes: int = 0
+    io_errors: int = 0
+    max_step_offloaded_pages: int = 0  #: most pages offloaded into this level in one step
+    max_step_onboarded_pages: int = 0  #: most pages onboarded from this level in one step
+    reused_tokens: int = 0  #: prompt tokens of first admissions reused from blocks found at this level
+    hit_blocks: int = 0  #: prompt blocks hit (see ReplayResult.hit_blocks) found at this level
+
+
+@dataclass
+class ReplayResult:
+    """Counters of one replay (raw; ``_report`` turns them into the report)."""
+
+    tokens_per_block: int
+    num_requests: int = 0
+    finished: int = 0
+    rejected: int = 0
+    rejected_lines: list[int] = field(default_factory=list)  #: trace lines (else workload indices) of the first five
+    rejected_prompt_tokens: int = 0  #: prompts of rejected requests (misses in the all-requests hit rates)
+    rejected_prompt_blocks: int = 0
+    longest_request_tokens: int = 0  #: the longest prompt + output of the workload (what a GPU tier must hold)
+    trace_span_ms: float = 0.0  #: the last arrival time (times time_scale)
+    #: most tokens (prompt + output) held at once if every request ran alone from its arrival on
+    #: (see ideal_peak_tokens): about what a GPU tier needs for the engine to keep up
+    ideal_peak_tokens: int = 0
+    prompt_tokens: int = 0  #: prompt tokens of first admissions
+    reused_tokens: int = 0  #: of those, taken from the cache
+    prompt_blocks: int = 0
+    hit_blocks: int = 0  #: prompt blocks whose KV was reused whole (the last token is always computed)
+    readmissions: int = 0
+    readmitted_tokens: int = 0
+    readmitted_reused_tokens: int = 0
+    #: requests the engine's restart (--restart-at) freed, admitted again: not preemptions
+    restart_readmitted_tokens: int = 0
+    restart_readmitted_reused_tokens: int = 0
+    prefill_computed: int = 0  #: tokens computed before a request's first output token (incl. recompute)
+    decode_computed: int = 0
+    output_tokens: int = 0
+    steps: int = 0
+    max_batch: int = 0
+    preempted_suspend: int = 0
+    preempted_recompute: int = 0
+    resumed: int = 0
+    sim_time_ms: float = 0.0
+    wait_ms: array[float] = field(default_factory=lambda: array("d"))  #: arrival to first admission, per request
+    wall_s: float = 0.0
+    manager_s: float = 0.0  #: CPU time inside adapter calls
+    request_steps: int = 0  #: (request, step) pairs served
+    step_us: array[float] = field(default_factory=lambda: array("d"))  #: manager time per step
+    series_t_s: array[float] = field(default_factory=lambda: array("d"))
+    series_used: array[float] = field(default_factory=lambda: array("d"))  #: GPU share held by requests
+    series_cached: array[float] = field(default_factory=lambda: array("d"))  #: GPU share kept as reusable cache
+    series_hit: array[float] = field(default_factory=lambda: array("d"))  #: cumulative token hit rate
+    series_running: array[float] = field(default_factory=lambda: array("d"))
+    levels: list[LevelUsage] = field(default_factory=list)
+    reused_blocks: int = 0  #: the manager's ReuseStatistics
+    missed_blocks: int = 0
+    reused_pages: int = 0
+    allocated_pages: int = 0
+    #: recurrent-state snapshots (hybrid models; the manager's ReuseStatistics)
+    snapshots_taken: int = 0
+    snapshots_skipped: int = 0
+    snapshots_reused: int = 0
+    snapshots_evicted: int = 0
+    snapshot_interval: int = 0  #: tokens between snapshots (0: no recurrent layers)
+    #: the manager's snapshot counters by kind (``_ssm_policy.COUNTERS``)
+    snapshot_counters: dict[str, int] = field(default_factory=dict)
+    records_checked: int = 0  #: --check-data
+    layer_by_layer_steps: int = 0  #: --check-data steps with SWA scratch blocks (checked layer by layer)
+    blocks_replayed: int = 0  #: blocks of prompt + output over all finished requests (replay speed)
+    #: ``split_ms`` (``--restart-at``): the counters of first admissions before that time, and the
+    #: pages the restarted manager adopted from the persistent disk tier (-1: no restart)
+    split_prompt_blocks: int = 0
+    split_hit_blocks: int = 0
+    split_prompt_tokens: int = 0
+    split_reused_tokens: int = 0
+    adopted_pages: int = -1
+
+
+def ideal_peak_tokens(requests: Sequence[SimRequest], options: SchedulerOptions) -> int:
+    """The most tokens held at once if every request were served from its arrival without waiting:
+    its prefill chunks and decode steps one step each, at ``step_ms`` plus its own tokens, holding
+    its whole prompt + output meanwhile (no reuse assumed). The memory an engine needs to keep up
+    with the arrivals (a rough upper bound of it; compute aside)."""
+    o = options
+    events: list[tuple[float, int]] = []
+    per_token_ms = 1000.0 / o.tokens_per_s
+    for sim in requests:
+        p = sim.prompt_length
+        out = 1 if o.prompt_only else sim.output_length
+        chunks = (p + o.chunk - 1) // o.chunk if o.chunk else 1
+        duration = chunks * o.step_ms + p * per_token_ms + (out - 1) * (o.step_ms + per_token_ms)
+        start = sim.arrival_ms * o.time_scale
+        events.append((start, p + out))
+        events.append((start + duration, -(p + out)))
+    events.sort(key=lambda e: (e[0], e[1]))  # a request that ends frees its memory before one starts
+    held = peak = 0
+    for _, k in events:
+        held += k
+        if held > peak:
+            peak = held
+    return peak

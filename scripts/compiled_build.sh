@@ -1,0 +1,85 @@
+# Sourced by test.sh and sim.sh (after setup_env.sh): the mypyc build of the package, skipped when
+# current, with its progress on the terminal; moving the compiled modules aside for fast mode.
+#   ensure_compiled   # build unless up to date (returns 1 if the build failed: nothing compiled in place)
+STAMP=build/mypyc.stamp    # touched by each successful build: no compiled .py newer than it, no rebuild
+STASH=build/mypyc-stash    # the compiled modules, moved aside while fast mode runs (they shadow the sources)
+mkdir -p build
+
+compiled_modules() {
+  find kv_cache_manager_v2 \( -name '*.so' -o -name '*.pyd' \) -print
+  find . -maxdepth 1 \( -name '*__mypyc*.so' -o -name '*__mypyc*.pyd' \) -print
+}
+
+stash_compiled() {
+  local f files
+  files=$(compiled_modules)
+  [ -n "$files" ] || return 0  # nothing in place: keep what an earlier run stashed
+  rm -rf "$STASH"
+  for f in $files; do
+    mkdir -p "$STASH/$(dirname "$f")"
+    mv "$f" "$STASH/$f"
+  done
+}
+
+restore_compiled() {
+  [ -d "$STASH" ] || return 0
+  local f
+  for f in $(cd "$STASH" && find . -type f -print); do
+    mkdir -p "$(dirname "$f")"
+    mv "$STASH/$f" "$f"
+  done
+  rm -rf "$STASH"
+}
+
+build_is_current() {  # a successful build after the last change of any package source, and its modules in place
+  [ -f "$STAMP" ] && [ -z "$(find kv_cache_manager_v2 setup_mypyc.py -name '*.py' -newer "$STAMP" -print -quit)" ] \
+    && [ -n "$(find . -maxdepth 1 -name '*__mypyc*' -print -quit)" ]
+}
+
+elapsed() { echo $(($(date +%s) - $1)); }
+
+build_progress() {  # reads the build's output; prints each step with the seconds since $1 (start)
+  local start=$1 total=$2 line done=0
+  printf '  %4ds  mypyc: type-checking and generating C for %d modules\n' 0 "$total"
+  while IFS= read -r line; do
+    case "$line" in
+      "building '"*"__mypyc' extension")
+        printf '  %4ds  gcc: compiling the shared unit (all modules'"'"' code: the long step)\n' "$(elapsed "$start")" ;;
+      "building '"*"' extension")
+        done=$((done + 1))
+        if [ $((done % 10)) -eq 0 ] || [ "$done" -eq "$total" ]; then
+          printf '  %4ds  gcc: module entry points %d/%d\n' "$(elapsed "$start")" "$done" "$total"
+        fi ;;
+      *": error:"* | "error:"*) echo "$line" ;;
+    esac
+  done
+  printf '  %4ds  done\n' "$(elapsed "$start")"
+}
+
+build_compiled() {  # returns 1 (the log's tail printed, nothing compiled left in place) if the build fails
+  local log=build/mypyc.log start ticker total
+  start=$(date +%s)
+  total=$(python -c 'import glob, setup_mypyc as s; print(sum(not p.startswith(s.NOT_COMPILED) for p in glob.glob(s.PACKAGE + "/**/*.py", recursive=True)))')
+  echo "== mypyc build (production mode; full log $log)"
+  restore_compiled  # mypyc rewrites only the C files that change, setuptools recompiles only those
+  touch "$STAMP.new"
+  (while sleep 30; do printf '  %4ds  (still building)\n' "$(elapsed "$start")"; done) &
+  ticker=$!
+  if python -u setup_mypyc.py build_ext --inplace -j 2 2>&1 | tee "$log" | build_progress "$start" "$total"; then
+    kill "$ticker"
+    mv "$STAMP.new" "$STAMP"
+  else
+    kill "$ticker"
+    tail -50 "$log"
+    stash_compiled  # never leave a half-built set shadowing the sources
+    return 1
+  fi
+}
+
+ensure_compiled() {
+  if build_is_current || { restore_compiled && build_is_current; }; then
+    echo "== mypyc build: up to date (no package source newer than $STAMP), skipped"
+  else
+    build_compiled
+  fi
+}

@@ -1,0 +1,480 @@
+"""Retention the engine controls (issue 37): token ranges and decode blocks with priorities and
+durations, the close-time hint, a simulated clock; through the fake engine (the conftest turns
+the invariant checker on), under both eviction policies."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import pytest
+from conftest import REC
+from fake_engine import FakeEngine
+
+from kv_cache_manager_v2 import (
+    EVICTION_POLICIES,
+    AttentionLayerConfig,
+    BlockOrdinal,
+    BufferConfig,
+    KVCache,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    LayerGroupId,
+    LayerId,
+    Priority,
+    RequestRetention,
+    Retention,
+    RetentionRange,
+    SsmLayerConfig,
+    compiled,
+)
+from kv_cache_manager_v2._config import GpuCacheTierConfig
+from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager, RequestState
+
+MakeManager = Callable[..., KVCacheManager]
+T = 16
+
+
+class Clock:
+    """A simulated clock: seconds set by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=EVICTION_POLICIES)
+def make_manager(request: pytest.FixtureRequest, make_manager: MakeManager) -> Iterator[MakeManager]:
+    def factory(*args: object, **kw: object) -> KVCacheManager:
+        kw.setdefault("eviction_policy", request.param)
+        return make_manager(*args, **kw)
+
+    yield factory
+
+
+def one_layer() -> list[AttentionLayerConfig]:
+    return [AttentionLayerConfig(LayerId(0), [BufferConfig("key", REC * T)])]
+
+
+def fixed(priority: int) -> Callable[[BlockOrdinal, LayerGroupId], Priority]:
+    return lambda ordinal, group: Priority(priority)
+
+
+def seq(base: int, blocks: int) -> list[int]:
+    return list(range(base, base + blocks * T))
+
+
+def run(
+    m: KVCacheManager, engine: FakeEngine, tokens: list[int], retain: Retention | None = None, **kw: object
+) -> KVCache:
+    """Create (matching ``tokens``), compute and commit all of ``tokens``, close."""
+    kv = m.create_kv_cache(input_tokens=tokens, **kw)  # type: ignore[arg-type]
+    assert kv.resume()
+    h = kv.history_length
+    assert kv.resize(len(tokens))
+    engine.step(kv, tokens, h, len(tokens))
+    kv.commit(tokens[h:])
+    kv.close(retain=retain)
+    return kv
+
+
+def pressure(m: KVCacheManager, engine: FakeEngine, blocks: int, base: int, priority: int = 60) -> None:
+    """A request of ``blocks`` new blocks (evicting that many when memory is full), closed."""
+    run(m, engine, seq(base, blocks), custom_priority_callback=fixed(priority))
+
+
+def test_a_range_keeps_its_priority_until_its_duration_ends_exactly(make_manager: MakeManager) -> None:
+    clock = Clock()
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    a, b = seq(1000, 2), seq(2000, 2)
+    run(m, engine, a, retention=RequestRetention([(0, None, 80, 10.0)]))
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    clock.now = 9.999
+    pressure(m, engine, 1, 3000, 20)  # B (50) goes before A (80)
+    assert m.probe_reuse(input_tokens=a) == 2 * T
+    assert m.probe_reuse(input_tokens=b) == T
+    stats = m.get_storage_statistics()[0]
+    assert stats.retained == 2 and stats.retained_bytes == 2 * sum(stats.slot_sizes)
+    clock.now = 10.0  # A is back at the default priority (35), below B
+    assert m.get_storage_statistics()[0].retained == 0
+    pressure(m, engine, 2, 4000, 20)
+    assert m.probe_reuse(input_tokens=a) == T
+    assert m.probe_reuse(input_tokens=b) == T
+    kv = m.create_kv_cache(input_tokens=b)
+    assert kv.resume()
+    engine.check_all(kv, b, T)
+    kv.close()
+
+
+def test_durations_survive_demotion_and_promotion_and_expire_on_the_host_tier(make_manager: MakeManager) -> None:
+    clock = Clock()
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, host_quota=8 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    a, b = seq(1000, 2), seq(2000, 2)
+    run(m, engine, a, retention=RequestRetention([RetentionRange(0, None, 80, 10.0)]))
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    pressure(m, engine, 4, 3000)  # A and B move down to the host tier
+    assert m.probe_reuse_levels(input_tokens=a) == [1, 1]
+    c = m.create_kv_cache(input_tokens=a)  # A comes back up to GPU memory ...
+    assert c.resume()
+    engine.check_all(c, a, 2 * T)
+    c.close()
+    assert m.probe_reuse_levels(input_tokens=a) == [0, 0]
+    clock.now = 5.0
+    pressure(m, engine, 4, 4000)  # ... and down again: the host holds B (50), 60s, A (80)
+    assert m.probe_reuse_levels(input_tokens=a) == [1, 1]
+    clock.now = 9.5
+    pressure(m, engine, 2, 5000)  # the host evicts B, not A
+    assert m.probe_reuse(input_tokens=b) == 0
+    assert m.probe_reuse(input_tokens=a) == 2 * T
+    clock.now = 10.0
+    pressure(m, engine, 2, 6000)  # A expired on the host tier: it goes first
+    assert m.probe_reuse(input_tokens=a) == 0
+
+
+def test_decode_blocks_take_the_decode_retention(make_manager: MakeManager) -> None:
+    clock = Clock()
+    m = make_manager(one_layer(), tokens_per_block=T, quota=5 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    prompt, out = seq(1000, 2), seq(9000, 1)
+    retention = RequestRetention([(0, None, 80, None)], decode_priority=20, decode_duration_s=30.0)
+    kv = m.create_kv_cache(input_tokens=prompt, retention=retention)
+    assert kv.resume() and kv.resize(3 * T)
+    full = prompt + out
+    engine.step(kv, full, 0, 3 * T)
+    kv.commit(full)
+    kv.close()
+    b = seq(2000, 2)
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    pressure(m, engine, 1, 3000, 90)  # the decode block (20) goes first
+    assert m.probe_reuse(input_tokens=full) == 2 * T
+    assert m.probe_reuse(input_tokens=b) == 2 * T
+    pressure(m, engine, 1, 4000, 90)  # then B (50), not the prompt (80, no expiry)
+    assert m.probe_reuse(input_tokens=b) == T
+    clock.now = 1e6
+    pressure(m, engine, 1, 5000, 90)
+    assert m.probe_reuse(input_tokens=full) == 2 * T
+
+
+@pytest.mark.parametrize("hint", [False, True])
+def test_the_close_time_hint_keeps_a_conversation_until_it_is_reused(make_manager: MakeManager, hint: bool) -> None:
+    clock = Clock()
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    a, b = seq(1000, 2), seq(2000, 2)
+    run(m, engine, a, Retention(80, 60.0) if hint else None)
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    pressure(m, engine, 2, 3000, 60)
+    assert m.probe_reuse(input_tokens=a) == (2 * T if hint else 0)
+    assert m.probe_reuse(input_tokens=b) == (0 if hint else 2 * T)
+    if not hint:
+        return
+    run(m, engine, seq(2000, 2), custom_priority_callback=fixed(50))  # B again, in place of the 60s
+    kv = m.create_kv_cache(input_tokens=a)  # the conversation continues: the hint ends
+    assert kv.resume()
+    engine.check_all(kv, a, 2 * T)
+    kv.close()
+    pressure(m, engine, 2, 4000, 90)  # A (35 again) goes before B (50)
+    assert m.probe_reuse(input_tokens=a) == 0
+    assert m.probe_reuse(input_tokens=b) == 2 * T
+
+
+def test_a_request_sharing_only_a_prefix_leaves_the_hint(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T)
+    engine = FakeEngine(m)
+    prefix = seq(1000, 2)
+    a = prefix + seq(2000, 2)
+    run(m, engine, a, Retention(80, 60.0))
+    b = seq(3000, 2)
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    run(m, engine, prefix + seq(4000, 1))  # another conversation on the same prefix: not A's continuation
+    pressure(m, engine, 3, 5000)  # evicts its own block (35) and B's tail (50), not A's prefix
+    assert m.probe_reuse(input_tokens=a) == 4 * T
+    assert m.probe_reuse(input_tokens=b) == T
+
+
+def test_a_low_hint_lowers_only_the_blocks_the_request_published(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=6 * REC * T)
+    engine = FakeEngine(m)
+    e, prefix = seq(5000, 2), seq(1000, 2)
+    run(m, engine, e)
+    run(m, engine, prefix)
+    d = prefix + seq(2000, 2)
+    run(m, engine, d, Retention(0))  # "this conversation ends": D's own blocks go first
+    pressure(m, engine, 2, 3000, 90)
+    assert m.probe_reuse(input_tokens=d) == 2 * T
+    assert m.probe_reuse(input_tokens=e) == 2 * T
+    pressure(m, engine, 2, 4000, 90)  # then the oldest default-priority blocks: E, not the prefix
+    assert m.probe_reuse(input_tokens=e) == 0
+    assert m.probe_reuse(input_tokens=prefix) == 2 * T
+
+
+def test_a_low_hint_ends_when_any_request_reuses_the_blocks(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=6 * REC * T)
+    engine = FakeEngine(m)
+    doc = seq(1000, 2)
+    run(m, engine, doc, Retention(0))  # "nobody comes back to this" ...
+    e = seq(5000, 2)
+    run(m, engine, e)
+    run(m, engine, doc[:T] + seq(2000, 1))  # ... but another request reads its first block
+    pressure(m, engine, 3, 3000, 90)  # the second block (still 0), then the oldest at 35: E's tail
+    assert m.probe_reuse(input_tokens=doc) == T
+    assert m.probe_reuse(input_tokens=e) == T
+
+
+def test_the_default_clock_is_monotonic() -> None:
+    import time
+
+    cfg = KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), backend="host")
+    assert cfg.clock is time.monotonic
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "words"),
+    [
+        (lambda: Retention(101), ValueError, "Retention.priority must be in [0, 100]"),
+        (lambda: Retention(-1), ValueError, "Retention.priority"),
+        (lambda: Retention(True), TypeError, "Retention.priority"),  # type: ignore[arg-type]
+        (lambda: Retention(50, 0.0), ValueError, "finite number of seconds > 0"),
+        (lambda: Retention(50, math.inf), ValueError, "finite number of seconds > 0"),
+        (lambda: Retention(50, math.nan), ValueError, "finite number of seconds > 0"),
+        (lambda: Retention(50, "5"), TypeError, "Retention.duration_s must be a number"),  # type: ignore[arg-type]
+        (lambda: RetentionRange(8, 8, 50), ValueError, "RetentionRange.end must be > start (8)"),
+        (lambda: RetentionRange(-1, None, 50), ValueError, "RetentionRange.start"),
+        (lambda: RetentionRange(0, None, 500), ValueError, "RetentionRange.priority"),
+        (lambda: RequestRetention([(0, 10, 50, None), (5, 20, 60, None)]), ValueError, "ascending and not overlap"),
+        (lambda: RequestRetention([(0, None, 50, None), (5, 20, 60, None)]), ValueError, "ascending and not overlap"),
+        (lambda: RequestRetention([(0, 10, 50)]), ValueError, "(start, end, priority, duration_s)"),  # type: ignore[list-item]
+        (lambda: RequestRetention(["x"]), TypeError, "RetentionRange or a 4-tuple"),  # type: ignore[list-item]
+        (lambda: RequestRetention("ab"), TypeError, "sequence of RetentionRange"),  # type: ignore[arg-type]
+        (lambda: RequestRetention(decode_duration_s=5.0), ValueError, "needs a decode_priority"),
+        (lambda: RequestRetention(decode_priority=101), ValueError, "decode_priority"),
+        (lambda: RequestRetention(decode_priority=5, decode_duration_s=-1.0), ValueError, "decode_duration_s"),
+        (
+            lambda: KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), clock=5),  # type: ignore[arg-type]
+            TypeError,
+            "clock must be a callable",
+        ),
+    ],
+)
+def test_bad_retention_values_are_refused_clearly(
+    make: Callable[[], object], error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error) as info:
+        make()
+    assert words in str(info.value)
+
+
+def test_bad_retention_arguments_are_refused_and_change_nothing(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T)
+    with pytest.raises(TypeError, match=None if compiled else "retention"):  # compiled: mypyc's own message
+        m.create_kv_cache(retention=Retention(5))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs input_tokens or prompt_length"):
+        m.create_kv_cache(retention=RequestRetention([(0, None, 50, None)]))
+    with pytest.raises(ValueError, match="prompt_length"):
+        m.create_kv_cache(input_tokens=seq(0, 1), retention=RequestRetention(), prompt_length=-1)
+    assert m.num_open_caches == 0
+    kv = m.create_kv_cache(retention=RequestRetention([(0, None, 50, None)]), prompt_length=T)
+    with pytest.raises(TypeError, match=None if compiled else "retain"):
+        kv.close(retain=50)  # type: ignore[arg-type]
+    assert m.num_open_caches == 1
+    kv.close(retain=Retention(50, 1.0))
+    assert m.num_open_caches == 0
+
+
+# ---------------------------------------------------------------- through the engine adapter
+def serve(a: KVCacheResourceManager, engine: FakeEngine, r: EngineRequest, retain: Retention | None = None) -> None:
+    """Run ``r`` to its end (one token per decode step) and free it with ``retain``."""
+    while len(r.generated_tokens) < r.max_new_tokens:
+        assert a.prepare_resources([r]) == []
+        b = r.num_cached_tokens
+        engine.step(a.get_kv_cache(r), r.all_tokens(), b, b + r.num_scheduled_tokens)
+        if r.samples_this_step:
+            r.generated_tokens.append(9000 + 100 * r.request_id + len(r.generated_tokens))
+        a.update_resources([r])
+    r.state = RequestState.FINISHED
+    a.free_resources(r, retain)
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_the_adapter_passes_request_retention_and_the_finish_hint(backend: str, policy: str) -> None:
+    clock = Clock()
+    layers = one_layer()
+    cfg = KVCacheManagerConfig(
+        T,
+        [GpuCacheTierConfig(6 * REC * T)],
+        layers,
+        backend=backend,
+        eviction_policy=policy,
+        clock=clock,  # type: ignore[arg-type]
+    )
+    a = KVCacheResourceManager(cfg)
+    engine = FakeEngine(a.manager)
+    m = a.manager
+    system = EngineRequest(1, seq(1000, 2), 1, retention=RequestRetention([(0, None, 90, 100.0)]))
+    serve(a, engine, system)
+    chat = EngineRequest(2, seq(2000, 2), 1)
+    serve(a, engine, chat, Retention(80, 10.0))  # the conversation continues within 10 s
+    other = EngineRequest(3, seq(3000, 2), 1, priority=50)
+    serve(a, engine, other)
+    filler = EngineRequest(4, seq(4000, 2), 1, priority=95)
+    serve(a, engine, filler)  # evicts the lowest: other (50)
+    assert m.probe_reuse(input_tokens=seq(3000, 2)) == 0
+    assert m.probe_reuse(input_tokens=seq(2000, 2)) == 2 * T
+    assert m.probe_reuse(input_tokens=seq(1000, 2)) == 2 * T
+    clock.now = 10.0  # the chat's hint expired: it goes before the system prompt (90 for 100 s)
+    serve(a, engine, EngineRequest(5, seq(5000, 2), 1, priority=95))
+    assert m.probe_reuse(input_tokens=seq(2000, 2)) == 0
+    assert m.probe_reuse(input_tokens=seq(1000, 2)) == 2 * T
+    with pytest.raises(TypeError, match=r"EngineRequest\.retention"):
+        EngineRequest(6, seq(1, 1), 1, retention=Retention(5))  # type: ignore[arg-type]
+    r = EngineRequest(7, seq(6000, 1), 1)
+    assert a.prepare_resources([r]) == []
+    with pytest.raises(TypeError, match=None if compiled else "retain"):
+        a.free_resources(r, 5)  # type: ignore[arg-type]
+    assert a.has_resources(r)
+    a.free_resources(r)
+    a.shutdown()
+
+
+# ---------------------------------------------------------------- pins
+def test_a_pinned_prefix_is_never_evicted_until_unpinned(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T, max_pinned_share=0.5)
+    engine = FakeEngine(m)
+    system, other = seq(1000, 2), seq(2000, 2)
+    run(m, engine, system, custom_priority_callback=fixed(0))  # the lowest priority: first to go
+    run(m, engine, other)
+    assert m.pin(system + seq(7000, 1)) == 2 * T  # the cached full blocks of the tokens
+    stats = m.get_storage_statistics()[0]
+    assert stats.pinned == 2 and stats.pinned_bytes == 2 * sum(stats.slot_sizes)
+    pressure(m, engine, 6, 3000)  # everything else goes
+    assert m.probe_reuse(input_tokens=system) == 2 * T
+    assert m.probe_reuse(input_tokens=other) == 0
+    kv = m.create_kv_cache(input_tokens=system)  # a pinned prefix is reused as usual
+    assert kv.resume()
+    engine.check_all(kv, system, 2 * T)
+    kv.close()
+    assert not m.unpin(system)  # not the tokens pinned
+    assert m.unpin(system + seq(7000, 1))
+    pressure(m, engine, 2, 4000)  # now it goes first again (priority 0)
+    assert m.probe_reuse(input_tokens=system) == 0
+
+
+def test_a_pin_beyond_its_share_is_refused_and_changes_nothing(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T, max_pinned_share=0.25)
+    engine = FakeEngine(m)
+    a, b = seq(1000, 2), seq(2000, 1)
+    run(m, engine, a)
+    run(m, engine, b)
+    assert m.pin(a) == 2 * T  # 2 of 8 slots
+    with pytest.raises(ValueError, match=r"3 of the 8 slots .* beyond max_pinned_share 0\.25 \(2 slots\)"):
+        m.pin(b)
+    assert m.pin(a[:T]) == T  # pages already pinned count once
+    pressure(m, engine, 6, 3000)  # b was not pinned: it goes
+    assert m.probe_reuse(input_tokens=b) == 0
+    assert m.probe_reuse(input_tokens=a) == 2 * T
+    assert m.unpin(a)
+    pressure(m, engine, 1, 4000)  # the second block stays pinned by the other pin
+    assert m.probe_reuse(input_tokens=a) == T
+
+
+def test_a_pin_with_a_duration_ends_by_itself(make_manager: MakeManager) -> None:
+    clock = Clock()
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    a = seq(1000, 2)
+    run(m, engine, a)
+    assert m.pin(a, duration_s=5.0) == 2 * T
+    clock.now = 4.9
+    pressure(m, engine, 2, 3000)
+    assert m.probe_reuse(input_tokens=a) == 2 * T
+    clock.now = 5.0
+    pressure(m, engine, 4, 4000)
+    assert m.probe_reuse(input_tokens=a) == 0
+    assert not m.unpin(a)
+
+
+def test_pins_stay_where_they_are_on_a_host_tier_and_clear_with_the_reusable_blocks(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, host_quota=4 * REC * T)
+    engine = FakeEngine(m)
+    a = seq(1000, 2)
+    run(m, engine, a)
+    pressure(m, engine, 4, 2000)  # a moves to the host tier
+    assert m.probe_reuse_levels(input_tokens=a) == [1, 1]
+    m.pin(a)
+    for base in (3000, 4000, 5000):  # the host tier fills and evicts again and again
+        pressure(m, engine, 4, base)
+    assert m.probe_reuse_levels(input_tokens=a) == [1, 1]
+    m.clear_reusable_blocks()
+    assert m.probe_reuse(input_tokens=a) == 0
+    assert not m.unpin(a)
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "words"),
+    [
+        ({"duration_s": 0}, ValueError, "duration_s must be a finite number of seconds > 0"),
+        ({"duration_s": "1"}, TypeError, "duration_s must be a number of seconds or None"),
+        ({"reuse_scope": 5}, TypeError, "reuse_scope"),
+    ],
+)
+def test_bad_pins_are_refused_clearly(
+    make_manager: MakeManager, kw: dict[str, object], error: type[Exception], words: str
+) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T)
+    with pytest.raises(error, match=words if not compiled or error is ValueError else None):
+        m.pin(seq(0, 1), **kw)  # type: ignore[arg-type]
+    with pytest.raises((TypeError, ValueError), match="max_pinned_share"):
+        KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), max_pinned_share=1.5)
+    with pytest.raises(TypeError, match="max_pinned_share"):
+        KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), max_pinned_share=True)
+
+
+def test_snapshots_of_a_hybrid_model_and_window_pages_take_the_retention(make_manager: MakeManager) -> None:
+    """Recurrent layers (snapshots) beside a sliding window with sinks: every page the request
+    publishes, snapshot included, is retained, and all of it expires on time."""
+    clock = Clock()
+    ssm = SsmLayerConfig(LayerId(100), [BufferConfig("ssm_state", 64)])
+    swa = AttentionLayerConfig(LayerId(0), [BufferConfig("key", REC * T)], 2 * T, 2)
+    m = make_manager([ssm, swa], tokens_per_block=T, quota=64 * REC * T, clock=clock, ssm_reuse_interval=2 * T)
+    engine = FakeEngine(m)
+    a = seq(1000, 4)
+    kv = m.create_kv_cache(input_tokens=a[:-1], retention=RequestRetention([(0, None, 80, 10.0)]))
+    assert kv.resume()
+    for end in (2 * T, len(a) - 1):  # the first commit ends at a snapshot position
+        h = kv.history_length
+        assert kv.resize(end)
+        engine.step(kv, a, h, end)
+        kv.commit(a[h:end])
+    kv.close()
+    by_group = {s.slot_sizes: s.retained for s in m.get_storage_statistics()}
+    assert by_group[(64,)] == 1  # the snapshot at 2 blocks
+    assert by_group[(REC * T,)] >= 2  # the window's published pages (the sink block and the last ones)
+    kv = m.create_kv_cache(input_tokens=a)  # a hybrid match ends at a snapshot
+    assert kv.resume()
+    assert kv.history_length == 2 * T
+    engine.check_all(kv, a, kv.history_length)
+    kv.close()
+    clock.now = 10.0
+    assert sum(s.retained for s in m.get_storage_statistics()) == 0
+
+
+def test_a_later_hint_replaces_an_earlier_one_on_a_shared_history(make_manager: MakeManager) -> None:
+    """A continuation that matches only part of the hinted history (its last message differs)
+    leaves the first hint; its own hint, lower but longer, then replaces it on the shared blocks."""
+    clock = Clock()
+    m = make_manager(one_layer(), tokens_per_block=T, quota=6 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    p = seq(1000, 2)
+    run(m, engine, p + seq(2000, 1), Retention(80, 10.0))
+    later = p + seq(3000, 1)
+    run(m, engine, later, Retention(60, 100.0))
+    b = seq(4000, 2)
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    clock.now = 20.0  # the first hint ran out; the second holds the shared blocks at 60
+    pressure(m, engine, 2, 5000, 90)  # the first request's own block (35), then B's tail (50)
+    assert m.probe_reuse(input_tokens=later) == 3 * T
+    assert m.probe_reuse(input_tokens=b) == T
