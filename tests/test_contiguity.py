@@ -16,7 +16,7 @@ from tier_helpers import SLOT, T, compute, seq
 from kv_cache_manager_v2 import CacheLevel, KVCache, KVCacheManager, LayerGroupId, LogicError
 from kv_cache_manager_v2._common import SlotId
 from kv_cache_manager_v2._page import Page
-from kv_cache_manager_v2._storage._slot_allocator import SlotAllocator, paired_in_order
+from kv_cache_manager_v2._storage._slot_allocator import SlotAllocator, pair_sorted
 
 MakeManager = Callable[..., KVCacheManager]
 LG0 = LayerGroupId(0)
@@ -39,23 +39,21 @@ def allocator(num_slots: int) -> tuple[SlotAllocator, _NoPool]:
 
 
 def check_runs(a: SlotAllocator, free: set[int]) -> None:
-    """The allocator's runs are exactly the maximal runs of ``free`` below its high-water mark."""
+    """The allocator's runs hold exactly the free slots below its high-water mark (disjoint, the top
+    one live), its maximal runs are those of ``free``, and its counts agree."""
     hw = a._high_water
     below = sorted(s for s in free if s < hw)
-    want: dict[int, int] = {}
+    listed = [s for f, n in zip(a._firsts, a._counts) for s in range(f, f + n)]
+    assert sorted(listed) == below
+    assert a._num_dead == sum(1 for n in a._counts if not n) and all(a._firsts[i] == -1 for i, n in enumerate(a._counts) if not n)
+    assert not a._counts or a._counts[-1]
+    want: list[tuple[int, int]] = []
     for s in below:
-        if s - 1 in free and s - 1 < hw:
-            continue
-        n = 1
-        while s + n in free and s + n < hw:
-            n += 1
-        want[s] = n
-    assert a._last_of == {f: f + n - 1 for f, n in want.items()}
-    assert a._first_of == {f + n - 1: f for f, n in want.items()}
-    for c, runs in enumerate(a._classes):
-        assert all((last - a._first_of[last] + 1).bit_length() == c for last in runs)
-        assert bool(runs) == bool(a._nonempty >> c & 1)
-    assert sum(len(r) for r in a._classes) == len(want)
+        if want and want[-1][0] + want[-1][1] == s:
+            want[-1] = (want[-1][0], want[-1][1] + 1)
+        else:
+            want.append((s, 1))
+    assert a.free_runs() == want
     assert a.num_free == len(free) and a.num_used == a.num_slots - len(free)
     assert all(a.is_allocated(SlotId(s)) != (s in free) for s in range(a.num_slots))
 
@@ -75,22 +73,20 @@ def test_allocator_matches_a_model_of_its_free_slots() -> None:
         if op < 0.45 and free:
             count = rng.randint(1, min(len(free), 40))
             after = rng.choice(used) if used and rng.random() < 0.5 else -1
-            top = max(a._high_water, a._high_water + count - a._num_free_below)
+            fresh = count >= a._num_free_below  # every free run is taken, then slots above the mark
             a.prepare(count)
             got = a.allocate(count, after)
             assert len(set(got)) == count and all(s in free for s in got)
-            if after >= 0 and after + 1 in free and after + 1 < top:
+            if not fresh and after >= 0 and after + 1 in free and after + 1 < a._high_water:
                 assert got[0] == after + 1
-            elif after >= 1 and after - 1 in free and after - 1 < top:
-                assert after - 1 in got
+            if not fresh:  # the fewest runs the free space allows for this batch
+                lengths = sorted((n for _, n in maximal(free, a._high_water)), reverse=True)
+                fewest = next(k for k in range(1, len(lengths) + 1) if sum(lengths[:k]) >= count)
+                if after < 0:
+                    assert runs_of(sorted(got)) <= max(fewest, 1 if a._counts and count <= a._counts[-1] else fewest)
         elif op < 0.6 and free:
             after = rng.choice(used) if used and rng.random() < 0.7 else -1
-            top = a._high_water + (0 if a._num_free_below else 1)
-            nxt = None
-            if after >= 0 and after + 1 in free and after + 1 < top:
-                nxt = after + 1
-            elif after >= 1 and after - 1 in free and after - 1 < top:
-                nxt = after - 1
+            nxt = after + 1 if after >= 0 and after + 1 in free and after + 1 < a._high_water else None
             got = [a.allocate_one(after)]
             assert got[0] in free and (nxt is None or got[0] == nxt)
         elif op < 0.97 and used:
@@ -122,30 +118,41 @@ def test_allocator_matches_a_model_of_its_free_slots() -> None:
         a.free(SlotId(used[0]))
 
 
-def test_allocate_takes_the_smallest_class_that_fits_and_frees_merge() -> None:
+def maximal(free: set[int], below: int) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for s in sorted(x for x in free if x < below):
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((s, 1))
+    return out
+
+
+def test_frees_rebuild_runs_and_a_batch_takes_the_shortest_run_that_holds_it() -> None:
     a, _ = allocator(64)
     slots = a.allocate(64)
-    for s in [*range(3, 5), *range(10, 20), *range(30, 34)]:  # free runs of 2, 10 and 4
+    for s in [*range(19, 9, -1), *range(30, 34), *range(3, 5)]:  # runs of 10 (freed last first), 4 and 2
         a.free(slots[s])
-    check_runs(a, {*range(3, 5), *range(10, 20), *range(30, 34)})
-    assert a.allocate(4) == list(range(30, 34))  # class [4, 8): exact
-    assert a.allocate(3) == list(range(10, 13))  # the class [2, 4) cannot hold 3: the run of 10
-    assert a.allocate(9) == [*range(13, 20), 3, 4]  # no run holds 9: the longest first
-    for s in range(40, 44):
+    assert list(zip(a._firsts, a._counts)) == [(10, 10), (30, 4), (3, 2)]  # each run rebuilt as it is freed
+    assert a.allocate(2) == [3, 4]  # the top run holds it
+    a.free(SlotId(3))
+    a.free(SlotId(4))
+    assert a.allocate(3) == [30, 31, 32]  # the top run cannot: the shortest run that holds 3
+    assert a.allocate(12) == [*range(10, 20), 3, 4]  # no run holds 12: the longest first
+    assert a.allocate(1) == [33]
+    for s in [40, 42, 41, 43, 39, 44]:
         a.free(SlotId(s))
-    a.free(SlotId(39))
-    a.free(SlotId(44))
-    assert a._last_of == {39: 44}  # merged both ways
+    assert a.free_runs() == [(39, 6)]  # merged however it was pushed
     assert a.allocate_one(SlotId(38)) == 39  # continues after the previous block
-    assert a.allocate(2, SlotId(50)) == [40, 41]  # 49 and 51 are in use: from a run
-    assert a.allocate(2, SlotId(45)) == [43, 44]  # 46 is in use: the end of the run before
-    assert a.allocate_one(SlotId(43)) == 42
+    assert a.allocate(2, SlotId(50)) == [40, 41]  # 51 is in use: from a run
+    assert a.allocate_one(SlotId(41)) == 42
+    assert a.allocate(2, SlotId(45)) == [43, 44]  # 46 is in use: from the top run
 
 
 def test_allocate_below_is_lowest_first_and_all_or_nothing() -> None:
     a, _ = allocator(20)
     a.allocate(10)
-    for s in (2, 3, 7):
+    for s in (7, 2, 3):
         a.free(SlotId(s))
     with pytest.raises(LogicError):
         a.allocate_below(12, 6)  # 3 free below the mark, 2 more under 12
@@ -154,10 +161,10 @@ def test_allocate_below_is_lowest_first_and_all_or_nothing() -> None:
     check_runs(a, set(range(12, 20)))
 
 
-def test_paired_in_order_reverses_descending_stretches() -> None:
-    slots = [SlotId(s) for s in (20, 21, 22, 23, 40, 41)]
-    assert paired_in_order([9, 8, 7, 6, 1, 0], slots) == [23, 22, 21, 20, 41, 40]
-    assert paired_in_order([5, 1, 3, 2, 7, 8], slots) == [20, 21, 23, 22, 40, 41]
+def test_pair_sorted_pairs_ascending_sources_with_ascending_targets() -> None:
+    targets = [SlotId(s) for s in (41, 20, 21, 40, 22, 23)]
+    assert pair_sorted([9, 8, 7, 6, 1, 0], targets) == [41, 40, 23, 22, 21, 20]
+    assert pair_sorted([5, 1, 3, 2, 7, 8], targets) == [23, 20, 22, 21, 40, 41]
 
 
 # ---------------------------------------------------------------------- through the manager

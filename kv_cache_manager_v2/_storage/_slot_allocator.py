@@ -1,32 +1,38 @@
 """Slot allocation for one pool group: free slots kept as runs of consecutive slots, so a batch of
-pages (a request's blocks, an offload's targets) lands in as few runs as the free space allows and
-its copies merge (the copy engine copies a run of consecutive slots at once).
+pages (a request's blocks, an offload's targets) lands in few runs and its copies merge (the copy
+engine copies a run of consecutive slots at once).
 
-Free slots below the high-water mark are kept as maximal runs, indexed by their first slot, their
-last slot and their length class (``length.bit_length()``): taking, freeing and merging are O(1),
-finding a run that fits is one bit scan over the non-empty classes. Above the high-water mark no
-memory is mapped yet; it is used only when the runs below cannot hold a request (as before runs)."""
+The free slots below the high-water mark are a stack of runs (first slot, length). A freed slot
+extends the top run when it touches either end of it (a request's pages are released in block
+order, so they rebuild the run they came from), else it is pushed as a run of one: O(1), as cheap
+as a stack of slots. Runs are merged lazily: only an allocation with a choice to make (fewer
+slots than are free, more than the top run holds) sorts the runs into maximal ones, by length,
+once per stretch of frees, and takes the shortest that holds the batch. Above the high-water mark
+no memory is mapped yet; it is used only when the runs below cannot hold a request."""
 
 from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable
+from typing import cast
 
 from .._common import SlotId
 from .._exceptions import LogicError
 from ._backend import Pool
 
-#: runs of the length class below the asked count that are checked for one long enough, before
-#: giving up on a single run (the class above always fits)
-FIT_PROBES = 8
+
+def _slots(first: int, count: int) -> Iterable[SlotId]:
+    return cast(Iterable[SlotId], range(first, first + count))
 
 
 class SlotAllocator:
     """Hands out slot ids in ``[0, num_slots)``; maps pool memory as the high-water mark rises.
 
     A slot is one index valid in every pool of the group, so its pools grow together. ``allocate``
-    returns slots ascending within each run, from one free run where one is long enough (the
-    smallest length class that fits), else from the longest runs; ``after`` (the slot of the
-    request's previous block) asks for the free run right after it first, else the one right
-    before it (the order of a batch's slots does not matter to copies, only that they are
-    consecutive: see ``paired_in_order``). Nothing in use ever moves.
+    returns consecutive slots ascending within each run: from the top run where it holds the whole
+    batch, else from the shortest free run that does, else from the longest runs. ``after`` (the
+    slot of the request's previous block) asks for the free run starting right after it first.
+    Nothing in use ever moves.
     """
 
     def __init__(self, num_slots: int, pools: list[Pool], slot_sizes: tuple[int, ...]) -> None:
@@ -35,15 +41,14 @@ class SlotAllocator:
         self._slot_sizes = slot_sizes
         self._high_water = 0
         self._is_free: bytearray = bytearray(num_slots)
-        #: free runs below the high-water mark: first slot -> last slot and back
-        self._last_of: dict[int, int] = {}
-        self._first_of: dict[int, int] = {}
-        #: the runs (by last slot, which stays put while a run grows at the front, as releases
-        #: go last block first, or is used from the front) per length class
-        #: ``length.bit_length()``; bit c of ``_nonempty`` is set while class c has a run
-        self._classes: list[dict[int, None]] = [{} for _ in range(65)]
-        self._nonempty = 0
+        #: the stack of free runs below the high-water mark, top last: first slot and length; a
+        #: run used up below the top stays as first -1, length 0 until the top comes down to it
+        self._firsts: list[int] = []
+        self._counts: list[int] = []
+        self._num_dead = 0
         self._num_free_below = 0
+        #: the runs are maximal and sorted by length (set by ``_tidy``, cleared by any change)
+        self._tidy = True
         #: most slots in use at once: since creation, and since ``iteration_peak`` was last reset
         self.peak_used = 0
         self.iteration_peak = 0
@@ -56,10 +61,10 @@ class SlotAllocator:
     def num_used(self) -> int:
         return self._high_water - self._num_free_below
 
-    @property
-    def num_runs(self) -> int:
-        """Free runs below the high-water mark (a measure of fragmentation)."""
-        return len(self._last_of)
+    def free_runs(self) -> list[tuple[int, int]]:
+        """The maximal runs of free slots below the high-water mark, ``(first, length)``, by first
+        slot (for tests and statistics: not the hot path)."""
+        return self._maximal()
 
     def prepare(self, count: int) -> None:
         """Map the memory ``count`` allocations may need, so they cannot fail later.
@@ -70,149 +75,163 @@ class SlotAllocator:
         if rest > 0:
             self._map(min(self._high_water + rest, self.num_slots))
 
-    # ------------------------------------------------------------------ runs
-    def _list(self, first: int, last: int) -> None:
-        self._last_of[first] = last
-        self._first_of[last] = first
-        c = (last - first + 1).bit_length()
-        self._classes[c][last] = None
-        self._nonempty |= 1 << c
-
-    def _unclass(self, last: int, length: int) -> None:
-        c = length.bit_length()
-        runs = self._classes[c]
-        del runs[last]
-        if not runs:
-            self._nonempty &= ~(1 << c)
-
-    def _reclass(self, last: int, old: int, new: int) -> None:
-        """The run ending at ``last`` is now ``new`` slots long (it was ``old``)."""
-        c = new.bit_length()
-        if c != old.bit_length():
-            self._unclass(last, old)
-            self._classes[c][last] = None
-            self._nonempty |= 1 << c
-
-    def _take(self, first: int, want: int, out: list[SlotId]) -> None:
-        """Use up to ``want`` slots from the front of the run starting at ``first``."""
-        last = self._last_of.pop(first)
-        length = last - first + 1
-        if want >= length:
-            del self._first_of[last]
-            self._unclass(last, length)
-            self._use(first, length, out)
-            return
-        self._last_of[first + want] = last  # the run keeps its last slot (its key)
-        self._first_of[last] = first + want
-        self._reclass(last, length, length - want)
-        self._use(first, want, out)
-
-    def _take_last(self, last: int, want: int, out: list[SlotId]) -> None:
-        """Use up to ``want`` slots from the back of the run ending at ``last``."""
-        first = self._first_of.pop(last)
-        length = last - first + 1
-        self._unclass(last, length)
-        if want >= length:
-            del self._last_of[first]
-            self._use(first, length, out)
-            return
-        self._list(first, last - want)
-        self._use(last - want + 1, want, out)
-
-    def _next_to(self, slot: int, want: int, out: list[SlotId]) -> None:
-        """Up to ``want`` slots of the free run right after ``slot`` (in use), else of the one
-        right before."""
-        is_free = self._is_free
-        if slot >= self._high_water or is_free[slot]:
-            return
-        if slot + 1 < self._high_water and is_free[slot + 1]:
-            self._take(slot + 1, want, out)
-        elif slot and is_free[slot - 1]:
-            self._take_last(slot - 1, want, out)
-
-    def _use(self, first: int, count: int, out: list[SlotId]) -> None:
-        is_free = self._is_free
-        for s in range(first, first + count):
-            is_free[s] = 0
-            out.append(SlotId(s))
-        self._num_free_below -= count
-
-    def _put(self, first: int, count: int) -> None:
-        """Make slots ``[first, first + count)`` (used, below the high-water mark) a free run,
-        merged with the free runs on either side."""
-        is_free = self._is_free
-        for s in range(first, first + count):
-            is_free[s] = 1
-        self._num_free_below += count
-        last = first + count - 1
-        if first and is_free[first - 1]:  # a run ends right before
-            left = self._first_of.pop(first - 1)
-            del self._last_of[left]
-            self._unclass(first - 1, first - left)
-            first = left
-        if last + 1 < self._high_water and is_free[last + 1]:  # a run starts right after: it grows
-            end = self._last_of.pop(last + 1)
-            self._last_of[first] = end
-            self._first_of[end] = first
-            self._reclass(end, end - last, end - first + 1)
-        else:
-            self._list(first, last)
-
-    def _fit(self, count: int) -> int:
-        """First slot of a free run to take ``count`` slots from: a run of the smallest length class
-        sure to hold them, else one of the class below that is long enough, else (none holds them)
-        one of the longest runs. Below the high-water mark there is at least one free slot."""
-        c = count.bit_length() if count & (count - 1) == 0 else count.bit_length() + 1
-        above = self._nonempty >> c
-        if above:
-            runs = self._classes[c + (above & -above).bit_length() - 1]
-            return self._first_of[next(reversed(runs))]
-        if c > 1 and self._nonempty >> (c - 1) & 1:
-            for probes, last in enumerate(reversed(self._classes[c - 1])):
-                first = self._first_of[last]
-                if last - first + 1 >= count:
-                    return first
-                if probes + 1 == FIT_PROBES:
-                    break
-        return self._first_of[next(reversed(self._classes[self._nonempty.bit_length() - 1]))]
-
     # ------------------------------------------------------------------ allocation
     def allocate(self, count: int, after: int = -1) -> list[SlotId]:
         """``count`` slots (see the class), or raise ``LogicError`` if fewer are free (callers
         check first). ``after``: the slot of the request's previous block, -1 for none."""
         if count > self.num_free:
             raise LogicError(f"slot allocator: {count} slots requested, {self.num_free} free")
-        rest = count - self._num_free_below
-        if rest > 0:
-            self._grow(self._high_water + rest)  # first: if mapping fails, nothing has changed
         out: list[SlotId] = []
-        if count and after >= 0:
-            self._next_to(after, count, out)
-        while len(out) < count:
+        rest = count - self._num_free_below
+        if rest >= 0:  # every free run, then fresh slots: nothing to choose
+            beg = self._high_water
+            if rest > 0:
+                self._map(beg + rest)  # first: if mapping fails, nothing has changed
+                self._high_water = beg + rest
+            self._take_all(out)
+            if rest > 0:
+                out.extend(_slots(beg, rest))
+        else:
+            if after >= 0:
+                self._next_to(after, count, out)
             need = count - len(out)
-            self._take(self._fit(need), need, out)
+            if need:
+                if self._counts[-1] >= need:
+                    self._take(len(self._counts) - 1, need, out)
+                else:
+                    self._best(need, out)
         self._note_peak()
         return out
 
     def allocate_one(self, after: int = -1) -> SlotId:
-        """One slot: next to ``after`` when one is free there, else as ``allocate(1)``."""
-        out: list[SlotId] = []
+        """One slot: the one right after ``after`` when it is free, else the top run's first."""
         if self._num_free_below:
+            out: list[SlotId] = []
             if after >= 0:
                 self._next_to(after, 1, out)
-                if out:
-                    self._note_peak()  # a free slot can be a new peak too (after take(), or a reset iteration peak)
-                    return out[0]
-            self._take(self._fit(1), 1, out)
-            self._note_peak()
+            if not out:
+                self._take(len(self._counts) - 1, 1, out)
+            self._note_peak()  # a free slot can be a new peak too (after take(), or a reset iteration peak)
             return out[0]
         if self._high_water >= self.num_slots:
             raise LogicError("slot allocator: no free slot")
         s = SlotId(self._high_water)
-        self._grow(s + 1)
-        self._take(s, 1, out)
+        self._map(s + 1)
+        self._high_water = s + 1
         self._note_peak()
         return s
+
+    def _next_to(self, slot: int, want: int, out: list[SlotId]) -> None:
+        """Up to ``want`` slots of the free run starting right after ``slot`` (in use)."""
+        nxt = slot + 1
+        if nxt < self._high_water and self._is_free[nxt] and not self._is_free[slot]:
+            self._take(self._firsts.index(nxt), want, out)  # runs are disjoint: only one starts there
+
+    def _take(self, i: int, want: int, out: list[SlotId]) -> int:
+        """Up to ``want`` slots from the front of run ``i`` of the stack; returns how many."""
+        firsts, counts = self._firsts, self._counts
+        first = firsts[i]
+        count = counts[i]
+        if want > count:
+            want = count
+        if want == 1:
+            self._is_free[first] = 0
+            out.append(SlotId(first))
+        else:
+            self._is_free[first : first + want] = bytes(want)
+            out.extend(_slots(first, want))
+        self._num_free_below -= want
+        self._tidy = False
+        if want < count:
+            firsts[i] = first + want
+            counts[i] = count - want
+        elif i == len(counts) - 1:
+            firsts.pop()
+            counts.pop()
+            while counts and not counts[-1]:  # used-up runs below come off with it
+                firsts.pop()
+                counts.pop()
+                self._num_dead -= 1
+        else:
+            firsts[i] = -1
+            counts[i] = 0
+            self._num_dead += 1
+            if self._num_dead > 32 and self._num_dead * 2 > len(counts):
+                self._drop_dead()
+        return want
+
+    def _take_all(self, out: list[SlotId]) -> None:
+        is_free = self._is_free
+        for first, count in zip(self._firsts, self._counts):
+            if count:
+                is_free[first : first + count] = bytes(count)
+                out.extend(_slots(first, count))
+        self._firsts.clear()
+        self._counts.clear()
+        self._num_dead = self._num_free_below = 0
+        self._tidy = True
+
+    def _best(self, need: int, out: list[SlotId]) -> None:
+        """``need`` slots when the top run is shorter (and more are free): from the shortest run
+        that holds them all, else from the longest runs down."""
+        if not self._tidy:
+            self._merge()
+        counts = self._counts
+        if counts[-1] >= need:
+            self._take(bisect_left(counts, need), need, out)
+            return
+        while need:  # (sorted by length: the top is the longest)
+            need -= self._take(len(counts) - 1, need, out)
+
+    def _drop_dead(self) -> None:
+        live = [i for i, count in enumerate(self._counts) if count]
+        self._firsts = [self._firsts[i] for i in live]
+        self._counts = [self._counts[i] for i in live]
+        self._num_dead = 0
+
+    def _maximal(self) -> list[tuple[int, int]]:
+        """The free runs merged into maximal ones, ``(first, length)`` by first slot."""
+        out: list[tuple[int, int]] = []
+        end = -2
+        for first, count in sorted(zip(self._firsts, self._counts)):
+            if not count:
+                continue
+            if first == end:
+                out[-1] = (out[-1][0], out[-1][1] + count)
+            else:
+                out.append((first, count))
+            end = first + count
+        return out
+
+    def _merge(self) -> None:
+        """Merge adjacent runs into maximal ones and sort them by length (the longest on top)."""
+        by_length = sorted([(count, first) for first, count in self._maximal()])
+        self._firsts = [first for _, first in by_length]
+        self._counts = [count for count, _ in by_length]
+        self._num_dead = 0
+        self._tidy = True
+
+    def free(self, slot: SlotId) -> None:
+        is_free = self._is_free
+        if not 0 <= slot < self._high_water or is_free[slot]:
+            raise LogicError(f"slot {slot} freed twice or never allocated")
+        is_free[slot] = 1
+        self._num_free_below += 1
+        self._tidy = False
+        counts = self._counts
+        if counts:
+            firsts = self._firsts
+            first = firsts[-1]
+            count = counts[-1]
+            if slot == first + count:
+                counts[-1] = count + 1
+                return
+            if slot == first - 1:
+                firsts[-1] = slot
+                counts[-1] = count + 1
+                return
+        self._firsts.append(slot)
+        counts.append(1)
 
     def _note_peak(self) -> None:
         used = self._high_water - self._num_free_below
@@ -221,6 +240,7 @@ class SlotAllocator:
             if used > self.peak_used:
                 self.peak_used = used
 
+    # ------------------------------------------------------------------ adoption, compaction, size
     def take(self, slots: list[SlotId]) -> None:
         """Mark ``slots`` (distinct, below ``num_slots``) used in a fresh allocator: the pages a
         persistent disk tier adopts. The slots between them are free."""
@@ -236,32 +256,32 @@ class SlotAllocator:
         used = bytearray(top)
         for s in slots:
             used[s] = 1
-        first = -1
-        for i in range(top + 1):
-            if i < top and not used[i]:
-                if first < 0:
-                    first = i
-            elif first >= 0:
-                self._put(first, i - first)
-                first = -1
+        for s in range(top - 1, -1, -1):  # pushed from the top down: the lowest run ends on top
+            if not used[s]:
+                self.free(SlotId(s))
         self._note_peak()
 
     def allocate_below(self, limit: int, count: int) -> list[SlotId]:
         """``count`` free slots below ``limit``, lowest first (compaction before a shrink); raises
         ``LogicError`` (changing nothing) if there are fewer."""
-        firsts = sorted(f for f in self._last_of if f < limit)
-        have = sum(min(self._last_of[f] + 1, limit) - f for f in firsts)
+        firsts, counts = self._firsts, self._counts
+        order = sorted((firsts[i], i) for i in range(len(counts)) if counts[i] and firsts[i] < limit)
+        have = sum(min(counts[i], limit - first) for first, i in order)
         rest = count - have
+        beg = self._high_water
         if rest > 0:
-            if self._high_water + rest > limit:
+            if beg + rest > limit:
                 raise LogicError(f"slot allocator: {count} free slots below {limit} requested, fewer exist")
-            self._grow(self._high_water + rest)  # first: if mapping fails, nothing has changed
-            firsts = sorted(f for f in self._last_of if f < limit)
+            self._map(beg + rest)  # first: if mapping fails, nothing has changed
+            self._high_water = beg + rest
         out: list[SlotId] = []
-        for f in firsts:
-            if len(out) == count:
+        need = count - max(rest, 0)
+        for first, i in order:  # (taking a run never moves the runs below it in the stack)
+            if not need:
                 break
-            self._take(f, min(limit - f, count - len(out)), out)
+            need -= self._take(i, min(limit - first, need), out)
+        if rest > 0:
+            out.extend(_slots(beg, rest))
         self._note_peak()
         return out
 
@@ -275,53 +295,34 @@ class SlotAllocator:
             if not self._is_free[s]:
                 raise LogicError(f"slot allocator: cannot shrink to {num_slots} slots, slot {s} is in use")
         if self._high_water > num_slots:
-            last = self._high_water - 1
-            first = self._first_of.pop(last)  # one free run covers [num_slots, high water)
-            del self._last_of[first]
-            self._unclass(last, last - first + 1)
-            self._num_free_below -= last - first + 1
-            if first < num_slots:
-                self._list(first, num_slots - 1)
-                self._num_free_below += num_slots - first
+            firsts, counts = self._firsts, self._counts
+            for i in range(len(counts)):
+                first, count = firsts[i], counts[i]
+                if count and first + count > num_slots:
+                    keep = max(0, num_slots - first)
+                    self._num_free_below -= count - keep
+                    firsts[i], counts[i] = (first, keep) if keep else (-1, 0)
+            self._drop_dead()
+            self._tidy = False
             self._high_water = num_slots
         del self._is_free[num_slots:]
         self.num_slots = num_slots
-
-    def free(self, slot: SlotId) -> None:
-        if not 0 <= slot < self._high_water or self._is_free[slot]:
-            raise LogicError(f"slot {slot} freed twice or never allocated")
-        self._put(slot, 1)
 
     def _map(self, high_water: int) -> None:
         """Back slots ``[0, high_water)`` of every pool with memory."""
         for pool, size in zip(self._pools, self._slot_sizes):
             pool.ensure_mapped(high_water * size)
 
-    def _grow(self, high_water: int) -> None:
-        """Map up to ``high_water`` and list the new slots as free (merged with a free run before)."""
-        self._map(high_water)
-        beg = self._high_water
-        self._high_water = high_water
-        for s in range(beg, high_water):
-            self._is_free[s] = 0  # _put marks them free
-        self._put(beg, high_water - beg)
-
     def is_allocated(self, slot: SlotId) -> bool:
         return 0 <= slot < self._high_water and not self._is_free[slot]
 
 
-def paired_in_order(sources: list[int], slots: list[SlotId]) -> list[SlotId]:
-    """The target of each source slot: ``slots`` (ascending runs, as ``allocate`` returns them) in
-    the sources' order, except that a stretch of sources in descending consecutive slots (a
-    request's blocks, which eviction lists last first) takes its targets in reverse, so its copies
-    merge too. Keeping the list order elsewhere keeps pages listed together (evicted together
-    later) in consecutive targets."""
-    out = list(slots)
-    beg = 0
-    n = len(sources)
-    for i in range(1, n + 1):
-        if i == n or sources[i] != sources[i - 1] - 1:
-            if i - beg > 1:
-                out[beg:i] = out[beg:i][::-1]
-            beg = i
+def pair_sorted(sources: list[int], targets: list[SlotId]) -> list[SlotId]:
+    """The target of each source slot: ``targets`` sorted, given to ``sources`` in ascending slot
+    order, so that wherever both sides are consecutive their copies merge. The pages keep their
+    own order (the order they are listed in again, which decides later evictions)."""
+    targets = sorted(targets)
+    out = list(targets)
+    for k, i in enumerate(sorted(range(len(sources)), key=sources.__getitem__)):
+        out[i] = targets[k]
     return out
