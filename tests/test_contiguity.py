@@ -43,10 +43,11 @@ def check_runs(a: SlotAllocator, free: set[int]) -> None:
     one live), its maximal runs are those of ``free``, and its counts agree."""
     hw = a._high_water
     below = sorted(s for s in free if s < hw)
-    listed = [s for f, n in zip(a._firsts, a._counts) for s in range(f, f + n)]
+    listed = [s for f, n in zip(a._firsts, a._counts) for s in range(f, f + n)] + a._free
     assert sorted(listed) == below
     assert a._num_dead == sum(1 for n in a._counts if not n) and all(a._firsts[i] == -1 for i, n in enumerate(a._counts) if not n)
     assert not a._counts or a._counts[-1]
+    assert a._in_runs == sum(a._counts)
     want: list[tuple[int, int]] = []
     for s in below:
         if want and want[-1][0] + want[-1][1] == s:
@@ -73,7 +74,7 @@ def test_allocator_matches_a_model_of_its_free_slots() -> None:
         if op < 0.45 and free:
             count = rng.randint(1, min(len(free), 40))
             after = rng.choice(used) if used and rng.random() < 0.5 else -1
-            fresh = count >= a._num_free_below  # every free run is taken, then slots above the mark
+            fresh = count >= a._in_runs + len(a._free)  # every free slot is taken, then slots above the mark
             a.prepare(count)
             got = a.allocate(count, after)
             assert len(set(got)) == count and all(s in free for s in got)
@@ -131,22 +132,24 @@ def maximal(free: set[int], below: int) -> list[tuple[int, int]]:
 def test_frees_rebuild_runs_and_a_batch_takes_the_shortest_run_that_holds_it() -> None:
     a, _ = allocator(64)
     slots = a.allocate(64)
-    for s in [*range(19, 9, -1), *range(30, 34), *range(3, 5)]:  # runs of 10 (freed last first), 4 and 2
+    for s in [*range(19, 9, -1), *range(30, 34), *range(3, 5)]:  # runs of 10, 4 and 2
         a.free(slots[s])
-    assert list(zip(a._firsts, a._counts)) == [(10, 10), (30, 4), (3, 2)]  # each run rebuilt as it is freed
-    assert a.allocate(2) == [3, 4]  # the top run holds it
-    a.free(SlotId(3))
-    a.free(SlotId(4))
-    assert a.allocate(3) == [30, 31, 32]  # the top run cannot: the shortest run that holds 3
-    assert a.allocate(12) == [*range(10, 20), 3, 4]  # no run holds 12: the longest first
-    assert a.allocate(1) == [33]
-    for s in [40, 42, 41, 43, 39, 44]:
+    assert a._free == [*range(19, 9, -1), *range(30, 34), 3, 4] and not a._counts  # loose until there is a choice
+    assert a.allocate(2) == [3, 4]  # folded into runs, the lowest on top: it holds 2
+    assert list(zip(a._firsts, a._counts)) == [(30, 4), (10, 10)]
+    assert a.allocate(4) == [10, 11, 12, 13]  # the top run holds it
+    a.free(SlotId(12))
+    a.free(SlotId(13))
+    assert a.allocate(5) == [12, 13, 14, 15, 16]  # the top run (12, 13) cannot: merged, the shortest that can
+    assert a.allocate(3) == [17, 18, 19]  # the top run holds it
+    for s in [40, 42, 41, 43, 39, 44, 45, 1]:
         a.free(SlotId(s))
-    assert a.free_runs() == [(39, 6)]  # merged however it was pushed
+    assert a.allocate(3) == [30, 31, 32]  # the top run (1) cannot: the shortest run that holds 3
+    assert a.free_runs() == [(1, 1), (33, 1), (39, 7)]
     assert a.allocate_one(SlotId(38)) == 39  # continues after the previous block
     assert a.allocate(2, SlotId(50)) == [40, 41]  # 51 is in use: from a run
     assert a.allocate_one(SlotId(41)) == 42
-    assert a.allocate(2, SlotId(45)) == [43, 44]  # 46 is in use: from the top run
+    assert a.allocate(2, SlotId(46)) == [43, 44]  # 47 is in use: from the top run
 
 
 def test_allocate_below_is_lowest_first_and_all_or_nothing() -> None:

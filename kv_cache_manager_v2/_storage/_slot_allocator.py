@@ -2,27 +2,22 @@
 pages (a request's blocks, an offload's targets) lands in few runs and its copies merge (the copy
 engine copies a run of consecutive slots at once).
 
-The free slots below the high-water mark are a stack of runs (first slot, length). A freed slot
-extends the top run when it touches either end of it (a request's pages are released in block
-order, so they rebuild the run they came from), else it is pushed as a run of one: O(1), as cheap
-as a stack of slots. Runs are merged lazily: only an allocation with a choice to make (fewer
-slots than are free, more than the top run holds) sorts the runs into maximal ones, by length,
-once per stretch of frees, and takes the shortest that holds the batch. Above the high-water mark
-no memory is mapped yet; it is used only when the runs below cannot hold a request."""
+A freed slot goes on a list of loose slots (O(1), as a plain stack of slots). Below the high-water
+mark the free slots are those loose ones and a stack of runs (first slot, length). An allocation
+that takes every free slot (a full pool: eviction freed exactly what it takes) takes them as they
+are; one with a choice to make (fewer slots than are free) first folds the loose slots into runs
+(sorted once), takes the top run when it holds the batch, else sorts the runs into maximal ones
+by length and takes the shortest that holds it (else the longest ones). Above the high-water
+mark no memory is mapped yet; it is used only when the slots below cannot hold a request."""
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable
 from typing import cast
 
 from .._common import SlotId
 from .._exceptions import LogicError
 from ._backend import Pool
-
-
-def _slots(first: int, count: int) -> Iterable[SlotId]:
-    return cast(Iterable[SlotId], range(first, first + count))
 
 
 class SlotAllocator:
@@ -46,8 +41,10 @@ class SlotAllocator:
         self._firsts: list[int] = []
         self._counts: list[int] = []
         self._num_dead = 0
-        self._num_free_below = 0
-        #: the runs are maximal and sorted by length (set by ``_tidy``, cleared by any change)
+        self._in_runs = 0
+        #: freed slots not yet folded into runs
+        self._free: list[int] = []
+        #: the runs are maximal and sorted by length (set by ``_merge``, cleared by any change)
         self._tidy = True
         #: most slots in use at once: since creation, and since ``iteration_peak`` was last reset
         self.peak_used = 0
@@ -55,11 +52,11 @@ class SlotAllocator:
 
     @property
     def num_free(self) -> int:
-        return self.num_slots - self._high_water + self._num_free_below
+        return self.num_slots - self._high_water + self._in_runs + len(self._free)
 
     @property
     def num_used(self) -> int:
-        return self._high_water - self._num_free_below
+        return self._high_water - self._in_runs - len(self._free)
 
     def free_runs(self) -> list[tuple[int, int]]:
         """The maximal runs of free slots below the high-water mark, ``(first, length)``, by first
@@ -71,7 +68,7 @@ class SlotAllocator:
 
         May raise (e.g. ``CuError``) but changes no allocation state.
         """
-        rest = count - self._num_free_below
+        rest = count - self._in_runs - len(self._free)
         if rest > 0:
             self._map(min(self._high_water + rest, self.num_slots))
 
@@ -81,8 +78,8 @@ class SlotAllocator:
         check first). ``after``: the slot of the request's previous block, -1 for none."""
         if count > self.num_free:
             raise LogicError(f"slot allocator: {count} slots requested, {self.num_free} free")
-        out: list[SlotId] = []
-        rest = count - self._num_free_below
+        out: list[int] = []
+        rest = count - self._in_runs - len(self._free)
         if rest >= 0:  # every free run, then fresh slots: nothing to choose
             beg = self._high_water
             if rest > 0:
@@ -90,8 +87,9 @@ class SlotAllocator:
                 self._high_water = beg + rest
             self._take_all(out)
             if rest > 0:
-                out.extend(_slots(beg, rest))
+                out.extend(range(beg, beg + rest))
         else:
+            self._fold()
             if after >= 0:
                 self._next_to(after, count, out)
             need = count - len(out)
@@ -101,33 +99,44 @@ class SlotAllocator:
                 else:
                     self._best(need, out)
         self._note_peak()
-        return out
+        return cast(list[SlotId], out)
 
     def allocate_one(self, after: int = -1) -> SlotId:
-        """One slot: the one right after ``after`` when it is free, else the top run's first."""
-        if self._num_free_below:
-            out: list[SlotId] = []
-            if after >= 0:
-                self._next_to(after, 1, out)
-            if not out:
-                self._take(len(self._counts) - 1, 1, out)
+        """One slot: the one right after ``after`` when it is free, else the last one freed."""
+        is_free = self._is_free
+        if after >= 0:
+            nxt = after + 1
+            if nxt < self._high_water and is_free[nxt] and not is_free[after]:
+                self._fold()
+                out: list[int] = []
+                self._take(self._firsts.index(nxt), 1, out)  # runs are disjoint: only one starts there
+                self._note_peak()
+                return SlotId(nxt)
+        free = self._free
+        if free:
+            s = free.pop()
+            is_free[s] = 0
             self._note_peak()  # a free slot can be a new peak too (after take(), or a reset iteration peak)
-            return out[0]
+            return SlotId(s)
+        if self._in_runs:
+            self._take(len(self._counts) - 1, 1, free)
+            self._note_peak()
+            return SlotId(free.pop())
         if self._high_water >= self.num_slots:
             raise LogicError("slot allocator: no free slot")
-        s = SlotId(self._high_water)
+        s = self._high_water
         self._map(s + 1)
         self._high_water = s + 1
         self._note_peak()
-        return s
+        return SlotId(s)
 
-    def _next_to(self, slot: int, want: int, out: list[SlotId]) -> None:
+    def _next_to(self, slot: int, want: int, out: list[int]) -> None:
         """Up to ``want`` slots of the free run starting right after ``slot`` (in use)."""
         nxt = slot + 1
         if nxt < self._high_water and self._is_free[nxt] and not self._is_free[slot]:
             self._take(self._firsts.index(nxt), want, out)  # runs are disjoint: only one starts there
 
-    def _take(self, i: int, want: int, out: list[SlotId]) -> int:
+    def _take(self, i: int, want: int, out: list[int]) -> int:
         """Up to ``want`` slots from the front of run ``i`` of the stack; returns how many."""
         firsts, counts = self._firsts, self._counts
         first = firsts[i]
@@ -136,11 +145,11 @@ class SlotAllocator:
             want = count
         if want == 1:
             self._is_free[first] = 0
-            out.append(SlotId(first))
+            out.append(first)
         else:
             self._is_free[first : first + want] = bytes(want)
-            out.extend(_slots(first, want))
-        self._num_free_below -= want
+            out.extend(range(first, first + want))
+        self._in_runs -= want
         self._tidy = False
         if want < count:
             firsts[i] = first + want
@@ -148,10 +157,7 @@ class SlotAllocator:
         elif i == len(counts) - 1:
             firsts.pop()
             counts.pop()
-            while counts and not counts[-1]:  # used-up runs below come off with it
-                firsts.pop()
-                counts.pop()
-                self._num_dead -= 1
+            self._pop_dead()
         else:
             firsts[i] = -1
             counts[i] = 0
@@ -160,18 +166,34 @@ class SlotAllocator:
                 self._drop_dead()
         return want
 
-    def _take_all(self, out: list[SlotId]) -> None:
+    def _pop_dead(self) -> None:
+        """Pop the used-up runs that the top's removal left on top."""
+        firsts, counts = self._firsts, self._counts
+        while counts and not counts[-1]:
+            firsts.pop()
+            counts.pop()
+            self._num_dead -= 1
+
+    def _take_all(self, out: list[int]) -> None:
         is_free = self._is_free
+        free = self._free
+        for s in free:
+            is_free[s] = 0
+        out.extend(free)
+        free.clear()
         for first, count in zip(self._firsts, self._counts):
-            if count:
+            if count == 1:
+                is_free[first] = 0
+                out.append(first)
+            elif count:
                 is_free[first : first + count] = bytes(count)
-                out.extend(_slots(first, count))
+                out.extend(range(first, first + count))
         self._firsts.clear()
         self._counts.clear()
-        self._num_dead = self._num_free_below = 0
+        self._num_dead = self._in_runs = 0
         self._tidy = True
 
-    def _best(self, need: int, out: list[SlotId]) -> None:
+    def _best(self, need: int, out: list[int]) -> None:
         """``need`` slots when the top run is shorter (and more are free): from the shortest run
         that holds them all, else from the longest runs down."""
         if not self._tidy:
@@ -183,6 +205,26 @@ class SlotAllocator:
         while need:  # (sorted by length: the top is the longest)
             need -= self._take(len(counts) - 1, need, out)
 
+    def _fold(self) -> None:
+        """Push the loose free slots onto the stack as runs (the lowest run on top)."""
+        free = self._free
+        if not free:
+            return
+        free.sort(reverse=True)
+        firsts, counts = self._firsts, self._counts
+        end = -2
+        for s in free:
+            if s == end - 1:
+                firsts[-1] = s
+                counts[-1] += 1
+            else:
+                firsts.append(s)
+                counts.append(1)
+            end = s
+        self._in_runs += len(free)
+        free.clear()
+        self._tidy = False
+
     def _drop_dead(self) -> None:
         live = [i for i, count in enumerate(self._counts) if count]
         self._firsts = [self._firsts[i] for i in live]
@@ -193,7 +235,7 @@ class SlotAllocator:
         """The free runs merged into maximal ones, ``(first, length)`` by first slot."""
         out: list[tuple[int, int]] = []
         end = -2
-        for first, count in sorted(zip(self._firsts, self._counts)):
+        for first, count in sorted([*zip(self._firsts, self._counts), *((s, 1) for s in self._free)]):
             if not count:
                 continue
             if first == end:
@@ -216,25 +258,10 @@ class SlotAllocator:
         if not 0 <= slot < self._high_water or is_free[slot]:
             raise LogicError(f"slot {slot} freed twice or never allocated")
         is_free[slot] = 1
-        self._num_free_below += 1
-        self._tidy = False
-        counts = self._counts
-        if counts:
-            firsts = self._firsts
-            first = firsts[-1]
-            count = counts[-1]
-            if slot == first + count:
-                counts[-1] = count + 1
-                return
-            if slot == first - 1:
-                firsts[-1] = slot
-                counts[-1] = count + 1
-                return
-        self._firsts.append(slot)
-        counts.append(1)
+        self._free.append(slot)
 
     def _note_peak(self) -> None:
-        used = self._high_water - self._num_free_below
+        used = self._high_water - self._in_runs - len(self._free)
         if used > self.iteration_peak:
             self.iteration_peak = used
             if used > self.peak_used:
@@ -256,14 +283,15 @@ class SlotAllocator:
         used = bytearray(top)
         for s in slots:
             used[s] = 1
-        for s in range(top - 1, -1, -1):  # pushed from the top down: the lowest run ends on top
-            if not used[s]:
-                self.free(SlotId(s))
+        for free in range(top - 1, -1, -1):  # pushed from the top down: the lowest run ends on top
+            if not used[free]:
+                self.free(SlotId(free))
         self._note_peak()
 
     def allocate_below(self, limit: int, count: int) -> list[SlotId]:
         """``count`` free slots below ``limit``, lowest first (compaction before a shrink); raises
         ``LogicError`` (changing nothing) if there are fewer."""
+        self._fold()
         firsts, counts = self._firsts, self._counts
         order = sorted((firsts[i], i) for i in range(len(counts)) if counts[i] and firsts[i] < limit)
         have = sum(min(counts[i], limit - first) for first, i in order)
@@ -274,16 +302,16 @@ class SlotAllocator:
                 raise LogicError(f"slot allocator: {count} free slots below {limit} requested, fewer exist")
             self._map(beg + rest)  # first: if mapping fails, nothing has changed
             self._high_water = beg + rest
-        out: list[SlotId] = []
+        out: list[int] = []
         need = count - max(rest, 0)
         for first, i in order:  # (taking a run never moves the runs below it in the stack)
             if not need:
                 break
             need -= self._take(i, min(limit - first, need), out)
         if rest > 0:
-            out.extend(_slots(beg, rest))
+            out.extend(range(beg, beg + rest))
         self._note_peak()
-        return out
+        return cast(list[SlotId], out)
 
     def resize(self, num_slots: int) -> None:
         """Grow, or shrink to ``num_slots`` (every slot from there on must be free)."""
@@ -295,12 +323,13 @@ class SlotAllocator:
             if not self._is_free[s]:
                 raise LogicError(f"slot allocator: cannot shrink to {num_slots} slots, slot {s} is in use")
         if self._high_water > num_slots:
+            self._fold()
             firsts, counts = self._firsts, self._counts
             for i in range(len(counts)):
                 first, count = firsts[i], counts[i]
                 if count and first + count > num_slots:
                     keep = max(0, num_slots - first)
-                    self._num_free_below -= count - keep
+                    self._in_runs -= count - keep
                     firsts[i], counts[i] = (first, keep) if keep else (-1, 0)
             self._drop_dead()
             self._tidy = False
