@@ -45,7 +45,9 @@ def check_runs(a: SlotAllocator, free: set[int]) -> None:
     below = sorted(s for s in free if s < hw)
     listed = [s for f, n in zip(a._firsts, a._counts) for s in range(f, f + n)] + a._free
     assert sorted(listed) == below
-    assert a._num_dead == sum(1 for n in a._counts if not n) and all(a._firsts[i] == -1 for i, n in enumerate(a._counts) if not n)
+    assert a._num_dead == sum(1 for n in a._counts if not n) and all(
+        a._firsts[i] == -1 for i, n in enumerate(a._counts) if not n
+    )
     assert not a._counts or a._counts[-1]
     assert a._in_runs == sum(a._counts)
     want: list[tuple[int, int]] = []
