@@ -43,7 +43,7 @@ class SlotAllocator:
         self._num_dead = 0
         self._in_runs = 0
         #: freed slots not yet folded into runs
-        self._free: list[int] = []
+        self._free: list[SlotId] = []
         #: the runs are maximal and sorted by length (set by ``_merge``, cleared by any change)
         self._tidy = True
         #: most slots in use at once: since creation, and since ``iteration_peak`` was last reset
@@ -114,14 +114,15 @@ class SlotAllocator:
                 return SlotId(nxt)
         free = self._free
         if free:
-            s = free.pop()
-            is_free[s] = 0
+            slot = free.pop()
+            is_free[slot] = 0
             self._note_peak()  # a free slot can be a new peak too (after take(), or a reset iteration peak)
-            return SlotId(s)
+            return slot
         if self._in_runs:
-            self._take(len(self._counts) - 1, 1, free)
+            out = []
+            self._take(len(self._counts) - 1, 1, out)
             self._note_peak()
-            return SlotId(free.pop())
+            return SlotId(out[0])
         if self._high_water >= self.num_slots:
             raise LogicError("slot allocator: no free slot")
         s = self._high_water
