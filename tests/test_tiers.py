@@ -620,6 +620,9 @@ def test_cuda_backend_tiers_on_an_emulated_driver(fake_cuda: object, tmp_path: o
     a.close()
     # host tier: pinned pools; no host tier: disk <-> GPU through the pinned staging buffer
     assert drv.bytes_copied["DtoH"] > 0 and drv.bytes_copied["HtoD"] > 0
+    gpu, below = m._storage.levels[0][0], m._storage.levels[1][0]
+    # pages land in consecutive slots, so the batches above may be single copies: two that cannot merge
+    m._storage.copier.copy(gpu.pools, below.pools, gpu.layout.slot_sizes, [(0, 1), (1, 0)])
     assert ("cuMemcpyBatchAsync" in drv.calls) == hasattr(drv, "cuMemcpyBatchAsync")
     assert "cuCtxSynchronize" in drv.calls  # copies out of GPU memory wait for the device first
     m.clear_reusable_blocks()

@@ -276,8 +276,10 @@ class KVCache(CacheView):
         else:
             priorities = [checked_priority(callback(BlockOrdinal(ordinal), layer_group)) for layer_group in groups]
         storage.reserve(need)
+        all_pages = table.pages.items
         for layer_group, priority in zip(groups, priorities):
-            table.append(layer_group, storage.new_page(layer_group, priority, True))
+            prev = all_pages[layer_group][ordinal - 1] if ordinal else None
+            table.append(layer_group, storage.new_page(layer_group, priority, True, prev))
         for layer_group in ctx.state_layer_groups:  # live-state groups: the block has no page there
             table.extend(layer_group, ordinal + 1, [], [])
         if ctx.enable_stats:

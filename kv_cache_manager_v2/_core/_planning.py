@@ -139,11 +139,16 @@ def extend_pages(
     ctx = state._ctx
     storage = ctx.storage
     tables = state._tables
+    before = want[0] - 1 if want else -1
     if len(tables) == 1 or state._forked:
         for table in tables:
-            table.extend(layer_group, num_blocks, want, storage.new_pages(layer_group, priorities, True))
+            held = table.pages[layer_group]
+            prev = held[before] if 0 <= before < len(held) else None
+            table.extend(layer_group, num_blocks, want, storage.new_pages(layer_group, priorities, True, prev))
     else:
-        pages = storage.new_pages(layer_group, priorities, True)
+        held = state._table.pages[layer_group]
+        prev = held[before] if 0 <= before < len(held) else None
+        pages = storage.new_pages(layer_group, priorities, True, prev)
         state._table.extend(layer_group, num_blocks, want, pages)
         for table in tables[1:]:
             for page in pages:

@@ -17,6 +17,7 @@ from .._page import Page, PoolGroupStorage
 from ._expiry import ExpiryQueue
 from ._levels import StorageLevels
 from ._persistence import persist_pages
+from ._slot_allocator import pair_sorted
 from ._tiers._remote_tier import RemoteTier
 
 
@@ -149,7 +150,7 @@ class EvictionCascade(StorageLevels):
         if not pages:
             return []
         src = pages[0].storage
-        slots = dst.allocator.allocate(len(pages))
+        slots = pair_sorted([p.slot for p in pages], dst.allocator.allocate(len(pages)))
         try:
             failed_idx = self.copier.copy(
                 src.pools, dst.pools, src.layout.slot_sizes, [(p.slot, s) for p, s in zip(pages, slots)]

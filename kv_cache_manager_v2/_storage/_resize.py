@@ -9,6 +9,7 @@ from .._page import Page, PoolGroupStorage
 from .._typed import TypedList
 from ._backend import MAX_GROWTH
 from ._cascade import EvictionCascade
+from ._slot_allocator import pair_sorted
 
 #: how long a tier resize waits for the remote tier's writer to finish with handed-off slots
 RESIZE_FLUSH_S = 30.0
@@ -91,7 +92,7 @@ class TierResizer:
         if not movers:
             return
         storage = self.storage
-        slots = group.allocator.allocate_below(num_slots, len(movers))
+        slots = pair_sorted([p.slot for p in movers], group.allocator.allocate_below(num_slots, len(movers)))
         try:
             failed = storage.copier.copy(
                 group.pools, group.pools, group.layout.slot_sizes, [(p.slot, s) for p, s in zip(movers, slots)]

@@ -145,22 +145,28 @@ class StorageManager(EvictionCascade):
             self.remote_tier.flush_write_through()
 
     # ------------------------------------------------------------------ allocation and moves
-    def new_pages(self, layer_group: LayerGroupId, priorities: list[Priority], locked: bool) -> list[Page]:
-        """One new GPU page of layer group ``layer_group`` per priority, evicting as needed (callers planned)."""
+    def new_pages(
+        self, layer_group: LayerGroupId, priorities: list[Priority], locked: bool, prev: Page | None = None
+    ) -> list[Page]:
+        """One new GPU page of layer group ``layer_group`` per priority, evicting as needed (callers
+        planned); in consecutive slots where there is room, right after ``prev``'s (the request's
+        previous block) when that slot is free."""
         if self._write_through:
             self.flush_write_through()  # before any slot is reused
         storage = self.lc_storage[layer_group]
         self.make_room(storage, len(priorities))
-        slots = storage.allocator.allocate(len(priorities))
+        after = prev.slot if prev is not None and prev.storage is storage else -1
+        slots = storage.allocator.allocate(len(priorities), after)
         return [Page(storage, slot, layer_group, prio, locked) for slot, prio in zip(slots, priorities)]
 
-    def new_page(self, layer_group: LayerGroupId, priority: Priority, locked: bool) -> Page:
+    def new_page(self, layer_group: LayerGroupId, priority: Priority, locked: bool, prev: Page | None = None) -> Page:
         """``new_pages`` for one page."""
         if self._write_through:
             self.flush_write_through()  # before any slot is reused
         storage = self.lc_storage[layer_group]
         self.make_room(storage, 1)
-        return Page(storage, storage.allocator.allocate_one(), layer_group, priority, locked)
+        after = prev.slot if prev is not None and prev.storage is storage else -1
+        return Page(storage, storage.allocator.allocate_one(after), layer_group, priority, locked)
 
     def new_pages_at(self, level: CacheLevel, layer_group: LayerGroupId, priorities: list[Priority]) -> list[Page]:
         """One new page of layer group ``layer_group`` per priority at ``level``, evicting as needed

@@ -1,0 +1,327 @@
+"""Contiguous slots: the slot allocator's free runs against a model of the free set, a request's
+blocks in consecutive slots, offload/onboard batches merged into few copies, and a long random
+mix of requests (host tier) in which no allocation ever moves a page in use (fake engine data and
+``check_invariants`` after every step)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+from conftest import kv_layers
+from fake_engine import FakeEngine
+from tier_helpers import SLOT, T, compute, seq
+
+from kv_cache_manager_v2 import CacheLevel, KVCache, KVCacheManager, LayerGroupId, LogicError
+from kv_cache_manager_v2._common import SlotId
+from kv_cache_manager_v2._page import Page
+from kv_cache_manager_v2._storage._slot_allocator import SlotAllocator, pair_sorted
+
+MakeManager = Callable[..., KVCacheManager]
+LG0 = LayerGroupId(0)
+HOST = CacheLevel(1)
+
+
+class _NoPool:
+    """A pool that maps nothing (the allocator only asks it to map)."""
+
+    def __init__(self) -> None:
+        self.mapped = 0
+
+    def ensure_mapped(self, nbytes: int) -> None:
+        self.mapped = max(self.mapped, nbytes)
+
+
+def allocator(num_slots: int) -> tuple[SlotAllocator, _NoPool]:
+    pool = _NoPool()
+    return SlotAllocator(num_slots, [pool], (1,)), pool  # type: ignore[list-item]
+
+
+def check_runs(a: SlotAllocator, free: set[int]) -> None:
+    """The allocator's runs hold exactly the free slots below its high-water mark (disjoint, the top
+    one live), its maximal runs are those of ``free``, and its counts agree."""
+    hw = a._high_water
+    below = sorted(s for s in free if s < hw)
+    listed = [s for f, n in zip(a._firsts, a._counts) for s in range(f, f + n)] + a._free
+    assert sorted(listed) == below
+    assert a._num_dead == sum(1 for n in a._counts if not n) and all(
+        a._firsts[i] == -1 for i, n in enumerate(a._counts) if not n
+    )
+    assert not a._counts or a._counts[-1]
+    assert a._in_runs == sum(a._counts)
+    want: list[tuple[int, int]] = []
+    for s in below:
+        if want and want[-1][0] + want[-1][1] == s:
+            want[-1] = (want[-1][0], want[-1][1] + 1)
+        else:
+            want.append((s, 1))
+    assert a.free_runs() == want
+    assert a.num_free == len(free) and a.num_used == a.num_slots - len(free)
+    assert all(a.is_allocated(SlotId(s)) != (s in free) for s in range(a.num_slots))
+
+
+def runs_of(slots: list[SlotId]) -> int:
+    """Runs of consecutive ascending slots in ``slots``, in order."""
+    return sum(1 for i, s in enumerate(slots) if i == 0 or s != slots[i - 1] + 1)
+
+
+def test_allocator_matches_a_model_of_its_free_slots() -> None:
+    rng = random.Random(5)
+    a, pool = allocator(300)
+    free = set(range(300))
+    used: list[int] = []
+    for step in range(4000):
+        op = rng.random()
+        if op < 0.45 and free:
+            count = rng.randint(1, min(len(free), 40))
+            after = rng.choice(used) if used and rng.random() < 0.5 else -1
+            fresh = count >= a._in_runs + len(a._free)  # every free slot is taken, then slots above the mark
+            a.prepare(count)
+            got = a.allocate(count, after)
+            assert len(set(got)) == count and all(s in free for s in got)
+            if not fresh and after >= 0 and after + 1 in free and after + 1 < a._high_water:
+                assert got[0] == after + 1
+            if not fresh:  # the fewest runs the free space allows for this batch
+                lengths = sorted((n for _, n in maximal(free, a._high_water)), reverse=True)
+                fewest = next(k for k in range(1, len(lengths) + 1) if sum(lengths[:k]) >= count)
+                if after < 0:
+                    assert runs_of(sorted(got)) <= max(fewest, 1 if a._counts and count <= a._counts[-1] else fewest)
+        elif op < 0.6 and free:
+            after = rng.choice(used) if used and rng.random() < 0.7 else -1
+            nxt = after + 1 if after >= 0 and after + 1 in free and after + 1 < a._high_water else None
+            got = [a.allocate_one(after)]
+            assert got[0] in free and (nxt is None or got[0] == nxt)
+        elif op < 0.97 and used:
+            got = []
+            for _ in range(rng.randint(1, 30)):
+                if not used:
+                    break
+                s = used.pop(rng.randrange(len(used)))
+                a.free(SlotId(s))
+                free.add(s)
+        else:
+            limit = rng.randint(200, 300)
+            if all(s < limit for s in used):
+                a.resize(limit)
+                a.resize(300)
+            else:
+                with pytest.raises(LogicError):
+                    a.resize(limit)
+            got = []
+        for s in got:
+            free.discard(s)
+            used.append(s)
+        assert pool.mapped >= a._high_water
+        if step % 7 == 0:
+            check_runs(a, free)
+    check_runs(a, free)
+    with pytest.raises(LogicError):
+        a.free(SlotId(used[0]))
+        a.free(SlotId(used[0]))
+
+
+def maximal(free: set[int], below: int) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for s in sorted(x for x in free if x < below):
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((s, 1))
+    return out
+
+
+def test_frees_rebuild_runs_and_a_batch_takes_the_shortest_run_that_holds_it() -> None:
+    a, _ = allocator(64)
+    slots = a.allocate(64)
+    for s in [*range(19, 9, -1), *range(30, 34), *range(3, 5)]:  # runs of 10, 4 and 2
+        a.free(slots[s])
+    assert a._free == [*range(19, 9, -1), *range(30, 34), 3, 4] and not a._counts  # loose until there is a choice
+    assert a.allocate(2) == [3, 4]  # folded into runs, the lowest on top: it holds 2
+    assert list(zip(a._firsts, a._counts)) == [(30, 4), (10, 10)]
+    assert a.allocate(4) == [10, 11, 12, 13]  # the top run holds it
+    a.free(SlotId(12))
+    a.free(SlotId(13))
+    assert a.allocate(5) == [12, 13, 14, 15, 16]  # the top run (12, 13) cannot: merged, the shortest that can
+    assert a.allocate(3) == [17, 18, 19]  # the top run holds it
+    for s in [40, 42, 41, 43, 39, 44, 45, 1]:
+        a.free(SlotId(s))
+    assert a.allocate(3) == [30, 31, 32]  # the top run (1) cannot: the shortest run that holds 3
+    assert a.free_runs() == [(1, 1), (33, 1), (39, 7)]
+    assert a.allocate_one(SlotId(38)) == 39  # continues after the previous block
+    assert a.allocate(2, SlotId(50)) == [40, 41]  # 51 is in use: from a run
+    assert a.allocate_one(SlotId(41)) == 42
+    assert a.allocate(2, SlotId(46)) == [43, 44]  # 47 is in use: from the top run
+
+
+def test_allocate_below_is_lowest_first_and_all_or_nothing() -> None:
+    a, _ = allocator(20)
+    a.allocate(10)
+    for s in (7, 2, 3):
+        a.free(SlotId(s))
+    with pytest.raises(LogicError):
+        a.allocate_below(12, 6)  # 3 free below the mark, 2 more under 12
+    check_runs(a, {2, 3, 7, *range(10, 20)})
+    assert a.allocate_below(12, 5) == [2, 3, 7, 10, 11]
+    check_runs(a, set(range(12, 20)))
+
+
+def test_pair_sorted_pairs_ascending_sources_with_ascending_targets() -> None:
+    targets = [SlotId(s) for s in (41, 20, 21, 40, 22, 23)]
+    assert pair_sorted([9, 8, 7, 6, 1, 0], targets) == [41, 40, 23, 22, 21, 20]
+    assert pair_sorted([5, 1, 3, 2, 7, 8], targets) == [23, 20, 22, 21, 40, 41]
+
+
+# ---------------------------------------------------------------------- through the manager
+def fragment(m: KVCacheManager, rng: random.Random, rounds: int) -> list[KVCache]:
+    """A long random mix of requests (varied lengths, growing, up to 8 open at once) that commit
+    nothing: closing frees their slots, the open ones (returned) fragment the free space."""
+    open_: list[KVCache] = []
+    for _ in range(rounds):
+        kv = m.create_kv_cache()
+        if kv.resume() and kv.resize(rng.randint(1, 12) * T):
+            open_.append(kv)
+        else:
+            kv.close()
+        for kv in open_:
+            if rng.random() < 0.5:
+                kv.resize(kv.capacity + T)
+        while len(open_) > 8 or (open_ and rng.random() < 0.2):
+            open_.pop(rng.randrange(len(open_))).close()
+    return open_
+
+
+def free_run_lengths(m: KVCacheManager) -> list[int]:
+    """Lengths of the GPU pool's free runs below its high-water mark, longest first."""
+    a = m._storage.gpu.items[0].allocator
+    free = [s for s in range(a._high_water) if not a.is_allocated(SlotId(s))]
+    starts = [i for i, s in enumerate(free) if i == 0 or s != free[i - 1] + 1] + [len(free)]
+    return sorted((starts[k + 1] - starts[k] for k in range(len(starts) - 1)), reverse=True)
+
+
+def fewest_runs(m: KVCacheManager, count: int) -> int:
+    """The fewest free runs below the GPU pool's high-water mark that hold ``count`` slots."""
+    lengths = free_run_lengths(m)
+    assert sum(lengths) >= count
+    return next(k for k in range(1, len(lengths) + 1) if sum(lengths[:k]) >= count)
+
+
+def test_a_prompt_lands_in_consecutive_slots_in_a_fragmented_pool(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(2, T), T, 200 * SLOT, host_quota=400 * SLOT, max_util_for_resume=1.0)
+    engine = FakeEngine(m)
+    others = fragment(m, random.Random(3), 300)
+    assert len(free_run_lengths(m)) >= 5  # fragmented
+    toks = seq(9999, 24 * T)
+    kv = m.create_kv_cache(None, toks)
+    assert kv.resume()
+    compute(engine, kv, toks, 16 * T)
+    for upto in range(16 * T + T, 24 * T + 1, T):  # decode-like growth, one block at a time
+        compute(engine, kv, toks, upto)
+    slots = [p.slot for p in kv.block_table.pages[0] if p is not None]
+    assert runs_of(sorted(slots)) <= 2, slots
+    engine.check_all(kv, toks, len(toks))
+    for other in [*others, kv]:
+        other.close()
+
+
+def test_offload_and_onboard_merge_their_copies(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(2, T), T, 160 * SLOT, host_quota=400 * SLOT, max_util_for_resume=1.0)
+    engine = FakeEngine(m)
+    others = fragment(m, random.Random(4), 300)
+    assert len(free_run_lengths(m)) >= 3
+    toks = seq(7777, 32 * T)
+    kv = m.create_kv_cache(None, toks)
+    assert kv.resume()
+    fewest = fewest_runs(m, 32)
+    compute(engine, kv, toks, len(toks))
+    pages = [p for p in kv.block_table.pages[0] if p is not None]
+    assert runs_of(sorted(p.slot for p in pages)) == fewest
+    copier = m._storage.copier
+    before = copier.num_runs
+    kv.suspend()
+    gpu_pool = m._storage.gpu.items[0]
+    filler = m.create_kv_cache()
+    assert filler.resume()
+    assert filler.resize((gpu_pool.allocator.num_free + len(pages)) * T)  # pushes the suspended pages down
+    assert all(p.level == HOST for p in pages)
+    assert runs_of(sorted(p.slot for p in pages)) == 1
+    pools = len(gpu_pool.pools)
+    assert copier.num_runs - before == fewest * pools  # one copy per source run
+    filler.close()
+    before = copier.num_runs
+    assert kv.resume()
+    assert copier.num_runs - before <= fewest * pools
+    assert runs_of(sorted(p.slot for p in pages)) <= fewest
+    engine.check_all(kv, toks, len(toks))
+    runs_now = runs_of(sorted(p.slot for p in pages))
+    kv.close()  # reusable now, listed for eviction last block first
+    before = copier.num_runs
+    filler = m.create_kv_cache()
+    assert filler.resume()
+    assert filler.resize((gpu_pool.allocator.num_free + len(pages)) * T)
+    assert all(p.level == HOST for p in pages)
+    assert copier.num_runs - before == runs_now * pools
+    filler.close()
+    kv = m.create_kv_cache(None, toks)
+    assert kv.resume() and kv.history_length == len(toks)  # onboarded from the host
+    engine.check_all(kv, toks, len(toks))
+    for other in [*others, kv]:
+        other.close()
+
+
+def test_no_allocation_moves_a_page_in_use(make_manager: MakeManager) -> None:
+    """A long random mix with decode steps, suspensions and a host tier: every page a running
+    request holds keeps its slot until the request lets it go or is suspended."""
+    rng = random.Random(11)
+    m = make_manager(kv_layers(2, T), T, 96 * SLOT, host_quota=200 * SLOT, max_util_for_resume=1.0)
+    engine = FakeEngine(m)
+    running: list[tuple[KVCache, list[int]]] = []
+    suspended: list[tuple[KVCache, list[int]]] = []
+    for r in range(260):
+        where: dict[int, tuple[object, int]] = {
+            id(p): (p.storage, p.slot) for kv, _ in running for p in kv.block_table.pages[0] if p is not None
+        }
+        held: list[Page] = [p for kv, _ in running for p in kv.block_table.pages[0] if p is not None]
+        op = rng.random()
+        if op < 0.35:
+            toks = seq(r % 40, rng.randint(1, 10) * T + rng.randint(0, T - 1)) + seq(1000 + r, rng.randint(0, 2 * T))
+            kv = m.create_kv_cache(None, toks)
+            if kv.resume() and kv.resize(len(toks), kv.history_length):
+                engine.step(kv, toks, kv.history_length, len(toks))
+                kv.commit(toks[kv.history_length :])
+                running.append((kv, toks))
+            else:
+                kv.close()
+        elif op < 0.7 and running:
+            kv, toks = rng.choice(running)
+            grow = rng.randint(1, 2 * T)
+            toks.extend(seq(5000 + r, grow))
+            h = kv.history_length
+            if kv.resize(len(toks), h):
+                engine.step(kv, toks, h, len(toks))
+                kv.commit(toks[h:])
+            else:
+                del toks[h:]
+        elif op < 0.8 and running:
+            kv, toks = running.pop(rng.randrange(len(running)))
+            kv.suspend()
+            suspended.append((kv, toks))
+        elif op < 0.9 and suspended:
+            i = rng.randrange(len(suspended))
+            kv, toks = suspended[i]
+            if kv.resume():
+                suspended.pop(i)
+                engine.check_all(kv, toks, kv.history_length)
+                running.append((kv, toks))
+        elif running:
+            kv, _ = running.pop(rng.randrange(len(running)))
+            kv.close()
+        still = {id(p) for kv, _ in running for p in kv.block_table.pages[0] if p is not None}
+        for p in held:
+            if id(p) in still:
+                assert (p.storage, p.slot) == where[id(p)], "a page in use moved"
+        for kv, toks in running:
+            engine.check_all(kv, toks, kv.history_length)
+        m.check_invariants()
+    for kv, _ in running + suspended:
+        kv.close()
