@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
+import rawref
+
 from .._common import DEFAULT_REUSE_SCOPE, CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
 from .._layers._policy import LayerGroup
 from .._reuse._keys import BlockHasher, BlockKey, check_token_sequence
@@ -26,6 +28,9 @@ Match = tuple[list[Node], Node | None, int, Projection | None]
 Kept = tuple[ReuseScope, Sequence[TokenIdExt], list[BlockKey], list[Node], Found | None]
 #: where a probe is kept: scope (LoRA id, salt), length, the last and the middle token
 Fingerprint = tuple[int | None, int | None, int, object, object]
+
+#: bound once: mypyc looks a module's attribute up at every call
+_untrack: Final = rawref.untrack
 
 #: bounds of the kept probes (entries and tokens in all): a few MiB of references
 KEPT_ENTRIES: Final = 1024
@@ -98,7 +103,9 @@ class PrefixMatcher:
                 nodes, part, part_len = tree.match(root, hasher, partial)
         hasher.validate_rest()
         if not for_create:
-            self._keep(fingerprint, (scope, input_tokens[:], hasher.keys, tree.walked, found))
+            # (copies of valid tokens, keys and untracked nodes, never changed: no GC traversal)
+            kept = (scope, _untrack(input_tokens[:]), _untrack(hasher.keys), _untrack(tree.walked), found)
+            self._keep(fingerprint, kept)
         return nodes, part, part_len, projection
 
     def _recall(
