@@ -116,7 +116,7 @@ class PrefixMatcher:
         and its remote lookup when it was the last probe of exactly these tokens."""
         kept = self.kept.get(fingerprint) if fingerprint is not None else None
         last = self.last
-        if kept is not None and (kept[0] is scope or kept[0] == scope) and kept[1] == tokens:
+        if kept is not None and (kept[0] is scope or kept[0] == scope) and _same(kept[1], tokens):
             n_full = len(tokens) // self.tokens_per_block
         elif last is not None and (last[0] is scope or last[0] == scope) and _starts_with(tokens, last[1]):
             kept = last
@@ -162,10 +162,16 @@ def _fingerprint(scope: ReuseScope, tokens: Sequence[TokenIdExt]) -> Fingerprint
     return (scope.lora_id, scope.salt, n, last, middle)
 
 
+def _same(kept: Sequence[TokenIdExt], tokens: Sequence[TokenIdExt]) -> bool:
+    """Whether ``tokens`` equal the ``kept`` ones (of the same type: a list, tuple or array; their
+    ``==`` is one call and never an element-wise array)."""
+    return type(kept) is type(tokens) and kept == tokens
+
+
 def _starts_with(tokens: Sequence[TokenIdExt], prefix: Sequence[TokenIdExt]) -> bool:
-    """Whether ``tokens`` starts with ``prefix`` (the last token compared first: cheap when not)."""
+    """Whether ``tokens`` starts with ``prefix`` (same type; the last token compared first: cheap when not)."""
     n = len(prefix)
-    return len(tokens) >= n and tokens[n - 1] == prefix[n - 1] and tokens[:n] == prefix
+    return type(tokens) is type(prefix) and len(tokens) >= n and tokens[n - 1] == prefix[n - 1] and tokens[:n] == prefix
 
 
 def match_length(match: Match, tokens_per_block: int) -> int:
