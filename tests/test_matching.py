@@ -6,6 +6,7 @@ checked through the fake engine."""
 from __future__ import annotations
 
 import random
+from array import array
 from collections.abc import Callable
 
 import pytest
@@ -112,14 +113,17 @@ def test_a_kept_probe_serves_only_its_scope(make_manager: MakeManager, other: Re
     kv.close()
 
 
-def test_a_probed_list_changed_in_place_is_matched_as_it_is(make_manager: MakeManager) -> None:
+@pytest.mark.parametrize("as_array", [False, True])
+def test_a_probed_list_changed_in_place_is_matched_as_it_is(make_manager: MakeManager, as_array: bool) -> None:
     m = make_manager(kv_layers(2, T, window=12, swa_every=1))
     engine = FakeEngine(m)
     prompt = toks(7, 5 * T)
     publish(m, engine, prompt)
-    assert m.probe_reuse(None, prompt) == 5 * T
-    prompt[3 * T + 1] ^= 1  # the caller edits its list (block 3) between probe and create
-    kv = m.create_kv_cache(input_tokens=prompt)
+    query: list[int] | array[int] = array("I", prompt) if as_array else list(prompt)
+    assert m.probe_reuse(None, query) == 5 * T
+    query[3 * T + 1] ^= 1  # the caller edits its tokens (block 3) between probe and create
+    prompt[3 * T + 1] ^= 1
+    kv = m.create_kv_cache(input_tokens=query)
     assert kv.history_length == 3 * T + 1 == _reference_length(m, prompt)  # (block 3: one token, partially)
     serve(engine, kv, prompt)
     kv.close()

@@ -3,10 +3,12 @@ and where the pages a match needs live (SPEC 4.4, 5.3)."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Final
 
 import rawref
+from blockhash import same_block
 
 from .._common import DEFAULT_REUSE_SCOPE, CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
 from .._layers._policy import LayerGroup
@@ -31,6 +33,7 @@ Fingerprint = tuple[int | None, int | None, int, object, object]
 
 #: bound once: mypyc looks a module's attribute up at every call
 _untrack: Final = rawref.untrack
+_same_block: Final = same_block
 
 #: bounds of the kept probes (entries and tokens in all): a few MiB of references
 KEPT_ENTRIES: Final = 1024
@@ -77,10 +80,22 @@ class PrefixMatcher:
         check_type("reuse_scope", scope, ReuseScope)
         check_token_sequence(input_tokens, "input_tokens")
         fingerprint = _fingerprint(scope, input_tokens)
-        keys, walked, known = self._recall(scope, input_tokens, fingerprint)
+        kept = self._recall(scope, input_tokens, fingerprint)
+        keys: list[BlockKey] | None = None
+        walked: list[Node] | None = None
+        known: Found | None = None
+        validated = 0
+        if kept is not None:  # its tokens start ours, token for token (so ours are valid there)
+            validated = len(kept[1])
+            n_full = validated // self.tokens_per_block  # (a partial block of the probe may be full here)
+            keys = kept[2][:n_full]
+            walked = kept[3][:n_full]
+            if walked and walked[-1].parent is None:  # it left the tree (and everything under it)
+                walked = None
+            if kept is self.last and validated == len(input_tokens):
+                known = kept[4]
         self.last = None
-        # validated = 0: tokens equal to kept ones (==) may still be of a refused type (True == 1)
-        hasher = BlockHasher(input_tokens, self.tokens_per_block, "input_tokens", keys, 0)
+        hasher = BlockHasher(input_tokens, self.tokens_per_block, "input_tokens", keys, validated)
         partial = self.enable_partial_reuse
         tree = self.tree
         tree.attention_blocks, tree.branches = 0, False  # (set by a hybrid model's tree.match)
@@ -103,31 +118,21 @@ class PrefixMatcher:
                 nodes, part, part_len = tree.match(root, hasher, partial)
         hasher.validate_rest()
         if not for_create:
-            # (copies of valid tokens, keys and untracked nodes, never changed: no GC traversal)
-            kept = (scope, _untrack(input_tokens[:]), _untrack(hasher.keys), _untrack(tree.walked), found)
-            self._keep(fingerprint, kept)
+            # (valid tokens, keys and untracked nodes, never changed: untracked by the cyclic GC)
+            same = kept is not None and validated == len(input_tokens)
+            copy = kept[1] if kept is not None and same else _copy(input_tokens)
+            self._keep(fingerprint, (scope, copy, _untrack(hasher.keys), _untrack(tree.walked), found))
         return nodes, part, part_len, projection
 
-    def _recall(
-        self, scope: ReuseScope, tokens: Sequence[TokenIdExt], fingerprint: Fingerprint | None
-    ) -> tuple[list[BlockKey] | None, list[Node] | None, Found | None]:
-        """What a kept probe of ``tokens`` (or, the last probe, of a prefix of them) learned:
-        copies of its keys and of the nodes its walk passed (None when one of them left the tree),
-        and its remote lookup when it was the last probe of exactly these tokens."""
+    def _recall(self, scope: ReuseScope, tokens: Sequence[TokenIdExt], fingerprint: Fingerprint | None) -> Kept | None:
+        """The kept probe of ``tokens``, else the last probe when its tokens start ``tokens``."""
         kept = self.kept.get(fingerprint) if fingerprint is not None else None
+        if kept is not None and (kept[0] is scope or kept[0] == scope) and _starts_with(tokens, kept[1]):
+            return kept
         last = self.last
-        if kept is not None and (kept[0] is scope or kept[0] == scope) and _same(kept[1], tokens):
-            n_full = len(tokens) // self.tokens_per_block
-        elif last is not None and (last[0] is scope or last[0] == scope) and _starts_with(tokens, last[1]):
-            kept = last
-            n_full = len(last[1]) // self.tokens_per_block  # (a partial block of the probe may be full here)
-        else:
-            return None, None, None
-        walked: list[Node] | None = kept[3][:n_full]
-        if walked and walked[-1].parent is None:  # left the tree (and everything under it)
-            walked = None
-        known = kept[4] if kept is last and len(tokens) == len(kept[1]) else None
-        return kept[2][:n_full], walked, known
+        if last is not None and (last[0] is scope or last[0] == scope) and _starts_with(tokens, last[1]):
+            return last
+        return None
 
     def _keep(self, fingerprint: Fingerprint | None, kept: Kept) -> None:
         """Keep a probe's result (the last probe; and by fingerprint, the oldest going past the bounds)."""
@@ -162,16 +167,23 @@ def _fingerprint(scope: ReuseScope, tokens: Sequence[TokenIdExt]) -> Fingerprint
     return (scope.lora_id, scope.salt, n, last, middle)
 
 
-def _same(kept: Sequence[TokenIdExt], tokens: Sequence[TokenIdExt]) -> bool:
-    """Whether ``tokens`` equal the ``kept`` ones (of the same type: a list, tuple or array; their
-    ``==`` is one call and never an element-wise array)."""
-    return type(kept) is type(tokens) and kept == tokens
+def _copy(tokens: Sequence[TokenIdExt]) -> Sequence[TokenIdExt]:
+    """A copy of valid tokens to keep: a tuple (untracked), or an array of the same type code."""
+    if isinstance(tokens, array):
+        return tokens[:]
+    return _untrack(tuple(tokens))
 
 
 def _starts_with(tokens: Sequence[TokenIdExt], prefix: Sequence[TokenIdExt]) -> bool:
-    """Whether ``tokens`` starts with ``prefix`` (same type; the last token compared first: cheap when not)."""
+    """Whether ``tokens`` starts with the kept ``prefix`` token for token, each exactly an int or
+    bytes as there (``True == 1``, yet a bool is no token), in one native pass; an array prefix only
+    starts an array of its type code. The last token is compared first: cheap when it differs."""
     n = len(prefix)
-    return type(tokens) is type(prefix) and len(tokens) >= n and tokens[n - 1] == prefix[n - 1] and tokens[:n] == prefix
+    if len(tokens) < n or tokens[n - 1] != prefix[n - 1]:
+        return False
+    if isinstance(prefix, array):
+        return isinstance(tokens, array) and tokens.typecode == prefix.typecode and tokens[:n] == prefix
+    return _same_block(prefix, tokens, 0, n) is True
 
 
 def match_length(match: Match, tokens_per_block: int) -> int:
