@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, cast
 
 import rawref
 from blockhash import same_block
@@ -159,9 +159,10 @@ class PrefixMatcher:
 def _fingerprint(scope: ReuseScope, tokens: Sequence[TokenIdExt]) -> Fingerprint | None:
     """Where a probe of ``tokens`` is kept: scope, length and two tokens (None: a token there is
     neither an int nor bytes, so nothing is kept or looked up)."""
-    n = len(tokens)
-    last = tokens[n - 1]
-    middle = tokens[n // 2]
+    items = cast("Sequence[object]", tokens)  # (not validated yet: compiled, no cast to a token type)
+    n = len(items)
+    last = items[n - 1]
+    middle = items[n // 2]
     if (type(last) is not int and type(last) is not bytes) or (type(middle) is not int and type(middle) is not bytes):
         return None
     return (scope.lora_id, scope.salt, n, last, middle)
@@ -179,7 +180,7 @@ def _starts_with(tokens: Sequence[TokenIdExt], prefix: Sequence[TokenIdExt]) -> 
     bytes as there (``True == 1``, yet a bool is no token), in one native pass; an array prefix only
     starts an array of its type code. The last token is compared first: cheap when it differs."""
     n = len(prefix)
-    if len(tokens) < n or tokens[n - 1] != prefix[n - 1]:
+    if len(tokens) < n or cast("Sequence[object]", tokens)[n - 1] != prefix[n - 1]:
         return False
     if isinstance(prefix, array):
         return isinstance(tokens, array) and tokens.typecode == prefix.typecode and tokens[:n] == prefix
