@@ -79,8 +79,11 @@ class PrefixMatcher:
         projects the match the create would make (``RemoteFill.project``)."""
         check_type("reuse_scope", scope, ReuseScope)
         check_token_sequence(input_tokens, "input_tokens")
-        fingerprint = _fingerprint(scope, input_tokens)
-        kept = self._recall(scope, input_tokens, fingerprint)
+        # (a create with no probe kept, as when the engine never probes, looks nothing up)
+        fingerprint = _fingerprint(scope, input_tokens) if self.kept or not for_create else None
+        kept = (
+            self._recall(scope, input_tokens, fingerprint) if fingerprint is not None or self.last is not None else None
+        )
         keys: list[BlockKey] | None = None
         walked: list[Node] | None = None
         known: Found | None = None
@@ -105,7 +108,7 @@ class PrefixMatcher:
         part_len = 0
         tree.walked = []
         if root is not None:
-            nodes, part, part_len = tree.match(root, hasher, partial, walked)
+            nodes, part, part_len = tree.match(root, hasher, partial, walked, not for_create)
         projection: Projection | None = None
         found: Found | None = None
         fill = self.remote_fill

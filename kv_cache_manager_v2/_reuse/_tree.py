@@ -75,7 +75,7 @@ class ReuseTree(PageDropListener):
 
     # ------------------------------------------------------------------ matching
     def match(
-        self, root: Node, hasher: BlockHasher, partial: bool, walked: list[Node] | None = None
+        self, root: Node, hasher: BlockHasher, partial: bool, walked: list[Node] | None = None, record: bool = False
     ) -> tuple[list[Node], Node | None, int]:
         """Longest reusable prefix: matched full-block nodes, then an optional partial node and its length.
 
@@ -88,7 +88,7 @@ class ReuseTree(PageDropListener):
         ``walked``: the nodes an earlier walk of the same tokens passed, all still in the tree
         (the deepest one is: a node leaves with its subtree), ``hasher`` holding their keys; the
         walk goes on after them, and only the groups keeping every block look at their pages.
-        The nodes this walk passed (before shortening) are left in ``self.walked``.
+        With ``record``, the nodes this walk passed (before shortening) are left in ``self.walked``.
         """
         t = self.tokens_per_block
         tokens = hasher.tokens
@@ -118,7 +118,8 @@ class ReuseTree(PageDropListener):
             nodes.append(child)
             node = child
             ordinal += 1
-        self.walked = nodes[:]
+        if record:
+            self.walked = nodes[:]
         part: Node | None = None
         part_len = 0
         if partial and ordinal * t < len(tokens) and node.has_children:
