@@ -23,8 +23,9 @@ Admission scenarios also time the prefill ``commit`` separately (``commit_us``, 
 admission_hybrid (create_kv_cache + resume + resize + commit of the prompt, no probe: hash, match,
 allocate, commit; full attention / alternating window-128 and full layers), rematch_full /
 rematch_swa (probe_reuse of a prompt whose blocks are all cached, hashing included; full attention /
-every layer window-128), decode_batch / decode_batch_hybrid, free (close at the end of the
-decode_batch workload). ``--instructions`` adds, for those (compiled), the instructions per unit
+every layer window-128; ``rematch_rounds`` passes over the prompts: the first probe of a prompt
+walks the tree, later ones resume the walk the manager kept), decode_batch / decode_batch_hybrid,
+free / free_swa (close at the end of the decode_batch / decode_batch_swa workload). ``--instructions`` adds, for those (compiled), the instructions per unit
 counted by callgrind inside the calls each one times: exact where the wall clock is noisy.
 copy_bandwidth (the copy engine moving scattered slots GPU -> host on the host backend, vs one
 numpy copy of the same bytes), onboard (create_kv_cache + resume of a 1024-token prefix whose
@@ -83,6 +84,7 @@ SCENARIOS = [
     "rematch_full",
     "rematch_swa",
     "free",
+    "free_swa",
     "admission_array",
     "admission_scaling",
     "close",
@@ -113,6 +115,7 @@ GROUPS = {
         "decode_batch",
         "decode_batch_hybrid",
         "free",
+        "free_swa",
     ]
 }
 #: ``--instructions``: the calls a scenario times, as globs over mypyc's entry points (callgrind's
@@ -130,6 +133,7 @@ COUNTED_CALLS = {
     "decode_batch_hybrid": ["CPyPy_*___KVCacheManager___resize_batch", "CPyPy_*___KVCacheManager___commit_batch"],
     "decode_batch_ssm": ["CPyPy_*___KVCacheManager___resize_batch", "CPyPy_*___KVCacheManager___commit_batch"],
     "free": ["CPyPy_*___KVCache___close"],
+    "free_swa": ["CPyPy_*___KVCache___close"],
 }
 #: deterministic results (a hit rate): one run per mode whatever --repeats says
 RUN_ONCE = {"tier_hit_rate"}

@@ -196,7 +196,8 @@ def _rematch(p: dict[str, int], window_every: int) -> dict[str, Any]:
         _admit(m, prompt).close()
     samples, matched = [], 0
     for _ in range(p["rematch_rounds"]):
-        # new lists each round (as at admission, without the last token): nothing hashed before is known
+        # new lists each round (as at admission, without the last token): the manager knows the
+        # tokens only from its earlier probes of equal ones (their keys and walk are kept)
         queries = [prompt[:-1] for prompt in prompts]
         for query in queries:
             t0 = time.perf_counter()
@@ -209,9 +210,11 @@ def _rematch(p: dict[str, int], window_every: int) -> dict[str, Any]:
     return {
         "unit": "us/request",
         "samples": samples,
+        "first_probe_median": statistics.median(samples[:n_req]),
+        "later_probes_median": statistics.median(samples[n_req:]) if len(samples) > n_req else None,
         "matched_tokens_per_probe": matched / len(samples),
         "probe_tokens": prompt_len - 1,
-        "note": f"probe_reuse of a cached prompt; {kinds[window_every]}",
+        "note": f"probe_reuse of a cached prompt (first probe, then probes of equal tokens); {kinds[window_every]}",
     }
 
 

@@ -1,5 +1,5 @@
 """Decode-step scenarios of ``benchmarks/run.py``: per request, beams, batched (full attention,
-sliding window, hybrids), ``free`` after the batch, chunked SWA prefill, the engine adapter's step."""
+sliding window, hybrids), ``free`` / ``free_swa`` after the batch, chunked SWA prefill, the engine adapter's step."""
 
 from __future__ import annotations
 
@@ -174,17 +174,25 @@ def scenario_decode_batch_ssm(p: dict[str, int]) -> dict[str, Any]:
     return out
 
 
-def scenario_free(p: dict[str, int]) -> dict[str, Any]:
+def _free(p: dict[str, int], window_every: int) -> dict[str, Any]:
     """``close`` of each request at the end of the ``decode_batch`` workload (prompt + every decode
-    step committed, so nothing is left to publish): the pages go back or stay reusable."""
-    out = _decode_batch(p, 0)
+    step committed, so only the partial tail is left to publish): the pages go back or stay reusable."""
+    out = _decode_batch(p, window_every)
     decode = out["samples"]
     return {
         "unit": "us/request",
         "samples": out["close_samples"],
-        "note": "close after the batched decode steps, full attention",
+        "note": "close after the batched decode steps, " + out["note"].partition("; ")[2],
         "decode_us": statistics.median(decode),
     }
+
+
+def scenario_free(p: dict[str, int]) -> dict[str, Any]:
+    return _free(p, 0)
+
+
+def scenario_free_swa(p: dict[str, int]) -> dict[str, Any]:
+    return _free(p, 1)
 
 
 def scenario_swa_prefill(p: dict[str, int]) -> dict[str, Any]:

@@ -311,6 +311,7 @@ class KVCacheManager(ManagerQueries):
             self._storage.flush_write_through()  # published pages still owe the remote tier a copy
             self._storage.pins.clear()
             self._tree.clear()
+            self._matcher.forget()
             self._storage.drop_all_evictable()  # garbage of subtrees removed earlier
             if self._storage.persist is not None:
                 self._storage.persist.forget_all()  # nor are they adopted after a restart
@@ -325,6 +326,7 @@ class KVCacheManager(ManagerQueries):
         self._ctx.enter("shutdown()")
         try:
             self._ctx.release_memory()
+            self._matcher.forget()
             self._is_shut_down = True
         finally:
             self._ctx.leave()

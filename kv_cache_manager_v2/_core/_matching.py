@@ -3,7 +3,12 @@ and where the pages a match needs live (SPEC 4.4, 5.3)."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
+from typing import Final, cast
+
+import rawref
+from blockhash import same_block
 
 from .._common import DEFAULT_REUSE_SCOPE, CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
 from .._layers._policy import LayerGroup
@@ -20,9 +25,26 @@ from ._context import CacheContext
 Match = tuple[list[Node], Node | None, int, Projection | None]
 
 
+#: what a match learned of its tokens for a later match of the same ones: the scope, the tokens
+#: (a copy of their own type), their full blocks' keys, the nodes its walk passed, the remote lookup
+Kept = tuple[ReuseScope, Sequence[TokenIdExt], list[BlockKey], list[Node], Found | None]
+#: where a probe is kept: scope (LoRA id, salt), length, the last and the middle token
+Fingerprint = tuple[int | None, int | None, int, object, object]
+
+#: bound once: mypyc looks a module's attribute up at every call
+_untrack: Final = rawref.untrack
+_same_block: Final = same_block
+
+#: bounds of the kept probes (entries and tokens in all): a few MiB of references
+KEPT_ENTRIES: Final = 1024
+KEPT_TOKENS: Final = 1 << 20
+
+
 class PrefixMatcher:
-    """Matches token sequences against the reuse tree; keeps the block keys a probe hashed for
-    the create of the same tokens that usually follows, so each block is hashed once."""
+    """Matches token sequences against the reuse tree. Keeps what a probe learned (block keys,
+    the nodes its walk passed) for a later match of the same tokens: the create that usually
+    follows, or another probe of them, hashes and walks nothing again; a sliding window then
+    looks only at the pages of the blocks it needs."""
 
     def __init__(
         self, tree: ReuseTree, remote_fill: RemoteFill | None, tokens_per_block: int, enable_partial_reuse: bool
@@ -31,8 +53,11 @@ class PrefixMatcher:
         self.remote_fill = remote_fill
         self.tokens_per_block = tokens_per_block
         self.enable_partial_reuse = enable_partial_reuse
-        #: what the last probe learned (scope, tokens, block keys, remote lookup) for the next create
-        self.probe_keys: tuple[ReuseScope, Sequence[TokenIdExt], list[BlockKey], Found | None] | None = None
+        #: the last probe's, for the next create (also of longer tokens starting with them)
+        self.last: Kept | None = None
+        #: recent probes by ``_fingerprint``, oldest first (bounded by ``KEPT_ENTRIES`` and ``KEPT_TOKENS``)
+        self.kept: dict[Fingerprint, Kept] = {}
+        self.kept_tokens = 0
 
     def probe(
         self, ctx: CacheContext, what: str, reuse_scope: ReuseScope | None, input_tokens: Sequence[TokenIdExt] | None
@@ -54,20 +79,25 @@ class PrefixMatcher:
         projects the match the create would make (``RemoteFill.project``)."""
         check_type("reuse_scope", scope, ReuseScope)
         check_token_sequence(input_tokens, "input_tokens")
-        cached = self.probe_keys
-        self.probe_keys = None
+        # (a create with no probe kept, as when the engine never probes, looks nothing up)
+        fingerprint = _fingerprint(scope, input_tokens) if self.kept or not for_create else None
+        kept = (
+            self._recall(scope, input_tokens, fingerprint) if fingerprint is not None or self.last is not None else None
+        )
         keys: list[BlockKey] | None = None
+        walked: list[Node] | None = None
         known: Found | None = None
         validated = 0
-        if cached is not None and (cached[0] is scope or cached[0] == scope):
-            probed = cached[1]
-            n = len(probed)
-            # the last probed token first: a different prompt (a probe per request) is not copied and compared
-            if len(input_tokens) >= n and input_tokens[n - 1] == probed[n - 1] and input_tokens[:n] == probed:
-                keys = cached[2]
-                validated = len(probed)
-                if len(input_tokens) == len(probed):
-                    known = cached[3]
+        if kept is not None:  # its tokens start ours, token for token (so ours are valid there)
+            validated = len(kept[1])
+            n_full = validated // self.tokens_per_block  # (a partial block of the probe may be full here)
+            keys = kept[2][:n_full]
+            walked = kept[3][:n_full]
+            if walked and walked[-1].parent is None:  # it left the tree (and everything under it)
+                walked = None
+            if kept is self.last and validated == len(input_tokens):
+                known = kept[4]
+        self.last = None
         hasher = BlockHasher(input_tokens, self.tokens_per_block, "input_tokens", keys, validated)
         partial = self.enable_partial_reuse
         tree = self.tree
@@ -76,8 +106,9 @@ class PrefixMatcher:
         nodes: list[Node] = []
         part: Node | None = None
         part_len = 0
+        tree.walked = []
         if root is not None:
-            nodes, part, part_len = tree.match(root, hasher, partial)
+            nodes, part, part_len = tree.match(root, hasher, partial, walked, not for_create)
         projection: Projection | None = None
         found: Found | None = None
         fill = self.remote_fill
@@ -90,9 +121,73 @@ class PrefixMatcher:
                 nodes, part, part_len = tree.match(root, hasher, partial)
         hasher.validate_rest()
         if not for_create:
-            # the probed tokens, copied with their own type so == is exact
-            self.probe_keys = (scope, input_tokens[:], hasher.keys, found)
+            # (valid tokens, keys and untracked nodes, never changed: untracked by the cyclic GC)
+            same = kept is not None and validated == len(input_tokens)
+            copy = kept[1] if kept is not None and same else _copy(input_tokens)
+            self._keep(fingerprint, (scope, copy, _untrack(hasher.keys), _untrack(tree.walked), found))
         return nodes, part, part_len, projection
+
+    def _recall(self, scope: ReuseScope, tokens: Sequence[TokenIdExt], fingerprint: Fingerprint | None) -> Kept | None:
+        """The kept probe of ``tokens``, else the last probe when its tokens start ``tokens``."""
+        kept = self.kept.get(fingerprint) if fingerprint is not None else None
+        if kept is not None and (kept[0] is scope or kept[0] == scope) and _starts_with(tokens, kept[1]):
+            return kept
+        last = self.last
+        if last is not None and (last[0] is scope or last[0] == scope) and _starts_with(tokens, last[1]):
+            return last
+        return None
+
+    def _keep(self, fingerprint: Fingerprint | None, kept: Kept) -> None:
+        """Keep a probe's result (the last probe; and by fingerprint, the oldest going past the bounds)."""
+        self.last = kept
+        if fingerprint is None:
+            return
+        table = self.kept
+        old = table.pop(fingerprint, None)
+        if old is not None:
+            self.kept_tokens -= len(old[1])
+        table[fingerprint] = kept
+        self.kept_tokens += len(kept[1])
+        while len(table) > KEPT_ENTRIES or self.kept_tokens > KEPT_TOKENS:
+            oldest = next(iter(table))
+            self.kept_tokens -= len(table.pop(oldest)[1])
+
+    def forget(self) -> None:
+        """Drop every kept probe (the tree was cleared: their nodes are gone)."""
+        self.last = None
+        self.kept = {}
+        self.kept_tokens = 0
+
+
+def _fingerprint(scope: ReuseScope, tokens: Sequence[TokenIdExt]) -> Fingerprint | None:
+    """Where a probe of ``tokens`` is kept: scope, length and two tokens (None: a token there is
+    neither an int nor bytes, so nothing is kept or looked up)."""
+    items = cast("Sequence[object]", tokens)  # (not validated yet: compiled, no cast to a token type)
+    n = len(items)
+    last = items[n - 1]
+    middle = items[n // 2]
+    if (type(last) is not int and type(last) is not bytes) or (type(middle) is not int and type(middle) is not bytes):
+        return None
+    return (scope.lora_id, scope.salt, n, last, middle)
+
+
+def _copy(tokens: Sequence[TokenIdExt]) -> Sequence[TokenIdExt]:
+    """A copy of valid tokens to keep: a tuple (untracked), or an array of the same type code."""
+    if isinstance(tokens, array):
+        return tokens[:]
+    return _untrack(tuple(tokens))
+
+
+def _starts_with(tokens: Sequence[TokenIdExt], prefix: Sequence[TokenIdExt]) -> bool:
+    """Whether ``tokens`` starts with the kept ``prefix`` token for token, each exactly an int or
+    bytes as there (``True == 1``, yet a bool is no token), in one native pass; an array prefix only
+    starts an array of its type code. The last token is compared first: cheap when it differs."""
+    n = len(prefix)
+    if len(tokens) < n or cast("Sequence[object]", tokens)[n - 1] != prefix[n - 1]:
+        return False
+    if isinstance(prefix, array):
+        return isinstance(tokens, array) and tokens.typecode == prefix.typecode and tokens[:n] == prefix
+    return _same_block(prefix, tokens, 0, n) is True
 
 
 def match_length(match: Match, tokens_per_block: int) -> int:

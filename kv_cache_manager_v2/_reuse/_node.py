@@ -128,6 +128,10 @@ class Node:
     untracked by the cyclic garbage collector (which would traverse them all at every full
     collection). The tree breaks its cycles itself: a node leaving the tree loses its ``parent``
     and children; the manager clears the tree at shutdown or when it is dropped.
+
+    A node leaves the tree only with its whole subtree (a leaf when pruned) and never returns
+    (the same block comes back as a new node): a node whose ``parent`` is set has every ancestor
+    in the tree, which is how a kept walk (``PrefixMatcher``) is known to be still valid.
     """
 
     __slots__ = (

@@ -53,6 +53,8 @@ class ReuseTree(PageDropListener):
         #: tokens leave a cached path there)
         self.attention_blocks = 0
         self.branches = False
+        #: the full-block nodes the last ``match`` walked, before it shortened the match
+        self.walked: list[Node] = []
         self.roots: dict[tuple[int | None, int | None], Node] = {}
         #: told about every page that enters, leaves or moves within the tree (None: nobody listens)
         self.event_sink: KVCacheEventManager | None = None
@@ -72,7 +74,9 @@ class ReuseTree(PageDropListener):
         return node
 
     # ------------------------------------------------------------------ matching
-    def match(self, root: Node, hasher: BlockHasher, partial: bool) -> tuple[list[Node], Node | None, int]:
+    def match(
+        self, root: Node, hasher: BlockHasher, partial: bool, walked: list[Node] | None = None, record: bool = False
+    ) -> tuple[list[Node], Node | None, int]:
         """Longest reusable prefix: matched full-block nodes, then an optional partial node and its length.
 
         Walks full blocks by key (``hasher`` computes and keeps them), checking on the way the
@@ -80,15 +84,22 @@ class ReuseTree(PageDropListener):
         the longest common token prefix; then shortens until every layer group has the pages it
         needs there (a sliding window only those outside its stale range). Only the tokens of
         the blocks looked at are validated.
+
+        ``walked``: the nodes an earlier walk of the same tokens passed, all still in the tree
+        (the deepest one is: a node leaves with its subtree), ``hasher`` holding their keys; the
+        walk goes on after them, and only the groups keeping every block look at their pages.
+        With ``record``, the nodes this walk passed (before shortening) are left in ``self.walked``.
         """
         t = self.tokens_per_block
         tokens = hasher.tokens
         keeping = self._keeping_groups
-        nodes: list[Node] = []
-        node = root
+        nodes: list[Node] = walked if walked is not None else []
+        node = nodes[-1] if nodes else root
         n_full = len(tokens) // t
-        ordinal = 0
+        ordinal = len(nodes)
         gap = -1  # the first block walked that lacks a page of a group keeping every block
+        if keeping and ordinal:
+            gap = _first_without(nodes, keeping)
         while ordinal < n_full:
             keys = hasher.keys
             if ordinal < len(keys):
@@ -107,6 +118,8 @@ class ReuseTree(PageDropListener):
             nodes.append(child)
             node = child
             ordinal += 1
+        if record:
+            self.walked = nodes[:]
         part: Node | None = None
         part_len = 0
         if partial and ordinal * t < len(tokens) and node.has_children:
@@ -444,6 +457,17 @@ class ReuseTree(PageDropListener):
             out.append(n)
             stack.extend(n.children())
         return out
+
+
+def _first_without(nodes: list[Node], groups: list[int]) -> int:
+    """The first of ``nodes`` lacking a page of one of ``groups`` (-1: none)."""
+    for ordinal, node in enumerate(nodes):
+        pages = node.pages
+        for layer_group in groups:
+            r = pages[layer_group]
+            if r is None or r() is None:
+                return ordinal
+    return -1
 
 
 def _event(events: KVCacheEventManager, node: Node, lc: int, page: Page, source_level: int) -> BlockStoredEvent:
