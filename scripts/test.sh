@@ -4,7 +4,8 @@
 # the build compiles one C file per module, two at a time, and on a rerun only what changed.
 #   scripts/test.sh            # everything (what CI runs)
 #   scripts/test.sh fast       # mypy + fast-mode tests only
-#   scripts/test.sh quick      # the edit-test loop: fast mode, stops at the first failure, last failures first
+#   scripts/test.sh quick      # the edit-test loop: fast mode, stops at the first failure, last failures first,
+#                              # without the tests marked slow (the simulator's sweeps)
 #   scripts/test.sh compiled   # build (skipped when up to date) + compiled tests only
 # Extra arguments after the mode go to pytest, e.g. scripts/test.sh fast -k rawref (-n 0: one process)
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
@@ -41,7 +42,7 @@ run_compiled() {
 
 case "$mode" in
   fast) run_fast "$@" ;;
-  quick) run_fast -x --ff "$@" ;;
+  quick) run_fast -x --ff -m "not slow" "$@" ;;
   compiled) run_compiled "$@" ;;
   all) run_fast "$@"; run_compiled "$@" ;;
   *) echo "usage: scripts/test.sh [all|fast|quick|compiled] [pytest args]" >&2; exit 2 ;;
