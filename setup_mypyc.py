@@ -5,7 +5,8 @@ python setup_mypyc.py clean_compiled            # remove them again (back to fas
 
 Each module's C code is its own file (mypyc's ``multi_file``), compiled ``-j`` files at a time; a
 rebuild recompiles only the files whose C code changed (mypyc rewrites a file only when its text
-changes) or whose shared headers did.
+changes) or whose shared headers did. Compared with one C file for all modules: 220 instead of 480
+CPU seconds for a full build, the same instructions per call (callgrind, within 0.2 %).
 """
 
 from __future__ import annotations
