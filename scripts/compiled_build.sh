@@ -39,12 +39,19 @@ build_is_current() {  # a successful build after the last change of any package 
 elapsed() { echo $(($(date +%s) - $1)); }
 
 build_progress() {  # reads the build's output; prints each step with the seconds since $1 (start)
-  local start=$1 total=$2 line done=0
+  local start=$1 total=$2 line done=0 c
   printf '  %4ds  mypyc: type-checking and generating C for %d modules\n' 0 "$total"
   while IFS= read -r line; do
     case "$line" in
       "building '"*"__mypyc' extension")
-        printf '  %4ds  gcc: compiling the shared unit (all modules'"'"' code: the long step)\n' "$(elapsed "$start")" ;;
+        printf '  %4ds  gcc: compiling the shared unit (one C file per module, those that changed, 2 at a time: the long step)\n' "$(elapsed "$start")" ;;
+      "compiling "*" C files ("*)  # the shared unit's C files: those whose code changed, 2 at a time
+        printf '  %4ds  gcc: %s\n' "$(elapsed "$start")" "$line" ;;
+      "compiled C file "*)
+        c=${line#compiled C file }; c=${c%%:*}  # k/n
+        if [ $((${c%/*} % 10)) -eq 0 ] || [ "${c%/*}" = "${c#*/}" ]; then
+          printf '  %4ds  gcc: C files %s\n' "$(elapsed "$start")" "$c"
+        fi ;;
       "building '"*"' extension")
         done=$((done + 1))
         if [ $((done % 10)) -eq 0 ] || [ "$done" -eq "$total" ]; then

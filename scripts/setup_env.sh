@@ -7,7 +7,7 @@ PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import rawref._rawref, blockhash._blockhash, mypy, pytest, numpy, hypothesis, importlinter, msgspec, zmq, redis" 2>/dev/null \
+if ! .venv/bin/python -c "import rawref._rawref, blockhash._blockhash, mypy, pytest, xdist, numpy, hypothesis, importlinter, msgspec, zmq, redis" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.installed ] || [ rawref/_rawref.c -nt .venv/.installed ] \
    || [ blockhash/_blockhash.c -nt .venv/.installed ]; then
   echo "setting up .venv (log: .venv/install.log)" >&2

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run every check: ruff, import layering, mypy --strict, the test suite in fast mode,
-# the mypyc build, and the test suite again compiled.
+# the mypyc build, and the test suite again compiled. The tests run on every core (pytest-xdist, -n auto);
+# the build compiles one C file per module, two at a time, and on a rerun only what changed.
 #   scripts/test.sh            # everything (what CI runs)
 #   scripts/test.sh fast       # mypy + fast-mode tests only
-#   scripts/test.sh quick      # the edit-test loop: fast mode, stops at the first failure, last failures first
+#   scripts/test.sh quick      # the edit-test loop: fast mode, stops at the first failure, last failures first,
+#                              # without the tests marked slow (the simulator's sweeps)
 #   scripts/test.sh compiled   # build (skipped when up to date) + compiled tests only
-# Extra arguments after the mode go to pytest, e.g. scripts/test.sh fast -k rawref
+# Extra arguments after the mode go to pytest, e.g. scripts/test.sh fast -k rawref (-n 0: one process)
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 mode="${1:-all}"
 shift || true
@@ -25,22 +27,22 @@ run_fast() {
   stash_compiled  # compiled modules would shadow the sources
   lint_and_types
   echo "== tests, fast mode (interpreted)"
-  KVCM_EXPECT_COMPILED=0 python -m pytest -q "$@"
+  KVCM_EXPECT_COMPILED=0 python -m pytest -q -n auto "$@"
 }
 
 run_compiled() {
   ensure_compiled || exit 1
   echo "== tests, production mode (compiled)"
-  KVCM_EXPECT_COMPILED=1 python -m pytest -q "$@"
+  KVCM_EXPECT_COMPILED=1 python -m pytest -q -n auto "$@"
   if [ $# -eq 0 ]; then
-    echo "== benchmarks, quick variant (both modes; times are not asserted)"
-    python benchmarks/run.py --quick --repeats 1 --out build/bench-quick.json
+    echo "== benchmarks, quick variant (compiled: the tests ran both modes; times are not asserted)"
+    python benchmarks/run.py --quick --repeats 1 --modes compiled --out build/bench-quick.json
   fi
 }
 
 case "$mode" in
   fast) run_fast "$@" ;;
-  quick) run_fast -x --ff "$@" ;;
+  quick) run_fast -x --ff -m "not slow" "$@" ;;
   compiled) run_compiled "$@" ;;
   all) run_fast "$@"; run_compiled "$@" ;;
   *) echo "usage: scripts/test.sh [all|fast|quick|compiled] [pytest args]" >&2; exit 2 ;;

@@ -109,3 +109,59 @@ def test_test_script_shares_the_build() -> None:
         with open(os.path.join(root, "scripts", name)) as f:
             text = f.read()
         assert "compiled_build.sh" in text and "setup_mypyc.py build_ext" not in text, name
+
+
+def test_the_build_compiles_only_the_c_files_that_changed(tmp_path: object) -> None:
+    """``setup_mypyc.py`` compiles an extension's C files in parallel and skips each object file
+    newer than its C file and the headers: an edit recompiles the modules whose C code changed, a
+    changed header all of them."""
+    import time
+
+    from setup_mypyc import _incremental_compile
+
+    tmp = str(tmp_path)
+    compiled: list[str] = []
+
+    class Compiler:  # the three hooks of a distutils compiler that compile_files uses
+        def _setup_compile(
+            self, out: object, macros: object, inc: object, sources: list[str], dep: object, extra: object
+        ) -> tuple[object, list[str], object, list[str], dict[str, tuple[str, str]]]:
+            build = {src[:-2] + ".o": (src, ".c") for src in sources}
+            return macros, list(build), extra, [], build
+
+        def _get_cc_args(self, pp_opts: list[str], debug: bool, before: object) -> list[str]:
+            return ["-c"]
+
+        def _compile(self, obj: str, src: str, ext: str, cc_args: object, extra: object, pp_opts: object) -> None:
+            compiled.append(os.path.basename(src))
+            with open(obj, "w") as f:
+                f.write("")
+
+    def touch(name: str, when: float) -> str:  # (times after mypyc's runtime headers, also inputs)
+        path = os.path.join(tmp, name)
+        with open(path, "a"):
+            pass
+        os.utime(path, (now + when, now + when))
+        return path
+
+    now = time.time()
+
+    compile_files = _incremental_compile(Compiler(), 2)
+    sources = [touch("a.c", 1000), touch("b.c", 1000)]
+    header = touch("shared.h", 1000)
+    compile_files(sources, depends=[header])
+    assert sorted(compiled) == ["a.c", "b.c"]
+    for name in ("a.o", "b.o"):
+        touch(name, 2000)
+    compiled.clear()
+    compile_files(sources, depends=[header])
+    assert compiled == []  # nothing changed
+    touch("b.c", 3000)
+    compile_files(sources, depends=[header])
+    assert compiled == ["b.c"]  # one module's C code changed
+    compiled.clear()
+    for name in ("a.o", "b.o"):
+        touch(name, 4000)
+    touch("shared.h", 5000)
+    compile_files(sources, depends=[header])
+    assert sorted(compiled) == ["a.c", "b.c"]  # the header every module includes changed

@@ -487,6 +487,7 @@ def test_hybrid_replay_reports_state_memory_and_snapshots(capsys: pytest.Capture
     assert json.loads(out)["snapshots"] is None  # attention-only models have none
 
 
+@pytest.mark.slow  # (a sweep: several full replays; scripts/test.sh quick skips it)
 def test_hybrid_interval_sweep(capsys: pytest.CaptureFixture[str]) -> None:
     args = [*HYBRID, "--gpu", "40GiB", "--sweep", "ssm-interval=64,1024,prompt,kv"]
     code, out, err = run(capsys, *args, "--json")
@@ -670,6 +671,7 @@ def test_sweep_plot_ticks_labels_and_time_panel(
     assert min(line.get_ydata()) > 0  # seconds simulated, not a ratio to a span of 0
 
 
+@pytest.mark.slow  # (a sweep: several full replays; scripts/test.sh quick skips it)
 def test_interval_sweep_plot(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -695,6 +697,7 @@ def test_interval_sweep_plot(
     assert list(snaps.get_lines()[0].get_ydata()) == [p["snapshots"]["taken"] for p in points[:3]]
 
 
+@pytest.mark.slow  # (a sweep: several full replays; scripts/test.sh quick skips it)
 def test_hybrid_snapshot_policy_sweep(capsys: pytest.CaptureFixture[str]) -> None:
     """--sweep ssm-policy: one replay per policy beside the attention-only bound of the same run;
     snapshots by kind; "branch" takes no interval snapshot, "auto" takes both kinds."""

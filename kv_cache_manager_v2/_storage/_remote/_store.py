@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ..._common import RemoteStatistics
 from ..._config import RemoteCacheTierConfig
@@ -14,6 +15,8 @@ from ._client import LOG
 from ._cluster import NODE_DOWN, group_by_slot
 from ._protocol import LOOKUP_LUA, BadReply, ErrorReply, exchange, is_lengths, is_values, resp_command
 from ._writer import RemoteWriter
+
+_T = TypeVar("_T")
 
 
 class RemoteStore(RemoteWriter):
@@ -54,11 +57,20 @@ class RemoteStore(RemoteWriter):
         self.looked_up_pages += len(keys)
         if self.router is not None:
             return self._cluster_lengths(keys)
+        return self._read("lookup", lambda: self._lengths(keys, time.monotonic() + self._timeout_s))
+
+    def _read(self, what: str, round_trip: Callable[[], _T | None]) -> _T | None:
+        """``round_trip()``, or None (a miss) where it raises a client error or returns None (no cluster
+        node answers): then the error is counted and the outage begins (``_failed``)."""
         try:
-            out = self._lengths(keys, time.monotonic() + self._timeout_s)
+            out = round_trip()
         except self._errors as e:
             self.read_errors += 1
-            self._failed("lookup", e)
+            self._failed(what, e)
+            return None
+        if out is None:
+            self.read_errors += 1
+            self._failed(f"{what} (no cluster node answers)", NODE_DOWN)
             return None
         self._succeeded()
         return out
@@ -123,12 +135,9 @@ class RemoteStore(RemoteWriter):
         def valid(i: int, reply: Any) -> bool:
             return is_lengths(reply, len(groups[i])) if len(groups[i]) > 1 else type(reply) is int and reply >= 0
 
-        replies = router.run(slots, commands, "lookup", False, valid)
+        replies = self._read("lookup", lambda: router.run(slots, commands, "lookup", False, valid))
         if replies is None:
-            self.read_errors += 1
-            self._failed("lookup (no cluster node answers)", NODE_DOWN)
             return None
-        self._succeeded()
         out = [0] * len(keys)
         for group, reply in zip(groups, replies):
             if isinstance(reply, list):
@@ -150,16 +159,13 @@ class RemoteStore(RemoteWriter):
             return None
         if self.router is not None:
             return self._cluster_fetch(keys)
-        try:
-            deadline = time.monotonic() + self._timeout_s
-            reply = exchange(self.client.connection_pool, self._errors, [resp_command(b"MGET", *keys)], deadline)[0]
-            if not is_values(reply, len(keys)):
-                raise BadReply(f"MGET of {len(keys)} keys answered {reply!r:.80}")
-        except self._errors as e:
-            self.read_errors += 1
-            self._failed("fetch", e)
-            return None
-        self._succeeded()
+        return self._read("fetch", lambda: self._values(keys))
+
+    def _values(self, keys: list[bytes]) -> list[bytes | None]:
+        deadline = time.monotonic() + self._timeout_s
+        reply = exchange(self.client.connection_pool, self._errors, [resp_command(b"MGET", *keys)], deadline)[0]
+        if not is_values(reply, len(keys)):
+            raise BadReply(f"MGET of {len(keys)} keys answered {reply!r:.80}")
         return list(reply)
 
     def _cluster_fetch(self, keys: list[bytes]) -> list[bytes | None] | None:
@@ -174,12 +180,12 @@ class RemoteStore(RemoteWriter):
             slots.append(slot)
             groups.append(group)
             commands.append([resp_command(b"MGET", *[keys[i] for i in group])])
-        replies = router.run(slots, commands, "fetch", False, lambda i, reply: is_values(reply, len(groups[i])))
+        replies = self._read(
+            "fetch",
+            lambda: router.run(slots, commands, "fetch", False, lambda i, reply: is_values(reply, len(groups[i]))),
+        )
         if replies is None:
-            self.read_errors += 1
-            self._failed("fetch (no cluster node answers)", NODE_DOWN)
             return None
-        self._succeeded()
         out: list[bytes | None] = [None] * len(keys)
         for group, reply in zip(groups, replies):
             if isinstance(reply, list):
@@ -190,28 +196,25 @@ class RemoteStore(RemoteWriter):
     def apply_quota(self, quota: int) -> bool:
         """Set the server's ``maxmemory`` to ``quota`` bytes with LRU eviction over all keys.
         Returns False (with a warning) when the server is unreachable or refuses."""
+        return self._read("CONFIG SET maxmemory", lambda: self._set_quota(quota)) is not None
+
+    def _set_quota(self, quota: int) -> bool:
         commands = [
             resp_command(b"CONFIG", b"SET", b"maxmemory-policy", b"allkeys-lru"),
             resp_command(b"CONFIG", b"SET", b"maxmemory", b"%d" % quota),
         ]
-        try:
-            router = self.router
-            if router is None:
-                clients = [self.client]
-            else:  # every master (CONFIG SET is per server)
-                if not router.refresh():
-                    raise ConnectionError("no cluster node answers")
-                clients = [router.nodes[n].client for n in sorted(set(router.slot_node)) if n >= 0]
-            for client in clients:
-                deadline = time.monotonic() + self._timeout_s
-                for reply in exchange(client.connection_pool, self._errors, commands, deadline):
-                    if reply != b"OK":
-                        raise BadReply(f"CONFIG SET answered {reply!r:.80}")
-        except self._errors as e:
-            self.read_errors += 1
-            self._failed("CONFIG SET maxmemory", e)
-            return False
-        self._succeeded()
+        router = self.router
+        if router is None:
+            clients = [self.client]
+        else:  # every master (CONFIG SET is per server)
+            if not router.refresh():
+                raise ConnectionError("no cluster node answers")
+            clients = [router.nodes[n].client for n in sorted(set(router.slot_node)) if n >= 0]
+        for client in clients:
+            deadline = time.monotonic() + self._timeout_s
+            for reply in exchange(client.connection_pool, self._errors, commands, deadline):
+                if reply != b"OK":
+                    raise BadReply(f"CONFIG SET answered {reply!r:.80}")
         return True
 
     # ------------------------------------------------------------------ layer group and statistics
