@@ -155,7 +155,7 @@ class KVCacheManager(ManagerQueries):
             gpu_bytes = [n * g.slot_bytes for n, g in zip(gpu_slots, groups)]
             gpu_share = sum(b for b, g in zip(gpu_bytes, groups) if g.holds_states) / sum(gpu_bytes)
             share = min(DEFAULT_LOWER_TIER_STATE_SHARE, gpu_share)
-        return split_like(quota, gpu_slots, self._layout, what, share)
+        return split_like(quota, gpu_slots, self._layout, what, float(share))  # (an int is accepted)
 
     def _split_gpu_quota(self, quota: int) -> list[int]:
         config = self._config
