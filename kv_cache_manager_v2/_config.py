@@ -437,6 +437,7 @@ class KVCacheManagerConfig:
     #: hybrid models: the share of each tier below the GPU (host, disk) that the pool groups of
     #: recurrent states take together (snapshots there; the KV pool groups share the rest in the
     #: GPU's proportions); None: ``DEFAULT_LOWER_TIER_STATE_SHARE``, at most the GPU's own share
+    #: (under the "interval" policy: the GPU's share)
     lower_tier_state_share: float | None = None
 
     def __post_init__(self) -> None:

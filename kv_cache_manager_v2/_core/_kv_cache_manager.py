@@ -148,8 +148,11 @@ class KVCacheManager(ManagerQueries):
 
     def _split_lower_quota(self, quota: int, gpu_slots: list[int], what: str) -> list[int]:
         """A lower tier's slots: the KV pool groups in the GPU's proportions, the recurrent states'
-        share from ``lower_tier_state_share`` (None: the default, at most the GPU's share)."""
+        share from ``lower_tier_state_share`` (None: the default, at most the GPU's share; under
+        "interval", whose snapshots all reach lower tiers by eviction, the GPU's proportions)."""
         share = self._config.lower_tier_state_share
+        if share is None and self._config.ssm_snapshot_policy == "interval":
+            return split_like(quota, gpu_slots, self._layout, what)
         if share is None:
             groups = self._layout.pool_groups
             gpu_bytes = [n * g.slot_bytes for n, g in zip(gpu_slots, groups)]
