@@ -339,6 +339,11 @@ LayerConfig = AttentionLayerConfig | SsmLayerConfig
 #: tokens between recurrent-state snapshots when ``ssm_reuse_interval`` is None (rounded up to
 #: a multiple of ``tokens_per_block``)
 DEFAULT_SSM_REUSE_INTERVAL = 512
+#: share of a tier below the GPU that recurrent-state pool groups take when
+#: ``lower_tier_state_share`` is None (capped at their GPU share): snapshots there serve only
+#: while the KV of their path is cached too, so a share like the GPU's (live states + one snapshot
+#: per request) leaves too little KV (README, "Snapshot policy", measured)
+DEFAULT_LOWER_TIER_STATE_SHARE = 0.125
 
 
 @mypyc_attr(native_class=False)
@@ -429,6 +434,11 @@ class KVCacheManagerConfig:
     #: "auto": both, the interval snapshots at the lowest priority (evicted first; with a host or
     #: disk tier, the first pages moved down there)
     ssm_snapshot_policy: SnapshotPolicy = "auto"
+    #: hybrid models: the share of each tier below the GPU (host, disk) that the pool groups of
+    #: recurrent states take together (snapshots there; the KV pool groups share the rest in the
+    #: GPU's proportions); None: ``DEFAULT_LOWER_TIER_STATE_SHARE``, at most the GPU's own share
+    #: (under the "interval" policy: the GPU's share)
+    lower_tier_state_share: float | None = None
 
     def __post_init__(self) -> None:
         t = check_int("tokens_per_block", raw_field(self, "tokens_per_block"))
@@ -439,6 +449,14 @@ class KVCacheManagerConfig:
             raise TypeError(f"max_pinned_share must be a number, got {s!r}")
         if not 0.0 <= s <= 1.0:
             raise ValueError(f"max_pinned_share must be in [0, 1] (a share of each tier's slots), got {s!r}")
+        h = raw_field(self, "lower_tier_state_share")
+        if h is not None:
+            if type(h) is bool or not isinstance(h, (int, float)):
+                raise TypeError(f"lower_tier_state_share must be a number or None, got {h!r}")
+            if not 0.0 <= h <= 1.0:
+                raise ValueError(
+                    f"lower_tier_state_share must be in [0, 1] (a share of each lower tier's bytes) or None, got {h!r}"
+                )
         if not is_power_of_two(t):
             raise ValueError(f"tokens_per_block must be a positive power of two, got {t!r}")
         self._validate_tiers()

@@ -5,13 +5,17 @@ recurrent records are the state after each position) and the invariant checker."
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 from conftest import make_config
 from fake_engine import FakeEngine
 from test_recurrent import MakeManager, T, decode, hybrid_layers, prefill, state_group, toks
 
-from kv_cache_manager_v2 import KVCacheManager, LayerGroupId
+from kv_cache_manager_v2 import BatchDesc, KVCacheDesc, KVCacheManager, LayerGroupId, LayerId
 from kv_cache_manager_v2._common import MAX_CAPACITY
+from kv_cache_manager_v2._config import DEFAULT_LOWER_TIER_STATE_SHARE
 
 PREFIX = 1000  #: shared tokens: its last full block ends at 992
 SHARED = PREFIX // T * T
@@ -248,3 +252,107 @@ def test_auto_writes_interval_snapshots_to_the_host_tier_and_a_hit_promotes_one(
     assert m.get_tier_statistics(1).onboarded_pages == below
     assert run(m, engine, prompt[:200] + toks(9, 20)) == 192  # the promoted snapshot, from the GPU
     assert m.get_tier_statistics(1).onboarded_pages == below
+
+
+def tier_slots(m: KVCacheManager, level: int) -> list[tuple[int, int, bool]]:
+    """(slots, slot bytes, holds recurrent states) per pool group of a tier."""
+    return [(g.num_slots, g.layout.slot_bytes, g.layout.holds_states) for g in m._storage.levels[level]]
+
+
+def state_share(slots: list[tuple[int, int, bool]]) -> float:
+    """The share of a tier's bytes in its recurrent-state pool groups."""
+    return sum(n * b for n, b, s in slots if s) / sum(n * b for n, b, _ in slots)
+
+
+def test_lower_tier_state_share_validation() -> None:
+    for bad in (True, "0.1", [0.1]):
+        with pytest.raises(TypeError, match="lower_tier_state_share must be a number or None"):
+            make_config(hybrid_layers(), T, lower_tier_state_share=bad)
+    for bad in (-0.1, 1.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"lower_tier_state_share must be in \[0, 1\]"):
+            make_config(hybrid_layers(), T, lower_tier_state_share=bad)
+    for good in (None, 0, 0.25, 1):
+        assert make_config(hybrid_layers(), T, lower_tier_state_share=good).lower_tier_state_share == good
+
+
+@pytest.mark.parametrize(
+    ("policy", "share"),
+    [
+        ("auto", None),
+        ("branch", None),
+        ("interval", None),
+        ("auto", 0.0),
+        ("auto", 0.05),
+        ("auto", 0.3),
+        ("interval", 1.0),
+    ],
+)
+def test_lower_tiers_size_the_state_pool_by_lower_tier_state_share(
+    tmp_path: Path, policy: str, share: float | None
+) -> None:
+    """The GPU split is untouched; the host and disk tiers give the recurrent-state pool groups
+    ``lower_tier_state_share`` of their bytes (default: ``DEFAULT_LOWER_TIER_STATE_SHARE``, at
+    most the GPU's share; under "interval" the GPU's share), and the KV pool groups the rest in
+    the GPU's proportions; ``resize`` of a lower tier splits the same way."""
+    quota, host, disk = 4 << 20, 16 << 20, 32 << 20
+    swa = dataclasses.replace(hybrid_layers(0, 1, window=64, t=2 * T)[0], layer_id=LayerId(9))  # bigger slots
+    layers = hybrid_layers() + [swa]  # two KV pool groups: full attention and sliding window
+    step = BatchDesc([KVCacheDesc(capacity=T, history_length=0, beam_width=4)])  # states: ~40 % of the GPU
+    kw: dict[str, object] = {"ssm_snapshot_policy": policy, "typical_step": step}
+    if share is not None:  # None: the default, the field left out
+        kw["lower_tier_state_share"] = share
+    m = KVCacheManager(make_config(layers, T, quota, host, disk, str(tmp_path), **kw))
+    plain = KVCacheManager(make_config(layers, T, quota, **kw))
+    try:
+        gpu = tier_slots(m, 0)
+        assert gpu == tier_slots(plain, 0) and len(gpu) == 3
+        expected = min(DEFAULT_LOWER_TIER_STATE_SHARE, state_share(gpu)) if share is None else share
+        if share is None and policy == "interval":
+            expected = state_share(gpu)
+        assert state_share(gpu) > 1.5 * DEFAULT_LOWER_TIER_STATE_SHARE  # the default is below the GPU's share here
+        for level, size in ((1, host), (2, disk)):
+            for _ in range(2):
+                slots = tier_slots(m, level)
+                rest = size - sum(b for _, b, _ in slots)  # past one slot of each group
+                (n_state, b_state), kv = next((n, b) for n, b, s in slots if s), [(n, b) for n, b, s in slots if not s]
+                assert abs(n_state - (1 + int(rest * expected) // b_state)) <= 1
+                assert (
+                    (1 - expected) * rest - sum(b for _, b in kv)
+                    < sum(n * b - b for n, b in kv)
+                    <= (1 - expected) * rest
+                )
+                if expected < 1:  # the KV groups keep the GPU's proportions
+                    kv_gpu = [n for n, _, s in gpu if not s]
+                    assert abs(kv[0][0] / kv[1][0] - kv_gpu[0] / kv_gpu[1]) < 0.02 * kv_gpu[0] / kv_gpu[1]
+                assert m.resize(level, size)  # the same split again
+    finally:
+        m.shutdown()
+        plain.shutdown()
+
+
+@pytest.mark.parametrize("share", [0.0, 0.125, 0.5, 1.0])
+def test_reuse_through_a_host_tier_stays_exact_whatever_its_state_share(
+    make_manager: MakeManager, share: float
+) -> None:
+    """Snapshots written to a host tier of any ``lower_tier_state_share`` come back exact (the
+    fake engine checks every reused block and resumed state, the invariant checker the pools);
+    the states the host holds never exceed its state pool."""
+    m = make_manager(
+        hybrid_layers(),
+        T,
+        quota=1 << 20,
+        host_quota=1 << 20,
+        ssm_snapshot_policy="auto",
+        ssm_reuse_interval=64,
+        lower_tier_state_share=share,
+    )
+    engine = FakeEngine(m)
+    prompts = [toks(seed, 300) for seed in range(1, 25)]
+    for prompt in prompts:
+        run(m, engine, prompt)
+    reused = [run(m, engine, prompt[:200] + toks(99, 20)) for prompt in prompts]
+    host = tier_slots(m, 1)
+    assert m.get_tier_statistics(1).state_bytes <= sum(n * b for n, b, s in host if s)
+    # 192 is a periodic snapshot, written to the host: a state pool of one slot there keeps none
+    assert reused == [192 if share > 0 else 0] * len(prompts)
+    assert abs(state_share(host) - share) < 0.01

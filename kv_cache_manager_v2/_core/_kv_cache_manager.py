@@ -16,7 +16,12 @@ from .._common import (
     ReuseScope,
     TokenIdExt,
 )
-from .._config import DiskCacheTierConfig, HostCacheTierConfig, KVCacheManagerConfig
+from .._config import (
+    DEFAULT_LOWER_TIER_STATE_SHARE,
+    DiskCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheManagerConfig,
+)
 from .._events import MEDIUM_OF_TIER, KVCacheEvent, KVCacheEventManager, LayerGroupSpec
 from .._exceptions import LogicError
 from .._life_cycle_registry import LayerGroupRegistry
@@ -69,7 +74,7 @@ class KVCacheManager(ManagerQueries):
         self._quotas = [tier.quota for tier in local] + ([remote_cfg.quota or 0] if remote_cfg is not None else [])
         gpu_slots = self._split_gpu_quota(self._quotas[0])
         slots = [gpu_slots] + [
-            split_like(tier.quota, gpu_slots, self._layout, type(tier).__name__) for tier in local[1:]
+            self._split_lower_quota(tier.quota, gpu_slots, type(tier).__name__) for tier in local[1:]
         ]
         self._backend = select_backend(config.backend)
         disk = local[-1]
@@ -140,6 +145,20 @@ class KVCacheManager(ManagerQueries):
         self._matcher = PrefixMatcher(self._tree, self._remote_fill, self.tokens_per_block, partial)
         self._is_shut_down = False
         self._batch_serial = 0
+
+    def _split_lower_quota(self, quota: int, gpu_slots: list[int], what: str) -> list[int]:
+        """A lower tier's slots: the KV pool groups in the GPU's proportions, the recurrent states'
+        share from ``lower_tier_state_share`` (None: the default, at most the GPU's share; under
+        "interval", whose snapshots all reach lower tiers by eviction, the GPU's proportions)."""
+        share = self._config.lower_tier_state_share
+        if share is None and self._config.ssm_snapshot_policy == "interval":
+            return split_like(quota, gpu_slots, self._layout, what)
+        if share is None:
+            groups = self._layout.pool_groups
+            gpu_bytes = [n * g.slot_bytes for n, g in zip(gpu_slots, groups)]
+            gpu_share = sum(b for b, g in zip(gpu_bytes, groups) if g.holds_states) / sum(gpu_bytes)
+            share = min(DEFAULT_LOWER_TIER_STATE_SHARE, gpu_share)
+        return split_like(quota, gpu_slots, self._layout, what, float(share))  # (an int is accepted)
 
     def _split_gpu_quota(self, quota: int) -> list[int]:
         config = self._config
@@ -412,7 +431,7 @@ class KVCacheManager(ManagerQueries):
             slots = self._split_gpu_quota(quota)
         else:
             gpu_slots = [g.num_slots for g in self._storage.gpu]
-            slots = split_like(quota, gpu_slots, self._layout, type(tier).__name__)
+            slots = self._split_lower_quota(quota, gpu_slots, type(tier).__name__)
         self._storage.check_resize(cache_level, slots)
         live = live_pages(list(self.open_caches()), self._tree, self._storage)  # every page holding a slot
         if not self._storage.resize_level(cache_level, slots, live):

@@ -123,11 +123,17 @@ def split_quota(
             fixed[g] = floors[g]
 
 
-def split_like(quota: int, reference: list[int], layout: StorageLayout, what: str) -> list[int]:
+def split_like(
+    quota: int, reference: list[int], layout: StorageLayout, what: str, state_share: float | None = None
+) -> list[int]:
     """Slots per pool group for a lower tier: one slot each, then the rest of ``quota`` bytes shared
-    in the byte proportions of the ``reference`` slot counts (the GPU tier's). A quota that cannot
-    hold one slot of every pool group is a ``ValueError``."""
-    slot_bytes = [g.slot_bytes for g in layout.pool_groups]
+    in the byte proportions of the ``reference`` slot counts (the GPU tier's). ``state_share``
+    (hybrid models): the share of the rest that the pool groups holding recurrent states take
+    together, the others sharing what is left (each side in the reference's proportions); None
+    or a layout without both kinds: the reference's proportions. A quota that cannot hold one
+    slot of every pool group is a ``ValueError``."""
+    groups = layout.pool_groups
+    slot_bytes = [g.slot_bytes for g in groups]
     rest = quota - sum(slot_bytes)
     if rest < 0:
         raise ValueError(
@@ -135,5 +141,10 @@ def split_like(quota: int, reference: list[int], layout: StorageLayout, what: st
             f"{sum(slot_bytes)} bytes (slot bytes per pool group: {slot_bytes})"
         )
     ref = [n * b for n, b in zip(reference, slot_bytes)]
-    total = sum(ref)
-    return [1 + rest * r // total // b for r, b in zip(ref, slot_bytes)]
+    states = sum(r for r, g in zip(ref, groups) if g.holds_states)
+    if state_share is None or states in (0, sum(ref)):
+        total = sum(ref)
+        return [1 + rest * r // total // b for r, b in zip(ref, slot_bytes)]
+    kv = sum(ref) - states
+    shares = [state_share * r / states if g.holds_states else (1.0 - state_share) * r / kv for r, g in zip(ref, groups)]
+    return [1 + int(rest * w) // b for w, b in zip(shares, slot_bytes)]
