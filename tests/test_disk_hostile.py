@@ -121,6 +121,45 @@ def test_records_that_do_not_form_a_tree_are_ignored_once_and_their_slots_reclai
         m3.shutdown()
 
 
+def test_an_older_record_of_a_page_written_again_is_superseded_quietly(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A page that left the disk and came back to another slot leaves its old record behind (a
+    freed slot keeps its record until it is written again): at start-up the newest record is
+    the page, the older one's slot is free again and its record erased, with no warning."""
+    path = str(tmp_path)
+    prompts = [seq(r, 2 * T) for r in range(4)]
+    m = KVCacheManager(config(path))
+    for toks in prompts:
+        publish(m, toks)
+    m.shutdown()
+    found = records(path)
+    leaf = leaves(path)[0]
+    free = next(slot for slot in range(32) if slot not in found)
+    name = os.path.join(path, SLOTS)
+    size = (os.path.getsize(name) - HEADER_BYTES) // 32
+    with open(name, "r+b") as f:  # the same record, written before the one in ``leaf``
+        f.seek(HEADER_BYTES + leaf * size)
+        rec = bytearray(f.read(size))
+        fields = list(RECORD_HEAD.unpack_from(rec))
+        fields[8] -= 1
+        RECORD_HEAD.pack_into(rec, 0, *fields)
+        rec[size - 4 :] = checksum(memoryview(rec)[: size - 4]).to_bytes(4, "little")
+        f.seek(HEADER_BYTES + free * size)
+        f.write(rec)
+    for _ in range(2):  # the second start-up: the reuse checks above wrote pages again, elsewhere
+        with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
+            m2 = KVCacheManager(config(path))
+        try:
+            assert warnings_of(caplog) == [] and m2.num_adopted_pages == 8
+            m2.check_invariants()
+            assert m2.get_storage_statistics(DISK)[0].free == 32 - 8
+            assert sum(reused(m2, toks) for toks in prompts) == 8 * T  # read from the newest slot
+        finally:
+            m2.shutdown()
+        caplog.clear()
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_records_rewired_at_random_never_crash_nor_leak(tmp_path: Any, seed: int) -> None:
     """Every record's parent (and some keys) replaced by a random choice among the keys present,

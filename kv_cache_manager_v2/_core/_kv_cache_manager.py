@@ -126,13 +126,14 @@ class KVCacheManager(ManagerQueries):
             self.num_adopted_pages = 0
             if persist is not None:
                 records, persist.records = persist.records, []
-                self.num_adopted_pages, ignored = adopt_records(
+                self.num_adopted_pages, ignored, superseded = adopt_records(
                     self._tree,
                     records,
                     self._storage.levels[CacheLevel(self._storage.persist_level)],
                     self._layout.pool_group_of_layer_group,
                 )
                 persist.ignore(ignored)
+                persist.forget_records(superseded)
         except BaseException:  # e.g. an event manager already attached elsewhere: release what was made
             if self._remote is not None:
                 self._remote.close(0.0)

@@ -30,16 +30,18 @@ def adopt_records(
     records: list[list[DiskRecord]],
     storages: TypedList[PoolGroupIndex, PoolGroupStorage],
     pool_group_of: TypedList[LayerGroupId, PoolGroupIndex],
-) -> tuple[int, list[DiskRecord]]:
+) -> tuple[int, list[DiskRecord], list[DiskRecord]]:
     """Publish the pages a persistent disk tier kept from a previous manager: ``records[g]`` are
     the valid records of pool group ``g`` (slots already taken in ``storages``), in any order
     (ancestors are adopted first). A record is ignored and its slot freed when its chain of
     parent blocks does not reach its scope's root through other records (a missing parent, a
     cycle, a record of another scope on the way), when it is keyed like a scope's root, when its
-    layer group is not of that pool group, or when it repeats a (block, layer group) or disagrees
-    with the block's first record (parent, tokens). Pages become reusable (DROPPABLE) oldest
-    first, so eviction order follows their write order; subscribers hear of each (stored at the
-    disk medium). Returns the pages adopted and the records ignored."""
+    layer group is not of that pool group, or when it repeats a (block, layer group) with another
+    parent or tokens than the block's newest record. An older record of a page that was written
+    again (the page left the disk and came back to another slot) is superseded: its slot freed
+    too, not an error. Pages become reusable (DROPPABLE) oldest first, so eviction order follows
+    their write order; subscribers hear of each (stored at the disk medium). Returns the pages
+    adopted, the records ignored and those superseded."""
     run = _Adoption(tree, storages, pool_group_of)
     write_through = tree.write_through
     tree.write_through = None  # what a previous manager wrote is not sent again
@@ -48,7 +50,7 @@ def adopt_records(
     finally:
         tree.write_through = write_through
     run.finish()
-    return len(run.placed), run.rejected
+    return len(run.placed), run.rejected, run.superseded
 
 
 class _Adoption:
@@ -72,6 +74,8 @@ class _Adoption:
         #: each placed page's write sequence
         self.seqs: list[int] = []
         self.rejected: list[DiskRecord] = []
+        #: older records of a (block, layer group) that has a newer one
+        self.superseded: list[DiskRecord] = []
         #: nodes none of whose records could be placed
         self.made: list[Node] = []
 
@@ -96,6 +100,9 @@ class _Adoption:
             rooted = by_key.pop(root.key, None)
             if rooted is not None:
                 self.rejected.extend(rooted)
+        for same in by_key.values():  # a block's newest records first: they are its pages
+            if len(same) > 1:
+                same.sort(key=_newest_first)
         for found in records:
             for r in found:
                 if r.key not in nodes:
@@ -136,12 +143,14 @@ class _Adoption:
                 if (
                     layer_group >= num_layer_groups
                     or self.pool_group_of.items[layer_group] != r.group
-                    or node.pages[layer_group] is not None
                     or (r.lora_id, r.salt) != scope
                     or r.parent != parent.key
                     or r.tokens != first.tokens
                 ):
-                    self.rejected.append(r)  # (a second record of one page: its slot is free)
+                    self.rejected.append(r)
+                    continue
+                if node.pages[layer_group] is not None:
+                    self.superseded.append(r)  # an older record of this page
                     continue
                 prio = r.priority if r.priority <= MAX_PRIORITY else MAX_PRIORITY
                 storage = self.storages.items[r.group]
@@ -158,7 +167,7 @@ class _Adoption:
         """Free the rejected records' slots, release the placed pages oldest first (evictors keep
         write order) and prune what holds nothing."""
         tree = self.tree
-        for r in self.rejected:
+        for r in self.rejected + self.superseded:
             self.storages.items[r.group].allocator.free(SlotId(r.slot))
         placed = self.placed
         for i in sorted(range(len(placed)), key=self.seqs.__getitem__):
@@ -168,3 +177,7 @@ class _Adoption:
                 tree.prune(node)
         for root in self.roots.values():
             tree.prune(root)
+
+
+def _newest_first(record: DiskRecord) -> int:
+    return -record.seq

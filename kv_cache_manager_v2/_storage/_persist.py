@@ -394,13 +394,17 @@ class PersistentDisk:
             except (OSError, OutOfMemoryError) as e:
                 self._failed(e)
 
+    def forget_records(self, records: list[DiskRecord]) -> None:
+        """Invalidate ``records`` (their slots are free again)."""
+        for r in records:
+            self.forget(r.group, r.slot)
+
     def ignore(self, records: list[DiskRecord]) -> None:
         """Erase ``records``, which adoption ignored (their slots are free again), with one warning:
         the next manager does not meet them again."""
         if not records:
             return
-        for r in records:
-            self.forget(r.group, r.slot)
+        self.forget_records(records)
         LOG.warning(
             "persistent disk tier %s: ignored %d record(s) that do not fit a tree of blocks (a parent block "
             "missing or looping, a scope's root key, another scope, layer group or pool group, a second "
