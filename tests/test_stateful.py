@@ -597,6 +597,24 @@ TestFrequencyTieredMachine = FrequencyTieredMachine.TestCase
 TestFrequencyTinyHostTieredMachine = FrequencyTinyHostTieredMachine.TestCase
 
 
+def test_a_pinned_page_a_beam_request_lets_go_is_not_planned_as_a_free_slot() -> None:
+    """Found by the beam machine: a request's resize counted the pages it lets go of as free
+    slots, also a page its storage holds pins of (it stays out of the evictor), so the planning
+    said yes and the eviction then had nothing to evict."""
+    m = BeamMachine()
+    m.create(extra=17, prefix=2, priority=0, retention=0, salt=None, shared=8)
+    m.resume(i=0)
+    m.step_all(chunk=9, lazy=False)
+    m.step_all(chunk=6, lazy=True)
+    m.pin(duration=None, length=8, prefix=2)
+    m.create(extra=1, prefix=0, priority=0, retention=0, salt=None, shared=0)
+    m.resume(i=0)
+    m.invariants_hold()
+    m.step_all(chunk=7, lazy=False)
+    m.invariants_hold()
+    m.teardown()
+
+
 @pytest.mark.parametrize("machine", ["tiered", "tiny_host", "hybrid"])
 @pytest.mark.parametrize("policy", ["lru", "frequency"])
 @pytest.mark.parametrize("seed", range(8))

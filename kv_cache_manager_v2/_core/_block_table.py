@@ -201,12 +201,13 @@ class BlockTable:
                 p.release(locked)
 
     def sole_owned(self, layer_group: LayerGroupId, beg: int, end: int) -> int:
-        """How many pages of blocks ``[beg, end)`` become available when this request lets go."""
+        """How many pages of blocks ``[beg, end)`` become available when this request lets go
+        (not a page whose pins its storage holds: it stays out of the evictor)."""
         pages = self.pages[layer_group]
         n = 0
         for ordinal in range(beg, end):
             p = pages[ordinal]
-            if p is not None and p.num_locks == 1 and p.num_holds == 0:
+            if p is not None and p.num_locks == 1 and p.num_holds == 0 and not p.pin_held:
                 n += 1
         return n
 

@@ -160,7 +160,8 @@ def extend_pages(
 
 def beams_release_gain(state: RequestState, layer_group: LayerGroupId, ranges: tuple[tuple[int, int], ...]) -> int:
     """Slots that releasing blocks ``ranges`` in every beam frees: pages whose every owner is
-    one of this request's beams (a page beams share is freed once, by its last beam)."""
+    one of this request's beams (a page beams share is freed once, by its last beam) and whose
+    pins its storage does not hold (such a page stays out of the evictor)."""
     refs: dict[int, int] = {}
     pages: dict[int, Page] = {}
     for table in state._tables:
@@ -171,7 +172,9 @@ def beams_release_gain(state: RequestState, layer_group: LayerGroupId, ranges: t
                 if page is not None:
                     refs[id(page)] = refs.get(id(page), 0) + 1
                     pages[id(page)] = page
-    return sum(1 for key, page in pages.items() if page.num_holds == 0 and page.num_locks == refs[key])
+    return sum(
+        1 for key, page in pages.items() if page.num_holds == 0 and page.num_locks == refs[key] and not page.pin_held
+    )
 
 
 def copy_on_write(state: RequestState, cow: list[tuple[int, LayerGroupId, int]], priorities: list[Priority]) -> None:
