@@ -95,7 +95,9 @@ class PrefixMatcher:
             walked = kept[3][:n_full]
             if walked and walked[-1].parent is None:  # it left the tree (and everything under it)
                 walked = None
-            if kept is self.last and validated == len(input_tokens):
+            last = self.last
+            # the last probe's (compared by its keys' list: compiled, a tuple is unboxed, not the same object)
+            if last is not None and kept[2] is last[2] and validated == len(input_tokens):
                 known = kept[4]
         self.last = None
         hasher = BlockHasher(input_tokens, self.tokens_per_block, "input_tokens", keys, validated)
