@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the main job: the serving simulator (kv-cache-sim) on its built-in
 # workload, or with your options, e.g. scripts/sim.sh --model llama-3-70b --gpu 40GiB --trace t.jsonl
-# It runs on the compiled core (2-6x faster): the first run builds it (about 6 minutes, progress
+# It runs on the compiled core (2-6x faster): the first run builds it (about 2 minutes on 2 cores, progress
 # shown; again only after a package source changed). KVCM_SIM_INTERPRETED=1 skips the build and
 # runs interpreted.
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
