@@ -46,9 +46,28 @@ LOW_VALUE_KEY: Final = -1.0
 TAU_SLOTS: Final = 15
 
 
+#: LRU lists of low-value pages start here (lists below: the other pages, by priority)
+_LOW_LISTS: Final = MAX_PRIORITY + 2
+
+
+def _lru_bit(page: Page) -> int:
+    """The bit of ``page``'s LRU list in its mask (one per priority, garbage's first)."""
+    return page.priority + 1
+
+
 def _lru_list(page: Page) -> int:
-    """The LRU list of ``page``: two per priority (its low-value pages first), garbage's first."""
-    return 2 * (page.priority + 1) + (0 if page.low_value else 1)
+    """The LRU list of ``page``: its priority's, among the low-value lists if it is low value."""
+    return page.priority + 1 + (_LOW_LISTS if page.low_value else 0)
+
+
+def _first_list(normal: int, low: int) -> int:
+    """The list to take pages from first, given the masks of non-empty lists (not both 0): the
+    lowest priority's, its low-value pages first."""
+    if low:
+        low_bit = (low & -low).bit_length() - 1
+        if not normal or low_bit <= (normal & -normal).bit_length() - 1:
+            return low_bit + _LOW_LISTS
+    return (normal & -normal).bit_length() - 1
 
 
 class LruEvictor(Evictor):
@@ -56,18 +75,21 @@ class LruEvictor(Evictor):
     recently released first within those.
 
     One intrusive doubly linked list per priority and value (``Page.lru_prev`` / ``lru_next``),
-    the garbage's ahead of priority 0, and a bit mask of the non-empty lists, so add, remove and
+    the garbage's ahead of priority 0, and a bit mask of the non-empty lists per value (one bit
+    per priority: a machine word compiled for the usual priorities), so add, remove and
     pick-victim allocate nothing.
     """
 
-    __slots__ = ("_heads", "_nonempty", "_tails")
+    __slots__ = ("_heads", "_nonempty", "_nonempty_low", "_tails")
 
     def __init__(self) -> None:
         super().__init__()
-        # lists 2i and 2i + 1 hold priority i - 1 (low value, the rest): lists 0 and 1 are garbage
-        self._heads: list[Page | None] = [None] * (2 * MAX_PRIORITY + 4)  # oldest
-        self._tails: list[Page | None] = [None] * (2 * MAX_PRIORITY + 4)  # newest
+        # list i < _LOW_LISTS holds priority i - 1, list _LOW_LISTS + i its low-value pages: lists 0
+        # and _LOW_LISTS are garbage
+        self._heads: list[Page | None] = [None] * (2 * _LOW_LISTS)  # oldest
+        self._tails: list[Page | None] = [None] * (2 * _LOW_LISTS)  # newest
         self._nonempty = 0  # bit i set: list i has pages
+        self._nonempty_low = 0  # bit i set: list _LOW_LISTS + i has pages
 
     def add(self, page: Page) -> None:
         """List ``page`` as the newest of its priority and value (HELD if it has holders, else DROPPABLE)."""
@@ -78,7 +100,10 @@ class LruEvictor(Evictor):
         page.lru_next = None
         if tail is None:
             self._heads[i] = page
-            self._nonempty |= 1 << i
+            if page.low_value:
+                self._nonempty_low |= 1 << _lru_bit(page)
+            else:
+                self._nonempty |= 1 << _lru_bit(page)
         else:
             tail.lru_next = page
         self._tails[i] = page
@@ -98,14 +123,18 @@ class LruEvictor(Evictor):
             nxt.lru_prev = prev
         page.lru_prev = page.lru_next = None
         if self._heads[i] is None:
-            self._nonempty &= ~(1 << i)
+            if page.low_value:
+                self._nonempty_low &= ~(1 << _lru_bit(page))
+            else:
+                self._nonempty &= ~(1 << _lru_bit(page))
 
     def select(self, count: int, max_held: int) -> list[Page]:
         out: list[Page] = []
         held = 0
-        mask = self._nonempty
-        while mask and len(out) < count:
-            page = self._heads[(mask & -mask).bit_length() - 1]
+        normal, low = self._nonempty, self._nonempty_low
+        while (normal or low) and len(out) < count:
+            i = _first_list(normal, low)
+            page = self._heads[i]
             while page is not None and len(out) < count:
                 if page.in_evictor != LISTED_HELD:
                     out.append(page)
@@ -113,29 +142,35 @@ class LruEvictor(Evictor):
                     out.append(page)
                     held += 1
                 page = page.lru_next
-            mask &= mask - 1
+            if i >= _LOW_LISTS:
+                low &= low - 1
+            else:
+                normal &= normal - 1
         for p in out:
             self.remove(p)
         return out
 
     def pop_victim(self) -> Page:
-        mask = self._nonempty
-        if mask == 0:
+        if not (self._nonempty or self._nonempty_low):
             raise IndexError("no evictable page")
-        page = self._heads[(mask & -mask).bit_length() - 1]
+        page = self._heads[_first_list(self._nonempty, self._nonempty_low)]
         assert page is not None
         self.remove(page)
         return page
 
     def pages(self) -> list[Page]:
         out: list[Page] = []
-        mask = self._nonempty
-        while mask:
-            page = self._heads[(mask & -mask).bit_length() - 1]
+        normal, low = self._nonempty, self._nonempty_low
+        while normal or low:
+            i = _first_list(normal, low)
+            page = self._heads[i]
             while page is not None:
                 out.append(page)
                 page = page.lru_next
-            mask &= mask - 1
+            if i >= _LOW_LISTS:
+                low &= low - 1
+            else:
+                normal &= normal - 1
         return out
 
     def structure_error(self) -> str | None:
@@ -147,7 +182,8 @@ class LruEvictor(Evictor):
                     return f"LRU list {i}: broken back link or a page of priority {page.priority} (low value: {page.low_value})"
                 prev = page
                 page = page.lru_next
-            if self._tails[i] is not prev or bool(self._nonempty >> i & 1) != (prev is not None):
+            mask = self._nonempty_low if i >= _LOW_LISTS else self._nonempty
+            if self._tails[i] is not prev or bool(mask >> (i % _LOW_LISTS) & 1) != (prev is not None):
                 return f"LRU list {i}: tail or non-empty bit out of date"
         return None
 
