@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 import pytest
-from test_disk_persistent import WORKER, config, reused
+from test_disk_persistent import WORKER, config, published_directory, reused
 from tier_helpers import T, publish, seq
 
 from kv_cache_manager_v2 import CacheLevel, KVCacheManager, LogicError, ReuseScope
@@ -46,12 +46,13 @@ def records(path: str, num_slots: int = 32) -> dict[int, list[Any]]:
     return out
 
 
-def rewrite(path: str, slot: int, num_slots: int = 32, **change: Any) -> None:
-    """Change fields of ``slot``'s record (``flags``, ``lora_id``, ``parent``, ``key``) and give it a
-    valid checksum again: a record as a bug or an attacker could write it."""
+def rewrite(path: str, slot: int, num_slots: int = 32, to: int | None = None, **change: Any) -> None:
+    """Change fields of ``slot``'s record (``flags``, ``lora_id``, ``seq``, ``parent``, ``key``) and
+    give it a valid checksum again, in place or into slot ``to``: a record as a bug or an attacker
+    could write it."""
     name = os.path.join(path, SLOTS)
     size = (os.path.getsize(name) - HEADER_BYTES) // num_slots
-    index = {"flags": 1, "lora_id": 6, "parent": 9, "key": 10}
+    index = {"flags": 1, "lora_id": 6, "seq": 8, "parent": 9, "key": 10}
     with open(name, "r+b") as f:
         f.seek(HEADER_BYTES + slot * size)
         rec = bytearray(f.read(size))
@@ -60,7 +61,7 @@ def rewrite(path: str, slot: int, num_slots: int = 32, **change: Any) -> None:
             fields[index[field]] = value
         RECORD_HEAD.pack_into(rec, 0, *fields)
         rec[size - 4 :] = checksum(memoryview(rec)[: size - 4]).to_bytes(4, "little")
-        f.seek(HEADER_BYTES + slot * size)
+        f.seek(HEADER_BYTES + (slot if to is None else to) * size)
         f.write(rec)
 
 
@@ -81,11 +82,7 @@ def test_records_that_do_not_form_a_tree_are_ignored_once_and_their_slots_reclai
     tmp_path: Any, caplog: pytest.LogCaptureFixture, kind: str
 ) -> None:
     path = str(tmp_path)
-    prompts = [seq(r, 2 * T) for r in range(4)]
-    m = KVCacheManager(config(path))
-    for toks in prompts:
-        publish(m, toks)
-    m.shutdown()
+    prompts = published_directory(path)
     ends = leaves(path)
     assert len(ends) == 4
     found = records(path)
@@ -128,25 +125,11 @@ def test_an_older_record_of_a_page_written_again_is_superseded_quietly(
     freed slot keeps its record until it is written again): at start-up the newest record is
     the page, the older one's slot is free again and its record erased, with no warning."""
     path = str(tmp_path)
-    prompts = [seq(r, 2 * T) for r in range(4)]
-    m = KVCacheManager(config(path))
-    for toks in prompts:
-        publish(m, toks)
-    m.shutdown()
+    prompts = published_directory(path)
     found = records(path)
     leaf = leaves(path)[0]
     free = next(slot for slot in range(32) if slot not in found)
-    name = os.path.join(path, SLOTS)
-    size = (os.path.getsize(name) - HEADER_BYTES) // 32
-    with open(name, "r+b") as f:  # the same record, written before the one in ``leaf``
-        f.seek(HEADER_BYTES + leaf * size)
-        rec = bytearray(f.read(size))
-        fields = list(RECORD_HEAD.unpack_from(rec))
-        fields[8] -= 1
-        RECORD_HEAD.pack_into(rec, 0, *fields)
-        rec[size - 4 :] = checksum(memoryview(rec)[: size - 4]).to_bytes(4, "little")
-        f.seek(HEADER_BYTES + free * size)
-        f.write(rec)
+    rewrite(path, leaf, to=free, seq=found[leaf][8] - 1)  # the same record, written before the one in ``leaf``
     for _ in range(2):  # the second start-up: the reuse checks above wrote pages again, elsewhere
         with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
             m2 = KVCacheManager(config(path))

@@ -266,15 +266,21 @@ def test_kill_9_mid_writes_leaves_every_entry_valid_or_absent(tmp_path: Any) -> 
             m.shutdown()
 
 
-def test_torn_data_and_torn_records_are_never_served(tmp_path: Any) -> None:
-    """The states a crash between the two writes of a slot can leave: new bytes under an old record
-    (a miss when read, counted), and a half-written record (not adopted)."""
-    path = str(tmp_path)
+def published_directory(path: str) -> list[list[int]]:
+    """Four prompts of two blocks published by a manager on ``path``, then shut down: its records."""
     prompts = [seq(r, 2 * T) for r in range(4)]
     m = KVCacheManager(config(path))
     for toks in prompts:
         publish(m, toks)
     m.shutdown()
+    return prompts
+
+
+def test_torn_data_and_torn_records_are_never_served(tmp_path: Any) -> None:
+    """The states a crash between the two writes of a slot can leave: new bytes under an old record
+    (a miss when read, counted), and a half-written record (not adopted)."""
+    path = str(tmp_path)
+    prompts = published_directory(path)
     m1 = KVCacheManager(config(path))  # where the leaves of prompts 0 and 1 are (nothing moves)
     leaves = [leaf_slot(m1, prompts[0]), leaf_slot(m1, prompts[1])]
     m1.shutdown()
