@@ -64,6 +64,22 @@ def toks(seed: int, n: int) -> list[int]:
     return [rng.randrange(1 << 31) for _ in range(n)]
 
 
+def live_states_until_a_snapshot_goes(m: KVCacheManager) -> list[KVCache]:
+    """Resumed requests without tokens (a live state each) until the state pool evicts a snapshot
+    (the caller closes them)."""
+    g = state_group(m)
+    slots = m.pool_group_descs[m.get_layer_group_info(g).pool_group_index].num_slots
+    evicted = m.reuse_statistics.snapshots_evicted
+    others = []
+    for i in range(slots):
+        kv = m.create_kv_cache(id=i)
+        assert kv.resume()
+        others.append(kv)
+        if m.reuse_statistics.snapshots_evicted > evicted:
+            break
+    return others
+
+
 def state_group(m: KVCacheManager) -> LayerGroupId:
     groups = [
         LayerGroupId(g)
@@ -320,14 +336,7 @@ def test_snapshot_evicted_with_the_kv_kept_and_events_scoped(make_manager: MakeM
     assert sum(1 for e in stored if e.group_idx == g) == 3
     assert m.probe_reuse(None, prompt) == 192
     # live states of other requests fill the state pool: the low-priority snapshot goes first
-    slots = m.pool_group_descs[m.get_layer_group_info(g).pool_group_index].num_slots
-    others = []
-    for i in range(slots):
-        kv = m.create_kv_cache(id=i)
-        assert kv.resume()
-        others.append(kv)
-        if m.reuse_statistics.snapshots_evicted:
-            break
+    others = live_states_until_a_snapshot_goes(m)
     assert m.reuse_statistics.snapshots_evicted == 1
     removed = [e for e in m.get_latest_events() if isinstance(e, BlockRemovedEvent)]
     assert removed and all(e.group.group_idx == g for e in removed)  # the KV block stays announced

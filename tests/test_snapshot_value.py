@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import pytest
 from fake_engine import FakeEngine
-from test_recurrent import MakeManager, T, decode, hybrid_layers, prefill, state_group, toks
+from test_recurrent import (
+    MakeManager,
+    T,
+    decode,
+    hybrid_layers,
+    live_states_until_a_snapshot_goes,
+    prefill,
+    state_group,
+    toks,
+)
 
 from kv_cache_manager_v2 import KVCacheManager, LayerGroupId
 
@@ -74,20 +83,12 @@ def test_a_hit_refreshes_only_the_snapshot_it_used(make_manager: MakeManager) ->
         ssm_reuse_interval=64,
     )
     engine = FakeEngine(m)
-    g = state_group(m)
     p, q = toks(21, 200), toks(22, 200)
     _run(m, engine, p)
     _run(m, engine, q)
     assert _run(m, engine, p[:150] + toks(23, 40)) == 128
     assert m.reuse_statistics.snapshots_evicted == 0
-    slots = m.pool_group_descs[m.get_layer_group_info(g).pool_group_index].num_slots
-    others = []
-    for i in range(slots):
-        kv = m.create_kv_cache(id=i)
-        assert kv.resume()
-        others.append(kv)
-        if m.reuse_statistics.snapshots_evicted == 1:
-            break
+    others = live_states_until_a_snapshot_goes(m)
     m.check_invariants()
     assert m.probe_reuse(None, p[:100] + toks(24, 10)) == 0  # A's 64 went
     assert m.probe_reuse(None, q[:100] + toks(24, 10)) == 64  # U's stayed
