@@ -360,6 +360,10 @@ blockhash_same_block(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_RETURN_FALSE;
         }
         PyObject **have = PySequence_Fast_ITEMS(seq) + beg;
+        /* the very same token objects (a list probed again, a slice of it): one memcmp */
+        if (memcmp(have, want, (size_t)n * sizeof(PyObject *)) == 0) {
+            Py_RETURN_TRUE;
+        }
         for (Py_ssize_t i = 0; i < n; i++) {
             int same = same_token(have[i], want[i]);
             if (same < 0) {

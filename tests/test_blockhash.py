@@ -274,6 +274,14 @@ def test_same_block_compares_in_place_like_a_slice(kind: str) -> None:
             for beg in (0, 4, 6, 7, 20):
                 want = _same_block_reference(block, tokens, beg, t)
                 assert blockhash.same_block(block, tokens, beg, t) is want, (tokens, block, beg)
+    # the very same objects compare in one pass; a differing object then decides by value
+    ids = [70_000 + i for i in range(2 * t)]
+    block_of = tuple(ids[t:])
+    assert blockhash.same_block(block_of, ids, t, t) is True
+    equal, other, bad = list(ids), list(ids), list(ids)
+    equal[-1], other[-1], bad[-1] = int(str(ids[-1])), ids[-1] + 1, True
+    assert equal[-1] is not ids[-1]
+    assert [blockhash.same_block(block_of, x, t, t) for x in (equal, other, bad)] == [True, False, None]
     # big ints from other objects compare by value; other sequence types: None
     assert blockhash.same_block((2**31 + 5,), [int("2147483653")], 0, 1) is True
     assert blockhash.same_block((1, 2), array("L", [1, 2]), 0, 2) is None
