@@ -438,6 +438,30 @@ def test_swa_releases_out_of_window_blocks_and_keeps_the_window(make_manager: Ma
     assert free_slots(m) == [s.total for s in m.get_storage_statistics()]
 
 
+@pytest.mark.parametrize("sinks", [None, 5])
+def test_a_sliding_window_only_model_gets_every_page_back_at_close(make_manager: MakeManager, sinks: int | None) -> None:
+    """Every layer windowed: close skips the blocks the window released (they hold no page) and
+    releases the sinks and the window; a request reusing the prefix reads exact KV meanwhile."""
+    m = make_manager(kv_layers(3, T, window=20, swa_every=1, sink_tokens=sinks))
+    engine = FakeEngine(m)
+    toks = tokens(7, 120)
+    kv = m.create_kv_cache()
+    kv.resume()
+    run_request(engine, kv, toks, [50, 30], 25)
+    live = sum(i != BAD_PAGE_INDEX for i in kv.get_base_page_indices(LayerGroupId(0)))
+    assert 0 < live < kv.num_blocks
+    assert sum(s.unavailable for s in m.get_storage_statistics()) == live
+    kv.close()
+    assert sum(s.unavailable for s in m.get_storage_statistics()) == 0
+    reader = m.create_kv_cache(input_tokens=toks[:80])
+    reader.resume()
+    assert reader.history_length > 40
+    engine.check_all(reader, toks, reader.history_length)
+    reader.close()
+    m.clear_reusable_blocks()
+    assert free_slots(m) == [s.total for s in m.get_storage_statistics()]
+
+
 def test_growth_uses_slots_released_by_another_layer_group_of_the_same_pool_group(make_manager: MakeManager) -> None:
     # layer 0 full attention (layer group 0), layer 1 window 8 (layer group 1); one pool group of 8 slots
     layers = [

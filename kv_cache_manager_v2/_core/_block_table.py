@@ -27,6 +27,8 @@ _pack: Final = struct.pack
 #: Shared by new tables until their first block: never written (writes go to grown arrays).
 _EMPTY_STORE: array[int] = array("i")
 _EMPTY_VIEW = memoryview(_EMPTY_STORE)
+#: copied from when blocks leave (no array built per call)
+_BAD_RUN: Final = array("i", [BAD_PAGE_INDEX]) * 256
 
 
 class BlockTable:
@@ -52,6 +54,7 @@ class BlockTable:
         "views",
         "user_bufs",
         "stale_end",
+        "initial_stale_end",
         "pending_copy",
         "scratch",
         "scratch_slots",
@@ -68,6 +71,7 @@ class BlockTable:
         self.views: TypedList[LayerGroupId, memoryview] = TypedList([_EMPTY_VIEW] * num_layer_groups)
         self.user_bufs: TypedList[LayerGroupId, memoryview | None] = TypedList([None] * num_layer_groups)
         self.stale_end: TypedList[LayerGroupId, int] = TypedList(list(initial_stale_ends))
+        self.initial_stale_end = initial_stale_ends  # (shared by every table of the manager, never changed)
         self.pending_copy: TypedList[LayerGroupId, Page | None] = TypedList([None] * num_layer_groups)
         self.scratch: TypedList[LayerGroupId, tuple[int, int]] = TypedList([(0, 0)] * num_layer_groups)
         self.scratch_slots: TypedList[LayerGroupId, list[SlotId]] = TypedList([[] for _ in range(num_layer_groups)])
@@ -91,8 +95,9 @@ class BlockTable:
                 grown[:old_num_blocks] = store[:old_num_blocks]
             self._store.items[layer_group] = store = grown
         elif num_blocks < old_num_blocks:
-            store[num_blocks:old_num_blocks] = array("i", [BAD_PAGE_INDEX]) * (old_num_blocks - num_blocks)
-        self.views.items[layer_group] = memoryview(store)[:num_blocks]
+            k = old_num_blocks - num_blocks
+            store[num_blocks:old_num_blocks] = _BAD_RUN[:k] if k <= len(_BAD_RUN) else array("i", [BAD_PAGE_INDEX]) * k
+        self.views.items[layer_group] = memoryview(store)[:num_blocks] if num_blocks else _EMPTY_VIEW
 
     def adopt(self, layer_group: LayerGroupId, pages: list[Page | None], stale_end: int) -> None:
         """Install the pages of a matched prefix (the table is empty)."""
@@ -177,11 +182,22 @@ class BlockTable:
         """Drop blocks from ``num_blocks`` on, releasing their pages last block first: the tail becomes
         the least recently used, so eviction takes tails before the prefixes others share."""
         all_pages = self.pages.items
-        for ordinal in range(max(len(pages) for pages in all_pages) - 1, num_blocks - 1, -1):
-            for pages in all_pages:
-                p = pages[ordinal]
-                if p is not None:
-                    p.release(locked)
+        # blocks released as stale in every layer group hold no page: skipped (most blocks of a
+        # sliding-window request); plain loops, not max()/min() (a generic call compiled)
+        initial, stale = self.initial_stale_end, self.stale_end.items
+        top, none_beg, none_end = 0, 0, stale[0]
+        for i in range(len(all_pages)):
+            if len(all_pages[i]) > top:
+                top = len(all_pages[i])
+            if initial[i] > none_beg:
+                none_beg = initial[i]
+            if stale[i] < none_end:
+                none_end = stale[i]
+        if none_beg < none_end:
+            _release_blocks(all_pages, none_end if none_end > num_blocks else num_blocks, top, locked)
+            _release_blocks(all_pages, num_blocks, none_beg if none_beg < top else top, locked)
+        else:
+            _release_blocks(all_pages, num_blocks, top, locked)
         for i, pages in enumerate(all_pages):
             layer_group = LayerGroupId(i)
             old_num_blocks = len(pages)
@@ -377,3 +393,12 @@ class BlockTable:
         buf = self.user_bufs[layer_group]
         if buf is not None and n < len(buf):
             buf[n:] = memoryview(array("i", [BAD_PAGE_INDEX]) * (len(buf) - n))
+
+
+def _release_blocks(all_pages: list[list[Page | None]], beg: int, end: int, locked: bool) -> None:
+    """Release the pages of blocks ``[beg, end)`` in every layer group, last block first."""
+    for ordinal in range(end - 1, beg - 1, -1):
+        for pages in all_pages:
+            p = pages[ordinal]
+            if p is not None:
+                p.release(locked)
