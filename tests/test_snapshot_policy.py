@@ -406,8 +406,8 @@ def test_auto_spaces_the_lower_tier_snapshots_by_bytes(
 ) -> None:
     """Under "auto" with a tier below the GPU the periodic snapshots written there are spaced by
     bytes: the smallest power-of-two multiple of the interval whose span's KV weighs at least twice
-    a snapshot (``ssm_lower_tier_interval`` overrides); the prompt's last block and last multiple of
-    the interval are still kept (GPU)."""
+    a snapshot (``ssm_lower_tier_interval`` overrides); the prompt's last block and the last multiple
+    of that spacing are kept (GPU)."""
     kw: dict[str, object] = {"host_quota": 16 << 20} if host else {}
     if override is not None:
         kw["ssm_lower_tier_interval"] = override
@@ -429,7 +429,7 @@ def test_auto_spaces_the_lower_tier_snapshots_by_bytes(
 
 def test_reuse_from_bytes_spaced_host_snapshots_is_exact(make_manager: MakeManager) -> None:
     """Heavy states under "auto" with a host tier: a request takes periodic snapshots at multiples
-    of 512 only (on the host), none at the multiples of the interval between; a request sharing 700 tokens
+    of 512 only (on the host; its last one on the GPU), none at the multiples of the interval between; a request sharing 700 tokens
     resumes from the host's snapshot at 512, exact (the fake engine checks the reused blocks and
     the resumed state), and the invariants hold."""
     m = make_manager(
@@ -438,7 +438,8 @@ def test_reuse_from_bytes_spaced_host_snapshots_is_exact(make_manager: MakeManag
     engine = FakeEngine(m)
     prompt = toks(1, 1100)
     run(m, engine, prompt)
-    assert snapshot_levels(m) == {512: 1, 1024: 1, 1088: 0}
-    assert m.reuse_statistics.snapshots_interval == 2
+    # 1024: the prompt's last multiple of the spacing, kept on the GPU like its last block
+    assert snapshot_levels(m) == {512: 1, 1024: 0, 1088: 0}
+    assert m.reuse_statistics.snapshots_interval == 1
     assert run(m, engine, prompt[:700] + toks(8, 50)) == 512
     assert snapshot_levels(m)[512] == 0  # promoted with the request's pages

@@ -507,7 +507,7 @@ def lower_tier_spacing(adapter: KVCacheResourceManager) -> int:
 def test_lower_tier_snapshots_spaced_by_bytes_resume_exactly(name: str) -> None:
     """Policy "auto" with a host tier and the tiny models' heavy states (the KV of one interval
     weighs less than twice a state): the periodic snapshots written to the host are spaced by bytes,
-    none at the multiples of the interval below; a request resuming from the host's snapshot gets
+    none at the multiples of the interval between; a request resuming from the host's snapshot gets
     the state of the dense recomputation and generates what it generates."""
     p = WorkloadParams(
         full_slots=400, swa_slots=400, ssm_reuse_interval=INTERVAL, ssm_snapshot_policy="auto", host_tier=True
@@ -515,14 +515,15 @@ def test_lower_tier_snapshots_spaced_by_bytes_resume_exactly(name: str) -> None:
     model, adapter, engine = setup(name, p)
     spacing = lower_tier_spacing(adapter)
     assert spacing > INTERVAL
-    prompt = tokens_of(60, spacing + 13)  # last full block: spacing + 12; its last multiple of INTERVAL: + 8
+    prompt = tokens_of(60, 2 * spacing + 13)  # last full block: 2 x spacing + 12
     first = EngineRequest(0, prompt, 3)
     _, logits = run_request(adapter, engine, first, chunks=(5, 3, 7))
     assert_equals_dense(model, first, logits)
     num_groups = len(snapshot_levels(adapter, spacing))
     assert num_groups > 0 and snapshot_levels(adapter, spacing) == [1] * num_groups  # on the host tier
-    assert all(snapshot_levels(adapter, x) == [] for x in range(INTERVAL, spacing, INTERVAL))
-    assert snapshot_levels(adapter, spacing + 8) == snapshot_levels(adapter, spacing + 12) == [0] * num_groups
+    assert all(snapshot_levels(adapter, x) == [] for x in range(INTERVAL, 2 * spacing, INTERVAL) if x != spacing)
+    # the prompt's last multiple of the spacing and its last full block: on the GPU
+    assert snapshot_levels(adapter, 2 * spacing) == snapshot_levels(adapter, 2 * spacing + 12) == [0] * num_groups
     second = EngineRequest(1, prompt[: spacing + 5] + tokens_of(61, 6), 4)
     _, logits = run_request(adapter, engine, second, chunks=(3, 7))
     assert second.num_reused_tokens == spacing

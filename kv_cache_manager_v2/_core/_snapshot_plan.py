@@ -46,12 +46,13 @@ def plan_snapshots(
             if offset < prompt_end:
                 kinds[prompt_end - offset] = SNAPSHOT_INTERVAL
         kinds[prompt_end] = SNAPSHOT_LAST
-        interval = ctx.snapshot_interval
+        interval = ctx.periodic_interval
         if ctx.periodic_level > 0 and prompt_end >= interval:
-            # "auto" with a tier below the GPU (where the periodic snapshots go, maybe spaced
-            # wider): the prompt's last multiple of the interval is kept like its last block (the
+            # "auto" with a tier below the GPU (where the other periodic snapshots go, spaced by
+            # bytes): the prompt's last multiple of that spacing is kept like its last block (the
             # GPU first, the callback's priority), for a request sharing the prompt up to a point
-            # between the two (a changed last message; prefixes shared at multiples of the interval)
+            # between the two (a changed last message; prefixes shared at multiples of the interval);
+            # at the interval itself it would mostly double the prompt end's snapshot (measured)
             kinds.setdefault(prompt_end // interval * interval, SNAPSHOT_LAST)
     if ctx.plans_branches and attention_blocks > reused_blocks:
         end = attention_blocks * t
