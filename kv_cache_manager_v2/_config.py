@@ -344,6 +344,10 @@ DEFAULT_SSM_REUSE_INTERVAL = 512
 #: while the KV of their path is cached too, so a share like the GPU's (live states + one snapshot
 #: per request) leaves too little KV (README, "Snapshot policy", measured)
 DEFAULT_LOWER_TIER_STATE_SHARE = 0.125
+#: under "auto" with a tier below the GPU, the periodic snapshots written there are spaced so
+#: that the KV of the span one covers weighs at least this many times the snapshot
+#: (``ssm_lower_tier_interval`` None; README, "Snapshot policy", measured)
+LOWER_TIER_SPAN_PER_STATE = 2
 
 
 @mypyc_attr(native_class=False)
@@ -439,6 +443,11 @@ class KVCacheManagerConfig:
     #: GPU's proportions); None: ``DEFAULT_LOWER_TIER_STATE_SHARE``, at most the GPU's own share
     #: (under the "interval" policy: the GPU's share)
     lower_tier_state_share: float | None = None
+    #: hybrid models, policy "auto" with a host or disk tier: tokens between the periodic
+    #: snapshots written there (a positive multiple of ``tokens_per_block``); None: the smallest
+    #: power-of-two multiple of the interval whose span's KV weighs at least
+    #: ``LOWER_TIER_SPAN_PER_STATE`` times a snapshot (the interval itself for small states)
+    ssm_lower_tier_interval: int | None = None
 
     def __post_init__(self) -> None:
         t = check_int("tokens_per_block", raw_field(self, "tokens_per_block"))
@@ -480,6 +489,13 @@ class KVCacheManagerConfig:
             check_int("ssm_reuse_interval", raw_field(self, "ssm_reuse_interval"), -(1 << 62))
             if i <= 0 or i % t != 0:
                 raise ValueError(f"ssm_reuse_interval must be a positive multiple of tokens_per_block ({t}), got {i}")
+        i = self.ssm_lower_tier_interval
+        if i is not None:
+            check_int("ssm_lower_tier_interval", raw_field(self, "ssm_lower_tier_interval"), -(1 << 62))
+            if i <= 0 or i % t != 0:
+                raise ValueError(
+                    f"ssm_lower_tier_interval must be a positive multiple of tokens_per_block ({t}), got {i}"
+                )
         for name in ("ssm_snapshots_from_start", "ssm_snapshots_from_end"):
             offsets = getattr(self, name)
             if isinstance(offsets, (str, bytes)) or not isinstance(offsets, Sequence):

@@ -439,6 +439,8 @@ HYBRID = ["--model", "qwen3-next-80b-a3b", "--trace", TRACE, "--requests", "120"
         (["--model", "jamba-v0.1", "--ssm-reuse-interval", "100"], "--ssm-reuse-interval must be a positive multiple of --tokens-per-block (32), got 100"),
         (["--model", "jamba-v0.1", "--ssm-reuse-interval", "-64"], "--ssm-reuse-interval must be a positive multiple of --tokens-per-block (32), got -64"),
         (["--ssm-reuse-interval", "512"], "--ssm-reuse-interval: llama-3-8b has no recurrent layers"),
+        (["--model", "jamba-v0.1", "--ssm-lower-tier-interval", "100"], "--ssm-lower-tier-interval must be a positive multiple of --tokens-per-block (32), got 100"),
+        (["--ssm-lower-tier-interval", "2048"], "--ssm-lower-tier-interval: llama-3-8b has no recurrent layers"),
         (["--state-dtype", "fp32"], "--state-dtype: llama-3-8b has no recurrent layers"),
         (["--model", "nemotron-h-8b", "--state-dtype", "fp64"], "unknown --state-dtype 'fp64'"),
         (["--model", "nemotron-h-8b", "--layers", "8"], "a hybrid preset keeps its layer count"),
@@ -485,6 +487,19 @@ def test_hybrid_replay_reports_state_memory_and_snapshots(capsys: pytest.Capture
     assert "in state snapshots)" in out
     code, out, _ = run(capsys, *QUICK, "--json")
     assert json.loads(out)["snapshots"] is None  # attention-only models have none
+
+
+def test_ssm_lower_tier_interval_spaces_the_host_snapshots(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--ssm-lower-tier-interval`` reaches the manager: with a host tier, "auto" takes a quarter
+    of the interval snapshots at 2048 tokens that it takes at 512 (the trace's prompts are long)."""
+    taken = []
+    for spacing in ("512", "2048"):
+        code, out, err = run(
+            capsys, *HYBRID[:-3], "--requests", "30", "--host", "64GiB", "--ssm-lower-tier-interval", spacing, "--json"
+        )
+        assert code == 0, err
+        taken.append(json.loads(out)["snapshots"]["snapshots_interval"])
+    assert taken[0] > 3 * taken[1] > 0
 
 
 @pytest.mark.slow  # (a sweep: several full replays; scripts/test.sh quick skips it)

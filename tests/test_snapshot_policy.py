@@ -13,9 +13,17 @@ from conftest import make_config
 from fake_engine import FakeEngine
 from test_recurrent import MakeManager, T, decode, hybrid_layers, prefill, state_group, toks
 
-from kv_cache_manager_v2 import BatchDesc, KVCacheDesc, KVCacheManager, LayerGroupId, LayerId
+from kv_cache_manager_v2 import (
+    BatchDesc,
+    BufferConfig,
+    KVCacheDesc,
+    KVCacheManager,
+    LayerGroupId,
+    LayerId,
+    SsmLayerConfig,
+)
 from kv_cache_manager_v2._common import MAX_CAPACITY
-from kv_cache_manager_v2._config import DEFAULT_LOWER_TIER_STATE_SHARE
+from kv_cache_manager_v2._config import DEFAULT_LOWER_TIER_STATE_SHARE, LayerConfig
 
 PREFIX = 1000  #: shared tokens: its last full block ends at 992
 SHARED = PREFIX // T * T
@@ -356,3 +364,82 @@ def test_reuse_through_a_host_tier_stays_exact_whatever_its_state_share(
     # 192 is a periodic snapshot, written to the host: a state pool of one slot there keeps none
     assert reused == [192 if share > 0 else 0] * len(prompts)
     assert abs(state_share(host) - share) < 0.01
+
+
+def heavy_state_layers() -> list[LayerConfig]:
+    """``hybrid_layers()`` with recurrent states 16x larger: one block's KV (one attention layer,
+    key + value: 2 x 32 x 32 bytes) weighs 2,048 bytes, the state of the three recurrent layers
+    3 x (64 + 4,096) = 12,480 bytes."""
+    return [
+        dataclasses.replace(layer, buffers=[BufferConfig(b.role, b.size * 16) for b in layer.buffers])
+        if isinstance(layer, SsmLayerConfig)
+        else layer
+        for layer in hybrid_layers()
+    ]
+
+
+def test_ssm_lower_tier_interval_validation() -> None:
+    for bad in (True, "64", 64.0):
+        with pytest.raises(TypeError, match="ssm_lower_tier_interval must be an int"):
+            make_config(hybrid_layers(), T, ssm_lower_tier_interval=bad)
+    for bad in (0, -64, 48):
+        with pytest.raises(
+            ValueError, match=r"ssm_lower_tier_interval must be a positive multiple of tokens_per_block"
+        ):
+            make_config(hybrid_layers(), T, ssm_lower_tier_interval=bad)
+    assert make_config(hybrid_layers(), T, ssm_lower_tier_interval=96).ssm_lower_tier_interval == 96
+
+
+@pytest.mark.parametrize(
+    ("layers", "host", "policy", "override", "spacing"),
+    [
+        # 64 tokens = 2 blocks of KV = 4,096 bytes; at least twice the state (24,960): 512 = 8 x 64
+        ("heavy", True, "auto", None, 512),
+        ("heavy", True, "auto", 128, 128),  # the explicit knob
+        ("heavy", False, "auto", None, 64),  # no tier below the GPU: the interval
+        ("heavy", True, "interval", None, 64),  # "interval" writes nothing straight to a lower tier
+        ("light", True, "auto", None, 64),  # 2 x (3 x 320) bytes <= 4,096: the interval itself
+    ],
+)
+def test_auto_spaces_the_lower_tier_snapshots_by_bytes(
+    make_manager: MakeManager, layers: str, host: bool, policy: str, override: int | None, spacing: int
+) -> None:
+    """Under "auto" with a tier below the GPU the periodic snapshots written there are spaced by
+    bytes: the smallest power-of-two multiple of the interval whose span's KV weighs at least twice
+    a snapshot (``ssm_lower_tier_interval`` overrides); the prompt's last block and the last multiple
+    of that spacing are kept (GPU)."""
+    kw: dict[str, object] = {"host_quota": 16 << 20} if host else {}
+    if override is not None:
+        kw["ssm_lower_tier_interval"] = override
+    m = make_manager(
+        heavy_state_layers() if layers == "heavy" else hybrid_layers(),
+        T,
+        quota=16 << 20,
+        ssm_snapshot_policy=policy,
+        ssm_reuse_interval=64,
+        **kw,
+    )
+    kv = m.create_kv_cache(input_tokens=toks(1, 1100))  # prompt end 1088, its last multiple of 64: 1088
+    positions = [0]
+    while positions[-1] < 1088:
+        positions.append(kv.next_snapshot_position(positions[-1]))
+    kv.close()
+    assert positions[1:] == sorted({*range(spacing, 1088, spacing), 1088})
+
+
+def test_reuse_from_bytes_spaced_host_snapshots_is_exact(make_manager: MakeManager) -> None:
+    """Heavy states under "auto" with a host tier: a request takes periodic snapshots at multiples
+    of 512 only (on the host; its last one on the GPU), none at the multiples of the interval between; a request sharing 700 tokens
+    resumes from the host's snapshot at 512, exact (the fake engine checks the reused blocks and
+    the resumed state), and the invariants hold."""
+    m = make_manager(
+        heavy_state_layers(), T, quota=16 << 20, host_quota=16 << 20, ssm_snapshot_policy="auto", ssm_reuse_interval=64
+    )
+    engine = FakeEngine(m)
+    prompt = toks(1, 1100)
+    run(m, engine, prompt)
+    # 1024: the prompt's last multiple of the spacing, kept on the GPU like its last block
+    assert snapshot_levels(m) == {512: 1, 1024: 0, 1088: 0}
+    assert m.reuse_statistics.snapshots_interval == 1
+    assert run(m, engine, prompt[:700] + toks(8, 50)) == 512
+    assert snapshot_levels(m)[512] == 0  # promoted with the request's pages

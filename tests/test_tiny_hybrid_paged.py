@@ -372,6 +372,7 @@ def test_workload_with_each_policy_equals_the_dense_reference(name: str, policy:
         host_tier=host_tier,
         ssm_reuse_interval=INTERVAL,
         ssm_snapshot_policy="branch" if policy == "branch" else "auto",
+        ssm_lower_tier_interval=INTERVAL,  # (from bytes: wider than these prompts, the tiny states are heavy)
     )
     res = run_workload(CONFIGS[name], p)
     assert check_against_dense(res, atol=TOL) <= TOL
@@ -446,7 +447,12 @@ def test_a_snapshot_promoted_from_the_host_tier_is_byte_exact(name: str) -> None
     recomputation's; a later request resumes from the promoted copy to the same bytes, and its
     generation equals the dense recomputation."""
     p = WorkloadParams(
-        full_slots=200, swa_slots=200, ssm_reuse_interval=INTERVAL, ssm_snapshot_policy="auto", host_tier=True
+        full_slots=200,
+        swa_slots=200,
+        ssm_reuse_interval=INTERVAL,
+        ssm_snapshot_policy="auto",
+        host_tier=True,
+        ssm_lower_tier_interval=INTERVAL,
     )
     model, adapter, engine = setup(name, p)
     prompt = tokens_of(50, 27)
@@ -475,5 +481,53 @@ def test_a_snapshot_promoted_from_the_host_tier_is_byte_exact(name: str) -> None
     _, logits = run_request(adapter, engine, second, chunks=(3, 7))
     assert second.num_reused_tokens == 16
     assert_equals_dense(model, second, logits)
+    adapter.manager.check_invariants()
+    adapter.shutdown()
+
+
+def lower_tier_spacing(adapter: KVCacheResourceManager) -> int:
+    """The smallest power-of-two multiple of ``INTERVAL`` whose span's KV (every attention layer
+    group's pages) weighs at least twice the recurrent state (every recurrent layer group's)."""
+    m = adapter.manager
+    state = kv = 0
+    for g in range(m.num_layer_groups):
+        info = m.get_layer_group_info(kvm.LayerGroupId(g))
+        slot_bytes = sum(pool.slot_bytes for pool in m.pool_group_descs[info.pool_group_index].pools)
+        if info.kind == "recurrent":
+            state += slot_bytes
+        else:
+            kv += slot_bytes
+    spacing = INTERVAL
+    while spacing // m.config.tokens_per_block * kv < 2 * state:
+        spacing *= 2
+    return spacing
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_lower_tier_snapshots_spaced_by_bytes_resume_exactly(name: str) -> None:
+    """Policy "auto" with a host tier and the tiny models' heavy states (the KV of one interval
+    weighs less than twice a state): the periodic snapshots written to the host are spaced by bytes,
+    none at the multiples of the interval between; a request resuming from the host's snapshot gets
+    the state of the dense recomputation and generates what it generates."""
+    p = WorkloadParams(
+        full_slots=400, swa_slots=400, ssm_reuse_interval=INTERVAL, ssm_snapshot_policy="auto", host_tier=True
+    )
+    model, adapter, engine = setup(name, p)
+    spacing = lower_tier_spacing(adapter)
+    assert spacing > INTERVAL
+    prompt = tokens_of(60, 2 * spacing + 13)  # last full block: 2 x spacing + 12
+    first = EngineRequest(0, prompt, 3)
+    _, logits = run_request(adapter, engine, first, chunks=(5, 3, 7))
+    assert_equals_dense(model, first, logits)
+    num_groups = len(snapshot_levels(adapter, spacing))
+    assert num_groups > 0 and snapshot_levels(adapter, spacing) == [1] * num_groups  # on the host tier
+    assert all(snapshot_levels(adapter, x) == [] for x in range(INTERVAL, 2 * spacing, INTERVAL) if x != spacing)
+    # the prompt's last multiple of the spacing and its last full block: on the GPU
+    assert snapshot_levels(adapter, 2 * spacing) == snapshot_levels(adapter, 2 * spacing + 12) == [0] * num_groups
+    second = EngineRequest(1, prompt[: spacing + 5] + tokens_of(61, 6), 4)
+    _, logits = run_request(adapter, engine, second, chunks=(3, 7))
+    assert second.num_reused_tokens == spacing
+    assert_equals_dense(model, second, logits)
+    assert snapshot_levels(adapter, spacing) == [0] * num_groups  # promoted
     adapter.manager.check_invariants()
     adapter.shutdown()

@@ -35,6 +35,8 @@ class WorkloadParams:
     state_slots: int = 80
     ssm_reuse_interval: int | None = None  #: hybrid models: tokens between state snapshots (None: default)
     ssm_snapshot_policy: kvm.SnapshotPolicy = "interval"  #: hybrid models: which snapshots requests keep
+    #: hybrid models, "auto" with the host tier: tokens between the snapshots written there (None: from bytes)
+    ssm_lower_tier_interval: int | None = None
 
 
 @dataclass
@@ -75,6 +77,7 @@ def make_adapter(cfg: TinyConfig, p: WorkloadParams) -> KVCacheResourceManager:
         backend="host",
         ssm_reuse_interval=p.ssm_reuse_interval,
         ssm_snapshot_policy=p.ssm_snapshot_policy,
+        ssm_lower_tier_interval=p.ssm_lower_tier_interval,
     )
     return KVCacheResourceManager(mgr_cfg)
 

@@ -7,7 +7,7 @@ import logging
 import rawref
 
 from .._common import DEFAULT_PRIORITY, CacheLevel, LayerGroupId, PoolGroupIndex, Priority, ReuseStatistics
-from .._config import KVCacheManagerConfig
+from .._config import LOWER_TIER_SPAN_PER_STATE, KVCacheManagerConfig
 from .._exceptions import LogicError
 from .._layers._policy import LayerGroup
 from .._life_cycle_registry import LayerGroupRegistry
@@ -29,6 +29,33 @@ class OpenCache:
 
 #: how long shutdown lets queued remote writes drain
 _SHUTDOWN_DRAIN_S = 1.0
+
+
+def lower_tier_interval(config: KVCacheManagerConfig, registry: LayerGroupRegistry, storage: StorageManager) -> int:
+    """Tokens between the periodic snapshots written to a tier below the GPU ("auto"):
+    ``ssm_lower_tier_interval``, else the smallest power-of-two multiple of the interval whose
+    span's KV weighs at least ``LOWER_TIER_SPAN_PER_STATE`` snapshots. A snapshot is worth its
+    bytes by the prefill it saves; a state as heavy as thousands of tokens of KV, written every
+    interval, would fill the tier with snapshots that evict each other (and the KV they need)."""
+    given = config.ssm_lower_tier_interval
+    if given is not None:
+        return given
+    pool_groups = storage.layout.pool_groups
+    group_of = storage.layout.pool_group_of_layer_group
+    state_bytes = 0
+    block_bytes = 0  # KV of one block, all layer groups
+    for layer_group in range(len(registry)):
+        slot_bytes = pool_groups[group_of[LayerGroupId(layer_group)]].slot_bytes
+        if layer_group in registry.state_layer_groups:
+            state_bytes += slot_bytes
+        else:
+            block_bytes += slot_bytes
+    interval = config.snapshot_interval
+    if block_bytes == 0:
+        return interval
+    while interval // config.tokens_per_block * block_bytes < LOWER_TIER_SPAN_PER_STATE * state_bytes:
+        interval *= 2
+    return interval
 
 
 class CacheContext:
@@ -85,14 +112,17 @@ class CacheContext:
         #: tokens between recurrent-state snapshots (0 without recurrent layers)
         self.snapshot_interval = config.snapshot_interval
         policy = config.ssm_snapshot_policy
-        #: tokens between the periodic snapshots a request takes (0: none; ``ssm_snapshot_policy``)
-        self.periodic_interval = self.snapshot_interval if policy != "branch" else 0
         #: the periodic snapshots' priority ("auto": the lowest, evicted before the other
         #: snapshots and any KV), or -1: the callback's
         self.periodic_priority = 0 if policy == "auto" else -1
         #: the cache level a periodic snapshot is written to first ("auto": the first tier below
         #: the GPU when there is one, so they never evict GPU pages; a hit brings one up)
         self.periodic_level = CacheLevel(1 if policy == "auto" and storage.num_levels > 1 else 0)
+        #: tokens between the periodic snapshots a request takes (0: none; ``ssm_snapshot_policy``;
+        #: written to a lower tier: ``lower_tier_interval``)
+        self.periodic_interval = self.snapshot_interval if policy != "branch" else 0
+        if self.periodic_level > 0 and self.periodic_interval > 0:
+            self.periodic_interval = lower_tier_interval(config, registry, storage)
         #: snapshots are planned where the prompt leaves a cached path, and on demand
         self.plans_branches = policy != "interval"
         #: per layer group, the stale end at history 0: where a new block table starts (blocks

@@ -48,10 +48,11 @@ def plan_snapshots(
         kinds[prompt_end] = SNAPSHOT_LAST
         interval = ctx.periodic_interval
         if ctx.periodic_level > 0 and prompt_end >= interval:
-            # "auto" with a tier below the GPU (where the other periodic snapshots go): the
-            # prompt's last multiple of the interval is kept like its last block (the GPU first,
-            # the callback's priority), for a request sharing the prompt up to a point between
-            # the two (a changed last message; prefixes shared at multiples of the interval)
+            # "auto" with a tier below the GPU (where the other periodic snapshots go, spaced by
+            # bytes): the prompt's last multiple of that spacing is kept like its last block (the
+            # GPU first, the callback's priority), for a request sharing the prompt up to a point
+            # between the two (a changed last message; prefixes shared at multiples of the interval);
+            # at the interval itself it would mostly double the prompt end's snapshot (measured)
             kinds.setdefault(prompt_end // interval * interval, SNAPSHOT_LAST)
     if ctx.plans_branches and attention_blocks > reused_blocks:
         end = attention_blocks * t

@@ -215,6 +215,14 @@ def _add_model_arguments(g: argparse._ArgumentGroup) -> None:
         "--tokens-per-block)",
     )
     g.add_argument(
+        "--ssm-lower-tier-interval",
+        type=int,
+        metavar="N",
+        help="hybrid models, policy auto with a host or disk tier: tokens between the snapshots written there "
+        "(a positive multiple of --tokens-per-block) (default: the smallest power-of-two multiple of the interval "
+        "whose span's KV weighs twice a state)",
+    )
+    g.add_argument(
         "--ssm-snapshot-policy",
         help="hybrid models: which recurrent-state snapshots requests keep: interval, branch or auto "
         "(the manager's ssm_snapshot_policy) (default: the manager's default)",
@@ -394,6 +402,8 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
     interval: int | None = a.ssm_reuse_interval
     if interval is not None:
         check_ssm_interval("--ssm-reuse-interval", interval, shape, a.tokens_per_block)
+    if a.ssm_lower_tier_interval is not None:
+        check_ssm_interval("--ssm-lower-tier-interval", a.ssm_lower_tier_interval, shape, a.tokens_per_block)
     _check_snapshot_policy(a, shape, sweep)
     if sweep is not None and sweep[0] == SSM_SWEEP_KEY:
         if interval is not None:

@@ -132,6 +132,7 @@ def simulate(
     pin_shared: int | None = None,
     ssm_snapshot_policy: str | None = None,
     pin_duration: float | None = None,
+    ssm_lower_tier_interval: int | None = None,
 ) -> dict[str, Any]:
     """One replay (and one per accuracy of ``retention_hints`` with continuation hints; prefixes
     shared by more than ``pin_shared`` conversations pinned, for ``pin_duration`` seconds after
@@ -145,6 +146,8 @@ def simulate(
     )
     if ssm_snapshot_policy is not None:
         config = dataclasses.replace(config, ssm_snapshot_policy=ssm_snapshot_policy)  # type: ignore[arg-type]
+    if ssm_lower_tier_interval is not None:
+        config = dataclasses.replace(config, ssm_lower_tier_interval=ssm_lower_tier_interval)
     try:
         replay = Replay(config, requests, options, check_data, progress, on_finish=metrics.finish if metrics else None)
         if metrics is not None:
@@ -513,6 +516,7 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
             rep = simulate(
                 run_shape, row, a.tokens_per_block, s.requests, s.workload, s.options, a.swa_scratch, a.check_data,
                 update, policy, metrics, run_interval, hints, a.pin_system_prompts, run_policy, a.pin_duration,
+                a.ssm_lower_tier_interval,
             )  # fmt: skip
             if point:
                 rep["sweep_point"] = point
