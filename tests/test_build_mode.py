@@ -41,8 +41,8 @@ def test_expected_mode() -> None:
 
 def _sim_sandbox(tmp: str) -> dict[str, str]:
     """A copy of ``scripts/sim.sh`` and ``scripts/compiled_build.sh`` in ``tmp`` with stand-ins: a
-    ``setup_env.sh`` that puts a fake ``python`` (its mypyc build writes a ``*__mypyc*.so`` and
-    counts itself) and a ``kv-cache-sim`` that says whether a compiled module is in place."""
+    ``setup_env.sh`` that puts a fake ``python`` (its mypyc build writes a ``*__mypyc*.so`` and its
+    gcc level, and logs that level) and a ``kv-cache-sim`` that says whether a compiled module is in place."""
     import shutil
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,8 +59,8 @@ def _sim_sandbox(tmp: str) -> dict[str, str]:
         f.write('set -euo pipefail\nROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"\ncd "$ROOT"\n')
         f.write('export PATH="$ROOT/bin:$PATH"\n')
     scripts = {
-        "python": '#!/bin/bash\nif [ "$1" = -c ]; then echo 1; exit 0; fi\necho build >> builds.log\n'
-        "echo \"building 'x__mypyc' extension\"\ntouch x__mypyc.so\n",
+        "python": '#!/bin/bash\nif [ "$1" = -c ]; then echo 1; exit 0; fi\necho "${KVCM_MYPYC_OPT:-3}" >> builds.log\n'
+        'echo "building \'x__mypyc\' extension"\ntouch x__mypyc.so\necho "${KVCM_MYPYC_OPT:-3}" > build/mypyc.opt-level\n',
         "kv-cache-sim": "#!/bin/bash\nif ls *__mypyc*.so >/dev/null 2>&1; then echo sim compiled; else echo sim interpreted; fi\n",
     }
     for name, text in scripts.items():
@@ -69,6 +69,15 @@ def _sim_sandbox(tmp: str) -> dict[str, str]:
             f.write(text)
         os.chmod(path, 0o755)
     return dict(os.environ, PATH=os.environ.get("PATH", ""))
+
+
+def _builds(tmp: str) -> list[str]:
+    """The gcc level of each build the sandbox's fake python ran, in order."""
+    path = os.path.join(tmp, "builds.log")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return f.read().split()
 
 
 def test_sim_script_runs_on_the_compiled_core(tmp_path: object) -> None:
@@ -85,11 +94,7 @@ def test_sim_script_runs_on_the_compiled_core(tmp_path: object) -> None:
         return r.stdout + r.stderr
 
     def builds() -> int:
-        path = os.path.join(tmp, "builds.log")
-        if not os.path.exists(path):
-            return 0
-        with open(path) as f:
-            return len(f.read().split())
+        return len(_builds(tmp))
 
     first = sim()
     assert "sim compiled" in first and "mypyc build" in first and "compiling the shared unit" in first, first
@@ -100,6 +105,28 @@ def test_sim_script_runs_on_the_compiled_core(tmp_path: object) -> None:
     later = os.path.getmtime(os.path.join(tmp, "build", "mypyc.stamp")) + 10
     os.utime(os.path.join(tmp, "kv_cache_manager_v2", "mod.py"), (later, later))
     assert "sim compiled" in sim() and builds() == 2  # a source changed: built again
+
+
+def test_the_tests_build_at_o1_and_the_simulator_at_o3(tmp_path: object) -> None:
+    """``ensure_compiled any`` (scripts/test.sh) builds at gcc -O1 and takes a current build of any
+    level; ``scripts/sim.sh`` (like the benchmarks) runs only on an -O3 build, rebuilding a test build."""
+    import subprocess
+
+    tmp = str(tmp_path)
+    env = _sim_sandbox(tmp)
+
+    def run(command: str) -> str:
+        script = f"source scripts/setup_env.sh; source scripts/compiled_build.sh; {command}"
+        r = subprocess.run(["bash", "-c", script], cwd=tmp, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return r.stdout + r.stderr
+
+    assert "gcc -O1" in run("ensure_compiled any") and _builds(tmp) == ["1"]
+    assert "up to date (gcc -O1" in run("ensure_compiled any") and _builds(tmp) == ["1"]
+    assert "sim compiled" in run("bash scripts/sim.sh") and _builds(tmp) == ["1", "3"]  # rebuilt optimised
+    assert "sim compiled" in run("bash scripts/sim.sh") and _builds(tmp) == ["1", "3"]
+    assert "up to date (gcc -O3" in run("ensure_compiled any") and _builds(tmp) == ["1", "3"]  # the tests take it
+    assert "gcc -O2" in run("build_compiled 2") and _builds(tmp) == ["1", "3", "2"]
 
 
 def test_test_script_shares_the_build() -> None:
