@@ -80,6 +80,7 @@ def _builds(tmp: str) -> list[str]:
         return f.read().split()
 
 
+@pytest.mark.mode_independent  # (the build scripts, in a sandbox)
 def test_sim_script_runs_on_the_compiled_core(tmp_path: object) -> None:
     """``scripts/sim.sh`` builds the compiled core on its first run (progress shown), skips the
     build while no source changed, and runs interpreted with ``KVCM_SIM_INTERPRETED=1``."""
@@ -107,6 +108,7 @@ def test_sim_script_runs_on_the_compiled_core(tmp_path: object) -> None:
     assert "sim compiled" in sim() and builds() == 2  # a source changed: built again
 
 
+@pytest.mark.mode_independent  # (the build scripts, in a sandbox)
 def test_the_tests_build_at_o1_and_the_simulator_at_o3(tmp_path: object) -> None:
     """``ensure_compiled any`` (scripts/test.sh) builds at gcc -O1 and takes a current build of any
     level; ``scripts/sim.sh`` (like the benchmarks) runs only on an -O3 build, rebuilding a test build."""
@@ -129,6 +131,7 @@ def test_the_tests_build_at_o1_and_the_simulator_at_o3(tmp_path: object) -> None
     assert "gcc -O2" in run("build_compiled 2") and _builds(tmp) == ["1", "3", "2"]
 
 
+@pytest.mark.mode_independent  # (the build scripts, in a sandbox)
 def test_test_script_shares_the_build() -> None:
     """``scripts/test.sh`` and ``scripts/sim.sh`` use one build script (stamp, stash, progress)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -138,6 +141,43 @@ def test_test_script_shares_the_build() -> None:
         assert "compiled_build.sh" in text and "setup_mypyc.py build_ext" not in text, name
 
 
+@pytest.mark.mode_independent  # (the test runner's own rules)
+def test_the_compiled_run_skips_only_the_mode_independent_tests() -> None:
+    """The compiled run of ``scripts/test.sh`` deselects the tests marked ``mode_independent``
+    (they run nothing compiled); the fast run keeps every test."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "scripts", "test.sh")) as f:
+        text = f.read()
+    run_fast = text[text.index("run_fast() {") : text.index("run_compiled() {")]
+    run_compiled = text[text.index("run_compiled() {") :]
+    assert '-m "not mode_independent"' in run_compiled and "mode_independent" not in run_fast
+
+
+@pytest.mark.mode_independent  # (the test runner's own rules)
+def test_the_costliest_tests_are_handed_out_first() -> None:
+    """conftest orders the tests for xdist: marked ``slow`` first, then hypothesis's state machines
+    (``runTest``), then the rest, each group in file order."""
+    import conftest
+
+    class Item:  # what the hook reads of a pytest item
+        def __init__(self, name: str, slow: bool) -> None:
+            self.name, self.slow = name, slow
+
+        def get_closest_marker(self, marker: str) -> object:
+            return object() if marker == "slow" and self.slow else None
+
+    items = [Item("a", False), Item("runTest", False), Item("b", True), Item("c", False), Item("d", True)]
+    conftest.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
+    assert [(i.name, i.slow) for i in items] == [
+        ("b", True),
+        ("d", True),
+        ("runTest", False),
+        ("a", False),
+        ("c", False),
+    ]
+
+
+@pytest.mark.mode_independent  # (the build scripts, in a sandbox)
 def test_the_build_compiles_only_the_c_files_that_changed(tmp_path: object) -> None:
     """``setup_mypyc.py`` compiles an extension's C files in parallel and skips each object file
     newer than its C file and the headers: an edit recompiles the modules whose C code changed, a
