@@ -85,6 +85,7 @@ def test_sim_script_runs_on_the_compiled_core(tmp_path: object) -> None:
     """``scripts/sim.sh`` builds the compiled core on its first run (progress shown), skips the
     build while no source changed, and runs interpreted with ``KVCM_SIM_INTERPRETED=1``."""
     import subprocess
+    import time
 
     tmp = str(tmp_path)
     env = _sim_sandbox(tmp)
@@ -97,7 +98,10 @@ def test_sim_script_runs_on_the_compiled_core(tmp_path: object) -> None:
     def builds() -> int:
         return len(_builds(tmp))
 
+    started = time.monotonic()
     first = sim()
+    # (the build's 30 s progress ticker once left a sleep holding the output: each build waited for it)
+    assert time.monotonic() - started < 20, "a build's output stayed open after the build"
     assert "sim compiled" in first and "mypyc build" in first and "compiling the shared unit" in first, first
     assert builds() == 1
     assert "sim compiled" in sim() and builds() == 1  # up to date: no second build
