@@ -235,8 +235,10 @@ def prepare_fast() -> None:
 
 
 def prepare_compiled() -> None:
+    """Build production mode in place unless a build at ``$KVCM_MYPYC_OPT`` (default: gcc -O3) is
+    there and newer than every package source (``scripts/test.sh`` builds at -O1 for its tests)."""
     sys.path.insert(0, ROOT)
-    from setup_mypyc import compiled_artifacts
+    from setup_mypyc import built_level, compiled_artifacts, opt_level
 
     sources = [
         os.path.join(d, f)
@@ -245,8 +247,9 @@ def prepare_compiled() -> None:
         if f.endswith(".py")
     ]
     arts = compiled_artifacts()
-    if not arts or max(map(os.path.getmtime, sources)) > max(map(os.path.getmtime, arts)):
-        print("building production mode (mypyc)...", flush=True)
+    stale = not arts or max(map(os.path.getmtime, sources)) > max(map(os.path.getmtime, arts))
+    if stale or built_level() != opt_level():
+        print(f"building production mode (mypyc, gcc -O{opt_level()})...", flush=True)
         subprocess.run(
             [sys.executable, "setup_mypyc.py", "build_ext", "--inplace", "-j", "2"],
             cwd=ROOT,
@@ -396,6 +399,13 @@ def main() -> None:
     write_results(args.out, params, results, compiled_speedup=speedups)
 
 
+def _built_level() -> str | None:
+    sys.path.insert(0, ROOT)
+    from setup_mypyc import built_level
+
+    return built_level()
+
+
 def write_results(path: str, params: dict[str, Any], results: list[dict[str, Any]], **extra: Any) -> None:
     """The JSON every benchmark script writes: its parameters, this machine, the results, a time stamp."""
     machine = {
@@ -403,6 +413,7 @@ def write_results(path: str, params: dict[str, Any], results: list[dict[str, Any
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "processor": platform.processor(),
+        "mypyc_opt_level": _built_level(),  # gcc's level of the compiled build (None: none built)
     }
     doc = {"params": params, "machine": machine, "results": results, **extra}
     doc["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S")

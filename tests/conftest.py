@@ -110,6 +110,19 @@ def make_config(
     )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The costliest tests first, the rest in file order: xdist hands tests out in this order, so
+    the long ones start early and the short ones fill both workers to the end (in file order the
+    simulator's sweeps and the state machines come late: one started last keeps a worker busy
+    while the other idles).
+    Costly: marked ``slow``, then hypothesis's state machines (``runTest``)."""
+
+    def cost(item: pytest.Item) -> int:
+        return 2 if item.get_closest_marker("slow") else 1 if item.name == "runTest" else 0
+
+    items.sort(key=cost, reverse=True)  # (stable: file order within each cost)
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import tomllib
 
+import pytest
+
+pytestmark = pytest.mark.mode_independent  # reads source files: the same in both modes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "kv_cache_manager_v2"
 

@@ -41,8 +41,8 @@ def test_expected_mode() -> None:
 
 def _sim_sandbox(tmp: str) -> dict[str, str]:
     """A copy of ``scripts/sim.sh`` and ``scripts/compiled_build.sh`` in ``tmp`` with stand-ins: a
-    ``setup_env.sh`` that puts a fake ``python`` (its mypyc build writes a ``*__mypyc*.so`` and
-    counts itself) and a ``kv-cache-sim`` that says whether a compiled module is in place."""
+    ``setup_env.sh`` that puts a fake ``python`` (its mypyc build writes a ``*__mypyc*.so`` and its
+    gcc level, and logs that level) and a ``kv-cache-sim`` that says whether a compiled module is in place."""
     import shutil
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,8 +59,8 @@ def _sim_sandbox(tmp: str) -> dict[str, str]:
         f.write('set -euo pipefail\nROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"\ncd "$ROOT"\n')
         f.write('export PATH="$ROOT/bin:$PATH"\n')
     scripts = {
-        "python": '#!/bin/bash\nif [ "$1" = -c ]; then echo 1; exit 0; fi\necho build >> builds.log\n'
-        "echo \"building 'x__mypyc' extension\"\ntouch x__mypyc.so\n",
+        "python": '#!/bin/bash\nif [ "$1" = -c ]; then echo 1; exit 0; fi\necho "${KVCM_MYPYC_OPT:-3}" >> builds.log\n'
+        'echo "building \'x__mypyc\' extension"\ntouch x__mypyc.so\necho "${KVCM_MYPYC_OPT:-3}" > build/mypyc.opt-level\n',
         "kv-cache-sim": "#!/bin/bash\nif ls *__mypyc*.so >/dev/null 2>&1; then echo sim compiled; else echo sim interpreted; fi\n",
     }
     for name, text in scripts.items():
@@ -71,10 +71,21 @@ def _sim_sandbox(tmp: str) -> dict[str, str]:
     return dict(os.environ, PATH=os.environ.get("PATH", ""))
 
 
+def _builds(tmp: str) -> list[str]:
+    """The gcc level of each build the sandbox's fake python ran, in order."""
+    path = os.path.join(tmp, "builds.log")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return f.read().split()
+
+
+@pytest.mark.mode_independent  # (the build scripts, in a sandbox)
 def test_sim_script_runs_on_the_compiled_core(tmp_path: object) -> None:
     """``scripts/sim.sh`` builds the compiled core on its first run (progress shown), skips the
     build while no source changed, and runs interpreted with ``KVCM_SIM_INTERPRETED=1``."""
     import subprocess
+    import time
 
     tmp = str(tmp_path)
     env = _sim_sandbox(tmp)
@@ -85,13 +96,12 @@ def test_sim_script_runs_on_the_compiled_core(tmp_path: object) -> None:
         return r.stdout + r.stderr
 
     def builds() -> int:
-        path = os.path.join(tmp, "builds.log")
-        if not os.path.exists(path):
-            return 0
-        with open(path) as f:
-            return len(f.read().split())
+        return len(_builds(tmp))
 
+    started = time.monotonic()
     first = sim()
+    # (the build's 30 s progress ticker once left a sleep holding the output: each build waited for it)
+    assert time.monotonic() - started < 20, "a build's output stayed open after the build"
     assert "sim compiled" in first and "mypyc build" in first and "compiling the shared unit" in first, first
     assert builds() == 1
     assert "sim compiled" in sim() and builds() == 1  # up to date: no second build
@@ -102,6 +112,30 @@ def test_sim_script_runs_on_the_compiled_core(tmp_path: object) -> None:
     assert "sim compiled" in sim() and builds() == 2  # a source changed: built again
 
 
+@pytest.mark.mode_independent  # (the build scripts, in a sandbox)
+def test_the_tests_build_at_o1_and_the_simulator_at_o3(tmp_path: object) -> None:
+    """``ensure_compiled any`` (scripts/test.sh) builds at gcc -O1 and takes a current build of any
+    level; ``scripts/sim.sh`` (like the benchmarks) runs only on an -O3 build, rebuilding a test build."""
+    import subprocess
+
+    tmp = str(tmp_path)
+    env = _sim_sandbox(tmp)
+
+    def run(command: str) -> str:
+        script = f"source scripts/setup_env.sh; source scripts/compiled_build.sh; {command}"
+        r = subprocess.run(["bash", "-c", script], cwd=tmp, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return r.stdout + r.stderr
+
+    assert "gcc -O1" in run("ensure_compiled any") and _builds(tmp) == ["1"]
+    assert "up to date (gcc -O1" in run("ensure_compiled any") and _builds(tmp) == ["1"]
+    assert "sim compiled" in run("bash scripts/sim.sh") and _builds(tmp) == ["1", "3"]  # rebuilt optimised
+    assert "sim compiled" in run("bash scripts/sim.sh") and _builds(tmp) == ["1", "3"]
+    assert "up to date (gcc -O3" in run("ensure_compiled any") and _builds(tmp) == ["1", "3"]  # the tests take it
+    assert "gcc -O2" in run("build_compiled 2") and _builds(tmp) == ["1", "3", "2"]
+
+
+@pytest.mark.mode_independent  # (the build scripts, in a sandbox)
 def test_test_script_shares_the_build() -> None:
     """``scripts/test.sh`` and ``scripts/sim.sh`` use one build script (stamp, stash, progress)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,6 +145,43 @@ def test_test_script_shares_the_build() -> None:
         assert "compiled_build.sh" in text and "setup_mypyc.py build_ext" not in text, name
 
 
+@pytest.mark.mode_independent  # (the test runner's own rules)
+def test_the_compiled_run_skips_only_the_mode_independent_tests() -> None:
+    """The compiled run of ``scripts/test.sh`` deselects the tests marked ``mode_independent``
+    (they run nothing compiled); the fast run keeps every test."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "scripts", "test.sh")) as f:
+        text = f.read()
+    run_fast = text[text.index("run_fast() {") : text.index("run_compiled() {")]
+    run_compiled = text[text.index("run_compiled() {") :]
+    assert '-m "not mode_independent"' in run_compiled and "mode_independent" not in run_fast
+
+
+@pytest.mark.mode_independent  # (the test runner's own rules)
+def test_the_costliest_tests_are_handed_out_first() -> None:
+    """conftest orders the tests for xdist: marked ``slow`` first, then hypothesis's state machines
+    (``runTest``), then the rest, each group in file order."""
+    import conftest
+
+    class Item:  # what the hook reads of a pytest item
+        def __init__(self, name: str, slow: bool) -> None:
+            self.name, self.slow = name, slow
+
+        def get_closest_marker(self, marker: str) -> object:
+            return object() if marker == "slow" and self.slow else None
+
+    items = [Item("a", False), Item("runTest", False), Item("b", True), Item("c", False), Item("d", True)]
+    conftest.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
+    assert [(i.name, i.slow) for i in items] == [
+        ("b", True),
+        ("d", True),
+        ("runTest", False),
+        ("a", False),
+        ("c", False),
+    ]
+
+
+@pytest.mark.mode_independent  # (the build scripts, in a sandbox)
 def test_the_build_compiles_only_the_c_files_that_changed(tmp_path: object) -> None:
     """``setup_mypyc.py`` compiles an extension's C files in parallel and skips each object file
     newer than its C file and the headers: an edit recompiles the modules whose C code changed, a

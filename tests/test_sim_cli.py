@@ -29,6 +29,17 @@ def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def run_json_and_text(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, *args: str
+) -> tuple[int, dict[str, Any], str, str]:
+    """One replay for both reports: ``--json FILE`` writes the JSON and prints the text (the slow
+    replays are run once, not once per format); returns the code, the JSON, stdout and stderr."""
+    path = tmp_path / "report.json"
+    code, out, err = run(capsys, *args, "--json", str(path))
+    doc: dict[str, Any] = json.loads(path.read_text()) if code == 0 else {}
+    return code, doc, out, err
+
+
 def one_line_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
     try:
         code, out, err = run(capsys, *args)
@@ -468,10 +479,9 @@ def test_hybrid_option_errors_are_one_line_through_the_entry_point(args: list[st
     assert says in lines[0], lines[0]
 
 
-def test_hybrid_replay_reports_state_memory_and_snapshots(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, *HYBRID, "--ssm-reuse-interval", "256", "--json")
+def test_hybrid_replay_reports_state_memory_and_snapshots(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, rep, out, err = run_json_and_text(capsys, tmp_path, *HYBRID, "--ssm-reuse-interval", "256")
     assert code == 0, err
-    rep = json.loads(out)
     m = rep["model"]
     # 36 gated delta-nets of conv 3 x 8192 and ssm 32 x 128 x 128, bf16
     assert (m["attention_layers"], m["recurrent_layers"]) == (12, 36)
@@ -482,8 +492,7 @@ def test_hybrid_replay_reports_state_memory_and_snapshots(capsys: pytest.Capture
     # state bytes by tier at the end: the snapshots still kept (one state-sized page each)
     kept = sum(t["snapshot_bytes_at_end"] for t in rep["tiers"])
     assert kept == (snap["taken"] - snap["evicted"]) * m["state_bytes_per_request"] > 0
-    code, out, _ = run(capsys, *HYBRID, "--ssm-reuse-interval", "256")
-    assert code == 0 and "recurrent state" in out and "37.7 MiB per request" in out and "every 256 tokens" in out
+    assert "recurrent state" in out and "37.7 MiB per request" in out and "every 256 tokens" in out
     assert "in state snapshots)" in out
     code, out, _ = run(capsys, *QUICK, "--json")
     assert json.loads(out)["snapshots"] is None  # attention-only models have none
@@ -503,11 +512,11 @@ def test_ssm_lower_tier_interval_spaces_the_host_snapshots(capsys: pytest.Captur
 
 
 @pytest.mark.slow  # (a sweep: several full replays; scripts/test.sh quick skips it)
-def test_hybrid_interval_sweep(capsys: pytest.CaptureFixture[str]) -> None:
+def test_hybrid_interval_sweep(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     args = [*HYBRID, "--gpu", "40GiB", "--sweep", "ssm-interval=64,1024,prompt,kv"]
-    code, out, err = run(capsys, *args, "--json")
+    code, doc, out, err = run_json_and_text(capsys, tmp_path, *args)
     assert code == 0, err
-    points = json.loads(out)["sweep"]["points"]
+    points = doc["sweep"]["points"]
     assert [p["sweep_point"] for p in points] == ["64", "1024", "prompt", "kv"]
     hits = [p["hit_rate"]["tokens"] for p in points]
     snaps = [p["snapshots"] for p in points]
@@ -526,8 +535,7 @@ def test_hybrid_interval_sweep(capsys: pytest.CaptureFixture[str]) -> None:
     # a snapshot of 37.7 MiB every 64 tokens overflows the state pool (the default split counts one
     # snapshot per request): most are evicted, matches shorten
     assert snaps[0]["evicted"] > 10 * snaps[1]["evicted"] and hits[0] < hits[1], (snaps, hits)
-    code, out, _ = run(capsys, *args)
-    assert code == 0 and "ssm-interval" in out and "prompt" in out and "without any snapshot" in out
+    assert "ssm-interval" in out and "prompt" in out and "without any snapshot" in out
 
 
 # ---------------------------------------------------------------- issue 38: inputs that hung, crashed or grew without bound
@@ -612,28 +620,28 @@ def test_list_models_keeps_names_and_descriptions_apart(capsys: pytest.CaptureFi
         assert row[:column].rstrip() == name and row[column - 2 : column] == "  ", row
 
 
-def test_each_tier_reports_how_full_it_got_and_what_it_keeps(capsys: pytest.CaptureFixture[str]) -> None:
+def test_each_tier_reports_how_full_it_got_and_what_it_keeps(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     """Issue 38.19: a host tier that pages were onboarded from reported "peak in use 0 B (0%)" (what
     requests held there), and the host sweep's "peak use" column was the GPU's. Each tier now says how
     full it got, how much of that requests held, and the reusable blocks it kept; the sweep shows the
     swept tier's fill beside the GPU's share held by requests."""
     more = ["--conversations", "30", "--turns", "3"]
     args = [*QUICK_SWEEP, *more, "--gpu", "1500tok", "--host", "3000tok"]
-    code, out, err = run(capsys, *args, "--json")
+    code, doc, out, err = run_json_and_text(capsys, tmp_path, *args)
     assert code == 0, err
-    host = json.loads(out)["tiers"][1]
+    host = doc["tiers"][1]
     assert host["onboarded_pages"] > 0 and host["dropped_pages"] > 0
     assert host["peak_occupied_fraction"] == 1.0  # it dropped pages: it was full
     assert 0 < host["reusable_bytes_at_end"] <= host["peak_occupied_bytes"] <= host["capacity_bytes"]
-    code, out, _ = run(capsys, *args)
     row = next(line for line in out.splitlines() if line.startswith("  host 3000tok"))
     assert f"filled up to {format_bytes(host['peak_occupied_bytes'])} (100%)" in row, row
     assert f"held by suspended requests up to {format_bytes(host['peak_used_bytes'])}" in row, row
     assert f"{format_bytes(host['reusable_bytes_at_end'])} of reusable blocks at the end" in row, row
     sweep = [*QUICK_SWEEP, *more, "--gpu", "1500tok", "--sweep", "host=3000tok,40000tok"]
-    code, out, _ = run(capsys, *sweep, "--json")
-    points = json.loads(out)["sweep"]["points"]
-    code, out, _ = run(capsys, *sweep)
+    code, doc, out, _ = run_json_and_text(capsys, tmp_path, *sweep)
+    points = doc["sweep"]["points"]
     head, *rows = out.splitlines()[1:4]
     assert head.split()[8:10] == ["held", "filled"], head
     for line, p in zip(rows, points):
@@ -697,11 +705,9 @@ def test_interval_sweep_plot(
     path = tmp_path / "ssm.png"
     args = ["--model", "qwen3-next-80b-a3b", "--trace", TRACE, "--requests", "40", "--no-progress", "--gpu", "40GiB"]
     args += ["--sweep", "ssm-interval=64,1024,prompt,kv"]
-    code, out, err = run(capsys, *args, "--json")
-    assert code == 0, err
-    points = json.loads(out)["sweep"]["points"]
-    code, out, err = run(capsys, *args, "--plot", str(path))
+    code, doc, out, err = run_json_and_text(capsys, tmp_path, *args, "--plot", str(path))
     assert code == 0 and f"plot written to {path}" in out, err
+    points = doc["sweep"]["points"]
     _png(path)
     (fig,) = figs
     ax, snaps = fig.axes
@@ -713,13 +719,13 @@ def test_interval_sweep_plot(
 
 
 @pytest.mark.slow  # (a sweep: several full replays; scripts/test.sh quick skips it)
-def test_hybrid_snapshot_policy_sweep(capsys: pytest.CaptureFixture[str]) -> None:
+def test_hybrid_snapshot_policy_sweep(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """--sweep ssm-policy: one replay per policy beside the attention-only bound of the same run;
     snapshots by kind; "branch" takes no interval snapshot, "auto" takes both kinds."""
     args = [*HYBRID, "--gpu", "40GiB", "--sweep", "ssm-policy=interval,branch,auto,kv"]
-    code, out, err = run(capsys, *args, "--json")
+    code, doc, out, err = run_json_and_text(capsys, tmp_path, *args)
     assert code == 0, err
-    points = json.loads(out)["sweep"]["points"]
+    points = doc["sweep"]["points"]
     assert [p["sweep_point"] for p in points] == ["interval", "branch", "auto", "kv"]
     snaps = [p["snapshots"] for p in points]
     hits = [p["hit_rate"]["tokens"] for p in points]
@@ -734,7 +740,6 @@ def test_hybrid_snapshot_policy_sweep(capsys: pytest.CaptureFixture[str]) -> Non
     # (auto's interval snapshots go first under pressure: on this sample, where prompt ends are never
     # shared, that costs a little; see README for the traces where it gains)
     assert hits[2] >= 0.9 * hits[0], hits
-    code, out, _ = run(capsys, *args)
-    assert code == 0 and "bound" in out and "ratio" in out and "1.00" in out
+    assert "bound" in out and "ratio" in out and "1.00" in out
     code, out, _ = run(capsys, *HYBRID, "--ssm-snapshot-policy", "branch")
     assert code == 0 and "branch: at branch points" in out and "snapshot kinds" in out and "0 interval" in out

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import TRACE
 
 from kv_cache_manager_v2.sim._workload import TRACE_BLOCK_TOKENS, load_trace
@@ -15,6 +16,7 @@ from kv_cache_manager_v2.sim._workload import TRACE_BLOCK_TOKENS, load_trace
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.mode_independent  # (a stdlib-only script)
 def test_the_script_writes_the_shipped_file(tmp_path: Path) -> None:
     out = tmp_path / "t.jsonl"
     subprocess.run(
