@@ -9,6 +9,8 @@
 #   scripts/test.sh compiled   # build (skipped when up to date) + compiled tests only
 # Extra arguments after the mode go to pytest, e.g. scripts/test.sh fast -k rawref (-n 0: one process)
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+# (pytest workers then reuse the tests' cached bytecode: collection ~7 -> ~2 CPU s each)
+unset PYTHONDONTWRITEBYTECODE
 mode="${1:-all}"
 shift || true
 
