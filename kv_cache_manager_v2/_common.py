@@ -113,7 +113,7 @@ class HalfOpenRange:
         return self.beg <= x < self.end
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class StorageStatistics:
     """Slot accounting of one pool group at one cache level."""
 
@@ -126,6 +126,26 @@ class StorageStatistics:
     #: a close-time hint), held or evictable
     pinned: int = 0
     retained: int = 0
+
+    def __init__(
+        self,
+        pool_group_index: PoolGroupIndex,
+        slot_sizes: tuple[int, ...],
+        total: int,
+        free: int,
+        evictable: int,
+        pinned: int = 0,
+        retained: int = 0,
+    ) -> None:
+        # written out: compiled, object.__setattr__ on self is a plain field store, while the
+        # __init__ dataclass generates stays interpreted (an engine may ask every step)
+        object.__setattr__(self, "pool_group_index", pool_group_index)
+        object.__setattr__(self, "slot_sizes", slot_sizes)
+        object.__setattr__(self, "total", total)
+        object.__setattr__(self, "free", free)
+        object.__setattr__(self, "evictable", evictable)
+        object.__setattr__(self, "pinned", pinned)
+        object.__setattr__(self, "retained", retained)
 
     @property
     def pinned_bytes(self) -> int:

@@ -165,3 +165,29 @@ def test_the_build_compiles_only_the_c_files_that_changed(tmp_path: object) -> N
     touch("shared.h", 5000)
     compile_files(sources, depends=[header])
     assert sorted(compiled) == ["a.c", "b.c"]  # the header every module includes changed
+
+
+def test_storage_statistics_keep_their_value_type_and_are_built_by_compiled_code() -> None:
+    """``StorageStatistics`` (asked every step by the simulator, and by engines) behaves as the
+    frozen dataclass it is (defaults, equality, hash, frozen fields, ``replace``, ``asdict``),
+    and compiled it is built by compiled code: the ``__init__`` a dataclass generates stays
+    interpreted (about 10k instructions a call, a sixth of a simulator step)."""
+    import dataclasses
+    import types
+
+    from kv_cache_manager_v2 import StorageStatistics
+    from kv_cache_manager_v2._common import PoolGroupIndex
+
+    s = StorageStatistics(PoolGroupIndex(1), (4, 8), 10, 3, 2)
+    assert (s.pool_group_index, s.slot_sizes, s.total, s.free, s.evictable) == (1, (4, 8), 10, 3, 2)
+    assert (s.pinned, s.retained, s.available, s.unavailable) == (0, 0, 5, 5)
+    full = StorageStatistics(PoolGroupIndex(1), (4, 8), 10, 3, 2, pinned=1, retained=2)
+    assert (full.pinned_bytes, full.retained_bytes) == (12, 24)
+    assert s == dataclasses.replace(full, pinned=0, retained=0)
+    assert hash(s) == hash(StorageStatistics(PoolGroupIndex(1), (4, 8), 10, 3, 2))
+    assert s != full and dataclasses.asdict(full)["retained"] == 2
+    assert repr(s).startswith("StorageStatistics(pool_group_index=1, slot_sizes=(4, 8), total=10")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.free = 4  # type: ignore[misc]
+    if kv_cache_manager_v2.compiled:
+        assert not isinstance(StorageStatistics.__dict__["__init__"], types.FunctionType)
