@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import heapq
+import struct
 import time
 from array import array
 from collections import deque
@@ -441,13 +442,15 @@ class Replay:
 
     def _flush_samples(self) -> None:
         """Move the pending samples into the result's series (``SERIES_FIELDS``), value for value."""
-        if not self._samples:
+        samples = self._samples
+        if not samples:
             return
-        columns = np.array(self._samples, dtype=np.float64).reshape(-1, len(SERIES_FIELDS)).T
-        for name, column in zip(SERIES_FIELDS, columns):
+        packed = array("d", struct.pack(f"{len(samples)}d", *samples))  # C doubles, as array('d') keeps them
+        width = len(SERIES_FIELDS)
+        for k, name in enumerate(SERIES_FIELDS):
             series: array[float] = getattr(self.result, name)
-            series.frombytes(column.tobytes())
-        self._samples.clear()
+            series.extend(packed[k::width])
+        samples.clear()
 
     def _step_traffic(self) -> None:
         """The step's tier traffic (``take_iteration_stats``: since the previous step)."""
