@@ -440,6 +440,7 @@ def test_the_per_step_series_are_kept_value_for_value_across_bulk_moves(monkeypa
     list and move into the result's arrays in bulk: moved every 7 steps, every series holds one
     value per step, the same values as when moved once at the end (manager time aside: measured)."""
     from kv_cache_manager_v2.sim import _replay
+    from kv_cache_manager_v2.sim._replay_types import SERIES_FIELDS
 
     params = ConversationParams(conversations=6, turns=2, system_prompts=1, system_tokens=100, seed=2)
     reqs = generate_conversations(params)
@@ -453,7 +454,7 @@ def test_the_per_step_series_are_kept_value_for_value_across_bulk_moves(monkeypa
     holder.append(replay)
     often = replay.run()
     assert once.steps == often.steps > 30 and 0 < max(seen) < often.steps  # moved during the run
-    for name in _replay.SERIES_FIELDS:
+    for name in SERIES_FIELDS:
         a, b = getattr(once, name), getattr(often, name)
         assert len(a) == len(b) == once.steps, name
         if name != "step_us":

@@ -26,9 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import heapq
-import struct
 import time
-from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -40,14 +38,12 @@ from .._config import KVCacheManagerConfig
 from .._retention import Retention
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
-from ._replay_types import LevelUsage, ReplayResult, SchedulerOptions, ideal_peak_tokens
+from ._replay_types import SERIES_FIELDS, LevelUsage, ReplayResult, SchedulerOptions, add_samples, ideal_peak_tokens
 from ._ssm_policy import add_counters
 from ._workload import SimRequest
 
-#: the per-step series of ``ReplayResult``, in the order ``_sample`` then ``advance`` note them
-SERIES_FIELDS = ("series_t_s", "series_used", "series_cached", "series_hit", "series_running", "step_us")
-#: pending samples moved into the series at once
-FLUSH_SAMPLES = 6 * 4096
+#: pending samples moved into the result's series at once
+FLUSH_SAMPLES = len(SERIES_FIELDS) * 4096
 
 
 class _Live:
@@ -119,9 +115,7 @@ class Replay:
         self._step_manager_s = 0.0
         self.releases = 0  #: requests that finished or were freed so far (memory came back)
         self.suspended_now = False  #: the step being scheduled preempted a request by suspending it
-        #: the served steps' samples not yet in the result's series, SERIES_FIELDS values a step
-        #: (moved in bulk: one array('d').append costs ~700 instructions compiled, 6 a step)
-        self._samples: list[float] = []
+        self._samples: list[float] = []  #: the served steps' samples not yet in the series (add_samples)
         stats = self.rm.manager.get_storage_statistics()
         self.slot_bytes = [sum(s.slot_sizes) for s in stats]
         for lvl in range(self.num_levels):
@@ -433,24 +427,8 @@ class Replay:
                 used_total = used
                 cached_total = occupied - used
         cap = r.levels[0].capacity
-        samples = self._samples
-        samples.append(self.clock / 1000.0)
-        samples.append(used_total / cap)
-        samples.append(cached_total / cap)
-        samples.append(r.reused_tokens / r.prompt_tokens if r.prompt_tokens else 0.0)
-        samples.append(float(len(self.running)))
-
-    def _flush_samples(self) -> None:
-        """Move the pending samples into the result's series (``SERIES_FIELDS``), value for value."""
-        samples = self._samples
-        if not samples:
-            return
-        packed = array("d", struct.pack(f"{len(samples)}d", *samples))  # C doubles, as array('d') keeps them
-        width = len(SERIES_FIELDS)
-        for k, name in enumerate(SERIES_FIELDS):
-            series: array[float] = getattr(self.result, name)
-            series.extend(packed[k::width])
-        samples.clear()
+        hit = r.reused_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
+        self._samples.extend((self.clock / 1000.0, used_total / cap, cached_total / cap, hit, float(len(self.running))))
 
     def _step_traffic(self) -> None:
         """The step's tier traffic (``take_iteration_stats``: since the previous step)."""
@@ -507,7 +485,7 @@ class Replay:
         r.manager_s += self._step_manager_s
         self._samples.append(self._step_manager_s * 1e6)
         if len(self._samples) >= FLUSH_SAMPLES:
-            self._flush_samples()
+            add_samples(r, self._samples)
         self._step_traffic()
         if self.on_step is not None:
             self.on_step(self.rm)
@@ -576,7 +554,7 @@ class Replay:
         self.rm.shutdown()
 
     def _finish(self) -> None:
-        self._flush_samples()
+        add_samples(self.result, self._samples)
         if self.on_finish is not None:
             self.on_finish(self.rm)
         self._collect()
