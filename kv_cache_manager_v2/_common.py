@@ -113,7 +113,7 @@ class HalfOpenRange:
         return self.beg <= x < self.end
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class StorageStatistics:
     """Slot accounting of one pool group at one cache level."""
 
@@ -126,6 +126,26 @@ class StorageStatistics:
     #: a close-time hint), held or evictable
     pinned: int = 0
     retained: int = 0
+
+    def __init__(
+        self,
+        pool_group_index: PoolGroupIndex,
+        slot_sizes: tuple[int, ...],
+        total: int,
+        free: int,
+        evictable: int,
+        pinned: int = 0,
+        retained: int = 0,
+    ) -> None:
+        # written out: compiled, object.__setattr__ on self is a plain field store, while the
+        # __init__ dataclass generates stays interpreted (an engine may ask every step)
+        object.__setattr__(self, "pool_group_index", pool_group_index)
+        object.__setattr__(self, "slot_sizes", slot_sizes)
+        object.__setattr__(self, "total", total)
+        object.__setattr__(self, "free", free)
+        object.__setattr__(self, "evictable", evictable)
+        object.__setattr__(self, "pinned", pinned)
+        object.__setattr__(self, "retained", retained)
 
     @property
     def pinned_bytes(self) -> int:
@@ -146,7 +166,7 @@ class StorageStatistics:
         return self.total - self.available
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TierStatistics:
     """Usage and traffic of one cache level, summed over its pool groups.
 
@@ -175,6 +195,37 @@ class TierStatistics:
     #: hybrid models: bytes in use by recurrent states at this level now (requests' live states
     #: and the reuse tree's snapshots; part of ``used_bytes``)
     state_bytes: int = 0
+
+    def __init__(
+        self,
+        level: CacheLevel,
+        tier: CacheTier,
+        total_bytes: int,
+        used_bytes: int,
+        peak_used_bytes: int,
+        offloaded_pages: int,
+        offloaded_bytes: int,
+        onboarded_pages: int,
+        onboarded_bytes: int,
+        dropped_pages: int,
+        dropped_bytes: int,
+        io_errors: int,
+        state_bytes: int = 0,
+    ) -> None:
+        # written out, as StorageStatistics' (take_iteration_stats builds one per level every step)
+        object.__setattr__(self, "level", level)
+        object.__setattr__(self, "tier", tier)
+        object.__setattr__(self, "total_bytes", total_bytes)
+        object.__setattr__(self, "used_bytes", used_bytes)
+        object.__setattr__(self, "peak_used_bytes", peak_used_bytes)
+        object.__setattr__(self, "offloaded_pages", offloaded_pages)
+        object.__setattr__(self, "offloaded_bytes", offloaded_bytes)
+        object.__setattr__(self, "onboarded_pages", onboarded_pages)
+        object.__setattr__(self, "onboarded_bytes", onboarded_bytes)
+        object.__setattr__(self, "dropped_pages", dropped_pages)
+        object.__setattr__(self, "dropped_bytes", dropped_bytes)
+        object.__setattr__(self, "io_errors", io_errors)
+        object.__setattr__(self, "state_bytes", state_bytes)
 
 
 @dataclass

@@ -433,3 +433,30 @@ def test_the_shared_trace_cases_skip_with_a_reason_where_it_is_absent() -> None:
     (mark,) = [m for m in shared.marks if m.name == "skipif"]
     assert mark.args == (not os.path.exists(SHARED_TRACE),)
     assert SHARED_TRACE in mark.kwargs["reason"]
+
+
+def test_the_per_step_series_are_kept_value_for_value_across_bulk_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The served steps' samples (time, GPU shares, hit rate, running, manager time) wait in one
+    list and move into the result's arrays in bulk: moved every 7 steps, every series holds one
+    value per step, the same values as when moved once at the end (manager time aside: measured)."""
+    from kv_cache_manager_v2.sim import _replay
+    from kv_cache_manager_v2.sim._replay_types import SERIES_FIELDS
+
+    params = ConversationParams(conversations=6, turns=2, system_prompts=1, system_tokens=100, seed=2)
+    reqs = generate_conversations(params)
+    config = manager_config(SMALL, 16, gpu(1500), False, proxy_page_bytes(16, False))
+    opts = SchedulerOptions(max_batch=4, max_num_tokens=128, chunk=64, time_scale=0.0)
+    once = Replay(config, reqs, opts).run()
+    seen: list[int] = []
+    holder: list[Replay] = []
+    monkeypatch.setattr(_replay, "FLUSH_SAMPLES", 6 * 7)
+    replay = Replay(config, reqs, opts, on_step=lambda rm: seen.append(len(holder[0].result.series_t_s)))
+    holder.append(replay)
+    often = replay.run()
+    assert once.steps == often.steps > 30 and 0 < max(seen) < often.steps  # moved during the run
+    for name in SERIES_FIELDS:
+        a, b = getattr(once, name), getattr(often, name)
+        assert len(a) == len(b) == once.steps, name
+        if name != "step_us":
+            assert a == b, name
+    assert once.series_t_s[-1] * 1000.0 <= once.sim_time_ms and sorted(once.series_t_s) == list(once.series_t_s)

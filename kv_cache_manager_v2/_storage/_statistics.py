@@ -63,15 +63,12 @@ class TrafficStatistics:
             out[6] += persist.num_write_errors  # slot records that could not be written
         return out
 
-    def _bytes(self, level: int, per_group: list[int]) -> int:
-        return sum(n * group.layout.slot_bytes for n, group in zip(per_group, self.storage.levels.items[level]))
-
     def tier_statistics(self, level: CacheLevel) -> TierStatistics:
         """Usage and traffic of ``level`` since the manager was created."""
         if level == self.storage.num_levels:
             return self._remote_stats(level, [0] * NUM_COUNTERS)
         peaks = [group.allocator.peak_used - group.headroom for group in self.storage.levels[level]]
-        return self._tier_stats(level, [0] * NUM_COUNTERS, peaks)
+        return self._tier_stats(level, [0] * NUM_COUNTERS, peaks, self._counters(level))
 
     def _remote_stats(self, level: CacheLevel, base: list[int]) -> TierStatistics:
         """The remote level: written (offloaded), fetched (onboarded), dropped writes, errors; usage
@@ -92,8 +89,9 @@ class TrafficStatistics:
         for level in range(storage.num_levels):
             groups = storage.levels.items[level]
             peaks = [group.allocator.iteration_peak - group.headroom for group in groups]
-            out.append(self._tier_stats(CacheLevel(level), self._iteration_base[level], peaks))
-            self._iteration_base[level] = self._counters(level)
+            now = self._counters(level)
+            out.append(self._tier_stats(CacheLevel(level), self._iteration_base[level], peaks, now))
+            self._iteration_base[level] = now
             for group in groups:
                 group.allocator.iteration_peak = group.allocator.num_used
         if remote is not None:
@@ -102,18 +100,19 @@ class TrafficStatistics:
             self._iteration_base[level] = remote.remote.counters()
         return out
 
-    def _tier_stats(self, level: CacheLevel, base: list[int], peaks: list[int]) -> TierStatistics:
-        groups = self.storage.levels[level]
-        return _statistics(
-            level,
-            self.storage.tiers[level],
-            self._bytes(level, [group.num_slots for group in groups]),
-            self._bytes(level, [group.num_used for group in groups]),
-            self._bytes(level, peaks),
-            self._bytes(level, [group.num_used if group.layout.holds_states else 0 for group in groups]),
-            self._counters(level),
-            base,
-        )
+    def _tier_stats(self, level: CacheLevel, base: list[int], peaks: list[int], now: list[int]) -> TierStatistics:
+        """``level``'s usage in bytes (``peaks``: slots per pool group) and its traffic, the counters
+        ``now`` minus ``base``."""
+        total = used = peak = state = 0
+        for group, group_peak in zip(self.storage.levels[level], peaks):
+            slot_bytes = group.layout.slot_bytes
+            total += group.num_slots * slot_bytes
+            in_use = group.num_used * slot_bytes
+            used += in_use
+            peak += group_peak * slot_bytes
+            if group.layout.holds_states:
+                state += in_use
+        return _statistics(level, self.storage.tiers[level], total, used, peak, state, now, base)
 
 
 def _statistics(

@@ -38,9 +38,12 @@ from .._config import KVCacheManagerConfig
 from .._retention import Retention
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
-from ._replay_types import LevelUsage, ReplayResult, SchedulerOptions, ideal_peak_tokens
+from ._replay_types import SERIES_FIELDS, LevelUsage, ReplayResult, SchedulerOptions, add_samples, ideal_peak_tokens
 from ._ssm_policy import add_counters
 from ._workload import SimRequest
+
+#: pending samples moved into the result's series at once
+FLUSH_SAMPLES = len(SERIES_FIELDS) * 4096
 
 
 class _Live:
@@ -112,6 +115,7 @@ class Replay:
         self._step_manager_s = 0.0
         self.releases = 0  #: requests that finished or were freed so far (memory came back)
         self.suspended_now = False  #: the step being scheduled preempted a request by suspending it
+        self._samples: list[float] = []  #: the served steps' samples not yet in the series (add_samples)
         stats = self.rm.manager.get_storage_statistics()
         self.slot_bytes = [sum(s.slot_sizes) for s in stats]
         for lvl in range(self.num_levels):
@@ -423,11 +427,8 @@ class Replay:
                 used_total = used
                 cached_total = occupied - used
         cap = r.levels[0].capacity
-        r.series_t_s.append(self.clock / 1000.0)
-        r.series_used.append(used_total / cap)
-        r.series_cached.append(cached_total / cap)
-        r.series_hit.append(r.reused_tokens / r.prompt_tokens if r.prompt_tokens else 0.0)
-        r.series_running.append(float(len(self.running)))
+        hit = r.reused_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
+        self._samples.extend((self.clock / 1000.0, used_total / cap, cached_total / cap, hit, float(len(self.running))))
 
     def _step_traffic(self) -> None:
         """The step's tier traffic (``take_iteration_stats``: since the previous step)."""
@@ -482,7 +483,9 @@ class Replay:
         self._run_step(served)
         r.steps += 1
         r.manager_s += self._step_manager_s
-        r.step_us.append(self._step_manager_s * 1e6)
+        self._samples.append(self._step_manager_s * 1e6)
+        if len(self._samples) >= FLUSH_SAMPLES:
+            add_samples(r, self._samples)
         self._step_traffic()
         if self.on_step is not None:
             self.on_step(self.rm)
@@ -551,6 +554,7 @@ class Replay:
         self.rm.shutdown()
 
     def _finish(self) -> None:
+        add_samples(self.result, self._samples)
         if self.on_finish is not None:
             self.on_finish(self.rm)
         self._collect()

@@ -4,6 +4,7 @@ and the raw counters a replay leaves (:class:`ReplayResult`, one :class:`LevelUs
 from __future__ import annotations
 
 import math
+import struct
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -172,3 +173,21 @@ def ideal_peak_tokens(requests: Sequence[SimRequest], options: SchedulerOptions)
         if held > peak:
             peak = held
     return peak
+
+
+#: the per-step series of ``ReplayResult``, in the order the replay notes a served step's values
+SERIES_FIELDS = ("series_t_s", "series_used", "series_cached", "series_hit", "series_running", "step_us")
+
+
+def add_samples(result: ReplayResult, samples: list[float]) -> None:
+    """Move ``samples`` (``SERIES_FIELDS`` values a step, in that order) into ``result``'s series,
+    value for value, and empty it. In bulk: one ``array('d').append`` costs ~700 instructions
+    compiled (argument parsing twice), six a step."""
+    if not samples:
+        return
+    packed = array("d", struct.pack(f"{len(samples)}d", *samples))  # C doubles, as array('d') keeps them
+    width = len(SERIES_FIELDS)
+    for k, name in enumerate(SERIES_FIELDS):
+        series: array[float] = getattr(result, name)
+        series.extend(packed[k::width])
+    samples.clear()
