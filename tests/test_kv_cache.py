@@ -439,7 +439,9 @@ def test_swa_releases_out_of_window_blocks_and_keeps_the_window(make_manager: Ma
 
 
 @pytest.mark.parametrize("sinks", [None, 5])
-def test_a_sliding_window_only_model_gets_every_page_back_at_close(make_manager: MakeManager, sinks: int | None) -> None:
+def test_a_sliding_window_only_model_gets_every_page_back_at_close(
+    make_manager: MakeManager, sinks: int | None
+) -> None:
     """Every layer windowed: close skips the blocks the window released (they hold no page) and
     releases the sinks and the window; a request reusing the prefix reads exact KV meanwhile."""
     m = make_manager(kv_layers(3, T, window=20, swa_every=1, sink_tokens=sinks))
