@@ -484,18 +484,12 @@ class KVCacheManagerConfig:
                         f"layer {layer.layer_id} buffer {b.role!r}: tokens_per_block_override {o} "
                         f"must divide tokens_per_block {t}"
                     )
-        i = self.ssm_reuse_interval
-        if i is not None:
-            check_int("ssm_reuse_interval", raw_field(self, "ssm_reuse_interval"), -(1 << 62))
-            if i <= 0 or i % t != 0:
-                raise ValueError(f"ssm_reuse_interval must be a positive multiple of tokens_per_block ({t}), got {i}")
-        i = self.ssm_lower_tier_interval
-        if i is not None:
-            check_int("ssm_lower_tier_interval", raw_field(self, "ssm_lower_tier_interval"), -(1 << 62))
-            if i <= 0 or i % t != 0:
-                raise ValueError(
-                    f"ssm_lower_tier_interval must be a positive multiple of tokens_per_block ({t}), got {i}"
-                )
+        for name in ("ssm_reuse_interval", "ssm_lower_tier_interval"):
+            raw = raw_field(self, name)  # (checked before any typed read: compiled, that would raise first)
+            if raw is not None:
+                i = check_int(name, raw, -(1 << 62))
+                if i <= 0 or i % t != 0:
+                    raise ValueError(f"{name} must be a positive multiple of tokens_per_block ({t}), got {i}")
         for name in ("ssm_snapshots_from_start", "ssm_snapshots_from_end"):
             offsets = getattr(self, name)
             if isinstance(offsets, (str, bytes)) or not isinstance(offsets, Sequence):

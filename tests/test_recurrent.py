@@ -122,8 +122,9 @@ def test_config_validation() -> None:
     for bad in (0, -32, 48, 1000):
         with pytest.raises(ValueError, match=rf"ssm_reuse_interval.*tokens_per_block \({T}\).*got {bad}"):
             make_config(layers, T, ssm_reuse_interval=bad)
-    with pytest.raises(TypeError, match="ssm_reuse_interval"):
-        make_config(layers, T, ssm_reuse_interval=True)
+    for wrong in (True, "64", 64.0):  # compiled too: refused before a typed read of the field
+        with pytest.raises(TypeError, match="ssm_reuse_interval must be an int"):
+            make_config(layers, T, ssm_reuse_interval=wrong)
     with pytest.raises(ValueError, match="tokens_per_block_override must be None"):
         SsmLayerConfig(LayerId(0), [BufferConfig("ssm_state", 64, 8)])
     with pytest.raises(ValueError, match="appears twice"):
