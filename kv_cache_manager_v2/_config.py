@@ -489,9 +489,9 @@ class KVCacheManagerConfig:
             check_int("ssm_reuse_interval", raw_field(self, "ssm_reuse_interval"), -(1 << 62))
             if i <= 0 or i % t != 0:
                 raise ValueError(f"ssm_reuse_interval must be a positive multiple of tokens_per_block ({t}), got {i}")
-        i = self.ssm_lower_tier_interval
-        if i is not None:
-            check_int("ssm_lower_tier_interval", raw_field(self, "ssm_lower_tier_interval"), -(1 << 62))
+        lower = raw_field(self, "ssm_lower_tier_interval")  # (compiled, a typed read refuses a str first)
+        if lower is not None:
+            i = check_int("ssm_lower_tier_interval", lower, -(1 << 62))
             if i <= 0 or i % t != 0:
                 raise ValueError(
                     f"ssm_lower_tier_interval must be a positive multiple of tokens_per_block ({t}), got {i}"
