@@ -339,11 +339,11 @@ LayerConfig = AttentionLayerConfig | SsmLayerConfig
 #: tokens between recurrent-state snapshots when ``ssm_reuse_interval`` is None (rounded up to
 #: a multiple of ``tokens_per_block``)
 DEFAULT_SSM_REUSE_INTERVAL = 512
-#: share of a tier below the GPU that recurrent-state pool groups take when
-#: ``lower_tier_state_share`` is None (capped at their GPU share): snapshots there serve only
-#: while the KV of their path is cached too, so a share like the GPU's (live states + one snapshot
-#: per request) leaves too little KV (README, "Snapshot policy", measured)
-DEFAULT_LOWER_TIER_STATE_SHARE = 0.125
+#: ``lower_tier_state_share`` None: a tier below the GPU gives its recurrent-state pool groups the
+#: share that holds one state per this many tokens of the tier's KV (capped at their GPU share):
+#: snapshots there serve only while the KV of their path is cached too (README, "Snapshot
+#: policy", measured; Qwen3-Next: 0.13, Nemotron-H, whose state is twice as heavy: 0.22)
+LOWER_TIER_TOKENS_PER_STATE = 11_000
 #: under "auto" with a tier below the GPU, the periodic snapshots written there are spaced so
 #: that the KV of the span one covers weighs at least this many times the snapshot
 #: (``ssm_lower_tier_interval`` None; README, "Snapshot policy", measured)
@@ -440,8 +440,8 @@ class KVCacheManagerConfig:
     ssm_snapshot_policy: SnapshotPolicy = "auto"
     #: hybrid models: the share of each tier below the GPU (host, disk) that the pool groups of
     #: recurrent states take together (snapshots there; the KV pool groups share the rest in the
-    #: GPU's proportions); None: ``DEFAULT_LOWER_TIER_STATE_SHARE``, at most the GPU's own share
-    #: (under the "interval" policy: the GPU's share)
+    #: GPU's proportions); None: derived from bytes, one state per ``LOWER_TIER_TOKENS_PER_STATE``
+    #: tokens of the tier's KV, at most the GPU's own share (under "interval": the GPU's share)
     lower_tier_state_share: float | None = None
     #: hybrid models, policy "auto" with a host or disk tier: tokens between the periodic
     #: snapshots written there (a positive multiple of ``tokens_per_block``); None: the smallest

@@ -377,13 +377,15 @@ def test_no_room_for_a_snapshot_skips_it(make_manager: MakeManager) -> None:
 
 
 def host_tier_manager(make_manager: MakeManager) -> KVCacheManager:
-    """A small GPU tier (a tenth for the states) over a host tier, snapshots every 64 tokens."""
+    """A small GPU tier (a tenth for the states) over a host tier (a tenth too: the share derived
+    for these light states holds one), snapshots every 64 tokens."""
     return make_manager(
         hybrid_layers(),
         T,
         quota=64 << 10,
         initial_pool_ratio=[0.1, 0.9],
         host_quota=256 << 10,
+        lower_tier_state_share=0.1,
         ssm_reuse_interval=64,
         max_util_for_resume=1.0,
     )

@@ -23,7 +23,7 @@ from kv_cache_manager_v2 import (
     SsmLayerConfig,
 )
 from kv_cache_manager_v2._common import MAX_CAPACITY
-from kv_cache_manager_v2._config import DEFAULT_LOWER_TIER_STATE_SHARE, LayerConfig
+from kv_cache_manager_v2._config import LOWER_TIER_TOKENS_PER_STATE, LayerConfig
 
 PREFIX = 1000  #: shared tokens: its last full block ends at 992
 SHARED = PREFIX // T * T
@@ -128,6 +128,7 @@ def test_auto_takes_interval_snapshots_at_the_lowest_priority_with_a_host_tier(m
         host_quota=8 << 20,
         ssm_snapshot_policy="auto",
         ssm_reuse_interval=64,
+        lower_tier_state_share=0.125,  # room for every snapshot (the derived share: ~12 of these light states)
     )
     engine = FakeEngine(m)
     prompt = toks(1, 300)
@@ -272,6 +273,62 @@ def state_share(slots: list[tuple[int, int, bool]]) -> float:
     return sum(n * b for n, b, s in slots if s) / sum(n * b for n, b, _ in slots)
 
 
+def derived_share(layers: list[LayerConfig]) -> float:
+    """The default share of a lower tier in recurrent states: one state per
+    ``LOWER_TIER_TOKENS_PER_STATE`` tokens of KV, from the layers' buffer bytes."""
+    state = sum(b.size for layer in layers if isinstance(layer, SsmLayerConfig) for b in layer.buffers)
+    kv_per_token = sum(b.size for layer in layers if not isinstance(layer, SsmLayerConfig) for b in layer.buffers) / T
+    return state / (state + LOWER_TIER_TOKENS_PER_STATE * kv_per_token)
+
+
+def scaled_state_layers(factor: int) -> list[LayerConfig]:
+    """``hybrid_layers()`` with recurrent-state buffers ``factor`` times larger."""
+    return [
+        dataclasses.replace(layer, buffers=[BufferConfig(b.role, b.size * factor) for b in layer.buffers])
+        if isinstance(layer, SsmLayerConfig)
+        else layer
+        for layer in hybrid_layers()
+    ]
+
+
+@pytest.mark.parametrize(
+    ("factor", "typical_tokens", "share", "capped"),
+    [
+        (1, T, None, False),  # 960 bytes of state, 15 tokens of KV: 0.14 %
+        (16, T, None, False),  # 240 tokens: 2.1 %
+        (256, T, None, False),  # 3,840 tokens: 26 %
+        (256, 1 << 15, None, True),  # the GPU gives its states less than that: its share
+        (16, T, 0.5, False),  # the explicit share overrides
+        (256, T, 0.0, False),
+    ],
+)
+def test_the_default_lower_tier_state_share_holds_one_state_per_n_tokens_of_kv(
+    factor: int, typical_tokens: int, share: float | None, capped: bool
+) -> None:
+    """``lower_tier_state_share`` None ("auto"): a host tier holds one recurrent state per
+    ``LOWER_TIER_TOKENS_PER_STATE`` tokens of its KV, so heavier states get a larger share (at
+    most the GPU's); an explicit share overrides."""
+    layers = scaled_state_layers(factor)
+    step = BatchDesc([KVCacheDesc(capacity=typical_tokens, history_length=0)])
+    kw: dict[str, object] = {"ssm_snapshot_policy": "auto", "typical_step": step}
+    if share is not None:
+        kw["lower_tier_state_share"] = share
+    m = KVCacheManager(make_config(layers, T, 16 << 20, 32 << 20, **kw))
+    try:
+        gpu, host = tier_slots(m, 0), tier_slots(m, 1)
+        (n_state, _, _), (n_kv, _, _) = sorted(host, key=lambda g: not g[2])
+        assert (derived_share(layers) > state_share(gpu)) == capped
+        if share is not None:
+            assert abs(state_share(host) - share) < 0.01
+        elif capped:
+            assert abs(state_share(host) - state_share(gpu)) < 0.01
+        else:  # one state (one more: the slot every group gets) per N tokens of KV
+            assert abs(n_state - 1 - (n_kv - 1) * T / LOWER_TIER_TOKENS_PER_STATE) <= 1
+            assert n_state > 2
+    finally:
+        m.shutdown()
+
+
 def test_lower_tier_state_share_validation() -> None:
     for bad in (True, "0.1", [0.1]):
         with pytest.raises(TypeError, match="lower_tier_state_share must be a number or None"):
@@ -299,8 +356,8 @@ def test_lower_tiers_size_the_state_pool_by_lower_tier_state_share(
     tmp_path: Path, policy: str, share: float | None
 ) -> None:
     """The GPU split is untouched; the host and disk tiers give the recurrent-state pool groups
-    ``lower_tier_state_share`` of their bytes (default: ``DEFAULT_LOWER_TIER_STATE_SHARE``, at
-    most the GPU's share; under "interval" the GPU's share), and the KV pool groups the rest in
+    ``lower_tier_state_share`` of their bytes (default: derived from bytes, at most the GPU's
+    share; under "interval" the GPU's share), and the KV pool groups the rest in
     the GPU's proportions; ``resize`` of a lower tier splits the same way."""
     quota, host, disk = 4 << 20, 16 << 20, 32 << 20
     swa = dataclasses.replace(hybrid_layers(0, 1, window=64, t=2 * T)[0], layer_id=LayerId(9))  # bigger slots
@@ -314,10 +371,10 @@ def test_lower_tiers_size_the_state_pool_by_lower_tier_state_share(
     try:
         gpu = tier_slots(m, 0)
         assert gpu == tier_slots(plain, 0) and len(gpu) == 3
-        expected = min(DEFAULT_LOWER_TIER_STATE_SHARE, state_share(gpu)) if share is None else share
+        expected = min(derived_share(layers), state_share(gpu)) if share is None else share
         if share is None and policy == "interval":
             expected = state_share(gpu)
-        assert state_share(gpu) > 1.5 * DEFAULT_LOWER_TIER_STATE_SHARE  # the default is below the GPU's share here
+        assert state_share(gpu) > 10 * derived_share(layers)  # the derived share is below the GPU's here
         for level, size in ((1, host), (2, disk)):
             for _ in range(2):
                 slots = tier_slots(m, level)
@@ -364,6 +421,26 @@ def test_reuse_through_a_host_tier_stays_exact_whatever_its_state_share(
     # 192 is a periodic snapshot, written to the host: a state pool of one slot there keeps none
     assert reused == [192 if share > 0 else 0] * len(prompts)
     assert abs(state_share(host) - share) < 0.01
+
+
+def test_reuse_through_a_host_tier_with_the_derived_state_share_is_exact(make_manager: MakeManager) -> None:
+    """Heavy states, ``lower_tier_state_share`` None: the host's state pool is the derived share;
+    the snapshots it keeps (evicted from the GPU or written there) come back exact (the fake engine
+    checks the reused blocks and the resumed state, the invariant checker the pools), and no more
+    prompts hit than the GPU and the host hold states for."""
+    layers = scaled_state_layers(16)
+    m = make_manager(layers, T, quota=1 << 20, host_quota=4 << 20, ssm_snapshot_policy="auto", ssm_reuse_interval=64)
+    engine = FakeEngine(m)
+    gpu, host = tier_slots(m, 0), tier_slots(m, 1)
+    assert abs(state_share(host) - derived_share(layers)) < 0.005
+    prompts = [toks(seed, 1100) for seed in range(1, 25)]
+    for prompt in prompts:
+        run(m, engine, prompt)
+    assert m.get_tier_statistics(1).state_bytes <= sum(n * b for n, b, s in host if s)
+    reused = [run(m, engine, prompt + toks(98, 20)) for prompt in reversed(prompts)]
+    assert set(reused) == {0, 1088} and reused[0] == 1088  # the prompts' last full blocks
+    assert reused.count(1088) <= sum(n for n, _, s in gpu + host if s)
+    assert m.get_tier_statistics(1).onboarded_pages > 0  # some came up from the host
 
 
 def heavy_state_layers() -> list[LayerConfig]:

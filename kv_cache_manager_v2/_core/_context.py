@@ -7,11 +7,12 @@ import logging
 import rawref
 
 from .._common import DEFAULT_PRIORITY, CacheLevel, LayerGroupId, PoolGroupIndex, Priority, ReuseStatistics
-from .._config import LOWER_TIER_SPAN_PER_STATE, KVCacheManagerConfig
+from .._config import LOWER_TIER_SPAN_PER_STATE, LOWER_TIER_TOKENS_PER_STATE, KVCacheManagerConfig
 from .._exceptions import LogicError
 from .._layers._policy import LayerGroup
 from .._life_cycle_registry import LayerGroupRegistry
 from .._reuse._tree import ReuseTree
+from .._storage._layout import StorageLayout
 from .._storage._quota import constraint_floors
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList
@@ -31,6 +32,34 @@ class OpenCache:
 _SHUTDOWN_DRAIN_S = 1.0
 
 
+def state_and_block_bytes(registry: LayerGroupRegistry, layout: StorageLayout) -> tuple[int, int]:
+    """The bytes of one request's recurrent states (all state layer groups) and of one block's
+    KV (all other layer groups)."""
+    pool_groups = layout.pool_groups
+    group_of = layout.pool_group_of_layer_group
+    state_bytes = 0
+    block_bytes = 0
+    for layer_group in range(len(registry)):
+        slot_bytes = pool_groups[group_of[LayerGroupId(layer_group)]].slot_bytes
+        if layer_group in registry.state_layer_groups:
+            state_bytes += slot_bytes
+        else:
+            block_bytes += slot_bytes
+    return state_bytes, block_bytes
+
+
+def derived_lower_tier_state_share(
+    config: KVCacheManagerConfig, registry: LayerGroupRegistry, layout: StorageLayout
+) -> float:
+    """The share of a tier below the GPU that holds one state per ``LOWER_TIER_TOKENS_PER_STATE``
+    tokens of that tier's KV: ``(1 - s) / s * state_bytes / kv_bytes_per_token = N``. A snapshot
+    there serves only while the KV of its path is cached too, so states are rationed by what they
+    weigh against the KV they need (README, "Snapshot policy", measured)."""
+    state_bytes, block_bytes = state_and_block_bytes(registry, layout)
+    per_state = LOWER_TIER_TOKENS_PER_STATE * block_bytes / config.tokens_per_block  # KV bytes per state
+    return state_bytes / (state_bytes + per_state) if state_bytes > 0 else 0.0
+
+
 def lower_tier_interval(config: KVCacheManagerConfig, registry: LayerGroupRegistry, storage: StorageManager) -> int:
     """Tokens between the periodic snapshots written to a tier below the GPU ("auto"):
     ``ssm_lower_tier_interval``, else the smallest power-of-two multiple of the interval whose
@@ -40,16 +69,7 @@ def lower_tier_interval(config: KVCacheManagerConfig, registry: LayerGroupRegist
     given = config.ssm_lower_tier_interval
     if given is not None:
         return given
-    pool_groups = storage.layout.pool_groups
-    group_of = storage.layout.pool_group_of_layer_group
-    state_bytes = 0
-    block_bytes = 0  # KV of one block, all layer groups
-    for layer_group in range(len(registry)):
-        slot_bytes = pool_groups[group_of[LayerGroupId(layer_group)]].slot_bytes
-        if layer_group in registry.state_layer_groups:
-            state_bytes += slot_bytes
-        else:
-            block_bytes += slot_bytes
+    state_bytes, block_bytes = state_and_block_bytes(registry, storage.layout)
     interval = config.snapshot_interval
     if block_bytes == 0:
         return interval

@@ -17,7 +17,6 @@ from .._common import (
     TokenIdExt,
 )
 from .._config import (
-    DEFAULT_LOWER_TIER_STATE_SHARE,
     DiskCacheTierConfig,
     HostCacheTierConfig,
     KVCacheManagerConfig,
@@ -38,7 +37,7 @@ from .._storage._select import select_backend
 from .._storage._storage_manager import StorageManager
 from .._utils import check_int, check_type
 from ._batch import commit_batch, resize_batch
-from ._context import CacheContext, OpenCache
+from ._context import CacheContext, OpenCache, derived_lower_tier_state_share
 from ._introspection import check_invariants
 from ._kv_cache import KVCache
 from ._manager_queries import ManagerQueries
@@ -149,8 +148,9 @@ class KVCacheManager(ManagerQueries):
 
     def _split_lower_quota(self, quota: int, gpu_slots: list[int], what: str) -> list[int]:
         """A lower tier's slots: the KV pool groups in the GPU's proportions, the recurrent states'
-        share from ``lower_tier_state_share`` (None: the default, at most the GPU's share; under
-        "interval", whose snapshots all reach lower tiers by eviction, the GPU's proportions)."""
+        share from ``lower_tier_state_share`` (None: derived from the bytes of a state and of the
+        KV, at most the GPU's share; under "interval", whose snapshots all reach lower tiers by
+        eviction, the GPU's proportions)."""
         share = self._config.lower_tier_state_share
         if share is None and self._config.ssm_snapshot_policy == "interval":
             return split_like(quota, gpu_slots, self._layout, what)
@@ -158,7 +158,7 @@ class KVCacheManager(ManagerQueries):
             groups = self._layout.pool_groups
             gpu_bytes = [n * g.slot_bytes for n, g in zip(gpu_slots, groups)]
             gpu_share = sum(b for b, g in zip(gpu_bytes, groups) if g.holds_states) / sum(gpu_bytes)
-            share = min(DEFAULT_LOWER_TIER_STATE_SHARE, gpu_share)
+            share = min(derived_lower_tier_state_share(self._config, self._registry, self._layout), gpu_share)
         return split_like(quota, gpu_slots, self._layout, what, float(share))  # (an int is accepted)
 
     def _split_gpu_quota(self, quota: int) -> list[int]:
