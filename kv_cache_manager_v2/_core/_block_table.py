@@ -27,7 +27,7 @@ _pack: Final = struct.pack
 #: Shared by new tables until their first block: never written (writes go to grown arrays).
 _EMPTY_STORE: array[int] = array("i")
 _EMPTY_VIEW = memoryview(_EMPTY_STORE)
-#: copied from when blocks leave (no array built per call)
+#: copied from by ``_bad_indices`` (no array built per call when blocks leave)
 _BAD_RUN: Final = array("i", [BAD_PAGE_INDEX]) * 256
 
 
@@ -90,13 +90,12 @@ class BlockTable:
         """Resize the block count of the index view: -1 past the blocks, more capacity if needed."""
         store = self._store.items[layer_group]
         if num_blocks > len(store):
-            grown = array("i", [BAD_PAGE_INDEX]) * max(num_blocks, 2 * len(store), 16)
+            grown = _bad_indices(max(num_blocks, 2 * len(store), 16))
             if old_num_blocks:
                 grown[:old_num_blocks] = store[:old_num_blocks]
             self._store.items[layer_group] = store = grown
         elif num_blocks < old_num_blocks:
-            k = old_num_blocks - num_blocks
-            store[num_blocks:old_num_blocks] = _BAD_RUN[:k] if k <= len(_BAD_RUN) else array("i", [BAD_PAGE_INDEX]) * k
+            store[num_blocks:old_num_blocks] = _bad_indices(old_num_blocks - num_blocks)
         self.views.items[layer_group] = memoryview(store)[:num_blocks] if num_blocks else _EMPTY_VIEW
 
     def adopt(self, layer_group: LayerGroupId, pages: list[Page | None], stale_end: int) -> None:
@@ -392,7 +391,7 @@ class BlockTable:
     def write_user_tail(self, layer_group: LayerGroupId, n: int) -> None:
         buf = self.user_bufs[layer_group]
         if buf is not None and n < len(buf):
-            buf[n:] = memoryview(array("i", [BAD_PAGE_INDEX]) * (len(buf) - n))
+            buf[n:] = memoryview(_bad_indices(len(buf) - n))
 
 
 def _release_blocks(all_pages: list[list[Page | None]], beg: int, end: int, locked: bool) -> None:
@@ -402,3 +401,8 @@ def _release_blocks(all_pages: list[list[Page | None]], beg: int, end: int, lock
             p = pages[ordinal]
             if p is not None:
                 p.release(locked)
+
+
+def _bad_indices(n: int) -> array[int]:
+    """A new array of ``n`` ``BAD_PAGE_INDEX`` entries."""
+    return _BAD_RUN[:n] if n <= len(_BAD_RUN) else array("i", [BAD_PAGE_INDEX]) * n

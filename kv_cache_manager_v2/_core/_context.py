@@ -60,7 +60,7 @@ def derived_lower_tier_state_share(
     return state_bytes / (state_bytes + per_state) if state_bytes > 0 else 0.0
 
 
-def lower_tier_interval(config: KVCacheManagerConfig, registry: LayerGroupRegistry, storage: StorageManager) -> int:
+def lower_tier_interval(config: KVCacheManagerConfig, registry: LayerGroupRegistry, layout: StorageLayout) -> int:
     """Tokens between the periodic snapshots written to a tier below the GPU ("auto"):
     ``ssm_lower_tier_interval``, else the smallest power-of-two multiple of the interval whose
     span's KV weighs at least ``LOWER_TIER_SPAN_PER_STATE`` snapshots. A snapshot is worth its
@@ -69,7 +69,7 @@ def lower_tier_interval(config: KVCacheManagerConfig, registry: LayerGroupRegist
     given = config.ssm_lower_tier_interval
     if given is not None:
         return given
-    state_bytes, block_bytes = state_and_block_bytes(registry, storage.layout)
+    state_bytes, block_bytes = state_and_block_bytes(registry, layout)
     interval = config.snapshot_interval
     if block_bytes == 0:
         return interval
@@ -142,7 +142,7 @@ class CacheContext:
         #: written to a lower tier: ``lower_tier_interval``)
         self.periodic_interval = self.snapshot_interval if policy != "branch" else 0
         if self.periodic_level > 0 and self.periodic_interval > 0:
-            self.periodic_interval = lower_tier_interval(config, registry, storage)
+            self.periodic_interval = lower_tier_interval(config, registry, storage.layout)
         #: snapshots are planned where the prompt leaves a cached path, and on demand
         self.plans_branches = policy != "interval"
         #: per layer group, the stale end at history 0: where a new block table starts (blocks
