@@ -53,6 +53,8 @@ NO_HINT: Final = -1
 NO_SERIAL: Final = RequestSerial(-1)
 #: bound once: mypyc looks a module's attribute up at every call (hot: once per page)
 _untrack: Final = rawref.untrack
+_fresh_ref: Final = rawref.fresh
+_invalidate: Final = rawref.invalidate
 
 
 class PageNode(Protocol):
@@ -305,7 +307,7 @@ class Page:
     (``num_holds``). When the last owner lets go the slot is freed at once, so release is
     deterministic and never waits for the cycle collector. A page committed to the reuse
     tree (``node`` set) is not freed but becomes DROPPABLE: it waits in its pool group's
-    evictor until reused or evicted. The tree refers to pages through ``rawref.ref(page)``,
+    evictor until reused or evicted. The tree refers to pages through ``page.ref()`` (a ``rawref.ref``),
     which is invalidated when the slot is freed.
 
     A page keeps its identity when it moves between cache levels (``storage``, ``slot`` and
@@ -488,6 +490,14 @@ class Page:
         else:
             self.low_value = low
 
+    def ref(self) -> rawref.ref[Page]:
+        """The page's one non-owning reference (``rawref.ref(page)`` finds the same; made on first use)."""
+        r = self._rawref
+        if r is None:
+            r = _fresh_ref(self)
+            self._rawref = r
+        return r
+
     def relocate(self, storage: PoolGroupStorage, slot: SlotId) -> None:
         """Now at ``slot`` of ``storage`` (the caller copied the data and frees the old slot). A
         pinned page's pins are held there within its share only (beyond it, e.g. pulled up to a
@@ -545,7 +555,7 @@ class Page:
         self.storage.num_lost += 1
         r = self._rawref
         if r is not None:
-            r.invalidate()
+            _invalidate(r)
             self._rawref = None
 
     @property
@@ -566,7 +576,7 @@ class Page:
         # rawref's contract: a target invalidates its ref before it dies. Normally free() did.
         r = self._rawref
         if r is not None:
-            r.invalidate()
+            _invalidate(r)
 
     def hand_off(self) -> SlotId:
         """Forget the slot without freeing it (the remote tier's writer sends its data, then the
@@ -576,7 +586,7 @@ class Page:
         self.slot = SlotId(BAD_PAGE_INDEX)
         r = self._rawref
         if r is not None:
-            r.invalidate()
+            _invalidate(r)
             self._rawref = None
         return slot
 
@@ -593,5 +603,5 @@ class Page:
         self.slot = SlotId(BAD_PAGE_INDEX)
         r = self._rawref
         if r is not None:
-            r.invalidate()
+            _invalidate(r)
             self._rawref = None

@@ -21,3 +21,10 @@ NULL: ref[Any]
 
 def untrack(obj: _T) -> _T:
     """Take ``obj`` out of the cyclic GC (its owner breaks its reference cycles); returns it."""
+
+def fresh(obj: _T) -> ref[_T]:
+    """A new ref of ``obj`` stored nowhere: for a class that keeps its one ref itself in
+    ``_rawref`` (set by its own code); ``ref(obj)`` finds it there."""
+
+def invalidate(r: ref[Any]) -> None:
+    """``r.invalidate()`` as a plain function (no method lookup)."""

@@ -211,9 +211,35 @@ rawref_untrack(PyObject *module, PyObject *obj)
     return obj;
 }
 
+/*
+ * fresh(obj): a new ref of obj, stored nowhere: for a class that keeps its one ref itself (its
+ * `_rawref` attribute set by its own code: a native attribute store, no attribute lookup by name).
+ */
+static PyObject *
+rawref_fresh(PyObject *module, PyObject *obj)
+{
+    return (PyObject *)rawref_alloc(obj);
+}
+
+/* invalidate(ref): ref.invalidate() as a plain function (no method lookup: once per freed page) */
+static PyObject *
+rawref_invalidate_fn(PyObject *module, PyObject *ref)
+{
+    if (!Py_IS_TYPE(ref, &RawRefType)) {
+        PyErr_Format(PyExc_TypeError, "rawref.invalidate() takes a rawref.ref, not %.200s", Py_TYPE(ref)->tp_name);
+        return NULL;
+    }
+    ((RawRef *)ref)->target = NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"untrack", (PyCFunction)rawref_untrack, METH_O,
      "untrack(obj) -> obj: the cyclic GC stops tracking obj (its owner must break its cycles)."},
+    {"fresh", (PyCFunction)rawref_fresh, METH_O,
+     "fresh(obj) -> ref: a new ref of obj stored nowhere (the caller keeps it as obj's one ref)."},
+    {"invalidate", (PyCFunction)rawref_invalidate_fn, METH_O,
+     "invalidate(ref): the same as ref.invalidate()."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -133,3 +133,36 @@ def test_page_invalidates_its_ref_when_collected_without_free() -> None:
     del page
     gc.collect()
     assert r() is None and not r.is_valid  # no dangling pointer
+
+
+def test_fresh_and_the_invalidate_function() -> None:
+    """``fresh`` makes a ref stored nowhere (its owner keeps it); ``invalidate(r)`` is ``r.invalidate()``."""
+    t = Target()
+    r = rawref.fresh(t)
+    assert r() is t and t._rawref is None  # stored nowhere: the owner stores it
+    t._rawref = r
+    assert rawref.ref(t) is r  # ... and then ref() finds it
+    rawref.invalidate(r)
+    assert r() is None and not r.is_valid
+    with pytest.raises(TypeError, match=r"takes a rawref\.ref"):
+        rawref.invalidate(t)  # type: ignore[arg-type]
+    before = sys.getrefcount(t)
+    for _ in range(100):
+        rawref.fresh(t)
+    assert sys.getrefcount(t) == before  # borrowed, like ref()
+
+
+def test_a_page_keeps_one_ref_made_by_the_page_itself() -> None:
+    from conftest import kv_layers, make_config
+
+    from kv_cache_manager_v2 import KVCacheManager, LayerGroupId, Priority, SlotId
+    from kv_cache_manager_v2._page import Page
+
+    m = KVCacheManager(make_config(kv_layers(1)))
+    storage = m._storage.gpu.items[0]
+    page = Page(storage, SlotId(storage.allocator.allocate_one()), LayerGroupId(0), Priority(35), True)
+    r = page.ref()
+    assert page.ref() is r and rawref.ref(page) is r and r() is page
+    page.free()
+    assert r() is None and page.ref() is not r  # freed: a later ref is a new one
+    m.shutdown()

@@ -56,9 +56,12 @@ def commit_tokens(state: RequestState, more: Sequence[TokenIdExt] | None = None)
             tail.extend(source[num_full * tokens_per_block :])
         else:
             items = _untrack(source.tolist()) if isinstance(source, array) else source  # ints made in one pass
-            # a block's tokens (ints, digests) can be in no reference cycle: untracked by the GC
+            # the tokens as one tuple first: each block is then one slice of it (one copy, not a list
+            # slice and a tuple of it); a block's tokens (ints, digests) can be in no reference
+            # cycle: untracked by the GC
+            run = items if type(items) is tuple else tuple(items)
             state._committed_blocks.extend(
-                [_untrack(tuple(items[i * tokens_per_block : (i + 1) * tokens_per_block])) for i in range(num_full)]
+                [_untrack(run[i * tokens_per_block : (i + 1) * tokens_per_block]) for i in range(num_full)]
             )
             if more is None:
                 del tail[: num_full * tokens_per_block]
@@ -224,9 +227,12 @@ def publish(state: RequestState, upto: int, beam: int = 0, tokens: Sequence[Toke
     first = state._num_published
     keys = chain_token_keys(parent.key, tokens, tokens_per_block) if tokens is not None else None
     now = state._ctx.storage.expiries.now() if state._retention is not None else 0.0
+    table_pages = table.pages.items
+    pages: list[Page | None] = [None] * len(table_pages)  # each block's, refilled (the tree may switch them)
     for ordinal in range(first, upto):
         block_tokens = blocks[ordinal] if ordinal < len(blocks) else _untrack(tuple(tail))
-        pages = table.block_pages(ordinal)  # (a new list: the tree may switch its pages)
+        for i in range(len(pages)):
+            pages[i] = table_pages[i][ordinal]
         if state._retention is not None:
             retain_new_pages(state, ordinal, pages, now)
         node = tree.publish(
@@ -234,7 +240,6 @@ def publish(state: RequestState, upto: int, beam: int = 0, tokens: Sequence[Toke
         )
         if node is None:
             return
-        table_pages = table.pages.items
         for i in range(len(pages)):
             theirs = pages[i]
             old = table_pages[i][ordinal]  # the table still holds our page until set_page below

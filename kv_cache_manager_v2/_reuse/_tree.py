@@ -3,9 +3,7 @@ and removal. It is the one place blocks enter and leave the reuse cache."""
 
 from __future__ import annotations
 
-from typing import Final, cast
-
-import rawref
+from typing import cast
 
 from .._common import (
     BlockTokens,
@@ -22,9 +20,6 @@ from .._storage._storage_manager import PageDropListener, StorageManager
 from .._typed import TypedList
 from ._keys import BlockHasher, BlockKey, block_key, scope_key, validate_tokens
 from ._node import Node, child_of_block
-
-#: bound once: mypyc looks a module's attribute up at every call
-_new_ref: Final = rawref.ref
 
 
 class ReuseTree(PageDropListener):
@@ -259,7 +254,7 @@ class ReuseTree(PageDropListener):
         if page.base_priority > priority_cap:  # (where retention ends, too)
             page.base_priority = priority_cap
         page.node = node
-        node.pages[layer_group] = _new_ref(page)
+        node.pages[layer_group] = page.ref()
         anchor = self.layer_groups.items[layer_group].is_anchor(node.ordinal)
         page.anchor = anchor
         if anchor and page.priority < node.prio_cap:

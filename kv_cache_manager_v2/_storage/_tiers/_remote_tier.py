@@ -151,7 +151,7 @@ class RemoteTier:
     def queue_write_through(self, page: Page) -> None:
         """``page`` was just published; its data goes to the remote tier at the next
         ``flush_write_through`` (batched: one copy-out per flush, not per block)."""
-        self.write_through.append(rawref.ref(page))
+        self.write_through.append(page.ref())
         if len(self.write_through) >= 64:
             self.flush_write_through()
 
