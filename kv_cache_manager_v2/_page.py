@@ -548,29 +548,31 @@ class Page:
         """The data is gone (disk error): free the slot, keep the owners' counts (they drop the page)."""
         if self.in_evictor:
             self.storage.evictor.remove(self)
-        self._unpinned()
-        self.storage.allocator.free(self.slot)
-        self.slot = SlotId(BAD_PAGE_INDEX)
+        self.storage.allocator.free(self._vacate())
         self.lost = True
         self.storage.num_lost += 1
-        r = self._rawref
-        if r is not None:
-            _invalidate(r)
-            self._rawref = None
 
     @property
     def retained(self) -> bool:
         """Whether the page is under retention (a priority until an expiry time, or a close-time hint)."""
         return self.expires != NO_EXPIRY or self.hint_end != NO_HINT
 
-    def _unpinned(self) -> None:
-        """The page leaves its slot (freed, lost): its pins and retention go with it."""
+    def _vacate(self) -> SlotId:
+        """The page leaves its slot (freed, lost, handed off): its pins and retention go with it, refs
+        to it read None from now on. Returns the slot."""
         self.num_pins = 0
         self.unhold_pins()
         if self.retained:
             self.expires = NO_EXPIRY
             self.hint_end = NO_HINT
             self.storage.num_retained -= 1
+        slot = self.slot
+        self.slot = SlotId(BAD_PAGE_INDEX)
+        r = self._rawref
+        if r is not None:
+            _invalidate(r)
+            self._rawref = None
+        return slot
 
     def __del__(self) -> None:
         # rawref's contract: a target invalidates its ref before it dies. Normally free() did.
@@ -581,14 +583,7 @@ class Page:
     def hand_off(self) -> SlotId:
         """Forget the slot without freeing it (the remote tier's writer sends its data, then the
         storage manager reuses it) and invalidate refs to this page (owners must be gone)."""
-        self._unpinned()
-        slot = self.slot
-        self.slot = SlotId(BAD_PAGE_INDEX)
-        r = self._rawref
-        if r is not None:
-            _invalidate(r)
-            self._rawref = None
-        return slot
+        return self._vacate()
 
     def free(self) -> None:
         """Give the slot back and invalidate refs to this page (owners must be gone)."""
@@ -598,10 +593,4 @@ class Page:
             self.lost = False  # the last owner let go of a lost page: nothing to free
             self.storage.num_lost -= 1
             return
-        self._unpinned()
-        self.storage.allocator.free(self.slot)
-        self.slot = SlotId(BAD_PAGE_INDEX)
-        r = self._rawref
-        if r is not None:
-            _invalidate(r)
-            self._rawref = None
+        self.storage.allocator.free(self._vacate())

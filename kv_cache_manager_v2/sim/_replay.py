@@ -195,9 +195,8 @@ class Replay:
         budget = o.max_num_tokens
         old: list[_Live] = []
         batch: list[EngineRequest] = []
-        running = self.running
+        running, suspended = self.running, self.suspended
         num_running = len(running)
-        suspended = self.suspended
         for i in range(num_running + len(suspended)):
             if len(old) >= o.max_batch:
                 break
@@ -223,12 +222,12 @@ class Replay:
                         served.append(live)
                         continue
                     live.retry_at = self.releases
-                    if live in self.running:
+                    if live in running:
                         t0 = _clock()
                         rm.suspend_resources(live.req)
                         self._step_manager_s += _clock() - t0
-                        self.running.remove(live)
-                        self.suspended.append(live)
+                        running.remove(live)
+                        suspended.append(live)
                         self.result.preempted_suspend += 1
                         self.suspended_now = True
             for live in served if self.suspended else ():
@@ -273,46 +272,8 @@ class Replay:
                 continue
             served.append(live)
             self.running.append(live)
-            self._count_admission(live)
+            _count_admission(self.result, live, self.clock, self.t)
         return served
-
-    def _count_admission(self, live: _Live) -> None:
-        r = self.result
-        req = live.req
-        reused = req.num_reused_tokens
-        live.full_check = True
-        if live.restarted:  # its KV was lost with the engine, not preempted
-            live.restarted = False
-            r.restart_readmitted_tokens += req.num_tokens
-            r.restart_readmitted_reused_tokens += reused
-            return
-        if live.admitted:
-            r.readmissions += 1
-            r.readmitted_tokens += req.num_tokens
-            r.readmitted_reused_tokens += reused
-            return
-        live.admitted = True
-        r.wait_ms.append(self.clock - live.arrival_ms)
-        n = len(req.prompt_tokens)
-        t = self.t
-        blocks = (n + t - 1) // t
-        r.prompt_tokens += n
-        r.reused_tokens += reused
-        r.prompt_blocks += blocks
-        hit = blocks if reused >= n - 1 else reused // t
-        r.hit_blocks += hit
-        # by the level each reused block was found in (the adapter splits reused tokens by block)
-        per_level = req.num_reused_tokens_per_level
-        partial = 0  # the level of the one partially reused block, if any
-        for lvl, k in enumerate(per_level):
-            usage = r.levels[lvl]
-            usage.reused_tokens += k
-            usage.hit_blocks += k // t
-            hit -= k // t
-            if k % t:
-                partial = lvl
-        if hit > 0:  # the last block, whose tokens were reused but for the always-computed last one
-            r.levels[partial].hit_blocks += hit
 
     def _break_deadlock(self, suspended_now: bool) -> None:
         if suspended_now and self.num_levels > 1:
@@ -566,3 +527,41 @@ class Replay:
         if self.on_finish is not None:
             self.on_finish(self.rm)
         self._collect()
+
+
+def _count_admission(r: ReplayResult, live: _Live, clock: float, t: int) -> None:
+    """Count an admitted request's prompt and reuse (a first admission, a readmission, or after a restart)."""
+    req = live.req
+    reused = req.num_reused_tokens
+    live.full_check = True
+    if live.restarted:  # its KV was lost with the engine, not preempted
+        live.restarted = False
+        r.restart_readmitted_tokens += req.num_tokens
+        r.restart_readmitted_reused_tokens += reused
+        return
+    if live.admitted:
+        r.readmissions += 1
+        r.readmitted_tokens += req.num_tokens
+        r.readmitted_reused_tokens += reused
+        return
+    live.admitted = True
+    r.wait_ms.append(clock - live.arrival_ms)
+    n = len(req.prompt_tokens)
+    blocks = (n + t - 1) // t
+    r.prompt_tokens += n
+    r.reused_tokens += reused
+    r.prompt_blocks += blocks
+    hit = blocks if reused >= n - 1 else reused // t
+    r.hit_blocks += hit
+    # by the level each reused block was found in (the adapter splits reused tokens by block)
+    per_level = req.num_reused_tokens_per_level
+    partial = 0  # the level of the one partially reused block, if any
+    for lvl, k in enumerate(per_level):
+        usage = r.levels[lvl]
+        usage.reused_tokens += k
+        usage.hit_blocks += k // t
+        hit -= k // t
+        if k % t:
+            partial = lvl
+    if hit > 0:  # the last block, whose tokens were reused but for the always-computed last one
+        r.levels[partial].hit_blocks += hit
