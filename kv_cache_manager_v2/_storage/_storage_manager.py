@@ -156,7 +156,7 @@ class StorageManager(EvictionCascade):
         storage = self.lc_storage[layer_group]
         self.make_room(storage, len(priorities))
         after = prev.slot if prev is not None and prev.storage is storage else -1
-        slots = storage.allocator.allocate(len(priorities), after)
+        slots = storage.allocator.allocate(len(priorities), after, True)
         return [Page(storage, slot, layer_group, prio, locked) for slot, prio in zip(slots, priorities)]
 
     def new_page(self, layer_group: LayerGroupId, priority: Priority, locked: bool, prev: Page | None = None) -> Page:
