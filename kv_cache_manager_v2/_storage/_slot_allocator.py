@@ -8,7 +8,12 @@ that takes every free slot (a full pool: eviction freed exactly what it takes) t
 are; one with a choice to make (fewer slots than are free) first folds the loose slots into runs
 (sorted once), takes the top run when it holds the batch, else sorts the runs into maximal ones
 by length and takes the shortest that holds it (else the longest ones). Above the high-water
-mark no memory is mapped yet; it is used only when the slots below cannot hold a request."""
+mark no memory is mapped yet; it is used only when the slots below cannot hold a request.
+
+Soft reservations: the last slot of a request's allocation is its tail, and the free slot right
+after a tail is reserved for that request's next block. Other allocations take runs that are not
+reserved first; when they must take a reserved one, they take its middle, so both requests keep
+room to grow. Nothing in use ever moves: the allocator only chooses which free slot."""
 
 from __future__ import annotations
 
@@ -28,9 +33,10 @@ class SlotAllocator:
 
     A slot is one index valid in every pool of the group, so its pools grow together. ``allocate``
     returns consecutive slots ascending within each run: from the top run where it holds the whole
-    batch, else from the shortest free run that does, else from the longest runs. ``after`` (the
-    slot of the request's previous block) asks for the free run starting right after it first.
-    Nothing in use ever moves.
+    batch, else from the shortest free run that does, else from the longest runs, taking a run
+    reserved for a tail (see the module) last and from its middle. ``after`` (the slot of the
+    request's previous block) asks for the free run starting right after it first. Nothing in use
+    ever moves.
     """
 
     def __init__(self, num_slots: int, pools: list[Pool], slot_sizes: tuple[int, ...]) -> None:
