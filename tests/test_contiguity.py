@@ -249,7 +249,8 @@ def test_requests_keep_growing_in_place_in_a_fragmented_pool(make_manager: MakeM
     """A prompt admitted into a fragmented pool among requests that keep decoding (a block each per
     step): it avoids the free slots right after their last blocks, and wherever the slot after a
     request's last block is free when a step begins, its next block lands there (but in rare cases:
-    an allocation takes a reserved slot when the runs it looks at are all reserved)."""
+    an allocation takes a reserved slot when the runs it looks at are all reserved). Nothing in use
+    moves; the fake engine's data and the invariants are checked."""
     m = make_manager(kv_layers(2, T), T, 200 * SLOT, host_quota=400 * SLOT, max_util_for_resume=1.0)
     engine = FakeEngine(m)
     others = fragment(m, random.Random(3), 300)
@@ -268,9 +269,12 @@ def test_requests_keep_growing_in_place_in_a_fragmented_pool(make_manager: MakeM
             not gpu.is_allocated(SlotId(last_slot(r) + 1)) and last_slot(r) + 1 < gpu._high_water for r in everyone
         ]
         tails = [last_slot(r) for r in everyone]
+        where = [[(p.storage, p.slot) for p in r.block_table.pages[0] if p is not None] for r in everyone]
         compute(engine, kv, toks, upto)
         for o in others:
             assert o.resize(o.capacity + T)
+        for r, held in zip(everyone, where):  # nothing in use moved
+            assert [(p.storage, p.slot) for p in r.block_table.pages[0] if p is not None][: len(held)] == held
         for r, tail, free in zip(everyone, tails, free_next):
             if free:
                 kept += last_slot(r) == tail + 1
