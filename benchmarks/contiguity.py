@@ -3,6 +3,7 @@ host -> host offload bandwidth against a plain memcpy of the same bytes.
 
     python benchmarks/contiguity.py            # JSON to benchmarks/contiguity_results.json
     python benchmarks/contiguity.py --quick
+    python benchmarks/contiguity.py --quick --only free --requests 3000 --trials 10   # a longer mix
 
 A long random mix of requests (shared prefixes, prompts of 8-96 blocks, up to 16 running, one
 block of decode per step up to 8 each, some suspended and resumed later) runs on a GPU pool and a
@@ -270,10 +271,17 @@ def main() -> None:
         "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "contiguity_results.json")
     )
     ap.add_argument("--label", default="", help="a note stored with the results (e.g. the commit measured)")
+    ap.add_argument("--requests", type=int, help="requests in the mix before the trials (a longer mix: more)")
+    ap.add_argument("--trials", type=int, help="100-block requests offloaded and onboarded")
+    ap.add_argument("--seed", type=int, help="the mix's random seed")
+    ap.add_argument("--only", choices=sorted(REGIMES), help="one regime")
     args = ap.parse_args()
     p = dict(QUICK if args.quick else DEFAULTS)
+    p.update({k: v for k in ("requests", "trials", "seed") if (v := getattr(args, k)) is not None})
     results = []
     for name, note in REGIMES.items():
+        if args.only and name != args.only:
+            continue
         r = regime({**p, "reuse": int(name == "cached")})
         results.append({"scenario": name, "note": note, **r})
         print(name)

@@ -60,31 +60,47 @@ def runs_of(slots: list[SlotId]) -> int:
 
 
 def test_allocator_matches_a_model_of_its_free_slots() -> None:
+    """Random allocations (batches, one slot, after a previous slot or not, a request's or not),
+    frees and resizes against a model of the free slots and the tails: the runs and counts agree,
+    a batch lands in the fewest runs, never on the slot after a tail while a run that is not
+    reserved holds it, and otherwise leaves that slot to the tail when it can."""
     rng = random.Random(5)
     a, pool = allocator(300)
     free = set(range(300))
+    tails: set[int] = set()  # the last slot of each request's allocation: the slot after it is reserved
     used: list[int] = []
     for step in range(4000):
         op = rng.random()
         if op < 0.45 and free:
             count = rng.randint(1, min(len(free), 40))
             after = rng.choice(used) if used and rng.random() < 0.5 else -1
+            grows = rng.random() < 0.7
             fresh = count >= a._in_runs + len(a._free)  # every free slot is taken, then slots above the mark
+            runs = [(f, n, f > 0 and f - 1 in tails) for f, n in maximal(free, a._high_water)]
             a.prepare(count)
-            got = a.allocate(count, after)
+            got = a.allocate(count, after, grows)
             assert len(set(got)) == count and all(s in free for s in got)
-            if not fresh and after >= 0 and after + 1 in free and after + 1 < a._high_water:
+            continues = after >= 0 and after + 1 in free and after + 1 < a._high_water
+            if not fresh and continues:
                 assert got[0] == after + 1
-            if not fresh:  # the fewest runs the free space allows for this batch
-                lengths = sorted((n for _, n in maximal(free, a._high_water)), reverse=True)
+            if not fresh and not continues:
+                lengths = sorted((n for _, n, _ in runs), reverse=True)
                 fewest = next(k for k in range(1, len(lengths) + 1) if sum(lengths[:k]) >= count)
-                if after < 0:
-                    assert runs_of(sorted(got)) <= max(fewest, 1 if a._counts and count <= a._counts[-1] else fewest)
+                assert runs_of(sorted(got)) <= fewest  # the fewest runs the free space allows
+                if any(n >= count and not r for _, n, r in runs):  # one run, no reserved slot taken
+                    assert runs_of(got) == 1 and got[0] - 1 not in tails
+                elif any(n > count for _, n, _ in runs):  # from the middle of a reserved run
+                    assert runs_of(got) == 1 and got[0] - 1 in free
+            if grows:
+                tails.discard(after)
+                tails.add(got[-1])
         elif op < 0.6 and free:
             after = rng.choice(used) if used and rng.random() < 0.7 else -1
             nxt = after + 1 if after >= 0 and after + 1 in free and after + 1 < a._high_water else None
             got = [a.allocate_one(after)]
             assert got[0] in free and (nxt is None or got[0] == nxt)
+            tails.discard(after)
+            tails.add(got[0])
         elif op < 0.97 and used:
             got = []
             for _ in range(rng.randint(1, 30)):
@@ -93,6 +109,7 @@ def test_allocator_matches_a_model_of_its_free_slots() -> None:
                 s = used.pop(rng.randrange(len(used)))
                 a.free(SlotId(s))
                 free.add(s)
+                tails.discard(s)
         else:
             limit = rng.randint(200, 300)
             if all(s < limit for s in used):
@@ -108,6 +125,7 @@ def test_allocator_matches_a_model_of_its_free_slots() -> None:
         assert pool.mapped_bytes >= a._high_water
         if step % 7 == 0:
             check_runs(a, free)
+            assert a._tail == bytearray(s in tails for s in range(300))
     check_runs(a, free)
     with pytest.raises(LogicError):
         a.free(SlotId(used[0]))
@@ -141,10 +159,34 @@ def test_frees_rebuild_runs_and_a_batch_takes_the_shortest_run_that_holds_it() -
         a.free(SlotId(s))
     assert a.allocate(3) == [30, 31, 32]  # the top run (1) cannot: the shortest run that holds 3
     assert a.free_runs() == [(1, 1), (33, 1), (39, 7)]
-    assert a.allocate_one(SlotId(38)) == 39  # continues after the previous block
-    assert a.allocate(2, SlotId(50)) == [40, 41]  # 51 is in use: from a run
-    assert a.allocate_one(SlotId(41)) == 42
-    assert a.allocate(2, SlotId(46)) == [43, 44]  # 47 is in use: from the top run
+    assert a.allocate_one(SlotId(38)) == 39  # continues after the previous block: 39 is a tail now
+    assert a.allocate(2, SlotId(50)) == [42, 43]  # 51 is in use; the run after the tail: from its middle
+    assert a.allocate_one(SlotId(39)) == 40  # the tail grows in place
+    assert a.allocate_one(SlotId(40)) == 41
+    assert a.allocate_one(SlotId(41)) == 44  # 42 is taken: a run with room after it (43 is no tail)
+    assert a.free_runs() == [(1, 1), (33, 1), (45, 1)]
+
+
+def test_a_free_slot_after_a_tail_goes_last() -> None:
+    """A request's tail (the last slot its allocation got) keeps the free slot after it: other
+    allocations take any free run that is not reserved first, a reserved run from its middle."""
+    a, _ = allocator(64)
+    a.allocate(64)
+    for s in (3, 20, 30):  # tails at 3, 20 and 30 (a request's blocks, one at a time)
+        a.free(SlotId(s))
+        assert a.allocate_one(SlotId(s - 1)) == s
+    for s in [*range(4, 10), *range(12, 18), *range(21, 27), *range(31, 35), 40, 50, 51]:
+        a.free(SlotId(s))
+    # free runs: 4-9 (after the tail at 3), 12-17 (after 11: no tail), 21-26 (after 20), 31-34 (after 30),
+    # 40 (after 39), 50-51 (after 49)
+    assert a.allocate(5) == [12, 13, 14, 15, 16]  # the only run that holds it and is not reserved
+    assert a.allocate(4) == [22, 23, 24, 25]  # only reserved runs hold it: the middle of the longest
+    assert a.allocate(2, SlotId(60), True) == [50, 51]  # 61 is in use: the shortest that is not reserved
+    # runs of one that are not reserved (17, 26, 40) go before any reserved slot
+    assert {a.allocate_one(), a.allocate_one(), a.allocate_one()} == {17, 26, 40}
+    middle = a.allocate_one()  # only reserved runs are left (4-9, 21, 31-34): from the middle of one
+    assert middle in (6, 7, 33) and not a.is_allocated(SlotId(middle - 1))
+    assert [a.allocate_one(SlotId(s)) for s in (3, 4, 20, 30)] == [4, 5, 21, 31]  # the tails grow in place
 
 
 def test_allocate_below_is_lowest_first_and_all_or_nothing() -> None:
@@ -199,19 +241,46 @@ def fewest_runs(m: KVCacheManager, count: int) -> int:
     return next(k for k in range(1, len(lengths) + 1) if sum(lengths[:k]) >= count)
 
 
-def test_a_prompt_lands_in_consecutive_slots_in_a_fragmented_pool(make_manager: MakeManager) -> None:
+def last_slot(kv: KVCache) -> int:
+    return [p.slot for p in kv.block_table.pages[0] if p is not None][-1]
+
+
+def test_requests_keep_growing_in_place_in_a_fragmented_pool(make_manager: MakeManager) -> None:
+    """A prompt admitted into a fragmented pool among requests that keep decoding (a block each per
+    step): it avoids the free slots right after their last blocks, and wherever the slot after a
+    request's last block is free when a step begins, its next block lands there (but in rare cases:
+    an allocation takes a reserved slot when the runs it looks at are all reserved). Nothing in use
+    moves; the fake engine's data and the invariants are checked."""
     m = make_manager(kv_layers(2, T), T, 200 * SLOT, host_quota=400 * SLOT, max_util_for_resume=1.0)
     engine = FakeEngine(m)
     others = fragment(m, random.Random(3), 300)
     assert len(free_run_lengths(m)) >= 5  # fragmented
+    gpu = m._storage.gpu.items[0].allocator
     toks = seq(9999, 24 * T)
     kv = m.create_kv_cache(None, toks)
     assert kv.resume()
+    reserved = {last_slot(o) + 1 for o in others if not gpu.is_allocated(SlotId(last_slot(o) + 1))}
     compute(engine, kv, toks, 16 * T)
-    for upto in range(16 * T + T, 24 * T + 1, T):  # decode-like growth, one block at a time
+    assert reserved and not reserved & {p.slot for p in kv.block_table.pages[0] if p is not None}
+    kept = lost = 0
+    for upto in range(17 * T, 24 * T + 1, T):  # a block of decode each per step
+        everyone = [kv, *others]
+        free_next = [
+            not gpu.is_allocated(SlotId(last_slot(r) + 1)) and last_slot(r) + 1 < gpu._high_water for r in everyone
+        ]
+        tails = [last_slot(r) for r in everyone]
+        where = [[(p.storage, p.slot) for p in r.block_table.pages[0] if p is not None] for r in everyone]
         compute(engine, kv, toks, upto)
-    slots = [p.slot for p in kv.block_table.pages[0] if p is not None]
-    assert runs_of(sorted(slots)) <= 2, slots
+        for o in others:
+            assert o.resize(o.capacity + T)
+        for r, held in zip(everyone, where):  # nothing in use moved
+            assert [(p.storage, p.slot) for p in r.block_table.pages[0] if p is not None][: len(held)] == held
+        for r, tail, free in zip(everyone, tails, free_next):
+            if free:
+                kept += last_slot(r) == tail + 1
+                lost += last_slot(r) != tail + 1
+        m.check_invariants()
+    assert kept >= 30 and lost * 10 <= kept
     engine.check_all(kv, toks, len(toks))
     for other in [*others, kv]:
         other.close()

@@ -8,7 +8,12 @@ that takes every free slot (a full pool: eviction freed exactly what it takes) t
 are; one with a choice to make (fewer slots than are free) first folds the loose slots into runs
 (sorted once), takes the top run when it holds the batch, else sorts the runs into maximal ones
 by length and takes the shortest that holds it (else the longest ones). Above the high-water
-mark no memory is mapped yet; it is used only when the slots below cannot hold a request."""
+mark no memory is mapped yet; it is used only when the slots below cannot hold a request.
+
+Soft reservations: the last slot of a request's allocation is its tail, and the free slot right
+after a tail is reserved for that request's next block. Other allocations take runs that are not
+reserved first; when they must take a reserved one, they take its middle, so both requests keep
+room to grow. Nothing in use ever moves: the allocator only chooses which free slot."""
 
 from __future__ import annotations
 
@@ -19,15 +24,19 @@ from .._common import SlotId
 from .._exceptions import LogicError
 from ._backend import Pool
 
+#: how many runs from the top of the stack a one-slot allocation with a choice looks at (O(1))
+ONE_SCAN = 16
+
 
 class SlotAllocator:
     """Hands out slot ids in ``[0, num_slots)``; maps pool memory as the high-water mark rises.
 
     A slot is one index valid in every pool of the group, so its pools grow together. ``allocate``
     returns consecutive slots ascending within each run: from the top run where it holds the whole
-    batch, else from the shortest free run that does, else from the longest runs. ``after`` (the
-    slot of the request's previous block) asks for the free run starting right after it first.
-    Nothing in use ever moves.
+    batch, else from the shortest free run that does, else from the longest runs, taking a run
+    reserved for a tail (see the module) last and from its middle. ``after`` (the slot of the
+    request's previous block) asks for the free run starting right after it first. Nothing in use
+    ever moves.
     """
 
     def __init__(self, num_slots: int, pools: list[Pool], slot_sizes: tuple[int, ...]) -> None:
@@ -46,6 +55,9 @@ class SlotAllocator:
         self._free: list[SlotId] = []
         #: the runs are maximal and sorted by length (set by ``_merge``, cleared by any change)
         self._tidy = True
+        #: 1 at the last slot each allocation handed out (a request's tail, which may grow): the free
+        #: slot right after it is soft-reserved (see ``_reserved``); cleared when the slot is freed
+        self._tail: bytearray = bytearray(num_slots)
         #: most slots in use at once: since creation, and since ``iteration_peak`` was last reset
         self.peak_used = 0
         self.iteration_peak = 0
@@ -73,9 +85,10 @@ class SlotAllocator:
             self._map(min(self._high_water + rest, self.num_slots))
 
     # ------------------------------------------------------------------ allocation
-    def allocate(self, count: int, after: int = -1) -> list[SlotId]:
+    def allocate(self, count: int, after: int = -1, grows: bool = False) -> list[SlotId]:
         """``count`` slots (see the class), or raise ``LogicError`` if fewer are free (callers
-        check first). ``after``: the slot of the request's previous block, -1 for none."""
+        check first). ``after``: the slot of the request's previous block, -1 for none. ``grows``:
+        the slots are a request's blocks, so the last one becomes its tail."""
         if count > self.num_free:
             raise LogicError(f"slot allocator: {count} slots requested, {self.num_free} free")
         out: list[int] = []
@@ -94,15 +107,19 @@ class SlotAllocator:
                 self._next_to(after, count, out)
             need = count - len(out)
             if need:
-                if self._counts[-1] >= need:
-                    self._take(len(self._counts) - 1, need, out)
+                top = len(self._counts) - 1
+                if self._counts[top] >= need and not self._reserved(self._firsts[top]):
+                    self._take(top, need, out)
                 else:
                     self._best(need, out)
+        if grows and out:
+            self._retail(after, out[-1])
         self._note_peak()
         return cast(list[SlotId], out)
 
     def allocate_one(self, after: int = -1) -> SlotId:
-        """One slot: the one right after ``after`` when it is free, else the last one freed."""
+        """One slot for a request's next block (its new tail): the one right after ``after`` (its
+        previous block) when free, else the only free one, else one with room after it (``_one``)."""
         is_free = self._is_free
         if after >= 0:
             nxt = after + 1
@@ -110,26 +127,58 @@ class SlotAllocator:
                 self._fold()
                 out: list[int] = []
                 self._take(self._firsts.index(nxt), 1, out)  # runs are disjoint: only one starts there
+                self._retail(after, nxt)
                 self._note_peak()
                 return SlotId(nxt)
         free = self._free
-        if free:
-            slot = free.pop()
+        if len(free) == 1 and not self._in_runs:  # no choice (e.g. eviction freed just this one)
+            slot: int = free.pop()
             is_free[slot] = 0
-            self._note_peak()  # a free slot can be a new peak too (after take(), or a reset iteration peak)
-            return slot
-        if self._in_runs:
-            out = []
-            self._take(len(self._counts) - 1, 1, out)
-            self._note_peak()
-            return SlotId(out[0])
-        if self._high_water >= self.num_slots:
-            raise LogicError("slot allocator: no free slot")
-        s = self._high_water
-        self._map(s + 1)
-        self._high_water = s + 1
-        self._note_peak()
-        return SlotId(s)
+        elif free or self._in_runs:
+            self._fold()
+            slot = self._one()
+        else:
+            if self._high_water >= self.num_slots:
+                raise LogicError("slot allocator: no free slot")
+            slot = self._high_water
+            self._map(slot + 1)
+            self._high_water = slot + 1
+        self._retail(after, slot)
+        self._note_peak()  # a free slot can be a new peak too (after take(), or a reset iteration peak)
+        return SlotId(slot)
+
+    def _one(self) -> int:
+        """One slot when there is a choice (runs folded): the front of the shortest run of two or more
+        slots that is not reserved among the top ``ONE_SCAN`` of the stack (room to grow, O(1)), else
+        a run of one that is not reserved, else the middle of the top run."""
+        firsts, counts = self._firsts, self._counts
+        top = len(counts) - 1
+        best = single = -1
+        for i in range(top, max(top - ONE_SCAN, -1), -1):
+            count = counts[i]
+            if count and not self._reserved(firsts[i]):
+                if count == 1:
+                    if single < 0:
+                        single = i
+                elif best < 0 or count < counts[best]:
+                    best = i
+        out: list[int] = []
+        if best >= 0 or single >= 0:
+            self._take(best if best >= 0 else single, 1, out)
+        else:
+            self._split(top, 1, out)
+        return out[0]
+
+    def _reserved(self, slot: int) -> bool:
+        """Whether free ``slot`` comes right after a tail (soft-reserved for that request to grow into)."""
+        return slot > 0 and self._tail[slot - 1] == 1
+
+    def _retail(self, after: int, last: int) -> None:
+        """The request whose previous block is at ``after`` (-1: none) now ends at ``last``."""
+        tail = self._tail
+        if 0 <= after < len(tail):
+            tail[after] = 0
+        tail[last] = 1
 
     def _next_to(self, slot: int, want: int, out: list[int]) -> None:
         """Up to ``want`` slots of the free run starting right after ``slot`` (in use)."""
@@ -195,16 +244,46 @@ class SlotAllocator:
         self._tidy = True
 
     def _best(self, need: int, out: list[int]) -> None:
-        """``need`` slots when the top run is shorter (and more are free): from the shortest run
-        that holds them all, else from the longest runs down."""
+        """``need`` slots when the top run cannot give them (and more are free): from the shortest
+        run that holds them all and is not reserved, else from the middle of the longest one (room
+        for both tails), else from the longest runs down (the last one, if reserved, from its middle)."""
         if not self._tidy:
             self._merge()
-        counts = self._counts
+        firsts, counts = self._firsts, self._counts
         if counts[-1] >= need:
-            self._take(bisect_left(counts, need), need, out)
+            i = bisect_left(counts, need)
+            while i < len(counts) and self._reserved(firsts[i]):
+                i += 1
+            if i < len(counts):
+                self._take(i, need, out)
+            else:
+                self._split(len(counts) - 1, need, out)
             return
         while need:  # (sorted by length: the top is the longest)
-            need -= self._take(len(counts) - 1, need, out)
+            top = len(counts) - 1
+            if counts[top] > need and self._reserved(firsts[top]):
+                self._split(top, need, out)
+                return
+            need -= self._take(top, need, out)
+
+    def _split(self, i: int, want: int, out: list[int]) -> None:
+        """``want`` slots from the middle of run ``i`` (reserved): the slots before them (half the
+        rest, rounded up) stay with the tail the run comes after, those after them go on top of the
+        stack as a run, room for the new tail."""
+        first, count = self._firsts[i], self._counts[i]
+        gap = (count - want + 1) // 2
+        if not gap:
+            self._take(i, want, out)
+            return
+        beg = first + gap
+        self._is_free[beg : beg + want] = bytes(want)
+        out.extend(range(beg, beg + want))
+        self._in_runs -= want
+        self._counts[i] = gap
+        if count > gap + want:
+            self._firsts.append(beg + want)
+            self._counts.append(count - gap - want)
+        self._tidy = False
 
     def _fold(self) -> None:
         """Push the loose free slots onto the stack as runs (the lowest run on top)."""
@@ -228,8 +307,8 @@ class SlotAllocator:
 
     def _drop_dead(self) -> None:
         live = [i for i, count in enumerate(self._counts) if count]
-        self._firsts = [self._firsts[i] for i in live]
-        self._counts = [self._counts[i] for i in live]
+        self._firsts[:] = [self._firsts[i] for i in live]  # in place: callers may hold the lists
+        self._counts[:] = [self._counts[i] for i in live]
         self._num_dead = 0
 
     def _maximal(self) -> list[tuple[int, int]]:
@@ -259,6 +338,7 @@ class SlotAllocator:
         if not 0 <= slot < self._high_water or is_free[slot]:
             raise LogicError(f"slot {slot} freed twice or never allocated")
         is_free[slot] = 1
+        self._tail[slot] = 0
         self._free.append(slot)
 
     def _note_peak(self) -> None:
@@ -318,6 +398,7 @@ class SlotAllocator:
         """Grow, or shrink to ``num_slots`` (every slot from there on must be free)."""
         if num_slots >= self.num_slots:
             self._is_free.extend(bytearray(num_slots - self.num_slots))
+            self._tail.extend(bytearray(num_slots - self.num_slots))
             self.num_slots = num_slots
             return
         for s in range(num_slots, self._high_water):
@@ -336,6 +417,7 @@ class SlotAllocator:
             self._tidy = False
             self._high_water = num_slots
         del self._is_free[num_slots:]
+        del self._tail[num_slots:]
         self.num_slots = num_slots
 
     def _map(self, high_water: int) -> None:

@@ -150,13 +150,14 @@ class StorageManager(EvictionCascade):
     ) -> list[Page]:
         """One new GPU page of layer group ``layer_group`` per priority, evicting as needed (callers
         planned); in consecutive slots where there is room, right after ``prev``'s (the request's
-        previous block) when that slot is free."""
+        previous block) when that slot is free. The last one becomes the request's tail (the free
+        slot after it goes to others last), but in a pool group of states (they do not grow)."""
         if self._write_through:
             self.flush_write_through()  # before any slot is reused
         storage = self.lc_storage[layer_group]
         self.make_room(storage, len(priorities))
         after = prev.slot if prev is not None and prev.storage is storage else -1
-        slots = storage.allocator.allocate(len(priorities), after)
+        slots = storage.allocator.allocate(len(priorities), after, not storage.layout.holds_states)
         return [Page(storage, slot, layer_group, prio, locked) for slot, prio in zip(slots, priorities)]
 
     def new_page(self, layer_group: LayerGroupId, priority: Priority, locked: bool, prev: Page | None = None) -> Page:
