@@ -44,7 +44,8 @@ class SlotAllocator:
         self._pools = pools
         self._slot_sizes = slot_sizes
         self._high_water = 0
-        self._is_free: bytearray = bytearray(num_slots)
+        #: a list, not a bytearray: compiled, list items are read and written natively
+        self._is_free: list[bool] = [False] * num_slots
         #: the stack of free runs below the high-water mark, top last: first slot and length; a
         #: run used up below the top stays as first -1, length 0 until the top comes down to it
         self._firsts: list[int] = []
@@ -55,9 +56,9 @@ class SlotAllocator:
         self._free: list[SlotId] = []
         #: the runs are maximal and sorted by length (set by ``_merge``, cleared by any change)
         self._tidy = True
-        #: 1 at the last slot each allocation handed out (a request's tail, which may grow): the free
+        #: True at the last slot each allocation handed out (a request's tail, which may grow): the free
         #: slot right after it is soft-reserved (see ``_reserved``); cleared when the slot is freed
-        self._tail: bytearray = bytearray(num_slots)
+        self._tail: list[bool] = [False] * num_slots
         #: most slots in use at once: since creation, and since ``iteration_peak`` was last reset
         self.peak_used = 0
         self.iteration_peak = 0
@@ -133,7 +134,7 @@ class SlotAllocator:
         free = self._free
         if len(free) == 1 and not self._in_runs:  # no choice (e.g. eviction freed just this one)
             slot: int = free.pop()
-            is_free[slot] = 0
+            is_free[slot] = False
         elif free or self._in_runs:
             self._fold()
             slot = self._one()
@@ -171,14 +172,14 @@ class SlotAllocator:
 
     def _reserved(self, slot: int) -> bool:
         """Whether free ``slot`` comes right after a tail (soft-reserved for that request to grow into)."""
-        return slot > 0 and self._tail[slot - 1] == 1
+        return slot > 0 and self._tail[slot - 1]
 
     def _retail(self, after: int, last: int) -> None:
         """The request whose previous block is at ``after`` (-1: none) now ends at ``last``."""
         tail = self._tail
         if 0 <= after < len(tail):
-            tail[after] = 0
-        tail[last] = 1
+            tail[after] = False
+        tail[last] = True
 
     def _next_to(self, slot: int, want: int, out: list[int]) -> None:
         """Up to ``want`` slots of the free run starting right after ``slot`` (in use)."""
@@ -194,10 +195,10 @@ class SlotAllocator:
         if want > count:
             want = count
         if want == 1:
-            self._is_free[first] = 0
+            self._is_free[first] = False
             out.append(first)
         else:
-            self._is_free[first : first + want] = bytes(want)
+            self._is_free[first : first + want] = [False] * want
             out.extend(range(first, first + want))
         self._in_runs -= want
         self._tidy = False
@@ -228,15 +229,15 @@ class SlotAllocator:
         is_free = self._is_free
         free = self._free
         for s in free:
-            is_free[s] = 0
+            is_free[s] = False
         out.extend(free)
         free.clear()
         for first, count in zip(self._firsts, self._counts):
             if count == 1:
-                is_free[first] = 0
+                is_free[first] = False
                 out.append(first)
             elif count:
-                is_free[first : first + count] = bytes(count)
+                is_free[first : first + count] = [False] * count
                 out.extend(range(first, first + count))
         self._firsts.clear()
         self._counts.clear()
@@ -276,7 +277,7 @@ class SlotAllocator:
             self._take(i, want, out)
             return
         beg = first + gap
-        self._is_free[beg : beg + want] = bytes(want)
+        self._is_free[beg : beg + want] = [False] * want
         out.extend(range(beg, beg + want))
         self._in_runs -= want
         self._counts[i] = gap
@@ -337,8 +338,8 @@ class SlotAllocator:
         is_free = self._is_free
         if not 0 <= slot < self._high_water or is_free[slot]:
             raise LogicError(f"slot {slot} freed twice or never allocated")
-        is_free[slot] = 1
-        self._tail[slot] = 0
+        is_free[slot] = True
+        self._tail[slot] = False
         self._free.append(slot)
 
     def _note_peak(self) -> None:
@@ -397,8 +398,8 @@ class SlotAllocator:
     def resize(self, num_slots: int) -> None:
         """Grow, or shrink to ``num_slots`` (every slot from there on must be free)."""
         if num_slots >= self.num_slots:
-            self._is_free.extend(bytearray(num_slots - self.num_slots))
-            self._tail.extend(bytearray(num_slots - self.num_slots))
+            self._is_free.extend([False] * (num_slots - self.num_slots))
+            self._tail.extend([False] * (num_slots - self.num_slots))
             self.num_slots = num_slots
             return
         for s in range(num_slots, self._high_water):
