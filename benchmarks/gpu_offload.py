@@ -66,7 +66,9 @@ def main() -> None:
     ap.add_argument("--buffer-bytes", type=int, default=64 * 1024, help="per layer, key and value alike")
     ap.add_argument("--run", type=int, default=20, help="the run length of the middle layout")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_offload_results.json"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_offload_results.json")
+    )
     args = ap.parse_args()
     m = make_manager(args.backend, args.layers, args.buffer_bytes, 3 * BLOCKS)
     storage = m._storage
@@ -103,10 +105,20 @@ def main() -> None:
             "best_ms": min(ts) * 1e3,
         }
         results.append(row)
-        print(f"{key:22} {row['copies_per_pool']:6.0f} copies/pool  best {row['best_gb_per_s']:7.2f} GB/s  "
-              f"median {row['median_gb_per_s']:7.2f} GB/s  ({row['best_ms']:.2f} ms)")
-    params = {"backend": args.backend, "layers": args.layers, "buffer_bytes": args.buffer_bytes, "pools": pools,
-              "blocks": BLOCKS, "bytes": nbytes, "reps": args.reps, "run": args.run}
+        print(
+            f"{key:22} {row['copies_per_pool']:6.0f} copies/pool  best {row['best_gb_per_s']:7.2f} GB/s  "
+            f"median {row['median_gb_per_s']:7.2f} GB/s  ({row['best_ms']:.2f} ms)"
+        )
+    params = {
+        "backend": args.backend,
+        "layers": args.layers,
+        "buffer_bytes": args.buffer_bytes,
+        "pools": pools,
+        "blocks": BLOCKS,
+        "bytes": nbytes,
+        "reps": args.reps,
+        "run": args.run,
+    }
     m.shutdown()
     write_results(args.out, params, results, label=os.environ.get("GPU_NAME", ""), compiled=kvm.compiled)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import CUDA_REASON, kv_layers, make_config, requires_cuda
 
-from kv_cache_manager_v2 import CuError, KVCacheManager, MemAddress, OutOfMemoryError
+from kv_cache_manager_v2 import CuError, KVCacheManager, MemAddress, OutOfMemoryError, SlotId
 from kv_cache_manager_v2._config import BACKEND_ENV_VAR
 from kv_cache_manager_v2._storage._host_backend import HostBackend
 from kv_cache_manager_v2._storage._select import select_backend
@@ -153,4 +153,46 @@ def test_cuda_driver_errors_become_cu_errors(fake_driver: object) -> None:
     assert not drv.handles  # the physical chunk of the failed map was released
     assert kv.resize(8)  # the next attempt maps normally
     kv.close()
+    m.shutdown()
+
+
+def test_cuda_copies_are_cut_where_a_host_registration_ends(
+    fake_driver: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real driver refuses a copy whose page-locked host range spans two registrations (adjacent
+    ones too: CUDA_ERROR_INVALID_VALUE, seen on an H200); the host tier registers in chunks as it
+    grows, so a merged run of slots can cross a chunk's end: the backend cuts the copy there. The
+    emulated driver asserts every async copy lies within one registration."""
+    import mmap
+
+    from kv_cache_manager_v2._storage import _cuda_backend
+
+    monkeypatch.setattr(_cuda_backend, "_HOST_CHUNK", 3 * mmap.PAGESIZE)  # registrations end mid-run
+    m = KVCacheManager(make_config(kv_layers(2), quota=4 << 20, host_quota=4 << 20, backend="cuda"))
+    storage = m._storage
+    gpu, host = storage.levels[0][0], storage.levels[1][0]
+    n = 40
+    gpu.allocator.allocate(n)
+    host.allocator.allocate(n // 2)  # the host pools grow twice: more registration ends
+    host.allocator.allocate(n // 2)
+    sizes = gpu.layout.slot_sizes
+    assert n * sizes[0] > 2 * 3 * mmap.PAGESIZE  # a run of n slots crosses chunk ends
+    backend = storage.copier.backend
+    for p, size in enumerate(sizes):
+        for slot in range(n):
+            backend.write(gpu.slot_address(p, SlotId(slot)), bytes([slot + 1]) * size)
+    pairs = [(i, i) for i in range(n)]  # one run of n slots per pool
+    assert not storage.copier.copy(gpu.pools, host.pools, sizes, pairs)  # offload
+    for p, size in enumerate(sizes):
+        view = host.memory_pool(p).host_view
+        assert view is not None
+        assert all(view[slot * size : (slot + 1) * size] == bytes([slot + 1]) * size for slot in range(n))
+    back = [(i, n - 1 - i) for i in range(n)]  # onboard into other GPU slots (reversed: no merging)
+    gpu.allocator.allocate(n)
+    assert not storage.copier.copy(host.pools, gpu.pools, sizes, [(h, g + n) for h, g in back])
+    assert not storage.copier.copy(host.pools, gpu.pools, sizes, pairs)  # and merged, back in place
+    for p, size in enumerate(sizes):
+        for slot in range(n):
+            assert backend.read(gpu.slot_address(p, SlotId(slot)), size) == bytes([slot + 1]) * size
+            assert backend.read(gpu.slot_address(p, SlotId(2 * n - 1 - slot)), size) == bytes([slot + 1]) * size
     m.shutdown()

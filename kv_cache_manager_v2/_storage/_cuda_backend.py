@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+from bisect import bisect_left, bisect_right
 from typing import Any
 
 from .._common import MemAddress
@@ -23,6 +24,51 @@ _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0)
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 #: host memory is registered in chunks of this size (so a pool can shrink chunk by chunk)
 _HOST_CHUNK = 64 << 20
+
+
+class _HostRegistrations:
+    """Host ranges page-locked by ``cuMemHostRegister``, by start address. A copy to or from
+    page-locked memory must lie within one registration: the driver refuses one that spans two,
+    even adjacent ones (``CUDA_ERROR_INVALID_VALUE``), so ``copy_batch`` cuts copies at their ends."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def add(self, start: int, size: int) -> None:
+        i = bisect_left(self.starts, start)
+        self.starts.insert(i, start)
+        self.ends.insert(i, start + size)
+
+    def remove(self, start: int) -> None:
+        i = bisect_left(self.starts, start)
+        del self.starts[i]
+        del self.ends[i]
+
+    def end_of(self, address: int) -> int:
+        """The end of the registration holding ``address``; -1 when none does."""
+        i = bisect_right(self.starts, address) - 1
+        return self.ends[i] if i >= 0 and address < self.ends[i] else -1
+
+    def cut(self, host_is_dst: bool, dsts: list[int], srcs: list[int], sizes: list[int]) -> None:
+        """Cut in place every copy whose host side (the destination or the source) runs past the
+        end of its registration into pieces that each lie within one."""
+        i = 0
+        while i < len(sizes):
+            d, s, n = dsts[i], srcs[i], sizes[i]
+            h = d if host_is_dst else s
+            end = self.end_of(h)
+            if 0 <= end < h + n:
+                k = end - h
+                sizes[i] = k
+                dsts.insert(i + 1, d + k)
+                srcs.insert(i + 1, s + k)
+                sizes.insert(i + 1, n - k)
+            i += 1
+
+
+#: every registration of this process (a copy may pair any two pools)
+_REGISTERED = _HostRegistrations()
 
 
 def _driver() -> Any:
@@ -149,11 +195,13 @@ class PinnedHostPool(MemoryPool):
             while off < target:
                 size = min(_HOST_CHUNK, target - off)
                 _check(cu.cuMemHostRegister(self.base_address + off, size, 0), "cuMemHostRegister")
+                _REGISTERED.add(self.base_address + off, size)
                 done.append((off, size))
                 off += size
         except CuError:
             for chunk in done:  # nothing changed
                 cu.cuMemHostUnregister(self.base_address + chunk[0])
+                _REGISTERED.remove(self.base_address + chunk[0])
             raise
         self._chunks.extend(done)
         self._mapped = target
@@ -163,6 +211,7 @@ class PinnedHostPool(MemoryPool):
         while self._chunks and self._chunks[-1][0] >= nbytes:
             chunk = self._chunks.pop()
             _check(cu.cuMemHostUnregister(self.base_address + chunk[0]), "cuMemHostUnregister")
+            _REGISTERED.remove(self.base_address + chunk[0])
             if self._mapping is not None and _MADV_DONTNEED is not None:
                 self._mapping.madvise(_MADV_DONTNEED, chunk[0], chunk[1])
             self._mapped = chunk[0]
@@ -173,6 +222,7 @@ class PinnedHostPool(MemoryPool):
         cu = _driver()
         for i in range(len(self._chunks) - 1, -1, -1):
             _check(cu.cuMemHostUnregister(self.base_address + self._chunks[i][0]), "cuMemHostUnregister")
+            _REGISTERED.remove(self.base_address + self._chunks[i][0])
         self._chunks = []
         self._mapped = 0
         view = self.host_view
@@ -264,6 +314,8 @@ class CudaBackend(MemoryBackend):
             for d, s, n in zip(dsts, srcs, sizes):
                 ctypes.memmove(d, s, n)
             return
+        if kind != D2D:  # a page-locked host range: within one registration per copy
+            _REGISTERED.cut(kind == D2H, dsts, srcs, sizes)
         if self.use_batch_copies and len(dsts) > 1:
             if self._batch_attrs is None:
                 attr = cu.CUmemcpyAttributes()
