@@ -387,3 +387,15 @@ def test_no_allocation_moves_a_page_in_use(make_manager: MakeManager) -> None:
         m.check_invariants()
     for kv, _ in running + suspended:
         kv.close()
+
+
+def test_the_allocator_s_per_slot_lists_are_invisible_to_the_gc() -> None:
+    """One entry per slot (millions on a disk tier): a full collection must not visit them."""
+    import gc
+
+    a, _ = allocator(64)
+    assert not gc.is_tracked(a._is_free) and not gc.is_tracked(a._tail)
+    a.resize(128)
+    a.allocate(100)
+    a.resize(100)
+    assert not gc.is_tracked(a._is_free) and not gc.is_tracked(a._tail)

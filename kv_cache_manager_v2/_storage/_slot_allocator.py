@@ -18,11 +18,16 @@ room to grow. Nothing in use ever moves: the allocator only chooses which free s
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import cast
+from typing import Final, cast
+
+import rawref
 
 from .._common import SlotId
 from .._exceptions import LogicError
 from ._backend import Pool
+
+#: bound once: mypyc looks a module's attribute up at every call
+_untrack: Final = rawref.untrack
 
 #: how many runs from the top of the stack a one-slot allocation with a choice looks at (O(1))
 ONE_SCAN = 16
@@ -44,8 +49,9 @@ class SlotAllocator:
         self._pools = pools
         self._slot_sizes = slot_sizes
         self._high_water = 0
-        #: a list, not a bytearray: compiled, list items are read and written natively
-        self._is_free: list[bool] = [False] * num_slots
+        #: a list, not a bytearray: compiled, list items are read and written natively (untracked by
+        #: the GC, which would otherwise visit every slot's entry at each full collection)
+        self._is_free: list[bool] = _untrack([False] * num_slots)
         #: the stack of free runs below the high-water mark, top last: first slot and length; a
         #: run used up below the top stays as first -1, length 0 until the top comes down to it
         self._firsts: list[int] = []
@@ -58,7 +64,7 @@ class SlotAllocator:
         self._tidy = True
         #: True at the last slot each allocation handed out (a request's tail, which may grow): the free
         #: slot right after it is soft-reserved (see ``_reserved``); cleared when the slot is freed
-        self._tail: list[bool] = [False] * num_slots
+        self._tail: list[bool] = _untrack([False] * num_slots)
         #: most slots in use at once: since creation, and since ``iteration_peak`` was last reset
         self.peak_used = 0
         self.iteration_peak = 0
