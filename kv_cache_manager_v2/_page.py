@@ -561,7 +561,8 @@ class Page:
         """The page leaves its slot (freed, lost, handed off): its pins and retention go with it, refs
         to it read None from now on. Returns the slot."""
         self.num_pins = 0
-        self.unhold_pins()
+        if self.pin_held:
+            self.unhold_pins()
         if self.retained:
             self.expires = NO_EXPIRY
             self.hint_end = NO_HINT

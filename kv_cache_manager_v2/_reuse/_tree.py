@@ -315,7 +315,8 @@ class ReuseTree(PageDropListener):
         layer_group = page.layer_group
         policy = self.layer_groups.items[layer_group]
         had_snapshot = policy.keeps_live_state and node.holds_pages(self.state_groups)
-        page.set_low_value(False)
+        if page.low_value:
+            page.set_low_value(False)
         page.node = None
         node.pages[layer_group] = None
         if policy.keeps_live_state:
