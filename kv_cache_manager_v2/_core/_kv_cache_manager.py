@@ -63,6 +63,7 @@ class KVCacheManager(ManagerQueries):
             if event_manager.is_attached:
                 raise ValueError("event_manager is already attached to another KVCacheManager; use one per manager")
         self._config = config
+        self._num_tiers = len(config.cache_tiers)
         self.tokens_per_block = config.tokens_per_block
         self._registry = LayerGroupRegistry(config.layers, config.tokens_per_block, config.snapshot_interval)
         self._layout = StorageLayout(list(config.layers), self._registry, config.tokens_per_block)

@@ -55,6 +55,8 @@ class ManagerQueries:
     _remote: RemoteStore | None
     _ctx: CacheContext
     num_layer_groups: int
+    #: ``len(config.cache_tiers)`` (the config is not a native class: one attribute read is a lookup by name)
+    _num_tiers: int
 
     # ------------------------------------------------------------------ layout for kernels
     @property
@@ -262,7 +264,7 @@ class ManagerQueries:
             raise LogicError("the manager was shut down: its memory is released; build a new KVCacheManager")
 
     def _check_level(self, level: CacheLevel) -> None:
-        n = len(self._config.cache_tiers)
+        n = self._num_tiers
         check_int("cache level", level)
         if level >= n:
             raise ValueError(f"cache level must be in [0, {n}) ({n} tiers configured), got {level}")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 from .._config import AttentionLayerConfig, LayerConfig
 from .._utils import div_up
 from ._policy import LayerGroup
 
 #: history no request reaches: a full-attention group never releases a block
-_NEVER = 1 << 62
+_NEVER: Final = 1 << 62
 
 
 class FullAttentionGroup(LayerGroup):

@@ -5,11 +5,13 @@ group's page of that block's node), copied from the live state when history ende
 
 from __future__ import annotations
 
+from typing import Final
+
 from .._config import LayerConfig, SsmLayerConfig
 from ._policy import LayerGroup
 
 #: a block ordinal no request reaches: every block is stale for a recurrent group
-_NEVER = 1 << 62
+_NEVER: Final = 1 << 62
 
 
 class RecurrentGroup(LayerGroup):

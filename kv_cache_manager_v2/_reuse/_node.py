@@ -21,7 +21,7 @@ from .._page import Page
 from ._keys import BlockHasher, BlockKey
 
 #: Children a node scans one by one for a partial match; beyond this it keeps a sorted index.
-_SCAN_LIMIT = 8
+_SCAN_LIMIT: Final = 8
 
 #: bound once: mypyc looks a module's attribute up at every call (hot: once or twice per block)
 _untrack: Final = rawref.untrack

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
+from typing import Final
 
 from .._common import BAD_PAGE_INDEX, Priority
 from .._page import GARBAGE_PRIORITY, NO_EXPIRY, NO_HINT, Page
 
 #: the heap is swept of dead entries when it holds more than this many plus twice the live ones
-_SWEEP_SLACK = 1024
+_SWEEP_SLACK: Final = 1024
 
 
 class ExpiryQueue:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final
 
 from .._common import LayerGroupId
 from .._config import BatchDesc, KVCacheDesc
@@ -20,7 +21,7 @@ DEFAULT_TYPICAL_STEP = BatchDesc([KVCacheDesc(capacity=4096, history_length=3584
 #: Counting one per snapshot interval instead gives a 37.7 MiB state (Qwen3-Next) most of the GPU
 #: at interval 512 and starves the KV pool of long requests; an engine that wants more snapshot
 #: slots says so through ``initial_pool_ratio`` or a ``typical_step`` with more requests.
-MAX_SNAPSHOTS_PER_REQUEST = 1
+MAX_SNAPSHOTS_PER_REQUEST: Final = 1
 
 
 def batch_needs(

@@ -4,6 +4,8 @@ the cut range into free slots below it. The remote tier's headroom is set aside 
 
 from __future__ import annotations
 
+from typing import Final
+
 from .._common import CacheLevel, PoolGroupIndex
 from .._page import Page, PoolGroupStorage
 from .._typed import TypedList
@@ -12,7 +14,7 @@ from ._cascade import EvictionCascade
 from ._slot_allocator import pair_sorted
 
 #: how long a tier resize waits for the remote tier's writer to finish with handed-off slots
-RESIZE_FLUSH_S = 30.0
+RESIZE_FLUSH_S: Final = 30.0
 
 
 class TierResizer:

@@ -30,7 +30,7 @@ from ._backend import Pool
 _untrack: Final = rawref.untrack
 
 #: how many runs from the top of the stack a one-slot allocation with a choice looks at (O(1))
-ONE_SCAN = 16
+ONE_SCAN: Final = 16
 
 
 class SlotAllocator:

@@ -3,12 +3,14 @@ and bytes, I/O errors) since creation or since the previous iteration, the remot
 
 from __future__ import annotations
 
+from typing import Final
+
 from .._common import CacheLevel, CacheTier, StorageStatistics, TierStatistics
 from ._levels import StorageLevels
 from ._tiers._remote_tier import RemoteTier
 
 #: traffic counters of a level: offloaded, onboarded, dropped pages, the same in bytes, I/O errors
-NUM_COUNTERS = 7
+NUM_COUNTERS: Final = 7
 
 
 class TrafficStatistics:

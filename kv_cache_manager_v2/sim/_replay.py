@@ -119,6 +119,7 @@ class Replay:
         self.releases = 0  #: requests that finished or were freed so far (memory came back)
         self.suspended_now = False  #: the step being scheduled preempted a request by suspending it
         self._samples: list[float] = []  #: the served steps' samples not yet in the series (add_samples)
+        self._flush_at = FLUSH_SAMPLES  # (read once: a module global is a dict lookup compiled)
         stats = self.rm.manager.get_storage_statistics()
         self.slot_bytes = [sum(s.slot_sizes) for s in stats]
         for lvl in range(self.num_levels):
@@ -453,7 +454,7 @@ class Replay:
         r.steps += 1
         r.manager_s += self._step_manager_s
         self._samples.append(self._step_manager_s * 1e6)
-        if len(self._samples) >= FLUSH_SAMPLES:
+        if len(self._samples) >= self._flush_at:
             add_samples(r, self._samples)
         self._step_traffic()
         if self.on_step is not None:

@@ -4,6 +4,7 @@ reached by the CPU through the backend's page-locked staging buffer."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Final
 
 from ..._common import CacheTier
 from .._backend import D2H, H2D, MemoryBackend, Pool
@@ -12,7 +13,7 @@ from ._base import Batches, MediumAccess, Route, Run, Tier, add_batch, memory
 
 #: smallest staging buffer for copies between the GPU and the CPU's buffers or files (grown to one
 #: slot when slots are larger)
-STAGING_BYTES = 32 << 20
+STAGING_BYTES: Final = 32 << 20
 
 
 def _staging_batches(runs: list[Run], per: int) -> list[list[tuple[int, Run]]]:

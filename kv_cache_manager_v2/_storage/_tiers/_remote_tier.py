@@ -10,6 +10,8 @@ pages published since the last flush and copies them out in one batch.
 
 from __future__ import annotations
 
+from typing import Final
+
 import rawref
 
 from ..._page import Page, PoolGroupStorage
@@ -17,7 +19,7 @@ from .._copy_engine import CopyEngine
 from .._remote._store import RemoteStore
 
 #: most headroom slots one pool group gets for the remote tier's writes
-MAX_HEADROOM = 4096
+MAX_HEADROOM: Final = 4096
 
 
 class RemoteTier:
