@@ -211,18 +211,18 @@ class KVCache(CacheView):
 
         Returns False, changing nothing, when GPU memory is short. Misuse raises.
         """
-        if (
-            history_length is None
-            and type(capacity) is int
-            and self._status is KVCacheStatus.ACTIVE
-            and self._history <= capacity <= MAX_CAPACITY
-            and (self._num_blocks - 1) * self._tokens_per_block < capacity <= self._num_blocks * self._tokens_per_block
-            and not self._cow
-            and (not self._ctx.has_releasing_groups or not self._window_moves(capacity, self._history))
-        ):
+        if history_length is None and type(capacity) is int and self._status is KVCacheStatus.ACTIVE:
             # the decode step's common case, checked in one pass: a capacity within the blocks held
-            self._capacity = capacity
-            return True
+            cap: int = capacity  # (unboxed once)
+            end = self._num_blocks * self._tokens_per_block
+            if (
+                self._history <= cap <= MAX_CAPACITY
+                and end - self._tokens_per_block < cap <= end
+                and not self._cow
+                and (not self._ctx.has_releasing_groups or not self._window_moves(cap, self._history))
+            ):
+                self._capacity = cap
+                return True
         if self._status is not KVCacheStatus.ACTIVE:
             raise LogicError(f"resize() needs an ACTIVE cache; this one is {self._status.name} (call resume() first)")
         # refuse bools while they are still objects (compiled, an int local would make them 0 / 1)
