@@ -310,3 +310,25 @@ def test_a_batch_item_that_is_no_request_is_named_in_both_modes(make_manager: Ma
         with pytest.raises(TypeError, match="batch items must be EngineRequest, got"):
             call(batch)  # type: ignore[arg-type]
     a.shutdown()
+
+
+def test_a_bad_chunk_size_on_a_decode_step_rolls_the_batch_back(make_manager: MakeManager) -> None:
+    """A decode step does not use ``context_chunk_size``, but still checks it first."""
+    m = make_manager(kv_layers(1, T), T)
+    a = KVCacheResourceManager(manager=m)
+    eng = FakeEngine(m)
+    r1 = EngineRequest(1, [TokenId(t) for t in range(7)], 4)
+    assert a.prepare_resources([r1]) == []
+    eng.step(a.get_kv_cache(r1), r1.all_tokens(), 0, 7)
+    r1.generated_tokens.append(TokenId(70))
+    a.update_resources([r1])
+    r2 = EngineRequest(2, [TokenId(t) for t in range(20, 27)], 4)
+    r1.context_chunk_size = -1
+    with pytest.raises(ValueError, match="context_chunk_size must be >= 0"):
+        a.prepare_resources([r2, r1])
+    assert not a.has_resources(r2) and (r1.num_cached_tokens, r1.num_scheduled_tokens) == (7, 0)
+    assert a.get_kv_cache(r1).capacity == 7
+    m.check_invariants()
+    r1.context_chunk_size = 0
+    assert a.prepare_resources([r2, r1]) == [] and r1.num_scheduled_tokens == 1
+    a.shutdown()

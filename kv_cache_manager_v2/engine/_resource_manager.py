@@ -91,12 +91,16 @@ class KVCacheResourceManager(ResourceQueries):
         unserved: list[EngineRequest] = []
         done: list[RequestRecord] = []
         current: KVCache | None = None  # resumed by this call for the request being prepared
+        records = self._records
         try:
             for item in as_list(cast(Sequence[object], batch)):  # (a list iterates natively)
                 if not isinstance(item, EngineRequest):
                     raise TypeError(f"batch items must be EngineRequest, got {type(item).__name__}")
                 req = item
-                seq = self._record(req)
+                slot = req._slot  # (``_record`` inline: the hot loop)
+                seq = records[slot] if 0 <= slot < len(records) else None
+                if seq is None or seq.request is not req:
+                    seq = self._seqs.get(req.request_id)
                 if seq is None:
                     if req.state is RequestState.FINISHED:
                         raise LogicError(f"request {req.request_id} is FINISHED; free_resources() it instead")
@@ -113,7 +117,9 @@ class KVCacheResourceManager(ResourceQueries):
                 seq.serial = serial
                 if req.state is RequestState.FINISHED:
                     raise LogicError(f"request {req.request_id} is FINISHED; free_resources() it instead")
-                c = check_field("context_chunk_size", req.context_chunk_size, 0)  # before anything changes
+                c = req.context_chunk_size
+                if type(c) is not int or c < 0:
+                    c = check_field("context_chunk_size", c, 0)  # raises: before anything changes
                 kv = seq.kv
                 h = kv.history_length
                 num_tokens = len(req.prompt_tokens) + len(req.generated_tokens)
@@ -261,11 +267,15 @@ class KVCacheResourceManager(ResourceQueries):
         """
         self._check_alive()
         one = self._one_token
+        records = self._records
         for item in as_list(cast(Sequence[object], batch)):
             if not isinstance(item, EngineRequest):
                 raise TypeError(f"batch items must be EngineRequest, got {type(item).__name__}")
             req = item
-            seq = self._record(req)
+            slot = req._slot  # (``_record`` inline: the hot loop)
+            seq = records[slot] if 0 <= slot < len(records) else None
+            if seq is None or seq.request is not req:
+                seq = self._seqs.get(req.request_id)
             if seq is None or seq.request is not req:
                 raise LogicError(f"update_resources: request {req.request_id} holds no resources (prepare it first)")
             n = seq.scheduled
