@@ -6,8 +6,10 @@ boundary (a resize that takes a new block, or a commit that completes and publis
 
 Each variant's requests (prompts of ``prompt`` tokens, unrelated, so positions are large ints as
 in real runs) are admitted and prefilled, then decode ``blocks`` blocks in lockstep. In-block steps
-go through ``operator.methodcaller`` and boundary steps through ``functools.partial`` (C callables
-of CPython), so ``--instructions`` counts each kind's inclusive instructions under callgrind.
+go through ``operator.methodcaller`` and boundary steps through ``itertools.starmap`` (C callables
+of CPython that nothing else calls in the worker: ``functools.partial`` also runs at import time),
+so ``--instructions`` counts each kind's inclusive instructions under callgrind (the number of
+calls checked).
 Variants: ``full`` (pure attention), ``swa`` (every other layer a 128-token window), ``hybrid``
 (qwen3-next shape: 3 recurrent layers to 1 attention layer).
 """
@@ -15,7 +17,7 @@ Variants: ``full`` (pure attention), ``swa`` (every other layer a 128-token wind
 from __future__ import annotations
 
 import argparse
-import functools
+import itertools
 import json
 import operator
 import os
@@ -25,7 +27,6 @@ from typing import Any
 
 import run as bench
 from bench_common import _hybrid_sizing, _manager
-from serving import _inclusive
 
 VARIANTS = ["full", "swa", "hybrid"]
 DEFAULTS = dict(requests=64, prompt=4097, blocks=8, layers=32, tokens_per_block=32)
@@ -63,7 +64,7 @@ def scenario(p: dict[str, Any]) -> dict[str, Any]:
         if kind == "inside":
             assert not inside[0](rm)
         else:
-            assert not functools.partial(rm.prepare_resources, reqs)()
+            assert list(itertools.starmap(rm.prepare_resources, ((reqs,),))) == [[]]
         t1 = clock()
         for r in reqs:
             r.generated_tokens.append(len(r.generated_tokens) & 0xFFFF)
@@ -71,7 +72,7 @@ def scenario(p: dict[str, Any]) -> dict[str, Any]:
         if kind == "inside":
             inside[1](rm)
         else:
-            functools.partial(rm.update_resources, reqs)()
+            list(itertools.starmap(rm.update_resources, ((reqs,),)))
         t3 = clock()
         spent[kind] += (t1 - t0) + (t3 - t2)
         steps[kind] += n
@@ -91,8 +92,40 @@ def _instructions(mode: str, params: dict[str, Any], steps: dict[str, int]) -> d
     os.makedirs(os.path.dirname(out_file), exist_ok=True)
     wrap = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_file}"]
     bench.run_child(mode, "adapter_decode", params, os.path.abspath(__file__), wrap=wrap)
-    counts = _inclusive(out_file, {"partial_vectorcall", "methodcaller_call", "map_next"})
-    return {"inside": counts["decode"] / steps["inside"], "boundary": counts["prefill"] / steps["boundary"]}
+    calls, cost = _inclusive(out_file, {"methodcaller_call", "starmap_next"})
+    n = params["requests"]
+    # two calls per step (prepare, update); starmap_next once more per call (it ends the iteration)
+    want = {"methodcaller_call": 2 * steps["inside"] // n, "starmap_next": 4 * steps["boundary"] // n}
+    if calls != want:
+        raise SystemExit(f"--instructions: marker calls {calls}, expected {want}")
+    return {"inside": cost["methodcaller_call"] / steps["inside"], "boundary": cost["starmap_next"] / steps["boundary"]}
+
+
+def _inclusive(path: str, names: set[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """Calls and inclusive instructions of the functions ``names`` in a callgrind output file."""
+    ids: dict[str, str] = {}  # compressed "(n)" -> name
+    calls = dict.fromkeys(names, 0)
+    cost = dict.fromkeys(names, 0)
+    target = None
+    count = 0
+    after_calls = False
+    with open(path) as f:
+        for line in f:
+            if after_calls:
+                if target in cost:
+                    calls[target] += count
+                    cost[target] += int(line.split()[1])
+                after_calls = False
+            elif line.startswith(("cfn=", "fn=")):
+                ref, _, name = line.split("=", 1)[1].strip().partition(" ")
+                if name:
+                    ids[ref] = name
+                if line.startswith("cfn="):
+                    target = ids.get(ref, ref)
+            elif line.startswith("calls="):
+                count = int(line[6:].split()[0])
+                after_calls = True
+    return calls, cost
 
 
 def main() -> None:
