@@ -363,7 +363,16 @@ class KVCache(CacheView):
                 commit_beams(self, cast(Sequence[Sequence[TokenIdExt]], accepted_input_tokens), beam_search_indices)
                 return
             if len(accepted_input_tokens) != 1:
-                self._commit_many(cast(Sequence[TokenIdExt], accepted_input_tokens))
+                tokens = cast(Sequence[TokenIdExt], accepted_input_tokens)
+                self._check_commit()
+                validate_tokens(tokens, "accepted_input_tokens")
+                self._check_room(len(tokens))
+                ctx = self._ctx
+                ctx.enter("commit()")
+                try:
+                    commit_tokens(self, tokens)
+                finally:
+                    ctx.leave()
                 return
             token = cast(Sequence[object], accepted_input_tokens)[0]
         # one token (read as an object: compiled code would type-check it first); each check below
@@ -389,18 +398,6 @@ class KVCache(CacheView):
                 commit_tokens(self)
             finally:
                 ctx.leave()
-
-    def _commit_many(self, accepted_input_tokens: Sequence[TokenIdExt]) -> None:
-        """commit() of any number of tokens but one, without beams."""
-        self._check_commit()
-        validate_tokens(accepted_input_tokens, "accepted_input_tokens")
-        self._check_room(len(accepted_input_tokens))
-        ctx = self._ctx
-        ctx.enter("commit()")
-        try:
-            commit_tokens(self, accepted_input_tokens)
-        finally:
-            ctx.leave()
 
     def _commit_token(self, token: TokenIdExt) -> bool:
         """Append one checked token: the decode step. False when it completed a block or moved
