@@ -355,7 +355,7 @@ class KVCache(CacheView):
         beam has its own tail before the first generation step writes it.
         """
         if beam_search_indices is None and type(accepted_input_tokens) is list and len(accepted_input_tokens) == 1:
-            token = cast(list[object], accepted_input_tokens)[0]  # the decode step (engines pass a list)
+            token = cast("list[object]", accepted_input_tokens)[0]  # the decode step (engines pass a list)
         else:
             check_token_sequence(accepted_input_tokens, "accepted_input_tokens")
             if beam_search_indices is not None:

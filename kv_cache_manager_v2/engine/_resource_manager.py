@@ -9,7 +9,6 @@ records they read, are the base class in ``_queries.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
 
 from .._common import (
     DEFAULT_PRIORITY,
@@ -93,7 +92,8 @@ class KVCacheResourceManager(ResourceQueries):
         current: KVCache | None = None  # resumed by this call for the request being prepared
         records = self._records
         try:
-            for item in as_list(cast(Sequence[object], batch)):  # (a list iterates natively)
+            items: list[object] = as_list(batch)  # (a list iterates natively)
+            for item in items:
                 if not isinstance(item, EngineRequest):
                     raise TypeError(f"batch items must be EngineRequest, got {type(item).__name__}")
                 req = item
@@ -268,7 +268,8 @@ class KVCacheResourceManager(ResourceQueries):
         self._check_alive()
         one = self._one_token
         records = self._records
-        for item in as_list(cast(Sequence[object], batch)):
+        items: list[object] = as_list(batch)
+        for item in items:
             if not isinstance(item, EngineRequest):
                 raise TypeError(f"batch items must be EngineRequest, got {type(item).__name__}")
             req = item
