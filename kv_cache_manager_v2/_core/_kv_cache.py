@@ -12,7 +12,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
-from .._common import MAX_CAPACITY, BeamIndex, BlockOrdinal, CacheLevel, KVCacheStatus, LayerGroupId, TokenIdExt
+from .._common import (
+    MAX_CAPACITY,
+    MAX_TOKEN_ID,
+    BeamIndex,
+    BlockOrdinal,
+    CacheLevel,
+    KVCacheStatus,
+    LayerGroupId,
+    TokenIdExt,
+)
 from .._exceptions import LogicError, OutOfPagesError
 from .._retention import Retention
 from .._reuse._keys import check_token, check_token_sequence, validate_tokens
@@ -202,6 +211,18 @@ class KVCache(CacheView):
 
         Returns False, changing nothing, when GPU memory is short. Misuse raises.
         """
+        if history_length is None and type(capacity) is int and self._status is KVCacheStatus.ACTIVE:
+            # the decode step's common case, checked in one pass: a capacity within the blocks held
+            cap: int = capacity  # (unboxed once)
+            end = self._num_blocks * self._tokens_per_block
+            if (
+                self._history <= cap <= MAX_CAPACITY
+                and end - self._tokens_per_block < cap <= end
+                and not self._cow
+                and (not self._ctx.has_releasing_groups or not self._window_moves(cap, self._history))
+            ):
+                self._capacity = cap
+                return True
         if self._status is not KVCacheStatus.ACTIVE:
             raise LogicError(f"resize() needs an ACTIVE cache; this one is {self._status.name} (call resume() first)")
         # refuse bools while they are still objects (compiled, an int local would make them 0 / 1)
@@ -333,42 +354,50 @@ class KVCache(CacheView):
         beams; commit the last prompt chunk that way (``[chunk] * B``, indices ``[0] * B``) so every
         beam has its own tail before the first generation step writes it.
         """
-        check_token_sequence(accepted_input_tokens, "accepted_input_tokens")
-        if beam_search_indices is not None:
-            self._check_committing()
-            commit_beams(self, cast(Sequence[Sequence[TokenIdExt]], accepted_input_tokens), beam_search_indices)
-            return
-        accepted_input_tokens = cast(Sequence[TokenIdExt], accepted_input_tokens)
-        if len(accepted_input_tokens) == 1:
-            # the decode step: one token (read as an object: compiled code would type-check it first)
-            token = cast(Sequence[object], accepted_input_tokens)[0]
-            self._check_commit()
-            check_token(token, "accepted_input_tokens")
-            self._check_room(1)
-            ctx = self._ctx
-            ctx.check_idle("commit()")  # before the token goes in: all or nothing
-            if not self._commit_token(cast(TokenIdExt, token)):
+        if beam_search_indices is None and type(accepted_input_tokens) is list and len(accepted_input_tokens) == 1:
+            token = cast("list[object]", accepted_input_tokens)[0]  # the decode step (engines pass a list)
+        else:
+            check_token_sequence(accepted_input_tokens, "accepted_input_tokens")
+            if beam_search_indices is not None:
+                self._check_committing()
+                commit_beams(self, cast(Sequence[Sequence[TokenIdExt]], accepted_input_tokens), beam_search_indices)
+                return
+            if len(accepted_input_tokens) != 1:
+                tokens = cast(Sequence[TokenIdExt], accepted_input_tokens)
+                self._check_commit()
+                validate_tokens(tokens, "accepted_input_tokens")
+                self._check_room(len(tokens))
+                ctx = self._ctx
+                ctx.enter("commit()")
                 try:
-                    ctx.enter("commit()")
-                except LogicError:
-                    # another thread entered since check_idle: take the token out again (only
-                    # the tail changed: _commit_token returns False before touching history)
-                    self._tail.pop()
-                    raise
-                try:
-                    commit_tokens(self)
+                    commit_tokens(self, tokens)
                 finally:
                     ctx.leave()
-            return
-        self._check_commit()
-        validate_tokens(accepted_input_tokens, "accepted_input_tokens")
-        self._check_room(len(accepted_input_tokens))
+                return
+            token = cast(Sequence[object], accepted_input_tokens)[0]
+        # one token (read as an object: compiled code would type-check it first); each check below
+        # that fails calls the function that raises, in the order of the full checks
+        if self._status is not KVCacheStatus.ACTIVE or not self._committing or self._forked:
+            self._check_commit()
+        if type(token) is not int or token < 0 or token > MAX_TOKEN_ID:
+            check_token(token, "accepted_input_tokens")
+        if len(self._committed_blocks) * self._tokens_per_block + len(self._tail) >= self._capacity:
+            self._check_room(1)
         ctx = self._ctx
-        ctx.enter("commit()")
-        try:
-            commit_tokens(self, accepted_input_tokens)
-        finally:
-            ctx.leave()
+        if ctx.busy:
+            ctx.check_idle("commit()")  # before the token goes in: all or nothing
+        if not self._commit_token(cast(TokenIdExt, token)):
+            try:
+                ctx.enter("commit()")
+            except LogicError:
+                # another thread entered since check_idle: take the token out again (only
+                # the tail changed: _commit_token returns False before touching history)
+                self._tail.pop()
+                raise
+            try:
+                commit_tokens(self)
+            finally:
+                ctx.leave()
 
     def _commit_token(self, token: TokenIdExt) -> bool:
         """Append one checked token: the decode step. False when it completed a block or moved

@@ -18,6 +18,8 @@ from .._common import (
     LayerId,
     PageIndexMode,
     PoolGroupIndex,
+    TokenId,
+    TokenIdExt,
 )
 from .._config import KVCacheManagerConfig
 from .._core._kv_cache import KVCache
@@ -47,6 +49,7 @@ class RequestRecord:
         #: pages per pool group the cache held when the adapter last suspended it (GPU-only
         #: managers: they stay in GPU memory, so they are not needed again)
         self.suspended_pages: list[int] = []
+        self.slot = -1  #: its index in the adapter's ``_records`` while the adapter holds it
 
 
 def check_request(name: str, request: object) -> EngineRequest:
@@ -86,6 +89,10 @@ class ResourceQueries:
         self._num_levels = len(m.cache_tier_list)
         self._releases_blocks = any(s.policy.releases_blocks for s in self._shapes)
         self._seqs: dict[int, RequestRecord] = {}
+        #: the same records by slot (``EngineRequest._slot`` remembers it: found without hashing)
+        self._records: list[RequestRecord | None] = []
+        self._free_slots: list[int] = []
+        self._one_token: list[TokenIdExt] = [TokenId(0)]  #: update_resources' one-token commits
         self._serial = 0
         self._converters: dict[tuple[LayerId, str], PageIndexConverter] = {}
         self._is_shut_down = False
@@ -136,7 +143,7 @@ class ResourceQueries:
         t = self.tokens_per_block
         final_cap = len(req.prompt_tokens) + check_field("max_new_tokens", req.max_new_tokens, 1) - 1
         chunk = check_field("context_chunk_size", req.context_chunk_size, 0)
-        seq = self._seqs.get(req.request_id)
+        seq = self._record(req)
         if seq is None or seq.request is not req:
             return admission_bound(self._shapes, self._num_pool_groups, final_cap, chunk)
         kv = seq.kv
@@ -232,7 +239,7 @@ class ResourceQueries:
 
     def has_resources(self, request: EngineRequest) -> bool:
         """Whether the adapter holds a cache for this request (prepared and not freed)."""
-        seq = self._seqs.get(check_request("request", request).request_id)
+        seq = self._record(check_request("request", request))
         return seq is not None and seq.request is request
 
     def is_suspended(self, request: EngineRequest) -> bool:
@@ -256,9 +263,43 @@ class ResourceQueries:
             out[shape.pool_group] += len(indices) - indices.tolist().count(BAD_PAGE_INDEX)
         return out
 
+    def _record(self, req: EngineRequest) -> RequestRecord | None:
+        """The record held under ``req``'s id (perhaps another request's), or None."""
+        slot = req._slot
+        records = self._records
+        if 0 <= slot < len(records):
+            seq = records[slot]
+            if seq is not None and seq.request is req:
+                return seq
+        return self._seqs.get(req.request_id)
+
+    def _hold(self, seq: RequestRecord) -> None:
+        """Hold a new record (its request's id is not held)."""
+        req = seq.request
+        self._seqs[req.request_id] = seq
+        records = self._records
+        if self._free_slots:
+            slot = self._free_slots.pop()
+            records[slot] = seq
+        else:
+            slot = len(records)
+            records.append(seq)
+        seq.slot = slot
+        req._slot = slot
+
+    def _let_go(self, seq: RequestRecord) -> None:
+        """Stop holding a record (``_hold`` took it)."""
+        req = seq.request
+        del self._seqs[req.request_id]
+        self._records[seq.slot] = None
+        self._free_slots.append(seq.slot)
+        if req._slot == seq.slot:
+            req._slot = -1
+        seq.slot = -1
+
     def _seq_of(self, request: EngineRequest) -> RequestRecord:
         req = check_request("request", request)
-        seq = self._seqs.get(req.request_id)
+        seq = self._record(req)
         if seq is None or seq.request is not req:
             raise LogicError(f"request {req.request_id} holds no resources in this adapter (prepare_resources first)")
         return seq

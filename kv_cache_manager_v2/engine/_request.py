@@ -95,6 +95,7 @@ class EngineRequest:
         self.num_scheduled_tokens = 0
         self.num_reused_tokens = 0
         self.num_reused_tokens_per_level: list[int] = []
+        self._slot = -1  # where the last adapter that took it keeps its record (a hint it checks)
 
     @property
     def request_id(self) -> RequestId:

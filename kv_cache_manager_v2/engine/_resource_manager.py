@@ -25,7 +25,7 @@ from .._core._kv_cache import KVCache
 from .._core._request_state import default_priority
 from .._exceptions import LogicError
 from .._retention import Retention
-from .._utils import check_type
+from .._utils import as_list, check_type
 from ._queries import RequestRecord, ResourceQueries, check_request
 from ._request import EngineRequest, RequestState, check_field, check_priority, slices_as_is
 
@@ -90,11 +90,17 @@ class KVCacheResourceManager(ResourceQueries):
         unserved: list[EngineRequest] = []
         done: list[RequestRecord] = []
         current: KVCache | None = None  # resumed by this call for the request being prepared
+        records = self._records
         try:
-            for req in batch:
-                if not isinstance(req, EngineRequest):
-                    raise TypeError(f"batch items must be EngineRequest, got {type(req).__name__}")
-                seq = self._seqs.get(req.request_id)
+            items: list[object] = as_list(batch)  # (a list iterates natively)
+            for item in items:
+                if not isinstance(item, EngineRequest):
+                    raise TypeError(f"batch items must be EngineRequest, got {type(item).__name__}")
+                req = item
+                slot = req._slot  # (``_record`` inline: the hot loop)
+                seq = records[slot] if 0 <= slot < len(records) else None
+                if seq is None or seq.request is not req:
+                    seq = self._seqs.get(req.request_id)
                 if seq is None:
                     if req.state is RequestState.FINISHED:
                         raise LogicError(f"request {req.request_id} is FINISHED; free_resources() it instead")
@@ -111,7 +117,9 @@ class KVCacheResourceManager(ResourceQueries):
                 seq.serial = serial
                 if req.state is RequestState.FINISHED:
                     raise LogicError(f"request {req.request_id} is FINISHED; free_resources() it instead")
-                c = check_field("context_chunk_size", req.context_chunk_size, 0)  # before anything changes
+                c = req.context_chunk_size
+                if type(c) is not int or c < 0:
+                    c = check_field("context_chunk_size", c, 0)  # raises: before anything changes
                 kv = seq.kv
                 h = kv.history_length
                 num_tokens = len(req.prompt_tokens) + len(req.generated_tokens)
@@ -206,7 +214,7 @@ class KVCacheResourceManager(ResourceQueries):
         seq.scheduled = n
         seq.undo_reused = req.num_reused_tokens
         seq.undo_reused_per_level = req.num_reused_tokens_per_level
-        self._seqs[req.request_id] = seq
+        self._hold(seq)
         req.num_reused_tokens = reused
         per_level = self._tokens_per_level(reused, levels)
         req.num_reused_tokens_per_level = per_level
@@ -232,7 +240,7 @@ class KVCacheResourceManager(ResourceQueries):
             kv = seq.kv
             if seq.undo_capacity < 0:
                 kv.close()
-                del self._seqs[req.request_id]
+                self._let_go(seq)
                 total = self.reused_tokens_per_level
                 for level, level_tokens in enumerate(req.num_reused_tokens_per_level):
                     total[level] -= level_tokens
@@ -258,10 +266,17 @@ class KVCacheResourceManager(ResourceQueries):
         updated, it and the rest are not; fix the token and call again.
         """
         self._check_alive()
-        for req in batch:
-            if not isinstance(req, EngineRequest):
-                raise TypeError(f"batch items must be EngineRequest, got {type(req).__name__}")
-            seq = self._seqs.get(req.request_id)
+        one = self._one_token
+        records = self._records
+        items: list[object] = as_list(batch)
+        for item in items:
+            if not isinstance(item, EngineRequest):
+                raise TypeError(f"batch items must be EngineRequest, got {type(item).__name__}")
+            req = item
+            slot = req._slot  # (``_record`` inline: the hot loop)
+            seq = records[slot] if 0 <= slot < len(records) else None
+            if seq is None or seq.request is not req:
+                seq = self._seqs.get(req.request_id)
             if seq is None or seq.request is not req:
                 raise LogicError(f"update_resources: request {req.request_id} holds no resources (prepare it first)")
             n = seq.scheduled
@@ -278,8 +293,9 @@ class KVCacheResourceManager(ResourceQueries):
                 )
             if seq.padding:
                 kv.resize(None, e)
-            elif n == 1:
-                kv.commit([req.generated_tokens[h - p]] if h >= p else [req.prompt_tokens[h]])
+            elif n == 1:  # (commit keeps no reference to a one-token list: one list serves every request)
+                one[0] = req.generated_tokens[h - p] if h >= p else req.prompt_tokens[h]
+                kv.commit(one)
             else:  # a prompt chunk is one slice of the prompt where commit takes it as it is
                 kv.commit(req.prompt_tokens[h:e] if e <= p and slices_as_is(req.prompt_tokens) else req.tokens(h, e))
             seq.scheduled = 0
@@ -296,12 +312,12 @@ class KVCacheResourceManager(ResourceQueries):
         self._check_alive()
         req = check_request("request", request)
         check_type("retain", retain, (Retention, type(None)))
-        seq = self._seqs.get(req.request_id)
+        seq = self._record(req)
         if seq is None:
             return
         if seq.request is not req:
             raise ValueError(f"request_id {req.request_id} belongs to another EngineRequest the adapter holds")
-        del self._seqs[req.request_id]
+        self._let_go(seq)
         kv = seq.kv
         if not seq.padding:
             kv.stop_committing()
@@ -357,7 +373,7 @@ class KVCacheResourceManager(ResourceQueries):
             req.state = RequestState.GENERATION
         seq = RequestRecord(req, kv, True)
         seq.scheduled = 1
-        self._seqs[req.request_id] = seq
+        self._hold(seq)
         req.num_cached_tokens = h
         req.num_scheduled_tokens = 1
         return req
@@ -369,7 +385,7 @@ class KVCacheResourceManager(ResourceQueries):
             return
         for seq in list(self._seqs.values()):
             seq.kv.close()
-        self._seqs.clear()
+            self._let_go(seq)
         if self._owns_manager:
             self.manager.shutdown()
         self._is_shut_down = True
