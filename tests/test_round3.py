@@ -275,20 +275,21 @@ def test_commit_refused_after_its_idle_check_takes_its_token_back(
     make_manager: MakeManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Interpreted mode can switch threads between the decode commit's idle check and its entry;
-    simulated here: another call starts right after the check."""
-    from kv_cache_manager_v2._core._context import CacheContext
+    simulated here: another call starts right after the token went into the tail."""
+    from kv_cache_manager_v2._core._kv_cache import KVCache
 
     m = make_manager(kv_layers(2, T), T, 64 * SLOT)
     a = m.create_kv_cache()
     assert a.resume() and a.resize(2 * T)
     a.commit(seq(1, T - 1))
-    check_idle = CacheContext.check_idle
+    commit_token = KVCache._commit_token
 
-    def then_another_thread_enters(self: CacheContext, what: str) -> None:
-        check_idle(self, what)
-        self.busy = True
+    def then_another_thread_enters(self: KVCache, token: int) -> bool:
+        done = commit_token(self, token)
+        self._ctx.busy = True
+        return done
 
-    monkeypatch.setattr(CacheContext, "check_idle", then_another_thread_enters)
+    monkeypatch.setattr(KVCache, "_commit_token", then_another_thread_enters)
     before = _state(a)
     with pytest.raises(LogicError, match="another call"):
         a.commit([5])
