@@ -273,6 +273,12 @@ class ResourceQueries:
                 return seq
         return self._seqs.get(req.request_id)
 
+    def _item_record(self, item: object) -> tuple[EngineRequest, RequestRecord | None]:
+        """A batch item, checked to be a request, and the record held under its id (``_record``)."""
+        if not isinstance(item, EngineRequest):
+            raise TypeError(f"batch items must be EngineRequest, got {type(item).__name__}")
+        return item, self._record(item)
+
     def _hold(self, seq: RequestRecord) -> None:
         """Hold a new record (its request's id is not held)."""
         req = seq.request

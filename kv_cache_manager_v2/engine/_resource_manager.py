@@ -90,17 +90,10 @@ class KVCacheResourceManager(ResourceQueries):
         unserved: list[EngineRequest] = []
         done: list[RequestRecord] = []
         current: KVCache | None = None  # resumed by this call for the request being prepared
-        records = self._records
         try:
             items: list[object] = as_list(batch)  # (a list iterates natively)
             for item in items:
-                if not isinstance(item, EngineRequest):
-                    raise TypeError(f"batch items must be EngineRequest, got {type(item).__name__}")
-                req = item
-                slot = req._slot  # (``_record`` inline: the hot loop)
-                seq = records[slot] if 0 <= slot < len(records) else None
-                if seq is None or seq.request is not req:
-                    seq = self._seqs.get(req.request_id)
+                req, seq = self._item_record(item)
                 if seq is None:
                     if req.state is RequestState.FINISHED:
                         raise LogicError(f"request {req.request_id} is FINISHED; free_resources() it instead")
@@ -267,16 +260,9 @@ class KVCacheResourceManager(ResourceQueries):
         """
         self._check_alive()
         one = self._one_token
-        records = self._records
         items: list[object] = as_list(batch)
         for item in items:
-            if not isinstance(item, EngineRequest):
-                raise TypeError(f"batch items must be EngineRequest, got {type(item).__name__}")
-            req = item
-            slot = req._slot  # (``_record`` inline: the hot loop)
-            seq = records[slot] if 0 <= slot < len(records) else None
-            if seq is None or seq.request is not req:
-                seq = self._seqs.get(req.request_id)
+            req, seq = self._item_record(item)
             if seq is None or seq.request is not req:
                 raise LogicError(f"update_resources: request {req.request_id} holds no resources (prepare it first)")
             n = seq.scheduled
