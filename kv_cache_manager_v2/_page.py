@@ -576,10 +576,11 @@ class Page:
         return slot
 
     def __del__(self) -> None:
-        # rawref's contract: a target invalidates its ref before it dies. Normally free() did.
+        # rawref's contract: a target invalidates its ref before it dies. Normally free() did. (The
+        # method, not the module global: interpreted, globals may be gone at interpreter exit.)
         r = self._rawref
         if r is not None:
-            _invalidate(r)
+            r.invalidate()
 
     def hand_off(self) -> SlotId:
         """Forget the slot without freeing it (the remote tier's writer sends its data, then the

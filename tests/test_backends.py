@@ -196,3 +196,23 @@ def test_cuda_copies_are_cut_where_a_host_registration_ends(
             assert backend.read(gpu.slot_address(p, SlotId(slot)), size) == bytes([slot + 1]) * size
             assert backend.read(gpu.slot_address(p, SlotId(2 * n - 1 - slot)), size) == bytes([slot + 1]) * size
     m.shutdown()
+
+
+def test_host_registrations_cut_copies_at_each_range_end_and_forget_removed_ranges() -> None:
+    from kv_cache_manager_v2._storage._cuda_backend import HostRegistrations
+
+    r = HostRegistrations()
+    r.add(1000, 100)
+    r.add(1100, 50)  # adjacent: still two registrations
+    r.add(5000, 10)
+    dsts, srcs, sizes = [1050, 7000], [90, 91], [120, 5]  # D2H: the host side is the destination
+    r.cut(True, dsts, srcs, sizes)
+    assert (dsts, srcs, sizes) == ([1050, 1100, 1150, 7000], [90, 140, 190, 91], [50, 50, 20, 5])
+    srcs2, dsts2, sizes2 = [1000], [0], [150]  # H2D over both: the host side is the source
+    r.cut(False, dsts2, srcs2, sizes2)
+    assert (srcs2, dsts2, sizes2) == ([1000, 1100], [0, 100], [100, 50])
+    r.remove(1100)  # only that one
+    assert r.ranges == [(1000, 1100), (5000, 5010)]
+    d, s, n = [1050], [0], [100]
+    r.cut(True, d, s, n)
+    assert n == [50, 50]  # up to the end of the first; the rest is in no registration: left whole

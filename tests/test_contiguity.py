@@ -399,3 +399,33 @@ def test_the_allocator_s_per_slot_lists_are_invisible_to_the_gc() -> None:
     a.allocate(100)
     a.resize(100)
     assert not gc.is_tracked(a._is_free) and not gc.is_tracked(a._tail)
+
+
+def test_allocate_below_takes_free_slots_below_the_limit_whatever_the_stack_looks_like() -> None:
+    """``allocate_below`` (a tier's compaction before a shrink) takes several runs in one call; taking
+    one may compact the run stack, which moved the others under indices taken beforehand (an
+    ``IndexError`` half-way, or slots at or above the limit)."""
+    for seed in range(400):
+        rng = random.Random(seed)
+        n = rng.randint(50, 400)
+        a, _ = allocator(n)
+        used = set(a.allocate(n))
+        for s in rng.sample(sorted(used), rng.randint(1, n - 1)):
+            a.free(SlotId(s))
+            used.discard(s)
+        for _ in range(rng.randint(0, 30)):
+            if a.num_free > 1 and rng.random() < 0.5:
+                used |= set(a.allocate(rng.randint(1, min(4, a.num_free - 1)), -1, rng.random() < 0.5))
+            elif used:
+                s = rng.choice(sorted(used))
+                a.free(SlotId(s))
+                used.discard(s)
+        limit = rng.randint(1, n)
+        below_free = sum(1 for s in range(limit) if s not in used)
+        if not below_free:
+            continue
+        count = rng.randint(1, below_free)
+        out = a.allocate_below(limit, count)
+        assert len(set(out)) == len(out) == count and not set(out) & used and all(s < limit for s in out), seed
+        used |= set(out)
+        check_runs(a, {s for s in range(n) if s not in used})

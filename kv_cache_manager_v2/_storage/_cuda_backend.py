@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-from bisect import bisect_left, bisect_right
-from typing import Any
+from bisect import bisect_right, insort
+from typing import Any, Final
 
 from .._common import MemAddress
 from .._exceptions import CuError
@@ -26,40 +26,35 @@ _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 _HOST_CHUNK = 64 << 20
 
 
-class _HostRegistrations:
-    """Host ranges page-locked by ``cuMemHostRegister``, by start address. A copy to or from
-    page-locked memory must lie within one registration: the driver refuses one that spans two,
-    even adjacent ones (``CUDA_ERROR_INVALID_VALUE``), so ``copy_batch`` cuts copies at their ends."""
+class HostRegistrations:
+    """A backend's host ranges page-locked by ``cuMemHostRegister``. A copy to or from page-locked
+    memory must lie within one registration: the driver refuses one that spans two, even adjacent
+    ones (``CUDA_ERROR_INVALID_VALUE``), so ``copy_batch`` cuts copies at their ends."""
 
     def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.ends: list[int] = []
+        #: ``(start, end)`` by start; replaced whole on every change, so a copy on another thread
+        #: (the remote tier's writer) reads one consistent list
+        self.ranges: list[tuple[int, int]] = []
 
     def add(self, start: int, size: int) -> None:
-        i = bisect_left(self.starts, start)
-        self.starts.insert(i, start)
-        self.ends.insert(i, start + size)
+        ranges = list(self.ranges)
+        insort(ranges, (start, start + size))
+        self.ranges = ranges
 
     def remove(self, start: int) -> None:
-        i = bisect_left(self.starts, start)
-        del self.starts[i]
-        del self.ends[i]
-
-    def end_of(self, address: int) -> int:
-        """The end of the registration holding ``address``; -1 when none does."""
-        i = bisect_right(self.starts, address) - 1
-        return self.ends[i] if i >= 0 and address < self.ends[i] else -1
+        self.ranges = [r for r in self.ranges if r[0] != start]
 
     def cut(self, host_is_dst: bool, dsts: list[int], srcs: list[int], sizes: list[int]) -> None:
         """Cut in place every copy whose host side (the destination or the source) runs past the
         end of its registration into pieces that each lie within one."""
+        ranges = self.ranges
         i = 0
         while i < len(sizes):
             d, s, n = dsts[i], srcs[i], sizes[i]
             h = d if host_is_dst else s
-            end = self.end_of(h)
-            if 0 <= end < h + n:
-                k = end - h
+            j = bisect_right(ranges, (h, _NO_END)) - 1  # the last registration starting at or before h
+            if j >= 0 and h < ranges[j][1] < h + n:
+                k = ranges[j][1] - h
                 sizes[i] = k
                 dsts.insert(i + 1, d + k)
                 srcs.insert(i + 1, s + k)
@@ -67,8 +62,8 @@ class _HostRegistrations:
             i += 1
 
 
-#: every registration of this process (a copy may pair any two pools)
-_REGISTERED = _HostRegistrations()
+#: greater than any address (sorts a probe ``(address, _NO_END)`` after every range starting there)
+_NO_END: Final = 1 << 64
 
 
 def _driver() -> Any:
@@ -166,8 +161,9 @@ class CudaDevicePool(MemoryPool):
 class PinnedHostPool(MemoryPool):
     """Host memory reserved as an anonymous mapping; its used part is page-locked chunk by chunk."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, registrations: HostRegistrations) -> None:
         self.medium = HOST_MEMORY
+        self._registrations = registrations
         self.reserved_bytes = round_up(max(max_bytes, 1), mmap.PAGESIZE)
         self._mapping: mmap.mmap | None = mmap.mmap(
             -1,
@@ -195,13 +191,13 @@ class PinnedHostPool(MemoryPool):
             while off < target:
                 size = min(_HOST_CHUNK, target - off)
                 _check(cu.cuMemHostRegister(self.base_address + off, size, 0), "cuMemHostRegister")
-                _REGISTERED.add(self.base_address + off, size)
+                self._registrations.add(self.base_address + off, size)
                 done.append((off, size))
                 off += size
         except CuError:
             for chunk in done:  # nothing changed
                 cu.cuMemHostUnregister(self.base_address + chunk[0])
-                _REGISTERED.remove(self.base_address + chunk[0])
+                self._registrations.remove(self.base_address + chunk[0])
             raise
         self._chunks.extend(done)
         self._mapped = target
@@ -211,7 +207,7 @@ class PinnedHostPool(MemoryPool):
         while self._chunks and self._chunks[-1][0] >= nbytes:
             chunk = self._chunks.pop()
             _check(cu.cuMemHostUnregister(self.base_address + chunk[0]), "cuMemHostUnregister")
-            _REGISTERED.remove(self.base_address + chunk[0])
+            self._registrations.remove(self.base_address + chunk[0])
             if self._mapping is not None and _MADV_DONTNEED is not None:
                 self._mapping.madvise(_MADV_DONTNEED, chunk[0], chunk[1])
             self._mapped = chunk[0]
@@ -222,7 +218,7 @@ class PinnedHostPool(MemoryPool):
         cu = _driver()
         for i in range(len(self._chunks) - 1, -1, -1):
             _check(cu.cuMemHostUnregister(self.base_address + self._chunks[i][0]), "cuMemHostUnregister")
-            _REGISTERED.remove(self.base_address + self._chunks[i][0])
+            self._registrations.remove(self.base_address + self._chunks[i][0])
         self._chunks = []
         self._mapped = 0
         view = self.host_view
@@ -268,12 +264,13 @@ class CudaBackend(MemoryBackend):
         self.use_batch_copies = hasattr(cu, "cuMemcpyBatchAsync")
         self._batch_attrs: Any = None
         self._staging: PinnedHostPool | None = None
+        self.host_registrations = HostRegistrations()
 
     def reserve_pool(self, max_bytes: int) -> MemoryPool:
         return CudaDevicePool(self, max_bytes)
 
     def reserve_host_pool(self, max_bytes: int) -> MemoryPool:
-        return PinnedHostPool(max_bytes)
+        return PinnedHostPool(max_bytes, self.host_registrations)
 
     def staging_buffer(self, min_bytes: int) -> MemoryPool | None:
         staging = self._staging
@@ -282,7 +279,7 @@ class CudaBackend(MemoryBackend):
                 self.synchronize()
                 staging.release()
                 self._staging = None
-            staging = PinnedHostPool(min_bytes)
+            staging = PinnedHostPool(min_bytes, self.host_registrations)
             staging.ensure_mapped(min_bytes)
             self._staging = staging
         return staging
@@ -315,7 +312,7 @@ class CudaBackend(MemoryBackend):
                 ctypes.memmove(d, s, n)
             return
         if kind != D2D:  # a page-locked host range: within one registration per copy
-            _REGISTERED.cut(kind == D2H, dsts, srcs, sizes)
+            self.host_registrations.cut(kind == D2H, dsts, srcs, sizes)
         if self.use_batch_copies and len(dsts) > 1:
             if self._batch_attrs is None:
                 attr = cu.CUmemcpyAttributes()

@@ -381,8 +381,8 @@ class SlotAllocator:
         ``LogicError`` (changing nothing) if there are fewer."""
         self._fold()
         firsts, counts = self._firsts, self._counts
-        order = sorted((firsts[i], i) for i in range(len(counts)) if counts[i] and firsts[i] < limit)
-        have = sum(min(counts[i], limit - first) for first, i in order)
+        order = sorted((firsts[i], counts[i]) for i in range(len(counts)) if counts[i] and firsts[i] < limit)
+        have = sum(min(n, limit - first) for first, n in order)
         rest = count - have
         beg = self._high_water
         if rest > 0:
@@ -392,10 +392,11 @@ class SlotAllocator:
             self._high_water = beg + rest
         out: list[int] = []
         need = count - max(rest, 0)
-        for first, i in order:  # (taking a run never moves the runs below it in the stack)
+        for first, _ in order:
             if not need:
                 break
-            need -= self._take(i, min(limit - first, need), out)
+            # found by its first slot: taking a run may compact the stack (``_drop_dead``), moving the others
+            need -= self._take(firsts.index(first), min(limit - first, need), out)
         if rest > 0:
             out.extend(range(beg, beg + rest))
         self._note_peak()

@@ -18,8 +18,6 @@ from .._common import (
     LayerId,
     PageIndexMode,
     PoolGroupIndex,
-    TokenId,
-    TokenIdExt,
 )
 from .._config import KVCacheManagerConfig
 from .._core._kv_cache import KVCache
@@ -92,7 +90,6 @@ class ResourceQueries:
         #: the same records by slot (``EngineRequest._slot`` remembers it: found without hashing)
         self._records: list[RequestRecord | None] = []
         self._free_slots: list[int] = []
-        self._one_token: list[TokenIdExt] = [TokenId(0)]  #: update_resources' one-token commits
         self._serial = 0
         self._converters: dict[tuple[LayerId, str], PageIndexConverter] = {}
         self._is_shut_down = False

@@ -259,7 +259,7 @@ class KVCacheResourceManager(ResourceQueries):
         updated, it and the rest are not; fix the token and call again.
         """
         self._check_alive()
-        one = self._one_token
+        one: list[TokenIdExt] = [TokenId(0)]  # one list per call (two threads misusing one adapter get their own)
         items: list[object] = as_list(batch)
         for item in items:
             req, seq = self._item_record(item)
@@ -279,7 +279,7 @@ class KVCacheResourceManager(ResourceQueries):
                 )
             if seq.padding:
                 kv.resize(None, e)
-            elif n == 1:  # (commit keeps no reference to a one-token list: one list serves every request)
+            elif n == 1:  # (commit keeps no reference to a one-token list: one list serves the batch)
                 one[0] = req.generated_tokens[h - p] if h >= p else req.prompt_tokens[h]
                 kv.commit(one)
             else:  # a prompt chunk is one slice of the prompt where commit takes it as it is
