@@ -26,6 +26,10 @@ _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 _HOST_CHUNK = 64 << 20
 
 
+#: greater than any address (sorts a probe ``(address, _NO_END)`` after every range starting there)
+_NO_END: Final = 1 << 64
+
+
 class HostRegistrations:
     """A backend's host ranges page-locked by ``cuMemHostRegister``. A copy to or from page-locked
     memory must lie within one registration: the driver refuses one that spans two, even adjacent
@@ -60,10 +64,6 @@ class HostRegistrations:
                 srcs.insert(i + 1, s + k)
                 sizes.insert(i + 1, n - k)
             i += 1
-
-
-#: greater than any address (sorts a probe ``(address, _NO_END)`` after every range starting there)
-_NO_END: Final = 1 << 64
 
 
 def _driver() -> Any:

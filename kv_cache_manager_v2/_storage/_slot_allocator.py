@@ -200,12 +200,7 @@ class SlotAllocator:
         count = counts[i]
         if want > count:
             want = count
-        if want == 1:
-            self._is_free[first] = False
-            out.append(first)
-        else:
-            self._is_free[first : first + want] = [False] * want
-            out.extend(range(first, first + want))
+        self._use(first, want, out)
         self._in_runs -= want
         self._tidy = False
         if want < count:
@@ -239,12 +234,8 @@ class SlotAllocator:
         out.extend(free)
         free.clear()
         for first, count in zip(self._firsts, self._counts):
-            if count == 1:
-                is_free[first] = False
-                out.append(first)
-            elif count:
-                is_free[first : first + count] = [False] * count
-                out.extend(range(first, first + count))
+            if count:
+                self._use(first, count, out)
         self._firsts.clear()
         self._counts.clear()
         self._num_dead = self._in_runs = 0
@@ -273,6 +264,15 @@ class SlotAllocator:
                 return
             need -= self._take(top, need, out)
 
+    def _use(self, first: int, n: int, out: list[int]) -> None:
+        """Mark free slots ``[first, first + n)`` used and append them to ``out`` (the caller updates the runs)."""
+        if n == 1:
+            self._is_free[first] = False
+            out.append(first)
+        else:
+            self._is_free[first : first + n] = [False] * n
+            out.extend(range(first, first + n))
+
     def _split(self, i: int, want: int, out: list[int]) -> None:
         """``want`` slots from the middle of run ``i`` (reserved): the slots before them (half the
         rest, rounded up) stay with the tail the run comes after, those after them go on top of the
@@ -283,8 +283,7 @@ class SlotAllocator:
             self._take(i, want, out)
             return
         beg = first + gap
-        self._is_free[beg : beg + want] = [False] * want
-        out.extend(range(beg, beg + want))
+        self._use(beg, want, out)
         self._in_runs -= want
         self._counts[i] = gap
         if count > gap + want:
