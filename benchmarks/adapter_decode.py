@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 import run as bench
-from bench_common import _hybrid_sizing, _manager
+from bench_common import _hybrid_sizing, _manager, callgrind_inclusive
 
 VARIANTS = ["full", "swa", "hybrid"]
 DEFAULTS = dict(requests=64, prompt=4097, blocks=8, layers=32, tokens_per_block=32)
@@ -92,40 +92,13 @@ def _instructions(mode: str, params: dict[str, Any], steps: dict[str, int]) -> d
     os.makedirs(os.path.dirname(out_file), exist_ok=True)
     wrap = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_file}"]
     bench.run_child(mode, "adapter_decode", params, os.path.abspath(__file__), wrap=wrap)
-    calls, cost = _inclusive(out_file, {"methodcaller_call", "starmap_next"})
+    calls, cost = callgrind_inclusive(out_file, {"methodcaller_call", "starmap_next"})
     n = params["requests"]
     # two calls per step (prepare, update); starmap_next once more per call (it ends the iteration)
     want = {"methodcaller_call": 2 * steps["inside"] // n, "starmap_next": 4 * steps["boundary"] // n}
     if calls != want:
         raise SystemExit(f"--instructions: marker calls {calls}, expected {want}")
     return {"inside": cost["methodcaller_call"] / steps["inside"], "boundary": cost["starmap_next"] / steps["boundary"]}
-
-
-def _inclusive(path: str, names: set[str]) -> tuple[dict[str, int], dict[str, int]]:
-    """Calls and inclusive instructions of the functions ``names`` in a callgrind output file."""
-    ids: dict[str, str] = {}  # compressed "(n)" -> name
-    calls = dict.fromkeys(names, 0)
-    cost = dict.fromkeys(names, 0)
-    target = None
-    count = 0
-    after_calls = False
-    with open(path) as f:
-        for line in f:
-            if after_calls:
-                if target in cost:
-                    calls[target] += count
-                    cost[target] += int(line.split()[1])
-                after_calls = False
-            elif line.startswith(("cfn=", "fn=")):
-                ref, _, name = line.split("=", 1)[1].strip().partition(" ")
-                if name:
-                    ids[ref] = name
-                if line.startswith("cfn="):
-                    target = ids.get(ref, ref)
-            elif line.startswith("calls="):
-                count = int(line[6:].split()[0])
-                after_calls = True
-    return calls, cost
 
 
 def main() -> None:

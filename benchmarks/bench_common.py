@@ -125,3 +125,31 @@ def _trace(limit: int, path: str = TRACE) -> list[dict[str, Any]]:
 def _trace_prompt(r: dict[str, Any]) -> list[int]:
     """A trace request's prompt: 512 tokens per hash id (equal ids, equal tokens), cut to its length."""
     return [h * 512 + i for h in r["hash_ids"] for i in range(512)][: r["input_length"]]
+
+
+def callgrind_inclusive(path: str, names: set[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """Calls and inclusive instructions of the functions ``names`` in a callgrind output file: the
+    costs of the calls to them (the line after each ``calls=`` line), summed over their call sites."""
+    ids: dict[str, str] = {}  # compressed "(n)" -> name
+    calls = dict.fromkeys(names, 0)
+    cost = dict.fromkeys(names, 0)
+    target = None
+    count = 0
+    after_calls = False
+    with open(path) as f:
+        for line in f:
+            if after_calls:
+                if target in cost:
+                    calls[target] += count
+                    cost[target] += int(line.split()[1])
+                after_calls = False
+            elif line.startswith(("cfn=", "fn=")):
+                ref, _, name = line.split("=", 1)[1].strip().partition(" ")
+                if name:
+                    ids[ref] = name
+                if line.startswith("cfn="):
+                    target = ids.get(ref, ref)
+            elif line.startswith("calls="):
+                count = int(line[6:].split()[0])
+                after_calls = True
+    return calls, cost

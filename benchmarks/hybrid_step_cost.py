@@ -40,7 +40,7 @@ def main() -> None:
         r = json.loads(res.stdout.strip().splitlines()[-1])
         if not r["compiled"]:
             raise SystemExit(f"{name}: {tree} has no compiled modules in place")
-        counts = serving._inclusive(out_file, set(serving.MARKERS.values()))
+        counts = serving._phase_instructions(out_file)
         per_unit = serving._per_unit(r, counts)
         results.append({"tree": name, "path": tree, "result": r, "instructions": counts, "per_unit": per_unit})
         print(

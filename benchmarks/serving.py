@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 import run as bench
-from bench_common import REPO_TRACE, _hybrid_sizing, _manager, _trace, _trace_prompt
+from bench_common import REPO_TRACE, _hybrid_sizing, _manager, _trace, _trace_prompt, callgrind_inclusive
 
 VARIANTS = ["full", "hybrid", "host"]
 DEFAULTS = dict(
@@ -247,34 +247,13 @@ def _instructions(mode: str, params: dict[str, Any]) -> dict[str, int]:
     os.makedirs(os.path.dirname(out_file), exist_ok=True)
     wrap = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_file}"]
     bench.run_child(mode, "serving", params, os.path.abspath(__file__), wrap=wrap)
-    return _inclusive(out_file, set(MARKERS.values()))
+    return _phase_instructions(out_file)
 
 
-def _inclusive(path: str, names: set[str]) -> dict[str, int]:
-    """Inclusive instructions of the functions ``names`` in a callgrind output file: the costs of
-    the calls to them (the line after each ``calls=`` line), summed over their call sites."""
-    ids: dict[str, str] = {}  # compressed "(n)" -> name
-    totals = dict.fromkeys(names, 0)
-    target = None
-    after_calls = False
-    with open(path) as f:
-        for line in f:
-            if after_calls:
-                if target in totals:
-                    totals[target] += int(line.split()[1])
-                after_calls = False
-            elif line.startswith("cfn="):
-                ref, _, name = line[4:].strip().partition(" ")
-                if name:
-                    ids[ref] = name
-                target = ids.get(ref, ref)
-            elif line.startswith("fn="):
-                ref, _, name = line[3:].strip().partition(" ")
-                if name:
-                    ids[ref] = name
-            elif line.startswith("calls="):
-                after_calls = True
-    return {phase: totals[fn] for phase, fn in MARKERS.items()}
+def _phase_instructions(path: str) -> dict[str, int]:
+    """Inclusive instructions of each phase's marker function in a callgrind output file."""
+    _, cost = callgrind_inclusive(path, set(MARKERS.values()))
+    return {phase: cost[fn] for phase, fn in MARKERS.items()}
 
 
 def _per_unit(r: dict[str, Any], counts: dict[str, int]) -> dict[str, float]:
