@@ -563,7 +563,7 @@ class Page:
         self.num_pins = 0
         if self.pin_held:
             self.unhold_pins()
-        if self.retained:
+        if self.expires != NO_EXPIRY or self.hint_end != NO_HINT:  # (``retained``, without a call per freed page)
             self.expires = NO_EXPIRY
             self.hint_end = NO_HINT
             self.storage.num_retained -= 1

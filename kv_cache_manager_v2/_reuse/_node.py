@@ -282,16 +282,15 @@ class Node:
                 return False
         return True
 
-    def has_pages(self) -> bool:
-        for r in self.pages:  # noqa: SIM110 - a plain loop (no generator): once per evicted block
-            if r is not None and r() is not None:
-                return True
-        return False
-
     @property
     def is_removable(self) -> bool:
         """A leaf with no pages that no request extends: nothing can reach or need it."""
-        return self._only is None and self._children is None and self.num_extenders == 0 and not self.has_pages()
+        if self._only is not None or self._children is not None or self.num_extenders:
+            return False
+        for r in self.pages:  # noqa: SIM110 - a plain loop (no generator): asked of each evicted block's parent
+            if r is not None and r() is not None:
+                return False
+        return True
 
 
 def child_of_block(node: Node, hasher: BlockHasher, ordinal: int) -> Node | None:

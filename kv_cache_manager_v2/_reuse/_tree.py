@@ -309,9 +309,10 @@ class ReuseTree(PageDropListener):
     # ------------------------------------------------------------------ removal
     def page_dropped(self, page: Page) -> None:
         """Forget an evicted page; remove what can no longer be reused without it."""
-        if page.node is None:
+        node = page.node
+        if node is None:
             return
-        node = cast(Node, page.node)
+        assert isinstance(node, Node)  # (narrows without typing.cast, a call when interpreted)
         layer_group = page.layer_group
         policy = self.layer_groups.items[layer_group]
         had_snapshot = policy.keeps_live_state and node.holds_pages(self.state_groups)
@@ -326,7 +327,7 @@ class ReuseTree(PageDropListener):
         sink = self.event_sink
         if sink is not None:
             sink.block_removed(node.key, layer_group, page.level)
-        if policy.is_anchor(node.ordinal):
+        if page.anchor:  # (``is_anchor`` of its block, set with ``page.node``)
             self.remove_subtree(node)
         else:
             self.prune(node)

@@ -70,9 +70,11 @@ class EvictionCascade(StorageLevels):
         self.expiries.expire()  # expired retention first: those pages go at their base priority
         self.pins.expire()
         if storage.is_last:
+            evictor = storage.evictor
             while allocator.num_free < count:
-                storage.num_evicted += 1
-                self.drop(storage.evictor.pop_victim())
+                for _ in range(count - allocator.num_free):  # a drop frees at most one slot (none if handed off)
+                    storage.num_evicted += 1
+                    self.drop(evictor.pop_victim())
             return
         self._evict(storage, count - allocator.num_free, reserve)
 

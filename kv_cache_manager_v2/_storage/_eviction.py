@@ -153,9 +153,21 @@ class LruEvictor(Evictor):
     def pop_victim(self) -> Page:
         if not (self._nonempty or self._nonempty_low):
             raise IndexError("no evictable page")
-        page = self._heads[_first_list(self._nonempty, self._nonempty_low)]
+        i = _first_list(self._nonempty, self._nonempty_low)
+        page = self._heads[i]
         assert page is not None
-        self.remove(page)
+        self._unlisted(page)  # (``remove`` of a list's head, whose list is known: one eviction each)
+        nxt = page.lru_next
+        self._heads[i] = nxt
+        if nxt is None:
+            self._tails[i] = None
+            if i >= _LOW_LISTS:
+                self._nonempty_low &= ~(1 << (i - _LOW_LISTS))
+            else:
+                self._nonempty &= ~(1 << i)
+        else:
+            nxt.lru_prev = None
+            page.lru_next = None
         return page
 
     def pages(self) -> list[Page]:
