@@ -189,6 +189,30 @@ def test_a_free_slot_after_a_tail_goes_last() -> None:
     assert [a.allocate_one(SlotId(s)) for s in (3, 4, 20, 30)] == [4, 5, 21, 31]  # the tails grow in place
 
 
+def test_a_closed_request_keeps_no_slot_for_its_next_block(make_manager: MakeManager) -> None:
+    """A closed request grows no more: the free slot after its last block (its pages stay cached for
+    reuse) goes to the next request like any other slot, from the front of its run."""
+    m = make_manager(kv_layers(2, T), T, 10 * SLOT)
+    engine = FakeEngine(m)
+    gpu = m._storage.gpu.items[0].allocator
+    a_toks, c_toks = seq(1, 3 * T), seq(3, 2 * T)
+    a = m.create_kv_cache(None, a_toks)
+    assert a.resume()
+    compute(engine, a, a_toks, 3 * T)  # slots 0-2: its tail is 2, the slot after it kept for it
+    b = m.create_kv_cache()
+    assert b.resume() and b.resize(7 * T)  # slots 3-9; it commits nothing: closing frees them
+    b.close()
+    a.close()
+    assert [gpu.is_allocated(SlotId(s)) for s in range(10)] == [True] * 3 + [False] * 7
+    c = m.create_kv_cache(None, c_toks)
+    assert c.resume()
+    compute(engine, c, c_toks, 2 * T)
+    assert [p.slot for p in c.block_table.pages[0] if p is not None] == [3, 4]  # (a open: 3-9's middle)
+    engine.check_all(c, c_toks, 2 * T)
+    c.close()
+    m.check_invariants()
+
+
 def test_allocate_below_is_lowest_first_and_all_or_nothing() -> None:
     a, _ = allocator(20)
     a.allocate(10)

@@ -333,7 +333,12 @@ class BlockTable:
                 buf[:n] = memoryview(self._store[layer_group])[:n]
 
     def release_all(self, locked: bool) -> None:
-        """Let go of every page (close); the table ends empty."""
+        """Let go of every page (close); the table ends empty. The request no longer grows: the free
+        slot after its last block is no longer kept for it (``SlotAllocator.end_tail``)."""
+        for pages in self.pages.items:
+            last = pages[-1] if pages else None
+            if last is not None and last.slot != BAD_PAGE_INDEX:
+                last.storage.allocator.end_tail(last.slot)
         self.release_pending(False)
         self.truncate(0, locked)
         self.release_state_pages(locked)

@@ -187,6 +187,11 @@ class SlotAllocator:
             tail[after] = False
         tail[last] = True
 
+    def end_tail(self, slot: SlotId) -> None:
+        """``slot`` (in use) ends a request that no longer grows (it closed): the free slot after it
+        is no longer reserved."""
+        self._tail[slot] = False
+
     def _next_to(self, slot: int, want: int, out: list[int]) -> None:
         """Up to ``want`` slots of the free run starting right after ``slot`` (in use)."""
         nxt = slot + 1
