@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "sim_speed_results.json"))
     a = ap.parse_args()
     sides = {"before": os.path.abspath(a.before), "after": ROOT}
+    a.trace = [os.path.abspath(t) for t in a.trace]  # (each side runs in its own directory)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {t: {"before": [], "after": []} for t in a.trace}
     first_reports: dict[str, dict[str, Any]] = {}
     for rnd in range(a.rounds):

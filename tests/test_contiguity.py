@@ -213,6 +213,34 @@ def test_a_closed_request_keeps_no_slot_for_its_next_block(make_manager: MakeMan
     m.check_invariants()
 
 
+def test_closing_a_request_that_shares_another_s_last_block_keeps_that_one_s_tail(make_manager: MakeManager) -> None:
+    """A request whose last block is another open request's (matched from the cache) ends no tail at
+    close: the slot after that block stays kept for the request that grows into it."""
+    m = make_manager(kv_layers(2, T), T, 10 * SLOT)
+    engine = FakeEngine(m)
+    toks = seq(1, 4 * T)
+    a = m.create_kv_cache(None, toks[: 3 * T])
+    assert a.resume()
+    compute(engine, a, toks, 3 * T)  # slots 0-2, its tail at 2; it stays open
+    tmp = m.create_kv_cache()
+    assert tmp.resume() and tmp.resize(7 * T)
+    tmp.close()  # slots 3-9 free again: one run, after a's tail
+    b = m.create_kv_cache(None, toks)
+    assert [p.slot for p in b.block_table.pages[0] if p is not None] == [0, 1, 2]  # a's blocks, matched
+    b.close()
+    c = m.create_kv_cache(None, seq(3, 2 * T))
+    assert c.resume()
+    compute(engine, c, seq(3, 2 * T), 2 * T)
+    assert 3 not in [p.slot for p in c.block_table.pages[0] if p is not None]  # still kept for a
+    compute(engine, a, toks, 4 * T)
+    assert [p.slot for p in a.block_table.pages[0] if p is not None] == [0, 1, 2, 3]
+    engine.check_all(a, toks, 4 * T)
+    engine.check_all(c, seq(3, 2 * T), 2 * T)
+    for kv in (a, c):
+        kv.close()
+    m.check_invariants()
+
+
 def test_allocate_below_is_lowest_first_and_all_or_nothing() -> None:
     a, _ = allocator(20)
     a.allocate(10)

@@ -337,8 +337,8 @@ class BlockTable:
         slot after its last block is no longer kept for it (``SlotAllocator.end_tail``)."""
         for pages in self.pages.items:
             last = pages[-1] if pages else None
-            if last is not None and last.slot != BAD_PAGE_INDEX:
-                last.storage.allocator.end_tail(last.slot)
+            if last is not None and last.slot != BAD_PAGE_INDEX and last.num_locks + last.num_holds == 1:
+                last.storage.allocator.end_tail(last.slot)  # (a page others use too may be their tail)
         self.release_pending(False)
         self.truncate(0, locked)
         self.release_state_pages(locked)

@@ -72,7 +72,7 @@ class EvictionCascade(StorageLevels):
         if storage.is_last:
             evictor = storage.evictor
             while allocator.num_free < count:
-                for _ in range(count - allocator.num_free):  # a drop frees at most one slot (none if handed off)
+                for _ in range(count - allocator.num_free):  # each drop frees one slot (handed off: a parked one)
                     storage.num_evicted += 1
                     self.drop(evictor.pop_victim())
             return
