@@ -21,7 +21,6 @@ import itertools
 import json
 import operator
 import os
-import shutil
 import time
 from typing import Any
 
@@ -115,12 +114,7 @@ def main() -> None:
         print(json.dumps(scenario(json.loads(args.params))))
         return
     params: dict[str, Any] = dict(QUICK if args.quick else DEFAULTS)
-    if args.instructions and shutil.which("valgrind") is None:
-        raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
-    if "fast" in args.modes:
-        bench.prepare_fast()
-    if "compiled" in args.modes:
-        bench.prepare_compiled()
+    bench.prepare_modes(args.modes, args.instructions)
     results = []
     for variant in args.only:
         for mode in args.modes:

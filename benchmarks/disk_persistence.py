@@ -252,10 +252,7 @@ def main() -> None:
         return
     params = dict(QUICK if args.quick else DEFAULTS)
     os.environ["KVCM_BENCH_TRACE"] = os.path.abspath(args.trace)  # (the children read it)
-    if "fast" in args.modes:
-        bench.prepare_fast()
-    if "compiled" in args.modes:
-        bench.prepare_compiled()
+    bench.prepare_modes(args.modes)
     results = []
     for name in args.only:
         runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}

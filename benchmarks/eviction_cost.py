@@ -169,10 +169,7 @@ def main() -> None:
         print(json.dumps(worker(args.worker, json.loads(args.params))))
         return
     sizes: dict[str, Any] = dict(QUICK if args.quick else DEFAULTS, quick=args.quick)
-    if "fast" in args.modes:
-        bench.prepare_fast()
-    if "compiled" in args.modes:
-        bench.prepare_compiled()
+    bench.prepare_modes(args.modes)
     results = []
     print(f"{'scenario':<11}{'policy':<11}" + "".join(f"{mode:>22}" for mode in args.modes))
     for name in args.only:

@@ -234,6 +234,17 @@ def prepare_fast() -> None:
     )
 
 
+def prepare_modes(modes: list[str], instructions: bool = False) -> None:
+    """Set up each mode a run uses (fast: sources copied without compiled modules; compiled: a current
+    build); with ``instructions`` (callgrind counts), first check that valgrind is installed."""
+    if instructions and shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
+    if "fast" in modes:
+        prepare_fast()
+    if "compiled" in modes:
+        prepare_compiled()
+
+
 def prepare_compiled() -> None:
     """Build production mode in place unless a build at ``$KVCM_MYPYC_OPT`` (default: gcc -O3) is
     there and newer than every package source (``scripts/test.sh`` builds at -O1 for its tests)."""
@@ -282,9 +293,8 @@ def run_child(
 def count_instructions(name: str, params: dict[str, Any]) -> float:
     """Instructions per unit of scenario ``name`` (compiled), counted by callgrind inside the calls
     the scenario times: exact where wall clocks on a shared machine are not (SHA-256 runs without
-    the CPU's SHA extensions under valgrind, so hashing weighs more than in wall time)."""
-    if shutil.which("valgrind") is None:
-        raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
+    the CPU's SHA extensions under valgrind, so hashing weighs more than in wall time; valgrind's
+    presence is checked by ``prepare_modes``)."""
     import fnmatch
     import glob
 
@@ -338,10 +348,7 @@ def main() -> None:
         if k not in params:
             raise SystemExit(f"unknown size {k!r}; known: {sorted(params)}")
         params[k] = int(v)
-    if "fast" in args.modes:
-        prepare_fast()
-    if "compiled" in args.modes:
-        prepare_compiled()
+    prepare_modes(args.modes, args.instructions)
     results = []
     for name in args.only:
         runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}

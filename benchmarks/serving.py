@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import time
 from typing import Any
 
@@ -285,12 +284,7 @@ def main() -> None:
         params["requests"] = args.requests
     if args.decode_steps:
         params["decode_steps"] = args.decode_steps
-    if args.instructions and (shutil.which("valgrind") is None or shutil.which("callgrind_annotate") is None):
-        raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
-    if "fast" in args.modes:
-        bench.prepare_fast()
-    if "compiled" in args.modes:
-        bench.prepare_compiled()
+    bench.prepare_modes(args.modes, args.instructions)
     results = []
     for mode in args.modes if args.replay else []:
         r = bench.run_child(mode, "serving", {**params, "variant": "replay"}, __file__)
