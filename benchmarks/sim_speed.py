@@ -10,8 +10,8 @@ built in place (``python setup_mypyc.py build_ext --inplace``); this checkout ne
 goes first alternates), so a machine that slows down for a while slows both. Per run: the replay's
 wall seconds and prompt blocks per second from the simulator's JSON report, and the process's user
 CPU seconds. Per trace: the ratio before / after of each round, their median and geometric mean,
-and whether every figure of the two reports is identical (hit rates, tiers, series: everything but
-timings and fields one side does not have).
+and whether every figure of the two reports is identical (``report_figures``: everything but
+timings, the build mode and the trace's path; fields one side does not have are skipped).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from run import write_results  # noqa: E402
 
+from kv_cache_manager_v2.sim._report import report_figures  # noqa: E402
+
 #: the simulator, run as a module of the checkout on ``PYTHONPATH`` (stdout: its text report)
 SIM = "import sys; from kv_cache_manager_v2.sim._cli import main; sys.exit(main())"
-#: report fields that are timings (they differ run to run), not figures
-TIMING_KEYS = ("wall_s", "requests_per_s", "blocks_per_s", "manager_cpu", "step_us", "timestamp")
 
 
 def _run(tree: str, trace: str, args: list[str]) -> dict[str, Any]:
@@ -54,15 +54,6 @@ def _run(tree: str, trace: str, args: list[str]) -> dict[str, Any]:
         raise SystemExit(f"{tree}: the simulator ran interpreted (build its compiled core first)")
     user = after.children_user - before.children_user
     return {"report": report, "user_s": user}
-
-
-def _figures(report: Any) -> Any:
-    """``report`` without its timings."""
-    if isinstance(report, dict):
-        return {k: _figures(v) for k, v in report.items() if not any(t in k for t in TIMING_KEYS)}
-    if isinstance(report, list):
-        return [_figures(v) for v in report]
-    return report
 
 
 def _differences(a: Any, b: Any, path: str = "") -> list[str]:
@@ -107,7 +98,9 @@ def main() -> None:
     for trace in a.trace:
         before, after = runs[trace]["before"], runs[trace]["after"]
         ratios = [b["replay_s"] / f["replay_s"] for b, f in zip(before, after)]
-        diffs = _differences(_figures(first_reports[f"{trace}:before"]), _figures(first_reports[f"{trace}:after"]))
+        diffs = _differences(
+            report_figures(first_reports[f"{trace}:before"]), report_figures(first_reports[f"{trace}:after"])
+        )
         results.append(
             {
                 "trace": trace,

@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 from conftest import TRACE
 
+from kv_cache_manager_v2.sim._report import report_figures
+
 #: the first 80 requests arriving 20x faster than in the trace: the GPU tier cannot hold them all
 PRESSURE = ["--requests", "80", "--time-scale", "0.05"]
 #: setup -> (kv-cache-sim options, digest of its figures)
@@ -25,20 +27,10 @@ SETUPS = {
     "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "704caf9e0db28e29"),
     "host": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB"], "980fc98d7420af9f"),
 }
-#: report fields that measure the machine, not the replay
-TIMING = ("wall_s", "requests_per_s", "blocks_per_s")
-
-
-def figures(report: dict[str, Any]) -> dict[str, Any]:
-    """The report without its timing fields and mode."""
-    out = {k: v for k, v in report.items() if k not in ("mode", "manager_cpu")}
-    out["replay"] = {k: v for k, v in report["replay"].items() if k not in TIMING}
-    out["workload"] = {k: v for k, v in report["workload"].items() if k != "path"}
-    return out
 
 
 def digest(report: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(figures(report), sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(report_figures(report), sort_keys=True).encode()).hexdigest()[:16]
 
 
 @pytest.mark.parametrize("setup", sorted(SETUPS))

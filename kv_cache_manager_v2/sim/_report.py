@@ -97,6 +97,20 @@ def build_report(
     }
 
 
+#: ``replay`` fields that measure the machine, not the replay
+TIMING_FIELDS = ("wall_s", "requests_per_s", "blocks_per_s")
+
+
+def report_figures(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` (``build_report``) without what measures the machine (the replay's wall time and
+    rates, the manager's CPU time), the build mode and the trace file's path: what two replays of
+    one workload and setup must agree on, to the digit."""
+    out = {k: v for k, v in report.items() if k not in ("mode", "manager_cpu")}
+    out["replay"] = {k: v for k, v in report["replay"].items() if k not in TIMING_FIELDS}
+    out["workload"] = {k: v for k, v in report["workload"].items() if k != "path"}
+    return out
+
+
 def _model(shape: ModelShape, swa_scratch: bool) -> dict[str, Any]:
     return {
         "name": shape.name,
