@@ -123,10 +123,14 @@ class LruEvictor(Evictor):
             nxt.lru_prev = prev
         page.lru_prev = page.lru_next = None
         if self._heads[i] is None:
-            if page.low_value:
-                self._nonempty_low &= ~(1 << _lru_bit(page))
-            else:
-                self._nonempty &= ~(1 << _lru_bit(page))
+            self._emptied(i)
+
+    def _emptied(self, i: int) -> None:
+        """List ``i`` lost its last page: its bit in the masks of non-empty lists goes."""
+        if i >= _LOW_LISTS:
+            self._nonempty_low &= ~(1 << (i - _LOW_LISTS))
+        else:
+            self._nonempty &= ~(1 << i)
 
     def select(self, count: int, max_held: int) -> list[Page]:
         out: list[Page] = []
@@ -161,10 +165,7 @@ class LruEvictor(Evictor):
         self._heads[i] = nxt
         if nxt is None:
             self._tails[i] = None
-            if i >= _LOW_LISTS:
-                self._nonempty_low &= ~(1 << (i - _LOW_LISTS))
-            else:
-                self._nonempty &= ~(1 << i)
+            self._emptied(i)
         else:
             nxt.lru_prev = None
             page.lru_next = None
