@@ -384,6 +384,30 @@ def test_host_tier_blocks_are_written_back_at_shutdown(tmp_path: Any) -> None:
         m2.shutdown()
 
 
+@pytest.mark.parametrize("disk", [16, 3])
+def test_pinned_blocks_are_written_back_at_shutdown_first_and_come_back_unpinned(tmp_path: Any, disk: int) -> None:
+    """Pinned pages are in no evictor: the write-back takes them too (with the blocks after them,
+    whose records need theirs), before unpinned ones when the disk tier has no room for all."""
+    path = str(tmp_path)
+    m = KVCacheManager(config(path, gpu=8, disk=disk, max_pinned_share=0.5))
+    system, other = seq(1, 2 * T), seq(2, 2 * T)
+    publish(m, system)
+    publish(m, other)
+    assert m.pin(system) == 2 * T
+    turn = system + seq(3, T)
+    publish(m, turn)  # a block after the pinned prefix
+    m.shutdown()
+    m2 = KVCacheManager(config(path, gpu=8, disk=disk, max_pinned_share=0.5))
+    try:
+        assert m2.num_adopted_pages == min(disk, 5)
+        assert m2.get_storage_statistics(DISK)[0].pinned == 0  # pins end with the process
+        assert not m2.unpin(system)
+        assert reused(m2, turn) == (3 if disk > 3 else 2) * T
+        assert reused(m2, other) == (2 if disk > 3 else 1) * T  # the pinned blocks went first
+    finally:
+        m2.shutdown()
+
+
 def test_a_disk_too_small_for_the_quota_is_a_clear_error(tmp_path: Any) -> None:
     huge = 1 << 60
     for persistent in (False, True):

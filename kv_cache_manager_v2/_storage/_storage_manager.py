@@ -91,30 +91,40 @@ class StorageManager(EvictionCascade):
 
     def write_back(self) -> int:
         """Shutdown of a manager with a persistent disk tier: move the reusable full blocks of the
-        levels above it down to it (ancestors first; the tier's oldest pages make way), so they
-        survive the restart too. No request may be open. Returns the pages moved."""
+        levels above it down to it (pinned ones first, then ancestors first; the tier's oldest
+        pages make way), so they survive the restart too. No request may be open. Returns the
+        pages moved."""
         level = self.persist_level
         t = self.tokens_per_block
+        held = [p for pin in self.pins.pins.values() for p in pin.pages if p.pin_held and p.level < level]
         moved = 0
         for g in range(self.num_pool_groups):
             disk = self.levels.items[level].items[g]
             candidates: list[Page] = []
+            seen: set[int] = set()
             for upper in range(level):
-                for p in self.levels.items[upper].items[g].evictor.pages():
+                storage = self.levels.items[upper].items[g]
+                for p in [q for q in held if q.storage is storage] + list(storage.evictor.pages()):
                     node = p.node
-                    if node is not None and len(node.tokens) == t and p.num_holds == 0:
+                    if node is not None and len(node.tokens) == t and p.num_holds == 0 and id(p) not in seen:
+                        seen.add(id(p))  # (a page of several pins)
                         candidates.append(p)
             if not candidates:
                 continue
-            candidates.sort(key=lambda p: p.node.ordinal if p.node is not None else 0)
+            # a pin covers its blocks from the first on, so pinned pages first keeps ancestors first
+            candidates.sort(key=lambda p: (p.num_pins == 0, p.node.ordinal if p.node is not None else 0))
             room = disk.allocator.num_free + disk.evictor.count - disk.evictor.num_held
             candidates = candidates[:room]
             self.make_room(disk, len(candidates))
             by_level: dict[int, list[Page]] = {}
             for p in candidates:
-                if p.node is not None and p.in_evictor:  # (not made garbage while room was made)
+                if p.node is None:
+                    continue  # made garbage while room was made
+                if p.in_evictor:
                     p.storage.evictor.remove(p)
-                    by_level.setdefault(int(p.level), []).append(p)
+                elif not p.pin_held:
+                    continue  # (likewise)
+                by_level.setdefault(int(p.level), []).append(p)
             for batch in by_level.values():
                 failed = self._relocate(batch, disk)
                 lost = {id(p) for p in failed}
