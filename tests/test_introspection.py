@@ -177,6 +177,19 @@ def test_lost_page_count_out_of_sync_is_caught(make_manager: MakeManager, tmp_pa
     hog.close()
 
 
+def test_pins_beyond_the_share_are_caught(make_manager: MakeManager) -> None:
+    m, _, b = setup(make_manager)
+    b.close()
+    assert m.pin(list(range(3 * T))) == 3 * T
+    group = m._storage.gpu[0]
+    share = group.pinned_share
+    group.pinned_share = 2.5 / group.num_slots  # (a tier shrunk under its pins)
+    with pytest.raises(AssertionError, match=r"holds 3 pinned pages, beyond max_pinned_share .* \(2\)"):
+        m.check_invariants()
+    group.pinned_share = share
+    m.check_invariants()
+
+
 def frequency_heap(make_manager: MakeManager) -> tuple[KVCacheManager, list[Page], list[Page], Page]:
     """A manager with the frequency policy: 4 reusable one-block leaves that two requests used
     (rate > 0: its heap), a one-off 2-block sequence whose leaf has rate 0 (its FIFO) and whose

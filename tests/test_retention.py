@@ -5,6 +5,7 @@ the invariant checker on), under both eviction policies."""
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -30,6 +31,7 @@ from kv_cache_manager_v2 import (
     compiled,
 )
 from kv_cache_manager_v2._config import GpuCacheTierConfig
+from kv_cache_manager_v2._storage._expiry import _SWEEP_SLACK
 from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager, RequestState
 
 MakeManager = Callable[..., KVCacheManager]
@@ -493,6 +495,105 @@ def test_bad_pins_are_refused_clearly(
         KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), max_pinned_share=1.5)
     with pytest.raises(TypeError, match="max_pinned_share"):
         KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), max_pinned_share=True)
+
+
+def test_a_pin_of_tokens_not_cached_records_nothing_and_unpin_takes_what_pin_takes(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T)
+    engine = FakeEngine(m)
+    a = seq(1000, 2)
+    assert m.pin(a) == 0  # nothing cached: no pin
+    assert not m.unpin(a)
+    assert m.pin(a, duration_s=5.0) == 0
+    assert not m.unpin(a)
+    run(m, engine, a)
+    for pinned_as, unpinned_as in ((list, tuple), (tuple, array_of), (array_of, list)):
+        assert m.pin(pinned_as(a)) == 2 * T
+        assert m.get_storage_statistics()[0].pinned == 2
+        assert m.unpin(unpinned_as(a))
+        assert not m.unpin(a)
+        assert m.get_storage_statistics()[0].pinned == 0
+    assert m.pin(a) == 2 * T
+    m.clear_reusable_blocks()
+    assert m.pin(a) == 0  # the pin of those tokens ends: they pin nothing now
+    assert not m.unpin(a)
+    for bad, kw in (("abc", {}), (b"abc", {}), ([1.5], {}), (None, {}), (a, {"reuse_scope": 5})):
+        with pytest.raises(TypeError):
+            m.unpin(bad, **kw)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            m.pin(bad, **kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="outside"):
+        m.unpin([1 << 40])
+
+
+def array_of(tokens: list[int]) -> array[int]:
+    return array("I", tokens)
+
+
+def test_a_tier_shrink_lets_go_of_the_oldest_pins_holds_beyond_the_share(make_manager: MakeManager) -> None:
+    """8 of 16 GPU slots pinned at share 0.5, the tier shrunk to 10 slots (the share allows 5):
+    the oldest pins' pages beyond it (their last blocks first) are ordinary pages again, still
+    pinned: evicted down a tier, where their pins hold again."""
+    m = make_manager(one_layer(), tokens_per_block=T, quota=16 * REC * T, host_quota=16 * REC * T, max_pinned_share=0.5)
+    engine = FakeEngine(m)
+    prefixes = [seq(1000 * (i + 1), 2) for i in range(4)]
+    for tokens in prefixes:
+        run(m, engine, tokens)
+        assert m.pin(tokens) == 2 * T
+    assert pinned(m) == [8, 0]
+    assert m.resize(CacheLevel(0), 10 * REC * T)
+    m.check_invariants()
+    assert pinned(m) == [5, 0]
+    pressure(m, engine, 5, 9000)  # a 5-block request fits: the released pages move down
+    m.check_invariants()
+    assert pinned(m) == [5, 3]
+    assert [m.probe_reuse_levels(input_tokens=t) for t in prefixes] == [[1, 1], [0, 1], [0, 0], [0, 0]]
+    for tokens in prefixes:
+        kv = m.create_kv_cache(input_tokens=tokens)
+        assert kv.resume()
+        engine.check_all(kv, tokens, 2 * T)
+        kv.close()
+        assert m.unpin(tokens)
+    m.check_invariants()
+
+
+def test_a_refused_tier_shrink_keeps_the_pins_held(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=16 * REC * T, max_pinned_share=0.5)
+    engine = FakeEngine(m)
+    a = seq(1000, 8)
+    kv = m.create_kv_cache(input_tokens=a)
+    assert kv.resume()
+    assert kv.resize(len(a))
+    engine.step(kv, a, 0, len(a))
+    kv.commit(a)
+    kv.suspend()  # 8 HELD pages with nowhere to go
+    b = seq(2000, 8)
+    run(m, engine, b)
+    assert m.pin(b) == 8 * T
+    assert not m.resize(CacheLevel(0), 10 * REC * T)  # the suspended request's pages do not fit
+    m.check_invariants()
+    stats = m.get_storage_statistics()[0]
+    assert stats.pinned == 8 and stats.total == 16
+    assert m.unpin(b)
+    assert kv.resume()
+    engine.check_all(kv, a, len(a))
+    kv.close()
+
+
+def test_the_expiry_heap_shrinks_with_the_live_retention_after_a_burst(make_manager: MakeManager) -> None:
+    """Entries of freed pages are swept relative to the pages under retention now, not to the
+    heap's peak: after a 4000-page burst, at most 100 retained pages at a time keep a small heap."""
+    m = make_manager(one_layer(), tokens_per_block=4, quota=4096 * REC * T)  # (a slot: REC * T bytes)
+    retention = RequestRetention([(0, None, 80, 3600.0)])
+    heap = m._storage.expiries
+    for i in range(31):
+        tokens = list(range(100_000 * i, 100_000 * i + (4000 if i == 0 else 100) * 4))
+        kv = m.create_kv_cache(input_tokens=tokens, retention=retention)
+        assert kv.resume() and kv.resize(len(tokens))
+        kv.commit(tokens)
+        kv.close()
+        m.clear_reusable_blocks()  # their heap entries are dead now
+    m.check_invariants()
+    assert len(heap) <= 2 * 100 + 2 * _SWEEP_SLACK  # not the 7000 entries of the burst and after
 
 
 def test_snapshots_of_a_hybrid_model_and_window_pages_take_the_retention(make_manager: MakeManager) -> None:

@@ -224,7 +224,7 @@ def _check_pages(storage: StorageManager, census: _Census) -> _PageCounts:
 
 def _check_pool_groups(storage: StorageManager, scratch: set[tuple[int, int, int]], counts: _PageCounts) -> None:
     """Each allocator counts exactly the slots of live pages, scratch and parked headroom; each
-    pool group counts its lost, pinned and retained pages."""
+    pool group counts its lost, pinned and retained pages, its pinned ones within its share."""
     used, lost, pinned, retained = counts.used, counts.lost, counts.pinned, counts.retained
     for level in storage.levels:
         for group in level:
@@ -241,6 +241,11 @@ def _check_pool_groups(storage: StorageManager, scratch: set[tuple[int, int, int
                 _fail(
                     f"pool group {group.index} at level {group.level} counts {group.num_pinned} pinned / "
                     f"{group.num_retained} retained pages, not {pinned.get(id(group), 0)} / {retained.get(id(group), 0)}"
+                )
+            if group.num_pinned > group.pin_limit:
+                _fail(
+                    f"pool group {group.index} at level {group.level} holds {group.num_pinned} pinned pages, beyond "
+                    f"max_pinned_share of its {group.num_slots} slots ({group.pin_limit})"
                 )
             if group.num_lost != lost.get(id(group), 0):
                 _fail(f"pool group {group.index} at level {group.level} counts {group.num_lost} lost pages")

@@ -42,7 +42,7 @@ from ._introspection import check_invariants
 from ._kv_cache import KVCache
 from ._manager_queries import ManagerQueries
 from ._matching import PrefixMatcher, match_length, match_levels
-from ._pins import pin_key, pin_prefix
+from ._pins import pin_prefix, unpin_prefix
 from ._pools import live_pages, longest_decode_that_fits
 from ._request_state import PriorityCallback, default_priority
 from ._residency import adopt
@@ -237,14 +237,16 @@ class KVCacheManager(ManagerQueries):
         self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None, duration_s: float | None = None
     ) -> int:
         """Keep the cached full blocks of ``tokens`` cached (never evicted) until ``unpin`` (or for
-        ``duration_s`` seconds); returns the tokens pinned. ``ValueError`` beyond ``max_pinned_share``."""
+        ``duration_s`` seconds); returns the tokens pinned (0: none cached, nothing pinned; a pin
+        of the same tokens before is replaced). ``ValueError`` beyond ``max_pinned_share``."""
         self._check_alive()
         return pin_prefix(self._ctx, self._matcher, reuse_scope, tokens, duration_s)
 
     def unpin(self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None) -> bool:
-        """End the pin of ``tokens`` (False: none); its pages are evicted as usual again."""
+        """End the pin of ``tokens`` (the tokens given to ``pin``, as any sequence ``pin`` takes;
+        False: none); its pages are evicted as usual again."""
         self._check_alive()
-        return self._storage.pins.unpin(pin_key(reuse_scope, tokens))
+        return unpin_prefix(self._ctx, reuse_scope, tokens)
 
     def probe_reuse(
         self, reuse_scope: ReuseScope | None = None, input_tokens: Sequence[TokenIdExt] | None = None
@@ -408,7 +410,9 @@ class KVCacheManager(ManagerQueries):
         Growing maps more memory in place (base addresses do not move; a memory tier grows to at
         most 4x its configured quota). Shrinking moves what no longer fits: reusable pages go down
         a level or are dropped, suspended requests' pages go down a level, and pages above the
-        new end move into free slots below it. Returns False, changing nothing, when what must be
+        new end move into free slots below it; pinned pages beyond ``max_pinned_share`` of the
+        slots left are ordinary pages there (the oldest pins' first; still pinned: held again
+        where they move to room in a share). Returns False, changing nothing, when what must be
         kept does not fit. GPU slot counts change: query ``pool_group_descs`` and
         ``get_page_index_upper_bound`` again. The remote tier's quota is the server's ``maxmemory``
         (no cache needs to be suspended): False when the server is unreachable or refuses.

@@ -6,7 +6,8 @@ Expiry costs nothing per decode step: the manager's one ``ExpiryQueue`` (a heap 
 expiry times) is consulted when the evictor runs (``EvictionCascade.make_room``) and before
 statistics, so an expired page is treated at its base priority even while the heap still had it
 in a higher class. Entries of pages that were freed, or re-retained since, are skipped when they
-come up (and swept when the heap outgrows its bound).
+come up, and swept when they are most of the heap (checked every ``_SWEEP_SLACK`` entries pushed,
+against the pages under retention now: a burst's entries do not outlive it).
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ from collections.abc import Callable
 from typing import Final
 
 from .._common import BAD_PAGE_INDEX, Priority
-from .._page import GARBAGE_PRIORITY, NO_EXPIRY, NO_HINT, Page
+from .._page import GARBAGE_PRIORITY, NO_EXPIRY, NO_HINT, Page, PoolGroupStorage
 
-#: the heap is swept of dead entries when it holds more than this many plus twice the live ones
+#: the heap is swept of dead entries when it holds more than this many plus twice the pages under
+#: retention (checked each time it grew by this many)
 _SWEEP_SLACK: Final = 1024
 
 
 class ExpiryQueue:
     """The manager's clock and the expiry times of retained pages (see the module)."""
 
-    __slots__ = ("_heap", "_limit", "_seq", "clock", "num_expired", "num_retained")
+    __slots__ = ("_heap", "_limit", "_seq", "clock", "num_expired", "num_retained", "storages")
 
     def __init__(self, clock: Callable[[], float]) -> None:
         #: seconds (``KVCacheManagerConfig.clock``)
@@ -35,6 +37,8 @@ class ExpiryQueue:
         self._heap: list[tuple[float, int, int, Page]] = []
         self._seq = 0
         self._limit = _SWEEP_SLACK
+        #: every pool group storage (their ``num_retained`` bound the live entries; set by the owner)
+        self.storages: list[PoolGroupStorage] = []
         #: pages given retention so far, and retention that ran out (statistics)
         self.num_retained = 0
         self.num_expired = 0
@@ -87,11 +91,17 @@ class ExpiryQueue:
                 self.num_expired += 1
 
     def _sweep(self) -> None:
-        """Drop the entries of freed or re-retained pages."""
-        heap = [e for e in self._heap if e[3].expires == e[0] and e[3].slot != BAD_PAGE_INDEX]
-        heapq.heapify(heap)
-        self._heap = heap
-        self._limit = 2 * len(heap) + _SWEEP_SLACK
+        """Drop the entries of freed or re-retained pages if they may be most of the heap (each
+        live entry is a page under retention); again after ``_SWEEP_SLACK`` more entries."""
+        heap = self._heap
+        live = 0
+        for storage in self.storages:
+            live += storage.num_retained
+        if len(heap) > 2 * live + _SWEEP_SLACK:
+            heap = [e for e in heap if e[3].expires == e[0] and e[3].slot != BAD_PAGE_INDEX]
+            heapq.heapify(heap)
+            self._heap = heap
+        self._limit = len(heap) + _SWEEP_SLACK
 
     def pending(self) -> set[tuple[int, float]]:
         """``(id(page), expiry time)`` of every entry (for the invariant checker)."""

@@ -44,7 +44,11 @@ class PinTable:
 
     def pin(self, key: Hashable, pages: list[Page], duration_s: float | None) -> None:
         """Pin ``pages`` (tree pages, distinct) under ``key`` (a key pinned again: its pages
-        and duration are replaced). Raises ``ValueError`` beyond a storage's share, changing nothing."""
+        and duration are replaced; no pages: no pin). Raises ``ValueError`` beyond a storage's share,
+        changing nothing."""
+        if not pages:
+            self.unpin(key)
+            return
         old = self.pins.get(key)
         new: dict[int, tuple[PoolGroupStorage, int]] = {}  # pages pinned now for the first time
         for page in pages:
@@ -68,6 +72,7 @@ class PinTable:
                 page.pin_held = True
             page.num_pins += 1
         if old is not None:
+            del self.pins[key]  # (the pins stay in the order pinned: a pin renewed is the newest)
             self._release(old)
         until = float("inf") if duration_s is None else float(self.clock()) + duration_s
         pin = Pin(pages, until)
@@ -96,6 +101,35 @@ class PinTable:
             if self.pins.get(key) is pin:
                 del self.pins[key]
                 self._release(pin)
+
+    def fit_share(self, storage: PoolGroupStorage, num_slots: int) -> list[Page]:
+        """``storage`` is about to have ``num_slots`` slots (a tier shrink): the pages whose pins
+        it holds beyond ``max_pinned_share`` of them are ordinary pages there from now on, still
+        pinned (as if pulled up beyond the share: their pins hold again where they move to room
+        in a share), the oldest pins' first, each pin's last blocks first. Returns those pages
+        (``hold_again`` undoes it)."""
+        excess = storage.num_pinned - int(storage.pinned_share * num_slots)
+        released: list[Page] = []
+        for pin in self.pins.values():
+            if excess <= 0:
+                break
+            for page in reversed(pin.pages):
+                if excess > 0 and page.pin_held and page.storage is storage:
+                    page.unhold_pins()
+                    page.relist()
+                    released.append(page)
+                    excess -= 1
+        return released
+
+    @staticmethod
+    def hold_again(pages: list[Page]) -> None:
+        """Undo ``fit_share`` (a shrink refused before anything else changed)."""
+        for page in pages:
+            if page.num_pins and not page.pin_held and page.slot != BAD_PAGE_INDEX:
+                if page.in_evictor:
+                    page.storage.evictor.remove(page)
+                page.storage.num_pinned += 1
+                page.pin_held = True
 
     def clear(self) -> None:
         """Forget every pin (their pages were dropped with the reusable blocks)."""

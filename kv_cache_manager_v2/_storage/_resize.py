@@ -43,18 +43,26 @@ class TierResizer:
         """
         storage = self.storage
         groups = storage.levels[level]
+        # pins beyond the share of the slots left go first (they are ordinary pages then)
+        released = [p for g, num_slots in enumerate(slots) for p in storage.pins.fit_share(groups.items[g], num_slots)]
         for g, num_slots in enumerate(slots):
             group = groups.items[g]
             must_leave = group.num_used - num_slots
             if must_leave > 0 and must_leave > storage.available(level, g) - group.allocator.num_free:
+                storage.pins.hold_again(released)
                 return False
-        self.check_resize(level, slots)
+        try:
+            self.check_resize(level, slots)
+        except ValueError:
+            storage.pins.hold_again(released)
+            raise
         remote = storage.remote_tier
         headroom = [group.headroom for group in groups]
         if any(headroom):
             # the writer may still read handed-off slots: wait for it, then work without headroom
             assert remote is not None
             if not remote.remote.flush(RESIZE_FLUSH_S):
+                storage.pins.hold_again(released)
                 return False
             for group in groups:
                 remote.drop_headroom(group)  # its slots are ordinary ones now: the resize moves pages out of them

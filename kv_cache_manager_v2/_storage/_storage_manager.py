@@ -59,6 +59,7 @@ class StorageManager(EvictionCascade):
         super().__init__(layout, slots, backend, tiers, eviction_policy, disk_fingerprint, tokens_per_block)
         self.drop_listener = None
         self.expiries = ExpiryQueue(clock)
+        self.expiries.storages = [group for level in self.levels for group in level]
         self.pins = PinTable(clock, max_pinned_share)
         for level in self.levels:
             for group in level:
