@@ -123,12 +123,15 @@ class PinTable:
 
     @staticmethod
     def hold_again(pages: list[Page]) -> None:
-        """Undo ``fit_share`` (a shrink refused before anything else changed)."""
+        """Undo ``fit_share`` (a shrink refused before anything else changed): the pages still
+        pinned hold their pins again where they are, within the share there."""
         for page in pages:
-            if page.num_pins and not page.pin_held and page.slot != BAD_PAGE_INDEX:
+            storage = page.storage
+            ok = page.num_pins and not page.pin_held and page.slot != BAD_PAGE_INDEX
+            if ok and storage.num_pinned < storage.pin_limit:
                 if page.in_evictor:
-                    page.storage.evictor.remove(page)
-                page.storage.num_pinned += 1
+                    storage.evictor.remove(page)
+                storage.num_pinned += 1
                 page.pin_held = True
 
     def clear(self) -> None:

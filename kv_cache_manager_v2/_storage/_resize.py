@@ -43,6 +43,7 @@ class TierResizer:
         """
         storage = self.storage
         groups = storage.levels[level]
+        self.check_resize(level, slots)
         # pins beyond the share of the slots left go first (they are ordinary pages then)
         released = [p for g, num_slots in enumerate(slots) for p in storage.pins.fit_share(groups.items[g], num_slots)]
         for g, num_slots in enumerate(slots):
@@ -51,11 +52,6 @@ class TierResizer:
             if must_leave > 0 and must_leave > storage.available(level, g) - group.allocator.num_free:
                 storage.pins.hold_again(released)
                 return False
-        try:
-            self.check_resize(level, slots)
-        except ValueError:
-            storage.pins.hold_again(released)
-            raise
         remote = storage.remote_tier
         headroom = [group.headroom for group in groups]
         if any(headroom):
@@ -68,6 +64,9 @@ class TierResizer:
                 remote.drop_headroom(group)  # its slots are ordinary ones now: the resize moves pages out of them
         try:
             self._resize_slots(groups, slots, live)
+        except BaseException:
+            storage.pins.hold_again(released)  # (a driver error growing a pool: nothing else changed)
+            raise
         finally:
             if remote is not None:
                 for group in groups:

@@ -97,7 +97,7 @@ class StorageManager(EvictionCascade):
         pages moved."""
         level = self.persist_level
         t = self.tokens_per_block
-        held = [p for pin in self.pins.pins.values() for p in pin.pages if p.pin_held and p.level < level]
+        held = [p for pin in self.pins.pins.values() for p in pin.pages if p.level < level]
         moved = 0
         for g in range(self.num_pool_groups):
             disk = self.levels.items[level].items[g]
@@ -105,7 +105,7 @@ class StorageManager(EvictionCascade):
             seen: set[int] = set()
             for upper in range(level):
                 storage = self.levels.items[upper].items[g]
-                for p in [q for q in held if q.storage is storage] + list(storage.evictor.pages()):
+                for p in [q for q in held if q.storage is storage and q.pin_held] + list(storage.evictor.pages()):
                     node = p.node
                     if node is not None and len(node.tokens) == t and p.num_holds == 0 and id(p) not in seen:
                         seen.add(id(p))  # (a page of several pins)
