@@ -31,7 +31,10 @@ def check_duration(name: str, duration_s: object) -> float | None:
         return None
     if type(duration_s) is bool or not isinstance(duration_s, (int, float)):
         raise TypeError(f"{name} must be a number of seconds or None, got {type(duration_s).__name__} {duration_s!r}")
-    d = float(duration_s)
+    try:
+        d = float(duration_s)
+    except OverflowError:  # an int beyond any float
+        d = math.inf
     if not (d > 0.0 and math.isfinite(d)):
         raise ValueError(f"{name} must be a finite number of seconds > 0 (or None: no expiry), got {duration_s!r}")
     return d

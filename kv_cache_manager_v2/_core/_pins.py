@@ -25,6 +25,8 @@ def pin_prefix(
 ) -> int:
     """Pin the cached full blocks of ``tokens`` (every page of each); returns the tokens pinned."""
     duration = check_duration("duration_s", duration_s)
+    if duration is not None:
+        ctx.storage.expiries.read()  # a clock that fails raises here, before anything changes
     found = matcher.probe(ctx, "pin()", reuse_scope, tokens)  # validates the scope and tokens
     nodes = found[0] if found is not None else []
     pages: list[Page] = []

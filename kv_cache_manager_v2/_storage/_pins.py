@@ -45,6 +45,7 @@ class PinTable:
     def pin(self, key: Hashable, pages: list[Page], duration_s: float | None) -> None:
         """Pin ``pages`` (tree pages, distinct) under ``key`` (a key pinned again: its pages
         and duration are replaced). Raises ``ValueError`` beyond a storage's share, changing nothing."""
+        until = float("inf") if duration_s is None else self.clock() + duration_s  # (the clock first)
         old = self.pins.get(key)
         new: dict[int, tuple[PoolGroupStorage, int]] = {}  # pages pinned now for the first time
         for page in pages:
@@ -69,7 +70,6 @@ class PinTable:
             page.num_pins += 1
         if old is not None:
             self._release(old)
-        until = float("inf") if duration_s is None else float(self.clock()) + duration_s
         pin = Pin(pages, until)
         self.pins[key] = pin
         if duration_s is not None:
@@ -87,9 +87,9 @@ class PinTable:
     def expire(self) -> None:
         """End the pins whose duration ran out."""
         heap = self._heap
-        if not heap or heap[0][0] > self.clock():
+        if not heap:
             return
-        now = float(self.clock())
+        now = self.clock()
         while heap and heap[0][0] <= now:
             entry = heapq.heappop(heap)
             key, pin = entry[2], entry[3]
