@@ -459,6 +459,17 @@ def test_a_clock_failing_later_never_leaves_an_operation_half_done(make_manager:
     assert m.get_storage_statistics()[0].retained == 0
     pressure(m, engine, 4, 4000, 40)
     assert m.probe_reuse(input_tokens=a) == 0
+    clock.times = (
+        10**6
+    )  # failing again: a request with retention commits, suspends and closes, and the manager shuts down
+    kv = m.create_kv_cache(input_tokens=b, retention=RequestRetention([(0, None, 80, 10.0)]))
+    assert kv.resume() and kv.resize(len(b))
+    engine.step(kv, b, kv.history_length, len(b))
+    kv.commit(b[kv.history_length :])
+    kv.suspend()
+    m.check_invariants()
+    kv.close(retain=Retention(90, 5.0))
+    m.check_invariants()
     m.shutdown()
 
 

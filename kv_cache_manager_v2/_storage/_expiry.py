@@ -63,8 +63,8 @@ class ExpiryQueue:
 
     __slots__ = ("_failing", "_heap", "_limit", "_seq", "clock", "num_expired", "num_retained", "time")
 
-    def __init__(self, clock: Callable[[], float]) -> None:
-        #: seconds (``KVCacheManagerConfig.clock``)
+    def __init__(self, clock: Callable[[], object]) -> None:
+        #: seconds (``KVCacheManagerConfig.clock``; any object: ``read`` checks it, compiled too)
         self.clock = clock
         #: the last good reading; the clock is read once here, so a bad one is refused at once
         self.time = -math.inf
