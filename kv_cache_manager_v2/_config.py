@@ -427,7 +427,11 @@ class KVCacheManagerConfig:
     #: tokens (e.g. ``[T]``: the prompt without its last block, for a re-sent prompt whose last
     #: message changed); each a positive multiple of ``tokens_per_block``
     ssm_snapshots_from_end: Sequence[int] = ()
-    #: seconds for retention durations (``Retention``, ``RequestRetention``); a simulator passes its own
+    #: seconds for retention and pin durations (``Retention``, ``RequestRetention``, ``pin``); a
+    #: simulator passes its own. It must return a finite number of seconds (an int will do, a bool
+    #: will not), never more than 1 s below an earlier reading (a smaller step back reads as no time
+    #: passing): the manager refuses one that does not at construction and in ``pin`` with a duration
+    #: (raising, changing nothing); elsewhere a bad reading counts as the last good one (logged)
     clock: Callable[[], float] = time.monotonic
     #: at most this share of each tier's slots (per pool group) may be pinned (``KVCacheManager.pin``)
     max_pinned_share: float = 0.5

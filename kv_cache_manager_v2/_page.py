@@ -8,7 +8,7 @@ Storage never names the reuse tree: what a page needs of its tree node is ``Page
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, Protocol, final
 
 import rawref
@@ -205,6 +205,7 @@ class PoolGroupStorage:
         "parked",
         "pinned_share",
         "pools",
+        "start_retention",
         "tier",
     )
 
@@ -234,16 +235,10 @@ class PoolGroupStorage:
         self.history = history
         #: the level's evictable pages of this group, in eviction order
         self.evictor = evictor
-        #: pages dropped for good here: evicted reusable pages, and pages lost to disk errors (cumulative)
-        self.num_dropped = 0
-        #: pages eviction took out of this level (moved down or dropped)
-        self.num_evicted = 0
-        #: pages evicted into this level from the level above
-        self.num_offloaded = 0
-        #: pages copied from this level to a higher one
-        self.num_onboarded = 0
-        #: pages a disk read or write failed for
-        self.num_io_errors = 0
+        # traffic (cumulative): pages dropped for good here (evicted reusable pages, pages lost to disk
+        # errors), taken out of this level by eviction (moved down or dropped), evicted into it from
+        # the level above, copied from it to a higher one; pages a disk read or write failed for
+        self.num_dropped = self.num_evicted = self.num_offloaded = self.num_onboarded = self.num_io_errors = 0
         #: lost pages whose owners have not let go yet
         self.num_lost = 0
         #: pinned pages here (``_pins.py``: those whose pin this storage holds), and pages under
@@ -252,6 +247,8 @@ class PoolGroupStorage:
         #: ``max_pinned_share``: at most this share of the slots may hold pins
         self.pinned_share = 1.0
         self.num_retained = 0
+        #: starts the duration of a retained page's retention when it becomes reusable (``ExpiryQueue.start``)
+        self.start_retention: Callable[[Page], None] | None = None
         #: slots beyond ``num_slots`` for the remote tier's writes (the last level only): a dropped
         #: page's slot goes to the writer, which sends the data from there, and a parked slot takes
         #: its place; the allocator counts all of them as used
@@ -344,6 +341,7 @@ class Page:
         "pin_held",
         "priority",
         "remote_copy",
+        "retain_s",
         "slot",
         "storage",
         "use_serial",
@@ -377,19 +375,19 @@ class Page:
         #: KV no match can use (past the deepest snapshot on its path), or a block's incomplete
         #: snapshot; changed only through ``set_low_value`` (it places a listed page)
         self.low_value = False
-        # Frequency policy (see _eviction.py): requests that used the block (history included),
-        # the use clock at its first use, the last request counted; the value and sequence
-        # number the page was listed with, and its heap index (or NOT_IN_HEAP / PARKED / IN_FIFO).
+        # Frequency policy (_eviction.py): requests that used the block (history included), the use clock at
+        # the first, the last one counted; the value, sequence number and heap position it was listed with
         self.uses = 0
         self.first_use = 0
         self.use_serial = NO_SERIAL
         self.ev_key = 0.0
         self.ev_seq = 0
         self.ev_pos = NOT_IN_HEAP
-        # Retention (``_storage/_expiry.py``): the priority is kept until ``expires`` (clock seconds;
-        # inf: no expiry), then ``base_priority`` again; ``hint_end``: under a close-time hint, the
-        # last block (ordinal) of the hinted history, whose reuse (the conversation continues)
-        # ends the hint; NO_HINT: none
+        # Retention (``_storage/_expiry.py``): the priority is kept for ``retain_s`` seconds (0.0:
+        # no duration) from the page's release, until ``expires`` (clock seconds; inf: not running),
+        # then ``base_priority`` again; ``hint_end``: under a close-time hint, the last block
+        # (ordinal) of the hinted history, whose reuse (the conversation continues) ends the hint
+        self.retain_s = 0.0
         self.expires = NO_EXPIRY
         self.base_priority = priority
         self.hint_end = NO_HINT
@@ -428,14 +426,17 @@ class Page:
         storage = self.storage
         if not self.pin_held:
             storage.evictor.add(self)
+        if self.retain_s != 0.0 and storage.start_retention is not None:
+            storage.start_retention(self)  # its retention's duration runs from now
         history = storage.history
         if history is not None:
             history.released(self)
 
     def take(self, locked: bool) -> None:
         """A new owner (locking if ``locked``, else holding); a listed page leaves the evictor
-        (a HELD page comes back as the newest)."""
+        (a HELD page comes back as the newest); a retention's duration stops running."""
         storage = self.storage
+        self.expires = NO_EXPIRY
         if self.in_evictor:
             storage.evictor.taken(self)
         if locked:
@@ -555,7 +556,7 @@ class Page:
     @property
     def retained(self) -> bool:
         """Whether the page is under retention (a priority until an expiry time, or a close-time hint)."""
-        return self.expires != NO_EXPIRY or self.hint_end != NO_HINT
+        return self.retain_s != 0.0 or self.hint_end != NO_HINT
 
     def _vacate(self) -> SlotId:
         """The page leaves its slot (freed, lost, handed off): its pins and retention go with it, refs
@@ -563,8 +564,9 @@ class Page:
         self.num_pins = 0
         if self.pin_held:
             self.unhold_pins()
-        if self.expires != NO_EXPIRY or self.hint_end != NO_HINT:  # (``retained``, without a call per freed page)
+        if self.retain_s != 0.0 or self.hint_end != NO_HINT:  # (``retained``, without a call per freed page)
             self.expires = NO_EXPIRY
+            self.retain_s = 0.0
             self.hint_end = NO_HINT
             self.storage.num_retained -= 1
         slot = self.slot

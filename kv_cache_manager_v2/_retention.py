@@ -1,7 +1,9 @@
 """Retention the engine controls (values): a priority kept for a while (``Retention``), per token
 range of a request (``RetentionRange``), and a request's retention (``RequestRetention``: ranges
 of the prompt and its decode blocks). After its duration a page goes back to the priority it had
-without retention (``DEFAULT_PRIORITY`` unless a ``custom_priority_callback`` chose another).
+without retention (``DEFAULT_PRIORITY`` unless a ``custom_priority_callback`` chose another). A
+duration counts from the page's release: it runs while no request uses the page (a request
+reusing it stops it; its release starts the whole duration again).
 The mechanism (expiry times, consulted when the evictor runs) is ``_storage/_expiry.py``.
 """
 
@@ -31,7 +33,10 @@ def check_duration(name: str, duration_s: object) -> float | None:
         return None
     if type(duration_s) is bool or not isinstance(duration_s, (int, float)):
         raise TypeError(f"{name} must be a number of seconds or None, got {type(duration_s).__name__} {duration_s!r}")
-    d = float(duration_s)
+    try:
+        d = float(duration_s)
+    except OverflowError:  # an int beyond any float
+        d = math.inf
     if not (d > 0.0 and math.isfinite(d)):
         raise ValueError(f"{name} must be a finite number of seconds > 0 (or None: no expiry), got {duration_s!r}")
     return d
@@ -41,7 +46,8 @@ def check_duration(name: str, duration_s: object) -> float | None:
 @dataclass(frozen=True)
 class Retention:
     """Keep pages at ``priority`` (0..100; lower is evicted first) for ``duration_s`` seconds of
-    the manager's clock (None: until the pages are evicted, or reused after a close-time hint).
+    the manager's clock from their release (None: until the pages are evicted, or reused after a
+    close-time hint).
     ``start``: a close-time hint covers only the blocks holding a token at or after this position
     (the blocks before it, e.g. a system prompt other conversations share, keep their priority)."""
 

@@ -4,6 +4,7 @@ the invariant checker on), under both eviction policies."""
 
 from __future__ import annotations
 
+import datetime
 import math
 from array import array
 from collections.abc import Callable, Iterator
@@ -279,6 +280,15 @@ def test_the_default_clock_is_monotonic() -> None:
         (lambda: RequestRetention(decode_duration_s=5.0), ValueError, "needs a decode_priority"),
         (lambda: RequestRetention(decode_priority=101), ValueError, "decode_priority"),
         (lambda: RequestRetention(decode_priority=5, decode_duration_s=-1.0), ValueError, "decode_duration_s"),
+        # an int beyond any float is a bad duration like the others (not an OverflowError)
+        (lambda: Retention(50, 10**400), ValueError, "Retention.duration_s must be a finite number"),
+        (lambda: RetentionRange(0, None, 50, 10**400), ValueError, "RetentionRange.duration_s must be a finite"),
+        (lambda: RequestRetention([(0, None, 50, 10**400)]), ValueError, "RetentionRange.duration_s must be a"),
+        (
+            lambda: RequestRetention(decode_priority=5, decode_duration_s=10**400),
+            ValueError,
+            "RequestRetention.decode_duration_s must be a finite number",
+        ),
         (
             lambda: KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), clock=5),  # type: ignore[arg-type]
             TypeError,
@@ -309,6 +319,187 @@ def test_bad_retention_arguments_are_refused_and_change_nothing(make_manager: Ma
     assert m.num_open_caches == 1
     kv.close(retain=Retention(50, 1.0))
     assert m.num_open_caches == 0
+
+
+# ---------------------------------------------------------------- a duration counts from the release
+def test_a_duration_counts_from_the_release_not_the_commit(make_manager: MakeManager) -> None:
+    """The reference system's rule: blocks at 80 for 10 s, committed at 0, released at 15, a
+    competitor at 50, pressure at 16: the blocks at 80 stay (their 10 s began at 15)."""
+    clock = Clock()
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    a, b = seq(1000, 2), seq(2000, 2)
+    kv = m.create_kv_cache(input_tokens=a, retention=RequestRetention([(0, None, 80, 10.0)]))
+    assert kv.resume() and kv.resize(len(a))
+    engine.step(kv, a, 0, len(a))
+    kv.commit(a)  # t = 0
+    clock.now = 15.0
+    kv.close()  # released: A's 10 s start now
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    clock.now = 16.0
+    pressure(m, engine, 2, 3000, 20)  # B (50) goes before A (80)
+    assert m.probe_reuse(input_tokens=a) == 2 * T
+    assert m.probe_reuse(input_tokens=b) == 0
+    clock.now = 25.0  # A's 10 s since its release are over: back at 35, below C (50)
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    pressure(m, engine, 2, 4000, 60)
+    assert m.probe_reuse(input_tokens=a) == 0
+    assert m.probe_reuse(input_tokens=b) == 2 * T
+
+
+@pytest.mark.parametrize("how", ["suspended", "shared", "reused"])
+def test_a_duration_runs_only_while_no_request_owns_the_block(make_manager: MakeManager, how: str) -> None:
+    """A suspended request keeps its blocks' duration from running; a block shared by two
+    requests starts its duration when the last one lets go; a request that takes a released
+    block stops its duration, and its release starts it afresh."""
+    clock = Clock()
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    a, b, c = seq(1000, 2), seq(2000, 2), seq(3000, 2)
+    keep = RequestRetention([(0, None, 80, 10.0)])
+    if how == "reused":
+        run(m, engine, a, retention=keep)  # released at 0: runs until 10
+        clock.now = 5.0
+    kv = m.create_kv_cache(input_tokens=a, retention=keep)
+    assert kv.resume() and kv.resize(len(a))
+    h = kv.history_length
+    engine.step(kv, a, h, len(a))
+    kv.commit(a[h:])
+    other = None
+    if how == "suspended":
+        kv.suspend()
+    elif how == "shared":
+        other = m.create_kv_cache(input_tokens=a)
+        assert other.resume()
+        clock.now = 3.0
+        other.close()  # A still owns the blocks: nothing runs yet
+    clock.now = 15.0
+    if how == "suspended":
+        assert kv.resume()
+        engine.check_all(kv, a, len(a))
+    kv.close()  # the last owner lets go at 15: 10 s from now
+    m.check_invariants()
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    clock.now = 24.9
+    pressure(m, engine, 2, 4000, 60)  # B (50) goes before A (80)
+    assert m.probe_reuse(input_tokens=a) == 2 * T
+    assert m.probe_reuse(input_tokens=b) == 0
+    clock.now = 25.0  # A is back at 35: it goes before the blocks at 60
+    run(m, engine, c, custom_priority_callback=fixed(50))
+    assert m.probe_reuse(input_tokens=a) == 0
+    assert m.probe_reuse(input_tokens=seq(4000, 2)) == 2 * T
+
+
+# ---------------------------------------------------------------- hostile clocks
+class HostileClock:
+    """A clock that, from call ``after`` on, returns ``bad`` (or raises it, an exception), ``times``
+    times; seconds ``now`` otherwise."""
+
+    def __init__(self, bad: object, after: int, times: int = 1) -> None:
+        self.now = 0.0
+        self.bad, self.after, self.times, self.calls = bad, after, times, 0
+
+    def __call__(self) -> object:
+        self.calls += 1
+        if self.calls > self.after and self.times > 0:
+            self.times -= 1
+            if isinstance(self.bad, BaseException):
+                raise self.bad
+            return self.bad
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "words"),
+    [
+        (datetime.datetime(2026, 1, 1), TypeError, "config.clock must return seconds as a float"),
+        (True, TypeError, "config.clock must return seconds as a float"),
+        ("5", TypeError, "config.clock must return seconds as a float"),
+        (math.nan, ValueError, "config.clock must return a finite number of seconds"),
+        (math.inf, ValueError, "config.clock must return a finite number of seconds"),
+        (10**400, ValueError, "config.clock must return a finite number of seconds"),
+        (RuntimeError("clock down"), RuntimeError, "clock down"),
+    ],
+    ids=["datetime", "bool", "str", "nan", "inf", "huge-int", "raises"],
+)
+def test_a_clock_that_returns_no_time_is_refused_at_construction(
+    make_manager: MakeManager, bad: object, error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error, match=words):
+        make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=HostileClock(bad, 0))
+    with pytest.raises(TypeError, match=r"config\.clock must return seconds"):
+        make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=datetime.datetime.now)
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=lambda: 7)  # an int will do
+    assert m.pin(seq(0, 1), duration_s=1.0) == 0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [RuntimeError("clock down"), math.nan, -math.inf, "x", datetime.datetime(2026, 1, 1)],
+    ids=["raises", "nan", "-inf", "str", "datetime"],
+)
+def test_a_clock_failing_later_never_leaves_an_operation_half_done(make_manager: MakeManager, bad: object) -> None:
+    """Commits, closes (with a hint), eviction and statistics go on with the last good reading
+    while the clock fails; a NaN never enters an expiry time (retention ends once the clock is
+    good again); ``pin`` with a duration refuses, changing nothing."""
+    clock = HostileClock(bad, 1, times=10**6)  # good at construction only
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    a, b = seq(1000, 2), seq(2000, 2)
+    run(m, engine, a, Retention(80, 10.0), retention=RequestRetention([(0, None, 80, 10.0)]))
+    m.check_invariants()
+    with pytest.raises(type(bad) if isinstance(bad, BaseException) else (TypeError, ValueError)):
+        m.pin(a, duration_s=5.0)
+    assert m.unpin(a) is False  # nothing was pinned
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    stats = m.get_storage_statistics()[0]
+    assert stats.retained == 2
+    pressure(m, engine, 2, 3000, 20)  # the clock stands still: A (80) stays, B (50) goes
+    assert m.probe_reuse(input_tokens=a) == 2 * T
+    clock.times = 0  # the clock is good again
+    clock.now = 10.0  # A's 10 s since its release at 0 are over
+    assert m.get_storage_statistics()[0].retained == 0
+    pressure(m, engine, 4, 4000, 40)
+    assert m.probe_reuse(input_tokens=a) == 0
+    clock.times = (
+        10**6
+    )  # failing again: a request with retention commits, suspends and closes, and the manager shuts down
+    kv = m.create_kv_cache(input_tokens=b, retention=RequestRetention([(0, None, 80, 10.0)]))
+    assert kv.resume() and kv.resize(len(b))
+    engine.step(kv, b, kv.history_length, len(b))
+    kv.commit(b[kv.history_length :])
+    kv.suspend()
+    m.check_invariants()
+    kv.close(retain=Retention(90, 5.0))
+    m.check_invariants()
+    m.shutdown()
+
+
+def test_a_clock_may_go_back_only_a_little(make_manager: MakeManager) -> None:
+    clock = Clock()
+    clock.now = 100.0
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    a = seq(1000, 2)
+    run(m, engine, a)
+    clock.now = 99.5  # within the tolerance: reads as 100 (no time passes)
+    assert m.pin(a, duration_s=1.0) == 2 * T
+    clock.now = 50.0  # far back: refused, nothing changes
+    with pytest.raises(ValueError, match=r"config\.clock went back 50 s"):
+        m.pin(seq(1000, 1), duration_s=1.0)
+    assert not m.unpin(seq(1000, 1))
+    clock.now = 100.9
+    pressure(m, engine, 2, 2000)
+    assert m.probe_reuse(input_tokens=a) == 2 * T  # pinned until 101
+    clock.now = 101.0
+    pressure(m, engine, 4, 3000)
+    assert m.probe_reuse(input_tokens=a) == 0
+
+
+def test_a_pin_duration_beyond_any_float_is_a_bad_duration(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T)
+    with pytest.raises(ValueError, match="duration_s must be a finite number of seconds > 0"):
+        m.pin(seq(0, 1), duration_s=10**400)
 
 
 # ---------------------------------------------------------------- through the engine adapter

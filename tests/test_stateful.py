@@ -58,7 +58,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.rng = random.Random(0)
         self.computed: dict[int, int] = {}  # id(kv) -> tokens computed but not yet committed
         self.now = 0.0  # the manager's clock (retention durations)
-        self.m._storage.expiries.clock = self.clock
+        expiries = self.m._storage.expiries  # the simulated clock from here on (its time starts at 0)
+        expiries.clock, expiries.time = self.clock, 0.0
 
     def make_manager(self) -> KVCacheManager:
         # full attention first, then SWA with sinks: both layer groups share one pool group

@@ -183,7 +183,7 @@ def take_snapshot(state: RequestState, priorities: list[Priority]) -> None:
             ctx.stats.snapshots_skipped += len(wanted)
         return
     if state._retention is not None:
-        retain_new_pages(state, ordinal, snapshots, storage.expiries.now())
+        retain_new_pages(state, ordinal, snapshots)
     tree = ctx.tree
     for layer_group, snapshot in zip(wanted, snapshots):
         tree.attach_snapshot(node, layer_group, snapshot, state._serial)
@@ -226,7 +226,6 @@ def publish(state: RequestState, upto: int, beam: int = 0, tokens: Sequence[Toke
     shared = len(state._tables) > 1
     first = state._num_published
     keys = chain_token_keys(parent.key, tokens, tokens_per_block) if tokens is not None else None
-    now = state._ctx.storage.expiries.now() if state._retention is not None else 0.0
     table_pages = table.pages.items
     pages: list[Page | None] = [None] * len(table_pages)  # each block's, refilled (the tree may switch them)
     for ordinal in range(first, upto):
@@ -234,7 +233,7 @@ def publish(state: RequestState, upto: int, beam: int = 0, tokens: Sequence[Toke
         for i in range(len(pages)):
             pages[i] = table_pages[i][ordinal]
         if state._retention is not None:
-            retain_new_pages(state, ordinal, pages, now)
+            retain_new_pages(state, ordinal, pages)
         node = tree.publish(
             parent, block_tokens, pages, locked, state._serial, keys[ordinal - first] if keys is not None else None
         )

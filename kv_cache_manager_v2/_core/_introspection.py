@@ -178,7 +178,7 @@ def _check_value(tree: ReuseTree, node: Node) -> None:
 def _check_pages(storage: StorageManager, census: _Census) -> _PageCounts:
     """Every page seen counts exactly the owners found, lives at its level, is listed exactly when
     an evictor lists it and holds one slot of its own (a lost one none), and a retained one is in
-    the expiry queue; returns the pages counted per pool group."""
+    the expiry queue exactly while no request owns it; returns the pages counted per pool group."""
     owner_of: dict[tuple[int, int, int], int] = {}
     used: dict[int, int] = {}
     lost: dict[int, int] = {}
@@ -187,8 +187,15 @@ def _check_pages(storage: StorageManager, census: _Census) -> _PageCounts:
     expiring = storage.expiries.pending()
     locks, holds, evictable = census.locks, census.holds, census.evictable
     for key, p in census.pages.items():
-        if p.expires != NO_EXPIRY and (key, p.expires) not in expiring:
-            _fail(f"page {p.slot} is retained until {p.expires} but the expiry queue does not have it")
+        owned = p.num_locks != 0 or p.num_holds != 0
+        if p.expires != NO_EXPIRY:  # a retention's duration runs only while no request owns the page
+            if (key, p.expires) not in expiring or owned or p.retain_s == 0.0:
+                _fail(
+                    f"page {p.slot} is retained until {p.expires} ({p.retain_s} s) but the expiry queue does not "
+                    f"have it, or a request owns it ({p.num_locks} locks / {p.num_holds} holds)"
+                )
+        elif p.retain_s != 0.0 and not owned:
+            _fail(f"reusable page {p.slot} is retained for {p.retain_s} s but its duration does not run")
         if p.num_locks != locks.get(key, 0) or p.num_holds != holds.get(key, 0):
             _fail(
                 f"page {p.slot} counts {p.num_locks} locks / {p.num_holds} holds but requests own "

@@ -37,6 +37,8 @@ def pin_prefix(
     (0: nothing cached, no pin, and an earlier pin of the same tokens ends)."""
     duration = check_duration("duration_s", duration_s)
     key = pin_key(reuse_scope, tokens)
+    if duration is not None:
+        ctx.storage.expiries.read()  # a clock that fails raises here, before anything changes
     found = matcher.probe(ctx, "pin()", reuse_scope, tokens)
     nodes = found[0] if found is not None else []
     pages: list[Page] = []

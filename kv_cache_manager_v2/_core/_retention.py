@@ -14,8 +14,9 @@ from .._reuse._node import Node
 from ._request_state import RequestState
 
 
-def retain_new_pages(state: RequestState, ordinal: int, pages: Sequence[Page | None], now: float) -> None:
-    """Give block ``ordinal``'s own pages (not yet in the tree) the request's retention for it."""
+def retain_new_pages(state: RequestState, ordinal: int, pages: Sequence[Page | None]) -> None:
+    """Give block ``ordinal``'s own pages (not yet in the tree) the request's retention for it (a
+    duration runs from their release)."""
     retention = state._retention
     assert retention is not None
     r = retention.at(ordinal * state._tokens_per_block, state._prompt_length)
@@ -24,19 +25,18 @@ def retain_new_pages(state: RequestState, ordinal: int, pages: Sequence[Page | N
     expiries = state._ctx.storage.expiries
     for page in pages:
         if page is not None and page.node is None:
-            expiries.retain(page, ordinal, Priority(r[0]), r[1], NO_HINT, now)
+            expiries.retain(page, ordinal, Priority(r[0]), r[1], NO_HINT)
 
 
 def retain_history(state: RequestState, retain: Retention) -> None:
     """The close-time hint: every page of the request's published full blocks keeps
-    ``retain.priority`` for ``retain.duration_s``. A hint raising a page ends when a later request
+    ``retain.priority`` for ``retain.duration_s`` (from its release). A hint raising a page ends when a later request
     reuses the whole history (the conversation continued) and replaces an older hint; a hint below
     a page's base priority applies only to the blocks this request published itself (a prefix it
     reused may serve others), and ends when any request reuses the page (the guess that nobody
     would was wrong). Blocks that end at or before ``retain.start`` are left as they are."""
     expiries = state._ctx.storage.expiries
     expiries.expire()
-    now = expiries.now()
     priority = Priority(retain.priority)
     first_own = state._num_matched_blocks
     node = _last_published(state)
@@ -55,7 +55,7 @@ def retain_history(state: RequestState, retain: Retention) -> None:
             base = page.base_priority if page.retained else page.priority
             if own or priority >= base:
                 end = last if priority >= base else node.ordinal
-                expiries.retain(page, node.ordinal, priority, retain.duration_s, end, now)
+                expiries.retain(page, node.ordinal, priority, retain.duration_s, end)
         node = node.parent
 
 

@@ -1,18 +1,31 @@
 """Retention with durations: pages kept at a priority until an expiry time, then back to their
-base priority (``Page.expires``, ``base_priority``, ``hint_end``), on every tier (a page keeps
-these fields when it moves).
+base priority (``Page.retain_s``, ``expires``, ``base_priority``, ``hint_end``), on every tier (a
+page keeps these fields when it moves). A duration counts from the page's release: it runs while
+the page is reusable (no request owns it: DROPPABLE), from the moment its last owner lets go
+(``start``); a request taking the page again stops it, and its next release starts it afresh.
 
 Expiry costs nothing per decode step: the manager's one ``ExpiryQueue`` (a heap of the next
 expiry times) is consulted when the evictor runs (``EvictionCascade.make_room``) and before
 statistics, so an expired page is treated at its base priority even while the heap still had it
-in a higher class. Entries of pages that were freed, or re-retained since, are skipped when they
-come up, and swept when they are most of the heap (checked every ``_SWEEP_SLACK`` entries pushed,
-against the pages under retention now: a burst's entries do not outlive it).
+in a higher class. Entries of pages that were freed, taken again, or re-retained since, are
+skipped when they come up, and swept when they are most of the heap (checked every
+``_SWEEP_SLACK`` entries pushed, against the pages under retention now: a burst's entries do not
+outlive it).
+
+The clock (``KVCacheManagerConfig.clock``) is read checked (``read``): a finite number of seconds
+(an int will do, a bool will not), never more than ``CLOCK_TOLERANCE_S`` below the last reading (a
+smaller step back reads as the last reading: the manager's time never goes back). The manager's
+construction and ``pin`` with a duration raise on a bad reading before changing anything; where
+failing is no option (a release, eviction, statistics) a bad reading reads as the last good one
+(``now``, logged), so a clock that fails never leaves an operation half done, nor puts a NaN in
+an expiry time.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
+import math
 from collections.abc import Callable
 from typing import Final
 
@@ -23,15 +36,43 @@ from .._page import GARBAGE_PRIORITY, NO_EXPIRY, NO_HINT, Page, PoolGroupStorage
 #: retention (checked each time it grew by this many)
 _SWEEP_SLACK: Final = 1024
 
+#: seconds the clock may go back before a reading is refused (a smaller step reads as no time passing)
+CLOCK_TOLERANCE_S: Final = 1.0
+
+#: an expiry time beyond any reading (a duration whose sum with the time overflows)
+_LATEST: Final = 1.7976931348623157e308
+
+_LOG: Final = logging.getLogger("kv_cache_manager_v2")
+
+
+def clock_seconds(value: object) -> float:
+    """A clock reading ``value`` as seconds: ``TypeError`` unless an int or float (bool refused),
+    ``ValueError`` unless finite."""
+    if type(value) is bool or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"config.clock must return seconds as a float (like time.monotonic), got {type(value).__name__} {value!r}"
+        )
+    try:
+        t = float(value)
+    except OverflowError:  # an int beyond any float
+        t = math.inf
+    if not math.isfinite(t):
+        raise ValueError(f"config.clock must return a finite number of seconds, got {value!r}")
+    return t
+
 
 class ExpiryQueue:
     """The manager's clock and the expiry times of retained pages (see the module)."""
 
-    __slots__ = ("_heap", "_limit", "_seq", "clock", "num_expired", "num_retained", "storages")
+    __slots__ = ("_failing", "_heap", "_limit", "_seq", "clock", "num_expired", "num_retained", "storages", "time")
 
-    def __init__(self, clock: Callable[[], float]) -> None:
-        #: seconds (``KVCacheManagerConfig.clock``)
+    def __init__(self, clock: Callable[[], object]) -> None:
+        #: seconds (``KVCacheManagerConfig.clock``; any object: ``read`` checks it, compiled too)
         self.clock = clock
+        #: the last good reading; the clock is read once here, so a bad one is refused at once
+        self.time = -math.inf
+        self._failing = False  # (the last reading failed: logged once until a good one)
+        self.time = self.read()
         #: (expiry time, -block ordinal, sequence, page): of pages expiring together the later
         #: blocks go back first, so the earlier ones are listed after them (tails evicted first)
         self._heap: list[tuple[float, int, int, Page]] = []
@@ -43,36 +84,72 @@ class ExpiryQueue:
         self.num_retained = 0
         self.num_expired = 0
 
-    def now(self) -> float:
-        return float(self.clock())
+    def read(self) -> float:
+        """The clock's time, checked (see the module): raises, changing nothing but the time, on a
+        reading that is no finite number of seconds or goes back more than ``CLOCK_TOLERANCE_S``
+        (the clock's own exception passes through)."""
+        t = clock_seconds(self.clock())
+        last = self.time
+        if t < last:
+            if t < last - CLOCK_TOLERANCE_S:
+                raise ValueError(
+                    f"config.clock went back {last - t:g} s (from {last!r} to {t!r}); "
+                    f"at most {CLOCK_TOLERANCE_S:g} s is allowed"
+                )
+            return last
+        self.time = t
+        self._failing = False
+        return t
 
-    def retain(
-        self, page: Page, ordinal: int, priority: Priority, duration_s: float | None, hint_end: int, now: float
-    ) -> None:
-        """Keep ``page`` (of block ``ordinal``) at ``priority`` until ``now + duration_s`` (None: no
-        expiry), then at its base priority (what it had before any retention). ``hint_end``: for
-        a close-time hint, the last block of the hinted history (a request reusing the page
-        that far ends the hint), else ``NO_HINT``."""
+    def now(self) -> float:
+        """The clock's time where failing is no option: a bad reading (or a clock that raises)
+        reads as the last good one, logged once until the clock recovers."""
+        try:
+            return self.read()
+        except Exception as e:
+            if not self._failing:
+                self._failing = True
+                _LOG.warning("config.clock failed (%s); using its last good reading, %r s", e, self.time)
+            return self.time
+
+    def retain(self, page: Page, ordinal: int, priority: Priority, duration_s: float | None, hint_end: int) -> None:
+        """Keep ``page`` (of block ``ordinal``) at ``priority`` for ``duration_s`` seconds (None: no
+        expiry) from its release (at once if no request owns it), then at its base priority (what it
+        had before any retention). ``hint_end``: for a close-time hint, the last block of the
+        hinted history (a request reusing the page that far ends the hint), else ``NO_HINT``."""
         was = page.retained
         if not was:
             page.base_priority = page.priority
         if page.priority != GARBAGE_PRIORITY and page.priority != priority:
             page.set_priority(priority)
         page.hint_end = hint_end
-        page.expires = NO_EXPIRY if duration_s is None else now + duration_s
+        page.retain_s = 0.0 if duration_s is None else duration_s
+        page.expires = NO_EXPIRY
         self.num_retained += 1
         page.storage.num_retained += int(page.retained) - int(was)  # (a range without duration: a plain priority)
-        if duration_s is not None:
-            self._seq += 1
-            heapq.heappush(self._heap, (page.expires, -ordinal, self._seq, page))
-            if len(self._heap) > self._limit:
-                self._sweep()
+        if duration_s is not None and page.num_locks == 0 and page.num_holds == 0:
+            self._start(page, ordinal)
+
+    def start(self, page: Page) -> None:
+        """``page`` (in the tree, retained with a duration) became reusable: its duration runs from now."""
+        node = page.node
+        assert node is not None
+        self._start(page, node.ordinal)
+
+    def _start(self, page: Page, ordinal: int) -> None:
+        expires = self.now() + page.retain_s
+        page.expires = expires if expires != NO_EXPIRY else _LATEST  # (a sum beyond any float)
+        self._seq += 1
+        heapq.heappush(self._heap, (page.expires, -ordinal, self._seq, page))
+        if len(self._heap) > self._limit:
+            self._sweep()
 
     def end(self, page: Page) -> None:
         """``page``'s retention ends now: back to its base priority."""
         if page.retained:
             page.storage.num_retained -= 1
         page.expires = NO_EXPIRY
+        page.retain_s = 0.0
         page.hint_end = NO_HINT
         if page.priority != GARBAGE_PRIORITY and page.priority != page.base_priority:
             page.set_priority(page.base_priority)
@@ -80,7 +157,7 @@ class ExpiryQueue:
     def expire(self) -> None:
         """End the retention of every page whose expiry time has come (cheap when none has)."""
         heap = self._heap
-        if not heap or heap[0][0] > self.clock():
+        if not heap:
             return
         now = self.now()
         while heap and heap[0][0] <= now:

@@ -49,6 +49,7 @@ class PinTable:
         if not pages:
             self.unpin(key)
             return
+        until = float("inf") if duration_s is None else self.clock() + duration_s  # (the clock first)
         old = self.pins.get(key)
         new: dict[int, tuple[PoolGroupStorage, int]] = {}  # pages pinned now for the first time
         for page in pages:
@@ -74,7 +75,6 @@ class PinTable:
         if old is not None:
             del self.pins[key]  # (the pins stay in the order pinned: a pin renewed is the newest)
             self._release(old)
-        until = float("inf") if duration_s is None else float(self.clock()) + duration_s
         pin = Pin(pages, until)
         self.pins[key] = pin
         if duration_s is not None:
@@ -92,9 +92,9 @@ class PinTable:
     def expire(self) -> None:
         """End the pins whose duration ran out."""
         heap = self._heap
-        if not heap or heap[0][0] > self.clock():
+        if not heap:
             return
-        now = float(self.clock())
+        now = self.clock()
         while heap and heap[0][0] <= now:
             entry = heapq.heappop(heap)
             key, pin = entry[2], entry[3]

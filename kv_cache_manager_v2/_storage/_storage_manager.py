@@ -56,14 +56,15 @@ class StorageManager(EvictionCascade):
         clock: Callable[[], float] = time.monotonic,
         max_pinned_share: float = 0.5,
     ) -> None:
+        self.expiries = ExpiryQueue(clock)  # first: a clock that returns no time is refused before any memory
         super().__init__(layout, slots, backend, tiers, eviction_policy, disk_fingerprint, tokens_per_block)
         self.drop_listener = None
-        self.expiries = ExpiryQueue(clock)
         self.expiries.storages = [group for level in self.levels for group in level]
-        self.pins = PinTable(clock, max_pinned_share)
+        self.pins = PinTable(self.expiries.now, max_pinned_share)
         for level in self.levels:
             for group in level:
                 group.pinned_share = max_pinned_share
+                group.start_retention = self.expiries.start
         self.remote_tier = None
         gpu = self.gpu
         #: GPU storage of each layer group's pool group (the allocation hot path)
