@@ -200,7 +200,9 @@ class KVCacheManager(ManagerQueries):
         ``beam_width`` (fixed for the request's life): beams share every page until the first
         ``commit`` with ``beam_search_indices``; then each has its own generated blocks.
         ``retention``: of the blocks it publishes (decode blocks: from ``prompt_length``, by
-        default ``len(input_tokens)``)."""
+        default ``len(input_tokens)``). ``custom_priority_callback``: the eviction priority of each
+        new page, snapshots included (under ``ssm_snapshot_policy="auto"`` too, whose priority 0
+        for interval and prompt-end snapshots applies only without a callback)."""
         self._check_alive()
         check_int("beam_width", beam_width, 1, MAX_BEAM_WIDTH)
         prompt_end = checked_prompt_end(retention, prompt_length, input_tokens)
