@@ -14,6 +14,7 @@ from fake_engine import FakeEngine
 from test_recurrent import CONV, STATE, MakeManager, T, decode, hybrid_layers, prefill, state_group, toks
 
 from kv_cache_manager_v2 import (
+    DEFAULT_PRIORITY,
     AttentionLayerConfig,
     BatchDesc,
     BufferConfig,
@@ -24,9 +25,11 @@ from kv_cache_manager_v2 import (
     LayerId,
     Priority,
     SsmLayerConfig,
+    TokenId,
 )
 from kv_cache_manager_v2._common import MAX_CAPACITY
 from kv_cache_manager_v2._config import LOWER_TIER_TOKENS_PER_STATE, LayerConfig
+from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager, RequestState
 
 PREFIX = 1000  #: shared tokens: its last full block ends at 992
 SHARED = PREFIX // T * T
@@ -618,3 +621,24 @@ def test_auto_keeps_a_snapshot_an_engine_protects_by_priority(make_manager: Make
     plain = toks(18, 200)
     assert run(m, engine, plain) == 0
     assert [p for pos, _, p in snapshot_priorities(m, [g]) if pos in (64, 128)] == [0, 0, 100]
+
+
+@pytest.mark.parametrize(("priority", "snapshot_priority"), [(80, 80), (DEFAULT_PRIORITY, 0)])
+def test_auto_through_the_adapter_an_engine_request_s_priority_wins(
+    make_manager: MakeManager, priority: int, snapshot_priority: int
+) -> None:
+    """The adapter passes an ``EngineRequest.priority`` other than the default as the request's
+    callback: under "auto" its interval and prompt-end snapshots get it; the default keeps 0."""
+    m = make_manager(hybrid_layers(), T, quota=16 << 20, ssm_reuse_interval=64)
+    rm = KVCacheResourceManager(manager=m)
+    req = EngineRequest(0, toks(19, 200), 1, priority=priority)
+    while req.state is RequestState.CONTEXT:
+        assert rm.prepare_resources([req]) == []
+        if req.samples_this_step:
+            req.generated_tokens.append(TokenId(1))
+        rm.update_resources([req])
+    req.state = RequestState.FINISHED
+    rm.free_resources(req)
+    g = state_group(m)
+    assert snapshot_priorities(m, [g]) == [(pos, g, snapshot_priority) for pos in (64, 128, 192)]
+    m.check_invariants()
