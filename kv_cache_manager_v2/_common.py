@@ -86,7 +86,9 @@ class ReuseScope:
     salt: int | None = None
 
     def __post_init__(self) -> None:
-        for name, value in (("lora_id", self.lora_id), ("salt", self.salt)):
+        for name in ("lora_id", "salt"):
+            # as stored (compiled, a typed read narrowed to int would have made a bool an int)
+            value: object = getattr(self, name)
             if value is None:
                 continue
             if type(value) is not int:

@@ -215,10 +215,9 @@ class KVCacheEventManager:
     A manager without an event manager pays one ``is not None`` test where blocks enter or leave the tree.
     """
 
-    def __init__(self, max_events: int = 100_000, resync_on_overflow: bool = True) -> None:
-        check_int("max_events", max_events, 1)
+    def __init__(self, max_events: object = 100_000, resync_on_overflow: bool = True) -> None:
+        self._max = check_int("max_events", max_events, 1)  # (an object: compiled, a bool would be an int)
         check_type("resync_on_overflow", resync_on_overflow, bool)
-        self._max = max_events
         self._resync_on_overflow = resync_on_overflow
         self._queue: deque[KVCacheEvent] = deque()
         #: events dropped because the queue was full (cumulative)

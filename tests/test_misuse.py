@@ -24,11 +24,13 @@ from kv_cache_manager_v2 import (
     AttentionLayerConfig,
     BatchDesc,
     BufferConfig,
+    BufferId,
     DiskCacheTierConfig,
     GpuCacheTierConfig,
     HostCacheTierConfig,
     KVCache,
     KVCacheDesc,
+    KVCacheEventManager,
     KVCacheManager,
     KVCacheManagerConfig,
     LayerGroupId,
@@ -36,9 +38,14 @@ from kv_cache_manager_v2 import (
     LogicError,
     OutOfPagesError,
     Priority,
+    RemoteCacheTierConfig,
+    RequestRetention,
+    Retention,
+    RetentionRange,
     ReuseScope,
     SwaScratchReuseConfig,
 )
+from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager
 
 T = 8
 
@@ -327,6 +334,121 @@ def test_misuse_is_refused_cleanly(case: Case) -> None:
         call(w)
     if not (mypyc_checked and kvm.compiled):
         assert names.lower() in str(info.value).lower(), f"the message does not name {names!r}: {info.value}"
+    assert snapshot(w) == before
+    still_serves(w)
+    for kv in (w.active, w.suspended, w.fresh):
+        kv.close()
+    w.m.shutdown()
+
+
+# ---------------------------------------------------------------------- bools are not ints, in both modes
+def with_beams(w: World, call: Callable[[KVCache], object]) -> None:
+    """``call`` on a new ACTIVE cache of two beams (no pages), closed after."""
+    kv = w.m.create_kv_cache(beam_width=2)
+    kv.resume()
+    try:
+        call(kv)
+    finally:
+        kv.close()
+
+
+def adapter(w: World) -> KVCacheResourceManager:
+    return KVCacheResourceManager(manager=w.m)
+
+
+#: every public int argument (and int field of a config or value type), given a bool: (name, call)
+BOOL_CASES: list[tuple[str, Callable[[World], object]]] = [
+    # ---- KVCache
+    ("get_committed_tokens beam", lambda w: w.active.get_committed_tokens(True)),
+    ("get_scratch_desc layer_group_id", lambda w: w.active.get_scratch_desc(True)),
+    ("get_base_page_indices layer_group_id", lambda w: w.active.get_base_page_indices(True)),
+    ("get_base_page_indices beam_id", lambda w: w.active.get_base_page_indices(0, False)),
+    ("set_base_page_index_buf beam", lambda w: w.active.set_base_page_index_buf(False, 0, None)),
+    ("set_base_page_index_buf layer_group_id", lambda w: w.active.set_base_page_index_buf(0, True, None)),
+    ("get_ssm_state_index layer_group_id", lambda w: w.active.get_ssm_state_index(True)),
+    ("get_ssm_state_index beam", lambda w: w.active.get_ssm_state_index(0, True)),
+    ("get_aggregated_page_indices layer_group_id", lambda w: list(w.active.get_aggregated_page_indices(True))),
+    ("get_aggregated_page_indices beam_id", lambda w: list(w.active.get_aggregated_page_indices(0, False))),
+    ("next_snapshot_position position", lambda w: w.active.next_snapshot_position(True)),
+    ("plan_snapshot position", lambda w: w.active.plan_snapshot(True)),
+    ("resume cuda_stream", lambda w: w.suspended.resume(True)),
+    ("prefetch target_level", lambda w: w.suspended.prefetch(False)),
+    ("resize capacity", lambda w: w.active.resize(True)),
+    ("resize history_length", lambda w: w.active.resize(40, True)),
+    ("stop_committing final_beam", lambda w: w.active.stop_committing(False)),
+    ("commit beam_search_indices", lambda w: with_beams(w, lambda kv: kv.commit([[1], [2]], [True, 0]))),
+    ("capacity setter", lambda w: setattr(w.active, "capacity", True)),
+    ("history_length setter", lambda w: setattr(w.active, "history_length", True)),
+    ("cuda_stream setter", lambda w: setattr(w.active, "cuda_stream", True)),
+    # ---- KVCacheManager
+    ("create_kv_cache beam_width", lambda w: w.m.create_kv_cache(beam_width=True)),
+    ("create_kv_cache prompt_length", lambda w: w.m.create_kv_cache(prompt_length=True)),
+    ("get_layer_group_id layer_id", lambda w: w.m.get_layer_group_id(True)),
+    ("get_layer_group_info layer_group_id", lambda w: w.m.get_layer_group_info(True)),
+    ("get_mem_pool_base_address layer_id", lambda w: w.m.get_mem_pool_base_address(True, "key")),
+    ("get_page_stride layer_id", lambda w: w.m.get_page_stride(True, "key")),
+    ("get_page_index_upper_bound layer_id", lambda w: w.m.get_page_index_upper_bound(True, "key")),
+    ("get_page_index_converter layer_id", lambda w: w.m.get_page_index_converter(True, "key")),
+    ("get_aggregated_pages layer_id", lambda w: list(w.m.get_aggregated_pages([BufferId(True, "key")]))),
+    ("get_storage_statistics level", lambda w: w.m.get_storage_statistics(False)),
+    ("get_tier_statistics level", lambda w: w.m.get_tier_statistics(False)),
+    ("get_quota level", lambda w: w.m.get_quota(False)),
+    ("resize cache_level", lambda w: w.m.resize(False, 1 << 20)),
+    ("resize quota", lambda w: w.m.resize(0, True)),
+    ("resize_batch num_new_tokens", lambda w: w.m.resize_batch([w.active], True)),
+    ("clamp batch_size", lambda w: w.m.clamp_max_seq_len_for_mem(True, 64)),
+    ("clamp token_num_upper_bound", lambda w: w.m.clamp_max_seq_len_for_mem(1, True)),
+    ("clamp beam_width", lambda w: w.m.clamp_max_seq_len_for_mem(1, 64, True)),
+    ("event manager max_events", lambda w: KVCacheEventManager(True)),
+    # ---- the engine adapter
+    ("EngineRequest request_id", lambda w: EngineRequest(True, [1], 1)),
+    ("EngineRequest max_new_tokens", lambda w: EngineRequest(1, [1], True)),
+    ("EngineRequest context_chunk_size", lambda w: EngineRequest(1, [1], 1, True)),
+    ("EngineRequest priority", lambda w: EngineRequest(1, [1], 1, priority=True)),
+    ("EngineRequest.tokens begin", lambda w: EngineRequest(1, [1, 2], 1).tokens(True, 2)),
+    ("EngineRequest.tokens end", lambda w: EngineRequest(1, [1, 2], 1).tokens(0, True)),
+    ("add_padding_request request_id", lambda w: adapter(w).add_padding_request(True)),
+    ("add_padding_request token", lambda w: adapter(w).add_padding_request(1, token=True)),
+    ("get_batch_cache_indices layer_group_id", lambda w: adapter(w).get_batch_cache_indices([], True)),
+    ("get_batch_cache_indices beam", lambda w: adapter(w).get_batch_cache_indices([], 0, False)),
+    (
+        "get_kernel_page_indices layer_id",
+        lambda w: adapter(w).get_kernel_page_indices(EngineRequest(1, [1], 1), True, "key"),
+    ),
+    ("get_buffers layer_id", lambda w: adapter(w).get_buffers(True, "key")),
+    # ---- configuration and value types
+    ("tokens_per_block", lambda w: cfg(tokens_per_block=True)),
+    ("ssm_reuse_interval", lambda w: cfg(ssm_reuse_interval=True)),
+    ("ssm_lower_tier_interval", lambda w: cfg(ssm_lower_tier_interval=True)),
+    ("ssm_snapshots_from_start", lambda w: cfg(ssm_snapshots_from_start=[True])),
+    ("gpu quota", lambda w: GpuCacheTierConfig(True)),
+    ("remote timeout_ms", lambda w: RemoteCacheTierConfig("redis://127.0.0.1:1", "m", timeout_ms=True)),
+    ("buffer size", lambda w: BufferConfig("key", True)),
+    ("layer_id", lambda w: layer(layer_id=True)),
+    ("sliding_window_size", lambda w: layer(sliding_window_size=True)),
+    ("KVCacheDesc beam_width", lambda w: KVCacheDesc(8, 0, True)),
+    ("BatchDesc system_prompt_length", lambda w: BatchDesc([KVCacheDesc(8, 0)], system_prompt_length=True)),
+    ("max_rewind_len", lambda w: SwaScratchReuseConfig(True)),
+    ("Retention priority", lambda w: Retention(True, 1.0)),
+    ("Retention start", lambda w: Retention(50, 1.0, start=True)),
+    ("RetentionRange start", lambda w: RetentionRange(True, 8, 50)),
+    ("RetentionRange end", lambda w: RetentionRange(0, True, 50)),
+    ("RetentionRange priority", lambda w: RetentionRange(0, 8, True)),
+    ("RequestRetention decode_priority", lambda w: RequestRetention(decode_priority=True)),
+    ("ReuseScope lora_id", lambda w: ReuseScope(lora_id=True)),
+    ("ReuseScope salt", lambda w: ReuseScope(salt=False)),
+]
+
+
+@pytest.mark.parametrize("case", BOOL_CASES, ids=[c[0] for c in BOOL_CASES])
+def test_a_bool_is_refused_where_an_int_is_expected(case: tuple[str, Callable[[World], object]]) -> None:
+    """``True`` / ``False`` are ints to Python (and, compiled, to an ``int`` parameter): every public
+    int argument refuses them with a ``TypeError`` (both modes), changing nothing."""
+    _, call = case
+    w = make_world()
+    before = snapshot(w)
+    with pytest.raises(TypeError, match="int"):
+        call(w)
     assert snapshot(w) == before
     still_serves(w)
     for kv in (w.active, w.suspended, w.fresh):

@@ -324,7 +324,7 @@ def test_snapshot_evicted_with_the_kv_kept_and_events_scoped(make_manager: MakeM
         initial_pool_ratio=[0.1, 0.9],
         ssm_reuse_interval=64,
         event_manager=events,
-        ssm_snapshot_policy="interval",  # "auto" would evict the interval snapshots (priority 0) first
+        ssm_snapshot_policy="interval",
     )
     engine = FakeEngine(m)
     g = state_group(m)
@@ -669,7 +669,7 @@ def test_probe_reuse_levels_report_where_the_snapshot_is(make_manager: MakeManag
 
 
 def test_a_failing_priority_callback_at_a_snapshot_changes_nothing(make_manager: MakeManager) -> None:
-    # under "interval" the callback sets every snapshot's priority ("auto" gives interval snapshots 0)
+    # the callback sets every snapshot's priority (under "auto" too: a request's own callback wins)
     m = make_manager(hybrid_layers(), T, ssm_reuse_interval=64, ssm_snapshot_policy="interval")
     engine = FakeEngine(m)
     g = state_group(m)

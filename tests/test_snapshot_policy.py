@@ -9,21 +9,27 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from conftest import make_config
+from conftest import REC, make_config
 from fake_engine import FakeEngine
-from test_recurrent import MakeManager, T, decode, hybrid_layers, prefill, state_group, toks
+from test_recurrent import CONV, STATE, MakeManager, T, decode, hybrid_layers, prefill, state_group, toks
 
 from kv_cache_manager_v2 import (
+    DEFAULT_PRIORITY,
+    AttentionLayerConfig,
     BatchDesc,
     BufferConfig,
+    KVCache,
     KVCacheDesc,
     KVCacheManager,
     LayerGroupId,
     LayerId,
+    Priority,
     SsmLayerConfig,
+    TokenId,
 )
 from kv_cache_manager_v2._common import MAX_CAPACITY
 from kv_cache_manager_v2._config import LOWER_TIER_TOKENS_PER_STATE, LayerConfig
+from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager, RequestState
 
 PREFIX = 1000  #: shared tokens: its last full block ends at 992
 SHARED = PREFIX // T * T
@@ -520,3 +526,119 @@ def test_reuse_from_bytes_spaced_host_snapshots_is_exact(make_manager: MakeManag
     assert m.reuse_statistics.snapshots_interval == 1
     assert run(m, engine, prompt[:700] + toks(8, 50)) == 512
     assert snapshot_levels(m)[512] == 0  # promoted with the request's pages
+
+
+# ---------------------------------------------------------------------- an engine's priorities under "auto"
+def snapshot_priorities(m: KVCacheManager, groups: list[LayerGroupId]) -> list[tuple[int, int, int]]:
+    """(position, layer group, priority) of every snapshot in the tree."""
+    return sorted(
+        ((n.ordinal + 1) * T, int(g), int(p.priority)) for n in m._tree.nodes() for g in groups if (p := n.page(g))
+    )
+
+
+def live_states_until(m: KVCacheManager, evicted: int) -> list[KVCache]:
+    """Resumed requests without tokens (a live state each) until ``evicted`` snapshots were evicted
+    (the caller closes them)."""
+    others: list[KVCache] = []
+    while m.reuse_statistics.snapshots_evicted < evicted:
+        kv = m.create_kv_cache(id=len(others))
+        others.append(kv)
+        assert kv.resume()
+        m.check_invariants()
+    return others
+
+
+def test_auto_asks_an_engine_s_callback_for_every_snapshot_two_recurrent_groups(make_manager: MakeManager) -> None:
+    """Under "auto" (the default) priority 0 for the interval and prompt-end snapshots is only the
+    default: a request's own ``custom_priority_callback`` is asked for every snapshot block of each
+    recurrent group, and its priority wins. Two recurrent groups, the snapshot at 128 at priority 1:
+    pressure on the smaller state pool evicts it first, the others stay and serve exact states."""
+    layers: list[LayerConfig] = [
+        SsmLayerConfig(LayerId(0), [BufferConfig("conv_state", CONV), BufferConfig("ssm_state", STATE)]),
+        SsmLayerConfig(LayerId(1), [BufferConfig("ssm_state", 2 * STATE)]),
+        AttentionLayerConfig(LayerId(2), [BufferConfig("key", REC * T), BufferConfig("value", REC * T)]),
+    ]
+    m = make_manager(layers, T, quota=64 << 10, initial_pool_ratio=[0.05, 0.05, 0.9], ssm_reuse_interval=64)
+    assert m.config.ssm_snapshot_policy == "auto"
+    groups = [
+        LayerGroupId(g)
+        for g in range(m.num_layer_groups)
+        if m.get_layer_group_info(LayerGroupId(g)).kind == "recurrent"
+    ]
+    assert len(groups) == 2
+    asked: list[tuple[int, int]] = []
+
+    def callback(block: int, layer_group: LayerGroupId) -> Priority:
+        if layer_group in groups:
+            asked.append((block, int(layer_group)))
+        return Priority(1 if block == 3 and layer_group in groups else 35)
+
+    engine = FakeEngine(m)
+    prompt = toks(14, 200)  # interval snapshots at 64 and 128, the prompt's last block at 192
+    kv = m.create_kv_cache(input_tokens=prompt, custom_priority_callback=callback)
+    prefill(engine, kv, prompt, 200)
+    kv.close()
+    assert sorted(set(asked)) == [(b, g) for b in (1, 3, 5) for g in groups]
+    assert snapshot_priorities(m, groups) == [
+        (pos, g, 1 if pos == 128 else 35) for pos in (64, 128, 192) for g in groups
+    ]
+    others = live_states_until(m, 1)
+    kept = [(64, 0), (64, 1), (128, 0), (192, 0), (192, 1)]  # group 1's snapshot at 128 went
+    assert [(pos, g) for pos, g, _ in snapshot_priorities(m, groups)] == kept
+    assert m.probe_reuse(None, prompt[:150]) == 64
+    for other in others:
+        other.close()
+    again = m.create_kv_cache(input_tokens=prompt + toks(15, 10))
+    assert again.history_length == 192
+    prefill(engine, again, prompt, 200)  # checks the reused blocks and both resumed states
+    again.close()
+    m.check_invariants()
+
+
+def test_auto_keeps_a_snapshot_an_engine_protects_by_priority(make_manager: MakeManager) -> None:
+    """A request's callback gives its prefix up to 128 and the interval snapshot there priority 100
+    under "auto": pressure on the state pool evicts the other snapshots (the callback's 35) and
+    keeps it; a request sharing 150 tokens resumes from it, exact. Without a callback "auto"'s 0
+    stays the default."""
+    m = make_manager(hybrid_layers(), T, quota=64 << 10, initial_pool_ratio=[0.1, 0.9], ssm_reuse_interval=64)
+    engine = FakeEngine(m)
+    g = state_group(m)
+
+    def callback(block: int, layer_group: LayerGroupId) -> Priority:
+        # the prefix up to 128 at 100 (a snapshot is capped at its KV's priority), its snapshot too
+        return Priority(100 if block == 3 or (block < 3 and layer_group != g) else 35)
+
+    prompt = toks(16, 200)
+    kv = m.create_kv_cache(input_tokens=prompt, custom_priority_callback=callback)
+    prefill(engine, kv, prompt, 200)
+    kv.close()
+    assert snapshot_priorities(m, [g]) == [(64, g, 35), (128, g, 100), (192, g, 35)]
+    others = live_states_until(m, 2)
+    assert snapshot_priorities(m, [g]) == [(128, g, 100)]
+    for other in others:
+        other.close()
+    assert run(m, engine, prompt[:150] + toks(17, 20)) == 128
+    plain = toks(18, 200)
+    assert run(m, engine, plain) == 0
+    assert [p for pos, _, p in snapshot_priorities(m, [g]) if pos in (64, 128)] == [0, 0, 100]
+
+
+@pytest.mark.parametrize(("priority", "snapshot_priority"), [(80, 80), (DEFAULT_PRIORITY, 0)])
+def test_auto_through_the_adapter_an_engine_request_s_priority_wins(
+    make_manager: MakeManager, priority: int, snapshot_priority: int
+) -> None:
+    """The adapter passes an ``EngineRequest.priority`` other than the default as the request's
+    callback: under "auto" its interval and prompt-end snapshots get it; the default keeps 0."""
+    m = make_manager(hybrid_layers(), T, quota=16 << 20, ssm_reuse_interval=64)
+    rm = KVCacheResourceManager(manager=m)
+    req = EngineRequest(0, toks(19, 200), 1, priority=priority)
+    while req.state is RequestState.CONTEXT:
+        assert rm.prepare_resources([req]) == []
+        if req.samples_this_step:
+            req.generated_tokens.append(TokenId(1))
+        rm.update_resources([req])
+    req.state = RequestState.FINISHED
+    rm.free_resources(req)
+    g = state_group(m)
+    assert snapshot_priorities(m, [g]) == [(pos, g, snapshot_priority) for pos in (64, 128, 192)]
+    m.check_invariants()

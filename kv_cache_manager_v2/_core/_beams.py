@@ -16,7 +16,7 @@ from ._commit import publish, snapshot_priorities_at, take_snapshot
 from ._request_state import RequestState
 
 
-def commit_beams(state: RequestState, tokens: Sequence[Sequence[TokenIdExt]], parents: Sequence[int]) -> None:
+def commit_beams(state: RequestState, tokens: Sequence[Sequence[TokenIdExt]], parents: Sequence[object]) -> None:
     """Beam search's commit: rebuild each beam from the beam it continues, then append its tokens."""
     width = state._beam_width
     if width == 1:
@@ -26,10 +26,12 @@ def commit_beams(state: RequestState, tokens: Sequence[Sequence[TokenIdExt]], pa
             f"beam_search_indices and accepted_input_tokens need one entry per beam ({width}), got "
             f"{len(parents)} and {len(tokens)}"
         )
+    indices: list[int] = []  # checked as objects: a bool is refused
     for beam in range(width):
-        check_int(f"beam_search_indices[{beam}]", parents[beam])
-        if parents[beam] >= width:
-            raise ValueError(f"beam_search_indices[{beam}] must be in [0, {width}), got {parents[beam]}")
+        parent = check_int(f"beam_search_indices[{beam}]", parents[beam])
+        indices.append(parent)
+        if parent >= width:
+            raise ValueError(f"beam_search_indices[{beam}] must be in [0, {width}), got {parent}")
         validate_tokens(tokens[beam], f"accepted_input_tokens[{beam}]")
     num_new = len(tokens[0])
     if any(len(beam_tokens) != num_new for beam_tokens in tokens):
@@ -55,7 +57,7 @@ def commit_beams(state: RequestState, tokens: Sequence[Sequence[TokenIdExt]], pa
         used = [False] * width
         extra: list[int] = []
         for beam in range(width):
-            parent = parents[beam]
+            parent = indices[beam]
             if used[parent]:
                 extra.append(beam)
             else:  # the first beam continuing the parent takes its table as it is
@@ -67,7 +69,7 @@ def commit_beams(state: RequestState, tokens: Sequence[Sequence[TokenIdExt]], pa
         dropped = [parent for parent in range(width) if not used[parent]]
         state_copies: list[tuple[Page, Page]] = []
         for beam, free in zip(extra, dropped):
-            parent = parents[beam]
+            parent = indices[beam]
             old_tables[free].become(old_tables[parent], True)
             new_tables[beam] = old_tables[free]
             new_seqs[beam] = (list(old_seqs[parent][0]), list(old_seqs[parent][1]))

@@ -13,7 +13,6 @@ from .._common import (
     BeamIndex,
     HalfOpenRange,
     KVCacheStatus,
-    LayerGroupId,
     PageIndexMode,
     ReuseScope,
     ScratchDesc,
@@ -40,10 +39,9 @@ class CacheView(RequestState):
         """A copy of the committed token sequence (beam 0's; see ``get_committed_tokens``)."""
         return [tok for block in self._committed_blocks for tok in block] + self._tail
 
-    def get_committed_tokens(self, beam: BeamIndex = BeamIndex(0)) -> list[TokenIdExt]:
-        """A copy of one beam's committed token sequence."""
-        self._check_beam(beam)
-        blocks, tail = self._seq(beam)
+    def get_committed_tokens(self, beam: object = BeamIndex(0)) -> list[TokenIdExt]:
+        """A copy of one beam's committed token sequence (``beam``: a ``BeamIndex``)."""
+        blocks, tail = self._seq(self._check_beam(beam))
         return [tok for block in blocks for tok in block] + tail
 
     @property
@@ -95,16 +93,16 @@ class CacheView(RequestState):
         """Whether this step has scratch blocks (then only ``PageIndexMode.PER_LAYER`` addresses them)."""
         return self._table.has_scratch_slots
 
-    def get_scratch_desc(self, layer_group_id: LayerGroupId) -> ScratchDesc | None:
+    def get_scratch_desc(self, layer_group_id: object) -> ScratchDesc | None:
         """Scratch blocks of this step for the layer group and the slots they share (None: none).
 
         Pass it to the ``PageIndexConverter`` (with ``PageIndexMode.PER_LAYER``) to address them.
         """
-        self._check_layer_group(layer_group_id)
-        slots = self._table.scratch_slots[layer_group_id]
+        layer_group = self._check_layer_group(layer_group_id)
+        slots = self._table.scratch_slots[layer_group]
         if not slots:
             return None
-        beg, end = self._table.scratch[layer_group_id]
+        beg, end = self._table.scratch[layer_group]
         return ScratchDesc(HalfOpenRange(beg, end), tuple(slots))
 
     def supports_index_mode(self, mode: PageIndexMode) -> bool:
@@ -113,31 +111,31 @@ class CacheView(RequestState):
         return mode is PageIndexMode.PER_LAYER or not self._table.has_scratch_slots
 
     # ------------------------------------------------------------------ indices
-    def get_base_page_indices(self, layer_group_id: LayerGroupId, beam_id: BeamIndex = BeamIndex(0)) -> memoryview:
+    def get_base_page_indices(self, layer_group_id: object, beam_id: object = BeamIndex(0)) -> memoryview:
         """Slot id per block (``BAD_PAGE_INDEX`` for none): an int32 ``memoryview`` the manager keeps
         up to date in place (wrap it with numpy at will; do not write to it). Its length is the
         block count when fetched: fetch it again after a ``resize`` that changes ``num_blocks``.
         A recurrent group's blocks have no page (all ``BAD_PAGE_INDEX``): its live state is at
         ``get_ssm_state_index``."""
-        indices = self._table.views.items
-        if type(layer_group_id) is int and 0 <= layer_group_id < len(indices) and beam_id == 0:
-            return indices[layer_group_id]  # the per-step path: no helper calls
-        self._check_layer_group(layer_group_id)
-        self._check_beam(beam_id)
-        return self._tables[beam_id].views[layer_group_id]
+        if type(layer_group_id) is int and type(beam_id) is int and beam_id == 0:
+            indices = self._table.views.items
+            if 0 <= layer_group_id < len(indices):
+                return indices[layer_group_id]  # the per-step path: no helper calls
+        layer_group = self._check_layer_group(layer_group_id)
+        return self._tables[self._check_beam(beam_id)].views[layer_group]
 
-    def set_base_page_index_buf(self, beam: BeamIndex, layer_group_id: LayerGroupId, buf: memoryview | None) -> None:
+    def set_base_page_index_buf(self, beam: object, layer_group_id: object, buf: memoryview | None) -> None:
         """Have the manager write this layer group's indices into ``buf`` (1-D int32, writable).
 
         Entries past the cache's blocks are set to ``BAD_PAGE_INDEX``; ``None`` detaches.
         """
-        self._check_beam(beam)
-        self._check_layer_group(layer_group_id)
+        beam_index = self._check_beam(beam)
+        layer_group = self._check_layer_group(layer_group_id)
         if self._status is KVCacheStatus.CLOSED:
             raise LogicError("set_base_page_index_buf() on a CLOSED cache")
-        table = self._tables[beam]
+        table = self._tables[beam_index]
         if buf is None:
-            table.attach_user_buf(layer_group_id, None)
+            table.attach_user_buf(layer_group, None)
             return
         if not isinstance(buf, memoryview):
             raise TypeError(f"buf must be a memoryview (or None), got {type(buf).__name__}")
@@ -154,24 +152,24 @@ class CacheView(RequestState):
             )
         if len(buf) < self._num_blocks:
             raise ValueError(f"buf holds {len(buf)} entries but the cache has {self._num_blocks} blocks")
-        table.attach_user_buf(layer_group_id, buf.cast("B").cast("i"))
+        table.attach_user_buf(layer_group, buf.cast("B").cast("i"))
 
-    def get_ssm_state_index(self, layer_group_id: LayerGroupId, beam: BeamIndex = BeamIndex(0)) -> int:
+    def get_ssm_state_index(self, layer_group_id: object, beam: object = BeamIndex(0)) -> int:
         """The base page index of beam ``beam``'s live recurrent state in layer group
         ``layer_group_id`` (a ``"recurrent"`` group): one slot holds the state of every layer of
         the group; per layer and buffer, ``PageIndexConverter`` applies as for KV pages. The
         index stays the same across suspend/resume while the state stayed in GPU memory; fetch
         it again after each resume."""
-        self._check_layer_group(layer_group_id)
-        self._check_beam(beam)
+        layer_group = self._check_layer_group(layer_group_id)
+        beam_index = self._check_beam(beam)
         groups = self._ctx.state_layer_groups
-        if layer_group_id not in groups:
-            kind = self._ctx.layer_groups[layer_group_id].kind
+        if layer_group not in groups:
+            kind = self._ctx.layer_groups[layer_group].kind
             raise ValueError(
-                f"get_ssm_state_index: layer group {layer_group_id} is a {kind!r} group; a recurrent "
+                f"get_ssm_state_index: layer group {layer_group} is a {kind!r} group; a recurrent "
                 f"group is one of {[int(g) for g in groups]}"
             )
-        page = self._tables[beam].state_page(layer_group_id)
+        page = self._tables[beam_index].state_page(layer_group)
         if self._status is not KVCacheStatus.ACTIVE or page is None:
             raise ValueError(
                 f"get_ssm_state_index: the cache is {self._status.name}; its live state has an index only "
@@ -179,19 +177,19 @@ class CacheView(RequestState):
             )
         return int(page.slot)
 
-    def next_snapshot_position(self, position: int) -> int | None:
+    def next_snapshot_position(self, position: object) -> int | None:
         """The least position after ``position`` where the manager keeps a snapshot of the
         recurrent state (per ``ssm_snapshot_policy``: multiples of the snapshot interval, the
         prompt's last full block, where the prompt leaves a cached path, ...; ``MAX_CAPACITY + 1``
         when none is ahead); None without recurrent layers. A commit that ends history exactly
         there takes the snapshot: cut prefill chunks at these positions."""
-        check_int("position", position)
+        after = check_int("position", position)
         if not self._ctx.state_layer_groups:
             return None
-        return next_snapshot_position(self, position)
+        return next_snapshot_position(self, after)
 
     def get_aggregated_page_indices(
-        self, layer_group_id: LayerGroupId, beam_id: BeamIndex = BeamIndex(0), valid_only: bool = False
+        self, layer_group_id: object, beam_id: object = BeamIndex(0), valid_only: bool = False
     ) -> Iterator[int]:
         """Slot ids of the blocks: one slot aggregates every buffer of the layer group."""
         for idx in self.get_base_page_indices(layer_group_id, beam_id):

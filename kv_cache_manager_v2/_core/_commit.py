@@ -13,7 +13,7 @@ import rawref
 from .._common import GPU_LEVEL, MAX_CAPACITY, KVCacheStatus, LayerGroupId, Priority, TokenIdExt
 from .._page import Page
 from .._reuse._keys import chain_token_keys
-from ._request_state import RequestState
+from ._request_state import RequestState, default_priority
 from ._retention import retain_new_pages
 from ._snapshot_plan import SNAPSHOT_LAST, count_snapshots
 
@@ -89,12 +89,15 @@ def snapshot_priorities_at(state: RequestState, end: int) -> list[Priority] | No
     if end % tokens_per_block != 0 or state._history > end or not is_snapshot_position(state, end):
         return None
     periodic = state._ctx.periodic_priority
-    # "auto": the interval snapshots at the periodic priority; without a tier below the GPU (where
-    # they would go) the prompt's last full block too, which usually lies in the prompt's own unique
-    # suffix; positions planned from a match or by the engine keep the request's priority
-    kind = state._snapshot_kinds.get(end, -1)
-    if periodic >= 0 and (kind == -1 or (kind == SNAPSHOT_LAST and state._ctx.periodic_level == 0)):
-        return [Priority(periodic)] * len(state._ctx.state_layer_groups)
+    # "auto", for a request without its own priorities (the default callback): the interval
+    # snapshots at the periodic priority; without a tier below the GPU (where they would go) the
+    # prompt's last full block too, which usually lies in the prompt's own unique suffix; positions
+    # planned from a match or by the engine keep the request's priority. A request's own callback
+    # is asked for every snapshot: where the engine gives a priority, it wins.
+    if periodic >= 0 and state._priority_cb is default_priority:
+        kind = state._snapshot_kinds.get(end, -1)
+        if kind == -1 or (kind == SNAPSHOT_LAST and state._ctx.periodic_level == 0):
+            return [Priority(periodic)] * len(state._ctx.state_layer_groups)
     return [
         state._priorities(layer_group, [end // tokens_per_block - 1])[0]
         for layer_group in state._ctx.state_layer_groups

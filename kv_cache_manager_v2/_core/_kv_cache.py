@@ -15,7 +15,6 @@ from typing import cast
 from .._common import (
     MAX_CAPACITY,
     MAX_TOKEN_ID,
-    BeamIndex,
     BlockOrdinal,
     CacheLevel,
     KVCacheStatus,
@@ -113,7 +112,7 @@ class KVCache(CacheView):
         self._scratch_enabled = value and ctx.has_releasing_groups
 
     # ------------------------------------------------------------------ state machine
-    def resume(self, cuda_stream: int | None = None) -> bool:
+    def resume(self, cuda_stream: object = None) -> bool:
         """SUSPENDED -> ACTIVE: bring every page to GPU memory and lock it there.
 
         Pages in lower cache levels (matched there, or spilled while suspended) come up in one
@@ -126,8 +125,8 @@ class KVCache(CacheView):
         """
         if self._status is not KVCacheStatus.SUSPENDED:
             raise LogicError(f"resume() needs a SUSPENDED cache; this one is {self._status.name}")
-        if cuda_stream is not None:
-            check_int("cuda_stream (a CUstream handle)", cuda_stream)
+        # (an object: compiled, an int parameter would have turned a bool into an int already)
+        stream = check_int("cuda_stream (a CUstream handle)", cuda_stream) if cuda_stream is not None else -1
         ctx = self._ctx
         ctx.enter("resume()")
         try:
@@ -135,11 +134,11 @@ class KVCache(CacheView):
                 return False
         finally:
             ctx.leave()
-        if cuda_stream is not None:
-            self._cuda_stream = cuda_stream
+        if stream >= 0:
+            self._cuda_stream = stream
         return True
 
-    def prefetch(self, target_level: CacheLevel) -> bool:
+    def prefetch(self, target_level: object) -> bool:
         """Move this SUSPENDED cache's pages that sit below ``target_level`` up to it, ahead of
         ``resume`` (one batch per source level and pool group). Returns False, changing nothing,
         when ``target_level`` has no room for them. The pages stay HELD, so they may spill down
@@ -147,13 +146,13 @@ class KVCache(CacheView):
         if self._status is not KVCacheStatus.SUSPENDED:
             raise LogicError(f"prefetch() needs a SUSPENDED cache; this one is {self._status.name}")
         storage = self._ctx.storage
-        check_int("target_level", target_level)
-        if target_level >= storage.num_levels:
+        level = check_int("target_level", target_level)
+        if level >= storage.num_levels:
             raise ValueError(
                 f"target_level must be in [0, {storage.num_levels}) ({storage.num_levels} tiers configured), "
-                f"got {target_level}"
+                f"got {level}"
             )
-        return prefetch_pages(self, target_level)
+        return prefetch_pages(self, CacheLevel(level))
 
     def suspend(self) -> None:
         """ACTIVE -> SUSPENDED: locks become holds. The pages stay where they are, but with lower
@@ -414,34 +413,33 @@ class KVCache(CacheView):
             self._history = committed
         return True
 
-    def stop_committing(self, final_beam: BeamIndex | None = None) -> None:
+    def stop_committing(self, final_beam: object = None) -> None:
         """No more commits for this request (its further output must not be reused); publishes
         what was committed, the partial last block included. With beams, that is the sequence of
-        ``final_beam`` (default: the one ``close`` would publish, beam 0)."""
+        ``final_beam`` (a ``BeamIndex``; default: the one ``close`` would publish, beam 0)."""
         if self._status is KVCacheStatus.CLOSED:
             raise LogicError("stop_committing() on a CLOSED cache")
-        if final_beam is not None:
-            self._check_beam(final_beam)
+        final = self._check_beam(final_beam) if final_beam is not None else None
         ctx = self._ctx
         ctx.enter("stop_committing()")
         try:
             if self._status is KVCacheStatus.SUSPENDED and ctx.storage.any_lost():
                 drop_lost_blocks(self, False, -1)
-            if final_beam is not None:
-                self._final_beam = final_beam
+            if final is not None:
+                self._final_beam = final
             publish_final(self)
             self._committing = False
             self._extend_from(None)
         finally:
             ctx.leave()
 
-    def plan_snapshot(self, position: int) -> None:
+    def plan_snapshot(self, position: object) -> None:
         """Hybrid models: also keep the recurrent state at the last full block at or before
         ``position`` tokens as a snapshot when a commit ends history exactly there, e.g. the end of
         prompt + output that a conversation's next turn starts with (the adapter does this for an
         ``EngineRequest`` with ``output_is_history``). Ignored under ``ssm_snapshot_policy=
         "interval"``, without recurrent layers, and for a block history has already reached."""
-        check_int("position", position)
-        position -= position % self._tokens_per_block
-        if self._ctx.plans_branches and self._ctx.state_layer_groups and position > self._history:
-            add_snapshot_position(self, position)
+        end = check_int("position", position)
+        end -= end % self._tokens_per_block
+        if self._ctx.plans_branches and self._ctx.state_layer_groups and end > self._history:
+            add_snapshot_position(self, end)

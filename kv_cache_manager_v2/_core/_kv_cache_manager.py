@@ -191,7 +191,7 @@ class KVCacheManager(ManagerQueries):
         input_tokens: Sequence[TokenIdExt] | None = None,
         id: object = None,
         custom_priority_callback: PriorityCallback = default_priority,
-        beam_width: int = 1,
+        beam_width: object = 1,
         retention: RequestRetention | None = None,
         prompt_length: int | None = None,
     ) -> KVCache:
@@ -200,9 +200,11 @@ class KVCacheManager(ManagerQueries):
         ``beam_width`` (fixed for the request's life): beams share every page until the first
         ``commit`` with ``beam_search_indices``; then each has its own generated blocks.
         ``retention``: of the blocks it publishes (decode blocks: from ``prompt_length``, by
-        default ``len(input_tokens)``)."""
+        default ``len(input_tokens)``). ``custom_priority_callback``: the eviction priority of each
+        new page, snapshots included (under ``ssm_snapshot_policy="auto"`` too, whose priority 0
+        for interval and prompt-end snapshots applies only without a callback)."""
         self._check_alive()
-        check_int("beam_width", beam_width, 1, MAX_BEAM_WIDTH)
+        width = check_int("beam_width", beam_width, 1, MAX_BEAM_WIDTH)
         prompt_end = checked_prompt_end(retention, prompt_length, input_tokens)
         if reuse_scope is not None:
             check_type("reuse_scope", reuse_scope, ReuseScope)
@@ -212,7 +214,7 @@ class KVCacheManager(ManagerQueries):
         ctx = self._ctx
         ctx.enter("create_kv_cache()")
         try:
-            kv = KVCache(ctx, scope, id, custom_priority_callback, beam_width)
+            kv = KVCache(ctx, scope, id, custom_priority_callback, width)
             kv._retention, kv._prompt_length = retention, prompt_end
             num_input_tokens = len(input_tokens) if input_tokens is not None else 0
             nodes: list[Node] = []
@@ -367,7 +369,7 @@ class KVCacheManager(ManagerQueries):
             ctx.release_memory()
 
     # ------------------------------------------------------------------ batched decode steps
-    def resize_batch(self, caches: Sequence[KVCache], num_new_tokens: int = 1) -> list[int]:
+    def resize_batch(self, caches: Sequence[KVCache], num_new_tokens: object = 1) -> list[int]:
         """Room for ``num_new_tokens`` more tokens in every cache: the decode step's ``resize`` for a
         whole batch in one call (before the forward pass).
 
@@ -379,7 +381,7 @@ class KVCacheManager(ManagerQueries):
         this manager's) raises before anything changes.
         """
         self._check_alive()
-        return resize_batch(self._ctx, caches, num_new_tokens)
+        return resize_batch(self._ctx, caches, check_int("num_new_tokens", num_new_tokens))
 
     def commit_batch(self, caches: Sequence[KVCache], tokens: Sequence[TokenIdExt]) -> None:
         """Commit ``tokens[i]``, one accepted token, to ``caches[i]`` for every i: the decode step's
@@ -398,13 +400,12 @@ class KVCacheManager(ManagerQueries):
         commit_batch(self._ctx, self._batch_serial, caches, tokens)
 
     # ------------------------------------------------------------------ capacity
-    def get_quota(self, level: CacheLevel) -> int:
+    def get_quota(self, level: object) -> int:
         """The byte quota of cache ``level`` (as configured, or as last set by ``resize``)."""
         self._check_alive()
-        self._check_level(level)
-        return self._quotas[level]
+        return self._quotas[self._check_level(level)]
 
-    def resize(self, cache_level: CacheLevel, quota: int) -> bool:
+    def resize(self, cache_level: object, quota: object) -> bool:
         """Set the byte quota of one cache level; every open cache must be SUSPENDED.
 
         Growing maps more memory in place (base addresses do not move; a memory tier grows to at
@@ -418,13 +419,13 @@ class KVCacheManager(ManagerQueries):
         (no cache needs to be suspended): False when the server is unreachable or refuses.
         """
         self._check_alive()
-        self._check_level(cache_level)
-        check_int("quota (bytes)", quota, 1)
-        if cache_level == self._storage.num_levels:  # the remote tier: the server's maxmemory
+        level = self._check_level(cache_level)
+        size = check_int("quota (bytes)", quota, 1)
+        if level == self._storage.num_levels:  # the remote tier: the server's maxmemory
             assert self._remote is not None
-            if not self._remote.apply_quota(quota):
+            if not self._remote.apply_quota(size):
                 return False
-            self._quotas[cache_level] = quota
+            self._quotas[level] = size
             return True
         active = [kv for kv in self.open_caches() if kv.status is KVCacheStatus.ACTIVE]
         if active:
@@ -432,33 +433,33 @@ class KVCacheManager(ManagerQueries):
                 f"resize(cache_level, quota) needs every KVCache suspended or closed; {len(active)} are ACTIVE "
                 "(suspend() them first)"
             )
-        tier = self._config.cache_tiers[cache_level]
-        if cache_level == GPU_LEVEL:
-            slots = self._split_gpu_quota(quota)
+        tier = self._config.cache_tiers[level]
+        if level == GPU_LEVEL:
+            slots = self._split_gpu_quota(size)
         else:
             gpu_slots = [g.num_slots for g in self._storage.gpu]
-            slots = self._split_lower_quota(quota, gpu_slots, type(tier).__name__)
-        self._storage.check_resize(cache_level, slots)
+            slots = self._split_lower_quota(size, gpu_slots, type(tier).__name__)
+        self._storage.check_resize(level, slots)
         live = live_pages(list(self.open_caches()), self._tree, self._storage)  # every page holding a slot
-        if not self._storage.resize_level(cache_level, slots, live):
+        if not self._storage.resize_level(level, slots, live):
             return False
-        self._quotas[cache_level] = quota
+        self._quotas[level] = size
         return True
 
-    def clamp_max_seq_len_for_mem(self, batch_size: int, token_num_upper_bound: int, beam_width: int = 1) -> int:
+    def clamp_max_seq_len_for_mem(
+        self, batch_size: object, token_num_upper_bound: object, beam_width: object = 1
+    ) -> int:
         """Longest sequence length (<= the bound) that ``batch_size`` requests can each reach by
         decoding in GPU memory: every length on the way must fit, since a sliding-window request
         needs more pages just past a block boundary than at the next one. Each request has
         ``beam_width`` beams, each with its own live recurrent state (hybrid models); blocks are
         counted once, as beams share them until they fork."""
         self._check_alive()
-        check_int("batch_size", batch_size, 1)
-        check_int("token_num_upper_bound", token_num_upper_bound)
-        check_int("beam_width", beam_width, 1, MAX_BEAM_WIDTH)
+        batch = check_int("batch_size", batch_size, 1)
+        bound = check_int("token_num_upper_bound", token_num_upper_bound)
+        width = check_int("beam_width", beam_width, 1, MAX_BEAM_WIDTH)
         totals = [pool_group.num_slots for pool_group in self._storage.gpu]
-        return longest_decode_that_fits(
-            self._registry, self._layout, totals, batch_size, token_num_upper_bound, beam_width
-        )
+        return longest_decode_that_fits(self._registry, self._layout, totals, batch, bound, width)
 
     # ------------------------------------------------------------------ checks
     def _check_no_open_caches(self, what: str) -> None:

@@ -5,6 +5,7 @@ batches and shut-down."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 from .._common import (
     GPU_LEVEL,
@@ -115,23 +116,23 @@ class ManagerQueries:
             for g in self._storage.gpu
         ]
 
-    def get_layer_group_id(self, layer_id: LayerId) -> LayerGroupId:
-        """The layer group of ``layer_id`` (the index of its block table); ValueError for an unknown layer."""
-        layer_group = self._registry.layer_to_layer_group.get(layer_id)
+    def get_layer_group_id(self, layer_id: object) -> LayerGroupId:
+        """The layer group of ``layer_id`` (a ``LayerId``; the index of its block table); ValueError for an
+        unknown layer."""
+        layer_group = self._registry.layer_to_layer_group.get(LayerId(check_int("layer_id", layer_id)))
         if layer_group is None:
             raise ValueError(f"unknown layer_id {layer_id!r}; known: {self.layer_ids}")
         return layer_group
 
-    def get_layer_group_info(self, layer_group_id: LayerGroupId) -> LayerGroupInfo:
+    def get_layer_group_info(self, layer_group_id: object) -> LayerGroupInfo:
         """Layers, window, sink blocks and pool group of one layer group (``LayerGroupId`` from
         ``get_layer_group_id``; groups are numbered ``0 .. len(layer_grouping) - 1``)."""
-        check_int("layer_group_id", layer_group_id)
-        if layer_group_id >= self.num_layer_groups:
+        layer_group = LayerGroupId(check_int("layer_group_id", layer_group_id))
+        if layer_group >= self.num_layer_groups:
             raise ValueError(
                 f"layer_group_id must be in [0, {self.num_layer_groups}) (layer groups of this manager), "
-                f"got {layer_group_id}"
+                f"got {layer_group}"
             )
-        layer_group = LayerGroupId(layer_group_id)
         policy = self._registry.layer_groups[layer_group]
         return LayerGroupInfo(
             layer_group,
@@ -146,16 +147,17 @@ class ManagerQueries:
         """The policy of a layer group (for the engine adapter's capacity planning)."""
         return self._registry.layer_groups[layer_group_id]
 
-    def _buffer(self, layer_id: LayerId, role: str) -> BufferAttr:
-        attr = self._layout.buffers.get(BufferId(layer_id, role))
+    def _buffer(self, layer_id: object, role: str) -> BufferAttr:
+        layer = LayerId(check_int("layer_id", layer_id))
+        attr = self._layout.buffers.get(BufferId(layer, role))
         if attr is None:
-            self.get_layer_group_id(layer_id)
-            roles = [r for (lid, r) in self._layout.buffer_order if lid == layer_id]
-            raise ValueError(f"layer {layer_id} has no buffer with role {role!r}; its roles: {roles}")
+            self.get_layer_group_id(layer)
+            roles = [r for (lid, r) in self._layout.buffer_order if lid == layer]
+            raise ValueError(f"layer {layer} has no buffer with role {role!r}; its roles: {roles}")
         return attr
 
     def get_mem_pool_base_address(
-        self, layer_id: LayerId, role: str, index_mode: PageIndexMode | None = None
+        self, layer_id: object, role: str, index_mode: PageIndexMode | None = None
     ) -> MemAddress:
         """Base address for kernel page indices of this buffer in ``index_mode`` (None: SHARED)."""
         self._check_alive()
@@ -167,17 +169,17 @@ class ManagerQueries:
             return base
         raise TypeError(f"index_mode must be a PageIndexMode or None, got {index_mode!r}")
 
-    def get_page_stride(self, layer_id: LayerId, role: str) -> int:
+    def get_page_stride(self, layer_id: object, role: str) -> int:
         """Bytes of one kernel page of this buffer."""
         return self._buffer(layer_id, role).size
 
-    def get_page_index_upper_bound(self, layer_id: LayerId, role: str) -> int:
+    def get_page_index_upper_bound(self, layer_id: object, role: str) -> int:
         """Kernel page indices of this buffer are below this bound."""
         self._check_alive()
         attr = self._buffer(layer_id, role)
         return self._storage.gpu[attr.pool_group].num_slots * attr.scale * attr.expansion
 
-    def get_page_index_converter(self, layer_id: LayerId, role: str) -> PageIndexConverter:
+    def get_page_index_converter(self, layer_id: object, role: str) -> PageIndexConverter:
         """Turns a layer group's base page indices into the kernel page indices of ``layer_id``'s ``role`` buffer."""
         attr = self._buffer(layer_id, role)
         return PageIndexConverter(attr.scale, attr.expansion, attr.layer_offset, attr.pages_per_layer)
@@ -195,7 +197,8 @@ class ManagerQueries:
         self._check_alive()
         wanted: set[BufferId] = set()
         for bid in buffer_ids:
-            self._buffer(bid[0], bid[1])
+            parts = cast("Sequence[object]", bid)  # (objects: compiled code would turn a bool layer id into an int)
+            self._buffer(parts[0], bid[1])
             wanted.add(BufferId(bid[0], bid[1]))
         yield from aggregated_pages(self._layout, self._storage, wanted)
 
@@ -229,23 +232,22 @@ class ManagerQueries:
         remote = self._remote
         return remote.statistics() if remote is not None else None
 
-    def get_storage_statistics(self, level: CacheLevel = GPU_LEVEL) -> list[StorageStatistics]:
+    def get_storage_statistics(self, level: object = GPU_LEVEL) -> list[StorageStatistics]:
         """Slot accounting per pool group at ``level``: free slots, and evictable ones (reusable
         pages, and suspended requests' pages as far as the levels below can take them). The remote
         tier has no slots: an empty list (see ``get_tier_statistics`` and ``remote_statistics``)."""
         self._check_alive()
-        self._check_level(level)
-        if level == self._storage.num_levels:
+        cache_level = self._check_level(level)
+        if cache_level == self._storage.num_levels:
             return []
-        return self._storage.statistics(level)
+        return self._storage.statistics(cache_level)
 
-    def get_tier_statistics(self, level: CacheLevel = GPU_LEVEL) -> TierStatistics:
+    def get_tier_statistics(self, level: object = GPU_LEVEL) -> TierStatistics:
         """Usage, peak and traffic (offloaded / onboarded / dropped pages and bytes, disk errors)
         of cache ``level`` since the manager was created. The remote tier: pages written
         (offloaded), fetched (onboarded), writes dropped, failed round trips and refused values
         (io_errors); its usage reads 0 (the server is shared)."""
-        self._check_level(level)
-        return self._storage.tier_statistics(level)
+        return self._storage.tier_statistics(self._check_level(level))
 
     def take_iteration_stats(self) -> list[TierStatistics]:
         """One entry per cache level with the traffic since the previous call (peak usage: since
@@ -263,8 +265,10 @@ class ManagerQueries:
         if self._is_shut_down:
             raise LogicError("the manager was shut down: its memory is released; build a new KVCacheManager")
 
-    def _check_level(self, level: CacheLevel) -> None:
+    def _check_level(self, level: object) -> CacheLevel:
+        """A public ``level`` argument checked (an ``object``: compiled code would turn a bool into an int first)."""
         n = self._num_tiers
-        check_int("cache level", level)
-        if level >= n:
-            raise ValueError(f"cache level must be in [0, {n}) ({n} tiers configured), got {level}")
+        cache_level = check_int("cache level", level)
+        if cache_level >= n:
+            raise ValueError(f"cache level must be in [0, {n}) ({n} tiers configured), got {cache_level}")
+        return CacheLevel(cache_level)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from .._common import (
     DEFAULT_PRIORITY,
     MAX_PRIORITY,
+    BeamIndex,
     BlockOrdinal,
     BlockTokens,
     KVCacheStatus,
@@ -221,13 +222,16 @@ class RequestState(OpenCache):
                 f"{self._capacity}; resize() first"
             )
 
-    def _check_layer_group(self, layer_group_id: int) -> None:
+    # (public arguments arrive as ``object``: compiled code would turn a bool into an int first)
+    def _check_layer_group(self, layer_group_id: object) -> LayerGroupId:
         num_layer_groups = self._ctx.num_layer_groups
-        check_int("layer_group_id", layer_group_id)
-        if layer_group_id >= num_layer_groups:
-            raise ValueError(f"layer_group_id must be in [0, {num_layer_groups}), got {layer_group_id}")
+        layer_group = check_int("layer_group_id", layer_group_id)
+        if layer_group >= num_layer_groups:
+            raise ValueError(f"layer_group_id must be in [0, {num_layer_groups}), got {layer_group}")
+        return LayerGroupId(layer_group)
 
-    def _check_beam(self, beam: int) -> None:
-        check_int("beam index", beam)
-        if beam >= self._beam_width:
-            raise ValueError(f"beam index must be in [0, {self._beam_width}) (the beam width), got {beam}")
+    def _check_beam(self, beam: object) -> BeamIndex:
+        index = check_int("beam index", beam)
+        if index >= self._beam_width:
+            raise ValueError(f"beam index must be in [0, {self._beam_width}) (the beam width), got {index}")
+        return BeamIndex(index)

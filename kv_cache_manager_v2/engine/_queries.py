@@ -24,6 +24,7 @@ from .._core._kv_cache import KVCache
 from .._core._kv_cache_manager import KVCacheManager
 from .._exceptions import LogicError
 from .._page_index import PageIndexConverter
+from .._utils import check_int
 from ._buffers import CudaBufferView, host_view, page_layout
 from ._capacity import LayerGroupShape, StepPlan, admission_bound, peak_slots
 from ._request import EngineRequest, RequestId, check_field
@@ -158,8 +159,8 @@ class ResourceQueries:
     def get_batch_cache_indices(
         self,
         requests: Sequence[EngineRequest],
-        layer_group_id: LayerGroupId = LayerGroupId(0),
-        beam: BeamIndex = BeamIndex(0),
+        layer_group_id: object = LayerGroupId(0),
+        beam: object = BeamIndex(0),
     ) -> dict[RequestId, memoryview]:
         """Base page index (slot id, -1 for none) per block of each request, for one layer group.
 
@@ -167,22 +168,25 @@ class ResourceQueries:
         ``KVCache.get_base_page_indices``): fetch them again after the next prepare of that
         request; do not modify them.
         """
+        layer_group = LayerGroupId(check_int("layer_group_id", layer_group_id))  # (each cache checks the range)
+        beam_index = BeamIndex(check_int("beam", beam))
         out: dict[RequestId, memoryview] = {}
         for req in requests:
-            out[req.request_id] = self._seq_of(req).kv.get_base_page_indices(layer_group_id, beam)
+            out[req.request_id] = self._seq_of(req).kv.get_base_page_indices(layer_group, beam_index)
         return out
 
     def get_kernel_page_indices(
-        self, request: EngineRequest, layer_id: LayerId, role: str, index_mode: PageIndexMode = PageIndexMode.PER_LAYER
+        self, request: EngineRequest, layer_id: object, role: str, index_mode: PageIndexMode = PageIndexMode.PER_LAYER
     ) -> list[int]:
         """The request's kernel page indices for one buffer (``expansion`` per block, -1 for none).
 
         Address of index ``x``: ``get_mem_pool_base_address(layer_id, role, index_mode) + x *
         get_page_stride(layer_id, role)``; ``get_buffers(layer_id, role)[x]`` is that page.
         """
+        layer = LayerId(check_int("layer_id", layer_id))
         kv = self._seq_of(request).kv
-        conv = self._converter(layer_id, role)
-        lg = self.manager.get_layer_group_id(layer_id)
+        conv = self._converter(layer, role)
+        lg = self.manager.get_layer_group_id(layer)
         scratch = kv.get_scratch_desc(lg)
         if scratch is not None and index_mode is not PageIndexMode.PER_LAYER:
             raise LogicError(
@@ -193,7 +197,7 @@ class ResourceQueries:
 
     def get_buffers(
         self,
-        layer_id: LayerId,
+        layer_id: object,
         role: str,
         dtype: Any = None,
         page_shape: tuple[int, ...] | None = None,
@@ -211,13 +215,14 @@ class ResourceQueries:
         m = self.manager
         if not isinstance(index_mode, PageIndexMode):
             raise TypeError(f"index_mode must be a PageIndexMode, got {type(index_mode).__name__}")
-        stride = m.get_page_stride(layer_id, role)  # validates layer_id and role
+        layer = LayerId(check_int("layer_id", layer_id))
+        stride = m.get_page_stride(layer, role)  # validates the layer and role
         dt, shape = page_layout(stride, dtype, page_shape)
-        num_pages = m.get_page_index_upper_bound(layer_id, role)
+        num_pages = m.get_page_index_upper_bound(layer, role)
         if index_mode is PageIndexMode.SHARED:
-            conv = self._converter(layer_id, role)
+            conv = self._converter(layer, role)
             num_pages -= conv.layer_offset * conv.expansion
-        address = int(m.get_mem_pool_base_address(layer_id, role, index_mode))
+        address = int(m.get_mem_pool_base_address(layer, role, index_mode))
         full_shape = (num_pages,) + shape
         if m.backend_name == "cuda":
             return CudaBufferView(address, full_shape, dt)

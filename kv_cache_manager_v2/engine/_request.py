@@ -59,12 +59,12 @@ class EngineRequest:
 
     def __init__(
         self,
-        request_id: int,
+        request_id: object,
         prompt_tokens: Sequence[TokenIdExt],
-        max_new_tokens: int,
-        context_chunk_size: int = 0,
+        max_new_tokens: object,
+        context_chunk_size: object = 0,
         reuse_scope: ReuseScope | None = None,
-        priority: int = DEFAULT_PRIORITY,
+        priority: object = DEFAULT_PRIORITY,
         retention: RequestRetention | None = None,
     ) -> None:
         self._request_id = RequestId(check_field("request_id", request_id, 0))
@@ -130,8 +130,11 @@ class EngineRequest:
         n = self.num_scheduled_tokens
         return n > 0 and self.num_cached_tokens + n == len(self.prompt_tokens) + len(self.generated_tokens)
 
-    def tokens(self, begin: int, end: int) -> list[TokenIdExt]:
-        """Tokens at positions ``[begin, end)`` of prompt + generated."""
+    def tokens(self, begin: object, end: object) -> list[TokenIdExt]:
+        """Tokens at positions ``[begin, end)`` of prompt + generated (ints; objects: compiled code
+        would turn a bool into an int first)."""
+        if type(begin) is not int or type(end) is not int:
+            raise TypeError(f"tokens(begin, end) takes ints, got {begin!r}, {end!r}")
         p = len(self.prompt_tokens)
         if begin >= p:
             return self.generated_tokens[begin - p : end - p]

@@ -330,7 +330,9 @@ class KVCacheResourceManager(ResourceQueries):
         seq.scheduled = 0
         seq.request.num_scheduled_tokens = 0
 
-    def add_padding_request(self, request_id: int, is_generation: bool = True, token: int = 0) -> EngineRequest | None:
+    def add_padding_request(
+        self, request_id: object, is_generation: object = True, token: object = 0
+    ) -> EngineRequest | None:
         """A prepared warm-up request (e.g. for CUDA-graph capture); None if memory is short.
 
         Context-shaped: one prompt token, the step computes position 0. Generation-shaped
@@ -338,6 +340,7 @@ class KVCacheResourceManager(ResourceQueries):
         0 holds no meaningful KV). It is never published for reuse; ``free_resources`` it after.
         """
         self._check_alive()
+        # (objects: compiled code would turn a bool into an int first)
         if type(request_id) is not int or type(is_generation) is not bool or type(token) is not int:
             raise TypeError("add_padding_request(request_id: int, is_generation: bool, token: int)")
         if request_id in self._seqs:
