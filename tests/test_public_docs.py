@@ -12,6 +12,8 @@ import sys
 import typing
 from pathlib import Path
 
+import pytest
+
 import kv_cache_manager_v2 as kvm
 from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager
 
@@ -148,3 +150,18 @@ def test_signatures_and_config_fields_are_the_sources_in_both_modes() -> None:
         assert all(isinstance(t, str) for t in types.values()), (cls.__name__, types)
         assert inspect.signature(cls).parameters.keys() >= {f.name for f in dataclasses.fields(cls) if f.init}
     assert dataclasses.fields(kvm.KVCacheManagerConfig)[0].type == "int"  # as written (a future import)
+
+
+@pytest.mark.mode_independent
+def test_shipped_text_stands_alone_without_the_internal_specification() -> None:
+    """Users have the package, README.md, docs/ and examples/, not the specification they were
+    written from: no docstring, comment or page sends them to its sections."""
+    root = Path(__file__).resolve().parent.parent
+    shipped = [root / "README.md", *root.glob("docs/**/*.md")]
+    shipped += [*root.glob("kv_cache_manager_v2/**/*.py"), *root.glob("examples/**/*.py")]
+    found = []
+    for path in shipped:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if re.search(r"\bSPEC\b\s*§?\s*\d|§\s*\d|SPEC\.md|\.\./shared", line):
+                found.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
