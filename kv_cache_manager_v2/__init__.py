@@ -114,9 +114,9 @@ compiled = not str(getattr(_core._kv_cache, "__file__", "")).endswith(".py")
 
 
 def _restore_class_docs() -> None:
-    """Compiled: the docstrings and annotations (as written) of the classes mypyc made non-native (it
-    gives them a filler docstring and runtime types, ``type`` for a union), from the build's
-    ``_compiled_docs.json`` (setup_mypyc.py); native classes and functions have theirs in C."""
+    """Compiled: the docstrings of the classes mypyc made non-native (it gives them a filler) and the
+    annotations of dataclasses as written (it gives them runtime types, ``type`` for a union), from the
+    build's ``_compiled_docs.json`` (setup_mypyc.py); native classes and functions have docs in C."""
     import dataclasses
     import inspect
     import json
@@ -132,9 +132,10 @@ def _restore_class_docs() -> None:
     for module, classes in found.items():
         for name, docs in classes.items():
             cls = getattr(sys.modules.get(module), name, None)
-            if not isinstance(cls, type) or cls.__doc__ != "mypyc filler docstring":
+            if not isinstance(cls, type):
                 continue
-            cls.__doc__ = docs["doc"]
+            if cls.__doc__ == "mypyc filler docstring" and docs["doc"] is not None:
+                cls.__doc__ = docs["doc"]
             annotations: dict[str, str] = docs["annotations"]
             if dataclasses.is_dataclass(cls) and annotations:
                 cls.__annotations__ = annotations

@@ -137,10 +137,15 @@ def add_docs(c_code: str, module: str, docs: SourceDocs) -> str:
     native classes in their method, getset and type tables (signatures where mypyc wrote none)."""
     owner: dict[str, str | None] = {}  # a table's C name -> its class (module functions: None)
 
+    # a method of a non-native class is an instance of a callable class "<method>_<class>_obj": its docstring
+    methods = {f"{f}_{cls}_obj": doc for (m, cls, f), doc in docs.functions.items() if m == module and cls}
+
     def type_doc(match: re.Match[str]) -> str:
         fields = dict(_FIELD.findall(match.group(1)))
         name = fields["tp_name"]
         owner.update({fields[k]: name for k in ("tp_methods", "tp_getset") if k in fields})
+        if name in methods:
+            return _TP_DOC.sub(lambda m: f"{m.group(1)}{_literal(methods[name])})", match.group(0))
         init = docs.signatures.get((module, name, "__init__"))
         signature = None if init is None else name + init.replace("($self, ", "(", 1).replace("($self)", "()", 1)
         doc = docs.classes.get((module, name))
@@ -192,8 +197,10 @@ def with_docs(c_path: str, modules: set[str], docs: SourceDocs) -> str:
 
 def class_docs(docs: SourceDocs) -> dict[str, dict[str, Any]]:
     """Each class's docstring and annotations, by module and name: ``kv_cache_manager_v2/__init__.py``
-    (compiled) gives them to the classes mypyc made non-native (it leaves them a filler docstring)."""
+    (compiled) gives them to the classes mypyc made non-native (it leaves them a filler docstring)
+    and to the dataclasses (mypyc gives their fields runtime types)."""
     found: dict[str, dict[str, Any]] = {}
-    for (module, name), doc in docs.classes.items():
-        found.setdefault(module, {})[name] = {"doc": doc, "annotations": docs.class_annotations.get((module, name), {})}
+    for module, name in sorted({*docs.classes, *docs.class_annotations}):
+        entry = {"doc": docs.classes.get((module, name)), "annotations": docs.class_annotations.get((module, name), {})}
+        found.setdefault(module, {})[name] = entry
     return found

@@ -8,7 +8,6 @@ import dataclasses
 import inspect
 import pydoc
 import re
-import sys
 import typing
 from pathlib import Path
 
@@ -104,9 +103,8 @@ def test_public_methods_of_the_main_classes_have_docstrings() -> None:
 
 def _source_docs(cls: type) -> dict[str, str | None]:
     """The docstrings of ``cls`` and of the functions in its body, as written in its module's source."""
-    path = Path(sys.modules[cls.__module__].__file__ or "").with_suffix(".py")
-    if path.name.startswith("__init__."):
-        path = path.with_name("__init__.py")
+    path = Path(kvm.__file__).parent.parent.joinpath(*cls.__module__.split("."))  # the source, compiled too
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
     tree = ast.parse(path.read_text(encoding="utf-8"))
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
     docs = {"": ast.get_docstring(node)}
