@@ -37,7 +37,7 @@ PACKAGE = "kv_cache_manager_v2"
 #: ``metrics.py``: runs only when Prometheus scrapes, on prometheus-client (optional extra, plain Python).
 #: The simulator's presentation: ``sim/__main__.py`` (``python -m`` needs a code object), ``sim/_cli.py``
 #: (argparse, optional tqdm) and ``sim/_plot.py`` (matplotlib, untyped); the replay loop they drive is compiled.
-#: The package's ``__init__.py``: re-exports only, and mypyc drops docstrings (its map is what ``help()`` shows).
+#: The package's ``__init__.py``: re-exports, the package map ``help()`` shows, and the docs of non-native classes.
 NOT_COMPILED = (
     "kv_cache_manager_v2/__init__.py",
     "kv_cache_manager_v2/events/",
@@ -48,6 +48,10 @@ NOT_COMPILED = (
     "kv_cache_manager_v2/sim/_run.py",
 )
 
+
+#: The docstrings and annotations of the compiled modules' classes, by module (scripts/mypyc_docs.py): the
+#: package's ``__init__.py`` gives them to the classes mypyc made non-native (it leaves a filler docstring).
+CLASS_DOCS_FILE = os.path.join(ROOT, PACKAGE, "_compiled_docs.json")
 
 #: The gcc level of the build in place (or stashed by scripts/compiled_build.sh), written after each build.
 LEVEL_FILE = os.path.join(ROOT, "build", "mypyc.opt-level")
@@ -76,7 +80,7 @@ def compiled_artifacts() -> list[str]:
     found = glob.glob(os.path.join(ROOT, PACKAGE, "**", "*.so"), recursive=True)
     found += glob.glob(os.path.join(ROOT, PACKAGE, "**", "*.pyd"), recursive=True)
     found += glob.glob(os.path.join(ROOT, "*__mypyc*.so")) + glob.glob(os.path.join(ROOT, "*__mypyc*.pyd"))
-    return sorted(found)
+    return sorted(found + glob.glob(CLASS_DOCS_FILE))
 
 
 class CleanCompiled(Command):
@@ -171,6 +175,24 @@ def _incremental_compile(compiler: Any, jobs: int) -> Callable[..., list[str]]:
     return compile_files
 
 
+def add_docs(sources: list[str], ext_modules: list[Any]) -> None:
+    """Compile the sources' docstrings and signatures too (mypyc writes signatures only, some not):
+    the extensions build copies of mypyc's C files with them in their method, getset and type tables
+    (C string literals only: no code changes); the docs of the classes it makes non-native go to
+    ``CLASS_DOCS_FILE``."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import json
+
+    import mypyc_docs
+
+    docs = mypyc_docs.SourceDocs(sources)
+    modules = {mypyc_docs.module_name(path) for path in sources}
+    for ext in ext_modules:
+        ext.sources = [mypyc_docs.with_docs(path, modules, docs) for path in ext.sources]
+    with open(CLASS_DOCS_FILE, "w", encoding="utf-8") as f:
+        json.dump(mypyc_docs.class_docs(docs), f, indent=0, sort_keys=True)
+
+
 def main() -> None:
     os.chdir(ROOT)
     if "clean_compiled" in sys.argv:
@@ -188,6 +210,7 @@ def main() -> None:
         if not path.replace(os.sep, "/").startswith(NOT_COMPILED)
     )
     ext_modules = mypycify(sources, opt_level=opt_level(), debug_level="0", multi_file=True)
+    add_docs(sources, ext_modules)
     setup(
         name=PACKAGE,
         packages=[],

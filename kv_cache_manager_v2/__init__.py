@@ -112,6 +112,44 @@ from ._retention import RequestRetention, Retention, RetentionRange
 #: True when the package's modules are mypyc-compiled extension modules (production mode).
 compiled = not str(getattr(_core._kv_cache, "__file__", "")).endswith(".py")
 
+
+def _restore_class_docs() -> None:
+    """Compiled: the docstrings of the classes mypyc made non-native (it gives them a filler) and the
+    annotations of dataclasses as written (it gives them runtime types, ``type`` for a union), from the
+    build's ``_compiled_docs.json`` (setup_mypyc.py); native classes and functions have docs in C."""
+    import dataclasses
+    import inspect
+    import json
+    import os
+    import sys
+    from typing import Any
+
+    try:
+        with open(os.path.join(os.path.dirname(__file__), "_compiled_docs.json"), encoding="utf-8") as f:
+            found: dict[str, dict[str, dict[str, Any]]] = json.load(f)
+    except OSError:
+        return
+    for module, classes in found.items():
+        for name, docs in classes.items():
+            cls = getattr(sys.modules.get(module), name, None)
+            if not isinstance(cls, type):
+                continue
+            if cls.__doc__ == "mypyc filler docstring" and docs["doc"] is not None:
+                cls.__doc__ = docs["doc"]
+            annotations: dict[str, str] = docs["annotations"]
+            if dataclasses.is_dataclass(cls) and annotations:
+                cls.__annotations__ = annotations
+                for field in dataclasses.fields(cls):
+                    field.type = annotations.get(field.name, field.type)
+                init = vars(cls).get("__init__")
+                if inspect.isfunction(init):
+                    init.__annotations__ = {k: annotations.get(k, v) for k, v in init.__annotations__.items()}
+
+
+if compiled:
+    _restore_class_docs()
+del _restore_class_docs
+
 #: the old name of ``LayerGroupId`` (before "layer group" became the only word), kept for callers
 LifeCycleId = LayerGroupId
 

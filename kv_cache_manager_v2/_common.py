@@ -72,7 +72,7 @@ class KVCacheStatus(enum.Enum):
 
 
 class PageIndexMode(enum.Enum):
-    """How kernels address a buffer's pages (SPEC 5.6)."""
+    """How kernels address a buffer's pages (``PageIndexConverter``)."""
 
     SHARED = 0  #: base address includes the buffer's offset in the slot
     PER_LAYER = 1  #: base address is the pool base; the layer offset is in the index
@@ -361,7 +361,7 @@ class AggregatedPageDesc:
 
 @dataclass(frozen=True)
 class ScratchDesc:
-    """Scratch blocks of one layer group for the current step (SPEC 5.7)."""
+    """Scratch blocks of one layer group for the current step (docs/design.md, "SWA prefill scratch slots")."""
 
     range: HalfOpenRange
     slot_ids: tuple[SlotId, ...]

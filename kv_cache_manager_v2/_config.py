@@ -1,4 +1,4 @@
-"""Configuration dataclasses (SPEC 4.1); each validates itself in ``__post_init__``.
+"""Configuration dataclasses (README.md, "API in short"); each validates itself in ``__post_init__``.
 
 They stay Python classes when compiled (``native_class=False``): a native int field would turn a
 bool into an int before ``__post_init__`` could refuse it, and validation is the same in both modes.
@@ -389,7 +389,7 @@ class BatchDesc:
 @mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class SwaScratchReuseConfig:
-    """Enables SWA prefill scratch-slot reuse (SPEC 5.7)."""
+    """Enables SWA prefill scratch-slot reuse (docs/design.md, "SWA prefill scratch slots")."""
 
     max_rewind_len: int = 0
 

@@ -1,4 +1,4 @@
-"""KV-cache events (SPEC 10, issue #14): what enters and leaves the reuse tree, queued for the engine.
+"""KV-cache events (docs/design.md, "KV-cache events"): what enters and leaves the reuse tree, queued for the engine.
 
 The reuse tree reports every page it gains, loses or sees moved between tiers (one event per block
 and layer group) in plain values (keys, tokens, layer group, cache level): this module knows

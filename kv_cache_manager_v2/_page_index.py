@@ -1,4 +1,4 @@
-"""Turning base page indices (slot ids) into the page indices a kernel uses (SPEC 5.6)."""
+"""Turning base page indices (slot ids) into the page indices a kernel uses (README.md, "API in short")."""
 
 from __future__ import annotations
 

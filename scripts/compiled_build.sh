@@ -37,7 +37,7 @@ restore_compiled() {
 }
 
 build_is_current() {  # a successful build (at level $1 unless "any") after the last change of any package source, in place
-  [ -f "$STAMP" ] && [ -z "$(find kv_cache_manager_v2 setup_mypyc.py -name '*.py' -newer "$STAMP" -print -quit)" ] \
+  [ -f "$STAMP" ] && [ -z "$(find kv_cache_manager_v2 setup_mypyc.py scripts/mypyc_docs.py -name '*.py' -newer "$STAMP" -print -quit)" ] \
     && [ -n "$(find . -maxdepth 1 -name '*__mypyc*' -print -quit)" ] \
     && { [ "$1" = any ] || [ "$(cat "$LEVEL" 2>/dev/null)" = "$1" ]; }
 }

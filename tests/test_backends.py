@@ -48,6 +48,24 @@ def test_env_var_overrides_auto(monkeypatch: pytest.MonkeyPatch, caplog: pytest.
         select_backend("auto")
 
 
+@pytest.mark.skipif(CUDA_REASON is None, reason="CUDA is usable here: auto does not fall back")
+def test_auto_falling_back_to_the_host_device_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A warning (visible without any logging set up) naming the reason; an explicit "host" is quiet."""
+    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+    with caplog.at_level(logging.INFO, logger="kv_cache_manager_v2"):
+        assert select_backend("auto").name == "host"
+        fallbacks = [r for r in caplog.records if "falls back to the host-emulated device" in r.getMessage()]
+        assert [r.levelno for r in fallbacks] == [logging.WARNING]
+        assert str(CUDA_REASON) in fallbacks[0].getMessage()
+        caplog.clear()
+        assert select_backend("host").name == "host"
+        monkeypatch.setenv(BACKEND_ENV_VAR, "host")
+        assert select_backend("auto").name == "host"
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_auto_picks_cuda_only_when_usable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
     m = KVCacheManager(make_config(kv_layers(1), backend="auto"))

@@ -53,8 +53,9 @@ def _sim_sandbox(tmp: str) -> dict[str, str]:
         shutil.copy(os.path.join(root, "scripts", name), os.path.join(tmp, "scripts", name))
     with open(os.path.join(tmp, "kv_cache_manager_v2", "mod.py"), "w") as f:
         f.write("x = 1\n")
-    with open(os.path.join(tmp, "setup_mypyc.py"), "w") as f:
-        f.write("")
+    for name in ("setup_mypyc.py", "scripts/mypyc_docs.py"):  # the build's inputs besides the package
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write("")
     with open(os.path.join(tmp, "scripts", "setup_env.sh"), "w") as f:
         f.write('set -euo pipefail\nROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"\ncd "$ROOT"\n')
         f.write('export PATH="$ROOT/bin:$PATH"\n')

@@ -3,16 +3,27 @@ names, and every public name (and each public method of the main classes) has a 
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import inspect
 import pydoc
 import re
 import typing
+from pathlib import Path
 
 import pytest
 
 import kv_cache_manager_v2 as kvm
+from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager
 
-COMPILED_DROPS_DOCS = "mypyc drops the docstrings of compiled classes and functions: fast mode checks them"
+MAIN_CLASSES = (
+    kvm.KVCacheManager,
+    kvm.KVCache,
+    kvm.KVCacheEventManager,
+    kvm.PageIndexConverter,
+    KVCacheResourceManager,
+    EngineRequest,
+)
 
 
 def _help_text() -> str:
@@ -71,8 +82,6 @@ def test_public_types_and_constants_are_documented() -> None:
 
 
 def test_every_public_class_and_function_has_a_docstring() -> None:
-    if kvm.compiled:
-        pytest.skip(COMPILED_DROPS_DOCS)
     for name in kvm.__all__:
         obj = getattr(kvm, name)
         if inspect.isclass(obj) or inspect.isfunction(obj):
@@ -80,19 +89,8 @@ def test_every_public_class_and_function_has_a_docstring() -> None:
 
 
 def test_public_methods_of_the_main_classes_have_docstrings() -> None:
-    if kvm.compiled:
-        pytest.skip(COMPILED_DROPS_DOCS)
-    from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager
-
     missing = []
-    for cls in (
-        kvm.KVCacheManager,
-        kvm.KVCache,
-        kvm.KVCacheEventManager,
-        kvm.PageIndexConverter,
-        KVCacheResourceManager,
-        EngineRequest,
-    ):
+    for cls in MAIN_CLASSES:
         for name in dir(cls):
             owner = next(o for o in cls.__mro__ if name in vars(o))  # the definition users get
             member = vars(owner)[name]
@@ -101,3 +99,67 @@ def test_public_methods_of_the_main_classes_have_docstrings() -> None:
             if (inspect.isfunction(member) or isinstance(member, property)) and not (member.__doc__ or "").strip():
                 missing.append(f"{cls.__name__}.{name}")
     assert not missing, f"public methods without a docstring: {sorted(set(missing))}"
+
+
+def _source_docs(cls: type) -> dict[str, str | None]:
+    """The docstrings of ``cls`` and of the functions in its body, as written in its module's source."""
+    path = Path(kvm.__file__).parent.parent.joinpath(*cls.__module__.split("."))  # the source, compiled too
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    docs = {"": ast.get_docstring(node)}
+    for item in node.body:
+        if isinstance(item, ast.FunctionDef) and item.name not in docs:  # a property's getter comes first
+            docs[item.name] = ast.get_docstring(item)
+    return docs
+
+
+def test_help_shows_the_source_docstrings_in_both_modes() -> None:
+    """Compiled too (mypyc keeps only signatures, and gives the classes it makes non-native a filler
+    docstring and ``type`` annotations: the build puts the sources' back)."""
+    text = _help_text()
+    assert "mypyc filler docstring" not in text
+    assert not re.search(r": type\b", text), "an annotation shows as `type`"
+    public_classes = [getattr(kvm, n) for n in kvm.__all__ if inspect.isclass(getattr(kvm, n))]
+    checked = 0
+    for cls in dict.fromkeys([*public_classes, *MAIN_CLASSES]):
+        if not cls.__module__.startswith("kv_cache_manager_v2") or cls.__module__.startswith(
+            "kv_cache_manager_v2.events"
+        ):
+            continue
+        for name, doc in _source_docs(cls).items():
+            if doc is None or (name.startswith("_") and name != "__init__"):
+                continue
+            shown = inspect.getdoc(vars(cls)[name]) if name else cls.__doc__
+            if name == "__init__" and not inspect.isfunction(vars(cls)[name]):
+                continue  # a native class's __init__: its docstring and signature are the class's
+            assert shown is not None and inspect.cleandoc(shown) == doc, f"{cls.__name__}.{name or '__doc__'}"
+            checked += 1
+    assert checked > 100, checked
+
+
+def test_signatures_and_config_fields_are_the_sources_in_both_modes() -> None:
+    signature = inspect.signature(EngineRequest)
+    assert list(signature.parameters)[:3] == ["request_id", "prompt_tokens", "max_new_tokens"]
+    assert signature.parameters["priority"].default == kvm.DEFAULT_PRIORITY
+    assert list(inspect.signature(kvm.KVCache.resize).parameters)[:2] == ["self", "capacity"]
+    for cls in (kvm.KVCacheManagerConfig, kvm.BufferConfig, kvm.DiskCacheTierConfig, kvm.RetentionRange):
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        assert all(isinstance(t, str) for t in types.values()), (cls.__name__, types)
+        assert inspect.signature(cls).parameters.keys() >= {f.name for f in dataclasses.fields(cls) if f.init}
+    assert dataclasses.fields(kvm.KVCacheManagerConfig)[0].type == "int"  # as written (a future import)
+
+
+@pytest.mark.mode_independent
+def test_shipped_text_stands_alone_without_the_internal_specification() -> None:
+    """Users have the package, README.md, docs/ and examples/, not the specification they were
+    written from: no docstring, comment or page sends them to its sections."""
+    root = Path(__file__).resolve().parent.parent
+    shipped = [root / "README.md", *root.glob("docs/**/*.md")]
+    shipped += [*root.glob("kv_cache_manager_v2/**/*.py"), *root.glob("examples/**/*.py")]
+    found = []
+    for path in shipped:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if re.search(r"\bSPEC\b\s*§?\s*\d|§\s*\d|SPEC\.md|\.\./shared", line):
+                found.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import builtins
 import os
 import re
 import subprocess
@@ -23,6 +25,28 @@ def python_block_after(heading: str) -> str:
 def run_python(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # tempfile.mkdtemp() in the example lands here
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+
+
+def undefined_names(code: str) -> set[str]:
+    """Names the code reads but never binds (assigns, imports, loops over) and Python does not define."""
+    tree = ast.parse(code)
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+    read = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    return read - bound
+
+
+def test_adapter_example_defines_every_name_and_runs(tmp_path: Path) -> None:
+    """The engine adapter's step, as the README writes it: nothing a reader has to guess."""
+    code = python_block_after("## Integrating into an engine")
+    assert not undefined_names(code)
+    proc = run_python(code + "\nprint(len(pages), req.num_cached_tokens, k_pool.shape)\n", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["16", "512", "(4096,", "32,", "8,", "128)"]  # 1000 tokens; a 512-token chunk
 
 
 def test_api_in_short_runs(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """The decode step for a whole batch: ``resize_batch`` before the forward pass and
-``commit_batch`` after it, each one call over the batch's caches (SPEC 4.3)."""
+``commit_batch`` after it, each one call over the batch's caches."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Beam search: the commit that rebuilds each beam from the beam it continues, and what beams
-share afterwards (SPEC 4.3)."""
+share afterwards (docs/design.md, "Beam search")."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ class BlockTable:
     stale end at history 0 (its sink blocks), where ``stale_end[layer_group]`` starts.
     ``pending_copy[layer_group]`` is the held source page of a partially matched block.
     Blocks ``scratch[layer_group]`` (a ``(beg, end)`` range) of the current step have no page: they
-    share the request's ``scratch_slots[layer_group]`` (SPEC 5.7).
+    share the request's ``scratch_slots[layer_group]`` (docs/design.md, "SWA prefill scratch slots").
 
     Indices are ``live`` only while the request is ACTIVE (every page then sits in GPU memory);
     while it is SUSPENDED its pages may move between cache levels, so every index (and the

@@ -1,4 +1,4 @@
-"""CacheView: what one request's cache shows (SPEC 4.3): its status, lengths, committed tokens,
+"""CacheView: what one request's cache shows: its status, lengths, committed tokens,
 block tables and page indices, read (and the index buffers attached) without changing its pages.
 
 :class:`~._kv_cache.KVCache` builds the state machine, resize and commit on it.

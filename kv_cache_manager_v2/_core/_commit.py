@@ -1,5 +1,5 @@
-"""Committing tokens and publishing the blocks they complete into the reuse tree (SPEC 4.3,
-4.4). The one-token decode commit that completes nothing stays on ``KVCache``; this is the
+"""Committing tokens and publishing the blocks they complete into the reuse tree
+(docs/design.md, "Reuse"). The one-token decode commit that completes nothing stays on ``KVCache``; this is the
 rest: a block completed, several tokens, the final partial block."""
 
 from __future__ import annotations

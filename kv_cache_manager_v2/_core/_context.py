@@ -164,7 +164,7 @@ class CacheContext:
         self.default_priorities: list[Priority] = [DEFAULT_PRIORITY] * len(self.block_layer_groups)
         self.storage = storage
         self.tree = tree
-        #: SWA scratch reuse (SPEC 5.7): -1 when not configured
+        #: SWA scratch reuse (docs/design.md, "SWA prefill scratch slots"): -1 when not configured
         scratch = config.swa_scratch_reuse
         self.max_rewind_len = scratch.max_rewind_len if scratch is not None else -1
         #: per layer group, slot_util_frac_max as (numerator, denominator): slots per scratch block

@@ -1,4 +1,4 @@
-"""KVCache: the public object of one request's KV memory (SPEC 4.3).
+"""KVCache: the public object of one request's KV memory (README.md, "API in short").
 
 Its state is a :class:`~._request_state.RequestState`, its queries (lengths, tokens, tables,
 page indices) are :class:`~._cache_view.CacheView`'s; the concerns are functions over the state in
@@ -82,7 +82,7 @@ class KVCache(CacheView):
 
     @property
     def enable_swa_scratch_reuse(self) -> bool:
-        """Whether this request's prefill steps use scratch slots (SPEC 5.7; on by default when the
+        """Whether this request's prefill steps use scratch slots (docs/design.md, "SWA prefill scratch slots"; on by default when the
         manager has ``swa_scratch_reuse``). Settable while the current step has no scratch blocks."""
         return self._scratch_enabled
 

@@ -1,4 +1,4 @@
-"""KVCacheManager: the top-level object an inference engine talks to (SPEC 4.2)."""
+"""KVCacheManager: the top-level object an inference engine talks to (README.md; docs/design.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Prefix matching: how much of a request's tokens the reuse tree (and the remote tier) holds,
-and where the pages a match needs live (SPEC 4.4, 5.3)."""
+and where the pages a match needs live (docs/design.md, "Reuse")."""
 
 from __future__ import annotations
 

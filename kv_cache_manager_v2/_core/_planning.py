@@ -1,5 +1,5 @@
 """Resize planning: which blocks of a step get pages, which are released, which share scratch
-slots, and whether memory suffices, all decided before anything changes (SPEC 4.3, 5.1, 5.7).
+slots, and whether memory suffices, all decided before anything changes (docs/design.md, "Allocation is all or nothing").
 The decode step's one-block growth stays on ``KVCache``; this is every other resize."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What one request's KV memory is made of: its lengths, state, committed tokens and block
-tables, and the small helpers every concern of a cache uses (SPEC 4.3).
+tables, and the small helpers every concern of a cache uses.
 
 :class:`~._kv_cache.KVCache` is the public object built on it; the concerns (residency,
 commit and publishing, beams, resize planning) are functions over a ``RequestState`` in their

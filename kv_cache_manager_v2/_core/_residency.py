@@ -1,6 +1,6 @@
 """Where a request's pages live: adopting matched pages, bringing them to GPU memory on resume
 (and ahead of it on prefetch), letting them go on suspend and close, and shrinking to what is
-intact after a disk error (SPEC 4.3, 6)."""
+intact after a disk error (docs/design.md, "Cache levels")."""
 
 from __future__ import annotations
 

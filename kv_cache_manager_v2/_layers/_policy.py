@@ -55,8 +55,8 @@ class LayerGroup:
 
     # ------------------------------------------------------------------ pages a request holds
     def stale_range(self, history_length: int) -> tuple[int, int]:
-        """Blocks ``[beg, end)`` a request no longer needs at ``history_length`` (SPEC 5.1); also
-        what a match of that length needs: a page for every block outside the range (SPEC 5.3)."""
+        """Blocks ``[beg, end)`` a request no longer needs at ``history_length``; also
+        what a match of that length needs: a page for every block outside the range (docs/design.md, "Reuse")."""
         raise NotImplementedError
 
     def stale_end(self, history_length: int) -> int:
@@ -82,7 +82,7 @@ class LayerGroup:
 
     def scratch_range(self, capacity: int, history_length: int, max_rewind_len: int) -> tuple[int, int]:
         """Blocks ``[beg, end)`` of a step ``history -> capacity`` that are stale once the step
-        is history (SPEC 5.7): they need memory only while one layer runs. Empty by default."""
+        is history (docs/design.md, "SWA prefill scratch slots"): they need memory only while one layer runs. Empty by default."""
         return (0, 0)
 
     def snapshot_pages(self, history_length: int) -> int:

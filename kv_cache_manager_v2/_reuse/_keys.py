@@ -1,4 +1,4 @@
-"""Reuse keys (SPEC 5.3): a SHA-256 chain rooted at the reuse scope; token validation and encoding."""
+"""Reuse keys: a SHA-256 chain rooted at the reuse scope; token validation and encoding."""
 
 from __future__ import annotations
 

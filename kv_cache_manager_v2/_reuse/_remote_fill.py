@@ -3,7 +3,7 @@ trip, fetch the hits in one more, and place them in the local cache as ordinary 
 (in the host tier, else GPU memory), where the match then finds them and ``resume`` onboards them
 like any lower-tier page.
 
-The rule for how far a match may go is the tree's (SPEC 5.3): at ``matched_blocks`` blocks every layer group
+The rule for how far a match may go is the tree's: at ``matched_blocks`` blocks every layer group
 needs a page for each block it does not consider stale at ``matched_blocks * T`` tokens (full attention: every
 block; a window: sinks and the window). A page counts when the local tree has it or the remote
 tier has a value of the right length for it. ``probe_reuse`` only looks up (and remembers what it

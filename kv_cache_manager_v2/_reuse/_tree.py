@@ -1,4 +1,4 @@
-"""The radix tree of committed blocks (SPEC 5.3, 5.4): matching, publishing (insert and dedup)
+"""The radix tree of committed blocks (docs/design.md, "Reuse"): matching, publishing (insert and dedup)
 and removal. It is the one place blocks enter and leave the reuse cache."""
 
 from __future__ import annotations

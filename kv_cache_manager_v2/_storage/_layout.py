@@ -1,4 +1,4 @@
-"""Storage layout (SPEC 5.2): coalesced buffers, pools, pool groups, per-buffer attributes."""
+"""Storage layout: coalesced buffers, pools, pool groups, per-buffer attributes."""
 
 from __future__ import annotations
 

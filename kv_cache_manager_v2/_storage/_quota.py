@@ -83,7 +83,7 @@ def split_quota(
     constraints: Sequence[BatchDesc],
     max_rewind_len: int = -1,
 ) -> list[int]:
-    """Slots per pool group for ``quota`` bytes (SPEC 4.2).
+    """Slots per pool group for ``quota`` bytes (docs/design.md, "Sizing").
 
     Byte shares come from ``initial_pool_ratio``, else from the slot needs of ``typical_step``
     (or a default request shape); ``constraints`` are floors every group must keep. Both count

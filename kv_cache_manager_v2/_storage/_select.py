@@ -33,7 +33,14 @@ def select_backend(requested: str) -> MemoryBackend:
         name = env
     backend: MemoryBackend
     if name == "auto":
-        name = "cuda" if cuda_unusable_reason() is None else "host"
+        reason = cuda_unusable_reason()
+        name = "cuda" if reason is None else "host"
+        if reason is not None:  # a warning: shown without any logging set up (a GPU machine may be misconfigured)
+            logger.warning(
+                "kv_cache_manager_v2: backend 'auto' falls back to the host-emulated device: CUDA is not usable "
+                "here (%s); pages live in host memory. backend='host' chooses it without this warning",
+                reason,
+            )
     elif name == "cuda":
         reason = cuda_unusable_reason()
         if reason is not None:

@@ -1,7 +1,7 @@
 """Block accounting for capacity scheduling: how many slots a request's remaining steps need.
 
 Per layer group the manager keeps a page for every block of ``[0, ceil(capacity/T))``
-except the blocks stale at the current history (SPEC 5.1): a request's slot count in a pool
+except the blocks stale at the current history: a request's slot count in a pool
 group at a step is the sum of those counts over the group's layer groups.
 """
 
