@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import Any, cast
 
 from mypy_extensions import mypyc_attr
 
@@ -402,6 +402,15 @@ def parse_quota(option: str, text: str) -> Quota:
             f"(e.g. {m.group(1)}MiB or {m.group(1)}tok), or up to {MAX_BARE_GIB} for GiB"
         )
     return Quota(float(int(value)), False, text.strip() + ("GiB" if not unit else ""))
+
+
+def swept_tier(rep: dict[str, Any], key: str) -> dict[str, Any]:
+    """The tier row of ``key`` (gpu, host, disk) in a quota sweep's report; a point without that
+    tier (``--sweep host=0,...``): quota "0", no capacity."""
+    for tier in rep["tiers"]:
+        if tier["tier"] == key:
+            return dict(tier)
+    return {"tier": key, "quota": "0", "capacity_tokens": 0, "peak_occupied_fraction": 0.0}
 
 
 def is_zero_quota(text: str) -> bool:

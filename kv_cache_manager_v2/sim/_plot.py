@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._models import SSM_KV_ONLY, SSM_SWEEP_KEY
-from ._report import swept_tier
+from ._models import SSM_KV_ONLY, SSM_SWEEP_KEY, swept_tier
 
 
 def matplotlib_missing() -> str | None:

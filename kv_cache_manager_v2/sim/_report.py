@@ -5,7 +5,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._models import SSM_SWEEP_KEY, ModelShape, TierSpec, format_bytes, format_count, format_quota, is_token_quota
+from ._models import (
+    SSM_SWEEP_KEY,
+    ModelShape,
+    TierSpec,
+    format_bytes,
+    format_count,
+    format_quota,
+    is_token_quota,
+    swept_tier,
+)
 from ._replay_types import LevelUsage, ReplayResult, SchedulerOptions
 from ._ssm_policy import SSM_POLICY_KEY, format_policy_sweep, snapshot_rows
 
@@ -472,15 +481,6 @@ def _load_text(load: dict[str, Any]) -> str:
         f"{load['simulated_s']:,.0f} s simulated for {load['trace_span_s']:,.0f} s of arrivals "
         f"(x{load['time_ratio']:.2f}{', overloaded' if load['overloaded'] else ''}); " + head
     )
-
-
-def swept_tier(rep: dict[str, Any], key: str) -> dict[str, Any]:
-    """The tier row of ``key`` (gpu, host, disk) in a quota sweep's report; a point without that
-    tier (``--sweep host=0,...``): quota "0", no capacity."""
-    for tier in rep["tiers"]:
-        if tier["tier"] == key:
-            return dict(tier)
-    return {"tier": key, "quota": "0", "capacity_tokens": 0, "peak_occupied_fraction": 0.0}
 
 
 def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
