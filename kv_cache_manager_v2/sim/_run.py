@@ -505,7 +505,8 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
         if point:
             label = f"replay ({sweep[0] if sweep else ''} {point})"
         else:
-            label = f"replay ({row[-1].kind} {row[-1].text})" if sweep else "replay"
+            swept = [x.text for x in row if sweep and x.kind == sweep[0]]
+            label = f"replay ({sweep[0]} {swept[0] if swept else 0})" if sweep else "replay"
         if len(policies) > 1:
             label += f" {policy}"
         update, close = _progress_bar(len(s.requests), not a.no_progress, label)
