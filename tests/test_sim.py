@@ -366,7 +366,9 @@ def test_presets_and_overrides() -> None:
     with pytest.raises(SimUserError, match="unknown model preset 'llama-9b'"):
         model_shape("llama-9b")
     with pytest.raises(SimUserError, match="--dtype"):
-        model_shape("custom", dtype="fp4")
+        model_shape("custom", layers=2, kv_heads=1, head_dim=16, dtype="fp4")
+    with pytest.raises(SimUserError, match="--model custom needs its shape: give --kv-heads, --head-dim"):
+        model_shape("custom", layers=2)  # (issue 47.18: it took llama-3-8b's heads silently)
     with pytest.raises(SimUserError, match="--sinks needs a --window"):
         model_shape("llama-3-8b", sinks=4)
 

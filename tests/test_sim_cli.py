@@ -15,6 +15,7 @@ from conftest import TRACE
 from kv_cache_manager_v2.sim import main
 from kv_cache_manager_v2.sim._cli import build_parser
 from kv_cache_manager_v2.sim._models import format_bytes
+from kv_cache_manager_v2.sim._plot import matplotlib_missing
 
 SMALL = ["--model", "custom", "--layers", "2", "--kv-heads", "1", "--head-dim", "16", "--tokens-per-block", "16"]
 TINY_LOAD = ["--conversations", "6", "--turns", "2", "--system-tokens", "300", "--user-tokens", "100"]
@@ -743,3 +744,115 @@ def test_hybrid_snapshot_policy_sweep(capsys: pytest.CaptureFixture[str], tmp_pa
     assert "bound" in out and "ratio" in out and "1.00" in out
     code, out, _ = run(capsys, *HYBRID, "--ssm-snapshot-policy", "branch")
     assert code == 0 and "branch: at branch points" in out and "snapshot kinds" in out and "0 interval" in out
+
+
+# ---------------------------------------------------------------- issue 47: empty sweeps, ignored options, bounds
+HYBRID_TINY = ["--model", "jamba-v0.1", "--conversations", "2", "--turns", "1", "--no-progress"]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        # 16: an empty sweep was an IndexError traceback (hints: exit 0 with no sweep point)
+        *[([*QUICK_SWEEP, "--sweep", f"{key}=,,,"], f"--sweep '{key}=,,,': no value") for key in ("gpu", "host", "disk", "hints")],
+        *[([*HYBRID_TINY, "--sweep", f"{key}=, ,"], f"--sweep '{key}=, ,': no value") for key in ("ssm-interval", "ssm-policy")],
+        # 17: options a run would ignore
+        ([*HYBRID_TINY, "--ssm-lower-tier-interval", "2048"], "this run has none: give --host or --disk, or drop --ssm-lower-tier-interval"),
+        ([*HYBRID_TINY, "--ssm-lower-tier-interval", "2048", "--sweep", "host=0"], "give --host or --disk"),
+        ([*HYBRID_TINY, "--host", "8GiB", "--ssm-lower-tier-interval", "2048", "--ssm-snapshot-policy", "interval"], "applies to policy auto only, and this run replays interval: drop --ssm-lower-tier-interval"),
+        ([*HYBRID_TINY, "--host", "8GiB", "--ssm-lower-tier-interval", "2048", "--ssm-snapshot-policy", "branch"], "this run replays branch: drop --ssm-lower-tier-interval"),
+        ([*HYBRID_TINY, "--disk", "8GiB", "--ssm-lower-tier-interval", "2048", "--sweep", "ssm-policy=interval,branch,kv"], "this run replays interval, branch, kv: drop"),
+        ([*HYBRID_TINY, "--host", "8GiB", "--ssm-lower-tier-interval", "2048", "--sweep", "ssm-interval=512,1024"], "this run replays interval: drop"),
+        ([*HYBRID_TINY, "--disk", "8GiB", "--restart-at", "0.5", "--ssm-lower-tier-interval", "2048"], "--restart-at and --replicas replay with the manager's snapshot defaults; drop --ssm-lower-tier-interval"),
+        ([*HYBRID_TINY, "--replicas", "2", "--ssm-snapshot-policy", "branch"], "snapshot defaults; drop --ssm-snapshot-policy"),
+        ([*QUICK, "--metrics-file", "/nonexistent/metrics.prom", "--retention-hints", "0.9"], "--metrics-port/--metrics-file report one replay: no --sweep, --replicas, --restart-at, --retention-hints"),
+        # 18: a custom model without its shape took llama-3-8b's silently
+        (["--model", "custom", "--layers", "2"], "--model custom needs its shape: give --kv-heads, --head-dim (or choose a preset)"),
+        (["--model", "custom"], "give --layers, --kv-heads, --head-dim"),
+        # 18: arrivals beyond a year of simulated time
+        ([*QUICK, "--rate", "1e-9"], "beyond a year of simulated time: raise --rate, or lower --think-s or --time-scale"),
+        # 19: a second --sweep replaced the first
+        ([*QUICK_SWEEP, "--sweep", "gpu=1,2", "--sweep", "host=1,2"], "--sweep given 2 times ('gpu=1,2', 'host=1,2'): a run sweeps one key"),
+        ([*QUICK_SWEEP, "--sweep", "gpu=0,8GiB"], "--sweep gpu: '0' is less than one byte"),
+    ],
+)  # fmt: skip
+def test_empty_sweeps_and_ignored_options_are_one_line_errors(
+    capsys: pytest.CaptureFixture[str], args: list[str], says: str
+) -> None:
+    line = one_line_error(capsys, *args)
+    assert says in line, line
+
+
+@pytest.mark.parametrize(
+    ("timestamp", "scale", "says"),
+    [
+        ("1e300", "1", "line 2: 'timestamp' must be a number in [0, 31,536,000,000] (milliseconds from the trace's start"),
+        ("NaN", "1", "line 2: 'timestamp' must be a number in [0, 31,536,000,000]"),
+        ("1000000000", "1000", "the last request arrives 1,000,000,000 s into the replay, beyond a year of simulated time: lower --time-scale"),
+    ],
+)  # fmt: skip
+def test_trace_timestamps_beyond_a_year_are_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, timestamp: str, scale: str, says: str
+) -> None:
+    """Issue 47.18: a timestamp of 1e300 ms was replayed and reported as "1e297 s simulated"."""
+    path = tmp_path / "trace.jsonl"
+    first = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+    path.write_text(first + first.replace('"timestamp": 0', f'"timestamp": {timestamp}'))
+    line = one_line_error(capsys, *SMALL, "--trace", str(path), "--time-scale", scale, "--no-progress")
+    assert says in line, line
+
+
+def test_a_host_or_disk_sweep_has_a_point_without_the_tier(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 47.19: ``--sweep host=0,...`` was refused, so a host sweep had no "no host" row; now 0
+    is a point without that tier (in the table, the JSON and the plot)."""
+    args = [*QUICK_SWEEP, "--gpu", "1500tok", "--sweep", "host=0,40000tok"]
+    plot = []
+    if matplotlib_missing() is None:
+        figs = _figures(monkeypatch)
+        plot = ["--plot", str(tmp_path / "host.png")]
+    code, doc, out, err = run_json_and_text(capsys, tmp_path, *args, *plot)
+    assert code == 0, err
+    points = doc["sweep"]["points"]
+    assert [[t["tier"] for t in p["tiers"]] for p in points] == [["gpu"], ["gpu", "host"]]
+    assert points[0]["hit_rate"]["tokens"] < points[1]["hit_rate"]["tokens"]
+    rows = out.splitlines()[2:4]
+    assert rows[0].split()[:3] == ["0", "0", "lru"] and rows[0].split()[8] == "-", rows
+    assert rows[1].split()[0] == "40000tok", rows
+    if plot:
+        (fig,) = figs
+        assert [t.get_text() for t in fig.axes[1].get_xticklabels()] == ["0", "40k"]
+    # a disk sweep beside a host tier: its 0 point keeps the host tier
+    code, doc, out, err = run_json_and_text(
+        capsys, tmp_path, *QUICK_SWEEP, "--gpu", "1500tok", "--host", "3000tok", "--sweep", "disk=0,40000tok"
+    )
+    assert code == 0, err
+    points = doc["sweep"]["points"]
+    assert [[t["tier"] for t in p["tiers"]] for p in points] == [["gpu", "host"], ["gpu", "host", "disk"]]
+    assert out.splitlines()[2].split()[:2] == ["0", "0"]
+
+
+def test_overload_advice_accounts_for_a_host_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 47.20: the advice was the same with or without a host tier, and the JSON suggested a GPU
+    quota where the run kept up. The suggestion (every request in flight, no reuse: an upper bound)
+    comes only with an overload; with a host tier, whose reuse may keep up with less, a sweep from
+    this quota to the bound too."""
+    code, out, _ = run(capsys, *OVERLOAD, "--gpu", "1000tok", "--host", "4000tok", "--json")
+    assert code == 0
+    load = json.loads(out)["load"]
+    assert load["overloaded"] and load["suggested_gpu_quota"] == "19ktok"
+    assert load["suggested_gpu_sweep"] == "gpu=1000tok,4.3ktok,19ktok"
+    assert any(
+        "--gpu 19ktok holds them all even without reuse; with --host 4000tok reusing blocks less may keep up: "
+        "--sweep gpu=1000tok,4.3ktok,19ktok --host 4000tok finds how much" in w
+        for w in load["warnings"]
+    ), load["warnings"]
+    code, out, _ = run(capsys, *OVERLOAD, "--gpu", "1000tok", "--json")
+    load = json.loads(out)["load"]
+    assert load["overloaded"] and load["suggested_gpu_quota"] == "19ktok" and load["suggested_gpu_sweep"] is None
+    assert not any("reusing blocks" in w for w in load["warnings"])
+    # keeping up (everything at once: no span), nothing is suggested though 19ktok would hold more
+    code, out, _ = run(capsys, *OVERLOAD, "--gpu", "1000tok", "--host", "4000tok", "--time-scale", "0", "--json")
+    load = json.loads(out)["load"]
+    assert not load["overloaded"] and load["suggested_gpu_quota"] is None and load["suggested_gpu_sweep"] is None

@@ -30,6 +30,7 @@ from ._models import (
     SimUserError,
     TierSpec,
     format_count,
+    is_zero_quota,
     model_shape,
     parse_quota,
 )
@@ -46,7 +47,7 @@ from ._run import (
     tier_spec,
 )
 from ._ssm_policy import SSM_POLICY_KEY, check_policy
-from ._workload import ConversationParams, SimRequest, generate_conversations, load_trace
+from ._workload import MAX_ARRIVAL_MS, ConversationParams, SimRequest, generate_conversations, load_trace
 
 PROG = "kv-cache-sim"
 #: options of the built-in conversations (refused with --trace): flag, type, help
@@ -177,8 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plot", metavar="FILE", help="write a PNG (needs matplotlib)")
     g.add_argument(
         "--sweep",
+        action="append",  # given twice: refused in _setup, not the first silently replaced
         metavar="TIER=V1,V2,..",
-        help="replay once per quota (and eviction policy), e.g. gpu=1,3,10 or gpu=1Mtok,3Mtok; hybrid models: "
+        help="replay once per quota (and eviction policy), e.g. gpu=1,3,10 or gpu=1Mtok,3Mtok (host=0,8GiB,... "
+        "or disk=0,...: 0 is a point without that tier); hybrid models: "
         f"once per snapshot interval, e.g. {SSM_SWEEP_KEY}=256,1024,{SSM_PROMPT_ONLY},{SSM_KV_ONLY} "
         f"({SSM_PROMPT_ONLY}: prompt-end snapshots only; {SSM_KV_ONLY}: the attention layers alone, as if "
         f"every block had a snapshot); once per snapshot policy, e.g. {SSM_POLICY_KEY}=interval,branch,auto,kv",
@@ -364,6 +367,8 @@ def _parse_sweep(text: str) -> tuple[str, list[str]]:
             f"{SSM_SWEEP_KEY}=N1,N2,..., {SSM_POLICY_KEY}=P1,P2,... or {HINTS_SWEEP_KEY}=ACCURACY1,ACCURACY2,..."
         )
     vals = [v.strip() for v in values.split(",") if v.strip()]
+    if not vals:
+        raise SimUserError(f"--sweep {text!r}: no value; write {key}=V1,V2,... (comma-separated)")
     if key == HINTS_SWEEP_KEY:
         for v in vals:
             try:
@@ -385,7 +390,8 @@ def _parse_sweep(text: str) -> tuple[str, list[str]]:
                 )
         return key, vals
     for v in vals:
-        parse_quota(f"--sweep {key}", v)
+        if not (key != "gpu" and is_zero_quota(v)):
+            parse_quota(f"--sweep {key}", v)
     return key, vals
 
 
@@ -398,13 +404,19 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
             "gpt-oss-20b, or give --window)"
         )
     _check_outputs(a)
-    sweep = _parse_sweep(a.sweep) if a.sweep else None
+    if a.sweep is not None and len(a.sweep) > 1:
+        raise SimUserError(
+            f"--sweep given {len(a.sweep)} times ({', '.join(map(repr, a.sweep))}): a run sweeps one key; "
+            "keep one --sweep (the others would be ignored)"
+        )
+    sweep = _parse_sweep(a.sweep[0]) if a.sweep else None
     interval: int | None = a.ssm_reuse_interval
     if interval is not None:
         check_ssm_interval("--ssm-reuse-interval", interval, shape, a.tokens_per_block)
     if a.ssm_lower_tier_interval is not None:
         check_ssm_interval("--ssm-lower-tier-interval", a.ssm_lower_tier_interval, shape, a.tokens_per_block)
     _check_snapshot_policy(a, shape, sweep)
+    _check_lower_tier_interval(a, sweep)
     if sweep is not None and sweep[0] == SSM_SWEEP_KEY:
         if interval is not None:
             raise SimUserError(f"--sweep {SSM_SWEEP_KEY} sets the interval of each replay: drop --ssm-reuse-interval")
@@ -438,6 +450,12 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
     if a.remote_cluster and a.replicas == 1:
         raise SimUserError("--remote-cluster is the shared tier of --replicas N: give --replicas 2 or more")
     requests, workload = _workload(a)
+    last_ms = max(r.arrival_ms for r in requests) * options.time_scale
+    if last_ms > MAX_ARRIVAL_MS:
+        raise SimUserError(
+            f"the last request arrives {last_ms / 1000:,.0f} s into the replay, beyond a year of simulated time: "
+            + ("lower --time-scale" if a.trace else "raise --rate, or lower --think-s or --time-scale")
+        )
     if a.metrics_port is not None or a.metrics_file:
         if (
             sweep is not None
@@ -445,9 +463,11 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
             or a.remote_url
             or len(a.eviction_policy) > 1
             or a.restart_at is not None
+            or a.retention_hints is not None
         ):
             raise SimUserError(
-                "--metrics-port/--metrics-file report one replay: no --sweep, --replicas, --restart-at or policies"
+                "--metrics-port/--metrics-file report one replay: no --sweep, --replicas, --restart-at, "
+                "--retention-hints (a second replay) or policies"
             )
         res.metrics = SimMetrics(a.metrics_port, a.metrics_file)
     hint_sweep = sweep is not None and sweep[0] == HINTS_SWEEP_KEY
@@ -479,6 +499,35 @@ def _check_snapshot_policy(a: argparse.Namespace, shape: ModelShape, sweep: tupl
     if policy_sweep and (policy is not None or a.plot):
         raise SimUserError(
             f"--sweep {SSM_POLICY_KEY} sets the policy of each replay: no --ssm-snapshot-policy or --plot"
+        )
+
+
+def _check_lower_tier_interval(a: argparse.Namespace, sweep: tuple[str, list[str]] | None) -> None:
+    """``--ssm-lower-tier-interval`` spaces what policy ``auto`` writes to a host or disk tier, in a
+    replay of this process: refused where no replay would use it (the snapshot options too, where
+    --restart-at or --replicas replay with the manager's defaults)."""
+    fleet = a.restart_at is not None or a.replicas != 1 or a.remote_url
+    for flag in ("--ssm-snapshot-policy", "--ssm-lower-tier-interval"):
+        if fleet and getattr(a, flag[2:].replace("-", "_")) is not None:
+            raise SimUserError(
+                f"{flag}: --restart-at and --replicas replay with the manager's snapshot defaults; drop {flag}"
+            )
+    if a.ssm_lower_tier_interval is None:
+        return
+    key, values = sweep if sweep is not None else ("", [])
+    if not (a.host or a.disk or (key in ("host", "disk") and not all(map(is_zero_quota, values)))):
+        raise SimUserError(
+            "--ssm-lower-tier-interval spaces the snapshots policy auto writes to a host or disk tier, and this "
+            "run has none: give --host or --disk, or drop --ssm-lower-tier-interval"
+        )
+    if key == SSM_POLICY_KEY:
+        policies = values
+    else:  # an interval sweep replays "interval" unless told; else the manager's default, "auto"
+        policies = [a.ssm_snapshot_policy or ("interval" if key == SSM_SWEEP_KEY else "auto")]
+    if "auto" not in policies:
+        raise SimUserError(
+            f"--ssm-lower-tier-interval applies to policy auto only, and this run replays {', '.join(policies)}: "
+            "drop --ssm-lower-tier-interval"
         )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import Any, cast
 
 from mypy_extensions import mypyc_attr
 
@@ -298,8 +298,14 @@ def model_shape(
     sinks: int | None = None,
     state_dtype: str | None = None,
 ) -> ModelShape:
-    """A preset with optional overrides (``preset="custom"`` starts from llama-3-8b's shape)."""
+    """A preset with optional overrides (``preset="custom"``: ``layers``, ``kv_heads`` and ``head_dim``
+    given, the rest as llama-3-8b)."""
     if preset == "custom":
+        missing = [
+            f for f, v in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim)) if v is None
+        ]
+        if missing:
+            raise SimUserError(f"--model custom needs its shape: give {', '.join(missing)} (or choose a preset)")
         base = replace(PRESETS["llama-3-8b"], name="custom")
     elif preset in PRESETS:
         base = PRESETS[preset]
@@ -396,6 +402,21 @@ def parse_quota(option: str, text: str) -> Quota:
             f"(e.g. {m.group(1)}MiB or {m.group(1)}tok), or up to {MAX_BARE_GIB} for GiB"
         )
     return Quota(float(int(value)), False, text.strip() + ("GiB" if not unit else ""))
+
+
+def swept_tier(rep: dict[str, Any], key: str) -> dict[str, Any]:
+    """The tier row of ``key`` (gpu, host, disk) in a quota sweep's report; a point without that
+    tier (``--sweep host=0,...``): quota "0", no capacity."""
+    for tier in rep["tiers"]:
+        if tier["tier"] == key:
+            return dict(tier)
+    return {"tier": key, "quota": "0", "capacity_tokens": 0, "peak_occupied_fraction": 0.0}
+
+
+def is_zero_quota(text: str) -> bool:
+    """``0`` (a bare zero): in ``--sweep host=`` or ``disk=``, a point without that tier."""
+    m = _QUOTA_RE.match(text)
+    return m is not None and not m.group(2) and float(m.group(1)) == 0.0
 
 
 def quota_bytes(option: str, quota: Quota, shape: ModelShape) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._models import SSM_KV_ONLY, SSM_SWEEP_KEY
+from ._models import SSM_KV_ONLY, SSM_SWEEP_KEY, swept_tier
 
 
 def matplotlib_missing() -> str | None:
@@ -54,14 +54,13 @@ def write_plot(
 def _quota_sweep_figure(plt: Any, key: str, all_reports: list[dict[str, Any]]) -> Any:
     import matplotlib.ticker
 
-    level = {"gpu": 0, "host": 1, "disk": 2}[key]
     policies = list(dict.fromkeys(rep["eviction_policy"] for rep in all_reports))
     fig, (ax, ax_load) = plt.subplots(2, 1, figsize=(7.5, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
     xs: list[int] = []
     top = 0.0
     for policy in policies:  # one pair of lines per eviction policy
         reports = [rep for rep in all_reports if rep["eviction_policy"] == policy]
-        xs = [rep["tiers"][min(level, len(rep["tiers"]) - 1)]["capacity_tokens"] for rep in reports]
+        xs = [swept_tier(rep, key)["capacity_tokens"] for rep in reports]
         tag = f", {policy}" if len(policies) > 1 else ""
         tok = [rep["hit_rate"]["tokens_all_requests"] for rep in reports]
         blk = [rep["hit_rate"]["blocks_all_requests"] for rep in reports]
@@ -79,7 +78,7 @@ def _quota_sweep_figure(plt: Any, key: str, all_reports: list[dict[str, Any]]) -
                 label="overloaded" if policy == policies[0] else None,
             )  # fmt: skip
     for i, (x, rep) in enumerate(zip(xs, reports)):
-        quota = rep["tiers"][min(level, len(rep["tiers"]) - 1)]["quota"]
+        quota = swept_tier(rep, key)["quota"]
         rejected = rep["requests"]["rejected"]
         preempted = rep["preemptions"]["suspend"] + rep["preemptions"]["recompute"]
         label = (
@@ -91,7 +90,10 @@ def _quota_sweep_figure(plt: Any, key: str, all_reports: list[dict[str, Any]]) -
         # the end points' labels grow inwards: centred, they would be cut at the figure's edges
         ha = "center" if 0 < i < len(xs) - 1 or len(xs) == 1 else ("left" if i == 0 else "right")
         ax.annotate(label, (x, y), textcoords="offset points", xytext=(0, 7), ha=ha, fontsize=8)
-    ax.set_xscale("log")
+    if min(xs) > 0:
+        ax.set_xscale("log")
+    else:  # a point without the swept tier (--sweep host=0,...): linear near 0
+        ax.set_xscale("symlog", linthresh=min([x for x in xs if x > 0], default=1))
     ax.set_ylabel("prefix hit rate (all requests;\nrejected prompts count as misses)", fontsize=9)
     ax.set_ylim(0, min(1.0, max(top * 1.3, 0.02)))  # auto-scaled: small hit rates stay readable
     ax.grid(True, alpha=0.3)
@@ -120,7 +122,8 @@ def _load_panel(ax_load: Any, xs: list[int], reports: list[dict[str, Any]]) -> N
         ax_load.set_ylabel("simulated s", fontsize=9)
     ax_load.grid(True, alpha=0.3)
     rej = ax_load.twinx()
-    rej.bar(xs, [rep["requests"]["rejected"] for rep in reports], width=[x * 0.15 for x in xs], alpha=0.3,
+    least = min([x for x in xs if x > 0], default=1)  # a bar's width at a point without the tier
+    rej.bar(xs, [rep["requests"]["rejected"] for rep in reports], width=[max(x, least) * 0.15 for x in xs], alpha=0.3,
             color="tab:red", label="rejected requests")  # fmt: skip
     rej.set_ylabel("rejected", fontsize=9)
     rej.set_ylim(0, max([rep["requests"]["rejected"] for rep in reports] + [1]) * 1.2)

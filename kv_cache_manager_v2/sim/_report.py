@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from ._models import SSM_SWEEP_KEY, ModelShape, TierSpec, format_bytes, format_count, format_quota, is_token_quota
+from ._models import (
+    SSM_SWEEP_KEY,
+    ModelShape,
+    TierSpec,
+    format_bytes,
+    format_count,
+    format_quota,
+    is_token_quota,
+    swept_tier,
+)
 from ._replay_types import LevelUsage, ReplayResult, SchedulerOptions
 from ._ssm_policy import SSM_POLICY_KEY, format_policy_sweep, snapshot_rows
 
@@ -240,7 +250,14 @@ def _load(r: ReplayResult, shape: ModelShape, tiers: list[TierSpec], options: Sc
     # its blocks (one more for alignment) and its live recurrent state
     longest_bytes = (r.longest_request_tokens + t) * bpt + shape.state_bytes_per_request
     fit_bytes = max(r.ideal_peak_tokens * bpt / (1.0 - options.watermark), longest_bytes)
-    suggested = format_quota(fit_bytes, shape, in_tokens) if fit_bytes > gpu.quota_bytes else None
+    suggested = format_quota(fit_bytes, shape, in_tokens) if overloaded and fit_bytes > gpu.quota_bytes else None
+    # with a tier below the GPU, reuse from it saves compute that the bound (no reuse) ignores: a GPU
+    # quota between this one and the bound may keep up; a sweep finds the smallest
+    lower = " ".join(f"--{t.kind} {t.text}" for t in tiers[1:])
+    sweep = None
+    if suggested is not None and lower:
+        mid = format_quota(math.sqrt(gpu.quota_bytes * fit_bytes), shape, in_tokens)
+        sweep = f"gpu={','.join(dict.fromkeys((gpu.text, mid, suggested)))}"
     admits_all = format_quota(longest_bytes, shape, in_tokens)
     warnings: list[str] = []
     if r.rejected:
@@ -270,6 +287,8 @@ def _load(r: ReplayResult, shape: ModelShape, tiers: list[TierSpec], options: Sc
                 f"; the requests in flight at their arrival times hold up to {format_count(r.ideal_peak_tokens)} "
                 f"tokens: --gpu {suggested} holds them all even without reuse"
             )
+        if sweep is not None:
+            msg += f"; with {lower} reusing blocks less may keep up: --sweep {sweep} {lower} finds how much"
         warnings.append(msg)
     return {
         "trace_span_s": span_s,
@@ -286,7 +305,8 @@ def _load(r: ReplayResult, shape: ModelShape, tiers: list[TierSpec], options: Sc
         "ideal_peak_tokens": r.ideal_peak_tokens,
         "longest_request_tokens": r.longest_request_tokens,
         "gpu_quota_admitting_all": admits_all,  #: a GPU quota that rejects no request
-        "suggested_gpu_quota": suggested,
+        "suggested_gpu_quota": suggested,  #: overloaded only: holds every request in flight, without reuse
+        "suggested_gpu_sweep": sweep,  #: overloaded with a lower tier: from this quota to suggested_gpu_quota
         "warnings": warnings,
     }
 
@@ -478,19 +498,19 @@ def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
         f"{'rejected':>10}{'held':>7}{'filled':>8}{'preempt':>9}{'dropped':>10}{'time':>8}"
     )
     lines = [head]
-    level = {"gpu": 0, "host": 1, "disk": 2}[key]
     for rep in reports:
-        tier = rep["tiers"][min(level, len(rep["tiers"]) - 1)]
+        tier = swept_tier(rep, key)
         gpu = rep["tiers"][0]
         dropped = sum(t["dropped_pages"] for t in rep["tiers"])
         pm = rep["preemptions"]
         hit = rep["hit_rate"]
         load = rep["load"]
         ratio = f"x{load['time_ratio']:.1f}" + ("!" if load["overloaded"] else " ") if load["trace_span_s"] else "-"
+        filled = f"{tier['peak_occupied_fraction']:.0%}" if tier["capacity_tokens"] else "-"
         lines.append(
             f"{tier['quota']:<14}{format_count(tier['capacity_tokens']):>12}  {rep['eviction_policy']:<10}"
             f"{hit['tokens_all_requests']:>10.3f}{hit['blocks_all_requests']:>10.3f}{hit['tokens']:>10.3f}"
-            f"{rep['requests']['rejected']:>10,}{gpu['peak_used_fraction']:>7.0%}{tier['peak_occupied_fraction']:>8.0%}"
+            f"{rep['requests']['rejected']:>10,}{gpu['peak_used_fraction']:>7.0%}{filled:>8}"
             f"{pm['suspend'] + pm['recompute']:>9,}"
             f"{format_count(dropped):>10}{ratio:>8}"
         )
@@ -505,8 +525,7 @@ def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
 
 def _sweep_advice(key: str, reports: list[dict[str, Any]]) -> list[str]:
     """Warnings for rejected requests and overloaded points, and the smallest quota that does neither."""
-    level = {"gpu": 0, "host": 1, "disk": 2}[key]
-    quota = [rep["tiers"][min(level, len(rep["tiers"]) - 1)]["quota"] for rep in reports]
+    quota = [swept_tier(rep, key)["quota"] for rep in reports]
     out: list[str] = []
     rejecting = [q for q, rep in zip(quota, reports) if rep["requests"]["rejected"]]
     if rejecting:

@@ -29,6 +29,7 @@ from ._models import (
     SimUserError,
     TierSpec,
     format_count,
+    is_zero_quota,
     manager_config,
     parse_quota,
     proxy_page_bytes,
@@ -481,13 +482,9 @@ def _sweep_points(
         key, values = s.sweep
         points = []
         for v in values:
-            spec = tier_spec(key, f"--sweep {key}", v, s.shape, s.disk_dir)
-            kinds = [x.kind for x in s.tiers]
-            row = list(s.tiers)
-            if key in kinds:
-                row[kinds.index(key)] = spec
-            else:
-                row.append(spec)
+            row = [x for x in s.tiers if x.kind != key]
+            if not is_zero_quota(v):  # (0: no such tier at this point; _parse_sweep refused gpu=0)
+                row.append(tier_spec(key, f"--sweep {key}", v, s.shape, s.disk_dir))
             row.sort(key=lambda x: SWEEP_KEYS.index(x.kind))
             points.append(row)
     return points, variants
@@ -508,7 +505,8 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
         if point:
             label = f"replay ({sweep[0] if sweep else ''} {point})"
         else:
-            label = f"replay ({row[-1].kind} {row[-1].text})" if sweep else "replay"
+            swept = [x.text for x in row if sweep and x.kind == sweep[0]]
+            label = f"replay ({sweep[0]} {swept[0] if swept else 0})" if sweep else "replay"
         if len(policies) > 1:
             label += f" {policy}"
         update, close = _progress_bar(len(s.requests), not a.no_progress, label)

@@ -33,6 +33,9 @@ MAX_CONVERSATIONS = 100_000
 MAX_TURNS = 1_000
 MAX_SYSTEM_PROMPTS = 10_000
 MAX_SEGMENTS = 5_000_000
+#: the latest arrival a replay takes (a trace's timestamp, times --time-scale): a year, in ms;
+#: later ones are a wrong unit or a broken trace, and the report's times would mean nothing
+MAX_ARRIVAL_MS = 365 * 24 * 3600 * 1000
 
 
 @dataclass
@@ -94,8 +97,11 @@ def _parse_line(line: str, where: str, line_no: int, idx: int) -> SimRequest:
     if not isinstance(rec, dict):
         raise SimUserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     ts = rec.get("timestamp")
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
-        raise SimUserError(f"{where}: 'timestamp' must be a number >= 0 (milliseconds), got {ts!r}")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts <= MAX_ARRIVAL_MS:
+        raise SimUserError(
+            f"{where}: 'timestamp' must be a number in [0, {MAX_ARRIVAL_MS:,}] (milliseconds from the trace's "
+            f"start: up to a year), got {ts!r}"
+        )
     n_in = _field_int(rec, "input_length", where, 1)
     if n_in > MAX_PROMPT_TOKENS:
         raise SimUserError(f"{where}: input_length {n_in} is above {MAX_PROMPT_TOKENS}")
