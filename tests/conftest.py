@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import sys
 from collections.abc import Callable, Iterator, Sequence
 
@@ -18,6 +19,7 @@ from kv_cache_manager_v2 import (
     DiskCacheTierConfig,
     GpuCacheTierConfig,
     HostCacheTierConfig,
+    KVCache,
     KVCacheManager,
     KVCacheManagerConfig,
     LayerId,
@@ -108,6 +110,31 @@ def make_config(
         layers=layers,
         **kw,  # type: ignore[arg-type]
     )
+
+
+#: the type of the ``make_manager`` fixture: ``make_manager(layers, tokens_per_block, quota, **config)``
+MakeManager = Callable[..., KVCacheManager]
+
+
+def toks(seed: int, n: int) -> list[int]:
+    """``n`` random tokens (below 2**31) drawn from ``seed``."""
+    rng = random.Random(seed)
+    return [rng.randrange(1 << 31) for _ in range(n)]
+
+
+def free_slots(m: KVCacheManager) -> list[int]:
+    """Free GPU slots of each pool group."""
+    return [s.free for s in m.get_storage_statistics()]
+
+
+def used_slots(m: KVCacheManager) -> int:
+    """GPU slots in use (neither free nor evictable), over every pool group."""
+    return sum(s.total - s.free - s.evictable for s in m.get_storage_statistics())
+
+
+def cache_state(kv: KVCache) -> tuple[object, ...]:
+    """What a refused call on ``kv`` must leave as it was: its tokens, lengths and status."""
+    return (kv.num_committed_tokens, kv.get_committed_tokens(), kv.history_length, kv.capacity, kv.status)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

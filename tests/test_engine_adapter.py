@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import REC, kv_layers, make_config
 from fake_engine import FakeEngine
+from tier_helpers import seq
 
 from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
@@ -115,6 +116,51 @@ def test_engine_request_validates_its_fields() -> None:
     assert r.num_tokens == 7
     assert r.tokens(3, 6) == [3, 4, 100] and r.tokens(5, 7) == [100, 101] and r.tokens(0, 2) == [0, 1]
     assert r.state is RequestState.CONTEXT and not r.samples_this_step
+
+
+def test_adapter_request_identity_is_fixed_and_step_fields_are_checked_where_used(backend: str) -> None:
+    t = 4
+    a = KVCacheResourceManager(make_config(kv_layers(1, t), t, 64 * 2 * REC * t, backend=backend))
+    engine = FakeEngine(a.manager)
+    prompt = seq(1, 12)
+    req = EngineRequest(7, prompt, 4, context_chunk_size=8)
+    assert a.prepare_resources([req]) == []
+    engine.step(a.get_kv_cache(req), req.all_tokens(), 0, 8)
+    a.update_resources([req])
+    assert req.num_cached_tokens == 8
+    kv = a.get_kv_cache(req)
+    before = (req.num_cached_tokens, req.num_scheduled_tokens, kv.history_length, kv.capacity)
+    for name, value in (("request_id", 8), ("prompt_tokens", seq(2, 12)), ("reuse_scope", ReuseScope(salt=1))):
+        with pytest.raises(AttributeError):
+            setattr(req, name, value)
+    assert req.request_id == 7 and list(req.prompt_tokens) == prompt and req.reuse_scope is None
+    req.context_chunk_size = -3
+    with pytest.raises(ValueError, match="context_chunk_size"):
+        a.prepare_resources([req])
+    with pytest.raises(ValueError, match="context_chunk_size"):
+        a.get_needed_resource_to_completion(req)
+    assert (req.num_cached_tokens, req.num_scheduled_tokens, kv.history_length, kv.capacity) == before
+    with pytest.raises(TypeError):  # refused at assignment (compiled) or where it is used
+        req.context_chunk_size = "4"  # type: ignore[assignment]
+        a.prepare_resources([req])
+    req.context_chunk_size = 4
+    req.max_new_tokens = 0
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        a.get_needed_resource_to_completion(req)
+    req.max_new_tokens = 4
+    other = EngineRequest(9, seq(3, 8), 2)
+    other.priority = 500  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="priority"):
+        a.prepare_resources([req, other])  # the batch is rolled back: req is as it was
+    assert (req.num_cached_tokens, req.num_scheduled_tokens, kv.history_length, kv.capacity) == before
+    assert a.manager.num_open_caches == 1
+    assert a.prepare_resources([req]) == []
+    assert req.num_scheduled_tokens == 4
+    engine.step(a.get_kv_cache(req), req.all_tokens(), 8, 12)
+    a.update_resources([req])
+    assert a.get_kv_cache(req).history_length == 12
+    a.free_resources(req)
+    a.shutdown()
 
 
 # ---------------------------------------------------------------- the step
