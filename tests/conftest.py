@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("KV_CACHE_MANAGER_V2_CHECK", "1")
 
 from kv_cache_manager_v2 import (
+    EVICTION_POLICIES,
     AttentionLayerConfig,
     BufferConfig,
     DiskCacheTierConfig,
@@ -85,6 +86,11 @@ def kv_layers(
             )
         )
     return out
+
+
+def one_layer(tokens_per_block: int, window: int | None = None, sinks: int | None = None) -> list[AttentionLayerConfig]:
+    """One layer with a key buffer only (one record per token), windowed when ``window`` is given."""
+    return [AttentionLayerConfig(LayerId(0), [BufferConfig("key", REC * tokens_per_block)], window, sinks)]
 
 
 def make_config(
@@ -173,6 +179,19 @@ def make_manager(backend: str) -> Iterator[Callable[..., KVCacheManager]]:
     for m in made:
         if m.num_open_caches == 0:
             m.shutdown()
+
+
+@pytest.fixture(params=EVICTION_POLICIES)
+def make_manager_per_policy(request: pytest.FixtureRequest, make_manager: MakeManager) -> Iterator[MakeManager]:
+    """``make_manager`` once per eviction policy, for test modules whose behaviours hold under each:
+    they import it as their ``make_manager`` (``from conftest import make_manager_per_policy as
+    make_manager``)."""
+
+    def factory(*args: object, **kw: object) -> KVCacheManager:
+        kw.setdefault("eviction_policy", request.param)
+        return make_manager(*args, **kw)
+
+    yield factory
 
 
 @pytest.fixture

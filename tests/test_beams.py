@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import REC, MakeManager, kv_layers
+from conftest import REC, MakeManager, kv_layers, used_slots
 from fake_engine import FakeEngine
 
 from kv_cache_manager_v2 import (
@@ -23,10 +23,6 @@ T = 8
 B = 4
 LG0 = LayerGroupId(0)
 GPU, HOST, DISK = CacheLevel(0), CacheLevel(1), CacheLevel(2)
-
-
-def used(m: KVCacheManager) -> int:
-    return sum(s.total - s.free - s.evictable for s in m.get_storage_statistics())
 
 
 def distinct_slots(kv: KVCache) -> int:
@@ -109,16 +105,16 @@ def test_shared_blocks_are_counted_once(make_manager: MakeManager) -> None:
     prompt = [rng.randrange(1 << 30) for _ in range(4 * T + 3)]  # 4 full blocks + a partial one
     kv = m.create_kv_cache(beam_width=B)
     seqs = start_beams(engine, kv, prompt, rng)
-    assert used(m) == distinct_slots(kv) == 5  # nothing copied yet: the tail is copied on write
+    assert used_slots(m) == distinct_slots(kv) == 5  # nothing copied yet: the tail is copied on write
     for _ in range(3 * T):
         h = kv.history_length
         assert kv.resize(h + 1)
-        assert used(m) == distinct_slots(kv)
+        assert used_slots(m) == distinct_slots(kv)
         seqs = beam_step(engine, kv, seqs, rng)
     # distinct (block, content) pairs: the 4 prompt blocks once, then per block the distinct prefixes
     n = kv.num_committed_tokens
     contents = {(o, tuple(s[: min((o + 1) * T, n)])) for s in seqs for o in range(kv.num_blocks) if o * T < n}
-    assert used(m) == distinct_slots(kv) == len(contents)
+    assert used_slots(m) == distinct_slots(kv) == len(contents)
     kv.close()
 
 

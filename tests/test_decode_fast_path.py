@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from conftest import REC, kv_layers
+from conftest import REC, MakeManager, kv_layers, used_slots
 from fake_engine import FakeEngine
 
 from kv_cache_manager_v2 import (
@@ -19,7 +19,6 @@ from kv_cache_manager_v2 import (
     BeamIndex,
     BufferConfig,
     KVCache,
-    KVCacheManager,
     LayerGroupId,
     LayerId,
     LogicError,
@@ -31,17 +30,12 @@ from kv_cache_manager_v2 import (
 from kv_cache_manager_v2._config import LayerConfig
 from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager, RequestState
 
-MakeManager = Callable[..., KVCacheManager]
 T = 4
 LG0 = LayerGroupId(0)
 
 
 def pages(kv: KVCache, layer_group: LayerGroupId = LG0, beam: int = 0) -> list[int]:
     return [i for i in kv.get_base_page_indices(layer_group, BeamIndex(beam)) if i != BAD_PAGE_INDEX]
-
-
-def used_slots(m: KVCacheManager) -> int:
-    return sum(s.total - s.free - s.evictable for s in m.get_storage_statistics())
 
 
 def test_resize_allocates_and_releases_exactly_at_block_boundaries(make_manager: MakeManager) -> None:

@@ -7,7 +7,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 
 import pytest
-from conftest import kv_layers, make_config
+from conftest import kv_layers, make_config, toks
 from fake_engine import FakeEngine
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -441,7 +441,7 @@ def test_adapter_counters_roll_back_with_a_failed_batch(tiered: Callable[..., tu
 
 
 def test_hybrid_model_reports_its_state_snapshots() -> None:
-    from test_recurrent import hybrid_layers, prefill, toks
+    from test_recurrent import hybrid_layers, prefill
 
     m = KVCacheManager(make_config(hybrid_layers(), 32, ssm_reuse_interval=64))
     engine = FakeEngine(m)

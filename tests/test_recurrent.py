@@ -8,7 +8,7 @@ import random
 from collections.abc import Callable, Sequence
 
 import pytest
-from conftest import REC, make_config
+from conftest import REC, MakeManager, make_config, toks
 from fake_engine import FakeEngine, KVMismatch
 
 from kv_cache_manager_v2 import (
@@ -35,7 +35,6 @@ from kv_cache_manager_v2._config import LayerConfig
 from kv_cache_manager_v2.redis_server import LocalRedisServer
 
 T = 32
-MakeManager = Callable[..., KVCacheManager]
 CONV = 64
 STATE = 256
 #: a typical step of short requests: with the default one (4096 tokens) a 256 KiB GPU holds one
@@ -57,11 +56,6 @@ def hybrid_layers(num_ssm: int = 3, num_attention: int = 1, window: int | None =
             )
         )
     return out
-
-
-def toks(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1 << 31) for _ in range(n)]
 
 
 def live_states_until_a_snapshot_goes(m: KVCacheManager) -> list[KVCache]:

@@ -5,10 +5,10 @@ the invariant checker on), under both eviction policies."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-from conftest import REC
+from conftest import REC, MakeManager, make_manager_per_policy, one_layer
 from fake_engine import FakeEngine
 
 from kv_cache_manager_v2 import (
@@ -32,8 +32,8 @@ from kv_cache_manager_v2 import (
 from kv_cache_manager_v2._config import GpuCacheTierConfig
 from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager, RequestState
 
-MakeManager = Callable[..., KVCacheManager]
 T = 16
+make_manager = make_manager_per_policy  # (the fixture) every test here runs under each eviction policy
 
 
 class Clock:
@@ -44,19 +44,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture(params=EVICTION_POLICIES)
-def make_manager(request: pytest.FixtureRequest, make_manager: MakeManager) -> Iterator[MakeManager]:
-    def factory(*args: object, **kw: object) -> KVCacheManager:
-        kw.setdefault("eviction_policy", request.param)
-        return make_manager(*args, **kw)
-
-    yield factory
-
-
-def one_layer() -> list[AttentionLayerConfig]:
-    return [AttentionLayerConfig(LayerId(0), [BufferConfig("key", REC * T)])]
 
 
 def fixed(priority: int) -> Callable[[BlockOrdinal, LayerGroupId], Priority]:
@@ -88,7 +75,7 @@ def pressure(m: KVCacheManager, engine: FakeEngine, blocks: int, base: int, prio
 
 def test_a_range_keeps_its_priority_until_its_duration_ends_exactly(make_manager: MakeManager) -> None:
     clock = Clock()
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=clock)
     engine = FakeEngine(m)
     a, b = seq(1000, 2), seq(2000, 2)
     run(m, engine, a, retention=RequestRetention([(0, None, 80, 10.0)]))
@@ -112,7 +99,7 @@ def test_a_range_keeps_its_priority_until_its_duration_ends_exactly(make_manager
 
 def test_durations_survive_demotion_and_promotion_and_expire_on_the_host_tier(make_manager: MakeManager) -> None:
     clock = Clock()
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, host_quota=8 * REC * T, clock=clock)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, host_quota=8 * REC * T, clock=clock)
     engine = FakeEngine(m)
     a, b = seq(1000, 2), seq(2000, 2)
     run(m, engine, a, retention=RequestRetention([RetentionRange(0, None, 80, 10.0)]))
@@ -138,7 +125,7 @@ def test_durations_survive_demotion_and_promotion_and_expire_on_the_host_tier(ma
 
 def test_decode_blocks_take_the_decode_retention(make_manager: MakeManager) -> None:
     clock = Clock()
-    m = make_manager(one_layer(), tokens_per_block=T, quota=5 * REC * T, clock=clock)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=5 * REC * T, clock=clock)
     engine = FakeEngine(m)
     prompt, out = seq(1000, 2), seq(9000, 1)
     retention = RequestRetention([(0, None, 80, None)], decode_priority=20, decode_duration_s=30.0)
@@ -163,7 +150,7 @@ def test_decode_blocks_take_the_decode_retention(make_manager: MakeManager) -> N
 @pytest.mark.parametrize("hint", [False, True])
 def test_the_close_time_hint_keeps_a_conversation_until_it_is_reused(make_manager: MakeManager, hint: bool) -> None:
     clock = Clock()
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=clock)
     engine = FakeEngine(m)
     a, b = seq(1000, 2), seq(2000, 2)
     run(m, engine, a, Retention(80, 60.0) if hint else None)
@@ -184,7 +171,7 @@ def test_the_close_time_hint_keeps_a_conversation_until_it_is_reused(make_manage
 
 
 def test_a_request_sharing_only_a_prefix_leaves_the_hint(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T)
     engine = FakeEngine(m)
     prefix = seq(1000, 2)
     a = prefix + seq(2000, 2)
@@ -198,7 +185,7 @@ def test_a_request_sharing_only_a_prefix_leaves_the_hint(make_manager: MakeManag
 
 
 def test_a_low_hint_lowers_only_the_blocks_the_request_published(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=6 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=6 * REC * T)
     engine = FakeEngine(m)
     e, prefix = seq(5000, 2), seq(1000, 2)
     run(m, engine, e)
@@ -215,7 +202,7 @@ def test_a_low_hint_lowers_only_the_blocks_the_request_published(make_manager: M
 
 @pytest.mark.parametrize("start", [0, 2 * T, 2 * T + 1])
 def test_a_hint_from_a_start_leaves_the_blocks_before_it(make_manager: MakeManager, start: int) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T)
     engine = FakeEngine(m)
     system = seq(1000, 2)  # a system prompt others will share, first published by this request
     chat = system + seq(2000, 2)
@@ -235,7 +222,7 @@ def test_a_hint_from_a_start_leaves_the_blocks_before_it(make_manager: MakeManag
 
 
 def test_a_low_hint_ends_when_any_request_reuses_the_blocks(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=6 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=6 * REC * T)
     engine = FakeEngine(m)
     doc = seq(1000, 2)
     run(m, engine, doc, Retention(0))  # "nobody comes back to this" ...
@@ -250,7 +237,7 @@ def test_a_low_hint_ends_when_any_request_reuses_the_blocks(make_manager: MakeMa
 def test_the_default_clock_is_monotonic() -> None:
     import time
 
-    cfg = KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), backend="host")
+    cfg = KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(T), backend="host")
     assert cfg.clock is time.monotonic
 
 
@@ -278,7 +265,7 @@ def test_the_default_clock_is_monotonic() -> None:
         (lambda: RequestRetention(decode_priority=101), ValueError, "decode_priority"),
         (lambda: RequestRetention(decode_priority=5, decode_duration_s=-1.0), ValueError, "decode_duration_s"),
         (
-            lambda: KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), clock=5),  # type: ignore[arg-type]
+            lambda: KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(T), clock=5),  # type: ignore[arg-type]
             TypeError,
             "clock must be a callable",
         ),
@@ -293,7 +280,7 @@ def test_bad_retention_values_are_refused_clearly(
 
 
 def test_bad_retention_arguments_are_refused_and_change_nothing(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T)
     with pytest.raises(TypeError, match=None if compiled else "retention"):  # compiled: mypyc's own message
         m.create_kv_cache(retention=Retention(5))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs input_tokens or prompt_length"):
@@ -326,7 +313,7 @@ def serve(a: KVCacheResourceManager, engine: FakeEngine, r: EngineRequest, retai
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_the_adapter_passes_request_retention_and_the_finish_hint(backend: str, policy: str) -> None:
     clock = Clock()
-    layers = one_layer()
+    layers = one_layer(T)
     cfg = KVCacheManagerConfig(
         T,
         [GpuCacheTierConfig(6 * REC * T)],
@@ -367,7 +354,7 @@ def test_the_adapter_passes_request_retention_and_the_finish_hint(backend: str, 
 
 # ---------------------------------------------------------------- pins
 def test_a_pinned_prefix_is_never_evicted_until_unpinned(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T, max_pinned_share=0.5)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T, max_pinned_share=0.5)
     engine = FakeEngine(m)
     system, other = seq(1000, 2), seq(2000, 2)
     run(m, engine, system, custom_priority_callback=fixed(0))  # the lowest priority: first to go
@@ -389,7 +376,7 @@ def test_a_pinned_prefix_is_never_evicted_until_unpinned(make_manager: MakeManag
 
 
 def test_a_pin_beyond_its_share_is_refused_and_changes_nothing(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T, max_pinned_share=0.25)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T, max_pinned_share=0.25)
     engine = FakeEngine(m)
     a, b = seq(1000, 2), seq(2000, 1)
     run(m, engine, a)
@@ -408,7 +395,7 @@ def test_a_pin_beyond_its_share_is_refused_and_changes_nothing(make_manager: Mak
 
 def test_a_pin_with_a_duration_ends_by_itself(make_manager: MakeManager) -> None:
     clock = Clock()
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=clock)
     engine = FakeEngine(m)
     a = seq(1000, 2)
     run(m, engine, a)
@@ -423,7 +410,7 @@ def test_a_pin_with_a_duration_ends_by_itself(make_manager: MakeManager) -> None
 
 
 def test_pins_stay_where_they_are_on_a_host_tier_and_clear_with_the_reusable_blocks(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, host_quota=4 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, host_quota=4 * REC * T)
     engine = FakeEngine(m)
     a = seq(1000, 2)
     run(m, engine, a)
@@ -441,7 +428,7 @@ def test_pins_stay_where_they_are_on_a_host_tier_and_clear_with_the_reusable_blo
 def test_a_pinned_page_pulled_up_beyond_the_share_is_held_by_its_pin_only_within_the_share(
     make_manager: MakeManager,
 ) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T, host_quota=8 * REC * T, max_pinned_share=0.25)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T, host_quota=8 * REC * T, max_pinned_share=0.25)
     engine = FakeEngine(m)
     a, b = seq(1000, 2), seq(2000, 2)
     run(m, engine, a)
@@ -486,13 +473,13 @@ def pinned(m: KVCacheManager) -> list[int]:
 def test_bad_pins_are_refused_clearly(
     make_manager: MakeManager, kw: dict[str, object], error: type[Exception], words: str
 ) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T)
     with pytest.raises(error, match=words if not compiled or error is ValueError else None):
         m.pin(seq(0, 1), **kw)  # type: ignore[arg-type]
     with pytest.raises((TypeError, ValueError), match="max_pinned_share"):
-        KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), max_pinned_share=1.5)
+        KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(T), max_pinned_share=1.5)
     with pytest.raises(TypeError, match="max_pinned_share"):
-        KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), max_pinned_share=True)
+        KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(T), max_pinned_share=True)
 
 
 def test_snapshots_of_a_hybrid_model_and_window_pages_take_the_retention(make_manager: MakeManager) -> None:
@@ -528,7 +515,7 @@ def test_a_later_hint_replaces_an_earlier_one_on_a_shared_history(make_manager: 
     """A continuation that matches only part of the hinted history (its last message differs)
     leaves the first hint; its own hint, lower but longer, then replaces it on the shared blocks."""
     clock = Clock()
-    m = make_manager(one_layer(), tokens_per_block=T, quota=6 * REC * T, clock=clock)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=6 * REC * T, clock=clock)
     engine = FakeEngine(m)
     p = seq(1000, 2)
     run(m, engine, p + seq(2000, 1), Retention(80, 10.0))

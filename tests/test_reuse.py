@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 from conftest import REC, MakeManager, kv_layers, toks
 from fake_engine import FakeEngine
+from tier_helpers import publish, serve
 
 from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
-    KVCache,
-    KVCacheManager,
     LayerGroupId,
     PageStatus,
     Priority,
@@ -29,28 +28,6 @@ from kv_cache_manager_v2._reuse._tree import ReuseTree
 
 T = 8
 LG0 = LayerGroupId(0)
-
-
-def serve(engine: FakeEngine, kv: KVCache, tokens: list[int], decode: int = 0) -> None:
-    """Resume, check the reused prefix, prefill the rest, decode ``decode`` tokens."""
-    assert kv.resume()
-    h = kv.history_length
-    engine.check_all(kv, tokens, h)
-    n = len(tokens) - decode
-    assert kv.resize(n)
-    engine.step(kv, tokens, h, n)
-    kv.commit(tokens[h:n])
-    for pos in range(n, len(tokens)):
-        assert kv.resize(pos + 1)
-        engine.step(kv, tokens, pos, pos + 1)
-        kv.commit([tokens[pos]])
-
-
-def publish(m: KVCacheManager, engine: FakeEngine, tokens: list[int]) -> None:
-    """A request computes ``tokens`` and finishes: its blocks stay reusable."""
-    kv = m.create_kv_cache(input_tokens=tokens)
-    serve(engine, kv, tokens)
-    kv.close()
 
 
 def test_same_prompt_reuses_full_blocks_with_correct_data(make_manager: MakeManager) -> None:
@@ -75,7 +52,7 @@ def test_partial_block_is_copied_and_original_stays_intact(make_manager: MakeMan
     m = make_manager(kv_layers(2, T))
     engine = FakeEngine(m)
     writer = toks(3, 32)
-    publish(m, engine, writer)
+    publish(m, writer, engine=engine)
     # shares 20 tokens: 2 full blocks + 4 tokens of block 2
     second = writer[:20] + toks(4, 20)
     assert m.probe_reuse(None, second) == 20
@@ -96,7 +73,7 @@ def test_partial_reuse_can_be_disabled(make_manager: MakeManager) -> None:
     m = make_manager(kv_layers(1, T), enable_partial_reuse=False)
     engine = FakeEngine(m)
     writer = toks(5, 32)
-    publish(m, engine, writer)
+    publish(m, writer, engine=engine)
     assert m.probe_reuse(None, writer[:20] + [1, 2, 3]) == 16
 
 
@@ -247,7 +224,7 @@ def test_swa_reuse_needs_only_window_pages(make_manager: MakeManager) -> None:
     m = make_manager(kv_layers(2, T, window=12, swa_every=2))
     engine = FakeEngine(m)
     prompt = toks(40, 48)
-    publish(m, engine, prompt)
+    publish(m, prompt, engine=engine)
     assert m.probe_reuse(None, prompt) == 48
     b = m.create_kv_cache(input_tokens=prompt + toks(41, 8))
     assert b.history_length == 48
@@ -330,7 +307,7 @@ def test_array_tokens_match_list_tokens(make_manager: MakeManager) -> None:
     m = make_manager(kv_layers(1, T))
     engine = FakeEngine(m)
     prompt = toks(90, 40)
-    publish(m, engine, prompt)
+    publish(m, prompt, engine=engine)
     ids = array("I", prompt)
     assert m.probe_reuse(None, ids) == m.probe_reuse(None, prompt) == 40
     kv = m.create_kv_cache(input_tokens=ids)
@@ -363,7 +340,7 @@ def test_failing_priority_callback_on_resume_changes_nothing(make_manager: MakeM
     m = make_manager(kv_layers(1, T))
     engine = FakeEngine(m)
     writer = toks(97, 16)
-    publish(m, engine, writer)
+    publish(m, writer, engine=engine)
     calls = []
 
     def cb(o: int, lc: int) -> Priority:
@@ -384,7 +361,7 @@ def test_failing_priority_callback_on_resume_changes_nothing(make_manager: MakeM
 
 def test_bad_tokens_in_create_leave_nothing_open(make_manager: MakeManager) -> None:
     m = make_manager(kv_layers(1, T))
-    publish(m, FakeEngine(m), toks(99, 16))
+    publish(m, toks(99, 16))
     with pytest.raises(TypeError):
         m.create_kv_cache(input_tokens=toks(99, 8) + [1.5] + toks(5, 8))  # type: ignore[list-item]
     assert m.num_open_caches == 0
@@ -621,7 +598,7 @@ def test_publishing_and_evicting_a_chain_repeat_no_prune_walks(
     m = make_manager(kv_layers(1, T), quota=2 * 32 * T * blocks)  # one slot per block of the prompt
     engine = FakeEngine(m)
     prompt = toks(7, blocks * T)
-    publish(m, engine, prompt)
+    publish(m, prompt, engine=engine)
     assert m.probe_reuse(None, prompt) == blocks * T
     assert counts["prune"] <= 1, counts  # (closing the request lets go of its last node: one walk)
     counts.update(prune=0, is_removable=0)

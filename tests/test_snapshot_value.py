@@ -6,17 +6,9 @@ fake engine (the reused prefix and state checked at every resume) and the invari
 from __future__ import annotations
 
 import pytest
+from conftest import MakeManager, toks
 from fake_engine import FakeEngine
-from test_recurrent import (
-    MakeManager,
-    T,
-    decode,
-    hybrid_layers,
-    live_states_until_a_snapshot_goes,
-    prefill,
-    state_group,
-    toks,
-)
+from test_recurrent import T, decode, hybrid_layers, live_states_until_a_snapshot_goes, prefill, state_group
 
 from kv_cache_manager_v2 import KVCacheManager, LayerGroupId
 
