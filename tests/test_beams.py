@@ -1,5 +1,5 @@
 """Beam search through the fake engine: shared prompt pages, per-beam tails copied on write,
-random parent choices, memory pressure, suspend/resume, publishing the final beam."""
+random parent choices, memory pressure, suspend/resume, tier resizing, publishing the final beam."""
 
 from __future__ import annotations
 

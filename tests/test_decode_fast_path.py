@@ -10,19 +10,16 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from conftest import REC, MakeManager, kv_layers, used_slots
-from fake_engine import FakeEngine
+from conftest import MakeManager, attention_and_recurrent, kv_layers, used_slots
+from fake_engine import FakeEngine, next_token
 
 from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
-    AttentionLayerConfig,
     BeamIndex,
-    BufferConfig,
     KVCache,
     LayerGroupId,
     LayerId,
     LogicError,
-    SsmLayerConfig,
     SwaScratchReuseConfig,
     TokenId,
     TokenIdExt,
@@ -184,18 +181,11 @@ def test_one_token_commit_is_refused_inside_a_priority_callback(make_manager: Ma
     other.close()
 
 
-def hybrid_layers() -> list[LayerConfig]:
-    return [
-        AttentionLayerConfig(LayerId(0), [BufferConfig("key", REC * T), BufferConfig("value", REC * T)]),
-        SsmLayerConfig(LayerId(1), [BufferConfig("ssm_state", 64)]),
-    ]
-
-
 MODELS: dict[str, tuple[Callable[[], list[LayerConfig]], dict[str, object]]] = {
     "full": (lambda: list(kv_layers(2, T)), {}),
     "window": (lambda: list(kv_layers(4, T, window=6, swa_every=2)), {}),
     "scratch": (lambda: list(kv_layers(4, T, window=6, swa_every=2)), {"swa_scratch_reuse": SwaScratchReuseConfig()}),
-    "hybrid": (hybrid_layers, {"initial_pool_ratio": [0.5, 0.5], "ssm_reuse_interval": 8}),
+    "hybrid": (lambda: attention_and_recurrent(T), {"initial_pool_ratio": [0.5, 0.5], "ssm_reuse_interval": 8}),
 }
 
 
@@ -222,7 +212,7 @@ def test_decode_through_the_adapter_matches_the_kv_and_publishes_every_block(
             assert r.num_scheduled_tokens == want
             eng.step(a.get_kv_cache(r), r.all_tokens(), b, b + r.num_scheduled_tokens)
             if r.samples_this_step:
-                r.generated_tokens.append(TokenId(5000 + 97 * r.request_id + len(r.generated_tokens)))
+                r.generated_tokens.append(next_token(r))
         a.update_resources(batch)
         m.check_invariants()
         for r in batch:

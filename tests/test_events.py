@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pathlib
 import random
-import time
 from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
-from conftest import MakeManager, kv_layers, toks
+from conftest import LOOPBACK, MakeManager, kv_layers, sync, toks
 from fake_engine import FakeEngine
 from tier_helpers import publish, serve
 
@@ -52,7 +51,6 @@ from kv_cache_manager_v2.events import (
 )
 
 T = 8
-LOOPBACK = "tcp://127.0.0.1:*"
 
 
 @pytest.fixture
@@ -276,17 +274,6 @@ def pubsub() -> Iterator[Callable[..., tuple[ZmqEventPublisher, KVAwareRouter]]]
     yield factory  # type: ignore[misc]
     for x in made:
         x.close()
-
-
-def sync(router: KVAwareRouter, replica: int, pub: ZmqEventPublisher, timeout: float = 5.0) -> None:
-    """Wait until the router applied everything ``pub`` sent (replaying what the SUB socket lost)."""
-    last = pub.flush()
-    deadline = time.monotonic() + timeout
-    while router.last_seq(replica) < last:
-        router.poll(0.02)
-        if router.last_seq(replica) < last and time.monotonic() > deadline - timeout / 2:
-            router.catch_up(replica)  # the newest batches went missing: nothing later reveals the gap
-        assert time.monotonic() < deadline, f"router stuck at {router.last_seq(replica)} < {last}"
 
 
 CONFIGS: dict[str, dict[str, object]] = {

@@ -1,5 +1,6 @@
 """KVCache through the fake engine: batches, prefill chunks, decode, shrink, suspend/resume,
-override buffers, both index modes, all-or-nothing resize, slot accounting, bad input."""
+override buffers, both index modes and live views of them, all-or-nothing resize, huge sizes,
+slot accounting, window releases, bad input, queries after shutdown."""
 
 from __future__ import annotations
 

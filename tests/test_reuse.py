@@ -1,5 +1,6 @@
-"""Prefix reuse through the fake engine: full and partial blocks, reuse during generation,
-scopes, dedup, eviction order, and slot accounting."""
+"""Prefix reuse through the fake engine: full and partial blocks (partial matching scales with
+siblings), reuse during generation, scopes (and their roots), dedup, eviction order, slot
+accounting, and token validation."""
 
 from __future__ import annotations
 

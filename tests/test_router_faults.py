@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
-from conftest import MakeManager, kv_layers, toks
+from conftest import LOOPBACK, MakeManager, kv_layers, sync, toks
 from tier_helpers import publish
 
 from kv_cache_manager_v2 import KVCacheEventManager, KVCacheManager, TokenIdExt
@@ -31,7 +31,6 @@ from kv_cache_manager_v2.events import (
 )
 
 T = 8
-LOOPBACK = "tcp://127.0.0.1:*"
 
 
 def free_tcp_endpoint() -> str:
@@ -40,21 +39,6 @@ def free_tcp_endpoint() -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return f"tcp://127.0.0.1:{port}"
-
-
-def sync(router: KVAwareRouter, replica: int, pub: ZmqEventPublisher, timeout: float = 30.0) -> None:
-    """Wait until the router applied everything ``pub`` sent (replaying what the SUB socket lost)."""
-    last = pub.flush()
-    deadline = time.monotonic() + timeout
-    while router.last_seq(replica) < last:
-        router.poll(0.02)
-        if router.last_seq(replica) < last and time.monotonic() > deadline - timeout / 2:
-            router.catch_up(replica)
-        s = router.subscriptions[replica]
-        assert time.monotonic() < deadline, (
-            f"router stuck at {router.last_seq(replica)} < {last}: replayed {s.num_replayed}, lost {s.num_lost}, "
-            f"replay failures {s.num_replay_failures}, malformed {s.num_malformed}"
-        )
 
 
 class RawPublisher:

@@ -1,5 +1,6 @@
-"""Host and disk tiers through the fake engine: the eviction cascade, onboarding, suspended
-requests spilling down and coming back, prefetch, tier resizing, disk errors, statistics."""
+"""Host and disk tiers through the fake engine: the eviction cascade (through a host tier smaller
+than a request too), onboarding, suspended requests spilling down and coming back, the resume
+gate, prefetch, tier resizing, disk errors, statistics."""
 
 from __future__ import annotations
 
