@@ -1,6 +1,6 @@
-"""Re-entrancy and threads: a call made while another is in progress (from a priority callback,
-a garbage-collected cache's ``__del__``, or another thread) is refused with a ``LogicError`` and
-changes nothing; the call in progress ends as if alone."""
+"""Re-entrancy and threads: a call made while another is in progress (from a priority callback or
+another thread) is refused with a ``LogicError`` and changes nothing, and the call in progress ends
+as if alone; a cache garbage-collected during a call is closed when the call ends."""
 
 from __future__ import annotations
 
