@@ -154,18 +154,21 @@ def small_host(make_manager: MakeManager, tmp_path: object, host: int, **kw: obj
     )
 
 
+def pushed_down(m: KVCacheManager) -> tuple[FakeEngine, list[int], KVCache]:
+    """8 blocks published, then a request computing on the whole GPU (returned, open): they go down."""
+    engine = FakeEngine(m)
+    toks = seq(1, 8 * T)
+    publish(m, toks, engine=engine)
+    hog = m.create_kv_cache()
+    assert hog.resume()
+    compute(engine, hog, seq(2, 16 * T), 16 * T)
+    return engine, toks, hog
+
+
 def test_gpu_victims_push_the_small_host_tier_down_to_disk(make_manager: MakeManager, tmp_path: object) -> None:
     for host in (2, 4, 8):
         m = small_host(make_manager, tmp_path, host)
-        engine = FakeEngine(m)
-        toks = seq(1, 8 * T)
-        a = m.create_kv_cache(input_tokens=toks)
-        assert a.resume()
-        compute(engine, a, toks, 8 * T)
-        a.close()
-        hog = m.create_kv_cache()
-        assert hog.resume()
-        compute(engine, hog, seq(2, 16 * T), 16 * T)  # the whole GPU
+        engine, toks, hog = pushed_down(m)
         assert m.probe_reuse(None, toks + [7]) == 8 * T  # nothing was dropped: the disk had room
         stats = [m.get_tier_statistics(level) for level in (GPU, HOST, DISK)]
         assert sum(s.dropped_pages for s in stats) == 0
@@ -184,15 +187,7 @@ def test_gpu_victims_push_the_small_host_tier_down_to_disk(make_manager: MakeMan
 
 def test_the_newest_victims_stay_in_the_small_host_tier(make_manager: MakeManager, tmp_path: object) -> None:
     m = small_host(make_manager, tmp_path, 2)
-    engine = FakeEngine(m)
-    toks = seq(1, 8 * T)
-    a = m.create_kv_cache(input_tokens=toks)
-    assert a.resume()
-    compute(engine, a, toks, 8 * T)
-    a.close()  # released last block first: block 7 is the oldest, block 0 the newest
-    hog = m.create_kv_cache()
-    assert hog.resume()
-    compute(engine, hog, seq(2, 16 * T), 16 * T)
+    _, toks, hog = pushed_down(m)  # released last block first: block 7 is the oldest, block 0 the newest
     b = m.create_kv_cache(input_tokens=toks + [7])
     assert levels_of(b) == [HOST, HOST] + [DISK] * 6
     b.close()
