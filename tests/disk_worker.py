@@ -30,8 +30,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("KV_CACHE_MANAGER_V2_CHECK", "1")
 
-from conftest import REC, kv_layers
+from conftest import kv_layers
 from fake_engine import FakeEngine
+from tier_helpers import SLOT, T, publish
 
 import kv_cache_manager_v2
 from kv_cache_manager_v2 import (
@@ -40,9 +41,6 @@ from kv_cache_manager_v2 import (
     KVCacheManager,
     KVCacheManagerConfig,
 )
-
-T = 8
-SLOT = 2 * 2 * REC * T
 
 
 def config(spec: dict[str, object]) -> KVCacheManagerConfig:
@@ -60,16 +58,6 @@ def config(spec: dict[str, object]) -> KVCacheManagerConfig:
         backend="host",
         max_util_for_resume=1.0,
     )
-
-
-def publish(m: KVCacheManager, engine: FakeEngine, toks: list[int]) -> None:
-    kv = m.create_kv_cache(input_tokens=toks)
-    assert kv.resume()
-    h = kv.history_length
-    assert kv.resize(len(toks), h)
-    engine.step(kv, toks, h, len(toks))
-    kv.commit(toks[h:])
-    kv.close()
 
 
 def main() -> None:
@@ -94,12 +82,12 @@ def main() -> None:
         out["io_errors"] = m.get_tier_statistics(kv_cache_manager_v2.CacheLevel(1)).io_errors
     elif mode == "publish":
         for toks in prompts:
-            publish(m, engine, toks)
+            publish(m, toks, engine=engine)
     elif mode == "churn":
         r = 0
         while True:
             for _ in range(8):
-                publish(m, engine, [(1000 + r) * 1000 + i for i in range(3 * T)])
+                publish(m, [(1000 + r) * 1000 + i for i in range(3 * T)], engine=engine)
                 r += 1
             if r == 8:
                 print("ready", flush=True)
@@ -108,7 +96,7 @@ def main() -> None:
         time.sleep(600)
     elif mode == "fork":
         for toks in prompts:
-            publish(m, engine, toks)
+            publish(m, toks, engine=engine)
         hog = m.create_kv_cache()  # takes every GPU slot: the published blocks go down to disk
         assert hog.resume() and hog.resize(int(spec.get("gpu", 4)) * T)
         hog.close()

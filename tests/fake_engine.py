@@ -35,8 +35,10 @@ from kv_cache_manager_v2 import (
     PageIndexConverter,
     PageIndexMode,
     SsmLayerConfig,
+    TokenId,
     TokenIdExt,
 )
+from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager
 
 MAGIC = 0x4B56_4B56
 #: With this environment variable set to 1, every step also runs the manager's invariant checker.
@@ -242,3 +244,24 @@ class FakeEngine:
         buf = self.buffers[0]
         indices = self.kernel_indices(kv, buf)
         self.backend.write(self._address(buf, indices, pos), b"\0" * RECORD_BYTES)
+
+
+def next_token(r: EngineRequest) -> TokenId:
+    """The token a request samples next: distinct per request and position."""
+    return TokenId(5000 + 97 * r.request_id + len(r.generated_tokens))
+
+
+def adapter_step(
+    adapter: KVCacheResourceManager, engine: FakeEngine, batch: list[EngineRequest]
+) -> list[EngineRequest]:
+    """One step of the adapter's loop: prepare, write/check KV records with ``engine``, sample
+    (``next_token``), update; returns the requests prepare left unserved."""
+    unserved = adapter.prepare_resources(batch)
+    served = [r for r in batch if r not in unserved]
+    for r in served:
+        b = r.num_cached_tokens
+        engine.step(adapter.get_kv_cache(r), r.all_tokens(), b, b + r.num_scheduled_tokens)
+        if r.samples_this_step:
+            r.generated_tokens.append(next_token(r))
+    adapter.update_resources(served)
+    return unserved

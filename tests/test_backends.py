@@ -8,7 +8,18 @@ from pathlib import Path
 import pytest
 from conftest import CUDA_REASON, kv_layers, make_config, requires_cuda
 
-from kv_cache_manager_v2 import CuError, KVCacheManager, MemAddress, OutOfMemoryError, SlotId
+from kv_cache_manager_v2 import (
+    AttentionLayerConfig,
+    BufferConfig,
+    CuError,
+    GpuCacheTierConfig,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    LayerId,
+    MemAddress,
+    OutOfMemoryError,
+    SlotId,
+)
 from kv_cache_manager_v2._config import BACKEND_ENV_VAR
 from kv_cache_manager_v2._storage._host_backend import HostBackend
 from kv_cache_manager_v2._storage._select import select_backend
@@ -36,6 +47,24 @@ def test_host_pool_read_write_copy_and_stable_base() -> None:
         pool.ensure_mapped(2 << 20)
     pool.release()
     pool.release()
+
+
+def test_host_backend_reserves_a_realistic_pool_lazily_and_refuses_an_impossible_one() -> None:
+    layers = [
+        AttentionLayerConfig(
+            LayerId(i), [BufferConfig("key", 8 * 128 * 2 * 32), BufferConfig("value", 8 * 128 * 2 * 32)]
+        )
+        for i in range(32)
+    ]
+    m = KVCacheManager(KVCacheManagerConfig(32, [GpuCacheTierConfig(40 << 30)], layers, backend="host"))
+    assert m.get_storage_statistics()[0].total == 10240  # 40 GiB of 4 MiB slots, reserved not committed
+    kv = m.create_kv_cache()
+    kv.resume()
+    assert kv.resize(32 * 4)
+    kv.close()
+    m.shutdown()
+    with pytest.raises(OutOfMemoryError, match="quota"):
+        KVCacheManager(KVCacheManagerConfig(32, [GpuCacheTierConfig(1 << 52)], layers, backend="host"))
 
 
 def test_env_var_overrides_auto(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

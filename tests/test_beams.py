@@ -1,32 +1,28 @@
 """Beam search through the fake engine: shared prompt pages, per-beam tails copied on write,
-random parent choices, memory pressure, suspend/resume, publishing the final beam."""
+random parent choices, memory pressure, suspend/resume, tier resizing, publishing the final beam."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 import pytest
-from conftest import REC, kv_layers
+from conftest import REC, MakeManager, kv_layers, used_slots
 from fake_engine import FakeEngine
 
 from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
     BeamIndex,
+    CacheLevel,
     KVCache,
     KVCacheManager,
     LayerGroupId,
     LogicError,
 )
 
-MakeManager = Callable[..., KVCacheManager]
 T = 8
 B = 4
 LG0 = LayerGroupId(0)
-
-
-def used(m: KVCacheManager) -> int:
-    return sum(s.total - s.free - s.evictable for s in m.get_storage_statistics())
+GPU, HOST, DISK = CacheLevel(0), CacheLevel(1), CacheLevel(2)
 
 
 def distinct_slots(kv: KVCache) -> int:
@@ -109,16 +105,16 @@ def test_shared_blocks_are_counted_once(make_manager: MakeManager) -> None:
     prompt = [rng.randrange(1 << 30) for _ in range(4 * T + 3)]  # 4 full blocks + a partial one
     kv = m.create_kv_cache(beam_width=B)
     seqs = start_beams(engine, kv, prompt, rng)
-    assert used(m) == distinct_slots(kv) == 5  # nothing copied yet: the tail is copied on write
+    assert used_slots(m) == distinct_slots(kv) == 5  # nothing copied yet: the tail is copied on write
     for _ in range(3 * T):
         h = kv.history_length
         assert kv.resize(h + 1)
-        assert used(m) == distinct_slots(kv)
+        assert used_slots(m) == distinct_slots(kv)
         seqs = beam_step(engine, kv, seqs, rng)
     # distinct (block, content) pairs: the 4 prompt blocks once, then per block the distinct prefixes
     n = kv.num_committed_tokens
     contents = {(o, tuple(s[: min((o + 1) * T, n)])) for s in seqs for o in range(kv.num_blocks) if o * T < n}
-    assert used(m) == distinct_slots(kv) == len(contents)
+    assert used_slots(m) == distinct_slots(kv) == len(contents)
     kv.close()
 
 
@@ -148,6 +144,83 @@ def test_only_the_final_beam_is_published(make_manager: MakeManager) -> None:
     assert reuse.resume()
     engine.check_all(reuse, final[2], len(final[2]))
     reuse.close()
+
+
+def _beam_pages(kv: KVCache) -> int:
+    return len({id(p) for b in range(kv.beam_width) for p in kv._tables[b].all_pages()})
+
+
+def _check_beams(engine: FakeEngine, kv: KVCache, seqs: list[list[int]]) -> None:
+    assert kv.resume()
+    for b in range(B):
+        engine.check_all(kv, seqs[b], kv.history_length, beam=b)
+        assert kv.get_committed_tokens(BeamIndex(b)) == seqs[b][: kv.history_length]
+
+
+def _filler(m: KVCacheManager) -> KVCache:
+    """A suspended request of 4 uncommitted blocks, listed for eviction before the beam request."""
+    f = m.create_kv_cache()
+    assert f.resume() and f.resize(4 * m.tokens_per_block)
+    f.suspend()
+    return f
+
+
+def _fill_gpu(m: KVCacheManager) -> None:
+    """A request taking the whole GPU (pushing every suspended page down), then closed."""
+    hog = m.create_kv_cache()
+    assert hog.resume() and hog.resize(16 * m.tokens_per_block)
+    hog.close()
+
+
+def test_tier_resize_moves_every_beams_pages(make_manager: MakeManager, tmp_path: object) -> None:
+    t = 16
+    slot = 2 * 2 * REC * t  # two layers, key + value: one slot holds one block
+    m = make_manager(
+        kv_layers(2, t),
+        t,
+        16 * slot,
+        host_quota=16 * slot,
+        disk_quota=16 * slot,
+        disk_path=str(tmp_path),
+        max_util_for_resume=1.0,
+    )
+    engine = FakeEngine(m)
+    engine.check_beam_field = False
+    rng = random.Random(5)
+    prompt = [rng.randrange(1 << 30) for _ in range(20)]
+    f = _filler(m)
+    kv = m.create_kv_cache(input_tokens=prompt[:-1], beam_width=B)
+    seqs = start_beams(engine, kv, prompt, rng)
+    while kv.history_length < 2 * t - 2:
+        assert kv.resize(kv.history_length + 1)
+        seqs = beam_step(engine, kv, seqs, rng)
+    n = _beam_pages(kv)
+    assert n > len(kv.block_table.all_pages())  # some pages only other beams hold
+    kv.suspend()
+    f.close()  # the GPU's first slots are free, the beam request's pages lie above them
+    assert m.resize(GPU, n * slot)
+    _check_beams(engine, kv, seqs)
+    assert m.get_storage_statistics(GPU)[0].total == n
+    kv.suspend()
+    assert m.resize(GPU, 16 * slot)
+    assert kv.resume()
+    f = _filler(m)
+    kv.suspend()
+    _fill_gpu(m)  # the filler goes to the host's first slots, the beam pages after it
+    assert {p.level for p in kv._all_pages()} == {HOST}
+    f.close()
+    assert m.resize(HOST, n * slot)
+    _check_beams(engine, kv, seqs)
+    f = _filler(m)
+    kv.suspend()
+    _fill_gpu(m)
+    assert m.resize(HOST, slot)  # all but the newest page the host held go to disk, the filler first
+    assert m.resize(HOST, 16 * slot)
+    assert sorted(p.level for p in {id(p): p for p in kv._all_pages()}.values()) == [HOST] + [DISK] * (n - 1)
+    f.close()
+    assert m.resize(DISK, (n - 1) * slot)
+    _check_beams(engine, kv, seqs)
+    kv.close()
 
 
 def test_beam_misuse_is_refused(make_manager: MakeManager) -> None:

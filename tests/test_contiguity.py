@@ -6,10 +6,9 @@ mix of requests (host tier) in which no allocation ever moves a page in use (fak
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 import pytest
-from conftest import kv_layers
+from conftest import MakeManager, kv_layers
 from fake_engine import FakeEngine
 from tier_helpers import SLOT, T, compute, seq
 
@@ -19,7 +18,6 @@ from kv_cache_manager_v2._page import Page
 from kv_cache_manager_v2._storage._host_backend import HostMemoryPool
 from kv_cache_manager_v2._storage._slot_allocator import SlotAllocator, pair_sorted
 
-MakeManager = Callable[..., KVCacheManager]
 LG0 = LayerGroupId(0)
 HOST = CacheLevel(1)
 

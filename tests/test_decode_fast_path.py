@@ -10,20 +10,16 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from conftest import REC, kv_layers
-from fake_engine import FakeEngine
+from conftest import MakeManager, attention_and_recurrent, kv_layers, used_slots
+from fake_engine import FakeEngine, next_token
 
 from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
-    AttentionLayerConfig,
     BeamIndex,
-    BufferConfig,
     KVCache,
-    KVCacheManager,
     LayerGroupId,
     LayerId,
     LogicError,
-    SsmLayerConfig,
     SwaScratchReuseConfig,
     TokenId,
     TokenIdExt,
@@ -31,17 +27,12 @@ from kv_cache_manager_v2 import (
 from kv_cache_manager_v2._config import LayerConfig
 from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager, RequestState
 
-MakeManager = Callable[..., KVCacheManager]
 T = 4
 LG0 = LayerGroupId(0)
 
 
 def pages(kv: KVCache, layer_group: LayerGroupId = LG0, beam: int = 0) -> list[int]:
     return [i for i in kv.get_base_page_indices(layer_group, BeamIndex(beam)) if i != BAD_PAGE_INDEX]
-
-
-def used_slots(m: KVCacheManager) -> int:
-    return sum(s.total - s.free - s.evictable for s in m.get_storage_statistics())
 
 
 def test_resize_allocates_and_releases_exactly_at_block_boundaries(make_manager: MakeManager) -> None:
@@ -190,18 +181,11 @@ def test_one_token_commit_is_refused_inside_a_priority_callback(make_manager: Ma
     other.close()
 
 
-def hybrid_layers() -> list[LayerConfig]:
-    return [
-        AttentionLayerConfig(LayerId(0), [BufferConfig("key", REC * T), BufferConfig("value", REC * T)]),
-        SsmLayerConfig(LayerId(1), [BufferConfig("ssm_state", 64)]),
-    ]
-
-
 MODELS: dict[str, tuple[Callable[[], list[LayerConfig]], dict[str, object]]] = {
     "full": (lambda: list(kv_layers(2, T)), {}),
     "window": (lambda: list(kv_layers(4, T, window=6, swa_every=2)), {}),
     "scratch": (lambda: list(kv_layers(4, T, window=6, swa_every=2)), {"swa_scratch_reuse": SwaScratchReuseConfig()}),
-    "hybrid": (hybrid_layers, {"initial_pool_ratio": [0.5, 0.5], "ssm_reuse_interval": 8}),
+    "hybrid": (lambda: attention_and_recurrent(T), {"initial_pool_ratio": [0.5, 0.5], "ssm_reuse_interval": 8}),
 }
 
 
@@ -228,7 +212,7 @@ def test_decode_through_the_adapter_matches_the_kv_and_publishes_every_block(
             assert r.num_scheduled_tokens == want
             eng.step(a.get_kv_cache(r), r.all_tokens(), b, b + r.num_scheduled_tokens)
             if r.samples_this_step:
-                r.generated_tokens.append(TokenId(5000 + 97 * r.request_id + len(r.generated_tokens)))
+                r.generated_tokens.append(next_token(r))
         a.update_resources(batch)
         m.check_invariants()
         for r in batch:

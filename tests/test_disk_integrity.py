@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import kv_layers
+from conftest import MakeManager, kv_layers, remote_keys
 from fake_engine import FakeEngine
 from tier_helpers import SLOT, T, compute, publish, seq, tree_pages
 
@@ -28,7 +27,6 @@ from kv_cache_manager_v2._page import Page
 from kv_cache_manager_v2._storage._disk import DiskPool
 from kv_cache_manager_v2.redis_server import LocalRedisServer
 
-MakeManager = Callable[..., KVCacheManager]
 DISK = CacheLevel(2)
 
 
@@ -131,16 +129,6 @@ def test_a_damaged_page_of_a_suspended_request_shortens_it_at_resume(make_manage
     assert a.history_length == 2 * T and m.get_tier_statistics(DISK).io_errors == 1
     engine.check_all(a, toks, 2 * T)
     a.close()
-
-
-def remote_keys(server: LocalRedisServer) -> list[bytes]:
-    import redis
-
-    client = redis.Redis.from_url(server.url)
-    try:
-        return sorted(client.keys("kvcm:*"))
-    finally:
-        client.close()
 
 
 def test_a_damaged_disk_page_is_never_sent_to_the_remote_tier(redis_server: LocalRedisServer, tmp_path: Any) -> None:

@@ -8,14 +8,14 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from conftest import REC, kv_layers, make_config
-from fake_engine import FakeEngine
+from conftest import REC, attention_and_recurrent, kv_layers, make_config
+from fake_engine import FakeEngine, adapter_step, next_token
+from tier_helpers import seq
 
 from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
     AttentionLayerConfig,
     BlockStoredEvent,
-    BufferConfig,
     CacheLevel,
     KVCacheEventManager,
     KVCacheManager,
@@ -25,13 +25,11 @@ from kv_cache_manager_v2 import (
     LogicError,
     PageIndexMode,
     ReuseScope,
-    SsmLayerConfig,
     SwaScratchReuseConfig,
     TokenId,
     TokenIdExt,
     compiled,
 )
-from kv_cache_manager_v2._config import LayerConfig
 from kv_cache_manager_v2.engine import CudaBufferView, EngineRequest, KVCacheResourceManager, RequestState
 
 T = 4
@@ -67,26 +65,9 @@ def toks(*ranges: range) -> list[TokenIdExt]:
     return [TokenId(t) for r in ranges for t in r]
 
 
-def next_token(r: EngineRequest) -> TokenId:
-    return TokenId(5000 + 97 * r.request_id + len(r.generated_tokens))
-
-
-def step(adapter: KVCacheResourceManager, engine: FakeEngine, batch: list[EngineRequest]) -> list[EngineRequest]:
-    """prepare, write/check KV records with the fake engine, sample, update; returns the unserved."""
-    unserved = adapter.prepare_resources(batch)
-    served = [r for r in batch if r not in unserved]
-    for r in served:
-        b = r.num_cached_tokens
-        engine.step(adapter.get_kv_cache(r), r.all_tokens(), b, b + r.num_scheduled_tokens)
-        if r.samples_this_step:
-            r.generated_tokens.append(next_token(r))
-    adapter.update_resources(served)
-    return unserved
-
-
 def run_to_end(adapter: KVCacheResourceManager, engine: FakeEngine, r: EngineRequest, free: bool = True) -> None:
     while len(r.generated_tokens) < r.max_new_tokens:
-        assert step(adapter, engine, [r]) == []
+        assert adapter_step(adapter, engine, [r]) == []
     r.state = RequestState.FINISHED
     if free:
         adapter.free_resources(r)
@@ -115,6 +96,51 @@ def test_engine_request_validates_its_fields() -> None:
     assert r.num_tokens == 7
     assert r.tokens(3, 6) == [3, 4, 100] and r.tokens(5, 7) == [100, 101] and r.tokens(0, 2) == [0, 1]
     assert r.state is RequestState.CONTEXT and not r.samples_this_step
+
+
+def test_adapter_request_identity_is_fixed_and_step_fields_are_checked_where_used(backend: str) -> None:
+    t = 4
+    a = KVCacheResourceManager(make_config(kv_layers(1, t), t, 64 * 2 * REC * t, backend=backend))
+    engine = FakeEngine(a.manager)
+    prompt = seq(1, 12)
+    req = EngineRequest(7, prompt, 4, context_chunk_size=8)
+    assert a.prepare_resources([req]) == []
+    engine.step(a.get_kv_cache(req), req.all_tokens(), 0, 8)
+    a.update_resources([req])
+    assert req.num_cached_tokens == 8
+    kv = a.get_kv_cache(req)
+    before = (req.num_cached_tokens, req.num_scheduled_tokens, kv.history_length, kv.capacity)
+    for name, value in (("request_id", 8), ("prompt_tokens", seq(2, 12)), ("reuse_scope", ReuseScope(salt=1))):
+        with pytest.raises(AttributeError):
+            setattr(req, name, value)
+    assert req.request_id == 7 and list(req.prompt_tokens) == prompt and req.reuse_scope is None
+    req.context_chunk_size = -3
+    with pytest.raises(ValueError, match="context_chunk_size"):
+        a.prepare_resources([req])
+    with pytest.raises(ValueError, match="context_chunk_size"):
+        a.get_needed_resource_to_completion(req)
+    assert (req.num_cached_tokens, req.num_scheduled_tokens, kv.history_length, kv.capacity) == before
+    with pytest.raises(TypeError):  # refused at assignment (compiled) or where it is used
+        req.context_chunk_size = "4"  # type: ignore[assignment]
+        a.prepare_resources([req])
+    req.context_chunk_size = 4
+    req.max_new_tokens = 0
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        a.get_needed_resource_to_completion(req)
+    req.max_new_tokens = 4
+    other = EngineRequest(9, seq(3, 8), 2)
+    other.priority = 500  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="priority"):
+        a.prepare_resources([req, other])  # the batch is rolled back: req is as it was
+    assert (req.num_cached_tokens, req.num_scheduled_tokens, kv.history_length, kv.capacity) == before
+    assert a.manager.num_open_caches == 1
+    assert a.prepare_resources([req]) == []
+    assert req.num_scheduled_tokens == 4
+    engine.step(a.get_kv_cache(req), req.all_tokens(), 8, 12)
+    a.update_resources([req])
+    assert a.get_kv_cache(req).history_length == 12
+    a.free_resources(req)
+    a.shutdown()
 
 
 # ---------------------------------------------------------------- the step
@@ -163,7 +189,7 @@ def test_reuse_during_generation(make_adapter: Callable[..., KVCacheResourceMana
     eng = FakeEngine(a.manager)
     src = EngineRequest(1, toks(range(6)), max_new_tokens=20)
     for _ in range(8):
-        assert step(a, eng, [src]) == []
+        assert adapter_step(a, eng, [src]) == []
     assert src.state is RequestState.GENERATION and src.num_cached_tokens == 13
     follow = EngineRequest(2, src.all_tokens() + [TokenId(77)], max_new_tokens=2)
     assert a.prepare_resources([follow]) == []
@@ -180,7 +206,7 @@ def test_freed_request_is_recomputed_from_its_own_reused_blocks(
     eng = FakeEngine(a.manager)
     r = EngineRequest(1, toks(range(9)), max_new_tokens=8, context_chunk_size=4)
     for _ in range(6):
-        assert step(a, eng, [r]) == []
+        assert adapter_step(a, eng, [r]) == []
     assert r.state is RequestState.GENERATION and (r.num_cached_tokens, len(r.generated_tokens)) == (12, 4)
     a.free_resources(r)  # publishes 3 full blocks (no partial tail: 12 tokens)
     assert not a.has_resources(r) and r.num_cached_tokens == 0
@@ -191,7 +217,7 @@ def test_freed_request_is_recomputed_from_its_own_reused_blocks(
     assert r.generated_tokens == [TokenId(5000 + 97 + i) for i in range(8)]
     # freed mid-prompt: the re-admission continues the prompt in chunks
     r2 = EngineRequest(2, toks(range(100, 118)), max_new_tokens=2, context_chunk_size=5)
-    assert step(a, eng, [r2]) == [] and step(a, eng, [r2]) == []
+    assert adapter_step(a, eng, [r2]) == [] and adapter_step(a, eng, [r2]) == []
     a.free_resources(r2)  # 10 tokens committed: 2 full blocks + a published partial tail of 2
     assert a.prepare_resources([r2]) == []
     assert r2.state is RequestState.CONTEXT and (r2.num_reused_tokens, r2.num_scheduled_tokens) == (10, 5)
@@ -212,10 +238,10 @@ def test_unserved_requests_are_left_exactly_as_they_were(make_adapter: Callable[
     a = make_adapter(kv_layers(1, T), quota=6 * slot_bytes(1))  # 6 slots = 24 tokens
     eng = FakeEngine(a.manager)
     big = EngineRequest(1, toks(range(16)), max_new_tokens=8)  # at most 23 tokens: 6 blocks
-    assert step(a, eng, [big]) == []  # 4 slots
+    assert adapter_step(a, eng, [big]) == []  # 4 slots
     kv_big = a.get_kv_cache(big)
     small = EngineRequest(2, toks(range(100, 107)), max_new_tokens=2)  # 8 tokens: 2 blocks
-    assert step(a, eng, [small]) == []  # memory full
+    assert adapter_step(a, eng, [small]) == []  # memory full
     assert a.get_num_free_blocks() == 0
     before = (
         kv_big.capacity,
@@ -256,9 +282,9 @@ def test_prepare_rolls_back_the_whole_batch_when_a_request_raises(
     eng = FakeEngine(a.manager)
     run_to_end(a, eng, EngineRequest(9, toks(range(50, 60)), 1))  # something to reuse
     dec = EngineRequest(1, toks(range(8)), max_new_tokens=10)
-    assert step(a, eng, [dec]) == []  # cached 8, one token to decode
+    assert adapter_step(a, eng, [dec]) == []  # cached 8, one token to decode
     sus = EngineRequest(2, toks(range(20, 27)), max_new_tokens=10)
-    assert step(a, eng, [sus]) == []
+    assert adapter_step(a, eng, [sus]) == []
     a.suspend_resources(sus)
     kv_dec, kv_sus = a.get_kv_cache(dec), a.get_kv_cache(sus)
     free = a.get_num_free_blocks()
@@ -290,7 +316,7 @@ def test_prepare_rolls_back_the_whole_batch_when_a_request_raises(
     impostor = EngineRequest(1, toks(range(8)), 1)
     with pytest.raises(ValueError, match="another EngineRequest"):
         a.prepare_resources([impostor])
-    assert step(a, eng, [dec, sus, fresh]) == [] and fresh.num_reused_tokens == 10
+    assert adapter_step(a, eng, [dec, sus, fresh]) == [] and fresh.num_reused_tokens == 10
 
 
 def test_misuse_raises_clear_errors(make_adapter: Callable[..., KVCacheResourceManager]) -> None:
@@ -304,7 +330,7 @@ def test_misuse_raises_clear_errors(make_adapter: Callable[..., KVCacheResourceM
     with pytest.raises(LogicError, match="holds no resources"):
         a.suspend_resources(r)
     a.free_resources(r)  # unknown: a no-op
-    assert step(a, eng, [r]) == []
+    assert adapter_step(a, eng, [r]) == []
     assert len(r.generated_tokens) == 1
     r.generated_tokens.clear()  # the engine forgot to append: no token left to compute
     with pytest.raises(LogicError, match="no uncomputed token"):
@@ -325,7 +351,7 @@ def test_update_after_a_bad_token_can_be_repeated(make_adapter: Callable[..., KV
     a = make_adapter(kv_layers(1, T))
     eng = FakeEngine(a.manager)
     r1, r2 = EngineRequest(1, toks(range(5)), 4), EngineRequest(2, toks(range(50, 55)), 4)
-    assert step(a, eng, [r1, r2]) == []
+    assert adapter_step(a, eng, [r1, r2]) == []
     r2.generated_tokens[-1] = np.int64(7)  # type: ignore[call-overload]  # a numpy int from argmax
     assert a.prepare_resources([r1, r2]) == []
     with pytest.raises(TypeError, match="int"):
@@ -344,7 +370,7 @@ def test_suspend_drops_the_prepared_step_and_resume_continues(
     a = make_adapter(kv_layers(2, T))
     eng = FakeEngine(a.manager)
     r = EngineRequest(1, toks(range(8)), max_new_tokens=6, context_chunk_size=3)
-    assert step(a, eng, [r]) == []
+    assert adapter_step(a, eng, [r]) == []
     assert a.prepare_resources([r]) == [] and r.num_scheduled_tokens == 3
     kv = a.get_kv_cache(r)
     assert kv.capacity == 6
@@ -364,7 +390,7 @@ def test_priority_sets_eviction_order(make_adapter: Callable[..., KVCacheResourc
     run_to_end(a, eng, high)
     run_to_end(a, eng, low)  # released last, but lower priority
     filler = EngineRequest(3, toks(range(300, 315)), 1)  # 4 blocks: needs 2 evictions
-    assert step(a, eng, [filler]) == []
+    assert adapter_step(a, eng, [filler]) == []
     assert a.manager.probe_reuse(None, high.prompt_tokens) == 12
     assert a.manager.probe_reuse(None, low.prompt_tokens) < 12
 
@@ -404,7 +430,7 @@ def test_needed_to_completion_matches_the_real_peak(
         prompt = toks(range(1000 * case, 1000 * case + rng.randrange(1, 30)))
         r = EngineRequest(case, prompt, rng.randrange(1, 25), context_chunk_size=rng.choice([0, 1, 3, 5, 8]))
         bound = a.get_needed_resource_to_completion_per_pool_group(r)
-        assert step(a, eng, [r]) == []
+        assert adapter_step(a, eng, [r]) == []
         held0 = held_per_pool_group(a, [r])
         need = a.get_needed_resource_to_completion_per_pool_group(r)
         assert a.get_needed_resource_to_completion(r) == sum(need)
@@ -460,7 +486,7 @@ def test_free_blocks_and_max_count_are_slot_sums(make_adapter: Callable[..., KVC
     assert a.get_max_resource_count() == sum(s.total for s in stats) == a.get_num_free_blocks()
     eng = FakeEngine(a.manager)
     r = EngineRequest(1, toks(range(21)), 4)
-    assert step(a, eng, [r]) == []
+    assert adapter_step(a, eng, [r]) == []
     held = held_per_pool_group(a, [r])
     assert a.get_num_free_blocks_per_pool_group() == [s.total - h for s, h in zip(stats, held)]
     assert a.get_num_free_blocks() == a.get_max_resource_count() - sum(held)
@@ -474,7 +500,7 @@ def test_block_tables_and_kernel_page_indices(make_adapter: Callable[..., KVCach
     eng = FakeEngine(a.manager)
     r1 = EngineRequest(1, toks(range(30)), 3)
     r2 = EngineRequest(2, toks(range(100, 109)), 3)
-    assert step(a, eng, [r1, r2]) == []
+    assert adapter_step(a, eng, [r1, r2]) == []
     for lg in range(2):
         tables = a.get_batch_cache_indices([r1, r2], LayerGroupId(lg))
         assert set(tables) == {1, 2}
@@ -495,7 +521,7 @@ def test_get_buffers_aliases_pool_memory(make_adapter: Callable[..., KVCacheReso
     a = make_adapter(kv_layers(2, T))
     eng = FakeEngine(a.manager)
     r = EngineRequest(1, toks(range(10)), 2)
-    assert step(a, eng, [r]) == []
+    assert adapter_step(a, eng, [r]) == []
     m = a.manager
     for layer in range(2):
         lid = LayerId(layer)
@@ -623,12 +649,12 @@ def test_suspended_request_spills_to_host_and_resumes_intact(
     eng = FakeEngine(m)
     host = CacheLevel(1)
     first = EngineRequest(1, toks(range(20)), max_new_tokens=4)  # 5 blocks, then 6
-    assert step(a, eng, [first]) == []
+    assert adapter_step(a, eng, [first]) == []
     a.suspend_resources(first)
     assert a.get_needed_resource_to_completion_per_pool_group(first) == [6]  # its pages may spill: all again
     other = EngineRequest(2, toks(range(100, 124)), max_new_tokens=2)  # 6 blocks: only fits if first spills
     assert a.get_num_free_blocks() == 8  # first's pages count as free: the host can take them
-    assert step(a, eng, [other]) == []
+    assert adapter_step(a, eng, [other]) == []
     assert m.get_tier_statistics(host).offloaded_pages >= 3
     assert a.prepare_resources([first]) == [first]  # other holds the GPU: first stays suspended
     run_to_end(a, eng, other)
@@ -644,7 +670,7 @@ def test_needed_to_completion_of_a_suspended_request_gpu_only(
     """Without lower tiers a suspended request keeps its GPU pages: it needs only the rest."""
     a = make_adapter(kv_layers(1, T))
     r = EngineRequest(1, toks(range(10)), max_new_tokens=9)  # 3 blocks now, 5 at the end
-    assert step(a, FakeEngine(a.manager), [r]) == []
+    assert adapter_step(a, FakeEngine(a.manager), [r]) == []
     need = a.get_needed_resource_to_completion_per_pool_group(r)
     a.suspend_resources(r)
     assert a.get_needed_resource_to_completion_per_pool_group(r) == need == [2]
@@ -666,7 +692,7 @@ def test_disk_read_errors_shorten_what_prepare_reuses_and_resumes(
     m = a.manager
     eng = FakeEngine(m)
     sus = EngineRequest(1, toks(range(16)), max_new_tokens=4)
-    assert step(a, eng, [sus]) == []
+    assert adapter_step(a, eng, [sus]) == []
     a.suspend_resources(sus)
     docs = [toks(range(100 * i, 100 * i + 20)) for i in range(2, 6)]
     for i, doc in enumerate(docs):  # push sus's pages and the earlier docs down to disk
@@ -721,7 +747,7 @@ def test_reused_tokens_per_level_follow_probe_reuse_levels(
     r3 = EngineRequest(11, toks(range(9)), 1)
     run_to_end(gpu_only, FakeEngine(gpu_only.manager), r3)
     r4 = EngineRequest(12, toks(range(9)), 1)
-    assert step(gpu_only, FakeEngine(gpu_only.manager), [r4]) == [] and r4.num_reused_tokens_per_level == [8]
+    assert adapter_step(gpu_only, FakeEngine(gpu_only.manager), [r4]) == [] and r4.num_reused_tokens_per_level == [8]
 
 
 SCRATCH_LAYERS = lambda: kv_layers(4, T, window=6, swa_every=2)  # noqa: E731
@@ -812,14 +838,6 @@ def test_step_tokens_cuts_at_the_next_snapshot_position() -> None:
         rm.shutdown()
 
 
-def hybrid_adapter_layers() -> list[LayerConfig]:
-    """One attention layer and one recurrent layer (its live state in another pool group)."""
-    return [
-        AttentionLayerConfig(LayerId(0), [BufferConfig("key", REC * T), BufferConfig("value", REC * T)]),
-        SsmLayerConfig(LayerId(1), [BufferConfig("ssm_state", 64)]),
-    ]
-
-
 def held_with_states(a: KVCacheResourceManager, r: EngineRequest) -> list[int]:
     """``held_per_pool_group`` plus the request's live recurrent states (an independent count)."""
     held = held_per_pool_group(a, [r])
@@ -834,18 +852,18 @@ def held_with_states(a: KVCacheResourceManager, r: EngineRequest) -> list[int]:
 
 
 @pytest.mark.parametrize("suspended", [False, True])
-def test_round4_needed_to_completion_counts_no_held_live_state(
+def test_needed_to_completion_counts_no_held_live_state(
     suspended: bool, make_adapter: Callable[..., KVCacheResourceManager]
 ) -> None:
     """Issue 38.2: an admitted hybrid request already holds its live state (ACTIVE, or suspended on
     a GPU-only manager, where it stays in GPU memory): it needs no more state slots, and its block
     slots exactly to its real peak (it once said one state slot more)."""
-    a = make_adapter(hybrid_adapter_layers(), initial_pool_ratio=[0.5, 0.5], ssm_reuse_interval=8)
+    a = make_adapter(attention_and_recurrent(T), initial_pool_ratio=[0.5, 0.5], ssm_reuse_interval=8)
     eng = FakeEngine(a.manager)
     kinds = [a.manager.get_layer_group_info(LayerGroupId(lg)).kind for lg in range(a.manager.num_layer_groups)]
     state_pool = a.layer_group_pool_groups[kinds.index("recurrent")]
     r = EngineRequest(1, toks(range(10)), max_new_tokens=9, context_chunk_size=3)
-    assert step(a, eng, [r]) == []
+    assert adapter_step(a, eng, [r]) == []
     held0 = held_with_states(a, r)
     assert held0[state_pool] == 1
     need = a.get_needed_resource_to_completion_per_pool_group(r)
@@ -855,7 +873,7 @@ def test_round4_needed_to_completion_counts_no_held_live_state(
     assert need[state_pool] == 0
     peak = list(held0)
     while len(r.generated_tokens) < r.max_new_tokens:
-        assert step(a, eng, [r]) == []
+        assert adapter_step(a, eng, [r]) == []
         if len(r.generated_tokens) < r.max_new_tokens:
             peak = [max(p, h) for p, h in zip(peak, held_with_states(a, r))]
     assert [p - h for p, h in zip(peak, held0)] == need
@@ -877,7 +895,7 @@ def test_an_array_prompt_is_committed_in_slices_and_reused_by_a_list_prompt(
     tokens: list[TokenIdExt] = list(range(300, 300 + 6 * T + 2))
     r = EngineRequest(1, array("I", tokens), max_new_tokens=2, context_chunk_size=2 * T)
     while r.state is RequestState.CONTEXT:
-        assert step(a, eng, [r]) == []
+        assert adapter_step(a, eng, [r]) == []
     blocks = a.get_kv_cache(r)._committed_blocks
     assert len(blocks) == 6 and all(type(b) is array for b in blocks), [type(b) for b in blocks]
     run_to_end(a, eng, r)

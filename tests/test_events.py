@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pathlib
 import random
-import time
 from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
-from conftest import kv_layers
+from conftest import LOOPBACK, MakeManager, kv_layers, sync, toks
 from fake_engine import FakeEngine
+from tier_helpers import publish, serve
 
 from kv_cache_manager_v2 import (
     AllBlocksClearedEvent,
@@ -51,33 +51,6 @@ from kv_cache_manager_v2.events import (
 )
 
 T = 8
-MakeManager = Callable[..., KVCacheManager]
-LOOPBACK = "tcp://127.0.0.1:*"
-
-
-def toks(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1 << 31) for _ in range(n)]
-
-
-def serve(engine: FakeEngine, kv: KVCache, tokens: list[TokenIdExt], decode: int = 0) -> None:
-    """Resume, prefill what is not reused, decode ``decode`` more tokens (committing all)."""
-    assert kv.resume()
-    h = kv.history_length
-    n = len(tokens) - decode
-    assert kv.resize(n)
-    engine.step(kv, tokens, h, n)
-    kv.commit(tokens[h:n])
-    for pos in range(n, len(tokens)):
-        assert kv.resize(pos + 1)
-        engine.step(kv, tokens, pos, pos + 1)
-        kv.commit([tokens[pos]])
-
-
-def publish(m: KVCacheManager, engine: FakeEngine, tokens: list[TokenIdExt], **kw: object) -> None:
-    kv = m.create_kv_cache(input_tokens=tokens, **kw)  # type: ignore[arg-type]
-    serve(engine, kv, tokens)
-    kv.close()
 
 
 @pytest.fixture
@@ -92,7 +65,7 @@ def with_events(make_manager: MakeManager) -> Callable[..., tuple[KVCacheManager
 # ---------------------------------------------------------------- what the manager records
 def test_no_event_manager_records_nothing(make_manager: MakeManager) -> None:
     m = make_manager(kv_layers(1, T))
-    publish(m, FakeEngine(m), toks(1, 20))
+    publish(m, toks(1, 20))
     assert m.event_manager is None and m.get_latest_events() == []
 
 
@@ -159,7 +132,9 @@ def test_anchor_eviction_removes_the_subtree(with_events: Callable[..., tuple]) 
     engine = FakeEngine(m)
     prompt = toks(4, 32)
     # the first block at a lower priority: its children are capped at it, the tail still goes first
-    publish(m, engine, prompt, custom_priority_callback=lambda o, lc: Priority(10 if o == 0 else 50))
+    kv = m.create_kv_cache(input_tokens=prompt, custom_priority_callback=lambda o, lc: Priority(10 if o == 0 else 50))
+    serve(engine, kv, prompt)
+    kv.close()
     em.get_latest_events()
     page = m._tree.nodes()[0].page(0)  # the first block (pre-order)
     assert page is not None
@@ -173,7 +148,7 @@ def test_anchor_eviction_removes_the_subtree(with_events: Callable[..., tuple]) 
 def test_overflow_drops_oldest_then_resyncs(with_events: Callable[..., tuple]) -> None:
     m, em = with_events(kv_layers(1, T), max_events=3)
     engine = FakeEngine(m)
-    publish(m, engine, toks(5, 40))  # 5 stored events into a queue of 3
+    publish(m, toks(5, 40), engine=engine)  # 5 stored events into a queue of 3
     assert em.num_dropped == 2 and em.num_pending == 3
     evs = em.get_latest_events()  # a resync: the whole tree instead of the surviving 3
     assert isinstance(evs[0], AllBlocksClearedEvent) and len(evs) == 6
@@ -183,7 +158,7 @@ def test_overflow_drops_oldest_then_resyncs(with_events: Callable[..., tuple]) -
     assert em.get_latest_events() == []
 
     m2, em2 = with_events(kv_layers(1, T), max_events=3, resync_on_overflow=False)
-    publish(m2, FakeEngine(m2), toks(5, 40))
+    publish(m2, toks(5, 40))
     evs = em2.get_latest_events()
     assert em2.num_dropped == 2 and [e.block_hash for e in evs] == prompt_block_hashes(toks(5, 40), T)[2:]  # type: ignore[attr-defined]
 
@@ -193,7 +168,7 @@ def test_tier_move_hook_reports_moves(with_events: Callable[..., tuple]) -> None
     with both media and stays reusable (three-tier managers: test_router_index_stays_exact_across_three_tiers)."""
     m, em = with_events(kv_layers(1, T))
     prompt = toks(6, 16)
-    publish(m, FakeEngine(m), prompt)
+    publish(m, prompt)
     index = ReplicaIndex(groups=em.layer_groups)
     index.apply(to_wire(em.get_latest_events()))
     em._media.append("CPU")  # as a manager with a host tier would set it up
@@ -249,7 +224,7 @@ def test_payload_layout_matches_vllm(with_events: Callable[..., tuple]) -> None:
     m, em = with_events(kv_layers(1, T))
     img = b"\x42" * 32
     prompt: list[TokenIdExt] = [*toks(7, 10), img, *toks(8, 9)]  # the digest sits in block 1
-    publish(m, FakeEngine(m), prompt)
+    publish(m, prompt)
     stored = em.get_latest_events()
     m.clear_reusable_blocks()  # (a clear also discards whatever was still queued)
     wire = to_wire(stored + em.get_latest_events())
@@ -299,17 +274,6 @@ def pubsub() -> Iterator[Callable[..., tuple[ZmqEventPublisher, KVAwareRouter]]]
     yield factory  # type: ignore[misc]
     for x in made:
         x.close()
-
-
-def sync(router: KVAwareRouter, replica: int, pub: ZmqEventPublisher, timeout: float = 5.0) -> None:
-    """Wait until the router applied everything ``pub`` sent (replaying what the SUB socket lost)."""
-    last = pub.flush()
-    deadline = time.monotonic() + timeout
-    while router.last_seq(replica) < last:
-        router.poll(0.02)
-        if router.last_seq(replica) < last and time.monotonic() > deadline - timeout / 2:
-            router.catch_up(replica)  # the newest batches went missing: nothing later reveals the gap
-        assert time.monotonic() < deadline, f"router stuck at {router.last_seq(replica)} < {last}"
 
 
 CONFIGS: dict[str, dict[str, object]] = {
@@ -572,25 +536,25 @@ def test_lost_batches_are_recovered_by_replay(make_manager: MakeManager, pubsub:
     engine = FakeEngine(m)
     (pub,), router = pubsub(1)
     prompts = [toks(200 + i, 20) for i in range(6)]
-    publish(m, engine, prompts[0])
+    publish(m, prompts[0], engine=engine)
     pub.publish(em.get_latest_events())
     sync(router, 0, pub)  # (batch 0 may itself be replayed: a fresh SUB socket misses the first messages)
     replayed = router.subscriptions[0].num_replayed
     # the router's SUB socket loses batch 1 (taken off the socket before the index sees it)
-    publish(m, engine, prompts[1])
+    publish(m, prompts[1], engine=engine)
     pub.publish(em.get_latest_events())
     pub.flush()
     assert router.subscriptions[0].sub.poll(5000)
     assert int.from_bytes(router.subscriptions[0].sub.recv_multipart()[1], "big") == 1
     assert router.indexes[0].match_length(prompts[1]) == 0
-    publish(m, engine, prompts[2])
+    publish(m, prompts[2], engine=engine)
     pub.publish(em.get_latest_events())
     sync(router, 0, pub)  # batch 2 reveals the gap: batch 1 is replayed first
     assert router.subscriptions[0].num_replayed == replayed + 1 and router.subscriptions[0].num_lost == 0
     for p in prompts[:3]:
         assert router.indexes[0].match_length(p) == m.probe_reuse(None, p) == 20
     # the newest batch lost and nothing after it: catch_up asks the replay socket
-    publish(m, engine, prompts[3])
+    publish(m, prompts[3], engine=engine)
     pub.publish(em.get_latest_events())
     pub.flush()
     assert router.subscriptions[0].sub.poll(5000)
@@ -604,7 +568,7 @@ def test_late_router_catches_up_from_the_replay_buffer(make_manager: MakeManager
     engine = FakeEngine(m)
     with ZmqEventPublisher(LOOPBACK, LOOPBACK, buffer_steps=100) as pub:
         for i in range(3):  # nobody subscribes yet: PUB drops these
-            publish(m, engine, toks(300 + i, 16))
+            publish(m, toks(300 + i, 16), engine=engine)
             pub.publish(em.get_latest_events())
         pub.flush()
         with KVAwareRouter([ReplicaEndpoints(pub.endpoint, pub.replay_endpoint)]) as router:
@@ -621,7 +585,7 @@ def test_router_sends_each_prompt_to_the_replica_holding_its_prefix(
     pubs, router = pubsub(3)
     docs = [toks(400 + i, 40) for i in range(3)]
     for i, (m, em, pub) in enumerate(zip(ms, ems, pubs)):
-        publish(m, FakeEngine(m), docs[i])
+        publish(m, docs[i])
         pub.publish(em.get_latest_events())
         sync(router, i, pub)
     for i, doc in enumerate(docs):
@@ -638,7 +602,7 @@ def test_prefix_router_without_sockets(make_manager: MakeManager) -> None:
     ms = [make_manager(kv_layers(1, T), event_manager=em) for em in ems]
     indexes = [ReplicaIndex() for _ in ms]
     router = PrefixRouter(indexes)
-    publish(ms[1], FakeEngine(ms[1]), toks(500, 24))
+    publish(ms[1], toks(500, 24))
     for idx, m in zip(indexes, ms):
         idx.apply(to_wire(m.get_latest_events()))
     assert router.route(toks(500, 24)).replica == 1

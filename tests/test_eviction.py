@@ -3,52 +3,24 @@ the SWA key chain surviving evicted pages; through the fake engine, under every 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
-import pytest
-from conftest import REC
+from conftest import REC, MakeManager, make_manager_per_policy, one_layer
 from fake_engine import FakeEngine
+from tier_helpers import compute
 
 from kv_cache_manager_v2 import (
-    EVICTION_POLICIES,
     AttentionLayerConfig,
     BufferConfig,
-    KVCache,
-    KVCacheManager,
     LayerId,
     Priority,
 )
 
-MakeManager = Callable[..., KVCacheManager]
 T = 16
-
-
-@pytest.fixture(params=EVICTION_POLICIES)
-def make_manager(request: pytest.FixtureRequest, make_manager: MakeManager) -> Iterator[MakeManager]:
-    """conftest's factory, once per eviction policy: these behaviours hold under each."""
-
-    def factory(*args: object, **kw: object) -> KVCacheManager:
-        kw.setdefault("eviction_policy", request.param)
-        return make_manager(*args, **kw)
-
-    yield factory
-
-
-def one_layer(window: int | None = None, sinks: int | None = None, size: int = REC * T) -> list[AttentionLayerConfig]:
-    return [AttentionLayerConfig(LayerId(0), [BufferConfig("key", size)], window, sinks)]
-
-
-def compute(engine: FakeEngine, kv: KVCache, tokens: list[int], upto: int) -> None:
-    """Prefill/decode ``kv`` up to ``upto`` tokens of ``tokens`` (one step), committing them."""
-    h = kv.history_length
-    assert kv.resize(upto, h)
-    engine.step(kv, tokens, h, upto)
-    kv.commit(tokens[h:upto])
+make_manager = make_manager_per_policy  # (the fixture) every test here runs under each eviction policy
 
 
 def test_tail_is_evicted_first_and_only_what_is_needed(make_manager: MakeManager) -> None:
     """Issue repro: one slot of pressure evicts the tail block, not the whole cached sequence."""
-    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T)
     engine = FakeEngine(m)
     toks = list(range(1, 4 * T + 1))
     a = m.create_kv_cache()
@@ -68,7 +40,7 @@ def test_tail_is_evicted_first_and_only_what_is_needed(make_manager: MakeManager
 
 
 def test_a_shared_prefix_outlives_the_private_tails(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T)
     engine = FakeEngine(m)
     prefix = list(range(1000, 1000 + 2 * T))
     seqs = [prefix + [r * 100 + i for i in range(2 * T)] for r in range(2)]
@@ -118,7 +90,7 @@ def test_evicting_a_sink_anchor_in_one_pool_group_frees_nothing_in_another(make_
 def test_swa_key_chain_survives_an_evicted_page(make_manager: MakeManager) -> None:
     """Issue repro: window = T; block 0's page is evicted while the request still decodes; the
     chain of keys stays, so the whole sequence is reusable with the last window's page."""
-    m = make_manager(one_layer(window=T), tokens_per_block=T, quota=8 * REC * T)
+    m = make_manager(one_layer(T, window=T), tokens_per_block=T, quota=8 * REC * T)
     engine = FakeEngine(m)
     toks = [(i * 7919) % 100_003 for i in range(5 * T)]
     a = m.create_kv_cache()
@@ -140,7 +112,7 @@ def test_swa_key_chain_survives_an_evicted_page(make_manager: MakeManager) -> No
 
 
 def test_priority_classes_still_come_first(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T)
     engine = FakeEngine(m)
     hi = list(range(1, 2 * T + 1))
     lo = list(range(500, 500 + 2 * T))

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import random
 from array import array
-from collections.abc import Callable
 
 import pytest
-from conftest import REC
+from conftest import REC, MakeManager, one_layer
 from fake_engine import FakeEngine
 
 from kv_cache_manager_v2 import (
@@ -41,13 +40,8 @@ from kv_cache_manager_v2._storage._use_history import (
     ghost_tag,
 )
 
-MakeManager = Callable[..., KVCacheManager]
 T = 4
 SLOT = REC * T  # one layer, one buffer: bytes per slot
-
-
-def one_layer(window: int | None = None, sinks: int | None = None) -> list[AttentionLayerConfig]:
-    return [AttentionLayerConfig(LayerId(0), [BufferConfig("key", SLOT)], window, sinks)]
 
 
 def run(engine: FakeEngine, m: KVCacheManager, tokens: list[int], priority: int = 35) -> None:
@@ -107,7 +101,7 @@ def uniq(n: int, base: int) -> list[int]:
 def test_popular_prefix_survives_a_scan_of_one_off_prompts(make_manager: MakeManager, policy: str) -> None:
     """Issue #18's defining case: a prefix three requests shared, then a scan of one-off prompts
     larger than the cache. LRU evicts the prefix (it is the oldest); frequency keeps it."""
-    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * SLOT, eviction_policy=policy)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * SLOT, eviction_policy=policy)
     engine = FakeEngine(m)
     prefix = uniq(2 * T, 1000)
     for r in range(3):
@@ -126,7 +120,7 @@ def test_popular_prefix_survives_a_scan_of_one_off_prompts(make_manager: MakeMan
 def test_aging_lets_a_formerly_popular_block_go(make_manager: MakeManager) -> None:
     """A block four requests used early loses to blocks two requests each used later: every
     eviction of a re-used block raises the class clock, and pages listed since start above it."""
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
     engine = FakeEngine(m)
     old = uniq(T, 1000)
     for r in range(4):
@@ -148,7 +142,7 @@ def test_aging_lets_a_formerly_popular_block_go(make_manager: MakeManager) -> No
 
 
 def test_priorities_come_before_values(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
     engine = FakeEngine(m)
     popular = uniq(2 * T, 1000)
     for r in range(3):
@@ -203,7 +197,7 @@ def hold_first_use(engine: FakeEngine, m: KVCacheManager, tokens: list[int]) -> 
 def test_descendants_go_before_their_anchor_whatever_the_values(make_manager: MakeManager) -> None:
     """Block A was first used long ago, so its use rate is below that of its child B: by value A
     would go first (and take B along). A waits, parked, until B has left the tree."""
-    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * SLOT, eviction_policy="frequency")
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * SLOT, eviction_policy="frequency")
     engine = FakeEngine(m)
     a, b = uniq(T, 1000), uniq(T, 2000)
     first = hold_first_use(engine, m, a)
@@ -231,7 +225,7 @@ def test_an_anchor_that_must_go_takes_its_subtree(make_manager: MakeManager) -> 
     to the host, the last level, where A is parked (B is cached). When the host must make room
     and has nothing else, A goes anyway and its subtree with it: B's GPU page becomes garbage,
     as under LRU, and the eviction stays exact."""
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * SLOT, host_quota=2 * SLOT, eviction_policy="frequency")
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * SLOT, host_quota=2 * SLOT, eviction_policy="frequency")
     engine = FakeEngine(m)
     a, b = uniq(T, 1000), uniq(T, 2000)
     first = hold_first_use(engine, m, a)
@@ -262,7 +256,7 @@ def test_host_tier_demotes_in_eviction_order_and_keeps_the_popular(make_manager:
     """GPU 4 slots + host 4 slots. A scan of one-off blocks moves through the GPU to the host and
     out; the popular prefix stays in GPU memory (one-offs are demoted first), and once pushed to
     the host it carries its uses there and outlives the one-offs again."""
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * SLOT, host_quota=4 * SLOT, eviction_policy="frequency")
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * SLOT, host_quota=4 * SLOT, eviction_policy="frequency")
     engine = FakeEngine(m)
     popular = uniq(2 * T, 1000)
     for _ in range(3):
@@ -284,7 +278,7 @@ def test_host_tier_demotes_in_eviction_order_and_keeps_the_popular(make_manager:
 
 
 def test_ghost_restores_the_uses_of_an_evicted_block(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
     engine = FakeEngine(m)
     popular = uniq(T, 1000)
     for _ in range(3):
@@ -328,7 +322,7 @@ def test_ghost_set_replaces_its_fewest_uses_then_its_oldest() -> None:
 
 def test_each_request_counts_once_per_block(make_manager: MakeManager) -> None:
     """A partial match's source is taken, released at resume, then deduplicated at publish: one use."""
-    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * SLOT, eviction_policy="frequency")
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * SLOT, eviction_policy="frequency")
     engine = FakeEngine(m)
     block = uniq(T, 1000)
     run(engine, m, [*block, 0])
@@ -341,9 +335,9 @@ def test_each_request_counts_once_per_block(make_manager: MakeManager) -> None:
 
 
 def test_the_evictor_classes_follow_the_config(make_manager: MakeManager) -> None:
-    lru = make_manager(one_layer(), tokens_per_block=T, quota=4 * SLOT)
+    lru = make_manager(one_layer(T), tokens_per_block=T, quota=4 * SLOT)
     assert type(lru._storage.gpu.items[0].evictor) is LruEvictor and lru._storage.gpu.items[0].history is None
-    freq = make_manager(one_layer(), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
+    freq = make_manager(one_layer(T), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
     assert type(freq._storage.gpu.items[0].evictor) is FrequencyEvictor
     assert history(freq).num_entries == 8 * 4  # GHOST_PER_SLOT x the last level's slots
 
@@ -351,19 +345,19 @@ def test_the_evictor_classes_follow_the_config(make_manager: MakeManager) -> Non
 @pytest.mark.parametrize("bad", ["LRU", "mru", ""])
 def test_unknown_policy_is_refused_with_the_choices(bad: str) -> None:
     with pytest.raises(ValueError, match="eviction_policy must be one of 'lru', 'frequency', got"):
-        KVCacheManagerConfig(T, [GpuCacheTierConfig(SLOT)], one_layer(), eviction_policy=bad)  # type: ignore[arg-type]
+        KVCacheManagerConfig(T, [GpuCacheTierConfig(SLOT)], one_layer(T), eviction_policy=bad)  # type: ignore[arg-type]
 
 
 def test_policy_of_the_wrong_type_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="str"):  # compiled, mypyc's own check answers first
-        KVCacheManagerConfig(T, [GpuCacheTierConfig(SLOT)], one_layer(), eviction_policy=1)  # type: ignore[arg-type]
+        KVCacheManagerConfig(T, [GpuCacheTierConfig(SLOT)], one_layer(T), eviction_policy=1)  # type: ignore[arg-type]
 
 
 def test_a_miss_lru_would_have_hit_raises_the_aging(make_manager: MakeManager) -> None:
     """A block used once goes before an older popular one (frequency order); when it comes back
     while the simulated LRU still holds it (LRU would have evicted the popular one), the aging
     rises by one step."""
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
     engine = FakeEngine(m)
     popular = uniq(T, 1000)
     for r in range(3):
@@ -386,7 +380,7 @@ def test_a_hit_lru_would_have_missed_lowers_the_aging(make_manager: MakeManager)
     """A popular block stays while newer one-off blocks pass through (frequency order); a request
     that reuses it once the simulated LRU (as many slots) has forgotten it lowers the aging by one
     step, down to AGING_MIN at most; a hit LRU would have had too changes nothing."""
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
     engine = FakeEngine(m)
     popular = uniq(T, 1000)
     for r in range(3):
@@ -413,7 +407,7 @@ def test_the_simulated_lru_follows_release_order(make_manager: MakeManager) -> N
     is then no disagreement; an estimate from the pages listed ahead of it when it was listed
     (issue #31's first version: LRU deadlines) counted one. One-block prompts: a reuse is a
     partial hit on the block (a private copy; the block is taken and released again)."""
-    m = make_manager(one_layer(), tokens_per_block=T, quota=6 * SLOT, eviction_policy="frequency")
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=6 * SLOT, eviction_policy="frequency")
     engine = FakeEngine(m)
     blocks = [uniq(T, 1000 * (k + 1)) for k in range(3)]
     once = uniq(T, 9000)
@@ -442,7 +436,7 @@ def test_high_aging_is_recency_order(make_manager: MakeManager, aging: float) ->
     """A popular block, then newer blocks used once each, then pressure: up to AGING_ON the
     popular block stays (use-rate order); at the highest each victim lifts the clock past the
     popular block's rate, so the oldest goes first, as under LRU."""
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
     engine = FakeEngine(m)
     popular = uniq(T, 1000)
     for r in range(3):

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
-from conftest import kv_layers
+from conftest import MakeManager, kv_layers
 
 from kv_cache_manager_v2 import CacheLevel, KVCache, KVCacheManager, LayerGroupId, SlotId
 from kv_cache_manager_v2._page import Page
 from kv_cache_manager_v2._storage._eviction import FrequencyEvictor
 
 T = 8
-MakeManager = Callable[..., KVCacheManager]
 LC0 = LayerGroupId(0)
 
 

@@ -1,17 +1,20 @@
 """KVCache through the fake engine: batches, prefill chunks, decode, shrink, suspend/resume,
-override buffers, both index modes, all-or-nothing resize, slot accounting, bad input."""
+override buffers, both index modes and live views of them, all-or-nothing resize, huge sizes,
+slot accounting, window releases, bad input, queries after shutdown."""
 
 from __future__ import annotations
 
 import gc
-import random
 from array import array
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
-from conftest import kv_layers
+from conftest import REC, MakeManager, free_slots, kv_layers
+from conftest import toks as tokens
 from fake_engine import FakeEngine, KVMismatch
+from tier_helpers import seq
 
 from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
@@ -29,16 +32,7 @@ from kv_cache_manager_v2 import (
 )
 
 T = 8
-MakeManager = Callable[..., KVCacheManager]
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1 << 31) for _ in range(n)]
-
-
-def free_slots(m: KVCacheManager) -> list[int]:
-    return [s.free for s in m.get_storage_statistics()]
+LG0 = LayerGroupId(0)
 
 
 def run_request(engine: FakeEngine, kv: KVCache, toks: list[int], chunks: list[int], decode: int) -> None:
@@ -271,6 +265,83 @@ def test_set_base_page_index_buf_zero_copy(make_manager: MakeManager) -> None:
     kv.close()
 
 
+@pytest.mark.parametrize("wrap", ["numpy", "memoryview"])
+def test_views_of_the_indices_survive_every_operation(make_manager: MakeManager, wrap: str) -> None:
+    m = make_manager(kv_layers(2, T), quota=2 * 2 * REC * T * 12)  # 12 slots
+    engine = FakeEngine(m)
+    toks = list(range(1000, 1100))
+    kv = m.create_kv_cache()
+    kv.resume()
+    assert kv.resize(3 * T)
+    raw = kv.get_base_page_indices(LG0)
+    view = np.frombuffer(raw, dtype=np.int32) if wrap == "numpy" else memoryview(raw)
+    first = list(view)
+    assert kv.resize(11 * T)  # grows past the storage's first capacity while the view is held
+    assert list(view) == first  # the old view still reads the same blocks (live, in place)
+    engine.step(kv, toks, 0, 11 * T)
+    kv.commit(toks[: 11 * T])
+    assert not kv.resize(13 * T)  # no memory: nothing changed, no BufferError
+    assert kv.capacity == 11 * T
+    other = m.create_kv_cache()
+    other.resume()
+    assert kv.resize(11 * T)  # a shrinking resize while views are held: pages freed, indices -1
+    assert (
+        other.resize(T)
+        and len({*kv.get_base_page_indices(LG0).tolist(), *other.get_base_page_indices(LG0).tolist()}) == 12
+    )
+    m.check_invariants()
+    kv.close()  # closes despite the view
+    assert kv.status is KVCacheStatus.CLOSED and m.num_open_caches == 1
+    assert all(x == -1 for x in view)
+    other.close()
+    m.clear_reusable_blocks()
+    assert free_slots(m)[0] == 12
+
+
+def test_a_dropped_cache_with_a_live_view_closes(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T))
+    kv = m.create_kv_cache()
+    kv.resume()
+    assert kv.resize(5 * T)
+    view = np.frombuffer(kv.get_base_page_indices(LG0), dtype=np.int32)
+    del kv
+    gc.collect()
+    assert m.num_open_caches == 0
+    m.clear_reusable_blocks()  # not refused forever
+    assert len(view) == 5
+    m.shutdown()
+
+
+def test_caller_buffer_is_released_on_close(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T))
+    kv = m.create_kv_cache()
+    kv.resume()
+    backing = array("i", [0] * 16)
+    kv.set_base_page_index_buf(0, LG0, memoryview(backing))
+    assert kv.resize(3 * T)
+    kv.close()
+    backing.append(1)  # would raise BufferError if the manager still exported it
+
+
+def test_a_huge_capacity_is_refused_without_per_block_work(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T), quota=2 * REC * T * 64)
+    calls: list[int] = []
+
+    def cb(o: int, lc: int) -> Priority:
+        calls.append(o)
+        return Priority(35)
+
+    kv = m.create_kv_cache(custom_priority_callback=cb)  # type: ignore[arg-type]
+    kv.resume()
+    assert kv.resize(T)
+    calls.clear()
+    assert not kv.resize(10**9)  # answered from counts: the callback never runs per block
+    assert calls == [] and kv.capacity == T and free_slots(m)[0] == 63
+    with pytest.raises(ValueError, match="capacity must be at most"):
+        kv.resize(2**40)
+    kv.close()
+
+
 def test_priority_callback_is_called_and_validated(make_manager: MakeManager) -> None:
     m = make_manager(kv_layers(1, T))
     seen: list[tuple[int, int]] = []
@@ -314,6 +385,22 @@ def test_shutdown_and_clear_refuse_while_open(make_manager: MakeManager) -> None
     m.shutdown()
     with pytest.raises(LogicError, match="shut down"):
         m.create_kv_cache()
+
+
+def test_queries_after_shutdown_raise(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T))
+    m.shutdown()
+    for query in (
+        lambda: m.get_mem_pool_base_address(LayerId(0), "key"),
+        lambda: m.get_storage_statistics(),
+        lambda: m.pool_group_descs,
+        lambda: m.gpu_utilization,
+        lambda: m.clamp_max_seq_len_for_mem(1, 100),
+        lambda: m.create_kv_cache(),
+        lambda: m.get_quota(0),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(LogicError, match="shut down"):
+            query()
 
 
 def _active(m: KVCacheManager, cap: int = 20) -> KVCache:
@@ -436,6 +523,28 @@ def test_swa_releases_out_of_window_blocks_and_keeps_the_window(make_manager: Ma
     kv2.close()
     m.clear_reusable_blocks()
     assert free_slots(m) == [s.total for s in m.get_storage_statistics()]
+
+
+def test_blocks_leaving_a_window_together_are_released_last_first(make_manager: MakeManager) -> None:
+    t = 2
+    slot = 2 * REC * t
+    m = make_manager(kv_layers(1, t, window=4, swa_every=1), t, 11 * slot)
+    engine = FakeEngine(m)
+    toks = seq(1, 22)
+    kv = m.create_kv_cache(input_tokens=toks)
+    assert kv.resume() and kv.resize(22)
+    engine.step(kv, toks, 0, 22)
+    kv.commit(toks)  # blocks 0..8 leave the window in this one commit
+    kv.close()
+    other = m.create_kv_cache()
+    assert other.resume() and other.resize(t)  # one slot of pressure: one page evicted
+    other.close()
+    assert m.probe_reuse(None, toks[:4]) == 4  # block 8 went, not block 0
+    assert m.probe_reuse(None, toks[:18]) == 18 - 2  # block 8 is gone: the longest match ends before it
+    b = m.create_kv_cache(input_tokens=toks[:4] + [7])
+    assert b.history_length == 4 and b.resume()
+    engine.check_all(b, toks, 4)
+    b.close()
 
 
 @pytest.mark.parametrize("sinks", [None, 5])

@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import random
 from array import array
-from collections.abc import Callable
 
 import pytest
-from conftest import kv_layers
+from conftest import MakeManager, kv_layers, toks
 from fake_engine import FakeEngine
-from test_reuse import _reference_match, publish, serve, toks
+from test_reuse import _reference_match
+from tier_helpers import publish, serve
 
 from kv_cache_manager_v2 import KVCacheManager, ReuseScope
 from kv_cache_manager_v2._reuse._keys import BlockHasher
 
 T = 8
-MakeManager = Callable[..., KVCacheManager]
 #: (window, swa_every, sink tokens): every layer windowed, alternating with full attention, sinks
 CONFIGS = [(12, 1, None), (12, 2, None), (20, 1, 8), (None, 0, None)]
 
@@ -58,7 +57,7 @@ def test_kept_probes_equal_the_reference_while_the_tree_changes(
             serve(engine, kv, query)  # checks the reused prefix's KV, then prefills the rest
             kv.close()
         elif step % 4 == 2:  # other requests evict blocks (and window pages) of the kept walks
-            publish(m, engine, toks(1000 + step, rng.randrange(2 * T, 6 * T)))
+            publish(m, toks(1000 + step, rng.randrange(2 * T, 6 * T)), engine=engine)
     assert reused > 0 and m._matcher.kept  # probes were kept and creates reused blocks
 
 
@@ -82,8 +81,8 @@ def test_a_create_of_other_tokens_with_the_same_fingerprint_walks_its_own(make_m
     engine = FakeEngine(m)
     a = toks(1, 6 * T)
     b = toks(2, 2 * T) + a[2 * T :]  # differs in blocks 0-1 only
-    publish(m, engine, a)
-    publish(m, engine, b[: 2 * T])
+    publish(m, a, engine=engine)
+    publish(m, b[: 2 * T], engine=engine)
     assert m.probe_reuse(None, a) == 6 * T
     kv = m.create_kv_cache(input_tokens=b)
     assert kv.history_length == 2 * T == _reference_length(m, b)
@@ -118,7 +117,7 @@ def test_a_probed_list_changed_in_place_is_matched_as_it_is(make_manager: MakeMa
     m = make_manager(kv_layers(2, T, window=12, swa_every=1))
     engine = FakeEngine(m)
     prompt = toks(7, 5 * T)
-    publish(m, engine, prompt)
+    publish(m, prompt, engine=engine)
     query: list[int] | array[int] = array("I", prompt) if as_array else list(prompt)
     assert m.probe_reuse(None, query) == 5 * T
     query[3 * T + 1] ^= 1  # the caller edits its tokens (block 3) between probe and create
@@ -138,13 +137,13 @@ def test_a_kept_walk_whose_blocks_left_the_tree_is_walked_again(
     m = make_manager(kv_layers(2, T, window=window, swa_every=swa_every), quota=2 * 32 * T * 16)
     engine = FakeEngine(m)
     prompt = toks(9, 6 * T)
-    publish(m, engine, prompt)
+    publish(m, prompt, engine=engine)
     assert m.probe_reuse(None, prompt) == 6 * T
     for i in range(6):  # fill the GPU tier with other blocks: every block of the prompt is evicted
-        publish(m, engine, toks(50 + i, 6 * T))
+        publish(m, toks(50 + i, 6 * T), engine=engine)
     assert _reference_length(m, prompt) == 0
     assert m.probe_reuse(None, prompt) == 0
-    publish(m, engine, prompt)  # new nodes for the same keys
+    publish(m, prompt, engine=engine)  # new nodes for the same keys
     assert m.probe_reuse(None, prompt) == 6 * T
     kv = m.create_kv_cache(input_tokens=prompt)
     assert kv.history_length == 6 * T

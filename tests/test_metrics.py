@@ -7,8 +7,8 @@ import urllib.request
 from collections.abc import Callable, Iterator
 
 import pytest
-from conftest import kv_layers, make_config
-from fake_engine import FakeEngine
+from conftest import kv_layers, make_config, toks
+from fake_engine import FakeEngine, adapter_step
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -45,16 +45,6 @@ def scrape(port: int) -> Samples:
     return out
 
 
-def step(adapter: KVCacheResourceManager, engine: FakeEngine, batch: list[EngineRequest]) -> None:
-    assert adapter.prepare_resources(batch) == []
-    for r in batch:
-        b = r.num_cached_tokens
-        engine.step(adapter.get_kv_cache(r), r.all_tokens(), b, b + r.num_scheduled_tokens)
-        if r.samples_this_step:
-            r.generated_tokens.append(TokenId(50_000 + 97 * r.request_id + len(r.generated_tokens)))
-    adapter.update_resources(batch)
-
-
 class Workload:
     """Documents with shared prefixes, served twice through the adapter on a GPU that holds about two:
     the first round pushes pages down to host and disk, the second reuses them from there; one
@@ -72,13 +62,13 @@ class Workload:
         r = EngineRequest(self.next_id, prompt, max_new_tokens=new_tokens, context_chunk_size=16)
         self.next_id += 1
         self.queried += len(prompt) - 1
-        step(self.adapter, self.engine, [r])
+        assert adapter_step(self.adapter, self.engine, [r]) == []
         self.reused += r.num_reused_tokens
         return r
 
     def finish(self, r: EngineRequest) -> None:
         while len(r.generated_tokens) < r.max_new_tokens:
-            step(self.adapter, self.engine, [r])
+            assert adapter_step(self.adapter, self.engine, [r]) == []
         r.state = RequestState.FINISHED
         self.adapter.free_resources(r)
 
@@ -98,7 +88,7 @@ class Workload:
         b.state = RequestState.CONTEXT
         b.num_reused_tokens = 0
         self.queried += len(b.all_tokens()) - 1
-        step(self.adapter, self.engine, [b])  # re-admitted with what it had (prompt + generated)
+        assert adapter_step(self.adapter, self.engine, [b]) == []  # re-admitted with what it had (prompt + generated)
         self.reused += b.num_reused_tokens
         self.finish(b)
 
@@ -434,14 +424,14 @@ def test_adapter_counters_roll_back_with_a_failed_batch(tiered: Callable[..., tu
     with pytest.raises(ValueError, match="twice"):
         a.prepare_resources([r, r])  # admitted (reusing 40 tokens), then refused: the batch is undone
     assert a.reused_tokens_per_level == before and r.num_reused_tokens == 0 and not a.has_resources(r)
-    step(a, work.engine, [r])
+    assert adapter_step(a, work.engine, [r]) == []
     assert sum(a.reused_tokens_per_level) == sum(before) + 40
     a.free_resources(r)  # not finished: a preemption
     assert a.num_preemptions == preemptions + 1
 
 
 def test_hybrid_model_reports_its_state_snapshots() -> None:
-    from test_recurrent import hybrid_layers, prefill, toks
+    from test_recurrent import hybrid_layers, prefill
 
     m = KVCacheManager(make_config(hybrid_layers(), 32, ssm_reuse_interval=64))
     engine = FakeEngine(m)

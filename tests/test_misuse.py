@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from conftest import REC, kv_layers, make_config
+from conftest import REC, MakeManager, cache_state, kv_layers, make_config
 from fake_engine import FakeEngine
+from tier_helpers import seq
 
 import kv_cache_manager_v2 as kvm
 from kv_cache_manager_v2 import (
@@ -323,6 +324,56 @@ CASES: list[Case] = [
 def test_the_catalogue_is_large_enough() -> None:
     assert len(CASES) >= 60
     assert len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_bools_are_refused_as_sizes(make_manager: MakeManager, tmp_path: object) -> None:
+    m = make_manager(kv_layers(2, T), T, 16 * 2 * 2 * REC * T)
+    kv = m.create_kv_cache()
+    assert kv.resume() and kv.resize(2 * T)
+    kv.commit(seq(1, 3))
+    before = cache_state(kv)
+
+    def set_capacity() -> None:
+        kv.capacity = True  # type: ignore[assignment]
+
+    def set_history() -> None:
+        kv.history_length = True  # type: ignore[assignment]
+
+    def set_stream() -> None:
+        kv.cuda_stream = True  # type: ignore[assignment]
+
+    for call in (
+        lambda: kv.resize(True),
+        lambda: kv.resize(False),
+        lambda: kv.resize(8, True),
+        lambda: kv.resize(None, True),
+        set_capacity,
+        set_history,
+        set_stream,
+    ):
+        with pytest.raises(TypeError, match="int"):
+            call()
+        assert cache_state(kv) == before
+    m.check_invariants()
+    kv.close()
+    buffers = [BufferConfig("key", REC * T), BufferConfig("value", REC * T)]
+    for make in (
+        lambda: AttentionLayerConfig(LayerId(True), buffers),
+        lambda: AttentionLayerConfig(LayerId(0), buffers, sliding_window_size=True),
+        lambda: AttentionLayerConfig(LayerId(0), buffers, sliding_window_size=4, num_sink_tokens=True),
+        lambda: BufferConfig("key", True),
+        lambda: BufferConfig("key", 64, tokens_per_block_override=True),
+        lambda: GpuCacheTierConfig(True),
+        lambda: HostCacheTierConfig(True),
+        lambda: DiskCacheTierConfig(True, str(tmp_path)),
+        lambda: KVCacheDesc(True, 0),
+        lambda: KVCacheDesc(1, False),
+        lambda: BatchDesc([KVCacheDesc(1, 0)], system_prompt_length=True),
+        lambda: SwaScratchReuseConfig(True),
+        lambda: KVCacheManagerConfig(True, [GpuCacheTierConfig(1 << 20)], kv_layers(1)),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(TypeError, match="int"):
+            make()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

@@ -3,10 +3,8 @@ tail, statistics (switch, copy-on-partial, SWA), constraints with a shared promp
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
-from conftest import REC, kv_layers
+from conftest import REC, MakeManager, kv_layers
 from fake_engine import FakeEngine
 
 import kv_cache_manager_v2 as kvm
@@ -17,14 +15,11 @@ from kv_cache_manager_v2 import (
     BufferId,
     KVCache,
     KVCacheDesc,
-    KVCacheManager,
     LayerGroupId,
     LayerId,
     LogicError,
     OutOfPagesError,
 )
-
-MakeManager = Callable[..., KVCacheManager]
 
 
 def layer(i: int, window: int | None = None, sinks: int | None = None, size: int = 64) -> AttentionLayerConfig:
@@ -183,7 +178,7 @@ def _two_pool_groups(t: int) -> tuple[list[AttentionLayerConfig], int]:
 
 
 @pytest.mark.parametrize("host", [False, True])
-def test_round4_constraint_batch_resumes_past_the_resume_gate(make_manager: MakeManager, host: bool) -> None:
+def test_constraint_batch_resumes_past_the_resume_gate(make_manager: MakeManager, host: bool) -> None:
     """Issue 38.3: a quota of exactly 32 slots per pool group, a constraint of 32 one-block
     requests, ``max_util_for_resume=0.95``: every request of the batch resumes (the gate once
     refused the last ones at 30/32 used), new or resumed again after a suspend, GPU only or over a
@@ -216,7 +211,7 @@ def test_round4_constraint_batch_resumes_past_the_resume_gate(make_manager: Make
         kv.close()
 
 
-def test_round4_the_resume_gate_applies_above_the_constraint_floor(make_manager: MakeManager) -> None:
+def test_the_resume_gate_applies_above_the_constraint_floor(make_manager: MakeManager) -> None:
     """Issue 38.3: the gate admits while the unavailable slots (with the request's pages placed)
     stay within what the constraints guarantee, and applies ``max_util_for_resume`` beyond: 16
     guaranteed of 32 at 0.25 admit 17 resumes of empty caches (the 17th sees 16 used), not 9."""

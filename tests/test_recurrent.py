@@ -8,7 +8,7 @@ import random
 from collections.abc import Callable, Sequence
 
 import pytest
-from conftest import REC, make_config
+from conftest import REC, MakeManager, make_config, toks
 from fake_engine import FakeEngine, KVMismatch
 
 from kv_cache_manager_v2 import (
@@ -35,7 +35,6 @@ from kv_cache_manager_v2._config import LayerConfig
 from kv_cache_manager_v2.redis_server import LocalRedisServer
 
 T = 32
-MakeManager = Callable[..., KVCacheManager]
 CONV = 64
 STATE = 256
 #: a typical step of short requests: with the default one (4096 tokens) a 256 KiB GPU holds one
@@ -57,11 +56,6 @@ def hybrid_layers(num_ssm: int = 3, num_attention: int = 1, window: int | None =
             )
         )
     return out
-
-
-def toks(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1 << 31) for _ in range(n)]
 
 
 def live_states_until_a_snapshot_goes(m: KVCacheManager) -> list[KVCache]:
@@ -889,7 +883,7 @@ def test_extra_snapshot_positions_from_start_and_end(make_manager: MakeManager) 
 
 
 # ---------------------------------------------------------------------- issue 38
-def _round4_manager(make_manager: MakeManager, **tiers: object) -> tuple[KVCacheManager, int]:
+def _three_state_slots_manager(make_manager: MakeManager, **tiers: object) -> tuple[KVCacheManager, int]:
     """Issue 38's layout: one attention layer + one recurrent layer (``ssm_state`` only), T = 16,
     snapshots every 32 tokens, a GPU quota of 40.5 attention slots + 3.5 state slots (the pool
     ratio to match) over ``tiers`` (``make_config``'s lower tiers); returns the manager and the
@@ -921,12 +915,12 @@ def _round4_manager(make_manager: MakeManager, **tiers: object) -> tuple[KVCache
     return m, slots
 
 
-def test_round4_snapshot_placed_on_host(make_manager: MakeManager) -> None:
+def test_snapshot_placed_on_host(make_manager: MakeManager) -> None:
     """Issue 38.1: every GPU state slot is taken (two empty caches and the request's own live
     state), the host tier has room: the snapshots at 32 and 64 go to the host tier (the docs: skipped
     only with no room at any level), and a second request with the same prompt resumes from the
     one at 64, byte for byte."""
-    m, slots = _round4_manager(make_manager, host_quota=1 << 20)
+    m, slots = _three_state_slots_manager(make_manager, host_quota=1 << 20)
     engine = FakeEngine(m)
     pool_group = m.get_layer_group_info(state_group(m)).pool_group_index
     held = [m.create_kv_cache(id=i) for i in range(slots - 1)]
@@ -951,9 +945,9 @@ def test_round4_snapshot_placed_on_host(make_manager: MakeManager) -> None:
         other.close()
 
 
-def test_round4_snapshot_skipped_with_no_room_at_any_level(make_manager: MakeManager) -> None:
+def test_snapshot_skipped_with_no_room_at_any_level(make_manager: MakeManager) -> None:
     """Issue 38.1, the other side: with no tier below the GPU the same request skips both."""
-    m, slots = _round4_manager(make_manager)
+    m, slots = _three_state_slots_manager(make_manager)
     engine = FakeEngine(m)
     held = [m.create_kv_cache(id=i) for i in range(slots - 1)]
     for kv in held:
@@ -968,13 +962,11 @@ def test_round4_snapshot_skipped_with_no_room_at_any_level(make_manager: MakeMan
     assert m.probe_reuse(None, prompt) == 0
 
 
-def test_round4_snapshot_placed_on_disk_and_a_failed_write_skips_it(
-    make_manager: MakeManager, tmp_path: object
-) -> None:
+def test_snapshot_placed_on_disk_and_a_failed_write_skips_it(make_manager: MakeManager, tmp_path: object) -> None:
     """Issue 38.1 with a disk tier below the GPU: the snapshot at 32 is written to disk (counted
     as offloaded there); the write of the one at 64 fails: skipped, its slot freed, the error
     counted on the disk tier; a later request resumes from the disk snapshot at 32."""
-    m, slots = _round4_manager(make_manager, disk_quota=1 << 20, disk_path=str(tmp_path))
+    m, slots = _three_state_slots_manager(make_manager, disk_quota=1 << 20, disk_path=str(tmp_path))
     engine = FakeEngine(m)
     pool_group = m.get_layer_group_info(state_group(m)).pool_group_index
     held = [m.create_kv_cache(id=i) for i in range(slots - 1)]

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from conftest import REC, kv_layers
+from conftest import REC, kv_layers, remote_keys
 from fake_engine import FakeEngine
 from tier_helpers import SLOT, T, compute, publish, run_worker, seq
 
@@ -103,16 +103,6 @@ def reuse(m: KVCacheManager, toks: list[int], scope: ReuseScope | None = None) -
     kv.close()
     m.check_invariants()
     return h
-
-
-def remote_keys(server: LocalRedisServer) -> list[bytes]:
-    import redis
-
-    client = redis.Redis.from_url(server.url)
-    try:
-        return sorted(client.keys("kvcm:*"))
-    finally:
-        client.close()
 
 
 # ---------------------------------------------------------------- configuration and format

@@ -7,10 +7,10 @@ from __future__ import annotations
 import datetime
 import math
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-from conftest import REC
+from conftest import REC, MakeManager, make_manager_per_policy, one_layer
 from fake_engine import FakeEngine
 
 from kv_cache_manager_v2 import (
@@ -35,8 +35,8 @@ from kv_cache_manager_v2._config import GpuCacheTierConfig
 from kv_cache_manager_v2._storage._expiry import _SWEEP_SLACK
 from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager, RequestState
 
-MakeManager = Callable[..., KVCacheManager]
 T = 16
+make_manager = make_manager_per_policy  # (the fixture) every test here runs under each eviction policy
 
 
 class Clock:
@@ -47,19 +47,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture(params=EVICTION_POLICIES)
-def make_manager(request: pytest.FixtureRequest, make_manager: MakeManager) -> Iterator[MakeManager]:
-    def factory(*args: object, **kw: object) -> KVCacheManager:
-        kw.setdefault("eviction_policy", request.param)
-        return make_manager(*args, **kw)
-
-    yield factory
-
-
-def one_layer() -> list[AttentionLayerConfig]:
-    return [AttentionLayerConfig(LayerId(0), [BufferConfig("key", REC * T)])]
 
 
 def fixed(priority: int) -> Callable[[BlockOrdinal, LayerGroupId], Priority]:
@@ -91,7 +78,7 @@ def pressure(m: KVCacheManager, engine: FakeEngine, blocks: int, base: int, prio
 
 def test_a_range_keeps_its_priority_until_its_duration_ends_exactly(make_manager: MakeManager) -> None:
     clock = Clock()
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=clock)
     engine = FakeEngine(m)
     a, b = seq(1000, 2), seq(2000, 2)
     run(m, engine, a, retention=RequestRetention([(0, None, 80, 10.0)]))
@@ -115,7 +102,7 @@ def test_a_range_keeps_its_priority_until_its_duration_ends_exactly(make_manager
 
 def test_durations_survive_demotion_and_promotion_and_expire_on_the_host_tier(make_manager: MakeManager) -> None:
     clock = Clock()
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, host_quota=8 * REC * T, clock=clock)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, host_quota=8 * REC * T, clock=clock)
     engine = FakeEngine(m)
     a, b = seq(1000, 2), seq(2000, 2)
     run(m, engine, a, retention=RequestRetention([RetentionRange(0, None, 80, 10.0)]))
@@ -141,7 +128,7 @@ def test_durations_survive_demotion_and_promotion_and_expire_on_the_host_tier(ma
 
 def test_decode_blocks_take_the_decode_retention(make_manager: MakeManager) -> None:
     clock = Clock()
-    m = make_manager(one_layer(), tokens_per_block=T, quota=5 * REC * T, clock=clock)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=5 * REC * T, clock=clock)
     engine = FakeEngine(m)
     prompt, out = seq(1000, 2), seq(9000, 1)
     retention = RequestRetention([(0, None, 80, None)], decode_priority=20, decode_duration_s=30.0)
@@ -166,7 +153,7 @@ def test_decode_blocks_take_the_decode_retention(make_manager: MakeManager) -> N
 @pytest.mark.parametrize("hint", [False, True])
 def test_the_close_time_hint_keeps_a_conversation_until_it_is_reused(make_manager: MakeManager, hint: bool) -> None:
     clock = Clock()
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=clock)
     engine = FakeEngine(m)
     a, b = seq(1000, 2), seq(2000, 2)
     run(m, engine, a, Retention(80, 60.0) if hint else None)
@@ -187,7 +174,7 @@ def test_the_close_time_hint_keeps_a_conversation_until_it_is_reused(make_manage
 
 
 def test_a_request_sharing_only_a_prefix_leaves_the_hint(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T)
     engine = FakeEngine(m)
     prefix = seq(1000, 2)
     a = prefix + seq(2000, 2)
@@ -201,7 +188,7 @@ def test_a_request_sharing_only_a_prefix_leaves_the_hint(make_manager: MakeManag
 
 
 def test_a_low_hint_lowers_only_the_blocks_the_request_published(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=6 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=6 * REC * T)
     engine = FakeEngine(m)
     e, prefix = seq(5000, 2), seq(1000, 2)
     run(m, engine, e)
@@ -218,7 +205,7 @@ def test_a_low_hint_lowers_only_the_blocks_the_request_published(make_manager: M
 
 @pytest.mark.parametrize("start", [0, 2 * T, 2 * T + 1])
 def test_a_hint_from_a_start_leaves_the_blocks_before_it(make_manager: MakeManager, start: int) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T)
     engine = FakeEngine(m)
     system = seq(1000, 2)  # a system prompt others will share, first published by this request
     chat = system + seq(2000, 2)
@@ -238,7 +225,7 @@ def test_a_hint_from_a_start_leaves_the_blocks_before_it(make_manager: MakeManag
 
 
 def test_a_low_hint_ends_when_any_request_reuses_the_blocks(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=6 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=6 * REC * T)
     engine = FakeEngine(m)
     doc = seq(1000, 2)
     run(m, engine, doc, Retention(0))  # "nobody comes back to this" ...
@@ -253,7 +240,7 @@ def test_a_low_hint_ends_when_any_request_reuses_the_blocks(make_manager: MakeMa
 def test_the_default_clock_is_monotonic() -> None:
     import time
 
-    cfg = KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), backend="host")
+    cfg = KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(T), backend="host")
     assert cfg.clock is time.monotonic
 
 
@@ -290,7 +277,7 @@ def test_the_default_clock_is_monotonic() -> None:
             "RequestRetention.decode_duration_s must be a finite number",
         ),
         (
-            lambda: KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), clock=5),  # type: ignore[arg-type]
+            lambda: KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(T), clock=5),  # type: ignore[arg-type]
             TypeError,
             "clock must be a callable",
         ),
@@ -305,7 +292,7 @@ def test_bad_retention_values_are_refused_clearly(
 
 
 def test_bad_retention_arguments_are_refused_and_change_nothing(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T)
     with pytest.raises(TypeError, match=None if compiled else "retention"):  # compiled: mypyc's own message
         m.create_kv_cache(retention=Retention(5))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs input_tokens or prompt_length"):
@@ -326,7 +313,7 @@ def test_a_duration_counts_from_the_release_not_the_commit(make_manager: MakeMan
     """The reference system's rule: blocks at 80 for 10 s, committed at 0, released at 15, a
     competitor at 50, pressure at 16: the blocks at 80 stay (their 10 s began at 15)."""
     clock = Clock()
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=clock)
     engine = FakeEngine(m)
     a, b = seq(1000, 2), seq(2000, 2)
     kv = m.create_kv_cache(input_tokens=a, retention=RequestRetention([(0, None, 80, 10.0)]))
@@ -353,7 +340,7 @@ def test_a_duration_runs_only_while_no_request_owns_the_block(make_manager: Make
     requests starts its duration when the last one lets go; a request that takes a released
     block stops its duration, and its release starts it afresh."""
     clock = Clock()
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=clock)
     engine = FakeEngine(m)
     a, b, c = seq(1000, 2), seq(2000, 2), seq(3000, 2)
     keep = RequestRetention([(0, None, 80, 10.0)])
@@ -426,10 +413,10 @@ def test_a_clock_that_returns_no_time_is_refused_at_construction(
     make_manager: MakeManager, bad: object, error: type[Exception], words: str
 ) -> None:
     with pytest.raises(error, match=words):
-        make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=HostileClock(bad, 0))
+        make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=HostileClock(bad, 0))
     with pytest.raises(TypeError, match=r"config\.clock must return seconds"):
-        make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=datetime.datetime.now)
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=lambda: 7)  # an int will do
+        make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=datetime.datetime.now)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=lambda: 7)  # an int will do
     assert m.pin(seq(0, 1), duration_s=1.0) == 0
 
 
@@ -443,7 +430,7 @@ def test_a_clock_failing_later_never_leaves_an_operation_half_done(make_manager:
     while the clock fails; a NaN never enters an expiry time (retention ends once the clock is
     good again); ``pin`` with a duration refuses, changing nothing."""
     clock = HostileClock(bad, 1, times=10**6)  # good at construction only
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=clock)
     engine = FakeEngine(m)
     a, b = seq(1000, 2), seq(2000, 2)
     run(m, engine, a, Retention(80, 10.0), retention=RequestRetention([(0, None, 80, 10.0)]))
@@ -478,7 +465,7 @@ def test_a_clock_failing_later_never_leaves_an_operation_half_done(make_manager:
 def test_a_clock_may_go_back_only_a_little(make_manager: MakeManager) -> None:
     clock = Clock()
     clock.now = 100.0
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=clock)
     engine = FakeEngine(m)
     a = seq(1000, 2)
     run(m, engine, a)
@@ -497,7 +484,7 @@ def test_a_clock_may_go_back_only_a_little(make_manager: MakeManager) -> None:
 
 
 def test_a_pin_duration_beyond_any_float_is_a_bad_duration(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T)
     with pytest.raises(ValueError, match="duration_s must be a finite number of seconds > 0"):
         m.pin(seq(0, 1), duration_s=10**400)
 
@@ -519,7 +506,7 @@ def serve(a: KVCacheResourceManager, engine: FakeEngine, r: EngineRequest, retai
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_the_adapter_passes_request_retention_and_the_finish_hint(backend: str, policy: str) -> None:
     clock = Clock()
-    layers = one_layer()
+    layers = one_layer(T)
     cfg = KVCacheManagerConfig(
         T,
         [GpuCacheTierConfig(6 * REC * T)],
@@ -560,7 +547,7 @@ def test_the_adapter_passes_request_retention_and_the_finish_hint(backend: str, 
 
 # ---------------------------------------------------------------- pins
 def test_a_pinned_prefix_is_never_evicted_until_unpinned(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T, max_pinned_share=0.5)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T, max_pinned_share=0.5)
     engine = FakeEngine(m)
     system, other = seq(1000, 2), seq(2000, 2)
     run(m, engine, system, custom_priority_callback=fixed(0))  # the lowest priority: first to go
@@ -582,7 +569,7 @@ def test_a_pinned_prefix_is_never_evicted_until_unpinned(make_manager: MakeManag
 
 
 def test_a_pin_beyond_its_share_is_refused_and_changes_nothing(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T, max_pinned_share=0.25)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T, max_pinned_share=0.25)
     engine = FakeEngine(m)
     a, b = seq(1000, 2), seq(2000, 1)
     run(m, engine, a)
@@ -601,7 +588,7 @@ def test_a_pin_beyond_its_share_is_refused_and_changes_nothing(make_manager: Mak
 
 def test_a_pin_with_a_duration_ends_by_itself(make_manager: MakeManager) -> None:
     clock = Clock()
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=clock)
     engine = FakeEngine(m)
     a = seq(1000, 2)
     run(m, engine, a)
@@ -616,7 +603,7 @@ def test_a_pin_with_a_duration_ends_by_itself(make_manager: MakeManager) -> None
 
 
 def test_pins_stay_where_they_are_on_a_host_tier_and_clear_with_the_reusable_blocks(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T, host_quota=4 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, host_quota=4 * REC * T)
     engine = FakeEngine(m)
     a = seq(1000, 2)
     run(m, engine, a)
@@ -634,7 +621,7 @@ def test_pins_stay_where_they_are_on_a_host_tier_and_clear_with_the_reusable_blo
 def test_a_pinned_page_pulled_up_beyond_the_share_is_held_by_its_pin_only_within_the_share(
     make_manager: MakeManager,
 ) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T, host_quota=8 * REC * T, max_pinned_share=0.25)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T, host_quota=8 * REC * T, max_pinned_share=0.25)
     engine = FakeEngine(m)
     a, b = seq(1000, 2), seq(2000, 2)
     run(m, engine, a)
@@ -679,17 +666,17 @@ def pinned(m: KVCacheManager) -> list[int]:
 def test_bad_pins_are_refused_clearly(
     make_manager: MakeManager, kw: dict[str, object], error: type[Exception], words: str
 ) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=4 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T)
     with pytest.raises(error, match=words if not compiled or error is ValueError else None):
         m.pin(seq(0, 1), **kw)  # type: ignore[arg-type]
     with pytest.raises((TypeError, ValueError), match="max_pinned_share"):
-        KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), max_pinned_share=1.5)
+        KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(T), max_pinned_share=1.5)
     with pytest.raises(TypeError, match="max_pinned_share"):
-        KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(), max_pinned_share=True)
+        KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16)], one_layer(T), max_pinned_share=True)
 
 
 def test_a_pin_of_tokens_not_cached_records_nothing_and_unpin_takes_what_pin_takes(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=8 * REC * T)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T)
     engine = FakeEngine(m)
     a = seq(1000, 2)
     assert m.pin(a) == 0  # nothing cached: no pin
@@ -724,7 +711,9 @@ def test_a_tier_shrink_lets_go_of_the_oldest_pins_holds_beyond_the_share(make_ma
     """8 of 16 GPU slots pinned at share 0.5, the tier shrunk to 10 slots (the share allows 5):
     the oldest pins' pages beyond it (their last blocks first) are ordinary pages again, still
     pinned: evicted down a tier, where their pins hold again."""
-    m = make_manager(one_layer(), tokens_per_block=T, quota=16 * REC * T, host_quota=16 * REC * T, max_pinned_share=0.5)
+    m = make_manager(
+        one_layer(T), tokens_per_block=T, quota=16 * REC * T, host_quota=16 * REC * T, max_pinned_share=0.5
+    )
     engine = FakeEngine(m)
     prefixes = [seq(1000 * (i + 1), 2) for i in range(4)]
     for tokens in prefixes:
@@ -748,7 +737,7 @@ def test_a_tier_shrink_lets_go_of_the_oldest_pins_holds_beyond_the_share(make_ma
 
 
 def test_a_refused_tier_shrink_keeps_the_pins_held(make_manager: MakeManager) -> None:
-    m = make_manager(one_layer(), tokens_per_block=T, quota=16 * REC * T, max_pinned_share=0.5)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=16 * REC * T, max_pinned_share=0.5)
     engine = FakeEngine(m)
     a = seq(1000, 8)
     kv = m.create_kv_cache(input_tokens=a)
@@ -773,7 +762,7 @@ def test_a_refused_tier_shrink_keeps_the_pins_held(make_manager: MakeManager) ->
 def test_the_expiry_heap_shrinks_with_the_live_retention_after_a_burst(make_manager: MakeManager) -> None:
     """Entries of freed pages are swept relative to the pages under retention now, not to the
     heap's peak: after a 4000-page burst, at most 100 retained pages at a time keep a small heap."""
-    m = make_manager(one_layer(), tokens_per_block=4, quota=4096 * REC * T)  # (a slot: REC * T bytes)
+    m = make_manager(one_layer(T), tokens_per_block=4, quota=4096 * REC * T)  # (a slot: REC * T bytes)
     retention = RequestRetention([(0, None, 80, 3600.0)])
     heap = m._storage.expiries
     for i in range(31):
@@ -820,7 +809,7 @@ def test_a_later_hint_replaces_an_earlier_one_on_a_shared_history(make_manager: 
     """A continuation that matches only part of the hinted history (its last message differs)
     leaves the first hint; its own hint, lower but longer, then replaces it on the shared blocks."""
     clock = Clock()
-    m = make_manager(one_layer(), tokens_per_block=T, quota=6 * REC * T, clock=clock)
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=6 * REC * T, clock=clock)
     engine = FakeEngine(m)
     p = seq(1000, 2)
     run(m, engine, p + seq(2000, 1), Retention(80, 10.0))

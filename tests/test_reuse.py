@@ -1,5 +1,6 @@
-"""Prefix reuse through the fake engine: full and partial blocks, reuse during generation,
-scopes, dedup, eviction order, and slot accounting."""
+"""Prefix reuse through the fake engine: full and partial blocks (partial matching scales with
+siblings), reuse during generation, scopes (and their roots), dedup, eviction order, slot
+accounting, and token validation."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import cast
 
+import numpy as np
 import pytest
-from conftest import kv_layers
+from conftest import REC, MakeManager, kv_layers, toks
 from fake_engine import FakeEngine
+from tier_helpers import publish, serve
 
 from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
-    KVCache,
-    KVCacheManager,
     LayerGroupId,
     PageStatus,
     Priority,
@@ -27,35 +28,7 @@ from kv_cache_manager_v2._reuse._node import Node, common_prefix_len
 from kv_cache_manager_v2._reuse._tree import ReuseTree
 
 T = 8
-MakeManager = Callable[..., KVCacheManager]
 LG0 = LayerGroupId(0)
-
-
-def toks(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1 << 31) for _ in range(n)]
-
-
-def serve(engine: FakeEngine, kv: KVCache, tokens: list[int], decode: int = 0) -> None:
-    """Resume, check the reused prefix, prefill the rest, decode ``decode`` tokens."""
-    assert kv.resume()
-    h = kv.history_length
-    engine.check_all(kv, tokens, h)
-    n = len(tokens) - decode
-    assert kv.resize(n)
-    engine.step(kv, tokens, h, n)
-    kv.commit(tokens[h:n])
-    for pos in range(n, len(tokens)):
-        assert kv.resize(pos + 1)
-        engine.step(kv, tokens, pos, pos + 1)
-        kv.commit([tokens[pos]])
-
-
-def publish(m: KVCacheManager, engine: FakeEngine, tokens: list[int]) -> None:
-    """A request computes ``tokens`` and finishes: its blocks stay reusable."""
-    kv = m.create_kv_cache(input_tokens=tokens)
-    serve(engine, kv, tokens)
-    kv.close()
 
 
 def test_same_prompt_reuses_full_blocks_with_correct_data(make_manager: MakeManager) -> None:
@@ -80,7 +53,7 @@ def test_partial_block_is_copied_and_original_stays_intact(make_manager: MakeMan
     m = make_manager(kv_layers(2, T))
     engine = FakeEngine(m)
     writer = toks(3, 32)
-    publish(m, engine, writer)
+    publish(m, writer, engine=engine)
     # shares 20 tokens: 2 full blocks + 4 tokens of block 2
     second = writer[:20] + toks(4, 20)
     assert m.probe_reuse(None, second) == 20
@@ -101,8 +74,37 @@ def test_partial_reuse_can_be_disabled(make_manager: MakeManager) -> None:
     m = make_manager(kv_layers(1, T), enable_partial_reuse=False)
     engine = FakeEngine(m)
     writer = toks(5, 32)
-    publish(m, engine, writer)
+    publish(m, writer, engine=engine)
     assert m.probe_reuse(None, writer[:20] + [1, 2, 3]) == 16
+
+
+def test_partial_match_looks_at_a_few_siblings_whatever_their_number(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T), quota=2 * REC * T * 4000)
+    template = list(range(1, 2 * T + 1))  # a chat template shared by every conversation
+    for conv in range(600):
+        kv = m.create_kv_cache()
+        kv.resume()
+        toks = [*template, 7, 7, 7, conv + 100, *range(4)]  # next block: same first tokens
+        assert kv.resize(len(toks))
+        kv.commit(toks)
+        kv.close()
+    node = m._tree.roots[(None, None)].children()[0].children()[0]
+    query = [7, 7, 7, 345, 0, 1]
+    assert len(node.partial_candidates(query)) <= 2
+    best, n = node.best_partial(query, m._tree.partial_groups)
+    brute = max(node.children(), key=lambda c: sum(1 for _ in iter_common(c.tokens, query)))
+    assert best is not None and n == 6 and best.tokens[:6] == brute.tokens[:6]
+    assert m.probe_reuse(input_tokens=[*template, *query]) == 2 * T + 6
+    assert m.probe_reuse(input_tokens=[*template, 7, 7, 7, 99999]) == 2 * T + 3
+
+
+def iter_common(a: tuple[object, ...], b: list[int]) -> list[int]:
+    out = []
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        out.append(1)
+    return out
 
 
 def test_block_committed_during_decode_is_reused_before_the_writer_finishes(make_manager: MakeManager) -> None:
@@ -138,6 +140,19 @@ def test_scopes_isolate(make_manager: MakeManager) -> None:
     b = m.create_kv_cache(ReuseScope(salt=7), prompt)
     assert b.history_length == 0
     b.close()
+
+
+def test_empty_scope_roots_go_away_with_their_last_block(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T), quota=2 * REC * T * 8)
+    for salt in range(200):
+        kv = m.create_kv_cache(ReuseScope(salt=salt))
+        kv.resume()
+        assert kv.resize(T)
+        kv.commit(list(range(T)))
+        kv.close()  # one cached block per salt; 8 slots: older salts are evicted
+    assert len(m._tree.roots) <= 8
+    m.clear_reusable_blocks()
+    assert len(m._tree.roots) == 0
 
 
 def test_identical_blocks_are_deduplicated(make_manager: MakeManager) -> None:
@@ -210,7 +225,7 @@ def test_swa_reuse_needs_only_window_pages(make_manager: MakeManager) -> None:
     m = make_manager(kv_layers(2, T, window=12, swa_every=2))
     engine = FakeEngine(m)
     prompt = toks(40, 48)
-    publish(m, engine, prompt)
+    publish(m, prompt, engine=engine)
     assert m.probe_reuse(None, prompt) == 48
     b = m.create_kv_cache(input_tokens=prompt + toks(41, 8))
     assert b.history_length == 48
@@ -293,7 +308,7 @@ def test_array_tokens_match_list_tokens(make_manager: MakeManager) -> None:
     m = make_manager(kv_layers(1, T))
     engine = FakeEngine(m)
     prompt = toks(90, 40)
-    publish(m, engine, prompt)
+    publish(m, prompt, engine=engine)
     ids = array("I", prompt)
     assert m.probe_reuse(None, ids) == m.probe_reuse(None, prompt) == 40
     kv = m.create_kv_cache(input_tokens=ids)
@@ -326,7 +341,7 @@ def test_failing_priority_callback_on_resume_changes_nothing(make_manager: MakeM
     m = make_manager(kv_layers(1, T))
     engine = FakeEngine(m)
     writer = toks(97, 16)
-    publish(m, engine, writer)
+    publish(m, writer, engine=engine)
     calls = []
 
     def cb(o: int, lc: int) -> Priority:
@@ -347,12 +362,76 @@ def test_failing_priority_callback_on_resume_changes_nothing(make_manager: MakeM
 
 def test_bad_tokens_in_create_leave_nothing_open(make_manager: MakeManager) -> None:
     m = make_manager(kv_layers(1, T))
-    publish(m, FakeEngine(m), toks(99, 16))
+    publish(m, toks(99, 16))
     with pytest.raises(TypeError):
         m.create_kv_cache(input_tokens=toks(99, 8) + [1.5] + toks(5, 8))  # type: ignore[list-item]
     assert m.num_open_caches == 0
     stats = m.get_storage_statistics()[0]
     assert stats.evictable == 2  # the published blocks are untouched (no holds taken)
+
+
+def test_partially_matched_tokens_are_validated(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T))
+    kv = m.create_kv_cache()
+    kv.resume()
+    assert kv.resize(3)
+    kv.commit([11, 12, 13])
+    kv.close()
+    with pytest.raises(TypeError, match="input_tokens"):
+        m.create_kv_cache(input_tokens=[11.0, 12.0, 13.0, 14.0])  # type: ignore[list-item]
+    assert m.num_open_caches == 0
+
+
+@pytest.mark.parametrize(
+    "tokens, error",
+    [
+        ([1, -1], ValueError),
+        ([1, 2**32], ValueError),
+        ([True, 2], TypeError),
+        ([np.int64(3), 2], TypeError),
+        (np.arange(20, dtype=np.int64), TypeError),
+        ([1, b""], ValueError),
+        ([1, 2.5], TypeError),
+        ([*range(100), -3], ValueError),  # far past any block the match looks at
+    ],
+)
+def test_bad_tokens_are_refused_in_both_modes(make_manager: MakeManager, tokens: object, error: type) -> None:
+    m = make_manager(kv_layers(1, T))
+    kv = m.create_kv_cache()
+    kv.resume()
+    assert kv.resize(2 * T)
+    kv.commit(list(range(2 * T)))
+    kv.close()
+    with pytest.raises(error, match="input_tokens"):
+        m.create_kv_cache(input_tokens=tokens)  # type: ignore[arg-type]
+    with pytest.raises(error, match="input_tokens"):
+        m.probe_reuse(input_tokens=tokens)  # type: ignore[arg-type]
+    k = m.create_kv_cache()
+    k.resume()
+    assert k.resize(200)
+    with pytest.raises(error, match="accepted_input_tokens"):
+        k.commit(tokens)  # type: ignore[arg-type]
+    assert k.num_committed_tokens == 0
+    k.close()
+    assert m.num_open_caches == 0
+
+
+def test_bytes_are_not_a_token_sequence(make_manager: MakeManager) -> None:
+    m = make_manager(kv_layers(1, T))
+    with pytest.raises(TypeError, match=r"\[digest\]"):
+        m.create_kv_cache(input_tokens=b"\x01" * 32)
+    with pytest.raises(TypeError, match="input_tokens"):
+        m.probe_reuse(None, b"abc")
+    kv = m.create_kv_cache()
+    kv.resume()
+    assert kv.resize(T)
+    for bad in (b"a", b"abc", "abc"):
+        with pytest.raises(TypeError, match="accepted_input_tokens"):
+            kv.commit(bad)  # type: ignore[arg-type]
+    assert kv.num_committed_tokens == 0
+    kv.commit([b"a digest"])  # a digest token in a list is fine
+    assert kv.committed_tokens == [b"a digest"]
+    kv.close()
 
 
 def _reference_match(
@@ -520,7 +599,7 @@ def test_publishing_and_evicting_a_chain_repeat_no_prune_walks(
     m = make_manager(kv_layers(1, T), quota=2 * 32 * T * blocks)  # one slot per block of the prompt
     engine = FakeEngine(m)
     prompt = toks(7, blocks * T)
-    publish(m, engine, prompt)
+    publish(m, prompt, engine=engine)
     assert m.probe_reuse(None, prompt) == blocks * T
     assert counts["prune"] <= 1, counts  # (closing the request lets go of its last node: one walk)
     counts.update(prune=0, is_removable=0)

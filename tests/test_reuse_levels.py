@@ -3,30 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
-from conftest import REC, kv_layers
+from conftest import MakeManager, kv_layers
 from fake_engine import FakeEngine
+from tier_helpers import SLOT, T, publish, seq
 
 from kv_cache_manager_v2 import GPU_LEVEL, KVCacheManager, LayerGroupId, LayerId, ReuseScope, compiled
-
-T = 8
-SLOT = 2 * 2 * REC * T  # two layers, key + value: one slot holds one block of both
-MakeManager = Callable[..., KVCacheManager]
-
-
-def seq(r: int, n: int) -> list[int]:
-    return [r * 10_000 + i for i in range(n)]
-
-
-def publish(m: KVCacheManager, engine: FakeEngine, toks: list[int]) -> None:
-    kv = m.create_kv_cache(input_tokens=toks)
-    assert kv.resume() and kv.resize(len(toks))
-    h = kv.history_length
-    engine.step(kv, toks, h, len(toks))
-    kv.commit(toks[h:])
-    kv.close()
 
 
 def page_levels(m: KVCacheManager, toks: list[int]) -> list[int]:
@@ -53,7 +35,7 @@ def test_levels_of_a_prefix_spread_over_three_tiers(make_manager: MakeManager, t
     engine = FakeEngine(m)
     seqs = [seq(r, 3 * T) for r in range(4)]
     for s in seqs:
-        publish(m, engine, s)
+        publish(m, s, engine=engine)
     assert m.probe_reuse_levels(None, seqs[0]) == [2, 2, 2]  # the oldest blocks are deepest
     assert m.probe_reuse_levels(None, seqs[3]) == [0, 0, 0]
     for s in seqs:
@@ -79,9 +61,9 @@ def test_levels_count_only_the_pages_a_sliding_window_needs(make_manager: MakeMa
     m = make_manager(layers, T, 12 * SLOT // 2, host_quota=64 * SLOT // 2)
     engine = FakeEngine(m)
     long_doc = seq(1, 6 * T)
-    publish(m, engine, long_doc)
+    publish(m, long_doc, engine=engine)
     for r in range(2, 5):
-        publish(m, engine, seq(r, 4 * T))
+        publish(m, seq(r, 4 * T), engine=engine)
     levels = m.probe_reuse_levels(None, long_doc)
     assert levels == page_levels(m, long_doc) and len(levels) == 6
     assert max(levels) == 1  # pushed down by the later documents

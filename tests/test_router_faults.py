@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import gc
 import os
-import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import msgspec
 import pytest
 import zmq
-from conftest import kv_layers
-from fake_engine import FakeEngine
+from conftest import LOOPBACK, MakeManager, kv_layers, sync, toks
+from tier_helpers import publish
 
 from kv_cache_manager_v2 import KVCacheEventManager, KVCacheManager, TokenIdExt
 from kv_cache_manager_v2.events import (
@@ -32,25 +31,6 @@ from kv_cache_manager_v2.events import (
 )
 
 T = 8
-MakeManager = Callable[..., KVCacheManager]
-LOOPBACK = "tcp://127.0.0.1:*"
-
-
-def toks(seed: int, n: int) -> list[TokenIdExt]:
-    rng = random.Random(seed)
-    return [rng.randrange(1 << 31) for _ in range(n)]
-
-
-def cache_prompt(m: KVCacheManager, tokens: list[TokenIdExt]) -> None:
-    """A request computes ``tokens`` (what is not reused), commits them and closes: its blocks stay cached."""
-    engine = FakeEngine(m)
-    kv = m.create_kv_cache(input_tokens=tokens)
-    assert kv.resume()
-    h = kv.history_length
-    assert kv.resize(len(tokens))
-    engine.step(kv, tokens, h, len(tokens))
-    kv.commit(tokens[h:])
-    kv.close()
 
 
 def free_tcp_endpoint() -> str:
@@ -59,21 +39,6 @@ def free_tcp_endpoint() -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return f"tcp://127.0.0.1:{port}"
-
-
-def sync(router: KVAwareRouter, replica: int, pub: ZmqEventPublisher, timeout: float = 30.0) -> None:
-    """Wait until the router applied everything ``pub`` sent (replaying what the SUB socket lost)."""
-    last = pub.flush()
-    deadline = time.monotonic() + timeout
-    while router.last_seq(replica) < last:
-        router.poll(0.02)
-        if router.last_seq(replica) < last and time.monotonic() > deadline - timeout / 2:
-            router.catch_up(replica)
-        s = router.subscriptions[replica]
-        assert time.monotonic() < deadline, (
-            f"router stuck at {router.last_seq(replica)} < {last}: replayed {s.num_replayed}, lost {s.num_lost}, "
-            f"replay failures {s.num_replay_failures}, malformed {s.num_malformed}"
-        )
 
 
 class RawPublisher:
@@ -109,7 +74,7 @@ def raw() -> Iterator[RawPublisher]:
 
 def batch(m: KVCacheManager, tokens: list[TokenIdExt], instance_id: int | None = 7) -> bytes:
     """The payload announcing ``tokens`` (cached on ``m``, whose events are drained)."""
-    cache_prompt(m, tokens)
+    publish(m, tokens)
     return encode_batch(KVEventBatch(time.time(), to_wire(m.get_latest_events()), None, instance_id))
 
 
@@ -200,7 +165,7 @@ def test_replay_backoff_grows_and_recovers(make_manager: MakeManager) -> None:
                 s.replay_retry_at = 0.0  # the back-off expired
                 assert router.catch_up(0) == 0
                 assert s.backoff == pytest.approx(expected)
-            cache_prompt(m, toks(1, 24))
+            publish(m, toks(1, 24))
             pub.drain(em)
             pub.flush()
             s.endpoints = ReplicaEndpoints(pub.endpoint, pub.replay_endpoint)  # the endpoint is back
@@ -225,7 +190,7 @@ def test_restarted_replica_resets_its_index(make_manager: MakeManager) -> None:
     router = KVAwareRouter([endpoints], replay_timeout=1.0)
     try:
         for i in range(4):  # a few batches: the old instance got further than the new one will
-            cache_prompt(m1, old_prompt if i == 0 else toks(20 + i, 16))
+            publish(m1, old_prompt if i == 0 else toks(20 + i, 16))
             pub1.drain(em1)
         sync(router, 0, pub1)
         assert router.indexes[0].match_length(old_prompt) == 32 and router.last_seq(0) == 3
@@ -237,7 +202,7 @@ def test_restarted_replica_resets_its_index(make_manager: MakeManager) -> None:
         m2 = make_manager(kv_layers(1, T), event_manager=em2)
         with ZmqEventPublisher(endpoints.endpoint, endpoints.replay_endpoint) as pub2:
             assert pub2.instance_id != old_instance
-            cache_prompt(m2, new_prompt)
+            publish(m2, new_prompt)
             pub2.drain(em2)
             deadline = time.monotonic() + 15
             k = 0
@@ -246,7 +211,7 @@ def test_restarted_replica_resets_its_index(make_manager: MakeManager) -> None:
                 router.poll(0.05)
                 if router.subscriptions[0].num_restarts == 0:
                     k += 1
-                    cache_prompt(m2, toks(100 + k, 16))
+                    publish(m2, toks(100 + k, 16))
                     pub2.drain(em2)
             sync(router, 0, pub2)
             s = router.subscriptions[0]
@@ -303,27 +268,27 @@ def test_dropped_batches_leave_a_gap_then_drain_resynchronises(make_manager: Mak
     with ZmqEventPublisher(LOOPBACK, LOOPBACK, max_queue_size=1) as pub:
         router = KVAwareRouter([ReplicaEndpoints(pub.endpoint, pub.replay_endpoint)], replay_timeout=2.0)
         try:
-            cache_prompt(m, prompts[0])
+            publish(m, prompts[0])
             pub.drain(em)
             sync(router, 0, pub)
             sender = pub._sender
             with sender.sent:  # the thread blocks after its next send
-                cache_prompt(m, prompts[1])
+                publish(m, prompts[1])
                 pub.drain(em)  # seq 1: taken by the thread, which then waits for the lock
                 deadline = time.monotonic() + 10
                 while sender.queue.qsize():
                     assert time.monotonic() < deadline
                     time.sleep(0.001)
-                cache_prompt(m, prompts[2])
+                publish(m, prompts[2])
                 pub.drain(em)  # seq 2: queued
-                cache_prompt(m, prompts[3])
+                publish(m, prompts[3])
                 pub.drain(em)  # seq 3: dropped (queue full)
             pub.flush()
             assert pub.num_dropped_batches == 1 and pub.next_seq == 4
             sync(router, 0, pub)
             s = router.subscriptions[0]
             assert s.last_seq == 2 and s.num_lost == 0  # nothing reveals the gap yet
-            cache_prompt(m, prompts[4])
+            publish(m, prompts[4])
             pub.drain(em)  # seq 4: the snapshot (the events of prompts[3] and [4] included)
             sync(router, 0, pub)
             assert s.num_lost == 1 and s.num_replay_failures == 0  # the gap was seen; replay had nothing for it
@@ -358,7 +323,7 @@ def test_a_subscriber_that_stops_reading_holds_at_most_the_byte_bound(make_manag
     em = KVCacheEventManager()
     m = make_manager(kv_layers(1, T), quota=4 << 20, event_manager=em)
     prompt = toks(50, 2048)
-    cache_prompt(m, prompt)
+    publish(m, prompt)
     events = em.get_latest_events()  # one BlockStored of 2048 tokens on the wire: ~12 KB
     limit = 2 << 20
     with ZmqEventPublisher(LOOPBACK, LOOPBACK, max_send_bytes=limit, max_buffer_bytes=limit) as pub:
@@ -410,7 +375,7 @@ def publisher_threads() -> list[threading.Thread]:
 def test_a_publisher_collected_without_close_stops_and_closes(make_manager: MakeManager) -> None:
     em = KVCacheEventManager()
     m = make_manager(kv_layers(1, T), event_manager=em)
-    cache_prompt(m, toks(60, 24))
+    publish(m, toks(60, 24))
     events = em.get_latest_events()
     with ZmqEventPublisher(LOOPBACK, LOOPBACK) as warm:  # pyzmq's process-wide helpers start once
         warm.publish(events)
@@ -589,7 +554,7 @@ def test_a_sequence_number_the_publisher_never_sent_is_refused(make_manager: Mak
             raw.wait_subscriber()
 
             def forward(tokens: list[TokenIdExt]) -> None:
-                cache_prompt(m, tokens)
+                publish(m, tokens)
                 events = em.get_latest_events()
                 pub.publish(events)
                 seq = pub.flush()
@@ -617,7 +582,7 @@ def test_an_event_with_impossible_values_is_refused_alone(make_manager: MakeMana
 
     m = make_manager(kv_layers(1, T), event_manager=KVCacheEventManager())
     prompt = toks(90, 40)
-    cache_prompt(m, prompt)
+    publish(m, prompt)
     good = to_wire(m.get_latest_events())
     impossible = [
         BlockStored(
@@ -686,7 +651,7 @@ def test_a_restarted_replica_that_stays_idle_is_noticed(make_manager: MakeManage
     endpoints = ReplicaEndpoints(pub1.endpoint, pub1.replay_endpoint)
     router = KVAwareRouter([endpoints], replay_timeout=0.5, replay_backoff=0.2, probe_interval=0.2)
     try:
-        cache_prompt(m, old_prompt)
+        publish(m, old_prompt)
         pub1.drain(em)
         sync(router, 0, pub1)
         assert router.indexes[0].match_length(old_prompt) == 32
@@ -719,8 +684,8 @@ def test_a_replica_whose_publisher_is_gone_scores_zero(make_manager: MakeManager
         probe_interval=0.2,
     )
     try:
-        cache_prompt(ms[0], prompt)
-        cache_prompt(ms[1], prompt[:16])
+        publish(ms[0], prompt)
+        publish(ms[1], prompt[:16])
         for i in range(2):
             pubs[i].drain(ems[i])
             sync(router, i, pubs[i])

@@ -3,21 +3,22 @@ prefill with suspend/resume and rewind, mixed models, reuse afterwards, index mo
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable
-
 import pytest
-from conftest import REC
+from conftest import REC, MakeManager, used_slots
+from conftest import toks as tokens
 from fake_engine import FakeEngine, KVMismatch
+from tier_helpers import seq
 
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
     BatchDesc,
     BufferConfig,
     CacheLevel,
+    GpuCacheTierConfig,
     KVCache,
     KVCacheDesc,
     KVCacheManager,
+    KVCacheManagerConfig,
     LayerGroupId,
     LayerId,
     LogicError,
@@ -25,7 +26,6 @@ from kv_cache_manager_v2 import (
     SwaScratchReuseConfig,
 )
 
-MakeManager = Callable[..., KVCacheManager]
 T = 32
 LG0 = LayerGroupId(0)
 
@@ -44,15 +44,6 @@ def swa_layers(n: int, window: int = 128, full_every: int = 0, sinks: int | None
             )
         )
     return out
-
-
-def used_slots(m: KVCacheManager) -> int:
-    return sum(s.total - s.free - s.evictable for s in m.get_storage_statistics())
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1 << 30) for _ in range(n)]
 
 
 def prefill(engine: FakeEngine, kv: KVCache, toks: list[int], chunks: list[int], commit: bool = True) -> int:
@@ -237,6 +228,99 @@ def test_scratch_needs_the_manager_option(make_manager: MakeManager) -> None:
     with pytest.raises(LogicError, match="swa_scratch_reuse"):
         kv.enable_swa_scratch_reuse = True
     kv.close()
+
+
+def _swa(
+    n: int, window: int, t: int, full: int = 0, full_bytes: int = 0, swa_bytes: int = 0
+) -> list[AttentionLayerConfig]:
+    """``n`` windowed layers then ``full`` full-attention ones (K and V of the given bytes per token)."""
+    out = []
+    for i in range(n + full):
+        b = (swa_bytes if i < n else full_bytes) or REC
+        out.append(
+            AttentionLayerConfig(
+                LayerId(i),
+                [BufferConfig("key", b * t), BufferConfig("value", b * t)],
+                window if i < n else None,
+            )
+        )
+    return out
+
+
+def test_scratch_reuse_can_be_switched_off_once_the_step_is_committed(make_manager: MakeManager) -> None:
+    t = 32
+    m = make_manager(_swa(8, 32, t), t, 64 * 8 * 2 * REC * t, swa_scratch_reuse=SwaScratchReuseConfig())
+    engine = FakeEngine(m)
+    toks = seq(1, 512)
+    kv = m.create_kv_cache()
+    assert kv.resume() and kv.resize(256)
+    assert kv.has_scratch_slots
+    with pytest.raises(LogicError, match="commit the step"):
+        kv.enable_swa_scratch_reuse = False  # the step is not computed yet
+    engine.step(kv, toks, 0, 256)
+    kv.commit(toks[:256])
+    kv.enable_swa_scratch_reuse = False
+    assert not kv.enable_swa_scratch_reuse and not kv.has_scratch_slots
+    m.check_invariants()
+    assert kv.resize(512)  # the next chunk gets pages for every block, no scratch
+    assert not kv.has_scratch_slots
+    engine.step(kv, toks, 256, 512)
+    kv.commit(toks[256:512])
+    engine.check_all(kv, toks, 512)
+    kv.enable_swa_scratch_reuse = True
+    kv.close()
+
+
+def test_initial_gpu_split_and_constraints_count_scratch_slots() -> None:
+    t = 32
+    layers = _swa(16, 128, t, full=16, swa_bytes=12, full_bytes=20)  # slots: 12288 (windowed) and 20480 bytes
+    step = BatchDesc([KVCacheDesc(16384, 0)] * 8)
+    quota = 256 * 12288 + 256 * 20480
+
+    def slots(scratch: SwaScratchReuseConfig | None, **kw: object) -> list[int]:
+        """GPU slots per pool group, windowed group first."""
+        cfg = KVCacheManagerConfig(
+            t,
+            [GpuCacheTierConfig(quota)],
+            layers,
+            swa_scratch_reuse=scratch,
+            backend="host",
+            **kw,  # type: ignore[arg-type]
+        )
+        m = KVCacheManager(cfg)
+        stats = sorted(m.get_storage_statistics(), key=lambda x: sum(x.slot_sizes))
+        m.shutdown()
+        assert [sum(x.slot_sizes) for x in stats] == [12288, 20480]
+        return [x.total for x in stats]
+
+    swa_g, full_g = 0, 1
+    plain = slots(None, typical_step=step)
+    with_scratch = slots(SwaScratchReuseConfig(), typical_step=step)
+    # without scratch each request holds all 512 blocks in both groups; with it the windowed
+    # group holds its window, the chunk's last blocks and one scratch slot per request
+    assert plain[swa_g] * 12288 / (plain[full_g] * 20480) == pytest.approx(12288 / 20480, rel=0.02)
+    assert with_scratch[swa_g] < plain[swa_g] / 5  # ~5 pages + 32 scratch slots a request instead of 512
+    assert with_scratch[full_g] > plain[full_g]
+    # constraints: 4 x (512, 0) need 24 + 64 slots with scratch, 64 + 64 without
+    quota = 24 * 12288 + 64 * 20480
+    tight = BatchDesc([KVCacheDesc(512, 0)] * 4)
+    cfg = KVCacheManagerConfig(
+        t,
+        [GpuCacheTierConfig(quota)],
+        layers,
+        swa_scratch_reuse=SwaScratchReuseConfig(),
+        constraints=[tight],
+        backend="host",
+    )
+    m = KVCacheManager(cfg)
+    kvs = [m.create_kv_cache() for _ in range(4)]
+    for kv in kvs:  # the constrained batch really fits
+        assert kv.resume() and kv.resize(512, 0)
+    for kv in kvs:
+        kv.close()
+    m.shutdown()
+    with pytest.raises(ValueError, match="slots needed"):
+        slots(None, constraints=[tight])
 
 
 def test_scratch_resize_failure_is_all_or_nothing(make_manager: MakeManager) -> None:

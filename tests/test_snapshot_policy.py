@@ -9,9 +9,9 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from conftest import REC, make_config
+from conftest import REC, MakeManager, make_config, toks
 from fake_engine import FakeEngine
-from test_recurrent import CONV, STATE, MakeManager, T, decode, hybrid_layers, prefill, state_group, toks
+from test_recurrent import CONV, STATE, T, decode, hybrid_layers, prefill, state_group
 
 from kv_cache_manager_v2 import (
     DEFAULT_PRIORITY,

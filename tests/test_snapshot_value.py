@@ -6,32 +6,12 @@ fake engine (the reused prefix and state checked at every resume) and the invari
 from __future__ import annotations
 
 import pytest
+from conftest import MakeManager, toks
 from fake_engine import FakeEngine
-from test_recurrent import (
-    MakeManager,
-    T,
-    decode,
-    hybrid_layers,
-    live_states_until_a_snapshot_goes,
-    prefill,
-    state_group,
-    toks,
-)
+from test_recurrent import T, hybrid_layers, live_states_until_a_snapshot_goes, prefill, state_group
+from test_snapshot_policy import run
 
 from kv_cache_manager_v2 import KVCacheManager, LayerGroupId
-
-
-def _run(m: KVCacheManager, engine: FakeEngine, prompt: list[int], decoded: int = 0) -> int:
-    """One request: create, prefill cut at snapshot positions, decode ``decoded`` tokens, close;
-    its reused tokens."""
-    kv = m.create_kv_cache(input_tokens=prompt)
-    reused = kv.history_length
-    prefill(engine, kv, prompt, len(prompt), chunk=300)
-    if decoded:
-        decode(engine, kv, prompt + toks(99, decoded), len(prompt) + decoded)
-    kv.close()
-    m.check_invariants()
-    return reused
 
 
 def _kv_slots(m: KVCacheManager) -> int:
@@ -55,8 +35,8 @@ def test_kv_past_the_deepest_snapshot_is_evicted_first(make_manager: MakeManager
     )
     engine = FakeEngine(m)
     x, a = toks(1, 128), toks(2, 128)
-    _run(m, engine, x)  # 4 blocks, a snapshot at 128
-    _run(m, engine, a, decoded=96)  # 7 blocks: 4 below the snapshot at 128, 2 full blocks past it, 1 partial
+    run(m, engine, x)  # 4 blocks, a snapshot at 128
+    run(m, engine, a, decoded=96)  # 7 blocks: 4 below the snapshot at 128, 2 full blocks past it, 1 partial
     assert m.probe_reuse(None, x) == 128 and m.probe_reuse(None, a) == 128
     kv_slots = _kv_slots(m)
     # a new request takes every KV slot but two of the 10 the tree holds: exactly two are evicted
@@ -67,7 +47,7 @@ def test_kv_past_the_deepest_snapshot_is_evicted_first(make_manager: MakeManager
     assert m.probe_reuse(None, x) == 128  # the oldest usable KV stayed
     assert m.probe_reuse(None, a) == 128
     kv.close()
-    assert _run(m, engine, x + toks(4, 40)) == 128  # the reused KV and state are X's (the fake engine)
+    assert run(m, engine, x + toks(4, 40)) == 128  # the reused KV and state are X's (the fake engine)
 
 
 def test_a_hit_refreshes_only_the_snapshot_it_used(make_manager: MakeManager) -> None:
@@ -84,9 +64,9 @@ def test_a_hit_refreshes_only_the_snapshot_it_used(make_manager: MakeManager) ->
     )
     engine = FakeEngine(m)
     p, q = toks(21, 200), toks(22, 200)
-    _run(m, engine, p)
-    _run(m, engine, q)
-    assert _run(m, engine, p[:150] + toks(23, 40)) == 128
+    run(m, engine, p)
+    run(m, engine, q)
+    assert run(m, engine, p[:150] + toks(23, 40)) == 128
     assert m.reuse_statistics.snapshots_evicted == 0
     others = live_states_until_a_snapshot_goes(m)
     m.check_invariants()

@@ -1,14 +1,14 @@
-"""Host and disk tiers through the fake engine: the eviction cascade, onboarding, suspended
-requests spilling down and coming back, prefetch, tier resizing, disk errors, statistics."""
+"""Host and disk tiers through the fake engine: the eviction cascade (through a host tier smaller
+than a request too), onboarding, suspended requests spilling down and coming back, the resume
+gate, prefetch, tier resizing, disk errors, statistics."""
 
 from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable
 
 import pytest
-from conftest import REC, kv_layers
+from conftest import REC, MakeManager, kv_layers
 from fake_engine import FakeEngine
 from tier_helpers import SLOT, T, compute, publish, seq, tree_pages
 
@@ -28,9 +28,8 @@ from kv_cache_manager_v2._common import SlotId
 from kv_cache_manager_v2._storage._disk import DiskPool
 from kv_cache_manager_v2._storage._slot_allocator import SlotAllocator
 
-MakeManager = Callable[..., KVCacheManager]
 LG0 = LayerGroupId(0)
-HOST, DISK = CacheLevel(1), CacheLevel(2)
+GPU, HOST, DISK = CacheLevel(0), CacheLevel(1), CacheLevel(2)
 
 
 def tiered(
@@ -147,6 +146,79 @@ def test_suspended_request_survives_others_using_the_whole_gpu(make_manager: Mak
     hog1.close()
 
 
+def small_host(make_manager: MakeManager, tmp_path: object, host: int, **kw: object) -> KVCacheManager:
+    """GPU 16 slots, a host tier of ``host`` slots, a disk tier of 64."""
+    kw.setdefault("max_util_for_resume", 1.0)
+    return make_manager(
+        kv_layers(2, T), T, 16 * SLOT, host_quota=host * SLOT, disk_quota=64 * SLOT, disk_path=str(tmp_path), **kw
+    )
+
+
+def pushed_down(m: KVCacheManager) -> tuple[FakeEngine, list[int], KVCache]:
+    """8 blocks published, then a request computing on the whole GPU (returned, open): they go down."""
+    engine = FakeEngine(m)
+    toks = seq(1, 8 * T)
+    publish(m, toks, engine=engine)
+    hog = m.create_kv_cache()
+    assert hog.resume()
+    compute(engine, hog, seq(2, 16 * T), 16 * T)
+    return engine, toks, hog
+
+
+def test_gpu_victims_push_the_small_host_tier_down_to_disk(make_manager: MakeManager, tmp_path: object) -> None:
+    for host in (2, 4, 8):
+        m = small_host(make_manager, tmp_path, host)
+        engine, toks, hog = pushed_down(m)
+        assert m.probe_reuse(None, toks + [7]) == 8 * T  # nothing was dropped: the disk had room
+        stats = [m.get_tier_statistics(level) for level in (GPU, HOST, DISK)]
+        assert sum(s.dropped_pages for s in stats) == 0
+        # the newest victims go to the host, the older rest straight on to disk
+        assert stats[HOST].offloaded_pages == min(host, 8)
+        assert stats[DISK].offloaded_pages == 8 - min(host, 8)
+        assert stats[HOST].used_bytes == min(host, 8) * SLOT
+        assert stats[DISK].used_bytes == (8 - min(host, 8)) * SLOT
+        hog.close()
+        b = m.create_kv_cache(input_tokens=toks + [7])
+        assert b.history_length == 8 * T and b.resume()
+        engine.check_all(b, toks, 8 * T)  # every record back intact, from host and disk
+        b.close()
+        m.shutdown()
+
+
+def test_the_newest_victims_stay_in_the_small_host_tier(make_manager: MakeManager, tmp_path: object) -> None:
+    m = small_host(make_manager, tmp_path, 2)
+    _, toks, hog = pushed_down(m)  # released last block first: block 7 is the oldest, block 0 the newest
+    b = m.create_kv_cache(input_tokens=toks + [7])
+    assert levels_of(b) == [HOST, HOST] + [DISK] * 6
+    b.close()
+    hog.close()
+
+
+def test_suspended_pages_spill_through_a_small_host_to_disk(make_manager: MakeManager, tmp_path: object) -> None:
+    m = small_host(make_manager, tmp_path, 2)
+    engine = FakeEngine(m)
+    a_toks = seq(1, 8 * T)
+    a = m.create_kv_cache()
+    assert a.resume()
+    compute(engine, a, a_toks, 8 * T - 3)
+    a.suspend()
+    hog = m.create_kv_cache()
+    assert hog.resume()
+    assert hog.resize(16 * T, 0)  # needs the whole GPU: a's 8 pages go down through the host
+    assert sorted(levels_of(a)) == [HOST] * 2 + [DISK] * 6
+    assert all(p.status is PageStatus.HELD for p in a.block_table.all_pages())
+    engine.step(hog, seq(2, 16 * T), 0, 16 * T)
+    hog.commit(seq(2, 16 * T))
+    assert not a.resume()  # the GPU is locked by hog: nothing changes
+    assert a.status is KVCacheStatus.SUSPENDED
+    hog.close()
+    assert a.resume()
+    assert levels_of(a) == [GPU] * 8 and a.history_length == 8 * T - 3
+    engine.check_all(a, a_toks, 8 * T - 3)
+    assert sum(m.get_tier_statistics(level).dropped_pages for level in (GPU, HOST, DISK)) == 0
+    a.close()
+
+
 def test_resume_refuses_above_max_util_with_lower_tiers(make_manager: MakeManager, tmp_path: object) -> None:
     """With lower tiers a suspended request's GPU pages count as available; resuming takes them."""
     m = tiered(make_manager, tmp_path, gpu=10, host=10, disk=None, max_util_for_resume=0.8)
@@ -180,6 +252,25 @@ def test_gpu_only_resume_of_a_request_already_in_gpu_memory_is_gated_too(make_ma
     assert a.resume()
     a.close()
     b.close()
+
+
+def test_resume_of_an_empty_cache_respects_max_util(make_manager: MakeManager, tmp_path: object) -> None:
+    for tiers in (False, True):
+        kw: dict[str, object] = {"max_util_for_resume": 0.5}
+        if tiers:
+            kw.update(host_quota=4 * SLOT, disk_quota=4 * SLOT, disk_path=str(tmp_path))
+        m = make_manager(kv_layers(2, T), T, 10 * SLOT, **kw)
+        a = m.create_kv_cache()
+        assert a.resume() and a.resize(8 * T)  # 80 % of the slots locked
+        b = m.create_kv_cache()
+        assert not b.resume()  # nothing to place, but the GPU is above the limit
+        assert b.status is KVCacheStatus.SUSPENDED
+        assert a.resize(5 * T)  # 50 %: at the limit, not above it
+        assert b.resume()
+        assert m.gpu_utilization <= 0.5
+        b.close()
+        a.close()
+        m.shutdown()
 
 
 def test_prefetch_moves_a_suspended_request_up_ahead_of_resume(make_manager: MakeManager, tmp_path: object) -> None:

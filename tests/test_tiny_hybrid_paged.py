@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from conftest import tokens_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -33,11 +34,6 @@ CONFIGS = {
     "parallel": TinyConfig(layers=parallel_layers(), seed=1),  # attention + recurrence side by side
 }
 MODELS = {name: TinyModel(cfg) for name, cfg in CONFIGS.items()}
-
-
-def tokens_of(seed: int, n: int, vocab: int = 97) -> list[TokenIdExt]:
-    rng = np.random.default_rng(seed)
-    return [TokenId(int(t)) for t in rng.integers(0, vocab, n)]
 
 
 def setup(name: str, p: WorkloadParams | None = None) -> tuple[TinyModel, KVCacheResourceManager, PagedEngine]:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from conftest import tokens_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -50,11 +51,6 @@ MODELS = {
     "hybrid": TinyModel(TinyConfig(layers=hybrid_layers())),
     "parallel": TinyModel(TinyConfig(layers=parallel_layers(), seed=1)),
 }
-
-
-def tokens_of(seed: int, n: int, vocab: int = 97) -> list[TokenIdExt]:
-    rng = np.random.default_rng(seed)
-    return [TokenId(int(t)) for t in rng.integers(0, vocab, n)]
 
 
 def max_err(a: np.ndarray, b: np.ndarray) -> float:

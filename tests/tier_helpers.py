@@ -1,6 +1,6 @@
-"""What the tier tests share: a two-layer model whose slot holds one block, token sequences,
-computing and publishing blocks through the fake engine, the tree's pages of a prompt, and
-worker scripts run in a child process."""
+"""What the tier tests share, and requests driven through the fake engine for any test: a two-layer
+model whose slot holds one block, token sequences, computing, serving and publishing blocks, the
+tree's pages of a prompt, and worker scripts run in a child process."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from conftest import REC
 from fake_engine import FakeEngine
 
-from kv_cache_manager_v2 import KVCache, KVCacheManager, ReuseScope
+from kv_cache_manager_v2 import KVCache, KVCacheManager, ReuseScope, TokenIdExt
 from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
 from kv_cache_manager_v2._page import Page
 from kv_cache_manager_v2._reuse._keys import BlockHasher
@@ -35,18 +36,33 @@ def compute(engine: FakeEngine, kv: KVCache, toks: list[int], upto: int) -> None
     kv.commit(toks[h:upto])
 
 
+def serve(engine: FakeEngine, kv: KVCache, tokens: Sequence[TokenIdExt], decode: int = 0) -> None:
+    """Resume ``kv``, check the reused prefix, prefill the rest of ``tokens`` but the last ``decode``,
+    then decode those one at a time (committing all)."""
+    assert kv.resume()
+    h = kv.history_length
+    engine.check_all(kv, tokens, h)
+    n = len(tokens) - decode
+    assert kv.resize(n)
+    engine.step(kv, tokens, h, n)
+    kv.commit(tokens[h:n])
+    for pos in range(n, len(tokens)):
+        assert kv.resize(pos + 1)
+        engine.step(kv, tokens, pos, pos + 1)
+        kv.commit([tokens[pos]])
+
+
 def publish(
     m: KVCacheManager,
-    toks: list[int],
+    toks: Sequence[TokenIdExt],
     scope: ReuseScope | None = None,
     engine: FakeEngine | None = None,
     match: bool = True,
 ) -> None:
     """Compute ``toks`` in a new request of ``scope`` and close it: its blocks become reusable
-    (``match``: the request first reuses what the cache holds; else it computes everything)."""
+    (``match``: the request first reuses what the cache holds, checked; else it computes everything)."""
     kv = m.create_kv_cache(scope, toks if match else None)
-    assert kv.resume()
-    compute(engine if engine is not None else FakeEngine(m), kv, toks, len(toks))
+    serve(engine if engine is not None else FakeEngine(m), kv, toks)
     kv.close()
 
 
