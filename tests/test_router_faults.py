@@ -658,6 +658,43 @@ def test_an_event_with_impossible_values_is_refused_alone(make_manager: MakeMana
         router.close()
 
 
+def test_a_refused_event_teaches_the_router_nothing(make_manager: MakeManager, raw: RawPublisher) -> None:
+    """A router given neither the block size nor the groups receives one impossible BlockStored (block
+    size 7, a sliding-window group, a digest offset outside its block): it is refused and learns
+    nothing from it, so the replica's valid events that follow still apply (issue 47)."""
+    m = make_manager(kv_layers(1, T), event_manager=KVCacheEventManager())
+    prompt = toks(95, 40)
+    cache_prompt(m, prompt)
+    good = to_wire(m.get_latest_events())
+    impossible = [
+        BlockStored(
+            [5, 6],
+            None,
+            list(range(14)),
+            7,
+            None,
+            "GPU",
+            extra_keys=[None, [(off, b"d")]],
+            group_idx=0,
+            kv_cache_spec_kind="sliding_window",
+            kv_cache_spec_sliding_window=7,
+        )
+        for off in (7, -1)
+    ]
+    router = KVAwareRouter([ReplicaEndpoints(raw.endpoint)])
+    try:
+        raw.wait_subscriber()
+        raw.send(b"", seq_frame(0), encode_batch(KVEventBatch(0.0, [*impossible, *good])))
+        wait_applied(router, 0)
+        index = router.indexes[0]
+        s = router.subscriptions[0]
+        assert s.num_refused == 2 and s.num_malformed == 0
+        assert index.tokens_per_block == T and sorted(index.groups) == [0] and index.groups[0].kind == "full_attention"
+        assert index.match_length(prompt) == m.probe_reuse(None, prompt) == 40 and index.num_blocks == 5
+    finally:
+        router.close()
+
+
 def test_an_index_given_the_groups_refuses_any_other() -> None:
     """With the replica's layer groups given, an event for another group (or one announcing a group
     as another kind) is refused and changes nothing."""
