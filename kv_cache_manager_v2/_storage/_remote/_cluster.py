@@ -83,8 +83,11 @@ class ClusterRouter:
         cfg: RemoteCacheTierConfig,
         make_client: Callable[[str, int], Any],
         errors: tuple[type[BaseException], ...],
+        max_bulk: int,
     ) -> None:
         self.cfg = cfg
+        #: the longest bulk string a valid reply holds (``reply_bound``)
+        self._max_bulk = max_bulk
         self.seeds = cluster_seed_nodes(cfg.url)
         self._url = redact_url(cfg.url)
         self._secret = url_password(cfg.url) or ""
@@ -144,7 +147,11 @@ class ClusterRouter:
         pool = self.nodes[self.node(addr)].client.connection_pool
         try:
             reply = exchange(
-                pool, self._errors, [resp_command(b"CLUSTER", b"SLOTS")], time.monotonic() + self._timeout_s
+                pool,
+                self._errors,
+                [resp_command(b"CLUSTER", b"SLOTS")],
+                time.monotonic() + self._timeout_s,
+                self._max_bulk,
             )[0]
             return slot_ranges(reply)
         except self._errors as e:
@@ -238,7 +245,7 @@ class ClusterRouter:
         """Read node ``n``'s replies to the commands ``group`` into ``replies``, by one deadline; a
         redirected command goes to ``redirected`` (``ASK``: and its node to ``asks``). Returns whether
         a ``MOVED`` came; raises ``BadReply`` for a reply of the wrong shape."""
-        reader = ReplyReader(conn, time.monotonic() + self._timeout_s)
+        reader = ReplyReader(conn, time.monotonic() + self._timeout_s, self._max_bulk)
         moved = False
         try:
             for i in group:
