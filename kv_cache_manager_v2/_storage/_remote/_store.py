@@ -217,7 +217,7 @@ class RemoteStore(RemoteWriter):
         else:  # every master (CONFIG SET is per server)
             if not router.refresh():
                 raise ConnectionError("no cluster node answers")
-            clients = [router.nodes[n].client for n in sorted(set(router.slot_node)) if n >= 0]
+            clients = [n.client for n in router.masters()]
         for client in clients:
             deadline = time.monotonic() + self._timeout_s
             for reply in exchange(client.connection_pool, self._errors, commands, deadline, self._max_bulk):
