@@ -741,6 +741,43 @@ def test_a_restarted_replica_that_stays_idle_is_noticed(make_manager: MakeManage
         pub1.close()
 
 
+def test_a_replica_restarted_on_the_same_endpoints_is_noticed_at_once(make_manager: MakeManager) -> None:
+    """The replica restarts on the same endpoints and publishes at once, before the router's SUB
+    socket reconnected (that batch is lost live), then stays idle. The replay socket's monitor sees
+    it connect again: the router probes at once (well within the default ``probe_interval`` of 5 s),
+    drops the old index and replays the new stream from 0 (issue 47)."""
+    old_prompt, new_prompt = toks(130, 32), toks(131, 40)
+    em1 = KVCacheEventManager()
+    m1 = make_manager(kv_layers(1, T), event_manager=em1)
+    pub1 = ZmqEventPublisher(LOOPBACK, LOOPBACK)
+    endpoints = ReplicaEndpoints(pub1.endpoint, pub1.replay_endpoint)
+    router = KVAwareRouter([endpoints], replay_timeout=1.0)
+    try:
+        cache_prompt(m1, old_prompt)
+        pub1.drain(em1)
+        sync(router, 0, pub1)
+        assert router.indexes[0].match_length(old_prompt) == 32
+        pub1.close()
+        m1.shutdown()
+        em2 = KVCacheEventManager()
+        m2 = make_manager(kv_layers(1, T), event_manager=em2)
+        with ZmqEventPublisher(endpoints.endpoint, endpoints.replay_endpoint) as pub2:
+            cache_prompt(m2, new_prompt)
+            pub2.drain(em2)
+            pub2.flush()
+            s = router.subscriptions[0]
+            t0 = time.monotonic()
+            while router.indexes[0].match_length(new_prompt) != 40:
+                assert time.monotonic() - t0 < 3.0, "the restart was not noticed before probe_interval"
+                router.poll(0.05)
+            assert s.num_restarts == 1 and s.instance == pub2.instance_id and s.num_lost == 0 and not s.stale
+            assert router.indexes[0].match_length(old_prompt) == 0 == m2.probe_reuse(None, old_prompt)
+            assert not s.expired and s.num_replay_failures == 0
+    finally:
+        router.close()
+        pub1.close()
+
+
 def test_a_replica_whose_publisher_is_gone_scores_zero(make_manager: MakeManager) -> None:
     """Replica 0 holds the longer prefix, then its publisher goes away for good: once it is silent
     and its replay socket does not answer a probe, it is expired (counted) and routes go to replica 1;
