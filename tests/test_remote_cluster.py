@@ -8,20 +8,22 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from conftest import NO_REDIS_REASON, REDIS_SERVER
 from test_remote import Factory, T, publish, reuse, seq
 from test_remote import managers as managers  # (a fixture)
+from test_remote_replies import Answer, Chunks, FakeRedis
+from test_remote_replies import fake as fake  # (a fixture)
 from tier_helpers import run_worker
 
 import kv_cache_manager_v2
 from kv_cache_manager_v2 import CacheLevel, KVCacheManager, RemoteCacheTierConfig
 from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
 from kv_cache_manager_v2._reuse._keys import BlockHasher, scope_key
-from kv_cache_manager_v2._storage._remote._cluster import key_slot
+from kv_cache_manager_v2._storage._remote._cluster import MAX_OTHER_NODES, key_slot
 from kv_cache_manager_v2.redis_server import LocalRedisCluster, command
 
 
@@ -292,3 +294,37 @@ def test_a_hung_master_times_out_into_misses_for_its_slots(cl: LocalRedisCluster
     assert elapsed < 5.0  # one timeout, then the node is skipped for retry_interval_ms
     st = b.remote_statistics
     assert st is not None and st.errors >= 1 and not st.connected and st.corrupt_pages == 0
+
+
+@pytest.mark.parametrize("redirect", ["MOVED", "ASK"])
+def test_redirects_to_ever_new_addresses_keep_the_node_list_bounded(
+    fake: Callable[[Answer], FakeRedis], managers: Factory, redirect: str
+) -> None:
+    """A node answering every lookup with a redirect to an address never seen before (nothing
+    listens there): the client forgets the nodes that are neither a seed nor a slot's master, so its
+    node list stays bounded (before: 12 more nodes per lookup, hundreds after 40 lookups)."""
+    ports = iter(range(50_000, 60_000))
+
+    def answer(args: list[bytes]) -> Chunks | None:
+        if args[0].upper() in (b"STRLEN", b"EVAL"):
+            slot = key_slot(args[3] if args[0].upper() == b"EVAL" else args[1])
+            return [(0.0, b"-%s %d 127.0.0.1:%d\r\n" % (redirect.encode(), slot, next(ports)))]
+        return None
+
+    server = fake(answer)
+    m = managers(f"redis+cluster://127.0.0.1:{server.port}", timeout_ms=1000, retry_interval_ms=60_000)
+    router = m._remote.router  # type: ignore[union-attr]
+    assert router is not None
+    sizes = []
+    for k in range(40):
+        assert m.probe_reuse(None, seq(300 + k, 4 * T) + [1]) == 0
+        sizes.append(len(router.nodes))
+    assert router.moved_replies + router.ask_replies >= 40 * 4
+    assert max(sizes) <= 1 + MAX_OTHER_NODES, sizes
+    assert router.slot_node[0] is router.nodes[("127.0.0.1", server.port)]
+    # however many addresses are made known between two reads of the map
+    for port in range(30_000, 31_000):
+        router.node(("127.0.0.1", port))
+        assert len(router.nodes) <= 1 + MAX_OTHER_NODES
+    assert router.slot_node[0] is router.nodes[("127.0.0.1", server.port)]
+    m.check_invariants()

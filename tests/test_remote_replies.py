@@ -16,7 +16,13 @@ import pytest
 from test_remote import SLOT, Factory, T, publish, seq
 from test_remote import managers as managers  # (a fixture)
 
-from kv_cache_manager_v2._storage._remote._protocol import HEADER_BYTES
+from kv_cache_manager_v2._storage._remote._protocol import (
+    HEADER_BYTES,
+    MIN_REPLY_BOUND,
+    BadReply,
+    ReplyReader,
+    reply_bound,
+)
 
 #: what the fake server sends for one command: (delay in seconds, bytes) chunks, in order
 Chunks = list[tuple[float, bytes]]
@@ -294,3 +300,69 @@ def test_a_trickling_server_costs_one_timeout_per_call(
     kv = m.create_kv_cache(None, toks + [1])  # counted as down: no second wait
     assert kv.history_length == 0
     kv.close()
+
+
+# ---------------------------------------------------------------- a reply longer than any valid one (issue 47)
+class _Conn:
+    """What ``ReplyReader`` reads of a redis-py connection: its socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+
+@pytest.mark.parametrize("reply", ["bulk", "line"])
+def test_a_reply_longer_than_any_valid_one_is_bad_at_once(reply: str) -> None:
+    """A bulk string announced longer than the longest valid value (``$10000000000``), or a line
+    without its end past ``MIN_REPLY_BOUND``: a ``BadReply`` at once, not bytes buffered until the
+    deadline; a value of exactly the bound is read."""
+    bound = reply_bound(4096)
+    assert bound == MIN_REPLY_BOUND and reply_bound(1 << 20) == HEADER_BYTES + (1 << 20)
+    a, b = socket.socketpair()
+    try:
+        b.sendall(b"$%d\r\n" % bound + b"v" * bound + b"\r\n")
+        reader = ReplyReader(_Conn(a), time.monotonic() + 30.0, bound)
+        assert reader.reply() == b"v" * bound
+        head = b"$10000000000\r\n" if reply == "bulk" else b"+"
+        b.sendall(head + b"x" * (2 * MIN_REPLY_BOUND))
+        t0 = time.monotonic()
+        with pytest.raises(BadReply):
+            reader.reply()
+        assert time.monotonic() - t0 < 10.0  # (before: the whole deadline, buffering what came)
+        reader.close()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
+def test_a_value_longer_than_any_page_is_an_outage_at_once(
+    fake: Callable[[Answer], FakeRedis], managers: Factory, cluster: bool
+) -> None:
+    """Every key is present, and MGET announces a 10 GB value and sends 8 MiB of it: the fetch is
+    a bad reply (an outage, counted) at once, not a wait of ``timeout_ms`` buffering what comes."""
+
+    def answer(args: list[bytes]) -> Chunks | None:
+        name = args[0].upper()
+        if name in (b"EVALSHA", b"EVAL"):
+            n = int(args[2])
+            return [(0.0, b"*%d\r\n" % n + b":%d\r\n" % (HEADER_BYTES + SLOT) * n)]
+        if name == b"STRLEN":
+            return [(0.0, b":%d\r\n" % (HEADER_BYTES + SLOT))]
+        if name == b"MGET":
+            return [(0.0, b"*%d\r\n$10000000000\r\n" % (len(args) - 1) + b"x" * (8 << 20))]
+        return None
+
+    server = fake(answer)
+    timeout_ms = 4000
+    scheme = "redis+cluster" if cluster else "redis"
+    m = managers(f"{scheme}://127.0.0.1:{server.port}", timeout_ms=timeout_ms, retry_interval_ms=60_000)
+    toks = seq(8, 4 * T)
+    t0 = time.monotonic()
+    kv = m.create_kv_cache(None, toks + [1])
+    elapsed = time.monotonic() - t0
+    assert kv.history_length == 0 and kv.resume()
+    kv.close()
+    assert elapsed < timeout_ms / 2000.0, elapsed  # (before: at least timeout_ms)
+    st = m.remote_statistics
+    assert st is not None and st.errors == 1 and not st.connected and server.count(b"MGET") >= 1
+    m.check_invariants()

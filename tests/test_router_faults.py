@@ -623,6 +623,43 @@ def test_an_event_with_impossible_values_is_refused_alone(make_manager: MakeMana
         router.close()
 
 
+def test_a_refused_event_teaches_the_router_nothing(make_manager: MakeManager, raw: RawPublisher) -> None:
+    """A router given neither the block size nor the groups receives one impossible BlockStored (block
+    size 7, a sliding-window group, a digest offset outside its block): it is refused and learns
+    nothing from it, so the replica's valid events that follow still apply (issue 47)."""
+    m = make_manager(kv_layers(1, T), event_manager=KVCacheEventManager())
+    prompt = toks(95, 40)
+    cache_prompt(m, prompt)
+    good = to_wire(m.get_latest_events())
+    impossible = [
+        BlockStored(
+            [5, 6],
+            None,
+            list(range(14)),
+            7,
+            None,
+            "GPU",
+            extra_keys=[None, [(off, b"d")]],
+            group_idx=0,
+            kv_cache_spec_kind="sliding_window",
+            kv_cache_spec_sliding_window=7,
+        )
+        for off in (7, -1)
+    ]
+    router = KVAwareRouter([ReplicaEndpoints(raw.endpoint)])
+    try:
+        raw.wait_subscriber()
+        raw.send(b"", seq_frame(0), encode_batch(KVEventBatch(0.0, [*impossible, *good])))
+        wait_applied(router, 0)
+        index = router.indexes[0]
+        s = router.subscriptions[0]
+        assert s.num_refused == 2 and s.num_malformed == 0
+        assert index.tokens_per_block == T and sorted(index.groups) == [0] and index.groups[0].kind == "full_attention"
+        assert index.match_length(prompt) == m.probe_reuse(None, prompt) == 40 and index.num_blocks == 5
+    finally:
+        router.close()
+
+
 def test_an_index_given_the_groups_refuses_any_other() -> None:
     """With the replica's layer groups given, an event for another group (or one announcing a group
     as another kind) is refused and changes nothing."""
@@ -664,6 +701,43 @@ def test_a_restarted_replica_that_stays_idle_is_noticed(make_manager: MakeManage
                 router.poll(0.05)
             assert s.instance == pub2.instance_id and not s.expired
             assert router.indexes[0].match_length(old_prompt) == 0 and router.indexes[0].num_blocks == 0
+    finally:
+        router.close()
+        pub1.close()
+
+
+def test_a_replica_restarted_on_the_same_endpoints_is_noticed_at_once(make_manager: MakeManager) -> None:
+    """The replica restarts on the same endpoints and publishes at once, before the router's SUB
+    socket reconnected (that batch is lost live), then stays idle. The replay socket's monitor sees
+    it connect again: the router probes at once (well within the default ``probe_interval`` of 5 s),
+    drops the old index and replays the new stream from 0 (issue 47)."""
+    old_prompt, new_prompt = toks(130, 32), toks(131, 40)
+    em1 = KVCacheEventManager()
+    m1 = make_manager(kv_layers(1, T), event_manager=em1)
+    pub1 = ZmqEventPublisher(LOOPBACK, LOOPBACK)
+    endpoints = ReplicaEndpoints(pub1.endpoint, pub1.replay_endpoint)
+    router = KVAwareRouter([endpoints], replay_timeout=1.0)
+    try:
+        cache_prompt(m1, old_prompt)
+        pub1.drain(em1)
+        sync(router, 0, pub1)
+        assert router.indexes[0].match_length(old_prompt) == 32
+        pub1.close()
+        m1.shutdown()
+        em2 = KVCacheEventManager()
+        m2 = make_manager(kv_layers(1, T), event_manager=em2)
+        with ZmqEventPublisher(endpoints.endpoint, endpoints.replay_endpoint) as pub2:
+            cache_prompt(m2, new_prompt)
+            pub2.drain(em2)
+            pub2.flush()
+            s = router.subscriptions[0]
+            t0 = time.monotonic()
+            while router.indexes[0].match_length(new_prompt) != 40:
+                assert time.monotonic() - t0 < 3.0, "the restart was not noticed before probe_interval"
+                router.poll(0.05)
+            assert s.num_restarts == 1 and s.instance == pub2.instance_id and s.num_lost == 0 and not s.stale
+            assert router.indexes[0].match_length(old_prompt) == 0 == m2.probe_reuse(None, old_prompt)
+            assert not s.expired and s.num_replay_failures == 0
     finally:
         router.close()
         pub1.close()

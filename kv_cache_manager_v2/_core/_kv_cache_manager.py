@@ -103,7 +103,8 @@ class KVCacheManager(ManagerQueries):
         self._remote_fill: RemoteFill | None = None
         try:
             if remote_cfg is not None:
-                self._remote = RemoteStore(remote_cfg, layout_fingerprint(config, remote_cfg.dtype))
+                page_bytes = max(group.slot_bytes for group in self._layout.pool_groups)
+                self._remote = RemoteStore(remote_cfg, layout_fingerprint(config, remote_cfg.dtype), page_bytes)
                 self._storage.attach_remote(self._remote, self.tokens_per_block)
                 if remote_cfg.write_through:
                     self._tree.write_through = self._storage

@@ -1,8 +1,11 @@
 """One replica's event stream on the router side: its sockets, sequence state, counters, and the
-batches received but not yet applied (a large batch is applied in slices, over several polls)."""
+batches received but not yet applied (a large batch is applied in slices, over several polls).
+A monitor on the replay socket tells when it connects again (a restarted replica, one back after
+an outage): the router then probes the replica at once."""
 
 from __future__ import annotations
 
+import struct
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -16,6 +19,8 @@ from .schema import AllBlocksCleared, decode_event
 #: sequence numbers from here on are impossible (as signed 8-byte ints they are negative: -1 is the
 #: replay end marker; a publisher counting from 0 never gets there)
 SEQ_LIMIT = 1 << 63
+#: a monitor message's event id (16 bits, native order) for a completed connection
+_HANDSHAKE_SUCCEEDED = struct.pack("=H", zmq.EVENT_HANDSHAKE_SUCCEEDED)
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,12 @@ class _Subscription:
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.sub.connect(ep.endpoint)
         self.replay: zmq.Socket[bytes] | None = None
-        self.open_replay()
+        #: the replay socket's monitor (its completed connections)
+        self.monitor: zmq.Socket[bytes] | None = None
+        #: connections the replay sockets completed so far
+        self.connections = 0
+        #: the replay socket connected again (or after a failure): probe the replica at once
+        self.probe_wanted = False
         #: last sequence number received in order (-1: none); batches up to it are applied or pending
         self.last_seq = -1
         #: batches received, applied in order by :meth:`apply_pending` (the first may be partly applied)
@@ -86,20 +96,42 @@ class _Subscription:
         self.expired = False
         #: whether the index may be stale (a batch was lost since the last AllBlocksCleared)
         self.stale = False
+        self.open_replay()
 
     def open_replay(self) -> None:
-        """A fresh DEALER socket (after a failed replay: no stale answer can reach the new one)."""
-        if self.replay is not None:
-            self.replay.close(linger=0)
-            self.replay = None
+        """A fresh DEALER socket (after a failed replay: no stale answer can reach the new one),
+        monitored from before it connects."""
+        self._close_replay()
         if self.endpoints.replay_endpoint is None:
             return
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue requests only on a completed connection
         sock.setsockopt(zmq.SNDHWM, 1)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.monitor.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoints.replay_endpoint)
         self.replay = sock
+
+    def _close_replay(self) -> None:
+        if self.replay is not None:
+            self.replay.disable_monitor()
+            self.replay.close(linger=0)
+            self.replay = None
+        if self.monitor is not None:
+            self.monitor.close(linger=0)
+            self.monitor = None
+
+    def reconnected(self) -> bool:
+        """Read the replay socket's connection events; whether the replica should be probed: its
+        replay socket connected again since the first connection (or since a failed replay)."""
+        mon = self.monitor
+        while mon is not None and mon.poll(0):
+            frames = mon.recv_multipart()
+            if len(frames) == 2 and frames[0][:2] == _HANDSHAKE_SUCCEEDED:
+                self.connections += 1
+                self.probe_wanted = self.probe_wanted or self.connections > 1 or self.num_replay_failures > 0
+        return self.probe_wanted
 
     def heard(self) -> None:
         """The publisher answered: it is alive."""
@@ -143,5 +175,4 @@ class _Subscription:
 
     def close(self) -> None:
         self.sub.close(linger=0)
-        if self.replay is not None:
-            self.replay.close(linger=0)
+        self._close_replay()

@@ -6,7 +6,8 @@ matching child by longest common token prefix among those holding a page of ever
 group, then shorten until every layer group holds the pages the match needs (full attention: every
 block; sliding window: sinks and the window; recurrent: a snapshot at the last block). An event
 with impossible values (a negative or unknown layer group, a window below one token, hashes outside
-64 bits, a block size other than the replica's) is refused whole: it changes nothing.
+64 bits, a block size other than the replica's, a digest offset outside its block) is refused whole:
+it changes nothing, not even what is learnt of the replica (block size, layer groups).
 """
 
 from __future__ import annotations
@@ -130,8 +131,9 @@ class ReplicaIndex:
             raise ValueError(f"block hashes must be unsigned 64-bit ints, got {min(hashes)} .. {max(hashes)}")
         return g
 
-    def _check_stored(self, event: BlockStored) -> tuple[int, str, int | None, int]:
-        """``(group, kind, window, sinks)`` of a ``BlockStored``, every value checked."""
+    def _check_stored(self, event: BlockStored) -> tuple[int, str, int | None, int, list[tuple[TokenIdExt, ...]]]:
+        """``(group, kind, window, sinks, block tokens)`` of a ``BlockStored``, every value checked
+        (nothing is learnt or changed before every check passed)."""
         t = event.block_size
         n = len(event.block_hashes)
         if t < 1 or n == 0 or not (n - 1) * t < len(event.token_ids) <= n * t:
@@ -159,10 +161,10 @@ class ReplicaIndex:
                 f"BlockStored announces group {group} as {kind} (window {window}, {sinks} sink blocks), "
                 f"it was {known.kind} (window {known.window_size}, {known.num_sink_blocks} sink blocks)"
             )
-        return group, kind or "full_attention", window, sinks
+        return group, kind or "full_attention", window, sinks, block_tokens(event)
 
     def _stored(self, event: BlockStored) -> None:
-        group, kind, window, sinks = self._check_stored(event)
+        group, kind, window, sinks, tokens = self._check_stored(event)
         t = event.block_size
         if self.tokens_per_block is None:
             self.tokens_per_block = t
@@ -181,7 +183,7 @@ class ReplicaIndex:
             if found is None:
                 return  # its parent is gone (or was never seen): unreachable, as on the replica
             parent = found
-        for block, toks in zip(event.block_hashes, block_tokens(event)):
+        for block, toks in zip(event.block_hashes, tokens):
             node = self._nodes.get(block)
             if node is None:
                 node = self._nodes[block] = _Node(block, parent, toks)

@@ -94,7 +94,9 @@ class KVAwareRouter(PrefixRouter):
     resynchronisation (a batch starting with AllBlocksCleared). A replica silent for
     ``probe_interval`` seconds is probed through its replay socket: the answer names its publisher
     instance (a restarted idle replica is noticed), no answer marks it ``expired`` (it scores 0
-    until it is heard again).
+    until it is heard again). A replica whose replay socket connects again (a monitor on it tells)
+    is probed at once, whatever ``probe_interval``: a replica restarted on the same endpoints is
+    noticed, and the batches it published before the subscription reconnected are replayed.
     """
 
     def __init__(
@@ -289,19 +291,38 @@ class KVAwareRouter(PrefixRouter):
         return None
 
     def _probe_silent(self) -> None:
-        """Probe each replica silent for ``probe_interval`` through its replay socket (see the class)."""
-        if self._probe_interval is None:
-            return
+        """Probe each replica silent for ``probe_interval``, or whose replay socket just connected
+        again (a restarted replica, one back after an outage), through its replay socket (see the
+        class); a silent one that does not answer expires."""
         now = time.monotonic()
         for i, s in enumerate(self.subscriptions):
-            if s.replay is None or s.pending or now - s.last_heard < self._probe_interval or now < s.replay_retry_at:
+            reconnected = s.reconnected()
+            if s.replay is None or now < s.replay_retry_at:
                 continue
-            restarts = s.num_restarts
-            if self._replay(i, s.last_seq + 1, None) is None:
+            silent = self._probe_interval is not None and not s.pending and now - s.last_heard >= self._probe_interval
+            if not (silent or reconnected):
+                continue
+            s.probe_wanted = False
+            if not self._probe(i) and silent:
                 s.num_expired += not s.expired
                 s.expired = True
-            elif s.num_restarts != restarts:  # a new publisher: its stream from the start
-                self._replay(i, 0, None)
+
+    def _probe(self, i: int) -> bool:
+        """Ask replica ``i``'s replay socket for what follows its last batch; our publisher is first
+        asked for an empty range (its end marker names its instance and newest batch), so a
+        restarted one is noticed before any of its batches is taken for the old stream's. A new
+        publisher's stream is then replayed from 0. False when the replica does not answer."""
+        s = self.subscriptions[i]
+        restarts = s.num_restarts
+        start = s.last_seq + 1
+        newest = self._replay(i, start, start if s.instance is not None else None)
+        if newest is None:
+            return False
+        if s.num_restarts != restarts:  # a new publisher: its stream from the start
+            self._replay(i, 0, None)
+        elif s.instance is not None and s.last_seq < newest < UNKNOWN_SEQ:  # batches the SUB socket missed
+            self._replay(i, s.last_seq + 1, None)
+        return True
 
 
 def _ms_until(deadline: float) -> int:

@@ -241,7 +241,8 @@ def decode_event(raw: msgspec.Raw) -> AnyWireEvent:
 
 
 def block_tokens(ev: BlockStored) -> list[tuple[TokenIdExt, ...]]:
-    """The tokens of each block of a ``BlockStored``, digests restored from ``extra_keys``."""
+    """The tokens of each block of a ``BlockStored``, digests restored from ``extra_keys``
+    (``ValueError`` for a digest offset outside its block)."""
     t = ev.block_size
     n = len(ev.block_hashes)
     out: list[tuple[TokenIdExt, ...]] = []
@@ -250,6 +251,8 @@ def block_tokens(ev: BlockStored) -> list[tuple[TokenIdExt, ...]]:
         extra = ev.extra_keys[i] if ev.extra_keys is not None and i < len(ev.extra_keys) else None
         if extra:
             for off, digest in extra:
+                if not 0 <= off < len(toks):
+                    raise ValueError(f"extra_keys offset {off} of block {i} is outside its {len(toks)} token(s)")
                 toks[off] = bytes(digest)
         out.append(tuple(toks))
     return out

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..._config import RemoteCacheTierConfig, redact_url
 from ._cluster import ClusterRouter
-from ._protocol import url_password, url_username
+from ._protocol import reply_bound, url_password, url_username
 
 LOG = logging.getLogger("kv_cache_manager_v2")
 
@@ -19,7 +19,7 @@ class RemoteClient:
     """The server (or cluster) a ``RemoteStore`` talks to, its keys and its down state; the base of
     the writer (``RemoteWriter``) and of the store's reads (``RemoteStore``)."""
 
-    def __init__(self, cfg: RemoteCacheTierConfig, fingerprint: bytes) -> None:
+    def __init__(self, cfg: RemoteCacheTierConfig, fingerprint: bytes, max_page_bytes: int) -> None:
         try:
             import redis
             from redis.backoff import NoBackoff
@@ -35,6 +35,8 @@ class RemoteClient:
         self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
         #: one call's replies (with a cluster: one node's) come within this, or the call fails
         self._timeout_s = timeout
+        #: the longest bulk string a valid reply holds (a page's value): a longer one is a bad reply
+        self._max_bulk = reply_bound(max_page_bytes)
         self._url = redact_url(cfg.url)
         password = url_password(cfg.url)
         #: words that must not reach a log line (the password)
@@ -55,7 +57,7 @@ class RemoteClient:
             def make_client(host: str, port: int) -> Any:
                 return redis.Redis(host=host, port=port, username=username, password=password, ssl=tls, **options)
 
-            self.router = ClusterRouter(cfg, make_client, self._errors)
+            self.router = ClusterRouter(cfg, make_client, self._errors, self._max_bulk)
         else:
             self.client = redis.Redis.from_url(cfg.url, **options)
         #: key prefix per layer group: ``<prefix><layer group>:``; the block key's hex follows

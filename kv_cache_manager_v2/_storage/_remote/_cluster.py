@@ -56,6 +56,10 @@ def group_by_slot(keys: list[bytes]) -> dict[int, list[int]]:
 
 #: the reply of a command that was not answered: its node is down or failed during the round trip
 NODE_DOWN: Final = ConnectionError("cluster node down")
+#: nodes kept beyond the seeds and the slots' masters (targets of redirects until the map is read
+#: again); past that, the others are forgotten, so a node redirecting to ever-new addresses costs
+#: a bounded list
+MAX_OTHER_NODES: Final = 64
 
 
 class ClusterNode:
@@ -76,6 +80,9 @@ class ClusterRouter:
 
     Used from the scheduler's thread and the writer thread: the slot map is replaced, never
     mutated in place, except single entries set from a ``MOVED`` reply (a list store is atomic).
+    The slot map and the rounds hold ``ClusterNode`` objects, so forgetting a node (``_prune``:
+    after each read of the map, those neither a seed nor a slot's master; and whenever redirects
+    made more than ``MAX_OTHER_NODES`` others) never invalidates a round in progress.
     """
 
     def __init__(
@@ -83,8 +90,11 @@ class ClusterRouter:
         cfg: RemoteCacheTierConfig,
         make_client: Callable[[str, int], Any],
         errors: tuple[type[BaseException], ...],
+        max_bulk: int,
     ) -> None:
         self.cfg = cfg
+        #: the longest bulk string a valid reply holds (``reply_bound``)
+        self._max_bulk = max_bulk
         self.seeds = cluster_seed_nodes(cfg.url)
         self._url = redact_url(cfg.url)
         self._secret = url_password(cfg.url) or ""
@@ -94,10 +104,12 @@ class ClusterRouter:
         self._timeout_s = cfg.timeout_ms / 1000.0
         self._retry_s = cfg.retry_interval_ms / 1000.0
         self._lock = threading.Lock()
-        self.nodes: list[ClusterNode] = []
-        self._index: dict[tuple[str, int], int] = {}
-        #: node index serving each slot (-1: unknown)
-        self.slot_node: list[int] = [-1] * CLUSTER_SLOTS
+        #: the nodes known, by address: the seeds asked, the slots' masters, redirect targets
+        self.nodes: dict[tuple[str, int], ClusterNode] = {}
+        #: nodes kept by the last ``_prune`` (the list may grow to this plus ``MAX_OTHER_NODES``)
+        self._kept = 0
+        #: the node serving each slot (None: unknown)
+        self.slot_node: list[ClusterNode | None] = [None] * CLUSTER_SLOTS
         #: failed node round trips, of the scheduler's thread and of the writer thread
         self.read_errors = 0
         self.write_errors = 0
@@ -110,41 +122,75 @@ class ClusterRouter:
         #: a node failed since the last slot map read: read it again (a replica may have taken over)
         self._stale = False
 
-    def node(self, addr: tuple[str, int]) -> int:
+    def node(self, addr: tuple[str, int], bounded: bool = True) -> ClusterNode:
+        """The node at ``addr`` (made when new; ``bounded``: past ``MAX_OTHER_NODES`` nodes beyond
+        the seeds and the masters, the others are forgotten first)."""
         with self._lock:
-            i = self._index.get(addr)
-            if i is None:
-                i = len(self.nodes)
-                self.nodes.append(ClusterNode(addr, self._make_client(addr[0], addr[1])))
-                self._index[addr] = i
-            return i
+            node = self.nodes.get(addr)
+            if node is None:
+                if bounded and len(self.nodes) >= self._kept + MAX_OTHER_NODES:
+                    self._prune(self.slot_node)
+                node = self.nodes[addr] = ClusterNode(addr, self._make_client(addr[0], addr[1]))
+            return node
+
+    def _prune(self, slot_node: list[ClusterNode | None]) -> None:
+        """Forget the nodes that are neither a seed nor the master of a slot in ``slot_node``, their
+        idle connections closed (one in use by a round closes when the round lets go of it). Holds
+        ``_lock``."""
+        keep = set(self.seeds)
+        for n in set(slot_node):
+            if n is not None:
+                keep.add(n.addr)
+        for addr in [a for a in self.nodes if a not in keep]:
+            gone = self.nodes.pop(addr)
+            with contextlib.suppress(*self._errors):
+                gone.client.connection_pool.disconnect(inuse_connections=False)
+        self._kept = len(self.nodes)
+
+    def masters(self) -> list[ClusterNode]:
+        """The node of each slot range, once each, in slot order."""
+        out: list[ClusterNode] = []
+        seen: set[tuple[str, int]] = set()
+        for n in self.slot_node:
+            if n is not None and n.addr not in seen:
+                seen.add(n.addr)
+                out.append(n)
+        return out
 
     def refresh(self) -> bool:
         """Read the slot map (``CLUSTER SLOTS``) from the first node that answers (known nodes that
-        are not down first, then the seeds). False when none does."""
+        are not down first, then the seeds), then forget the nodes that are neither a seed nor a
+        master. False when none answers."""
         now = time.monotonic()
-        candidates = [n.addr for n in list(self.nodes) if n.down_until <= now]
+        with self._lock:
+            candidates = [n.addr for n in self.nodes.values() if n.down_until <= now]
         candidates += [a for a in self.seeds if a not in candidates]
         for addr in candidates:
             ranges = self._cluster_slots(addr)
             if ranges is None:
                 continue
-            slot_node = [-1] * CLUSTER_SLOTS
+            slot_node: list[ClusterNode | None] = [None] * CLUSTER_SLOTS
             for first, last, host, port in ranges:
-                n = self.node((host or addr[0], port))
+                n = self.node((host or addr[0], port), False)
                 for slot in range(first, last + 1):
                     slot_node[slot] = n
-            self.slot_node = slot_node
+            with self._lock:
+                self.slot_node = slot_node
+                self._prune(slot_node)
             self.refreshes += 1
             return True
         return False
 
     def _cluster_slots(self, addr: tuple[str, int]) -> list[tuple[int, int, str, int]] | None:
         """``CLUSTER SLOTS`` as node ``addr`` answers it; None when it does not, in time and well formed."""
-        pool = self.nodes[self.node(addr)].client.connection_pool
+        pool = self.node(addr, False).client.connection_pool
         try:
             reply = exchange(
-                pool, self._errors, [resp_command(b"CLUSTER", b"SLOTS")], time.monotonic() + self._timeout_s
+                pool,
+                self._errors,
+                [resp_command(b"CLUSTER", b"SLOTS")],
+                time.monotonic() + self._timeout_s,
+                self._max_bulk,
             )[0]
             return slot_ranges(reply)
         except self._errors as e:
@@ -166,27 +212,27 @@ class ClusterRouter:
         node's replies of one round) or ``valid(i, reply)`` says a reply has the wrong shape. None
         when no node tells the slot map."""
         replies: list[Any] = [NODE_DOWN] * len(commands)
-        if self._stale or self.slot_node[slots[0]] < 0:
+        if self._stale or self.slot_node[slots[0]] is None:
             self._stale = False
-            if not self.refresh() and self.slot_node[slots[0]] < 0:
+            if not self.refresh() and self.slot_node[slots[0]] is None:
                 return None
         pending = list(range(len(commands)))
-        ask_to: dict[int, int] = {}
+        ask_to: dict[int, ClusterNode] = {}
         for _ in range(3):
             now = time.monotonic()
-            by_node: dict[int, list[int]] = {}
+            by_node: dict[ClusterNode, list[int]] = {}
             slot_node = self.slot_node
             for i in pending:
                 n = ask_to.get(i, slot_node[slots[i]])
-                if n >= 0 and self.nodes[n].down_until <= now:
+                if n is not None and n.down_until <= now:
                     group = by_node.get(n)
                     if group is None:
                         by_node[n] = [i]
                     else:
                         group.append(i)
-            sent: list[tuple[int, Any, list[int]]] = []
+            sent: list[tuple[ClusterNode, Any, list[int]]] = []
             for n, group in by_node.items():
-                pool = self.nodes[n].client.connection_pool
+                pool = n.client.connection_pool
                 conn: Any = None
                 try:
                     conn = connection(pool, self._errors)
@@ -204,10 +250,10 @@ class ClusterRouter:
                         pool.release(conn)
                     self._node_failed(n, what, e, writer)
             redirected: list[int] = []
-            asks: dict[int, int] = {}
+            asks: dict[int, ClusterNode] = {}
             moved = False
             for n, conn, group in sent:
-                pool = self.nodes[n].client.connection_pool
+                pool = n.client.connection_pool
                 try:
                     moved = self._read_node(n, conn, group, ask_to, valid, replies, redirected, asks) or moved
                     self._node_ok(n)
@@ -226,19 +272,19 @@ class ClusterRouter:
 
     def _read_node(
         self,
-        n: int,
+        n: ClusterNode,
         conn: Any,
         group: list[int],
-        ask_to: dict[int, int],
+        ask_to: dict[int, ClusterNode],
         valid: Callable[[int, Any], bool],
         replies: list[Any],
         redirected: list[int],
-        asks: dict[int, int],
+        asks: dict[int, ClusterNode],
     ) -> bool:
         """Read node ``n``'s replies to the commands ``group`` into ``replies``, by one deadline; a
         redirected command goes to ``redirected`` (``ASK``: and its node to ``asks``). Returns whether
         a ``MOVED`` came; raises ``BadReply`` for a reply of the wrong shape."""
-        reader = ReplyReader(conn, time.monotonic() + self._timeout_s)
+        reader = ReplyReader(conn, time.monotonic() + self._timeout_s, self._max_bulk)
         moved = False
         try:
             for i in group:
@@ -250,7 +296,7 @@ class ClusterRouter:
                         raise BadReply(f"unexpected reply {reply!r:.80}")
                     replies[i] = reply
                     continue
-                redirect = parse_redirect(str(reply), self.nodes[n].addr[0])
+                redirect = parse_redirect(str(reply), n.addr[0])
                 if redirect is None:
                     replies[i] = reply
                     continue
@@ -267,9 +313,8 @@ class ClusterRouter:
             reader.close()
         return moved
 
-    def _node_failed(self, node_index: int, what: str, e: BaseException, writer: bool) -> None:
+    def _node_failed(self, node: ClusterNode, what: str, e: BaseException, writer: bool) -> None:
         forget_frames(e)
-        node = self.nodes[node_index]
         node.down_until = time.monotonic() + self._retry_s
         self._stale = True
         if writer:
@@ -289,17 +334,16 @@ class ClusterRouter:
                 self.cfg.retry_interval_ms,
             )
 
-    def _node_ok(self, node_index: int) -> None:
-        node = self.nodes[node_index]
+    def _node_ok(self, node: ClusterNode) -> None:
         if not node.connected:
             node.connected = True
             LOG.warning("remote KV tier %s: node %s:%d is reachable again", self._url, *node.addr)
 
     @property
     def connected(self) -> bool:
-        return all(n.connected for n in self.nodes)
+        return all(n.connected for n in list(self.nodes.values()))
 
     def close(self) -> None:
-        for n in self.nodes:
+        for n in list(self.nodes.values()):
             with contextlib.suppress(*self._errors):
                 n.client.close()

@@ -30,6 +30,17 @@ CLUSTER_SLOTS: Final = 16384
 _MAX_RECV: Final = 4 << 20
 #: deepest array nesting a reply may have (``CLUSTER SLOTS`` in RESP3 has four levels)
 _MAX_DEPTH: Final = 8
+#: longest line (simple string, error, number) and bulk string of a reply other than a page's value
+#: (a script's SHA, a host name, a node id, an error message are far shorter)
+MIN_REPLY_BOUND: Final = 64 << 10
+
+
+def reply_bound(max_page_bytes: int) -> int:
+    """The longest bulk string a server of the remote tier can validly send: a page's value (the
+    header and the largest page) or ``MIN_REPLY_BOUND``. A reply announcing more is a ``BadReply`` at
+    once, nothing of it buffered."""
+    return max(MIN_REPLY_BOUND, HEADER_BYTES + max_page_bytes)
+
 
 #: STRLEN of every key; a key of another type (WRONGTYPE) reads as 0, a miss for that key only
 LOOKUP_LUA: Final = (
@@ -164,15 +175,17 @@ def connection(pool: Any, errors: tuple[type[BaseException], ...]) -> Any:
         raise BadReply(f"connection set-up failed ({type(e).__name__}: {e})") from None
 
 
-def exchange(pool: Any, errors: tuple[type[BaseException], ...], commands: list[bytes], deadline: float) -> list[Any]:
+def exchange(
+    pool: Any, errors: tuple[type[BaseException], ...], commands: list[bytes], deadline: float, max_bulk: int
+) -> list[Any]:
     """Send ``commands`` (each complete) pipelined on a connection of ``pool`` and read their
-    replies, all by ``deadline``. Raises one of ``errors`` when that fails (the connection is
-    closed: it may be in the middle of a reply)."""
+    replies, all by ``deadline`` (bulk strings up to ``max_bulk`` bytes). Raises one of ``errors``
+    when that fails (the connection is closed: it may be in the middle of a reply)."""
     conn = connection(pool, errors)
     reader: ReplyReader | None = None
     try:
         send(conn, list(commands))
-        reader = ReplyReader(conn, deadline)
+        reader = ReplyReader(conn, deadline, max_bulk)
         return [reader.reply() for _ in commands]
     except BaseException:
         conn.disconnect()
@@ -196,16 +209,19 @@ def is_values(reply: Any, n: int) -> bool:
 class ReplyReader:
     """RESP replies read straight from a redis-py connection's socket, every wait bounded by one
     ``deadline`` (``time.monotonic()``) for the whole exchange, so a server that trickles its
-    replies times out like a silent one. ``close`` gives the socket its own timeout back."""
+    replies times out like a silent one. A bulk string announced longer than ``max_bulk`` bytes
+    (``reply_bound``), or a line longer than ``MIN_REPLY_BOUND``, is a ``BadReply`` before any of it is
+    buffered. ``close`` gives the socket its own timeout back."""
 
-    __slots__ = ("buf", "deadline", "pos", "sock", "timeout")
+    __slots__ = ("buf", "deadline", "max_bulk", "pos", "sock", "timeout")
 
-    def __init__(self, conn: Any, deadline: float) -> None:
+    def __init__(self, conn: Any, deadline: float, max_bulk: int) -> None:
         self.sock: Any = conn._sock
         if self.sock is None:
             raise ConnectionError("not connected")
         self.timeout: Any = self.sock.gettimeout()
         self.deadline = deadline
+        self.max_bulk = max_bulk
         self.buf = bytearray()
         self.pos = 0
 
@@ -254,11 +270,15 @@ class ReplyReader:
                 line = bytes(self.buf[self.pos : end])
                 self.pos = end + 2
                 return line
+            if len(self.buf) - self.pos > MIN_REPLY_BOUND:
+                raise BadReply(
+                    f"a line of more than {MIN_REPLY_BOUND} bytes: {bytes(self.buf[self.pos : self.pos + 32])!r}"
+                )
             self._fill(1)
 
     def _bulk(self, n: int) -> bytes:
-        if n < 0:
-            raise BadReply(f"bulk string of length {n}")
+        if not 0 <= n <= self.max_bulk:
+            raise BadReply(f"bulk string of length {n} (at most {self.max_bulk} bytes are valid)")
         while len(self.buf) - self.pos < n + 2:
             self._fill(n + 2 - (len(self.buf) - self.pos))
         end = self.pos + n

@@ -26,8 +26,8 @@ class RemoteStore(RemoteWriter):
     manager); the writer thread only pops the queue. Each counter is written by one thread.
     """
 
-    def __init__(self, cfg: RemoteCacheTierConfig, fingerprint: bytes) -> None:
-        super().__init__(cfg, fingerprint)
+    def __init__(self, cfg: RemoteCacheTierConfig, fingerprint: bytes, max_page_bytes: int) -> None:
+        super().__init__(cfg, fingerprint, max_page_bytes)
         self._lookup_sha = ""
         self._use_script = True
         # scheduler-thread counters
@@ -80,7 +80,13 @@ class RemoteStore(RemoteWriter):
         n = len(keys)
         for _ in range(2 if self._use_script else 0):  # (again after NOSCRIPT)
             if not self._lookup_sha:
-                sha = exchange(pool, self._errors, [resp_command(b"SCRIPT", b"LOAD", LOOKUP_LUA.encode())], deadline)[0]
+                sha = exchange(
+                    pool,
+                    self._errors,
+                    [resp_command(b"SCRIPT", b"LOAD", LOOKUP_LUA.encode())],
+                    deadline,
+                    self._max_bulk,
+                )[0]
                 if isinstance(sha, bytes):
                     self._lookup_sha = sha.decode(errors="replace")
                 elif isinstance(sha, ErrorReply):
@@ -89,7 +95,7 @@ class RemoteStore(RemoteWriter):
                 else:
                     raise BadReply(f"SCRIPT LOAD answered {sha!r:.80}")
             command = resp_command(b"EVALSHA", self._lookup_sha.encode(), b"%d" % n, *keys)
-            reply = exchange(pool, self._errors, [command], deadline)[0]
+            reply = exchange(pool, self._errors, [command], deadline, self._max_bulk)[0]
             if is_lengths(reply, n):
                 return list(reply)
             if not isinstance(reply, ErrorReply):
@@ -99,7 +105,7 @@ class RemoteStore(RemoteWriter):
             else:  # scripting disabled on this server: pipeline instead
                 self._lua_refused(reply, "pipelined STRLEN")
                 break
-        replies = exchange(pool, self._errors, [resp_command(b"STRLEN", k) for k in keys], deadline)
+        replies = exchange(pool, self._errors, [resp_command(b"STRLEN", k) for k in keys], deadline, self._max_bulk)
         for x in replies:
             if not (type(x) is int and x >= 0) and not isinstance(x, ErrorReply):
                 raise BadReply(f"STRLEN answered {x!r:.80}")
@@ -163,7 +169,9 @@ class RemoteStore(RemoteWriter):
 
     def _values(self, keys: list[bytes]) -> list[bytes | None]:
         deadline = time.monotonic() + self._timeout_s
-        reply = exchange(self.client.connection_pool, self._errors, [resp_command(b"MGET", *keys)], deadline)[0]
+        reply = exchange(
+            self.client.connection_pool, self._errors, [resp_command(b"MGET", *keys)], deadline, self._max_bulk
+        )[0]
         if not is_values(reply, len(keys)):
             raise BadReply(f"MGET of {len(keys)} keys answered {reply!r:.80}")
         return list(reply)
@@ -209,10 +217,10 @@ class RemoteStore(RemoteWriter):
         else:  # every master (CONFIG SET is per server)
             if not router.refresh():
                 raise ConnectionError("no cluster node answers")
-            clients = [router.nodes[n].client for n in sorted(set(router.slot_node)) if n >= 0]
+            clients = [n.client for n in router.masters()]
         for client in clients:
             deadline = time.monotonic() + self._timeout_s
-            for reply in exchange(client.connection_pool, self._errors, commands, deadline):
+            for reply in exchange(client.connection_pool, self._errors, commands, deadline, self._max_bulk):
                 if reply != b"OK":
                     raise BadReply(f"CONFIG SET answered {reply!r:.80}")
         return True

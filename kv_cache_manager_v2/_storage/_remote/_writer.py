@@ -70,8 +70,8 @@ class RemoteWriter(RemoteClient):
     """The write queue and its thread (see the module doc); ``RemoteStore`` adds the reads. The
     scheduler's thread reserves, fills and enqueues; the writer thread only pops the queue."""
 
-    def __init__(self, cfg: RemoteCacheTierConfig, fingerprint: bytes) -> None:
-        super().__init__(cfg, fingerprint)
+    def __init__(self, cfg: RemoteCacheTierConfig, fingerprint: bytes, max_page_bytes: int) -> None:
+        super().__init__(cfg, fingerprint, max_page_bytes)
         self._max_pending = cfg.max_pending_bytes
         self.queued_writes = 0
         self.dropped_on_queue = 0
@@ -267,7 +267,7 @@ class RemoteWriter(RemoteClient):
             conn = connection(pool, self._errors)
             send(conn, parts)
             # (the deadline starts once the batch is sent: up to BATCH_BYTES go out first)
-            reader = ReplyReader(conn, time.monotonic() + self._timeout_s)
+            reader = ReplyReader(conn, time.monotonic() + self._timeout_s, self._max_bulk)
             while done < replies:
                 reply = reader.reply()
                 if isinstance(reply, ErrorReply):  # e.g. OOM (noeviction, or nothing to evict): lost
