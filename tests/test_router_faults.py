@@ -629,7 +629,7 @@ def test_a_refused_event_teaches_the_router_nothing(make_manager: MakeManager, r
     nothing from it, so the replica's valid events that follow still apply (issue 47)."""
     m = make_manager(kv_layers(1, T), event_manager=KVCacheEventManager())
     prompt = toks(95, 40)
-    cache_prompt(m, prompt)
+    publish(m, prompt)
     good = to_wire(m.get_latest_events())
     impossible = [
         BlockStored(
@@ -718,7 +718,7 @@ def test_a_replica_restarted_on_the_same_endpoints_is_noticed_at_once(make_manag
     endpoints = ReplicaEndpoints(pub1.endpoint, pub1.replay_endpoint)
     router = KVAwareRouter([endpoints], replay_timeout=1.0)
     try:
-        cache_prompt(m1, old_prompt)
+        publish(m1, old_prompt)
         pub1.drain(em1)
         sync(router, 0, pub1)
         assert router.indexes[0].match_length(old_prompt) == 32
@@ -727,7 +727,7 @@ def test_a_replica_restarted_on_the_same_endpoints_is_noticed_at_once(make_manag
         em2 = KVCacheEventManager()
         m2 = make_manager(kv_layers(1, T), event_manager=em2)
         with ZmqEventPublisher(endpoints.endpoint, endpoints.replay_endpoint) as pub2:
-            cache_prompt(m2, new_prompt)
+            publish(m2, new_prompt)
             pub2.drain(em2)
             pub2.flush()
             s = router.subscriptions[0]
