@@ -288,7 +288,7 @@ same_array_block(PyObject *block, PyObject *seq, Py_ssize_t beg, Py_ssize_t n)
         out = Py_False;
     } else if (PyList_CheckExact(seq) || PyTuple_CheckExact(seq)) {
         out = Py_False;
-        if (beg + n <= PySequence_Fast_GET_SIZE(seq)) {
+        if (n <= PySequence_Fast_GET_SIZE(seq) - beg) {
             PyObject **have = PySequence_Fast_ITEMS(seq) + beg;
             const unsigned int *ids = (const unsigned int *)want.buf;
             out = Py_True;
@@ -310,7 +310,7 @@ same_array_block(PyObject *block, PyObject *seq, Py_ssize_t beg, Py_ssize_t n)
     } else {
         Py_buffer have;
         if (uint32_view(seq, &have)) {
-            out = beg + n <= have.len / 4 && memcmp((const unsigned int *)have.buf + beg, want.buf, 4 * n) == 0
+            out = n <= have.len / 4 - beg && memcmp((const unsigned int *)have.buf + beg, want.buf, 4 * n) == 0
                       ? Py_True
                       : Py_False;
             PyBuffer_Release(&have);
@@ -356,7 +356,7 @@ blockhash_same_block(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject **want = &PyTuple_GET_ITEM(block, 0);
     if (PyList_CheckExact(seq) || PyTuple_CheckExact(seq)) {
-        if (beg + n > PySequence_Fast_GET_SIZE(seq)) {
+        if (n > PySequence_Fast_GET_SIZE(seq) - beg) {
             Py_RETURN_FALSE;
         }
         PyObject **have = PySequence_Fast_ITEMS(seq) + beg;
@@ -379,10 +379,11 @@ blockhash_same_block(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (!uint32_view(seq, &view)) {
         Py_RETURN_NONE;
     }
-    PyObject *out = beg + n <= view.len / 4 ? Py_True : Py_False;
-    const unsigned int *have = (const unsigned int *)view.buf + beg;
+    /* n <= len - beg, not beg + n <= len: a huge beg must not overflow (nor point past the buffer) */
+    PyObject *out = n <= view.len / 4 - beg ? Py_True : Py_False;
+    const unsigned int *ids = (const unsigned int *)view.buf;
     for (Py_ssize_t i = 0; out == Py_True && i < n; i++) {
-        if (!PyLong_CheckExact(want[i]) || tree_value(want[i]) != (unsigned long)have[i]) {
+        if (!PyLong_CheckExact(want[i]) || tree_value(want[i]) != (unsigned long)ids[beg + i]) {
             out = Py_False;
         }
     }

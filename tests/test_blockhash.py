@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 from array import array
 from typing import cast
 
@@ -291,6 +293,24 @@ def test_same_block_compares_in_place_like_a_slice(kind: str) -> None:
         blockhash.same_block((1,), [1], -1, 1)
     with pytest.raises(ValueError, match="positive"):
         blockhash.same_block((1,), [1], 0, 0)
+
+
+def test_same_block_with_a_start_near_the_largest_index_is_false_not_a_crash() -> None:
+    """``beg + per_block`` overflowed for a ``beg`` near ``sys.maxsize`` (issue 47 item 26): the bounds
+    check passed and the comparison read far outside the tokens (a segmentation fault). In a child
+    process, so that a crash is a failure here, not the end of the test run."""
+    code = """if True:
+        import sys
+        from array import array
+        import blockhash
+        blocks = [(1, 2), array("I", [1, 2])]
+        queries = [[1, 2], (1, 2), array("I", [1, 2])]
+        print([blockhash.same_block(b, q, beg, n) for b in blocks for q in queries
+               for beg in (sys.maxsize, sys.maxsize - 1) for n in (2, sys.maxsize)])
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str([False] * 24)
 
 
 @pytest.mark.parametrize("num_children", [1, 3, 12])  # compared token by token / hashed at a wide branch

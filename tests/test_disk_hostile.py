@@ -22,7 +22,7 @@ from test_disk_persistent import WORKER, config, published_directory, reused
 from tier_helpers import T, publish, seq
 
 from kv_cache_manager_v2 import CacheLevel, KVCacheManager, LogicError, ReuseScope
-from kv_cache_manager_v2._reuse._keys import scope_key
+from kv_cache_manager_v2._reuse._keys import block_key, scope_key
 from kv_cache_manager_v2._storage._disk import checksum
 from kv_cache_manager_v2._storage._persist import HEADER_BYTES, RECORD_HEAD, RECORD_MAGIC
 
@@ -194,6 +194,101 @@ def test_a_record_file_cut_inside_a_record_keeps_the_records_before_the_cut(tmp_
         assert sum(reused(m2, seq(r, 2 * T)) for r in range(4)) == m2.num_adopted_pages * T
     finally:
         m2.shutdown()
+
+
+# ------------------------------------------- issue 47: records consistent with themselves only
+@pytest.mark.parametrize("where", ["leaf", "inner"])
+def test_a_record_hung_under_another_real_block_is_ignored(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    """A record whose parent is changed to another block on disk (its key, tokens and checksum
+    valid) forms a tree, but its key is not SHA-256(parent key + tokens): ignored (with what hangs
+    under it), so prompt 1's first block followed by prompt 0's second is not served prompt 0's
+    second page (it was computed after prompt 0's first block)."""
+    path = str(tmp_path)
+    prompts = published_directory(path)
+    root = scope_key(ReuseScope())
+    first = [block_key(root, toks[:T]) for toks in prompts]
+    second = [block_key(first[r], toks[T:]) for r, toks in enumerate(prompts)]
+    slot_of = {fields[10]: slot for slot, fields in records(path).items()}
+    if where == "leaf":  # prompt 0's second block under prompt 1's first
+        rewrite(path, slot_of[second[0]], parent=first[1])
+        mixed, bad, kept = prompts[1][:T] + prompts[0][T:], 1, [T, 2 * T, 2 * T, 2 * T]
+    else:  # prompt 0's first block under prompt 1's second: its own child goes with it
+        rewrite(path, slot_of[first[0]], parent=second[1])
+        mixed, bad, kept = prompts[1] + prompts[0][:T], 2, [0, 2 * T, 2 * T, 2 * T]
+    with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
+        m2 = KVCacheManager(config(path))
+    try:
+        said = warnings_of(caplog)
+        assert len(said) == 1 and f"{bad} record(s)" in said[0] and "key" in said[0], said
+        assert m2.num_adopted_pages == 8 - bad
+        m2.check_invariants()
+        assert m2.get_storage_statistics(DISK)[0].free == 32 - (8 - bad)
+        assert reused(m2, mixed) == len(mixed) - T
+        assert [reused(m2, toks) for toks in prompts] == kept
+    finally:
+        m2.shutdown()
+
+
+@pytest.mark.parametrize("big", [2**63, 2**64 - 1])
+def test_a_record_with_an_impossible_write_sequence_is_ignored_and_later_writes_order_after_the_rest(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture, big: int
+) -> None:
+    """A write sequence of 2**63 or more (no manager writes that many records) made the next
+    record's sequence overflow its 8 bytes: ``struct.error`` out of ``KVCache.resize`` when eviction
+    moved a page to the disk tier, and again from ``shutdown``'s write-back. Such a record is
+    ignored (with one warning) and erased; the records written later have sequences above every
+    record kept, so a restart adopts them in write order."""
+    path = str(tmp_path)
+    published_directory(path)
+    found = records(path)
+    leaf = leaves(path)[0]
+    rewrite(path, leaf, seq=big)
+    kept = {fields[8] for slot, fields in found.items() if slot != leaf}
+    with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
+        m2 = KVCacheManager(config(path))
+    try:
+        said = warnings_of(caplog)
+        assert len(said) == 1 and "1 record(s)" in said[0] and "sequence" in said[0], said
+        assert m2.num_adopted_pages == 7
+        m2.check_invariants()
+        for r in range(4, 8):  # four GPU slots: the older prompts' blocks go down to the disk tier
+            publish(m2, seq(r, 2 * T))
+        m2.check_invariants()
+    finally:
+        m2.shutdown()  # writes the GPU's blocks back
+    after = records(path)
+    assert after.get(leaf, [None] * 9)[8] != big  # erased (or written again)
+    written = sorted(fields[8] for fields in after.values() if fields[8] not in kept)
+    assert written and written[0] > max(kept) and written[-1] < 2**63
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kv_cache_manager_v2"):
+        m3 = KVCacheManager(config(path))
+    try:
+        assert warnings_of(caplog) == [] and m3.num_adopted_pages == len(after)
+        m3.check_invariants()
+        assert [reused(m3, seq(r, 2 * T)) for r in range(8)] == [T, *[2 * T] * 7]
+    finally:
+        m3.shutdown()
+
+
+def test_a_record_with_the_last_valid_write_sequence_is_adopted_and_writing_goes_on(tmp_path: Any) -> None:
+    """Just below the limit (2**63 - 1): adopted; the next records take 2**63, 2**63 + 1, ..."""
+    path = str(tmp_path)
+    published_directory(path)
+    leaf = leaves(path)[0]
+    rewrite(path, leaf, seq=2**63 - 1)
+    m2 = KVCacheManager(config(path))
+    try:
+        assert m2.num_adopted_pages == 8
+        for r in range(4, 8):
+            publish(m2, seq(r, 2 * T))
+        m2.check_invariants()
+    finally:
+        m2.shutdown()
+    newer = sorted(fields[8] for fields in records(path).values() if fields[8] >= 2**63 - 1)
+    assert newer[0] == 2**63 - 1 and len(newer) > 1 and newer[1] == 2**63
 
 
 # ---------------------------------------------------------------- item 5: forked children

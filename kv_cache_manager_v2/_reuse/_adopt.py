@@ -19,8 +19,9 @@ from .._common import (
     SlotId,
 )
 from .._page import Page, PoolGroupStorage
-from .._storage._persist import DiskRecord
+from .._storage._persist import SEQ_LIMIT, DiskRecord
 from .._typed import TypedList
+from ._keys import chain_keys
 from ._node import Node
 from ._tree import ReuseTree
 
@@ -33,11 +34,13 @@ def adopt_records(
 ) -> tuple[int, list[DiskRecord], list[DiskRecord]]:
     """Publish the pages a persistent disk tier kept from a previous manager: ``records[g]`` are
     the valid records of pool group ``g`` (slots already taken in ``storages``), in any order
-    (ancestors are adopted first). A record is ignored and its slot freed when its chain of
-    parent blocks does not reach its scope's root through other records (a missing parent, a
-    cycle, a record of another scope on the way), when it is keyed like a scope's root, when its
-    layer group is not of that pool group, or when it repeats a (block, layer group) with another
-    parent or tokens than the block's newest record. An older record of a page that was written
+    (ancestors are adopted first). A record is ignored and its slot freed when its key is not the
+    key of its tokens under its parent (``chain_keys``: SHA-256 of the parent key and the tokens;
+    the scope is in its root's key), when its chain of parent blocks does not reach its scope's
+    root through other records (a missing parent, a cycle, a record of another scope on the way),
+    when it is keyed like a scope's root, when its layer group is not of that pool group, when it
+    repeats a (block, layer group) with another parent or tokens than the block's newest record,
+    or when its write sequence is ``SEQ_LIMIT`` or more. An older record of a page that was written
     again (the page left the disk and came back to another slot) is superseded: its slot freed
     too, not an error. Pages become reusable (DROPPABLE) oldest first, so eviction order follows
     their write order; subscribers hear of each (stored at the disk medium). Returns the pages
@@ -85,6 +88,9 @@ class _Adoption:
         roots = self.roots
         for found in records:
             for r in found:
+                if r.seq >= SEQ_LIMIT:  # later writes could not order after it
+                    self.rejected.append(r)
+                    continue
                 same = by_key.get(r.key)
                 if same is None:
                     by_key[r.key] = rawref.untrack([r])  # (records hold no containers: nothing for the GC)
@@ -110,7 +116,9 @@ class _Adoption:
 
     def _chain(self, key: bytes) -> None:
         """Block ``key`` and its ancestors not adopted yet, ancestors first (their anchors cap the
-        descendants' priorities); a chain that does not reach a root is rejected."""
+        descendants' priorities); a chain that does not reach a root is rejected, and so is a block
+        whose newest record is not keyed by its parent and tokens (hashed once per block: its other
+        records must name the same parent and tokens)."""
         by_key = self.by_key
         nodes = self.nodes
         chain: list[list[DiskRecord]] = []
@@ -119,6 +127,11 @@ class _Adoption:
         while k not in nodes and k not in on_chain:
             same = by_key.get(k)
             if same is None:  # a missing ancestor
+                break
+            first = same[0]
+            if chain_keys(first.parent, first.tokens.tobytes(), 4 * len(first.tokens)) != [k]:
+                nodes[k] = None  # not the block its key names (one hung under another parent, say)
+                self.rejected.extend(same)
                 break
             on_chain.add(k)
             chain.append(same)

@@ -58,6 +58,9 @@ RECORD_MAGIC: Final = b"KVR1"
 #: magic, flags (1: LoRA id, 2: salt), priority, layer group, tokens, reserved, LoRA id, salt,
 #: sequence, parent key, block key; then one checksum per pool, the token ids, the record checksum
 RECORD_HEAD: Final = struct.Struct("<4sBBHHHQQQ32s32s")
+#: a record's write sequence is below this (8 bytes on disk, and room for 2**63 more writes): one at
+#: or above it is no write of ours, so adoption ignores it (``_reuse._adopt``)
+SEQ_LIMIT: Final = 1 << 63
 #: the names of the data and record files (``pool_file``, ``records_file``): nothing else is deleted
 OUR_NAME: Final = re.compile(r"kvcm-g(?:0|[1-9][0-9]*)(?:-p(?:0|[1-9][0-9]*)\.pool|\.slots)")
 
@@ -184,9 +187,9 @@ class PersistentDisk:
         except BaseException:
             self.release()
             raise
-        for found in self.records:
+        for found in self.records:  # later records order after every one adopted
             for r in found:
-                if r.seq >= self.seq:
+                if self.seq <= r.seq < SEQ_LIMIT:
                     self.seq = r.seq + 1
         if ignored_files:
             LOG.warning(
@@ -406,9 +409,10 @@ class PersistentDisk:
             return
         self.forget_records(records)
         LOG.warning(
-            "persistent disk tier %s: ignored %d record(s) that do not fit a tree of blocks (a parent block "
-            "missing or looping, a scope's root key, another scope, layer group or pool group, a second "
-            "record of one page); their slots are reclaimed",
+            "persistent disk tier %s: ignored %d record(s) that do not fit a tree of blocks (a key that is not "
+            "the hash of its parent key and tokens, a parent block missing or looping, a scope's root key, "
+            "another scope, layer group or pool group, a second record of one page, a write sequence of 2**63 "
+            "or more); their slots are reclaimed",
             self.path,
             len(records),
         )
