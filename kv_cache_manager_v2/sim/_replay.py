@@ -14,8 +14,9 @@ Every step, in this order and within a token budget and a batch size:
    again at the front. With a host (or disk) tier a step that suspended someone frees nobody: the
    suspended requests' pages can now spill down, so the next step can resume one of them instead.
 
-Served requests "compute" their step: the clock advances by ``step_ms`` plus the step's tokens at
-``tokens_per_s``; a request whose step ends at its last token samples the next output token;
+Served requests "compute" their step: the clock advances by the step's cost (``StepCost``; by
+default ``step_ms`` plus the step's tokens at ``tokens_per_s``); a request whose step ends at its
+last token samples the next output token;
 ``update_resources`` commits. No KV bytes are touched unless a :class:`DataChecker` is given.
 Requests arrive at their timestamps (times ``time_scale``); a conversation's next turn also waits
 for the previous answer. A request that could not fit in the GPU tier even alone is rejected.
@@ -40,6 +41,7 @@ from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
 from ._replay_types import SERIES_FIELDS, LevelUsage, ReplayResult, SchedulerOptions, add_samples, ideal_peak_tokens
 from ._ssm_policy import add_counters
+from ._step_cost import LinearCost, StepCost
 from ._workload import SimRequest
 
 #: bound once: mypyc looks a module's attribute up at every call (several times a step)
@@ -78,9 +80,12 @@ class Replay:
         on_finish: Callable[[KVCacheResourceManager], None] | None = None,
         split_ms: float = -1.0,
         restart: bool = False,
+        cost: StepCost | None = None,
     ) -> None:
         options.validate()
         self.opts = options
+        #: the time of a step's compute (default: ``step_ms`` plus its tokens at ``tokens_per_s``)
+        self.cost = cost if cost is not None else LinearCost(options.step_ms, options.tokens_per_s)
         self.requests = requests
         self.clock = 0.0
         self.config = config = dataclasses.replace(config, clock=lambda: self.clock / 1000.0)  # simulated seconds
@@ -294,20 +299,20 @@ class Replay:
         self.result.preempted_recompute += 1
 
     def _run_step(self, served: list[_Live]) -> None:
-        o = self.opts
         r = self.result
-        tokens = 0
+        cost = self.cost
         finished: list[_Live] = []
         checker = self.checker
         for live in served:
             req = live.req
             n = req.num_scheduled_tokens  # (> 0: the request is served)
-            tokens += n
             cached = req.num_cached_tokens
             if cached < live.prompt_length:
                 r.prefill_computed += n
+                cost.add_prefill(n, cached)
             else:
                 r.decode_computed += n
+                cost.add_decode(cached)
             if checker is not None:
                 checker.step(req, live.tokens, live.full_check)
                 live.full_check = False
@@ -316,7 +321,7 @@ class Replay:
                 generated.append(TokenId(live.sim.output_base + len(generated)))
                 if len(generated) >= req.max_new_tokens:
                     finished.append(live)
-        self.clock += o.step_ms + tokens * 1000.0 / o.tokens_per_s
+        self.clock += cost.take_ms()
         t0 = _clock()
         self.rm.update_resources([x.req for x in served])
         for live in finished:
