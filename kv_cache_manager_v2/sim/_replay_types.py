@@ -113,6 +113,12 @@ class ReplayResult:
     resumed: int = 0
     sim_time_ms: float = 0.0
     wait_ms: array[float] = field(default_factory=lambda: array("d"))  #: arrival to first admission, per request
+    #: per finished request, in finishing order (simulated ms): arrival to its first output token
+    #: (TTFT), the mean time between its later output tokens (TPOT; 0 with one output token), and
+    #: arrival to its last token (end to end)
+    ttft_ms: array[float] = field(default_factory=lambda: array("d"))
+    tpot_ms: array[float] = field(default_factory=lambda: array("d"))
+    e2e_ms: array[float] = field(default_factory=lambda: array("d"))
     wall_s: float = 0.0
     manager_s: float = 0.0  #: CPU time inside adapter calls
     request_steps: int = 0  #: (request, step) pairs served
