@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 from .._config import EVICTION_POLICIES, REMOTE_URL_SCHEMES
 from ._check import DataCheckError
 from ._hints import HINTS_HELP, HINTS_SWEEP_KEY, check_accuracy, check_pin_duration, check_pin_share
+from ._latency import SLO_OPTIONS, check_slo
 from ._models import (
     PRESETS,
     SSM_KV_ONLY,
@@ -176,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output")
     g.add_argument("--json", nargs="?", const="-", metavar="FILE", help="write the report as JSON (default: stdout)")
     g.add_argument("--plot", metavar="FILE", help="write a PNG (needs matplotlib)")
+    for flag, what in SLO_OPTIONS:
+        g.add_argument(flag, type=float, metavar="SECONDS", help=what)
     g.add_argument(
         "--sweep",
         action="append",  # given twice: refused in _setup, not the first silently replaced
@@ -483,7 +486,8 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
         if given and (a.restart_at is not None or a.replicas != 1 or a.remote_url):
             raise SimUserError(f"{flag} does not combine with --restart-at, --replicas or --remote-url")
     check_accuracy(a.retention_hints)
-    return Setup(shape, tiers, options, requests, workload, sweep, interval, disk_dir)
+    slo = check_slo(a.slo_ttft, a.slo_tpot)
+    return Setup(shape, tiers, options, requests, workload, sweep, interval, disk_dir, slo)
 
 
 def _check_snapshot_policy(a: argparse.Namespace, shape: ModelShape, sweep: tuple[str, list[str]] | None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from array import array
 from collections.abc import Callable, Sequence
 
 from .._common import RemoteStatistics
@@ -100,7 +101,8 @@ def run_replicas(
 
 
 def merge_results(results: Sequence[ReplayResult]) -> ReplayResult:
-    """The fleet as one result: counters summed, the longest simulated time, replica 0's series."""
+    """The fleet as one result: counters summed, the longest simulated time, per-step and per-request
+    arrays (manager time, waits, TTFT, ...) joined replica after replica, replica 0's series."""
     first = results[0]
     out = ReplayResult(first.tokens_per_block)
     for f in dataclasses.fields(ReplayResult):
@@ -120,7 +122,7 @@ def merge_results(results: Sequence[ReplayResult]) -> ReplayResult:
             setattr(out, f.name, sum(values))
         elif f.name == "rejected_lines":
             setattr(out, f.name, [x for v in values for x in v][:5])
-        elif f.name in ("step_us", "wait_ms"):
+        elif isinstance(values[0], array) and not f.name.startswith("series_"):  # per step or request: all
             merged = getattr(out, f.name)
             for v in values:
                 merged.extend(v)

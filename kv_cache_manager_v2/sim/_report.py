@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ._latency import Slo, latency_report, latency_rows, slo_cell, ttft_cell
 from ._models import (
     SSM_SWEEP_KEY,
     ModelShape,
@@ -52,9 +53,10 @@ def build_report(
     compiled: bool,
     swa_scratch: bool,
     scale: float,
+    slo: Slo | None = None,
 ) -> dict[str, Any]:
     """Everything the simulator reports, JSON-ready (schema ``kv-cache-sim/2``); ``scale``: the
-    model's bytes per byte of the proxy manager."""
+    model's bytes per byte of the proxy manager; ``slo``: the goodput's objectives (``_latency``)."""
     r = result
     return {
         "schema": SCHEMA,
@@ -87,6 +89,7 @@ def build_report(
         "tiers": [_tier_row(tier, usage, shape, scale) for tier, usage in zip(tiers, r.levels)],
         "preemptions": {"suspend": r.preempted_suspend, "recompute": r.preempted_recompute, "resumed": r.resumed},
         "load": _load(r, shape, tiers, options),
+        "latency": latency_report(r, slo),  # what users wait for, in seconds (see _latency)
         "manager": {
             "reused_blocks": r.reused_blocks,
             "missed_blocks": r.missed_blocks,
@@ -446,6 +449,8 @@ def format_report(rep: dict[str, Any]) -> str:
             f"({pm['resumed']:,} resumed), {pm['recompute']:,} recomputed",
         ),
         _row("load", _load_text(rep["load"])),
+        "what users wait for (simulated)",
+        *(_row(label, text) for label, text in latency_rows(rep["latency"])),
         "manager CPU time",
         _row(
             "per step",
@@ -493,12 +498,16 @@ def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
         return format_policy_sweep(reports)
     if key == SSM_SWEEP_KEY:
         return format_ssm_sweep(reports)
+    goodput = any(rep["latency"]["goodput"] is not None for rep in reports)
+    slo_head = f"{'slo(met)':>9}" if goodput else ""
     head = (
         f"{key + ' quota':<14}{'tokens':>12}  {'policy':<10}{'hit(tok)':>10}{'hit(blk)':>10}{'admitted':>10}"
+        f"{'ttft(p50)':>11}{'ttft(p90)':>11}{slo_head}"
         f"{'rejected':>10}{'held':>7}{'filled':>8}{'preempt':>9}{'dropped':>10}{'time':>8}"
     )
     lines = [head]
     for rep in reports:
+        slo = f"{slo_cell(rep):>9}" if goodput else ""
         tier = swept_tier(rep, key)
         gpu = rep["tiers"][0]
         dropped = sum(t["dropped_pages"] for t in rep["tiers"])
@@ -510,13 +519,17 @@ def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
         lines.append(
             f"{tier['quota']:<14}{format_count(tier['capacity_tokens']):>12}  {rep['eviction_policy']:<10}"
             f"{hit['tokens_all_requests']:>10.3f}{hit['blocks_all_requests']:>10.3f}{hit['tokens']:>10.3f}"
+            f"{ttft_cell(rep, 50):>11}{ttft_cell(rep, 90):>11}{slo}"
             f"{rep['requests']['rejected']:>10,}{gpu['peak_used_fraction']:>7.0%}{filled:>8}"
             f"{pm['suspend'] + pm['recompute']:>9,}"
             f"{format_count(dropped):>10}{ratio:>8}"
         )
     lines.append(
         "hit(tok), hit(blk): over all requests (rejected prompts count as misses); admitted: token hit rate of "
-        "the admitted requests only; held: peak GPU share held by requests; filled: peak share of the "
+        "the admitted requests only; ttft(p50), ttft(p90): time to first token, s (nearest rank; -: no "
+        "per-request times)"
+        + (", slo(met): share of the requests meeting --slo-ttft/--slo-tpot" if goodput else "")
+        + "; held: peak GPU share held by requests; filled: peak share of the "
         f"{key} tier holding blocks (requests' or reusable); time: simulated time / trace span (!: overloaded)"
     )
     lines += _sweep_advice(key, reports)

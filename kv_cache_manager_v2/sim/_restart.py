@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._exceptions import OutOfMemoryError
+from ._latency import Slo
 from ._models import ModelShape, SimUserError, TierSpec, manager_config, proxy_page_bytes, real_bytes_per_proxy_byte
 from ._replay import Replay
 from ._replay_types import ReplayResult, SchedulerOptions
@@ -47,6 +48,7 @@ def simulate_restart(
     compiled: bool = False,
     progress: Callable[[str], tuple[Callable[[int], None] | None, Callable[[], None]]] | None = None,
     ssm_reuse_interval: int | None = None,
+    slo: Slo | None = None,
 ) -> dict[str, Any]:
     """Both replays (see the module doc); returns ``{"restart": summary, "warm": report,
     "restarted": report}`` (``compiled``: the package's mode, for the reports). Raises :class:`SimUserError` for refused settings."""
@@ -84,7 +86,7 @@ def simulate_restart(
                 if close is not None:
                     close()
             results[name] = result
-            rep = build_report(result, shape, tiers, options, workload, compiled, swa_scratch, scale)
+            rep = build_report(result, shape, tiers, options, workload, compiled, swa_scratch, scale, slo)
             rep["eviction_policy"] = eviction_policy
             out[name] = rep
         finally:

@@ -20,6 +20,7 @@ from typing import Any
 import kv_cache_manager_v2 as kvm
 
 from ._hints import HINTS_SWEEP_KEY, check_accuracy, check_pin_share, format_hints, replay_with_hints, system_prompts
+from ._latency import Slo, compared_rows, latency_report
 from ._models import (
     SSM_KV_ONLY,
     SSM_PROMPT_ONLY,
@@ -134,6 +135,7 @@ def simulate(
     ssm_snapshot_policy: str | None = None,
     pin_duration: float | None = None,
     ssm_lower_tier_interval: int | None = None,
+    slo: Slo | None = None,
 ) -> dict[str, Any]:
     """One replay (and one per accuracy of ``retention_hints`` with continuation hints; prefixes
     shared by more than ``pin_shared`` conversations pinned, for ``pin_duration`` seconds after
@@ -163,7 +165,7 @@ def simulate(
     replay.pins = pins
     replay.pin_duration_s = pin_duration
     result = replay.run()
-    rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
+    rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale, slo)
     rep["eviction_policy"] = eviction_policy
     if rep["snapshots"]:
         rep["snapshots"]["policy"] = config.ssm_snapshot_policy
@@ -308,9 +310,12 @@ def simulate_replicas(
     check_data: bool = False,
     eviction_policy: str = "lru",
     ssm_reuse_interval: int | None = None,
+    slo: Slo | None = None,
 ) -> dict[str, Any]:
     """Replay over ``replicas`` round-robin replicas twice: private caches, then sharing a remote tier
-    at ``remote_url`` (each replica writes through). Returns both reports and the gain."""
+    at ``remote_url`` (each replica writes through). Returns both reports and the gain; each report's
+    latency is over the whole fleet (its arrays merged), ``per_replica_latency`` replica by replica
+    (throughputs over the fleet's span, so they add up)."""
     if replicas < 2:
         raise SimUserError(f"--replicas must be at least 2 to compare sharing, got {replicas}")
     config, scale = _sim_config(
@@ -326,7 +331,9 @@ def simulate_replicas(
             raise SimUserError(f"the manager refused this configuration: {e}") from None
         except (OSError, MemoryError, OverflowError, kvm.OutOfMemoryError) as e:
             raise _pool_error(e, tiers, check_data) from None
-        rep = build_report(merge_results(results), shape, tiers, options, workload, kvm.compiled, swa_scratch, scale)
+        fleet = merge_results(results)
+        rep = build_report(fleet, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale, slo)
+        rep["per_replica_latency"] = [latency_report(r, slo, fleet.sim_time_ms) for r in results]
         rep["eviction_policy"] = eviction_policy
         rep["per_replica_hit_rate_tokens"] = [
             r.reused_tokens / r.prompt_tokens if r.prompt_tokens else 0.0 for r in results
@@ -362,6 +369,7 @@ def format_replicas(doc: dict[str, Any]) -> str:
         f"fetched, {format_count(rem['hit_blocks'])} blocks of matches found there"
         + (f", {rem['dropped_writes']:,} writes dropped" if rem["dropped_writes"] else "")
         + (f", {rem['errors']:,} errors" if rem["errors"] else ""),
+        *compared_rows(p, s),
     ]
     return "\n".join(lines)
 
@@ -395,6 +403,7 @@ class Setup:
     sweep: tuple[str, list[str]] | None
     interval: int | None  #: --ssm-reuse-interval
     disk_dir: str | None  #: --disk-path or the temporary directory of a disk tier
+    slo: Slo | None = None  #: --slo-ttft, --slo-tpot
 
 
 def run_restart(a: argparse.Namespace, s: Setup) -> int:
@@ -405,7 +414,7 @@ def run_restart(a: argparse.Namespace, s: Setup) -> int:
     bar = None if a.no_progress else (lambda label: _progress_bar(n, True, label))
     restart_doc = {"schema": SCHEMA, **simulate_restart(
         s.shape, s.tiers, a.tokens_per_block, s.requests, s.workload, s.options, a.restart_at, a.swa_scratch,
-        a.check_data, a.eviction_policy[0], kvm.compiled, bar, s.interval,
+        a.check_data, a.eviction_policy[0], kvm.compiled, bar, s.interval, s.slo,
     )}  # fmt: skip
     _emit(a.json, restart_doc, format_report(restart_doc["restarted"]) + "\n" + format_restart(restart_doc["restart"]))
     return 0
@@ -422,7 +431,7 @@ def run_fleet(a: argparse.Namespace, s: Setup, res: Resources) -> int:
         raise SimUserError("--remote-cluster starts a private cluster: give it without --remote-url")
     fleet = simulate_replicas(
         s.shape, s.tiers, a.tokens_per_block, s.requests, s.workload, s.options, a.replicas, url, a.swa_scratch,
-        a.check_data, a.eviction_policy[0], s.interval,
+        a.check_data, a.eviction_policy[0], s.interval, s.slo,
     )  # fmt: skip
     fleet_doc = {"schema": SCHEMA, "replicas": fleet}
     if a.json == "-":
@@ -514,7 +523,7 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
             rep = simulate(
                 run_shape, row, a.tokens_per_block, s.requests, s.workload, s.options, a.swa_scratch, a.check_data,
                 update, policy, metrics, run_interval, hints, a.pin_system_prompts, run_policy, a.pin_duration,
-                a.ssm_lower_tier_interval,
+                a.ssm_lower_tier_interval, s.slo,
             )  # fmt: skip
             if point:
                 rep["sweep_point"] = point
