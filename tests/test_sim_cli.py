@@ -644,14 +644,14 @@ def test_each_tier_reports_how_full_it_got_and_what_it_keeps(
     code, doc, out, _ = run_json_and_text(capsys, tmp_path, *sweep)
     points = doc["sweep"]["points"]
     head, *rows = out.splitlines()[1:4]
-    assert head.split()[8:10] == ["held", "filled"], head
+    assert head.split()[10:12] == ["held", "filled"], head  # after ttft(p50), ttft(p90) (issue 48)
     for line, p in zip(rows, points):
-        held, filled = line.split()[7:9]
+        held, filled = line.split()[9:11]
         assert (
             held == f"{p['tiers'][0]['peak_used_fraction']:.0%}"
             and filled == f"{p['tiers'][1]['peak_occupied_fraction']:.0%}"
         )
-    assert [line.split()[8] for line in rows] == ["100%", f"{points[1]['tiers'][1]['peak_occupied_fraction']:.0%}"]
+    assert [line.split()[10] for line in rows] == ["100%", f"{points[1]['tiers'][1]['peak_occupied_fraction']:.0%}"]
 
 
 def _figures(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
@@ -818,7 +818,7 @@ def test_a_host_or_disk_sweep_has_a_point_without_the_tier(
     assert [[t["tier"] for t in p["tiers"]] for p in points] == [["gpu"], ["gpu", "host"]]
     assert points[0]["hit_rate"]["tokens"] < points[1]["hit_rate"]["tokens"]
     rows = out.splitlines()[2:4]
-    assert rows[0].split()[:3] == ["0", "0", "lru"] and rows[0].split()[8] == "-", rows
+    assert rows[0].split()[:3] == ["0", "0", "lru"] and rows[0].split()[10] == "-", rows
     assert rows[1].split()[0] == "40000tok", rows
     if plot:
         (fig,) = figs

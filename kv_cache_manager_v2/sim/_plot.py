@@ -1,7 +1,8 @@
 """``--plot FILE``: a PNG of one replay (hit rate and GPU use over time), of a quota sweep (hit rate
 over every request vs capacity, and below it the load: simulated time over the trace's span, rejected
 requests), or of a snapshot-interval sweep (hit rate and snapshots taken vs the interval, the
-attention-only bound as a line).
+attention-only bound as a line). A sweep whose replays noted per-request times adds a panel of the
+time-to-first-token CDF, one line per sweep point (``latency.ttft_cdf_s``; ``--slo-ttft`` a line).
 
 Needs matplotlib (the ``sim`` extra); left interpreted in production mode (see setup_mypyc.py).
 """
@@ -55,7 +56,16 @@ def _quota_sweep_figure(plt: Any, key: str, all_reports: list[dict[str, Any]]) -
     import matplotlib.ticker
 
     policies = list(dict.fromkeys(rep["eviction_policy"] for rep in all_reports))
-    fig, (ax, ax_load) = plt.subplots(2, 1, figsize=(7.5, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
+    cdf = _has_cdf(all_reports)
+    fig, axes = plt.subplots(
+        3 if cdf else 2,
+        1,
+        figsize=(7.5, 10 if cdf else 6.5),
+        gridspec_kw={"height_ratios": [3, 1.4, 2.6][: 3 if cdf else 2]},
+    )
+    ax, ax_load = axes[0], axes[1]
+    ax_load.sharex(ax)
+    ax.tick_params(labelbottom=False)
     xs: list[int] = []
     top = 0.0
     for policy in policies:  # one pair of lines per eviction policy
@@ -103,7 +113,35 @@ def _quota_sweep_figure(plt: Any, key: str, all_reports: list[dict[str, Any]]) -
     ax_load.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax_load.set_xticks(xs, [capacity_label(x) for x in xs])
     ax_load.set_xlabel(f"{key} capacity (tokens)")
+    if cdf:
+        many = len(policies) > 1
+        labels = [f"{swept_tier(r, key)['quota']}" + (f", {r['eviction_policy']}" if many else "") for r in all_reports]
+        _ttft_cdf_panel(axes[2], labels, all_reports, f"{key} quota")
     return fig
+
+
+def _has_cdf(reports: list[dict[str, Any]]) -> bool:
+    return any(rep.get("latency", {}).get("ttft_cdf_s") for rep in reports)
+
+
+def _ttft_cdf_panel(ax: Any, labels: list[str], reports: list[dict[str, Any]], title: str) -> None:
+    """The share of requests whose time to first token is at most x, one line per sweep point
+    (``ttft_cdf_s``: the TTFT at 1 % ... 100 % of the requests); ``--slo-ttft`` as a vertical line."""
+    for label, rep in zip(labels, reports):
+        xs = rep["latency"]["ttft_cdf_s"]
+        if xs:
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], drawstyle="steps-post", label=label)
+    slo = next((g["slo_ttft_s"] for r in reports if (g := r["latency"]["goodput"]) and g["slo_ttft_s"]), None)
+    if slo is not None:
+        ax.axvline(slo, color="tab:red", linestyle="--", linewidth=1, label=f"--slo-ttft {slo:g} s")
+    lows = [x for rep in reports for x in rep["latency"]["ttft_cdf_s"][:1]]
+    if lows and min(lows) > 0:
+        ax.set_xscale("log")
+    ax.set_xlabel("time to first token (s, simulated)")
+    ax.set_ylabel("share of requests", fontsize=9)
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right", title=title, title_fontsize=8)
 
 
 def _load_panel(ax_load: Any, xs: list[int], reports: list[dict[str, Any]]) -> None:
@@ -136,7 +174,13 @@ def _interval_sweep_figure(plt: Any, all_reports: list[dict[str, Any]]) -> Any:
     the sweep's order (``prompt``: prompt ends only); ``kv`` (the attention layers alone, the bound a
     snapshot at every block would reach) is a horizontal line."""
     policies = list(dict.fromkeys(rep["eviction_policy"] for rep in all_reports))
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+    if _has_cdf(all_reports):
+        fig, (ax, ax_cdf) = plt.subplots(2, 1, figsize=(7.5, 8.5), gridspec_kw={"height_ratios": [5, 3.5]})
+        many = len(policies) > 1
+        labels = [str(r["sweep_point"]) + (f", {r['eviction_policy']}" if many else "") for r in all_reports]
+        _ttft_cdf_panel(ax_cdf, labels, all_reports, "snapshot interval")
+    else:
+        fig, ax = plt.subplots(figsize=(7.5, 5))
     snaps = ax.twinx()
     labels = list(dict.fromkeys(str(r["sweep_point"]) for r in all_reports if r["sweep_point"] != SSM_KV_ONLY))
     xs = list(range(len(labels)))
