@@ -136,9 +136,16 @@ def _ttft_cdf_panel(ax: Any, labels: list[str], reports: list[dict[str, Any]], t
         ax.axvline(slo, color="tab:red", linestyle="--", linewidth=1, label=f"--slo-ttft {slo:g} s")
     lows = [x for rep in reports for x in rep["latency"]["ttft_cdf_s"][:1]]
     if lows and min(lows) > 0:
+        import matplotlib.ticker as ticker
+
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))  # 0.1, 0.2, 0.5, 1, 2, 5 s...
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xlabel("time to first token (s, simulated)")
     ax.set_ylabel("share of requests", fontsize=9)
+    ax.axhline(0.9, color="gray", linestyle=":", linewidth=1)  # where p90 reads off
+    ax.set_yticks([0.0, 0.25, 0.5, 0.75, 0.9, 1.0])
     ax.set_ylim(0, 1.02)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="lower right", title=title, title_fontsize=8)

@@ -499,7 +499,7 @@ def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
     if key == SSM_SWEEP_KEY:
         return format_ssm_sweep(reports)
     goodput = any(rep["latency"]["goodput"] is not None for rep in reports)
-    slo_head = f"{'slo(met)':>9}" if goodput else ""
+    slo_head = f"{'slo(met)':>10}" if goodput else ""
     head = (
         f"{key + ' quota':<14}{'tokens':>12}  {'policy':<10}{'hit(tok)':>10}{'hit(blk)':>10}{'admitted':>10}"
         f"{'ttft(p50)':>11}{'ttft(p90)':>11}{slo_head}"
@@ -507,7 +507,7 @@ def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
     )
     lines = [head]
     for rep in reports:
-        slo = f"{slo_cell(rep):>9}" if goodput else ""
+        slo = f"{slo_cell(rep):>10}" if goodput else ""
         tier = swept_tier(rep, key)
         gpu = rep["tiers"][0]
         dropped = sum(t["dropped_pages"] for t in rep["tiers"])
