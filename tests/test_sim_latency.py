@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import NO_REDIS_REASON, REDIS_SERVER
 
 from kv_cache_manager_v2.sim import main
 from kv_cache_manager_v2.sim._latency import Slo, compared_rows, latency_report, latency_rows, summary
@@ -223,6 +224,21 @@ def test_replicas_merge_the_arrays_not_the_percentiles() -> None:
     assert rows[0].split() == ["TTFT", "p50", "(s)", "0.10", "0.20", "+0.10"], rows
     assert rows[-1] == "  TTFT p90 per replica (shared, s): 0.30, 5.00"
     assert any(r.startswith("  goodput (shared): 0.30 requests/s meet TTFT <= 1.00 s") for r in rows)
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason=NO_REDIS_REASON)
+def test_replicas_report_latency_in_all_and_per_replica(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    doc, out = run(capsys, tmp_path, "--gpu", "20000tok", "--replicas", "2", "--slo-ttft", "2")
+    for label in ("private", "shared"):
+        rep = doc["replicas"][label]
+        fleet, per = rep["latency"], rep["per_replica_latency"]
+        assert len(per) == 2 and all(set(p) == set(fleet) for p in per)
+        # every throughput over the fleet's span: the replicas' add up to the fleet's
+        assert all(p["throughput"]["span_s"] == fleet["throughput"]["span_s"] for p in per)
+        for key in ("requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s"):
+            assert sum(p["throughput"][key] for p in per) == pytest.approx(fleet["throughput"][key])
+        assert fleet["queueing_s"]["requests"] == sum(p["queueing_s"]["requests"] for p in per)
+    assert "  output tokens/s " in out
 
 
 @pytest.mark.parametrize(
