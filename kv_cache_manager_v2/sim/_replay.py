@@ -84,7 +84,8 @@ class Replay:
     ) -> None:
         options.validate()
         self.opts = options
-        #: the time of a step's compute (default: ``step_ms`` plus its tokens at ``tokens_per_s``)
+        #: the time of a step's compute (default: ``options.cost``, else ``step_ms`` plus its tokens at ``tokens_per_s``)
+        cost = cost if cost is not None else options.cost
         self.cost = cost if cost is not None else LinearCost(options.step_ms, options.tokens_per_s)
         self.requests = requests
         self.clock = 0.0

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from .._utils import check_int
 from ._models import SimUserError
+from ._step_cost import StepCost
 from ._workload import SimRequest
 
 #: the longest simulated step (an hour): beyond it the simulated clock means nothing
@@ -30,6 +31,10 @@ class SchedulerOptions:
     time_scale: float = 1.0  #: multiplies arrival times (0: everything arrives at once)
     reuse: bool = True  #: False: every request in its own reuse scope (no prefix reuse at all)
     prompt_only: bool = False  #: requests end after their prompt (one sampled token, no decode steps)
+    #: a step's compute time (``sim/_compute.py``: the roofline or a calibration file); None: step_ms
+    #: plus its tokens at tokens_per_s. One instance serves replays one after the other (``take_ms``
+    #: empties it each step)
+    cost: StepCost | None = None
 
     def validate(self) -> None:
         for name, v, lo in (

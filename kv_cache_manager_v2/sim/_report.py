@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ._compute import describe_cost
 from ._models import (
     SSM_SWEEP_KEY,
     ModelShape,
@@ -17,6 +18,7 @@ from ._models import (
 )
 from ._replay_types import LevelUsage, ReplayResult, SchedulerOptions
 from ._ssm_policy import SSM_POLICY_KEY, format_policy_sweep, snapshot_rows
+from ._step_cost import LinearCost
 
 SCHEMA = "kv-cache-sim/2"
 MAX_SERIES_POINTS = 400
@@ -163,6 +165,7 @@ def _scheduler(options: SchedulerOptions) -> dict[str, Any]:
         "time_scale": options.time_scale,
         "reuse": options.reuse,
         "prompt_only": options.prompt_only,
+        "compute": describe_cost(options.cost or LinearCost(options.step_ms, options.tokens_per_s)),
     }
 
 
@@ -241,7 +244,7 @@ def _load(r: ReplayResult, shape: ModelShape, tiers: list[TierSpec], options: Sc
     sim_s = r.sim_time_ms / 1000.0
     waits = sorted(x / 1000.0 for x in r.wait_ms)
     computed = r.prefill_computed + r.decode_computed
-    compute_s = computed / options.tokens_per_s
+    compute_s = computed / options.tokens_per_s if options.cost is None or isinstance(options.cost, LinearCost) else 0.0
     overloaded = span_s > 0 and sim_s > OVERLOAD_RATIO * span_s + OVERLOAD_SLACK_S
     gpu = tiers[0]
     in_tokens = is_token_quota(gpu.text)
@@ -378,7 +381,7 @@ def format_report(rep: dict[str, Any]) -> str:
     pm = rep["preemptions"]
     lines = [
         f"kv-cache-sim: {m['name']}, {format_bytes(m['bytes_per_token'])}/token, "
-        f"{rep['tokens_per_block']} tokens/block ({rep['mode']})",
+        f"{rep['tokens_per_block']} tokens/block, {rep['scheduler']['compute']['text']} ({rep['mode']})",
         _row("workload", str(w["description"])),
         _row(
             "requests",
