@@ -257,6 +257,8 @@ class RooflineCost(StepCost):
 #: the columns of a calibration file, the optional one last
 CALIBRATION_COLUMNS = ("prefill_tokens", "decode_tokens", "step_ms")
 CONTEXT_COLUMN = "context_tokens"
+#: the longest calibration file read (characters): a profile has at most thousands of rows
+MAX_CALIBRATION_CHARS = 16 << 20
 
 
 class CalibrationCost(StepCost):
@@ -295,9 +297,18 @@ def load_calibration(path: str) -> CalibrationCost:
     where = f"--calibration {path}"
     try:
         with open(path, encoding="utf-8", newline="") as f:
-            rows = list(csv.reader(f))
+            text = f.read(MAX_CALIBRATION_CHARS + 1)
     except (OSError, UnicodeDecodeError) as e:
         raise SimUserError(f"{where}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if len(text) > MAX_CALIBRATION_CHARS:
+        raise SimUserError(f"{where}: longer than {MAX_CALIBRATION_CHARS >> 20} MiB; is this a CSV of measured steps?")
+    reader = csv.reader(text.splitlines())
+    rows: list[list[str]] = []
+    try:
+        for row in reader:
+            rows.append(row)
+    except csv.Error as e:  # a NUL byte, a field beyond csv's limit
+        raise SimUserError(f"{where}: line {reader.line_num}: not CSV ({e})") from None
     if not rows:
         raise SimUserError(f"{where}: empty; write a header {','.join(CALIBRATION_COLUMNS)}[,{CONTEXT_COLUMN}]")
     header = [h.strip() for h in rows[0]]
