@@ -23,9 +23,9 @@ from kv_cache_manager_v2.sim._report import report_figures
 PRESSURE = ["--requests", "80", "--time-scale", "0.05"]
 #: setup -> (kv-cache-sim options, digest of its figures)
 SETUPS = {
-    "full": ([*PRESSURE, "--gpu", "2GiB"], "0a2e31953cd59fa7"),
-    "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "8f4bac2951c77981"),
-    "host": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB"], "c769e8e9f8e6faae"),
+    "full": ([*PRESSURE, "--gpu", "2GiB"], "afc85192a9e15086"),
+    "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "862dda4e671959f1"),
+    "host": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB"], "9e2dce4676b77e63"),
 }
 
 
