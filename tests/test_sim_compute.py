@@ -214,7 +214,7 @@ def test_bad_calibration_files(tmp_path: Path, text: str, says: str) -> None:
 
 def one_line_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
     code = main(list(args))
-    out, err = capsys.readouterr()
+    err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("kv-cache-sim: error: "), (code, err)
     return lines[0]
