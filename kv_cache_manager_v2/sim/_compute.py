@@ -74,11 +74,12 @@ GPU_KINDS: dict[str, GpuSpec] = {
     )
 }
 DEFAULT_GPU_KIND = "h100"
-#: Model FLOPs utilisation of a compute-bound step: large prefills reach about half the dense peak
-#: in vLLM/SGLang/TensorRT-LLM (Sarathi-Serve, OSDI 2024, measures 50-60 % in chunked prefills)
+#: Model FLOPs utilisation of a compute-bound step: about half the dense peak, what large dense
+#: matmul workloads are published at (PaLM: 46.2 % MFU, Chowdhery et al. 2022); an assumption to
+#: replace by a measurement (--mfu, or --calibration)
 DEFAULT_MFU = 0.5
 #: Memory-bandwidth utilisation of a memory-bound (decode) step: Databricks' "LLM Inference
-#: Performance Engineering: Best Practices" (2023) measures 60-70 % on A100/H100 at small batches
+#: Performance Engineering: Best Practices" (2023) reports 60-70 % for a 7B model at batch 1
 DEFAULT_MBU = 0.7
 #: bytes of one MXFP4 parameter (4 bits + one 8-bit scale per 32: gpt-oss's MoE weights)
 MXFP4_BYTES = 4.25 / 8
