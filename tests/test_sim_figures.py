@@ -23,9 +23,9 @@ from kv_cache_manager_v2.sim._report import report_figures
 PRESSURE = ["--requests", "80", "--time-scale", "0.05"]
 #: setup -> (kv-cache-sim options, digest of its figures)
 SETUPS = {
-    "full": ([*PRESSURE, "--gpu", "2GiB"], "86ea96e30c203117"),
-    "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "8a0e1811d80fd4e6"),
-    "host": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB"], "6887b3855c2d1e59"),
+    "full": ([*PRESSURE, "--gpu", "2GiB"], "ad1eb4bb45a04c90"),
+    "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "f864f22382f193aa"),
+    "host": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB"], "5ba9e9cc2b8ab7fa"),
 }
 
 

@@ -154,14 +154,20 @@ def _snapshots(r: ReplayResult) -> dict[str, Any]:
     }
 
 
+def _linear(options: SchedulerOptions) -> bool:
+    """Whether steps take ``step_ms`` plus their tokens at ``tokens_per_s`` (else ``options.cost``)."""
+    return options.cost is None or isinstance(options.cost, LinearCost)
+
+
 def _scheduler(options: SchedulerOptions) -> dict[str, Any]:
+    linear = _linear(options)
     return {
         "max_batch": options.max_batch,
         "max_num_tokens": options.max_num_tokens,
         "chunk": options.chunk,
         "watermark": options.watermark,
-        "step_ms": options.step_ms,
-        "tokens_per_s": options.tokens_per_s,
+        "step_ms": options.step_ms if linear else None,  # (None: see compute)
+        "tokens_per_s": options.tokens_per_s if linear else None,
         "time_scale": options.time_scale,
         "reuse": options.reuse,
         "prompt_only": options.prompt_only,
@@ -244,7 +250,7 @@ def _load(r: ReplayResult, shape: ModelShape, tiers: list[TierSpec], options: Sc
     sim_s = r.sim_time_ms / 1000.0
     waits = sorted(x / 1000.0 for x in r.wait_ms)
     computed = r.prefill_computed + r.decode_computed
-    compute_s = computed / options.tokens_per_s if options.cost is None or isinstance(options.cost, LinearCost) else 0.0
+    compute_s = computed / options.tokens_per_s if _linear(options) else 0.0
     overloaded = span_s > 0 and sim_s > OVERLOAD_RATIO * span_s + OVERLOAD_SLACK_S
     gpu = tiers[0]
     in_tokens = is_token_quota(gpu.text)
