@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import TRACE
 
 from kv_cache_manager_v2.sim import main
 from kv_cache_manager_v2.sim._compute import (
@@ -271,3 +272,16 @@ def test_linear_is_the_explicit_override() -> None:
     assert isinstance(cost, LinearCost)
     cost.add_prefill(1000, 0)
     assert cost.take_ms() == pytest.approx(35.0)
+
+
+def test_step_ms_replays_as_before_the_roofline(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``--step-ms 15`` is the time model from before the roofline: test_sim_figures' "full" setup
+    replays as it did then (its pinned digest before the roofline: 0a2e31953cd59fa7)."""
+    out = tmp_path / "r.json"
+    args = ["--trace", TRACE, "--no-progress", "--requests", "80", "--time-scale", "0.05", "--gpu", "2GiB"]
+    assert main([*args, "--step-ms", "15", "--json", str(out)]) == 0
+    capsys.readouterr()
+    rep = json.loads(out.read_text())
+    assert rep["replay"]["steps"] == 9439 and rep["replay"]["simulated_s"] == pytest.approx(153.04736)
+    assert rep["hit_rate"]["blocks"] == pytest.approx(0.10009427161315367, abs=1e-15)
+    assert rep["preemptions"] == {"suspend": 45, "recompute": 13, "resumed": 32}
