@@ -72,6 +72,12 @@ def main() -> None:
     ap.add_argument("--trace", action="append", required=True, help="a trace to replay (repeatable)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--gpu", default="32GiB", help="kv-cache-sim --gpu")
+    ap.add_argument(
+        "--sim-args",
+        default="",
+        help="more kv-cache-sim options for both sides, e.g. '--step-ms 15': the time model of a tree from "
+        "before the roofline (sim/_compute.py), so both replay the same schedule",
+    )
     ap.add_argument("--label", default="", help="a note stored with the results (e.g. the commits)")
     ap.add_argument("--out", default=os.path.join(HERE, "sim_speed_results.json"))
     a = ap.parse_args()
@@ -83,7 +89,7 @@ def main() -> None:
         order = ["before", "after"] if rnd % 2 == 0 else ["after", "before"]
         for trace in a.trace:
             for side in order:
-                r = _run(sides[side], trace, ["--gpu", a.gpu])
+                r = _run(sides[side], trace, ["--gpu", a.gpu, *a.sim_args.split()])
                 replay = r["report"]["replay"]
                 runs[trace][side].append(
                     {"replay_s": replay["wall_s"], "blocks_per_s": replay["blocks_per_s"], "user_s": r["user_s"]}

@@ -23,9 +23,9 @@ from kv_cache_manager_v2.sim._report import report_figures
 PRESSURE = ["--requests", "80", "--time-scale", "0.05"]
 #: setup -> (kv-cache-sim options, digest of its figures)
 SETUPS = {
-    "full": ([*PRESSURE, "--gpu", "2GiB"], "9912c20b23d729ce"),
-    "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "d6fbdb2a9d18027c"),
-    "host": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB"], "39e6675b47eb738b"),
+    "full": ([*PRESSURE, "--gpu", "2GiB"], "fde72e8b7b1526fc"),
+    "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "256b7907dc0b0fff"),
+    "host": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB"], "9db7f2089620d8a3"),
 }
 
 

@@ -61,6 +61,7 @@ def test_restart_recompute_is_named_apart_from_preemption(capsys: pytest.Capture
     load = ["--conversations", "6", "--turns", "2", "--system-tokens", "300", "--user-tokens", "100"]
     args = [*SMALL, *load, "--output-tokens", "20", "--gpu", "1500tok", "--no-progress"]
     args += ["--disk", "40000tok", "--disk-path", str(tmp_path), "--restart-at", "0.5"]
+    args += ["--step-ms", "15"]  # steps long enough that requests are in flight at the restart
     assert main([*args, "--json", str(out)]) == 0
     text, _ = capsys.readouterr()
     rep = json.loads(out.read_text())["restarted"]

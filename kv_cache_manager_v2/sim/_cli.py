@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from .._config import EVICTION_POLICIES, REMOTE_URL_SCHEMES
 from ._check import DataCheckError
+from ._compute import DEFAULT_MBU, DEFAULT_MFU, GPU_KINDS, build_step_cost
 from ._hints import HINTS_HELP, HINTS_SWEEP_KEY, check_accuracy, check_pin_duration, check_pin_share
 from ._latency import SLO_OPTIONS, check_slo
 from ._models import (
@@ -171,9 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-tokens", type=int, default=s.max_num_tokens, help="tokens per step")
     g.add_argument("--chunk", type=int, default=s.chunk, help="prefill chunk per request and step (0: whole prompt)")
     g.add_argument("--watermark", type=float, default=s.watermark, help="GPU share admission keeps available")
-    g.add_argument("--step-ms", type=float, default=s.step_ms, help="simulated time per step")
-    g.add_argument("--tokens-per-s", type=float, default=s.tokens_per_s, help="simulated compute per token")
     g.add_argument("--time-scale", type=float, default=s.time_scale, help="multiply arrival times (0: all at once)")
+    g.add_argument("--gpu-kind", help=f"step time: the model's roofline on {', '.join(GPU_KINDS)} (default: h100)")
+    g.add_argument("--mfu", type=float, help=f"share of the peak FLOP/s a step reaches (default: {DEFAULT_MFU})")
+    g.add_argument("--mbu", type=float, help=f"share of the HBM bandwidth a step reaches (default: {DEFAULT_MBU})")
+    g.add_argument("--calibration", metavar="FILE", help="instead: CSV of measured steps (see README)")
+    g.add_argument("--step-ms", type=float, help=f"instead: a fixed time a step (default: {s.step_ms:g})")
+    g.add_argument("--tokens-per-s", type=float, help=f"instead: + tokens at this rate (default: {s.tokens_per_s:g})")
     g = p.add_argument_group("output")
     g.add_argument("--json", nargs="?", const="-", metavar="FILE", help="write the report as JSON (default: stdout)")
     g.add_argument("--plot", metavar="FILE", help="write a PNG (needs matplotlib)")
@@ -353,8 +358,7 @@ def _options(a: argparse.Namespace) -> SchedulerOptions:
         max_num_tokens=a.max_num_tokens,
         chunk=a.chunk,
         watermark=a.watermark,
-        step_ms=a.step_ms,
-        tokens_per_s=a.tokens_per_s,
+        **{k: v for k in ("step_ms", "tokens_per_s") if (v := getattr(a, k)) is not None},
         time_scale=a.time_scale,
         reuse=not a.no_reuse,
         prompt_only=a.prompt_only,
@@ -442,6 +446,8 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
         options.validate()
     except ValueError as e:  # a wrong type from check_int
         raise SimUserError(str(e)) from None
+    linear = (options.step_ms, options.tokens_per_s) if (a.step_ms, a.tokens_per_s) != (None, None) else None
+    options = dataclasses.replace(options, cost=build_step_cost(shape, a.gpu_kind, a.mfu, a.mbu, a.calibration, linear))
     if a.remote_url is not None and not a.remote_url.startswith(REMOTE_URL_SCHEMES):
         raise SimUserError(
             f"--remote-url {a.remote_url!r}: write redis://HOST:PORT (or rediss://, unix://PATH, redis+cluster://HOST:PORT)"

@@ -14,8 +14,9 @@ Every step, in this order and within a token budget and a batch size:
    again at the front. With a host (or disk) tier a step that suspended someone frees nobody: the
    suspended requests' pages can now spill down, so the next step can resume one of them instead.
 
-Served requests "compute" their step: the clock advances by the step's cost (``StepCost``; by
-default ``step_ms`` plus the step's tokens at ``tokens_per_s``); a request whose step ends at its
+Served requests "compute" their step: the clock advances by the step's cost (``StepCost``: the
+options' ``cost``, e.g. the roofline of ``sim/_compute.py``; without one ``step_ms`` plus the
+step's tokens at ``tokens_per_s``); a request whose step ends at its
 last token samples the next output token;
 ``update_resources`` commits. No KV bytes are touched unless a :class:`DataChecker` is given.
 Requests arrive at their timestamps (times ``time_scale``); a conversation's next turn also waits
@@ -84,7 +85,8 @@ class Replay:
     ) -> None:
         options.validate()
         self.opts = options
-        #: the time of a step's compute (default: ``step_ms`` plus its tokens at ``tokens_per_s``)
+        #: the time of a step's compute (default: ``options.cost``, else ``step_ms`` plus its tokens at ``tokens_per_s``)
+        cost = cost if cost is not None else options.cost
         self.cost = cost if cost is not None else LinearCost(options.step_ms, options.tokens_per_s)
         self.requests = requests
         self.clock = 0.0

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from .._utils import check_int
 from ._models import SimUserError
+from ._step_cost import StepCost
 from ._workload import SimRequest
 
 #: the longest simulated step (an hour): beyond it the simulated clock means nothing
@@ -30,6 +31,10 @@ class SchedulerOptions:
     time_scale: float = 1.0  #: multiplies arrival times (0: everything arrives at once)
     reuse: bool = True  #: False: every request in its own reuse scope (no prefix reuse at all)
     prompt_only: bool = False  #: requests end after their prompt (one sampled token, no decode steps)
+    #: a step's compute time (``sim/_compute.py``: the roofline or a calibration file); None: step_ms
+    #: plus its tokens at tokens_per_s. One instance serves replays one after the other (``take_ms``
+    #: empties it each step)
+    cost: StepCost | None = None
 
     def validate(self) -> None:
         for name, v, lo in (
@@ -158,17 +163,28 @@ class ReplayResult:
 
 def ideal_peak_tokens(requests: Sequence[SimRequest], options: SchedulerOptions) -> int:
     """The most tokens held at once if every request were served from its arrival without waiting:
-    its prefill chunks and decode steps one step each, at ``step_ms`` plus its own tokens, holding
-    its whole prompt + output meanwhile (no reuse assumed). The memory an engine needs to keep up
-    with the arrivals (a rough upper bound of it; compute aside)."""
+    its prefill chunks and decode steps one step each, at ``step_ms`` plus its own tokens (or at
+    what ``options.cost`` charges for them alone; its decode steps all at its middle context),
+    holding its whole prompt + output meanwhile (no reuse assumed). The memory an engine needs to
+    keep up with the arrivals (a rough upper bound of it; compute aside)."""
     o = options
+    cost = o.cost
     events: list[tuple[float, int]] = []
     per_token_ms = 1000.0 / o.tokens_per_s
     for sim in requests:
         p = sim.prompt_length
         out = 1 if o.prompt_only else sim.output_length
         chunks = (p + o.chunk - 1) // o.chunk if o.chunk else 1
-        duration = chunks * o.step_ms + p * per_token_ms + (out - 1) * (o.step_ms + per_token_ms)
+        if cost is None:
+            duration = chunks * o.step_ms + p * per_token_ms + (out - 1) * (o.step_ms + per_token_ms)
+        else:
+            duration = 0.0
+            size = o.chunk if o.chunk else p
+            for done in range(0, p, size):
+                cost.add_prefill(min(size, p - done), done)
+                duration += cost.take_ms()
+            cost.add_decode(p + out // 2)
+            duration += (out - 1) * cost.take_ms()
         start = sim.arrival_ms * o.time_scale
         events.append((start, p + out))
         events.append((start + duration, -(p + out)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ._compute import describe_cost
 from ._latency import Slo, latency_report, latency_rows, slo_cell, ttft_cell
 from ._models import (
     SSM_SWEEP_KEY,
@@ -18,6 +19,7 @@ from ._models import (
 )
 from ._replay_types import LevelUsage, ReplayResult, SchedulerOptions
 from ._ssm_policy import SSM_POLICY_KEY, format_policy_sweep, snapshot_rows
+from ._step_cost import LinearCost
 
 SCHEMA = "kv-cache-sim/2"
 MAX_SERIES_POINTS = 400
@@ -155,17 +157,24 @@ def _snapshots(r: ReplayResult) -> dict[str, Any]:
     }
 
 
+def _linear(options: SchedulerOptions) -> bool:
+    """Whether steps take ``step_ms`` plus their tokens at ``tokens_per_s`` (else ``options.cost``)."""
+    return options.cost is None or isinstance(options.cost, LinearCost)
+
+
 def _scheduler(options: SchedulerOptions) -> dict[str, Any]:
+    linear = _linear(options)
     return {
         "max_batch": options.max_batch,
         "max_num_tokens": options.max_num_tokens,
         "chunk": options.chunk,
         "watermark": options.watermark,
-        "step_ms": options.step_ms,
-        "tokens_per_s": options.tokens_per_s,
+        "step_ms": options.step_ms if linear else None,  # (None: see compute)
+        "tokens_per_s": options.tokens_per_s if linear else None,
         "time_scale": options.time_scale,
         "reuse": options.reuse,
         "prompt_only": options.prompt_only,
+        "compute": describe_cost(options.cost or LinearCost(options.step_ms, options.tokens_per_s)),
     }
 
 
@@ -244,7 +253,7 @@ def _load(r: ReplayResult, shape: ModelShape, tiers: list[TierSpec], options: Sc
     sim_s = r.sim_time_ms / 1000.0
     waits = sorted(x / 1000.0 for x in r.wait_ms)
     computed = r.prefill_computed + r.decode_computed
-    compute_s = computed / options.tokens_per_s
+    compute_s = computed / options.tokens_per_s if _linear(options) else 0.0
     overloaded = span_s > 0 and sim_s > OVERLOAD_RATIO * span_s + OVERLOAD_SLACK_S
     gpu = tiers[0]
     in_tokens = is_token_quota(gpu.text)
@@ -381,7 +390,7 @@ def format_report(rep: dict[str, Any]) -> str:
     pm = rep["preemptions"]
     lines = [
         f"kv-cache-sim: {m['name']}, {format_bytes(m['bytes_per_token'])}/token, "
-        f"{rep['tokens_per_block']} tokens/block ({rep['mode']})",
+        f"{rep['tokens_per_block']} tokens/block, {rep['scheduler']['compute']['text']} ({rep['mode']})",
         _row("workload", str(w["description"])),
         _row(
             "requests",
