@@ -35,13 +35,22 @@ from typing import Any, Final, cast
 import numpy as np
 
 from .._common import CacheLevel, ReuseScope, TokenId, TokenIdExt
-from .._config import KVCacheManagerConfig
+from .._config import DiskCacheTierConfig, HostCacheTierConfig, KVCacheManagerConfig, RemoteCacheTierConfig
 from .._retention import Retention
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
-from ._replay_types import SERIES_FIELDS, LevelUsage, ReplayResult, SchedulerOptions, add_samples, ideal_peak_tokens
+from ._replay_types import (
+    SERIES_FIELDS,
+    LevelUsage,
+    ReplayResult,
+    RequestOutcome,
+    SchedulerOptions,
+    add_samples,
+    ideal_peak_tokens,
+)
 from ._ssm_policy import add_counters
 from ._step_cost import LinearCost, StepCost
+from ._tier_io import TierIO
 from ._workload import SimRequest
 
 #: bound once: mypyc looks a module's attribute up at every call (several times a step)
@@ -64,6 +73,8 @@ class _Live:
         self.tokens: Any = None  #: --check-data: prompt + outputs as uint32
         self.retry_at = -1  #: suspended: Replay.releases when it was last refused
         self.restarted = False  #: freed by the engine's restart, not yet admitted again
+        self.first_ms = -1.0  #: when its first output token was sampled (the end of that step)
+        self.out = RequestOutcome(sim.index, sim.source_line, arrival_ms, self.prompt_length)
 
 
 class Replay:
@@ -81,6 +92,7 @@ class Replay:
         split_ms: float = -1.0,
         restart: bool = False,
         cost: StepCost | None = None,
+        bytes_scale: float = 1.0,
     ) -> None:
         options.validate()
         self.opts = options
@@ -101,6 +113,11 @@ class Replay:
         self.restart = restart
         self.t = config.tokens_per_block
         self.num_levels = len(config.cache_tiers)
+        #: tier I/O (``options.links``; ``bytes_scale``: the model's bytes per proxy byte)
+        self.io: TierIO | None = None
+        if options.links is not None:
+            self.io = TierIO([_tier_kind(x) for x in config.cache_tiers], options.links, bytes_scale)
+        self.count_manager_time = options.count_manager_time
         self.checker = DataChecker(self.rm) if check_data else None
         self.progress = progress
         self.on_step = on_step  #: called after every step (tests run the invariant checker there)
@@ -167,6 +184,8 @@ class Replay:
     def _reject(self, live: _Live) -> None:
         r = self.result
         r.rejected += 1
+        live.out.rejected = True
+        r.outcomes.append(live.out)
         n = live.sim.prompt_length
         r.rejected_prompt_tokens += n
         r.rejected_prompt_blocks += (n + self.t - 1) // self.t
@@ -302,6 +321,7 @@ class Replay:
         r = self.result
         cost = self.cost
         finished: list[_Live] = []
+        firsts: list[_Live] = []  #: sampling their first output token
         checker = self.checker
         for live in served:
             req = live.req
@@ -318,10 +338,12 @@ class Replay:
                 live.full_check = False
             generated = req.generated_tokens
             if cached + n == live.prompt_length + len(generated):  # the step samples (samples_this_step)
+                if not generated:
+                    firsts.append(live)
                 generated.append(TokenId(live.sim.output_base + len(generated)))
                 if len(generated) >= req.max_new_tokens:
                     finished.append(live)
-        self.clock += cost.take_ms()
+        self.clock = self._step_traffic() + cost.take_ms()  # (its loads first: see _tier_io)
         t0 = _clock()
         self.rm.update_resources([x.req for x in served])
         for live in finished:
@@ -330,6 +352,11 @@ class Replay:
             if self.pins is not None:
                 self._pin_shared(live)
         self._step_manager_s += _clock() - t0
+        if self.count_manager_time:
+            self.clock += self._step_manager_s * 1000.0
+        end = self.clock  # the step's tokens are out
+        for live in firsts:
+            live.first_ms = end
         r.request_steps += len(served)
         if len(served) > r.max_batch:
             r.max_batch = len(served)
@@ -341,6 +368,13 @@ class Replay:
             r.finished += 1
             r.output_tokens += len(live.req.generated_tokens)
             r.blocks_replayed += (live.req.num_tokens + self.t - 1) // self.t
+            out = live.out
+            k = len(live.req.generated_tokens)
+            out.output_tokens = k
+            out.ttft_ms = live.first_ms - live.arrival_ms
+            out.tpot_ms = (end - live.first_ms) / (k - 1) if k > 1 else 0.0
+            out.e2e_ms = end - live.arrival_ms
+            r.outcomes.append(out)
             self._release_successors(live.sim.index)
         if finished:
             self._report_progress()
@@ -405,16 +439,20 @@ class Replay:
         hit = r.reused_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
         self._samples.extend((self.clock / 1000.0, used_total / cap, cached_total / cap, hit, float(len(self.running))))
 
-    def _step_traffic(self) -> None:
-        """The step's tier traffic (``take_iteration_stats``: since the previous step)."""
+    def _step_traffic(self) -> float:
+        """The step's tier traffic (``take_iteration_stats``: since the previous step, read once its
+        batch is prepared); returns when its loads are done (``_tier_io``; now without links)."""
         if self.num_levels == 1:
-            return  # nothing moves between levels
-        for it in self.rm.manager.take_iteration_stats():
+            return self.clock  # nothing moves between levels
+        traffic = self.rm.manager.take_iteration_stats()
+        for it in traffic:
             usage = self.result.levels[it.level]
             if it.offloaded_pages > usage.max_step_offloaded_pages:
                 usage.max_step_offloaded_pages = it.offloaded_pages
             if it.onboarded_pages > usage.max_step_onboarded_pages:
                 usage.max_step_onboarded_pages = it.onboarded_pages
+        io = self.io
+        return io.step(self.clock, traffic) if io is not None else self.clock
 
     # ------------------------------------------------------------------ driver
     def run(self) -> ReplayResult:
@@ -453,6 +491,8 @@ class Replay:
         if not served:
             self._break_deadlock(self.suspended_now)
             r.manager_s += self._step_manager_s
+            if self.count_manager_time:
+                self.clock += self._step_manager_s * 1000.0
             return
         self._sample()  # after prepare: the step's pages are all allocated (its peak)
         self._run_step(served)
@@ -461,7 +501,6 @@ class Replay:
         self._samples.append(self._step_manager_s * 1e6)
         if len(self._samples) >= self._flush_at:
             add_samples(r, self._samples)
-        self._step_traffic()
         if self.on_step is not None:
             self.on_step(self.rm)
 
@@ -529,7 +568,14 @@ class Replay:
         self.rm.shutdown()
 
     def _finish(self) -> None:
-        add_samples(self.result, self._samples)
+        r = self.result
+        add_samples(r, self._samples)
+        done = [x for x in r.outcomes if not x.rejected]  # (in finishing order)
+        r.ttft_ms.extend([x.ttft_ms for x in done])
+        r.tpot_ms.extend([x.tpot_ms for x in done])
+        r.e2e_ms.extend([x.e2e_ms for x in done])
+        if self.io is not None:
+            r.io_wait_ms = self.io.load_ms
         if self.on_finish is not None:
             self.on_finish(self.rm)
         self._collect()
@@ -540,18 +586,25 @@ def _count_admission(r: ReplayResult, live: _Live, clock: float, t: int) -> None
     req = live.req
     reused = req.num_reused_tokens
     live.full_check = True
+    per_level = req.num_reused_tokens_per_level
+    out = live.out
+    out.loaded_tokens += reused - (per_level[0] if per_level else 0)  # (found below the GPU)
     if live.restarted:  # its KV was lost with the engine, not preempted
         live.restarted = False
         r.restart_readmitted_tokens += req.num_tokens
         r.restart_readmitted_reused_tokens += reused
+        out.recomputed_tokens += req.num_tokens - reused
         return
     if live.admitted:
         r.readmissions += 1
         r.readmitted_tokens += req.num_tokens
         r.readmitted_reused_tokens += reused
+        out.recomputed_tokens += req.num_tokens - reused
         return
     live.admitted = True
-    r.wait_ms.append(clock - live.arrival_ms)
+    out.wait_ms = clock - live.arrival_ms
+    out.reused_per_level = list(per_level)
+    r.wait_ms.append(out.wait_ms)
     n = len(req.prompt_tokens)
     blocks = (n + t - 1) // t
     r.prompt_tokens += n
@@ -560,7 +613,6 @@ def _count_admission(r: ReplayResult, live: _Live, clock: float, t: int) -> None
     hit = blocks if reused >= n - 1 else reused // t
     r.hit_blocks += hit
     # by the level each reused block was found in (the adapter splits reused tokens by block)
-    per_level = req.num_reused_tokens_per_level
     partial = 0  # the level of the one partially reused block, if any
     for lvl, k in enumerate(per_level):
         usage = r.levels[lvl]
@@ -571,3 +623,12 @@ def _count_admission(r: ReplayResult, live: _Live, clock: float, t: int) -> None
             partial = lvl
     if hit > 0:  # the last block, whose tokens were reused but for the always-computed last one
         r.levels[partial].hit_blocks += hit
+
+
+def _tier_kind(tier: object) -> str:
+    """A cache tier's link (``_tier_io.LINK_TIERS``), "gpu" for the GPU tier."""
+    if isinstance(tier, HostCacheTierConfig):
+        return "host"
+    if isinstance(tier, DiskCacheTierConfig):
+        return "disk"
+    return "remote" if isinstance(tier, RemoteCacheTierConfig) else "gpu"

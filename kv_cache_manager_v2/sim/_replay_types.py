@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from .._utils import check_int
 from ._models import SimUserError
+from ._tier_io import TierLinks
 from ._workload import SimRequest
 
 #: the longest simulated step (an hour): beyond it the simulated clock means nothing
@@ -30,6 +31,11 @@ class SchedulerOptions:
     time_scale: float = 1.0  #: multiplies arrival times (0: everything arrives at once)
     reuse: bool = True  #: False: every request in its own reuse scope (no prefix reuse at all)
     prompt_only: bool = False  #: requests end after their prompt (one sampled token, no decode steps)
+    #: the links of the tiers below the GPU (``_tier_io``): loads delay their step, offloads occupy
+    #: their link (None: pages move in no time)
+    links: TierLinks | None = None
+    #: the manager's measured CPU time of each step is added to the step's time (not deterministic)
+    count_manager_time: bool = False
 
     def validate(self) -> None:
         for name, v, lo in (
@@ -77,6 +83,29 @@ class LevelUsage:
     hit_blocks: int = 0  #: prompt blocks hit (see ReplayResult.hit_blocks) found at this level
 
 
+class RequestOutcome:
+    """One request's times (simulated ms) and tokens, for ``--per-request``: made when it finished
+    or was rejected (``rejected``: never served; its times are -1)."""
+
+    def __init__(self, index: int, line: int, arrival_ms: float, prompt_tokens: int) -> None:
+        self.index = index  #: in the workload
+        self.line = line  #: in the trace file (0: built-in conversations)
+        self.arrival_ms = arrival_ms
+        self.prompt_tokens = prompt_tokens
+        self.rejected = False
+        self.wait_ms = -1.0  #: arrival to its first admission (queueing delay)
+        self.ttft_ms = -1.0
+        self.tpot_ms = -1.0
+        self.e2e_ms = -1.0
+        self.output_tokens = 0
+        #: prompt tokens reused at its first admission, per level (GPU first)
+        self.reused_per_level: list[int] = []
+        #: tokens reused from levels below the GPU, over all its admissions (onboarded for it)
+        self.loaded_tokens = 0
+        #: tokens computed again after a preemption by recompute or an engine restart
+        self.recomputed_tokens = 0
+
+
 @dataclass
 class ReplayResult:
     """Counters of one replay (raw; ``_report`` turns them into the report)."""
@@ -119,6 +148,9 @@ class ReplayResult:
     ttft_ms: array[float] = field(default_factory=lambda: array("d"))
     tpot_ms: array[float] = field(default_factory=lambda: array("d"))
     e2e_ms: array[float] = field(default_factory=lambda: array("d"))
+    #: per request, finished or rejected, in that order (``--per-request``)
+    outcomes: list[RequestOutcome] = field(default_factory=list)
+    io_wait_ms: float = 0.0  #: simulated time steps waited for their loads (tier I/O), summed
     wall_s: float = 0.0
     manager_s: float = 0.0  #: CPU time inside adapter calls
     request_steps: int = 0  #: (request, step) pairs served
