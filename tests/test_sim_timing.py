@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import TRACE
 
-from kv_cache_manager_v2.sim import SchedulerOptions, SimUserError, TierSpec
+from kv_cache_manager_v2.sim import SchedulerOptions, SimUserError, TierSpec, main
 from kv_cache_manager_v2.sim._models import ModelShape, manager_config, proxy_page_bytes, real_bytes_per_proxy_byte
 from kv_cache_manager_v2.sim._replay import Replay
 from kv_cache_manager_v2.sim._replay_types import ReplayResult
@@ -205,5 +206,57 @@ def test_bandwidth_and_latency_parsing() -> None:
         tier_links(None, "host-read=1ms", ("host",))
 
 
-def _outcome_lines(path: Any) -> list[dict[str, Any]]:
+def _lines(path: Any) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_per_request_file(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    """``--per-request``: a line per request, by index, rejected ones marked; with tier I/O on (the
+    default) a request that loads pages from the host waits longer than with ``--no-tier-io``, and
+    one that loads nothing waits as long (the same requests: the run differs by load times only)."""
+    args = ["--trace", TRACE, "--requests", "120", "--gpu", "2GiB", "--host", "8GiB", "--no-progress"]
+    runs = []
+    for extra in ([], ["--no-tier-io"]):
+        path = tmp_path / f"requests{len(runs)}.jsonl"
+        assert main([*args, *extra, "--per-request", str(path)]) == 0
+        runs.append(_lines(path))
+    capsys.readouterr()
+    timed, free = runs
+    assert [x["index"] for x in timed] == list(range(120))
+    rejected = [x for x in timed if x["rejected"]]
+    assert rejected and all(x["ttft_ms"] is None and x["line"] == x["index"] + 1 for x in rejected)
+    done = [x for x in timed if not x["rejected"]]
+    assert all(x["e2e_ms"] >= x["ttft_ms"] >= x["wait_ms"] >= 0 and x["output_tokens"] >= 1 for x in done)
+    assert all(set(x["reused_tokens"]) == {"gpu", "host"} for x in done)
+    assert all(x["loaded_tokens"] >= x["reused_tokens"]["host"] for x in done)
+    loaded = [(a, b) for a, b in zip(timed, free) if not a["rejected"] and a["loaded_tokens"]]
+    assert loaded and any(a["ttft_ms"] > b["ttft_ms"] for a, b in loaded)
+    assert sum(a["ttft_ms"] for a, _ in loaded) > sum(b["ttft_ms"] for _, b in loaded)
+    first = timed[0]  # alone at first: nothing to load, the same time either way
+    assert first["loaded_tokens"] == 0 and first["ttft_ms"] == free[0]["ttft_ms"]
+
+
+def test_a_sweep_labels_its_runs_in_the_per_request_file(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    path = tmp_path / "requests.jsonl"
+    args = ["--trace", TRACE, "--requests", "30", "--sweep", "host=0,4GiB", "--no-progress", "--per-request", str(path)]
+    assert main([*args, "--tier-bandwidth", "host=1GB/s"]) == 0
+    capsys.readouterr()
+    lines = _lines(path)
+    assert len(lines) == 60 and {x["run"] for x in lines} == {"replay (host 0)", "replay (host 4GiB)"}
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--tier-bandwidth", "disk=200MB/s"], "--tier-bandwidth disk: this run has no disk tier"),
+        (["--host", "4GiB", "--tier-bandwidth", "host=fast"], "--tier-bandwidth host: 'fast' is not a bandwidth"),
+        (["--host", "4GiB", "--tier-latency", "host=5"], "--tier-latency host: '5' is not a latency"),
+        (["--host", "4GiB", "--tier-latency", "remote=1ms"], "this run has no remote tier"),
+        (["--host", "4GiB", "--no-tier-io", "--tier-latency", "host=1ms"], "--no-tier-io"),
+        (["--per-request", "/nonexistent/dir/x.jsonl"], "--per-request /nonexistent/dir/x.jsonl"),
+    ],
+)
+def test_bad_time_options_are_one_line_errors(capsys: pytest.CaptureFixture[str], args: list[str], says: str) -> None:
+    assert main([*args, "--requests", "5", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err

@@ -47,6 +47,7 @@ from ._run import (
     tier_spec,
 )
 from ._ssm_policy import SSM_POLICY_KEY, check_policy
+from ._tier_io import add_arguments, time_options
 from ._workload import MAX_ARRIVAL_MS, ConversationParams, SimRequest, generate_conversations, load_trace
 
 PROG = "kv-cache-sim"
@@ -173,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--step-ms", type=float, default=s.step_ms, help="simulated time per step")
     g.add_argument("--tokens-per-s", type=float, default=s.tokens_per_s, help="simulated compute per token")
     g.add_argument("--time-scale", type=float, default=s.time_scale, help="multiply arrival times (0: all at once)")
+    add_arguments(p.add_argument_group("time (tier I/O, the manager's time, per request)"))  # sim/_tier_io.py
     g = p.add_argument_group("output")
     g.add_argument("--json", nargs="?", const="-", metavar="FILE", help="write the report as JSON (default: stdout)")
     g.add_argument("--plot", metavar="FILE", help="write a PNG (needs matplotlib)")
@@ -483,6 +485,10 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
         if given and (a.restart_at is not None or a.replicas != 1 or a.remote_url):
             raise SimUserError(f"{flag} does not combine with --restart-at, --replicas or --remote-url")
     check_accuracy(a.retention_hints)
+    links = time_options(a, uses_disk, sweep)  # sim/_tier_io.py: the links of the run's tiers below the GPU
+    options = dataclasses.replace(options, links=links, count_manager_time=a.count_manager_time)
+    if a.per_request:
+        _check_output("--per-request", a.per_request)
     return Setup(shape, tiers, options, requests, workload, sweep, interval, disk_dir)
 
 

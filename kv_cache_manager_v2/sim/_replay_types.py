@@ -3,6 +3,7 @@ and the raw counters a replay leaves (:class:`ReplayResult`, one :class:`LevelUs
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from array import array
@@ -104,6 +105,29 @@ class RequestOutcome:
         self.loaded_tokens = 0
         #: tokens computed again after a preemption by recompute or an engine restart
         self.recomputed_tokens = 0
+
+    def to_json(self, tiers: Sequence[str], run: str | None) -> str:
+        """One line of ``--per-request``: ``tiers`` name the levels (GPU first); ``run`` labels the
+        replay when a run has several (a sweep point, a policy). Times in ms, null if rejected."""
+        done = not self.rejected
+        doc: dict[str, object] = {
+            "index": self.index,
+            "line": self.line or None,
+            "arrival_ms": round(self.arrival_ms, 6),
+            "rejected": self.rejected,
+            "wait_ms": round(self.wait_ms, 6) if done else None,
+            "ttft_ms": round(self.ttft_ms, 6) if done else None,
+            "tpot_ms": round(self.tpot_ms, 6) if done else None,
+            "e2e_ms": round(self.e2e_ms, 6) if done else None,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "reused_tokens": {tiers[i]: k for i, k in enumerate(self.reused_per_level) if i < len(tiers)},
+            "loaded_tokens": self.loaded_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+        }
+        if run is not None:
+            doc["run"] = run
+        return json.dumps(doc)
 
 
 @dataclass

@@ -29,9 +29,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from .._common import TierStatistics
-from ._models import SimUserError
+from ._models import SimUserError, is_zero_quota
 
 #: the tiers below the GPU that have a link, in level order
 LINK_TIERS = ("host", "disk", "remote")
@@ -176,3 +177,73 @@ class TierIO:
                 self.busy_until[lvl] = begin + self.latency_ms[lvl] + nbytes * self.write_ms[lvl]
         self.load_ms += t - start_ms
         return t
+
+
+def add_arguments(g: Any) -> None:
+    """The time options of ``kv-cache-sim`` (an argparse group): tier I/O, the manager's time, the
+    per-request file."""
+    d = TierLinks()
+    g.add_argument(
+        "--tier-bandwidth",
+        metavar="TIER=BW,..",
+        help="bandwidth of a tier's link to the GPU, both ways (TIER-read/TIER-write: one way), e.g. "
+        f"disk=200MB/s,host=50GB/s (25Gb/s: bits; inf: free) (default: host {_gb(d.host.read_bytes_per_s)} (PCIe "
+        f"Gen5 x16), disk read {_gb(d.disk.read_bytes_per_s)} write {_gb(d.disk.write_bytes_per_s)} (data-centre "
+        f"NVMe), remote {_gb(d.remote.read_bytes_per_s)} (25 Gb/s network))",
+    )
+    g.add_argument(
+        "--tier-latency",
+        metavar="TIER=TIME,..",
+        help="latency of a transfer on a tier's link, e.g. remote=0.5ms,disk=0.1ms (default: host "
+        f"{d.host.latency_ms * 1000:g}us, disk {d.disk.latency_ms * 1000:g}us, remote {d.remote.latency_ms:g}ms)",
+    )
+    g.add_argument(
+        "--no-tier-io", action="store_true", help="pages move between tiers in no time (a hit costs nothing)"
+    )
+    g.add_argument(
+        "--count-manager-time",
+        action="store_true",
+        help="add the manager's measured CPU time of each step to the step's time (runs are then not repeatable)",
+    )
+    g.add_argument(
+        "--per-request",
+        metavar="FILE",
+        help="write one JSON line per request: arrival, queueing delay, TTFT, TPOT, end to end (ms), tokens "
+        "reused by tier, loaded, recomputed; rejected requests marked",
+    )
+
+
+def time_options(a: Any, uses_disk: bool, sweep: tuple[str, list[str]] | None) -> TierLinks | None:
+    """The checked time options of ``kv-cache-sim``'s namespace ``a``: the links (None:
+    ``--no-tier-io``) of the tiers below the GPU the run has (``uses_disk``: a disk tier or a disk
+    sweep; ``sweep``: key, values)."""
+    if a.per_request and (a.replicas != 1 or a.remote_url or a.restart_at is not None):
+        raise SimUserError("--per-request writes the requests of one replay (or sweep): no --replicas or --restart-at")
+    if a.no_tier_io:
+        if a.tier_bandwidth or a.tier_latency:
+            raise SimUserError("--no-tier-io: pages move in no time; drop --tier-bandwidth/--tier-latency")
+        return None
+    below = {"host": bool(a.host), "disk": uses_disk, "remote": a.replicas != 1 or bool(a.remote_url)}
+    if sweep is not None and sweep[0] == "host":
+        below["host"] = not all(map(is_zero_quota, sweep[1]))
+    return tier_links(a.tier_bandwidth, a.tier_latency, tuple(k for k in LINK_TIERS if below[k]))
+
+
+def _gb(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:g}GB/s"
+
+
+def link_report(links: TierLinks | None, tiers: list[str], load_wait_ms: float) -> dict[str, Any]:
+    """The links of ``tiers`` (their kinds below the GPU) and the time steps waited for loads, JSON-ready."""
+    if links is None:
+        return {"enabled": False}
+    out: dict[str, Any] = {"enabled": True, "load_wait_s": load_wait_ms / 1000.0}
+    for kind in tiers:
+        if kind in LINK_TIERS:
+            link = links.of(kind)
+            out[kind] = {  # (None: free)
+                "read_bytes_per_s": link.read_bytes_per_s if link.read_bytes_per_s < math.inf else None,
+                "write_bytes_per_s": link.write_bytes_per_s if link.write_bytes_per_s < math.inf else None,
+                "latency_ms": link.latency_ms,
+            }
+    return out
