@@ -30,27 +30,28 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Final, cast
+from typing import Final, cast
 
 import numpy as np
 
 from .._common import CacheLevel, ReuseScope, TokenId, TokenIdExt
-from .._config import DiskCacheTierConfig, HostCacheTierConfig, KVCacheManagerConfig, RemoteCacheTierConfig
+from .._config import KVCacheManagerConfig
 from .._retention import Retention
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
+from ._live import Live, count_admission
 from ._replay_types import (
     SERIES_FIELDS,
     LevelUsage,
     ReplayResult,
-    RequestOutcome,
     SchedulerOptions,
+    add_request_times,
     add_samples,
     ideal_peak_tokens,
 )
 from ._ssm_policy import add_counters
 from ._step_cost import LinearCost, StepCost
-from ._tier_io import TierIO
+from ._tier_io import TierIO, tier_kind
 from ._workload import SimRequest
 
 #: bound once: mypyc looks a module's attribute up at every call (several times a step)
@@ -58,23 +59,6 @@ _clock: Final = time.perf_counter
 
 #: pending samples moved into the result's series at once
 FLUSH_SAMPLES = len(SERIES_FIELDS) * 4096
-
-
-class _Live:
-    """A request in the simulated engine."""
-
-    def __init__(self, sim: SimRequest, req: EngineRequest, arrival_ms: float) -> None:
-        self.sim = sim
-        self.req = req
-        self.prompt_length = len(req.prompt_tokens)
-        self.arrival_ms = arrival_ms
-        self.admitted = False  #: admitted at least once (the first admission counts for hit rates)
-        self.full_check = True  #: --check-data: check every attended position at the next step
-        self.tokens: Any = None  #: --check-data: prompt + outputs as uint32
-        self.retry_at = -1  #: suspended: Replay.releases when it was last refused
-        self.restarted = False  #: freed by the engine's restart, not yet admitted again
-        self.first_ms = -1.0  #: when its first output token was sampled (the end of that step)
-        self.out = RequestOutcome(sim.index, sim.source_line, arrival_ms, self.prompt_length)
 
 
 class Replay:
@@ -116,7 +100,7 @@ class Replay:
         #: tier I/O (``options.links``; ``bytes_scale``: the model's bytes per proxy byte)
         self.io: TierIO | None = None
         if options.links is not None:
-            self.io = TierIO([_tier_kind(x) for x in config.cache_tiers], options.links, bytes_scale)
+            self.io = TierIO([tier_kind(x) for x in config.cache_tiers], options.links, bytes_scale)
         self.count_manager_time = options.count_manager_time
         self.checker = DataChecker(self.rm) if check_data else None
         self.progress = progress
@@ -132,10 +116,10 @@ class Replay:
         self.successors: dict[int, list[int]] = {}
         #: requests a later one continues (their output is in its prompt: EngineRequest.output_is_history)
         self.followed = {sim.after for sim in requests if sim.after >= 0}
-        self.waiting: deque[_Live] = deque()
-        self.running: list[_Live] = []
-        self.suspended: list[_Live] = []
-        self.live: dict[int, _Live] = {}
+        self.waiting: deque[Live] = deque()
+        self.running: list[Live] = []
+        self.suspended: list[Live] = []
+        self.live: dict[int, Live] = {}
         self.totals = self.rm.get_max_resource_count_per_pool_group()
         self._step_manager_s = 0.0
         self.releases = 0  #: requests that finished or were freed so far (memory came back)
@@ -170,7 +154,7 @@ class Replay:
             tokens = cast("Sequence[TokenIdExt]", prompt)  # array('I'): hashed by a memory copy
             req = EngineRequest(index, tokens, max_new, o.chunk, None if o.reuse else ReuseScope(salt=index))
             req.output_is_history = index in self.followed
-            live = _Live(sim, req, at_ms)
+            live = Live(sim, req, at_ms)
             need = self.rm.get_needed_resource_to_completion_per_pool_group(req)
             if any(n > total for n, total in zip(need, self.totals)):
                 self._reject(live)
@@ -181,7 +165,7 @@ class Replay:
             self.live[index] = live
             self.waiting.append(live)
 
-    def _reject(self, live: _Live) -> None:
+    def _reject(self, live: Live) -> None:
         r = self.result
         r.rejected += 1
         live.out.rejected = True
@@ -200,7 +184,7 @@ class Replay:
             self.progress(self.result.finished + self.result.rejected)
 
     # ------------------------------------------------------------------ the step
-    def _step_tokens(self, live: _Live) -> int:
+    def _step_tokens(self, live: Live) -> int:
         req = live.req
         n = live.prompt_length + len(req.generated_tokens) - req.num_cached_tokens
         c = req.context_chunk_size
@@ -212,13 +196,13 @@ class Replay:
         self._step_manager_s += _clock() - t0
         return unserved
 
-    def _schedule(self) -> list[_Live]:
+    def _schedule(self) -> list[Live]:
         """Prepare this step's batch (see the module doc); returns the served requests."""
         o = self.opts
         self.suspended_now = False
         rm = self.rm
         budget = o.max_num_tokens
-        old: list[_Live] = []
+        old: list[Live] = []
         batch: list[EngineRequest] = []
         running, suspended = self.running, self.suspended
         num_running = len(running)
@@ -233,7 +217,7 @@ class Replay:
                 old.append(live)
                 batch.append(live.req)
                 budget -= n
-        served: list[_Live] = []
+        served: list[Live] = []
         refused = False
         if old:
             refusals = self._timed_prepare(batch)
@@ -266,12 +250,12 @@ class Replay:
             served += self._admit(budget, len(served), bool(self.running or self.suspended))
         return served
 
-    def _admit(self, budget: int, batch_size: int, others: bool) -> list[_Live]:
+    def _admit(self, budget: int, batch_size: int, others: bool) -> list[Live]:
         o = self.opts
         rm = self.rm
         t0 = _clock()
         free = rm.get_num_free_blocks_per_pool_group()
-        new: list[_Live] = []
+        new: list[Live] = []
         while self.waiting and batch_size + len(new) < o.max_batch:
             live = self.waiting[0]
             n = self._step_tokens(live)
@@ -288,7 +272,7 @@ class Replay:
         if not new:
             return []
         unserved = {r.request_id for r in self._timed_prepare([x.req for x in new])}
-        served: list[_Live] = []
+        served: list[Live] = []
         for live in reversed(new):
             if live.req.request_id in unserved:
                 self.waiting.appendleft(live)
@@ -297,7 +281,7 @@ class Replay:
                 continue
             served.append(live)
             self.running.append(live)
-            _count_admission(self.result, live, self.clock, self.t)
+            count_admission(self.result, live, self.clock, self.t)
         return served
 
     def _break_deadlock(self, suspended_now: bool) -> None:
@@ -317,11 +301,11 @@ class Replay:
         self.releases += 1
         self.result.preempted_recompute += 1
 
-    def _run_step(self, served: list[_Live]) -> None:
+    def _run_step(self, served: list[Live]) -> None:
         r = self.result
         cost = self.cost
-        finished: list[_Live] = []
-        firsts: list[_Live] = []  #: sampling their first output token
+        finished: list[Live] = []
+        firsts: list[Live] = []  #: sampling their first output token
         checker = self.checker
         for live in served:
             req = live.req
@@ -379,7 +363,7 @@ class Replay:
         if finished:
             self._report_progress()
 
-    def _pin_shared(self, live: _Live) -> None:
+    def _pin_shared(self, live: Live) -> None:
         """Pin the finished request's shared prefix (its full blocks, now cached) through the
         public ``KVCacheManager.pin``, unless pinned whole already or refused; with
         ``pin_duration_s``, pinned again by every request using it, for that long."""
@@ -568,67 +552,8 @@ class Replay:
         self.rm.shutdown()
 
     def _finish(self) -> None:
-        r = self.result
-        add_samples(r, self._samples)
-        done = [x for x in r.outcomes if not x.rejected]  # (in finishing order)
-        r.ttft_ms.extend([x.ttft_ms for x in done])
-        r.tpot_ms.extend([x.tpot_ms for x in done])
-        r.e2e_ms.extend([x.e2e_ms for x in done])
-        if self.io is not None:
-            r.io_wait_ms = self.io.load_ms
+        add_samples(self.result, self._samples)
+        add_request_times(self.result, self.io.load_ms if self.io is not None else 0.0)
         if self.on_finish is not None:
             self.on_finish(self.rm)
         self._collect()
-
-
-def _count_admission(r: ReplayResult, live: _Live, clock: float, t: int) -> None:
-    """Count an admitted request's prompt and reuse (a first admission, a readmission, or after a restart)."""
-    req = live.req
-    reused = req.num_reused_tokens
-    live.full_check = True
-    per_level = req.num_reused_tokens_per_level
-    out = live.out
-    out.loaded_tokens += reused - (per_level[0] if per_level else 0)  # (found below the GPU)
-    if live.restarted:  # its KV was lost with the engine, not preempted
-        live.restarted = False
-        r.restart_readmitted_tokens += req.num_tokens
-        r.restart_readmitted_reused_tokens += reused
-        out.recomputed_tokens += req.num_tokens - reused
-        return
-    if live.admitted:
-        r.readmissions += 1
-        r.readmitted_tokens += req.num_tokens
-        r.readmitted_reused_tokens += reused
-        out.recomputed_tokens += req.num_tokens - reused
-        return
-    live.admitted = True
-    out.wait_ms = clock - live.arrival_ms
-    out.reused_per_level = list(per_level)
-    r.wait_ms.append(out.wait_ms)
-    n = len(req.prompt_tokens)
-    blocks = (n + t - 1) // t
-    r.prompt_tokens += n
-    r.reused_tokens += reused
-    r.prompt_blocks += blocks
-    hit = blocks if reused >= n - 1 else reused // t
-    r.hit_blocks += hit
-    # by the level each reused block was found in (the adapter splits reused tokens by block)
-    partial = 0  # the level of the one partially reused block, if any
-    for lvl, k in enumerate(per_level):
-        usage = r.levels[lvl]
-        usage.reused_tokens += k
-        usage.hit_blocks += k // t
-        hit -= k // t
-        if k % t:
-            partial = lvl
-    if hit > 0:  # the last block, whose tokens were reused but for the always-computed last one
-        r.levels[partial].hit_blocks += hit
-
-
-def _tier_kind(tier: object) -> str:
-    """A cache tier's link (``_tier_io.LINK_TIERS``), "gpu" for the GPU tier."""
-    if isinstance(tier, HostCacheTierConfig):
-        return "host"
-    if isinstance(tier, DiskCacheTierConfig):
-        return "disk"
-    return "remote" if isinstance(tier, RemoteCacheTierConfig) else "gpu"

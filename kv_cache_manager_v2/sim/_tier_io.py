@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._common import TierStatistics
+from .._config import DiskCacheTierConfig, HostCacheTierConfig, RemoteCacheTierConfig
 from ._models import SimUserError, is_zero_quota
 
 #: the tiers below the GPU that have a link, in level order
@@ -247,3 +248,12 @@ def link_report(links: TierLinks | None, tiers: list[str], load_wait_ms: float) 
                 "latency_ms": link.latency_ms,
             }
     return out
+
+
+def tier_kind(tier: object) -> str:
+    """A cache tier's link (``_tier_io.LINK_TIERS``), "gpu" for the GPU tier."""
+    if isinstance(tier, HostCacheTierConfig):
+        return "host"
+    if isinstance(tier, DiskCacheTierConfig):
+        return "disk"
+    return "remote" if isinstance(tier, RemoteCacheTierConfig) else "gpu"
