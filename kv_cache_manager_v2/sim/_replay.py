@@ -14,10 +14,11 @@ Every step, in this order and within a token budget and a batch size:
    again at the front. With a host (or disk) tier a step that suspended someone frees nobody: the
    suspended requests' pages can now spill down, so the next step can resume one of them instead.
 
-Served requests "compute" their step: the clock advances by the step's cost (``StepCost``; by
-default ``step_ms`` plus the step's tokens at ``tokens_per_s``); a request whose step ends at its
-last token samples the next output token;
-``update_resources`` commits. No KV bytes are touched unless a :class:`DataChecker` is given.
+Served requests "compute" their step: the clock advances to the end of the step's loads from lower
+tiers (``options.links``: ``_tier_io``), then by the step's cost (``StepCost``; by default
+``step_ms`` plus the step's tokens at ``tokens_per_s``); a request whose step ends at its last token
+samples the next output token (its first one: its TTFT ends with the step);
+``update_resources`` commits (``count_manager_time``: the manager's CPU time of the step is added). No KV bytes are touched unless a :class:`DataChecker` is given.
 Requests arrive at their timestamps (times ``time_scale``); a conversation's next turn also waits
 for the previous answer. A request that could not fit in the GPU tier even alone is rejected.
 """
