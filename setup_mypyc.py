@@ -44,6 +44,7 @@ NOT_COMPILED = (
     "kv_cache_manager_v2/metrics.py",
     "kv_cache_manager_v2/sim/__main__.py",
     "kv_cache_manager_v2/sim/_cli.py",
+    "kv_cache_manager_v2/sim/_time_cli.py",
     "kv_cache_manager_v2/sim/_plot.py",
     "kv_cache_manager_v2/sim/_run.py",
 )

@@ -711,7 +711,8 @@ def test_interval_sweep_plot(
     points = doc["sweep"]["points"]
     _png(path)
     (fig,) = figs
-    ax, snaps = fig.axes
+    ax, ttft, snaps = fig.axes  # (the second: each point's TTFT CDF)
+    assert len(ttft.get_lines()) >= len(points)
     assert [t.get_text() for t in ax.get_xticklabels()] == ["64", "1024", "prompt"]
     hit, bound = ax.get_lines()
     assert list(hit.get_ydata()) == [p["hit_rate"]["tokens_all_requests"] for p in points[:3]]

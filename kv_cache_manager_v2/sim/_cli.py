@@ -19,9 +19,7 @@ from typing import Any, NoReturn
 
 from .._config import EVICTION_POLICIES, REMOTE_URL_SCHEMES
 from ._check import DataCheckError
-from ._compute import DEFAULT_MBU, DEFAULT_MFU, GPU_KINDS, build_step_cost
 from ._hints import HINTS_HELP, HINTS_SWEEP_KEY, check_accuracy, check_pin_duration, check_pin_share
-from ._latency import SLO_OPTIONS, check_slo
 from ._models import (
     PRESETS,
     SSM_KV_ONLY,
@@ -49,6 +47,7 @@ from ._run import (
     tier_spec,
 )
 from ._ssm_policy import SSM_POLICY_KEY, check_policy
+from ._time_cli import add_time_arguments, time_setup
 from ._workload import MAX_ARRIVAL_MS, ConversationParams, SimRequest, generate_conversations, load_trace
 
 PROG = "kv-cache-sim"
@@ -173,17 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chunk", type=int, default=s.chunk, help="prefill chunk per request and step (0: whole prompt)")
     g.add_argument("--watermark", type=float, default=s.watermark, help="GPU share admission keeps available")
     g.add_argument("--time-scale", type=float, default=s.time_scale, help="multiply arrival times (0: all at once)")
-    g.add_argument("--gpu-kind", help=f"step time: the model's roofline on {', '.join(GPU_KINDS)} (default: h100)")
-    g.add_argument("--mfu", type=float, help=f"share of the peak FLOP/s a step reaches (default: {DEFAULT_MFU})")
-    g.add_argument("--mbu", type=float, help=f"share of the HBM bandwidth a step reaches (default: {DEFAULT_MBU})")
-    g.add_argument("--calibration", metavar="FILE", help="instead: CSV of measured steps (see README)")
-    g.add_argument("--step-ms", type=float, help=f"instead: a fixed time a step (default: {s.step_ms:g})")
-    g.add_argument("--tokens-per-s", type=float, help=f"instead: + tokens at this rate (default: {s.tokens_per_s:g})")
+    add_time_arguments(p)  # sim/_time_cli.py
     g = p.add_argument_group("output")
     g.add_argument("--json", nargs="?", const="-", metavar="FILE", help="write the report as JSON (default: stdout)")
     g.add_argument("--plot", metavar="FILE", help="write a PNG (needs matplotlib)")
-    for flag, what in SLO_OPTIONS:
-        g.add_argument(flag, type=float, metavar="SECONDS", help=what)
     g.add_argument(
         "--sweep",
         action="append",  # given twice: refused in _setup, not the first silently replaced
@@ -446,8 +438,6 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
         options.validate()
     except ValueError as e:  # a wrong type from check_int
         raise SimUserError(str(e)) from None
-    linear = (options.step_ms, options.tokens_per_s) if (a.step_ms, a.tokens_per_s) != (None, None) else None
-    options = dataclasses.replace(options, cost=build_step_cost(shape, a.gpu_kind, a.mfu, a.mbu, a.calibration, linear))
     if a.remote_url is not None and not a.remote_url.startswith(REMOTE_URL_SCHEMES):
         raise SimUserError(
             f"--remote-url {a.remote_url!r}: write redis://HOST:PORT (or rediss://, unix://PATH, redis+cluster://HOST:PORT)"
@@ -492,7 +482,9 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
         if given and (a.restart_at is not None or a.replicas != 1 or a.remote_url):
             raise SimUserError(f"{flag} does not combine with --restart-at, --replicas or --remote-url")
     check_accuracy(a.retention_hints)
-    slo = check_slo(a.slo_ttft, a.slo_tpot)
+    options, slo = time_setup(a, shape, options, uses_disk, sweep)  # sim/_time_cli.py
+    if a.per_request:
+        _check_output("--per-request", a.per_request)
     return Setup(shape, tiers, options, requests, workload, sweep, interval, disk_dir, slo)
 
 

@@ -313,7 +313,7 @@ def replay_with_hints(
     pauses = continuation_pauses(requests, _trace_granularity(requests))
     scaled = [p * options.time_scale if p is not None else None for p in pauses]
     shared = [p[1] if p is not None else 0 for p in system_prompts(requests, 1, config.tokens_per_block)]
-    replay = Replay(config, requests, options)
+    replay = Replay(config, requests, options, bytes_scale=scale)
     replay.retain = hint_retentions(scaled, accuracy, seed, drop=True, shared=shared)
     replay.pins = pins
     replay.pin_duration_s = pin_duration_s

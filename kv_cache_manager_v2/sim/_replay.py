@@ -14,11 +14,12 @@ Every step, in this order and within a token budget and a batch size:
    again at the front. With a host (or disk) tier a step that suspended someone frees nobody: the
    suspended requests' pages can now spill down, so the next step can resume one of them instead.
 
-Served requests "compute" their step: the clock advances by the step's cost (``StepCost``: the
-options' ``cost``, e.g. the roofline of ``sim/_compute.py``; without one ``step_ms`` plus the
-step's tokens at ``tokens_per_s``); a request whose step ends at its
-last token samples the next output token;
-``update_resources`` commits. No KV bytes are touched unless a :class:`DataChecker` is given.
+Served requests "compute" their step: the clock advances to the end of the step's loads from lower
+tiers (``options.links``: ``_tier_io``), then by the step's cost (``StepCost``: the options'
+``cost``, e.g. the roofline of ``sim/_compute.py``; without one ``step_ms`` plus the step's tokens
+at ``tokens_per_s``); a request whose step ends at its last token samples the next output token
+(its first one: its TTFT ends with the step); ``update_resources`` commits (``count_manager_time``:
+the manager's CPU time of the step is added). No KV bytes are touched unless a :class:`DataChecker` is given.
 Requests arrive at their timestamps (times ``time_scale``); a conversation's next turn also waits
 for the previous answer. A request that could not fit in the GPU tier even alone is rejected.
 """
@@ -31,7 +32,7 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Final, cast
+from typing import Final, cast
 
 import numpy as np
 
@@ -40,9 +41,19 @@ from .._config import KVCacheManagerConfig
 from .._retention import Retention
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
-from ._replay_types import SERIES_FIELDS, LevelUsage, ReplayResult, SchedulerOptions, add_samples, ideal_peak_tokens
+from ._live import Live, count_admission
+from ._replay_types import (
+    SERIES_FIELDS,
+    LevelUsage,
+    ReplayResult,
+    SchedulerOptions,
+    add_request_times,
+    add_samples,
+    ideal_peak_tokens,
+)
 from ._ssm_policy import add_counters
 from ._step_cost import LinearCost, StepCost
+from ._tier_io import TierIO, tier_kind
 from ._workload import SimRequest
 
 #: bound once: mypyc looks a module's attribute up at every call (several times a step)
@@ -50,21 +61,6 @@ _clock: Final = time.perf_counter
 
 #: pending samples moved into the result's series at once
 FLUSH_SAMPLES = len(SERIES_FIELDS) * 4096
-
-
-class _Live:
-    """A request in the simulated engine."""
-
-    def __init__(self, sim: SimRequest, req: EngineRequest, arrival_ms: float) -> None:
-        self.sim = sim
-        self.req = req
-        self.prompt_length = len(req.prompt_tokens)
-        self.arrival_ms = arrival_ms
-        self.admitted = False  #: admitted at least once (the first admission counts for hit rates)
-        self.full_check = True  #: --check-data: check every attended position at the next step
-        self.tokens: Any = None  #: --check-data: prompt + outputs as uint32
-        self.retry_at = -1  #: suspended: Replay.releases when it was last refused
-        self.restarted = False  #: freed by the engine's restart, not yet admitted again
 
 
 class Replay:
@@ -82,6 +78,7 @@ class Replay:
         split_ms: float = -1.0,
         restart: bool = False,
         cost: StepCost | None = None,
+        bytes_scale: float = 1.0,
     ) -> None:
         options.validate()
         self.opts = options
@@ -103,6 +100,11 @@ class Replay:
         self.restart = restart
         self.t = config.tokens_per_block
         self.num_levels = len(config.cache_tiers)
+        #: tier I/O (``options.links``; ``bytes_scale``: the model's bytes per proxy byte)
+        self.io: TierIO | None = None
+        if options.links is not None:
+            self.io = TierIO([tier_kind(x) for x in config.cache_tiers], options.links, bytes_scale)
+        self.count_manager_time = options.count_manager_time
         self.checker = DataChecker(self.rm) if check_data else None
         self.progress = progress
         self.on_step = on_step  #: called after every step (tests run the invariant checker there)
@@ -117,10 +119,10 @@ class Replay:
         self.successors: dict[int, list[int]] = {}
         #: requests a later one continues (their output is in its prompt: EngineRequest.output_is_history)
         self.followed = {sim.after for sim in requests if sim.after >= 0}
-        self.waiting: deque[_Live] = deque()
-        self.running: list[_Live] = []
-        self.suspended: list[_Live] = []
-        self.live: dict[int, _Live] = {}
+        self.waiting: deque[Live] = deque()
+        self.running: list[Live] = []
+        self.suspended: list[Live] = []
+        self.live: dict[int, Live] = {}
         self.totals = self.rm.get_max_resource_count_per_pool_group()
         self._step_manager_s = 0.0
         self.releases = 0  #: requests that finished or were freed so far (memory came back)
@@ -155,7 +157,7 @@ class Replay:
             tokens = cast("Sequence[TokenIdExt]", prompt)  # array('I'): hashed by a memory copy
             req = EngineRequest(index, tokens, max_new, o.chunk, None if o.reuse else ReuseScope(salt=index))
             req.output_is_history = index in self.followed
-            live = _Live(sim, req, at_ms)
+            live = Live(sim, req, at_ms)
             need = self.rm.get_needed_resource_to_completion_per_pool_group(req)
             if any(n > total for n, total in zip(need, self.totals)):
                 self._reject(live)
@@ -166,9 +168,11 @@ class Replay:
             self.live[index] = live
             self.waiting.append(live)
 
-    def _reject(self, live: _Live) -> None:
+    def _reject(self, live: Live) -> None:
         r = self.result
         r.rejected += 1
+        live.out.rejected = True
+        r.outcomes.append(live.out)
         n = live.sim.prompt_length
         r.rejected_prompt_tokens += n
         r.rejected_prompt_blocks += (n + self.t - 1) // self.t
@@ -183,7 +187,7 @@ class Replay:
             self.progress(self.result.finished + self.result.rejected)
 
     # ------------------------------------------------------------------ the step
-    def _step_tokens(self, live: _Live) -> int:
+    def _step_tokens(self, live: Live) -> int:
         req = live.req
         n = live.prompt_length + len(req.generated_tokens) - req.num_cached_tokens
         c = req.context_chunk_size
@@ -195,13 +199,13 @@ class Replay:
         self._step_manager_s += _clock() - t0
         return unserved
 
-    def _schedule(self) -> list[_Live]:
+    def _schedule(self) -> list[Live]:
         """Prepare this step's batch (see the module doc); returns the served requests."""
         o = self.opts
         self.suspended_now = False
         rm = self.rm
         budget = o.max_num_tokens
-        old: list[_Live] = []
+        old: list[Live] = []
         batch: list[EngineRequest] = []
         running, suspended = self.running, self.suspended
         num_running = len(running)
@@ -216,7 +220,7 @@ class Replay:
                 old.append(live)
                 batch.append(live.req)
                 budget -= n
-        served: list[_Live] = []
+        served: list[Live] = []
         refused = False
         if old:
             refusals = self._timed_prepare(batch)
@@ -249,12 +253,12 @@ class Replay:
             served += self._admit(budget, len(served), bool(self.running or self.suspended))
         return served
 
-    def _admit(self, budget: int, batch_size: int, others: bool) -> list[_Live]:
+    def _admit(self, budget: int, batch_size: int, others: bool) -> list[Live]:
         o = self.opts
         rm = self.rm
         t0 = _clock()
         free = rm.get_num_free_blocks_per_pool_group()
-        new: list[_Live] = []
+        new: list[Live] = []
         while self.waiting and batch_size + len(new) < o.max_batch:
             live = self.waiting[0]
             n = self._step_tokens(live)
@@ -271,7 +275,7 @@ class Replay:
         if not new:
             return []
         unserved = {r.request_id for r in self._timed_prepare([x.req for x in new])}
-        served: list[_Live] = []
+        served: list[Live] = []
         for live in reversed(new):
             if live.req.request_id in unserved:
                 self.waiting.appendleft(live)
@@ -280,7 +284,7 @@ class Replay:
                 continue
             served.append(live)
             self.running.append(live)
-            _count_admission(self.result, live, self.clock, self.t)
+            count_admission(self.result, live, self.clock, self.t)
         return served
 
     def _break_deadlock(self, suspended_now: bool) -> None:
@@ -300,10 +304,11 @@ class Replay:
         self.releases += 1
         self.result.preempted_recompute += 1
 
-    def _run_step(self, served: list[_Live]) -> None:
+    def _run_step(self, served: list[Live]) -> None:
         r = self.result
         cost = self.cost
-        finished: list[_Live] = []
+        finished: list[Live] = []
+        firsts: list[Live] = []  #: sampling their first output token
         checker = self.checker
         for live in served:
             req = live.req
@@ -320,10 +325,12 @@ class Replay:
                 live.full_check = False
             generated = req.generated_tokens
             if cached + n == live.prompt_length + len(generated):  # the step samples (samples_this_step)
+                if not generated:
+                    firsts.append(live)
                 generated.append(TokenId(live.sim.output_base + len(generated)))
                 if len(generated) >= req.max_new_tokens:
                     finished.append(live)
-        self.clock += cost.take_ms()
+        self.clock = self._step_traffic() + cost.take_ms()  # (its loads first: see _tier_io)
         t0 = _clock()
         self.rm.update_resources([x.req for x in served])
         for live in finished:
@@ -332,6 +339,11 @@ class Replay:
             if self.pins is not None:
                 self._pin_shared(live)
         self._step_manager_s += _clock() - t0
+        if self.count_manager_time:
+            self.clock += self._step_manager_s * 1000.0
+        end = self.clock  # the step's tokens are out
+        for live in firsts:
+            live.first_ms = end
         r.request_steps += len(served)
         if len(served) > r.max_batch:
             r.max_batch = len(served)
@@ -343,11 +355,18 @@ class Replay:
             r.finished += 1
             r.output_tokens += len(live.req.generated_tokens)
             r.blocks_replayed += (live.req.num_tokens + self.t - 1) // self.t
+            out = live.out
+            k = len(live.req.generated_tokens)
+            out.output_tokens = k
+            out.ttft_ms = live.first_ms - live.arrival_ms
+            out.tpot_ms = (end - live.first_ms) / (k - 1) if k > 1 else 0.0
+            out.e2e_ms = end - live.arrival_ms
+            r.outcomes.append(out)
             self._release_successors(live.sim.index)
         if finished:
             self._report_progress()
 
-    def _pin_shared(self, live: _Live) -> None:
+    def _pin_shared(self, live: Live) -> None:
         """Pin the finished request's shared prefix (its full blocks, now cached) through the
         public ``KVCacheManager.pin``, unless pinned whole already or refused; with
         ``pin_duration_s``, pinned again by every request using it, for that long."""
@@ -407,16 +426,20 @@ class Replay:
         hit = r.reused_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
         self._samples.extend((self.clock / 1000.0, used_total / cap, cached_total / cap, hit, float(len(self.running))))
 
-    def _step_traffic(self) -> None:
-        """The step's tier traffic (``take_iteration_stats``: since the previous step)."""
+    def _step_traffic(self) -> float:
+        """The step's tier traffic (``take_iteration_stats``: since the previous step, read once its
+        batch is prepared); returns when its loads are done (``_tier_io``; now without links)."""
         if self.num_levels == 1:
-            return  # nothing moves between levels
-        for it in self.rm.manager.take_iteration_stats():
+            return self.clock  # nothing moves between levels
+        traffic = self.rm.manager.take_iteration_stats()
+        for it in traffic:
             usage = self.result.levels[it.level]
             if it.offloaded_pages > usage.max_step_offloaded_pages:
                 usage.max_step_offloaded_pages = it.offloaded_pages
             if it.onboarded_pages > usage.max_step_onboarded_pages:
                 usage.max_step_onboarded_pages = it.onboarded_pages
+        io = self.io
+        return io.step(self.clock, traffic) if io is not None else self.clock
 
     # ------------------------------------------------------------------ driver
     def run(self) -> ReplayResult:
@@ -455,6 +478,8 @@ class Replay:
         if not served:
             self._break_deadlock(self.suspended_now)
             r.manager_s += self._step_manager_s
+            if self.count_manager_time:
+                self.clock += self._step_manager_s * 1000.0
             return
         self._sample()  # after prepare: the step's pages are all allocated (its peak)
         self._run_step(served)
@@ -463,7 +488,6 @@ class Replay:
         self._samples.append(self._step_manager_s * 1e6)
         if len(self._samples) >= self._flush_at:
             add_samples(r, self._samples)
-        self._step_traffic()
         if self.on_step is not None:
             self.on_step(self.rm)
 
@@ -532,44 +556,7 @@ class Replay:
 
     def _finish(self) -> None:
         add_samples(self.result, self._samples)
+        add_request_times(self.result, self.io.load_ms if self.io is not None else 0.0)
         if self.on_finish is not None:
             self.on_finish(self.rm)
         self._collect()
-
-
-def _count_admission(r: ReplayResult, live: _Live, clock: float, t: int) -> None:
-    """Count an admitted request's prompt and reuse (a first admission, a readmission, or after a restart)."""
-    req = live.req
-    reused = req.num_reused_tokens
-    live.full_check = True
-    if live.restarted:  # its KV was lost with the engine, not preempted
-        live.restarted = False
-        r.restart_readmitted_tokens += req.num_tokens
-        r.restart_readmitted_reused_tokens += reused
-        return
-    if live.admitted:
-        r.readmissions += 1
-        r.readmitted_tokens += req.num_tokens
-        r.readmitted_reused_tokens += reused
-        return
-    live.admitted = True
-    r.wait_ms.append(clock - live.arrival_ms)
-    n = len(req.prompt_tokens)
-    blocks = (n + t - 1) // t
-    r.prompt_tokens += n
-    r.reused_tokens += reused
-    r.prompt_blocks += blocks
-    hit = blocks if reused >= n - 1 else reused // t
-    r.hit_blocks += hit
-    # by the level each reused block was found in (the adapter splits reused tokens by block)
-    per_level = req.num_reused_tokens_per_level
-    partial = 0  # the level of the one partially reused block, if any
-    for lvl, k in enumerate(per_level):
-        usage = r.levels[lvl]
-        usage.reused_tokens += k
-        usage.hit_blocks += k // t
-        hit -= k // t
-        if k % t:
-            partial = lvl
-    if hit > 0:  # the last block, whose tokens were reused but for the always-computed last one
-        r.levels[partial].hit_blocks += hit

@@ -3,6 +3,7 @@ and the raw counters a replay leaves (:class:`ReplayResult`, one :class:`LevelUs
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from array import array
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from .._utils import check_int
 from ._models import SimUserError
 from ._step_cost import StepCost
+from ._tier_io import TierLinks
 from ._workload import SimRequest
 
 #: the longest simulated step (an hour): beyond it the simulated clock means nothing
@@ -35,6 +37,11 @@ class SchedulerOptions:
     #: plus its tokens at tokens_per_s. One instance serves replays one after the other (``take_ms``
     #: empties it each step)
     cost: StepCost | None = None
+    #: the links of the tiers below the GPU (``_tier_io``): loads delay their step, offloads occupy
+    #: their link (None: pages move in no time)
+    links: TierLinks | None = None
+    #: the manager's measured CPU time of each step is added to the step's time (not deterministic)
+    count_manager_time: bool = False
 
     def validate(self) -> None:
         for name, v, lo in (
@@ -82,6 +89,52 @@ class LevelUsage:
     hit_blocks: int = 0  #: prompt blocks hit (see ReplayResult.hit_blocks) found at this level
 
 
+class RequestOutcome:
+    """One request's times (simulated ms) and tokens, for ``--per-request``: made when it finished
+    or was rejected (``rejected``: never served; its times are -1)."""
+
+    def __init__(self, index: int, line: int, arrival_ms: float, prompt_tokens: int) -> None:
+        self.index = index  #: in the workload
+        self.line = line  #: in the trace file (0: built-in conversations)
+        self.arrival_ms = arrival_ms
+        self.prompt_tokens = prompt_tokens
+        self.rejected = False
+        self.wait_ms = -1.0  #: arrival to its first admission (queueing delay)
+        self.ttft_ms = -1.0
+        self.tpot_ms = -1.0
+        self.e2e_ms = -1.0
+        self.output_tokens = 0
+        #: prompt tokens reused at its first admission, per level (GPU first)
+        self.reused_per_level: list[int] = []
+        #: tokens reused from levels below the GPU, over all its admissions (onboarded for it)
+        self.loaded_tokens = 0
+        #: tokens computed again after a preemption by recompute or an engine restart
+        self.recomputed_tokens = 0
+
+    def to_json(self, tiers: Sequence[str], run: str | None) -> str:
+        """One line of ``--per-request``: ``tiers`` name the levels (GPU first); ``run`` labels the
+        replay when a run has several (a sweep point, a policy). Times in ms, null if rejected."""
+        done = not self.rejected
+        doc: dict[str, object] = {
+            "index": self.index,
+            "line": self.line or None,
+            "arrival_ms": round(self.arrival_ms, 6),
+            "rejected": self.rejected,
+            "wait_ms": round(self.wait_ms, 6) if done else None,
+            "ttft_ms": round(self.ttft_ms, 6) if done else None,
+            "tpot_ms": round(self.tpot_ms, 6) if done else None,
+            "e2e_ms": round(self.e2e_ms, 6) if done else None,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "reused_tokens": {tiers[i]: k for i, k in enumerate(self.reused_per_level) if i < len(tiers)},
+            "loaded_tokens": self.loaded_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+        }
+        if run is not None:
+            doc["run"] = run
+        return json.dumps(doc)
+
+
 @dataclass
 class ReplayResult:
     """Counters of one replay (raw; ``_report`` turns them into the report)."""
@@ -124,6 +177,9 @@ class ReplayResult:
     ttft_ms: array[float] = field(default_factory=lambda: array("d"))
     tpot_ms: array[float] = field(default_factory=lambda: array("d"))
     e2e_ms: array[float] = field(default_factory=lambda: array("d"))
+    #: per request, finished or rejected, in that order (``--per-request``)
+    outcomes: list[RequestOutcome] = field(default_factory=list)
+    io_wait_ms: float = 0.0  #: simulated time steps waited for their loads (tier I/O), summed
     wall_s: float = 0.0
     manager_s: float = 0.0  #: CPU time inside adapter calls
     request_steps: int = 0  #: (request, step) pairs served
@@ -213,3 +269,12 @@ def add_samples(result: ReplayResult, samples: list[float]) -> None:
         series: array[float] = getattr(result, name)
         series.extend(packed[k::width])
     samples.clear()
+
+
+def add_request_times(result: ReplayResult, io_wait_ms: float) -> None:
+    """The finished requests' times (``outcomes``) into ``result``'s arrays, in finishing order."""
+    done = [x for x in result.outcomes if not x.rejected]
+    result.ttft_ms.extend([x.ttft_ms for x in done])
+    result.tpot_ms.extend([x.tpot_ms for x in done])
+    result.e2e_ms.extend([x.e2e_ms for x in done])
+    result.io_wait_ms = io_wait_ms

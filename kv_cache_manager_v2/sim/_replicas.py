@@ -33,8 +33,9 @@ class ReplicaReplay(Replay):
         options: SchedulerOptions,
         check_data: bool = False,
         on_step: Callable[[KVCacheResourceManager], None] | None = None,
+        bytes_scale: float = 1.0,
     ) -> None:
-        super().__init__(config, requests, options, check_data, None, on_step)
+        super().__init__(config, requests, options, check_data, None, on_step, bytes_scale=bytes_scale)
         self.fleet = fleet
         #: what the manager's remote tier did, read before it shuts down
         self.remote: RemoteStatistics | None = None
@@ -66,14 +67,15 @@ def run_replicas(
     options: SchedulerOptions,
     check_data: bool = False,
     on_step: Callable[[KVCacheResourceManager], None] | None = None,
+    bytes_scale: float = 1.0,
 ) -> tuple[list[ReplayResult], list[RemoteStatistics | None]]:
     """Replay ``requests`` over one replica per config (round-robin); per replica its counters and
-    its remote tier's statistics (None without one)."""
+    its remote tier's statistics (None without one). ``bytes_scale``: the model's bytes per proxy byte."""
     fleet: list[ReplicaReplay] = []
     wall0 = time.perf_counter()
     try:
         for cfg in configs:
-            fleet.append(ReplicaReplay(fleet, cfg, requests, options, check_data, on_step))
+            fleet.append(ReplicaReplay(fleet, cfg, requests, options, check_data, on_step, bytes_scale))
         n = len(fleet)
         for sim in requests:
             if sim.after >= 0:

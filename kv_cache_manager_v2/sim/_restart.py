@@ -75,7 +75,10 @@ def simulate_restart(
             update, close = progress(f"replay ({name})") if progress is not None else (None, None)
             try:
                 try:
-                    replay = Replay(config, requests, options, check_data, update, split_ms=split_ms, restart=restart)
+                    replay = Replay(
+                        config, requests, options, check_data, update, split_ms=split_ms, restart=restart,
+                        bytes_scale=scale,
+                    )  # fmt: skip
                     result = replay.run()  # the restart opens a second manager on the same files
                 except ValueError as e:
                     raise SimUserError(f"the manager refused this configuration: {e}") from None

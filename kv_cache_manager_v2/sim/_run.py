@@ -39,7 +39,7 @@ from ._models import (
 )
 from ._plot import write_plot
 from ._replay import Replay
-from ._replay_types import SchedulerOptions
+from ._replay_types import ReplayResult, SchedulerOptions
 from ._replicas import merge_results, run_replicas
 from ._report import SCHEMA, build_report, format_report, format_sweep
 from ._restart import format_restart, simulate_restart
@@ -136,11 +136,12 @@ def simulate(
     pin_duration: float | None = None,
     ssm_lower_tier_interval: int | None = None,
     slo: Slo | None = None,
+    on_result: Callable[[ReplayResult], None] | None = None,
 ) -> dict[str, Any]:
     """One replay (and one per accuracy of ``retention_hints`` with continuation hints; prefixes
     shared by more than ``pin_shared`` conversations pinned, for ``pin_duration`` seconds after
-    each use: ``sim/_hints.py``); returns the report
-    dict. Raises SimUserError for refused configurations."""
+    each use: ``sim/_hints.py``); returns the report dict (``on_result`` sees the replay's counters
+    first). Raises SimUserError for refused configurations."""
     for accuracy in retention_hints:
         check_accuracy(accuracy)
     check_pin_share(pin_shared)
@@ -152,7 +153,10 @@ def simulate(
     if ssm_lower_tier_interval is not None:
         config = dataclasses.replace(config, ssm_lower_tier_interval=ssm_lower_tier_interval)
     try:
-        replay = Replay(config, requests, options, check_data, progress, on_finish=metrics.finish if metrics else None)
+        replay = Replay(
+            config, requests, options, check_data, progress, on_finish=metrics.finish if metrics else None,
+            bytes_scale=scale,
+        )  # fmt: skip
         if metrics is not None:
             metrics.attach(replay.rm)
     except SimUserError:
@@ -165,6 +169,8 @@ def simulate(
     replay.pins = pins
     replay.pin_duration_s = pin_duration
     result = replay.run()
+    if on_result is not None:
+        on_result(result)
     rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale, slo)
     rep["eviction_policy"] = eviction_policy
     if rep["snapshots"]:
@@ -326,7 +332,7 @@ def simulate_replicas(
     for label, url in (("private", None), ("shared", remote_url)):
         try:
             cfgs = [_replica_config(config, url, namespace) for _ in range(replicas)]
-            results, remote = run_replicas(cfgs, requests, options, check_data)
+            results, remote = run_replicas(cfgs, requests, options, check_data, bytes_scale=scale)
         except ValueError as e:
             raise SimUserError(f"the manager refused this configuration: {e}") from None
         except (OSError, MemoryError, OverflowError, kvm.OutOfMemoryError) as e:
@@ -510,6 +516,16 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
     reports: list[dict[str, Any]] = []
     policies: list[str] = a.eviction_policy
     runs = [(row, variant, policy) for row in points for variant in variants for policy in policies]
+    outcomes: list[str] = []  # --per-request: JSON lines by request, replay after replay
+
+    def keep(row: list[TierSpec], label: str) -> Callable[[ReplayResult], None] | None:
+        if not a.per_request:
+            return None
+        run = label if len(runs) > 1 else None
+        return lambda res: outcomes.extend(
+            x.to_json([t.kind for t in row], run) for x in sorted(res.outcomes, key=lambda x: x.index)
+        )
+
     for row, (run_shape, run_interval, run_policy, point), policy in runs:
         if point:
             label = f"replay ({sweep[0] if sweep else ''} {point})"
@@ -523,7 +539,7 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
             rep = simulate(
                 run_shape, row, a.tokens_per_block, s.requests, s.workload, s.options, a.swa_scratch, a.check_data,
                 update, policy, metrics, run_interval, hints, a.pin_system_prompts, run_policy, a.pin_duration,
-                a.ssm_lower_tier_interval, s.slo,
+                a.ssm_lower_tier_interval, s.slo, keep(row, label),
             )  # fmt: skip
             if point:
                 rep["sweep_point"] = point
@@ -538,6 +554,12 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
     else:
         doc = reports[0]
         text = format_report(doc) + format_hints(doc)
+    if a.per_request:
+        try:
+            with open(a.per_request, "w", encoding="utf-8") as f:
+                f.writelines(line + "\n" for line in outcomes)
+        except OSError as e:
+            raise SimUserError(f"--per-request {a.per_request}: cannot write it ({e.strerror or e})") from None
     _emit(a.json, doc, text)
     if a.plot:
         many = sweep is not None or len(reports) > 1
