@@ -377,6 +377,31 @@ def test_a_duration_runs_only_while_no_request_owns_the_block(make_manager: Make
     assert m.probe_reuse(input_tokens=seq(4000, 2)) == 2 * T
 
 
+@pytest.mark.parametrize("statistics", [False, True], ids=["quiet", "statistics"])
+def test_a_retention_whose_time_is_up_ends_when_its_block_is_reused(
+    make_manager: MakeManager, statistics: bool
+) -> None:
+    """Blocks at 80 for 10 s released at 0, reused (no retention of their own) and released at 15,
+    pressure at 16: their retention ended at 10, before the reuse, whether a statistics call (which
+    applies expiry) came between or not: the reuse neither stops its clock nor gives it 10 s again."""
+    clock = Clock()
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    a, b = seq(1000, 2), seq(2000, 2)
+    run(m, engine, a, retention=RequestRetention([(0, None, 80, 10.0)]))  # released at 0: until 10
+    clock.now = 15.0
+    if statistics:
+        assert m.get_storage_statistics()[0].retained == 0
+    run(m, engine, a)
+    assert m.get_storage_statistics()[0].retained == 0
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    clock.now = 16.0
+    pressure(m, engine, 2, 3000, 60)  # A is back at 35: it goes before B (50)
+    m.check_invariants()
+    assert m.probe_reuse(input_tokens=a) == 0
+    assert m.probe_reuse(input_tokens=b) == 2 * T
+
+
 # ---------------------------------------------------------------- hostile clocks
 class HostileClock:
     """A clock that, from call ``after`` on, returns ``bad`` (or raises it, an exception), ``times``

@@ -2,7 +2,8 @@
 base priority (``Page.retain_s``, ``expires``, ``base_priority``, ``hint_end``), on every tier (a
 page keeps these fields when it moves). A duration counts from the page's release: it runs while
 the page is reusable (no request owns it: DROPPABLE), from the moment its last owner lets go
-(``start``); a request taking the page again stops it, and its next release starts it afresh.
+(``start``); a request taking the page again stops it (``stop``; it ends there if its time is
+up), and its next release starts it afresh.
 
 Expiry costs nothing per decode step: the manager's one ``ExpiryQueue`` (a heap of the next
 expiry times) is consulted when the evictor runs (``EvictionCascade.make_room``) and before
@@ -143,6 +144,16 @@ class ExpiryQueue:
         heapq.heappush(self._heap, (page.expires, -ordinal, self._seq, page))
         if len(self._heap) > self._limit:
             self._sweep()
+
+    def stop(self, page: Page) -> None:
+        """A request takes ``page``, whose duration was running: its retention ends if the expiry
+        time has come (by the manager's time: whether the evictor or statistics ran since makes no
+        difference), else the duration stops (``start`` runs it afresh at the next release)."""
+        if page.expires <= self.now():
+            self.end(page)
+            self.num_expired += 1
+        else:
+            page.expires = NO_EXPIRY
 
     def end(self, page: Page) -> None:
         """``page``'s retention ends now: back to its base priority."""
