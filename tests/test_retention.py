@@ -675,9 +675,9 @@ def test_a_pinned_page_pulled_up_beyond_the_share_is_held_by_its_pin_only_within
     assert pinned(m) == [0, 0]
 
 
-def pinned(m: KVCacheManager) -> list[int]:
+def pinned(m: KVCacheManager, levels: int = 2) -> list[int]:
     """Pinned pages per cache level."""
-    return [m.get_storage_statistics(CacheLevel(level))[0].pinned for level in range(2)]
+    return [m.get_storage_statistics(CacheLevel(level))[0].pinned for level in range(levels)]
 
 
 @pytest.mark.parametrize(
@@ -782,6 +782,57 @@ def test_a_refused_tier_shrink_keeps_the_pins_held(make_manager: MakeManager) ->
     assert kv.resume()
     engine.check_all(kv, a, len(a))
     kv.close()
+
+
+def test_pins_a_shrink_let_go_of_hold_again_when_the_tier_grows_back(make_manager: MakeManager) -> None:
+    """8 of 16 slots pinned, the tier shrunk to 10 (5 held), grown back to 16: all 8 hold again
+    (the oldest pins first), and pressure keeps every pinned block."""
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=16 * REC * T, max_pinned_share=0.5)
+    engine = FakeEngine(m)
+    a, b = seq(1000, 4), seq(2000, 4)
+    for tokens in (a, b):
+        run(m, engine, tokens)
+        assert m.pin(tokens) == 4 * T
+    assert m.resize(CacheLevel(0), 10 * REC * T)
+    assert pinned(m, 1) == [5]
+    assert m.resize(CacheLevel(0), 12 * REC * T)  # room for one more: the oldest pin's first block
+    m.check_invariants()
+    assert pinned(m, 1) == [6]
+    assert m.resize(CacheLevel(0), 16 * REC * T)
+    m.check_invariants()
+    assert pinned(m, 1) == [8]
+    for base in (5000, 6000):
+        pressure(m, engine, 8, base)
+    m.check_invariants()
+    for tokens in (a, b):
+        kv = m.create_kv_cache(input_tokens=tokens)
+        assert kv.resume()
+        engine.check_all(kv, tokens, 4 * T)
+        kv.close()
+
+
+def test_pinning_again_holds_the_pins_a_shrink_let_go_of_within_the_share(make_manager: MakeManager) -> None:
+    """A (4 blocks) and B (4) pinned on 16 slots, the tier shrunk to 10: A's last 3 blocks are let
+    go of; B unpinned, pinning A again holds them again (the share has room), so pressure keeps A."""
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=16 * REC * T, max_pinned_share=0.5)
+    engine = FakeEngine(m)
+    a, b = seq(1000, 4), seq(2000, 4)
+    for tokens in (a, b):
+        run(m, engine, tokens)
+        assert m.pin(tokens) == 4 * T
+    assert m.resize(CacheLevel(0), 10 * REC * T)
+    assert pinned(m, 1) == [5]
+    assert m.pin(a) == 4 * T  # no room: the pin stands, its let-go pages stay ordinary pages
+    assert pinned(m, 1) == [5]
+    assert m.unpin(b)
+    assert pinned(m, 1) == [1]
+    assert m.pin(a) == 4 * T
+    m.check_invariants()
+    assert pinned(m, 1) == [4]
+    pressure(m, engine, 6, 5000)  # B's 4 blocks go, A's stay
+    m.check_invariants()
+    assert m.probe_reuse(input_tokens=a) == 4 * T
+    assert m.probe_reuse(input_tokens=b) == 0
 
 
 def test_the_expiry_heap_shrinks_with_the_live_retention_after_a_burst(make_manager: MakeManager) -> None:
