@@ -22,6 +22,7 @@ from kv_cache_manager_v2 import (
     KVCache,
     KVCacheManager,
     KVCacheManagerConfig,
+    KVCacheStatus,
     LayerGroupId,
     LayerId,
     Priority,
@@ -641,6 +642,39 @@ def test_pins_stay_where_they_are_on_a_host_tier_and_clear_with_the_reusable_blo
     m.clear_reusable_blocks()
     assert m.probe_reuse(input_tokens=a) == 0
     assert not m.unpin(a)
+
+
+def test_a_resume_after_its_own_pin_ran_out_plans_as_it_evicts(make_manager: MakeManager) -> None:
+    """A suspended request's first 2 blocks pinned for 5 s on a 4-slot GPU, its third moved down to
+    the host by an active request: resumed at 10, the expired pin makes its own pages evictable
+    again, yet they are not room for its third block (resuming locks them). No room: False,
+    nothing changed; once the other request closes, the resume brings the block up."""
+    clock = Clock()
+    m = make_manager(
+        one_layer(T), tokens_per_block=T, quota=4 * REC * T, host_quota=8 * REC * T, max_pinned_share=0.5, clock=clock
+    )
+    engine = FakeEngine(m)
+    r, b = seq(1000, 3), seq(2000, 2)
+    kv = m.create_kv_cache(input_tokens=r)
+    assert kv.resume() and kv.resize(len(r))
+    engine.step(kv, r, 0, len(r))
+    kv.commit(r)
+    assert m.pin(r[: 2 * T], duration_s=5.0) == 2 * T
+    kv.suspend()
+    other = m.create_kv_cache(input_tokens=b)
+    assert other.resume() and other.resize(len(b))  # r's third block (HELD) goes down to the host
+    engine.step(other, b, 0, len(b))
+    assert m.probe_reuse_levels(input_tokens=r) == [0, 0, 1]
+    clock.now = 10.0  # the pin ran out
+    assert not kv.resume()  # GPU: r's 2 pages and the other's 2, all taken
+    m.check_invariants()
+    assert kv.status is KVCacheStatus.SUSPENDED
+    assert m.probe_reuse_levels(input_tokens=r) == [0, 0, 1]
+    other.close()
+    assert kv.resume()
+    engine.check_all(kv, r, len(r))
+    kv.close()
+    m.check_invariants()
 
 
 def test_a_pinned_page_pulled_up_beyond_the_share_is_held_by_its_pin_only_within_the_share(
