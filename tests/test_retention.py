@@ -886,6 +886,27 @@ def test_the_expiry_heap_shrinks_with_the_live_retention_after_a_burst(make_mana
     assert len(heap) <= 2 * 100 + 2 * _SWEEP_SLACK  # not the 7000 entries of the burst and after
 
 
+def test_releases_at_a_standing_clock_leave_one_heap_entry_a_page(make_manager: MakeManager) -> None:
+    """2 retained blocks reused and released 5000 times while the clock stands still: each release
+    pushes an entry identical to the last but for its sequence; the sweep keeps one a page."""
+    clock = Clock()
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    a = seq(1000, 2)
+    run(m, engine, a, retention=RequestRetention([(0, None, 80, 3600.0)]))
+    heap = m._storage.expiries
+    for _ in range(5000):
+        kv = m.create_kv_cache(input_tokens=a)
+        assert kv.resume()
+        kv.close()
+    m.check_invariants()
+    assert m.get_storage_statistics()[0].retained == 2
+    assert len(heap) <= 2 * 2 + 2 * _SWEEP_SLACK  # not 5000 entries
+    clock.now = 3600.0  # the one entry left a page ends its retention on time
+    assert m.get_storage_statistics()[0].retained == 0
+    assert len(heap) == 0
+
+
 def test_snapshots_of_a_hybrid_model_and_window_pages_take_the_retention(make_manager: MakeManager) -> None:
     """Recurrent layers (snapshots) beside a sliding window with sinks: every page the request
     publishes, snapshot included, is retained, and all of it expires on time."""

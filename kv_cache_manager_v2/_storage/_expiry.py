@@ -9,9 +9,9 @@ Expiry costs nothing per decode step: the manager's one ``ExpiryQueue`` (a heap 
 expiry times) is consulted when the evictor runs (``EvictionCascade.make_room``) and before
 statistics, so an expired page is treated at its base priority even while the heap still had it
 in a higher class. Entries of pages that were freed, taken again, or re-retained since, are
-skipped when they come up, and swept when they are most of the heap (checked every
-``_SWEEP_SLACK`` entries pushed, against the pages under retention now: a burst's entries do not
-outlive it).
+skipped when they come up (of several entries of one page at its expiry time, the first ends
+it), and swept when they are most of the heap (checked every ``_SWEEP_SLACK`` entries pushed,
+against the pages under retention now: a burst's entries do not outlive it; one entry a page).
 
 The clock (``KVCacheManagerConfig.clock``) is read checked (``read``): a finite number of seconds
 (an int will do, a bool will not), never more than ``CLOCK_TOLERANCE_S`` below the last reading (a
@@ -180,13 +180,20 @@ class ExpiryQueue:
 
     def _sweep(self) -> None:
         """Drop the entries of freed or re-retained pages if they may be most of the heap (each
-        live entry is a page under retention); again after ``_SWEEP_SLACK`` more entries."""
+        live entry is a page under retention); again after ``_SWEEP_SLACK`` more entries. A page
+        released again and again while the clock stands still has entries that all match its
+        expiry time: one of them is kept (they are the same entry)."""
         heap = self._heap
         live = 0
         for storage in self.storages:
             live += storage.num_retained
         if len(heap) > 2 * live + _SWEEP_SLACK:
-            heap = [e for e in heap if e[3].expires == e[0] and e[3].slot != BAD_PAGE_INDEX]
+            kept: dict[int, tuple[float, int, int, Page]] = {}
+            for e in heap:
+                page = e[3]
+                if page.expires == e[0] and page.slot != BAD_PAGE_INDEX:
+                    kept[id(page)] = e
+            heap = list(kept.values())
             heapq.heapify(heap)
             self._heap = heap
         self._limit = len(heap) + _SWEEP_SLACK
