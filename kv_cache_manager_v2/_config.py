@@ -428,8 +428,8 @@ class KVCacheManagerConfig:
     #: message changed); each a positive multiple of ``tokens_per_block``
     ssm_snapshots_from_end: Sequence[int] = ()
     #: seconds for retention and pin durations (``Retention``, ``RequestRetention``, ``pin``); a
-    #: simulator passes its own. It must return a finite number of seconds (an int will do, a bool
-    #: will not), never more than 1 s below an earlier reading (a smaller step back reads as no time
+    #: simulator passes its own. It must return a finite number of seconds (any real number, numpy
+    #: scalars too; a bool will not do), never more than 1 s below an earlier reading (a smaller step back reads as no time
     #: passing): the manager refuses one that does not at construction and in ``pin`` with a duration
     #: (raising, changing nothing); elsewhere a bad reading counts as the last good one (logged)
     clock: Callable[[], float] = time.monotonic

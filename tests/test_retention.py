@@ -5,10 +5,12 @@ the invariant checker on), under both eviction policies."""
 from __future__ import annotations
 
 import datetime
+import fractions
 import math
 from array import array
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 from conftest import REC, MakeManager, make_manager_per_policy, one_layer
 from fake_engine import FakeEngine
@@ -444,6 +446,30 @@ def test_a_clock_that_returns_no_time_is_refused_at_construction(
         make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=datetime.datetime.now)
     m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=lambda: 7)  # an int will do
     assert m.pin(seq(0, 1), duration_s=1.0) == 0
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [np.int64, np.float32, np.float64, np.uint32, fractions.Fraction],
+    ids=["int64", "float32", "float64", "uint32", "fraction"],
+)
+def test_a_clock_may_return_any_real_number(make_manager: MakeManager, kind: Callable[[int], object]) -> None:
+    """numpy scalars (and other real numbers) are seconds like a float; a numpy bool, NaN or
+    infinity of that kind is refused like Python's."""
+    clock = Clock()
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=lambda: kind(int(clock.now)))
+    engine = FakeEngine(m)
+    a = seq(1000, 2)
+    run(m, engine, a, retention=RequestRetention([(0, None, 80, 10.0)]))
+    assert m.pin(a, duration_s=5.0) == 2 * T
+    clock.now = 9.0
+    assert m.get_storage_statistics()[0].retained == 2
+    clock.now = 10.0
+    assert m.get_storage_statistics()[0].retained == 0
+    m.check_invariants()
+    for bad, error in ((np.bool_(True), TypeError), (np.float32("nan"), ValueError), (np.float64("inf"), ValueError)):
+        with pytest.raises(error, match=r"config\.clock must return"):
+            make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=lambda bad=bad: bad)
 
 
 @pytest.mark.parametrize(

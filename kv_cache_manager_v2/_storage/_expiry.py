@@ -14,9 +14,9 @@ it), and swept when they are most of the heap (checked every ``_SWEEP_SLACK`` en
 against the pages under retention now: a burst's entries do not outlive it; one entry a page).
 
 The clock (``KVCacheManagerConfig.clock``) is read checked (``read``): a finite number of seconds
-(an int will do, a bool will not), never more than ``CLOCK_TOLERANCE_S`` below the last reading (a
-smaller step back reads as the last reading: the manager's time never goes back). The manager's
-construction and ``pin`` with a duration raise on a bad reading before changing anything; where
+(any real number: an int or a numpy scalar will do, a bool will not), never more than
+``CLOCK_TOLERANCE_S`` below the last reading (a smaller step back reads as the last reading: the
+manager's time never goes back). The manager's construction and ``pin`` with a duration raise on a bad reading before changing anything; where
 failing is no option (a release, eviction, statistics) a bad reading reads as the last good one
 (``now``, logged), so a clock that fails never leaves an operation half done, nor puts a NaN in
 an expiry time.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import numbers
 from collections.abc import Callable
 from typing import Final
 
@@ -47,11 +48,12 @@ _LOG: Final = logging.getLogger("kv_cache_manager_v2")
 
 
 def clock_seconds(value: object) -> float:
-    """A clock reading ``value`` as seconds: ``TypeError`` unless an int or float (bool refused),
-    ``ValueError`` unless finite."""
-    if type(value) is bool or not isinstance(value, (int, float)):
+    """A clock reading ``value`` as seconds: ``TypeError`` unless a real number (``numbers.Real``:
+    a float, an int, a numpy scalar; a bool refused), ``ValueError`` unless finite."""
+    if type(value) is not float and (type(value) is bool or not isinstance(value, numbers.Real)):
         raise TypeError(
-            f"config.clock must return seconds as a float (like time.monotonic), got {type(value).__name__} {value!r}"
+            f"config.clock must return seconds as a float (like time.monotonic; any real number but a bool), "
+            f"got {type(value).__name__} {value!r}"
         )
     try:
         t = float(value)
