@@ -16,7 +16,8 @@ against the pages under retention now: a burst's entries do not outlive it; one 
 The clock (``KVCacheManagerConfig.clock``) is read checked (``read``): a finite number of seconds
 (any real number: an int or a numpy scalar will do, a bool will not), never more than
 ``CLOCK_TOLERANCE_S`` below the last reading (a smaller step back reads as the last reading: the
-manager's time never goes back). The manager's construction and ``pin`` with a duration raise on a bad reading before changing anything; where
+manager's time never goes back). The manager's construction (one reading: only a non-number
+there) and ``pin`` with a duration raise on a bad reading before changing anything; where
 failing is no option (a release, eviction, statistics) a bad reading reads as the last good one
 (``now``, logged), so a clock that fails never leaves an operation half done, nor puts a NaN in
 an expiry time.
