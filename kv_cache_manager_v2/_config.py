@@ -428,10 +428,11 @@ class KVCacheManagerConfig:
     #: message changed); each a positive multiple of ``tokens_per_block``
     ssm_snapshots_from_end: Sequence[int] = ()
     #: seconds for retention and pin durations (``Retention``, ``RequestRetention``, ``pin``); a
-    #: simulator passes its own. It must return a finite number of seconds (an int will do, a bool
-    #: will not), never more than 1 s below an earlier reading (a smaller step back reads as no time
-    #: passing): the manager refuses one that does not at construction and in ``pin`` with a duration
-    #: (raising, changing nothing); elsewhere a bad reading counts as the last good one (logged)
+    #: simulator passes its own. It must return a finite number of seconds (any real number, numpy
+    #: scalars too; a bool will not do), never more than 1 s below an earlier reading (a smaller step back reads as no time
+    #: passing). Construction reads it once and refuses a reading that is no finite number (it cannot
+    #: see a clock going back); ``pin`` with a duration refuses any bad reading (raising, changing
+    #: nothing); elsewhere a bad reading counts as the last good one (logged)
     clock: Callable[[], float] = time.monotonic
     #: at most this share of each tier's slots (per pool group) may be pinned (``KVCacheManager.pin``)
     max_pinned_share: float = 0.5

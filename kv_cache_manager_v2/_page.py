@@ -206,6 +206,7 @@ class PoolGroupStorage:
         "pinned_share",
         "pools",
         "start_retention",
+        "stop_retention",
         "tier",
     )
 
@@ -247,8 +248,10 @@ class PoolGroupStorage:
         #: ``max_pinned_share``: at most this share of the slots may hold pins
         self.pinned_share = 1.0
         self.num_retained = 0
-        #: starts the duration of a retained page's retention when it becomes reusable (``ExpiryQueue.start``)
+        #: start the duration of a retained page's retention when it becomes reusable (``ExpiryQueue.start``),
+        #: stop it when a request takes the page (``ExpiryQueue.stop``: a retention whose time is up ends)
         self.start_retention: Callable[[Page], None] | None = None
+        self.stop_retention: Callable[[Page], None] | None = None
         #: slots beyond ``num_slots`` for the remote tier's writes (the last level only): a dropped
         #: page's slot goes to the writer, which sends the data from there, and a parked slot takes
         #: its place; the allocator counts all of them as used
@@ -300,18 +303,16 @@ class PoolGroupStorage:
 class Page:
     """A block's memory for one layer group.
 
-    Owners count themselves: active requests lock (``num_locks``), suspended ones hold
-    (``num_holds``). When the last owner lets go the slot is freed at once, so release is
-    deterministic and never waits for the cycle collector. A page committed to the reuse
-    tree (``node`` set) is not freed but becomes DROPPABLE: it waits in its pool group's
-    evictor until reused or evicted. The tree refers to pages through ``page.ref()`` (a ``rawref.ref``),
-    which is invalidated when the slot is freed.
+    Owners count themselves: active requests lock (``num_locks``), suspended ones hold (``num_holds``).
+    When the last owner lets go the slot is freed at once, so release is deterministic and never waits
+    for the cycle collector. A page committed to the reuse tree (``node`` set) is not freed but becomes
+    DROPPABLE: it waits in its pool group's evictor until reused or evicted. The tree refers to pages
+    through ``page.ref()`` (a ``rawref.ref``), which is invalidated when the slot is freed.
 
-    A page keeps its identity when it moves between cache levels (``storage``, ``slot`` and
-    ``level`` change; owners and the tree keep their references). Its level's evictor lists it
-    while it is DROPPABLE, or HELD at a level above the last (``in_evictor`` says how).
-    A page whose data was lost to a disk error is ``lost``: no slot, out of the tree, still
-    counted by its owners until they let go.
+    A page keeps its identity when it moves between cache levels (``storage``, ``slot`` and ``level``
+    change; owners and the tree keep their references). Its level's evictor lists it while it is
+    DROPPABLE, or HELD at a level above the last (``in_evictor`` says how). A page whose data was lost
+    to a disk error is ``lost``: no slot, out of the tree, still counted by its owners until they let go.
 
     Pages are untracked by the cyclic garbage collector, like tree nodes: the evictor unlinks
     a page it stops listing, and the manager empties the evictors when it goes away.
@@ -434,9 +435,10 @@ class Page:
 
     def take(self, locked: bool) -> None:
         """A new owner (locking if ``locked``, else holding); a listed page leaves the evictor
-        (a HELD page comes back as the newest); a retention's duration stops running."""
+        (a HELD page comes back as the newest); a retention's duration stops running (ends if its time is up)."""
         storage = self.storage
-        self.expires = NO_EXPIRY
+        if self.expires != NO_EXPIRY and storage.stop_retention is not None:
+            storage.stop_retention(self)
         if self.in_evictor:
             storage.evictor.taken(self)
         if locked:
@@ -565,9 +567,7 @@ class Page:
         if self.pin_held:
             self.unhold_pins()
         if self.retain_s != 0.0 or self.hint_end != NO_HINT:  # (``retained``, without a call per freed page)
-            self.expires = NO_EXPIRY
-            self.retain_s = 0.0
-            self.hint_end = NO_HINT
+            self.expires, self.retain_s, self.hint_end = NO_EXPIRY, 0.0, NO_HINT
             self.storage.num_retained -= 1
         slot = self.slot
         self.slot = SlotId(BAD_PAGE_INDEX)

@@ -5,10 +5,12 @@ the invariant checker on), under both eviction policies."""
 from __future__ import annotations
 
 import datetime
+import fractions
 import math
 from array import array
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 from conftest import REC, MakeManager, make_manager_per_policy, one_layer
 from fake_engine import FakeEngine
@@ -22,6 +24,7 @@ from kv_cache_manager_v2 import (
     KVCache,
     KVCacheManager,
     KVCacheManagerConfig,
+    KVCacheStatus,
     LayerGroupId,
     LayerId,
     Priority,
@@ -377,6 +380,31 @@ def test_a_duration_runs_only_while_no_request_owns_the_block(make_manager: Make
     assert m.probe_reuse(input_tokens=seq(4000, 2)) == 2 * T
 
 
+@pytest.mark.parametrize("statistics", [False, True], ids=["quiet", "statistics"])
+def test_a_retention_whose_time_is_up_ends_when_its_block_is_reused(
+    make_manager: MakeManager, statistics: bool
+) -> None:
+    """Blocks at 80 for 10 s released at 0, reused (no retention of their own) and released at 15,
+    pressure at 16: their retention ended at 10, before the reuse, whether a statistics call (which
+    applies expiry) came between or not: the reuse neither stops its clock nor gives it 10 s again."""
+    clock = Clock()
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    a, b = seq(1000, 2), seq(2000, 2)
+    run(m, engine, a, retention=RequestRetention([(0, None, 80, 10.0)]))  # released at 0: until 10
+    clock.now = 15.0
+    if statistics:
+        assert m.get_storage_statistics()[0].retained == 0
+    run(m, engine, a)
+    assert m.get_storage_statistics()[0].retained == 0
+    run(m, engine, b, custom_priority_callback=fixed(50))
+    clock.now = 16.0
+    pressure(m, engine, 2, 3000, 60)  # A is back at 35: it goes before B (50)
+    m.check_invariants()
+    assert m.probe_reuse(input_tokens=a) == 0
+    assert m.probe_reuse(input_tokens=b) == 2 * T
+
+
 # ---------------------------------------------------------------- hostile clocks
 class HostileClock:
     """A clock that, from call ``after`` on, returns ``bad`` (or raises it, an exception), ``times``
@@ -418,6 +446,30 @@ def test_a_clock_that_returns_no_time_is_refused_at_construction(
         make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=datetime.datetime.now)
     m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=lambda: 7)  # an int will do
     assert m.pin(seq(0, 1), duration_s=1.0) == 0
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [np.int64, np.float32, np.float64, np.uint32, fractions.Fraction],
+    ids=["int64", "float32", "float64", "uint32", "fraction"],
+)
+def test_a_clock_may_return_any_real_number(make_manager: MakeManager, kind: Callable[[int], object]) -> None:
+    """numpy scalars (and other real numbers) are seconds like a float; a numpy bool, NaN or
+    infinity of that kind is refused like Python's."""
+    clock = Clock()
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=lambda: kind(int(clock.now)))
+    engine = FakeEngine(m)
+    a = seq(1000, 2)
+    run(m, engine, a, retention=RequestRetention([(0, None, 80, 10.0)]))
+    assert m.pin(a, duration_s=5.0) == 2 * T
+    clock.now = 9.0
+    assert m.get_storage_statistics()[0].retained == 2
+    clock.now = 10.0
+    assert m.get_storage_statistics()[0].retained == 0
+    m.check_invariants()
+    for bad, error in ((np.bool_(True), TypeError), (np.float32("nan"), ValueError), (np.float64("inf"), ValueError)):
+        with pytest.raises(error, match=r"config\.clock must return"):
+            make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=lambda bad=bad: bad)
 
 
 @pytest.mark.parametrize(
@@ -618,6 +670,39 @@ def test_pins_stay_where_they_are_on_a_host_tier_and_clear_with_the_reusable_blo
     assert not m.unpin(a)
 
 
+def test_a_resume_after_its_own_pin_ran_out_plans_as_it_evicts(make_manager: MakeManager) -> None:
+    """A suspended request's first 2 blocks pinned for 5 s on a 4-slot GPU, its third moved down to
+    the host by an active request: resumed at 10, the expired pin makes its own pages evictable
+    again, yet they are not room for its third block (resuming locks them). No room: False,
+    nothing changed; once the other request closes, the resume brings the block up."""
+    clock = Clock()
+    m = make_manager(
+        one_layer(T), tokens_per_block=T, quota=4 * REC * T, host_quota=8 * REC * T, max_pinned_share=0.5, clock=clock
+    )
+    engine = FakeEngine(m)
+    r, b = seq(1000, 3), seq(2000, 2)
+    kv = m.create_kv_cache(input_tokens=r)
+    assert kv.resume() and kv.resize(len(r))
+    engine.step(kv, r, 0, len(r))
+    kv.commit(r)
+    assert m.pin(r[: 2 * T], duration_s=5.0) == 2 * T
+    kv.suspend()
+    other = m.create_kv_cache(input_tokens=b)
+    assert other.resume() and other.resize(len(b))  # r's third block (HELD) goes down to the host
+    engine.step(other, b, 0, len(b))
+    assert m.probe_reuse_levels(input_tokens=r) == [0, 0, 1]
+    clock.now = 10.0  # the pin ran out
+    assert not kv.resume()  # GPU: r's 2 pages and the other's 2, all taken
+    m.check_invariants()
+    assert kv.status is KVCacheStatus.SUSPENDED
+    assert m.probe_reuse_levels(input_tokens=r) == [0, 0, 1]
+    other.close()
+    assert kv.resume()
+    engine.check_all(kv, r, len(r))
+    kv.close()
+    m.check_invariants()
+
+
 def test_a_pinned_page_pulled_up_beyond_the_share_is_held_by_its_pin_only_within_the_share(
     make_manager: MakeManager,
 ) -> None:
@@ -650,9 +735,9 @@ def test_a_pinned_page_pulled_up_beyond_the_share_is_held_by_its_pin_only_within
     assert pinned(m) == [0, 0]
 
 
-def pinned(m: KVCacheManager) -> list[int]:
+def pinned(m: KVCacheManager, levels: int = 2) -> list[int]:
     """Pinned pages per cache level."""
-    return [m.get_storage_statistics(CacheLevel(level))[0].pinned for level in range(2)]
+    return [m.get_storage_statistics(CacheLevel(level))[0].pinned for level in range(levels)]
 
 
 @pytest.mark.parametrize(
@@ -759,6 +844,57 @@ def test_a_refused_tier_shrink_keeps_the_pins_held(make_manager: MakeManager) ->
     kv.close()
 
 
+def test_pins_a_shrink_let_go_of_hold_again_when_the_tier_grows_back(make_manager: MakeManager) -> None:
+    """8 of 16 slots pinned, the tier shrunk to 10 (5 held), grown back to 16: all 8 hold again
+    (the oldest pins first), and pressure keeps every pinned block."""
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=16 * REC * T, max_pinned_share=0.5)
+    engine = FakeEngine(m)
+    a, b = seq(1000, 4), seq(2000, 4)
+    for tokens in (a, b):
+        run(m, engine, tokens)
+        assert m.pin(tokens) == 4 * T
+    assert m.resize(CacheLevel(0), 10 * REC * T)
+    assert pinned(m, 1) == [5]
+    assert m.resize(CacheLevel(0), 12 * REC * T)  # room for one more: the oldest pin's first block
+    m.check_invariants()
+    assert pinned(m, 1) == [6]
+    assert m.resize(CacheLevel(0), 16 * REC * T)
+    m.check_invariants()
+    assert pinned(m, 1) == [8]
+    for base in (5000, 6000):
+        pressure(m, engine, 8, base)
+    m.check_invariants()
+    for tokens in (a, b):
+        kv = m.create_kv_cache(input_tokens=tokens)
+        assert kv.resume()
+        engine.check_all(kv, tokens, 4 * T)
+        kv.close()
+
+
+def test_pinning_again_holds_the_pins_a_shrink_let_go_of_within_the_share(make_manager: MakeManager) -> None:
+    """A (4 blocks) and B (4) pinned on 16 slots, the tier shrunk to 10: A's last 3 blocks are let
+    go of; B unpinned, pinning A again holds them again (the share has room), so pressure keeps A."""
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=16 * REC * T, max_pinned_share=0.5)
+    engine = FakeEngine(m)
+    a, b = seq(1000, 4), seq(2000, 4)
+    for tokens in (a, b):
+        run(m, engine, tokens)
+        assert m.pin(tokens) == 4 * T
+    assert m.resize(CacheLevel(0), 10 * REC * T)
+    assert pinned(m, 1) == [5]
+    assert m.pin(a) == 4 * T  # no room: the pin stands, its let-go pages stay ordinary pages
+    assert pinned(m, 1) == [5]
+    assert m.unpin(b)
+    assert pinned(m, 1) == [1]
+    assert m.pin(a) == 4 * T
+    m.check_invariants()
+    assert pinned(m, 1) == [4]
+    pressure(m, engine, 6, 5000)  # B's 4 blocks go, A's stay
+    m.check_invariants()
+    assert m.probe_reuse(input_tokens=a) == 4 * T
+    assert m.probe_reuse(input_tokens=b) == 0
+
+
 def test_the_expiry_heap_shrinks_with_the_live_retention_after_a_burst(make_manager: MakeManager) -> None:
     """Entries of freed pages are swept relative to the pages under retention now, not to the
     heap's peak: after a 4000-page burst, at most 100 retained pages at a time keep a small heap."""
@@ -774,6 +910,27 @@ def test_the_expiry_heap_shrinks_with_the_live_retention_after_a_burst(make_mana
         m.clear_reusable_blocks()  # their heap entries are dead now
     m.check_invariants()
     assert len(heap) <= 2 * 100 + 2 * _SWEEP_SLACK  # not the 7000 entries of the burst and after
+
+
+def test_releases_at_a_standing_clock_leave_one_heap_entry_a_page(make_manager: MakeManager) -> None:
+    """2 retained blocks reused and released 5000 times while the clock stands still: each release
+    pushes an entry identical to the last but for its sequence; the sweep keeps one a page."""
+    clock = Clock()
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, clock=clock)
+    engine = FakeEngine(m)
+    a = seq(1000, 2)
+    run(m, engine, a, retention=RequestRetention([(0, None, 80, 3600.0)]))
+    heap = m._storage.expiries
+    for _ in range(5000):
+        kv = m.create_kv_cache(input_tokens=a)
+        assert kv.resume()
+        kv.close()
+    m.check_invariants()
+    assert m.get_storage_statistics()[0].retained == 2
+    assert len(heap) <= 2 * 2 + 2 * _SWEEP_SLACK  # not 5000 entries
+    clock.now = 3600.0  # the one entry left a page ends its retention on time
+    assert m.get_storage_statistics()[0].retained == 0
+    assert len(heap) == 0
 
 
 def test_snapshots_of_a_hybrid_model_and_window_pages_take_the_retention(make_manager: MakeManager) -> None:

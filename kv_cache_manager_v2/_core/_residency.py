@@ -256,8 +256,11 @@ def prefetch_pages(state: RequestState, target_level: CacheLevel) -> bool:
 def plan_move_up(state: RequestState, target: int, sources_too: bool) -> tuple[list[int], list[list[int]], list[Page]]:
     """Slots per pool group that bringing the request's pages to ``target`` takes, how many of
     its pages each (level, pool group) evictor lists, and the pages below ``target`` (the
-    copy-on-partial sources only with ``sources_too``: resume copies them from where they are)."""
+    copy-on-partial sources only with ``sources_too``: resume copies them from where they are).
+    Pins that ran out end first: their pages are listed again before they are counted (planning
+    with these counts expires no more pins: ``fits``, ``available``)."""
     ctx = state._ctx
+    ctx.storage.pins.expire()
     num_pool_groups = ctx.num_pool_groups
     need = [0] * num_pool_groups
     excluded = [[0] * num_pool_groups for _ in range(ctx.storage.num_levels)]

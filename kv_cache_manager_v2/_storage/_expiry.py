@@ -2,20 +2,22 @@
 base priority (``Page.retain_s``, ``expires``, ``base_priority``, ``hint_end``), on every tier (a
 page keeps these fields when it moves). A duration counts from the page's release: it runs while
 the page is reusable (no request owns it: DROPPABLE), from the moment its last owner lets go
-(``start``); a request taking the page again stops it, and its next release starts it afresh.
+(``start``); a request taking the page again stops it (``stop``; it ends there if its time is
+up), and its next release starts it afresh.
 
 Expiry costs nothing per decode step: the manager's one ``ExpiryQueue`` (a heap of the next
 expiry times) is consulted when the evictor runs (``EvictionCascade.make_room``) and before
 statistics, so an expired page is treated at its base priority even while the heap still had it
 in a higher class. Entries of pages that were freed, taken again, or re-retained since, are
-skipped when they come up, and swept when they are most of the heap (checked every
-``_SWEEP_SLACK`` entries pushed, against the pages under retention now: a burst's entries do not
-outlive it).
+skipped when they come up (of several entries of one page at its expiry time, the first ends
+it), and swept when they are most of the heap (checked every ``_SWEEP_SLACK`` entries pushed,
+against the pages under retention now: a burst's entries do not outlive it; one entry a page).
 
 The clock (``KVCacheManagerConfig.clock``) is read checked (``read``): a finite number of seconds
-(an int will do, a bool will not), never more than ``CLOCK_TOLERANCE_S`` below the last reading (a
-smaller step back reads as the last reading: the manager's time never goes back). The manager's
-construction and ``pin`` with a duration raise on a bad reading before changing anything; where
+(any real number: an int or a numpy scalar will do, a bool will not), never more than
+``CLOCK_TOLERANCE_S`` below the last reading (a smaller step back reads as the last reading: the
+manager's time never goes back). The manager's construction (one reading: only a non-number
+there) and ``pin`` with a duration raise on a bad reading before changing anything; where
 failing is no option (a release, eviction, statistics) a bad reading reads as the last good one
 (``now``, logged), so a clock that fails never leaves an operation half done, nor puts a NaN in
 an expiry time.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import numbers
 from collections.abc import Callable
 from typing import Final
 
@@ -46,11 +49,12 @@ _LOG: Final = logging.getLogger("kv_cache_manager_v2")
 
 
 def clock_seconds(value: object) -> float:
-    """A clock reading ``value`` as seconds: ``TypeError`` unless an int or float (bool refused),
-    ``ValueError`` unless finite."""
-    if type(value) is bool or not isinstance(value, (int, float)):
+    """A clock reading ``value`` as seconds: ``TypeError`` unless a real number (``numbers.Real``:
+    a float, an int, a numpy scalar; a bool refused), ``ValueError`` unless finite."""
+    if type(value) is not float and (type(value) is bool or not isinstance(value, numbers.Real)):
         raise TypeError(
-            f"config.clock must return seconds as a float (like time.monotonic), got {type(value).__name__} {value!r}"
+            f"config.clock must return seconds as a float (like time.monotonic; any real number but a bool), "
+            f"got {type(value).__name__} {value!r}"
         )
     try:
         t = float(value)
@@ -144,6 +148,16 @@ class ExpiryQueue:
         if len(self._heap) > self._limit:
             self._sweep()
 
+    def stop(self, page: Page) -> None:
+        """A request takes ``page``, whose duration was running: its retention ends if the expiry
+        time has come (by the manager's time: whether the evictor or statistics ran since makes no
+        difference), else the duration stops (``start`` runs it afresh at the next release)."""
+        if page.expires <= self.now():
+            self.end(page)
+            self.num_expired += 1
+        else:
+            page.expires = NO_EXPIRY
+
     def end(self, page: Page) -> None:
         """``page``'s retention ends now: back to its base priority."""
         if page.retained:
@@ -169,13 +183,20 @@ class ExpiryQueue:
 
     def _sweep(self) -> None:
         """Drop the entries of freed or re-retained pages if they may be most of the heap (each
-        live entry is a page under retention); again after ``_SWEEP_SLACK`` more entries."""
+        live entry is a page under retention); again after ``_SWEEP_SLACK`` more entries. A page
+        released again and again while the clock stands still has entries that all match its
+        expiry time: one of them is kept (they are the same entry)."""
         heap = self._heap
         live = 0
         for storage in self.storages:
             live += storage.num_retained
         if len(heap) > 2 * live + _SWEEP_SLACK:
-            heap = [e for e in heap if e[3].expires == e[0] and e[3].slot != BAD_PAGE_INDEX]
+            kept: dict[int, tuple[float, int, int, Page]] = {}
+            for e in heap:
+                page = e[3]
+                if page.expires == e[0] and page.slot != BAD_PAGE_INDEX:
+                    kept[id(page)] = e
+            heap = list(kept.values())
             heapq.heapify(heap)
             self._heap = heap
         self._limit = len(heap) + _SWEEP_SLACK

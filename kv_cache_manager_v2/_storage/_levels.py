@@ -118,8 +118,11 @@ class StorageLevels:
     def available(self, level: int, pool_group: int, excluded: Excluded | None = None) -> int:
         """Slots of pool group ``pool_group`` at ``level`` that are free or can be made free: free slots,
         DROPPABLE pages (moved down or dropped), and HELD pages as far as the levels below can take
-        them. ``excluded`` pages (listed per level and group) are not counted as evictable."""
-        self.pins.expire()  # (pins that ran out: their pages are evictable again)
+        them. ``excluded`` pages (listed per level and group) are not counted as evictable. Pins that
+        ran out end first (their pages are evictable again), but with ``excluded``: its counter
+        expired them before counting (a pin ending now could list a page it did not count)."""
+        if excluded is None:
+            self.pins.expire()
         storage = self.levels.items[level].items[pool_group]
         evictor = storage.evictor
         count = storage.allocator.num_free + evictor.count - evictor.num_held
@@ -155,8 +158,9 @@ class StorageLevels:
         ``excluded``: the asker's own listed pages, which stop being evictable (resume). A
         utilisation limit below 1 applies to every group, even with no new slot (the resume gate),
         except while the group's unavailable slots stay within ``floor[g]`` (what the
-        constraints guarantee)."""
-        self.pins.expire()
+        constraints guarantee). Pins that ran out end first, but with ``excluded`` (see ``available``)."""
+        if excluded is None:
+            self.pins.expire()
         for g, n in enumerate(need):
             if n == 0 and max_util >= 1.0 and (excluded is None or excluded[0][g] == 0):
                 continue

@@ -6,7 +6,7 @@ pool group) holds at most ``max_pinned_share`` of its slots pinned (``PoolGroupS
 ``pin_limit``): a pin beyond that is refused before anything changes, and a pinned page that
 moves (a request pulls it up to the GPU tier) holds its pins at the new place only within that
 share; beyond it, it is an ordinary page there (evicted, moved down as usual) until it moves to a
-place with room in its share, where its pins hold again (or is pinned afresh). A pin with a duration ends by itself: its expiry time is
+place with room in its share, where its pins hold again (or is pinned afresh, or its tier grows). A pin with a duration ends by itself: its expiry time is
 consulted when the evictor runs, like retention's (``_expiry.py``).
 """
 
@@ -72,6 +72,7 @@ class PinTable:
                 page.storage.num_pinned += 1
                 page.pin_held = True
             page.num_pins += 1
+        self.hold_again(pages)  # pinned already, not held (a shrink, a pull beyond the share): held where room is
         if old is not None:
             del self.pins[key]  # (the pins stay in the order pinned: a pin renewed is the newest)
             self._release(old)
@@ -121,10 +122,18 @@ class PinTable:
                     excess -= 1
         return released
 
+    def grown(self, storage: PoolGroupStorage) -> None:
+        """``storage`` grew (a tier resize): its pinned pages whose pins it does not hold (let go by
+        a shrink, pulled up beyond the share) hold them again within the share, the oldest pins' first."""
+        for pin in self.pins.values():
+            if storage.num_pinned >= storage.pin_limit:
+                break
+            self.hold_again([page for page in pin.pages if page.storage is storage])
+
     @staticmethod
     def hold_again(pages: list[Page]) -> None:
-        """Undo ``fit_share`` (a shrink refused before anything else changed): the pages still
-        pinned hold their pins again where they are, within the share there."""
+        """The pages still pinned whose pins are not held hold them again where they are, within the
+        share there, in order (undoes ``fit_share``: a shrink refused before anything else changed)."""
         for page in pages:
             storage = page.storage
             ok = page.num_pins and not page.pin_held and page.slot != BAD_PAGE_INDEX

@@ -62,6 +62,7 @@ class TierResizer:
                 return False
             for group in groups:
                 remote.drop_headroom(group)  # its slots are ordinary ones now: the resize moves pages out of them
+        grown = [group for group, num_slots in zip(groups, slots) if num_slots > group.num_slots]
         try:
             self._resize_slots(groups, slots, live)
         except BaseException:
@@ -72,6 +73,8 @@ class TierResizer:
                 for group in groups:
                     if headroom[group.index]:
                         remote.add_headroom(group, remote.headroom_for(group, group.num_slots))
+        for group in grown:
+            storage.pins.grown(group)  # pins a shrink let go of hold again within the larger share
         return True
 
     def _resize_slots(

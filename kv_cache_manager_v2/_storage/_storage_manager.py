@@ -65,6 +65,7 @@ class StorageManager(EvictionCascade):
             for group in level:
                 group.pinned_share = max_pinned_share
                 group.start_retention = self.expiries.start
+                group.stop_retention = self.expiries.stop
         self.remote_tier = None
         gpu = self.gpu
         #: GPU storage of each layer group's pool group (the allocation hot path)
