@@ -20,6 +20,7 @@ from ._models import (
 from ._replay_types import LevelUsage, ReplayResult, SchedulerOptions
 from ._ssm_policy import SSM_POLICY_KEY, format_policy_sweep, snapshot_rows
 from ._step_cost import LinearCost
+from ._tier_io import link_report
 
 SCHEMA = "kv-cache-sim/2"
 MAX_SERIES_POINTS = 400
@@ -92,6 +93,7 @@ def build_report(
         "preemptions": {"suspend": r.preempted_suspend, "recompute": r.preempted_recompute, "resumed": r.resumed},
         "load": _load(r, shape, tiers, options),
         "latency": latency_report(r, slo),  # what users wait for, in seconds (see _latency)
+        "tier_io": link_report(options.links, [t.kind for t in tiers[1:]], r.io_wait_ms),
         "manager": {
             "reused_blocks": r.reused_blocks,
             "missed_blocks": r.missed_blocks,
