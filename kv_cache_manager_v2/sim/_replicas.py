@@ -9,6 +9,7 @@ up. A finished request's successor (the next turn) arrives at its own replica.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from array import array
@@ -95,8 +96,12 @@ def run_replicas(
             if best.rm.manager.remote_statistics is not None:
                 # what the step sent is in Redis before any later step (simulated time) looks
                 best.rm.manager.flush_remote_writes()
-    finally:
-        results = [rep.finish() for rep in fleet]
+    except BaseException:  # (Ctrl-C, SIGTERM: maybe inside a manager's call, which then refuses shutdown)
+        for rep in fleet:
+            with contextlib.suppress(Exception):
+                rep.rm.shutdown()
+        raise
+    results = [rep.finish() for rep in fleet]
     for i, res in enumerate(results):  # one process ran them all: the fleet's wall time, counted once
         res.wall_s = time.perf_counter() - wall0 if i == 0 else 0.0
     return results, [rep.remote for rep in fleet]
