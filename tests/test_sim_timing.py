@@ -16,7 +16,14 @@ from kv_cache_manager_v2.sim._models import ModelShape, manager_config, proxy_pa
 from kv_cache_manager_v2.sim._replay import Replay
 from kv_cache_manager_v2.sim._replay_types import ReplayResult
 from kv_cache_manager_v2.sim._step_cost import LinearCost
-from kv_cache_manager_v2.sim._tier_io import Link, TierLinks, parse_bandwidth, parse_latency, tier_links
+from kv_cache_manager_v2.sim._tier_io import (
+    WRITE_BACKLOG_MS,
+    Link,
+    TierLinks,
+    parse_bandwidth,
+    parse_latency,
+    tier_links,
+)
 from kv_cache_manager_v2.sim._workload import SimRequest
 
 SMALL = ModelShape("small", 4, 2, 16, "fp16")  # 256 bytes per token
@@ -89,6 +96,32 @@ def test_loads_wait_behind_offloads_queued_on_the_same_link() -> None:
     assert two.reused_per_level == [0, 160]
     # request 2 starts at 1210, behind the offload (issued at 1000: the link is busy until 1100.5)
     assert two.ttft_ms == pytest.approx(210.0 + 0.5 + 1.0 + 10.0 + 16.0)
+
+
+def test_a_step_waits_while_its_link_has_more_than_the_write_backlog_queued() -> None:
+    """As above with writes 30 times slower: request 1's offload of request 0's prefix holds the
+    host link 3,000.5 ms (from 1,000), more than ``WRITE_BACKLOG_MS`` (1 s) beyond the step's start:
+    the step waits until only 1 s of it is left, then computes; request 2 loads behind the rest."""
+    reqs = [
+        SimRequest(0, 0.0, [(1, 160)], 160, 1, 1 << 30),
+        SimRequest(1, 1000.0, [(10_000, 200)], 200, 1, (1 << 30) + 10),
+        SimRequest(2, 1000.0, [(1, 160), (50_000, 16)], 176, 1, (1 << 30) + 20),
+    ]
+    bandwidth = 160 * SMALL.bytes_per_token / 1e-3
+    links = TierLinks(host=Link(bandwidth, bandwidth / 3000, 0.5))  # writes: 3 s for the prefix
+    opts = SchedulerOptions(prompt_only=True, watermark=0.0, max_batch=1, links=links)
+    r = _replay([_tier("gpu", 208), _tier("host", 4096)], reqs, opts, LinearCost(10.0, 1000.0))
+    one, two = _by_index(r)[1], _by_index(r)[2]
+    assert WRITE_BACKLOG_MS == 1000.0 and one.reused_per_level == [0, 0]
+    assert one.ttft_ms == pytest.approx(4000.5 - 1000.0 - 1000.0 + 210.0)
+    # request 2 starts at 3210.5; its load waits until the offload is done (4000.5), its own
+    # offloads (request 1's blocks) make it wait again
+    assert two.ttft_ms >= 4000.5 + 0.5 + 1.0 + 10.0 + 16.0 - 1000.0
+    assert r.io_write_stall_ms >= 2000.5
+    # never more than 1 s of writes left queued: the run lasts at least the link's writing time - 1 s
+    written_ms = r.levels[1].offloaded_bytes * real_bytes_per_proxy_byte(SMALL, T, proxy_page_bytes(T, False, SMALL))
+    written_ms /= bandwidth / 3000 / 1000
+    assert r.sim_time_ms >= written_ms - WRITE_BACKLOG_MS
 
 
 def test_a_chunked_prefill_timeline_by_hand() -> None:

@@ -180,6 +180,7 @@ class ReplayResult:
     #: per request, finished or rejected, in that order (``--per-request``)
     outcomes: list[RequestOutcome] = field(default_factory=list)
     io_wait_ms: float = 0.0  #: simulated time steps waited for their loads (tier I/O), summed
+    io_write_stall_ms: float = 0.0  #: ... and for their links' write backlogs (``_tier_io.WRITE_BACKLOG_MS``)
     wall_s: float = 0.0
     manager_s: float = 0.0  #: CPU time inside adapter calls
     request_steps: int = 0  #: (request, step) pairs served

@@ -93,7 +93,7 @@ def build_report(
         "preemptions": {"suspend": r.preempted_suspend, "recompute": r.preempted_recompute, "resumed": r.resumed},
         "load": _load(r, shape, tiers, options),
         "latency": latency_report(r, slo),  # what users wait for, in seconds (see _latency)
-        "tier_io": link_report(options.links, [t.kind for t in tiers[1:]], r.io_wait_ms),
+        "tier_io": link_report(options.links, [t.kind for t in tiers[1:]], r.io_wait_ms, r.io_write_stall_ms),
         "manager": {
             "reused_blocks": r.reused_blocks,
             "missed_blocks": r.missed_blocks,

@@ -5,9 +5,13 @@ What the manager does today, step by step: it onboards pages synchronously in ``
 (one batch per source level, one after the other), so a step that onboards pages starts its compute
 only once their bytes crossed the links (the requests that needed them get their prefill after their
 loads: the whole step waits). Offloads (evictions to a lower tier, write-through to a remote one)
-run in the background, but occupy their link: each link has a busy-until time, and a step's loads
-wait behind the offloads queued before it on the same link (this step's own offloads queue after its
-loads). A transfer costs the link's latency once per step and direction, plus its bytes at the
+run in the background, as an asynchronous copy engine runs them, but occupy their link: each link
+has a busy-until time, and a step's loads wait behind the offloads queued before it on the same link
+(this step's own offloads queue after its loads). The queue is bounded: a step whose offloads leave
+more than ``WRITE_BACKLOG_MS`` of writes queued on a link ends only once the backlog is back within
+it (a copy engine's queue is finite: a link slower than the writes it is given slows the engine
+down, it does not fall behind for ever). Today's manager copies offloads synchronously, so where
+writes matter this model is its lower bound. A transfer costs the link's latency once per step and direction, plus its bytes at the
 link's bandwidth; bytes are those of the real model (the replay's proxy bytes times the scale of
 ``_models.real_bytes_per_proxy_byte``). A load from the disk or remote tier is charged to that
 tier's link alone (its slowest part; the host link it may cross too is not charged).
@@ -40,6 +44,8 @@ from ._models import SimUserError, is_zero_quota
 LINK_TIERS = ("host", "disk", "remote")
 #: the share of a GPU's host link (its line rate) that pinned-memory copies achieve (50 of 64 GB/s)
 HOST_LINK_SHARE = 50 / 64
+#: link time of offloads a link may have queued when a step ends (beyond it the step waits)
+WRITE_BACKLOG_MS = 1000.0
 
 
 @dataclass(frozen=True)
@@ -166,10 +172,12 @@ class TierIO:
             self.latency_ms.append(link.latency_ms)
         self.busy_until = [0.0] * len(tiers)
         self.load_ms = 0.0  #: the time steps waited for loads (summed)
+        self.write_stall_ms = 0.0  #: the time steps waited for write backlogs beyond WRITE_BACKLOG_MS
 
     def step(self, start_ms: float, traffic: list[TierStatistics]) -> float:
         """A step starting at ``start_ms`` with ``traffic`` (``take_iteration_stats``, proxy bytes):
-        queue its loads (level after level) then its offloads; returns when its loads are done."""
+        queue its loads (level after level) then its offloads; returns when its loads are done and
+        its links' write backlogs are within ``WRITE_BACKLOG_MS``."""
         t = start_ms
         for it in traffic:
             lvl = it.level
@@ -178,14 +186,19 @@ class TierIO:
                 busy = self.busy_until[lvl]
                 t = (busy if busy > t else t) + self.latency_ms[lvl] + nbytes * self.read_ms[lvl]
                 self.busy_until[lvl] = t
+        loaded = t
         for it in traffic:
             lvl = it.level
             nbytes = it.offloaded_bytes
             if nbytes:
                 busy = self.busy_until[lvl]
                 begin = busy if busy > start_ms else start_ms
-                self.busy_until[lvl] = begin + self.latency_ms[lvl] + nbytes * self.write_ms[lvl]
-        self.load_ms += t - start_ms
+                end = begin + self.latency_ms[lvl] + nbytes * self.write_ms[lvl]
+                self.busy_until[lvl] = end
+                if end - WRITE_BACKLOG_MS > t:
+                    t = end - WRITE_BACKLOG_MS
+        self.load_ms += loaded - start_ms
+        self.write_stall_ms += t - loaded
         return t
 
 
@@ -246,11 +259,19 @@ def _gb(bytes_per_s: float) -> str:
     return f"{bytes_per_s / 1e9:g}GB/s"
 
 
-def link_report(links: TierLinks | None, tiers: list[str], load_wait_ms: float) -> dict[str, Any]:
-    """The links of ``tiers`` (their kinds below the GPU) and the time steps waited for loads, JSON-ready."""
+def link_report(
+    links: TierLinks | None, tiers: list[str], load_wait_ms: float, write_stall_ms: float = 0.0
+) -> dict[str, Any]:
+    """The links of ``tiers`` (their kinds below the GPU) and the time steps waited for loads and for
+    write backlogs, JSON-ready."""
     if links is None:
         return {"enabled": False}
-    out: dict[str, Any] = {"enabled": True, "load_wait_s": load_wait_ms / 1000.0}
+    out: dict[str, Any] = {
+        "enabled": True,
+        "load_wait_s": load_wait_ms / 1000.0,
+        "write_stall_s": write_stall_ms / 1000.0,
+        "write_backlog_limit_s": WRITE_BACKLOG_MS / 1000.0,
+    }
     for kind in tiers:
         if kind in LINK_TIERS:
             link = links.of(kind)
