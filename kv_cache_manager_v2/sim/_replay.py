@@ -110,6 +110,8 @@ class Replay:
         self.on_step = on_step  #: called after every step (tests run the invariant checker there)
         self.on_finish = on_finish  #: called once at the end, before the manager is shut down (final metrics)
         self.result = ReplayResult(self.t, num_requests=len(requests))
+        if requests:
+            self.result.first_arrival_ms = min(sim.arrival_ms for sim in requests) * options.time_scale
         for sim in requests:
             self.result.trace_span_ms = max(self.result.trace_span_ms, sim.arrival_ms * options.time_scale)
             need = sim.prompt_length + (1 if options.prompt_only else sim.output_length)

@@ -148,6 +148,7 @@ class ReplayResult:
     rejected_prompt_blocks: int = 0
     longest_request_tokens: int = 0  #: the longest prompt + output of the workload (what a GPU tier must hold)
     trace_span_ms: float = 0.0  #: the last arrival time (times time_scale)
+    first_arrival_ms: float = 0.0  #: the first arrival time (times time_scale): where throughput's span starts
     #: most tokens (prompt + output) held at once if every request ran alone from its arrival on
     #: (see ideal_peak_tokens): about what a GPU tier needs for the engine to keep up
     ideal_peak_tokens: int = 0
