@@ -319,9 +319,12 @@ class Replay:
             if cached < live.prompt_length:
                 r.prefill_computed += n
                 cost.add_prefill(n, cached)
-            else:
+            else:  # (n > 1: generated tokens computed again after a recompute, or a match into outputs)
                 r.decode_computed += n
-                cost.add_decode(cached)
+                if n == 1:
+                    cost.add_decode(cached)
+                else:
+                    cost.add_prefill(n, cached)
             if checker is not None:
                 checker.step(req, live.tokens, live.full_check)
                 live.full_check = False
