@@ -185,6 +185,10 @@ def test_calibration_fits_interpolates_and_extrapolates(tmp_path: Path) -> None:
     cost.add_decode(10_000)
     assert cost.take_ms() == pytest.approx(2 + 0.04 + 10)
     assert isinstance(build_step_cost(PRESETS["qwen3-32b"], calibration=write(tmp_path, text)), CalibrationCost)
+    # a byte-order mark (Excel's "CSV UTF-8") before the header is not part of its first name
+    bom = tmp_path / "excel.csv"
+    bom.write_bytes(text.encode("utf-8-sig"))
+    assert load_calibration(str(bom)).coefficients == pytest.approx((2.0, 0.01, 0.04, 0.001), abs=1e-9)
 
 
 @pytest.mark.parametrize(

@@ -297,7 +297,7 @@ def load_calibration(path: str) -> CalibrationCost:
     """Read and fit a calibration file (see the module doc); SimUserError naming the line if bad."""
     where = f"--calibration {path}"
     try:
-        with open(path, encoding="utf-8", newline="") as f:
+        with open(path, encoding="utf-8-sig", newline="") as f:  # (-sig: a byte-order mark, as Excel writes)
             text = f.read(MAX_CALIBRATION_CHARS + 1)
     except (OSError, UnicodeDecodeError) as e:
         raise SimUserError(f"{where}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
