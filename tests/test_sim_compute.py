@@ -271,6 +271,34 @@ def test_cli_records_the_step_cost(capsys: pytest.CaptureFixture[str], tmp_path:
     capsys.readouterr()
 
 
+#: decode-bound: 20 requests arrive within a second, then decode ~1,000 tokens each for tens of seconds
+DECODING = ["--model", "llama-3-8b", "--conversations", "20", "--turns", "1", "--system-tokens", "200"]
+DECODING += ["--user-tokens", "200", "--output-tokens", "1000", "--rate", "20", "--gpu", "8GiB", "--no-progress"]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--gpu-kind", "l40s"], "tokens on one l40s (the roofline) for "),
+        (["--calibration", "CALIB"], "tokens at the calibrated step times for "),
+        (["--step-ms", "20"], "tokens at --tokens-per-s 50000 for "),
+    ],
+)
+def test_overload_by_compute_says_so_for_every_cost_model(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], says: str
+) -> None:
+    """The load section's compute time is what the steps computed, whatever the cost model, and the
+    overload warning names compute (not only GPU memory) when it is the limit."""
+    calib = write(tmp_path, "prefill_tokens,decode_tokens,step_ms\n0,1,25\n0,100,30\n1000,0,40\n")
+    out = tmp_path / "r.json"
+    assert main([*DECODING, *[calib if a == "CALIB" else a for a in args], "--json", str(out)]) == 0
+    capsys.readouterr()
+    load = json.loads(out.read_text())["load"]
+    assert load["overloaded"] and 0.9 * load["trace_span_s"] < load["compute_s"] <= load["simulated_s"]
+    assert load["simulated_s"] - load["compute_s"] < 1.0  # the steps computed all the time after the arrivals
+    assert any(says in w for w in load["warnings"]), load["warnings"]
+
+
 def test_linear_is_the_explicit_override() -> None:
     cost = build_step_cost(PRESETS["llama-3-8b"], linear=(15.0, 50_000.0))
     assert isinstance(cost, LinearCost)

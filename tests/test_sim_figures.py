@@ -23,11 +23,11 @@ from kv_cache_manager_v2.sim._report import report_figures
 PRESSURE = ["--requests", "80", "--time-scale", "0.05"]
 #: setup -> (kv-cache-sim options, digest of its figures)
 SETUPS = {
-    "full": ([*PRESSURE, "--gpu", "2GiB"], "c5dddaf0c1717ac9"),
-    "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "b9298237effbd96f"),
-    "host": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB"], "cd714016c5aea7e7"),
+    "full": ([*PRESSURE, "--gpu", "2GiB"], "d7f68b09e18392b5"),
+    "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "4659498704ac0b0c"),
+    "host": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB"], "81dea8e721e35b59"),
     #: the host setup with pages moving in no time (as before tier I/O): hit rates and steps as "host"
-    "host-free-io": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB", "--no-tier-io"], "c7dbf571f86662ff"),
+    "host-free-io": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB", "--no-tier-io"], "6e2a5ccde1606412"),
 }
 
 
