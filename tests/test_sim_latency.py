@@ -273,6 +273,7 @@ def test_replicas_report_latency_in_all_and_per_replica(capsys: pytest.CaptureFi
         (["--slo-tpot", "nan"], "--slo-tpot must be a finite number of seconds > 0, got nan"),
         (["--slo-tpot", "inf"], "--slo-tpot must be a finite number of seconds > 0, got inf"),
         (["--slo-ttft", "2s"], "argument --slo-ttft: invalid float value: '2s'"),
+        (["--prompt-only", "--slo-tpot", "0.1"], "--slo-tpot: --prompt-only generates no token after the first"),
     ],
 )
 def test_bad_objectives_are_one_line_errors(capsys: pytest.CaptureFixture[str], args: list[str], says: str) -> None:

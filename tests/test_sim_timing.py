@@ -206,6 +206,16 @@ def test_the_manager_time_can_be_counted() -> None:
     assert all(x.e2e_ms - x.wait_ms > 10.0 for x in counted.outcomes)
 
 
+def test_the_report_records_whether_the_manager_time_counts(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    """``--count-manager-time`` changes every time: the JSON (``scheduler``) and the text's first line say so."""
+    args = ["--trace", TRACE, "--requests", "5", "--no-progress", "--json", str(tmp_path / "r.json")]
+    for extra, counted in (([], False), (["--count-manager-time"], True)):
+        assert main([*args, *extra]) == 0
+        first = capsys.readouterr().out.splitlines()[0]
+        assert json.loads((tmp_path / "r.json").read_text())["scheduler"]["count_manager_time"] is counted
+        assert ("+ the manager's CPU time" in first) is counted, first
+
+
 def test_bandwidth_and_latency_parsing() -> None:
     assert parse_bandwidth("o", "50GB/s") == 50e9
     assert parse_bandwidth("o", "200MB/s") == 200e6

@@ -160,6 +160,7 @@ def _scheduler(options: SchedulerOptions) -> dict[str, Any]:
         "time_scale": options.time_scale,
         "reuse": options.reuse,
         "prompt_only": options.prompt_only,
+        "count_manager_time": options.count_manager_time,  #: steps also take the manager's CPU time
         "compute": describe_cost(options.cost or LinearCost(options.step_ms, options.tokens_per_s)),
     }
 
@@ -300,7 +301,9 @@ def format_report(rep: dict[str, Any]) -> str:
     pm = rep["preemptions"]
     lines = [
         f"kv-cache-sim: {m['name']}, {format_bytes(m['bytes_per_token'])}/token, "
-        f"{rep['tokens_per_block']} tokens/block, {rep['scheduler']['compute']['text']} ({rep['mode']})",
+        f"{rep['tokens_per_block']} tokens/block, {rep['scheduler']['compute']['text']}"
+        + (" + the manager's CPU time" if rep["scheduler"]["count_manager_time"] else "")
+        + f" ({rep['mode']})",
         _row("workload", str(w["description"])),
         _row(
             "requests",
