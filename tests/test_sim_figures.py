@@ -23,11 +23,11 @@ from kv_cache_manager_v2.sim._report import report_figures
 PRESSURE = ["--requests", "80", "--time-scale", "0.05"]
 #: setup -> (kv-cache-sim options, digest of its figures)
 SETUPS = {
-    "full": ([*PRESSURE, "--gpu", "2GiB"], "7f2b84a25acc418a"),
-    "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "419c2eb188b31779"),
-    "host": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB"], "62514791cd65c3b5"),
+    "full": ([*PRESSURE, "--gpu", "2GiB"], "44a33a09912d2211"),
+    "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "e52a96cdd55f0302"),
+    "host": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB"], "4e4e57ed8dbbdaee"),
     #: the host setup with pages moving in no time (as before tier I/O): hit rates and steps as "host"
-    "host-free-io": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB", "--no-tier-io"], "ed69584f850bc820"),
+    "host-free-io": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB", "--no-tier-io"], "b3a2120b5e7b32bd"),
 }
 
 

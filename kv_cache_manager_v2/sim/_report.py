@@ -52,7 +52,7 @@ def build_report(
         "snapshots": _snapshots(r) if shape.is_hybrid else None,
         "tokens_per_block": r.tokens_per_block,
         "workload": workload,
-        "scheduler": _scheduler(options),
+        "scheduler": _scheduler(options, tiers[0].quota_bytes),
         "requests": {
             "total": r.num_requests,
             "finished": r.finished,
@@ -148,7 +148,7 @@ def _linear(options: SchedulerOptions) -> bool:
     return options.cost is None or isinstance(options.cost, LinearCost)
 
 
-def _scheduler(options: SchedulerOptions) -> dict[str, Any]:
+def _scheduler(options: SchedulerOptions, gpu_quota_bytes: float) -> dict[str, Any]:
     linear = _linear(options)
     return {
         "max_batch": options.max_batch,
@@ -161,7 +161,7 @@ def _scheduler(options: SchedulerOptions) -> dict[str, Any]:
         "reuse": options.reuse,
         "prompt_only": options.prompt_only,
         "count_manager_time": options.count_manager_time,  #: steps also take the manager's CPU time
-        "compute": describe_cost(options.cost or LinearCost(options.step_ms, options.tokens_per_s)),
+        "compute": describe_cost(options.cost or LinearCost(options.step_ms, options.tokens_per_s), gpu_quota_bytes),
     }
 
 
@@ -387,7 +387,7 @@ def format_report(rep: dict[str, Any]) -> str:
     ]
     if rep["data_check"] is not None:
         lines.append(_row("data check", f"passed: {rep['data_check']['records_checked']:,} records checked"))
-    lines += [f"warning: {w}" for w in rep["load"]["warnings"]]
+    lines += [f"warning: {w}" for w in [rep["scheduler"]["compute"].get("warning"), *rep["load"]["warnings"]] if w]
     return "\n".join(lines)
 
 
