@@ -26,6 +26,7 @@ from kv_cache_manager_v2.sim._compute import (
 from kv_cache_manager_v2.sim._models import PRESETS, SimUserError, model_shape
 from kv_cache_manager_v2.sim._step_cost import LinearCost
 
+SMALL_SHAPE = ("custom", 2, 1, 16)
 SMALL = ["--model", "custom", "--layers", "2", "--kv-heads", "1", "--head-dim", "16", "--tokens-per-block", "16"]
 QUICK = [*SMALL, "--conversations", "4", "--turns", "2", "--system-tokens", "200", "--user-tokens", "50"]
 QUICK += ["--output-tokens", "10", "--gpu", "20000tok", "--no-progress"]
@@ -185,6 +186,10 @@ def test_calibration_fits_interpolates_and_extrapolates(tmp_path: Path) -> None:
     cost.add_decode(10_000)
     assert cost.take_ms() == pytest.approx(2 + 0.04 + 10)
     assert isinstance(build_step_cost(PRESETS["qwen3-32b"], calibration=write(tmp_path, text)), CalibrationCost)
+    # a byte-order mark (Excel's "CSV UTF-8") before the header is not part of its first name
+    bom = tmp_path / "excel.csv"
+    bom.write_bytes(text.encode("utf-8-sig"))
+    assert load_calibration(str(bom)).coefficients == pytest.approx((2.0, 0.01, 0.04, 0.001), abs=1e-9)
 
 
 @pytest.mark.parametrize(
@@ -249,11 +254,15 @@ def test_cli_records_the_step_cost(capsys: pytest.CaptureFixture[str], tmp_path:
     scheduler = json.loads(out.read_text())["scheduler"]
     assert scheduler["step_ms"] is None and scheduler["tokens_per_s"] is None  # not the model that ran
     compute = scheduler["compute"]
+    weights = compute.pop("weights_bytes")
+    assert weights == pytest.approx(2 * model_compute(model_shape(*SMALL_SHAPE)).params)  # bf16
     assert compute == {
         "model": "roofline",
         "gpu_kind": "a100",
         "mfu": DEFAULT_MFU,
         "mbu": 0.6,
+        "hbm_bytes": 80 * 2**30,
+        "warning": None,
         "text": "roofline on a100 (MFU 0.5, MBU 0.6)",
     }
     assert "roofline on a100 (MFU 0.5, MBU 0.6)" in text.splitlines()[0]
@@ -265,6 +274,64 @@ def test_cli_records_the_step_cost(capsys: pytest.CaptureFixture[str], tmp_path:
     compute = json.loads(out.read_text())["scheduler"]["compute"]
     assert compute["model"] == "calibration" and compute["path"] == calib
     capsys.readouterr()
+
+
+#: decode-bound: 20 requests arrive within a second, then decode ~1,000 tokens each for tens of seconds
+DECODING = ["--model", "llama-3-8b", "--conversations", "20", "--turns", "1", "--system-tokens", "200"]
+DECODING += ["--user-tokens", "200", "--output-tokens", "1000", "--rate", "20", "--gpu", "8GiB", "--no-progress"]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--gpu-kind", "l40s"], "tokens on one l40s (the roofline) for "),
+        (["--calibration", "CALIB"], "tokens at the calibrated step times for "),
+        (["--step-ms", "20"], "tokens at --tokens-per-s 50000 for "),
+    ],
+)
+def test_overload_by_compute_says_so_for_every_cost_model(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], says: str
+) -> None:
+    """The load section's compute time is what the steps computed, whatever the cost model, and the
+    overload warning names compute (not only GPU memory) when it is the limit."""
+    calib = write(tmp_path, "prefill_tokens,decode_tokens,step_ms\n0,1,25\n0,100,30\n1000,0,40\n")
+    out = tmp_path / "r.json"
+    assert main([*DECODING, *[calib if a == "CALIB" else a for a in args], "--json", str(out)]) == 0
+    capsys.readouterr()
+    load = json.loads(out.read_text())["load"]
+    assert load["overloaded"] and 0.9 * load["trace_span_s"] < load["compute_s"] <= load["simulated_s"]
+    assert load["simulated_s"] - load["compute_s"] < 1.0  # the steps computed all the time after the arrivals
+    assert any(says in w for w in load["warnings"]), load["warnings"]
+
+
+def test_weights_beyond_one_gpu_warn_but_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The roofline assumes one GPU: the model's weights plus the GPU tier past its memory (the
+    datasheet's) is a warning (JSON and text), not a refusal."""
+    assert {k: g.hbm_bytes / 2**30 for k, g in GPU_KINDS.items()} == {
+        "h100": 80,
+        "h200": 141,
+        "b200": 180,
+        "a100": 80,
+        "l40s": 48,
+    }
+    out = tmp_path / "r.json"
+    args = ["--trace", TRACE, "--requests", "5", "--no-progress", "--json", str(out)]
+    for model, gpu, warns in (
+        ("llama-3-8b", "40GiB", False),
+        ("llama-3-8b", "70GiB", True),
+        ("llama-3-70b", "8GiB", True),
+    ):
+        assert main([*args, "--model", model, "--gpu", gpu]) == 0
+        text = capsys.readouterr().out
+        compute = json.loads(out.read_text())["scheduler"]["compute"]
+        weights = roofline(model).weights_bytes
+        assert compute["weights_bytes"] == weights and weights == pytest.approx(2 * MODEL_COMPUTE[model].params)
+        assert (compute["warning"] is not None) is warns, (model, gpu)
+        assert ("tensor parallelism is not modelled" in text) is warns
+    assert compute["warning"] == (
+        "the model's weights (132 GiB) plus the GPU tier (8 GiB) exceed one h100's 80 GiB: "
+        "the roofline assumes one GPU; tensor parallelism is not modelled"
+    )
 
 
 def test_linear_is_the_explicit_override() -> None:

@@ -103,6 +103,29 @@ def test_the_latency_section_from_a_replay_result() -> None:
     assert latency_report(r, None, 20_000.0)["throughput"]["requests_per_s"] == 0.2
 
 
+def test_throughput_spans_from_the_first_arrival_not_time_zero(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    r = result(ttft=[100, 200], sim_ms=3_602_000.0)
+    r.first_arrival_ms = 3_600_000.0  # a trace whose timestamps start an hour in
+    lat = latency_report(r)
+    assert lat["throughput"]["span_s"] == 2.0 and lat["throughput"]["requests_per_s"] == 1.0
+    # through the CLI: the same trace an hour later has the same throughput
+    spans = []
+    for start in (0, 3_600_000):
+        path = tmp_path / f"trace{start}.jsonl"
+        lines = [
+            {"timestamp": start + t, "input_length": 700, "output_length": 4, "hash_ids": [i, i + 1]}
+            for i, t in enumerate((0, 500, 900))
+        ]
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        assert main([*SMALL, "--trace", str(path), "--no-progress", "--json", str(tmp_path / "r.json")]) == 0
+        doc = json.loads((tmp_path / "r.json").read_text())
+        spans.append((doc["latency"]["throughput"], doc["replay"]["simulated_s"]))
+    assert spans[0][0] == pytest.approx(spans[1][0]) and spans[0][0]["span_s"] > 0
+    assert spans[1][0]["span_s"] == pytest.approx(spans[1][1] - 3600.0)
+
+
 def test_no_per_request_times_report_nothing_and_never_crash() -> None:
     lat = latency_report(result(sim_ms=0.0), Slo(2.0, 0.1))
     assert [lat[k] for k in ("queueing_s", "ttft_s", "tpot_s", "e2e_s", "goodput")] == [None] * 5
@@ -130,9 +153,10 @@ def test_the_json_latency_keys_and_the_text_section(capsys: pytest.CaptureFixtur
     lat = doc["latency"]
     assert set(lat) == {"percentiles", "queueing_s", "ttft_s", "tpot_s", "e2e_s", "ttft_cdf_s", "throughput", "goodput"}
     assert set(lat["throughput"]) == {"span_s", "requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s"}
-    assert lat["throughput"]["span_s"] == doc["replay"]["simulated_s"]
+    # the span: the first arrival (the first conversation's start, after 0) to the last step's end
+    assert 0 < lat["throughput"]["span_s"] < doc["replay"]["simulated_s"]
     assert lat["throughput"]["output_tokens_per_s"] == pytest.approx(
-        doc["decode"]["output_tokens"] / doc["replay"]["simulated_s"]
+        doc["decode"]["output_tokens"] / lat["throughput"]["span_s"]
     )
     assert set(lat["queueing_s"]) == STATS and lat["queueing_s"]["requests"] == doc["requests"]["finished"]
     assert type(lat["queueing_s"]["requests"]) is int  # a count, in both modes
@@ -249,6 +273,7 @@ def test_replicas_report_latency_in_all_and_per_replica(capsys: pytest.CaptureFi
         (["--slo-tpot", "nan"], "--slo-tpot must be a finite number of seconds > 0, got nan"),
         (["--slo-tpot", "inf"], "--slo-tpot must be a finite number of seconds > 0, got inf"),
         (["--slo-ttft", "2s"], "argument --slo-ttft: invalid float value: '2s'"),
+        (["--prompt-only", "--slo-tpot", "0.1"], "--slo-tpot: --prompt-only generates no token after the first"),
     ],
 )
 def test_bad_objectives_are_one_line_errors(capsys: pytest.CaptureFixture[str], args: list[str], says: str) -> None:

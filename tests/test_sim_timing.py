@@ -146,6 +146,19 @@ def test_a_chunked_prefill_timeline_by_hand() -> None:
     assert a.output_tokens == 4 and b.output_tokens == 2 and a.recomputed_tokens == b.recomputed_tokens == 0
 
 
+def test_every_computed_token_costs_recomputed_outputs_included() -> None:
+    """Preempted by recompute, a request computes its generated tokens again: several tokens past
+    its prompt in one step cost as a prefill chunk (not one decode token); the cost model sees every
+    token the replay counts as computed."""
+    reqs = [SimRequest(i, float(i * 5), [(i % 3 * 1000, 64)], 64, 120, (1 << 30) + i * 4096) for i in range(24)]
+    # 1 ms a token, nothing a step: the steps' compute time counts the tokens the cost model saw
+    r = _replay(
+        [_tier("gpu", 1024)], reqs, SchedulerOptions(max_batch=16, chunk=64, watermark=0.0), LinearCost(0.0, 1000.0)
+    )
+    assert r.finished == 24 and r.preempted_recompute > 0
+    assert r.compute_ms == pytest.approx(r.prefill_computed + r.decode_computed)
+
+
 def _poisson(n: int, rate_per_ms: float, seed: int, outputs: Any = None) -> list[SimRequest]:
     rng = np.random.default_rng(seed)
     times = np.cumsum(rng.exponential(1.0 / rate_per_ms, n))
@@ -210,6 +223,16 @@ def test_the_manager_time_can_be_counted() -> None:
     )  # fmt: skip
     assert all(x.e2e_ms - x.wait_ms == pytest.approx(10.0) for x in plain.outcomes)
     assert all(x.e2e_ms - x.wait_ms > 10.0 for x in counted.outcomes)
+
+
+def test_the_report_records_whether_the_manager_time_counts(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    """``--count-manager-time`` changes every time: the JSON (``scheduler``) and the text's first line say so."""
+    args = ["--trace", TRACE, "--requests", "5", "--no-progress", "--json", str(tmp_path / "r.json")]
+    for extra, counted in (([], False), (["--count-manager-time"], True)):
+        assert main([*args, *extra]) == 0
+        first = capsys.readouterr().out.splitlines()[0]
+        assert json.loads((tmp_path / "r.json").read_text())["scheduler"]["count_manager_time"] is counted
+        assert ("+ the manager's CPU time" in first) is counted, first
 
 
 def test_bandwidth_and_latency_parsing() -> None:

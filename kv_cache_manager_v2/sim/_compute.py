@@ -36,41 +36,45 @@ import os
 from dataclasses import dataclass
 from typing import Final
 
-from ._models import DTYPE_BYTES, PRESETS, ModelShape, SimUserError
+from ._models import DTYPE_BYTES, PRESETS, ModelShape, SimUserError, format_bytes
 from ._step_cost import LinearCost, StepCost
 
 
 @dataclass(frozen=True)
 class GpuSpec:
     """One GPU kind's peaks: dense (no sparsity) tensor-core FLOP/s, HBM bandwidth and the host link
-    (one direction), in FLOP/s and bytes/s."""
+    (one direction), in FLOP/s and bytes/s; and its memory (HBM, bytes, as its datasheet states it)."""
 
     name: str
     bf16_flops: float
     fp8_flops: float
     hbm_bytes_per_s: float
     host_link_bytes_per_s: float
+    hbm_bytes: float
 
 
 T: Final = 1e12
+GiB: Final = float(1 << 30)
 #: the GPUs of ``--gpu-kind`` (SXM parts where there is one). Host links: PCIe x16, one direction.
+#: Memory: the datasheet's "GB", which are GiB (an H100's 80 GB are 5 HBM3 stacks of 16 GiB).
 GPU_KINDS: dict[str, GpuSpec] = {
     g.name: g
     for g in (
         # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16 1,979 / FP8 3,958 TFLOPS with sparsity
-        # (half dense), 3.35 TB/s HBM3, PCIe Gen5 128 GB/s (both directions)
-        GpuSpec("h100", 989.5 * T, 1979 * T, 3.35 * T, 64e9),
-        # NVIDIA H200 datasheet, H200 SXM: the H100's tensor cores, 4.8 TB/s HBM3e, PCIe Gen5 128 GB/s
-        GpuSpec("h200", 989.5 * T, 1979 * T, 4.8 * T, 64e9),
+        # (half dense), 3.35 TB/s HBM3, PCIe Gen5 128 GB/s (both directions), 80 GB
+        GpuSpec("h100", 989.5 * T, 1979 * T, 3.35 * T, 64e9, 80 * GiB),
+        # NVIDIA H200 datasheet, H200 SXM: the H100's tensor cores, 4.8 TB/s HBM3e, PCIe Gen5 128 GB/s,
+        # 141 GB
+        GpuSpec("h200", 989.5 * T, 1979 * T, 4.8 * T, 64e9, 141 * GiB),
         # NVIDIA HGX B200 (1,000 W) specifications: BF16 4.5 / FP8 9 PFLOPS with sparsity (half
-        # dense), 8 TB/s HBM3e; HGX B200 hosts link it at PCIe Gen5 (64 GB/s one way)
-        GpuSpec("b200", 2250 * T, 4500 * T, 8.0 * T, 64e9),
+        # dense), 8 TB/s HBM3e, 180 GB per GPU; HGX B200 hosts link it at PCIe Gen5 (64 GB/s one way)
+        GpuSpec("b200", 2250 * T, 4500 * T, 8.0 * T, 64e9, 180 * GiB),
         # NVIDIA A100 Tensor Core GPU datasheet, A100 SXM 80GB: BF16 312 TFLOPS dense, no FP8 (BF16
-        # given for it), 2,039 GB/s HBM2e, PCIe Gen4 64 GB/s (both directions)
-        GpuSpec("a100", 312 * T, 312 * T, 2.039 * T, 32e9),
+        # given for it), 2,039 GB/s HBM2e, PCIe Gen4 64 GB/s (both directions), 80 GB
+        GpuSpec("a100", 312 * T, 312 * T, 2.039 * T, 32e9, 80 * GiB),
         # NVIDIA L40S datasheet (PCIe card): BF16 362.05 / FP8 733 TFLOPS dense, 864 GB/s GDDR6,
-        # PCIe Gen4 x16 64 GB/s (both directions)
-        GpuSpec("l40s", 362.05 * T, 733 * T, 0.864 * T, 32e9),
+        # PCIe Gen4 x16 64 GB/s (both directions), 48 GB
+        GpuSpec("l40s", 362.05 * T, 733 * T, 0.864 * T, 32e9, 48 * GiB),
     )
 }
 DEFAULT_GPU_KIND = "h100"
@@ -190,6 +194,7 @@ class RooflineCost(StepCost):
         self.kv_write = kv_token * (n_full + n_swa)
         self.state_bytes = 2.0 * shape.state_bytes_per_request  # read and written
         self.dense_bytes, self.expert_bytes = m.weight_bytes()
+        self.weights_bytes = self.dense_bytes + self.expert_bytes  #: all of them, on this one GPU
         self.expert_miss = 1.0 - m.top_k / m.experts if m.experts else 0.0
         dtype = m.expert_dtype if m.experts else m.weight_dtype
         peak = gpu.fp8_flops if dtype == "fp8" else gpu.bf16_flops
@@ -297,7 +302,7 @@ def load_calibration(path: str) -> CalibrationCost:
     """Read and fit a calibration file (see the module doc); SimUserError naming the line if bad."""
     where = f"--calibration {path}"
     try:
-        with open(path, encoding="utf-8", newline="") as f:
+        with open(path, encoding="utf-8-sig", newline="") as f:  # (-sig: a byte-order mark, as Excel writes)
             text = f.read(MAX_CALIBRATION_CHARS + 1)
     except (OSError, UnicodeDecodeError) as e:
         raise SimUserError(f"{where}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
@@ -404,12 +409,31 @@ def build_step_cost(
     return RooflineCost(shape, gpu, factors[0], factors[1])
 
 
-def describe_cost(cost: StepCost | None) -> dict[str, object]:
+def describe_cost(cost: StepCost | None, gpu_quota_bytes: float = 0.0) -> dict[str, object]:
     """The report's record of a step cost: its kind, parameters and a line of text (None: the
-    replay's default, a ``LinearCost`` of its options)."""
+    replay's default, a ``LinearCost`` of its options). The roofline's also has the model's weights
+    and the GPU's memory, and a ``warning`` (else None) when the weights plus ``gpu_quota_bytes``
+    (the GPU tier) exceed it: the roofline assumes one GPU holds them all."""
     if isinstance(cost, RooflineCost):
-        text = f"roofline on {cost.gpu.name} (MFU {cost.mfu:g}, MBU {cost.mbu:g})"
-        return {"model": "roofline", "gpu_kind": cost.gpu.name, "mfu": cost.mfu, "mbu": cost.mbu, "text": text}
+        gpu = cost.gpu
+        text = f"roofline on {gpu.name} (MFU {cost.mfu:g}, MBU {cost.mbu:g})"
+        warning = None
+        if cost.weights_bytes + gpu_quota_bytes > gpu.hbm_bytes:
+            warning = (
+                f"the model's weights ({format_bytes(cost.weights_bytes)}) plus the GPU tier "
+                f"({format_bytes(gpu_quota_bytes)}) exceed one {gpu.name}'s {format_bytes(gpu.hbm_bytes)}: "
+                "the roofline assumes one GPU; tensor parallelism is not modelled"
+            )
+        return {
+            "model": "roofline",
+            "gpu_kind": gpu.name,
+            "mfu": cost.mfu,
+            "mbu": cost.mbu,
+            "weights_bytes": cost.weights_bytes,
+            "hbm_bytes": gpu.hbm_bytes,
+            "warning": warning,
+            "text": text,
+        }
     if isinstance(cost, CalibrationCost):
         return {
             "model": "calibration",

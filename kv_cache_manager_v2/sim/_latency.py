@@ -9,7 +9,8 @@ Definitions (the report's ``latency`` section; every time in seconds, the replay
   least 90 % of the requests had their first token within 2 s". Means are arithmetic.
 - **TPOT** is over the requests with more than one output token (a single token has no time between
   tokens; the replay notes 0 for it); the goodput counts such a request as meeting ``--slo-tpot``.
-- **Throughput** is over the simulated span: from simulated time 0 (the trace's start) to the end of
+- **Throughput** is over the simulated span: from the first request's arrival (times
+  ``--time-scale``; not time 0, so a trace whose timestamps start late is not diluted) to the end of
   the replay's last step (``replay.simulated_s``; over replicas, the fleet's): finished requests,
   prompt tokens (of first admissions, reused ones included) and output tokens, per second.
 - **Goodput**: the finished requests whose TTFT is at most ``--slo-ttft`` and TPOT at most
@@ -82,10 +83,10 @@ def summary(values_ms: array[float], positive_only: bool = False) -> dict[str, A
     return out
 
 
-def latency_report(r: ReplayResult, slo: Slo | None = None, span_ms: float | None = None) -> dict[str, Any]:
-    """The report's ``latency`` section of ``r`` (see the module doc); ``span_ms``: the throughput's
-    span (default: ``r``'s simulated time)."""
-    span_s = (r.sim_time_ms if span_ms is None else span_ms) / 1000.0
+def latency_report(r: ReplayResult, slo: Slo | None = None, end_ms: float | None = None) -> dict[str, Any]:
+    """The report's ``latency`` section of ``r`` (see the module doc); ``end_ms``: where the
+    throughput's span ends (default: ``r``'s simulated time; it starts at ``r``'s first arrival)."""
+    span_s = max(0.0, (r.sim_time_ms if end_ms is None else end_ms) - r.first_arrival_ms) / 1000.0
     ttft = _sorted_s(r.ttft_ms)
     return {
         "percentiles": "nearest rank",

@@ -49,7 +49,7 @@ from ._replay_types import (
     SchedulerOptions,
     add_request_times,
     add_samples,
-    ideal_peak_tokens,
+    set_workload_bounds,
 )
 from ._ssm_policy import add_counters
 from ._step_cost import LinearCost, StepCost
@@ -110,11 +110,7 @@ class Replay:
         self.on_step = on_step  #: called after every step (tests run the invariant checker there)
         self.on_finish = on_finish  #: called once at the end, before the manager is shut down (final metrics)
         self.result = ReplayResult(self.t, num_requests=len(requests))
-        for sim in requests:
-            self.result.trace_span_ms = max(self.result.trace_span_ms, sim.arrival_ms * options.time_scale)
-            need = sim.prompt_length + (1 if options.prompt_only else sim.output_length)
-            self.result.longest_request_tokens = max(self.result.longest_request_tokens, need)
-        self.result.ideal_peak_tokens = ideal_peak_tokens(requests, options)
+        set_workload_bounds(self.result, requests, options)
         self.arrivals: list[tuple[float, int]] = []
         self.successors: dict[int, list[int]] = {}
         #: requests a later one continues (their output is in its prompt: EngineRequest.output_is_history)
@@ -317,9 +313,12 @@ class Replay:
             if cached < live.prompt_length:
                 r.prefill_computed += n
                 cost.add_prefill(n, cached)
-            else:
+            else:  # (n > 1: generated tokens computed again after a recompute, or a match into outputs)
                 r.decode_computed += n
-                cost.add_decode(cached)
+                if n == 1:
+                    cost.add_decode(cached)
+                else:
+                    cost.add_prefill(n, cached)
             if checker is not None:
                 checker.step(req, live.tokens, live.full_check)
                 live.full_check = False
@@ -330,7 +329,9 @@ class Replay:
                 generated.append(TokenId(live.sim.output_base + len(generated)))
                 if len(generated) >= req.max_new_tokens:
                     finished.append(live)
-        self.clock = self._step_traffic() + cost.take_ms()  # (its loads first: see _tier_io)
+        ms = cost.take_ms()
+        r.compute_ms += ms
+        self.clock = self._step_traffic() + ms  # (its loads first: see _tier_io)
         t0 = _clock()
         self.rm.update_resources([x.req for x in served])
         for live in finished:

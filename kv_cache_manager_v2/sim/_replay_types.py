@@ -148,6 +148,7 @@ class ReplayResult:
     rejected_prompt_blocks: int = 0
     longest_request_tokens: int = 0  #: the longest prompt + output of the workload (what a GPU tier must hold)
     trace_span_ms: float = 0.0  #: the last arrival time (times time_scale)
+    first_arrival_ms: float = 0.0  #: the first arrival time (times time_scale): where throughput's span starts
     #: most tokens (prompt + output) held at once if every request ran alone from its arrival on
     #: (see ideal_peak_tokens): about what a GPU tier needs for the engine to keep up
     ideal_peak_tokens: int = 0
@@ -170,6 +171,7 @@ class ReplayResult:
     preempted_recompute: int = 0
     resumed: int = 0
     sim_time_ms: float = 0.0
+    compute_ms: float = 0.0  #: simulated time its steps computed (the step cost's, summed; not loads or the manager)
     wait_ms: array[float] = field(default_factory=lambda: array("d"))  #: arrival to first admission, per request
     #: per finished request, in finishing order (simulated ms): arrival to its first output token
     #: (TTFT), the mean time between its later output tokens (TPOT; 0 with one output token), and
@@ -216,6 +218,19 @@ class ReplayResult:
     split_prompt_tokens: int = 0
     split_reused_tokens: int = 0
     adopted_pages: int = -1
+
+
+def set_workload_bounds(result: ReplayResult, requests: Sequence[SimRequest], options: SchedulerOptions) -> None:
+    """``result``'s figures of the workload itself: its first and last arrival, its longest request
+    and ``ideal_peak_tokens``."""
+    scale = options.time_scale
+    if requests:
+        result.first_arrival_ms = min(sim.arrival_ms for sim in requests) * scale
+        result.trace_span_ms = max(sim.arrival_ms for sim in requests) * scale
+    for sim in requests:
+        need = sim.prompt_length + (1 if options.prompt_only else sim.output_length)
+        result.longest_request_tokens = max(result.longest_request_tokens, need)
+    result.ideal_peak_tokens = ideal_peak_tokens(requests, options)
 
 
 def ideal_peak_tokens(requests: Sequence[SimRequest], options: SchedulerOptions) -> int:

@@ -125,6 +125,8 @@ def merge_results(results: Sequence[ReplayResult]) -> ReplayResult:
             "snapshot_interval",
         ):
             setattr(out, f.name, max(values))
+        elif f.name == "first_arrival_ms":
+            setattr(out, f.name, min(values))
         elif isinstance(values[0], (int, float)) and not isinstance(values[0], bool):
             setattr(out, f.name, sum(values))
         elif f.name == "rejected_lines":

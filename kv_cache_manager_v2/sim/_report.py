@@ -2,42 +2,26 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from ._compute import describe_cost
 from ._latency import Slo, latency_report, latency_rows, slo_cell, ttft_cell
+from ._load import load_report, load_text, percentile, ratio, sweep_advice
 from ._models import (
     SSM_SWEEP_KEY,
     ModelShape,
     TierSpec,
     format_bytes,
     format_count,
-    format_quota,
-    is_token_quota,
     swept_tier,
 )
 from ._replay_types import LevelUsage, ReplayResult, SchedulerOptions
 from ._ssm_policy import SSM_POLICY_KEY, format_policy_sweep, snapshot_rows
 from ._step_cost import LinearCost
-from ._tier_io import link_report
+from ._tier_io import link_report, link_rows
 
 SCHEMA = "kv-cache-sim/2"
 MAX_SERIES_POINTS = 400
-#: overloaded: the replay took more than this many times the trace's span (plus OVERLOAD_SLACK_S)
-OVERLOAD_RATIO = 1.2
-OVERLOAD_SLACK_S = 10.0
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b else 0.0
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    k = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[k]
 
 
 def _downsample(values: list[float], n: int) -> list[float]:
@@ -68,7 +52,7 @@ def build_report(
         "snapshots": _snapshots(r) if shape.is_hybrid else None,
         "tokens_per_block": r.tokens_per_block,
         "workload": workload,
-        "scheduler": _scheduler(options),
+        "scheduler": _scheduler(options, tiers[0].quota_bytes),
         "requests": {
             "total": r.num_requests,
             "finished": r.finished,
@@ -91,7 +75,7 @@ def build_report(
         "decode": {"output_tokens": r.output_tokens, "computed_tokens": r.decode_computed},
         "tiers": [_tier_row(tier, usage, shape, scale) for tier, usage in zip(tiers, r.levels)],
         "preemptions": {"suspend": r.preempted_suspend, "recompute": r.preempted_recompute, "resumed": r.resumed},
-        "load": _load(r, shape, tiers, options),
+        "load": load_report(r, shape, tiers, options),
         "latency": latency_report(r, slo),  # what users wait for, in seconds (see _latency)
         "tier_io": link_report(options.links, [t.kind for t in tiers[1:]], r.io_wait_ms, r.io_write_stall_ms),
         "manager": {
@@ -106,8 +90,8 @@ def build_report(
             "steps": r.steps,
             "max_batch": r.max_batch,
             "simulated_s": r.sim_time_ms / 1000.0,
-            "requests_per_s": _ratio(r.finished, r.wall_s),
-            "blocks_per_s": _ratio(r.blocks_replayed, r.wall_s),
+            "requests_per_s": ratio(r.finished, r.wall_s),
+            "blocks_per_s": ratio(r.blocks_replayed, r.wall_s),
         },
         "data_check": {"records_checked": r.records_checked} if r.records_checked else None,
         "series": _series(r),
@@ -164,7 +148,7 @@ def _linear(options: SchedulerOptions) -> bool:
     return options.cost is None or isinstance(options.cost, LinearCost)
 
 
-def _scheduler(options: SchedulerOptions) -> dict[str, Any]:
+def _scheduler(options: SchedulerOptions, gpu_quota_bytes: float) -> dict[str, Any]:
     linear = _linear(options)
     return {
         "max_batch": options.max_batch,
@@ -176,7 +160,8 @@ def _scheduler(options: SchedulerOptions) -> dict[str, Any]:
         "time_scale": options.time_scale,
         "reuse": options.reuse,
         "prompt_only": options.prompt_only,
-        "compute": describe_cost(options.cost or LinearCost(options.step_ms, options.tokens_per_s)),
+        "count_manager_time": options.count_manager_time,  #: steps also take the manager's CPU time
+        "compute": describe_cost(options.cost or LinearCost(options.step_ms, options.tokens_per_s), gpu_quota_bytes),
     }
 
 
@@ -185,15 +170,15 @@ def _hit_rate(r: ReplayResult, tiers: list[TierSpec]) -> dict[str, Any]:
     all_blocks = r.prompt_blocks + r.rejected_prompt_blocks
     return {
         # over the admitted requests' prompts
-        "tokens": _ratio(r.reused_tokens, r.prompt_tokens),
-        "blocks": _ratio(r.hit_blocks, r.prompt_blocks),
+        "tokens": ratio(r.reused_tokens, r.prompt_tokens),
+        "blocks": ratio(r.hit_blocks, r.prompt_blocks),
         # over every request of the workload, rejected prompts counting as misses: the same
         # denominator at every quota (compare these across a sweep)
-        "tokens_all_requests": _ratio(r.reused_tokens, all_tokens),
-        "blocks_all_requests": _ratio(r.hit_blocks, all_blocks),
+        "tokens_all_requests": ratio(r.reused_tokens, all_tokens),
+        "blocks_all_requests": ratio(r.hit_blocks, all_blocks),
         # split by the tier each reused block was found in at admission (they add up to the totals)
-        "by_tier": {t.kind: _ratio(u.hit_blocks, r.prompt_blocks) for t, u in zip(tiers, r.levels)},
-        "tokens_by_tier": {t.kind: _ratio(u.reused_tokens, r.prompt_tokens) for t, u in zip(tiers, r.levels)},
+        "by_tier": {t.kind: ratio(u.hit_blocks, r.prompt_blocks) for t, u in zip(tiers, r.levels)},
+        "tokens_by_tier": {t.kind: ratio(u.reused_tokens, r.prompt_tokens) for t, u in zip(tiers, r.levels)},
     }
 
 
@@ -205,9 +190,9 @@ def _tier_row(tier: TierSpec, usage: LevelUsage, shape: ModelShape, scale: float
         "capacity_bytes": int(cap),
         "capacity_tokens": int(cap // shape.bytes_per_token),
         "peak_used_bytes": int(usage.peak_used * scale),
-        "peak_used_fraction": _ratio(usage.peak_used, usage.capacity),
+        "peak_used_fraction": ratio(usage.peak_used, usage.capacity),
         "peak_occupied_bytes": int(usage.peak_occupied * scale),
-        "peak_occupied_fraction": _ratio(usage.peak_occupied, usage.capacity),
+        "peak_occupied_fraction": ratio(usage.peak_occupied, usage.capacity),
         "reusable_bytes_at_end": int(usage.reusable_at_end * scale),
         "snapshot_bytes_at_end": int(usage.snapshots_at_end * scale),
         "peak_pinned_bytes": int(usage.peak_pinned * scale),
@@ -230,12 +215,12 @@ def _manager_cpu(r: ReplayResult) -> dict[str, Any]:
     return {
         "total_s": r.manager_s,
         "per_step_us": {
-            "mean": _ratio(sum(steps), len(steps)),
-            "p50": _percentile(steps, 0.5),
-            "p99": _percentile(steps, 0.99),
+            "mean": ratio(sum(steps), len(steps)),
+            "p50": percentile(steps, 0.5),
+            "p99": percentile(steps, 0.99),
             "max": steps[-1] if steps else 0.0,
         },
-        "per_request_step_us": _ratio(r.manager_s * 1e6, r.request_steps),
+        "per_request_step_us": ratio(r.manager_s * 1e6, r.request_steps),
     }
 
 
@@ -246,82 +231,6 @@ def _series(r: ReplayResult) -> dict[str, list[float]]:
         "gpu_cached": _downsample(list(r.series_cached), MAX_SERIES_POINTS),
         "hit_rate_tokens": _downsample(list(r.series_hit), MAX_SERIES_POINTS),
         "running": _downsample(list(r.series_running), MAX_SERIES_POINTS),
-    }
-
-
-def _load(r: ReplayResult, shape: ModelShape, tiers: list[TierSpec], options: SchedulerOptions) -> dict[str, Any]:
-    """Whether the simulated engine kept up with the arrivals, and a GPU quota that would fit."""
-    span_s = r.trace_span_ms / 1000.0
-    sim_s = r.sim_time_ms / 1000.0
-    waits = sorted(x / 1000.0 for x in r.wait_ms)
-    computed = r.prefill_computed + r.decode_computed
-    compute_s = computed / options.tokens_per_s if _linear(options) else 0.0
-    overloaded = span_s > 0 and sim_s > OVERLOAD_RATIO * span_s + OVERLOAD_SLACK_S
-    gpu = tiers[0]
-    in_tokens = is_token_quota(gpu.text)
-    bpt = shape.bytes_per_token
-    t = r.tokens_per_block
-    # its blocks (one more for alignment) and its live recurrent state
-    longest_bytes = (r.longest_request_tokens + t) * bpt + shape.state_bytes_per_request
-    fit_bytes = max(r.ideal_peak_tokens * bpt / (1.0 - options.watermark), longest_bytes)
-    suggested = format_quota(fit_bytes, shape, in_tokens) if overloaded and fit_bytes > gpu.quota_bytes else None
-    # with a tier below the GPU, reuse from it saves compute that the bound (no reuse) ignores: a GPU
-    # quota between this one and the bound may keep up; a sweep finds the smallest
-    lower = " ".join(f"--{t.kind} {t.text}" for t in tiers[1:])
-    sweep = None
-    if suggested is not None and lower:
-        mid = format_quota(math.sqrt(gpu.quota_bytes * fit_bytes), shape, in_tokens)
-        sweep = f"gpu={','.join(dict.fromkeys((gpu.text, mid, suggested)))}"
-    admits_all = format_quota(longest_bytes, shape, in_tokens)
-    warnings: list[str] = []
-    if r.rejected:
-        warnings.append(
-            f"rejected {r.rejected:,} of {r.num_requests:,} requests as longer than the GPU tier holds (the longest needs "
-            f"{format_count(r.longest_request_tokens)} tokens; --gpu {admits_all} admits every one"
-            + (
-                ", plus the share the manager gives snapshots, which grows as --ssm-reuse-interval shrinks"
-                if shape.is_hybrid
-                else ""
-            )
-            + "); their prompts count as misses in the hit rates over all requests"
-        )
-    if overloaded:
-        msg = (
-            f"the simulated engine is overloaded: {sim_s:,.0f} s simulated for {span_s:,.0f} s of arrivals "
-            f"(x{sim_s / span_s:.1f}; requests waited {_percentile(waits, 0.5):,.0f} s at p50, "
-            f"{_percentile(waits, 0.99):,.0f} s at p99 before admission)"
-        )
-        if compute_s > 0.9 * span_s:
-            msg += (
-                f"; computing its {format_count(computed)} tokens at --tokens-per-s {options.tokens_per_s:g} "
-                f"alone takes {compute_s:,.0f} s: raise --tokens-per-s (or spread arrivals with --time-scale)"
-            )
-        if suggested is not None:
-            msg += (
-                f"; the requests in flight at their arrival times hold up to {format_count(r.ideal_peak_tokens)} "
-                f"tokens: --gpu {suggested} holds them all even without reuse"
-            )
-        if sweep is not None:
-            msg += f"; with {lower} reusing blocks less may keep up: --sweep {sweep} {lower} finds how much"
-        warnings.append(msg)
-    return {
-        "trace_span_s": span_s,
-        "simulated_s": sim_s,
-        "time_ratio": _ratio(sim_s, span_s),
-        "overloaded": overloaded,
-        "wait_s": {
-            "mean": _ratio(sum(waits), len(waits)),
-            "p50": _percentile(waits, 0.5),
-            "p99": _percentile(waits, 0.99),
-            "max": waits[-1] if waits else 0.0,
-        },
-        "compute_s": compute_s,
-        "ideal_peak_tokens": r.ideal_peak_tokens,
-        "longest_request_tokens": r.longest_request_tokens,
-        "gpu_quota_admitting_all": admits_all,  #: a GPU quota that rejects no request
-        "suggested_gpu_quota": suggested,  #: overloaded only: holds every request in flight, without reuse
-        "suggested_gpu_sweep": sweep,  #: overloaded with a lower tier: from this quota to suggested_gpu_quota
-        "warnings": warnings,
     }
 
 
@@ -392,7 +301,9 @@ def format_report(rep: dict[str, Any]) -> str:
     pm = rep["preemptions"]
     lines = [
         f"kv-cache-sim: {m['name']}, {format_bytes(m['bytes_per_token'])}/token, "
-        f"{rep['tokens_per_block']} tokens/block, {rep['scheduler']['compute']['text']} ({rep['mode']})",
+        f"{rep['tokens_per_block']} tokens/block, {rep['scheduler']['compute']['text']}"
+        + (" + the manager's CPU time" if rep["scheduler"]["count_manager_time"] else "")
+        + f" ({rep['mode']})",
         _row("workload", str(w["description"])),
         _row(
             "requests",
@@ -459,9 +370,10 @@ def format_report(rep: dict[str, Any]) -> str:
             f"{rp['steps']:,} (largest batch {rp['max_batch']}); preemptions: {pm['suspend']:,} suspended "
             f"({pm['resumed']:,} resumed), {pm['recompute']:,} recomputed",
         ),
-        _row("load", _load_text(rep["load"])),
+        _row("load", load_text(rep["load"])),
         "what users wait for (simulated)",
         *(_row(label, text) for label, text in latency_rows(rep["latency"])),
+        *(_row(label, text) for label, text in link_rows(rep["tier_io"])),
         "manager CPU time",
         _row(
             "per step",
@@ -476,7 +388,7 @@ def format_report(rep: dict[str, Any]) -> str:
     ]
     if rep["data_check"] is not None:
         lines.append(_row("data check", f"passed: {rep['data_check']['records_checked']:,} records checked"))
-    lines += [f"warning: {w}" for w in rep["load"]["warnings"]]
+    lines += [f"warning: {w}" for w in [rep["scheduler"]["compute"].get("warning"), *rep["load"]["warnings"]] if w]
     return "\n".join(lines)
 
 
@@ -486,17 +398,6 @@ def _snapshot_lines(rep: dict[str, Any]) -> list[str]:
     if not snap:
         return []
     return [_row(label, text) for label, text in snapshot_rows(snap)]
-
-
-def _load_text(load: dict[str, Any]) -> str:
-    w = load["wait_s"]
-    head = f"waited before admission: p50 {w['p50']:,.1f} s, p99 {w['p99']:,.1f} s"
-    if not load["trace_span_s"]:
-        return head
-    return (
-        f"{load['simulated_s']:,.0f} s simulated for {load['trace_span_s']:,.0f} s of arrivals "
-        f"(x{load['time_ratio']:.2f}{', overloaded' if load['overloaded'] else ''}); " + head
-    )
 
 
 def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
@@ -543,32 +444,8 @@ def format_sweep(key: str, reports: list[dict[str, Any]]) -> str:
         + "; held: peak GPU share held by requests; filled: peak share of the "
         f"{key} tier holding blocks (requests' or reusable); time: simulated time / trace span (!: overloaded)"
     )
-    lines += _sweep_advice(key, reports)
+    lines += sweep_advice(key, reports)
     return "\n".join(lines)
-
-
-def _sweep_advice(key: str, reports: list[dict[str, Any]]) -> list[str]:
-    """Warnings for rejected requests and overloaded points, and the smallest quota that does neither."""
-    quota = [swept_tier(rep, key)["quota"] for rep in reports]
-    out: list[str] = []
-    rejecting = [q for q, rep in zip(quota, reports) if rep["requests"]["rejected"]]
-    if rejecting:
-        out.append(
-            f"warning: requests rejected (too long for the GPU tier) at {key} {', '.join(dict.fromkeys(rejecting))}"
-        )
-    overloaded = [q for q, rep in zip(quota, reports) if rep["load"]["overloaded"]]
-    if not overloaded:
-        return out
-    out.append(f"warning: the simulated engine is overloaded at {key} {', '.join(dict.fromkeys(overloaded))}")
-    fine = [q for q, rep in zip(quota, reports) if not rep["load"]["overloaded"] and not rep["requests"]["rejected"]]
-    if fine:
-        out.append(f"  the smallest {key} quota of this sweep that keeps up and rejects nothing: {fine[0]}")
-    else:
-        last = reports[-1]["load"]
-        note = [w for w in last["warnings"] if w.startswith("the simulated engine")]
-        if note:
-            out.append(f"  at {key} {quota[-1]}: {note[0]}")
-    return out
 
 
 def format_ssm_sweep(reports: list[dict[str, Any]]) -> str:

@@ -283,6 +283,27 @@ def link_report(
     return out
 
 
+def link_rows(section: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, text) rows of the text report for its ``tier_io`` section (none without a lower tier)."""
+    if not section["enabled"]:
+        return [("tier I/O", "off (--no-tier-io: pages move between tiers in no time)")]
+    links = []
+    for kind in LINK_TIERS:
+        link = section.get(kind)
+        if link is not None:
+            read, write = (
+                x / 1e9 if x is not None else math.inf for x in (link["read_bytes_per_s"], link["write_bytes_per_s"])
+            )
+            bw = f"{read:g} GB/s" if read == write else f"{read:g}/{write:g} GB/s read/write"
+            links.append(f"{kind} {bw}, {link['latency_ms'] * 1000:g} us")
+    if not links:
+        return []
+    waited = (
+        f"steps waited {section['load_wait_s']:,.1f} s for loads, {section['write_stall_s']:,.1f} s for queued writes"
+    )
+    return [("tier I/O", f"{'; '.join(links)}: {waited}")]
+
+
 def tier_kind(tier: object) -> str:
     """A cache tier's link (``_tier_io.LINK_TIERS``), "gpu" for the GPU tier."""
     if isinstance(tier, HostCacheTierConfig):

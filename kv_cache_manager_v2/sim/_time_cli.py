@@ -10,7 +10,7 @@ import dataclasses
 
 from ._compute import DEFAULT_GPU_KIND, DEFAULT_MBU, DEFAULT_MFU, GPU_KINDS, build_step_cost
 from ._latency import SLO_OPTIONS, Slo, check_slo
-from ._models import ModelShape
+from ._models import ModelShape, SimUserError
 from ._replay_types import SchedulerOptions
 from ._tier_io import add_arguments, time_options
 
@@ -45,4 +45,6 @@ def time_setup(
     gpu = GPU_KINDS.get(a.gpu_kind or DEFAULT_GPU_KIND, GPU_KINDS[DEFAULT_GPU_KIND])
     links = time_options(a, uses_disk, sweep, gpu.host_link_bytes_per_s)
     options = dataclasses.replace(options, cost=cost, links=links, count_manager_time=a.count_manager_time)
+    if options.prompt_only and a.slo_tpot is not None:
+        raise SimUserError("--slo-tpot: --prompt-only generates no token after the first (no TPOT); drop one")
     return options, check_slo(a.slo_ttft, a.slo_tpot)
