@@ -5,7 +5,7 @@ mean/p50/p90 TTFT, output throughput, and the share of requests whose TTFT is hi
 GPU-only run of the same requests (joined by request index through ``--per-request``; higher: by
 more than 5 % and 1 ms).
 
-    .venv/bin/python benchmarks/time_model_table.py --trace TRACE.jsonl --out benchmarks/time_model_results.json
+    .venv/bin/python benchmarks/time_model_table.py --trace TRACE.jsonl --time-scale 4
 
 Runs whatever build is in place (``scripts/sim.sh`` builds the compiled one); the figures do not
 depend on the mode, only the wall time does.
@@ -95,12 +95,14 @@ def main() -> None:
     p.add_argument("--trace", required=True, help="a Mooncake-format trace")
     p.add_argument("--models", default="llama-3-8b,qwen3-32b")
     p.add_argument("--requests", type=int, help="only the first N requests of the trace")
+    p.add_argument("--time-scale", type=float, default=1.0, help="also replay the trace with arrivals this much slower")
     p.add_argument("--out", default=os.path.join(HERE, "time_model_results.json"))
     a = p.parse_args()
-    workloads = {
-        "trace": ["--trace", a.trace, *(["--requests", str(a.requests)] if a.requests else [])],
-        "conversations": [],
-    }
+    trace = ["--trace", a.trace, *(["--requests", str(a.requests)] if a.requests else [])]
+    workloads = {"trace": trace}
+    if a.time_scale != 1.0:  # the same trace, arriving slower (one GPU cannot keep up with some traces)
+        workloads[f"trace x{a.time_scale:g}"] = [*trace, "--time-scale", str(a.time_scale)]
+    workloads["conversations"] = []
     results: list[dict[str, Any]] = []
     for wname, workload in workloads.items():
         for model in a.models.split(","):
@@ -112,13 +114,14 @@ def main() -> None:
                 r = {"workload": wname, "model": model, "setup": name, "args": extra, **row(report, ttft, base)}
                 results.append(r)
                 print(
-                    f"{wname:13} {model:10} {name:19} hit {r['hit_rate']:.3f}  TTFT mean {r['ttft_mean_s']:.2f} "
+                    f"{wname:14} {model:10} {name:19} hit {r['hit_rate']:.3f}  TTFT mean {r['ttft_mean_s']:.2f} "
                     f"p50 {r['ttft_p50_s']:.2f} p90 {r['ttft_p90_s']:.2f} s  out {r['output_tokens_per_s']:,.0f} tok/s  "
                     f"TTFT higher than GPU-only {r['ttft_higher_than_gpu_only']:.1%} lower "
                     f"{r['ttft_lower_than_gpu_only']:.1%}",
                     flush=True,
                 )
-    write_results(a.out, {"trace": os.path.basename(a.trace), "gpu_kind": "h100", "gpu_kv": GPU_KV}, results)
+    params = {"trace": os.path.basename(a.trace), "time_scale": a.time_scale, "gpu_kind": "h100", "gpu_kv": GPU_KV}
+    write_results(a.out, params, results)
 
 
 if __name__ == "__main__":
