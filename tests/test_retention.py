@@ -844,9 +844,9 @@ def test_a_refused_tier_shrink_keeps_the_pins_held(make_manager: MakeManager) ->
     kv.close()
 
 
-def test_pins_a_shrink_let_go_of_hold_again_when_the_tier_grows_back(make_manager: MakeManager) -> None:
-    """8 of 16 slots pinned, the tier shrunk to 10 (5 held), grown back to 16: all 8 hold again
-    (the oldest pins first), and pressure keeps every pinned block."""
+def _two_pins_shrunk(make_manager: MakeManager) -> tuple[KVCacheManager, FakeEngine, list[int], list[int]]:
+    """A (4 blocks) then B (4) cached and pinned on 16 GPU slots at share 0.5, the tier shrunk to 10
+    slots: 5 pins held."""
     m = make_manager(one_layer(T), tokens_per_block=T, quota=16 * REC * T, max_pinned_share=0.5)
     engine = FakeEngine(m)
     a, b = seq(1000, 4), seq(2000, 4)
@@ -855,6 +855,13 @@ def test_pins_a_shrink_let_go_of_hold_again_when_the_tier_grows_back(make_manage
         assert m.pin(tokens) == 4 * T
     assert m.resize(CacheLevel(0), 10 * REC * T)
     assert pinned(m, 1) == [5]
+    return m, engine, a, b
+
+
+def test_pins_a_shrink_let_go_of_hold_again_when_the_tier_grows_back(make_manager: MakeManager) -> None:
+    """8 of 16 slots pinned, the tier shrunk to 10 (5 held), grown back to 16: all 8 hold again
+    (the oldest pins first), and pressure keeps every pinned block."""
+    m, engine, a, b = _two_pins_shrunk(make_manager)
     assert m.resize(CacheLevel(0), 12 * REC * T)  # room for one more: the oldest pin's first block
     m.check_invariants()
     assert pinned(m, 1) == [6]
@@ -874,14 +881,7 @@ def test_pins_a_shrink_let_go_of_hold_again_when_the_tier_grows_back(make_manage
 def test_pinning_again_holds_the_pins_a_shrink_let_go_of_within_the_share(make_manager: MakeManager) -> None:
     """A (4 blocks) and B (4) pinned on 16 slots, the tier shrunk to 10: A's last 3 blocks are let
     go of; B unpinned, pinning A again holds them again (the share has room), so pressure keeps A."""
-    m = make_manager(one_layer(T), tokens_per_block=T, quota=16 * REC * T, max_pinned_share=0.5)
-    engine = FakeEngine(m)
-    a, b = seq(1000, 4), seq(2000, 4)
-    for tokens in (a, b):
-        run(m, engine, tokens)
-        assert m.pin(tokens) == 4 * T
-    assert m.resize(CacheLevel(0), 10 * REC * T)
-    assert pinned(m, 1) == [5]
+    m, engine, a, b = _two_pins_shrunk(make_manager)
     assert m.pin(a) == 4 * T  # no room: the pin stands, its let-go pages stay ordinary pages
     assert pinned(m, 1) == [5]
     assert m.unpin(b)

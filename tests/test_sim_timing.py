@@ -78,16 +78,22 @@ def test_a_request_alone_waits_for_its_loads_then_its_prefill(kind: str, tmp_pat
     assert _by_index(free)[2].ttft_ms == pytest.approx(26.0) and free.io_wait_ms == 0.0
 
 
-def test_loads_wait_behind_offloads_queued_on_the_same_link() -> None:
-    """Request 1 evicts request 0's prefix to host (an offload that keeps the link busy for 2 ms
-    plus latency); request 2 arrives while the link is still busy and reuses that prefix: its load
-    starts when the offload is done."""
+def _evict_then_reuse() -> tuple[list[SimRequest], float]:
+    """Request 1 (at 1,000 ms) evicts request 0's 160-token prefix to the lower tier; request 2
+    (also at 1,000) reuses it from there; and the bandwidth that moves the prefix in 1 ms."""
     reqs = [
         SimRequest(0, 0.0, [(1, 160)], 160, 1, 1 << 30),
         SimRequest(1, 1000.0, [(10_000, 200)], 200, 1, (1 << 30) + 10),
         SimRequest(2, 1000.0, [(1, 160), (50_000, 16)], 176, 1, (1 << 30) + 20),
     ]
-    bandwidth = 160 * SMALL.bytes_per_token / 1e-3
+    return reqs, 160 * SMALL.bytes_per_token / 1e-3
+
+
+def test_loads_wait_behind_offloads_queued_on_the_same_link() -> None:
+    """Request 1 evicts request 0's prefix to host (an offload that keeps the link busy for 2 ms
+    plus latency); request 2 arrives while the link is still busy and reuses that prefix: its load
+    starts when the offload is done."""
+    reqs, bandwidth = _evict_then_reuse()
     links = TierLinks(host=Link(bandwidth, bandwidth / 100, 0.5))  # writes: 100 ms for the prefix
     opts = SchedulerOptions(prompt_only=True, watermark=0.0, max_batch=1, links=links)
     r = _replay([_tier("gpu", 208), _tier("host", 4096)], reqs, opts, LinearCost(10.0, 1000.0))
@@ -102,12 +108,7 @@ def test_a_step_waits_while_its_link_has_more_than_the_write_backlog_queued() ->
     """As above with writes 30 times slower: request 1's offload of request 0's prefix holds the
     host link 3,000.5 ms (from 1,000), more than ``WRITE_BACKLOG_MS`` (1 s) beyond the step's start:
     the step waits until only 1 s of it is left, then computes; request 2 loads behind the rest."""
-    reqs = [
-        SimRequest(0, 0.0, [(1, 160)], 160, 1, 1 << 30),
-        SimRequest(1, 1000.0, [(10_000, 200)], 200, 1, (1 << 30) + 10),
-        SimRequest(2, 1000.0, [(1, 160), (50_000, 16)], 176, 1, (1 << 30) + 20),
-    ]
-    bandwidth = 160 * SMALL.bytes_per_token / 1e-3
+    reqs, bandwidth = _evict_then_reuse()
     links = TierLinks(host=Link(bandwidth, bandwidth / 3000, 0.5))  # writes: 3 s for the prefix
     opts = SchedulerOptions(prompt_only=True, watermark=0.0, max_batch=1, links=links)
     r = _replay([_tier("gpu", 208), _tier("host", 4096)], reqs, opts, LinearCost(10.0, 1000.0))
