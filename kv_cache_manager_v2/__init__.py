@@ -27,7 +27,8 @@ Engine adapter
 
 Simulator
     kv-cache-sim (python -m kv_cache_manager_v2.sim): replays a workload or a Mooncake trace
-    through the engine adapter and reports hit rates by tier, memory and the manager's CPU time.
+    through the engine adapter and reports hit rates by tier, memory, TTFT/TPOT/queueing
+    percentiles, throughput and the manager's CPU time.
 
 More: kv_cache_manager_v2.events (ZMQ publisher, KV-aware router), kv_cache_manager_v2.metrics
 (Prometheus). Usage: README.md; how it works, guarantees and the engine contract: docs/design.md.

@@ -440,8 +440,9 @@ class KVCacheManagerConfig:
     #: "interval": every ``ssm_reuse_interval`` tokens and at the prompt's last full block;
     #: "branch": where the prompt leaves a cached path, at its last full block, and where the
     #: attention layers matched at least an interval more than the snapshots did (demand);
-    #: "auto": both, the interval snapshots at the lowest priority (evicted first; with a host or
-    #: disk tier, the first pages moved down there)
+    #: "auto": both, the interval snapshots at the lowest priority unless the request has its own
+    #: priority callback, whose priority wins (evicted first; with a host or disk tier, the first
+    #: pages moved down there)
     ssm_snapshot_policy: SnapshotPolicy = "auto"
     #: hybrid models: the share of each tier below the GPU (host, disk) that the pool groups of
     #: recurrent states take together (snapshots there; the KV pool groups share the rest in the

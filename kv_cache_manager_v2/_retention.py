@@ -46,8 +46,8 @@ def check_duration(name: str, duration_s: object) -> float | None:
 @dataclass(frozen=True)
 class Retention:
     """Keep pages at ``priority`` (0..100; lower is evicted first) for ``duration_s`` seconds of
-    the manager's clock from their release (None: until the pages are evicted, or reused after a
-    close-time hint).
+    the manager's clock from their release, paused while a request reuses them (None: until the
+    pages are evicted, or reused after a close-time hint).
     ``start``: a close-time hint covers only the blocks holding a token at or after this position
     (the blocks before it, e.g. a system prompt other conversations share, keep their priority)."""
 

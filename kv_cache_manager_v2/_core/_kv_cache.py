@@ -174,8 +174,11 @@ class KVCache(CacheView):
 
         ``retain``: "this conversation continues" (or, at a low priority, "it does not"): every
         page of the request's published full blocks keeps ``retain.priority`` for
-        ``retain.duration_s`` seconds, until a later request reuses it (below a page's priority:
-        only the blocks this request published itself; ``retain.start``: from that token on)."""
+        ``retain.duration_s`` seconds from its release (a request reusing the page pauses the
+        duration, its release starts it again); a hint above a page's priority ends when a later
+        request reuses the history to its end, one below when any request reuses the page (below a
+        page's priority: only the blocks this request published itself; ``retain.start``: from
+        that token on)."""
         if retain is not None:
             check_type("retain", retain, Retention)
         if self._status is KVCacheStatus.CLOSED:

@@ -239,8 +239,9 @@ class KVCacheManager(ManagerQueries):
     def pin(
         self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None, duration_s: float | None = None
     ) -> int:
-        """Keep the cached full blocks of ``tokens`` cached (never evicted) until ``unpin`` (or for
-        ``duration_s`` seconds); returns the tokens pinned (0: none cached, nothing pinned; a pin
+        """Keep the cached full blocks of ``tokens`` cached (never evicted while their tier holds the
+        pin: within ``max_pinned_share``; beyond it, after a shrink or a pull up, an ordinary page
+        until held again) until ``unpin`` (or for ``duration_s`` seconds); returns the tokens pinned (0: none cached, nothing pinned; a pin
         of the same tokens before is replaced). ``ValueError`` beyond ``max_pinned_share``."""
         self._check_alive()
         return pin_prefix(self._ctx, self._matcher, reuse_scope, tokens, duration_s)

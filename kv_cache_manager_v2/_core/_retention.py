@@ -1,6 +1,7 @@
 """Retention a request asks for (``_retention.py`` values, ``_storage/_expiry.py`` mechanism):
 its ranges' and decode blocks' priorities, given to the pages it publishes, and the close-time
-hint over its whole published history, which a later request reusing those pages ends."""
+hint over its whole published history, which a later request reusing that history ends (a
+duration counts from a page's release and pauses while a request holds it)."""
 
 from __future__ import annotations
 

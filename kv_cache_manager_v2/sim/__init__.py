@@ -2,7 +2,8 @@
 
 Replays a Mooncake-format trace or built-in multi-turn conversations through the real manager
 (via the engine adapter) for a model shape and tier quotas, and reports prefix hit rates,
-memory, preemptions and the manager's CPU time. Programmatic use::
+memory, preemptions, what users wait for (queueing, TTFT, TPOT, end to end: a roofline step time
+and tier I/O), throughput, goodput and the manager's CPU time. Programmatic use::
 
     from kv_cache_manager_v2.sim import main
     main(["--model", "llama-3-8b", "--gpu", "16GiB", "--json", "report.json"])

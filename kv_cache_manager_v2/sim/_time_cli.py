@@ -23,8 +23,14 @@ def add_time_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mfu", type=float, help=f"share of the peak FLOP/s a step reaches (default: {DEFAULT_MFU})")
     g.add_argument("--mbu", type=float, help=f"share of the HBM bandwidth a step reaches (default: {DEFAULT_MBU})")
     g.add_argument("--calibration", metavar="FILE", help="instead: CSV of measured steps (see README)")
-    g.add_argument("--step-ms", type=float, help=f"instead: a fixed time a step (default: {s.step_ms:g})")
-    g.add_argument("--tokens-per-s", type=float, help=f"instead: + tokens at this rate (default: {s.tokens_per_s:g})")
+    g.add_argument(
+        "--step-ms", type=float, help=f"instead: a fixed time a step ({s.step_ms:g} when only --tokens-per-s is given)"
+    )
+    g.add_argument(
+        "--tokens-per-s",
+        type=float,
+        help=f"instead: + tokens at this rate ({s.tokens_per_s:g} when only --step-ms is given)",
+    )
     g = p.add_argument_group("time (tier I/O, the manager's time, per request, objectives)")
     add_arguments(g)
     for flag, what in SLO_OPTIONS:
