@@ -29,6 +29,15 @@ class Pin:
         self.until = until
 
 
+def _hold(page: Page) -> None:
+    """``page``'s storage holds its pins: out of the evictor, counted (the caller checked the share)."""
+    storage = page.storage
+    if page.in_evictor:
+        storage.evictor.remove(page)
+    storage.num_pinned += 1
+    page.pin_held = True
+
+
 class PinTable:
     """The manager's pins by key (scope and tokens), bounded per (level, pool group)."""
 
@@ -67,10 +76,7 @@ class PinTable:
                 )
         for page in pages:
             if page.num_pins == 0:
-                if page.in_evictor:
-                    page.storage.evictor.remove(page)
-                page.storage.num_pinned += 1
-                page.pin_held = True
+                _hold(page)
             page.num_pins += 1
         self.hold_again(pages)  # pinned already, not held (a shrink, a pull beyond the share): held where room is
         if old is not None:
@@ -135,13 +141,9 @@ class PinTable:
         """The pages still pinned whose pins are not held hold them again where they are, within the
         share there, in order (undoes ``fit_share``: a shrink refused before anything else changed)."""
         for page in pages:
-            storage = page.storage
             ok = page.num_pins and not page.pin_held and page.slot != BAD_PAGE_INDEX
-            if ok and storage.num_pinned < storage.pin_limit:
-                if page.in_evictor:
-                    storage.evictor.remove(page)
-                storage.num_pinned += 1
-                page.pin_held = True
+            if ok and page.storage.num_pinned < page.storage.pin_limit:
+                _hold(page)
 
     def clear(self) -> None:
         """Forget every pin (their pages were dropped with the reusable blocks)."""
