@@ -4,6 +4,7 @@ queue's mean wait and Little's law; tier I/O options and the per-request file.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -40,7 +41,7 @@ def _replay(
     page = proxy_page_bytes(T, False, SMALL)
     config = manager_config(SMALL, T, tiers, False, page)
     scale = real_bytes_per_proxy_byte(SMALL, T, page)
-    return Replay(config, reqs, opts, cost=cost, bytes_scale=scale).run()
+    return Replay(config, reqs, dataclasses.replace(opts, cost=cost), bytes_scale=scale).run()
 
 
 def _by_index(r: ReplayResult) -> dict[int, Any]:

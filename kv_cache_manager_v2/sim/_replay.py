@@ -77,14 +77,13 @@ class Replay:
         on_finish: Callable[[KVCacheResourceManager], None] | None = None,
         split_ms: float = -1.0,
         restart: bool = False,
-        cost: StepCost | None = None,
         bytes_scale: float = 1.0,
     ) -> None:
         options.validate()
         self.opts = options
-        #: the time of a step's compute (default: ``options.cost``, else ``step_ms`` plus its tokens at ``tokens_per_s``)
-        cost = cost if cost is not None else options.cost
-        self.cost = cost if cost is not None else LinearCost(options.step_ms, options.tokens_per_s)
+        #: the time of a step's compute (``options.cost``; without one ``step_ms`` plus its tokens at ``tokens_per_s``)
+        cost = options.cost
+        self.cost: StepCost = cost if cost is not None else LinearCost(options.step_ms, options.tokens_per_s)
         self.requests = requests
         self.clock = 0.0
         self.config = config = dataclasses.replace(config, clock=lambda: self.clock / 1000.0)  # simulated seconds
