@@ -36,6 +36,8 @@ import os
 from dataclasses import dataclass
 from typing import Final
 
+import numpy as np
+
 from ._models import DTYPE_BYTES, PRESETS, ModelShape, SimUserError, format_bytes
 from ._step_cost import LinearCost, StepCost
 
@@ -348,26 +350,18 @@ def load_calibration(path: str) -> CalibrationCost:
 
 
 def _fit(xs: list[list[float]], ys: list[float], where: str) -> tuple[float, ...]:
-    """Least squares (normal equations, Gaussian elimination with partial pivoting)."""
+    """Least squares of the step times ``ys`` on the rows ``xs`` (``numpy.linalg.lstsq``)."""
     k = len(xs[0]) if xs else len(CALIBRATION_COLUMNS)
     names = "the step times of (prefill, decode" + (", context" if k > 3 else "") + ") batches"
     if len(xs) < k:
         raise SimUserError(f"{where}: {len(xs)} measured rows cannot fit {names}: give at least {k}")
-    a = [[sum(x[i] * x[j] for x in xs) for j in range(k)] + [sum(x[i] * y for x, y in zip(xs, ys))] for i in range(k)]
-    scale = max(abs(a[i][i]) for i in range(k)) or 1.0
-    for col in range(k):
-        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) <= 1e-12 * scale:
-            raise SimUserError(
-                f"{where}: its rows cannot fit {names}: vary prefill and decode tokens "
-                "(and context) independently across rows"
-            )
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(k):
-            if r != col:
-                f = a[r][col] / a[col][col]
-                a[r] = [v - f * p for v, p in zip(a[r], a[col])]
-    return tuple(a[i][k] / a[i][i] for i in range(k))
+    coefficients, _, rank, _ = np.linalg.lstsq(np.array(xs), np.array(ys), rcond=None)
+    if rank < k:
+        raise SimUserError(
+            f"{where}: its rows cannot fit {names}: vary prefill and decode tokens "
+            "(and context) independently across rows"
+        )
+    return tuple(float(c) for c in coefficients)
 
 
 def build_step_cost(
