@@ -556,8 +556,9 @@ class Replay:
 
     def _finish(self) -> None:
         add_samples(self.result, self._samples)
-        add_request_times(self.result, self.io.load_ms if self.io is not None else 0.0)
+        add_request_times(self.result)
         if self.io is not None:
+            self.result.io_wait_ms = self.io.load_ms
             self.result.io_write_stall_ms = self.io.write_stall_ms
         if self.on_finish is not None:
             self.on_finish(self.rm)

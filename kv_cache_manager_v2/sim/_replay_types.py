@@ -287,10 +287,9 @@ def add_samples(result: ReplayResult, samples: list[float]) -> None:
     samples.clear()
 
 
-def add_request_times(result: ReplayResult, io_wait_ms: float) -> None:
+def add_request_times(result: ReplayResult) -> None:
     """The finished requests' times (``outcomes``) into ``result``'s arrays, in finishing order."""
     done = [x for x in result.outcomes if not x.rejected]
     result.ttft_ms.extend([x.ttft_ms for x in done])
     result.tpot_ms.extend([x.tpot_ms for x in done])
     result.e2e_ms.extend([x.e2e_ms for x in done])
-    result.io_wait_ms = io_wait_ms
