@@ -134,8 +134,13 @@ class KVCache(CacheView):
                 return False
         finally:
             ctx.leave()
-        if stream >= 0:
-            self._cuda_stream = stream
+        if not self._stream_counted:  # its kernels run from now on: our copies are ordered with them
+            self._stream_counted = True
+            if stream >= 0:
+                self._cuda_stream = stream
+            ctx.storage.copier.streams.acquire(self._cuda_stream)
+        elif stream >= 0:
+            self.cuda_stream = stream
         return True
 
     def prefetch(self, target_level: object) -> bool:
@@ -192,6 +197,9 @@ class KVCache(CacheView):
 
     def _close(self, retain: Retention | None = None) -> None:
         close_pages(self, retain)
+        if self._stream_counted:  # the next copy of its pages still waits for its kernels
+            self._stream_counted = False
+            self._ctx.storage.copier.streams.release(self._cuda_stream)
         self._ctx.storage.flush_write_through()  # its published blocks go to the remote writer now
         ref = self._rawref
         if ref is not None:
