@@ -122,6 +122,10 @@ class KVCache(CacheView):
         group above what the ``constraints`` guarantee. If a disk read fails, the blocks from the
         first lost one on are dropped: ``history_length`` (and capacity, committed tokens) shrink
         to what is still intact; read it again after resume.
+
+        ``cuda_stream``: the stream the request's kernels run on from now on (``cuda_stream``; None
+        keeps it). On CUDA the copies bringing the pages up are queued, not waited for: that
+        stream's next kernels run after them.
         """
         if self._status is not KVCacheStatus.SUSPENDED:
             raise LogicError(f"resume() needs a SUSPENDED cache; this one is {self._status.name}")
