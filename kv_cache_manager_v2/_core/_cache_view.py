@@ -74,7 +74,11 @@ class CacheView(RequestState):
 
     @cuda_stream.setter
     def cuda_stream(self, value: object) -> None:
-        stream = check_int("cuda_stream (a CUstream handle)", value)
+        self._set_stream(check_int("cuda_stream (a CUstream handle)", value))
+
+    def _set_stream(self, stream: int) -> None:
+        """``cuda_stream = stream`` past its check (compiled, ``resume`` calling the property's
+        setter on ``self`` crashed: a method instead)."""
         if self._stream_counted and stream != self._cuda_stream:
             streams = self._ctx.storage.copier.streams
             streams.acquire(stream)

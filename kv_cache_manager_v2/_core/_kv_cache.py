@@ -123,9 +123,9 @@ class KVCache(CacheView):
         first lost one on are dropped: ``history_length`` (and capacity, committed tokens) shrink
         to what is still intact; read it again after resume.
 
-        ``cuda_stream``: the stream the request's kernels run on from now on (``cuda_stream``; None
-        keeps it). On CUDA the copies bringing the pages up are queued, not waited for: that
-        stream's next kernels run after them.
+        ``cuda_stream``: the stream the request's kernels run on from now on (sets the
+        ``cuda_stream`` property; None keeps it). On CUDA the copies bringing the pages up are
+        queued, not waited for: that stream's next kernels run after them.
         """
         if self._status is not KVCacheStatus.SUSPENDED:
             raise LogicError(f"resume() needs a SUSPENDED cache; this one is {self._status.name}")
@@ -144,7 +144,7 @@ class KVCache(CacheView):
                 self._cuda_stream = stream
             ctx.storage.copier.streams.acquire(self._cuda_stream)
         elif stream >= 0:
-            self.cuda_stream = stream
+            self._set_stream(stream)
         return True
 
     def prefetch(self, target_level: object) -> bool:

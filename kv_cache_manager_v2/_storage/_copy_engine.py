@@ -7,8 +7,9 @@ staging buffer when the GPU is not CPU-addressable). Runs of consecutive slots o
 merged into one copy. Copies touching GPU memory are ordered against the engine's streams with
 events (``StreamOrder``: ``before`` and ``after`` each batch) and may still run on return; a copy
 the CPU makes into or out of host memory first waits for the issued ones (``wait_copies``: the
-backend's stream, never the device). A failed disk read or write is retried slot by slot; the pairs that still
-fail are reported, never raised, so callers can turn exactly those pages into misses.
+backend's stream, never the device). A failed disk read or write is retried slot by slot; the
+pairs that still fail are reported, never raised, so callers can turn exactly those pages into
+misses.
 
 ``read_slots`` / ``write_slots`` move whole slots (every pool of a group, in pool order) between a
 level and plain byte buffers: the remote tier's values.
