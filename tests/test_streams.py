@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import kv_layers, make_config
+from conftest import kv_layers, make_config, requires_cuda
 from fake_engine import FakeEngine
 from tier_helpers import SLOT, T, compute, seq
 
@@ -188,6 +188,49 @@ def test_suspend_resume_and_beam_forks_never_synchronise(drv: Any) -> None:
     kv.close()
     m.shutdown()
     assert not drv.events
+
+
+@pytest.mark.parametrize("driver", ["emulated", pytest.param("cuda", marks=requires_cuda)])
+def test_a_stream_destroyed_after_close_and_kv_round_trips(driver: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request on a stream of the engine's own: its pages go to the host tier and back; after it
+    closes the engine destroys the stream, and the eviction of its pages still waits for it (the
+    emulated driver fails on any use of a destroyed stream). On a GPU, with real events."""
+    import cuda.bindings
+
+    drv: Any = None
+    if driver == "emulated":
+        from fake_cuda_driver import FakeDriver
+
+        drv = FakeDriver()
+        monkeypatch.setattr(cuda.bindings, "driver", drv)
+    cu = cuda.bindings.driver
+    m = cuda_manager(gpu=4, host=8)
+    engine = FakeEngine(m, driver=drv)
+    status, handle = cu.cuStreamCreate(0)
+    assert status == cu.CUresult.CUDA_SUCCESS
+    stream = int(handle)
+    a = m.create_kv_cache()
+    assert a.resume(stream)
+    compute(engine, a, seq(1, 2 * T), 2 * T)
+    a.suspend()
+    hog = m.create_kv_cache()
+    assert hog.resume(stream) and hog.resize(4 * T)  # a's pages go to the host tier
+    engine.step(hog, seq(2, 4 * T), 0, 4 * T)
+    hog.close()
+    assert a.resume()  # and come back
+    engine.check_all(a, seq(1, 2 * T), 2 * T)
+    a.close()
+    assert cu.cuStreamDestroy(handle)[0] == cu.CUresult.CUDA_SUCCESS
+    hog = m.create_kv_cache()
+    assert hog.resume() and hog.resize(4 * T)  # on stream 0: a's blocks are evicted to the host tier
+    engine.step(hog, seq(3, 4 * T), 0, 4 * T)
+    hog.close()
+    b = m.create_kv_cache(input_tokens=seq(1, 2 * T) + [1])
+    assert b.history_length == 2 * T and b.resume()
+    engine.check_all(b, seq(1, 2 * T), 2 * T)
+    b.close()
+    m.shutdown()
+    assert drv is None or not drv.events
 
 
 def test_the_cpu_waits_for_the_copies_using_host_bytes(drv: Any, tmp_path: object) -> None:
