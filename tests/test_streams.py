@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import kv_layers, make_config, requires_cuda
+from conftest import attention_and_recurrent, kv_layers, make_config, requires_cuda
 from fake_engine import FakeEngine
 from tier_helpers import SLOT, T, compute, seq
 
@@ -186,6 +186,37 @@ def test_suspend_resume_and_beam_forks_never_synchronise(drv: Any) -> None:
     for b in range(beams):
         engine.check_all(kv, seqs[b], h + 1, beam=b)
     kv.close()
+    m.shutdown()
+    assert not drv.events
+
+
+def test_snapshot_copies_are_ordered(drv: Any) -> None:
+    """A hybrid model: the commit's snapshots of the live state and the matched snapshot copied into
+    the next request's live state are GPU-to-GPU copies, ordered like the others (the state record
+    read on the new stream is checked against them)."""
+    m = KVCacheManager(make_config(attention_and_recurrent(T), T, 8 << 20, backend="cuda", ssm_reuse_interval=2 * T))
+    engine = FakeEngine(m, driver=drv)
+    copy = copy_stream(m)
+    prompt = seq(4, 4 * T + 3)
+    a = m.create_kv_cache(input_tokens=prompt)
+    quiet(drv, lambda: a.resume(5))
+    for lo, hi in ((0, 2 * T), (2 * T, 4 * T), (4 * T, len(prompt))):
+        assert a.resize(hi)
+        engine.step(a, prompt, lo, hi)
+        chunk = prompt[lo:hi]
+        log = quiet(drv, lambda c=chunk: a.commit(c))
+        if hi % (2 * T) == 0:  # a snapshot of the live state
+            check_ordered(log, copy, {5})
+    event = quiet(drv, a.close)[-1][2]
+    b = m.create_kv_cache(input_tokens=prompt + [1])
+    assert b.history_length == 4 * T
+    log = quiet(drv, lambda: b.resume(6))  # the snapshot copied into b's live state
+    first = min(i for i, entry in enumerate(log) if entry[0] in COPIES)
+    assert ("cuStreamWaitEvent", copy, event) in log[:first]  # after a's kernels on 5 (let go of)
+    done = next(e for name, s, e in log[first:] if name == "cuEventRecord" and s == copy)
+    assert ("cuStreamWaitEvent", 6, done) in log[first:]
+    engine.check_all(b, prompt, 4 * T)
+    b.close()
     m.shutdown()
     assert not drv.events
 
