@@ -310,6 +310,37 @@ def test_the_cpu_waits_for_the_copies_using_host_bytes(drv: Any, tmp_path: objec
     assert not drv.pending and not drv.events
 
 
+def test_pages_handed_to_the_remote_writer_wait_for_their_copy(drv: Any, redis_server: Any) -> None:
+    """Reusable pages offloaded to the host tier (the copy still queued) and then dropped to the
+    remote tier: the writer thread reads their host slots only after the copy (another manager
+    reads back exactly what the first one computed)."""
+    from test_remote import remote_config
+
+    a = KVCacheManager(remote_config(redis_server.url, gpu=2, host=2, backend="cuda"))
+    engine = FakeEngine(a, driver=drv)
+    toks = seq(5, 2 * T)
+    kv = a.create_kv_cache(input_tokens=toks)
+    assert kv.resume(7)
+    compute(engine, kv, toks, 2 * T)
+    kv.close()  # two reusable pages in GPU memory
+    first = a.create_kv_cache()
+    assert first.resume(7) and first.resize(2 * T)  # they go to the host tier: copies queued
+    assert drv.pending
+    first.suspend()
+    second = a.create_kv_cache()
+    assert second.resume(7) and second.resize(2 * T)  # first's pages go down, pushing them out
+    assert a.flush_remote_writes()
+    b = KVCacheManager(remote_config(redis_server.url, gpu=4))
+    kv = b.create_kv_cache(input_tokens=toks + [1])
+    assert kv.history_length == 2 * T and kv.resume()
+    FakeEngine(b).check_all(kv, toks, 2 * T)
+    kv.close()
+    for kv in (first, second):
+        kv.close()
+    for m in (a, b):
+        m.shutdown()
+
+
 def test_the_emulated_driver_catches_unordered_copies(drv: Any) -> None:
     """The checks above can fail: a copy issued without waiting for the kernel that wrote its
     source, and a wait for an event never recorded."""
