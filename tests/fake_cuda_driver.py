@@ -237,7 +237,10 @@ class FakeDriver:
         """A hook for the fake engine: each record it writes or reads is a kernel on ``stream``."""
 
         def hook(addr: int, n: int, writes: bool) -> None:
-            self.kernel(stream, (), [(addr, n)]) if writes else self.kernel(stream, [(addr, n)])
+            if writes:
+                self.kernel(stream, writes=[(addr, n)])
+            else:
+                self.kernel(stream, reads=[(addr, n)])
 
         return hook
 
