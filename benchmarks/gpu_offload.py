@@ -6,7 +6,8 @@ are laid out: what merging copies of consecutive slots is worth on a real GPU.
 
 A manager with a GPU tier and a (page-locked) host tier; 100 GPU slots and 100 host slots are
 copied through the manager's copy engine (``CopyEngine.copy``: one copy per run of slots
-consecutive on both sides, per pool; synchronized on return) in three layouts of the same slots:
+consecutive on both sides, per pool; queued on the copy stream, timed until the script's wait for
+it returns) in three layouts of the same slots:
 
 - ``contiguous``: both sides one run (1 copy per pool);
 - ``runs_of_N``: runs of N slots (``--run``, default 20: what `benchmarks/contiguity.py` measures
@@ -89,6 +90,7 @@ def main() -> None:
                 before = copier.num_runs
                 t0 = time.perf_counter()
                 failed = copier.copy(src.pools, dst.pools, sizes, ps)
+                copier.backend.synchronize()  # (the copies are queued, ordered by events)
                 dt = time.perf_counter() - t0
                 assert not failed
                 copies[name] = (copier.num_runs - before) / pools

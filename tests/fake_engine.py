@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -78,8 +79,14 @@ class KVMismatch(AssertionError):
 class FakeEngine:
     """Reads/writes KV records for requests of one manager through its public layout API."""
 
-    def __init__(self, manager: KVCacheManager, index_mode: PageIndexMode = PageIndexMode.PER_LAYER) -> None:
+    def __init__(
+        self, manager: KVCacheManager, index_mode: PageIndexMode = PageIndexMode.PER_LAYER, driver: Any = None
+    ) -> None:
         self.mgr = manager
+        #: the emulated CUDA driver (``fake_cuda_driver.FakeDriver``), told of each record read or
+        #: written as a kernel on the request's ``cuda_stream`` (it checks their order with copies)
+        self.driver = driver
+        self._kernel: Callable[[int, int, bool], None] | None = None
         self.mode = index_mode
         self.backend = manager.backend
         t = manager.tokens_per_block
@@ -162,13 +169,14 @@ class FakeEngine:
         ``tokens`` is the request's full sequence (at least ``end`` long).
         """
         assert 0 <= start <= end <= kv.capacity, (start, end, kv.capacity)
+        self._on_stream(kv)
         for layer_buffers in self.layers:
             if layer_buffers[0].recurrent:
                 for buf in layer_buffers:
                     address = self.state_address(kv, buf, beam)
                     if check and start > 0:
                         self._check_state(buf, address, tokens, start, beam)
-                    self.backend.write(address, self.state_record(buf, tokens, end, beam))
+                    self._write(address, self.state_record(buf, tokens, end, beam))
                     self.records_written += 1
                     if check:
                         self._check_state(buf, address, tokens, end, beam)
@@ -183,7 +191,7 @@ class FakeEngine:
                     rec = np.array(
                         [MAGIC, token_value(tokens[pos]), pos, buf.layer, buf.index, beam], dtype=np.int32
                     ).tobytes()
-                    self.backend.write(self._address(buf, idx, pos), rec)
+                    self._write(self._address(buf, idx, pos), rec)
                     self.records_written += 1
             if check:
                 for buf, idx in zip(layer_buffers, indices):
@@ -191,6 +199,21 @@ class FakeEngine:
                         self._check(buf, idx, pos, tokens[pos], beam)
         if self.check_invariants:
             self.mgr.check_invariants()
+
+    def _on_stream(self, kv: KVCache) -> None:
+        """The records read and written from now on are kernels on ``kv``'s stream."""
+        if self.driver is not None:
+            self._kernel = self.driver.kernels_on(kv.cuda_stream)
+
+    def _write(self, address: int, data: bytes) -> None:
+        self.backend.write(address, data)
+        if self._kernel is not None:
+            self._kernel(address, len(data), True)
+
+    def _read(self, address: int) -> bytes:
+        if self._kernel is not None:
+            self._kernel(address, RECORD_BYTES, False)
+        return self.backend.read(address, RECORD_BYTES)
 
     def state_address(self, kv: KVCache, buf: _Buffer, beam: int = 0) -> int:
         """Where ``buf``'s record of the live state of ``beam`` lives."""
@@ -205,7 +228,7 @@ class FakeEngine:
         return np.array([MAGIC, digest & 0x7FFF_FFFF, position, buf.layer, buf.index, beam], dtype=np.int32).tobytes()
 
     def _check_state(self, buf: _Buffer, address: int, tokens: Sequence[TokenIdExt], position: int, beam: int) -> None:
-        got = list(np.frombuffer(self.backend.read(address, RECORD_BYTES), dtype=np.int32))
+        got = list(np.frombuffer(self._read(address), dtype=np.int32))
         want = list(np.frombuffer(self.state_record(buf, tokens, position, beam), dtype=np.int32))
         if not self.check_beam_field:
             got, want = got[:5], want[:5]
@@ -218,6 +241,7 @@ class FakeEngine:
     def check_all(self, kv: KVCache, tokens: Sequence[TokenIdExt], upto: int, beam: int = 0) -> None:
         """Check every position below ``upto`` that a step starting there would need (and the
         live state of recurrent layers: the state at ``upto``, unless ``upto`` is 0)."""
+        self._on_stream(kv)
         for buf in self.buffers:
             if buf.recurrent:
                 if upto > 0:
@@ -230,7 +254,7 @@ class FakeEngine:
             self.mgr.check_invariants()
 
     def _check(self, buf: _Buffer, indices: list[int], pos: int, tok: TokenIdExt, beam: int) -> None:
-        got = np.frombuffer(self.backend.read(self._address(buf, indices, pos), RECORD_BYTES), dtype=np.int32)
+        got = np.frombuffer(self._read(self._address(buf, indices, pos)), dtype=np.int32)
         want = [MAGIC, token_value(tok), pos, buf.layer, buf.index, beam]
         if not self.check_beam_field:  # beams that share history share the records their ancestor wrote
             got = got[:5]
@@ -243,7 +267,8 @@ class FakeEngine:
         """Overwrite one record (tests use it to prove the checker can fail)."""
         buf = self.buffers[0]
         indices = self.kernel_indices(kv, buf)
-        self.backend.write(self._address(buf, indices, pos), b"\0" * RECORD_BYTES)
+        self._on_stream(kv)
+        self._write(self._address(buf, indices, pos), b"\0" * RECORD_BYTES)
 
 
 def next_token(r: EngineRequest) -> TokenId:

@@ -687,7 +687,7 @@ def test_cuda_backend_tiers_on_an_emulated_driver(fake_cuda: object, tmp_path: o
     m = KVCacheManager(cfg)
     assert m.backend_name == "cuda"
     assert drv.registered if host else not drv.registered  # host pools are page-locked up front
-    engine = FakeEngine(m)
+    engine = FakeEngine(m, driver=drv)  # records: kernels on the request's stream, checked against copies
     seqs = [seq(r, 3 * T) for r in range(4)]
     for s in seqs:
         publish(m, engine=engine, toks=s)
@@ -715,10 +715,10 @@ def test_cuda_backend_tiers_on_an_emulated_driver(fake_cuda: object, tmp_path: o
     # pages land in consecutive slots, so the batches above may be single copies: two that cannot merge
     m._storage.copier.copy(gpu.pools, below.pools, gpu.layout.slot_sizes, [(0, 1), (1, 0)])
     assert ("cuMemcpyBatchAsync" in drv.calls) == hasattr(drv, "cuMemcpyBatchAsync")
-    assert "cuCtxSynchronize" in drv.calls  # copies out of GPU memory wait for the device first
+    assert "cuCtxSynchronize" not in drv.calls  # copies wait for the engine's stream's events instead
     m.clear_reusable_blocks()
     m.shutdown()
-    assert not drv.mapped and not drv.handles and not drv.reservations and not drv.registered
+    assert not drv.mapped and not drv.handles and not drv.reservations and not drv.registered and not drv.events
 
 
 def test_cuda_host_pool_registration_failure_changes_nothing(fake_cuda: object, tmp_path: object) -> None:

@@ -66,12 +66,24 @@ class CacheView(RequestState):
 
     @property
     def cuda_stream(self) -> int:
-        """The stream (``CUstream`` handle) the request's kernels run on; 0 until set here or by ``resume``."""
+        """The stream (``CUstream`` handle) the request's kernels run on; 0 (the legacy default
+        stream) until set here or by ``resume``. The manager's copies of the request's pages wait
+        for the kernels queued there, and the kernels queued there after a copy wait for it; a
+        stream replaced here (or left by ``close``) is still waited for by the next copy."""
         return self._cuda_stream
 
     @cuda_stream.setter
     def cuda_stream(self, value: object) -> None:
-        self._cuda_stream = check_int("cuda_stream (a CUstream handle)", value)
+        self._set_stream(check_int("cuda_stream (a CUstream handle)", value))
+
+    def _set_stream(self, stream: int) -> None:
+        """``cuda_stream = stream`` past its check (compiled, ``resume`` calling the property's
+        setter on ``self`` crashed: a method instead)."""
+        if self._stream_counted and stream != self._cuda_stream:
+            streams = self._ctx.storage.copier.streams
+            streams.acquire(stream)
+            streams.release(self._cuda_stream)
+        self._cuda_stream = stream
 
     @property
     def num_blocks(self) -> int:

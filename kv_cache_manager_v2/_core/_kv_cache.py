@@ -122,6 +122,10 @@ class KVCache(CacheView):
         group above what the ``constraints`` guarantee. If a disk read fails, the blocks from the
         first lost one on are dropped: ``history_length`` (and capacity, committed tokens) shrink
         to what is still intact; read it again after resume.
+
+        ``cuda_stream``: the stream the request's kernels run on from now on (sets the
+        ``cuda_stream`` property; None keeps it). On CUDA the copies bringing the pages up are
+        queued, not waited for: that stream's next kernels run after them.
         """
         if self._status is not KVCacheStatus.SUSPENDED:
             raise LogicError(f"resume() needs a SUSPENDED cache; this one is {self._status.name}")
@@ -134,8 +138,13 @@ class KVCache(CacheView):
                 return False
         finally:
             ctx.leave()
-        if stream >= 0:
-            self._cuda_stream = stream
+        if not self._stream_counted:  # its kernels run from now on: our copies are ordered with them
+            self._stream_counted = True
+            if stream >= 0:
+                self._cuda_stream = stream
+            ctx.storage.copier.streams.acquire(self._cuda_stream)
+        elif stream >= 0:
+            self._set_stream(stream)
         return True
 
     def prefetch(self, target_level: object) -> bool:
@@ -192,6 +201,9 @@ class KVCache(CacheView):
 
     def _close(self, retain: Retention | None = None) -> None:
         close_pages(self, retain)
+        if self._stream_counted:  # the next copy of its pages still waits for its kernels
+            self._stream_counted = False
+            self._ctx.storage.copier.streams.release(self._cuda_stream)
         self._ctx.storage.flush_write_through()  # its published blocks go to the remote writer now
         ref = self._rawref
         if ref is not None:

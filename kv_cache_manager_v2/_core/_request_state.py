@@ -79,6 +79,8 @@ class RequestState(OpenCache):
         self._tail: list[TokenIdExt] = []
         self._committing = True
         self._cuda_stream = 0
+        #: ``_cuda_stream`` is counted in ``StreamOrder`` (from the first resume to close)
+        self._stream_counted = False
         self._table = BlockTable(ctx.initial_stale_ends, ctx.state_layer_groups)
         # Beam search: one block table per beam (beam 0's is ``_table``). Until the first commit
         # with beam_search_indices every beam's table holds the same pages (one owner per table);

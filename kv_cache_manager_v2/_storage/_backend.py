@@ -1,4 +1,5 @@
-"""Memory backend interface: pools that grow in place (GPU, host memory, disk), byte access, copies, sync."""
+"""Memory backend interface: pools that grow in place (GPU, host memory, disk), byte access, copies,
+and the events that order the backend's copy stream against the engine's streams."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ HOST_MEMORY: Final = 0  # CPU-addressable memory (host tier, or a GPU tier the h
 DEVICE_MEMORY: Final = 1  # GPU memory: addresses only, copied by the backend
 FILE: Final = 2  # a disk tier's file: pread / pwrite
 NUM_MEDIA: Final = 3
+
+#: ``stream`` of ``record_event`` / ``wait_event`` naming the backend's own copy stream (engine
+#: streams are ``CUstream`` handles, never negative; 0 is the legacy default stream)
+COPY_STREAM: Final = -1
 
 #: Memory pools reserve address space for this many times their initial size, so a tier can
 #: grow in place (``KVCacheManager.resize``) up to this factor of its configured quota.
@@ -74,9 +79,17 @@ class MemoryPool(Pool):
 
 class MemoryBackend(ABC):
     """Where the GPU tier lives (real CUDA memory, or host memory standing in for it), and how
-    host-tier memory is allocated and copied to and from it."""
+    host-tier memory is allocated and copied to and from it.
+
+    An ``asynchronous`` backend queues its copies on a stream of its own: nothing there is ordered
+    with the engine's kernels except through events (``record_event`` / ``wait_event``, used by
+    ``StreamOrder``), and the CPU may touch host memory a copy reads or writes only after
+    ``wait_copies``. A synchronous backend's copies are complete on return; its event calls do nothing.
+    """
 
     name: str
+    #: whether ``copy_batch`` returns before its copies are done (they run on the backend's stream)
+    asynchronous: bool = False
 
     @abstractmethod
     def reserve_pool(self, max_bytes: int) -> MemoryPool:
@@ -101,15 +114,32 @@ class MemoryBackend(ABC):
     @abstractmethod
     def copy_batch(self, kind: int, dsts: list[int], srcs: list[int], sizes: list[int]) -> None:
         """Copies of direction ``kind`` (``D2D``/``H2D``/``D2H``/``H2H``) on the backend's own stream,
-        in one driver call where the driver offers it. Host addresses must be page-locked for DMA."""
+        in one driver call where the driver offers it. Host addresses must be page-locked for DMA.
+        An ``H2H`` copy is a CPU copy: it waits for the pending ones first (``wait_copies``)."""
 
     @abstractmethod
     def synchronize(self) -> None:
-        """Wait for all work this backend issued."""
+        """Wait for all work this backend issued (shutdown, pools shrinking, debug access)."""
 
-    @abstractmethod
-    def synchronize_device(self) -> None:
-        """Wait for all work on the device, on every stream (before reading pages others wrote)."""
+    def wait_copies(self) -> None:
+        """Before the CPU touches host memory (host tier, staging buffer) that an issued copy may
+        read or write: wait for the copies issued since the last wait, if any (our stream only,
+        never the device). Nothing to do on a synchronous backend."""
+
+    def create_event(self) -> object:
+        """A new event for ``record_event`` / ``wait_event`` (None on a synchronous backend)."""
+        return None
+
+    def destroy_event(self, event: object) -> None:
+        """Give back an event of ``create_event`` (waits already queued on it stay valid)."""
+
+    def record_event(self, event: object, stream: int) -> None:
+        """Record ``event`` on ``stream`` (an engine stream, or ``COPY_STREAM``): it completes when the
+        work queued there so far has; recording again replaces what later waits wait for."""
+
+    def wait_event(self, stream: int, event: object) -> None:
+        """Make the work queued on ``stream`` (an engine stream, or ``COPY_STREAM``) from now on wait
+        until ``event`` (as last recorded) completes, without blocking the CPU."""
 
     def staging_buffer(self, min_bytes: int) -> MemoryPool | None:
         """A page-locked host buffer of at least ``min_bytes`` for disk <-> GPU copies; None when the
@@ -117,4 +147,4 @@ class MemoryBackend(ABC):
         return None
 
     def shutdown(self) -> None:
-        """Release backend-wide resources (streams, contexts, staging buffers)."""
+        """Release backend-wide resources (streams, contexts, staging buffers); waits for our copies."""

@@ -3,8 +3,9 @@
 GPU pools reserve a virtual address range up front and map physical chunks as they grow
 (VMM), so a pool's base address never moves. Host-tier pools are anonymous mappings whose
 used part is page-locked with ``cuMemHostRegister`` (DMA-able, and they can grow in place).
-Copies run on the backend's own stream, batched with ``cuMemcpyBatchAsync`` where the driver
-has it. Every failing driver call raises ``CuError``. Importing this module never touches
+Copies run on the backend's own non-blocking stream, batched with ``cuMemcpyBatchAsync`` where the
+driver has it, ordered against the engine's streams by events (``StreamOrder``); nothing here
+synchronises the device. Every failing driver call raises ``CuError``. Importing this module never touches
 the driver; only constructing ``CudaBackend`` does.
 """
 
@@ -18,7 +19,7 @@ from typing import Any, Final
 from .._common import MemAddress
 from .._exceptions import CuError
 from .._utils import round_up
-from ._backend import D2D, D2H, DEVICE_MEMORY, H2D, H2H, HOST_MEMORY, MemoryBackend, MemoryPool
+from ._backend import COPY_STREAM, D2D, D2H, DEVICE_MEMORY, H2D, H2H, HOST_MEMORY, MemoryBackend, MemoryPool
 
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0)
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
@@ -159,11 +160,13 @@ class CudaDevicePool(MemoryPool):
 
 
 class PinnedHostPool(MemoryPool):
-    """Host memory reserved as an anonymous mapping; its used part is page-locked chunk by chunk."""
+    """Host memory reserved as an anonymous mapping; its used part is page-locked chunk by chunk
+    (unlocked only once ``backend``'s copies, which may still use it, are done)."""
 
-    def __init__(self, max_bytes: int, registrations: HostRegistrations) -> None:
+    def __init__(self, max_bytes: int, backend: CudaBackend) -> None:
         self.medium = HOST_MEMORY
-        self._registrations = registrations
+        self._backend = backend
+        self._registrations = backend.host_registrations
         self.reserved_bytes = round_up(max(max_bytes, 1), mmap.PAGESIZE)
         self._mapping: mmap.mmap | None = mmap.mmap(
             -1,
@@ -204,6 +207,8 @@ class PinnedHostPool(MemoryPool):
 
     def shrink(self, nbytes: int) -> None:
         cu = _driver()
+        if self._chunks and self._chunks[-1][0] >= nbytes:
+            self._backend.wait_copies()
         while self._chunks and self._chunks[-1][0] >= nbytes:
             chunk = self._chunks.pop()
             _check(cu.cuMemHostUnregister(self.base_address + chunk[0]), "cuMemHostUnregister")
@@ -216,6 +221,7 @@ class PinnedHostPool(MemoryPool):
         if self._mapping is None:
             return
         cu = _driver()
+        self._backend.wait_copies()
         for i in range(len(self._chunks) - 1, -1, -1):
             _check(cu.cuMemHostUnregister(self.base_address + self._chunks[i][0]), "cuMemHostUnregister")
             self._registrations.remove(self.base_address + self._chunks[i][0])
@@ -230,7 +236,8 @@ class PinnedHostPool(MemoryPool):
 
 
 class CudaBackend(MemoryBackend):
-    """Device 0's primary context; one non-blocking stream for the manager's own copies."""
+    """Device 0's primary context; one non-blocking stream for the manager's own copies (so the
+    legacy default stream does not order them either: only events do)."""
 
     def __init__(self, device_ordinal: int = 0) -> None:
         cu = _driver()
@@ -258,6 +265,9 @@ class CudaBackend(MemoryBackend):
             )
         )
         self.stream = _check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self.asynchronous = True
+        #: copies issued on ``stream`` since the CPU last waited for them (``wait_copies``)
+        self.copies_pending = False
         self._device_ordinal = device_ordinal
         self._closed = False
         #: cuMemcpyBatchAsync is used while the driver has it and accepts it
@@ -270,16 +280,15 @@ class CudaBackend(MemoryBackend):
         return CudaDevicePool(self, max_bytes)
 
     def reserve_host_pool(self, max_bytes: int) -> MemoryPool:
-        return PinnedHostPool(max_bytes, self.host_registrations)
+        return PinnedHostPool(max_bytes, self)
 
     def staging_buffer(self, min_bytes: int) -> MemoryPool | None:
         staging = self._staging
         if staging is None or staging.mapped_bytes < min_bytes:
             if staging is not None:
-                self.synchronize()
-                staging.release()
+                staging.release()  # (after our copies)
                 self._staging = None
-            staging = PinnedHostPool(min_bytes, self.host_registrations)
+            staging = PinnedHostPool(min_bytes, self)
             staging.ensure_mapped(min_bytes)
             self._staging = staging
         return staging
@@ -307,10 +316,11 @@ class CudaBackend(MemoryBackend):
         cu = _driver()
         stream = self.stream
         if kind == H2H:
-            self.synchronize()  # earlier DMA into these pages must land first
+            self.wait_copies()  # earlier DMA into or out of these pages must be done first
             for d, s, n in zip(dsts, srcs, sizes):
                 ctypes.memmove(d, s, n)
             return
+        self.copies_pending = True  # (also when a call below fails: some copies may have been queued)
         if kind != D2D:  # a page-locked host range: within one registration per copy
             self.host_registrations.cut(kind == D2H, dsts, srcs, sizes)
         if self.use_batch_copies and len(dsts) > 1:
@@ -346,9 +356,28 @@ class CudaBackend(MemoryBackend):
 
     def synchronize(self) -> None:
         _check(_driver().cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+        self.copies_pending = False
 
-    def synchronize_device(self) -> None:
-        _check(_driver().cuCtxSynchronize(), "cuCtxSynchronize")
+    def wait_copies(self) -> None:
+        if self.copies_pending:
+            self.synchronize()
+
+    def create_event(self) -> object:
+        cu = _driver()
+        return _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+
+    def destroy_event(self, event: object) -> None:
+        _check(_driver().cuEventDestroy(event), "cuEventDestroy")
+
+    def record_event(self, event: object, stream: int) -> None:
+        cu = _driver()
+        s = self.stream if stream == COPY_STREAM else cu.CUstream(stream)
+        _check(cu.cuEventRecord(event, s), "cuEventRecord")
+
+    def wait_event(self, stream: int, event: object) -> None:
+        cu = _driver()
+        s = self.stream if stream == COPY_STREAM else cu.CUstream(stream)
+        _check(cu.cuStreamWaitEvent(s, event, 0), "cuStreamWaitEvent")
 
     def shutdown(self) -> None:
         if self._closed:

@@ -1,4 +1,5 @@
-"""Host-emulated device: pools in anonymous mmap memory (GPU tier and host tier), synchronous copies."""
+"""Host-emulated device: pools in anonymous mmap memory (GPU tier and host tier), synchronous copies
+(so its streams and events are no-ops: ``MemoryBackend.asynchronous`` is False)."""
 
 from __future__ import annotations
 
@@ -98,9 +99,6 @@ class HostBackend(MemoryBackend):
             ctypes.memmove(d, s, n)
 
     def synchronize(self) -> None:
-        return None
-
-    def synchronize_device(self) -> None:
         return None
 
     def staging_buffer(self, min_bytes: int) -> MemoryPool | None:

@@ -219,6 +219,7 @@ class StorageLevels:
         return False
 
     def release(self) -> None:
+        self.copier.streams.close()
         for level in self.levels:
             for g in level:
                 g.release()

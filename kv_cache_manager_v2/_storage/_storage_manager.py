@@ -96,7 +96,8 @@ class StorageManager(EvictionCascade):
         """Shutdown of a manager with a persistent disk tier: move the reusable full blocks of the
         levels above it down to it (pinned ones first, then ancestors first; the tier's oldest
         pages make way), so they survive the restart too. No request may be open. Returns the
-        pages moved."""
+        pages moved. Unlike steady-state copies these wait for the copy stream (the CPU writes the
+        files from the staging buffer and from host memory)."""
         level = self.persist_level
         t = self.tokens_per_block
         held = [p for pin in self.pins.pins.values() for p in pin.pages if p.level < level]

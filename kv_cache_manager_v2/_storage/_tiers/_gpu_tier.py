@@ -1,5 +1,7 @@
 """The GPU tier: device memory mapped on demand, copied by the backend (batched async copies), and
-reached by the CPU through the backend's page-locked staging buffer."""
+reached by the CPU through the backend's page-locked staging buffer (the CPU touches that buffer
+only once the copies out of or into it are done: ``wait_copies``). The caller orders the copies
+against the engine's streams (``StreamOrder``)."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def read_device(
 ) -> None:
     """Bring the source slots of ``runs`` (in ``pool``, device memory) to the CPU through the staging
     buffer (at least ``staging_bytes``), as many per batch as fit; ``take(bytes, run)`` consumes each
-    run's bytes."""
+    run's bytes (each batch waited for: the CPU reads it)."""
     staging = backend.staging_buffer(max(staging_bytes, size))
     assert staging is not None and staging.host_view is not None
     view = staging.host_view
@@ -57,7 +59,7 @@ def read_device(
             [base + run[0] * size for _, run in batch],
             [run[2] * size for _, run in batch],
         )
-        backend.synchronize()
+        backend.wait_copies()
         for at, run in batch:
             take(view[at * size : (at + run[2]) * size], run)
 
@@ -72,12 +74,14 @@ def write_device(
 ) -> None:
     """Fill the destination slots of ``runs`` (in ``pool``, device memory) through the staging buffer
     (at least ``staging_bytes``): ``fill(bytes, run)`` writes each run's bytes there, then one batch
-    of copies per buffer-full."""
+    of copies per buffer-full. The last batch may still be copying on return (the next use of the
+    buffer waits for it)."""
     staging = backend.staging_buffer(max(staging_bytes, size))
     assert staging is not None and staging.host_view is not None
     view = staging.host_view
     base = memory(pool).base_address
     for batch in _staging_batches(runs, staging.mapped_bytes // size):
+        backend.wait_copies()  # the previous batch (or another copy) may still read the buffer
         for at, run in batch:
             fill(view[at * size : (at + run[2]) * size], run)
         backend.copy_batch(
@@ -86,7 +90,6 @@ def write_device(
             [staging.base_address + at * size for at, _ in batch],
             [run[2] * size for _, run in batch],
         )
-        backend.synchronize()
 
 
 class DeviceAccess(MediumAccess):
@@ -112,7 +115,6 @@ class DeviceAccess(MediumAccess):
         def fill(data: memoryview, run: Run) -> None:
             data[:] = parts[run[0]]
 
-        self.backend.synchronize_device()  # nobody may still read the slots being overwritten
         write_device(
             self.backend, self.staging_bytes, pool, size, [(i, slot, 1, [i]) for i, slot in enumerate(slots)], fill
         )

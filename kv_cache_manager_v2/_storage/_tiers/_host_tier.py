@@ -29,11 +29,13 @@ class HostSlot(HandOffPart):
 
 
 class HostAccess(MediumAccess):
-    """Host memory: plain memory copies."""
+    """Host memory: plain memory copies, each after the backend's issued copies (which may still
+    read or write those slots: ``wait_copies``)."""
 
     def to_buffers(
         self, pool: Pool, size: int, slots: Sequence[int], views: list[memoryview], failed: set[int]
     ) -> None:
+        self.backend.wait_copies()
         source = host_view(pool)
         for i, slot in enumerate(slots):
             views[i][:] = source[slot * size : (slot + 1) * size]
@@ -41,6 +43,7 @@ class HostAccess(MediumAccess):
     def from_buffers(
         self, pool: Pool, size: int, slots: Sequence[int], parts: list[memoryview], failed: set[int]
     ) -> None:
+        self.backend.wait_copies()
         target = host_view(pool)
         for i, slot in enumerate(slots):
             target[slot * size : (slot + 1) * size] = parts[i]
@@ -49,9 +52,11 @@ class HostAccess(MediumAccess):
         return True
 
     def hand_off_part(self, pool: Pool, slot: int, size: int) -> HandOffPart:
+        self.backend.wait_copies()  # the writer thread reads it
         return HostSlot(host_view(pool)[slot * size : (slot + 1) * size])
 
     def host_bytes(self, pool: Pool, slot: int, size: int) -> memoryview | None:
+        self.backend.wait_copies()
         return host_view(pool)[slot * size : (slot + 1) * size]
 
 
