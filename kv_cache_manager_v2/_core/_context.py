@@ -16,6 +16,7 @@ from .._storage._layout import StorageLayout
 from .._storage._quota import constraint_floors
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList
+from ._sessions import SessionTable
 
 
 class OpenCache:
@@ -100,6 +101,7 @@ class CacheContext:
         "busy",
         "deferred_closes",
         "scratch_util",
+        "sessions",
         "block_layer_groups",
         "registry",
         "resume_floor",
@@ -121,6 +123,8 @@ class CacheContext:
     ) -> None:
         self.config = config
         self.tokens_per_block = config.tokens_per_block
+        #: the blocks each session reused or published (``create_kv_cache(session_id=...)``)
+        self.sessions = SessionTable()
         self.registry = registry
         self.layer_groups: TypedList[LayerGroupId, LayerGroup] = registry.layer_groups
         self.num_layer_groups = len(registry)
@@ -219,6 +223,7 @@ class CacheContext:
         # handed-off slots before their memory goes (if it hangs, the memory is kept: logged)
         stopped = storage.remote.close(_SHUTDOWN_DRAIN_S) if storage.remote is not None else True
         self.tree.clear()
+        self.sessions.clear()
         storage.drop_all_evictable()
         if stopped:
             storage.release()

@@ -14,6 +14,7 @@ from .._common import (
     CacheLevel,
     KVCacheStatus,
     ReuseScope,
+    SessionId,
     TokenIdExt,
 )
 from .._config import (
@@ -29,6 +30,7 @@ from .._reuse._adopt import adopt_records
 from .._reuse._node import Node
 from .._reuse._remote_fill import RemoteFill
 from .._reuse._tree import ReuseTree
+from .._sessions import check_session_id
 from .._storage._layout import StorageLayout
 from .._storage._quota import split_like, split_quota
 from .._storage._remote._protocol import layout_fingerprint
@@ -38,6 +40,7 @@ from .._storage._storage_manager import StorageManager
 from .._utils import check_int, check_type
 from ._batch import commit_batch, resize_batch
 from ._context import CacheContext, OpenCache, derived_lower_tier_state_share
+from ._directives import Directives
 from ._introspection import check_invariants
 from ._kv_cache import KVCache
 from ._manager_queries import ManagerQueries
@@ -195,6 +198,7 @@ class KVCacheManager(ManagerQueries):
         beam_width: object = 1,
         retention: RequestRetention | None = None,
         prompt_length: int | None = None,
+        session_id: SessionId | None = None,
     ) -> KVCache:
         """A new SUSPENDED cache for one request; call ``resume()`` before ``resize()``.
 
@@ -203,10 +207,12 @@ class KVCacheManager(ManagerQueries):
         ``retention``: of the blocks it publishes (decode blocks: from ``prompt_length``, by
         default ``len(input_tokens)``). ``custom_priority_callback``: the eviction priority of each
         new page, snapshots included (under ``ssm_snapshot_policy="auto"`` too, whose priority 0
-        for interval and prompt-end snapshots applies only without a callback)."""
+        for interval and prompt-end snapshots applies only without a callback). ``session_id``: the
+        conversation or agent it belongs to (``directives`` by session; KV-cache events)."""
         self._check_alive()
         width = check_int("beam_width", beam_width, 1, MAX_BEAM_WIDTH)
         prompt_end = checked_prompt_end(retention, prompt_length, input_tokens)
+        session = check_session_id("session_id", session_id)
         if reuse_scope is not None:
             check_type("reuse_scope", reuse_scope, ReuseScope)
         if not callable(custom_priority_callback):
@@ -217,6 +223,7 @@ class KVCacheManager(ManagerQueries):
         try:
             kv = KVCache(ctx, scope, id, custom_priority_callback, width)
             kv._retention, kv._prompt_length = retention, prompt_end
+            kv._session = session
             num_input_tokens = len(input_tokens) if input_tokens is not None else 0
             nodes: list[Node] = []
             if input_tokens is not None and num_input_tokens > 0:
@@ -224,6 +231,8 @@ class KVCacheManager(ManagerQueries):
                     scope, input_tokens, True
                 )  # may raise: kv is not open yet
                 adopt(kv, nodes, part, part_len, input_tokens)
+                if session is not None:
+                    ctx.sessions.record(session, nodes[-1] if nodes else None)
             if ctx.state_layer_groups:
                 tree = self._tree
                 attention_blocks = max(tree.attention_blocks, len(nodes)) if num_input_tokens else 0
@@ -235,6 +244,13 @@ class KVCacheManager(ManagerQueries):
         finally:
             ctx.leave()
         return kv
+
+    @property
+    def directives(self) -> Directives:
+        """Directives by session or by prefix (``retain``, ``pin``/``unpin``, ``demote``, ``end``),
+        each answering with a ``DirectiveOutcome``."""
+        self._check_alive()
+        return Directives(self._ctx, self._matcher, self._check_alive)
 
     def pin(
         self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None, duration_s: float | None = None
@@ -338,6 +354,7 @@ class KVCacheManager(ManagerQueries):
             self._storage.flush_write_through()  # published pages still owe the remote tier a copy
             self._storage.pins.clear()
             self._tree.clear()
+            self._ctx.sessions.clear()
             self._matcher.forget()
             self._storage.drop_all_evictable()  # garbage of subtrees removed earlier
             if self._storage.persist is not None:
