@@ -198,6 +198,20 @@ def test_end_drops_the_private_blocks_and_keeps_what_others_share(make_manager: 
     reuse(m, engine, system, T)
 
 
+def test_a_session_has_the_partial_tail_its_last_request_published(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T, host_quota=8 * REC * T)
+    engine = FakeEngine(m)
+    tokens = seq(1000, 2) + seq(2000, 1)[: T // 2]  # two full blocks and a partial tail, published at close
+    run(m, engine, tokens, "a")
+    assert m.probe_reuse(input_tokens=tokens + [7]) == len(tokens)
+    assert m.directives.demote("a", 1) == outcome(APPLIED, 3)
+    assert m.probe_reuse_levels(input_tokens=tokens + [7]) == [1, 1, 1]
+    assert m.directives.end("a") == outcome(APPLIED, 3)  # nothing of the session is left behind
+    assert m.probe_reuse(input_tokens=tokens + [7]) == 0
+    assert m.get_storage_statistics(CacheLevel(1))[0].free == 8
+    m.check_invariants()
+
+
 def test_end_defers_the_blocks_a_request_still_uses(make_manager: MakeManager) -> None:
     m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T)
     engine = FakeEngine(m)
@@ -297,8 +311,8 @@ def test_the_adapter_gives_requests_their_session(backend: str) -> None:
         adapter.update_resources([r])
     r.state = RequestState.FINISHED
     adapter.free_resources(r)
-    # the prompt's two blocks and the full block of output (the last token is never committed)
-    assert adapter.manager.directives.pin("chat") == outcome(APPLIED, 2)
+    # the prompt's two blocks and the output's 15 tokens committed (the last is never): a partial tail
+    assert adapter.manager.directives.pin("chat") == outcome(APPLIED, 3)
     bad = EngineRequest(2, seq(2000, 1), 1)
     if compiled:  # the attribute's type is checked when it is set
         with pytest.raises(TypeError):

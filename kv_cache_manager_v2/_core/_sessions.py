@@ -58,12 +58,21 @@ class SessionTable:
             self._sweep(rec)
 
     def nodes(self, session: SessionId) -> list[Node]:
-        """The blocks of ``session`` in the tree now, parents before children."""
+        """The blocks of ``session`` in the tree now, parents before children: those recorded and
+        the private blocks below them (a partial tail published at close, or blocks its requests
+        published after they were recorded)."""
         rec = self._records.get(session)
         if rec is None:
             return []
         self._sweep(rec)
-        return sorted(rec.nodes.values(), key=_ordinal)
+        found = rec.nodes
+        stack = list(found.values())
+        while stack:
+            for child in stack.pop().children():
+                if id(child) not in found and is_private(child, session):
+                    found[id(child)] = child
+                    stack.append(child)
+        return sorted(found.values(), key=_ordinal)
 
     def forget(self, session: SessionId) -> bool:
         """Forget ``session`` (its blocks stay as they are); False if it had none."""
