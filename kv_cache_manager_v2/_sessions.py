@@ -39,7 +39,7 @@ class DirectiveStatus(enum.Enum):
     APPLIED = "applied"
     #: a pin: the blocks beyond the pin share of their tier were left unpinned (``num_kept``)
     CLIPPED = "clipped"
-    #: some blocks are in use by a request: the directive applies to them when it releases them
+    #: ``end``: some blocks are in use by a request: they stay until released, then are evicted first
     DEFERRED = "deferred"
     #: no block of the session or prefix is cached: nothing changed
     NOTHING_CACHED = "nothing_cached"
@@ -49,7 +49,7 @@ class DirectiveStatus(enum.Enum):
 @dataclass(frozen=True)
 class DirectiveOutcome:
     """A directive's answer: its ``status``; ``num_blocks``: the cached blocks it applied to now;
-    ``num_deferred``: blocks in use, to which it applies at their release; ``num_kept``: blocks it
+    ``num_deferred``: blocks in use that go once released (``end``); ``num_kept``: blocks it
     names but left as they were (shared with another session, beyond the pin share, in use where
     nothing can wait, no room below)."""
 
