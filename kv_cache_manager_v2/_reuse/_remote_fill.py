@@ -75,14 +75,18 @@ class RemoteFill:
         fetch: bool,
         known: Found | None,
         partial: bool,
+        limit: int = -1,
     ) -> tuple[int, Found, Projection | None]:
         """How many full blocks the match reaches with the remote tier (``len(nodes)`` when it does not
         help), what the lookup found (for a later call with ``known``), and without ``fetch``, when
         the remote tier helps, the match a create would make (``project``). With ``fetch`` the pages
-        are fetched and placed in the tree, so a new local match reaches that far."""
+        are fetched and placed in the tree, so a new local match reaches that far. ``limit``
+        (>= 0): extend to at most that many blocks (the load plan's cut)."""
         local_blocks = len(nodes)
         tokens_per_block = self.tokens_per_block
         end = min(len(hasher.tokens) // tokens_per_block, local_blocks + self.remote.cfg.max_lookup_blocks)
+        if 0 <= limit < end:
+            end = limit
         found: Found = {} if known is None else known
         if end <= local_blocks:
             return local_blocks, found, None
