@@ -30,7 +30,6 @@ from .._utils import as_list, check_int, check_number, check_type
 from ._queries import RequestRecord, ResourceQueries, check_request
 from ._request import EngineRequest, RequestState, check_field, check_priority, slices_as_is
 
-
 #: the weight of one step in the adapter's prefill rate (``observe_step``)
 PREFILL_RATE_WEIGHT: Final = 0.2
 
