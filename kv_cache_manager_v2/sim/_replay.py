@@ -36,12 +36,12 @@ from typing import Final, cast
 
 import numpy as np
 
-from .._common import CacheLevel, ReuseScope, TokenId, TokenIdExt
-from .._config import KVCacheManagerConfig
+from .._common import CacheLevel, ReuseScope, TierStatistics, TokenId, TokenIdExt
+from .._config import KVCacheManagerConfig, LoadPolicy
 from .._retention import Retention
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
-from ._live import Live, count_admission
+from ._live import Live, count_admission, prepare_loading, woken
 from ._replay_types import (
     SERIES_FIELDS,
     LevelUsage,
@@ -53,7 +53,7 @@ from ._replay_types import (
 )
 from ._ssm_policy import add_counters
 from ._step_cost import LinearCost, StepCost
-from ._tier_io import TierIO, tier_kind
+from ._tier_io import FREE, TierIO, TierLinks, priced_tiers, tier_kind
 from ._workload import SimRequest
 
 #: bound once: mypyc looks a module's attribute up at every call (several times a step)
@@ -87,6 +87,14 @@ class Replay:
         self.requests = requests
         self.clock = 0.0
         self.config = config = dataclasses.replace(config, clock=lambda: self.clock / 1000.0)  # simulated seconds
+        if options.load_policy is not None:  # the manager prices loads as the replay times them
+            links = options.links if options.links is not None else TierLinks(FREE, FREE, FREE)
+            tiers = priced_tiers(config.cache_tiers, links, bytes_scale)
+            policy = cast("LoadPolicy", options.load_policy)
+            config = self.config = dataclasses.replace(
+                config, cache_tiers=tiers, load_policy=policy, refine_tier_costs=False
+            )
+        self._early: list[TierStatistics] = []  #: background loads: the step's traffic before its admissions
         self.retain: Sequence[Retention | None] | None = None  #: close-time hints by request index (--retention-hints)
         #: per request index, the shared prefix (id, tokens) to pin once it finished (--pin-system-prompts)
         self.pins: Sequence[tuple[int, int] | None] | None = None
@@ -208,6 +216,8 @@ class Replay:
             if len(old) >= o.max_batch:
                 break
             live = running[i] if i < num_running else suspended[i - num_running]
+            if live.ready_ms > self.clock:
+                continue  # its pages are still on their way (background loads)
             if i >= num_running and live.retry_at == self.releases and num_running:
                 continue  # refused, and no request has released memory since: do not resume it in vain
             n = self._step_tokens(live)
@@ -269,7 +279,12 @@ class Replay:
         self._step_manager_s += _clock() - t0
         if not new:
             return []
-        unserved = {r.request_id for r in self._timed_prepare([x.req for x in new])}
+        if o.load_policy is None:
+            unserved = {r.request_id for r in self._timed_prepare([x.req for x in new])}
+        else:
+            t0 = _clock()
+            unserved, self._early = prepare_loading(rm, self.io, self.cost, o.chunk, new, self.clock)
+            self._step_manager_s += _clock() - t0
         served: list[Live] = []
         for live in reversed(new):
             if live.req.request_id in unserved:
@@ -277,7 +292,8 @@ class Replay:
         for live in new:
             if live.req.request_id in unserved:
                 continue
-            served.append(live)
+            if live.ready_ms <= self.clock:
+                served.append(live)
             self.running.append(live)
             count_admission(self.result, live, self.clock, self.t)
         return served
@@ -330,6 +346,7 @@ class Replay:
                     finished.append(live)
         ms = cost.take_ms()
         r.compute_ms += ms
+        begin = self.clock
         self.clock = self._step_traffic() + ms  # (its loads first: see _tier_io)
         t0 = _clock()
         self.rm.update_resources([x.req for x in served])
@@ -344,6 +361,7 @@ class Replay:
         end = self.clock  # the step's tokens are out
         for live in firsts:
             live.first_ms = end
+            live.out.first_step_ms = end - begin
         r.request_steps += len(served)
         if len(served) > r.max_batch:
             r.max_batch = len(served)
@@ -439,6 +457,9 @@ class Replay:
             if it.onboarded_pages > usage.max_step_onboarded_pages:
                 usage.max_step_onboarded_pages = it.onboarded_pages
         io = self.io
+        if self._early:
+            traffic = self._early + traffic
+            self._early = []
         return io.step(self.clock, traffic) if io is not None else self.clock
 
     # ------------------------------------------------------------------ driver
@@ -476,7 +497,11 @@ class Replay:
         self._step_manager_s = 0.0
         served = self._schedule()
         if not served:
-            self._break_deadlock(self.suspended_now)
+            wake = woken(self.running, self.arrivals, self.clock)
+            if wake > self.clock:  # every request it could serve waits for its loads
+                self.clock = wake
+            else:
+                self._break_deadlock(self.suspended_now)
             r.manager_s += self._step_manager_s
             if self.count_manager_time:
                 self.clock += self._step_manager_s * 1000.0
@@ -560,6 +585,9 @@ class Replay:
         if self.io is not None:
             self.result.io_wait_ms = self.io.load_ms
             self.result.io_write_stall_ms = self.io.write_stall_ms
+            self.result.io_background_ms = self.io.background_ms
+        if self.opts.load_policy is not None:
+            self.result.load_plan = dataclasses.asdict(self.rm.manager.load_plan_statistics)
         if self.on_finish is not None:
             self.on_finish(self.rm)
         self._collect()

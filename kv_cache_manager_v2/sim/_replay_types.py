@@ -42,6 +42,10 @@ class SchedulerOptions:
     links: TierLinks | None = None
     #: the manager's measured CPU time of each step is added to the step's time (not deterministic)
     count_manager_time: bool = False
+    #: ``--load-policy``: the manager's ``load_policy``, priced by ``links`` and planned at each
+    #: request's prefill rate, with loads in the background (``_live.prepare_loading``); None:
+    #: the manager's default with no prefill rate (every match loaded), a step waiting for its loads
+    load_policy: str | None = None
 
     def validate(self) -> None:
         for name, v, lo in (
@@ -110,6 +114,8 @@ class RequestOutcome:
         self.loaded_tokens = 0
         #: tokens computed again after a preemption by recompute or an engine restart
         self.recomputed_tokens = 0
+        #: the time of the step that sampled its first token (ms)
+        self.first_step_ms = 0.0
 
     def to_json(self, tiers: Sequence[str], run: str | None) -> str:
         """One line of ``--per-request``: ``tiers`` name the levels (GPU first); ``run`` labels the
@@ -183,6 +189,9 @@ class ReplayResult:
     outcomes: list[RequestOutcome] = field(default_factory=list)
     io_wait_ms: float = 0.0  #: simulated time steps waited for their loads (tier I/O), summed
     io_write_stall_ms: float = 0.0  #: ... and for their links' write backlogs (``_tier_io.WRITE_BACKLOG_MS``)
+    io_background_ms: float = 0.0  #: ... requests waited for their own loads (``--load-policy``), summed
+    #: ``--load-policy``: the manager's ``load_plan_statistics`` at the end (JSON-ready)
+    load_plan: dict[str, object] | None = None
     wall_s: float = 0.0
     manager_s: float = 0.0  #: CPU time inside adapter calls
     request_steps: int = 0  #: (request, step) pairs served
