@@ -32,12 +32,16 @@ class Live:
         self.ready_ms = -1.0
 
 
-def prefill_rate(cost: StepCost, prompt_length: int, chunk: int) -> float | None:
-    """Tokens per second the replay's step cost prefills a prompt at: one chunk of it (the whole
-    prompt unchunked) alone in a step, at the prompt's middle context (None: a step of no time)."""
+def prefill_rate(cost: StepCost, prompt_length: int, chunk: int, step_tokens: int) -> float | None:
+    """Tokens per second a request prefills at in the replay's engine as it runs now: one chunk of
+    its prompt (the whole prompt unchunked) a step, at the prompt's middle context, in a step of
+    ``step_tokens`` tokens (the others as one chunk from the start), by the step cost. None: a
+    step of no time."""
     n = prompt_length
     c = chunk if 0 < chunk < n else n
     cost.add_prefill(c, (n - c) // 2)
+    if step_tokens > c:
+        cost.add_prefill(step_tokens - c, 0)
     ms = cost.take_ms()
     return c * 1000.0 / ms if ms > 0.0 else None
 
@@ -55,10 +59,16 @@ def woken(running: list[Live], arrivals: list[tuple[float, int]], clock: float) 
 
 
 def prepare_loading(
-    rm: KVCacheResourceManager, io: TierIO | None, cost: StepCost, chunk: int, new: list[Live], clock: float
+    rm: KVCacheResourceManager,
+    io: TierIO | None,
+    cost: StepCost,
+    chunk: int,
+    new: list[Live],
+    clock: float,
+    step_tokens: int,
 ) -> tuple[set[RequestId], list[TierStatistics]]:
     """Background loads (``--load-policy``): prepare newly admitted requests one at a time, each
-    planned at its own prefill rate (``prefill_rate``); a request whose pages come from a lower
+    planned at its own prefill rate (``prefill_rate``, in this step of ``step_tokens`` tokens); a request whose pages come from a lower
     tier waits for its bytes on that tier's link (``TierIO.load``: ``Live.ready_ms``) while the
     others compute. Returns the unserved request ids, and the step's traffic before them (read
     first: the step waits for it, ``Replay._step_traffic``)."""
@@ -66,7 +76,7 @@ def prepare_loading(
     unserved: set[RequestId] = set()
     early = m.take_iteration_stats() if io is not None else []
     for live in new:
-        m.set_prefill_rate(prefill_rate(cost, live.prompt_length, chunk))
+        m.set_prefill_rate(prefill_rate(cost, live.prompt_length, chunk, step_tokens))
         if rm.prepare_resources([live.req]):
             unserved.add(live.req.request_id)
             continue

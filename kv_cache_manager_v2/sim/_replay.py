@@ -283,7 +283,8 @@ class Replay:
             unserved = {r.request_id for r in self._timed_prepare([x.req for x in new])}
         else:
             t0 = _clock()
-            unserved, self._early = prepare_loading(rm, self.io, self.cost, o.chunk, new, self.clock)
+            step = o.max_num_tokens - budget  # (the step's tokens, these requests' included)
+            unserved, self._early = prepare_loading(rm, self.io, self.cost, o.chunk, new, self.clock, step)
             self._step_manager_s += _clock() - t0
         served: list[Live] = []
         for live in reversed(new):

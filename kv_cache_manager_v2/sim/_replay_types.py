@@ -135,6 +135,7 @@ class RequestOutcome:
             "reused_tokens": {tiers[i]: k for i, k in enumerate(self.reused_per_level) if i < len(tiers)},
             "loaded_tokens": self.loaded_tokens,
             "recomputed_tokens": self.recomputed_tokens,
+            "first_step_ms": round(self.first_step_ms, 6) if done else None,
         }
         if run is not None:
             doc["run"] = run

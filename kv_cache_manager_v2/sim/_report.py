@@ -483,13 +483,13 @@ def format_load_plans(reports: list[dict[str, Any]]) -> str:
     rows = [rep for rep in reports if "load_plan" in rep]
     if len(rows) < 2:
         return ""
-    lines = [f"\n  {'load policy':<12}{'TTFT mean':>11}{'p90':>9}{'loaded':>10}{'recomputed':>12}{'load wait':>11}"]
+    lines = [f"\n  {'load policy':<12}{'TTFT mean':>11}{'p90':>10}{'loaded':>10}{'recomputed':>12}{'load wait':>11}"]
     for rep in rows:
         lp = rep["load_plan"]
         ttft = rep["latency"]["ttft_s"] or {"mean": 0.0, "p90": 0.0}
         loaded = sum(lp["loaded_tokens"][1:])
         lines.append(
-            f"  {lp['policy']:<12}{ttft['mean']:>10.3f}s{ttft['p90']:>8.3f}s{format_count(loaded):>10}"
+            f"  {lp['policy']:<12}{ttft['mean']:>10.3f}s {ttft['p90']:>8.3f}s{format_count(loaded):>10}"
             f"{format_count(sum(lp['recomputed_tokens'])):>12}{lp['request_load_wait_s']:>10.1f}s"
         )
     return "\n".join(lines) + "\n"
