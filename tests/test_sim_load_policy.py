@@ -70,7 +70,7 @@ def test_one_request_by_hand(link_ms: float, expected: dict[str, float]) -> None
     (176 / 186 ms); a host block (16 tokens) loads in link_ms / 10 plus 0.5 ms once."""
     for policy, ttft in expected.items():
         r = _replay(_requests(), policy, PREFIX_IN_1MS / link_ms)
-        third = [x for x in r.outcomes if x.index == 2][0]
+        third = next(x for x in r.outcomes if x.index == 2)
         assert third.ttft_ms == pytest.approx(ttft), policy
         loaded = policy == "always" or (policy == "auto" and link_ms == 1.0)
         assert third.reused_per_level == ([0, 160] if loaded else [0, 0]), policy
