@@ -271,3 +271,59 @@ def test_bad_tier_costs_refused(tmp_path: Any, kw: dict[str, object], error: typ
     with pytest.raises(error, match="RemoteCacheTierConfig." + message):
         RemoteCacheTierConfig("redis://localhost:1", "ns", **kw)  # type: ignore[arg-type]
     assert HostCacheTierConfig(1, read_latency_s=0).read_latency_s == 0
+
+
+def _remote_manager(url: str, policy: str, rate: float | None, write_through: bool = False) -> KVCacheManager:
+    remote = RemoteCacheTierConfig(
+        url,
+        "load-plan",
+        timeout_ms=3000,
+        retry_interval_ms=50,
+        max_pending_bytes=8 << 20,
+        write_through=write_through,
+        read_bytes_per_s=DISK_BPS,  # 10 ms a page
+        read_latency_s=0.0,
+    )
+    config = KVCacheManagerConfig(
+        tokens_per_block=T,
+        cache_tiers=[GpuCacheTierConfig(16 * SLOT), remote],
+        layers=kv_layers(2, T),
+        backend="host",
+        max_util_for_resume=1.0,
+        load_policy=policy,  # type: ignore[arg-type]
+        prefill_tokens_per_s=rate,
+        refine_tier_costs=False,
+    )
+    return KVCacheManager(config)
+
+
+@pytest.mark.parametrize(
+    ("policy", "rate", "reused"), [("auto", FIVE_MS, 2), ("auto", TWENTY_MS, 6), ("never", None, 2)]
+)
+def test_remote_blocks_are_fetched_only_when_worth_it(
+    redis_server: Any, policy: str, rate: float | None, reused: int
+) -> None:
+    """Two blocks in GPU memory, four more in the remote tier (10 ms a page): at 5 ms a block they
+    are recomputed (nothing fetched), at 20 ms fetched; "never" does not even look them up."""
+    a = _remote_manager(redis_server.url, "always", None, write_through=True)
+    b = _remote_manager(redis_server.url, policy, rate)
+    try:
+        toks = seq(2, 6 * T)
+        publish(a, toks, match=False)
+        publish(b, toks[: 2 * T], match=False)
+        assert a.flush_remote_writes()
+        query = [*toks, 1]
+        before = b.remote_statistics
+        assert before is not None
+        assert take(b, FakeEngine(b), query) == reused * T  # (probe == create)
+        after = b.remote_statistics
+        assert after is not None
+        assert after.fetched_pages - before.fetched_pages == (4 if reused == 6 else 0)
+        assert (after.lookups > before.lookups) is (policy != "never")
+        s = b.load_plan_statistics
+        # ("never" never looks the remote blocks up: it does not count them)
+        recomputed = 0 if policy == "never" else (6 - reused) * T
+        assert s.loaded_tokens == (2 * T, (reused - 2) * T) and s.recomputed_tokens == (0, recomputed)
+    finally:
+        a.shutdown()
+        b.shutdown()
