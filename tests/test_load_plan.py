@@ -139,6 +139,8 @@ def test_auto_without_a_rate_and_always_take_everything(mk: Any) -> None:
         assert take(m, engine, PROMPT) == 4 * T
         s = m.load_plan_statistics
         assert s.loaded_tokens == (0, 2 * T, 2 * T) and s.recomputed_tokens == (0, 0, 0) and s.cut_matches == 0
+        # "always" at 0.5 ms a block: 2 ms of recompute against 2 x 1 ms (host) + 2 x 10 ms (disk)
+        assert s.saved_s == (pytest.approx(-0.020) if m.config.load_policy == "always" else 0.0)
 
 
 def test_set_prefill_rate_switches_auto_on_and_off(mk: Any) -> None:

@@ -90,10 +90,9 @@ class LoadPlanner:
             out.append(row)
         return out
 
-    def plan(self, levels: list[list[int]], num_full: int, part_len: int, decide: bool) -> tuple[int, float, float]:
+    def plan(self, levels: list[list[int]], num_full: int, part_len: int) -> tuple[int, float, float]:
         """The tokens of the match to take (``num_full`` blocks plus ``part_len``: all of it), and the
-        estimated savings of that and of the whole match (seconds; 0 without a prefill rate).
-        Without ``decide`` the whole match is taken (only the savings are estimated)."""
+        estimated savings of that and of the whole match (seconds; 0 without a prefill rate)."""
         t = self.tokens_per_block
         whole = num_full * t + part_len
         rate = self.tokens_per_s
@@ -127,8 +126,6 @@ class LoadPlanner:
                 whole_saving = saving if saving is not None else 0.0
             if saving is not None and (never or saving >= best):  # (ascending: the longest on a tie)
                 best, best_len = saving, length
-        if not decide:
-            return whole, whole_saving, whole_saving
         return best_len, best, whole_saving
 
     def _saving(
@@ -176,6 +173,42 @@ class LoadPlanner:
                     return None
                 read += self.costs.latency_s[x]
         return length / rate - read if rate > 0.0 else 0.0
+
+    def count_whole(self, nodes: list[Node], part: Node | None, part_len: int) -> None:
+        """Statistics of a create that takes its match whole ("always"; "auto" without a rate): its
+        tokens by the deepest level of the pages each block needs, the saving when a rate is known;
+        one pass over the match's pages."""
+        t = self.tokens_per_block
+        length = len(nodes) * t + part_len
+        n_blocks = len(nodes) + (1 if part_len else 0)
+        deepest = [0] * n_blocks
+        read = 0.0
+        used = 0  # (a bit per level)
+        per_byte = self.costs.seconds_per_byte
+        for g, policy in enumerate(self.policies):
+            beg, end = policy.stale_range(length)
+            nbytes = self.page_bytes[g]
+            for o in range(n_blocks):
+                if beg <= o < end and not (policy.keeps_live_state and o == n_blocks - 1):
+                    continue
+                node = nodes[o] if o < len(nodes) else part
+                page = node.page(g) if node is not None else None
+                if page is None:
+                    continue
+                lvl = int(page.level)
+                if lvl > 0:
+                    read += nbytes * per_byte[lvl]
+                    used |= 1 << lvl
+                    if lvl > deepest[o]:
+                        deepest[o] = lvl
+        for o in range(n_blocks):
+            end_o = (o + 1) * t if (o + 1) * t < length else length
+            self.loaded_tokens[deepest[o]] += end_o - o * t
+        if self.tokens_per_s > 0.0 and length:
+            for x in range(1, len(self.costs.latency_s)):
+                if used >> x & 1:
+                    read += self.costs.latency_s[x]
+            self.saved_s += length / self.tokens_per_s - read
 
     def count(self, levels: list[list[int]], length: int, taken: int, saved: float, whole_saving: float) -> None:
         """Statistics of a create: ``taken`` tokens of the ``length``-token match ``levels`` describes."""

@@ -130,10 +130,7 @@ class PrefixMatcher:
             if for_create and remote_blocks > len(nodes):  # the fetched pages are in the tree now
                 nodes, part, part_len = self._rematch(scope, hasher)
         if for_create and planner is not None and not planner.active and self.counts:
-            levels = planner.levels(nodes, part, part_len, NOTHING_FETCHED)
-            _, saved, _ = planner.plan(levels, len(nodes), part_len, False)
-            length = len(nodes) * self.tokens_per_block + part_len
-            planner.count(levels, length, length, saved, saved)
+            planner.count_whole(nodes, part, part_len)
         hasher.validate_rest()
         if not for_create:
             # (valid tokens, keys and untracked nodes, never changed: untracked by the cyclic GC)
@@ -179,7 +176,7 @@ class PrefixMatcher:
         levels = planner.levels(seen, seen_part, seen_len, fetched)
         t = self.tokens_per_block
         length = len(seen) * t + seen_len
-        taken, saved, whole_saving = planner.plan(levels, len(seen), seen_len, True)
+        taken, saved, whole_saving = planner.plan(levels, len(seen), seen_len)
         if for_create and self.counts:
             planner.count(levels, length, taken, saved, whole_saving)
             if taken < length:
