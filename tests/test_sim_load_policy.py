@@ -12,7 +12,7 @@ import pytest
 from conftest import TRACE
 
 from kv_cache_manager_v2.sim import SchedulerOptions, main
-from kv_cache_manager_v2.sim._live import prefill_rate
+from kv_cache_manager_v2.sim._loading import prefill_rate
 from kv_cache_manager_v2.sim._models import (
     ModelShape,
     TierSpec,

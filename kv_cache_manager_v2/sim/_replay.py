@@ -37,23 +37,24 @@ from typing import Final, cast
 import numpy as np
 
 from .._common import CacheLevel, ReuseScope, TierStatistics, TokenId, TokenIdExt
-from .._config import KVCacheManagerConfig, LoadPolicy
+from .._config import KVCacheManagerConfig
 from .._retention import Retention
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
-from ._live import Live, count_admission, prepare_loading, woken
+from ._live import Live, count_admission
+from ._loading import load_plan_config, prepare_loading, woken
 from ._replay_types import (
     SERIES_FIELDS,
     LevelUsage,
     ReplayResult,
     SchedulerOptions,
+    add_manager_counters,
     add_request_times,
     add_samples,
     set_workload_bounds,
 )
-from ._ssm_policy import add_counters
 from ._step_cost import LinearCost, StepCost
-from ._tier_io import FREE, TierIO, TierLinks, priced_tiers, tier_kind
+from ._tier_io import TierIO, tier_kind
 from ._workload import SimRequest
 
 #: bound once: mypyc looks a module's attribute up at every call (several times a step)
@@ -88,12 +89,7 @@ class Replay:
         self.clock = 0.0
         self.config = config = dataclasses.replace(config, clock=lambda: self.clock / 1000.0)  # simulated seconds
         if options.load_policy is not None:  # the manager prices loads as the replay times them
-            links = options.links if options.links is not None else TierLinks(FREE, FREE, FREE)
-            tiers = priced_tiers(config.cache_tiers, links, bytes_scale)
-            policy = cast("LoadPolicy", options.load_policy)
-            config = self.config = dataclasses.replace(
-                config, cache_tiers=tiers, load_policy=policy, refine_tier_costs=False
-            )
+            config = self.config = load_plan_config(config, options.load_policy, options.links, bytes_scale)
         self._early: list[TierStatistics] = []  #: background loads: the step's traffic before its admissions
         self.retain: Sequence[Retention | None] | None = None  #: close-time hints by request index (--retention-hints)
         #: per request index, the shared prefix (id, tokens) to pin once it finished (--pin-system-prompts)
@@ -548,36 +544,7 @@ class Replay:
 
     def _collect(self) -> None:
         """Add the manager's counters to the result (they restart with a new manager) and shut it down."""
-        r = self.result
-        m = self.rm.manager
-        st = m.reuse_statistics
-        r.reused_blocks += st.reused_blocks
-        r.missed_blocks += st.missed_blocks
-        r.reused_pages += st.reused_pages
-        r.allocated_pages += st.allocated_pages
-        r.snapshots_taken += st.snapshots_taken
-        r.snapshots_skipped += st.snapshots_skipped
-        r.snapshots_reused += st.snapshots_reused
-        r.snapshots_evicted += st.snapshots_evicted
-        r.snapshot_interval = m.config.snapshot_interval
-        add_counters(r.snapshot_counters, st)
-        for usage in r.levels:
-            ts = m.get_tier_statistics(CacheLevel(usage.level))
-            usage.peak_occupied = max(usage.peak_occupied, ts.peak_used_bytes)
-            # every request is gone: what the level still holds is reusable blocks
-            stats = m.get_storage_statistics(CacheLevel(usage.level))
-            usage.reusable_at_end = sum((x.total - x.free) * sum(x.slot_sizes) for x in stats)
-            usage.snapshots_at_end = ts.state_bytes  # (no live state is left)
-            usage.offloaded_pages += ts.offloaded_pages
-            usage.offloaded_bytes += ts.offloaded_bytes
-            usage.onboarded_pages += ts.onboarded_pages
-            usage.onboarded_bytes += ts.onboarded_bytes
-            usage.dropped_pages += ts.dropped_pages
-            usage.dropped_bytes += ts.dropped_bytes
-            usage.io_errors += ts.io_errors
-        if self.checker is not None:
-            r.records_checked += self.checker.records_checked
-            r.layer_by_layer_steps += self.checker.layer_by_layer_steps
+        add_manager_counters(self.result, self.rm.manager, self.checker)
         self.rm.shutdown()
 
     def _finish(self) -> None:

@@ -10,8 +10,12 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .._common import CacheLevel
+from .._core._kv_cache_manager import KVCacheManager
 from .._utils import check_int
+from ._check import DataChecker
 from ._models import SimUserError
+from ._ssm_policy import add_counters
 from ._step_cost import StepCost
 from ._tier_io import TierLinks
 from ._workload import SimRequest
@@ -303,3 +307,35 @@ def add_request_times(result: ReplayResult) -> None:
     result.ttft_ms.extend([x.ttft_ms for x in done])
     result.tpot_ms.extend([x.tpot_ms for x in done])
     result.e2e_ms.extend([x.e2e_ms for x in done])
+
+
+def add_manager_counters(r: ReplayResult, m: KVCacheManager, checker: DataChecker | None) -> None:
+    """Add a manager's counters to ``r`` (every request gone; they restart with a new manager)."""
+    st = m.reuse_statistics
+    r.reused_blocks += st.reused_blocks
+    r.missed_blocks += st.missed_blocks
+    r.reused_pages += st.reused_pages
+    r.allocated_pages += st.allocated_pages
+    r.snapshots_taken += st.snapshots_taken
+    r.snapshots_skipped += st.snapshots_skipped
+    r.snapshots_reused += st.snapshots_reused
+    r.snapshots_evicted += st.snapshots_evicted
+    r.snapshot_interval = m.config.snapshot_interval
+    add_counters(r.snapshot_counters, st)
+    for usage in r.levels:
+        ts = m.get_tier_statistics(CacheLevel(usage.level))
+        usage.peak_occupied = max(usage.peak_occupied, ts.peak_used_bytes)
+        # every request is gone: what the level still holds is reusable blocks
+        stats = m.get_storage_statistics(CacheLevel(usage.level))
+        usage.reusable_at_end = sum((x.total - x.free) * sum(x.slot_sizes) for x in stats)
+        usage.snapshots_at_end = ts.state_bytes  # (no live state is left)
+        usage.offloaded_pages += ts.offloaded_pages
+        usage.offloaded_bytes += ts.offloaded_bytes
+        usage.onboarded_pages += ts.onboarded_pages
+        usage.onboarded_bytes += ts.onboarded_bytes
+        usage.dropped_pages += ts.dropped_pages
+        usage.dropped_bytes += ts.dropped_bytes
+        usage.io_errors += ts.io_errors
+    if checker is not None:
+        r.records_checked += checker.records_checked
+        r.layer_by_layer_steps += checker.layer_by_layer_steps
