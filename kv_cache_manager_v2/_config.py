@@ -443,7 +443,7 @@ class KVCacheManagerConfig:
     #: the engine's prefill rate (tokens/s) for "auto"; None: unknown until ``set_prefill_rate``
     #: (or the adapter's ``observe_step``)
     prefill_tokens_per_s: float | None = None
-    #: refine the tiers' read costs from the manager's timed copies (False: a simulator's)
+    #: refine the disk and remote tiers' read costs from timed reads (False: e.g. a simulator's)
     refine_tier_costs: bool = True
 
     def __post_init__(self) -> None:

@@ -211,30 +211,34 @@ def test_hybrid_cut_ends_at_a_snapshot(mk: Any) -> None:
     assert take(m, engine, query) == 2 * T
 
 
-def test_tier_costs_refine_from_timed_batches() -> None:
-    host = HostCacheTierConfig(1 << 20, read_bytes_per_s=1e9, read_latency_s=1e-5)
-    costs = TierCosts([GpuCacheTierConfig(1 << 20), host], True)
-    assert costs.read_s(0, 10**9) == 0.0 and costs.read_s(1, 10**6) == pytest.approx(1e-5 + 1e-3)
-    costs.observe(1, 10**6, 1e-5 + 2e-3)  # half the bandwidth: the time per byte moves a fifth of the way
-    assert costs.seconds_per_byte[1] == pytest.approx((1 - REFINE_WEIGHT) * 1e-9 + REFINE_WEIGHT * 2e-9)
-    costs.observe(1, 1000, 1e-4)  # a small batch (its bytes' time under the latency) refines the latency
-    per_byte = costs.seconds_per_byte[1]
-    assert costs.latency_s[1] == pytest.approx((1 - REFINE_WEIGHT) * 1e-5 + REFINE_WEIGHT * (1e-4 - 1000 * per_byte))
-    assert costs.samples == [0, 2]
-    costs.observe(0, 10**6, 1.0)  # the GPU costs nothing, and learns nothing
-    fixed = TierCosts([GpuCacheTierConfig(1 << 20), host], False)
-    fixed.observe(1, 10**6, 1.0)
-    assert fixed.seconds_per_byte[1] == 1e-9 and fixed.samples == [0, 0]
+def test_tier_costs_refine_from_timed_batches(tmp_path: Any) -> None:
+    disk = DiskCacheTierConfig(1 << 20, str(tmp_path), read_bytes_per_s=1e9, read_latency_s=1e-5)
+    tiers = [GpuCacheTierConfig(1 << 20), HostCacheTierConfig(1 << 20), disk]
+    costs = TierCosts(tiers, True)
+    assert costs.read_s(0, 10**9) == 0.0 and costs.read_s(2, 10**6) == pytest.approx(1e-5 + 1e-3)
+    costs.observe(2, 10**6, 1e-5 + 2e-3)  # half the bandwidth: the time per byte moves a fifth of the way
+    assert costs.seconds_per_byte[2] == pytest.approx((1 - REFINE_WEIGHT) * 1e-9 + REFINE_WEIGHT * 2e-9)
+    costs.observe(2, 1000, 1e-4)  # a small batch (its bytes' time under the latency) refines the latency
+    per_byte = costs.seconds_per_byte[2]
+    assert costs.latency_s[2] == pytest.approx((1 - REFINE_WEIGHT) * 1e-5 + REFINE_WEIGHT * (1e-4 - 1000 * per_byte))
+    # the GPU costs nothing; a host tier's copies are queued on the copy stream: neither is timed
+    costs.observe(0, 10**6, 1.0)
+    costs.observe(1, 10**6, 1.0)
+    assert costs.samples == [0, 0, 2] and costs.seconds_per_byte[1] == 1 / 50e9
+    fixed = TierCosts(tiers, False)
+    fixed.observe(2, 10**6, 1.0)
+    assert fixed.seconds_per_byte[2] == 1e-9 and fixed.samples == [0, 0, 0]
 
 
-def test_the_manager_refines_its_costs_from_move_ups(mk: Any) -> None:
+def test_the_manager_refines_its_costs_from_disk_reads(mk: Any) -> None:
     for refine in (True, False):
-        m = mk("auto", FIVE_MS, refine=refine)
+        m = mk("auto", TWENTY_MS, refine=refine)  # (every block loads: the disk's two are timed)
         engine = FakeEngine(m)
         spread(m, engine)
-        take(m, engine, PROMPT)
+        assert take(m, engine, PROMPT) == 4 * T
         s = m.load_plan_statistics
-        assert (s.read_bytes_per_s[1] != HOST_BPS) is refine
+        assert s.read_bytes_per_s[1] == HOST_BPS  # (host copies are not timed)
+        assert (s.read_bytes_per_s[2] != DISK_BPS) is refine
 
 
 @pytest.mark.parametrize(
@@ -275,7 +279,9 @@ def test_bad_tier_costs_refused(tmp_path: Any, kw: dict[str, object], error: typ
     assert HostCacheTierConfig(1, read_latency_s=0).read_latency_s == 0
 
 
-def _remote_manager(url: str, policy: str, rate: float | None, write_through: bool = False) -> KVCacheManager:
+def _remote_manager(
+    url: str, policy: str, rate: float | None, write_through: bool = False, refine: bool = False
+) -> KVCacheManager:
     remote = RemoteCacheTierConfig(
         url,
         "load-plan",
@@ -294,7 +300,7 @@ def _remote_manager(url: str, policy: str, rate: float | None, write_through: bo
         max_util_for_resume=1.0,
         load_policy=policy,  # type: ignore[arg-type]
         prefill_tokens_per_s=rate,
-        refine_tier_costs=False,
+        refine_tier_costs=refine,
     )
     return KVCacheManager(config)
 
@@ -326,6 +332,20 @@ def test_remote_blocks_are_fetched_only_when_worth_it(
         # ("never" never looks the remote blocks up: it does not count them)
         recomputed = 0 if policy == "never" else (6 - reused) * T
         assert s.loaded_tokens == (2 * T, (reused - 2) * T) and s.recomputed_tokens == (0, recomputed)
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_remote_fetches_refine_the_remote_cost(redis_server: Any) -> None:
+    a = _remote_manager(redis_server.url, "always", None, write_through=True)
+    b = _remote_manager(redis_server.url, "always", None, refine=True)
+    try:
+        toks = seq(3, 4 * T)
+        publish(a, toks, match=False)
+        assert a.flush_remote_writes()
+        assert take(b, FakeEngine(b), [*toks, 1]) == 4 * T
+        assert b.load_plan_statistics.read_bytes_per_s[1] != DISK_BPS  # the fetch was timed
     finally:
         a.shutdown()
         b.shutdown()

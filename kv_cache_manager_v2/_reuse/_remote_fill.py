@@ -17,6 +17,7 @@ probe said, never wrong data.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import rawref
@@ -323,9 +324,14 @@ class RemoteFill:
                 return local_blocks
             needed = self._needed(chain, local_blocks, matched_blocks)
         remote = self.remote
+        t0 = time.perf_counter()
         values = remote.fetch([remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in needed])
         if values is None:
             return local_blocks
+        costs = self.storage.costs  # (the read cost of load_policy="auto": a timed fetch refines it)
+        if costs is not None:
+            nbytes = sum(len(v) for v in values if v is not None)
+            costs.observe(self.storage.num_levels, nbytes, time.perf_counter() - t0)
         fp = remote.fingerprint
         good: Found = {}
         payloads: dict[tuple[int, int], memoryview] = {}

@@ -238,7 +238,7 @@ class StorageManager(EvictionCascade):
             src = batch[0].storage
             t0 = time.perf_counter()
             failed = self._relocate(batch, targets.items[key[1]])
-            if costs is not None and costs.refine and target == 0:
+            if costs is not None and costs.refine and target == 0:  # (only what the CPU waits for counts)
                 costs.observe(key[0], len(batch) * src.layout.slot_bytes, time.perf_counter() - t0)
             src.num_onboarded += len(batch) - len(failed)
             for p in failed:

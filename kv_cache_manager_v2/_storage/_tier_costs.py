@@ -2,10 +2,13 @@
 latency per transfer (a batch of copies from one level), for ``load_policy="auto"``.
 
 The configured figures (the tier configs' ``read_bytes_per_s`` and ``read_latency_s``) are the
-prior; with ``refine`` every timed move-up batch refines them, each an exponentially weighted
-average (weight ``REFINE_WEIGHT`` per batch): a batch whose bytes take longer than its latency at
-the current estimate refines the time per byte (its time less the latency, over its bytes), a
-smaller one the latency (its time less its bytes' time). The GPU (level 0) costs nothing.
+prior; with ``refine`` every timed read refines them, each an exponentially weighted average
+(weight ``REFINE_WEIGHT`` per batch): a batch whose bytes take longer than its latency at the
+current estimate refines the time per byte (its time less the latency, over its bytes), a smaller
+one the latency (its time less its bytes' time). Only reads the CPU waits for are timed: a disk
+tier's (``StorageManager.move_up``) and the remote tier's fetches (``RemoteFill``); a host tier's
+copies are queued on the copy stream (their CPU time says nothing about the link), so its figures
+stay as configured. The GPU (level 0) costs nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from .._config import CacheTierConfig, GpuCacheTierConfig
+from .._config import CacheTierConfig, GpuCacheTierConfig, HostCacheTierConfig
 
 #: the weight of one timed batch in the running estimates
 REFINE_WEIGHT: Final = 0.2
@@ -34,12 +37,16 @@ class TierCosts:
                 self.seconds_per_byte.append(1.0 / float(tier.read_bytes_per_s))
                 self.latency_s.append(float(tier.read_latency_s))
         self.refine = refine
+        #: per level: whether its timed reads refine it (the CPU waits for them: not GPU, not host)
+        self.timed = [not isinstance(tier, (GpuCacheTierConfig, HostCacheTierConfig)) for tier in tiers]
         #: timed batches per level that refined the estimates
         self.samples: list[int] = [0] * len(tiers)
 
     def observe(self, level: int, nbytes: int, seconds: float) -> None:
         """A batch of ``nbytes`` bytes read from ``level`` took ``seconds`` (refines the estimate)."""
-        if not self.refine or level <= 0 or level >= len(self.samples) or nbytes <= 0 or not seconds >= 0.0:
+        if not self.refine or not 0 < level < len(self.samples) or not self.timed[level]:
+            return
+        if nbytes <= 0 or not seconds >= 0.0:
             return
         per_byte = self.seconds_per_byte[level]
         latency = self.latency_s[level]
