@@ -174,12 +174,33 @@ class LoadPlanner:
                 read += self.costs.latency_s[x]
         return length / rate - read if rate > 0.0 else 0.0
 
+    def in_gpu_memory(self, nodes: list[Node], part: Node | None) -> bool:
+        """Whether every page of a local match's blocks is in GPU memory (then the whole match is
+        the plan: each block saves its tokens and costs nothing)."""
+        n_groups = len(self.policies)
+        for node in nodes:
+            for g in range(n_groups):
+                page = node.page(g)
+                if page is not None and page.level > 0:
+                    return False
+        if part is not None:
+            for g in range(n_groups):
+                page = part.page(g)
+                if page is not None and page.level > 0:
+                    return False
+        return True
+
     def count_whole(self, nodes: list[Node], part: Node | None, part_len: int) -> None:
         """Statistics of a create that takes its match whole ("always"; "auto" without a rate): its
         tokens by the deepest level of the pages each block needs, the saving when a rate is known;
         one pass over the match's pages."""
         t = self.tokens_per_block
         length = len(nodes) * t + part_len
+        if self.in_gpu_memory(nodes, part):  # (the common case: one quick pass)
+            self.loaded_tokens[0] += length
+            if self.tokens_per_s > 0.0:
+                self.saved_s += length / self.tokens_per_s
+            return
         n_blocks = len(nodes) + (1 if part_len else 0)
         deepest = [0] * n_blocks
         read = 0.0

@@ -173,6 +173,10 @@ class PrefixMatcher:
         seen_part, seen_len = part, part_len
         if projection is not None:
             seen, seen_part, seen_len, fetched = projection
+        elif planner.in_gpu_memory(nodes, part):  # (the common case: nothing to weigh)
+            if for_create and self.counts:
+                planner.loaded_tokens[0] += len(nodes) * self.tokens_per_block + part_len
+            return nodes, part, part_len, None, found
         levels = planner.levels(seen, seen_part, seen_len, fetched)
         t = self.tokens_per_block
         length = len(seen) * t + seen_len
