@@ -6,7 +6,8 @@ Main objects
         (AttentionLayerConfig, SsmLayerConfig of BufferConfig), prefix reuse, eviction
         (EvictionPolicy), retention the engine controls (RequestRetention of RetentionRange,
         Retention at close, pin/unpin), hybrid snapshot policy (SnapshotPolicy), statistics
-        (StorageStatistics, TierStatistics, ReuseStatistics).
+        (StorageStatistics, TierStatistics, ReuseStatistics), load or recompute (LoadPolicy,
+        LoadPlanStatistics).
     KVCache  one per request (create_kv_cache): its block table, per layer group, of pages
         that kernels address by index (get_base_page_indices, PageIndexConverter).
     KVCacheEventManager  block stored / removed / moved events for KV-aware routers.
@@ -58,6 +59,7 @@ from ._common import (
     LayerGroupId,
     LayerGroupInfo,
     LayerId,
+    LoadPlanStatistics,
     MemAddress,
     PageIndexMode,
     PageStatus,
@@ -88,6 +90,7 @@ from ._config import (
     HostCacheTierConfig,
     KVCacheDesc,
     KVCacheManagerConfig,
+    LoadPolicy,
     RemoteCacheTierConfig,
     SnapshotPolicy,
     SsmLayerConfig,
@@ -160,6 +163,8 @@ _TYPE_DOCS = {
     "BlockOrdinal": "Position of a block in a request: token position // tokens_per_block.",
     "CacheLevel": "Index of a cache tier in KVCacheManagerConfig.cache_tiers (0: GPU, then host, disk, remote).",
     "EvictionPolicy": "'lru' (least recently released first) or 'frequency' (lowest use rate first).",
+    "LoadPolicy": "'auto' (load a matched block below the GPU only when that beats recomputing it), "
+    "'always' or 'never' (only matches wholly in GPU memory).",
     "SnapshotPolicy": "'interval' (periodic snapshots), 'branch' (where prompts branch, last blocks, demand) or "
     "'auto' (both; the periodic ones at the lowest priority): which recurrent-state snapshots requests keep.",
     "LayerGroupId": "Index of a layer group: layers whose blocks are kept and released alike (old name: LifeCycleId).",
@@ -216,6 +221,8 @@ __all__ = [
     "LayerGroupSpec",
     "LayerId",
     "LifeCycleId",
+    "LoadPlanStatistics",
+    "LoadPolicy",
     "LogicError",
     "MemAddress",
     "OutOfMemoryError",

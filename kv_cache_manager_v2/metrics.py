@@ -257,6 +257,36 @@ class KVCacheMetricsCollector:
         f.add(
             "gauge", p + "open_caches", "KVCache objects open (active or suspended requests)", lv, [], m.num_open_caches
         )
+        self._collect_load_plan(f, m, lv)
+
+    def _collect_load_plan(self, f: _Families, m: KVCacheManager, lv: list[str]) -> None:
+        """load_policy: matched tokens taken and recomputed per tier, the estimated time saved."""
+        p = self.prefix
+        s = m.load_plan_statistics
+        tiers = m.cache_tier_list
+        for what, counts in (("taken", s.loaded_tokens), ("recomputed", s.recomputed_tokens)):
+            for level, n in enumerate(counts):
+                f.add(
+                    "counter",
+                    p + "load_plan_tokens",
+                    "Matched tokens of create_kv_cache taken (loaded from that tier; gpu: already there) or "
+                    "left to recompute by load_policy, by the tier their block was on",
+                    lv,
+                    [what, TIER_LABELS[tiers[level]]],
+                    n,
+                    ("plan", "source"),
+                )
+        for what, x in (("loads", s.saved_s), ("cuts", s.cut_saved_s)):
+            f.add(
+                "counter",
+                p + "load_plan_saved_seconds",
+                "Estimated seconds saved: by the loads taken (against recomputing them) and by load_policy's "
+                "cuts (against loading every matched block)",
+                lv,
+                [what],
+                x,
+                ("by",),
+            )
 
     def _collect_adapter(self, f: _Families, source: MetricsSource, lv: list[str]) -> None:
         """The engine adapter's counters: prompt tokens found cached per tier, preemptions."""

@@ -904,3 +904,21 @@ def test_an_array_prompt_is_committed_in_slices_and_reused_by_a_list_prompt(
     assert r2.num_reused_tokens == len(tokens)
     eng.check_all(a.get_kv_cache(r2), r2.all_tokens(), len(tokens))  # the reused KV is r's
     a.update_resources([r2])
+
+
+def test_observe_step_sets_the_managers_prefill_rate(make_adapter: Callable[..., KVCacheResourceManager]) -> None:
+    a = make_adapter(kv_layers(1))
+    m = a.manager
+    a.observe_step(0.5, 0)  # a decode-only step says nothing about prefill
+    assert m.load_plan_statistics.prefill_tokens_per_s is None
+    a.observe_step(0.5, 1000)
+    assert m.load_plan_statistics.prefill_tokens_per_s == 2000.0
+    a.observe_step(0.25, 1000)  # 4000 tokens/s, weighted a fifth
+    assert m.load_plan_statistics.prefill_tokens_per_s == pytest.approx(0.8 * 2000 + 0.2 * 4000)
+    with pytest.raises(TypeError, match="prefill_tokens must be an int"):
+        a.observe_step(0.5, 10.0)
+    with pytest.raises(ValueError, match="seconds must be a finite number >= 0"):
+        a.observe_step(-1.0, 10)
+    with pytest.raises(TypeError, match="seconds must be a number"):
+        a.observe_step(True, 10)
+    assert m.load_plan_statistics.prefill_tokens_per_s == pytest.approx(2400.0)

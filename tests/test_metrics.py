@@ -164,6 +164,11 @@ def expected_samples(m: KVCacheManager, a: KVCacheResourceManager, labels: dict[
             out[key(f"kvcm_tier_{what}_pages_total", tier=tier)] = getattr(t, f"{what}_pages")
             out[key(f"kvcm_tier_{what}_bytes_total", tier=tier)] = getattr(t, f"{what}_bytes")
         out[key("kvcm_tier_io_errors_total", tier=tier)] = t.io_errors
+        lp = m.load_plan_statistics
+        out[key("kvcm_load_plan_tokens_total", plan="taken", source=tier)] = lp.loaded_tokens[level]
+        out[key("kvcm_load_plan_tokens_total", plan="recomputed", source=tier)] = lp.recomputed_tokens[level]
+    out[key("kvcm_load_plan_saved_seconds_total", by="loads")] = m.load_plan_statistics.saved_s
+    out[key("kvcm_load_plan_saved_seconds_total", by="cuts")] = m.load_plan_statistics.cut_saved_s
     rs = m.remote_statistics
     if rs is not None:
         for name, value in (
@@ -221,6 +226,12 @@ def test_scrape_over_http_equals_the_statistics(tiered: Callable[..., tuple]) ->
             and tier[("kvcm_tier_onboarded_pages_total", "disk")] > 0
         )
         assert tier[("kvcm_tier_io_errors_total", "disk")] > 0
+        plan = {
+            dict(lab)["source"]: v
+            for (name, lab), v in got.items()
+            if name == "kvcm_load_plan_tokens_total" and dict(lab)["plan"] == "taken"
+        }
+        assert plan["host"] > 0 and plan["disk"] > 0  # taken from the lower tiers ("auto" without a rate)
         assert tier[("kvcm_tier_total_bytes", "gpu")] == BLOCK * 14
         # scraping reads, never changes: a second scrape says the same
         assert scrape(server.server_port) == got

@@ -13,6 +13,7 @@ from .._common import (
     MAX_BEAM_WIDTH,
     CacheLevel,
     KVCacheStatus,
+    LayerGroupId,
     ReuseScope,
     TokenIdExt,
 )
@@ -35,11 +36,13 @@ from .._storage._remote._protocol import layout_fingerprint
 from .._storage._remote._store import RemoteStore
 from .._storage._select import select_backend
 from .._storage._storage_manager import StorageManager
-from .._utils import check_int, check_type
+from .._storage._tier_costs import TierCosts
+from .._utils import check_int, check_number, check_type
 from ._batch import commit_batch, resize_batch
 from ._context import CacheContext, OpenCache, derived_lower_tier_state_share
 from ._introspection import check_invariants
 from ._kv_cache import KVCache
+from ._load_plan import LoadPlanner
 from ._manager_queries import ManagerQueries
 from ._matching import PrefixMatcher, match_length, match_levels
 from ._pins import pin_prefix, unpin_prefix
@@ -145,6 +148,23 @@ class KVCacheManager(ManagerQueries):
         # a match of a hybrid model ends at a snapshot: never inside a block
         partial = config.enable_partial_reuse and not self._registry.state_layer_groups
         self._matcher = PrefixMatcher(self._tree, self._remote_fill, self.tokens_per_block, partial)
+        costs = self._storage.costs = TierCosts(config.cache_tiers, config.refine_tier_costs)
+        lg_bytes = [
+            self._layout.pool_groups[self._layout.pool_group_of_layer_group[LayerGroupId(i)]].slot_bytes
+            for i in range(self.num_layer_groups)
+        ]
+        self._planner = LoadPlanner(
+            config.load_policy,
+            config.prefill_tokens_per_s,
+            costs,
+            self._registry.layer_groups,
+            lg_bytes,
+            self.tokens_per_block,
+            self._num_tiers,
+        )
+        if self._num_tiers > 1:  # (the GPU alone: every match is in GPU memory)
+            self._matcher.planner = self._planner
+        self._matcher.counts = config.enable_stats
         self._is_shut_down = False
         self._batch_serial = 0
 
@@ -283,6 +303,18 @@ class KVCacheManager(ManagerQueries):
         if found is None:
             return []
         return match_levels(found, self._registry.layer_groups, self.tokens_per_block, self._storage.num_levels)
+
+    def set_prefill_rate(self, tokens_per_s: object) -> None:
+        """The engine's prefill rate in tokens per second, for ``load_policy="auto"`` (None: unknown,
+        matches are loaded whole); from the next match on. The adapter's ``observe_step`` sets it
+        from measured steps."""
+        self._check_alive()
+        rate = (
+            check_number("tokens_per_s", tokens_per_s, True, "tokens per second, or None")
+            if tokens_per_s is not None
+            else 0.0
+        )
+        self._planner.tokens_per_s = rate
 
     def flush_remote_writes(self, timeout_s: float = 10.0) -> bool:
         """Wait until every page queued for the remote tier is written (or dropped); False on

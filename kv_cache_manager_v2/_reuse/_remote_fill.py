@@ -17,6 +17,7 @@ probe said, never wrong data.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import rawref
@@ -75,14 +76,18 @@ class RemoteFill:
         fetch: bool,
         known: Found | None,
         partial: bool,
+        limit: int = -1,
     ) -> tuple[int, Found, Projection | None]:
         """How many full blocks the match reaches with the remote tier (``len(nodes)`` when it does not
         help), what the lookup found (for a later call with ``known``), and without ``fetch``, when
         the remote tier helps, the match a create would make (``project``). With ``fetch`` the pages
-        are fetched and placed in the tree, so a new local match reaches that far."""
+        are fetched and placed in the tree, so a new local match reaches that far. ``limit``
+        (>= 0): extend to at most that many blocks (the load plan's cut)."""
         local_blocks = len(nodes)
         tokens_per_block = self.tokens_per_block
         end = min(len(hasher.tokens) // tokens_per_block, local_blocks + self.remote.cfg.max_lookup_blocks)
+        if 0 <= limit < end:
+            end = limit
         found: Found = {} if known is None else known
         if end <= local_blocks:
             return local_blocks, found, None
@@ -319,9 +324,14 @@ class RemoteFill:
                 return local_blocks
             needed = self._needed(chain, local_blocks, matched_blocks)
         remote = self.remote
+        t0 = time.perf_counter()
         values = remote.fetch([remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in needed])
         if values is None:
             return local_blocks
+        costs = self.storage.costs  # (the read cost of load_policy="auto": a timed fetch refines it)
+        if costs is not None:
+            nbytes = sum(len(v) for v in values if v is not None)
+            costs.observe(self.storage.num_levels, nbytes, time.perf_counter() - t0)
         fp = remote.fingerprint
         good: Found = {}
         payloads: dict[tuple[int, int], memoryview] = {}

@@ -9,6 +9,7 @@ records they read, are the base class in ``_queries.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final
 
 from .._common import (
     DEFAULT_PRIORITY,
@@ -25,9 +26,12 @@ from .._core._kv_cache import KVCache
 from .._core._request_state import default_priority
 from .._exceptions import LogicError
 from .._retention import Retention
-from .._utils import as_list, check_type
+from .._utils import as_list, check_int, check_number, check_type
 from ._queries import RequestRecord, ResourceQueries, check_request
 from ._request import EngineRequest, RequestState, check_field, check_priority, slices_as_is
+
+#: the weight of one step in the adapter's prefill rate (``observe_step``)
+PREFILL_RATE_WEIGHT: Final = 0.2
 
 
 class _FixedPriority:
@@ -289,6 +293,21 @@ class KVCacheResourceManager(ResourceQueries):
             req.num_cached_tokens = e
             if req.state is RequestState.CONTEXT and e >= p:
                 req.state = RequestState.GENERATION
+
+    def observe_step(self, seconds: object, prefill_tokens: object) -> None:
+        """An engine step took ``seconds`` and computed ``prefill_tokens`` prompt tokens: the
+        manager's prefill rate (``load_policy="auto"``) follows, an exponentially weighted average
+        (weight ``PREFILL_RATE_WEIGHT`` a step) of the steps that prefilled anything."""
+        self._check_alive()
+        n = check_int("prefill_tokens", prefill_tokens)
+        s = check_number("seconds", seconds, False, "the step's time")
+        if n == 0 or s == 0.0:
+            return
+        m = self.manager
+        old = m.load_plan_statistics.prefill_tokens_per_s
+        sample = n / s
+        w = PREFILL_RATE_WEIGHT
+        m.set_prefill_rate(sample if old is None else (1.0 - w) * old + w * sample)
 
     def free_resources(self, request: EngineRequest, retain: Retention | None = None) -> None:
         """Release the request's KV (finished, or preempted to be recomputed). Unknown requests: no-op.

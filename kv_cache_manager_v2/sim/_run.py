@@ -41,7 +41,7 @@ from ._plot import write_plot
 from ._replay import Replay
 from ._replay_types import ReplayResult, SchedulerOptions
 from ._replicas import merge_results, run_replicas
-from ._report import SCHEMA, build_report, format_report, format_sweep
+from ._report import SCHEMA, build_report, format_load_plans, format_report, format_sweep
 from ._restart import format_restart, simulate_restart
 from ._ssm_policy import SSM_POLICY_KEY, policy_point
 from ._workload import SimRequest
@@ -173,6 +173,8 @@ def simulate(
         on_result(result)
     rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale, slo)
     rep["eviction_policy"] = eviction_policy
+    if result.load_plan is not None:
+        rep["load_plan"] = {**result.load_plan, "request_load_wait_s": result.io_background_ms / 1000.0}
     if rep["snapshots"]:
         rep["snapshots"]["policy"] = config.ssm_snapshot_policy
     if pin_shared is not None:
@@ -515,7 +517,8 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
         sweep = None  # one replay without hints and one per accuracy, in one report
     reports: list[dict[str, Any]] = []
     policies: list[str] = a.eviction_policy
-    runs = [(row, variant, policy) for row in points for variant in variants for policy in policies]
+    loads: list[str | None] = a.load_policy or [None]
+    runs = [(row, var, pol, load) for row in points for var in variants for pol in policies for load in loads]
     outcomes: list[str] = []  # --per-request: JSON lines by request, replay after replay
 
     def keep(row: list[TierSpec], label: str) -> Callable[[ReplayResult], None] | None:
@@ -526,7 +529,7 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
             x.to_json([t.kind for t in row], run) for x in sorted(res.outcomes, key=lambda x: x.index)
         )
 
-    for row, (run_shape, run_interval, run_policy, point), policy in runs:
+    for row, (run_shape, run_interval, run_policy, point), policy, load in runs:
         if point:
             label = f"replay ({sweep[0] if sweep else ''} {point})"
         else:
@@ -534,10 +537,13 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
             label = f"replay ({sweep[0]} {swept[0] if swept else 0})" if sweep else "replay"
         if len(policies) > 1:
             label += f" {policy}"
+        if len(loads) > 1:
+            label += f" load={load}"
         update, close = _progress_bar(len(s.requests), not a.no_progress, label)
         try:
+            opts = dataclasses.replace(s.options, load_policy=load)
             rep = simulate(
-                run_shape, row, a.tokens_per_block, s.requests, s.workload, s.options, a.swa_scratch, a.check_data,
+                run_shape, row, a.tokens_per_block, s.requests, s.workload, opts, a.swa_scratch, a.check_data,
                 update, policy, metrics, run_interval, hints, a.pin_system_prompts, run_policy, a.pin_duration,
                 a.ssm_lower_tier_interval, s.slo, keep(row, label),
             )  # fmt: skip
@@ -550,7 +556,7 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
         key = sweep[0] if sweep is not None else "gpu"
         doc: dict[str, Any] = {"schema": SCHEMA, "sweep": {"key": key, "policies": policies, "points": reports}}
         text = format_report(reports[0]).split("\n")[0] + "\n" + format_sweep(key, reports)
-        text += "".join(format_hints(rep) for rep in reports)
+        text += "".join(format_hints(rep) for rep in reports) + format_load_plans(reports)
     else:
         doc = reports[0]
         text = format_report(doc) + format_hints(doc)
