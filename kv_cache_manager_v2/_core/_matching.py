@@ -58,6 +58,9 @@ class PrefixMatcher:
         #: recent probes by ``_fingerprint``, oldest first (bounded by ``KEPT_ENTRIES`` and ``KEPT_TOKENS``)
         self.kept: dict[Fingerprint, Kept] = {}
         self.kept_tokens = 0
+        #: what finished prefetches (``KVCacheManager.prefetch``) learned of the remote tier, by
+        #: ``_fingerprint``, for the create of the same tokens (used once; at most ``KEPT_ENTRIES``)
+        self.prefetched: dict[Fingerprint, tuple[ReuseScope, Sequence[TokenIdExt], Found]] = {}
 
     def probe(
         self, ctx: CacheContext, what: str, reuse_scope: ReuseScope | None, input_tokens: Sequence[TokenIdExt] | None
@@ -100,6 +103,8 @@ class PrefixMatcher:
             if last is not None and kept[2] is last[2] and validated == len(input_tokens):
                 known = kept[4]
         self.last = None
+        if known is None and for_create and self.prefetched:
+            known = self._prefetched(scope, input_tokens)
         hasher = BlockHasher(input_tokens, self.tokens_per_block, "input_tokens", keys, validated)
         partial = self.enable_partial_reuse
         tree = self.tree
@@ -128,6 +133,25 @@ class PrefixMatcher:
             copy = kept[1] if kept is not None and same else _copy(input_tokens)
             self._keep(fingerprint, (scope, copy, _untrack(hasher.keys), _untrack(tree.walked), found))
         return nodes, part, part_len, projection
+
+    def remember_prefetch(self, scope: ReuseScope, tokens: Sequence[TokenIdExt], found: Found) -> None:
+        """Keep what a prefetch of (valid) ``tokens`` learned of the remote tier for their create."""
+        fingerprint = _fingerprint(scope, tokens)
+        if fingerprint is None:
+            return
+        table = self.prefetched
+        table.pop(fingerprint, None)
+        table[fingerprint] = (scope, _copy(tokens), found)
+        if len(table) > KEPT_ENTRIES:
+            del table[next(iter(table))]
+
+    def _prefetched(self, scope: ReuseScope, tokens: Sequence[TokenIdExt]) -> Found | None:
+        """What a prefetch of exactly ``tokens`` learned of the remote tier (taken: used once)."""
+        fingerprint = _fingerprint(scope, tokens)
+        entry = self.prefetched.pop(fingerprint, None) if fingerprint is not None else None
+        if entry is None or not (entry[0] is scope or entry[0] == scope) or not _starts_with(tokens, entry[1]):
+            return None
+        return entry[2]
 
     def _recall(self, scope: ReuseScope, tokens: Sequence[TokenIdExt], fingerprint: Fingerprint | None) -> Kept | None:
         """The kept probe of ``tokens``, else the last probe when its tokens start ``tokens``."""
@@ -159,6 +183,7 @@ class PrefixMatcher:
         self.last = None
         self.kept = {}
         self.kept_tokens = 0
+        self.prefetched = {}
 
 
 def _fingerprint(scope: ReuseScope, tokens: Sequence[TokenIdExt]) -> Fingerprint | None:
