@@ -283,7 +283,12 @@ class KVCacheManager(ManagerQueries):
         the disk pages installed. Every call that matches or resumes does this itself; an engine
         calls it once a step (the adapter does) so that loads land while nothing else runs."""
         self._check_alive()
+        return self._poll()
+
+    def _poll(self) -> int:
         ctx = self._ctx
+        if ctx.loader is None or ctx.loader.in_flight == 0:
+            return 0
         ctx.enter("poll_loads()")
         try:
             return ctx.poll_loads()
@@ -317,6 +322,7 @@ class KVCacheManager(ManagerQueries):
         room for them, else fewer (never wrong data). A hybrid model's match (recurrent layers)
         ends at the last block holding a state snapshot, local or (extended remotely) in Redis."""
         self._check_alive()
+        self._poll()
         found = self._matcher.probe(self._ctx, "probe_reuse()", reuse_scope, input_tokens)
         if found is None:
             return 0
@@ -333,6 +339,7 @@ class KVCacheManager(ManagerQueries):
         ``create_kv_cache`` of the same tokens reuses this call's hashing, like after ``probe_reuse``.
         """
         self._check_alive()
+        self._poll()
         found = self._matcher.probe(self._ctx, "probe_reuse_levels()", reuse_scope, input_tokens)
         if found is None:
             return []

@@ -149,7 +149,15 @@ class PageReads:
                 self.num_failed += 1
                 job.files[job.bad_pool].count_failed_read(job.outcome)
                 job.src.num_io_errors += 1
-                storage.lose(job.page)
+                page = job.page
+                if page.num_locks == 0 and page.num_holds == 0:  # reusable: dropped (a miss)
+                    if page.in_evictor:
+                        page.storage.evictor.remove(page)
+                    storage.lose(page)
+                else:  # owned: lost, as a synchronous read that failed under its owner's lock
+                    page.take(True)
+                    storage.lose(page)
+                    page.release(True)
                 continue
             key = (int(job.target), int(job.src.index))
             batch = batches.get(key)
