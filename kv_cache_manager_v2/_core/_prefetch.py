@@ -69,6 +69,8 @@ class Prefetch:
         #: the pages the fetch in flight asks for, in its keys' order
         self._needed: list[tuple[int, int]] = []
         self._found: Found = {}
+        #: the remote tier answered every round trip: what it found is kept for the create
+        self._looked_up = False
         self._cancelled = False
         #: tokens the match reaches as far as known (local at the call; then with the remote tier)
         self._reused_tokens = 0
@@ -208,7 +210,7 @@ class Prefetch:
             matched_blocks, needed = fill.fetch_plan(chain, len(nodes), self._found)
             self._reused_tokens = max(self._reused_tokens, matched_blocks * ctx.tokens_per_block)
             if not needed:
-                self._matcher.remember_prefetch(self._scope, self._tokens, self._found)
+                self._remember()
                 return
             self._needed = needed
             self._num_remote_pages = len(needed)
@@ -218,6 +220,10 @@ class Prefetch:
         for x, value in zip(self._needed, outcome):
             fetched[x] = value if isinstance(value, bytes) else None
         fill.extend(self._scope, hasher, nodes, True, self._found, partial, fetched)
+        self._remember()
+
+    def _remember(self) -> None:
+        self._looked_up = True
         self._matcher.remember_prefetch(self._scope, self._tokens, self._found)
 
     def _fill(self) -> RemoteFill:
