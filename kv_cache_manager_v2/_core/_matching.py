@@ -103,8 +103,8 @@ class PrefixMatcher:
             if last is not None and kept[2] is last[2] and validated == len(input_tokens):
                 known = kept[4]
         self.last = None
-        if known is None and for_create and self.prefetched:
-            known = self._prefetched(scope, input_tokens)
+        if known is None and self.prefetched:  # (a probe leaves it for the create)
+            known = self._prefetched(scope, input_tokens, for_create)
         hasher = BlockHasher(input_tokens, self.tokens_per_block, "input_tokens", keys, validated)
         partial = self.enable_partial_reuse
         tree = self.tree
@@ -145,10 +145,12 @@ class PrefixMatcher:
         if len(table) > KEPT_ENTRIES:
             del table[next(iter(table))]
 
-    def _prefetched(self, scope: ReuseScope, tokens: Sequence[TokenIdExt]) -> Found | None:
-        """What a prefetch of exactly ``tokens`` learned of the remote tier (taken: used once)."""
+    def _prefetched(self, scope: ReuseScope, tokens: Sequence[TokenIdExt], take: bool) -> Found | None:
+        """What a prefetch of exactly ``tokens`` learned of the remote tier (``take``: used once)."""
         fingerprint = _fingerprint(scope, tokens)
-        entry = self.prefetched.pop(fingerprint, None) if fingerprint is not None else None
+        if fingerprint is None:
+            return None
+        entry = self.prefetched.pop(fingerprint, None) if take else self.prefetched.get(fingerprint)
         if entry is None or not (entry[0] is scope or entry[0] == scope) or not _starts_with(tokens, entry[1]):
             return None
         return entry[2]

@@ -102,6 +102,11 @@ class Prefetch:
         return not self._pending()
 
     @property
+    def waits_for_remote(self) -> bool:
+        """Whether a round trip to the remote tier (its lookup or fetch) is still in flight."""
+        return self._remote is not None
+
+    @property
     def cancelled(self) -> bool:
         return self._cancelled
 

@@ -66,7 +66,8 @@ class BackgroundLoader:
     def run_queued(self, index: int) -> None:
         """Tests (``manual``): run queued job ``index`` now, on this thread."""
         job = self.queued.pop(index)
-        _run(job)
+        if not job.cancelled:  # (as a worker: a cancelled job is skipped unread)
+            _run(job)
         job.finished = True
         self._done.put(job)
 

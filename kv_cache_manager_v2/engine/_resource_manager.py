@@ -87,6 +87,8 @@ class KVCacheResourceManager(ResourceQueries):
         self._check_alive()
         self._serial += 1
         serial = self._serial
+        if self._background:
+            self.manager.poll_loads()  # loads that finished since the last step land now
         unserved: list[EngineRequest] = []
         done: list[RequestRecord] = []
         current: KVCache | None = None  # resumed by this call for the request being prepared
@@ -136,7 +138,11 @@ class KVCacheResourceManager(ResourceQueries):
                         "append the sampled token to generated_tokens before the next step"
                     )
                 suspended = kv.status is KVCacheStatus.SUSPENDED
+                if suspended and self._background and self._loads_pages(seq):
+                    unserved.append(req)  # the loading state: scheduled once its pages are in memory
+                    continue
                 if suspended:
+                    seq.prefetched = False
                     ok = kv.resume()
                     # a failed disk read (lower tiers) drops the blocks from the first lost one on,
                     # even when resume returns False: the engine recomputes them
@@ -169,6 +175,41 @@ class KVCacheResourceManager(ResourceQueries):
             raise
         return unserved
 
+    def _loads_pages(self, seq: RequestRecord) -> bool:
+        """A suspended request whose pages lie on disk: read them in the background (once per
+        suspension; a read that could not start or land leaves the rest to ``resume``). Whether
+        it waits for them this step (counted in ``loading_waits``)."""
+        kv = seq.kv
+        if not kv.loading:
+            if seq.prefetched or kv.ready:
+                return False
+            seq.prefetched = True
+            if not kv.prefetch(GPU_LEVEL) or not kv.loading:
+                return False
+        self.loading_waits["disk"] += 1
+        return True
+
+    def _loading_prefetch(self, req: EngineRequest, prefix: Sequence[TokenIdExt]) -> bool:
+        """The loading state of a new request: its prefix is prefetched in the background
+        (``KVCacheManager.prefetch``) the first time it is seen; whether it still waits for it
+        (counted in ``loading_waits``; the wait ends when the prefetch is done)."""
+        rid = req.request_id
+        entry = self._loading.get(rid)
+        if entry is not None and entry[0] is not req:
+            raise ValueError(f"request_id {rid} belongs to another EngineRequest the adapter holds")
+        if entry is None:
+            handle = self.manager.prefetch(prefix, GPU_LEVEL, req.reuse_scope)
+            if handle.done:
+                return False
+            self._loading[rid] = (req, handle)
+        else:
+            handle = entry[1]
+            if handle.done:
+                del self._loading[rid]
+                return False
+        self.loading_waits["remote" if handle.waits_for_remote else "disk"] += 1
+        return True
+
     def _suspend(self, seq: RequestRecord) -> None:
         """Suspend an ACTIVE cache, remembering how many pages it holds per pool group."""
         kv = seq.kv
@@ -184,6 +225,8 @@ class KVCacheResourceManager(ResourceQueries):
         priority = check_priority(req.priority)
         cb = default_priority if priority == DEFAULT_PRIORITY else _FixedPriority(priority)
         prefix = tokens[: length - 1] if length > 1 else None
+        if self._background and prefix is not None and self._loading_prefetch(req, prefix):
+            return None
         m = self.manager
         levels = m.probe_reuse_levels(req.reuse_scope, prefix) if self._num_levels > 1 and prefix is not None else []
         # (hashed once: by the probe)
@@ -300,6 +343,10 @@ class KVCacheResourceManager(ResourceQueries):
         check_type("retain", retain, (Retention, type(None)))
         seq = self._record(req)
         if seq is None:
+            entry = self._loading.get(req.request_id)
+            if entry is not None and entry[0] is req:  # freed while loading: its reads are discarded
+                del self._loading[req.request_id]
+                entry[1].cancel()
             return
         if seq.request is not req:
             raise ValueError(f"request_id {req.request_id} belongs to another EngineRequest the adapter holds")
@@ -372,6 +419,9 @@ class KVCacheResourceManager(ResourceQueries):
         stays running: its owner shuts it down). Idempotent."""
         if self._is_shut_down:
             return
+        for _, handle in self._loading.values():
+            handle.cancel()
+        self._loading = {}
         for seq in list(self._seqs.values()):
             seq.kv.close()
             self._let_go(seq)
