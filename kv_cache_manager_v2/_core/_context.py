@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Final
 
 import rawref
 
@@ -13,7 +14,7 @@ from .._layers._policy import LayerGroup
 from .._life_cycle_registry import LayerGroupRegistry
 from .._reuse._tree import ReuseTree
 from .._storage._layout import StorageLayout
-from .._storage._loader import BackgroundLoader
+from .._storage._loader import BackgroundLoader, LoadJob
 from .._storage._page_reads import PageRead, PageReads, is_disk
 from .._storage._quota import constraint_floors
 from .._storage._storage_manager import StorageManager
@@ -32,6 +33,8 @@ class OpenCache:
 
 #: how long shutdown lets queued remote writes drain
 _SHUTDOWN_DRAIN_S = 1.0
+#: landed results installed per poll at most (``CacheContext.backlog``)
+BACKLOG_PER_POLL: Final = 4
 
 
 def state_and_block_bytes(registry: LayerGroupRegistry, layout: StorageLayout) -> tuple[int, int]:
@@ -100,6 +103,7 @@ class CacheContext:
         "open_caches",
         "orphaned",
         "busy",
+        "backlog",
         "loader",
         "reads",
         "deferred_closes",
@@ -197,12 +201,15 @@ class CacheContext:
         ):
             self.loader = BackgroundLoader(config.load_workers)
             self.reads = PageReads(storage, self.loader)
+        #: landed results waiting to be installed, at most ``BACKLOG_PER_POLL`` a poll (a round
+        #: trip that answered many prefetches at once is installed over the following steps)
+        self.backlog: list[LoadJob] = []
 
     def poll_loads(self) -> int:
         """Install the background loads that finished (the caller entered the context); returns
         the pages installed from disk."""
         loader = self.loader
-        if loader is None or loader.in_flight == 0:
+        if loader is None or (loader.in_flight == 0 and not self.backlog):
             return 0
         jobs = loader.finished()
         reads: list[PageRead] = []
@@ -214,6 +221,12 @@ class CacheContext:
         n = reads_.install(reads) if reads else 0
         for job in jobs:
             if not isinstance(job, PageRead) and not job.cancelled:
+                job.land()
+        backlog = self.backlog
+        if backlog:
+            todo = backlog[:BACKLOG_PER_POLL]
+            del backlog[:BACKLOG_PER_POLL]
+            for job in todo:
                 job.land()
         return n
 

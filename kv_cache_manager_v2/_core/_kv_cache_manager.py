@@ -45,7 +45,7 @@ from ._manager_queries import ManagerQueries
 from ._matching import PrefixMatcher, _copy, match_length, match_levels
 from ._pins import pin_prefix, unpin_prefix
 from ._pools import live_pages, longest_decode_that_fits
-from ._prefetch import Prefetch
+from ._prefetch import Prefetch, RemoteReads
 from ._request_state import PriorityCallback, default_priority
 from ._residency import adopt
 from ._snapshot_plan import plan_snapshots
@@ -147,6 +147,10 @@ class KVCacheManager(ManagerQueries):
         # a match of a hybrid model ends at a snapshot: never inside a block
         partial = config.enable_partial_reuse and not self._registry.state_layer_groups
         self._matcher = PrefixMatcher(self._tree, self._remote_fill, self.tokens_per_block, partial)
+        #: prefetches' remote round trips, batched (None: the create looks up and fetches itself)
+        self._remote_reads: RemoteReads | None = None
+        if self._remote is not None and self._ctx.loader is not None and self._remote.reads_in_background:
+            self._remote_reads = RemoteReads(self._remote, self._ctx.loader, self._ctx.backlog)
         self._is_shut_down = False
         self._batch_serial = 0
 
@@ -273,7 +277,7 @@ class KVCacheManager(ManagerQueries):
         try:
             ctx.poll_loads()
             handle = Prefetch(ctx, self._matcher, scope, _copy(input_tokens), CacheLevel(level))
-            handle.start(self._remote_fill, self._matcher.enable_partial_reuse)
+            handle.start(self._remote_reads, self._matcher.enable_partial_reuse)
         finally:
             ctx.leave()
         return handle
@@ -287,7 +291,7 @@ class KVCacheManager(ManagerQueries):
 
     def _poll(self) -> int:
         ctx = self._ctx
-        if ctx.loader is None or ctx.loader.in_flight == 0:
+        if ctx.loader is None or (ctx.loader.in_flight == 0 and not ctx.backlog):
             return 0
         ctx.enter("poll_loads()")
         try:

@@ -21,29 +21,99 @@ from .._page import Page
 from .._reuse._keys import BlockHasher, BlockKey
 from .._reuse._node import Node
 from .._reuse._remote_fill import Fetched, Found, RemoteFill
-from .._storage._loader import LoadJob
+from .._storage._loader import BackgroundLoader, LoadJob
 from .._storage._page_reads import PageRead
 from .._storage._remote._store import RemoteStore
 from ._context import CacheContext
 from ._matching import PrefixMatcher
 
 
-class RemoteRead(LoadJob):
-    """A lookup (lengths) or fetch (values) round trip of a prefetch, on a worker."""
+class RemoteBatch(LoadJob):
+    """One lookup (lengths) or fetch (values) round trip on a worker, for the parts of several
+    prefetches (``RemoteReads``)."""
 
-    def __init__(self, owner: Prefetch, remote: RemoteStore, keys: list[bytes], values: bool) -> None:
+    def __init__(self, reads: RemoteReads, values: bool, parts: list[tuple[Prefetch, int]], keys: list[bytes]) -> None:
         super().__init__()
-        self.owner = owner
-        self.remote = remote
-        self.keys = keys
+        self.reads = reads
         self.values = values
+        #: each prefetch and how many of ``keys`` (in order) are its
+        self.parts = parts
+        self.keys = keys
         self.outcome: list[Any] | BaseException = []
 
     def run(self) -> None:
-        self.outcome = self.remote.background_read(self.keys, self.values)
+        self.outcome = self.reads.remote.background_read(self.keys, self.values)
 
     def land(self) -> None:
-        self.owner._landed(self)
+        self.reads.landed(self)
+
+
+class RemoteReads:
+    """The remote round trips of one manager's prefetches, batched: at most one lookup and one
+    fetch in flight; what prefetches ask meanwhile goes out together in the next one (one round
+    trip for all the requests that arrived during the last, however far the server is)."""
+
+    def __init__(self, remote: RemoteStore, loader: BackgroundLoader, backlog: list[LoadJob]) -> None:
+        self.remote = remote
+        self.loader = loader
+        #: the manager's ``CacheContext.backlog``: fetched values are placed from there, a few a poll
+        self.backlog = backlog
+        #: per kind (0: lookups, 1: fetches), the parts waiting for the next round trip
+        self.pending: list[list[tuple[Prefetch, list[bytes]]]] = [[], []]
+        self.busy = [False, False]
+
+    def ask(self, prefetch: Prefetch, keys: list[bytes], values: bool) -> None:
+        kind = 1 if values else 0
+        self.pending[kind].append((prefetch, keys))
+        if not self.busy[kind]:
+            self._send(kind)
+
+    def _send(self, kind: int) -> None:
+        parts: list[tuple[Prefetch, int]] = []
+        keys: list[bytes] = []
+        for prefetch, its in self.pending[kind]:
+            if not prefetch._cancelled:
+                parts.append((prefetch, len(its)))
+                keys.extend(its)
+        self.pending[kind] = []
+        if not parts:
+            return
+        self.busy[kind] = True
+        self.loader.submit(RemoteBatch(self, kind == 1, parts, keys))
+
+    def landed(self, job: RemoteBatch) -> None:
+        """A round trip finished (the scheduler's thread): count it, hand each prefetch its part."""
+        kind = 1 if job.values else 0
+        self.busy[kind] = False
+        outcome = job.outcome
+        ok = self.remote.account_background(job.keys, job.values, outcome)
+        at = 0
+        for prefetch, n in job.parts:
+            part: list[Any] | None = None
+            if ok:
+                assert not isinstance(outcome, BaseException)
+                part = outcome[at : at + n]
+            at += n
+            if job.values:
+                self.backlog.append(Landed(prefetch, part))
+            else:
+                prefetch._landed(False, part)
+        self._send(kind)
+
+
+class Landed(LoadJob):
+    """A prefetch's fetched values, waiting in the backlog to be placed."""
+
+    def __init__(self, prefetch: Prefetch, values: list[Any] | None) -> None:
+        super().__init__()
+        self.prefetch = prefetch
+        self.values = values
+
+    def run(self) -> None:
+        pass
+
+    def land(self) -> None:
+        self.prefetch._landed(True, self.values)
 
 
 class Prefetch:
@@ -64,8 +134,9 @@ class Prefetch:
         self._tokens = tokens
         self._target = target
         self._reads: list[PageRead] = []
-        #: the lookup or fetch in flight (None: none)
-        self._remote: RemoteRead | None = None
+        #: a lookup or fetch of it is in flight (``RemoteReads``)
+        self._waiting = False
+        self._remote_reads: RemoteReads | None = None
         #: the pages the fetch in flight asks for, in its keys' order
         self._needed: list[tuple[int, int]] = []
         self._found: Found = {}
@@ -104,7 +175,7 @@ class Prefetch:
     @property
     def waits_for_remote(self) -> bool:
         """Whether a round trip to the remote tier (its lookup or fetch) is still in flight."""
-        return self._remote is not None
+        return self._waiting
 
     @property
     def cancelled(self) -> bool:
@@ -137,13 +208,11 @@ class Prefetch:
         if reads is not None:
             reads.cancel(self._reads)
         self._reads = []
-        if self._remote is not None:
-            self._remote.cancelled = True
-            self._remote = None
+        self._waiting = False  # (its part of a round trip in flight is ignored when it lands)
 
     # ------------------------------------------------------------------ the stages
     def _pending(self) -> bool:
-        if self._remote is not None:
+        if self._waiting:
             return True
         for job in self._reads:
             if not job.settled:
@@ -151,7 +220,7 @@ class Prefetch:
         self._reads = []
         return False
 
-    def start(self, fill: RemoteFill | None, partial: bool) -> None:
+    def start(self, remote_reads: RemoteReads | None, partial: bool) -> None:
         """At the call: the local match's disk reads and the remote lookup (the caller entered the context)."""
         ctx = self._ctx
         hasher = BlockHasher(self._tokens, ctx.tokens_per_block, "tokens")
@@ -162,8 +231,10 @@ class Prefetch:
         if reads is not None:
             self._reads = reads.read(match_pages(ctx, nodes, part, part_len), reads.background_target(self._target))
             self._num_disk_pages = len(self._reads)
-        if fill is None or ctx.loader is None or not fill.remote.reads_in_background:
-            return  # (a cluster: the create looks up and fetches, as without a prefetch)
+        self._remote_reads = remote_reads
+        if remote_reads is None:
+            return  # (without workers, or with a cluster: the create looks up and fetches itself)
+        fill = self._fill()
         plan = fill.lookup_plan(self._scope, hasher, len(nodes), None)
         if plan is None:
             return
@@ -172,8 +243,7 @@ class Prefetch:
         if not ask:
             return
         self._needed = ask
-        remote = fill.remote
-        self._submit(remote, [remote.page_key(keys[o], lg) for o, lg in ask], False)
+        self._ask(remote_reads, [fill.remote.page_key(keys[o], lg) for o, lg in ask], False)
 
     def _local_match(self, hasher: BlockHasher, partial: bool) -> tuple[list[Node], Node | None, int]:
         tree = self._ctx.tree
@@ -183,29 +253,24 @@ class Prefetch:
             return [], None, 0
         return tree.match(root, hasher, partial)
 
-    def _submit(self, remote: RemoteStore, keys: list[bytes], values: bool) -> None:
-        loader = self._ctx.loader
-        assert loader is not None
-        job = RemoteRead(self, remote, keys, values)
-        self._remote = job
-        loader.submit(job)
+    def _ask(self, remote_reads: RemoteReads, keys: list[bytes], values: bool) -> None:
+        self._waiting = True
+        remote_reads.ask(self, keys, values)
 
-    def _landed(self, job: RemoteRead) -> None:
-        """A round trip finished (the scheduler's thread, in the manager's poll)."""
-        if job is not self._remote or self._cancelled:
+    def _landed(self, values: bool, outcome: list[Any] | None) -> None:
+        """Its part of a round trip (None: the round trip failed) came back (the scheduler's thread,
+        in the manager's poll)."""
+        if not self._waiting or self._cancelled:
             return
-        self._remote = None
-        remote = job.remote
-        if not remote.account_background(job.keys, job.values, job.outcome):
+        self._waiting = False
+        if outcome is None:
             return  # the server is down or failing: the create finds what is local (a miss)
-        outcome = job.outcome
-        assert not isinstance(outcome, BaseException)
         fill = self._fill()
         ctx = self._ctx
         hasher = BlockHasher(self._tokens, ctx.tokens_per_block, "tokens")
         partial = self._matcher.enable_partial_reuse
         nodes, _, _ = self._local_match(hasher, partial)
-        if not job.values:  # the lookup: fetch what a create would
+        if not values:  # the lookup: fetch what a create would
             fill.record_lookup(self._needed, outcome, self._found)
             plan = fill.lookup_plan(self._scope, hasher, len(nodes), self._found, False)
             if plan is None:
@@ -219,7 +284,9 @@ class Prefetch:
                 return
             self._needed = needed
             self._num_remote_pages = len(needed)
-            self._submit(remote, [remote.page_key(keys[o], lg) for o, lg in needed], True)
+            remote_reads = self._remote_reads
+            assert remote_reads is not None
+            self._ask(remote_reads, [fill.remote.page_key(keys[o], lg) for o, lg in needed], True)
             return
         fetched: Fetched = {}
         for x, value in zip(self._needed, outcome):

@@ -113,6 +113,8 @@ class ResourceQueries:
         #: steps requests spent in the loading state, by what they waited for: "disk" (pages read
         #: from a disk tier, new or suspended requests), "remote" (a remote tier's lookup or fetch)
         self.loading_waits: dict[str, int] = {"disk": 0, "remote": 0}
+        #: new requests that entered the loading state, by what they waited for first (as above)
+        self.loading_requests: dict[str, int] = {"disk": 0, "remote": 0}
 
     def __repr__(self) -> str:
         return f"KVCacheResourceManager(requests={len(self._seqs)}, free_blocks={self.get_num_free_blocks_per_pool_group()})"
@@ -255,17 +257,19 @@ class ResourceQueries:
 
     @property
     def num_loading(self) -> int:
-        """New requests waiting in the loading state (their prefix read from disk or the remote
-        tier in the background; ``prepare_resources`` returns them unserved until it is in place)."""
-        return len(self._loading)
+        """New requests in the loading state (their prefix read from disk or the remote tier in
+        the background; ``prepare_resources`` returns them unserved until it is in place)."""
+        return sum(1 for _, handle in self._loading.values() if not handle.done)
 
     def is_loading(self, request: EngineRequest) -> bool:
-        """Whether ``request`` waits in the loading state (new, or suspended with pages on disk)."""
+        """Whether ``request`` waits in the loading state (new, or suspended with pages on disk):
+        ``prepare_resources`` would return it unserved now, whatever the memory."""
         req = check_request("request", request)
-        if req.request_id in self._loading:
-            return True
+        entry = self._loading.get(req.request_id)
+        if entry is not None and entry[0] is req:
+            return not entry[1].done
         seq = self._record(req)
-        return seq is not None and seq.kv.loading
+        return seq is not None and seq.request is req and seq.kv.loading
 
     def has_resources(self, request: EngineRequest) -> bool:
         """Whether the adapter holds a cache for this request (prepared and not freed)."""

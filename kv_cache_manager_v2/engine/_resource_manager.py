@@ -189,10 +189,30 @@ class KVCacheResourceManager(ResourceQueries):
         self.loading_waits["disk"] += 1
         return True
 
-    def _loading_prefetch(self, req: EngineRequest, prefix: Sequence[TokenIdExt]) -> bool:
+    def prefetch_resources(self, batch: Sequence[EngineRequest]) -> list[EngineRequest]:
+        """Start the loading state of queued requests the adapter does not hold yet: the cached
+        prefix of each is read up from disk and the remote tier in the background
+        (``KVCacheManager.prefetch``) while the engine runs others; returns those still loading.
+        Call it when requests arrive, then admit (``prepare_resources``) those ``is_loading``
+        says are ready, within the engine's budget; ``prepare_resources`` starts it itself for a
+        request not prefetched, and returns a loading one unserved. Without background loads
+        (``load_workers=0``, or no disk or remote tier) it does nothing and returns ``[]``."""
+        self._check_alive()
+        out: list[EngineRequest] = []
+        items: list[object] = as_list(batch)
+        for item in items:
+            req, seq = self._item_record(item)
+            if seq is not None or not self._background or req.state is RequestState.FINISHED:
+                continue
+            tokens: Sequence[TokenIdExt] = req.prompt_tokens if not req.generated_tokens else req.all_tokens()
+            if len(tokens) > 1 and self._loading_prefetch(req, tokens[: len(tokens) - 1], False):
+                out.append(req)
+        return out
+
+    def _loading_prefetch(self, req: EngineRequest, prefix: Sequence[TokenIdExt], count: bool = True) -> bool:
         """The loading state of a new request: its prefix is prefetched in the background
         (``KVCacheManager.prefetch``) the first time it is seen; whether it still waits for it
-        (counted in ``loading_waits``; the wait ends when the prefetch is done)."""
+        (with ``count``, a step's wait counted in ``loading_waits``; the wait ends when the prefetch is done)."""
         rid = req.request_id
         entry = self._loading.get(rid)
         if entry is not None and entry[0] is not req:
@@ -202,12 +222,15 @@ class KVCacheResourceManager(ResourceQueries):
             if handle.done:
                 return False
             self._loading[rid] = (req, handle)
+            self.loading_requests["remote" if handle.waits_for_remote else "disk"] += 1
         else:
             handle = entry[1]
             if handle.done:
-                del self._loading[rid]
+                if count:  # (admitted now)
+                    del self._loading[rid]
                 return False
-        self.loading_waits["remote" if handle.waits_for_remote else "disk"] += 1
+        if count:
+            self.loading_waits["remote" if handle.waits_for_remote else "disk"] += 1
         return True
 
     def _suspend(self, seq: RequestRecord) -> None:
