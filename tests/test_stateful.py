@@ -718,5 +718,7 @@ def test_tiered_long_random_walk(seed: int, policy: str, machine: str) -> None:
     expiries = m.m._storage.expiries
     assert expiries.num_retained and expiries.num_expired  # retention was given, and ran out under pressure
     reads = m.m._ctx.reads
-    assert reads is not None and reads.num_installed + reads.num_discarded + reads.num_failed  # reads landed
+    assert reads is not None
+    if machine != "hybrid":  # (some hybrid walks never prefetch a page that is on disk)
+        assert reads.num_installed  # background reads landed (some were discarded or failed)
     m.teardown()
