@@ -209,8 +209,8 @@ class CacheContext:
         """Install the background loads that finished (the caller entered the context); returns
         the pages installed from disk."""
         loader = self.loader
-        if loader is None or (loader.in_flight == 0 and not self.backlog):
-            return 0
+        if loader is None or loader.closed or (loader.in_flight == 0 and not self.backlog):
+            return 0  # (closed: the memory is gone, nothing lands any more)
         jobs = loader.finished()
         reads: list[PageRead] = []
         for job in jobs:

@@ -165,6 +165,8 @@ class Prefetch:
         if not self._pending():
             return True
         ctx = self._ctx
+        if ctx.loader is None or ctx.loader.closed:  # the manager was shut down: nothing lands any more
+            return True
         ctx.enter("Prefetch.done")
         try:
             ctx.poll_loads()
