@@ -344,8 +344,8 @@ def remote_adapter_config(url: str, write_through: bool, load_workers: int = 2) 
     return KVCacheManagerConfig(
         tokens_per_block=T,
         cache_tiers=[
-            GpuCacheTierConfig(24 * SLOT),
-            HostCacheTierConfig(24 * SLOT),
+            GpuCacheTierConfig(96 * SLOT),
+            HostCacheTierConfig(32 * SLOT),
             RemoteCacheTierConfig(url, "slow", timeout_ms=5000, write_through=write_through),
         ],
         layers=kv_layers(2, T),
@@ -396,7 +396,7 @@ def test_requests_wait_for_a_slow_remote_tier_while_others_run(
     assert peer.manager.flush_remote_writes()
     a = adapters(remote_adapter_config(proxy.url, False))
     engine = FakeEngine(a.manager)
-    running = EngineRequest(1, seq(5, 2 * T), max_new_tokens=40)
+    running = EngineRequest(1, seq(5, 2 * T), max_new_tokens=1000)  # (runs through the whole test)
     new = [EngineRequest(10 + i, [*doc, 3, 4], max_new_tokens=2) for i, doc in enumerate(docs)]
     while adapter_step(a, engine, [running]):  # (its own lookup first: it has no match)
         assert a.is_loading(running)

@@ -26,7 +26,6 @@ from .._exceptions import LogicError
 from .._life_cycle_registry import LayerGroupRegistry
 from .._retention import RequestRetention, checked_prompt_end
 from .._reuse._adopt import adopt_records
-from .._reuse._keys import check_token_sequence
 from .._reuse._node import Node
 from .._reuse._remote_fill import RemoteFill
 from .._reuse._tree import ReuseTree
@@ -42,10 +41,10 @@ from ._context import CacheContext, OpenCache, derived_lower_tier_state_share
 from ._introspection import check_invariants
 from ._kv_cache import KVCache
 from ._manager_queries import ManagerQueries
-from ._matching import PrefixMatcher, _copy, match_length, match_levels
+from ._matching import PrefixMatcher, match_length, match_levels
 from ._pins import pin_prefix, unpin_prefix
 from ._pools import live_pages, longest_decode_that_fits
-from ._prefetch import Prefetch, RemoteReads
+from ._prefetch import Prefetch, RemoteReads, start_prefetch
 from ._request_state import PriorityCallback, default_priority
 from ._residency import adopt
 from ._snapshot_plan import plan_snapshots
@@ -258,29 +257,7 @@ class KVCacheManager(ManagerQueries):
         away. Takes no page: what it brought up is reusable, evicted like any other. Without
         ``load_workers`` (or with a remote cluster) the remote part is left to the create."""
         self._check_alive()
-        level = check_int("target_level", target_level)
-        if level >= self._storage.num_levels:
-            raise ValueError(
-                f"target_level must be in [0, {self._storage.num_levels}) "
-                f"({self._storage.num_levels} local tiers configured), got {level}"
-            )
-        if reuse_scope is not None:
-            check_type("reuse_scope", reuse_scope, ReuseScope)
-        check_token_sequence(input_tokens, "input_tokens")
-        if not isinstance(input_tokens, Sequence):
-            raise TypeError(f"input_tokens must be a sequence of tokens, got {type(input_tokens).__name__}")
-        if len(input_tokens) == 0:
-            raise ValueError("input_tokens must not be empty")
-        scope = reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE
-        ctx = self._ctx
-        ctx.enter("prefetch()")
-        try:
-            ctx.poll_loads()
-            handle = Prefetch(ctx, self._matcher, scope, _copy(input_tokens), CacheLevel(level))
-            handle.start(self._remote_reads, self._matcher.enable_partial_reuse)
-        finally:
-            ctx.leave()
-        return handle
+        return start_prefetch(self._ctx, self._matcher, self._remote_reads, input_tokens, target_level, reuse_scope)
 
     def poll_loads(self) -> int:
         """Install the background loads that finished (``prefetch``, ``KVCache.prefetch``); returns

@@ -16,16 +16,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .._common import CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
+from .._common import DEFAULT_REUSE_SCOPE, CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
 from .._page import Page
-from .._reuse._keys import BlockHasher, BlockKey
+from .._reuse._keys import BlockHasher, BlockKey, check_token_sequence
 from .._reuse._node import Node
 from .._reuse._remote_fill import Fetched, Found, RemoteFill
 from .._storage._loader import BackgroundLoader, LoadJob
 from .._storage._page_reads import PageRead
 from .._storage._remote._store import RemoteStore
+from .._utils import check_int, check_type
 from ._context import CacheContext
-from ._matching import PrefixMatcher
+from ._matching import PrefixMatcher, _copy
 
 
 class RemoteBatch(LoadJob):
@@ -304,6 +305,39 @@ class Prefetch:
         fill = self._matcher.remote_fill
         assert fill is not None
         return fill
+
+
+def start_prefetch(
+    ctx: CacheContext,
+    matcher: PrefixMatcher,
+    remote_reads: RemoteReads | None,
+    input_tokens: Sequence[TokenIdExt],
+    target_level: object,
+    reuse_scope: ReuseScope | None,
+) -> Prefetch:
+    """``KVCacheManager.prefetch``: its arguments checked, then ``Prefetch.start``."""
+    level = check_int("target_level", target_level)
+    num_levels = ctx.storage.num_levels
+    if level >= num_levels:
+        raise ValueError(
+            f"target_level must be in [0, {num_levels}) ({num_levels} local tiers configured), got {level}"
+        )
+    if reuse_scope is not None:
+        check_type("reuse_scope", reuse_scope, ReuseScope)
+    check_token_sequence(input_tokens, "input_tokens")
+    if not isinstance(input_tokens, Sequence):
+        raise TypeError(f"input_tokens must be a sequence of tokens, got {type(input_tokens).__name__}")
+    if len(input_tokens) == 0:
+        raise ValueError("input_tokens must not be empty")
+    scope = reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE
+    ctx.enter("prefetch()")
+    try:
+        ctx.poll_loads()
+        handle = Prefetch(ctx, matcher, scope, _copy(input_tokens), CacheLevel(level))
+        handle.start(remote_reads, matcher.enable_partial_reuse)
+    finally:
+        ctx.leave()
+    return handle
 
 
 def match_pages(ctx: CacheContext, nodes: list[Node], part: Node | None, part_len: int) -> list[Page]:

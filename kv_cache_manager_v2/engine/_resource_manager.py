@@ -83,6 +83,11 @@ class KVCacheResourceManager(ResourceQueries):
         logits), and is sized for its first chunk. A known request gets room for its next
         chunk or token (a suspended one is resumed first). Unserved requests are left exactly
         as they were. If anything raises, the whole batch is rolled back.
+
+        With background loads (a disk or remote tier, ``load_workers``), a new request whose
+        cached prefix lies on disk or the remote tier first waits in the loading state (see
+        ``prefetch_resources``): it is returned unserved, ``is_loading`` true, while its reads run,
+        and admitted once they are in place; so is a suspended request whose pages went to disk.
         """
         self._check_alive()
         self._serial += 1
@@ -357,7 +362,8 @@ class KVCacheResourceManager(ResourceQueries):
                 req.state = RequestState.GENERATION
 
     def free_resources(self, request: EngineRequest, retain: Retention | None = None) -> None:
-        """Release the request's KV (finished, or preempted to be recomputed). Unknown requests: no-op.
+        """Release the request's KV (finished, or preempted to be recomputed). Unknown requests: no-op;
+        one in the loading state: its loads are cancelled (their results discarded).
 
         Committed blocks, including a partial last block, stay reusable until evicted (``retain``: see ``KVCache.close``).
         """
