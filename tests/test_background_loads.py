@@ -86,15 +86,6 @@ def published_on_disk(m: KVCacheManager, docs: list[list[int]]) -> None:
         assert all(p.level == DISK for p in tree_pages(m, toks))
 
 
-def test_load_workers_is_validated() -> None:
-    for bad, error in ((-1, ValueError), (65, ValueError), (True, TypeError), (1.0, TypeError)):
-        with pytest.raises(error, match="load_workers"):
-            make_config(kv_layers(1, T), T, 1 << 16, load_workers=bad)
-    m = KVCacheManager(make_config(kv_layers(1, T), T, 1 << 16, backend="host"))
-    assert m._ctx.loader is None  # GPU only: nothing to read in the background
-    m.shutdown()
-
-
 def test_manager_prefetch_validates_its_arguments(make_manager: MakeManager, tmp_path: object) -> None:
     m = tiered(make_manager, tmp_path)
     with pytest.raises(TypeError, match="input_tokens"):
