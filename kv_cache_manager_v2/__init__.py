@@ -21,6 +21,8 @@ The step cycle of a request
     decode: manager.resize_batch(caches), manager.commit_batch(caches, tokens) each step
     kv.suspend() under pressure (pages may move down the tiers), kv.close() when done
     probe_reuse(...) tells how much of a prompt is cached without creating a cache.
+    manager.prefetch(prompt) (a queued request) reads its cached prefix up from disk / the
+    remote tier in the background: a Prefetch, done when in place; kv.prefetch / kv.ready alike.
 
 Engine adapter
     kv_cache_manager_v2.engine: KVCacheResourceManager (prepare_resources, update_resources,
@@ -98,6 +100,7 @@ from ._config import (
 )
 from ._core._kv_cache import KVCache
 from ._core._kv_cache_manager import KVCacheManager
+from ._core._prefetch import Prefetch
 from ._core._request_state import default_priority
 from ._events import (
     AllBlocksClearedEvent,
@@ -234,6 +237,7 @@ __all__ = [
     "PoolGroupDesc",
     "PoolGroupIndex",
     "PoolIndex",
+    "Prefetch",
     "Priority",
     "RemoteCacheTierConfig",
     "RemoteStatistics",

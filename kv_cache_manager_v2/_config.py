@@ -445,9 +445,15 @@ class KVCacheManagerConfig:
     prefill_tokens_per_s: float | None = None
     #: refine the disk and remote tiers' read costs from timed reads (False: e.g. a simulator's)
     refine_tier_costs: bool = True
+    #: background reads from the disk and remote tiers (docs/design.md, "Background loads"): the
+    #: number of worker threads reading pages for ``KVCache.prefetch`` and
+    #: ``KVCacheManager.prefetch`` (the scheduler's thread installs what they read); 0: those
+    #: calls read synchronously, as ``resume`` always does (deterministic: the simulator's choice)
+    load_workers: int = 2
 
     def __post_init__(self) -> None:
         t = check_int("tokens_per_block", raw_field(self, "tokens_per_block"))
+        check_int("load_workers", raw_field(self, "load_workers"), 0, 64)
         if not callable(self.clock):
             raise TypeError(f"clock must be a callable returning seconds (like time.monotonic), got {self.clock!r}")
         s = raw_field(self, "max_pinned_share")

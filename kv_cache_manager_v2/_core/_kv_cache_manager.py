@@ -47,6 +47,7 @@ from ._manager_queries import ManagerQueries
 from ._matching import PrefixMatcher, match_length, match_levels
 from ._pins import pin_prefix, unpin_prefix
 from ._pools import live_pages, longest_decode_that_fits
+from ._prefetch import Prefetch, RemoteReads, start_prefetch
 from ._request_state import PriorityCallback, default_priority
 from ._residency import adopt
 from ._snapshot_plan import plan_snapshots
@@ -165,6 +166,10 @@ class KVCacheManager(ManagerQueries):
         if self._num_tiers > 1:  # (the GPU alone: every match is in GPU memory)
             self._matcher.planner = self._planner
         self._matcher.counts = config.enable_stats
+        #: prefetches' remote round trips, batched (None: the create looks up and fetches itself)
+        self._remote_reads: RemoteReads | None = None
+        if self._remote is not None and self._ctx.loader is not None and self._remote.reads_in_background:
+            self._remote_reads = RemoteReads(self._remote, self._ctx.loader, self._ctx.backlog)
         self._is_shut_down = False
         self._batch_serial = 0
 
@@ -235,6 +240,7 @@ class KVCacheManager(ManagerQueries):
         ctx = self._ctx
         ctx.enter("create_kv_cache()")
         try:
+            ctx.poll_loads()
             kv = KVCache(ctx, scope, id, custom_priority_callback, width)
             kv._retention, kv._prompt_length = retention, prompt_end
             num_input_tokens = len(input_tokens) if input_tokens is not None else 0
@@ -255,6 +261,40 @@ class KVCacheManager(ManagerQueries):
         finally:
             ctx.leave()
         return kv
+
+    def prefetch(
+        self,
+        input_tokens: Sequence[TokenIdExt],
+        target_level: object = GPU_LEVEL,
+        reuse_scope: ReuseScope | None = None,
+    ) -> Prefetch:
+        """Start bringing the reusable prefix of ``input_tokens`` (a request queued, not admitted
+        yet) up in the background, and return at once: its pages on a disk tier are read, and with
+        a remote tier the blocks after the local match are looked up and fetched, into the host
+        tier when ``target_level`` is the GPU and a host tier exists (else ``target_level``). A
+        later ``create_kv_cache`` of the same tokens finds them locally (without asking the remote
+        tier again) once the returned ``Prefetch`` is ``done``; ``cancel`` it when the request goes
+        away. Takes no page: what it brought up is reusable, evicted like any other. Without
+        ``load_workers`` (or with a remote cluster) the remote part is left to the create."""
+        self._check_alive()
+        return start_prefetch(self._ctx, self._matcher, self._remote_reads, input_tokens, target_level, reuse_scope)
+
+    def poll_loads(self) -> int:
+        """Install the background loads that finished (``prefetch``, ``KVCache.prefetch``); returns
+        the disk pages installed. Every call that matches or resumes does this itself; an engine
+        calls it once a step (the adapter does) so that loads land while nothing else runs."""
+        self._check_alive()
+        return self._poll()
+
+    def _poll(self) -> int:
+        ctx = self._ctx
+        if ctx.loader is None or (ctx.loader.in_flight == 0 and not ctx.backlog):
+            return 0
+        ctx.enter("poll_loads()")
+        try:
+            return ctx.poll_loads()
+        finally:
+            ctx.leave()
 
     def pin(
         self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None, duration_s: float | None = None
@@ -283,6 +323,7 @@ class KVCacheManager(ManagerQueries):
         room for them, else fewer (never wrong data). A hybrid model's match (recurrent layers)
         ends at the last block holding a state snapshot, local or (extended remotely) in Redis."""
         self._check_alive()
+        self._poll()
         found = self._matcher.probe(self._ctx, "probe_reuse()", reuse_scope, input_tokens)
         if found is None:
             return 0
@@ -299,6 +340,7 @@ class KVCacheManager(ManagerQueries):
         ``create_kv_cache`` of the same tokens reuses this call's hashing, like after ``probe_reuse``.
         """
         self._check_alive()
+        self._poll()
         found = self._matcher.probe(self._ctx, "probe_reuse_levels()", reuse_scope, input_tokens)
         if found is None:
             return []

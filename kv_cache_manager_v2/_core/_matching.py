@@ -63,6 +63,9 @@ class PrefixMatcher:
         self.planner: LoadPlanner | None = None
         #: whether creates count the plan's statistics (``enable_stats``)
         self.counts = True
+        #: what finished prefetches (``KVCacheManager.prefetch``) learned of the remote tier, by
+        #: ``_fingerprint``, for the create of the same tokens (used once; at most ``KEPT_ENTRIES``)
+        self.prefetched: dict[Fingerprint, tuple[ReuseScope, Sequence[TokenIdExt], Found]] = {}
 
     def probe(
         self, ctx: CacheContext, what: str, reuse_scope: ReuseScope | None, input_tokens: Sequence[TokenIdExt] | None
@@ -105,6 +108,8 @@ class PrefixMatcher:
             if last is not None and kept[2] is last[2] and validated == len(input_tokens):
                 known = kept[4]
         self.last = None
+        if known is None and self.prefetched:  # (a probe leaves it for the create)
+            known = self._prefetched(scope, input_tokens, for_create)
         hasher = BlockHasher(input_tokens, self.tokens_per_block, "input_tokens", keys, validated)
         partial = self.enable_partial_reuse
         tree = self.tree
@@ -196,10 +201,31 @@ class PrefixMatcher:
             self.tree.cut(nodes, keep)
             return nodes, None, 0, None, found
         if for_create:  # some fetched blocks are worth it: fetch up to the cut
-            fill.extend(scope, hasher, nodes, True, found, partial, keep)
+            fill.extend(scope, hasher, nodes, True, found, partial, limit=keep)
             nodes, part, part_len = self._rematch(scope, hasher)
             return nodes, part, part_len, None, found
-        return nodes, part, part_len, fill.extend(scope, hasher, nodes, False, found, partial, keep)[2], found
+        return nodes, part, part_len, fill.extend(scope, hasher, nodes, False, found, partial, limit=keep)[2], found
+
+    def remember_prefetch(self, scope: ReuseScope, tokens: Sequence[TokenIdExt], found: Found) -> None:
+        """Keep what a prefetch of (valid) ``tokens`` learned of the remote tier for their create."""
+        fingerprint = _fingerprint(scope, tokens)
+        if fingerprint is None:
+            return
+        table = self.prefetched
+        table.pop(fingerprint, None)
+        table[fingerprint] = (scope, _copy(tokens), found)
+        if len(table) > KEPT_ENTRIES:
+            del table[next(iter(table))]
+
+    def _prefetched(self, scope: ReuseScope, tokens: Sequence[TokenIdExt], take: bool) -> Found | None:
+        """What a prefetch of exactly ``tokens`` learned of the remote tier (``take``: used once)."""
+        fingerprint = _fingerprint(scope, tokens)
+        if fingerprint is None:
+            return None
+        entry = self.prefetched.pop(fingerprint, None) if take else self.prefetched.get(fingerprint)
+        if entry is None or not (entry[0] is scope or entry[0] == scope) or not _starts_with(tokens, entry[1]):
+            return None
+        return entry[2]
 
     def _recall(self, scope: ReuseScope, tokens: Sequence[TokenIdExt], fingerprint: Fingerprint | None) -> Kept | None:
         """The kept probe of ``tokens``, else the last probe when its tokens start ``tokens``."""
@@ -231,6 +257,7 @@ class PrefixMatcher:
         self.last = None
         self.kept = {}
         self.kept_tokens = 0
+        self.prefetched = {}
 
 
 def _fingerprint(scope: ReuseScope, tokens: Sequence[TokenIdExt]) -> Fingerprint | None:

@@ -201,6 +201,36 @@ class RemoteStore(RemoteWriter):
                     out[i] = v
         return out
 
+    # ------------------------------------------------------------------ background reads
+    @property
+    def reads_in_background(self) -> bool:
+        """Whether ``background_read`` serves this store (one server; a cluster reads on the scheduler's thread)."""
+        return self.router is None
+
+    def background_read(self, keys: list[bytes], values: bool) -> list[Any] | BaseException:
+        """A lookup's (``values`` False: lengths) or a fetch's round trip on a worker thread (its own
+        connection from the pool, the same ``timeout_ms`` deadline), touching no counter or state:
+        the replies, or the error; ``account_background`` counts it on the scheduler's thread."""
+        try:
+            if values:
+                return list(self._values(keys))
+            return list(self._lengths(keys, time.monotonic() + self._timeout_s))
+        except self._errors as e:
+            return e
+
+    def account_background(self, keys: list[bytes], values: bool, outcome: list[Any] | BaseException) -> bool:
+        """Count a ``background_read`` like ``lookup``/``fetch`` count theirs (an error begins the
+        outage); returns whether it answered."""
+        if not values:
+            self.lookups += 1
+            self.looked_up_pages += len(keys)
+        if isinstance(outcome, BaseException):
+            self.read_errors += 1
+            self._failed("fetch" if values else "lookup", outcome)
+            return False
+        self._succeeded()
+        return True
+
     def apply_quota(self, quota: int) -> bool:
         """Set the server's ``maxmemory`` to ``quota`` bytes with LRU eviction over all keys.
         Returns False (with a warning) when the server is unreachable or refuses."""
