@@ -15,6 +15,7 @@ from typing import Literal
 from mypy_extensions import mypyc_attr
 
 from ._common import MAX_BEAM_WIDTH, CacheTier, LayerId
+from ._storage._remote._registry import REMOTE_URL_SCHEMES as REMOTE_URL_SCHEMES
 from ._utils import check_int, check_type, is_power_of_two, raw_field
 
 BackendName = Literal["auto", "cuda", "host"]
@@ -108,8 +109,6 @@ class DiskCacheTierConfig:
         return CacheTier.DISK
 
 
-#: URL schemes the ``redis`` client accepts
-REMOTE_URL_SCHEMES: tuple[str, ...] = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 CLUSTER_URL_SCHEMES: tuple[str, ...] = ("redis+cluster://", "rediss+cluster://")
 
 

@@ -24,8 +24,8 @@ import rawref
 from .._common import DEFAULT_PRIORITY, CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
 from .._layers._policy import LayerGroup
 from .._page import NO_SERIAL, Page
-from .._storage._remote._protocol import HEADER_BYTES, decode_value
 from .._storage._remote._store import RemoteStore
+from .._storage._remote._value import HEADER_BYTES, decode_value
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList
 from ._keys import BlockHasher, BlockKey, scope_key, validate_tokens
@@ -101,11 +101,13 @@ class RemoteFill:
                     cand.append((ordinal, layer_group))
         ask = [c for c in cand if c not in found]
         if ask:
-            lengths = remote.lookup([remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in ask])
-            if lengths is None:
+            have = remote.lookup(
+                [remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in ask],
+                [HEADER_BYTES + self.page_bytes[layer_group] for _, layer_group in ask],
+            )
+            if have is None:
                 return local_blocks, found, None
-            for (ordinal, layer_group), n in zip(ask, lengths):
-                ok = n == HEADER_BYTES + self.page_bytes[layer_group]
+            for (ordinal, layer_group), ok in zip(ask, have):
                 found[(ordinal, layer_group)] = ok
                 if ok:
                     remote.found_pages += 1
@@ -319,7 +321,10 @@ class RemoteFill:
                 return local_blocks
             needed = self._needed(chain, local_blocks, matched_blocks)
         remote = self.remote
-        values = remote.fetch([remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in needed])
+        values = remote.fetch(
+            [remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in needed],
+            [HEADER_BYTES + self.page_bytes[layer_group] for _, layer_group in needed],
+        )
         if values is None:
             return local_blocks
         fp = remote.fingerprint
