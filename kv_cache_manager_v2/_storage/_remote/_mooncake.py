@@ -118,6 +118,7 @@ class MooncakeBackend(RemoteBackend):
         self.errors = (MooncakeError, OSError)
         self._helpers = ThreadPoolExecutor(_HELPERS, thread_name_prefix="kvcm-mooncake")
         self._lock = threading.Lock()
+        self._connecting = threading.Lock()
         self._client: Any = None
         #: memory registered with the client (again with a new one): (address, bytes)
         self._registered: list[tuple[int, int]] = []
@@ -150,10 +151,11 @@ class MooncakeBackend(RemoteBackend):
             raise MooncakeError(f"{what}: no answer within {self.cfg.timeout_ms} ms") from None
 
     def _run(self, fn: Callable[[Any], _T]) -> _T:
-        client = self._client
-        if client is None:
-            client = self._connect()
-        self._register_new(client)
+        with self._connecting:  # (one client at a time, made by the first call that needs it)
+            client = self._client
+            if client is None:
+                client = self._connect()
+            self._register_new(client)
         return fn(client)
 
     def _connect(self) -> Any:
@@ -308,7 +310,4 @@ class MooncakeBackend(RemoteBackend):
 
 def _inside(addr: int, size: int, ranges: list[tuple[int, int]]) -> bool:
     """Whether ``[addr, addr + size)`` lies in one registered range."""
-    for start, n in ranges:
-        if start <= addr and addr + size <= start + n:
-            return True
-    return False
+    return any(start <= addr and addr + size <= start + n for start, n in ranges)
