@@ -14,6 +14,7 @@ import importlib.util
 import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 
@@ -44,10 +45,13 @@ def mooncake_unusable_reason() -> str | None:
     binary = find_mooncake_master()
     if binary is None:
         return "no mooncake_master: pip install 'kv_cache_manager_v2[mooncake]'"
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as e:  # the wheel's shared libraries need libibverbs1, librdmacm1, libnuma1
-        return f"the Mooncake client does not load ({e}): apt-get install libibverbs1 librdmacm1 libnuma1"
+    # (in a child: the client's shared libraries need libibverbs1, librdmacm1 and libnuma1)
+    out = subprocess.run(
+        [sys.executable, "-c", "import mooncake.store"], capture_output=True, text=True, timeout=60, check=False
+    )
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["?"])[-1]
+        return f"the Mooncake client does not load ({last}): apt-get install libibverbs1 librdmacm1 libnuma1"
     return None
 
 

@@ -22,6 +22,8 @@ import ctypes
 import mmap
 import socket
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -43,6 +45,11 @@ DEFAULT_SEGMENT: Final = 256 << 20
 DEFAULT_BUFFER: Final = 16 << 20
 #: helper threads running the client's calls (the scheduler's reads, the writer, a loader)
 _HELPERS: Final = 4
+
+
+def _abandon(client: Any) -> None:
+    """Keep ``client`` alive until the process ends (its destructor would close it: see ``_drop_client``)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))
 
 
 class MooncakeError(ConnectionError):
@@ -130,6 +137,8 @@ class MooncakeBackend(RemoteBackend):
         #: calls past their deadline, with the memory they may still touch
         self._stuck: list[tuple[Future[Any], object]] = []
         self._closed = False
+        #: whether the last call got its answers (else closing might wait for a hung master)
+        self._answered = True
 
     # ------------------------------------------------------------------ calls
     def _call(self, what: str, fn: Callable[[Any], _T], memory: object = None) -> _T:
@@ -143,12 +152,18 @@ class MooncakeBackend(RemoteBackend):
                 raise MooncakeError(f"{what}: closed")
         future = self._helpers.submit(self._run, fn)
         try:
-            return future.result(self.timeout_s)
+            out = future.result(self.timeout_s)
         except FutureTimeout:
             with self._lock:
                 self._stuck.append((future, memory))
+                self._answered = False
                 self._drop_client()
             raise MooncakeError(f"{what}: no answer within {self.cfg.timeout_ms} ms") from None
+        except BaseException:
+            self._answered = False
+            raise
+        self._answered = True
+        return out
 
     def _run(self, fn: Callable[[Any], _T]) -> _T:
         with self._connecting:  # (one client at a time, made by the first call that needs it)
@@ -159,8 +174,9 @@ class MooncakeBackend(RemoteBackend):
         return fn(client)
 
     def _connect(self) -> Any:
-        client = self._make()
         a = self._args
+        self._probe(a["metadata_server"])
+        client = self._make()
         rc = client.setup(
             a["local_hostname"],
             a["metadata_server"],
@@ -177,13 +193,29 @@ class MooncakeBackend(RemoteBackend):
             self._client = client
         return client
 
+    def _probe(self, metadata: str) -> None:
+        """Whether an HTTP metadata server (the master's own, where it serves one) answers within the
+        deadline: the client's ``setup`` holds the GIL while it waits for a hung master, so it is
+        called only once the master's process answers."""
+        if not metadata.startswith("http://"):
+            return
+        try:
+            with urllib.request.urlopen(f"{metadata}?key=kvcm-probe", timeout=self.timeout_s):
+                pass
+        except urllib.error.HTTPError:
+            pass  # it answered (no such key)
+        except (OSError, ValueError) as e:
+            raise MooncakeError(f"the metadata server does not answer ({type(e).__name__}: {e})") from None
+
     def _drop_client(self) -> None:
-        """Forget the client (the next call makes another); closed on a thread of its own (closing
-        talks to the master, which may be gone)."""
+        """Forget the client (the next call makes another). It is never closed nor destroyed: closing
+        talks to the master, which may hang, and holds the GIL meanwhile; closing a client after its
+        master went away can crash the process. Its memory stays with the process (an outage costs
+        one client's segment)."""
         client = self._client
         self._client = None
         if client is not None:
-            threading.Thread(target=client.close, name="kvcm-mooncake-close", daemon=True).start()
+            _abandon(client)
 
     def _outage(self, what: str, codes: list[int]) -> None:
         """Raise MooncakeError where a status in ``codes`` is a failed exchange (and rebuild the client)."""
@@ -191,6 +223,7 @@ class MooncakeBackend(RemoteBackend):
             if code in _OUTAGE_CODES:
                 with self._lock:
                     self._drop_client()
+                self._answered = False
                 raise MooncakeError(f"{what} failed (status {code})")
 
     def _staging(self, size: int) -> _Staging:
@@ -299,10 +332,12 @@ class MooncakeBackend(RemoteBackend):
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            stuck = bool(self._stuck)
             client = self._client
             self._client = None
-        if client is not None and not stuck:
+            if client is not None and (self._stuck or not self._answered):
+                _abandon(client)  # the master may hang: closing would hold the GIL meanwhile
+                client = None
+        if client is not None:
             with contextlib.suppress(FutureTimeout):
                 self._helpers.submit(client.close).result(self.timeout_s + 1.0)
         self._helpers.shutdown(wait=False)
