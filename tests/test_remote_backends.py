@@ -266,3 +266,54 @@ def test_a_backend_serves_reads_from_another_thread(make: Factory) -> None:
     assert out["sizes"] == [size] * 4
     assert here is not None and out["mine"] is not None
     assert bytes(here[0]) != bytes(out["mine"][0])  # each thread's value intact
+
+
+def test_a_url_scheme_chooses_the_backend_and_bad_urls_are_refused() -> None:
+    from kv_cache_manager_v2 import RemoteCacheTierConfig
+    from kv_cache_manager_v2._storage._remote._mooncake import parse_url
+    from kv_cache_manager_v2._storage._remote._registry import BACKENDS, REMOTE_URL_SCHEMES, backend_of
+
+    assert backend_of("redis://h:1/0")[:2] == ("_redis", "RedisBackend")
+    assert backend_of("redis+cluster://h:1,h:2")[:2] == ("_redis", "RedisBackend")
+    assert backend_of("mooncake://h:1?metadata=P2PHANDSHAKE") == ("_mooncake", "MooncakeBackend", "mooncake")
+    assert len(BACKENDS) == 2 and "mooncake://" in REMOTE_URL_SCHEMES
+    with pytest.raises(ValueError, match="no remote backend"):
+        backend_of("http://x")
+    with pytest.raises(ValueError, match="url must start with"):
+        RemoteCacheTierConfig("memcached://x:1", "n")
+    args = parse_url("mooncake://10.0.0.5:50051?metadata=http://10.0.0.5:8080/metadata&protocol=rdma&device=mlx5_0")
+    assert args["master_server_addr"] == "10.0.0.5:50051" and args["protocol"] == "rdma"
+    assert args["rdma_devices"] == "mlx5_0" and args["metadata_server"] == "http://10.0.0.5:8080/metadata"
+    for bad, match in (
+        ("mooncake://h?metadata=x", "mooncake://host:port"),
+        ("mooncake://h:1", "metadata="),
+        ("mooncake://h:1?metadata=x&segment=big", "segment must be a number"),
+        ("mooncake://h:1?metadata=x&colour=red", "unknown parameters"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            parse_url(bad)
+
+
+def test_a_mooncake_url_without_its_client_is_refused_with_the_extra_to_install() -> None:
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import sys
+sys.modules["mooncake"] = None
+sys.modules["mooncake.store"] = None
+from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, KVCacheManagerConfig, RemoteCacheTierConfig
+from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, LayerId
+layers = [AttentionLayerConfig(LayerId(0), [BufferConfig("key", 64), BufferConfig("value", 64)])]
+url = "mooncake://127.0.0.1:1?metadata=http://127.0.0.1:2/metadata"
+try:
+    KVCacheManager(KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16), RemoteCacheTierConfig(url, "n")], layers, backend="host"))
+except ImportError as e:
+    print("refused:", e)
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "refused: RemoteCacheTierConfig with a mooncake:// URL needs the Mooncake Store client" in out.stdout
+    assert "kv_cache_manager_v2[mooncake]" in out.stdout
