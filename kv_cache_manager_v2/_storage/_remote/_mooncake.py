@@ -187,6 +187,7 @@ class MooncakeBackend(RemoteBackend):
             a["master_server_addr"],
         )
         if rc != 0:
+            _abandon(client)  # (its destructor would talk to the master too: see ``_drop_client``)
             raise MooncakeError(f"the client's setup failed (status {rc})")
         with self._lock:
             self._known = set()
