@@ -317,3 +317,22 @@ except ImportError as e:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "refused: RemoteCacheTierConfig with a mooncake:// URL needs the Mooncake Store client" in out.stdout
     assert "kv_cache_manager_v2[mooncake]" in out.stdout
+
+
+def test_pages_dropped_from_the_host_tier_are_sent_from_their_slots(make: Factory) -> None:
+    """The host pool's slots go to the writer as they are (Mooncake: registered memory, zero-copy)."""
+    from test_remote import evict_through_the_lower_tier
+
+    a = make(gpu=16, host=16, max_pending_bytes=4 * 2 * 2 * 32 * T)
+    toks = [seq(40 + r, 4 * T) for r in range(3)]
+    for t in toks:
+        publish(a, t, match=False)
+    evict_through_the_lower_tier(a)
+    assert a.flush_remote_writes()
+    a.check_invariants()
+    remote = a._remote
+    assert remote is not None and remote.slots_queued == 4
+    st = a.remote_statistics
+    assert st is not None and st.written_pages == 8 and st.dropped_writes == 4
+    b = make()
+    assert sum(reuse(b, t + [1]) for t in toks) == 8 * T  # every record checked
