@@ -18,8 +18,6 @@ import sys
 import time
 from collections.abc import Sequence
 
-from mypy_extensions import mypyc_attr
-
 from .redis_server import LocalRedisServer, free_port
 
 ENV_VAR = "KVCM_MOONCAKE_MASTER"
@@ -63,7 +61,6 @@ def _accepts(port: int) -> bool:
         return False
 
 
-@mypyc_attr(native_class=False)
 class LocalMooncakeMaster(LocalRedisServer):
     """One ``mooncake_master`` child process on 127.0.0.1 (RPC and HTTP metadata ports); a context manager."""
 

@@ -31,6 +31,7 @@ from typing import Any, Final, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from ..._config import RemoteCacheTierConfig
 from ._backend import RemoteBackend, Value
@@ -52,6 +53,7 @@ def _abandon(client: Any) -> None:
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))
 
 
+@mypyc_attr(native_class=False)
 class MooncakeError(ConnectionError):
     """A Mooncake call failed as a whole (the master unreachable, no answer in time)."""
 
