@@ -67,7 +67,7 @@ def _remote(url: str, page: int, reps: int, tag: str) -> dict[str, Any]:
     big = BLOCKS * value + (4 << 20)
     common: dict[str, Any] = {"timeout_ms": 60_000, "retry_interval_ms": 100}
     write = kvm.RemoteCacheTierConfig(
-        url if "segment=" not in url else url.replace("segment=0", f"segment={2 * big}"),
+        url if "segment=" not in url else url.replace("segment=0", f"segment={max(2 * big, 512 << 20)}"),
         f"bench-{tag}-{page}",
         write_through=True,
         max_pending_bytes=big,
@@ -98,10 +98,26 @@ def _remote(url: str, page: int, reps: int, tag: str) -> dict[str, Any]:
             assert kv.history_length == BLOCKS * T, kv.history_length
             kv.close()
             writer.clear_reusable_blocks()
+            _delete(writer, prefix)  # (the store's memory holds one prefix at a time)
     finally:
         reader.shutdown()
         writer.shutdown()
     return _row(page, onboard, writeback)
+
+
+def _delete(m: Any, tokens: list[int]) -> None:
+    """Remove the pages of ``tokens``' full blocks from ``m``'s remote store."""
+    from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
+    from kv_cache_manager_v2._reuse._keys import BlockHasher, scope_key
+
+    remote = m._remote
+    hasher = BlockHasher(tokens, T, "toks", None, 0)
+    parent = scope_key(DEFAULT_REUSE_SCOPE)
+    keys = []
+    for o in range(len(tokens) // T):
+        parent = hasher.key(parent, o)
+        keys.append(remote.page_key(parent, 0))
+    remote.backend.delete(keys)
 
 
 def _row(page: int, onboard: list[float], write: list[float]) -> dict[str, Any]:
@@ -163,6 +179,8 @@ def main() -> int:
             server.close()
         results["backends"][name] = rows
         print(name, [round(r["onboard_bytes_per_s"] / 1e9, 2) for r in rows], flush=True)
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
     with open(a.out, "w") as f:
         json.dump(results, f, indent=1)
     print(_table(results))
