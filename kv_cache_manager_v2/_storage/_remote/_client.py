@@ -11,8 +11,6 @@ from ..._config import RemoteCacheTierConfig
 from ._backend import LOG, RemoteBackend
 from ._registry import backend_of
 
-__all__ = ["LOG", "RemoteClient", "open_backend"]
-
 
 def open_backend(cfg: RemoteCacheTierConfig, max_page_bytes: int) -> RemoteBackend:
     """The backend serving ``cfg.url``, connected (its module imported now: a backend's client

@@ -14,7 +14,8 @@ from typing import Any, Final
 from ..._common import SlotId
 from ..._config import RemoteCacheTierConfig
 from .._tiers._base import HandOffPart
-from ._client import LOG, RemoteClient
+from ._backend import LOG
+from ._client import RemoteClient
 from ._value import HEADER_BYTES, encode_header, forget_frames
 
 #: a write batch ends at this many pages or bytes
