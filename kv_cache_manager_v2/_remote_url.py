@@ -1,10 +1,10 @@
-"""A remote tier's URL: the schemes the client accepts, a URL with its password hidden, a
-cluster URL's seed nodes (``RemoteCacheTierConfig`` checks its URL with them)."""
+"""A remote tier's URL: the schemes the backends serve (``_storage/_remote/_registry``), a URL
+with its password hidden, a cluster URL's seed nodes (``RemoteCacheTierConfig`` checks its URL with them)."""
 
 from __future__ import annotations
 
-#: URL schemes the ``redis`` client accepts
-REMOTE_URL_SCHEMES: tuple[str, ...] = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+from ._storage._remote._registry import REMOTE_URL_SCHEMES as REMOTE_URL_SCHEMES
+
 CLUSTER_URL_SCHEMES: tuple[str, ...] = ("redis+cluster://", "rediss+cluster://")
 
 

@@ -27,7 +27,7 @@ from kv_cache_manager_v2 import (
     RemoteCacheTierConfig,
     ReuseScope,
 )
-from kv_cache_manager_v2._storage._remote._protocol import HEADER_BYTES
+from kv_cache_manager_v2._storage._remote._value import HEADER_BYTES
 from kv_cache_manager_v2.redis_server import LocalRedisServer
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason=NO_REDIS_REASON)

@@ -32,8 +32,8 @@ from .._reuse._remote_fill import RemoteFill
 from .._reuse._tree import ReuseTree
 from .._storage._layout import StorageLayout
 from .._storage._quota import split_like, split_quota
-from .._storage._remote._protocol import layout_fingerprint
 from .._storage._remote._store import RemoteStore
+from .._storage._remote._value import layout_fingerprint
 from .._storage._select import select_backend
 from .._storage._storage_manager import StorageManager
 from .._storage._tier_costs import TierCosts

@@ -33,17 +33,21 @@ class RemoteBatch(LoadJob):
     """One lookup (lengths) or fetch (values) round trip on a worker, for the parts of several
     prefetches (``RemoteReads``)."""
 
-    def __init__(self, reads: RemoteReads, values: bool, parts: list[tuple[Prefetch, int]], keys: list[bytes]) -> None:
+    def __init__(
+        self, reads: RemoteReads, values: bool, parts: list[tuple[Prefetch, int]], keys: list[bytes], nbytes: list[int]
+    ) -> None:
         super().__init__()
         self.reads = reads
         self.values = values
         #: each prefetch and how many of ``keys`` (in order) are its
         self.parts = parts
         self.keys = keys
+        #: each key's whole value length
+        self.nbytes = nbytes
         self.outcome: list[Any] | BaseException = []
 
     def run(self) -> None:
-        self.outcome = self.reads.remote.background_read(self.keys, self.values)
+        self.outcome = self.reads.remote.background_read(self.keys, self.nbytes, self.values)
 
     def land(self) -> None:
         self.reads.landed(self)
@@ -60,27 +64,29 @@ class RemoteReads:
         #: the manager's ``CacheContext.backlog``: fetched values are placed from there, a few a poll
         self.backlog = backlog
         #: per kind (0: lookups, 1: fetches), the parts waiting for the next round trip
-        self.pending: list[list[tuple[Prefetch, list[bytes]]]] = [[], []]
+        self.pending: list[list[tuple[Prefetch, list[bytes], list[int]]]] = [[], []]
         self.busy = [False, False]
 
-    def ask(self, prefetch: Prefetch, keys: list[bytes], values: bool) -> None:
+    def ask(self, prefetch: Prefetch, keys: list[bytes], nbytes: list[int], values: bool) -> None:
         kind = 1 if values else 0
-        self.pending[kind].append((prefetch, keys))
+        self.pending[kind].append((prefetch, keys, nbytes))
         if not self.busy[kind]:
             self._send(kind)
 
     def _send(self, kind: int) -> None:
         parts: list[tuple[Prefetch, int]] = []
         keys: list[bytes] = []
-        for prefetch, its in self.pending[kind]:
+        nbytes: list[int] = []
+        for prefetch, its, sizes in self.pending[kind]:
             if not prefetch._cancelled:
                 parts.append((prefetch, len(its)))
                 keys.extend(its)
+                nbytes.extend(sizes)
         self.pending[kind] = []
         if not parts:
             return
         self.busy[kind] = True
-        self.loader.submit(RemoteBatch(self, kind == 1, parts, keys))
+        self.loader.submit(RemoteBatch(self, kind == 1, parts, keys, nbytes))
 
     def landed(self, job: RemoteBatch) -> None:
         """A round trip finished (the scheduler's thread): count it, hand each prefetch its part."""
@@ -246,7 +252,7 @@ class Prefetch:
         if not ask:
             return
         self._needed = ask
-        self._ask(remote_reads, [fill.remote.page_key(keys[o], lg) for o, lg in ask], False)
+        self._ask(remote_reads, [fill.remote.page_key(keys[o], lg) for o, lg in ask], fill.value_bytes(ask), False)
 
     def _local_match(self, hasher: BlockHasher, partial: bool) -> tuple[list[Node], Node | None, int]:
         tree = self._ctx.tree
@@ -256,9 +262,9 @@ class Prefetch:
             return [], None, 0
         return tree.match(root, hasher, partial)
 
-    def _ask(self, remote_reads: RemoteReads, keys: list[bytes], values: bool) -> None:
+    def _ask(self, remote_reads: RemoteReads, keys: list[bytes], nbytes: list[int], values: bool) -> None:
         self._waiting = True
-        remote_reads.ask(self, keys, values)
+        remote_reads.ask(self, keys, nbytes, values)
 
     def _landed(self, values: bool, outcome: list[Any] | None) -> None:
         """Its part of a round trip (None: the round trip failed) came back (the scheduler's thread,
@@ -289,7 +295,9 @@ class Prefetch:
             self._num_remote_pages = len(needed)
             remote_reads = self._remote_reads
             assert remote_reads is not None
-            self._ask(remote_reads, [fill.remote.page_key(keys[o], lg) for o, lg in needed], True)
+            self._ask(
+                remote_reads, [fill.remote.page_key(keys[o], lg) for o, lg in needed], fill.value_bytes(needed), True
+            )
             return
         fetched: Fetched = {}
         for x, value in zip(self._needed, outcome):

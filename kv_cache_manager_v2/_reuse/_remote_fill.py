@@ -25,8 +25,9 @@ import rawref
 from .._common import DEFAULT_PRIORITY, CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
 from .._layers._policy import LayerGroup
 from .._page import NO_SERIAL, Page
-from .._storage._remote._protocol import HEADER_BYTES, decode_value
+from .._storage._remote._backend import Value
 from .._storage._remote._store import RemoteStore
+from .._storage._remote._value import HEADER_BYTES, decode_value
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList
 from ._keys import BlockHasher, BlockKey, scope_key, validate_tokens
@@ -95,10 +96,12 @@ class RemoteFill:
         chain, keys, ask, found = plan
         if ask and fetched is None:
             remote = self.remote
-            lengths = remote.lookup([remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in ask])
-            if lengths is None:
+            have = remote.lookup(
+                [remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in ask], self.value_bytes(ask)
+            )
+            if have is None:
                 return local_blocks, found, None
-            self.record_lookup(ask, lengths, found)
+            self.record_lookup(ask, have, found)
         matched_blocks = self._best(chain, local_blocks, len(chain), found)
         if matched_blocks <= local_blocks:
             return matched_blocks, found, None
@@ -142,14 +145,18 @@ class RemoteFill:
                     ask.append((ordinal, layer_group))
         return chain, keys, ask, found
 
-    def record_lookup(self, ask: list[tuple[int, int]], lengths: list[int], found: Found) -> None:
-        """Note in ``found`` which of the pages ``ask`` the remote tier holds (a value of the right length)."""
+    def record_lookup(self, ask: list[tuple[int, int]], have: list[bool], found: Found) -> None:
+        """Note in ``found`` which of the pages ``ask`` the remote tier holds (``have``: a value of the
+        right length, ``value_bytes``)."""
         remote = self.remote
-        for (ordinal, layer_group), n in zip(ask, lengths):
-            ok = n == HEADER_BYTES + self.page_bytes[layer_group]
+        for (ordinal, layer_group), ok in zip(ask, have):
             found[(ordinal, layer_group)] = ok
             if ok:
                 remote.found_pages += 1
+
+    def value_bytes(self, pages: list[tuple[int, int]]) -> list[int]:
+        """The length of a whole value (header and page) for each (block ordinal, layer group)."""
+        return [HEADER_BYTES + self.page_bytes[layer_group] for _, layer_group in pages]
 
     def fetch_plan(
         self, chain: list[Node | None], local_blocks: int, found: Found
@@ -369,13 +376,16 @@ class RemoteFill:
         remote = self.remote
         t0 = time.perf_counter()
         if fetched is not None:
-            values: list[bytes | None] | None = [fetched.get(x) for x in needed]
+            values: list[Value | None] | None = [fetched.get(x) for x in needed]
         else:
-            values = remote.fetch([remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in needed])
+            values = remote.fetch(
+                [remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in needed],
+                self.value_bytes(needed),
+            )
         if values is None:
             return local_blocks
         costs = self.storage.costs  # (the read cost of load_policy="auto": a timed fetch refines it)
-        if costs is not None:
+        if costs is not None and fetched is None:  # (a prefetch's values were read on a worker: untimed)
             nbytes = sum(len(v) for v in values if v is not None)
             costs.observe(self.storage.num_levels, nbytes, time.perf_counter() - t0)
         fp = remote.fingerprint

@@ -94,6 +94,7 @@ class StorageManager(EvictionCascade):
         if level > 0:
             for group in self.levels.items[level]:
                 tier.add_headroom(group, tier.headroom_for(group, group.num_slots))
+                tier.register_slots(group)
 
     def write_back(self) -> int:
         """Shutdown of a manager with a persistent disk tier: move the reusable full blocks of the

@@ -147,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--remote-url",
-        help="the Redis of the shared tier (default: a private redis-server on a free loopback port); "
-        "redis+cluster://host:port[,host:port...] for a Redis Cluster or Valkey cluster",
+        help="the store of the shared tier (default: a private redis-server on a free loopback port): "
+        "redis://host:port, redis+cluster://host:port[,host:port...] for a Redis Cluster or Valkey cluster, "
+        "mooncake://master-host:port?metadata=URL for a Mooncake Store",
     )
     g.add_argument(
         "--remote-cluster",
@@ -440,7 +441,8 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
         raise SimUserError(str(e)) from None
     if a.remote_url is not None and not a.remote_url.startswith(REMOTE_URL_SCHEMES):
         raise SimUserError(
-            f"--remote-url {a.remote_url!r}: write redis://HOST:PORT (or rediss://, unix://PATH, redis+cluster://HOST:PORT)"
+            f"--remote-url {a.remote_url!r}: write redis://HOST:PORT (or rediss://, unix://PATH, redis+cluster://HOST:PORT, "
+            "mooncake://HOST:PORT?metadata=URL)"
         )
     if not 1 <= a.replicas <= MAX_REPLICAS:
         raise SimUserError(
