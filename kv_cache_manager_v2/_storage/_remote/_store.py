@@ -188,4 +188,4 @@ class RemoteStore(RemoteWriter):
 
 def _own(value: Value | None) -> bytes | None:
     """``value`` as bytes of its own (None stays None)."""
-    return None if value is None or type(value) is bytes else bytes(value)
+    return value if value is None or type(value) is bytes else bytes(value)
