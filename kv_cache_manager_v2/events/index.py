@@ -12,7 +12,7 @@ it changes nothing, not even what is learnt of the replica (block size, layer gr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from .._common import DEFAULT_REUSE_SCOPE, ReuseScope, TokenIdExt
 from .._events import LayerGroupSpec, block_hash
@@ -240,13 +240,41 @@ class ReplicaIndex:
 
         ``hashes`` (from :func:`prompt_block_hashes`) saves hashing when several indexes are asked.
         """
+        return self._match(tokens, reuse_scope, hashes)[0]
+
+    def match_media(
+        self,
+        tokens: Sequence[TokenIdExt],
+        reuse_scope: ReuseScope | None = None,
+        hashes: Sequence[int] | None = None,
+    ) -> dict[str | None, int]:
+        """The tokens :meth:`match_length` reports, counted by the medium their block is on (a
+        block with pages on several media counts at its lowest: the last in GPU, CPU, DISK,
+        REMOTE order; another medium name counts as itself; a block needing no page, outside
+        every window, as GPU)."""
+        length, nodes, part = self._match(tokens, reuse_scope, hashes)
+        t = self.tokens_per_block
+        out: dict[str | None, int] = {}
+        if t is None:
+            return out
+        for o in range((length + t - 1) // t):
+            node = nodes[o] if o < len(nodes) else part
+            n = min(t, length - o * t)
+            medium = _lowest_medium(node.groups.values()) if node is not None and node.groups else "GPU"
+            out[medium] = out.get(medium, 0) + n
+        return out
+
+    def _match(
+        self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None, hashes: Sequence[int] | None
+    ) -> tuple[int, list[_Node], _Node | None]:
+        """The match's length, its full-block nodes and its partial block's node (if any)."""
         t = self.tokens_per_block
         if t is None or len(tokens) == 0:
-            return 0
+            return 0, [], None
         scope = reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE
         root = self._roots.get((block_hash(scope_key(scope)), scope.lora_id))
         if root is None:
-            return 0
+            return 0, [], None
         if hashes is None:
             hashes = prompt_block_hashes(tokens, t, scope)
         nodes: list[_Node] = []
@@ -280,7 +308,7 @@ class ReplicaIndex:
             length = len(nodes) * t + part_len
             missing = self._first_missing_block(nodes, part, length)
             if missing < 0:
-                return length
+                return length, nodes, part if part_len else None
             del nodes[missing:]
             part, part_len = None, 0
 
@@ -300,6 +328,20 @@ class ReplicaIndex:
                         first = o
                     break
         return first
+
+
+#: media from the fastest to the slowest (a block counts at its slowest page)
+_MEDIA_ORDER = {"GPU": 0, "CPU": 1, "DISK": 2, "REMOTE": 3}
+
+
+def _lowest_medium(media: Iterable[str | None]) -> str | None:
+    worst: str | None = None
+    rank = -1
+    for m in media:
+        r = _MEDIA_ORDER.get(m, 4) if m is not None else 4
+        if r > rank:
+            worst, rank = m, r
+    return worst
 
 
 def _common_prefix_len(a: Sequence[TokenIdExt], b: Sequence[TokenIdExt]) -> int:
