@@ -44,6 +44,7 @@ from ._run import (
     run_fleet,
     run_replays,
     run_restart,
+    run_routing,
     tier_spec,
 )
 from ._ssm_policy import SSM_POLICY_KEY, check_policy
@@ -144,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="N engine replicas, each its own manager with the tiers above, requests routed round-robin; "
         "replayed with private caches and again sharing a remote tier (write-through), and compared",
+    )
+    g.add_argument(
+        "--routing",
+        metavar="POLICY[,POLICY..]",
+        help="with --replicas N: private caches, no shared tier; the requests replayed once per routing policy "
+        "(round-robin, least-load, prefix, prefix+load, or all) and compared with one cache of the fleet's size",
     )
     g.add_argument(
         "--remote-url",
@@ -446,6 +453,8 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
         raise SimUserError(
             f"--replicas must be in [1, {MAX_REPLICAS}] (each replica is a manager here), got {a.replicas}"
         )
+    if a.routing is not None and (a.replicas < 2 or a.remote_url or a.remote_cluster):
+        raise SimUserError("--routing compares routers over --replicas N >= 2 private caches: no --remote-url/-cluster")
     if a.remote_cluster and a.replicas == 1:
         raise SimUserError("--remote-cluster is the shared tier of --replicas N: give --replicas 2 or more")
     requests, workload = _workload(a)
@@ -558,6 +567,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         s = _setup(a, res)
         if a.restart_at is not None:
             return run_restart(a, s)
+        if a.routing is not None:
+            return run_routing(a, s)
         if a.replicas != 1 or a.remote_url:
             return run_fleet(a, s, res)
         return run_replays(a, s, res.metrics)
