@@ -26,11 +26,11 @@ from typing import Any
 import msgspec
 
 import kv_cache_manager_v2 as kvm
-from kv_cache_manager_v2.events import BlockRemoved, BlockStored, PrefixRouter, ReplicaIndex, prompt_block_hashes
 from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
+from kv_cache_manager_v2._events import block_hash
 from kv_cache_manager_v2._reuse._keys import scope_key
 from kv_cache_manager_v2._routing import ReplicaLoad
-from kv_cache_manager_v2._events import block_hash
+from kv_cache_manager_v2.events import BlockRemoved, BlockStored, PrefixRouter, ReplicaIndex, prompt_block_hashes
 from kv_cache_manager_v2.events.schema import decode_event
 
 HERE = os.path.dirname(os.path.abspath(__file__))
