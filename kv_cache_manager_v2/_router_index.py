@@ -2,6 +2,10 @@
 matching rule, and the media a match is on. ``kv_cache_manager_v2.events.index.ReplicaIndex``
 checks and decodes the wire events (plain Python, msgspec) and calls this.
 
+Nodes, their dicts and token tuples are untracked by the cyclic garbage collector (which would
+traverse them all at every full collection): a node leaves the tree with its links to it cut
+(``_prune``), and ``clear`` cuts every link, so no untracked cycle outlives the tree's use.
+
 A node exists while it holds a page of some layer group or has children (a replica keeps
 pageless blocks only as chain links), so the nodes along a prompt's hash chain are a prefix of it:
 when the replica has a single full-attention group and no pageless link anywhere, the longest
@@ -13,12 +17,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final, cast
 
+import rawref
+
 from ._common import TokenIdExt
+from ._events import block_hash
 from ._layers._policy import LayerGroup
+from ._reuse._keys import BlockHasher
 
 #: media from the fastest to the slowest (a block counts at its slowest page; other names last)
 MEDIA_RANK: Final = {"GPU": 0, "CPU": 1, "DISK": 2, "REMOTE": 3}
 _GPU: Final = "GPU"
+#: bound once (a module attribute is looked up at every call compiled)
+_untrack: Final = rawref.untrack
+_block_hash: Final = block_hash
 
 RootKey = tuple[int | None, int | None]
 
@@ -37,6 +48,9 @@ class RNode:
         self.by_first: dict[TokenIdExt, list[RNode]] | None = None
         #: layer group -> medium holding its page
         self.groups: dict[int, str | None] = {}
+        _untrack(self.groups)
+        _untrack(tokens)
+        _untrack(self)
 
 
 class BlockTree:
@@ -51,6 +65,11 @@ class BlockTree:
         self.num_off_gpu = 0
 
     def clear(self) -> None:
+        """Forget every node, cutting their links (they are not collected as cycles)."""
+        for node in self.nodes.values():
+            _cut(node)
+        for node in self.roots.values():
+            _cut(node)
         self.nodes.clear()
         self.roots.clear()
         self.num_pageless = 0
@@ -95,14 +114,17 @@ class BlockTree:
                 if children is None:
                     children = parent.children = {}
                 children[block] = node
+                _untrack(children)  # inserting a node re-tracks a dict
                 by_first = parent.by_first
                 if by_first is None:
                     by_first = parent.by_first = {}
                 lst = by_first.get(toks[0])
                 if lst is None:
-                    by_first[toks[0]] = [node]
+                    lst = by_first[toks[0]] = [node]
+                    _untrack(by_first)
                 else:
                     lst.append(node)
+                _untrack(lst)
             self._set(node, group, medium)
             parent = node
 
@@ -114,6 +136,7 @@ class BlockTree:
         elif not groups:
             self.num_pageless -= 1
         groups[group] = medium
+        _untrack(groups)
         if medium != _GPU:
             self.num_off_gpu += 1
 
@@ -274,6 +297,18 @@ class BlockTree:
             out[m] = out.get(m, 0) + t
             node = node.parent
         return out
+
+
+def _cut(node: RNode) -> None:
+    node.parent = None
+    node.children = None
+    node.by_first = None
+
+
+def prompt_block_hashes(tokens: Sequence[TokenIdExt], tokens_per_block: int, root: bytes) -> list[int]:
+    """The 64-bit hashes of the blocks of ``tokens`` (the last may be partial) under the scope
+    key ``root``."""
+    return [_block_hash(k) for k in BlockHasher(tokens, tokens_per_block, "tokens").chain(root)]
 
 
 def _slowest(node: RNode) -> str | None:

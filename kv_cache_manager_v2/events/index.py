@@ -18,8 +18,9 @@ from .._common import DEFAULT_REUSE_SCOPE, ReuseScope, TokenIdExt
 from .._events import LayerGroupSpec, block_hash
 from .._layers._policy import LayerGroup
 from .._life_cycle_registry import announced_layer_group
-from .._reuse._keys import BlockHasher, scope_key
+from .._reuse._keys import scope_key
 from .._router_index import BlockTree, RNode
+from .._router_index import prompt_block_hashes as _hashes
 from .schema import AllBlocksCleared, AnyWireEvent, BlockMoved, BlockRemoved, BlockStored, KVEventBatch, block_tokens
 
 #: block hashes are unsigned 64-bit ints
@@ -33,7 +34,7 @@ def prompt_block_hashes(
 ) -> list[int]:
     """The 64-bit hashes a replica reports for the blocks of ``tokens`` (the last may be partial)."""
     scope = reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE
-    return [block_hash(k) for k in BlockHasher(tokens, tokens_per_block, "tokens").chain(scope_key(scope))]
+    return _hashes(tokens, tokens_per_block, scope_key(scope))
 
 
 class ReplicaIndex:
@@ -87,6 +88,11 @@ class ReplicaIndex:
     def clear(self) -> None:
         """Forget every block (AllBlocksCleared)."""
         self._tree.clear()
+
+    def __del__(self) -> None:
+        tree = getattr(self, "_tree", None)
+        if tree is not None:
+            tree.clear()  # (its nodes are not collected as cycles)
 
     def reset(self) -> None:
         """Forget every block and what was learnt of the replica (block size, layer groups) beyond
