@@ -29,17 +29,18 @@ from kv_cache_manager_v2.sim import main as sim_main
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRACE = os.path.join(HERE, "..", "..", "shared", "traces", "synthetic_trace.jsonl")
 #: the setup every run shares: the model, its GPU tier (an H100's KV share), the roofline on H100
-COMMON = ["--model", "llama-3-8b", "--gpu", "48GiB", "--gpu-kind", "h100", "--no-progress"]
-TRACE_REQUESTS = 1500
-TRACE_SCALE = 4.0  #: --time-scale x N
-CONVERSATIONS = 240
-CONV_RATE = 1.0  #: new conversations per second per replica
+#: (its host share: 256 GiB of a node's host memory per GPU)
+COMMON = ["--model", "llama-3-8b", "--gpu", "48GiB", "--host", "256GiB", "--gpu-kind", "h100", "--no-progress"]
+TRACE_SCALE = 2.4  #: --time-scale x N (every request of the trace)
+#: the built-in conversations: longer questions, shorter pauses than the defaults
+CONVERSATIONS = ["--conversations", "800", "--think-s", "1", "--user-tokens", "1024"]
+CONV_RATE = 8.0  #: new conversations per second per replica
 
 
 def workload_args(name: str, n: int, trace: str) -> list[str]:
     if name == "trace":
-        return ["--trace", trace, "--requests", str(TRACE_REQUESTS), "--time-scale", f"{TRACE_SCALE / n:g}"]
-    return ["--conversations", str(CONVERSATIONS), "--rate", f"{CONV_RATE * n:g}"]
+        return ["--trace", trace, "--time-scale", f"{TRACE_SCALE / n:g}"]
+    return [*CONVERSATIONS, "--rate", f"{CONV_RATE * n:g}"]
 
 
 def run(name: str, n: int, policies: str, trace: str) -> dict[str, Any]:

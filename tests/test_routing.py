@@ -71,20 +71,21 @@ def test_a_block_counts_at_its_slowest_page() -> None:
 
 
 def test_load_and_affinity_by_hand() -> None:
-    """Default weights: cost = queued + 32 * running + 1024 * utilisation; window = least * 1.25 + 1024."""
+    """Default weights: cost = queued + 128 * running + 1024 * utilisation; window = least * 1.25."""
     w = RouteWeights()
     loads = [load(3000), load(1000, 2), load(0, 0, 0.5)]
-    assert [x.cost(w) for x in loads] == [3000.0, 1064.0, 512.0]
+    assert [x.cost(w) for x in loads] == [3000.0, 1256.0, 512.0]
     values = [320.0, 0.0, 0.0]
     usable = [True] * 3
-    # best cache (0) costs 3000 > 512 * 1.25 + 1024 = 1664: the best value - cost: -2680, -1064, -512
+    # best cache (0) costs 3000 > 512 * 1.25 = 640: the best value - cost: -2680, -1256, -512
     assert RoutePicker("prefix+load").pick(values, loads, usable) == 2
-    # within the window (1500 <= 1664): affinity keeps the cache
-    assert RoutePicker("prefix+load").pick(values, [load(1500), *loads[1:]], usable) == 0
+    # within the window (600 <= 640): affinity keeps the cache
+    assert RoutePicker("prefix+load").pick(values, [load(600), *loads[1:]], usable) == 0
     # out of the window, a big enough cache still wins on value - cost: 2000 - 1700 = 300 > -512
     assert RoutePicker("prefix+load").pick([2000.0, 0.0, 0.0], [load(1700), *loads[1:]], usable) == 0
     # a wider window keeps it at 3000 too: 512 * 5 + 1024 = 3584
-    assert RoutePicker("prefix+load", RouteWeights(affinity_ratio=4.0)).pick(values, loads, usable) == 0
+    wide = RouteWeights(affinity_ratio=4.0, affinity_tokens=1024.0)
+    assert RoutePicker("prefix+load", wide).pick(values, loads, usable) == 0
     assert RoutePicker("least-load").pick(values, loads, usable) == 2
     assert RoutePicker("prefix").pick(values, loads, usable) == 0
     rr = RoutePicker("round-robin")

@@ -62,8 +62,9 @@ def test_routes_by_hand() -> None:
     # 4: (48 - 64, 0) -> 1; 5: queued (64, 80), replica 0 within the (empty) window of the least -> 0;
     # 6 (B + 16): queued (96, 80), replica 1 has the cache and the least load -> 1
     assert routes("prefix+load", BARE) == [0, 1, 0, 0, 1, 0, 1]
-    # the default window (1.25 x least + 1024 tokens) keeps every P prompt on its cache here
-    assert routes("prefix+load") == routes("prefix")
+    # a window of 1024 tokens keeps every P prompt on its cache here
+    wide = RouteWeights(running_request=0.0, kv_utilization=0.0, affinity_tokens=1024.0)
+    assert routes("prefix+load", wide) == routes("prefix")
 
 
 def test_report_and_bound() -> None:

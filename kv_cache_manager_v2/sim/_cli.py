@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(round-robin, least-load, prefix, prefix+load, or all) and compared with one cache of the fleet's size",
     )
     g.add_argument(
+        "--routing-weights",
+        metavar="NAME=VALUE,..",
+        help="with --routing: the router's weights (queued_token, running_request, kv_utilization, affinity_ratio, "
+        "affinity_tokens; GPU, CPU, DISK, REMOTE: tier weights)",
+    )
+    g.add_argument(
         "--remote-url",
         help="the Redis of the shared tier (default: a private redis-server on a free loopback port); "
         "redis+cluster://host:port[,host:port...] for a Redis Cluster or Valkey cluster",

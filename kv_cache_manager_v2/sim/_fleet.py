@@ -249,6 +249,30 @@ def parse_policies(text: str) -> list[str]:
     return names
 
 
+def parse_weights(text: str) -> RouteWeights:
+    """``--routing-weights``: NAME=VALUE pairs over the defaults (a medium name sets its tier weight)."""
+    fields: dict[str, float] = {}
+    tiers = dict(RouteWeights().tier_weights)
+    allowed = ("queued_token", "running_request", "kv_utilization", "affinity_ratio", "affinity_tokens")
+    for item in text.split(","):
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        if not eq or (name not in allowed and name not in tiers):
+            raise ValueError(
+                f"--routing-weights: {item!r} is not NAME=VALUE with NAME one of {', '.join(allowed)}, "
+                f"{', '.join(tiers)}"
+            )
+        try:
+            x = float(value)
+        except ValueError:
+            raise ValueError(f"--routing-weights: {name}={value!r} is not a number") from None
+        if name in tiers:
+            tiers[name] = x
+        else:
+            fields[name] = x
+    return dataclasses.replace(RouteWeights(), tier_weights=tiers, **fields)
+
+
 def format_routing(doc: dict[str, Any]) -> str:
     """The text report: one row per policy."""
     bound = doc["single_cache_bound"]["hit_rate"]["tokens"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import kv_cache_manager_v2 as kvm
 
-from ._fleet import format_routing, parse_policies, simulate_routing
+from ._fleet import format_routing, parse_policies, parse_weights, simulate_routing
 from ._hints import HINTS_SWEEP_KEY, check_accuracy, check_pin_share, format_hints, replay_with_hints, system_prompts
 from ._latency import Slo, compared_rows, latency_report
 from ._models import (
@@ -460,13 +460,14 @@ def run_routing(a: argparse.Namespace, s: Setup) -> int:
         raise SimUserError("--routing does not combine with --sweep, several eviction policies or --check-data")
     try:
         policies = parse_policies(a.routing)
-    except ValueError as e:
+        weights = parse_weights(a.routing_weights) if a.routing_weights else None
+    except (TypeError, ValueError) as e:
         raise SimUserError(str(e)) from None
     config, scale = _sim_config(
         s.shape, s.tiers, a.tokens_per_block, a.swa_scratch, False, a.eviction_policy[0], s.interval
     )
     try:
-        doc = simulate_routing(config, s.requests, s.options, a.replicas, policies, None, scale)
+        doc = simulate_routing(config, s.requests, s.options, a.replicas, policies, weights, scale)
     except ValueError as e:
         raise SimUserError(f"the manager refused this configuration: {e}") from None
     doc["model"] = s.shape.name
