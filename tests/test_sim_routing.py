@@ -95,6 +95,14 @@ def test_cli_routing(tmp_path: Any) -> None:
     assert main([*args, "--routing", "prefix,prefix"]) == 2
     assert main([*args[:-2], "--routing", "prefix"]) == 2  # needs replicas
     assert main([*args, "--routing", "prefix", "--remote-url", "redis://127.0.0.1:1"]) == 2
+    weights = ["--routing-weights", "affinity_ratio=0.5,CPU=0.6"]
+    assert main([*args, "--routing", "prefix+load", *weights, "--json", str(out)]) == 0
+    w = json.loads(out.read_text())["routing"]["weights"]
+    assert w["affinity_ratio"] == 0.5 and w["tier_weights"]["CPU"] == 0.6 and w["queued_token"] == 1.0
+    assert main([*args, "--routing", "prefix", "--routing-weights", "speed=2"]) == 2
+    assert main([*args, "--routing", "prefix", "--routing-weights", "queued_token=-1"]) == 2
+    assert main([*args, "--routing", "prefix", "--routing-weights", "queued_token=x"]) == 2
+    assert main([*args, *weights]) == 2  # without --routing: it would be ignored
     assert parse_policies("all") == ["round-robin", "least-load", "prefix", "prefix+load"]
 
 

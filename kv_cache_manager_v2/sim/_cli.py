@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from .._config import EVICTION_POLICIES, REMOTE_URL_SCHEMES
 from ._check import DataCheckError
+from ._fleet import add_routing_arguments, check_routing_arguments
 from ._hints import HINTS_HELP, HINTS_SWEEP_KEY, check_accuracy, check_pin_duration, check_pin_share
 from ._models import (
     PRESETS,
@@ -44,7 +45,6 @@ from ._run import (
     run_fleet,
     run_replays,
     run_restart,
-    run_routing,
     tier_spec,
 )
 from ._ssm_policy import SSM_POLICY_KEY, check_policy
@@ -146,18 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="N engine replicas, each its own manager with the tiers above, requests routed round-robin; "
         "replayed with private caches and again sharing a remote tier (write-through), and compared",
     )
-    g.add_argument(
-        "--routing",
-        metavar="POLICY[,POLICY..]",
-        help="with --replicas N: private caches, no shared tier; the requests replayed once per routing policy "
-        "(round-robin, least-load, prefix, prefix+load, or all) and compared with one cache of the fleet's size",
-    )
-    g.add_argument(
-        "--routing-weights",
-        metavar="NAME=VALUE,..",
-        help="with --routing: the router's weights (queued_token, running_request, kv_utilization, affinity_ratio, "
-        "affinity_tokens; GPU, CPU, DISK, REMOTE: tier weights)",
-    )
+    add_routing_arguments(g)
     g.add_argument(
         "--remote-url",
         help="the Redis of the shared tier (default: a private redis-server on a free loopback port); "
@@ -459,8 +448,7 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
         raise SimUserError(
             f"--replicas must be in [1, {MAX_REPLICAS}] (each replica is a manager here), got {a.replicas}"
         )
-    if a.routing is not None and (a.replicas < 2 or a.remote_url or a.remote_cluster):
-        raise SimUserError("--routing compares routers over --replicas N >= 2 private caches: no --remote-url/-cluster")
+    check_routing_arguments(a)
     if a.remote_cluster and a.replicas == 1:
         raise SimUserError("--remote-cluster is the shared tier of --replicas N: give --replicas 2 or more")
     requests, workload = _workload(a)
@@ -573,8 +561,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         s = _setup(a, res)
         if a.restart_at is not None:
             return run_restart(a, s)
-        if a.routing is not None:
-            return run_routing(a, s)
         if a.replicas != 1 or a.remote_url:
             return run_fleet(a, s, res)
         return run_replays(a, s, res.metrics)

@@ -26,6 +26,7 @@ from .._common import ReuseScope, TokenIdExt
 from .._config import KVCacheManagerConfig
 from .._routing import ROUTING_POLICIES, ReplicaLoad, RoutePicker, RouteWeights
 from ._latency import latency_report
+from ._models import SimUserError
 from ._replay import Replay
 from ._replay_types import ReplayResult, SchedulerOptions
 from ._replicas import ReplicaReplay, merge_results
@@ -235,6 +236,30 @@ def simulate_routing(
         b = out["single_cache_bound"]["hit_rate"]["tokens"]
         rep["hit_rate_vs_bound"] = rep["hit_rate"]["tokens"] / b if b > 0 else None
     return out
+
+
+def add_routing_arguments(g: Any) -> None:
+    """``--routing`` and ``--routing-weights`` in the parser's replicas group."""
+    g.add_argument(
+        "--routing",
+        metavar="POLICY[,POLICY..]",
+        help="with --replicas N: private caches, no shared tier; the requests replayed once per routing policy "
+        "(round-robin, least-load, prefix, prefix+load, or all) and compared with one cache of the fleet's size",
+    )
+    g.add_argument(
+        "--routing-weights",
+        metavar="NAME=VALUE,..",
+        help="with --routing: the router's weights (queued_token, running_request, kv_utilization, affinity_ratio, "
+        "affinity_tokens; GPU, CPU, DISK, REMOTE: tier weights)",
+    )
+
+
+def check_routing_arguments(a: Any) -> None:
+    """``--routing``/``--routing-weights`` against the other options (``SimUserError``)."""
+    if a.routing_weights is not None and a.routing is None:
+        raise SimUserError("--routing-weights weighs the routers of --routing: give --routing too")
+    if a.routing is not None and (a.replicas < 2 or a.remote_url or a.remote_cluster):
+        raise SimUserError("--routing compares routers over --replicas N >= 2 private caches: no --remote-url/-cluster")
 
 
 def parse_policies(text: str) -> list[str]:

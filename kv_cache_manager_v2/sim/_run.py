@@ -428,7 +428,10 @@ def run_restart(a: argparse.Namespace, s: Setup) -> int:
 
 
 def run_fleet(a: argparse.Namespace, s: Setup, res: Resources) -> int:
-    """``--replicas N`` / ``--remote-url``: private caches vs a shared remote tier (a private Redis by default)."""
+    """``--replicas N``: with ``--routing`` the routing policies compared; else private caches vs a shared
+    remote tier (``--remote-url``; a private Redis by default)."""
+    if a.routing is not None:
+        return run_routing(a, s)
     if s.sweep is not None or a.plot or len(a.eviction_policy) > 1:
         raise SimUserError("--replicas does not combine with --sweep, --plot or several eviction policies")
     url = a.remote_url
