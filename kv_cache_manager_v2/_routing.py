@@ -131,14 +131,16 @@ class RouteWeights:
 class RoutePicker:
     """Applies one policy to what is known of each replica; keeps the rotation (see the module doc)."""
 
-    def __init__(self, policy: str = DEFAULT_POLICY, weights: RouteWeights | None = None) -> None:
-        check_type("policy", policy, str)
+    def __init__(self, policy: object = DEFAULT_POLICY, weights: object = None) -> None:
+        # (``object``: compiled, a typed argument is checked with mypyc's own message)
+        if not isinstance(policy, str):
+            raise TypeError(f"policy must be a str, got {type(policy).__name__}")
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(ROUTING_POLICIES)}, got {policy!r}")
-        if weights is not None:
-            check_type("weights", weights, RouteWeights)
-        self.policy = policy
-        self.weights = weights if weights is not None else RouteWeights()
+        if weights is not None and not isinstance(weights, RouteWeights):
+            raise TypeError(f"weights must be a RouteWeights or None, got {type(weights).__name__}")
+        self.policy: str = policy
+        self.weights: RouteWeights = weights if weights is not None else RouteWeights()
         self._next = 0
 
     def pick(self, values: Sequence[float], loads: Sequence[ReplicaLoad | None], usable: Sequence[bool]) -> int:

@@ -128,8 +128,10 @@ def test_router_forgets_a_stale_load() -> None:
 def test_bad_weights_policy_and_load() -> None:
     with pytest.raises(ValueError, match="policy must be one of"):
         RoutePicker("random")
-    with pytest.raises(TypeError, match="policy"):
-        RoutePicker(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="policy must be a str"):
+        RoutePicker(3)
+    with pytest.raises(TypeError, match="weights must be a RouteWeights"):
+        RoutePicker("prefix", {"GPU": 1.0})
     with pytest.raises(ValueError, match="queued_token"):
         RouteWeights(queued_token=-1.0)
     with pytest.raises(ValueError, match="load_stale_s"):
