@@ -197,7 +197,7 @@ def test_a_replica_that_stops_publishing_load(make_manager: MakeManager) -> None
     pubs = [ZmqEventPublisher(LOOPBACK, LOOPBACK) for _ in range(2)]
     router = KVAwareRouter(
         [ReplicaEndpoints(p.endpoint, p.replay_endpoint) for p in pubs],
-        weights=RouteWeights(load_stale_s=0.5),
+        weights=RouteWeights(load_stale_s=2.0),
         replay_timeout=0.3,
         replay_backoff=0.2,
         probe_interval=0.3,
@@ -208,6 +208,11 @@ def test_a_replica_that_stops_publishing_load(make_manager: MakeManager) -> None
         pubs[1].drain(ems[1], load(0))
         for i in range(2):
             sync(router, i, pubs[i])
+        pubs[0].publish([], load(50_000, 8, 0.9))  # the loads again, fresh (the syncs may have taken a while)
+        pubs[1].publish([], load(0))
+        for i in range(2):
+            sync(router, i, pubs[i])
+        assert router.load(0) is not None and router.load(1) is not None
         assert router.route(prompt).replica == 1
         deadline = time.monotonic() + 10
         while router.load(0) is not None:  # replica 1 keeps publishing its load, replica 0 stopped
