@@ -7,7 +7,9 @@
   decoded wire events, and from the encoded batch through ``decode_event`` (what ``poll`` does);
 * ``route``: ``PrefixRouter.route`` (policy ``prefix+load``, a load per replica) of a 10,000-token
   prompt over 16 replicas, each holding 2,000 other blocks and a prefix of the prompt of its own
-  length: per route p50/p99 in microseconds, the prompt's hashing included, and apart.
+  length: per route p50/p99 in microseconds, the prompt's hashing included (``p50_us``, ``p99_us``);
+  the lookup alone, from the prompt's hashes (``lookup_*``: every replica's match and the pick); the
+  hashing alone (``hashing_*``).
 
 Run it once per mode: the index core is compiled with the package (``KVCM_EXPECT_COMPILED``
 tells); the JSON records which mode ran (``mode``) and merges into ``--out`` by mode.
@@ -98,6 +100,15 @@ def bench_route(routes: int, replicas: int = 16, prompt_tokens: int = 10_000) ->
     loads = [ReplicaLoad(1000 * r, r, 0.5) for r in range(replicas)]
     times = []
     hash_times = []
+    lookup_times = []
+    picker = router.picker
+    w = router.weights
+    usable = [True] * replicas
+    for _ in range(routes):
+        t0 = time.perf_counter()
+        media = [idx.match_media(prompt, None, hashes) for idx in indexes]
+        picker.pick([w.value(m) for m in media], loads, usable)
+        lookup_times.append(time.perf_counter() - t0)
     for _ in range(routes):
         t0 = time.perf_counter()
         d = router.route(prompt, None, loads)
@@ -109,6 +120,7 @@ def bench_route(routes: int, replicas: int = 16, prompt_tokens: int = 10_000) ->
     assert d.scores[-1] == n_full * (replicas - 1) // replicas * T
     times.sort()
     hash_times.sort()
+    lookup_times.sort()
 
     def us(xs: list[float], p: int) -> float:
         return xs[-(-p * len(xs) // 100) - 1] * 1e6
@@ -120,6 +132,8 @@ def bench_route(routes: int, replicas: int = 16, prompt_tokens: int = 10_000) ->
         "routes": routes,
         "p50_us": us(times, 50),
         "p99_us": us(times, 99),
+        "lookup_p50_us": us(lookup_times, 50),
+        "lookup_p99_us": us(lookup_times, 99),
         "hashing_p50_us": us(hash_times, 50),
         "hashing_p99_us": us(hash_times, 99),
     }
