@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/router_index.py [--quick] [--out FILE]
 
 * ``ingest``: block events per second through ``ReplicaIndex.apply_event`` (``BlockStored`` runs of
-  16 blocks, as a prefill step publishes them, then ``BlockRemoved`` of the same blocks), from
+  16 blocks, a 256-token prefill chunk; ``ingest_2048_token_chunks``: of 128 blocks; then
+  ``BlockRemoved`` of the same blocks), from
   decoded wire events, and from the encoded batch through ``decode_event`` (what ``poll`` does);
 * ``route``: ``PrefixRouter.route`` (policy ``prefix+load``, a load per replica) of a 10,000-token
   prompt over 16 replicas, each holding 2,000 other blocks and a prefix of the prompt of its own
@@ -40,24 +41,24 @@ T = 16
 RUN = 16  # blocks per BlockStored (a 256-token prefill chunk)
 
 
-def _runs(n_runs: int, seed: int) -> list[BlockStored]:
-    """``n_runs`` independent 16-block runs (each a new prompt's first blocks)."""
+def _runs(n_runs: int, seed: int, run: int = RUN) -> list[BlockStored]:
+    """``n_runs`` independent runs of ``run`` blocks (each a new prompt's first blocks)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n_runs):
-        toks = [rng.randrange(1 << 31) for _ in range(RUN * T)]
+        toks = [rng.randrange(1 << 31) for _ in range(run * T)]
         hashes = prompt_block_hashes(toks, T)
         out.append(BlockStored(hashes, None, toks, T, None, "GPU", scope_hash=ROOT))
     return out
 
 
-def bench_ingest(n_runs: int) -> dict[str, Any]:
-    stored = _runs(n_runs, 1)
+def bench_ingest(n_runs: int, run: int = RUN) -> dict[str, Any]:
+    stored = _runs(n_runs, 1, run)
     removed = [BlockRemoved(ev.block_hashes, "GPU") for ev in stored]
     raw_stored = [msgspec.Raw(msgspec.msgpack.encode(ev)) for ev in stored]
     raw_removed = [msgspec.Raw(msgspec.msgpack.encode(ev)) for ev in removed]
-    blocks = n_runs * RUN
-    out: dict[str, Any] = {"events": 2 * n_runs, "block_events": 2 * blocks}
+    blocks = n_runs * run
+    out: dict[str, Any] = {"blocks_per_event": run, "events": 2 * n_runs, "block_events": 2 * blocks}
     best = float("inf")
     for _ in range(3):
         idx = ReplicaIndex(T)
@@ -147,6 +148,7 @@ def main() -> None:
     mode = "compiled" if kvm.compiled else "interpreted"
     res = {
         "ingest": bench_ingest(2000 if a.quick else 20_000),
+        "ingest_2048_token_chunks": bench_ingest(250 if a.quick else 2500, 128),
         "route": bench_route(200 if a.quick else 2000),
         "python": platform.python_version(),
         "machine": platform.machine(),
