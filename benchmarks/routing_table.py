@@ -32,9 +32,9 @@ TRACE = os.path.join(HERE, "..", "..", "shared", "traces", "synthetic_trace.json
 #: (its host share: 256 GiB of a node's host memory per GPU)
 COMMON = ["--model", "llama-3-8b", "--gpu", "48GiB", "--host", "256GiB", "--gpu-kind", "h100", "--no-progress"]
 TRACE_SCALE = 2.4  #: --time-scale x N (every request of the trace)
-#: the built-in conversations: longer questions, shorter pauses than the defaults
-CONVERSATIONS = ["--conversations", "800", "--think-s", "1", "--user-tokens", "1024"]
-CONV_RATE = 8.0  #: new conversations per second per replica
+#: the built-in conversations: longer questions, shorter answers and pauses than the defaults
+CONVERSATIONS = ["--conversations", "1600", "--think-s", "1", "--user-tokens", "2048", "--output-tokens", "64"]
+CONV_RATE = 0.875  #: new conversations per second per replica
 
 
 def workload_args(name: str, n: int, trace: str) -> list[str]:

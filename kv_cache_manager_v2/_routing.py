@@ -95,9 +95,9 @@ class RouteWeights:
 
     tier_weights: Mapping[str, float] = field(default_factory=_default_tier_weights)
     queued_token: float = 1.0
-    running_request: float = 128.0
+    running_request: float = 1024.0
     kv_utilization: float = 1024.0
-    affinity_ratio: float = 0.25
+    affinity_ratio: float = 0.1
     affinity_tokens: float = 0.0
     load_stale_s: float = 2.0
 

@@ -71,27 +71,33 @@ def test_a_block_counts_at_its_slowest_page() -> None:
 
 
 def test_load_and_affinity_by_hand() -> None:
-    """Default weights: cost = queued + 128 * running + 1024 * utilisation; window = least * 1.25."""
-    w = RouteWeights()
+    """cost = queued + 128 * running + 1024 * utilisation; window = least * 1.25."""
+    w = RouteWeights(running_request=128.0, affinity_ratio=0.25)
     loads = [load(3000), load(1000, 2), load(0, 0, 0.5)]
     assert [x.cost(w) for x in loads] == [3000.0, 1256.0, 512.0]
+    # the defaults: a running request weighs 1024 tokens, the window is 10 % of the least load
+    d = RouteWeights()
+    assert load(1000, 2, 0.5).cost(d) == 1000 + 2 * 1024 + 512
+    assert RoutePicker().pick([320.0, 0.0], [load(1100), load(1000)], [True, True]) == 0  # 1100 <= 1000 * 1.1
+    assert RoutePicker().pick([320.0, 0.0], [load(1200), load(1000)], [True, True]) == 0  # 320 - 1200 > -1000
+    assert RoutePicker().pick([100.0, 0.0], [load(1200), load(1000)], [True, True]) == 1  # 100 - 1200 < -1000
     values = [320.0, 0.0, 0.0]
     usable = [True] * 3
     # best cache (0) costs 3000 > 512 * 1.25 = 640: the best value - cost: -2680, -1256, -512
-    assert RoutePicker("prefix+load").pick(values, loads, usable) == 2
+    assert RoutePicker("prefix+load", w).pick(values, loads, usable) == 2
     # within the window (600 <= 640): affinity keeps the cache
-    assert RoutePicker("prefix+load").pick(values, [load(600), *loads[1:]], usable) == 0
+    assert RoutePicker("prefix+load", w).pick(values, [load(600), *loads[1:]], usable) == 0
     # out of the window, a big enough cache still wins on value - cost: 2000 - 1700 = 300 > -512
-    assert RoutePicker("prefix+load").pick([2000.0, 0.0, 0.0], [load(1700), *loads[1:]], usable) == 0
+    assert RoutePicker("prefix+load", w).pick([2000.0, 0.0, 0.0], [load(1700), *loads[1:]], usable) == 0
     # a wider window keeps it at 3000 too: 512 * 5 + 1024 = 3584
-    wide = RouteWeights(affinity_ratio=4.0, affinity_tokens=1024.0)
+    wide = RouteWeights(running_request=128.0, affinity_ratio=4.0, affinity_tokens=1024.0)
     assert RoutePicker("prefix+load", wide).pick(values, loads, usable) == 0
-    assert RoutePicker("least-load").pick(values, loads, usable) == 2
-    assert RoutePicker("prefix").pick(values, loads, usable) == 0
+    assert RoutePicker("least-load", w).pick(values, loads, usable) == 2
+    assert RoutePicker("prefix", w).pick(values, loads, usable) == 0
     rr = RoutePicker("round-robin")
     assert [rr.pick(values, loads, usable) for _ in range(4)] == [0, 1, 2, 0]
     # no cache anywhere: the least loaded (the highest 0 - cost)
-    assert RoutePicker().pick([0.0] * 3, loads, usable) == 2
+    assert RoutePicker("prefix+load", w).pick([0.0] * 3, loads, usable) == 2
 
 
 def test_stale_missing_and_unusable_replicas() -> None:

@@ -202,6 +202,8 @@ class KVAwareRouter(PrefixRouter):
         self._poller = zmq.Poller()
         for s in self.subscriptions:
             self._poller.register(s.sub, zmq.POLLIN)
+        #: per replica: the sequence number of the batch whose load is kept (-1: none)
+        self._load_seq = [-1] * len(replicas)
         self._first = 0  # the replica each poll serves first (rotates: a flood cannot starve the others)
 
     def close(self) -> None:
@@ -275,6 +277,8 @@ class KVAwareRouter(PrefixRouter):
             s.retired.add(s.instance)
             s.num_restarts += 1
             self.indexes[i].reset()
+            self._loads[i] = None  # (a new instance's sequence numbers start again)
+            self._load_seq[i] = -1
             s.pending.clear()
             s.last_seq = -1
             s.stale = False
@@ -291,15 +295,7 @@ class KVAwareRouter(PrefixRouter):
         if batch is None or not self._same_instance(i, batch.instance_id):
             return
         s.heard()
-        if batch.load is not None:  # the replica's load as it published this batch (live batches only)
-            ld = batch.load
-            try:
-                self._loads[i] = (
-                    ReplicaLoad(ld.queued_prefill_tokens, ld.running_requests, ld.kv_utilization),
-                    time.monotonic(),
-                )
-            except (TypeError, ValueError):
-                s.num_malformed += 1
+        self._take_load(i, seq, batch)
         if seq <= s.last_seq:
             return  # already received (replayed before it arrived live)
         if seq > s.last_seq + 1 or batch.withheld:
@@ -311,6 +307,20 @@ class KVAwareRouter(PrefixRouter):
                 s.num_malformed += 1  # ahead of everything the publisher sent: not its batch
                 return
         s.receive(seq, batch.events, seq - s.last_seq - 1, batch.withheld)
+
+    def _take_load(self, i: int, seq: int, batch: RawEventBatch) -> None:
+        """Keep the load a batch carries when it is the newest batch that carried one (live or
+        replayed: the replica's latest known state)."""
+        ld = batch.load
+        if ld is None or seq <= self._load_seq[i]:
+            return
+        try:
+            load = ReplicaLoad(ld.queued_prefill_tokens, ld.running_requests, ld.kv_utilization)
+        except (TypeError, ValueError):
+            self.subscriptions[i].num_malformed += 1
+            return
+        self._loads[i] = (load, time.monotonic())
+        self._load_seq[i] = seq
 
     def _replay(self, i: int, start: int, stop: int | None) -> int | None:
         """Queue replayed batches ``start <= seq < stop`` (``stop`` None: all buffered). Returns the
@@ -349,6 +359,7 @@ class KVAwareRouter(PrefixRouter):
                     batch = self._decode(s, frames[-1])
                     if batch is None or batch.withheld or not self._same_instance(i, batch.instance_id):
                         continue
+                    self._take_load(i, seq, batch)
                     if seq > s.last_seq and (stop is None or seq < stop):
                         s.receive(seq, batch.events, seq - s.last_seq - 1, False)  # a gap: no longer buffered
                         s.num_replayed += 1
