@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from .._config import EVICTION_POLICIES, REMOTE_URL_SCHEMES
 from ._check import DataCheckError
+from ._fleet import add_routing_arguments, check_routing_arguments
 from ._hints import HINTS_HELP, HINTS_SWEEP_KEY, check_accuracy, check_pin_duration, check_pin_share
 from ._models import (
     PRESETS,
@@ -145,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="N engine replicas, each its own manager with the tiers above, requests routed round-robin; "
         "replayed with private caches and again sharing a remote tier (write-through), and compared",
     )
+    add_routing_arguments(g)
     g.add_argument(
         "--remote-url",
         help="the store of the shared tier (default: a private redis-server on a free loopback port): "
@@ -448,6 +450,7 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
         raise SimUserError(
             f"--replicas must be in [1, {MAX_REPLICAS}] (each replica is a manager here), got {a.replicas}"
         )
+    check_routing_arguments(a)
     if a.remote_cluster and a.replicas == 1:
         raise SimUserError("--remote-cluster is the shared tier of --replicas N: give --replicas 2 or more")
     requests, workload = _workload(a)

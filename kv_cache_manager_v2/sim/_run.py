@@ -19,6 +19,7 @@ from typing import Any
 
 import kv_cache_manager_v2 as kvm
 
+from ._fleet import format_routing, parse_policies, parse_weights, simulate_routing
 from ._hints import HINTS_SWEEP_KEY, check_accuracy, check_pin_share, format_hints, replay_with_hints, system_prompts
 from ._latency import Slo, compared_rows, latency_report
 from ._models import (
@@ -37,7 +38,7 @@ from ._models import (
     quota_bytes,
     real_bytes_per_proxy_byte,
 )
-from ._plot import write_plot
+from ._plot import write_plot, write_routing_plot
 from ._replay import Replay
 from ._replay_types import ReplayResult, SchedulerOptions
 from ._replicas import merge_results, run_replicas
@@ -429,7 +430,10 @@ def run_restart(a: argparse.Namespace, s: Setup) -> int:
 
 
 def run_fleet(a: argparse.Namespace, s: Setup, res: Resources) -> int:
-    """``--replicas N`` / ``--remote-url``: private caches vs a shared remote tier (a private Redis by default)."""
+    """``--replicas N``: with ``--routing`` the routing policies compared; else private caches vs a shared
+    remote tier (``--remote-url``; a private Redis by default)."""
+    if a.routing is not None:
+        return run_routing(a, s)
     if s.sweep is not None or a.plot or len(a.eviction_policy) > 1:
         raise SimUserError("--replicas does not combine with --sweep, --plot or several eviction policies")
     url = a.remote_url
@@ -452,6 +456,30 @@ def run_fleet(a: argparse.Namespace, s: Setup, res: Resources) -> int:
             except OSError as e:
                 raise SimUserError(f"--json {a.json}: cannot write it ({e.strerror or e})") from None
         print(format_replicas(fleet))
+    return 0
+
+
+def run_routing(a: argparse.Namespace, s: Setup) -> int:
+    """``--replicas N --routing P[,P..]``: the requests once per routing policy (``_fleet``)."""
+    if s.sweep is not None or len(a.eviction_policy) > 1 or a.check_data:
+        raise SimUserError("--routing does not combine with --sweep, several eviction policies or --check-data")
+    try:
+        policies = parse_policies(a.routing)
+        weights = parse_weights(a.routing_weights) if a.routing_weights else None
+    except (TypeError, ValueError) as e:
+        raise SimUserError(str(e)) from None
+    config, scale = _sim_config(
+        s.shape, s.tiers, a.tokens_per_block, a.swa_scratch, False, a.eviction_policy[0], s.interval
+    )
+    try:
+        doc = simulate_routing(config, s.requests, s.options, a.replicas, policies, weights, scale)
+    except ValueError as e:
+        raise SimUserError(f"the manager refused this configuration: {e}") from None
+    doc["model"] = s.shape.name
+    doc["workload"] = s.workload
+    if a.plot:
+        write_routing_plot(a.plot, doc)
+    _emit(a.json, {"schema": SCHEMA, "routing": doc}, format_routing(doc))
     return 0
 
 
