@@ -107,6 +107,7 @@ def tiered(backend: str, tmp_path: object) -> Iterator[Callable[..., tuple[KVCac
             disk_path=str(tmp_path),
             backend=backend,
             max_util_for_resume=1.0,
+            load_workers=0,  # (every read on the step's thread: admitted at once, counters by the state)
         )
         m = KVCacheManager(config, KVCacheEventManager(max_events=8))
         made.append(m)
@@ -372,6 +373,7 @@ def test_remote_tier_metrics(backend: str, redis_server: LocalRedisServer) -> No
             layers=kv_layers(2, T),
             backend=backend,  # type: ignore[arg-type]
             max_util_for_resume=1.0,
+            load_workers=0,  # (every read on the step's thread: admitted at once)
         )
         adapters.append(KVCacheResourceManager(config))
     try:

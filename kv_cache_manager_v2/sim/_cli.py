@@ -442,10 +442,7 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
     except ValueError as e:  # a wrong type from check_int
         raise SimUserError(str(e)) from None
     if a.remote_url is not None and not a.remote_url.startswith(REMOTE_URL_SCHEMES):
-        raise SimUserError(
-            f"--remote-url {a.remote_url!r}: write redis://HOST:PORT (or rediss://, unix://PATH, redis+cluster://HOST:PORT, "
-            "mooncake://HOST:PORT?metadata=URL)"
-        )
+        raise SimUserError(f"--remote-url {a.remote_url!r}: write redis://HOST:PORT (or one of {REMOTE_URL_SCHEMES})")
     if not 1 <= a.replicas <= MAX_REPLICAS:
         raise SimUserError(
             f"--replicas must be in [1, {MAX_REPLICAS}] (each replica is a manager here), got {a.replicas}"

@@ -262,6 +262,14 @@ def check_routing_arguments(a: Any) -> None:
         raise SimUserError("--routing compares routers over --replicas N >= 2 private caches: no --remote-url/-cluster")
 
 
+def routing_choice(a: Any) -> tuple[list[str], RouteWeights | None]:
+    """``--routing``'s policies and ``--routing-weights``' weights (None: the defaults), checked (``SimUserError``)."""
+    try:
+        return parse_policies(a.routing), parse_weights(a.routing_weights) if a.routing_weights else None
+    except (TypeError, ValueError) as e:
+        raise SimUserError(str(e)) from None
+
+
 def parse_policies(text: str) -> list[str]:
     """``--routing``'s comma-separated policies ("all": every one), checked; ValueError names the allowed."""
     names = list(ROUTING_POLICIES) if text == "all" else [x.strip() for x in text.split(",")]

@@ -19,7 +19,7 @@ from typing import Any
 
 import kv_cache_manager_v2 as kvm
 
-from ._fleet import format_routing, parse_policies, parse_weights, simulate_routing
+from ._fleet import format_routing, routing_choice, simulate_routing
 from ._hints import HINTS_SWEEP_KEY, check_accuracy, check_pin_share, format_hints, replay_with_hints, system_prompts
 from ._latency import Slo, compared_rows, latency_report
 from ._models import (
@@ -463,11 +463,7 @@ def run_routing(a: argparse.Namespace, s: Setup) -> int:
     """``--replicas N --routing P[,P..]``: the requests once per routing policy (``_fleet``)."""
     if s.sweep is not None or len(a.eviction_policy) > 1 or a.check_data:
         raise SimUserError("--routing does not combine with --sweep, several eviction policies or --check-data")
-    try:
-        policies = parse_policies(a.routing)
-        weights = parse_weights(a.routing_weights) if a.routing_weights else None
-    except (TypeError, ValueError) as e:
-        raise SimUserError(str(e)) from None
+    policies, weights = routing_choice(a)
     config, scale = _sim_config(
         s.shape, s.tiers, a.tokens_per_block, a.swa_scratch, False, a.eviction_policy[0], s.interval
     )
