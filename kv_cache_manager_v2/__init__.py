@@ -7,7 +7,8 @@ Main objects
         (EvictionPolicy), retention the engine controls (RequestRetention of RetentionRange,
         Retention at close, pin/unpin), sessions (SessionId) and their Directives
         (DirectiveOutcome, DirectiveStatus), hybrid snapshot policy (SnapshotPolicy), statistics
-        (StorageStatistics, TierStatistics, ReuseStatistics).
+        (StorageStatistics, TierStatistics, ReuseStatistics), load or recompute (LoadPolicy,
+        LoadPlanStatistics).
     KVCache  one per request (create_kv_cache): its block table, per layer group, of pages
         that kernels address by index (get_base_page_indices, PageIndexConverter).
     KVCacheEventManager  block stored / removed / moved events for KV-aware routers.
@@ -21,6 +22,8 @@ The step cycle of a request
     decode: manager.resize_batch(caches), manager.commit_batch(caches, tokens) each step
     kv.suspend() under pressure (pages may move down the tiers), kv.close() when done
     probe_reuse(...) tells how much of a prompt is cached without creating a cache.
+    manager.prefetch(prompt) (a queued request) reads its cached prefix up from disk / the
+    remote tier in the background: a Prefetch, done when in place; kv.prefetch / kv.ready alike.
 
 Engine adapter
     kv_cache_manager_v2.engine: KVCacheResourceManager (prepare_resources, update_resources,
@@ -59,6 +62,7 @@ from ._common import (
     LayerGroupId,
     LayerGroupInfo,
     LayerId,
+    LoadPlanStatistics,
     MemAddress,
     PageIndexMode,
     PageStatus,
@@ -90,6 +94,7 @@ from ._config import (
     HostCacheTierConfig,
     KVCacheDesc,
     KVCacheManagerConfig,
+    LoadPolicy,
     RemoteCacheTierConfig,
     SnapshotPolicy,
     SsmLayerConfig,
@@ -98,6 +103,7 @@ from ._config import (
 from ._core._directives import Directives
 from ._core._kv_cache import KVCache
 from ._core._kv_cache_manager import KVCacheManager
+from ._core._prefetch import Prefetch
 from ._core._request_state import default_priority
 from ._events import (
     AllBlocksClearedEvent,
@@ -164,6 +170,8 @@ _TYPE_DOCS = {
     "BlockOrdinal": "Position of a block in a request: token position // tokens_per_block.",
     "CacheLevel": "Index of a cache tier in KVCacheManagerConfig.cache_tiers (0: GPU, then host, disk, remote).",
     "EvictionPolicy": "'lru' (least recently released first) or 'frequency' (lowest use rate first).",
+    "LoadPolicy": "'auto' (load a matched block below the GPU only when that beats recomputing it), "
+    "'always' or 'never' (only matches wholly in GPU memory).",
     "SnapshotPolicy": "'interval' (periodic snapshots), 'branch' (where prompts branch, last blocks, demand) or "
     "'auto' (both; the periodic ones at the lowest priority): which recurrent-state snapshots requests keep.",
     "LayerGroupId": "Index of a layer group: layers whose blocks are kept and released alike (old name: LifeCycleId).",
@@ -224,6 +232,8 @@ __all__ = [
     "LayerGroupSpec",
     "LayerId",
     "LifeCycleId",
+    "LoadPlanStatistics",
+    "LoadPolicy",
     "LogicError",
     "MemAddress",
     "OutOfMemoryError",
@@ -235,6 +245,7 @@ __all__ = [
     "PoolGroupDesc",
     "PoolGroupIndex",
     "PoolIndex",
+    "Prefetch",
     "Priority",
     "RemoteCacheTierConfig",
     "RemoteStatistics",

@@ -281,6 +281,33 @@ class ReuseStatistics:
 
 
 @dataclass(frozen=True)
+class LoadPlanStatistics:
+    """What the load plan (``load_policy``) did, counted since the manager was created (token
+    counts: all zero with ``enable_stats=False``); per cache level, the configured tiers' order.
+
+    A matched block counts at the deepest level among the pages it needs (level 0: all in GPU
+    memory). Savings are the plan's estimates (0 while no prefill rate is known)."""
+
+    #: ``load_policy``, and the prefill rate it uses (tokens/s; None: unknown)
+    policy: str
+    prefill_tokens_per_s: float | None
+    #: matched tokens the requests took (loaded from that level; level 0: already in GPU memory)
+    loaded_tokens: tuple[int, ...]
+    #: matched tokens the plan left to recompute (their blocks' pages were on that level)
+    recomputed_tokens: tuple[int, ...]
+    #: estimated seconds the taken matches saved against recomputing them
+    saved_s: float
+    #: estimated seconds the plan's cuts saved against loading every matched block
+    cut_saved_s: float
+    #: matches the plan shortened
+    cut_matches: int
+    #: the read cost estimates per level (refined from timed copies): bytes per second (inf: the
+    #: GPU) and seconds per transfer
+    read_bytes_per_s: tuple[float, ...]
+    read_latency_s: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class RemoteStatistics:
     """What the remote tier did for one manager since it was created (pages: one block of one layer group).
 

@@ -15,7 +15,11 @@ from typing import Literal
 from mypy_extensions import mypyc_attr
 
 from ._common import MAX_BEAM_WIDTH, CacheTier, LayerId
-from ._utils import check_int, check_type, is_power_of_two, raw_field
+from ._remote_url import CLUSTER_URL_SCHEMES as CLUSTER_URL_SCHEMES
+from ._remote_url import REMOTE_URL_SCHEMES as REMOTE_URL_SCHEMES
+from ._remote_url import cluster_seed_nodes as cluster_seed_nodes
+from ._remote_url import redact_url as redact_url
+from ._utils import check_int, check_number, check_type, is_power_of_two, raw_field
 
 BackendName = Literal["auto", "cuda", "host"]
 BACKEND_NAMES: tuple[str, ...] = ("auto", "cuda", "host")
@@ -28,10 +32,18 @@ EVICTION_POLICIES: tuple[str, ...] = ("lru", "frequency")
 SnapshotPolicy = Literal["interval", "branch", "auto"]
 #: where hybrid models keep recurrent-state snapshots (``ssm_snapshot_policy``)
 SNAPSHOT_POLICIES: tuple[str, ...] = ("interval", "branch", "auto")
+#: which matched blocks a request loads from the tiers below the GPU (``load_policy``)
+LoadPolicy = Literal["auto", "always", "never"]
+LOAD_POLICIES: tuple[str, ...] = ("auto", "always", "never")
 
 
 def _check_quota(cls_name: str, quota: object) -> None:
     check_int(f"{cls_name}.quota (bytes)", quota, 1)
+
+
+def _check_link(n: str, obj: object) -> None:
+    check_number(f"{n}.read_bytes_per_s", raw_field(obj, "read_bytes_per_s"), True, "bytes per second")
+    check_number(f"{n}.read_latency_s", raw_field(obj, "read_latency_s"), False, "seconds a transfer")
 
 
 @mypyc_attr(native_class=False)
@@ -53,12 +65,20 @@ class GpuCacheTierConfig:
 @mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class HostCacheTierConfig:
-    """Host memory tier: ``quota`` bytes of (pinned) host memory."""
+    """Host memory tier: ``quota`` bytes of (pinned) host memory.
+
+    ``read_bytes_per_s``, ``read_latency_s``: a copy to the GPU's cost, ``load_policy="auto"``'s prior:
+    pinned copies reach ~50 of PCIe Gen5 x16's 64 GB/s on an H100 (NVIDIA's bandwidthTest and
+    nvbandwidth; ~25 GB/s on Gen4); ~10 us a copy's launch and DMA set-up.
+    """
 
     quota: int
+    read_bytes_per_s: float = 50e9
+    read_latency_s: float = 10e-6
 
     def __post_init__(self) -> None:
         _check_quota("HostCacheTierConfig", raw_field(self, "quota"))
+        _check_link("HostCacheTierConfig", self)
 
     @property
     def tier(self) -> CacheTier:
@@ -79,6 +99,8 @@ class DiskCacheTierConfig:
     - ``namespace``: names the model (and anything else that must never share KV with another);
       files of another namespace, layout or format version are ignored and overwritten.
     - ``dtype``: the KV data type (e.g. ``"bf16"``), part of the layout fingerprint.
+    - ``read_bytes_per_s``, ``read_latency_s``: a read's cost, ``load_policy="auto"``'s prior: a PCIe
+      Gen4 NVMe SSD, ~6.5-7 GB/s, ~80-100 us a read (datasheets: Samsung PM9A3, Kioxia CM6).
     """
 
     quota: int
@@ -86,6 +108,8 @@ class DiskCacheTierConfig:
     persistent: bool = False
     namespace: str = ""
     dtype: str = ""
+    read_bytes_per_s: float = 6.5e9
+    read_latency_s: float = 100e-6
 
     def __post_init__(self) -> None:
         _check_quota("DiskCacheTierConfig", raw_field(self, "quota"))
@@ -101,59 +125,12 @@ class DiskCacheTierConfig:
                 f"DiskCacheTierConfig.namespace must be at most 256 printable characters, got {self.namespace!r}"
             )
         check_type("DiskCacheTierConfig.dtype", self.dtype, str)
+        _check_link("DiskCacheTierConfig", self)
 
     @property
     def tier(self) -> CacheTier:
         """The medium this tier keeps pages in."""
         return CacheTier.DISK
-
-
-#: URL schemes the ``redis`` client accepts
-REMOTE_URL_SCHEMES: tuple[str, ...] = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
-CLUSTER_URL_SCHEMES: tuple[str, ...] = ("redis+cluster://", "rediss+cluster://")
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password (``user:password@`` or a ``password=`` query parameter) replaced by ``***``."""
-    scheme_end = url.find("://")
-    if scheme_end >= 0:
-        rest = url[scheme_end + 3 :]
-        at = rest.rfind("@", 0, _first_of(rest, "/?"))
-        if at >= 0:
-            userinfo = rest[:at]
-            colon = userinfo.find(":")
-            if colon >= 0:
-                url = url[: scheme_end + 3] + userinfo[:colon] + ":***" + rest[at:]
-    query = url.find("?")
-    if query >= 0:
-        params = url[query + 1 :].split("&")
-        for i, p in enumerate(params):
-            if p.lower().startswith("password="):
-                params[i] = p[:9] + "***"
-        url = url[: query + 1] + "&".join(params)
-    return url
-
-
-def _first_of(text: str, chars: str) -> int:
-    """Index of the first of ``chars`` in ``text`` (its length when none occurs)."""
-    found = [i for i in (text.find(c) for c in chars) if i >= 0]
-    return min(found) if found else len(text)
-
-
-def cluster_seed_nodes(url: str) -> list[tuple[str, int]]:
-    """The ``host:port`` seed nodes of a ``redis+cluster://[user:password@]host:port[,host:port...][/0]``
-    URL (ValueError naming the redacted URL when one is malformed)."""
-    rest = url[url.find("://") + 3 :]
-    rest = rest[: _first_of(rest, "/?")]
-    rest = rest[rest.rfind("@") + 1 :]
-    out: list[tuple[str, int]] = []
-    for part in rest.split(","):
-        host, colon, port = part.rpartition(":")
-        host = host.strip("[]")
-        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"cluster URL {redact_url(url)!r}: seed node {part!r} is not host:port")
-        out.append((host, int(port)))
-    return out
 
 
 @mypyc_attr(native_class=False)
@@ -188,6 +165,8 @@ class RemoteCacheTierConfig:
     - ``max_lookup_blocks``: blocks past a local match one lookup asks about.
     - ``retry_interval_ms``: after a failed round trip the server counts as down this long (misses
       without network traffic), then the next operation tries again.
+    - ``read_bytes_per_s``, ``read_latency_s``: a fetch's cost, ``load_policy="auto"``'s prior: a
+      25 Gb/s network (3.125 GB/s), ~0.5 ms a round trip with the server's command.
     """
 
     url: str
@@ -200,6 +179,8 @@ class RemoteCacheTierConfig:
     max_pending_bytes: int = 64 << 20
     max_lookup_blocks: int = 1024
     retry_interval_ms: int = 1000
+    read_bytes_per_s: float = 3.125e9
+    read_latency_s: float = 0.5e-3
 
     def __post_init__(self) -> None:
         n = "RemoteCacheTierConfig"
@@ -221,6 +202,7 @@ class RemoteCacheTierConfig:
         check_int(f"{n}.max_pending_bytes", raw_field(self, "max_pending_bytes"), 1)
         check_int(f"{n}.max_lookup_blocks", raw_field(self, "max_lookup_blocks"), 1)
         check_int(f"{n}.retry_interval_ms", raw_field(self, "retry_interval_ms"))
+        _check_link(n, self)
 
     @property
     def tier(self) -> CacheTier:
@@ -454,9 +436,24 @@ class KVCacheManagerConfig:
     #: power-of-two multiple of the interval whose span's KV weighs at least
     #: ``LOWER_TIER_SPAN_PER_STATE`` times a snapshot (the interval itself for small states)
     ssm_lower_tier_interval: int | None = None
+    #: which matched blocks below the GPU a request loads (docs/design.md, "Load or recompute"): "auto":
+    #: the prefix saving the most time (tier read cost against recompute at the prefill rate; "always"
+    #: while no rate is known); "always": every one; "never": only the prefix wholly in GPU memory
+    load_policy: LoadPolicy = "auto"
+    #: the engine's prefill rate (tokens/s) for "auto"; None: unknown until ``set_prefill_rate``
+    #: (or the adapter's ``observe_step``)
+    prefill_tokens_per_s: float | None = None
+    #: refine the disk and remote tiers' read costs from timed reads (False: e.g. a simulator's)
+    refine_tier_costs: bool = True
+    #: background reads from the disk and remote tiers (docs/design.md, "Background loads"): the
+    #: number of worker threads reading pages for ``KVCache.prefetch`` and
+    #: ``KVCacheManager.prefetch`` (the scheduler's thread installs what they read); 0: those
+    #: calls read synchronously, as ``resume`` always does (deterministic: the simulator's choice)
+    load_workers: int = 2
 
     def __post_init__(self) -> None:
         t = check_int("tokens_per_block", raw_field(self, "tokens_per_block"))
+        check_int("load_workers", raw_field(self, "load_workers"), 0, 64)
         if not callable(self.clock):
             raise TypeError(f"clock must be a callable returning seconds (like time.monotonic), got {self.clock!r}")
         s = raw_field(self, "max_pinned_share")
@@ -531,6 +528,14 @@ class KVCacheManagerConfig:
                 )
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
+        lp = raw_field(self, "load_policy")
+        check_type("load_policy", lp, str)
+        if lp not in LOAD_POLICIES:
+            raise ValueError(f"load_policy must be one of {', '.join(map(repr, LOAD_POLICIES))}, got {lp!r}")
+        rate = raw_field(self, "prefill_tokens_per_s")
+        if rate is not None:
+            check_number("prefill_tokens_per_s", rate, True, "tokens per second, or None")
+        check_type("refine_tier_costs", raw_field(self, "refine_tier_costs"), bool)
         check_type("eviction_policy", self.eviction_policy, str)
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(

@@ -37,6 +37,17 @@ def check_int(name: str, value: object, minimum: int = 0, maximum: int | None = 
     return value
 
 
+def check_number(name: str, value: object, positive: bool, what: str) -> float:
+    """``value`` as a float if it is a finite real number (an int or a float; a bool will not do),
+    > 0 when ``positive`` else >= 0; ``what`` says what it measures in the error."""
+    if type(value) is bool or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number ({what}), got {type(value).__name__} {value!r}")
+    v = float(value)
+    if v != v or v == float("inf") or v < 0.0 or (positive and v == 0.0):
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'} ({what}), got {value!r}")
+    return v
+
+
 def raw_field(obj: object, name: str) -> object:
     """Field ``name`` as stored: compiled code reading a typed field would convert it first (a bool
     becomes an int, a str a TypeError of mypyc's) before a check could refuse it clearly."""

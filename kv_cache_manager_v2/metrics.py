@@ -17,7 +17,7 @@ off the hot path).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 from wsgiref.simple_server import WSGIServer
@@ -33,10 +33,42 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from ._common import CacheLevel, CacheTier
 from ._core._kv_cache_manager import KVCacheManager
 from ._exceptions import LogicError
+from ._routing import ReplicaLoad
 from .engine._resource_manager import KVCacheResourceManager
 
 #: the ``tier`` / ``source`` label value of each kind of cache level
 TIER_LABELS = {CacheTier.GPU_MEM: "gpu", CacheTier.HOST_MEM: "host", CacheTier.DISK: "disk", CacheTier.REMOTE: "remote"}
+
+#: the load gauges (name after the prefix, help, ``ReplicaLoad`` attribute)
+LOAD_GAUGES = (
+    (
+        "load_queued_prefill_tokens",
+        "Prompt tokens queued for prefill (waiting or not computed yet)",
+        "queued_prefill_tokens",
+    ),
+    ("load_running_requests", "Requests running", "running_requests"),
+    ("load_kv_utilization", "KV utilisation (0..1) as the engine reports it for routing", "kv_utilization"),
+)
+
+
+def load_from_metrics(text: str, labels: Mapping[str, str] | None = None, prefix: str = "kvcm_") -> ReplicaLoad | None:
+    """A replica's load read from a scrape's text (the ``load_*`` gauges of the source whose
+    labels include ``labels``); None when the scrape has none of them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    want = dict(labels or {})
+    found: dict[str, float] = {}
+    names = {prefix + name: attr for name, _, attr in LOAD_GAUGES}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            attr = names.get(sample.name)
+            if attr is not None and all(sample.labels.get(k) == v for k, v in want.items()):
+                found[attr] = sample.value
+    if len(found) != len(LOAD_GAUGES):
+        return None
+    return ReplicaLoad(
+        int(found["queued_prefill_tokens"]), int(found["running_requests"]), min(1.0, max(0.0, found["kv_utilization"]))
+    )
 
 
 class EventPublisherCounters(Protocol):
@@ -57,6 +89,8 @@ class MetricsSource:
     adapter: KVCacheResourceManager | None = None
     publisher: EventPublisherCounters | None = None
     labels: tuple[tuple[str, str], ...] = ()
+    #: the replica's load now (given by the engine), reported as the ``load_*`` gauges
+    load: Callable[[], ReplicaLoad] | None = None
 
 
 def _check_labels(labels: Mapping[str, str] | None) -> tuple[tuple[str, str], ...]:
@@ -117,6 +151,7 @@ class KVCacheMetricsCollector:
         adapter: KVCacheResourceManager | None = None,
         publisher: EventPublisherCounters | None = None,
         labels: Mapping[str, str] | None = None,
+        load: Callable[[], ReplicaLoad] | None = None,
         vllm_prefix: str = "vllm:",
         prefix: str = "kvcm_",
     ) -> None:
@@ -128,7 +163,7 @@ class KVCacheMetricsCollector:
         self._sources: list[MetricsSource] = []
         self._lock = threading.Lock()
         if manager is not None or adapter is not None:
-            self.add(manager, adapter=adapter, publisher=publisher, labels=labels)
+            self.add(manager, adapter=adapter, publisher=publisher, labels=labels, load=load)
 
     def add(
         self,
@@ -137,8 +172,12 @@ class KVCacheMetricsCollector:
         adapter: KVCacheResourceManager | None = None,
         publisher: EventPublisherCounters | None = None,
         labels: Mapping[str, str] | None = None,
+        load: Callable[[], ReplicaLoad] | None = None,
     ) -> MetricsSource:
-        """Report one more manager (``adapter.manager`` when only the adapter is given)."""
+        """Report one more manager (``adapter.manager`` when only the adapter is given); ``load``:
+        called at each scrape for the replica's load (the ``load_*`` gauges routers read)."""
+        if load is not None and not callable(load):
+            raise TypeError(f"load must be a callable returning a ReplicaLoad, got {type(load).__name__}")
         if adapter is not None:
             if not isinstance(adapter, KVCacheResourceManager):
                 raise TypeError(f"adapter must be a KVCacheResourceManager, got {type(adapter).__name__}")
@@ -152,7 +191,7 @@ class KVCacheMetricsCollector:
             hasattr(publisher, "num_dropped_batches") and hasattr(publisher, "num_withheld_batches")
         ):
             raise TypeError(f"publisher must be a ZmqEventPublisher, got {type(publisher).__name__}")
-        source = MetricsSource(manager, adapter, publisher, _check_labels(labels))
+        source = MetricsSource(manager, adapter, publisher, _check_labels(labels), load)
         with self._lock:
             if self._sources and [k for k, _ in self._sources[0].labels] != [k for k, _ in source.labels]:
                 raise ValueError(
@@ -192,6 +231,10 @@ class KVCacheMetricsCollector:
         self._collect_tiers(f, m, lv)
         self._collect_remote(f, m, lv)
         self._collect_events(f, source, lv)
+        if source.load is not None:
+            ld = source.load()
+            for name, doc, value in LOAD_GAUGES:
+                f.add("gauge", self.prefix + name, doc, lv, [], float(getattr(ld, value)))
 
     def _collect_reuse(self, f: _Families, source: MetricsSource, lv: list[str], usage: float) -> None:
         """GPU usage, prefix-cache hits, the adapter's counters, pages, snapshots, open caches."""
@@ -257,6 +300,36 @@ class KVCacheMetricsCollector:
         f.add(
             "gauge", p + "open_caches", "KVCache objects open (active or suspended requests)", lv, [], m.num_open_caches
         )
+        self._collect_load_plan(f, m, lv)
+
+    def _collect_load_plan(self, f: _Families, m: KVCacheManager, lv: list[str]) -> None:
+        """load_policy: matched tokens taken and recomputed per tier, the estimated time saved."""
+        p = self.prefix
+        s = m.load_plan_statistics
+        tiers = m.cache_tier_list
+        for what, counts in (("taken", s.loaded_tokens), ("recomputed", s.recomputed_tokens)):
+            for level, n in enumerate(counts):
+                f.add(
+                    "counter",
+                    p + "load_plan_tokens",
+                    "Matched tokens of create_kv_cache taken (loaded from that tier; gpu: already there) or "
+                    "left to recompute by load_policy, by the tier their block was on",
+                    lv,
+                    [what, TIER_LABELS[tiers[level]]],
+                    n,
+                    ("plan", "source"),
+                )
+        for what, x in (("loads", s.saved_s), ("cuts", s.cut_saved_s)):
+            f.add(
+                "counter",
+                p + "load_plan_saved_seconds",
+                "Estimated seconds saved: by the loads taken (against recomputing them) and by load_policy's "
+                "cuts (against loading every matched block)",
+                lv,
+                [what],
+                x,
+                ("by",),
+            )
 
     def _collect_adapter(self, f: _Families, source: MetricsSource, lv: list[str]) -> None:
         """The engine adapter's counters: prompt tokens found cached per tier, preemptions."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import kv_layers
+from conftest import kv_layers, make_config
 
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
@@ -14,6 +14,7 @@ from kv_cache_manager_v2 import (
     GpuCacheTierConfig,
     HostCacheTierConfig,
     KVCacheDesc,
+    KVCacheManager,
     KVCacheManagerConfig,
     LayerId,
     ReuseScope,
@@ -101,3 +102,12 @@ def test_wrong_types_are_type_errors(make: object) -> None:
     """Same exception type interpreted and compiled (mypyc checks annotated argument types itself)."""
     with pytest.raises(TypeError):
         make()  # type: ignore[operator]
+
+
+def test_load_workers_is_validated() -> None:
+    for bad, error in ((-1, ValueError), (65, ValueError), (True, TypeError), (1.0, TypeError)):
+        with pytest.raises(error, match="load_workers"):
+            make_config(kv_layers(1, 8), 8, 1 << 16, load_workers=bad)
+    m = KVCacheManager(make_config(kv_layers(1, 8), 8, 1 << 16, backend="host"))
+    assert m._ctx.loader is None  # GPU only: nothing to read in the background
+    m.shutdown()

@@ -4,6 +4,7 @@ preparation, capacity queries against what the manager really allocates, block t
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -676,11 +677,24 @@ def test_needed_to_completion_of_a_suspended_request_gpu_only(
     assert a.get_needed_resource_to_completion_per_pool_group(r) == need == [2]
 
 
+def prepare_loaded(a: KVCacheResourceManager, batch: list[EngineRequest]) -> list[EngineRequest]:
+    """``prepare_resources`` again until no request of ``batch`` waits in the loading state."""
+    deadline = time.monotonic() + 30.0
+    while True:
+        unserved = a.prepare_resources(batch)
+        if not any(a.is_loading(r) for r in unserved):
+            return unserved
+        assert time.monotonic() < deadline, "background loads did not finish"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("load_workers", [0, 2])
 def test_disk_read_errors_shorten_what_prepare_reuses_and_resumes(
-    make_adapter: Callable[..., KVCacheResourceManager], tmp_path: object
+    make_adapter: Callable[..., KVCacheResourceManager], tmp_path: object, load_workers: int
 ) -> None:
     """A resume that loses blocks to a failed disk read sets num_cached_tokens (and, at admission,
-    num_reused_tokens) to what is intact; the engine recomputes the rest and the outputs hold."""
+    num_reused_tokens) to what is intact; the engine recomputes the rest and the outputs hold.
+    With background loads the reads fail in the background: the same misses."""
     a = make_adapter(
         kv_layers(1, T),
         quota=6 * slot_bytes(1),
@@ -688,6 +702,7 @@ def test_disk_read_errors_shorten_what_prepare_reuses_and_resumes(
         disk_quota=32 * slot_bytes(1),
         disk_path=str(tmp_path),
         max_util_for_resume=1.0,
+        load_workers=load_workers,
     )
     m = a.manager
     eng = FakeEngine(m)
@@ -700,7 +715,7 @@ def test_disk_read_errors_shorten_what_prepare_reuses_and_resumes(
     assert m.probe_reuse_levels(None, docs[0][:-1])[0] == 2 and m.probe_reuse_levels(None, sus.prompt_tokens)[0] == 2
     disk = m._storage.levels[2].items[0].pools[0]
     disk.error_hook = lambda op, off, n: op == "read"  # type: ignore[union-attr]
-    assert a.prepare_resources([sus]) == []
+    assert prepare_loaded(a, [sus]) == []
     assert sus.num_cached_tokens == a.get_kv_cache(sus).history_length == 0  # block 0 was lost: recompute all
     assert sus.num_scheduled_tokens == 17 and m.get_tier_statistics(CacheLevel(2)).io_errors > 0
     eng.step(a.get_kv_cache(sus), sus.all_tokens(), 0, 17)
@@ -709,7 +724,7 @@ def test_disk_read_errors_shorten_what_prepare_reuses_and_resumes(
     run_to_end(a, eng, sus)
     assert sus.generated_tokens == [TokenId(5000 + 97 + i) for i in range(4)]
     again = EngineRequest(20, docs[0] + toks(range(7, 9)), max_new_tokens=2)
-    assert a.prepare_resources([again]) == []
+    assert prepare_loaded(a, [again]) == []
     disk.error_hook = None  # type: ignore[union-attr]
     assert again.num_reused_tokens == again.num_cached_tokens == 0 and again.num_reused_tokens_per_level == [0, 0, 0]
     assert again.num_scheduled_tokens == 22
@@ -904,3 +919,21 @@ def test_an_array_prompt_is_committed_in_slices_and_reused_by_a_list_prompt(
     assert r2.num_reused_tokens == len(tokens)
     eng.check_all(a.get_kv_cache(r2), r2.all_tokens(), len(tokens))  # the reused KV is r's
     a.update_resources([r2])
+
+
+def test_observe_step_sets_the_managers_prefill_rate(make_adapter: Callable[..., KVCacheResourceManager]) -> None:
+    a = make_adapter(kv_layers(1))
+    m = a.manager
+    a.observe_step(0.5, 0)  # a decode-only step says nothing about prefill
+    assert m.load_plan_statistics.prefill_tokens_per_s is None
+    a.observe_step(0.5, 1000)
+    assert m.load_plan_statistics.prefill_tokens_per_s == 2000.0
+    a.observe_step(0.25, 1000)  # 4000 tokens/s, weighted a fifth
+    assert m.load_plan_statistics.prefill_tokens_per_s == pytest.approx(0.8 * 2000 + 0.2 * 4000)
+    with pytest.raises(TypeError, match="prefill_tokens must be an int"):
+        a.observe_step(0.5, 10.0)
+    with pytest.raises(ValueError, match="seconds must be a finite number >= 0"):
+        a.observe_step(-1.0, 10)
+    with pytest.raises(TypeError, match="seconds must be a number"):
+        a.observe_step(True, 10)
+    assert m.load_plan_statistics.prefill_tokens_per_s == pytest.approx(2400.0)

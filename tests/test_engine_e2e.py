@@ -154,6 +154,21 @@ def test_end_to_end_with_a_host_tier_equals_the_dense_reference() -> None:
         res.adapter.shutdown()
 
 
+def test_end_to_end_with_a_disk_tier_and_background_loads_equals_the_dense_reference() -> None:
+    """Host 1x and disk 8x: pages go down to disk; new requests' prefixes and suspended requests'
+    pages come back through background loads (the loading state) while others run."""
+    res, _ = run_and_check(WorkloadParams(num_requests=200, seed=4, host_tier=True, disk_tier=True))
+    try:
+        a = res.adapter
+        disk = a.manager.get_tier_statistics(CacheLevel(2))
+        assert disk.offloaded_pages > 0 and disk.onboarded_pages > 0
+        reads = a.manager._ctx.reads
+        assert reads is not None and reads.num_installed > 0  # loaded in the background
+        assert a.loading_requests["disk"] > 0
+    finally:
+        res.adapter.shutdown()
+
+
 def test_end_to_end_with_swa_scratch_equals_the_dense_reference() -> None:
     """Prefill steps whose early blocks leave the window put them in shared scratch slots; the engine
     addresses them through get_kernel_page_indices (the ScratchDesc); needed-to-completion stays an

@@ -107,6 +107,7 @@ def tiered(backend: str, tmp_path: object) -> Iterator[Callable[..., tuple[KVCac
             disk_path=str(tmp_path),
             backend=backend,
             max_util_for_resume=1.0,
+            load_workers=0,  # (every read on the step's thread: admitted at once, counters by the state)
         )
         m = KVCacheManager(config, KVCacheEventManager(max_events=8))
         made.append(m)
@@ -164,6 +165,11 @@ def expected_samples(m: KVCacheManager, a: KVCacheResourceManager, labels: dict[
             out[key(f"kvcm_tier_{what}_pages_total", tier=tier)] = getattr(t, f"{what}_pages")
             out[key(f"kvcm_tier_{what}_bytes_total", tier=tier)] = getattr(t, f"{what}_bytes")
         out[key("kvcm_tier_io_errors_total", tier=tier)] = t.io_errors
+        lp = m.load_plan_statistics
+        out[key("kvcm_load_plan_tokens_total", plan="taken", source=tier)] = lp.loaded_tokens[level]
+        out[key("kvcm_load_plan_tokens_total", plan="recomputed", source=tier)] = lp.recomputed_tokens[level]
+    out[key("kvcm_load_plan_saved_seconds_total", by="loads")] = m.load_plan_statistics.saved_s
+    out[key("kvcm_load_plan_saved_seconds_total", by="cuts")] = m.load_plan_statistics.cut_saved_s
     rs = m.remote_statistics
     if rs is not None:
         for name, value in (
@@ -221,6 +227,12 @@ def test_scrape_over_http_equals_the_statistics(tiered: Callable[..., tuple]) ->
             and tier[("kvcm_tier_onboarded_pages_total", "disk")] > 0
         )
         assert tier[("kvcm_tier_io_errors_total", "disk")] > 0
+        plan = {
+            dict(lab)["source"]: v
+            for (name, lab), v in got.items()
+            if name == "kvcm_load_plan_tokens_total" and dict(lab)["plan"] == "taken"
+        }
+        assert plan["host"] > 0 and plan["disk"] > 0  # taken from the lower tiers ("auto" without a rate)
         assert tier[("kvcm_tier_total_bytes", "gpu")] == BLOCK * 14
         # scraping reads, never changes: a second scrape says the same
         assert scrape(server.server_port) == got
@@ -361,6 +373,7 @@ def test_remote_tier_metrics(backend: str, redis_server: LocalRedisServer) -> No
             layers=kv_layers(2, T),
             backend=backend,  # type: ignore[arg-type]
             max_util_for_resume=1.0,
+            load_workers=0,  # (every read on the step's thread: admitted at once)
         )
         adapters.append(KVCacheResourceManager(config))
     try:

@@ -37,7 +37,7 @@ from kv_cache_manager_v2 import (
     ReuseScope,
 )
 from kv_cache_manager_v2._config import CacheTierConfig
-from kv_cache_manager_v2._storage._remote._protocol import HEADER_BYTES, decode_value, encode_header
+from kv_cache_manager_v2._storage._remote._value import HEADER_BYTES, decode_value, encode_header
 from kv_cache_manager_v2.redis_server import LocalRedisServer
 
 Factory = Callable[..., KVCacheManager]

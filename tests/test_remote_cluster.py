@@ -114,7 +114,7 @@ def test_a_prefix_is_shared_across_nodes_with_one_round_trip_per_node(cl: LocalR
     sa = a.remote_statistics
     assert sa is not None and sa.written_pages == 24 and sa.dropped_writes == 0 and sa.errors == 0
     assert sum(int(command(p, "DBSIZE")) for p in cl.ports) == 24  # type: ignore[call-overload]
-    router = b._remote.router  # type: ignore[union-attr]
+    router = b._remote.backend.router  # type: ignore[union-attr]
     assert router is not None
     assert b.probe_reuse(None, toks) == 24 * T
     trips = router.node_round_trips
@@ -209,14 +209,14 @@ def test_a_slot_migrated_mid_run_keeps_results_correct(cl: LocalRedisCluster, ma
     checks: list[int] = []
     c = make(host=32)
     assert c.probe_reuse(None, toks) == 6 * T  # c reads the slot map now
-    c_router = c._remote.router  # type: ignore[union-attr]
+    c_router = c._remote.backend.router  # type: ignore[union-attr]
     assert c_router is not None
 
     def half_moved() -> None:
         # the key sits on the target now while the source still owns the slot (MIGRATING): ASK
         b = make(host=32)
         checks.append(reuse(b, toks + [1]))
-        router = b._remote.router  # type: ignore[union-attr]
+        router = b._remote.backend.router  # type: ignore[union-attr]
         assert router is not None and router.ask_replies >= 1 and router.moved_replies == 0
         publish(a, seq(61, 6 * T))  # writes keep landing
         assert a.flush_remote_writes()
@@ -230,7 +230,7 @@ def test_a_slot_migrated_mid_run_keeps_results_correct(cl: LocalRedisCluster, ma
     assert st is not None and st.dropped_writes == 0 and st.errors == 0
     d = make(host=32)
     assert reuse(d, seq(61, 6 * T) + [1]) == 6 * T
-    router = d._remote.router  # type: ignore[union-attr]
+    router = d._remote.backend.router  # type: ignore[union-attr]
     assert router is not None and router.slot_node[slot] == router.node(("127.0.0.1", cl.ports[target]))
 
 
@@ -313,7 +313,7 @@ def test_redirects_to_ever_new_addresses_keep_the_node_list_bounded(
 
     server = fake(answer)
     m = managers(f"redis+cluster://127.0.0.1:{server.port}", timeout_ms=1000, retry_interval_ms=60_000)
-    router = m._remote.router  # type: ignore[union-attr]
+    router = m._remote.backend.router  # type: ignore[union-attr]
     assert router is not None
     sizes = []
     for k in range(40):

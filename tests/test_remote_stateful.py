@@ -22,11 +22,12 @@ from kv_cache_manager_v2 import (
     HostCacheTierConfig,
     KVCacheManager,
     KVCacheManagerConfig,
+    Prefetch,
     Priority,
     RemoteCacheTierConfig,
     ReuseScope,
 )
-from kv_cache_manager_v2._storage._remote._protocol import HEADER_BYTES
+from kv_cache_manager_v2._storage._remote._value import HEADER_BYTES
 from kv_cache_manager_v2.redis_server import LocalRedisServer
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason=NO_REDIS_REASON)
@@ -48,6 +49,52 @@ class RemoteMachine(ManagerMachine):
         self.peer = KVCacheManager(self.config(write_through=True, gpu=24, host=None))
         self.peer_engine = FakeEngine(self.peer)
         return KVCacheManager(self.config(write_through=False, gpu=6, host=4))
+
+    def __init__(self) -> None:
+        super().__init__()
+        # background lookups and fetches run when ``land`` says, in the order it picks
+        loader = self.m._ctx.loader
+        assert loader is not None
+        loader.manual = True
+        self.prefetches: list[tuple[Prefetch, list[int], ReuseScope]] = []
+        self.loads_rng = random.Random(1)  # (its own: the base rules' token stream stays the same)
+
+    @rule(prefix=st.integers(0, 2), shared=st.integers(1, 24), salt=st.sampled_from([None, 1]), cancel=st.booleans())
+    def prefetch_tokens(self, prefix: int, shared: int, salt: int | None, cancel: bool) -> None:
+        """A queued request's prefix is looked up and fetched in the background (or an earlier
+        prefetch is cancelled: its round trips' results are discarded)."""
+        if cancel and self.prefetches:
+            self.prefetches.pop(0)[0].cancel()
+            return
+        tokens = PREFIXES[prefix][:shared] + [self.loads_rng.randrange(1 << 30)]
+        scope = ReuseScope(salt=salt)
+        self.prefetches.append((self.m.prefetch(tokens, reuse_scope=scope), tokens, scope))
+        if len(self.prefetches) > 4:
+            self.prefetches.pop(0)[0].cancel()
+
+    @rule(k=st.integers(0, 99), count=st.integers(1, 3))
+    def land(self, k: int, count: int) -> None:
+        """``count`` background round trips finish (the ``k``-th queued first) and are installed."""
+        loader = self.m._ctx.loader
+        assert loader is not None
+        for _ in range(count):
+            if not loader.queued:
+                break
+            loader.run_queued(k % len(loader.queued))
+        self.m.poll_loads()
+
+    @rule(k=st.integers(0, 3), priority=st.integers(0, 100))
+    def create_prefetched(self, k: int, priority: int) -> None:
+        """The request a finished prefetch was for is admitted: it reuses what the prefetch placed
+        (or less, when pages went meanwhile; never wrong data: the engine checks every record)."""
+        done = [entry for entry in self.prefetches if entry[0].done and not entry[0].cancelled]
+        if not done or len(self.caches) >= 6:
+            return
+        handle, tokens, scope = done[k % len(done)]
+        self.prefetches.remove((handle, tokens, scope))
+        kv = self.m.create_kv_cache(scope, tokens, custom_priority_callback=lambda o, lc: Priority(priority))
+        assert kv.history_length == kv.num_committed_tokens
+        self.caches.append((kv, [*tokens, self.loads_rng.randrange(1 << 30)]))
 
     def config(self, write_through: bool, gpu: int, host: int | None) -> KVCacheManagerConfig:
         tiers: list[object] = [GpuCacheTierConfig(gpu * GROUP)]
@@ -190,15 +237,26 @@ TestRemoteMachine = RemoteMachine.TestCase
 TestHybridRemoteMachine = HybridRemoteMachine.TestCase
 
 
+def loads_step(m: RemoteMachine, rng: random.Random) -> None:
+    """Now and then a prefetch (or a cancel), round trips landing, a prefetched request admitted."""
+    if rng.random() < 0.15:
+        m.prefetch_tokens(rng.randrange(3), rng.randrange(1, 25), rng.choice([None, 1]), rng.random() < 0.2)
+    if rng.random() < 0.4:
+        m.land(rng.randrange(100), rng.randrange(1, 4))
+    if rng.random() < 0.15:
+        m.create_prefetched(rng.randrange(4), rng.randrange(101))
+
+
 @pytest.mark.parametrize("machine", [RemoteMachine, HybridRemoteMachine])
 @pytest.mark.parametrize("seed", range(3))
 def test_remote_long_random_walk(seed: int, machine: type[RemoteMachine]) -> None:
     """The same rules 300 steps deep (seeded): pages go to Redis and come back, across managers,
     through outages and tampering; the fake engine and the invariant checker after every step."""
     rng = random.Random(seed)
+    loads_rng = random.Random(seed + 1000)
     m = machine()
     try:
-        for _ in range(300):
+        for step in range(300):
             r = rng.randrange(12)
             if r == 0 or not m.caches:
                 m.create(
@@ -225,6 +283,8 @@ def test_remote_long_random_walk(seed: int, machine: type[RemoteMachine]) -> Non
                     m.server_dies(rng.random() < 0.5)
             elif r == 10 and m.alive and rng.random() < 0.1:
                 m.tamper(rng.randrange(1000), rng.choice(["flip", "truncate", "swap", "flush"]))
+            if step >= 150:  # (the first half as without loads; then prefetches too, in their own stream)
+                loads_step(m, loads_rng)
             m.invariants_hold()
         m.m.flush_remote_writes()
         st_ = m.m.remote_statistics

@@ -24,6 +24,7 @@ from kv_cache_manager_v2 import (
     KVCacheStatus,
     LayerId,
     LogicError,
+    Prefetch,
     Priority,
     RequestRetention,
     Retention,
@@ -32,6 +33,7 @@ from kv_cache_manager_v2 import (
     SwaScratchReuseConfig,
 )
 from kv_cache_manager_v2._storage._disk import DiskPool
+from kv_cache_manager_v2._storage._page_reads import on_disk
 
 T = 4
 PREFIXES = [[(p * 1000 + i) for i in range(24)] for p in range(3)]
@@ -318,6 +320,42 @@ class TieredMachine(ManagerMachine):
     MAX_HOST_SLOTS = 14
     disk_reads = 0  #: disk reads tried (counted once ``flaky_disk`` has run)
 
+    def __init__(self) -> None:
+        super().__init__()
+        # background loads run when ``land`` says, in the order it picks (the loading state)
+        loader = self.m._ctx.loader
+        assert loader is not None
+        loader.manual = True
+        self.prefetches: list[Prefetch] = []
+
+    @rule(k=st.integers(0, 99), count=st.integers(1, 3))
+    def land(self, k: int, count: int) -> None:
+        """``count`` background loads finish, the ``k``-th queued first (any order), and are
+        installed; a failed read (``flaky_disk``) is a lost page, recomputed like a synchronous one's."""
+        loader = self.m._ctx.loader
+        assert loader is not None
+        for _ in range(count):
+            if not loader.queued:
+                break
+            loader.run_queued(k % len(loader.queued))
+        self.m.poll_loads()
+        for kv, _ in self.caches:
+            if not kv.loading and kv.status is KVCacheStatus.SUSPENDED and kv.ready:
+                assert not any(on_disk(p) for p in kv.block_table.all_pages())
+
+    @rule(prefix=st.integers(0, 2), length=st.integers(1, 24), level=st.integers(0, 1), cancel=st.booleans())
+    def prefetch_tokens(self, prefix: int, length: int, level: int, cancel: bool) -> None:
+        """A queued request's prefix comes up in the background (or an earlier one is cancelled)."""
+        if cancel and self.prefetches:
+            self.prefetches.pop(0).cancel()
+            return
+        handle = self.m.prefetch(PREFIXES[prefix][:length], CacheLevel(level))
+        if not handle.done:
+            assert handle.num_disk_pages > 0
+        self.prefetches.append(handle)
+        if len(self.prefetches) > 4:
+            self.prefetches.pop(0)
+
     def make_manager(self) -> KVCacheManager:
         self.tmp = tempfile.mkdtemp(prefix="kvcm-stateful-")
         self.flaky = 0
@@ -362,7 +400,10 @@ class TieredMachine(ManagerMachine):
         before = [p.level for p in pages]
         had_lost = any(p.lost for p in pages)  # prefetch drops those blocks first, whatever happens
         if kv.prefetch(CacheLevel(level)):
-            assert all(p.level <= level for p in kv.block_table.all_pages() if not p.lost) or self.flaky
+            # the disk's pages are read in the background (``land``): in flight until then
+            pages = [p for p in kv.block_table.all_pages() if not p.lost]
+            assert all(p.level <= level or on_disk(p) for p in pages) or self.flaky
+            assert kv.loading or not any(p.level > level and on_disk(p) for p in pages) or self.flaky
         elif not had_lost:
             assert [p.level for p in kv.block_table.all_pages()] == before
 
@@ -681,6 +722,7 @@ def test_tiered_long_random_walk(seed: int, policy: str, machine: str) -> None:
     (also with a host tier smaller than one request). The fake engine and the invariant checker
     run after every step."""
     rng = random.Random(seed)
+    loads_rng = random.Random(seed + 1000)
     if machine == "hybrid":  # (recurrent layers beside attention: live states and snapshots move too)
         m: TieredMachine = HybridTieredMachine() if policy == "lru" else FrequencyHybridTieredMachine()
     elif machine == "tiny_host":
@@ -718,9 +760,19 @@ def test_tiered_long_random_walk(seed: int, policy: str, machine: str) -> None:
             m.resize_tier(rng.randrange(3), rng.randrange(3, 15), rng.random() < 0.5)
         elif r == 9:
             m.flaky_disk(rng.choice([0, 0, 0, 2, 5]))
+        if loads_rng.random() < 0.4:  # (its own stream: the walk's rules stay those of the seed)
+            m.land(loads_rng.randrange(100), loads_rng.randrange(1, 4))
+        if loads_rng.random() < 0.1:
+            m.prefetch_tokens(
+                loads_rng.randrange(3), loads_rng.randrange(1, 25), loads_rng.randrange(2), loads_rng.random() < 0.3
+            )
         m.invariants_hold()
     stats = [m.m.get_tier_statistics(CacheLevel(level)) for level in range(3)]
     assert stats[1].offloaded_pages and stats[2].offloaded_pages and m.disk_reads  # (reads may fail)
     expiries = m.m._storage.expiries
     assert expiries.num_retained and expiries.num_expired  # retention was given, and ran out under pressure
+    reads = m.m._ctx.reads
+    assert reads is not None
+    if machine != "hybrid":  # (some hybrid walks never prefetch a page that is on disk)
+        assert reads.num_installed  # background reads landed (some were discarded or failed)
     m.teardown()

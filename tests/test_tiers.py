@@ -10,7 +10,7 @@ import stat
 import pytest
 from conftest import REC, MakeManager, kv_layers
 from fake_engine import FakeEngine
-from tier_helpers import SLOT, T, compute, publish, seq, tree_pages
+from tier_helpers import SLOT, T, compute, publish, seq, tree_pages, wait_loaded
 
 from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
@@ -273,8 +273,12 @@ def test_resume_of_an_empty_cache_respects_max_util(make_manager: MakeManager, t
         m.shutdown()
 
 
-def test_prefetch_moves_a_suspended_request_up_ahead_of_resume(make_manager: MakeManager, tmp_path: object) -> None:
-    m = tiered(make_manager, tmp_path, gpu=3, host=6, disk=9)
+@pytest.mark.parametrize("load_workers", [0, 2])
+def test_prefetch_moves_a_suspended_request_up_ahead_of_resume(
+    make_manager: MakeManager, tmp_path: object, load_workers: int
+) -> None:
+    """Synchronously (``load_workers=0``) or with the disk reads in the background."""
+    m = tiered(make_manager, tmp_path, gpu=3, host=6, disk=9, load_workers=load_workers)
     engine = FakeEngine(m)
     toks = seq(1, 3 * T)
     a = m.create_kv_cache()
@@ -293,8 +297,11 @@ def test_prefetch_moves_a_suspended_request_up_ahead_of_resume(make_manager: Mak
         a.prefetch(CacheLevel(3))
     with pytest.raises(TypeError):
         a.prefetch("host")  # type: ignore[arg-type]
+    assert not a.loading and not a.ready  # its pages are on disk
     assert a.prefetch(HOST)
-    assert levels_of(a) == [1, 1, 1]
+    if load_workers:
+        wait_loaded(lambda: a.loading)
+    assert levels_of(a) == [1, 1, 1] and a.ready and not a.loading
     assert a.prefetch(HOST)  # nothing left below: a no-op
     onboarded = m.get_tier_statistics(HOST).onboarded_pages
     assert a.prefetch(CacheLevel(0))

@@ -8,7 +8,8 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from conftest import REC
@@ -26,6 +27,14 @@ SLOT = 2 * 2 * REC * T  # two layers, key + value: one slot holds one block
 def seq(r: int, n: int) -> list[int]:
     """``n`` tokens of sequence ``r`` (distinct sequences share no block)."""
     return [r * 10_000 + i for i in range(n)]
+
+
+def wait_loaded(poll: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Poll (``KVCache.loading``, ``not Prefetch.done``) until the background loads are in place."""
+    deadline = time.monotonic() + timeout_s
+    while poll():
+        assert time.monotonic() < deadline, "background loads did not finish"
+        time.sleep(0.001)
 
 
 def compute(engine: FakeEngine, kv: KVCache, toks: list[int], upto: int) -> None:

@@ -1,6 +1,6 @@
 """Run the end-to-end workload: paged engine + scheduler + adapter, checked against the dense reference.
 
-python examples/tiny_engine/run.py [--requests 300] [--admission optimistic|guaranteed] [--host] [--swa-scratch]
+python examples/tiny_engine/run.py [--requests 300] [--admission optimistic|guaranteed] [--host] [--disk] [--swa-scratch]
                                    [--json out.json]
 """
 
@@ -25,6 +25,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--admission", choices=["optimistic", "guaranteed"], default="optimistic")
     ap.add_argument("--host", action="store_true", help="add a host tier (4x the GPU tier)")
+    ap.add_argument(
+        "--disk", action="store_true", help="host 1x and a disk tier 8x the GPU tier (background loads from disk)"
+    )
     ap.add_argument("--swa-scratch", action="store_true", help="SWA prefill scratch slots")
     ap.add_argument("--json", help="write the summary as JSON here")
     args = ap.parse_args()
@@ -32,7 +35,8 @@ def main() -> None:
         num_requests=args.requests,
         seed=args.seed,
         admission=args.admission,
-        host_tier=args.host,
+        host_tier=args.host or args.disk,
+        disk_tier=args.disk,
         swa_scratch=args.swa_scratch,
     )
     t0 = time.perf_counter()
@@ -45,7 +49,8 @@ def main() -> None:
         "requests": len(res.requests),
         "steps": s.steps,
         "admission": args.admission,
-        "host_tier": args.host,
+        "host_tier": args.host or args.disk,
+        "disk_tier": args.disk,
         "swa_scratch": args.swa_scratch,
         "preempted_suspend": s.preempted_suspend,
         "resumed": s.resumed,

@@ -18,6 +18,7 @@ plus its own fit in the free blocks: then no preemption should ever happen.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class SchedulerStats:
     resumed: int = 0
     preempted_recompute: int = 0
     unserved_admissions: int = 0
+    loading_steps: int = 0  #: steps that served nothing while loads were in flight
     prompt_tokens: int = 0  #: prompt tokens of first admissions
     reused_prompt_tokens: int = 0  #: of those, taken from the reuse tree
     computed_tokens: int = 0
@@ -82,6 +84,7 @@ class Scheduler:
         self.arrival[req.request_id] = len(self.arrival)
         self.logits[req.request_id] = []
         self.waiting.append(req)
+        self.adapter.prefetch_resources([req])  # its cached prefix comes up from disk meanwhile
 
     @property
     def done(self) -> bool:
@@ -113,14 +116,18 @@ class Scheduler:
             if n <= budget or not batch:
                 batch.append(r)
                 budget -= n
-        while self.waiting and len(batch) < self.max_batch_size:
-            r = self.waiting[0]
+        for r in list(self.waiting):
+            if len(batch) >= self.max_batch_size:
+                break
+            if self.adapter.is_loading(r):  # its prefix is still coming up from disk: the next ones go first
+                continue
             n = self._step_tokens(r)
             if n > budget and batch:
                 break
             if self.admission == "guaranteed" and not self._fits_to_completion(r, admitting):
                 break
-            batch.append(self.waiting.popleft())
+            self.waiting.remove(r)
+            batch.append(r)
             admitting.append(r)
             budget -= n
         return batch
@@ -158,6 +165,10 @@ class Scheduler:
                 self.running.append(r)
         self.stats.steps += 1
         if not served:
+            if any(a.is_loading(r) for r in [*self.waiting, *self.suspended]):
+                time.sleep(0.001)  # loads in flight: not a deadlock, they land soon
+                self.stats.loading_steps += 1
+                return []
             self._break_deadlock()
             return []
         self.stats.max_batch = max(self.stats.max_batch, len(served))

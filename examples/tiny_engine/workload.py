@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,6 +31,9 @@ class WorkloadParams:
     followup_prob: float = 0.15  #: per step: a new request continuing a running one's tokens
     num_prefixes: int = 6
     host_tier: bool = False  #: add a host tier 4x the GPU tier (evicted and suspended pages spill there)
+    #: with the host tier: a disk tier 8x the GPU tier under a host tier of 1x (pages go down to disk,
+    #: and come back through background loads: new and suspended requests wait in the loading state)
+    disk_tier: bool = False
     swa_scratch: bool = False  #: SWA prefill scratch slots (out-of-window blocks of a step share a few slots)
     #: hybrid models: GPU room for this many recurrent states (live slots and snapshots) besides the KV
     state_slots: int = 80
@@ -65,9 +69,13 @@ def make_adapter(cfg: TinyConfig, p: WorkloadParams) -> KVCacheResourceManager:
     if cfg.recurrent_layers:  # the state pool group too: ask a throwaway manager for the order and sizes
         ratio = _hybrid_pool_bytes(cfg, p)
     total = sum(ratio)
-    tiers: list[kvm.GpuCacheTierConfig | kvm.HostCacheTierConfig] = [kvm.GpuCacheTierConfig(total)]
+    tiers: list[kvm.GpuCacheTierConfig | kvm.HostCacheTierConfig | kvm.DiskCacheTierConfig] = [
+        kvm.GpuCacheTierConfig(total)
+    ]
     if p.host_tier:
-        tiers.append(kvm.HostCacheTierConfig(4 * total))
+        tiers.append(kvm.HostCacheTierConfig((1 if p.disk_tier else 4) * total))
+    if p.disk_tier:
+        tiers.append(kvm.DiskCacheTierConfig(8 * total, tempfile.gettempdir()))  # (files unlinked at once)
     mgr_cfg = kvm.KVCacheManagerConfig(
         tokens_per_block=t,
         cache_tiers=tiers,

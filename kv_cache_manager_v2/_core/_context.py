@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Final
 
 import rawref
 
@@ -13,6 +14,8 @@ from .._layers._policy import LayerGroup
 from .._life_cycle_registry import LayerGroupRegistry
 from .._reuse._tree import ReuseTree
 from .._storage._layout import StorageLayout
+from .._storage._loader import BackgroundLoader, LoadJob
+from .._storage._page_reads import PageRead, PageReads, is_disk
 from .._storage._quota import constraint_floors
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList
@@ -31,6 +34,8 @@ class OpenCache:
 
 #: how long shutdown lets queued remote writes drain
 _SHUTDOWN_DRAIN_S = 1.0
+#: landed results installed per poll at most (``CacheContext.backlog``)
+BACKLOG_PER_POLL: Final = 4
 
 
 def state_and_block_bytes(registry: LayerGroupRegistry, layout: StorageLayout) -> tuple[int, int]:
@@ -99,6 +104,9 @@ class CacheContext:
         "open_caches",
         "orphaned",
         "busy",
+        "backlog",
+        "loader",
+        "reads",
         "deferred_closes",
         "scratch_util",
         "sessions",
@@ -189,6 +197,42 @@ class CacheContext:
         self.deferred_closes: list[OpenCache] = []
         #: caches created so far (each gets the next ``RequestSerial``)
         self.num_requests = 0
+        #: background reads (``load_workers`` > 0 and a disk or remote tier): None reads synchronously
+        self.loader: BackgroundLoader | None = None
+        self.reads: PageReads | None = None
+        if config.load_workers > 0 and (
+            storage.remote is not None or any(is_disk(level.items[0]) for level in storage.levels.items)
+        ):
+            self.loader = BackgroundLoader(config.load_workers)
+            self.reads = PageReads(storage, self.loader)
+        #: landed results waiting to be installed, at most ``BACKLOG_PER_POLL`` a poll (a round
+        #: trip that answered many prefetches at once is installed over the following steps)
+        self.backlog: list[LoadJob] = []
+
+    def poll_loads(self) -> int:
+        """Install the background loads that finished (the caller entered the context); returns
+        the pages installed from disk."""
+        loader = self.loader
+        if loader is None or loader.closed or (loader.in_flight == 0 and not self.backlog):
+            return 0  # (closed: the memory is gone, nothing lands any more)
+        jobs = loader.finished()
+        reads: list[PageRead] = []
+        for job in jobs:
+            if isinstance(job, PageRead):
+                reads.append(job)
+        reads_ = self.reads
+        assert reads_ is not None
+        n = reads_.install(reads) if reads else 0
+        for job in jobs:
+            if not isinstance(job, PageRead) and not job.cancelled:
+                job.land()
+        backlog = self.backlog
+        if backlog:
+            todo = backlog[:BACKLOG_PER_POLL]
+            del backlog[:BACKLOG_PER_POLL]
+            for job in todo:
+                job.land()
+        return n
 
     def enter(self, what: str) -> None:
         """Start a state-changing call; refuse one that overlaps another (a priority callback
@@ -211,6 +255,8 @@ class CacheContext:
         Tree nodes and pages are not tracked by the cyclic garbage collector (see ``Node``), so
         this is also what breaks their reference cycles when a manager goes away."""
         storage = self.storage
+        if self.loader is not None:  # no worker reads a file or socket released below
+            self.loader.close(_SHUTDOWN_DRAIN_S)
         if storage.persist is not None and storage.persist.owned:  # (not in a forked child)
             try:
                 storage.write_back()  # what the GPU and host tiers hold survives the restart too

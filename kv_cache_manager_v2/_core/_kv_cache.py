@@ -30,7 +30,15 @@ from ._cache_view import CacheView
 from ._commit import commit_tokens, publish_final
 from ._planning import resize_blocks
 from ._request_state import checked_priority, default_priority
-from ._residency import close_pages, drop_lost_blocks, prefetch_pages, resume_pages, suspend_pages
+from ._residency import (
+    close_pages,
+    drop_lost_blocks,
+    loads_in_flight,
+    needs_disk_reads,
+    prefetch_pages,
+    resume_pages,
+    suspend_pages,
+)
 from ._snapshot_plan import add_snapshot_position
 
 
@@ -151,7 +159,13 @@ class KVCache(CacheView):
         """Move this SUSPENDED cache's pages that sit below ``target_level`` up to it, ahead of
         ``resume`` (one batch per source level and pool group). Returns False, changing nothing,
         when ``target_level`` has no room for them. The pages stay HELD, so they may spill down
-        again. A failed disk read drops the blocks from the first lost one on (as ``resume``)."""
+        again. A failed disk read drops the blocks from the first lost one on (as ``resume``).
+
+        With ``load_workers`` (the default) the pages on disk are read in the background and this
+        returns at once: ``loading`` is True until they are installed (into the host tier when
+        ``target_level`` is the GPU and a host tier exists, else at ``target_level``), and
+        ``ready`` tells when ``resume`` needs no disk read. A resume meanwhile reads what is still
+        on disk itself (the background reads of this cache are then discarded)."""
         if self._status is not KVCacheStatus.SUSPENDED:
             raise LogicError(f"prefetch() needs a SUSPENDED cache; this one is {self._status.name}")
         storage = self._ctx.storage
@@ -161,7 +175,34 @@ class KVCache(CacheView):
                 f"target_level must be in [0, {storage.num_levels}) ({storage.num_levels} tiers configured), "
                 f"got {level}"
             )
-        return prefetch_pages(self, CacheLevel(level))
+        ctx = self._ctx
+        ctx.enter("prefetch()")
+        try:
+            return prefetch_pages(self, CacheLevel(level))
+        finally:
+            ctx.leave()
+
+    @property
+    def loading(self) -> bool:
+        """Whether background reads started by ``prefetch`` are still in flight (finished ones are
+        installed first). False once they are in place, discarded or cancelled."""
+        if not self._loads:
+            return False
+        ctx = self._ctx
+        ctx.enter("KVCache.loading")
+        try:
+            return loads_in_flight(self)
+        finally:
+            ctx.leave()
+
+    @property
+    def ready(self) -> bool:
+        """Whether ``resume`` can bring this cache's pages to GPU memory without a disk read:
+        nothing of it is being read in the background and none of its pages lies on a disk tier
+        (memory tiers are copied at resume either way). An ACTIVE cache is always ready."""
+        if self._status is not KVCacheStatus.SUSPENDED:
+            return True
+        return not self.loading and not needs_disk_reads(self)
 
     def suspend(self) -> None:
         """ACTIVE -> SUSPENDED: locks become holds. The pages stay where they are, but with lower

@@ -13,6 +13,7 @@ from .._common import (
     MAX_BEAM_WIDTH,
     CacheLevel,
     KVCacheStatus,
+    LayerGroupId,
     ReuseScope,
     SessionId,
     TokenIdExt,
@@ -33,20 +34,23 @@ from .._reuse._tree import ReuseTree
 from .._sessions import check_session_id
 from .._storage._layout import StorageLayout
 from .._storage._quota import split_like, split_quota
-from .._storage._remote._protocol import layout_fingerprint
 from .._storage._remote._store import RemoteStore
+from .._storage._remote._value import layout_fingerprint
 from .._storage._select import select_backend
 from .._storage._storage_manager import StorageManager
-from .._utils import check_int, check_type
+from .._storage._tier_costs import TierCosts
+from .._utils import check_int, check_number, check_type
 from ._batch import commit_batch, resize_batch
 from ._context import CacheContext, OpenCache, derived_lower_tier_state_share
 from ._directives import Directives
 from ._introspection import check_invariants
 from ._kv_cache import KVCache
+from ._load_plan import LoadPlanner
 from ._manager_queries import ManagerQueries
 from ._matching import PrefixMatcher, match_length, match_levels
 from ._pins import pin_prefix, unpin_prefix
 from ._pools import live_pages, longest_decode_that_fits
+from ._prefetch import Prefetch, RemoteReads, start_prefetch
 from ._request_state import PriorityCallback, default_priority
 from ._residency import adopt
 from ._snapshot_plan import plan_snapshots
@@ -148,6 +152,27 @@ class KVCacheManager(ManagerQueries):
         # a match of a hybrid model ends at a snapshot: never inside a block
         partial = config.enable_partial_reuse and not self._registry.state_layer_groups
         self._matcher = PrefixMatcher(self._tree, self._remote_fill, self.tokens_per_block, partial)
+        costs = self._storage.costs = TierCosts(config.cache_tiers, config.refine_tier_costs)
+        lg_bytes = [
+            self._layout.pool_groups[self._layout.pool_group_of_layer_group[LayerGroupId(i)]].slot_bytes
+            for i in range(self.num_layer_groups)
+        ]
+        self._planner = LoadPlanner(
+            config.load_policy,
+            config.prefill_tokens_per_s,
+            costs,
+            self._registry.layer_groups,
+            lg_bytes,
+            self.tokens_per_block,
+            self._num_tiers,
+        )
+        if self._num_tiers > 1:  # (the GPU alone: every match is in GPU memory)
+            self._matcher.planner = self._planner
+        self._matcher.counts = config.enable_stats
+        #: prefetches' remote round trips, batched (None: the create looks up and fetches itself)
+        self._remote_reads: RemoteReads | None = None
+        if self._remote is not None and self._ctx.loader is not None and self._remote.reads_in_background:
+            self._remote_reads = RemoteReads(self._remote, self._ctx.loader, self._ctx.backlog)
         self._is_shut_down = False
         self._batch_serial = 0
 
@@ -221,6 +246,7 @@ class KVCacheManager(ManagerQueries):
         ctx = self._ctx
         ctx.enter("create_kv_cache()")
         try:
+            ctx.poll_loads()
             kv = KVCache(ctx, scope, id, custom_priority_callback, width)
             kv._retention, kv._prompt_length = retention, prompt_end
             kv._session = session
@@ -252,6 +278,40 @@ class KVCacheManager(ManagerQueries):
         self._check_alive()
         return Directives(self._ctx, self._matcher, self._check_alive)
 
+    def prefetch(
+        self,
+        input_tokens: Sequence[TokenIdExt],
+        target_level: object = GPU_LEVEL,
+        reuse_scope: ReuseScope | None = None,
+    ) -> Prefetch:
+        """Start bringing the reusable prefix of ``input_tokens`` (a request queued, not admitted
+        yet) up in the background, and return at once: its pages on a disk tier are read, and with
+        a remote tier the blocks after the local match are looked up and fetched, into the host
+        tier when ``target_level`` is the GPU and a host tier exists (else ``target_level``). A
+        later ``create_kv_cache`` of the same tokens finds them locally (without asking the remote
+        tier again) once the returned ``Prefetch`` is ``done``; ``cancel`` it when the request goes
+        away. Takes no page: what it brought up is reusable, evicted like any other. Without
+        ``load_workers`` (or with a remote cluster) the remote part is left to the create."""
+        self._check_alive()
+        return start_prefetch(self._ctx, self._matcher, self._remote_reads, input_tokens, target_level, reuse_scope)
+
+    def poll_loads(self) -> int:
+        """Install the background loads that finished (``prefetch``, ``KVCache.prefetch``); returns
+        the disk pages installed. Every call that matches or resumes does this itself; an engine
+        calls it once a step (the adapter does) so that loads land while nothing else runs."""
+        self._check_alive()
+        return self._poll()
+
+    def _poll(self) -> int:
+        ctx = self._ctx
+        if ctx.loader is None or (ctx.loader.in_flight == 0 and not ctx.backlog):
+            return 0
+        ctx.enter("poll_loads()")
+        try:
+            return ctx.poll_loads()
+        finally:
+            ctx.leave()
+
     def pin(
         self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None, duration_s: float | None = None
     ) -> int:
@@ -279,6 +339,7 @@ class KVCacheManager(ManagerQueries):
         room for them, else fewer (never wrong data). A hybrid model's match (recurrent layers)
         ends at the last block holding a state snapshot, local or (extended remotely) in Redis."""
         self._check_alive()
+        self._poll()
         found = self._matcher.probe(self._ctx, "probe_reuse()", reuse_scope, input_tokens)
         if found is None:
             return 0
@@ -295,10 +356,23 @@ class KVCacheManager(ManagerQueries):
         ``create_kv_cache`` of the same tokens reuses this call's hashing, like after ``probe_reuse``.
         """
         self._check_alive()
+        self._poll()
         found = self._matcher.probe(self._ctx, "probe_reuse_levels()", reuse_scope, input_tokens)
         if found is None:
             return []
         return match_levels(found, self._registry.layer_groups, self.tokens_per_block, self._storage.num_levels)
+
+    def set_prefill_rate(self, tokens_per_s: object) -> None:
+        """The engine's prefill rate in tokens per second, for ``load_policy="auto"`` (None: unknown,
+        matches are loaded whole); from the next match on. The adapter's ``observe_step`` sets it
+        from measured steps."""
+        self._check_alive()
+        rate = (
+            check_number("tokens_per_s", tokens_per_s, True, "tokens per second, or None")
+            if tokens_per_s is not None
+            else 0.0
+        )
+        self._planner.tokens_per_s = rate
 
     def flush_remote_writes(self, timeout_s: float = 10.0) -> bool:
         """Wait until every page queued for the remote tier is written (or dropped); False on

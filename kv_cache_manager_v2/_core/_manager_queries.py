@@ -16,6 +16,7 @@ from .._common import (
     LayerGroupId,
     LayerGroupInfo,
     LayerId,
+    LoadPlanStatistics,
     MemAddress,
     PageIndexMode,
     PoolDesc,
@@ -38,6 +39,7 @@ from .._storage._remote._store import RemoteStore
 from .._storage._storage_manager import StorageManager
 from .._utils import check_int, check_type
 from ._context import CacheContext
+from ._load_plan import LoadPlanner
 from ._pools import aggregated_pages
 
 
@@ -55,6 +57,7 @@ class ManagerQueries:
     _tree: ReuseTree
     _remote: RemoteStore | None
     _ctx: CacheContext
+    _planner: LoadPlanner
     num_layer_groups: int
     #: ``len(config.cache_tiers)`` (the config is not a native class: one attribute read is a lookup by name)
     _num_tiers: int
@@ -203,6 +206,23 @@ class ManagerQueries:
         yield from aggregated_pages(self._layout, self._storage, wanted)
 
     # ------------------------------------------------------------------ statistics
+    @property
+    def load_plan_statistics(self) -> LoadPlanStatistics:
+        """What the load plan (``load_policy``) did so far and the tier costs it uses (a copy)."""
+        p = self._planner
+        costs = p.costs
+        return LoadPlanStatistics(
+            p.policy,
+            p.tokens_per_s if p.tokens_per_s > 0.0 else None,
+            tuple(p.loaded_tokens),
+            tuple(p.recomputed_tokens),
+            p.saved_s,
+            p.cut_saved_s,
+            p.cuts,
+            tuple(1.0 / x if x > 0.0 else float("inf") for x in costs.seconds_per_byte),
+            tuple(costs.latency_s),
+        )
+
     @property
     def reuse_statistics(self) -> ReuseStatistics:
         """What prefix reuse did so far (a copy; all zero when ``enable_stats`` is False)."""

@@ -19,6 +19,7 @@ from .._reuse._tree import ReuseTree
 from .._typed import TypedList
 from .._utils import check_type
 from ._context import CacheContext
+from ._load_plan import NOTHING_FETCHED, LoadPlanner
 
 #: a match: the matched full blocks' nodes, the partially matched node and its length, and the
 #: projected remote extension (None: the remote tier does not extend it)
@@ -58,6 +59,13 @@ class PrefixMatcher:
         #: recent probes by ``_fingerprint``, oldest first (bounded by ``KEPT_ENTRIES`` and ``KEPT_TOKENS``)
         self.kept: dict[Fingerprint, Kept] = {}
         self.kept_tokens = 0
+        #: the load plan (None: every match is taken whole, e.g. a manager with the GPU tier only)
+        self.planner: LoadPlanner | None = None
+        #: whether creates count the plan's statistics (``enable_stats``)
+        self.counts = True
+        #: what finished prefetches (``KVCacheManager.prefetch``) learned of the remote tier, by
+        #: ``_fingerprint``, for the create of the same tokens (used once; at most ``KEPT_ENTRIES``)
+        self.prefetched: dict[Fingerprint, tuple[ReuseScope, Sequence[TokenIdExt], Found]] = {}
 
     def probe(
         self, ctx: CacheContext, what: str, reuse_scope: ReuseScope | None, input_tokens: Sequence[TokenIdExt] | None
@@ -100,6 +108,8 @@ class PrefixMatcher:
             if last is not None and kept[2] is last[2] and validated == len(input_tokens):
                 known = kept[4]
         self.last = None
+        if known is None and self.prefetched:  # (a probe leaves it for the create)
+            known = self._prefetched(scope, input_tokens, for_create)
         hasher = BlockHasher(input_tokens, self.tokens_per_block, "input_tokens", keys, validated)
         partial = self.enable_partial_reuse
         tree = self.tree
@@ -114,13 +124,18 @@ class PrefixMatcher:
         projection: Projection | None = None
         found: Found | None = None
         fill = self.remote_fill
-        if fill is not None:
+        planner = self.planner
+        if planner is not None and planner.active:
+            nodes, part, part_len, projection, found = self._plan(
+                planner, scope, hasher, nodes, part, part_len, for_create, known
+            )
+        elif fill is not None:
             hasher.validate_rest()  # a bad token raises before any network call
             remote_blocks, found, projection = fill.extend(scope, hasher, nodes, for_create, known, partial)
             if for_create and remote_blocks > len(nodes):  # the fetched pages are in the tree now
-                root = tree.root(scope, False)
-                assert root is not None
-                nodes, part, part_len = tree.match(root, hasher, partial)
+                nodes, part, part_len = self._rematch(scope, hasher)
+        if for_create and planner is not None and not planner.active and self.counts:
+            planner.count_whole(nodes, part, part_len)
         hasher.validate_rest()
         if not for_create:
             # (valid tokens, keys and untracked nodes, never changed: untracked by the cyclic GC)
@@ -128,6 +143,89 @@ class PrefixMatcher:
             copy = kept[1] if kept is not None and same else _copy(input_tokens)
             self._keep(fingerprint, (scope, copy, _untrack(hasher.keys), _untrack(tree.walked), found))
         return nodes, part, part_len, projection
+
+    def _rematch(self, scope: ReuseScope, hasher: BlockHasher) -> tuple[list[Node], Node | None, int]:
+        """The local match again (after a fetch placed pages in the tree)."""
+        root = self.tree.root(scope, False)
+        assert root is not None
+        return self.tree.match(root, hasher, self.enable_partial_reuse)
+
+    def _plan(
+        self,
+        planner: LoadPlanner,
+        scope: ReuseScope,
+        hasher: BlockHasher,
+        nodes: list[Node],
+        part: Node | None,
+        part_len: int,
+        for_create: bool,
+        known: Found | None,
+    ) -> tuple[list[Node], Node | None, int, Projection | None, Found | None]:
+        """The match cut by the load plan (``_load_plan``). With a remote tier (not under "never")
+        the plan sees what the remote tier would add (the probe's projection) before anything is
+        fetched; a create fetches only up to the cut, a probe projects only up to it, so a probe
+        reports what the create of the same tokens takes. A cut ends where the tree lets a
+        match end (``ReuseTree.cut``)."""
+        fill = self.remote_fill if planner.policy != "never" else None
+        partial = self.enable_partial_reuse
+        projection: Projection | None = None
+        found: Found | None = known
+        if fill is not None:
+            hasher.validate_rest()  # a bad token raises before any network call
+            _, found, projection = fill.extend(scope, hasher, nodes, False, known, partial)
+        seen: Sequence[Node | None] = nodes
+        fetched: frozenset[tuple[int, int]] | set[tuple[int, int]] = NOTHING_FETCHED
+        seen_part, seen_len = part, part_len
+        if projection is not None:
+            seen, seen_part, seen_len, fetched = projection
+        elif planner.in_gpu_memory(nodes, part):  # (the common case: nothing to weigh)
+            if for_create and self.counts:
+                planner.loaded_tokens[0] += len(nodes) * self.tokens_per_block + part_len
+            return nodes, part, part_len, None, found
+        levels = planner.levels(seen, seen_part, seen_len, fetched)
+        t = self.tokens_per_block
+        length = len(seen) * t + seen_len
+        taken, saved, whole_saving = planner.plan(levels, len(seen), seen_len)
+        if for_create and self.counts:
+            planner.count(levels, length, taken, saved, whole_saving)
+            if taken < length:
+                planner.cuts += 1
+        keep = taken // t  # (a cut takes full blocks only)
+        if taken == length:
+            if projection is not None and fill is not None and for_create:
+                fill.extend(scope, hasher, nodes, True, found, partial)
+                nodes, part, part_len = self._rematch(scope, hasher)
+                projection = None
+            return nodes, part, part_len, projection, found
+        if keep <= len(nodes) or fill is None:
+            self.tree.cut(nodes, keep)
+            return nodes, None, 0, None, found
+        if for_create:  # some fetched blocks are worth it: fetch up to the cut
+            fill.extend(scope, hasher, nodes, True, found, partial, limit=keep)
+            nodes, part, part_len = self._rematch(scope, hasher)
+            return nodes, part, part_len, None, found
+        return nodes, part, part_len, fill.extend(scope, hasher, nodes, False, found, partial, limit=keep)[2], found
+
+    def remember_prefetch(self, scope: ReuseScope, tokens: Sequence[TokenIdExt], found: Found) -> None:
+        """Keep what a prefetch of (valid) ``tokens`` learned of the remote tier for their create."""
+        fingerprint = _fingerprint(scope, tokens)
+        if fingerprint is None:
+            return
+        table = self.prefetched
+        table.pop(fingerprint, None)
+        table[fingerprint] = (scope, _copy(tokens), found)
+        if len(table) > KEPT_ENTRIES:
+            del table[next(iter(table))]
+
+    def _prefetched(self, scope: ReuseScope, tokens: Sequence[TokenIdExt], take: bool) -> Found | None:
+        """What a prefetch of exactly ``tokens`` learned of the remote tier (``take``: used once)."""
+        fingerprint = _fingerprint(scope, tokens)
+        if fingerprint is None:
+            return None
+        entry = self.prefetched.pop(fingerprint, None) if take else self.prefetched.get(fingerprint)
+        if entry is None or not (entry[0] is scope or entry[0] == scope) or not _starts_with(tokens, entry[1]):
+            return None
+        return entry[2]
 
     def _recall(self, scope: ReuseScope, tokens: Sequence[TokenIdExt], fingerprint: Fingerprint | None) -> Kept | None:
         """The kept probe of ``tokens``, else the last probe when its tokens start ``tokens``."""
@@ -159,6 +257,7 @@ class PrefixMatcher:
         self.last = None
         self.kept = {}
         self.kept_tokens = 0
+        self.prefetched = {}
 
 
 def _fingerprint(scope: ReuseScope, tokens: Sequence[TokenIdExt]) -> Fingerprint | None:

@@ -28,6 +28,7 @@ from .._exceptions import LogicError
 from .._page import Page
 from .._retention import RequestRetention
 from .._reuse._node import Node
+from .._storage._page_reads import PageRead
 from .._utils import check_int
 from ._block_table import BlockTable
 from ._context import CacheContext, OpenCache
@@ -99,6 +100,8 @@ class RequestState(OpenCache):
         self._forked = False
         #: committed full blocks and tail of beams 1.. once forked (beam 0's are the fields above)
         self._beam_seqs: list[tuple[list[BlockTokens], list[TokenIdExt]]] = []
+        #: background reads of its pages (``KVCache.prefetch``) not installed yet when last looked at
+        self._loads: list[PageRead] = []
         #: (beam, layer group, block) whose page other beams share but this beam will write: the
         #: next resize gives it a private page (a copy, for the block holding committed tokens)
         self._cow: list[tuple[int, LayerGroupId, int]] = []

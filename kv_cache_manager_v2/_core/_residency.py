@@ -11,6 +11,7 @@ from .._common import DEFAULT_PRIORITY, GPU_LEVEL, CacheLevel, KVCacheStatus, La
 from .._page import NO_HINT, Page
 from .._retention import Retention
 from .._reuse._node import Node
+from .._storage._page_reads import on_disk
 from ._commit import publish_final
 from ._request_state import RequestState
 from ._retention import end_hint, last_published, retain_history
@@ -91,9 +92,37 @@ def _missing_states(state: RequestState) -> list[tuple[int, int]]:
     ]
 
 
+def settle_loads(state: RequestState) -> None:
+    """Install the background reads that finished, and stop wanting the request's others (a
+    resume reads what is still on disk itself; a close needs nothing)."""
+    ctx = state._ctx
+    if not state._loads:
+        return
+    ctx.poll_loads()
+    reads = ctx.reads
+    assert reads is not None
+    reads.cancel(state._loads)
+    state._loads = []
+
+
+def loads_in_flight(state: RequestState) -> bool:
+    """Whether a background read of the request's pages is still running (after installing the finished ones)."""
+    if not state._loads:
+        return False
+    state._ctx.poll_loads()
+    state._loads = [job for job in state._loads if not job.settled]
+    return len(state._loads) > 0
+
+
+def needs_disk_reads(state: RequestState) -> bool:
+    """Whether a page of the request lies on a disk level (resume would read it)."""
+    return any(on_disk(page) for page in state._all_pages())
+
+
 def resume_pages(state: RequestState) -> bool:
     """``KVCache.resume`` past its checks (the caller entered the context)."""
     ctx = state._ctx
+    settle_loads(state)
     table = state._table
     storage = ctx.storage
     scratch_needs = [
@@ -229,8 +258,11 @@ def _activate(state: RequestState) -> None:
 
 
 def prefetch_pages(state: RequestState, target_level: CacheLevel) -> bool:
-    """``KVCache.prefetch`` past its checks."""
-    storage = state._ctx.storage
+    """``KVCache.prefetch`` past its checks. With background reads, the pages on disk are read in
+    the background (``PageReads``; installed by the manager's poll) and the others move now."""
+    ctx = state._ctx
+    storage = ctx.storage
+    ctx.poll_loads()
     if storage.any_lost():
         drop_lost_blocks(state, False, -1)
     need, excluded, up = plan_move_up(state, target_level, True)
@@ -238,6 +270,18 @@ def prefetch_pages(state: RequestState, target_level: CacheLevel) -> bool:
         return True
     if not storage.fits_at(target_level, need, excluded):
         return False
+    reads = ctx.reads
+    if reads is not None and any(on_disk(page) for page in up):
+        wanted = {id(job.page) for job in state._loads if not job.settled}
+        slow = [page for page in up if on_disk(page) and id(page) not in wanted]
+        state._loads = [job for job in state._loads if not job.settled]
+        state._loads.extend(reads.read(slow, reads.background_target(target_level)))
+        up = [page for page in up if not on_disk(page)]
+        need = [0] * ctx.num_pool_groups
+        for page in up:
+            need[page.storage.index] += 1
+        if not up:
+            return True
     if target_level == GPU_LEVEL:
         storage.reserve(need)
     table = state._table
@@ -379,6 +423,7 @@ def suspend_pages(state: RequestState) -> None:
 def close_pages(state: RequestState, retain: Retention | None = None) -> None:
     """``KVCache.close`` past its checks: publish the rest, give the published history the
     close-time hint ``retain``, release every page."""
+    settle_loads(state)  # its reads in flight are cancelled (nothing was allocated for them)
     if state._status is KVCacheStatus.SUSPENDED and state._ctx.storage.any_lost():
         drop_lost_blocks(state, False, -1)  # never publish a block whose data is gone
     publish_final(state)

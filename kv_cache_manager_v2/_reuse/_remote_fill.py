@@ -17,6 +17,7 @@ probe said, never wrong data.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import rawref
@@ -24,8 +25,9 @@ import rawref
 from .._common import DEFAULT_PRIORITY, CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
 from .._layers._policy import LayerGroup
 from .._page import NO_SERIAL, Page
-from .._storage._remote._protocol import HEADER_BYTES, decode_value
+from .._storage._remote._backend import Value
 from .._storage._remote._store import RemoteStore
+from .._storage._remote._value import HEADER_BYTES, decode_value
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList
 from ._keys import BlockHasher, BlockKey, scope_key, validate_tokens
@@ -34,6 +36,8 @@ from ._tree import ReuseTree
 
 #: what a lookup learned: (block ordinal, layer group) -> the remote tier has a value of the right length
 Found = dict[tuple[int, int], bool]
+#: what a background prefetch fetched: (block ordinal, layer group) -> the value (None: absent)
+Fetched = dict[tuple[int, int], bytes | None]
 #: what a create would match after fetching: full-block nodes (None: a block the fetch would add),
 #: the partial node and its length, and the (block ordinal, layer group) pages it would fetch
 Projection = tuple[list[Node | None], Node | None, int, set[tuple[int, int]]]
@@ -75,46 +79,94 @@ class RemoteFill:
         fetch: bool,
         known: Found | None,
         partial: bool,
+        fetched: Fetched | None = None,
+        limit: int = -1,
     ) -> tuple[int, Found, Projection | None]:
         """How many full blocks the match reaches with the remote tier (``len(nodes)`` when it does not
         help), what the lookup found (for a later call with ``known``), and without ``fetch``, when
         the remote tier helps, the match a create would make (``project``). With ``fetch`` the pages
-        are fetched and placed in the tree, so a new local match reaches that far."""
+        are fetched and placed in the tree, so a new local match reaches that far. ``fetched``: the
+        values a background prefetch read (``known`` its lookup): nothing goes over the network,
+        and a page neither knows of is a miss. ``limit`` (>= 0): extend to at most that many blocks
+        (the load plan's cut)."""
         local_blocks = len(nodes)
-        tokens_per_block = self.tokens_per_block
-        end = min(len(hasher.tokens) // tokens_per_block, local_blocks + self.remote.cfg.max_lookup_blocks)
-        found: Found = {} if known is None else known
-        if end <= local_blocks:
-            return local_blocks, found, None
-        remote = self.remote
-        if known is None and remote.is_down:
-            remote.skipped_lookups += 1
-            return local_blocks, found, None
-        root = self.tree.root(scope, False)
-        chain, keys = self._chain(root, scope_key(scope) if root is None else root.key, hasher, end)
-        n_lc = len(self.layer_groups)
-        cand: list[tuple[int, int]] = []
-        for ordinal in range(local_blocks, end):
-            node = chain[ordinal]
-            for layer_group in range(n_lc):
-                if node is None or node.page(layer_group) is None:
-                    cand.append((ordinal, layer_group))
-        ask = [c for c in cand if c not in found]
-        if ask:
-            lengths = remote.lookup([remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in ask])
-            if lengths is None:
+        plan = self.lookup_plan(scope, hasher, local_blocks, known, fetched is None, limit)
+        if plan is None:
+            return local_blocks, {} if known is None else known, None
+        chain, keys, ask, found = plan
+        if ask and fetched is None:
+            remote = self.remote
+            have = remote.lookup(
+                [remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in ask], self.value_bytes(ask)
+            )
+            if have is None:
                 return local_blocks, found, None
-            for (ordinal, layer_group), n in zip(ask, lengths):
-                ok = n == HEADER_BYTES + self.page_bytes[layer_group]
-                found[(ordinal, layer_group)] = ok
-                if ok:
-                    remote.found_pages += 1
-        matched_blocks = self._best(chain, local_blocks, end, found)
+            self.record_lookup(ask, have, found)
+        matched_blocks = self._best(chain, local_blocks, len(chain), found)
         if matched_blocks <= local_blocks:
             return matched_blocks, found, None
         if not fetch:
             return matched_blocks, found, self.project(chain, hasher, local_blocks, matched_blocks, partial)
-        return self._fetch(scope, hasher, chain, keys, local_blocks, matched_blocks, found), found, None
+        return self._fetch(scope, hasher, chain, keys, local_blocks, matched_blocks, found, fetched), found, None
+
+    def lookup_plan(
+        self,
+        scope: ReuseScope,
+        hasher: BlockHasher,
+        local_blocks: int,
+        known: Found | None,
+        may_skip: bool = True,
+        limit: int = -1,
+    ) -> tuple[list[Node | None], list[BlockKey], list[tuple[int, int]], Found] | None:
+        """The blocks after a local match of ``local_blocks`` the remote tier may extend it with:
+        their tree nodes (None: absent) and keys, the (block ordinal, layer group) pages to look up
+        (those missing locally that ``known`` does not tell of) and what is known; None when the
+        remote tier cannot help (no block to look up, or the server is down and nothing is known).
+        ``limit`` (>= 0): at most that many blocks in all."""
+        tokens_per_block = self.tokens_per_block
+        end = min(len(hasher.tokens) // tokens_per_block, local_blocks + self.remote.cfg.max_lookup_blocks)
+        if 0 <= limit < end:
+            end = limit
+        found: Found = {} if known is None else known
+        if end <= local_blocks:
+            return None
+        remote = self.remote
+        if known is None and may_skip and remote.is_down:
+            remote.skipped_lookups += 1
+            return None
+        root = self.tree.root(scope, False)
+        chain, keys = self._chain(root, scope_key(scope) if root is None else root.key, hasher, end)
+        n_lc = len(self.layer_groups)
+        ask: list[tuple[int, int]] = []
+        for ordinal in range(local_blocks, end):
+            node = chain[ordinal]
+            for layer_group in range(n_lc):
+                if (node is None or node.page(layer_group) is None) and (ordinal, layer_group) not in found:
+                    ask.append((ordinal, layer_group))
+        return chain, keys, ask, found
+
+    def record_lookup(self, ask: list[tuple[int, int]], have: list[bool], found: Found) -> None:
+        """Note in ``found`` which of the pages ``ask`` the remote tier holds (``have``: a value of the
+        right length, ``value_bytes``)."""
+        remote = self.remote
+        for (ordinal, layer_group), ok in zip(ask, have):
+            found[(ordinal, layer_group)] = ok
+            if ok:
+                remote.found_pages += 1
+
+    def value_bytes(self, pages: list[tuple[int, int]]) -> list[int]:
+        """The length of a whole value (header and page) for each (block ordinal, layer group)."""
+        return [HEADER_BYTES + self.page_bytes[layer_group] for _, layer_group in pages]
+
+    def fetch_plan(
+        self, chain: list[Node | None], local_blocks: int, found: Found
+    ) -> tuple[int, list[tuple[int, int]]]:
+        """The blocks a match reaches with what ``found`` says the remote tier holds, and the pages
+        to fetch for it (none when it reaches no further than ``local_blocks``)."""
+        matched_blocks = self._best(chain, local_blocks, len(chain), found)
+        if matched_blocks <= local_blocks:
+            return local_blocks, []
+        return matched_blocks, self._needed(chain, local_blocks, matched_blocks)
 
     def project(
         self, chain: list[Node | None], hasher: BlockHasher, local_blocks: int, matched_blocks: int, partial: bool
@@ -267,8 +319,10 @@ class RemoteFill:
         local_blocks: int,
         matched_blocks: int,
         found: Found,
+        fetched: Fetched | None,
     ) -> int:
-        """Fetch what a match of (up to) ``matched_blocks`` blocks needs and publish it; returns the blocks reached."""
+        """Fetch what a match of (up to) ``matched_blocks`` blocks needs (or take it from ``fetched``)
+        and publish it; returns the blocks reached."""
         # Pin what the match stands on: the chain's pages (locked, out of every evictor) and its
         # deepest node (an extender), so making room for the fetched pages cannot take them away.
         pinned: list[Page] = []
@@ -285,7 +339,7 @@ class RemoteFill:
         if deepest is not None:
             deepest.num_extenders += 1
         try:
-            return self._fetch_pinned(scope, hasher, chain, keys, local_blocks, matched_blocks, found)
+            return self._fetch_pinned(scope, hasher, chain, keys, local_blocks, matched_blocks, found, fetched)
         finally:
             for p in reversed(pinned):
                 p.release(True)
@@ -302,6 +356,7 @@ class RemoteFill:
         local_blocks: int,
         matched_blocks: int,
         found: Found,
+        fetched: Fetched | None,
     ) -> int:
         needed = self._needed(chain, local_blocks, matched_blocks)
         if not self._fits(needed):
@@ -319,9 +374,20 @@ class RemoteFill:
                 return local_blocks
             needed = self._needed(chain, local_blocks, matched_blocks)
         remote = self.remote
-        values = remote.fetch([remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in needed])
+        t0 = time.perf_counter()
+        if fetched is not None:
+            values: list[Value | None] | None = [fetched.get(x) for x in needed]
+        else:
+            values = remote.fetch(
+                [remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in needed],
+                self.value_bytes(needed),
+            )
         if values is None:
             return local_blocks
+        costs = self.storage.costs  # (the read cost of load_policy="auto": a timed fetch refines it)
+        if costs is not None and fetched is None:  # (a prefetch's values were read on a worker: untimed)
+            nbytes = sum(len(v) for v in values if v is not None)
+            costs.observe(self.storage.num_levels, nbytes, time.perf_counter() - t0)
         fp = remote.fingerprint
         good: Found = {}
         payloads: dict[tuple[int, int], memoryview] = {}

@@ -136,6 +136,17 @@ class ReuseTree(PageDropListener):
             return nodes, None, 0
         return nodes, part, part_len
 
+    def cut(self, nodes: list[Node], num_blocks: int) -> None:
+        """Shorten a match (full blocks) to at most ``num_blocks`` blocks, then by ``match``'s rules
+        until every layer group has the pages it needs there (a hybrid model's: at a snapshot)."""
+        del nodes[num_blocks:]
+        missing = self._first_missing_block(nodes, None, len(nodes) * self.tokens_per_block, -1)
+        while missing >= 0:
+            del nodes[missing:]
+            missing = self._first_missing_block(nodes, None, len(nodes) * self.tokens_per_block, -1)
+        if self.state_groups:
+            self.cut_to_snapshot(nodes)
+
     def cut_to_snapshot(self, nodes: list[Node]) -> None:
         """Shorten a match (full blocks) to end at the last block holding a snapshot of every
         state group, then until the attention groups have their pages there; again until both

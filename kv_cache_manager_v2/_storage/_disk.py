@@ -40,6 +40,10 @@ CHECKSUM_NAME, checksum = _load_checksum()
 CHECKSUM_IDS: Final = {"crc32c": 1, "crc32": 2}
 #: a slot that holds no verified data (never written, or its last write failed)
 NO_CHECKSUM: Final = -1
+#: ``DiskPool.read_checked`` outcomes
+READ_OK: Final = 0
+READ_FAILED: Final = 1
+READ_CORRUPT: Final = 2
 
 
 def refuse_unusable(name: str) -> None:
@@ -184,16 +188,9 @@ class DiskPool(Pool):
     def read_into(self, view: memoryview, offset: int) -> None:
         """Fill ``view`` (whole slots) from the file at ``offset`` and verify every slot's checksum;
         raises ``OSError`` on any failure, short read or checksum mismatch."""
-        n = len(view)
         try:
             first, count = self._slots(view, offset)
-            self._check("read", offset, n)
-            done = 0
-            while done < n:
-                got = os.preadv(self.fd, [view[done:]], offset + done)
-                if got <= 0:
-                    raise OSError(errno.EIO, f"short read from the disk pool at offset {offset + done}")
-                done += got
+            self._pread(view, offset)
             size = self.slot_size
             sums = self.sums
             for k in range(count):
@@ -204,6 +201,34 @@ class DiskPool(Pool):
         except OSError:
             self.num_errors += 1
             raise
+
+    def _pread(self, view: memoryview, offset: int) -> None:
+        n = len(view)
+        self._check("read", offset, n)
+        done = 0
+        while done < n:
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(errno.EIO, f"short read from the disk pool at offset {offset + done}")
+            done += got
+
+    def read_checked(self, view: memoryview, offset: int, want: int) -> int:
+        """A background read (any thread): fill ``view`` (one slot) from ``offset`` and verify it
+        against ``want``, the slot's checksum when the read was planned. Touches no counter and
+        raises nothing: returns ``READ_OK``, ``READ_FAILED`` or ``READ_CORRUPT`` (the scheduler's
+        thread counts them with ``count_failed_read``)."""
+        try:
+            self._pread(view, offset)
+        except (OSError, ValueError):  # (ValueError: the descriptor was closed meanwhile)
+            return READ_FAILED
+        return READ_OK if want != NO_CHECKSUM and checksum(view) == want else READ_CORRUPT
+
+    def count_failed_read(self, outcome: int) -> None:
+        """Count a background read's failure like ``read_into`` counts its own."""
+        if outcome == READ_CORRUPT:
+            self.num_corrupt += 1
+        if outcome != READ_OK:
+            self.num_errors += 1
 
     def write_from(self, view: memoryview, offset: int) -> None:
         """Write ``view`` (whole slots) to the file at ``offset`` and record each slot's checksum;

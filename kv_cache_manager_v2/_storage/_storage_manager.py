@@ -36,6 +36,7 @@ from ._pins import PinTable
 from ._remote._store import RemoteStore
 from ._resize import TierResizer
 from ._statistics import TrafficStatistics
+from ._tier_costs import TierCosts
 from ._tiers._remote_tier import RemoteTier
 
 __all__ = ["PageDropListener", "StorageManager"]
@@ -78,6 +79,8 @@ class StorageManager(EvictionCascade):
         self._write_through: list[rawref.ref[Page]] = []
         self.resizer = TierResizer(self)
         self.stats = TrafficStatistics(self)
+        #: read costs of the levels, refined by ``move_up``'s timed batches (the manager sets them)
+        self.costs: TierCosts | None = None
 
     def attach_remote(self, remote: RemoteStore, tokens_per_block: int) -> None:
         """Write dropped pages to ``remote``. A last level below the GPU gets headroom slots, so a
@@ -91,6 +94,7 @@ class StorageManager(EvictionCascade):
         if level > 0:
             for group in self.levels.items[level]:
                 tier.add_headroom(group, tier.headroom_for(group, group.num_slots))
+                tier.register_slots(group)
 
     def write_back(self) -> int:
         """Shutdown of a manager with a persistent disk tier: move the reusable full blocks of the
@@ -230,10 +234,14 @@ class StorageManager(EvictionCascade):
             if n:
                 self.make_room(targets.items[g], n)
         lost: list[Page] = []
+        costs = self.costs
         for key in sorted(batches):
             batch = batches[key]
             src = batch[0].storage
+            t0 = time.perf_counter()
             failed = self._relocate(batch, targets.items[key[1]])
+            if costs is not None and costs.refine and target == 0:  # (only what the CPU waits for counts)
+                costs.observe(key[0], len(batch) * src.layout.slot_bytes, time.perf_counter() - t0)
             src.num_onboarded += len(batch) - len(failed)
             for p in failed:
                 self.lose(p)

@@ -13,6 +13,7 @@ from typing import Any
 from .._common import (
     BAD_PAGE_INDEX,
     BeamIndex,
+    CacheTier,
     KVCacheStatus,
     LayerGroupId,
     LayerId,
@@ -22,6 +23,7 @@ from .._common import (
 from .._config import KVCacheManagerConfig
 from .._core._kv_cache import KVCache
 from .._core._kv_cache_manager import KVCacheManager
+from .._core._prefetch import Prefetch
 from .._exceptions import LogicError
 from .._page_index import PageIndexConverter
 from .._utils import check_int
@@ -49,6 +51,8 @@ class RequestRecord:
         #: managers: they stay in GPU memory, so they are not needed again)
         self.suspended_pages: list[int] = []
         self.slot = -1  #: its index in the adapter's ``_records`` while the adapter holds it
+        #: suspended: its pages on disk were prefetched in the background once since it last ran
+        self.prefetched = False
 
 
 def check_request(name: str, request: object) -> EngineRequest:
@@ -99,6 +103,18 @@ class ResourceQueries:
         #: prompt tokens admitted requests reused so far, by the cache level they came from (see
         #: ``EngineRequest.num_reused_tokens_per_level``; the last level of a remote tier included)
         self.reused_tokens_per_level = [0] * self._num_levels
+        #: new requests and suspended ones read from disk / the remote tier in the background
+        #: (``KVCacheManager.prefetch``, ``KVCache.prefetch``) and wait, unscheduled, until it is in place
+        self._background = m.config.load_workers > 0 and any(
+            tier is CacheTier.DISK or tier is CacheTier.REMOTE for tier in m.cache_tier_list
+        )
+        #: new requests waiting for their prefetch (the loading state), by request id
+        self._loading: dict[RequestId, tuple[EngineRequest, Prefetch]] = {}
+        #: steps requests spent in the loading state, by what they waited for: "disk" (pages read
+        #: from a disk tier, new or suspended requests), "remote" (a remote tier's lookup or fetch)
+        self.loading_waits: dict[str, int] = {"disk": 0, "remote": 0}
+        #: new requests that entered the loading state, by what they waited for first (as above)
+        self.loading_requests: dict[str, int] = {"disk": 0, "remote": 0}
 
     def __repr__(self) -> str:
         return f"KVCacheResourceManager(requests={len(self._seqs)}, free_blocks={self.get_num_free_blocks_per_pool_group()})"
@@ -238,6 +254,22 @@ class ResourceQueries:
     def num_requests(self) -> int:
         """Requests holding resources (active or suspended)."""
         return len(self._seqs)
+
+    @property
+    def num_loading(self) -> int:
+        """New requests in the loading state (their prefix read from disk or the remote tier in
+        the background; ``prepare_resources`` returns them unserved until it is in place)."""
+        return sum(1 for _, handle in self._loading.values() if not handle.done)
+
+    def is_loading(self, request: EngineRequest) -> bool:
+        """Whether ``request`` waits in the loading state (new, or suspended with pages on disk):
+        ``prepare_resources`` would return it unserved now, whatever the memory."""
+        req = check_request("request", request)
+        entry = self._loading.get(req.request_id)
+        if entry is not None and entry[0] is req:
+            return not entry[1].done
+        seq = self._record(req)
+        return seq is not None and seq.request is req and seq.kv.loading
 
     def has_resources(self, request: EngineRequest) -> bool:
         """Whether the adapter holds a cache for this request (prepared and not freed)."""

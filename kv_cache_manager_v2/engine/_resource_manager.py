@@ -9,6 +9,7 @@ records they read, are the base class in ``_queries.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final
 
 from .._common import (
     DEFAULT_PRIORITY,
@@ -25,9 +26,12 @@ from .._core._kv_cache import KVCache
 from .._core._request_state import default_priority
 from .._exceptions import LogicError
 from .._retention import Retention
-from .._utils import as_list, check_type
+from .._utils import as_list, check_int, check_number, check_type
 from ._queries import RequestRecord, ResourceQueries, check_request
 from ._request import EngineRequest, RequestState, check_field, check_priority, slices_as_is
+
+#: the weight of one step in the adapter's prefill rate (``observe_step``)
+PREFILL_RATE_WEIGHT: Final = 0.2
 
 
 class _FixedPriority:
@@ -83,10 +87,17 @@ class KVCacheResourceManager(ResourceQueries):
         logits), and is sized for its first chunk. A known request gets room for its next
         chunk or token (a suspended one is resumed first). Unserved requests are left exactly
         as they were. If anything raises, the whole batch is rolled back.
+
+        With background loads (a disk or remote tier, ``load_workers``), a new request whose
+        cached prefix lies on disk or the remote tier first waits in the loading state (see
+        ``prefetch_resources``): it is returned unserved, ``is_loading`` true, while its reads run,
+        and admitted once they are in place; so is a suspended request whose pages went to disk.
         """
         self._check_alive()
         self._serial += 1
         serial = self._serial
+        if self._background:
+            self.manager.poll_loads()  # loads that finished since the last step land now
         unserved: list[EngineRequest] = []
         done: list[RequestRecord] = []
         current: KVCache | None = None  # resumed by this call for the request being prepared
@@ -136,7 +147,11 @@ class KVCacheResourceManager(ResourceQueries):
                         "append the sampled token to generated_tokens before the next step"
                     )
                 suspended = kv.status is KVCacheStatus.SUSPENDED
+                if suspended and self._background and self._loads_pages(seq):
+                    unserved.append(req)  # the loading state: scheduled once its pages are in memory
+                    continue
                 if suspended:
+                    seq.prefetched = False
                     ok = kv.resume()
                     # a failed disk read (lower tiers) drops the blocks from the first lost one on,
                     # even when resume returns False: the engine recomputes them
@@ -169,6 +184,64 @@ class KVCacheResourceManager(ResourceQueries):
             raise
         return unserved
 
+    def _loads_pages(self, seq: RequestRecord) -> bool:
+        """A suspended request whose pages lie on disk: read them in the background (once per
+        suspension; a read that could not start or land leaves the rest to ``resume``). Whether
+        it waits for them this step (counted in ``loading_waits``)."""
+        kv = seq.kv
+        if not kv.loading:
+            if seq.prefetched or kv.ready:
+                return False
+            seq.prefetched = True
+            if not kv.prefetch(GPU_LEVEL) or not kv.loading:
+                return False
+        self.loading_waits["disk"] += 1
+        return True
+
+    def prefetch_resources(self, batch: Sequence[EngineRequest]) -> list[EngineRequest]:
+        """Start the loading state of queued requests the adapter does not hold yet: the cached
+        prefix of each is read up from disk and the remote tier in the background
+        (``KVCacheManager.prefetch``) while the engine runs others; returns those still loading.
+        Call it when requests arrive, then admit (``prepare_resources``) those ``is_loading``
+        says are ready, within the engine's budget; ``prepare_resources`` starts it itself for a
+        request not prefetched, and returns a loading one unserved. Without background loads
+        (``load_workers=0``, or no disk or remote tier) it does nothing and returns ``[]``."""
+        self._check_alive()
+        out: list[EngineRequest] = []
+        items: list[object] = as_list(batch)
+        for item in items:
+            req, seq = self._item_record(item)
+            if seq is not None or not self._background or req.state is RequestState.FINISHED:
+                continue
+            tokens: Sequence[TokenIdExt] = req.prompt_tokens if not req.generated_tokens else req.all_tokens()
+            if len(tokens) > 1 and self._loading_prefetch(req, tokens[: len(tokens) - 1], False):
+                out.append(req)
+        return out
+
+    def _loading_prefetch(self, req: EngineRequest, prefix: Sequence[TokenIdExt], count: bool = True) -> bool:
+        """The loading state of a new request: its prefix is prefetched in the background
+        (``KVCacheManager.prefetch``) the first time it is seen; whether it still waits for it
+        (with ``count``, a step's wait counted in ``loading_waits``; the wait ends when the prefetch is done)."""
+        rid = req.request_id
+        entry = self._loading.get(rid)
+        if entry is not None and entry[0] is not req:
+            raise ValueError(f"request_id {rid} belongs to another EngineRequest the adapter holds")
+        if entry is None:
+            handle = self.manager.prefetch(prefix, GPU_LEVEL, req.reuse_scope)
+            if handle.done:
+                return False
+            self._loading[rid] = (req, handle)
+            self.loading_requests["remote" if handle.waits_for_remote else "disk"] += 1
+        else:
+            handle = entry[1]
+            if handle.done:
+                if count:  # (admitted now)
+                    del self._loading[rid]
+                return False
+        if count:
+            self.loading_waits["remote" if handle.waits_for_remote else "disk"] += 1
+        return True
+
     def _suspend(self, seq: RequestRecord) -> None:
         """Suspend an ACTIVE cache, remembering how many pages it holds per pool group."""
         kv = seq.kv
@@ -184,6 +257,8 @@ class KVCacheResourceManager(ResourceQueries):
         priority = check_priority(req.priority)
         cb = default_priority if priority == DEFAULT_PRIORITY else _FixedPriority(priority)
         prefix = tokens[: length - 1] if length > 1 else None
+        if self._background and prefix is not None and self._loading_prefetch(req, prefix):
+            return None
         m = self.manager
         levels = m.probe_reuse_levels(req.reuse_scope, prefix) if self._num_levels > 1 and prefix is not None else []
         # (hashed once: by the probe)
@@ -292,8 +367,24 @@ class KVCacheResourceManager(ResourceQueries):
             if req.state is RequestState.CONTEXT and e >= p:
                 req.state = RequestState.GENERATION
 
+    def observe_step(self, seconds: object, prefill_tokens: object) -> None:
+        """An engine step took ``seconds`` and computed ``prefill_tokens`` prompt tokens: the
+        manager's prefill rate (``load_policy="auto"``) follows, an exponentially weighted average
+        (weight ``PREFILL_RATE_WEIGHT`` a step) of the steps that prefilled anything."""
+        self._check_alive()
+        n = check_int("prefill_tokens", prefill_tokens)
+        s = check_number("seconds", seconds, False, "the step's time")
+        if n == 0 or s == 0.0:
+            return
+        m = self.manager
+        old = m.load_plan_statistics.prefill_tokens_per_s
+        sample = n / s
+        w = PREFILL_RATE_WEIGHT
+        m.set_prefill_rate(sample if old is None else (1.0 - w) * old + w * sample)
+
     def free_resources(self, request: EngineRequest, retain: Retention | None = None) -> None:
-        """Release the request's KV (finished, or preempted to be recomputed). Unknown requests: no-op.
+        """Release the request's KV (finished, or preempted to be recomputed). Unknown requests: no-op;
+        one in the loading state: its loads are cancelled (their results discarded).
 
         Committed blocks, including a partial last block, stay reusable until evicted (``retain``: see ``KVCache.close``).
         """
@@ -302,6 +393,10 @@ class KVCacheResourceManager(ResourceQueries):
         check_type("retain", retain, (Retention, type(None)))
         seq = self._record(req)
         if seq is None:
+            entry = self._loading.get(req.request_id)
+            if entry is not None and entry[0] is req:  # freed while loading: its reads are discarded
+                del self._loading[req.request_id]
+                entry[1].cancel()
             return
         if seq.request is not req:
             raise ValueError(f"request_id {req.request_id} belongs to another EngineRequest the adapter holds")
@@ -374,6 +469,9 @@ class KVCacheResourceManager(ResourceQueries):
         stays running: its owner shuts it down). Idempotent."""
         if self._is_shut_down:
             return
+        for _, handle in self._loading.values():
+            handle.cancel()
+        self._loading = {}
         for seq in list(self._seqs.values()):
             seq.kv.close()
             self._let_go(seq)

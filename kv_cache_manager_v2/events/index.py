@@ -18,7 +18,9 @@ from .._common import DEFAULT_REUSE_SCOPE, ReuseScope, TokenIdExt
 from .._events import LayerGroupSpec, block_hash
 from .._layers._policy import LayerGroup
 from .._life_cycle_registry import announced_layer_group
-from .._reuse._keys import BlockHasher, scope_key
+from .._reuse._keys import scope_key
+from .._router_index import BlockTree, RNode
+from .._router_index import prompt_block_hashes as _hashes
 from .schema import AllBlocksCleared, AnyWireEvent, BlockMoved, BlockRemoved, BlockStored, KVEventBatch, block_tokens
 
 #: block hashes are unsigned 64-bit ints
@@ -32,20 +34,7 @@ def prompt_block_hashes(
 ) -> list[int]:
     """The 64-bit hashes a replica reports for the blocks of ``tokens`` (the last may be partial)."""
     scope = reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE
-    return [block_hash(k) for k in BlockHasher(tokens, tokens_per_block, "tokens").chain(scope_key(scope))]
-
-
-class _Node:
-    __slots__ = ("by_first", "children", "groups", "hash", "parent", "tokens")
-
-    def __init__(self, block_hash: int, parent: _Node | None, tokens: tuple[TokenIdExt, ...]) -> None:
-        self.hash = block_hash
-        self.parent = parent
-        self.tokens = tokens
-        self.children: dict[int, _Node] = {}
-        self.by_first: dict[TokenIdExt, list[_Node]] = {}
-        #: layer group -> medium holding its page
-        self.groups: dict[int, str | None] = {}
+    return _hashes(tokens, tokens_per_block, scope_key(scope))
 
 
 class ReplicaIndex:
@@ -68,8 +57,7 @@ class ReplicaIndex:
         self.enable_partial_reuse = enable_partial_reuse
         self.tokens_per_block = tokens_per_block
         self.groups: dict[int, LayerGroup] = {}
-        self._nodes: dict[int, _Node] = {}
-        self._roots: dict[tuple[int | None, int | None], _Node] = {}  # (scope hash, lora id)
+        self._tree = BlockTree()
         self.reset()
         #: wire events applied so far
         self.num_events = 0
@@ -90,23 +78,21 @@ class ReplicaIndex:
         if isinstance(ev, BlockStored):
             self._stored(ev)
         elif isinstance(ev, BlockRemoved):
-            g = self._check_target(ev.block_hashes, ev.group_idx)
-            for h in ev.block_hashes:
-                self._removed(h, g)
+            self._tree.remove(ev.block_hashes, self._check_target(ev.block_hashes, ev.group_idx))
         elif isinstance(ev, BlockMoved):
-            g = self._check_target(ev.block_hashes, ev.group_idx)
-            for h in ev.block_hashes:
-                node = self._nodes.get(h)
-                if node is not None and g in node.groups:
-                    node.groups[g] = ev.medium
+            self._tree.move(ev.block_hashes, self._check_target(ev.block_hashes, ev.group_idx), ev.medium)
         elif isinstance(ev, AllBlocksCleared):
             self.clear()
         self.num_events += 1
 
     def clear(self) -> None:
         """Forget every block (AllBlocksCleared)."""
-        self._nodes.clear()
-        self._roots.clear()
+        self._tree.clear()
+
+    def __del__(self) -> None:
+        tree = getattr(self, "_tree", None)
+        if tree is not None:
+            tree.clear()  # (its nodes are not collected as cycles)
 
     def reset(self) -> None:
         """Forget every block and what was learnt of the replica (block size, layer groups) beyond
@@ -131,9 +117,12 @@ class ReplicaIndex:
             raise ValueError(f"block hashes must be unsigned 64-bit ints, got {min(hashes)} .. {max(hashes)}")
         return g
 
-    def _check_stored(self, event: BlockStored) -> tuple[int, str, int | None, int, list[tuple[TokenIdExt, ...]]]:
+    def _check_stored(
+        self, event: BlockStored
+    ) -> tuple[int, str, int | None, int, list[tuple[TokenIdExt, ...]] | None]:
         """``(group, kind, window, sinks, block tokens)`` of a ``BlockStored``, every value checked
-        (nothing is learnt or changed before every check passed)."""
+        (nothing is learnt or changed before every check passed); block tokens only for blocks
+        with digest tokens (None: the token ids, block by block)."""
         t = event.block_size
         n = len(event.block_hashes)
         if t < 1 or n == 0 or not (n - 1) * t < len(event.token_ids) <= n * t:
@@ -161,7 +150,8 @@ class ReplicaIndex:
                 f"BlockStored announces group {group} as {kind} (window {window}, {sinks} sink blocks), "
                 f"it was {known.kind} (window {known.window_size}, {known.num_sink_blocks} sink blocks)"
             )
-        return group, kind or "full_attention", window, sinks, block_tokens(event)
+        digests = event.extra_keys is not None and any(event.extra_keys)
+        return group, kind or "full_attention", window, sinks, block_tokens(event) if digests else None
 
     def _stored(self, event: BlockStored) -> None:
         group, kind, window, sinks, tokens = self._check_stored(event)
@@ -173,61 +163,29 @@ class ReplicaIndex:
                 for g, lc in self.groups.items()
             }
         self._learn_group(group, kind, window, sinks)
-        if event.parent_block_hash is None:
-            key = (event.scope_hash, event.lora_id)
-            parent = self._roots.get(key)
-            if parent is None:
-                parent = self._roots[key] = _Node(-1, None, ())
-        else:
-            found = self._nodes.get(event.parent_block_hash)
-            if found is None:
-                return  # its parent is gone (or was never seen): unreachable, as on the replica
-            parent = found
-        for block, toks in zip(event.block_hashes, tokens):
-            node = self._nodes.get(block)
-            if node is None:
-                node = self._nodes[block] = _Node(block, parent, toks)
-                parent.children[block] = node
-                parent.by_first.setdefault(toks[0], []).append(node)
-            node.groups[group] = event.medium
-            parent = node
-
-    def _removed(self, block_hash: int, group: int) -> None:
-        node = self._nodes.get(block_hash)
-        if node is None:
-            return
-        node.groups.pop(group, None)
-        self._prune(node)
-
-    def _prune(self, node: _Node) -> None:
-        """Drop nodes with no page and no children, upward (a replica keeps them only as chain links)."""
-        n: _Node | None = node
-        while n is not None and n.parent is not None and not n.groups and not n.children:
-            parent = n.parent
-            del parent.children[n.hash]
-            lst = parent.by_first[n.tokens[0]]
-            lst.remove(n)
-            if not lst:
-                del parent.by_first[n.tokens[0]]
-            del self._nodes[n.hash]
-            n.parent = None
-            n = parent
-        # empty roots stay: cheap, and a replica keeps its roots too
+        root = (event.scope_hash, event.lora_id)
+        self._tree.store(
+            root, event.parent_block_hash, event.block_hashes, event.token_ids, tokens, t, group, event.medium
+        )
 
     # ------------------------------------------------------------------ queries
     @property
     def num_blocks(self) -> int:
         """Blocks known (with a page in some group, or linking to such blocks)."""
-        return len(self._nodes)
+        return len(self._tree.nodes)
+
+    @property
+    def _nodes(self) -> dict[int, RNode]:
+        return self._tree.nodes
 
     def has_block(self, block_hash: int, group_idx: int | None = None) -> bool:
-        node = self._nodes.get(block_hash)
+        node = self._tree.nodes.get(block_hash)
         if node is None:
             return False
         return bool(node.groups) if group_idx is None else group_idx in node.groups
 
     def medium_of(self, block_hash: int, group_idx: int = 0) -> str | None:
-        node = self._nodes.get(block_hash)
+        node = self._tree.nodes.get(block_hash)
         return node.groups.get(group_idx) if node is not None else None
 
     def match_length(
@@ -240,71 +198,34 @@ class ReplicaIndex:
 
         ``hashes`` (from :func:`prompt_block_hashes`) saves hashing when several indexes are asked.
         """
+        return self._match(tokens, reuse_scope, hashes)[0]
+
+    def match_media(
+        self,
+        tokens: Sequence[TokenIdExt],
+        reuse_scope: ReuseScope | None = None,
+        hashes: Sequence[int] | None = None,
+    ) -> dict[str | None, int]:
+        """The tokens :meth:`match_length` reports, counted by the medium their block is on (a
+        block with pages on several media counts at its lowest: the last in GPU, CPU, DISK,
+        REMOTE order; another medium name counts as itself; a block needing no page, outside
+        every window, as GPU)."""
+        length, last, part = self._match(tokens, reuse_scope, hashes)
+        t = self.tokens_per_block
+        return {} if t is None else self._tree.media(length, last, part, t)
+
+    def _match(
+        self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None, hashes: Sequence[int] | None
+    ) -> tuple[int, RNode | None, RNode | None]:
+        """The match's length, its last full block's node and its partial block's node (if any)."""
         t = self.tokens_per_block
         if t is None or len(tokens) == 0:
-            return 0
+            return 0, None, None
         scope = reuse_scope if reuse_scope is not None else DEFAULT_REUSE_SCOPE
-        root = self._roots.get((block_hash(scope_key(scope)), scope.lora_id))
-        if root is None:
-            return 0
+        key = (block_hash(scope_key(scope)), scope.lora_id)
+        if key not in self._tree.roots:
+            return 0, None, None
         if hashes is None:
             hashes = prompt_block_hashes(tokens, t, scope)
-        nodes: list[_Node] = []
-        node = root
-        n_full = len(tokens) // t
-        while len(nodes) < n_full:
-            child = node.children.get(hashes[len(nodes)])
-            if child is None:
-                break
-            nodes.append(child)
-            node = child
-        part: _Node | None = None
-        part_len = 0
-        # recurrent groups: a match ends at a block with a snapshot of each (never partial)
-        state_groups = [g for g, lc in self.groups.items() if lc.keeps_live_state]
-        if self.enable_partial_reuse and not state_groups and len(nodes) * t < len(tokens):
-            # the child sharing the most tokens among those with a page of every attention group
-            # (the partial block is the match's last: each group needs it)
-            needed = [g for g, lc in self.groups.items() if not lc.keeps_live_state]
-            rest = tokens[len(nodes) * t : (len(nodes) + 1) * t]
-            for c in node.by_first.get(rest[0], []):
-                n = _common_prefix_len(c.tokens, rest)
-                if n > part_len and all(g in c.groups for g in needed):
-                    part, part_len = c, n
-        while True:
-            if state_groups:
-                n = len(nodes)
-                while n > 0 and any(g not in nodes[n - 1].groups for g in state_groups):
-                    n -= 1
-                del nodes[n:]
-            length = len(nodes) * t + part_len
-            missing = self._first_missing_block(nodes, part, length)
-            if missing < 0:
-                return length
-            del nodes[missing:]
-            part, part_len = None, 0
-
-    def _first_missing_block(self, nodes: list[_Node], part: _Node | None, length: int) -> int:
-        t = self.tokens_per_block
-        assert t is not None
-        nb = (length + t - 1) // t
-        first = -1
-        for g, lc in self.groups.items():
-            beg, end = lc.stale_range(length)
-            for o in range(nb):
-                if beg <= o < end:
-                    continue
-                node = nodes[o] if o < len(nodes) else part
-                if node is None or g not in node.groups:
-                    if first < 0 or o < first:
-                        first = o
-                    break
-        return first
-
-
-def _common_prefix_len(a: Sequence[TokenIdExt], b: Sequence[TokenIdExt]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+        h = hashes if type(hashes) is list else list(hashes)
+        return self._tree.match(key, tokens, h, t, self.groups, self.enable_partial_reuse)

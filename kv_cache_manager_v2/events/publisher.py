@@ -40,12 +40,13 @@ from collections.abc import Sequence
 import zmq
 
 from .._events import KVCacheEvent, KVCacheEventManager
-from .schema import KVEventBatch, MovesAs, encode_batch, to_wire
+from .._routing import ReplicaLoad
+from .schema import KVEventBatch, LoadReport, MovesAs, encode_batch, to_wire
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
-#: one queued batch: (sequence number, timestamp, events); None stops the thread
-_Item = tuple[int, float, list[KVCacheEvent]] | None
+#: one queued batch: (sequence number, timestamp, events, load); None stops the thread
+_Item = tuple[int, float, list[KVCacheEvent], LoadReport | None] | None
 
 
 class _Sender:
@@ -125,7 +126,7 @@ class _Sender:
                 try:
                     if item is None:
                         return
-                    self.send(item[0], item[1], item[2])
+                    self.send(item[0], item[1], item[2], item[3])
                 finally:
                     with self.sent:
                         self.queue.task_done()
@@ -142,8 +143,8 @@ class _Sender:
                         break
                 self.sent.notify_all()
 
-    def send(self, seq: int, ts: float, events: list[KVCacheEvent]) -> None:
-        payload = encode_batch(KVEventBatch(ts, to_wire(events, self.moves), self.rank, self.instance_id))
+    def send(self, seq: int, ts: float, events: list[KVCacheEvent], load: LoadReport | None) -> None:
+        payload = encode_batch(KVEventBatch(ts, to_wire(events, self.moves), self.rank, self.instance_id, load=load))
         self.remember(seq, payload)
         seq_bytes = seq.to_bytes(8, "big")
         in_flight = self.in_flight
@@ -151,7 +152,7 @@ class _Sender:
             self.in_flight_bytes -= in_flight.popleft()[1]
         if in_flight and self.in_flight_bytes + len(payload) > self.max_send_bytes:
             # ZMQ still holds too much for a subscriber that does not read: routers replay this one
-            placeholder = encode_batch(KVEventBatch(ts, [], self.rank, self.instance_id, withheld=True))
+            placeholder = encode_batch(KVEventBatch(ts, [], self.rank, self.instance_id, withheld=True, load=load))
             self.pub.send_multipart((self.topic, seq_bytes, placeholder))
             self.num_withheld += 1
         else:
@@ -283,25 +284,32 @@ class ZmqEventPublisher:
         )
 
     # ------------------------------------------------------------------ scheduler side
-    def publish(self, events: Sequence[KVCacheEvent]) -> None:
-        """Queue one batch (nothing when ``events`` is empty); never blocks. A full queue drops the
-        batch (counted); its sequence number is used up, so subscribers see the gap."""
+    def publish(self, events: Sequence[KVCacheEvent], load: ReplicaLoad | None = None) -> None:
+        """Queue one batch (nothing when ``events`` is empty and no ``load`` is given); never blocks.
+        ``load``: the replica's load now, sent with the batch (routers weigh it against cache;
+        publish it every step or so, a router forgets a load after its ``load_stale_s``). A full
+        queue drops the batch (counted); its sequence number is used up, so subscribers see the gap."""
         if self._closed:
             raise RuntimeError("publish() after close()")
         if self._sender.error is not None:
             raise RuntimeError("the publisher thread failed") from self._sender.error
-        if not events:
+        if load is not None and not isinstance(load, ReplicaLoad):
+            raise TypeError(f"load must be a ReplicaLoad or None, got {type(load).__name__}")
+        if not events and load is None:
             return
+        report = (
+            None if load is None else LoadReport(load.queued_prefill_tokens, load.running_requests, load.kv_utilization)
+        )
         seq = self._next_seq
         self._next_seq = seq + 1
         try:
-            self._sender.queue.put_nowait((seq, time.time(), list(events)))
+            self._sender.queue.put_nowait((seq, time.time(), list(events), report))
         except queue.Full:
             self.num_dropped_batches += 1
             self._resync_due = True
 
-    def drain(self, event_manager: KVCacheEventManager) -> None:
-        """``publish(event_manager.get_latest_events())``; after a dropped batch, publishes
+    def drain(self, event_manager: KVCacheEventManager, load: ReplicaLoad | None = None) -> None:
+        """``publish(event_manager.get_latest_events(), load)``; after a dropped batch, publishes
         ``event_manager.snapshot()`` instead (AllBlocksCleared + every cached block), which makes
         subscribers exact again."""
         events = event_manager.get_latest_events()
@@ -309,7 +317,7 @@ class ZmqEventPublisher:
             events = event_manager.snapshot()  # the state now, the events just drained included
             self._resync_due = False
         dropped = self.num_dropped_batches
-        self.publish(events)
+        self.publish(events, load)
         if self.num_dropped_batches != dropped:
             self._resync_due = True
 

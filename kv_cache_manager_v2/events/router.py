@@ -1,13 +1,14 @@
 """Router side: subscribe to N replicas' KV-cache event streams and route each prompt by them.
 
 :class:`KVAwareRouter` subscribes to N replicas over ZMQ (replaying missed batches), keeps one
-:class:`~kv_cache_manager_v2.events.index.ReplicaIndex` per replica and picks the replica with the
-longest match. :class:`PrefixRouter` does the same over indexes fed directly (simulators).
+:class:`~kv_cache_manager_v2.events.index.ReplicaIndex` per replica and the load each replica
+publishes with its batches, and picks a replica by a routing policy (cache weighted by tier, load,
+an affinity window: ``kv_cache_manager_v2._routing``). :class:`PrefixRouter` does the same over
+indexes fed directly (simulators), with loads given by the caller.
 """
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,11 +18,22 @@ import zmq
 
 from .._common import ReuseScope, TokenIdExt
 from .._events import LayerGroupSpec
+from .._routing import DEFAULT_POLICY, ROUTING_POLICIES, ReplicaLoad, RoutePicker, RouteWeights
 from ._stream import SEQ_LIMIT, ReplicaEndpoints, _Subscription
 from .index import ReplicaIndex, prompt_block_hashes
 from .schema import RawEventBatch, decode_raw_batch
 
-__all__ = ["KVAwareRouter", "PrefixRouter", "ReplicaEndpoints", "ReplicaIndex", "RouteDecision", "prompt_block_hashes"]
+__all__ = [
+    "ROUTING_POLICIES",
+    "KVAwareRouter",
+    "PrefixRouter",
+    "ReplicaEndpoints",
+    "ReplicaIndex",
+    "ReplicaLoad",
+    "RouteDecision",
+    "RouteWeights",
+    "prompt_block_hashes",
+]
 
 END_SEQ = -1
 #: what :meth:`KVAwareRouter._replay` returns for a publisher that does not tell its newest sequence number
@@ -32,45 +44,91 @@ MIN_WORK_S = 0.01
 
 @dataclass(frozen=True)
 class RouteDecision:
-    """The chosen replica, the tokens it would reuse, and every replica's match length."""
+    """The chosen replica, the tokens it would reuse, every replica's match length, and the loads
+    the decision used (None: unknown or stale)."""
 
     replica: int
     matched_tokens: int
     scores: tuple[int, ...]
+    loads: tuple[ReplicaLoad | None, ...] = ()
 
 
 class PrefixRouter:
-    """Routes to the replica whose index matches the longest prefix (ties: random, seeded)."""
+    """Routes over indexes fed directly (simulators, tests) by a routing policy (``policy``, one
+    of ``ROUTING_POLICIES``; default ``prefix+load``, ``weights``: see :class:`RouteWeights`).
 
-    def __init__(self, indexes: Sequence[ReplicaIndex], seed: int | None = 0) -> None:
+    Loads are given by the caller: :meth:`set_load` (kept ``weights.load_stale_s`` seconds), or
+    ``route(..., loads=...)`` for one decision. A replica without a fresh load is weighed by its
+    cache alone."""
+
+    def __init__(
+        self, indexes: Sequence[ReplicaIndex], policy: str = DEFAULT_POLICY, weights: RouteWeights | None = None
+    ) -> None:
         if len(indexes) == 0:
             raise ValueError("indexes must name at least one replica")
         self.indexes = list(indexes)
-        self._rng = random.Random(seed)
+        self.picker = RoutePicker(policy, weights)
+        #: per replica: its last load and when it came (monotonic seconds)
+        self._loads: list[tuple[ReplicaLoad, float] | None] = [None] * len(self.indexes)
+
+    @property
+    def weights(self) -> RouteWeights:
+        return self.picker.weights
+
+    def set_load(self, replica: int, load: ReplicaLoad | None) -> None:
+        """Record ``replica``'s load now (None: forget it)."""
+        if not 0 <= replica < len(self.indexes):
+            raise ValueError(f"replica must be in [0, {len(self.indexes)}), got {replica}")
+        if load is not None and not isinstance(load, ReplicaLoad):
+            raise TypeError(f"load must be a ReplicaLoad or None, got {type(load).__name__}")
+        self._loads[replica] = None if load is None else (load, time.monotonic())
+
+    def load(self, replica: int) -> ReplicaLoad | None:
+        """``replica``'s load if it is fresh (younger than ``weights.load_stale_s``), else None."""
+        entry = self._loads[replica]
+        if entry is None or time.monotonic() - entry[1] >= self.weights.load_stale_s:
+            return None
+        return entry[0]
 
     def scores(self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None) -> list[int]:
         """Match length on every replica."""
+        return [sum(m.values()) for m in self._media(tokens, reuse_scope)]
+
+    def _media(self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None) -> list[dict[str | None, int]]:
+        """Every replica's match, in tokens by medium (empty for an unusable replica)."""
         cache: dict[int, list[int]] = {}
-        out = []
+        out: list[dict[str | None, int]] = []
         for i, idx in enumerate(self.indexes):
             t = idx.tokens_per_block
             if t is None or not self._usable(i):
-                out.append(0)
+                out.append({})
                 continue
             if t not in cache:
                 cache[t] = prompt_block_hashes(tokens, t, reuse_scope)
-            out.append(idx.match_length(tokens, reuse_scope, cache[t]))
+            out.append(idx.match_media(tokens, reuse_scope, cache[t]))
         return out
 
     def _usable(self, replica: int) -> bool:
-        """Whether the replica's index may be asked (scores 0 otherwise)."""
+        """Whether the replica may be routed to (its index asked; scores 0 otherwise)."""
         return True
 
-    def route(self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None) -> RouteDecision:
-        s = self.scores(tokens, reuse_scope)
-        best = max(s)
-        replica = self._rng.choice([i for i, x in enumerate(s) if x == best])
-        return RouteDecision(replica, best, tuple(s))
+    def route(
+        self,
+        tokens: Sequence[TokenIdExt],
+        reuse_scope: ReuseScope | None = None,
+        loads: Sequence[ReplicaLoad | None] | None = None,
+    ) -> RouteDecision:
+        """Pick a replica for ``tokens`` by the policy; ``loads`` (one per replica, None: unknown)
+        replaces the recorded ones for this decision."""
+        if loads is not None and len(loads) != len(self.indexes):
+            raise ValueError(f"loads must give one load (or None) per replica ({len(self.indexes)}), got {len(loads)}")
+        media = self._media(tokens, reuse_scope)
+        w = self.weights
+        known = list(loads) if loads is not None else [self.load(i) for i in range(len(self.indexes))]
+        usable = [self._usable(i) for i in range(len(self.indexes))]
+        replica = self.picker.pick([w.value(m) for m in media], known, usable)
+        s = tuple(sum(m.values()) for m in media)
+        return RouteDecision(replica, s[replica], s, tuple(known))
 
 
 class KVAwareRouter(PrefixRouter):
@@ -107,7 +165,8 @@ class KVAwareRouter(PrefixRouter):
         tokens_per_block: int | None = None,
         enable_partial_reuse: bool = True,
         replay_timeout: float = 2.0,
-        seed: int | None = 0,
+        policy: str = DEFAULT_POLICY,
+        weights: RouteWeights | None = None,
         replay_backoff: float = 1.0,
         max_replay_backoff: float = 30.0,
         probe_interval: float | None = 5.0,
@@ -131,7 +190,8 @@ class KVAwareRouter(PrefixRouter):
                 ReplicaIndex(tokens_per_block, groups[i] if groups is not None else (), enable_partial_reuse)
                 for i in range(len(replicas))
             ],
-            seed,
+            policy,
+            weights,
         )
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._replay_timeout = float(replay_timeout)
@@ -142,6 +202,8 @@ class KVAwareRouter(PrefixRouter):
         self._poller = zmq.Poller()
         for s in self.subscriptions:
             self._poller.register(s.sub, zmq.POLLIN)
+        #: per replica: the sequence number of the batch whose load is kept (-1: none)
+        self._load_seq = [-1] * len(replicas)
         self._first = 0  # the replica each poll serves first (rotates: a flood cannot starve the others)
 
     def close(self) -> None:
@@ -215,6 +277,8 @@ class KVAwareRouter(PrefixRouter):
             s.retired.add(s.instance)
             s.num_restarts += 1
             self.indexes[i].reset()
+            self._loads[i] = None  # (a new instance's sequence numbers start again)
+            self._load_seq[i] = -1
             s.pending.clear()
             s.last_seq = -1
             s.stale = False
@@ -231,6 +295,7 @@ class KVAwareRouter(PrefixRouter):
         if batch is None or not self._same_instance(i, batch.instance_id):
             return
         s.heard()
+        self._take_load(i, seq, batch)
         if seq <= s.last_seq:
             return  # already received (replayed before it arrived live)
         if seq > s.last_seq + 1 or batch.withheld:
@@ -242,6 +307,20 @@ class KVAwareRouter(PrefixRouter):
                 s.num_malformed += 1  # ahead of everything the publisher sent: not its batch
                 return
         s.receive(seq, batch.events, seq - s.last_seq - 1, batch.withheld)
+
+    def _take_load(self, i: int, seq: int, batch: RawEventBatch) -> None:
+        """Keep the load a batch carries when it is the newest batch that carried one (live or
+        replayed: the replica's latest known state)."""
+        ld = batch.load
+        if ld is None or seq <= self._load_seq[i]:
+            return
+        try:
+            load = ReplicaLoad(ld.queued_prefill_tokens, ld.running_requests, ld.kv_utilization)
+        except (TypeError, ValueError):
+            self.subscriptions[i].num_malformed += 1
+            return
+        self._loads[i] = (load, time.monotonic())
+        self._load_seq[i] = seq
 
     def _replay(self, i: int, start: int, stop: int | None) -> int | None:
         """Queue replayed batches ``start <= seq < stop`` (``stop`` None: all buffered). Returns the
@@ -280,6 +359,7 @@ class KVAwareRouter(PrefixRouter):
                     batch = self._decode(s, frames[-1])
                     if batch is None or batch.withheld or not self._same_instance(i, batch.instance_id):
                         continue
+                    self._take_load(i, seq, batch)
                     if seq > s.last_seq and (stop is None or seq < stop):
                         s.receive(seq, batch.events, seq - s.last_seq - 1, False)  # a gap: no longer buffered
                         s.num_replayed += 1

@@ -94,6 +94,14 @@ class BlockMoved(WireEvent):
 AnyWireEvent = BlockStored | BlockRemoved | AllBlocksCleared | BlockMoved
 
 
+class LoadReport(msgspec.Struct, array_like=True, gc=False):
+    """Extension: a replica's load when it published the batch (what routers weigh against cache)."""
+
+    queued_prefill_tokens: int
+    running_requests: int
+    kv_utilization: float
+
+
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One publish: ``ts`` (seconds since the epoch), the events in order, the data-parallel rank."""
 
@@ -105,6 +113,8 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     #: extension: the events were withheld from the PUB socket (its byte bound was reached): ``events`` is
     #: empty and the batch is in the replay buffer under the same sequence number
     withheld: bool = False
+    #: extension: the replica's load (a batch may carry only this: no events)
+    load: LoadReport | None = None
 
 
 class RawEventBatch(msgspec.Struct, array_like=True, gc=False):
@@ -116,6 +126,7 @@ class RawEventBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
     instance_id: int | None = None
     withheld: bool = False
+    load: LoadReport | None = None
 
 
 def digest_stand_in(digest: bytes) -> int:

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from .._config import EVICTION_POLICIES, REMOTE_URL_SCHEMES
 from ._check import DataCheckError
+from ._fleet import add_routing_arguments, check_routing_arguments
 from ._hints import HINTS_HELP, HINTS_SWEEP_KEY, check_accuracy, check_pin_duration, check_pin_share
 from ._models import (
     PRESETS,
@@ -145,10 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="N engine replicas, each its own manager with the tiers above, requests routed round-robin; "
         "replayed with private caches and again sharing a remote tier (write-through), and compared",
     )
+    add_routing_arguments(g)
     g.add_argument(
         "--remote-url",
-        help="the Redis of the shared tier (default: a private redis-server on a free loopback port); "
-        "redis+cluster://host:port[,host:port...] for a Redis Cluster or Valkey cluster",
+        help="the store of the shared tier (default: a private redis-server on a free loopback port): "
+        "redis://host:port, redis+cluster://host:port[,host:port...] for a Redis Cluster or Valkey cluster, "
+        "mooncake://master-host:port?metadata=URL for a Mooncake Store",
     )
     g.add_argument(
         "--remote-cluster",
@@ -439,13 +442,12 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
     except ValueError as e:  # a wrong type from check_int
         raise SimUserError(str(e)) from None
     if a.remote_url is not None and not a.remote_url.startswith(REMOTE_URL_SCHEMES):
-        raise SimUserError(
-            f"--remote-url {a.remote_url!r}: write redis://HOST:PORT (or rediss://, unix://PATH, redis+cluster://HOST:PORT)"
-        )
+        raise SimUserError(f"--remote-url {a.remote_url!r}: write redis://HOST:PORT (or one of {REMOTE_URL_SCHEMES})")
     if not 1 <= a.replicas <= MAX_REPLICAS:
         raise SimUserError(
             f"--replicas must be in [1, {MAX_REPLICAS}] (each replica is a manager here), got {a.replicas}"
         )
+    check_routing_arguments(a)
     if a.remote_cluster and a.replicas == 1:
         raise SimUserError("--remote-cluster is the shared tier of --replicas N: give --replicas 2 or more")
     requests, workload = _workload(a)

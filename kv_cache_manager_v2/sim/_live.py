@@ -24,6 +24,8 @@ class Live:
         self.restarted = False  #: freed by the engine's restart, not yet admitted again
         self.first_ms = -1.0  #: when its first output token was sampled (the end of that step)
         self.out = RequestOutcome(sim.index, sim.source_line, arrival_ms, self.prompt_length)
+        #: background loads (``--load-policy``): when its pages are in GPU memory (-1: no wait)
+        self.ready_ms = -1.0
 
 
 def count_admission(r: ReplayResult, live: Live, clock: float, t: int) -> None:

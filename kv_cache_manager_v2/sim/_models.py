@@ -580,4 +580,5 @@ def manager_config(
         backend="host",
         eviction_policy=cast(EvictionPolicy, eviction_policy),
         ssm_reuse_interval=ssm_reuse_interval if shape.is_hybrid else None,
+        load_workers=0,  # deterministic: the simulator's own clock models load time (no worker threads)
     )

@@ -52,6 +52,22 @@ def write_plot(
     plt.close(fig)
 
 
+def write_routing_plot(path: str, doc: dict[str, Any]) -> None:
+    """``--routing``: the TTFT CDF of every policy, one line each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = list(doc["policies"])
+    reports = [{"latency": {"ttft_cdf_s": p["ttft_cdf_s"], "goodput": None}} for p in doc["policies"].values()]
+    _ttft_cdf_panel(ax, names, reports, f"{doc['count']} replicas, routing")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _quota_sweep_figure(plt: Any, key: str, all_reports: list[dict[str, Any]]) -> Any:
     import matplotlib.ticker
 

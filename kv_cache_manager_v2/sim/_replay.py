@@ -36,22 +36,23 @@ from typing import Final, cast
 
 import numpy as np
 
-from .._common import CacheLevel, ReuseScope, TokenId, TokenIdExt
+from .._common import CacheLevel, ReuseScope, TierStatistics, TokenId, TokenIdExt
 from .._config import KVCacheManagerConfig
 from .._retention import Retention
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
 from ._live import Live, count_admission
+from ._loading import load_plan_config, prepare_loading, woken
 from ._replay_types import (
     SERIES_FIELDS,
     LevelUsage,
     ReplayResult,
     SchedulerOptions,
+    add_manager_counters,
     add_request_times,
     add_samples,
     set_workload_bounds,
 )
-from ._ssm_policy import add_counters
 from ._step_cost import LinearCost, StepCost
 from ._tier_io import TierIO, tier_kind
 from ._workload import SimRequest
@@ -87,6 +88,9 @@ class Replay:
         self.requests = requests
         self.clock = 0.0
         self.config = config = dataclasses.replace(config, clock=lambda: self.clock / 1000.0)  # simulated seconds
+        if options.load_policy is not None:  # the manager prices loads as the replay times them
+            config = self.config = load_plan_config(config, options.load_policy, options.links, bytes_scale)
+        self._early: list[TierStatistics] = []  #: background loads: the step's traffic before its admissions
         self.retain: Sequence[Retention | None] | None = None  #: close-time hints by request index (--retention-hints)
         #: per request index, the shared prefix (id, tokens) to pin once it finished (--pin-system-prompts)
         self.pins: Sequence[tuple[int, int] | None] | None = None
@@ -208,6 +212,8 @@ class Replay:
             if len(old) >= o.max_batch:
                 break
             live = running[i] if i < num_running else suspended[i - num_running]
+            if live.ready_ms > self.clock:
+                continue  # its pages are still on their way (background loads)
             if i >= num_running and live.retry_at == self.releases and num_running:
                 continue  # refused, and no request has released memory since: do not resume it in vain
             n = self._step_tokens(live)
@@ -269,7 +275,13 @@ class Replay:
         self._step_manager_s += _clock() - t0
         if not new:
             return []
-        unserved = {r.request_id for r in self._timed_prepare([x.req for x in new])}
+        if o.load_policy is None:
+            unserved = {r.request_id for r in self._timed_prepare([x.req for x in new])}
+        else:
+            t0 = _clock()
+            step = o.max_num_tokens - budget  # (the step's tokens, these requests' included)
+            unserved, self._early = prepare_loading(rm, self.io, self.cost, o.chunk, new, self.clock, step)
+            self._step_manager_s += _clock() - t0
         served: list[Live] = []
         for live in reversed(new):
             if live.req.request_id in unserved:
@@ -277,7 +289,8 @@ class Replay:
         for live in new:
             if live.req.request_id in unserved:
                 continue
-            served.append(live)
+            if live.ready_ms <= self.clock:
+                served.append(live)
             self.running.append(live)
             count_admission(self.result, live, self.clock, self.t)
         return served
@@ -330,6 +343,7 @@ class Replay:
                     finished.append(live)
         ms = cost.take_ms()
         r.compute_ms += ms
+        begin = self.clock
         self.clock = self._step_traffic() + ms  # (its loads first: see _tier_io)
         t0 = _clock()
         self.rm.update_resources([x.req for x in served])
@@ -344,6 +358,7 @@ class Replay:
         end = self.clock  # the step's tokens are out
         for live in firsts:
             live.first_ms = end
+            live.out.first_step_ms = end - begin
         r.request_steps += len(served)
         if len(served) > r.max_batch:
             r.max_batch = len(served)
@@ -439,6 +454,9 @@ class Replay:
             if it.onboarded_pages > usage.max_step_onboarded_pages:
                 usage.max_step_onboarded_pages = it.onboarded_pages
         io = self.io
+        if self._early:
+            traffic = self._early + traffic
+            self._early = []
         return io.step(self.clock, traffic) if io is not None else self.clock
 
     # ------------------------------------------------------------------ driver
@@ -476,7 +494,11 @@ class Replay:
         self._step_manager_s = 0.0
         served = self._schedule()
         if not served:
-            self._break_deadlock(self.suspended_now)
+            wake = woken(self.running, self.arrivals, self.clock)
+            if wake > self.clock:  # every request it could serve waits for its loads
+                self.clock = wake
+            else:
+                self._break_deadlock(self.suspended_now)
             r.manager_s += self._step_manager_s
             if self.count_manager_time:
                 self.clock += self._step_manager_s * 1000.0
@@ -522,36 +544,7 @@ class Replay:
 
     def _collect(self) -> None:
         """Add the manager's counters to the result (they restart with a new manager) and shut it down."""
-        r = self.result
-        m = self.rm.manager
-        st = m.reuse_statistics
-        r.reused_blocks += st.reused_blocks
-        r.missed_blocks += st.missed_blocks
-        r.reused_pages += st.reused_pages
-        r.allocated_pages += st.allocated_pages
-        r.snapshots_taken += st.snapshots_taken
-        r.snapshots_skipped += st.snapshots_skipped
-        r.snapshots_reused += st.snapshots_reused
-        r.snapshots_evicted += st.snapshots_evicted
-        r.snapshot_interval = m.config.snapshot_interval
-        add_counters(r.snapshot_counters, st)
-        for usage in r.levels:
-            ts = m.get_tier_statistics(CacheLevel(usage.level))
-            usage.peak_occupied = max(usage.peak_occupied, ts.peak_used_bytes)
-            # every request is gone: what the level still holds is reusable blocks
-            stats = m.get_storage_statistics(CacheLevel(usage.level))
-            usage.reusable_at_end = sum((x.total - x.free) * sum(x.slot_sizes) for x in stats)
-            usage.snapshots_at_end = ts.state_bytes  # (no live state is left)
-            usage.offloaded_pages += ts.offloaded_pages
-            usage.offloaded_bytes += ts.offloaded_bytes
-            usage.onboarded_pages += ts.onboarded_pages
-            usage.onboarded_bytes += ts.onboarded_bytes
-            usage.dropped_pages += ts.dropped_pages
-            usage.dropped_bytes += ts.dropped_bytes
-            usage.io_errors += ts.io_errors
-        if self.checker is not None:
-            r.records_checked += self.checker.records_checked
-            r.layer_by_layer_steps += self.checker.layer_by_layer_steps
+        add_manager_counters(self.result, self.rm.manager, self.checker)
         self.rm.shutdown()
 
     def _finish(self) -> None:
@@ -560,6 +553,9 @@ class Replay:
         if self.io is not None:
             self.result.io_wait_ms = self.io.load_ms
             self.result.io_write_stall_ms = self.io.write_stall_ms
+            self.result.io_background_ms = self.io.background_ms
+        if self.opts.load_policy is not None:
+            self.result.load_plan = dataclasses.asdict(self.rm.manager.load_plan_statistics)
         if self.on_finish is not None:
             self.on_finish(self.rm)
         self._collect()

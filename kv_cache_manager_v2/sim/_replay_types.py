@@ -10,8 +10,12 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .._common import CacheLevel
+from .._core._kv_cache_manager import KVCacheManager
 from .._utils import check_int
+from ._check import DataChecker
 from ._models import SimUserError
+from ._ssm_policy import add_counters
 from ._step_cost import StepCost
 from ._tier_io import TierLinks
 from ._workload import SimRequest
@@ -42,6 +46,10 @@ class SchedulerOptions:
     links: TierLinks | None = None
     #: the manager's measured CPU time of each step is added to the step's time (not deterministic)
     count_manager_time: bool = False
+    #: ``--load-policy``: the manager's ``load_policy``, priced by ``links`` and planned at each
+    #: request's prefill rate, with loads in the background (``_live.prepare_loading``); None:
+    #: the manager's default with no prefill rate (every match loaded), a step waiting for its loads
+    load_policy: str | None = None
 
     def validate(self) -> None:
         for name, v, lo in (
@@ -110,6 +118,8 @@ class RequestOutcome:
         self.loaded_tokens = 0
         #: tokens computed again after a preemption by recompute or an engine restart
         self.recomputed_tokens = 0
+        #: the time of the step that sampled its first token (ms)
+        self.first_step_ms = 0.0
 
     def to_json(self, tiers: Sequence[str], run: str | None) -> str:
         """One line of ``--per-request``: ``tiers`` name the levels (GPU first); ``run`` labels the
@@ -129,6 +139,7 @@ class RequestOutcome:
             "reused_tokens": {tiers[i]: k for i, k in enumerate(self.reused_per_level) if i < len(tiers)},
             "loaded_tokens": self.loaded_tokens,
             "recomputed_tokens": self.recomputed_tokens,
+            "first_step_ms": round(self.first_step_ms, 6) if done else None,
         }
         if run is not None:
             doc["run"] = run
@@ -183,6 +194,9 @@ class ReplayResult:
     outcomes: list[RequestOutcome] = field(default_factory=list)
     io_wait_ms: float = 0.0  #: simulated time steps waited for their loads (tier I/O), summed
     io_write_stall_ms: float = 0.0  #: ... and for their links' write backlogs (``_tier_io.WRITE_BACKLOG_MS``)
+    io_background_ms: float = 0.0  #: ... requests waited for their own loads (``--load-policy``), summed
+    #: ``--load-policy``: the manager's ``load_plan_statistics`` at the end (JSON-ready)
+    load_plan: dict[str, object] | None = None
     wall_s: float = 0.0
     manager_s: float = 0.0  #: CPU time inside adapter calls
     request_steps: int = 0  #: (request, step) pairs served
@@ -293,3 +307,35 @@ def add_request_times(result: ReplayResult) -> None:
     result.ttft_ms.extend([x.ttft_ms for x in done])
     result.tpot_ms.extend([x.tpot_ms for x in done])
     result.e2e_ms.extend([x.e2e_ms for x in done])
+
+
+def add_manager_counters(r: ReplayResult, m: KVCacheManager, checker: DataChecker | None) -> None:
+    """Add a manager's counters to ``r`` (every request gone; they restart with a new manager)."""
+    st = m.reuse_statistics
+    r.reused_blocks += st.reused_blocks
+    r.missed_blocks += st.missed_blocks
+    r.reused_pages += st.reused_pages
+    r.allocated_pages += st.allocated_pages
+    r.snapshots_taken += st.snapshots_taken
+    r.snapshots_skipped += st.snapshots_skipped
+    r.snapshots_reused += st.snapshots_reused
+    r.snapshots_evicted += st.snapshots_evicted
+    r.snapshot_interval = m.config.snapshot_interval
+    add_counters(r.snapshot_counters, st)
+    for usage in r.levels:
+        ts = m.get_tier_statistics(CacheLevel(usage.level))
+        usage.peak_occupied = max(usage.peak_occupied, ts.peak_used_bytes)
+        # every request is gone: what the level still holds is reusable blocks
+        stats = m.get_storage_statistics(CacheLevel(usage.level))
+        usage.reusable_at_end = sum((x.total - x.free) * sum(x.slot_sizes) for x in stats)
+        usage.snapshots_at_end = ts.state_bytes  # (no live state is left)
+        usage.offloaded_pages += ts.offloaded_pages
+        usage.offloaded_bytes += ts.offloaded_bytes
+        usage.onboarded_pages += ts.onboarded_pages
+        usage.onboarded_bytes += ts.onboarded_bytes
+        usage.dropped_pages += ts.dropped_pages
+        usage.dropped_bytes += ts.dropped_bytes
+        usage.io_errors += ts.io_errors
+    if checker is not None:
+        r.records_checked += checker.records_checked
+        r.layer_by_layer_steps += checker.layer_by_layer_steps

@@ -475,3 +475,21 @@ def format_ssm_sweep(reports: list[dict[str, Any]]) -> str:
     if rejecting:
         lines.append(f"warning: requests rejected (too long for the GPU tier) at ssm-interval {', '.join(rejecting)}")
     return "\n".join(lines)
+
+
+def format_load_plans(reports: list[dict[str, Any]]) -> str:
+    """The replays of ``--load-policy`` side by side (nothing without it): TTFT, tokens loaded from
+    below the GPU and recomputed by the plan, the time requests waited for their own loads."""
+    rows = [rep for rep in reports if "load_plan" in rep]
+    if len(rows) < 2:
+        return ""
+    lines = [f"\n  {'load policy':<12}{'TTFT mean':>11}{'p90':>10}{'loaded':>10}{'recomputed':>12}{'load wait':>11}"]
+    for rep in rows:
+        lp = rep["load_plan"]
+        ttft = rep["latency"]["ttft_s"] or {"mean": 0.0, "p90": 0.0}
+        loaded = sum(lp["loaded_tokens"][1:])
+        lines.append(
+            f"  {lp['policy']:<12}{ttft['mean']:>10.3f}s {ttft['p90']:>8.3f}s{format_count(loaded):>10}"
+            f"{format_count(sum(lp['recomputed_tokens'])):>12}{lp['request_load_wait_s']:>10.1f}s"
+        )
+    return "\n".join(lines) + "\n"

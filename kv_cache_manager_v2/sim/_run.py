@@ -19,6 +19,7 @@ from typing import Any
 
 import kv_cache_manager_v2 as kvm
 
+from ._fleet import format_routing, routing_choice, simulate_routing
 from ._hints import HINTS_SWEEP_KEY, check_accuracy, check_pin_share, format_hints, replay_with_hints, system_prompts
 from ._latency import Slo, compared_rows, latency_report
 from ._models import (
@@ -37,11 +38,11 @@ from ._models import (
     quota_bytes,
     real_bytes_per_proxy_byte,
 )
-from ._plot import write_plot
+from ._plot import write_plot, write_routing_plot
 from ._replay import Replay
 from ._replay_types import ReplayResult, SchedulerOptions
 from ._replicas import merge_results, run_replicas
-from ._report import SCHEMA, build_report, format_report, format_sweep
+from ._report import SCHEMA, build_report, format_load_plans, format_report, format_sweep
 from ._restart import format_restart, simulate_restart
 from ._ssm_policy import SSM_POLICY_KEY, policy_point
 from ._workload import SimRequest
@@ -173,6 +174,8 @@ def simulate(
         on_result(result)
     rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale, slo)
     rep["eviction_policy"] = eviction_policy
+    if result.load_plan is not None:
+        rep["load_plan"] = {**result.load_plan, "request_load_wait_s": result.io_background_ms / 1000.0}
     if rep["snapshots"]:
         rep["snapshots"]["policy"] = config.ssm_snapshot_policy
     if pin_shared is not None:
@@ -427,7 +430,10 @@ def run_restart(a: argparse.Namespace, s: Setup) -> int:
 
 
 def run_fleet(a: argparse.Namespace, s: Setup, res: Resources) -> int:
-    """``--replicas N`` / ``--remote-url``: private caches vs a shared remote tier (a private Redis by default)."""
+    """``--replicas N``: with ``--routing`` the routing policies compared; else private caches vs a shared
+    remote tier (``--remote-url``; a private Redis by default)."""
+    if a.routing is not None:
+        return run_routing(a, s)
     if s.sweep is not None or a.plot or len(a.eviction_policy) > 1:
         raise SimUserError("--replicas does not combine with --sweep, --plot or several eviction policies")
     url = a.remote_url
@@ -450,6 +456,26 @@ def run_fleet(a: argparse.Namespace, s: Setup, res: Resources) -> int:
             except OSError as e:
                 raise SimUserError(f"--json {a.json}: cannot write it ({e.strerror or e})") from None
         print(format_replicas(fleet))
+    return 0
+
+
+def run_routing(a: argparse.Namespace, s: Setup) -> int:
+    """``--replicas N --routing P[,P..]``: the requests once per routing policy (``_fleet``)."""
+    if s.sweep is not None or len(a.eviction_policy) > 1 or a.check_data:
+        raise SimUserError("--routing does not combine with --sweep, several eviction policies or --check-data")
+    policies, weights = routing_choice(a)
+    config, scale = _sim_config(
+        s.shape, s.tiers, a.tokens_per_block, a.swa_scratch, False, a.eviction_policy[0], s.interval
+    )
+    try:
+        doc = simulate_routing(config, s.requests, s.options, a.replicas, policies, weights, scale)
+    except ValueError as e:
+        raise SimUserError(f"the manager refused this configuration: {e}") from None
+    doc["model"] = s.shape.name
+    doc["workload"] = s.workload
+    if a.plot:
+        write_routing_plot(a.plot, doc)
+    _emit(a.json, {"schema": SCHEMA, "routing": doc}, format_routing(doc))
     return 0
 
 
@@ -515,7 +541,8 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
         sweep = None  # one replay without hints and one per accuracy, in one report
     reports: list[dict[str, Any]] = []
     policies: list[str] = a.eviction_policy
-    runs = [(row, variant, policy) for row in points for variant in variants for policy in policies]
+    loads: list[str | None] = a.load_policy or [None]
+    runs = [(row, var, pol, load) for row in points for var in variants for pol in policies for load in loads]
     outcomes: list[str] = []  # --per-request: JSON lines by request, replay after replay
 
     def keep(row: list[TierSpec], label: str) -> Callable[[ReplayResult], None] | None:
@@ -526,7 +553,7 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
             x.to_json([t.kind for t in row], run) for x in sorted(res.outcomes, key=lambda x: x.index)
         )
 
-    for row, (run_shape, run_interval, run_policy, point), policy in runs:
+    for row, (run_shape, run_interval, run_policy, point), policy, load in runs:
         if point:
             label = f"replay ({sweep[0] if sweep else ''} {point})"
         else:
@@ -534,10 +561,13 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
             label = f"replay ({sweep[0]} {swept[0] if swept else 0})" if sweep else "replay"
         if len(policies) > 1:
             label += f" {policy}"
+        if len(loads) > 1:
+            label += f" load={load}"
         update, close = _progress_bar(len(s.requests), not a.no_progress, label)
         try:
+            opts = dataclasses.replace(s.options, load_policy=load)
             rep = simulate(
-                run_shape, row, a.tokens_per_block, s.requests, s.workload, s.options, a.swa_scratch, a.check_data,
+                run_shape, row, a.tokens_per_block, s.requests, s.workload, opts, a.swa_scratch, a.check_data,
                 update, policy, metrics, run_interval, hints, a.pin_system_prompts, run_policy, a.pin_duration,
                 a.ssm_lower_tier_interval, s.slo, keep(row, label),
             )  # fmt: skip
@@ -550,7 +580,7 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
         key = sweep[0] if sweep is not None else "gpu"
         doc: dict[str, Any] = {"schema": SCHEMA, "sweep": {"key": key, "policies": policies, "points": reports}}
         text = format_report(reports[0]).split("\n")[0] + "\n" + format_sweep(key, reports)
-        text += "".join(format_hints(rep) for rep in reports)
+        text += "".join(format_hints(rep) for rep in reports) + format_load_plans(reports)
     else:
         doc = reports[0]
         text = format_report(doc) + format_hints(doc)

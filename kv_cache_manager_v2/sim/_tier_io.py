@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .._common import TierStatistics
-from .._config import DiskCacheTierConfig, HostCacheTierConfig, RemoteCacheTierConfig
+from .._config import CacheTierConfig, DiskCacheTierConfig, HostCacheTierConfig, RemoteCacheTierConfig
 from ._models import SimUserError, is_zero_quota
 
 #: the tiers below the GPU that have a link, in level order
@@ -46,6 +47,8 @@ LINK_TIERS = ("host", "disk", "remote")
 HOST_LINK_SHARE = 50 / 64
 #: link time of offloads a link may have queued when a step ends (beyond it the step waits)
 WRITE_BACKLOG_MS = 1000.0
+#: the fastest read a tier's config is given (a free link, ``inf``, is priced at this)
+MAX_BYTES_PER_S = 1e30
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,7 @@ class TierIO:
             self.latency_ms.append(link.latency_ms)
         self.busy_until = [0.0] * len(tiers)
         self.load_ms = 0.0  #: the time steps waited for loads (summed)
+        self.background_ms = 0.0  #: the time requests waited for their own loads (``load``, summed)
         self.write_stall_ms = 0.0  #: the time steps waited for write backlogs beyond WRITE_BACKLOG_MS
 
     def step(self, start_ms: float, traffic: list[TierStatistics]) -> float:
@@ -200,6 +204,47 @@ class TierIO:
         self.load_ms += loaded - start_ms
         self.write_stall_ms += t - loaded
         return t
+
+    def load(self, start_ms: float, traffic: list[TierStatistics]) -> float:
+        """One request's traffic at its admission under background loads (``--load-policy``): its
+        loads queue on their links from ``start_ms`` (level after level), then its offloads;
+        returns when its loads are done: the request waits for them, the step does not."""
+        t = start_ms
+        for it in traffic:
+            lvl = it.level
+            nbytes = it.onboarded_bytes
+            if nbytes:
+                busy = self.busy_until[lvl]
+                t = (busy if busy > t else t) + self.latency_ms[lvl] + nbytes * self.read_ms[lvl]
+                self.busy_until[lvl] = t
+        for it in traffic:
+            lvl = it.level
+            nbytes = it.offloaded_bytes
+            if nbytes:
+                busy = self.busy_until[lvl]
+                self.busy_until[lvl] = (
+                    (busy if busy > start_ms else start_ms) + self.latency_ms[lvl] + nbytes * self.write_ms[lvl]
+                )
+        self.background_ms += t - start_ms
+        return t
+
+
+def priced_tiers(tiers: Sequence[CacheTierConfig], links: TierLinks, bytes_scale: float) -> list[CacheTierConfig]:
+    """``tiers`` with the read cost of each tier below the GPU set from its link (the manager's
+    ``load_policy="auto"`` prices loads as the replay times them): the link's bandwidth in proxy
+    bytes (``bytes_scale``: real bytes per proxy byte) and its latency."""
+    out: list[CacheTierConfig] = []
+    for tier in tiers:
+        if isinstance(tier, (HostCacheTierConfig, DiskCacheTierConfig, RemoteCacheTierConfig)):
+            link = links.of(tier_kind(tier))
+            bw = link.read_bytes_per_s / bytes_scale
+            cost: dict[str, Any] = {
+                "read_bytes_per_s": min(bw, MAX_BYTES_PER_S),
+                "read_latency_s": link.latency_ms / 1e3,
+            }
+            tier = replace(tier, **cost)
+        out.append(tier)
+    return out
 
 
 def add_arguments(g: Any) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from .._config import LOAD_POLICIES
 from ._compute import DEFAULT_GPU_KIND, DEFAULT_MBU, DEFAULT_MFU, GPU_KINDS, build_step_cost
 from ._latency import SLO_OPTIONS, Slo, check_slo
 from ._models import ModelShape, SimUserError
@@ -33,8 +34,32 @@ def add_time_arguments(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("time (tier I/O, the manager's time, per request, objectives)")
     add_arguments(g)
+    g.add_argument(
+        "--load-policy",
+        type=_load_policies,
+        metavar="POLICY[,POLICY..]",
+        help=f"the manager's load_policy ({', '.join(LOAD_POLICIES)}, or all), planned at each request's prefill "
+        "rate with the tier links' costs, loads in the background (a request waits for its bytes while the "
+        "others compute); several: one replay each, compared (default: none: every match loaded, a step waiting "
+        "for its loads)",
+    )
     for flag, what in SLO_OPTIONS:
         g.add_argument(flag, type=float, metavar="SECONDS", help=what)
+
+
+def _load_policies(text: str) -> list[str]:
+    """``--load-policy``: one policy, a comma-separated list, or ``all``."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if names == ["all"]:
+        return ["never", "always", "auto"]
+    for x in names:
+        if x not in LOAD_POLICIES:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {x!r} (choose from {', '.join(LOAD_POLICIES)}, or all; comma-separated)"
+            )
+    if not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: name each policy once, comma-separated")
+    return names
 
 
 def time_setup(
@@ -51,6 +76,10 @@ def time_setup(
     gpu = GPU_KINDS.get(a.gpu_kind or DEFAULT_GPU_KIND, GPU_KINDS[DEFAULT_GPU_KIND])
     links = time_options(a, uses_disk, sweep, gpu.host_link_bytes_per_s)
     options = dataclasses.replace(options, cost=cost, links=links, count_manager_time=a.count_manager_time)
+    if a.load_policy and (a.replicas != 1 or a.remote_url or a.restart_at is not None):
+        raise SimUserError("--load-policy compares replays of one engine: drop --replicas/--remote-url/--restart-at")
+    if a.load_policy and len(a.load_policy) > 1 and (a.metrics_port is not None or a.metrics_file):
+        raise SimUserError("--metrics-port/--metrics-file report one replay: give one --load-policy")
     if options.prompt_only and a.slo_tpot is not None:
         raise SimUserError("--slo-tpot: --prompt-only generates no token after the first (no TPOT); drop one")
     return options, check_slo(a.slo_ttft, a.slo_tpot)

@@ -1,70 +1,45 @@
-"""One remote store's connection side: the client of one server (or a cluster's router), page keys,
-and the down state that turns a failed round trip into misses for ``retry_interval_ms``."""
+"""One remote store's connection side: its backend (chosen by the URL's scheme, ``_registry.py``), page
+keys, and the down state that turns a failed call into misses for ``retry_interval_ms``."""
 
 from __future__ import annotations
 
 import binascii
-import logging
+import importlib
 import time
-from typing import Any
 
-from ..._config import RemoteCacheTierConfig, redact_url
-from ._cluster import ClusterRouter
-from ._protocol import reply_bound, url_password, url_username
+from ..._config import RemoteCacheTierConfig
+from ._backend import LOG, RemoteBackend
+from ._registry import backend_of
 
-LOG = logging.getLogger("kv_cache_manager_v2")
+
+def open_backend(cfg: RemoteCacheTierConfig, max_page_bytes: int) -> RemoteBackend:
+    """The backend serving ``cfg.url``, connected (its module imported now: a backend's client
+    library is needed only where a URL names it)."""
+    module, cls, _ = backend_of(cfg.url)
+    backend = getattr(importlib.import_module(f"{__name__.rpartition('.')[0]}.{module}"), cls)(cfg, max_page_bytes)
+    assert isinstance(backend, RemoteBackend)
+    return backend
 
 
 class RemoteClient:
-    """The server (or cluster) a ``RemoteStore`` talks to, its keys and its down state; the base of
+    """The store a ``RemoteStore`` talks to (its ``backend``), its keys and its down state; the base of
     the writer (``RemoteWriter``) and of the store's reads (``RemoteStore``)."""
 
     def __init__(self, cfg: RemoteCacheTierConfig, fingerprint: bytes, max_page_bytes: int) -> None:
-        try:
-            import redis
-            from redis.backoff import NoBackoff
-            from redis.retry import Retry
-        except ImportError:
-            raise ImportError(
-                "RemoteCacheTierConfig needs the 'redis' package: pip install 'kv_cache_manager_v2[remote]'"
-            ) from None
         self.cfg = cfg
         self.fingerprint = fingerprint
         self.prefix = f"kvcm:{cfg.namespace}:{fingerprint.hex()}:".encode()
-        timeout = cfg.timeout_ms / 1000.0
-        self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
-        #: one call's replies (with a cluster: one node's) come within this, or the call fails
-        self._timeout_s = timeout
-        #: the longest bulk string a valid reply holds (a page's value): a longer one is a bad reply
-        self._max_bulk = reply_bound(max_page_bytes)
-        self._url = redact_url(cfg.url)
-        password = url_password(cfg.url)
+        self.backend = open_backend(cfg, max_page_bytes)
+        #: exceptions of a failed call (an outage)
+        self._errors: tuple[type[BaseException], ...] = self.backend.errors
+        self._timeout_s = cfg.timeout_ms / 1000.0
+        self._url = self.backend.url
         #: words that must not reach a log line (the password)
-        self._secret = password or ""
-        # no retries: a failure is a miss, and the next call after retry_interval_ms tries again
-        options: dict[str, Any] = dict(
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-        )
-        self.client: Any = None
-        self.router: ClusterRouter | None = None
-        if cfg.cluster:
-            username = url_username(cfg.url)
-            tls = cfg.url.startswith("rediss+")
-
-            def make_client(host: str, port: int) -> Any:
-                return redis.Redis(host=host, port=port, username=username, password=password, ssl=tls, **options)
-
-            self.router = ClusterRouter(cfg, make_client, self._errors, self._max_bulk)
-        else:
-            self.client = redis.Redis.from_url(cfg.url, **options)
+        self._secret = self.backend.secret
         #: key prefix per layer group: ``<prefix><layer group>:``; the block key's hex follows
         self._lc_prefix: list[bytes] = []
-        self._ttl = b"%d" % cfg.ttl_s if cfg.ttl_s is not None else b""
         self._retry_s = cfg.retry_interval_ms / 1000.0
-        #: the server counts as down until this time.monotonic() value
+        #: the store counts as down until this time.monotonic() value
         self._down_until = 0.0
         self._connected = True
         self._warned_refused = False
@@ -81,7 +56,7 @@ class RemoteClient:
         return time.monotonic() < self._down_until
 
     def _failed(self, what: str, e: BaseException) -> None:
-        """A round trip failed: the server counts as down for ``retry_interval_ms``; warn once per outage."""
+        """A call failed: the store counts as down for ``retry_interval_ms``; warn once per outage."""
         self._down_until = time.monotonic() + self._retry_s
         if self._connected:
             self._connected = False

@@ -19,13 +19,13 @@ from ._protocol import (
     ReplyReader,
     connection,
     exchange,
-    forget_frames,
     parse_redirect,
     resp_command,
     send,
     slot_ranges,
     url_password,
 )
+from ._value import forget_frames
 
 LOG = logging.getLogger("kv_cache_manager_v2")
 

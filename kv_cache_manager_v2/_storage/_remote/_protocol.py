@@ -1,26 +1,17 @@
-"""The remote tier's wire format: page keys and values (header, checksum), RESP commands, sending
-buffers without copies, and reading replies under one deadline (``ReplyReader``)."""
+"""The Redis backend's wire format: RESP commands, sending buffers without copies, and reading replies
+under one deadline (``ReplyReader``). Values are ``_value``'s."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import socket
-import struct
 import time
-import zlib
 from typing import Any, Final
 
 from mypy_extensions import mypyc_attr
 
-from ..._config import AttentionLayerConfig, KVCacheManagerConfig
+from ._value import HEADER_BYTES
 
-MAGIC: Final = b"KVC2"
-#: bump when the value layout, the key layout or the slot layout (coalescing order) changes
-FORMAT_VERSION: Final = 1
-#: magic, version, layer group, layout fingerprint, block key, payload length, CRC-32, reserved
-HEADER: Final = struct.Struct("<4sHH8s32sQII")
-HEADER_BYTES: Final = 64
 #: buffers per sendmsg call (below IOV_MAX)
 _MAX_IOV: Final = 512
 
@@ -52,62 +43,6 @@ LOOKUP_LUA: Final = (
 def resp_command(*args: bytes) -> bytes:
     """``args`` as one RESP command."""
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
-
-
-def layout_fingerprint(config: KVCacheManagerConfig, dtype: str) -> bytes:
-    """8 bytes naming everything that decides what a page's bytes mean: format version, tokens per
-    block, ``dtype``, and every layer (id, window, sinks) with its buffers (role, size, override)."""
-    parts = [f"kvcm-layout/{FORMAT_VERSION}/T={config.tokens_per_block}/dtype={dtype}"]
-    for layer in config.layers:
-        if isinstance(layer, AttentionLayerConfig):
-            parts.append(f"L{layer.layer_id}/w={layer.sliding_window_size}/s={layer.num_sink_tokens}")
-        else:
-            parts.append(f"L{layer.layer_id}/recurrent")
-        for b in layer.buffers:
-            parts.append(f"B{b.role!r}/{b.size}/{b.tokens_per_block_override}")
-    return hashlib.sha256("\n".join(parts).encode()).digest()[:8]
-
-
-def encode_header(parts: list[memoryview], layer_group: int, fingerprint: bytes, block_key: bytes) -> bytes:
-    """The header of a value whose payload is ``parts`` (concatenated)."""
-    crc = 0
-    n = 0
-    for part in parts:
-        crc = zlib.crc32(part, crc)  # (releases the GIL for parts above 5 KiB)
-        n += len(part)
-    return HEADER.pack(MAGIC, FORMAT_VERSION, layer_group, fingerprint, block_key, n, crc, 0)
-
-
-def decode_value(value: bytes, layer_group: int, fingerprint: bytes, block_key: bytes, size: int) -> memoryview | None:
-    """The payload of ``value`` if it is a complete, intact page of ``size`` bytes for exactly this
-    layer group, layout and block; None otherwise."""
-    if len(value) != HEADER_BYTES + size:
-        return None
-    fields = HEADER.unpack_from(value)
-    if (
-        fields[0] != MAGIC
-        or fields[1] != FORMAT_VERSION
-        or fields[2] != layer_group
-        or fields[3] != fingerprint
-        or fields[4] != block_key
-        or fields[5] != size
-    ):
-        return None
-    payload = memoryview(value)[HEADER_BYTES:]
-    if zlib.crc32(payload) != fields[6]:
-        return None
-    return payload
-
-
-def forget_frames(e: BaseException) -> None:
-    """Drop the tracebacks of ``e`` and the exceptions it chains: their frames hold memory views of
-    slots, which would keep the pools' memory exported (so it could not be released)."""
-    seen: set[int] = set()
-    x: BaseException | None = e
-    while x is not None and id(x) not in seen:
-        seen.add(id(x))
-        x.__traceback__ = None
-        x = x.__context__ or x.__cause__
 
 
 def send_all(sock: Any, parts: list[Any]) -> None:

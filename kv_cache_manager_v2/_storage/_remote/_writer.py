@@ -1,6 +1,6 @@
 """The remote store's write side: a ring of ``max_pending_bytes`` the scheduler's thread copies pages
 into (or slots of dropped pages handed off without a copy), and a background thread that sends them
-in pipelined batches. Enqueueing never blocks: what does not fit, or meets a server that is down,
+in batches (one backend call each). Enqueueing never blocks: what does not fit, or meets a server that is down,
 is dropped and counted."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any, Final
 from ..._common import SlotId
 from ..._config import RemoteCacheTierConfig
 from .._tiers._base import HandOffPart
-from ._client import LOG, RemoteClient
-from ._cluster import NODE_DOWN, group_by_slot
-from ._protocol import HEADER_BYTES, BadReply, ErrorReply, ReplyReader, connection, encode_header, forget_frames, send
+from ._backend import LOG
+from ._client import RemoteClient
+from ._value import HEADER_BYTES, encode_header, forget_frames
 
 #: a write batch ends at this many pages or bytes
 BATCH_PAGES: Final = 256
@@ -95,6 +95,7 @@ class RemoteWriter(RemoteClient):
         #: the queue is empty
         self._ring = populated_mapping(cfg.max_pending_bytes)
         self._ring_view = memoryview(self._ring)
+        self.backend.register(self._ring_view)
         self._wake = threading.Event()
         self._stopping = False
         #: started by ``RemoteStore`` once it is complete
@@ -223,118 +224,51 @@ class RemoteWriter(RemoteClient):
         return [part.read() for part in parts]
 
     def _write_batch(self, batch: list[_Pending]) -> None:
-        """Send ``batch`` in one go: one MSET, or pipelined ``SET key value EX ttl_s`` with a TTL.
-        Values go out with one ``sendmsg`` straight from where they are (the ring, or the dropped
-        pages' slots): no copy into a command buffer, and the GIL is released while the kernel copies."""
+        """Send ``batch`` in one backend call, each value (header, then the page's bytes where they
+        lie: the ring, or the dropped pages' slots) written whole."""
         if self.is_down:
             self._dropped(batch)
             return
         fp = self.fingerprint
-        ttl = self._ttl
         sent: list[_Pending] = []
-        payloads: list[list[memoryview]] = []
+        keys: list[bytes] = []
+        values: list[list[Any]] = []
         for w in batch:
             try:
-                payloads.append(self._payload(w))
-                sent.append(w)
+                payload = self._payload(w)
             except OSError as e:  # a disk read failed or did not verify: this page is not written
                 forget_frames(e)
                 self._dropped([w])
                 if w.parts:
                     w.parts[0].unsent()
+                continue
+            sent.append(w)
+            keys.append(self.page_key(w.block_key, w.layer_group))
+            values.append([encode_header(payload, w.layer_group, fp, w.block_key), *payload])
         if not sent:
             return
-        if self.router is not None:
-            self._write_cluster(sent, payloads)
-            return
-        parts: list[Any] = []
-        tail = b"\r\n" + (b"$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl) if ttl else b"")
-        cmd = b"*5\r\n$3\r\nSET\r\n" if ttl else b""
-        before = b"" if ttl else b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * len(sent))
-        for w, payload in zip(sent, payloads):
-            key = self.page_key(w.block_key, w.layer_group)
-            header = encode_header(payload, w.layer_group, fp, w.block_key)
-            parts.append(before + cmd + b"$%d\r\n%s\r\n$%d\r\n" % (len(key), key, HEADER_BYTES + w.nbytes) + header)
-            parts.extend(payload)
-            before = tail
-        parts.append(tail)
-        replies = len(sent) if ttl else 1
-        pool = self.client.connection_pool
-        done = 0
-        conn: Any = None
-        reader: ReplyReader | None = None
+        results: list[Any] = []
         try:
-            conn = connection(pool, self._errors)
-            send(conn, parts)
-            # (the deadline starts once the batch is sent: up to BATCH_BYTES go out first)
-            reader = ReplyReader(conn, time.monotonic() + self._timeout_s, self._max_bulk)
-            while done < replies:
-                reply = reader.reply()
-                if isinstance(reply, ErrorReply):  # e.g. OOM (noeviction, or nothing to evict): lost
-                    self._dropped(sent[done : done + 1] if ttl else sent)
-                    self._refused(reply)
-                elif reply == b"OK":
-                    self._written(sent[done : done + 1] if ttl else sent)
-                else:
-                    raise BadReply(f"a write answered {reply!r:.80}")
-                done += 1
+            self.backend.write(keys, values, results)
         except self._errors as e:
             forget_frames(e)
-            if conn is not None:
-                conn.disconnect()
-            self._dropped(sent[done:] if ttl else sent)
+            self._outcomes(sent, results)
+            self._dropped(sent[len(results) :])
             self.write_errors += 1
             self._failed("write", e)
             return
-        finally:
-            if reader is not None:
-                reader.close()
-            if conn is not None:
-                pool.release(conn)
+        self._outcomes(sent, results)
         self._succeeded()
 
-    def _write_cluster(self, sent: list[_Pending], payloads: list[list[memoryview]]) -> None:
-        """``_write_batch`` on a cluster: one MSET per slot group (one SET per page with a TTL),
-        each master's pipelined; writes to a node that is down or failing are dropped."""
-        router = self.router
-        assert router is not None
-        fp = self.fingerprint
-        ttl = self._ttl
-        keys = [self.page_key(w.block_key, w.layer_group) for w in sent]
-        expiry = b"$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl) if ttl else b""
-        slots: list[int] = []
-        commands: list[list[Any]] = []
-        members: list[list[int]] = []
-        for slot, group in group_by_slot(keys).items():
-            subgroups = [[i] for i in group] if ttl else [group]
-            for sub in subgroups:
-                parts: list[Any] = [b"*5\r\n$3\r\nSET\r\n" if ttl else b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * len(sub))]
-                for i in sub:
-                    w, key, payload = sent[i], keys[i], payloads[i]
-                    header = encode_header(payload, w.layer_group, fp, w.block_key)
-                    parts.append(b"$%d\r\n%s\r\n$%d\r\n" % (len(key), key, HEADER_BYTES + w.nbytes) + header)
-                    parts.extend(payload)
-                    parts.append(b"\r\n")
-                if ttl:
-                    parts.append(expiry)
-                slots.append(slot)
-                commands.append(parts)
-                members.append(sub)
-        replies = router.run(slots, commands, "write", True, lambda i, reply: reply == b"OK")
-        if replies is None:
-            self._dropped(sent)
-            self.write_errors += 1
-            self._failed("write (no cluster node answers)", NODE_DOWN)
-            return
-        for reply, sub in zip(replies, members):
-            writes = [sent[i] for i in sub]
-            if isinstance(reply, BaseException):
-                self._dropped(writes)
-                if reply is not NODE_DOWN:
-                    self._refused(reply)
+    def _outcomes(self, sent: list[_Pending], results: list[Any]) -> None:
+        """Count the backend's result for each page of ``sent`` that has one."""
+        for w, outcome in zip(sent, results):
+            if outcome is True:
+                self._written([w])
             else:
-                self._written(writes)
-        self._succeeded()
+                self._dropped([w])
+                if isinstance(outcome, BaseException):
+                    self._refused(outcome)
 
     def _written(self, writes: list[_Pending]) -> None:
         self.written_pages += len(writes)

@@ -59,6 +59,16 @@ class RemoteTier:
         storage.parked = storage.allocator.allocate(headroom)
         storage.headroom = headroom
 
+    def register_slots(self, storage: PoolGroupStorage) -> None:
+        """Tell the store where the slots of ``storage`` lie in host memory (a zero-copy backend
+        registers them: handed-off slots are sent from there)."""
+        if not storage.can_hand_off():
+            return
+        for medium, pool in zip(storage.media, storage.pools):
+            view = medium.host_bytes(pool, 0, pool.reserved_bytes)
+            if view is not None:
+                self.remote.backend.register(view)
+
     @staticmethod
     def drop_headroom(storage: PoolGroupStorage) -> None:
         """Turn the headroom of ``storage`` (none in flight) into ordinary free slots."""

@@ -1,0 +1,248 @@
+"""Load or recompute (docs/design.md, "Load or recompute"): which prefix of a match a request takes.
+
+A matched block whose pages lie below the GPU is worth loading only when reading its bytes takes
+less time than the engine takes to compute its tokens again. For each length a match may end at
+(every block boundary, and the match itself with its partial block), the plan estimates the
+saving: its tokens at the prefill rate less the read time of the pages that length needs (each
+layer group's pages outside its stale range there; a hybrid model's snapshot at its last block),
+at their levels' costs (``TierCosts``: bytes at the level's time per byte, plus its latency once
+per level). ``"auto"`` keeps the length of the largest saving (the longest on a tie); ``"never"``
+the longest whose pages are all in GPU memory; a length that lacks a page it needs is no choice.
+The tree then shortens the cut as it shortens a match (``ReuseTree.cut``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .._common import LayerGroupId
+from .._layers._policy import LayerGroup
+from .._reuse._node import Node
+from .._storage._tier_costs import TierCosts
+from .._typed import TypedList
+
+#: no remote page is fetched for a local match
+NOTHING_FETCHED: frozenset[tuple[int, int]] = frozenset()
+
+
+class LoadPlanner:
+    """The plan of one manager (``load_policy``, the prefill rate, the tiers' costs) and what it did."""
+
+    def __init__(
+        self,
+        policy: str,
+        tokens_per_s: float | None,
+        costs: TierCosts,
+        layer_groups: TypedList[LayerGroupId, LayerGroup],
+        page_bytes: list[int],
+        tokens_per_block: int,
+        num_levels: int,
+    ) -> None:
+        self.policy = policy
+        #: the engine's prefill rate, tokens per second (0: unknown)
+        self.tokens_per_s = float(tokens_per_s) if tokens_per_s is not None else 0.0
+        self.costs = costs
+        self.policies: list[LayerGroup] = layer_groups.items
+        #: bytes of one page of each layer group
+        self.page_bytes = page_bytes
+        self.tokens_per_block = tokens_per_block
+        #: the remote tier's level (fetched pages): the last one
+        self.remote_level = num_levels - 1
+        #: matched tokens by the deepest level of their block's pages: taken (loaded, or in GPU
+        #: memory at level 0) and left to recompute by the plan
+        self.loaded_tokens = [0] * num_levels
+        self.recomputed_tokens = [0] * num_levels
+        #: estimated seconds the taken blocks below the GPU saved against recomputing them, and
+        #: the cuts saved against loading every matched block
+        self.saved_s = 0.0
+        self.cut_saved_s = 0.0
+        #: matches the plan shortened
+        self.cuts = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether the plan may shorten a match ("never"; "auto" with a known prefill rate)."""
+        return self.policy == "never" or (self.policy == "auto" and self.tokens_per_s > 0.0)
+
+    def levels(
+        self,
+        nodes: Sequence[Node | None],
+        part: Node | None,
+        part_len: int,
+        fetched: frozenset[tuple[int, int]] | set[tuple[int, int]],
+    ) -> list[list[int]]:
+        """Per block of a match (its partial block last) and layer group: the level of its page
+        (the remote tier's for a page it fetches), -1 where it has none."""
+        n_groups = len(self.policies)
+        remote = self.remote_level
+        out: list[list[int]] = []
+        num_nodes = len(nodes)
+        for ordinal in range(num_nodes + (1 if part_len else 0)):
+            node = nodes[ordinal] if ordinal < num_nodes else part
+            row = [-1] * n_groups
+            for g in range(n_groups):
+                if fetched and (ordinal, g) in fetched:
+                    row[g] = remote
+                elif node is not None:
+                    page = node.page(g)
+                    if page is not None:
+                        row[g] = int(page.level)
+            out.append(row)
+        return out
+
+    def plan(self, levels: list[list[int]], num_full: int, part_len: int) -> tuple[int, float, float]:
+        """The tokens of the match to take (``num_full`` blocks plus ``part_len``: all of it), and the
+        estimated savings of that and of the whole match (seconds; 0 without a prefill rate)."""
+        t = self.tokens_per_block
+        whole = num_full * t + part_len
+        rate = self.tokens_per_s
+        never = self.policy == "never"
+        n_levels = len(self.costs.latency_s)
+        n_blocks = len(levels)
+        # per layer group, prefix sums over blocks: read seconds, pages missing, pages per level
+        sums: list[tuple[list[float], list[int], list[list[int]]]] = []
+        for g in range(len(self.policies)):
+            cost = [0.0] * (n_blocks + 1)
+            missing = [0] * (n_blocks + 1)
+            per_level = [[0] * (n_blocks + 1) for _ in range(n_levels)]
+            nbytes = self.page_bytes[g]
+            per_byte = self.costs.seconds_per_byte
+            for o in range(n_blocks):
+                lvl = levels[o][g]
+                cost[o + 1] = cost[o] + (nbytes * per_byte[lvl] if lvl > 0 else 0.0)
+                missing[o + 1] = missing[o] + (1 if lvl < 0 else 0)
+                for x in range(n_levels):
+                    per_level[x][o + 1] = per_level[x][o] + (1 if x == lvl else 0)
+            sums.append((cost, missing, per_level))
+        best_len = 0
+        best = 0.0
+        whole_saving = 0.0
+        candidates = list(range(0, num_full * t + 1, t))
+        if part_len:
+            candidates.append(whole)
+        for length in candidates:
+            saving = self._saving(levels, sums, length, rate, never, n_levels)
+            if length == whole:
+                whole_saving = saving if saving is not None else 0.0
+            if saving is not None and (never or saving >= best):  # (ascending: the longest on a tie)
+                best, best_len = saving, length
+        return best_len, best, whole_saving
+
+    def _saving(
+        self,
+        levels: list[list[int]],
+        sums: list[tuple[list[float], list[int], list[list[int]]]],
+        length: int,
+        rate: float,
+        never: bool,
+        n_levels: int,
+    ) -> float | None:
+        """The estimated saving of a match of ``length`` tokens (None: it lacks a page it needs, or
+        under "never" needs one below the GPU)."""
+        if length == 0:
+            return 0.0
+        t = self.tokens_per_block
+        nb = (length + t - 1) // t
+        read = 0.0
+        used = [False] * n_levels
+        for g, policy in enumerate(self.policies):
+            cost, missing, per_level = sums[g]
+            if policy.keeps_live_state:  # the snapshot at the match's last block
+                lvl = levels[nb - 1][g]
+                if lvl < 0:
+                    return None
+                if lvl > 0:
+                    read += self.page_bytes[g] * self.costs.seconds_per_byte[lvl]
+                    used[lvl] = True
+                continue
+            beg, end = policy.stale_range(length)
+            r1 = beg if beg < nb else nb
+            r2 = max(beg, end)
+            if r2 > nb:
+                r2 = nb
+            if missing[r1] + missing[nb] - missing[r2]:
+                return None
+            read += cost[r1] + cost[nb] - cost[r2]
+            for x in range(1, n_levels):
+                counts = per_level[x]
+                if counts[r1] + counts[nb] - counts[r2]:
+                    used[x] = True
+        for x in range(1, n_levels):
+            if used[x]:
+                if never:
+                    return None
+                read += self.costs.latency_s[x]
+        return length / rate - read if rate > 0.0 else 0.0
+
+    def in_gpu_memory(self, nodes: list[Node], part: Node | None) -> bool:
+        """Whether every page of a local match's blocks is in GPU memory (then the whole match is
+        the plan: each block saves its tokens and costs nothing)."""
+        n_groups = len(self.policies)
+        for node in nodes:
+            for g in range(n_groups):
+                page = node.page(g)
+                if page is not None and page.level > 0:
+                    return False
+        if part is not None:
+            for g in range(n_groups):
+                page = part.page(g)
+                if page is not None and page.level > 0:
+                    return False
+        return True
+
+    def count_whole(self, nodes: list[Node], part: Node | None, part_len: int) -> None:
+        """Statistics of a create that takes its match whole ("always"; "auto" without a rate): its
+        tokens by the deepest level of the pages each block needs, the saving when a rate is known;
+        one pass over the match's pages."""
+        t = self.tokens_per_block
+        length = len(nodes) * t + part_len
+        if self.in_gpu_memory(nodes, part):  # (the common case: one quick pass)
+            self.loaded_tokens[0] += length
+            if self.tokens_per_s > 0.0:
+                self.saved_s += length / self.tokens_per_s
+            return
+        n_blocks = len(nodes) + (1 if part_len else 0)
+        deepest = [0] * n_blocks
+        read = 0.0
+        used = 0  # (a bit per level)
+        per_byte = self.costs.seconds_per_byte
+        for g, policy in enumerate(self.policies):
+            beg, end = policy.stale_range(length)
+            nbytes = self.page_bytes[g]
+            for o in range(n_blocks):
+                if beg <= o < end and not (policy.keeps_live_state and o == n_blocks - 1):
+                    continue
+                node = nodes[o] if o < len(nodes) else part
+                page = node.page(g) if node is not None else None
+                if page is None:
+                    continue
+                lvl = int(page.level)
+                if lvl > 0:
+                    read += nbytes * per_byte[lvl]
+                    used |= 1 << lvl
+                    if lvl > deepest[o]:
+                        deepest[o] = lvl
+        for o in range(n_blocks):
+            end_o = (o + 1) * t if (o + 1) * t < length else length
+            self.loaded_tokens[deepest[o]] += end_o - o * t
+        if self.tokens_per_s > 0.0 and length:
+            for x in range(1, len(self.costs.latency_s)):
+                if used >> x & 1:
+                    read += self.costs.latency_s[x]
+            self.saved_s += length / self.tokens_per_s - read
+
+    def count(self, levels: list[list[int]], length: int, taken: int, saved: float, whole_saving: float) -> None:
+        """Statistics of a create: ``taken`` tokens of the ``length``-token match ``levels`` describes."""
+        t = self.tokens_per_block
+        for o, row in enumerate(levels):
+            deepest = 0
+            for lvl in row:
+                if lvl > deepest:
+                    deepest = lvl
+            end = (o + 1) * t if (o + 1) * t < length else length
+            if o * t < taken:
+                self.loaded_tokens[deepest] += (end if end < taken else taken) - o * t
+            if end > taken:
+                self.recomputed_tokens[deepest] += end - (o * t if o * t > taken else taken)
+        self.saved_s += saved
+        self.cut_saved_s += saved - whole_saving

@@ -1,0 +1,77 @@
+"""The remote tier's values, the same on every backend: a 64-byte header (magic, format version, layer
+group, layout fingerprint, block key, payload length, CRC-32 of the payload) then the page's bytes.
+A value that is missing, truncated, foreign or corrupted is a miss, never bad KV."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+from typing import Final
+
+from ..._config import AttentionLayerConfig, KVCacheManagerConfig
+
+MAGIC: Final = b"KVC2"
+#: bump when the value layout, the key layout or the slot layout (coalescing order) changes
+FORMAT_VERSION: Final = 1
+#: magic, version, layer group, layout fingerprint, block key, payload length, CRC-32, reserved
+HEADER: Final = struct.Struct("<4sHH8s32sQII")
+HEADER_BYTES: Final = 64
+
+
+def layout_fingerprint(config: KVCacheManagerConfig, dtype: str) -> bytes:
+    """8 bytes naming everything that decides what a page's bytes mean: format version, tokens per
+    block, ``dtype``, and every layer (id, window, sinks) with its buffers (role, size, override)."""
+    parts = [f"kvcm-layout/{FORMAT_VERSION}/T={config.tokens_per_block}/dtype={dtype}"]
+    for layer in config.layers:
+        if isinstance(layer, AttentionLayerConfig):
+            parts.append(f"L{layer.layer_id}/w={layer.sliding_window_size}/s={layer.num_sink_tokens}")
+        else:
+            parts.append(f"L{layer.layer_id}/recurrent")
+        for b in layer.buffers:
+            parts.append(f"B{b.role!r}/{b.size}/{b.tokens_per_block_override}")
+    return hashlib.sha256("\n".join(parts).encode()).digest()[:8]
+
+
+def encode_header(parts: list[memoryview], layer_group: int, fingerprint: bytes, block_key: bytes) -> bytes:
+    """The header of a value whose payload is ``parts`` (concatenated)."""
+    crc = 0
+    n = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)  # (releases the GIL for parts above 5 KiB)
+        n += len(part)
+    return HEADER.pack(MAGIC, FORMAT_VERSION, layer_group, fingerprint, block_key, n, crc, 0)
+
+
+def decode_value(
+    value: bytes | memoryview, layer_group: int, fingerprint: bytes, block_key: bytes, size: int
+) -> memoryview | None:
+    """The payload of ``value`` if it is a complete, intact page of ``size`` bytes for exactly this
+    layer group, layout and block; None otherwise."""
+    if len(value) != HEADER_BYTES + size:
+        return None
+    fields = HEADER.unpack_from(value)
+    if (
+        fields[0] != MAGIC
+        or fields[1] != FORMAT_VERSION
+        or fields[2] != layer_group
+        or fields[3] != fingerprint
+        or fields[4] != block_key
+        or fields[5] != size
+    ):
+        return None
+    payload = memoryview(value)[HEADER_BYTES:]
+    if zlib.crc32(payload) != fields[6]:
+        return None
+    return payload
+
+
+def forget_frames(e: BaseException) -> None:
+    """Drop the tracebacks of ``e`` and the exceptions it chains: their frames hold memory views of
+    slots, which would keep the pools' memory exported (so it could not be released)."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        x.__traceback__ = None
+        x = x.__context__ or x.__cause__

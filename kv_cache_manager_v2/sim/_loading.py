@@ -1,0 +1,80 @@
+"""Background loads in the replay (``--load-policy``): each admitted request planned at its own
+prefill rate, its loads on its tier's links while the others compute (docs/design.md, "The
+simulator")."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import cast
+
+from .._common import TierStatistics
+from .._config import KVCacheManagerConfig, LoadPolicy
+from ..engine import KVCacheResourceManager
+from ..engine._request import RequestId
+from ._live import Live
+from ._step_cost import StepCost
+from ._tier_io import FREE, TierIO, TierLinks, priced_tiers
+
+
+def load_plan_config(
+    config: KVCacheManagerConfig, policy: str, links: TierLinks | None, bytes_scale: float
+) -> KVCacheManagerConfig:
+    """``config`` with ``load_policy`` and its tiers priced as the replay times their links (free
+    without tier I/O); the manager's own refinement off."""
+    tiers = priced_tiers(config.cache_tiers, links if links is not None else TierLinks(FREE, FREE, FREE), bytes_scale)
+    return dataclasses.replace(
+        config, cache_tiers=tiers, load_policy=cast("LoadPolicy", policy), refine_tier_costs=False
+    )
+
+
+def prefill_rate(cost: StepCost, prompt_length: int, chunk: int, step_tokens: int) -> float | None:
+    """Tokens per second a request prefills at in the replay's engine as it runs now: one chunk of
+    its prompt (the whole prompt unchunked) a step, at the prompt's middle context, in a step of
+    ``step_tokens`` tokens (the others as one chunk from the start), by the step cost. None: a
+    step of no time."""
+    n = prompt_length
+    c = chunk if 0 < chunk < n else n
+    cost.add_prefill(c, (n - c) // 2)
+    if step_tokens > c:
+        cost.add_prefill(step_tokens - c, 0)
+    ms = cost.take_ms()
+    return c * 1000.0 / ms if ms > 0.0 else None
+
+
+def woken(running: list[Live], arrivals: list[tuple[float, int]], clock: float) -> float:
+    """Background loads: when the first running request's loads are done (or the next arrival, if
+    sooner); -1 when none waits."""
+    wake = -1.0
+    for live in running:
+        if live.ready_ms > clock and (wake < 0 or live.ready_ms < wake):
+            wake = live.ready_ms
+    if wake > 0 and arrivals and clock < arrivals[0][0] < wake:
+        wake = arrivals[0][0]
+    return wake
+
+
+def prepare_loading(
+    rm: KVCacheResourceManager,
+    io: TierIO | None,
+    cost: StepCost,
+    chunk: int,
+    new: list[Live],
+    clock: float,
+    step_tokens: int,
+) -> tuple[set[RequestId], list[TierStatistics]]:
+    """Background loads (``--load-policy``): prepare newly admitted requests one at a time, each
+    planned at its own prefill rate (``prefill_rate``, in this step of ``step_tokens`` tokens); a request whose pages come from a lower
+    tier waits for its bytes on that tier's link (``TierIO.load``: ``Live.ready_ms``) while the
+    others compute. Returns the unserved request ids, and the step's traffic before them (read
+    first: the step waits for it, ``Replay._step_traffic``)."""
+    m = rm.manager
+    unserved: set[RequestId] = set()
+    early = m.take_iteration_stats() if io is not None else []
+    for live in new:
+        m.set_prefill_rate(prefill_rate(cost, live.prompt_length, chunk, step_tokens))
+        if rm.prepare_resources([live.req]):
+            unserved.add(live.req.request_id)
+            continue
+        traffic = m.take_iteration_stats() if io is not None else []
+        live.ready_ms = io.load(clock, traffic) if io is not None else clock
+    return unserved, early

@@ -1,0 +1,453 @@
+"""Background loads (``load_workers``): ``KVCache.prefetch`` / ``loading`` / ``ready``,
+``KVCacheManager.prefetch(tokens)``, the adapter's loading state, and a remote tier behind a proxy
+that delays every reply by 50 ms. Loads land in the order a test picks (the loader's manual mode)
+or on real worker threads; the fake engine checks every record a request reads."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from conftest import REDIS_SERVER, MakeManager, kv_layers, make_config
+from fake_engine import FakeEngine, adapter_step
+from tier_helpers import SLOT, T, compute, seq, tree_pages, wait_loaded
+
+from kv_cache_manager_v2 import (
+    CacheLevel,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    KVCacheStatus,
+    Prefetch,
+    RemoteCacheTierConfig,
+    ReuseScope,
+    compiled,
+)
+from kv_cache_manager_v2._storage._loader import BackgroundLoader
+from kv_cache_manager_v2._storage._page_reads import on_disk
+from kv_cache_manager_v2.delay_proxy import DelayProxy
+from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager, RequestState
+from kv_cache_manager_v2.redis_server import LocalRedisServer
+
+HOST = CacheLevel(1)
+DISK = CacheLevel(2)
+
+
+def tiered(make_manager: MakeManager, tmp_path: object, manual: bool = True, **kw: object) -> KVCacheManager:
+    """GPU 4, host 4, disk 32 slots; with ``manual`` the loads run when ``land`` says."""
+    m = make_manager(
+        kv_layers(2, T),
+        T,
+        4 * SLOT,
+        host_quota=4 * SLOT,
+        disk_quota=32 * SLOT,
+        disk_path=str(tmp_path),
+        max_util_for_resume=1.0,
+        **kw,
+    )
+    if manual:
+        loader(m).manual = True
+    return m
+
+
+def loader(m: KVCacheManager) -> BackgroundLoader:
+    out = m._ctx.loader
+    assert out is not None
+    return out
+
+
+def land(m: KVCacheManager, order: list[int] | None = None) -> int:
+    """Run the queued loads (in ``order``: indices into what is left, default first to last), then poll."""
+    q = loader(m)
+    for k in order or []:
+        q.run_queued(k % len(q.queued))
+    while q.queued:
+        q.run_queued(0)
+    return m.poll_loads()
+
+
+def published_on_disk(m: KVCacheManager, docs: list[list[int]]) -> None:
+    """Compute and publish ``docs`` (3 blocks each), then push them down to disk with other requests."""
+    engine = FakeEngine(m)
+    for toks in docs:
+        kv = m.create_kv_cache(None, toks[:-1])
+        assert kv.resume()
+        compute(engine, kv, toks, len(toks))
+        kv.close()
+    for r in range(100, 104):  # 4 x 3 blocks: through the GPU and the host, pushing docs down
+        kv = m.create_kv_cache()
+        assert kv.resume()
+        compute(engine, kv, seq(r, 3 * T), 3 * T)
+        kv.close()
+    for toks in docs:
+        assert all(p.level == DISK for p in tree_pages(m, toks))
+
+
+def test_manager_prefetch_validates_its_arguments(make_manager: MakeManager, tmp_path: object) -> None:
+    m = tiered(make_manager, tmp_path)
+    with pytest.raises(TypeError, match="input_tokens"):
+        m.prefetch(b"abc")
+    with pytest.raises(TypeError, match="input_tokens"):
+        m.prefetch(7)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must not be empty"):
+        m.prefetch([])
+    with pytest.raises(ValueError, match="target_level"):
+        m.prefetch([1, 2, 3], CacheLevel(3))
+    with pytest.raises(TypeError, match="target_level"):
+        m.prefetch([1, 2, 3], True)
+    with pytest.raises(TypeError, match=None if compiled else "reuse_scope"):  # (compiled: mypyc's own check)
+        m.prefetch([1, 2, 3], reuse_scope="a")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        m.prefetch([1, "x", 3])  # type: ignore[list-item]
+    assert loader(m).in_flight == 0  # nothing started by a refused call
+    handle = m.prefetch(seq(1, 20))  # nothing cached: done at once
+    assert handle.done and handle.reused_tokens == 0 and handle.num_disk_pages == 0
+
+
+@pytest.mark.parametrize("order", [[0, 0, 0], [2, 1, 0], [1, 0, 0]])
+def test_prefetch_by_tokens_brings_the_match_up_from_disk(
+    make_manager: MakeManager, tmp_path: object, order: list[int]
+) -> None:
+    """The loads land in any order; the create then finds every page in memory (no disk read at
+    resume) and the data is exact."""
+    m = tiered(make_manager, tmp_path)
+    doc = seq(1, 3 * T + 1)
+    published_on_disk(m, [doc])
+    handle = m.prefetch(doc[:-1])
+    assert isinstance(handle, Prefetch) and not handle.done and not handle.waits_for_remote
+    assert handle.num_disk_pages == 3 and handle.reused_tokens == 3 * T
+    assert all(p.level == DISK for p in tree_pages(m, doc))  # nothing moved before the loads land
+    assert land(m, order) == 3
+    assert handle.done and all(p.level == HOST for p in tree_pages(m, doc))
+    onboarded = m.get_tier_statistics(DISK).onboarded_pages
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.ready and not kv.loading and kv.history_length == 3 * T
+    assert kv.resume()
+    assert m.get_tier_statistics(DISK).onboarded_pages == onboarded  # nothing read from disk at resume
+    FakeEngine(m).check_all(kv, doc, 3 * T)
+    kv.close()
+
+
+def test_a_cancelled_prefetch_places_nothing_and_leaks_nothing(make_manager: MakeManager, tmp_path: object) -> None:
+    m = tiered(make_manager, tmp_path)
+    doc = seq(1, 3 * T + 1)
+    published_on_disk(m, [doc])
+    before = [m.get_storage_statistics(CacheLevel(level)) for level in range(3)]
+    handle = m.prefetch(doc[:-1])
+    handle.cancel()
+    handle.cancel()  # idempotent
+    assert handle.cancelled and handle.done
+    reads = m._ctx.reads
+    assert reads is not None
+    assert land(m) == 0 and reads.num_discarded == 3  # (a worker skips a cancelled read it did not start)
+    assert [m.get_storage_statistics(CacheLevel(level)) for level in range(3)] == before
+    assert all(p.level == DISK for p in tree_pages(m, doc))
+    m.check_invariants()
+
+
+def test_resume_of_a_loading_cache_reads_itself_and_discards_the_loads(
+    make_manager: MakeManager, tmp_path: object
+) -> None:
+    m = tiered(make_manager, tmp_path)
+    engine = FakeEngine(m)
+    toks = seq(1, 3 * T)
+    a = m.create_kv_cache()
+    assert a.resume()
+    compute(engine, a, toks, 3 * T)
+    a.suspend()
+    for r in (2, 3, 4):  # push a down to disk
+        h = m.create_kv_cache()
+        assert h.resume()
+        compute(engine, h, seq(r, 3 * T), 3 * T)
+        h.close()
+    assert all(on_disk(p) for p in a.block_table.all_pages()) and not a.ready
+    assert a.prefetch(CacheLevel(0))
+    assert a.loading and not a.ready
+    assert a.resume()  # not ready: reads synchronously, as without background loads
+    assert a.ready and not a.loading
+    engine.check_all(a, toks, 3 * T)
+    reads = m._ctx.reads
+    assert reads is not None
+    land(m)
+    assert reads.num_discarded == 3 and reads.num_installed == 0  # its pages moved: the reads are stale
+    engine.check_all(a, toks, 3 * T)
+    a.close()
+
+
+@pytest.mark.parametrize("how", ["error", "corrupt"])
+def test_a_failed_or_corrupt_background_read_is_a_miss(make_manager: MakeManager, tmp_path: object, how: str) -> None:
+    """A read that fails, or whose bytes do not match the slot's checksum, loses the page like a
+    failed synchronous read: the blocks from it on are recomputed, the rest is exact."""
+    m = tiered(make_manager, tmp_path)
+    engine = FakeEngine(m)
+    toks = seq(1, 3 * T)
+    a = m.create_kv_cache()
+    assert a.resume()
+    compute(engine, a, toks, 3 * T)
+    a.suspend()
+    for r in (2, 3, 4):
+        h = m.create_kv_cache()
+        assert h.resume()
+        compute(engine, h, seq(r, 3 * T), 3 * T)
+        h.close()
+    victim = a.block_table.pages[0][1]  # block 1, layer group 0
+    assert victim is not None and on_disk(victim)
+    disk = victim.storage.pools[0]
+    errors = m.get_tier_statistics(DISK).io_errors
+    assert a.prefetch(HOST) and a.loading
+    if how == "error":
+        disk.error_hook = lambda op, offset, n: op == "read" and offset == victim.slot * n  # type: ignore[attr-defined]
+    else:  # the file's bytes change behind the manager's back
+        size = victim.storage.layout.slot_sizes[0]
+        os.pwrite(disk.fd, b"\xff" * 16, victim.slot * size)  # type: ignore[attr-defined]
+    land(m, [1, 0])
+    disk.error_hook = None  # type: ignore[attr-defined]
+    assert victim.lost and not a.loading
+    assert m.get_tier_statistics(DISK).io_errors == errors + 1
+    assert a.resume()
+    assert a.history_length == T  # block 1 on is recomputed
+    engine.check_all(a, toks, T)
+    compute(engine, a, toks, 3 * T)
+    engine.check_all(a, toks, 3 * T)
+    a.close()
+
+
+def test_a_prefetch_outlived_by_its_manager_is_done(make_manager: MakeManager, tmp_path: object) -> None:
+    m = tiered(make_manager, tmp_path)
+    doc = seq(1, 3 * T + 1)
+    published_on_disk(m, [doc])
+    handle = m.prefetch(doc[:-1])
+    assert not handle.done
+    m.shutdown()  # the workers stop first; what they read is never installed
+    assert handle.done and loader(m).closed
+
+
+def test_background_loads_on_worker_threads_are_exact(make_manager: MakeManager, tmp_path: object) -> None:
+    """Real workers: many prefetches and cache prefetches at once, installed as they land."""
+    m = tiered(make_manager, tmp_path, manual=False, load_workers=3)
+    docs = [seq(10 + i, 3 * T + 1) for i in range(4)]
+    published_on_disk(m, docs)
+    handles = [m.prefetch(doc[:-1], HOST) for doc in docs]
+    wait_loaded(lambda: not all(h.done for h in handles))
+    engine = FakeEngine(m)
+    for doc in docs:  # the host holds 4 slots of 24: some were evicted again, read again at resume
+        kv = m.create_kv_cache(None, doc[:-1])
+        assert kv.resume()
+        engine.check_all(kv, doc, kv.history_length)
+        kv.close()
+    m.check_invariants()
+
+
+# ---------------------------------------------------------------- the adapter's loading state
+@pytest.fixture
+def adapters() -> Iterator[Callable[..., KVCacheResourceManager]]:
+    made: list[KVCacheResourceManager] = []
+
+    def factory(config: KVCacheManagerConfig) -> KVCacheResourceManager:
+        a = KVCacheResourceManager(config)
+        made.append(a)
+        return a
+
+    yield factory
+    for a in made:
+        a.shutdown()
+
+
+def test_adapter_serves_others_while_a_request_loads(
+    adapters: Callable[..., KVCacheResourceManager], tmp_path: object
+) -> None:
+    a = adapters(
+        make_config(
+            kv_layers(2, T),
+            T,
+            8 * SLOT,
+            host_quota=8 * SLOT,
+            disk_quota=32 * SLOT,
+            disk_path=str(tmp_path),
+            max_util_for_resume=1.0,
+            backend="host",
+        )
+    )
+    m = a.manager
+    loader(m).manual = True
+    engine = FakeEngine(m)
+    doc = seq(1, 3 * T)
+    first = EngineRequest(1, [*doc, 7], max_new_tokens=1)
+    while len(first.generated_tokens) < 1:
+        assert adapter_step(a, engine, [first]) == []
+    first.state = RequestState.FINISHED
+    a.free_resources(first)
+    for r in range(2, 6):  # push doc's blocks to disk
+        other = EngineRequest(r, seq(r * 10, 3 * T + 1), max_new_tokens=1)
+        assert adapter_step(a, engine, [other]) == []
+        other.state = RequestState.FINISHED
+        a.free_resources(other)
+    assert all(p.level == DISK for p in tree_pages(m, doc))
+    loading = EngineRequest(10, [*doc, 8, 9], max_new_tokens=2)
+    running = EngineRequest(11, seq(77, 2 * T), max_new_tokens=4)
+    for _ in range(2):  # loading waits, unscheduled, while running is served
+        assert adapter_step(a, engine, [loading, running]) == [loading]
+        assert a.is_loading(loading) and not a.has_resources(loading) and a.num_loading == 1
+        assert loading.num_scheduled_tokens == 0
+    assert a.loading_waits == {"disk": 2, "remote": 0}
+    land(m)
+    assert adapter_step(a, engine, [loading, running]) == []  # admitted: its prefix from the host
+    assert not a.is_loading(loading) and a.num_loading == 0
+    assert loading.num_reused_tokens == 3 * T and loading.num_reused_tokens_per_level[1] == 3 * T
+    while len(loading.generated_tokens) < 2:
+        assert adapter_step(a, engine, [loading]) == []
+    for r in (loading, running):
+        r.state = RequestState.FINISHED
+        a.free_resources(r)
+    # freed while loading: its loads are cancelled, nothing is allocated or leaked
+    for r in range(20, 24):
+        other = EngineRequest(r, seq(r * 10, 3 * T + 1), max_new_tokens=1)
+        assert adapter_step(a, engine, [other]) == []
+        other.state = RequestState.FINISHED
+        a.free_resources(other)
+    gone = EngineRequest(12, [*doc, 5], max_new_tokens=1)
+    assert adapter_step(a, engine, [gone]) == [gone] and a.is_loading(gone)
+    before = [m.get_storage_statistics(CacheLevel(level)) for level in range(3)]
+    a.free_resources(gone)
+    assert not a.is_loading(gone) and a.num_loading == 0
+    land(m)
+    assert [m.get_storage_statistics(CacheLevel(level)) for level in range(3)] == before
+    m.check_invariants()
+
+
+# ---------------------------------------------------------------- a remote tier 50 ms away
+@pytest.fixture
+def slow_redis() -> Iterator[tuple[LocalRedisServer, DelayProxy]]:
+    if REDIS_SERVER is None:
+        pytest.skip("no redis-server")
+    with LocalRedisServer(REDIS_SERVER) as server:
+        proxy = DelayProxy(server.port, 0.05)
+        try:
+            yield server, proxy
+        finally:
+            proxy.close()
+
+
+def remote_adapter_config(url: str, write_through: bool, load_workers: int = 2) -> KVCacheManagerConfig:
+    return KVCacheManagerConfig(
+        tokens_per_block=T,
+        cache_tiers=[
+            GpuCacheTierConfig(96 * SLOT),
+            HostCacheTierConfig(32 * SLOT),
+            RemoteCacheTierConfig(url, "slow", timeout_ms=5000, write_through=write_through),
+        ],
+        layers=kv_layers(2, T),
+        backend="host",
+        max_util_for_resume=1.0,
+        load_workers=load_workers,
+    )
+
+
+def serve_until_admitted(a: KVCacheResourceManager, r: EngineRequest) -> None:
+    """Steps of ``r`` alone until it is admitted (it may wait in the loading state first), then to its end."""
+    engine = FakeEngine(a.manager)
+    deadline = time.monotonic() + 30.0
+    while len(r.generated_tokens) < r.max_new_tokens:
+        unserved = adapter_step(a, engine, [r])
+        assert not unserved or a.is_loading(r)
+        assert time.monotonic() < deadline
+        time.sleep(0.001 if unserved else 0)
+    r.state = RequestState.FINISHED
+    a.free_resources(r)
+
+
+def test_the_delay_proxy_delays_replies(slow_redis: tuple[LocalRedisServer, DelayProxy]) -> None:
+    import redis
+
+    _, proxy = slow_redis
+    client = redis.Redis.from_url(proxy.url)
+    try:
+        assert client.set("k", b"v")
+        start = time.monotonic()
+        assert client.get("k") == b"v"
+        assert time.monotonic() - start >= 0.05
+    finally:
+        client.close()
+
+
+def test_requests_wait_for_a_slow_remote_tier_while_others_run(
+    slow_redis: tuple[LocalRedisServer, DelayProxy], adapters: Callable[..., KVCacheResourceManager]
+) -> None:
+    """Behind 50 ms per reply: each new request reusing a published prefix waits in the loading
+    state (its lookup and fetch in the background) while the running one is served every step;
+    admitted, it reuses the prefix without asking the server again, every byte exact."""
+    server, proxy = slow_redis
+    peer = adapters(remote_adapter_config(server.url, True))
+    docs = [seq(200 + i, 4 * T) for i in range(3)]
+    for i, doc in enumerate(docs):
+        serve_until_admitted(peer, EngineRequest(100 + i, [*doc, 1], max_new_tokens=1))
+    assert peer.manager.flush_remote_writes()
+    a = adapters(remote_adapter_config(proxy.url, False))
+    engine = FakeEngine(a.manager)
+    running = EngineRequest(1, seq(5, 2 * T), max_new_tokens=1000)  # (runs through the whole test)
+    new = [EngineRequest(10 + i, [*doc, 3, 4], max_new_tokens=2) for i, doc in enumerate(docs)]
+    while adapter_step(a, engine, [running]):  # (its own lookup first: it has no match)
+        assert a.is_loading(running)
+        time.sleep(0.005)
+    assert a.prefetch_resources(new) == new  # queued: their lookups and fetches start
+    # (every reply takes 50 ms: still loading) prepare returns a loading request unserved, runs the rest
+    assert adapter_step(a, engine, [running, new[0]]) == [new[0]] and a.is_loading(new[0])
+    steps_while_loading = 1
+    deadline = time.monotonic() + 30.0
+    while any(a.is_loading(r) for r in new):
+        assert time.monotonic() < deadline
+        assert adapter_step(a, engine, [running]) == []  # the running request is served every step
+        steps_while_loading += 1
+        time.sleep(0.005)  # (the engine's forward pass)
+    assert steps_while_loading >= 2 and a.loading_requests["remote"] == 1 + 3  # (the running one looked up first)
+    remote = a.manager._remote
+    assert remote is not None
+    lookups, fetched = remote.lookups, remote.fetched_pages
+    assert adapter_step(a, engine, [running, *new]) == []  # all admitted: their prefixes are in the host tier
+    assert (remote.lookups, remote.fetched_pages) == (lookups, fetched)  # the creates asked the server nothing
+    for r in new:
+        assert r.num_reused_tokens == 4 * T and r.num_reused_tokens_per_level[1] == 4 * T  # (placed in the host)
+    for r in new:
+        while len(r.generated_tokens) < r.max_new_tokens:
+            assert adapter_step(a, engine, [r]) == []
+    a.manager.check_invariants()
+
+
+def test_prefetch_by_tokens_fetches_from_the_remote_tier(
+    slow_redis: tuple[LocalRedisServer, DelayProxy], adapters: Callable[..., KVCacheResourceManager]
+) -> None:
+    """Manual order: the lookup, then the fetch it asks for, land; a failed server is a miss."""
+    server, proxy = slow_redis
+    peer = adapters(remote_adapter_config(server.url, True))
+    doc = seq(300, 3 * T)
+    serve_until_admitted(peer, EngineRequest(1, [*doc, 1], max_new_tokens=1))
+    assert peer.manager.flush_remote_writes()
+    m = KVCacheManager(remote_adapter_config(proxy.url, False))
+    try:
+        loader(m).manual = True
+        scope = ReuseScope()
+        handle = m.prefetch(doc, reuse_scope=scope)
+        assert handle.waits_for_remote and handle.reused_tokens == 0
+        land(m)  # the lookup: the fetch starts
+        assert handle.waits_for_remote and handle.reused_tokens == 3 * T and handle.num_remote_pages == 3
+        land(m)
+        assert handle.done and not handle.waits_for_remote
+        lookups = m._remote.lookups  # type: ignore[union-attr]
+        kv = m.create_kv_cache(scope, doc)
+        assert kv.history_length == 3 * T and m._remote.lookups == lookups  # type: ignore[union-attr]
+        assert kv.resume()
+        FakeEngine(m).check_all(kv, doc, 3 * T)
+        kv.close()
+        other = seq(400, 3 * T)
+        handle = m.prefetch(other)
+        server.kill()  # the lookup fails: a miss, recomputed
+        land(m)
+        assert handle.done and handle.reused_tokens == 0
+        kv = m.create_kv_cache(None, other)
+        assert kv.history_length == 0 and kv.status is KVCacheStatus.SUSPENDED
+        kv.close()
+    finally:
+        m.shutdown()

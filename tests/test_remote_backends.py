@@ -1,0 +1,338 @@
+"""The remote tier's behaviour on every backend (Redis, Redis Cluster, Mooncake Store), each started
+for real on loopback, through the fake engine: reuse across managers (write-back and write-through),
+a quota, an outage and a restart (Mooncake: the master killed and started again), a hung store, values
+gone between lookup and read (a flushed store, evicted objects), a value of the wrong size under our
+key, and (Mooncake) a client segment too small for what is written. No wrong byte (every reused record
+is checked), no exception into the engine, no call past its deadline."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import NO_REDIS_REASON, REDIS_SERVER
+from remote_stores import MOONCAKE_REASON, ClusterStore, MooncakeStore, RedisStore, StoreUnderTest
+from test_remote import Factory, evict_everything, reuse
+from test_remote import managers as managers  # (a fixture)
+from tier_helpers import T, publish, seq
+
+from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, CacheLevel, KVCacheManager, LayerId
+from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
+from kv_cache_manager_v2._reuse._keys import BlockHasher, scope_key
+from kv_cache_manager_v2._storage._remote._value import HEADER_BYTES
+
+
+@pytest.fixture(scope="module", params=["redis", "cluster", "mooncake"])
+def started(request: pytest.FixtureRequest) -> Iterator[StoreUnderTest]:
+    """One store of each kind for the module (tests keep apart by namespace)."""
+    kind = request.param
+    if kind == "mooncake" and MOONCAKE_REASON is not None:
+        pytest.skip(MOONCAKE_REASON)
+    if kind != "mooncake" and REDIS_SERVER is None:
+        pytest.skip(NO_REDIS_REASON)
+    store: StoreUnderTest
+    if kind == "redis":
+        store = RedisStore(REDIS_SERVER or "")
+    elif kind == "cluster":
+        store = ClusterStore(REDIS_SERVER or "")
+    else:
+        store = MooncakeStore()
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def store(started: StoreUnderTest) -> StoreUnderTest:
+    started.ready()
+    return started
+
+
+@pytest.fixture
+def make(store: StoreUnderTest, managers: Factory, request: pytest.FixtureRequest) -> Factory:
+    """Managers on ``store`` in a namespace of this test's own."""
+
+    def factory(**kw: Any) -> KVCacheManager:
+        kw.setdefault("namespace", f"t-{request.node.name}")
+        kw.setdefault("gpu", 32)
+        return managers(store.url, **kw)
+
+    return factory
+
+
+def page_keys(m: KVCacheManager, toks: list[int]) -> list[bytes]:
+    """The remote keys of the full blocks of ``toks`` (one layer group)."""
+    remote = m._remote
+    assert remote is not None
+    hasher = BlockHasher(toks, T, "toks", None, 0)
+    parent = scope_key(DEFAULT_REUSE_SCOPE)
+    out = []
+    for o in range(len(toks) // T):
+        parent = hasher.key(parent, o)
+        out.append(remote.page_key(parent, 0))
+    return out
+
+
+def present(m: KVCacheManager, keys: list[bytes]) -> list[bool]:
+    """Whether the store holds a whole page under each key (through ``m``'s backend)."""
+    remote = m._remote
+    assert remote is not None
+    size = HEADER_BYTES + 2 * 2 * 32 * T  # two layers, key and value, one 32-byte record per token
+    found = remote.backend.lookup(keys, [size] * len(keys))
+    assert found is not None
+    return found
+
+
+@pytest.mark.parametrize("write_through", [False, True])
+def test_a_prefix_written_by_one_manager_is_reused_by_another(make: Factory, write_through: bool) -> None:
+    a = make(write_through=write_through)
+    b = make(host=16)
+    toks = seq(1, 4 * T + 3)
+    publish(a, toks, match=False)
+    if not write_through:
+        assert a.flush_remote_writes() and not any(present(a, page_keys(a, toks)))  # nothing dropped yet
+        evict_everything(a)  # GPU is a's last level: its reusable pages are dropped, i.e. written back
+    assert a.flush_remote_writes()
+    assert present(a, page_keys(a, toks)) == [True] * 4  # full blocks only
+    prompt = toks[: 4 * T] + [7, 7]
+    assert b.probe_reuse(None, prompt) == 4 * T
+    assert reuse(b, prompt) == 4 * T
+    st = b.remote_statistics
+    assert st is not None and st.fetched_pages == 4 and st.hit_blocks == 4 and st.corrupt_pages == 0
+    assert st.lookups == 1 and st.errors == 0 and st.connected
+    sa = a.remote_statistics
+    assert sa is not None and sa.written_pages == 4 and sa.dropped_writes == 0
+
+
+def test_a_quota_bounds_the_store_and_what_is_left_is_reused_correctly(store: StoreUnderTest, make: Factory) -> None:
+    quota = 3 << 19  # 1.5 MiB (Mooncake: each client's share of the store's memory)
+    wide = [  # 16 KiB pages: 240 of them do not fit
+        AttentionLayerConfig(LayerId(i), [BufferConfig("key", 4 << 10), BufferConfig("value", 4 << 10)])
+        for i in range(2)
+    ]
+    big = make(write_through=True, gpu=64 * 16, quota=quota, layers=wide)
+    assert big.get_quota(CacheLevel(1)) == quota
+    for r in range(40):
+        publish(big, seq(100 + r, 6 * T), match=False)
+        assert big.flush_remote_writes()
+    b = make(gpu=64 * 16, layers=wide, quota=quota)
+    reused = 0
+    for r in range(0, 40, 3):
+        reused += reuse(b, seq(100 + r, 6 * T) + [1])  # any length, every record checked
+    assert reused < 14 * 6 * T  # the store kept less than was written
+    # Redis: the servers' maxmemory, changed at once; Mooncake: its clients' memory, set at start
+    assert big.resize(CacheLevel(1), quota + 1) == (store.name != "mooncake")
+
+
+def test_an_outage_costs_hits_only_and_reuse_resumes_after_a_restart(store: StoreUnderTest, make: Factory) -> None:
+    a = make(gpu=8)
+    b = make(gpu=8)
+    toks = seq(11, 3 * T)
+    publish(a, toks, match=False)
+    evict_everything(a)
+    assert a.flush_remote_writes()
+    store.kill()
+    assert b.probe_reuse(None, toks + [1]) == 0
+    assert reuse(b, toks + [1]) == 0  # misses, no exception
+    for r in range(3):  # both keep serving: a's writes are dropped, b computes
+        publish(a, seq(20 + r, 3 * T), match=False)
+        evict_everything(a)
+        assert reuse(b, seq(30 + r, 2 * T) + [1]) == 0
+        time.sleep(0.06)  # past retry_interval_ms: the next call tries again
+    sa, sb = a.remote_statistics, b.remote_statistics
+    assert sa is not None and sb is not None
+    assert a.flush_remote_writes() and sa.dropped_writes > 0
+    assert sb.errors > 0 and not sb.connected
+    store.start()  # back, empty, at the same address
+    time.sleep(0.06)
+    assert reuse(b, toks + [1]) == 0  # the old data is gone
+    deadline = time.monotonic() + 10
+    while True:  # (a reconnects on its next write after retry_interval_ms)
+        publish(a, toks, match=False)
+        evict_everything(a)
+        assert a.flush_remote_writes()
+        if all(present(a, page_keys(a, toks))) or time.monotonic() > deadline:
+            break
+        time.sleep(0.06)
+    assert reuse(b, toks + [1]) == 3 * T  # reuse resumed
+    sb = b.remote_statistics
+    assert sb is not None and sb.connected
+
+
+def test_a_hung_store_times_out_into_misses(store: StoreUnderTest, make: Factory) -> None:
+    a = make(write_through=True)
+    b = make(timeout_ms=200, retry_interval_ms=60_000)
+    toks = seq(12, 3 * T)
+    publish(a, toks, match=False)
+    assert a.flush_remote_writes()
+    assert b.probe_reuse(None, seq(13, 2 * T) + [1]) == 0  # (b connected before the store hangs)
+    store.pause()
+    try:
+        t0 = time.monotonic()
+        assert reuse(b, toks + [1]) == 0
+        first = time.monotonic() - t0
+        t0 = time.monotonic()
+        assert reuse(b, toks + [1]) == 0  # counted as down: no second wait
+        second = time.monotonic() - t0
+    finally:
+        store.resume()
+    assert first < 2.0 and second < 2.0  # bounded by the deadline, not hung
+    st = b.remote_statistics
+    assert st is not None and st.errors >= 1
+    if store.name != "cluster":  # (a cluster's nodes are down one by one: the next call asks the others)
+        assert second < first and st.skipped_lookups >= 1
+
+
+def test_values_gone_between_lookup_and_read_are_misses(make: Factory) -> None:
+    """A flushed store, or objects the store evicted after the lookup found them."""
+    a = make(write_through=True)
+    b = make()
+    toks = seq(14, 4 * T)
+    publish(a, toks, match=False)
+    assert a.flush_remote_writes()
+    assert b.probe_reuse(None, toks + [1]) == 4 * T  # the lookup finds all four
+    keys = page_keys(a, toks)
+    remote = a._remote
+    assert remote is not None and remote.backend.delete(keys[2:]) == 2  # gone before the read
+    assert reuse(b, toks + [1]) == 2 * T  # create reads: what is left, checked
+    assert remote.backend.delete(keys) == 2  # flushed
+    c = make()
+    assert reuse(c, toks + [1]) == 0
+
+
+def test_a_value_of_the_wrong_size_under_our_key_is_a_miss(make: Factory) -> None:
+    a = make(write_through=True)
+    b = make()
+    toks = seq(15, 3 * T)
+    publish(a, toks, match=False)
+    assert a.flush_remote_writes()
+    keys = page_keys(a, toks)
+    remote = a._remote
+    assert remote is not None
+    backend = remote.backend
+    assert backend.delete(keys[1:2]) == 1
+    results: list[Any] = []
+    backend.write(keys[1:2], [[b"\0" * 100]], results)  # a foreign value of another size
+    assert results == [True]
+    assert reuse(b, toks + [1]) == T  # block 1 is a miss: the match ends before it
+    st = b.remote_statistics
+    assert st is not None and st.errors == 0
+
+
+def test_mooncake_a_full_segment_refuses_writes_without_harm(store: StoreUnderTest, make: Factory) -> None:
+    if store.name != "mooncake":
+        pytest.skip("Mooncake's client segments")
+    wide = [
+        AttentionLayerConfig(LayerId(i), [BufferConfig("key", 4 << 10), BufferConfig("value", 4 << 10)])
+        for i in range(2)
+    ]
+    a = make(write_through=True, gpu=64 * 16, quota=256 << 10, layers=wide)  # room for about 16 pages
+    for r in range(6):
+        publish(a, seq(200 + r, 6 * T), match=False)
+    assert a.flush_remote_writes()
+    st = a.remote_statistics
+    assert st is not None and st.dropped_writes > 0 and st.written_pages + st.dropped_writes == 36
+    b = make(gpu=64 * 16, layers=wide, quota=256 << 10)
+    for r in range(6):
+        reuse(b, seq(200 + r, 6 * T) + [1])  # whatever is there, checked
+
+
+def test_a_backend_serves_reads_from_another_thread(make: Factory) -> None:
+    """A loader's worker thread reads with a connection (and buffers) of its own."""
+    import threading
+
+    a = make(write_through=True)
+    toks = seq(16, 4 * T)
+    publish(a, toks, match=False)
+    assert a.flush_remote_writes()
+    remote = a._remote
+    assert remote is not None
+    keys = page_keys(a, toks)
+    size = HEADER_BYTES + 2 * 2 * 32 * T
+    out: dict[str, Any] = {}
+
+    def worker() -> None:
+        values = remote.backend.read(keys, [size] * 4)
+        out["sizes"] = [len(v) if v is not None else -1 for v in values or []]
+        out["mine"] = remote.backend.read(keys[:1], [size])
+
+    t = threading.Thread(target=worker)
+    t.start()
+    here = remote.backend.read(keys[1:2], [size])  # (meanwhile, on this thread)
+    t.join(30)
+    assert out["sizes"] == [size] * 4
+    assert here is not None and out["mine"] is not None
+    assert bytes(here[0]) != bytes(out["mine"][0])  # each thread's value intact
+
+
+def test_a_url_scheme_chooses_the_backend_and_bad_urls_are_refused() -> None:
+    from kv_cache_manager_v2 import RemoteCacheTierConfig
+    from kv_cache_manager_v2._storage._remote._mooncake import parse_url
+    from kv_cache_manager_v2._storage._remote._registry import BACKENDS, REMOTE_URL_SCHEMES, backend_of
+
+    assert backend_of("redis://h:1/0")[:2] == ("_redis", "RedisBackend")
+    assert backend_of("redis+cluster://h:1,h:2")[:2] == ("_redis", "RedisBackend")
+    assert backend_of("mooncake://h:1?metadata=P2PHANDSHAKE") == ("_mooncake", "MooncakeBackend", "mooncake")
+    assert len(BACKENDS) == 2 and "mooncake://" in REMOTE_URL_SCHEMES
+    with pytest.raises(ValueError, match="no remote backend"):
+        backend_of("http://x")
+    with pytest.raises(ValueError, match="url must start with"):
+        RemoteCacheTierConfig("memcached://x:1", "n")
+    args = parse_url("mooncake://10.0.0.5:50051?metadata=http://10.0.0.5:8080/metadata&protocol=rdma&device=mlx5_0")
+    assert args["master_server_addr"] == "10.0.0.5:50051" and args["protocol"] == "rdma"
+    assert args["rdma_devices"] == "mlx5_0" and args["metadata_server"] == "http://10.0.0.5:8080/metadata"
+    for bad, match in (
+        ("mooncake://h?metadata=x", "mooncake://host:port"),
+        ("mooncake://h:1", "metadata="),
+        ("mooncake://h:1?metadata=x&segment=big", "segment must be a number"),
+        ("mooncake://h:1?metadata=x&colour=red", "unknown parameters"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            parse_url(bad)
+
+
+def test_a_mooncake_url_without_its_client_is_refused_with_the_extra_to_install() -> None:
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import sys
+sys.modules["mooncake"] = None
+sys.modules["mooncake.store"] = None
+from kv_cache_manager_v2 import GpuCacheTierConfig, KVCacheManager, KVCacheManagerConfig, RemoteCacheTierConfig
+from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, LayerId
+layers = [AttentionLayerConfig(LayerId(0), [BufferConfig("key", 64), BufferConfig("value", 64)])]
+url = "mooncake://127.0.0.1:1?metadata=http://127.0.0.1:2/metadata"
+try:
+    KVCacheManager(KVCacheManagerConfig(8, [GpuCacheTierConfig(1 << 16), RemoteCacheTierConfig(url, "n")], layers, backend="host"))
+except ImportError as e:
+    print("refused:", e)
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "refused: RemoteCacheTierConfig with a mooncake:// URL needs the Mooncake Store client" in out.stdout
+    assert "kv_cache_manager_v2[mooncake]" in out.stdout
+
+
+def test_pages_dropped_from_the_host_tier_are_sent_from_their_slots(make: Factory) -> None:
+    """The host pool's slots go to the writer as they are (Mooncake: registered memory, zero-copy)."""
+    from test_remote import evict_through_the_lower_tier
+
+    a = make(gpu=16, host=16, max_pending_bytes=4 * 2 * 2 * 32 * T)
+    toks = [seq(40 + r, 4 * T) for r in range(3)]
+    for t in toks:
+        publish(a, t, match=False)
+    evict_through_the_lower_tier(a)
+    assert a.flush_remote_writes()
+    a.check_invariants()
+    remote = a._remote
+    assert remote is not None and remote.slots_queued == 4
+    st = a.remote_statistics
+    assert st is not None and st.written_pages == 8 and st.dropped_writes == 4
+    b = make()
+    assert sum(reuse(b, t + [1]) for t in toks) == 8 * T  # every record checked

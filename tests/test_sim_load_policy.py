@@ -1,0 +1,123 @@
+"""``kv-cache-sim --load-policy``: the manager's load plan in the simulator's time model, checked by
+hand on a tiny workload (one request reusing a prefix from the host tier over a fast or a slow
+link), loads in the background while others compute, and the option's checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+from conftest import TRACE
+
+from kv_cache_manager_v2.sim import SchedulerOptions, main
+from kv_cache_manager_v2.sim._loading import prefill_rate
+from kv_cache_manager_v2.sim._models import (
+    ModelShape,
+    TierSpec,
+    manager_config,
+    proxy_page_bytes,
+    real_bytes_per_proxy_byte,
+)
+from kv_cache_manager_v2.sim._replay import Replay
+from kv_cache_manager_v2.sim._replay_types import ReplayResult
+from kv_cache_manager_v2.sim._step_cost import LinearCost
+from kv_cache_manager_v2.sim._tier_io import Link, TierLinks
+from kv_cache_manager_v2.sim._workload import SimRequest
+
+SMALL = ModelShape("small", 4, 2, 16, "fp16")  # 256 bytes per token
+T = 16
+#: bytes per second that move request 0's 160-token prefix in 1 ms
+PREFIX_IN_1MS = 160 * SMALL.bytes_per_token / 1e-3
+
+
+def _tier(kind: str, tokens: int) -> TierSpec:
+    return TierSpec(kind, tokens * SMALL.bytes_per_token, f"{tokens}tok", None)
+
+
+def _replay(reqs: list[SimRequest], policy: str | None, bandwidth: float) -> ReplayResult:
+    page = proxy_page_bytes(T, False, SMALL)
+    config = manager_config(SMALL, T, [_tier("gpu", 208), _tier("host", 4096)], False, page)
+    scale = real_bytes_per_proxy_byte(SMALL, T, page)
+    links = TierLinks(host=Link(bandwidth, PREFIX_IN_1MS, 0.5))  # (writes: the prefix in 1 ms)
+    opts = SchedulerOptions(prompt_only=True, watermark=0.0, links=links, load_policy=policy)
+    return Replay(config, reqs, dataclasses.replace(opts, cost=LinearCost(10.0, 1000.0)), bytes_scale=scale).run()
+
+
+def _requests(*extra: SimRequest) -> list[SimRequest]:
+    """Request 0 computes a 160-token prefix; request 1 pushes it to the host tier; request 2 (at
+    2,000 ms) reuses it and computes 16 tokens of its own."""
+    return [
+        SimRequest(0, 0.0, [(1, 160)], 160, 1, 1 << 30),
+        SimRequest(1, 1000.0, [(10_000, 200)], 200, 1, (1 << 30) + 10),
+        SimRequest(2, 2000.0, [(1, 160), (50_000, 16)], 176, 1, (1 << 30) + 20),
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("link_ms", "expected"),
+    [
+        # the prefix in 1 ms: loading (0.5 + 1 ms, then 10 + 16) beats recomputing (10 + 176)
+        (1.0, {"never": 186.0, "always": 27.5, "auto": 27.5}),
+        # in 1,000 ms: recomputing wins (a block 100 ms to load, ~17 ms to recompute)
+        (1000.0, {"never": 186.0, "always": 1026.5, "auto": 186.0}),
+    ],
+)
+def test_one_request_by_hand(link_ms: float, expected: dict[str, float]) -> None:
+    """Step 10 ms + 1 ms a token; the prefill rate auto plans with is that step's for 176 tokens
+    (176 / 186 ms); a host block (16 tokens) loads in link_ms / 10 plus 0.5 ms once."""
+    for policy, ttft in expected.items():
+        r = _replay(_requests(), policy, PREFIX_IN_1MS / link_ms)
+        third = next(x for x in r.outcomes if x.index == 2)
+        assert third.ttft_ms == pytest.approx(ttft), policy
+        loaded = policy == "always" or (policy == "auto" and link_ms == 1.0)
+        assert third.reused_per_level == ([0, 160] if loaded else [0, 0]), policy
+        plan = r.load_plan
+        assert plan is not None and plan["policy"] == policy
+        assert sum(plan["loaded_tokens"][1:]) == (160 if loaded else 0)  # type: ignore[index, arg-type]
+        assert sum(plan["recomputed_tokens"]) == (0 if loaded else 160)  # type: ignore[arg-type]
+    assert prefill_rate(LinearCost(10.0, 1000.0), 176, 2048, 176) == pytest.approx(176 / 0.186)
+
+
+def test_others_compute_while_a_request_loads() -> None:
+    """Request 3 (16 new tokens) arrives with request 2, whose prefix loads for 1,000.5 ms under
+    "always": in the background, request 3's step does not wait (TTFT 10 + 16 ms); without a load
+    policy the step waits for the load and both compute after it."""
+    late = SimRequest(3, 2000.0, [(90_000, 16)], 16, 1, (1 << 30) + 30)
+    slow = PREFIX_IN_1MS / 1000.0
+    background = {x.index: x.ttft_ms for x in _replay(_requests(late), "always", slow).outcomes}
+    assert background[3] == pytest.approx(26.0)
+    assert background[2] == pytest.approx(1000.5 + 26.0)
+    waiting = {x.index: x.ttft_ms for x in _replay(_requests(late), None, slow).outcomes}
+    assert waiting[3] == pytest.approx(1000.5 + 10.0 + 32.0) and waiting[2] == waiting[3]
+
+
+def test_the_cli_compares_the_policies(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    out = tmp_path / "r.json"
+    args = ["--trace", TRACE, "--requests", "40", "--gpu", "2GiB", "--host", "4GiB", "--no-progress"]
+    assert main([*args, "--load-policy", "all", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "load policy" in text and "never" in text and "auto" in text
+    points = json.loads(out.read_text())["sweep"]["points"]
+    assert [p["load_plan"]["policy"] for p in points] == ["never", "always", "auto"]
+    assert sum(points[0]["load_plan"]["loaded_tokens"][1:]) == 0  # never loads from the host
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--load-policy", "sometimes"], "invalid choice: 'sometimes'"),
+        (["--load-policy", "auto,auto"], "name each policy once"),
+        (["--load-policy", "auto", "--replicas", "2"], "--load-policy compares replays of one engine"),
+    ],
+)
+def test_bad_load_policy_options(capsys: pytest.CaptureFixture[str], args: list[str], says: str) -> None:
+    try:
+        code = main(["--requests", "5", "--no-progress", *args])
+    except SystemExit as e:  # (argparse: a bad value)
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err.splitlines()[-1], err
