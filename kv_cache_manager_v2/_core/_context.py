@@ -209,6 +209,17 @@ class CacheContext:
         #: trip that answered many prefetches at once is installed over the following steps)
         self.backlog: list[LoadJob] = []
 
+    def poll_due_loads(self) -> int:
+        """``poll_loads`` (entered as ``poll_loads()``) when a load is in flight or waiting; else 0."""
+        loader = self.loader
+        if loader is None or (loader.in_flight == 0 and not self.backlog):
+            return 0
+        self.enter("poll_loads()")
+        try:
+            return self.poll_loads()
+        finally:
+            self.leave()
+
     def poll_loads(self) -> int:
         """Install the background loads that finished (the caller entered the context); returns
         the pages installed from disk."""

@@ -273,8 +273,7 @@ class KVCacheManager(ManagerQueries):
 
     @property
     def directives(self) -> Directives:
-        """Directives by session or by prefix (``retain``, ``pin``/``unpin``, ``demote``, ``end``),
-        each answering with a ``DirectiveOutcome``."""
+        """Directives by session or prefix (retain, pin/unpin, demote, end), each answering a ``DirectiveOutcome``."""
         self._check_alive()
         return Directives(self._ctx, self._matcher, self._check_alive)
 
@@ -290,8 +289,8 @@ class KVCacheManager(ManagerQueries):
         tier when ``target_level`` is the GPU and a host tier exists (else ``target_level``). A
         later ``create_kv_cache`` of the same tokens finds them locally (without asking the remote
         tier again) once the returned ``Prefetch`` is ``done``; ``cancel`` it when the request goes
-        away. Takes no page: what it brought up is reusable, evicted like any other. Without
-        ``load_workers`` (or with a remote cluster) the remote part is left to the create."""
+        away. Takes no page (what it brought up is reusable). Without ``load_workers`` (or with a
+        remote cluster) the remote part is left to the create."""
         self._check_alive()
         return start_prefetch(self._ctx, self._matcher, self._remote_reads, input_tokens, target_level, reuse_scope)
 
@@ -300,17 +299,7 @@ class KVCacheManager(ManagerQueries):
         the disk pages installed. Every call that matches or resumes does this itself; an engine
         calls it once a step (the adapter does) so that loads land while nothing else runs."""
         self._check_alive()
-        return self._poll()
-
-    def _poll(self) -> int:
-        ctx = self._ctx
-        if ctx.loader is None or (ctx.loader.in_flight == 0 and not ctx.backlog):
-            return 0
-        ctx.enter("poll_loads()")
-        try:
-            return ctx.poll_loads()
-        finally:
-            ctx.leave()
+        return self._ctx.poll_due_loads()
 
     def pin(
         self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None, duration_s: float | None = None
@@ -339,7 +328,7 @@ class KVCacheManager(ManagerQueries):
         room for them, else fewer (never wrong data). A hybrid model's match (recurrent layers)
         ends at the last block holding a state snapshot, local or (extended remotely) in Redis."""
         self._check_alive()
-        self._poll()
+        self._ctx.poll_due_loads()
         found = self._matcher.probe(self._ctx, "probe_reuse()", reuse_scope, input_tokens)
         if found is None:
             return 0
@@ -356,7 +345,7 @@ class KVCacheManager(ManagerQueries):
         ``create_kv_cache`` of the same tokens reuses this call's hashing, like after ``probe_reuse``.
         """
         self._check_alive()
-        self._poll()
+        self._ctx.poll_due_loads()
         found = self._matcher.probe(self._ctx, "probe_reuse_levels()", reuse_scope, input_tokens)
         if found is None:
             return []
