@@ -5,7 +5,8 @@ Main objects
         HostCacheTierConfig, DiskCacheTierConfig, RemoteCacheTierConfig), layers
         (AttentionLayerConfig, SsmLayerConfig of BufferConfig), prefix reuse, eviction
         (EvictionPolicy), retention the engine controls (RequestRetention of RetentionRange,
-        Retention at close, pin/unpin), hybrid snapshot policy (SnapshotPolicy), statistics
+        Retention at close, pin/unpin), sessions (SessionId) and their Directives
+        (DirectiveOutcome, DirectiveStatus), hybrid snapshot policy (SnapshotPolicy), statistics
         (StorageStatistics, TierStatistics, ReuseStatistics), load or recompute (LoadPolicy,
         LoadPlanStatistics).
     KVCache  one per request (create_kv_cache): its block table, per layer group, of pages
@@ -74,6 +75,7 @@ from ._common import (
     ReuseScope,
     ReuseStatistics,
     ScratchDesc,
+    SessionId,
     SlotId,
     StorageStatistics,
     TierStatistics,
@@ -98,6 +100,7 @@ from ._config import (
     SsmLayerConfig,
     SwaScratchReuseConfig,
 )
+from ._core._directives import Directives
 from ._core._kv_cache import KVCache
 from ._core._kv_cache_manager import KVCacheManager
 from ._core._prefetch import Prefetch
@@ -115,6 +118,7 @@ from ._events import (
 from ._exceptions import CuError, LogicError, OutOfMemoryError, OutOfPagesError
 from ._page_index import PageIndexConverter
 from ._retention import RequestRetention, Retention, RetentionRange
+from ._sessions import DirectiveOutcome, DirectiveStatus
 
 #: True when the package's modules are mypyc-compiled extension modules (production mode).
 compiled = not str(getattr(_core._kv_cache, "__file__", "")).endswith(".py")
@@ -176,6 +180,7 @@ _TYPE_DOCS = {
     "PoolGroupIndex": "Index of a pool group: the memory pools of layer groups whose pages have the same sizes.",
     "PoolIndex": "Index of a pool (one buffer role's memory) in its pool group.",
     "Priority": "Retention priority of a block: lower is evicted first (DEFAULT_PRIORITY unless set).",
+    "SessionId": "A conversation or agent the engine names: a non-empty str (create_kv_cache(session_id=...)).",
     "SlotId": "Index of a page slot in a pool group's memory.",
     "TokenId": "A token id: an int in [0, 2**32).",
     "TokenIdExt": "A token: a TokenId, or a bytes digest standing for a multimodal item or extra id.",
@@ -207,6 +212,9 @@ __all__ = [
     "CacheLevel",
     "CacheTier",
     "CuError",
+    "DirectiveOutcome",
+    "DirectiveStatus",
+    "Directives",
     "DiskCacheTierConfig",
     "EvictionPolicy",
     "GpuCacheTierConfig",
@@ -247,6 +255,7 @@ __all__ = [
     "ReuseScope",
     "ReuseStatistics",
     "ScratchDesc",
+    "SessionId",
     "SlotId",
     "SnapshotPolicy",
     "SsmLayerConfig",

@@ -18,6 +18,8 @@ BeamIndex = NewType("BeamIndex", int)
 MemAddress = NewType("MemAddress", int)
 Priority = NewType("Priority", int)
 TokenId = NewType("TokenId", int)
+#: A conversation or agent the engine names (``create_kv_cache(session_id=...)``): a non-empty str.
+SessionId = NewType("SessionId", str)
 #: One per request (``KVCache``), in creation order: use counting counts a request once per page.
 RequestSerial = NewType("RequestSerial", int)
 #: A token position is a plain id, or a digest standing for a position whose id is ambiguous.

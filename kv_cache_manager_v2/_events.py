@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Final, Protocol
 
-from ._common import CacheTier, Priority, TokenIdExt
+from ._common import CacheTier, Priority, SessionId, TokenIdExt
 from ._utils import check_int, check_type
 
 #: The ``medium`` string of each tier (vLLM's names for GPU and CPU).
@@ -83,7 +83,8 @@ class BlockStoredEvent(KVCacheEvent):
 
     ``tokens`` holds ids and ``bytes`` digests exactly as committed; a partial tail has fewer than
     ``block_size`` tokens. ``parent_key`` is the scope root's key for the first block of a sequence
-    (``parent_is_root``).
+    (``parent_is_root``). ``session``: the session of the request that published the block (None:
+    none, or not known, e.g. a block adopted from a persistent disk or fetched from the remote tier).
     """
 
     __slots__ = (
@@ -95,6 +96,7 @@ class BlockStoredEvent(KVCacheEvent):
         "parent_is_root",
         "parent_key",
         "priority",
+        "session",
         "tokens",
     )
 
@@ -109,6 +111,7 @@ class BlockStoredEvent(KVCacheEvent):
         group: LayerGroupSpec,
         priority: Priority,
         medium: str,
+        session: SessionId | None = None,
     ) -> None:
         self.key = key
         self.parent_key = parent_key
@@ -119,6 +122,7 @@ class BlockStoredEvent(KVCacheEvent):
         self.group = group
         self.priority = priority
         self.medium = medium
+        self.session = session
 
     @property
     def block_hash(self) -> int:
@@ -163,14 +167,16 @@ class BlockMovedEvent(BlockStoredEvent):
 
 
 class BlockRemovedEvent(KVCacheEvent):
-    """A block lost its page of one layer group (evicted, or its subtree was removed)."""
+    """A block lost its page of one layer group (evicted, or its subtree was removed); ``session``:
+    the session that published it (None: none, or not known)."""
 
-    __slots__ = ("group", "key", "medium")
+    __slots__ = ("group", "key", "medium", "session")
 
-    def __init__(self, key: bytes, group: LayerGroupSpec, medium: str) -> None:
+    def __init__(self, key: bytes, group: LayerGroupSpec, medium: str, session: SessionId | None = None) -> None:
         self.key = key
         self.group = group
         self.medium = medium
+        self.session = session
 
     @property
     def block_hash(self) -> int:
@@ -313,16 +319,19 @@ class KVCacheEventManager:
         priority: Priority,
         level: int,
         source_level: int = NOT_MOVED,
+        session: SessionId | None = None,
     ) -> BlockStoredEvent:
         """The event of a block's page of ``layer_group`` now at cache ``level`` (a ``BlockMovedEvent``
-        when it came from ``source_level``)."""
+        when it came from ``source_level``), published by ``session``."""
         group, medium = self._groups[layer_group], self._media[level]
         block_size, copied = self._tokens_per_block, tuple(tokens)
         if source_level == NOT_MOVED:
             return BlockStoredEvent(
-                key, parent_key, parent_is_root, copied, block_size, lora_id, group, priority, medium
+                key, parent_key, parent_is_root, copied, block_size, lora_id, group, priority, medium, session
             )
-        moved = BlockMovedEvent(key, parent_key, parent_is_root, copied, block_size, lora_id, group, priority, medium)
+        moved = BlockMovedEvent(
+            key, parent_key, parent_is_root, copied, block_size, lora_id, group, priority, medium, session
+        )
         moved.source_medium = self._media[source_level]
         return moved
 
@@ -330,9 +339,10 @@ class KVCacheEventManager:
         """Queue ``event`` (made by ``stored_event``): a block gained a page, or its page moved."""
         self._push(event)
 
-    def block_removed(self, key: bytes, layer_group: int, level: int) -> None:
-        """The block ``key`` no longer has a page of ``layer_group`` (it was at cache ``level``)."""
-        self._push(BlockRemovedEvent(key, self._groups[layer_group], self._media[level]))
+    def block_removed(self, key: bytes, layer_group: int, level: int, session: SessionId | None = None) -> None:
+        """The block ``key`` (published by ``session``) no longer has a page of ``layer_group`` (it
+        was at cache ``level``)."""
+        self._push(BlockRemovedEvent(key, self._groups[layer_group], self._media[level], session))
 
     def all_cleared(self) -> None:
         """Every block left the tree at once."""

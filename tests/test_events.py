@@ -193,6 +193,43 @@ def test_tier_move_hook_reports_moves(with_events: Callable[..., tuple]) -> None
     assert len(native) == 1 and index.medium_of(h[0]) == "CPU"
 
 
+def test_events_carry_the_session_that_published_the_block(with_events: Callable[..., tuple]) -> None:
+    m, em = with_events(kv_layers(1, T), max_events=1000)
+    engine = FakeEngine(m)
+    system, a, b = toks(20, 16), toks(21, 8), toks(22, 8)
+    for tokens, session in [(system + a, "a"), (system + b, "b"), (toks(23, 8), None)]:
+        kv = m.create_kv_cache(input_tokens=tokens[:T], session_id=session)  # b reuses the system prompt's first block
+        serve(engine, kv, tokens)  # type: ignore[arg-type]
+        kv.close()
+    stored = em.get_latest_events()
+    assert [(e.block_hash, e.session) for e in stored] == [
+        *[(h, "a") for h in prompt_block_hashes(system + a, T)],
+        (prompt_block_hashes(system + b, T)[-1], "b"),  # the system prompt's blocks were a's
+        (prompt_block_hashes(toks(23, 8), T)[0], None),
+    ]
+    assert m.directives.end("b").num_blocks == 1
+    removed = em.get_latest_events()
+    assert [(type(e), e.session) for e in removed] == [(BlockRemovedEvent, "b")]
+    # on the wire: an extension field (the last), runs split by session
+    wire = to_wire(stored + removed)
+    assert [(type(w), len(w.block_hashes), w.session_id) for w in wire] == [  # type: ignore[union-attr]
+        (BlockStored, 3, "a"),
+        (BlockStored, 1, "b"),
+        (BlockStored, 1, None),
+        (BlockRemoved, 1, "b"),
+    ]
+    payload = encode_batch(KVEventBatch(1.0, wire))
+    raw = msgspec.msgpack.decode(payload)[1]
+    assert raw[0][-1] == "a" and raw[3] == ["BlockRemoved", wire[3].block_hashes, "GPU", 0, "b"]  # type: ignore[union-attr]
+    assert raw[2][-1] is None and len(raw[2]) == len(raw[0])
+    assert [w.session_id for w in decode_batch(payload).events] == ["a", "b", None, "b"]  # type: ignore[union-attr]
+    theirs = msgspec.msgpack.decode(payload, type=VllmBatch)  # readers without the field ignore it
+    assert [e.block_hashes for e in theirs.events] == [w.block_hashes for w in wire]  # type: ignore[union-attr]
+    index = ReplicaIndex()
+    index.apply(decode_batch(payload).events)  # a router's index applies them as before
+    assert index.match_length(system + a) == 24 and index.match_length(system + b) == 16
+
+
 # ---------------------------------------------------------------- the wire schema
 class VllmBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
     """vLLM's layout, declared independently: our payload must decode into it."""
@@ -235,7 +272,7 @@ def test_payload_layout_matches_vllm(with_events: Callable[..., tuple]) -> None:
     first = raw[1][0]
     hashes = prompt_block_hashes(prompt, T)
     assert first[:7] == ["BlockStored", hashes, None, wire[0].token_ids, T, None, "GPU"]  # type: ignore[union-attr]
-    assert first[7:] == [None, [None, [[2, img]], None], 0, "full_attention", None, 35, first[13], None]
+    assert first[7:] == [None, [None, [[2, img]], None], 0, "full_attention", None, 35, first[13], None, None]
     assert first[13] == block_hash(scope_key(ReuseScope()))
     assert raw[1][1] == ["AllBlocksCleared"]
     assert wire[0].token_ids[10] == digest_stand_in(img)  # type: ignore[union-attr]

@@ -72,6 +72,13 @@ def test_retention_example_runs(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+def test_sessions_example_runs(tmp_path: Path) -> None:
+    code = python_block_after("### Sessions and directives")
+    assert not undefined_names(code)
+    proc = run_python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_hybrid_example_runs(tmp_path: Path) -> None:
     proc = run_python(python_block_after("## Hybrid models"), tmp_path)
     assert proc.returncode == 0, proc.stderr

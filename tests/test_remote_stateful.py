@@ -15,7 +15,7 @@ from fake_engine import FakeEngine
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
-from test_stateful import PREFIXES, ManagerMachine, T, hybrid_layers
+from test_stateful import PREFIXES, SESSIONS, ManagerMachine, T, hybrid_layers
 
 from kv_cache_manager_v2 import (
     GpuCacheTierConfig,
@@ -125,8 +125,11 @@ class RemoteMachine(ManagerMachine):
         extra=st.integers(1, 30),
         salt=st.sampled_from([None, 1]),
         priority=st.integers(0, 100),
+        session=st.sampled_from(SESSIONS),
     )
-    def create(self, prefix: int, shared: int, extra: int, salt: int | None, priority: int) -> None:
+    def create(
+        self, prefix: int, shared: int, extra: int, salt: int | None, priority: int, session: str | None = None
+    ) -> None:
         """As the base rule, but create may reuse less than the probe said (a value that fails its
         checks, or no room to place what the remote tier has), never more."""
         if len(self.caches) >= 6:
@@ -134,7 +137,9 @@ class RemoteMachine(ManagerMachine):
         seq = PREFIXES[prefix][:shared] + [self.rng.randrange(1 << 30) for _ in range(extra)]
         scope = ReuseScope(salt=salt)
         probed = self.m.probe_reuse(scope, seq[:-1])
-        kv = self.m.create_kv_cache(scope, seq[:-1], custom_priority_callback=lambda o, lc: Priority(priority))
+        kv = self.m.create_kv_cache(
+            scope, seq[:-1], custom_priority_callback=lambda o, lc: Priority(priority), session_id=session
+        )
         assert kv.history_length <= probed or not self.alive
         assert kv.history_length == kv.num_committed_tokens
         self.caches.append((kv, seq))

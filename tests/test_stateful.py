@@ -18,6 +18,7 @@ from kv_cache_manager_v2 import (
     AttentionLayerConfig,
     BufferConfig,
     CacheLevel,
+    DirectiveStatus,
     KVCache,
     KVCacheManager,
     KVCacheStatus,
@@ -44,6 +45,8 @@ RETENTIONS = [
 ]
 #: close-time hints, by index: none, "continues" for a while, "ends"
 HINTS = [None, Retention(85, 4.0), Retention(0)]
+#: sessions of created requests (issue 52): none, or one of three
+SESSIONS: list[str | None] = [None, "s0", "s1", "s2"]
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -94,21 +97,68 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.unpin(PREFIXES[prefix][:length])
 
     @rule(
+        kind=st.sampled_from(["retain", "pin", "unpin", "demote", "end"]),
+        session=st.sampled_from(SESSIONS[1:]),
+        prefix=st.sampled_from([None, 0, 1, 2]),
+        length=st.integers(1, 24),
+        priority=st.integers(0, 100),
+        duration=st.sampled_from([None, 1.0, 3.0]),
+    )
+    def directive(
+        self, kind: str, session: str, prefix: int | None, length: int, priority: int, duration: float | None
+    ) -> None:
+        """A directive by session (or by prefix, except ``end``): its outcome adds up; the fake
+        engine checks that no request's KV data changed (``end`` drops only unused blocks)."""
+        d = self.m.directives
+        target = session if prefix is None or kind == "end" else PREFIXES[prefix][:length]
+        if kind == "retain":
+            out = d.retain(target, priority, duration)
+        elif kind == "pin":
+            out = d.pin(target, duration)
+        elif kind == "unpin":
+            out = d.unpin(target)
+        elif kind == "demote":
+            levels = self.m._storage.num_levels
+            if levels < 2:
+                return
+            out = d.demote(target, 1 + priority % (levels - 1))
+        else:
+            out = d.end(session)
+        total = out.num_blocks + out.num_deferred + out.num_kept
+        assert (out.status is DirectiveStatus.NOTHING_CACHED) == (total == 0), out
+        assert (out.status is DirectiveStatus.DEFERRED) == (out.num_deferred > 0), out
+        assert out.status is not DirectiveStatus.CLIPPED or (kind == "pin" and out.num_kept > 0), out
+
+    @rule(
         prefix=st.integers(0, 2),
         shared=st.integers(0, 24),
         extra=st.integers(1, 30),
         salt=st.sampled_from([None, 1]),
         priority=st.integers(0, 100),
         retention=st.integers(0, len(RETENTIONS) - 1),
+        session=st.sampled_from(SESSIONS),
     )
-    def create(self, prefix: int, shared: int, extra: int, salt: int | None, priority: int, retention: int = 0) -> None:
+    def create(
+        self,
+        prefix: int,
+        shared: int,
+        extra: int,
+        salt: int | None,
+        priority: int,
+        retention: int = 0,
+        session: str | None = None,
+    ) -> None:
         if len(self.caches) >= 6:
             return
         seq = PREFIXES[prefix][:shared] + [self.rng.randrange(1 << 30) for _ in range(extra)]
         scope = ReuseScope(salt=salt)
         probed = self.m.probe_reuse(scope, seq[:-1])
         kv = self.m.create_kv_cache(
-            scope, seq[:-1], custom_priority_callback=lambda o, lc: Priority(priority), retention=RETENTIONS[retention]
+            scope,
+            seq[:-1],
+            custom_priority_callback=lambda o, lc: Priority(priority),
+            retention=RETENTIONS[retention],
+            session_id=session,
         )
         assert kv.history_length == probed == kv.num_committed_tokens
         if kv.enable_swa_scratch_reuse:
@@ -439,8 +489,11 @@ class BeamMachine(ManagerMachine):
         extra=st.integers(1, 30),
         priority=st.integers(0, 100),
         retention=st.integers(0, 2),
+        session=st.sampled_from(SESSIONS),
     )
-    def create_beams(self, prefix: int, shared: int, extra: int, priority: int, retention: int = 0) -> None:
+    def create_beams(
+        self, prefix: int, shared: int, extra: int, priority: int, retention: int = 0, session: str | None = None
+    ) -> None:
         if len(self.caches) >= 6:
             return
         seq = PREFIXES[prefix][:shared] + [self.rng.randrange(1 << 30) for _ in range(extra)]
@@ -450,6 +503,7 @@ class BeamMachine(ManagerMachine):
             custom_priority_callback=lambda o, lc: Priority(priority),
             beam_width=3,
             retention=RETENTIONS[retention],
+            session_id=session,
         )
         self.caches.append((kv, seq))
 

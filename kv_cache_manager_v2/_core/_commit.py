@@ -229,6 +229,7 @@ def publish(state: RequestState, upto: int, beam: int = 0, tokens: Sequence[Toke
     shared = len(state._tables) > 1
     first = state._num_published
     keys = chain_token_keys(parent.key, tokens, tokens_per_block) if tokens is not None else None
+    session = state._session
     table_pages = table.pages.items
     pages: list[Page | None] = [None] * len(table_pages)  # each block's, refilled (the tree may switch them)
     for ordinal in range(first, upto):
@@ -238,7 +239,13 @@ def publish(state: RequestState, upto: int, beam: int = 0, tokens: Sequence[Toke
         if state._retention is not None:
             retain_new_pages(state, ordinal, pages)
         node = tree.publish(
-            parent, block_tokens, pages, locked, state._serial, keys[ordinal - first] if keys is not None else None
+            parent,
+            block_tokens,
+            pages,
+            locked,
+            state._serial,
+            keys[ordinal - first] if keys is not None else None,
+            session,
         )
         if node is None:
             return

@@ -19,6 +19,7 @@ from .._storage._page_reads import PageRead, PageReads, is_disk
 from .._storage._quota import constraint_floors
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList
+from ._sessions import SessionTable
 
 
 class OpenCache:
@@ -108,6 +109,7 @@ class CacheContext:
         "reads",
         "deferred_closes",
         "scratch_util",
+        "sessions",
         "block_layer_groups",
         "registry",
         "resume_floor",
@@ -129,6 +131,8 @@ class CacheContext:
     ) -> None:
         self.config = config
         self.tokens_per_block = config.tokens_per_block
+        #: the blocks each session reused or published (``create_kv_cache(session_id=...)``)
+        self.sessions = SessionTable()
         self.registry = registry
         self.layer_groups: TypedList[LayerGroupId, LayerGroup] = registry.layer_groups
         self.num_layer_groups = len(registry)
@@ -205,6 +209,17 @@ class CacheContext:
         #: trip that answered many prefetches at once is installed over the following steps)
         self.backlog: list[LoadJob] = []
 
+    def poll_due_loads(self) -> int:
+        """``poll_loads`` (entered as ``poll_loads()``) when a load is in flight or waiting; else 0."""
+        loader = self.loader
+        if loader is None or (loader.in_flight == 0 and not self.backlog):
+            return 0
+        self.enter("poll_loads()")
+        try:
+            return self.poll_loads()
+        finally:
+            self.leave()
+
     def poll_loads(self) -> int:
         """Install the background loads that finished (the caller entered the context); returns
         the pages installed from disk."""
@@ -265,6 +280,7 @@ class CacheContext:
         # handed-off slots before their memory goes (if it hangs, the memory is kept: logged)
         stopped = storage.remote.close(_SHUTDOWN_DRAIN_S) if storage.remote is not None else True
         self.tree.clear()
+        self.sessions.clear()
         storage.drop_all_evictable()
         if stopped:
             storage.release()

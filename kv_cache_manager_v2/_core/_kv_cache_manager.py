@@ -15,6 +15,7 @@ from .._common import (
     KVCacheStatus,
     LayerGroupId,
     ReuseScope,
+    SessionId,
     TokenIdExt,
 )
 from .._config import (
@@ -30,6 +31,7 @@ from .._reuse._adopt import adopt_records
 from .._reuse._node import Node
 from .._reuse._remote_fill import RemoteFill
 from .._reuse._tree import ReuseTree
+from .._sessions import check_session_id
 from .._storage._layout import StorageLayout
 from .._storage._quota import split_like, split_quota
 from .._storage._remote._store import RemoteStore
@@ -40,6 +42,7 @@ from .._storage._tier_costs import TierCosts
 from .._utils import check_int, check_number, check_type
 from ._batch import commit_batch, resize_batch
 from ._context import CacheContext, OpenCache, derived_lower_tier_state_share
+from ._directives import Directives
 from ._introspection import check_invariants
 from ._kv_cache import KVCache
 from ._load_plan import LoadPlanner
@@ -220,6 +223,7 @@ class KVCacheManager(ManagerQueries):
         beam_width: object = 1,
         retention: RequestRetention | None = None,
         prompt_length: int | None = None,
+        session_id: SessionId | None = None,
     ) -> KVCache:
         """A new SUSPENDED cache for one request; call ``resume()`` before ``resize()``.
 
@@ -228,10 +232,12 @@ class KVCacheManager(ManagerQueries):
         ``retention``: of the blocks it publishes (decode blocks: from ``prompt_length``, by
         default ``len(input_tokens)``). ``custom_priority_callback``: the eviction priority of each
         new page, snapshots included (under ``ssm_snapshot_policy="auto"`` too, whose priority 0
-        for interval and prompt-end snapshots applies only without a callback)."""
+        for interval and prompt-end snapshots applies only without a callback). ``session_id``: the
+        conversation or agent it belongs to (``directives`` by session; KV-cache events)."""
         self._check_alive()
         width = check_int("beam_width", beam_width, 1, MAX_BEAM_WIDTH)
         prompt_end = checked_prompt_end(retention, prompt_length, input_tokens)
+        session = check_session_id("session_id", session_id)
         if reuse_scope is not None:
             check_type("reuse_scope", reuse_scope, ReuseScope)
         if not callable(custom_priority_callback):
@@ -243,6 +249,7 @@ class KVCacheManager(ManagerQueries):
             ctx.poll_loads()
             kv = KVCache(ctx, scope, id, custom_priority_callback, width)
             kv._retention, kv._prompt_length = retention, prompt_end
+            kv._session = session
             num_input_tokens = len(input_tokens) if input_tokens is not None else 0
             nodes: list[Node] = []
             if input_tokens is not None and num_input_tokens > 0:
@@ -250,6 +257,8 @@ class KVCacheManager(ManagerQueries):
                     scope, input_tokens, True
                 )  # may raise: kv is not open yet
                 adopt(kv, nodes, part, part_len, input_tokens)
+                if session is not None:
+                    ctx.sessions.record(session, nodes[-1] if nodes else None)
             if ctx.state_layer_groups:
                 tree = self._tree
                 attention_blocks = max(tree.attention_blocks, len(nodes)) if num_input_tokens else 0
@@ -261,6 +270,12 @@ class KVCacheManager(ManagerQueries):
         finally:
             ctx.leave()
         return kv
+
+    @property
+    def directives(self) -> Directives:
+        """Directives by session or prefix (retain, pin/unpin, demote, end), each answering a ``DirectiveOutcome``."""
+        self._check_alive()
+        return Directives(self._ctx, self._matcher, self._check_alive)
 
     def prefetch(
         self,
@@ -274,8 +289,8 @@ class KVCacheManager(ManagerQueries):
         tier when ``target_level`` is the GPU and a host tier exists (else ``target_level``). A
         later ``create_kv_cache`` of the same tokens finds them locally (without asking the remote
         tier again) once the returned ``Prefetch`` is ``done``; ``cancel`` it when the request goes
-        away. Takes no page: what it brought up is reusable, evicted like any other. Without
-        ``load_workers`` (or with a remote cluster) the remote part is left to the create."""
+        away. Takes no page (what it brought up is reusable). Without ``load_workers`` (or with a
+        remote cluster) the remote part is left to the create."""
         self._check_alive()
         return start_prefetch(self._ctx, self._matcher, self._remote_reads, input_tokens, target_level, reuse_scope)
 
@@ -284,17 +299,7 @@ class KVCacheManager(ManagerQueries):
         the disk pages installed. Every call that matches or resumes does this itself; an engine
         calls it once a step (the adapter does) so that loads land while nothing else runs."""
         self._check_alive()
-        return self._poll()
-
-    def _poll(self) -> int:
-        ctx = self._ctx
-        if ctx.loader is None or (ctx.loader.in_flight == 0 and not ctx.backlog):
-            return 0
-        ctx.enter("poll_loads()")
-        try:
-            return ctx.poll_loads()
-        finally:
-            ctx.leave()
+        return self._ctx.poll_due_loads()
 
     def pin(
         self, tokens: Sequence[TokenIdExt], reuse_scope: ReuseScope | None = None, duration_s: float | None = None
@@ -323,7 +328,7 @@ class KVCacheManager(ManagerQueries):
         room for them, else fewer (never wrong data). A hybrid model's match (recurrent layers)
         ends at the last block holding a state snapshot, local or (extended remotely) in Redis."""
         self._check_alive()
-        self._poll()
+        self._ctx.poll_due_loads()
         found = self._matcher.probe(self._ctx, "probe_reuse()", reuse_scope, input_tokens)
         if found is None:
             return 0
@@ -340,7 +345,7 @@ class KVCacheManager(ManagerQueries):
         ``create_kv_cache`` of the same tokens reuses this call's hashing, like after ``probe_reuse``.
         """
         self._check_alive()
-        self._poll()
+        self._ctx.poll_due_loads()
         found = self._matcher.probe(self._ctx, "probe_reuse_levels()", reuse_scope, input_tokens)
         if found is None:
             return []
@@ -412,6 +417,7 @@ class KVCacheManager(ManagerQueries):
             self._storage.flush_write_through()  # published pages still owe the remote tier a copy
             self._storage.pins.clear()
             self._tree.clear()
+            self._ctx.sessions.clear()
             self._matcher.forget()
             self._storage.drop_all_evictable()  # garbage of subtrees removed earlier
             if self._storage.persist is not None:

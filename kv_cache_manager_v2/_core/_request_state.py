@@ -21,6 +21,7 @@ from .._common import (
     Priority,
     RequestSerial,
     ReuseScope,
+    SessionId,
     TokenIdExt,
 )
 from .._exceptions import LogicError
@@ -114,6 +115,8 @@ class RequestState(OpenCache):
         #: no sliding window moves below this history (see ``KVCache._window_moves``; 0: check)
         self._window_next = 0
         #: retention of the blocks this request publishes (``create_kv_cache(retention=...)``)
+        #: the session it belongs to (``create_kv_cache(session_id=...)``)
+        self._session: SessionId | None = None
         self._retention: RequestRetention | None = None
         #: the prompt's length (where decode blocks start, for ``_retention``)
         self._prompt_length = 0

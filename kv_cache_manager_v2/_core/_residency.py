@@ -14,7 +14,7 @@ from .._reuse._node import Node
 from .._storage._page_reads import on_disk
 from ._commit import publish_final
 from ._request_state import RequestState
-from ._retention import end_hint, retain_history
+from ._retention import end_hint, last_published, retain_history
 
 
 def _take_reused(node: Node, layer_group: LayerGroupId, state: RequestState, match_end: int) -> Page:
@@ -427,6 +427,8 @@ def close_pages(state: RequestState, retain: Retention | None = None) -> None:
     if state._status is KVCacheStatus.SUSPENDED and state._ctx.storage.any_lost():
         drop_lost_blocks(state, False, -1)  # never publish a block whose data is gone
     publish_final(state)
+    if state._session is not None:
+        state._ctx.sessions.record(state._session, last_published(state))
     if retain is not None:
         retain_history(state, retain)
     locked = state._status is KVCacheStatus.ACTIVE

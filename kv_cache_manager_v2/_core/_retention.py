@@ -40,7 +40,7 @@ def retain_history(state: RequestState, retain: Retention) -> None:
     expiries.expire()
     priority = Priority(retain.priority)
     first_own = state._num_matched_blocks
-    node = _last_published(state)
+    node = last_published(state)
     if node is None:
         return
     last = node.ordinal
@@ -60,7 +60,7 @@ def retain_history(state: RequestState, retain: Retention) -> None:
         node = node.parent
 
 
-def _last_published(state: RequestState) -> Node | None:
+def last_published(state: RequestState) -> Node | None:
     """The tree node of the request's last published full block (also after ``stop_committing``,
     which lets go of ``_last_node``), or None."""
     node = state._last_node

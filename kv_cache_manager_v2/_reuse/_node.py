@@ -15,6 +15,7 @@ from .._common import (
     MAX_PRIORITY,
     BlockTokens,
     Priority,
+    SessionId,
     TokenIdExt,
 )
 from .._page import Page
@@ -146,6 +147,8 @@ class Node:
         "parent",
         "prio_cap",
         "scope",
+        "session",
+        "shared",
         "snapshot_reach",
         "tokens",
     )
@@ -176,6 +179,10 @@ class Node:
         self.snapshot_reach = 0
         #: the scope's ``(lora_id, salt)`` (set on roots, inherited; a persistent disk tier records it)
         self.scope: tuple[int | None, int | None] | None = parent.scope if parent is not None else None
+        #: the session of the request that published the block (None: none, or not known)
+        self.session: SessionId | None = None
+        #: a session other than ``session`` used the block too (``_core/_sessions.py``)
+        self.shared = False
         _untrack(self)
 
     def page(self, layer_group: int) -> Page | None:

@@ -12,6 +12,7 @@ from .._common import (
     Priority,
     RequestSerial,
     ReuseScope,
+    SessionId,
 )
 from .._events import NOT_MOVED, BlockStoredEvent, KVCacheEventManager
 from .._layers._policy import LayerGroup
@@ -212,6 +213,7 @@ class ReuseTree(PageDropListener):
         locked: bool,
         serial: RequestSerial,
         key: BlockKey | None = None,
+        session: SessionId | None = None,
     ) -> Node | None:
         """Insert one committed block under ``parent`` (a partial tail when shorter than a block);
         ``key`` is its ``block_key`` when the caller computed it (with its neighbours', in one call).
@@ -227,7 +229,8 @@ class ReuseTree(PageDropListener):
 
         A published page's priority is capped by the anchor pages above it, so a block is never
         evicted after its ancestors' anchors (whose eviction would take it along). ``key``: the
-        block's key when the caller has it already.
+        block's key when the caller has it already; ``session``: the publishing request's session (a
+        new node's ``session``).
         """
         if len(tokens) < self.tokens_per_block and parent.covers(tokens):
             return None
@@ -236,6 +239,7 @@ class ReuseTree(PageDropListener):
         node = parent.child(key)
         if node is None:
             node = Node(key, parent, tokens, len(pages))
+            node.session = session
             parent.add_child(node)
         priority_cap = parent.prio_cap
         for layer_group in range(len(pages)):
@@ -337,7 +341,7 @@ class ReuseTree(PageDropListener):
                 self._reach(node, -1)
         sink = self.event_sink
         if sink is not None:
-            sink.block_removed(node.key, layer_group, page.level)
+            sink.block_removed(node.key, layer_group, page.level, node.session)
         if page.anchor:  # (``is_anchor`` of its block, set with ``page.node``)
             self.remove_subtree(node)
         else:
@@ -381,7 +385,7 @@ class ReuseTree(PageDropListener):
                 if self.layer_groups.items[layer_group].keeps_live_state:
                     self._snapshot_left(n, layer_group)
                 if sink is not None:
-                    sink.block_removed(n.key, layer_group, p.level)
+                    sink.block_removed(n.key, layer_group, p.level, n.session)
                 p.set_low_value(False)
                 unused = p.num_locks == 0 and p.num_holds == 0
                 history = p.storage.history
@@ -492,4 +496,5 @@ def _event(events: KVCacheEventManager, node: Node, lc: int, page: Page, source_
         page.priority,
         page.level,
         source_level,
+        node.session,
     )

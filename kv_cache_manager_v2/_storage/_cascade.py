@@ -105,6 +105,33 @@ class EvictionCascade(StorageLevels):
                 self.drop(v)
         self._place(movers, level + 1, pool_group)
 
+    def demote(self, pages: list[Page], level: int) -> None:
+        """Move the reusable ``pages`` (tree pages listed in an evictor, above ``level``; distinct)
+        down to ``level`` now, as eviction would (room made there by moving its victims further
+        down; the oldest beyond its room one level further): per pool group, as many as the levels
+        from ``level`` down can take in, in the order given (the rest stay where they are)."""
+        groups: dict[int, list[Page]] = {}
+        for page in pages:
+            groups.setdefault(id(page.storage), []).append(page)
+        for movers in groups.values():
+            src = movers[0].storage
+            movers = movers[: self.capacity(level, src.index)]
+            for page in movers:
+                src.evictor.remove(page)
+            self._place(movers, level, src.index)
+
+    def discard(self, pages: list[Page]) -> None:
+        """Drop the reusable ``pages`` now (no request owns them; pinned ones too), as eviction
+        at the last level would, without writing them to the remote tier (nobody will ask for them)."""
+        for page in pages:
+            if page.slot < 0:
+                continue  # (freed with a page dropped before it)
+            if page.pin_held:
+                page.unhold_pins()
+            elif page.in_evictor:
+                page.storage.evictor.remove(page)
+            self.drop(page, False)
+
     def _place(self, movers: list[Page], level: int, pool_group: int) -> None:
         """Move ``movers`` (one source storage, in no evictor, in eviction order; at most
         ``capacity(level, pool_group)`` of them) into ``level`` and below: the newest as many as ``level``

@@ -9,8 +9,9 @@ from typing import NewType
 
 from mypy_extensions import mypyc_attr
 
-from .._common import DEFAULT_PRIORITY, MAX_PRIORITY, Priority, ReuseScope, TokenIdExt
+from .._common import DEFAULT_PRIORITY, MAX_PRIORITY, Priority, ReuseScope, SessionId, TokenIdExt
 from .._retention import RequestRetention
+from .._sessions import check_session_id
 
 RequestId = NewType("RequestId", int)
 
@@ -42,7 +43,8 @@ class EngineRequest:
     ``context_chunk_size`` (at most this many tokens per step while more than one token is
     uncomputed; 0 = no limit), ``state`` (set FINISHED when done), ``priority`` (eviction
     priority 0..100 of the pages this request creates, read at admission), ``retention``
-    (``RequestRetention``: priorities with durations per token range, read at admission) and
+    (``RequestRetention``: priorities with durations per token range, read at admission),
+    ``session_id`` (the conversation or agent it belongs to, read at admission) and
     ``output_is_history`` (the output becomes the start of a later request, e.g. a conversation's
     next turn: hybrid models keep the recurrent state at its last full block; read at admission,
     ignored under ``ssm_snapshot_policy="interval"``). The adapter checks
@@ -66,6 +68,7 @@ class EngineRequest:
         reuse_scope: ReuseScope | None = None,
         priority: object = DEFAULT_PRIORITY,
         retention: RequestRetention | None = None,
+        session_id: SessionId | None = None,
     ) -> None:
         self._request_id = RequestId(check_field("request_id", request_id, 0))
         if isinstance(prompt_tokens, (str, bytes)) or not hasattr(prompt_tokens, "__len__"):
@@ -89,6 +92,8 @@ class EngineRequest:
             )
         #: priorities with durations of the blocks it publishes (ranges of its prompt, decode blocks)
         self.retention: RequestRetention | None = retention
+        #: the conversation or agent it belongs to (``KVCacheManager.directives``; KV-cache events)
+        self.session_id: SessionId | None = check_session_id("EngineRequest.session_id", session_id)
         self.output_is_history = False
         self.state = RequestState.CONTEXT
         self.num_cached_tokens = 0

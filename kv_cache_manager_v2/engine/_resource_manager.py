@@ -262,7 +262,9 @@ class KVCacheResourceManager(ResourceQueries):
         m = self.manager
         levels = m.probe_reuse_levels(req.reuse_scope, prefix) if self._num_levels > 1 and prefix is not None else []
         # (hashed once: by the probe)
-        kv = m.create_kv_cache(req.reuse_scope, prefix, req.request_id, cb, 1, req.retention, len(req.prompt_tokens))
+        kv = m.create_kv_cache(
+            req.reuse_scope, prefix, req.request_id, cb, 1, req.retention, len(req.prompt_tokens), req.session_id
+        )
         try:
             if req.output_is_history:  # hybrid models: keep the state the next turn starts with
                 kv.plan_snapshot(len(req.prompt_tokens) + req.max_new_tokens - 1)

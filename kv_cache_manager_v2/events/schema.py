@@ -64,6 +64,8 @@ class BlockStored(WireEvent):
     scope_hash: int | None = None
     #: extension: sink blocks of a sliding-window group (needed with the window to match exactly)
     num_sink_blocks: int | None = None
+    #: extension: the session of the request that published the blocks (None: none or not known)
+    session_id: str | None = None
 
 
 class BlockRemoved(WireEvent):
@@ -72,6 +74,8 @@ class BlockRemoved(WireEvent):
     block_hashes: list[int]
     medium: str | None
     group_idx: int | None = None
+    #: extension: the session that published the blocks (None: none or not known)
+    session_id: str | None = None
 
 
 class AllBlocksCleared(WireEvent):
@@ -162,11 +166,13 @@ def _stored(ev: BlockStoredEvent) -> BlockStored:
         priority=ev.priority,
         scope_hash=ev.scope_hash if ev.parent_is_root else None,
         num_sink_blocks=g.num_sink_blocks if g.window_size is not None else None,
+        session_id=ev.session,
     )
 
 
 def _extends(run: BlockStored, nxt: BlockStored) -> bool:
-    """Whether ``nxt`` (one block) continues ``run``: same group, medium, scope and priority, child of its last block."""
+    """Whether ``nxt`` (one block) continues ``run``: same group, medium, scope, priority and session, child of
+    its last block."""
     return (
         nxt.parent_block_hash is not None
         and nxt.parent_block_hash == run.block_hashes[-1]
@@ -175,6 +181,7 @@ def _extends(run: BlockStored, nxt: BlockStored) -> bool:
         and nxt.medium == run.medium
         and nxt.lora_id == run.lora_id
         and nxt.priority == run.priority
+        and nxt.session_id == run.session_id
     )
 
 
@@ -183,7 +190,8 @@ def to_wire(events: Sequence[KVCacheEvent], moves: MovesAs = "vllm") -> list[Any
 
     Consecutive stores of a chain of blocks in one layer group become one ``BlockStored`` (stores of
     other groups may sit between them; any other event ends every run), consecutive removals of
-    one group and medium one ``BlockRemoved``.
+    one group, medium and session one ``BlockRemoved``. A block's session (``session_id``, where
+    known) travels in an extension field, the last one.
     """
     if moves not in ("vllm", "native"):
         raise ValueError(f"moves must be 'vllm' or 'native', got {moves!r}")
@@ -195,7 +203,7 @@ def to_wire(events: Sequence[KVCacheEvent], moves: MovesAs = "vllm") -> list[Any
             if moves == "native":
                 out.append(BlockMoved([ev.block_hash], ev.source_medium, ev.medium, ev.group_idx))
             else:
-                out.append(BlockRemoved([ev.block_hash], ev.source_medium, ev.group_idx))
+                out.append(BlockRemoved([ev.block_hash], ev.source_medium, ev.group_idx, ev.session))
                 out.append(_stored(ev))
         elif isinstance(ev, BlockStoredEvent):
             w = _stored(ev)
@@ -211,10 +219,15 @@ def to_wire(events: Sequence[KVCacheEvent], moves: MovesAs = "vllm") -> list[Any
         elif isinstance(ev, BlockRemovedEvent):
             runs.clear()
             last = out[-1] if out else None
-            if isinstance(last, BlockRemoved) and last.group_idx == ev.group_idx and last.medium == ev.medium:
+            if (
+                isinstance(last, BlockRemoved)
+                and last.group_idx == ev.group_idx
+                and last.medium == ev.medium
+                and last.session_id == ev.session
+            ):
                 last.block_hashes.append(ev.block_hash)
             else:
-                out.append(BlockRemoved([ev.block_hash], ev.medium, ev.group_idx))
+                out.append(BlockRemoved([ev.block_hash], ev.medium, ev.group_idx, ev.session))
         elif isinstance(ev, AllBlocksClearedEvent):
             runs.clear()
             out.append(AllBlocksCleared())
