@@ -161,6 +161,7 @@ class KVCacheManager(ManagerQueries):
             lg_bytes,
             self.tokens_per_block,
             self._num_tiers,
+            float(config.recompute_queue_weight),
         )
         if self._num_tiers > 1:  # (the GPU alone: every match is in GPU memory)
             self._matcher.planner = self._planner
@@ -315,6 +316,25 @@ class KVCacheManager(ManagerQueries):
             else 0.0
         )
         self._planner.tokens_per_s = rate
+
+    def set_tier_wait(self, level: object, seconds: object) -> None:
+        """The expected wait before a read from cache level ``level`` (below the GPU) starts: what is
+        queued on its link (e.g. writes of evicted pages), for ``load_policy="auto"``; counted once
+        per level a plan reads from, from the next match on (0 by default)."""
+        self._check_alive()
+        lvl = check_int("level", level)
+        top = self._num_tiers - 1
+        if not 1 <= lvl <= top:
+            raise ValueError(f"level must be a cache level below the GPU (1 to {top}), got {lvl}")
+        self._planner.costs.wait_s[lvl] = check_number("seconds", seconds, False, "the link's expected wait")
+
+    def set_engine_queue(self, waiting_requests: object) -> None:
+        """How many requests wait for the engine now (their prefill not started), for
+        ``load_policy="auto"``: a recomputed token costs ``1 + recompute_queue_weight *
+        waiting_requests`` times its own time (they wait for it), a load only the request's; from
+        the next match on (0 by default)."""
+        self._check_alive()
+        self._planner.waiting = check_int("waiting_requests", waiting_requests)
 
     def flush_remote_writes(self, timeout_s: float = 10.0) -> bool:
         """Wait until every page queued for the remote tier is written (or dropped); False on
