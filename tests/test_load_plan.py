@@ -408,19 +408,3 @@ def test_a_cut_must_save_a_blocks_time(mk: Any) -> None:
     assert planner.plan(levels, 2, 3) == (2 * T + 3, pytest.approx(0.0355), pytest.approx(0.0355))
     m.set_prefill_rate(FIVE_MS)
     assert planner.plan(levels, 2, 3) == (2 * T, pytest.approx(0.008), pytest.approx(-0.000125))
-
-
-def test_a_read_from_a_link_the_engine_waits_for_is_priced_like_recompute(mk: Any) -> None:
-    """With one request waiting (weight 1) a recomputed block costs 10 ms: savings 9, 18, 18, 18
-    (the whole match). When the engine waits for the disk's link (``holds_engine``) a disk page
-    costs 2 x 10 ms too: 9, 18, 8, -2: two blocks (a cut saving 20 ms, more than a block's 5)."""
-    m = mk("auto", FIVE_MS)
-    engine = FakeEngine(m)
-    spread(m, engine)
-    m.set_engine_queue(1)
-    assert m.probe_reuse(None, PROMPT) == 4 * T
-    with pytest.raises(TypeError, match="holds_engine must be a bool, got int 1"):
-        m.set_tier_wait(2, 0.0, 1)
-    assert m.probe_reuse(None, PROMPT) == 4 * T  # (unchanged by the refusal)
-    m.set_tier_wait(2, 0.0, True)
-    assert take(m, engine, PROMPT) == 2 * T

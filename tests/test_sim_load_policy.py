@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 from conftest import TRACE
 
-from kv_cache_manager_v2 import CacheLevel, CacheTier, TierStatistics
 from kv_cache_manager_v2.sim import SchedulerOptions, main
 from kv_cache_manager_v2.sim._loading import prefill_rate
 from kv_cache_manager_v2.sim._models import (
@@ -24,7 +23,7 @@ from kv_cache_manager_v2.sim._models import (
 from kv_cache_manager_v2.sim._replay import Replay
 from kv_cache_manager_v2.sim._replay_types import ReplayResult
 from kv_cache_manager_v2.sim._step_cost import LinearCost
-from kv_cache_manager_v2.sim._tier_io import Link, TierIO, TierLinks
+from kv_cache_manager_v2.sim._tier_io import Link, TierLinks
 from kv_cache_manager_v2.sim._workload import SimRequest
 
 SMALL = ModelShape("small", 4, 2, 16, "fp16")  # 256 bytes per token
@@ -129,19 +128,6 @@ def test_auto_prices_recompute_by_the_engines_queue(weight: float, loads: bool) 
         assert ttft == pytest.approx({2: 276.5, 3: 26.0, 4: 68.0, 5: 68.0})
     else:
         assert ttft == pytest.approx({2: 202.0, 3: 202.0, 4: 244.0, 5: 244.0})
-
-
-def test_a_step_waiting_for_a_links_writes_marks_it_stalling() -> None:
-    """1 byte a ms written: a step offloading 1,500 bytes ends 500 ms after its start (the backlog
-    beyond 1,000 ms): the engine waits for the host link, which the plan is told
-    (``set_tier_wait(..., holds_engine)``); a step writing 500 bytes more at 2,000 ms does not."""
-    io = TierIO(["gpu", "host"], TierLinks(host=Link(1000.0, 1000.0, 0.0)), 1.0)
-
-    def writes(nbytes: int) -> list[TierStatistics]:
-        return [TierStatistics(CacheLevel(1), CacheTier.HOST_MEM, 1 << 20, 0, 0, 1, nbytes, 0, 0, 0, 0, 0)]
-
-    assert io.step(0.0, writes(1500)) == pytest.approx(500.0) and io.stalling == [False, True]
-    assert io.step(2000.0, writes(500)) == 2000.0 and io.stalling == [False, False]
 
 
 def test_the_cli_compares_the_policies(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:

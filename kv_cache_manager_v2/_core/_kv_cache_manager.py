@@ -317,22 +317,16 @@ class KVCacheManager(ManagerQueries):
         )
         self._planner.tokens_per_s = rate
 
-    def set_tier_wait(self, level: object, seconds: object, holds_engine: object = False) -> None:
+    def set_tier_wait(self, level: object, seconds: object) -> None:
         """The expected wait before a read from cache level ``level`` (below the GPU) starts: what is
         queued on its link (e.g. writes of evicted pages), for ``load_policy="auto"``; counted once
-        per level a plan reads from, from the next match on (0 by default). ``holds_engine``: the
-        engine's own steps wait for that link now (its write queue is full), so a read there
-        delays them too: its time is priced like recompute's (``set_engine_queue``)."""
+        per level a plan reads from, from the next match on (0 by default)."""
         self._check_alive()
         lvl = check_int("level", level)
         top = self._num_tiers - 1
         if not 1 <= lvl <= top:
             raise ValueError(f"level must be a cache level below the GPU (1 to {top}), got {lvl}")
-        wait = check_number("seconds", seconds, False, "the link's expected wait")
-        if type(holds_engine) is not bool:
-            raise TypeError(f"holds_engine must be a bool, got {type(holds_engine).__name__} {holds_engine!r}")
-        self._planner.costs.wait_s[lvl] = wait
-        self._planner.costs.holds_engine[lvl] = holds_engine is True
+        self._planner.costs.wait_s[lvl] = check_number("seconds", seconds, False, "the link's expected wait")
 
     def set_engine_queue(self, waiting_requests: object) -> None:
         """How many requests wait for the engine now (their prefill not started), for

@@ -16,9 +16,7 @@ match (``ReuseTree.cut``).
 Recomputing takes engine time every request waiting for the engine waits too; loading holds only
 this request. With ``waiting`` requests queued for the engine (``KVCacheManager.set_engine_queue``)
 a recomputed token costs ``1 + queue_weight * waiting`` times its own time
-(``KVCacheManagerConfig.recompute_queue_weight``; 0: only the request's own time); so does a
-read from a tier whose link the engine waits for now (``TierCosts.holds_engine``: its write
-queue is full), which delays the engine as recomputing does.
+(``KVCacheManagerConfig.recompute_queue_weight``; 0: only the request's own time).
 """
 
 from __future__ import annotations
@@ -122,11 +120,6 @@ class LoadPlanner:
         never = self.policy == "never"
         n_levels = len(self.costs.latency_s)
         n_blocks = len(levels)
-        # a read from a link the engine waits for delays the engine: priced like recompute
-        scale = 1.0 + self.queue_weight * self.waiting
-        per_byte = [
-            x * scale if self.costs.holds_engine[lvl] else x for lvl, x in enumerate(self.costs.seconds_per_byte)
-        ]
         # per layer group, prefix sums over blocks: read seconds, pages missing, pages per level
         sums: list[tuple[list[float], list[int], list[list[int]]]] = []
         for g in range(len(self.policies)):
@@ -134,6 +127,7 @@ class LoadPlanner:
             missing = [0] * (n_blocks + 1)
             per_level = [[0] * (n_blocks + 1) for _ in range(n_levels)]
             nbytes = self.page_bytes[g]
+            per_byte = self.costs.seconds_per_byte
             for o in range(n_blocks):
                 lvl = levels[o][g]
                 cost[o + 1] = cost[o] + (nbytes * per_byte[lvl] if lvl > 0 else 0.0)
@@ -148,7 +142,7 @@ class LoadPlanner:
         if part_len:
             candidates.append(whole)
         for length in candidates:
-            saving = self._saving(levels, sums, length, rate, never, n_levels, per_byte, scale)
+            saving = self._saving(levels, sums, length, rate, never, n_levels)
             if length == whole:
                 whole_saving = saving
             if saving is not None and (never or saving >= best):  # (ascending: the longest on a tie)
@@ -167,8 +161,6 @@ class LoadPlanner:
         rate: float,
         never: bool,
         n_levels: int,
-        per_byte: list[float],
-        scale: float,
     ) -> float | None:
         """The estimated saving of a match of ``length`` tokens (None: it lacks a page it needs, or
         under "never" needs one below the GPU)."""
@@ -185,7 +177,7 @@ class LoadPlanner:
                 if lvl < 0:
                     return None
                 if lvl > 0:
-                    read += self.page_bytes[g] * per_byte[lvl]
+                    read += self.page_bytes[g] * self.costs.seconds_per_byte[lvl]
                     used[lvl] = True
                 continue
             beg, end = policy.stale_range(length)
@@ -204,8 +196,7 @@ class LoadPlanner:
             if used[x]:
                 if never:
                     return None
-                lat = self.costs.latency_s[x]
-                read += (lat * scale if self.costs.holds_engine[x] else lat) + self.costs.wait_s[x]
+                read += self.costs.latency_s[x] + self.costs.wait_s[x]
         return self.recompute_s(length) - read if rate > 0.0 else 0.0
 
     def in_gpu_memory(self, nodes: list[Node], part: Node | None) -> bool:

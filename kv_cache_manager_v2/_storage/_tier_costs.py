@@ -12,8 +12,7 @@ stay as configured. The GPU (level 0) costs nothing.
 
 A read also waits behind what is queued on its link (``wait_s``: e.g. writes of evicted pages to a
 slow disk); whoever knows the link's backlog (an engine, a simulator) sets it per level
-(``KVCacheManager.set_tier_wait``), and it counts once per level a read uses, like the latency;
-with it whether the engine itself waits for that link now (``holds_engine``).
+(``KVCacheManager.set_tier_wait``), and it counts once per level a read uses, like the latency.
 """
 
 from __future__ import annotations
@@ -46,9 +45,6 @@ class TierCosts:
         self.timed = [not isinstance(tier, (GpuCacheTierConfig, HostCacheTierConfig)) for tier in tiers]
         #: per level: the expected seconds a read waits behind its link's queue before it starts
         self.wait_s: list[float] = [0.0] * len(tiers)
-        #: per level: whether the engine waits for its link now (e.g. its write queue is full): a
-        #: read there delays the engine, priced like recompute (``_load_plan``)
-        self.holds_engine: list[bool] = [False] * len(tiers)
         #: timed batches per level that refined the estimates
         self.samples: list[int] = [0] * len(tiers)
 

@@ -177,9 +177,6 @@ class TierIO:
         self.load_ms = 0.0  #: the time steps waited for loads (summed)
         self.background_ms = 0.0  #: the time requests waited for their own loads (``load``, summed)
         self.write_stall_ms = 0.0  #: the time steps waited for write backlogs beyond WRITE_BACKLOG_MS
-        #: per level: whether the last step with traffic waited for its write backlog (the engine
-        #: waits for that link: a read there delays the engine too)
-        self.stalling = [False] * len(tiers)
 
     def step(self, start_ms: float, traffic: list[TierStatistics]) -> float:
         """A step starting at ``start_ms`` with ``traffic`` (``take_iteration_stats``, proxy bytes):
@@ -202,7 +199,6 @@ class TierIO:
                 begin = busy if busy > start_ms else start_ms
                 end = begin + self.latency_ms[lvl] + nbytes * self.write_ms[lvl]
                 self.busy_until[lvl] = end
-                self.stalling[lvl] = end - WRITE_BACKLOG_MS > loaded
                 if end - WRITE_BACKLOG_MS > t:
                     t = end - WRITE_BACKLOG_MS
         self.load_ms += loaded - start_ms
