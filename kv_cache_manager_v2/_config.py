@@ -447,7 +447,7 @@ class KVCacheManagerConfig:
     refine_tier_costs: bool = True
     #: "auto": a recomputed token costs ``1 + w * waiting`` times its time, with ``waiting`` requests
     #: queued for the engine (``set_engine_queue``): they wait for it too (0: the request's own time)
-    recompute_queue_weight: float = 1.0
+    recompute_queue_weight: float = 0.1
 
     def __post_init__(self) -> None:
         t = check_int("tokens_per_block", raw_field(self, "tokens_per_block"))
