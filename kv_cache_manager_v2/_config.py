@@ -445,6 +445,9 @@ class KVCacheManagerConfig:
     prefill_tokens_per_s: float | None = None
     #: refine the disk and remote tiers' read costs from timed reads (False: e.g. a simulator's)
     refine_tier_costs: bool = True
+    #: "auto": a recomputed token costs ``1 + w * waiting`` times its time, with ``waiting`` requests
+    #: queued for the engine (``set_engine_queue``): they wait for it too (0: the request's own time)
+    recompute_queue_weight: float = 0.1
     #: background reads from the disk and remote tiers (docs/design.md, "Background loads"): the
     #: number of worker threads reading pages for ``KVCache.prefetch`` and
     #: ``KVCacheManager.prefetch`` (the scheduler's thread installs what they read); 0: those
@@ -536,6 +539,7 @@ class KVCacheManagerConfig:
         if rate is not None:
             check_number("prefill_tokens_per_s", rate, True, "tokens per second, or None")
         check_type("refine_tier_costs", raw_field(self, "refine_tier_costs"), bool)
+        check_number("recompute_queue_weight", raw_field(self, "recompute_queue_weight"), False, "a weight")
         check_type("eviction_policy", self.eviction_policy, str)
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(

@@ -251,6 +251,8 @@ def test_the_manager_refines_its_costs_from_disk_reads(mk: Any) -> None:
         ("prefill_tokens_per_s", math.nan, ValueError, "prefill_tokens_per_s must be a finite number > 0"),
         ("prefill_tokens_per_s", True, TypeError, "prefill_tokens_per_s must be a number"),
         ("refine_tier_costs", 1, TypeError, "refine_tier_costs must be bool"),
+        ("recompute_queue_weight", -0.5, ValueError, "recompute_queue_weight must be a finite number >= 0"),
+        ("recompute_queue_weight", None, TypeError, "recompute_queue_weight must be a number"),
     ],
 )
 def test_bad_manager_config_refused(field: str, value: object, error: type, message: str) -> None:
@@ -349,3 +351,60 @@ def test_remote_fetches_refine_the_remote_cost(redis_server: Any) -> None:
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_a_links_wait_counts_once_per_tier(mk: Any) -> None:
+    """At 20 ms a block every block loads (savings 19, 38, 48, 58 ms: host 1 ms a page, disk 10);
+    45 ms queued on the disk's link make the disk blocks 58 - 45 = 13 ms: two host blocks (38)
+    win by more than a block. 9 ms on the host's link at 5 ms a block: two host blocks save
+    10 - 2 - 9 < 0, nothing is loaded."""
+    m = mk("auto", TWENTY_MS)
+    engine = FakeEngine(m)
+    spread(m, engine)
+    assert m.probe_reuse(None, PROMPT) == 4 * T
+    m.set_tier_wait(2, 0.045)
+    assert m.probe_reuse_levels(None, PROMPT) == [1, 1]
+    m.set_prefill_rate(FIVE_MS)
+    m.set_tier_wait(1, 0.009)
+    assert m.probe_reuse(None, PROMPT) == 0
+    m.set_tier_wait(1, 0.007)  # 10 - 2 - 7 > 0
+    with pytest.raises(ValueError, match=r"level must be a cache level below the GPU \(1 to 2\), got 0"):
+        m.set_tier_wait(0, 1.0)
+    with pytest.raises(ValueError, match=r"level must be a cache level below the GPU \(1 to 2\), got 3"):
+        m.set_tier_wait(3, 1.0)
+    with pytest.raises(ValueError, match="seconds must be a finite number >= 0"):
+        m.set_tier_wait(1, -1.0)
+    with pytest.raises(TypeError, match="level must be"):
+        m.set_tier_wait(True, 1.0)
+    assert take(m, engine, PROMPT) == 2 * T  # (unchanged by the refusals)
+
+
+@pytest.mark.parametrize(("weight", "reused"), [(1.0, 4), (0.2, 2), (0.0, 2)])
+def test_waiting_requests_make_recompute_dearer(mk: Any, weight: float, reused: int) -> None:
+    """At 5 ms a block the savings are 4, 8, 3, -2 ms (host 1 ms a page, disk 10); with one request
+    waiting for the engine a recomputed block costs 5 * (1 + weight) ms: at weight 1, 9, 18, 18,
+    18 (the whole match on the tie); at 0.2, 5, 10, 6, 2 (two blocks)."""
+    m = mk("auto", FIVE_MS, recompute_queue_weight=weight)
+    engine = FakeEngine(m)
+    spread(m, engine)
+    assert m.probe_reuse(None, PROMPT) == 2 * T
+    with pytest.raises(ValueError, match="waiting_requests must be >= 0"):
+        m.set_engine_queue(-1)
+    with pytest.raises(TypeError, match="waiting_requests must be"):
+        m.set_engine_queue(True)
+    assert m.probe_reuse(None, PROMPT) == 2 * T  # (unchanged by the refusals)
+    m.set_engine_queue(1)
+    assert take(m, engine, PROMPT) == reused * T
+
+
+def test_a_cut_must_save_a_blocks_time(mk: Any) -> None:
+    """Two host blocks and a 3-token partial block on disk, at 20 ms a block: the two blocks save
+    40 - 2 = 38 ms, the whole match 47.5 - 2 - 10 = 35.5 ms; the cut saves 2.5 ms, less than a
+    block's 20 ms: the whole match is taken. At 5 ms a block the cut saves 8 - (-0.125) ms > 5 ms."""
+    m = mk("auto", TWENTY_MS)
+    planner = m._planner
+    n = m.num_layer_groups
+    levels = [[1] * n, [1] * n, [2] * n]
+    assert planner.plan(levels, 2, 3) == (2 * T + 3, pytest.approx(0.0355), pytest.approx(0.0355))
+    m.set_prefill_rate(FIVE_MS)
+    assert planner.plan(levels, 2, 3) == (2 * T, pytest.approx(0.008), pytest.approx(-0.000125))

@@ -36,12 +36,20 @@ def _tier(kind: str, tokens: int) -> TierSpec:
     return TierSpec(kind, tokens * SMALL.bytes_per_token, f"{tokens}tok", None)
 
 
-def _replay(reqs: list[SimRequest], policy: str | None, bandwidth: float) -> ReplayResult:
+def _replay(
+    reqs: list[SimRequest],
+    policy: str | None,
+    bandwidth: float,
+    write: float = PREFIX_IN_1MS,
+    weight: float = 1.0,
+    **options: Any,
+) -> ReplayResult:
     page = proxy_page_bytes(T, False, SMALL)
     config = manager_config(SMALL, T, [_tier("gpu", 208), _tier("host", 4096)], False, page)
+    config = dataclasses.replace(config, recompute_queue_weight=weight)
     scale = real_bytes_per_proxy_byte(SMALL, T, page)
-    links = TierLinks(host=Link(bandwidth, PREFIX_IN_1MS, 0.5))  # (writes: the prefix in 1 ms)
-    opts = SchedulerOptions(prompt_only=True, watermark=0.0, links=links, load_policy=policy)
+    links = TierLinks(host=Link(bandwidth, write, 0.5))  # (writes: by default the prefix in 1 ms)
+    opts = SchedulerOptions(prompt_only=True, watermark=0.0, links=links, load_policy=policy, **options)
     return Replay(config, reqs, dataclasses.replace(opts, cost=LinearCost(10.0, 1000.0)), bytes_scale=scale).run()
 
 
@@ -92,6 +100,34 @@ def test_others_compute_while_a_request_loads() -> None:
     assert background[2] == pytest.approx(1000.5 + 26.0)
     waiting = {x.index: x.ttft_ms for x in _replay(_requests(late), None, slow).outcomes}
     assert waiting[3] == pytest.approx(1000.5 + 10.0 + 32.0) and waiting[2] == waiting[3]
+
+
+def test_auto_sees_the_links_backlog() -> None:
+    """Request 1's admission (1,000 ms) writes request 0's prefix to the host over 2,000 ms: the
+    link is busy until 3,000.5 ms. Request 2 (2,000 ms) would load the prefix in 1 ms, but only
+    after that: "always" waits (1,000.5 + 0.5 + 1 + 26 ms); "auto" sees the 1,000.5 ms backlog
+    (``set_tier_wait``) and recomputes, as "never" does (10 + 176 ms)."""
+    ttft = {}
+    for policy in ("never", "always", "auto"):
+        r = _replay(_requests(), policy, PREFIX_IN_1MS, PREFIX_IN_1MS / 2000)
+        ttft[policy] = next(x.ttft_ms for x in r.outcomes if x.index == 2)
+    assert ttft == pytest.approx({"never": 186.0, "always": 1028.0, "auto": 186.0})
+
+
+@pytest.mark.parametrize(("weight", "loads"), [(1.0, True), (0.0, False)])
+def test_auto_prices_recompute_by_the_engines_queue(weight: float, loads: bool) -> None:
+    """Requests 3 to 5 (16 tokens each) arrive with request 2; a step holds 200 tokens, so they
+    wait. Request 2's prefix loads in 250 ms (+ 0.5), recomputes in 186 ms: alone it recomputes
+    (weight 0), but with 3 requests waiting each recomputed token costs 4 times its time
+    (744 ms > 250.5) and it loads: its TTFT 250.5 + 26 ms, under one step (202 ms) over "never"'s
+    202, while the others start at once (26, 68, 68 ms against 202, 244, 244)."""
+    extra = [SimRequest(3 + i, 2000.0, [(90_000 + 1000 * i, 16)], 16, 1, (1 << 30) + 30 + 10 * i) for i in range(3)]
+    r = _replay(_requests(*extra), "auto", PREFIX_IN_1MS / 250, weight=weight, max_num_tokens=200)
+    ttft = {x.index: x.ttft_ms for x in r.outcomes if x.index >= 2}
+    if loads:
+        assert ttft == pytest.approx({2: 276.5, 3: 26.0, 4: 68.0, 5: 68.0})
+    else:
+        assert ttft == pytest.approx({2: 202.0, 3: 202.0, 4: 244.0, 5: 244.0})
 
 
 def test_the_cli_compares_the_policies(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:

@@ -39,7 +39,7 @@ from .._storage._remote._value import layout_fingerprint
 from .._storage._select import select_backend
 from .._storage._storage_manager import StorageManager
 from .._storage._tier_costs import TierCosts
-from .._utils import check_int, check_number, check_type
+from .._utils import check_int, check_type
 from ._batch import commit_batch, resize_batch
 from ._context import CacheContext, OpenCache, derived_lower_tier_state_share
 from ._directives import Directives
@@ -165,6 +165,7 @@ class KVCacheManager(ManagerQueries):
             lg_bytes,
             self.tokens_per_block,
             self._num_tiers,
+            float(config.recompute_queue_weight),
         )
         if self._num_tiers > 1:  # (the GPU alone: every match is in GPU memory)
             self._matcher.planner = self._planner
@@ -353,15 +354,23 @@ class KVCacheManager(ManagerQueries):
 
     def set_prefill_rate(self, tokens_per_s: object) -> None:
         """The engine's prefill rate in tokens per second, for ``load_policy="auto"`` (None: unknown,
-        matches are loaded whole); from the next match on. The adapter's ``observe_step`` sets it
-        from measured steps."""
+        matches are loaded whole); from the next match on. The adapter's ``observe_step`` sets it."""
         self._check_alive()
-        rate = (
-            check_number("tokens_per_s", tokens_per_s, True, "tokens per second, or None")
-            if tokens_per_s is not None
-            else 0.0
-        )
-        self._planner.tokens_per_s = rate
+        self._planner.set_rate(tokens_per_s)
+
+    def set_tier_wait(self, level: object, seconds: object) -> None:
+        """The expected wait before a read from cache level ``level`` (below the GPU) starts: what is
+        queued on its link (e.g. writes of evicted pages), for ``load_policy="auto"``; counted once
+        per level a plan reads from, from the next match on (0 by default)."""
+        self._check_alive()
+        self._planner.set_wait(level, seconds)
+
+    def set_engine_queue(self, waiting_requests: object) -> None:
+        """How many requests wait for the engine now (their prefill not started), for
+        ``load_policy="auto"``: a recomputed token costs ``1 + recompute_queue_weight * waiting_requests``
+        times its own time (they wait for it), a load only the request's; from the next match on."""
+        self._check_alive()
+        self._planner.waiting = check_int("waiting_requests", waiting_requests)
 
     def flush_remote_writes(self, timeout_s: float = 10.0) -> bool:
         """Wait until every page queued for the remote tier is written (or dropped); False on

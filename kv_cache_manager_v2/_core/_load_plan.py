@@ -6,9 +6,17 @@ less time than the engine takes to compute its tokens again. For each length a m
 saving: its tokens at the prefill rate less the read time of the pages that length needs (each
 layer group's pages outside its stale range there; a hybrid model's snapshot at its last block),
 at their levels' costs (``TierCosts``: bytes at the level's time per byte, plus its latency once
-per level). ``"auto"`` keeps the length of the largest saving (the longest on a tie); ``"never"``
-the longest whose pages are all in GPU memory; a length that lacks a page it needs is no choice.
-The tree then shortens the cut as it shortens a match (``ReuseTree.cut``).
+per level, and once per level the wait behind its link's queue, ``TierCosts.wait_s``).
+``"auto"`` keeps the length of the largest saving (the longest on a tie), but the whole match when
+that cut saves less than one block's recompute time over it (cutting a few tokens of a partial
+block saves next to nothing and shifts the request's later steps); ``"never"`` the longest whose
+pages are all in GPU memory; a length that lacks a page it needs is no choice. The tree then shortens the cut as it shortens a
+match (``ReuseTree.cut``).
+
+Recomputing takes engine time every request waiting for the engine waits too; loading holds only
+this request. With ``waiting`` requests queued for the engine (``KVCacheManager.set_engine_queue``)
+a recomputed token costs ``1 + queue_weight * waiting`` times its own time
+(``KVCacheManagerConfig.recompute_queue_weight``; 0: only the request's own time).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from .._layers._policy import LayerGroup
 from .._reuse._node import Node
 from .._storage._tier_costs import TierCosts
 from .._typed import TypedList
+from .._utils import check_int, check_number
 
 #: no remote page is fetched for a local match
 NOTHING_FETCHED: frozenset[tuple[int, int]] = frozenset()
@@ -37,11 +46,16 @@ class LoadPlanner:
         page_bytes: list[int],
         tokens_per_block: int,
         num_levels: int,
+        queue_weight: float,
     ) -> None:
         self.policy = policy
         #: the engine's prefill rate, tokens per second (0: unknown)
         self.tokens_per_s = float(tokens_per_s) if tokens_per_s is not None else 0.0
         self.costs = costs
+        #: the share of a recomputed token's time charged per request waiting for the engine, and
+        #: how many wait now
+        self.queue_weight = queue_weight
+        self.waiting = 0
         self.policies: list[LayerGroup] = layer_groups.items
         #: bytes of one page of each layer group
         self.page_bytes = page_bytes
@@ -59,10 +73,34 @@ class LoadPlanner:
         #: matches the plan shortened
         self.cuts = 0
 
+    def set_rate(self, tokens_per_s: object) -> None:
+        """``KVCacheManager.set_prefill_rate`` past its liveness check."""
+        self.tokens_per_s = (
+            check_number("tokens_per_s", tokens_per_s, True, "tokens per second, or None")
+            if tokens_per_s is not None
+            else 0.0
+        )
+
+    def set_wait(self, level: object, seconds: object) -> None:
+        """``KVCacheManager.set_tier_wait`` past its liveness check."""
+        lvl = check_int("level", level)
+        top = len(self.loaded_tokens) - 1
+        if not 1 <= lvl <= top:
+            raise ValueError(f"level must be a cache level below the GPU (1 to {top}), got {lvl}")
+        self.costs.wait_s[lvl] = check_number("seconds", seconds, False, "the link's expected wait")
+
     @property
     def active(self) -> bool:
         """Whether the plan may shorten a match ("never"; "auto" with a known prefill rate)."""
         return self.policy == "never" or (self.policy == "auto" and self.tokens_per_s > 0.0)
+
+    def recompute_s(self, tokens: int) -> float:
+        """Estimated seconds recomputing ``tokens`` tokens costs (its queue charge included; 0
+        without a prefill rate)."""
+        rate = self.tokens_per_s
+        if rate <= 0.0:
+            return 0.0
+        return tokens / rate * (1.0 + self.queue_weight * self.waiting)
 
     def levels(
         self,
@@ -116,16 +154,20 @@ class LoadPlanner:
             sums.append((cost, missing, per_level))
         best_len = 0
         best = 0.0
-        whole_saving = 0.0
+        whole_saving: float | None = None
         candidates = list(range(0, num_full * t + 1, t))
         if part_len:
             candidates.append(whole)
         for length in candidates:
             saving = self._saving(levels, sums, length, rate, never, n_levels)
             if length == whole:
-                whole_saving = saving if saving is not None else 0.0
+                whole_saving = saving
             if saving is not None and (never or saving >= best):  # (ascending: the longest on a tie)
                 best, best_len = saving, length
+        if whole_saving is None:
+            return best_len, best, 0.0
+        if not never and rate > 0.0 and best_len < whole and best - whole_saving < t / rate:  # (too small a cut)
+            return whole, whole_saving, whole_saving
         return best_len, best, whole_saving
 
     def _saving(
@@ -171,8 +213,8 @@ class LoadPlanner:
             if used[x]:
                 if never:
                     return None
-                read += self.costs.latency_s[x]
-        return length / rate - read if rate > 0.0 else 0.0
+                read += self.costs.latency_s[x] + self.costs.wait_s[x]
+        return self.recompute_s(length) - read if rate > 0.0 else 0.0
 
     def in_gpu_memory(self, nodes: list[Node], part: Node | None) -> bool:
         """Whether every page of a local match's blocks is in GPU memory (then the whole match is
@@ -199,7 +241,7 @@ class LoadPlanner:
         if self.in_gpu_memory(nodes, part):  # (the common case: one quick pass)
             self.loaded_tokens[0] += length
             if self.tokens_per_s > 0.0:
-                self.saved_s += length / self.tokens_per_s
+                self.saved_s += self.recompute_s(length)
             return
         n_blocks = len(nodes) + (1 if part_len else 0)
         deepest = [0] * n_blocks
@@ -228,8 +270,8 @@ class LoadPlanner:
         if self.tokens_per_s > 0.0 and length:
             for x in range(1, len(self.costs.latency_s)):
                 if used >> x & 1:
-                    read += self.costs.latency_s[x]
-            self.saved_s += length / self.tokens_per_s - read
+                    read += self.costs.latency_s[x] + self.costs.wait_s[x]
+            self.saved_s += self.recompute_s(length) - read
 
     def count(self, levels: list[list[int]], length: int, taken: int, saved: float, whole_saving: float) -> None:
         """Statistics of a create: ``taken`` tokens of the ``length``-token match ``levels`` describes."""

@@ -9,6 +9,10 @@ one the latency (its time less its bytes' time). Only reads the CPU waits for ar
 tier's (``StorageManager.move_up``) and the remote tier's fetches (``RemoteFill``); a host tier's
 copies are queued on the copy stream (their CPU time says nothing about the link), so its figures
 stay as configured. The GPU (level 0) costs nothing.
+
+A read also waits behind what is queued on its link (``wait_s``: e.g. writes of evicted pages to a
+slow disk); whoever knows the link's backlog (an engine, a simulator) sets it per level
+(``KVCacheManager.set_tier_wait``), and it counts once per level a read uses, like the latency.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class TierCosts:
         self.refine = refine
         #: per level: whether its timed reads refine it (the CPU waits for them: not GPU, not host)
         self.timed = [not isinstance(tier, (GpuCacheTierConfig, HostCacheTierConfig)) for tier in tiers]
+        #: per level: the expected seconds a read waits behind its link's queue before it starts
+        self.wait_s: list[float] = [0.0] * len(tiers)
         #: timed batches per level that refined the estimates
         self.samples: list[int] = [0] * len(tiers)
 
@@ -60,7 +66,8 @@ class TierCosts:
         self.samples[level] += 1
 
     def read_s(self, level: int, nbytes: int) -> float:
-        """Estimated seconds to read ``nbytes`` bytes from ``level`` in one transfer."""
+        """Estimated seconds to read ``nbytes`` bytes from ``level`` in one transfer (its link's wait
+        included)."""
         if level <= 0:
             return 0.0
-        return self.latency_s[level] + nbytes * self.seconds_per_byte[level]
+        return self.wait_s[level] + self.latency_s[level] + nbytes * self.seconds_per_byte[level]

@@ -61,17 +61,25 @@ def prepare_loading(
     new: list[Live],
     clock: float,
     step_tokens: int,
+    waiting: int,
 ) -> tuple[set[RequestId], list[TierStatistics]]:
     """Background loads (``--load-policy``): prepare newly admitted requests one at a time, each
     planned at its own prefill rate (``prefill_rate``, in this step of ``step_tokens`` tokens); a request whose pages come from a lower
     tier waits for its bytes on that tier's link (``TierIO.load``: ``Live.ready_ms``) while the
-    others compute. Returns the unserved request ids, and the step's traffic before them (read
-    first: the step waits for it, ``Replay._step_traffic``)."""
+    others compute. The plan sees what an engine would tell it: each link's backlog
+    (``set_tier_wait``: how long a read queued now waits, ``TierIO.busy_until``) and the ``waiting``
+    requests queued for the engine (``set_engine_queue``). Returns the unserved request ids, and the
+    step's traffic before them (read first: the step waits for it, ``Replay._step_traffic``)."""
     m = rm.manager
     unserved: set[RequestId] = set()
     early = m.take_iteration_stats() if io is not None else []
+    m.set_engine_queue(waiting)
     for live in new:
         m.set_prefill_rate(prefill_rate(cost, live.prompt_length, chunk, step_tokens))
+        if io is not None:
+            for lvl in range(1, len(io.busy_until)):
+                busy = io.busy_until[lvl] - clock
+                m.set_tier_wait(lvl, busy / 1000.0 if busy > 0.0 else 0.0)
         if rm.prepare_resources([live.req]):
             unserved.add(live.req.request_id)
             continue

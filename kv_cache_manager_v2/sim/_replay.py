@@ -280,7 +280,9 @@ class Replay:
         else:
             t0 = _clock()
             step = o.max_num_tokens - budget  # (the step's tokens, these requests' included)
-            unserved, self._early = prepare_loading(rm, self.io, self.cost, o.chunk, new, self.clock, step)
+            unserved, self._early = prepare_loading(
+                rm, self.io, self.cost, o.chunk, new, self.clock, step, len(self.waiting)
+            )
             self._step_manager_s += _clock() - t0
         served: list[Live] = []
         for live in reversed(new):
