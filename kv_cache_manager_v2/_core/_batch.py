@@ -25,15 +25,17 @@ from ._kv_cache import KVCache
 
 def commit_batch(ctx: CacheContext, serial: int, caches: Sequence[KVCache], tokens: Sequence[TokenIdExt]) -> None:
     """``caches[i].commit([tokens[i]])`` for every i, every cache and token checked first."""
-    kvs = _batch_members(ctx, serial, caches)
+    items: list[object] = as_list(caches)
     token_list: list[object] = as_list(tokens)
-    if len(kvs) != len(token_list):
-        raise ValueError(f"commit_batch: {len(kvs)} caches but {len(token_list)} tokens (one token per cache)")
+    if len(items) != len(token_list):
+        raise ValueError(f"commit_batch: {len(items)} caches but {len(token_list)} tokens (one token per cache)")
     active = KVCacheStatus.ACTIVE
-    for i in range(len(kvs)):
-        kv = kvs[i]
-        token = token_list[i]
-        # one test per check on the common path; a failed one calls the check that raises with its reason
+    for i, (item, token) in enumerate(zip(items, token_list)):
+        kv = _member(ctx, item, i)
+        if kv._batch_serial == serial:
+            raise ValueError(f"caches[{i}] is listed twice")
+        kv._batch_serial = serial
+        # one test per check on the common path; a failed one calls the checks that raise with the reason
         if (
             kv._status is not active
             or not kv._committing
@@ -48,11 +50,11 @@ def commit_batch(ctx: CacheContext, serial: int, caches: Sequence[KVCache], toke
                 kv._check_room(1)
             except (LogicError, ValueError, TypeError) as e:
                 raise type(e)(f"commit_batch: caches[{i}]: {e}") from None
+    kvs = cast(list[KVCache], items)
     ctx.enter("commit_batch()")
     try:
-        for i in range(len(kvs)):
-            kv = kvs[i]
-            if not kv._commit_token(cast(TokenIdExt, token_list[i])):
+        for kv, token in zip(kvs, token_list):
+            if not kv._commit_token(cast(TokenIdExt, token)):
                 commit_tokens(kv)  # a block completed or a window moved: publish, release what went stale
     finally:
         ctx.leave()
@@ -61,10 +63,10 @@ def commit_batch(ctx: CacheContext, serial: int, caches: Sequence[KVCache], toke
 def resize_batch(ctx: CacheContext, caches: Sequence[KVCache], num_new_tokens: int) -> list[int]:
     """Capacity of each cache at least its committed length + ``num_new_tokens``; the positions
     of the caches that did not get it (each unchanged)."""
-    kvs = _batch_members(ctx, 0, caches)
+    items: list[object] = as_list(caches)
     active = KVCacheStatus.ACTIVE
-    for i in range(len(kvs)):
-        kv = kvs[i]
+    for i, item in enumerate(items):
+        kv = _member(ctx, item, i)
         if kv._status is not active:
             raise LogicError(f"resize_batch: caches[{i}] is {kv._status.name}; only ACTIVE caches grow")
         tokens_per_block = kv._tokens_per_block
@@ -78,30 +80,29 @@ def resize_batch(ctx: CacheContext, caches: Sequence[KVCache], num_new_tokens: i
                         table.check_user_buf_room((capacity + tokens_per_block - 1) // tokens_per_block)
                 except LogicError as e:
                     raise LogicError(f"resize_batch: caches[{i}]: {e}") from None
+    kvs = cast(list[KVCache], items)
     failed: list[int] = []
     ctx.enter("resize_batch()")
     i = 0
     try:
         releasing = ctx.has_releasing_groups
-        for i in range(len(kvs)):
-            kv = kvs[i]
+        for i, kv in enumerate(kvs):
             tokens_per_block = kv._tokens_per_block
             capacity = len(kv._committed_blocks) * tokens_per_block + len(kv._tail) + num_new_tokens
-            if capacity <= kv._capacity:
-                continue
-            history_length = kv._history
-            if (
-                capacity <= kv._num_blocks * tokens_per_block
-                and not kv._cow
-                and (
-                    not releasing
-                    or history_length < kv._window_next  # (_window_moves' first test, without the call)
-                    or not kv._window_moves(capacity, history_length)
-                )
-            ):
-                kv._capacity = capacity
-            elif not kv._resize(capacity, history_length, (capacity + tokens_per_block - 1) // tokens_per_block):
-                failed.append(i)
+            if capacity > kv._capacity:
+                history_length = kv._history
+                if (
+                    capacity <= kv._num_blocks * tokens_per_block
+                    and not kv._cow
+                    and (
+                        not releasing
+                        or history_length < kv._window_next  # (_window_moves' first test, without the call)
+                        or not kv._window_moves(capacity, history_length)
+                    )
+                ):
+                    kv._capacity = capacity
+                elif not kv._resize(capacity, history_length, (capacity + tokens_per_block - 1) // tokens_per_block):
+                    failed.append(i)
     except BaseException as e:  # e.g. a custom_priority_callback raised: say what already happened
         e.add_note(
             f"resize_batch: raised at caches[{i}] (unchanged); caches before it got their room, except "
@@ -113,17 +114,11 @@ def resize_batch(ctx: CacheContext, caches: Sequence[KVCache], num_new_tokens: i
     return failed
 
 
-def _batch_members(ctx: CacheContext, serial: int, caches: Sequence[KVCache]) -> list[KVCache]:
-    """``caches`` checked: KVCaches of this manager, each listed once (when ``serial`` is nonzero)."""
-    items: list[object] = as_list(caches)
-    for i in range(len(items)):
-        kv = items[i]
-        if type(kv) is not KVCache and not isinstance(kv, KVCache):
-            raise TypeError(f"caches[{i}] must be a KVCache, got {type(kv).__name__}")
-        if kv._ctx is not ctx:
-            raise ValueError(f"caches[{i}] belongs to another KVCacheManager")
-        if serial:
-            if kv._batch_serial == serial:
-                raise ValueError(f"caches[{i}] is listed twice")
-            kv._batch_serial = serial
-    return cast(list[KVCache], items)
+def _member(ctx: CacheContext, item: object, i: int) -> KVCache:
+    """``caches[i]`` checked: a KVCache of this manager."""
+    if type(item) is not KVCache and not isinstance(item, KVCache):
+        raise TypeError(f"caches[{i}] must be a KVCache, got {type(item).__name__}")
+    kv = item
+    if kv._ctx is not ctx:
+        raise ValueError(f"caches[{i}] belongs to another KVCacheManager")
+    return kv
