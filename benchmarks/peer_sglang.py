@@ -15,6 +15,7 @@ per block, 256 decode steps, at batch sizes 64, 256 and 1,024. Per step, in us p
   (SGLang inserts into its tree when a request ends). Compiled and interpreted.
 - *ours, per request*: ``kv.resize(kv.capacity + 1)`` and ``kv.commit([token])`` for each cache.
 
+``--before DIR`` adds the batched calls of another checkout's compiled build (same run).
 The figure is the mean over all steps (block crossings included): a step's time over the batch
 size. Each side runs in its own process (SGLang in its own environment: it is not a dependency of
 this project, and CI does not install it); sides alternate ``--rounds`` times; the report holds the
@@ -46,8 +47,7 @@ def _prompts(n: int) -> list[list[int]]:
 
 def ours(batch: int, steps: int, per_request: bool) -> dict[str, Any]:
     """Mean us per request per step of our decode step (batched calls, or per-request calls)."""
-    sys.path[:0] = [str(HERE), str(HERE.parent)]
-    import numpy as np
+    import numpy as np  # (the package comes from $PYTHONPATH: the compiled tree or the fast copy)
     from bench_common import _admit, _manager
 
     import kv_cache_manager_v2 as kvm
@@ -151,6 +151,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every side")
     ap.add_argument("--steps", type=int, default=STEPS, help="decode steps per run")
     ap.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
+    ap.add_argument("--before", default="", help="another checkout with its own compiled build: its decode step too")
     ap.add_argument("--out", default=str(HERE / "peer_sglang_results.json"))
     args = ap.parse_args()
     if args.side:
@@ -173,6 +174,8 @@ def main() -> None:
         "ours_interpreted": (sys.executable, "ours", fast_env, False),
         "ours_interpreted_per_request": (sys.executable, "ours_per_request", fast_env, False),
     }
+    if args.before:  # the same calls on another tree's compiled package (e.g. before a change)
+        sides["before_compiled"] = (sys.executable, "ours", dict(os.environ, PYTHONPATH=args.before), True)
     rounds: dict[str, dict[int, list[float]]] = {name: {b: [] for b in args.batches} for name in sides}
     info: dict[str, Any] = {}
     for _ in range(args.rounds):
