@@ -9,6 +9,7 @@ records they read, are the base class in ``_queries.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from .._common import (
     DEFAULT_PRIORITY,
@@ -301,7 +302,7 @@ class KVCacheResourceManager(ResourceQueries):
         """
         self._check_alive()
         run: list[RequestRecord] = []  # one-token steps not committed yet: one commit_batch
-        tokens: list[TokenIdExt] = []
+        tokens: list[object] = []  # (objects: compiled, a list of TokenIdExt would check each item as it goes in)
         ends: list[int] = []
         items: list[object] = as_list(batch)
         try:
@@ -324,9 +325,10 @@ class KVCacheResourceManager(ResourceQueries):
                         f"{p + len(req.generated_tokens)} tokens remain; generated_tokens must only grow"
                     )
                 if n == 1 and not seq.padding and kv.num_committed_tokens == h:
-                    run.append(seq)  # the decode step: committed with the run, in batch order
+                    # the decode step: committed with the run, in batch order
                     tokens.append(req.generated_tokens[h - p] if h >= p else req.prompt_tokens[h])
                     ends.append(e)
+                    run.append(seq)
                     continue
                 if run:
                     self._commit_run(run, tokens, ends)
@@ -343,7 +345,7 @@ class KVCacheResourceManager(ResourceQueries):
             if run:  # (also when a request after the run raised: the requests before it are updated)
                 self._commit_run(run, tokens, ends)
 
-    def _commit_run(self, run: list[RequestRecord], tokens: list[TokenIdExt], ends: list[int]) -> None:
+    def _commit_run(self, run: list[RequestRecord], tokens: list[object], ends: list[int]) -> None:
         """Commit ``tokens[i]`` to ``run[i]``'s cache (one-token steps, committed length = history)
         by one ``commit_batch`` and update the requests (history at ``ends[i]``); the lists are emptied. If it
         raises (a bad token: nothing committed; a priority callback: the caches before it committed),
@@ -356,12 +358,12 @@ class KVCacheResourceManager(ResourceQueries):
         tokens.clear()
         ends.clear()
         try:
-            self.manager.commit_batch([seq.kv for seq in seqs], toks)
+            self.manager.commit_batch([seq.kv for seq in seqs], cast("list[TokenIdExt]", toks))
         except BaseException:
             for i in range(len(seqs)):
                 seq = seqs[i]
                 if seq.kv.num_committed_tokens < at[i]:
-                    seq.kv.commit([toks[i]])  # raises where the batch did: the rest stay as they are
+                    seq.kv.commit(cast("list[TokenIdExt]", [toks[i]]))  # raises where the batch did
                 _stepped(seq, at[i])
             raise
         for i in range(len(seqs)):
