@@ -9,7 +9,6 @@ records they read, are the base class in ``_queries.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
 
 from .._common import (
     DEFAULT_PRIORITY,
@@ -56,16 +55,6 @@ def step_tokens(kv: KVCache, begin: int, remaining: int, chunk: int) -> int:
     return n
 
 
-def _stepped(seq: RequestRecord, end: int) -> None:
-    """The request of ``seq`` after its step's commit: history at ``end``, nothing scheduled."""
-    req = seq.request
-    seq.scheduled = 0
-    req.num_scheduled_tokens = 0
-    req.num_cached_tokens = end
-    if req.state is RequestState.CONTEXT and end >= len(req.prompt_tokens):
-        req.state = RequestState.GENERATION
-
-
 class KVCacheResourceManager(ResourceQueries):
     """Resource-manager adapter over one :class:`KVCacheManager` (built from ``config``).
 
@@ -100,15 +89,12 @@ class KVCacheResourceManager(ResourceQueries):
         serial = self._serial
         unserved: list[EngineRequest] = []
         done: list[RequestRecord] = []
-        run: list[RequestRecord] = []  # decode steps not grown yet (one resize_batch, before any other request)
         current: KVCache | None = None  # resumed by this call for the request being prepared
         try:
             items: list[object] = as_list(batch)  # (a list iterates natively)
             for item in items:
                 req, seq = self._item_record(item)
                 if seq is None:
-                    if run:  # the decode steps before it first: memory goes in batch order
-                        self._grow_run(run, done, unserved)
                     if req.state is RequestState.FINISHED:
                         raise LogicError(f"request {req.request_id} is FINISHED; free_resources() it instead")
                     seq = self._admit(req, serial)
@@ -132,26 +118,18 @@ class KVCacheResourceManager(ResourceQueries):
                 num_tokens = len(req.prompt_tokens) + len(req.generated_tokens)
                 old_cap = kv.capacity
                 if num_tokens == h + 1 and kv.status is KVCacheStatus.ACTIVE:
-                    # the decode step: room for one more token (a new block at a block boundary); a run
-                    # of consecutive ones gets it from one resize_batch (room past the committed tokens)
+                    # the decode step: room for one more token (a new block at a block boundary)
+                    if h >= old_cap and not kv.resize(h + 1):
+                        unserved.append(req)
+                        continue
                     seq.undo_capacity = old_cap
                     seq.undo_scheduled = seq.scheduled
                     seq.undo_suspended = False
-                    if not seq.padding and kv.num_committed_tokens == h:
-                        run.append(seq)
-                        continue
-                    if run:
-                        self._grow_run(run, done, unserved)
-                    if h >= old_cap and not kv.resize(h + 1):  # (a padding request commits nothing)
-                        unserved.append(req)
-                        continue
                     done.append(seq)
                     seq.scheduled = 1
                     req.num_scheduled_tokens = 1
                     req.num_cached_tokens = h
                     continue
-                if run:
-                    self._grow_run(run, done, unserved)
                 if num_tokens <= h:
                     raise LogicError(
                         f"request {req.request_id} has no uncomputed token ({h} cached of {num_tokens}); "
@@ -184,32 +162,12 @@ class KVCacheResourceManager(ResourceQueries):
                 seq.scheduled = n
                 req.num_scheduled_tokens = n
                 req.num_cached_tokens = h
-            if run:
-                self._grow_run(run, done, unserved)
         except BaseException:
             if current is not None and current.status is KVCacheStatus.ACTIVE:
                 current.suspend()  # (its record was not updated yet: the suspended page counts stand)
-            self._rollback(done + run)  # (a run's caches that did not grow are unchanged)
+            self._rollback(done)
             raise
         return unserved
-
-    def _grow_run(self, run: list[RequestRecord], done: list[RequestRecord], unserved: list[EngineRequest]) -> None:
-        """Room for one more token in each cache of ``run`` (decode steps, in batch order): one
-        ``resize_batch``; the requests that got it are prepared, the others unserved (unchanged)."""
-        failed = self.manager.resize_batch([seq.kv for seq in run])
-        k = 0
-        for i in range(len(run)):
-            seq = run[i]
-            req = seq.request
-            if k < len(failed) and failed[k] == i:
-                k += 1
-                unserved.append(req)
-                continue
-            done.append(seq)
-            seq.scheduled = 1
-            req.num_scheduled_tokens = 1
-            req.num_cached_tokens = seq.kv.history_length
-        run.clear()
 
     def _suspend(self, seq: RequestRecord) -> None:
         """Suspend an ACTIVE cache, remembering how many pages it holds per pool group."""
@@ -301,73 +259,36 @@ class KVCacheResourceManager(ResourceQueries):
         updated, it and the rest are not; fix the token and call again.
         """
         self._check_alive()
-        run: list[RequestRecord] = []  # one-token steps not committed yet: one commit_batch
-        tokens: list[object] = []  # (objects: compiled, a list of TokenIdExt would check each item as it goes in)
-        ends: list[int] = []
+        one: list[TokenIdExt] = [TokenId(0)]  # one list per call (two threads misusing one adapter get their own)
         items: list[object] = as_list(batch)
-        try:
-            for item in items:
-                req, seq = self._item_record(item)
-                if seq is None or seq.request is not req:
-                    raise LogicError(
-                        f"update_resources: request {req.request_id} holds no resources (prepare it first)"
-                    )
-                n = seq.scheduled
-                if n == 0:
-                    continue
-                kv = seq.kv
-                h = kv.history_length
-                p = len(req.prompt_tokens)
-                e = h + n
-                if e > p + len(req.generated_tokens):
-                    raise LogicError(
-                        f"request {req.request_id}: the step computed positions [{h}, {e}) but only "
-                        f"{p + len(req.generated_tokens)} tokens remain; generated_tokens must only grow"
-                    )
-                if n == 1 and not seq.padding and kv.num_committed_tokens == h:
-                    # the decode step: committed with the run, in batch order
-                    tokens.append(req.generated_tokens[h - p] if h >= p else req.prompt_tokens[h])
-                    ends.append(e)
-                    run.append(seq)
-                    continue
-                if run:
-                    self._commit_run(run, tokens, ends)
-                if seq.padding:
-                    kv.resize(None, e)
-                elif n == 1:
-                    kv.commit([req.generated_tokens[h - p] if h >= p else req.prompt_tokens[h]])
-                else:  # a prompt chunk is one slice of the prompt where commit takes it as it is
-                    kv.commit(
-                        req.prompt_tokens[h:e] if e <= p and slices_as_is(req.prompt_tokens) else req.tokens(h, e)
-                    )
-                _stepped(seq, e)
-        finally:
-            if run:  # (also when a request after the run raised: the requests before it are updated)
-                self._commit_run(run, tokens, ends)
-
-    def _commit_run(self, run: list[RequestRecord], tokens: list[object], ends: list[int]) -> None:
-        """Commit ``tokens[i]`` to ``run[i]``'s cache (one-token steps, committed length = history)
-        by one ``commit_batch`` and update the requests (history at ``ends[i]``); the lists are emptied. If it
-        raises (a bad token: nothing committed; a priority callback: the caches before it committed),
-        the rest is committed one by one, so that exactly the requests before the one that raises
-        are updated."""
-        seqs = run[:]
-        toks = tokens[:]
-        at = ends[:]
-        run.clear()
-        tokens.clear()
-        ends.clear()
-        try:
-            self.manager.commit_batch([seq.kv for seq in seqs], cast("list[TokenIdExt]", toks))
-        except BaseException:
-            for i in range(len(seqs)):
-                seq = seqs[i]
-                if seq.kv.num_committed_tokens < at[i]:
-                    seq.kv.commit(cast("list[TokenIdExt]", [toks[i]]))  # raises where the batch did
-                _stepped(seq, at[i])
-            raise
-        for i in range(len(seqs)):
-            _stepped(seqs[i], at[i])
+        for item in items:
+            req, seq = self._item_record(item)
+            if seq is None or seq.request is not req:
+                raise LogicError(f"update_resources: request {req.request_id} holds no resources (prepare it first)")
+            n = seq.scheduled
+            if n == 0:
+                continue
+            kv = seq.kv
+            h = kv.history_length
+            p = len(req.prompt_tokens)
+            e = h + n
+            if e > p + len(req.generated_tokens):
+                raise LogicError(
+                    f"request {req.request_id}: the step computed positions [{h}, {e}) but only "
+                    f"{p + len(req.generated_tokens)} tokens remain; generated_tokens must only grow"
+                )
+            if seq.padding:
+                kv.resize(None, e)
+            elif n == 1:  # (commit keeps no reference to a one-token list: one list serves the batch)
+                one[0] = req.generated_tokens[h - p] if h >= p else req.prompt_tokens[h]
+                kv.commit(one)
+            else:  # a prompt chunk is one slice of the prompt where commit takes it as it is
+                kv.commit(req.prompt_tokens[h:e] if e <= p and slices_as_is(req.prompt_tokens) else req.tokens(h, e))
+            seq.scheduled = 0
+            req.num_scheduled_tokens = 0
+            req.num_cached_tokens = e
+            if req.state is RequestState.CONTEXT and e >= p:
+                req.state = RequestState.GENERATION
 
     def free_resources(self, request: EngineRequest, retain: Retention | None = None) -> None:
         """Release the request's KV (finished, or preempted to be recomputed). Unknown requests: no-op.
