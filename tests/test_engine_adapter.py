@@ -910,9 +910,9 @@ def test_an_array_prompt_is_committed_in_slices_and_reused_by_a_list_prompt(
 def test_decode_steps_get_memory_in_batch_order(
     make_adapter: Callable[..., KVCacheResourceManager], decode_first: bool
 ) -> None:
-    """Decode steps are grown by one resize_batch per run of them, still in batch order: with one
-    free slot, the request listed first of a decode step at a block boundary and an admission gets
-    it, the other is unserved and unchanged; a decode step inside its block needs none."""
+    """Memory goes in batch order: with one free slot, the request listed first of a decode step
+    at a block boundary and an admission gets it, the other is unserved and unchanged; a decode
+    step inside its block needs none."""
     a = make_adapter(kv_layers(1, T), quota=slot_bytes(1) * 4)
     eng = FakeEngine(a.manager)
     full = EngineRequest(1, toks(range(T)), 4)  # its next token starts a block
