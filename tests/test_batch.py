@@ -7,10 +7,19 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import kv_layers, make_config
+from conftest import REC, attention_and_recurrent, kv_layers, make_config
 from fake_engine import FakeEngine
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from kv_cache_manager_v2 import KVCache, KVCacheManager, KVCacheStatus, LogicError, Priority
+from kv_cache_manager_v2 import (
+    KVCache,
+    KVCacheManager,
+    KVCacheStatus,
+    LogicError,
+    Priority,
+    SwaScratchReuseConfig,
+)
 
 T = 8
 
@@ -194,3 +203,106 @@ def test_resize_batch_checks_index_buffers_before_anything_changes() -> None:
     m.check_invariants()
     for kv in caches:
         kv.close()
+
+
+def _random_manager(kind: str, slots: int) -> KVCacheManager:
+    """A manager of ``kind``: full attention, sliding windows with sinks, windows with scratch
+    blocks, or a hybrid (attention + recurrent) that keeps a snapshot every two blocks."""
+    if kind == "hybrid":  # half the memory for live states and snapshots
+        cfg = make_config(
+            attention_and_recurrent(T),  # type: ignore[arg-type]
+            tokens_per_block=T,
+            quota=2 * 2 * REC * T * slots,
+            initial_pool_ratio=[0.5, 0.5],
+            ssm_snapshot_policy="interval",
+            ssm_reuse_interval=2 * T,
+        )
+        return KVCacheManager(cfg)
+    layers = list(kv_layers(4, T, window=12, swa_every=2, sink_tokens=3)) if kind != "full" else kv_layers(2, T)
+    slot = len(layers) * 2 * REC * T
+    extra: dict[str, object] = {"swa_scratch_reuse": SwaScratchReuseConfig()} if kind == "scratch" else {}
+    return KVCacheManager(make_config(layers, tokens_per_block=T, quota=slot * slots, **extra))  # type: ignore[arg-type]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), kind=st.sampled_from(["full", "swa", "scratch", "hybrid"]))
+def test_batch_step_matches_per_request_step_on_random_batches(data: st.DataObject, kind: str) -> None:
+    """Random batches (lengths, beams, members suspended for a while, memory running short, window
+    crossings, snapshot positions): ``resize_batch`` + ``commit_batch`` leave exactly the state the
+    per-request ``resize`` + ``commit`` leave, and a batch with a suspended member raises with
+    nothing changed; the fake engine checks the KV of the batched side's single-beam caches."""
+    slots = data.draw(st.integers(12, 60), label="slots")
+    single, batched = _random_manager(kind, slots), _random_manager(kind, slots)
+    engine = FakeEngine(batched)
+    n = data.draw(st.integers(1, 6), label="requests")
+    seqs: list[list[int]] = []
+    pairs: list[tuple[KVCache, KVCache]] = []
+    for r in range(n):
+        length = data.draw(st.integers(1, 4 * T), label="prompt")
+        width = data.draw(st.sampled_from([1, 1, 2]), label="beams") if kind in ("full", "swa") else 1
+        prompt = [(r * 7919 + i) % 1000 for i in range(length)]
+        pair = []
+        for m in (single, batched):
+            kv = m.create_kv_cache(input_tokens=prompt[:-1], beam_width=width)
+            pair.append(kv)
+        a, b = pair
+        h = b.history_length
+        resumed = a.resume()
+        assert b.resume() == resumed
+        grown = resumed and a.resize(length)
+        assert (grown and b.resize(length)) == grown
+        if not grown:
+            a.close()
+            b.close()
+            continue
+        if width == 1:
+            engine.step(b, prompt, h, length)
+        a.commit(prompt[h:])
+        b.commit(prompt[h:])
+        seqs.append(prompt + [(r * 104729 + i) % 1000 for i in range(64)])
+        pairs.append((a, b))
+    steps = data.draw(st.integers(1, 40), label="steps")
+    for step in range(steps):
+        for a, b in pairs:  # every third step, members may leave the batch (suspended) or come back
+            if step % 3 or a.status is KVCacheStatus.CLOSED or not data.draw(st.booleans(), label="toggle"):
+                continue
+            if a.status is KVCacheStatus.ACTIVE:
+                for kv in (a, b):
+                    kv.resize(kv.history_length)
+                    kv.suspend()
+            elif a.resume():
+                assert b.resume()
+        live = [i for i, (a, _b) in enumerate(pairs) if a.status is KVCacheStatus.ACTIVE]
+        asleep = [i for i, (a, _b) in enumerate(pairs) if a.status is KVCacheStatus.SUSPENDED]
+        if asleep:  # misuse: nothing changes
+            before = _state(batched, [p[1] for p in pairs])
+            with pytest.raises(LogicError, match="SUSPENDED"):
+                batched.resize_batch([pairs[i][1] for i in live + asleep[:1]])
+            with pytest.raises(LogicError, match="ACTIVE"):
+                batched.commit_batch([pairs[i][1] for i in asleep[:1] + live], [1] * (len(live) + 1))
+            assert _state(batched, [p[1] for p in pairs]) == before
+        failed_single = [j for j, i in enumerate(live) if not pairs[i][0].resize(pairs[i][0].num_committed_tokens + 1)]
+        assert batched.resize_batch([pairs[i][1] for i in live]) == failed_single
+        assert _state(single, [p[0] for p in pairs]) == _state(batched, [p[1] for p in pairs])
+        grown = [i for j, i in enumerate(live) if j not in failed_single]
+        tokens = [seqs[i][pairs[i][0].num_committed_tokens] for i in grown]
+        for i, token in zip(grown, tokens):
+            b = pairs[i][1]
+            if b.beam_width == 1:
+                engine.step(b, seqs[i], b.num_committed_tokens, b.num_committed_tokens + 1)
+            pairs[i][0].commit([token])
+        batched.commit_batch([pairs[i][1] for i in grown], tokens)
+        assert _state(single, [p[0] for p in pairs]) == _state(batched, [p[1] for p in pairs])
+        for i in failed_single[:1]:  # memory is short: one request goes away
+            for kv in pairs[live[i]]:
+                kv.close()
+    for i, (a, b) in enumerate(pairs):
+        if b.status is KVCacheStatus.ACTIVE and b.beam_width == 1:
+            engine.check_all(b, seqs[i], b.num_committed_tokens)
+        a.close()
+        b.close()
+    batched.check_invariants()
+    for seq in seqs:
+        assert single.probe_reuse(None, seq) == batched.probe_reuse(None, seq)
+    single.shutdown()
+    batched.shutdown()

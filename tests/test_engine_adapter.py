@@ -937,3 +937,37 @@ def test_observe_step_sets_the_managers_prefill_rate(make_adapter: Callable[...,
     with pytest.raises(TypeError, match="seconds must be a number"):
         a.observe_step(True, 10)
     assert m.load_plan_statistics.prefill_tokens_per_s == pytest.approx(2400.0)
+
+
+@pytest.mark.parametrize("decode_first", [True, False])
+def test_decode_steps_get_memory_in_batch_order(
+    make_adapter: Callable[..., KVCacheResourceManager], decode_first: bool
+) -> None:
+    """Memory goes in batch order: with one free slot, the request listed first of a decode step
+    at a block boundary and an admission gets it, the other is unserved and unchanged; a decode
+    step inside its block needs none."""
+    a = make_adapter(kv_layers(1, T), quota=slot_bytes(1) * 4)
+    eng = FakeEngine(a.manager)
+    full = EngineRequest(1, toks(range(T)), 4)  # its next token starts a block
+    inside = EngineRequest(2, toks(range(100, 103)), 4)
+    assert adapter_step(a, eng, [full, inside]) == []  # prefill: 2 slots, then full needs its second
+    newcomer = EngineRequest(3, toks(range(200, 200 + T)), 4)  # 2 blocks: one slot left, the 4th
+    assert a.manager.get_storage_statistics()[0].free == 2
+    filler = EngineRequest(4, toks(range(300, 301)), 4)
+    assert adapter_step(a, eng, [filler]) == []  # one slot left
+    batch = [inside, full, newcomer] if decode_first else [newcomer, inside, full]
+    before = a.get_kv_cache(full).capacity
+    unserved = a.prepare_resources(batch)
+    assert unserved == ([newcomer] if decode_first else [full])
+    assert a.get_kv_cache(full).capacity == (before + 1 if decode_first else before)
+    assert inside.num_scheduled_tokens == 1 and inside.num_cached_tokens == 3
+    served = [r for r in batch if r not in unserved]
+    for r in served:
+        b = r.num_cached_tokens
+        eng.step(a.get_kv_cache(r), r.all_tokens(), b, b + r.num_scheduled_tokens)
+        if r.samples_this_step:
+            r.generated_tokens.append(next_token(r))
+    a.update_resources(served)
+    for r in served:
+        eng.check_all(a.get_kv_cache(r), r.all_tokens(), r.num_cached_tokens)
+    a.manager.check_invariants()

@@ -464,7 +464,11 @@ class KVCache(CacheView):
         if len(tail) == tokens_per_block:
             return False
         if committed > self._history:
-            if self._ctx.has_releasing_groups and self._window_moves(committed, committed):
+            if (
+                committed >= self._window_next
+                and self._ctx.has_releasing_groups
+                and self._window_moves(committed, committed)
+            ):
                 return False
             self._history = committed
         return True
