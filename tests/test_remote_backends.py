@@ -7,6 +7,7 @@ is checked), no exception into the engine, no call past its deadline."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -107,14 +108,18 @@ def test_a_prefix_written_by_one_manager_is_reused_by_another(make: Factory, wri
     assert sa is not None and sa.written_pages == 4 and sa.dropped_writes == 0
 
 
-def test_a_quota_bounds_the_store_and_what_is_left_is_reused_correctly(store: StoreUnderTest, make: Factory) -> None:
+def test_a_quota_bounds_the_store_and_what_is_left_is_reused_correctly(
+    store: StoreUnderTest, make: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
     quota = 3 << 19  # 1.5 MiB (Mooncake: each client's share of the store's memory)
+    caplog.set_level(logging.WARNING, "kv_cache_manager_v2")
     wide = [  # 16 KiB pages: 240 of them do not fit
         AttentionLayerConfig(LayerId(i), [BufferConfig("key", 4 << 10), BufferConfig("value", 4 << 10)])
         for i in range(2)
     ]
     big = make(write_through=True, gpu=64 * 16, quota=quota, layers=wide)
     assert big.get_quota(CacheLevel(1)) == quota
+    assert not [r for r in caplog.records if "quota" in r.getMessage()]  # it was applied: no warning
     for r in range(40):
         publish(big, seq(100 + r, 6 * T), match=False)
         assert big.flush_remote_writes()
@@ -125,6 +130,7 @@ def test_a_quota_bounds_the_store_and_what_is_left_is_reused_correctly(store: St
     assert reused < 14 * 6 * T  # the store kept less than was written
     # Redis: the servers' maxmemory, changed at once; Mooncake: its clients' memory, set at start
     assert big.resize(CacheLevel(1), quota + 1) == (store.name != "mooncake")
+    assert big.resize(CacheLevel(1), quota)  # (Mooncake: the share it has)
 
 
 def test_an_outage_costs_hits_only_and_reuse_resumes_after_a_restart(store: StoreUnderTest, make: Factory) -> None:
