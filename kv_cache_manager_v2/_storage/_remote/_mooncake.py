@@ -332,7 +332,7 @@ class MooncakeBackend(RemoteBackend):
     def set_quota(self, quota: int) -> bool:
         # the store's memory is what its clients give it: this client's share is set at start
         # (``segment``, or ``quota``), so only that quota holds (no warning at start), no other
-        return quota == self._args["global_segment_size"]
+        return bool(quota == self._args["global_segment_size"])
 
     def close(self) -> None:
         with self._lock:
