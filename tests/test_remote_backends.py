@@ -295,9 +295,13 @@ def test_a_url_scheme_chooses_the_backend_and_bad_urls_are_refused() -> None:
         ("mooncake://h:1", "metadata="),
         ("mooncake://h:1?metadata=x&segment=big", "segment must be a number"),
         ("mooncake://h:1?metadata=x&colour=red", "unknown parameters"),
+        ("mooncake://h:99999?metadata=x", "mooncake://host:port.*'mooncake://h:99999.*out of range"),
+        ("mooncake://[::1?metadata=x", "mooncake://host:port"),
+        ("mooncake://u:secret@h?metadata=x", r"got 'mooncake://u:\*\*\*@h"),
     ):
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match=match) as caught:
             parse_url(bad)
+        assert "secret" not in str(caught.value)
 
 
 def test_a_mooncake_url_without_its_client_is_refused_with_the_extra_to_install() -> None:

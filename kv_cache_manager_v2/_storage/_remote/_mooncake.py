@@ -33,7 +33,7 @@ from urllib.parse import parse_qs, urlsplit
 import numpy as np
 from mypy_extensions import mypyc_attr
 
-from ..._config import RemoteCacheTierConfig
+from ..._config import RemoteCacheTierConfig, redact_url
 from ._backend import RemoteBackend, Value
 
 _T = TypeVar("_T")
@@ -61,9 +61,15 @@ class MooncakeError(ConnectionError):
 def parse_url(url: str) -> dict[str, Any]:
     """The client's ``setup`` arguments from ``mooncake://host:port?metadata=URL&protocol=tcp&device=&segment=
     BYTES&buffer=BYTES&hostname=NAME`` (ValueError naming what is wrong)."""
-    parts = urlsplit(url)
-    if parts.scheme != "mooncake" or not parts.hostname or parts.port is None:
-        raise ValueError(f"a Mooncake URL is mooncake://host:port?metadata=...; got {url!r}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # (ValueError when out of range)
+    except ValueError as e:
+        raise ValueError(
+            f"a Mooncake URL is mooncake://host:port?metadata=...; got {redact_url(url)!r} ({e})"
+        ) from None
+    if parts.scheme != "mooncake" or not parts.hostname or port is None:
+        raise ValueError(f"a Mooncake URL is mooncake://host:port?metadata=...; got {redact_url(url)!r}")
     query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
     allowed = {"metadata", "protocol", "device", "segment", "buffer", "hostname"}
     unknown = sorted(set(query) - allowed)
@@ -87,7 +93,7 @@ def parse_url(url: str) -> dict[str, Any]:
         "local_buffer_size": sizes["buffer"],
         "protocol": query.get("protocol") or "tcp",
         "rdma_devices": query.get("device", ""),
-        "master_server_addr": f"{host}:{parts.port}",
+        "master_server_addr": f"{host}:{port}",
     }
 
 
