@@ -8,6 +8,7 @@ is checked), no exception into the engine, no call past its deadline."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -346,3 +347,53 @@ def test_pages_dropped_from_the_host_tier_are_sent_from_their_slots(make: Factor
     assert st is not None and st.written_pages == 8 and st.dropped_writes == 4
     b = make()
     assert sum(reuse(b, t + [1]) for t in toks) == 8 * T  # every record checked
+
+
+class _HungPuts:
+    """A Mooncake client whose puts wait for ``gate`` and then read what they send (``sent``)."""
+
+    gate = threading.Event()
+    sent: list[bytes] = []
+
+    def setup(self, *args: object) -> int:
+        return 0
+
+    def register_buffer(self, addr: int, size: int) -> int:
+        return 0
+
+    def batch_put_from_multi_buffers(
+        self, names: list[str], addrs: list[list[int]], sizes: list[list[int]]
+    ) -> list[int]:
+        import ctypes
+
+        self.gate.wait(10)
+        for at, ns in zip(addrs, sizes):
+            _HungPuts.sent.append(b"".join(ctypes.string_at(a, n) for a, n in zip(at, ns)))
+        return [0] * len(names)
+
+
+def test_mooncake_a_late_write_sends_what_it_was_given() -> None:
+    """A write past its deadline may still read its memory: the next write on that thread is refused
+    before it touches the thread's buffer (it copied its value there first, under the late one)."""
+    pytest.importorskip("mooncake.store")
+    from kv_cache_manager_v2 import RemoteCacheTierConfig
+    from kv_cache_manager_v2._storage._remote._mooncake import MooncakeBackend, MooncakeError
+
+    cfg = RemoteCacheTierConfig("mooncake://127.0.0.1:1?metadata=P2PHANDSHAKE", "n", timeout_ms=50)
+    backend = MooncakeBackend(cfg, 1 << 16)
+    backend._make = _HungPuts
+    _HungPuts.gate.clear()
+    _HungPuts.sent.clear()
+    try:
+        with pytest.raises(MooncakeError, match="no answer within"):
+            backend.write([b"k1"], [[b"header-1", b"page-1" * 100]], [])
+        with pytest.raises(MooncakeError, match="has not returned"):
+            backend.write([b"k2"], [[b"HEADER-2", b"PAGE-2" * 100]], [])
+        _HungPuts.gate.set()
+        deadline = time.monotonic() + 10
+        while not _HungPuts.sent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _HungPuts.sent == [b"header-1" + b"page-1" * 100]
+    finally:
+        _HungPuts.gate.set()
+        backend.close()

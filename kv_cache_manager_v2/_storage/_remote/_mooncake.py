@@ -152,12 +152,7 @@ class MooncakeBackend(RemoteBackend):
     def _call(self, what: str, fn: Callable[[Any], _T], memory: object = None) -> _T:
         """``fn(client)`` on a helper thread within the deadline (the client made first where there is
         none); MooncakeError past it, or while an earlier call past its deadline still runs."""
-        with self._lock:
-            self._stuck = [(f, m) for f, m in self._stuck if not f.done()]
-            if self._stuck:
-                raise MooncakeError(f"{what}: an earlier call has not returned")
-            if self._closed:
-                raise MooncakeError(f"{what}: closed")
+        self._ready(what)
         future = self._helpers.submit(self._run, fn)
         try:
             out = future.result(self.timeout_s)
@@ -172,6 +167,16 @@ class MooncakeBackend(RemoteBackend):
             raise
         self._answered = True
         return out
+
+    def _ready(self, what: str) -> None:
+        """MooncakeError while an earlier call past its deadline still runs (it may still touch a
+        thread's buffer), or once closed."""
+        with self._lock:
+            self._stuck = [(f, m) for f, m in self._stuck if not f.done()]
+            if self._stuck:
+                raise MooncakeError(f"{what}: an earlier call has not returned")
+            if self._closed:
+                raise MooncakeError(f"{what}: closed")
 
     def _run(self, fn: Callable[[Any], _T]) -> _T:
         with self._connecting:  # (one client at a time, made by the first call that needs it)
@@ -289,7 +294,7 @@ class MooncakeBackend(RemoteBackend):
 
     def write(self, keys: list[bytes], values: list[list[Any]], results: list[Any]) -> None:
         names = [k.decode() for k in keys]
-
+        self._ready("write")  # (before this thread's buffer is written: a late call may still send from it)
         with self._lock:
             ranges = list(self._registered)
         # headers, and parts outside registered memory, are copied to this thread's buffer first
