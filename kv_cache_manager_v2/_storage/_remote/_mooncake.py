@@ -149,10 +149,19 @@ class MooncakeBackend(RemoteBackend):
         self._answered = True
 
     # ------------------------------------------------------------------ calls
-    def _call(self, what: str, fn: Callable[[Any], _T], memory: object = None) -> _T:
+    def _call(self, what: str, fn: Callable[[Any], _T], memory: object = None, late_wait: bool = False) -> _T:
         """``fn(client)`` on a helper thread within the deadline (the client made first where there is
-        none); MooncakeError past it, or while an earlier call past its deadline still runs."""
-        self._ready(what)
+        none); MooncakeError past it, or while an earlier call past its deadline still runs. With
+        ``late_wait`` (a write: the writer reuses the values' memory, the ring and handed-off slots,
+        once it returns) a call past its deadline is an outage at once for every other call, but this
+        one raises only once the late call has returned (a master that never answers keeps the writer
+        there: closing then keeps that memory, see ``RemoteStore.close``)."""
+        with self._lock:
+            self._stuck = [(f, m) for f, m in self._stuck if not f.done()]
+            if self._stuck:
+                raise MooncakeError(f"{what}: an earlier call has not returned")
+            if self._closed:
+                raise MooncakeError(f"{what}: closed")
         future = self._helpers.submit(self._run, fn)
         try:
             out = future.result(self.timeout_s)
@@ -161,22 +170,15 @@ class MooncakeBackend(RemoteBackend):
                 self._stuck.append((future, memory))
                 self._answered = False
                 self._drop_client()
+            if late_wait:
+                with contextlib.suppress(BaseException):
+                    future.exception()  # (waits until it is done)
             raise MooncakeError(f"{what}: no answer within {self.cfg.timeout_ms} ms") from None
         except BaseException:
             self._answered = False
             raise
         self._answered = True
         return out
-
-    def _ready(self, what: str) -> None:
-        """MooncakeError while an earlier call past its deadline still runs (it may still touch a
-        thread's buffer), or once closed."""
-        with self._lock:
-            self._stuck = [(f, m) for f, m in self._stuck if not f.done()]
-            if self._stuck:
-                raise MooncakeError(f"{what}: an earlier call has not returned")
-            if self._closed:
-                raise MooncakeError(f"{what}: closed")
 
     def _run(self, fn: Callable[[Any], _T]) -> _T:
         with self._connecting:  # (one client at a time, made by the first call that needs it)
@@ -294,7 +296,7 @@ class MooncakeBackend(RemoteBackend):
 
     def write(self, keys: list[bytes], values: list[list[Any]], results: list[Any]) -> None:
         names = [k.decode() for k in keys]
-        self._ready("write")  # (before this thread's buffer is written: a late call may still send from it)
+
         with self._lock:
             ranges = list(self._registered)
         # headers, and parts outside registered memory, are copied to this thread's buffer first
@@ -321,7 +323,7 @@ class MooncakeBackend(RemoteBackend):
                 sizes.append(n)
             all_sizes.append(sizes)
         codes: list[int] = self._call(
-            "write", lambda c: list(c.batch_put_from_multi_buffers(names, addrs, all_sizes)), (buf, values)
+            "write", lambda c: list(c.batch_put_from_multi_buffers(names, addrs, all_sizes)), (buf, values), True
         )
         if len(codes) != len(keys):
             raise MooncakeError(f"write of {len(keys)} keys answered {len(codes)}")
