@@ -117,6 +117,7 @@ class RouteWeights:
             x = float(v)  # type: ignore[arg-type]
             if not 0.0 <= x < float("inf") or (name == "load_stale_s" and x == 0.0):
                 raise ValueError(f"{name} must be a finite number >= 0 (load_stale_s > 0), got {v!r}")
+        object.__setattr__(self, "tier_weights", dict(tiers))  # (its own: the caller's mapping may change)
 
     def value(self, tokens_per_medium: Mapping[str | None, int]) -> float:
         """The cached value of a prefix found as ``tokens_per_medium``."""

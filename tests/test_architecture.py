@@ -110,3 +110,33 @@ def test_no_room_past_its_size() -> None:
                         if size > limit:
                             found.append(f"{rel}: {node.name} {size} lines (limit {limit})")
     assert not found, "split these by concern:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("importer", ["_core/_pins.py", "_storage/_tiers/_base.py", "sim/_fleet.py"])
+def test_the_backend_contract_refuses_a_backend_named_outside_the_remote_package(
+    tmp_path: object, importer: str
+) -> None:
+    """lint-imports breaks the remote-backend contract when a module outside ``_storage/_remote/``
+    imports a backend module (a contract whose source package contains its forbidden modules
+    checks nothing: import-linter skips such pairs)."""
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+
+    tmp = pathlib.Path(str(tmp_path))
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), tmp)
+    shutil.copytree(
+        os.path.join(ROOT, PACKAGE), tmp / PACKAGE, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.json")
+    )
+    with open(tmp / PACKAGE / importer, "a") as f:
+        f.write("\nimport kv_cache_manager_v2._storage._remote._redis  # noqa\n")
+    lint = os.path.join(os.path.dirname(sys.executable), "lint-imports")
+    out = subprocess.run(
+        [lint, "--no-cache"],
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tmp), "COLUMNS": "1000"},
+    )
+    assert "the rest uses its interface BROKEN" in out.stdout, out.stdout[-2000:]

@@ -7,6 +7,8 @@ is checked), no exception into the engine, no call past its deadline."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -107,14 +109,18 @@ def test_a_prefix_written_by_one_manager_is_reused_by_another(make: Factory, wri
     assert sa is not None and sa.written_pages == 4 and sa.dropped_writes == 0
 
 
-def test_a_quota_bounds_the_store_and_what_is_left_is_reused_correctly(store: StoreUnderTest, make: Factory) -> None:
+def test_a_quota_bounds_the_store_and_what_is_left_is_reused_correctly(
+    store: StoreUnderTest, make: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
     quota = 3 << 19  # 1.5 MiB (Mooncake: each client's share of the store's memory)
+    caplog.set_level(logging.WARNING, "kv_cache_manager_v2")
     wide = [  # 16 KiB pages: 240 of them do not fit
         AttentionLayerConfig(LayerId(i), [BufferConfig("key", 4 << 10), BufferConfig("value", 4 << 10)])
         for i in range(2)
     ]
     big = make(write_through=True, gpu=64 * 16, quota=quota, layers=wide)
     assert big.get_quota(CacheLevel(1)) == quota
+    assert not [r for r in caplog.records if "quota" in r.getMessage()]  # it was applied: no warning
     for r in range(40):
         publish(big, seq(100 + r, 6 * T), match=False)
         assert big.flush_remote_writes()
@@ -125,6 +131,7 @@ def test_a_quota_bounds_the_store_and_what_is_left_is_reused_correctly(store: St
     assert reused < 14 * 6 * T  # the store kept less than was written
     # Redis: the servers' maxmemory, changed at once; Mooncake: its clients' memory, set at start
     assert big.resize(CacheLevel(1), quota + 1) == (store.name != "mooncake")
+    assert big.resize(CacheLevel(1), quota)  # (Mooncake: the share it has)
 
 
 def test_an_outage_costs_hits_only_and_reuse_resumes_after_a_restart(store: StoreUnderTest, make: Factory) -> None:
@@ -289,9 +296,13 @@ def test_a_url_scheme_chooses_the_backend_and_bad_urls_are_refused() -> None:
         ("mooncake://h:1", "metadata="),
         ("mooncake://h:1?metadata=x&segment=big", "segment must be a number"),
         ("mooncake://h:1?metadata=x&colour=red", "unknown parameters"),
+        ("mooncake://h:99999?metadata=x", "mooncake://host:port.*'mooncake://h:99999.*out of range"),
+        ("mooncake://[::1?metadata=x", "mooncake://host:port"),
+        ("mooncake://u:secret@h?metadata=x", r"got 'mooncake://u:\*\*\*@h"),
     ):
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match=match) as caught:
             parse_url(bad)
+        assert "secret" not in str(caught.value)
 
 
 def test_a_mooncake_url_without_its_client_is_refused_with_the_extra_to_install() -> None:
@@ -336,3 +347,58 @@ def test_pages_dropped_from_the_host_tier_are_sent_from_their_slots(make: Factor
     assert st is not None and st.written_pages == 8 and st.dropped_writes == 4
     b = make()
     assert sum(reuse(b, t + [1]) for t in toks) == 8 * T  # every record checked
+
+
+class _HungPuts:
+    """A Mooncake client whose puts wait for ``gate`` and then read what they send (``sent``)."""
+
+    gate = threading.Event()
+    sent: list[bytes] = []
+
+    def setup(self, *args: object) -> int:
+        return 0
+
+    def register_buffer(self, addr: int, size: int) -> int:
+        return 0
+
+    def close(self) -> int:
+        return 0
+
+    def batch_put_from_multi_buffers(
+        self, names: list[str], addrs: list[list[int]], sizes: list[list[int]]
+    ) -> list[int]:
+        import ctypes
+
+        self.gate.wait(10)
+        for at, ns in zip(addrs, sizes):
+            _HungPuts.sent.append(b"".join(ctypes.string_at(a, n) for a, n in zip(at, ns)))
+        return [0] * len(names)
+
+
+def test_mooncake_a_late_write_keeps_its_memory_until_it_returns() -> None:
+    """A write past its deadline is an outage at once for everyone else, but the writer's call
+    returns only once the late put has read its values: the writer reuses that memory (the ring,
+    handed-off slots, its thread's buffer) after ``write`` returns, and the late put must not send
+    the next values' bytes under its own keys."""
+    pytest.importorskip("mooncake.store")
+    from kv_cache_manager_v2 import RemoteCacheTierConfig
+    from kv_cache_manager_v2._storage._remote._mooncake import MooncakeBackend, MooncakeError
+
+    cfg = RemoteCacheTierConfig("mooncake://127.0.0.1:1?metadata=P2PHANDSHAKE", "n", timeout_ms=50)
+    backend = MooncakeBackend(cfg, 1 << 16)
+    backend._make = _HungPuts
+    _HungPuts.gate.clear()
+    _HungPuts.sent.clear()
+    try:
+        threading.Timer(0.3, _HungPuts.gate.set).start()
+        t0 = time.monotonic()
+        with pytest.raises(MooncakeError, match="no answer within 50 ms"):
+            backend.write([b"k1"], [[b"header-1", b"page-1" * 100]], [])
+        assert time.monotonic() - t0 >= 0.25
+        assert _HungPuts.sent == [b"header-1" + b"page-1" * 100]  # read before write returned
+        results: list[object] = []
+        backend.write([b"k2"], [[b"header-2", b"page-2" * 100]], results)  # a new client, at once
+        assert results == [True] and _HungPuts.sent[-1] == b"header-2" + b"page-2" * 100
+    finally:
+        _HungPuts.gate.set()
+        backend.close()

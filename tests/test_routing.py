@@ -146,6 +146,10 @@ def test_bad_weights_policy_and_load() -> None:
         RouteWeights(affinity_ratio="x")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="tier_weights"):
         RouteWeights(tier_weights={"GPU": True})  # type: ignore[dict-item]
+    given = {"GPU": 1.0, "CPU": 0.5}
+    checked = RouteWeights(tier_weights=given)
+    given["GPU"] = float("nan")  # (the caller's mapping changes later: the checked weights do not)
+    assert checked.value({"GPU": 10, "CPU": 10}) == pytest.approx(15.0)
     with pytest.raises(ValueError, match="kv_utilization"):
         ReplicaLoad(0, 0, 1.5)
     with pytest.raises(TypeError, match="running_requests"):

@@ -198,6 +198,19 @@ def test_end_drops_the_private_blocks_and_keeps_what_others_share(make_manager: 
     reuse(m, engine, system, T)
 
 
+def test_end_keeps_the_blocks_another_pin_holds(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T)
+    engine = FakeEngine(m)
+    a = seq(1000, 3)
+    run(m, engine, a, "a")
+    assert m.pin(a[: 2 * T]) == 2 * T  # the engine pinned the first two blocks by prefix
+    assert m.directives.end("a") == outcome(APPLIED, 1, kept=2)  # only the unpinned last block goes
+    assert m.get_storage_statistics()[0].pinned == 2
+    reuse(m, engine, a, 2 * T)  # the pin still holds them, byte for byte
+    assert m.unpin(a[: 2 * T])
+    m.check_invariants()
+
+
 def test_a_session_has_the_partial_tail_its_last_request_published(make_manager: MakeManager) -> None:
     m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T, host_quota=8 * REC * T)
     engine = FakeEngine(m)

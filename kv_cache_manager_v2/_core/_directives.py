@@ -235,8 +235,8 @@ class Directives:
         """The session is over: its private blocks (published by it, used by no other session)
         leave the cache now (``num_blocks``); those a request still uses stay until released, at
         priority 0 (evicted first: ``DEFERRED``, ``num_deferred``); every block another session
-        shares (or that a block kept needs, below it) stays as it was (``num_kept``), so those
-        sessions reuse it as before. Its pin ends; the session is forgotten (the id may start again)."""
+        shares, that another pin holds (``KVCacheManager.pin``, a prefix's ``pin``), or that a
+        block kept needs below it, stays as it was (``num_kept``), so those sessions reuse it as before. Its pin ends; the session is forgotten (the id may start again)."""
         if not isinstance(session, str):
             raise TypeError(f"end(): session must be a session id (str), got {type(session).__name__}")
         nodes, sid, key = self._target("end()", session, None)
@@ -251,8 +251,8 @@ class Directives:
                 if node.parent is None:
                     continue  # left with a block removed before it (a pageless parent pruned)
                 pages = _pages(node)
-                if not is_private(node, sid):
-                    kept += 1 if pages else 0
+                if not is_private(node, sid) or any(page.num_pins for page in pages):
+                    kept += 1 if pages else 0  # (shared, or pinned by another pin: ``KVCacheManager.pin``)
                     continue
                 below = node.children()
                 if _in_use(node, pages) or (below and all(id(c) in waiting for c in below)):

@@ -33,7 +33,7 @@ from urllib.parse import parse_qs, urlsplit
 import numpy as np
 from mypy_extensions import mypyc_attr
 
-from ..._config import RemoteCacheTierConfig
+from ..._config import RemoteCacheTierConfig, redact_url
 from ._backend import RemoteBackend, Value
 
 _T = TypeVar("_T")
@@ -61,9 +61,15 @@ class MooncakeError(ConnectionError):
 def parse_url(url: str) -> dict[str, Any]:
     """The client's ``setup`` arguments from ``mooncake://host:port?metadata=URL&protocol=tcp&device=&segment=
     BYTES&buffer=BYTES&hostname=NAME`` (ValueError naming what is wrong)."""
-    parts = urlsplit(url)
-    if parts.scheme != "mooncake" or not parts.hostname or parts.port is None:
-        raise ValueError(f"a Mooncake URL is mooncake://host:port?metadata=...; got {url!r}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # (ValueError when out of range)
+    except ValueError as e:
+        raise ValueError(
+            f"a Mooncake URL is mooncake://host:port?metadata=...; got {redact_url(url)!r} ({e})"
+        ) from None
+    if parts.scheme != "mooncake" or not parts.hostname or port is None:
+        raise ValueError(f"a Mooncake URL is mooncake://host:port?metadata=...; got {redact_url(url)!r}")
     query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
     allowed = {"metadata", "protocol", "device", "segment", "buffer", "hostname"}
     unknown = sorted(set(query) - allowed)
@@ -87,7 +93,7 @@ def parse_url(url: str) -> dict[str, Any]:
         "local_buffer_size": sizes["buffer"],
         "protocol": query.get("protocol") or "tcp",
         "rdma_devices": query.get("device", ""),
-        "master_server_addr": f"{host}:{parts.port}",
+        "master_server_addr": f"{host}:{port}",
     }
 
 
@@ -143,9 +149,13 @@ class MooncakeBackend(RemoteBackend):
         self._answered = True
 
     # ------------------------------------------------------------------ calls
-    def _call(self, what: str, fn: Callable[[Any], _T], memory: object = None) -> _T:
+    def _call(self, what: str, fn: Callable[[Any], _T], memory: object = None, late_wait: bool = False) -> _T:
         """``fn(client)`` on a helper thread within the deadline (the client made first where there is
-        none); MooncakeError past it, or while an earlier call past its deadline still runs."""
+        none); MooncakeError past it, or while an earlier call past its deadline still runs. With
+        ``late_wait`` (a write: the writer reuses the values' memory, the ring and handed-off slots,
+        once it returns) a call past its deadline is an outage at once for every other call, but this
+        one raises only once the late call has returned (a master that never answers keeps the writer
+        there: closing then keeps that memory, see ``RemoteStore.close``)."""
         with self._lock:
             self._stuck = [(f, m) for f, m in self._stuck if not f.done()]
             if self._stuck:
@@ -160,6 +170,9 @@ class MooncakeBackend(RemoteBackend):
                 self._stuck.append((future, memory))
                 self._answered = False
                 self._drop_client()
+            if late_wait:
+                with contextlib.suppress(BaseException):
+                    future.exception()  # (waits until it is done)
             raise MooncakeError(f"{what}: no answer within {self.cfg.timeout_ms} ms") from None
         except BaseException:
             self._answered = False
@@ -310,7 +323,7 @@ class MooncakeBackend(RemoteBackend):
                 sizes.append(n)
             all_sizes.append(sizes)
         codes: list[int] = self._call(
-            "write", lambda c: list(c.batch_put_from_multi_buffers(names, addrs, all_sizes)), (buf, values)
+            "write", lambda c: list(c.batch_put_from_multi_buffers(names, addrs, all_sizes)), (buf, values), True
         )
         if len(codes) != len(keys):
             raise MooncakeError(f"write of {len(keys)} keys answered {len(codes)}")
@@ -330,7 +343,9 @@ class MooncakeBackend(RemoteBackend):
         return True
 
     def set_quota(self, quota: int) -> bool:
-        return False  # the store's memory is what its clients give it (``segment``, ``quota`` at start)
+        # the store's memory is what its clients give it: this client's share is set at start
+        # (``segment``, or ``quota``), so only that quota holds (no warning at start), no other
+        return bool(quota == self._args["global_segment_size"])
 
     def close(self) -> None:
         with self._lock:
