@@ -402,3 +402,23 @@ def test_mooncake_a_late_write_keeps_its_memory_until_it_returns() -> None:
     finally:
         _HungPuts.gate.set()
         backend.close()
+
+
+def test_mooncake_helpers_never_hold_the_process_at_exit() -> None:
+    """The client's calls run on daemon helper threads: one stuck on a master that never answers
+    cannot keep the interpreter from exiting (an executor's threads would be joined at exit)."""
+    pytest.importorskip("mooncake.store")
+    from kv_cache_manager_v2._storage._remote._mooncake import DaemonHelpers
+
+    gate = threading.Event()
+    helpers = DaemonHelpers(2, "kvcm-test-helpers")
+    try:
+        stuck = helpers.submit(gate.wait)
+        assert helpers.submit(lambda x: x + 1, 41).result(5.0) == 42  # the other helper still serves
+        ours = [t for t in threading.enumerate() if t.name.startswith("kvcm-test-helpers")]
+        assert len(ours) == 2 and all(t.daemon for t in ours)
+        assert not stuck.done()
+    finally:
+        gate.set()
+        helpers.shutdown()
+    assert stuck.result(5.0) is True

@@ -20,12 +20,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import queue
 import socket
 import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Final, TypeVar
 from urllib.parse import parse_qs, urlsplit
@@ -46,6 +47,43 @@ DEFAULT_SEGMENT: Final = 256 << 20
 DEFAULT_BUFFER: Final = 16 << 20
 #: helper threads running the client's calls (the scheduler's reads, the writer, a loader)
 _HELPERS: Final = 4
+
+
+class DaemonHelpers:
+    """Helper threads running submitted calls, daemons: a call stuck on a master that never answers
+    does not hold the process at exit (a ``ThreadPoolExecutor``'s threads are joined then)."""
+
+    def __init__(self, count: int, name: str) -> None:
+        self._count = count
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        for i in range(count):
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
+        """Run ``fn(*args)`` on a helper thread; its future."""
+        future: Future[_T] = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:
+                future.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Let the threads end once the calls queued before are done (not waiting for them)."""
+        for _ in range(self._count):
+            self._jobs.put(None)
 
 
 def _abandon(client: Any) -> None:
@@ -131,7 +169,7 @@ class MooncakeBackend(RemoteBackend):
         if cfg.quota is not None:  # this client's share of the store's memory
             self._args["global_segment_size"] = cfg.quota
         self.errors = (MooncakeError, OSError)
-        self._helpers = ThreadPoolExecutor(_HELPERS, thread_name_prefix="kvcm-mooncake")
+        self._helpers = DaemonHelpers(_HELPERS, "kvcm-mooncake")
         self._lock = threading.Lock()
         self._connecting = threading.Lock()
         self._client: Any = None
@@ -164,7 +202,7 @@ class MooncakeBackend(RemoteBackend):
                 raise MooncakeError(f"{what}: closed")
         future = self._helpers.submit(self._run, fn)
         try:
-            out = future.result(self.timeout_s)
+            out: _T = future.result(self.timeout_s)
         except FutureTimeout:
             with self._lock:
                 self._stuck.append((future, memory))
@@ -358,7 +396,7 @@ class MooncakeBackend(RemoteBackend):
         if client is not None:
             with contextlib.suppress(FutureTimeout):
                 self._helpers.submit(client.close).result(self.timeout_s + 1.0)
-        self._helpers.shutdown(wait=False)
+        self._helpers.shutdown()
 
 
 def _inside(addr: int, size: int, ranges: list[tuple[int, int]]) -> bool:
