@@ -451,3 +451,49 @@ def test_prefetch_by_tokens_fetches_from_the_remote_tier(
         kv.close()
     finally:
         m.shutdown()
+
+
+def test_adapter_under_load_policy_never_admits_new_requests_without_loading(
+    adapters: Callable[..., KVCacheResourceManager], tmp_path: object
+) -> None:
+    """Under ``load_policy="never"`` a new request takes only what is in GPU memory: it never waits
+    in the loading state for disk reads its create would not use (it is admitted at once and
+    recomputes its prefix); a suspended request still has its own pages read in the background."""
+    a = adapters(
+        make_config(
+            kv_layers(2, T),
+            T,
+            8 * SLOT,
+            host_quota=8 * SLOT,
+            disk_quota=32 * SLOT,
+            disk_path=str(tmp_path),
+            max_util_for_resume=1.0,
+            backend="host",
+            load_policy="never",
+        )
+    )
+    m = a.manager
+    loader(m).manual = True
+    engine = FakeEngine(m)
+    doc = seq(1, 3 * T)
+    first = EngineRequest(1, [*doc, 7], max_new_tokens=1)
+    while len(first.generated_tokens) < 1:
+        assert adapter_step(a, engine, [first]) == []
+    first.state = RequestState.FINISHED
+    a.free_resources(first)
+    for r in range(2, 6):  # push doc's blocks to disk
+        other = EngineRequest(r, seq(r * 10, 3 * T + 1), max_new_tokens=1)
+        assert adapter_step(a, engine, [other]) == []
+        other.state = RequestState.FINISHED
+        a.free_resources(other)
+    assert all(p.level == DISK for p in tree_pages(m, doc))
+    new = EngineRequest(10, [*doc, 8, 9], max_new_tokens=2)
+    assert a.prefetch_resources([new]) == []
+    assert adapter_step(a, engine, [new]) == []  # admitted at once: nothing to wait for
+    assert not a.is_loading(new) and a.loading_waits == {"disk": 0, "remote": 0}
+    assert new.num_reused_tokens == 0 and loader(m).in_flight == 0
+    while len(new.generated_tokens) < 2:
+        assert adapter_step(a, engine, [new]) == []
+    new.state = RequestState.FINISHED
+    a.free_resources(new)
+    m.check_invariants()

@@ -108,6 +108,9 @@ class ResourceQueries:
         self._background = m.config.load_workers > 0 and any(
             tier is CacheTier.DISK or tier is CacheTier.REMOTE for tier in m.cache_tier_list
         )
+        #: new requests wait for their prefix (``prefetch_resources``): not under ``load_policy="never"``,
+        #: whose creates take only what is in GPU memory (what a prefetch brings up would go unused)
+        self._prefetch_new = self._background and m.config.load_policy != "never"
         #: new requests waiting for their prefetch (the loading state), by request id
         self._loading: dict[RequestId, tuple[EngineRequest, Prefetch]] = {}
         #: steps requests spent in the loading state, by what they waited for: "disk" (pages read

@@ -89,7 +89,8 @@ class KVCacheResourceManager(ResourceQueries):
         as they were. If anything raises, the whole batch is rolled back.
 
         With background loads (a disk or remote tier, ``load_workers``), a new request whose
-        cached prefix lies on disk or the remote tier first waits in the loading state (see
+        cached prefix lies on disk or the remote tier first waits in the loading state (not under
+        ``load_policy="never"``: it takes only what is in GPU memory; see
         ``prefetch_resources``): it is returned unserved, ``is_loading`` true, while its reads run,
         and admitted once they are in place; so is a suspended request whose pages went to disk.
         """
@@ -205,13 +206,14 @@ class KVCacheResourceManager(ResourceQueries):
         Call it when requests arrive, then admit (``prepare_resources``) those ``is_loading``
         says are ready, within the engine's budget; ``prepare_resources`` starts it itself for a
         request not prefetched, and returns a loading one unserved. Without background loads
-        (``load_workers=0``, or no disk or remote tier) it does nothing and returns ``[]``."""
+        (``load_workers=0``, or no disk or remote tier), and under ``load_policy="never"`` (a create
+        takes only what is in GPU memory), it does nothing and returns ``[]``."""
         self._check_alive()
         out: list[EngineRequest] = []
         items: list[object] = as_list(batch)
         for item in items:
             req, seq = self._item_record(item)
-            if seq is not None or not self._background or req.state is RequestState.FINISHED:
+            if seq is not None or not self._prefetch_new or req.state is RequestState.FINISHED:
                 continue
             tokens: Sequence[TokenIdExt] = req.prompt_tokens if not req.generated_tokens else req.all_tokens()
             if len(tokens) > 1 and self._loading_prefetch(req, tokens[: len(tokens) - 1], False):
@@ -257,7 +259,7 @@ class KVCacheResourceManager(ResourceQueries):
         priority = check_priority(req.priority)
         cb = default_priority if priority == DEFAULT_PRIORITY else _FixedPriority(priority)
         prefix = tokens[: length - 1] if length > 1 else None
-        if self._background and prefix is not None and self._loading_prefetch(req, prefix):
+        if self._prefetch_new and prefix is not None and self._loading_prefetch(req, prefix):
             return None
         m = self.manager
         levels = m.probe_reuse_levels(req.reuse_scope, prefix) if self._num_levels > 1 and prefix is not None else []
