@@ -497,3 +497,26 @@ def test_adapter_under_load_policy_never_admits_new_requests_without_loading(
     new.state = RequestState.FINISHED
     a.free_resources(new)
     m.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["auto", "never"])
+def test_prefetch_reads_only_what_the_load_plan_takes(make_manager: MakeManager, tmp_path: object, policy: str) -> None:
+    """A prefetch never reads what the create's load plan would recompute: under "never", or under
+    "auto" when the engine recomputes faster than the disk reads (its request would otherwise wait
+    in the loading state for a read slower than recomputing). With a slow prefill it reads it all."""
+    m = tiered(make_manager, tmp_path, load_policy=policy, prefill_tokens_per_s=1e15)
+    doc = seq(1, 3 * T + 1)
+    published_on_disk(m, [doc])
+    handle = m.prefetch(doc[:-1])
+    assert handle.done and handle.num_disk_pages == 0 and handle.reused_tokens == 0
+    assert loader(m).in_flight == 0 and all(p.level == DISK for p in tree_pages(m, doc))
+    assert m.probe_reuse(None, doc[:-1]) == 0
+    if policy == "auto":  # a slow engine: loading the disk's blocks saves time, the prefetch reads them
+        m.set_prefill_rate(1.0)
+        handle = m.prefetch(doc[:-1])
+        assert handle.num_disk_pages == 3 and land(m) == 3 and handle.done
+        kv = m.create_kv_cache(None, doc[:-1])
+        assert kv.ready and kv.history_length == 3 * T and kv.resume()
+        FakeEngine(m).check_all(kv, doc, 3 * T)
+        kv.close()
+    m.check_invariants()

@@ -284,10 +284,11 @@ class KVCacheManager(ManagerQueries):
         reuse_scope: ReuseScope | None = None,
     ) -> Prefetch:
         """Start bringing the reusable prefix of ``input_tokens`` (a request queued, not admitted
-        yet) up in the background, and return at once: its pages on a disk tier are read, and with
-        a remote tier the blocks after the local match are looked up and fetched, into the host
-        tier when ``target_level`` is the GPU and a host tier exists (else ``target_level``). A
-        later ``create_kv_cache`` of the same tokens finds them locally (without asking the remote
+        yet) up in the background, and return at once: the pages on a disk tier of the prefix the
+        create's load plan takes are read (none under ``load_policy="never"``), and with a remote
+        tier (not under "never") the blocks after the local match are looked up and fetched, into
+        the host tier when ``target_level`` is the GPU and a host tier exists (else ``target_level``).
+        A later ``create_kv_cache`` of the same tokens finds them locally (without asking the remote
         tier again) once the returned ``Prefetch`` is ``done``; ``cancel`` it when the request goes
         away. Takes no page (what it brought up is reusable). Without ``load_workers`` (or with a
         remote cluster) the remote part is left to the create."""

@@ -26,6 +26,7 @@ from .._storage._page_reads import PageRead
 from .._storage._remote._store import RemoteStore
 from .._utils import check_int, check_type
 from ._context import CacheContext
+from ._load_plan import NOTHING_FETCHED
 from ._matching import PrefixMatcher, _copy
 
 
@@ -235,16 +236,25 @@ class Prefetch:
         hasher = BlockHasher(self._tokens, ctx.tokens_per_block, "tokens")
         hasher.validate_rest()  # every token valid before anything starts
         nodes, part, part_len = self._local_match(hasher, partial)
+        local_blocks = len(nodes)
+        planner = self._matcher.planner
+        if planner is not None and planner.active and not planner.in_gpu_memory(nodes, part):
+            # only what the create's plan takes from the pages' levels now (the rest is recomputed)
+            length = len(nodes) * ctx.tokens_per_block + part_len
+            taken = planner.plan(planner.levels(nodes, part, part_len, NOTHING_FETCHED), len(nodes), part_len)[0]
+            if taken < length:
+                ctx.tree.cut(nodes, taken // ctx.tokens_per_block)
+                part, part_len = None, 0
         self._reused_tokens = len(nodes) * ctx.tokens_per_block + part_len
         reads = ctx.reads
         if reads is not None:
             self._reads = reads.read(match_pages(ctx, nodes, part, part_len), reads.background_target(self._target))
             self._num_disk_pages = len(self._reads)
         self._remote_reads = remote_reads
-        if remote_reads is None:
+        if remote_reads is None or (planner is not None and planner.policy == "never"):
             return  # (without workers, or with a cluster: the create looks up and fetches itself)
         fill = self._fill()
-        plan = fill.lookup_plan(self._scope, hasher, len(nodes), None)
+        plan = fill.lookup_plan(self._scope, hasher, local_blocks, None)
         if plan is None:
             return
         keys = plan[1]
