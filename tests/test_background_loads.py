@@ -5,6 +5,7 @@ or on real worker threads; the fake engine checks every record a request reads."
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -520,3 +521,44 @@ def test_prefetch_reads_only_what_the_load_plan_takes(make_manager: MakeManager,
         FakeEngine(m).check_all(kv, doc, 3 * T)
         kv.close()
     m.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["auto", "never"])
+def test_a_remote_prefetch_fetches_only_what_the_load_plan_takes(
+    slow_redis: tuple[LocalRedisServer, DelayProxy], adapters: Callable[..., KVCacheResourceManager], policy: str
+) -> None:
+    """With an engine that recomputes faster than the remote tier answers ("auto"), the prefetch's
+    lookup lands and nothing is fetched; under "never" nothing is even looked up. The create then
+    recomputes, as its plan says (the probe agrees)."""
+    server, _ = slow_redis
+    peer = adapters(remote_adapter_config(server.url, True))
+    doc = seq(500, 3 * T)
+    serve_until_admitted(peer, EngineRequest(1, [*doc, 1], max_new_tokens=1))
+    assert peer.manager.flush_remote_writes()
+    config = dataclasses.replace(
+        remote_adapter_config(server.url, False), load_policy=policy, prefill_tokens_per_s=1e15
+    )
+    m = KVCacheManager(config)
+    try:
+        loader(m).manual = True
+        handle = m.prefetch(doc)
+        assert handle.waits_for_remote == (policy == "auto")
+        land(m)  # the lookup (auto): no fetch follows
+        assert handle.done and handle.num_remote_pages == 0 and loader(m).in_flight == 0
+        assert m.probe_reuse(None, doc) == 0
+        kv = m.create_kv_cache(None, doc)
+        assert kv.history_length == 0
+        kv.close()
+        if policy == "auto":  # a slow engine: the prefetch fetches the blocks, the create takes them
+            m.set_prefill_rate(1.0)
+            handle = m.prefetch(doc)
+            land(m)
+            land(m)
+            assert handle.done and handle.num_remote_pages == 3
+            kv = m.create_kv_cache(None, doc)
+            assert kv.history_length == 3 * T and kv.resume()
+            FakeEngine(m).check_all(kv, doc, 3 * T)
+            kv.close()
+        m.check_invariants()
+    finally:
+        m.shutdown()

@@ -297,6 +297,9 @@ class Prefetch:
             chain: list[Node | None] = plan[0]
             keys: list[BlockKey] = plan[1]
             matched_blocks, needed = fill.fetch_plan(chain, len(nodes), self._found)
+            keep = self._planned_blocks(fill, chain, hasher, len(nodes), matched_blocks)
+            if keep < matched_blocks:  # the create's plan recomputes the rest: fetch only up to its cut
+                matched_blocks, needed = fill.fetch_plan(chain[:keep], len(nodes), self._found)
             self._reused_tokens = max(self._reused_tokens, matched_blocks * ctx.tokens_per_block)
             if not needed:
                 self._remember()
@@ -314,6 +317,21 @@ class Prefetch:
             fetched[x] = value if isinstance(value, bytes) else None
         fill.extend(self._scope, hasher, nodes, True, self._found, partial, fetched)
         self._remember()
+
+    def _planned_blocks(
+        self, fill: RemoteFill, chain: list[Node | None], hasher: BlockHasher, local_blocks: int, matched_blocks: int
+    ) -> int:
+        """The blocks the create's load plan takes of the match the remote tier extends to
+        ``matched_blocks`` (as ``PrefixMatcher._plan`` weighs it): ``matched_blocks`` when it takes it whole."""
+        planner = self._matcher.planner
+        if planner is None or not planner.active or matched_blocks <= local_blocks:
+            return matched_blocks
+        seen, part, part_len, fetched = fill.project(
+            chain, hasher, local_blocks, matched_blocks, self._matcher.enable_partial_reuse
+        )
+        length = len(seen) * self._ctx.tokens_per_block + part_len
+        taken = planner.plan(planner.levels(seen, part, part_len, fetched), len(seen), part_len)[0]
+        return matched_blocks if taken == length else taken // self._ctx.tokens_per_block
 
     def _remember(self) -> None:
         self._looked_up = True
