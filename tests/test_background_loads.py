@@ -562,3 +562,57 @@ def test_a_remote_prefetch_fetches_only_what_the_load_plan_takes(
         m.check_invariants()
     finally:
         m.shutdown()
+
+
+def test_a_background_read_placed_where_held_pages_must_make_room_below(
+    make_manager: MakeManager, tmp_path: object
+) -> None:
+    """The host is full of a suspended request's pages and the disk holds only the prefetched
+    pages and one free slot: the pages read are out of the disk's evictor while they are placed, so
+    only as many are placed as the held pages can make room for (no OutOfPagesError from the poll);
+    the rest stay on disk, read again by the create's resume. Every byte exact."""
+    m = make_manager(
+        kv_layers(2, T),
+        T,
+        4 * SLOT,
+        host_quota=4 * SLOT,
+        disk_quota=4 * SLOT,
+        disk_path=str(tmp_path),
+        max_util_for_resume=1.0,
+    )
+    loader(m).manual = True
+    engine = FakeEngine(m)
+    doc = seq(1, 3 * T + 1)
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.resume()
+    compute(engine, kv, doc, 3 * T)
+    kv.close()
+    held: list[tuple[object, list[int]]] = []
+    for r in (2, 3):  # A (then B) takes the GPU: doc goes to the host, then A's held pages push it to disk
+        toks = seq(r, 4 * T)
+        kv = m.create_kv_cache()
+        assert kv.resume()
+        compute(engine, kv, toks, 4 * T)
+        held.append((kv, toks))
+        if r == 2:
+            kv.suspend()
+    assert all(p.level == DISK for p in tree_pages(m, doc))
+    a = held[0][0]
+    assert all(p.level == HOST for p in a.block_table.all_pages())  # type: ignore[attr-defined]
+    handle = m.prefetch(doc[:-1], HOST)
+    assert handle.num_disk_pages == 3
+    land(m)  # one held page of A fits on disk: one page of doc is placed
+    assert handle.done
+    m.check_invariants()
+    assert sum(p.level == HOST for p in tree_pages(m, doc)) == 1
+    b, b_toks = held[1]
+    engine.check_all(b, b_toks, 4 * T)  # type: ignore[arg-type]
+    b.close()  # type: ignore[attr-defined]
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.history_length == 3 * T and kv.resume()  # the rest of doc read from disk at resume
+    engine.check_all(kv, doc, 3 * T)
+    kv.close()
+    assert a.resume()  # type: ignore[attr-defined]
+    engine.check_all(a, held[0][1], 4 * T)  # type: ignore[arg-type]
+    a.close()  # type: ignore[attr-defined]
+    m.check_invariants()

@@ -176,20 +176,29 @@ class PageReads:
         """Move the pages of ``jobs`` (one pool group) into ``dst`` from their read bytes, as many
         as it has room for (the others stay where they are)."""
         storage = self.storage
+        level, index = int(dst.level), int(dst.index)
         jobs = [job for job in jobs if job.current()]  # (placing an earlier batch may have dropped some)
-        n = min(len(jobs), storage.available(int(dst.level), int(dst.index)))
+        n = min(len(jobs), storage.available(level, index))
         if n <= 0:
             return 0
         jobs = sorted(jobs, key=_slot_of)[:n]
         pages = [job.page for job in jobs]
-        levels = [CacheLevel(0)] * storage.num_pool_groups
-        need = [0] * storage.num_pool_groups
-        levels[int(dst.index)] = CacheLevel(int(dst.level))
-        need[int(dst.index)] = n
-        storage.reserve(need, levels)
         for page in pages:  # out of the evictors while room is made: nothing pushes them away
             page.take(True)
+        room = storage.available(level, index)  # (their slots below no longer count as room for pages pushed down)
+        if room < n:
+            for page in reversed(pages[room:]):
+                page.release(True)
+            n = room if room > 0 else 0
+            jobs, pages = jobs[:n], pages[:n]
+            if n == 0:
+                return 0
         try:
+            levels = [CacheLevel(0)] * storage.num_pool_groups
+            need = [0] * storage.num_pool_groups
+            levels[index] = CacheLevel(level)
+            need[index] = n
+            storage.reserve(need, levels)
             storage.make_room(dst, n)
             slots = pair_sorted([job.slot for job in jobs], dst.allocator.allocate(n))
             data: list[memoryview] = []
