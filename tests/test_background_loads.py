@@ -22,6 +22,7 @@ from kv_cache_manager_v2 import (
     KVCacheManager,
     KVCacheManagerConfig,
     KVCacheStatus,
+    LogicError,
     Prefetch,
     RemoteCacheTierConfig,
     ReuseScope,
@@ -615,4 +616,49 @@ def test_a_background_read_placed_where_held_pages_must_make_room_below(
     assert a.resume()  # type: ignore[attr-defined]
     engine.check_all(a, held[0][1], 4 * T)  # type: ignore[arg-type]
     a.close()  # type: ignore[attr-defined]
+    m.check_invariants()
+
+
+def test_a_raising_batch_leaves_no_request_in_the_loading_state(
+    adapters: Callable[..., KVCacheResourceManager], tmp_path: object
+) -> None:
+    """``prepare_resources`` rolls the whole batch back when an item raises: a new request it put
+    in the loading state leaves it (its prefetch cancelled, the counters as before)."""
+    a = adapters(
+        make_config(
+            kv_layers(2, T),
+            T,
+            8 * SLOT,
+            host_quota=8 * SLOT,
+            disk_quota=32 * SLOT,
+            disk_path=str(tmp_path),
+            max_util_for_resume=1.0,
+            backend="host",
+        )
+    )
+    m = a.manager
+    loader(m).manual = True
+    engine = FakeEngine(m)
+    doc = seq(1, 3 * T)
+    for r, toks in [(1, [*doc, 7]), *[(r, seq(r * 10, 3 * T + 1)) for r in range(2, 6)]]:  # doc, pushed to disk
+        req = EngineRequest(r, toks, max_new_tokens=1)
+        while len(req.generated_tokens) < 1:
+            assert adapter_step(a, engine, [req]) == []
+        req.state = RequestState.FINISHED
+        a.free_resources(req)
+    assert all(p.level == DISK for p in tree_pages(m, doc))
+    new = EngineRequest(10, [*doc, 8, 9], max_new_tokens=2)
+    finished = EngineRequest(11, seq(99, 5), max_new_tokens=2)
+    finished.state = RequestState.FINISHED
+    with pytest.raises(LogicError, match="FINISHED"):
+        a.prepare_resources([new, finished])
+    assert not a.is_loading(new) and a.num_loading == 0
+    assert a.loading_requests == {"disk": 0, "remote": 0} and a.loading_waits == {"disk": 0, "remote": 0}
+    assert land(m) == 0 and all(p.level == DISK for p in tree_pages(m, doc))  # its reads were cancelled
+    assert adapter_step(a, engine, [new]) == [new] and a.is_loading(new)  # the batch again: it loads
+    assert a.loading_requests == {"disk": 1, "remote": 0} and a.loading_waits == {"disk": 1, "remote": 0}
+    land(m)
+    while len(new.generated_tokens) < 2:
+        assert adapter_step(a, engine, [new]) == []
+    assert new.num_reused_tokens == 3 * T
     m.check_invariants()

@@ -118,6 +118,9 @@ class ResourceQueries:
         self.loading_waits: dict[str, int] = {"disk": 0, "remote": 0}
         #: new requests that entered the loading state, by what they waited for first (as above)
         self.loading_requests: dict[str, int] = {"disk": 0, "remote": 0}
+        #: what this ``prepare_resources`` call added to the loading state, undone if it raises: a
+        #: counter and its key, and the request id of a new loading entry (its prefetch cancelled)
+        self._loading_undo: list[tuple[dict[str, int], str, RequestId | None]] = []
 
     def __repr__(self) -> str:
         return f"KVCacheResourceManager(requests={len(self._seqs)}, free_blocks={self.get_num_free_blocks_per_pool_group()})"

@@ -99,6 +99,8 @@ class KVCacheResourceManager(ResourceQueries):
         serial = self._serial
         if self._background:
             self.manager.poll_loads()  # loads that finished since the last step land now
+            if self._loading_undo:
+                self._loading_undo = []
         unserved: list[EngineRequest] = []
         done: list[RequestRecord] = []
         current: KVCache | None = None  # resumed by this call for the request being prepared
@@ -182,6 +184,7 @@ class KVCacheResourceManager(ResourceQueries):
             if current is not None and current.status is KVCacheStatus.ACTIVE:
                 current.suspend()  # (its record was not updated yet: the suspended page counts stand)
             self._rollback(done)
+            self._undo_loading()
             raise
         return unserved
 
@@ -197,7 +200,19 @@ class KVCacheResourceManager(ResourceQueries):
             if not kv.prefetch(GPU_LEVEL) or not kv.loading:
                 return False
         self.loading_waits["disk"] += 1
+        self._loading_undo.append((self.loading_waits, "disk", None))
         return True
+
+    def _undo_loading(self) -> None:
+        """Undo what a raising ``prepare_resources`` added to the loading state (new entries'
+        prefetches cancelled, counters back)."""
+        for counter, kind, rid in reversed(self._loading_undo):
+            counter[kind] -= 1
+            if rid is not None:
+                entry = self._loading.pop(rid, None)
+                if entry is not None:
+                    entry[1].cancel()
+        self._loading_undo = []
 
     def prefetch_resources(self, batch: Sequence[EngineRequest]) -> list[EngineRequest]:
         """Start the loading state of queued requests the adapter does not hold yet: the cached
@@ -233,7 +248,9 @@ class KVCacheResourceManager(ResourceQueries):
             if handle.done:
                 return False
             self._loading[rid] = (req, handle)
-            self.loading_requests["remote" if handle.waits_for_remote else "disk"] += 1
+            kind = "remote" if handle.waits_for_remote else "disk"
+            self.loading_requests[kind] += 1
+            self._loading_undo.append((self.loading_requests, kind, rid))
         else:
             handle = entry[1]
             if handle.done:
@@ -241,7 +258,9 @@ class KVCacheResourceManager(ResourceQueries):
                     del self._loading[rid]
                 return False
         if count:
-            self.loading_waits["remote" if handle.waits_for_remote else "disk"] += 1
+            kind = "remote" if handle.waits_for_remote else "disk"
+            self.loading_waits[kind] += 1
+            self._loading_undo.append((self.loading_waits, kind, None))
         return True
 
     def _suspend(self, seq: RequestRecord) -> None:
