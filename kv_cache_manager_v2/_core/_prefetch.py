@@ -194,8 +194,9 @@ class Prefetch:
     @property
     def reused_tokens(self) -> int:
         """Tokens of its tokens the cache holds once it is done, as far as known now: the local
-        match at the call, then as far as the remote tier's lookup reaches (a value that turns out
-        missing or corrupt, or no room for it, makes it less; never wrong data)."""
+        match at the call (as far as the load plan takes it), then as far as the remote tier's
+        lookup reaches within the plan (a value that turns out missing or corrupt, or no room for
+        it, makes it less; never wrong data)."""
         return self._reused_tokens
 
     @property
