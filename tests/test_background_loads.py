@@ -662,3 +662,43 @@ def test_a_raising_batch_leaves_no_request_in_the_loading_state(
         assert adapter_step(a, engine, [new]) == []
     assert new.num_reused_tokens == 3 * T
     m.check_invariants()
+
+
+@pytest.mark.parametrize("refine", [True, False])
+def test_background_disk_reads_refine_the_disk_cost(make_manager: MakeManager, tmp_path: object, refine: bool) -> None:
+    """A read on a worker is timed there (the pread and its check) and refines the disk tier's
+    cost when installed, as a synchronous read does (``refine_tier_costs``)."""
+    m = tiered(make_manager, tmp_path, refine_tier_costs=refine)
+    doc = seq(1, 3 * T + 1)
+    published_on_disk(m, [doc])
+    costs = m._storage.costs
+    assert costs is not None
+    before = (costs.samples[2], costs.latency_s[2], costs.seconds_per_byte[2])
+    handle = m.prefetch(doc[:-1], HOST)
+    assert land(m) == 3 and handle.done
+    after = (costs.samples[2], costs.latency_s[2], costs.seconds_per_byte[2])
+    assert (after[0] == before[0] + 3 and after != before) if refine else after == before
+
+
+def test_a_prefetchs_fetch_refines_the_remote_cost(
+    slow_redis: tuple[LocalRedisServer, DelayProxy], adapters: Callable[..., KVCacheResourceManager]
+) -> None:
+    """The fetch round trip of a prefetch is timed on its worker and refines the remote tier's
+    cost (here its latency: 50 ms a reply, against the 0.5 ms prior)."""
+    server, proxy = slow_redis
+    peer = adapters(remote_adapter_config(server.url, True))
+    doc = seq(600, 3 * T)
+    serve_until_admitted(peer, EngineRequest(1, [*doc, 1], max_new_tokens=1))
+    assert peer.manager.flush_remote_writes()
+    m = KVCacheManager(remote_adapter_config(proxy.url, False))
+    try:
+        loader(m).manual = True
+        prior = m.load_plan_statistics.read_latency_s[2]
+        handle = m.prefetch(doc)
+        land(m)  # the lookup (no bytes: nothing to refine)
+        assert m.load_plan_statistics.read_latency_s[2] == prior
+        land(m)  # the fetch
+        assert handle.done and handle.num_remote_pages == 3
+        assert m.load_plan_statistics.read_latency_s[2] > prior
+    finally:
+        m.shutdown()

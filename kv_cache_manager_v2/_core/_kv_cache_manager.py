@@ -172,7 +172,7 @@ class KVCacheManager(ManagerQueries):
         #: prefetches' remote round trips, batched (None: the create looks up and fetches itself)
         self._remote_reads: RemoteReads | None = None
         if self._remote is not None and self._ctx.loader is not None and self._remote.reads_in_background:
-            self._remote_reads = RemoteReads(self._remote, self._ctx.loader, self._ctx.backlog)
+            self._remote_reads = RemoteReads(self._remote, self._ctx.loader, self._ctx.backlog, costs)
         self._is_shut_down = False
         self._batch_serial = 0
 

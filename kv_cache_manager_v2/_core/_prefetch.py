@@ -13,6 +13,7 @@ nothing more. Workers only do the round trips and the reads, into buffers of the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from .._reuse._remote_fill import Fetched, Found, RemoteFill
 from .._storage._loader import BackgroundLoader, LoadJob
 from .._storage._page_reads import PageRead
 from .._storage._remote._store import RemoteStore
+from .._storage._tier_costs import TierCosts
 from .._utils import check_int, check_type
 from ._context import CacheContext
 from ._load_plan import NOTHING_FETCHED
@@ -46,9 +48,13 @@ class RemoteBatch(LoadJob):
         #: each key's whole value length
         self.nbytes = nbytes
         self.outcome: list[Any] | BaseException = []
+        #: seconds the round trip took on its worker (a fetch refines the remote tier's cost)
+        self.seconds = 0.0
 
     def run(self) -> None:
+        t0 = time.perf_counter()
         self.outcome = self.reads.remote.background_read(self.keys, self.nbytes, self.values)
+        self.seconds = time.perf_counter() - t0
 
     def land(self) -> None:
         self.reads.landed(self)
@@ -59,8 +65,12 @@ class RemoteReads:
     fetch in flight; what prefetches ask meanwhile goes out together in the next one (one round
     trip for all the requests that arrived during the last, however far the server is)."""
 
-    def __init__(self, remote: RemoteStore, loader: BackgroundLoader, backlog: list[LoadJob]) -> None:
+    def __init__(
+        self, remote: RemoteStore, loader: BackgroundLoader, backlog: list[LoadJob], costs: TierCosts | None = None
+    ) -> None:
         self.remote = remote
+        #: the read costs a timed fetch refines (the remote tier's level: after the local ones)
+        self.costs = costs
         self.loader = loader
         #: the manager's ``CacheContext.backlog``: fetched values are placed from there, a few a poll
         self.backlog = backlog
@@ -95,6 +105,10 @@ class RemoteReads:
         self.busy[kind] = False
         outcome = job.outcome
         ok = self.remote.account_background(job.keys, job.values, outcome)
+        costs = self.costs
+        if ok and job.values and costs is not None:
+            assert not isinstance(outcome, BaseException)
+            costs.observe(len(costs.samples) - 1, sum(len(v) for v in outcome if isinstance(v, bytes)), job.seconds)
         at = 0
         for prefetch, n in job.parts:
             part: list[Any] | None = None
