@@ -702,3 +702,35 @@ def test_a_prefetchs_fetch_refines_the_remote_cost(
         assert m.load_plan_statistics.read_latency_s[2] > prior
     finally:
         m.shutdown()
+
+
+def test_a_prefetch_cut_by_the_plan_reports_the_cut_after_its_lookup(
+    slow_redis: tuple[LocalRedisServer, DelayProxy], adapters: Callable[..., KVCacheResourceManager]
+) -> None:
+    """Three blocks in the host tier, two more in the remote tier, an engine that recomputes
+    faster than either loads: the prefetch reads and fetches nothing, and its ``reused_tokens``
+    stays what the plan takes (none) after the remote lookup lands."""
+    server, _ = slow_redis
+    peer = adapters(remote_adapter_config(server.url, True))
+    doc = seq(700, 5 * T)
+    serve_until_admitted(peer, EngineRequest(1, [*doc, 1], max_new_tokens=1))
+    assert peer.manager.flush_remote_writes()
+    base = remote_adapter_config(server.url, False)
+    tiers = [GpuCacheTierConfig(4 * SLOT), HostCacheTierConfig(32 * SLOT), base.cache_tiers[2]]
+    m = KVCacheManager(dataclasses.replace(base, cache_tiers=tiers, prefill_tokens_per_s=1e15))
+    try:
+        loader(m).manual = True
+        engine = FakeEngine(m)
+        for toks in (doc[: 3 * T], seq(701, 3 * T), seq(702, 3 * T)):  # doc's first 3 blocks, pushed to the host
+            kv = m.create_kv_cache()
+            assert kv.resume()
+            compute(engine, kv, toks, 3 * T)
+            kv.close()
+        assert all(p.level == HOST for p in tree_pages(m, doc[: 3 * T]))
+        handle = m.prefetch(doc)
+        assert handle.reused_tokens == 0 and handle.num_disk_pages == 0
+        land(m)  # the lookup: nothing worth fetching
+        assert handle.done and handle.num_remote_pages == 0 and handle.reused_tokens == 0
+        assert m.probe_reuse(None, doc) == 0
+    finally:
+        m.shutdown()

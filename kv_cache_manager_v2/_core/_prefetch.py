@@ -315,10 +315,10 @@ class Prefetch:
             keep = self._planned_blocks(fill, chain, hasher, len(nodes), matched_blocks)
             if keep < matched_blocks:  # the create's plan recomputes the rest: fetch only up to its cut
                 matched_blocks, needed = fill.fetch_plan(chain[:keep], len(nodes), self._found)
-            self._reused_tokens = max(self._reused_tokens, matched_blocks * ctx.tokens_per_block)
-            if not needed:
+            if not needed:  # (the local match, as the plan took it at the call)
                 self._remember()
                 return
+            self._reused_tokens = max(self._reused_tokens, matched_blocks * ctx.tokens_per_block)
             self._needed = needed
             self._num_remote_pages = len(needed)
             remote_reads = self._remote_reads
