@@ -17,6 +17,7 @@ from tier_helpers import SLOT, T, compute, seq, tree_pages, wait_loaded
 
 from kv_cache_manager_v2 import (
     CacheLevel,
+    DiskCacheTierConfig,
     GpuCacheTierConfig,
     HostCacheTierConfig,
     KVCacheManager,
@@ -732,5 +733,56 @@ def test_a_prefetch_cut_by_the_plan_reports_the_cut_after_its_lookup(
         land(m)  # the lookup: nothing worth fetching
         assert handle.done and handle.num_remote_pages == 0 and handle.reused_tokens == 0
         assert m.probe_reuse(None, doc) == 0
+    finally:
+        m.shutdown()
+
+
+def test_round_trips_land_even_when_placing_a_disk_read_raises(
+    slow_redis: tuple[LocalRedisServer, DelayProxy],
+    adapters: Callable[..., KVCacheResourceManager],
+    tmp_path: object,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A poll whose disk reads fail to be placed (here: a CuError mapping host memory, emulated)
+    raises, but the remote round trips that finished with them still land: the prefetches
+    waiting for the remote tier go on (else every later one would wait forever)."""
+    server, _ = slow_redis
+    peer = adapters(remote_adapter_config(server.url, True))
+    remote_doc = seq(800, 3 * T)
+    serve_until_admitted(peer, EngineRequest(1, [*remote_doc, 1], max_new_tokens=1))
+    assert peer.manager.flush_remote_writes()
+    base = remote_adapter_config(server.url, False)
+    tiers = [
+        GpuCacheTierConfig(4 * SLOT),
+        HostCacheTierConfig(4 * SLOT),
+        DiskCacheTierConfig(32 * SLOT, str(tmp_path)),
+        base.cache_tiers[2],
+    ]
+    m = KVCacheManager(dataclasses.replace(base, cache_tiers=tiers))
+    try:
+        loader(m).manual = True
+        doc = seq(1, 3 * T + 1)
+        published_on_disk(m, [doc])
+        disk_prefetch = m.prefetch(doc[:-1], HOST)
+        remote_prefetch = m.prefetch(remote_doc)
+        assert disk_prefetch.num_disk_pages == 3 and remote_prefetch.waits_for_remote
+        reads = m._ctx.reads
+        assert reads is not None
+
+        def failing(jobs: list[object], dst: object) -> int:
+            raise RuntimeError("emulated: mapping host memory failed")
+
+        monkeypatch.setattr(reads, "_place", failing)
+        with pytest.raises(RuntimeError, match="emulated"):
+            land(m)  # the three disk reads and the lookup finish together
+        monkeypatch.undo()
+        assert disk_prefetch.done  # (its reads were discarded: the create reads them itself)
+        land(m)  # the fetch the lookup started
+        assert remote_prefetch.done and remote_prefetch.num_remote_pages == 3
+        kv = m.create_kv_cache(None, remote_doc)
+        assert kv.history_length == 3 * T and kv.resume()
+        FakeEngine(m).check_all(kv, remote_doc, 3 * T)
+        kv.close()
+        m.check_invariants()
     finally:
         m.shutdown()
