@@ -746,6 +746,8 @@ def test_round_trips_land_even_when_placing_a_disk_read_raises(
     """A poll whose disk reads fail to be placed (here: a CuError mapping host memory, emulated)
     raises, but the remote round trips that finished with them still land: the prefetches
     waiting for the remote tier go on (else every later one would wait forever)."""
+    if compiled:
+        pytest.skip("a compiled class's methods cannot be patched to inject the failure")
     server, _ = slow_redis
     peer = adapters(remote_adapter_config(server.url, True))
     remote_doc = seq(800, 3 * T)
