@@ -788,3 +788,17 @@ def test_round_trips_land_even_when_placing_a_disk_read_raises(
         m.check_invariants()
     finally:
         m.shutdown()
+
+
+def test_without_workers_a_prefetch_starts_nothing(make_manager: MakeManager, tmp_path: object) -> None:
+    """``load_workers=0``: ``prefetch`` is done at once and moves nothing (the create reads)."""
+    m = tiered(make_manager, tmp_path, manual=False, load_workers=0)
+    doc = seq(1, 3 * T + 1)
+    published_on_disk(m, [doc])
+    handle = m.prefetch(doc[:-1])
+    assert handle.done and handle.num_disk_pages == 0 and handle.reused_tokens == 3 * T
+    assert all(p.level == DISK for p in tree_pages(m, doc))
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.history_length == 3 * T and kv.resume()
+    FakeEngine(m).check_all(kv, doc, 3 * T)
+    kv.close()

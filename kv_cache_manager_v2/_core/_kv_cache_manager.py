@@ -290,8 +290,9 @@ class KVCacheManager(ManagerQueries):
         the host tier when ``target_level`` is the GPU and a host tier exists (else ``target_level``).
         A later ``create_kv_cache`` of the same tokens finds them locally (without asking the remote
         tier again) once the returned ``Prefetch`` is ``done``; ``cancel`` it when the request goes
-        away. Takes no page (what it brought up is reusable). Without ``load_workers`` (or with a
-        remote cluster) the remote part is left to the create."""
+        away. Takes no page (what it brought up is reusable). Without ``load_workers`` it starts
+        nothing (done at once: the create reads what it takes); with a remote cluster the remote
+        part is left to the create."""
         self._check_alive()
         return start_prefetch(self._ctx, self._matcher, self._remote_reads, input_tokens, target_level, reuse_scope)
 
