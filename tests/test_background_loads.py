@@ -5,6 +5,7 @@ or on real worker threads; the fake engine checks every record a request reads."
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -16,11 +17,13 @@ from tier_helpers import SLOT, T, compute, seq, tree_pages, wait_loaded
 
 from kv_cache_manager_v2 import (
     CacheLevel,
+    DiskCacheTierConfig,
     GpuCacheTierConfig,
     HostCacheTierConfig,
     KVCacheManager,
     KVCacheManagerConfig,
     KVCacheStatus,
+    LogicError,
     Prefetch,
     RemoteCacheTierConfig,
     ReuseScope,
@@ -451,3 +454,351 @@ def test_prefetch_by_tokens_fetches_from_the_remote_tier(
         kv.close()
     finally:
         m.shutdown()
+
+
+def test_adapter_under_load_policy_never_admits_new_requests_without_loading(
+    adapters: Callable[..., KVCacheResourceManager], tmp_path: object
+) -> None:
+    """Under ``load_policy="never"`` a new request takes only what is in GPU memory: it never waits
+    in the loading state for disk reads its create would not use (it is admitted at once and
+    recomputes its prefix); a suspended request still has its own pages read in the background."""
+    a = adapters(
+        make_config(
+            kv_layers(2, T),
+            T,
+            8 * SLOT,
+            host_quota=8 * SLOT,
+            disk_quota=32 * SLOT,
+            disk_path=str(tmp_path),
+            max_util_for_resume=1.0,
+            backend="host",
+            load_policy="never",
+        )
+    )
+    m = a.manager
+    loader(m).manual = True
+    engine = FakeEngine(m)
+    doc = seq(1, 3 * T)
+    first = EngineRequest(1, [*doc, 7], max_new_tokens=1)
+    while len(first.generated_tokens) < 1:
+        assert adapter_step(a, engine, [first]) == []
+    first.state = RequestState.FINISHED
+    a.free_resources(first)
+    for r in range(2, 6):  # push doc's blocks to disk
+        other = EngineRequest(r, seq(r * 10, 3 * T + 1), max_new_tokens=1)
+        assert adapter_step(a, engine, [other]) == []
+        other.state = RequestState.FINISHED
+        a.free_resources(other)
+    assert all(p.level == DISK for p in tree_pages(m, doc))
+    new = EngineRequest(10, [*doc, 8, 9], max_new_tokens=2)
+    assert a.prefetch_resources([new]) == []
+    assert adapter_step(a, engine, [new]) == []  # admitted at once: nothing to wait for
+    assert not a.is_loading(new) and a.loading_waits == {"disk": 0, "remote": 0}
+    assert new.num_reused_tokens == 0 and loader(m).in_flight == 0
+    while len(new.generated_tokens) < 2:
+        assert adapter_step(a, engine, [new]) == []
+    new.state = RequestState.FINISHED
+    a.free_resources(new)
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["auto", "never"])
+def test_prefetch_reads_only_what_the_load_plan_takes(make_manager: MakeManager, tmp_path: object, policy: str) -> None:
+    """A prefetch never reads what the create's load plan would recompute: under "never", or under
+    "auto" when the engine recomputes faster than the disk reads (its request would otherwise wait
+    in the loading state for a read slower than recomputing). With a slow prefill it reads it all."""
+    m = tiered(make_manager, tmp_path, load_policy=policy, prefill_tokens_per_s=1e15)
+    doc = seq(1, 3 * T + 1)
+    published_on_disk(m, [doc])
+    handle = m.prefetch(doc[:-1])
+    assert handle.done and handle.num_disk_pages == 0 and handle.reused_tokens == 0
+    assert loader(m).in_flight == 0 and all(p.level == DISK for p in tree_pages(m, doc))
+    assert m.probe_reuse(None, doc[:-1]) == 0
+    if policy == "auto":  # a slow engine: loading the disk's blocks saves time, the prefetch reads them
+        m.set_prefill_rate(1.0)
+        handle = m.prefetch(doc[:-1])
+        assert handle.num_disk_pages == 3 and land(m) == 3 and handle.done
+        kv = m.create_kv_cache(None, doc[:-1])
+        assert kv.ready and kv.history_length == 3 * T and kv.resume()
+        FakeEngine(m).check_all(kv, doc, 3 * T)
+        kv.close()
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["auto", "never"])
+def test_a_remote_prefetch_fetches_only_what_the_load_plan_takes(
+    slow_redis: tuple[LocalRedisServer, DelayProxy], adapters: Callable[..., KVCacheResourceManager], policy: str
+) -> None:
+    """With an engine that recomputes faster than the remote tier answers ("auto"), the prefetch's
+    lookup lands and nothing is fetched; under "never" nothing is even looked up. The create then
+    recomputes, as its plan says (the probe agrees)."""
+    server, _ = slow_redis
+    peer = adapters(remote_adapter_config(server.url, True))
+    doc = seq(500, 3 * T)
+    serve_until_admitted(peer, EngineRequest(1, [*doc, 1], max_new_tokens=1))
+    assert peer.manager.flush_remote_writes()
+    config = dataclasses.replace(
+        remote_adapter_config(server.url, False), load_policy=policy, prefill_tokens_per_s=1e15
+    )
+    m = KVCacheManager(config)
+    try:
+        loader(m).manual = True
+        handle = m.prefetch(doc)
+        assert handle.waits_for_remote == (policy == "auto")
+        land(m)  # the lookup (auto): no fetch follows
+        assert handle.done and handle.num_remote_pages == 0 and loader(m).in_flight == 0
+        assert m.probe_reuse(None, doc) == 0
+        kv = m.create_kv_cache(None, doc)
+        assert kv.history_length == 0
+        kv.close()
+        if policy == "auto":  # a slow engine: the prefetch fetches the blocks, the create takes them
+            m.set_prefill_rate(1.0)
+            handle = m.prefetch(doc)
+            land(m)
+            land(m)
+            assert handle.done and handle.num_remote_pages == 3
+            kv = m.create_kv_cache(None, doc)
+            assert kv.history_length == 3 * T and kv.resume()
+            FakeEngine(m).check_all(kv, doc, 3 * T)
+            kv.close()
+        m.check_invariants()
+    finally:
+        m.shutdown()
+
+
+def test_a_background_read_placed_where_held_pages_must_make_room_below(
+    make_manager: MakeManager, tmp_path: object
+) -> None:
+    """The host is full of a suspended request's pages and the disk holds only the prefetched
+    pages and one free slot: the pages read are out of the disk's evictor while they are placed, so
+    only as many are placed as the held pages can make room for (no OutOfPagesError from the poll);
+    the rest stay on disk, read again by the create's resume. Every byte exact."""
+    m = make_manager(
+        kv_layers(2, T),
+        T,
+        4 * SLOT,
+        host_quota=4 * SLOT,
+        disk_quota=4 * SLOT,
+        disk_path=str(tmp_path),
+        max_util_for_resume=1.0,
+    )
+    loader(m).manual = True
+    engine = FakeEngine(m)
+    doc = seq(1, 3 * T + 1)
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.resume()
+    compute(engine, kv, doc, 3 * T)
+    kv.close()
+    held: list[tuple[object, list[int]]] = []
+    for r in (2, 3):  # A (then B) takes the GPU: doc goes to the host, then A's held pages push it to disk
+        toks = seq(r, 4 * T)
+        kv = m.create_kv_cache()
+        assert kv.resume()
+        compute(engine, kv, toks, 4 * T)
+        held.append((kv, toks))
+        if r == 2:
+            kv.suspend()
+    assert all(p.level == DISK for p in tree_pages(m, doc))
+    a = held[0][0]
+    assert all(p.level == HOST for p in a.block_table.all_pages())  # type: ignore[attr-defined]
+    handle = m.prefetch(doc[:-1], HOST)
+    assert handle.num_disk_pages == 3
+    land(m)  # one held page of A fits on disk: one page of doc is placed
+    assert handle.done
+    m.check_invariants()
+    assert sum(p.level == HOST for p in tree_pages(m, doc)) == 1
+    b, b_toks = held[1]
+    engine.check_all(b, b_toks, 4 * T)  # type: ignore[arg-type]
+    b.close()  # type: ignore[attr-defined]
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.history_length == 3 * T and kv.resume()  # the rest of doc read from disk at resume
+    engine.check_all(kv, doc, 3 * T)
+    kv.close()
+    assert a.resume()  # type: ignore[attr-defined]
+    engine.check_all(a, held[0][1], 4 * T)  # type: ignore[arg-type]
+    a.close()  # type: ignore[attr-defined]
+    m.check_invariants()
+
+
+def test_a_raising_batch_leaves_no_request_in_the_loading_state(
+    adapters: Callable[..., KVCacheResourceManager], tmp_path: object
+) -> None:
+    """``prepare_resources`` rolls the whole batch back when an item raises: a new request it put
+    in the loading state leaves it (its prefetch cancelled, the counters as before)."""
+    a = adapters(
+        make_config(
+            kv_layers(2, T),
+            T,
+            8 * SLOT,
+            host_quota=8 * SLOT,
+            disk_quota=32 * SLOT,
+            disk_path=str(tmp_path),
+            max_util_for_resume=1.0,
+            backend="host",
+        )
+    )
+    m = a.manager
+    loader(m).manual = True
+    engine = FakeEngine(m)
+    doc = seq(1, 3 * T)
+    for r, toks in [(1, [*doc, 7]), *[(r, seq(r * 10, 3 * T + 1)) for r in range(2, 6)]]:  # doc, pushed to disk
+        req = EngineRequest(r, toks, max_new_tokens=1)
+        while len(req.generated_tokens) < 1:
+            assert adapter_step(a, engine, [req]) == []
+        req.state = RequestState.FINISHED
+        a.free_resources(req)
+    assert all(p.level == DISK for p in tree_pages(m, doc))
+    new = EngineRequest(10, [*doc, 8, 9], max_new_tokens=2)
+    finished = EngineRequest(11, seq(99, 5), max_new_tokens=2)
+    finished.state = RequestState.FINISHED
+    with pytest.raises(LogicError, match="FINISHED"):
+        a.prepare_resources([new, finished])
+    assert not a.is_loading(new) and a.num_loading == 0
+    assert a.loading_requests == {"disk": 0, "remote": 0} and a.loading_waits == {"disk": 0, "remote": 0}
+    assert land(m) == 0 and all(p.level == DISK for p in tree_pages(m, doc))  # its reads were cancelled
+    assert adapter_step(a, engine, [new]) == [new] and a.is_loading(new)  # the batch again: it loads
+    assert a.loading_requests == {"disk": 1, "remote": 0} and a.loading_waits == {"disk": 1, "remote": 0}
+    land(m)
+    while len(new.generated_tokens) < 2:
+        assert adapter_step(a, engine, [new]) == []
+    assert new.num_reused_tokens == 3 * T
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("refine", [True, False])
+def test_background_disk_reads_refine_the_disk_cost(make_manager: MakeManager, tmp_path: object, refine: bool) -> None:
+    """A read on a worker is timed there (the pread and its check) and refines the disk tier's
+    cost when installed, as a synchronous read does (``refine_tier_costs``)."""
+    m = tiered(make_manager, tmp_path, refine_tier_costs=refine)
+    doc = seq(1, 3 * T + 1)
+    published_on_disk(m, [doc])
+    costs = m._storage.costs
+    assert costs is not None
+    before = (costs.samples[2], costs.latency_s[2], costs.seconds_per_byte[2])
+    handle = m.prefetch(doc[:-1], HOST)
+    assert land(m) == 3 and handle.done
+    after = (costs.samples[2], costs.latency_s[2], costs.seconds_per_byte[2])
+    assert (after[0] == before[0] + 3 and after != before) if refine else after == before
+
+
+def test_a_prefetchs_fetch_refines_the_remote_cost(
+    slow_redis: tuple[LocalRedisServer, DelayProxy], adapters: Callable[..., KVCacheResourceManager]
+) -> None:
+    """The fetch round trip of a prefetch is timed on its worker and refines the remote tier's
+    cost (here its latency: 50 ms a reply, against the 0.5 ms prior)."""
+    server, proxy = slow_redis
+    peer = adapters(remote_adapter_config(server.url, True))
+    doc = seq(600, 3 * T)
+    serve_until_admitted(peer, EngineRequest(1, [*doc, 1], max_new_tokens=1))
+    assert peer.manager.flush_remote_writes()
+    m = KVCacheManager(remote_adapter_config(proxy.url, False))
+    try:
+        loader(m).manual = True
+        prior = m.load_plan_statistics.read_latency_s[2]
+        handle = m.prefetch(doc)
+        land(m)  # the lookup (no bytes: nothing to refine)
+        assert m.load_plan_statistics.read_latency_s[2] == prior
+        land(m)  # the fetch
+        assert handle.done and handle.num_remote_pages == 3
+        assert m.load_plan_statistics.read_latency_s[2] > prior
+    finally:
+        m.shutdown()
+
+
+def test_a_prefetch_cut_by_the_plan_reports_the_cut_after_its_lookup(
+    slow_redis: tuple[LocalRedisServer, DelayProxy], adapters: Callable[..., KVCacheResourceManager]
+) -> None:
+    """Three blocks in the host tier, two more in the remote tier, an engine that recomputes
+    faster than either loads: the prefetch reads and fetches nothing, and its ``reused_tokens``
+    stays what the plan takes (none) after the remote lookup lands."""
+    server, _ = slow_redis
+    peer = adapters(remote_adapter_config(server.url, True))
+    doc = seq(700, 5 * T)
+    serve_until_admitted(peer, EngineRequest(1, [*doc, 1], max_new_tokens=1))
+    assert peer.manager.flush_remote_writes()
+    base = remote_adapter_config(server.url, False)
+    tiers = [GpuCacheTierConfig(4 * SLOT), HostCacheTierConfig(32 * SLOT), base.cache_tiers[2]]
+    m = KVCacheManager(dataclasses.replace(base, cache_tiers=tiers, prefill_tokens_per_s=1e15))
+    try:
+        loader(m).manual = True
+        engine = FakeEngine(m)
+        for toks in (doc[: 3 * T], seq(701, 3 * T), seq(702, 3 * T)):  # doc's first 3 blocks, pushed to the host
+            kv = m.create_kv_cache()
+            assert kv.resume()
+            compute(engine, kv, toks, 3 * T)
+            kv.close()
+        assert all(p.level == HOST for p in tree_pages(m, doc[: 3 * T]))
+        handle = m.prefetch(doc)
+        assert handle.reused_tokens == 0 and handle.num_disk_pages == 0
+        land(m)  # the lookup: nothing worth fetching
+        assert handle.done and handle.num_remote_pages == 0 and handle.reused_tokens == 0
+        assert m.probe_reuse(None, doc) == 0
+    finally:
+        m.shutdown()
+
+
+def test_round_trips_land_even_when_placing_a_disk_read_raises(
+    slow_redis: tuple[LocalRedisServer, DelayProxy],
+    adapters: Callable[..., KVCacheResourceManager],
+    tmp_path: object,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A poll whose disk reads fail to be placed (here: a CuError mapping host memory, emulated)
+    raises, but the remote round trips that finished with them still land: the prefetches
+    waiting for the remote tier go on (else every later one would wait forever)."""
+    if compiled:
+        pytest.skip("a compiled class's methods cannot be patched to inject the failure")
+    server, _ = slow_redis
+    peer = adapters(remote_adapter_config(server.url, True))
+    remote_doc = seq(800, 3 * T)
+    serve_until_admitted(peer, EngineRequest(1, [*remote_doc, 1], max_new_tokens=1))
+    assert peer.manager.flush_remote_writes()
+    base = remote_adapter_config(server.url, False)
+    tiers = [
+        GpuCacheTierConfig(4 * SLOT),
+        HostCacheTierConfig(4 * SLOT),
+        DiskCacheTierConfig(32 * SLOT, str(tmp_path)),
+        base.cache_tiers[2],
+    ]
+    m = KVCacheManager(dataclasses.replace(base, cache_tiers=tiers))
+    try:
+        loader(m).manual = True
+        doc = seq(1, 3 * T + 1)
+        published_on_disk(m, [doc])
+        disk_prefetch = m.prefetch(doc[:-1], HOST)
+        remote_prefetch = m.prefetch(remote_doc)
+        assert disk_prefetch.num_disk_pages == 3 and remote_prefetch.waits_for_remote
+        reads = m._ctx.reads
+        assert reads is not None
+
+        def failing(jobs: list[object], dst: object) -> int:
+            raise RuntimeError("emulated: mapping host memory failed")
+
+        monkeypatch.setattr(reads, "_place", failing)
+        with pytest.raises(RuntimeError, match="emulated"):
+            land(m)  # the three disk reads and the lookup finish together
+        monkeypatch.undo()
+        assert disk_prefetch.done  # (its reads were discarded: the create reads them itself)
+        land(m)  # the fetch the lookup started
+        assert remote_prefetch.done and remote_prefetch.num_remote_pages == 3
+        kv = m.create_kv_cache(None, remote_doc)
+        assert kv.history_length == 3 * T and kv.resume()
+        FakeEngine(m).check_all(kv, remote_doc, 3 * T)
+        kv.close()
+        m.check_invariants()
+    finally:
+        m.shutdown()
+
+
+def test_without_workers_a_prefetch_starts_nothing(make_manager: MakeManager, tmp_path: object) -> None:
+    """``load_workers=0``: ``prefetch`` is done at once and moves nothing (the create reads)."""
+    m = tiered(make_manager, tmp_path, manual=False, load_workers=0)
+    doc = seq(1, 3 * T + 1)
+    published_on_disk(m, [doc])
+    handle = m.prefetch(doc[:-1])
+    assert handle.done and handle.num_disk_pages == 0 and handle.reused_tokens == 3 * T
+    assert all(p.level == DISK for p in tree_pages(m, doc))
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.history_length == 3 * T and kv.resume()
+    FakeEngine(m).check_all(kv, doc, 3 * T)
+    kv.close()

@@ -408,3 +408,22 @@ def test_a_cut_must_save_a_blocks_time(mk: Any) -> None:
     assert planner.plan(levels, 2, 3) == (2 * T + 3, pytest.approx(0.0355), pytest.approx(0.0355))
     m.set_prefill_rate(FIVE_MS)
     assert planner.plan(levels, 2, 3) == (2 * T, pytest.approx(0.008), pytest.approx(-0.000125))
+
+
+@pytest.mark.parametrize(("policy", "rate"), [("always", None), ("auto", None), ("always", TWENTY_MS)])
+def test_blocks_fetched_whole_count_as_the_remote_tiers(redis_server: Any, policy: str, rate: float | None) -> None:
+    """A match taken whole ("always", "auto" without a rate) counts the blocks it fetched as the
+    remote tier's (not as the tier they were placed in), as the plan counts them."""
+    a = _remote_manager(redis_server.url, "always", None, write_through=True)
+    b = _remote_manager(redis_server.url, policy, rate)
+    try:
+        toks = seq(3, 6 * T)
+        publish(a, toks, match=False)
+        publish(b, toks[: 2 * T], match=False)
+        assert a.flush_remote_writes()
+        assert take(b, FakeEngine(b), [*toks, 1]) == 6 * T
+        s = b.load_plan_statistics
+        assert s.loaded_tokens == (2 * T, 4 * T) and s.recomputed_tokens == (0, 0)
+    finally:
+        a.shutdown()
+        b.shutdown()

@@ -233,10 +233,12 @@ class CacheContext:
                 reads.append(job)
         reads_ = self.reads
         assert reads_ is not None
-        n = reads_.install(reads) if reads else 0
-        for job in jobs:
-            if not isinstance(job, PageRead) and not job.cancelled:
-                job.land()
+        try:
+            n = reads_.install(reads) if reads else 0
+        finally:  # (even if placing raised, e.g. a CuError mapping host memory: a round trip not
+            for job in jobs:  # landed would keep its prefetches, and every later one, waiting)
+                if not isinstance(job, PageRead) and not job.cancelled:
+                    job.land()
         backlog = self.backlog
         if backlog:
             todo = backlog[:BACKLOG_PER_POLL]

@@ -173,7 +173,7 @@ class KVCacheManager(ManagerQueries):
         #: prefetches' remote round trips, batched (None: the create looks up and fetches itself)
         self._remote_reads: RemoteReads | None = None
         if self._remote is not None and self._ctx.loader is not None and self._remote.reads_in_background:
-            self._remote_reads = RemoteReads(self._remote, self._ctx.loader, self._ctx.backlog)
+            self._remote_reads = RemoteReads(self._remote, self._ctx.loader, self._ctx.backlog, costs)
         self._is_shut_down = False
         self._batch_serial = 0
 
@@ -285,13 +285,15 @@ class KVCacheManager(ManagerQueries):
         reuse_scope: ReuseScope | None = None,
     ) -> Prefetch:
         """Start bringing the reusable prefix of ``input_tokens`` (a request queued, not admitted
-        yet) up in the background, and return at once: its pages on a disk tier are read, and with
-        a remote tier the blocks after the local match are looked up and fetched, into the host
-        tier when ``target_level`` is the GPU and a host tier exists (else ``target_level``). A
-        later ``create_kv_cache`` of the same tokens finds them locally (without asking the remote
+        yet) up in the background, and return at once: the pages on a disk tier of the prefix the
+        create's load plan takes are read (none under ``load_policy="never"``), and with a remote
+        tier (not under "never") the blocks after the local match are looked up and fetched, into
+        the host tier when ``target_level`` is the GPU and a host tier exists (else ``target_level``).
+        A later ``create_kv_cache`` of the same tokens finds them locally (without asking the remote
         tier again) once the returned ``Prefetch`` is ``done``; ``cancel`` it when the request goes
-        away. Takes no page (what it brought up is reusable). Without ``load_workers`` (or with a
-        remote cluster) the remote part is left to the create."""
+        away. Takes no page (what it brought up is reusable). Without ``load_workers`` it starts
+        nothing (done at once: the create reads what it takes); with a remote cluster the remote
+        part is left to the create."""
         self._check_alive()
         return start_prefetch(self._ctx, self._matcher, self._remote_reads, input_tokens, target_level, reuse_scope)
 

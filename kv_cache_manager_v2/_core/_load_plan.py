@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from .._common import LayerGroupId
 from .._layers._policy import LayerGroup
 from .._reuse._node import Node
+from .._reuse._remote_fill import Projection
 from .._storage._tier_costs import TierCosts
 from .._typed import TypedList
 from .._utils import check_int, check_number
@@ -272,6 +273,15 @@ class LoadPlanner:
                 if used >> x & 1:
                     read += self.costs.latency_s[x] + self.costs.wait_s[x]
             self.saved_s += self.recompute_s(length) - read
+
+    def count_taken_whole(self, projection: Projection) -> None:
+        """Statistics of a create that takes whole a match the remote tier extends (``projection``,
+        before the fetch): its fetched blocks counted as the remote tier's."""
+        nodes, part, part_len, fetched = projection
+        levels = self.levels(nodes, part, part_len, fetched)
+        length = len(nodes) * self.tokens_per_block + part_len
+        whole_saving = self.plan(levels, len(nodes), part_len)[2] if self.tokens_per_s > 0.0 else 0.0
+        self.count(levels, length, length, whole_saving, whole_saving)
 
     def count(self, levels: list[list[int]], length: int, taken: int, saved: float, whole_saving: float) -> None:
         """Statistics of a create: ``taken`` tokens of the ``length``-token match ``levels`` describes."""

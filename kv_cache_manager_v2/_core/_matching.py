@@ -125,16 +125,25 @@ class PrefixMatcher:
         found: Found | None = None
         fill = self.remote_fill
         planner = self.planner
+        counting = for_create and planner is not None and not planner.active and self.counts  # (whole matches)
         if planner is not None and planner.active:
             nodes, part, part_len, projection, found = self._plan(
                 planner, scope, hasher, nodes, part, part_len, for_create, known
             )
         elif fill is not None:
             hasher.validate_rest()  # a bad token raises before any network call
-            remote_blocks, found, projection = fill.extend(scope, hasher, nodes, for_create, known, partial)
+            remote_blocks, found, projection = fill.extend(
+                scope, hasher, nodes, for_create and not counting, known, partial
+            )
+            if counting and projection is not None:  # counted before the fetch: its blocks as the remote tier's
+                assert planner is not None
+                planner.count_taken_whole(projection)
+                remote_blocks = fill.extend(scope, hasher, nodes, True, found, partial)[0]
+                projection = None
+                counting = False
             if for_create and remote_blocks > len(nodes):  # the fetched pages are in the tree now
                 nodes, part, part_len = self._rematch(scope, hasher)
-        if for_create and planner is not None and not planner.active and self.counts:
+        if counting and planner is not None:
             planner.count_whole(nodes, part, part_len)
         hasher.validate_rest()
         if not for_create:

@@ -13,6 +13,7 @@ nothing more. Workers only do the round trips and the reads, into buffers of the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,8 +25,10 @@ from .._reuse._remote_fill import Fetched, Found, RemoteFill
 from .._storage._loader import BackgroundLoader, LoadJob
 from .._storage._page_reads import PageRead
 from .._storage._remote._store import RemoteStore
+from .._storage._tier_costs import TierCosts
 from .._utils import check_int, check_type
 from ._context import CacheContext
+from ._load_plan import NOTHING_FETCHED
 from ._matching import PrefixMatcher, _copy
 
 
@@ -45,9 +48,13 @@ class RemoteBatch(LoadJob):
         #: each key's whole value length
         self.nbytes = nbytes
         self.outcome: list[Any] | BaseException = []
+        #: seconds the round trip took on its worker (a fetch refines the remote tier's cost)
+        self.seconds = 0.0
 
     def run(self) -> None:
+        t0 = time.perf_counter()
         self.outcome = self.reads.remote.background_read(self.keys, self.nbytes, self.values)
+        self.seconds = time.perf_counter() - t0
 
     def land(self) -> None:
         self.reads.landed(self)
@@ -58,8 +65,12 @@ class RemoteReads:
     fetch in flight; what prefetches ask meanwhile goes out together in the next one (one round
     trip for all the requests that arrived during the last, however far the server is)."""
 
-    def __init__(self, remote: RemoteStore, loader: BackgroundLoader, backlog: list[LoadJob]) -> None:
+    def __init__(
+        self, remote: RemoteStore, loader: BackgroundLoader, backlog: list[LoadJob], costs: TierCosts | None = None
+    ) -> None:
         self.remote = remote
+        #: the read costs a timed fetch refines (the remote tier's level: after the local ones)
+        self.costs = costs
         self.loader = loader
         #: the manager's ``CacheContext.backlog``: fetched values are placed from there, a few a poll
         self.backlog = backlog
@@ -94,6 +105,10 @@ class RemoteReads:
         self.busy[kind] = False
         outcome = job.outcome
         ok = self.remote.account_background(job.keys, job.values, outcome)
+        costs = self.costs
+        if ok and job.values and costs is not None:
+            assert not isinstance(outcome, BaseException)
+            costs.observe(len(costs.samples) - 1, sum(len(v) for v in outcome if isinstance(v, bytes)), job.seconds)
         at = 0
         for prefetch, n in job.parts:
             part: list[Any] | None = None
@@ -193,8 +208,9 @@ class Prefetch:
     @property
     def reused_tokens(self) -> int:
         """Tokens of its tokens the cache holds once it is done, as far as known now: the local
-        match at the call, then as far as the remote tier's lookup reaches (a value that turns out
-        missing or corrupt, or no room for it, makes it less; never wrong data)."""
+        match at the call (as far as the load plan takes it), then as far as the remote tier's
+        lookup reaches within the plan (a value that turns out missing or corrupt, or no room for
+        it, makes it less; never wrong data)."""
         return self._reused_tokens
 
     @property
@@ -235,16 +251,25 @@ class Prefetch:
         hasher = BlockHasher(self._tokens, ctx.tokens_per_block, "tokens")
         hasher.validate_rest()  # every token valid before anything starts
         nodes, part, part_len = self._local_match(hasher, partial)
+        local_blocks = len(nodes)
+        planner = self._matcher.planner
+        if planner is not None and planner.active and not planner.in_gpu_memory(nodes, part):
+            # only what the create's plan takes from the pages' levels now (the rest is recomputed)
+            length = len(nodes) * ctx.tokens_per_block + part_len
+            taken = planner.plan(planner.levels(nodes, part, part_len, NOTHING_FETCHED), len(nodes), part_len)[0]
+            if taken < length:
+                ctx.tree.cut(nodes, taken // ctx.tokens_per_block)
+                part, part_len = None, 0
         self._reused_tokens = len(nodes) * ctx.tokens_per_block + part_len
         reads = ctx.reads
         if reads is not None:
             self._reads = reads.read(match_pages(ctx, nodes, part, part_len), reads.background_target(self._target))
             self._num_disk_pages = len(self._reads)
         self._remote_reads = remote_reads
-        if remote_reads is None:
+        if remote_reads is None or (planner is not None and planner.policy == "never"):
             return  # (without workers, or with a cluster: the create looks up and fetches itself)
         fill = self._fill()
-        plan = fill.lookup_plan(self._scope, hasher, len(nodes), None)
+        plan = fill.lookup_plan(self._scope, hasher, local_blocks, None)
         if plan is None:
             return
         keys = plan[1]
@@ -287,10 +312,13 @@ class Prefetch:
             chain: list[Node | None] = plan[0]
             keys: list[BlockKey] = plan[1]
             matched_blocks, needed = fill.fetch_plan(chain, len(nodes), self._found)
-            self._reused_tokens = max(self._reused_tokens, matched_blocks * ctx.tokens_per_block)
-            if not needed:
+            keep = self._planned_blocks(fill, chain, hasher, len(nodes), matched_blocks)
+            if keep < matched_blocks:  # the create's plan recomputes the rest: fetch only up to its cut
+                matched_blocks, needed = fill.fetch_plan(chain[:keep], len(nodes), self._found)
+            if not needed:  # (the local match, as the plan took it at the call)
                 self._remember()
                 return
+            self._reused_tokens = max(self._reused_tokens, matched_blocks * ctx.tokens_per_block)
             self._needed = needed
             self._num_remote_pages = len(needed)
             remote_reads = self._remote_reads
@@ -304,6 +332,21 @@ class Prefetch:
             fetched[x] = value if isinstance(value, bytes) else None
         fill.extend(self._scope, hasher, nodes, True, self._found, partial, fetched)
         self._remember()
+
+    def _planned_blocks(
+        self, fill: RemoteFill, chain: list[Node | None], hasher: BlockHasher, local_blocks: int, matched_blocks: int
+    ) -> int:
+        """The blocks the create's load plan takes of the match the remote tier extends to
+        ``matched_blocks`` (as ``PrefixMatcher._plan`` weighs it): ``matched_blocks`` when it takes it whole."""
+        planner = self._matcher.planner
+        if planner is None or not planner.active or matched_blocks <= local_blocks:
+            return matched_blocks
+        seen, part, part_len, fetched = fill.project(
+            chain, hasher, local_blocks, matched_blocks, self._matcher.enable_partial_reuse
+        )
+        length = len(seen) * self._ctx.tokens_per_block + part_len
+        taken = planner.plan(planner.levels(seen, part, part_len, fetched), len(seen), part_len)[0]
+        return matched_blocks if taken == length else taken // self._ctx.tokens_per_block
 
     def _remember(self) -> None:
         self._looked_up = True

@@ -385,7 +385,7 @@ class RemoteFill:
         if values is None:
             return local_blocks
         costs = self.storage.costs  # (the read cost of load_policy="auto": a timed fetch refines it)
-        if costs is not None and fetched is None:  # (a prefetch's values were read on a worker: untimed)
+        if costs is not None and fetched is None:  # (a prefetch's values: timed on its worker, ``RemoteReads``)
             nbytes = sum(len(v) for v in values if v is not None)
             costs.observe(self.storage.num_levels, nbytes, time.perf_counter() - t0)
         fp = remote.fingerprint

@@ -15,6 +15,8 @@ is lost: its owner recomputes from there).
 
 from __future__ import annotations
 
+import time
+
 from .._common import GPU_LEVEL, CacheLevel
 from .._page import Page, PoolGroupStorage
 from ._backend import FILE
@@ -47,8 +49,11 @@ class PageRead(LoadJob):
         self.bad_pool = -1
         #: set when installed (or discarded) on the scheduler's thread
         self.settled = False
+        #: seconds the read took on its worker (it refines the level's cost: ``TierCosts``)
+        self.seconds = 0.0
 
     def run(self) -> None:
+        t0 = time.perf_counter()
         buf = memoryview(bytearray(sum(self.sizes)))
         at = 0
         slot = self.slot
@@ -61,6 +66,7 @@ class PageRead(LoadJob):
                 return
             at += size
         self.data = buf
+        self.seconds = time.perf_counter() - t0
 
     def current(self) -> bool:
         """Whether the page is still at the slot read, intact and owned or reusable."""
@@ -138,10 +144,13 @@ class PageReads:
         """Place the finished ``jobs`` (see the module doc); returns the pages installed."""
         storage = self.storage
         batches: dict[tuple[int, int], list[PageRead]] = {}
+        costs = storage.costs
         for job in jobs:
             job.settled = True
             if self.reads.get(id(job.page)) is job:
                 del self.reads[id(job.page)]
+            if costs is not None and job.data is not None:  # a timed read, placed or not
+                costs.observe(int(job.src.level), len(job.data), job.seconds)
             if job.cancelled or not job.current() or job.page.level <= job.target:
                 self.num_discarded += 1
                 continue
@@ -176,20 +185,29 @@ class PageReads:
         """Move the pages of ``jobs`` (one pool group) into ``dst`` from their read bytes, as many
         as it has room for (the others stay where they are)."""
         storage = self.storage
+        level, index = int(dst.level), int(dst.index)
         jobs = [job for job in jobs if job.current()]  # (placing an earlier batch may have dropped some)
-        n = min(len(jobs), storage.available(int(dst.level), int(dst.index)))
+        n = min(len(jobs), storage.available(level, index))
         if n <= 0:
             return 0
         jobs = sorted(jobs, key=_slot_of)[:n]
         pages = [job.page for job in jobs]
-        levels = [CacheLevel(0)] * storage.num_pool_groups
-        need = [0] * storage.num_pool_groups
-        levels[int(dst.index)] = CacheLevel(int(dst.level))
-        need[int(dst.index)] = n
-        storage.reserve(need, levels)
         for page in pages:  # out of the evictors while room is made: nothing pushes them away
             page.take(True)
+        room = storage.available(level, index)  # (their slots below no longer count as room for pages pushed down)
+        if room < n:
+            for page in reversed(pages[room:]):
+                page.release(True)
+            n = room if room > 0 else 0
+            jobs, pages = jobs[:n], pages[:n]
+            if n == 0:
+                return 0
         try:
+            levels = [CacheLevel(0)] * storage.num_pool_groups
+            need = [0] * storage.num_pool_groups
+            levels[index] = CacheLevel(level)
+            need[index] = n
+            storage.reserve(need, levels)
             storage.make_room(dst, n)
             slots = pair_sorted([job.slot for job in jobs], dst.allocator.allocate(n))
             data: list[memoryview] = []

@@ -6,7 +6,8 @@ prior; with ``refine`` every timed read refines them, each an exponentially weig
 (weight ``REFINE_WEIGHT`` per batch): a batch whose bytes take longer than its latency at the
 current estimate refines the time per byte (its time less the latency, over its bytes), a smaller
 one the latency (its time less its bytes' time). Only reads the CPU waits for are timed: a disk
-tier's (``StorageManager.move_up``) and the remote tier's fetches (``RemoteFill``); a host tier's
+tier's (``StorageManager.move_up``; a background read on its worker, ``PageRead``) and the remote
+tier's fetches (``RemoteFill``; a prefetch's on its worker, ``RemoteReads``); a host tier's
 copies are queued on the copy stream (their CPU time says nothing about the link), so its figures
 stay as configured. The GPU (level 0) costs nothing.
 

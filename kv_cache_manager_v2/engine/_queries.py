@@ -108,6 +108,9 @@ class ResourceQueries:
         self._background = m.config.load_workers > 0 and any(
             tier is CacheTier.DISK or tier is CacheTier.REMOTE for tier in m.cache_tier_list
         )
+        #: new requests wait for their prefix (``prefetch_resources``): not under ``load_policy="never"``,
+        #: whose creates take only what is in GPU memory (what a prefetch brings up would go unused)
+        self._prefetch_new = self._background and m.config.load_policy != "never"
         #: new requests waiting for their prefetch (the loading state), by request id
         self._loading: dict[RequestId, tuple[EngineRequest, Prefetch]] = {}
         #: steps requests spent in the loading state, by what they waited for: "disk" (pages read
@@ -115,6 +118,9 @@ class ResourceQueries:
         self.loading_waits: dict[str, int] = {"disk": 0, "remote": 0}
         #: new requests that entered the loading state, by what they waited for first (as above)
         self.loading_requests: dict[str, int] = {"disk": 0, "remote": 0}
+        #: what this ``prepare_resources`` call added to the loading state, undone if it raises: a
+        #: counter and its key, and the request id of a new loading entry (its prefetch cancelled)
+        self._loading_undo: list[tuple[dict[str, int], str, RequestId | None]] = []
 
     def __repr__(self) -> str:
         return f"KVCacheResourceManager(requests={len(self._seqs)}, free_blocks={self.get_num_free_blocks_per_pool_group()})"

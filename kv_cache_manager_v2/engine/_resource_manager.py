@@ -89,7 +89,8 @@ class KVCacheResourceManager(ResourceQueries):
         as they were. If anything raises, the whole batch is rolled back.
 
         With background loads (a disk or remote tier, ``load_workers``), a new request whose
-        cached prefix lies on disk or the remote tier first waits in the loading state (see
+        cached prefix lies on disk or the remote tier first waits in the loading state (not under
+        ``load_policy="never"``: it takes only what is in GPU memory; see
         ``prefetch_resources``): it is returned unserved, ``is_loading`` true, while its reads run,
         and admitted once they are in place; so is a suspended request whose pages went to disk.
         """
@@ -98,6 +99,8 @@ class KVCacheResourceManager(ResourceQueries):
         serial = self._serial
         if self._background:
             self.manager.poll_loads()  # loads that finished since the last step land now
+            if self._loading_undo:
+                self._loading_undo = []
         unserved: list[EngineRequest] = []
         done: list[RequestRecord] = []
         current: KVCache | None = None  # resumed by this call for the request being prepared
@@ -181,6 +184,7 @@ class KVCacheResourceManager(ResourceQueries):
             if current is not None and current.status is KVCacheStatus.ACTIVE:
                 current.suspend()  # (its record was not updated yet: the suspended page counts stand)
             self._rollback(done)
+            self._undo_loading()
             raise
         return unserved
 
@@ -196,7 +200,19 @@ class KVCacheResourceManager(ResourceQueries):
             if not kv.prefetch(GPU_LEVEL) or not kv.loading:
                 return False
         self.loading_waits["disk"] += 1
+        self._loading_undo.append((self.loading_waits, "disk", None))
         return True
+
+    def _undo_loading(self) -> None:
+        """Undo what a raising ``prepare_resources`` added to the loading state (new entries'
+        prefetches cancelled, counters back)."""
+        for counter, kind, rid in reversed(self._loading_undo):
+            counter[kind] -= 1
+            if rid is not None:
+                entry = self._loading.pop(rid, None)
+                if entry is not None:
+                    entry[1].cancel()
+        self._loading_undo = []
 
     def prefetch_resources(self, batch: Sequence[EngineRequest]) -> list[EngineRequest]:
         """Start the loading state of queued requests the adapter does not hold yet: the cached
@@ -205,13 +221,14 @@ class KVCacheResourceManager(ResourceQueries):
         Call it when requests arrive, then admit (``prepare_resources``) those ``is_loading``
         says are ready, within the engine's budget; ``prepare_resources`` starts it itself for a
         request not prefetched, and returns a loading one unserved. Without background loads
-        (``load_workers=0``, or no disk or remote tier) it does nothing and returns ``[]``."""
+        (``load_workers=0``, or no disk or remote tier), and under ``load_policy="never"`` (a create
+        takes only what is in GPU memory), it does nothing and returns ``[]``."""
         self._check_alive()
         out: list[EngineRequest] = []
         items: list[object] = as_list(batch)
         for item in items:
             req, seq = self._item_record(item)
-            if seq is not None or not self._background or req.state is RequestState.FINISHED:
+            if seq is not None or not self._prefetch_new or req.state is RequestState.FINISHED:
                 continue
             tokens: Sequence[TokenIdExt] = req.prompt_tokens if not req.generated_tokens else req.all_tokens()
             if len(tokens) > 1 and self._loading_prefetch(req, tokens[: len(tokens) - 1], False):
@@ -231,7 +248,9 @@ class KVCacheResourceManager(ResourceQueries):
             if handle.done:
                 return False
             self._loading[rid] = (req, handle)
-            self.loading_requests["remote" if handle.waits_for_remote else "disk"] += 1
+            kind = "remote" if handle.waits_for_remote else "disk"
+            self.loading_requests[kind] += 1
+            self._loading_undo.append((self.loading_requests, kind, rid))
         else:
             handle = entry[1]
             if handle.done:
@@ -239,7 +258,9 @@ class KVCacheResourceManager(ResourceQueries):
                     del self._loading[rid]
                 return False
         if count:
-            self.loading_waits["remote" if handle.waits_for_remote else "disk"] += 1
+            kind = "remote" if handle.waits_for_remote else "disk"
+            self.loading_waits[kind] += 1
+            self._loading_undo.append((self.loading_waits, kind, None))
         return True
 
     def _suspend(self, seq: RequestRecord) -> None:
@@ -257,7 +278,7 @@ class KVCacheResourceManager(ResourceQueries):
         priority = check_priority(req.priority)
         cb = default_priority if priority == DEFAULT_PRIORITY else _FixedPriority(priority)
         prefix = tokens[: length - 1] if length > 1 else None
-        if self._background and prefix is not None and self._loading_prefetch(req, prefix):
+        if self._prefetch_new and prefix is not None and self._loading_prefetch(req, prefix):
             return None
         m = self.manager
         levels = m.probe_reuse_levels(req.reuse_scope, prefix) if self._num_levels > 1 and prefix is not None else []
