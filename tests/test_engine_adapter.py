@@ -937,6 +937,8 @@ def test_observe_step_sets_the_managers_prefill_rate(make_adapter: Callable[...,
     with pytest.raises(TypeError, match="seconds must be a number"):
         a.observe_step(True, 10)
     assert m.load_plan_statistics.prefill_tokens_per_s == pytest.approx(2400.0)
+    a.observe_step(1e-320, 1000)  # too short to time: no sample (its rate would be infinite)
+    assert m.load_plan_statistics.prefill_tokens_per_s == pytest.approx(2400.0)
 
 
 @pytest.mark.parametrize("decode_first", [True, False])

@@ -199,7 +199,7 @@ class KVCache(CacheView):
     def ready(self) -> bool:
         """Whether ``resume`` can bring this cache's pages to GPU memory without a disk read:
         nothing of it is being read in the background and none of its pages lies on a disk tier
-        (memory tiers are copied at resume either way). An ACTIVE cache is always ready."""
+        (memory tiers are copied at resume either way). An ACTIVE (or CLOSED) cache is ready."""
         if self._status is not KVCacheStatus.SUSPENDED:
             return True
         return not self.loading and not needs_disk_reads(self)

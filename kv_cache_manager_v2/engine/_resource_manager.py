@@ -8,6 +8,7 @@ records they read, are the base class in ``_queries.py``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Final
 
@@ -391,7 +392,8 @@ class KVCacheResourceManager(ResourceQueries):
     def observe_step(self, seconds: object, prefill_tokens: object) -> None:
         """An engine step took ``seconds`` and computed ``prefill_tokens`` prompt tokens: the
         manager's prefill rate (``load_policy="auto"``) follows, an exponentially weighted average
-        (weight ``PREFILL_RATE_WEIGHT`` a step) of the steps that prefilled anything."""
+        (weight ``PREFILL_RATE_WEIGHT`` a step) of the steps that prefilled anything and took a
+        measurable time."""
         self._check_alive()
         n = check_int("prefill_tokens", prefill_tokens)
         s = check_number("seconds", seconds, False, "the step's time")
@@ -400,6 +402,8 @@ class KVCacheResourceManager(ResourceQueries):
         m = self.manager
         old = m.load_plan_statistics.prefill_tokens_per_s
         sample = n / s
+        if sample == math.inf:  # (a step too short to time says nothing)
+            return
         w = PREFILL_RATE_WEIGHT
         m.set_prefill_rate(sample if old is None else (1.0 - w) * old + w * sample)
 
