@@ -284,16 +284,14 @@ class KVCacheManager(ManagerQueries):
         target_level: object = GPU_LEVEL,
         reuse_scope: ReuseScope | None = None,
     ) -> Prefetch:
-        """Start bringing the reusable prefix of ``input_tokens`` (a request queued, not admitted
-        yet) up in the background, and return at once: the pages on a disk tier of the prefix the
-        create's load plan takes are read (none under ``load_policy="never"``), and with a remote
-        tier (not under "never") the blocks after the local match are looked up and fetched, into
-        the host tier when ``target_level`` is the GPU and a host tier exists (else ``target_level``).
-        A later ``create_kv_cache`` of the same tokens finds them locally (without asking the remote
-        tier again) once the returned ``Prefetch`` is ``done``; ``cancel`` it when the request goes
-        away. Takes no page (what it brought up is reusable). Without ``load_workers`` it starts
-        nothing (done at once: the create reads what it takes); with a remote cluster the remote
-        part is left to the create."""
+        """Start bringing the reusable prefix of ``input_tokens`` (queued, not admitted yet) up in the
+        background and return at once: the disk pages of the prefix the create's load plan takes are
+        read, and with a remote tier (not under ``load_policy="never"``) the blocks after the local
+        match are looked up and fetched, into the host tier when ``target_level`` is the GPU and a
+        host tier exists (else ``target_level``). The create of the same tokens then finds them
+        locally once the returned ``Prefetch`` is ``done``; ``cancel`` it if the request goes away.
+        Takes no page. Without ``load_workers`` it starts nothing (the create reads what it takes);
+        with a remote cluster the remote part is left to the create."""
         self._check_alive()
         return start_prefetch(self._ctx, self._matcher, self._remote_reads, input_tokens, target_level, reuse_scope)
 
