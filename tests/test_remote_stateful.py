@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 from test_stateful import PREFIXES, SESSIONS, ManagerMachine, T, hybrid_layers
-from tier_helpers import land_some
+from tier_helpers import land_some, loader
 
 from kv_cache_manager_v2 import (
     GpuCacheTierConfig,
@@ -54,9 +54,7 @@ class RemoteMachine(ManagerMachine):
     def __init__(self) -> None:
         super().__init__()
         # background lookups and fetches run when ``land`` says, in the order it picks
-        loader = self.m._ctx.loader
-        assert loader is not None
-        loader.manual = True
+        loader(self.m).manual = True
         self.prefetches: list[tuple[Prefetch, list[int], ReuseScope]] = []
         self.loads_rng = random.Random(1)  # (its own: the base rules' token stream stays the same)
 

@@ -13,7 +13,7 @@ from fake_engine import FakeEngine
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from tier_helpers import land_some
+from tier_helpers import land_some, loader
 
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
@@ -324,9 +324,7 @@ class TieredMachine(ManagerMachine):
     def __init__(self) -> None:
         super().__init__()
         # background loads run when ``land`` says, in the order it picks (the loading state)
-        loader = self.m._ctx.loader
-        assert loader is not None
-        loader.manual = True
+        loader(self.m).manual = True
         self.prefetches: list[Prefetch] = []
 
     @rule(k=st.integers(0, 99), count=st.integers(1, 3))
