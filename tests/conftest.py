@@ -22,6 +22,7 @@ os.environ.setdefault("KV_CACHE_MANAGER_V2_CHECK", "1")
 from kv_cache_manager_v2 import (
     EVICTION_POLICIES,
     AttentionLayerConfig,
+    BlockOrdinal,
     BufferConfig,
     DiskCacheTierConfig,
     GpuCacheTierConfig,
@@ -29,7 +30,9 @@ from kv_cache_manager_v2 import (
     KVCache,
     KVCacheManager,
     KVCacheManagerConfig,
+    LayerGroupId,
     LayerId,
+    Priority,
     SsmLayerConfig,
     TokenId,
     TokenIdExt,
@@ -62,6 +65,21 @@ TRACES = [
         ),
     ),
 ]
+
+
+class Clock:
+    """A simulated clock (the manager's ``clock``): seconds set by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fixed(priority: int) -> Callable[[BlockOrdinal, LayerGroupId], Priority]:
+    """A priority callback giving every block ``priority``."""
+    return lambda ordinal, group: Priority(priority)
 
 
 def trace_id(path: str) -> str:
@@ -204,6 +222,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=cost, reverse=True)  # (stable: file order within each cost)
 
 
+def shut_down(made: list[KVCacheManager]) -> None:
+    """The end of a test's manager factory: shut down the managers it made (those with a cache still
+    open are left as they are)."""
+    for m in made:
+        if m.num_open_caches == 0:
+            m.shutdown()
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
@@ -224,9 +250,7 @@ def make_manager(backend: str) -> Iterator[MakeManager]:
         return m
 
     yield factory
-    for m in made:
-        if m.num_open_caches == 0:
-            m.shutdown()
+    shut_down(made)
 
 
 @pytest.fixture(params=EVICTION_POLICIES)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from conftest import REDIS_SERVER, MakeManager, kv_layers, make_config
 from fake_engine import FakeEngine, adapter_step
-from tier_helpers import SLOT, T, compute, seq, tree_pages, wait_loaded
+from tier_helpers import SLOT, T, compute, loader, seq, tree_pages, wait_loaded
 
 from kv_cache_manager_v2 import (
     CacheLevel,
@@ -29,7 +29,6 @@ from kv_cache_manager_v2 import (
     ReuseScope,
     compiled,
 )
-from kv_cache_manager_v2._storage._loader import BackgroundLoader
 from kv_cache_manager_v2._storage._page_reads import on_disk
 from kv_cache_manager_v2.delay_proxy import DelayProxy
 from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager, RequestState
@@ -54,12 +53,6 @@ def tiered(make_manager: MakeManager, tmp_path: object, manual: bool = True, **k
     if manual:
         loader(m).manual = True
     return m
-
-
-def loader(m: KVCacheManager) -> BackgroundLoader:
-    out = m._ctx.loader
-    assert out is not None
-    return out
 
 
 def land(m: KVCacheManager, order: list[int] | None = None) -> int:

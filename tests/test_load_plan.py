@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 import pytest
-from conftest import attention_and_recurrent, kv_layers
+from conftest import attention_and_recurrent, kv_layers, shut_down
 from fake_engine import FakeEngine
 from tier_helpers import SLOT, T, publish, seq
 
@@ -71,9 +71,7 @@ def mk(backend: str, tmp_path: Any) -> Any:
         return m
 
     yield factory
-    for m in made:
-        if m.num_open_caches == 0:
-            m.shutdown()
+    shut_down(made)
 
 
 def take(m: KVCacheManager, engine: FakeEngine, tokens: list[int]) -> int:

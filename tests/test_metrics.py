@@ -7,7 +7,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 
 import pytest
-from conftest import kv_layers, make_config, toks
+from conftest import kv_layers, make_config, shut_down, toks
 from fake_engine import FakeEngine, adapter_step
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -114,9 +114,7 @@ def tiered(backend: str, tmp_path: object) -> Iterator[Callable[..., tuple[KVCac
         return KVCacheResourceManager(manager=m), m
 
     yield factory
-    for m in made:
-        if m.num_open_caches == 0:
-            m.shutdown()
+    shut_down(made)
 
 
 def expected_samples(m: KVCacheManager, a: KVCacheResourceManager, labels: dict[str, str]) -> Samples:

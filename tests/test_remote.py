@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from conftest import REC, kv_layers, remote_keys
 from fake_engine import FakeEngine
-from tier_helpers import SLOT, T, compute, publish, run_worker, seq
+from tier_helpers import SLOT, T, compute, page_keys, publish, run_worker, seq
 
 import kv_cache_manager_v2
 from kv_cache_manager_v2 import (
@@ -750,17 +750,7 @@ def test_a_key_of_the_wrong_type_costs_that_key_only(redis_server: LocalRedisSer
         # the key of block 3: the one b's lookup finds at position 3 of its STRLEN answers
         by_block = {k: i for i, k in enumerate(sorted(keys))}
         assert by_block
-        remote = b._remote
-        assert remote is not None
-        bad = None
-        from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
-        from kv_cache_manager_v2._reuse._keys import BlockHasher, scope_key
-
-        hasher = BlockHasher(toks, T, "toks", None, 0)
-        parent = scope_key(DEFAULT_REUSE_SCOPE)
-        for o in range(4):
-            parent = hasher.key(parent, o)
-            bad = remote.page_key(parent, 0)
+        bad = page_keys(b, toks)[3]
         assert bad in keys
         client.delete(bad)
         client.rpush(bad, b"x")

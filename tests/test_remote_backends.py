@@ -18,11 +18,9 @@ from conftest import NO_REDIS_REASON, REDIS_SERVER
 from remote_stores import MOONCAKE_REASON, ClusterStore, MooncakeStore, RedisStore, StoreUnderTest
 from test_remote import Factory, evict_everything, reuse
 from test_remote import managers as managers  # (a fixture)
-from tier_helpers import T, publish, seq
+from tier_helpers import T, page_keys, publish, seq
 
 from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, CacheLevel, KVCacheManager, LayerId
-from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
-from kv_cache_manager_v2._reuse._keys import BlockHasher, scope_key
 from kv_cache_manager_v2._storage._remote._value import HEADER_BYTES
 
 
@@ -63,19 +61,6 @@ def make(store: StoreUnderTest, managers: Factory, request: pytest.FixtureReques
         return managers(store.url, **kw)
 
     return factory
-
-
-def page_keys(m: KVCacheManager, toks: list[int]) -> list[bytes]:
-    """The remote keys of the full blocks of ``toks`` (one layer group)."""
-    remote = m._remote
-    assert remote is not None
-    hasher = BlockHasher(toks, T, "toks", None, 0)
-    parent = scope_key(DEFAULT_REUSE_SCOPE)
-    out = []
-    for o in range(len(toks) // T):
-        parent = hasher.key(parent, o)
-        out.append(remote.page_key(parent, 0))
-    return out
 
 
 def present(m: KVCacheManager, keys: list[bytes]) -> list[bool]:

@@ -17,12 +17,10 @@ from test_remote import Factory, T, publish, reuse, seq
 from test_remote import managers as managers  # (a fixture)
 from test_remote_replies import Answer, Chunks, FakeRedis
 from test_remote_replies import fake as fake  # (a fixture)
-from tier_helpers import run_worker
+from tier_helpers import page_keys, run_worker
 
 import kv_cache_manager_v2
 from kv_cache_manager_v2 import CacheLevel, KVCacheManager, RemoteCacheTierConfig
-from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
-from kv_cache_manager_v2._reuse._keys import BlockHasher, scope_key
 from kv_cache_manager_v2._storage._remote._cluster import MAX_OTHER_NODES, key_slot
 from kv_cache_manager_v2.redis_server import LocalRedisCluster, command
 
@@ -56,19 +54,6 @@ def make(cl: LocalRedisCluster, managers: Factory) -> Factory:
         return managers(cl.url, **kw)
 
     return factory
-
-
-def page_keys(m: KVCacheManager, toks: list[int]) -> list[bytes]:
-    """The remote keys of the full blocks of ``toks`` (one layer group)."""
-    remote = m._remote
-    assert remote is not None
-    hasher = BlockHasher(toks, T, "toks", None, 0)
-    parent = scope_key(DEFAULT_REUSE_SCOPE)
-    out = []
-    for o in range(len(toks) // T):
-        parent = hasher.key(parent, o)
-        out.append(remote.page_key(parent, 0))
-    return out
 
 
 def owners(cl: LocalRedisCluster, keys: list[bytes]) -> list[int]:

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 from test_stateful import PREFIXES, SESSIONS, ManagerMachine, T, hybrid_layers
+from tier_helpers import land_some, loader
 
 from kv_cache_manager_v2 import (
     GpuCacheTierConfig,
@@ -53,9 +54,7 @@ class RemoteMachine(ManagerMachine):
     def __init__(self) -> None:
         super().__init__()
         # background lookups and fetches run when ``land`` says, in the order it picks
-        loader = self.m._ctx.loader
-        assert loader is not None
-        loader.manual = True
+        loader(self.m).manual = True
         self.prefetches: list[tuple[Prefetch, list[int], ReuseScope]] = []
         self.loads_rng = random.Random(1)  # (its own: the base rules' token stream stays the same)
 
@@ -75,13 +74,7 @@ class RemoteMachine(ManagerMachine):
     @rule(k=st.integers(0, 99), count=st.integers(1, 3))
     def land(self, k: int, count: int) -> None:
         """``count`` background round trips finish (the ``k``-th queued first) and are installed."""
-        loader = self.m._ctx.loader
-        assert loader is not None
-        for _ in range(count):
-            if not loader.queued:
-                break
-            loader.run_queued(k % len(loader.queued))
-        self.m.poll_loads()
+        land_some(self.m, k, count)
 
     @rule(k=st.integers(0, 3), priority=st.integers(0, 100))
     def create_prefetched(self, k: int, priority: int) -> None:

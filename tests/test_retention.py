@@ -12,22 +12,19 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from conftest import REC, MakeManager, make_manager_per_policy, one_layer
+from conftest import REC, Clock, MakeManager, fixed, make_manager_per_policy, one_layer
 from fake_engine import FakeEngine
+from tier_helpers import run
 
 from kv_cache_manager_v2 import (
     EVICTION_POLICIES,
     AttentionLayerConfig,
-    BlockOrdinal,
     BufferConfig,
     CacheLevel,
-    KVCache,
     KVCacheManager,
     KVCacheManagerConfig,
     KVCacheStatus,
-    LayerGroupId,
     LayerId,
-    Priority,
     RequestRetention,
     Retention,
     RetentionRange,
@@ -42,36 +39,8 @@ T = 16
 make_manager = make_manager_per_policy  # (the fixture) every test here runs under each eviction policy
 
 
-class Clock:
-    """A simulated clock: seconds set by the test."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def fixed(priority: int) -> Callable[[BlockOrdinal, LayerGroupId], Priority]:
-    return lambda ordinal, group: Priority(priority)
-
-
 def seq(base: int, blocks: int) -> list[int]:
     return list(range(base, base + blocks * T))
-
-
-def run(
-    m: KVCacheManager, engine: FakeEngine, tokens: list[int], retain: Retention | None = None, **kw: object
-) -> KVCache:
-    """Create (matching ``tokens``), compute and commit all of ``tokens``, close."""
-    kv = m.create_kv_cache(input_tokens=tokens, **kw)  # type: ignore[arg-type]
-    assert kv.resume()
-    h = kv.history_length
-    assert kv.resize(len(tokens))
-    engine.step(kv, tokens, h, len(tokens))
-    kv.commit(tokens[h:])
-    kv.close(retain=retain)
-    return kv
 
 
 def pressure(m: KVCacheManager, engine: FakeEngine, blocks: int, base: int, priority: int = 60) -> None:

@@ -4,23 +4,19 @@ eviction order, ``end`` keeping the blocks other sessions share, KV data checked
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
-from conftest import REC, MakeManager, make_manager_per_policy, one_layer
+from conftest import REC, Clock, MakeManager, fixed, make_manager_per_policy, one_layer
 from fake_engine import FakeEngine
+from tier_helpers import run
 
 from kv_cache_manager_v2 import (
-    BlockOrdinal,
     CacheLevel,
     DirectiveOutcome,
     DirectiveStatus,
     KVCache,
     KVCacheManager,
     KVCacheManagerConfig,
-    LayerGroupId,
     LogicError,
-    Priority,
     ReuseScope,
     SessionId,
     compiled,
@@ -38,31 +34,8 @@ APPLIED, CLIPPED, DEFERRED, NOTHING = (
 )
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def fixed(priority: int) -> Callable[[BlockOrdinal, LayerGroupId], Priority]:
-    return lambda ordinal, group: Priority(priority)
-
-
 def seq(base: int, blocks: int) -> list[int]:
     return list(range(base, base + blocks * T))
-
-
-def run(m: KVCacheManager, engine: FakeEngine, tokens: list[int], session: str | None = None, **kw: object) -> None:
-    """Create (matching ``tokens``), compute and commit all of ``tokens``, close."""
-    kv = m.create_kv_cache(input_tokens=tokens, session_id=session, **kw)  # type: ignore[arg-type]
-    assert kv.resume()
-    h = kv.history_length
-    assert kv.resize(len(tokens))
-    engine.step(kv, tokens, h, len(tokens))
-    kv.commit(tokens[h:])
-    kv.close()
 
 
 def reuse(m: KVCacheManager, engine: FakeEngine, tokens: list[int], expect: int) -> None:
@@ -89,8 +62,8 @@ def test_retain_by_session_and_by_prefix_decides_what_is_evicted(make_manager: M
     m = make_manager(one_layer(T), tokens_per_block=T, quota=6 * REC * T, clock=clock)
     engine = FakeEngine(m)
     a, b, c = seq(1000, 2), seq(2000, 2), seq(3000, 2)
-    run(m, engine, a, "a")
-    run(m, engine, b, "b")
+    run(m, engine, a, session_id="a")
+    run(m, engine, b, session_id="b")
     run(m, engine, c)  # no session: named by its prefix
     d = m.directives
     assert d.retain(SessionId("a"), 80, 5.0) == outcome(APPLIED, 2)
@@ -112,8 +85,8 @@ def test_a_session_lowers_only_its_private_blocks_and_raises_shared_ones(make_ma
     engine = FakeEngine(m)
     system = seq(1000, 1)
     a, b = system + seq(2000, 1), system + seq(3000, 1)
-    run(m, engine, a, "a")
-    run(m, engine, b, "b")  # reuses the system prompt: shared
+    run(m, engine, a, session_id="a")
+    run(m, engine, b, session_id="b")  # reuses the system prompt: shared
     d = m.directives
     assert d.retain("a", 10) == outcome(APPLIED, 1, kept=1)  # the system prompt is not lowered
     pressure(m, engine, 2, 4000)  # one victim: a's own block (10)
@@ -128,7 +101,7 @@ def test_pin_by_session_is_clipped_to_the_pin_share_and_unpin_ends_it(make_manag
     m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T, max_pinned_share=0.25)
     engine = FakeEngine(m)
     a = seq(1000, 3)
-    run(m, engine, a, "a", custom_priority_callback=fixed(0))  # the first to go unless pinned
+    run(m, engine, a, session_id="a", custom_priority_callback=fixed(0))  # the first to go unless pinned
     d = m.directives
     assert d.pin("a") == outcome(CLIPPED, 2, kept=1)  # 2 of 8 slots may be pinned: the first two blocks
     stats = m.get_storage_statistics()[0]
@@ -156,8 +129,8 @@ def test_demote_moves_a_sessions_private_blocks_down_now(make_manager: MakeManag
     engine = FakeEngine(m)
     system = seq(1000, 1)
     a, b = system + seq(2000, 2), system + seq(3000, 1)
-    run(m, engine, a, "a")
-    run(m, engine, b, "b")
+    run(m, engine, a, session_id="a")
+    run(m, engine, b, session_id="b")
     d = m.directives
     assert d.demote("a", 1) == outcome(APPLIED, 2, kept=1)  # the user went idle; the system prompt is shared
     assert m.probe_reuse_levels(input_tokens=a) == [0, 1, 1]
@@ -182,9 +155,9 @@ def test_end_drops_the_private_blocks_and_keeps_what_others_share(make_manager: 
     turn2 = turn1 + seq(3000, 1)
     b = system + seq(4000, 1)
     ext = turn1 + seq(5000, 1)  # a request without a session extends a's first turn
-    run(m, engine, turn1, "a")
-    run(m, engine, turn2, "a")
-    run(m, engine, b, "b")
+    run(m, engine, turn1, session_id="a")
+    run(m, engine, turn2, session_id="a")
+    run(m, engine, b, session_id="b")
     run(m, engine, ext)
     free = m.get_storage_statistics()[0].free
     # a's own blocks: turn1's and turn2's; turn1's stays (ext needs it), the system prompt is b's too
@@ -202,7 +175,7 @@ def test_end_keeps_the_blocks_another_pin_holds(make_manager: MakeManager) -> No
     m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T)
     engine = FakeEngine(m)
     a = seq(1000, 3)
-    run(m, engine, a, "a")
+    run(m, engine, a, session_id="a")
     assert m.pin(a[: 2 * T]) == 2 * T  # the engine pinned the first two blocks by prefix
     assert m.directives.end("a") == outcome(APPLIED, 1, kept=2)  # only the unpinned last block goes
     assert m.get_storage_statistics()[0].pinned == 2
@@ -215,7 +188,7 @@ def test_a_session_has_the_partial_tail_its_last_request_published(make_manager:
     m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T, host_quota=8 * REC * T)
     engine = FakeEngine(m)
     tokens = seq(1000, 2) + seq(2000, 1)[: T // 2]  # two full blocks and a partial tail, published at close
-    run(m, engine, tokens, "a")
+    run(m, engine, tokens, session_id="a")
     assert m.probe_reuse(input_tokens=tokens + [7]) == len(tokens)
     assert m.directives.demote("a", 1) == outcome(APPLIED, 3)
     assert m.probe_reuse_levels(input_tokens=tokens + [7]) == [1, 1, 1]
@@ -229,8 +202,8 @@ def test_end_defers_the_blocks_a_request_still_uses(make_manager: MakeManager) -
     m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T)
     engine = FakeEngine(m)
     a, b = seq(1000, 2), seq(2000, 2)
-    run(m, engine, a, "a", custom_priority_callback=fixed(80))
-    run(m, engine, b, "b")
+    run(m, engine, a, session_id="a", custom_priority_callback=fixed(80))
+    run(m, engine, b, session_id="b")
     kv = m.create_kv_cache(input_tokens=a, session_id="a")  # the session's last request is still open
     assert m.directives.end("a") == outcome(DEFERRED, 0, 2)
     assert kv.resume()
@@ -281,7 +254,7 @@ def test_bad_directives_are_refused_and_change_nothing(make_manager: MakeManager
     m = make_manager(one_layer(T), tokens_per_block=T, quota=4 * REC * T, host_quota=4 * REC * T)
     engine = FakeEngine(m)
     a = seq(1000, 2)
-    run(m, engine, a, "a")
+    run(m, engine, a, session_id="a")
     d = m.directives
     for call, error, words in [
         (lambda: d.retain(5, 50), TypeError, "session id .* or a prefix|object expected"),  # type: ignore[arg-type]

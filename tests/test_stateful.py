@@ -13,6 +13,7 @@ from fake_engine import FakeEngine
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from tier_helpers import land_some, loader
 
 from kv_cache_manager_v2 import (
     AttentionLayerConfig,
@@ -323,22 +324,14 @@ class TieredMachine(ManagerMachine):
     def __init__(self) -> None:
         super().__init__()
         # background loads run when ``land`` says, in the order it picks (the loading state)
-        loader = self.m._ctx.loader
-        assert loader is not None
-        loader.manual = True
+        loader(self.m).manual = True
         self.prefetches: list[Prefetch] = []
 
     @rule(k=st.integers(0, 99), count=st.integers(1, 3))
     def land(self, k: int, count: int) -> None:
         """``count`` background loads finish, the ``k``-th queued first (any order), and are
         installed; a failed read (``flaky_disk``) is a lost page, recomputed like a synchronous one's."""
-        loader = self.m._ctx.loader
-        assert loader is not None
-        for _ in range(count):
-            if not loader.queued:
-                break
-            loader.run_queued(k % len(loader.queued))
-        self.m.poll_loads()
+        land_some(self.m, k, count)
         for kv, _ in self.caches:
             if not kv.loading and kv.status is KVCacheStatus.SUSPENDED and kv.ready:
                 assert not any(on_disk(p) for p in kv.block_table.all_pages())

@@ -15,10 +15,11 @@ from typing import Any
 from conftest import REC
 from fake_engine import FakeEngine
 
-from kv_cache_manager_v2 import KVCache, KVCacheManager, ReuseScope, TokenIdExt
+from kv_cache_manager_v2 import KVCache, KVCacheManager, Retention, ReuseScope, TokenIdExt
 from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
 from kv_cache_manager_v2._page import Page
-from kv_cache_manager_v2._reuse._keys import BlockHasher
+from kv_cache_manager_v2._reuse._keys import BlockHasher, scope_key
+from kv_cache_manager_v2._storage._loader import BackgroundLoader
 
 T = 8
 SLOT = 2 * 2 * REC * T  # two layers, key + value: one slot holds one block
@@ -35,6 +36,24 @@ def wait_loaded(poll: Callable[[], bool], timeout_s: float = 30.0) -> None:
     while poll():
         assert time.monotonic() < deadline, "background loads did not finish"
         time.sleep(0.001)
+
+
+def loader(m: KVCacheManager) -> BackgroundLoader:
+    """``m``'s background loader (``load_workers`` > 0)."""
+    out = m._ctx.loader
+    assert out is not None
+    return out
+
+
+def land_some(m: KVCacheManager, k: int, count: int) -> None:
+    """Up to ``count`` queued background loads finish, the ``k``-th queued first each time (any
+    order), then ``m`` installs them."""
+    q = loader(m)
+    for _ in range(count):
+        if not q.queued:
+            break
+        q.run_queued(k % len(q.queued))
+    m.poll_loads()
 
 
 def compute(engine: FakeEngine, kv: KVCache, toks: list[int], upto: int) -> None:
@@ -61,6 +80,21 @@ def serve(engine: FakeEngine, kv: KVCache, tokens: Sequence[TokenIdExt], decode:
         kv.commit([tokens[pos]])
 
 
+def run(
+    m: KVCacheManager, engine: FakeEngine, tokens: list[int], retain: Retention | None = None, **kw: object
+) -> KVCache:
+    """Create (matching ``tokens``; ``kw`` to ``create_kv_cache``), compute and commit all of ``tokens``,
+    close (with ``retain``)."""
+    kv = m.create_kv_cache(input_tokens=tokens, **kw)  # type: ignore[arg-type]
+    assert kv.resume()
+    h = kv.history_length
+    assert kv.resize(len(tokens))
+    engine.step(kv, tokens, h, len(tokens))
+    kv.commit(tokens[h:])
+    kv.close(retain=retain)
+    return kv
+
+
 def publish(
     m: KVCacheManager,
     toks: Sequence[TokenIdExt],
@@ -85,6 +119,19 @@ def tree_pages(m: KVCacheManager, toks: list[int]) -> list[Page]:
         p = n.page(0)
         assert p is not None
         out.append(p)
+    return out
+
+
+def page_keys(m: KVCacheManager, toks: list[int]) -> list[bytes]:
+    """The remote keys of the full blocks of ``toks`` (one layer group, ``T`` tokens a block)."""
+    remote = m._remote
+    assert remote is not None
+    hasher = BlockHasher(toks, T, "toks", None, 0)
+    parent = scope_key(DEFAULT_REUSE_SCOPE)
+    out = []
+    for o in range(len(toks) // T):
+        parent = hasher.key(parent, o)
+        out.append(remote.page_key(parent, 0))
     return out
 
 

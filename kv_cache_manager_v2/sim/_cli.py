@@ -48,7 +48,7 @@ from ._run import (
     tier_spec,
 )
 from ._ssm_policy import SSM_POLICY_KEY, check_policy
-from ._time_cli import add_time_arguments, time_setup
+from ._time_cli import add_time_arguments, policy_list, time_setup
 from ._workload import MAX_ARRIVAL_MS, ConversationParams, SimRequest, generate_conversations, load_trace
 
 PROG = "kv-cache-sim"
@@ -238,17 +238,7 @@ def _add_model_arguments(g: argparse._ArgumentGroup) -> None:
 
 def _policies(text: str) -> list[str]:
     """``--eviction-policy``: one policy, a comma-separated list, or ``all``."""
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    if names == ["all"]:
-        return list(EVICTION_POLICIES)
-    for x in names:
-        if x not in EVICTION_POLICIES:
-            raise argparse.ArgumentTypeError(
-                f"invalid choice: {x!r} (choose from {', '.join(EVICTION_POLICIES)}, or all; comma-separated)"
-            )
-    if not names or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"{text!r}: name each policy once, comma-separated")
-    return names
+    return policy_list(text, EVICTION_POLICIES, EVICTION_POLICIES)
 
 
 def _fail(message: str, code: int = 2) -> int:

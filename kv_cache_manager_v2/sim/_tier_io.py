@@ -182,25 +182,11 @@ class TierIO:
         """A step starting at ``start_ms`` with ``traffic`` (``take_iteration_stats``, proxy bytes):
         queue its loads (level after level) then its offloads; returns when its loads are done and
         its links' write backlogs are within ``WRITE_BACKLOG_MS``."""
-        t = start_ms
-        for it in traffic:
-            lvl = it.level
-            nbytes = it.onboarded_bytes
-            if nbytes:
-                busy = self.busy_until[lvl]
-                t = (busy if busy > t else t) + self.latency_ms[lvl] + nbytes * self.read_ms[lvl]
-                self.busy_until[lvl] = t
-        loaded = t
-        for it in traffic:
-            lvl = it.level
-            nbytes = it.offloaded_bytes
-            if nbytes:
-                busy = self.busy_until[lvl]
-                begin = busy if busy > start_ms else start_ms
-                end = begin + self.latency_ms[lvl] + nbytes * self.write_ms[lvl]
-                self.busy_until[lvl] = end
-                if end - WRITE_BACKLOG_MS > t:
-                    t = end - WRITE_BACKLOG_MS
+        loaded = self._queue_loads(start_ms, traffic)
+        t = loaded
+        written = self._queue_offloads(start_ms, traffic)
+        if written - WRITE_BACKLOG_MS > t:
+            t = written - WRITE_BACKLOG_MS
         self.load_ms += loaded - start_ms
         self.write_stall_ms += t - loaded
         return t
@@ -209,6 +195,14 @@ class TierIO:
         """One request's traffic at its admission under background loads (``--load-policy``): its
         loads queue on their links from ``start_ms`` (level after level), then its offloads;
         returns when its loads are done: the request waits for them, the step does not."""
+        t = self._queue_loads(start_ms, traffic)
+        self._queue_offloads(start_ms, traffic)
+        self.background_ms += t - start_ms
+        return t
+
+    def _queue_loads(self, start_ms: float, traffic: list[TierStatistics]) -> float:
+        """Queue ``traffic``'s loads on their links from ``start_ms``, level after level; returns
+        when the last is done (``start_ms`` without any)."""
         t = start_ms
         for it in traffic:
             lvl = it.level
@@ -217,16 +211,22 @@ class TierIO:
                 busy = self.busy_until[lvl]
                 t = (busy if busy > t else t) + self.latency_ms[lvl] + nbytes * self.read_ms[lvl]
                 self.busy_until[lvl] = t
+        return t
+
+    def _queue_offloads(self, start_ms: float, traffic: list[TierStatistics]) -> float:
+        """Queue ``traffic``'s offloads on their links from ``start_ms``; returns when the last
+        ends (``start_ms`` without any)."""
+        last = start_ms
         for it in traffic:
             lvl = it.level
             nbytes = it.offloaded_bytes
             if nbytes:
                 busy = self.busy_until[lvl]
-                self.busy_until[lvl] = (
-                    (busy if busy > start_ms else start_ms) + self.latency_ms[lvl] + nbytes * self.write_ms[lvl]
-                )
-        self.background_ms += t - start_ms
-        return t
+                end = (busy if busy > start_ms else start_ms) + self.latency_ms[lvl] + nbytes * self.write_ms[lvl]
+                self.busy_until[lvl] = end
+                if end > last:
+                    last = end
+        return last
 
 
 def priced_tiers(tiers: Sequence[CacheTierConfig], links: TierLinks, bytes_scale: float) -> list[CacheTierConfig]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Sequence
 
 from .._config import LOAD_POLICIES
 from ._compute import DEFAULT_GPU_KIND, DEFAULT_MBU, DEFAULT_MFU, GPU_KINDS, build_step_cost
@@ -49,13 +50,18 @@ def add_time_arguments(p: argparse.ArgumentParser) -> None:
 
 def _load_policies(text: str) -> list[str]:
     """``--load-policy``: one policy, a comma-separated list, or ``all``."""
+    return policy_list(text, LOAD_POLICIES, ("never", "always", "auto"))
+
+
+def policy_list(text: str, choices: Sequence[str], every: Sequence[str]) -> list[str]:
+    """A policy option's value: names of ``choices``, comma-separated, each once; ``all``: ``every``."""
     names = [x.strip() for x in text.split(",") if x.strip()]
     if names == ["all"]:
-        return ["never", "always", "auto"]
+        return list(every)
     for x in names:
-        if x not in LOAD_POLICIES:
+        if x not in choices:
             raise argparse.ArgumentTypeError(
-                f"invalid choice: {x!r} (choose from {', '.join(LOAD_POLICIES)}, or all; comma-separated)"
+                f"invalid choice: {x!r} (choose from {', '.join(choices)}, or all; comma-separated)"
             )
     if not names or len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"{text!r}: name each policy once, comma-separated")
