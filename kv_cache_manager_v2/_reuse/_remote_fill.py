@@ -18,7 +18,7 @@ probe said, never wrong data.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import rawref
 
@@ -154,7 +154,7 @@ class RemoteFill:
             if ok:
                 remote.found_pages += 1
 
-    def value_bytes(self, pages: list[tuple[int, int]]) -> list[int]:
+    def value_bytes(self, pages: Iterable[tuple[int, int]]) -> list[int]:
         """The length of a whole value (header and page) for each (block ordinal, layer group)."""
         return [HEADER_BYTES + self.page_bytes[layer_group] for _, layer_group in pages]
 
@@ -411,7 +411,7 @@ class RemoteFill:
         placed = self._place(needed, payloads)
         self._publish(scope, hasher, chain, keys, matched_blocks, placed)
         remote.fetched_pages += len(placed)
-        remote.fetched_bytes += sum(HEADER_BYTES + self.page_bytes[layer_group] for _, layer_group in placed)
+        remote.fetched_bytes += sum(self.value_bytes(placed))
         remote.hit_blocks += matched_blocks - local_blocks
         return matched_blocks
 

@@ -4,8 +4,9 @@ page's slot bytes, a remote lookup or fetch) into buffers the job owns, off the 
 Workers never touch the manager's state: a job's ``run`` reads into its own buffers (the file's
 pread and the socket release the GIL) and keeps its result; the scheduler's thread collects the
 finished jobs (``finished``) and installs them, checking each is still wanted (see
-``_core/_loads.py``). A cancelled job is simply never installed. ``manual`` (tests) keeps submitted
-jobs queued until ``run_queued`` runs one on the caller's thread, in any order the test picks.
+``_storage/_page_reads.py``, ``_core/_prefetch.py``). A cancelled job is simply never installed.
+``manual`` (tests) keeps submitted jobs queued until ``run_queued`` runs one on the caller's
+thread, in any order the test picks.
 """
 
 from __future__ import annotations
