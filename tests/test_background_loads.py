@@ -252,9 +252,11 @@ def adapters() -> Iterator[Callable[..., KVCacheResourceManager]]:
         a.shutdown()
 
 
-def test_adapter_serves_others_while_a_request_loads(
-    adapters: Callable[..., KVCacheResourceManager], tmp_path: object
-) -> None:
+def adapter_with_a_doc_on_disk(
+    adapters: Callable[..., KVCacheResourceManager], tmp_path: object, **kw: object
+) -> tuple[KVCacheResourceManager, KVCacheManager, FakeEngine, list[int]]:
+    """An adapter with a disk tier (loads run by the test: ``manual``) whose prefix ``doc`` (3
+    blocks) was served, then pushed to disk by four other requests."""
     a = adapters(
         make_config(
             kv_layers(2, T),
@@ -265,6 +267,7 @@ def test_adapter_serves_others_while_a_request_loads(
             disk_path=str(tmp_path),
             max_util_for_resume=1.0,
             backend="host",
+            **kw,
         )
     )
     m = a.manager
@@ -282,6 +285,13 @@ def test_adapter_serves_others_while_a_request_loads(
         other.state = RequestState.FINISHED
         a.free_resources(other)
     assert all(p.level == DISK for p in tree_pages(m, doc))
+    return a, m, engine, doc
+
+
+def test_adapter_serves_others_while_a_request_loads(
+    adapters: Callable[..., KVCacheResourceManager], tmp_path: object
+) -> None:
+    a, m, engine, doc = adapter_with_a_doc_on_disk(adapters, tmp_path)
     loading = EngineRequest(10, [*doc, 8, 9], max_new_tokens=2)
     running = EngineRequest(11, seq(77, 2 * T), max_new_tokens=4)
     for _ in range(2):  # loading waits, unscheduled, while running is served
@@ -455,34 +465,7 @@ def test_adapter_under_load_policy_never_admits_new_requests_without_loading(
     """Under ``load_policy="never"`` a new request takes only what is in GPU memory: it never waits
     in the loading state for disk reads its create would not use (it is admitted at once and
     recomputes its prefix); a suspended request still has its own pages read in the background."""
-    a = adapters(
-        make_config(
-            kv_layers(2, T),
-            T,
-            8 * SLOT,
-            host_quota=8 * SLOT,
-            disk_quota=32 * SLOT,
-            disk_path=str(tmp_path),
-            max_util_for_resume=1.0,
-            backend="host",
-            load_policy="never",
-        )
-    )
-    m = a.manager
-    loader(m).manual = True
-    engine = FakeEngine(m)
-    doc = seq(1, 3 * T)
-    first = EngineRequest(1, [*doc, 7], max_new_tokens=1)
-    while len(first.generated_tokens) < 1:
-        assert adapter_step(a, engine, [first]) == []
-    first.state = RequestState.FINISHED
-    a.free_resources(first)
-    for r in range(2, 6):  # push doc's blocks to disk
-        other = EngineRequest(r, seq(r * 10, 3 * T + 1), max_new_tokens=1)
-        assert adapter_step(a, engine, [other]) == []
-        other.state = RequestState.FINISHED
-        a.free_resources(other)
-    assert all(p.level == DISK for p in tree_pages(m, doc))
+    a, m, engine, doc = adapter_with_a_doc_on_disk(adapters, tmp_path, load_policy="never")
     new = EngineRequest(10, [*doc, 8, 9], max_new_tokens=2)
     assert a.prefetch_resources([new]) == []
     assert adapter_step(a, engine, [new]) == []  # admitted at once: nothing to wait for
