@@ -601,29 +601,7 @@ def test_a_raising_batch_leaves_no_request_in_the_loading_state(
 ) -> None:
     """``prepare_resources`` rolls the whole batch back when an item raises: a new request it put
     in the loading state leaves it (its prefetch cancelled, the counters as before)."""
-    a = adapters(
-        make_config(
-            kv_layers(2, T),
-            T,
-            8 * SLOT,
-            host_quota=8 * SLOT,
-            disk_quota=32 * SLOT,
-            disk_path=str(tmp_path),
-            max_util_for_resume=1.0,
-            backend="host",
-        )
-    )
-    m = a.manager
-    loader(m).manual = True
-    engine = FakeEngine(m)
-    doc = seq(1, 3 * T)
-    for r, toks in [(1, [*doc, 7]), *[(r, seq(r * 10, 3 * T + 1)) for r in range(2, 6)]]:  # doc, pushed to disk
-        req = EngineRequest(r, toks, max_new_tokens=1)
-        while len(req.generated_tokens) < 1:
-            assert adapter_step(a, engine, [req]) == []
-        req.state = RequestState.FINISHED
-        a.free_resources(req)
-    assert all(p.level == DISK for p in tree_pages(m, doc))
+    a, m, engine, doc = adapter_with_a_doc_on_disk(adapters, tmp_path)
     new = EngineRequest(10, [*doc, 8, 9], max_new_tokens=2)
     finished = EngineRequest(11, seq(99, 5), max_new_tokens=2)
     finished.state = RequestState.FINISHED
