@@ -85,7 +85,7 @@ class LoadPlanner:
     def set_wait(self, level: object, seconds: object) -> None:
         """``KVCacheManager.set_tier_wait`` past its liveness check."""
         lvl = check_int("level", level)
-        top = len(self.loaded_tokens) - 1
+        top = len(self.costs.wait_s) - 1
         if not 1 <= lvl <= top:
             raise ValueError(f"level must be a cache level below the GPU (1 to {top}), got {lvl}")
         self.costs.wait_s[lvl] = check_number("seconds", seconds, False, "the link's expected wait")
