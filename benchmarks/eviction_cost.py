@@ -58,10 +58,12 @@ def _listed_pages(policy: str, n: int) -> tuple[Any, Any, list[Any]]:
     pages = ev.pages()
     assert len(pages) == n
     if policy == "frequency":  # a trace's mix of use counts, so the heap has work to do
+        from kv_cache_manager_v2._storage._policies._use_history import frequency_state
+
         rng = random.Random(1)
         for p in pages:
             ev.remove(p)
-            p.uses = rng.choice((1, 1, 1, 2, 2, 3, 5, 8))
+            frequency_state(p).uses = rng.choice((1, 1, 1, 2, 2, 3, 5, 8))
             ev.add(p)
     return m, ev, pages
 

@@ -119,6 +119,7 @@ from ._exceptions import CuError, LogicError, OutOfMemoryError, OutOfPagesError
 from ._page_index import PageIndexConverter
 from ._retention import RequestRetention, Retention, RetentionRange
 from ._sessions import DirectiveOutcome, DirectiveStatus
+from ._storage._policy_registry import POLICIES as _EVICTION_POLICY_TABLE
 
 #: True when the package's modules are mypyc-compiled extension modules (production mode).
 compiled = not str(getattr(_core._kv_cache, "__file__", "")).endswith(".py")
@@ -169,7 +170,9 @@ _TYPE_DOCS = {
     "BeamIndex": "Index of a beam of a request (0 to beam_width - 1).",
     "BlockOrdinal": "Position of a block in a request: token position // tokens_per_block.",
     "CacheLevel": "Index of a cache tier in KVCacheManagerConfig.cache_tiers (0: GPU, then host, disk, remote).",
-    "EvictionPolicy": "'lru' (least recently released first) or 'frequency' (lowest use rate first).",
+    "EvictionPolicy": "A name in EVICTION_POLICIES: "
+    + "; ".join(f"{name!r} ({keeps})" for name, _, _, keeps in _EVICTION_POLICY_TABLE)
+    + ".",
     "LoadPolicy": "'auto' (load a matched block below the GPU only when that beats recomputing it), "
     "'always' or 'never' (only matches wholly in GPU memory).",
     "SnapshotPolicy": "'interval' (periodic snapshots), 'branch' (where prompts branch, last blocks, demand) or "

@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Annotated, Literal
 
 from mypy_extensions import mypyc_attr
 
@@ -19,16 +19,16 @@ from ._remote_url import CLUSTER_URL_SCHEMES as CLUSTER_URL_SCHEMES
 from ._remote_url import REMOTE_URL_SCHEMES as REMOTE_URL_SCHEMES
 from ._remote_url import cluster_seed_nodes as cluster_seed_nodes
 from ._remote_url import redact_url as redact_url
+from ._storage._policy_registry import EVICTION_POLICIES as EVICTION_POLICIES
 from ._utils import check_int, check_number, check_type, is_power_of_two, raw_field
 
 BackendName = Literal["auto", "cuda", "host"]
 BACKEND_NAMES: tuple[str, ...] = ("auto", "cuda", "host")
 BACKEND_ENV_VAR = "KV_CACHE_MANAGER_V2_BACKEND"
-#: How reusable pages are chosen for eviction within a priority (docs/design.md, "Eviction"):
-#: ``"lru"`` least recently released first; ``"frequency"`` lowest use rate first (use-rate
-#: GreedyDual with a ghost table of evicted blocks' uses; descendants before their anchors).
-EvictionPolicy = Literal["lru", "frequency"]
-EVICTION_POLICIES: tuple[str, ...] = ("lru", "frequency")
+#: How reusable pages are chosen for eviction within a priority (docs/design.md, "Eviction"): a
+#: name in ``EVICTION_POLICIES``, the registry's (``_storage/_policy_registry.py``: ``"lru"``
+#: least recently released first; ``"frequency"`` lowest use rate first, ...).
+EvictionPolicy = Annotated[str, "a name in EVICTION_POLICIES"]
 SnapshotPolicy = Literal["interval", "branch", "auto"]
 #: where hybrid models keep recurrent-state snapshots (``ssm_snapshot_policy``)
 SNAPSHOT_POLICIES: tuple[str, ...] = ("interval", "branch", "auto")

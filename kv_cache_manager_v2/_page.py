@@ -1,7 +1,8 @@
 """Pages and where they live: one slot of some cache level holding one block of one layer group
 (``Page``), the storage of one pool group at one level (``PoolGroupStorage``: pools, slot
-allocator, evictor, traffic counters), and the interfaces pages use there: the evictor
-(``Evictor``; the policies are in ``_eviction.py``) and the use counting (``UseCounter``).
+allocator, evictor, traffic counters), and the interface pages use there: the evictor
+(``Evictor``: the eviction policy's interface; the policies are in ``_storage/_policies/``) and a
+policy's per-page state (``PolicyState``, one handle on the page).
 
 Storage never names the reuse tree: what a page needs of its tree node is ``PageNode``.
 """
@@ -39,9 +40,6 @@ GARBAGE_PRIORITY: Final = Priority(-1)
 NOT_LISTED: Final = 0
 LISTED_DROPPABLE: Final = 1
 LISTED_HELD: Final = 2
-
-#: ``Page.ev_pos`` (frequency policy): not in a heap (see ``_eviction.py`` for the other values)
-NOT_IN_HEAP: Final = -1
 
 #: ``Page.expires`` of a page without retention
 NO_EXPIRY: Final = float("inf")
@@ -81,42 +79,36 @@ class PageNode(Protocol):
     def has_children(self) -> bool: ...
 
 
-class UseCounter:
-    """Use counting of one pool group (the frequency policy's ``UseHistory``; the interface)."""
+class PolicyState:
+    """A page's state under its eviction policy (``Page.policy_state``: None until the policy
+    gives it one): a policy that keeps values per page (use counts, a segment) subclasses it. It
+    holds no references (a page's list links are ``Page.lru_prev`` / ``lru_next``, shared by the
+    policies that keep lists)."""
 
     __slots__ = ()
 
-    def use(self, page: Page, serial: RequestSerial, cached: bool) -> None:
-        """Request ``serial`` uses ``page`` (a page in the tree; ``cached``: it was there before,
-        a hit; else the request publishes it); counted once per request."""
-        raise NotImplementedError
-
-    def released(self, page: Page) -> None:
-        """``page`` (in the tree) became DROPPABLE: its last owner let go."""
-        raise NotImplementedError
-
-    def record(self, page: Page) -> None:
-        """``page`` (in the tree) is dropped for good: remember its block's uses."""
-        raise NotImplementedError
-
-    def resize(self, num_slots: int) -> None:
-        """Size for a last level of ``num_slots`` slots."""
-        raise NotImplementedError
-
 
 class Evictor:
-    """The pages one (cache level, pool group) may evict, in eviction order (the interface).
+    """The eviction policy's interface: the pages one (cache level, pool group) may evict, in
+    eviction order, and what a use, a release and a drop of a tree page tell the policy.
 
-    ``count`` pages are listed, ``num_held`` of them HELD. Subclasses keep the order; the
-    listing state (``Page.in_evictor``) and the counts are kept here.
+    ``count`` pages are listed, ``num_held`` of them HELD. Subclasses keep the order (one
+    module per policy in ``_storage/_policies/``, named in its registry); the listing state
+    (``Page.in_evictor``) and the counts are kept here. Priorities (lowest first, garbage before
+    all), the tree's value (``Page.low_value``: first within a priority), retention (a priority
+    kept for a while, ``_expiry.py``) and pins (a pinned page is in no evictor, ``_pins.py``)
+    are the same layer around every policy.
     """
 
-    __slots__ = ("count", "num_held")
+    __slots__ = ("count", "hears_uses", "num_held")
 
     def __init__(self) -> None:
         self.count = 0
         #: listed pages that are HELD (the rest are DROPPABLE)
         self.num_held = 0
+        #: whether ``used``, ``released`` and ``dropped`` are called (a policy that needs them
+        #: sets it): policies without cost one test per event there, not a call
+        self.hears_uses = False
 
     @final
     def _listed(self, page: Page) -> None:
@@ -180,6 +172,16 @@ class Evictor:
     def resize(self, num_slots: int) -> None:
         """The level now has ``num_slots`` slots of this pool group."""
 
+    def used(self, page: Page, serial: RequestSerial, cached: bool) -> None:
+        """(``hears_uses``) Request ``serial`` uses tree page ``page``: ``cached``, it was there
+        before (a hit: a match, a partial match's source, a dedup); else the request publishes it."""
+
+    def released(self, page: Page) -> None:
+        """(``hears_uses``) Tree page ``page`` became DROPPABLE: its last owner let go."""
+
+    def dropped(self, page: Page) -> None:
+        """(``hears_uses``) Tree page ``page`` is dropped for good (its block leaves the cache)."""
+
 
 class PoolGroupStorage:
     """The pools of one pool group at one cache level, the allocator of their shared slots, and
@@ -189,7 +191,6 @@ class PoolGroupStorage:
         "allocator",
         "evictor",
         "headroom",
-        "history",
         "is_last",
         "layout",
         "level",
@@ -219,7 +220,6 @@ class PoolGroupStorage:
         num_slots: int,
         pools: list[Pool],
         evictor: Evictor,
-        history: UseCounter | None,
         media: list[MediumAccess],
     ) -> None:
         self.level = level
@@ -232,8 +232,6 @@ class PoolGroupStorage:
         self.layout = layout
         self.pools = pools
         self.allocator = SlotAllocator(num_slots, pools, layout.slot_sizes)
-        #: the pool group's use counting, shared by its levels (frequency policy; None: LRU)
-        self.history = history
         #: the level's evictable pages of this group, in eviction order
         self.evictor = evictor
         # traffic (cumulative): pages dropped for good here (evicted reusable pages, pages lost to disk
@@ -322,11 +320,7 @@ class Page:
         "_rawref",
         "anchor",
         "base_priority",
-        "ev_key",
-        "ev_pos",
-        "ev_seq",
         "expires",
-        "first_use",
         "hint_end",
         "in_evictor",
         "level",
@@ -340,13 +334,12 @@ class Page:
         "num_locks",
         "num_pins",
         "pin_held",
+        "policy_state",
         "priority",
         "remote_copy",
         "retain_s",
         "slot",
         "storage",
-        "use_serial",
-        "uses",
     )
 
     _rawref: rawref.ref[Page] | None
@@ -363,7 +356,7 @@ class Page:
         self.num_holds = 0 if locked else 1
         self._rawref = None
         self.node: PageNode | None = None
-        # links of the evictor's LRU list (frequency policy: of its parked list) while listed there
+        # links of the evictor's list while listed in one (LRU's lists, frequency's FIFO and parked pages)
         self.lru_prev: Page | None = None
         self.lru_next: Page | None = None
         self.in_evictor = NOT_LISTED
@@ -376,14 +369,8 @@ class Page:
         #: KV no match can use (past the deepest snapshot on its path), or a block's incomplete
         #: snapshot; changed only through ``set_low_value`` (it places a listed page)
         self.low_value = False
-        # Frequency policy (_eviction.py): requests that used the block (history included), the use clock at
-        # the first, the last one counted; the value, sequence number and heap position it was listed with
-        self.uses = 0
-        self.first_use = 0
-        self.use_serial = NO_SERIAL
-        self.ev_key = 0.0
-        self.ev_seq = 0
-        self.ev_pos = NOT_IN_HEAP
+        #: the eviction policy's own state of this page (``_storage/_policies/``), if it keeps any
+        self.policy_state: PolicyState | None = None
         # Retention (``_storage/_expiry.py``): the priority is kept for ``retain_s`` seconds (0.0:
         # no duration) from the page's release, until ``expires`` (clock seconds; inf: not running),
         # then ``base_priority`` again; ``hint_end``: under a close-time hint, the last block
@@ -423,15 +410,27 @@ class Page:
         self._list_if_held()
 
     def _droppable(self) -> None:
-        """The last owner of a tree page let go: list it DROPPABLE (the use history hears of it)."""
+        """The last owner of a tree page let go: list it DROPPABLE (the policy hears of it)."""
         storage = self.storage
+        evictor = storage.evictor
         if not self.pin_held:
-            storage.evictor.add(self)
+            evictor.add(self)
         if self.retain_s != 0.0 and storage.start_retention is not None:
             storage.start_retention(self)  # its retention's duration runs from now
-        history = storage.history
-        if history is not None:
-            history.released(self)
+        if evictor.hears_uses:
+            evictor.released(self)
+
+    def used(self, serial: RequestSerial, cached: bool) -> None:
+        """Request ``serial`` uses this tree page (``cached``: a hit, else it publishes it): its policy hears of it."""
+        evictor = self.storage.evictor
+        if evictor.hears_uses:
+            evictor.used(self, serial, cached)
+
+    def dropped(self) -> None:
+        """This tree page is dropped for good (its block leaves the cache): its policy hears of it."""
+        evictor = self.storage.evictor
+        if evictor.hears_uses:
+            evictor.dropped(self)
 
     def take(self, locked: bool) -> None:
         """A new owner (locking if ``locked``, else holding); a listed page leaves the evictor

@@ -10,6 +10,7 @@ workload no longer loses to LRU."""
 from __future__ import annotations
 
 import random
+import re
 from array import array
 
 import pytest
@@ -29,8 +30,9 @@ from kv_cache_manager_v2 import (
 )
 from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
 from kv_cache_manager_v2._page import GARBAGE_PRIORITY, Page
-from kv_cache_manager_v2._storage._eviction import FrequencyEvictor, LruEvictor
-from kv_cache_manager_v2._storage._use_history import (
+from kv_cache_manager_v2._storage._policies._frequency import FrequencyEvictor
+from kv_cache_manager_v2._storage._policies._lru import LruEvictor
+from kv_cache_manager_v2._storage._policies._use_history import (
     AGING_MAX,
     AGING_MIN,
     AGING_ON,
@@ -38,6 +40,7 @@ from kv_cache_manager_v2._storage._use_history import (
     AGING_STEP,
     UseHistory,
     ghost_tag,
+    state_of,
 )
 
 T = 4
@@ -71,9 +74,7 @@ def gpu_evictor(m: KVCacheManager, level: int = 0) -> FrequencyEvictor:
 
 
 def history(m: KVCacheManager) -> UseHistory:
-    h = m._storage.gpu.items[0].history
-    assert h is not None
-    return h
+    return gpu_evictor(m).history
 
 
 def tree_page(m: KVCacheManager, tokens: list[int], block: int) -> Page:
@@ -127,7 +128,7 @@ def test_aging_lets_a_formerly_popular_block_go(make_manager: MakeManager) -> No
         run(engine, m, old + uniq(1, 2000 + r))  # one block (the partial tail is never cached)
     ev = gpu_evictor(m)
     old_page = tree_page(m, old + [0], 0)
-    old_value = old_page.ev_key
+    old_value = state_of(old_page).key
     rounds = 0
     while m.probe_reuse(input_tokens=[*old, 1]) and rounds < 200:
         block = uniq(T, 10_000 + 10 * rounds)
@@ -209,8 +210,8 @@ def test_descendants_go_before_their_anchor_whatever_the_values(make_manager: Ma
     ev = gpu_evictor(m)
     page_a = tree_page(m, [*a, *b], 0)
     page_b = tree_page(m, [*a, *b], 1)
-    assert page_a.uses == 3 and page_b.uses == 2
-    assert page_a.ev_key < page_b.ev_key  # A is worth less ...
+    assert state_of(page_a).uses == 3 and state_of(page_b).uses == 2
+    assert state_of(page_a).key < state_of(page_b).key  # A is worth less ...
     assert ev.is_parked(page_a) and not ev.is_parked(page_b)  # ... but waits for B
     st = m.get_storage_statistics()[0]
     hog = hold(m, st.free + st.evictable - 1)  # everything but one page goes
@@ -237,10 +238,10 @@ def test_an_anchor_that_must_go_takes_its_subtree(make_manager: MakeManager) -> 
     host_ev = gpu_evictor(m, 1)
     page_a = tree_page(m, [*a, *b], 0)
     page_b = tree_page(m, [*a, *b], 1)
-    assert page_a.ev_key < page_b.ev_key
+    assert state_of(page_a).key < state_of(page_b).key
     hog = hold(m, 3)  # the GPU keeps one page, B; A moves to the host and is parked there
     assert page_b.level == 0 and page_a.level == 1 and host_ev.is_parked(page_a)
-    assert page_a.uses == 4  # the history travelled with the page
+    assert state_of(page_a).uses == 4  # the history travelled with the page
     hog.close()
     run(engine, m, uniq(2 * T, 7000))  # two one-off blocks in GPU memory
     hog = hold(m, 3)  # they move to the host, which drops what it has: only A is left, parked
@@ -266,14 +267,14 @@ def test_host_tier_demotes_in_eviction_order_and_keeps_the_popular(make_manager:
     page = tree_page(m, popular, 0)
     assert page.level == 0  # never demoted: the one-offs went first
     hog = hold(m, 4)  # the whole GPU: the prefix is demoted
-    assert page.level == 1 and page.uses == 3
+    assert page.level == 1 and state_of(page).uses == 3
     hog.close()
     for r in range(6):  # another scan: the host drops one-offs, not the prefix
         run(engine, m, uniq(2 * T, 9000 + 100 * r))
     assert m.probe_reuse(input_tokens=[*popular, 1]) == 2 * T
     run(engine, m, [*popular, 5])  # onboarded intact
     h = history(m)  # one simulated LRU for both levels, as long as they are together
-    assert h.lru_slots == 8 and len(h.recent) <= 8 and h is m._storage.levels[1].items[0].history
+    assert h.lru_slots == 8 and len(h.recent) <= 8 and h is gpu_evictor(m, 1).history
     m.check_invariants()
 
 
@@ -291,11 +292,11 @@ def test_ghost_restores_the_uses_of_an_evicted_block(make_manager: MakeManager) 
     assert history(m).remembers(block_key) == 3
     hog.close()
     run(engine, m, popular)  # computed again: its uses come back from the ghost, plus this one
-    assert tree_page(m, popular, 0).uses == 4
+    assert state_of(tree_page(m, popular, 0)).uses == 4
     assert history(m).remembers(block_key) == 0  # the entry moved back to the page
     fresh = uniq(T, 3000)
     run(engine, m, fresh)
-    assert tree_page(m, fresh, 0).uses == 1
+    assert state_of(tree_page(m, fresh, 0)).uses == 1
     m.check_invariants()
 
 
@@ -326,17 +327,18 @@ def test_each_request_counts_once_per_block(make_manager: MakeManager) -> None:
     engine = FakeEngine(m)
     block = uniq(T, 1000)
     run(engine, m, [*block, 0])
-    assert tree_page(m, block, 0).uses == 1
+    assert state_of(tree_page(m, block, 0)).uses == 1
     run(engine, m, [*block, 5])  # a full match
-    assert tree_page(m, block, 0).uses == 2
+    assert state_of(tree_page(m, block, 0)).uses == 2
     run(engine, m, block)  # prompt[:-1] ends inside the block: a partial match, copied, deduplicated
-    assert tree_page(m, block, 0).uses == 3
+    assert state_of(tree_page(m, block, 0)).uses == 3
     m.check_invariants()
 
 
 def test_the_evictor_classes_follow_the_config(make_manager: MakeManager) -> None:
     lru = make_manager(one_layer(T), tokens_per_block=T, quota=4 * SLOT)
-    assert type(lru._storage.gpu.items[0].evictor) is LruEvictor and lru._storage.gpu.items[0].history is None
+    ev = lru._storage.gpu.items[0].evictor
+    assert type(ev) is LruEvictor and not ev.hears_uses
     freq = make_manager(one_layer(T), tokens_per_block=T, quota=4 * SLOT, eviction_policy="frequency")
     assert type(freq._storage.gpu.items[0].evictor) is FrequencyEvictor
     assert history(freq).num_entries == 8 * 4  # GHOST_PER_SLOT x the last level's slots
@@ -344,7 +346,8 @@ def test_the_evictor_classes_follow_the_config(make_manager: MakeManager) -> Non
 
 @pytest.mark.parametrize("bad", ["LRU", "mru", ""])
 def test_unknown_policy_is_refused_with_the_choices(bad: str) -> None:
-    with pytest.raises(ValueError, match="eviction_policy must be one of 'lru', 'frequency', got"):
+    names = ", ".join(map(repr, EVICTION_POLICIES))  # the registry's, in its order
+    with pytest.raises(ValueError, match=re.escape(f"eviction_policy must be one of {names}, got")):
         KVCacheManagerConfig(T, [GpuCacheTierConfig(SLOT)], one_layer(T), eviction_policy=bad)  # type: ignore[arg-type]
 
 

@@ -7,7 +7,8 @@ from conftest import MakeManager, kv_layers
 
 from kv_cache_manager_v2 import CacheLevel, KVCache, KVCacheManager, LayerGroupId, SlotId
 from kv_cache_manager_v2._page import Page
-from kv_cache_manager_v2._storage._eviction import FrequencyEvictor
+from kv_cache_manager_v2._storage._policies._frequency import FrequencyEvictor
+from kv_cache_manager_v2._storage._policies._use_history import state_of
 
 T = 8
 LC0 = LayerGroupId(0)
@@ -211,9 +212,11 @@ def frequency_heap(make_manager: MakeManager) -> tuple[KVCacheManager, list[Page
     pages = evictor.pages()
     parked = pages[-1]  # the parked parent comes last
     assert evictor.is_parked(parked)
-    heap = [p for p in pages[:-1] if p.ev_pos >= 0]
-    fifo = [p for p in pages[:-1] if p.ev_pos < 0]
-    assert len(heap) == 4 and len(fifo) == 1 and all(p.uses == 2 for p in heap) and fifo[0].uses == 1
+    heap = [p for p in pages[:-1] if state_of(p).pos >= 0]
+    fifo = [p for p in pages[:-1] if state_of(p).pos < 0]
+    assert (
+        len(heap) == 4 and len(fifo) == 1 and all(state_of(p).uses == 2 for p in heap) and state_of(fifo[0]).uses == 1
+    )
     return m, heap, fifo, parked
 
 
@@ -222,15 +225,15 @@ def test_broken_frequency_evictor_is_caught(make_manager: MakeManager, damage: s
     m, heap, fifo, parked = frequency_heap(make_manager)
     evictor = m._storage.gpu.items[0].evictor
     assert type(evictor) is FrequencyEvictor
-    saved = (heap[0].ev_key, heap[1].ev_pos, fifo[0].ev_pos, evictor.count, evictor._nonempty)
+    saved = (state_of(heap[0]).key, state_of(heap[1]).pos, state_of(fifo[0]).pos, evictor.count, evictor._nonempty)
     if damage == "order":
-        heap[0].ev_key = heap[-1].ev_key + 1.0
+        state_of(heap[0]).key = state_of(heap[-1]).key + 1.0
         says = "heap order broken"
     elif damage == "position":
-        heap[1].ev_pos += 1
+        state_of(heap[1]).pos += 1
         says = "records position"
     elif damage == "fifo":
-        fifo[0].ev_pos = 0
+        state_of(fifo[0]).pos = 0
         says = "FIFO list broken"
     elif damage == "count":
         evictor.count += 1
@@ -243,6 +246,6 @@ def test_broken_frequency_evictor_is_caught(make_manager: MakeManager, damage: s
         says = "non-empty bit out of date"
     with pytest.raises(AssertionError, match=says):
         m.check_invariants()
-    heap[0].ev_key, heap[1].ev_pos, fifo[0].ev_pos, evictor.count, evictor._nonempty = saved
+    state_of(heap[0]).key, state_of(heap[1]).pos, state_of(fifo[0]).pos, evictor.count, evictor._nonempty = saved
     parked.anchor = True
     m.check_invariants()  # repaired: the manager shuts down cleanly

@@ -23,9 +23,7 @@ def _take_reused(node: Node, layer_group: LayerGroupId, state: RequestState, mat
     page = node.page(layer_group)
     assert page is not None
     page.take(False)
-    history = page.storage.history
-    if history is not None:
-        history.use(page, state._serial, True)
+    page.used(state._serial, True)
     if page.hint_end != NO_HINT:
         end_hint(page, state, match_end)
     return page

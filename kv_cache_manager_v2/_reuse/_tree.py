@@ -254,9 +254,7 @@ class ReuseTree(PageDropListener):
                     theirs.exchange_location(mine)
                     self.page_moved(theirs, source_level)
                 theirs.take(locked)
-                history = theirs.storage.history
-                if history is not None:
-                    history.use(theirs, serial, True)
+                theirs.used(serial, True)
                 pages[layer_group] = theirs
                 mine.release(locked)
         return node
@@ -274,9 +272,7 @@ class ReuseTree(PageDropListener):
         page.anchor = anchor
         if anchor and page.priority < node.prio_cap:
             node.prio_cap = page.priority
-        history = page.storage.history
-        if history is not None:
-            history.use(page, serial, False)
+        page.used(serial, False)
         if self.state_groups:
             self._value_attached(node, page)
         sink = self.event_sink
@@ -388,9 +384,8 @@ class ReuseTree(PageDropListener):
                     sink.block_removed(n.key, layer_group, p.level, n.session)
                 p.set_low_value(False)
                 unused = p.num_locks == 0 and p.num_holds == 0
-                history = p.storage.history
-                if unused and history is not None and not free_unused:
-                    history.record(p)  # the block leaves the cache: remember its uses
+                if unused and not free_unused:
+                    p.dropped()  # the block leaves the cache (its policy may remember its uses)
                 p.node = None
                 if unused:
                     if free_unused:

@@ -232,13 +232,11 @@ class EvictionCascade(StorageLevels):
                         self.drop(v)
 
     def drop(self, page: Page, spill: bool = True) -> None:
-        """Free an evicted page for good; the listener forgets it first (and the use history
-        remembers a reusable block's uses). With a remote tier, a reusable full block's data is
+        """Free an evicted page for good; the listener forgets it first (and the eviction policy
+        hears of it). With a remote tier, a reusable full block's data is
         queued for writing there first (unless ``spill`` is False)."""
         storage = page.storage
-        history = storage.history
-        if history is not None:
-            history.record(page)
+        page.dropped()
         remote = self.remote_tier
         listener = self.drop_listener
         node = page.node

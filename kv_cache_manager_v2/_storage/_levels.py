@@ -15,14 +15,13 @@ from .._page import Evictor, PoolGroupStorage
 from .._typed import TypedList
 from ._backend import MAX_GROWTH, MemoryBackend
 from ._copy_engine import CopyEngine
-from ._eviction import FrequencyEvictor, LruEvictor
 from ._layout import StorageLayout
 from ._persist import PersistentDisk
 from ._persistence import take_persisted
 from ._pins import PinTable
+from ._policies._make import pool_group_evictors
 from ._tiers._base import Tier
 from ._tiers._registry import local_tier
-from ._use_history import UseHistory
 
 #: Per level and pool group, how many of the asking request's own pages its evictor lists
 #: (they are about to be used, so they do not count as evictable).
@@ -57,13 +56,14 @@ class StorageLevels:
         #: the persistent disk tier's files (``DiskCacheTierConfig.persistent``), and its level
         self.persist: PersistentDisk | None = None
         self.persist_level = -1
-        #: per pool group, the use counting the frequency policy shares among the group's levels
-        histories: list[UseHistory | None] = [
-            UseHistory(n) if eviction_policy == "frequency" else None for n in slots[len(tiers) - 1]
+        #: per pool group, its evictor of each level (``eviction_policy``'s; levels may share state)
+        evictors = [
+            pool_group_evictors(eviction_policy, [slots[level][g] for level in range(len(tiers))])
+            for g in range(len(layout.pool_groups))
         ]
         try:
             for cfg in tiers:
-                self._add_level(cfg, slots, histories, disk_fingerprint)
+                self._add_level(cfg, slots, evictors, disk_fingerprint)
             for level, tier in enumerate(self.tier_objects):
                 persist = tier.persistent()
                 if persist is not None:  # its slots with valid records are taken
@@ -76,7 +76,7 @@ class StorageLevels:
         self,
         cfg: LocalCacheTierConfig,
         slots: list[list[int]],
-        histories: list[UseHistory | None],
+        evictors: list[list[Evictor]],
         disk_fingerprint: bytes,
     ) -> None:
         """Build the next level's tier and pool groups (``slots[level][g]`` slots each)."""
@@ -91,14 +91,13 @@ class StorageLevels:
         groups: TypedList[PoolGroupIndex, PoolGroupStorage] = TypedList([])
         self.levels.items.append(groups)
         is_last = level == last
-        for group, num_slots, history in zip(self.layout.pool_groups, slots[level], histories):
+        for group, num_slots, group_evictors in zip(self.layout.pool_groups, slots[level], evictors):
             # address space for MAX_GROWTH x the tier's quota, as if this group got all of it, so any
             # later split of a grown quota fits without moving
             pools = tier.make_pools(group, num_slots, max(num_slots, MAX_GROWTH * cfg.quota // group.slot_bytes))
-            evictor: Evictor = LruEvictor() if history is None else FrequencyEvictor(history, num_slots, parks=is_last)
             groups.items.append(
                 PoolGroupStorage(
-                    CacheLevel(level), tier, is_last, group, num_slots, pools, evictor, history, self.copier.media
+                    CacheLevel(level), tier, is_last, group, num_slots, pools, group_evictors[level], self.copier.media
                 )
             )
 

@@ -92,8 +92,6 @@ class TierResizer:
                 self._compact(group, num_slots, live)
             group.allocator.resize(num_slots)
             group.evictor.resize(num_slots)
-            if group.is_last and group.history is not None:
-                group.history.resize(num_slots)
             if shrinking:
                 for pool, size in zip(group.pools, group.layout.slot_sizes):
                     pool.shrink(num_slots * size)

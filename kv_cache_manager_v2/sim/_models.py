@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any
 
 from mypy_extensions import mypyc_attr
 
@@ -23,7 +23,6 @@ from .._config import (
     BufferConfig,
     CacheTierConfig,
     DiskCacheTierConfig,
-    EvictionPolicy,
     GpuCacheTierConfig,
     HostCacheTierConfig,
     KVCacheManagerConfig,
@@ -578,7 +577,7 @@ def manager_config(
         layers=layers,
         swa_scratch_reuse=SwaScratchReuseConfig() if swa_scratch else None,
         backend="host",
-        eviction_policy=cast(EvictionPolicy, eviction_policy),
+        eviction_policy=eviction_policy,
         ssm_reuse_interval=ssm_reuse_interval if shape.is_hybrid else None,
         load_workers=0,  # deterministic: the simulator's own clock models load time (no worker threads)
     )

@@ -1,15 +1,15 @@
 """Use counting for the frequency eviction policy: :class:`UseHistory` counts block uses by key,
 survives eviction in a set-associative ghost table, and learns the adaptive aging from an LRU
-cache of the same size simulated beside the policy (see ``_eviction.py``)."""
+cache of the same size simulated beside the policy (see ``_frequency.py``)."""
 
 from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from typing import Final
+from typing import Final, cast, final
 
-from .._common import RequestSerial
-from .._page import Page, UseCounter
+from ..._common import RequestSerial
+from ..._page import NO_SERIAL, Page, PolicyState
 
 #: Frequency policy: ghost entries per slot of the last level, and entries per set (the study:
 #: 16 ways evict the fewest-uses entry of a wide neighbourhood, which beats 4 ways by 0.003 at 1M).
@@ -39,19 +39,55 @@ _EMPTY_TAG: Final = bytes(_TAG_BYTES)
 _ZERO_TAG_STAND_IN: Final = b"\x01" + bytes(_TAG_BYTES - 1)
 
 
+#: ``FrequencyState.pos`` of a page in no heap (``_frequency.py`` has the other values)
+NOT_IN_HEAP: Final = -1
+
+
+@final
+class FrequencyState(PolicyState):
+    """A page's state under the frequency policy: requests that used its block (history
+    included), the use clock at the first, the last one counted; the value, sequence number and
+    heap position it was listed with (``_frequency.py``)."""
+
+    __slots__ = ("first_use", "key", "pos", "seq", "use_serial", "uses")
+
+    def __init__(self) -> None:
+        self.uses = 0
+        self.first_use = 0
+        self.use_serial = NO_SERIAL
+        self.key = 0.0
+        self.seq = 0
+        self.pos = NOT_IN_HEAP
+
+
+def frequency_state(page: Page) -> FrequencyState:
+    """``page``'s state under the frequency policy (made when first needed)."""
+    st = page.policy_state
+    if st is None:
+        fresh = FrequencyState()
+        page.policy_state = fresh
+        return fresh
+    return cast(FrequencyState, st)
+
+
+def state_of(page: Page) -> FrequencyState:
+    """The state of a page the frequency policy already counted or listed."""
+    return cast(FrequencyState, page.policy_state)
+
+
 def ghost_tag(key: bytes) -> bytes:
     """The ghost tag of a block key: its first 8 bytes (never the empty marker)."""
     tag = key[:_TAG_BYTES]
     return tag if tag != _EMPTY_TAG else _ZERO_TAG_STAND_IN
 
 
-class UseHistory(UseCounter):
+class UseHistory:
     """Use counting of one pool group for the frequency policy, shared by its evictors of every
     cache level: the use clock, and the ghost table that remembers the blocks that left.
 
     A *use* is a request taking a reusable page (a match, a partial-match source, a dedup at
     publish) or publishing its own page into the tree; a request counts once per page
-    (``Page.use_serial``). ``now`` counts uses. A page counted for the first time resumes what
+    (``FrequencyState.use_serial``). ``now`` counts uses. A page counted for the first time resumes what
     the ghost remembers of its block (``uses``, ``first_use``); a page dropped for good while in
     the tree is remembered there.
 
@@ -117,9 +153,10 @@ class UseHistory(UseCounter):
         """Request ``serial`` uses ``page`` (a page in the tree; ``cached``: a hit, else the
         request publishes it); counted once per request. Where the simulated LRU disagrees (a
         hit it would have missed, a miss it would have hit), the aging moves one step."""
-        if page.use_serial == serial:
+        st = frequency_state(page)
+        if st.use_serial == serial:
             return
-        page.use_serial = serial
+        st.use_serial = serial
         self.now += 1
         node = page.node
         assert node is not None
@@ -129,15 +166,15 @@ class UseHistory(UseCounter):
                 self.aging = max(AGING_MIN, self.aging / (1.0 + AGING_STEP))
             else:  # lost where LRU would still have it: more recency
                 self.aging = min(AGING_MAX, self.aging * (1.0 + AGING_STEP))
-        if page.uses == 0:  # never counted: resume the block's history, if remembered
+        if st.uses == 0:  # never counted: resume the block's history, if remembered
             i = self._find(ghost_tag(key))
             if i < 0:
-                page.first_use = self.now
+                st.first_use = self.now
             else:
                 self._tags[i * _TAG_BYTES : (i + 1) * _TAG_BYTES] = _EMPTY_TAG  # the page carries it now
-                page.uses = self._ranks[i] >> _STAMP_BITS
-                page.first_use = self._firsts[i]
-        page.uses += 1
+                st.uses = self._ranks[i] >> _STAMP_BITS
+                st.first_use = self._firsts[i]
+        st.uses += 1
 
     def released(self, page: Page) -> None:
         """``page`` (in the tree) became DROPPABLE: the simulated LRU lists its block as the newest
@@ -156,8 +193,11 @@ class UseHistory(UseCounter):
     def record(self, page: Page) -> None:
         """``page`` (in the tree) is dropped for good: remember its block's uses."""
         node = page.node
-        if node is not None and page.uses:
-            self._put(ghost_tag(node.key), page.uses, page.first_use)
+        st = page.policy_state
+        if node is not None and st is not None:
+            fs = cast(FrequencyState, st)
+            if fs.uses:
+                self._put(ghost_tag(node.key), fs.uses, fs.first_use)
 
     def remembers(self, key: bytes) -> int:
         """Uses the ghost remembers of the block with ``key`` (0: none; for tests)."""
