@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import re
 from array import array
+from typing import cast
 
 import pytest
 from conftest import REC, MakeManager, one_layer
@@ -32,6 +33,7 @@ from kv_cache_manager_v2._common import DEFAULT_REUSE_SCOPE
 from kv_cache_manager_v2._page import GARBAGE_PRIORITY, Page
 from kv_cache_manager_v2._storage._policies._frequency import FrequencyEvictor
 from kv_cache_manager_v2._storage._policies._lru import LruEvictor
+from kv_cache_manager_v2._storage._policies._slru import SlruEvictor, SlruState
 from kv_cache_manager_v2._storage._policies._use_history import (
     AGING_MAX,
     AGING_MIN,
@@ -527,3 +529,94 @@ def test_long_multi_turn_chats_do_not_lose_to_lru() -> None:
             m.shutdown()
     assert rates["lru"] > 0.85
     assert rates["frequency"] >= rates["lru"] - 0.03, rates
+
+
+# ---------------------------------------------------------------------------------------- SLRU
+def slru_order(m: KVCacheManager) -> list[tuple[int, bool]]:
+    """The GPU evictor's pages of full blocks in eviction order: (first token, protected); the
+    partial blocks ``run`` leaves are cached too, left out here."""
+    ev = m._storage.gpu.items[0].evictor
+    assert type(ev) is SlruEvictor
+    out = []
+    for p in ev.pages():
+        node = p.node
+        assert node is not None
+        if len(node.tokens) < T:
+            continue
+        st = p.policy_state
+        out.append((node.tokens[0], st is not None and cast(SlruState, st).protected))
+    return out
+
+
+def test_slru_lets_a_scan_pass_where_lru_flushes_a_reused_block() -> None:
+    """A block reused once (protected) outlives a scan of one-off blocks (probationary) that is
+    as large as the cache; under LRU the same scan evicts it (it is the least recently released)."""
+    kept = {}
+    for policy in ("lru", "slru"):
+        cfg = KVCacheManagerConfig(
+            T, [GpuCacheTierConfig(4 * SLOT)], one_layer(T), backend="host", eviction_policy=policy
+        )
+        m = KVCacheManager(cfg)
+        try:
+            engine = FakeEngine(m)
+            reused = uniq(T, 1000)
+            run(engine, m, [*reused, 1])
+            run(engine, m, [*reused, 2])  # a hit: protected under SLRU
+            for r in range(4):
+                run(engine, m, uniq(T, 5000 + 100 * r) + [0])  # one-off blocks: the cache's size
+            kept[policy] = m.probe_reuse(input_tokens=[*reused, 3])
+            m.check_invariants()
+        finally:
+            m.shutdown()
+    assert kept == {"lru": 0, "slru": T}
+
+
+def test_slru_demotes_its_oldest_protected_page_beyond_the_share(make_manager: MakeManager) -> None:
+    """6 slots: at most int(0.8 x 6) = 4 protected pages. A fifth reused block demotes the oldest
+    protected one to the newest probationary page; it goes before the protected ones, and a
+    one-off block listed later does too (LRU would order them by release alone)."""
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=6 * SLOT, eviction_policy="slru")
+    engine = FakeEngine(m)
+    blocks = [uniq(T, 1000 * (b + 1)) for b in range(5)]
+    for block in blocks:
+        run(engine, m, [*block, 1])
+        run(engine, m, [*block, 2])  # the hit: protected at this release
+    firsts = [block[0] for block in blocks]
+    assert slru_order(m) == [(firsts[0], False)] + [(f, True) for f in firsts[1:]]
+    run(engine, m, uniq(T, 9000) + [0])  # 2 slots: a partial block's and the demoted block's
+    assert m.probe_reuse(input_tokens=[*blocks[0], 3]) == 0
+    assert slru_order(m) == [(9000, False)] + [(f, True) for f in firsts[1:]]
+    m.check_invariants()
+
+
+def test_slru_is_in_the_registry() -> None:
+    """The policy's one line: the config takes the name, the manager builds its evictors."""
+    assert "slru" in EVICTION_POLICIES
+    cfg = KVCacheManagerConfig(T, [GpuCacheTierConfig(5 * SLOT)], one_layer(T), backend="host", eviction_policy="slru")
+    m = KVCacheManager(cfg)
+    try:
+        ev = m._storage.gpu.items[0].evictor
+        assert type(ev) is SlruEvictor and ev.hears_uses and ev._limit == 4
+    finally:
+        m.shutdown()
+
+
+def test_broken_slru_segments_are_caught(make_manager: MakeManager) -> None:
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=6 * SLOT, eviction_policy="slru")
+    engine = FakeEngine(m)
+    for b in range(2):
+        run(engine, m, uniq(T, 1000 * (b + 1)) + [1])
+    run(engine, m, uniq(T, 1000) + [2])  # the first block: protected
+    ev = m._storage.gpu.items[0].evictor
+    assert type(ev) is SlruEvictor
+    ev._num_protected += 1
+    with pytest.raises(AssertionError, match="SLRU counts 2 protected pages but lists 1"):
+        m.check_invariants()
+    ev._num_protected -= 1
+    first = ev.pages()[0]  # probationary
+    first.policy_state = SlruState()
+    cast(SlruState, first.policy_state).protected = True
+    with pytest.raises(AssertionError, match="a protected page before the boundary"):
+        m.check_invariants()
+    first.policy_state = None
+    m.check_invariants()

@@ -12,6 +12,7 @@ from typing import Final
 POLICIES: Final[tuple[tuple[str, str, str, str], ...]] = (
     ("lru", "_lru", "lru_evictors", "least recently released first"),
     ("frequency", "_frequency", "frequency_evictors", "lowest use rate first: use-rate GreedyDual, adaptive aging"),
+    ("slru", "_slru", "slru_evictors", "segmented LRU: blocks reused since cached outlive one-off blocks"),
 )
 
 #: every policy's name, in the registry's order
