@@ -8,6 +8,7 @@ is checked), no exception into the engine, no call past its deadline."""
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -288,6 +289,28 @@ def test_a_url_scheme_chooses_the_backend_and_bad_urls_are_refused() -> None:
     ):
         with pytest.raises(ValueError, match=match) as caught:
             parse_url(bad)
+        assert "secret" not in str(caught.value)
+
+
+def test_the_config_refuses_a_bad_mooncake_url_saying_what_is_allowed() -> None:
+    """``RemoteCacheTierConfig`` checks a URL with the backend its scheme names, before any manager starts."""
+    from kv_cache_manager_v2 import RemoteCacheTierConfig
+
+    good = RemoteCacheTierConfig("mooncake://10.0.0.5:50051?metadata=P2PHANDSHAKE&protocol=rdma&device=mlx5_0", "n")
+    assert good.url.startswith("mooncake://")
+    for bad, match in (
+        ("mooncake://h:1", r"url: Mooncake URL: metadata=<the metadata server> is required \(mooncake://host:port"),
+        ("mooncake://h:1?metadata=x&protocol=udp", r"protocol must be one of \('tcp', 'rdma'\), got 'udp'"),
+        ("mooncake://h:1?metadata=x&segment=-5", "segment must be a number of bytes"),
+        ("mooncake://h:1?metadata=x&colour=red", r"unknown parameters \['colour'\]; allowed: \['buffer'"),
+        ("mooncake://h?metadata=x", r"a Mooncake URL is mooncake://host:port\?metadata=.*\(the master's host:port\)"),
+        ("mooncake://h:1/db?metadata=x", "a path or fragment"),
+        ("mooncake://h:1?metadata=x&hostname=a b", "hostname must be"),
+        ("mooncake://u:secret@h?metadata=x", r"got 'mooncake://u:\*\*\*@h"),
+    ):
+        with pytest.raises(ValueError, match=r"RemoteCacheTierConfig\.url: ") as caught:
+            RemoteCacheTierConfig(bad, "n")
+        assert re.search(match, str(caught.value)), (bad, str(caught.value))
         assert "secret" not in str(caught.value)
 
 

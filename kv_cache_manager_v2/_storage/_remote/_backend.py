@@ -43,6 +43,12 @@ class RemoteBackend(ABC):
         #: whether ``lookup``/``read`` may be called from a loader's worker thread too
         self.reads_in_background = True
 
+    @staticmethod
+    def check_url(url: str) -> None:
+        """ValueError, saying what is wrong and what is allowed, where this backend cannot serve ``url``
+        (``RemoteCacheTierConfig`` checks its URL with it)."""
+        return None
+
     @abstractmethod
     def lookup(self, keys: list[bytes], nbytes: list[int]) -> list[bool] | None:
         """Whether each key holds a value of ``nbytes[i]`` bytes, as far as the store tells without

@@ -96,40 +96,58 @@ class MooncakeError(ConnectionError):
     """A Mooncake call failed as a whole (the master unreachable, no answer in time)."""
 
 
+#: what a Mooncake URL may say
+_URL_FORM: Final = (
+    "mooncake://host:port?metadata=<http://host:port/metadata, etcd://host:port or P2PHANDSHAKE>"
+    "[&protocol=tcp|rdma][&device=<RDMA devices>][&segment=<bytes>][&buffer=<bytes>][&hostname=<this host>]"
+)
+#: the transports of Mooncake's transfer engine a URL may name
+_PROTOCOLS: Final = ("tcp", "rdma")
+
+
 def parse_url(url: str) -> dict[str, Any]:
-    """The client's ``setup`` arguments from ``mooncake://host:port?metadata=URL&protocol=tcp&device=&segment=
-    BYTES&buffer=BYTES&hostname=NAME`` (ValueError naming what is wrong)."""
+    """The client's ``setup`` arguments from a Mooncake URL (``_URL_FORM``); ValueError saying what is
+    wrong, with the form allowed."""
+    shown = redact_url(url)
     try:
         parts = urlsplit(url)
         port = parts.port  # (ValueError when out of range)
     except ValueError as e:
-        raise ValueError(
-            f"a Mooncake URL is mooncake://host:port?metadata=...; got {redact_url(url)!r} ({e})"
-        ) from None
+        raise ValueError(f"a Mooncake URL is {_URL_FORM}; got {shown!r} ({e})") from None
     if parts.scheme != "mooncake" or not parts.hostname or port is None:
-        raise ValueError(f"a Mooncake URL is mooncake://host:port?metadata=...; got {redact_url(url)!r}")
+        raise ValueError(f"a Mooncake URL is {_URL_FORM}; got {shown!r} (the master's host:port)")
+    if parts.path not in ("", "/") or parts.fragment:
+        raise ValueError(f"a Mooncake URL is {_URL_FORM}; got {shown!r} (a path or fragment)")
     query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
     allowed = {"metadata", "protocol", "device", "segment", "buffer", "hostname"}
     unknown = sorted(set(query) - allowed)
     if unknown:
-        raise ValueError(f"Mooncake URL: unknown parameters {unknown}; allowed: {sorted(allowed)}")
+        raise ValueError(f"Mooncake URL: unknown parameters {unknown}; allowed: {sorted(allowed)} ({_URL_FORM})")
     metadata = query.get("metadata", "")
     if not metadata:
-        raise ValueError("Mooncake URL: metadata=<http://host:port/metadata, etcd://... or P2PHANDSHAKE> is required")
+        raise ValueError(f"Mooncake URL: metadata=<the metadata server> is required ({_URL_FORM})")
+    if any(c.isspace() for c in metadata):
+        raise ValueError(f"Mooncake URL: metadata must be a server's URL or P2PHANDSHAKE, got {metadata!r}")
+    protocol = query.get("protocol") or "tcp"
+    if protocol not in _PROTOCOLS:
+        raise ValueError(f"Mooncake URL: protocol must be one of {_PROTOCOLS}, got {protocol!r}")
     sizes = {}
     for name, default in (("segment", DEFAULT_SEGMENT), ("buffer", DEFAULT_BUFFER)):
         text = query.get(name, str(default))
         if not text.isdigit():
             raise ValueError(f"Mooncake URL: {name} must be a number of bytes, got {text!r}")
         sizes[name] = int(text)
+    hostname = query.get("hostname", "")
+    if any(c.isspace() or c in "/?#@" for c in hostname):
+        raise ValueError(f"Mooncake URL: hostname must be this host's name or address, got {hostname!r}")
     host = parts.hostname
     loopback = host in ("127.0.0.1", "localhost", "::1")
     return {
-        "local_hostname": query.get("hostname") or ("127.0.0.1" if loopback else socket.gethostname()),
+        "local_hostname": hostname or ("127.0.0.1" if loopback else socket.gethostname()),
         "metadata_server": metadata,
         "global_segment_size": sizes["segment"],
         "local_buffer_size": sizes["buffer"],
-        "protocol": query.get("protocol") or "tcp",
+        "protocol": protocol,
         "rdma_devices": query.get("device", ""),
         "master_server_addr": f"{host}:{port}",
     }
@@ -305,6 +323,10 @@ class MooncakeBackend(RemoteBackend):
                 self._known.add(addr)
 
     # ------------------------------------------------------------------ the interface
+    @staticmethod
+    def check_url(url: str) -> None:
+        parse_url(url)
+
     def register(self, view: memoryview) -> None:
         with self._lock:
             self._registered.append((address(view), len(view)))
