@@ -138,17 +138,14 @@ class DiskCacheTierConfig:
 @dataclass(frozen=True)
 class RemoteCacheTierConfig:
     """A remote tier on Redis (or Valkey), a Redis Cluster or a Mooncake Store, shared by every manager
-    that points at the same store and ``namespace``: below the local tiers, content-addressed by the
-    reuse key of each page.
+    on the same store and ``namespace``: below the local tiers, content-addressed by each page's reuse key.
 
     - ``url``: ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS) or ``unix://path`` for one
       server; ``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster://``: TLS)
       for a Redis Cluster or Valkey cluster, given by one or more seed nodes (the client reads the slot
-      map from them, and again when a node answers ``MOVED``);
-      ``mooncake://host:port?metadata=<http://host:port/metadata, etcd://host:port or P2PHANDSHAKE>``
-      for a Mooncake Store (its master's RPC address; optional ``protocol=tcp|rdma``, ``device=``,
-      ``segment=`` bytes this client gives the store, ``buffer=``, ``hostname=``). A URL the backend
-      cannot serve is a ValueError here. The password never appears in logs, ``repr`` or error messages.
+      map from them, and again when a node answers ``MOVED``); ``mooncake://host:port?metadata=...`` for
+      a Mooncake Store's master (README). A URL its backend refuses is a ValueError here. The password
+      never appears in logs, ``repr`` or error messages.
     - ``namespace``: names the model (and anything else that must never share KV with another);
       keys also carry a fingerprint of the layout (layers, buffers, sizes, tokens per block, ``dtype``).
     - ``quota``: bytes; when given, the manager sets the server's ``maxmemory`` to it (with
@@ -192,12 +189,7 @@ class RemoteCacheTierConfig:
         check_type(f"{n}.url", self.url, str)
         if not self.url.startswith(REMOTE_URL_SCHEMES):
             raise ValueError(f"{n}.url must start with one of {REMOTE_URL_SCHEMES}, got {redact_url(self.url)!r}")
-        if self.cluster:
-            cluster_seed_nodes(self.url)
-        try:
-            check_backend_url(self.url)
-        except ValueError as e:
-            raise ValueError(f"{n}.url: {e}") from None
+        check_backend_url(f"{n}.url", self.url)
         check_type(f"{n}.namespace", self.namespace, str)
         if not self.namespace or len(self.namespace) > 256 or not self.namespace.isprintable():
             raise ValueError(f"{n}.namespace must be 1 to 256 printable characters, got {self.namespace!r}")

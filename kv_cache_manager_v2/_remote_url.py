@@ -10,9 +10,12 @@ from ._storage._remote._registry import check_url
 CLUSTER_URL_SCHEMES: tuple[str, ...] = ("redis+cluster://", "rediss+cluster://")
 
 
-def check_backend_url(url: str) -> None:
-    """ValueError (what is wrong, what is allowed) where the backend ``url``'s scheme names refuses it."""
-    check_url(url)
+def check_backend_url(name: str, url: str) -> None:
+    """ValueError (``name``, what is wrong, what is allowed) where the backend ``url``'s scheme names refuses it."""
+    try:
+        check_url(url)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def redact_url(url: str) -> str:

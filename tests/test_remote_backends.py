@@ -216,6 +216,91 @@ def test_a_value_of_the_wrong_size_under_our_key_is_a_miss(make: Factory) -> Non
     assert st is not None and st.errors == 0
 
 
+def test_a_corrupt_value_read_into_slots_is_a_miss_and_its_slot_given_back(make: Factory) -> None:
+    """A value of the right size whose payload was damaged is read into a new slot, fails its checksum
+    there and is never published (the match ends before it); every slot read is accounted for."""
+    a = make(write_through=True)
+    b = make(host=16)
+    toks = seq(17, 3 * T)
+    publish(a, toks, match=False)
+    assert a.flush_remote_writes()
+    keys = page_keys(a, toks)
+    remote = a._remote
+    assert remote is not None
+    backend = remote.backend
+    size = HEADER_BYTES + 2 * 2 * 32 * T
+    values = backend.read(keys[1:2], [size])
+    assert values is not None and values[0] is not None
+    bad = bytearray(values[0])
+    bad[-1] ^= 0xFF  # one payload byte: the size and header stay right
+    assert backend.delete(keys[1:2]) == 1
+    results: list[Any] = []
+    backend.write(keys[1:2], [[bytes(bad)]], results)
+    assert results == [True]
+    assert reuse(b, toks + [1]) == T  # checked record by record; invariants: no slot lost
+    st = b.remote_statistics
+    assert st is not None and st.corrupt_pages == 1 and st.fetched_pages == 1 and st.errors == 0
+
+
+def test_mooncake_reads_land_in_the_host_slots_without_a_staging_copy(store: StoreUnderTest, make: Factory) -> None:
+    """Values are read straight into the host tier's slots (registered with the client): the reading
+    thread's buffer stays at its minimum (1 MiB) while 2 MiB of pages arrive."""
+    if store.name != "mooncake":
+        pytest.skip("Mooncake's zero-copy reads")
+    wide = [
+        AttentionLayerConfig(LayerId(i), [BufferConfig("key", 64 << 10), BufferConfig("value", 64 << 10)])
+        for i in range(2)
+    ]
+    page = 4 * (64 << 10)
+    slots = page // (2 * 2 * 32 * T)  # (a manager's gpu/host sizes count slots of the default layers)
+    a = make(write_through=True, gpu=16 * slots, layers=wide)
+    b = make(gpu=16 * slots, host=16 * slots, layers=wide)
+    toks = seq(18, 8 * T)
+    publish(a, toks, match=False)
+    assert a.flush_remote_writes()
+    assert reuse(b, toks + [1]) == 8 * T
+    st = b.remote_statistics
+    assert st is not None and st.fetched_pages == 8 and st.fetched_bytes >= 8 * page
+    remote = b._remote
+    assert remote is not None
+    buf = getattr(remote.backend._local, "buf", None)
+    assert buf is not None and buf.size == 1 << 20  # headers only went through it
+
+
+def test_mooncake_slots_a_late_read_may_write_are_held_until_it_returns(store: StoreUnderTest, make: Factory) -> None:
+    """A read into slots past its deadline (a hung master) leaves them allocated, set aside (not
+    capacity, no page), and a resize waits; once the call has returned they are free again."""
+    if store.name != "mooncake":
+        pytest.skip("a call Mooncake's client cannot bound runs on")
+    a = make(write_through=True)
+    b = make(host=16, timeout_ms=300, retry_interval_ms=50)
+    toks = seq(19, 2 * T)
+    publish(a, toks, match=False)
+    assert a.flush_remote_writes()
+    assert b.probe_reuse(None, seq(13, 2 * T) + [1]) == 0  # (b's client is set up)
+    tier = b._storage.remote_tier
+    assert tier is not None
+    group = b._storage.levels[CacheLevel(1)][0]
+    before = (group.set_aside, group.num_slots, b.get_storage_statistics(CacheLevel(1))[0].free)
+    keys = page_keys(a, toks)
+    slots = group.allocator.allocate(2)
+    store.pause()
+    try:
+        ok = tier.read_into_slots(keys, [(0, b"")] * 2, [(group, s) for s in slots])
+        assert ok is None and tier.held_of(group) == slots
+        assert group.set_aside == before[0] + 2 and group.num_slots == before[1] - 2
+        b.check_invariants()
+        assert not b.resize(CacheLevel(1), 8 * 2 * 2 * 32 * T)  # refused while a late call may write
+    finally:
+        store.resume()
+    deadline = time.monotonic() + 30
+    while not tier.settle() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tier.held_of(group) == [] and group.set_aside == before[0] and group.num_slots == before[1]
+    assert b.get_storage_statistics(CacheLevel(1))[0].free == before[2]
+    b.check_invariants()
+
+
 def test_mooncake_a_full_segment_refuses_writes_without_harm(store: StoreUnderTest, make: Factory) -> None:
     if store.name != "mooncake":
         pytest.skip("Mooncake's client segments")

@@ -5,7 +5,10 @@ The client (``mooncake.store.MooncakeDistributedStore``) moves values with its z
 between the store and memory registered with it: the write ring and the pools whose slots are handed
 off (``register``), values written whole straight from there (``batch_put_from_multi_buffers``: the
 header from a registered area, the page where it lies), and read whole into a registered buffer of the
-reading thread (``batch_get_into``; a value of another size fails there, a miss). A lookup is one
+reading thread (``batch_get_into``; a value of another size fails there, a miss) or, where the local
+cache reads into slots of registered pools, straight into them (``batch_get_into_multi_buffers``: the
+header into the thread's buffer, each pool's part into its slot; the value's checksum is verified there
+before the page is published). A lookup is one
 ``batch_is_exist``. Mooncake evicts and leases on its own: an object it dropped is a miss; a value of
 the wrong size, or whose checksum fails (``_value``), is a miss too.
 
@@ -353,6 +356,44 @@ class MooncakeBackend(RemoteBackend):
         self._outage("read", got)
         view = memoryview(buf.mem)
         return [view[offsets[i] : offsets[i] + n] if got[i] == n else None for i, n in enumerate(nbytes)]
+
+    def read_into(self, keys: list[bytes], targets: list[list[memoryview]]) -> list[bool] | None:
+        # straight into the targets where they lie in registered memory (the pools' slots); other
+        # parts (headers) land in this thread's buffer first and are copied out
+        names = [k.decode() for k in keys]
+        with self._lock:
+            ranges = list(self._registered)
+        at = [[address(part) for part in parts] for parts in targets]
+        bounce = sum(
+            len(p) for parts, a in zip(targets, at) for p, x in zip(parts, a) if not _inside(x, len(p), ranges)
+        )
+        buf = self._staging(bounce)
+        pos = 0
+        copies: list[tuple[int, memoryview, int]] = []  # (key, target, staging offset)
+        sizes: list[list[int]] = []
+        for i, parts in enumerate(targets):
+            for j, part in enumerate(parts):
+                if not _inside(at[i][j], len(part), ranges):
+                    copies.append((i, part, pos))
+                    at[i][j] = buf.addr + pos
+                    pos += len(part)
+            sizes.append([len(part) for part in parts])
+        got: list[int] = self._call(
+            "read", lambda c: list(c.batch_get_into_multi_buffers(names, at, sizes)), (buf, targets)
+        )
+        if len(got) != len(keys):
+            raise MooncakeError(f"read of {len(keys)} keys answered {len(got)}")
+        self._outage("read", got)
+        ok = [got[i] == sum(sizes[i]) for i in range(len(keys))]  # (a value of another size fails: a miss)
+        mem = memoryview(buf.mem)
+        for i, part, off in copies:
+            if ok[i]:
+                part[:] = mem[off : off + len(part)]
+        return ok
+
+    def busy(self) -> bool:
+        with self._lock:
+            return any(not f.done() for f, _ in self._stuck)
 
     def write(self, keys: list[bytes], values: list[list[Any]], results: list[Any]) -> None:
         names = [k.decode() for k in keys]
