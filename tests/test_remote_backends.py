@@ -267,6 +267,20 @@ def test_mooncake_reads_land_in_the_host_slots_without_a_staging_copy(store: Sto
     assert buf is not None and buf.size == 1 << 20  # headers only went through it
 
 
+def test_mooncake_a_read_into_slots_of_many_pages_is_issued_in_batches(store: StoreUnderTest, make: Factory) -> None:
+    """300 pages: more than one batch of the client's multi-buffer reads (256 keys), every byte right."""
+    if store.name != "mooncake":
+        pytest.skip("Mooncake's read batches")
+    a = make(write_through=True, gpu=320)
+    b = make(gpu=320, host=320)
+    toks = seq(21, 300 * T)
+    publish(a, toks, match=False)
+    assert a.flush_remote_writes()
+    assert reuse(b, toks + [1]) == 300 * T  # every record checked
+    st = b.remote_statistics
+    assert st is not None and st.fetched_pages == 300 and st.corrupt_pages == 0
+
+
 def test_mooncake_slots_a_late_read_may_write_are_held_until_it_returns(store: StoreUnderTest, make: Factory) -> None:
     """A read into slots past its deadline (a hung master) leaves them allocated, set aside (not
     capacity, no page), and a resize waits; once the call has returned they are free again."""

@@ -50,6 +50,10 @@ DEFAULT_SEGMENT: Final = 256 << 20
 DEFAULT_BUFFER: Final = 16 << 20
 #: helper threads running the client's calls (the scheduler's reads, the writer, a loader)
 _HELPERS: Final = 4
+#: a read into many buffers is issued in batches of at most this many bytes and keys (one batch of a
+#: gigabyte over TCP fails its last transfers: status -800)
+_READ_BATCH_BYTES: Final = 64 << 20
+_READ_BATCH_KEYS: Final = 256
 
 
 class DaemonHelpers:
@@ -378,9 +382,22 @@ class MooncakeBackend(RemoteBackend):
                     at[i][j] = buf.addr + pos
                     pos += len(part)
             sizes.append([len(part) for part in parts])
-        got: list[int] = self._call(
-            "read", lambda c: list(c.batch_get_into_multi_buffers(names, at, sizes)), (buf, targets)
-        )
+        batches: list[tuple[int, int]] = []  # [start, end) of each batch
+        start = nbytes = 0
+        for i, n in enumerate(sizes):
+            if i > start and (nbytes + sum(n) > _READ_BATCH_BYTES or i - start >= _READ_BATCH_KEYS):
+                batches.append((start, i))
+                start, nbytes = i, 0
+            nbytes += sum(n)
+        batches.append((start, len(sizes)))
+
+        def get(c: Any) -> list[int]:
+            out: list[int] = []
+            for b, e in batches:
+                out.extend(c.batch_get_into_multi_buffers(names[b:e], at[b:e], sizes[b:e]))
+            return out
+
+        got: list[int] = self._call("read", get, (buf, targets))
         if len(got) != len(keys):
             raise MooncakeError(f"read of {len(keys)} keys answered {len(got)}")
         self._outage("read", got)
