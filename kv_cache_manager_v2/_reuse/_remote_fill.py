@@ -432,11 +432,10 @@ class RemoteFill:
 
     def _by_group(self, needed: list[tuple[int, int]]) -> dict[int, list[tuple[int, int]]]:
         """``needed`` by pool group, in order."""
+        of_layer_group = self.storage.layout.pool_group_of_layer_group
         by_group: dict[int, list[tuple[int, int]]] = {}
         for item in needed:
-            by_group.setdefault(int(self.storage.layout.pool_group_of_layer_group[LayerGroupId(item[1])]), []).append(
-                item
-            )
+            by_group.setdefault(int(of_layer_group[LayerGroupId(item[1])]), []).append(item)
         return by_group
 
     def _reads_into_slots(self, tier: RemoteTier, needed: list[tuple[int, int]]) -> bool:
