@@ -17,6 +17,7 @@ from mypy_extensions import mypyc_attr
 from ._common import MAX_BEAM_WIDTH, CacheTier, LayerId
 from ._remote_url import CLUSTER_URL_SCHEMES as CLUSTER_URL_SCHEMES
 from ._remote_url import REMOTE_URL_SCHEMES as REMOTE_URL_SCHEMES
+from ._remote_url import check_backend_url
 from ._remote_url import cluster_seed_nodes as cluster_seed_nodes
 from ._remote_url import redact_url as redact_url
 from ._storage._policy_registry import EVICTION_POLICIES as EVICTION_POLICIES
@@ -136,14 +137,15 @@ class DiskCacheTierConfig:
 @mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class RemoteCacheTierConfig:
-    """A remote tier on Redis (or Valkey), shared by every manager that points at the same server and
-    ``namespace``: below the local tiers, content-addressed by the reuse key of each page.
+    """A remote tier on Redis (or Valkey), a Redis Cluster or a Mooncake Store, shared by every manager
+    on the same store and ``namespace``: below the local tiers, content-addressed by each page's reuse key.
 
     - ``url``: ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS) or ``unix://path`` for one
       server; ``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster://``: TLS)
       for a Redis Cluster or Valkey cluster, given by one or more seed nodes (the client reads the slot
-      map from them, and again when a node answers ``MOVED``). The password never appears in logs,
-      ``repr`` or error messages.
+      map from them, and again when a node answers ``MOVED``); ``mooncake://host:port?metadata=...`` for
+      a Mooncake Store's master (README). A URL its backend refuses is a ValueError here. The password
+      never appears in logs, ``repr`` or error messages.
     - ``namespace``: names the model (and anything else that must never share KV with another);
       keys also carry a fingerprint of the layout (layers, buffers, sizes, tokens per block, ``dtype``).
     - ``quota``: bytes; when given, the manager sets the server's ``maxmemory`` to it (with
@@ -187,8 +189,7 @@ class RemoteCacheTierConfig:
         check_type(f"{n}.url", self.url, str)
         if not self.url.startswith(REMOTE_URL_SCHEMES):
             raise ValueError(f"{n}.url must start with one of {REMOTE_URL_SCHEMES}, got {redact_url(self.url)!r}")
-        if self.cluster:
-            cluster_seed_nodes(self.url)
+        check_backend_url(f"{n}.url", self.url)
         check_type(f"{n}.namespace", self.namespace, str)
         if not self.namespace or len(self.namespace) > 256 or not self.namespace.isprintable():
             raise ValueError(f"{n}.namespace must be 1 to 256 printable characters, got {self.namespace!r}")

@@ -30,7 +30,7 @@ from ._exceptions import LogicError
 from ._storage._backend import MemoryPool, Pool
 from ._storage._layout import PoolGroupLayout
 from ._storage._slot_allocator import SlotAllocator
-from ._storage._tiers._base import HandOffPart, MediumAccess, Tier, memory
+from ._storage._tiers._base import MediumAccess, Tier, memory
 
 #: Priority of pages that no longer belong to a reusable block (their subtree was removed):
 #: they are evicted before everything else.
@@ -47,7 +47,7 @@ NO_EXPIRY: Final = float("inf")
 #: ``Page.hint_end`` of a page without a close-time hint
 NO_HINT: Final = -1
 
-#: ``Page.use_serial`` of a page no request has been counted for
+#: ``FrequencyState.use_serial`` of a page no request has been counted for
 NO_SERIAL: Final = RequestSerial(-1)
 #: bound once: mypyc looks a module's attribute up at every call (hot: once per page)
 _untrack: Final = rawref.untrack
@@ -190,7 +190,6 @@ class PoolGroupStorage:
     __slots__ = (
         "allocator",
         "evictor",
-        "headroom",
         "is_last",
         "layout",
         "level",
@@ -203,9 +202,9 @@ class PoolGroupStorage:
         "num_onboarded",
         "num_pinned",
         "num_retained",
-        "parked",
         "pinned_share",
         "pools",
+        "set_aside",
         "start_retention",
         "stop_retention",
         "tier",
@@ -250,12 +249,9 @@ class PoolGroupStorage:
         #: stop it when a request takes the page (``ExpiryQueue.stop``: a retention whose time is up ends)
         self.start_retention: Callable[[Page], None] | None = None
         self.stop_retention: Callable[[Page], None] | None = None
-        #: slots beyond ``num_slots`` for the remote tier's writes (the last level only): a dropped
-        #: page's slot goes to the writer, which sends the data from there, and a parked slot takes
-        #: its place; the allocator counts all of them as used
-        self.headroom = 0
-        #: headroom slots not being written from (the writer appends, the scheduler's thread pops)
-        self.parked: list[SlotId] = []
+        #: slots beyond ``num_slots`` that hold no page, lent to the store below the levels; the
+        #: allocator counts them as used
+        self.set_aside = 0
 
     @property
     def index(self) -> PoolGroupIndex:
@@ -268,23 +264,12 @@ class PoolGroupStorage:
 
     @property
     def num_slots(self) -> int:
-        """Slots for pages (the headroom not counted)."""
-        return self.allocator.num_slots - self.headroom
+        """Slots for pages (those set aside not counted)."""
+        return self.allocator.num_slots - self.set_aside
 
     @property
     def num_used(self) -> int:
-        return self.allocator.num_used - self.headroom
-
-    def can_hand_off(self) -> bool:
-        """Whether a dropped page's slot can go to the remote tier's writer as it is (host memory or disk)."""
-        return all(access.can_hand_off() for access in self.media)
-
-    def hand_off_parts(self, slot: SlotId) -> list[HandOffPart]:
-        """Where the remote tier's writer reads ``slot`` of each pool (``can_hand_off`` groups)."""
-        return [
-            access.hand_off_part(pool, slot, size)
-            for access, pool, size in zip(self.media, self.pools, self.layout.slot_sizes)
-        ]
+        return self.allocator.num_used - self.set_aside
 
     def memory_pool(self, pool: int) -> MemoryPool:
         """Pool ``pool`` of a memory level (GPU or host)."""
@@ -336,10 +321,10 @@ class Page:
         "pin_held",
         "policy_state",
         "priority",
-        "remote_copy",
         "retain_s",
         "slot",
         "storage",
+        "stored_below",
     )
 
     _rawref: rawref.ref[Page] | None
@@ -361,8 +346,8 @@ class Page:
         self.lru_next: Page | None = None
         self.in_evictor = NOT_LISTED
         self.lost = False
-        #: the remote tier has (or was sent) this page's data: dropping it locally writes nothing
-        self.remote_copy = False
+        #: the store below the levels has (or was sent) this page's data: dropping it writes nothing there
+        self.stored_below = False
         #: set when published: a full-attention or sink block, whose loss removes the blocks after it
         self.anchor = False
         #: the tree's valuation (hybrid models): evicted before the other pages of its priority:
@@ -583,9 +568,9 @@ class Page:
         if r is not None:
             r.invalidate()
 
-    def hand_off(self) -> SlotId:
-        """Forget the slot without freeing it (the remote tier's writer sends its data, then the
-        storage manager reuses it) and invalidate refs to this page (owners must be gone)."""
+    def leave_slot(self) -> SlotId:
+        """Forget the slot without freeing it (whoever takes it frees it) and invalidate refs to this
+        page (owners must be gone). Returns the slot."""
         return self._vacate()
 
     def free(self) -> None:

@@ -1,11 +1,21 @@
-"""A remote tier's URL: the schemes the backends serve (``_storage/_remote/_registry``), a URL
-with its password hidden, a cluster URL's seed nodes (``RemoteCacheTierConfig`` checks its URL with them)."""
+"""A remote tier's URL: the schemes the backends serve (``_storage/_remote/_registry``) and the check of
+the backend a scheme names (``check_backend_url``), a URL with its password hidden, a cluster URL's seed
+nodes (``RemoteCacheTierConfig`` checks its URL with them)."""
 
 from __future__ import annotations
 
 from ._storage._remote._registry import REMOTE_URL_SCHEMES as REMOTE_URL_SCHEMES
+from ._storage._remote._registry import check_url
 
 CLUSTER_URL_SCHEMES: tuple[str, ...] = ("redis+cluster://", "rediss+cluster://")
+
+
+def check_backend_url(name: str, url: str) -> None:
+    """ValueError (``name``, what is wrong, what is allowed) where the backend ``url``'s scheme names refuses it."""
+    try:
+        check_url(url)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def redact_url(url: str) -> str:

@@ -582,14 +582,16 @@ def test_pages_dropped_from_a_lower_tier_are_sent_from_their_slots(
         stats = a.get_storage_statistics(level)[0]
         assert stats.total == 16 and stats.free == 16  # the 4 headroom slots are not capacity
         group = a._storage.levels[level][0]
-        assert group.headroom == 4 and len(group.parked) == 4
+        tier = a._storage.remote_tier
+        assert tier is not None and tier.headroom_of(group) == 4 and len(tier.parked_of(group)) == 4
+        assert group.set_aside == 4
         toks = [seq(40 + r, 4 * T) for r in range(3)]  # 12 blocks: more than the headroom
         for t in toks:
             publish(a, t, match=False)
         evict_through_the_lower_tier(a)
         assert a.flush_remote_writes()
         a.check_invariants()
-        assert len(group.parked) == 4  # every handed-off slot came back
+        assert len(tier.parked_of(group)) == 4  # every handed-off slot came back
         st = a.remote_statistics
         # one burst of 12 drops: 4 slots handed off, 4 pages copied into the ring (4 slots' worth),
         # the rest dropped (counted): the writer had no time to drain
@@ -600,7 +602,7 @@ def test_pages_dropped_from_a_lower_tier_are_sent_from_their_slots(
         # a tier resize waits for the writer, moves pages out of the headroom and puts it back
         publish(a, seq(50, 4 * T), match=False)
         assert a.resize(level, 8 * SLOT)
-        assert a.get_storage_statistics(level)[0].total == 8 and group.headroom == 4
+        assert a.get_storage_statistics(level)[0].total == 8 and tier.headroom_of(group) == 4
         a.check_invariants()
         assert a.resize(level, 20 * SLOT) and a.get_storage_statistics(level)[0].total == 20
         a.check_invariants()

@@ -8,6 +8,7 @@ is checked), no exception into the engine, no call past its deadline."""
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -215,6 +216,105 @@ def test_a_value_of_the_wrong_size_under_our_key_is_a_miss(make: Factory) -> Non
     assert st is not None and st.errors == 0
 
 
+def test_a_corrupt_value_read_into_slots_is_a_miss_and_its_slot_given_back(make: Factory) -> None:
+    """A value of the right size whose payload was damaged is read into a new slot, fails its checksum
+    there and is never published (the match ends before it); every slot read is accounted for."""
+    a = make(write_through=True)
+    b = make(host=16)
+    toks = seq(17, 3 * T)
+    publish(a, toks, match=False)
+    assert a.flush_remote_writes()
+    keys = page_keys(a, toks)
+    remote = a._remote
+    assert remote is not None
+    backend = remote.backend
+    size = HEADER_BYTES + 2 * 2 * 32 * T
+    values = backend.read(keys[1:2], [size])
+    assert values is not None and values[0] is not None
+    bad = bytearray(values[0])
+    bad[-1] ^= 0xFF  # one payload byte: the size and header stay right
+    assert backend.delete(keys[1:2]) == 1
+    results: list[Any] = []
+    backend.write(keys[1:2], [[bytes(bad)]], results)
+    assert results == [True]
+    assert reuse(b, toks + [1]) == T  # checked record by record; invariants: no slot lost
+    st = b.remote_statistics
+    assert st is not None and st.corrupt_pages == 1 and st.fetched_pages == 1 and st.errors == 0
+
+
+def test_mooncake_reads_land_in_the_host_slots_without_a_staging_copy(store: StoreUnderTest, make: Factory) -> None:
+    """Values are read straight into the host tier's slots (registered with the client): the reading
+    thread's buffer stays at its minimum (1 MiB) while 2 MiB of pages arrive."""
+    if store.name != "mooncake":
+        pytest.skip("Mooncake's zero-copy reads")
+    wide = [
+        AttentionLayerConfig(LayerId(i), [BufferConfig("key", 64 << 10), BufferConfig("value", 64 << 10)])
+        for i in range(2)
+    ]
+    page = 4 * (64 << 10)
+    slots = page // (2 * 2 * 32 * T)  # (a manager's gpu/host sizes count slots of the default layers)
+    a = make(write_through=True, gpu=16 * slots, layers=wide)
+    b = make(gpu=16 * slots, host=16 * slots, layers=wide)
+    toks = seq(18, 8 * T)
+    publish(a, toks, match=False)
+    assert a.flush_remote_writes()
+    assert reuse(b, toks + [1]) == 8 * T
+    st = b.remote_statistics
+    assert st is not None and st.fetched_pages == 8 and st.fetched_bytes >= 8 * page
+    remote = b._remote
+    assert remote is not None
+    buf = getattr(remote.backend._local, "buf", None)
+    assert buf is not None and buf.size == 1 << 20  # headers only went through it
+
+
+def test_mooncake_a_read_into_slots_of_many_pages_is_issued_in_batches(store: StoreUnderTest, make: Factory) -> None:
+    """300 pages: more than one batch of the client's multi-buffer reads (256 keys), every byte right."""
+    if store.name != "mooncake":
+        pytest.skip("Mooncake's read batches")
+    a = make(write_through=True, gpu=320)
+    b = make(gpu=320, host=320)
+    toks = seq(21, 300 * T)
+    publish(a, toks, match=False)
+    assert a.flush_remote_writes()
+    assert reuse(b, toks + [1]) == 300 * T  # every record checked
+    st = b.remote_statistics
+    assert st is not None and st.fetched_pages == 300 and st.corrupt_pages == 0
+
+
+def test_mooncake_slots_a_late_read_may_write_are_held_until_it_returns(store: StoreUnderTest, make: Factory) -> None:
+    """A read into slots past its deadline (a hung master) leaves them allocated, set aside (not
+    capacity, no page), and a resize waits; once the call has returned they are free again."""
+    if store.name != "mooncake":
+        pytest.skip("a call Mooncake's client cannot bound runs on")
+    a = make(write_through=True)
+    b = make(host=16, timeout_ms=300, retry_interval_ms=50)
+    toks = seq(19, 2 * T)
+    publish(a, toks, match=False)
+    assert a.flush_remote_writes()
+    assert b.probe_reuse(None, seq(13, 2 * T) + [1]) == 0  # (b's client is set up)
+    tier = b._storage.remote_tier
+    assert tier is not None
+    group = b._storage.levels[CacheLevel(1)][0]
+    before = (group.set_aside, group.num_slots, b.get_storage_statistics(CacheLevel(1))[0].free)
+    keys = page_keys(a, toks)
+    slots = group.allocator.allocate(2)
+    store.pause()
+    try:
+        ok = tier.read_into_slots(keys, [(0, b"")] * 2, [(group, s) for s in slots])
+        assert ok is None and tier.held_of(group) == slots
+        assert group.set_aside == before[0] + 2 and group.num_slots == before[1] - 2
+        b.check_invariants()
+        assert not b.resize(CacheLevel(1), 8 * 2 * 2 * 32 * T)  # refused while a late call may write
+    finally:
+        store.resume()
+    deadline = time.monotonic() + 30
+    while not tier.settle() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tier.held_of(group) == [] and group.set_aside == before[0] and group.num_slots == before[1]
+    assert b.get_storage_statistics(CacheLevel(1))[0].free == before[2]
+    b.check_invariants()
+
+
 def test_mooncake_a_full_segment_refuses_writes_without_harm(store: StoreUnderTest, make: Factory) -> None:
     if store.name != "mooncake":
         pytest.skip("Mooncake's client segments")
@@ -288,6 +388,28 @@ def test_a_url_scheme_chooses_the_backend_and_bad_urls_are_refused() -> None:
     ):
         with pytest.raises(ValueError, match=match) as caught:
             parse_url(bad)
+        assert "secret" not in str(caught.value)
+
+
+def test_the_config_refuses_a_bad_mooncake_url_saying_what_is_allowed() -> None:
+    """``RemoteCacheTierConfig`` checks a URL with the backend its scheme names, before any manager starts."""
+    from kv_cache_manager_v2 import RemoteCacheTierConfig
+
+    good = RemoteCacheTierConfig("mooncake://10.0.0.5:50051?metadata=P2PHANDSHAKE&protocol=rdma&device=mlx5_0", "n")
+    assert good.url.startswith("mooncake://")
+    for bad, match in (
+        ("mooncake://h:1", r"url: Mooncake URL: metadata=<the metadata server> is required \(mooncake://host:port"),
+        ("mooncake://h:1?metadata=x&protocol=udp", r"protocol must be one of \('tcp', 'rdma'\), got 'udp'"),
+        ("mooncake://h:1?metadata=x&segment=-5", "segment must be a number of bytes"),
+        ("mooncake://h:1?metadata=x&colour=red", r"unknown parameters \['colour'\]; allowed: \['buffer'"),
+        ("mooncake://h?metadata=x", r"a Mooncake URL is mooncake://host:port\?metadata=.*\(the master's host:port\)"),
+        ("mooncake://h:1/db?metadata=x", "a path or fragment"),
+        ("mooncake://h:1?metadata=x&hostname=a b", "hostname must be"),
+        ("mooncake://u:secret@h?metadata=x", r"got 'mooncake://u:\*\*\*@h"),
+    ):
+        with pytest.raises(ValueError, match=r"RemoteCacheTierConfig\.url: ") as caught:
+            RemoteCacheTierConfig(bad, "n")
+        assert re.search(match, str(caught.value)), (bad, str(caught.value))
         assert "secret" not in str(caught.value)
 
 

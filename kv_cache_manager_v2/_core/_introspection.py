@@ -236,13 +236,21 @@ def _check_pool_groups(storage: StorageManager, scratch: set[tuple[int, int, int
     for level in storage.levels:
         for group in level:
             n_scratch = len([1 for lv, g, _ in scratch if lv == group.level and g == group.index])
-            if len(group.parked) > group.headroom or any(not group.allocator.is_allocated(x) for x in group.parked):
-                _fail(f"pool group {group.index} at level {group.level}: parked headroom slots are not reserved")
-            if group.allocator.num_used != used.get(id(group), 0) + n_scratch + group.headroom:
+            remote = storage.remote_tier
+            headroom = remote.headroom_of(group) if remote is not None else 0
+            idle = remote.parked_of(group) if remote is not None else []
+            held = remote.held_of(group) if remote is not None else []
+            if len(idle) > headroom or any(not group.allocator.is_allocated(x) for x in idle + held):
+                _fail(f"pool group {group.index} at level {group.level}: set-aside slots are not reserved")
+            if group.set_aside != headroom + len(held):
+                _fail(
+                    f"pool group {group.index} at level {group.level}: {group.set_aside} slots set aside, not {headroom} + {len(held)}"
+                )
+            if group.allocator.num_used != used.get(id(group), 0) + n_scratch + group.set_aside:
                 _fail(
                     f"pool group {group.index} at level {group.level}: allocator counts "
                     f"{group.allocator.num_used} used slots, pages hold {used.get(id(group), 0)}, scratch {n_scratch}, "
-                    f"remote-tier headroom {group.headroom}"
+                    f"set aside (remote-tier headroom, held reads) {group.set_aside}"
                 )
             if group.num_pinned != pinned.get(id(group), 0) or group.num_retained != retained.get(id(group), 0):
                 _fail(

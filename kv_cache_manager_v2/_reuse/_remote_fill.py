@@ -22,13 +22,14 @@ from collections.abc import Iterable, Sequence
 
 import rawref
 
-from .._common import DEFAULT_PRIORITY, CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
+from .._common import DEFAULT_PRIORITY, CacheLevel, LayerGroupId, ReuseScope, SlotId, TokenIdExt
 from .._layers._policy import LayerGroup
-from .._page import NO_SERIAL, Page
+from .._page import NO_SERIAL, Page, PoolGroupStorage
 from .._storage._remote._backend import Value
 from .._storage._remote._store import RemoteStore
 from .._storage._remote._value import HEADER_BYTES, decode_value
 from .._storage._storage_manager import StorageManager
+from .._storage._tiers._remote_tier import RemoteTier
 from .._typed import TypedList
 from ._keys import BlockHasher, BlockKey, scope_key, validate_tokens
 from ._node import Node
@@ -374,46 +375,103 @@ class RemoteFill:
                 return local_blocks
             needed = self._needed(chain, local_blocks, matched_blocks)
         remote = self.remote
-        t0 = time.perf_counter()
-        if fetched is not None:
-            values: list[Value | None] | None = [fetched.get(x) for x in needed]
-        else:
-            values = remote.fetch(
-                [remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in needed],
-                self.value_bytes(needed),
-            )
-        if values is None:
-            return local_blocks
-        costs = self.storage.costs  # (the read cost of load_policy="auto": a timed fetch refines it)
-        if costs is not None and fetched is None:  # (a prefetch's values: timed on its worker, ``RemoteReads``)
-            nbytes = sum(len(v) for v in values if v is not None)
-            costs.observe(self.storage.num_levels, nbytes, time.perf_counter() - t0)
-        fp = remote.fingerprint
+        tier = self.storage.remote_tier
+        into = fetched is None and tier is not None and self._reads_into_slots(tier, needed)
         good: Found = {}
         payloads: dict[tuple[int, int], memoryview] = {}
-        for (ordinal, layer_group), value in zip(needed, values):
-            payload = (
-                decode_value(value, layer_group, fp, keys[ordinal], self.page_bytes[layer_group])
-                if value is not None
-                else None
-            )
-            if payload is None:
-                if value is not None:
-                    remote.corrupt_pages += 1
-                continue
-            good[(ordinal, layer_group)] = True
-            payloads[(ordinal, layer_group)] = payload
-        if len(payloads) < len(needed):  # some values were gone or bad: shorten to what is intact
+        slots: dict[tuple[int, int], tuple[PoolGroupStorage, SlotId]] = {}
+        t0 = time.perf_counter()
+        if into:  # straight into new slots, verified there (a zero-copy backend: no copy at all)
+            assert tier is not None
+            read = self._read_into_slots(tier, needed, keys)
+            if read is None:
+                return local_blocks
+            slots = read
+            nbytes = sum(self.value_bytes(slots))
+            good = dict.fromkeys(slots, True)
+        else:
+            if fetched is not None:
+                values: list[Value | None] | None = [fetched.get(x) for x in needed]
+            else:
+                values = remote.fetch(
+                    [remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in needed],
+                    self.value_bytes(needed),
+                )
+            if values is None:
+                return local_blocks
+            nbytes = sum(len(v) for v in values if v is not None)
+            fp = remote.fingerprint
+            for (ordinal, layer_group), value in zip(needed, values):
+                payload = (
+                    decode_value(value, layer_group, fp, keys[ordinal], self.page_bytes[layer_group])
+                    if value is not None
+                    else None
+                )
+                if payload is None:
+                    if value is not None:
+                        remote.corrupt_pages += 1
+                    continue
+                good[(ordinal, layer_group)] = True
+                payloads[(ordinal, layer_group)] = payload
+        costs = self.storage.costs  # (the read cost of load_policy="auto": a timed fetch refines it)
+        if costs is not None and fetched is None:  # (a prefetch's values: timed on its worker, ``RemoteReads``)
+            costs.observe(self.storage.num_levels, nbytes, time.perf_counter() - t0)
+        if len(good) < len(needed):  # some values were gone or bad: shorten to what is intact
             matched_blocks = self._best(chain, local_blocks, matched_blocks, good)
             if matched_blocks <= local_blocks:
+                for dst, slot in slots.values():
+                    dst.allocator.free(slot)
                 return local_blocks
             needed = self._needed(chain, local_blocks, matched_blocks)
-        placed = self._place(needed, payloads)
+        placed = RemoteTier.adopt(needed, slots) if into else self._place(needed, payloads)
         self._publish(scope, hasher, chain, keys, matched_blocks, placed)
         remote.fetched_pages += len(placed)
         remote.fetched_bytes += sum(self.value_bytes(placed))
         remote.hit_blocks += matched_blocks - local_blocks
         return matched_blocks
+
+    def _by_group(self, needed: list[tuple[int, int]]) -> dict[int, list[tuple[int, int]]]:
+        """``needed`` by pool group, in order."""
+        of_layer_group = self.storage.layout.pool_group_of_layer_group
+        by_group: dict[int, list[tuple[int, int]]] = {}
+        for item in needed:
+            by_group.setdefault(int(of_layer_group[LayerGroupId(item[1])]), []).append(item)
+        return by_group
+
+    def _reads_into_slots(self, tier: RemoteTier, needed: list[tuple[int, int]]) -> bool:
+        """Whether the target level's storages of ``needed`` take reads straight into their slots."""
+        level = self.storage.levels.items[self.target]
+        return all(tier.reads_into(level.items[pool_group]) for pool_group in self._by_group(needed))
+
+    def _read_into_slots(
+        self, tier: RemoteTier, needed: list[tuple[int, int]], keys: list[BlockKey]
+    ) -> dict[tuple[int, int], tuple[PoolGroupStorage, SlotId]] | None:
+        """Read the values of ``needed`` into new slots at the target level in one call: the slot of
+        each value read whole and intact (the others are given back); None: the call failed."""
+        storage = self.storage
+        level = storage.levels.items[self.target]
+        order: list[tuple[int, int]] = []
+        targets: list[tuple[PoolGroupStorage, SlotId]] = []
+        try:
+            for pool_group, items in self._by_group(needed).items():
+                dst = level.items[pool_group]
+                storage.make_room(dst, len(items))
+                for item, slot in zip(items, dst.allocator.allocate(len(items))):
+                    order.append(item)
+                    targets.append((dst, slot))
+        except BaseException:
+            for dst, slot in targets:
+                dst.allocator.free(slot)
+            raise
+        remote = self.remote
+        ok = tier.read_into_slots(
+            [remote.page_key(keys[ordinal], layer_group) for ordinal, layer_group in order],
+            [(layer_group, keys[ordinal]) for ordinal, layer_group in order],
+            targets,
+        )
+        if ok is None:
+            return None
+        return {item: target for item, target, read in zip(order, targets, ok) if read}
 
     def _place(
         self, needed: list[tuple[int, int]], payloads: dict[tuple[int, int], memoryview]
@@ -421,18 +479,10 @@ class RemoteFill:
         """New locked pages at the target level (host or GPU memory: writes cannot fail there)
         holding the payloads of ``needed``, one batch per pool group."""
         storage = self.storage
-        by_group: dict[int, list[tuple[int, int]]] = {}
-        for ordinal, layer_group in needed:
-            pool_group = int(storage.layout.pool_group_of_layer_group[LayerGroupId(layer_group)])
-            found = by_group.get(pool_group)
-            if found is None:
-                by_group[pool_group] = [(ordinal, layer_group)]
-            else:
-                found.append((ordinal, layer_group))
         placed: dict[tuple[int, int], Page] = {}
         level = storage.levels.items[self.target]
         try:
-            for pool_group, items in by_group.items():
+            for pool_group, items in self._by_group(needed).items():
                 dst = level.items[pool_group]
                 storage.make_room(dst, len(items))
                 slots = dst.allocator.allocate(len(items))
@@ -447,7 +497,7 @@ class RemoteFill:
                     raise
                 for (ordinal, layer_group), slot in zip(items, slots):
                     page = Page(dst, slot, LayerGroupId(layer_group), DEFAULT_PRIORITY, True)
-                    page.remote_copy = True
+                    page.stored_below = True
                     placed[(ordinal, layer_group)] = page
         except BaseException:
             for p in placed.values():

@@ -279,7 +279,7 @@ class ReuseTree(PageDropListener):
         if sink is not None:
             sink.block_stored(_event(sink, node, layer_group, page, NOT_MOVED))
         wt = self.write_through
-        if wt is not None and len(node.tokens) == self.tokens_per_block and not page.remote_copy:
+        if wt is not None and len(node.tokens) == self.tokens_per_block and not page.stored_below:
             wt.queue_write_through(page)
 
     # ------------------------------------------------------------------ value (hybrid models)

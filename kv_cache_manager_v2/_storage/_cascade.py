@@ -240,7 +240,7 @@ class EvictionCascade(StorageLevels):
         remote = self.remote_tier
         listener = self.drop_listener
         node = page.node
-        if spill and remote is not None and node is not None and not page.remote_copy:
+        if spill and remote is not None and node is not None and not page.stored_below:
             if remote.takes_slot(page):
                 key = node.key
                 if listener is not None:

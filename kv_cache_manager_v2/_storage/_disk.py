@@ -139,8 +139,8 @@ class DiskPool(Pool):
         self.num_errors = 0
         #: slots whose bytes did not match their checksum when read
         self.num_corrupt = 0
-        #: handed-off slots the remote tier's writer could not read or verify (so did not send)
-        self.num_unsent = 0
+        #: detached slots another thread could not read or verify (``FileSlot``)
+        self.num_detached_errors = 0
         try:
             self.ensure_mapped(nbytes)
         except BaseException:

@@ -53,7 +53,10 @@ class TierResizer:
                 storage.pins.hold_again(released)
                 return False
         remote = storage.remote_tier
-        headroom = [group.headroom for group in groups]
+        if remote is not None and not remote.settle():  # slots a late remote read may still write
+            storage.pins.hold_again(released)
+            return False
+        headroom = [remote.headroom_of(group) if remote is not None else 0 for group in groups]
         if any(headroom):
             # the writer may still read handed-off slots: wait for it, then work without headroom
             assert remote is not None

@@ -59,7 +59,7 @@ class TrafficStatistics:
                 out[3 + i] += count * slot_bytes
             out[6] += group.num_io_errors
             for access, pool in zip(group.media, group.pools):  # handed-off slots the remote writer found damaged
-                out[6] += access.num_unsent(pool)
+                out[6] += access.num_detached_errors(pool)
         persist = self.storage.persist
         if persist is not None and level == self.storage.persist_level:
             out[6] += persist.num_write_errors  # slot records that could not be written
@@ -69,7 +69,7 @@ class TrafficStatistics:
         """Usage and traffic of ``level`` since the manager was created."""
         if level == self.storage.num_levels:
             return self._remote_stats(level, [0] * NUM_COUNTERS)
-        peaks = [group.allocator.peak_used - group.headroom for group in self.storage.levels[level]]
+        peaks = [group.allocator.peak_used - group.set_aside for group in self.storage.levels[level]]
         return self._tier_stats(level, [0] * NUM_COUNTERS, peaks, self._counters(level))
 
     def _remote_stats(self, level: CacheLevel, base: list[int]) -> TierStatistics:
@@ -90,7 +90,7 @@ class TrafficStatistics:
         storage = self.storage
         for level in range(storage.num_levels):
             groups = storage.levels.items[level]
-            peaks = [group.allocator.iteration_peak - group.headroom for group in groups]
+            peaks = [group.allocator.iteration_peak - group.set_aside for group in groups]
             now = self._counters(level)
             out.append(self._tier_stats(CacheLevel(level), self._iteration_base[level], peaks, now))
             self._iteration_base[level] = now

@@ -84,7 +84,8 @@ class StorageManager(EvictionCascade):
 
     def attach_remote(self, remote: RemoteStore, tokens_per_block: int) -> None:
         """Write dropped pages to ``remote``. A last level below the GPU gets headroom slots, so a
-        dropped page's data is sent from its slot (no copy on the scheduler's thread)."""
+        dropped page's data is sent from its slot (no copy on the scheduler's thread); host-memory
+        pools are registered with the store (zero-copy backends read and write there)."""
         self.remote = remote
         self.tokens_per_block = tokens_per_block
         tier = RemoteTier(remote, self.copier, tokens_per_block, self.num_pool_groups)
@@ -94,6 +95,8 @@ class StorageManager(EvictionCascade):
         if level > 0:
             for group in self.levels.items[level]:
                 tier.add_headroom(group, tier.headroom_for(group, group.num_slots))
+        for groups in self.levels.items:
+            for group in groups:
                 tier.register_slots(group)
 
     def write_back(self) -> int:

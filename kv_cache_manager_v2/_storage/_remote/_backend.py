@@ -43,6 +43,12 @@ class RemoteBackend(ABC):
         #: whether ``lookup``/``read`` may be called from a loader's worker thread too
         self.reads_in_background = True
 
+    @staticmethod
+    def check_url(url: str) -> None:
+        """ValueError, saying what is wrong and what is allowed, where this backend cannot serve ``url``
+        (``RemoteCacheTierConfig`` checks its URL with it)."""
+        return None
+
     @abstractmethod
     def lookup(self, keys: list[bytes], nbytes: list[int]) -> list[bool] | None:
         """Whether each key holds a value of ``nbytes[i]`` bytes, as far as the store tells without
@@ -52,6 +58,28 @@ class RemoteBackend(ABC):
     def read(self, keys: list[bytes], nbytes: list[int]) -> list[Value | None] | None:
         """Each key's whole value (None: absent, or not of ``nbytes[i]`` bytes); None: an outage. A
         view into the backend's buffers stays valid until the same thread's next ``read``."""
+
+    def read_into(self, keys: list[bytes], targets: list[list[memoryview]]) -> list[bool] | None:
+        """Each key's whole value into ``targets[i]``, its parts in order (the value must be exactly
+        their length): True where it was read so; None: an outage. Targets a call past its deadline may
+        still write are not reused until ``busy`` says it returned. Here: ``read`` and one copy."""
+        values = self.read(keys, [sum(len(part) for part in parts) for parts in targets])
+        if values is None:
+            return None
+        out: list[bool] = []
+        for value, parts in zip(values, targets):
+            if value is not None:
+                view = memoryview(value)
+                at = 0
+                for part in parts:
+                    part[:] = view[at : at + len(part)]
+                    at += len(part)
+            out.append(value is not None)
+        return out
+
+    def busy(self) -> bool:
+        """Whether a call past its deadline may still write memory it was given (``read_into``'s targets)."""
+        return False
 
     @abstractmethod
     def write(self, keys: list[bytes], values: list[list[Any]], results: list[Any]) -> None:

@@ -4,19 +4,17 @@ keys, and the down state that turns a failed call into misses for ``retry_interv
 from __future__ import annotations
 
 import binascii
-import importlib
 import time
 
 from ..._config import RemoteCacheTierConfig
 from ._backend import LOG, RemoteBackend
-from ._registry import backend_of
+from ._registry import backend_class
 
 
 def open_backend(cfg: RemoteCacheTierConfig, max_page_bytes: int) -> RemoteBackend:
     """The backend serving ``cfg.url``, connected (its module imported now: a backend's client
     library is needed only where a URL names it)."""
-    module, cls, _ = backend_of(cfg.url)
-    backend = getattr(importlib.import_module(f"{__name__.rpartition('.')[0]}.{module}"), cls)(cfg, max_page_bytes)
+    backend = backend_class(cfg.url)(cfg, max_page_bytes)
     assert isinstance(backend, RemoteBackend)
     return backend
 

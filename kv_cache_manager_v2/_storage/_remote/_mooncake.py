@@ -5,7 +5,10 @@ The client (``mooncake.store.MooncakeDistributedStore``) moves values with its z
 between the store and memory registered with it: the write ring and the pools whose slots are handed
 off (``register``), values written whole straight from there (``batch_put_from_multi_buffers``: the
 header from a registered area, the page where it lies), and read whole into a registered buffer of the
-reading thread (``batch_get_into``; a value of another size fails there, a miss). A lookup is one
+reading thread (``batch_get_into``; a value of another size fails there, a miss) or, where the local
+cache reads into slots of registered pools, straight into them (``batch_get_into_multi_buffers``: the
+header into the thread's buffer, each pool's part into its slot; the value's checksum is verified there
+before the page is published). A lookup is one
 ``batch_is_exist``. Mooncake evicts and leases on its own: an object it dropped is a miss; a value of
 the wrong size, or whose checksum fails (``_value``), is a miss too.
 
@@ -47,6 +50,10 @@ DEFAULT_SEGMENT: Final = 256 << 20
 DEFAULT_BUFFER: Final = 16 << 20
 #: helper threads running the client's calls (the scheduler's reads, the writer, a loader)
 _HELPERS: Final = 4
+#: a read into many buffers is issued in batches of at most this many bytes and keys (one batch of a
+#: gigabyte over TCP fails its last transfers: status -800)
+_READ_BATCH_BYTES: Final = 64 << 20
+_READ_BATCH_KEYS: Final = 256
 
 
 class DaemonHelpers:
@@ -96,40 +103,58 @@ class MooncakeError(ConnectionError):
     """A Mooncake call failed as a whole (the master unreachable, no answer in time)."""
 
 
+#: what a Mooncake URL may say
+_URL_FORM: Final = (
+    "mooncake://host:port?metadata=<http://host:port/metadata, etcd://host:port or P2PHANDSHAKE>"
+    "[&protocol=tcp|rdma][&device=<RDMA devices>][&segment=<bytes>][&buffer=<bytes>][&hostname=<this host>]"
+)
+#: the transports of Mooncake's transfer engine a URL may name
+_PROTOCOLS: Final = ("tcp", "rdma")
+
+
 def parse_url(url: str) -> dict[str, Any]:
-    """The client's ``setup`` arguments from ``mooncake://host:port?metadata=URL&protocol=tcp&device=&segment=
-    BYTES&buffer=BYTES&hostname=NAME`` (ValueError naming what is wrong)."""
+    """The client's ``setup`` arguments from a Mooncake URL (``_URL_FORM``); ValueError saying what is
+    wrong, with the form allowed."""
+    shown = redact_url(url)
     try:
         parts = urlsplit(url)
         port = parts.port  # (ValueError when out of range)
     except ValueError as e:
-        raise ValueError(
-            f"a Mooncake URL is mooncake://host:port?metadata=...; got {redact_url(url)!r} ({e})"
-        ) from None
+        raise ValueError(f"a Mooncake URL is {_URL_FORM}; got {shown!r} ({e})") from None
     if parts.scheme != "mooncake" or not parts.hostname or port is None:
-        raise ValueError(f"a Mooncake URL is mooncake://host:port?metadata=...; got {redact_url(url)!r}")
+        raise ValueError(f"a Mooncake URL is {_URL_FORM}; got {shown!r} (the master's host:port)")
+    if parts.path not in ("", "/") or parts.fragment:
+        raise ValueError(f"a Mooncake URL is {_URL_FORM}; got {shown!r} (a path or fragment)")
     query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
     allowed = {"metadata", "protocol", "device", "segment", "buffer", "hostname"}
     unknown = sorted(set(query) - allowed)
     if unknown:
-        raise ValueError(f"Mooncake URL: unknown parameters {unknown}; allowed: {sorted(allowed)}")
+        raise ValueError(f"Mooncake URL: unknown parameters {unknown}; allowed: {sorted(allowed)} ({_URL_FORM})")
     metadata = query.get("metadata", "")
     if not metadata:
-        raise ValueError("Mooncake URL: metadata=<http://host:port/metadata, etcd://... or P2PHANDSHAKE> is required")
+        raise ValueError(f"Mooncake URL: metadata=<the metadata server> is required ({_URL_FORM})")
+    if any(c.isspace() for c in metadata):
+        raise ValueError(f"Mooncake URL: metadata must be a server's URL or P2PHANDSHAKE, got {metadata!r}")
+    protocol = query.get("protocol") or "tcp"
+    if protocol not in _PROTOCOLS:
+        raise ValueError(f"Mooncake URL: protocol must be one of {_PROTOCOLS}, got {protocol!r}")
     sizes = {}
     for name, default in (("segment", DEFAULT_SEGMENT), ("buffer", DEFAULT_BUFFER)):
         text = query.get(name, str(default))
         if not text.isdigit():
             raise ValueError(f"Mooncake URL: {name} must be a number of bytes, got {text!r}")
         sizes[name] = int(text)
+    hostname = query.get("hostname", "")
+    if any(c.isspace() or c in "/?#@" for c in hostname):
+        raise ValueError(f"Mooncake URL: hostname must be this host's name or address, got {hostname!r}")
     host = parts.hostname
     loopback = host in ("127.0.0.1", "localhost", "::1")
     return {
-        "local_hostname": query.get("hostname") or ("127.0.0.1" if loopback else socket.gethostname()),
+        "local_hostname": hostname or ("127.0.0.1" if loopback else socket.gethostname()),
         "metadata_server": metadata,
         "global_segment_size": sizes["segment"],
         "local_buffer_size": sizes["buffer"],
-        "protocol": query.get("protocol") or "tcp",
+        "protocol": protocol,
         "rdma_devices": query.get("device", ""),
         "master_server_addr": f"{host}:{port}",
     }
@@ -305,6 +330,10 @@ class MooncakeBackend(RemoteBackend):
                 self._known.add(addr)
 
     # ------------------------------------------------------------------ the interface
+    @staticmethod
+    def check_url(url: str) -> None:
+        parse_url(url)
+
     def register(self, view: memoryview) -> None:
         with self._lock:
             self._registered.append((address(view), len(view)))
@@ -331,6 +360,57 @@ class MooncakeBackend(RemoteBackend):
         self._outage("read", got)
         view = memoryview(buf.mem)
         return [view[offsets[i] : offsets[i] + n] if got[i] == n else None for i, n in enumerate(nbytes)]
+
+    def read_into(self, keys: list[bytes], targets: list[list[memoryview]]) -> list[bool] | None:
+        # straight into the targets where they lie in registered memory (the pools' slots); other
+        # parts (headers) land in this thread's buffer first and are copied out
+        names = [k.decode() for k in keys]
+        with self._lock:
+            ranges = list(self._registered)
+        at = [[address(part) for part in parts] for parts in targets]
+        bounce = sum(
+            len(p) for parts, a in zip(targets, at) for p, x in zip(parts, a) if not _inside(x, len(p), ranges)
+        )
+        buf = self._staging(bounce)
+        pos = 0
+        copies: list[tuple[int, memoryview, int]] = []  # (key, target, staging offset)
+        sizes: list[list[int]] = []
+        for i, parts in enumerate(targets):
+            for j, part in enumerate(parts):
+                if not _inside(at[i][j], len(part), ranges):
+                    copies.append((i, part, pos))
+                    at[i][j] = buf.addr + pos
+                    pos += len(part)
+            sizes.append([len(part) for part in parts])
+        batches: list[tuple[int, int]] = []  # [start, end) of each batch
+        start = nbytes = 0
+        for i, n in enumerate(sizes):
+            if i > start and (nbytes + sum(n) > _READ_BATCH_BYTES or i - start >= _READ_BATCH_KEYS):
+                batches.append((start, i))
+                start, nbytes = i, 0
+            nbytes += sum(n)
+        batches.append((start, len(sizes)))
+
+        def get(c: Any) -> list[int]:
+            out: list[int] = []
+            for b, e in batches:
+                out.extend(c.batch_get_into_multi_buffers(names[b:e], at[b:e], sizes[b:e]))
+            return out
+
+        got: list[int] = self._call("read", get, (buf, targets))
+        if len(got) != len(keys):
+            raise MooncakeError(f"read of {len(keys)} keys answered {len(got)}")
+        self._outage("read", got)
+        ok = [got[i] == sum(sizes[i]) for i in range(len(keys))]  # (a value of another size fails: a miss)
+        mem = memoryview(buf.mem)
+        for i, part, off in copies:
+            if ok[i]:
+                part[:] = mem[off : off + len(part)]
+        return ok
+
+    def busy(self) -> bool:
+        with self._lock:
+            return any(not f.done() for f, _ in self._stuck)
 
     def write(self, keys: list[bytes], values: list[list[Any]], results: list[Any]) -> None:
         names = [k.decode() for k in keys]

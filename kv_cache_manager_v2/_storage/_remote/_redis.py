@@ -16,7 +16,7 @@ import contextlib
 import time
 from typing import Any
 
-from ..._config import RemoteCacheTierConfig
+from ..._config import CLUSTER_URL_SCHEMES, RemoteCacheTierConfig, cluster_seed_nodes
 from ._backend import LOG, RemoteBackend, Value
 from ._cluster import NODE_DOWN, ClusterRouter, group_by_slot
 from ._protocol import (
@@ -38,6 +38,11 @@ from ._protocol import (
 
 class RedisBackend(RemoteBackend):
     """A Redis (or Valkey) server or cluster (see the module doc)."""
+
+    @staticmethod
+    def check_url(url: str) -> None:
+        if url.startswith(CLUSTER_URL_SCHEMES):
+            cluster_seed_nodes(url)  # (each seed node host:port)
 
     def __init__(self, cfg: RemoteCacheTierConfig, max_page_bytes: int) -> None:
         super().__init__(cfg, max_page_bytes)

@@ -4,7 +4,8 @@ package extra that installs what it needs. Adding a backend is one module and on
 
 from __future__ import annotations
 
-from typing import Final
+import importlib
+from typing import Any, Final
 
 #: (URL schemes, module, class, extra)
 BACKENDS: Final[tuple[tuple[tuple[str, ...], str, str, str], ...]] = (
@@ -22,3 +23,15 @@ def backend_of(url: str) -> tuple[str, str, str]:
         if url.startswith(schemes):
             return module, cls, extra
     raise ValueError(f"no remote backend serves this URL scheme; the schemes are {REMOTE_URL_SCHEMES}")
+
+
+def backend_class(url: str) -> Any:
+    """The ``RemoteBackend`` class serving ``url``, its module imported now (a backend's client library
+    is imported only when a backend is opened; ValueError: no backend serves ``url``)."""
+    module, cls, _ = backend_of(url)
+    return getattr(importlib.import_module(f"{__name__.rpartition('.')[0]}.{module}"), cls)
+
+
+def check_url(url: str) -> None:
+    """ValueError (saying what is wrong and what is allowed) where the backend serving ``url`` refuses it."""
+    backend_class(url).check_url(url)

@@ -63,6 +63,18 @@ class RemoteStore(RemoteWriter):
         backend = self.backend
         return self._read("fetch", lambda: backend.read(keys, nbytes))
 
+    def fetch_into(self, keys: list[bytes], targets: list[list[memoryview]]) -> list[bool] | None:
+        """Every key's whole value into ``targets[i]`` (its parts, in order: ``RemoteBackend.read_into``)
+        in one call: True where it was read whole; None when the call fails (or takes more than
+        ``timeout_ms``): then the targets may still be written until ``backend.busy()`` is False."""
+        if not keys:
+            return []
+        if self.is_down:
+            self.skipped_lookups += 1
+            return None
+        backend = self.backend
+        return self._read("fetch", lambda: backend.read_into(keys, targets))
+
     def _read(self, what: str, call: Callable[[], _T | None]) -> _T | None:
         """``call()``, or None (a miss) where it raises an outage error or returns None (no node of the
         store answers): then the error is counted and the outage begins (``_failed``)."""
@@ -169,8 +181,9 @@ class RemoteStore(RemoteWriter):
 
     def close(self, drain_timeout_s: float) -> bool:
         """Stop the writer (after draining the queue for at most ``drain_timeout_s``; then what is
-        left is dropped) and disconnect. Returns False if the writer did not stop: it may still read
-        handed-off slots, so their memory must not be released."""
+        left is dropped) and disconnect. Returns False if the writer did not stop (it may still read
+        handed-off slots) or a read past its deadline may still write slots: their memory must not be
+        released."""
         if not self._stopping:
             if drain_timeout_s > 0 and not self.is_down:
                 self.flush(drain_timeout_s)
@@ -183,6 +196,9 @@ class RemoteStore(RemoteWriter):
             LOG.error("remote KV tier writer did not stop; keeping the memory it may still read")
             return False
         self.backend.close()
+        if self.backend.busy():
+            LOG.error("remote KV tier: a read past its deadline may still write local memory; keeping it")
+            return False
         return True
 
 

@@ -50,7 +50,21 @@ def decode_value(
     layer group, layout and block; None otherwise."""
     if len(value) != HEADER_BYTES + size:
         return None
-    fields = HEADER.unpack_from(value)
+    payload = memoryview(value)[HEADER_BYTES:]
+    return payload if verify_parts(value, [payload], layer_group, fingerprint, block_key, size) else None
+
+
+def verify_parts(
+    header: bytes | memoryview,
+    parts: list[memoryview],
+    layer_group: int,
+    fingerprint: bytes,
+    block_key: bytes,
+    size: int,
+) -> bool:
+    """Whether ``header`` and the payload read in ``parts`` (in order) are a complete, intact page of
+    ``size`` bytes for exactly this layer group, layout and block."""
+    fields = HEADER.unpack_from(header)
     if (
         fields[0] != MAGIC
         or fields[1] != FORMAT_VERSION
@@ -59,11 +73,13 @@ def decode_value(
         or fields[4] != block_key
         or fields[5] != size
     ):
-        return None
-    payload = memoryview(value)[HEADER_BYTES:]
-    if zlib.crc32(payload) != fields[6]:
-        return None
-    return payload
+        return False
+    crc = 0
+    n = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)  # (releases the GIL for parts above 5 KiB)
+        n += len(part)
+    return n == size and crc == fields[6]
 
 
 def forget_frames(e: BaseException) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Final
 
 from ..._common import SlotId
 from ..._config import RemoteCacheTierConfig
-from .._tiers._base import HandOffPart
+from .._tiers._base import DetachedSlot
 from ._backend import LOG
 from ._client import RemoteClient
 from ._value import HEADER_BYTES, encode_header, forget_frames
@@ -32,7 +32,7 @@ IDLE_POLL_S: Final = 0.05
 class _Pending:
     """One page queued for writing: its payload is a span of the write ring (``ring_pos`` >= 0), or
     the slot of a dropped page handed to the writer (``parts``: where the slot of each pool is read,
-    ``_tiers``' ``HandOffPart``), given back to ``parked`` once sent."""
+    ``_tiers``' ``DetachedSlot``), given back to ``parked`` once sent."""
 
     __slots__ = ("block_key", "layer_group", "nbytes", "parked", "parts", "ring_pos", "slot")
 
@@ -42,7 +42,7 @@ class _Pending:
         layer_group: int,
         nbytes: int,
         ring_pos: int,
-        parts: list[HandOffPart] | None,
+        parts: list[DetachedSlot] | None,
         parked: list[SlotId] | None,
         slot: SlotId,
     ) -> None:
@@ -154,7 +154,7 @@ class RemoteWriter(RemoteClient):
         self,
         block_key: bytes,
         layer_group: int,
-        parts: list[HandOffPart],
+        parts: list[DetachedSlot],
         nbytes: int,
         parked: list[SlotId],
         slot: SlotId,
@@ -240,7 +240,7 @@ class RemoteWriter(RemoteClient):
                 forget_frames(e)
                 self._dropped([w])
                 if w.parts:
-                    w.parts[0].unsent()
+                    w.parts[0].failed()
                 continue
             sent.append(w)
             keys.append(self.page_key(w.block_key, w.layer_group))

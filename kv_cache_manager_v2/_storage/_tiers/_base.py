@@ -1,6 +1,6 @@
 """What every tier module provides: a ``Tier`` (builds one level's pools, grows them), a
-``MediumAccess`` per kind of pool it introduces (slot bytes to and from plain buffers, hand-off to
-the remote tier's writer) and ``Route`` objects (batched slot copies between two kinds of pool).
+``MediumAccess`` per kind of pool it introduces (slot bytes to and from plain buffers, a slot read on
+another thread: ``DetachedSlot``) and ``Route`` objects (batched slot copies between two kinds of pool).
 
 The copy engine picks a route by the ``medium`` of the two pools (``Pool.medium``); a new medium is
 one tier module with its access, its routes to the media before it, and a line in ``_registry.py``.
@@ -53,15 +53,15 @@ def add_batch(batches: Batches, kind: int, dst: int, src: int, nbytes: int) -> N
     batch[2].append(nbytes)
 
 
-class HandOffPart(ABC):
-    """Where the remote tier's writer reads a handed-off slot of one pool, on its own thread."""
+class DetachedSlot(ABC):
+    """A slot of one pool whose page let go of it, read on another thread (``MediumAccess.detach``)."""
 
     @abstractmethod
     def read(self) -> memoryview:
         """The slot's bytes; raises ``OSError`` where they cannot be read or do not verify."""
 
-    def unsent(self) -> None:
-        """The slot's page was not written because ``read`` failed (the medium counts it)."""
+    def failed(self) -> None:
+        """``read`` failed, so the bytes went nowhere (the medium counts it)."""
 
 
 class MediumAccess(ABC):
@@ -82,20 +82,20 @@ class MediumAccess(ABC):
     ) -> None:
         """Copy ``parts[i]`` into slot ``slots[i]``; add ``i`` to ``failed`` where it cannot be written."""
 
-    def can_hand_off(self) -> bool:
-        """Whether the remote tier's writer can read a slot from another thread as it is (``hand_off_part``)."""
+    def can_detach(self) -> bool:
+        """Whether another thread can read a slot as it is (``detach``)."""
         return False
 
-    def hand_off_part(self, pool: Pool, slot: int, size: int) -> HandOffPart:
-        """Where the remote tier's writer reads slot ``slot`` of ``pool`` (``can_hand_off`` media only)."""
+    def detach(self, pool: Pool, slot: int, size: int) -> DetachedSlot:
+        """Slot ``slot`` of ``pool`` for another thread to read (``can_detach`` media only)."""
         raise NotImplementedError
 
     def host_bytes(self, pool: Pool, slot: int, size: int) -> memoryview | None:
         """Slot ``slot`` of ``pool`` as a view of CPU memory; None where the medium has none."""
         return None
 
-    def num_unsent(self, pool: Pool) -> int:
-        """Handed-off slots of ``pool`` the remote tier's writer found damaged (so did not send)."""
+    def num_detached_errors(self, pool: Pool) -> int:
+        """Detached slots of ``pool`` whose read failed (``DetachedSlot.failed``)."""
         return 0
 
 

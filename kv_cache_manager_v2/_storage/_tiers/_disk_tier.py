@@ -16,7 +16,7 @@ from .._backend import MemoryBackend, Pool
 from .._disk import DiskPool
 from .._layout import PoolGroupLayout, StorageLayout
 from .._persist import PersistentDisk, pool_file
-from ._base import Batches, HandOffPart, MediumAccess, Route, Run, Tier, file
+from ._base import Batches, DetachedSlot, MediumAccess, Route, Run, Tier, file
 from ._gpu_tier import read_device, write_device
 from ._host_tier import host_view
 
@@ -46,9 +46,9 @@ def transfer(disk: DiskPool, slot: int, view: memoryview, size: int, run: Run, f
             failed.add(indices[k])
 
 
-class FileSlot(HandOffPart):
-    """A handed-off slot in a disk tier's file: read (and verified) on the writer's thread; the
-    kernel copies with the GIL released."""
+class FileSlot(DetachedSlot):
+    """A detached slot in a disk tier's file: read (and verified) on the reading thread; the kernel
+    copies with the GIL released."""
 
     def __init__(self, disk: DiskPool, offset: int, size: int) -> None:
         self.disk = disk
@@ -60,8 +60,8 @@ class FileSlot(HandOffPart):
         self.disk.read_into(buf, self.offset)
         return buf
 
-    def unsent(self) -> None:
-        self.disk.num_unsent += 1  # the disk tier's io_errors
+    def failed(self) -> None:
+        self.disk.num_detached_errors += 1  # the disk tier's io_errors
 
 
 class FileAccess(MediumAccess):
@@ -87,14 +87,14 @@ class FileAccess(MediumAccess):
             except OSError:
                 failed.add(i)
 
-    def can_hand_off(self) -> bool:
+    def can_detach(self) -> bool:
         return True
 
-    def hand_off_part(self, pool: Pool, slot: int, size: int) -> HandOffPart:
+    def detach(self, pool: Pool, slot: int, size: int) -> DetachedSlot:
         return FileSlot(file(pool), slot * size, size)
 
-    def num_unsent(self, pool: Pool) -> int:
-        return file(pool).num_unsent
+    def num_detached_errors(self, pool: Pool) -> int:
+        return file(pool).num_detached_errors
 
 
 class FileCopy(Route):

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from ..._common import CacheTier
 from .._backend import MemoryBackend, Pool
 from .._layout import PoolGroupLayout
-from ._base import Batches, HandOffPart, MediumAccess, Route, Run, Tier, memory
+from ._base import Batches, DetachedSlot, MediumAccess, Route, Run, Tier, memory
 
 
 def host_view(pool: Pool) -> memoryview:
@@ -18,8 +18,8 @@ def host_view(pool: Pool) -> memoryview:
     return view
 
 
-class HostSlot(HandOffPart):
-    """A handed-off slot in host memory: read in place."""
+class HostSlot(DetachedSlot):
+    """A detached slot in host memory: read in place."""
 
     def __init__(self, view: memoryview) -> None:
         self.view = view
@@ -48,11 +48,11 @@ class HostAccess(MediumAccess):
         for i, slot in enumerate(slots):
             target[slot * size : (slot + 1) * size] = parts[i]
 
-    def can_hand_off(self) -> bool:
+    def can_detach(self) -> bool:
         return True
 
-    def hand_off_part(self, pool: Pool, slot: int, size: int) -> HandOffPart:
-        self.backend.wait_copies()  # the writer thread reads it
+    def detach(self, pool: Pool, slot: int, size: int) -> DetachedSlot:
+        self.backend.wait_copies()  # another thread reads it
         return HostSlot(host_view(pool)[slot * size : (slot + 1) * size])
 
     def host_bytes(self, pool: Pool, slot: int, size: int) -> memoryview | None:
