@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import rawref
 
@@ -102,8 +103,9 @@ class StorageManager:
                 group.start_retention = self.expiries.start
                 group.stop_retention = self.expiries.stop
         #: moves pages down the levels and drops them (``make_room``), and counts the room it can make
+        persist = cast("PersistentDisk | None", self.persist)  # (set by _add_level: mypy has it None here)
         self.cascade = EvictionCascade(
-            self.levels, self.copier, self.expiries, self.pins, self.persist, self.persist_level, tokens_per_block
+            self.levels, self.copier, self.expiries, self.pins, persist, self.persist_level, tokens_per_block
         )
         gpu = self.gpu
         #: GPU storage of each layer group's pool group (the allocation hot path)
