@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import cast
 
 import rawref
 
@@ -103,7 +102,8 @@ class StorageManager:
                 group.start_retention = self.expiries.start
                 group.stop_retention = self.expiries.stop
         #: moves pages down the levels and drops them (``make_room``), and counts the room it can make
-        persist = cast("PersistentDisk | None", self.persist)  # (set by _add_level: mypy has it None here)
+        # (``self.persist``, which _add_level set: read here, mypy takes it for the None assigned above)
+        persist = self.tier_objects[self.persist_level].persistent() if self.persist_level >= 0 else None
         self.cascade = EvictionCascade(
             self.levels, self.copier, self.expiries, self.pins, persist, self.persist_level, tokens_per_block
         )
