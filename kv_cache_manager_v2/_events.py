@@ -158,7 +158,10 @@ class BlockStoredEvent(KVCacheEvent):
 
 class BlockMovedEvent(BlockStoredEvent):
     """A block's page of one layer group moved between tiers (``source_medium`` -> ``medium``).
-    Made by the event manager: a stored event's fields, then ``source_medium``."""
+    Made by the event manager: a stored event's fields, then ``source_medium``.
+
+    Deeper because: a move is a store at the new medium (plus where it came from), so it is a
+    ``BlockStoredEvent``: the vLLM wire form sends it as a removal and a store."""
 
     __slots__ = ("source_medium",)
 

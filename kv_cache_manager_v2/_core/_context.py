@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Final
+from typing import Final, Protocol
 
 import rawref
 
@@ -22,14 +22,11 @@ from .._typed import TypedList
 from ._sessions import SessionTable
 
 
-class OpenCache:
-    """What the context needs of the caches it tracks (a ``KVCache``): closing them."""
+class OpenCache(Protocol):
+    """What the context needs of the caches it tracks (a ``KVCache``, which it cannot import):
+    closing them."""
 
-    #: the one non-owning reference to this cache (``rawref``), made when it opens
-    _rawref: rawref.ref[OpenCache] | None
-
-    def close(self) -> None:
-        raise NotImplementedError
+    def close(self) -> None: ...
 
 
 #: how long shutdown lets queued remote writes drain

@@ -85,7 +85,7 @@ class Directives:
                 raise ValueError(f"{what}: reuse_scope applies to a prefix (tokens), not to a session")
             ctx = self._ctx
             for ref in ctx.open_caches:  # the session's open requests: what they published so far
-                kv = ref()
+                kv: object = ref()  # (an OpenCache: what the context knows of a cache)
                 if isinstance(kv, RequestState) and kv._session == session:
                     ctx.sessions.record(session, last_published(kv))
             return ctx.sessions.nodes(session), session, (_SESSION_PIN, session)

@@ -1,10 +1,10 @@
 """KVCache: the public object of one request's KV memory (README.md, "API in short").
 
-Its state is a :class:`~._request_state.RequestState`, its queries (lengths, tokens, tables,
-page indices) are :class:`~._cache_view.CacheView`'s; the concerns are functions over the state in
-their own modules: residency (resume, suspend, prefetch, close, lost blocks), resize planning,
-commit and publishing, beams. The decode step's fast paths stay here as methods: a resize that
-needs no new block or one more block, and the commit of one token that completes nothing.
+Its state and the queries on it (lengths, tokens, tables, page indices) are its base's,
+:class:`~._request_state.RequestState`; the concerns are functions over the state in their own
+modules: residency (resume, suspend, prefetch, close, lost blocks), resize planning, commit and
+publishing, beams. The decode step's fast paths stay here as methods: a resize that needs no new
+block or one more block, and the commit of one token that completes nothing.
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ from .._retention import Retention
 from .._reuse._keys import check_token, check_token_sequence, validate_tokens
 from .._utils import check_int, check_type
 from ._beams import commit_beams
-from ._cache_view import CacheView
-from ._commit import commit_tokens, publish_final
+from ._commit import commit_tokens, next_snapshot_position, publish_final
 from ._planning import resize_blocks
-from ._request_state import checked_priority, default_priority
+from ._request_state import RequestState, checked_priority, default_priority
 from ._residency import (
     close_pages,
     drop_lost_blocks,
@@ -42,7 +41,7 @@ from ._residency import (
 from ._snapshot_plan import add_snapshot_position
 
 
-class KVCache(CacheView):
+class KVCache(RequestState):
     """The KV memory of one request.
 
     Created SUSPENDED by :meth:`KVCacheManager.create_kv_cache`; ``resume()`` makes it ACTIVE,
@@ -503,3 +502,14 @@ class KVCache(CacheView):
         end -= end % self._tokens_per_block
         if self._ctx.plans_branches and self._ctx.state_layer_groups and end > self._history:
             add_snapshot_position(self, end)
+
+    def next_snapshot_position(self, position: object) -> int | None:
+        """The least position after ``position`` where the manager keeps a snapshot of the
+        recurrent state (per ``ssm_snapshot_policy``: multiples of the snapshot interval, the
+        prompt's last full block, where the prompt leaves a cached path, ...; ``MAX_CAPACITY + 1``
+        when none is ahead); None without recurrent layers. A commit that ends history exactly
+        there takes the snapshot: cut prefill chunks at these positions."""
+        after = check_int("position", position)
+        if not self._ctx.state_layer_groups:
+            return None
+        return next_snapshot_position(self, after)

@@ -1,6 +1,7 @@
-"""The eviction cascade: making room at a level by moving its victims down the levels (the newest
-as far as the levels below have room) and dropping what the last level evicts, and the one place
-pages leave storage for good (``drop``, ``lose``).
+"""The eviction cascade: the room a level has or can make (``available``: free slots, DROPPABLE
+pages, and HELD ones as far as the levels below take them), making it by moving its victims down
+the levels (the newest as far as the levels below have room) and dropping what the last level
+evicts, and the one place pages leave storage for good (``drop``, ``lose``).
 
 Storage reports what it did in one direction: to the page-drop listener (the reuse tree, which
 tells KV-cache event subscribers in plain values), once per dropped page and once per batch of
@@ -11,14 +12,21 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from .._common import CacheLevel, CacheTier
+from .._common import CacheLevel, CacheTier, PoolGroupIndex
 from .._exceptions import OutOfPagesError
 from .._page import Page, PoolGroupStorage
+from .._typed import TypedList
+from ._copy_engine import CopyEngine
 from ._expiry import ExpiryQueue
-from ._levels import StorageLevels
+from ._persist import PersistentDisk
 from ._persistence import persist_pages
+from ._pins import PinTable
 from ._slot_allocator import pair_sorted
 from ._tiers._remote_tier import RemoteTier
+
+#: Per level and pool group, how many of the asking request's own pages its evictor lists
+#: (they are about to be used, so they do not count as evictable).
+Excluded = list[list[int]]
 
 
 class PageDropListener(ABC):
@@ -38,20 +46,71 @@ class PageDropListener(ABC):
             self.page_moved(page, source_level)
 
 
-class EvictionCascade(StorageLevels):
-    """Storage levels that evict: ``make_room`` takes the evictor's victims lowest priority first;
-    above the last level they move one level down (which may push that level's victims further),
-    at the last level reusable pages are dropped (the listener is told first). HELD pages only
-    ever move, so an allocation that would need to drop one is refused by the planning arithmetic
-    (``available``) before anything moves."""
+class EvictionCascade:
+    """The room each level has or can make (``available``, ``capacity``) and making it:
+    ``make_room`` takes the evictor's victims lowest priority first; above the last level they
+    move one level down (which may push that level's victims further), at the last level reusable
+    pages are dropped (the listener is told first). HELD pages only ever move, so an allocation
+    that would need to drop one is refused by the planning arithmetic (``available``) before
+    anything moves. The ``StorageManager`` holds it (``cascade``) and plans requests with it."""
 
-    #: told of the pages dropped and moved (the reuse tree); set by the subclass's constructor
-    drop_listener: PageDropListener | None
-    #: the remote tier below the last level (``attach_remote``): reusable full-block pages dropped
-    #: for good are written there
-    remote_tier: RemoteTier | None
-    #: retained pages' expiry times, consulted before each eviction
-    expiries: ExpiryQueue
+    def __init__(
+        self,
+        levels: TypedList[CacheLevel, TypedList[PoolGroupIndex, PoolGroupStorage]],
+        copier: CopyEngine,
+        expiries: ExpiryQueue,
+        pins: PinTable,
+        persist: PersistentDisk | None,
+        persist_level: int,
+        tokens_per_block: int,
+    ) -> None:
+        #: the storage of every level and pool group (the manager's)
+        self.levels = levels
+        self.copier = copier
+        #: retained pages' expiry times, consulted before each eviction
+        self.expiries = expiries
+        #: pinned prefixes, whose pages are in no evictor
+        self.pins = pins
+        #: the persistent disk tier's files and level (``persist_pages``), else None and -1
+        self.persist = persist
+        self.persist_level = persist_level
+        self.tokens_per_block = tokens_per_block
+        #: told of the pages dropped and moved (the reuse tree; ``StorageManager.drop_listener``)
+        self.drop_listener: PageDropListener | None = None
+        #: the remote tier below the last level (``attach_remote``): reusable full-block pages dropped
+        #: for good are written there
+        self.remote_tier: RemoteTier | None = None
+
+    # ------------------------------------------------------------------ room
+    def available(self, level: int, pool_group: int, excluded: Excluded | None = None) -> int:
+        """Slots of pool group ``pool_group`` at ``level`` that are free or can be made free: free slots,
+        DROPPABLE pages (moved down or dropped), and HELD pages as far as the levels below can take
+        them. ``excluded`` pages (listed per level and group) are not counted as evictable. Pins that
+        ran out end first (their pages are evictable again), but with ``excluded``: its counter
+        expired them before counting (a pin ending now could list a page it did not count)."""
+        if excluded is None:
+            self.pins.expire()
+        storage = self.levels.items[level].items[pool_group]
+        evictor = storage.evictor
+        count = storage.allocator.num_free + evictor.count - evictor.num_held
+        held = evictor.num_held
+        if excluded is not None:
+            held -= excluded[level][pool_group]
+        if held > 0:
+            count += min(held, self.capacity(level + 1, pool_group))
+        return count
+
+    def capacity(self, level: int, pool_group: int) -> int:
+        """How many pages of pool group ``pool_group`` levels ``level`` and below can take in (0 past the
+        last): their free slots and DROPPABLE pages. Each level keeps the newest pages it can hold
+        and passes the older rest further down (the eviction cascade), so a small level does not
+        limit how much the levels below it take, and HELD pages already there may stay where they are."""
+        count = 0
+        for storages in self.levels.items[level:]:
+            storage = storages.items[pool_group]
+            evictor = storage.evictor
+            count += storage.allocator.num_free + evictor.count - evictor.num_held
+        return count
 
     def persist_pages(self, pages: list[Page]) -> None:
         """Record the persistent disk tier's reusable full-block pages among ``pages`` (their bytes
@@ -155,7 +214,7 @@ class EvictionCascade(StorageLevels):
             if not v.num_holds and v.node is None:
                 self.drop(v)  # became garbage while the levels below made room: not worth moving
         try:
-            failed = self._relocate(still, dst)
+            failed = self.relocate(still, dst)
         except BaseException:
             for v in still + rest:
                 v.relist()
@@ -173,7 +232,7 @@ class EvictionCascade(StorageLevels):
                     self.drop(v)  # became garbage meanwhile
             self._place([v for v in rest if v.num_holds or v.node is not None], level + 1, pool_group)
 
-    def _relocate(self, pages: list[Page], dst: PoolGroupStorage) -> list[Page]:
+    def relocate(self, pages: list[Page], dst: PoolGroupStorage) -> list[Page]:
         """Copy ``pages`` (one source storage, in no evictor) into new slots of ``dst`` (room made)
         and free their old slots. Returns the pages whose copy failed; they stay where they were."""
         if not pages:

@@ -96,7 +96,10 @@ def cuda_device_count() -> int:
 
 
 class CudaDevicePool(MemoryPool):
-    """Virtual range of ``reserved_bytes``; physical chunks of ``granularity`` mapped on demand."""
+    """Virtual range of ``reserved_bytes``; physical chunks of ``granularity`` mapped on demand.
+
+    Deeper because: ``MemoryPool`` is the interface of the pools in addressable memory, a kind of
+    ``Pool`` (the other kind, ``DiskPool``, is a file)."""
 
     def __init__(self, backend: CudaBackend, max_bytes: int) -> None:
         cu = _driver()
@@ -161,7 +164,10 @@ class CudaDevicePool(MemoryPool):
 
 class PinnedHostPool(MemoryPool):
     """Host memory reserved as an anonymous mapping; its used part is page-locked chunk by chunk
-    (unlocked only once ``backend``'s copies, which may still use it, are done)."""
+    (unlocked only once ``backend``'s copies, which may still use it, are done).
+
+    Deeper because: ``MemoryPool`` is the interface of the pools in addressable memory, a kind of
+    ``Pool`` (the other kind, ``DiskPool``, is a file)."""
 
     def __init__(self, max_bytes: int, backend: CudaBackend) -> None:
         self.medium = HOST_MEMORY

@@ -20,7 +20,10 @@ _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 
 class HostMemoryPool(MemoryPool):
     """An anonymous private mapping; the OS backs pages lazily, so reserving is cheap. With
-    ``addressable`` False it plays device memory: no ``host_view``, reached by address only."""
+    ``addressable`` False it plays device memory: no ``host_view``, reached by address only.
+
+    Deeper because: ``MemoryPool`` is the interface of the pools in addressable memory, a kind of
+    ``Pool`` (the other kind, ``DiskPool``, is a file)."""
 
     def __init__(self, max_bytes: int, addressable: bool = True) -> None:
         self.medium = HOST_MEMORY if addressable else DEVICE_MEMORY

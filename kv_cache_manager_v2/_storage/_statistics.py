@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from .._common import CacheLevel, CacheTier, StorageStatistics, TierStatistics
-from ._levels import StorageLevels
+from .._common import GPU_LEVEL, CacheLevel, CacheTier, StorageStatistics, TierStatistics
+from ._cascade import EvictionCascade
 from ._tiers._remote_tier import RemoteTier
 
 #: traffic counters of a level: offloaded, onboarded, dropped pages, the same in bytes, I/O errors
@@ -14,13 +14,16 @@ NUM_COUNTERS: Final = 7
 
 
 class TrafficStatistics:
-    """Statistics of the levels of ``storage`` (and of its remote tier, once attached)."""
+    """Statistics of the levels of ``storage`` (``tiers``: the medium of each; and of its remote
+    tier, once attached)."""
 
-    def __init__(self, storage: StorageLevels) -> None:
+    def __init__(self, storage: EvictionCascade, tiers: list[CacheTier]) -> None:
         self.storage = storage
+        self.tiers = tiers
+        self.num_levels = len(tiers)
         self.remote: RemoteTier | None = None
         #: cumulative counters at the last ``take_iteration_stats``, per level (the remote tier last)
-        self._iteration_base: list[list[int]] = [[0] * NUM_COUNTERS for _ in range(storage.num_levels + 1)]
+        self._iteration_base: list[list[int]] = [[0] * NUM_COUNTERS for _ in range(len(tiers) + 1)]
 
     def statistics(self, level: CacheLevel) -> list[StorageStatistics]:
         storage = self.storage
@@ -44,11 +47,11 @@ class TrafficStatistics:
     def utilization(self) -> float:
         """Max over GPU pool groups of unavailable / total slots."""
         storage = self.storage
-        return max(1.0 - storage.available(0, group.index) / group.num_slots for group in storage.gpu)
+        return max(1.0 - storage.available(0, group.index) / group.num_slots for group in storage.levels[GPU_LEVEL])
 
     def _counters(self, level: int) -> list[int]:
         """Cumulative (offloaded, onboarded, dropped) pages then bytes, and io errors, of ``level``."""
-        if level == self.storage.num_levels:
+        if level == self.num_levels:
             assert self.remote is not None
             return self.remote.remote.counters()
         out = [0] * NUM_COUNTERS
@@ -67,7 +70,7 @@ class TrafficStatistics:
 
     def tier_statistics(self, level: CacheLevel) -> TierStatistics:
         """Usage and traffic of ``level`` since the manager was created."""
-        if level == self.storage.num_levels:
+        if level == self.num_levels:
             return self._remote_stats(level, [0] * NUM_COUNTERS)
         peaks = [group.allocator.peak_used - group.set_aside for group in self.storage.levels[level]]
         return self._tier_stats(level, [0] * NUM_COUNTERS, peaks, self._counters(level))
@@ -88,7 +91,7 @@ class TrafficStatistics:
         if remote is not None:
             remote.flush_write_through()
         storage = self.storage
-        for level in range(storage.num_levels):
+        for level in range(self.num_levels):
             groups = storage.levels.items[level]
             peaks = [group.allocator.iteration_peak - group.set_aside for group in groups]
             now = self._counters(level)
@@ -97,7 +100,7 @@ class TrafficStatistics:
             for group in groups:
                 group.allocator.iteration_peak = group.allocator.num_used
         if remote is not None:
-            level = storage.num_levels
+            level = self.num_levels
             out.append(self._remote_stats(CacheLevel(level), self._iteration_base[level]))
             self._iteration_base[level] = remote.remote.counters()
         return out
@@ -114,7 +117,7 @@ class TrafficStatistics:
             peak += group_peak * slot_bytes
             if group.layout.holds_states:
                 state += in_use
-        return _statistics(level, self.storage.tiers[level], total, used, peak, state, now, base)
+        return _statistics(level, self.tiers[level], total, used, peak, state, now, base)
 
 
 def _statistics(

@@ -38,7 +38,11 @@ _MEDIUM = {"gpu": "GPU", "host": "CPU", "disk": "DISK", "remote": "REMOTE"}
 
 
 class RoutedReplica(ReplicaReplay):
-    """One replica behind the router: a finished request's next turn goes back to the router."""
+    """One replica behind the router: a finished request's next turn goes back to the router.
+
+    Deeper because: each level changes where a finished request's next turn goes
+    (``_release_successors``): ``Replay`` replays it itself, ``ReplicaReplay`` on the replica its
+    index names, this one through the router."""
 
     def __init__(
         self,

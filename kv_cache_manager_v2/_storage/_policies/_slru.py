@@ -50,8 +50,8 @@ def _protected(page: Page) -> bool:
 
 @final
 class SlruEvictor(LruEvictor):
-    """Segmented LRU (see the module). A subclass of :class:`LruEvictor` (three levels deep:
-    the same lists and priority layer, only where a page enters its list differs)."""
+    """Segmented LRU (see the module). Deeper because: it is :class:`LruEvictor` (the same lists
+    and priority layer), only where a page enters its list differs."""
 
     __slots__ = ("_first_protected", "_limit", "_num_protected")
 

@@ -20,6 +20,10 @@ class RemoteStore(RemoteWriter):
 
     ``lookup``/``fetch``/``enqueue`` are called on the scheduler's thread (one at a time, like the
     manager); the writer thread only pops the queue. Each counter is written by one thread.
+
+    Deeper because: the reads (here) and the write queue (``RemoteWriter``) share one client
+    (``RemoteClient``: the backend, the keys, the down state); the writer's thread uses only the
+    writer's part.
     """
 
     def __init__(self, cfg: RemoteCacheTierConfig, fingerprint: bytes, max_page_bytes: int) -> None:

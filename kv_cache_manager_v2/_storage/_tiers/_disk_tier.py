@@ -133,7 +133,10 @@ class StagedRoute(Route):
 
 
 class DeviceToFile(StagedRoute):
-    """Device memory -> file through the staging buffer."""
+    """Device memory -> file through the staging buffer.
+
+    Deeper because: ``StagedRoute`` is the ``Route`` part both staged routes share (the backend and
+    the staging buffer's size)."""
 
     def copy(self, src: Pool, dst: Pool, size: int, runs: list[Run], failed: set[int], batches: Batches) -> None:
         target = file(dst)
@@ -146,7 +149,10 @@ class DeviceToFile(StagedRoute):
 
 class FileToDevice(StagedRoute):
     """File -> device memory through the staging buffer (a slot that fails to read carries garbage
-    to a page its caller drops)."""
+    to a page its caller drops).
+
+    Deeper because: ``StagedRoute`` is the ``Route`` part both staged routes share (the backend and
+    the staging buffer's size)."""
 
     def copy(self, src: Pool, dst: Pool, size: int, runs: list[Run], failed: set[int], batches: Batches) -> None:
         source = file(src)
