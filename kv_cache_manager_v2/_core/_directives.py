@@ -1,15 +1,15 @@
 """``KVCacheManager.directives``: what the engine says about a session's or a prefix's cached
-blocks (retain, pin, unpin, demote, end), each answered with a ``DirectiveOutcome``. Built on
-the retention and pin mechanisms (``_storage/_expiry.py``, ``_storage/_pins.py``), the eviction
-cascade's moves (``demote``) and the tree's removal (``end``); which blocks a session has:
-``_sessions.py``."""
+blocks (retain, pin, unpin, prefetch, demote, end), each answered with a ``DirectiveOutcome``.
+Built on the retention and pin mechanisms (``_storage/_expiry.py``, ``_storage/_pins.py``), the
+background disk reads (``prefetch``: ``_storage/_page_reads.py``), the eviction cascade's moves
+(``demote``) and the tree's removal (``end``); which blocks a session has: ``_sessions.py``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from typing import Final
 
-from .._common import CacheLevel, Priority, ReuseScope, SessionId, TokenIdExt
+from .._common import GPU_LEVEL, CacheLevel, Priority, ReuseScope, SessionId, TokenIdExt
 from .._page import NO_HINT, Page
 from .._retention import check_duration, check_retention_priority
 from .._reuse._node import Node
@@ -197,6 +197,43 @@ class Directives:
         finally:
             ctx.leave()
         return _outcome(blocks)
+
+    def prefetch(
+        self, target: Target, to_level: object = GPU_LEVEL, reuse_scope: ReuseScope | None = None
+    ) -> DirectiveOutcome:
+        """Bring the target's cached blocks on a disk tier up to cache level ``to_level`` in the
+        background (e.g. the user is typing again), as ``KVCacheManager.prefetch`` does for a
+        request's tokens: into the first memory tier at or below ``to_level`` (the host tier when
+        ``to_level`` is the GPU and a host tier exists: a request not admitted yet takes no GPU
+        memory). ``num_blocks``: blocks there or above already; ``num_deferred``: blocks being
+        read (``DEFERRED``; they land in ``poll_loads``, a read that fails is a miss); ``num_kept``:
+        blocks left where they are (without ``load_workers`` nothing starts: the create reads
+        what it takes). Takes no page; a prefix's blocks only in the remote tier: ``KVCacheManager.prefetch``."""
+        level = check_int("to_level", to_level)
+        ctx = self._ctx
+        num_levels = ctx.storage.num_levels
+        if level >= num_levels:
+            raise ValueError(f"to_level must be a local cache level, in [0, {num_levels}), got {level}")
+        nodes, _, _ = self._target("prefetch()", target, reuse_scope)
+        reads = ctx.reads
+        land = reads.background_target(CacheLevel(level)) if reads is not None else CacheLevel(level)
+        applied = deferred = kept = 0
+        ctx.enter("prefetch()")
+        try:
+            ctx.poll_loads()
+            for node in nodes:
+                pages = _pages(node)
+                if not pages:
+                    continue
+                if all(page.level <= land for page in pages):
+                    applied += 1
+                elif reads is not None and reads.read(pages, land):
+                    deferred += 1
+                else:
+                    kept += 1
+        finally:
+            ctx.leave()
+        return _outcome(applied, deferred, kept)
 
     def demote(self, target: Target, to_level: object, reuse_scope: ReuseScope | None = None) -> DirectiveOutcome:
         """Move the target's cached blocks down to cache level ``to_level`` (1 .. the last local

@@ -274,7 +274,7 @@ class KVCacheManager(ManagerQueries):
 
     @property
     def directives(self) -> Directives:
-        """Directives by session or prefix (retain, pin/unpin, demote, end), each answering a ``DirectiveOutcome``."""
+        """Directives by session or prefix (retain, pin/unpin, prefetch, demote, end), each answering a ``DirectiveOutcome``."""
         self._check_alive()
         return Directives(self._ctx, self._matcher, self._check_alive)
 
