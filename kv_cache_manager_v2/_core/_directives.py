@@ -115,6 +115,7 @@ class Directives:
         if duration is not None:
             expiries.read()  # a clock that fails raises here, before anything changes
         applied = kept = 0
+        recorded: list[Page] = []  # pages on a persistent disk tier
         ctx.enter("retain()")
         try:
             expiries.expire()
@@ -127,7 +128,11 @@ class Directives:
                     continue
                 for page in pages:
                     expiries.retain(page, node.ordinal, p, duration, NO_HINT)
+                    if page.level == ctx.storage.persist_level:
+                        recorded.append(page)
                 applied += 1
+            if recorded and ctx.storage.persist is not None:  # their records keep the retention too
+                ctx.storage.persist_pages(recorded)
         finally:
             ctx.leave()
         return _outcome(applied, 0, kept)

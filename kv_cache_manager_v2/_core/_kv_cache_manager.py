@@ -139,6 +139,7 @@ class KVCacheManager(ManagerQueries):
                     records,
                     self._storage.levels[CacheLevel(self._storage.persist_level)],
                     self._layout.pool_group_of_layer_group,
+                    self._storage.expiries,
                 )
                 persist.ignore(ignored)
                 persist.forget_records(superseded)

@@ -18,7 +18,8 @@ from .._common import (
     ReuseScope,
     SlotId,
 )
-from .._page import Page, PoolGroupStorage
+from .._page import NO_HINT, Page, PoolGroupStorage
+from .._storage._expiry import ExpiryQueue
 from .._storage._persist import SEQ_LIMIT, DiskRecord
 from .._typed import TypedList
 from ._keys import chain_keys
@@ -31,6 +32,7 @@ def adopt_records(
     records: list[list[DiskRecord]],
     storages: TypedList[PoolGroupIndex, PoolGroupStorage],
     pool_group_of: TypedList[LayerGroupId, PoolGroupIndex],
+    expiries: ExpiryQueue,
 ) -> tuple[int, list[DiskRecord], list[DiskRecord]]:
     """Publish the pages a persistent disk tier kept from a previous manager: ``records[g]`` are
     the valid records of pool group ``g`` (slots already taken in ``storages``), in any order
@@ -43,9 +45,10 @@ def adopt_records(
     or when its write sequence is ``SEQ_LIMIT`` or more. An older record of a page that was written
     again (the page left the disk and came back to another slot) is superseded: its slot freed
     too, not an error. Pages become reusable (DROPPABLE) oldest first, so eviction order follows
-    their write order; subscribers hear of each (stored at the disk medium). Returns the pages
+    their write order, each with the retention its record kept (``expiries.restore``: the time
+    left of a duration); subscribers hear of each (stored at the disk medium). Returns the pages
     adopted, the records ignored and those superseded."""
-    run = _Adoption(tree, storages, pool_group_of)
+    run = _Adoption(tree, storages, pool_group_of, expiries)
     write_through = tree.write_through
     tree.write_through = None  # what a previous manager wrote is not sent again
     try:
@@ -64,8 +67,12 @@ class _Adoption:
         tree: ReuseTree,
         storages: TypedList[PoolGroupIndex, PoolGroupStorage],
         pool_group_of: TypedList[LayerGroupId, PoolGroupIndex],
+        expiries: ExpiryQueue,
     ) -> None:
         self.tree = tree
+        self.expiries = expiries
+        #: the placed pages whose records kept retention, and those records
+        self.retained: list[tuple[Page, DiskRecord]] = []
         self.storages = storages
         self.pool_group_of = pool_group_of
         #: a block's records (one per layer group)
@@ -171,6 +178,8 @@ class _Adoption:
                 tree._attach(node, layer_group, page, parent.prio_cap, RequestSerial(0))
                 self.placed.append(page)
                 self.seqs.append(r.seq)
+                if r.retain_s != 0.0 or r.hint_end != NO_HINT:
+                    self.retained.append((page, r))
                 empty = False
             if empty:
                 self.made.append(node)
@@ -185,6 +194,10 @@ class _Adoption:
         placed = self.placed
         for i in sorted(range(len(placed)), key=self.seqs.__getitem__):
             placed[i].release(True)
+        for page, r in self.retained:
+            node = page.node
+            if node is not None:
+                self.expiries.restore(page, node.ordinal, r.retained_priority, r.expires, r.retain_s, r.hint_end)
         for node in self.made:
             if node.parent is not None and node.is_removable:
                 tree.prune(node)
