@@ -22,12 +22,12 @@ from collections.abc import Iterable, Sequence
 
 import rawref
 
-from .._common import DEFAULT_PRIORITY, CacheLevel, LayerGroupId, ReuseScope, TokenIdExt
+from .._common import DEFAULT_PRIORITY, MAX_PRIORITY, CacheLevel, LayerGroupId, Priority, ReuseScope, TokenIdExt
 from .._layers._policy import LayerGroup
-from .._page import NO_SERIAL, Page
+from .._page import NO_HINT, NO_SERIAL, Page
 from .._storage._remote._backend import Value
 from .._storage._remote._store import RemoteStore
-from .._storage._remote._value import HEADER_BYTES, decode_value
+from .._storage._remote._value import HEADER_BYTES, Carried, decode_value, value_retention
 from .._storage._storage_manager import StorageManager
 from .._typed import TypedList
 from ._keys import BlockHasher, BlockKey, scope_key, validate_tokens
@@ -391,6 +391,7 @@ class RemoteFill:
         fp = remote.fingerprint
         good: Found = {}
         payloads: dict[tuple[int, int], memoryview] = {}
+        carried: dict[tuple[int, int], Carried] = {}  # each value's retention (its header's)
         for (ordinal, layer_group), value in zip(needed, values):
             payload = (
                 decode_value(value, layer_group, fp, keys[ordinal], self.page_bytes[layer_group])
@@ -403,23 +404,35 @@ class RemoteFill:
                 continue
             good[(ordinal, layer_group)] = True
             payloads[(ordinal, layer_group)] = payload
+            assert value is not None
+            carried[(ordinal, layer_group)] = value_retention(value)
         if len(payloads) < len(needed):  # some values were gone or bad: shorten to what is intact
             matched_blocks = self._best(chain, local_blocks, matched_blocks, good)
             if matched_blocks <= local_blocks:
                 return local_blocks
             needed = self._needed(chain, local_blocks, matched_blocks)
-        placed = self._place(needed, payloads)
+        placed = self._place(needed, payloads, carried)
         self._publish(scope, hasher, chain, keys, matched_blocks, placed)
+        expiries = self.storage.expiries
+        for x, page in placed.items():  # the retention the values kept, for the time left
+            r = carried[x]
+            node = page.node
+            if node is not None and (r[3] != 0.0 or r[4] != NO_HINT):
+                expiries.restore(page, node.ordinal, r[1], r[2], r[3], r[4])
         remote.fetched_pages += len(placed)
         remote.fetched_bytes += sum(self.value_bytes(placed))
         remote.hit_blocks += matched_blocks - local_blocks
         return matched_blocks
 
     def _place(
-        self, needed: list[tuple[int, int]], payloads: dict[tuple[int, int], memoryview]
+        self,
+        needed: list[tuple[int, int]],
+        payloads: dict[tuple[int, int], memoryview],
+        carried: dict[tuple[int, int], Carried],
     ) -> dict[tuple[int, int], Page]:
         """New locked pages at the target level (host or GPU memory: writes cannot fail there)
-        holding the payloads of ``needed``, one batch per pool group."""
+        holding the payloads of ``needed``, one batch per pool group, at the base priority their
+        values kept."""
         storage = self.storage
         by_group: dict[int, list[tuple[int, int]]] = {}
         for ordinal, layer_group in needed:
@@ -446,7 +459,9 @@ class RemoteFill:
                         dst.allocator.free(s)
                     raise
                 for (ordinal, layer_group), slot in zip(items, slots):
-                    page = Page(dst, slot, LayerGroupId(layer_group), DEFAULT_PRIORITY, True)
+                    base = carried[(ordinal, layer_group)][0]
+                    prio = Priority(base) if 0 <= base <= MAX_PRIORITY else DEFAULT_PRIORITY
+                    page = Page(dst, slot, LayerGroupId(layer_group), prio, True)
                     page.remote_copy = True
                     placed[(ordinal, layer_group)] = page
         except BaseException:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import contextlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from .._common import PoolGroupIndex, SlotId
 from .._page import Page, PoolGroupStorage
 from .._typed import TypedList
-from ._expiry import ExpiryQueue
 from ._persist import PersistentDisk
 from ._tiers._disk_tier import arm_sums, slot_sums
 
@@ -26,10 +25,14 @@ def take_persisted(persist: PersistentDisk, storages: TypedList[PoolGroupIndex, 
 
 
 def persist_pages(
-    persist: PersistentDisk, level: int, tokens_per_block: int, pages: list[Page], expiries: ExpiryQueue
+    persist: PersistentDisk,
+    level: int,
+    tokens_per_block: int,
+    pages: list[Page],
+    carried: Callable[[Page], tuple[int, int, float, float, int]],
 ) -> None:
     """Record the persistent disk tier's (at ``level``) reusable full-block pages among ``pages``
-    (their bytes are in place; their retention as ``expiries.carried`` says): a manager opening
+    (their bytes are in place; their retention as ``carried``, ``ExpiryQueue.carried``, says): a manager opening
     the directory after this one adopts them."""
     for page in pages:
         if page.level != level:
@@ -52,7 +55,7 @@ def persist_pages(
             persist.forget(int(storage.index), page.slot)
             continue
         sums = slot_sums(storage.pools, page.slot)
-        c = expiries.carried(page)
+        c = carried(page)
         persist.write(
             int(storage.index),
             page.slot,

@@ -87,7 +87,7 @@ class StorageManager(EvictionCascade):
         dropped page's data is sent from its slot (no copy on the scheduler's thread)."""
         self.remote = remote
         self.tokens_per_block = tokens_per_block
-        tier = RemoteTier(remote, self.copier, tokens_per_block, self.num_pool_groups)
+        tier = RemoteTier(remote, self.copier, tokens_per_block, self.num_pool_groups, self.expiries)
         self.remote_tier = self.stats.remote = tier
         self._write_through = tier.write_through
         level = self.num_levels - 1

@@ -16,17 +16,30 @@ import rawref
 
 from ..._page import Page, PoolGroupStorage
 from .._copy_engine import CopyEngine
+from .._expiry import ExpiryQueue
 from .._remote._store import RemoteStore
 
 #: most headroom slots one pool group gets for the remote tier's writes
 MAX_HEADROOM: Final = 4096
 
+#: the retention of a span given back unused (never written)
+NOTHING_CARRIED: Final = (0, 0, 0.0, 0.0, 0)
+
 
 class RemoteTier:
     """Writes to ``remote`` the reusable full-block pages local storage lets go of."""
 
-    def __init__(self, remote: RemoteStore, copier: CopyEngine, tokens_per_block: int, num_pool_groups: int) -> None:
+    def __init__(
+        self,
+        remote: RemoteStore,
+        copier: CopyEngine,
+        tokens_per_block: int,
+        num_pool_groups: int,
+        expiries: ExpiryQueue,
+    ) -> None:
         self.remote = remote
+        #: a written block's retention goes into its value's header (``ExpiryQueue.carried``)
+        self.expiries = expiries
         self.copier = copier
         self.tokens_per_block = tokens_per_block
         self.num_pool_groups = num_pool_groups
@@ -94,10 +107,11 @@ class RemoteTier:
         writer, which sends the data from there; a parked headroom slot becomes free in its place."""
         storage = page.storage
         layer_group = page.layer_group
+        carried = self.expiries.carried(page)  # (before the hand-off frees the page)
         slot = page.hand_off()
         storage.allocator.free(storage.parked.pop())
         parts = storage.hand_off_parts(slot)
-        self.remote.enqueue_slot(key, layer_group, parts, storage.layout.slot_bytes, storage.parked, slot)
+        self.remote.enqueue_slot(key, layer_group, parts, storage.layout.slot_bytes, storage.parked, slot, carried)
 
     def spill(self, pages: list[Page]) -> None:
         """Queue the data of ``pages`` (reusable full blocks whose data the remote tier lacks) for
@@ -135,9 +149,9 @@ class RemoteTier:
                 assert node is not None
                 if i in failed:  # a disk read failed: the page keeps its (possibly bad) data locally
                     source.num_io_errors += 1
-                    remote.enqueue(pos, nbytes, b"", 0)
+                    remote.enqueue(pos, nbytes, b"", 0, NOTHING_CARRIED)
                     continue
-                remote.enqueue(pos, nbytes, node.key, page.layer_group)
+                remote.enqueue(pos, nbytes, node.key, page.layer_group, self.expiries.carried(page))
                 page.remote_copy = True
 
     def spill_one(self, page: Page) -> None:
@@ -156,7 +170,7 @@ class RemoteTier:
         pos = remote.reserve(size)
         if pos >= 0:  # host memory (or the emulated GPU): one copy into the write ring
             remote.span(pos, size)[:] = data
-            remote.enqueue(pos, size, node.key, page.layer_group)
+            remote.enqueue(pos, size, node.key, page.layer_group, self.expiries.carried(page))
             page.remote_copy = True
 
     # ------------------------------------------------------------------ write-through
