@@ -232,6 +232,19 @@ def test_end_drops_the_private_blocks_and_keeps_what_others_share(make_manager: 
     reuse(m, engine, system, T)
 
 
+def test_end_keeps_a_template_the_session_published_first(make_manager: MakeManager) -> None:
+    """The first session of a system prompt published it alone (private so far): ``keep`` names
+    it, so its end leaves it for the sessions to come."""
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T)
+    engine = FakeEngine(m)
+    system = seq(1000, 2)
+    run(m, engine, system + seq(2000, 1), session_id="a")
+    with pytest.raises(ValueError, match="reuse_scope applies to keep"):
+        m.directives.end("a", None, ReuseScope(salt=1))
+    assert m.directives.end("a", keep=system + [5]) == outcome(APPLIED, 1, kept=2)
+    reuse(m, engine, system + seq(3000, 1), 2 * T)  # the next conversation finds it, byte for byte
+
+
 def test_end_keeps_the_blocks_another_pin_holds(make_manager: MakeManager) -> None:
     m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T)
     engine = FakeEngine(m)

@@ -273,14 +273,24 @@ class Directives:
         applied = sum(1 for node in chosen if all(page.level >= level for page in _pages(node)))
         return _outcome(applied, 0, kept + len(chosen) - applied)
 
-    def end(self, session: object) -> DirectiveOutcome:
+    def end(
+        self, session: object, keep: Sequence[TokenIdExt] | None = None, reuse_scope: ReuseScope | None = None
+    ) -> DirectiveOutcome:
         """The session is over: its private blocks (published by it, used by no other session)
         leave the cache now (``num_blocks``); those a request still uses stay until released, at
         priority 0 (evicted first: ``DEFERRED``, ``num_deferred``); every block another session
         shares, that another pin holds (``KVCacheManager.pin``, a prefix's ``pin``), or that a
-        block kept needs below it, stays as it was (``num_kept``), so those sessions reuse it as before. Its pin ends; the session is forgotten (the id may start again)."""
+        block kept needs below it, stays as it was (``num_kept``), so those sessions reuse it as before. Its pin ends; the session is forgotten (the id may start again).
+        ``keep``: tokens of a prefix whose cached blocks stay too (in ``reuse_scope``): a system
+        prompt or template the engine knows later sessions will share, which this session may have
+        been the first (and so far the only one) to publish."""
         if not isinstance(session, str):
             raise TypeError(f"end(): session must be a session id (str), got {type(session).__name__}")
+        kept_nodes: set[int] = set()
+        if keep is not None:
+            kept_nodes = {id(n) for n in self._target("end()", keep, reuse_scope)[0]}
+        elif reuse_scope is not None:
+            raise ValueError("end(): reuse_scope applies to keep (tokens), which is None")
         nodes, sid, key = self._target("end()", session, None)
         assert sid is not None
         ctx = self._ctx
@@ -293,7 +303,7 @@ class Directives:
                 if node.parent is None:
                     continue  # left with a block removed before it (a pageless parent pruned)
                 pages = _pages(node)
-                if not is_private(node, sid) or any(page.num_pins for page in pages):
+                if not is_private(node, sid) or id(node) in kept_nodes or any(page.num_pins for page in pages):
                     kept += 1 if pages else 0  # (shared, or pinned by another pin: ``KVCacheManager.pin``)
                     continue
                 below = node.children()

@@ -293,6 +293,47 @@ def _trace_granularity(requests: Sequence[SimRequest]) -> int:
     return TRACE_BLOCK_TOKENS if requests and requests[0].source_line else 1
 
 
+def session_ids(requests: Sequence[SimRequest]) -> tuple[list[str], set[int]]:
+    """``--sessions``: per request, the session id of its conversation (the chains of
+    ``continuers``: the built-in workload's conversations; a trace's prompts extending each other),
+    and the requests that end a conversation (its last turn: ``--session-end``)."""
+    talks = conversations(continuers(requests, _trace_granularity(requests)))
+    return [f"conversation-{t}" for t in talks], {i for i, t in enumerate(talks) if t == i}
+
+
+def with_reasoning_hints(
+    requests: Sequence[SimRequest], hints: Sequence[Retention | None]
+) -> list[Retention | list[Retention] | None]:
+    """Each request's close-time hint with a token-range hint over its reasoning tokens
+    (``SimRequest.reasoning``: no later request reuses them): ``DROP_PRIORITY`` there, the
+    continuation hint (if any) up to the end of the prompt."""
+    out: list[Retention | list[Retention] | None] = []
+    for r, hint in zip(requests, hints):
+        if r.reasoning <= 0:
+            out.append(hint)
+            continue
+        begin = r.prompt_length
+        span = Retention(DROP_PRIORITY, None, begin, begin + r.reasoning)
+        if hint is None or hint.start >= begin:
+            out.append([span])
+        else:
+            out.append([Retention(hint.priority, hint.duration_s, hint.start, begin), span])
+    return out
+
+
+def use_sessions(replay: Replay, requests: Sequence[SimRequest], sessions: int) -> None:
+    """``--sessions`` (``sessions`` 1) and ``--session-end`` (2) on ``replay``: a session's end
+    keeps the system prompt its requests share with other conversations (the engine knows its
+    templates; the first conversation of one publishes it)."""
+    if sessions:
+        ids, ends = session_ids(requests)
+        replay.sessions = ids
+        if sessions > 1:
+            replay.session_ends = ends
+            shared = system_prompts(requests, 1, replay.t)
+            replay.session_keep = [p[1] if p is not None else 0 for p in shared]
+
+
 def replay_with_hints(
     config: KVCacheManagerConfig,
     requests: list[SimRequest],
@@ -303,23 +344,32 @@ def replay_with_hints(
     pins: Sequence[tuple[int, int] | None] | None = None,
     scale: float = 1.0,
     pin_duration_s: float | None = None,
+    sessions: int = 0,
 ) -> dict[str, Any]:
     """``--retention-hints ACCURACY``: the replay again, each finished request sending the hint of
     ``hint_retentions`` (pauses in simulated time: scaled by ``options.time_scale``; a request
     said not to continue drops its blocks after the system prompt it shares with other
     conversations); the report's ``retention_hints`` part (``without``: the token hit rate of the
     replay without hints; ``pins``, ``pin_duration_s``: the replay's ``Replay.pins``,
-    ``pin_duration_s``; ``scale``: the model's bytes per proxy byte)."""
+    ``pin_duration_s``; ``scale``: the model's bytes per proxy byte; ``sessions``: ``use_sessions``).
+    Requests with reasoning tokens add a token-range hint over them (``with_reasoning_hints``)."""
     pauses = continuation_pauses(requests, _trace_granularity(requests))
     scaled = [p * options.time_scale if p is not None else None for p in pauses]
     shared = [p[1] if p is not None else 0 for p in system_prompts(requests, 1, config.tokens_per_block)]
     replay = Replay(config, requests, options, bytes_scale=scale)
-    replay.retain = hint_retentions(scaled, accuracy, seed, drop=True, shared=shared)
+    hints = hint_retentions(scaled, accuracy, seed, drop=True, shared=shared)
+    reasoning = any(r.reasoning for r in requests)
+    replay.retain = with_reasoning_hints(requests, hints) if reasoning else hints
+    use_sessions(replay, requests, sessions)
     replay.pins = pins
     replay.pin_duration_s = pin_duration_s
     result = replay.run()
     continued = sorted(p for p in scaled if p is not None)
+    extra: dict[str, Any] = {"reasoning_hints": True} if reasoning else {}
+    if sessions > 1:
+        extra["sessions_ended_blocks"] = result_ended(replay)
     return {
+        **extra,
         "accuracy": accuracy,
         "seed": seed,
         "continued_share": round(len(continued) / len(requests), 4) if requests else 0.0,
@@ -328,6 +378,11 @@ def replay_with_hints(
         "token_hit_rate_without": without,
         "peak_retained_bytes": int(result.levels[0].peak_retained * scale),
     }
+
+
+def result_ended(replay: Replay) -> dict[str, int]:
+    """What ``--session-end``'s ``directives.end`` did in ``replay``, in blocks."""
+    return {"dropped": replay.ended[0], "deferred": replay.ended[1], "kept": replay.ended[2]}
 
 
 def format_hints(rep: dict[str, Any]) -> str:
