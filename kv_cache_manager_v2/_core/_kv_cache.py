@@ -241,7 +241,7 @@ class KVCache(CacheView):
         finally:
             ctx.leave()
 
-    def _close(self, retain: list[Retention]) -> None:
+    def _close(self, retain: Sequence[Retention]) -> None:
         close_pages(self, retain)
         if self._stream_counted:  # the next copy of its pages still waits for its kernels
             self._stream_counted = False

@@ -420,7 +420,7 @@ def suspend_pages(state: RequestState) -> None:
     state._status = KVCacheStatus.SUSPENDED
 
 
-def close_pages(state: RequestState, retain: list[Retention]) -> None:
+def close_pages(state: RequestState, retain: Sequence[Retention]) -> None:
     """``KVCache.close`` past its checks: publish the rest, give the published history the
     close-time hints ``retain`` (each over its token range), release every page."""
     settle_loads(state)  # its reads in flight are cancelled (nothing was allocated for them)
