@@ -20,6 +20,7 @@ out, a trace's later prompts never hold outputs), ``close``. Runs:
   conversations, ``sim._hints.session_ids``), ``directives.end`` when a conversation's last turn
   closes (keeping the system prompt other conversations share), and a token-range hint over each
   request's reasoning tokens (``DROP_PRIORITY``; ``sim._hints.with_reasoning_hints``);
+  ``sessions_frequency_0.9``: the same under ``eviction_policy="frequency"``;
 * ``optimum``: Belady's eviction over the same 32-token prompt blocks knowing the whole future
   (``retention_hints.belady``: a bound, not a policy; outputs are never reused here, so it never
   keeps them), and ``infinite``: the hit rate of a cache that never evicts.
@@ -65,7 +66,7 @@ T = 32
 REASONING = 0.4
 ACCURACY = 0.9
 CAPS = {"conversations": [24_000, 48_000, 96_000], "trace": [1_000_000, 3_000_000, 10_000_000]}
-RUNS = ["lru", "hints_0.9", "sessions_0.9", "optimum"]
+RUNS = ["lru", "hints_0.9", "sessions_0.9", "sessions_frequency_0.9", "optimum"]
 
 
 def workload(name: str, trace: str, limit: int) -> list[SimRequest]:
@@ -83,6 +84,7 @@ def replay(
     sessions: list[str] | None = None,
     ends: set[int] | None = None,
     keep: list[int] | None = None,
+    policy: str = "lru",
 ) -> tuple[float, dict[str, int]]:
     """Hit rate of one replay through a fresh manager, and what the sessions' ends did (blocks)."""
     clock = TraceClock()
@@ -93,6 +95,7 @@ def replay(
         layers,
         backend="host",
         clock=clock,
+        eviction_policy=policy,  # type: ignore[arg-type]
         enable_partial_reuse=False,  # (whole blocks, as the optimum counts them)
     )
     m = kvm.KVCacheManager(cfg)
@@ -168,7 +171,8 @@ def main() -> None:
                 elif run == "hints_0.9":
                     row[run] = round(replay(reqs, cap, list(hints))[0], 4)
                 else:
-                    rate, ended = replay(reqs, cap, with_reasoning_hints(reqs, hints), ids, ends, shared)
+                    policy = "frequency" if "frequency" in run else "lru"
+                    rate, ended = replay(reqs, cap, with_reasoning_hints(reqs, hints), ids, ends, shared, policy)
                     row[run] = round(rate, 4)
                     row[f"{run}_ended_blocks"] = ended
                 row[f"{run}_seconds"] = round(time.perf_counter() - t0, 1)
@@ -176,7 +180,7 @@ def main() -> None:
             if "lru" in row:
                 row["lru_of_infinite"] = round(row["lru"] / infinite, 3)
             if "optimum" in row:
-                for run in ("lru", "hints_0.9", "sessions_0.9"):
+                for run in ("lru", "hints_0.9", "sessions_0.9", "sessions_frequency_0.9"):
                     if run in row:
                         row[f"{run}_of_optimum"] = round(row[run] / row["optimum"], 3)
             with open(args.json, "w") as f:  # after each capacity: a long run keeps what it measured

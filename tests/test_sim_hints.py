@@ -14,6 +14,7 @@ from kv_cache_manager_v2.sim._hints import (
     KEEP_PRIORITY,
     PAUSE_FACTOR,
     PAUSE_SLACK_S,
+    assign_sessions,
     continuation_pauses,
     continuers,
     conversations,
@@ -117,10 +118,13 @@ def test_sessions_are_the_conversations_and_their_last_turns_end_them() -> None:
     reqs = [
         req(0, 0.0, (0, 100)),
         req(1, 2.0, (0, 150)),  # continues 0
-        req(2, 3.0, (500, 10)),  # another conversation, one turn
+        req(2, 3.0, (0, 40), (500, 10)),  # another conversation, one turn, sharing 2 blocks of 16
     ]
     ids, ends = session_ids(reqs)
     assert ids[0] == ids[1] != ids[2] and ends == {1, 2}
+    assign_sessions(reqs, True, 16)
+    assert [r.session for r in reqs] == ids and [r.ends_session for r in reqs] == [False, True, True]
+    assert [r.session_keep for r in reqs] == [32, 32, 32]  # what the two conversations share
 
 
 def test_the_simulator_runs_sessions_their_end_and_reasoning_hints(capsys: pytest.CaptureFixture[str]) -> None:

@@ -135,11 +135,7 @@ class KVCacheManager(ManagerQueries):
             if persist is not None:
                 records, persist.records = persist.records, []
                 self.num_adopted_pages, ignored, superseded = adopt_records(
-                    self._tree,
-                    records,
-                    self._storage.levels[CacheLevel(self._storage.persist_level)],
-                    self._layout.pool_group_of_layer_group,
-                    self._storage.expiries,
+                    self._tree, records, self._storage, self._layout.pool_group_of_layer_group
                 )
                 persist.ignore(ignored)
                 persist.forget_records(superseded)

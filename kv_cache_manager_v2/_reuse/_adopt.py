@@ -11,6 +11,7 @@ import rawref
 from .._common import (
     MAX_PRIORITY,
     BlockTokens,
+    CacheLevel,
     LayerGroupId,
     PoolGroupIndex,
     Priority,
@@ -21,6 +22,7 @@ from .._common import (
 from .._page import NO_HINT, Page, PoolGroupStorage
 from .._storage._expiry import ExpiryQueue
 from .._storage._persist import SEQ_LIMIT, DiskRecord
+from .._storage._storage_manager import StorageManager
 from .._typed import TypedList
 from ._keys import chain_keys
 from ._node import Node
@@ -30,12 +32,11 @@ from ._tree import ReuseTree
 def adopt_records(
     tree: ReuseTree,
     records: list[list[DiskRecord]],
-    storages: TypedList[PoolGroupIndex, PoolGroupStorage],
+    storage: StorageManager,
     pool_group_of: TypedList[LayerGroupId, PoolGroupIndex],
-    expiries: ExpiryQueue,
 ) -> tuple[int, list[DiskRecord], list[DiskRecord]]:
     """Publish the pages a persistent disk tier kept from a previous manager: ``records[g]`` are
-    the valid records of pool group ``g`` (slots already taken in ``storages``), in any order
+    the valid records of pool group ``g`` (slots already taken in the persistent level of ``storage``), in any order
     (ancestors are adopted first). A record is ignored and its slot freed when its key is not the
     key of its tokens under its parent (``chain_keys``: SHA-256 of the parent key and the tokens;
     the scope is in its root's key), when its chain of parent blocks does not reach its scope's
@@ -48,7 +49,8 @@ def adopt_records(
     their write order, each with the retention its record kept (``expiries.restore``: the time
     left of a duration); subscribers hear of each (stored at the disk medium). Returns the pages
     adopted, the records ignored and those superseded."""
-    run = _Adoption(tree, storages, pool_group_of, expiries)
+    storages = storage.levels[CacheLevel(storage.persist_level)]  # (slots already taken there)
+    run = _Adoption(tree, storages, pool_group_of, storage.expiries)
     write_through = tree.write_through
     tree.write_through = None  # what a previous manager wrote is not sent again
     try:

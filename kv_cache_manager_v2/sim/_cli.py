@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from .._config import EVICTION_POLICIES, REMOTE_URL_SCHEMES
+from . import _hints
 from ._check import DataCheckError
 from ._fleet import add_routing_arguments, check_routing_arguments
 from ._hints import HINTS_HELP, HINTS_SWEEP_KEY, check_accuracy, check_pin_duration, check_pin_share
@@ -49,14 +50,7 @@ from ._run import (
 )
 from ._ssm_policy import SSM_POLICY_KEY, check_policy
 from ._time_cli import add_time_arguments, policy_list, time_setup
-from ._workload import (
-    MAX_ARRIVAL_MS,
-    ConversationParams,
-    SimRequest,
-    generate_conversations,
-    load_trace,
-    mark_reasoning,
-)
+from ._workload import MAX_ARRIVAL_MS, ConversationParams, SimRequest, generate_conversations, load_trace
 
 PROG = "kv-cache-sim"
 #: options of the built-in conversations (refused with --trace): flag, type, help
@@ -129,25 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         "compared in a table (per --sweep point) (default: lru)",
     )
     g.add_argument("--retention-hints", type=float, metavar="ACCURACY", help=HINTS_HELP)
-    g.add_argument(
-        "--sessions",
-        action="store_true",
-        help="each request carries its conversation's session id (create_kv_cache(session_id=); the built-in "
-        "conversations, or a trace's prompts extending each other)",
-    )
-    g.add_argument(
-        "--session-end",
-        action="store_true",
-        help="with --sessions: when a conversation's last turn closes, its session ends (directives.end: its "
-        "private blocks leave the cache)",
-    )
-    g.add_argument(
-        "--reasoning-share",
-        type=float,
-        metavar="SHARE",
-        help="that share of each answer's tokens is reasoning, never reused (built-in: the next turn leaves it "
-        "out); --retention-hints then also drops it first (a token-range hint)",
-    )
+    _hints.add_session_options(g)
     g.add_argument(
         "--pin-system-prompts",
         type=int,
@@ -332,9 +308,7 @@ def _workload(a: argparse.Namespace) -> tuple[list[SimRequest], dict[str, Any]]:
                 f"{', '.join(ignored)}: for the built-in conversations, which --trace replaces; drop "
                 + ("them" if len(ignored) > 1 else "it")
             )
-        reqs = load_trace(a.trace, a.requests)
-        if a.reasoning_share is not None:
-            mark_reasoning(reqs, a.reasoning_share)
+        reqs = load_trace(a.trace, a.requests, a.reasoning_share or 0.0)
         source = f"trace {os.path.basename(a.trace)}"
         desc: dict[str, Any] = {"source": "trace", "path": a.trace}
     else:
@@ -350,6 +324,8 @@ def _workload(a: argparse.Namespace) -> tuple[list[SimRequest], dict[str, Any]]:
             f"{params.system_prompts} system prompts of ~{params.system_tokens} tokens)"
         )
         desc = {"source": "conversations", "params": dataclasses.asdict(params)}
+    if a.sessions:
+        _hints.assign_sessions(reqs, a.session_end, a.tokens_per_block)
     if a.reasoning_share is not None:
         desc["reasoning_share"] = a.reasoning_share
     n = len(reqs)
@@ -504,10 +480,7 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
         if given and (a.restart_at is not None or a.replicas != 1 or a.remote_url):
             raise SimUserError(f"{flag} does not combine with --restart-at, --replicas or --remote-url")
     check_accuracy(a.retention_hints)
-    if a.session_end and not a.sessions:
-        raise SimUserError("--session-end ends the sessions of --sessions: give --sessions too")
-    if a.sessions and (a.restart_at is not None or a.replicas != 1 or a.remote_url):
-        raise SimUserError("--sessions does not combine with --restart-at, --replicas or --remote-url")
+    _hints.check_sessions(a)
     options, slo = time_setup(a, shape, options, uses_disk, sweep)  # sim/_time_cli.py
     if a.per_request:
         _check_output("--per-request", a.per_request)

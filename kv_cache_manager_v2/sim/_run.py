@@ -19,17 +19,9 @@ from typing import Any
 
 import kv_cache_manager_v2 as kvm
 
+from . import _hints
 from ._fleet import format_routing, routing_choice, simulate_routing
-from ._hints import (
-    HINTS_SWEEP_KEY,
-    check_accuracy,
-    check_pin_share,
-    format_hints,
-    replay_with_hints,
-    result_ended,
-    system_prompts,
-    use_sessions,
-)
+from ._hints import HINTS_SWEEP_KEY, check_accuracy, check_pin_share, format_hints, replay_with_hints, system_prompts
 from ._latency import Slo, compared_rows, latency_report
 from ._models import (
     SSM_KV_ONLY,
@@ -147,12 +139,10 @@ def simulate(
     ssm_lower_tier_interval: int | None = None,
     slo: Slo | None = None,
     on_result: Callable[[ReplayResult], None] | None = None,
-    sessions: int = 0,
 ) -> dict[str, Any]:
     """One replay (and one per accuracy of ``retention_hints`` with continuation hints; prefixes
     shared by more than ``pin_shared`` conversations pinned, for ``pin_duration`` seconds after
-    each use; ``sessions``: 1 requests carry their conversation's session id, 2 and its last turn
-    ends it: ``sim/_hints.py``); returns the report dict (``on_result`` sees the replay's counters
+    each use: ``sim/_hints.py``); returns the report dict (``on_result`` sees the replay's counters
     first). Raises SimUserError for refused configurations."""
     for accuracy in retention_hints:
         check_accuracy(accuracy)
@@ -180,20 +170,15 @@ def simulate(
     pins = system_prompts(requests, pin_shared, tokens_per_block) if pin_shared is not None else None
     replay.pins = pins
     replay.pin_duration_s = pin_duration
-    use_sessions(replay, requests, sessions)
     result = replay.run()
     if on_result is not None:
         on_result(result)
     rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale, slo)
-    rep["eviction_policy"] = eviction_policy
+    rep.update(eviction_policy=eviction_policy, **_hints.sessions_report(requests, result))
     if result.load_plan is not None:
         rep["load_plan"] = {**result.load_plan, "request_load_wait_s": result.io_background_ms / 1000.0}
     if rep["snapshots"]:
         rep["snapshots"]["policy"] = config.ssm_snapshot_policy
-    if sessions:
-        rep["sessions"] = {"sessions": len(set(replay.sessions or ())), "end": sessions > 1}
-        if sessions > 1:
-            rep["sessions"]["ended_blocks"] = result_ended(replay)
     if pin_shared is not None:
         rep["pins"] = {
             "shared_by_more_than": pin_shared,
@@ -213,7 +198,6 @@ def simulate(
             pins=pins,
             scale=scale,
             pin_duration_s=pin_duration,
-            sessions=sessions,
         )
         for accuracy in retention_hints
     ]
@@ -586,7 +570,7 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
             rep = simulate(
                 run_shape, row, a.tokens_per_block, s.requests, s.workload, opts, a.swa_scratch, a.check_data,
                 update, policy, metrics, run_interval, hints, a.pin_system_prompts, run_policy, a.pin_duration,
-                a.ssm_lower_tier_interval, s.slo, keep(row, label), (a.sessions or 0) + (a.session_end or 0),
+                a.ssm_lower_tier_interval, s.slo, keep(row, label),
             )  # fmt: skip
             if point:
                 rep["sweep_point"] = point

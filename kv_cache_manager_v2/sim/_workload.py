@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._common import SessionId
 from ._models import SimUserError
 
 #: tokens per ``hash_ids`` block of a Mooncake trace
@@ -52,6 +53,11 @@ class SimRequest:
     source_line: int = 0  #: trace line (1-based), 0 for generated requests
     #: the first ``reasoning`` output tokens are reasoning: no later request reuses them (``--reasoning-share``)
     reasoning: int = 0
+    #: its conversation's session id (``--sessions``); its close ends the session (``--session-end``),
+    #: keeping the first ``session_keep`` tokens of its prompt (the system prompt other conversations share)
+    session: SessionId | None = None
+    ends_session: bool = False
+    session_keep: int = 0
 
     def prompt_tokens(self) -> array[int]:
         """The prompt as ``array('I')`` (cheapest for the manager to hash)."""
@@ -124,8 +130,9 @@ def _parse_line(line: str, where: str, line_no: int, idx: int) -> SimRequest:
     return SimRequest(idx, float(ts), _segments_of_blocks(ids, n_in), n_in, max(n_out, 1), base, source_line=line_no)
 
 
-def load_trace(path: str, limit: int = 0) -> list[SimRequest]:
-    """Read a Mooncake-format trace (JSON lines); ``limit`` > 0 keeps the first requests only.
+def load_trace(path: str, limit: int = 0, reasoning_share: float = 0.0) -> list[SimRequest]:
+    """Read a Mooncake-format trace (JSON lines); ``limit`` > 0 keeps the first requests only;
+    ``reasoning_share``: ``mark_reasoning``.
 
     Raises :class:`SimUserError` naming the line for anything malformed.
     """
@@ -152,6 +159,8 @@ def load_trace(path: str, limit: int = 0) -> list[SimRequest]:
         raise SimUserError(f"--trace {path}: cannot read it ({e.strerror or e})") from None
     if not out:
         raise SimUserError(f"--trace {path}: no requests in it")
+    if reasoning_share:
+        mark_reasoning(out, reasoning_share)
     return out
 
 
