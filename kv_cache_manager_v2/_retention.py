@@ -67,15 +67,9 @@ class Retention:
             raise ValueError(f"Retention.end must be > start ({start}) or None, got {end}")
 
 
-#: ``check_hints`` of None: no close-time hint (one object for every close without)
-NO_HINTS: tuple[Retention, ...] = ()
-
-
 def check_hints(name: str, retain: object) -> Sequence[Retention]:
-    """A close-time hint (``KVCache.close``'s ``retain``): None, a ``Retention``, or a sequence of
-    them over ascending token ranges that do not overlap (only the last may run to the end)."""
-    if retain is None:
-        return NO_HINTS
+    """A close-time hint (``KVCache.close``'s ``retain``, not None): a ``Retention``, or a sequence
+    of them over ascending token ranges that do not overlap (only the last may run to the end)."""
     if isinstance(retain, Retention):
         return (retain,)
     if not isinstance(retain, Sequence) or isinstance(retain, (str, bytes)):

@@ -223,7 +223,6 @@ def test_a_token_range_hint_drops_a_reasoning_span_first_and_keeps_the_conversat
 def test_close_time_hints_over_ranges_are_checked() -> None:
     from kv_cache_manager_v2._retention import check_hints
 
-    assert check_hints("retain", None) == ()
     assert check_hints("retain", [Retention(1, end=5), Retention(2, start=5)]) == [
         Retention(1, end=5),
         Retention(2, start=5),

@@ -231,7 +231,7 @@ class KVCache(CacheView):
         that token on, ``retain.end``: before that token). A sequence of hints over ascending,
         non-overlapping token ranges gives each range its own (e.g. keep the conversation, drop
         its reasoning tokens: ``[Retention(90, 60.0, end=s), Retention(0, start=s)]``)."""
-        hints = check_hints("retain", retain)
+        hints = check_hints("retain", retain) if retain is not None else None  # (None: nothing more per close)
         if self._status is KVCacheStatus.CLOSED:
             return
         ctx = self._ctx
@@ -241,7 +241,7 @@ class KVCache(CacheView):
         finally:
             ctx.leave()
 
-    def _close(self, retain: Sequence[Retention]) -> None:
+    def _close(self, retain: Sequence[Retention] | None) -> None:
         close_pages(self, retain)
         if self._stream_counted:  # the next copy of its pages still waits for its kernels
             self._stream_counted = False

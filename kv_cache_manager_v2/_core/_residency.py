@@ -420,7 +420,7 @@ def suspend_pages(state: RequestState) -> None:
     state._status = KVCacheStatus.SUSPENDED
 
 
-def close_pages(state: RequestState, retain: Sequence[Retention]) -> None:
+def close_pages(state: RequestState, retain: Sequence[Retention] | None) -> None:
     """``KVCache.close`` past its checks: publish the rest, give the published history the
     close-time hints ``retain`` (each over its token range), release every page."""
     settle_loads(state)  # its reads in flight are cancelled (nothing was allocated for them)
@@ -429,8 +429,9 @@ def close_pages(state: RequestState, retain: Sequence[Retention]) -> None:
     publish_final(state)
     if state._session is not None:
         state._ctx.sessions.record(state._session, last_published(state))
-    for hint in retain:
-        retain_history(state, hint)
+    if retain is not None:
+        for hint in retain:
+            retain_history(state, hint)
     locked = state._status is KVCacheStatus.ACTIVE
     for table in state._tables:
         table.release_all(locked)

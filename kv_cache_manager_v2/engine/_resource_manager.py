@@ -415,7 +415,8 @@ class KVCacheResourceManager(ResourceQueries):
         """
         self._check_alive()
         req = check_request("request", request)
-        check_hints("retain", retain)
+        if retain is not None:
+            check_hints("retain", retain)
         seq = self._record(req)
         if seq is None:
             entry = self._loading.get(req.request_id)
