@@ -49,16 +49,43 @@ class Retention:
     the manager's clock from their release, paused while a request reuses them (None: until the
     pages are evicted, or reused after a close-time hint).
     ``start``: a close-time hint covers only the blocks holding a token at or after this position
-    (the blocks before it, e.g. a system prompt other conversations share, keep their priority)."""
+    (the blocks before it, e.g. a system prompt other conversations share, keep their priority);
+    ``end`` (None: the end of the history): only those holding a token before it (a token range:
+    e.g. reasoning tokens no later request will reuse, ``Retention(0, start=s, end=e)``)."""
 
     priority: int
     duration_s: float | None = None
     start: int = 0
+    end: int | None = None
 
     def __post_init__(self) -> None:
         check_retention_priority("Retention.priority", raw_field(self, "priority"))
         check_duration("Retention.duration_s", raw_field(self, "duration_s"))
-        check_int("Retention.start", raw_field(self, "start"))
+        start = check_int("Retention.start", raw_field(self, "start"))
+        end = raw_field(self, "end")
+        if end is not None and check_int("Retention.end", end) <= start:
+            raise ValueError(f"Retention.end must be > start ({start}) or None, got {end}")
+
+
+def check_hints(name: str, retain: object) -> Sequence[Retention]:
+    """A close-time hint (``KVCache.close``'s ``retain``, not None): a ``Retention``, or a sequence
+    of them over ascending token ranges that do not overlap (only the last may run to the end)."""
+    if isinstance(retain, Retention):
+        return (retain,)
+    if not isinstance(retain, Sequence) or isinstance(retain, (str, bytes)):
+        raise TypeError(f"{name} must be a Retention, a sequence of them or None, got {type(retain).__name__}")
+    out: list[Retention] = []
+    for r in retain:
+        check_type(f"{name}[{len(out)}]", r, Retention)
+        assert isinstance(r, Retention)
+        if out:
+            prev_end = out[-1].end
+            if prev_end is None or r.start < prev_end:
+                raise ValueError(
+                    f"{name}: token ranges must be ascending and not overlap: {r} starts before the end of {out[-1]}"
+                )
+        out.append(r)
+    return out
 
 
 @mypyc_attr(native_class=False)

@@ -39,7 +39,8 @@ class DirectiveStatus(enum.Enum):
     APPLIED = "applied"
     #: a pin: the blocks beyond the pin share of their tier were left unpinned (``num_kept``)
     CLIPPED = "clipped"
-    #: ``end``: some blocks are in use by a request: they stay until released, then are evicted first
+    #: some blocks take effect later (``num_deferred``): ``end``: in use by a request, they stay until
+    #: released, then are evicted first; ``prefetch``: being read up in the background
     DEFERRED = "deferred"
     #: no block of the session or prefix is cached: nothing changed
     NOTHING_CACHED = "nothing_cached"
@@ -49,7 +50,8 @@ class DirectiveStatus(enum.Enum):
 @dataclass(frozen=True)
 class DirectiveOutcome:
     """A directive's answer: its ``status``; ``num_blocks``: the cached blocks it applied to now;
-    ``num_deferred``: blocks in use that go once released (``end``); ``num_kept``: blocks it
+    ``num_deferred``: blocks in use that go once released (``end``), blocks being read up in the
+    background (``prefetch``); ``num_kept``: blocks it
     names but left as they were (shared with another session, beyond the pin share, in use where
     nothing can wait, no room below)."""
 

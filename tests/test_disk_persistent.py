@@ -97,23 +97,73 @@ def test_a_new_process_adopts_the_published_blocks(tmp_path: Any) -> None:
         m2.shutdown()
 
 
-def test_retention_does_not_outlive_the_process_adopted_pages_take_their_base_priority(tmp_path: Any) -> None:
+def test_retention_outlives_the_process_with_the_time_it_has_left(tmp_path: Any) -> None:
+    """A record keeps its block's retention (wall-clock expiry): the next manager gives the adopted
+    page the same priority for the time left (within a second), a hint until reused, and its base
+    priority once the time has run out; pins end with the process."""
     path = str(tmp_path)
     m = KVCacheManager(config(path))
-    hinted, plain = seq(1, 2 * T), seq(2, 2 * T)
-    kv = m.create_kv_cache(None, hinted)
-    assert kv.resume()
-    compute(FakeEngine(m), kv, hinted, len(hinted))
-    kv.close(retain=Retention(99, 3600.0))  # "this conversation continues" ...
+    engine = FakeEngine(m)
+    long, hint, short, plain = seq(1, 2 * T), seq(2, 2 * T), seq(3, 2 * T), seq(4, 2 * T)
+    for toks, retain in ((long, Retention(99, 3600.0)), (hint, Retention(90)), (short, Retention(95, 0.3))):
+        kv = m.create_kv_cache(None, toks)
+        assert kv.resume()
+        compute(engine, kv, toks, len(toks))
+        kv.close(retain=retain)
     publish(m, plain)
-    assert [p.priority for p in tree_pages(m, hinted)] == [99, 99]
-    m.shutdown()  # ... but the process ends first
+    assert [p.priority for p in tree_pages(m, long)] == [99, 99]
+    time.sleep(0.4)  # short's time runs out while the process is down
+    m.shutdown()
     m2 = KVCacheManager(config(path))
     try:
-        assert [p.priority for p in tree_pages(m2, hinted)] == [DEFAULT_PRIORITY] * 2  # not 99 for ever
+        now = m2._storage.expiries.now()
+        pages = tree_pages(m2, long)
+        assert [p.priority for p in pages] == [99, 99]
+        assert all(3600.0 - 1.0 <= p.expires - now <= 3600.0 for p in pages)  # the time left, within a second
+        assert all(p.retain_s == 3600.0 and p.base_priority == DEFAULT_PRIORITY for p in pages)
+        assert [p.priority for p in tree_pages(m2, hint)] == [90, 90]
+        assert [p.priority for p in tree_pages(m2, short)] == [DEFAULT_PRIORITY] * 2  # ran out: its base
         assert [p.priority for p in tree_pages(m2, plain)] == [DEFAULT_PRIORITY] * 2
-        assert m2.get_storage_statistics(DISK)[0].retained == 0
-        assert reused(m2, hinted) == 2 * T
+        assert m2.get_storage_statistics(DISK)[0].retained == 4
+        m2.check_invariants()
+        assert reused(m2, hint) == 2 * T  # the conversation went on: its hint ends
+        assert [p.priority for p in tree_pages(m2, hint)] == [DEFAULT_PRIORITY] * 2
+        assert reused(m2, long) == 2 * T
+    finally:
+        m2.shutdown()
+
+
+def test_retention_moves_with_a_block_to_each_tier_and_into_its_record(tmp_path: Any) -> None:
+    """A session's retention (``directives.retain``) stays with its pages down through the host to
+    the persistent disk (priority, and the time left within a second); a retain of pages already
+    there rewrites their records; the next manager adopts them with it."""
+    path = str(tmp_path)
+    m = KVCacheManager(config(path, gpu=4, host=4, disk=16))
+    toks = seq(1, 2 * T)
+    kv = m.create_kv_cache(None, toks, session_id="chat")
+    assert kv.resume()
+    compute(FakeEngine(m), kv, toks, len(toks))
+    kv.close()
+    d = m.directives
+    assert d.retain("chat", 80, 100.0).num_blocks == 2
+
+    def check(level: int, priority: int, left: float, mgr: KVCacheManager = m) -> None:
+        now = mgr._storage.expiries.now()
+        pages = tree_pages(mgr, toks)
+        assert [(p.level, p.priority) for p in pages] == [(level, priority)] * 2
+        assert all(left - 1.0 <= p.expires - now <= left for p in pages), [p.expires - now for p in pages]
+
+    check(0, 80, 100.0)
+    assert d.demote("chat", 1).num_blocks == 2
+    check(1, 80, 100.0)
+    assert d.demote("chat", 2).num_blocks == 2  # the persistent disk: its records keep it
+    check(2, 80, 100.0)
+    assert d.retain("chat", 85, 200.0).num_blocks == 2  # on the disk already: the records are written again
+    m.shutdown()
+    m2 = KVCacheManager(config(path, gpu=4, host=4, disk=16))
+    try:
+        check(2, 85, 200.0, m2)
+        assert reused(m2, toks) == 2 * T
     finally:
         m2.shutdown()
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from conftest import REC, kv_layers, remote_keys
 from fake_engine import FakeEngine
-from tier_helpers import SLOT, T, compute, page_keys, publish, run_worker, seq
+from tier_helpers import SLOT, T, compute, page_keys, publish, run_worker, seq, tree_pages
 
 import kv_cache_manager_v2
 from kv_cache_manager_v2 import (
@@ -34,6 +34,7 @@ from kv_cache_manager_v2 import (
     KVCacheStatus,
     LayerId,
     RemoteCacheTierConfig,
+    Retention,
     ReuseScope,
 )
 from kv_cache_manager_v2._config import CacheTierConfig
@@ -41,6 +42,8 @@ from kv_cache_manager_v2._storage._remote._value import HEADER_BYTES, decode_val
 from kv_cache_manager_v2.redis_server import LocalRedisServer
 
 Factory = Callable[..., KVCacheManager]
+#: a value's retention when its block had none (``ExpiryQueue.carried``)
+NONE = (35, 35, float("inf"), 0.0, -1)
 
 
 def remote_config(
@@ -149,7 +152,7 @@ def test_config_validation_and_tier_list(redis_server: LocalRedisServer, manager
 def test_value_format_refuses_truncated_foreign_and_corrupted_values() -> None:
     fp, key = b"\x01" * 8, b"\x02" * 32
     payload_in = bytes(range(100))
-    value = encode_header([memoryview(payload_in[:30]), memoryview(payload_in[30:])], 1, fp, key) + payload_in
+    value = encode_header([memoryview(payload_in[:30]), memoryview(payload_in[30:])], 1, fp, key, NONE) + payload_in
     assert len(value) == HEADER_BYTES + 100
     payload = decode_value(value, 1, fp, key, 100)
     assert payload is not None and bytes(payload) == bytes(range(100))
@@ -608,6 +611,39 @@ def test_pages_dropped_from_a_lower_tier_are_sent_from_their_slots(
         a.check_invariants()
     finally:
         a.shutdown()
+
+
+@pytest.mark.parametrize("path", ["write_through", "evicted", "handed_off"])
+def test_retention_travels_in_the_remote_values(redis_server: LocalRedisServer, managers: Factory, path: str) -> None:
+    """A block's retention goes into its value's header (written through, copied out when evicted,
+    sent from a handed-off slot): another manager fetching it gives the page the same priority for
+    the time left (within a second), then its base priority."""
+    a = managers(redis_server.url, write_through=path == "write_through", host=16 if path == "handed_off" else None)
+    toks = seq(70, 2 * T)
+    kv = a.create_kv_cache(None, toks)
+    assert kv.resume()
+    compute(FakeEngine(a), kv, toks, len(toks))
+    kv.close(retain=Retention(90, 10.0))  # its 10 s run from here
+    closed = time.monotonic()
+    if path == "evicted":
+        evict_everything(a)
+    elif path == "handed_off":
+        evict_through_the_lower_tier(a)
+    assert a.flush_remote_writes() and len(remote_keys(redis_server)) == 2
+    time.sleep(1.5)  # (the time left is then clearly below the whole duration)
+    b = managers(redis_server.url, host=16)
+    handle = b.prefetch(toks + [1])  # fetched into b's host tier, taken by no request
+    deadline = time.monotonic() + 10
+    while not handle.done:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    left = 10.0 - (time.monotonic() - closed)
+    now = b._storage.expiries.now()
+    pages = tree_pages(b, toks)
+    assert [(p.level, p.priority, p.base_priority) for p in pages] == [(1, 90, 35)] * 2
+    assert all(abs((p.expires - now) - left) < 1.0 for p in pages), [(p.expires - now, left) for p in pages]
+    assert b.get_storage_statistics(CacheLevel(1))[0].retained == 2
+    assert reuse(b, toks + [1]) == 2 * T
 
 
 @pytest.mark.parametrize("hybrid", [False, True])

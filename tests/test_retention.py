@@ -196,6 +196,47 @@ def test_a_hint_from_a_start_leaves_the_blocks_before_it(make_manager: MakeManag
         kv.close()
 
 
+def test_a_token_range_hint_drops_a_reasoning_span_first_and_keeps_the_conversation(make_manager: MakeManager) -> None:
+    """Hints over token ranges at close: the conversation (before the reasoning) kept, the
+    reasoning span (no later request reuses it) evicted first; blocks after a range's end keep
+    their priority."""
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=9 * REC * T)
+    engine = FakeEngine(m)
+    turn = seq(1000, 2)
+    reasoning = seq(2000, 2)  # tokens [2T, 4T): the model's reasoning, stripped from the next turn
+    answer = seq(3000, 1)
+    chat = turn + reasoning + answer
+    run(m, engine, chat, [Retention(90, None, end=2 * T + 1), Retention(0, None, 2 * T + 1, 4 * T)])
+    other = seq(4000, 2)
+    run(m, engine, other, custom_priority_callback=fixed(20))
+    # the blocks: turn (90, 90), the block holding tokens 2T..3T (both ranges: the later one's, 0), 3T..4T (0), answer (35)
+    pressure(m, engine, 7, 5000, 95)  # 2 free slots, then the 5 lowest: reasoning's 2 blocks (0), other's, ...
+    assert m.probe_reuse(input_tokens=turn) == 2 * T
+    assert m.probe_reuse(input_tokens=other) == 0
+    kv = m.create_kv_cache(input_tokens=turn + seq(6000, 1))  # the next turn: without the reasoning
+    assert kv.resume()
+    engine.check_all(kv, turn, 2 * T)
+    kv.close()
+    m.check_invariants()
+
+
+def test_close_time_hints_over_ranges_are_checked() -> None:
+    from kv_cache_manager_v2._retention import check_hints
+
+    assert check_hints("retain", [Retention(1, end=5), Retention(2, start=5)]) == [
+        Retention(1, end=5),
+        Retention(2, start=5),
+    ]
+    with pytest.raises(ValueError, match="ascending and not overlap"):
+        check_hints("retain", [Retention(1, end=6), Retention(2, start=5)])
+    with pytest.raises(ValueError, match="ascending and not overlap"):
+        check_hints("retain", [Retention(1), Retention(2, start=5)])
+    with pytest.raises(TypeError, match=r"retain\[1\]"):
+        check_hints("retain", [Retention(1, end=5), 7])
+    with pytest.raises(TypeError, match="a Retention, a sequence of them or None"):
+        check_hints("retain", 7)
+
+
 def test_a_low_hint_ends_when_any_request_reuses_the_blocks(make_manager: MakeManager) -> None:
     m = make_manager(one_layer(T), tokens_per_block=T, quota=6 * REC * T)
     engine = FakeEngine(m)
@@ -228,6 +269,8 @@ def test_the_default_clock_is_monotonic() -> None:
         (lambda: Retention(50, "5"), TypeError, "Retention.duration_s must be a number"),  # type: ignore[arg-type]
         (lambda: Retention(0, None, -1), ValueError, "Retention.start must be >= 0"),
         (lambda: Retention(0, None, 1.5), TypeError, "Retention.start must be an int"),  # type: ignore[arg-type]
+        (lambda: Retention(0, None, 4, 2), ValueError, "Retention.end must be > start (4)"),
+        (lambda: Retention(0, None, 0, 2.5), TypeError, "Retention.end must be an int"),  # type: ignore[arg-type]
         (lambda: RetentionRange(8, 8, 50), ValueError, "RetentionRange.end must be > start (8)"),
         (lambda: RetentionRange(-1, None, 50), ValueError, "RetentionRange.start"),
         (lambda: RetentionRange(0, None, 500), ValueError, "RetentionRange.priority"),
@@ -511,7 +554,9 @@ def test_a_pin_duration_beyond_any_float_is_a_bad_duration(make_manager: MakeMan
 
 
 # ---------------------------------------------------------------- through the engine adapter
-def serve(a: KVCacheResourceManager, engine: FakeEngine, r: EngineRequest, retain: Retention | None = None) -> None:
+def serve(
+    a: KVCacheResourceManager, engine: FakeEngine, r: EngineRequest, retain: Retention | list[Retention] | None = None
+) -> None:
     """Run ``r`` to its end (one token per decode step) and free it with ``retain``."""
     while len(r.generated_tokens) < r.max_new_tokens:
         assert a.prepare_resources([r]) == []
@@ -542,7 +587,7 @@ def test_the_adapter_passes_request_retention_and_the_finish_hint(backend: str, 
     system = EngineRequest(1, seq(1000, 2), 1, retention=RequestRetention([(0, None, 90, 100.0)]))
     serve(a, engine, system)
     chat = EngineRequest(2, seq(2000, 2), 1)
-    serve(a, engine, chat, Retention(80, 10.0))  # the conversation continues within 10 s
+    serve(a, engine, chat, [Retention(80, 10.0, end=T), Retention(80, 10.0, start=T)])  # it continues within 10 s
     other = EngineRequest(3, seq(3000, 2), 1, priority=50)
     serve(a, engine, other)
     filler = EngineRequest(4, seq(4000, 2), 1, priority=95)

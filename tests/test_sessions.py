@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from conftest import REC, Clock, MakeManager, fixed, make_manager_per_policy, one_layer
 from fake_engine import FakeEngine
-from tier_helpers import run
+from tier_helpers import loader, run, tree_pages
 
 from kv_cache_manager_v2 import (
     CacheLevel,
@@ -147,6 +147,67 @@ def test_demote_moves_a_sessions_private_blocks_down_now(make_manager: MakeManag
     reuse(m, engine, b, 2 * T)
 
 
+def test_prefetch_brings_a_sessions_and_a_prefixs_blocks_up_from_disk(
+    make_manager: MakeManager, tmp_path: object
+) -> None:
+    m = make_manager(
+        one_layer(T),
+        tokens_per_block=T,
+        quota=4 * REC * T,
+        host_quota=4 * REC * T,
+        disk_quota=16 * REC * T,
+        disk_path=str(tmp_path),
+    )
+    loader(m).manual = True  # reads land when the test runs them
+    engine = FakeEngine(m)
+    a, b = seq(1000, 2), seq(2000, 1)
+    run(m, engine, a, session_id="a")
+    run(m, engine, b, session_id="b")
+    d = m.directives
+    assert d.demote("a", 2) == outcome(APPLIED, 2)  # the user went idle: to disk
+    assert d.demote(b, 2) == outcome(APPLIED, 1)
+    assert [p.level for p in tree_pages(m, a)] == [2, 2]
+    assert d.prefetch("a") == outcome(DEFERRED, 0, 2)  # the user is typing again: read in the background
+    assert [p.level for p in tree_pages(m, a)] == [2, 2]  # nothing moved before the reads land
+    q = loader(m)
+    while q.queued:
+        q.run_queued(len(q.queued) - 1)
+    assert m.poll_loads() == 2
+    assert [p.level for p in tree_pages(m, a)] == [1, 1]  # the host tier: no GPU memory before admission
+    assert d.prefetch("a", 1) == outcome(APPLIED, 2)  # there already
+    assert d.prefetch(b + seq(9000, 1), 1) == outcome(DEFERRED, 0, 1)  # by prefix
+    assert d.prefetch("nobody") == outcome(NOTHING)
+    with pytest.raises(ValueError, match="to_level"):
+        d.prefetch("a", 3)
+    with pytest.raises(TypeError, match="to_level"):
+        d.prefetch("a", True)
+    while q.queued:
+        q.run_queued(0)
+    m.poll_loads()
+    m.check_invariants()
+    reuse(m, engine, a, 2 * T)  # byte for byte
+    reuse(m, engine, b, T)
+
+
+def test_prefetch_without_load_workers_starts_nothing(make_manager: MakeManager, tmp_path: object) -> None:
+    m = make_manager(
+        one_layer(T),
+        tokens_per_block=T,
+        quota=4 * REC * T,
+        host_quota=4 * REC * T,
+        disk_quota=16 * REC * T,
+        disk_path=str(tmp_path),
+        load_workers=0,
+    )
+    engine = FakeEngine(m)
+    a = seq(1000, 2)
+    run(m, engine, a, session_id="a")
+    assert m.directives.demote("a", 2) == outcome(APPLIED, 2)
+    assert m.directives.prefetch("a") == outcome(APPLIED, 0, kept=2)  # the create reads what it takes
+    assert [p.level for p in tree_pages(m, a)] == [2, 2]
+    reuse(m, engine, a, 2 * T)
+
+
 def test_end_drops_the_private_blocks_and_keeps_what_others_share(make_manager: MakeManager) -> None:
     m = make_manager(one_layer(T), tokens_per_block=T, quota=12 * REC * T)
     engine = FakeEngine(m)
@@ -169,6 +230,19 @@ def test_end_drops_the_private_blocks_and_keeps_what_others_share(make_manager: 
     assert m.directives.end("a") == outcome(NOTHING)  # forgotten
     assert m.directives.end("b") == outcome(APPLIED, 1, kept=1)  # the system prompt was shared with a
     reuse(m, engine, system, T)
+
+
+def test_end_keeps_a_template_the_session_published_first(make_manager: MakeManager) -> None:
+    """The first session of a system prompt published it alone (private so far): ``keep`` names
+    it, so its end leaves it for the sessions to come."""
+    m = make_manager(one_layer(T), tokens_per_block=T, quota=8 * REC * T)
+    engine = FakeEngine(m)
+    system = seq(1000, 2)
+    run(m, engine, system + seq(2000, 1), session_id="a")
+    with pytest.raises(ValueError, match="reuse_scope applies to keep"):
+        m.directives.end("a", None, ReuseScope(salt=1))
+    assert m.directives.end("a", keep=system + [5]) == outcome(APPLIED, 1, kept=2)
+    reuse(m, engine, system + seq(3000, 1), 2 * T)  # the next conversation finds it, byte for byte
 
 
 def test_end_keeps_the_blocks_another_pin_holds(make_manager: MakeManager) -> None:

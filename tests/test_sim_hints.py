@@ -14,18 +14,22 @@ from kv_cache_manager_v2.sim._hints import (
     KEEP_PRIORITY,
     PAUSE_FACTOR,
     PAUSE_SLACK_S,
+    assign_sessions,
     continuation_pauses,
     continuers,
     conversations,
     hint_retentions,
     keep_priority,
     pin_threshold,
+    session_ids,
     shared_prefixes,
     system_prompts,
+    with_reasoning_hints,
 )
 from kv_cache_manager_v2.sim._models import ModelShape, TierSpec
 from kv_cache_manager_v2.sim._replay_types import SchedulerOptions
 from kv_cache_manager_v2.sim._run import simulate
+from kv_cache_manager_v2.sim._workload import ConversationParams, generate_conversations, mark_reasoning
 
 SMALL = ["--model", "custom", "--layers", "2", "--kv-heads", "1", "--head-dim", "16", "--tokens-per-block", "16"]
 LOAD = ["--conversations", "12", "--turns", "3", "--system-tokens", "300", "--user-tokens", "100"]
@@ -87,6 +91,60 @@ def test_the_simulator_reports_the_hit_rate_with_and_without_hints(
     assert "retention hints (accuracy 0.5" in capsys.readouterr().out
 
 
+def test_reasoning_is_left_out_of_the_next_turn_and_hinted_over_its_token_range() -> None:
+    p = ConversationParams(conversations=3, turns=3.0, seed=1)
+    plain = generate_conversations(p)
+    reqs = generate_conversations(p, 0, 0.4)
+    assert [r.arrival_ms for r in reqs] == [r.arrival_ms for r in plain]  # the same conversations
+    for r in reqs:
+        assert r.reasoning == int(0.4 * r.output_length)
+        if r.after >= 0:  # the previous turn's answer without its reasoning
+            prev = reqs[r.after]
+            answer = (prev.output_base + prev.reasoning, prev.output_length - prev.reasoning)
+            assert answer in r.prompt_segments and (prev.output_base, prev.output_length) not in r.prompt_segments
+    assert continuers(reqs) == continuers(plain)  # each turn still starts with the previous prompt
+    hints = with_reasoning_hints(reqs[:2], [Retention(90, 5.0), None])
+    r0, r1 = reqs[0], reqs[1]
+    assert hints[0] == [
+        Retention(90, 5.0, 0, r0.prompt_length),
+        Retention(DROP_PRIORITY, None, r0.prompt_length, r0.prompt_length + r0.reasoning),
+    ]
+    assert hints[1] == [Retention(DROP_PRIORITY, None, r1.prompt_length, r1.prompt_length + r1.reasoning)]
+    mark_reasoning(plain, 0.25)
+    assert all(r.reasoning == int(0.25 * r.output_length) for r in plain)
+
+
+def test_sessions_are_the_conversations_and_their_last_turns_end_them() -> None:
+    reqs = [
+        req(0, 0.0, (0, 100)),
+        req(1, 2.0, (0, 150)),  # continues 0
+        req(2, 3.0, (0, 40), (500, 10)),  # another conversation, one turn, sharing 2 blocks of 16
+    ]
+    ids, ends = session_ids(reqs)
+    assert ids[0] == ids[1] != ids[2] and ends == {1, 2}
+    assign_sessions(reqs, True, 16)
+    assert [r.session for r in reqs] == ids and [r.ends_session for r in reqs] == [False, True, True]
+    assert [r.session_keep for r in reqs] == [32, 32, 32]  # what the two conversations share
+
+
+def test_the_simulator_runs_sessions_their_end_and_reasoning_hints(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*SMALL, *LOAD, "--output-tokens", "20", "--gpu", "6000tok", "--no-progress", "--reasoning-share", "0.4"]
+    assert main([*args, "--retention-hints", "1.0", "--json", "-"]) == 0
+    hints_only = json.loads(capsys.readouterr().out)
+    flags = ["--sessions", "--session-end", "--retention-hints", "1.0", "--json", "-"]
+    assert main([*args, *flags]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["workload"]["reasoning_share"] == 0.4
+    assert rep["sessions"]["sessions"] == 12 and rep["sessions"]["end"]
+    ended = rep["sessions"]["ended_blocks"]
+    assert ended["dropped"] > 0  # each conversation's own blocks left at its end
+    h = rep["retention_hints"]
+    assert h["reasoning_hints"] and h["sessions_ended_blocks"]["dropped"] > 0
+    # (no pressure from ended conversations here: the end costs at most a partial block's reuse)
+    assert abs(h["token_hit_rate"] - hints_only["retention_hints"]["token_hit_rate"]) < 0.01
+    assert "sessions" not in hints_only
+
+
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
@@ -102,6 +160,10 @@ def test_the_simulator_reports_the_hit_rate_with_and_without_hints(
         (["--pin-system-prompts", "2", "--pin-duration", "0"], "--pin-duration must be a finite number"),
         (["--pin-system-prompts", "2", "--pin-duration", "inf"], "--pin-duration must be a finite number"),
         (["--pin-system-prompts", "2", "--replicas", "2"], "--pin-system-prompts does not combine with"),
+        (["--session-end"], "--session-end ends the sessions of --sessions: give --sessions too"),
+        (["--sessions", "--replicas", "2"], "--sessions does not combine with"),
+        (["--reasoning-share", "1"], "--reasoning-share must be in [0, 1)"),
+        (["--reasoning-share", "-0.1"], "--reasoning-share must be in [0, 1)"),
     ],
 )
 def test_bad_retention_hints_are_one_line_errors(

@@ -98,7 +98,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.unpin(PREFIXES[prefix][:length])
 
     @rule(
-        kind=st.sampled_from(["retain", "pin", "unpin", "demote", "end"]),
+        kind=st.sampled_from(["retain", "pin", "unpin", "prefetch", "demote", "end"]),
         session=st.sampled_from(SESSIONS[1:]),
         prefix=st.sampled_from([None, 0, 1, 2]),
         length=st.integers(1, 24),
@@ -118,6 +118,8 @@ class ManagerMachine(RuleBasedStateMachine):
             out = d.pin(target, duration)
         elif kind == "unpin":
             out = d.unpin(target)
+        elif kind == "prefetch":
+            out = d.prefetch(target, priority % self.m._storage.num_levels)
         elif kind == "demote":
             levels = self.m._storage.num_levels
             if levels < 2:

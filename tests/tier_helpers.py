@@ -81,7 +81,11 @@ def serve(engine: FakeEngine, kv: KVCache, tokens: Sequence[TokenIdExt], decode:
 
 
 def run(
-    m: KVCacheManager, engine: FakeEngine, tokens: list[int], retain: Retention | None = None, **kw: object
+    m: KVCacheManager,
+    engine: FakeEngine,
+    tokens: list[int],
+    retain: Retention | Sequence[Retention] | None = None,
+    **kw: object,
 ) -> KVCache:
     """Create (matching ``tokens``; ``kw`` to ``create_kv_cache``), compute and commit all of ``tokens``,
     close (with ``retain``)."""

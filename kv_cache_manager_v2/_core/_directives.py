@@ -1,15 +1,15 @@
 """``KVCacheManager.directives``: what the engine says about a session's or a prefix's cached
-blocks (retain, pin, unpin, demote, end), each answered with a ``DirectiveOutcome``. Built on
-the retention and pin mechanisms (``_storage/_expiry.py``, ``_storage/_pins.py``), the eviction
-cascade's moves (``demote``) and the tree's removal (``end``); which blocks a session has:
-``_sessions.py``."""
+blocks (retain, pin, unpin, prefetch, demote, end), each answered with a ``DirectiveOutcome``.
+Built on the retention and pin mechanisms (``_storage/_expiry.py``, ``_storage/_pins.py``), the
+background disk reads (``prefetch``: ``_storage/_page_reads.py``), the eviction cascade's moves
+(``demote``) and the tree's removal (``end``); which blocks a session has: ``_sessions.py``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from typing import Final
 
-from .._common import CacheLevel, Priority, ReuseScope, SessionId, TokenIdExt
+from .._common import GPU_LEVEL, CacheLevel, Priority, ReuseScope, SessionId, TokenIdExt
 from .._page import NO_HINT, Page
 from .._retention import check_duration, check_retention_priority
 from .._reuse._node import Node
@@ -115,6 +115,7 @@ class Directives:
         if duration is not None:
             expiries.read()  # a clock that fails raises here, before anything changes
         applied = kept = 0
+        recorded: list[Page] = []  # pages on a persistent disk tier
         ctx.enter("retain()")
         try:
             expiries.expire()
@@ -127,7 +128,11 @@ class Directives:
                     continue
                 for page in pages:
                     expiries.retain(page, node.ordinal, p, duration, NO_HINT)
+                    if page.level == ctx.storage.persist_level:
+                        recorded.append(page)
                 applied += 1
+            if recorded and ctx.storage.persist is not None:  # their records keep the retention too
+                ctx.storage.persist_pages(recorded)
         finally:
             ctx.leave()
         return _outcome(applied, 0, kept)
@@ -198,6 +203,43 @@ class Directives:
             ctx.leave()
         return _outcome(blocks)
 
+    def prefetch(
+        self, target: Target, to_level: object = GPU_LEVEL, reuse_scope: ReuseScope | None = None
+    ) -> DirectiveOutcome:
+        """Bring the target's cached blocks on a disk tier up to cache level ``to_level`` in the
+        background (e.g. the user is typing again), as ``KVCacheManager.prefetch`` does for a
+        request's tokens: into the first memory tier at or below ``to_level`` (the host tier when
+        ``to_level`` is the GPU and a host tier exists: a request not admitted yet takes no GPU
+        memory). ``num_blocks``: blocks there or above already; ``num_deferred``: blocks being
+        read (``DEFERRED``; they land in ``poll_loads``, a read that fails is a miss); ``num_kept``:
+        blocks left where they are (without ``load_workers`` nothing starts: the create reads
+        what it takes). Takes no page; a prefix's blocks only in the remote tier: ``KVCacheManager.prefetch``."""
+        level = check_int("to_level", to_level)
+        ctx = self._ctx
+        num_levels = ctx.storage.num_levels
+        if level >= num_levels:
+            raise ValueError(f"to_level must be a local cache level, in [0, {num_levels}), got {level}")
+        nodes, _, _ = self._target("prefetch()", target, reuse_scope)
+        reads = ctx.reads
+        land = reads.background_target(CacheLevel(level)) if reads is not None else CacheLevel(level)
+        applied = deferred = kept = 0
+        ctx.enter("prefetch()")
+        try:
+            ctx.poll_loads()
+            for node in nodes:
+                pages = _pages(node)
+                if not pages:
+                    continue
+                if all(page.level <= land for page in pages):
+                    applied += 1
+                elif reads is not None and reads.read(pages, land):
+                    deferred += 1
+                else:
+                    kept += 1
+        finally:
+            ctx.leave()
+        return _outcome(applied, deferred, kept)
+
     def demote(self, target: Target, to_level: object, reuse_scope: ReuseScope | None = None) -> DirectiveOutcome:
         """Move the target's cached blocks down to cache level ``to_level`` (1 .. the last local
         tier) now, as eviction would (e.g. the user went idle): ``num_blocks`` are there or below
@@ -231,14 +273,24 @@ class Directives:
         applied = sum(1 for node in chosen if all(page.level >= level for page in _pages(node)))
         return _outcome(applied, 0, kept + len(chosen) - applied)
 
-    def end(self, session: object) -> DirectiveOutcome:
+    def end(
+        self, session: object, keep: Sequence[TokenIdExt] | None = None, reuse_scope: ReuseScope | None = None
+    ) -> DirectiveOutcome:
         """The session is over: its private blocks (published by it, used by no other session)
         leave the cache now (``num_blocks``); those a request still uses stay until released, at
         priority 0 (evicted first: ``DEFERRED``, ``num_deferred``); every block another session
         shares, that another pin holds (``KVCacheManager.pin``, a prefix's ``pin``), or that a
-        block kept needs below it, stays as it was (``num_kept``), so those sessions reuse it as before. Its pin ends; the session is forgotten (the id may start again)."""
+        block kept needs below it, stays as it was (``num_kept``), so those sessions reuse it as before. Its pin ends; the session is forgotten (the id may start again).
+        ``keep``: tokens of a prefix whose cached blocks stay too (in ``reuse_scope``): a system
+        prompt or template the engine knows later sessions will share, which this session may have
+        been the first (and so far the only one) to publish."""
         if not isinstance(session, str):
             raise TypeError(f"end(): session must be a session id (str), got {type(session).__name__}")
+        kept_nodes: set[int] = set()
+        if keep is not None:
+            kept_nodes = {id(n) for n in self._target("end()", keep, reuse_scope)[0]}
+        elif reuse_scope is not None:
+            raise ValueError("end(): reuse_scope applies to keep (tokens), which is None")
         nodes, sid, key = self._target("end()", session, None)
         assert sid is not None
         ctx = self._ctx
@@ -251,7 +303,7 @@ class Directives:
                 if node.parent is None:
                     continue  # left with a block removed before it (a pageless parent pruned)
                 pages = _pages(node)
-                if not is_private(node, sid) or any(page.num_pins for page in pages):
+                if not is_private(node, sid) or id(node) in kept_nodes or any(page.num_pins for page in pages):
                     kept += 1 if pages else 0  # (shared, or pinned by another pin: ``KVCacheManager.pin``)
                     continue
                 below = node.children()

@@ -22,7 +22,7 @@ from .._common import (
     TokenIdExt,
 )
 from .._exceptions import LogicError, OutOfPagesError
-from .._retention import Retention
+from .._retention import Retention, check_hints
 from .._reuse._keys import check_token, check_token_sequence, validate_tokens
 from .._utils import check_int, check_type
 from ._beams import commit_beams
@@ -216,7 +216,7 @@ class KVCache(RequestState):
         finally:
             ctx.leave()
 
-    def close(self, retain: Retention | None = None) -> None:
+    def close(self, retain: Retention | Sequence[Retention] | None = None) -> None:
         """Publish the partial last block (unless ``stop_committing()`` came first) and release
         every page; committed pages stay reusable (with a write-through remote tier, its published
         full blocks are handed to the writer now). Idempotent; also runs on garbage collection.
@@ -227,19 +227,20 @@ class KVCache(RequestState):
         duration, its release starts it again); a hint above a page's priority ends when a later
         request reuses the history to its end, one below when any request reuses the page (below a
         page's priority: only the blocks this request published itself; ``retain.start``: from
-        that token on)."""
-        if retain is not None:
-            check_type("retain", retain, Retention)
+        that token on, ``retain.end``: before that token). A sequence of hints over ascending,
+        non-overlapping token ranges gives each range its own (e.g. keep the conversation, drop
+        its reasoning tokens: ``[Retention(90, 60.0, end=s), Retention(0, start=s)]``)."""
+        hints = check_hints("retain", retain) if retain is not None else None  # (None: nothing more per close)
         if self._status is KVCacheStatus.CLOSED:
             return
         ctx = self._ctx
         ctx.enter("close()")
         try:
-            self._close(retain)
+            self._close(hints)
         finally:
             ctx.leave()
 
-    def _close(self, retain: Retention | None = None) -> None:
+    def _close(self, retain: Sequence[Retention] | None) -> None:
         close_pages(self, retain)
         if self._stream_counted:  # the next copy of its pages still waits for its kernels
             self._stream_counted = False

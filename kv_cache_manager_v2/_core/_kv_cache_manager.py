@@ -135,10 +135,7 @@ class KVCacheManager(ManagerQueries):
             if persist is not None:
                 records, persist.records = persist.records, []
                 self.num_adopted_pages, ignored, superseded = adopt_records(
-                    self._tree,
-                    records,
-                    self._storage.levels[CacheLevel(self._storage.persist_level)],
-                    self._layout.pool_group_of_layer_group,
+                    self._tree, records, self._storage, self._layout.pool_group_of_layer_group
                 )
                 persist.ignore(ignored)
                 persist.forget_records(superseded)
@@ -274,7 +271,7 @@ class KVCacheManager(ManagerQueries):
 
     @property
     def directives(self) -> Directives:
-        """Directives by session or prefix (retain, pin/unpin, demote, end), each answering a ``DirectiveOutcome``."""
+        """Directives by session or prefix (retain, pin/unpin, prefetch, demote, end), each answering a ``DirectiveOutcome``."""
         self._check_alive()
         return Directives(self._ctx, self._matcher, self._check_alive)
 

@@ -418,9 +418,9 @@ def suspend_pages(state: RequestState) -> None:
     state._status = KVCacheStatus.SUSPENDED
 
 
-def close_pages(state: RequestState, retain: Retention | None = None) -> None:
+def close_pages(state: RequestState, retain: Sequence[Retention] | None) -> None:
     """``KVCache.close`` past its checks: publish the rest, give the published history the
-    close-time hint ``retain``, release every page."""
+    close-time hints ``retain`` (each over its token range), release every page."""
     settle_loads(state)  # its reads in flight are cancelled (nothing was allocated for them)
     if state._status is KVCacheStatus.SUSPENDED and state._ctx.storage.any_lost():
         drop_lost_blocks(state, False, -1)  # never publish a block whose data is gone
@@ -428,7 +428,8 @@ def close_pages(state: RequestState, retain: Retention | None = None) -> None:
     if state._session is not None:
         state._ctx.sessions.record(state._session, last_published(state))
     if retain is not None:
-        retain_history(state, retain)
+        for hint in retain:
+            retain_history(state, hint)
     locked = state._status is KVCacheStatus.ACTIVE
     for table in state._tables:
         table.release_all(locked)

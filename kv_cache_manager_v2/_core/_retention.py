@@ -35,7 +35,8 @@ def retain_history(state: RequestState, retain: Retention) -> None:
     reuses the whole history (the conversation continued) and replaces an older hint; a hint below
     a page's base priority applies only to the blocks this request published itself (a prefix it
     reused may serve others), and ends when any request reuses the page (the guess that nobody
-    would was wrong). Blocks that end at or before ``retain.start`` are left as they are."""
+    would was wrong). Blocks that end at or before ``retain.start``, or start at or after
+    ``retain.end``, are left as they are."""
     expiries = state._ctx.storage.expiries
     expiries.expire()
     priority = Priority(retain.priority)
@@ -44,7 +45,11 @@ def retain_history(state: RequestState, retain: Retention) -> None:
     if node is None:
         return
     last = node.ordinal
-    first = retain.start // state._tokens_per_block  # the first block holding a token at or after start
+    tokens_per_block = state._tokens_per_block
+    first = retain.start // tokens_per_block  # the first block holding a token at or after start
+    stop = last + 1 if retain.end is None else (retain.end + tokens_per_block - 1) // tokens_per_block
+    while node is not None and node.ordinal >= stop:  # (blocks after the range)
+        node = node.parent
     while node is not None and node.ordinal >= first:
         own = node.ordinal >= first_own
         for ref in node.pages:

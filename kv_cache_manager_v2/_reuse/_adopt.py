@@ -11,6 +11,7 @@ import rawref
 from .._common import (
     MAX_PRIORITY,
     BlockTokens,
+    CacheLevel,
     LayerGroupId,
     PoolGroupIndex,
     Priority,
@@ -18,8 +19,10 @@ from .._common import (
     ReuseScope,
     SlotId,
 )
-from .._page import Page, PoolGroupStorage
+from .._page import NO_HINT, Page, PoolGroupStorage
+from .._storage._expiry import ExpiryQueue
 from .._storage._persist import SEQ_LIMIT, DiskRecord
+from .._storage._storage_manager import StorageManager
 from .._typed import TypedList
 from ._keys import chain_keys
 from ._node import Node
@@ -29,11 +32,11 @@ from ._tree import ReuseTree
 def adopt_records(
     tree: ReuseTree,
     records: list[list[DiskRecord]],
-    storages: TypedList[PoolGroupIndex, PoolGroupStorage],
+    storage: StorageManager,
     pool_group_of: TypedList[LayerGroupId, PoolGroupIndex],
 ) -> tuple[int, list[DiskRecord], list[DiskRecord]]:
     """Publish the pages a persistent disk tier kept from a previous manager: ``records[g]`` are
-    the valid records of pool group ``g`` (slots already taken in ``storages``), in any order
+    the valid records of pool group ``g`` (slots already taken in the persistent level of ``storage``), in any order
     (ancestors are adopted first). A record is ignored and its slot freed when its key is not the
     key of its tokens under its parent (``chain_keys``: SHA-256 of the parent key and the tokens;
     the scope is in its root's key), when its chain of parent blocks does not reach its scope's
@@ -43,9 +46,11 @@ def adopt_records(
     or when its write sequence is ``SEQ_LIMIT`` or more. An older record of a page that was written
     again (the page left the disk and came back to another slot) is superseded: its slot freed
     too, not an error. Pages become reusable (DROPPABLE) oldest first, so eviction order follows
-    their write order; subscribers hear of each (stored at the disk medium). Returns the pages
+    their write order, each with the retention its record kept (``expiries.restore``: the time
+    left of a duration); subscribers hear of each (stored at the disk medium). Returns the pages
     adopted, the records ignored and those superseded."""
-    run = _Adoption(tree, storages, pool_group_of)
+    storages = storage.levels[CacheLevel(storage.persist_level)]  # (slots already taken there)
+    run = _Adoption(tree, storages, pool_group_of, storage.expiries)
     write_through = tree.write_through
     tree.write_through = None  # what a previous manager wrote is not sent again
     try:
@@ -64,8 +69,12 @@ class _Adoption:
         tree: ReuseTree,
         storages: TypedList[PoolGroupIndex, PoolGroupStorage],
         pool_group_of: TypedList[LayerGroupId, PoolGroupIndex],
+        expiries: ExpiryQueue,
     ) -> None:
         self.tree = tree
+        self.expiries = expiries
+        #: the placed pages whose records kept retention, and those records
+        self.retained: list[tuple[Page, DiskRecord]] = []
         self.storages = storages
         self.pool_group_of = pool_group_of
         #: a block's records (one per layer group)
@@ -171,6 +180,8 @@ class _Adoption:
                 tree._attach(node, layer_group, page, parent.prio_cap, RequestSerial(0))
                 self.placed.append(page)
                 self.seqs.append(r.seq)
+                if r.retain_s != 0.0 or r.hint_end != NO_HINT:
+                    self.retained.append((page, r))
                 empty = False
             if empty:
                 self.made.append(node)
@@ -185,6 +196,10 @@ class _Adoption:
         placed = self.placed
         for i in sorted(range(len(placed)), key=self.seqs.__getitem__):
             placed[i].release(True)
+        for page, r in self.retained:
+            node = page.node
+            if node is not None:
+                self.expiries.restore(page, node.ordinal, r.retained_priority, r.expires, r.retain_s, r.hint_end)
         for node in self.made:
             if node.parent is not None and node.is_removable:
                 tree.prune(node)

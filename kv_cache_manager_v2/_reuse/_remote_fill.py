@@ -22,12 +22,12 @@ from collections.abc import Iterable, Sequence
 
 import rawref
 
-from .._common import DEFAULT_PRIORITY, CacheLevel, LayerGroupId, ReuseScope, SlotId, TokenIdExt
+from .._common import CacheLevel, LayerGroupId, ReuseScope, SlotId, TokenIdExt
 from .._layers._policy import LayerGroup
-from .._page import NO_SERIAL, Page, PoolGroupStorage
+from .._page import NO_HINT, NO_SERIAL, Page, PoolGroupStorage
 from .._storage._remote._backend import Value
 from .._storage._remote._store import RemoteStore
-from .._storage._remote._value import HEADER_BYTES, decode_value
+from .._storage._remote._value import HEADER_BYTES, Carried, carried_priority, decode_value, value_retention
 from .._storage._storage_manager import StorageManager
 from .._storage._tiers._remote_tier import RemoteTier
 from .._typed import TypedList
@@ -376,14 +376,15 @@ class RemoteFill:
             needed = self._needed(chain, local_blocks, matched_blocks)
         remote = self.remote
         tier = self.storage.remote_tier
-        into = fetched is None and tier is not None and self._reads_into_slots(tier, needed)
+        into = fetched is None and tier is not None and reads_into_slots(self.storage, self.target, tier, needed)
         good: Found = {}
         payloads: dict[tuple[int, int], memoryview] = {}
         slots: dict[tuple[int, int], tuple[PoolGroupStorage, SlotId]] = {}
+        carried: dict[tuple[int, int], Carried] = {}  # each value's retention (its header's)
         t0 = time.perf_counter()
         if into:  # straight into new slots, verified there (a zero-copy backend: no copy at all)
             assert tier is not None
-            read = self._read_into_slots(tier, needed, keys)
+            read = self._read_into_slots(tier, needed, keys, carried)
             if read is None:
                 return local_blocks
             slots = read
@@ -402,17 +403,15 @@ class RemoteFill:
             nbytes = sum(len(v) for v in values if v is not None)
             fp = remote.fingerprint
             for (ordinal, layer_group), value in zip(needed, values):
-                payload = (
-                    decode_value(value, layer_group, fp, keys[ordinal], self.page_bytes[layer_group])
-                    if value is not None
-                    else None
-                )
+                if value is None:
+                    continue
+                payload = decode_value(value, layer_group, fp, keys[ordinal], self.page_bytes[layer_group])
                 if payload is None:
-                    if value is not None:
-                        remote.corrupt_pages += 1
+                    remote.corrupt_pages += 1
                     continue
                 good[(ordinal, layer_group)] = True
                 payloads[(ordinal, layer_group)] = payload
+                carried[(ordinal, layer_group)] = value_retention(value)
         costs = self.storage.costs  # (the read cost of load_policy="auto": a timed fetch refines it)
         if costs is not None and fetched is None:  # (a prefetch's values: timed on its worker, ``RemoteReads``)
             costs.observe(self.storage.num_levels, nbytes, time.perf_counter() - t0)
@@ -423,37 +422,35 @@ class RemoteFill:
                     dst.allocator.free(slot)
                 return local_blocks
             needed = self._needed(chain, local_blocks, matched_blocks)
-        placed = RemoteTier.adopt(needed, slots) if into else self._place(needed, payloads)
+        placed = RemoteTier.adopt(needed, slots, carried) if into else self._place(needed, payloads, carried)
         self._publish(scope, hasher, chain, keys, matched_blocks, placed)
+        expiries = self.storage.expiries
+        for x, page in placed.items():  # the retention the values kept, for the time left
+            r = carried[x]
+            node = page.node
+            if node is not None and (r[3] != 0.0 or r[4] != NO_HINT):
+                expiries.restore(page, node.ordinal, r[1], r[2], r[3], r[4])
         remote.fetched_pages += len(placed)
         remote.fetched_bytes += sum(self.value_bytes(placed))
         remote.hit_blocks += matched_blocks - local_blocks
         return matched_blocks
 
-    def _by_group(self, needed: list[tuple[int, int]]) -> dict[int, list[tuple[int, int]]]:
-        """``needed`` by pool group, in order."""
-        of_layer_group = self.storage.layout.pool_group_of_layer_group
-        by_group: dict[int, list[tuple[int, int]]] = {}
-        for item in needed:
-            by_group.setdefault(int(of_layer_group[LayerGroupId(item[1])]), []).append(item)
-        return by_group
-
-    def _reads_into_slots(self, tier: RemoteTier, needed: list[tuple[int, int]]) -> bool:
-        """Whether the target level's storages of ``needed`` take reads straight into their slots."""
-        level = self.storage.levels.items[self.target]
-        return all(tier.reads_into(level.items[pool_group]) for pool_group in self._by_group(needed))
-
     def _read_into_slots(
-        self, tier: RemoteTier, needed: list[tuple[int, int]], keys: list[BlockKey]
+        self,
+        tier: RemoteTier,
+        needed: list[tuple[int, int]],
+        keys: list[BlockKey],
+        carried: dict[tuple[int, int], Carried],
     ) -> dict[tuple[int, int], tuple[PoolGroupStorage, SlotId]] | None:
         """Read the values of ``needed`` into new slots at the target level in one call: the slot of
-        each value read whole and intact (the others are given back); None: the call failed."""
+        each value read whole and intact (the others are given back), its retention into ``carried``;
+        None: the call failed."""
         storage = self.storage
         level = storage.levels.items[self.target]
         order: list[tuple[int, int]] = []
         targets: list[tuple[PoolGroupStorage, SlotId]] = []
         try:
-            for pool_group, items in self._by_group(needed).items():
+            for pool_group, items in by_pool_group(self.storage, needed).items():
                 dst = level.items[pool_group]
                 storage.make_room(dst, len(items))
                 for item, slot in zip(items, dst.allocator.allocate(len(items))):
@@ -471,18 +468,27 @@ class RemoteFill:
         )
         if ok is None:
             return None
-        return {item: target for item, target, read in zip(order, targets, ok) if read}
+        read: dict[tuple[int, int], tuple[PoolGroupStorage, SlotId]] = {}
+        for item, target, retention in zip(order, targets, ok):
+            if retention is not None:
+                read[item] = target
+                carried[item] = retention
+        return read
 
     def _place(
-        self, needed: list[tuple[int, int]], payloads: dict[tuple[int, int], memoryview]
+        self,
+        needed: list[tuple[int, int]],
+        payloads: dict[tuple[int, int], memoryview],
+        carried: dict[tuple[int, int], Carried],
     ) -> dict[tuple[int, int], Page]:
         """New locked pages at the target level (host or GPU memory: writes cannot fail there)
-        holding the payloads of ``needed``, one batch per pool group."""
+        holding the payloads of ``needed``, one batch per pool group, at the base priority their
+        values kept."""
         storage = self.storage
         placed: dict[tuple[int, int], Page] = {}
         level = storage.levels.items[self.target]
         try:
-            for pool_group, items in self._by_group(needed).items():
+            for pool_group, items in by_pool_group(self.storage, needed).items():
                 dst = level.items[pool_group]
                 storage.make_room(dst, len(items))
                 slots = dst.allocator.allocate(len(items))
@@ -496,7 +502,9 @@ class RemoteFill:
                         dst.allocator.free(s)
                     raise
                 for (ordinal, layer_group), slot in zip(items, slots):
-                    page = Page(dst, slot, LayerGroupId(layer_group), DEFAULT_PRIORITY, True)
+                    page = Page(
+                        dst, slot, LayerGroupId(layer_group), carried_priority(carried[(ordinal, layer_group)]), True
+                    )
                     page.stored_below = True
                     placed[(ordinal, layer_group)] = page
         except BaseException:
@@ -536,3 +544,18 @@ class RemoteFill:
                 p = placed.get((ordinal, layer_group))
                 if p is not None:
                     p.release(True)
+
+
+def by_pool_group(storage: StorageManager, needed: list[tuple[int, int]]) -> dict[int, list[tuple[int, int]]]:
+    """The (block, layer group) items ``needed`` by pool group, in order."""
+    of_layer_group = storage.layout.pool_group_of_layer_group
+    by_group: dict[int, list[tuple[int, int]]] = {}
+    for item in needed:
+        by_group.setdefault(int(of_layer_group[LayerGroupId(item[1])]), []).append(item)
+    return by_group
+
+
+def reads_into_slots(storage: StorageManager, target: int, tier: RemoteTier, needed: list[tuple[int, int]]) -> bool:
+    """Whether the storages of ``needed`` at level ``target`` take reads straight into their slots."""
+    level = storage.levels.items[target]
+    return all(tier.reads_into(level.items[pool_group]) for pool_group in by_pool_group(storage, needed))

@@ -117,7 +117,7 @@ class EvictionCascade:
         are in place): a manager opening the directory after this one adopts them."""
         persist = self.persist
         assert persist is not None
-        persist_pages(persist, self.persist_level, self.tokens_per_block, pages)
+        persist_pages(persist, self.persist_level, self.tokens_per_block, pages, self.expiries.carried)
 
     # ------------------------------------------------------------------ eviction
     def make_room(self, storage: PoolGroupStorage, count: int, reserve: int = 0) -> None:

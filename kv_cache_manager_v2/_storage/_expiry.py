@@ -13,6 +13,12 @@ skipped when they come up (of several entries of one page at its expiry time, th
 it), and swept when they are most of the heap (checked every ``_SWEEP_SLACK`` entries pushed,
 against the pages under retention now: a burst's entries do not outlive it; one entry a page).
 
+Retention travels with a block beyond the process (``carried``, ``restore``): a persistent disk
+tier's records and the remote tier's values keep its priority, base priority, close-time hint and
+duration, and the expiry of a running duration as wall-clock time (``time.time``: the manager's
+clock may be monotonic, a restart or another replica does not share it); the block's next manager
+gives its page the same retention with the time left. Pins stay with the process.
+
 The clock (``KVCacheManagerConfig.clock``) is read checked (``read``): a finite number of seconds
 (any real number: an int or a numpy scalar will do, a bool will not), never more than
 ``CLOCK_TOLERANCE_S`` below the last reading (a smaller step back reads as the last reading: the
@@ -29,10 +35,11 @@ import heapq
 import logging
 import math
 import numbers
+import time
 from collections.abc import Callable
 from typing import Final
 
-from .._common import BAD_PAGE_INDEX, Priority
+from .._common import BAD_PAGE_INDEX, MAX_PRIORITY, Priority
 from .._page import GARBAGE_PRIORITY, NO_EXPIRY, NO_HINT, Page, PoolGroupStorage
 
 #: the heap is swept of dead entries when it holds more than this many plus twice the pages under
@@ -200,6 +207,39 @@ class ExpiryQueue:
             heapq.heapify(heap)
             self._heap = heap
         self._limit = len(heap) + _SWEEP_SLACK
+
+    def carried(self, page: Page) -> tuple[int, int, float, float, int]:
+        """What a record of ``page`` keeps of its retention (``restore`` gives it back): its base
+        priority (what it has without retention), its priority, the wall-clock expiry of its running
+        duration (``NO_EXPIRY``: none running), its duration (0.0: none) and its hint's last block."""
+        if not page.retained:
+            return page.priority, page.priority, NO_EXPIRY, 0.0, NO_HINT
+        expires = page.expires
+        if expires != NO_EXPIRY:
+            expires = time.time() + (expires - self.now())
+        return page.base_priority, page.priority, expires, page.retain_s, page.hint_end
+
+    def restore(self, page: Page, ordinal: int, priority: int, expires: float, retain_s: float, hint_end: int) -> bool:
+        """Give ``page`` (of block ``ordinal``, reusable, at its base priority) the retention a
+        record kept (``carried``): ``priority`` until ``expires`` (wall-clock seconds: the time left
+        runs now; ``NO_EXPIRY``: the whole ``retain_s`` from now) and then for ``retain_s`` from each
+        release, or until the hint ends (``hint_end``). Nothing when it has run out or there was
+        none, or for values no record of ours holds; returns whether the page is retained now."""
+        if not (0 <= priority <= MAX_PRIORITY) or not (retain_s == 0.0 or 0.0 < retain_s < math.inf):
+            return False
+        if retain_s == 0.0 and hint_end == NO_HINT:
+            return False
+        left = retain_s
+        if retain_s != 0.0 and expires != NO_EXPIRY:
+            left = expires - time.time()
+            if not left > 0.0:  # (a NaN too)
+                return False
+        self.retain(page, ordinal, Priority(priority), retain_s if retain_s != 0.0 else None, hint_end)
+        if left < retain_s and page.num_locks == 0 and page.num_holds == 0:  # the time left runs, not the whole
+            page.expires = self.now() + left
+            self._seq += 1
+            heapq.heappush(self._heap, (page.expires, -ordinal, self._seq, page))
+        return True
 
     def pending(self) -> set[tuple[int, float]]:
         """``(id(page), expiry time)`` of every entry (for the invariant checker)."""

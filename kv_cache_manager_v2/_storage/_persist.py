@@ -10,9 +10,10 @@ Files in the tier's directory:
 - ``kvcm-g<group>-p<pool>.pool``: the slots' bytes (as in a private disk pool).
 - ``kvcm-g<group>.slots``: a 4 KiB header (magic, format version, checksum algorithm, pool group,
   layout fingerprint, namespace digest, slot sizes digest, record size, tokens per block), then one
-  fixed-size record per slot: magic, scope (LoRA id, salt), layer group, priority, write sequence,
-  parent and block keys, the checksum of the slot's bytes in each pool, the block's token ids, and
-  the record's own checksum.
+  fixed-size record per slot: magic, scope (LoRA id, salt), layer group, priority, retention
+  (priority, wall-clock expiry, duration, hint: ``ExpiryQueue.carried``), write sequence, parent
+  and block keys, the checksum of the slot's bytes in each pool, the block's token ids, and the
+  record's own checksum.
 
 Crash safety needs no ``fsync`` ordering: a slot's bytes are written before its record, a record
 is valid only when its own checksum matches, and a slot is served only when its bytes match the
@@ -48,16 +49,18 @@ LOG = logging.getLogger("kv_cache_manager_v2")
 LOCK_NAME: Final = "kvcm-disk.lock"
 FILE_MAGIC: Final = b"KVCMDSK\x00"
 #: bump when the record or file layout changes
-DISK_FORMAT_VERSION: Final = 1
+DISK_FORMAT_VERSION: Final = 2
 #: magic, format version, checksum algorithm, pool group, layout fingerprint, namespace digest,
 #: slot sizes digest, record size, tokens per block
 FILE_HEADER: Final = struct.Struct("<8sHHI8s8s8sII")
 #: records start here (one page: a record never shares a page with the header)
 HEADER_BYTES: Final = 4096
 RECORD_MAGIC: Final = b"KVR1"
-#: magic, flags (1: LoRA id, 2: salt), priority, layer group, tokens, reserved, LoRA id, salt,
-#: sequence, parent key, block key; then one checksum per pool, the token ids, the record checksum
-RECORD_HEAD: Final = struct.Struct("<4sBBHHHQQQ32s32s")
+#: magic, flags (1: LoRA id, 2: salt), priority (without retention), layer group, tokens, priority
+#: under retention, reserved, LoRA id, salt, sequence, parent key, block key, retention's wall-clock
+#: expiry, duration and hint end; then one checksum per pool, the token ids, the record checksum
+RECORD_FORMAT: Final = "<4sBBHHBxQQQ32s32sddq"
+RECORD_HEAD: Final = struct.Struct(RECORD_FORMAT)
 #: a record's write sequence is below this (8 bytes on disk, and room for 2**63 more writes): one at
 #: or above it is no write of ours, so adoption ignores it (``_reuse._adopt``)
 SEQ_LIMIT: Final = 1 << 63
@@ -87,12 +90,16 @@ class DiskRecord:
     no container), so adopting millions of them triggers no full collections."""
 
     __slots__ = (
+        "expires",
         "group",
+        "hint_end",
         "key",
         "layer_group",
         "lora_id",
         "parent",
         "priority",
+        "retain_s",
+        "retained_priority",
         "salt",
         "seq",
         "slot",
@@ -113,6 +120,7 @@ class DiskRecord:
         key: bytes,
         sums: bytes,
         tokens: array[int],
+        retention: tuple[int, float, float, int],
     ) -> None:
         self.group = group
         self.slot = slot
@@ -125,6 +133,11 @@ class DiskRecord:
         self.key = key
         self.sums = sums
         self.tokens = tokens
+        #: the retention it kept (``ExpiryQueue.carried``: priority, wall-clock expiry, duration, hint end)
+        self.retained_priority = retention[0]
+        self.expires = retention[1]
+        self.retain_s = retention[2]
+        self.hint_end = retention[3]
 
 
 class _GroupFiles:
@@ -297,7 +310,7 @@ class PersistentDisk:
         size = files.record
         t = files.tokens_per_block
         p = files.num_pools
-        whole = struct.Struct(f"<4sBBHHHQQQ32s32s{4 * p}s{4 * t}s{size - RECORD_HEAD.size - 4 * p - 4 * t - 4}xI")
+        whole = struct.Struct(f"{RECORD_FORMAT}{4 * p}s{4 * t}s{size - RECORD_HEAD.size - 4 * p - 4 * t - 4}xI")
         view = memoryview(data)
         at = -size
         group = files.group
@@ -305,11 +318,11 @@ class PersistentDisk:
             at += size
             if fields[0] != RECORD_MAGIC or fields[4] != t:
                 continue
-            if checksum(view[at : at + size - 4]) != fields[13]:
+            if checksum(view[at : at + size - 4]) != fields[16]:
                 continue  # torn or damaged: the slot is free
             flags = fields[1]
             tokens = array("I")
-            tokens.frombytes(fields[12])
+            tokens.frombytes(fields[15])
             record = DiskRecord(
                 group,
                 first + at // size,
@@ -320,8 +333,9 @@ class PersistentDisk:
                 fields[8],
                 fields[9],
                 fields[10],
-                fields[11],
+                fields[14],
                 tokens,
+                (fields[5], fields[11], fields[12], fields[13]),
             )
             out.append(rawref.untrack(record))
 
@@ -336,9 +350,11 @@ class PersistentDisk:
         key: bytes,
         tokens: array[int],
         sums: list[int],
+        retention: tuple[int, float, float, int],
     ) -> None:
         """Record that ``slot`` of ``group`` now holds this block's page (its bytes are written and
-        ``sums`` are their checksums, one per pool). A failed write is counted, not raised."""
+        ``sums`` are their checksums, one per pool; ``priority`` without retention, ``retention``
+        as ``DiskRecord`` keeps it). A failed write is counted, not raised."""
         files = self.files[group]
         if files.fd < 0:
             return  # released (a forked child's copy)
@@ -354,12 +370,15 @@ class PersistentDisk:
             priority,
             layer_group,
             len(tokens),
-            0,
+            retention[0],
             lora_id or 0,
             salt or 0,
             self.seq,
             parent,
             key,
+            retention[1],
+            retention[2],
+            retention[3],
         )
         self.seq += 1
         at = RECORD_HEAD.size

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from .._common import PoolGroupIndex, SlotId
@@ -24,9 +24,16 @@ def take_persisted(persist: PersistentDisk, storages: TypedList[PoolGroupIndex, 
         arm_sums(storage.pools, [r.slot for r in found], [r.sums for r in found])
 
 
-def persist_pages(persist: PersistentDisk, level: int, tokens_per_block: int, pages: list[Page]) -> None:
+def persist_pages(
+    persist: PersistentDisk,
+    level: int,
+    tokens_per_block: int,
+    pages: list[Page],
+    carried: Callable[[Page], tuple[int, int, float, float, int]],
+) -> None:
     """Record the persistent disk tier's (at ``level``) reusable full-block pages among ``pages``
-    (their bytes are in place): a manager opening the directory after this one adopts them."""
+    (their bytes are in place; their retention as ``carried``, ``ExpiryQueue.carried``, says): a manager opening
+    the directory after this one adopts them."""
     for page in pages:
         if page.level != level:
             continue  # a failed copy
@@ -48,8 +55,16 @@ def persist_pages(persist: PersistentDisk, level: int, tokens_per_block: int, pa
             persist.forget(int(storage.index), page.slot)
             continue
         sums = slot_sums(storage.pools, page.slot)
-        # retention (and its clock) ends with the process: the record keeps the priority without it
-        priority = page.base_priority if page.retained else page.priority
+        c = carried(page)
         persist.write(
-            int(storage.index), page.slot, page.layer_group, priority, scope, parent.key, node.key, tokens, sums
+            int(storage.index),
+            page.slot,
+            page.layer_group,
+            c[0],
+            scope,
+            parent.key,
+            node.key,
+            tokens,
+            sums,
+            (c[1], c[2], c[3], c[4]),
         )

@@ -298,7 +298,7 @@ class StorageManager:
         pools are registered with the store (zero-copy backends read and write there)."""
         self.remote = remote
         self.tokens_per_block = self.cascade.tokens_per_block = tokens_per_block
-        tier = RemoteTier(remote, self.copier, tokens_per_block, self.num_pool_groups)
+        tier = RemoteTier(remote, self.copier, tokens_per_block, self.num_pool_groups, self.expiries)
         self.cascade.remote_tier = self.stats.remote = tier
         self._write_through = tier.write_through
         level = self.num_levels - 1

@@ -26,8 +26,8 @@ from .._common import (
 from .._core._kv_cache import KVCache
 from .._core._request_state import default_priority
 from .._exceptions import LogicError
-from .._retention import Retention
-from .._utils import as_list, check_int, check_number, check_type
+from .._retention import Retention, check_hints
+from .._utils import as_list, check_int, check_number
 from ._queries import RequestRecord, ResourceQueries, check_request
 from ._request import EngineRequest, RequestState, check_field, check_priority, slices_as_is
 
@@ -407,7 +407,7 @@ class KVCacheResourceManager(ResourceQueries):
         w = PREFILL_RATE_WEIGHT
         m.set_prefill_rate(sample if old is None else (1.0 - w) * old + w * sample)
 
-    def free_resources(self, request: EngineRequest, retain: Retention | None = None) -> None:
+    def free_resources(self, request: EngineRequest, retain: Retention | Sequence[Retention] | None = None) -> None:
         """Release the request's KV (finished, or preempted to be recomputed). Unknown requests: no-op;
         one in the loading state: its loads are cancelled (their results discarded).
 
@@ -415,7 +415,8 @@ class KVCacheResourceManager(ResourceQueries):
         """
         self._check_alive()
         req = check_request("request", request)
-        check_type("retain", retain, (Retention, type(None)))
+        if retain is not None:
+            check_hints("retain", retain)
         seq = self._record(req)
         if seq is None:
             entry = self._loading.get(req.request_id)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from .._config import EVICTION_POLICIES, REMOTE_URL_SCHEMES
+from . import _hints
 from ._check import DataCheckError
 from ._fleet import add_routing_arguments, check_routing_arguments
 from ._hints import HINTS_HELP, HINTS_SWEEP_KEY, check_accuracy, check_pin_duration, check_pin_share
@@ -122,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         "compared in a table (per --sweep point) (default: lru)",
     )
     g.add_argument("--retention-hints", type=float, metavar="ACCURACY", help=HINTS_HELP)
+    _hints.add_session_options(g)
     g.add_argument(
         "--pin-system-prompts",
         type=int,
@@ -306,7 +308,7 @@ def _workload(a: argparse.Namespace) -> tuple[list[SimRequest], dict[str, Any]]:
                 f"{', '.join(ignored)}: for the built-in conversations, which --trace replaces; drop "
                 + ("them" if len(ignored) > 1 else "it")
             )
-        reqs = load_trace(a.trace, a.requests)
+        reqs = load_trace(a.trace, a.requests, a.reasoning_share or 0.0)
         source = f"trace {os.path.basename(a.trace)}"
         desc: dict[str, Any] = {"source": "trace", "path": a.trace}
     else:
@@ -316,12 +318,16 @@ def _workload(a: argparse.Namespace) -> tuple[list[SimRequest], dict[str, Any]]:
             if (value := getattr(a, name)) is not None
         }
         params = dataclasses.replace(ConversationParams(), **given)
-        reqs = generate_conversations(params, a.requests)
+        reqs = generate_conversations(params, a.requests, a.reasoning_share or 0.0)
         source = (
             f"built-in conversations ({params.conversations} x ~{params.turns:g} turns, "
             f"{params.system_prompts} system prompts of ~{params.system_tokens} tokens)"
         )
         desc = {"source": "conversations", "params": dataclasses.asdict(params)}
+    if a.sessions:
+        _hints.assign_sessions(reqs, a.session_end, a.tokens_per_block)
+    if a.reasoning_share is not None:
+        desc["reasoning_share"] = a.reasoning_share
     n = len(reqs)
     prompt = sum(r.prompt_length for r in reqs)
     out = sum(r.output_length for r in reqs)
@@ -474,6 +480,7 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
         if given and (a.restart_at is not None or a.replicas != 1 or a.remote_url):
             raise SimUserError(f"{flag} does not combine with --restart-at, --replicas or --remote-url")
     check_accuracy(a.retention_hints)
+    _hints.check_sessions(a)
     options, slo = time_setup(a, shape, options, uses_disk, sweep)  # sim/_time_cli.py
     if a.per_request:
         _check_output("--per-request", a.per_request)

@@ -21,12 +21,12 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from .._common import DEFAULT_PRIORITY
+from .._common import DEFAULT_PRIORITY, SessionId
 from .._config import KVCacheManagerConfig
 from .._retention import Retention
 from ._models import SimUserError, format_bytes
 from ._replay import Replay
-from ._replay_types import SchedulerOptions
+from ._replay_types import ReplayResult, SchedulerOptions
 from ._workload import TRACE_BLOCK_TOKENS, SimRequest
 
 #: priority of a conversation that continues within a second (longer pauses: lower, down to
@@ -293,6 +293,48 @@ def _trace_granularity(requests: Sequence[SimRequest]) -> int:
     return TRACE_BLOCK_TOKENS if requests and requests[0].source_line else 1
 
 
+def session_ids(requests: Sequence[SimRequest]) -> tuple[list[str], set[int]]:
+    """``--sessions``: per request, the session id of its conversation (the chains of
+    ``continuers``: the built-in workload's conversations; a trace's prompts extending each other),
+    and the requests that end a conversation (its last turn: ``--session-end``)."""
+    talks = conversations(continuers(requests, _trace_granularity(requests)))
+    return [f"conversation-{t}" for t in talks], {i for i, t in enumerate(talks) if t == i}
+
+
+def with_reasoning_hints(
+    requests: Sequence[SimRequest], hints: Sequence[Retention | None]
+) -> list[Retention | list[Retention] | None]:
+    """Each request's close-time hint with a token-range hint over its reasoning tokens
+    (``SimRequest.reasoning``: no later request reuses them): ``DROP_PRIORITY`` there, the
+    continuation hint (if any) up to the end of the prompt."""
+    out: list[Retention | list[Retention] | None] = []
+    for r, hint in zip(requests, hints):
+        if r.reasoning <= 0:
+            out.append(hint)
+            continue
+        begin = r.prompt_length
+        span = Retention(DROP_PRIORITY, None, begin, begin + r.reasoning)
+        if hint is None or hint.start >= begin:
+            out.append([span])
+        else:
+            out.append([Retention(hint.priority, hint.duration_s, hint.start, begin), span])
+    return out
+
+
+def assign_sessions(requests: Sequence[SimRequest], end: bool, tokens_per_block: int) -> None:
+    """``--sessions``: each request's ``session`` is its conversation's (``session_ids``); with
+    ``end`` (``--session-end``) a conversation's last turn ends it, keeping the system prompt its
+    requests share with other conversations (the engine knows its templates; the first
+    conversation of one publishes it)."""
+    ids, ends = session_ids(requests)
+    shared = system_prompts(requests, 1, tokens_per_block) if end else []
+    for i, r in enumerate(requests):
+        r.session = SessionId(ids[i])
+        r.ends_session = end and i in ends
+        prefix = shared[i] if shared else None
+        r.session_keep = prefix[1] if prefix is not None else 0
+
+
 def replay_with_hints(
     config: KVCacheManagerConfig,
     requests: list[SimRequest],
@@ -309,17 +351,24 @@ def replay_with_hints(
     said not to continue drops its blocks after the system prompt it shares with other
     conversations); the report's ``retention_hints`` part (``without``: the token hit rate of the
     replay without hints; ``pins``, ``pin_duration_s``: the replay's ``Replay.pins``,
-    ``pin_duration_s``; ``scale``: the model's bytes per proxy byte)."""
+    ``pin_duration_s``; ``scale``: the model's bytes per proxy byte). Requests with reasoning
+    tokens add a token-range hint over them (``with_reasoning_hints``)."""
     pauses = continuation_pauses(requests, _trace_granularity(requests))
     scaled = [p * options.time_scale if p is not None else None for p in pauses]
     shared = [p[1] if p is not None else 0 for p in system_prompts(requests, 1, config.tokens_per_block)]
     replay = Replay(config, requests, options, bytes_scale=scale)
-    replay.retain = hint_retentions(scaled, accuracy, seed, drop=True, shared=shared)
+    hints = hint_retentions(scaled, accuracy, seed, drop=True, shared=shared)
+    reasoning = any(r.reasoning for r in requests)
+    replay.retain = with_reasoning_hints(requests, hints) if reasoning else hints
     replay.pins = pins
     replay.pin_duration_s = pin_duration_s
     result = replay.run()
     continued = sorted(p for p in scaled if p is not None)
+    extra: dict[str, Any] = {"reasoning_hints": True} if reasoning else {}
+    if any(r.ends_session for r in requests):
+        extra["sessions_ended_blocks"] = result_ended(result)
     return {
+        **extra,
         "accuracy": accuracy,
         "seed": seed,
         "continued_share": round(len(continued) / len(requests), 4) if requests else 0.0,
@@ -328,6 +377,56 @@ def replay_with_hints(
         "token_hit_rate_without": without,
         "peak_retained_bytes": int(result.levels[0].peak_retained * scale),
     }
+
+
+def result_ended(result: ReplayResult) -> dict[str, int]:
+    """What ``--session-end``'s ``directives.end`` did in a replay, in blocks."""
+    ended = result.sessions_ended
+    return {"dropped": ended[0], "deferred": ended[1], "kept": ended[2]}
+
+
+def sessions_report(requests: Sequence[SimRequest], result: ReplayResult) -> dict[str, Any]:
+    """The report's ``sessions`` part (none without ``--sessions``): how many, whether their last
+    turns ended them, what the ends did."""
+    ids = {r.session for r in requests if r.session is not None}
+    if not ids:
+        return {}
+    end = any(r.ends_session for r in requests)
+    out: dict[str, Any] = {"sessions": len(ids), "end": end}
+    if end:
+        out["ended_blocks"] = result_ended(result)
+    return {"sessions": out}
+
+
+def add_session_options(g: Any) -> None:
+    """``--sessions``, ``--session-end``, ``--reasoning-share`` in the parser's group ``g``."""
+    g.add_argument(
+        "--sessions",
+        action="store_true",
+        help="each request carries its conversation's session id (create_kv_cache(session_id=); the built-in "
+        "conversations, or a trace's prompts extending each other)",
+    )
+    g.add_argument(
+        "--session-end",
+        action="store_true",
+        help="with --sessions: when a conversation's last turn closes, its session ends (directives.end: its "
+        "private blocks leave the cache)",
+    )
+    g.add_argument(
+        "--reasoning-share",
+        type=float,
+        metavar="SHARE",
+        help="that share of each answer's tokens is reasoning, never reused (built-in: the next turn leaves it "
+        "out); --retention-hints then also drops it first (a token-range hint)",
+    )
+
+
+def check_sessions(a: Any) -> None:
+    """``--sessions`` and ``--session-end``: one replay of one engine; the end needs the sessions."""
+    if a.session_end and not a.sessions:
+        raise SimUserError("--session-end ends the sessions of --sessions: give --sessions too")
+    if a.sessions and (a.restart_at is not None or a.replicas != 1 or a.remote_url):
+        raise SimUserError("--sessions does not combine with --restart-at, --replicas or --remote-url")
 
 
 def format_hints(rep: dict[str, Any]) -> str:

@@ -91,7 +91,7 @@ class Replay:
         if options.load_policy is not None:  # the manager prices loads as the replay times them
             config = self.config = load_plan_config(config, options.load_policy, options.links, bytes_scale)
         self._early: list[TierStatistics] = []  #: background loads: the step's traffic before its admissions
-        self.retain: Sequence[Retention | None] | None = None  #: close-time hints by request index (--retention-hints)
+        self.retain: Sequence[Retention | list[Retention] | None] | None = None  #: close-time hints by request index
         #: per request index, the shared prefix (id, tokens) to pin once it finished (--pin-system-prompts)
         self.pins: Sequence[tuple[int, int] | None] | None = None
         self._pinned: dict[int, int] = {}  #: prefix id -> tokens pinned (-1: refused beyond max_pinned_share)
@@ -154,7 +154,8 @@ class Replay:
             prompt = sim.prompt_tokens()
             max_new = 1 if o.prompt_only else sim.output_length
             tokens = cast("Sequence[TokenIdExt]", prompt)  # array('I'): hashed by a memory copy
-            req = EngineRequest(index, tokens, max_new, o.chunk, None if o.reuse else ReuseScope(salt=index))
+            scope = None if o.reuse else ReuseScope(salt=index)
+            req = EngineRequest(index, tokens, max_new, o.chunk, scope, session_id=sim.session)
             req.output_is_history = index in self.followed
             live = Live(sim, req, at_ms)
             need = self.rm.get_needed_resource_to_completion_per_pool_group(req)
@@ -352,8 +353,8 @@ class Replay:
         for live in finished:
             live.req.state = RequestState.FINISHED
             self.rm.free_resources(live.req, self.retain[live.sim.index] if self.retain is not None else None)
-            if self.pins is not None:
-                self._pin_shared(live)
+            if self.pins is not None or live.sim.ends_session:
+                closed(self, live)
         self._step_manager_s += _clock() - t0
         if self.count_manager_time:
             self.clock += self._step_manager_s * 1000.0
@@ -561,3 +562,19 @@ class Replay:
         if self.on_finish is not None:
             self.on_finish(self.rm)
         self._collect()
+
+
+def closed(replay: Replay, live: Live) -> None:
+    """A request finished: its shared prefix pinned (``Replay.pins``), its session ended when it
+    was its conversation's last turn (``--session-end``: ``directives.end``, keeping the shared
+    system prompt; what it did counted in ``ReplayResult.sessions_ended``)."""
+    if replay.pins is not None:
+        replay._pin_shared(live)
+    sim = live.sim
+    if sim.ends_session and sim.session is not None:
+        keep = sim.prompt_tokens()[: sim.session_keep] if sim.session_keep else None
+        out = replay.rm.manager.directives.end(sim.session, cast("Sequence[TokenIdExt] | None", keep))
+        ended = replay.result.sessions_ended
+        ended[0] += out.num_blocks
+        ended[1] += out.num_deferred
+        ended[2] += out.num_kept

@@ -210,6 +210,8 @@ class ReplayResult:
     pinned_prefixes: int = 0  #: shared prefixes pinned (--pin-system-prompts)
     pinned_tokens: int = 0
     pins_refused: int = 0  #: pins refused beyond max_pinned_share
+    #: --session-end's directives.end: blocks dropped, deferred (in use), kept (shared)
+    sessions_ended: list[int] = field(default_factory=lambda: [0, 0, 0])
     reused_blocks: int = 0  #: the manager's ReuseStatistics
     missed_blocks: int = 0
     reused_pages: int = 0

@@ -19,6 +19,7 @@ from typing import Any
 
 import kv_cache_manager_v2 as kvm
 
+from . import _hints
 from ._fleet import format_routing, routing_choice, simulate_routing
 from ._hints import HINTS_SWEEP_KEY, check_accuracy, check_pin_share, format_hints, replay_with_hints, system_prompts
 from ._latency import Slo, compared_rows, latency_report
@@ -173,7 +174,7 @@ def simulate(
     if on_result is not None:
         on_result(result)
     rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale, slo)
-    rep["eviction_policy"] = eviction_policy
+    rep.update(eviction_policy=eviction_policy, **_hints.sessions_report(requests, result))
     if result.load_plan is not None:
         rep["load_plan"] = {**result.load_plan, "request_load_wait_s": result.io_background_ms / 1000.0}
     if rep["snapshots"]:

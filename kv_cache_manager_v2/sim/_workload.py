@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._common import SessionId
 from ._models import SimUserError
 
 #: tokens per ``hash_ids`` block of a Mooncake trace
@@ -50,6 +51,13 @@ class SimRequest:
     output_base: int  #: generated token i is ``output_base + i``
     after: int = -1  #: index of the request that must finish first (the previous turn), -1: none
     source_line: int = 0  #: trace line (1-based), 0 for generated requests
+    #: the first ``reasoning`` output tokens are reasoning: no later request reuses them (``--reasoning-share``)
+    reasoning: int = 0
+    #: its conversation's session id (``--sessions``); its close ends the session (``--session-end``),
+    #: keeping the first ``session_keep`` tokens of its prompt (the system prompt other conversations share)
+    session: SessionId | None = None
+    ends_session: bool = False
+    session_keep: int = 0
 
     def prompt_tokens(self) -> array[int]:
         """The prompt as ``array('I')`` (cheapest for the manager to hash)."""
@@ -122,8 +130,9 @@ def _parse_line(line: str, where: str, line_no: int, idx: int) -> SimRequest:
     return SimRequest(idx, float(ts), _segments_of_blocks(ids, n_in), n_in, max(n_out, 1), base, source_line=line_no)
 
 
-def load_trace(path: str, limit: int = 0) -> list[SimRequest]:
-    """Read a Mooncake-format trace (JSON lines); ``limit`` > 0 keeps the first requests only.
+def load_trace(path: str, limit: int = 0, reasoning_share: float = 0.0) -> list[SimRequest]:
+    """Read a Mooncake-format trace (JSON lines); ``limit`` > 0 keeps the first requests only;
+    ``reasoning_share``: ``mark_reasoning``.
 
     Raises :class:`SimUserError` naming the line for anything malformed.
     """
@@ -150,6 +159,8 @@ def load_trace(path: str, limit: int = 0) -> list[SimRequest]:
         raise SimUserError(f"--trace {path}: cannot read it ({e.strerror or e})") from None
     if not out:
         raise SimUserError(f"--trace {path}: no requests in it")
+    if reasoning_share:
+        mark_reasoning(out, reasoning_share)
     return out
 
 
@@ -187,14 +198,31 @@ class ConversationParams:
             raise SimUserError(f"--rate must be a finite number > 0 (conversations per second), got {self.rate}")
 
 
+def check_reasoning_share(share: float) -> None:
+    """``--reasoning-share``: a share of output tokens in [0, 1)."""
+    if not 0.0 <= share < 1.0:
+        raise SimUserError(f"--reasoning-share must be in [0, 1) (a share of each answer's tokens), got {share:g}")
+
+
+def mark_reasoning(requests: list[SimRequest], share: float) -> None:
+    """A trace's requests: the first ``share`` of each output is reasoning (a trace's later prompts
+    say by themselves what they reuse)."""
+    check_reasoning_share(share)
+    for r in requests:
+        r.reasoning = int(share * r.output_length)
+
+
 def _around(rng: random.Random, mean: int) -> int:
     """A length uniform in [mean/2, 3*mean/2] (at least 1)."""
     return max(1, int(rng.uniform(0.5, 1.5) * mean))
 
 
-def generate_conversations(p: ConversationParams, limit: int = 0) -> list[SimRequest]:
-    """The built-in workload (deterministic for a seed); ``limit`` > 0 keeps the first requests by arrival."""
+def generate_conversations(p: ConversationParams, limit: int = 0, reasoning_share: float = 0.0) -> list[SimRequest]:
+    """The built-in workload (deterministic for a seed); ``limit`` > 0 keeps the first requests by
+    arrival. ``reasoning_share``: that share of each answer's tokens (its start) is reasoning, which
+    the next turn's prompt leaves out (as chat templates of reasoning models do)."""
     p.validate()
+    check_reasoning_share(reasoning_share)
     rng = random.Random(p.seed)
     next_token = 1  # fresh token ids for prompts: below OUTPUT_BASE
     systems: list[tuple[int, int]] = []
@@ -228,11 +256,12 @@ def generate_conversations(p: ConversationParams, limit: int = 0) -> list[SimReq
                     "the built-in workload is too large to hold in memory (its conversations grow with every turn); "
                     "lower --conversations, --turns or the token counts"
                 )
-            req = SimRequest(len(out), arrival, segs, length + q, n_out, out_cursor, after=prev)
+            thought = int(reasoning_share * n_out)
+            req = SimRequest(len(out), arrival, segs, length + q, n_out, out_cursor, after=prev, reasoning=thought)
             out.append(req)
-            # the next turn repeats the question and the answer
-            history = segs + [(out_cursor, n_out)]
-            length += q + n_out
+            # the next turn repeats the question and the answer (without its reasoning)
+            history = segs + [(out_cursor + thought, n_out - thought)]
+            length += q + n_out - thought
             out_cursor += n_out
             prev = req.index
             # the next question comes after a pause; the scheduler also waits for this answer

@@ -1,6 +1,7 @@
-"""The remote tier's values, the same on every backend: a 64-byte header (magic, format version, layer
-group, layout fingerprint, block key, payload length, CRC-32 of the payload) then the page's bytes.
-A value that is missing, truncated, foreign or corrupted is a miss, never bad KV."""
+"""The remote tier's values, the same on every backend: a 96-byte header (magic, format version, layer
+group, layout fingerprint, block key, payload length, CRC-32 of the payload, the block's retention:
+``ExpiryQueue.carried``) then the page's bytes. A value that is missing, truncated, foreign or
+corrupted is a miss, never bad KV; retention that is no retention of ours is none."""
 
 from __future__ import annotations
 
@@ -9,14 +10,18 @@ import struct
 import zlib
 from typing import Final
 
+from ..._common import DEFAULT_PRIORITY, MAX_PRIORITY, Priority
 from ..._config import AttentionLayerConfig, KVCacheManagerConfig
 
 MAGIC: Final = b"KVC2"
 #: bump when the value layout, the key layout or the slot layout (coalescing order) changes
-FORMAT_VERSION: Final = 1
-#: magic, version, layer group, layout fingerprint, block key, payload length, CRC-32, reserved
-HEADER: Final = struct.Struct("<4sHH8s32sQII")
-HEADER_BYTES: Final = 64
+FORMAT_VERSION: Final = 2
+#: magic, version, layer group, layout fingerprint, block key, payload length, CRC-32, the retention
+#: (base priority, priority, reserved, wall-clock expiry, duration, hint end), then reserved bytes
+HEADER: Final = struct.Struct("<4sHH8s32sQIBBHddq")
+HEADER_BYTES: Final = 96
+#: a block's retention (``ExpiryQueue.carried``): base priority, priority, wall-clock expiry, duration, hint end
+Carried = tuple[int, int, float, float, int]
 
 
 def layout_fingerprint(config: KVCacheManagerConfig, dtype: str) -> bytes:
@@ -33,14 +38,32 @@ def layout_fingerprint(config: KVCacheManagerConfig, dtype: str) -> bytes:
     return hashlib.sha256("\n".join(parts).encode()).digest()[:8]
 
 
-def encode_header(parts: list[memoryview], layer_group: int, fingerprint: bytes, block_key: bytes) -> bytes:
-    """The header of a value whose payload is ``parts`` (concatenated)."""
+def encode_header(
+    parts: list[memoryview], layer_group: int, fingerprint: bytes, block_key: bytes, retention: Carried
+) -> bytes:
+    """The header of a value whose payload is ``parts`` (concatenated), with its block's ``retention``."""
     crc = 0
     n = 0
     for part in parts:
         crc = zlib.crc32(part, crc)  # (releases the GIL for parts above 5 KiB)
         n += len(part)
-    return HEADER.pack(MAGIC, FORMAT_VERSION, layer_group, fingerprint, block_key, n, crc, 0)
+    r = retention
+    head = HEADER.pack(
+        MAGIC, FORMAT_VERSION, layer_group, fingerprint, block_key, n, crc, r[0], r[1], 0, r[2], r[3], r[4]
+    )
+    return head + bytes(HEADER_BYTES - HEADER.size)
+
+
+def value_retention(value: bytes | memoryview) -> Carried:
+    """The retention in the header of ``value`` (a value ``decode_value`` accepted)."""
+    fields = HEADER.unpack_from(value)
+    return fields[7], fields[8], fields[10], fields[11], fields[12]
+
+
+def carried_priority(retention: Carried) -> Priority:
+    """The base priority ``retention`` kept, or the default one where it is out of range."""
+    base = retention[0]
+    return Priority(base) if 0 <= base <= MAX_PRIORITY else DEFAULT_PRIORITY
 
 
 def decode_value(

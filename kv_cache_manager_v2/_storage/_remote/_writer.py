@@ -16,7 +16,7 @@ from ..._config import RemoteCacheTierConfig
 from .._tiers._base import DetachedSlot
 from ._backend import LOG
 from ._client import RemoteClient
-from ._value import HEADER_BYTES, encode_header, forget_frames
+from ._value import HEADER_BYTES, Carried, encode_header, forget_frames
 
 #: a write batch ends at this many pages or bytes
 BATCH_PAGES: Final = 256
@@ -34,7 +34,7 @@ class _Pending:
     the slot of a dropped page handed to the writer (``parts``: where the slot of each pool is read,
     ``_tiers``' ``DetachedSlot``), given back to ``parked`` once sent."""
 
-    __slots__ = ("block_key", "layer_group", "nbytes", "parked", "parts", "ring_pos", "slot")
+    __slots__ = ("block_key", "layer_group", "nbytes", "parked", "parts", "retention", "ring_pos", "slot")
 
     def __init__(
         self,
@@ -45,8 +45,11 @@ class _Pending:
         parts: list[DetachedSlot] | None,
         parked: list[SlotId] | None,
         slot: SlotId,
+        retention: Carried,
     ) -> None:
         self.block_key = block_key
+        #: the block's retention (``ExpiryQueue.carried``), written in the value's header
+        self.retention = retention
         self.layer_group = layer_group
         self.nbytes = nbytes
         self.ring_pos = ring_pos
@@ -136,15 +139,15 @@ class RemoteWriter(RemoteClient):
         off = pos % self._max_pending
         return self._ring_view[off : off + nbytes]
 
-    def enqueue(self, pos: int, nbytes: int, block_key: bytes, layer_group: int) -> None:
-        """Hand a filled ring span (``reserve``) to the writer. An empty ``block_key`` gives the
-        span back unused (a failed copy)."""
+    def enqueue(self, pos: int, nbytes: int, block_key: bytes, layer_group: int, retention: Carried) -> None:
+        """Hand a filled ring span (``reserve``) to the writer (``retention``: the block's, for the
+        header). An empty ``block_key`` gives the span back unused (a failed copy)."""
         if block_key:
             self.queued_writes += 1
         else:
             self.dropped_on_queue += 1
             self.dropped_bytes_on_queue += nbytes
-        self._queue.append(_Pending(block_key, layer_group, nbytes, pos, None, None, SlotId(-1)))
+        self._queue.append(_Pending(block_key, layer_group, nbytes, pos, None, None, SlotId(-1), retention))
 
     def accepts_slot(self) -> bool:
         """Whether a handed-off slot would be sent now (not while the server counts as down)."""
@@ -158,12 +161,13 @@ class RemoteWriter(RemoteClient):
         nbytes: int,
         parked: list[SlotId],
         slot: SlotId,
+        retention: Carried,
     ) -> None:
         """Hand the slot of a dropped page to the writer (no copy here): it sends the slot's bytes
         straight from ``parts`` and then appends ``slot`` to ``parked``."""
         self.queued_writes += 1
         self.slots_queued += 1
-        self._queue.append(_Pending(block_key, layer_group, nbytes, -1, parts, parked, slot))
+        self._queue.append(_Pending(block_key, layer_group, nbytes, -1, parts, parked, slot, retention))
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued write is finished (written or dropped); False on timeout."""
@@ -244,7 +248,7 @@ class RemoteWriter(RemoteClient):
                 continue
             sent.append(w)
             keys.append(self.page_key(w.block_key, w.layer_group))
-            values.append([encode_header(payload, w.layer_group, fp, w.block_key), *payload])
+            values.append([encode_header(payload, w.layer_group, fp, w.block_key, w.retention), *payload])
         if not sent:
             return
         results: list[Any] = []

@@ -19,22 +19,35 @@ from typing import Final
 
 import rawref
 
-from ..._common import DEFAULT_PRIORITY, LayerGroupId, SlotId
+from ..._common import LayerGroupId, SlotId
 from ..._page import Page, PoolGroupStorage
 from .._backend import HOST_MEMORY
 from .._copy_engine import CopyEngine
+from .._expiry import ExpiryQueue
 from .._remote._store import RemoteStore
-from .._remote._value import HEADER_BYTES, verify_parts
+from .._remote._value import HEADER_BYTES, Carried, carried_priority, value_retention, verify_parts
 
 #: most headroom slots one pool group gets for the remote tier's writes
 MAX_HEADROOM: Final = 4096
+
+#: the retention of a span given back unused (never written)
+NOTHING_CARRIED: Final = (0, 0, 0.0, 0.0, 0)
 
 
 class RemoteTier:
     """Writes to ``remote`` the reusable full-block pages local storage lets go of."""
 
-    def __init__(self, remote: RemoteStore, copier: CopyEngine, tokens_per_block: int, num_pool_groups: int) -> None:
+    def __init__(
+        self,
+        remote: RemoteStore,
+        copier: CopyEngine,
+        tokens_per_block: int,
+        num_pool_groups: int,
+        expiries: ExpiryQueue,
+    ) -> None:
         self.remote = remote
+        #: a written block's retention goes into its value's header (``ExpiryQueue.carried``)
+        self.expiries = expiries
         self.copier = copier
         self.tokens_per_block = tokens_per_block
         self.num_pool_groups = num_pool_groups
@@ -108,10 +121,10 @@ class RemoteTier:
 
     def read_into_slots(
         self, keys: list[bytes], checks: list[tuple[int, bytes]], targets: list[tuple[PoolGroupStorage, SlotId]]
-    ) -> list[bool] | None:
+    ) -> list[Carried | None] | None:
         """Read the value of ``keys[i]`` (layer group and block key ``checks[i]``) into the allocated
-        slot ``targets[i]`` (``reads_into`` storages) in one call and verify it there: True where the
-        slot now holds that page intact; None: the call failed. Every other slot is freed, or held
+        slot ``targets[i]`` (``reads_into`` storages) in one call and verify it there: the retention the
+        value carries where the slot now holds that page intact, else None; None: the call failed. Every other slot is freed, or held
         while a call past its deadline may still write it."""
         self.settle()
         remote = self.remote
@@ -125,7 +138,7 @@ class RemoteTier:
                 views.append(view)
             parts.append(views)
         got = remote.fetch_into(keys, parts)
-        ok = [False] * len(keys)
+        ok: list[Carried | None] = [None] * len(keys)
         if got is not None:
             fp = remote.fingerprint
             for i, (storage, _) in enumerate(targets):
@@ -133,13 +146,13 @@ class RemoteTier:
                     continue
                 layer_group, block_key = checks[i]
                 if verify_parts(parts[i][0], parts[i][1:], layer_group, fp, block_key, storage.layout.slot_bytes):
-                    ok[i] = True
+                    ok[i] = value_retention(parts[i][0])
                 else:
                     remote.corrupt_pages += 1
         parts.clear()  # (views of the pools' memory)
         hold = got is None and remote.backend.busy()
         for i, (storage, slot) in enumerate(targets):
-            if ok[i]:
+            if ok[i] is not None:
                 continue
             if hold:
                 storage.set_aside += 1
@@ -150,14 +163,16 @@ class RemoteTier:
 
     @staticmethod
     def adopt(
-        needed: list[tuple[int, int]], slots: dict[tuple[int, int], tuple[PoolGroupStorage, SlotId]]
+        needed: list[tuple[int, int]],
+        slots: dict[tuple[int, int], tuple[PoolGroupStorage, SlotId]],
+        carried: dict[tuple[int, int], Carried],
     ) -> dict[tuple[int, int], Page]:
         """New locked pages in the slots read (``read_into_slots``) for the (block, layer group) items
-        ``needed``; the other slots are given back."""
+        ``needed``, at the base priority their values kept; the other slots are given back."""
         placed: dict[tuple[int, int], Page] = {}
         for item in needed:
             dst, slot = slots.pop(item)
-            page = Page(dst, slot, LayerGroupId(item[1]), DEFAULT_PRIORITY, True)
+            page = Page(dst, slot, LayerGroupId(item[1]), carried_priority(carried[item]), True)
             page.stored_below = True
             placed[item] = page
         for dst, slot in slots.values():
@@ -195,13 +210,14 @@ class RemoteTier:
         storage = page.storage
         parked = self.parked[id(storage)]
         layer_group = page.layer_group
+        carried = self.expiries.carried(page)  # (before the hand-off frees the page)
         slot = page.leave_slot()
         storage.allocator.free(parked.pop())
         parts = [
             access.detach(pool, slot, size)
             for access, pool, size in zip(storage.media, storage.pools, storage.layout.slot_sizes)
         ]
-        self.remote.enqueue_slot(key, layer_group, parts, storage.layout.slot_bytes, parked, slot)
+        self.remote.enqueue_slot(key, layer_group, parts, storage.layout.slot_bytes, parked, slot, carried)
 
     def spill(self, pages: list[Page]) -> None:
         """Queue the data of ``pages`` (reusable full blocks whose data the remote tier lacks) for
@@ -239,9 +255,9 @@ class RemoteTier:
                 assert node is not None
                 if i in failed:  # a disk read failed: the page keeps its (possibly bad) data locally
                     source.num_io_errors += 1
-                    remote.enqueue(pos, nbytes, b"", 0)
+                    remote.enqueue(pos, nbytes, b"", 0, NOTHING_CARRIED)
                     continue
-                remote.enqueue(pos, nbytes, node.key, page.layer_group)
+                remote.enqueue(pos, nbytes, node.key, page.layer_group, self.expiries.carried(page))
                 page.stored_below = True
 
     def spill_one(self, page: Page) -> None:
@@ -260,7 +276,7 @@ class RemoteTier:
         pos = remote.reserve(size)
         if pos >= 0:  # host memory (or the emulated GPU): one copy into the write ring
             remote.span(pos, size)[:] = data
-            remote.enqueue(pos, size, node.key, page.layer_group)
+            remote.enqueue(pos, size, node.key, page.layer_group, self.expiries.carried(page))
             page.stored_below = True
 
     # ------------------------------------------------------------------ write-through
