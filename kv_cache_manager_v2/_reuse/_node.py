@@ -20,6 +20,7 @@ from .._common import (
 )
 from .._page import Page
 from ._keys import BlockHasher, BlockKey
+from ._walk import ChainNode
 
 #: Children a node scans one by one for a partial match; beyond this it keeps a sorted index.
 _SCAN_LIMIT: Final = 8
@@ -121,7 +122,7 @@ def _id_encoding(tokens: Sequence[TokenIdExt]) -> bytes | None:
     return None
 
 
-class Node:
+class Node(ChainNode):
     """One committed block (full, or a partial tail) with non-owning refs to its pages.
 
     A tree can hold millions of nodes, so nodes, their ``pages`` lists and ``_children`` dicts
@@ -188,6 +189,19 @@ class Node:
     def page(self, layer_group: int) -> Page | None:
         r = self.pages[layer_group]
         return r() if r is not None else None
+
+    def next(self, prompt: object, ordinal: int) -> Node | None:
+        """The child holding full block ``ordinal`` of ``prompt`` (a ``BlockHasher``): by its key
+        when known, else ``child_of_block``."""
+        hasher = cast(BlockHasher, prompt)
+        keys = hasher.keys
+        if ordinal < len(keys):
+            return self.child(keys[ordinal])
+        return child_of_block(self, hasher, ordinal)
+
+    def holds(self, layer_group: int) -> bool:
+        r = self.pages[layer_group]
+        return r is not None and r() is not None
 
     @property
     def has_children(self) -> bool:
