@@ -65,6 +65,7 @@ class Walk:
 
     def __init__(self, tokens_per_block: int, groups: Sequence[tuple[int, LayerGroup]]) -> None:
         self.tokens_per_block = tokens_per_block
+        self._groups = list(groups)
         #: groups keeping every block: a match needs their page at each block it reaches
         self.keeping = [g for g, policy in groups if not policy.releases_blocks]
         #: groups releasing blocks and their policies: a match needs their pages outside ``stale_range``
@@ -172,6 +173,27 @@ class Walk:
             if missing < 0:
                 return n
             n = missing
+
+    def needed(self, nodes: Sequence[ChainNode | None], beg: int, num_full: int) -> list[tuple[int, int]]:
+        """The (block ordinal, layer group) pages at blocks ``[beg, num_full)`` a match of
+        ``num_full`` full blocks of ``nodes`` needs and lacks: group by group (in ``groups``' order)
+        the blocks outside its stale range, then the recurrent groups' snapshots at the last block."""
+        out: list[tuple[int, int]] = []
+        for layer_group, policy in self._groups:
+            stale_beg, stale_end = policy.stale_range(num_full * self.tokens_per_block)
+            for ordinal in range(beg, num_full):
+                if stale_beg <= ordinal < stale_end:
+                    continue
+                node = nodes[ordinal]
+                if node is None or not node.holds(layer_group):
+                    out.append((ordinal, layer_group))
+        last = num_full - 1
+        if last >= beg:
+            node = nodes[last]
+            for layer_group in self.state_groups:
+                if node is None or not node.holds(layer_group):
+                    out.append((last, layer_group))
+        return out
 
     def _holds_all(self, node: ChainNode | None, ordinal: int, groups: list[int], extra: Extra | None) -> bool:
         for layer_group in groups:
