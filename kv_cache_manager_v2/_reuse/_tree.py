@@ -213,26 +213,51 @@ class ReuseTree(PageDropListener):
     def _attach(self, node: Node, layer_group: int, page: Page, priority_cap: Priority, serial: RequestSerial) -> None:
         """Make ``page`` (owned, in no tree) ``node``'s page for layer group ``layer_group``, its priority
         capped at ``priority_cap``; request ``serial`` uses it; subscribers and write-through hear of it."""
+        self._cap_priority(page, priority_cap)
+        self._link(node, layer_group, page)
+        self._count_use(page, serial)
+        if self.state_groups:
+            self._value_attached(node, page)
+        if self.event_sink is not None:
+            self._report_stored(node, layer_group, page)
+        if self.write_through is not None:
+            self._queue_write_through(node, page)
+
+    def _cap_priority(self, page: Page, priority_cap: Priority) -> None:
+        """Priority: a published page evicts no later than the anchors above it (``priority_cap``),
+        its base priority too (where retention ends)."""
         if page.priority > priority_cap:
             page.set_priority(priority_cap)
-        if page.base_priority > priority_cap:  # (where retention ends, too)
+        if page.base_priority > priority_cap:
             page.base_priority = priority_cap
+
+    def _link(self, node: Node, layer_group: int, page: Page) -> None:
+        """Anchors: ``page`` becomes ``node``'s page of ``layer_group``; an anchor page (its group's
+        ``is_anchor`` at the block) caps the priority of the pages published below ``node``."""
         page.node = node
         node.pages[layer_group] = page.ref()
         anchor = self.layer_groups.items[layer_group].is_anchor(node.ordinal)
         page.anchor = anchor
         if anchor and page.priority < node.prio_cap:
             node.prio_cap = page.priority
+
+    def _count_use(self, page: Page, serial: RequestSerial) -> None:
+        """Use counts: request ``serial`` used the page (frequency policy; a new page, not a reuse)."""
         history = page.storage.history
         if history is not None:
             history.use(page, serial, False)
-        if self.state_groups:
-            self._value_attached(node, page)
+
+    def _report_stored(self, node: Node, layer_group: int, page: Page) -> None:
+        """Events: subscribers hear that the block gained a page of ``layer_group``."""
         sink = self.event_sink
-        if sink is not None:
-            sink.block_stored(_event(sink, node, layer_group, page, NOT_MOVED))
+        assert sink is not None
+        sink.block_stored(_event(sink, node, layer_group, page, NOT_MOVED))
+
+    def _queue_write_through(self, node: Node, page: Page) -> None:
+        """Write-through: a full block's page not fetched from the remote tier is queued for writing there."""
         wt = self.write_through
-        if wt is not None and len(node.tokens) == self.tokens_per_block and not page.remote_copy:
+        assert wt is not None
+        if len(node.tokens) == self.tokens_per_block and not page.remote_copy:
             wt.queue_write_through(page)
 
     # ------------------------------------------------------------------ value (hybrid models)
