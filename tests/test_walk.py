@@ -21,7 +21,7 @@ T = 4
 
 def block(groups: list[int]) -> RNode:
     """A node holding pages of ``groups`` (the router index's node: ``holds`` is membership)."""
-    node = RNode(0, None, (0,) * T, 0)
+    node = RNode(0, None, (), 0)
     node.groups = {g: "GPU" for g in groups}
     return node
 

@@ -29,6 +29,7 @@ each, no closure.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 from .._layers._policy import LayerGroup
 
@@ -50,6 +51,9 @@ class ChainNode:
         raise NotImplementedError
 
 
+#: a list of nodes as its owner types it (``list[Node]``, ``list[Node | None]``, ``list[RNode]``):
+#: read as a list (mypyc: erased to ``ChainNode | None``, a list's fast item access)
+M = TypeVar("M", bound="ChainNode | None")
 #: (block ordinal, layer group) pages a walk counts as present though the tree lacks them (a
 #: remote fetch will bring them)
 Extra = set[tuple[int, int]]
@@ -98,7 +102,7 @@ class Walk:
             ordinal += 1
         return gap
 
-    def gap(self, nodes: Sequence[ChainNode | None], extra: Extra | None) -> int:
+    def gap(self, nodes: list[M], extra: Extra | None) -> int:
         """The first of ``nodes`` (None: a block the tree lacks) without a page of a group keeping
         every block, unless ``extra`` has it (-1: none)."""
         keeping = self.keeping
@@ -112,7 +116,7 @@ class Walk:
         return -1
 
     def first_missing(
-        self, nodes: Sequence[ChainNode | None], part: ChainNode | None, length: int, first: int, extra: Extra | None
+        self, nodes: list[M], part: ChainNode | None, length: int, first: int, extra: Extra | None
     ) -> int:
         """The first block a match of ``length`` tokens over ``nodes`` (full blocks; None: a block
         the tree lacks) and ``part`` (the partial block, if any) needs a page of a group releasing
@@ -140,7 +144,7 @@ class Walk:
 
     def shorten(
         self,
-        nodes: Sequence[ChainNode | None],
+        nodes: list[M],
         num_full: int,
         part: ChainNode | None,
         part_len: int,
@@ -159,7 +163,7 @@ class Walk:
             missing = self.first_missing(nodes, None, num_full * t, -1, extra)
         return num_full, part_len
 
-    def snapshot_cut(self, nodes: Sequence[ChainNode | None], num_full: int, extra: Extra | None = None) -> int:
+    def snapshot_cut(self, nodes: list[M], num_full: int, extra: Extra | None = None) -> int:
         """Shorten a match (``num_full`` full blocks of ``nodes``) to end at the last block holding
         a snapshot of every recurrent group, then until the other groups have their pages there;
         again until both hold (a shorter match may need pages a window did not). The blocks kept."""
@@ -174,7 +178,7 @@ class Walk:
                 return n
             n = missing
 
-    def needed(self, nodes: Sequence[ChainNode | None], beg: int, num_full: int) -> list[tuple[int, int]]:
+    def needed(self, nodes: list[M], beg: int, num_full: int) -> list[tuple[int, int]]:
         """The (block ordinal, layer group) pages at blocks ``[beg, num_full)`` a match of
         ``num_full`` full blocks of ``nodes`` needs and lacks: group by group (in ``groups``' order)
         the blocks outside its stale range, then the recurrent groups' snapshots at the last block."""
