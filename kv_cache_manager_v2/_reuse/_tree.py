@@ -109,11 +109,10 @@ class ReuseTree(PageDropListener):
             validate_tokens(rest, hasher.name)  # compared token by token below
             part, part_len = node.best_partial(rest, self.partial_groups)  # holds every page it needs
         # Shorten until the pages needed at the matched length exist for every layer group.
-        if gap >= 0 or walk.releasing:
-            num_full, part_len = walk.shorten(nodes, ordinal, part, part_len, gap)
-            del nodes[num_full:]
-            if part_len == 0:
-                part = None
+        missing = walk.first_missing(nodes, part, ordinal * t + part_len, gap, None) if walk.releasing else gap
+        if missing >= 0:
+            del nodes[walk.cut_at(nodes, ordinal, missing) :]
+            part, part_len = None, 0
         if self.state_groups:
             self.attention_blocks = len(nodes)
             self.branches = len(nodes) > 0 and nodes[-1].has_children
@@ -126,7 +125,9 @@ class ReuseTree(PageDropListener):
         until every layer group has the pages it needs there (a hybrid model's: at a snapshot)."""
         del nodes[num_blocks:]
         if self.walk.releasing:
-            del nodes[self.walk.shorten(nodes, len(nodes), None, 0, -1)[0] :]
+            num_full = self.walk.shorten(nodes, len(nodes), None, 0, -1)[0]
+            if num_full < len(nodes):
+                del nodes[num_full:]
         if self.state_groups:
             self.cut_to_snapshot(nodes)
 
@@ -134,7 +135,9 @@ class ReuseTree(PageDropListener):
         """Shorten a match (full blocks) to end at the last block holding a snapshot of every
         state group, then until the attention groups have their pages there; again until both
         hold (a shorter match may need pages a sliding window did not). Never longer than before."""
-        del nodes[self.walk.snapshot_cut(nodes, len(nodes)) :]
+        num_full = self.walk.snapshot_cut(nodes, len(nodes))
+        if num_full < len(nodes):
+            del nodes[num_full:]
 
     def attach_snapshot(self, node: Node, layer_group: int, page: Page, serial: RequestSerial) -> None:
         """Make ``page`` (a new private copy of a live state, locked by the caller) ``node``'s

@@ -154,14 +154,20 @@ class Walk:
         """Shorten a match of ``num_full`` full blocks (``nodes``' first) and ``part_len`` tokens of
         ``part`` until every group releasing blocks has the pages it needs, ``first`` being the
         walk's gap: the full blocks and partial tokens kept (0: ``part`` is dropped)."""
+        missing = self.first_missing(nodes, part, num_full * self.tokens_per_block + part_len, first, extra)
+        if missing < 0:
+            return num_full, part_len
+        return self.cut_at(nodes, num_full, missing, extra), 0
+
+    def cut_at(self, nodes: list[M], num_full: int, missing: int, extra: Extra | None = None) -> int:
+        """``shorten`` from its first cut: the full blocks of ``nodes`` kept when block ``missing``
+        (``first_missing``'s answer, >= 0; ``num_full``: the partial block) lacks a needed page."""
         t = self.tokens_per_block
-        missing = self.first_missing(nodes, part, num_full * t + part_len, first, extra)
         while missing >= 0:
             if missing < num_full:
                 num_full = missing
-            part_len = 0
             missing = self.first_missing(nodes, None, num_full * t, -1, extra)
-        return num_full, part_len
+        return num_full
 
     def snapshot_cut(self, nodes: list[M], num_full: int, extra: Extra | None = None) -> int:
         """Shorten a match (``num_full`` full blocks of ``nodes``) to end at the last block holding
