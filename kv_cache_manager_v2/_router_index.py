@@ -23,6 +23,7 @@ from ._common import TokenIdExt
 from ._events import block_hash
 from ._layers._policy import LayerGroup
 from ._reuse._keys import BlockHasher
+from ._reuse._walk import ChainNode, Walk
 
 #: media from the fastest to the slowest (a block counts at its slowest page; other names last)
 MEDIA_RANK: Final = {"GPU": 0, "CPU": 1, "DISK": 2, "REMOTE": 3}
@@ -34,7 +35,7 @@ _block_hash: Final = block_hash
 RootKey = tuple[int | None, int | None]
 
 
-class RNode:
+class RNode(ChainNode):
     """One block: its hash, parent, tokens, children (lazily made) and, per layer group, the
     medium of its page."""
 
@@ -51,6 +52,14 @@ class RNode:
         _untrack(self.groups)
         _untrack(tokens)
         _untrack(self)
+
+    def next(self, prompt: object, ordinal: int) -> RNode | None:
+        """The child holding full block ``ordinal`` of ``prompt`` (the prompt's block hashes)."""
+        children = self.children
+        return children.get(cast("list[int]", prompt)[ordinal]) if children is not None else None
+
+    def holds(self, layer_group: int) -> bool:
+        return layer_group in self.groups
 
 
 class BlockTree:
@@ -242,41 +251,29 @@ class BlockTree:
         partial_reuse: bool,
     ) -> tuple[int, RNode | None, RNode | None]:
         """Any layer groups: walk full blocks by hash, pick a partial child, then shorten until every
-        group holds the pages the match needs."""
+        group holds the pages the match needs (the reuse tree's ``Walk``)."""
+        walk = Walk(t, list(groups.items()))
         chain: list[RNode] = []
-        node = root
-        while len(chain) < n_full:
-            children = node.children
-            child = children.get(hashes[len(chain)]) if children is not None else None
-            if child is None:
-                break
-            chain.append(child)
-            node = child
+        gap = walk.descend(root, hashes, 0, n_full, cast("list[ChainNode]", chain))
+        node = chain[-1] if chain else root
         part: RNode | None = None
         part_len = 0
         # recurrent groups: a match ends at a block with a snapshot of each (never partial)
-        state_groups = [g for g, lc in groups.items() if lc.keeps_live_state]
+        state_groups = walk.state_groups
         if partial_reuse and not state_groups and len(chain) * t < len(tokens) and node.by_first is not None:
             # the child sharing the most tokens among those with a page of every attention group
-            needed = [g for g, lc in groups.items() if not lc.keeps_live_state]
+            needed = walk.partial_groups
             rest = list(tokens[len(chain) * t : (len(chain) + 1) * t])
             cands = node.by_first.get(rest[0])
             for c in cands if cands is not None else []:
                 n = _common_prefix_len(c.tokens, rest)
                 if n > part_len and all(g in c.groups for g in needed):
                     part, part_len = c, n
-        while True:
-            if state_groups:
-                n = len(chain)
-                while n > 0 and any(g not in chain[n - 1].groups for g in state_groups):
-                    n -= 1
-                del chain[n:]
-            length = len(chain) * t + part_len
-            missing = _first_missing_block(chain, part, length, t, groups)
-            if missing < 0:
-                return length, chain[-1] if chain else None, part if part_len else None
-            del chain[missing:]
-            part, part_len = None, 0
+        num_full, part_len = walk.shorten(chain, len(chain), part, part_len, gap)
+        if state_groups:
+            num_full = walk.snapshot_cut(chain, num_full)
+        del chain[num_full:]
+        return num_full * t + part_len, chain[-1] if chain else None, part if part_len else None
 
     def media(self, length: int, last: RNode | None, part: RNode | None, t: int) -> dict[str | None, int]:
         """The tokens of a match (``match``'s answer) by the medium of their block (its slowest page;
@@ -319,24 +316,6 @@ def _slowest(node: RNode) -> str | None:
         if r > rank:
             worst, rank = m, r
     return worst
-
-
-def _first_missing_block(
-    chain: list[RNode], part: RNode | None, length: int, t: int, groups: dict[int, LayerGroup]
-) -> int:
-    nb = (length + t - 1) // t
-    first = -1
-    for g, lc in groups.items():
-        beg, end = lc.stale_range(length)
-        for o in range(nb):
-            if beg <= o < end:
-                continue
-            node = chain[o] if o < len(chain) else part
-            if node is None or g not in node.groups:
-                if first < 0 or o < first:
-                    first = o
-                break
-    return first
 
 
 def _common_prefix_len(a: tuple[TokenIdExt, ...], b: list[TokenIdExt]) -> int:

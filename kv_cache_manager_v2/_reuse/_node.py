@@ -20,6 +20,7 @@ from .._common import (
 )
 from .._page import Page
 from ._keys import BlockHasher, BlockKey
+from ._walk import ChainNode
 
 #: Children a node scans one by one for a partial match; beyond this it keeps a sorted index.
 _SCAN_LIMIT: Final = 8
@@ -121,7 +122,7 @@ def _id_encoding(tokens: Sequence[TokenIdExt]) -> bytes | None:
     return None
 
 
-class Node:
+class Node(ChainNode):
     """One committed block (full, or a partial tail) with non-owning refs to its pages.
 
     A tree can hold millions of nodes, so nodes, their ``pages`` lists and ``_children`` dicts
@@ -188,6 +189,46 @@ class Node:
     def page(self, layer_group: int) -> Page | None:
         r = self.pages[layer_group]
         return r() if r is not None else None
+
+    def next(self, prompt: object, ordinal: int) -> Node | None:
+        """The child holding full block ``ordinal`` of ``prompt`` (a ``BlockHasher``): by its key
+        when known. Else a few children are compared with the block token by token: equal tokens
+        under one parent are an equal key (the hasher records it), so a walk down a chain hashes
+        nothing; at a branch of more children, or when ``same_block`` cannot tell, the block is
+        hashed and looked up."""
+        hasher = cast(BlockHasher, prompt)
+        keys = hasher.keys
+        if ordinal < len(keys):
+            return self.child(keys[ordinal])
+        tokens = hasher.tokens
+        t = hasher.tokens_per_block
+        only = self._only
+        if only is not None:
+            same = same_block(only.tokens, tokens, ordinal * t, t)
+            if same:
+                hasher.matched(ordinal, only.key)
+                return only
+            if same is not None:
+                return None
+        else:
+            children = self._children
+            if children is None:
+                return None
+            if len(children) <= _SCAN_LIMIT:
+                for child in children.values():
+                    same = same_block(child.tokens, tokens, ordinal * t, t)
+                    if same is None:
+                        break
+                    if same:
+                        hasher.matched(ordinal, child.key)
+                        return child
+                else:
+                    return None
+        return self.child(hasher.key_alone(self.key, ordinal))
+
+    def holds(self, layer_group: int) -> bool:
+        r = self.pages[layer_group]
+        return r is not None and r() is not None
 
     @property
     def has_children(self) -> bool:
@@ -298,38 +339,6 @@ class Node:
             if r is not None and r() is not None:
                 return False
         return True
-
-
-def child_of_block(node: Node, hasher: BlockHasher, ordinal: int) -> Node | None:
-    """The child of ``node`` holding full block ``ordinal`` of ``hasher``'s tokens. A few children
-    are compared with it token by token: equal tokens under one parent are an equal key
-    (``hasher`` records it), so a walk down a chain hashes nothing; at a branch of more
-    children, or when ``same_block`` cannot tell, the block is hashed and looked up."""
-    tokens = hasher.tokens
-    t = hasher.tokens_per_block
-    only = node._only
-    if only is not None:
-        same = same_block(only.tokens, tokens, ordinal * t, t)
-        if same:
-            hasher.matched(ordinal, only.key)
-            return only
-        if same is not None:
-            return None
-    else:
-        children = node._children
-        if children is None:
-            return None
-        if len(children) <= _SCAN_LIMIT:
-            for child in children.values():
-                same = same_block(child.tokens, tokens, ordinal * t, t)
-                if same is None:
-                    break
-                if same:
-                    hasher.matched(ordinal, child.key)
-                    return child
-            else:
-                return None
-    return node.child(hasher.key_alone(node.key, ordinal))
 
 
 def common_prefix_len(a: Sequence[TokenIdExt], b: Sequence[TokenIdExt]) -> int:

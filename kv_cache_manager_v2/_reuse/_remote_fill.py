@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 import rawref
 
@@ -34,6 +35,7 @@ from .._typed import TypedList
 from ._keys import BlockHasher, BlockKey, scope_key, validate_tokens
 from ._node import Node
 from ._tree import ReuseTree
+from ._walk import ChainNode
 
 #: what a lookup learned: (block ordinal, layer group) -> the remote tier has a value of the right length
 Found = dict[tuple[int, int], bool]
@@ -178,131 +180,61 @@ class RemoteFill:
         fetched pages counted as there."""
         tokens_per_block = self.tokens_per_block
         tokens = hasher.tokens
+        walk = self.tree.walk
         fetched = set(self._needed(chain, local_blocks, matched_blocks))
         nodes: list[Node | None] = list(chain[:matched_blocks])
         node = chain[matched_blocks - 1]  # None: the fetch creates it, without children
         if node is not None:
-            n_full = len(tokens) // tokens_per_block
-            while len(nodes) < n_full and node.has_children:
-                child = node.child(hasher.key(node.key, len(nodes)))
-                if child is None:
-                    break
-                nodes.append(child)
-                node = child
+            more: list[Node] = []
+            walk.descend(node, hasher, matched_blocks, len(tokens) // tokens_per_block, cast("list[ChainNode]", more))
+            if more:
+                nodes += more
+                node = more[-1]
         part: Node | None = None
         part_len = 0
         if partial and node is not None and len(nodes) * tokens_per_block < len(tokens) and node.has_children:
             rest = tokens[len(nodes) * tokens_per_block : (len(nodes) + 1) * tokens_per_block]
             validate_tokens(rest, hasher.name)
             part, part_len = node.best_partial(rest, self.tree.partial_groups)
-        layer_groups = self.layer_groups.items
-        while True:
-            length = len(nodes) * tokens_per_block + part_len
-            num_blocks = (length + tokens_per_block - 1) // tokens_per_block
-            missing = -1
-            for layer_group, policy in enumerate(layer_groups):
-                beg, stale_end = policy.stale_range(length)
-                for ordinal in range(num_blocks):
-                    if beg <= ordinal < stale_end or (ordinal, layer_group) in fetched:
-                        continue
-                    at = nodes[ordinal] if ordinal < len(nodes) else part
-                    if at is None or at.page(LayerGroupId(layer_group)) is None:
-                        if missing < 0 or ordinal < missing:
-                            missing = ordinal
-                        break
-            if missing < 0:
-                if not self.state_groups:
-                    return nodes, part, part_len, fetched
-                n = len(nodes)  # hybrid: end at a snapshot, then the attention pages again (cut_to_snapshot)
-                while n > 0 and not self._has_snapshots(nodes, n - 1, fetched):
-                    n -= 1
-                if n == len(nodes) and part is None:
-                    return nodes, None, 0, fetched
-                missing = n
-            del nodes[missing:]
-            part, part_len = None, 0
-
-    def _has_snapshots(self, nodes: Sequence[Node | None], ordinal: int, fetched: set[tuple[int, int]]) -> bool:
-        """Whether block ``ordinal`` has a snapshot of every state group, local or fetched."""
-        node = nodes[ordinal]
-        for layer_group in self.state_groups:
-            if (ordinal, layer_group) not in fetched and (node is None or node.page(LayerGroupId(layer_group)) is None):
-                return False
-        return True
+        num_full, part_len = walk.shorten(nodes, len(nodes), part, part_len, walk.gap(nodes, fetched), fetched)
+        del nodes[num_full:]
+        if self.state_groups:  # hybrid: end at a snapshot, local or fetched (``cut_to_snapshot``)
+            del nodes[walk.snapshot_cut(nodes, len(nodes), fetched) :]
+            return nodes, None, 0, fetched
+        return nodes, part if part_len else None, part_len, fetched
 
     def _chain(
         self, root: Node | None, root_key: BlockKey, hasher: BlockHasher, end: int
     ) -> tuple[list[Node | None], list[BlockKey]]:
         """Tree node (None: absent) and key of every block below ``end``."""
-        out: list[Node | None] = []
+        found: list[Node] = []
+        if root is not None:
+            self.tree.walk.descend(root, hasher, 0, end, cast("list[ChainNode]", found))
+        out: list[Node | None] = list(found)
+        out += [None] * (end - len(found))
         keys: list[BlockKey] = []
-        node = root
         parent = root_key
         for ordinal in range(end):
-            key = hasher.key(parent, ordinal)
-            child = node.child(key) if node is not None else None
-            out.append(child)
-            keys.append(key)
-            node = child
-            parent = key
+            parent = hasher.key(parent, ordinal)
+            keys.append(parent)
         return out, keys
 
     def _best(self, chain: list[Node | None], local_blocks: int, end: int, have: Found) -> int:
         """The longest match ``matched_blocks`` in ``[local_blocks, end]`` blocks whose needed pages all exist (locally, or
-        ``have[(ordinal, layer_group)]``); ``local_blocks`` when none is longer. A length is reusable for a layer group when
-        every block missing a page below it lies in the group's stale range there; with state groups
-        (hybrid models) its last block has a snapshot of each."""
-        tokens_per_block = self.tokens_per_block
-        layer_groups = self.layer_groups.items
-        n_lc = len(layer_groups)
-        first = [-1] * n_lc  # first block missing a page, per layer group
-        last = [-1] * n_lc  # last one so far
-        state_groups = self.state_groups
-        best = local_blocks
-        for ordinal in range(end):
-            node = chain[ordinal]
-            snapshots = True  # (hybrid) this block has a snapshot of every state group
-            for layer_group in range(n_lc):
-                present = node is not None and node.page(layer_group) is not None
-                if not present and ordinal >= local_blocks:
-                    present = have.get((ordinal, layer_group), False)
-                if not present:
-                    if first[layer_group] < 0:
-                        first[layer_group] = ordinal
-                    last[layer_group] = ordinal
-                    if layer_group in state_groups:
-                        snapshots = False
-            matched_blocks = ordinal + 1
-            if matched_blocks <= local_blocks or not snapshots:
-                continue
-            ok = True
-            for layer_group in range(n_lc):
-                if first[layer_group] >= 0:
-                    beg, stale_end = layer_groups[layer_group].stale_range(matched_blocks * tokens_per_block)
-                    if first[layer_group] < beg or last[layer_group] >= stale_end:
-                        ok = False
-                        break
-            if ok:
-                best = matched_blocks
-        return best
+        ``have[(ordinal, layer_group)]`` at blocks from ``local_blocks`` on): the tree's walk rules
+        (``Walk.shorten``, ``Walk.snapshot_cut``) over ``chain`` with those pages counted;
+        ``local_blocks`` when none is longer."""
+        extra = {k for k, ok in have.items() if ok and k[0] >= local_blocks}
+        walk = self.tree.walk
+        nodes = chain[:end]
+        matched_blocks = walk.shorten(nodes, end, None, 0, walk.gap(nodes, extra), extra)[0]
+        if self.state_groups:
+            matched_blocks = walk.snapshot_cut(nodes, matched_blocks, extra)
+        return matched_blocks if matched_blocks > local_blocks else local_blocks
 
     def _needed(self, chain: list[Node | None], local_blocks: int, matched_blocks: int) -> list[tuple[int, int]]:
         """Pages a match of ``matched_blocks`` blocks needs that the local tree lacks (all at or after block ``local_blocks``)."""
-        out: list[tuple[int, int]] = []
-        for layer_group, policy in enumerate(self.layer_groups):
-            beg, end = policy.stale_range(matched_blocks * self.tokens_per_block)
-            for ordinal in range(local_blocks, matched_blocks):
-                if beg <= ordinal < end:
-                    continue
-                node = chain[ordinal]
-                if node is None or node.page(layer_group) is None:
-                    out.append((ordinal, layer_group))
-        last = matched_blocks - 1  # hybrid: the snapshots the match ends at
-        node = chain[last]
-        for layer_group in self.state_groups:
-            if last >= local_blocks and (node is None or node.page(layer_group) is None):
-                out.append((last, layer_group))
-        return out
+        return self.tree.walk.needed(chain, local_blocks, matched_blocks)
 
     def _fits(self, needed: list[tuple[int, int]]) -> bool:
         storage = self.storage

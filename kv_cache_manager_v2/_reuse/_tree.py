@@ -20,7 +20,8 @@ from .._page import Page
 from .._storage._storage_manager import PageDropListener, StorageManager
 from .._typed import TypedList
 from ._keys import BlockHasher, BlockKey, block_key, scope_key, validate_tokens
-from ._node import Node, child_of_block
+from ._node import Node
+from ._walk import ChainNode, Walk
 
 
 class ReuseTree(PageDropListener):
@@ -29,15 +30,13 @@ class ReuseTree(PageDropListener):
     def __init__(self, layer_groups: TypedList[LayerGroupId, LayerGroup], tokens_per_block: int) -> None:
         self.layer_groups = layer_groups
         self.tokens_per_block = tokens_per_block
-        #: layer groups that keep every block: a match needs their page at each block it walks
-        self._keeping_groups = [i for i, policy in enumerate(layer_groups) if not policy.releases_blocks]
-        #: the others: a match needs their pages only outside ``stale_range`` of its length
-        self._releasing_groups = [i for i, policy in enumerate(layer_groups) if policy.releases_blocks]
+        #: the walk down the tree and its stop rules (the layer groups by what a match needs of them)
+        self.walk = Walk(tokens_per_block, list(enumerate(layer_groups)))
         #: groups whose pages are snapshots of a live state (recurrent layers): a match ends at a
         #: block holding a snapshot of each
-        self.state_groups = [i for i, policy in enumerate(layer_groups) if policy.keeps_live_state]
+        self.state_groups = self.walk.state_groups
         #: the others: a partially matched block must hold a page of each (it is the match's last block)
-        self.partial_groups = [i for i, policy in enumerate(layer_groups) if not policy.keeps_live_state]
+        self.partial_groups = self.walk.partial_groups
         #: snapshot pages that left the tree (evicted, or with their block)
         self.snapshots_evicted = 0
         #: of those, the ones no match took
@@ -88,32 +87,19 @@ class ReuseTree(PageDropListener):
         """
         t = self.tokens_per_block
         tokens = hasher.tokens
-        keeping = self._keeping_groups
+        walk = self.walk
         nodes: list[Node] = walked if walked is not None else []
-        node = nodes[-1] if nodes else root
         n_full = len(tokens) // t
         ordinal = len(nodes)
-        gap = -1  # the first block walked that lacks a page of a group keeping every block
-        if keeping and ordinal:
-            gap = _first_without(nodes, keeping)
-        while ordinal < n_full:
-            keys = hasher.keys
-            if ordinal < len(keys):
-                child = node.child(keys[ordinal])
-            else:
-                child = child_of_block(node, hasher, ordinal)
-            if child is None:
-                break
-            if gap < 0:
-                pages = child.pages
-                for layer_group in keeping:
-                    r = pages[layer_group]
-                    if r is None or r() is None:
-                        gap = ordinal
-                        break
-            nodes.append(child)
-            node = child
-            ordinal += 1
+        # the first block walked that lacks a page of a group keeping every block
+        gap = walk.gap(nodes, None) if ordinal and walk.keeping else -1
+        node = nodes[-1] if ordinal else root
+        found = walk.descend(node, hasher, ordinal, n_full, cast("list[ChainNode]", nodes))
+        if gap < 0:
+            gap = found
+        ordinal = len(nodes)
+        if ordinal:
+            node = nodes[-1]
         if record:
             self.walked = nodes[:]
         part: Node | None = None
@@ -122,13 +108,11 @@ class ReuseTree(PageDropListener):
             rest = tokens[ordinal * t : (ordinal + 1) * t]
             validate_tokens(rest, hasher.name)  # compared token by token below
             part, part_len = node.best_partial(rest, self.partial_groups)  # holds every page it needs
-        # Shorten until the pages needed at the matched length exist for every layer group. Once
-        # shortened, the groups keeping every block have all their pages (``gap`` was the first).
-        missing = self._first_missing_block(nodes, part, len(nodes) * t + part_len, gap)
-        while missing >= 0:
-            del nodes[missing:]
+        # Shorten until the pages needed at the matched length exist for every layer group.
+        missing = walk.first_missing(nodes, part, ordinal * t + part_len, gap, None) if walk.releasing else gap
+        if missing >= 0:
+            del nodes[walk.cut_at(nodes, ordinal, missing) :]
             part, part_len = None, 0
-            missing = self._first_missing_block(nodes, None, len(nodes) * t, -1)
         if self.state_groups:
             self.attention_blocks = len(nodes)
             self.branches = len(nodes) > 0 and nodes[-1].has_children
@@ -140,10 +124,10 @@ class ReuseTree(PageDropListener):
         """Shorten a match (full blocks) to at most ``num_blocks`` blocks, then by ``match``'s rules
         until every layer group has the pages it needs there (a hybrid model's: at a snapshot)."""
         del nodes[num_blocks:]
-        missing = self._first_missing_block(nodes, None, len(nodes) * self.tokens_per_block, -1)
-        while missing >= 0:
-            del nodes[missing:]
-            missing = self._first_missing_block(nodes, None, len(nodes) * self.tokens_per_block, -1)
+        if self.walk.releasing:
+            num_full = self.walk.shorten(nodes, len(nodes), None, 0, -1)[0]
+            if num_full < len(nodes):
+                del nodes[num_full:]
         if self.state_groups:
             self.cut_to_snapshot(nodes)
 
@@ -151,17 +135,9 @@ class ReuseTree(PageDropListener):
         """Shorten a match (full blocks) to end at the last block holding a snapshot of every
         state group, then until the attention groups have their pages there; again until both
         hold (a shorter match may need pages a sliding window did not). Never longer than before."""
-        t = self.tokens_per_block
-        state_groups = self.state_groups
-        while True:
-            n = len(nodes)
-            while n > 0 and not nodes[n - 1].holds_pages(state_groups):
-                n -= 1
-            del nodes[n:]
-            missing = self._first_missing_block(nodes, None, n * t, -1)
-            if missing < 0:
-                return
-            del nodes[missing:]
+        num_full = self.walk.snapshot_cut(nodes, len(nodes))
+        if num_full < len(nodes):
+            del nodes[num_full:]
 
     def attach_snapshot(self, node: Node, layer_group: int, page: Page, serial: RequestSerial) -> None:
         """Make ``page`` (a new private copy of a live state, locked by the caller) ``node``'s
@@ -179,30 +155,6 @@ class ReuseTree(PageDropListener):
             self._used_snapshots.discard(key)
         else:
             self.snapshots_evicted_unused += 1
-
-    def _first_missing_block(self, nodes: list[Node], part: Node | None, length: int, first: int) -> int:
-        """The first block a match of ``length`` tokens needs a page of a releasing layer group for
-        but has none, or ``first`` (the first such block of the other groups; -1: none) if lower."""
-        t = self.tokens_per_block
-        num_nodes = len(nodes)
-        policies = self.layer_groups.items
-        for layer_group in self._releasing_groups:
-            beg, end = policies[layer_group].stale_range(length)
-            limit = (length + t - 1) // t if first < 0 else first  # blocks past a known miss do not matter
-            # the blocks before and after the stale range (all of them when it is empty)
-            for o in range(min(beg, limit)):
-                node = nodes[o] if o < num_nodes else part
-                r = node.pages[layer_group] if node is not None else None
-                if r is None or r() is None:
-                    first = limit = o
-                    break
-            for o in range(max(beg, end), limit):
-                node = nodes[o] if o < num_nodes else part
-                r = node.pages[layer_group] if node is not None else None
-                if r is None or r() is None:
-                    first = o
-                    break
-        return first
 
     # ------------------------------------------------------------------ publishing
     def publish(
@@ -262,24 +214,49 @@ class ReuseTree(PageDropListener):
     def _attach(self, node: Node, layer_group: int, page: Page, priority_cap: Priority, serial: RequestSerial) -> None:
         """Make ``page`` (owned, in no tree) ``node``'s page for layer group ``layer_group``, its priority
         capped at ``priority_cap``; request ``serial`` uses it; subscribers and write-through hear of it."""
+        self._cap_priority(page, priority_cap)
+        self._link(node, layer_group, page)
+        self._count_use(page, serial)
+        if self.state_groups:
+            self._value_attached(node, page)
+        if self.event_sink is not None:
+            self._report_stored(node, layer_group, page)
+        if self.write_through is not None:
+            self._queue_write_through(node, page)
+
+    def _cap_priority(self, page: Page, priority_cap: Priority) -> None:
+        """Priority: a published page evicts no later than the anchors above it (``priority_cap``),
+        its base priority too (where retention ends)."""
         if page.priority > priority_cap:
             page.set_priority(priority_cap)
-        if page.base_priority > priority_cap:  # (where retention ends, too)
+        if page.base_priority > priority_cap:
             page.base_priority = priority_cap
+
+    def _link(self, node: Node, layer_group: int, page: Page) -> None:
+        """Anchors: ``page`` becomes ``node``'s page of ``layer_group``; an anchor page (its group's
+        ``is_anchor`` at the block) caps the priority of the pages published below ``node``."""
         page.node = node
         node.pages[layer_group] = page.ref()
         anchor = self.layer_groups.items[layer_group].is_anchor(node.ordinal)
         page.anchor = anchor
         if anchor and page.priority < node.prio_cap:
             node.prio_cap = page.priority
+
+    def _count_use(self, page: Page, serial: RequestSerial) -> None:
+        """Use counts: request ``serial`` used the page (its eviction policy hears of it; a new page, not a reuse)."""
         page.used(serial, False)
-        if self.state_groups:
-            self._value_attached(node, page)
+
+    def _report_stored(self, node: Node, layer_group: int, page: Page) -> None:
+        """Events: subscribers hear that the block gained a page of ``layer_group``."""
         sink = self.event_sink
-        if sink is not None:
-            sink.block_stored(_event(sink, node, layer_group, page, NOT_MOVED))
+        assert sink is not None
+        sink.block_stored(_event(sink, node, layer_group, page, NOT_MOVED))
+
+    def _queue_write_through(self, node: Node, page: Page) -> None:
+        """Write-through: a full block's page not fetched from the remote tier is queued for writing there."""
         wt = self.write_through
-        if wt is not None and len(node.tokens) == self.tokens_per_block and not page.stored_below:
+        assert wt is not None
+        if len(node.tokens) == self.tokens_per_block and not page.stored_below:
             wt.queue_write_through(page)
 
     # ------------------------------------------------------------------ value (hybrid models)
@@ -464,17 +441,6 @@ class ReuseTree(PageDropListener):
             out.append(n)
             stack.extend(n.children())
         return out
-
-
-def _first_without(nodes: list[Node], groups: list[int]) -> int:
-    """The first of ``nodes`` lacking a page of one of ``groups`` (-1: none)."""
-    for ordinal, node in enumerate(nodes):
-        pages = node.pages
-        for layer_group in groups:
-            r = pages[layer_group]
-            if r is None or r() is None:
-                return ordinal
-    return -1
 
 
 def _event(events: KVCacheEventManager, node: Node, lc: int, page: Page, source_level: int) -> BlockStoredEvent:
