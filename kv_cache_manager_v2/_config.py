@@ -41,9 +41,11 @@ def _check_quota(cls_name: str, quota: object) -> None:
     check_int(f"{cls_name}.quota (bytes)", quota, 1)
 
 
-def _check_link(n: str, obj: object) -> None:
+def _check_link(n: str, obj: object, writes: bool = False) -> None:
     check_number(f"{n}.read_bytes_per_s", raw_field(obj, "read_bytes_per_s"), True, "bytes per second")
     check_number(f"{n}.read_latency_s", raw_field(obj, "read_latency_s"), False, "seconds a transfer")
+    if writes:
+        check_number(f"{n}.write_bytes_per_s", raw_field(obj, "write_bytes_per_s"), True, "bytes per second")
 
 
 @mypyc_attr(native_class=False)
@@ -70,15 +72,18 @@ class HostCacheTierConfig:
     ``read_bytes_per_s``, ``read_latency_s``: a copy to the GPU's cost, ``load_policy="auto"``'s prior:
     pinned copies reach ~50 of PCIe Gen5 x16's 64 GB/s on an H100 (NVIDIA's bandwidthTest and
     nvbandwidth; ~25 GB/s on Gen4); ~10 us a copy's launch and DMA set-up.
+    ``write_bytes_per_s``: a copy from the GPU's (evicted pages), the same link the other way: what
+    its write backlog is estimated at (``KVCacheManagerConfig.max_write_backlog_s``).
     """
 
     quota: int
     read_bytes_per_s: float = 50e9
     read_latency_s: float = 10e-6
+    write_bytes_per_s: float = 50e9
 
     def __post_init__(self) -> None:
         _check_quota("HostCacheTierConfig", raw_field(self, "quota"))
-        _check_link("HostCacheTierConfig", self)
+        _check_link("HostCacheTierConfig", self, True)
 
     @property
     def tier(self) -> CacheTier:
@@ -101,6 +106,9 @@ class DiskCacheTierConfig:
     - ``dtype``: the KV data type (e.g. ``"bf16"``), part of the layout fingerprint.
     - ``read_bytes_per_s``, ``read_latency_s``: a read's cost, ``load_policy="auto"``'s prior: a PCIe
       Gen4 NVMe SSD, ~6.5-7 GB/s, ~80-100 us a read (datasheets: Samsung PM9A3, Kioxia CM6).
+    - ``write_bytes_per_s``: a write's (evicted pages), what its write backlog is
+      estimated at (``KVCacheManagerConfig.max_write_backlog_s``): ~3.5-4.5 GB/s sequential on
+      the same drives.
     """
 
     quota: int
@@ -110,6 +118,7 @@ class DiskCacheTierConfig:
     dtype: str = ""
     read_bytes_per_s: float = 6.5e9
     read_latency_s: float = 100e-6
+    write_bytes_per_s: float = 3.5e9
 
     def __post_init__(self) -> None:
         _check_quota("DiskCacheTierConfig", raw_field(self, "quota"))
@@ -125,7 +134,7 @@ class DiskCacheTierConfig:
                 f"DiskCacheTierConfig.namespace must be at most 256 printable characters, got {self.namespace!r}"
             )
         check_type("DiskCacheTierConfig.dtype", self.dtype, str)
-        _check_link("DiskCacheTierConfig", self)
+        _check_link("DiskCacheTierConfig", self, True)
 
     @property
     def tier(self) -> CacheTier:
@@ -453,6 +462,11 @@ class KVCacheManagerConfig:
     #: ``KVCacheManager.prefetch`` (the scheduler's thread installs what they read); 0: those
     #: calls read synchronously, as ``resume`` always does (deterministic: the simulator's choice)
     load_workers: int = 2
+    #: write admission (docs/design.md, "Write admission"): seconds of queued writes a host or disk
+    #: tier's link may hold (estimated at its ``write_bytes_per_s``, drained by ``clock``); an
+    #: evicted reusable page whose write would take it beyond is dropped instead (counted:
+    #: ``TierStatistics.declined_pages``). A link that keeps up never gets there; None: no bound
+    max_write_backlog_s: float | None = 1.0
 
     def __post_init__(self) -> None:
         t = check_int("tokens_per_block", raw_field(self, "tokens_per_block"))
@@ -540,6 +554,9 @@ class KVCacheManagerConfig:
             check_number("prefill_tokens_per_s", rate, True, "tokens per second, or None")
         check_type("refine_tier_costs", raw_field(self, "refine_tier_costs"), bool)
         check_number("recompute_queue_weight", raw_field(self, "recompute_queue_weight"), False, "a weight")
+        backlog = raw_field(self, "max_write_backlog_s")
+        if backlog is not None:
+            check_number("max_write_backlog_s", backlog, False, "seconds of queued writes a link may hold, or None")
         check_type("eviction_policy", self.eviction_policy, str)
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(

@@ -152,7 +152,9 @@ class KVCacheManager(ManagerQueries):
         # a match of a hybrid model ends at a snapshot: never inside a block
         partial = config.enable_partial_reuse and not self._registry.state_layer_groups
         self._matcher = PrefixMatcher(self._tree, self._remote_fill, self.tokens_per_block, partial)
-        costs = self._storage.costs = TierCosts(config.cache_tiers, config.refine_tier_costs)
+        costs = self._storage.costs = TierCosts(
+            config.cache_tiers, config.refine_tier_costs, config.max_write_backlog_s, self._storage.expiries.now
+        )
         lg_bytes = [
             self._layout.pool_groups[self._layout.pool_group_of_layer_group[LayerGroupId(i)]].slot_bytes
             for i in range(self.num_layer_groups)
@@ -360,8 +362,9 @@ class KVCacheManager(ManagerQueries):
 
     def set_tier_wait(self, level: object, seconds: object) -> None:
         """The expected wait before a read from cache level ``level`` (below the GPU) starts: what is
-        queued on its link (e.g. writes of evicted pages), for ``load_policy="auto"``; counted once
-        per level a plan reads from, from the next match on (0 by default)."""
+        queued on its link now (e.g. writes of evicted pages), for ``load_policy="auto"`` and write
+        admission (``max_write_backlog_s``); it drains as ``clock`` runs, the manager's own writes
+        queue on top (it tracks those itself); counted once per level a plan reads from."""
         self._check_alive()
         self._planner.set_wait(level, seconds)
 

@@ -18,6 +18,7 @@ from ._expiry import ExpiryQueue
 from ._levels import StorageLevels
 from ._persistence import persist_pages
 from ._slot_allocator import pair_sorted
+from ._tier_costs import TierCosts
 from ._tiers._remote_tier import RemoteTier
 
 
@@ -52,6 +53,8 @@ class EvictionCascade(StorageLevels):
     remote_tier: RemoteTier | None
     #: retained pages' expiry times, consulted before each eviction
     expiries: ExpiryQueue
+    #: the levels' links (reads, queued writes, write admission); None until the manager sets them
+    costs: TierCosts | None
 
     def persist_pages(self, pages: list[Page]) -> None:
         """Record the persistent disk tier's reusable full-block pages among ``pages`` (their bytes
@@ -118,7 +121,7 @@ class EvictionCascade(StorageLevels):
             movers = movers[: self.capacity(level, src.index)]
             for page in movers:
                 src.evictor.remove(page)
-            self._place(movers, level, src.index)
+            self._place(movers, level, src.index, False)
 
     def discard(self, pages: list[Page]) -> None:
         """Drop the reusable ``pages`` now (no request owns them; pinned ones too), as eviction
@@ -132,18 +135,22 @@ class EvictionCascade(StorageLevels):
                 page.storage.evictor.remove(page)
             self.drop(page, False)
 
-    def _place(self, movers: list[Page], level: int, pool_group: int) -> None:
+    def _place(self, movers: list[Page], level: int, pool_group: int, admit: bool = True) -> None:
         """Move ``movers`` (one source storage, in no evictor, in eviction order; at most
         ``capacity(level, pool_group)`` of them) into ``level`` and below: the newest as many as ``level``
         can hold (it evicts its own victims further down first), the older rest one level
         further down. A GPU victim thus makes room in a small host tier by pushing the host's
-        own victims to disk, and only the last level drops."""
+        own victims to disk, and only the last level drops. With ``admit`` (eviction, not a
+        demotion), reusable pages ``level``'s link cannot absorb are dropped (``_admit``)."""
         dst = self.levels.items[level].items[pool_group]
         take = len(movers)
         if not dst.is_last:
             take = min(take, dst.allocator.num_free + dst.evictor.count)
         rest = movers[: len(movers) - take]
         here = movers[len(movers) - take :]
+        if admit and self.costs is not None:
+            here = self._admit(here, dst, self.costs)
+            take = len(here)
         try:
             self.make_room(dst, take, len(rest))
         except BaseException:
@@ -171,7 +178,26 @@ class EvictionCascade(StorageLevels):
             for v in rest:
                 if not v.num_holds and v.node is None:
                     self.drop(v)  # became garbage meanwhile
-            self._place([v for v in rest if v.num_holds or v.node is not None], level + 1, pool_group)
+            self._place([v for v in rest if v.num_holds or v.node is not None], level + 1, pool_group, admit)
+
+    def _admit(self, pages: list[Page], dst: PoolGroupStorage, costs: TierCosts) -> list[Page]:
+        """Write admission (``TierCosts.admitted``): ``pages`` (in eviction order) less the oldest
+        reusable ones ``dst``'s link cannot absorb, which are dropped (counted at ``dst``); HELD
+        pages always go."""
+        held = sum(1 for p in pages if p.num_holds)
+        ok = costs.admitted(int(dst.level), dst.layout.slot_bytes, len(pages)) - held
+        declined = len(pages) - held - (ok if ok > 0 else 0)
+        if declined <= 0:
+            return pages
+        kept: list[Page] = []
+        for p in pages:
+            if declined and not p.num_holds:
+                declined -= 1
+                dst.num_declined += 1
+                self.drop(p)
+            else:
+                kept.append(p)
+        return kept
 
     def _relocate(self, pages: list[Page], dst: PoolGroupStorage) -> list[Page]:
         """Copy ``pages`` (one source storage, in no evictor) into new slots of ``dst`` (room made)
@@ -199,6 +225,8 @@ class EvictionCascade(StorageLevels):
             p.relocate(dst, s)
             if p.node is not None:
                 moved.append(p)
+        if dst.level > src.level and self.costs is not None:  # a write: queued on the link below
+            self.costs.note_write(int(dst.level), (len(pages) - len(failed)) * src.layout.slot_bytes)
         listener = self.drop_listener
         if moved and listener is not None:
             listener.pages_moved(moved, src.level)

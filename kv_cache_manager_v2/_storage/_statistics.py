@@ -1,5 +1,6 @@
 """Storage statistics: per level usage, traffic counters (offloaded, onboarded and dropped pages
-and bytes, I/O errors) since creation or since the previous iteration, the remote tier's last."""
+and bytes, I/O errors, declined writes) since creation or since the previous iteration, the remote
+tier's last."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from .._common import CacheLevel, CacheTier, StorageStatistics, TierStatistics
 from ._levels import StorageLevels
 from ._tiers._remote_tier import RemoteTier
 
-#: traffic counters of a level: offloaded, onboarded, dropped pages, the same in bytes, I/O errors
-NUM_COUNTERS: Final = 7
+#: traffic counters of a level: offloaded, onboarded, dropped pages, the same in bytes, I/O errors,
+#: declined writes' pages and bytes (write admission; the remote tier's writer counts its own as dropped)
+NUM_COUNTERS: Final = 9
 
 
 class TrafficStatistics:
@@ -50,7 +52,7 @@ class TrafficStatistics:
         """Cumulative (offloaded, onboarded, dropped) pages then bytes, and io errors, of ``level``."""
         if level == self.storage.num_levels:
             assert self.remote is not None
-            return self.remote.remote.counters()
+            return self.remote.remote.counters() + [0, 0]
         out = [0] * NUM_COUNTERS
         for group in self.storage.levels.items[level]:
             slot_bytes = group.layout.slot_bytes
@@ -58,6 +60,8 @@ class TrafficStatistics:
                 out[i] += count
                 out[3 + i] += count * slot_bytes
             out[6] += group.num_io_errors
+            out[7] += group.num_declined
+            out[8] += group.num_declined * slot_bytes
             for access, pool in zip(group.media, group.pools):  # handed-off slots the remote writer found damaged
                 out[6] += access.num_unsent(pool)
         persist = self.storage.persist
@@ -78,7 +82,7 @@ class TrafficStatistics:
         remote = self.remote
         assert remote is not None
         quota = remote.remote.cfg.quota
-        counters = remote.remote.counters()
+        counters = remote.remote.counters() + [0, 0]
         return _statistics(level, CacheTier.REMOTE, quota if quota is not None else 0, 0, 0, 0, counters, base)
 
     def take_iteration_stats(self) -> list[TierStatistics]:
@@ -99,7 +103,7 @@ class TrafficStatistics:
         if remote is not None:
             level = storage.num_levels
             out.append(self._remote_stats(CacheLevel(level), self._iteration_base[level]))
-            self._iteration_base[level] = remote.remote.counters()
+            self._iteration_base[level] = remote.remote.counters() + [0, 0]
         return out
 
     def _tier_stats(self, level: CacheLevel, base: list[int], peaks: list[int], now: list[int]) -> TierStatistics:
@@ -122,7 +126,7 @@ def _statistics(
 ) -> TierStatistics:
     """A level's statistics (``state``: the bytes of recurrent states in use); traffic is the
     counters ``now`` minus ``base`` (offloaded, onboarded and dropped pages, the same in bytes, I/O
-    errors)."""
+    errors, declined pages and bytes)."""
     d = [now[i] - base[i] for i in range(NUM_COUNTERS)]
     return TierStatistics(
         level=level,
@@ -138,4 +142,6 @@ def _statistics(
         dropped_bytes=d[5],
         io_errors=d[6],
         state_bytes=state,
+        declined_pages=d[7],
+        declined_bytes=d[8],
     )

@@ -274,6 +274,10 @@ class StorageManager(EvictionCascade):
                 src_storage.num_onboarded += len(idxs) - len(bad)
             elif src_storage.level < dst_storage.level:  # (a snapshot placed below the GPU)
                 dst_storage.num_offloaded += len(idxs) - len(bad)
+                if self.costs is not None:
+                    self.costs.note_write(
+                        int(dst_storage.level), (len(idxs) - len(bad)) * src_storage.layout.slot_bytes
+                    )
             disk = dst_storage if dst_storage.tier.tier is CacheTier.DISK else src_storage
             disk.num_io_errors += len(bad)
             failed.update(idxs[k] for k in bad)

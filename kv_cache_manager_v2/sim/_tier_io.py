@@ -230,9 +230,10 @@ class TierIO:
 
 
 def priced_tiers(tiers: Sequence[CacheTierConfig], links: TierLinks, bytes_scale: float) -> list[CacheTierConfig]:
-    """``tiers`` with the read cost of each tier below the GPU set from its link (the manager's
-    ``load_policy="auto"`` prices loads as the replay times them): the link's bandwidth in proxy
-    bytes (``bytes_scale``: real bytes per proxy byte) and its latency."""
+    """``tiers`` with the read and write costs of each tier below the GPU set from its link (the
+    manager's ``load_policy="auto"`` prices loads, and its write admission queued writes, as the
+    replay times them): the link's bandwidth each way in proxy bytes (``bytes_scale``: real bytes
+    per proxy byte) and its latency."""
     out: list[CacheTierConfig] = []
     for tier in tiers:
         if isinstance(tier, (HostCacheTierConfig, DiskCacheTierConfig, RemoteCacheTierConfig)):
@@ -242,6 +243,8 @@ def priced_tiers(tiers: Sequence[CacheTierConfig], links: TierLinks, bytes_scale
                 "read_bytes_per_s": min(bw, MAX_BYTES_PER_S),
                 "read_latency_s": link.latency_ms / 1e3,
             }
+            if not isinstance(tier, RemoteCacheTierConfig):  # (the remote writer has its own queue)
+                cost["write_bytes_per_s"] = min(link.write_bytes_per_s / bytes_scale, MAX_BYTES_PER_S)
             tier = replace(tier, **cost)
         out.append(tier)
     return out
