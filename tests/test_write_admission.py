@@ -192,6 +192,39 @@ def test_held_pages_are_written_whatever_the_backlog(mk: Any) -> None:
     m.check_invariants()
 
 
+@pytest.mark.parametrize("backlog", [None, 0.030])
+def test_a_saturated_link_drops_reusable_victims_before_writing_held_ones(mk: Any, backlog: float | None) -> None:
+    """The host holds a suspended request's two pages (the oldest) and two reusable ones, and must
+    make room for two more. Its eviction order sends the suspended pages to the disk; but with the
+    disk's link busy for a second (beyond a 30 ms bound) the reusable ones are dropped instead and
+    the suspended request stays on the host. Either way its data comes back exact."""
+    clock = Clock()
+    m = mk(clock, backlog)
+    engine = FakeEngine(m)
+    a_toks = seq(1, 2 * T)
+    a = m.create_kv_cache()
+    assert a.resume()
+    compute(engine, a, a_toks, 2 * T)
+    a.suspend()
+    for r in (2, 3, 4):  # a's pages, then seq 2's, move to the host
+        publish(m, seq(r, 2 * T), engine=engine)
+    assert [p.level for p in a.block_table.pages[0] if p is not None] == [1, 1]
+    m.set_tier_wait(2, 1.0)
+    publish(m, seq(5, 2 * T), engine=engine)  # the host must take seq 3's two pages
+    disk = m.get_tier_statistics(DISK)
+    if backlog is None:
+        assert [p.level for p in a.block_table.pages[0] if p is not None] == [2, 2]
+        assert (disk.offloaded_pages, disk.declined_pages) == (2, 0)
+    else:
+        assert [p.level for p in a.block_table.pages[0] if p is not None] == [1, 1]
+        assert (disk.offloaded_pages, disk.declined_pages) == (0, 2) and len(tree_pages(m, seq(2, 2 * T))) == 0
+    m.check_invariants()
+    assert a.resume()
+    engine.check_all(a, a_toks, 2 * T)
+    a.close()
+    m.check_invariants()
+
+
 def test_the_default_bound_keeps_a_link_that_keeps_up(mk: Any) -> None:
     """The default bound (1 s) at the default disk speed: nothing declined."""
     m = mk(Clock(), 1.0)

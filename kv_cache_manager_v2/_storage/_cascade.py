@@ -87,7 +87,7 @@ class EvictionCascade(StorageLevels):
         and the oldest reusable ones beyond that are dropped. One batch of copies per level."""
         level, pool_group = storage.level, storage.index
         room = self.capacity(level + 1, pool_group) - reserve
-        victims = storage.evictor.select(count, room)
+        victims = storage.evictor.select(count, self._held_victims(storage, count, room))
         if len(victims) < count:
             for v in victims:
                 v.relist()
@@ -107,6 +107,17 @@ class EvictionCascade(StorageLevels):
             if id(v) in keep and v.node is None and v.slot >= 0:
                 self.drop(v)
         self._place(movers, level + 1, pool_group)
+
+    def _held_victims(self, storage: PoolGroupStorage, count: int, room: int) -> int:
+        """How many HELD pages ``_evict`` may take out of ``storage`` (they must be written below):
+        ``room``, but while the link below cannot absorb their writes (write admission) and
+        ``count`` reusable victims are there to drop instead, only as many as it absorbs."""
+        costs = self.costs
+        evictor = storage.evictor
+        if costs is None or evictor.num_held == 0 or evictor.count - evictor.num_held < count:
+            return room
+        absorbed = costs.admitted(int(storage.level) + 1, storage.layout.slot_bytes, count)
+        return absorbed if absorbed < room else room
 
     def demote(self, pages: list[Page], level: int) -> None:
         """Move the reusable ``pages`` (tree pages listed in an evictor, above ``level``; distinct)

@@ -10,8 +10,12 @@ has a busy-until time, and a step's loads wait behind the offloads queued before
 (this step's own offloads queue after its loads). The queue is bounded: a step whose offloads leave
 more than ``WRITE_BACKLOG_MS`` of writes queued on a link ends only once the backlog is back within
 it (a copy engine's queue is finite: a link slower than the writes it is given slows the engine
-down, it does not fall behind for ever). Today's manager copies offloads synchronously, so where
-writes matter this model is its lower bound. A transfer costs the link's latency once per step and direction, plus its bytes at the
+down, it does not fall behind for ever). The manager's write admission sees the same links (its
+tiers' write costs priced from them, ``priced_tiers``; their backlogs told each step,
+``_loading.tell_link_waits``): it declines the evicted reusable pages a link cannot absorb within
+``max_write_backlog_s`` (by default the same 1 s), so only pages requests still own stall a step
+for writes. Today's manager copies offloads synchronously, so where writes matter this model is
+its lower bound. A transfer costs the link's latency once per step and direction, plus its bytes at the
 link's bandwidth; bytes are those of the real model (the replay's proxy bytes times the scale of
 ``_models.real_bytes_per_proxy_byte``). A load from the disk or remote tier is charged to that
 tier's link alone (its slowest part; the host link it may cross too is not charged).
