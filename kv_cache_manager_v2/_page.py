@@ -194,7 +194,6 @@ class PoolGroupStorage:
         "layout",
         "level",
         "media",
-        "num_declined",
         "num_dropped",
         "num_evicted",
         "num_io_errors",
@@ -241,8 +240,6 @@ class PoolGroupStorage:
         # errors), taken out of this level by eviction (moved down or dropped), evicted into it from
         # the level above, copied from it to a higher one; pages a disk read or write failed for
         self.num_dropped = self.num_evicted = self.num_offloaded = self.num_onboarded = self.num_io_errors = 0
-        #: reusable pages dropped instead of written here: its link's write backlog was full (``_cascade._admit``)
-        self.num_declined = 0
         #: lost pages whose owners have not let go yet
         self.num_lost = 0
         #: pinned pages here (``_pins.py``: those whose pin this storage holds), and pages under

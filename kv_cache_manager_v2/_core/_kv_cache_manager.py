@@ -152,9 +152,7 @@ class KVCacheManager(ManagerQueries):
         # a match of a hybrid model ends at a snapshot: never inside a block
         partial = config.enable_partial_reuse and not self._registry.state_layer_groups
         self._matcher = PrefixMatcher(self._tree, self._remote_fill, self.tokens_per_block, partial)
-        costs = self._storage.costs = TierCosts(
-            config.cache_tiers, config.refine_tier_costs, config.max_write_backlog_s, self._storage.expiries.now
-        )
+        costs = self._storage.costs = self._storage.stats.costs = TierCosts.of(config, self._storage.expiries.now)
         lg_bytes = [
             self._layout.pool_groups[self._layout.pool_group_of_layer_group[LayerGroupId(i)]].slot_bytes
             for i in range(self.num_layer_groups)
@@ -361,10 +359,9 @@ class KVCacheManager(ManagerQueries):
         self._planner.set_rate(tokens_per_s)
 
     def set_tier_wait(self, level: object, seconds: object) -> None:
-        """The expected wait before a read from cache level ``level`` (below the GPU) starts: what is
-        queued on its link now (e.g. writes of evicted pages), for ``load_policy="auto"`` and write
-        admission (``max_write_backlog_s``); it drains as ``clock`` runs, the manager's own writes
-        queue on top (it tracks those itself); counted once per level a plan reads from."""
+        """How long cache level ``level``'s link (below the GPU) is busy from now, for ``load_policy="auto"``
+        and write admission (``max_write_backlog_s``): it drains as ``clock`` runs, the manager's own
+        queued writes (tracked anyway) go on top; a plan waits once per level it reads from."""
         self._check_alive()
         self._planner.set_wait(level, seconds)
 

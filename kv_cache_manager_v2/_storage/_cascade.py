@@ -200,11 +200,12 @@ class EvictionCascade(StorageLevels):
         declined = len(pages) - held - (ok if ok > 0 else 0)
         if declined <= 0:
             return pages
+        costs.declined_pages[dst.level] += declined
+        costs.declined_bytes[dst.level] += declined * dst.layout.slot_bytes
         kept: list[Page] = []
         for p in pages:
             if declined and not p.num_holds:
                 declined -= 1
-                dst.num_declined += 1
                 self.drop(p)
             else:
                 kept.append(p)

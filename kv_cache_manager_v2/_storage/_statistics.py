@@ -8,6 +8,7 @@ from typing import Final
 
 from .._common import CacheLevel, CacheTier, StorageStatistics, TierStatistics
 from ._levels import StorageLevels
+from ._tier_costs import TierCosts
 from ._tiers._remote_tier import RemoteTier
 
 #: traffic counters of a level: offloaded, onboarded, dropped pages, the same in bytes, I/O errors,
@@ -21,6 +22,8 @@ class TrafficStatistics:
     def __init__(self, storage: StorageLevels) -> None:
         self.storage = storage
         self.remote: RemoteTier | None = None
+        #: the levels' write admission counts (declined writes), once the manager sets them
+        self.costs: TierCosts | None = None
         #: cumulative counters at the last ``take_iteration_stats``, per level (the remote tier last)
         self._iteration_base: list[list[int]] = [[0] * NUM_COUNTERS for _ in range(storage.num_levels + 1)]
 
@@ -60,10 +63,11 @@ class TrafficStatistics:
                 out[i] += count
                 out[3 + i] += count * slot_bytes
             out[6] += group.num_io_errors
-            out[7] += group.num_declined
-            out[8] += group.num_declined * slot_bytes
             for access, pool in zip(group.media, group.pools):  # handed-off slots the remote writer found damaged
                 out[6] += access.num_unsent(pool)
+        if self.costs is not None:
+            out[7] = self.costs.declined_pages[level]
+            out[8] = self.costs.declined_bytes[level]
         persist = self.storage.persist
         if persist is not None and level == self.storage.persist_level:
             out[6] += persist.num_write_errors  # slot records that could not be written

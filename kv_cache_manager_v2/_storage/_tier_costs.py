@@ -34,7 +34,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
-from .._config import CacheTierConfig, DiskCacheTierConfig, GpuCacheTierConfig, HostCacheTierConfig
+from .._config import (
+    CacheTierConfig,
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheManagerConfig,
+)
 
 #: the weight of one timed batch in the running estimates
 REFINE_WEIGHT: Final = 0.2
@@ -77,8 +83,16 @@ class TierCosts:
         self.clock = clock
         #: per level: when its link is done with what is queued on it (the clock's seconds)
         self.busy_until: list[float] = [IDLE] * len(tiers)
+        #: per level: evicted pages dropped instead of written there (``TierStatistics.declined_*``)
+        self.declined_pages = [0] * len(tiers)
+        self.declined_bytes = [0] * len(tiers)
         #: timed batches per level that refined the estimates
         self.samples: list[int] = [0] * len(tiers)
+
+    @classmethod
+    def of(cls, config: KVCacheManagerConfig, clock: Callable[[], float]) -> TierCosts:
+        """The costs of ``config``'s tiers, its refinement and write backlog bound, on ``clock``."""
+        return cls(config.cache_tiers, config.refine_tier_costs, config.max_write_backlog_s, clock)
 
     def observe(self, level: int, nbytes: int, seconds: float) -> None:
         """A batch of ``nbytes`` bytes read from ``level`` took ``seconds`` (refines the estimate)."""

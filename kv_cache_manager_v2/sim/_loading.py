@@ -70,6 +70,14 @@ def tell_link_waits(m: KVCacheManager, io: TierIO, clock: float) -> None:
         m.set_tier_wait(lvl, busy / 1000.0 if busy > 0.0 else 0.0)
 
 
+def step_links(m: KVCacheManager, io: TierIO, clock: float, traffic: list[TierStatistics]) -> float:
+    """``TierIO.step`` of a step starting at ``clock``, then ``tell_link_waits`` (the manager's write
+    admission sees the links' reads too); returns when the step's loads are done."""
+    done = io.step(clock, traffic)
+    tell_link_waits(m, io, clock)
+    return done
+
+
 def prepare_loading(
     rm: KVCacheResourceManager,
     io: TierIO | None,

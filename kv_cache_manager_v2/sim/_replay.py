@@ -42,7 +42,7 @@ from .._retention import Retention
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
 from ._live import Live, count_admission
-from ._loading import load_plan_config, prepare_loading, tell_link_waits, woken
+from ._loading import load_plan_config, prepare_loading, step_links, woken
 from ._replay_types import (
     SERIES_FIELDS,
     LevelUsage,
@@ -459,11 +459,7 @@ class Replay:
         if self._early:
             traffic = self._early + traffic
             self._early = []
-        if io is None:
-            return self.clock
-        done = io.step(self.clock, traffic)
-        tell_link_waits(self.rm.manager, io, self.clock)  # (write admission sees the reads queued too)
-        return done
+        return step_links(self.rm.manager, io, self.clock, traffic) if io is not None else self.clock
 
     # ------------------------------------------------------------------ driver
     def run(self) -> ReplayResult:
