@@ -199,6 +199,11 @@ class TierStatistics:
     #: hybrid models: bytes in use by recurrent states at this level now (requests' live states
     #: and the reuse tree's snapshots; part of ``used_bytes``)
     state_bytes: int = 0
+    #: write admission: reusable pages evicted from the level above that were dropped instead of
+    #: written here, its link's queued writes being at ``KVCacheManagerConfig.max_write_backlog_s``
+    #: (each also counts as dropped at the level it left)
+    declined_pages: int = 0
+    declined_bytes: int = 0
 
     def __init__(
         self,
@@ -215,6 +220,8 @@ class TierStatistics:
         dropped_bytes: int,
         io_errors: int,
         state_bytes: int = 0,
+        declined_pages: int = 0,
+        declined_bytes: int = 0,
     ) -> None:
         # written out, as StorageStatistics' (take_iteration_stats builds one per level every step)
         object.__setattr__(self, "level", level)
@@ -230,6 +237,8 @@ class TierStatistics:
         object.__setattr__(self, "dropped_bytes", dropped_bytes)
         object.__setattr__(self, "io_errors", io_errors)
         object.__setattr__(self, "state_bytes", state_bytes)
+        object.__setattr__(self, "declined_pages", declined_pages)
+        object.__setattr__(self, "declined_bytes", declined_bytes)
 
 
 @dataclass
@@ -305,6 +314,10 @@ class LoadPlanStatistics:
     #: GPU) and seconds per transfer
     read_bytes_per_s: tuple[float, ...]
     read_latency_s: tuple[float, ...]
+    #: per level, seconds a read queued now waits behind its link's backlog: the manager's own
+    #: queued writes there (evicted pages, at the tier's ``write_bytes_per_s``) on top of what
+    #: ``set_tier_wait`` last said, drained as the clock runs (0 at the GPU)
+    link_wait_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

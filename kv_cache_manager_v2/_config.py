@@ -43,8 +43,9 @@ def _check_quota(cls_name: str, quota: object) -> None:
 
 
 def _check_link(n: str, obj: object) -> None:
-    check_number(f"{n}.read_bytes_per_s", raw_field(obj, "read_bytes_per_s"), True, "bytes per second")
-    check_number(f"{n}.read_latency_s", raw_field(obj, "read_latency_s"), False, "seconds a transfer")
+    for f in ("read_bytes_per_s", "read_latency_s", "write_bytes_per_s")[: 2 + hasattr(obj, "write_bytes_per_s")]:
+        lat = f == "read_latency_s"  # (a remote tier has no write speed: its writer's queue is bounded)
+        check_number(f"{n}.{f}", raw_field(obj, f), not lat, "seconds a transfer" if lat else "bytes per second")
 
 
 @mypyc_attr(native_class=False)
@@ -68,14 +69,14 @@ class GpuCacheTierConfig:
 class HostCacheTierConfig:
     """Host memory tier: ``quota`` bytes of (pinned) host memory.
 
-    ``read_bytes_per_s``, ``read_latency_s``: a copy to the GPU's cost, ``load_policy="auto"``'s prior:
-    pinned copies reach ~50 of PCIe Gen5 x16's 64 GB/s on an H100 (NVIDIA's bandwidthTest and
-    nvbandwidth; ~25 GB/s on Gen4); ~10 us a copy's launch and DMA set-up.
+    ``read_bytes_per_s``, ``read_latency_s``, ``write_bytes_per_s``: a copy's cost each way (priors): pinned
+    copies reach ~50 of PCIe Gen5 x16's 64 GB/s on an H100 (~25 on Gen4; nvbandwidth), ~10 us a launch.
     """
 
     quota: int
     read_bytes_per_s: float = 50e9
     read_latency_s: float = 10e-6
+    write_bytes_per_s: float = 50e9
 
     def __post_init__(self) -> None:
         _check_quota("HostCacheTierConfig", raw_field(self, "quota"))
@@ -100,8 +101,8 @@ class DiskCacheTierConfig:
     - ``namespace``: names the model (and anything else that must never share KV with another);
       files of another namespace, layout or format version are ignored and overwritten.
     - ``dtype``: the KV data type (e.g. ``"bf16"``), part of the layout fingerprint.
-    - ``read_bytes_per_s``, ``read_latency_s``: a read's cost, ``load_policy="auto"``'s prior: a PCIe
-      Gen4 NVMe SSD, ~6.5-7 GB/s, ~80-100 us a read (datasheets: Samsung PM9A3, Kioxia CM6).
+    - ``read_bytes_per_s``, ``read_latency_s``, ``write_bytes_per_s``: a PCIe Gen4 NVMe SSD (datasheets: Samsung
+      PM9A3, Kioxia CM6): ~6.5-7 GB/s read, ~80-100 us a read, ~3.5-4.5 GB/s written (see the host's).
     """
 
     quota: int
@@ -111,6 +112,7 @@ class DiskCacheTierConfig:
     dtype: str = ""
     read_bytes_per_s: float = 6.5e9
     read_latency_s: float = 100e-6
+    write_bytes_per_s: float = 3.5e9
 
     def __post_init__(self) -> None:
         _check_quota("DiskCacheTierConfig", raw_field(self, "quota"))
@@ -437,23 +439,21 @@ class KVCacheManagerConfig:
     #: power-of-two multiple of the interval whose span's KV weighs at least
     #: ``LOWER_TIER_SPAN_PER_STATE`` times a snapshot (the interval itself for small states)
     ssm_lower_tier_interval: int | None = None
-    #: which matched blocks below the GPU a request loads (docs/design.md, "Load or recompute"): "auto":
-    #: the prefix saving the most time (tier read cost against recompute at the prefill rate; "always"
-    #: while no rate is known); "always": every one; "never": only the prefix wholly in GPU memory
+    #: matched blocks below the GPU a request loads (docs/design.md, "Load or recompute"): "auto": the prefix
+    #: saving the most time ("always" while no rate is known); "always"; "never": only what is in GPU memory
     load_policy: LoadPolicy = "auto"
-    #: the engine's prefill rate (tokens/s) for "auto"; None: unknown until ``set_prefill_rate``
-    #: (or the adapter's ``observe_step``)
+    #: the engine's prefill rate (tokens/s) for "auto"; None: unknown until ``set_prefill_rate``/``observe_step``
     prefill_tokens_per_s: float | None = None
     #: refine the disk and remote tiers' read costs from timed reads (False: e.g. a simulator's)
     refine_tier_costs: bool = True
-    #: "auto": a recomputed token costs ``1 + w * waiting`` times its time, with ``waiting`` requests
-    #: queued for the engine (``set_engine_queue``): they wait for it too (0: the request's own time)
+    #: "auto": a recomputed token costs ``1 + w * waiting`` times its time (``set_engine_queue``: they wait too)
     recompute_queue_weight: float = 0.1
-    #: background reads from the disk and remote tiers (docs/design.md, "Background loads"): the
-    #: number of worker threads reading pages for ``KVCache.prefetch`` and
-    #: ``KVCacheManager.prefetch`` (the scheduler's thread installs what they read); 0: those
-    #: calls read synchronously, as ``resume`` always does (deterministic: the simulator's choice)
+    #: threads reading disk and remote pages for ``KVCache.prefetch``/``KVCacheManager.prefetch`` (docs/design.md,
+    #: "Background loads"); 0: those read synchronously, as ``resume`` always does (the simulator's choice)
     load_workers: int = 2
+    #: write admission (docs/design.md): seconds of writes a host/disk link may queue (its ``write_bytes_per_s``);
+    #: an evicted reusable page beyond is dropped (``TierStatistics.declined_pages``); None: no bound
+    max_write_backlog_s: float | None = 1.0
 
     def __post_init__(self) -> None:
         t = check_int("tokens_per_block", raw_field(self, "tokens_per_block"))
@@ -536,9 +536,9 @@ class KVCacheManagerConfig:
         check_type("load_policy", lp, str)
         if lp not in LOAD_POLICIES:
             raise ValueError(f"load_policy must be one of {', '.join(map(repr, LOAD_POLICIES))}, got {lp!r}")
-        rate = raw_field(self, "prefill_tokens_per_s")
-        if rate is not None:
-            check_number("prefill_tokens_per_s", rate, True, "tokens per second, or None")
+        for f in ("prefill_tokens_per_s", "max_write_backlog_s"):
+            if raw_field(self, f) is not None:
+                check_number(f, raw_field(self, f), f[0] == "p", "tokens per second or seconds, or None")
         check_type("refine_tier_costs", raw_field(self, "refine_tier_costs"), bool)
         check_number("recompute_queue_weight", raw_field(self, "recompute_queue_weight"), False, "a weight")
         check_type("eviction_policy", self.eviction_policy, str)

@@ -383,6 +383,12 @@ class KVCacheMetricsCollector:
                 ("offloaded", t.offloaded_pages, t.offloaded_bytes, "evicted into the tier from the one above"),
                 ("onboarded", t.onboarded_pages, t.onboarded_bytes, "copied from the tier to a higher one"),
                 ("dropped", t.dropped_pages, t.dropped_bytes, "dropped for good at the tier"),
+                (
+                    "declined",
+                    t.declined_pages,
+                    t.declined_bytes,
+                    "dropped instead of written to the tier (its link's write backlog full)",
+                ),
             ):
                 f.add("counter", f"{p}tier_{what}_pages", f"Pages {doc}", lv, tl, pages, tier_name)
                 f.add("counter", f"{p}tier_{what}_bytes", f"Bytes of pages {doc}", lv, tl, nbytes, tier_name)

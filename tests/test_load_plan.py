@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 import pytest
-from conftest import attention_and_recurrent, kv_layers, shut_down
+from conftest import Clock, attention_and_recurrent, kv_layers, shut_down
 from fake_engine import FakeEngine
 from tier_helpers import SLOT, T, publish, seq
 
@@ -356,7 +356,7 @@ def test_a_links_wait_counts_once_per_tier(mk: Any) -> None:
     45 ms queued on the disk's link make the disk blocks 58 - 45 = 13 ms: two host blocks (38)
     win by more than a block. 9 ms on the host's link at 5 ms a block: two host blocks save
     10 - 2 - 9 < 0, nothing is loaded."""
-    m = mk("auto", TWENTY_MS)
+    m = mk("auto", TWENTY_MS, clock=Clock())  # (the waits drain as the clock runs: it stands still here)
     engine = FakeEngine(m)
     spread(m, engine)
     assert m.probe_reuse(None, PROMPT) == 4 * T

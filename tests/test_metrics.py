@@ -159,7 +159,7 @@ def expected_samples(m: KVCacheManager, a: KVCacheResourceManager, labels: dict[
         groups = m.get_storage_statistics(CacheLevel(level)) if kind is not CacheTier.REMOTE else []
         out[key("kvcm_tier_pinned_bytes", tier=tier)] = sum(g.pinned_bytes for g in groups)
         out[key("kvcm_tier_retained_bytes", tier=tier)] = sum(g.retained_bytes for g in groups)
-        for what in ("offloaded", "onboarded", "dropped"):
+        for what in ("offloaded", "onboarded", "dropped", "declined"):
             out[key(f"kvcm_tier_{what}_pages_total", tier=tier)] = getattr(t, f"{what}_pages")
             out[key(f"kvcm_tier_{what}_bytes_total", tier=tier)] = getattr(t, f"{what}_bytes")
         out[key("kvcm_tier_io_errors_total", tier=tier)] = t.io_errors

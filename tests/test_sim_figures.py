@@ -23,11 +23,11 @@ from kv_cache_manager_v2.sim._report import report_figures
 PRESSURE = ["--requests", "80", "--time-scale", "0.05"]
 #: setup -> (kv-cache-sim options, digest of its figures)
 SETUPS = {
-    "full": ([*PRESSURE, "--gpu", "2GiB"], "4c4018abdba06946"),
-    "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "717fe25ad6e51d9d"),
-    "host": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB"], "740ab0377aa10cf9"),
+    "full": ([*PRESSURE, "--gpu", "2GiB"], "402c946eefe5d00b"),
+    "hybrid": ([*PRESSURE, "--model", "qwen3-next-80b-a3b", "--gpu", "2GiB"], "a340994d45b86bcf"),
+    "host": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB"], "adab3534999b41af"),
     #: the host setup with pages moving in no time (as before tier I/O): hit rates and steps as "host"
-    "host-free-io": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB", "--no-tier-io"], "b3a2120b5e7b32bd"),
+    "host-free-io": ([*PRESSURE, "--gpu", "2GiB", "--host", "4GiB", "--no-tier-io"], "b0f09a8c65931859"),
 }
 
 

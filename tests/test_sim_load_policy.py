@@ -46,7 +46,8 @@ def _replay(
 ) -> ReplayResult:
     page = proxy_page_bytes(T, False, SMALL)
     config = manager_config(SMALL, T, [_tier("gpu", 208), _tier("host", 4096)], False, page)
-    config = dataclasses.replace(config, recompute_queue_weight=weight)
+    backlog = options.pop("max_write_backlog_s", 1.0)
+    config = dataclasses.replace(config, recompute_queue_weight=weight, max_write_backlog_s=backlog)
     scale = real_bytes_per_proxy_byte(SMALL, T, page)
     links = TierLinks(host=Link(bandwidth, write, 0.5))  # (writes: by default the prefix in 1 ms)
     opts = SchedulerOptions(prompt_only=True, watermark=0.0, links=links, load_policy=policy, **options)
@@ -106,12 +107,30 @@ def test_auto_sees_the_links_backlog() -> None:
     """Request 1's admission (1,000 ms) writes request 0's prefix to the host over 2,000 ms: the
     link is busy until 3,000.5 ms. Request 2 (2,000 ms) would load the prefix in 1 ms, but only
     after that: "always" waits (1,000.5 + 0.5 + 1 + 26 ms); "auto" sees the 1,000.5 ms backlog
-    (``set_tier_wait``) and recomputes, as "never" does (10 + 176 ms)."""
+    (``set_tier_wait``) and recomputes, as "never" does (10 + 176 ms). (The manager's write
+    admission off: it would decline that write, next test.)"""
     ttft = {}
     for policy in ("never", "always", "auto"):
-        r = _replay(_requests(), policy, PREFIX_IN_1MS, PREFIX_IN_1MS / 2000)
+        r = _replay(_requests(), policy, PREFIX_IN_1MS, PREFIX_IN_1MS / 2000, max_write_backlog_s=None)
         ttft[policy] = next(x.ttft_ms for x in r.outcomes if x.index == 2)
     assert ttft == pytest.approx({"never": 186.0, "always": 1028.0, "auto": 186.0})
+
+
+@pytest.mark.parametrize("backlog", [1.0, 3.0])
+def test_a_write_the_link_cannot_absorb_is_declined(backlog: float) -> None:
+    """The same with write admission (200 ms a page on the link): at a 1 s bound the link takes 5
+    of the prefix's 10 pages (busy until 2,000.5 ms) and the rest are dropped: "always" and "auto"
+    load 80 tokens behind them (0.5 + 0.5 + 0.5 ms, then 10 + 96), "never" recomputes (186). At
+    3 s every page is written: "auto" sees the manager's own queued write and recomputes."""
+    ttft = {}
+    for policy in ("never", "always", "auto"):
+        r = _replay(_requests(), policy, PREFIX_IN_1MS, PREFIX_IN_1MS / 2000, max_write_backlog_s=backlog)
+        ttft[policy] = next(x.ttft_ms for x in r.outcomes if x.index == 2)
+        assert (r.levels[1].declined_pages > 2) is (backlog == 1.0)
+    if backlog == 1.0:
+        assert ttft == pytest.approx({"never": 186.0, "always": 107.5, "auto": 107.5})
+    else:
+        assert ttft == pytest.approx({"never": 186.0, "always": 1028.0, "auto": 186.0})
 
 
 @pytest.mark.parametrize(("weight", "loads"), [(1.0, True), (0.0, False)])

@@ -36,10 +36,14 @@ def _tier(kind: str, tokens: int, path: str | None = None) -> TierSpec:
 
 
 def _replay(
-    tiers: list[TierSpec], reqs: list[SimRequest], opts: SchedulerOptions, cost: LinearCost | None = None
+    tiers: list[TierSpec],
+    reqs: list[SimRequest],
+    opts: SchedulerOptions,
+    cost: LinearCost | None = None,
+    **config: Any,
 ) -> ReplayResult:
     page = proxy_page_bytes(T, False, SMALL)
-    config = manager_config(SMALL, T, tiers, False, page)
+    config = dataclasses.replace(manager_config(SMALL, T, tiers, False, page), **config)
     scale = real_bytes_per_proxy_byte(SMALL, T, page)
     return Replay(config, reqs, dataclasses.replace(opts, cost=cost), bytes_scale=scale).run()
 
@@ -108,11 +112,13 @@ def test_loads_wait_behind_offloads_queued_on_the_same_link() -> None:
 def test_a_step_waits_while_its_link_has_more_than_the_write_backlog_queued() -> None:
     """As above with writes 30 times slower: request 1's offload of request 0's prefix holds the
     host link 3,000.5 ms (from 1,000), more than ``WRITE_BACKLOG_MS`` (1 s) beyond the step's start:
-    the step waits until only 1 s of it is left, then computes; request 2 loads behind the rest."""
+    the step waits until only 1 s of it is left, then computes; request 2 loads behind the rest.
+    (The manager's write admission off: it would decline that write, next test.)"""
     reqs, bandwidth = _evict_then_reuse()
     links = TierLinks(host=Link(bandwidth, bandwidth / 3000, 0.5))  # writes: 3 s for the prefix
     opts = SchedulerOptions(prompt_only=True, watermark=0.0, max_batch=1, links=links)
-    r = _replay([_tier("gpu", 208), _tier("host", 4096)], reqs, opts, LinearCost(10.0, 1000.0))
+    tiers = [_tier("gpu", 208), _tier("host", 4096)]
+    r = _replay(tiers, reqs, opts, LinearCost(10.0, 1000.0), max_write_backlog_s=None)
     one, two = _by_index(r)[1], _by_index(r)[2]
     assert WRITE_BACKLOG_MS == 1000.0 and one.reused_per_level == [0, 0]
     assert one.ttft_ms == pytest.approx(4000.5 - 1000.0 - 1000.0 + 210.0)
@@ -124,6 +130,21 @@ def test_a_step_waits_while_its_link_has_more_than_the_write_backlog_queued() ->
     written_ms = r.levels[1].offloaded_bytes * real_bytes_per_proxy_byte(SMALL, T, proxy_page_bytes(T, False, SMALL))
     written_ms /= bandwidth / 3000 / 1000
     assert r.sim_time_ms >= written_ms - WRITE_BACKLOG_MS
+
+
+def test_writes_the_link_cannot_absorb_are_declined() -> None:
+    """The same with the manager's write admission (its default bound, 1 s; priced from the link:
+    300 ms a page): of request 0's 10 pages the link takes 3 (busy until 1,900.5 ms), the others
+    are dropped. No step waits for writes (request 1: 210 ms, not 2,210.5); request 2 loads the
+    3 blocks behind them (1,901.3 ms) and computes 128 tokens (+ 10 + 128 ms)."""
+    reqs, bandwidth = _evict_then_reuse()
+    links = TierLinks(host=Link(bandwidth, bandwidth / 3000, 0.5))
+    opts = SchedulerOptions(prompt_only=True, watermark=0.0, max_batch=1, links=links)
+    r = _replay([_tier("gpu", 208), _tier("host", 4096)], reqs, opts, LinearCost(10.0, 1000.0))
+    one, two = _by_index(r)[1], _by_index(r)[2]
+    assert r.io_write_stall_ms == 0.0 and r.levels[1].declined_pages > 0
+    assert one.ttft_ms == pytest.approx(210.0)
+    assert two.reused_per_level == [0, 48] and two.ttft_ms == pytest.approx(1901.3 + 138.0 - 1000.0)
 
 
 def test_a_chunked_prefill_timeline_by_hand() -> None:

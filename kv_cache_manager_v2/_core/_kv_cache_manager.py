@@ -149,7 +149,8 @@ class KVCacheManager(ManagerQueries):
         # a match of a hybrid model ends at a snapshot: never inside a block
         partial = config.enable_partial_reuse and not self._registry.state_layer_groups
         self._matcher = PrefixMatcher(self._tree, self._remote_fill, self.tokens_per_block, partial)
-        costs = self._storage.costs = TierCosts(config.cache_tiers, config.refine_tier_costs)
+        costs = TierCosts.of(config, self._storage.expiries.now)
+        self._storage.set_costs(costs)
         lg_bytes = [
             self._layout.pool_groups[self._layout.pool_group_of_layer_group[LayerGroupId(i)]].slot_bytes
             for i in range(self.num_layer_groups)
@@ -356,9 +357,9 @@ class KVCacheManager(ManagerQueries):
         self._planner.set_rate(tokens_per_s)
 
     def set_tier_wait(self, level: object, seconds: object) -> None:
-        """The expected wait before a read from cache level ``level`` (below the GPU) starts: what is
-        queued on its link (e.g. writes of evicted pages), for ``load_policy="auto"``; counted once
-        per level a plan reads from, from the next match on (0 by default)."""
+        """How long cache level ``level``'s link (below the GPU) is busy from now, for ``load_policy="auto"``
+        and write admission (``max_write_backlog_s``): it drains as ``clock`` runs, the manager's own
+        queued writes (tracked anyway) go on top; a plan waits once per level it reads from."""
         self._check_alive()
         self._planner.set_wait(level, seconds)
 

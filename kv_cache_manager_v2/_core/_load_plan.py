@@ -6,7 +6,9 @@ less time than the engine takes to compute its tokens again. For each length a m
 saving: its tokens at the prefill rate less the read time of the pages that length needs (each
 layer group's pages outside its stale range there; a hybrid model's snapshot at its last block),
 at their levels' costs (``TierCosts``: bytes at the level's time per byte, plus its latency once
-per level, and once per level the wait behind its link's queue, ``TierCosts.wait_s``).
+per level, and once per level the wait behind its link's queue, ``TierCosts.wait_s``: the
+manager's own queued writes there on top of what ``set_tier_wait`` last said, drained as the clock
+runs).
 ``"auto"`` keeps the length of the largest saving (the longest on a tie), but the whole match when
 that cut saves less than one block's recompute time over it (cutting a few tokens of a partial
 block saves next to nothing and shifts the request's later steps); ``"never"`` the longest whose
@@ -85,10 +87,10 @@ class LoadPlanner:
     def set_wait(self, level: object, seconds: object) -> None:
         """``KVCacheManager.set_tier_wait`` past its liveness check."""
         lvl = check_int("level", level)
-        top = len(self.costs.wait_s) - 1
+        top = len(self.costs.busy_until) - 1
         if not 1 <= lvl <= top:
             raise ValueError(f"level must be a cache level below the GPU (1 to {top}), got {lvl}")
-        self.costs.wait_s[lvl] = check_number("seconds", seconds, False, "the link's expected wait")
+        self.costs.set_wait(lvl, check_number("seconds", seconds, False, "the link's expected wait"))
 
     @property
     def active(self) -> bool:
@@ -214,7 +216,7 @@ class LoadPlanner:
             if used[x]:
                 if never:
                     return None
-                read += self.costs.latency_s[x] + self.costs.wait_s[x]
+                read += self.costs.latency_s[x] + self.costs.wait_s(x)
         return self.recompute_s(length) - read if rate > 0.0 else 0.0
 
     def in_gpu_memory(self, nodes: list[Node], part: Node | None) -> bool:
@@ -271,7 +273,7 @@ class LoadPlanner:
         if self.tokens_per_s > 0.0 and length:
             for x in range(1, len(self.costs.latency_s)):
                 if used >> x & 1:
-                    read += self.costs.latency_s[x] + self.costs.wait_s[x]
+                    read += self.costs.latency_s[x] + self.costs.wait_s(x)
             self.saved_s += self.recompute_s(length) - read
 
     def count_taken_whole(self, projection: Projection) -> None:

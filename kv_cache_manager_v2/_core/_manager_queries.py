@@ -221,6 +221,7 @@ class ManagerQueries:
             p.cuts,
             tuple(1.0 / x if x > 0.0 else float("inf") for x in costs.seconds_per_byte),
             tuple(costs.latency_s),
+            tuple(costs.wait_s(x) for x in range(len(costs.busy_until))),
         )
 
     @property

@@ -22,6 +22,7 @@ from ._persist import PersistentDisk
 from ._persistence import persist_pages
 from ._pins import PinTable
 from ._slot_allocator import pair_sorted
+from ._tier_costs import TierCosts
 from ._tiers._remote_tier import RemoteTier
 
 #: Per level and pool group, how many of the asking request's own pages its evictor lists
@@ -80,6 +81,8 @@ class EvictionCascade:
         #: the remote tier below the last level (``attach_remote``): reusable full-block pages dropped
         #: for good are written there
         self.remote_tier: RemoteTier | None = None
+        #: the levels' links (reads, queued writes, write admission); None until the manager sets them
+        self.costs: TierCosts | None = None
 
     # ------------------------------------------------------------------ room
     def available(self, level: int, pool_group: int, excluded: Excluded | None = None) -> int:
@@ -143,7 +146,7 @@ class EvictionCascade:
         and the oldest reusable ones beyond that are dropped. One batch of copies per level."""
         level, pool_group = storage.level, storage.index
         room = self.capacity(level + 1, pool_group) - reserve
-        victims = storage.evictor.select(count, room)
+        victims = storage.evictor.select(count, self._held_victims(storage, count, room))
         if len(victims) < count:
             for v in victims:
                 v.relist()
@@ -164,6 +167,17 @@ class EvictionCascade:
                 self.drop(v)
         self._place(movers, level + 1, pool_group)
 
+    def _held_victims(self, storage: PoolGroupStorage, count: int, room: int) -> int:
+        """How many HELD pages ``_evict`` may take out of ``storage`` (they must be written below):
+        ``room``, but while the link below cannot absorb their writes (write admission) and
+        ``count`` reusable victims are there to drop instead, only as many as it absorbs."""
+        costs = self.costs
+        evictor = storage.evictor
+        if costs is None or evictor.num_held == 0 or evictor.count - evictor.num_held < count:
+            return room
+        absorbed = costs.admitted(int(storage.level) + 1, storage.layout.slot_bytes, count)
+        return absorbed if absorbed < room else room
+
     def demote(self, pages: list[Page], level: int) -> None:
         """Move the reusable ``pages`` (tree pages listed in an evictor, above ``level``; distinct)
         down to ``level`` now, as eviction would (room made there by moving its victims further
@@ -177,7 +191,7 @@ class EvictionCascade:
             movers = movers[: self.capacity(level, src.index)]
             for page in movers:
                 src.evictor.remove(page)
-            self._place(movers, level, src.index)
+            self._place(movers, level, src.index, False)
 
     def discard(self, pages: list[Page]) -> None:
         """Drop the reusable ``pages`` now (no request owns them; pinned ones too), as eviction
@@ -191,18 +205,22 @@ class EvictionCascade:
                 page.storage.evictor.remove(page)
             self.drop(page, False)
 
-    def _place(self, movers: list[Page], level: int, pool_group: int) -> None:
+    def _place(self, movers: list[Page], level: int, pool_group: int, admit: bool = True) -> None:
         """Move ``movers`` (one source storage, in no evictor, in eviction order; at most
         ``capacity(level, pool_group)`` of them) into ``level`` and below: the newest as many as ``level``
         can hold (it evicts its own victims further down first), the older rest one level
         further down. A GPU victim thus makes room in a small host tier by pushing the host's
-        own victims to disk, and only the last level drops."""
+        own victims to disk, and only the last level drops. With ``admit`` (eviction, not a
+        demotion), reusable pages ``level``'s link cannot absorb are dropped (``_admit``)."""
         dst = self.levels.items[level].items[pool_group]
         take = len(movers)
         if not dst.is_last:
             take = min(take, dst.allocator.num_free + dst.evictor.count)
         rest = movers[: len(movers) - take]
         here = movers[len(movers) - take :]
+        if admit and self.costs is not None:
+            here = self._admit(here, dst, self.costs)
+            take = len(here)
         try:
             self.make_room(dst, take, len(rest))
         except BaseException:
@@ -230,7 +248,27 @@ class EvictionCascade:
             for v in rest:
                 if not v.num_holds and v.node is None:
                     self.drop(v)  # became garbage meanwhile
-            self._place([v for v in rest if v.num_holds or v.node is not None], level + 1, pool_group)
+            self._place([v for v in rest if v.num_holds or v.node is not None], level + 1, pool_group, admit)
+
+    def _admit(self, pages: list[Page], dst: PoolGroupStorage, costs: TierCosts) -> list[Page]:
+        """Write admission (``TierCosts.admitted``): ``pages`` (in eviction order) less the oldest
+        reusable ones ``dst``'s link cannot absorb, which are dropped (counted at ``dst``); HELD
+        pages always go."""
+        held = sum(1 for p in pages if p.num_holds)
+        ok = costs.admitted(int(dst.level), dst.layout.slot_bytes, len(pages)) - held
+        declined = len(pages) - held - (ok if ok > 0 else 0)
+        if declined <= 0:
+            return pages
+        costs.declined_pages[dst.level] += declined
+        costs.declined_bytes[dst.level] += declined * dst.layout.slot_bytes
+        kept: list[Page] = []
+        for p in pages:
+            if declined and not p.num_holds:
+                declined -= 1
+                self.drop(p)
+            else:
+                kept.append(p)
+        return kept
 
     def relocate(self, pages: list[Page], dst: PoolGroupStorage) -> list[Page]:
         """Copy ``pages`` (one source storage, in no evictor) into new slots of ``dst`` (room made)
@@ -258,6 +296,8 @@ class EvictionCascade:
             p.relocate(dst, s)
             if p.node is not None:
                 moved.append(p)
+        if dst.level > src.level and self.costs is not None:  # a write: queued on the link below
+            self.costs.note_write(int(dst.level), (len(pages) - len(failed)) * src.layout.slot_bytes)
         listener = self.drop_listener
         if moved and listener is not None:
             listener.pages_moved(moved, src.level)

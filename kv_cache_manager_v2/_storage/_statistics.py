@@ -1,5 +1,6 @@
 """Storage statistics: per level usage, traffic counters (offloaded, onboarded and dropped pages
-and bytes, I/O errors) since creation or since the previous iteration, the remote tier's last."""
+and bytes, I/O errors, declined writes) since creation or since the previous iteration, the remote
+tier's last."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from typing import Final
 
 from .._common import GPU_LEVEL, CacheLevel, CacheTier, StorageStatistics, TierStatistics
 from ._cascade import EvictionCascade
+from ._tier_costs import TierCosts
 from ._tiers._remote_tier import RemoteTier
 
-#: traffic counters of a level: offloaded, onboarded, dropped pages, the same in bytes, I/O errors
-NUM_COUNTERS: Final = 7
+#: traffic counters of a level: offloaded, onboarded, dropped pages, the same in bytes, I/O errors,
+#: declined writes' pages and bytes (write admission; the remote tier's writer counts its own as dropped)
+NUM_COUNTERS: Final = 9
 
 
 class TrafficStatistics:
@@ -22,6 +25,8 @@ class TrafficStatistics:
         self.tiers = tiers
         self.num_levels = len(tiers)
         self.remote: RemoteTier | None = None
+        #: the levels' write admission counts (declined writes), once the manager sets them
+        self.costs: TierCosts | None = None
         #: cumulative counters at the last ``take_iteration_stats``, per level (the remote tier last)
         self._iteration_base: list[list[int]] = [[0] * NUM_COUNTERS for _ in range(len(tiers) + 1)]
 
@@ -53,7 +58,7 @@ class TrafficStatistics:
         """Cumulative (offloaded, onboarded, dropped) pages then bytes, and io errors, of ``level``."""
         if level == self.num_levels:
             assert self.remote is not None
-            return self.remote.remote.counters()
+            return self.remote.remote.counters() + [0, 0]
         out = [0] * NUM_COUNTERS
         for group in self.storage.levels.items[level]:
             slot_bytes = group.layout.slot_bytes
@@ -63,6 +68,9 @@ class TrafficStatistics:
             out[6] += group.num_io_errors
             for access, pool in zip(group.media, group.pools):  # handed-off slots the remote writer found damaged
                 out[6] += access.num_detached_errors(pool)
+        if self.costs is not None:
+            out[7] = self.costs.declined_pages[level]
+            out[8] = self.costs.declined_bytes[level]
         persist = self.storage.persist
         if persist is not None and level == self.storage.persist_level:
             out[6] += persist.num_write_errors  # slot records that could not be written
@@ -81,7 +89,7 @@ class TrafficStatistics:
         remote = self.remote
         assert remote is not None
         quota = remote.remote.cfg.quota
-        counters = remote.remote.counters()
+        counters = remote.remote.counters() + [0, 0]
         return _statistics(level, CacheTier.REMOTE, quota if quota is not None else 0, 0, 0, 0, counters, base)
 
     def take_iteration_stats(self) -> list[TierStatistics]:
@@ -102,7 +110,7 @@ class TrafficStatistics:
         if remote is not None:
             level = self.num_levels
             out.append(self._remote_stats(CacheLevel(level), self._iteration_base[level]))
-            self._iteration_base[level] = remote.remote.counters()
+            self._iteration_base[level] = remote.remote.counters() + [0, 0]
         return out
 
     def _tier_stats(self, level: CacheLevel, base: list[int], peaks: list[int], now: list[int]) -> TierStatistics:
@@ -125,7 +133,7 @@ def _statistics(
 ) -> TierStatistics:
     """A level's statistics (``state``: the bytes of recurrent states in use); traffic is the
     counters ``now`` minus ``base`` (offloaded, onboarded and dropped pages, the same in bytes, I/O
-    errors)."""
+    errors, declined pages and bytes)."""
     d = [now[i] - base[i] for i in range(NUM_COUNTERS)]
     return TierStatistics(
         level=level,
@@ -141,4 +149,6 @@ def _statistics(
         dropped_bytes=d[5],
         io_errors=d[6],
         state_bytes=state,
+        declined_pages=d[7],
+        declined_bytes=d[8],
     )

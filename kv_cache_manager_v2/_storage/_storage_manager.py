@@ -118,7 +118,7 @@ class StorageManager:
         self._write_through: list[rawref.ref[Page]] = []
         self.resizer = TierResizer(self.cascade)
         self.stats = TrafficStatistics(self.cascade, self.tiers)
-        #: read costs of the levels, refined by ``move_up``'s timed batches (the manager sets them)
+        #: read and write costs of the levels' links, refined by ``move_up``'s timed batches (``set_costs``)
         self.costs: TierCosts | None = None
 
     def _add_level(
@@ -149,6 +149,11 @@ class StorageManager:
                     CacheLevel(level), tier, is_last, group, num_slots, pools, group_evictors[level], self.copier.media
                 )
             )
+
+    def set_costs(self, costs: TierCosts) -> None:
+        """The levels' links (read costs, queued writes, write admission), shared with the cascade
+        and the statistics."""
+        self.costs = self.cascade.costs = self.stats.costs = costs
 
     @property
     def num_pool_groups(self) -> int:
@@ -487,6 +492,10 @@ class StorageManager:
                 src_storage.num_onboarded += len(idxs) - len(bad)
             elif src_storage.level < dst_storage.level:  # (a snapshot placed below the GPU)
                 dst_storage.num_offloaded += len(idxs) - len(bad)
+                if self.costs is not None:
+                    self.costs.note_write(
+                        int(dst_storage.level), (len(idxs) - len(bad)) * src_storage.layout.slot_bytes
+                    )
             disk = dst_storage if dst_storage.tier.tier is CacheTier.DISK else src_storage
             disk.num_io_errors += len(bad)
             failed.update(idxs[k] for k in bad)

@@ -9,6 +9,7 @@ from typing import cast
 
 from .._common import TierStatistics
 from .._config import KVCacheManagerConfig, LoadPolicy
+from .._core._kv_cache_manager import KVCacheManager
 from ..engine import KVCacheResourceManager
 from ..engine._request import RequestId
 from ._live import Live
@@ -17,11 +18,19 @@ from ._tier_io import FREE, TierIO, TierLinks, priced_tiers
 
 
 def load_plan_config(
-    config: KVCacheManagerConfig, policy: str, links: TierLinks | None, bytes_scale: float
+    config: KVCacheManagerConfig, policy: str | None, links: TierLinks | None, bytes_scale: float
 ) -> KVCacheManagerConfig:
-    """``config`` with ``load_policy`` and its tiers priced as the replay times their links (free
-    without tier I/O); the manager's own refinement off."""
+    """``config`` with its tiers priced as the replay times their links (reads for the load plan,
+    writes for write admission), with ``load_policy`` (None: as configured) and the manager's own
+    refinement off; without tier I/O (``links`` None) pages move in no time: free links, no
+    write admission."""
+    if links is None:
+        config = dataclasses.replace(config, max_write_backlog_s=None)
+        if policy is None:
+            return config
     tiers = priced_tiers(config.cache_tiers, links if links is not None else TierLinks(FREE, FREE, FREE), bytes_scale)
+    if policy is None:
+        return dataclasses.replace(config, cache_tiers=tiers)
     return dataclasses.replace(
         config, cache_tiers=tiers, load_policy=cast("LoadPolicy", policy), refine_tier_costs=False
     )
@@ -53,6 +62,22 @@ def woken(running: list[Live], arrivals: list[tuple[float, int]], clock: float) 
     return wake
 
 
+def tell_link_waits(m: KVCacheManager, io: TierIO, clock: float) -> None:
+    """Tell the manager each link's backlog at ``clock`` (``set_tier_wait``: how long a read or a
+    write queued now waits, ``TierIO.busy_until``; reads included, which it does not queue itself)."""
+    for lvl in range(1, len(io.busy_until)):
+        busy = io.busy_until[lvl] - clock
+        m.set_tier_wait(lvl, busy / 1000.0 if busy > 0.0 else 0.0)
+
+
+def step_links(m: KVCacheManager, io: TierIO, clock: float, traffic: list[TierStatistics]) -> float:
+    """``TierIO.step`` of a step starting at ``clock``, then ``tell_link_waits`` (the manager's write
+    admission sees the links' reads too); returns when the step's loads are done."""
+    done = io.step(clock, traffic)
+    tell_link_waits(m, io, clock)
+    return done
+
+
 def prepare_loading(
     rm: KVCacheResourceManager,
     io: TierIO | None,
@@ -77,9 +102,7 @@ def prepare_loading(
     for live in new:
         m.set_prefill_rate(prefill_rate(cost, live.prompt_length, chunk, step_tokens))
         if io is not None:
-            for lvl in range(1, len(io.busy_until)):
-                busy = io.busy_until[lvl] - clock
-                m.set_tier_wait(lvl, busy / 1000.0 if busy > 0.0 else 0.0)
+            tell_link_waits(m, io, clock)
         if rm.prepare_resources([live.req]):
             unserved.add(live.req.request_id)
             continue

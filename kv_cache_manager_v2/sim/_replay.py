@@ -42,7 +42,7 @@ from .._retention import Retention
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
 from ._live import Live, count_admission
-from ._loading import load_plan_config, prepare_loading, woken
+from ._loading import load_plan_config, prepare_loading, step_links, woken
 from ._replay_types import (
     SERIES_FIELDS,
     LevelUsage,
@@ -88,8 +88,8 @@ class Replay:
         self.requests = requests
         self.clock = 0.0
         self.config = config = dataclasses.replace(config, clock=lambda: self.clock / 1000.0)  # simulated seconds
-        if options.load_policy is not None:  # the manager prices loads as the replay times them
-            config = self.config = load_plan_config(config, options.load_policy, options.links, bytes_scale)
+        # the manager prices loads and queued writes as the replay times them
+        config = self.config = load_plan_config(config, options.load_policy, options.links, bytes_scale)
         self._early: list[TierStatistics] = []  #: background loads: the step's traffic before its admissions
         self.retain: Sequence[Retention | list[Retention] | None] | None = None  #: close-time hints by request index
         #: per request index, the shared prefix (id, tokens) to pin once it finished (--pin-system-prompts)
@@ -460,7 +460,7 @@ class Replay:
         if self._early:
             traffic = self._early + traffic
             self._early = []
-        return io.step(self.clock, traffic) if io is not None else self.clock
+        return step_links(self.rm.manager, io, self.clock, traffic) if io is not None else self.clock
 
     # ------------------------------------------------------------------ driver
     def run(self) -> ReplayResult:

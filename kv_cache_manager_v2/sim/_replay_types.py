@@ -91,6 +91,8 @@ class LevelUsage:
     dropped_pages: int = 0  #: dropped for good here
     dropped_bytes: int = 0
     io_errors: int = 0
+    declined_pages: int = 0  #: write admission: dropped instead of written here (its link's backlog full)
+    declined_bytes: int = 0
     max_step_offloaded_pages: int = 0  #: most pages offloaded into this level in one step
     max_step_onboarded_pages: int = 0  #: most pages onboarded from this level in one step
     reused_tokens: int = 0  #: prompt tokens of first admissions reused from blocks found at this level
@@ -338,6 +340,8 @@ def add_manager_counters(r: ReplayResult, m: KVCacheManager, checker: DataChecke
         usage.dropped_pages += ts.dropped_pages
         usage.dropped_bytes += ts.dropped_bytes
         usage.io_errors += ts.io_errors
+        usage.declined_pages += ts.declined_pages
+        usage.declined_bytes += ts.declined_bytes
     if checker is not None:
         r.records_checked += checker.records_checked
         r.layer_by_layer_steps += checker.layer_by_layer_steps

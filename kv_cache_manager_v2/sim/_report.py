@@ -205,6 +205,8 @@ def _tier_row(tier: TierSpec, usage: LevelUsage, shape: ModelShape, scale: float
         "dropped_pages": usage.dropped_pages,
         "dropped_bytes": int(usage.dropped_bytes * scale),
         "io_errors": usage.io_errors,
+        "declined_writes_pages": usage.declined_pages,
+        "declined_writes_bytes": int(usage.declined_bytes * scale),
         "max_step_offloaded_pages": usage.max_step_offloaded_pages,
         "max_step_onboarded_pages": usage.max_step_onboarded_pages,
     }
@@ -277,6 +279,11 @@ def _traffic(tiers: list[dict[str, Any]], i: int) -> str:
         parts.append(
             f"{format_count(below['offloaded_pages'])} offloaded to {below['tier']} "
             f"({format_bytes(below['offloaded_bytes'])}; at most {format_count(below['max_step_offloaded_pages'])} a step)"
+            + (
+                f", {format_count(below['declined_writes_pages'])} declined (its link's write backlog full)"
+                if below["declined_writes_pages"]
+                else ""
+            )
         )
     if i > 0:
         parts.append(

@@ -10,8 +10,12 @@ has a busy-until time, and a step's loads wait behind the offloads queued before
 (this step's own offloads queue after its loads). The queue is bounded: a step whose offloads leave
 more than ``WRITE_BACKLOG_MS`` of writes queued on a link ends only once the backlog is back within
 it (a copy engine's queue is finite: a link slower than the writes it is given slows the engine
-down, it does not fall behind for ever). Today's manager copies offloads synchronously, so where
-writes matter this model is its lower bound. A transfer costs the link's latency once per step and direction, plus its bytes at the
+down, it does not fall behind for ever). The manager's write admission sees the same links (its
+tiers' write costs priced from them, ``priced_tiers``; their backlogs told each step,
+``_loading.tell_link_waits``): it declines the evicted reusable pages a link cannot absorb within
+``max_write_backlog_s`` (by default the same 1 s), so only pages requests still own stall a step
+for writes. Today's manager copies offloads synchronously, so where writes matter this model is
+its lower bound. A transfer costs the link's latency once per step and direction, plus its bytes at the
 link's bandwidth; bytes are those of the real model (the replay's proxy bytes times the scale of
 ``_models.real_bytes_per_proxy_byte``). A load from the disk or remote tier is charged to that
 tier's link alone (its slowest part; the host link it may cross too is not charged).
@@ -230,9 +234,10 @@ class TierIO:
 
 
 def priced_tiers(tiers: Sequence[CacheTierConfig], links: TierLinks, bytes_scale: float) -> list[CacheTierConfig]:
-    """``tiers`` with the read cost of each tier below the GPU set from its link (the manager's
-    ``load_policy="auto"`` prices loads as the replay times them): the link's bandwidth in proxy
-    bytes (``bytes_scale``: real bytes per proxy byte) and its latency."""
+    """``tiers`` with the read and write costs of each tier below the GPU set from its link (the
+    manager's ``load_policy="auto"`` prices loads, and its write admission queued writes, as the
+    replay times them): the link's bandwidth each way in proxy bytes (``bytes_scale``: real bytes
+    per proxy byte) and its latency."""
     out: list[CacheTierConfig] = []
     for tier in tiers:
         if isinstance(tier, (HostCacheTierConfig, DiskCacheTierConfig, RemoteCacheTierConfig)):
@@ -242,6 +247,8 @@ def priced_tiers(tiers: Sequence[CacheTierConfig], links: TierLinks, bytes_scale
                 "read_bytes_per_s": min(bw, MAX_BYTES_PER_S),
                 "read_latency_s": link.latency_ms / 1e3,
             }
+            if not isinstance(tier, RemoteCacheTierConfig):  # (the remote writer has its own queue)
+                cost["write_bytes_per_s"] = min(link.write_bytes_per_s / bytes_scale, MAX_BYTES_PER_S)
             tier = replace(tier, **cost)
         out.append(tier)
     return out
