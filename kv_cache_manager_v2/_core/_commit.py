@@ -39,9 +39,34 @@ def commit_tokens(state: RequestState, more: Sequence[TokenIdExt] | None = None)
             if more is None:
                 tail.pop()
             raise
-    if more is not None and (tail or not isinstance(more, (list, tuple, array))):
-        tail.extend(more)  # the tail's block first (or a sequence without slices): cut from the tail
-        more = None
+    if more is None and len(tail) == tokens_per_block:
+        # the decode step: one token completed the tail's block (one tuple; no slices, no type tests)
+        block: tuple[TokenIdExt, ...] = _untrack(tuple(tail))
+        tail.clear()
+        first = len(state._committed_blocks)
+        state._committed_blocks.append(block)
+        publish(state, first + 1, 0, block if first == state._num_published else None)
+    else:
+        if more is not None and (tail or not isinstance(more, (list, tuple, array))):
+            tail.extend(more)  # the tail's block first (or a sequence without slices): cut from the tail
+            more = None
+        _commit_blocks(state, more)
+    committed = len(state._committed_blocks) * tokens_per_block + len(tail)
+    if committed > state._history:
+        state._history = committed
+        ctx = state._ctx
+        if ctx.has_releasing_groups:
+            for layer_group in ctx.releasing_layer_groups:
+                state._release_stale(layer_group, ctx.layer_groups[layer_group].stale_end(committed))
+    if snapshot_priorities is not None and not tail:
+        take_snapshot(state, snapshot_priorities)
+
+
+def _commit_blocks(state: RequestState, more: Sequence[TokenIdExt] | None) -> None:
+    """Move the full blocks of the tail (``more`` None) or of ``more`` (the tail empty) into the
+    committed blocks, the rest into the tail, and publish them."""
+    tokens_per_block = state._tokens_per_block
+    tail = state._tail
     source: Sequence[TokenIdExt] = tail if more is None else more
     num_full = len(source) // tokens_per_block
     if num_full:
@@ -70,15 +95,6 @@ def commit_tokens(state: RequestState, more: Sequence[TokenIdExt] | None = None)
         publish(state, first + num_full, 0, completed)
     elif more is not None:
         tail.extend(more)
-    committed = len(state._committed_blocks) * tokens_per_block + len(tail)
-    if committed > state._history:
-        state._history = committed
-        ctx = state._ctx
-        if ctx.has_releasing_groups:
-            for layer_group in ctx.releasing_layer_groups:
-                state._release_stale(layer_group, ctx.layer_groups[layer_group].stale_end(committed))
-    if snapshot_priorities is not None and not tail:
-        take_snapshot(state, snapshot_priorities)
 
 
 def snapshot_priorities_at(state: RequestState, end: int) -> list[Priority] | None:
