@@ -8,7 +8,8 @@ per block, 256 decode steps, at batch sizes 64, 256 and 1,024. Per step, in us p
 - *SGLang*: what its scheduler does for a paged decode batch (``alloc_for_decode``): the last
   slot of each request read from ``req_to_token``, ``PagedTokenToKVPoolAllocator.alloc_decode`` for
   the whole batch, the new slots written to ``req_to_token``, the lengths raised (CPU tensors:
-  SGLang's native path when Triton is absent). No per-request Python work, no tree work.
+  SGLang's native path when Triton is absent). No per-request Python work, no tree work. Torch's
+  first-call costs are paid before the timed run (the same steps on a tiny batch).
 - *ours, batched*: ``resize_batch(caches)`` before the forward pass, ``commit_batch(caches,
   tokens)`` after it, every request's page indices mirrored into an engine-owned int32 table
   (``set_base_page_index_buf``), 32 layers; full blocks are published for reuse as they complete
@@ -17,7 +18,9 @@ per block, 256 decode steps, at batch sizes 64, 256 and 1,024. Per step, in us p
 
 ``--before DIR`` adds the batched calls of another checkout's compiled build (same run).
 The figure is the mean over all steps (block crossings included): a step's time over the batch
-size. Each side runs in its own process (SGLang in its own environment: it is not a dependency of
+size; ``crossing_steps_share`` is the part of it spent in the steps where the requests cross a
+block (2 of every 32 here: a new page, a block completed); the load average is recorded (the
+figures are wall clock). Each side runs in its own process (SGLang in its own environment: it is not a dependency of
 this project, and CI does not install it); sides alternate ``--rounds`` times; the report holds the
 median of the rounds. Without a Python where ``import sglang`` works, it says so and exits 0.
 """
@@ -59,23 +62,37 @@ def ours(batch: int, steps: int, per_request: bool) -> dict[str, Any]:
         kv.set_base_page_index_buf(0, 0, memoryview(table[r]))
     tokens = [[step] * batch for step in range(steps)]
     clock = time.perf_counter
-    t0 = clock()
+    times = [0.0] * steps
     if per_request:
         for step in range(steps):
+            t0 = clock()
             one = [step]
             for kv in caches:
                 kv.resize(kv.capacity + 1)
                 kv.commit(one)
+            times[step] = clock() - t0
     else:
         for step in range(steps):
+            t0 = clock()
             assert not m.resize_batch(caches)
             m.commit_batch(caches, tokens[step])
-    spent = clock() - t0
+            times[step] = clock() - t0
     assert all(kv.history_length == SHARED + UNIQUE + steps for kv in caches)
     for kv in caches:
         kv.close()
     m.shutdown()
-    return {"compiled": kvm.compiled, "us_per_request_step": spent / steps / batch * 1e6}
+    return {"compiled": kvm.compiled, **_per_step(times, batch)}
+
+
+def _per_step(times: list[float], batch: int) -> dict[str, float]:
+    """The mean over all steps, and the share of the time in the steps where the requests cross a
+    block boundary (a new page for the step's token, or a block completed by it)."""
+    prompt = SHARED + UNIQUE
+    crossing = sum(t for s, t in enumerate(times) if (prompt + s) % T == 0 or (prompt + s + 1) % T == 0)
+    return {
+        "us_per_request_step": sum(times) / len(times) / batch * 1e6,
+        "crossing_steps_share": crossing / sum(times),
+    }
 
 
 def sglang(batch: int, steps: int, per_request: bool) -> dict[str, Any]:
@@ -85,10 +102,28 @@ def sglang(batch: int, steps: int, per_request: bool) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     import sglang as sgl
     import torch
+
+    _sglang_steps(2, T, [0.0] * (T + 1))  # torch's first-call costs, outside the timed run
+    times = [0.0] * steps
+    triton = _sglang_steps(batch, SHARED + UNIQUE, times)
+    return {
+        "compiled": False,
+        **_per_step(times, batch),
+        "sglang": sgl.__version__,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "triton_kernels": triton,
+    }
+
+
+def _sglang_steps(batch: int, prompt: int, times: list[float]) -> bool:
+    """``len(times)`` decode steps of ``batch`` requests of ``prompt`` tokens (a multiple of ``T``)
+    through SGLang's paged allocator, each step's seconds into ``times``; whether it used Triton."""
+    import torch
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    prompt = SHARED + UNIQUE
+    steps = len(times)
     pool = ReqToTokenPool(batch, prompt + steps + T, "cpu", False)
     alloc = PagedTokenToKVPoolAllocator(batch * ((prompt + steps) // T + 2) * T, T, torch.float16, "cpu", None, False)
     rows = torch.tensor(pool.alloc_rows(batch), dtype=torch.int64)
@@ -97,24 +132,17 @@ def sglang(batch: int, steps: int, per_request: bool) -> dict[str, Any]:
     seq_lens = torch.full((batch,), prompt, dtype=torch.int64)
     seq_lens_cpu = seq_lens.clone()
     clock = time.perf_counter
-    t0 = clock()
-    for _ in range(steps):
+    for step in range(steps):
+        t0 = clock()
         last_loc = pool.req_to_token[rows, seq_lens - 1]
         out = alloc.alloc_decode(seq_lens + 1, seq_lens_cpu + 1, last_loc)
         assert out is not None
         pool.write((rows, seq_lens.clone()), out.to(torch.int32))
         seq_lens.add_(1)
         seq_lens_cpu.add_(1)
-    spent = clock() - t0
+        times[step] = clock() - t0
     assert int(seq_lens[0]) == prompt + steps
-    return {
-        "compiled": False,
-        "us_per_request_step": spent / steps / batch * 1e6,
-        "sglang": sgl.__version__,
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "triton_kernels": bool(alloc.use_triton_kernels),
-    }
+    return bool(alloc.use_triton_kernels)
 
 
 def _side(python: str, side: str, batch: int, steps: int, env: dict[str, str]) -> dict[str, Any]:
@@ -177,7 +205,9 @@ def main() -> None:
     if args.before:  # the same calls on another tree's compiled package (e.g. before a change)
         sides["before_compiled"] = (sys.executable, "ours", dict(os.environ, PYTHONPATH=args.before), True)
     rounds: dict[str, dict[int, list[float]]] = {name: {b: [] for b in args.batches} for name in sides}
+    shares: dict[str, dict[int, list[float]]] = {name: {b: [] for b in args.batches} for name in sides}
     info: dict[str, Any] = {}
+    load_before = os.getloadavg()
     for _ in range(args.rounds):
         for batch in args.batches:
             for name, (py, side, env, compiled) in sides.items():
@@ -185,6 +215,7 @@ def main() -> None:
                 if out["compiled"] != compiled:
                     raise SystemExit(f"{name}: expected compiled={compiled}, the package imported {out['compiled']}")
                 rounds[name][batch].append(out.pop("us_per_request_step"))
+                shares[name][batch].append(out.pop("crossing_steps_share"))
                 if name == "sglang":
                     info.update(out)
     medians = {name: {str(b): statistics.median(v) for b, v in by.items()} for name, by in rounds.items()}
@@ -194,7 +225,11 @@ def main() -> None:
         "steps": args.steps,
         "rounds": args.rounds,
         "sglang_side": info,
+        "load_average_1_5_15_min": {"before": list(load_before), "after": list(os.getloadavg())},
         "medians": medians,
+        "crossing_steps_share": {  # of each side's time: the steps where requests cross a block (1 in 32 + 1 in 32)
+            name: {str(b): statistics.median(v) for b, v in by.items()} for name, by in shares.items()
+        },
         "sglang_over_ours": {
             name: {b: medians["sglang"][b] / v for b, v in by.items()}
             for name, by in medians.items()

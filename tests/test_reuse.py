@@ -155,14 +155,16 @@ def test_empty_scope_roots_go_away_with_their_last_block(make_manager: MakeManag
     assert len(m._tree.roots) == 0
 
 
-def test_identical_blocks_are_deduplicated(make_manager: MakeManager) -> None:
+@pytest.mark.parametrize("decode", [0, 18])
+def test_identical_blocks_are_deduplicated(make_manager: MakeManager, decode: int) -> None:
+    """``decode``: the last tokens committed one at a time (the decode step's commit completes those blocks)."""
     m = make_manager(kv_layers(1, T))
     engine = FakeEngine(m)
     prompt = toks(9, 24)
     a, b = m.create_kv_cache(input_tokens=prompt), m.create_kv_cache(input_tokens=prompt)
-    serve(engine, a, prompt)
+    serve(engine, a, prompt, decode)
     used_after_a = m.get_storage_statistics()[0].unavailable
-    serve(engine, b, prompt)  # computed the same blocks again; commit switches to a's pages
+    serve(engine, b, prompt, decode)  # computed the same blocks again; commit switches to a's pages
     assert b.get_base_page_indices(LG0).tolist() == a.get_base_page_indices(LG0).tolist()
     assert m.get_storage_statistics()[0].unavailable == used_after_a
     engine.check_all(b, prompt, 24)

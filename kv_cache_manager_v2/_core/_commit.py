@@ -39,37 +39,45 @@ def commit_tokens(state: RequestState, more: Sequence[TokenIdExt] | None = None)
             if more is None:
                 tail.pop()
             raise
-    if more is not None and (tail or not isinstance(more, (list, tuple, array))):
-        tail.extend(more)  # the tail's block first (or a sequence without slices): cut from the tail
-        more = None
-    source: Sequence[TokenIdExt] = tail if more is None else more
-    num_full = len(source) // tokens_per_block
-    if num_full:
+    if more is None and len(tail) == tokens_per_block:
+        # the decode step: one token completed the tail's block (one tuple; no slices, no type tests)
+        block: tuple[TokenIdExt, ...] = _untrack(tuple(tail))
+        tail.clear()
         first = len(state._committed_blocks)
-        completed = source[: num_full * tokens_per_block] if first == state._num_published else None
-        if isinstance(source, array) and source.typecode == "I":
-            # an array('I') block is one object, no int objects; it refers to nothing but its
-            # type, so it is untracked by the GC like the tuples below
-            state._committed_blocks.extend(
-                [_untrack(source[i * tokens_per_block : (i + 1) * tokens_per_block]) for i in range(num_full)]
-            )
-            tail.extend(source[num_full * tokens_per_block :])
-        else:
-            items = _untrack(source.tolist()) if isinstance(source, array) else source  # ints made in one pass
-            # the tokens as one tuple first: each block is then one slice of it (one copy, not a list
-            # slice and a tuple of it); a block's tokens (ints, digests) can be in no reference
-            # cycle: untracked by the GC
-            run = items if type(items) is tuple else tuple(items)
-            state._committed_blocks.extend(
-                [_untrack(run[i * tokens_per_block : (i + 1) * tokens_per_block]) for i in range(num_full)]
-            )
-            if more is None:
-                del tail[: num_full * tokens_per_block]
+        state._committed_blocks.append(block)
+        publish(state, first + 1, 0, block if first == state._num_published else None)
+    else:
+        if more is not None and (tail or not isinstance(more, (list, tuple, array))):
+            tail.extend(more)  # the tail's block first (or a sequence without slices): cut from the tail
+            more = None
+        source: Sequence[TokenIdExt] = tail if more is None else more
+        num_full = len(source) // tokens_per_block
+        if num_full:
+            first = len(state._committed_blocks)
+            completed = source[: num_full * tokens_per_block] if first == state._num_published else None
+            if isinstance(source, array) and source.typecode == "I":
+                # an array('I') block is one object, no int objects; it refers to nothing but its
+                # type, so it is untracked by the GC like the tuples below
+                state._committed_blocks.extend(
+                    [_untrack(source[i * tokens_per_block : (i + 1) * tokens_per_block]) for i in range(num_full)]
+                )
+                tail.extend(source[num_full * tokens_per_block :])
             else:
-                tail.extend(items[num_full * tokens_per_block :])
-        publish(state, first + num_full, 0, completed)
-    elif more is not None:
-        tail.extend(more)
+                items = _untrack(source.tolist()) if isinstance(source, array) else source  # ints made in one pass
+                # the tokens as one tuple first: each block is then one slice of it (one copy, not a list
+                # slice and a tuple of it); a block's tokens (ints, digests) can be in no reference
+                # cycle: untracked by the GC
+                run = items if type(items) is tuple else tuple(items)
+                state._committed_blocks.extend(
+                    [_untrack(run[i * tokens_per_block : (i + 1) * tokens_per_block]) for i in range(num_full)]
+                )
+                if more is None:
+                    del tail[: num_full * tokens_per_block]
+                else:
+                    tail.extend(items[num_full * tokens_per_block :])
+            publish(state, first + num_full, 0, completed)
+        elif more is not None:
+            tail.extend(more)
     committed = len(state._committed_blocks) * tokens_per_block + len(tail)
     if committed > state._history:
         state._history = committed
