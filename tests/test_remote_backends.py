@@ -19,7 +19,7 @@ import pytest
 from conftest import NO_REDIS_REASON, REDIS_SERVER
 from fake_engine import FakeEngine
 from remote_stores import MOONCAKE_REASON, ClusterStore, MooncakeStore, RedisStore, StoreUnderTest
-from test_remote import Factory, evict_everything, reuse
+from test_remote import Factory, evict_everything, evict_through_the_lower_tier, reuse
 from test_remote import managers as managers  # (a fixture)
 from tier_helpers import T, compute, page_keys, publish, seq, tree_pages
 
@@ -534,18 +534,23 @@ def test_mooncake_helpers_never_hold_the_process_at_exit() -> None:
     assert stuck.result(5.0) is True
 
 
-def test_retention_travels_through_reads_into_slots(make: Factory) -> None:
-    """A retained block's value carries its retention through a read straight into the host tier's
-    slots (a create's own fetch): the other manager's pages get the same priority over their base
-    one, their duration running for the time left (within a second) until the create takes them;
-    released, the whole duration runs again, as on the manager that wrote them."""
-    a = make(write_through=True)
+@pytest.mark.parametrize("path", ["write_through", "handed_off"])
+def test_retention_travels_through_reads_into_slots(make: Factory, path: str) -> None:
+    """A retained block's value (written through, or sent from a handed-off host slot) carries its
+    retention through a read straight into the host tier's slots (a create's own fetch): the other
+    manager's pages get the same priority over their base one, their duration running for the time
+    left (within a second) until the create takes them; released, the whole duration runs again,
+    as on the manager that wrote them."""
+    a = make(write_through=True) if path == "write_through" else make(host=32)
     toks = seq(71, 3 * T)
     kv = a.create_kv_cache(None, toks)
     assert kv.resume()
     compute(FakeEngine(a), kv, toks, len(toks))
     kv.close(retain=Retention(90, 10.0))  # its 10 s run from here; the hint ends at the third block
     closed = time.monotonic()
+    if path == "handed_off":
+        evict_through_the_lower_tier(a)
+        assert a._remote is not None and a._remote.slots_queued >= 3
     assert a.flush_remote_writes() and present(a, page_keys(a, toks)) == [True] * 3
     time.sleep(1.5)  # (the time left is then clearly below the whole duration)
     b = make(host=16)
