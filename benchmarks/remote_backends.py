@@ -29,6 +29,7 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 from bench_common import _admit, _manager
 
 import kv_cache_manager_v2 as kvm
+from kv_cache_manager_v2._storage._remote._value import HEADER_BYTES
 
 BLOCKS = 1024
 T = 16
@@ -63,7 +64,7 @@ def _host(page: int, reps: int) -> dict[str, Any]:
 
 def _remote(url: str, page: int, reps: int, tag: str) -> dict[str, Any]:
     slots = BLOCKS + 8
-    value = page + 64
+    value = page + HEADER_BYTES
     big = BLOCKS * value + (4 << 20)
     common: dict[str, Any] = {"timeout_ms": 60_000, "retry_interval_ms": 100}
     write = kvm.RemoteCacheTierConfig(

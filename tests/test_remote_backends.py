@@ -2,8 +2,9 @@
 for real on loopback, through the fake engine: reuse across managers (write-back and write-through),
 a quota, an outage and a restart (Mooncake: the master killed and started again), a hung store, values
 gone between lookup and read (a flushed store, evicted objects), a value of the wrong size under our
-key, and (Mooncake) a client segment too small for what is written. No wrong byte (every reused record
-is checked), no exception into the engine, no call past its deadline."""
+key, a block's retention carried through a read into slots, and (Mooncake) a client segment too small
+for what is written. No wrong byte (every reused record is checked), no exception into the engine, no
+call past its deadline."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from typing import Any
 
 import pytest
 from conftest import NO_REDIS_REASON, REDIS_SERVER
+from fake_engine import FakeEngine
 from remote_stores import MOONCAKE_REASON, ClusterStore, MooncakeStore, RedisStore, StoreUnderTest
-from test_remote import Factory, evict_everything, reuse
+from test_remote import Factory, evict_everything, evict_through_the_lower_tier, reuse
 from test_remote import managers as managers  # (a fixture)
-from tier_helpers import T, page_keys, publish, seq
+from tier_helpers import T, compute, page_keys, publish, seq, tree_pages
 
-from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, CacheLevel, KVCacheManager, LayerId
+from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, CacheLevel, KVCacheManager, LayerId, Retention
 from kv_cache_manager_v2._storage._remote._value import HEADER_BYTES
 
 
@@ -530,3 +532,44 @@ def test_mooncake_helpers_never_hold_the_process_at_exit() -> None:
         gate.set()
         helpers.shutdown()
     assert stuck.result(5.0) is True
+
+
+@pytest.mark.parametrize("path", ["write_through", "handed_off"])
+def test_retention_travels_through_reads_into_slots(make: Factory, path: str) -> None:
+    """A retained block's value (written through, or sent from a handed-off host slot) carries its
+    retention through a read straight into the host tier's slots (a create's own fetch): the other
+    manager's pages get the same priority over their base one, their duration running for the time
+    left (within a second) until the create takes them; released, the whole duration runs again,
+    as on the manager that wrote them."""
+    a = make(write_through=True) if path == "write_through" else make(host=32)
+    toks = seq(71, 3 * T)
+    kv = a.create_kv_cache(None, toks)
+    assert kv.resume()
+    compute(FakeEngine(a), kv, toks, len(toks))
+    kv.close(retain=Retention(90, 10.0))  # its 10 s run from here; the hint ends at the third block
+    closed = time.monotonic()
+    if path == "handed_off":
+        evict_through_the_lower_tier(a)
+        assert a._remote is not None and a._remote.slots_queued >= 3
+    assert a.flush_remote_writes() and present(a, page_keys(a, toks)) == [True] * 3
+    time.sleep(1.5)  # (the time left is then clearly below the whole duration)
+    b = make(host=16)
+    expiries = b._storage.expiries
+    prompt = toks[: 2 * T] + [1]  # short of the hint's end: the retention stays
+    kb = b.create_kv_cache(None, prompt)  # fetched into b's host tier by the create itself
+    left = 10.0 - (time.monotonic() - closed)
+    st = b.remote_statistics
+    assert st is not None and st.fetched_pages == 2 and st.corrupt_pages == 0
+    pages = tree_pages(b, prompt)
+    assert [(p.level, p.priority, p.base_priority) for p in pages] == [(1, 90, 35)] * 2
+    # placed with the time left running (the create's take then stopped it: the queue keeps the entry)
+    now = expiries.now()
+    ran = [min(t for i, t in expiries.pending() if i == id(p)) - now for p in pages]
+    assert all(abs(t - left) < 1.0 for t in ran), (ran, left)
+    assert kb.resume()
+    FakeEngine(b).check_all(kb, prompt, kb.history_length)
+    kb.close()
+    now = expiries.now()
+    assert all(p.priority == 90 and abs((p.expires - now) - 10.0) < 1.0 for p in pages)
+    assert b.get_storage_statistics()[0].retained == 2  # (moved up to GPU memory by the resume)
+    b.check_invariants()

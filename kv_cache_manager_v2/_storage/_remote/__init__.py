@@ -3,9 +3,9 @@
 One key per page (one block of one layer group): ``kvcm:<namespace>:<layout fingerprint>:<layer
 group>:<block key hex>``, where the block key is the SHA-256 reuse key (so scopes, salts and LoRA
 adapters never share) and the fingerprint covers the model layout, so different models or layouts
-never share either. A value is a 64-byte header (magic, format version, layer group, fingerprint,
-block key, payload length, CRC-32 of the payload) then the slot's bytes of every pool of the page's
-pool group. A value that is missing, truncated, foreign or corrupted is a miss, never bad KV.
+never share either. A value is a 96-byte header (magic, format version, layer group, fingerprint,
+block key, payload length, CRC-32 of the payload, the block's retention) then the slot's bytes of every
+pool of the page's pool group. A value that is missing, truncated, foreign or corrupted is a miss, never bad KV.
 
 Reads (``lookup``: one round trip returning every key's length; ``fetch``: one MGET) run on the
 scheduler's thread, each call's replies bounded by one deadline of ``timeout_ms`` (``ReplyReader``
