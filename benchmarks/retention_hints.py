@@ -82,6 +82,22 @@ class TraceClock:
         return self.now
 
 
+def gpu_manager(cap_tokens: int, policy: str, clock: TraceClock, **kw: Any) -> kvm.KVCacheManager:
+    """A fresh manager of ``cap_tokens`` tokens, GPU tier only (T tokens a block, one full-attention
+    layer, host backend: metadata only), under ``policy`` and ``clock``; ``kw``: more config."""
+    layers = [kvm.AttentionLayerConfig(kvm.LayerId(0), [kvm.BufferConfig("key", 64), kvm.BufferConfig("value", 64)])]
+    cfg = kvm.KVCacheManagerConfig(
+        T,
+        [kvm.GpuCacheTierConfig(cap_tokens // T * 2 * 64)],
+        layers,
+        backend="host",
+        eviction_policy=policy,  # type: ignore[arg-type]
+        clock=clock,
+        **kw,
+    )
+    return kvm.KVCacheManager(cfg)
+
+
 def replay(
     reqs: list[SimRequest],
     cap_tokens: int,
@@ -97,17 +113,7 @@ def replay(
     ``pin_ttl``, pinned again by every request using it, for that many seconds; counts in
     ``stats``)."""
     clock = TraceClock()
-    layers = [kvm.AttentionLayerConfig(kvm.LayerId(0), [kvm.BufferConfig("key", 64), kvm.BufferConfig("value", 64)])]
-    cfg = kvm.KVCacheManagerConfig(
-        T,
-        [kvm.GpuCacheTierConfig(cap_tokens // T * 2 * 64)],
-        layers,
-        backend="host",
-        eviction_policy=policy,  # type: ignore[arg-type]
-        clock=clock,
-        max_pinned_share=pin_share,
-    )
-    m = kvm.KVCacheManager(cfg)
+    m = gpu_manager(cap_tokens, policy, clock, max_pinned_share=pin_share)
     pinned: dict[int, int] = {}  # prefix id -> tokens pinned (-1: refused)
     refused = peak = 0
     hit = total = 0

@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from retention_hints import TRACE, TraceClock, belady, block_keys  # noqa: E402
+from retention_hints import TRACE, TraceClock, belady, block_keys, gpu_manager  # noqa: E402
 
 import kv_cache_manager_v2 as kvm  # noqa: E402
 from kv_cache_manager_v2.sim import SimRequest, load_trace  # noqa: E402
@@ -88,17 +88,7 @@ def replay(
 ) -> tuple[float, dict[str, int]]:
     """Hit rate of one replay through a fresh manager, and what the sessions' ends did (blocks)."""
     clock = TraceClock()
-    layers = [kvm.AttentionLayerConfig(kvm.LayerId(0), [kvm.BufferConfig("key", 64), kvm.BufferConfig("value", 64)])]
-    cfg = kvm.KVCacheManagerConfig(
-        T,
-        [kvm.GpuCacheTierConfig(cap_tokens // T * 2 * 64)],
-        layers,
-        backend="host",
-        clock=clock,
-        eviction_policy=policy,  # type: ignore[arg-type]
-        enable_partial_reuse=False,  # (whole blocks, as the optimum counts them)
-    )
-    m = kvm.KVCacheManager(cfg)
+    m = gpu_manager(cap_tokens, policy, clock, enable_partial_reuse=False)  # (whole blocks, as the optimum counts them)
     hit = total = 0
     ended = {"dropped": 0, "deferred": 0, "kept": 0}
     for i, r in enumerate(reqs):

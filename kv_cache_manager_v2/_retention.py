@@ -75,17 +75,21 @@ def check_hints(name: str, retain: object) -> Sequence[Retention]:
     if not isinstance(retain, Sequence) or isinstance(retain, (str, bytes)):
         raise TypeError(f"{name} must be a Retention, a sequence of them or None, got {type(retain).__name__}")
     out: list[Retention] = []
+    what = f"{name}: token ranges"
     for r in retain:
         check_type(f"{name}[{len(out)}]", r, Retention)
         assert isinstance(r, Retention)
         if out:
-            prev_end = out[-1].end
-            if prev_end is None or r.start < prev_end:
-                raise ValueError(
-                    f"{name}: token ranges must be ascending and not overlap: {r} starts before the end of {out[-1]}"
-                )
+            _check_after(what, out[-1], r)
         out.append(r)
     return out
+
+
+def _check_after(what: str, prev: Retention | RetentionRange, r: Retention | RetentionRange) -> None:
+    """``r`` starts at or after the end of ``prev``, the range before it in ``what`` (ascending
+    token ranges that do not overlap; only the last may run to the end)."""
+    if prev.end is None or r.start < prev.end:
+        raise ValueError(f"{what} must be ascending and not overlap: {r} starts before the end of {prev}")
 
 
 @mypyc_attr(native_class=False)
@@ -135,11 +139,7 @@ class RequestRetention:
             elif not isinstance(r, RetentionRange):
                 raise TypeError(f"each of RequestRetention.ranges must be a RetentionRange or a 4-tuple, got {r!r}")
             if ranges:
-                prev_end = ranges[-1].end
-                if prev_end is None or r.start < prev_end:
-                    raise ValueError(
-                        f"RequestRetention.ranges must be ascending and not overlap: {r} starts before the end of {ranges[-1]}"
-                    )
+                _check_after("RequestRetention.ranges", ranges[-1], r)
             ranges.append(r)
         object.__setattr__(self, "ranges", tuple(ranges))
         decode_priority, decode_duration = raw_field(self, "decode_priority"), raw_field(self, "decode_duration_s")

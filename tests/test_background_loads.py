@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from conftest import REDIS_SERVER, MakeManager, kv_layers, make_config
 from fake_engine import FakeEngine, adapter_step
-from tier_helpers import SLOT, T, compute, loader, seq, tree_pages, wait_loaded
+from tier_helpers import SLOT, T, compute, computed, loader, seq, tree_pages, wait_loaded
 
 from kv_cache_manager_v2 import (
     CacheLevel,
@@ -74,10 +74,7 @@ def published_on_disk(m: KVCacheManager, docs: list[list[int]]) -> None:
         compute(engine, kv, toks, len(toks))
         kv.close()
     for r in range(100, 104):  # 4 x 3 blocks: through the GPU and the host, pushing docs down
-        kv = m.create_kv_cache()
-        assert kv.resume()
-        compute(engine, kv, seq(r, 3 * T), 3 * T)
-        kv.close()
+        computed(m, engine, seq(r, 3 * T), 3 * T).close()
     for toks in docs:
         assert all(p.level == DISK for p in tree_pages(m, toks))
 
@@ -150,15 +147,10 @@ def test_resume_of_a_loading_cache_reads_itself_and_discards_the_loads(
     m = tiered(make_manager, tmp_path)
     engine = FakeEngine(m)
     toks = seq(1, 3 * T)
-    a = m.create_kv_cache()
-    assert a.resume()
-    compute(engine, a, toks, 3 * T)
+    a = computed(m, engine, toks, 3 * T)
     a.suspend()
     for r in (2, 3, 4):  # push a down to disk
-        h = m.create_kv_cache()
-        assert h.resume()
-        compute(engine, h, seq(r, 3 * T), 3 * T)
-        h.close()
+        computed(m, engine, seq(r, 3 * T), 3 * T).close()
     assert all(on_disk(p) for p in a.block_table.all_pages()) and not a.ready
     assert a.prefetch(CacheLevel(0))
     assert a.loading and not a.ready
@@ -180,15 +172,10 @@ def test_a_failed_or_corrupt_background_read_is_a_miss(make_manager: MakeManager
     m = tiered(make_manager, tmp_path)
     engine = FakeEngine(m)
     toks = seq(1, 3 * T)
-    a = m.create_kv_cache()
-    assert a.resume()
-    compute(engine, a, toks, 3 * T)
+    a = computed(m, engine, toks, 3 * T)
     a.suspend()
     for r in (2, 3, 4):
-        h = m.create_kv_cache()
-        assert h.resume()
-        compute(engine, h, seq(r, 3 * T), 3 * T)
-        h.close()
+        computed(m, engine, seq(r, 3 * T), 3 * T).close()
     victim = a.block_table.pages[0][1]  # block 1, layer group 0
     assert victim is not None and on_disk(victim)
     disk = victim.storage.pools[0]
@@ -677,10 +664,7 @@ def test_a_prefetch_cut_by_the_plan_reports_the_cut_after_its_lookup(
         loader(m).manual = True
         engine = FakeEngine(m)
         for toks in (doc[: 3 * T], seq(701, 3 * T), seq(702, 3 * T)):  # doc's first 3 blocks, pushed to the host
-            kv = m.create_kv_cache()
-            assert kv.resume()
-            compute(engine, kv, toks, 3 * T)
-            kv.close()
+            computed(m, engine, toks, 3 * T).close()
         assert all(p.level == HOST for p in tree_pages(m, doc[: 3 * T]))
         handle = m.prefetch(doc)
         assert handle.reused_tokens == 0 and handle.num_disk_pages == 0

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from conftest import MakeManager, kv_layers, remote_keys
 from fake_engine import FakeEngine
-from tier_helpers import SLOT, T, compute, publish, seq, tree_pages
+from tier_helpers import SLOT, T, compute, computed, publish, seq, tree_pages
 
 from kv_cache_manager_v2 import (
     CacheLevel,
@@ -115,9 +115,7 @@ def test_a_damaged_page_of_a_suspended_request_shortens_it_at_resume(make_manage
     compute(engine, a, toks, 3 * T)
     a.suspend()
     for r in (2, 3):
-        h = m.create_kv_cache()
-        assert h.resume()
-        compute(engine, h, seq(r, 3 * T), 3 * T)
+        h = computed(m, engine, seq(r, 3 * T), 3 * T)
         h.suspend()
     own = [p for p in a.block_table.pages[0] if p is not None]
     assert [p.level for p in own] == [DISK] * 3

@@ -24,6 +24,7 @@ from test_remote import managers as managers  # (a fixture)
 from tier_helpers import T, compute, page_keys, publish, seq, tree_pages
 
 from kv_cache_manager_v2 import AttentionLayerConfig, BufferConfig, CacheLevel, KVCacheManager, LayerId, Retention
+from kv_cache_manager_v2._storage._remote._backend import RemoteBackend
 from kv_cache_manager_v2._storage._remote._value import HEADER_BYTES
 
 
@@ -66,12 +67,26 @@ def make(store: StoreUnderTest, managers: Factory, request: pytest.FixtureReques
     return factory
 
 
-def present(m: KVCacheManager, keys: list[bytes]) -> list[bool]:
-    """Whether the store holds a whole page under each key (through ``m``'s backend)."""
+PAGE_BYTES = HEADER_BYTES + 2 * 2 * 32 * T  # a stored page: two layers, key and value, one 32-byte record per token
+
+
+def store_backend(m: KVCacheManager) -> RemoteBackend:
+    """``m``'s remote backend."""
     remote = m._remote
     assert remote is not None
-    size = HEADER_BYTES + 2 * 2 * 32 * T  # two layers, key and value, one 32-byte record per token
-    found = remote.backend.lookup(keys, [size] * len(keys))
+    return remote.backend
+
+
+def written(a: KVCacheManager, toks: list[int]) -> list[bytes]:
+    """Publish ``toks`` through ``a`` (computed whole), flush its remote writes: the pages' keys."""
+    publish(a, toks, match=False)
+    assert a.flush_remote_writes()
+    return page_keys(a, toks)
+
+
+def present(m: KVCacheManager, keys: list[bytes]) -> list[bool]:
+    """Whether the store holds a whole page under each key (through ``m``'s backend)."""
+    found = store_backend(m).lookup(keys, [PAGE_BYTES] * len(keys))
     assert found is not None
     return found
 
@@ -162,8 +177,7 @@ def test_a_hung_store_times_out_into_misses(store: StoreUnderTest, make: Factory
     a = make(write_through=True)
     b = make(timeout_ms=200, retry_interval_ms=60_000)
     toks = seq(12, 3 * T)
-    publish(a, toks, match=False)
-    assert a.flush_remote_writes()
+    written(a, toks)
     assert b.probe_reuse(None, seq(13, 2 * T) + [1]) == 0  # (b connected before the store hangs)
     store.pause()
     try:
@@ -187,14 +201,12 @@ def test_values_gone_between_lookup_and_read_are_misses(make: Factory) -> None:
     a = make(write_through=True)
     b = make()
     toks = seq(14, 4 * T)
-    publish(a, toks, match=False)
-    assert a.flush_remote_writes()
+    keys = written(a, toks)
     assert b.probe_reuse(None, toks + [1]) == 4 * T  # the lookup finds all four
-    keys = page_keys(a, toks)
-    remote = a._remote
-    assert remote is not None and remote.backend.delete(keys[2:]) == 2  # gone before the read
+    backend = store_backend(a)
+    assert backend.delete(keys[2:]) == 2  # gone before the read
     assert reuse(b, toks + [1]) == 2 * T  # create reads: what is left, checked
-    assert remote.backend.delete(keys) == 2  # flushed
+    assert backend.delete(keys) == 2  # flushed
     c = make()
     assert reuse(c, toks + [1]) == 0
 
@@ -203,12 +215,8 @@ def test_a_value_of_the_wrong_size_under_our_key_is_a_miss(make: Factory) -> Non
     a = make(write_through=True)
     b = make()
     toks = seq(15, 3 * T)
-    publish(a, toks, match=False)
-    assert a.flush_remote_writes()
-    keys = page_keys(a, toks)
-    remote = a._remote
-    assert remote is not None
-    backend = remote.backend
+    keys = written(a, toks)
+    backend = store_backend(a)
     assert backend.delete(keys[1:2]) == 1
     results: list[Any] = []
     backend.write(keys[1:2], [[b"\0" * 100]], results)  # a foreign value of another size
@@ -224,14 +232,9 @@ def test_a_corrupt_value_read_into_slots_is_a_miss_and_its_slot_given_back(make:
     a = make(write_through=True)
     b = make(host=16)
     toks = seq(17, 3 * T)
-    publish(a, toks, match=False)
-    assert a.flush_remote_writes()
-    keys = page_keys(a, toks)
-    remote = a._remote
-    assert remote is not None
-    backend = remote.backend
-    size = HEADER_BYTES + 2 * 2 * 32 * T
-    values = backend.read(keys[1:2], [size])
+    keys = written(a, toks)
+    backend = store_backend(a)
+    values = backend.read(keys[1:2], [PAGE_BYTES])
     assert values is not None and values[0] is not None
     bad = bytearray(values[0])
     bad[-1] ^= 0xFF  # one payload byte: the size and header stay right
@@ -258,14 +261,11 @@ def test_mooncake_reads_land_in_the_host_slots_without_a_staging_copy(store: Sto
     a = make(write_through=True, gpu=16 * slots, layers=wide)
     b = make(gpu=16 * slots, host=16 * slots, layers=wide)
     toks = seq(18, 8 * T)
-    publish(a, toks, match=False)
-    assert a.flush_remote_writes()
+    written(a, toks)
     assert reuse(b, toks + [1]) == 8 * T
     st = b.remote_statistics
     assert st is not None and st.fetched_pages == 8 and st.fetched_bytes >= 8 * page
-    remote = b._remote
-    assert remote is not None
-    buf = getattr(remote.backend._local, "buf", None)
+    buf = getattr(store_backend(b)._local, "buf", None)
     assert buf is not None and buf.size == 1 << 20  # headers only went through it
 
 
@@ -276,8 +276,7 @@ def test_mooncake_a_read_into_slots_of_many_pages_is_issued_in_batches(store: St
     a = make(write_through=True, gpu=320)
     b = make(gpu=320, host=320)
     toks = seq(21, 300 * T)
-    publish(a, toks, match=False)
-    assert a.flush_remote_writes()
+    written(a, toks)
     assert reuse(b, toks + [1]) == 300 * T  # every record checked
     st = b.remote_statistics
     assert st is not None and st.fetched_pages == 300 and st.corrupt_pages == 0
@@ -291,14 +290,12 @@ def test_mooncake_slots_a_late_read_may_write_are_held_until_it_returns(store: S
     a = make(write_through=True)
     b = make(host=16, timeout_ms=300, retry_interval_ms=50)
     toks = seq(19, 2 * T)
-    publish(a, toks, match=False)
-    assert a.flush_remote_writes()
+    keys = written(a, toks)
     assert b.probe_reuse(None, seq(13, 2 * T) + [1]) == 0  # (b's client is set up)
     tier = b._storage.remote_tier
     assert tier is not None
     group = b._storage.levels[CacheLevel(1)][0]
     before = (group.set_aside, group.num_slots, b.get_storage_statistics(CacheLevel(1))[0].free)
-    keys = page_keys(a, toks)
     slots = group.allocator.allocate(2)
     store.pause()
     try:
@@ -341,24 +338,20 @@ def test_a_backend_serves_reads_from_another_thread(make: Factory) -> None:
 
     a = make(write_through=True)
     toks = seq(16, 4 * T)
-    publish(a, toks, match=False)
-    assert a.flush_remote_writes()
-    remote = a._remote
-    assert remote is not None
-    keys = page_keys(a, toks)
-    size = HEADER_BYTES + 2 * 2 * 32 * T
+    keys = written(a, toks)
+    backend = store_backend(a)
     out: dict[str, Any] = {}
 
     def worker() -> None:
-        values = remote.backend.read(keys, [size] * 4)
+        values = backend.read(keys, [PAGE_BYTES] * 4)
         out["sizes"] = [len(v) if v is not None else -1 for v in values or []]
-        out["mine"] = remote.backend.read(keys[:1], [size])
+        out["mine"] = backend.read(keys[:1], [PAGE_BYTES])
 
     t = threading.Thread(target=worker)
     t.start()
-    here = remote.backend.read(keys[1:2], [size])  # (meanwhile, on this thread)
+    here = backend.read(keys[1:2], [PAGE_BYTES])  # (meanwhile, on this thread)
     t.join(30)
-    assert out["sizes"] == [size] * 4
+    assert out["sizes"] == [PAGE_BYTES] * 4
     assert here is not None and out["mine"] is not None
     assert bytes(here[0]) != bytes(out["mine"][0])  # each thread's value intact
 

@@ -53,6 +53,19 @@ def pressure(m: KVCacheManager, engine: FakeEngine, blocks: int, base: int, prio
     run(m, engine, seq(base, blocks), custom_priority_callback=fixed(priority))
 
 
+def with_disk(make_manager: MakeManager, tmp_path: object, **kw: object) -> KVCacheManager:
+    """A manager of 4 blocks in GPU memory, 4 on the host and 16 on the disk tier in ``tmp_path``."""
+    return make_manager(
+        one_layer(T),
+        tokens_per_block=T,
+        quota=4 * REC * T,
+        host_quota=4 * REC * T,
+        disk_quota=16 * REC * T,
+        disk_path=str(tmp_path),
+        **kw,
+    )
+
+
 def outcome(status: DirectiveStatus, blocks: int = 0, deferred: int = 0, kept: int = 0) -> DirectiveOutcome:
     return DirectiveOutcome(status, blocks, deferred, kept)
 
@@ -150,14 +163,7 @@ def test_demote_moves_a_sessions_private_blocks_down_now(make_manager: MakeManag
 def test_prefetch_brings_a_sessions_and_a_prefixs_blocks_up_from_disk(
     make_manager: MakeManager, tmp_path: object
 ) -> None:
-    m = make_manager(
-        one_layer(T),
-        tokens_per_block=T,
-        quota=4 * REC * T,
-        host_quota=4 * REC * T,
-        disk_quota=16 * REC * T,
-        disk_path=str(tmp_path),
-    )
+    m = with_disk(make_manager, tmp_path)
     loader(m).manual = True  # reads land when the test runs them
     engine = FakeEngine(m)
     a, b = seq(1000, 2), seq(2000, 1)
@@ -190,15 +196,7 @@ def test_prefetch_brings_a_sessions_and_a_prefixs_blocks_up_from_disk(
 
 
 def test_prefetch_without_load_workers_starts_nothing(make_manager: MakeManager, tmp_path: object) -> None:
-    m = make_manager(
-        one_layer(T),
-        tokens_per_block=T,
-        quota=4 * REC * T,
-        host_quota=4 * REC * T,
-        disk_quota=16 * REC * T,
-        disk_path=str(tmp_path),
-        load_workers=0,
-    )
+    m = with_disk(make_manager, tmp_path, load_workers=0)
     engine = FakeEngine(m)
     a = seq(1000, 2)
     run(m, engine, a, session_id="a")

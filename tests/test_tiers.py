@@ -10,7 +10,7 @@ import stat
 import pytest
 from conftest import REC, MakeManager, kv_layers
 from fake_engine import FakeEngine
-from tier_helpers import SLOT, T, compute, publish, seq, tree_pages, wait_loaded
+from tier_helpers import SLOT, T, compute, computed, publish, seq, tree_pages, wait_loaded
 
 from kv_cache_manager_v2 import (
     BAD_PAGE_INDEX,
@@ -198,9 +198,7 @@ def test_suspended_pages_spill_through_a_small_host_to_disk(make_manager: MakeMa
     m = small_host(make_manager, tmp_path, 2)
     engine = FakeEngine(m)
     a_toks = seq(1, 8 * T)
-    a = m.create_kv_cache()
-    assert a.resume()
-    compute(engine, a, a_toks, 8 * T - 3)
+    a = computed(m, engine, a_toks, 8 * T - 3)
     a.suspend()
     hog = m.create_kv_cache()
     assert hog.resume()
@@ -223,9 +221,7 @@ def test_resume_refuses_above_max_util_with_lower_tiers(make_manager: MakeManage
     """With lower tiers a suspended request's GPU pages count as available; resuming takes them."""
     m = tiered(make_manager, tmp_path, gpu=10, host=10, disk=None, max_util_for_resume=0.8)
     engine = FakeEngine(m)
-    a = m.create_kv_cache()
-    assert a.resume()
-    compute(engine, a, seq(1, 3 * T), 3 * T)
+    a = computed(m, engine, seq(1, 3 * T), 3 * T)
     a.suspend()
     assert m.gpu_utilization == 0.0  # its 3 GPU pages could move down
     b = m.create_kv_cache()
@@ -288,9 +284,7 @@ def test_prefetch_moves_a_suspended_request_up_ahead_of_resume(
         a.prefetch(CacheLevel(0))
     a.suspend()
     for r in (2, 3, 4):  # three requests push a down to disk
-        h = m.create_kv_cache()
-        assert h.resume()
-        compute(engine, h, seq(r, 3 * T), 3 * T)
+        h = computed(m, engine, seq(r, 3 * T), 3 * T)
         h.suspend()
     assert levels_of(a) == [2, 2, 2]
     with pytest.raises(ValueError, match="target_level"):
@@ -320,9 +314,7 @@ def test_prefetch_without_room_changes_nothing(make_manager: MakeManager, tmp_pa
     engine = FakeEngine(m)
     caches = []
     for r in range(3):  # 6 held pages fill every level
-        kv = m.create_kv_cache()
-        assert kv.resume()
-        compute(engine, kv, seq(r, 2 * T), 2 * T)
+        kv = computed(m, engine, seq(r, 2 * T), 2 * T)
         kv.suspend()
         caches.append(kv)
     assert levels_of(caches[0]) == [2, 2]
@@ -377,9 +369,7 @@ def test_resize_tiers_keeps_suspended_data(make_manager: MakeManager, tmp_path: 
     assert [m.get_quota(CacheLevel(level)) for level in range(3)] == [6 * SLOT] * 3
     caches = []
     for r in range(4):
-        kv = m.create_kv_cache()
-        assert kv.resume()
-        compute(engine, kv, seq(r, 3 * T), 3 * T)
+        kv = computed(m, engine, seq(r, 3 * T), 3 * T)
         kv.suspend()
         caches.append(kv)
     publish(m, engine=engine, toks=seq(9, 2 * T))  # reusable blocks too
@@ -540,9 +530,7 @@ def test_failed_read_of_a_later_block_keeps_the_blocks_before_it(make_manager: M
     compute(engine, a, toks, 3 * T)
     a.suspend()
     for r in (2, 3):
-        h = m.create_kv_cache()
-        assert h.resume()
-        compute(engine, h, seq(r, 3 * T), 3 * T)
+        h = computed(m, engine, seq(r, 3 * T), 3 * T)
         h.suspend()
     assert levels_of(a) == [2, 2, 2]
     third = a.block_table.pages[0][2]
@@ -577,9 +565,7 @@ def test_failed_write_of_a_held_page_loses_it_for_its_owner_only(make_manager: M
     pool.error_hook = lambda op, off, n: op == "write"
     hogs = []
     for r in (2, 3):
-        h = m.create_kv_cache()
-        assert h.resume()
-        compute(engine, h, seq(r, 2 * T), 2 * T)
+        h = computed(m, engine, seq(r, 2 * T), 2 * T)
         h.suspend()
         hogs.append(h)
     pool.error_hook = None
@@ -609,9 +595,7 @@ def test_lost_pages_of_a_suspended_request_are_not_published_on_close(
     a.suspend()
     pool.error_hook = lambda op, off, n: op == "write"
     for r in (2, 3):
-        h = m.create_kv_cache()
-        assert h.resume()
-        compute(engine, h, seq(r, 2 * T), 2 * T)
+        h = computed(m, engine, seq(r, 2 * T), 2 * T)
         h.suspend()
     pool.error_hook = None
     a.close()

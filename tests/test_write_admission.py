@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from conftest import Clock, kv_layers, shut_down
 from fake_engine import FakeEngine
-from tier_helpers import SLOT, T, compute, publish, seq, tree_pages
+from tier_helpers import SLOT, T, compute, computed, publish, seq, tree_pages
 
 from kv_cache_manager_v2 import (
     CacheLevel,
@@ -169,15 +169,11 @@ def test_held_pages_are_written_whatever_the_backlog(mk: Any) -> None:
     m = mk(clock, 0.0)
     engine = FakeEngine(m)
     a_toks = seq(1, 4 * T)
-    a = m.create_kv_cache()
-    assert a.resume()
-    compute(engine, a, a_toks, 3 * T + 3)
+    a = computed(m, engine, a_toks, 3 * T + 3)
     a.suspend()
     hogs = []
     for r in (2, 3):  # the whole GPU twice: a's pages go to host, then to disk
-        hog = m.create_kv_cache()
-        assert hog.resume()
-        compute(engine, hog, seq(r, 4 * T), 4 * T)
+        hog = computed(m, engine, seq(r, 4 * T), 4 * T)
         hog.suspend()
         hogs.append(hog)
     assert [p.level for p in a.block_table.pages[0] if p is not None] == [2, 2, 2, 2]
@@ -202,9 +198,7 @@ def test_a_saturated_link_drops_reusable_victims_before_writing_held_ones(mk: An
     m = mk(clock, backlog)
     engine = FakeEngine(m)
     a_toks = seq(1, 2 * T)
-    a = m.create_kv_cache()
-    assert a.resume()
-    compute(engine, a, a_toks, 2 * T)
+    a = computed(m, engine, a_toks, 2 * T)
     a.suspend()
     for r in (2, 3, 4):  # a's pages, then seq 2's, move to the host
         publish(m, seq(r, 2 * T), engine=engine)

@@ -64,6 +64,14 @@ def compute(engine: FakeEngine, kv: KVCache, toks: list[int], upto: int) -> None
     kv.commit(toks[h:upto])
 
 
+def computed(m: KVCacheManager, engine: FakeEngine, toks: list[int], upto: int) -> KVCache:
+    """A new request (matching nothing), resumed, that computed and committed ``toks[:upto]``."""
+    kv = m.create_kv_cache()
+    assert kv.resume()
+    compute(engine, kv, toks, upto)
+    return kv
+
+
 def serve(engine: FakeEngine, kv: KVCache, tokens: Sequence[TokenIdExt], decode: int = 0) -> None:
     """Resume ``kv``, check the reused prefix, prefill the rest of ``tokens`` but the last ``decode``,
     then decode those one at a time (committing all)."""

@@ -48,8 +48,7 @@ class RemoteStore(RemoteWriter):
         misses)."""
         if not keys:
             return []
-        if self.is_down:
-            self.skipped_lookups += 1
+        if self._skipped():
             return None
         self.lookups += 1
         self.looked_up_pages += len(keys)
@@ -61,8 +60,7 @@ class RemoteStore(RemoteWriter):
         it fails (or takes more than ``timeout_ms``)."""
         if not keys:
             return []
-        if self.is_down:
-            self.skipped_lookups += 1
+        if self._skipped():
             return None
         backend = self.backend
         return self._read("fetch", lambda: backend.read(keys, nbytes))
@@ -73,11 +71,17 @@ class RemoteStore(RemoteWriter):
         ``timeout_ms``): then the targets may still be written until ``backend.busy()`` is False."""
         if not keys:
             return []
-        if self.is_down:
-            self.skipped_lookups += 1
+        if self._skipped():
             return None
         backend = self.backend
         return self._read("fetch", lambda: backend.read_into(keys, targets))
+
+    def _skipped(self) -> bool:
+        """Whether the store is down: the call is skipped (counted in ``skipped_lookups``)."""
+        if self.is_down:
+            self.skipped_lookups += 1
+            return True
+        return False
 
     def _read(self, what: str, call: Callable[[], _T | None]) -> _T | None:
         """``call()``, or None (a miss) where it raises an outage error or returns None (no node of the
