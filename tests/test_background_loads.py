@@ -596,6 +596,57 @@ def test_a_background_read_placed_where_held_pages_must_make_room_below(
     m.check_invariants()
 
 
+@pytest.mark.parametrize("order", [0, 1])
+def test_a_prefetch_never_evicts_the_pages_it_brought(make_manager: MakeManager, tmp_path: object, order: int) -> None:
+    """A match of 6 pages prefetched into a host of 4, the reads landing one poll at a time (in
+    order or from the back): the first 4 installed stay on the host (placing a read never evicts
+    a page the same prefetch brought), the other reads are discarded and their pages stay on disk,
+    where the create's resume reads them. Every byte exact."""
+    m = make_manager(
+        kv_layers(2, T),
+        T,
+        8 * SLOT,
+        host_quota=4 * SLOT,
+        disk_quota=32 * SLOT,
+        disk_path=str(tmp_path),
+        max_util_for_resume=1.0,
+    )
+    loader(m).manual = True
+    engine = FakeEngine(m)
+    doc = seq(1, 6 * T + 1)
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.resume()
+    compute(engine, kv, doc, 6 * T)
+    kv.close()
+    for r in (2, 3):  # through the GPU and the host: doc goes to disk
+        kv = m.create_kv_cache()
+        assert kv.resume()
+        compute(engine, kv, seq(r, 8 * T), 8 * T)
+        kv.close()
+    assert all(p.level == DISK for p in tree_pages(m, doc))
+    handle = m.prefetch(doc[:-1], HOST)
+    assert handle.num_disk_pages == 6
+    pages = tree_pages(m, doc)
+    landed: list[int] = []
+    q = loader(m)
+    while q.queued:
+        job = q.queued[-order]
+        landed.append(pages.index(job.page))  # type: ignore[attr-defined]
+        q.run_queued(-order % len(q.queued))
+        m.poll_loads()
+    assert handle.done and handle.num_installed_pages == 4
+    assert [i for i in landed if pages[i].level == HOST] == landed[:4]
+    assert all(pages[i].level == DISK for i in landed[4:])
+    reads = m._ctx.reads
+    assert reads is not None and reads.num_installed == 4 and reads.num_discarded == 2
+    m.check_invariants()
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.history_length == 6 * T and kv.resume()
+    engine.check_all(kv, doc, 6 * T)
+    kv.close()
+    m.check_invariants()
+
+
 def test_a_raising_batch_leaves_no_request_in_the_loading_state(
     adapters: Callable[..., KVCacheResourceManager], tmp_path: object
 ) -> None:
