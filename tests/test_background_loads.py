@@ -324,6 +324,53 @@ def test_adapter_serves_others_while_a_request_loads(
     m.check_invariants()
 
 
+def test_a_suspended_request_reads_to_the_host_while_the_gpu_is_full(
+    adapters: Callable[..., KVCacheResourceManager], tmp_path: object
+) -> None:
+    """A suspended request whose pages lie on disk while a running one fills the GPU: its pages are
+    read up to the host in the background (the wait overlaps the GPU's), then it resumes from
+    there once the GPU has room. Every byte exact."""
+    a = adapters(
+        make_config(
+            kv_layers(2, T),
+            T,
+            8 * SLOT,
+            host_quota=8 * SLOT,
+            disk_quota=32 * SLOT,
+            disk_path=str(tmp_path),
+            max_util_for_resume=1.0,
+            backend="host",
+        )
+    )
+    m = a.manager
+    loader(m).manual = True
+    engine = FakeEngine(m)
+    sus = EngineRequest(1, seq(1, 3 * T), max_new_tokens=2)
+    assert adapter_step(a, engine, [sus]) == []
+    a.suspend_resources(sus)
+    for r in range(2, 6):  # its held pages go down to disk
+        other = EngineRequest(r, seq(r * 10, 7 * T), max_new_tokens=1)
+        assert adapter_step(a, engine, [other]) == []
+        other.state = RequestState.FINISHED
+        a.free_resources(other)
+    kv = a.get_kv_cache(sus)
+    assert all(p.level == DISK for p in kv.block_table.all_pages())
+    big = EngineRequest(9, seq(90, 8 * T - 1), max_new_tokens=2)  # the whole GPU
+    assert adapter_step(a, engine, [big, sus]) == [sus]
+    assert a.is_loading(sus) and a.loading_waits["disk"] == 1
+    assert land(m) == 3 and all(p.level == HOST for p in kv.block_table.all_pages())
+    assert not a.is_loading(sus)
+    big.state = RequestState.FINISHED
+    a.free_resources(big)
+    onboarded = m.get_tier_statistics(DISK).onboarded_pages
+    while len(sus.generated_tokens) < 2:
+        assert adapter_step(a, engine, [sus]) == []
+    assert m.get_tier_statistics(DISK).onboarded_pages == onboarded  # resumed from the host
+    sus.state = RequestState.FINISHED
+    a.free_resources(sus)
+    m.check_invariants()
+
+
 # ---------------------------------------------------------------- a remote tier 50 ms away
 @pytest.fixture
 def slow_redis() -> Iterator[tuple[LocalRedisServer, DelayProxy]]:
