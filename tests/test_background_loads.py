@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from conftest import REDIS_SERVER, MakeManager, kv_layers, make_config
 from fake_engine import FakeEngine, adapter_step
-from tier_helpers import SLOT, T, compute, loader, seq, tree_pages, wait_loaded
+from tier_helpers import SLOT, T, compute, land_some, loader, seq, tree_pages, wait_loaded
 
 from kv_cache_manager_v2 import (
     CacheLevel,
@@ -171,6 +171,42 @@ def test_resume_of_a_loading_cache_reads_itself_and_discards_the_loads(
     assert reads.num_discarded == 3 and reads.num_installed == 0  # its pages moved: the reads are stale
     engine.check_all(a, toks, 3 * T)
     a.close()
+
+
+def test_cancel_prefetch_stops_the_reads_and_changes_nothing_else(make_manager: MakeManager, tmp_path: object) -> None:
+    m = tiered(make_manager, tmp_path)
+    engine = FakeEngine(m)
+    toks = seq(1, 3 * T)
+    a = m.create_kv_cache()
+    a.cancel_prefetch()  # nothing loading: a no-op (in any state)
+    assert a.resume()
+    compute(engine, a, toks, 3 * T)
+    a.suspend()
+    for r in (2, 3, 4):  # push a down to disk
+        h = m.create_kv_cache()
+        assert h.resume()
+        compute(engine, h, seq(r, 3 * T), 3 * T)
+        h.close()
+    assert a.prefetch(HOST) and a.loading
+    land_some(m, 0, 1)  # one read lands and is installed; two are in flight
+    assert a.loading and sum(p.level == HOST for p in a.block_table.all_pages()) == 1
+    before = [m.get_storage_statistics(CacheLevel(level)) for level in range(3)]
+    a.cancel_prefetch()
+    a.cancel_prefetch()  # idempotent
+    assert not a.loading and not a.ready and a.status is KVCacheStatus.SUSPENDED
+    reads = m._ctx.reads
+    assert reads is not None
+    installed = reads.num_installed
+    land(m)
+    assert reads.num_installed == installed  # the cancelled reads are discarded when they land
+    assert [m.get_storage_statistics(CacheLevel(level)) for level in range(3)] == before
+    assert sum(p.level == DISK for p in a.block_table.all_pages()) == 2
+    m.check_invariants()
+    assert a.resume()  # reads the rest itself
+    engine.check_all(a, toks, 3 * T)
+    a.close()
+    a.cancel_prefetch()  # closed: still a no-op
+    m.check_invariants()
 
 
 @pytest.mark.parametrize("how", ["error", "corrupt"])

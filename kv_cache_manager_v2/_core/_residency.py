@@ -93,10 +93,15 @@ def _missing_states(state: RequestState) -> list[tuple[int, int]]:
 def settle_loads(state: RequestState) -> None:
     """Install the background reads that finished, and stop wanting the request's others (a
     resume reads what is still on disk itself; a close needs nothing)."""
-    ctx = state._ctx
     if state._loads:
-        ctx.poll_loads()
-        reads = ctx.reads
+        state._ctx.poll_loads()
+    cancel_loads(state)
+
+
+def cancel_loads(state: RequestState) -> None:
+    """Stop wanting the request's background reads not installed yet (``KVCache.cancel_prefetch``)."""
+    if state._loads:
+        reads = state._ctx.reads
         assert reads is not None
         reads.cancel(state._loads)
         state._loads = []
