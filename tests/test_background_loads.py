@@ -247,6 +247,43 @@ def test_a_failed_or_corrupt_background_read_is_a_miss(make_manager: MakeManager
     a.close()
 
 
+def test_a_read_of_a_slot_written_again_meanwhile_is_discarded_not_lost(
+    make_manager: MakeManager, tmp_path: object
+) -> None:
+    """The pages a prefetch reads move up and back into the same disk slots before the worker reads
+    them, and the reads fail (as a read torn by the rewrite would): the slots' write generations
+    changed, so the reads are discarded, not counted as lost pages. Every byte exact."""
+    m = tiered(make_manager, tmp_path)
+    doc = seq(1, 3 * T + 1)
+    published_on_disk(m, [doc])
+    pages = tree_pages(m, doc)
+    slots = [p.slot for p in pages]
+    handle = m.prefetch(doc[:-1])
+    assert handle.num_disk_pages == 3
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.resume()  # up to the GPU (the prefetch still wants its reads)
+    kv.close()
+    assert m.directives.demote(doc[:-1], DISK).num_blocks == 3
+    assert [p.level for p in pages] == [DISK] * 3 and [p.slot for p in pages] == slots  # back in the same slots
+    errors = m.get_tier_statistics(DISK).io_errors
+    disks = {id(p.storage.pools[0]): p.storage.pools[0] for p in pages}
+    for disk in disks.values():
+        disk.error_hook = lambda op, offset, n: op == "read"  # type: ignore[attr-defined]
+    land(m)
+    for disk in disks.values():
+        disk.error_hook = None  # type: ignore[attr-defined]
+    reads = m._ctx.reads
+    assert reads is not None and reads.num_failed == 0 and reads.num_discarded == 3
+    assert handle.done and not any(p.lost for p in pages) and [p.level for p in pages] == [DISK] * 3
+    assert m.get_tier_statistics(DISK).io_errors == errors
+    m.check_invariants()
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.history_length == 3 * T and kv.resume()
+    FakeEngine(m).check_all(kv, doc, 3 * T)
+    kv.close()
+    m.check_invariants()
+
+
 def test_a_prefetch_outlived_by_its_manager_is_done(make_manager: MakeManager, tmp_path: object) -> None:
     m = tiered(make_manager, tmp_path)
     doc = seq(1, 3 * T + 1)

@@ -4,8 +4,9 @@
 slot, taken on the scheduler's thread) and hands it to the ``BackgroundLoader``: a worker preads
 the slot bytes into a buffer of its own and verifies them against those checksums, and nothing
 else. ``PageReads.install`` (the scheduler's thread, from the manager's poll) places the finished
-reads that are still current: the page is still at the slot read (not moved, dropped or lost
-meanwhile: then the result is discarded, and the page is wherever the manager put it), and the
+reads that are still current: the page is still at the slot read and the slot was not written
+since (not moved, dropped or lost meanwhile, nor moved away and back: then the result is
+discarded, and the page is wherever the manager put it), and the
 target level has room. It then does what a synchronous move up does (room first, new slots
 written, the old ones freed, the tree told of the move), so a page's bytes are the ones a
 synchronous read gives. A read that failed, or whose bytes do not match the checksum, makes the
@@ -50,6 +51,9 @@ class PageRead(LoadJob):
         self.files: list[DiskPool] = [file(pool) for pool in src.pools]
         self.sizes: list[int] = list(src.layout.slot_sizes)
         self.sums: list[int] = [disk.sums[page.slot] for disk in self.files]
+        #: the slot's write generation in each pool (the scheduler's thread only: a write since
+        #: the read was planned makes it stale, even with the page back at the same slot)
+        self.generations: list[int] = [disk.generations[page.slot] for disk in self.files]
         #: owners that want it (caches, prefetches): at 0 it is cancelled
         self.wanted = 0
         #: the bytes read (None until read, or when the read failed)
@@ -80,14 +84,19 @@ class PageRead(LoadJob):
         self.seconds = time.perf_counter() - t0
 
     def current(self) -> bool:
-        """Whether the page is still at the slot read, intact and owned or reusable."""
+        """Whether the page is still at the slot read, intact and owned or reusable, and the slot
+        not written since the read was planned (a page moved up and back into the same slot while
+        a worker read it: the bytes read may be torn)."""
         page = self.page
-        return (
+        if not (
             page.storage is self.src
             and page.slot == self.slot
             and not page.lost
             and (page.num_locks > 0 or page.num_holds > 0 or page.node is not None)
-        )
+        ):
+            return False
+        slot = self.slot
+        return all(disk.generations[slot] == generation for disk, generation in zip(self.files, self.generations))
 
 
 def on_disk(page: Page) -> bool:
