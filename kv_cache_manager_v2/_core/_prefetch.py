@@ -108,7 +108,7 @@ class RemoteReads:
         costs = self.costs
         if ok and job.values and costs is not None:
             assert not isinstance(outcome, BaseException)
-            costs.observe(len(costs.samples) - 1, sum(len(v) for v in outcome if isinstance(v, bytes)), job.seconds)
+            costs.observe(costs.remote_level, sum(len(v) for v in outcome if isinstance(v, bytes)), job.seconds)
         at = 0
         for prefetch, n in job.parts:
             part: list[Any] | None = None
