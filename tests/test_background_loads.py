@@ -717,11 +717,14 @@ def test_a_background_read_placed_where_held_pages_must_make_room_below(
 
 
 @pytest.mark.parametrize("order", [0, 1])
-def test_a_prefetch_never_evicts_the_pages_it_brought(make_manager: MakeManager, tmp_path: object, order: int) -> None:
-    """A match of 6 pages prefetched into a host of 4, the reads landing one poll at a time (in
-    order or from the back): the first 4 installed stay on the host (placing a read never evicts
-    a page the same prefetch brought), the other reads are discarded and their pages stay on disk,
-    where the create's resume reads them. Every byte exact."""
+@pytest.mark.parametrize("by", ["tokens", "directive"])
+def test_a_prefetch_never_evicts_the_pages_it_brought(
+    make_manager: MakeManager, tmp_path: object, order: int, by: str
+) -> None:
+    """A match of 6 pages prefetched (by tokens, or the prefetch directive) into a host of 4, the
+    reads landing one poll at a time (in order or from the back): the first 4 installed stay on
+    the host (placing a read never evicts a page the same prefetch brought), the other reads are
+    discarded and their pages stay on disk, where the create's resume reads them. Every byte exact."""
     m = make_manager(
         kv_layers(2, T),
         T,
@@ -744,8 +747,11 @@ def test_a_prefetch_never_evicts_the_pages_it_brought(make_manager: MakeManager,
         compute(engine, kv, seq(r, 8 * T), 8 * T)
         kv.close()
     assert all(p.level == DISK for p in tree_pages(m, doc))
-    handle = m.prefetch(doc[:-1], HOST)
-    assert handle.num_disk_pages == 6
+    if by == "tokens":
+        handle = m.prefetch(doc[:-1], HOST)
+        assert handle.num_disk_pages == 6
+    else:
+        assert m.directives.prefetch(doc[:-1], HOST).num_deferred == 6
     pages = tree_pages(m, doc)
     landed: list[int] = []
     q = loader(m)
@@ -754,7 +760,7 @@ def test_a_prefetch_never_evicts_the_pages_it_brought(make_manager: MakeManager,
         landed.append(pages.index(job.page))  # type: ignore[attr-defined]
         q.run_queued(-order % len(q.queued))
         m.poll_loads()
-    assert handle.done and handle.num_installed_pages == 4
+    assert by != "tokens" or (handle.done and handle.num_installed_pages == 4)
     assert [i for i in landed if pages[i].level == HOST] == landed[:4]
     assert all(pages[i].level == DISK for i in landed[4:])
     reads = m._ctx.reads
