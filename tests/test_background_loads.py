@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from conftest import REDIS_SERVER, MakeManager, kv_layers, make_config
 from fake_engine import FakeEngine, adapter_step
-from tier_helpers import SLOT, T, compute, computed, loader, seq, tree_pages, wait_loaded
+from tier_helpers import SLOT, T, compute, computed, land_some, loader, seq, tree_pages, wait_loaded
 
 from kv_cache_manager_v2 import (
     CacheLevel,
@@ -165,6 +165,42 @@ def test_resume_of_a_loading_cache_reads_itself_and_discards_the_loads(
     a.close()
 
 
+def test_cancel_prefetch_stops_the_reads_and_changes_nothing_else(make_manager: MakeManager, tmp_path: object) -> None:
+    m = tiered(make_manager, tmp_path)
+    engine = FakeEngine(m)
+    toks = seq(1, 3 * T)
+    a = m.create_kv_cache()
+    a.cancel_prefetch()  # nothing loading: a no-op (in any state)
+    assert a.resume()
+    compute(engine, a, toks, 3 * T)
+    a.suspend()
+    for r in (2, 3, 4):  # push a down to disk
+        h = m.create_kv_cache()
+        assert h.resume()
+        compute(engine, h, seq(r, 3 * T), 3 * T)
+        h.close()
+    assert a.prefetch(HOST) and a.loading
+    land_some(m, 0, 1)  # one read lands and is installed; two are in flight
+    assert a.loading and sum(p.level == HOST for p in a.block_table.all_pages()) == 1
+    before = [m.get_storage_statistics(CacheLevel(level)) for level in range(3)]
+    a.cancel_prefetch()
+    a.cancel_prefetch()  # idempotent
+    assert not a.loading and not a.ready and a.status is KVCacheStatus.SUSPENDED
+    reads = m._ctx.reads
+    assert reads is not None
+    installed = reads.num_installed
+    land(m)
+    assert reads.num_installed == installed  # the cancelled reads are discarded when they land
+    assert [m.get_storage_statistics(CacheLevel(level)) for level in range(3)] == before
+    assert sum(p.level == DISK for p in a.block_table.all_pages()) == 2
+    m.check_invariants()
+    assert a.resume()  # reads the rest itself
+    engine.check_all(a, toks, 3 * T)
+    a.close()
+    a.cancel_prefetch()  # closed: still a no-op
+    m.check_invariants()
+
+
 @pytest.mark.parametrize("how", ["error", "corrupt"])
 def test_a_failed_or_corrupt_background_read_is_a_miss(make_manager: MakeManager, tmp_path: object, how: str) -> None:
     """A read that fails, or whose bytes do not match the slot's checksum, loses the page like a
@@ -196,6 +232,43 @@ def test_a_failed_or_corrupt_background_read_is_a_miss(make_manager: MakeManager
     compute(engine, a, toks, 3 * T)
     engine.check_all(a, toks, 3 * T)
     a.close()
+
+
+def test_a_read_of_a_slot_written_again_meanwhile_is_discarded_not_lost(
+    make_manager: MakeManager, tmp_path: object
+) -> None:
+    """The pages a prefetch reads move up and back into the same disk slots before the worker reads
+    them, and the reads fail (as a read torn by the rewrite would): the slots' write generations
+    changed, so the reads are discarded, not counted as lost pages. Every byte exact."""
+    m = tiered(make_manager, tmp_path)
+    doc = seq(1, 3 * T + 1)
+    published_on_disk(m, [doc])
+    pages = tree_pages(m, doc)
+    slots = [p.slot for p in pages]
+    handle = m.prefetch(doc[:-1])
+    assert handle.num_disk_pages == 3
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.resume()  # up to the GPU (the prefetch still wants its reads)
+    kv.close()
+    assert m.directives.demote(doc[:-1], DISK).num_blocks == 3
+    assert [p.level for p in pages] == [DISK] * 3 and [p.slot for p in pages] == slots  # back in the same slots
+    errors = m.get_tier_statistics(DISK).io_errors
+    disks = {id(p.storage.pools[0]): p.storage.pools[0] for p in pages}
+    for disk in disks.values():
+        disk.error_hook = lambda op, offset, n: op == "read"  # type: ignore[attr-defined]
+    land(m)
+    for disk in disks.values():
+        disk.error_hook = None  # type: ignore[attr-defined]
+    reads = m._ctx.reads
+    assert reads is not None and reads.num_failed == 0 and reads.num_discarded == 3
+    assert handle.done and not any(p.lost for p in pages) and [p.level for p in pages] == [DISK] * 3
+    assert m.get_tier_statistics(DISK).io_errors == errors
+    m.check_invariants()
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.history_length == 3 * T and kv.resume()
+    FakeEngine(m).check_all(kv, doc, 3 * T)
+    kv.close()
+    m.check_invariants()
 
 
 def test_a_prefetch_outlived_by_its_manager_is_done(make_manager: MakeManager, tmp_path: object) -> None:
@@ -308,6 +381,53 @@ def test_adapter_serves_others_while_a_request_loads(
     assert not a.is_loading(gone) and a.num_loading == 0
     land(m)
     assert [m.get_storage_statistics(CacheLevel(level)) for level in range(3)] == before
+    m.check_invariants()
+
+
+def test_a_suspended_request_reads_to_the_host_while_the_gpu_is_full(
+    adapters: Callable[..., KVCacheResourceManager], tmp_path: object
+) -> None:
+    """A suspended request whose pages lie on disk while a running one fills the GPU: its pages are
+    read up to the host in the background (the wait overlaps the GPU's), then it resumes from
+    there once the GPU has room. Every byte exact."""
+    a = adapters(
+        make_config(
+            kv_layers(2, T),
+            T,
+            8 * SLOT,
+            host_quota=8 * SLOT,
+            disk_quota=32 * SLOT,
+            disk_path=str(tmp_path),
+            max_util_for_resume=1.0,
+            backend="host",
+        )
+    )
+    m = a.manager
+    loader(m).manual = True
+    engine = FakeEngine(m)
+    sus = EngineRequest(1, seq(1, 3 * T), max_new_tokens=2)
+    assert adapter_step(a, engine, [sus]) == []
+    a.suspend_resources(sus)
+    for r in range(2, 6):  # its held pages go down to disk
+        other = EngineRequest(r, seq(r * 10, 7 * T), max_new_tokens=1)
+        assert adapter_step(a, engine, [other]) == []
+        other.state = RequestState.FINISHED
+        a.free_resources(other)
+    kv = a.get_kv_cache(sus)
+    assert all(p.level == DISK for p in kv.block_table.all_pages())
+    big = EngineRequest(9, seq(90, 8 * T - 1), max_new_tokens=2)  # the whole GPU
+    assert adapter_step(a, engine, [big, sus]) == [sus]
+    assert a.is_loading(sus) and a.loading_waits["disk"] == 1
+    assert land(m) == 3 and all(p.level == HOST for p in kv.block_table.all_pages())
+    assert not a.is_loading(sus)
+    big.state = RequestState.FINISHED
+    a.free_resources(big)
+    onboarded = m.get_tier_statistics(DISK).onboarded_pages
+    while len(sus.generated_tokens) < 2:
+        assert adapter_step(a, engine, [sus]) == []
+    assert m.get_tier_statistics(DISK).onboarded_pages == onboarded  # resumed from the host
+    sus.state = RequestState.FINISHED
+    a.free_resources(sus)
     m.check_invariants()
 
 
@@ -580,6 +700,63 @@ def test_a_background_read_placed_where_held_pages_must_make_room_below(
     assert a.resume()  # type: ignore[attr-defined]
     engine.check_all(a, held[0][1], 4 * T)  # type: ignore[arg-type]
     a.close()  # type: ignore[attr-defined]
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("order", [0, 1])
+@pytest.mark.parametrize("by", ["tokens", "directive"])
+def test_a_prefetch_never_evicts_the_pages_it_brought(
+    make_manager: MakeManager, tmp_path: object, order: int, by: str
+) -> None:
+    """A match of 6 pages prefetched (by tokens, or the prefetch directive) into a host of 4, the
+    reads landing one poll at a time (in order or from the back): the first 4 installed stay on
+    the host (placing a read never evicts a page the same prefetch brought), the other reads are
+    discarded and their pages stay on disk, where the create's resume reads them. Every byte exact."""
+    m = make_manager(
+        kv_layers(2, T),
+        T,
+        8 * SLOT,
+        host_quota=4 * SLOT,
+        disk_quota=32 * SLOT,
+        disk_path=str(tmp_path),
+        max_util_for_resume=1.0,
+    )
+    loader(m).manual = True
+    engine = FakeEngine(m)
+    doc = seq(1, 6 * T + 1)
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.resume()
+    compute(engine, kv, doc, 6 * T)
+    kv.close()
+    for r in (2, 3):  # through the GPU and the host: doc goes to disk
+        kv = m.create_kv_cache()
+        assert kv.resume()
+        compute(engine, kv, seq(r, 8 * T), 8 * T)
+        kv.close()
+    assert all(p.level == DISK for p in tree_pages(m, doc))
+    if by == "tokens":
+        handle = m.prefetch(doc[:-1], HOST)
+        assert handle.num_disk_pages == 6
+    else:
+        assert m.directives.prefetch(doc[:-1], HOST).num_deferred == 6
+    pages = tree_pages(m, doc)
+    landed: list[int] = []
+    q = loader(m)
+    while q.queued:
+        job = q.queued[-order]
+        landed.append(pages.index(job.page))  # type: ignore[attr-defined]
+        q.run_queued(-order % len(q.queued))
+        m.poll_loads()
+    assert by != "tokens" or (handle.done and handle.num_installed_pages == 4)
+    assert [i for i in landed if pages[i].level == HOST] == landed[:4]
+    assert all(pages[i].level == DISK for i in landed[4:])
+    reads = m._ctx.reads
+    assert reads is not None and reads.num_installed == 4 and reads.num_discarded == 2
+    m.check_invariants()
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.history_length == 6 * T and kv.resume()
+    engine.check_all(kv, doc, 6 * T)
+    kv.close()
     m.check_invariants()
 
 

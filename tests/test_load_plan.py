@@ -228,6 +228,20 @@ def test_tier_costs_refine_from_timed_batches(tmp_path: Any) -> None:
     assert fixed.seconds_per_byte[2] == 1e-9 and fixed.samples == [0, 0, 0]
 
 
+def test_tier_costs_know_the_remote_level(tmp_path: Any) -> None:
+    """One figure for the level the remote tier's fetches refine (synchronous or a prefetch's):
+    the last, after the local ones; -1 without a remote tier (its observations refine nothing)."""
+    local = [GpuCacheTierConfig(1 << 20), HostCacheTierConfig(1 << 20)]
+    assert TierCosts(local, True).remote_level == -1
+    assert TierCosts([*local, DiskCacheTierConfig(1 << 20, str(tmp_path))], True).remote_level == -1
+    costs = TierCosts([*local, RemoteCacheTierConfig("redis://127.0.0.1:1", "m")], True)
+    assert costs.remote_level == 2
+    costs.observe(costs.remote_level, 10**6, 1.0)
+    assert costs.samples == [0, 0, 1]
+    costs.observe(TierCosts(local, True).remote_level, 10**6, 1.0)  # (-1: nothing)
+    assert costs.samples == [0, 0, 1]
+
+
 def test_the_manager_refines_its_costs_from_disk_reads(mk: Any) -> None:
     for refine in (True, False):
         m = mk("auto", TWENTY_MS, refine=refine)  # (every block loads: the disk's two are timed)
@@ -346,6 +360,8 @@ def test_remote_fetches_refine_the_remote_cost(redis_server: Any) -> None:
         assert a.flush_remote_writes()
         assert take(b, FakeEngine(b), [*toks, 1]) == 4 * T
         assert b.load_plan_statistics.read_bytes_per_s[1] != DISK_BPS  # the fetch was timed
+        costs = b._storage.costs
+        assert costs is not None and costs.remote_level == b._storage.num_levels == 1 and costs.samples[1] > 0
     finally:
         a.shutdown()
         b.shutdown()

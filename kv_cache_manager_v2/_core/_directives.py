@@ -14,6 +14,7 @@ from .._page import NO_HINT, Page
 from .._retention import check_duration, check_retention_priority
 from .._reuse._node import Node
 from .._sessions import DirectiveOutcome, DirectiveStatus, check_session_id
+from .._storage._page_reads import ReadGroup
 from .._utils import check_int
 from ._context import CacheContext
 from ._matching import PrefixMatcher
@@ -222,6 +223,7 @@ class Directives:
         nodes, _, _ = self._target("prefetch()", target, reuse_scope)
         reads = ctx.reads
         land = reads.background_target(CacheLevel(level)) if reads is not None else CacheLevel(level)
+        group = ReadGroup()  # (placing one of its reads never evicts a page another installed)
         applied = deferred = kept = 0
         ctx.enter("prefetch()")
         try:
@@ -232,7 +234,7 @@ class Directives:
                     continue
                 if all(page.level <= land for page in pages):
                     applied += 1
-                elif reads is not None and reads.read(pages, land):
+                elif reads is not None and reads.read(pages, land, group):
                     deferred += 1
                 else:
                     kept += 1

@@ -30,6 +30,7 @@ from ._commit import commit_tokens, next_snapshot_position, publish_final
 from ._planning import resize_blocks
 from ._request_state import RequestState, checked_priority, default_priority
 from ._residency import (
+    cancel_loads,
     close_pages,
     drop_lost_blocks,
     loads_in_flight,
@@ -164,7 +165,8 @@ class KVCache(RequestState):
         returns at once: ``loading`` is True until they are installed (into the host tier when
         ``target_level`` is the GPU and a host tier exists, else at ``target_level``), and
         ``ready`` tells when ``resume`` needs no disk read. A resume meanwhile reads what is still
-        on disk itself (the background reads of this cache are then discarded)."""
+        on disk itself (the background reads of this cache are then discarded); ``cancel_prefetch``
+        stops them."""
         if self._status is not KVCacheStatus.SUSPENDED:
             raise LogicError(f"prefetch() needs a SUSPENDED cache; this one is {self._status.name}")
         storage = self._ctx.storage
@@ -191,6 +193,20 @@ class KVCache(RequestState):
         ctx.enter("KVCache.loading")
         try:
             return loads_in_flight(self)
+        finally:
+            ctx.leave()
+
+    def cancel_prefetch(self) -> None:
+        """Stop the background reads that ``prefetch`` started and that are not installed yet:
+        they are discarded when they land (nothing was allocated for them) and the pages stay
+        where they are; pages already installed stay too. Nothing else changes (``loading`` is
+        False after). Idempotent; a no-op when nothing is loading."""
+        if not self._loads:
+            return
+        ctx = self._ctx
+        ctx.enter("cancel_prefetch()")
+        try:
+            cancel_loads(self)
         finally:
             ctx.leave()
 

@@ -23,7 +23,7 @@ from .._reuse._keys import BlockHasher, BlockKey, check_token_sequence
 from .._reuse._node import Node
 from .._reuse._remote_fill import Fetched, Found, RemoteFill
 from .._storage._loader import BackgroundLoader, LoadJob
-from .._storage._page_reads import PageRead
+from .._storage._page_reads import PageRead, ReadGroup
 from .._storage._remote._store import RemoteStore
 from .._storage._tier_costs import TierCosts
 from .._utils import check_int, check_type
@@ -108,7 +108,7 @@ class RemoteReads:
         costs = self.costs
         if ok and job.values and costs is not None:
             assert not isinstance(outcome, BaseException)
-            costs.observe(len(costs.samples) - 1, sum(len(v) for v in outcome if isinstance(v, bytes)), job.seconds)
+            costs.observe(costs.remote_level, sum(len(v) for v in outcome if isinstance(v, bytes)), job.seconds)
         at = 0
         for prefetch, n in job.parts:
             part: list[Any] | None = None
@@ -156,6 +156,8 @@ class Prefetch:
         self._tokens = tokens
         self._target = target
         self._reads: list[PageRead] = []
+        #: the pages they installed (placing another never evicts them)
+        self._group = ReadGroup()
         #: a lookup or fetch of it is in flight (``RemoteReads``)
         self._waiting = False
         self._remote_reads: RemoteReads | None = None
@@ -183,7 +185,8 @@ class Prefetch:
     def done(self) -> bool:
         """Whether every read it started is installed, discarded or cancelled (finished ones are
         installed now): a ``create_kv_cache`` of the same tokens then reads nothing from disk or
-        the remote tier for them, unless their pages were evicted again meanwhile."""
+        the remote tier for them, unless their pages were evicted again meanwhile or the target
+        level could not hold them all (``num_installed_pages``)."""
         if not self._pending():
             return True
         ctx = self._ctx
@@ -217,6 +220,13 @@ class Prefetch:
     def num_disk_pages(self) -> int:
         """Pages of the local match it reads from a disk tier."""
         return self._num_disk_pages
+
+    @property
+    def num_installed_pages(self) -> int:
+        """Pages its disk reads placed so far (``num_disk_pages`` once done, unless the target
+        level could not hold them all: placing a read never evicts a page it brought itself, so
+        such a read is discarded and its page stays on disk, read by the create)."""
+        return len(self._group.pages)
 
     @property
     def num_remote_pages(self) -> int:
@@ -263,7 +273,8 @@ class Prefetch:
         self._reused_tokens = len(nodes) * ctx.tokens_per_block + part_len
         reads = ctx.reads
         if reads is not None:
-            self._reads = reads.read(match_pages(ctx, nodes, part, part_len), reads.background_target(self._target))
+            target = reads.background_target(self._target)
+            self._reads = reads.read(match_pages(ctx, nodes, part, part_len), target, self._group)
             self._num_disk_pages = len(self._reads)
         self._remote_reads = remote_reads
         if remote_reads is None or (planner is not None and planner.policy == "never"):

@@ -36,7 +36,7 @@ from .._exceptions import LogicError
 from .._page import Page
 from .._retention import RequestRetention
 from .._reuse._node import Node
-from .._storage._page_reads import PageRead
+from .._storage._page_reads import PageRead, ReadGroup
 from .._utils import check_int, check_type
 from ._block_table import BlockTable
 from ._context import CacheContext, OpenCache
@@ -112,6 +112,8 @@ class RequestState:
         self._beam_seqs: list[tuple[list[BlockTokens], list[TokenIdExt]]] = []
         #: background reads of its pages (``KVCache.prefetch``) not installed yet when last looked at
         self._loads: list[PageRead] = []
+        #: the pages they installed (placing another never evicts them)
+        self._load_group = ReadGroup()
         #: (beam, layer group, block) whose page other beams share but this beam will write: the
         #: next resize gives it a private page (a copy, for the block holding committed tokens)
         self._cow: list[tuple[int, LayerGroupId, int]] = []

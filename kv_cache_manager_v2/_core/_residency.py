@@ -93,14 +93,19 @@ def _missing_states(state: RequestState) -> list[tuple[int, int]]:
 def settle_loads(state: RequestState) -> None:
     """Install the background reads that finished, and stop wanting the request's others (a
     resume reads what is still on disk itself; a close needs nothing)."""
-    ctx = state._ctx
-    if not state._loads:
-        return
-    ctx.poll_loads()
-    reads = ctx.reads
-    assert reads is not None
-    reads.cancel(state._loads)
-    state._loads = []
+    if state._loads:
+        state._ctx.poll_loads()
+    cancel_loads(state)
+
+
+def cancel_loads(state: RequestState) -> None:
+    """Stop wanting the request's background reads not installed yet (``KVCache.cancel_prefetch``)."""
+    if state._loads:
+        reads = state._ctx.reads
+        assert reads is not None
+        reads.cancel(state._loads)
+        state._loads = []
+    state._load_group.pages = []
 
 
 def loads_in_flight(state: RequestState) -> bool:
@@ -273,7 +278,7 @@ def prefetch_pages(state: RequestState, target_level: CacheLevel) -> bool:
         wanted = {id(job.page) for job in state._loads if not job.settled}
         slow = [page for page in up if on_disk(page) and id(page) not in wanted]
         state._loads = [job for job in state._loads if not job.settled]
-        state._loads.extend(reads.read(slow, reads.background_target(target_level)))
+        state._loads.extend(reads.read(slow, reads.background_target(target_level), state._load_group))
         up = [page for page in up if not on_disk(page)]
         need = [0] * ctx.num_pool_groups
         for page in up:

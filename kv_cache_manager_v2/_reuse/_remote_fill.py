@@ -346,7 +346,7 @@ class RemoteFill:
                 carried[(ordinal, layer_group)] = value_retention(value)
         costs = self.storage.costs  # (the read cost of load_policy="auto": a timed fetch refines it)
         if costs is not None and fetched is None:  # (a prefetch's values: timed on its worker, ``RemoteReads``)
-            costs.observe(self.storage.num_levels, nbytes, time.perf_counter() - t0)
+            costs.observe(costs.remote_level, nbytes, time.perf_counter() - t0)
         if len(good) < len(needed):  # some values were gone or bad: shorten to what is intact
             matched_blocks = self._best(chain, local_blocks, matched_blocks, good)
             if matched_blocks <= local_blocks:

@@ -134,6 +134,8 @@ class DiskPool(Pool):
         self.slot_size = slot_size
         #: per slot, the checksum of the bytes last written there (``NO_CHECKSUM``: nothing valid)
         self.sums = array("q")
+        #: per slot, how many writes it has had (a background read planned before a write is stale)
+        self.generations = array("q")
         self.error_hook: ErrorHook | None = None
         #: failed reads and writes (retries included)
         self.num_errors = 0
@@ -159,12 +161,14 @@ class DiskPool(Pool):
         slots = nbytes // self.slot_size
         if slots > len(self.sums):
             self.sums.extend([NO_CHECKSUM] * (slots - len(self.sums)))
+            self.generations.extend([0] * (slots - len(self.generations)))
 
     def shrink(self, nbytes: int) -> None:
         if nbytes < self._size:
             os.ftruncate(self.fd, nbytes)
             self._size = nbytes
             del self.sums[nbytes // self.slot_size :]
+            del self.generations[nbytes // self.slot_size :]
 
     def release(self) -> None:
         if self.fd >= 0:
@@ -239,8 +243,10 @@ class DiskPool(Pool):
             self._check("write", offset, n)
             size = self.slot_size
             sums = self.sums
+            generations = self.generations
             for k in range(count):
                 sums[first + k] = NO_CHECKSUM
+                generations[first + k] += 1
             done = 0
             while done < n:
                 put = os.pwrite(self.fd, view[done:], offset + done)

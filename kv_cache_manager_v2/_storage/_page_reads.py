@@ -4,8 +4,9 @@
 slot, taken on the scheduler's thread) and hands it to the ``BackgroundLoader``: a worker preads
 the slot bytes into a buffer of its own and verifies them against those checksums, and nothing
 else. ``PageReads.install`` (the scheduler's thread, from the manager's poll) places the finished
-reads that are still current: the page is still at the slot read (not moved, dropped or lost
-meanwhile: then the result is discarded, and the page is wherever the manager put it), and the
+reads that are still current: the page is still at the slot read and the slot was not written
+since (not moved, dropped or lost meanwhile, nor moved away and back: then the result is
+discarded, and the page is wherever the manager put it), and the
 target level has room. It then does what a synchronous move up does (room first, new slots
 written, the old ones freed, the tree told of the move), so a page's bytes are the ones a
 synchronous read gives. A read that failed, or whose bytes do not match the checksum, makes the
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import time
 
-from .._common import GPU_LEVEL, CacheLevel
+from .._common import BAD_PAGE_INDEX, GPU_LEVEL, CacheLevel
 from .._page import Page, PoolGroupStorage
 from ._backend import FILE
 from ._disk import READ_OK, DiskPool
@@ -25,6 +26,15 @@ from ._loader import BackgroundLoader, LoadJob
 from ._slot_allocator import pair_sorted
 from ._storage_manager import StorageManager
 from ._tiers._base import file
+
+
+class ReadGroup:
+    """The pages one owner's reads (a prefetch by tokens, a suspended cache's ``prefetch``) have
+    installed: placing another of its reads never evicts them (where its target level is full of
+    them, the read is discarded and its page stays below)."""
+
+    def __init__(self) -> None:
+        self.pages: list[Page] = []
 
 
 class PageRead(LoadJob):
@@ -41,6 +51,9 @@ class PageRead(LoadJob):
         self.files: list[DiskPool] = [file(pool) for pool in src.pools]
         self.sizes: list[int] = list(src.layout.slot_sizes)
         self.sums: list[int] = [disk.sums[page.slot] for disk in self.files]
+        #: the slot's write generation in each pool (the scheduler's thread only: a write since
+        #: the read was planned makes it stale, even with the page back at the same slot)
+        self.generations: list[int] = [disk.generations[page.slot] for disk in self.files]
         #: owners that want it (caches, prefetches): at 0 it is cancelled
         self.wanted = 0
         #: the bytes read (None until read, or when the read failed)
@@ -51,6 +64,8 @@ class PageRead(LoadJob):
         self.settled = False
         #: seconds the read took on its worker (it refines the level's cost: ``TierCosts``)
         self.seconds = 0.0
+        #: the owners' groups: the page joins them when installed
+        self.groups: list[ReadGroup] = []
 
     def run(self) -> None:
         t0 = time.perf_counter()
@@ -69,14 +84,19 @@ class PageRead(LoadJob):
         self.seconds = time.perf_counter() - t0
 
     def current(self) -> bool:
-        """Whether the page is still at the slot read, intact and owned or reusable."""
+        """Whether the page is still at the slot read, intact and owned or reusable, and the slot
+        not written since the read was planned (a page moved up and back into the same slot while
+        a worker read it: the bytes read may be torn)."""
         page = self.page
-        return (
+        if not (
             page.storage is self.src
             and page.slot == self.slot
             and not page.lost
             and (page.num_locks > 0 or page.num_holds > 0 or page.node is not None)
-        )
+        ):
+            return False
+        slot = self.slot
+        return all(disk.generations[slot] == generation for disk, generation in zip(self.files, self.generations))
 
 
 def on_disk(page: Page) -> bool:
@@ -111,9 +131,10 @@ class PageReads:
             return CacheLevel(1)
         return target
 
-    def read(self, pages: list[Page], target: CacheLevel) -> list[PageRead]:
+    def read(self, pages: list[Page], target: CacheLevel, group: ReadGroup | None = None) -> list[PageRead]:
         """Start a background read of each of ``pages`` on a disk level below ``target`` (joining
-        one in flight for the same page); returns the reads, each wanted once more."""
+        one in flight for the same page); returns the reads, each wanted once more (and by
+        ``group``: the pages they install are never evicted to place another of its reads)."""
         out: list[PageRead] = []
         for page in pages:
             if page.level <= target or not on_disk(page):
@@ -126,6 +147,8 @@ class PageReads:
             elif target < job.target:
                 job.target = target
             job.wanted += 1
+            if group is not None and group not in job.groups:
+                job.groups.append(group)
             out.append(job)
         return out
 
@@ -183,13 +206,29 @@ class PageReads:
 
     def _place(self, jobs: list[PageRead], dst: PoolGroupStorage) -> int:
         """Move the pages of ``jobs`` (one pool group) into ``dst`` from their read bytes, as many
-        as it has room for (the others stay where they are)."""
+        as it has room for without evicting what their owners' reads installed (``ReadGroup``);
+        the others stay where they are."""
+        jobs = [job for job in jobs if job.current()]  # (placing an earlier batch may have dropped some)
+        own = _brought(jobs, dst)
+        for page in own:  # out of the evictors while room is made: the room is not theirs
+            page.take(True)
+        try:
+            jobs = self._place_some(jobs, dst)
+        finally:
+            for page in reversed(own):
+                page.release(True)
+        for job in jobs:
+            for group in job.groups:
+                group.pages.append(job.page)
+        return len(jobs)
+
+    def _place_some(self, jobs: list[PageRead], dst: PoolGroupStorage) -> list[PageRead]:
+        """``_place`` past its owners' pages: returns the jobs placed."""
         storage = self.storage
         level, index = int(dst.level), int(dst.index)
-        jobs = [job for job in jobs if job.current()]  # (placing an earlier batch may have dropped some)
         n = min(len(jobs), storage.available(level, index))
         if n <= 0:
-            return 0
+            return []
         jobs = sorted(jobs, key=_slot_of)[:n]
         pages = [job.page for job in jobs]
         for page in pages:  # out of the evictors while room is made: nothing pushes them away
@@ -201,7 +240,7 @@ class PageReads:
             n = room if room > 0 else 0
             jobs, pages = jobs[:n], pages[:n]
             if n == 0:
-                return 0
+                return []
         try:
             levels = [CacheLevel(0)] * storage.num_pool_groups
             need = [0] * storage.num_pool_groups
@@ -235,7 +274,26 @@ class PageReads:
         finally:
             for page in reversed(pages):
                 page.release(True)
-        return n
+        return jobs
+
+
+def _brought(jobs: list[PageRead], dst: PoolGroupStorage) -> list[Page]:
+    """The pages at ``dst`` that reads of the owners of ``jobs`` installed (once each)."""
+    out: list[Page] = []
+    seen: set[int] = set()
+    for job in jobs:
+        for group in job.groups:
+            for page in group.pages:
+                if (
+                    page.storage is dst
+                    and page.slot != BAD_PAGE_INDEX
+                    and page.num_locks == 0
+                    and (page.num_holds > 0 or page.node is not None)
+                    and id(page) not in seen
+                ):
+                    seen.add(id(page))
+                    out.append(page)
+    return out
 
 
 def _slot_of(job: PageRead) -> int:

@@ -40,6 +40,7 @@ from .._config import (
     GpuCacheTierConfig,
     HostCacheTierConfig,
     KVCacheManagerConfig,
+    RemoteCacheTierConfig,
 )
 
 #: the weight of one timed batch in the running estimates
@@ -88,6 +89,9 @@ class TierCosts:
         self.declined_bytes = [0] * len(tiers)
         #: timed batches per level that refined the estimates
         self.samples: list[int] = [0] * len(tiers)
+        #: the remote tier's level (the last, after the local ones; -1 without one): the level
+        #: its fetches refine, synchronous (``RemoteFill``) or a prefetch's (``RemoteReads``)
+        self.remote_level = len(tiers) - 1 if tiers and isinstance(tiers[-1], RemoteCacheTierConfig) else -1
 
     @classmethod
     def of(cls, config: KVCacheManagerConfig, clock: Callable[[], float]) -> TierCosts:

@@ -17,6 +17,7 @@ from .._common import (
     GPU_LEVEL,
     BlockOrdinal,
     CacheLevel,
+    CacheTier,
     KVCacheStatus,
     LayerGroupId,
     Priority,
@@ -191,14 +192,21 @@ class KVCacheResourceManager(ResourceQueries):
 
     def _loads_pages(self, seq: RequestRecord) -> bool:
         """A suspended request whose pages lie on disk: read them in the background (once per
-        suspension; a read that could not start or land leaves the rest to ``resume``). Whether
-        it waits for them this step (counted in ``loading_waits``)."""
+        suspension; a read that could not start or land leaves the rest to ``resume``), up to the
+        GPU, else (the GPU has no room for them) to the first host tier that has. Whether it waits
+        for them this step (counted in ``loading_waits``)."""
         kv = seq.kv
         if not kv.loading:
             if seq.prefetched or kv.ready:
                 return False
             seq.prefetched = True
-            if not kv.prefetch(GPU_LEVEL) or not kv.loading:
+            started = kv.prefetch(GPU_LEVEL)
+            tiers = self.manager.cache_tier_list
+            level = 1
+            while not started and level < len(tiers) and tiers[level] is CacheTier.HOST_MEM:
+                started = kv.prefetch(CacheLevel(level))
+                level += 1
+            if not started or not kv.loading:
                 return False
         self.loading_waits["disk"] += 1
         self._loading_undo.append((self.loading_waits, "disk", None))
