@@ -271,6 +271,41 @@ def test_a_read_of_a_slot_written_again_meanwhile_is_discarded_not_lost(
     m.check_invariants()
 
 
+def test_a_read_of_a_slot_dropped_by_a_shrink_and_written_again_is_discarded(
+    make_manager: MakeManager, tmp_path: object
+) -> None:
+    """The disk shrinks below the slots a prefetch reads and grows again, and the pages come back
+    into those slots (one write each) before the reads, which fail, land: a slot mapped again
+    never repeats a write generation it had, so the reads are discarded, no page is lost."""
+    m = tiered(make_manager, tmp_path)
+    doc = seq(1, 3 * T + 1)
+    published_on_disk(m, [doc])
+    pages = tree_pages(m, doc)
+    slots = [p.slot for p in pages]
+    handle = m.prefetch(doc[:-1])
+    assert handle.num_disk_pages == 3
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.resume()
+    kv.close()
+    assert m.resize(DISK, SLOT) and m.resize(DISK, 32 * SLOT)  # slots beyond the first dropped, mapped again
+    assert m.directives.demote(doc[:-1], DISK).num_blocks == 3
+    again = [i for i, p in enumerate(pages) if p.slot == slots[i]]
+    assert again and all(p.level == DISK for p in pages)  # (at least one page back at the slot it was read from)
+    disk = pages[0].storage.pools[0]
+    disk.error_hook = lambda op, offset, n: op == "read"  # type: ignore[attr-defined]
+    land(m)
+    disk.error_hook = None  # type: ignore[attr-defined]
+    reads = m._ctx.reads
+    assert reads is not None and reads.num_failed == 0 and reads.num_discarded == 3
+    assert handle.done and not any(p.lost for p in pages) and [p.level for p in pages] == [DISK] * 3
+    m.check_invariants()
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.history_length == 3 * T and kv.resume()
+    FakeEngine(m).check_all(kv, doc, 3 * T)
+    kv.close()
+    m.check_invariants()
+
+
 def test_a_prefetch_outlived_by_its_manager_is_done(make_manager: MakeManager, tmp_path: object) -> None:
     m = tiered(make_manager, tmp_path)
     doc = seq(1, 3 * T + 1)
