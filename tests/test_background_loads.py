@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from conftest import REDIS_SERVER, MakeManager, kv_layers, make_config
+from conftest import REDIS_SERVER, Clock, MakeManager, kv_layers, make_config
 from fake_engine import FakeEngine, adapter_step
 from tier_helpers import SLOT, T, compute, computed, land_some, loader, seq, tree_pages, wait_loaded
 
@@ -788,6 +788,52 @@ def test_a_prefetch_never_evicts_the_pages_it_brought(
     reads = m._ctx.reads
     assert reads is not None and reads.num_installed == 4 and reads.num_discarded == 2
     m.check_invariants()
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.history_length == 6 * T and kv.resume()
+    engine.check_all(kv, doc, 6 * T)
+    kv.close()
+    m.check_invariants()
+
+
+def test_placing_background_reads_never_restarts_a_retention_duration(
+    make_manager: MakeManager, tmp_path: object
+) -> None:
+    """Blocks retained for 10 s from t=0 are prefetched to the host one read a second: placing a
+    read (its page and the pages the prefetch brought before) is no request using them, so their
+    duration runs on to t=10 (it once restarted at every poll, keeping them retained for ever)."""
+    clock = Clock()
+    m = make_manager(
+        kv_layers(2, T),
+        T,
+        8 * SLOT,
+        host_quota=4 * SLOT,
+        disk_quota=32 * SLOT,
+        disk_path=str(tmp_path),
+        max_util_for_resume=1.0,
+        clock=clock,
+    )
+    loader(m).manual = True
+    engine = FakeEngine(m)
+    doc = seq(1, 6 * T + 1)
+    computed(m, engine, doc[:-1], 6 * T).close()
+    for r in (2, 3):  # through the GPU and the host: doc goes to disk
+        computed(m, engine, seq(r, 8 * T), 8 * T).close()
+    pages = tree_pages(m, doc)
+    assert all(p.level == DISK for p in pages)
+    assert m.directives.retain(doc[:-1], 80, 10.0).num_blocks == 6
+    assert [p.expires for p in pages] == [10.0] * 6
+    handle = m.prefetch(doc[:-1], HOST)
+    q = loader(m)
+    while q.queued:
+        clock.now += 1.0
+        q.run_queued(0)
+        m.poll_loads()
+        assert [p.expires for p in pages] == [10.0] * 6
+        m.check_invariants()
+    assert handle.done and handle.num_installed_pages == 4
+    clock.now = 10.0
+    m.check_invariants()
+    assert [s.retained for s in m.get_storage_statistics(HOST)] == [0]  # (ran out on time)
     kv = m.create_kv_cache(None, doc[:-1])
     assert kv.history_length == 6 * T and kv.resume()
     engine.check_all(kv, doc, 6 * T)
