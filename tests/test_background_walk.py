@@ -1,6 +1,6 @@
 """A seeded random walk over background loads and write admission together: prefetches (by
 tokens, a suspended cache's, the prefetch directive), cancels, suspends, resumes, closes,
-demotions and loads landing in random order, on a tiny host and a slow disk link whose writes are
+demotions, retention, tier resizes and loads landing in random order, on a tiny host and a slow disk link whose writes are
 declined beyond a 30 ms backlog, the clock moving. Every step keeps the invariants; every resume
 and every reuse reads exact KV data (the fake engine)."""
 
@@ -84,7 +84,7 @@ class Walk:
         rng, m = self.rng, self.m
         op = rng.choice(
             ["publish", "suspend", "resume", "close", "kv_prefetch", "cancel", "prefetch", "drop_prefetch",
-             "directive", "demote", "land", "clock"]
+             "directive", "demote", "land", "clock", "retain", "resize"]
         )  # fmt: skip
         if op == "publish":
             kv = self.serve(self.doc())
@@ -126,6 +126,13 @@ class Walk:
                 if q.queued:
                     q.run_queued(rng.randrange(len(q.queued)))
             m.poll_loads()
+        elif op == "retain":
+            m.directives.retain(self.doc(), rng.choice([20, 80]), rng.choice([None, 0.02, 0.1]))
+        elif op == "resize":
+            if rng.random() < 0.5:
+                m.resize(HOST, rng.choice([1, 2, 4, 8]) * SLOT)
+            else:
+                m.resize(DISK, rng.choice([2, 4, 16]) * SLOT)
         elif op == "clock":
             self.clock.now += rng.choice([0.001, 0.01, 0.05])
             if rng.random() < 0.3:
