@@ -201,6 +201,30 @@ def test_cancel_prefetch_stops_the_reads_and_changes_nothing_else(make_manager: 
     m.check_invariants()
 
 
+def test_a_cancelled_prefetch_owns_nothing_its_shared_reads_install(
+    make_manager: MakeManager, tmp_path: object
+) -> None:
+    """Two prefetches of one document share its three reads; the first is cancelled, the second
+    lands them: they are the second's pages only (the first counts none installed)."""
+    m = tiered(make_manager, tmp_path)
+    doc = seq(1, 3 * T + 1)
+    published_on_disk(m, [doc])
+    first = m.prefetch(doc[:-1], HOST)
+    second = m.prefetch(doc[:-1], HOST)
+    assert first.num_disk_pages == second.num_disk_pages == 3 and len(loader(m).queued) == 3
+    first.cancel()
+    land(m)
+    assert first.done and first.num_installed_pages == 0
+    assert second.done and second.num_installed_pages == 3
+    assert [p.level for p in tree_pages(m, doc)] == [HOST] * 3
+    m.check_invariants()
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.history_length == 3 * T and kv.resume()
+    FakeEngine(m).check_all(kv, doc, 3 * T)
+    kv.close()
+    m.check_invariants()
+
+
 @pytest.mark.parametrize("how", ["error", "corrupt"])
 def test_a_failed_or_corrupt_background_read_is_a_miss(make_manager: MakeManager, tmp_path: object, how: str) -> None:
     """A read that fails, or whose bytes do not match the slot's checksum, loses the page like a

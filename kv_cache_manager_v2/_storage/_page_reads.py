@@ -152,11 +152,16 @@ class PageReads:
             out.append(job)
         return out
 
-    def cancel(self, jobs: list[PageRead]) -> None:
-        """The owner of ``jobs`` no longer wants them; a read nobody wants is cancelled (never installed)."""
+    def cancel(self, jobs: list[PageRead], group: ReadGroup | None = None) -> None:
+        """The owner of ``jobs`` (and of ``group``) no longer wants them; a read nobody wants is
+        cancelled (never installed). One another owner still wants is no longer the cancelled
+        owner's: its page does not join ``group`` when installed, nor do ``group``'s pages stay
+        where they are to make room for it."""
         for job in jobs:
             if job.settled:
                 continue
+            if group is not None and group in job.groups:
+                job.groups.remove(group)
             job.wanted -= 1
             if job.wanted <= 0:
                 job.cancelled = True
