@@ -1,8 +1,9 @@
 """A seeded random walk over background loads and write admission together: prefetches (by
 tokens, a suspended cache's, the prefetch directive), cancels, suspends, resumes, closes,
-demotions, retention, tier resizes and loads landing in random order, on a tiny host and a slow disk link whose writes are
-declined beyond a 30 ms backlog, the clock moving. Every step keeps the invariants; every resume
-and every reuse reads exact KV data (the fake engine)."""
+demotions, retention, tier resizes and loads landing in random order, on a tiny host and a slow
+disk link whose writes are declined beyond a 30 ms backlog, the clock moving. Every step keeps
+the invariants; every resume and every reuse reads exact KV data (the fake engine); every page
+declined is one dropped."""
 
 from __future__ import annotations
 
@@ -160,9 +161,15 @@ def test_a_random_walk_of_background_loads_under_write_admission(backend: str, t
     try:
         walk = Walk(m, random.Random(seed), clock)
         ops: list[str] = []
+        before = (0, 0)
         for _ in range(250):
             ops.append(walk.step())
             m.check_invariants()
+            stats = [m.get_tier_statistics(CacheLevel(level)) for level in range(3)]
+            now = (sum(t.declined_pages for t in stats), sum(t.dropped_pages for t in stats))
+            assert now[0] - before[0] <= now[1] - before[1], ops[-1]  # a declined page is a dropped one
+            assert all(t.declined_bytes == t.declined_pages * SLOT for t in stats)
+            before = now
         walk.finish()
         declined = m.get_tier_statistics(DISK).declined_pages + m.get_tier_statistics(HOST).declined_pages
         assert declined > 0 and m._ctx.reads is not None and m._ctx.reads.num_installed > 0, ops[-20:]
