@@ -1,9 +1,9 @@
 """A seeded random walk over background loads and write admission together: prefetches (by
 tokens, a suspended cache's, the prefetch directive), cancels, suspends, resumes, closes,
-demotions, retention, tier resizes and loads landing in random order, on a tiny host and a slow
-disk link whose writes are declined beyond a 30 ms backlog, the clock moving. Every step keeps
-the invariants; every resume and every reuse reads exact KV data (the fake engine); every page
-declined is one dropped."""
+demotions, retention, tier resizes, disk errors and loads landing in random order, on a tiny host
+and a slow disk link whose writes are declined beyond a 30 ms backlog, the clock moving. Every
+step keeps the invariants; every resume and every reuse reads exact KV data (the fake engine);
+every page declined is one dropped."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ class Walk:
         rng, m = self.rng, self.m
         op = rng.choice(
             ["publish", "suspend", "resume", "close", "kv_prefetch", "cancel", "prefetch", "drop_prefetch",
-             "directive", "demote", "land", "clock", "retain", "resize"]
+             "directive", "demote", "land", "clock", "retain", "resize", "errors"]
         )  # fmt: skip
         if op == "publish":
             kv = self.serve(self.doc())
@@ -134,6 +134,10 @@ class Walk:
                 m.resize(HOST, rng.choice([1, 2, 4, 8]) * SLOT)
             else:
                 m.resize(DISK, rng.choice([2, 4, 16]) * SLOT)
+        elif op == "errors":  # the disk fails a third of its reads and writes from now, or no more
+            disk = m._storage.levels.items[DISK].items[0].pools[0]
+            failing = random.Random(rng.random())
+            disk.error_hook = (lambda op, offset, n: failing.random() < 0.3) if disk.error_hook is None else None  # type: ignore[attr-defined]
         elif op == "clock":
             self.clock.now += rng.choice([0.001, 0.01, 0.05])
             if rng.random() < 0.3:
@@ -142,6 +146,7 @@ class Walk:
 
     def finish(self) -> None:
         """Land everything, resume and check every suspended cache, close it."""
+        self.m._storage.levels.items[DISK].items[0].pools[0].error_hook = None  # type: ignore[attr-defined]
         q = loader(self.m)
         while q.queued:
             q.run_queued(0)
