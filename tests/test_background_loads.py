@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from conftest import REDIS_SERVER, MakeManager, kv_layers, make_config
+from conftest import REDIS_SERVER, Clock, MakeManager, kv_layers, make_config
 from fake_engine import FakeEngine, adapter_step
 from tier_helpers import SLOT, T, compute, computed, land_some, loader, seq, tree_pages, wait_loaded
 
@@ -201,6 +201,30 @@ def test_cancel_prefetch_stops_the_reads_and_changes_nothing_else(make_manager: 
     m.check_invariants()
 
 
+def test_a_cancelled_prefetch_owns_nothing_its_shared_reads_install(
+    make_manager: MakeManager, tmp_path: object
+) -> None:
+    """Two prefetches of one document share its three reads; the first is cancelled, the second
+    lands them: they are the second's pages only (the first counts none installed)."""
+    m = tiered(make_manager, tmp_path)
+    doc = seq(1, 3 * T + 1)
+    published_on_disk(m, [doc])
+    first = m.prefetch(doc[:-1], HOST)
+    second = m.prefetch(doc[:-1], HOST)
+    assert first.num_disk_pages == second.num_disk_pages == 3 and len(loader(m).queued) == 3
+    first.cancel()
+    land(m)
+    assert first.done and first.num_installed_pages == 0
+    assert second.done and second.num_installed_pages == 3
+    assert [p.level for p in tree_pages(m, doc)] == [HOST] * 3
+    m.check_invariants()
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.history_length == 3 * T and kv.resume()
+    FakeEngine(m).check_all(kv, doc, 3 * T)
+    kv.close()
+    m.check_invariants()
+
+
 @pytest.mark.parametrize("how", ["error", "corrupt"])
 def test_a_failed_or_corrupt_background_read_is_a_miss(make_manager: MakeManager, tmp_path: object, how: str) -> None:
     """A read that fails, or whose bytes do not match the slot's checksum, loses the page like a
@@ -263,6 +287,41 @@ def test_a_read_of_a_slot_written_again_meanwhile_is_discarded_not_lost(
     assert reads is not None and reads.num_failed == 0 and reads.num_discarded == 3
     assert handle.done and not any(p.lost for p in pages) and [p.level for p in pages] == [DISK] * 3
     assert m.get_tier_statistics(DISK).io_errors == errors
+    m.check_invariants()
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.history_length == 3 * T and kv.resume()
+    FakeEngine(m).check_all(kv, doc, 3 * T)
+    kv.close()
+    m.check_invariants()
+
+
+def test_a_read_of_a_slot_dropped_by_a_shrink_and_written_again_is_discarded(
+    make_manager: MakeManager, tmp_path: object
+) -> None:
+    """The disk shrinks below the slots a prefetch reads and grows again, and the pages come back
+    into those slots (one write each) before the reads, which fail, land: a slot mapped again
+    never repeats a write generation it had, so the reads are discarded, no page is lost."""
+    m = tiered(make_manager, tmp_path)
+    doc = seq(1, 3 * T + 1)
+    published_on_disk(m, [doc])
+    pages = tree_pages(m, doc)
+    slots = [p.slot for p in pages]
+    handle = m.prefetch(doc[:-1])
+    assert handle.num_disk_pages == 3
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.resume()
+    kv.close()
+    assert m.resize(DISK, SLOT) and m.resize(DISK, 32 * SLOT)  # slots beyond the first dropped, mapped again
+    assert m.directives.demote(doc[:-1], DISK).num_blocks == 3
+    again = [i for i, p in enumerate(pages) if p.slot == slots[i]]
+    assert again and all(p.level == DISK for p in pages)  # (at least one page back at the slot it was read from)
+    disk = pages[0].storage.pools[0]
+    disk.error_hook = lambda op, offset, n: op == "read"  # type: ignore[attr-defined]
+    land(m)
+    disk.error_hook = None  # type: ignore[attr-defined]
+    reads = m._ctx.reads
+    assert reads is not None and reads.num_failed == 0 and reads.num_discarded == 3
+    assert handle.done and not any(p.lost for p in pages) and [p.level for p in pages] == [DISK] * 3
     m.check_invariants()
     kv = m.create_kv_cache(None, doc[:-1])
     assert kv.history_length == 3 * T and kv.resume()
@@ -753,6 +812,52 @@ def test_a_prefetch_never_evicts_the_pages_it_brought(
     reads = m._ctx.reads
     assert reads is not None and reads.num_installed == 4 and reads.num_discarded == 2
     m.check_invariants()
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.history_length == 6 * T and kv.resume()
+    engine.check_all(kv, doc, 6 * T)
+    kv.close()
+    m.check_invariants()
+
+
+def test_placing_background_reads_never_restarts_a_retention_duration(
+    make_manager: MakeManager, tmp_path: object
+) -> None:
+    """Blocks retained for 10 s from t=0 are prefetched to the host one read a second: placing a
+    read (its page and the pages the prefetch brought before) is no request using them, so their
+    duration runs on to t=10 (it once restarted at every poll, keeping them retained for ever)."""
+    clock = Clock()
+    m = make_manager(
+        kv_layers(2, T),
+        T,
+        8 * SLOT,
+        host_quota=4 * SLOT,
+        disk_quota=32 * SLOT,
+        disk_path=str(tmp_path),
+        max_util_for_resume=1.0,
+        clock=clock,
+    )
+    loader(m).manual = True
+    engine = FakeEngine(m)
+    doc = seq(1, 6 * T + 1)
+    computed(m, engine, doc[:-1], 6 * T).close()
+    for r in (2, 3):  # through the GPU and the host: doc goes to disk
+        computed(m, engine, seq(r, 8 * T), 8 * T).close()
+    pages = tree_pages(m, doc)
+    assert all(p.level == DISK for p in pages)
+    assert m.directives.retain(doc[:-1], 80, 10.0).num_blocks == 6
+    assert [p.expires for p in pages] == [10.0] * 6
+    handle = m.prefetch(doc[:-1], HOST)
+    q = loader(m)
+    while q.queued:
+        clock.now += 1.0
+        q.run_queued(0)
+        m.poll_loads()
+        assert [p.expires for p in pages] == [10.0] * 6
+        m.check_invariants()
+    assert handle.done and handle.num_installed_pages == 4
+    clock.now = 10.0
+    m.check_invariants()
+    assert [s.retained for s in m.get_storage_statistics(HOST)] == [0]  # (ran out on time)
     kv = m.create_kv_cache(None, doc[:-1])
     assert kv.history_length == 6 * T and kv.resume()
     engine.check_all(kv, doc, 6 * T)

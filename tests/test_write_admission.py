@@ -21,6 +21,7 @@ from kv_cache_manager_v2 import (
     KVCacheManager,
     KVCacheManagerConfig,
     PageStatus,
+    compiled,
 )
 
 HOST, DISK = CacheLevel(1), CacheLevel(2)
@@ -217,6 +218,55 @@ def test_a_saturated_link_drops_reusable_victims_before_writing_held_ones(mk: An
     engine.check_all(a, a_toks, 2 * T)
     a.close()
     m.check_invariants()
+
+
+def test_a_failed_eviction_below_leaves_the_declined_pages_dropped(mk: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU evicts a suspended request's two pages and two reusable ones to a host whose link is
+    saturated: the reusable ones are declined (dropped), the held ones must go, and making room for
+    them on the full host fails writing its victims to the disk (an emulated driver error). The
+    eviction is undone for the pages still there; the dropped ones are not listed again (they were
+    once: a freed page in the GPU's evictor, freed twice later). Then everything works, exact."""
+    if compiled:
+        pytest.skip("a compiled class's methods cannot be patched to inject the failure")
+    clock = Clock()
+    m = mk(clock, 0.030)
+    engine = FakeEngine(m)
+    for r in (10, 11):  # the host full of reusable pages
+        publish(m, seq(r, 2 * T), engine=engine)
+    a_toks = seq(1, 2 * T)
+    a = computed(m, engine, a_toks, 2 * T)
+    a.suspend()
+    publish(m, seq(2, 2 * T), engine=engine)  # the GPU: a's two held pages, two reusable ones
+    assert [p.level for p in a.block_table.all_pages()] == [0, 0] and [
+        p.level for p in tree_pages(m, seq(2, 2 * T))
+    ] == [0, 0]
+    m.set_tier_wait(1, 1.0)
+    copier = m._storage.copier
+    disk_pools = m._storage.levels.items[2].items[0].pools
+    copy = copier.copy
+
+    def failing(src: Any, dst: Any, sizes: Any, pairs: Any) -> Any:
+        if dst is disk_pools or list(dst) == list(disk_pools):
+            raise RuntimeError("emulated: the copy to the disk failed")
+        return copy(src, dst, sizes, pairs)
+
+    monkeypatch.setattr(copier, "copy", failing)
+    kv = m.create_kv_cache()
+    assert kv.resume()
+    with pytest.raises(RuntimeError, match="emulated"):
+        kv.resize(4 * T)
+    monkeypatch.undo()
+    m.check_invariants()
+    assert m.get_tier_statistics(HOST).declined_pages == 2 and len(tree_pages(m, seq(2, 2 * T))) == 0
+    assert [p.level for p in a.block_table.all_pages()] == [0, 0]
+    assert kv.resize(4 * T)  # the next attempt writes the host's victims to the disk
+    kv.close()
+    m.check_invariants()
+    assert a.resume()
+    engine.check_all(a, a_toks, 2 * T)
+    a.close()
+    m.check_invariants()
+    take(m, engine, seq(10, 2 * T))  # whatever is left of it reused exact
 
 
 def test_the_default_bound_keeps_a_link_that_keeps_up(mk: Any) -> None:

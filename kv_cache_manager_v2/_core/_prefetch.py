@@ -241,7 +241,7 @@ class Prefetch:
         self._cancelled = True
         reads = self._ctx.reads
         if reads is not None:
-            reads.cancel(self._reads)
+            reads.cancel(self._reads, self._group)
         self._reads = []
         self._waiting = False  # (its part of a round trip in flight is ignored when it lands)
 

@@ -103,7 +103,7 @@ def cancel_loads(state: RequestState) -> None:
     if state._loads:
         reads = state._ctx.reads
         assert reads is not None
-        reads.cancel(state._loads)
+        reads.cancel(state._loads, state._load_group)
         state._loads = []
     state._load_group.pages = []
 

@@ -224,8 +224,8 @@ class EvictionCascade:
         try:
             self.make_room(dst, take, len(rest))
         except BaseException:
-            for v in movers:  # e.g. a driver error below: they stay where they are, listed again
-                v.relist()
+            for v in rest + here:  # e.g. a driver error below: they stay where they are, listed again
+                v.relist()  # (not the pages ``_admit`` dropped: they are gone)
             raise
         still = [v for v in here if v.num_holds or v.node is not None]
         for v in here:

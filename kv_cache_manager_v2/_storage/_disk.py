@@ -134,8 +134,12 @@ class DiskPool(Pool):
         self.slot_size = slot_size
         #: per slot, the checksum of the bytes last written there (``NO_CHECKSUM``: nothing valid)
         self.sums = array("q")
-        #: per slot, how many writes it has had (a background read planned before a write is stale)
+        #: per slot, the pool's write count when it was last written (a background read planned
+        #: before a write is stale); drawn from ``num_writes``, so a slot dropped by ``shrink`` and
+        #: mapped again never repeats a value it had before
         self.generations = array("q")
+        #: writes to the pool so far (the source of ``generations``)
+        self.num_writes = 0
         self.error_hook: ErrorHook | None = None
         #: failed reads and writes (retries included)
         self.num_errors = 0
@@ -244,9 +248,11 @@ class DiskPool(Pool):
             size = self.slot_size
             sums = self.sums
             generations = self.generations
+            self.num_writes += 1
+            generation = self.num_writes
             for k in range(count):
                 sums[first + k] = NO_CHECKSUM
-                generations[first + k] += 1
+                generations[first + k] = generation
             done = 0
             while done < n:
                 put = os.pwrite(self.fd, view[done:], offset + done)

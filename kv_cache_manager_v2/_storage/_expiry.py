@@ -236,10 +236,22 @@ class ExpiryQueue:
                 return False
         self.retain(page, ordinal, Priority(priority), retain_s if retain_s != 0.0 else None, hint_end)
         if left < retain_s and page.num_locks == 0 and page.num_holds == 0:  # the time left runs, not the whole
-            page.expires = self.now() + left
-            self._seq += 1
-            heapq.heappush(self._heap, (page.expires, -ordinal, self._seq, page))
+            self._run_until(page, ordinal, self.now() + left)
         return True
+
+    def keep(self, page: Page, expires: float) -> None:
+        """``page`` was taken and released again by the manager itself (a background read placing
+        pages), not by a request: its duration, which ran until ``expires`` before (else
+        ``NO_EXPIRY``), runs on to that time instead of afresh (nothing if it ended meanwhile)."""
+        node = page.node
+        if expires == NO_EXPIRY or page.expires == NO_EXPIRY or page.expires <= expires or node is None:
+            return
+        self._run_until(page, node.ordinal, expires)
+
+    def _run_until(self, page: Page, ordinal: int, expires: float) -> None:
+        page.expires = expires
+        self._seq += 1
+        heapq.heappush(self._heap, (expires, -ordinal, self._seq, page))
 
     def pending(self) -> set[tuple[int, float]]:
         """``(id(page), expiry time)`` of every entry (for the invariant checker)."""

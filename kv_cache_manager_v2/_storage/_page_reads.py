@@ -152,11 +152,16 @@ class PageReads:
             out.append(job)
         return out
 
-    def cancel(self, jobs: list[PageRead]) -> None:
-        """The owner of ``jobs`` no longer wants them; a read nobody wants is cancelled (never installed)."""
+    def cancel(self, jobs: list[PageRead], group: ReadGroup | None = None) -> None:
+        """The owner of ``jobs`` (and of ``group``) no longer wants them; a read nobody wants is
+        cancelled (never installed). One another owner still wants is no longer the cancelled
+        owner's: its page does not join ``group`` when installed, nor do ``group``'s pages stay
+        where they are to make room for it."""
         for job in jobs:
             if job.settled:
                 continue
+            if group is not None and group in job.groups:
+                job.groups.remove(group)
             job.wanted -= 1
             if job.wanted <= 0:
                 job.cancelled = True
@@ -210,13 +215,11 @@ class PageReads:
         the others stay where they are."""
         jobs = [job for job in jobs if job.current()]  # (placing an earlier batch may have dropped some)
         own = _brought(jobs, dst)
-        for page in own:  # out of the evictors while room is made: the room is not theirs
-            page.take(True)
+        kept = self._take(own)  # out of the evictors while room is made: the room is not theirs
         try:
             jobs = self._place_some(jobs, dst)
         finally:
-            for page in reversed(own):
-                page.release(True)
+            self._let_go(own, kept)
         for job in jobs:
             for group in job.groups:
                 group.pages.append(job.page)
@@ -231,14 +234,12 @@ class PageReads:
             return []
         jobs = sorted(jobs, key=_slot_of)[:n]
         pages = [job.page for job in jobs]
-        for page in pages:  # out of the evictors while room is made: nothing pushes them away
-            page.take(True)
+        kept = self._take(pages)  # out of the evictors while room is made: nothing pushes them away
         room = storage.available(level, index)  # (their slots below no longer count as room for pages pushed down)
         if room < n:
-            for page in reversed(pages[room:]):
-                page.release(True)
             n = room if room > 0 else 0
-            jobs, pages = jobs[:n], pages[:n]
+            self._let_go(pages[n:], kept[n:])
+            jobs, pages, kept = jobs[:n], pages[:n], kept[:n]
             if n == 0:
                 return []
         try:
@@ -272,9 +273,25 @@ class PageReads:
                 for level, moved_pages in src_moved.items():
                     listener.pages_moved(moved_pages, CacheLevel(level))
         finally:
-            for page in reversed(pages):
-                page.release(True)
+            self._let_go(pages, kept)
         return jobs
+
+    @staticmethod
+    def _take(pages: list[Page]) -> list[float]:
+        """Lock ``pages`` while reads are placed (out of the evictors); returns the expiry times of
+        their running retention durations (``NO_EXPIRY``: none), which ``_let_go`` keeps."""
+        kept = [page.expires for page in pages]
+        for page in pages:
+            page.take(True)
+        return kept
+
+    def _let_go(self, pages: list[Page], kept: list[float]) -> None:
+        """Undo ``_take``: a retention duration runs on to the time it had (no request used the page)."""
+        expiries = self.storage.expiries
+        for k in range(len(pages) - 1, -1, -1):
+            page = pages[k]
+            page.release(True)
+            expiries.keep(page, kept[k])
 
 
 def _brought(jobs: list[PageRead], dst: PoolGroupStorage) -> list[Page]:
