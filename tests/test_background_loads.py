@@ -371,11 +371,11 @@ def adapters() -> Iterator[Callable[..., KVCacheResourceManager]]:
         a.shutdown()
 
 
-def adapter_with_a_doc_on_disk(
+def disk_adapter(
     adapters: Callable[..., KVCacheResourceManager], tmp_path: object, **kw: object
-) -> tuple[KVCacheResourceManager, KVCacheManager, FakeEngine, list[int]]:
-    """An adapter with a disk tier (loads run by the test: ``manual``) whose prefix ``doc`` (3
-    blocks) was served, then pushed to disk by four other requests."""
+) -> tuple[KVCacheResourceManager, KVCacheManager, FakeEngine]:
+    """An adapter with GPU and host of 8 slots and a disk tier of 32, its loads run by the test
+    (``manual``), and a fake engine."""
     a = adapters(
         make_config(
             kv_layers(2, T),
@@ -391,18 +391,32 @@ def adapter_with_a_doc_on_disk(
     )
     m = a.manager
     loader(m).manual = True
-    engine = FakeEngine(m)
+    return a, m, FakeEngine(m)
+
+
+def serve_one_token_each(a: KVCacheResourceManager, engine: FakeEngine, ids: range, length: int) -> None:
+    """Serve requests ``ids`` (``length`` prompt tokens each) one generated token each, then free
+    them: they push older pages down."""
+    for r in ids:
+        other = EngineRequest(r, seq(r * 10, length), max_new_tokens=1)
+        assert adapter_step(a, engine, [other]) == []
+        other.state = RequestState.FINISHED
+        a.free_resources(other)
+
+
+def adapter_with_a_doc_on_disk(
+    adapters: Callable[..., KVCacheResourceManager], tmp_path: object, **kw: object
+) -> tuple[KVCacheResourceManager, KVCacheManager, FakeEngine, list[int]]:
+    """``disk_adapter`` whose prefix ``doc`` (3 blocks) was served, then pushed to disk by four
+    other requests."""
+    a, m, engine = disk_adapter(adapters, tmp_path, **kw)
     doc = seq(1, 3 * T)
     first = EngineRequest(1, [*doc, 7], max_new_tokens=1)
     while len(first.generated_tokens) < 1:
         assert adapter_step(a, engine, [first]) == []
     first.state = RequestState.FINISHED
     a.free_resources(first)
-    for r in range(2, 6):  # push doc's blocks to disk
-        other = EngineRequest(r, seq(r * 10, 3 * T + 1), max_new_tokens=1)
-        assert adapter_step(a, engine, [other]) == []
-        other.state = RequestState.FINISHED
-        a.free_resources(other)
+    serve_one_token_each(a, engine, range(2, 6), 3 * T + 1)  # push doc's blocks to disk
     assert all(p.level == DISK for p in tree_pages(m, doc))
     return a, m, engine, doc
 
@@ -428,11 +442,7 @@ def test_adapter_serves_others_while_a_request_loads(
         r.state = RequestState.FINISHED
         a.free_resources(r)
     # freed while loading: its loads are cancelled, nothing is allocated or leaked
-    for r in range(20, 24):
-        other = EngineRequest(r, seq(r * 10, 3 * T + 1), max_new_tokens=1)
-        assert adapter_step(a, engine, [other]) == []
-        other.state = RequestState.FINISHED
-        a.free_resources(other)
+    serve_one_token_each(a, engine, range(20, 24), 3 * T + 1)
     gone = EngineRequest(12, [*doc, 5], max_new_tokens=1)
     assert adapter_step(a, engine, [gone]) == [gone] and a.is_loading(gone)
     before = [m.get_storage_statistics(CacheLevel(level)) for level in range(3)]
@@ -449,29 +459,11 @@ def test_a_suspended_request_reads_to_the_host_while_the_gpu_is_full(
     """A suspended request whose pages lie on disk while a running one fills the GPU: its pages are
     read up to the host in the background (the wait overlaps the GPU's), then it resumes from
     there once the GPU has room. Every byte exact."""
-    a = adapters(
-        make_config(
-            kv_layers(2, T),
-            T,
-            8 * SLOT,
-            host_quota=8 * SLOT,
-            disk_quota=32 * SLOT,
-            disk_path=str(tmp_path),
-            max_util_for_resume=1.0,
-            backend="host",
-        )
-    )
-    m = a.manager
-    loader(m).manual = True
-    engine = FakeEngine(m)
+    a, m, engine = disk_adapter(adapters, tmp_path)
     sus = EngineRequest(1, seq(1, 3 * T), max_new_tokens=2)
     assert adapter_step(a, engine, [sus]) == []
     a.suspend_resources(sus)
-    for r in range(2, 6):  # its held pages go down to disk
-        other = EngineRequest(r, seq(r * 10, 7 * T), max_new_tokens=1)
-        assert adapter_step(a, engine, [other]) == []
-        other.state = RequestState.FINISHED
-        a.free_resources(other)
+    serve_one_token_each(a, engine, range(2, 6), 7 * T)  # its held pages go down to disk
     kv = a.get_kv_cache(sus)
     assert all(p.level == DISK for p in kv.block_table.all_pages())
     big = EngineRequest(9, seq(90, 8 * T - 1), max_new_tokens=2)  # the whole GPU
