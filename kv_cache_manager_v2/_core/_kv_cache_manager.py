@@ -348,7 +348,7 @@ class KVCacheManager(ManagerQueries):
         found = self._matcher.probe(self._ctx, "probe_reuse_levels()", reuse_scope, input_tokens)
         if found is None:
             return []
-        return match_levels(found, self._registry.layer_groups, self.tokens_per_block, self._storage.num_levels)
+        return match_levels(found, self._registry.layer_groups, self.tokens_per_block, self._planner.costs.remote_level)
 
     def set_prefill_rate(self, tokens_per_s: object) -> None:
         """The engine's prefill rate in tokens per second, for ``load_policy="auto"`` (None: unknown,

@@ -63,8 +63,6 @@ class LoadPlanner:
         #: bytes of one page of each layer group
         self.page_bytes = page_bytes
         self.tokens_per_block = tokens_per_block
-        #: the remote tier's level (fetched pages): the last one
-        self.remote_level = num_levels - 1
         #: matched tokens by the deepest level of their block's pages: taken (loaded, or in GPU
         #: memory at level 0) and left to recompute by the plan
         self.loaded_tokens = [0] * num_levels
@@ -115,7 +113,7 @@ class LoadPlanner:
         """Per block of a match (its partial block last) and layer group: the level of its page
         (the remote tier's for a page it fetches), -1 where it has none."""
         n_groups = len(self.policies)
-        remote = self.remote_level
+        remote = self.costs.remote_level  # (pages are fetched only where there is a remote tier)
         out: list[list[int]] = []
         num_nodes = len(nodes)
         for ordinal in range(num_nodes + (1 if part_len else 0)):
