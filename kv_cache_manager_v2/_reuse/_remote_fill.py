@@ -28,9 +28,9 @@ from .._layers._policy import LayerGroup
 from .._page import NO_HINT, NO_SERIAL, Page, PoolGroupStorage
 from .._storage._remote._backend import Value
 from .._storage._remote._store import RemoteStore
-from .._storage._remote._value import HEADER_BYTES, Carried, carried_priority, decode_value, value_retention
+from .._storage._remote._value import HEADER_BYTES, Carried, decode_value, value_retention
 from .._storage._storage_manager import StorageManager
-from .._storage._tiers._remote_tier import RemoteTier
+from .._storage._tiers._remote_tier import RemoteTier, fetched_page
 from .._typed import TypedList
 from ._keys import BlockHasher, BlockKey, scope_key, validate_tokens
 from ._node import Node
@@ -433,12 +433,8 @@ class RemoteFill:
                     for s in slots:
                         dst.allocator.free(s)
                     raise
-                for (ordinal, layer_group), slot in zip(items, slots):
-                    page = Page(
-                        dst, slot, LayerGroupId(layer_group), carried_priority(carried[(ordinal, layer_group)]), True
-                    )
-                    page.stored_below = True
-                    placed[(ordinal, layer_group)] = page
+                for item, slot in zip(items, slots):
+                    placed[item] = fetched_page(dst, slot, item[1], carried[item])
         except BaseException:
             for p in placed.values():
                 p.release(True)  # not in the tree: freed

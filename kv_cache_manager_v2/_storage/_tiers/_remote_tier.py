@@ -172,9 +172,7 @@ class RemoteTier:
         placed: dict[tuple[int, int], Page] = {}
         for item in needed:
             dst, slot = slots.pop(item)
-            page = Page(dst, slot, LayerGroupId(item[1]), carried_priority(carried[item]), True)
-            page.stored_below = True
-            placed[item] = page
+            placed[item] = fetched_page(dst, slot, item[1], carried[item])
         for dst, slot in slots.values():
             dst.allocator.free(slot)
         return placed
@@ -299,3 +297,11 @@ class RemoteTier:
                 pages.append(page)
         refs.clear()
         self.spill(pages)
+
+
+def fetched_page(dst: PoolGroupStorage, slot: SlotId, layer_group: int, retention: Carried) -> Page:
+    """A new locked page in ``slot`` of ``dst`` holding a value fetched from the remote tier (so
+    stored below), at the base priority the value kept."""
+    page = Page(dst, slot, LayerGroupId(layer_group), carried_priority(retention), True)
+    page.stored_below = True
+    return page
