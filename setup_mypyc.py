@@ -36,7 +36,7 @@ PACKAGE = "kv_cache_manager_v2"
 #: off the scheduler's hot path (the compiled queue is ``_events.py``) and need the optional extra.
 #: ``metrics.py``: runs only when Prometheus scrapes, on prometheus-client (optional extra, plain Python).
 #: The simulator's presentation: ``sim/__main__.py`` (``python -m`` needs a code object), ``sim/_cli.py``
-#: (argparse, optional tqdm) and ``sim/_plot.py`` (matplotlib, untyped); the replay loop they drive is compiled.
+#: (argparse, optional tqdm), ``sim/_signals.py`` (a signal handler raising) and ``sim/_plot.py`` (matplotlib, untyped); the replay loop they drive is compiled.
 #: The package's ``__init__.py``: re-exports, the package map ``help()`` shows, and the docs of non-native classes.
 NOT_COMPILED = (
     "kv_cache_manager_v2/__init__.py",
@@ -45,6 +45,7 @@ NOT_COMPILED = (
     "kv_cache_manager_v2/sim/__main__.py",
     "kv_cache_manager_v2/sim/_cli.py",
     "kv_cache_manager_v2/sim/_time_cli.py",
+    "kv_cache_manager_v2/sim/_signals.py",
     "kv_cache_manager_v2/sim/_plot.py",
     "kv_cache_manager_v2/sim/_run.py",
 )

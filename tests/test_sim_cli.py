@@ -857,3 +857,34 @@ def test_overload_advice_accounts_for_a_host_tier(capsys: pytest.CaptureFixture[
     code, out, _ = run(capsys, *OVERLOAD, "--gpu", "1000tok", "--host", "4000tok", "--time-scale", "0", "--json")
     load = json.loads(out)["load"]
     assert not load["overloaded"] and load["suggested_gpu_quota"] is None and load["suggested_gpu_sweep"] is None
+
+
+@pytest.mark.parametrize(("signal_exc", "code"), [("sigterm", 143), ("ctrl-c", 130)])
+def test_a_run_cut_short_exits_as_interrupted_even_where_its_clean_up_raised(
+    monkeypatch: pytest.MonkeyPatch, signal_exc: str, code: int
+) -> None:
+    """The signal lands inside a manager call; the adapter's clean-up then meets the manager still
+    in that call (LogicError). The exit code is still the interruption's, not an error's."""
+    from kv_cache_manager_v2 import LogicError
+    from kv_cache_manager_v2.sim import _cli
+    from kv_cache_manager_v2.sim._signals import Terminated
+
+    def close() -> None:  # (``kv.close()`` while the interrupted call still holds the manager)
+        raise LogicError("close() was called while another call into this manager is in progress")
+
+    def cut_short(*args: Any, **kwargs: Any) -> int:
+        try:
+            raise Terminated if signal_exc == "sigterm" else KeyboardInterrupt
+        except BaseException:
+            close()  # the adapter's clean-up, as in ``prepare_resources``
+            raise
+
+    def failing(*args: Any, **kwargs: Any) -> int:
+        close()
+        return 0
+
+    monkeypatch.setattr(_cli, "run_replays", cut_short)
+    assert main(["--conversations", "2", "--no-progress"]) == code
+    monkeypatch.setattr(_cli, "run_replays", failing)
+    with pytest.raises(LogicError):  # an error of its own still surfaces
+        main(["--conversations", "2", "--no-progress"])

@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -48,6 +47,7 @@ from ._run import (
     run_restart,
     tier_spec,
 )
+from ._signals import catch_sigterm, interrupted
 from ._ssm_policy import SSM_POLICY_KEY, check_policy
 from ._time_cli import add_time_arguments, policy_list, time_setup
 from ._workload import MAX_ARRIVAL_MS, ConversationParams, SimRequest, generate_conversations, load_trace
@@ -552,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name:<{width}}{m.describe()}")
         return 0
     res = Resources()
-    previous = _catch_sigterm()
+    previous = catch_sigterm()
     try:
         s = _setup(a, res)
         if a.restart_at is not None:
@@ -564,32 +564,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(e))
     except DataCheckError as e:
         return _fail(f"data check failed: {e}", 1)
-    except KeyboardInterrupt:
-        return 130
-    except _Terminated:
-        return 128 + signal.SIGTERM
     except BrokenPipeError:  # e.g. piped into head: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except BaseException as e:
+        code = interrupted(e)
+        if code is None:
+            raise
+        return code
     finally:
         res.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-
-
-class _Terminated(BaseException):
-    """SIGTERM, raised in the main thread: the run ends through the same clean-up as Ctrl-C (its
-    private redis-server stopped, its temporary directory removed)."""
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not interrupt the clean-up
-    raise _Terminated
-
-
-def _catch_sigterm() -> Any:
-    """Install the SIGTERM handler (main thread only); returns the handler to restore, or None."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    return signal.SIG_DFL if previous is None else previous
