@@ -15,7 +15,6 @@ replica's load (tokens computed, requests); and the hit rate of one cache of the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import heapq
 import time
@@ -29,7 +28,7 @@ from ._latency import latency_report
 from ._models import SimUserError
 from ._replay import Replay
 from ._replay_types import ReplayResult, SchedulerOptions
-from ._replicas import ReplicaReplay, merge_results
+from ._replicas import ReplicaReplay, earliest, finish, merge_results, shut_down
 from ._tier_io import tier_kind
 from ._workload import SimRequest
 
@@ -148,12 +147,7 @@ def run_routed(
             else:
                 router.arrive(sim.index, sim.arrival_ms * options.time_scale)
         while True:
-            best: RoutedReplica | None = None
-            best_t = 0.0
-            for rep in fleet:
-                t = rep.next_time()
-                if t >= 0 and (best is None or t < best_t):
-                    best, best_t = rep, t
+            best, best_t = earliest(fleet)
             if router.arrivals and (best is None or router.arrivals[0][0] <= best_t):
                 router.route()
             elif best is not None:
@@ -161,14 +155,9 @@ def run_routed(
             else:
                 break
     except BaseException:
-        for rep in fleet:
-            with contextlib.suppress(Exception):  # already shut down, or refusing mid-call
-                rep.rm.shutdown()
+        shut_down(fleet)
         raise
-    results = [rep.finish() for rep in fleet]
-    for i, res in enumerate(results):
-        res.wall_s = time.perf_counter() - wall0 if i == 0 else 0.0
-    return results, router.routes
+    return finish(fleet, wall0), router.routes
 
 
 def _computed(r: ReplayResult) -> int:

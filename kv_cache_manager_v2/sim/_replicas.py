@@ -14,6 +14,7 @@ import dataclasses
 import time
 from array import array
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from .._common import RemoteStatistics
 from .._config import KVCacheManagerConfig
@@ -62,6 +63,10 @@ class ReplicaReplay(Replay):
         return self.result
 
 
+#: a kind of replica (``earliest`` returns the fleet's own type)
+R = TypeVar("R", bound=ReplicaReplay)
+
+
 def run_replicas(
     configs: Sequence[KVCacheManagerConfig],
     requests: list[SimRequest],
@@ -84,27 +89,45 @@ def run_replicas(
             else:
                 fleet[sim.index % n]._arrive(sim.index, sim.arrival_ms * options.time_scale)
         while True:
-            best: ReplicaReplay | None = None
-            best_t = 0.0
-            for rep in fleet:
-                t = rep.next_time()
-                if t >= 0 and (best is None or t < best_t):
-                    best, best_t = rep, t
+            best, _ = earliest(fleet)
             if best is None:
                 break
             best.advance()
             if best.rm.manager.remote_statistics is not None:
                 # what the step sent is in Redis before any later step (simulated time) looks
                 best.rm.manager.flush_remote_writes()
-    except BaseException:  # (Ctrl-C, SIGTERM: maybe inside a manager's call, which then refuses shutdown)
-        for rep in fleet:
-            with contextlib.suppress(Exception):
-                rep.rm.shutdown()
+    except BaseException:
+        shut_down(fleet)
         raise
+    return finish(fleet, wall0), [rep.remote for rep in fleet]
+
+
+def earliest(fleet: Sequence[R]) -> tuple[R | None, float]:
+    """The replica whose next step is earliest in simulated time, and that time (None: all idle)."""
+    best: R | None = None
+    best_t = 0.0
+    for rep in fleet:
+        t = rep.next_time()
+        if t >= 0 and (best is None or t < best_t):
+            best, best_t = rep, t
+    return best, best_t
+
+
+def shut_down(fleet: Sequence[ReplicaReplay]) -> None:
+    """Shut every replica's manager down after a failure (Ctrl-C, SIGTERM: maybe inside a manager's
+    call, which then refuses shutdown; one already shut down)."""
+    for rep in fleet:
+        with contextlib.suppress(Exception):
+            rep.rm.shutdown()
+
+
+def finish(fleet: Sequence[ReplicaReplay], wall0: float) -> list[ReplayResult]:
+    """Every replica's result; the fleet's wall time since ``wall0`` counted once (one process ran
+    them all), on the first."""
     results = [rep.finish() for rep in fleet]
-    for i, res in enumerate(results):  # one process ran them all: the fleet's wall time, counted once
+    for i, res in enumerate(results):
         res.wall_s = time.perf_counter() - wall0 if i == 0 else 0.0
-    return results, [rep.remote for rep in fleet]
+    return results
 
 
 def merge_results(results: Sequence[ReplayResult]) -> ReplayResult:
