@@ -166,6 +166,16 @@ class Evictor:
         page.priority = GARBAGE_PRIORITY
         self.add(page)
 
+    def shelve(self, page: Page) -> int:
+        """Take listed ``page`` out of the eviction order without a use (``_storage/_shelf.py``):
+        nothing a policy counts changes. Returns its place, for ``unshelve``."""
+        raise NotImplementedError
+
+    def unshelve(self, page: Page, place: int) -> None:
+        """List ``page`` (shelved, DROPPABLE or HELD again) where ``shelve`` found it, as if it had stayed
+        (where its priority or value changed meanwhile: as ``set_priority`` lists it)."""
+        raise NotImplementedError
+
     def became_leaf(self, page: Page) -> None:
         """``page``'s tree node lost its last child (the tree tells policies that park pages)."""
 
