@@ -90,7 +90,8 @@ class PolicyState:
 
 class Evictor:
     """The eviction policy's interface: the pages one (cache level, pool group) may evict, in
-    eviction order, and what a use, a release and a drop of a tree page tell the policy.
+    eviction order, what a use, a release and a drop of a tree page tell the policy, and a hold
+    that is no use (``shelve``: back in its place after).
 
     ``count`` pages are listed, ``num_held`` of them HELD. Subclasses keep the order (one
     module per policy in ``_storage/_policies/``, named in its registry); the listing state
