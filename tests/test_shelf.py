@@ -225,19 +225,27 @@ def test_placing_a_prefetchs_reads_is_no_use_of_its_pages(
 
 
 @pytest.mark.parametrize("cancel", [False, True])
-def test_a_cancelled_prefetch_holds_nothing(make_manager: MakeManager, tmp_path: object, cancel: bool) -> None:
-    """A prefetch placed the first of its three pages (the oldest on a full host by then); another
-    prefetch of the same blocks shares the other reads. While the first wants them, placing them
-    keeps its page; once it is cancelled, its page is no longer held: the first evicted."""
+@pytest.mark.parametrize("by", ["tokens", "cache"])
+def test_a_cancelled_prefetch_holds_nothing(make_manager: MakeManager, tmp_path: object, by: str, cancel: bool) -> None:
+    """A prefetch (by tokens, or a suspended cache's) placed the first of its three pages (the
+    oldest on a full host by then); a prefetch by tokens of the same blocks shares the other reads.
+    While the first wants them, placing them keeps its page; once it is cancelled
+    (``Prefetch.cancel``, ``KVCache.cancel_prefetch``), its page is no longer held: the first
+    evicted (moved down)."""
     m = tiered(make_manager, tmp_path, "lru", Clock())
     engine = FakeEngine(m)
     doc = seq(1, 3 * T + 1)
-    computed(m, engine, doc[:-1], 3 * T).close()
+    owner = computed(m, engine, doc[:-1], 3 * T)
+    if by == "cache":
+        owner.suspend()
+    else:
+        owner.close()
     for r in (2, 3):
         computed(m, engine, seq(r, 4 * T), 4 * T).close()
     pages = tree_pages(m, doc)
     assert [p.level for p in pages] == [DISK] * 3
-    first = m.prefetch(doc[:-1], HOST)
+    first = m.prefetch(doc[:-1], HOST) if by == "tokens" else None
+    assert first is not None or owner.prefetch(HOST)
     q = loader(m)
     q.run_queued(0)
     m.poll_loads()
@@ -247,7 +255,10 @@ def test_a_cancelled_prefetch_holds_nothing(make_manager: MakeManager, tmp_path:
     second = m.prefetch(doc[:-1], HOST)
     assert second.num_disk_pages == 2
     if cancel:
-        first.cancel()
+        if first is not None:
+            first.cancel()
+        else:
+            owner.cancel_prefetch()
     q.run_queued(0)
     m.poll_loads()
     assert (mine.level == HOST) != cancel
@@ -256,6 +267,10 @@ def test_a_cancelled_prefetch_holds_nothing(make_manager: MakeManager, tmp_path:
     m.poll_loads()
     assert second.done
     m.check_invariants()
+    if by == "cache":
+        assert owner.resume()
+        engine.check_all(owner, doc, 3 * T)
+        owner.close()
     kv = m.create_kv_cache(None, doc[:-1])
     assert kv.history_length == 3 * T and kv.resume()
     engine.check_all(kv, doc, 3 * T)

@@ -46,7 +46,7 @@ class ReadGroup:
     def owned(self) -> list[Page]:
         """The pages it brought that are still in a slot, and those its reads in flight are bringing."""
         self.pages = [page for page in self.pages if page.slot != BAD_PAGE_INDEX]
-        self.reads = [job for job in self.reads if not job.settled and self in job.groups]
+        self.reads = [job for job in self.reads if not job.settled and not job.cancelled and self in job.groups]
         return self.pages + [job.page for job in self.reads]
 
 
