@@ -263,7 +263,7 @@ class RemoteFill:
         # Keep what the match stands on: the chain's pages (shelved: out of every evictor, no use
         # of them) and its deepest node (an extender), so making room for the fetched pages cannot
         # take them away.
-        shelf = Shelf()
+        kept: list[Page] = []
         deepest: Node | None = None
         for node in chain:
             if node is None:
@@ -272,7 +272,9 @@ class RemoteFill:
             for layer_group in range(len(node.pages)):
                 p = node.page(layer_group)
                 if p is not None:
-                    shelf.put([p])
+                    kept.append(p)
+        shelf = Shelf()
+        shelf.put(kept)
         if deepest is not None:
             deepest.num_extenders += 1
         try:
