@@ -90,7 +90,8 @@ class PolicyState:
 
 class Evictor:
     """The eviction policy's interface: the pages one (cache level, pool group) may evict, in
-    eviction order, and what a use, a release and a drop of a tree page tell the policy.
+    eviction order, what a use, a release and a drop of a tree page tell the policy, and a hold
+    that is no use (``shelve``: back in its place after).
 
     ``count`` pages are listed, ``num_held`` of them HELD. Subclasses keep the order (one
     module per policy in ``_storage/_policies/``, named in its registry); the listing state
@@ -165,6 +166,16 @@ class Evictor:
         self.remove(page)
         page.priority = GARBAGE_PRIORITY
         self.add(page)
+
+    def shelve(self, page: Page) -> int:
+        """Take listed ``page`` out of the eviction order without a use (``_storage/_shelf.py``):
+        nothing a policy counts changes. Returns its place, for ``unshelve``."""
+        raise NotImplementedError
+
+    def unshelve(self, page: Page, place: int) -> None:
+        """List ``page`` (shelved, DROPPABLE or HELD again) where ``shelve`` found it, as if it had stayed
+        (where its priority or value changed meanwhile: as ``set_priority`` lists it)."""
+        raise NotImplementedError
 
     def became_leaf(self, page: Page) -> None:
         """``page``'s tree node lost its last child (the tree tells policies that park pages)."""

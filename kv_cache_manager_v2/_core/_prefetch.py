@@ -25,6 +25,7 @@ from .._reuse._remote_fill import Fetched, Found, RemoteFill
 from .._storage._loader import BackgroundLoader, LoadJob
 from .._storage._page_reads import PageRead, ReadGroup
 from .._storage._remote._store import RemoteStore
+from .._storage._shelf import Shelf
 from .._storage._tier_costs import TierCosts
 from .._utils import check_int, check_type
 from ._context import CacheContext
@@ -156,7 +157,7 @@ class Prefetch:
         self._tokens = tokens
         self._target = target
         self._reads: list[PageRead] = []
-        #: the pages they installed (placing another never evicts them)
+        #: the pages they installed and its fetch placed (placing another never evicts them)
         self._group = ReadGroup()
         #: a lookup or fetch of it is in flight (``RemoteReads``)
         self._waiting = False
@@ -226,7 +227,7 @@ class Prefetch:
         """Pages its disk reads placed so far (``num_disk_pages`` once done, unless the target
         level could not hold them all: placing a read never evicts a page it brought itself, so
         such a read is discarded and its page stays on disk, read by the create)."""
-        return len(self._group.pages)
+        return self._group.num_installed
 
     @property
     def num_remote_pages(self) -> int:
@@ -341,7 +342,14 @@ class Prefetch:
         fetched: Fetched = {}
         for x, value in zip(self._needed, outcome):
             fetched[x] = value if isinstance(value, bytes) else None
-        fill.extend(self._scope, hasher, nodes, True, self._found, partial, fetched)
+        group = self._group
+        shelf = Shelf()  # placing the values never evicts what its disk reads brought or are bringing
+        shelf.put(group.owned())
+        try:
+            fill.extend(self._scope, hasher, nodes, True, self._found, partial, fetched)
+        finally:
+            shelf.restore()
+        group.pages.extend(fill.placed)  # (nor does placing its disk reads evict these)
         self._remember()
 
     def _planned_blocks(

@@ -29,6 +29,7 @@ from .._page import NO_HINT, NO_SERIAL, Page, PoolGroupStorage
 from .._storage._remote._backend import Value
 from .._storage._remote._store import RemoteStore
 from .._storage._remote._value import HEADER_BYTES, Carried, decode_value, value_retention
+from .._storage._shelf import Shelf
 from .._storage._storage_manager import StorageManager
 from .._storage._tiers._remote_tier import RemoteTier, fetched_page
 from .._typed import TypedList
@@ -68,6 +69,8 @@ class RemoteFill:
         #: recurrent-state groups (hybrid models): a match must end at a block with a snapshot of each,
         #: local or fetched (the tree's ``cut_to_snapshot``)
         self.state_groups: list[int] = tree.state_groups
+        #: the pages the last ``extend`` placed (a prefetch's group takes them)
+        self.placed: list[Page] = []
         #: payload bytes of one page of each layer group (the slot's bytes over its pool group's pools)
         self.page_bytes: list[int] = [
             storage.layout.pool_groups[storage.layout.pool_group_of_layer_group[LayerGroupId(layer_group)]].slot_bytes
@@ -93,6 +96,7 @@ class RemoteFill:
         and a page neither knows of is a miss. ``limit`` (>= 0): extend to at most that many blocks
         (the load plan's cut)."""
         local_blocks = len(nodes)
+        self.placed = []
         plan = self.lookup_plan(scope, hasher, local_blocks, known, fetched is None, limit)
         if plan is None:
             return local_blocks, {} if known is None else known, None
@@ -256,9 +260,10 @@ class RemoteFill:
     ) -> int:
         """Fetch what a match of (up to) ``matched_blocks`` blocks needs (or take it from ``fetched``)
         and publish it; returns the blocks reached."""
-        # Pin what the match stands on: the chain's pages (locked, out of every evictor) and its
-        # deepest node (an extender), so making room for the fetched pages cannot take them away.
-        pinned: list[Page] = []
+        # Keep what the match stands on: the chain's pages (shelved: out of every evictor, no use
+        # of them) and its deepest node (an extender), so making room for the fetched pages cannot
+        # take them away.
+        kept: list[Page] = []
         deepest: Node | None = None
         for node in chain:
             if node is None:
@@ -267,15 +272,15 @@ class RemoteFill:
             for layer_group in range(len(node.pages)):
                 p = node.page(layer_group)
                 if p is not None:
-                    p.take(True)
-                    pinned.append(p)
+                    kept.append(p)
+        shelf = Shelf()
+        shelf.put(kept)
         if deepest is not None:
             deepest.num_extenders += 1
         try:
             return self._fetch_pinned(scope, hasher, chain, keys, local_blocks, matched_blocks, found, fetched)
         finally:
-            for p in reversed(pinned):
-                p.release(True)
+            shelf.restore()
             if deepest is not None:
                 deepest.num_extenders -= 1
                 self.tree.prune(deepest)
@@ -356,6 +361,7 @@ class RemoteFill:
             needed = self._needed(chain, local_blocks, matched_blocks)
         placed = RemoteTier.adopt(needed, slots, carried) if into else self._place(needed, payloads, carried)
         self._publish(scope, hasher, chain, keys, matched_blocks, placed)
+        self.placed = list(placed.values())
         expiries = self.storage.expiries
         for x, page in placed.items():  # the retention the values kept, for the time left
             r = carried[x]

@@ -239,15 +239,6 @@ class ExpiryQueue:
             self._run_until(page, ordinal, self.now() + left)
         return True
 
-    def keep(self, page: Page, expires: float) -> None:
-        """``page`` was taken and released again by the manager itself (a background read placing
-        pages), not by a request: its duration, which ran until ``expires`` before (else
-        ``NO_EXPIRY``), runs on to that time instead of afresh (nothing if it ended meanwhile)."""
-        node = page.node
-        if expires == NO_EXPIRY or page.expires == NO_EXPIRY or page.expires <= expires or node is None:
-            return
-        self._run_until(page, node.ordinal, expires)
-
     def _run_until(self, page: Page, ordinal: int, expires: float) -> None:
         page.expires = expires
         self._seq += 1

@@ -23,6 +23,7 @@ from .._page import Page, PoolGroupStorage
 from ._backend import FILE
 from ._disk import READ_OK, DiskPool
 from ._loader import BackgroundLoader, LoadJob
+from ._shelf import Shelf
 from ._slot_allocator import pair_sorted
 from ._storage_manager import StorageManager
 from ._tiers._base import file
@@ -30,11 +31,23 @@ from ._tiers._base import file
 
 class ReadGroup:
     """The pages one owner's reads (a prefetch by tokens, a suspended cache's ``prefetch``) have
-    installed: placing another of its reads never evicts them (where its target level is full of
-    them, the read is discarded and its page stays below)."""
+    installed (or a prefetch's fetch placed), and its reads: placing another of its reads (or a
+    prefetch's fetched values) never evicts what it brought or is bringing (they are shelved
+    meanwhile: ``Shelf``, no use of them; where the target level is full of them, the read is
+    discarded and its page stays below)."""
 
     def __init__(self) -> None:
         self.pages: list[Page] = []
+        #: pages its reads installed so far
+        self.num_installed = 0
+        #: its reads (those settled, or no longer its own, are pruned by ``owned``)
+        self.reads: list[PageRead] = []
+
+    def owned(self) -> list[Page]:
+        """The pages it brought that are still in a slot, and those its reads in flight are bringing."""
+        self.pages = [page for page in self.pages if page.slot != BAD_PAGE_INDEX]
+        self.reads = [job for job in self.reads if not job.settled and not job.cancelled and self in job.groups]
+        return self.pages + [job.page for job in self.reads]
 
 
 class PageRead(LoadJob):
@@ -149,6 +162,7 @@ class PageReads:
             job.wanted += 1
             if group is not None and group not in job.groups:
                 job.groups.append(group)
+                group.reads.append(job)
             out.append(job)
         return out
 
@@ -211,22 +225,25 @@ class PageReads:
 
     def _place(self, jobs: list[PageRead], dst: PoolGroupStorage) -> int:
         """Move the pages of ``jobs`` (one pool group) into ``dst`` from their read bytes, as many
-        as it has room for without evicting what their owners' reads installed (``ReadGroup``);
-        the others stay where they are."""
+        as it has room for without evicting the pages read nor what their owners brought or are
+        bringing (``ReadGroup``: shelved meanwhile, no use of them); the others stay where they are."""
         jobs = [job for job in jobs if job.current()]  # (placing an earlier batch may have dropped some)
-        own = _brought(jobs, dst)
-        kept = self._take(own)  # out of the evictors while room is made: the room is not theirs
+        shelf = Shelf()
+        shelf.put([job.page for job in jobs])  # out of the evictors: nothing pushes them away, no room below
+        for group in _groups(jobs):
+            shelf.put(group.owned())
         try:
             jobs = self._place_some(jobs, dst)
         finally:
-            self._let_go(own, kept)
+            shelf.restore()  # (the pages placed: listed at ``dst`` as any move lists them, no use)
         for job in jobs:
             for group in job.groups:
                 group.pages.append(job.page)
+                group.num_installed += 1
         return len(jobs)
 
     def _place_some(self, jobs: list[PageRead], dst: PoolGroupStorage) -> list[PageRead]:
-        """``_place`` past its owners' pages: returns the jobs placed."""
+        """``_place`` with its pages shelved: returns the jobs placed."""
         storage = self.storage
         level, index = int(dst.level), int(dst.index)
         n = min(len(jobs), storage.available(level, index))
@@ -234,82 +251,45 @@ class PageReads:
             return []
         jobs = sorted(jobs, key=_slot_of)[:n]
         pages = [job.page for job in jobs]
-        kept = self._take(pages)  # out of the evictors while room is made: nothing pushes them away
-        room = storage.available(level, index)  # (their slots below no longer count as room for pages pushed down)
-        if room < n:
-            n = room if room > 0 else 0
-            self._let_go(pages[n:], kept[n:])
-            jobs, pages, kept = jobs[:n], pages[:n], kept[:n]
-            if n == 0:
-                return []
-        try:
-            levels = [CacheLevel(0)] * storage.num_pool_groups
-            need = [0] * storage.num_pool_groups
-            levels[index] = CacheLevel(level)
-            need[index] = n
-            storage.reserve(need, levels)
-            storage.make_room(dst, n)
-            slots = pair_sorted([job.slot for job in jobs], dst.allocator.allocate(n))
-            data: list[memoryview] = []
-            for job in jobs:
-                assert job.data is not None
-                data.append(job.data)
-            bad = storage.copier.write_slots(dst.pools, dst.layout.slot_sizes, slots, data)
-            assert not bad, "background reads are placed in memory, where writes cannot fail"
-            src_moved: dict[int, list[Page]] = {}
-            for page, slot in zip(pages, slots):
-                src = page.storage
-                src.allocator.free(page.slot)
-                src.num_onboarded += 1
-                page.relocate(dst, slot)
-                if page.node is not None:
-                    moved = src_moved.get(int(src.level))
-                    if moved is None:
-                        src_moved[int(src.level)] = [page]
-                    else:
-                        moved.append(page)
-            listener = storage.drop_listener
-            if listener is not None:
-                for level, moved_pages in src_moved.items():
-                    listener.pages_moved(moved_pages, CacheLevel(level))
-        finally:
-            self._let_go(pages, kept)
+        levels = [CacheLevel(0)] * storage.num_pool_groups
+        need = [0] * storage.num_pool_groups
+        levels[index] = CacheLevel(level)
+        need[index] = n
+        storage.reserve(need, levels)
+        storage.make_room(dst, n)
+        slots = pair_sorted([job.slot for job in jobs], dst.allocator.allocate(n))
+        data: list[memoryview] = []
+        for job in jobs:
+            assert job.data is not None
+            data.append(job.data)
+        bad = storage.copier.write_slots(dst.pools, dst.layout.slot_sizes, slots, data)
+        assert not bad, "background reads are placed in memory, where writes cannot fail"
+        src_moved: dict[int, list[Page]] = {}
+        for page, slot in zip(pages, slots):
+            src = page.storage
+            src.allocator.free(page.slot)
+            src.num_onboarded += 1
+            page.relocate(dst, slot)
+            if page.node is not None:
+                moved = src_moved.get(int(src.level))
+                if moved is None:
+                    src_moved[int(src.level)] = [page]
+                else:
+                    moved.append(page)
+        listener = storage.drop_listener
+        if listener is not None:
+            for level, moved_pages in src_moved.items():
+                listener.pages_moved(moved_pages, CacheLevel(level))
         return jobs
 
-    @staticmethod
-    def _take(pages: list[Page]) -> list[float]:
-        """Lock ``pages`` while reads are placed (out of the evictors); returns the expiry times of
-        their running retention durations (``NO_EXPIRY``: none), which ``_let_go`` keeps."""
-        kept = [page.expires for page in pages]
-        for page in pages:
-            page.take(True)
-        return kept
 
-    def _let_go(self, pages: list[Page], kept: list[float]) -> None:
-        """Undo ``_take``: a retention duration runs on to the time it had (no request used the page)."""
-        expiries = self.storage.expiries
-        for k in range(len(pages) - 1, -1, -1):
-            page = pages[k]
-            page.release(True)
-            expiries.keep(page, kept[k])
-
-
-def _brought(jobs: list[PageRead], dst: PoolGroupStorage) -> list[Page]:
-    """The pages at ``dst`` that reads of the owners of ``jobs`` installed (once each)."""
-    out: list[Page] = []
-    seen: set[int] = set()
+def _groups(jobs: list[PageRead]) -> list[ReadGroup]:
+    """The owners' groups of ``jobs`` (once each)."""
+    out: list[ReadGroup] = []
     for job in jobs:
         for group in job.groups:
-            for page in group.pages:
-                if (
-                    page.storage is dst
-                    and page.slot != BAD_PAGE_INDEX
-                    and page.num_locks == 0
-                    and (page.num_holds > 0 or page.node is not None)
-                    and id(page) not in seen
-                ):
-                    seen.add(id(page))
-                    out.append(page)
+            if group not in out:
+                out.append(group)
     return out
 
 

@@ -155,6 +155,50 @@ class FrequencyEvictor(Evictor):
             cls.fifo_head, cls.fifo_tail = _append(cls.fifo_head, cls.fifo_tail, page)
         self._nonempty |= 1 << i
 
+    def shelve(self, page: Page) -> int:
+        """Its class; its value and sequence number stay in its state (a parked page's links keep
+        its neighbours while it is out)."""
+        parked = state_of(page).pos == PARKED
+        prev, nxt = page.lru_prev, page.lru_next
+        self.remove(page)
+        if parked:
+            page.lru_prev, page.lru_next = prev, nxt
+        return page.priority + 1
+
+    def unshelve(self, page: Page, place: int) -> None:
+        """Back with the value and sequence number it had: in the heap, which orders any value (a
+        parked page: after its older parked neighbour while that is parked in its class, else
+        before its newer one, else first)."""
+        st = state_of(page)
+        prev, nxt = page.lru_prev, page.lru_next
+        page.lru_prev = page.lru_next = None
+        if page.priority + 1 != place or (st.key == LOW_VALUE_KEY) != page.low_value:
+            self.add(page)  # its priority or value changed meanwhile
+            return
+        self._listed(page)
+        cls = self._classes[place]
+        node = page.node
+        if self._parks and page.anchor and node is not None and node.has_children:
+            st.pos = PARKED
+            if prev is not None and self._parked_in(prev, place):
+                nxt = prev.lru_next
+            elif nxt is not None and self._parked_in(nxt, place):
+                prev = nxt.lru_prev
+            else:
+                prev, nxt = None, cls.parked_head
+            cls.parked_head, cls.parked_tail = _insert(cls.parked_head, cls.parked_tail, page, prev, nxt)
+        else:
+            self._push(cls, page)
+        self._nonempty |= 1 << place
+
+    def _parked_in(self, page: Page, i: int) -> bool:
+        return (
+            page.in_evictor != NOT_LISTED
+            and page.storage.evictor is self
+            and page.priority + 1 == i
+            and (state_of(page).pos == PARKED)
+        )
+
     def remove(self, page: Page) -> None:
         self._unlisted(page)
         i = page.priority + 1
@@ -383,6 +427,24 @@ def _append(head: Page | None, tail: Page | None, page: Page) -> tuple[Page | No
         return page, page
     tail.lru_next = page
     return head, page
+
+
+def _insert(
+    head: Page | None, tail: Page | None, page: Page, prev: Page | None, nxt: Page | None
+) -> tuple[Page | None, Page | None]:
+    """Insert ``page`` between ``prev`` and ``nxt`` (adjacent; None: an end) of the intrusive list
+    ``head .. tail``; returns the new (head, tail)."""
+    page.lru_prev = prev
+    page.lru_next = nxt
+    if prev is None:
+        head = page
+    else:
+        prev.lru_next = page
+    if nxt is None:
+        tail = page
+    else:
+        nxt.lru_prev = page
+    return head, tail
 
 
 def _unlink(head: Page | None, tail: Page | None, page: Page) -> tuple[Page | None, Page | None]:

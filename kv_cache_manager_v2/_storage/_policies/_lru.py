@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Final
 
 from ..._common import MAX_PRIORITY
-from ..._page import LISTED_HELD, Evictor, Page
+from ..._page import LISTED_HELD, NOT_LISTED, Evictor, Page
 
 #: LRU lists of low-value pages start here (lists below: the other pages, by priority)
 _LOW_LISTS: Final = MAX_PRIORITY + 2
@@ -92,6 +92,51 @@ class LruEvictor(Evictor):
         page.lru_prev = page.lru_next = None
         if self._heads[i] is None:
             self._emptied(i)
+
+    def shelve(self, page: Page) -> int:
+        """Its list; its links keep its neighbours while it is out (``unshelve`` goes back between them)."""
+        i = lru_list(page)
+        prev, nxt = page.lru_prev, page.lru_next
+        self.remove(page)
+        page.lru_prev, page.lru_next = prev, nxt
+        return i
+
+    def unshelve(self, page: Page, place: int) -> None:
+        """Back after its older neighbour while that is in its list, else before its newer one,
+        else first (both left: evictions take the oldest first, so it is the oldest of those that
+        were there; pages listed since are newer)."""
+        prev, nxt = page.lru_prev, page.lru_next
+        page.lru_prev = page.lru_next = None
+        if lru_list(page) != place:  # its priority or value changed meanwhile
+            self.add(page)
+        elif prev is not None and self.in_list(prev, place):
+            self._link(page, place, prev, prev.lru_next)
+        elif nxt is not None and self.in_list(nxt, place):
+            self._link(page, place, nxt.lru_prev, nxt)
+        else:
+            self._link(page, place, None, self._heads[place])
+
+    def in_list(self, page: Page, i: int) -> bool:
+        """Whether ``page`` is listed in this evictor's list ``i``."""
+        return page.in_evictor != NOT_LISTED and page.storage.evictor is self and lru_list(page) == i
+
+    def _link(self, page: Page, i: int, prev: Page | None, nxt: Page | None) -> None:
+        """List ``page`` in list ``i`` between ``prev`` and ``nxt`` (adjacent there; None: an end)."""
+        self._listed(page)
+        page.lru_prev = prev
+        page.lru_next = nxt
+        if prev is None:
+            self._heads[i] = page
+            if page.low_value:
+                self._nonempty_low |= 1 << _lru_bit(page)
+            else:
+                self._nonempty |= 1 << _lru_bit(page)
+        else:
+            prev.lru_next = page
+        if nxt is None:
+            self._tails[i] = page
+        else:
+            nxt.lru_prev = page
 
     def _emptied(self, i: int) -> None:
         """List ``i`` lost its last page: its bit in the masks of non-empty lists goes."""

@@ -93,11 +93,16 @@ class SlruEvictor(LruEvictor):
             self._add_probationary(page)
             return
         super().add(page)  # the tail: the newest protected page
-        i = lru_list(page)
-        if self._first_protected[i] is None:
+        self._protected_listed(page, lru_list(page))
+
+    def _protected_listed(self, page: Page, i: int) -> None:
+        """Protected ``page`` was linked into list ``i``: the boundary and the count follow; over the
+        share, the list's oldest protected page is demoted."""
+        first = self._first_protected[i]
+        if first is None or first is page.lru_next:
             self._first_protected[i] = page
         self._num_protected += 1
-        if self._num_protected > self._limit:  # over the share: its oldest protected page is demoted
+        if self._num_protected > self._limit:
             first = self._first_protected[i]
             assert first is not None
             cast(SlruState, first.policy_state).protected = False
@@ -110,16 +115,29 @@ class SlruEvictor(LruEvictor):
         boundary = self._first_protected[i]
         if boundary is None:
             super().add(page)
-            return
-        self._listed(page)
-        prev = boundary.lru_prev
-        page.lru_prev = prev
-        page.lru_next = boundary
-        boundary.lru_prev = page
-        if prev is None:
-            self._heads[i] = page
         else:
-            prev.lru_next = page
+            self._link(page, i, boundary.lru_prev, boundary)
+
+    def unshelve(self, page: Page, place: int) -> None:
+        """As under LRU, within its segment: next to a neighbour still in its list and segment,
+        else first in its segment."""
+        prev, nxt = page.lru_prev, page.lru_next
+        page.lru_prev = page.lru_next = None
+        if lru_list(page) != place:  # its priority or value changed meanwhile
+            self.add(page)
+            return
+        protected = _protected(page)
+        if prev is not None and self.in_list(prev, place) and _protected(prev) == protected:
+            self._link(page, place, prev, prev.lru_next)
+        elif nxt is not None and self.in_list(nxt, place) and _protected(nxt) == protected:
+            self._link(page, place, nxt.lru_prev, nxt)
+        elif protected:  # the oldest protected page
+            first = self._first_protected[place]
+            self._link(page, place, self._tails[place] if first is None else first.lru_prev, first)
+        else:
+            self._link(page, place, None, self._heads[place])
+        if protected:
+            self._protected_listed(page, place)
 
     def remove(self, page: Page) -> None:
         if _protected(page):
