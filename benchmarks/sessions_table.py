@@ -49,11 +49,17 @@ from retention_hints import TRACE, TraceClock, belady, block_keys, gpu_manager  
 import kv_cache_manager_v2 as kvm  # noqa: E402
 from kv_cache_manager_v2.sim import SimRequest, load_trace  # noqa: E402
 from kv_cache_manager_v2.sim._hints import (  # noqa: E402
-    continuation_pauses,
+    SessionReturns,
     hint_retentions,
+    kept_prefix,
+    session_hints,
+)
+from kv_cache_manager_v2.sim._sessions import (  # noqa: E402
+    continuation_pauses,
     session_ids,
+    session_templates,
+    sessions_of,
     system_prompts,
-    with_reasoning_hints,
 )
 from kv_cache_manager_v2.sim._workload import (  # noqa: E402
     TRACE_BLOCK_TOKENS,
@@ -66,7 +72,7 @@ T = 32
 REASONING = 0.4
 ACCURACY = 0.9
 CAPS = {"conversations": [24_000, 48_000, 96_000], "trace": [1_000_000, 3_000_000, 10_000_000]}
-RUNS = ["lru", "hints_0.9", "sessions_0.9", "sessions_frequency_0.9", "optimum"]
+RUNS = ["lru", "hints_0.9", "sessions_close_0.9", "sessions_0.9", "sessions_frequency_0.9", "optimum"]
 
 
 def workload(name: str, trace: str, limit: int) -> list[SimRequest]:
@@ -85,14 +91,23 @@ def replay(
     ends: set[int] | None = None,
     keep: list[int] | None = None,
     policy: str = "lru",
+    groups: list[int] | None = None,
 ) -> tuple[float, dict[str, int]]:
-    """Hit rate of one replay through a fresh manager, and what the sessions' ends did (blocks)."""
+    """Hit rate of one replay through a fresh manager, and what the sessions' ends did (blocks;
+    ``groups``: per request, its session's index: the engine raises the kept prefixes as their
+    sessions' returns near, ``SessionReturns``; counted as ``raised``)."""
     clock = TraceClock()
     m = gpu_manager(cap_tokens, policy, clock, enable_partial_reuse=False)  # (whole blocks, as the optimum counts them)
     hit = total = 0
-    ended = {"dropped": 0, "deferred": 0, "kept": 0}
+    ended = {"dropped": 0, "deferred": 0, "kept": 0, "raised": 0}
+    returns = SessionReturns() if groups is not None and retain is not None else None
     for i, r in enumerate(reqs):
         clock.now = r.arrival_ms / 1000.0
+        if returns is not None:
+            assert retain is not None
+            for k, priority, duration in returns.due(clock.now):
+                m.directives.retain(reqs[k].prompt_tokens()[: kept_prefix(reqs[k], retain[k])], priority, duration)
+                ended["raised"] += 1
         prompt = r.prompt_tokens()
         n = len(prompt)
         tokens = prompt + array("I", range(r.output_base, r.output_base + r.output_length))
@@ -104,6 +119,8 @@ def replay(
             raise SystemExit(f"request {i} did not fit")
         kv.commit(tokens[kv.history_length :])
         kv.close(retain[i] if retain is not None else None)
+        if returns is not None and groups is not None and retain is not None:
+            returns.closed(groups[i], i, clock.now, retain[i])
         if session is not None and ends is not None and i in ends:
             k = keep[i] if keep is not None else 0
             out = m.directives.end(session, prompt[:k] if k else None)
@@ -139,16 +156,19 @@ def main() -> None:
         shared = [p[1] if p is not None else 0 for p in system_prompts(reqs, 1, T)]
         hints = hint_retentions(pauses, ACCURACY, 0, drop=True, shared=shared)
         ids, ends = session_ids(reqs)
+        per_session = session_hints(reqs, ACCURACY, T)
+        groups = sessions_of(reqs)
+        keep = session_templates(reqs, groups, granularity if granularity > 1 else T)
         blocks = block_keys(reqs)
         infinite = belady(blocks, 1 << 40)
         w: dict[str, Any] = {
             "requests": len(reqs),
-            "conversations": len(set(ids)),
+            "sessions": len(set(ids)),
             "infinite": round(infinite, 4),
             "capacities": {},
         }
         doc["workloads"][name] = w
-        print(f"{name}: {len(reqs)} requests, {len(set(ids))} conversations; infinite cache {infinite:.4f}")
+        print(f"{name}: {len(reqs)} requests, {len(set(ids))} sessions; infinite cache {infinite:.4f}")
         for cap in args.caps or CAPS[name]:
             row: dict[str, Any] = {}
             w["capacities"][str(cap)] = row
@@ -162,7 +182,8 @@ def main() -> None:
                     row[run] = round(replay(reqs, cap, list(hints))[0], 4)
                 else:
                     policy = "frequency" if "frequency" in run else "lru"
-                    rate, ended = replay(reqs, cap, with_reasoning_hints(reqs, hints), ids, ends, shared, policy)
+                    raises = None if "close" in run else groups
+                    rate, ended = replay(reqs, cap, list(per_session), ids, ends, keep, policy, raises)
                     row[run] = round(rate, 4)
                     row[f"{run}_ended_blocks"] = ended
                 row[f"{run}_seconds"] = round(time.perf_counter() - t0, 1)
@@ -170,7 +191,7 @@ def main() -> None:
             if "lru" in row:
                 row["lru_of_infinite"] = round(row["lru"] / infinite, 3)
             if "optimum" in row:
-                for run in ("lru", "hints_0.9", "sessions_0.9", "sessions_frequency_0.9"):
+                for run in RUNS[:-1]:
                     if run in row:
                         row[f"{run}_of_optimum"] = round(row[run] / row["optimum"], 3)
             with open(args.json, "w") as f:  # after each capacity: a long run keeps what it measured
