@@ -16,14 +16,28 @@ out, a trace's later prompts never hold outputs), ``close``. Runs:
 * ``hints_0.9``: today's close-time continuation hints (``sim._hints.hint_retentions`` from the
   workload's future, a share 0.1 of the labels flipped, seed 0; a request said not to continue
   drops its blocks after its system prompt);
-* ``sessions_0.9``: the same hints plus sessions (``create_kv_cache(session_id=)``: the
-  conversations, ``sim._hints.session_ids``), ``directives.end`` when a conversation's last turn
-  closes (keeping the system prompt other conversations share), and a token-range hint over each
-  request's reasoning tokens (``DROP_PRIORITY``; ``sim._hints.with_reasoning_hints``);
+* ``sessions_close_0.9``: sessions (``create_kv_cache(session_id=)``, ``sim._sessions.session_ids``:
+  the built-in conversations; the trace's documents, ``document_sessions``: requests whose prompts
+  share a 512-token block beyond their template, the prefix more than 8 conversations start with)
+  and the close-time hints of an engine that knows whether the request's session comes back and
+  after what pause (``sim._hints.session_hints``: the same oracle as ``hints_0.9``, per session
+  instead of per exact continuation, a share 0.1 of the labels flipped, seed 0): one that does
+  keeps the prefix its prompt shares with its session's other requests (its document; a
+  conversation's turn: all of it) at ``keep_priority`` of the pause, the rest (question, output,
+  reasoning) at ``DROP_PRIORITY`` (token-range hints); one that does not drops all but its
+  template; ``directives.end`` when a session's last request closes (keeping the template other
+  sessions share); reasoning tokens dropped by a token-range hint;
+* ``sessions_0.9``: the same, and the engine raises a kept prefix (``directives.retain`` by prefix)
+  each time the time left until its session's predicted return halves, to ``keep_priority`` of
+  the time left (``sim._hints.SessionReturns``: the same knowledge, used as time passes; a
+  priority fixed at close ranks a session due soon below one kept later for a shorter pause);
   ``sessions_frequency_0.9``: the same under ``eviction_policy="frequency"``;
 * ``optimum``: Belady's eviction over the same 32-token prompt blocks knowing the whole future
-  (``retention_hints.belady``: a bound, not a policy; outputs are never reused here, so it never
-  keeps them), and ``infinite``: the hit rate of a cache that never evicts.
+  (``retention_hints.belady``: a bound, not a policy; the same capacity in blocks as the
+  manager's, ``cap // 32``; outputs are never reused here (a trace's later prompts hold none, a
+  built-in next turn leaves the reasoning that starts each answer out, so it diverges there), so
+  it never keeps them; the farthest next use first keeps the cached blocks a prefix-closed set,
+  each one a hit when used), and ``infinite``: the hit rate of a cache that never evicts.
 
 The capacities: per workload, three, including one where LRU reaches at most 0.8 of the infinite
 cache's hit rate. Hit rate = matched prompt tokens / prompt tokens. Output: a table and

@@ -3,14 +3,16 @@
 An engine knows whether a conversation goes on (a tool call is running, a chat is open) and
 roughly when; a trace replay can know it exactly by looking ahead: request ``i`` *continues* when
 a later request's prompt starts with ``i``'s whole prompt, after the pause between their
-arrivals. ``continuation_pauses`` finds that pause; ``hint_retentions`` turns it into the
-close-time retention an engine would send, with a share ``1 - accuracy`` of the labels flipped
-at random (seeded): continues, keep at ``KEEP_PRIORITY`` for the predicted pause (with a margin);
-does not, ``DROP_PRIORITY`` for the blocks after its system prompt (``shared``: the prefix other
-conversations start with, which an engine knows as its template; dropping that too cost more
-than it freed, measured in ``benchmarks/retention_hints.py``). Conversations are the chains of
-``continuers``; ``system_prompts`` finds the prefixes more than N of them share, which
-``--pin-system-prompts N`` pins.
+arrivals. ``continuation_pauses`` (``sim/_sessions.py``) finds that pause; ``hint_retentions``
+turns it into the close-time retention an engine would send, with a share ``1 - accuracy`` of
+the labels flipped at random (seeded): continues, keep at ``KEEP_PRIORITY`` for the predicted
+pause (with a margin); does not, ``DROP_PRIORITY`` for the blocks after its system prompt
+(``shared``: the prefix other conversations start with, which an engine knows as its template;
+dropping that too cost more than it freed, measured in ``benchmarks/retention_hints.py``).
+``system_prompts`` finds the prefixes more than N conversations share, which
+``--pin-system-prompts N`` pins. With sessions (``--sessions``: a trace's documents), the same
+knowledge per session: ``session_hints`` keeps a session's shared prefix until it comes back and
+drops the rest, ``SessionReturns`` raises it as the return nears.
 """
 
 from __future__ import annotations
