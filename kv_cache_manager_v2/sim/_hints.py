@@ -372,13 +372,13 @@ def add_session_options(g: Any) -> None:
     g.add_argument(
         "--sessions",
         action="store_true",
-        help="each request carries its conversation's session id (create_kv_cache(session_id=); the built-in "
-        "conversations, or a trace's prompts extending each other)",
+        help="each request carries its session's id (create_kv_cache(session_id=); the built-in conversations, or "
+        "a trace's documents: prompts sharing a block beyond their template); with --retention-hints, hints per session",
     )
     g.add_argument(
         "--session-end",
         action="store_true",
-        help="with --sessions: when a conversation's last turn closes, its session ends (directives.end: its "
+        help="with --sessions: when a session's last request closes, the session ends (directives.end: its "
         "private blocks leave the cache)",
     )
     g.add_argument(
