@@ -48,12 +48,11 @@ sys.path.insert(0, ROOT)
 
 import kv_cache_manager_v2 as kvm  # noqa: E402
 from kv_cache_manager_v2.sim import SimRequest, load_trace  # noqa: E402
-from kv_cache_manager_v2.sim._hints import (  # noqa: E402
+from kv_cache_manager_v2.sim._hints import hint_retentions, pin_threshold  # noqa: E402
+from kv_cache_manager_v2.sim._sessions import (  # noqa: E402
     continuation_pauses,
     continuers,
     conversations,
-    hint_retentions,
-    pin_threshold,
     shared_prefixes,
 )
 from kv_cache_manager_v2.sim._workload import TRACE_BLOCK_TOKENS  # noqa: E402

@@ -16,14 +16,28 @@ out, a trace's later prompts never hold outputs), ``close``. Runs:
 * ``hints_0.9``: today's close-time continuation hints (``sim._hints.hint_retentions`` from the
   workload's future, a share 0.1 of the labels flipped, seed 0; a request said not to continue
   drops its blocks after its system prompt);
-* ``sessions_0.9``: the same hints plus sessions (``create_kv_cache(session_id=)``: the
-  conversations, ``sim._hints.session_ids``), ``directives.end`` when a conversation's last turn
-  closes (keeping the system prompt other conversations share), and a token-range hint over each
-  request's reasoning tokens (``DROP_PRIORITY``; ``sim._hints.with_reasoning_hints``);
+* ``sessions_close_0.9``: sessions (``create_kv_cache(session_id=)``, ``sim._sessions.session_ids``:
+  the built-in conversations; the trace's documents, ``document_sessions``: requests whose prompts
+  share a 512-token block beyond their template, the prefix more than 8 conversations start with)
+  and the close-time hints of an engine that knows whether the request's session comes back and
+  after what pause (``sim._hints.session_hints``: the same oracle as ``hints_0.9``, per session
+  instead of per exact continuation, a share 0.1 of the labels flipped, seed 0): one that does
+  keeps the prefix its prompt shares with its session's other requests (its document; a
+  conversation's turn: all of it) at ``keep_priority`` of the pause, the rest (question, output,
+  reasoning) at ``DROP_PRIORITY`` (token-range hints); one that does not drops all but its
+  template; ``directives.end`` when a session's last request closes (keeping the template other
+  sessions share); reasoning tokens dropped by a token-range hint;
+* ``sessions_0.9``: the same, and the engine raises a kept prefix (``directives.retain`` by prefix)
+  each time the time left until its session's predicted return halves, to ``keep_priority`` of
+  the time left (``sim._hints.SessionReturns``: the same knowledge, used as time passes; a
+  priority fixed at close ranks a session due soon below one kept later for a shorter pause);
   ``sessions_frequency_0.9``: the same under ``eviction_policy="frequency"``;
 * ``optimum``: Belady's eviction over the same 32-token prompt blocks knowing the whole future
-  (``retention_hints.belady``: a bound, not a policy; outputs are never reused here, so it never
-  keeps them), and ``infinite``: the hit rate of a cache that never evicts.
+  (``retention_hints.belady``: a bound, not a policy; the same capacity in blocks as the
+  manager's, ``cap // 32``; outputs are never reused here (a trace's later prompts hold none, a
+  built-in next turn leaves the reasoning that starts each answer out, so it diverges there), so
+  it never keeps them; the farthest next use first keeps the cached blocks a prefix-closed set,
+  each one a hit when used), and ``infinite``: the hit rate of a cache that never evicts.
 
 The capacities: per workload, three, including one where LRU reaches at most 0.8 of the infinite
 cache's hit rate. Hit rate = matched prompt tokens / prompt tokens. Output: a table and
@@ -49,11 +63,17 @@ from retention_hints import TRACE, TraceClock, belady, block_keys, gpu_manager  
 import kv_cache_manager_v2 as kvm  # noqa: E402
 from kv_cache_manager_v2.sim import SimRequest, load_trace  # noqa: E402
 from kv_cache_manager_v2.sim._hints import (  # noqa: E402
-    continuation_pauses,
+    SessionReturns,
     hint_retentions,
+    kept_prefix,
+    session_hints,
+)
+from kv_cache_manager_v2.sim._sessions import (  # noqa: E402
+    continuation_pauses,
     session_ids,
+    session_templates,
+    sessions_of,
     system_prompts,
-    with_reasoning_hints,
 )
 from kv_cache_manager_v2.sim._workload import (  # noqa: E402
     TRACE_BLOCK_TOKENS,
@@ -66,7 +86,7 @@ T = 32
 REASONING = 0.4
 ACCURACY = 0.9
 CAPS = {"conversations": [24_000, 48_000, 96_000], "trace": [1_000_000, 3_000_000, 10_000_000]}
-RUNS = ["lru", "hints_0.9", "sessions_0.9", "sessions_frequency_0.9", "optimum"]
+RUNS = ["lru", "hints_0.9", "sessions_close_0.9", "sessions_0.9", "sessions_frequency_0.9", "optimum"]
 
 
 def workload(name: str, trace: str, limit: int) -> list[SimRequest]:
@@ -85,14 +105,23 @@ def replay(
     ends: set[int] | None = None,
     keep: list[int] | None = None,
     policy: str = "lru",
+    groups: list[int] | None = None,
 ) -> tuple[float, dict[str, int]]:
-    """Hit rate of one replay through a fresh manager, and what the sessions' ends did (blocks)."""
+    """Hit rate of one replay through a fresh manager, and what the sessions' ends did (blocks;
+    ``groups``: per request, its session's index: the engine raises the kept prefixes as their
+    sessions' returns near, ``SessionReturns``; counted as ``raised``)."""
     clock = TraceClock()
     m = gpu_manager(cap_tokens, policy, clock, enable_partial_reuse=False)  # (whole blocks, as the optimum counts them)
     hit = total = 0
-    ended = {"dropped": 0, "deferred": 0, "kept": 0}
+    ended = {"dropped": 0, "deferred": 0, "kept": 0, "raised": 0}
+    returns = SessionReturns() if groups is not None and retain is not None else None
     for i, r in enumerate(reqs):
         clock.now = r.arrival_ms / 1000.0
+        if returns is not None:
+            assert retain is not None
+            for k, priority, duration in returns.due(clock.now):
+                m.directives.retain(reqs[k].prompt_tokens()[: kept_prefix(reqs[k], retain[k])], priority, duration)
+                ended["raised"] += 1
         prompt = r.prompt_tokens()
         n = len(prompt)
         tokens = prompt + array("I", range(r.output_base, r.output_base + r.output_length))
@@ -104,6 +133,8 @@ def replay(
             raise SystemExit(f"request {i} did not fit")
         kv.commit(tokens[kv.history_length :])
         kv.close(retain[i] if retain is not None else None)
+        if returns is not None and groups is not None and retain is not None:
+            returns.closed(groups[i], i, clock.now, retain[i])
         if session is not None and ends is not None and i in ends:
             k = keep[i] if keep is not None else 0
             out = m.directives.end(session, prompt[:k] if k else None)
@@ -139,16 +170,19 @@ def main() -> None:
         shared = [p[1] if p is not None else 0 for p in system_prompts(reqs, 1, T)]
         hints = hint_retentions(pauses, ACCURACY, 0, drop=True, shared=shared)
         ids, ends = session_ids(reqs)
+        per_session = session_hints(reqs, ACCURACY, T)
+        groups = sessions_of(reqs)
+        keep = session_templates(reqs, groups, granularity if granularity > 1 else T)
         blocks = block_keys(reqs)
         infinite = belady(blocks, 1 << 40)
         w: dict[str, Any] = {
             "requests": len(reqs),
-            "conversations": len(set(ids)),
+            "sessions": len(set(ids)),
             "infinite": round(infinite, 4),
             "capacities": {},
         }
         doc["workloads"][name] = w
-        print(f"{name}: {len(reqs)} requests, {len(set(ids))} conversations; infinite cache {infinite:.4f}")
+        print(f"{name}: {len(reqs)} requests, {len(set(ids))} sessions; infinite cache {infinite:.4f}")
         for cap in args.caps or CAPS[name]:
             row: dict[str, Any] = {}
             w["capacities"][str(cap)] = row
@@ -162,7 +196,8 @@ def main() -> None:
                     row[run] = round(replay(reqs, cap, list(hints))[0], 4)
                 else:
                     policy = "frequency" if "frequency" in run else "lru"
-                    rate, ended = replay(reqs, cap, with_reasoning_hints(reqs, hints), ids, ends, shared, policy)
+                    raises = None if "close" in run else groups
+                    rate, ended = replay(reqs, cap, list(per_session), ids, ends, keep, policy, raises)
                     row[run] = round(rate, 4)
                     row[f"{run}_ended_blocks"] = ended
                 row[f"{run}_seconds"] = round(time.perf_counter() - t0, 1)
@@ -170,7 +205,7 @@ def main() -> None:
             if "lru" in row:
                 row["lru_of_infinite"] = round(row["lru"] / infinite, 3)
             if "optimum" in row:
-                for run in ("lru", "hints_0.9", "sessions_0.9", "sessions_frequency_0.9"):
+                for run in RUNS[:-1]:
                     if run in row:
                         row[f"{run}_of_optimum"] = round(row[run] / row["optimum"], 3)
             with open(args.json, "w") as f:  # after each capacity: a long run keeps what it measured

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -14,22 +15,36 @@ from kv_cache_manager_v2.sim._hints import (
     KEEP_PRIORITY,
     PAUSE_FACTOR,
     PAUSE_SLACK_S,
+    SessionReturns,
     assign_sessions,
-    continuation_pauses,
-    continuers,
-    conversations,
     hint_retentions,
     keep_priority,
+    kept_prefix,
     pin_threshold,
-    session_ids,
-    shared_prefixes,
-    system_prompts,
+    session_hints,
     with_reasoning_hints,
 )
 from kv_cache_manager_v2.sim._models import ModelShape, TierSpec
 from kv_cache_manager_v2.sim._replay_types import SchedulerOptions
 from kv_cache_manager_v2.sim._run import simulate
-from kv_cache_manager_v2.sim._workload import ConversationParams, generate_conversations, mark_reasoning
+from kv_cache_manager_v2.sim._sessions import (
+    continuation_pauses,
+    continuers,
+    conversations,
+    document_sessions,
+    session_ids,
+    session_prefixes,
+    session_templates,
+    shared_prefixes,
+    system_prompts,
+)
+from kv_cache_manager_v2.sim._workload import (
+    TRACE_BLOCK_TOKENS,
+    ConversationParams,
+    _segments_of_blocks,
+    generate_conversations,
+    mark_reasoning,
+)
 
 SMALL = ["--model", "custom", "--layers", "2", "--kv-heads", "1", "--head-dim", "16", "--tokens-per-block", "16"]
 LOAD = ["--conversations", "12", "--turns", "3", "--system-tokens", "300", "--user-tokens", "100"]
@@ -125,6 +140,77 @@ def test_sessions_are_the_conversations_and_their_last_turns_end_them() -> None:
     assign_sessions(reqs, True, 16)
     assert [r.session for r in reqs] == ids and [r.ends_session for r in reqs] == [False, True, True]
     assert [r.session_keep for r in reqs] == [32, 32, 32]  # what the two conversations share
+
+
+def trace_req(index: int, at_s: float, *ids: int) -> SimRequest:
+    """A trace's request: whole 512-token blocks ``ids``."""
+    n = len(ids) * TRACE_BLOCK_TOKENS
+    return SimRequest(index, at_s * 1000.0, _segments_of_blocks(list(ids), n), n, 4, 1 << 31, source_line=index + 1)
+
+
+def documents() -> list[SimRequest]:
+    """Template block 1 shared by 11 conversations; documents A (blocks 10, 11) and B (20, 21)
+    queried again, each request with a question block of its own."""
+    return [
+        trace_req(0, 0.0, 1, 10, 11, 100),  # A
+        trace_req(1, 1.0, 1, 20, 21, 101),  # B
+        trace_req(2, 2.0, 1, 10, 11, 102),  # A again, another question
+        trace_req(3, 3.0, 1, 30, 103),  # alone: the template only
+        trace_req(4, 4.0, 1, 20, 21, 101, 104),  # continues 1 (starts with its whole prompt)
+        trace_req(5, 5.0, 1, 10, 105),  # A's first block only
+        trace_req(6, 6.0, 2, 10, 11),  # A's blocks after another template: another chain
+        *[trace_req(7 + k, 7.0 + k, 1, 40 + k) for k in range(6)],
+    ]
+
+
+def test_a_traces_sessions_are_the_documents_its_prompts_share_beyond_their_template() -> None:
+    reqs = documents()
+    alone = list(range(6, 13))
+    assert document_sessions(reqs, TRACE_BLOCK_TOKENS) == [0, 1, 0, 3, 1, 0, *alone]
+    assert document_sessions(reqs, TRACE_BLOCK_TOKENS, min_blocks=2) == [0, 1, 0, 3, 1, 5, *alone]
+    # a template is a prefix more than N conversations start with: below that, block 1 is a document
+    assert document_sessions(reqs, TRACE_BLOCK_TOKENS, template_conversations=11) == [0] * 6 + [6] + [0] * 6
+    ids, ends = session_ids(reqs)
+    assert ids[0] == ids[2] == ids[5] != ids[1] == ids[4] and len(set(ids)) == 10
+    assert ends == {3, 4, 5, *alone}  # each session's last request
+    sessions = document_sessions(reqs, TRACE_BLOCK_TOKENS)
+    # the prefix each shares with its session's other requests (None: all of it, or nobody)
+    b = TRACE_BLOCK_TOKENS
+    assert session_prefixes(reqs, sessions, b)[:7] == [3 * b, None, 3 * b, None, 4 * b, 2 * b, None]
+    assert session_templates(reqs, sessions, b) == [b] * 6 + [0] + [b] * 6  # block 1: other sessions'
+    assign_sessions(reqs, True, 16)
+    assert [r.session for r in reqs] == ids and [r.session_keep for r in reqs] == [b] * 6 + [0] + [b] * 6
+
+
+def test_session_hints_keep_a_sessions_document_until_it_comes_back() -> None:
+    reqs = documents()
+    b = TRACE_BLOCK_TOKENS
+    hints = session_hints(reqs, 1.0, 16)
+    # 0: A comes back at 2 s (request 2): its document kept for that pause, its question dropped
+    assert hints[0] == [
+        Retention(keep_priority(2.0), 2.0 * PAUSE_FACTOR + PAUSE_SLACK_S, 0, 3 * b),
+        Retention(0, None, 3 * b),
+    ]
+    assert hints[2] == [
+        Retention(keep_priority(3.0), 3.0 * PAUSE_FACTOR + PAUSE_SLACK_S, 0, 3 * b),
+        Retention(0, None, 3 * b),
+    ]
+    assert hints[1] == [Retention(keep_priority(3.0), 3.0 * PAUSE_FACTOR + PAUSE_SLACK_S)]  # 4 extends it whole
+    assert hints[5] == hints[3] == [Retention(DROP_PRIORITY, None, b)]  # last of its session: all but the template
+    assert hints[6] == [Retention(DROP_PRIORITY)]
+    flipped = session_hints(reqs, 0.0, 16)
+    assert flipped[0] == [Retention(DROP_PRIORITY, None, b)]
+    median = sorted([2.0, 3.0, 3.0])[1]
+    keep = Retention(keep_priority(median), median * PAUSE_FACTOR + PAUSE_SLACK_S, 0, 2 * b)
+    assert flipped[5] == [keep, Retention(DROP_PRIORITY, None, 2 * b)]  # wrongly kept: its document
+    mark_reasoning(reqs, 0.5)  # (4 output tokens: 2 of reasoning)
+    last = reqs[3].prompt_length
+    assert session_hints(reqs, 1.0, 16)[3] == [Retention(0, None, b, last), Retention(0, None, last, last + 2)]
+    # a share 1 - accuracy of the labels flipped: 100 documents queried 4 times, 300 come back
+    many = [trace_req(i, i * 0.1, 1000 + i % 100, 5000 + i) for i in range(400)]
+    got = session_hints(many, 0.9, 16, seed=3)
+    wrong = sum((h[0].priority == DROP_PRIORITY) == (i < 300) for i, h in enumerate(got))
+    assert 20 <= wrong <= 60 and got == session_hints(many, 0.9, 16, seed=3)
 
 
 def test_the_simulator_runs_sessions_their_end_and_reasoning_hints(capsys: pytest.CaptureFixture[str]) -> None:
@@ -284,3 +370,42 @@ def test_the_hints_sweep_reports_each_accuracy_against_one_replay_without(
     out = capsys.readouterr().out
     assert "retention hints (accuracy 0.5" in out and "retention hints (accuracy 1," in out
     assert "pinned prefixes (shared by more than 3 conversations)" in out
+
+
+def test_session_returns_raise_a_kept_prefix_as_its_session_nears() -> None:
+    returns = SessionReturns()
+    keep = [Retention(keep_priority(64.0), 64.0 * PAUSE_FACTOR + PAUSE_SLACK_S, 0, 1024), Retention(0, None, 1024)]
+    returns.closed(7, 0, 10.0, keep)  # session 7 expected back at 74 s
+    assert returns.due(41.9) == []  # (the first raise when half the pause is left)
+    assert returns.due(42.0) == [(0, keep_priority(32.0), 32.0 * PAUSE_FACTOR + PAUSE_SLACK_S)]
+    assert keep_priority(32.0) > keep[0].priority
+    assert returns.due(58.0) == [(0, keep_priority(16.0), 16.0 * PAUSE_FACTOR + PAUSE_SLACK_S)]
+    returns.closed(7, 3, 60.0, [Retention(DROP_PRIORITY, None, 512)])  # it came back: nothing more for 0
+    returns.closed(8, 4, 60.0, [Retention(DROP_PRIORITY)])  # a drop: nothing to raise
+    assert returns.due(1000.0) == []
+    r = trace_req(0, 0.0, 1, 2, 3)
+    assert kept_prefix(r, keep) == 1024 and kept_prefix(r, [Retention(90, 5.0)]) == 3 * TRACE_BLOCK_TOKENS
+
+
+def test_the_simulator_derives_a_traces_sessions_from_its_documents(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    # 8 documents after one template, each queried 4 times with a question of its own, in turn
+    lines = [
+        json.dumps(
+            {"timestamp": 200 * i, "input_length": 1536, "output_length": 4, "hash_ids": [0, 100 + i % 8, 1000 + i]}
+        )
+        for i in range(32)
+    ]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    args = [*SMALL, "--trace", str(path), "--gpu", "8000tok", "--no-progress", "--json", "-"]
+    assert main([*args, "--sessions", "--session-end", "--retention-hints", "0.9"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["sessions"]["sessions"] == 8 and rep["sessions"]["ended_blocks"]["dropped"] > 0
+    h = rep["retention_hints"]
+    assert h["continued_share"] == 0.75  # each document but its last query comes back
+    # every document's later queries reuse it whole (the template and document blocks: 55 of 96 blocks)
+    assert h["token_hit_rate"] == pytest.approx(55 / 96, abs=1e-3)
+    assert h["token_hit_rate"] > h["token_hit_rate_without"] + 0.1
+    assert h["sessions_raised"] > 0  # kept documents raised as their next query neared

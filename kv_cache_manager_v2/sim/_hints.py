@@ -3,14 +3,16 @@
 An engine knows whether a conversation goes on (a tool call is running, a chat is open) and
 roughly when; a trace replay can know it exactly by looking ahead: request ``i`` *continues* when
 a later request's prompt starts with ``i``'s whole prompt, after the pause between their
-arrivals. ``continuation_pauses`` finds that pause; ``hint_retentions`` turns it into the
-close-time retention an engine would send, with a share ``1 - accuracy`` of the labels flipped
-at random (seeded): continues, keep at ``KEEP_PRIORITY`` for the predicted pause (with a margin);
-does not, ``DROP_PRIORITY`` for the blocks after its system prompt (``shared``: the prefix other
-conversations start with, which an engine knows as its template; dropping that too cost more
-than it freed, measured in ``benchmarks/retention_hints.py``). Conversations are the chains of
-``continuers``; ``system_prompts`` finds the prefixes more than N of them share, which
-``--pin-system-prompts N`` pins.
+arrivals. ``continuation_pauses`` (``sim/_sessions.py``) finds that pause; ``hint_retentions``
+turns it into the close-time retention an engine would send, with a share ``1 - accuracy`` of
+the labels flipped at random (seeded): continues, keep at ``KEEP_PRIORITY`` for the predicted
+pause (with a margin); does not, ``DROP_PRIORITY`` for the blocks after its system prompt
+(``shared``: the prefix other conversations start with, which an engine knows as its template;
+dropping that too cost more than it freed, measured in ``benchmarks/retention_hints.py``).
+``system_prompts`` finds the prefixes more than N conversations share, which
+``--pin-system-prompts N`` pins. With sessions (``--sessions``: a trace's documents), the same
+knowledge per session: ``session_hints`` keeps a session's shared prefix until it comes back and
+drops the rest, ``SessionReturns`` raises it as the return nears.
 """
 
 from __future__ import annotations
@@ -19,14 +21,25 @@ import heapq
 import math
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
-from .._common import DEFAULT_PRIORITY, SessionId
+from .._common import DEFAULT_PRIORITY, SessionId, TokenIdExt
 from .._config import KVCacheManagerConfig
 from .._retention import Retention
 from ._models import SimUserError, format_bytes
 from ._replay import Replay
 from ._replay_types import ReplayResult, SchedulerOptions
+from ._sessions import (
+    continuation_pauses,
+    prefix_users,
+    session_ids,
+    session_pauses,
+    session_prefixes,
+    session_templates,
+    sessions_of,
+    system_prompts,
+    trace_granularity,
+)
 from ._workload import TRACE_BLOCK_TOKENS, SimRequest
 
 #: priority of a conversation that continues within a second (longer pauses: lower, down to
@@ -45,86 +58,11 @@ HINTS_HELP = (
 )
 
 
-def continuation_pauses(requests: Sequence[SimRequest], granularity: int = 1) -> list[float | None]:
-    """Per request, seconds until the first later request whose prompt starts with its prompt
-    (its conversation continues), or None. ``granularity``: prompts are compared up to their last
-    multiple of this many tokens (a trace's 512-token blocks: a trace names a prompt's partial
-    last block apart from the full block a later turn holds there; shorter prompts never continue)."""
-    return [
-        (requests[j].arrival_ms - requests[i].arrival_ms) / 1000.0 if j is not None else None
-        for i, j in enumerate(continuers(requests, granularity))
-    ]
-
-
-def continuers(requests: Sequence[SimRequest], granularity: int = 1) -> list[int | None]:
-    """Per request, the index of the first later request whose prompt starts with its prompt
-    (see ``continuation_pauses``), or None."""
-    order = sorted(range(len(requests)), key=lambda k: (requests[k].arrival_ms, k))
-    chain_ids: dict[tuple[int, int, int], int] = {}  # (parent chain, first, count) -> chain id
-    # requests waiting for a continuation, by (chain of all but their last run, last run's first
-    # token): (last run's length, request)
-    waiting: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    out: list[int | None] = [None] * len(requests)
-    for j in order:
-        req = requests[j]
-        segs = _truncated(req.prompt_segments, req.prompt_length // granularity * granularity)
-        parent = -1
-        for first, count in segs:  # every waiting prompt this one extends
-            group = waiting.get((parent, first))
-            if group is not None:
-                kept = [(n, i) for n, i in group if n > count]
-                for n, i in group:
-                    if n <= count:
-                        out[i] = j
-                if kept:
-                    waiting[(parent, first)] = kept
-                else:
-                    del waiting[(parent, first)]
-            key = (parent, first, count)
-            parent = chain_ids.setdefault(key, len(chain_ids))
-        if segs:
-            prefix = -1
-            for first, count in segs[:-1]:
-                prefix = chain_ids[(prefix, first, count)]
-            waiting.setdefault((prefix, segs[-1][0]), []).append((segs[-1][1], j))
-    return out
-
-
-def conversations(next_turn: Sequence[int | None]) -> list[int]:
-    """Per request, its conversation (the index of the conversation's last request), following
-    ``continuers``' links."""
-    out = [-1] * len(next_turn)
-    for i in range(len(next_turn)):
-        path = []
-        k = i
-        while out[k] < 0:
-            path.append(k)
-            nxt = next_turn[k]
-            if nxt is None:
-                out[k] = k
-                break
-            k = nxt
-        for p in path:
-            out[p] = out[k]
-    return out
-
-
 def keep_priority(pause_s: float) -> int:
     """The priority of a conversation expected back in ``pause_s`` seconds: the sooner, the higher
     (where kept conversations compete for memory, the one needed last goes first), from
     ``KEEP_PRIORITY`` (a pause of a second or less) down to just above the default."""
     return max(DEFAULT_PRIORITY + 1, KEEP_PRIORITY - int(PRIORITY_PER_DOUBLING * math.log2(max(1.0, pause_s))))
-
-
-def _truncated(segments: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
-    """The token runs of the first ``length`` tokens of ``segments``."""
-    out: list[tuple[int, int]] = []
-    for first, count in segments:
-        if length <= 0:
-            break
-        out.append((first, min(count, length)))
-        length -= count
-    return out
 
 
 def hint_retentions(
@@ -162,23 +100,6 @@ def hint_retentions(
     return out
 
 
-def shared_prefixes(
-    requests: Sequence[SimRequest], more_than: int, granularity: int, conversation: Sequence[int] | None = None
-) -> list[tuple[int, int] | None]:
-    """Per request, the longest prefix of its prompt that more than ``more_than`` requests of the
-    workload start with (``conversation``, per request: more than that many distinct
-    conversations), as (prefix id, tokens), or None; prompts are compared in whole runs of
-    ``granularity`` tokens (a block)."""
-    paths, users = _prefix_users(requests, granularity, conversation)
-    out: list[tuple[int, int] | None] = []
-    for path in paths:
-        depth = 0
-        while depth < len(path) and users[path[depth]] > more_than:
-            depth += 1
-        out.append((path[depth - 1], depth * granularity) if depth else None)
-    return out
-
-
 def pin_threshold(
     requests: Sequence[SimRequest],
     budget_tokens: int,
@@ -189,7 +110,7 @@ def pin_threshold(
     """The smallest N of 2, 4, 8, ... for which pinning each prefix that at least N conversations
     (or requests) start with, for ``duration_s`` after each use, never holds more than
     ``budget_tokens`` pinned at once (a pin share of the cache): the most shared prompts first."""
-    paths, users = _prefix_users(requests, granularity, conversation)
+    paths, users = prefix_users(requests, granularity, conversation)
     order = sorted(range(len(requests)), key=lambda k: (requests[k].arrival_ms, k))
     n = 2
     while True:
@@ -211,50 +132,6 @@ def pin_threshold(
         if peak * granularity <= budget_tokens or peak == 0:
             return n
         n *= 2
-
-
-def _prefix_users(
-    requests: Sequence[SimRequest], granularity: int, conversation: Sequence[int] | None
-) -> tuple[list[list[int]], list[int]]:
-    """Each request's prompt as a path of prefix ids (one per whole block), and per prefix id the
-    number of requests (or distinct ``conversation`` ids) that start with it."""
-    ids: dict[tuple[int, tuple[tuple[int, int], ...]], int] = {}  # (parent prefix, next chunk) -> prefix id
-    users: list[set[int]] = []
-    paths: list[list[int]] = []
-    for i, r in enumerate(requests):
-        who = conversation[i] if conversation is not None else i
-        path: list[int] = []
-        prefix = -1
-        for chunk in _chunks(r.prompt_segments, r.prompt_length // granularity, granularity):
-            prefix = ids.setdefault((prefix, chunk), len(ids))
-            if prefix == len(users):
-                users.append(set())
-            users[prefix].add(who)
-            path.append(prefix)
-        paths.append(path)
-    return paths, [len(u) for u in users]
-
-
-def _chunks(segments: list[tuple[int, int]], num: int, size: int) -> list[tuple[tuple[int, int], ...]]:
-    """The first ``num`` chunks of ``size`` tokens of ``segments``, each as its token runs (merged)."""
-    out: list[tuple[tuple[int, int], ...]] = []
-    cur: list[tuple[int, int]] = []
-    room = size
-    for first, count in segments:
-        while count and len(out) < num:
-            n = min(count, room)
-            if cur and cur[-1][0] + cur[-1][1] == first:  # adjacent runs: one (the same tokens compare equal)
-                cur[-1] = (cur[-1][0], cur[-1][1] + n)
-            else:
-                cur.append((first, n))
-            first += n
-            count -= n
-            room -= n
-            if not room:
-                out.append(tuple(cur))
-                cur = []
-                room = size
-    return out
 
 
 def check_pin_share(more_than: int | None) -> None:
@@ -281,24 +158,78 @@ def check_accuracy(accuracy: float | None) -> None:
         raise SimUserError(f"--retention-hints must be an accuracy in [0, 1], got {accuracy:g}")
 
 
-def system_prompts(requests: Sequence[SimRequest], more_than: int, granularity: int) -> list[tuple[int, int] | None]:
-    """``shared_prefixes`` of distinct conversations (chains of ``continuers``): what an engine
-    knows as a system prompt or template, shared by more than ``more_than`` conversations."""
-    talks = conversations(continuers(requests, _trace_granularity(requests)))
-    return shared_prefixes(requests, more_than, granularity, talks)
+def session_hints(
+    requests: Sequence[SimRequest], accuracy: float, tokens_per_block: int, seed: int = 0, time_scale: float = 1.0
+) -> list[list[Retention]]:
+    """Per request, the close-time hints of an engine that knows (a share ``1 - accuracy`` of the
+    labels flipped, seeded, as ``hint_retentions``) whether the request's session comes back and
+    after what pause: one that does keeps the prefix its prompt shares with the session's other
+    requests (``session_prefixes``: its document) at ``keep_priority`` for the predicted pause,
+    its private rest (question, output) at ``DROP_PRIORITY``, or, where the session's requests
+    extend it whole (a conversation), all of it but its reasoning (``with_reasoning_hints``);
+    one that does not drops all but the prefix other sessions share (``session_templates``).
+    Pauses in the requests' time (``arrival_ms``, times ``time_scale``); prefixes in whole blocks
+    (a trace's, else ``tokens_per_block``)."""
+    sessions = sessions_of(requests)
+    pauses = [p * time_scale if p is not None else None for p in session_pauses(requests, sessions)]
+    granularity = TRACE_BLOCK_TOKENS if trace_granularity(requests) > 1 else tokens_per_block
+    keeps = session_prefixes(requests, sessions, granularity)
+    shared = session_templates(requests, sessions, granularity)
+    hints = hint_retentions(pauses, accuracy, seed, drop=True, shared=shared)
+    out: list[list[Retention]] = []
+    for hint, keep in zip(with_reasoning_hints(requests, hints), keeps):
+        h = hint[0] if isinstance(hint, list) else hint
+        assert h is not None
+        if h.priority == DROP_PRIORITY or keep is None:
+            out.append(hint if isinstance(hint, list) else [h])
+        else:  # its document kept, the rest (question, output, reasoning) dropped
+            out.append([Retention(h.priority, h.duration_s, 0, keep), Retention(DROP_PRIORITY, None, keep)])
+    return out
 
 
-def _trace_granularity(requests: Sequence[SimRequest]) -> int:
-    """Prompts of a trace are compared in its 512-token blocks (see ``continuation_pauses``)."""
-    return TRACE_BLOCK_TOKENS if requests and requests[0].source_line else 1
+class SessionReturns:
+    """What an engine that knows when a session comes back does while it waits: a priority set at
+    close goes stale (a session kept long ago for a long pause ranks below one kept just now for
+    a shorter one, though it is due sooner), so each time the time left until the session's
+    predicted return halves, the engine raises its kept prefix (``directives.retain`` by prefix)
+    to ``keep_priority`` of the time left, for as long as the close-time hint keeps it. The same
+    knowledge as the hint (when the session comes back), used as time passes."""
+
+    def __init__(self) -> None:
+        #: (when, session, request, its predicted return, its priority now), a heap
+        self._due: list[tuple[float, int, int, float, int]] = []
+        self._latest: dict[int, int] = {}  # session -> its request closed last
+
+    def closed(self, session: int, request: int, now_s: float, hints: Sequence[Retention]) -> None:
+        """``request`` of ``session`` closed at ``now_s`` with ``hints`` (``session_hints``)."""
+        self._latest[session] = request
+        keep = hints[0]
+        if keep.priority == DROP_PRIORITY or keep.duration_s is None:
+            return
+        pause = (keep.duration_s - PAUSE_SLACK_S) / PAUSE_FACTOR  # the predicted pause (``hint_retentions``)
+        heapq.heappush(self._due, (now_s + pause / 2, session, request, now_s + pause, keep.priority))
+
+    def due(self, now_s: float) -> list[tuple[int, int, float]]:
+        """The raises due by ``now_s``, in order: (the request whose kept prefix, priority, duration_s)."""
+        out: list[tuple[int, int, float]] = []
+        while self._due and self._due[0][0] <= now_s:
+            entry = heapq.heappop(self._due)
+            session, request, back, priority = entry[1], entry[2], entry[3], entry[4]
+            left = back - now_s
+            if self._latest.get(session) != request or left <= 0.0:
+                continue  # (its session came back since, or is late)
+            raised = keep_priority(left)
+            if raised > priority:
+                out.append((request, raised, left * PAUSE_FACTOR + PAUSE_SLACK_S))
+            if left > 1.0:
+                heapq.heappush(self._due, (now_s + left / 2, session, request, back, max(raised, priority)))
+        return out
 
 
-def session_ids(requests: Sequence[SimRequest]) -> tuple[list[str], set[int]]:
-    """``--sessions``: per request, the session id of its conversation (the chains of
-    ``continuers``: the built-in workload's conversations; a trace's prompts extending each other),
-    and the requests that end a conversation (its last turn: ``--session-end``)."""
-    talks = conversations(continuers(requests, _trace_granularity(requests)))
-    return [f"conversation-{t}" for t in talks], {i for i, t in enumerate(talks) if t == i}
+def kept_prefix(request: SimRequest, hints: Sequence[Retention]) -> int:
+    """The tokens of ``request``'s prompt its keep hint (``session_hints``, first) covers."""
+    end = hints[0].end
+    return request.prompt_length if end is None else min(end, request.prompt_length)
 
 
 def with_reasoning_hints(
@@ -322,17 +253,17 @@ def with_reasoning_hints(
 
 
 def assign_sessions(requests: Sequence[SimRequest], end: bool, tokens_per_block: int) -> None:
-    """``--sessions``: each request's ``session`` is its conversation's (``session_ids``); with
-    ``end`` (``--session-end``) a conversation's last turn ends it, keeping the system prompt its
-    requests share with other conversations (the engine knows its templates; the first
-    conversation of one publishes it)."""
+    """``--sessions``: each request's ``session`` is its session's (``session_ids``: the built-in
+    conversations, a trace's documents); with ``end`` (``--session-end``) a session's last request
+    ends it, keeping the template its requests share with other sessions (``session_templates``:
+    the engine knows its templates; the first session of one publishes it)."""
     ids, ends = session_ids(requests)
-    shared = system_prompts(requests, 1, tokens_per_block) if end else []
+    granularity = TRACE_BLOCK_TOKENS if trace_granularity(requests) > 1 else tokens_per_block
+    shared = session_templates(requests, sessions_of(requests), granularity) if end else []
     for i, r in enumerate(requests):
         r.session = SessionId(ids[i])
         r.ends_session = end and i in ends
-        prefix = shared[i] if shared else None
-        r.session_keep = prefix[1] if prefix is not None else 0
+        r.session_keep = shared[i] if shared else 0
 
 
 def replay_with_hints(
@@ -352,14 +283,26 @@ def replay_with_hints(
     conversations); the report's ``retention_hints`` part (``without``: the token hit rate of the
     replay without hints; ``pins``, ``pin_duration_s``: the replay's ``Replay.pins``,
     ``pin_duration_s``; ``scale``: the model's bytes per proxy byte). Requests with reasoning
-    tokens add a token-range hint over them (``with_reasoning_hints``)."""
-    pauses = continuation_pauses(requests, _trace_granularity(requests))
+    tokens add a token-range hint over them (``with_reasoning_hints``). With ``--sessions``: the
+    hints of ``session_hints``, the kept prefixes raised as their sessions' returns near
+    (``SessionReturns``)."""
+    groups = sessions_of(requests) if any(r.session is not None for r in requests) else None
+    if groups is not None:
+        pauses = session_pauses(requests, groups)
+    else:
+        pauses = continuation_pauses(requests, trace_granularity(requests))
     scaled = [p * options.time_scale if p is not None else None for p in pauses]
-    shared = [p[1] if p is not None else 0 for p in system_prompts(requests, 1, config.tokens_per_block)]
     replay = Replay(config, requests, options, bytes_scale=scale)
-    hints = hint_retentions(scaled, accuracy, seed, drop=True, shared=shared)
     reasoning = any(r.reasoning for r in requests)
-    replay.retain = with_reasoning_hints(requests, hints) if reasoning else hints
+    raised: list[int] = []
+    if groups is not None:
+        per_session = session_hints(requests, accuracy, config.tokens_per_block, seed, options.time_scale)
+        replay.retain = per_session
+        raised = follow_returns(replay, requests, groups, per_session)
+    else:
+        shared = [p[1] if p is not None else 0 for p in system_prompts(requests, 1, config.tokens_per_block)]
+        hints = hint_retentions(scaled, accuracy, seed, drop=True, shared=shared)
+        replay.retain = with_reasoning_hints(requests, hints) if reasoning else hints
     replay.pins = pins
     replay.pin_duration_s = pin_duration_s
     result = replay.run()
@@ -367,6 +310,8 @@ def replay_with_hints(
     extra: dict[str, Any] = {"reasoning_hints": True} if reasoning else {}
     if any(r.ends_session for r in requests):
         extra["sessions_ended_blocks"] = result_ended(result)
+    if groups is not None:
+        extra["sessions_raised"] = raised[0]
     return {
         **extra,
         "accuracy": accuracy,
@@ -377,6 +322,30 @@ def replay_with_hints(
         "token_hit_rate_without": without,
         "peak_retained_bytes": int(result.levels[0].peak_retained * scale),
     }
+
+
+def follow_returns(
+    replay: Replay, requests: Sequence[SimRequest], groups: Sequence[int], hints: Sequence[Sequence[Retention]]
+) -> list[int]:
+    """The engine of ``SessionReturns`` in ``replay``: each finished request's keep hint
+    scheduled, each step's due raises sent (``directives.retain`` by prefix); returns a counter of
+    the raises (one item, counted as the replay runs)."""
+    returns = SessionReturns()
+    raised = [0]
+    manager = replay.rm.manager
+
+    def step(_rm: object) -> None:
+        for k, priority, duration_s in returns.due(replay.clock / 1000.0):
+            tokens = requests[k].prompt_tokens()[: kept_prefix(requests[k], hints[k])]
+            manager.directives.retain(cast("Sequence[TokenIdExt]", tokens), priority, duration_s)
+            raised[0] += 1
+
+    def close(index: int) -> None:
+        returns.closed(groups[index], index, replay.clock / 1000.0, hints[index])
+
+    replay.on_step = step
+    replay.on_close = close
+    return raised
 
 
 def result_ended(result: ReplayResult) -> dict[str, int]:
@@ -403,13 +372,13 @@ def add_session_options(g: Any) -> None:
     g.add_argument(
         "--sessions",
         action="store_true",
-        help="each request carries its conversation's session id (create_kv_cache(session_id=); the built-in "
-        "conversations, or a trace's prompts extending each other)",
+        help="each request carries its session's id (create_kv_cache(session_id=); the built-in conversations, or "
+        "a trace's documents: prompts sharing a block beyond their template); with --retention-hints, hints per session",
     )
     g.add_argument(
         "--session-end",
         action="store_true",
-        help="with --sessions: when a conversation's last turn closes, its session ends (directives.end: its "
+        help="with --sessions: when a session's last request closes, the session ends (directives.end: its "
         "private blocks leave the cache)",
     )
     g.add_argument(

@@ -112,6 +112,7 @@ class Replay:
         self.progress = progress
         self.on_step = on_step  #: called after every step (tests run the invariant checker there)
         self.on_finish = on_finish  #: called once at the end, before the manager is shut down (final metrics)
+        self.on_close: Callable[[int], None] | None = None  #: called with a request's index once it closed
         self.result = ReplayResult(self.t, num_requests=len(requests))
         set_workload_bounds(self.result, requests, options)
         self.arrivals: list[tuple[float, int]] = []
@@ -353,7 +354,7 @@ class Replay:
         for live in finished:
             live.req.state = RequestState.FINISHED
             self.rm.free_resources(live.req, self.retain[live.sim.index] if self.retain is not None else None)
-            if self.pins is not None or live.sim.ends_session:
+            if self.pins is not None or live.sim.ends_session or self.on_close is not None:
                 closed(self, live)
         self._step_manager_s += _clock() - t0
         if self.count_manager_time:
@@ -565,12 +566,15 @@ class Replay:
 
 
 def closed(replay: Replay, live: Live) -> None:
-    """A request finished: its shared prefix pinned (``Replay.pins``), its session ended when it
-    was its conversation's last turn (``--session-end``: ``directives.end``, keeping the shared
-    system prompt; what it did counted in ``ReplayResult.sessions_ended``)."""
+    """A request finished: its shared prefix pinned (``Replay.pins``), ``Replay.on_close`` told,
+    its session ended when it was its session's last request (``--session-end``:
+    ``directives.end``, keeping the shared template; what it did counted in
+    ``ReplayResult.sessions_ended``)."""
     if replay.pins is not None:
         replay._pin_shared(live)
     sim = live.sim
+    if replay.on_close is not None:
+        replay.on_close(sim.index)
     if sim.ends_session and sim.session is not None:
         keep = sim.prompt_tokens()[: sim.session_keep] if sim.session_keep else None
         out = replay.rm.manager.directives.end(sim.session, cast("Sequence[TokenIdExt] | None", keep))

@@ -19,9 +19,9 @@ from typing import Any
 
 import kv_cache_manager_v2 as kvm
 
-from . import _hints
+from . import _hints, _sessions
 from ._fleet import format_routing, routing_choice, simulate_routing
-from ._hints import HINTS_SWEEP_KEY, check_accuracy, check_pin_share, format_hints, replay_with_hints, system_prompts
+from ._hints import HINTS_SWEEP_KEY, check_accuracy, check_pin_share, format_hints, replay_with_hints
 from ._latency import Slo, compared_rows, latency_report
 from ._models import (
     SSM_KV_ONLY,
@@ -167,7 +167,7 @@ def simulate(
         raise SimUserError(f"the manager refused this configuration: {e}") from None
     except (OSError, MemoryError, OverflowError, kvm.OutOfMemoryError) as e:
         raise _pool_error(e, tiers, check_data) from None
-    pins = system_prompts(requests, pin_shared, tokens_per_block) if pin_shared is not None else None
+    pins = _sessions.system_prompts(requests, pin_shared, tokens_per_block) if pin_shared is not None else None
     replay.pins = pins
     replay.pin_duration_s = pin_duration
     result = replay.run()
