@@ -102,8 +102,13 @@ def test_the_simulator_reports_the_hit_rate_with_and_without_hints(
     assert h["accuracy"] == 1.0 and h["token_hit_rate_without"] == plain["hit_rate"]["tokens"]
     assert h["continued_share"] >= 0.4  # conversations of ~3 turns: all but their last continue
     assert h["token_hit_rate"] > h["token_hit_rate_without"]
+    # the hinted replay's time to first token, beside the report's own (without hints): more
+    # reuse, less prefill, never a later first token on average here
+    assert h["ttft_s"]["requests"] == plain["latency"]["ttft_s"]["requests"]
+    assert 0.0 < h["ttft_s"]["mean"] <= plain["latency"]["ttft_s"]["mean"]
     assert main([*args, "--retention-hints", "0.5"]) == 0
-    assert "retention hints (accuracy 0.5" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "retention hints (accuracy 0.5" in text and "time to first token with them: mean " in text
 
 
 def test_reasoning_is_left_out_of_the_next_turn_and_hinted_over_its_token_range() -> None:

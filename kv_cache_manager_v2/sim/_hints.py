@@ -26,6 +26,7 @@ from typing import Any, cast
 from .._common import DEFAULT_PRIORITY, SessionId, TokenIdExt
 from .._config import KVCacheManagerConfig
 from .._retention import Retention
+from ._latency import seconds, summary
 from ._models import SimUserError, format_bytes
 from ._replay import Replay
 from ._replay_types import ReplayResult, SchedulerOptions
@@ -321,6 +322,7 @@ def replay_with_hints(
         "token_hit_rate": round(result.reused_tokens / result.prompt_tokens, 4) if result.prompt_tokens else 0.0,
         "token_hit_rate_without": without,
         "peak_retained_bytes": int(result.levels[0].peak_retained * scale),
+        "ttft_s": summary(result.ttft_ms),
     }
 
 
@@ -416,4 +418,7 @@ def format_hints(rep: dict[str, Any]) -> str:
             f"token hit rate {h['token_hit_rate']:.3f} with, {h['token_hit_rate_without']:.3f} without; "
             f"up to {format_bytes(h['peak_retained_bytes'])} retained on the GPU tier"
         )
+        ttft = h.get("ttft_s")
+        if ttft is not None:  # (without: the report's own time to first token)
+            out += f"; time to first token with them: mean {seconds(ttft['mean'])}, p90 {seconds(ttft['p90'])}"
     return out
