@@ -424,6 +424,40 @@ def test_a_cut_must_save_a_blocks_time(mk: Any) -> None:
     assert planner.plan(levels, 2, 3) == (2 * T, pytest.approx(0.008), pytest.approx(-0.000125))
 
 
+def test_disk_reads_cost_whole_steps(mk: Any) -> None:
+    """A request reading from disk waits apart from the engine's steps and joins the first that
+    starts after its reads: with the step time known they cost whole steps. At 20 ms a block every
+    block loads (savings 19, 38, 48, 58 ms: host 1 ms a page, disk 10). With 100 ms steps the disk
+    blocks' reads (22 ms with the host's) cost a step: 80 - 100 ms, while two host blocks
+    (copies within the step) still save 38 ms: the plan takes those. With 25 ms steps the whole
+    match costs one step and saves 55 ms, more than the host blocks."""
+    m = mk("auto", TWENTY_MS)
+    engine = FakeEngine(m)
+    spread(m, engine)
+    assert m.probe_reuse(None, PROMPT) == 4 * T
+    m.set_step_time(0.1)
+    assert m.probe_reuse_levels(None, PROMPT) == [1, 1]
+    m.set_step_time(0.025)
+    assert m.probe_reuse(None, PROMPT) == 4 * T
+    m.set_step_time(0.1)
+    for bad, error, message in (
+        (0.0, ValueError, "seconds must be a finite number > 0"),
+        (-1.0, ValueError, "seconds must be a finite number > 0"),
+        (True, TypeError, "seconds must be a number"),
+        ("1", TypeError, "seconds must be a number"),
+    ):
+        with pytest.raises(error, match=message):
+            m.set_step_time(bad)
+    assert m.probe_reuse(None, PROMPT) == 2 * T  # (unchanged by the refusals)
+    m.set_step_time(None)  # unknown again: reads cost their time
+    assert m.probe_reuse(None, PROMPT) == 4 * T
+    m.set_step_time(0.1)
+    assert take(m, engine, PROMPT) == 2 * T
+    s = m.load_plan_statistics
+    assert s.loaded_tokens == (0, 2 * T, 0) and s.recomputed_tokens == (0, 0, 2 * T)
+    assert s.saved_s == pytest.approx(0.038) and s.cut_saved_s == pytest.approx(0.058)
+
+
 @pytest.mark.parametrize(("policy", "rate"), [("always", None), ("auto", None), ("always", TWENTY_MS)])
 def test_blocks_fetched_whole_count_as_the_remote_tiers(redis_server: Any, policy: str, rate: float | None) -> None:
     """A match taken whole ("always", "auto" without a rate) counts the blocks it fetched as the

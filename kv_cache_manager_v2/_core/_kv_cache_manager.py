@@ -356,6 +356,15 @@ class KVCacheManager(ManagerQueries):
         self._check_alive()
         self._planner.set_rate(tokens_per_s)
 
+    def set_step_time(self, seconds: object) -> None:
+        """How long one engine step takes now, in seconds, for ``load_policy="auto"`` (None: unknown):
+        a request reading from disk or the remote tier waits for its reads apart from the engine's
+        steps and joins the first step that starts after they land, so such reads cost whole steps
+        (a recomputed prefix starts in the current one); from the next match on. The adapter's
+        ``observe_step`` sets it where it loads in the background."""
+        self._check_alive()
+        self._planner.set_step(seconds)
+
     def set_tier_wait(self, level: object, seconds: object) -> None:
         """How long cache level ``level``'s link (below the GPU) is busy from now, for ``load_policy="auto"``
         and write admission (``max_write_backlog_s``): it drains as ``clock`` runs, the manager's own

@@ -15,6 +15,13 @@ block saves next to nothing and shifts the request's later steps); ``"never"`` t
 pages are all in GPU memory; a length that lacks a page it needs is no choice. The tree then shortens the cut as it shortens a
 match (``ReuseTree.cut``).
 
+A request reading from a level it waits for apart from the engine's steps (disk, remote: read by
+background workers while it waits in the loading state; ``TierCosts.apart``) joins the first step
+that starts after its reads land, while a recomputed prefix starts computing in the current one:
+with the engine's step time known (``KVCacheManager.set_step_time``) such a read costs whole steps
+(its time rounded up to a multiple of the step). Reads from the host tier are stream-ordered
+copies within the step: they cost their time.
+
 Recomputing takes engine time every request waiting for the engine waits too; loading holds only
 this request. With ``waiting`` requests queued for the engine (``KVCacheManager.set_engine_queue``)
 a recomputed token costs ``1 + queue_weight * waiting`` times its own time
@@ -23,6 +30,7 @@ a recomputed token costs ``1 + queue_weight * waiting`` times its own time
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from .._common import LayerGroupId
@@ -59,6 +67,8 @@ class LoadPlanner:
         #: how many wait now
         self.queue_weight = queue_weight
         self.waiting = 0
+        #: an engine step's time, seconds (0: unknown): reads the request waits for apart cost whole steps
+        self.step_s = 0.0
         self.policies: list[LayerGroup] = layer_groups.items
         #: bytes of one page of each layer group
         self.page_bytes = page_bytes
@@ -81,6 +91,19 @@ class LoadPlanner:
             if tokens_per_s is not None
             else 0.0
         )
+
+    def set_step(self, seconds: object) -> None:
+        """``KVCacheManager.set_step_time`` past its liveness check."""
+        self.step_s = check_number("seconds", seconds, True, "seconds, or None") if seconds is not None else 0.0
+
+    def read_cost(self, read: float, apart: bool) -> float:
+        """The time a request waits for reads estimated at ``read`` seconds: with ``apart`` (it waits
+        for them in the loading state) and a known step time, the whole steps until the first that
+        starts after they land."""
+        step = self.step_s
+        if not apart or step <= 0.0 or read <= 0.0:
+            return read
+        return math.ceil(read / step) * step
 
     def set_wait(self, level: object, seconds: object) -> None:
         """``KVCacheManager.set_tier_wait`` past its liveness check."""
@@ -210,12 +233,15 @@ class LoadPlanner:
                 counts = per_level[x]
                 if counts[r1] + counts[nb] - counts[r2]:
                     used[x] = True
+        apart = False
         for x in range(1, n_levels):
             if used[x]:
                 if never:
                     return None
                 read += self.costs.latency_s[x] + self.costs.wait_s(x)
-        return self.recompute_s(length) - read if rate > 0.0 else 0.0
+                if self.costs.apart[x]:
+                    apart = True
+        return self.recompute_s(length) - self.read_cost(read, apart) if rate > 0.0 else 0.0
 
     def in_gpu_memory(self, nodes: list[Node], part: Node | None) -> bool:
         """Whether every page of a local match's blocks is in GPU memory (then the whole match is
@@ -269,10 +295,13 @@ class LoadPlanner:
             end_o = (o + 1) * t if (o + 1) * t < length else length
             self.loaded_tokens[deepest[o]] += end_o - o * t
         if self.tokens_per_s > 0.0 and length:
+            apart = False
             for x in range(1, len(self.costs.latency_s)):
                 if used >> x & 1:
                     read += self.costs.latency_s[x] + self.costs.wait_s(x)
-            self.saved_s += self.recompute_s(length) - read
+                    if self.costs.apart[x]:
+                        apart = True
+            self.saved_s += self.recompute_s(length) - self.read_cost(read, apart)
 
     def count_taken_whole(self, projection: Projection) -> None:
         """Statistics of a create that takes whole a match the remote tier extends (``projection``,

@@ -11,7 +11,6 @@ from .._common import TierStatistics
 from .._config import KVCacheManagerConfig, LoadPolicy
 from .._core._kv_cache_manager import KVCacheManager
 from ..engine import KVCacheResourceManager
-from ..engine._request import RequestId
 from ._live import Live
 from ._step_cost import StepCost
 from ._tier_io import FREE, TierIO, TierLinks, priced_tiers
@@ -37,17 +36,22 @@ def load_plan_config(
 
 
 def prefill_rate(cost: StepCost, prompt_length: int, chunk: int, step_tokens: int) -> float | None:
+    """Tokens per second a request prefills at in the replay's engine as it runs now (``step_rate``)."""
+    return step_rate(cost, prompt_length, chunk, step_tokens)[0]
+
+
+def step_rate(cost: StepCost, prompt_length: int, chunk: int, step_tokens: int) -> tuple[float | None, float]:
     """Tokens per second a request prefills at in the replay's engine as it runs now: one chunk of
     its prompt (the whole prompt unchunked) a step, at the prompt's middle context, in a step of
-    ``step_tokens`` tokens (the others as one chunk from the start), by the step cost. None: a
-    step of no time."""
+    ``step_tokens`` tokens (the others as one chunk from the start), by the step cost (None: a
+    step of no time); and that step's time, ms."""
     n = prompt_length
     c = chunk if 0 < chunk < n else n
     cost.add_prefill(c, (n - c) // 2)
     if step_tokens > c:
         cost.add_prefill(step_tokens - c, 0)
     ms = cost.take_ms()
-    return c * 1000.0 / ms if ms > 0.0 else None
+    return (c * 1000.0 / ms if ms > 0.0 else None), ms
 
 
 def woken(running: list[Live], arrivals: list[tuple[float, int]], clock: float) -> float:
@@ -83,29 +87,43 @@ def prepare_loading(
     io: TierIO | None,
     cost: StepCost,
     chunk: int,
-    new: list[Live],
+    live: Live,
     clock: float,
     step_tokens: int,
     waiting: int,
-) -> tuple[set[RequestId], list[TierStatistics]]:
-    """Background loads (``--load-policy``): prepare newly admitted requests one at a time, each
-    planned at its own prefill rate (``prefill_rate``, in this step of ``step_tokens`` tokens); a request whose pages come from a lower
-    tier waits for its bytes on that tier's link (``TierIO.load``: ``Live.ready_ms``) while the
-    others compute. The plan sees what an engine would tell it: each link's backlog
-    (``set_tier_wait``: how long a read queued now waits, ``TierIO.busy_until``) and the ``waiting``
-    requests queued for the engine (``set_engine_queue``). Returns the unserved request ids, and the
-    step's traffic before them (read first: the step waits for it, ``Replay._step_traffic``)."""
+) -> float | None:
+    """Background loads (``--load-policy``): prepare a newly admitted request, planned at its own
+    prefill rate and step time (``step_rate``, in this step of ``step_tokens`` tokens); its traffic
+    queues on the links at once (``TierIO.load``). A request whose pages come from disk (a level
+    read apart, ``TierIO.apart``) waits for them (``Live.ready_ms``) while the others compute, as in
+    the adapter's loading state; host copies are ordered within the step: the request joins this
+    step, which waits for them. The plan sees what an engine would tell it: each link's backlog
+    (``set_tier_wait``: how long a read queued now waits, ``TierIO.busy_until``), the ``waiting``
+    requests queued for the engine (``set_engine_queue``) and the step's time (``set_step_time``).
+    Returns when the step's copies for it are done (``clock`` if none; None: refused, left as it
+    was)."""
     m = rm.manager
-    unserved: set[RequestId] = set()
-    early = m.take_iteration_stats() if io is not None else []
     m.set_engine_queue(waiting)
-    for live in new:
-        m.set_prefill_rate(prefill_rate(cost, live.prompt_length, chunk, step_tokens))
-        if io is not None:
-            tell_link_waits(m, io, clock)
-        if rm.prepare_resources([live.req]):
-            unserved.add(live.req.request_id)
-            continue
-        traffic = m.take_iteration_stats() if io is not None else []
-        live.ready_ms = io.load(clock, traffic) if io is not None else clock
-    return unserved, early
+    rate, ms = step_rate(cost, live.prompt_length, chunk, step_tokens)
+    m.set_prefill_rate(rate)
+    m.set_step_time(ms / 1000.0 if ms > 0.0 else None)
+    if io is not None:
+        tell_link_waits(m, io, clock)
+    if rm.prepare_resources([live.req]):
+        return None
+    live.ready_ms = clock
+    if io is None:
+        return clock
+    traffic = m.take_iteration_stats()
+    apart = io.waits_apart(traffic)
+    done = io.load(clock, traffic, not apart)
+    if apart:
+        live.ready_ms = done
+        return clock
+    return done
+
+
+def start_loading(rm: KVCacheResourceManager, io: TierIO | None) -> list[TierStatistics]:
+    """Background loads (``--load-policy``): before a step's admissions, its traffic so far (read
+    first: the step waits for it, ``Replay._step_traffic``)."""
+    return rm.manager.take_iteration_stats() if io is not None else []

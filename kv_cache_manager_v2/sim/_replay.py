@@ -42,7 +42,7 @@ from .._retention import Retention
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
 from ._live import Live, count_admission
-from ._loading import load_plan_config, prepare_loading, step_links, woken
+from ._loading import load_plan_config, prepare_loading, start_loading, step_links, woken
 from ._replay_types import (
     SERIES_FIELDS,
     LevelUsage,
@@ -91,6 +91,7 @@ class Replay:
         # the manager prices loads and queued writes as the replay times them
         config = self.config = load_plan_config(config, options.load_policy, options.links, bytes_scale)
         self._early: list[TierStatistics] = []  #: background loads: the step's traffic before its admissions
+        self._copies_ms = -1.0  #: background loads: when the host copies of the step's admissions are done
         self.retain: Sequence[Retention | list[Retention] | None] | None = None  #: close-time hints by request index
         #: per request index, the shared prefix (id, tokens) to pin once it finished (--pin-system-prompts)
         self.pins: Sequence[tuple[int, int] | None] | None = None
@@ -256,47 +257,73 @@ class Replay:
         return served
 
     def _admit(self, budget: int, batch_size: int, others: bool) -> list[Live]:
+        """Admit waiting requests first come first served within the step's budget and batch and the
+        GPU's room (see the module doc); returns those served this step. Under ``--load-policy``
+        each is prepared as it is admitted (``prepare_loading``): one waiting for its loads takes
+        no share of this step's tokens or batch (it joins the first step after they land, in its
+        place among the running requests), and the first refused ends the admissions."""
         o = self.opts
         rm = self.rm
         t0 = _clock()
         free = rm.get_num_free_blocks_per_pool_group()
         new: list[Live] = []
-        while self.waiting and batch_size + len(new) < o.max_batch:
+        served: list[Live] = []
+        background = o.load_policy is not None
+        if background:
+            self._early += start_loading(rm, self.io)
+        while self.waiting and batch_size + len(served) < o.max_batch:
             live = self.waiting[0]
             n = self._step_tokens(live)
-            if n > budget and (batch_size or new):
+            if n > budget and (batch_size or served):
                 break
             need = rm.get_needed_resource_to_completion_per_pool_group(live.req)
             if (others or new) and any(f - k < o.watermark * tot for f, k, tot in zip(free, need, self.totals)):
                 break
+            self.waiting.popleft()
+            if background:
+                step = self._projected_step(budget - n)  # (the step's tokens, this request's included)
+                copied = prepare_loading(rm, self.io, self.cost, o.chunk, live, self.clock, step, len(self.waiting))
+                if copied is None:
+                    self.waiting.appendleft(live)
+                    break
+                if copied > self._copies_ms:
+                    self._copies_ms = copied
+                self._admitted(live)
             for g, k in enumerate(need):
                 free[g] -= k
-            new.append(self.waiting.popleft())
+            new.append(live)
+            if live.ready_ms > self.clock:
+                continue  # waiting for its loads: no share of this step (its memory is held)
+            served.append(live)
             budget -= n
         self._step_manager_s += _clock() - t0
-        if not new:
-            return []
-        if o.load_policy is None:
-            unserved = {r.request_id for r in self._timed_prepare([x.req for x in new])}
-        else:
-            t0 = _clock()
-            step = o.max_num_tokens - budget  # (the step's tokens, these requests' included)
-            unserved, self._early = prepare_loading(
-                rm, self.io, self.cost, o.chunk, new, self.clock, step, len(self.waiting)
-            )
-            self._step_manager_s += _clock() - t0
-        served: list[Live] = []
+        if background or not new:
+            return served
+        unserved = {r.request_id for r in self._timed_prepare([x.req for x in new])}
+        served = []
         for live in reversed(new):
             if live.req.request_id in unserved:
                 self.waiting.appendleft(live)
         for live in new:
-            if live.req.request_id in unserved:
-                continue
-            if live.ready_ms <= self.clock:
+            if live.req.request_id not in unserved:
                 served.append(live)
-            self.running.append(live)
-            count_admission(self.result, live, self.clock, self.t)
+                self._admitted(live)
         return served
+
+    def _admitted(self, live: Live) -> None:
+        self.running.append(live)
+        count_admission(self.result, live, self.clock, self.t)
+
+    def _projected_step(self, budget: int) -> int:
+        """The step's tokens when the waiting requests fill what is left of its ``budget`` (the
+        step a request's prefill rate is planned at: ``prepare_loading``)."""
+        left = budget
+        for k, live in enumerate(self.waiting):
+            if left <= 0 or k >= self.opts.max_batch:
+                break
+            n = self._step_tokens(live)
+            left -= n if n < left else left
+        return self.opts.max_num_tokens - (left if left > 0 else 0)
 
     def _break_deadlock(self, suspended_now: bool) -> None:
         if suspended_now and self.num_levels > 1:
@@ -347,7 +374,11 @@ class Replay:
         ms = cost.take_ms()
         r.compute_ms += ms
         begin = self.clock
-        self.clock = self._step_traffic() + ms  # (its loads first: see _tier_io)
+        ready = self._step_traffic()  # (its loads first: see _tier_io)
+        if self._copies_ms > ready:  # (background loads: its requests' host copies)
+            ready = self._copies_ms
+        self._copies_ms = -1.0
+        self.clock = ready + ms
         t0 = _clock()
         self.rm.update_resources([x.req for x in served])
         for live in finished:
