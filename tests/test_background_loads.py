@@ -486,8 +486,8 @@ def test_observe_step_tells_the_plan_the_step_time(
     adapters: Callable[..., KVCacheResourceManager], tmp_path: object
 ) -> None:
     """With background loads a request reading from disk joins a later step: the adapter's
-    ``observe_step`` tells the manager the step time (``set_step_time``), the same average as the
-    prefill rate, decode steps included; a step too short to time says nothing."""
+    ``observe_step`` tells the manager the step time (``set_prefill_rate``'s ``step_s``), the same
+    average as the prefill rate, decode steps included; a step too short to time says nothing."""
     a, m, _ = disk_adapter(adapters, tmp_path)
     a.observe_step(0.5, 0)
     assert m._planner.step_s == 0.5 and m.load_plan_statistics.prefill_tokens_per_s is None
@@ -495,7 +495,8 @@ def test_observe_step_tells_the_plan_the_step_time(
     assert m._planner.step_s == pytest.approx(0.8 * 0.5 + 0.2 * 0.25)
     assert m.load_plan_statistics.prefill_tokens_per_s == 400.0
     a.observe_step(0.0, 100)
-    assert m._planner.step_s == pytest.approx(0.45)
+    a.observe_step(1e-320, 100)
+    assert m._planner.step_s == pytest.approx(0.45) and m.load_plan_statistics.prefill_tokens_per_s == 400.0
 
 
 # ---------------------------------------------------------------- a remote tier 50 ms away

@@ -393,12 +393,16 @@ def test_a_links_wait_counts_once_per_tier(mk: Any) -> None:
     assert take(m, engine, PROMPT) == 2 * T  # (unchanged by the refusals)
 
 
-@pytest.mark.parametrize(("weight", "reused"), [(1.0, 4), (0.2, 2), (0.0, 2)])
-def test_waiting_requests_make_recompute_dearer(mk: Any, weight: float, reused: int) -> None:
-    """At 5 ms a block the savings are 4, 8, 3, -2 ms (host 1 ms a page, disk 10); with one request
-    waiting for the engine a recomputed block costs 5 * (1 + weight) ms: at weight 1, 9, 18, 18,
-    18 (the whole match on the tie); at 0.2, 5, 10, 6, 2 (two blocks)."""
-    m = mk("auto", FIVE_MS, recompute_queue_weight=weight)
+@pytest.mark.parametrize(("block_ms", "weight", "reused"), [(6, 1.0, 4), (6, 0.1, 2), (5, 1.0, 2), (5, 0.0, 2)])
+def test_waiting_requests_make_recompute_dearer(mk: Any, block_ms: int, weight: float, reused: int) -> None:
+    """Host 1 ms a page, disk 10. At 6 ms a block the savings are 5, 10, 6, 2 ms: two blocks (the
+    cut saves more than a block's 6 ms); with one request waiting for the engine a recomputed
+    block costs 6 * (1 + weight) ms: at weight 1, 11, 22, 24, 26 (the whole match, which still
+    saves the request itself 2 ms); at 0.1, 5.6, 11.2, 7.8, 4.4 (two blocks). At 5 ms a block
+    (4, 8, 3, -2 ms) the charge at
+    weight 1 makes the whole match save the most (18 ms, as two and three blocks), but it would
+    make the request itself 2 ms slower than recomputing (no step time known): two blocks."""
+    m = mk("auto", T / (block_ms / 1000.0), recompute_queue_weight=weight)
     engine = FakeEngine(m)
     spread(m, engine)
     assert m.probe_reuse(None, PROMPT) == 2 * T
@@ -435,23 +439,23 @@ def test_disk_reads_cost_whole_steps(mk: Any) -> None:
     engine = FakeEngine(m)
     spread(m, engine)
     assert m.probe_reuse(None, PROMPT) == 4 * T
-    m.set_step_time(0.1)
+    m.set_prefill_rate(TWENTY_MS, 0.1)
     assert m.probe_reuse_levels(None, PROMPT) == [1, 1]
-    m.set_step_time(0.025)
+    m.set_prefill_rate(TWENTY_MS, 0.025)
     assert m.probe_reuse(None, PROMPT) == 4 * T
-    m.set_step_time(0.1)
+    m.set_prefill_rate(TWENTY_MS, 0.1)
     for bad, error, message in (
-        (0.0, ValueError, "seconds must be a finite number > 0"),
-        (-1.0, ValueError, "seconds must be a finite number > 0"),
-        (True, TypeError, "seconds must be a number"),
-        ("1", TypeError, "seconds must be a number"),
+        (0.0, ValueError, "step_s must be a finite number > 0"),
+        (-1.0, ValueError, "step_s must be a finite number > 0"),
+        (True, TypeError, "step_s must be a number"),
+        ("1", TypeError, "step_s must be a number"),
     ):
         with pytest.raises(error, match=message):
-            m.set_step_time(bad)
+            m.set_prefill_rate(T / 0.0005, bad)  # (neither is set)
     assert m.probe_reuse(None, PROMPT) == 2 * T  # (unchanged by the refusals)
-    m.set_step_time(None)  # unknown again: reads cost their time
+    m.set_prefill_rate(TWENTY_MS)  # unknown again: reads cost their time
     assert m.probe_reuse(None, PROMPT) == 4 * T
-    m.set_step_time(0.1)
+    m.set_prefill_rate(TWENTY_MS, 0.1)
     assert take(m, engine, PROMPT) == 2 * T
     s = m.load_plan_statistics
     assert s.loaded_tokens == (0, 2 * T, 0) and s.recomputed_tokens == (0, 0, 2 * T)

@@ -5,6 +5,8 @@ simulator")."""
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
+from collections.abc import Callable
 from typing import cast
 
 from .._common import TierStatistics
@@ -12,6 +14,7 @@ from .._config import KVCacheManagerConfig, LoadPolicy
 from .._core._kv_cache_manager import KVCacheManager
 from ..engine import KVCacheResourceManager
 from ._live import Live
+from ._replay_types import SchedulerOptions
 from ._step_cost import StepCost
 from ._tier_io import FREE, TierIO, TierLinks, priced_tiers
 
@@ -99,14 +102,13 @@ def prepare_loading(
     the adapter's loading state; host copies are ordered within the step: the request joins this
     step, which waits for them. The plan sees what an engine would tell it: each link's backlog
     (``set_tier_wait``: how long a read queued now waits, ``TierIO.busy_until``), the ``waiting``
-    requests queued for the engine (``set_engine_queue``) and the step's time (``set_step_time``).
+    requests queued for the engine (``set_engine_queue``) and the step's time (``set_prefill_rate``'s ``step_s``).
     Returns when the step's copies for it are done (``clock`` if none; None: refused, left as it
     was)."""
     m = rm.manager
     m.set_engine_queue(waiting)
     rate, ms = step_rate(cost, live.prompt_length, chunk, step_tokens)
-    m.set_prefill_rate(rate)
-    m.set_step_time(ms / 1000.0 if ms > 0.0 else None)
+    m.set_prefill_rate(rate, ms / 1000.0 if ms > 0.0 else None)
     if io is not None:
         tell_link_waits(m, io, clock)
     if rm.prepare_resources([live.req]):
@@ -127,3 +129,30 @@ def start_loading(rm: KVCacheResourceManager, io: TierIO | None) -> list[TierSta
     """Background loads (``--load-policy``): before a step's admissions, its traffic so far (read
     first: the step waits for it, ``Replay._step_traffic``)."""
     return rm.manager.take_iteration_stats() if io is not None else []
+
+
+def projected_step(
+    rm: KVCacheResourceManager,
+    opts: SchedulerOptions,
+    waiting: deque[Live],
+    step_tokens: Callable[[Live], int],
+    totals: list[int],
+    budget: int,
+    free: list[int],
+) -> int:
+    """The step's tokens when the ``waiting`` requests are admitted as they would be (first come
+    first served, within what is left of its ``budget`` and the GPU's ``free`` blocks of
+    ``totals``): the step a request admitted now is planned at (``prepare_loading``)."""
+    free = list(free)
+    left = budget
+    for k, live in enumerate(waiting):
+        n = step_tokens(live)
+        if k >= opts.max_batch or n > left:
+            break
+        need = rm.get_needed_resource_to_completion_per_pool_group(live.req)
+        if any(f - x < opts.watermark * tot for f, x, tot in zip(free, need, totals)):
+            break
+        for g, x in enumerate(need):
+            free[g] -= x
+        left -= n
+    return opts.max_num_tokens - left

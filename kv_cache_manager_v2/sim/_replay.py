@@ -42,7 +42,7 @@ from .._retention import Retention
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
 from ._live import Live, count_admission
-from ._loading import load_plan_config, prepare_loading, start_loading, step_links, woken
+from ._loading import load_plan_config, prepare_loading, projected_step, start_loading, step_links, woken
 from ._replay_types import (
     SERIES_FIELDS,
     LevelUsage,
@@ -258,10 +258,10 @@ class Replay:
 
     def _admit(self, budget: int, batch_size: int, others: bool) -> list[Live]:
         """Admit waiting requests first come first served within the step's budget and batch and the
-        GPU's room (see the module doc); returns those served this step. Under ``--load-policy``
-        each is prepared as it is admitted (``prepare_loading``): one waiting for its loads takes
-        no share of this step's tokens or batch (it joins the first step after they land, in its
-        place among the running requests), and the first refused ends the admissions."""
+        GPU's room (the module doc); returns those served this step. Under ``--load-policy`` each is
+        prepared as admitted (``prepare_loading``, planned at the step it is in, ``projected_step``):
+        one waiting for its loads takes no share of this step's tokens or batch (it joins the first
+        step after them in its place among the running requests); the first refused ends it."""
         o = self.opts
         rm = self.rm
         t0 = _clock()
@@ -280,17 +280,16 @@ class Replay:
             if (others or new) and any(f - k < o.watermark * tot for f, k, tot in zip(free, need, self.totals)):
                 break
             self.waiting.popleft()
+            for g, k in enumerate(need):
+                free[g] -= k
             if background:
-                step = self._projected_step(budget - n)  # (the step's tokens, this request's included)
+                step = projected_step(rm, o, self.waiting, self._step_tokens, self.totals, budget - n, free)
                 copied = prepare_loading(rm, self.io, self.cost, o.chunk, live, self.clock, step, len(self.waiting))
                 if copied is None:
                     self.waiting.appendleft(live)
                     break
-                if copied > self._copies_ms:
-                    self._copies_ms = copied
+                self._copies_ms = max(self._copies_ms, copied)
                 self._admitted(live)
-            for g, k in enumerate(need):
-                free[g] -= k
             new.append(live)
             if live.ready_ms > self.clock:
                 continue  # waiting for its loads: no share of this step (its memory is held)
@@ -313,17 +312,6 @@ class Replay:
     def _admitted(self, live: Live) -> None:
         self.running.append(live)
         count_admission(self.result, live, self.clock, self.t)
-
-    def _projected_step(self, budget: int) -> int:
-        """The step's tokens when the waiting requests fill what is left of its ``budget`` (the
-        step a request's prefill rate is planned at: ``prepare_loading``)."""
-        left = budget
-        for k, live in enumerate(self.waiting):
-            if left <= 0 or k >= self.opts.max_batch:
-                break
-            n = self._step_tokens(live)
-            left -= n if n < left else left
-        return self.opts.max_num_tokens - (left if left > 0 else 0)
 
     def _break_deadlock(self, suspended_now: bool) -> None:
         if suspended_now and self.num_levels > 1:
@@ -414,32 +402,6 @@ class Replay:
             self._release_successors(live.sim.index)
         if finished:
             self._report_progress()
-
-    def _pin_shared(self, live: Live) -> None:
-        """Pin the finished request's shared prefix (its full blocks, now cached) through the
-        public ``KVCacheManager.pin``, unless pinned whole already or refused; with
-        ``pin_duration_s``, pinned again by every request using it, for that long."""
-        target = self.pins[live.sim.index] if self.pins is not None else None
-        if target is None:
-            return
-        key, length = target
-        done = self._pinned.get(key, 0)
-        ttl = self.pin_duration_s
-        if ttl is None and (done < 0 or done >= length // self.t * self.t):
-            return
-        r = self.result
-        try:
-            pinned = self.rm.manager.pin(live.req.prompt_tokens[:length], duration_s=ttl)
-        except ValueError:  # beyond max_pinned_share: the prefix stays unpinned
-            r.pins_refused += 1
-            if ttl is None:
-                self._pinned[key] = -1
-            return
-        if pinned > 0 and done <= 0:
-            r.pinned_prefixes += 1
-        if pinned > done:
-            r.pinned_tokens += pinned - max(done, 0)
-            self._pinned[key] = pinned
 
     def _sample(self) -> None:
         r = self.result
@@ -600,7 +562,7 @@ def closed(replay: Replay, live: Live) -> None:
     was its conversation's last turn (``--session-end``: ``directives.end``, keeping the shared
     system prompt; what it did counted in ``ReplayResult.sessions_ended``)."""
     if replay.pins is not None:
-        replay._pin_shared(live)
+        pin_shared(replay, live)
     sim = live.sim
     if sim.ends_session and sim.session is not None:
         keep = sim.prompt_tokens()[: sim.session_keep] if sim.session_keep else None
@@ -609,3 +571,30 @@ def closed(replay: Replay, live: Live) -> None:
         ended[0] += out.num_blocks
         ended[1] += out.num_deferred
         ended[2] += out.num_kept
+
+
+def pin_shared(replay: Replay, live: Live) -> None:
+    """Pin the finished request's shared prefix (its full blocks, now cached) through the
+    public ``KVCacheManager.pin``, unless pinned whole already or refused; with
+    ``pin_duration_s``, pinned again by every request using it, for that long."""
+    target = replay.pins[live.sim.index] if replay.pins is not None else None
+    if target is None:
+        return
+    key, length = target
+    done = replay._pinned.get(key, 0)
+    ttl = replay.pin_duration_s
+    if ttl is None and (done < 0 or done >= length // replay.t * replay.t):
+        return
+    r = replay.result
+    try:
+        pinned = replay.rm.manager.pin(live.req.prompt_tokens[:length], duration_s=ttl)
+    except ValueError:  # beyond max_pinned_share: the prefix stays unpinned
+        r.pins_refused += 1
+        if ttl is None:
+            replay._pinned[key] = -1
+        return
+    if pinned > 0 and done <= 0:
+        r.pinned_prefixes += 1
+    if pinned > done:
+        r.pinned_tokens += pinned - max(done, 0)
+        replay._pinned[key] = pinned
