@@ -428,9 +428,10 @@ def test_a_cut_must_save_a_blocks_time(mk: Any) -> None:
     assert planner.plan(levels, 2, 3) == (2 * T, pytest.approx(0.008), pytest.approx(-0.000125))
 
 
-def test_disk_reads_cost_whole_steps(mk: Any) -> None:
+def test_disk_reads_wait_for_a_step(mk: Any) -> None:
     """A request reading from disk waits apart from the engine's steps and joins the first that
-    starts after its reads: with the step time known they cost whole steps. At 20 ms a block every
+    starts after its reads: with the step time known they cost the current step if they land
+    within it, else their time and half a step (host copies: their time). At 20 ms a block every
     block loads (savings 19, 38, 48, 58 ms: host 1 ms a page, disk 10). With 100 ms steps the disk
     blocks' reads (22 ms with the host's) cost a step: 80 - 100 ms, while two host blocks
     (copies within the step) still save 38 ms: the plan takes those. With 25 ms steps the whole
@@ -454,6 +455,11 @@ def test_disk_reads_cost_whole_steps(mk: Any) -> None:
             m.set_prefill_rate(T / 0.0005, bad)  # (neither is set)
     assert m.probe_reuse(None, PROMPT) == 2 * T  # (unchanged by the refusals)
     m.set_prefill_rate(TWENTY_MS)  # unknown again: reads cost their time
+    assert m.probe_reuse(None, PROMPT) == 4 * T
+    m.set_prefill_rate(TWENTY_MS, 0.015)
+    planner = m._planner
+    assert planner.read_cost(0.012, True) == 0.015 and planner.read_cost(0.022, True) == pytest.approx(0.0295)
+    assert planner.read_cost(0.022, False) == 0.022  # (the host's copies)
     assert m.probe_reuse(None, PROMPT) == 4 * T
     m.set_prefill_rate(TWENTY_MS, 0.1)
     assert take(m, engine, PROMPT) == 2 * T

@@ -353,7 +353,7 @@ class KVCacheManager(ManagerQueries):
     def set_prefill_rate(self, tokens_per_s: object, step_s: object = None) -> None:
         """The engine's prefill rate in tokens per second, for ``load_policy="auto"`` (None: unknown,
         matches are loaded whole), and how long its steps take (``step_s``, None: unknown; known, a
-        disk or remote read, which a request waits for apart, costs whole steps); from the next match on."""
+        disk or remote read, which a request waits for apart, costs at least a step); from the next match on."""
         self._check_alive()
         self._planner.set_rate(tokens_per_s, step_s)
 

@@ -18,9 +18,10 @@ match (``ReuseTree.cut``).
 A request reading from a level it waits for apart from the engine's steps (disk, remote: read by
 background workers while it waits in the loading state; ``TierCosts.apart``) joins the first step
 that starts after its reads land, while a recomputed prefix starts computing in the current one:
-with the engine's step time known (``KVCacheManager.set_prefill_rate``'s ``step_s``) such a read costs whole steps
-(its time rounded up to a multiple of the step). Reads from the host tier are stream-ordered
-copies within the step: they cost their time.
+with the engine's step time known (``KVCacheManager.set_prefill_rate``'s ``step_s``) such a read
+costs the current step if it lands within it, else its time and half a step (the boundary after
+it, on average: later steps' lengths vary). Reads from the host tier are stream-ordered copies
+within the step: they cost their time.
 
 Recomputing takes engine time every request waiting for the engine waits too; loading holds only
 this request. With ``waiting`` requests queued for the engine (``KVCacheManager.set_engine_queue``)
@@ -33,7 +34,6 @@ late; 0 while the step time is unknown) is no choice.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from .._common import LayerGroupId
@@ -70,7 +70,7 @@ class LoadPlanner:
         #: how many wait now
         self.queue_weight = queue_weight
         self.waiting = 0
-        #: an engine step's time, seconds (0: unknown): reads the request waits for apart cost whole steps
+        #: an engine step's time, seconds (0: unknown): reads the request waits for apart cost at least a step
         self.step_s = 0.0
         self.policies: list[LayerGroup] = layer_groups.items
         #: bytes of one page of each layer group
@@ -99,12 +99,13 @@ class LoadPlanner:
 
     def read_cost(self, read: float, apart: bool) -> float:
         """The time a request waits for reads estimated at ``read`` seconds: with ``apart`` (it waits
-        for them in the loading state) and a known step time, the whole steps until the first that
-        starts after they land."""
+        for them in the loading state) and a known step time, until the first step that starts
+        after they land: the end of the current step if they land within it, else half a step
+        after them on average (the later steps' lengths vary)."""
         step = self.step_s
         if not apart or step <= 0.0 or read <= 0.0:
             return read
-        return math.ceil(read / step) * step
+        return step if read <= step else read + 0.5 * step
 
     def set_wait(self, level: object, seconds: object) -> None:
         """``KVCacheManager.set_tier_wait`` past its liveness check."""
