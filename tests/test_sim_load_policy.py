@@ -158,18 +158,18 @@ def test_a_write_the_link_cannot_absorb_is_declined(backlog: float) -> None:
 @pytest.mark.parametrize(("weight", "loads"), [(1.0, True), (0.0, False)])
 def test_auto_prices_recompute_by_the_engines_queue(tmp_path: Any, weight: float, loads: bool) -> None:
     """Requests 3 to 5 (16 tokens each) arrive with request 2; a step holds 200 tokens. Request
-    2's prefix is on disk, 25 ms a block to load (+ 0.5 ms), and recomputes in 186 ms: alone it
-    recomputes (weight 0; then requests 4 and 5 wait for its step: 202 + 42 ms). With 3 requests
-    waiting at weight 1 a recomputed token costs 4 times its time and it loads (the 250.5 ms it
-    waits and half of the 202 ms step it then waits for on average, against 4 x 184 ms; the 8
-    blocks that would land within the step save less than a block's time more): it joins the
-    first step after them (250.5 + 26 ms, under one step over "never"'s 202), while requests 3 and
-    4 start at once (42 ms: it takes no share of their step) and 5 follows (68 ms)."""
+    2's prefix is on disk, 192.5 ms to load, and recomputes in 184 ms (176 tokens in its 202 ms
+    step): alone it recomputes (weight 0; loading would also wait for the boundary of the others'
+    26 ms steps, 13 ms on average; requests 4 and 5 then wait for its step: 202 + 42 ms). With 3
+    requests waiting at weight 1 a recomputed token costs 4 times its time and it loads: its own
+    wait (192.5 + 13 ms) stays within one of the others' steps of its recompute time. It joins the
+    first step after its bytes (192.5 + 26 ms, under a step over "never"'s 202), while requests 3
+    and 4 start at once (42 ms: it takes no share of their step) and 5 follows (68 ms)."""
     extra = [SimRequest(3 + i, 2000.0, [(90_000 + 1000 * i, 16)], 16, 1, (1 << 30) + 30 + 10 * i) for i in range(3)]
-    r = _replay(_requests(*extra), "auto", PREFIX_IN_1MS / 250, weight=weight, max_num_tokens=200, disk=str(tmp_path))
+    r = _replay(_requests(*extra), "auto", PREFIX_IN_1MS / 192, weight=weight, max_num_tokens=200, disk=str(tmp_path))
     ttft = {x.index: x.ttft_ms for x in r.outcomes if x.index >= 2}
     if loads:
-        assert ttft == pytest.approx({2: 276.5, 3: 42.0, 4: 42.0, 5: 68.0})
+        assert ttft == pytest.approx({2: 218.5, 3: 42.0, 4: 42.0, 5: 68.0})
     else:
         assert ttft == pytest.approx({2: 202.0, 3: 202.0, 4: 244.0, 5: 244.0})
 

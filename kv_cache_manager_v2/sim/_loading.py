@@ -47,14 +47,18 @@ def step_rate(cost: StepCost, prompt_length: int, chunk: int, step_tokens: int) 
     """Tokens per second a request prefills at in the replay's engine as it runs now: one chunk of
     its prompt (the whole prompt unchunked) a step, at the prompt's middle context, in a step of
     ``step_tokens`` tokens (the others as one chunk from the start), by the step cost (None: a
-    step of no time); and that step's time, ms."""
+    step of no time); and the time, ms, of the others' step without it (0: none), the steps it
+    waits through while it loads."""
     n = prompt_length
     c = chunk if 0 < chunk < n else n
-    cost.add_prefill(c, (n - c) // 2)
+    others = 0.0
     if step_tokens > c:
         cost.add_prefill(step_tokens - c, 0)
+        others = cost.take_ms()
+        cost.add_prefill(step_tokens - c, 0)
+    cost.add_prefill(c, (n - c) // 2)
     ms = cost.take_ms()
-    return (c * 1000.0 / ms if ms > 0.0 else None), ms
+    return (c * 1000.0 / ms if ms > 0.0 else None), others
 
 
 def woken(running: list[Live], arrivals: list[tuple[float, int]], clock: float) -> float:
@@ -102,13 +106,14 @@ def prepare_loading(
     the adapter's loading state; host copies are ordered within the step: the request joins this
     step, which waits for them. The plan sees what an engine would tell it: each link's backlog
     (``set_tier_wait``: how long a read queued now waits, ``TierIO.busy_until``), the ``waiting``
-    requests queued for the engine (``set_engine_queue``) and the step's time (``set_prefill_rate``'s ``step_s``).
+    requests queued for the engine (``set_engine_queue``) and the others' step time (``set_prefill_rate``'s
+    ``step_s``: the steps it would wait through).
     Returns when the step's copies for it are done (``clock`` if none; None: refused, left as it
     was)."""
     m = rm.manager
     m.set_engine_queue(waiting)
-    rate, ms = step_rate(cost, live.prompt_length, chunk, step_tokens)
-    m.set_prefill_rate(rate, ms / 1000.0 if ms > 0.0 else None)
+    rate, others_ms = step_rate(cost, live.prompt_length, chunk, step_tokens)
+    m.set_prefill_rate(rate, others_ms / 1000.0 if others_ms > 0.0 else None)
     if io is not None:
         tell_link_waits(m, io, clock)
     if rm.prepare_resources([live.req]):
