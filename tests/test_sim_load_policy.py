@@ -158,20 +158,39 @@ def test_a_write_the_link_cannot_absorb_is_declined(backlog: float) -> None:
 @pytest.mark.parametrize(("weight", "loads"), [(1.0, True), (0.0, False)])
 def test_auto_prices_recompute_by_the_engines_queue(tmp_path: Any, weight: float, loads: bool) -> None:
     """Requests 3 to 5 (16 tokens each) arrive with request 2; a step holds 200 tokens. Request
-    2's prefix is on disk, 192.5 ms to load, and recomputes in 184 ms (176 tokens in its 202 ms
-    step): alone it recomputes (weight 0; loading would also wait for the boundary of the others'
-    26 ms steps, 13 ms on average; requests 4 and 5 then wait for its step: 202 + 42 ms). With 3
-    requests waiting at weight 1 a recomputed token costs 4 times its time and it loads: its own
-    wait (192.5 + 13 ms) stays within one of the others' steps of its recompute time. It joins the
-    first step after its bytes (192.5 + 26 ms, under a step over "never"'s 202), while requests 3
-    and 4 start at once (42 ms: it takes no share of their step) and 5 follows (68 ms)."""
+    2's prefix is on disk, 168.5 ms to load; its 176 tokens add 176 ms to request 3's 26 ms step,
+    so the prefix recomputes in 160 ms: alone it recomputes (weight 0; loading would also wait for
+    the boundary of the others' 26 ms steps, 13 ms on average; requests 4 and 5 then wait for its
+    step: 202 + 42 ms). With 3 requests waiting at weight 1 a recomputed token costs 4 times its
+    time and it loads: its own wait (168.5 + 13 ms) stays within one of the others' steps of its
+    recompute time. It joins the first step after its bytes (168.5 + 26 ms), while requests 3 and
+    4 start at once (42 ms: it takes no share of their step) and 5 follows (68 ms)."""
     extra = [SimRequest(3 + i, 2000.0, [(90_000 + 1000 * i, 16)], 16, 1, (1 << 30) + 30 + 10 * i) for i in range(3)]
-    r = _replay(_requests(*extra), "auto", PREFIX_IN_1MS / 192, weight=weight, max_num_tokens=200, disk=str(tmp_path))
+    r = _replay(_requests(*extra), "auto", PREFIX_IN_1MS / 168, weight=weight, max_num_tokens=200, disk=str(tmp_path))
     ttft = {x.index: x.ttft_ms for x in r.outcomes if x.index >= 2}
     if loads:
-        assert ttft == pytest.approx({2: 218.5, 3: 42.0, 4: 42.0, 5: 68.0})
+        assert ttft == pytest.approx({2: 194.5, 3: 42.0, 4: 42.0, 5: 68.0})
     else:
         assert ttft == pytest.approx({2: 202.0, 3: 202.0, 4: 244.0, 5: 244.0})
+
+
+def test_a_short_prompt_recomputes_what_it_would_wait_a_step_for(tmp_path: Any) -> None:
+    """Request 2 (20 tokens, its first 16 on disk) arrives with request 3 (150 tokens, 100-token
+    chunks). Its prompt finishes in this step whatever it recomputes: its tokens cost what they
+    add to request 3's 110 ms step (20 ms), so the 16 matched ones recompute in 16 ms, while a
+    load (0.6 ms) would wait for that step to end: "auto" recomputes, as "never" (TTFT 130 ms);
+    "always" loads and samples a step later (110 + 64 ms)."""
+    reqs = [
+        *_requests()[:2],
+        SimRequest(2, 2000.0, [(1, 16), (50_000, 4)], 20, 1, (1 << 30) + 20),
+        SimRequest(3, 2000.0, [(90_000, 150)], 150, 1, (1 << 30) + 30),
+    ]
+    ttft = {}
+    for policy in ("never", "always", "auto"):
+        (tmp_path / policy).mkdir()
+        r = _replay(reqs, policy, PREFIX_IN_1MS, disk=str(tmp_path / policy), chunk=100)
+        ttft[policy] = next(x.ttft_ms for x in r.outcomes if x.index == 2)
+    assert ttft == pytest.approx({"never": 130.0, "always": 174.0, "auto": 130.0})
 
 
 def test_the_cli_compares_the_policies(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:

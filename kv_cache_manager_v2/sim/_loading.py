@@ -45,10 +45,11 @@ def prefill_rate(cost: StepCost, prompt_length: int, chunk: int, step_tokens: in
 
 def step_rate(cost: StepCost, prompt_length: int, chunk: int, step_tokens: int) -> tuple[float | None, float]:
     """Tokens per second a request prefills at in the replay's engine as it runs now: one chunk of
-    its prompt (the whole prompt unchunked) a step, at the prompt's middle context, in a step of
-    ``step_tokens`` tokens (the others as one chunk from the start), by the step cost (None: a
-    step of no time); and the time, ms, of the others' step without it (0: none), the steps it
-    waits through while it loads."""
+    its prompt a step, at the prompt's middle context, in a step of ``step_tokens`` tokens (the
+    others as one chunk from the start), by the step cost; a prompt within one chunk finishes in
+    this step whatever it recomputes, so its tokens cost only what they add to the others' step
+    (None: a step of no time). And the time, ms, of the others' step without it (0: none), the
+    steps it waits through while it loads."""
     n = prompt_length
     c = chunk if 0 < chunk < n else n
     others = 0.0
@@ -58,6 +59,8 @@ def step_rate(cost: StepCost, prompt_length: int, chunk: int, step_tokens: int) 
         cost.add_prefill(step_tokens - c, 0)
     cost.add_prefill(c, (n - c) // 2)
     ms = cost.take_ms()
+    if c == n and ms > others > 0.0:
+        ms -= others
     return (c * 1000.0 / ms if ms > 0.0 else None), others
 
 
