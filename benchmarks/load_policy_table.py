@@ -6,7 +6,10 @@ policy: mean / p90 TTFT, tokens loaded from below the GPU and recomputed by the 
 the requests whose TTFT under auto exceeds their TTFT under never by more than one step (the step
 that sampled their first token under never; joined by request index through ``--per-request``)
 and how many of them loaded anything under auto (the others were only queued and batched
-differently), and whether auto's mean and p90 are at or below the better of never and always.
+differently), how many were slower from their admission on (their TTFT less their wait for
+admission: what their own loads cost them; the others were admitted later) and of those how many
+loaded, the requests faster under auto by more than a step, and whether auto's mean and p90 are at
+or below the better of never and always.
 
     .venv/bin/python benchmarks/load_policy_table.py --trace TRACE.jsonl --requests 1000 --time-scale 4
 
@@ -58,6 +61,7 @@ def run(workload: list[str], model: str, extra: list[str]) -> tuple[dict[str, An
                         row["ttft_ms"],
                         row["first_step_ms"],
                         row["loaded_tokens"],
+                        row["wait_ms"],
                     )
     return reports, times
 
@@ -91,6 +95,13 @@ def summary(reports: dict[str, Any], times: dict[str, dict[int, Any]]) -> dict[s
     # of those, the ones that loaded anything under auto (the plan's own choice may be at fault);
     # the others only shared their steps and queue with requests that did (the runs diverged)
     out["auto_slower_requests_that_loaded"] = sum(1 for i in slower if auto[i][2] > 0)
+    # of those, the ones slower from their admission on (TTFT less the wait for admission: their
+    # loads and the steps they joined), and of these the ones that loaded anything; the rest were
+    # admitted later (queued behind a different schedule)
+    late = [i for i in slower if (auto[i][0] - auto[i][3]) - (never[i][0] - never[i][3]) > never[i][1]]
+    out["auto_slower_after_admission"] = len(late)
+    out["auto_slower_after_admission_that_loaded"] = sum(1 for i in late if auto[i][2] > 0)
+    out["auto_faster_than_never_by_more_than_a_step"] = sum(1 for i in both if never[i][0] - auto[i][0] > never[i][1])
     for key in ("ttft_mean_s", "ttft_p90_s"):
         best = min(out["never"][key], out["always"][key])
         out[f"auto_{key}_at_or_below_best"] = out["auto"][key] <= best * (1 + EPS)
@@ -125,7 +136,10 @@ def main() -> None:
                     f"{wname:13} {model:10} {name:19} TTFT mean/p90 s: "
                     + "  ".join(f"{q} {r[q]['ttft_mean_s']:.2f}/{r[q]['ttft_p90_s']:.2f}" for q in POLICIES)
                     + f"  auto>never+step: {r['auto_slower_than_never_by_more_than_a_step']}"
-                    f"/{r['requests_compared']} ({r['auto_slower_requests_that_loaded']} loaded)  auto<=best: mean {r['auto_ttft_mean_s_at_or_below_best']} "
+                    f"/{r['requests_compared']} ({r['auto_slower_requests_that_loaded']} loaded; after admission "
+                    f"{r['auto_slower_after_admission']}, {r['auto_slower_after_admission_that_loaded']} loaded)"
+                    f"  auto<never-step: {r['auto_faster_than_never_by_more_than_a_step']}"
+                    f"  auto<=best: mean {r['auto_ttft_mean_s_at_or_below_best']} "
                     f"p90 {r['auto_ttft_p90_s_at_or_below_best']}",
                     flush=True,
                 )

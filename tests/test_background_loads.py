@@ -482,6 +482,23 @@ def test_a_suspended_request_reads_to_the_host_while_the_gpu_is_full(
     m.check_invariants()
 
 
+def test_observe_step_tells_the_plan_the_step_time(
+    adapters: Callable[..., KVCacheResourceManager], tmp_path: object
+) -> None:
+    """With background loads a request reading from disk joins a later step: the adapter's
+    ``observe_step`` tells the manager the step time (``set_prefill_rate``'s ``step_s``), the same
+    average as the prefill rate, decode steps included; a step too short to time says nothing."""
+    a, m, _ = disk_adapter(adapters, tmp_path)
+    a.observe_step(0.5, 0)
+    assert m._planner.step_s == 0.5 and m.load_plan_statistics.prefill_tokens_per_s is None
+    a.observe_step(0.25, 100)
+    assert m._planner.step_s == pytest.approx(0.8 * 0.5 + 0.2 * 0.25)
+    assert m.load_plan_statistics.prefill_tokens_per_s == 400.0
+    a.observe_step(0.0, 100)
+    a.observe_step(1e-320, 100)
+    assert m._planner.step_s == pytest.approx(0.45) and m.load_plan_statistics.prefill_tokens_per_s == 400.0
+
+
 # ---------------------------------------------------------------- a remote tier 50 ms away
 @pytest.fixture
 def slow_redis() -> Iterator[tuple[LocalRedisServer, DelayProxy]]:

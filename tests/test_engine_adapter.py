@@ -939,6 +939,7 @@ def test_observe_step_sets_the_managers_prefill_rate(make_adapter: Callable[...,
     assert m.load_plan_statistics.prefill_tokens_per_s == pytest.approx(2400.0)
     a.observe_step(1e-320, 1000)  # too short to time: no sample (its rate would be infinite)
     assert m.load_plan_statistics.prefill_tokens_per_s == pytest.approx(2400.0)
+    assert m._planner.step_s == 0.0  # (no background loads: no request waits apart from the steps)
 
 
 @pytest.mark.parametrize("decode_first", [True, False])

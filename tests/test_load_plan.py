@@ -393,12 +393,16 @@ def test_a_links_wait_counts_once_per_tier(mk: Any) -> None:
     assert take(m, engine, PROMPT) == 2 * T  # (unchanged by the refusals)
 
 
-@pytest.mark.parametrize(("weight", "reused"), [(1.0, 4), (0.2, 2), (0.0, 2)])
-def test_waiting_requests_make_recompute_dearer(mk: Any, weight: float, reused: int) -> None:
-    """At 5 ms a block the savings are 4, 8, 3, -2 ms (host 1 ms a page, disk 10); with one request
-    waiting for the engine a recomputed block costs 5 * (1 + weight) ms: at weight 1, 9, 18, 18,
-    18 (the whole match on the tie); at 0.2, 5, 10, 6, 2 (two blocks)."""
-    m = mk("auto", FIVE_MS, recompute_queue_weight=weight)
+@pytest.mark.parametrize(("block_ms", "weight", "reused"), [(6, 1.0, 4), (6, 0.1, 2), (5, 1.0, 2), (5, 0.0, 2)])
+def test_waiting_requests_make_recompute_dearer(mk: Any, block_ms: int, weight: float, reused: int) -> None:
+    """Host 1 ms a page, disk 10. At 6 ms a block the savings are 5, 10, 6, 2 ms: two blocks (the
+    cut saves more than a block's 6 ms); with one request waiting for the engine a recomputed
+    block costs 6 * (1 + weight) ms: at weight 1, 11, 22, 24, 26 (the whole match, which still
+    saves the request itself 2 ms); at 0.1, 5.6, 11.2, 7.8, 4.4 (two blocks). At 5 ms a block
+    (4, 8, 3, -2 ms) the charge at
+    weight 1 makes the whole match save the most (18 ms, as two and three blocks), but it would
+    make the request itself 2 ms slower than recomputing (no step time known): two blocks."""
+    m = mk("auto", T / (block_ms / 1000.0), recompute_queue_weight=weight)
     engine = FakeEngine(m)
     spread(m, engine)
     assert m.probe_reuse(None, PROMPT) == 2 * T
@@ -422,6 +426,46 @@ def test_a_cut_must_save_a_blocks_time(mk: Any) -> None:
     assert planner.plan(levels, 2, 3) == (2 * T + 3, pytest.approx(0.0355), pytest.approx(0.0355))
     m.set_prefill_rate(FIVE_MS)
     assert planner.plan(levels, 2, 3) == (2 * T, pytest.approx(0.008), pytest.approx(-0.000125))
+
+
+def test_disk_reads_wait_for_a_step(mk: Any) -> None:
+    """A request reading from disk waits apart from the engine's steps and joins the first that
+    starts after its reads: with the step time known they cost the current step if they land
+    within it, else their time and half a step (host copies: their time). At 20 ms a block every
+    block loads (savings 19, 38, 48, 58 ms: host 1 ms a page, disk 10). With 100 ms steps the disk
+    blocks' reads (22 ms with the host's) cost a step: 80 - 100 ms, while two host blocks
+    (copies within the step) still save 38 ms: the plan takes those. With 25 ms steps the whole
+    match costs one step and saves 55 ms, more than the host blocks."""
+    m = mk("auto", TWENTY_MS)
+    engine = FakeEngine(m)
+    spread(m, engine)
+    assert m.probe_reuse(None, PROMPT) == 4 * T
+    m.set_prefill_rate(TWENTY_MS, 0.1)
+    assert m.probe_reuse_levels(None, PROMPT) == [1, 1]
+    m.set_prefill_rate(TWENTY_MS, 0.025)
+    assert m.probe_reuse(None, PROMPT) == 4 * T
+    m.set_prefill_rate(TWENTY_MS, 0.1)
+    for bad, error, message in (
+        (0.0, ValueError, "step_s must be a finite number > 0"),
+        (-1.0, ValueError, "step_s must be a finite number > 0"),
+        (True, TypeError, "step_s must be a number"),
+        ("1", TypeError, "step_s must be a number"),
+    ):
+        with pytest.raises(error, match=message):
+            m.set_prefill_rate(T / 0.0005, bad)  # (neither is set)
+    assert m.probe_reuse(None, PROMPT) == 2 * T  # (unchanged by the refusals)
+    m.set_prefill_rate(TWENTY_MS)  # unknown again: reads cost their time
+    assert m.probe_reuse(None, PROMPT) == 4 * T
+    m.set_prefill_rate(TWENTY_MS, 0.015)
+    planner = m._planner
+    assert planner.read_cost(0.012, True) == 0.015 and planner.read_cost(0.022, True) == pytest.approx(0.0295)
+    assert planner.read_cost(0.022, False) == 0.022  # (the host's copies)
+    assert m.probe_reuse(None, PROMPT) == 4 * T
+    m.set_prefill_rate(TWENTY_MS, 0.1)
+    assert take(m, engine, PROMPT) == 2 * T
+    s = m.load_plan_statistics
+    assert s.loaded_tokens == (0, 2 * T, 0) and s.recomputed_tokens == (0, 0, 2 * T)
+    assert s.saved_s == pytest.approx(0.038) and s.cut_saved_s == pytest.approx(0.058)
 
 
 @pytest.mark.parametrize(("policy", "rate"), [("always", None), ("auto", None), ("always", TWENTY_MS)])

@@ -32,8 +32,8 @@ T = 16
 PREFIX_IN_1MS = 160 * SMALL.bytes_per_token / 1e-3
 
 
-def _tier(kind: str, tokens: int) -> TierSpec:
-    return TierSpec(kind, tokens * SMALL.bytes_per_token, f"{tokens}tok", None)
+def _tier(kind: str, tokens: int, path: str | None = None) -> TierSpec:
+    return TierSpec(kind, tokens * SMALL.bytes_per_token, f"{tokens}tok", path)
 
 
 def _replay(
@@ -42,14 +42,20 @@ def _replay(
     bandwidth: float,
     write: float = PREFIX_IN_1MS,
     weight: float = 1.0,
+    disk: str | None = None,
     **options: Any,
 ) -> ReplayResult:
+    """The GPU (208 tokens) and a host tier, or with ``disk`` (a directory) a disk tier in its place
+    (read apart from the steps: a request loading from it waits for the first step after its
+    bytes; host copies run within the step, which waits for them)."""
     page = proxy_page_bytes(T, False, SMALL)
-    config = manager_config(SMALL, T, [_tier("gpu", 208), _tier("host", 4096)], False, page)
+    lower = _tier("disk", 4096, disk) if disk is not None else _tier("host", 4096)
+    config = manager_config(SMALL, T, [_tier("gpu", 208), lower], False, page)
     backlog = options.pop("max_write_backlog_s", 1.0)
     config = dataclasses.replace(config, recompute_queue_weight=weight, max_write_backlog_s=backlog)
     scale = real_bytes_per_proxy_byte(SMALL, T, page)
-    links = TierLinks(host=Link(bandwidth, write, 0.5))  # (writes: by default the prefix in 1 ms)
+    link = Link(bandwidth, write, 0.5)  # (writes: by default the prefix in 1 ms)
+    links = TierLinks(disk=link) if disk is not None else TierLinks(host=link)
     opts = SchedulerOptions(prompt_only=True, watermark=0.0, links=links, load_policy=policy, **options)
     return Replay(config, reqs, dataclasses.replace(opts, cost=LinearCost(10.0, 1000.0)), bytes_scale=scale).run()
 
@@ -90,17 +96,33 @@ def test_one_request_by_hand(link_ms: float, expected: dict[str, float]) -> None
     assert prefill_rate(LinearCost(10.0, 1000.0), 176, 2048, 176) == pytest.approx(176 / 0.186)
 
 
-def test_others_compute_while_a_request_loads() -> None:
+@pytest.mark.parametrize("apart", [True, False])
+def test_others_compute_while_a_request_loads(tmp_path: Any, apart: bool) -> None:
     """Request 3 (16 new tokens) arrives with request 2, whose prefix loads for 1,000.5 ms under
-    "always": in the background, request 3's step does not wait (TTFT 10 + 16 ms); without a load
-    policy the step waits for the load and both compute after it."""
+    "always". From disk (read apart, as in the adapter's loading state) request 3's step does not
+    wait (TTFT 10 + 16 ms) and request 2 joins the first step after its bytes; host copies are
+    ordered within the step: request 2 joins at once and the step waits for them (1,000.5 + 10 +
+    32 ms for both), as it does without a load policy (every load in the step)."""
     late = SimRequest(3, 2000.0, [(90_000, 16)], 16, 1, (1 << 30) + 30)
     slow = PREFIX_IN_1MS / 1000.0
-    background = {x.index: x.ttft_ms for x in _replay(_requests(late), "always", slow).outcomes}
-    assert background[3] == pytest.approx(26.0)
-    assert background[2] == pytest.approx(1000.5 + 26.0)
-    waiting = {x.index: x.ttft_ms for x in _replay(_requests(late), None, slow).outcomes}
+    disk = str(tmp_path) if apart else None
+    ttft = {x.index: x.ttft_ms for x in _replay(_requests(late), "always", slow, disk=disk).outcomes}
+    if apart:
+        assert ttft[3] == pytest.approx(26.0) and ttft[2] == pytest.approx(1000.5 + 26.0)
+    else:
+        assert ttft[3] == pytest.approx(1000.5 + 10.0 + 32.0) and ttft[2] == ttft[3]
+    waiting = {x.index: x.ttft_ms for x in _replay(_requests(late), None, slow, disk=disk).outcomes}
     assert waiting[3] == pytest.approx(1000.5 + 10.0 + 32.0) and waiting[2] == waiting[3]
+
+
+def test_a_loading_request_takes_no_share_of_the_step(tmp_path: Any) -> None:
+    """A step of 180 tokens: request 2 (176 tokens) loads its prefix from disk for 1,000.5 ms, so it
+    takes none of the step's tokens: request 3 (16) is admitted behind it into the same step
+    (10 + 16 ms), not after request 2's prefill; request 2 joins the first step after its load."""
+    late = SimRequest(3, 2000.0, [(90_000, 16)], 16, 1, (1 << 30) + 30)
+    r = _replay(_requests(late), "always", PREFIX_IN_1MS / 1000.0, disk=str(tmp_path), max_num_tokens=180)
+    ttft = {x.index: x.ttft_ms for x in r.outcomes}
+    assert ttft[3] == pytest.approx(26.0) and ttft[2] == pytest.approx(1000.5 + 26.0)
 
 
 def test_auto_sees_the_links_backlog() -> None:
@@ -134,19 +156,41 @@ def test_a_write_the_link_cannot_absorb_is_declined(backlog: float) -> None:
 
 
 @pytest.mark.parametrize(("weight", "loads"), [(1.0, True), (0.0, False)])
-def test_auto_prices_recompute_by_the_engines_queue(weight: float, loads: bool) -> None:
-    """Requests 3 to 5 (16 tokens each) arrive with request 2; a step holds 200 tokens, so they
-    wait. Request 2's prefix loads in 250 ms (+ 0.5), recomputes in 186 ms: alone it recomputes
-    (weight 0), but with 3 requests waiting each recomputed token costs 4 times its time
-    (744 ms > 250.5) and it loads: its TTFT 250.5 + 26 ms, under one step (202 ms) over "never"'s
-    202, while the others start at once (26, 68, 68 ms against 202, 244, 244)."""
+def test_auto_prices_recompute_by_the_engines_queue(tmp_path: Any, weight: float, loads: bool) -> None:
+    """Requests 3 to 5 (16 tokens each) arrive with request 2; a step holds 200 tokens. Request
+    2's prefix is on disk, 168.5 ms to load; its 176 tokens add 176 ms to request 3's 26 ms step,
+    so the prefix recomputes in 160 ms: alone it recomputes (weight 0; loading would also wait for
+    the boundary of the others' 26 ms steps, 13 ms on average; requests 4 and 5 then wait for its
+    step: 202 + 42 ms). With 3 requests waiting at weight 1 a recomputed token costs 4 times its
+    time and it loads: its own wait (168.5 + 13 ms) stays within one of the others' steps of its
+    recompute time. It joins the first step after its bytes (168.5 + 26 ms), while requests 3 and
+    4 start at once (42 ms: it takes no share of their step) and 5 follows (68 ms)."""
     extra = [SimRequest(3 + i, 2000.0, [(90_000 + 1000 * i, 16)], 16, 1, (1 << 30) + 30 + 10 * i) for i in range(3)]
-    r = _replay(_requests(*extra), "auto", PREFIX_IN_1MS / 250, weight=weight, max_num_tokens=200)
+    r = _replay(_requests(*extra), "auto", PREFIX_IN_1MS / 168, weight=weight, max_num_tokens=200, disk=str(tmp_path))
     ttft = {x.index: x.ttft_ms for x in r.outcomes if x.index >= 2}
     if loads:
-        assert ttft == pytest.approx({2: 276.5, 3: 26.0, 4: 68.0, 5: 68.0})
+        assert ttft == pytest.approx({2: 194.5, 3: 42.0, 4: 42.0, 5: 68.0})
     else:
         assert ttft == pytest.approx({2: 202.0, 3: 202.0, 4: 244.0, 5: 244.0})
+
+
+def test_a_short_prompt_recomputes_what_it_would_wait_a_step_for(tmp_path: Any) -> None:
+    """Request 2 (20 tokens, its first 16 on disk) arrives with request 3 (150 tokens, 100-token
+    chunks). Its prompt finishes in this step whatever it recomputes: its tokens cost what they
+    add to request 3's 110 ms step (20 ms), so the 16 matched ones recompute in 16 ms, while a
+    load (0.6 ms) would wait for that step to end: "auto" recomputes, as "never" (TTFT 130 ms);
+    "always" loads and samples a step later (110 + 64 ms)."""
+    reqs = [
+        *_requests()[:2],
+        SimRequest(2, 2000.0, [(1, 16), (50_000, 4)], 20, 1, (1 << 30) + 20),
+        SimRequest(3, 2000.0, [(90_000, 150)], 150, 1, (1 << 30) + 30),
+    ]
+    ttft = {}
+    for policy in ("never", "always", "auto"):
+        (tmp_path / policy).mkdir()
+        r = _replay(reqs, policy, PREFIX_IN_1MS, disk=str(tmp_path / policy), chunk=100)
+        ttft[policy] = next(x.ttft_ms for x in r.outcomes if x.index == 2)
+    assert ttft == pytest.approx({"never": 130.0, "always": 174.0, "auto": 130.0})
 
 
 def test_the_cli_compares_the_policies(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:

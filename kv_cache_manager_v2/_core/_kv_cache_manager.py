@@ -350,11 +350,12 @@ class KVCacheManager(ManagerQueries):
             return []
         return match_levels(found, self._registry.layer_groups, self.tokens_per_block, self._planner.costs.remote_level)
 
-    def set_prefill_rate(self, tokens_per_s: object) -> None:
+    def set_prefill_rate(self, tokens_per_s: object, step_s: object = None) -> None:
         """The engine's prefill rate in tokens per second, for ``load_policy="auto"`` (None: unknown,
-        matches are loaded whole); from the next match on. The adapter's ``observe_step`` sets it."""
+        matches are loaded whole), and how long its steps take (``step_s``, None: unknown; known, a
+        disk or remote read, which a request waits for apart, costs at least a step); from the next match on."""
         self._check_alive()
-        self._planner.set_rate(tokens_per_s)
+        self._planner.set_rate(tokens_per_s, step_s)
 
     def set_tier_wait(self, level: object, seconds: object) -> None:
         """How long cache level ``level``'s link (below the GPU) is busy from now, for ``load_policy="auto"``

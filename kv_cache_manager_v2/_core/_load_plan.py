@@ -15,10 +15,21 @@ block saves next to nothing and shifts the request's later steps); ``"never"`` t
 pages are all in GPU memory; a length that lacks a page it needs is no choice. The tree then shortens the cut as it shortens a
 match (``ReuseTree.cut``).
 
+A request reading from a level it waits for apart from the engine's steps (disk, remote: read by
+background workers while it waits in the loading state; ``TierCosts.apart``) joins the first step
+that starts after its reads land, while a recomputed prefix starts computing in the current one:
+with the engine's step time known (``KVCacheManager.set_prefill_rate``'s ``step_s``) such a read
+costs the current step if it lands within it, else its time and half a step (the boundary after
+it, on average: later steps' lengths vary). Reads from the host tier are stream-ordered copies
+within the step: they cost their time.
+
 Recomputing takes engine time every request waiting for the engine waits too; loading holds only
 this request. With ``waiting`` requests queued for the engine (``KVCacheManager.set_engine_queue``)
 a recomputed token costs ``1 + queue_weight * waiting`` times its own time
-(``KVCacheManagerConfig.recompute_queue_weight``; 0: only the request's own time).
+(``KVCacheManagerConfig.recompute_queue_weight``; 0: only the request's own time). That charge
+never makes the request itself slower than recomputing: a length whose reads take longer than
+recomputing its tokens (at the rate alone) by more than one engine step (the step it may join
+late; 0 while the step time is unknown) is no choice.
 """
 
 from __future__ import annotations
@@ -59,6 +70,8 @@ class LoadPlanner:
         #: how many wait now
         self.queue_weight = queue_weight
         self.waiting = 0
+        #: an engine step's time, seconds (0: unknown): reads the request waits for apart cost at least a step
+        self.step_s = 0.0
         self.policies: list[LayerGroup] = layer_groups.items
         #: bytes of one page of each layer group
         self.page_bytes = page_bytes
@@ -74,13 +87,25 @@ class LoadPlanner:
         #: matches the plan shortened
         self.cuts = 0
 
-    def set_rate(self, tokens_per_s: object) -> None:
-        """``KVCacheManager.set_prefill_rate`` past its liveness check."""
-        self.tokens_per_s = (
+    def set_rate(self, tokens_per_s: object, step_s: object = None) -> None:
+        """``KVCacheManager.set_prefill_rate`` past its liveness check (both checked before either is set)."""
+        rate = (
             check_number("tokens_per_s", tokens_per_s, True, "tokens per second, or None")
             if tokens_per_s is not None
             else 0.0
         )
+        self.step_s = check_number("step_s", step_s, True, "seconds, or None") if step_s is not None else 0.0
+        self.tokens_per_s = rate
+
+    def read_cost(self, read: float, apart: bool) -> float:
+        """The time a request waits for reads estimated at ``read`` seconds: with ``apart`` (it waits
+        for them in the loading state) and a known step time, until the first step that starts
+        after they land: the end of the current step if they land within it, else half a step
+        after them on average (the later steps' lengths vary)."""
+        step = self.step_s
+        if not apart or step <= 0.0 or read <= 0.0:
+            return read
+        return step if read <= step else read + 0.5 * step
 
     def set_wait(self, level: object, seconds: object) -> None:
         """``KVCacheManager.set_tier_wait`` past its liveness check."""
@@ -156,32 +181,39 @@ class LoadPlanner:
         best_len = 0
         best = 0.0
         whole_saving: float | None = None
+        whole_own = True
+        slack = self.step_s
         candidates = list(range(0, num_full * t + 1, t))
         if part_len:
             candidates.append(whole)
         for length in candidates:
-            saving = self._saving(levels, sums, length, rate, never, n_levels)
+            read = self._read(levels, sums, length, never, n_levels)
+            if read is None:
+                continue
+            saving = self.recompute_s(length) - read if rate > 0.0 else 0.0
+            # the request itself never waits longer than recomputing would take it (the queue
+            # charge aside), by more than the step it may join late
+            own = rate <= 0.0 or length / rate - read >= -slack
             if length == whole:
-                whole_saving = saving
-            if saving is not None and (never or saving >= best):  # (ascending: the longest on a tie)
+                whole_saving, whole_own = saving, own
+            if never or (own and saving >= best):  # (ascending: the longest on a tie)
                 best, best_len = saving, length
         if whole_saving is None:
             return best_len, best, 0.0
-        if not never and rate > 0.0 and best_len < whole and best - whole_saving < t / rate:  # (too small a cut)
-            return whole, whole_saving, whole_saving
+        if not never and rate > 0.0 and whole_own and best_len < whole and best - whole_saving < t / rate:
+            return whole, whole_saving, whole_saving  # (too small a cut)
         return best_len, best, whole_saving
 
-    def _saving(
+    def _read(
         self,
         levels: list[list[int]],
         sums: list[tuple[list[float], list[int], list[list[int]]]],
         length: int,
-        rate: float,
         never: bool,
         n_levels: int,
     ) -> float | None:
-        """The estimated saving of a match of ``length`` tokens (None: it lacks a page it needs, or
-        under "never" needs one below the GPU)."""
+        """The estimated time a request taking ``length`` tokens of the match waits for their reads
+        (``read_cost``; None: it lacks a page it needs, or under "never" needs one below the GPU)."""
         if length == 0:
             return 0.0
         t = self.tokens_per_block
@@ -210,12 +242,15 @@ class LoadPlanner:
                 counts = per_level[x]
                 if counts[r1] + counts[nb] - counts[r2]:
                     used[x] = True
+        apart = False
         for x in range(1, n_levels):
             if used[x]:
                 if never:
                     return None
                 read += self.costs.latency_s[x] + self.costs.wait_s(x)
-        return self.recompute_s(length) - read if rate > 0.0 else 0.0
+                if self.costs.apart[x]:
+                    apart = True
+        return self.read_cost(read, apart)
 
     def in_gpu_memory(self, nodes: list[Node], part: Node | None) -> bool:
         """Whether every page of a local match's blocks is in GPU memory (then the whole match is
@@ -269,10 +304,13 @@ class LoadPlanner:
             end_o = (o + 1) * t if (o + 1) * t < length else length
             self.loaded_tokens[deepest[o]] += end_o - o * t
         if self.tokens_per_s > 0.0 and length:
+            apart = False
             for x in range(1, len(self.costs.latency_s)):
                 if used >> x & 1:
                     read += self.costs.latency_s[x] + self.costs.wait_s(x)
-            self.saved_s += self.recompute_s(length) - read
+                    if self.costs.apart[x]:
+                        apart = True
+            self.saved_s += self.recompute_s(length) - self.read_cost(read, apart)
 
     def count_taken_whole(self, projection: Projection) -> None:
         """Statistics of a create that takes whole a match the remote tier extends (``projection``,

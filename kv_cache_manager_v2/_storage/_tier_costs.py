@@ -72,6 +72,10 @@ class TierCosts:
         self.refine = refine
         #: per level: whether its timed reads refine it (the CPU waits for them: not GPU, not host)
         self.timed = [not isinstance(tier, (GpuCacheTierConfig, HostCacheTierConfig)) for tier in tiers]
+        #: per level: whether a request reading from it waits apart from the engine's steps (disk,
+        #: remote: background workers read while it waits in the loading state; the GPU and host
+        #: tiers: copies ordered within the step)
+        self.apart = [isinstance(tier, (DiskCacheTierConfig, RemoteCacheTierConfig)) for tier in tiers]
         #: per level: seconds per byte written to it and the bound of its link's write backlog
         #: (0 and infinite where the manager writes nothing itself: the GPU, the remote tier,
         #: whose writer has its own bound)

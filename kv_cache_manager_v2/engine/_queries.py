@@ -111,6 +111,8 @@ class ResourceQueries:
         #: new requests wait for their prefix (``prefetch_resources``): not under ``load_policy="never"``,
         #: whose creates take only what is in GPU memory (what a prefetch brings up would go unused)
         self._prefetch_new = self._background and m.config.load_policy != "never"
+        #: the engine's step time the manager was told (``observe_step``; 0: none yet)
+        self._step_s = 0.0
         #: new requests waiting for their prefetch (the loading state), by request id
         self._loading: dict[RequestId, tuple[EngineRequest, Prefetch]] = {}
         #: steps requests spent in the loading state, by what they waited for: "disk" (pages read

@@ -401,19 +401,24 @@ class KVCacheResourceManager(ResourceQueries):
         """An engine step took ``seconds`` and computed ``prefill_tokens`` prompt tokens: the
         manager's prefill rate (``load_policy="auto"``) follows, an exponentially weighted average
         (weight ``PREFILL_RATE_WEIGHT`` a step) of the steps that prefilled anything and took a
-        measurable time."""
+        measurable time; with background loads so does its step time (``set_prefill_rate``'s
+        ``step_s``: a request loading from disk or the remote tier joins a later step), the same
+        average of every step that took a measurable time."""
         self._check_alive()
         n = check_int("prefill_tokens", prefill_tokens)
         s = check_number("seconds", seconds, False, "the step's time")
-        if n == 0 or s == 0.0:
-            return
-        m = self.manager
-        old = m.load_plan_statistics.prefill_tokens_per_s
-        sample = n / s
-        if sample == math.inf:  # (a step too short to time says nothing)
+        if s == 0.0 or 1.0 / s == math.inf:  # (a step too short to time says nothing)
             return
         w = PREFILL_RATE_WEIGHT
-        m.set_prefill_rate(sample if old is None else (1.0 - w) * old + w * sample)
+        old: float | None = self.manager.load_plan_statistics.prefill_tokens_per_s
+        rate = old
+        if n > 0:
+            sample = n / s
+            rate = sample if old is None else (1.0 - w) * old + w * sample
+        if self._background:
+            self._step_s = s if self._step_s == 0.0 else (1.0 - w) * self._step_s + w * s
+        if n > 0 or self._background:
+            self.manager.set_prefill_rate(rate, self._step_s if self._step_s > 0.0 else None)
 
     def free_resources(self, request: EngineRequest, retain: Retention | Sequence[Retention] | None = None) -> None:
         """Release the request's KV (finished, or preempted to be recomputed). Unknown requests: no-op;

@@ -5,14 +5,16 @@ simulator")."""
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
+from collections.abc import Callable
 from typing import cast
 
 from .._common import TierStatistics
 from .._config import KVCacheManagerConfig, LoadPolicy
 from .._core._kv_cache_manager import KVCacheManager
 from ..engine import KVCacheResourceManager
-from ..engine._request import RequestId
 from ._live import Live
+from ._replay_types import SchedulerOptions
 from ._step_cost import StepCost
 from ._tier_io import FREE, TierIO, TierLinks, priced_tiers
 
@@ -37,17 +39,29 @@ def load_plan_config(
 
 
 def prefill_rate(cost: StepCost, prompt_length: int, chunk: int, step_tokens: int) -> float | None:
+    """Tokens per second a request prefills at in the replay's engine as it runs now (``step_rate``)."""
+    return step_rate(cost, prompt_length, chunk, step_tokens)[0]
+
+
+def step_rate(cost: StepCost, prompt_length: int, chunk: int, step_tokens: int) -> tuple[float | None, float]:
     """Tokens per second a request prefills at in the replay's engine as it runs now: one chunk of
-    its prompt (the whole prompt unchunked) a step, at the prompt's middle context, in a step of
-    ``step_tokens`` tokens (the others as one chunk from the start), by the step cost. None: a
-    step of no time."""
+    its prompt a step, at the prompt's middle context, in a step of ``step_tokens`` tokens (the
+    others as one chunk from the start), by the step cost; a prompt within one chunk finishes in
+    this step whatever it recomputes, so its tokens cost only what they add to the others' step
+    (None: a step of no time). And the time, ms, of the others' step without it (0: none), the
+    steps it waits through while it loads."""
     n = prompt_length
     c = chunk if 0 < chunk < n else n
-    cost.add_prefill(c, (n - c) // 2)
+    others = 0.0
     if step_tokens > c:
         cost.add_prefill(step_tokens - c, 0)
+        others = cost.take_ms()
+        cost.add_prefill(step_tokens - c, 0)
+    cost.add_prefill(c, (n - c) // 2)
     ms = cost.take_ms()
-    return c * 1000.0 / ms if ms > 0.0 else None
+    if c == n and ms > others > 0.0:
+        ms -= others
+    return (c * 1000.0 / ms if ms > 0.0 else None), others
 
 
 def woken(running: list[Live], arrivals: list[tuple[float, int]], clock: float) -> float:
@@ -83,29 +97,70 @@ def prepare_loading(
     io: TierIO | None,
     cost: StepCost,
     chunk: int,
-    new: list[Live],
+    live: Live,
     clock: float,
     step_tokens: int,
     waiting: int,
-) -> tuple[set[RequestId], list[TierStatistics]]:
-    """Background loads (``--load-policy``): prepare newly admitted requests one at a time, each
-    planned at its own prefill rate (``prefill_rate``, in this step of ``step_tokens`` tokens); a request whose pages come from a lower
-    tier waits for its bytes on that tier's link (``TierIO.load``: ``Live.ready_ms``) while the
-    others compute. The plan sees what an engine would tell it: each link's backlog
-    (``set_tier_wait``: how long a read queued now waits, ``TierIO.busy_until``) and the ``waiting``
-    requests queued for the engine (``set_engine_queue``). Returns the unserved request ids, and the
-    step's traffic before them (read first: the step waits for it, ``Replay._step_traffic``)."""
+) -> float | None:
+    """Background loads (``--load-policy``): prepare a newly admitted request, planned at its own
+    prefill rate and step time (``step_rate``, in this step of ``step_tokens`` tokens); its traffic
+    queues on the links at once (``TierIO.load``). A request whose pages come from disk (a level
+    read apart, ``TierIO.apart``) waits for them (``Live.ready_ms``) while the others compute, as in
+    the adapter's loading state; host copies are ordered within the step: the request joins this
+    step, which waits for them. The plan sees what an engine would tell it: each link's backlog
+    (``set_tier_wait``: how long a read queued now waits, ``TierIO.busy_until``), the ``waiting``
+    requests queued for the engine (``set_engine_queue``) and the others' step time (``set_prefill_rate``'s
+    ``step_s``: the steps it would wait through).
+    Returns when the step's copies for it are done (``clock`` if none; None: refused, left as it
+    was)."""
     m = rm.manager
-    unserved: set[RequestId] = set()
-    early = m.take_iteration_stats() if io is not None else []
     m.set_engine_queue(waiting)
-    for live in new:
-        m.set_prefill_rate(prefill_rate(cost, live.prompt_length, chunk, step_tokens))
-        if io is not None:
-            tell_link_waits(m, io, clock)
-        if rm.prepare_resources([live.req]):
-            unserved.add(live.req.request_id)
-            continue
-        traffic = m.take_iteration_stats() if io is not None else []
-        live.ready_ms = io.load(clock, traffic) if io is not None else clock
-    return unserved, early
+    rate, others_ms = step_rate(cost, live.prompt_length, chunk, step_tokens)
+    m.set_prefill_rate(rate, others_ms / 1000.0 if others_ms > 0.0 else None)
+    if io is not None:
+        tell_link_waits(m, io, clock)
+    if rm.prepare_resources([live.req]):
+        return None
+    live.ready_ms = clock
+    if io is None:
+        return clock
+    traffic = m.take_iteration_stats()
+    apart = io.waits_apart(traffic)
+    done = io.load(clock, traffic, not apart)
+    if apart:
+        live.ready_ms = done
+        return clock
+    return done
+
+
+def start_loading(rm: KVCacheResourceManager, io: TierIO | None) -> list[TierStatistics]:
+    """Background loads (``--load-policy``): before a step's admissions, its traffic so far (read
+    first: the step waits for it, ``Replay._step_traffic``)."""
+    return rm.manager.take_iteration_stats() if io is not None else []
+
+
+def projected_step(
+    rm: KVCacheResourceManager,
+    opts: SchedulerOptions,
+    waiting: deque[Live],
+    step_tokens: Callable[[Live], int],
+    totals: list[int],
+    budget: int,
+    free: list[int],
+) -> int:
+    """The step's tokens when the ``waiting`` requests are admitted as they would be (first come
+    first served, within what is left of its ``budget`` and the GPU's ``free`` blocks of
+    ``totals``): the step a request admitted now is planned at (``prepare_loading``)."""
+    free = list(free)
+    left = budget
+    for k, live in enumerate(waiting):
+        n = step_tokens(live)
+        if k >= opts.max_batch or n > left:
+            break
+        need = rm.get_needed_resource_to_completion_per_pool_group(live.req)
+        if any(f - x < opts.watermark * tot for f, x, tot in zip(free, need, totals)):
+            break
+        for g, x in enumerate(need):
+            free[g] -= x
+        left -= n
+    return opts.max_num_tokens - left

@@ -42,7 +42,7 @@ from .._retention import Retention
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
 from ._live import Live, count_admission
-from ._loading import load_plan_config, prepare_loading, step_links, woken
+from ._loading import load_plan_config, prepare_loading, projected_step, start_loading, step_links, woken
 from ._replay_types import (
     SERIES_FIELDS,
     LevelUsage,
@@ -91,6 +91,7 @@ class Replay:
         # the manager prices loads and queued writes as the replay times them
         config = self.config = load_plan_config(config, options.load_policy, options.links, bytes_scale)
         self._early: list[TierStatistics] = []  #: background loads: the step's traffic before its admissions
+        self._copies_ms = -1.0  #: background loads: when the host copies of the step's admissions are done
         self.retain: Sequence[Retention | list[Retention] | None] | None = None  #: close-time hints by request index
         #: per request index, the shared prefix (id, tokens) to pin once it finished (--pin-system-prompts)
         self.pins: Sequence[tuple[int, int] | None] | None = None
@@ -257,47 +258,61 @@ class Replay:
         return served
 
     def _admit(self, budget: int, batch_size: int, others: bool) -> list[Live]:
+        """Admit waiting requests first come first served within the step's budget and batch and the
+        GPU's room (the module doc); returns those served this step. Under ``--load-policy`` each is
+        prepared as admitted (``prepare_loading``, planned at the step it is in, ``projected_step``):
+        one waiting for its loads takes no share of this step's tokens or batch (it joins the first
+        step after them in its place among the running requests); the first refused ends it."""
         o = self.opts
         rm = self.rm
         t0 = _clock()
         free = rm.get_num_free_blocks_per_pool_group()
         new: list[Live] = []
-        while self.waiting and batch_size + len(new) < o.max_batch:
+        served: list[Live] = []
+        background = o.load_policy is not None
+        if background:
+            self._early += start_loading(rm, self.io)
+        while self.waiting and batch_size + len(served) < o.max_batch:
             live = self.waiting[0]
             n = self._step_tokens(live)
-            if n > budget and (batch_size or new):
+            if n > budget and (batch_size or served):
                 break
             need = rm.get_needed_resource_to_completion_per_pool_group(live.req)
             if (others or new) and any(f - k < o.watermark * tot for f, k, tot in zip(free, need, self.totals)):
                 break
+            self.waiting.popleft()
             for g, k in enumerate(need):
                 free[g] -= k
-            new.append(self.waiting.popleft())
+            if background:
+                step = projected_step(rm, o, self.waiting, self._step_tokens, self.totals, budget - n, free)
+                copied = prepare_loading(rm, self.io, self.cost, o.chunk, live, self.clock, step, len(self.waiting))
+                if copied is None:
+                    self.waiting.appendleft(live)
+                    break
+                self._copies_ms = max(self._copies_ms, copied)
+                self._admitted(live)
+            new.append(live)
+            if live.ready_ms > self.clock:
+                continue  # waiting for its loads: no share of this step (its memory is held)
+            served.append(live)
             budget -= n
         self._step_manager_s += _clock() - t0
-        if not new:
-            return []
-        if o.load_policy is None:
-            unserved = {r.request_id for r in self._timed_prepare([x.req for x in new])}
-        else:
-            t0 = _clock()
-            step = o.max_num_tokens - budget  # (the step's tokens, these requests' included)
-            unserved, self._early = prepare_loading(
-                rm, self.io, self.cost, o.chunk, new, self.clock, step, len(self.waiting)
-            )
-            self._step_manager_s += _clock() - t0
-        served: list[Live] = []
+        if background or not new:
+            return served
+        unserved = {r.request_id for r in self._timed_prepare([x.req for x in new])}
+        served = []
         for live in reversed(new):
             if live.req.request_id in unserved:
                 self.waiting.appendleft(live)
         for live in new:
-            if live.req.request_id in unserved:
-                continue
-            if live.ready_ms <= self.clock:
+            if live.req.request_id not in unserved:
                 served.append(live)
-            self.running.append(live)
-            count_admission(self.result, live, self.clock, self.t)
+                self._admitted(live)
         return served
+
+    def _admitted(self, live: Live) -> None:
+        self.running.append(live)
+        count_admission(self.result, live, self.clock, self.t)
 
     def _break_deadlock(self, suspended_now: bool) -> None:
         if suspended_now and self.num_levels > 1:
@@ -348,7 +363,11 @@ class Replay:
         ms = cost.take_ms()
         r.compute_ms += ms
         begin = self.clock
-        self.clock = self._step_traffic() + ms  # (its loads first: see _tier_io)
+        ready = self._step_traffic()  # (its loads first: see _tier_io)
+        if self._copies_ms > ready:  # (background loads: its requests' host copies)
+            ready = self._copies_ms
+        self._copies_ms = -1.0
+        self.clock = ready + ms
         t0 = _clock()
         self.rm.update_resources([x.req for x in served])
         for live in finished:
@@ -384,32 +403,6 @@ class Replay:
             self._release_successors(live.sim.index)
         if finished:
             self._report_progress()
-
-    def _pin_shared(self, live: Live) -> None:
-        """Pin the finished request's shared prefix (its full blocks, now cached) through the
-        public ``KVCacheManager.pin``, unless pinned whole already or refused; with
-        ``pin_duration_s``, pinned again by every request using it, for that long."""
-        target = self.pins[live.sim.index] if self.pins is not None else None
-        if target is None:
-            return
-        key, length = target
-        done = self._pinned.get(key, 0)
-        ttl = self.pin_duration_s
-        if ttl is None and (done < 0 or done >= length // self.t * self.t):
-            return
-        r = self.result
-        try:
-            pinned = self.rm.manager.pin(live.req.prompt_tokens[:length], duration_s=ttl)
-        except ValueError:  # beyond max_pinned_share: the prefix stays unpinned
-            r.pins_refused += 1
-            if ttl is None:
-                self._pinned[key] = -1
-            return
-        if pinned > 0 and done <= 0:
-            r.pinned_prefixes += 1
-        if pinned > done:
-            r.pinned_tokens += pinned - max(done, 0)
-            self._pinned[key] = pinned
 
     def _sample(self) -> None:
         r = self.result
@@ -571,7 +564,7 @@ def closed(replay: Replay, live: Live) -> None:
     ``directives.end``, keeping the shared template; what it did counted in
     ``ReplayResult.sessions_ended``)."""
     if replay.pins is not None:
-        replay._pin_shared(live)
+        pin_shared(replay, live)
     sim = live.sim
     if replay.on_close is not None:
         replay.on_close(sim.index)
@@ -582,3 +575,30 @@ def closed(replay: Replay, live: Live) -> None:
         ended[0] += out.num_blocks
         ended[1] += out.num_deferred
         ended[2] += out.num_kept
+
+
+def pin_shared(replay: Replay, live: Live) -> None:
+    """Pin the finished request's shared prefix (its full blocks, now cached) through the
+    public ``KVCacheManager.pin``, unless pinned whole already or refused; with
+    ``pin_duration_s``, pinned again by every request using it, for that long."""
+    target = replay.pins[live.sim.index] if replay.pins is not None else None
+    if target is None:
+        return
+    key, length = target
+    done = replay._pinned.get(key, 0)
+    ttl = replay.pin_duration_s
+    if ttl is None and (done < 0 or done >= length // replay.t * replay.t):
+        return
+    r = replay.result
+    try:
+        pinned = replay.rm.manager.pin(live.req.prompt_tokens[:length], duration_s=ttl)
+    except ValueError:  # beyond max_pinned_share: the prefix stays unpinned
+        r.pins_refused += 1
+        if ttl is None:
+            replay._pinned[key] = -1
+        return
+    if pinned > 0 and done <= 0:
+        r.pinned_prefixes += 1
+    if pinned > done:
+        r.pinned_tokens += pinned - max(done, 0)
+        replay._pinned[key] = pinned

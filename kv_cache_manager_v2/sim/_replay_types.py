@@ -47,7 +47,7 @@ class SchedulerOptions:
     #: the manager's measured CPU time of each step is added to the step's time (not deterministic)
     count_manager_time: bool = False
     #: ``--load-policy``: the manager's ``load_policy``, priced by ``links`` and planned at each
-    #: request's prefill rate, with loads in the background (``_live.prepare_loading``); None:
+    #: request's prefill rate, with disk loads in the background (``_loading.prepare_loading``); None:
     #: the manager's default with no prefill rate (every match loaded), a step waiting for its loads
     load_policy: str | None = None
 

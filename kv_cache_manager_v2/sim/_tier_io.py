@@ -178,6 +178,9 @@ class TierIO:
             self.write_ms.append(bytes_scale * 1000.0 / link.write_bytes_per_s)
             self.latency_ms.append(link.latency_ms)
         self.busy_until = [0.0] * len(tiers)
+        #: per level: a request loading from it waits apart from the steps (disk, remote: the
+        #: adapter's loading state); host copies are ordered within the step (the step waits)
+        self.apart = [kind in ("disk", "remote") for kind in tiers]
         self.load_ms = 0.0  #: the time steps waited for loads (summed)
         self.background_ms = 0.0  #: the time requests waited for their own loads (``load``, summed)
         self.write_stall_ms = 0.0  #: the time steps waited for write backlogs beyond WRITE_BACKLOG_MS
@@ -195,14 +198,23 @@ class TierIO:
         self.write_stall_ms += t - loaded
         return t
 
-    def load(self, start_ms: float, traffic: list[TierStatistics]) -> float:
+    def load(self, start_ms: float, traffic: list[TierStatistics], in_step: bool = False) -> float:
         """One request's traffic at its admission under background loads (``--load-policy``): its
         loads queue on their links from ``start_ms`` (level after level), then its offloads;
-        returns when its loads are done: the request waits for them, the step does not."""
+        returns when its loads are done: the request waits for them, the step does not (with
+        ``in_step``, host copies ordered within the step: the step waits for them)."""
         t = self._queue_loads(start_ms, traffic)
         self._queue_offloads(start_ms, traffic)
-        self.background_ms += t - start_ms
+        if in_step:
+            self.load_ms += t - start_ms
+        else:
+            self.background_ms += t - start_ms
         return t
+
+    def waits_apart(self, traffic: list[TierStatistics]) -> bool:
+        """Whether ``traffic`` (one request's, at its admission) loads from a level read apart
+        from the steps (``apart``)."""
+        return any(it.onboarded_bytes > 0 and self.apart[it.level] for it in traffic)
 
     def _queue_loads(self, start_ms: float, traffic: list[TierStatistics]) -> float:
         """Queue ``traffic``'s loads on their links from ``start_ms``, level after level; returns
