@@ -393,3 +393,58 @@ def test_a_prefetch_never_evicts_what_it_brought_from_disk_or_the_remote_tier(
         m.check_invariants()
     finally:
         m.shutdown()
+
+
+def test_a_fetch_parks_the_chain_page_it_extends_as_the_newest(redis: LocalRedisServer) -> None:
+    """Frequency, a GPU-only cache (it parks anchors) with a remote tier: a prompt's first block is
+    local, a leaf (a candidate), its second only on the remote tier; two other prompts' first
+    blocks are parked. A prefetch fetches the second block under the first (shelved meanwhile): its
+    node has a child now, so it is parked, as the newest parked page (as a release parks it), not
+    ahead of those parked before."""
+
+    def config(write_through: bool) -> KVCacheManagerConfig:
+        return KVCacheManagerConfig(
+            tokens_per_block=T,
+            cache_tiers=[
+                GpuCacheTierConfig(12 * SLOT),
+                RemoteCacheTierConfig(redis.url, "park", timeout_ms=5000, write_through=write_through),
+            ],
+            layers=kv_layers(2, T),
+            backend="host",
+            eviction_policy="frequency",
+        )
+
+    doc = seq(7, 2 * T + 1)
+    peer = KVCacheManager(config(True))
+    try:
+        computed(peer, FakeEngine(peer), doc[:-1], 2 * T).close()
+        assert peer.flush_remote_writes()
+    finally:
+        peer.shutdown()
+    m = KVCacheManager(config(False))
+    try:
+        loader(m).manual = True
+        engine = FakeEngine(m)
+        computed(m, engine, doc[:T], T).close()
+        for r in (2, 3):
+            computed(m, engine, seq(r, 2 * T), 2 * T).close()
+        ev = evictor(m, 0)
+        assert isinstance(ev, FrequencyEvictor)
+        first = tree_pages(m, doc[:T])[0]
+        assert not ev.is_parked(first) and sum(ev.is_parked(p) for p in ev.pages()) == 2
+        handle = m.prefetch(doc[:-1], 0)
+        q = loader(m)
+        while handle.waits_for_remote:  # the lookup, then the fetch
+            q.run_queued(0)
+            m.poll_loads()
+        assert handle.done and len(tree_pages(m, doc)) == 2
+        pages = ev.pages()
+        assert [ev.is_parked(p) for p in pages] == [False] * 3 + [True] * 3 and pages[-1] is first
+        m.check_invariants()
+        kv = m.create_kv_cache(None, doc[:-1])
+        assert kv.history_length == 2 * T and kv.resume()
+        engine.check_all(kv, doc, 2 * T)
+        kv.close()
+        m.check_invariants()
+    finally:
+        m.shutdown()
