@@ -22,11 +22,12 @@ out, a trace's later prompts never hold outputs), ``close``. Runs:
   and the close-time hints of an engine that knows whether the request's session comes back and
   after what pause (``sim._hints.session_hints``: the same oracle as ``hints_0.9``, per session
   instead of per exact continuation, a share 0.1 of the labels flipped, seed 0): one that does
-  keeps the prefix its prompt shares with its session's other requests (its document; a
-  conversation's turn: all of it) at ``keep_priority`` of the pause, the rest (question, output,
-  reasoning) at ``DROP_PRIORITY`` (token-range hints); one that does not drops all but its
-  template; ``directives.end`` when a session's last request closes (keeping the template other
-  sessions share); reasoning tokens dropped by a token-range hint;
+  keeps the prefix its prompt shares with its session's other requests (its document, whose
+  extent is taken from the workload exactly; a conversation's turn: all of it) at
+  ``keep_priority`` of the pause, the rest (question, output, reasoning) at ``DROP_PRIORITY``
+  (token-range hints); one that does not drops all but its template; ``directives.end`` when a
+  session's last request closes (keeping the template other sessions share); reasoning tokens
+  dropped by a token-range hint;
 * ``sessions_0.9``: the same, and the engine raises a kept prefix (``directives.retain`` by prefix)
   each time the time left until its session's predicted return halves, to ``keep_priority`` of
   the time left (``sim._hints.SessionReturns``: the same knowledge, used as time passes; a

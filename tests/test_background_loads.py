@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from conftest import REDIS_SERVER, Clock, MakeManager, kv_layers, make_config
 from fake_engine import FakeEngine, adapter_step
-from tier_helpers import SLOT, T, compute, computed, land_some, loader, seq, tree_pages, wait_loaded
+from tier_helpers import SLOT, T, compute, computed, land_some, loader, seq, tiered, tree_pages, wait_loaded
 
 from kv_cache_manager_v2 import (
     CacheLevel,
@@ -36,23 +36,6 @@ from kv_cache_manager_v2.redis_server import LocalRedisServer
 
 HOST = CacheLevel(1)
 DISK = CacheLevel(2)
-
-
-def tiered(make_manager: MakeManager, tmp_path: object, manual: bool = True, **kw: object) -> KVCacheManager:
-    """GPU 4, host 4, disk 32 slots; with ``manual`` the loads run when ``land`` says."""
-    m = make_manager(
-        kv_layers(2, T),
-        T,
-        4 * SLOT,
-        host_quota=4 * SLOT,
-        disk_quota=32 * SLOT,
-        disk_path=str(tmp_path),
-        max_util_for_resume=1.0,
-        **kw,
-    )
-    if manual:
-        loader(m).manual = True
-    return m
 
 
 def land(m: KVCacheManager, order: list[int] | None = None) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REDIS_SERVER, Clock, MakeManager, kv_layers
 from fake_engine import FakeEngine
-from tier_helpers import SLOT, T, computed, loader, publish, seq, tree_pages
+from tier_helpers import SLOT, T, computed, loader, publish, seq, tiered, tree_pages
 
 from kv_cache_manager_v2 import (
     EVICTION_POLICIES,
@@ -26,7 +26,7 @@ from kv_cache_manager_v2 import (
     KVCacheManagerConfig,
     RemoteCacheTierConfig,
 )
-from kv_cache_manager_v2._common import DEFAULT_PRIORITY, Priority
+from kv_cache_manager_v2._common import BAD_PAGE_INDEX, DEFAULT_PRIORITY, Priority
 from kv_cache_manager_v2._page import Evictor, Page
 from kv_cache_manager_v2._storage._policies._frequency import FrequencyEvictor
 from kv_cache_manager_v2._storage._policies._slru import SlruState
@@ -146,21 +146,56 @@ def test_pages_shelved_on_an_evicting_level_go_back_between_the_pages_that_staye
     m.check_invariants()
 
 
-def tiered(make_manager: MakeManager, tmp_path: object, policy: str, clock: Clock) -> KVCacheManager:
-    """GPU 4, host 4, disk 32 slots; loads run when the test says."""
-    m = make_manager(
-        kv_layers(2, T),
-        T,
-        4 * SLOT,
-        host_quota=4 * SLOT,
-        disk_quota=32 * SLOT,
-        disk_path=str(tmp_path),
-        max_util_for_resume=1.0,
-        eviction_policy=policy,
-        clock=clock,
-    )
-    loader(m).manual = True
-    return m
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_a_shelved_page_whose_block_left_the_tree_is_freed_at_restore(make_manager: MakeManager, policy: str) -> None:
+    """A prompt's second block shelved on a GPU of 4 slots (the last level); a request takes 3:
+    the first block is evicted and its subtree leaves the tree, the shelved page with it (no
+    longer reusable, but not freed while shelved). Restored, its slot is freed, as a last release
+    frees it, and nothing lists it."""
+    m = make_manager(kv_layers(2, T), T, 4 * SLOT, eviction_policy=policy)
+    doc = seq(1, 2 * T)
+    publish(m, doc, engine=FakeEngine(m))
+    first, second = tree_pages(m, doc)
+    shelf = Shelf()
+    shelf.put([second])
+    kv = m.create_kv_cache()
+    assert kv.resume() and kv.resize(3 * T)  # 2 free slots, and the first block's
+    assert first.slot == BAD_PAGE_INDEX and second.node is None and second.slot != BAD_PAGE_INDEX
+    gpu = m._storage.levels[0].items[0]
+    assert gpu.num_used == 4
+    shelf.restore()
+    assert second.slot == BAD_PAGE_INDEX and not second.in_evictor and second.num_locks == 0
+    assert gpu.num_used == 3 and evictor(m, 0).count == 0
+    m.check_invariants()
+    kv.close()
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_a_page_pinned_or_unpinned_while_shelved(make_manager: MakeManager, policy: str) -> None:
+    """Pinned while shelved: restored, its pin holds it (in no evictor) until ``unpin`` lists it.
+    Pinned when shelved (in no evictor then) and unpinned meanwhile: restored, it is listed."""
+    m = make_manager(kv_layers(2, T), T, 8 * SLOT, eviction_policy=policy)
+    doc = seq(1, 2 * T)
+    publish(m, doc, engine=FakeEngine(m))
+    pages = tree_pages(m, doc)
+    ev = evictor(m, 0)
+    shelf = Shelf()
+    shelf.put(pages)
+    assert m.directives.pin(doc).num_blocks == 2
+    shelf.restore()
+    assert all(p.pin_held and not p.in_evictor for p in pages) and ev.count == 0
+    m.check_invariants()
+    m.directives.unpin(doc)
+    assert ev.count == 2 and all(p.in_evictor for p in pages)
+    m.check_invariants()
+    assert m.directives.pin(doc).num_blocks == 2 and ev.count == 0
+    shelf.put(pages)
+    m.directives.unpin(doc)
+    assert ev.count == 0 and not any(p.pin_held for p in pages)  # (not listed while shelved)
+    shelf.restore()
+    assert ev.count == 2 and ev.structure_error() is None
+    m.check_invariants()
 
 
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
@@ -174,7 +209,7 @@ def test_placing_a_prefetchs_reads_is_no_use_of_its_pages(
     told its simulated LRU, SLRU listed it as its segment's newest). A request then using them is
     a use: counted, listed newest, its retention afresh from its release."""
     clock = Clock()
-    m = tiered(make_manager, tmp_path, policy, clock)
+    m = tiered(make_manager, tmp_path, eviction_policy=policy, clock=clock)
     engine = FakeEngine(m)
     doc = seq(1, 2 * T + 1)
     computed(m, engine, doc[:-1], 2 * T).close()
@@ -232,7 +267,7 @@ def test_a_cancelled_prefetch_holds_nothing(make_manager: MakeManager, tmp_path:
     While the first wants them, placing them keeps its page; once it is cancelled
     (``Prefetch.cancel``, ``KVCache.cancel_prefetch``), its page is no longer held: the first
     evicted (moved down)."""
-    m = tiered(make_manager, tmp_path, "lru", Clock())
+    m = tiered(make_manager, tmp_path, clock=Clock())
     engine = FakeEngine(m)
     doc = seq(1, 3 * T + 1)
     owner = computed(m, engine, doc[:-1], 3 * T)
@@ -354,6 +389,61 @@ def test_a_prefetch_never_evicts_what_it_brought_from_disk_or_the_remote_tier(
         reused = 3 * T if disk_first else 4 * T  # (disk first: no room for the last block beside the match)
         assert kv.history_length == reused and kv.resume()
         engine.check_all(kv, doc, reused)
+        kv.close()
+        m.check_invariants()
+    finally:
+        m.shutdown()
+
+
+def test_a_fetch_parks_the_chain_page_it_extends_as_the_newest(redis: LocalRedisServer) -> None:
+    """Frequency, a GPU-only cache (it parks anchors) with a remote tier: a prompt's first block is
+    local, a leaf (a candidate), its second only on the remote tier; two other prompts' first
+    blocks are parked. A prefetch fetches the second block under the first (shelved meanwhile): its
+    node has a child now, so it is parked, as the newest parked page (as a release parks it), not
+    ahead of those parked before."""
+
+    def config(write_through: bool) -> KVCacheManagerConfig:
+        return KVCacheManagerConfig(
+            tokens_per_block=T,
+            cache_tiers=[
+                GpuCacheTierConfig(12 * SLOT),
+                RemoteCacheTierConfig(redis.url, "park", timeout_ms=5000, write_through=write_through),
+            ],
+            layers=kv_layers(2, T),
+            backend="host",
+            eviction_policy="frequency",
+        )
+
+    doc = seq(7, 2 * T + 1)
+    peer = KVCacheManager(config(True))
+    try:
+        computed(peer, FakeEngine(peer), doc[:-1], 2 * T).close()
+        assert peer.flush_remote_writes()
+    finally:
+        peer.shutdown()
+    m = KVCacheManager(config(False))
+    try:
+        loader(m).manual = True
+        engine = FakeEngine(m)
+        computed(m, engine, doc[:T], T).close()
+        for r in (2, 3):
+            computed(m, engine, seq(r, 2 * T), 2 * T).close()
+        ev = evictor(m, 0)
+        assert isinstance(ev, FrequencyEvictor)
+        first = tree_pages(m, doc[:T])[0]
+        assert not ev.is_parked(first) and sum(ev.is_parked(p) for p in ev.pages()) == 2
+        handle = m.prefetch(doc[:-1], 0)
+        q = loader(m)
+        while handle.waits_for_remote:  # the lookup, then the fetch
+            q.run_queued(0)
+            m.poll_loads()
+        assert handle.done and len(tree_pages(m, doc)) == 2
+        pages = ev.pages()
+        assert [ev.is_parked(p) for p in pages] == [False] * 3 + [True] * 3 and pages[-1] is first
+        m.check_invariants()
+        kv = m.create_kv_cache(None, doc[:-1])
+        assert kv.history_length == 2 * T and kv.resume()
+        engine.check_all(kv, doc, 2 * T)
         kv.close()
         m.check_invariants()
     finally:

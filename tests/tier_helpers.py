@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from conftest import REC
+from conftest import REC, MakeManager, kv_layers
 from fake_engine import FakeEngine
 
 from kv_cache_manager_v2 import KVCache, KVCacheManager, Retention, ReuseScope, TokenIdExt
@@ -43,6 +43,24 @@ def loader(m: KVCacheManager) -> BackgroundLoader:
     out = m._ctx.loader
     assert out is not None
     return out
+
+
+def tiered(make_manager: MakeManager, tmp_path: object, manual: bool = True, **kw: object) -> KVCacheManager:
+    """A manager of GPU 4, host 4, disk 32 slots (``kw``: more of its config); with ``manual`` its
+    background loads run when the test says (``BackgroundLoader.run_queued``)."""
+    m = make_manager(
+        kv_layers(2, T),
+        T,
+        4 * SLOT,
+        host_quota=4 * SLOT,
+        disk_quota=32 * SLOT,
+        disk_path=str(tmp_path),
+        max_util_for_resume=1.0,
+        **kw,
+    )
+    if manual:
+        loader(m).manual = True
+    return m
 
 
 def land_some(m: KVCacheManager, k: int, count: int) -> None:

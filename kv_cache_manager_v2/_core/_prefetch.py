@@ -344,8 +344,8 @@ class Prefetch:
             fetched[x] = value if isinstance(value, bytes) else None
         group = self._group
         shelf = Shelf()  # placing the values never evicts what its disk reads brought or are bringing
-        shelf.put(group.owned())
         try:
+            shelf.put(group.owned())
             fill.extend(self._scope, hasher, nodes, True, self._found, partial, fetched)
         finally:
             shelf.restore()

@@ -274,10 +274,10 @@ class RemoteFill:
                 if p is not None:
                     kept.append(p)
         shelf = Shelf()
-        shelf.put(kept)
         if deepest is not None:
             deepest.num_extenders += 1
         try:
+            shelf.put(kept)
             return self._fetch_pinned(scope, hasher, chain, keys, local_blocks, matched_blocks, found, fetched)
         finally:
             shelf.restore()

@@ -229,10 +229,10 @@ class PageReads:
         bringing (``ReadGroup``: shelved meanwhile, no use of them); the others stay where they are."""
         jobs = [job for job in jobs if job.current()]  # (placing an earlier batch may have dropped some)
         shelf = Shelf()
-        shelf.put([job.page for job in jobs])  # out of the evictors: nothing pushes them away, no room below
-        for group in _groups(jobs):
-            shelf.put(group.owned())
         try:
+            shelf.put([job.page for job in jobs])  # out of the evictors: nothing pushes them away, no room below
+            for group in _groups(jobs):
+                shelf.put(group.owned())
             jobs = self._place_some(jobs, dst)
         finally:
             shelf.restore()  # (the pages placed: listed at ``dst`` as any move lists them, no use)

@@ -6,9 +6,13 @@ A lock would keep them too, but its release is a use: the policy lists the page 
 (LRU: the newest; frequency: a new value, the simulated LRU told), and a retention duration
 restarts. A shelved page is out of its evictor (not evictable, not counted as room) and changes
 nothing a policy counts; ``restore`` lists it back exactly where it was (``Evictor.unshelve``),
-its retention's duration running on as if it had stayed, unless a request took it meanwhile (a
-real use: its release lists it) or it changed priority (listed as ``set_priority`` lists it). A
-page moved to another level meanwhile is listed there as any moved page is.
+its retention's duration running on as if it had stayed, unless it changed priority meanwhile
+(listed as ``set_priority`` lists it). A page moved to another level meanwhile is listed there as
+any moved page is; one whose block left the tree is freed.
+
+Only the manager's own work runs between ``put`` and ``restore``: no request takes or releases a
+shelved page then (the shelf counts a lock on it, so a request's release meanwhile would neither
+list it nor start its retention's duration, and ``restore`` would list it back in its old place).
 """
 
 from __future__ import annotations

@@ -40,6 +40,9 @@ LOW_VALUE_KEY: Final = -1.0
 #: Frequency policy: the rate's damping ``tau``, in cache sizes of block uses (15 x the level's slots).
 TAU_SLOTS: Final = 15
 
+#: ``FrequencyEvictor.shelve``'s place of a parked page: its class plus this
+_PARKED_PLACE: Final = MAX_PRIORITY + 2
+
 
 class _Class:
     """One priority class of a :class:`FrequencyEvictor`: its GreedyDual clock; pages listed with
@@ -156,20 +159,26 @@ class FrequencyEvictor(Evictor):
         self._nonempty |= 1 << i
 
     def shelve(self, page: Page) -> int:
-        """Its class; its value and sequence number stay in its state (a parked page's links keep
-        its neighbours while it is out)."""
-        parked = state_of(page).pos == PARKED
+        """Its class (a parked page's: plus ``_PARKED_PLACE``); its value and sequence number stay
+        in its state (a parked page's links keep its neighbours while it is out)."""
+        i = page.priority + 1
+        if state_of(page).pos != PARKED:
+            self.remove(page)
+            return i
         prev, nxt = page.lru_prev, page.lru_next
         self.remove(page)
-        if parked:
-            page.lru_prev, page.lru_next = prev, nxt
-        return page.priority + 1
+        page.lru_prev, page.lru_next = prev, nxt
+        return i + _PARKED_PLACE
 
     def unshelve(self, page: Page, place: int) -> None:
         """Back with the value and sequence number it had: in the heap, which orders any value (a
         parked page: after its older parked neighbour while that is parked in its class, else
-        before its newer one, else first)."""
+        before its newer one, else first; one whose node gained children meanwhile, a remote
+        fill's chain, as the newest, as ``add`` parks it)."""
         st = state_of(page)
+        was_parked = place >= _PARKED_PLACE
+        if was_parked:
+            place -= _PARKED_PLACE
         prev, nxt = page.lru_prev, page.lru_next
         page.lru_prev = page.lru_next = None
         if page.priority + 1 != place or (st.key == LOW_VALUE_KEY) != page.low_value:
@@ -180,7 +189,9 @@ class FrequencyEvictor(Evictor):
         node = page.node
         if self._parks and page.anchor and node is not None and node.has_children:
             st.pos = PARKED
-            if prev is not None and self._parked_in(prev, place):
+            if not was_parked:
+                prev, nxt = cls.parked_tail, None
+            elif prev is not None and self._parked_in(prev, place):
                 nxt = prev.lru_next
             elif nxt is not None and self._parked_in(nxt, place):
                 prev = nxt.lru_prev
