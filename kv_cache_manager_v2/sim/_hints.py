@@ -282,7 +282,7 @@ def replay_with_hints(
     ``hint_retentions`` (pauses in simulated time: scaled by ``options.time_scale``; a request
     said not to continue drops its blocks after the system prompt it shares with other
     conversations); the report's ``retention_hints`` part (``without``: the token hit rate of the
-    replay without hints; ``pins``, ``pin_duration_s``: the replay's ``Replay.pins``,
+    replay without hints; ``pins``, ``pin_duration_s``: the replay's ``Closing.pins``,
     ``pin_duration_s``; ``scale``: the model's bytes per proxy byte). Requests with reasoning
     tokens add a token-range hint over them (``with_reasoning_hints``). With ``--sessions``: the
     hints of ``session_hints``, the kept prefixes raised as their sessions' returns near
@@ -304,8 +304,8 @@ def replay_with_hints(
         shared = [p[1] if p is not None else 0 for p in system_prompts(requests, 1, config.tokens_per_block)]
         hints = hint_retentions(scaled, accuracy, seed, drop=True, shared=shared)
         replay.retain = with_reasoning_hints(requests, hints) if reasoning else hints
-    replay.pins = pins
-    replay.pin_duration_s = pin_duration_s
+    replay.closing.pins = pins
+    replay.closing.pin_duration_s = pin_duration_s
     result = replay.run()
     continued = sorted(p for p in scaled if p is not None)
     extra: dict[str, Any] = {"reasoning_hints": True} if reasoning else {}
@@ -346,7 +346,7 @@ def follow_returns(
         returns.closed(groups[index], index, replay.clock / 1000.0, hints[index])
 
     replay.on_step = step
-    replay.on_close = close
+    replay.closing.on_close = close
     return raised
 
 

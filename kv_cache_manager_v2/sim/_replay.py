@@ -41,6 +41,7 @@ from .._config import KVCacheManagerConfig
 from .._retention import Retention
 from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
+from ._closing import Closing
 from ._live import Live, count_admission
 from ._loading import load_plan_config, prepare_loading, projected_step, start_loading, step_links, woken
 from ._replay_types import (
@@ -93,11 +94,6 @@ class Replay:
         self._early: list[TierStatistics] = []  #: background loads: the step's traffic before its admissions
         self._copies_ms = -1.0  #: background loads: when the host copies of the step's admissions are done
         self.retain: Sequence[Retention | list[Retention] | None] | None = None  #: close-time hints by request index
-        #: per request index, the shared prefix (id, tokens) to pin once it finished (--pin-system-prompts)
-        self.pins: Sequence[tuple[int, int] | None] | None = None
-        self._pinned: dict[int, int] = {}  #: prefix id -> tokens pinned (-1: refused beyond max_pinned_share)
-        #: seconds a pin lasts after each use (--pin-duration; None: until the end)
-        self.pin_duration_s: float | None = None
         self.rm = KVCacheResourceManager(config)  # may raise ValueError (refused configuration)
         #: simulated time at which the counters are split (and the engine restarts, with ``restart``)
         self.split_ms = split_ms
@@ -113,7 +109,7 @@ class Replay:
         self.progress = progress
         self.on_step = on_step  #: called after every step (tests run the invariant checker there)
         self.on_finish = on_finish  #: called once at the end, before the manager is shut down (final metrics)
-        self.on_close: Callable[[int], None] | None = None  #: called with a request's index once it closed
+        self.closing = Closing(self.t)  #: close-time pins, hook and session ends
         self.result = ReplayResult(self.t, num_requests=len(requests))
         set_workload_bounds(self.result, requests, options)
         self.arrivals: list[tuple[float, int]] = []
@@ -373,8 +369,8 @@ class Replay:
         for live in finished:
             live.req.state = RequestState.FINISHED
             self.rm.free_resources(live.req, self.retain[live.sim.index] if self.retain is not None else None)
-            if self.pins is not None or live.sim.ends_session or self.on_close is not None:
-                closed(self, live)
+            if self.closing.wanted(live.sim):
+                self.closing.closed(self.rm.manager, self.result, live)
         self._step_manager_s += _clock() - t0
         if self.count_manager_time:
             self.clock += self._step_manager_s * 1000.0
@@ -556,49 +552,3 @@ class Replay:
         if self.on_finish is not None:
             self.on_finish(self.rm)
         self._collect()
-
-
-def closed(replay: Replay, live: Live) -> None:
-    """A request finished: its shared prefix pinned (``Replay.pins``), ``Replay.on_close`` told,
-    its session ended when it was its session's last request (``--session-end``:
-    ``directives.end``, keeping the shared template; what it did counted in
-    ``ReplayResult.sessions_ended``)."""
-    if replay.pins is not None:
-        pin_shared(replay, live)
-    sim = live.sim
-    if replay.on_close is not None:
-        replay.on_close(sim.index)
-    if sim.ends_session and sim.session is not None:
-        keep = sim.prompt_tokens()[: sim.session_keep] if sim.session_keep else None
-        out = replay.rm.manager.directives.end(sim.session, cast("Sequence[TokenIdExt] | None", keep))
-        ended = replay.result.sessions_ended
-        ended[0] += out.num_blocks
-        ended[1] += out.num_deferred
-        ended[2] += out.num_kept
-
-
-def pin_shared(replay: Replay, live: Live) -> None:
-    """Pin the finished request's shared prefix (its full blocks, now cached) through the
-    public ``KVCacheManager.pin``, unless pinned whole already or refused; with
-    ``pin_duration_s``, pinned again by every request using it, for that long."""
-    target = replay.pins[live.sim.index] if replay.pins is not None else None
-    if target is None:
-        return
-    key, length = target
-    done = replay._pinned.get(key, 0)
-    ttl = replay.pin_duration_s
-    if ttl is None and (done < 0 or done >= length // replay.t * replay.t):
-        return
-    r = replay.result
-    try:
-        pinned = replay.rm.manager.pin(live.req.prompt_tokens[:length], duration_s=ttl)
-    except ValueError:  # beyond max_pinned_share: the prefix stays unpinned
-        r.pins_refused += 1
-        if ttl is None:
-            replay._pinned[key] = -1
-        return
-    if pinned > 0 and done <= 0:
-        r.pinned_prefixes += 1
-    if pinned > done:
-        r.pinned_tokens += pinned - max(done, 0)
-        replay._pinned[key] = pinned

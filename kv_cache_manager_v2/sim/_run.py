@@ -168,8 +168,8 @@ def simulate(
     except (OSError, MemoryError, OverflowError, kvm.OutOfMemoryError) as e:
         raise _pool_error(e, tiers, check_data) from None
     pins = _sessions.system_prompts(requests, pin_shared, tokens_per_block) if pin_shared is not None else None
-    replay.pins = pins
-    replay.pin_duration_s = pin_duration
+    replay.closing.pins = pins
+    replay.closing.pin_duration_s = pin_duration
     result = replay.run()
     if on_result is not None:
         on_result(result)
