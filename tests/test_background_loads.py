@@ -29,7 +29,7 @@ from kv_cache_manager_v2 import (
     ReuseScope,
     compiled,
 )
-from kv_cache_manager_v2._storage._page_reads import on_disk
+from kv_cache_manager_v2._storage._page_reads import ReadGroup, on_disk
 from kv_cache_manager_v2.delay_proxy import DelayProxy
 from kv_cache_manager_v2.engine import EngineRequest, KVCacheResourceManager, RequestState
 from kv_cache_manager_v2.redis_server import LocalRedisServer
@@ -803,6 +803,46 @@ def test_a_prefetch_never_evicts_the_pages_it_brought(
     assert all(pages[i].level == DISK for i in landed[4:])
     reads = m._ctx.reads
     assert reads is not None and reads.num_installed == 4 and reads.num_discarded == 2
+    m.check_invariants()
+    kv = m.create_kv_cache(None, doc[:-1])
+    assert kv.history_length == 6 * T and kv.resume()
+    engine.check_all(kv, doc, 6 * T)
+    kv.close()
+    m.check_invariants()
+
+
+def test_placing_one_batch_of_reads_never_evicts_a_later_batchs_pages(
+    make_manager: MakeManager, tmp_path: object
+) -> None:
+    """One owner's reads of a 6-page match land in one poll in two batches (its first 3 pages to
+    the GPU, the last 3 to the host; the GPU, the host and all but 2 disk slots full): making room
+    for the first batch pushes 3 pages down to the disk, which drops its oldest unshelved page;
+    the second batch's pages (the disk's oldest) stay in place until they are placed too: all 6
+    installed. Every byte exact."""
+    m = make_manager(
+        kv_layers(2, T),
+        T,
+        8 * SLOT,
+        host_quota=4 * SLOT,
+        disk_quota=12 * SLOT,
+        disk_path=str(tmp_path),
+        max_util_for_resume=1.0,
+    )
+    loader(m).manual = True
+    engine = FakeEngine(m)
+    doc = seq(1, 6 * T + 1)
+    computed(m, engine, doc, 6 * T).close()
+    for r in (2, 3):  # through the GPU and the host: doc goes to disk
+        computed(m, engine, seq(r, 8 * T), 8 * T).close()
+    pages = tree_pages(m, doc)
+    assert all(p.level == DISK for p in pages)
+    reads = m._ctx.reads
+    assert reads is not None
+    group = ReadGroup()
+    reads.read(pages[:3], CacheLevel(0), group)
+    reads.read(pages[3:], HOST, group)
+    assert land(m) == 6 and reads.num_discarded == 0
+    assert [p.level for p in pages] == [0, 0, 0, HOST, HOST, HOST]
     m.check_invariants()
     kv = m.create_kv_cache(None, doc[:-1])
     assert kv.history_length == 6 * T and kv.resume()

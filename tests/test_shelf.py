@@ -103,7 +103,13 @@ def test_a_shelved_page_is_not_evicted_and_goes_back_where_it_was(make_manager: 
     assert after[-1][0] == id(moved)
     assert after[:-1] == [x for x in before if x[0] in {id(p) for p in shelved[:4]}]
     assert recent(ev) == lru
-    assert all(p.num_locks == 0 and p.lru_prev is not p for p in shelved)
+    assert ev.pages() == shelved and all(p.num_locks == 0 for p in shelved)
+    links = [(p.lru_prev, p.lru_next) for p in shelved]
+    if isinstance(ev, FrequencyEvictor):  # (used pages: in the heap, on no list)
+        assert links == [(None, None)] * 5
+    else:  # linked both ways in that order; the page retained meanwhile alone in its priority's list
+        a, b, c, d, _ = shelved
+        assert links == [(None, b), (a, c), (b, d), (c, None), (None, None)]
     kv.close()
     m.check_invariants()
 

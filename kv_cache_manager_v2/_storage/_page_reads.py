@@ -188,15 +188,16 @@ class PageReads:
         batches: dict[tuple[int, int], list[PageRead]] = {}
         costs = storage.costs
         for job in jobs:
-            job.settled = True
             if self.reads.get(id(job.page)) is job:
                 del self.reads[id(job.page)]
             if costs is not None and job.data is not None:  # a timed read, placed or not
                 costs.observe(int(job.src.level), len(job.data), job.seconds)
             if job.cancelled or not job.current() or job.page.level <= job.target:
+                job.settled = True
                 self.num_discarded += 1
                 continue
             if job.data is None:  # a failed or corrupt read: lost, as a failed synchronous read
+                job.settled = True
                 self.num_failed += 1
                 job.files[job.bad_pool].count_failed_read(job.outcome)
                 job.src.num_io_errors += 1
@@ -217,8 +218,13 @@ class PageReads:
             else:
                 batch.append(job)
         placed = 0
-        for key in sorted(batches):
-            placed += self._place(batches[key], storage.levels.items[key[0]].items[key[1]])
+        try:  # (settled once all are placed: placing a batch keeps the later batches' pages too, ``ReadGroup.owned``)
+            for key in sorted(batches):
+                placed += self._place(batches[key], storage.levels.items[key[0]].items[key[1]])
+        finally:
+            for batch in batches.values():
+                for job in batch:
+                    job.settled = True
         self.num_installed += placed
         self.num_discarded += sum(len(b) for b in batches.values()) - placed
         return placed
