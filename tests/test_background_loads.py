@@ -599,6 +599,8 @@ def test_prefetch_by_tokens_fetches_from_the_remote_tier(
         assert handle.waits_for_remote and handle.reused_tokens == 3 * T and handle.num_remote_pages == 3
         land(m)
         assert handle.done and not handle.waits_for_remote
+        fill = m._matcher.remote_fill
+        assert fill is not None and fill.placed == []  # (its group took the pages placed: the fill keeps none)
         lookups = m._remote.lookups  # type: ignore[union-attr]
         kv = m.create_kv_cache(scope, doc)
         assert kv.history_length == 3 * T and m._remote.lookups == lookups  # type: ignore[union-attr]

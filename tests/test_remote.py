@@ -220,6 +220,7 @@ def test_a_prefix_published_by_one_manager_is_reused_by_another(
     st = b.remote_statistics
     assert st is not None and st.fetched_pages == 4 and st.hit_blocks == 4 and st.corrupt_pages == 0
     assert st.lookups == 1  # create used what the probe found: one lookup round trip in all
+    assert b._remote_fill is not None and b._remote_fill.placed == []  # (only a prefetch takes them: none kept)
     host = b.get_tier_statistics(CacheLevel(1))
     assert host.onboarded_pages == 4  # placed in b's host tier, then onboarded like any host page
     assert b.get_tier_statistics(CacheLevel(2)).onboarded_pages == 4

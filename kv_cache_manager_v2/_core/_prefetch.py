@@ -349,7 +349,7 @@ class Prefetch:
             fill.extend(self._scope, hasher, nodes, True, self._found, partial, fetched)
         finally:
             shelf.restore()
-        group.pages.extend(fill.placed)  # (nor does placing its disk reads evict these)
+        group.pages.extend(fill.take_placed())  # (nor does placing its disk reads evict these)
         self._remember()
 
     def _planned_blocks(

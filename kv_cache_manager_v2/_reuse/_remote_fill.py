@@ -69,13 +69,20 @@ class RemoteFill:
         #: recurrent-state groups (hybrid models): a match must end at a block with a snapshot of each,
         #: local or fetched (the tree's ``cut_to_snapshot``)
         self.state_groups: list[int] = tree.state_groups
-        #: the pages the last ``extend`` placed (a prefetch's group takes them)
+        #: the pages the last ``extend`` placed from a prefetch's values, until the prefetch takes
+        #: them (``take_placed``: its group keeps them; the fill keeps no page alive)
         self.placed: list[Page] = []
         #: payload bytes of one page of each layer group (the slot's bytes over its pool group's pools)
         self.page_bytes: list[int] = [
             storage.layout.pool_groups[storage.layout.pool_group_of_layer_group[LayerGroupId(layer_group)]].slot_bytes
             for layer_group in range(len(layer_groups))
         ]
+
+    def take_placed(self) -> list[Page]:
+        """The pages the last ``extend`` placed from a prefetch's values (``placed``), handed over once."""
+        placed = self.placed
+        self.placed = []
+        return placed
 
     def extend(
         self,
@@ -361,7 +368,7 @@ class RemoteFill:
             needed = self._needed(chain, local_blocks, matched_blocks)
         placed = RemoteTier.adopt(needed, slots, carried) if into else self._place(needed, payloads, carried)
         self._publish(scope, hasher, chain, keys, matched_blocks, placed)
-        self.placed = list(placed.values())
+        self.placed = list(placed.values()) if fetched is not None else []
         expiries = self.storage.expiries
         for x, page in placed.items():  # the retention the values kept, for the time left
             r = carried[x]
