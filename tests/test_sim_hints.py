@@ -41,9 +41,9 @@ from kv_cache_manager_v2.sim._sessions import (
 from kv_cache_manager_v2.sim._workload import (
     TRACE_BLOCK_TOKENS,
     ConversationParams,
-    _segments_of_blocks,
     generate_conversations,
     mark_reasoning,
+    segments_of_blocks,
 )
 
 SMALL = ["--model", "custom", "--layers", "2", "--kv-heads", "1", "--head-dim", "16", "--tokens-per-block", "16"]
@@ -150,7 +150,7 @@ def test_sessions_are_the_conversations_and_their_last_turns_end_them() -> None:
 def trace_req(index: int, at_s: float, *ids: int) -> SimRequest:
     """A trace's request: whole 512-token blocks ``ids``."""
     n = len(ids) * TRACE_BLOCK_TOKENS
-    return SimRequest(index, at_s * 1000.0, _segments_of_blocks(list(ids), n), n, 4, 1 << 31, source_line=index + 1)
+    return SimRequest(index, at_s * 1000.0, segments_of_blocks(list(ids), n), n, 4, 1 << 31, source_line=index + 1)
 
 
 def documents() -> list[SimRequest]:

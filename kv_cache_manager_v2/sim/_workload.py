@@ -67,7 +67,7 @@ class SimRequest:
         return out
 
 
-def _segments_of_blocks(ids: list[int], length: int) -> list[tuple[int, int]]:
+def segments_of_blocks(ids: list[int], length: int) -> list[tuple[int, int]]:
     """Token runs of trace blocks ``ids`` truncated to ``length`` tokens (adjacent blocks merged)."""
     segs: list[tuple[int, int]] = []
     left = length
@@ -127,7 +127,7 @@ def _parse_line(line: str, where: str, line_no: int, idx: int) -> SimRequest:
         )
     # generated tokens: MAX_OUTPUT ids of their own per request
     base = OUTPUT_BASE + idx * MAX_OUTPUT % (OUTPUT_BASE - MAX_OUTPUT)
-    return SimRequest(idx, float(ts), _segments_of_blocks(ids, n_in), n_in, max(n_out, 1), base, source_line=line_no)
+    return SimRequest(idx, float(ts), segments_of_blocks(ids, n_in), n_in, max(n_out, 1), base, source_line=line_no)
 
 
 def load_trace(path: str, limit: int = 0, reasoning_share: float = 0.0) -> list[SimRequest]:
