@@ -938,6 +938,7 @@ def test_observe_step_sets_the_managers_prefill_rate(make_adapter: Callable[...,
         a.observe_step(True, 10)
     assert m.load_plan_statistics.prefill_tokens_per_s == pytest.approx(2400.0)
     a.observe_step(1e-320, 1000)  # too short to time: no sample (its rate would be infinite)
+    a.observe_step(1e-305, 10_000)  # (10,000 / 1e-305 is infinite too, though 1 / 1e-305 is not)
     assert m.load_plan_statistics.prefill_tokens_per_s == pytest.approx(2400.0)
     assert m._planner.step_s == 0.0  # (no background loads: no request waits apart from the steps)
 

@@ -415,6 +415,23 @@ def test_waiting_requests_make_recompute_dearer(mk: Any, block_ms: int, weight: 
     assert take(m, engine, PROMPT) == reused * T
 
 
+def test_the_queue_charge_may_make_a_request_slower_by_at_most_a_step(mk: Any) -> None:
+    """At 5 ms a block with one request waiting at weight 1 (a recomputed block costs 10 ms) the
+    whole match reads in 22 ms, 2 ms more than its own recompute time: no choice while the step
+    time is unknown (two blocks). With 25 ms steps its disk reads cost a step: 5 ms more than its
+    recompute time, within a step; it saves 40 - 25 = 15 ms, 3 ms (under a block's 5) less than
+    two blocks' 20 - 2: the whole match. With 3 ms steps, 22 + 1.5 ms: 3.5 ms more, beyond a step."""
+    m = mk("auto", T / 0.005, recompute_queue_weight=1.0)
+    engine = FakeEngine(m)
+    spread(m, engine)
+    m.set_engine_queue(1)
+    assert m.probe_reuse(None, PROMPT) == 2 * T
+    m.set_prefill_rate(T / 0.005, 0.003)
+    assert m.probe_reuse(None, PROMPT) == 2 * T
+    m.set_prefill_rate(T / 0.005, 0.025)
+    assert take(m, engine, PROMPT) == 4 * T
+
+
 def test_a_cut_must_save_a_blocks_time(mk: Any) -> None:
     """Two host blocks and a 3-token partial block on disk, at 20 ms a block: the two blocks save
     40 - 2 = 38 ms, the whole match 47.5 - 2 - 10 = 35.5 ms; the cut saves 2.5 ms, less than a
@@ -466,6 +483,22 @@ def test_disk_reads_wait_for_a_step(mk: Any) -> None:
     s = m.load_plan_statistics
     assert s.loaded_tokens == (0, 2 * T, 0) and s.recomputed_tokens == (0, 0, 2 * T)
     assert s.saved_s == pytest.approx(0.038) and s.cut_saved_s == pytest.approx(0.058)
+
+
+@pytest.mark.parametrize(("step_s", "saved"), [(None, 0.058), (0.1, -0.02)])
+def test_a_match_taken_whole_prices_its_disk_reads_as_the_plan_does(
+    mk: Any, step_s: float | None, saved: float
+) -> None:
+    """Under "always" every block loads; its estimated saving at 20 ms a block is 80 ms less the
+    reads (host 1 ms a page, disk 10: 22 ms), and with 100 ms steps the disk's reads cost a step
+    (the request joins the step after them): 80 - 100 ms."""
+    m = mk("always", TWENTY_MS)
+    engine = FakeEngine(m)
+    spread(m, engine)
+    m.set_prefill_rate(TWENTY_MS, step_s)
+    assert take(m, engine, PROMPT) == 4 * T
+    s = m.load_plan_statistics
+    assert s.loaded_tokens == (0, 2 * T, 2 * T) and s.saved_s == pytest.approx(saved)
 
 
 @pytest.mark.parametrize(("policy", "rate"), [("always", None), ("auto", None), ("always", TWENTY_MS)])

@@ -351,9 +351,9 @@ class KVCacheManager(ManagerQueries):
         return match_levels(found, self._registry.layer_groups, self.tokens_per_block, self._planner.costs.remote_level)
 
     def set_prefill_rate(self, tokens_per_s: object, step_s: object = None) -> None:
-        """The engine's prefill rate in tokens per second, for ``load_policy="auto"`` (None: unknown,
-        matches are loaded whole), and how long its steps take (``step_s``, None: unknown; known, a
-        disk or remote read, which a request waits for apart, costs at least a step); from the next match on."""
+        """The engine's prefill rate, tokens per second, for ``load_policy="auto"`` (None: unknown, matches load whole),
+        and its step time, seconds (``step_s``; None: unknown; known, a disk or remote read a request waits for apart,
+        ``load_workers`` > 0, costs at least a step). Each call sets both: ``step_s`` left out is unknown again."""
         self._check_alive()
         self._planner.set_rate(tokens_per_s, step_s)
 

@@ -407,7 +407,7 @@ class KVCacheResourceManager(ResourceQueries):
         self._check_alive()
         n = check_int("prefill_tokens", prefill_tokens)
         s = check_number("seconds", seconds, False, "the step's time")
-        if s == 0.0 or 1.0 / s == math.inf:  # (a step too short to time says nothing)
+        if s == 0.0 or 1.0 / s == math.inf or n / s == math.inf:  # (a step too short to time says nothing)
             return
         w = PREFILL_RATE_WEIGHT
         old: float | None = self.manager.load_plan_statistics.prefill_tokens_per_s
