@@ -139,11 +139,13 @@ def simulate(
     ssm_lower_tier_interval: int | None = None,
     slo: Slo | None = None,
     on_result: Callable[[ReplayResult, float | None], None] | None = None,
+    hints_seed: int = 0,
 ) -> dict[str, Any]:
-    """One replay (and one per accuracy of ``retention_hints`` with continuation hints; prefixes
-    shared by more than ``pin_shared`` conversations pinned, for ``pin_duration`` seconds after
-    each use: ``sim/_hints.py``); returns the report dict (``on_result`` sees each replay's counters
-    first, with its hints' accuracy: None without). Raises SimUserError for refused configurations."""
+    """One replay (and one per accuracy of ``retention_hints`` with continuation hints, wrong ones
+    drawn by ``hints_seed``; prefixes shared by more than ``pin_shared`` conversations pinned, for
+    ``pin_duration`` seconds after each use: ``sim/_hints.py``); returns the report dict
+    (``on_result`` sees each replay's counters first, with its hints' accuracy: None without).
+    Raises SimUserError for refused configurations."""
     for accuracy in retention_hints:
         check_accuracy(accuracy)
     check_pin_share(pin_shared)
@@ -189,8 +191,8 @@ def simulate(
             "peak_pinned_bytes": rep["tiers"][0]["peak_pinned_bytes"],
         }
     without = rep["hit_rate"]["tokens"]
-    hints = [  # (the hints' seed: 0)
-        replay_with_hints(config, requests, options, acc, without, 0, pins, scale, pin_duration, on_result)
+    hints = [
+        replay_with_hints(config, requests, options, acc, without, hints_seed, pins, scale, pin_duration, on_result)
         for acc in retention_hints
     ]
     if len(hints) == 1:
@@ -563,7 +565,7 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
             rep = simulate(
                 run_shape, row, a.tokens_per_block, s.requests, s.workload, opts, a.swa_scratch, a.check_data,
                 update, policy, metrics, run_interval, hints, a.pin_system_prompts, run_policy, a.pin_duration,
-                a.ssm_lower_tier_interval, s.slo, keep(row, label),
+                a.ssm_lower_tier_interval, s.slo, keep(row, label), a.hints_seed or 0,
             )  # fmt: skip
             if point:
                 rep["sweep_point"] = point
