@@ -19,7 +19,7 @@ Which hints are wrong (a share 0.1) is drawn by ``--hints-seed`` (0). One draw c
 the hints gain: at 3M tokens seed 0 wrongly drops the trace's largest document (191k tokens) 40 s
 before its session comes back, whose 128k-token recompute (about 20 s of GPU time) queues the
 requests behind it. ``--seeds 0 1 2 3 4`` adds each draw's hinted replay and their mean (here at
-``--caps 1Mtok 3Mtok`` with ``--jobs 2``: ``benchmarks/sessions_ttft_seeds_results.json``).
+``--caps 24ktok 48ktok 96ktok 1Mtok 3Mtok --jobs 2``: ``benchmarks/sessions_ttft_seeds_results.json``).
 
 Output: a table and ``benchmarks/sessions_ttft_results.json``.
 """
