@@ -111,6 +111,20 @@ def test_the_simulator_reports_the_hit_rate_with_and_without_hints(
     assert "retention hints (accuracy 0.5" in text and "time to first token with them: mean " in text
 
 
+def test_the_hints_seed_draws_which_hints_are_wrong(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--hints-seed``: other wrong hints, another hinted replay; the replay without them the same."""
+    args = [*SMALL, *LOAD, "--output-tokens", "20", "--gpu", "1500tok", "--no-progress", "--retention-hints", "0.5"]
+    reports = []
+    for seed in ([], ["--hints-seed", "0"], ["--hints-seed", "2"]):
+        assert main([*args, *seed, "--json", "-"]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    default, zero, other = reports
+    assert [r["retention_hints"]["seed"] for r in reports] == [0, 0, 2]
+    assert default["retention_hints"] == zero["retention_hints"]
+    assert other["hit_rate"] == default["hit_rate"] and other["latency"] == default["latency"]
+    assert other["retention_hints"]["token_hit_rate"] != default["retention_hints"]["token_hit_rate"]
+
+
 def test_reasoning_is_left_out_of_the_next_turn_and_hinted_over_its_token_range() -> None:
     p = ConversationParams(conversations=3, turns=3.0, seed=1)
     plain = generate_conversations(p)
@@ -246,6 +260,8 @@ def test_the_simulator_runs_sessions_their_end_and_reasoning_hints(capsys: pytes
         (["--sweep", "hints=x"], "--sweep hints: 'x' is not an accuracy in [0, 1]"),
         (["--sweep", "hints=0.9", "--retention-hints", "0.9"], "--sweep hints sets the accuracy of each replay"),
         (["--sweep", "hints=0.9", "--replicas", "2"], "--sweep hints does not combine with"),
+        (["--hints-seed", "1"], "--hints-seed seeds the wrong hints of --retention-hints or --sweep hints=: give one"),
+        (["--retention-hints", "0.9", "--hints-seed", "x"], "argument --hints-seed: invalid int value: 'x'"),
         (["--pin-system-prompts", "0"], "--pin-system-prompts must be >= 1"),
         (["--pin-duration", "5"], "--pin-duration needs --pin-system-prompts"),
         (["--pin-system-prompts", "2", "--pin-duration", "0"], "--pin-duration must be a finite number"),

@@ -324,6 +324,27 @@ def test_a_sweep_labels_its_runs_in_the_per_request_file(capsys: pytest.CaptureF
     assert len(lines) == 60 and {x["run"] for x in lines} == {"replay (host 0)", "replay (host 4GiB)"}
 
 
+def test_the_per_request_file_holds_the_hinted_replay_too(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    """``--per-request`` with ``--retention-hints``: the hinted replay's requests follow the
+    replay's, each labelled, and they are the ones its report's hit rate and TTFT count."""
+    path, out = tmp_path / "requests.jsonl", tmp_path / "report.json"
+    args = ["--trace", TRACE, "--requests", "80", "--gpu", "1GiB", "--sessions", "--session-end", "--no-progress"]
+    assert main([*args, "--retention-hints", "0.9", "--per-request", str(path), "--json", str(out)]) == 0
+    capsys.readouterr()
+    lines, rep = _lines(path), json.loads(out.read_text())
+    assert [x["run"] for x in lines] == ["replay"] * 80 + ["replay hints 0.9"] * 80
+    for run, hit, ttft in [
+        (lines[:80], rep["hit_rate"]["tokens"], rep["latency"]["ttft_s"]),
+        (lines[80:], rep["retention_hints"]["token_hit_rate"], rep["retention_hints"]["ttft_s"]),
+    ]:
+        assert [x["index"] for x in run] == list(range(80))
+        served = [x for x in run if not x["rejected"]]
+        reused = sum(x["reused_tokens"]["gpu"] for x in served) / sum(x["prompt_tokens"] for x in served)
+        assert reused == pytest.approx(hit, abs=1e-4)
+        assert np.mean([x["ttft_ms"] for x in served]) / 1000.0 == pytest.approx(ttft["mean"])
+    assert lines[:80] != [{**x, "run": "replay"} for x in lines[80:]]  # the hints changed something
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [

@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
         "compared in a table (per --sweep point) (default: lru)",
     )
     g.add_argument("--retention-hints", type=float, metavar="ACCURACY", help=HINTS_HELP)
+    g.add_argument(
+        "--hints-seed",
+        type=int,
+        metavar="SEED",
+        help="the seed of which hints are wrong (--retention-hints; default 0)",
+    )
     _hints.add_session_options(g)
     g.add_argument(
         "--pin-system-prompts",
@@ -480,6 +486,8 @@ def _setup(a: argparse.Namespace, res: Resources) -> Setup:
         if given and (a.restart_at is not None or a.replicas != 1 or a.remote_url):
             raise SimUserError(f"{flag} does not combine with --restart-at, --replicas or --remote-url")
     check_accuracy(a.retention_hints)
+    if a.hints_seed is not None and a.retention_hints is None and not hint_sweep:
+        raise SimUserError("--hints-seed seeds the wrong hints of --retention-hints or --sweep hints=: give one")
     _hints.check_sessions(a)
     options, slo = time_setup(a, shape, options, uses_disk, sweep)  # sim/_time_cli.py
     if a.per_request:

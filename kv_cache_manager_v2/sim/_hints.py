@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from .._common import DEFAULT_PRIORITY, SessionId, TokenIdExt
@@ -277,6 +277,7 @@ def replay_with_hints(
     pins: Sequence[tuple[int, int] | None] | None = None,
     scale: float = 1.0,
     pin_duration_s: float | None = None,
+    on_result: Callable[[ReplayResult, float | None], None] | None = None,
 ) -> dict[str, Any]:
     """``--retention-hints ACCURACY``: the replay again, each finished request sending the hint of
     ``hint_retentions`` (pauses in simulated time: scaled by ``options.time_scale``; a request
@@ -286,7 +287,7 @@ def replay_with_hints(
     ``pin_duration_s``; ``scale``: the model's bytes per proxy byte). Requests with reasoning
     tokens add a token-range hint over them (``with_reasoning_hints``). With ``--sessions``: the
     hints of ``session_hints``, the kept prefixes raised as their sessions' returns near
-    (``SessionReturns``)."""
+    (``SessionReturns``). ``on_result`` sees the replay's counters and ``accuracy`` first (``--per-request``)."""
     groups = sessions_of(requests) if any(r.session is not None for r in requests) else None
     if groups is not None:
         pauses = session_pauses(requests, groups)
@@ -307,6 +308,8 @@ def replay_with_hints(
     replay.closing.pins = pins
     replay.closing.pin_duration_s = pin_duration_s
     result = replay.run()
+    if on_result is not None:
+        on_result(result, accuracy)
     continued = sorted(p for p in scaled if p is not None)
     extra: dict[str, Any] = {"reasoning_hints": True} if reasoning else {}
     if any(r.ends_session for r in requests):

@@ -138,12 +138,14 @@ def simulate(
     pin_duration: float | None = None,
     ssm_lower_tier_interval: int | None = None,
     slo: Slo | None = None,
-    on_result: Callable[[ReplayResult], None] | None = None,
+    on_result: Callable[[ReplayResult, float | None], None] | None = None,
+    hints_seed: int = 0,
 ) -> dict[str, Any]:
-    """One replay (and one per accuracy of ``retention_hints`` with continuation hints; prefixes
-    shared by more than ``pin_shared`` conversations pinned, for ``pin_duration`` seconds after
-    each use: ``sim/_hints.py``); returns the report dict (``on_result`` sees the replay's counters
-    first). Raises SimUserError for refused configurations."""
+    """One replay (and one per accuracy of ``retention_hints`` with continuation hints, wrong ones
+    drawn by ``hints_seed``; prefixes shared by more than ``pin_shared`` conversations pinned, for
+    ``pin_duration`` seconds after each use: ``sim/_hints.py``); returns the report dict
+    (``on_result`` sees each replay's counters first, with its hints' accuracy: None without).
+    Raises SimUserError for refused configurations."""
     for accuracy in retention_hints:
         check_accuracy(accuracy)
     check_pin_share(pin_shared)
@@ -172,7 +174,7 @@ def simulate(
     replay.closing.pin_duration_s = pin_duration
     result = replay.run()
     if on_result is not None:
-        on_result(result)
+        on_result(result, None)
     rep = build_report(result, shape, tiers, options, workload, kvm.compiled, swa_scratch, scale, slo)
     rep.update(eviction_policy=eviction_policy, **_hints.sessions_report(requests, result))
     if result.load_plan is not None:
@@ -188,18 +190,10 @@ def simulate(
             "refused": result.pins_refused,
             "peak_pinned_bytes": rep["tiers"][0]["peak_pinned_bytes"],
         }
+    without = rep["hit_rate"]["tokens"]
     hints = [
-        replay_with_hints(
-            config,
-            requests,
-            options,
-            accuracy,
-            rep["hit_rate"]["tokens"],
-            pins=pins,
-            scale=scale,
-            pin_duration_s=pin_duration,
-        )
-        for accuracy in retention_hints
+        replay_with_hints(config, requests, options, acc, without, hints_seed, pins, scale, pin_duration, on_result)
+        for acc in retention_hints
     ]
     if len(hints) == 1:
         rep["retention_hints"] = hints[0]
@@ -546,12 +540,13 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
     runs = [(row, var, pol, load) for row in points for var in variants for pol in policies for load in loads]
     outcomes: list[str] = []  # --per-request: JSON lines by request, replay after replay
 
-    def keep(row: list[TierSpec], label: str) -> Callable[[ReplayResult], None] | None:
-        if not a.per_request:
+    def keep(row: list[TierSpec], label: str) -> Callable[[ReplayResult, float | None], None] | None:
+        if not a.per_request:  # (a run label where the file holds several replays: hinted ones too)
             return None
-        run = label if len(runs) > 1 else None
-        return lambda res: outcomes.extend(
-            x.to_json([t.kind for t in row], run) for x in sorted(res.outcomes, key=lambda x: x.index)
+        many, kinds = len(runs) > 1 or bool(hints), [t.kind for t in row]
+        return lambda res, acc: outcomes.extend(
+            x.to_json(kinds, (label if acc is None else f"{label} hints {acc:g}") if many else None)
+            for x in sorted(res.outcomes, key=lambda x: x.index)
         )
 
     for row, (run_shape, run_interval, run_policy, point), policy, load in runs:
@@ -570,7 +565,7 @@ def run_replays(a: argparse.Namespace, s: Setup, metrics: SimMetrics | None) -> 
             rep = simulate(
                 run_shape, row, a.tokens_per_block, s.requests, s.workload, opts, a.swa_scratch, a.check_data,
                 update, policy, metrics, run_interval, hints, a.pin_system_prompts, run_policy, a.pin_duration,
-                a.ssm_lower_tier_interval, s.slo, keep(row, label),
+                a.ssm_lower_tier_interval, s.slo, keep(row, label), a.hints_seed or 0,
             )  # fmt: skip
             if point:
                 rep["sweep_point"] = point
