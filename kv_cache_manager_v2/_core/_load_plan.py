@@ -219,7 +219,7 @@ class LoadPlanner:
         t = self.tokens_per_block
         nb = (length + t - 1) // t
         read = 0.0
-        used = [False] * n_levels
+        used = 0  # (a bit per level)
         for g, policy in enumerate(self.policies):
             cost, missing, per_level = sums[g]
             if policy.keeps_live_state:  # the snapshot at the match's last block
@@ -228,7 +228,7 @@ class LoadPlanner:
                     return None
                 if lvl > 0:
                     read += self.page_bytes[g] * self.costs.seconds_per_byte[lvl]
-                    used[lvl] = True
+                    used |= 1 << lvl
                 continue
             beg, end = policy.stale_range(length)
             r1 = beg if beg < nb else nb
@@ -241,14 +241,21 @@ class LoadPlanner:
             for x in range(1, n_levels):
                 counts = per_level[x]
                 if counts[r1] + counts[nb] - counts[r2]:
-                    used[x] = True
+                    used |= 1 << x
+        if used and never:
+            return None
+        return self._waited(read, used)
+
+    def _waited(self, read: float, used: int) -> float:
+        """How long a request waits for reads whose bytes take ``read`` seconds from the levels
+        set in the bit mask ``used``: each level's latency and queued wait added, then priced by
+        ``read_cost``."""
+        costs = self.costs
         apart = False
-        for x in range(1, n_levels):
-            if used[x]:
-                if never:
-                    return None
-                read += self.costs.latency_s[x] + self.costs.wait_s(x)
-                if self.costs.apart[x]:
+        for x in range(1, len(costs.latency_s)):
+            if used >> x & 1:
+                read += costs.latency_s[x] + costs.wait_s(x)
+                if costs.apart[x]:
                     apart = True
         return self.read_cost(read, apart)
 
@@ -304,13 +311,7 @@ class LoadPlanner:
             end_o = (o + 1) * t if (o + 1) * t < length else length
             self.loaded_tokens[deepest[o]] += end_o - o * t
         if self.tokens_per_s > 0.0 and length:
-            apart = False
-            for x in range(1, len(self.costs.latency_s)):
-                if used >> x & 1:
-                    read += self.costs.latency_s[x] + self.costs.wait_s(x)
-                    if self.costs.apart[x]:
-                        apart = True
-            self.saved_s += self.recompute_s(length) - self.read_cost(read, apart)
+            self.saved_s += self.recompute_s(length) - self._waited(read, used)
 
     def count_taken_whole(self, projection: Projection) -> None:
         """Statistics of a create that takes whole a match the remote tier extends (``projection``,
