@@ -12,7 +12,7 @@ import pytest
 from conftest import TRACE
 
 from kv_cache_manager_v2.sim import SchedulerOptions, main
-from kv_cache_manager_v2.sim._loading import prefill_rate
+from kv_cache_manager_v2.sim._loading import step_rate
 from kv_cache_manager_v2.sim._models import (
     ModelShape,
     TierSpec,
@@ -93,7 +93,7 @@ def test_one_request_by_hand(link_ms: float, expected: dict[str, float]) -> None
         assert plan is not None and plan["policy"] == policy
         assert sum(plan["loaded_tokens"][1:]) == (160 if loaded else 0)  # type: ignore[index, arg-type]
         assert sum(plan["recomputed_tokens"]) == (0 if loaded else 160)  # type: ignore[arg-type]
-    assert prefill_rate(LinearCost(10.0, 1000.0), 176, 2048, 176) == pytest.approx(176 / 0.186)
+    assert step_rate(LinearCost(10.0, 1000.0), 176, 2048, 176)[0] == pytest.approx(176 / 0.186)
 
 
 @pytest.mark.parametrize("apart", [True, False])

@@ -38,11 +38,6 @@ def load_plan_config(
     )
 
 
-def prefill_rate(cost: StepCost, prompt_length: int, chunk: int, step_tokens: int) -> float | None:
-    """Tokens per second a request prefills at in the replay's engine as it runs now (``step_rate``)."""
-    return step_rate(cost, prompt_length, chunk, step_tokens)[0]
-
-
 def step_rate(cost: StepCost, prompt_length: int, chunk: int, step_tokens: int) -> tuple[float | None, float]:
     """Tokens per second a request prefills at in the replay's engine as it runs now: one chunk of
     its prompt a step, at the prompt's middle context, in a step of ``step_tokens`` tokens (the
@@ -158,9 +153,15 @@ def projected_step(
         if k >= opts.max_batch or n > left:
             break
         need = rm.get_needed_resource_to_completion_per_pool_group(live.req)
-        if any(f - x < opts.watermark * tot for f, x, tot in zip(free, need, totals)):
+        if not has_room(free, need, totals, opts.watermark):
             break
         for g, x in enumerate(need):
             free[g] -= x
         left -= n
     return opts.max_num_tokens - left
+
+
+def has_room(free: list[int], need: list[int], totals: list[int], watermark: float) -> bool:
+    """Admission's room test: whether every GPU pool group keeps ``watermark`` of its ``totals``
+    blocks free after ``need`` more are taken from ``free``."""
+    return not any(f - k < watermark * tot for f, k, tot in zip(free, need, totals))

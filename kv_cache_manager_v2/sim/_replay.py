@@ -43,7 +43,15 @@ from ..engine import EngineRequest, KVCacheResourceManager, RequestState
 from ._check import DataChecker
 from ._closing import Closing
 from ._live import Live, count_admission
-from ._loading import load_plan_config, prepare_loading, projected_step, start_loading, step_links, woken
+from ._loading import (
+    has_room,
+    load_plan_config,
+    prepare_loading,
+    projected_step,
+    start_loading,
+    step_links,
+    woken,
+)
 from ._replay_types import (
     SERIES_FIELDS,
     LevelUsage,
@@ -274,7 +282,7 @@ class Replay:
             if n > budget and (batch_size or served):
                 break
             need = rm.get_needed_resource_to_completion_per_pool_group(live.req)
-            if (others or new) and any(f - k < o.watermark * tot for f, k, tot in zip(free, need, self.totals)):
+            if (others or new) and not has_room(free, need, self.totals, o.watermark):
                 break
             self.waiting.popleft()
             for g, k in enumerate(need):
