@@ -31,6 +31,7 @@ from ._models import SimUserError, format_bytes
 from ._replay import Replay
 from ._replay_types import ReplayResult, SchedulerOptions
 from ._sessions import (
+    arrival_order,
     continuation_pauses,
     prefix_users,
     session_ids,
@@ -112,7 +113,7 @@ def pin_threshold(
     (or requests) start with, for ``duration_s`` after each use, never holds more than
     ``budget_tokens`` pinned at once (a pin share of the cache): the most shared prompts first."""
     paths, users = prefix_users(requests, granularity, conversation)
-    order = sorted(range(len(requests)), key=lambda k: (requests[k].arrival_ms, k))
+    order = arrival_order(requests)
     n = 2
     while True:
         last_use: dict[int, float] = {}  # prefix -> when its pin ends

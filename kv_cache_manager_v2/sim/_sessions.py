@@ -19,6 +19,11 @@ DOCUMENT_BLOCKS = 1
 TEMPLATE_CONVERSATIONS = 8
 
 
+def arrival_order(requests: Sequence[SimRequest]) -> list[int]:
+    """The requests' indices in the order they arrive (ties: by index)."""
+    return sorted(range(len(requests)), key=lambda k: (requests[k].arrival_ms, k))
+
+
 def continuation_pauses(requests: Sequence[SimRequest], granularity: int = 1) -> list[float | None]:
     """Per request, seconds until the first later request whose prompt starts with its prompt
     (its conversation continues), or None. ``granularity``: prompts are compared up to their last
@@ -33,7 +38,7 @@ def continuation_pauses(requests: Sequence[SimRequest], granularity: int = 1) ->
 def continuers(requests: Sequence[SimRequest], granularity: int = 1) -> list[int | None]:
     """Per request, the index of the first later request whose prompt starts with its prompt
     (see ``continuation_pauses``), or None."""
-    order = sorted(range(len(requests)), key=lambda k: (requests[k].arrival_ms, k))
+    order = arrival_order(requests)
     chain_ids: dict[tuple[int, int, int], int] = {}  # (parent chain, first, count) -> chain id
     # requests waiting for a continuation, by (chain of all but their last run, last run's first
     # token): (last run's length, request)
@@ -173,7 +178,7 @@ def session_ids(requests: Sequence[SimRequest]) -> tuple[list[str], set[int]]:
     session (its last request: ``--session-end``)."""
     sessions = sessions_of(requests)
     last: dict[int, int] = {}
-    for k in sorted(range(len(requests)), key=lambda k: (requests[k].arrival_ms, k)):
+    for k in arrival_order(requests):
         last[sessions[k]] = k
     return [f"session-{s}" for s in sessions], set(last.values())
 
@@ -226,7 +231,7 @@ def session_pauses(requests: Sequence[SimRequest], sessions: Sequence[int]) -> l
     """Per request, seconds until the next request of its session, or None (its last)."""
     out: list[float | None] = [None] * len(requests)
     prev: dict[int, int] = {}
-    for k in sorted(range(len(requests)), key=lambda k: (requests[k].arrival_ms, k)):
+    for k in arrival_order(requests):
         i = prev.get(sessions[k])
         if i is not None:
             out[i] = (requests[k].arrival_ms - requests[i].arrival_ms) / 1000.0
