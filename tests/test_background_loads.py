@@ -710,16 +710,7 @@ def test_a_background_read_placed_where_held_pages_must_make_room_below(
     pages and one free slot: the pages read are out of the disk's evictor while they are placed, so
     only as many are placed as the held pages can make room for (no OutOfPagesError from the poll);
     the rest stay on disk, read again by the create's resume. Every byte exact."""
-    m = make_manager(
-        kv_layers(2, T),
-        T,
-        4 * SLOT,
-        host_quota=4 * SLOT,
-        disk_quota=4 * SLOT,
-        disk_path=str(tmp_path),
-        max_util_for_resume=1.0,
-    )
-    loader(m).manual = True
+    m = tiered(make_manager, tmp_path, disk_slots=4)
     engine = FakeEngine(m)
     doc = seq(1, 3 * T + 1)
     kv = m.create_kv_cache(None, doc[:-1])
@@ -766,27 +757,12 @@ def test_a_prefetch_never_evicts_the_pages_it_brought(
     reads landing one poll at a time (in order or from the back): the first 4 installed stay on
     the host (placing a read never evicts a page the same prefetch brought), the other reads are
     discarded and their pages stay on disk, where the create's resume reads them. Every byte exact."""
-    m = make_manager(
-        kv_layers(2, T),
-        T,
-        8 * SLOT,
-        host_quota=4 * SLOT,
-        disk_quota=32 * SLOT,
-        disk_path=str(tmp_path),
-        max_util_for_resume=1.0,
-    )
-    loader(m).manual = True
+    m = tiered(make_manager, tmp_path, gpu_slots=8)
     engine = FakeEngine(m)
     doc = seq(1, 6 * T + 1)
-    kv = m.create_kv_cache(None, doc[:-1])
-    assert kv.resume()
-    compute(engine, kv, doc, 6 * T)
-    kv.close()
+    computed(m, engine, doc, 6 * T).close()
     for r in (2, 3):  # through the GPU and the host: doc goes to disk
-        kv = m.create_kv_cache()
-        assert kv.resume()
-        compute(engine, kv, seq(r, 8 * T), 8 * T)
-        kv.close()
+        computed(m, engine, seq(r, 8 * T), 8 * T).close()
     assert all(p.level == DISK for p in tree_pages(m, doc))
     if by == "tokens":
         handle = m.prefetch(doc[:-1], HOST)
@@ -822,16 +798,7 @@ def test_placing_one_batch_of_reads_never_evicts_a_later_batchs_pages(
     for the first batch pushes 3 pages down to the disk, which drops its oldest unshelved page;
     the second batch's pages (the disk's oldest) stay in place until they are placed too: all 6
     installed. Every byte exact."""
-    m = make_manager(
-        kv_layers(2, T),
-        T,
-        8 * SLOT,
-        host_quota=4 * SLOT,
-        disk_quota=12 * SLOT,
-        disk_path=str(tmp_path),
-        max_util_for_resume=1.0,
-    )
-    loader(m).manual = True
+    m = tiered(make_manager, tmp_path, gpu_slots=8, disk_slots=12)
     engine = FakeEngine(m)
     doc = seq(1, 6 * T + 1)
     computed(m, engine, doc, 6 * T).close()
@@ -861,17 +828,7 @@ def test_placing_background_reads_never_restarts_a_retention_duration(
     read (its page and the pages the prefetch brought before) is no request using them, so their
     duration runs on to t=10 (it once restarted at every poll, keeping them retained for ever)."""
     clock = Clock()
-    m = make_manager(
-        kv_layers(2, T),
-        T,
-        8 * SLOT,
-        host_quota=4 * SLOT,
-        disk_quota=32 * SLOT,
-        disk_path=str(tmp_path),
-        max_util_for_resume=1.0,
-        clock=clock,
-    )
-    loader(m).manual = True
+    m = tiered(make_manager, tmp_path, gpu_slots=8, clock=clock)
     engine = FakeEngine(m)
     doc = seq(1, 6 * T + 1)
     computed(m, engine, doc[:-1], 6 * T).close()

@@ -45,15 +45,23 @@ def loader(m: KVCacheManager) -> BackgroundLoader:
     return out
 
 
-def tiered(make_manager: MakeManager, tmp_path: object, manual: bool = True, **kw: object) -> KVCacheManager:
-    """A manager of GPU 4, host 4, disk 32 slots (``kw``: more of its config); with ``manual`` its
-    background loads run when the test says (``BackgroundLoader.run_queued``)."""
+def tiered(
+    make_manager: MakeManager,
+    tmp_path: object,
+    manual: bool = True,
+    gpu_slots: int = 4,
+    disk_slots: int = 32,
+    **kw: object,
+) -> KVCacheManager:
+    """A manager of GPU ``gpu_slots``, host 4, disk ``disk_slots`` slots (``kw``: more of its
+    config); with ``manual`` its background loads run when the test says
+    (``BackgroundLoader.run_queued``)."""
     m = make_manager(
         kv_layers(2, T),
         T,
-        4 * SLOT,
+        gpu_slots * SLOT,
         host_quota=4 * SLOT,
-        disk_quota=32 * SLOT,
+        disk_quota=disk_slots * SLOT,
         disk_path=str(tmp_path),
         max_util_for_resume=1.0,
         **kw,
