@@ -207,6 +207,7 @@ class Prefetch:
 
     @property
     def cancelled(self) -> bool:
+        """Whether ``cancel`` was called (its reads not installed by then are discarded)."""
         return self._cancelled
 
     @property
